@@ -1,0 +1,206 @@
+"""ModelSpec (what the checkpoint is) and EngineConfig (how we run it).
+
+`ModelSpec` is parsed from an HF `config.json` by the architecture's own module (see
+`engine/models/registry.py`); the fields shared by every family are read here once, so a model
+file only states what is particular to it. Everything downstream (loader, KV pool, runner) reads
+the spec, never the raw config dict.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class ConfigError(ValueError):
+    """The model's config.json is missing a field, holds a bad value, or asks for an
+    unsupported feature. The message names the field."""
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    key = str(value).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ConfigError(f"unsupported dtype {value!r}; use one of float32, float16, bfloat16")
+    return _DTYPES[key]
+
+
+@dataclass(slots=True, frozen=True)
+class RopeSpec:
+    """Rotary embedding settings, normalised from `rope_parameters` (transformers 5) or
+    `rope_theta` + `rope_scaling` (older configs)."""
+
+    theta: float
+    rope_type: str = "default"  # default | linear | yarn | llama3
+    rotary_dim: int = 0  # dims that rotate (partial_rotary_factor * head_dim)
+    params: tuple[tuple[str, Any], ...] = ()  # the scaling parameters, as given
+
+    def param(self, name: str, default: Any = None) -> Any:
+        return dict(self.params).get(name, default)
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSpec:
+    """The architecture, read from config.json. Layer indices are decoder-layer indices."""
+
+    arch: str  # HF model_type, e.g. "qwen3_moe"
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeSpec
+    n_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    moe_layers: tuple[int, ...]  # decoder layers with a routed MoE block (others: dense MLP)
+    intermediate_size: int = 0  # dense MLP width (layers outside moe_layers)
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    attention_bias: bool = False
+    sliding_windows: tuple[int, ...] = ()  # per layer; 0 = full attention
+    tie_word_embeddings: bool = False
+    dtype: torch.dtype = torch.float32  # the checkpoint's dtype
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    extra: tuple[tuple[str, Any], ...] = ()  # family-specific settings (e.g. clip_qkv)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return dict(self.extra).get(name, default)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def moe_index(self, layer: int) -> int:
+        """Ordinal of a decoder layer among the MoE layers: the `layer` of `lid`."""
+        return self.moe_layers.index(layer)
+
+    def window(self, layer: int) -> int:
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert (gate, up, down) in the checkpoint dtype."""
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        return 3 * self.hidden_size * self.moe_intermediate_size * itemsize
+
+
+def require(cfg: dict, *names: str) -> Any:
+    """The first of `names` present in the config, or a ConfigError naming them."""
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    raise ConfigError(f"config.json lacks {' / '.join(repr(n) for n in names)}")
+
+
+def rope_from_config(cfg: dict, head_dim: int) -> RopeSpec:
+    params = dict(cfg.get("rope_parameters") or {})
+    if not params and cfg.get("rope_scaling"):
+        params = dict(cfg["rope_scaling"])
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ConfigError("per-layer-type rope_parameters are not supported for this family")
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    partial = params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0
+    if rope_type in ("yarn", "llama3"):
+        params.setdefault(
+            "original_max_position_embeddings",
+            cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")),
+        )
+    if rope_type not in ("default", "linear", "yarn", "llama3"):
+        raise ConfigError(
+            f"rope_type {rope_type!r} is not supported (supported: default, linear, yarn, llama3)"
+        )
+    rotary_dim = int(head_dim * float(partial))
+    return RopeSpec(float(theta), rope_type, rotary_dim, tuple(sorted(params.items())))
+
+
+def eos_ids_from_config(cfg: dict) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def base_spec_fields(cfg: dict) -> dict[str, Any]:
+    """Fields every family reads the same way. A family module adds the rest."""
+    hidden = int(require(cfg, "hidden_size"))
+    n_heads = int(require(cfg, "num_attention_heads"))
+    head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+    n_layers = int(require(cfg, "num_hidden_layers"))
+    return dict(
+        arch=str(require(cfg, "model_type")),
+        vocab_size=int(require(cfg, "vocab_size")),
+        hidden_size=hidden,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(require(cfg, "max_position_embeddings")),
+        rope=rope_from_config(cfg, head_dim),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        eos_token_ids=eos_ids_from_config(cfg),
+        bos_token_id=cfg.get("bos_token_id"),
+    )
+
+
+def read_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir}: not a model folder")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from e
+
+
+POLICIES = ("adaptive", "transfer", "cpu", "static", "resident")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine runs a model: device, memory, batching. Set by `Engine.load`."""
+
+    device: str = "cpu"
+    dtype: torch.dtype | None = None  # None: the checkpoint's dtype
+    gpu_budget: int | None = None  # bytes; None: free device memory minus a reserve
+    policy: str = "adaptive"
+    page_size: int = 16  # tokens per KV page
+    kv_pages: int | None = None  # None: sized from the budget (or kv_tokens on the CPU)
+    kv_tokens: int = 65536  # KV capacity in tokens when no budget sizes it
+    max_num_seqs: int = 32  # requests decoding together
+    max_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    cuda_graphs: bool = True  # capture batched decode in CUDA graphs (CUDA only)
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_batched_tokens and max_num_seqs must be positive")

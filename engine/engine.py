@@ -1,0 +1,370 @@
+"""Engine: load a model, take requests, loop schedule -> run -> update.
+
+    engine = Engine.load("path/to/hf-folder")
+    out = engine.generate("Hello", SamplingParams(max_tokens=32, temperature=0))
+    for event in engine.stream(prompt_ids, sampling): ...
+
+`step()` is one iteration of the loop: the Scheduler decides the batch (a safe point: nothing is
+in flight), the ModelRunner executes it, and the Engine turns sampled tokens into events, checks
+stop conditions and hands finished requests' pages back. The engine is not thread-safe: one
+thread drives it (servers run it in a loop thread and talk to it through queues).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from freetoken_agent.engine.loading import LoadedModel, load_model
+from freetoken_agent.engine.output_state import OutputState
+from freetoken_agent.engine.outputs import (
+    ContextLengthError,
+    GenerationOutput,
+    InvalidRequestError,
+    TokenEvent,
+)
+from freetoken_agent.engine.runner import ModelRunner, StepOutput
+from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.engine.scheduler import Batch, Request, Scheduler, Status
+
+log = logging.getLogger("freetoken.engine")
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.spec = loaded.spec
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.kv = loaded.kv
+        self.radix = loaded.radix
+        self.scheduler = Scheduler(
+            loaded.kv.allocator,
+            loaded.radix,
+            loaded.kv.page_size,
+            self.config.max_num_seqs,
+            self.config.max_batched_tokens,
+        )
+        self.runner = ModelRunner(loaded.model, loaded.kv, loaded.device, self.config.seed)
+        if loaded.device.type == "cuda" and self.config.cuda_graphs:
+            max_pages = -(-self.max_model_len // loaded.kv.page_size)
+            self.runner.enable_cuda_graphs(self.config.max_num_seqs, max_pages)
+        self._requests: dict[str, Request] = {}
+        self._outputs: dict[str, OutputState] = {}
+        self._events: dict[str, deque[TokenEvent]] = {}
+        self._scores: dict[str, list[torch.Tensor]] = {}
+        self._ids = itertools.count()
+        self._totals = {"prefilled": 0, "reused": 0, "generated": 0, "finished": 0, "errors": 0}
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        device: str = "auto",
+        dtype: str | torch.dtype | None = None,
+        gpu_budget: int | None = None,
+        policy: str = "adaptive",
+        progress: bool = True,
+        **options,
+    ) -> Engine:
+        """Load an HF folder. `options` set EngineConfig fields (page_size, kv_tokens,
+        max_num_seqs, max_batched_tokens, max_model_len, cuda_graphs, seed)."""
+        return cls(load_model(path, device, dtype, gpu_budget, policy, progress, **options))
+
+    # --- limits ---------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) a request may reach: the model's context, capped
+        by what the KV pool can hold for one sequence."""
+        return self.loaded.max_model_len
+
+    # --- requests -------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        use_prefix_cache: bool = True,
+        _score: bool = False,
+    ) -> str:
+        """Queue a request; returns its id. Bad input raises InvalidRequestError here, before
+        anything runs, so it can never disturb other requests."""
+        sampling = sampling or SamplingParams()
+        ids = self._encode(prompt)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, ids, sampling, use_prefix_cache=use_prefix_cache and not _score)
+        req.score_only = _score
+        self._requests[request_id] = req
+        self._outputs[request_id] = OutputState(self.tokenizer, sampling.stop)
+        self._events[request_id] = deque()
+        if _score:
+            self._scores[request_id] = []
+        self.scheduler.add(req)
+        return request_id
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, torch.Tensor):
+            ids = [int(t) for t in prompt.reshape(-1).tolist()]
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError(
+                    f"a prompt is a string or a list of token ids: {e}"
+                ) from e
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        vocab = self.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+                + (f" ({len(bad)} such ids)" if len(bad) > 1 else "")
+            )
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens; this engine's context holds "
+                f"{self.max_model_len} tokens (prompt + output), so at most "
+                f"{self.max_model_len - 1} prompt tokens fit"
+            )
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None and req.status is not Status.FINISHED:
+            self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the loop -------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        batch = self.scheduler.schedule()
+        if not batch.chunks:
+            return []
+        self.runner.apply_copies(self.scheduler.take_copies())
+        try:
+            out = self.runner.run(batch)
+        except Exception as e:  # noqa: BLE001 - one failing batch must not take the engine down
+            log.exception("step failed; failing the %d request(s) in it", len(batch.chunks))
+            return self._fail(batch, e)
+        return self._update(batch, out)
+
+    def _update(self, batch: Batch, out: StepOutput) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        for chunk in batch.chunks:
+            req = chunk.request
+            self.scheduler.advance(chunk)
+            if req.score_only:
+                self._scores[req.id].append(out.logits[req.id])
+                if chunk.sample:
+                    self._finish(req, "scored")
+                continue
+            if chunk.sample:
+                events.append(self._accept(req, out.sampled[req.id]))
+        return events
+
+    def _accept(self, req: Request, token: int) -> TokenEvent:
+        now = time.perf_counter()
+        req.first_token_time = req.first_token_time or now
+        req.output_ids.append(token)
+        state = self._outputs[req.id]
+        sp = req.sampling
+        reason = None
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+            text = state.release(final=True)
+        else:
+            text = state.push(token)
+            if state.stopped:
+                reason = "stop"
+            elif len(req.output_ids) >= sp.max_tokens or req.n_tokens >= self.max_model_len:
+                reason = "length"
+                text += state.release(final=True)
+        event = TokenEvent(req.id, token, text, len(req.output_ids) - 1)
+        if reason is not None:
+            self._finish(req, reason)
+            event.finished, event.finish_reason = True, reason
+        self._events[req.id].append(event)
+        return event
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        self.runner.forget(req.id)
+        self._totals["prefilled"] += req.num_prefilled
+        self._totals["reused"] += req.num_reused
+        self._totals["generated"] += len(req.output_ids)
+        self._totals["finished"] += 1
+        if reason in ("abort", "error"):
+            event = TokenEvent(req.id, None, "", len(req.output_ids), True, reason, req.error)
+            self._events[req.id].append(event)
+
+    def _fail(self, batch: Batch, error: Exception) -> list[TokenEvent]:
+        events = []
+        for chunk in batch.chunks:
+            req = chunk.request
+            req.error = f"{type(error).__name__}: {error}"
+            self._totals["errors"] += 1
+            self._finish(req, "error")
+            events.append(self._events[req.id][-1])
+        return events
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.loaded.eos_token_ids
+
+    # --- convenience front-ends -----------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> GenerationOutput | list[GenerationOutput]:
+        """Run one prompt (returns one output) or a list of prompts batched together (returns a
+        list, in order)."""
+        single = isinstance(prompts, str) or (
+            len(prompts) > 0 and not isinstance(prompts[0], (str, list, tuple, torch.Tensor))
+        )
+        batch = [prompts] if single else list(prompts)
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling or SamplingParams()] * len(batch)
+        else:
+            params = list(sampling)
+            if len(params) != len(batch):
+                raise InvalidRequestError(f"{len(batch)} prompts but {len(params)} SamplingParams")
+        ids = []
+        try:
+            for p, sp in zip(batch, params, strict=True):
+                ids.append(self.submit(p, sp))
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+                self._pop(rid)
+            raise
+        while any(self._requests[r].status is not Status.FINISHED for r in ids):
+            self.step()
+        outputs = [self._collect(r) for r in ids]
+        return outputs[0] if single else outputs
+
+    def stream(
+        self, prompt: Prompt, sampling: SamplingParams | None = None
+    ) -> Iterator[TokenEvent]:
+        """Yield this request's events as they come; other requests progress meanwhile. Closing
+        the iterator early aborts the request."""
+        rid = self.submit(prompt, sampling)
+        queue = self._events[rid]
+        try:
+            while True:
+                while queue:
+                    event = queue.popleft()
+                    yield event
+                    if event.finished:
+                        return
+                if self._requests[rid].status is Status.FINISHED and not queue:
+                    return
+                self.step()
+        finally:
+            self.abort(rid)
+            self._pop(rid)
+
+    @torch.inference_mode()
+    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits [T, vocab] (fp32, on the CPU) at every position of `token_ids`, computed from
+        scratch (no prefix reuse) through the same paged path as generation."""
+        rid = self.submit(token_ids, SamplingParams(max_tokens=1), _score=True)
+        req = self._requests[rid]
+        while req.status is not Status.FINISHED:
+            self.step()
+        chunks = self._scores.pop(rid)
+        self._pop(rid)
+        if req.finish_reason == "error":
+            raise RuntimeError(f"scoring failed: {req.error}")
+        return torch.cat(chunks).cpu()
+
+    def _collect(self, rid: str) -> GenerationOutput:
+        req = self._requests[rid]
+        state = self._outputs[rid]
+        out = GenerationOutput(
+            request_id=rid,
+            prompt_ids=list(req.prompt_ids),
+            token_ids=list(req.output_ids),
+            text=state.text,
+            finish_reason=req.finish_reason,
+            stats=request_stats(req),
+            error=req.error,
+        )
+        self._pop(rid)
+        return out
+
+    def _pop(self, rid: str) -> None:
+        for table in (self._requests, self._outputs, self._events, self._scores):
+            table.pop(rid, None)
+
+    # --- introspection --------------------------------------------------------------------
+    def stats(self) -> dict:
+        kv, radix = self.kv, self.radix
+        t = self._totals
+        seen = t["prefilled"] + t["reused"]
+        return {
+            "model": self.spec.arch,
+            "device": str(self.loaded.device),
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "policy": self.config.policy,
+            "memory": {
+                "dense_bytes": self.loaded.dense_bytes,
+                "expert_bytes": self.loaded.bank.nbytes,
+                "kv_bytes": kv.nbytes,
+                "kv_pages": kv.allocator.capacity,
+                "kv_pages_free": kv.allocator.n_free,
+                "kv_pages_cached": radix.n_pages,
+                "page_size": kv.page_size,
+                "max_model_len": self.max_model_len,
+            },
+            "tokens": {
+                "prefilled": t["prefilled"],
+                "reused": t["reused"],
+                "generated": t["generated"],
+                "reuse_ratio": t["reused"] / seen if seen else 0.0,
+            },
+            "requests": {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "finished": t["finished"],
+                "errors": t["errors"],
+                "preemptions": self.scheduler.preemptions,
+            },
+        }
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+def request_stats(req: Request) -> dict:
+    end = req.finish_time or time.perf_counter()
+    ttft = (req.first_token_time - req.arrival_time) if req.first_token_time else None
+    decode_s = end - req.first_token_time if req.first_token_time else 0.0
+    n_out = len(req.output_ids)
+    return {
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": n_out,
+        "reused_tokens": req.num_reused,
+        "prefilled_tokens": req.num_prefilled,
+        "ttft_s": ttft,
+        "decode_tok_s": (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
+        "total_s": end - req.arrival_time,
+        "preempted": req.admissions - 1,
+    }

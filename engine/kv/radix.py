@@ -1,0 +1,193 @@
+"""Prefix cache: a radix tree over token ids whose edges are KV pages.
+
+Each node below the root owns one KV page and the tokens stored in it: a full page (S tokens)
+or, at a leaf, a partial page (fewer than S). Children are keyed by their exact token tuple, so
+walking full pages is a dict lookup per page. Matching is token-granular: after the last full
+page that matches, the child sharing the longest prefix with the rest of the query (full or
+partial) contributes its first r tokens, which the caller copies into a private page
+(copy-on-write), because a shared page is never written.
+
+Reference counts: a request that reuses a node holds a reference until it finishes; nodes with
+no references and no children are evictable, least recently used first. Eviction returns page
+ids to the allocator: the tree is the only owner of the pages it holds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from freetoken_agent.engine.kv.pool import PageAllocator
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    tokens: tuple[int, ...]
+    page: int
+    parent: Node | None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    ref: int = 0
+    last_used: int = 0
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """What a new sequence can reuse: `nodes` (full pages, to lock) and optionally the first
+    `partial_tokens` tokens of `partial`'s page (to copy)."""
+
+    nodes: list[Node]
+    partial: Node | None = None
+    partial_tokens: int = 0
+
+    def n_tokens(self, page_size: int) -> int:
+        return len(self.nodes) * page_size + self.partial_tokens
+
+
+class RadixCache:
+    def __init__(self, page_size: int, allocator: PageAllocator) -> None:
+        self.page_size = page_size
+        self.allocator = allocator
+        self.root = Node((), -1, None)
+        self._clock = itertools.count(1)
+        self.n_pages = 0  # pages held by the tree
+
+    # --- lookup -------------------------------------------------------------------------
+    def match(self, tokens: list[int]) -> PrefixMatch:
+        s = self.page_size
+        node, nodes, pos = self.root, [], 0
+        now = next(self._clock)
+        while pos + s <= len(tokens):
+            child = node.children.get(tuple(tokens[pos : pos + s]))
+            if child is None:
+                break
+            child.last_used = now
+            nodes.append(child)
+            node, pos = child, pos + s
+        best, best_r = None, 0
+        rest = tokens[pos : pos + s]
+        if rest:
+            for child in node.children.values():
+                r = _common_prefix(child.tokens, rest)
+                if r > best_r:
+                    best, best_r = child, r
+        if best is not None:
+            best.last_used = now
+        return PrefixMatch(nodes, best, best_r)
+
+    def lock(self, nodes: list[Node]) -> None:
+        for n in nodes:
+            n.ref += 1
+
+    def unlock(self, nodes: list[Node]) -> None:
+        for n in nodes:
+            if n.ref <= 0:
+                raise AssertionError("radix node unlocked more often than locked")
+            n.ref -= 1
+
+    # --- insertion ----------------------------------------------------------------------
+    def insert(
+        self,
+        tokens: list[int],
+        pages: list[int],
+        owned: list[Node | None],
+        full_pages_only: bool = False,
+    ) -> list[Node | None]:
+        """Offer a sequence's pages to the tree.
+
+        tokens: the tokens whose KV is in `pages` (len <= len(pages) * S).
+        owned[i]: the node the caller already locks for page i, or None if page i is private.
+        Returns nodes[i]: the node now holding the caller's page i, locked for the caller (so
+        its references cover every shared page it uses), or None where page i stays private
+        because another page already caches those tokens (the caller frees it on release) or
+        because there is nothing to cache in it. A partial last page is cached only when
+        `full_pages_only` is False: a running sequence still writes into its last page.
+        """
+        s = self.page_size
+        now = next(self._clock)
+        node: Node | None = self.root
+        result: list[Node | None] = []
+        for i, page in enumerate(pages):
+            chunk = tuple(tokens[i * s : (i + 1) * s])
+            if owned[i] is not None:
+                node = owned[i]
+                result.append(node)
+                continue
+            if node is None or not chunk or (full_pages_only and len(chunk) < s):
+                node = None  # nothing below a partial page, nothing past the tokens
+                result.append(None)
+                continue
+            existing = node.children.get(chunk)
+            if existing is not None:
+                existing.last_used = now  # cached first by another sequence: ours stays private
+                result.append(None)
+            else:
+                existing = Node(chunk, page, node, ref=1, last_used=now)
+                node.children[chunk] = existing
+                self.n_pages += 1
+                result.append(existing)
+            node = existing if len(chunk) == s else None
+        return result
+
+    # --- eviction -----------------------------------------------------------------------
+    def evictable(self) -> int:
+        return sum(1 for n in self._nodes() if n.ref == 0 and not n.children)
+
+    def evict(self, n_pages: int) -> int:
+        """Free up to n_pages of unreferenced leaves, least recently used first. Returns the
+        number freed. Evicting a leaf can make its parent an evictable leaf in turn."""
+        heap = [(n.last_used, id(n), n) for n in self._nodes() if n.ref == 0 and not n.children]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < n_pages:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[node.tokens]
+            freed.append(node.page)
+            node.parent = None
+            if parent is not self.root and parent.ref == 0 and not parent.children:
+                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+        self.n_pages -= len(freed)
+        self.allocator.free(freed)
+        return len(freed)
+
+    def reset(self) -> int:
+        """Evict everything unreferenced (e.g. when the engine is asked to drop its cache)."""
+        return self.evict(self.n_pages)
+
+    # --- invariants ---------------------------------------------------------------------
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def pages(self) -> list[int]:
+        return [n.page for n in self._nodes()]
+
+    def check_integrity(self) -> None:
+        s = self.page_size
+        seen: set[int] = set()
+        count = 0
+        for n in self._nodes():
+            count += 1
+            assert n.parent is not None and n.parent.children.get(n.tokens) is n, (
+                "broken parent link"
+            )
+            assert 0 < len(n.tokens) <= s, f"node holds {len(n.tokens)} tokens (page size {s})"
+            assert len(n.tokens) == s or not n.children, "a partial page has children"
+            assert n.ref >= 0, "negative reference count"
+            assert n.page not in seen, f"page {n.page} held by two nodes"
+            seen.add(n.page)
+        assert count == self.n_pages, f"tree counts {self.n_pages} pages, holds {count}"
+        assert not (seen & self.allocator.free_set()), "a cached page is also on the free list"
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,101 @@
+"""Self-attention over the paged KV cache.
+
+Projections and norms are the model's; the attention itself reads K/V from pages through
+`kernels.paged_attention` (Triton on CUDA, the plain-torch twin on the CPU). The same call serves
+prefill chunks with a cached prefix, decodes and mixed batches, so the model never branches on
+the phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freetoken_agent.engine.config import ModelSpec
+from freetoken_agent.engine.layers.linear import Linear, ShardedLinear
+from freetoken_agent.engine.layers.norm import RMSNorm
+from freetoken_agent.engine.layers.rope import RotaryEmbedding
+from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
+
+# T tokens in the step (all sequences, flattened), B sequences, P pages, S page size,
+# Hq / Hkv query / key-value heads, D head_dim, H hidden
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each token of a step sits in the KV cache. Built by ModelRunner per step; read by
+    every attention layer of the forward."""
+
+    positions: torch.Tensor  # [T] int64 absolute positions
+    slot_mapping: torch.Tensor  # [T] int64 page * S + offset, where each new K/V goes
+    page_table: torch.Tensor  # [B, max_pages] int32
+    cu_q_lens: torch.Tensor  # [B + 1] int32
+    kv_lens: torch.Tensor  # [B] int32, KV length including this step's tokens
+    max_q_len: int
+    max_kv_len: int
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionOptions:
+    """What differs between families' attention blocks; chosen by the model file."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # None | "head" (per head, Qwen3) | "proj" (whole projection, OLMoE)
+    clip_qkv: float | None = None  # OLMoE clamps q, k, v to [-c, c]
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self, spec: ModelSpec, layer: int, options: AttentionOptions, rope: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
+        q_size, kv_size = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+        self.qkv_proj = ShardedLinear(
+            spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=options.qkv_bias
+        )
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=options.o_bias)
+        self.options = options
+        if options.qk_norm == "head":
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        elif options.qk_norm == "proj":
+            self.q_norm = RMSNorm(q_size, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_size, spec.rms_norm_eps)
+        self.rope = rope
+        self.scale = spec.head_dim**-0.5
+        self.window = spec.window(layer)
+        self.k_cache: torch.Tensor | None = None  # [P, S, Hkv, D], bound by the runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        if self.options.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.options.clip_qkv is not None:
+            c = self.options.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q = q.reshape(t, self.n_heads, self.head_dim)
+        k = k.reshape(t, self.n_kv_heads, self.head_dim)
+        v = v.reshape(t, self.n_kv_heads, self.head_dim)
+        if self.options.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(meta.positions, q, k)
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = paged_attention(
+            q.contiguous(),
+            self.k_cache,
+            self.v_cache,
+            meta.page_table,
+            meta.cu_q_lens,
+            meta.kv_lens,
+            self.scale,
+            meta.max_q_len,
+            window=self.window,
+            max_kv_len=meta.max_kv_len,
+        )  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, -1))

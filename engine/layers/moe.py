@@ -1,0 +1,88 @@
+"""The MoE block: route, then hand the tokens to the expert bank.
+
+Expert weights are not parameters of this module. The block owns the router (and a shared
+expert where the family has one) and calls `bank(layer, hidden, topk_ids, topk_weights)`, so the
+bank alone decides where experts live and run: resident on the GPU, in GPU cache slots, or on
+the CPU. Routing is computed exactly as each family defines it and is the same whatever the bank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken_agent.engine.layers.linear import Linear
+from freetoken_agent.engine.layers.mlp import SwiGLU
+
+# T tokens, H hidden, E experts, K top-k
+
+
+class ExpertBank(Protocol):
+    """Computes sum_k w[t, k] * expert_{ids[t, k]}(x[t]) for one MoE layer."""
+
+    def __call__(
+        self,
+        layer: int,  # MoE-layer ordinal (lid = layer * n_experts + expert)
+        hidden: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, K] int32 expert ids within the layer
+        topk_weights: torch.Tensor,  # [T, K] float32
+    ) -> torch.Tensor: ...  # [T, H] in hidden.dtype
+
+
+@dataclass(slots=True, frozen=True)
+class RouterOptions:
+    top_k: int
+    norm_topk_prob: bool  # renormalise the k kept probabilities to sum to one
+    # Qwen and OLMoE round the routing weights to the model dtype before use; Mixtral keeps fp32.
+    weights_in_model_dtype: bool = True
+
+
+class TopKRouter(nn.Module):
+    """Softmax over all experts, keep the top k (transformers' TopKRouter)."""
+
+    def __init__(self, hidden: int, n_experts: int, options: RouterOptions) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden), requires_grad=False)
+        self.options = options
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)  # [T, E] in the model dtype
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.options.top_k, dim=-1)  # [T, K]
+        if self.options.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.options.weights_in_model_dtype:
+            weights = weights.to(logits.dtype).float()
+        return ids.to(torch.int32), weights
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        n_experts: int,
+        moe_layer: int,
+        bank: ExpertBank,
+        router: RouterOptions,
+        shared_intermediate: int = 0,
+    ) -> None:
+        super().__init__()
+        self.gate = TopKRouter(hidden, n_experts, router)
+        self.moe_layer = moe_layer
+        self._bank = bank  # a plain attribute: the bank's tensors are not module parameters
+        if shared_intermediate:
+            self.shared_expert = SwiGLU(hidden, shared_intermediate)
+            self.shared_expert_gate = Linear(hidden, 1)
+        else:
+            self.shared_expert = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        out = self._bank(self.moe_layer, x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

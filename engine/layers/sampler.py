@@ -1,0 +1,58 @@
+"""Turns the last-position logits of each sampling sequence into one token each.
+
+Greedy rows take the argmax. The others are scaled by temperature, cut by top-k then top-p, and
+drawn with the exponential-race trick (argmax of p / Exp(1) noise, equivalent to a multinomial
+draw) so that a seeded request draws its noise from its own generator: its tokens do not depend
+on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+# B sequences that sample this step, V vocab
+
+
+def sample(
+    logits: torch.Tensor,  # [B, V] fp32
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:  # [B] int64
+    greedy_ids = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return greedy_ids
+    device = logits.device
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    scaled = logits / temps[:, None]
+    top_k = [p.top_k for p in params]
+    if any(top_k):
+        scaled = _top_k(scaled, top_k)
+    if any(p.top_p < 1.0 for p in params):
+        scaled = _top_p(scaled, torch.tensor([p.top_p for p in params], device=device))
+    probs = torch.softmax(scaled, dim=-1)
+    noise = torch.empty_like(probs)
+    for i, g in enumerate(generators):
+        noise[i].exponential_(generator=g)
+    drawn = (probs / noise).argmax(dim=-1)
+    is_greedy = torch.tensor([p.greedy for p in params], device=device)
+    return torch.where(is_greedy, greedy_ids, drawn)
+
+
+def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
+    sorted_desc = logits.sort(dim=-1, descending=True).values
+    kth = sorted_desc.gather(1, (k - 1)[:, None])  # [B, 1] the k-th largest logit
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability reaches top_p (always at least one)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    drop_sorted = before >= top_p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))

@@ -1,0 +1,195 @@
+"""Builds everything a model folder needs to run: spec, model, expert bank, KV pool, tokenizer.
+
+Memory on CUDA: the budget (default: free device memory minus a reserve) pays for the dense
+weights, the expert bank (all-resident in this version), a workspace for one step's
+activations, and the KV pool, which takes what is left (capped at what `max_num_seqs` sequences
+of `max_model_len` tokens could use). A budget too small for the weights is an error that says
+how much is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from freetoken_agent.engine.config import EngineConfig, ModelSpec, parse_dtype, read_config
+from freetoken_agent.engine.experts.resident import ResidentExpertBank
+from freetoken_agent.engine.kv.pool import KVPool
+from freetoken_agent.engine.kv.radix import RadixCache
+from freetoken_agent.engine.models.base import MoeCausalLM
+from freetoken_agent.engine.models.registry import family, spec_from_config
+from freetoken_agent.engine.text.tokenizer import Tokenizer
+from freetoken_agent.engine.weights.loader import load_safetensors
+
+log = logging.getLogger("freetoken.load")
+
+GiB = 1 << 30
+RESERVE_BYTES = 1 * GiB  # left free on the device for the CUDA context, cuBLAS, fragmentation
+OFFLOAD_POLICIES = ("transfer", "cpu", "static")
+
+
+class BudgetError(ValueError):
+    """The GPU budget cannot hold what must be resident."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    spec: ModelSpec
+    config: EngineConfig
+    model: MoeCausalLM
+    bank: ResidentExpertBank
+    kv: KVPool
+    radix: RadixCache
+    tokenizer: Tokenizer | None
+    device: torch.device
+    dtype: torch.dtype
+    dense_bytes: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+    return dev
+
+
+def build_model(
+    spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[MoeCausalLM, ResidentExpertBank, int]:
+    """An uninitialised model and bank on the device; returns them and the model length."""
+    if config.policy in OFFLOAD_POLICIES:
+        raise NotImplementedError(
+            f"policy {config.policy!r} needs expert offloading, which this version does not "
+            "have yet; use 'resident' (or 'adaptive', which is resident when experts fit)"
+        )
+    max_len = min(
+        config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings
+    )
+    fam = family(spec.arch)
+    bank = ResidentExpertBank(spec, dtype, device)
+    with torch.device(device):
+        model = MoeCausalLM(spec, fam.blueprint(spec), bank, max_len, dtype)
+    model.to(dtype=dtype)
+    model.eval()
+    return model, bank, max_len
+
+
+def dense_nbytes(model: MoeCausalLM) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.nbytes
+    return total
+
+
+def size_kv_pool(
+    spec: ModelSpec,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    resident_bytes: int,
+    max_len: int,
+) -> int:
+    """Number of KV pages (scratch page included)."""
+    s = config.page_size
+    if config.kv_pages is not None:
+        return config.kv_pages
+    wanted_tokens = config.max_num_seqs * max_len
+    if device.type != "cuda":
+        return -(-min(config.kv_tokens, wanted_tokens) // s) + 1
+    page_bytes = KVPool.page_bytes(spec.n_layers, s, spec.n_kv_heads, spec.head_dim, dtype)
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = config.gpu_budget if config.gpu_budget is not None else free + resident_bytes
+    budget -= RESERVE_BYTES if config.gpu_budget is None else 0
+    workspace = 512 * (1 << 20) + config.max_batched_tokens * spec.vocab_size * 4 * 2
+    left = budget - resident_bytes - workspace
+    if left < 2 * page_bytes:
+        raise BudgetError(
+            f"GPU budget of {budget / GiB:.2f} GiB cannot hold the resident weights "
+            f"({resident_bytes / GiB:.2f} GiB), a {workspace / GiB:.2f} GiB workspace and a KV pool"
+        )
+    return int(min(left // page_bytes, -(-wanted_tokens // s) + 1))
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = None,
+    gpu_budget: int | None = None,
+    policy: str = "adaptive",
+    progress: bool = True,
+    **options,
+) -> LoadedModel:
+    path = Path(path)
+    cfg = read_config(path)
+    spec = spec_from_config(cfg)
+    dev = resolve_device(device)
+    run_dtype = parse_dtype(dtype) or spec.dtype
+    config = EngineConfig(
+        device=str(dev), dtype=run_dtype, gpu_budget=gpu_budget, policy=policy, **options
+    )
+    if dev.type == "cuda" and gpu_budget is not None:
+        _check_budget(spec, run_dtype, gpu_budget)
+    model, bank, max_len = build_model(spec, config, dev, run_dtype)
+    load_safetensors(path, spec, model, bank, family(spec.arch).CHECKPOINT_NAMES, progress)
+    return assemble(spec, config, model, bank, dev, run_dtype, max_len, _tokenizer(path))
+
+
+def assemble(
+    spec: ModelSpec,
+    config: EngineConfig,
+    model: MoeCausalLM,
+    bank: ResidentExpertBank,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_len: int,
+    tokenizer: Tokenizer | None,
+) -> LoadedModel:
+    """Size the KV pool around loaded weights and bundle the parts (also used by benchmarks
+    that fill the weights themselves)."""
+    dense = dense_nbytes(model)
+    n_pages = size_kv_pool(spec, config, device, dtype, dense + bank.nbytes, max_len)
+    kv = KVPool(
+        spec.n_layers, n_pages, config.page_size, spec.n_kv_heads, spec.head_dim, dtype, device
+    )
+    radix = RadixCache(config.page_size, kv.allocator)
+    # One sequence can never hold more than the whole pool.
+    max_len = min(max_len, kv.allocator.capacity * config.page_size)
+    eos = set(spec.eos_token_ids)
+    if tokenizer is not None:
+        eos |= set(tokenizer.eos_token_ids)
+    log.info(
+        "loaded %s on %s (%s): dense %.2f GiB, experts %.2f GiB, KV %d pages (%.2f GiB)",
+        spec.arch, device, dtype, dense / GiB, bank.nbytes / GiB, n_pages, kv.nbytes / GiB,
+    )  # fmt: skip
+    return LoadedModel(
+        spec, config, model, bank, kv, radix, tokenizer, device, dtype, dense, max_len,
+        frozenset(eos),
+    )  # fmt: skip
+
+
+def _check_budget(spec: ModelSpec, dtype: torch.dtype, budget: int) -> None:
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    experts = spec.n_moe_layers * spec.n_experts * 3 * spec.hidden_size
+    experts *= spec.moe_intermediate_size * itemsize
+    if experts > budget:
+        raise BudgetError(
+            f"the experts need {experts / GiB:.2f} GiB but the GPU budget is {budget / GiB:.2f} "
+            "GiB; offloading experts to host memory arrives with the offload policies"
+        )
+
+
+def _tokenizer(path: Path) -> Tokenizer | None:
+    try:
+        return Tokenizer.from_dir(path)
+    except FileNotFoundError:
+        log.warning("no tokenizer.json in %s: the engine takes and returns token ids only", path)
+        return None

@@ -1,0 +1,108 @@
+"""The decoder-only MoE transformer that the supported families share.
+
+A family file (qwen3_moe.py, mixtral.py, ...) states what is particular to it: how its config
+reads, its attention and router options (a `Blueprint`), and its checkpoint-name table. This
+file reads top to bottom like the architecture figure: decoder layer, model, head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freetoken_agent.engine.config import ModelSpec
+from freetoken_agent.engine.layers.attention import (
+    AttentionMetadata,
+    AttentionOptions,
+    SelfAttention,
+)
+from freetoken_agent.engine.layers.linear import Linear
+from freetoken_agent.engine.layers.mlp import SwiGLU
+from freetoken_agent.engine.layers.moe import ExpertBank, RouterOptions, SparseMoeBlock
+from freetoken_agent.engine.layers.norm import RMSNorm
+from freetoken_agent.engine.layers.rope import RotaryEmbedding
+
+# T tokens of the step (flattened over sequences), H hidden, V vocab, N rows to score
+
+
+@dataclass(slots=True, frozen=True)
+class Blueprint:
+    """The per-family choices inside the shared skeleton."""
+
+    attention: AttentionOptions
+    router: RouterOptions
+
+
+class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x)); mlp is the MoE block or a dense SwiGLU."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer: int,
+        blueprint: Blueprint,
+        bank: ExpertBank,
+        rope: RotaryEmbedding,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = SelfAttention(spec, layer, blueprint.attention, rope)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if layer in spec.moe_layers:
+            self.mlp: nn.Module = SparseMoeBlock(
+                spec.hidden_size,
+                spec.n_experts,
+                spec.moe_index(layer),
+                bank,
+                blueprint.router,
+                spec.shared_expert_intermediate_size,
+            )
+        else:
+            self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoeCausalLM(nn.Module):
+    """token ids [T] -> hidden [T, H]; `compute_logits` turns chosen rows into [N, V] fp32."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        blueprint: Blueprint,
+        bank: ExpertBank,
+        max_positions: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        # One table shared by every layer: built once, not per layer.
+        self.rope = RotaryEmbedding(spec, max_positions, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, blueprint, bank, self.rope) for i in range(spec.n_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Point every attention layer at its slice of the pool ([L, P, S, Hkv, D] each)."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.k_cache = k_cache[i]
+            layer.self_attn.v_cache = v_cache[i]
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            x = layer(x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, V]

@@ -1,0 +1,29 @@
+"""model_type -> the module that defines that family. A new architecture is a new file plus
+one row here."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from freetoken_agent.engine.config import ConfigError, ModelSpec
+from freetoken_agent.engine.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+
+ARCHITECTURES: dict[str, ModuleType] = {
+    "qwen3_moe": qwen3_moe,
+    "qwen2_moe": qwen2_moe,
+    "mixtral": mixtral,
+    "olmoe": olmoe,
+}
+
+
+def family(model_type: str) -> ModuleType:
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(
+            f"unknown architecture {model_type!r} (config.json model_type); "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def spec_from_config(cfg: dict) -> ModelSpec:
+    return family(str(cfg.get("model_type"))).spec_from_config(cfg)

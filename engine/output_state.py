@@ -1,0 +1,46 @@
+"""Per-request text state: streaming detokenization and stop strings.
+
+Text is released only when it can no longer change: the detokenizer holds back incomplete UTF-8
+characters, and while stop strings are set the last (longest stop - 1) characters are held too,
+since they could be the start of a stop string that the next token completes.
+"""
+
+from __future__ import annotations
+
+from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
+from freetoken_agent.engine.text.tokenizer import Tokenizer
+
+
+class OutputState:
+    def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # all decoded text so far (truncated at a stop string once found)
+        self.emitted = 0  # characters of `text` already handed out
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add a token; returns the text that is now final. Sets `stopped` when a stop string
+        appears (the text is cut just before it)."""
+        if self.detok is None:
+            return ""
+        before = len(self.text)
+        self.text += self.detok.push(token_id)
+        if self.stop:
+            # A stop string can start up to len(stop) - 1 characters before the new text.
+            start = max(0, before - self.hold)
+            cut = min((i for s in self.stop if (i := self.text.find(s, start)) >= 0), default=-1)
+            if cut >= 0:
+                self.text = self.text[:cut]
+                self.stopped = True
+                return self.release(final=True)
+        return self.release(final=False)
+
+    def release(self, final: bool) -> str:
+        if final and self.detok is not None and not self.stopped:
+            self.text += self.detok.flush()
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,38 @@
+"""What the engine hands back: per-token events while streaming, a GenerationOutput at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before running it; the message names the problem."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt does not fit the model's context (or the KV pool)."""
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One sampled token of one request, with the text it completes (possibly "", when the token
+    ends inside a multi-byte character or could still be the start of a stop string)."""
+
+    request_id: str
+    token_id: int | None  # None for a final event that carries no token (abort, error)
+    text: str
+    index: int  # position of the token in the output
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stats: dict = field(default_factory=dict)  # prompt/completion/reused/prefilled tokens, times
+    error: str | None = None

@@ -1,0 +1,147 @@
+"""ModelRunner: executes a Batch: builds the step's tensors, runs the model, samples.
+
+It holds the model, the KV pool and the per-request random generators; it decides nothing
+about which tokens run (the Scheduler did). Decode-only batches on CUDA replay captured graphs
+(see `cuda_graphs.py`); everything else runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from freetoken_agent.engine.kv.pool import SCRATCH_PAGE, KVPool
+from freetoken_agent.engine.layers.attention import AttentionMetadata
+from freetoken_agent.engine.layers.sampler import sample
+from freetoken_agent.engine.models.base import MoeCausalLM
+from freetoken_agent.engine.scheduler import Batch, ScheduledChunk
+
+# T tokens in the step, B chunks (sequences), S page size, V vocab
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What a step produced. Read by the Engine to update requests."""
+
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)  # score requests: [n, V]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Host-side arrays of one step, before they move to the device."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    page_table: np.ndarray  # [B, max_pages] int32
+    cu_q_lens: np.ndarray  # [B + 1] int32
+    kv_lens: np.ndarray  # [B] int32
+    max_q_len: int
+    max_kv_len: int
+
+
+def build_inputs(chunks: list[ScheduledChunk], page_size: int, min_pages: int = 1) -> StepInputs:
+    q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
+    kv_lens = np.array([c.start + len(c.token_ids) for c in chunks], dtype=np.int32)
+    n_pages = max([min_pages, *[len(c.request.pages) for c in chunks]])
+    page_table = np.full((len(chunks), n_pages), SCRATCH_PAGE, dtype=np.int32)
+    positions, slots, ids = [], [], []
+    for b, c in enumerate(chunks):
+        pages = np.asarray(c.request.pages, dtype=np.int64)
+        page_table[b, : len(pages)] = pages
+        pos = np.arange(c.start, c.start + len(c.token_ids), dtype=np.int64)
+        positions.append(pos)
+        slots.append(pages[pos // page_size] * page_size + pos % page_size)
+        ids.append(np.asarray(c.token_ids, dtype=np.int64))
+    cu = np.zeros(len(chunks) + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=cu[1:])
+    return StepInputs(
+        input_ids=np.concatenate(ids),
+        positions=np.concatenate(positions),
+        slot_mapping=np.concatenate(slots),
+        page_table=page_table,
+        cu_q_lens=cu,
+        kv_lens=kv_lens,
+        max_q_len=int(q_lens.max()),
+        max_kv_len=int(kv_lens.max()),
+    )
+
+
+def to_device(inputs: StepInputs, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        positions=t(inputs.positions),
+        slot_mapping=t(inputs.slot_mapping),
+        page_table=t(inputs.page_table),
+        cu_q_lens=t(inputs.cu_q_lens),
+        kv_lens=t(inputs.kv_lens),
+        max_q_len=inputs.max_q_len,
+        max_kv_len=inputs.max_kv_len,
+    )
+    return t(inputs.input_ids), meta
+
+
+class ModelRunner:
+    def __init__(self, model: MoeCausalLM, kv: KVPool, device: torch.device, seed: int) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        model.bind_kv_cache(kv.k, kv.v)
+        self._default_generator = torch.Generator(device=device)
+        self._default_generator.manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self.graphs = None  # set by enable_cuda_graphs
+
+    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
+        from freetoken_agent.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.kv.page_size, max_batch, max_pages, self.device)
+
+    def generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
+        if seed is None:
+            return self._default_generator
+        g = self._generators.get(request_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seed)
+            self._generators[request_id] = g
+        return g
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def apply_copies(self, copies: list[tuple[int, int, int]]) -> None:
+        for src, dst, n in copies:
+            self.kv.copy_prefix(src, dst, n)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> StepOutput:
+        chunks = batch.chunks
+        inputs = build_inputs(chunks, self.kv.page_size)
+        if self.graphs is not None and batch.is_decode_only and self.graphs.fits(inputs):
+            hidden = self.graphs.replay(inputs)  # [B, H]: one token per chunk
+            last_rows = torch.arange(len(chunks), device=self.device)
+        else:
+            input_ids, meta = to_device(inputs, self.device)
+            hidden = self.model(input_ids, meta)  # [T, H]
+            last_rows = torch.from_numpy(inputs.cu_q_lens[1:].astype(np.int64) - 1).to(self.device)
+        out = StepOutput()
+        sampling = [i for i, c in enumerate(chunks) if c.sample and not c.request.score_only]
+        if sampling:
+            rows = last_rows[sampling]
+            logits = self.model.compute_logits(hidden[rows])  # [B', V]
+            reqs = [chunks[i].request for i in sampling]
+            params = [r.sampling for r in reqs]
+            gens = [self.generator_for(r.id, r.sampling.seed) for r in reqs]
+            tokens = sample(logits, params, gens).tolist()
+            out.sampled = {r.id: t for r, t in zip(reqs, tokens, strict=True)}
+        for i, c in enumerate(chunks):
+            if c.request.score_only:
+                lo, hi = int(inputs.cu_q_lens[i]), int(inputs.cu_q_lens[i + 1])
+                out.logits[c.request.id] = self.model.compute_logits(hidden[lo:hi])
+        return out

@@ -1,0 +1,285 @@
+"""Scheduler: decides what each step computes. It holds requests and page ids, never tensors.
+
+One step is a token budget (`max_batched_tokens`) shared by every running request: each
+decoding request gets its one token first, then partly prefilled requests continue, then waiting
+requests are admitted while the budget and `max_num_seqs` allow. A long prompt is prefilled in
+chunks across steps, beside the decodes of others (chunked prefill, continuous batching).
+
+Pages: on admission the radix cache is searched for the request's tokens; matched full pages are
+shared (locked), a partially matched page is copied into a private one. Pages for new tokens are
+allocated step by step. When the pool runs dry, unreferenced cached pages are evicted; if that is
+not enough, the most recently admitted request is preempted: its pages go to the prefix cache
+and it waits to be re-admitted, when it re-prefills only what was evicted meanwhile.
+
+Between steps (the safe point) nothing is in flight: the memory manager of later issues resizes
+pools there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from freetoken_agent.engine.kv.pool import PageAllocator
+from freetoken_agent.engine.kv.radix import Node, RadixCache
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation (or scoring) request. Owned by the Scheduler from submit to finish."""
+
+    id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)
+    nodes: list[Node | None] = field(default_factory=list)  # locked tree node per page, or None
+    num_computed: int = 0  # tokens whose K/V are in `pages`
+    num_reused: int = 0  # tokens taken from the prefix cache (summed over admissions)
+    num_prefilled: int = 0  # tokens computed while prefilling (re-prefills after preemption too)
+    prefilling: bool = True  # from admission until the first token sampled after it
+    use_prefix_cache: bool = True
+    score_only: bool = False  # compute logits at every position, sample nothing
+    finish_reason: str | None = None
+    error: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    admissions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One request's share of a step: tokens [start, start + len(token_ids)) of its sequence."""
+
+    request: Request
+    start: int
+    token_ids: list[int]
+    sample: bool  # the chunk reaches the end of the known tokens: pick the next one
+
+
+@dataclass(slots=True)
+class Batch:
+    """What the ModelRunner executes in one step. Built by the Scheduler; no tensors."""
+
+    chunks: list[ScheduledChunk]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(len(c.token_ids) == 1 and c.sample for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        radix: RadixCache,
+        page_size: int,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+    ) -> None:
+        self.allocator = allocator
+        self.radix = radix
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max(max_batched_tokens, max_num_seqs)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+        self.pending_copies: list[tuple[int, int, int]] = []  # (src page, dst page, n tokens)
+
+    # --- intake -------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- the decision -------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        budget = self.max_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        # Decodes first (one token each), then prefills in admission order.
+        ordered = sorted(self.running, key=lambda r: r.n_tokens - r.num_computed > 1)
+        for req in ordered:
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.n_tokens - req.num_computed, budget)
+            if n <= 0:
+                continue
+            if not self._reserve(req, n, protect=chunks):
+                continue  # req itself was preempted
+            chunks.append(self._chunk(req, n))
+            budget -= n
+            if budget == 0:
+                break
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            self._admit(req)
+            n = min(req.n_tokens - req.num_computed, budget)
+            if not self._grow(req, req.num_computed + n):
+                self._release(req, cache=False)  # not now: it keeps its place in the queue
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.prefilling = True
+            req.admissions += 1
+            req.num_reused += req.num_computed
+            self.running.append(req)
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        return Batch(chunks)
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed
+        tokens = req.tokens[start : start + n]
+        return ScheduledChunk(req, start, tokens, sample=start + n == req.n_tokens)
+
+    def _admit(self, req: Request) -> None:
+        """Reuse what the prefix cache holds of the request's tokens (all but the last one,
+        whose logits must be computed)."""
+        if not req.use_prefix_cache:
+            return
+        match = self.radix.match(req.tokens[:-1])
+        self.radix.lock(match.nodes)
+        req.pages = [n.page for n in match.nodes]
+        req.nodes = list(match.nodes)
+        req.num_computed = len(match.nodes) * self.page_size
+        if match.partial is not None:
+            # The partial page is copied now, before anything can evict it (the copy is queued
+            # on the device stream ahead of any later write to that page).
+            if self.allocator.n_free == 0:
+                self.radix.evict(1)
+            if self.allocator.n_free > 0:
+                page = self.allocator.alloc(1)[0]
+                self.pending_copies.append((match.partial.page, page, match.partial_tokens))
+                req.pages.append(page)
+                req.nodes.append(None)
+                req.num_computed += match.partial_tokens
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def _grow(self, req: Request, n_tokens: int) -> bool:
+        """Give `req` pages for its first n_tokens, evicting cached pages if needed."""
+        need = -(-n_tokens // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        if self.allocator.n_free < need:
+            self.radix.evict(need - self.allocator.n_free)
+        if self.allocator.n_free < need:
+            return False
+        req.pages.extend(self.allocator.alloc(need))
+        req.nodes.extend([None] * need)
+        return True
+
+    def _reserve(self, req: Request, n: int, protect: list[ScheduledChunk]) -> bool:
+        """Pages for n more tokens of a running request; preempt the newest others if the pool
+        is exhausted. Returns False if `req` itself had to be preempted."""
+        scheduled = {id(c.request) for c in protect}
+        while not self._grow(req, req.num_computed + n):
+            victims = [r for r in self.running if r is not req and id(r) not in scheduled]
+            victim = victims[-1] if victims else req
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.preemptions += 1
+        self._release(req, cache=True)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    # --- after the step -----------------------------------------------------------------
+    def advance(self, chunk: ScheduledChunk) -> None:
+        """The chunk's K/V are now in the cache."""
+        req = chunk.request
+        req.num_computed += len(chunk.token_ids)
+        if not req.prefilling:
+            return
+        req.num_prefilled += len(chunk.token_ids)
+        if chunk.sample:
+            req.prefilling = False
+            if req.use_prefix_cache:
+                # The prompt is in the cache: share its full pages with requests arriving now.
+                req.nodes = self.radix.insert(
+                    req.tokens[: req.num_computed], req.pages, req.nodes, full_pages_only=True
+                )
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status is Status.FINISHED:
+            return
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req, cache=req.use_prefix_cache and req.error is None)
+        req.status = Status.FINISHED
+
+    def _release(self, req: Request, cache: bool) -> None:
+        """Return a request's pages: cached ones to the tree (unlocked), private ones freed."""
+        if cache:
+            req.nodes = self.radix.insert(req.tokens[: req.num_computed], req.pages, req.nodes)
+        self.radix.unlock([n for n in req.nodes if n is not None])
+        self.allocator.free([p for p, n in zip(req.pages, req.nodes, strict=True) if n is None])
+        req.pages, req.nodes = [], []
+        req.num_computed = 0
+
+    # --- invariants ---------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every page is exactly one of: free, held by the tree, private to a live request;
+        tree reference counts equal the number of live requests locking each node."""
+        self.allocator.check_integrity()
+        self.radix.check_integrity()
+        free = self.allocator.free_set()
+        tree = set(self.radix.pages())
+        private: list[int] = []
+        refs: dict[int, int] = {}
+        for req in [*self.running, *self.waiting]:
+            assert len(req.pages) == len(req.nodes), f"request {req.id}: pages/nodes out of step"
+            assert req.num_computed <= len(req.pages) * self.page_size
+            for page, node in zip(req.pages, req.nodes, strict=True):
+                if node is None:
+                    private.append(page)
+                else:
+                    assert node.page == page, f"request {req.id} maps page {page} to another node"
+                    refs[id(node)] = refs.get(id(node), 0) + 1
+        assert len(private) == len(set(private)), "a private page is used by two requests"
+        private_set = set(private)
+        assert not (private_set & tree), "a private page is also held by the tree"
+        assert not (private_set & free), "a private page is also free"
+        assert len(free) + len(tree) + len(private_set) == self.allocator.capacity, (
+            f"pages leaked: {self.allocator.capacity} usable, {len(free)} free + {len(tree)} "
+            f"cached + {len(private_set)} private"
+        )
+        for node in self.radix._nodes():
+            assert node.ref == refs.get(id(node), 0), (
+                f"node of page {node.page} has ref {node.ref}, {refs.get(id(node), 0)} holders"
+            )

@@ -1,0 +1,122 @@
+"""IncrementalDetokenizer: token ids in, text deltas out, one token at a time.
+
+Decoding the whole sequence after every token costs O(n) per token; decoding each token alone
+is wrong twice over: byte-level BPE splits multi-byte characters across tokens (a lone piece
+decodes to U+FFFD), and SentencePiece-style decoders drop a leading space at the start of a
+decode. The prefix/read-offset method of vLLM and TGI fixes both with a small window:
+
+    prefix_text = decode(ids[prefix:read])      already emitted, decoded with some context
+    new_text    = decode(ids[prefix:])          the same context plus the pending tokens
+    delta       = new_text[len(prefix_text):]   emitted unless new_text ends in U+FFFD
+
+Once new_text ends on a whole character, the decoder state is reset there (UTF-8 is
+self-synchronising), so decode(all) == emitted + decode(rest) and the window can move on.
+
+One addition: a stream of invalid bytes (a broken model emitting continuation bytes) ends in
+U+FFFD forever, which would grow the window without bound. An incomplete character is at most
+3 bytes and every non-skipped token carries at least one byte, so once more than
+`_MAX_PENDING` tokens are pending, text that stops 3 byte-carrying tokens before the end and is
+already a prefix of new_text cannot change any more, and is emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+# Pending tokens tolerated while the text ends in U+FFFD before the bounded path kicks in.
+_MAX_PENDING = 8
+# Prompt tokens kept as decoding context (enough for any leading-space rule).
+_CONTEXT_TOKENS = 5
+# Bytes a trailing incomplete UTF-8 character can hold (a 4-byte character minus one).
+_MAX_PARTIAL_BYTES = 3
+
+
+class _Decoder(Protocol):
+    special_token_ids: frozenset[int]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Streams text for one sequence. `context` seeds the window with the last few prompt
+    tokens (not emitted) so the first generated token decodes as it would mid-sequence."""
+
+    def __init__(
+        self, tokenizer: _Decoder, skip_special_tokens: bool = True, context: Iterable[int] = ()
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        # Tokens that decode to nothing; they do not count as byte-carrying.
+        self._empty_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._ids: list[int] = list(context)[-_CONTEXT_TOKENS:]
+        # The window ids[0:] starts with context that is already emitted (or was never meant
+        # to be); ids[:read] have been emitted, ids[read:] are pending.
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        self._parts: list[str] = []
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._parts)
+
+    @property
+    def window(self) -> int:
+        """Tokens currently kept for decoding (bounded; exposed for tests)."""
+        return len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the text it completes (often "", never half a character)."""
+        if self._finished:
+            raise RuntimeError("push() after flush(): this detokenizer's sequence has ended")
+        self._ids.append(int(token_id))
+        new_text = self._decode(self._ids)
+        if not new_text.endswith(REPLACEMENT) and len(new_text) >= len(self._prefix_text):
+            return self._emit(new_text, len(self._ids))
+        if len(self._ids) - self._read > _MAX_PENDING:
+            return self._emit_settled(new_text)
+        return ""
+
+    def _emit(self, upto_text: str, upto: int) -> str:
+        """Emit `upto_text` (the decode of ids[:upto]) past the prefix; the window moves on."""
+        delta = upto_text[len(self._prefix_text) :]
+        # The old read offset becomes the new window start: it is decoding context only.
+        # Dropping everything before it keeps memory and decode cost constant per token.
+        del self._ids[: self._read]
+        self._read = upto - self._read
+        self._prefix_text = self._decode(self._ids[: self._read])
+        if delta:
+            self._parts.append(delta)
+        return delta
+
+    def _emit_settled(self, new_text: str) -> str:
+        """The bounded path: emit text that no future token can change (see module doc)."""
+        carrying = 0
+        cut = len(self._ids)
+        while cut > self._read and carrying < _MAX_PARTIAL_BYTES:
+            cut -= 1
+            if self._ids[cut] not in self._empty_ids:
+                carrying += 1
+        if carrying < _MAX_PARTIAL_BYTES or cut <= self._read:
+            return ""
+        settled = self._decode(self._ids[:cut])
+        if len(settled) < len(self._prefix_text) or not new_text.startswith(settled):
+            return ""
+        return self._emit(settled, cut)
+
+    def flush(self) -> str:
+        """End of sequence: emit whatever is held (trailing U+FFFD included, as decode does)."""
+        if self._finished:
+            return ""
+        self._finished = True
+        new_text = self._decode(self._ids)
+        delta = new_text[len(self._prefix_text) :]
+        if delta:
+            self._parts.append(delta)
+        return delta

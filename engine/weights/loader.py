@@ -1,0 +1,221 @@
+"""Streaming, strict loading of an HF safetensors folder into a model and its expert bank.
+
+Streaming: tensors are read one at a time from memory-mapped safetensors files and copied
+straight into preallocated parameters / bank rows on the target device, so peak host memory is
+one tensor, not the checkpoint. Strict: before anything is read, the name table is expanded into
+the full set of tensors the model needs; a name outside it, a wrong shape, or a requirement left
+unmet at the end is a `CheckpointError` that names the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from freetoken_agent.engine.config import ModelSpec
+from freetoken_agent.engine.weights.names import Dense, Expert, FusedExperts, Ignore, NameTable
+
+# E experts per layer, I expert width, H hidden
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model: missing, unexpected or mis-shaped tensors."""
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"no *.safetensors files in {model_dir} (only safetensors checkpoints are supported)"
+        )
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{index} lists {f.name}, which does not exist")
+    return files
+
+
+class ExpertSink:
+    """What the loader needs from an expert bank: a writable view of one projection."""
+
+    def projection(self, layer: int, expert: int, proj: str) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class _Plan:
+    """The full set of checkpoint names the model accepts, expanded from the table."""
+
+    targets: dict[str, tuple] = field(default_factory=dict)  # hf name -> (kind, payload)
+    requirements: dict[tuple, str] = field(default_factory=dict)  # requirement -> hf name to cite
+    ignore: list[re.Pattern] = field(default_factory=list)
+
+
+def _pattern(template: str) -> re.Pattern:
+    escaped = re.escape(template).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+    return re.compile(escaped + "$")
+
+
+def _plan(spec: ModelSpec, table: NameTable, params: dict[str, _Param]) -> _Plan:
+    plan = _Plan()
+    moe_layers = set(spec.moe_layers)
+    for template, target in table:
+        if isinstance(target, Ignore):
+            plan.ignore.append(_pattern(template))
+            continue
+        layers = range(spec.n_layers) if "{L}" in template else [None]
+        for layer in layers:
+            fmt = {"L": layer} if layer is not None else {}
+            if isinstance(target, Dense):
+                param = target.param.format(**fmt)
+                if param not in params:
+                    continue  # e.g. a bias this family's layer does not have
+                name = template.format(**fmt)
+                plan.targets[name] = ("dense", (param, target.shard))
+                plan.requirements.setdefault(("dense", param, target.shard), name)
+            elif layer in moe_layers:
+                moe = spec.moe_index(layer)
+                if isinstance(target, Expert):
+                    for e in range(spec.n_experts):
+                        name = template.format(L=layer, E=e)
+                        plan.targets[name] = ("expert", (moe, e, target.proj))
+                        plan.requirements.setdefault(("expert", moe, e, target.proj), name)
+                elif isinstance(target, FusedExperts):
+                    plan.targets[template.format(**fmt)] = ("fused", (moe, target.proj))
+    for name, param in params.items():
+        for shard in param.shards:
+            if ("dense", name, shard) not in plan.requirements:
+                raise AssertionError(f"name table has no entry for parameter {name} ({shard})")
+    return plan
+
+
+@dataclass(slots=True)
+class _Param:
+    tensor: torch.Tensor
+    shards: tuple[str | None, ...]  # stacked linears: the shard names; else (None,)
+    module: nn.Module
+
+
+def _dense_params(model: nn.Module) -> dict[str, _Param]:
+    """Named parameters (tied weights once), with the shard names of stacked linears."""
+    params: dict[str, _Param] = {}
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        shards = tuple(getattr(module, "shards", None) or (None,))
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue  # tied: lm_head shares the embedding
+            seen.add(id(p))
+            full = f"{module_name}.{pname}" if module_name else pname
+            params[full] = _Param(p.data, shards, module)
+    return params
+
+
+def _view(kind: str, payload: tuple, params: dict[str, _Param], bank: ExpertSink) -> torch.Tensor:
+    if kind == "dense":
+        param_name, shard = payload
+        param = params[param_name]
+        if shard is None:
+            return param.tensor
+        return param.module.shard_view(param_name.rsplit(".", 1)[1], shard)
+    moe, e, proj = payload
+    return bank.projection(moe, e, proj)
+
+
+def _stream(files: list[Path]) -> Iterator[tuple[str, object, Path]]:
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f, path
+
+
+def load_safetensors(
+    model_dir: str | Path,
+    spec: ModelSpec,
+    model: nn.Module,
+    bank: ExpertSink,
+    table: NameTable,
+    progress: bool = True,
+) -> None:
+    """Fill `model`'s parameters and `bank`'s experts from the folder's safetensors files."""
+    files = safetensors_files(model_dir)
+    params = _dense_params(model)
+    plan = _plan(spec, table, params)
+    met: set[tuple] = set()
+    unexpected: list[str] = []
+    total = sum(f.stat().st_size for f in files)
+    # delay: the bar appears only for loads that take more than a moment.
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, desc="loading", delay=1.0, disable=not progress
+    )
+    with torch.no_grad(), bar:
+        for name, handle, path in _stream(files):
+            target = plan.targets.get(name)
+            if target is None:
+                if spec.tie_word_embeddings and name == "lm_head.weight":
+                    continue  # tied checkpoints sometimes still carry the head
+                if not any(p.match(name) for p in plan.ignore):
+                    unexpected.append(name)
+                continue
+            tensor = handle.get_tensor(name)
+            kind, payload = target
+            if kind == "fused":
+                met.update(_load_fused(name, tensor, payload, spec, bank))
+            else:
+                dst = _view(kind, payload, params, bank)
+                _check_shape(name, tensor, tuple(dst.shape), path)
+                dst.copy_(tensor)
+                met.add((kind, *payload))
+            bar.update(tensor.numel() * tensor.element_size())
+    if unexpected:
+        raise CheckpointError(
+            f"{len(unexpected)} unexpected tensor(s) in {model_dir}: {_names(unexpected)} "
+            f"(is config.json's model_type {spec.arch!r} right for these weights?)"
+        )
+    missing = [name for req, name in plan.requirements.items() if req not in met]
+    if missing:
+        raise CheckpointError(f"{len(missing)} missing tensor(s) in {model_dir}: {_names(missing)}")
+
+
+def _load_fused(
+    name: str, tensor: torch.Tensor, payload: tuple, spec: ModelSpec, bank: ExpertSink
+) -> list[tuple]:
+    moe, proj = payload
+    e, i, h = spec.n_experts, spec.moe_intermediate_size, spec.hidden_size
+    shapes = {"gate_up": (e, 2 * i, h), "gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
+    _check_shape(name, tensor, shapes[proj], None)
+    met = []
+    for expert in range(e):
+        bank.projection(moe, expert, proj).copy_(tensor[expert])
+        for part in ("gate", "up") if proj == "gate_up" else (proj,):
+            met.append(("expert", moe, expert, part))
+    return met
+
+
+def _check_shape(
+    name: str, tensor: torch.Tensor, expected: tuple[int, ...], path: Path | None
+) -> None:
+    if tuple(tensor.shape) != expected:
+        where = f" in {path.name}" if path else ""
+        raise CheckpointError(
+            f"tensor {name}{where} has shape {tuple(tensor.shape)}, the model expects {expected}"
+        )
+    if not (tensor.is_floating_point()):
+        raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}; expected a float tensor")
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

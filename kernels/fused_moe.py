@@ -1,0 +1,42 @@
+"""Fused MoE dispatcher: the Triton kernels on CUDA tensors, the plain-torch twin otherwise.
+
+Shapes (legend in `kernels/reference_moe.py`): hidden [T, H], w13 [N, 2I, H], w2 [N, H, I],
+topk_ids [T, K] (negative = skip), topk_weights [T, K] fp32, out [T, H].
+"""
+
+import torch
+
+from freetoken_agent.kernels.reference_moe import fused_moe_reference
+
+# Which Triton path serves a call, by its number of (token, choice) pairs P = T * K.
+# Up to this many pairs the weight bytes dominate: the decode path (one program per pair and
+# output block, groups of pairs sharing a row computed by their leader) streams them at HBM speed
+# with no sorting launches. Past it most rows are picked by many tokens and tensor-core tiles over
+# pairs sorted by row win. Every engine decode batch up to 16 sequences at K = 8 stays on one path,
+# so a sequence's bits do not change as the batch grows within that range.
+PATH_LIMITS: dict[str, int] = {"decode_max_pairs": 128}
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    force_triton: bool = False,
+) -> torch.Tensor:
+    """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]).
+
+    force_triton runs CPU tensors through the Triton kernels (needs TRITON_INTERPRET=1 set before
+    triton is imported); it is for tests.
+    """
+    if not (hidden.is_cuda or force_triton):
+        return fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, out)
+    # Imported here so the CPU fallback works on machines without triton (CPU builds of torch).
+    from freetoken_agent.kernels.triton.fused_moe import fused_moe_decode, fused_moe_prefill
+
+    pairs = topk_ids.shape[0] * topk_ids.shape[1]
+    path = fused_moe_decode if pairs <= PATH_LIMITS["decode_max_pairs"] else fused_moe_prefill
+    return path(hidden, w13, w2, topk_ids, topk_weights, out)

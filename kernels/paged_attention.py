@@ -1,0 +1,50 @@
+"""Paged attention entry points: the Triton kernel on CUDA tensors, the torch reference otherwise.
+
+Shapes (legend of `kernels/reference.py`): q / out [T, Hq, D]; k_cache, v_cache [P, S, Hkv, D];
+page_table [B, max_pages] int32; cu_q_lens [B + 1] int32; kv_lens [B] int32.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import Tensor
+
+from freetoken_agent.kernels import reference
+
+# store_kv is plain torch on every device (index_copy_ is graph-capturable): one implementation.
+store_kv = reference.store_kv
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    cu_q_lens: Tensor,
+    kv_lens: Tensor,
+    scale: float,
+    max_q_len: int,
+    window: int = 0,
+    out: Tensor | None = None,
+    max_kv_len: int | None = None,
+    force_triton: bool = False,
+) -> Tensor:
+    """Causal (window > 0: sliding-window) attention of a varlen batch over a paged KV cache.
+
+    See `reference.paged_attention` for the contract. CUDA tensors run the Triton kernel (no
+    host synchronisation, CUDA-graph safe); CPU tensors run the reference, or, with
+    force_triton, the Triton kernel under TRITON_INTERPRET=1 (tests).
+    """
+    args = (q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale, max_q_len, window, out)
+    if not (q.is_cuda or force_triton):
+        return reference.paged_attention(*args, max_kv_len)
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "paged_attention(force_triton=True) on CPU tensors needs TRITON_INTERPRET=1 set "
+            "before triton is imported"
+        )
+    # Imported here so the CPU fallback works on machines without triton.
+    from freetoken_agent.kernels.triton.paged_attention import paged_attention as triton_impl
+
+    return triton_impl(*args, max_kv_len)

@@ -1,0 +1,392 @@
+"""Fused MoE expert computation over rows of weight banks: Triton kernels and launchers.
+
+Shape legend (the twin is `kernels/reference_moe.py`):
+  T tokens, H hidden, I expert intermediate width, K top-k, N rows in a weight bank,
+  P = T * K (token, choice) pairs; pair p = t * K + k. S sorted positions (pairs grouped by row).
+  hidden [T, H]; w13 [N, 2I, H] (gate rows 0..I-1, up rows I..2I-1); w2 [N, H, I];
+  topk_ids [T, K] int32/int64 (negative = skip); topk_weights [T, K] fp32; out [T, H].
+  Expert: y = w2 @ (silu(w13[:I] @ x) * (w13[I:] @ x)).
+
+Two paths, both free of host syncs (grids come from T, K, H, I, N only), so both can be captured
+in a CUDA graph:
+- decode (few pairs, bandwidth-bound): `_decode_gate_up_kernel` writes act [P, I] fp32, then
+  `_decode_down_kernel` writes out [T, H] with the weighted sum over k.
+- prefill (many pairs, compute-bound): pairs are sorted by row on the device, then grouped GEMMs
+  with tl.dot over blocks of pairs of one row, then `_sum_over_k_kernel`.
+
+Determinism: no atomics; every output element sums k = 0..K-1 in a fixed order, and a pair's
+arithmetic does not depend on the other pairs of its tile (tl.dot rows are independent; masked
+rows are zeros), so on either path a token's bits do not depend on the rest of the batch. Tiles
+are keyed by (H, I), never by T, for the same reason.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken_agent.kernels.reference_moe import check_moe_shapes
+
+# Tiles keyed by (H, I); "default" covers other shapes. First guesses for the H200;
+# `python -m freetoken_agent.bench.moe_kernel` sweeps alternatives to tune them.
+DECODE_TILES: dict[tuple[int, int] | str, dict[str, int]] = {
+    # gate/up: BLOCK_M pairs of one row x BLOCK_I outputs, H walked in BLOCK_H steps (tl.dot needs
+    # every dim >= 16). down: BLOCK_N outputs per program, I walked in BLOCK_K steps. Small output
+    # blocks give T=1, K=8 enough programs (384 and 256) to fill 132 SMs.
+    "default": dict(
+        BLOCK_M=16, BLOCK_I=16, BLOCK_H=256, WARPS_UP=4, BLOCK_N=8, BLOCK_K=256, WARPS_DOWN=4
+    ),
+}
+PREFILL_TILES: dict[tuple[int, int] | str, dict[str, int]] = {
+    # CHUNK_PAIRS bounds the workspace (act [S, I] + fp32 y [P, H]: about 600 MB at H=2048,
+    # I=768); a longer batch runs in token chunks, each re-reading the weights of its rows.
+    "default": dict(
+        BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, WARPS_UP=8, STAGES_UP=3,
+        DOWN_BLOCK_N=128, DOWN_BLOCK_K=64, WARPS_DOWN=4, STAGES_DOWN=4,
+        SUM_BLOCK=512, CHUNK_PAIRS=65536,
+    ),  # fmt: skip
+}
+# The decode kernel scans all P ids in every program to find its group: O(P) per program.
+DECODE_MAX_PAIRS = 1024
+
+
+def _tiles(table: dict, h: int, i: int, override: dict | None) -> dict[str, int]:
+    return {**table.get((h, i), table["default"]), **(override or {})}
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 operands would default to TF32 on tensor cores (10-bit mantissa); keep them exact.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr,  # [T, H]
+    w13_ptr,  # [N, 2I, H]
+    ids_ptr,  # [P]
+    act_ptr,  # [P, I] fp32
+    P,
+    H,
+    I,
+    K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # One program per (pair, output block). Pairs that picked the same row form a group; its first
+    # pair leads and computes the whole group with tl.dot, so the row's weights are read once per
+    # batch without a sort (which would need a host sync or extra launches). Others exit at once.
+    pid = tl.program_id(0)
+    n_iblk = tl.cdiv(I, BLOCK_I)
+    p = pid // n_iblk
+    pid_i = pid % n_iblk
+    row = tl.load(ids_ptr + p)
+    if row < 0:
+        return
+    offs_p = tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1)  # [BLOCK_P]
+    same = ids == row
+    if tl.sum((same & (offs_p < p)).to(tl.int32), axis=0) > 0:
+        return
+    rank = tl.cumsum(same.to(tl.int32), axis=0) - 1  # [BLOCK_P] position of a member in the group
+    n_group = tl.sum(same.to(tl.int32), axis=0)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_h = tl.arange(0, BLOCK_H)
+    i_mask = offs_i < I
+    # [BLOCK_H, BLOCK_I] tiles of the gate rows; the up rows sit I * H elements further.
+    w_ptrs = w13_ptr + row.to(tl.int64) * (2 * I * H) + offs_i[None, :] * H + offs_h[:, None]
+    for m0 in range(0, n_group, BLOCK_M):  # more than BLOCK_M members: rare, re-reads from L2
+        # Compact members m0 .. m0 + BLOCK_M - 1 into tile rows: sel[m, q] = pair q is member m0+m.
+        sel = same[None, :] & (rank[None, :] == (m0 + offs_m)[:, None])  # [BLOCK_M, BLOCK_P]
+        pair = tl.sum(tl.where(sel, offs_p[None, :], 0), axis=1)  # [BLOCK_M]
+        valid = (m0 + offs_m) < n_group
+        x_ptrs = x_ptr + (pair // K)[:, None] * H + offs_h[None, :]  # [BLOCK_M, BLOCK_H]
+        acc_g = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h_mask = (h0 + offs_h) < H
+            x = tl.load(x_ptrs + h0, mask=valid[:, None] & h_mask[None, :], other=0.0)
+            w_mask = h_mask[:, None] & i_mask[None, :]
+            wg = tl.load(w_ptrs + h0, mask=w_mask, other=0.0)
+            wu = tl.load(w_ptrs + I * H + h0, mask=w_mask, other=0.0)
+            acc_g = tl.dot(x, wg, acc_g, input_precision=PREC)
+            acc_u = tl.dot(x, wu, acc_u, input_precision=PREC)
+        act = acc_g * tl.sigmoid(acc_g) * acc_u  # SwiGLU in fp32
+        a_ptrs = act_ptr + pair[:, None] * I + offs_i[None, :]
+        tl.store(a_ptrs, act, mask=valid[:, None] & i_mask[None, :])
+
+
+@triton.jit
+def _decode_down_kernel(
+    act_ptr,  # [P, I] fp32
+    w2_ptr,  # [N, H, I]
+    ids_ptr,  # [P]
+    wts_ptr,  # [P] fp32
+    out_ptr,  # [T, H]
+    T,
+    H,
+    I,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # One program per (token, output block), summing its K pairs in order (deterministic, no
+    # atomics). Tokens vary fastest, so the programs of one output block run together and a row
+    # picked by several tokens is served from L2 after the first read.
+    pid = tl.program_id(0)
+    t = pid % T
+    pid_n = pid // T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < H
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(K):
+        p = t * K + k
+        row = tl.load(ids_ptr + p)
+        live = row >= 0  # skipped pairs load nothing (their act was never written) and add 0
+        wt = tl.where(live, tl.load(wts_ptr + p), 0.0)
+        k_end = tl.where(live, I, 0)  # a bound, not `mask & live`: the interpreter mistypes that
+        w_ptrs = w2_ptr + tl.maximum(row, 0).to(tl.int64) * (H * I) + offs_n[:, None] * I
+        y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_mask = (k0 + offs_k) < k_end
+            a = tl.load(act_ptr + p * I + k0 + offs_k, mask=k_mask, other=0.0)  # [BLOCK_K]
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_ptrs + k0 + offs_k[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+            y += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        acc += wt * y
+    tl.store(out_ptr + t * H + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr,  # [T, H]
+    w13_ptr,  # [N, 2I, H]
+    order_ptr,  # [S] pair at each sorted position
+    blk_row_ptr,  # [B] bank row of each block, -1 = unused block
+    blk_start_ptr,  # [B] first sorted position of the block
+    blk_end_ptr,  # [B] end of the row's positions (the block stops there)
+    act_ptr,  # [S, I] hidden.dtype, indexed by sorted position
+    H,
+    I,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # Output blocks vary fastest: the programs of one block of pairs run together and share its
+    # gathered x rows in L2, and consecutive blocks of one row share its weights.
+    pid = tl.program_id(0)
+    n_nblk = tl.cdiv(I, BLOCK_N)
+    b = pid // n_nblk
+    pid_n = pid % n_nblk
+    row = tl.load(blk_row_ptr + b)
+    if row < 0:
+        return
+    offs_s = tl.load(blk_start_ptr + b) + tl.arange(0, BLOCK_M)
+    valid = offs_s < tl.load(blk_end_ptr + b)  # tail block of a row: masked rows are zeros
+    pair = tl.load(order_ptr + offs_s, mask=valid, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < I
+    x_ptrs = x_ptr + (pair // K)[:, None] * H + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w13_ptr + row.to(tl.int64) * (2 * I * H) + offs_n[None, :] * H + offs_k[:, None]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = (k0 + offs_k) < H
+        x = tl.load(x_ptrs + k0, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        wg = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        wu = tl.load(w_ptrs + I * H + k0, mask=w_mask, other=0.0)
+        acc_g = tl.dot(x, wg, acc_g, input_precision=PREC)
+        acc_u = tl.dot(x, wu, acc_u, input_precision=PREC)
+    # SwiGLU in fp32, then one rounding to the weight dtype: the down GEMM's tensor cores need
+    # 16-bit operands (HF rounds here too).
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    a_ptrs = act_ptr + offs_s[:, None] * I + offs_n[None, :]
+    tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(
+    act_ptr,  # [S, I]
+    w2_ptr,  # [N, H, I]
+    order_ptr,  # [S]
+    blk_row_ptr,  # [B]
+    blk_start_ptr,  # [B]
+    blk_end_ptr,  # [B]
+    y_ptr,  # [P, H] fp32, unweighted expert outputs by pair
+    H,
+    I,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_nblk = tl.cdiv(H, BLOCK_N)
+    b = pid // n_nblk
+    pid_n = pid % n_nblk
+    row = tl.load(blk_row_ptr + b)
+    if row < 0:
+        return
+    offs_s = tl.load(blk_start_ptr + b) + tl.arange(0, BLOCK_M)
+    valid = offs_s < tl.load(blk_end_ptr + b)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < H
+    a_ptrs = act_ptr + offs_s[:, None] * I + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w2_ptr + row.to(tl.int64) * (H * I) + offs_n[None, :] * I + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_mask = (k0 + offs_k) < I
+        a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PREC)
+    pair = tl.load(order_ptr + offs_s, mask=valid, other=0)
+    y_ptrs = y_ptr + pair[:, None] * H + offs_n[None, :]
+    tl.store(y_ptrs, acc, mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_over_k_kernel(
+    y_ptr,  # [P, H] fp32
+    ids_ptr,  # [P]
+    wts_ptr,  # [P] fp32
+    out_ptr,  # [T, H]
+    H,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # A separate pass because the pairs of one token live in different row groups; summing here
+    # in k order keeps the result deterministic without atomics.
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(K):
+        p = t * K + k
+        live = tl.load(ids_ptr + p) >= 0  # a skipped pair's y was never written
+        wt = tl.where(live, tl.load(wts_ptr + p), 0.0)
+        y_mask = offs < tl.where(live, H, 0)
+        acc += wt * tl.load(y_ptr + p * H + offs, mask=y_mask, other=0.0)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(hidden, w13, w2, topk_ids, topk_weights, out) -> tuple[int, int, int, int]:
+    t, h, i, k = check_moe_shapes(hidden, w13, w2, topk_ids, topk_weights, out)
+    tensors = [hidden, w13, w2, topk_ids, topk_weights] + ([out] if out is not None else [])
+    assert all(x.is_contiguous() for x in tensors), "fused_moe needs contiguous tensors"
+    assert all(x.device == hidden.device for x in tensors), "fused_moe tensors on one device"
+    return t, h, i, k
+
+
+def fused_moe_decode(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    tiles: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Bandwidth-bound path for few pairs; no host sync, safe under CUDA-graph capture."""
+    t, h, i, k = _check(hidden, w13, w2, topk_ids, topk_weights, out)
+    p = t * k
+    assert p <= DECODE_MAX_PAIRS, f"decode path takes at most {DECODE_MAX_PAIRS} pairs, got {p}"
+    if out is None:
+        out = torch.empty_like(hidden)
+    if p == 0:
+        return out
+    c = _tiles(DECODE_TILES, h, i, tiles)
+    act = torch.empty(p, i, dtype=torch.float32, device=hidden.device)  # [P, I]
+    _decode_gate_up_kernel[(p * triton.cdiv(i, c["BLOCK_I"]),)](
+        hidden, w13, topk_ids, act, p, h, i,
+        K=k, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_M=c["BLOCK_M"],
+        BLOCK_I=c["BLOCK_I"], BLOCK_H=c["BLOCK_H"], PREC=_dot_precision(hidden.dtype),
+        num_warps=c["WARPS_UP"],
+    )  # fmt: skip
+    _decode_down_kernel[(t * triton.cdiv(h, c["BLOCK_N"]),)](
+        act, w2, topk_ids, topk_weights, out, t, h, i,
+        K=k, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], num_warps=c["WARPS_DOWN"],
+    )  # fmt: skip
+    return out
+
+
+def align_pairs_by_row(
+    ids: torch.Tensor, n_rows: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group pairs by bank row into blocks of at most block_m, with torch ops and no host sync.
+
+    ids: [P] row ids (negative = skip). Returns order [S=P] (pair at each sorted position; skipped
+    pairs last, never read), and per block b of an upper-bound count B: row [B] (-1 = unused),
+    start [B] and end [B] sorted positions (a block covers start .. min(start + block_m, end)).
+    """
+    p, dev = ids.numel(), ids.device
+    key = torch.where(ids < 0, n_rows, ids).long()  # [P] skipped pairs sort after every row
+    order = torch.argsort(key, stable=True)  # [S] stable: token order inside a row
+    bounds = torch.searchsorted(key[order], torch.arange(n_rows + 1, device=dev))  # [N+1]
+    counts = bounds[1:] - bounds[:-1]  # [N] pairs per row (bincount would sync on CUDA)
+    blocks = (counts + block_m - 1) // block_m  # [N]
+    blocks_end = torch.cumsum(blocks, 0)  # [N]
+    # Each row with pairs adds at most one partial block: a bound known without reading ids.
+    b = torch.arange(triton.cdiv(p, block_m) + min(n_rows, p), device=dev)  # [B]
+    row = torch.searchsorted(blocks_end, b, right=True)  # [B] n_rows past the last used block
+    rc = row.clamp(max=n_rows - 1)
+    start = bounds[rc] + (b - (blocks_end[rc] - blocks[rc])) * block_m
+    end = bounds[rc + 1]
+    return order, torch.where(row < n_rows, row, -1), start, end
+
+
+def fused_moe_prefill(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    tiles: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Compute-bound path: pairs sorted by row, grouped GEMMs, then a sum over k per token."""
+    t, h, i, k = _check(hidden, w13, w2, topk_ids, topk_weights, out)
+    if out is None:
+        out = torch.empty_like(hidden)
+    c = _tiles(PREFILL_TILES, h, i, tiles)
+    chunk = max(1, c["CHUNK_PAIRS"] // max(k, 1))  # tokens per launch
+    for t0 in range(0, t, chunk):
+        t1 = min(t, t0 + chunk)
+        _prefill_chunk(hidden[t0:t1], w13, w2, topk_ids[t0:t1], topk_weights[t0:t1], out[t0:t1], c)
+    return out
+
+
+def _prefill_chunk(hidden, w13, w2, topk_ids, topk_weights, out, c: dict[str, int]) -> None:
+    t, h = hidden.shape
+    n, i, k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
+    p = t * k
+    if p == 0:
+        return
+    order, blk_row, blk_start, blk_end = align_pairs_by_row(topk_ids.view(-1), n, c["BLOCK_M"])
+    n_blk = blk_row.numel()
+    prec = _dot_precision(hidden.dtype)
+    act = torch.empty(p, i, dtype=hidden.dtype, device=hidden.device)  # [S, I]
+    y = torch.empty(p, h, dtype=torch.float32, device=hidden.device)  # [P, H]
+    _grouped_gate_up_kernel[(n_blk * triton.cdiv(i, c["BLOCK_N"]),)](
+        hidden, w13, order, blk_row, blk_start, blk_end, act, h, i,
+        K=k, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PREC=prec,
+        num_warps=c["WARPS_UP"], num_stages=c["STAGES_UP"],
+    )  # fmt: skip
+    _grouped_down_kernel[(n_blk * triton.cdiv(h, c["DOWN_BLOCK_N"]),)](
+        act, w2, order, blk_row, blk_start, blk_end, y, h, i,
+        BLOCK_M=c["BLOCK_M"], BLOCK_N=c["DOWN_BLOCK_N"], BLOCK_K=c["DOWN_BLOCK_K"], PREC=prec,
+        num_warps=c["WARPS_DOWN"], num_stages=c["STAGES_DOWN"],
+    )  # fmt: skip
+    _sum_over_k_kernel[(t, triton.cdiv(h, c["SUM_BLOCK"]))](
+        y, topk_ids, topk_weights, out, h, K=k, BLOCK=c["SUM_BLOCK"]
+    )

@@ -1,0 +1,411 @@
+"""Paged attention in Triton: one kernel for prefill, chunked prefill, decode and mixed batches.
+
+Each program owns BLOCK_M query rows = BLOCK_Q tokens of one sequence x HEADS query heads of one
+GQA group (row r is token r // HEADS, head r % HEADS). Packing the group's heads into the rows
+means every K/V tile is loaded once per group, not once per query head: decode reads the cache
+G times less, and a decode tile still has the 16 rows tl.dot needs. The program walks kv tiles
+of BLOCK_N positions with an online softmax (flash attention 2), gathering rows through the page
+table, only up to the block's causal bound and from its window start. Tiles that no row masks
+run without mask arithmetic; only the diagonal and window-edge tiles compute a mask.
+
+Split-KV ("flash decoding"): when the batch has too few (q block, kv head) programs to fill the
+GPU (decode at batch 1 has Hkv of them), a third grid axis cuts each sequence's kv range into
+NS pieces; programs write unnormalised partials (acc, running max, running sum) and a second
+kernel combines them. NS and every grid size come from python ints, so a captured CUDA graph
+replays correctly whatever kv_lens hold; each sequence's range is divided on the device.
+"""
+
+# Shape legend: T query tokens (all sequences, flattened), B sequences, Hq / Hkv query / kv heads,
+# G = Hq // Hkv, D head dim (D_PAD: padded to a power of two >= 16), P pages of S tokens,
+# NS kv splits. Rows: BLOCK_M = BLOCK_Q tokens x HEADS heads; columns: BLOCK_N kv positions.
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_LOG2E = 1.4426950408889634
+# Stands in for "no window": positions stay below 2**30, so p - _NO_WINDOW never reaches a real
+# kv position and the window arithmetic needs no branch.
+_NO_WINDOW = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    block_m: int  # query rows per program (tokens x heads of one GQA group), >= 16 for tl.dot
+    block_n: int  # kv positions per inner step, >= 16
+    num_warps: int
+    num_stages: int
+
+
+# Tile table keyed by device class, then (tile class, padded head dim). "decode": at most 16 rows
+# per sequence (decode and short speculative chunks): memory-bound, the tile only needs enough
+# bytes in flight. "small": up to 64 rows. "prefill": compute-bound flash-attention tiles; D=256
+# halves both sides so K/V stages fit in shared memory. Starting points for the H200 (sm_90):
+# add a device key beside "default" once tuned on another machine.
+_TILES: dict[str, dict[tuple[str, int], Tiles]] = {
+    "default": {
+        **{("decode", d): Tiles(16, 64, 4, 3) for d in (16, 32, 64, 128)},
+        ("decode", 256): Tiles(16, 32, 4, 3),
+        **{("small", d): Tiles(64, 64, 4, 3) for d in (16, 32, 64, 128)},
+        ("small", 256): Tiles(64, 32, 4, 2),
+        **{("prefill", d): Tiles(128, 64, 4, 3) for d in (16, 32, 64)},
+        ("prefill", 128): Tiles(128, 64, 8, 3),
+        ("prefill", 256): Tiles(64, 32, 4, 2),
+    },
+}
+_TILE_CLASS_ROWS = (("decode", 16), ("small", 64))  # rows per sequence -> class; else "prefill"
+
+# Split-KV policy: aim at this many programs per SM, never cut a sequence into pieces of fewer
+# tiles than min_tiles (each split costs a partial write + read of NS x D floats per row).
+_SPLIT_POLICY = {"programs_per_sm": 2, "min_tiles": 2, "max_splits": 128}
+_SPLIT_CHUNK = 16  # splits combined per step in the reduce kernel (bounds its registers)
+_INTERPRETER_SMS = 8  # pretend SM count on the CPU, so the split heuristic runs there too
+
+
+@triton.jit
+def _find_seq(cu_q_lens_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    # Sequence b owns q blocks [cu[b] // BLOCK_Q + b, cu[b + 1] // BLOCK_Q + b + 1): a strictly
+    # increasing start per sequence, at least cdiv(q_len, BLOCK_Q) blocks each, and T // BLOCK_Q
+    # + B blocks in all, with no prefix sum over the batch. Binary search for the last start <=
+    # pid. The loop variables start as tensors so the while loop carries one type.
+    lo = pid * 0
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_q_lens_ptr + mid) // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _load_kv_tile(ptrs, kv_ok, d_ok, MASK_KV: tl.constexpr, EVEN_D: tl.constexpr):
+    # ptrs: [BLOCK_N, D_PAD]. Masks only where they can be false (constexpr-selected).
+    if MASK_KV:
+        if EVEN_D:
+            tile = tl.load(ptrs, mask=kv_ok[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _attend_tiles(
+    # acc, q [BLOCK_M, D_PAD]; l_i, m_i [BLOCK_M]; pt_ptr: this sequence's page-table row
+    acc, l_i, m_i, q, k_ptr, v_ptr, pt_ptr,
+    n_start, n_end, kv_len, pos, lo_excl, qk_scale, stride_kp, stride_ks,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    for n in range(n_start, n_end):
+        j = n * BLOCK_N + offs_n  # [BLOCK_N] kv positions
+        kv_ok = j < kv_len
+        # One page id per kv position (duplicates hit L1): works for any page size, also pages
+        # smaller than BLOCK_N; PAGE is a constexpr power of two, so // and % are shifts/masks.
+        if MASKED:
+            page = tl.load(pt_ptr + j // PAGE, mask=kv_ok, other=0)
+        else:
+            page = tl.load(pt_ptr + j // PAGE)
+        # int64: P * S * Hkv * D can pass 2**31 elements in a large cache.
+        row = page.to(tl.int64) * stride_kp + (j % PAGE) * stride_ks  # [BLOCK_N]
+        kv_offs = row[:, None] + offs_d[None, :]  # [BLOCK_N, D_PAD]
+        k = _load_kv_tile(k_ptr + kv_offs, kv_ok, d_ok, MASKED, HEAD_DIM == D_PAD)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            # Causal and window mask per row; kv_ok is implied for real rows (pos < kv_len).
+            ok = (j[None, :] <= pos[:, None]) & (j[None, :] > lo_excl[:, None])
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])  # scores are in log2 units (qk_scale carries log2 e)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(v_ptr + kv_offs, kv_ok, d_ok, MASKED, HEAD_DIM == D_PAD)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr,  # q, out [T, Hq, D]; k, v [P, S, Hkv, D]
+    part_acc_ptr, part_m_ptr, part_l_ptr,  # [T, Hq, NS, D], [T, Hq, NS], [T, Hq, NS] fp32
+    page_table_ptr, cu_q_lens_ptr, kv_lens_ptr,  # [B, max_pages], [B + 1], [B]
+    qk_scale, window, num_seqs, q_blocks_per_seq, num_splits, num_q_heads,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_ot, stride_oh, stride_pt,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    DIRECT: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # grid: (q blocks, Hkv * HEAD_CHUNKS, NS)
+    pid_q = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    if DIRECT:  # q_blocks_per_seq = cdiv(max_q_len, BLOCK_Q) blocks per sequence
+        seq = pid_q // q_blocks_per_seq
+        qb = pid_q % q_blocks_per_seq
+    else:
+        seq = _find_seq(cu_q_lens_ptr, pid_q, num_seqs, BLOCK_Q)
+        qb = pid_q - (tl.load(cu_q_lens_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(cu_q_lens_ptr + seq)
+    q_len = tl.load(cu_q_lens_ptr + seq + 1) - q_start
+    if qb * BLOCK_Q >= q_len:  # spare block of the grid bound (or an empty sequence)
+        return
+    kv_len = tl.load(kv_lens_ptr + seq)
+    kvh = pid_h // HEAD_CHUNKS
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    tok = qb * BLOCK_Q + offs_m // HEADS  # [BLOCK_M] token index within the sequence
+    g = (pid_h % HEAD_CHUNKS) * HEADS + offs_m % HEADS  # [BLOCK_M] head within the group
+    row_ok = (tok < q_len) & (g < GROUP)  # padding rows compute on zeros and are never stored
+    head = kvh * GROUP + g  # [BLOCK_M] query head
+    pos = kv_len - q_len + tok  # [BLOCK_M] absolute position of the row's token
+    lo_excl = pos - window  # [BLOCK_M] the row sees lo_excl < j <= pos
+    row_t = (q_start + tok).to(tl.int64)  # [BLOCK_M] flat token index
+    io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + row_t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )  # [BLOCK_M, D_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Tile ranges of this block, in units of BLOCK_N: [n_lo, n_hi) is everything some row sees;
+    # [f_lo, f_hi) the tiles every row sees whole (no mask needed).
+    p_first = kv_len - q_len + qb * BLOCK_Q
+    p_last = tl.minimum(p_first + BLOCK_Q - 1, kv_len - 1)
+    n_lo = tl.maximum(p_first - window + 1, 0) // BLOCK_N
+    n_hi = (p_last + BLOCK_N) // BLOCK_N
+    f_lo = (tl.maximum(p_last - window + 1, 0) + BLOCK_N - 1) // BLOCK_N
+    f_lo = tl.minimum(tl.maximum(f_lo, n_lo), n_hi)
+    f_hi = tl.minimum(tl.maximum((p_first + 1) // BLOCK_N, f_lo), n_hi)
+    if SPLIT:  # this program's share of the block's tiles; may be empty
+        per = (n_hi - n_lo + num_splits - 1) // num_splits
+        s_lo = n_lo + split * per
+        s_hi = tl.minimum(s_lo + per, n_hi)
+    else:
+        s_lo = n_lo
+        s_hi = n_hi
+
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    # Finite start: a row masked in every tile of a split keeps m = -1e30 and l = 0 instead of
+    # computing (-inf) - (-inf) = NaN; the combine kernel then gives that split zero weight.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    pt_ptr = page_table_ptr + seq.to(tl.int64) * stride_pt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_kh
+    # Three ranges, each clipped to this split: window's leading edge (masked), interior (no
+    # mask), causal diagonal (masked).
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_base, v_base, pt_ptr, tl.maximum(n_lo, s_lo), tl.minimum(f_lo, s_hi),
+        kv_len, pos, lo_excl, qk_scale, stride_kp, stride_ks,
+        BLOCK_N, PAGE, HEAD_DIM, D_PAD, True, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_base, v_base, pt_ptr, tl.maximum(f_lo, s_lo), tl.minimum(f_hi, s_hi),
+        kv_len, pos, lo_excl, qk_scale, stride_kp, stride_ks,
+        BLOCK_N, PAGE, HEAD_DIM, D_PAD, False, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_base, v_base, pt_ptr, tl.maximum(f_hi, s_lo), tl.minimum(n_hi, s_hi),
+        kv_len, pos, lo_excl, qk_scale, stride_kp, stride_ks,
+        BLOCK_N, PAGE, HEAD_DIM, D_PAD, True, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+
+    if SPLIT:
+        part = (row_t * num_q_heads + head) * num_splits + split  # [BLOCK_M] row of [T, Hq, NS]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + row_t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, num_q_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # grid: (T, Hq). out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * num_q_heads + h) * num_splits
+    offs_s = tl.arange(0, SPLITS_PAD)
+    m_all = tl.load(part_m_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    l_all = tl.load(part_l_ptr + base + offs_s, mask=offs_s < num_splits, other=0.0)
+    m_max = tl.max(m_all, 0)
+    denom = tl.sum(tl.exp2(m_all - m_max) * l_all, 0)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.zeros([D_PAD], tl.float32)
+    for c in range(0, num_splits, CHUNK):  # CHUNK splits at a time bounds registers at NS = 128
+        s = c + tl.arange(0, CHUNK)
+        s_ok = s < num_splits
+        w = tl.exp2(tl.load(part_m_ptr + base + s, mask=s_ok, other=float("-inf")) - m_max)
+        a_ptrs = part_acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :]
+        a = tl.load(a_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [CHUNK, D_PAD]
+        acc += tl.sum(a * w[:, None], 0)
+    o = acc / denom
+    o_ptrs = out_ptr + t * stride_ot + h * stride_oh + offs_d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    # Host-side property query: no device sync, fine during graph capture.
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "interpreter"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def default_tiles(device: torch.device, max_q_len: int, group: int, head_dim: int) -> Tiles:
+    """Tiles for a launch: the class follows the rows one sequence contributes per kv group."""
+    rows = max_q_len * triton.next_power_of_2(group)
+    cls = next((c for c, limit in _TILE_CLASS_ROWS if rows <= limit), "prefill")
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    return _TILES.get(_device_key(device), _TILES["default"])[(cls, d_pad)]
+
+
+def default_num_splits(device: torch.device, programs: int, max_kv_len: int, block_n: int) -> int:
+    """KV splits so that programs * NS reaches programs_per_sm * SMs; python ints only."""
+    sms = _INTERPRETER_SMS if device.type != "cuda" else _num_sms(device.index or 0)
+    want = triton.cdiv(_SPLIT_POLICY["programs_per_sm"] * sms, max(programs, 1))
+    most = triton.cdiv(triton.cdiv(max_kv_len, block_n), _SPLIT_POLICY["min_tiles"])
+    return max(1, min(want, most, _SPLIT_POLICY["max_splits"]))
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    cu_q_lens: Tensor,
+    kv_lens: Tensor,
+    scale: float,
+    max_q_len: int,
+    window: int = 0,
+    out: Tensor | None = None,
+    max_kv_len: int | None = None,
+) -> Tensor:
+    """Triton twin of `reference.paged_attention` (same contract); no host synchronisation.
+
+    max_q_len must be >= every q_len (a smaller value leaves rows unwritten); max_kv_len bounds
+    every kv_len for the split heuristic (default: page_table.shape[1] * S).
+    """
+    return launch_paged_attention(
+        q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale, max_q_len, window, out,
+        max_kv_len,
+    )  # fmt: skip
+
+
+def launch_paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    cu_q_lens: Tensor,
+    kv_lens: Tensor,
+    scale: float,
+    max_q_len: int,
+    window: int = 0,
+    out: Tensor | None = None,
+    max_kv_len: int | None = None,
+    *,
+    tiles: Tiles | None = None,
+    num_splits: int | None = None,
+) -> Tensor:
+    """`paged_attention` with the tile shape and the split count exposed (tests, tuning)."""
+    T, Hq, D = q.shape
+    P, S, Hkv, Dk = k_cache.shape
+    B, max_pages = page_table.shape
+    assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, (q.shape, k_cache.shape)
+    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "head dim must be contiguous"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert cu_q_lens.shape == (B + 1,) and kv_lens.shape == (B,), (cu_q_lens.shape, kv_lens.shape)
+    for name, t in (("page_table", page_table), ("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens)):
+        assert t.dtype == torch.int32 and t.is_contiguous(), f"{name}: contiguous int32 expected"
+    assert page_table.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(-1) == 1, (out.shape, q.shape)
+    G = Hq // Hkv
+    g_pad = triton.next_power_of_2(G)
+    d_pad = max(16, triton.next_power_of_2(D))
+    tiles = tiles or default_tiles(q.device, max_q_len, G, D)
+    heads = min(g_pad, tiles.block_m)  # heads of a group per program
+    block_q = tiles.block_m // heads  # tokens per program
+    head_chunks = g_pad // heads  # > 1 only when a group has more than BLOCK_M heads
+    # Grid over q blocks: B * cdiv(max_q_len, BLOCK_Q) (direct index) or the T // BLOCK_Q + B
+    # bound of _find_seq, whichever is smaller: decode takes the first, a long prefill mixed
+    # with many decodes the second.
+    per_seq = triton.cdiv(max_q_len, block_q)
+    direct = B * per_seq <= T // block_q + B
+    q_blocks = B * per_seq if direct else T // block_q + B
+    if T == 0 or q_blocks == 0:
+        return out
+    if max_kv_len is None:
+        max_kv_len = max_pages * S
+    if num_splits is None:
+        programs = q_blocks * Hkv * head_chunks
+        num_splits = default_num_splits(q.device, programs, max_kv_len, tiles.block_n)
+    split = num_splits > 1
+    f32 = dict(device=q.device, dtype=torch.float32)
+    part_acc = torch.empty((T, Hq, num_splits, D), **f32) if split else out
+    part_m = torch.empty((T, Hq, num_splits), **f32) if split else out
+    part_l = torch.empty((T, Hq, num_splits), **f32) if split else out
+    interp = _interpreting()
+    _paged_attention_kernel[(q_blocks, Hkv * head_chunks, num_splits)](
+        q, k_cache, v_cache, out, part_acc, part_m, part_l, page_table, cu_q_lens, kv_lens,
+        scale * _LOG2E, window if window > 0 else _NO_WINDOW, B, per_seq, num_splits, Hq,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), page_table.stride(0),
+        GROUP=G, HEADS=heads, HEAD_CHUNKS=head_chunks, BLOCK_M=tiles.block_m, BLOCK_Q=block_q,
+        BLOCK_N=tiles.block_n, PAGE=S, HEAD_DIM=D, D_PAD=d_pad, DIRECT=direct, SPLIT=split,
+        # The interpreter's 16-bit arithmetic is unreliable (bf16 adds raw bits): compute in fp32
+        # there. fp32 inputs on the GPU use full-precision dots instead of tf32.
+        UPCAST=interp, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    if split:
+        splits_pad = triton.next_power_of_2(num_splits)
+        _combine_splits_kernel[(T, Hq)](
+            part_acc, part_m, part_l, out, num_splits, Hq, out.stride(0), out.stride(1),
+            HEAD_DIM=D, D_PAD=d_pad, SPLITS_PAD=splits_pad, CHUNK=min(splits_pad, _SPLIT_CHUNK),
+            num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,266 @@
+"""Fused MoE: reference vs a float64 loop, Triton (interpreted on the CPU) vs reference, determinism.
+
+Shape legend: T tokens, H hidden, I expert width, N bank rows, K top-k, P = T * K pairs.
+Interpreted tests use fp32/fp16 (the interpreter gets bf16 wrong); bf16 runs in the gpu tests.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from freetoken_agent.kernels import fused_moe as dispatcher
+from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
+from freetoken_agent.kernels.reference_moe import fused_moe_reference
+
+triton_moe = pytest.importorskip("freetoken_agent.kernels.triton.fused_moe")
+
+# Small tiles so the interpreter walks several H / I steps, row blocks and masked tails.
+SMALL_DECODE = dict(BLOCK_M=16, BLOCK_I=16, BLOCK_H=32, BLOCK_N=16, BLOCK_K=16)
+SMALL_PREFILL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, DOWN_BLOCK_N=32, DOWN_BLOCK_K=16, SUM_BLOCK=32)
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # relative norm error
+
+
+def make_inputs(
+    seed: int,
+    t: int,
+    h: int,
+    i: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    *,
+    used_rows: int | None = None,
+    skip: float = 0.0,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, ...]:
+    """Random hidden [T, H], banks, distinct rows per token drawn from `used_rows` of the N rows
+    (the rest get no tokens), a fraction `skip` of the pairs set to -1, softmax weights."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, h, generator=g)
+    # std 2/sqrt(fan_in) (0.044 at H=2048) keeps gate, act and out O(1) at every size.
+    w13 = torch.randn(n, 2 * i, h, generator=g) * (2 / h**0.5)
+    w2 = torch.randn(n, h, i, generator=g) * (2 / i**0.5)
+    rows = torch.randperm(n, generator=g)[: used_rows or n]
+    ids = rows[torch.rand(t, len(rows), generator=g).topk(k, dim=1).indices]  # [T, K]
+    ids[torch.rand(t, k, generator=g) < skip] = -1
+    weights = torch.softmax(torch.randn(t, k, generator=g), dim=1)  # [T, K] fp32
+    cast = lambda x: x.to(device=device, dtype=dtype).contiguous()
+    return cast(hidden), cast(w13), cast(w2), ids.to(device), weights.to(device)
+
+
+def naive_f64(hidden, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
+    """Token by token, pair by pair, in float64."""
+    t, h = hidden.shape
+    i = w13.shape[1] // 2
+    out = torch.zeros(t, h, dtype=torch.float64)
+    for tok in range(t):
+        x = hidden[tok].cpu().double()
+        for j, row in enumerate(topk_ids[tok].tolist()):
+            if row < 0:
+                continue
+            w = w13[row].cpu().double()
+            act = F.silu(w[:i] @ x) * (w[i:] @ x)  # [I]
+            out[tok] += float(topk_weights[tok, j]) * (w2[row].cpu().double() @ act)
+    return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.double().cpu()
+    return ((got.double().cpu() - want).norm() / want.norm()).item()
+
+
+def poisoned(like: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(like, float("nan"))
+
+
+def run(path: str, inputs, tiles=None) -> torch.Tensor:
+    """Call a Triton path (or the dispatcher) on a NaN-poisoned out and check all of it was set."""
+    out = poisoned(inputs[0])
+    if path == "dispatch":
+        got = fused_moe(*inputs, out=out, force_triton=True)
+    else:
+        fn = triton_moe.fused_moe_decode if path == "decode" else triton_moe.fused_moe_prefill
+        got = fn(*inputs, out=out, tiles=tiles)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.isfinite(out).all(), "kernel left part of out unwritten"
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("t", "skip"), [(1, 0.0), (6, 0.3)])
+def test_reference_matches_float64_loop(rng_seed, dtype, t, skip):
+    inputs = make_inputs(rng_seed, t, 48, 24, 10, 3, dtype, used_rows=5, skip=skip)
+    out = poisoned(inputs[0])
+    assert fused_moe_reference(*inputs, out=out) is out
+    assert torch.isfinite(out).all()
+    want = naive_f64(*inputs)
+    assert rel_err(out, want) < TOL[dtype]
+    assert out.abs().max() > 0.3  # O(1) values: the comparison means something
+    skipped = (inputs[3] < 0).all(dim=1)
+    assert (out[skipped] == 0).all()
+
+
+# (T, H, I, N, K, used_rows, skip): T=1; duplicates (few used rows); skipped ids; rows with no
+# tokens (used_rows < N); T not a multiple of BLOCK_M; H, I not multiples of the tiles.
+CASES = [
+    (1, 64, 32, 12, 4, None, 0.0),
+    (7, 64, 32, 12, 3, 4, 0.25),
+    (37, 64, 32, 12, 2, 5, 0.1),
+    (5, 40, 24, 9, 3, 6, 0.2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}H{c[1]}I{c[2]}K{c[4]}")
+def test_triton_matches_reference(rng_seed, dtype, path, case):
+    t, h, i, n, k, used, skip = case
+    inputs = make_inputs(rng_seed, t, h, i, n, k, dtype, used_rows=used, skip=skip)
+    got = run(path, inputs, SMALL_DECODE if path == "decode" else SMALL_PREFILL)
+    want = fused_moe_reference(*inputs)
+    assert rel_err(got, want) < TOL[dtype], f"seed={rng_seed}"
+    skipped = (inputs[3] < 0).all(dim=1)
+    assert (got[skipped] == 0).all()
+
+
+def test_all_pairs_skipped(rng_seed):
+    inputs = list(make_inputs(rng_seed, 3, 64, 32, 6, 2, torch.float32))
+    inputs[3] = torch.full_like(inputs[3], -1)
+    for path in ("decode", "prefill"):
+        assert (run(path, inputs) == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dispatcher_default_tiles_both_paths(rng_seed, dtype):
+    limit = PATH_LIMITS["decode_max_pairs"]
+    for t, k in [(2, 4), (limit // 4 + 3, 4)]:  # P under and over the decode limit
+        inputs = make_inputs(rng_seed + t, t, 64, 32, 12, k, dtype, used_rows=8, skip=0.1)
+        assert rel_err(run("dispatch", inputs), fused_moe_reference(*inputs)) < TOL[dtype]
+
+
+def test_dispatcher_picks_path(monkeypatch):
+    called = []
+    for name in ("fused_moe_decode", "fused_moe_prefill"):
+        monkeypatch.setattr(triton_moe, name, lambda *a, name=name: called.append(name))
+    limit = PATH_LIMITS["decode_max_pairs"]
+    for pairs in (1, limit, limit + 1):
+        ids = torch.zeros(pairs, 1, dtype=torch.int64)
+        fused_moe(torch.zeros(pairs, 8), None, None, ids, None, force_triton=True)
+    assert called == ["fused_moe_decode", "fused_moe_decode", "fused_moe_prefill"]
+    # Without CUDA tensors or force_triton, the dispatcher is the reference.
+    inputs = make_inputs(0, 3, 16, 8, 4, 2, torch.float32)
+    assert torch.equal(dispatcher.fused_moe(*inputs), fused_moe_reference(*inputs))
+
+
+def test_prefill_chunks(rng_seed):
+    # A batch longer than CHUNK_PAIRS runs in token chunks that must tile out exactly.
+    inputs = make_inputs(rng_seed, 11, 64, 32, 8, 3, torch.float32, used_rows=6, skip=0.1)
+    got = run("prefill", inputs, {**SMALL_PREFILL, "CHUNK_PAIRS": 12})
+    assert rel_err(got, fused_moe_reference(*inputs)) < TOL[torch.float32]
+
+
+def batch_around(seed: int, token: tuple[torch.Tensor, ...], n: int, t: int, pos: int):
+    """A batch of t random tokens with `token` (hidden [1,H], ids [1,K], weights [1,K]) at pos;
+    every other token reuses its rows (shuffled) so that its row groups are shared."""
+    x, ids, wts = token
+    h, k = x.shape[1], ids.shape[1]
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, h, generator=g).to(x.dtype)
+    others = torch.rand(t, n, generator=g).topk(k, dim=1).indices  # [T, K]
+    for r in range(0, t, 2):
+        others[r] = ids[0, torch.randperm(k, generator=g)]
+    hidden[pos], others[pos] = x[0], ids[0]
+    weights = torch.softmax(torch.randn(t, k, generator=g), dim=1)
+    weights[pos] = wts[0]
+    return hidden, others.contiguous(), weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_token_bits_independent_of_batch(rng_seed, dtype, path):
+    tiles = SMALL_DECODE if path == "decode" else SMALL_PREFILL
+    x, w13, w2, ids, wts = make_inputs(rng_seed, 1, 64, 32, 12, 4, dtype, skip=0.2)
+    alone = run(path, (x, w13, w2, ids, wts), tiles)
+    for t, pos in [(5, 3), (9, 0)]:
+        hidden, bids, bwts = batch_around(rng_seed + t, (x, ids, wts), 12, t, pos)
+        batch = (hidden, w13, w2, bids, bwts)
+        first = run(path, batch, tiles)
+        assert torch.equal(first[pos], alone[0]), f"seed={rng_seed} T={t}"
+        assert torch.equal(run(path, batch, tiles), first), "two runs of one batch differ"
+
+
+# ---------------------------------------------------------------- device (H200, bf16)
+
+REAL = dict(h=2048, i=768, n=128, k=8)
+
+
+@pytest.fixture(scope="module")
+def real_banks():
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    h, i, n = REAL["h"], REAL["i"], REAL["n"]
+    w13 = (torch.randn(n, 2 * i, h, device="cuda", generator=g) * (2 / h**0.5)).bfloat16()
+    w2 = (torch.randn(n, h, i, device="cuda", generator=g) * (2 / i**0.5)).bfloat16()
+    return w13, w2
+
+
+def real_tokens(seed: int, t: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, REAL["h"], generator=g).bfloat16().cuda()
+    ids = torch.rand(t, REAL["n"], generator=g).topk(REAL["k"], dim=1).indices.cuda()
+    weights = torch.softmax(torch.randn(t, REAL["k"], generator=g), dim=1).cuda()
+    return hidden, ids, weights
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 64, 2048])
+def test_gpu_bf16_real_shape(rng_seed, real_banks, t):
+    w13, w2 = real_banks
+    hidden, ids, wts = real_tokens(rng_seed, t)
+    ids[0, 1] = -1  # a skipped pair rides along
+    want = fused_moe_reference(hidden.float(), w13.float(), w2.float(), ids, wts)
+    paths = ["dispatch", "prefill"] + (["decode"] if t * REAL["k"] <= 1024 else [])
+    for path in paths:
+        got = run(path, (hidden, w13, w2, ids, wts))
+        err = rel_err(got, want)
+        print(f"T={t} {path}: relative error {err:.2e}")
+        assert err < 1e-2, f"{path} T={t} seed={rng_seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_gpu_token_bits_independent_of_batch(rng_seed, real_banks, path):
+    w13, w2 = real_banks
+    x, ids, wts = real_tokens(rng_seed, 1)
+    alone = run(path, (x, w13, w2, ids, wts))
+    for t in (4, 16):
+        token = (x.cpu(), ids.cpu(), wts.cpu())
+        hidden, bids, bwts = batch_around(rng_seed + t, token, REAL["n"], t, t - 1)
+        got = run(path, (hidden.cuda(), w13, w2, bids.cuda(), bwts.cuda()))
+        assert torch.equal(got[t - 1], alone[0]), f"{path} T={t} seed={rng_seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_gpu_decode_cuda_graph(rng_seed, real_banks, t):
+    w13, w2 = real_banks
+    hidden, ids, wts = real_tokens(rng_seed, t)
+    out = torch.empty_like(hidden)
+    side = torch.cuda.Stream()  # warm up (compile) off the capture, as torch's docs advise
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fused_moe(hidden, w13, w2, ids, wts, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(hidden, w13, w2, ids, wts, out=out)
+    # New inputs in the same buffers: the graph must read ids and weights on the device.
+    new_hidden, new_ids, new_wts = real_tokens(rng_seed + 1, t)
+    new_ids[0, 0] = -1
+    hidden.copy_(new_hidden), ids.copy_(new_ids), wts.copy_(new_wts)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = fused_moe(new_hidden, w13, w2, new_ids, new_wts)
+    assert torch.equal(out, eager)
