@@ -236,8 +236,9 @@ class Engine:
     ) -> GenerationOutput | list[GenerationOutput]:
         """Run one prompt (returns one output) or a list of prompts batched together (returns a
         list, in order)."""
-        single = isinstance(prompts, str) or (
-            len(prompts) > 0 and not isinstance(prompts[0], (str, list, tuple, torch.Tensor))
+        # A list of ints (or an empty list, refused as an empty prompt) is one prompt.
+        single = isinstance(prompts, str) or not (
+            len(prompts) and isinstance(prompts[0], (str, list, tuple, torch.Tensor))
         )
         batch = [prompts] if single else list(prompts)
         if sampling is None or isinstance(sampling, SamplingParams):

@@ -31,6 +31,7 @@ def rng_seed() -> int:
     return seed
 
 
-# Shared builders (tiny_models.py) live beside this file; importlib mode does not put the
-# tests folder on sys.path by itself.
-sys.path.insert(0, os.path.dirname(__file__))
+# Shared builders live in tests/helpers/. Only that folder goes on sys.path: putting tests/
+# itself there would let tests/kernels or tests/engine shadow real packages (transformers probes
+# for a `kernels` package).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))

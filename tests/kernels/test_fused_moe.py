@@ -1,4 +1,4 @@
-"""Fused MoE: reference vs a float64 loop, Triton (interpreted on the CPU) vs reference, determinism.
+"""Fused MoE: reference vs a float64 loop, Triton (interpreted on CPUs) vs reference, determinism.
 
 Shape legend: T tokens, H hidden, I expert width, N bank rows, K top-k, P = T * K pairs.
 Interpreted tests use fp32/fp16 (the interpreter gets bf16 wrong); bf16 runs in the gpu tests.
@@ -18,7 +18,9 @@ triton_moe = pytest.importorskip("freetoken_agent.kernels.triton.fused_moe")
 
 # Small tiles so the interpreter walks several H / I steps, row blocks and masked tails.
 SMALL_DECODE = dict(BLOCK_M=16, BLOCK_I=16, BLOCK_H=32, BLOCK_N=16, BLOCK_K=16)
-SMALL_PREFILL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, DOWN_BLOCK_N=32, DOWN_BLOCK_K=16, SUM_BLOCK=32)
+SMALL_PREFILL = dict(
+    BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, DOWN_BLOCK_N=32, DOWN_BLOCK_K=16, SUM_BLOCK=32
+)
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # relative norm error
 
 

@@ -1,0 +1,119 @@
+"""Bad input gets a clear error that names the problem, and never disturbs other requests."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny
+
+from freetoken_agent import ContextLengthError, Engine, InvalidRequestError, SamplingParams
+from freetoken_agent.engine.config import ConfigError
+from freetoken_agent.engine.weights.loader import CheckpointError
+
+
+@pytest.fixture
+def model_dir(tmp_path, rng_seed):
+    make_tiny("qwen2_moe", tmp_path, rng_seed)
+    return tmp_path
+
+
+@pytest.fixture
+def engine(model_dir):
+    return Engine.load(model_dir, device="cpu", progress=False, kv_tokens=2048, max_model_len=256)
+
+
+def test_empty_prompt(engine):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.generate([], SamplingParams(max_tokens=4))
+
+
+def test_token_outside_vocabulary(engine):
+    with pytest.raises(
+        InvalidRequestError, match=r"token id 320 is outside the vocabulary \[0, 320\)"
+    ):
+        engine.generate([5, 6, 320], SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="token id -1"):
+        engine.submit([-1, 4])
+
+
+def test_prompt_over_context_limit(engine):
+    with pytest.raises(ContextLengthError, match="300 tokens.*256"):
+        engine.generate(list(range(3, 303)), SamplingParams(max_tokens=4))
+
+
+def test_output_stops_at_context_limit(engine):
+    out = engine.generate(list(range(3, 253)), SamplingParams(max_tokens=50, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.prompt_ids) + len(out.token_ids) == 256
+
+
+def test_bad_sampling_params():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+def test_bad_request_does_not_disturb_others(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    prompt = [rng.randrange(3, 320) for _ in range(30)]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    alone = engine.generate(prompt, sp).token_ids
+    rid = engine.submit(prompt, sp)
+    with pytest.raises(InvalidRequestError):
+        engine.submit([999999])
+    while engine.has_unfinished():
+        engine.step()
+    assert engine._collect(rid).token_ids == alone
+    engine.check_integrity()
+
+
+def test_missing_tensor_is_named(model_dir):
+    f = model_dir / "model.safetensors"
+    tensors = load_file(f)
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(
+        CheckpointError, match=r"missing.*model\.layers\.1\.mlp\.experts\.5\.up_proj"
+    ):
+        Engine.load(model_dir, device="cpu", progress=False)
+
+
+def test_unexpected_and_misshaped_tensors_are_named(model_dir):
+    f = model_dir / "model.safetensors"
+    tensors = load_file(f)
+    tensors["model.layers.0.mlp.mystery.weight"] = torch.randn(3, 3)
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"unexpected.*model\.layers\.0\.mlp\.mystery"):
+        Engine.load(model_dir, device="cpu", progress=False)
+    del tensors["model.layers.0.mlp.mystery.weight"]
+    tensors["model.layers.2.self_attn.k_proj.weight"] = torch.randn(8, 64)
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"k_proj\.weight.*\(8, 64\).*\(32, 64\)"):
+        Engine.load(model_dir, device="cpu", progress=False)
+
+
+def test_unknown_architecture(model_dir):
+    cfg_path = model_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["model_type"] = "deepseek_v9"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unknown architecture 'deepseek_v9'.*qwen3_moe"):
+        Engine.load(model_dir, device="cpu", progress=False)
+
+
+def test_not_a_model_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        Engine.load(tmp_path, device="cpu")
+
+
+def test_unsupported_policy_is_explained(model_dir):
+    with pytest.raises(NotImplementedError, match="offloading"):
+        Engine.load(model_dir, device="cpu", policy="cpu", progress=False)
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        Engine.load(model_dir, device="cpu", policy="fastest", progress=False)
