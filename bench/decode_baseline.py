@@ -1,0 +1,158 @@
+"""Baseline: all-resident decode and prefill on one GPU, beside the HBM limit.
+
+    python -m freetoken_agent.bench decode [--layers 48 12] [--tokens 256] [--out DIR]
+
+For each model (Qwen3-30B-A3B shape, and its first 12 layers, the "peer slice"): batch-1 and
+batch-4 decode tok/s (CUDA graphs, and batch 1 eager), prefill tok/s of a 512-token prompt.
+The decode limit is the bytes one step must read (dense weights except the embedding table,
+the distinct experts the step routes to, the KV of the context) over the measured HBM
+bandwidth; prefill is bounded by max(weight bytes / B_HBM, FLOPs / matmul rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from freetoken_agent.bench.limits import hbm_copy_bandwidth, matmul_rate
+from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
+from freetoken_agent.engine.engine import Engine
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _prompt(n: int, vocab: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def decode_rate(engine: Engine, batch: int, prompt_len: int, n_tokens: int, rng) -> float:
+    """Aggregate decode tok/s of `batch` requests generating n_tokens each (timed from the
+    step after the last prefill to the end)."""
+    sp = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
+    vocab = engine.spec.vocab_size
+    ids = [engine.submit(_prompt(prompt_len, vocab, rng), sp) for _ in range(batch)]
+    # Prefill everything first, so the timed steps are pure decode.
+    while any(not engine._requests[r].output_ids for r in ids):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    for r in ids:
+        engine._collect(r)
+    return batch * steps / elapsed
+
+
+def prefill_rate(engine: Engine, n: int, rng) -> float:
+    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.generate(_prompt(n, engine.spec.vocab_size, rng), sp)  # warm-up at this size
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.generate(_prompt(n, engine.spec.vocab_size, rng), sp)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - start)
+
+
+def decode_bytes(engine: Engine, batch: int, context: int) -> int:
+    """Bytes one decode step must read at least: dense weights (the embedding table is only
+    gathered), the distinct experts of `batch` tokens under uniform routing, and the KV."""
+    spec = engine.spec
+    model = engine.loaded.model
+    dense = engine.loaded.dense_bytes - model.embed_tokens.weight.nbytes
+    e, k = spec.n_experts, spec.top_k
+    expected_distinct = e * (1 - (1 - k / e) ** batch)  # per layer, uniform routing
+    itemsize = torch.tensor([], dtype=engine.loaded.dtype).element_size()
+    experts = spec.n_moe_layers * expected_distinct * spec.expert_bytes
+    kv = batch * context * 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * itemsize
+    return int(dense + experts + kv)
+
+
+def bench_model(cfg: dict, label: str, args, b_hbm: float, flops: float) -> dict:
+    rng = random.Random(0)
+    engine = random_engine(cfg, max_num_seqs=8, max_model_len=4096, max_batched_tokens=2048)
+    spec = engine.spec
+    decode_rate(engine, 1, 32, 16, rng)  # warm-up (autotuning, allocator)
+    result = {"model": label, "layers": spec.n_layers, "expert_gb": engine.loaded.bank.nbytes / 1e9}
+    result["dense_gb"] = engine.loaded.dense_bytes / 1e9
+    for batch in (1, 4):
+        ctx = args.prompt + args.tokens // 2
+        rate = decode_rate(engine, batch, args.prompt, args.tokens, rng)
+        limit = batch / (decode_bytes(engine, batch, ctx) / b_hbm)
+        result[f"decode_b{batch}_tok_s"] = rate
+        result[f"decode_b{batch}_limit_tok_s"] = limit
+        result[f"decode_b{batch}_of_limit"] = rate / limit
+    graphs, engine.runner.graphs = engine.runner.graphs, None  # the same engine, eager
+    result["decode_b1_eager_tok_s"] = decode_rate(engine, 1, args.prompt, 64, rng)
+    engine.runner.graphs = graphs
+    rate = prefill_rate(engine, 512, rng)
+    weight_bytes = engine.loaded.dense_bytes + engine.loaded.bank.nbytes
+    # FLOPs: 2 per weight per token, over the weights each token uses (bf16: bytes / 2).
+    active_params = (
+        engine.loaded.dense_bytes + spec.n_moe_layers * spec.top_k * spec.expert_bytes
+    ) / 2
+    active = 2 * 512 * active_params
+    limit = 512 / max(weight_bytes / b_hbm, active / flops)
+    result.update(prefill_512_tok_s=rate, prefill_512_limit_tok_s=limit)
+    del engine
+    torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="freetoken bench decode", description=__doc__)
+    parser.add_argument("--layers", type=int, nargs="+", default=[48, 12])
+    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--tokens", type=int, default=128, help="decoded tokens per request")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the decode baseline needs a CUDA device")
+    dev = torch.device("cuda")
+    b_hbm = hbm_copy_bandwidth(dev)
+    flops = matmul_rate(dev)
+    runs = []
+    for n in args.layers:
+        label = "qwen3-30b-a3b" if n == 48 else f"qwen3-30b-a3b-first{n}"
+        runs.append(bench_model(peer_slice(QWEN3_30B_A3B, n), label, args, b_hbm, flops))
+        print(json.dumps(runs[-1], indent=1), flush=True)
+    report = {
+        "bench": "decode_baseline",
+        "device": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "policy": "resident",
+        "dtype": "bfloat16",
+        "hbm_copy_bandwidth_gb_s": b_hbm / 1e9,
+        "bf16_matmul_tflop_s": flops / 1e12,
+        "prompt_tokens": args.prompt,
+        "decode_tokens": args.tokens,
+        "routing": "random router on random weights (near-uniform)",
+        "runs": runs,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "decode_baseline.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"{'model':28} {'b1 tok/s':>9} {'limit':>7} {'b4 tok/s':>9} {'limit':>7} "
+          f"{'eager b1':>9} {'prefill512':>10} {'limit':>8}")  # fmt: skip
+    for r in runs:
+        print(
+            f"{r['model']:28} {r['decode_b1_tok_s']:9.1f} {r['decode_b1_limit_tok_s']:7.0f} "
+            f"{r['decode_b4_tok_s']:9.1f} {r['decode_b4_limit_tok_s']:7.0f} "
+            f"{r['decode_b1_eager_tok_s']:9.1f} {r['prefill_512_tok_s']:10.0f} "
+            f"{r['prefill_512_limit_tok_s']:8.0f}"
+        )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""Physical limits measured in the same run as the figures they bound (DESIGN section 7)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def hbm_copy_bandwidth(device: torch.device, gib: float = 4.0, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = int(gib * (1 << 30)) // 2
+    src = torch.randn(n // 2, device=device, dtype=torch.float32).view(torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * src.nbytes / times[len(times) // 2]
+
+
+def matmul_rate(device: torch.device, n: int = 8192, repeats: int = 10) -> float:
+    """bf16 dense matmul rate in FLOP/s on random data."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * n**3 * repeats / (start.elapsed_time(end) / 1e3)

@@ -1,0 +1,111 @@
+"""Captured CUDA graphs for decode steps.
+
+A decode step of a 48-layer MoE launches hundreds of small kernels; launched one by one from
+Python they cost far more than the bytes they move (DESIGN section 7: 397 us eager vs 160 us
+graphed for one layer's eight experts). So decode batches of 1..max_batch sequences replay a
+graph captured once per padded batch size.
+
+Everything a graph reads lives in static buffers that each step overwrites: token ids,
+positions, KV slots, page tables, KV lengths. Rows past the real batch are padding: they point
+at the scratch page (never handed to a request) with a KV length of 1, so they compute garbage
+that nobody reads and cannot corrupt a live sequence. The attention kernel's split count is
+derived from `max_pages * page_size`, a Python int fixed at capture, so it needs no host sync.
+Graphs hold raw pointers to the KV pool: whoever replaces the pool must capture again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_agent.engine.kv.pool import SCRATCH_PAGE
+from freetoken_agent.engine.layers.attention import AttentionMetadata
+from freetoken_agent.engine.models.base import MoeCausalLM
+from freetoken_agent.engine.runner import StepInputs
+
+# B real sequences, Bp padded batch size of a graph, H hidden, Pm pages per sequence at most
+
+BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: MoeCausalLM,
+        page_size: int,
+        max_batch: int,
+        max_pages: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.device = device
+        sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+        self.sizes = sorted(set(sizes))
+        n = self.sizes[-1]
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(n, dtype=i64, device=device)
+        self.positions = torch.zeros(n, dtype=i64, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=i64, device=device)
+        self.page_table = torch.full((n, max_pages), SCRATCH_PAGE, dtype=i32, device=device)
+        self.cu_q_lens = torch.arange(n + 1, dtype=i32, device=device)
+        self.kv_lens = torch.ones(n, dtype=i32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture()
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            positions=self.positions[:bs],
+            slot_mapping=self.slot_mapping[:bs],
+            page_table=self.page_table[:bs],
+            cu_q_lens=self.cu_q_lens[: bs + 1],
+            kv_lens=self.kv_lens[:bs],
+            max_q_len=1,
+            max_kv_len=self.max_pages * self.page_size,
+        )
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
+                meta = self._meta(bs)
+                self.model(self.input_ids[:bs], meta)  # warm-up: compile/autotune outside capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[bs] = self.model(self.input_ids[:bs], meta)
+                pool = graph.pool()
+                self.graphs[bs] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def fits(self, inputs: StepInputs) -> bool:
+        b = inputs.cu_q_lens.shape[0] - 1
+        return b <= self.sizes[-1] and inputs.page_table.shape[1] <= self.max_pages
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """Run one decode step; returns hidden states [B, H] (a view of the graph's output,
+        valid until the next replay)."""
+        b = inputs.cu_q_lens.shape[0] - 1
+        bs = next(s for s in self.sizes if s >= b)
+        n_pages = inputs.page_table.shape[1]
+
+        def put(dst: torch.Tensor, src) -> None:
+            dst.copy_(torch.from_numpy(src), non_blocking=True)
+
+        put(self.input_ids[:b], inputs.input_ids)
+        put(self.positions[:b], inputs.positions)
+        put(self.slot_mapping[:b], inputs.slot_mapping)
+        put(self.page_table[:b, :n_pages], inputs.page_table)
+        put(self.kv_lens[:b], inputs.kv_lens)
+        if bs > b:  # padding rows: scratch page, length 1
+            self.slot_mapping[b:bs].fill_(SCRATCH_PAGE * self.page_size)
+            self.positions[b:bs].zero_()
+            self.input_ids[b:bs].zero_()
+            self.page_table[b:bs, 0].fill_(SCRATCH_PAGE)
+            self.kv_lens[b:bs].fill_(1)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]

@@ -1,0 +1,205 @@
+"""The `freetoken` command: demo, generate, chat, bench.
+
+    freetoken demo                         build (once) and run the tiny random demo model
+    freetoken generate --model DIR "text"  one completion, streamed to stdout
+    freetoken chat --model DIR             an interactive chat that keeps its KV across turns
+    freetoken bench ...                    benchmarks (see `freetoken bench --help`)
+
+`--model demo` (the default) means the embedded demo checkpoint. Statistics go to stderr so
+that stdout carries only the generated text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from freetoken_agent.engine.config import POLICIES
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+
+def _model_path(name: str) -> Path:
+    if name == "demo":
+        from freetoken_agent.demo_model import DEMO_NOTICE, ensure_demo_model
+
+        print(f"[freetoken] {DEMO_NOTICE}", file=sys.stderr)
+        return ensure_demo_model()
+    return Path(name)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo", help="HF model folder, or 'demo' (default)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: model's)")
+    p.add_argument("--policy", default="adaptive", choices=POLICIES)
+    p.add_argument("--gpu-budget-gb", type=float, default=None, help="GPU memory budget (GB)")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def _load(args: argparse.Namespace):
+    from freetoken_agent.engine.engine import Engine
+
+    budget = int(args.gpu_budget_gb * 1e9) if args.gpu_budget_gb else None
+    options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    return Engine.load(
+        _model_path(args.model),
+        device=args.device,
+        dtype=args.dtype,
+        gpu_budget=budget,
+        policy=args.policy,
+        **options,
+    )
+
+
+def _stream(engine, prompt, sampling: SamplingParams) -> tuple[str, dict]:
+    """Print a completion as it streams; returns its text and statistics."""
+    start = time.perf_counter()
+    first, n, reason, parts = None, 0, None, []
+    for event in engine.stream(prompt, sampling):
+        if event.token_id is not None:
+            n += 1
+            first = first or time.perf_counter()
+        print(event.text, end="", flush=True)
+        parts.append(event.text)
+        if event.finished:
+            reason = event.error or event.finish_reason
+    end = time.perf_counter()
+    print()
+    ttft = (first - start) if first else float("nan")
+    rate = (n - 1) / (end - first) if first and n > 1 else float("nan")
+    return "".join(parts), {"tokens": n, "ttft_s": ttft, "decode_tok_s": rate, "finish": reason}
+
+
+def _report(stats: dict, engine) -> None:
+    s = engine.stats()["tokens"]
+    print(
+        f"[freetoken] {stats['tokens']} tokens, first after {stats['ttft_s'] * 1e3:.0f} ms, "
+        f"{stats['decode_tok_s']:.1f} tok/s decode, finish: {stats['finish']}; "
+        f"prefilled {s['prefilled']} / reused {s['reused']} prompt tokens so far",
+        file=sys.stderr,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _load(args)
+    prompt = args.prompt
+    if args.chat:
+        if engine.tokenizer is None:
+            raise SystemExit("--chat needs a tokenizer in the model folder")
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    _report(_stream(engine, prompt, _sampling(args))[1], engine)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = _load(args)
+    if engine.tokenizer is None:
+        raise SystemExit("chat needs a tokenizer with a chat template in the model folder")
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("[freetoken] chat: /reset clears the history, /exit or Ctrl-D leaves", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = engine.tokenizer.apply_chat_template(history)
+        print("model> ", end="", flush=True)
+        text, stats = _stream(engine, prompt, _sampling(args))
+        history.append({"role": "assistant", "content": text})
+        _report(stats, engine)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    args.model = "demo"
+    engine = _load(args)
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt = engine.tokenizer.apply_chat_template(messages, enable_thinking=False)
+    print(f"[freetoken] prompt: {args.prompt!r}", file=sys.stderr)
+    _report(_stream(engine, prompt, _sampling(args))[1], engine)
+    mem = engine.stats()["memory"]
+    print(
+        f"[freetoken] {engine.spec.arch} on {engine.loaded.device}: "
+        f"{mem['expert_bytes'] / 1e6:.2f} MB experts, {mem['kv_pages']} KV pages "
+        f"of {mem['page_size']} tokens",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from freetoken_agent.bench.__main__ import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="freetoken", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the tiny random demo model (built once, cached)")
+    demo.add_argument("--prompt", default="Write a haiku about GPUs.")
+    _add_engine_args(demo)
+    _add_sampling_args(demo, max_tokens=48)
+    demo.set_defaults(func=cmd_demo)
+
+    gen = sub.add_parser("generate", help="one completion, streamed to stdout")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _add_engine_args(gen)
+    _add_sampling_args(gen, max_tokens=256)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat; KV is reused across turns")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=512)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks; `freetoken bench -- --help` for options")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"freetoken: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
