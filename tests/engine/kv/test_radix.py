@@ -1,0 +1,83 @@
+"""Radix prefix cache: token-granular matching, reference counts, LRU eviction, integrity."""
+
+from __future__ import annotations
+
+import random
+
+from freetoken_agent.engine.kv.pool import PageAllocator
+from freetoken_agent.engine.kv.radix import RadixCache
+
+S = 4
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _cache_sequence(cache: RadixCache, alloc: PageAllocator, tokens: list[int]) -> None:
+    """What the scheduler does for a finished request that reused nothing."""
+    pages = alloc.alloc(-(-len(tokens) // S))
+    nodes = cache.insert(tokens, pages, [None] * len(pages))
+    cache.unlock([n for n in nodes if n is not None])
+    alloc.free([p for p, n in zip(pages, nodes, strict=True) if n is None])
+
+
+def test_match_is_longest_common_prefix(rng_seed):
+    rng = random.Random(rng_seed)
+    alloc = PageAllocator(4096)
+    cache = RadixCache(S, alloc)
+    base = [rng.randrange(5) for _ in range(40)]
+    seqs = []
+    for _ in range(30):
+        cut = rng.randrange(len(base))
+        seq = base[:cut] + [rng.randrange(5) for _ in range(rng.randrange(1, 20))]
+        _cache_sequence(cache, alloc, seq)
+        seqs.append(seq)
+        cache.check_integrity()
+    for _ in range(200):
+        cut = rng.randrange(len(base) + 1)
+        query = base[:cut] + [rng.randrange(5) for _ in range(rng.randrange(0, 10))]
+        expected = max(_lcp(query, s) for s in seqs)
+        match = cache.match(query)
+        assert match.n_tokens(S) == expected
+        assert all(len(n.tokens) == S for n in match.nodes)
+        assert match.partial_tokens < S
+
+
+def test_locked_nodes_survive_eviction_and_lru_order(rng_seed):
+    rng = random.Random(rng_seed)
+    alloc = PageAllocator(64)
+    cache = RadixCache(S, alloc)
+    a = [rng.randrange(100) for _ in range(8 * S)]
+    b = [rng.randrange(100, 200) for _ in range(8 * S)]
+    _cache_sequence(cache, alloc, a)
+    _cache_sequence(cache, alloc, b)
+    held = cache.match(a)
+    cache.lock(held.nodes)
+    cache.match(b)  # touch b after a: a is older, but locked
+    assert cache.evict(100) == 8  # all of b, none of a
+    cache.check_integrity()
+    assert cache.match(b).n_tokens(S) == 0
+    assert cache.match(a).n_tokens(S) == len(a)
+    cache.unlock(held.nodes)
+    assert cache.evict(3) == 3  # leaves first: the tail of a
+    assert cache.match(a).n_tokens(S) == len(a) - 3 * S
+    assert alloc.n_free + cache.n_pages == alloc.capacity
+    cache.check_integrity()
+
+
+def test_duplicate_pages_stay_private():
+    alloc = PageAllocator(16)
+    cache = RadixCache(S, alloc)
+    seq = list(range(10))
+    _cache_sequence(cache, alloc, seq)
+    used = cache.n_pages
+    _cache_sequence(cache, alloc, seq)  # same tokens again: no new nodes, pages freed
+    assert cache.n_pages == used
+    assert alloc.n_free + cache.n_pages == alloc.capacity
+    cache.check_integrity()

@@ -1,0 +1,65 @@
+"""The sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_agent.engine.layers.sampler import sample
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+
+def _gens(seeds):
+    out = []
+    for s in seeds:
+        g = torch.Generator()
+        g.manual_seed(s)
+        out.append(g)
+    return out
+
+
+def test_greedy_is_argmax(rng_seed):
+    torch.manual_seed(rng_seed)
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(top_k=1)] * 3
+    assert torch.equal(sample(logits, params, [None] * 6), logits.argmax(-1))
+
+
+def test_temperature_sampling_follows_softmax(rng_seed):
+    torch.manual_seed(rng_seed)
+    logits = torch.randn(1, 6) * 1.5
+    n = 6000
+    rows = logits.expand(n, 6).contiguous()
+    params = [SamplingParams(temperature=0.8)] * n
+    tokens = sample(rows, params, _gens(range(rng_seed, rng_seed + n)))
+    freq = torch.bincount(tokens, minlength=6).float() / n
+    expected = torch.softmax(logits[0] / 0.8, -1)
+    assert (freq - expected).abs().max() < 0.03, (freq, expected)
+
+
+def test_top_k_and_top_p_limit_the_support(rng_seed):
+    torch.manual_seed(rng_seed)
+    logits = torch.randn(1, 40)
+    n = 2000
+    rows = logits.expand(n, 40).contiguous()
+    top5 = set(logits[0].topk(5).indices.tolist())
+    tokens = sample(rows, [SamplingParams(top_k=5)] * n, _gens(range(n)))
+    assert set(tokens.tolist()) <= top5
+    probs = torch.softmax(logits[0], -1)
+    order = probs.argsort(descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.6).sum()) + 1].tolist())
+    tokens = sample(rows, [SamplingParams(top_p=0.6)] * n, _gens(range(n)))
+    assert set(tokens.tolist()) <= nucleus and len(set(tokens.tolist())) > 1
+
+
+def test_seeded_rows_do_not_depend_on_the_batch(rng_seed):
+    torch.manual_seed(rng_seed)
+    logits = torch.randn(4, 100)
+    params = [SamplingParams(temperature=1.0, seed=7)] + [SamplingParams(temperature=1.3)] * 3
+    draws = []
+    for _ in range(2):
+        gens = _gens([7]) + [None] * 3
+        seq = [sample(logits, params, gens)[0].item() for _ in range(20)]
+        draws.append(seq)
+    alone = _gens([7])
+    seq_alone = [sample(logits[:1], params[:1], alone)[0].item() for _ in range(20)]
+    assert draws[0] == draws[1] == seq_alone

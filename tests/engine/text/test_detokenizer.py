@@ -1,0 +1,222 @@
+"""IncrementalDetokenizer: streamed deltas add up to `decode(all_ids)`, never half a character,
+and each step decodes only a small window."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+
+from freetoken_agent.demo_model import CORPUS, ensure_demo_model
+from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
+from freetoken_agent.engine.text.tokenizer import Tokenizer
+
+PIECES = [
+    " hello",
+    "world",
+    " 你好",
+    "世界",
+    "🙂",
+    "🚀👍🏽",
+    " naïve café",
+    "\n",
+    "  ",
+    "def f(x):",
+    "Ω≈ç√",
+    "🇫🇷",
+    "<think>",
+    "<|im_end|>",
+    "<|im_start|>",
+    "ﷺ",
+    "𝔘𝔫𝔦",
+]
+
+
+@pytest.fixture(scope="module")
+def demo_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(ensure_demo_model(tmp_path_factory.mktemp("cache")))
+
+
+class SentencePieceLike:
+    """A Metaspace + byte-fallback BPE, decoded like Llama-2/Mistral: leading-space stripping
+    and <0xNN> byte tokens, the other family of decoders the window must handle."""
+
+    def __init__(self) -> None:
+        base = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+        base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        trainer = trainers.BpeTrainer(
+            vocab_size=400, special_tokens=["<unk>"], show_progress=False, limit_alphabet=80
+        )
+        base.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+        model = json.loads(base.to_str())["model"]
+        vocab = dict(model["vocab"])
+        vocab |= {f"<0x{b:02X}>": len(vocab) + b for b in range(256)}
+        merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+        tok = tokenizers.Tokenizer(
+            models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True)
+        )
+        tok.pre_tokenizer = base.pre_tokenizer
+        tok.decoder = decoders.Sequence(
+            [
+                decoders.Replace("▁", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
+        tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+        self.backend = tok
+        self.special_token_ids = frozenset({tok.token_to_id("<s>"), tok.token_to_id("</s>")})
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class CountingDecoder:
+    """Wraps a tokenizer and records the longest window it was asked to decode."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.special_token_ids = tok.special_token_ids
+        self.longest = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.longest = max(self.longest, len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def rand_text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(PIECES) for _ in range(n))
+
+
+def stream(
+    tok, ids: list[int], skip: bool = True, context: list[int] | None = None, via=None
+) -> list[str]:
+    """Push `ids` one by one (through `via`, a wrapper of `tok`, if given); checks the running
+    text is always a prefix of the final one and the deltas add up to `tok.decode`."""
+    detok = IncrementalDetokenizer(via or tok, skip_special_tokens=skip, context=context or ())
+    if context:
+        full = tok.decode(context + ids, skip)[len(tok.decode(context, skip)) :]
+    else:
+        full = tok.decode(ids, skip)
+    deltas = []
+    for token_id in ids:
+        deltas.append(detok.push(token_id))
+        assert full.startswith(detok.text), (ids, deltas)
+    deltas.append(detok.flush())
+    assert "".join(deltas) == detok.text == full, (ids, deltas)
+    return deltas
+
+
+def byte_token_ids(tok: Tokenizer) -> dict[int, int]:
+    """Byte value -> id of the demo tokenizer's single-byte token (GPT-2 byte-to-char map)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b) for b in printable}
+    extra = (b for b in range(256) if b not in chars)
+    chars |= {b: chr(256 + i) for i, b in enumerate(extra)}
+    ids = {b: tok.token_to_id(c) for b, c in chars.items()}
+    assert None not in ids.values()
+    return ids
+
+
+def test_valid_text_streams_whole_characters(demo_tok: Tokenizer, rng_seed: int) -> None:
+    rng = random.Random(rng_seed)
+    for _ in range(200):
+        ids = demo_tok.encode(rand_text(rng, rng.randint(1, 30)))
+        for skip in (True, False):
+            deltas = stream(demo_tok, ids, skip)
+            assert not any("\ufffd" in d for d in deltas), deltas
+
+
+def test_random_ids_match_decode(demo_tok: Tokenizer, rng_seed: int) -> None:
+    rng = random.Random(rng_seed)
+    special = sorted(demo_tok.special_token_ids)
+    for _ in range(300):
+        ids = [
+            rng.choice(special) if rng.random() < 0.1 else rng.randrange(demo_tok.vocab_size)
+            for _ in range(rng.randint(0, 60))
+        ]
+        for skip in (True, False):
+            stream(demo_tok, ids, skip)
+
+
+def test_broken_utf8_streams_match_decode_in_a_bounded_window(
+    demo_tok: Tokenizer, rng_seed: int
+) -> None:
+    # Single-byte tokens mixing lead bytes, continuation bytes and ASCII: incomplete and
+    # invalid sequences of every kind, including long runs that never become a character.
+    rng = random.Random(rng_seed)
+    byte_ids = byte_token_ids(demo_tok)
+    groups = [
+        [0xC3, 0xE4, 0xE5, 0xF0, 0xF4, 0xED, 0xE0, 0xC0, 0xFF],
+        list(range(0x80, 0xC0)),
+        [ord("a"), ord(" "), ord("\n")],
+    ]
+    specials = sorted(demo_tok.special_token_ids)
+    for _ in range(200):
+        weights = [rng.random() for _ in groups]
+        ids = []
+        for _ in range(rng.randint(1, 120)):
+            if rng.random() < 0.05:
+                ids.append(rng.choice(specials))
+            else:
+                ids.append(byte_ids[rng.choice(rng.choices(groups, weights)[0])])
+        counting = CountingDecoder(demo_tok)
+        for skip in (True, False):
+            stream(demo_tok, ids, skip, via=counting)
+        assert counting.longest <= 30, counting.longest
+
+
+def test_window_stays_small_on_long_streams(demo_tok: Tokenizer, rng_seed: int) -> None:
+    rng = random.Random(rng_seed)
+    byte_ids = byte_token_ids(demo_tok)
+    text_ids = demo_tok.encode(rand_text(rng, 1500))
+    garbage = [byte_ids[rng.randrange(0x80, 0xC0)] for _ in range(1500)]
+    for ids in (text_ids, garbage, text_ids[:700] + garbage + text_ids[700:]):
+        counting = CountingDecoder(demo_tok)
+        detok = IncrementalDetokenizer(counting)
+        for token_id in ids:
+            detok.push(token_id)
+            assert detok.window <= 30
+        detok.flush()
+        assert detok.text == demo_tok.decode(ids)
+        assert counting.longest <= 30
+
+
+def test_sentencepiece_style_decoder(rng_seed: int) -> None:
+    rng = random.Random(rng_seed)
+    sp = SentencePieceLike()
+    for _ in range(200):
+        ids = sp.encode(rand_text(rng, rng.randint(1, 20)))
+        for skip in (True, False):
+            deltas = stream(sp, ids, skip)
+            assert not any("\ufffd" in d for d in deltas), deltas
+
+
+def test_context_makes_the_first_token_decode_mid_sequence(rng_seed: int) -> None:
+    rng = random.Random(rng_seed)
+    sp = SentencePieceLike()
+    prompt = sp.encode("say hello")
+    reply = sp.encode("x hello world")[2:]  # starts with "▁hello": a leading space mid-text
+    assert sp.decode(reply).startswith("hello")
+    deltas = stream(sp, reply, context=prompt)
+    assert "".join(deltas).startswith(" hello")
+    for _ in range(50):
+        prompt = sp.encode(rand_text(rng, 5))
+        stream(sp, sp.encode("a" + rand_text(rng, 8))[1:], context=prompt)
+
+
+def test_flush_ends_the_stream(demo_tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(demo_tok)
+    assert detok.push(byte_token_ids(demo_tok)[0xE4]) == ""  # half a character: held
+    assert detok.flush() == "\ufffd"  # the end: shown as decode shows it
+    assert detok.flush() == ""
+    assert detok.text == "\ufffd"
+    with pytest.raises(RuntimeError, match="after flush"):
+        detok.push(1)
