@@ -34,13 +34,17 @@ from tokenizers import (
 )
 from tokenizers import pre_tokenizers as pre
 
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"  # 1: an early recipe with flat 0.02 weights
 DEMO_NOTICE = (
     "The demo model has random weights (nothing is downloaded), so its text is gibberish; "
     "point FreeToken at a real checkpoint folder for real answers."
 )
 SEED = 20240601
-WEIGHT_STD = 0.02
+# Standard deviations by tensor role. The usual 0.02 everywhere leaves the logits flat (std
+# 0.16): greedy decoding repeats one token and top-2 gaps fall to 1e-4, close enough to ties
+# that summation order could flip a token. These give logits of std ~1.6 and varied output.
+WEIGHT_STD = {"embed": 1.0, "proj": 0.2, "router": 0.2, "head": 0.2}
+NORM_JITTER = 0.1  # norm scales are 1 +- this, so they are not all equal
 
 # (content, special): Qwen3 marks the chat-turn tokens special (skipped when decoding) and
 # keeps the reasoning and tool markers as ordinary added tokens (visible to parsers).
@@ -239,9 +243,11 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".demo-{DEMO_VERSION}-", dir=root))
     try:
         build_demo_model(tmp)
+        if all((target / name).is_file() for name in FILES):
+            return target  # another process finished while we built
         if target.exists():
-            # Only an incomplete folder (made by hand or by an older bug) gets here; a build
-            # never leaves one since it appears by rename only.
+            # An incomplete folder (files deleted by hand): a build never leaves one, since
+            # it appears by rename only.
             shutil.rmtree(target)
         try:
             os.rename(tmp, target)
@@ -260,6 +266,8 @@ def build_demo_model(out: Path) -> None:
     tokenizer = build_tokenizer()
     ids = {content: tokenizer.token_to_id(content) for content, _ in ADDED_TOKENS}
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    if vocab != VOCAB_SIZE:  # the corpus ran out of merges: give it more text
+        raise RuntimeError(f"demo tokenizer has {vocab} tokens, expected {VOCAB_SIZE}")
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tokenizer_config(ids))
     config = model_config(vocab, bos=ids["<|endoftext|>"], eos=ids["<|im_end|>"])
@@ -350,7 +358,7 @@ def model_config(vocab_size: int, bos: int, eos: int) -> dict:
         "head_dim": SHAPE["head_dim"],
         "hidden_act": "silu",
         "hidden_size": SHAPE["hidden_size"],
-        "initializer_range": WEIGHT_STD,
+        "initializer_range": WEIGHT_STD["proj"],
         "intermediate_size": SHAPE["intermediate_size"],
         "max_position_embeddings": SHAPE["max_position_embeddings"],
         "mlp_only_layers": [],
@@ -407,16 +415,24 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 def model_tensors(config: dict) -> dict[str, torch.Tensor]:
     """fp32 weights, each drawn from its own generator seeded by its name, so adding a tensor
-    never changes the others. Norm scales are 1 +- a little, so they are not all equal."""
+    never changes the others."""
     tensors = {}
     for name, shape in tensor_shapes(config).items():
         gen = torch.Generator().manual_seed(SEED + zlib.crc32(name.encode()))
+        noise = torch.randn(shape, generator=gen, dtype=torch.float32)
         if name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float32)
+            tensors[name] = 1.0 + NORM_JITTER * noise
         else:
-            t = WEIGHT_STD * torch.randn(shape, generator=gen, dtype=torch.float32)
-        tensors[name] = t.contiguous()
+            tensors[name] = WEIGHT_STD[_role(name)] * noise
     return tensors
+
+
+def _role(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "embed"
+    if name == "lm_head.weight":
+        return "head"
+    return "router" if name.endswith(".mlp.gate.weight") else "proj"
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -51,13 +51,15 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)  # [T, E] in the model dtype
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        probs = torch.softmax(
+            logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)
+        )
         weights, ids = torch.topk(probs, self.options.top_k, dim=-1)  # [T, K]
         if self.options.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.options.weights_in_model_dtype:
-            weights = weights.to(logits.dtype).float()
-        return ids.to(torch.int32), weights
+            weights = weights.to(logits.dtype)
+        return ids.to(torch.int32), weights.to(probs.dtype)
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,4 +1,5 @@
-"""RMSNorm, computed in fp32 and cast back before the weight multiply (as transformers does)."""
+"""RMSNorm, computed in fp32 (or wider) and cast back before the weight multiply, as
+transformers does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float()
+        x32 = x.to(torch.promote_types(dtype, torch.float32))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)

@@ -105,4 +105,5 @@ class MoeCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, V]
+        logits = self.lm_head(hidden)  # [N, V]
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))

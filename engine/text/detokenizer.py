@@ -17,6 +17,11 @@ U+FFFD forever, which would grow the window without bound. An incomplete charact
 3 bytes and every non-skipped token carries at least one byte, so once more than
 `_MAX_PENDING` tokens are pending, text that stops 3 byte-carrying tokens before the end and is
 already a prefix of new_text cannot change any more, and is emitted.
+
+Limit: byte-fallback decoders (SentencePiece `<0xNN>` tokens) turn a whole run of byte tokens
+into U+FFFD when any byte of it is invalid, so invalid bytes arriving later can change text
+already emitted; for such a stream the deltas may differ from `decode(all)`. Valid text, and
+any stream on byte-level BPE, always adds up exactly.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens
         # Tokens that decode to nothing; they do not count as byte-carrying.
         self._empty_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
-        self._ids: list[int] = list(context)[-_CONTEXT_TOKENS:]
+        self._ids = self._context_window(list(context))
         # The window ids[0:] starts with context that is already emitted (or was never meant
         # to be); ids[:read] have been emitted, ids[read:] are pending.
         self._read = len(self._ids)
@@ -60,13 +65,24 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """Everything emitted so far."""
+        """Everything emitted so far (joined on each call: read it at the end, not per token)."""
         return "".join(self._parts)
 
     @property
     def window(self) -> int:
         """Tokens currently kept for decoding (bounded; exposed for tests)."""
         return len(self._ids)
+
+    def _context_window(self, context: list[int]) -> list[int]:
+        """The last few context tokens, starting on a whole character: a window opening in
+        the middle of one decodes to U+FFFD, and byte-fallback decoders then turn the whole
+        run of byte tokens it belongs to (reply included) into U+FFFD."""
+        start = max(0, len(context) - _CONTEXT_TOKENS)
+        while start > 0 and len(context) - start < 4 * _CONTEXT_TOKENS:
+            if not self._decode(context[start:]).startswith(REPLACEMENT):
+                break
+            start -= 1
+        return context[start:]
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)

@@ -136,10 +136,10 @@ class Tokenizer:
             and self.bos_token_id in backend.encode("", add_special_tokens=True).ids
         )
         self._prepend_bos = add_bos_token and self.bos_token_id is not None and not adds_bos
-        self._templates = {
-            name: ChatTemplate(src, self.special_tokens)
-            for name, src in (chat_templates or {}).items()
-        }
+        # Compiled on first use: a broken template must not stop a model from serving
+        # token ids or raw prompts; the error comes when a chat is actually rendered.
+        self.chat_template_sources: dict[str, str] = dict(chat_templates or {})
+        self._compiled: dict[str, ChatTemplate] = {}
 
     # ----------------------------------------------------------------- loading
 
@@ -163,11 +163,8 @@ class Tokenizer:
         for key, value in config.items():
             # Named tokens plus model-specific ones such as "image_token"; transformers passes
             # both to the template. Other "*_token" keys (add_bos_token: true) are not tokens.
-            if (
-                key in NAMED_SPECIAL_TOKENS
-                or key.endswith("_token")
-                and isinstance(value, (str, Mapping))
-            ):
+            custom = key.endswith("_token") and isinstance(value, (str, Mapping))
+            if key in NAMED_SPECIAL_TOKENS or custom:
                 content = _token_content(value, f"{cfg_file}: {key}")
             else:
                 content = None
@@ -235,36 +232,40 @@ class Tokenizer:
     # ----------------------------------------------------------------- chat
 
     @property
-    def chat_template(self) -> ChatTemplate | None:
-        """The default template (None if the model has none)."""
-        return self._templates.get("default")
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template_sources)
 
     @property
-    def chat_template_names(self) -> tuple[str, ...]:
-        return tuple(self._templates)
+    def chat_template(self) -> ChatTemplate | None:
+        """The default template, compiled (None when the model has none)."""
+        if "default" not in self.chat_template_sources:
+            return None
+        return self.get_chat_template("default")
 
     def get_chat_template(self, name: str | None = None, tools: Any = None) -> ChatTemplate:
         """The template to use: `name` if given, else "tool_use" when tools are passed and the
         model has one, else "default"."""
-        if name is not None:
-            if name not in self._templates:
+        sources = self.chat_template_sources
+        if name is None:
+            if tools is not None and "tool_use" in sources:
+                name = "tool_use"
+            elif "default" in sources:
+                name = "default"
+            elif sources:
                 raise ValueError(
-                    f"no chat template named {name!r}; this model has {sorted(self._templates)}"
+                    "this model has several chat templates and no default; pick one of "
+                    f"{sorted(sources)}"
                 )
-            return self._templates[name]
-        if tools is not None and "tool_use" in self._templates:
-            return self._templates["tool_use"]
-        if "default" in self._templates:
-            return self._templates["default"]
-        if self._templates:
-            raise ValueError(
-                "this model has several chat templates and no default; pick one of "
-                f"{sorted(self._templates)}"
-            )
-        raise ValueError(
-            "this model has no chat template (no chat_template in tokenizer_config.json and no "
-            "chat_template.jinja); pass token ids or plain text instead"
-        )
+            else:
+                raise ValueError(
+                    "this model has no chat template (no chat_template in tokenizer_config.json "
+                    "and no chat_template.jinja); pass token ids or plain text instead"
+                )
+        if name not in sources:
+            raise ValueError(f"no chat template named {name!r}; this model has {sorted(sources)}")
+        if name not in self._compiled:
+            self._compiled[name] = ChatTemplate(sources[name], self.special_tokens)
+        return self._compiled[name]
 
     def apply_chat_template(
         self,

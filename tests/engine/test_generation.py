@@ -17,8 +17,8 @@ def model_dir(tmp_path, rng_seed):
     return tmp_path
 
 
-def _load(path, **options) -> Engine:
-    return Engine.load(path, device="cpu", progress=False, kv_tokens=4096, **options)
+def _load(path, dtype=None, **options) -> Engine:
+    return Engine.load(path, device="cpu", dtype=dtype, progress=False, kv_tokens=4096, **options)
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -28,9 +28,10 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 def test_chunked_prefill_matches_whole_prefill(model_dir, rng_seed):
     rng = random.Random(rng_seed)
     ids = _prompt(rng, 150)
-    whole = _load(model_dir, max_batched_tokens=2048)
-    chunked = _load(model_dir, max_batched_tokens=16, max_num_seqs=4)
-    assert max_rel_err(chunked.score(ids), whole.score(ids)) <= 1e-5
+    # float64: in fp32 the different GEMM shapes of chunks can flip a near-tied router choice.
+    whole = _load(model_dir, max_batched_tokens=2048, dtype="float64")
+    chunked = _load(model_dir, max_batched_tokens=16, max_num_seqs=4, dtype="float64")
+    assert max_rel_err(chunked.score(ids), whole.score(ids)) <= 1e-12
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     assert chunked.generate(ids, sp).token_ids == whole.generate(ids, sp).token_ids
 

@@ -96,16 +96,20 @@ def make_tiny(family: str, folder: Path, seed: int, dtype=torch.float32, **overr
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    """transformers' greedy decode of n tokens, EOS not special (our side uses ignore_eos).
+    min_new_tokens would not do: it masks EOS out of the logits, changing the argmax."""
+    ids = torch.tensor([prompt], device=model.device)
+    model.generation_config.eos_token_id = None
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=n,
-        min_new_tokens=n,
         do_sample=False,
         pad_token_id=0,
     )
-    return out[0, len(prompt) :].tolist()
+    tokens = out[0, len(prompt) :].tolist()
+    assert len(tokens) == n
+    return tokens
 
 
 def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

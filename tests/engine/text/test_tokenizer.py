@@ -237,8 +237,10 @@ def test_named_templates(demo: Path, tmp_path: Path) -> None:
         tok.apply_chat_template(messages, template_name="rag")
 
 
-def test_bad_template_fails_at_load(demo: Path, tmp_path: Path) -> None:
+def test_bad_template_fails_when_used_not_at_load(demo: Path, tmp_path: Path) -> None:
     folder = copy_demo(demo, tmp_path / "m")
     edit_json(folder / "tokenizer_config.json", chat_template="{% if %}")
+    tok = Tokenizer.from_dir(folder)  # still usable for plain text and token ids
+    assert tok.decode(tok.encode("fine")) == "fine"
     with pytest.raises(ChatTemplateError, match="does not compile"):
-        Tokenizer.from_dir(folder)
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
