@@ -31,16 +31,16 @@ SHAPES = {  # real shapes, random weights (nothing is downloaded)
     "qwen3.6-35b-a3b": dict(h=2048, i=512, n=256, k=8),
 }
 GRAPH_LAYERS = 8  # layers per captured decode step: 8 x 75 MB of rows, far beyond the 50 MB L2
-DECODE_SWEEP = [
-    dict(BLOCK_H=512),
-    dict(BLOCK_H=128, BLOCK_N=16, BLOCK_K=256),
-    dict(BLOCK_I=32, BLOCK_N=4, BLOCK_K=512, WARPS_DOWN=2),
-    dict(WARPS_UP=8, BLOCK_H=512, BLOCK_N=16, BLOCK_K=512, WARPS_DOWN=8),
+DECODE_SWEEP = [  # each overrides a few keys of the default tiles
+    dict(BLOCK_N=16, BLOCK_K=128),
+    dict(BLOCK_H=128, STAGES_UP=4, BLOCK_K=256, WARPS_DOWN=8, STAGES_DOWN=3),
+    dict(BLOCK_I=32, BLOCK_H=128, STAGES_UP=3, BLOCK_N=64, WARPS_DOWN=8, STAGES_DOWN=3),
+    dict(STAGES_UP=3, STAGES_DOWN=3),
 ]
 PREFILL_SWEEP = [
-    dict(BLOCK_M=128, WARPS_UP=8, STAGES_UP=3, WARPS_DOWN=8, STAGES_DOWN=3),
+    dict(BLOCK_M=128, BLOCK_N=64, STAGES_UP=4, WARPS_DOWN=8, STAGES_DOWN=3),
     dict(BLOCK_M=64, BLOCK_N=64, WARPS_UP=4, STAGES_UP=4, DOWN_BLOCK_N=64, STAGES_DOWN=4),
-    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, WARPS_UP=8, STAGES_UP=3, DOWN_BLOCK_K=128),
+    dict(BLOCK_M=128, BLOCK_N=128, WARPS_UP=8, STAGES_UP=3, DOWN_BLOCK_N=256, WARPS_DOWN=8),
 ]
 
 
@@ -87,7 +87,7 @@ def graph_ms_per_layer(s, w13, w2, hidden, ids, wts, tiles) -> float:
     outs = [torch.empty_like(hidden) for _ in layer_ids]
     step = lambda: [
         fused_moe_decode(hidden, w13, w2, lid, wts, out, tiles=tiles)
-        for lid, out in zip(layer_ids, outs)
+        for lid, out in zip(layer_ids, outs, strict=True)
     ]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -148,9 +148,7 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
-    print(
-        f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}"
-    )
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     hbm, mm = hbm_copy_gbps(), matmul_tflops()
     print(f"HBM copy {hbm:.0f} GB/s (read + write)   torch.matmul bf16 8192^3 {mm:.0f} TFLOP/s")
     print(f"default tiles: decode {DECODE_TILES['default']}\n  prefill {PREFILL_TILES['default']}")

@@ -1,19 +1,20 @@
 """Fused MoE dispatcher: the Triton kernels on CUDA tensors, the plain-torch twin otherwise.
 
-Shapes (legend in `kernels/reference_moe.py`): hidden [T, H], w13 [N, 2I, H], w2 [N, H, I],
+Shapes (legend in `kernels/reference.py`): hidden [T, H], w13 [N, 2I, H], w2 [N, H, I],
 topk_ids [T, K] (negative = skip), topk_weights [T, K] fp32, out [T, H].
 """
 
 import torch
 
-from freetoken_agent.kernels.reference_moe import fused_moe_reference
+from freetoken_agent.kernels.reference import fused_moe as fused_moe_reference
 
 # Which Triton path serves a call, by its number of (token, choice) pairs P = T * K.
 # Up to this many pairs the weight bytes dominate: the decode path (one program per pair and
-# output block, groups of pairs sharing a row computed by their leader) streams them at HBM speed
-# with no sorting launches. Past it most rows are picked by many tokens and tensor-core tiles over
-# pairs sorted by row win. Every engine decode batch up to 16 sequences at K = 8 stays on one path,
-# so a sequence's bits do not change as the batch grows within that range.
+# output block, pairs sharing a row computed by the first of them) streams them with no sorting
+# launches; its in-kernel grouping holds all P ids per program, which spills registers past 128.
+# Beyond that, rows picked by many tokens make tiles over pairs sorted by row (prefill) win.
+# Decode batches of up to 16 sequences at K = 8 stay on one path, so a sequence's bits do not
+# change as such a batch grows or shrinks.
 PATH_LIMITS: dict[str, int] = {"decode_max_pairs": 128}
 
 

@@ -16,6 +16,7 @@ results within float tolerance. They favour clarity over speed, may synchronise 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 # Query rows processed at once per sequence: bounds the [Hq, rows, L] fp32 score tensor
@@ -57,9 +58,9 @@ def paged_attention(
     q: [T, Hq, D]; k_cache, v_cache: [P, S, Hkv, D]; page_table: [B, max_pages] int32;
     cu_q_lens: [B+1] int32; kv_lens: [B] int32 (including the new tokens, already stored).
     Query i of sequence b sits at position p = kv_len_b - q_len_b + i and attends to kv
-    positions j <= p, and with window > 0 only to p - window < j <= p. Softmax in fp32, output
-    in q.dtype, written into `out` ([T, Hq, D]) when given. max_q_len and max_kv_len are launch
-    hints of the Triton kernel, unused here.
+    positions j <= p, and with window > 0 only to p - window < j <= p. Softmax in fp32 (fp64
+    for fp64 inputs), output in q.dtype, written into `out` ([T, Hq, D]) when given. max_q_len
+    and max_kv_len are launch hints of the Triton kernel, unused here.
     """
     T, Hq, D = q.shape
     P, S, Hkv, Dk = k_cache.shape
@@ -67,6 +68,7 @@ def paged_attention(
     assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, (q.shape, k_cache.shape)
     assert cu_q_lens.shape == (B + 1,) and kv_lens.shape == (B,), (cu_q_lens.shape, kv_lens.shape)
     G = Hq // Hkv
+    wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for a float64 oracle
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape, (out.shape, q.shape)
@@ -79,12 +81,12 @@ def paged_attention(
         if n > L:
             raise ValueError(f"sequence {b}: kv_len {L} < q_len {n} (new tokens must be stored)")
         pages = page_table[b, : (L + S - 1) // S].long()
-        k = k_cache[pages].reshape(-1, Hkv, D)[:L].float().permute(1, 2, 0)  # [Hkv, D, L]
-        v = v_cache[pages].reshape(-1, Hkv, D)[:L].float().permute(1, 0, 2)  # [Hkv, L, D]
+        k = k_cache[pages].reshape(-1, Hkv, D)[:L].to(wide).permute(1, 2, 0)  # [Hkv, D, L]
+        v = v_cache[pages].reshape(-1, Hkv, D)[:L].to(wide).permute(1, 0, 2)  # [Hkv, L, D]
         j = torch.arange(L, device=q.device)  # kv positions
         for c0 in range(0, n, _REF_Q_CHUNK):
             c1 = min(n, c0 + _REF_Q_CHUNK)
-            qc = q[q0 + c0 : q0 + c1].float().view(c1 - c0, Hkv, G, D).permute(1, 2, 0, 3)
+            qc = q[q0 + c0 : q0 + c1].to(wide).view(c1 - c0, Hkv, G, D).permute(1, 2, 0, 3)
             s = (qc @ k[:, None]) * scale  # [Hkv, G, c, L]
             pos = (L - n + torch.arange(c0, c1, device=q.device))[:, None]  # [c, 1]
             allowed = j[None, :] <= pos  # [c, L]
@@ -93,4 +95,100 @@ def paged_attention(
             s = s.masked_fill(~allowed, float("-inf"))
             o = torch.softmax(s, dim=-1) @ v[:, None]  # [Hkv, G, c, D]
             out[q0 + c0 : q0 + c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, Hq, D).to(out.dtype)
+    return out
+
+
+# --- fused MoE over rows of expert banks -----------------------------------------------
+# Plain-torch twin of the fused MoE expert computation (test oracle and CPU fallback).
+#
+# Shape legend (shared with `kernels/triton/fused_moe.py`):
+#   T tokens, H hidden, I expert intermediate width, K top-k, N rows in a weight bank,
+#   P = T * K (token, choice) pairs; pair p = t * K + k.
+#   hidden       [T, H]       fp32 / fp16 / bf16
+#   w13          [N, 2I, H]   per row: gate_proj.weight in rows 0..I-1, up_proj.weight in I..2I-1
+#   w2           [N, H, I]    down_proj.weight
+#   topk_ids     [T, K]       int32 / int64 bank row ids; a negative id skips that (t, k)
+#   topk_weights [T, K]       float32 routing weights
+#   out          [T, H]       hidden.dtype
+#
+# Bank rows are whatever the caller maps expert ids to (a logical id `layer * n_experts + expert`
+# today, a GPU cache slot later); this code only indexes rows.
+#
+# Numerics: every product is computed in fp32 (float64 for float64 inputs) from upcast inputs,
+# the SwiGLU activation stays in fp32, the routing-weighted sum over k runs in fp32 in the fixed
+# order k = 0..K-1, and the result is cast to hidden.dtype once. The Triton kernels do the same
+# except where tensor cores need 16-bit operands for the down projection: the decode path keeps
+# the activation as a high + low 16-bit pair (about 16 significant bits), the prefill path rounds
+# it to the weight dtype once.
+#
+# The reference groups pairs by bank row, so each row is upcast once per call. The matmuls go
+# through torch's CPU BLAS, whose blocking may depend on how many tokens share a row: results are
+# deterministic for a given batch but only float-close (not bitwise) across batch compositions.
+
+
+def check_moe_shapes(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor | None,
+) -> tuple[int, int, int, int]:
+    """Assert the fused-MoE contract and return (T, H, I, K)."""
+    assert hidden.dim() == 2, f"hidden must be [T, H], got {tuple(hidden.shape)}"
+    t, h = hidden.shape
+    assert w13.dim() == 3 and w13.shape[2] == h and w13.shape[1] % 2 == 0, (
+        f"w13 must be [N, 2I, H={h}], got {tuple(w13.shape)}"
+    )
+    n, i = w13.shape[0], w13.shape[1] // 2
+    assert tuple(w2.shape) == (n, h, i), f"w2 must be [N={n}, H={h}, I={i}], got {tuple(w2.shape)}"
+    assert w13.dtype == hidden.dtype and w2.dtype == hidden.dtype, (
+        f"dtypes differ: hidden {hidden.dtype}, w13 {w13.dtype}, w2 {w2.dtype}"
+    )
+    assert topk_ids.dim() == 2 and topk_ids.shape[0] == t, (
+        f"topk_ids must be [T={t}, K], got {tuple(topk_ids.shape)}"
+    )
+    assert topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids dtype {topk_ids.dtype}"
+    k = topk_ids.shape[1]
+    assert tuple(topk_weights.shape) == (t, k), (
+        f"topk_weights must be [T={t}, K={k}], got {tuple(topk_weights.shape)}"
+    )
+    # fp32 routing weights; float64 runs (CPU exactness tests) carry float64 ones.
+    wide = torch.promote_types(hidden.dtype, torch.float32)
+    assert topk_weights.dtype == wide, f"topk_weights must be {wide}, got {topk_weights.dtype}"
+    if out is not None:
+        assert tuple(out.shape) == (t, h) and out.dtype == hidden.dtype, (
+            f"out must be [T={t}, H={h}] {hidden.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
+    return t, h, i, k
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]); SwiGLU experts."""
+    t, h, i, k = check_moe_shapes(hidden, w13, w2, topk_ids, topk_weights, out)
+    if out is None:
+        out = torch.empty_like(hidden)
+    ids = topk_ids.reshape(-1).long()  # [P]
+    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or float64 for float64
+    y = torch.zeros(t * k, h, dtype=acc_dtype, device=hidden.device)  # [P, H] per-pair outputs
+    # A host sync (unique) is fine here: this is the oracle and the CPU path.
+    for row in torch.unique(ids[ids >= 0]).tolist():
+        pairs = (ids == row).nonzero().squeeze(1)  # [m] pairs that picked this bank row
+        x = hidden[pairs // k].to(acc_dtype)  # [m, H]
+        gate_up = x @ w13[row].to(acc_dtype).t()  # [m, 2I]
+        act = F.silu(gate_up[:, :i]) * gate_up[:, i:]  # [m, I]
+        y[pairs] = act @ w2[row].to(acc_dtype).t()  # [m, H]
+    y = y.view(t, k, h)
+    weights = topk_weights.masked_fill(topk_ids < 0, 0.0)  # [T, K] a skipped pair adds nothing
+    acc = torch.zeros(t, h, dtype=acc_dtype, device=hidden.device)  # [T, H]
+    for j in range(k):  # fixed order over k
+        acc += weights[:, j, None] * y[:, j]
+    out.copy_(acc)
     return out

@@ -1,6 +1,6 @@
 """Fused MoE expert computation over rows of weight banks: Triton kernels and launchers.
 
-Shape legend (the twin is `kernels/reference_moe.py`):
+Shape legend (the twin is `kernels/reference.py`):
   T tokens, H hidden, I expert intermediate width, K top-k, N rows in a weight bank,
   P = T * K (token, choice) pairs; pair p = t * K + k. S sorted positions (pairs grouped by row).
   hidden [T, H]; w13 [N, 2I, H] (gate rows 0..I-1, up rows I..2I-1); w2 [N, H, I];
@@ -8,11 +8,15 @@ Shape legend (the twin is `kernels/reference_moe.py`):
   Expert: y = w2 @ (silu(w13[:I] @ x) * (w13[I:] @ x)).
 
 Two paths, both free of host syncs (grids come from T, K, H, I, N only), so both can be captured
-in a CUDA graph:
-- decode (few pairs, bandwidth-bound): `_decode_gate_up_kernel` writes act [P, I] fp32, then
-  `_decode_down_kernel` writes out [T, H] with the weighted sum over k.
+in a CUDA graph, and both end with `_sum_over_k_kernel` (y [P, H] fp32 -> out [T, H]):
+- decode (few pairs, bandwidth-bound): pairs that picked the same row form a group led by its
+  first pair; `_decode_gate_up_kernel` (act [P, I]) and `_decode_down_kernel` (y) run one
+  program per (pair, output block), the leader computing its whole group with tl.dot, so a row's
+  weights are read once per batch, and the other programs exit at once. No sort is needed.
 - prefill (many pairs, compute-bound): pairs are sorted by row on the device, then grouped GEMMs
-  with tl.dot over blocks of pairs of one row, then `_sum_over_k_kernel`.
+  with tl.dot over blocks of pairs of one row.
+Why tl.dot even for one token: Triton software-pipelines (multi-buffers) only loads that feed a
+dot, and the streamed weights need those loads in flight to reach HBM bandwidth.
 
 Determinism: no atomics; every output element sums k = 0..K-1 in a fixed order, and a pair's
 arithmetic does not depend on the other pairs of its tile (tl.dot rows are independent; masked
@@ -24,16 +28,19 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken_agent.kernels.reference_moe import check_moe_shapes
+from freetoken_agent.kernels.reference import check_moe_shapes
 
+# fmt: off
 # Tiles keyed by (H, I); "default" covers other shapes. First guesses for the H200;
 # `python -m freetoken_agent.bench.moe_kernel` sweeps alternatives to tune them.
 DECODE_TILES: dict[tuple[int, int] | str, dict[str, int]] = {
-    # gate/up: BLOCK_M pairs of one row x BLOCK_I outputs, H walked in BLOCK_H steps (tl.dot needs
-    # every dim >= 16). down: BLOCK_N outputs per program, I walked in BLOCK_K steps. Small output
-    # blocks give T=1, K=8 enough programs (384 and 256) to fill 132 SMs.
+    # gate/up: BLOCK_M members x BLOCK_I outputs, H walked in BLOCK_H steps (tl.dot needs every
+    # dim >= 16); down: BLOCK_M members x BLOCK_N outputs, I walked in BLOCK_K steps. Small output
+    # blocks give T=1, K=8 enough programs (384 and 512) to keep 132 SMs streaming; compiled for
+    # sm_90 these use no local memory and keep 3-4 programs x 3 weight tiles in flight per SM.
     "default": dict(
-        BLOCK_M=16, BLOCK_I=16, BLOCK_H=256, WARPS_UP=4, BLOCK_N=8, BLOCK_K=256, WARPS_DOWN=4
+        BLOCK_M=16, BLOCK_I=16, BLOCK_H=256, WARPS_UP=4, STAGES_UP=4,
+        BLOCK_N=32, BLOCK_K=128, WARPS_DOWN=4, STAGES_DOWN=4, SUM_BLOCK=512,
     ),
 }
 PREFILL_TILES: dict[tuple[int, int] | str, dict[str, int]] = {
@@ -43,10 +50,12 @@ PREFILL_TILES: dict[tuple[int, int] | str, dict[str, int]] = {
         BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, WARPS_UP=8, STAGES_UP=3,
         DOWN_BLOCK_N=128, DOWN_BLOCK_K=64, WARPS_DOWN=4, STAGES_DOWN=4,
         SUM_BLOCK=512, CHUNK_PAIRS=65536,
-    ),  # fmt: skip
+    ),
 }
-# The decode kernel scans all P ids in every program to find its group: O(P) per program.
-DECODE_MAX_PAIRS = 1024
+# fmt: on
+# The decode kernels hold all P ids and a [BLOCK_M, P] member selection in every program; past
+# 128 pairs that spills registers on sm_90 (and sorting by row pays off anyway).
+DECODE_MAX_PAIRS = 128
 
 
 def _tiles(table: dict, h: int, i: int, override: dict | None) -> dict[str, int]:
@@ -59,49 +68,58 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _group(ids_ptr, p, P, BLOCK_P: tl.constexpr):
+    """Row of pair p, how many earlier pairs picked it (0: p leads), member mask and ranks."""
+    row = tl.load(ids_ptr + p)
+    offs_p = tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1)  # [BLOCK_P]
+    same = ids == row
+    n_before = tl.sum((same & (offs_p < p)).to(tl.int32), axis=0)
+    rank = tl.cumsum(same.to(tl.int32), axis=0) - 1  # [BLOCK_P] member index within the group
+    return row, n_before, same, rank, tl.sum(same.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _members(same, rank, m0, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Pairs of members m0 .. m0 + BLOCK_M - 1, compacted into tile rows: [BLOCK_M]."""
+    offs_p = tl.arange(0, BLOCK_P)
+    sel = same[None, :] & (rank[None, :] == (m0 + tl.arange(0, BLOCK_M))[:, None])
+    return tl.sum(tl.where(sel, offs_p[None, :], 0), axis=1)  # [BLOCK_M, BLOCK_P] -> [BLOCK_M]
+
+
+@triton.jit
 def _decode_gate_up_kernel(
     x_ptr,  # [T, H]
     w13_ptr,  # [N, 2I, H]
     ids_ptr,  # [P]
-    act_ptr,  # [P, I] fp32
+    hi_ptr,  # [P, I] act, or with SPLIT its high 16-bit part
+    lo_ptr,  # [P, I] with SPLIT: act - hi, rounded to 16 bits
     P,
     H,
-    I,
+    I,  # noqa: E741 (the shape legend's name)
     K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PREC: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    # One program per (pair, output block). Pairs that picked the same row form a group; its first
-    # pair leads and computes the whole group with tl.dot, so the row's weights are read once per
-    # batch without a sort (which would need a host sync or extra launches). Others exit at once.
     pid = tl.program_id(0)
     n_iblk = tl.cdiv(I, BLOCK_I)
-    p = pid // n_iblk
-    pid_i = pid % n_iblk
-    row = tl.load(ids_ptr + p)
+    row, n_before, same, rank, n_group = _group(ids_ptr, pid // n_iblk, P, BLOCK_P)
     if row < 0:
         return
-    offs_p = tl.arange(0, BLOCK_P)
-    ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1)  # [BLOCK_P]
-    same = ids == row
-    if tl.sum((same & (offs_p < p)).to(tl.int32), axis=0) > 0:
+    if n_before > 0:
         return
-    rank = tl.cumsum(same.to(tl.int32), axis=0) - 1  # [BLOCK_P] position of a member in the group
-    n_group = tl.sum(same.to(tl.int32), axis=0)
-
     offs_m = tl.arange(0, BLOCK_M)
-    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_i = (pid % n_iblk) * BLOCK_I + tl.arange(0, BLOCK_I)
     offs_h = tl.arange(0, BLOCK_H)
     i_mask = offs_i < I
     # [BLOCK_H, BLOCK_I] tiles of the gate rows; the up rows sit I * H elements further.
     w_ptrs = w13_ptr + row.to(tl.int64) * (2 * I * H) + offs_i[None, :] * H + offs_h[:, None]
     for m0 in range(0, n_group, BLOCK_M):  # more than BLOCK_M members: rare, re-reads from L2
-        # Compact members m0 .. m0 + BLOCK_M - 1 into tile rows: sel[m, q] = pair q is member m0+m.
-        sel = same[None, :] & (rank[None, :] == (m0 + offs_m)[:, None])  # [BLOCK_M, BLOCK_P]
-        pair = tl.sum(tl.where(sel, offs_p[None, :], 0), axis=1)  # [BLOCK_M]
+        pair = _members(same, rank, m0, BLOCK_M, BLOCK_P)
         valid = (m0 + offs_m) < n_group
         x_ptrs = x_ptr + (pair // K)[:, None] * H + offs_h[None, :]  # [BLOCK_M, BLOCK_H]
         acc_g = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
@@ -115,50 +133,70 @@ def _decode_gate_up_kernel(
             acc_g = tl.dot(x, wg, acc_g, input_precision=PREC)
             acc_u = tl.dot(x, wu, acc_u, input_precision=PREC)
         act = acc_g * tl.sigmoid(acc_g) * acc_u  # SwiGLU in fp32
-        a_ptrs = act_ptr + pair[:, None] * I + offs_i[None, :]
-        tl.store(a_ptrs, act, mask=valid[:, None] & i_mask[None, :])
+        a_off = pair[:, None] * I + offs_i[None, :]
+        a_mask = valid[:, None] & i_mask[None, :]
+        hi = act.to(hi_ptr.dtype.element_ty)
+        tl.store(hi_ptr + a_off, hi, mask=a_mask)
+        if SPLIT:
+            # The down GEMM's tensor cores take 16-bit operands: keep the fp32 act as a high and
+            # a low 16-bit part (16 significant bits together) rather than round it to 8.
+            lo = (act - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty)
+            tl.store(lo_ptr + a_off, lo, mask=a_mask)
 
 
 @triton.jit
 def _decode_down_kernel(
-    act_ptr,  # [P, I] fp32
+    hi_ptr,  # [P, I]
+    lo_ptr,  # [P, I] (read with SPLIT only)
     w2_ptr,  # [N, H, I]
     ids_ptr,  # [P]
-    wts_ptr,  # [P] fp32
-    out_ptr,  # [T, H]
-    T,
+    y_ptr,  # [P, H] fp32, unweighted expert outputs by pair
+    P,
     H,
-    I,
-    K: tl.constexpr,
+    I,  # noqa: E741 (the shape legend's name)
+    BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    # One program per (token, output block), summing its K pairs in order (deterministic, no
-    # atomics). Tokens vary fastest, so the programs of one output block run together and a row
-    # picked by several tokens is served from L2 after the first read.
     pid = tl.program_id(0)
-    t = pid % T
-    pid_n = pid // T
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_nblk = tl.cdiv(H, BLOCK_N)
+    row, n_before, same, rank, n_group = _group(ids_ptr, pid // n_nblk, P, BLOCK_P)
+    if row < 0:
+        return
+    if n_before > 0:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = (pid % n_nblk) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < H
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in range(K):
-        p = t * K + k
-        row = tl.load(ids_ptr + p)
-        live = row >= 0  # skipped pairs load nothing (their act was never written) and add 0
-        wt = tl.where(live, tl.load(wts_ptr + p), 0.0)
-        k_end = tl.where(live, I, 0)  # a bound, not `mask & live`: the interpreter mistypes that
-        w_ptrs = w2_ptr + tl.maximum(row, 0).to(tl.int64) * (H * I) + offs_n[:, None] * I
-        y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    w_ptrs = w2_ptr + row.to(tl.int64) * (H * I) + offs_n[None, :] * I + offs_k[:, None]
+    for m0 in range(0, n_group, BLOCK_M):
+        pair = _members(same, rank, m0, BLOCK_M, BLOCK_P)
+        valid = (m0 + offs_m) < n_group
+        a_off = pair[:, None] * I + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
-            k_mask = (k0 + offs_k) < k_end
-            a = tl.load(act_ptr + p * I + k0 + offs_k, mask=k_mask, other=0.0)  # [BLOCK_K]
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_ptrs + k0 + offs_k[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
-            y += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        acc += wt * y
-    tl.store(out_ptr + t * H + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+            k_mask = (k0 + offs_k) < I
+            a_mask = valid[:, None] & k_mask[None, :]
+            w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(
+                tl.load(hi_ptr + a_off + k0, mask=a_mask, other=0.0), w, acc, input_precision=PREC
+            )
+            if SPLIT:  # two dots on one weight tile: free in a bandwidth-bound kernel
+                acc = tl.dot(tl.load(lo_ptr + a_off + k0, mask=a_mask, other=0.0), w, acc)
+        y_ptrs = y_ptr + pair[:, None] * H + offs_n[None, :]
+        tl.store(y_ptrs, acc, mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _block(blk_row_ptr, blk_start_ptr, blk_end_ptr, b, BLOCK_M: tl.constexpr):
+    """Row of block b (-1: unused), its sorted positions [BLOCK_M] and which of them it owns."""
+    offs_s = tl.load(blk_start_ptr + b) + tl.arange(0, BLOCK_M)
+    valid = offs_s < tl.load(blk_end_ptr + b)  # tail block of a row: masked rows are zeros
+    return tl.load(blk_row_ptr + b), offs_s, valid
 
 
 @triton.jit
@@ -171,7 +209,7 @@ def _grouped_gate_up_kernel(
     blk_end_ptr,  # [B] end of the row's positions (the block stops there)
     act_ptr,  # [S, I] hidden.dtype, indexed by sorted position
     H,
-    I,
+    I,  # noqa: E741 (the shape legend's name)
     K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -182,15 +220,11 @@ def _grouped_gate_up_kernel(
     # gathered x rows in L2, and consecutive blocks of one row share its weights.
     pid = tl.program_id(0)
     n_nblk = tl.cdiv(I, BLOCK_N)
-    b = pid // n_nblk
-    pid_n = pid % n_nblk
-    row = tl.load(blk_row_ptr + b)
+    row, offs_s, valid = _block(blk_row_ptr, blk_start_ptr, blk_end_ptr, pid // n_nblk, BLOCK_M)
     if row < 0:
         return
-    offs_s = tl.load(blk_start_ptr + b) + tl.arange(0, BLOCK_M)
-    valid = offs_s < tl.load(blk_end_ptr + b)  # tail block of a row: masked rows are zeros
     pair = tl.load(order_ptr + offs_s, mask=valid, other=0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (pid % n_nblk) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < I
     x_ptrs = x_ptr + (pair // K)[:, None] * H + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
@@ -222,7 +256,7 @@ def _grouped_down_kernel(
     blk_end_ptr,  # [B]
     y_ptr,  # [P, H] fp32, unweighted expert outputs by pair
     H,
-    I,
+    I,  # noqa: E741 (the shape legend's name)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -230,14 +264,10 @@ def _grouped_down_kernel(
 ):
     pid = tl.program_id(0)
     n_nblk = tl.cdiv(H, BLOCK_N)
-    b = pid // n_nblk
-    pid_n = pid % n_nblk
-    row = tl.load(blk_row_ptr + b)
+    row, offs_s, valid = _block(blk_row_ptr, blk_start_ptr, blk_end_ptr, pid // n_nblk, BLOCK_M)
     if row < 0:
         return
-    offs_s = tl.load(blk_start_ptr + b) + tl.arange(0, BLOCK_M)
-    valid = offs_s < tl.load(blk_end_ptr + b)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (pid % n_nblk) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < H
     a_ptrs = act_ptr + offs_s[:, None] * I + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
@@ -283,6 +313,7 @@ def _check(hidden, w13, w2, topk_ids, topk_weights, out) -> tuple[int, int, int,
     tensors = [hidden, w13, w2, topk_ids, topk_weights] + ([out] if out is not None else [])
     assert all(x.is_contiguous() for x in tensors), "fused_moe needs contiguous tensors"
     assert all(x.device == hidden.device for x in tensors), "fused_moe tensors on one device"
+    assert hidden.numel() < 2**31, "token offsets are int32"
     return t, h, i, k
 
 
@@ -305,17 +336,23 @@ def fused_moe_decode(
     if p == 0:
         return out
     c = _tiles(DECODE_TILES, h, i, tiles)
-    act = torch.empty(p, i, dtype=torch.float32, device=hidden.device)  # [P, I]
+    block_p, prec = max(16, triton.next_power_of_2(p)), _dot_precision(hidden.dtype)
+    split = hidden.dtype != torch.float32  # act as hi + lo 16-bit parts; fp32 needs no split
+    act = torch.empty(2 if split else 1, p, i, dtype=hidden.dtype, device=hidden.device)
+    y = torch.empty(p, h, dtype=torch.float32, device=hidden.device)  # [P, H]
     _decode_gate_up_kernel[(p * triton.cdiv(i, c["BLOCK_I"]),)](
-        hidden, w13, topk_ids, act, p, h, i,
-        K=k, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_M=c["BLOCK_M"],
-        BLOCK_I=c["BLOCK_I"], BLOCK_H=c["BLOCK_H"], PREC=_dot_precision(hidden.dtype),
-        num_warps=c["WARPS_UP"],
+        hidden, w13, topk_ids, act[0], act[-1], p, h, i,
+        K=k, BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_I=c["BLOCK_I"], BLOCK_H=c["BLOCK_H"],
+        PREC=prec, SPLIT=split, num_warps=c["WARPS_UP"], num_stages=c["STAGES_UP"],
     )  # fmt: skip
-    _decode_down_kernel[(t * triton.cdiv(h, c["BLOCK_N"]),)](
-        act, w2, topk_ids, topk_weights, out, t, h, i,
-        K=k, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], num_warps=c["WARPS_DOWN"],
+    _decode_down_kernel[(p * triton.cdiv(h, c["BLOCK_N"]),)](
+        act[0], act[-1], w2, topk_ids, y, p, h, i,
+        BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+        PREC=prec, SPLIT=split, num_warps=c["WARPS_DOWN"], num_stages=c["STAGES_DOWN"],
     )  # fmt: skip
+    _sum_over_k_kernel[(t, triton.cdiv(h, c["SUM_BLOCK"]))](
+        y, topk_ids, topk_weights, out, h, K=k, BLOCK=c["SUM_BLOCK"]
+    )
     return out
 
 
@@ -372,6 +409,7 @@ def _prefill_chunk(hidden, w13, w2, topk_ids, topk_weights, out, c: dict[str, in
     p = t * k
     if p == 0:
         return
+    assert p * max(h, i) < 2**31, "kernel offsets are int32: lower CHUNK_PAIRS"
     order, blk_row, blk_start, blk_end = align_pairs_by_row(topk_ids.view(-1), n, c["BLOCK_M"])
     n_blk = blk_row.numel()
     prec = _dot_precision(hidden.dtype)

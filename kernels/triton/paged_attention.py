@@ -9,7 +9,7 @@ table, only up to the block's causal bound and from its window start. Tiles that
 run without mask arithmetic; only the diagonal and window-edge tiles compute a mask.
 
 Split-KV ("flash decoding"): when the batch has too few (q block, kv head) programs to fill the
-GPU (decode at batch 1 has Hkv of them), a third grid axis cuts each sequence's kv range into
+GPU (decode at batch 1 has Hkv of them), a second grid axis cuts each sequence's kv range into
 NS pieces; programs write unnormalised partials (acc, running max, running sum) and a second
 kernel combines them. NS and every grid size come from python ints, so a captured CUDA graph
 replays correctly whatever kv_lens hold; each sequence's range is divided on the device.
@@ -54,16 +54,16 @@ _TILES: dict[str, dict[tuple[str, int], Tiles]] = {
         **{("decode", d): Tiles(16, 64, 4, 3) for d in (16, 32, 64, 128)},
         ("decode", 256): Tiles(16, 32, 4, 3),
         **{("small", d): Tiles(64, 64, 4, 3) for d in (16, 32, 64, 128)},
-        ("small", 256): Tiles(64, 32, 4, 2),
-        **{("prefill", d): Tiles(128, 64, 4, 3) for d in (16, 32, 64)},
-        ("prefill", 128): Tiles(128, 64, 8, 3),
-        ("prefill", 256): Tiles(64, 32, 4, 2),
+        ("small", 256): Tiles(64, 32, 8, 2),
+        **{("prefill", d): Tiles(128, 64, 4, 3) for d in (16, 32)},
+        **{("prefill", d): Tiles(128, 64, 8, 3) for d in (64, 128)},
+        ("prefill", 256): Tiles(64, 32, 8, 2),
     },
 }
 _TILE_CLASS_ROWS = (("decode", 16), ("small", 64))  # rows per sequence -> class; else "prefill"
 
 # Split-KV policy: aim at this many programs per SM, never cut a sequence into pieces of fewer
-# tiles than min_tiles (each split costs a partial write + read of NS x D floats per row).
+# tiles than min_tiles (every split adds a write and a read of D fp32 partials per row).
 _SPLIT_POLICY = {"programs_per_sm": 2, "min_tiles": 2, "max_splits": 128}
 _SPLIT_CHUNK = 16  # splits combined per step in the reduce kernel (bounds its registers)
 _INTERPRETER_SMS = 8  # pretend SM count on the CPU, so the split heuristic runs there too
@@ -150,17 +150,19 @@ def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,  # q, out [T, Hq, D]; k, v [P, S, Hkv, D]
     part_acc_ptr, part_m_ptr, part_l_ptr,  # [T, Hq, NS, D], [T, Hq, NS], [T, Hq, NS] fp32
     page_table_ptr, cu_q_lens_ptr, kv_lens_ptr,  # [B, max_pages], [B + 1], [B]
-    qk_scale, window, num_seqs, q_blocks_per_seq, num_splits, num_q_heads,
+    qk_scale, window, num_seqs, q_blocks_per_seq, head_progs, num_splits, num_q_heads,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_ot, stride_oh, stride_pt,
     GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DIRECT: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # grid: (q blocks, Hkv * HEAD_CHUNKS, NS)
-    pid_q = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    split = tl.program_id(2)
+    # grid: (q blocks x head_progs, NS), head_progs = Hkv * HEAD_CHUNKS. The head is the fast
+    # index and q blocks run last to first: a sequence's last blocks see the most kv tiles
+    # (causal), so the longest programs start first and the tail of the grid is short ones.
+    pid_h = tl.program_id(0) % head_progs
+    pid_q = tl.num_programs(0) // head_progs - 1 - tl.program_id(0) // head_progs
+    split = tl.program_id(1)
     if DIRECT:  # q_blocks_per_seq = cdiv(max_q_len, BLOCK_Q) blocks per sequence
         seq = pid_q // q_blocks_per_seq
         qb = pid_q % q_blocks_per_seq
@@ -275,37 +277,50 @@ def _combine_splits_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @functools.cache
-def _num_sms(device_index: int) -> int:
-    # Host-side property query: no device sync, fine during graph capture.
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _device_facts(device_index: int) -> tuple[str, int]:
+    # (tile-table key, SM count): host-side property queries, no device sync (capture-safe).
+    props = torch.cuda.get_device_properties(device_index)
+    return f"sm{props.major}{props.minor}", props.multi_processor_count
 
 
-def _device_key(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "interpreter"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm{major}{minor}"
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """Grid and tiles of one launch, from python ints only (identical on every graph replay)."""
+
+    tiles: Tiles
+    heads: int  # HEADS: query heads of one GQA group per program
+    block_q: int  # BLOCK_Q: tokens per program
+    head_chunks: int  # programs per kv head (> 1 only when G > BLOCK_M)
+    q_blocks_per_seq: int  # cdiv(max_q_len, BLOCK_Q)
+    direct: bool  # grid axis 0 is (sequence, q block) directly; else found by _find_seq
+    q_blocks: int  # grid axis 0
+    num_splits: int  # grid axis 2 (NS); 1 = no split, no combine kernel
 
 
-def default_tiles(device: torch.device, max_q_len: int, group: int, head_dim: int) -> Tiles:
-    """Tiles for a launch: the class follows the rows one sequence contributes per kv group."""
-    rows = max_q_len * triton.next_power_of_2(group)
-    cls = next((c for c, limit in _TILE_CLASS_ROWS if rows <= limit), "prefill")
-    d_pad = max(16, triton.next_power_of_2(head_dim))
-    return _TILES.get(_device_key(device), _TILES["default"])[(cls, d_pad)]
-
-
-def default_num_splits(device: torch.device, programs: int, max_kv_len: int, block_n: int) -> int:
-    """KV splits so that programs * NS reaches programs_per_sm * SMs; python ints only."""
-    sms = _INTERPRETER_SMS if device.type != "cuda" else _num_sms(device.index or 0)
-    want = triton.cdiv(_SPLIT_POLICY["programs_per_sm"] * sms, max(programs, 1))
-    most = triton.cdiv(triton.cdiv(max_kv_len, block_n), _SPLIT_POLICY["min_tiles"])
-    return max(1, min(want, most, _SPLIT_POLICY["max_splits"]))
+def plan_launch(device: torch.device, T: int, B: int, Hq: int, Hkv: int, D: int, max_q_len: int,
+                max_kv_len: int, tiles: Tiles | None = None,
+                num_splits: int | None = None) -> LaunchPlan:  # fmt: skip
+    key, sms = _device_facts(device.index or 0) if device.type == "cuda" else ("", _INTERPRETER_SMS)
+    g_pad = triton.next_power_of_2(Hq // Hkv)
+    if tiles is None:  # the class follows the rows one sequence puts in a kv group's programs
+        rows = max_q_len * g_pad
+        cls = next((c for c, limit in _TILE_CLASS_ROWS if rows <= limit), "prefill")
+        tiles = _TILES.get(key, _TILES["default"])[(cls, max(16, triton.next_power_of_2(D)))]
+    heads = min(g_pad, tiles.block_m)
+    block_q = tiles.block_m // heads
+    # Grid axis 0: B * cdiv(max_q_len, BLOCK_Q) (direct index) or the T // BLOCK_Q + B bound of
+    # _find_seq, whichever is smaller: decode takes the first, a long prefill mixed with many
+    # decodes the second.
+    per_seq = triton.cdiv(max_q_len, block_q)
+    direct = B * per_seq <= T // block_q + B
+    q_blocks = B * per_seq if direct else T // block_q + B
+    if num_splits is None:  # enough programs for programs_per_sm per SM, >= min_tiles each
+        programs = max(q_blocks * Hkv * (g_pad // heads), 1)
+        want = triton.cdiv(_SPLIT_POLICY["programs_per_sm"] * sms, programs)
+        most = triton.cdiv(triton.cdiv(max_kv_len, tiles.block_n), _SPLIT_POLICY["min_tiles"])
+        num_splits = max(1, min(want, most, _SPLIT_POLICY["max_splits"]))
+    return LaunchPlan(tiles, heads, block_q, g_pad // heads, per_seq, direct, q_blocks, num_splits)
 
 
 def paged_attention(
@@ -359,52 +374,38 @@ def launch_paged_attention(
     assert cu_q_lens.shape == (B + 1,) and kv_lens.shape == (B,), (cu_q_lens.shape, kv_lens.shape)
     for name, t in (("page_table", page_table), ("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens)):
         assert t.dtype == torch.int32 and t.is_contiguous(), f"{name}: contiguous int32 expected"
-    assert page_table.stride(-1) == 1
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1, (out.shape, q.shape)
-    G = Hq // Hkv
-    g_pad = triton.next_power_of_2(G)
-    d_pad = max(16, triton.next_power_of_2(D))
-    tiles = tiles or default_tiles(q.device, max_q_len, G, D)
-    heads = min(g_pad, tiles.block_m)  # heads of a group per program
-    block_q = tiles.block_m // heads  # tokens per program
-    head_chunks = g_pad // heads  # > 1 only when a group has more than BLOCK_M heads
-    # Grid over q blocks: B * cdiv(max_q_len, BLOCK_Q) (direct index) or the T // BLOCK_Q + B
-    # bound of _find_seq, whichever is smaller: decode takes the first, a long prefill mixed
-    # with many decodes the second.
-    per_seq = triton.cdiv(max_q_len, block_q)
-    direct = B * per_seq <= T // block_q + B
-    q_blocks = B * per_seq if direct else T // block_q + B
-    if T == 0 or q_blocks == 0:
+    max_kv_len = max_pages * S if max_kv_len is None else max_kv_len
+    plan = plan_launch(q.device, T, B, Hq, Hkv, D, max_q_len, max_kv_len, tiles, num_splits)
+    if T == 0 or plan.q_blocks == 0:
         return out
-    if max_kv_len is None:
-        max_kv_len = max_pages * S
-    if num_splits is None:
-        programs = q_blocks * Hkv * head_chunks
-        num_splits = default_num_splits(q.device, programs, max_kv_len, tiles.block_n)
-    split = num_splits > 1
+    ns, split, d_pad = plan.num_splits, plan.num_splits > 1, max(16, triton.next_power_of_2(D))
     f32 = dict(device=q.device, dtype=torch.float32)
-    part_acc = torch.empty((T, Hq, num_splits, D), **f32) if split else out
-    part_m = torch.empty((T, Hq, num_splits), **f32) if split else out
-    part_l = torch.empty((T, Hq, num_splits), **f32) if split else out
-    interp = _interpreting()
-    _paged_attention_kernel[(q_blocks, Hkv * head_chunks, num_splits)](
+    part_acc = torch.empty((T, Hq, ns, D), **f32) if split else out  # unused unless split
+    part_m = torch.empty((T, Hq, ns), **f32) if split else out
+    part_l = torch.empty((T, Hq, ns), **f32) if split else out
+    head_progs = Hkv * plan.head_chunks
+    _paged_attention_kernel[(plan.q_blocks * head_progs, ns)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, page_table, cu_q_lens, kv_lens,
-        scale * _LOG2E, window if window > 0 else _NO_WINDOW, B, per_seq, num_splits, Hq,
+        scale * _LOG2E, window if 0 < window < _NO_WINDOW else _NO_WINDOW, B, plan.q_blocks_per_seq,
+        head_progs, ns, Hq,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), page_table.stride(0),
-        GROUP=G, HEADS=heads, HEAD_CHUNKS=head_chunks, BLOCK_M=tiles.block_m, BLOCK_Q=block_q,
-        BLOCK_N=tiles.block_n, PAGE=S, HEAD_DIM=D, D_PAD=d_pad, DIRECT=direct, SPLIT=split,
+        GROUP=Hq // Hkv, HEADS=plan.heads, HEAD_CHUNKS=plan.head_chunks,
+        BLOCK_M=plan.tiles.block_m, BLOCK_Q=plan.block_q, BLOCK_N=plan.tiles.block_n, PAGE=S,
+        HEAD_DIM=D, D_PAD=d_pad, DIRECT=plan.direct, SPLIT=split,
         # The interpreter's 16-bit arithmetic is unreliable (bf16 adds raw bits): compute in fp32
         # there. fp32 inputs on the GPU use full-precision dots instead of tf32.
-        UPCAST=interp, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        UPCAST=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
     )  # fmt: skip
     if split:
-        splits_pad = triton.next_power_of_2(num_splits)
+        splits_pad = triton.next_power_of_2(ns)
         _combine_splits_kernel[(T, Hq)](
-            part_acc, part_m, part_l, out, num_splits, Hq, out.stride(0), out.stride(1),
+            part_acc, part_m, part_l, out, ns, Hq, out.stride(0), out.stride(1),
             HEAD_DIM=D, D_PAD=d_pad, SPLITS_PAD=splits_pad, CHUNK=min(splits_pad, _SPLIT_CHUNK),
             num_warps=4,
         )  # fmt: skip

@@ -1,0 +1,176 @@
+"""Paged attention kernel timings on CUDA, each beside a limit measured in the same run.
+
+    python -m freetoken_agent.bench.attention_kernel [--no-sweep] [--page 16]
+
+Decode (batch 1 and 4, kv 1k / 4k / 16k / 32k): KV bytes read / time, next to the HBM bandwidth
+of a large device-to-device copy (read + write counted). Two timings: eager (triton.testing
+.do_bench median, L2 flushed before each call, both kernel launches included) and per layer of
+a CUDA graph that runs the decode on `layers` distinct caches (at least 256 MB in all, so the
+50 MB L2 cannot hold them). Prefill (one 4k-token sequence, causal): TFLOP/s next to torch's
+SDPA on contiguous K/V (the fused-kernel bar, K/V repeated per query head beforehand).
+Shapes: Hq = 32, Hkv = 4, D = 128, bf16 (Qwen3-style GQA). Each row names its tiles and split
+count ("default" = the launcher's choice); sweep rows are candidates for the tables in
+kernels/triton/paged_attention.py.
+"""
+
+# Shape legend: B sequences, L kv length, Hq / Hkv heads, D head dim, P pages of S tokens.
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from freetoken_agent.kernels.triton.paged_attention import (
+    LaunchPlan,
+    Tiles,
+    launch_paged_attention,
+    plan_launch,
+)
+
+HQ, HKV, D = 32, 4, 128
+DEV = "cuda"
+DTYPE = torch.bfloat16
+GRAPH_BYTES = 256 << 20  # KV bytes per graph replay, 5x the H200's 50 MB L2
+DECODE_SWEEP = [  # (tiles, num_splits); None = the launcher's choice
+    (Tiles(16, 32, 4, 4), None),
+    (Tiles(16, 128, 4, 2), None),
+    (Tiles(16, 64, 8, 3), None),
+    (None, "x0.5"),
+    (None, "x2"),
+]
+PREFILL_SWEEP = [
+    Tiles(128, 128, 8, 2),
+    Tiles(128, 32, 4, 3),
+    Tiles(64, 64, 4, 3),
+    Tiles(128, 64, 8, 4),
+]
+
+
+def hbm_copy_gbps() -> float:
+    """Device-to-device copy of 2 GiB, counting the bytes read and the bytes written."""
+    src = torch.empty(2**30, dtype=torch.bfloat16, device=DEV)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+class Batch:
+    """One layer's inputs: B sequences of q_len new tokens over kv_len tokens each."""
+
+    def __init__(self, B: int, q_len: int, kv_len: int, page: int, seed: int) -> None:
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        pages_per_seq = triton.cdiv(kv_len, page)
+        P = B * pages_per_seq
+        self.k_cache = torch.randn(P, page, HKV, D, generator=g, device=DEV, dtype=DTYPE)
+        self.v_cache = torch.randn_like(self.k_cache)
+        # Shuffled pages: a real pool hands out scattered pages, not one contiguous run.
+        perm = torch.randperm(P, generator=g, device=DEV)
+        self.page_table = perm.view(B, pages_per_seq).int()  # [B, max_pages]
+        self.q = torch.randn(B * q_len, HQ, D, generator=g, device=DEV, dtype=DTYPE)
+        self.out = torch.empty_like(self.q)
+        self.cu_q_lens = torch.arange(B + 1, dtype=torch.int32, device=DEV) * q_len
+        self.kv_lens = torch.full((B,), kv_len, dtype=torch.int32, device=DEV)
+        self.q_len, self.kv_len = q_len, kv_len
+        self.kv_bytes = 2 * B * kv_len * HKV * D * self.q.element_size()  # K and V, read once
+
+    def run(self, tiles: Tiles | None = None, num_splits: int | None = None) -> None:
+        launch_paged_attention(
+            self.q, self.k_cache, self.v_cache, self.page_table, self.cu_q_lens, self.kv_lens,
+            D**-0.5, self.q_len, 0, self.out, self.kv_len, tiles=tiles, num_splits=num_splits,
+        )  # fmt: skip
+
+    def plan(self, tiles: Tiles | None, num_splits: int | None) -> LaunchPlan:
+        B = self.kv_lens.numel()
+        return plan_launch(self.q.device, self.q.shape[0], B, HQ, HKV, D, self.q_len, self.kv_len,
+                           tiles, num_splits)  # fmt: skip
+
+
+def graph_ms_per_layer(layers: list[Batch], tiles: Tiles | None, num_splits: int | None) -> float:
+    step = lambda: [b.run(tiles, num_splits) for b in layers]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and warm up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return do_bench(graph.replay, return_mode="median") / len(layers)
+
+
+def bench_decode(B: int, kv_len: int, page: int, hbm: float, sweep: bool) -> None:
+    probe = Batch(B, 1, kv_len, page, seed=0)
+    layers = [probe] + [
+        Batch(B, 1, kv_len, page, seed=i)
+        for i in range(1, triton.cdiv(GRAPH_BYTES, probe.kv_bytes))
+    ]
+    default_splits = probe.plan(None, None).num_splits
+    candidates = [(None, None)] + (DECODE_SWEEP if sweep else [])
+    for tiles, splits in candidates:
+        if isinstance(splits, str):  # a multiple of the default split count
+            splits = max(1, round(default_splits * float(splits[1:])))
+        plan = probe.plan(tiles, splits)
+        name = f"{'default tiles' if tiles is None else tiles}, NS {splits or 'default'}"
+        try:
+            eager = do_bench(lambda t=tiles, s=splits: probe.run(t, s), return_mode="median")
+            graph = graph_ms_per_layer(layers, tiles, splits)
+        except Exception as e:  # a candidate may not compile (resources): report and go on
+            print(f"  decode B={B} L={kv_len}: {name} failed: {type(e).__name__}: {e}"[:200])
+            continue
+        gbps = probe.kv_bytes / graph / 1e6
+        print(
+            f"  decode B={B} L={kv_len:<6} NS={plan.num_splits:<3} eager {eager * 1e3:7.1f} us  "
+            f"graph {graph * 1e3:7.1f} us/layer  KV {probe.kv_bytes / 1e6:6.1f} MB  "
+            f"{gbps:6.0f} GB/s = {100 * gbps / hbm:3.0f}% of copy  {name}"
+        )
+    del layers
+    torch.cuda.empty_cache()
+
+
+def bench_prefill(n: int, page: int, hbm: float, sweep: bool) -> None:
+    batch = Batch(1, n, n, page, seed=0)
+    flops = 4 * HQ * D * n * (n + 1) / 2  # QK^T and PV, 2 * D each per causal (query, key) pair
+    k = batch.k_cache[batch.page_table[0].long()].reshape(-1, HKV, D)[:n]  # contiguous copies
+    v = batch.v_cache[batch.page_table[0].long()].reshape(-1, HKV, D)[:n]
+    k, v = (t.transpose(0, 1).repeat_interleave(HQ // HKV, 0)[None] for t in (k, v))
+    q = batch.q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    sdpa = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                    return_mode="median")  # fmt: skip
+    print(f"  prefill n={n}: torch SDPA (contiguous) {sdpa * 1e3:8.1f} us  "
+          f"{flops / sdpa / 1e9:6.1f} TFLOP/s")  # fmt: skip
+    for tiles in [None] + (PREFILL_SWEEP if sweep else []):
+        plan = batch.plan(tiles, None)
+        try:
+            ms = do_bench(lambda t=tiles: batch.run(t), return_mode="median")
+        except Exception as e:
+            print(f"  prefill n={n}: {plan.tiles} failed: {type(e).__name__}: {e}"[:200])
+            continue
+        gbps = batch.kv_bytes / ms / 1e6
+        print(
+            f"  prefill n={n} NS={plan.num_splits} {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} "
+            f"TFLOP/s = {100 * sdpa / ms:3.0f}% of SDPA speed  KV {gbps:5.0f} GB/s = "
+            f"{100 * gbps / hbm:3.0f}% of copy  {'default ' if tiles is None else ''}{plan.tiles}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
+    parser.add_argument("--page", type=int, default=16, help="tokens per KV page")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    hbm = hbm_copy_gbps()
+    print(f"HBM copy {hbm:.0f} GB/s (read + write)   Hq={HQ} Hkv={HKV} D={D} bf16 page={args.page}")
+    for B in (1, 4):
+        for kv_len in (1024, 4096, 16384, 32768):
+            bench_decode(B, kv_len, args.page, hbm, not args.no_sweep)
+    bench_prefill(4096, args.page, hbm, not args.no_sweep)
+
+
+if __name__ == "__main__":
+    main()
