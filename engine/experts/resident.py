@@ -52,5 +52,7 @@ class ResidentExpertBank:
         topk_ids: torch.Tensor,  # [T, K] int32
         topk_weights: torch.Tensor,  # [T, K] fp32
     ) -> torch.Tensor:
-        rows = topk_ids + layer * self.n_experts
-        return fused_moe(hidden, self.w13, self.w2, rows, topk_weights)
+        # The layer's experts are rows [layer * E, (layer + 1) * E): pass that slice (a view) so
+        # the kernels group pairs over E rows, not over every layer's.
+        lo, hi = layer * self.n_experts, (layer + 1) * self.n_experts
+        return fused_moe(hidden, self.w13[lo:hi], self.w2[lo:hi], topk_ids, topk_weights)

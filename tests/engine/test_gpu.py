@@ -18,46 +18,56 @@ def _load(path, **options) -> Engine:
     return Engine.load(path, device="cuda", progress=False, max_model_len=1024, **options)
 
 
+def _norm_rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.double(), ref.double()
+    return ((ours - ref).norm() / ref.norm()).item()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_teacher_forced_parity(family, tmp_path, rng_seed):
+    """Teacher-forced logits of one sequence against transformers' bf16 run. The error is the
+    norm-relative one (||ours - ref|| / ||ref||); the max elementwise error is printed too, with
+    both runs' distance from transformers in fp32 on the same bf16 weights, for scale: in bf16,
+    a routing choice near a tie can go either way, moving a few positions far."""
     hf = make_tiny(family, tmp_path, rng_seed, dtype=torch.bfloat16).cuda()
     engine = _load(tmp_path)
     rng = random.Random(rng_seed)
     ids = [rng.randrange(3, 320) for _ in range(300)]
+    batch = torch.tensor([ids], device="cuda")
     with torch.no_grad():
-        ref = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
+        ref = hf(batch).logits[0].float().cpu()
+        truth = hf.float()(batch).logits[0].float().cpu()
     ours = engine.score(ids)
-    err = max_rel_err(ours, ref)
+    err = _norm_rel(ours, ref)
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"{family}: bf16 max relative error {err:.2e}, argmax agreement {agree:.1%}")
+    print(
+        f"{family}: bf16 vs transformers bf16: norm-relative {err:.2e}, max-relative "
+        f"{max_rel_err(ours, ref):.2e}, argmax agreement {agree:.1%}; vs fp32: ours "
+        f"{_norm_rel(ours, truth):.2e}, transformers bf16 {_norm_rel(ref, truth):.2e}"
+    )
     assert err <= 2e-2
     assert agree >= 0.95
 
 
-def _check_greedy_against_scores(engine: Engine, prompt: list[int], tokens: list[int]) -> None:
-    """Each decoded token is the argmax of the eagerly scored logits, up to bf16 noise."""
-    logits = engine.score(prompt + tokens)[len(prompt) - 1 : -1]  # [n, V]
-    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    gap = (logits.max(-1).values - chosen) / logits.abs().max()
-    assert gap.max().item() <= 2e-2, gap
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_graph_decode_and_batching(family, tmp_path, rng_seed):
-    make_tiny(family, tmp_path, rng_seed, dtype=torch.bfloat16)
-    engine = _load(tmp_path, max_num_seqs=8)
-    assert engine.runner.graphs is not None
+def test_graph_decode_equals_eager_and_cpu(family, tmp_path, rng_seed):
+    """fp32, where float noise is far below any routing or argmax gap: batched greedy decode
+    through captured graphs gives the tokens of eager CUDA decode and of the CPU engine."""
+    make_tiny(family, tmp_path, rng_seed)
     rng = random.Random(rng_seed)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 70, 130, 260)]
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    outs = engine.generate(prompts, sp)  # batched decode: graphs of size 4, then smaller
-    for p, o in zip(prompts, outs, strict=True):
-        _check_greedy_against_scores(engine, p, o.token_ids)
-    engine.check_integrity()
+    graphed = _load(tmp_path, max_num_seqs=8)
+    assert graphed.runner.graphs is not None
+    eager = _load(tmp_path, max_num_seqs=8, cuda_graphs=False)
+    cpu = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=4096)
+    tokens = [[o.token_ids for o in e.generate(prompts, sp)] for e in (graphed, eager, cpu)]
+    assert tokens[0] == tokens[1] == tokens[2]
+    graphed.check_integrity()
 
 
 def test_prefix_reuse_on_cuda(tmp_path, rng_seed):
-    make_tiny("qwen2_moe", tmp_path, rng_seed, dtype=torch.bfloat16)
+    make_tiny("qwen2_moe", tmp_path, rng_seed)
     engine = _load(tmp_path)
     rng = random.Random(rng_seed)
     prefix = [rng.randrange(3, 320) for _ in range(200)]
@@ -66,7 +76,9 @@ def test_prefix_reuse_on_cuda(tmp_path, rng_seed):
     prompt = prefix + [9, 10, 11, 12]
     out = engine.generate(prompt, sp)
     assert out.stats["reused_tokens"] == 200 and out.stats["prefilled_tokens"] == 4
-    _check_greedy_against_scores(engine, prompt, out.token_ids)
+    cold = _load(tmp_path).generate(prompt, sp)
+    assert cold.stats["reused_tokens"] == 0
+    assert out.token_ids == cold.token_ids  # fp32: reuse changes nothing
     engine.check_integrity()
 
 
