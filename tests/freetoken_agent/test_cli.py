@@ -1,0 +1,65 @@
+"""The `freetoken` command line, run as a user would (a subprocess, the demo checkpoint)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture
+def env(tmp_path):
+    return {**os.environ, "FREETOKEN_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+
+
+def _run(args: list[str], env: dict, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "freetoken_agent.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_demo_says_weights_are_random_and_generates(env):
+    done = _run(["demo", "--device", "cpu", "--max-tokens", "16", "--seed", "3"], env)
+    assert done.returncode == 0, done.stderr
+    assert "random weights" in done.stderr
+    assert "16 tokens" in done.stderr and "finish: length" in done.stderr
+    assert done.stdout.strip()  # the streamed text
+
+
+def test_generate_is_reproducible_with_a_seed_and_honours_stop(env, rng_seed):
+    seed = str(rng_seed)
+    args = ["generate", "Once upon a time", "--device", "cpu", "--max-tokens", "24"]
+    first = _run([*args, "--seed", seed], env)
+    second = _run([*args, "--seed", seed], env)
+    assert first.returncode == 0 and first.stdout == second.stdout
+    text = first.stdout.rstrip("\n")
+    # A 2-character stop string from the second half (no spaces, which argv would mangle).
+    i = next(i for i in range(len(text) // 2, len(text) - 1) if not text[i : i + 2].isspace())
+    stop = text[i : i + 2].strip() or text[i]
+    stopped = _run([*args, "--seed", seed, "--stop", stop], env)
+    assert stopped.returncode == 0
+    assert stopped.stdout.rstrip("\n") == text[: text.index(stop)]
+    assert "finish: stop" in stopped.stderr
+
+
+def test_chat_keeps_history_and_exits(env):
+    args = ["chat", "--device", "cpu", "--max-tokens", "8"]
+    done = _run(args, env, stdin="hello\nagain\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("model> ") == 2
+    reports = [line for line in done.stderr.splitlines() if "tokens, first after" in line]
+    assert len(reports) == 2
+    assert "reused 0" in reports[0] and "reused 0" not in reports[1]  # turn 2 reuses turn 1
+
+
+def test_bad_model_path_is_a_clear_error(env, tmp_path):
+    done = _run(["generate", "hi", "--model", str(tmp_path / "nope"), "--device", "cpu"], env)
+    assert done.returncode == 2
+    assert "no config.json" in done.stderr
