@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.kernels.triton.paged_attention import (
     LaunchPlan,
     Tiles,
@@ -48,14 +49,6 @@ PREFILL_SWEEP = [
     Tiles(64, 64, 4, 3),
     Tiles(128, 64, 8, 4),
 ]
-
-
-def hbm_copy_gbps() -> float:
-    """Device-to-device copy of 2 GiB, counting the bytes read and the bytes written."""
-    src = torch.empty(2**30, dtype=torch.bfloat16, device=DEV)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 class Batch:
@@ -164,7 +157,7 @@ def main() -> None:
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    hbm = hbm_copy_gbps()
+    hbm = hbm_copy_bandwidth(torch.device(DEV)) / 1e9
     print(f"HBM copy {hbm:.0f} GB/s (read + write)   Hq={HQ} Hkv={HKV} D={D} bf16 page={args.page}")
     for B in (1, 4):
         for kv_len in (1024, 4096, 16384, 32768):

@@ -19,6 +19,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from freetoken_agent.bench.limits import hbm_copy_bandwidth, matmul_rate
 from freetoken_agent.kernels.triton.fused_moe import (
     DECODE_TILES,
     PREFILL_TILES,
@@ -42,21 +43,6 @@ PREFILL_SWEEP = [
     dict(BLOCK_M=64, BLOCK_N=64, WARPS_UP=4, STAGES_UP=4, DOWN_BLOCK_N=64, STAGES_DOWN=4),
     dict(BLOCK_M=128, BLOCK_N=128, WARPS_UP=8, STAGES_UP=3, DOWN_BLOCK_N=256, WARPS_DOWN=8),
 ]
-
-
-def hbm_copy_gbps() -> float:
-    """Device-to-device copy of 2 GiB, counting the bytes read and the bytes written."""
-    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() * src.element_size() / ms / 1e6
-
-
-def matmul_tflops() -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    ms = do_bench(lambda: a @ b, return_mode="median")
-    return 2 * 8192**3 / ms / 1e9
 
 
 def make_banks(s: dict, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +135,8 @@ def main() -> None:
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    hbm, mm = hbm_copy_gbps(), matmul_tflops()
+    dev = torch.device("cuda")
+    hbm, mm = hbm_copy_bandwidth(dev) / 1e9, matmul_rate(dev) / 1e12
     print(f"HBM copy {hbm:.0f} GB/s (read + write)   torch.matmul bf16 8192^3 {mm:.0f} TFLOP/s")
     print(f"default tiles: decode {DECODE_TILES['default']}\n  prefill {PREFILL_TILES['default']}")
     for name, s in SHAPES.items():
