@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from freetoken_agent.engine.config import EngineConfig, ModelSpec, parse_dtype, read_config
 from freetoken_agent.engine.experts.resident import ResidentExpertBank
@@ -22,6 +23,7 @@ from freetoken_agent.engine.kv.radix import RadixCache
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.models.registry import family, spec_from_config
 from freetoken_agent.engine.text.tokenizer import Tokenizer
+from freetoken_agent.engine.weights import ftw
 from freetoken_agent.engine.weights.loader import load_safetensors
 
 log = logging.getLogger("freetoken.load")
@@ -139,7 +141,13 @@ def load_model(
     if dev.type == "cuda" and gpu_budget is not None:
         _check_budget(spec, run_dtype, gpu_budget)
     model, bank, max_len = build_model(spec, config, dev, run_dtype)
-    load_safetensors(path, spec, model, bank, family(spec.arch).CHECKPOINT_NAMES, progress)
+    table = family(spec.arch).CHECKPOINT_NAMES
+    if ftw.is_ftw(path):
+        dense = [path / ftw.read_manifest(path, spec)["dense"]]
+        load_safetensors(path, spec, model, bank, table, progress, dense, experts_elsewhere=True)
+        copy_banks(ftw.open_banks(path, spec), bank, progress)
+    else:
+        load_safetensors(path, spec, model, bank, table, progress)
     return assemble(spec, config, model, bank, dev, run_dtype, max_len, _tokenizer(path))
 
 
@@ -174,6 +182,22 @@ def assemble(
         spec, config, model, bank, kv, radix, tokenizer, device, dtype, dense, max_len,
         frozenset(eos),
     )  # fmt: skip
+
+
+def copy_banks(banks: dict[str, torch.Tensor], bank: ResidentExpertBank, progress: bool) -> None:
+    """Copy memory-mapped FTW banks into the resident bank, a few experts per copy (disk-bound:
+    pages are read once, no per-tensor work)."""
+    total = sum(b.nbytes for b in banks.values())
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, desc="experts", delay=1.0, disable=not progress
+    )
+    with bar:
+        for name, src in banks.items():
+            dst = getattr(bank, name)
+            step = max(1, (256 << 20) // max(1, src[0].nbytes))  # ~256 MB per copy
+            for lo in range(0, src.shape[0], step):
+                dst[lo : lo + step].copy_(src[lo : lo + step])
+                bar.update(src[lo : lo + step].nbytes)
 
 
 def _check_budget(spec: ModelSpec, dtype: torch.dtype, budget: int) -> None:

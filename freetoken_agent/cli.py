@@ -1,8 +1,9 @@
-"""The `freetoken` command: demo, generate, chat, bench.
+"""The `freetoken` command: demo, generate, chat, convert, bench.
 
     freetoken demo                         build (once) and run the tiny random demo model
     freetoken generate --model DIR "text"  one completion, streamed to stdout
     freetoken chat --model DIR             an interactive chat that keeps its KV across turns
+    freetoken convert HF_DIR OUT_DIR       write a checkpoint as FTW expert banks
     freetoken bench ...                    benchmarks (see `freetoken bench --help`)
 
 `--model demo` (the default) means the embedded demo checkpoint. Statistics go to stderr so
@@ -157,6 +158,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from freetoken_agent.engine.weights.ftw import convert
+
+    out = convert(args.src, args.dst)
+    print(f"[freetoken] wrote FTW checkpoint {out}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from freetoken_agent.bench.__main__ import main as bench_main
 
@@ -186,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
 
+    conv = sub.add_parser("convert", help="write an HF folder as FTW (expert banks by lid)")
+    conv.add_argument("src", help="HF model folder (safetensors)")
+    conv.add_argument("dst", help="new folder for the FTW checkpoint")
+    conv.set_defaults(func=cmd_convert)
+
     bench = sub.add_parser("bench", help="benchmarks; `freetoken bench -- --help` for options")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
@@ -196,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
         print(f"freetoken: error: {e}", file=sys.stderr)
         return 2
 

@@ -63,7 +63,8 @@ class _Plan:
     ignore: list[re.Pattern] = field(default_factory=list)
 
 
-def _pattern(template: str) -> re.Pattern:
+def name_pattern(template: str) -> re.Pattern:
+    """The regex of a name-table template: {L} and {E} become named digit groups."""
     escaped = re.escape(template).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
     return re.compile(escaped + "$")
 
@@ -73,7 +74,7 @@ def _plan(spec: ModelSpec, table: NameTable, params: dict[str, _Param]) -> _Plan
     moe_layers = set(spec.moe_layers)
     for template, target in table:
         if isinstance(target, Ignore):
-            plan.ignore.append(_pattern(template))
+            plan.ignore.append(name_pattern(template))
             continue
         layers = range(spec.n_layers) if "{L}" in template else [None]
         for layer in layers:
@@ -148,11 +149,18 @@ def load_safetensors(
     bank: ExpertSink,
     table: NameTable,
     progress: bool = True,
+    files: list[Path] | None = None,
+    experts_elsewhere: bool = False,
 ) -> None:
-    """Fill `model`'s parameters and `bank`'s experts from the folder's safetensors files."""
-    files = safetensors_files(model_dir)
+    """Fill `model`'s parameters and `bank`'s experts from the folder's safetensors files.
+    With experts_elsewhere (FTW folders: experts are in banks), only dense tensors are read
+    and expert tensors count as unexpected."""
+    files = files or safetensors_files(model_dir)
     params = _dense_params(model)
     plan = _plan(spec, table, params)
+    if experts_elsewhere:
+        plan.targets = {n: t for n, t in plan.targets.items() if t[0] == "dense"}
+        plan.requirements = {r: n for r, n in plan.requirements.items() if r[0] == "dense"}
     met: set[tuple] = set()
     unexpected: list[str] = []
     total = sum(f.stat().st_size for f in files)
