@@ -1,7 +1,7 @@
 """RMSNorm (optionally fused with the residual add) entry point: the Triton kernel on CUDA
 tensors, the plain-torch twin otherwise.
 
-Shapes (legend of `kernels/reference_fused.py`): x, residual, y, s [T, H]; weight [H].
+Shapes (legend of `kernels/reference.py`): x, residual, y, s [T, H]; weight [H].
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 
 from torch import Tensor
 
-from freetoken_agent.kernels import reference_fused as reference
+from freetoken_agent.kernels import reference
 
 
 def rms_norm(
@@ -22,7 +22,7 @@ def rms_norm(
     force_triton: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """y = weight * to_dtype(x32 * rsqrt(mean(x32^2) + eps)); with residual, s = x + residual
-    first and (y, s) is returned. See `reference_fused.rms_norm` for the contract.
+    first and (y, s) is returned. See `reference.rms_norm` for the contract.
 
     CUDA tensors run the Triton kernel (no host synchronisation, CUDA-graph safe); CPU tensors
     run the twin, or, with force_triton, the Triton kernel under TRITON_INTERPRET=1 (tests).

@@ -1,7 +1,7 @@
 """Fused per-head q/k RMSNorm + RoPE + KV-cache store entry point: the Triton kernel on CUDA
 tensors, the plain-torch twin otherwise.
 
-Shapes (legend of `kernels/reference_fused.py`): qkv [T, (Hq + 2 * Hkv) * D]; positions,
+Shapes (legend of `kernels/reference.py`): qkv [T, (Hq + 2 * Hkv) * D]; positions,
 slot_mapping [T] int64; cos, sin [max_pos, R]; q_norm_weight, k_norm_weight [D] or None;
 k_cache, v_cache [P, S, Hkv, D]; returns q [T, Hq, D].
 """
@@ -12,7 +12,7 @@ import os
 
 from torch import Tensor
 
-from freetoken_agent.kernels import reference_fused as reference
+from freetoken_agent.kernels import reference
 
 
 def qk_norm_rope_store(
@@ -34,7 +34,7 @@ def qk_norm_rope_store(
 ) -> Tensor:
     """Norm (optional) and rotate q and k per head, store k and v at slot_mapping, return q.
 
-    See `reference_fused.qk_norm_rope_store` for the contract. CUDA tensors run the Triton
+    See `reference.qk_norm_rope_store` for the contract. CUDA tensors run the Triton
     kernel (no host synchronisation, CUDA-graph safe); CPU tensors run the twin, or, with
     force_triton, the Triton kernel under TRITON_INTERPRET=1 (tests).
     """

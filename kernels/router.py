@@ -1,7 +1,7 @@
 """MoE router (softmax + top-k + renormalise + round) entry point: the Triton kernel on CUDA
 tensors, the plain-torch twin otherwise.
 
-Shapes (legend of `kernels/reference_fused.py`): logits [T, E]; ids [T, K] int32; weights
+Shapes (legend of `kernels/reference.py`): logits [T, E]; ids [T, K] int32; weights
 [T, K] fp32.
 """
 
@@ -12,7 +12,7 @@ import os
 import torch
 from torch import Tensor
 
-from freetoken_agent.kernels import reference_fused as reference
+from freetoken_agent.kernels import reference
 
 
 def softmax_topk(
@@ -24,7 +24,7 @@ def softmax_topk(
     force_triton: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(ids, weights) of the k most probable experts per token; see
-    `reference_fused.softmax_topk` for the contract.
+    `reference.softmax_topk` for the contract.
 
     CUDA tensors run the Triton kernel (no host synchronisation, CUDA-graph safe); CPU tensors
     run the twin, or, with force_triton, the Triton kernel under TRITON_INTERPRET=1 (tests).

@@ -18,6 +18,7 @@ from freetoken_agent.engine.layers.linear import Linear, ShardedLinear
 from freetoken_agent.engine.layers.norm import RMSNorm
 from freetoken_agent.engine.layers.rope import RotaryEmbedding
 from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
+from freetoken_agent.kernels.rope import qk_norm_rope_store
 
 # T tokens in the step (all sequences, flattened), B sequences, P pages, S page size,
 # Hq / Hkv query / key-value heads, D head_dim, H hidden
@@ -66,6 +67,8 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(q_size, spec.rms_norm_eps)
             self.k_norm = RMSNorm(kv_size, spec.rms_norm_eps)
         self.rope = rope
+        # Per-head norms (or none) run fused with RoPE and the KV store in one kernel.
+        self.fused_qk = options.qk_norm in (None, "head") and options.clip_qkv is None
         self.scale = spec.head_dim**-0.5
         self.window = spec.window(layer)
         self.k_cache: torch.Tensor | None = None  # [P, S, Hkv, D], bound by the runner
@@ -73,7 +76,31 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        if self.fused_qk:
+            q = qk_norm_rope_store(
+                qkv,
+                meta.positions,
+                self.rope.cos,
+                self.rope.sin,
+                self.n_heads,
+                self.n_kv_heads,
+                self.head_dim,
+                self.q_norm.weight if self.options.qk_norm else None,
+                self.k_norm.weight if self.options.qk_norm else None,
+                self.q_norm.eps if self.options.qk_norm else 0.0,
+                self.k_cache,
+                self.v_cache,
+                meta.slot_mapping,
+            )  # [T, Hq, D]; k and v are in the cache
+        else:
+            q = self._project_unfused(qkv, meta)
+        return self.o_proj(self._attend(q, meta).reshape(t, -1))
+
+    def _project_unfused(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Norms over whole projections and clamping (OLMoE) stay plain torch ops."""
+        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
         if self.options.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.options.clip_qkv is not None:
@@ -86,8 +113,11 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(meta.positions, q, k)
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = paged_attention(
-            q.contiguous(),
+        return q.contiguous()
+
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return paged_attention(
+            q,
             self.k_cache,
             self.v_cache,
             meta.page_table,
@@ -98,4 +128,3 @@ class SelfAttention(nn.Module):
             window=self.window,
             max_kv_len=meta.max_kv_len,
         )  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, -1))

@@ -1,10 +1,17 @@
 """RMSNorm, computed in fp32 (or wider) and cast back before the weight multiply, as
-transformers does."""
+transformers does; optionally fused with the residual add that precedes it.
+
+The decoder passes the residual stream along instead of adding it itself: `norm(x, residual)`
+computes s = x + residual (rounded to the model dtype, like transformers' `residual + hidden`),
+returns (norm(s), s). One kernel instead of the add and the norm's six small ops.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from freetoken_agent.kernels.norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -13,8 +20,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.promote_types(dtype, torch.float32))
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() != 2:  # per-head norms ([T, heads, D]) of the unfused attention path
+            return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        return rms_norm(x, self.weight, self.eps, residual)

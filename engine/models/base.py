@@ -36,7 +36,8 @@ class Blueprint:
 
 
 class DecoderLayer(nn.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x)); mlp is the MoE block or a dense SwiGLU."""
+    """x + attn(norm(x)), then x + mlp(norm(x)); mlp is the MoE block or a dense SwiGLU. The
+    residual adds are fused into the following norms."""
 
     def __init__(
         self,
@@ -62,9 +63,17 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (the add is
+        fused into this layer's first norm). Returns (this layer's output, residual stream)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, meta), residual)
+        return self.mlp(h), residual
 
 
 class MoeCausalLM(nn.Module):
@@ -100,9 +109,10 @@ class MoeCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
+        residual = None
         for layer in self.layers:
-            x = layer(x, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # [N, V]

@@ -1,6 +1,6 @@
 """RMSNorm in Triton, optionally fused with the residual add before it; one program per row.
 
-Twin: `kernels/reference_fused.py` `rms_norm`. The math runs in fp32 and reproduces the twin's
+Twin: `kernels/reference.py` `rms_norm`. The math runs in fp32 and reproduces the twin's
 rounding points: s = round(x + residual), n = round(s * rsqrt(mean(s^2) + eps)), y = round(w * n)
 (round = to the model dtype). Only the fp32 sum of squares (reduction order) and rsqrt may differ
 from torch's in the last fp32 bit, which can flip a dtype rounding of n: y then differs from the
@@ -64,7 +64,7 @@ def round_to(x, MODE: tl.constexpr):
         # Round to nearest even on the bit pattern: add 0x7FFF plus the lowest kept bit, then
         # clear the 16 dropped bits (finite values; an overflow correctly becomes inf).
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         y = bits.to(tl.float32, bitcast=True)
     else:
         y = x
@@ -120,7 +120,7 @@ def _rms_norm_kernel(
 def rms_norm(
     x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Triton twin of `reference_fused.rms_norm` (same contract); no host synchronisation.
+    """Triton twin of `reference.rms_norm` (same contract); no host synchronisation.
 
     x, residual: [T, H] with a contiguous last dim (rows may be strided); weight: [H]. Returns
     y, or (y, s) with residual; both new contiguous [T, H] tensors in x.dtype.

@@ -2,7 +2,7 @@
 
 Replaces, per attention layer: the q/k split and reshapes, two per-head RMSNorms, the cos/sin
 gathers, the rotate-half (neg, cat, two multiplies, add) for q and k, and the two index_copy_
-of the KV store. Twin: `kernels/reference_fused.py` `qk_norm_rope_store`.
+of the KV store. Twin: `kernels/reference.py` `qk_norm_rope_store`.
 
 Grid (T, QB + 2 * KB): program (t, b) handles token t and a block of HB heads: q heads for
 b < QB (written to the new q tensor), k heads for QB <= b < QB + KB (written to k_cache at the
@@ -123,7 +123,7 @@ def qk_norm_rope_store(
     v_cache: Tensor,
     slot_mapping: Tensor,
 ) -> Tensor:
-    """Triton twin of `reference_fused.qk_norm_rope_store` (same contract); no host sync.
+    """Triton twin of `reference.qk_norm_rope_store` (same contract); no host sync.
 
     qkv may have strided rows (its last dim contiguous); cos / sin rows likewise. The caches
     need a contiguous [Hkv, D] block per slot and one layout for both. Every slot must be valid

@@ -1,5 +1,5 @@
 """The MoE router after its linear layer, in one Triton kernel: softmax, top-k, renormalise,
-round. Twin: `kernels/reference_fused.py` `softmax_topk` (transformers' TopKRouter).
+round. Twin: `kernels/reference.py` `softmax_topk` (transformers' TopKRouter).
 
 One program per token row: the E logits sit in registers, the softmax is computed in fp32, and
 the top k are found by k rounds of argmax (each pick is masked out before the next round), so ids
@@ -65,7 +65,7 @@ def _softmax_topk_kernel(
 def softmax_topk(
     logits: Tensor, k: int, renormalize: bool, round_to: torch.dtype | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Triton twin of `reference_fused.softmax_topk` (same contract); no host synchronisation.
+    """Triton twin of `reference.softmax_topk` (same contract); no host synchronisation.
 
     logits: [T, E] fp32 / fp16 / bf16, E <= 512, last dim contiguous; k <= 16. Returns new
     ids [T, K] int32 and weights [T, K] fp32.

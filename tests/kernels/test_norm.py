@@ -1,0 +1,223 @@
+"""RMSNorm (+ fused residual add): twin vs a float64 oracle, Triton vs twin, CUDA graphs.
+
+Fresh random inputs every run (seed printed by the `rng_seed` fixture). The Triton launcher
+allocates its outputs; `poisoned_alloc` makes those allocations NaN-filled, so an element the
+kernel fails to write fails the test. bf16 runs in the interpreter too: the kernel rounds with
+integer ops there (see `kernels/triton/norm.py`), so its results are checked bit for bit.
+"""
+
+# Shape legend: T rows, H hidden size.
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from freetoken_agent.kernels import reference
+from freetoken_agent.kernels.norm import rms_norm
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IDS = ["fp32", "fp16", "bf16"]
+MANTISSA = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
+MIN_EXP = {torch.float16: -14, torch.bfloat16: -126, torch.float32: -126}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    # Tiny shapes: torch's intra-op thread pool only adds wake-up latency on the 2-core box.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def poisoned_alloc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.empty / empty_like return NaN-filled tensors while the test runs."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t: Tensor) -> Tensor:
+        return t.fill_(float("nan") if t.is_floating_point() else -(2**31))
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+def ulp(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """One unit in the last place of dtype at |x| (float64)."""
+    _, e = torch.frexp(x.double().abs())  # |x| = m * 2^e, 0.5 <= m < 1
+    e = torch.where(x == 0, MIN_EXP[dtype], (e - 1).clamp(min=MIN_EXP[dtype]))
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), e - MANTISSA[dtype])
+
+
+def make_inputs(seed: int, T: int, H: int, dtype: torch.dtype, device: str = DEV):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, H, generator=gen) * 3).to(device, dtype)
+    residual = torch.randn(T, H, generator=gen).to(device, dtype)
+    weight = (1 + 0.2 * torch.randn(H, generator=gen)).to(device, dtype)
+    return x, residual, weight
+
+
+def oracle(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    """float64 (y, s) from the dtype inputs: s exact, y = w * s / sqrt(mean(s^2) + eps)."""
+    s = x.double() if residual is None else x.double() + residual.double()
+    return weight.double() * s / (s.square().mean(-1, keepdim=True) + eps).sqrt(), s
+
+
+def check_vs_twin(out: Tensor, ref: Tensor, n_ref: Tensor, weight: Tensor) -> None:
+    """Bitwise, except where the fp32 sum of squares (reduction order) flipped the rounding of
+    the normalised value n: then one ulp of n times |w|, plus the product's own rounding."""
+    dtype = ref.dtype
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert not out.isnan().any(), "elements left unwritten"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=2e-6)
+        return
+    diff = (out.double() - ref.double()).abs()
+    allowed = ulp(ref, dtype) + weight.double().abs() * ulp(n_ref, dtype)
+    assert (diff <= allowed).all(), f"max excess {(diff - allowed).max().item():.3g}"
+    # A flip needs the fp32 statistics to land within an fp32 ulp or so of a rounding boundary;
+    # a wrong rounding point or mode differs in a large fraction of the elements instead.
+    mismatch = int((diff > 0).sum())
+    print(f"{mismatch} of {diff.numel()} elements not bitwise equal")
+    assert mismatch <= 4 + diff.numel() // 1000, f"{mismatch} elements differ: a systematic error"
+
+
+# ---- the twin ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("H", [64, 100, 2048])
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES], ids=["fp64", *IDS])
+def test_twin_matches_float64(rng_seed: int, dtype: torch.dtype, H: int,
+                              with_residual: bool) -> None:  # fmt: skip
+    x, residual, weight = make_inputs(rng_seed, 5, H, dtype, "cpu")
+    residual = residual if with_residual else None
+    eps = 1e-6
+    out = reference.rms_norm(x, weight, eps, residual)
+    y, s = out if with_residual else (out, None)
+    y_ref, s_ref = oracle(x, weight, eps, residual)
+    assert y.dtype == dtype and y.shape == x.shape
+    # Unit roundoff u; y goes through (s,) n and w * n roundings, plus the fp32 (fp64) sum of
+    # squares and rsqrt.
+    u = 2.0 ** -(MANTISSA.get(dtype, 52) + 1)
+    u_sum = 2.0**-53 if dtype == torch.float64 else 2.0**-24
+    tiny = 1e-7 if dtype == torch.float16 else 1e-30  # fp16 subnormals
+    assert ((y.double() - y_ref).abs() <= (4 * u + 16 * u_sum) * y_ref.abs() + tiny).all()
+    if with_residual:
+        assert s.dtype == dtype
+        assert ((s.double() - s_ref).abs() <= u * s_ref.abs()).all()
+
+
+def test_twin_eps_matters(rng_seed: int) -> None:
+    """eps enters inside the rsqrt: a row of tiny values is not blown up to unit RMS."""
+    x = torch.full((1, 64), 1e-4).double() * (1 + torch.rand(1, 64, dtype=torch.float64))
+    w = torch.ones(64, dtype=torch.float64)
+    y = reference.rms_norm(x, w, 1e-2)
+    assert torch.allclose(y, x / (x.square().mean() + 1e-2).sqrt())
+
+
+# ---- Triton (interpreter on the CPU, compiled on CUDA) vs the twin -----------------------------
+
+
+@pytest.mark.usefixtures("poisoned_alloc")
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("H", [64, 100, 2048, 9000])  # 9000: walked in chunks
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_triton_matches_twin(rng_seed: int, dtype: torch.dtype, H: int,
+                             with_residual: bool) -> None:  # fmt: skip
+    T = 3 if H > 2048 else 6
+    x, residual, weight = make_inputs(rng_seed, T, H, dtype)
+    residual = residual if with_residual else None
+    eps = 1e-5
+    x0 = x.clone()
+    out = rms_norm(x, weight, eps, residual, force_triton=True)
+    ref = reference.rms_norm(x, weight, eps, residual)
+    assert torch.equal(x, x0), "x was modified"
+    if with_residual:
+        (y, s), (y_ref, s_ref) = out, ref
+        assert torch.equal(s, s_ref), "the residual sum must be exact"
+    else:
+        y, y_ref, s_ref = out, ref, x
+    n_ref = reference.rms_norm(s_ref, torch.ones_like(weight), eps)  # w * n with w = 1 is n
+    check_vs_twin(y, y_ref, n_ref, weight)
+
+
+@pytest.mark.usefixtures("poisoned_alloc")
+def test_triton_strided_rows(rng_seed: int) -> None:
+    """Row-strided views (a slice of a wider buffer) are read in place."""
+    x, residual, weight = make_inputs(rng_seed, 4, 160, torch.float16)
+    xv, rv = x[:, 16:144], residual[:, :128]
+    assert not xv.is_contiguous()
+    y, s = rms_norm(xv, weight[:128].contiguous(), 1e-6, rv, force_triton=True)
+    y_ref, s_ref = reference.rms_norm(xv, weight[:128], 1e-6, rv)
+    assert torch.equal(s, s_ref) and y.is_contiguous()
+    n_ref = reference.rms_norm(s_ref, torch.ones_like(y_ref[0]), 1e-6)
+    check_vs_twin(y, y_ref, n_ref, weight[:128])
+
+
+def test_triton_empty_batch() -> None:
+    x = torch.empty(0, 64, device=DEV)
+    y, s = rms_norm(x, torch.ones(64, device=DEV), 1e-6, x, force_triton=True)
+    assert y.shape == s.shape == (0, 64)
+
+
+def test_cpu_dispatch_is_the_twin(rng_seed: int) -> None:
+    x, residual, weight = make_inputs(rng_seed, 3, 96, torch.bfloat16, "cpu")
+    y, s = rms_norm(x, weight, 1e-6, residual)
+    y_ref, s_ref = reference.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
+
+
+# ---- CUDA: bf16 at the real shape, CUDA graphs -------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poisoned_alloc")
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("T, H", [(1, 2048), (300, 2048), (4096, 2048), (7, 4096), (5, 10240)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_matches_twin(rng_seed: int, dtype: torch.dtype, T: int, H: int,
+                          with_residual: bool) -> None:  # fmt: skip
+    x, residual, weight = make_inputs(rng_seed, T, H, dtype)
+    residual = residual if with_residual else None
+    out = rms_norm(x, weight, 1e-6, residual)
+    ref = reference.rms_norm(x, weight, 1e-6, residual)
+    if with_residual:
+        (y, s), (y_ref, s_ref) = out, ref
+        assert torch.equal(s, s_ref)
+    else:
+        y, y_ref, s_ref = out, ref, x
+    n_ref = reference.rms_norm(s_ref, torch.ones_like(weight), 1e-6)
+    check_vs_twin(y, y_ref, n_ref, weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_gpu_cuda_graph_replay(rng_seed: int, with_residual: bool) -> None:
+    torch.manual_seed(rng_seed)
+    x, residual, weight = make_inputs(rng_seed, 4, 2048, torch.bfloat16)
+
+    def step():
+        return rms_norm(x, weight, 1e-6, residual if with_residual else None)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    captured = captured if with_residual else (captured,)
+    for _ in range(3):
+        for t in (x, residual):  # in place: the graph keeps the addresses
+            t.copy_(torch.randn_like(t) * 2)
+        graph.replay()
+        replayed = [c.clone() for c in captured]
+        eager = step()
+        for a, b in zip(replayed, eager if with_residual else (eager,), strict=True):
+            assert torch.equal(a, b)
