@@ -17,6 +17,7 @@ from torch import nn
 
 from freetoken_agent.engine.layers.linear import Linear
 from freetoken_agent.engine.layers.mlp import SwiGLU
+from freetoken_agent.kernels.router import softmax_topk
 
 # T tokens, H hidden, E experts, K top-k
 
@@ -51,15 +52,10 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)  # [T, E] in the model dtype
-        probs = torch.softmax(
-            logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)
-        )
-        weights, ids = torch.topk(probs, self.options.top_k, dim=-1)  # [T, K]
-        if self.options.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.options.weights_in_model_dtype:
-            weights = weights.to(logits.dtype)
-        return ids.to(torch.int32), weights.to(probs.dtype)
+        opts = self.options
+        round_to = logits.dtype if opts.weights_in_model_dtype else None
+        # One kernel for softmax, top-k, renormalisation and rounding: [T, K] ids and weights.
+        return softmax_topk(logits, opts.top_k, opts.norm_topk_prob, round_to)
 
 
 class SparseMoeBlock(nn.Module):

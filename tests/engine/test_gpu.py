@@ -38,9 +38,14 @@ def _norm_rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
 def test_bf16_teacher_forced_parity(family, tmp_path, rng_seed):
     """Teacher-forced logits of one sequence against transformers' bf16 run. The error is the
     norm-relative one (||ours - ref|| / ||ref||); the max elementwise error is printed too, with
-    both runs' distance from transformers in fp32 on the same bf16 weights, for scale: in bf16,
-    a routing choice near a tie can go either way, moving a few positions far."""
-    hf = make_tiny(family, tmp_path, rng_seed, dtype=torch.bfloat16).cuda()
+    both runs' distance from transformers in fp32 on the same bf16 weights, for scale.
+
+    Weights use transformers' default init (std 0.02), not the wider one of the fp32 tests: at
+    std 0.08 these tiny models are ill-conditioned in bf16 (transformers' own bf16 logits sit
+    3-5% from its fp32 ones on most seeds, measured with bench/parity_precision.py-style runs),
+    so two bf16 runs could not agree to 2e-2 whoever computed them."""
+    hf = make_tiny(family, tmp_path, rng_seed, dtype=torch.bfloat16, initializer_range=0.02)
+    hf = hf.cuda()
     engine = _load(tmp_path)
     rng = random.Random(rng_seed)
     ids = [rng.randrange(3, 320) for _ in range(300)]
