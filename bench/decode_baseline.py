@@ -109,7 +109,11 @@ def bench_model(cfg: dict, label: str, args, b_hbm: float, flops: float) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="freetoken bench decode", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench decode",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--layers", type=int, nargs="+", default=[48, 12])
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=128, help="decoded tokens per request")

@@ -200,8 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst", help="new folder for the FTW checkpoint")
     conv.set_defaults(func=cmd_convert)
 
-    bench = sub.add_parser("bench", help="benchmarks; `freetoken bench -- --help` for options")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench = sub.add_parser(
+        "bench", help="benchmarks: `freetoken bench` lists them, `freetoken bench NAME --help`"
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="NAME [options]")
     bench.set_defaults(func=cmd_bench)
     return parser
 
