@@ -35,3 +35,26 @@ def rng_seed() -> int:
 # itself there would let tests/kernels or tests/engine shadow real packages (transformers probes
 # for a `kernels` package).
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Kernel tests use tiny shapes: torch's intra-op thread pool only adds wake-up latency on
+    the 2-core CI machine (about 10x slower with it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def poisoned_alloc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.empty returns NaN-filled (float) / INT_MIN-filled (int) tensors while the test
+    runs, so an output element a kernel launcher allocates but never writes fails the test."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs) -> torch.Tensor:
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -(2**31))
+
+    monkeypatch.setattr(torch, "empty", poisoned)

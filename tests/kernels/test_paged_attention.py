@@ -21,6 +21,8 @@ from freetoken_agent.kernels import reference
 from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
 from freetoken_agent.kernels.triton.paged_attention import Tiles, launch_paged_attention
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 SCENARIOS = ("prefill", "chunked", "decode", "mixed")
@@ -28,16 +30,6 @@ SCENARIOS = ("prefill", "chunked", "decode", "mixed")
 # interior and diagonal ranges) and several q blocks.
 SMALL = Tiles(block_m=16, block_n=16, num_warps=4, num_stages=2)
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3 if not CUDA else 1e-2}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    # The shapes here are tiny: on the 2-core CI box torch's intra-op thread pool only adds
-    # wake-up latency (softmax of a few hundred floats took ms under load). Restored after.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @dataclass

@@ -19,6 +19,8 @@ from torch import Tensor
 from freetoken_agent.kernels import reference
 from freetoken_agent.kernels.rope import qk_norm_rope_store
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -26,27 +28,6 @@ IDS = ["fp32", "fp16", "bf16"]
 MANTISSA = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}
 MIN_EXP = {torch.float16: -14, torch.bfloat16: -126, torch.float32: -126}
 EPS = 1e-6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    # Tiny shapes: torch's intra-op thread pool only adds wake-up latency on the 2-core box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def poisoned_alloc(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch.empty returns NaN-filled tensors while the test runs."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs) -> Tensor:
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -(2**31))
-
-    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 def ulp(x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -17,6 +17,8 @@ from torch import Tensor
 from freetoken_agent.kernels import reference
 from freetoken_agent.kernels.router import softmax_topk
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -25,27 +27,6 @@ IDS = ["fp32", "fp16", "bf16"]
 # neither.
 MODES = [(False, None), (True, None), (True, torch.bfloat16), (False, torch.bfloat16)]
 MODE_IDS = ["raw", "renorm", "renorm-bf16", "bf16"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    # Tiny shapes: torch's intra-op thread pool only adds wake-up latency on the 2-core box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def poisoned_alloc(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch.empty returns NaN (float) / INT_MIN (int) filled tensors while the test runs."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs) -> Tensor:
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -(2**31))
-
-    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 def draw_logits(gen: torch.Generator, T: int, E: int, K: int, dtype: torch.dtype,
