@@ -197,6 +197,7 @@ class EngineConfig:
     max_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     cuda_graphs: bool = True  # capture batched decode in CUDA graphs (CUDA only)
+    expert_slots: int | None = None  # offloading: GPU expert slots (None: sized from budget)
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -335,6 +335,7 @@ class Engine:
                 "page_size": kv.page_size,
                 "max_model_len": self.max_model_len,
             },
+            "experts": expert_stats(self.loaded.bank, self.config.policy),
             "tokens": {
                 "prefilled": t["prefilled"],
                 "reused": t["reused"],
@@ -352,6 +353,31 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        check = getattr(self.loaded.bank, "check_integrity", None)
+        if check is not None:
+            check()
+
+
+def expert_stats(bank, policy: str) -> dict:
+    """Where experts live and, when offloaded, how the cache is doing."""
+    cache = getattr(bank, "cache", None)
+    if cache is None:
+        return {"placement": "resident", "policy": policy}
+    st = bank.stats
+    return {
+        "placement": "offloaded",
+        "policy": policy,
+        "slots": cache.n_slots,
+        "pool_rows": bank.pool.n_rows,
+        "pool_bytes": bank.pool.nbytes,
+        "pool_pinned": bank.pool.pinned,
+        "experts_touched": st.experts,
+        "hits": st.hits,
+        "fetched": st.fetched,
+        "on_cpu": st.on_cpu,
+        "miss_rate": st.miss_rate,
+        "bytes_filled": cache.bytes_filled,
+    }
 
 
 def request_stats(req: Request) -> dict:

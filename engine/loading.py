@@ -17,9 +17,16 @@ import torch
 from tqdm.auto import tqdm
 
 from freetoken_agent.engine.config import EngineConfig, ModelSpec, parse_dtype, read_config
-from freetoken_agent.engine.experts.resident import ResidentExpertBank
+from freetoken_agent.engine.experts.offload import OffloadedExpertBank
+from freetoken_agent.engine.experts.placement import (
+    BudgetError,
+    gpu_budget,
+    make_bank,
+    workspace_bytes,
+)
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.radix import RadixCache
+from freetoken_agent.engine.layers.moe import ExpertBank
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.models.registry import family, spec_from_config
 from freetoken_agent.engine.text.tokenizer import Tokenizer
@@ -29,12 +36,6 @@ from freetoken_agent.engine.weights.loader import load_safetensors
 log = logging.getLogger("freetoken.load")
 
 GiB = 1 << 30
-RESERVE_BYTES = 1 * GiB  # left free on the device for the CUDA context, cuBLAS, fragmentation
-OFFLOAD_POLICIES = ("transfer", "cpu", "static")
-
-
-class BudgetError(ValueError):
-    """The GPU budget cannot hold what must be resident."""
 
 
 @dataclass(slots=True)
@@ -42,7 +43,7 @@ class LoadedModel:
     spec: ModelSpec
     config: EngineConfig
     model: MoeCausalLM
-    bank: ResidentExpertBank
+    bank: ExpertBank
     kv: KVPool
     radix: RadixCache
     tokenizer: Tokenizer | None
@@ -64,22 +65,19 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def build_model(
     spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[MoeCausalLM, ResidentExpertBank, int]:
-    """An uninitialised model and bank on the device; returns them and the model length."""
-    if config.policy in OFFLOAD_POLICIES:
-        raise NotImplementedError(
-            f"policy {config.policy!r} needs expert offloading, which this version does not "
-            "have yet; use 'resident' (or 'adaptive', which is resident when experts fit)"
-        )
+) -> tuple[MoeCausalLM, ExpertBank, int]:
+    """An uninitialised model and its expert bank (chosen by policy and budget once the dense
+    weights are allocated); returns them and the model length."""
     max_len = min(
         config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
     fam = family(spec.arch)
-    bank = ResidentExpertBank(spec, dtype, device)
     with torch.device(device):
-        model = MoeCausalLM(spec, fam.blueprint(spec), bank, max_len, dtype)
+        model = MoeCausalLM(spec, fam.blueprint(spec), None, max_len, dtype)
     model.to(dtype=dtype)
     model.eval()
+    bank = make_bank(spec, config, device, dtype, dense_nbytes(model))
+    model.set_expert_bank(bank)
     return model, bank, max_len
 
 
@@ -108,10 +106,8 @@ def size_kv_pool(
     if device.type != "cuda":
         return -(-min(config.kv_tokens, wanted_tokens) // s) + 1
     page_bytes = KVPool.page_bytes(spec.n_layers, s, spec.n_kv_heads, spec.head_dim, dtype)
-    free, _ = torch.cuda.mem_get_info(device)
-    budget = config.gpu_budget if config.gpu_budget is not None else free + resident_bytes
-    budget -= RESERVE_BYTES if config.gpu_budget is None else 0
-    workspace = 512 * (1 << 20) + config.max_batched_tokens * spec.vocab_size * 4 * 2
+    budget = gpu_budget(config, device, resident_bytes)
+    workspace = workspace_bytes(spec, config)
     left = budget - resident_bytes - workspace
     if left < 2 * page_bytes:
         raise BudgetError(
@@ -138,8 +134,6 @@ def load_model(
     config = EngineConfig(
         device=str(dev), dtype=run_dtype, gpu_budget=gpu_budget, policy=policy, **options
     )
-    if dev.type == "cuda" and gpu_budget is not None:
-        _check_budget(spec, run_dtype, gpu_budget)
     model, bank, max_len = build_model(spec, config, dev, run_dtype)
     table = family(spec.arch).CHECKPOINT_NAMES
     if ftw.is_ftw(path):
@@ -148,6 +142,8 @@ def load_model(
         copy_banks(ftw.open_banks(path, spec), bank, progress)
     else:
         load_safetensors(path, spec, model, bank, table, progress)
+    if isinstance(bank, OffloadedExpertBank):
+        bank.ready()
     return assemble(spec, config, model, bank, dev, run_dtype, max_len, _tokenizer(path))
 
 
@@ -155,7 +151,7 @@ def assemble(
     spec: ModelSpec,
     config: EngineConfig,
     model: MoeCausalLM,
-    bank: ResidentExpertBank,
+    bank: ExpertBank,
     device: torch.device,
     dtype: torch.dtype,
     max_len: int,
@@ -184,7 +180,7 @@ def assemble(
     )  # fmt: skip
 
 
-def copy_banks(banks: dict[str, torch.Tensor], bank: ResidentExpertBank, progress: bool) -> None:
+def copy_banks(banks: dict[str, torch.Tensor], bank: ExpertBank, progress: bool) -> None:
     """Copy memory-mapped FTW banks into the resident bank, a few experts per copy (disk-bound:
     pages are read once, no per-tensor work)."""
     total = sum(b.nbytes for b in banks.values())
@@ -198,17 +194,6 @@ def copy_banks(banks: dict[str, torch.Tensor], bank: ResidentExpertBank, progres
             for lo in range(0, src.shape[0], step):
                 dst[lo : lo + step].copy_(src[lo : lo + step])
                 bar.update(src[lo : lo + step].nbytes)
-
-
-def _check_budget(spec: ModelSpec, dtype: torch.dtype, budget: int) -> None:
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    experts = spec.n_moe_layers * spec.n_experts * 3 * spec.hidden_size
-    experts *= spec.moe_intermediate_size * itemsize
-    if experts > budget:
-        raise BudgetError(
-            f"the experts need {experts / GiB:.2f} GiB but the GPU budget is {budget / GiB:.2f} "
-            "GiB; offloading experts to host memory arrives with the offload policies"
-        )
 
 
 def _tokenizer(path: Path) -> Tokenizer | None:

@@ -83,7 +83,7 @@ class MoeCausalLM(nn.Module):
         self,
         spec: ModelSpec,
         blueprint: Blueprint,
-        bank: ExpertBank,
+        bank: ExpertBank | None,
         max_positions: int,
         dtype: torch.dtype,
     ) -> None:
@@ -100,6 +100,13 @@ class MoeCausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def set_expert_bank(self, bank: ExpertBank) -> None:
+        """Point every MoE block at `bank` (chosen after the dense weights are allocated, since
+        the budget left for experts depends on them)."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp._bank = bank
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Point every attention layer at its slice of the pool ([L, P, S, Hkv, D] each)."""

@@ -112,8 +112,8 @@ def test_not_a_model_folder(tmp_path):
         Engine.load(tmp_path, device="cpu")
 
 
-def test_unsupported_policy_is_explained(model_dir):
-    with pytest.raises(NotImplementedError, match="offloading"):
-        Engine.load(model_dir, device="cpu", policy="cpu", progress=False)
+def test_bad_policy_and_slot_count_are_explained(model_dir):
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
         Engine.load(model_dir, device="cpu", policy="fastest", progress=False)
+    with pytest.raises(ValueError, match="at least one slot"):
+        Engine.load(model_dir, device="cpu", policy="transfer", expert_slots=0, progress=False)

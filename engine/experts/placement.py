@@ -1,0 +1,74 @@
+"""Choosing the expert bank for a policy and a budget.
+
+`resident` keeps every expert on the device. `adaptive` does too when they fit the budget beside
+the dense weights, a KV pool of `kv_tokens` and the workspace; otherwise, like `transfer`, `cpu`
+and `static`, it serves experts from the CPU pool through a slot cache sized to what is left.
+`expert_slots` (an EngineConfig option) fixes the slot count directly: on a CPU "device" that is
+how tests run the offloading code with a small cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_agent.engine.config import EngineConfig, ModelSpec
+from freetoken_agent.engine.experts.offload import OffloadedExpertBank
+from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.engine.experts.resident import ResidentExpertBank
+from freetoken_agent.engine.kv.pool import KVPool
+
+GiB = 1 << 30
+RESERVE_BYTES = 1 * GiB  # left free on the device for the CUDA context, cuBLAS, fragmentation
+
+
+class BudgetError(ValueError):
+    """The GPU budget cannot hold what must be resident."""
+
+
+def workspace_bytes(spec: ModelSpec, config: EngineConfig) -> int:
+    """Activations of one step, logits of a full chunk (score), kernel scratch."""
+    return 512 * (1 << 20) + config.max_batched_tokens * spec.vocab_size * 4 * 2
+
+
+def gpu_budget(config: EngineConfig, device: torch.device, already_used: int) -> int:
+    """The bytes the engine may use on the device in all (dense weights included)."""
+    if config.gpu_budget is not None:
+        return config.gpu_budget
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + already_used - RESERVE_BYTES
+
+
+def slot_count(
+    spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype, dense: int
+) -> int:
+    """Slots that fit beside dense weights, workspace and a `kv_tokens` KV pool."""
+    n_rows = spec.n_moe_layers * spec.n_experts
+    if config.expert_slots is not None:
+        return config.expert_slots
+    if device.type != "cuda":
+        return n_rows  # no budget to respect on a CPU device unless expert_slots is given
+    kv = -(-config.kv_tokens // config.page_size) * KVPool.page_bytes(
+        spec.n_layers, config.page_size, spec.n_kv_heads, spec.head_dim, dtype
+    )
+    left = gpu_budget(config, device, dense) - dense - kv - workspace_bytes(spec, config)
+    expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
+    if left < expert:
+        raise BudgetError(
+            f"a GPU budget of {gpu_budget(config, device, dense) / GiB:.2f} GiB holds the dense "
+            f"weights ({dense / GiB:.2f} GiB), a {config.kv_tokens}-token KV pool and the "
+            f"workspace, but not one expert slot ({expert / 2**20:.1f} MiB)"
+        )
+    return min(n_rows, left // expert)
+
+
+def make_bank(
+    spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype, dense: int
+) -> ResidentExpertBank | OffloadedExpertBank:
+    n_rows = spec.n_moe_layers * spec.n_experts
+    if config.policy == "resident":
+        return ResidentExpertBank(spec, dtype, device)
+    slots = slot_count(spec, config, device, dtype, dense)
+    if config.policy == "adaptive" and slots >= n_rows:
+        return ResidentExpertBank(spec, dtype, device)
+    pool = ExpertPool.empty(spec, dtype)
+    return OffloadedExpertBank(spec, pool, slots, device, config.policy)

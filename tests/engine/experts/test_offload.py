@@ -1,0 +1,86 @@
+"""Offloaded experts give the resident engine's results under every policy and slot budget.
+
+On the CPU the "GPU" slot cache is a second CPU tensor, so the whole offloading path (pool,
+slots, LRU, lid->slot table, fetch decisions, CPU-executed partial sums) runs in CI.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_models import make_tiny, max_rel_err
+
+from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.experts.offload import OffloadedExpertBank
+from freetoken_agent.engine.experts.policy import Bandwidths, fetch_count
+
+POLICIES = ("transfer", "cpu", "static", "adaptive")
+
+
+@pytest.fixture(params=["qwen3_moe", "mixtral"])
+def model(request, tmp_path, rng_seed):
+    make_tiny(request.param, tmp_path, rng_seed)
+    resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
+    return tmp_path, resident, random.Random(rng_seed)
+
+
+def test_every_policy_and_budget_matches_resident(model):
+    path, resident, rng = model
+    spec = resident.spec
+    rows = spec.n_moe_layers * spec.n_experts
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9, 40)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want_tokens = [o.token_ids for o in resident.generate(prompts, sp)]
+    ids = prompts[1] + want_tokens[1]
+    want_logits = resident.score(ids)
+    for policy in POLICIES:
+        for slots in (1, spec.n_experts + 1, rows - 1, rows):
+            engine = Engine.load(
+                path, device="cpu", policy=policy, expert_slots=slots, progress=False
+            )
+            got = [o.token_ids for o in engine.generate(prompts, sp)]
+            assert got == want_tokens, (policy, slots)
+            err = max_rel_err(engine.score(ids), want_logits)
+            assert err <= 1e-5, (policy, slots, err)
+            engine.check_integrity()
+            st = engine.stats()["experts"]
+            if policy == "adaptive" and slots == rows:  # everything fits: no offloading at all
+                assert st["placement"] == "resident"
+                continue
+            assert isinstance(engine.loaded.bank, OffloadedExpertBank)
+            assert st["slots"] == slots and st["experts_touched"] > 0
+            if policy in ("cpu", "static"):
+                assert st["fetched"] == 0  # nothing moves after load
+            if policy == "transfer" and slots >= spec.n_experts:
+                assert st["on_cpu"] == 0  # every miss fits in a slot
+            if policy == "static" and slots == rows:
+                assert st["miss_rate"] == 0.0  # all layers placed at load
+            if policy == "cpu":
+                assert st["on_cpu"] == st["experts_touched"] - st["hits"]
+
+
+def test_adaptive_splits_misses_by_bandwidth():
+    bw = Bandwidths(pcie=30e9, cpu=10e9)
+    assert fetch_count("adaptive", 8, bw) == 6  # q* = m * B_P / (B_P + B_H)
+    assert fetch_count("adaptive", 8, Bandwidths(pcie=1e9, cpu=1e12)) == 0
+    assert fetch_count("adaptive", 8, Bandwidths(pcie=1e12, cpu=1e9)) == 8
+    assert fetch_count("transfer", 5, bw) == 5 and fetch_count("cpu", 5, bw) == 0
+    with pytest.raises(ValueError, match="unknown offload policy"):
+        fetch_count("magic", 3, bw)
+
+
+def test_lru_keeps_the_recent_experts(model):
+    path, resident, rng = model
+    spec = resident.spec
+    engine = Engine.load(
+        path, device="cpu", policy="transfer", expert_slots=spec.n_experts, progress=False
+    )
+    cache = engine.loaded.bank.cache
+    engine.generate([rng.randrange(3, 320) for _ in range(30)], SamplingParams(max_tokens=4))
+    assert cache.fills > 0
+    # One layer's worth of slots shared by every layer: the last layer's experts are resident.
+    last = spec.n_moe_layers - 1
+    resident_lids = [lid for lid in range(cache.pool.n_rows) if cache.resident(lid)]
+    assert resident_lids and any(lid // spec.n_experts == last for lid in resident_lids)
+    cache.check_integrity()
