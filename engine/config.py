@@ -198,6 +198,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     cuda_graphs: bool = True  # capture batched decode in CUDA graphs (CUDA only)
     expert_slots: int | None = None  # offloading: GPU expert slots (None: sized from budget)
+    # Offloading: chunks of at least this many tokens stream whole layers instead of filling
+    # slots per expert (a placeholder until `freetoken calibrate` measures the crossover).
+    stream_min_tokens: int = 256
+    double_buffer: bool = True  # False: one staging buffer (the ablation)
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 

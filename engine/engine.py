@@ -377,6 +377,8 @@ def expert_stats(bank, policy: str) -> dict:
         "on_cpu": st.on_cpu,
         "miss_rate": st.miss_rate,
         "bytes_filled": cache.bytes_filled,
+        "layers_streamed": bank.streamer.layers_streamed,
+        "bytes_streamed_h2d": bank.streamer.bytes_h2d,
     }
 
 

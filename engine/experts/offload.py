@@ -26,6 +26,7 @@ from freetoken_agent.engine.config import ModelSpec
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.policy import Bandwidths, fetch_count
 from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.kernels import reference
 from freetoken_agent.kernels.fused_moe import fused_moe
 
@@ -57,6 +58,8 @@ class OffloadedExpertBank:
         device: torch.device,
         policy: str,
         bandwidths: Bandwidths | None = None,
+        stream_min_tokens: int = 256,
+        double_buffer: bool = True,
     ) -> None:
         self.spec = spec
         self.n_experts = spec.n_experts
@@ -66,6 +69,10 @@ class OffloadedExpertBank:
         self.policy = policy
         self.bandwidths = bandwidths or Bandwidths()
         self.stats = OffloadStats()
+        self.stream_min_tokens = stream_min_tokens
+        self.streamer = LayerStreamer(
+            pool, self.cache, spec.n_experts, spec.n_moe_layers, device, double_buffer
+        )
 
     # --- what the loader and the engine see ------------------------------------------------
     @property
@@ -81,8 +88,8 @@ class OffloadedExpertBank:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the experts take: the slots."""
-        return self.cache.nbytes
+        """Device bytes the experts take: the slots and the streaming buffers."""
+        return self.cache.nbytes + self.streamer.nbytes
 
     def ready(self) -> None:
         """After the pool is loaded: pin it (CUDA) and make the static placement."""
@@ -111,6 +118,8 @@ class OffloadedExpertBank:
         topk_ids: torch.Tensor,  # [T, K] int32 expert ids within the layer
         topk_weights: torch.Tensor,  # [T, K] fp32
     ) -> torch.Tensor:
+        if hidden.shape[0] >= self.stream_min_tokens:
+            return self._streamed(layer, hidden, topk_ids, topk_weights)
         lids = topk_ids.long() + layer * self.n_experts  # [T, K]
         uniq, counts = torch.unique(lids, return_counts=True)
         uniq_l, counts_l = uniq.tolist(), counts.tolist()  # the host decides (one sync)
@@ -134,6 +143,20 @@ class OffloadedExpertBank:
         out = fused_moe(hidden, cache.w13, cache.w2, rows, topk_weights)
         if on_cpu:
             out = out + self._run_on_cpu(hidden, lids, topk_weights, on_cpu)
+        return out
+
+    def _streamed(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Long chunks: the whole layer from a staging buffer, the next layer copying behind."""
+        w13, w2 = self.streamer.weights(layer)  # [E, 2I, H], [E, H, I]
+        out = fused_moe(hidden, w13, w2, topk_ids, topk_weights)
+        self.streamer.done(layer)
+        self.stats.pairs += topk_ids.numel()
         return out
 
     def _run_on_cpu(

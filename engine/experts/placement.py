@@ -50,8 +50,10 @@ def slot_count(
     kv = -(-config.kv_tokens // config.page_size) * KVPool.page_bytes(
         spec.n_layers, config.page_size, spec.n_kv_heads, spec.head_dim, dtype
     )
-    left = gpu_budget(config, device, dense) - dense - kv - workspace_bytes(spec, config)
     expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
+    staging = (2 if config.double_buffer else 1) * spec.n_experts * expert  # streaming buffers
+    left = gpu_budget(config, device, dense) - dense - kv - workspace_bytes(spec, config)
+    left -= staging
     if left < expert:
         raise BudgetError(
             f"a GPU budget of {gpu_budget(config, device, dense) / GiB:.2f} GiB holds the dense "
@@ -71,4 +73,12 @@ def make_bank(
     if config.policy == "adaptive" and slots >= n_rows:
         return ResidentExpertBank(spec, dtype, device)
     pool = ExpertPool.empty(spec, dtype)
-    return OffloadedExpertBank(spec, pool, slots, device, config.policy)
+    return OffloadedExpertBank(
+        spec,
+        pool,
+        slots,
+        device,
+        config.policy,
+        stream_min_tokens=config.stream_min_tokens,
+        double_buffer=config.double_buffer,
+    )

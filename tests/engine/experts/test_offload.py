@@ -84,3 +84,37 @@ def test_lru_keeps_the_recent_experts(model):
     resident_lids = [lid for lid in range(cache.pool.n_rows) if cache.resident(lid)]
     assert resident_lids and any(lid // spec.n_experts == last for lid in resident_lids)
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("double_buffer", [True, False])
+def test_streamed_prefill_matches_resident(model, double_buffer):
+    """Chunks of at least stream_min_tokens compute each layer from a staging buffer that holds
+    the whole layer: host copies for pool experts, device copies for experts already in slots."""
+    path, resident, rng = model
+    spec = resident.spec
+    prompt = [rng.randrange(3, 320) for _ in range(60)]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    engine = Engine.load(
+        path,
+        device="cpu",
+        policy="transfer",
+        expert_slots=spec.n_experts + 1,
+        stream_min_tokens=16,
+        double_buffer=double_buffer,
+        progress=False,
+    )
+    streamer = engine.loaded.bank.streamer
+    assert streamer.n_buffers == (2 if double_buffer else 1)
+    assert engine.generate(prompt, sp).token_ids == resident.generate(prompt, sp).token_ids
+    assert streamer.layers_streamed >= spec.n_moe_layers  # the prompt streamed every layer
+    assert streamer.bytes_h2d > 0
+    # Decoding filled slots: the next long chunk copies those experts device-to-device, unless
+    # the buffers still hold every layer (as many buffers as MoE layers): then nothing moves.
+    before = streamer.bytes_h2d
+    ids = prompt + [rng.randrange(3, 320) for _ in range(30)]
+    assert max_rel_err(engine.score(ids), resident.score(ids)) <= 1e-6
+    if spec.n_moe_layers > streamer.n_buffers:
+        assert streamer.bytes_d2d > 0
+    else:
+        assert streamer.bytes_h2d == before
+    engine.check_integrity()

@@ -1,0 +1,108 @@
+"""Full-layer expert streaming for long prefill chunks, double-buffered.
+
+A prefill chunk of a few thousand tokens routes to nearly every expert of every layer, so
+instead of filling slots expert by expert, each layer's whole expert set is copied into a
+staging buffer and the layer computes from it. With two buffers, layer l+1 copies (on a
+dedicated copy stream) while layer l computes; a buffer is overwritten only after the compute
+that read it has finished (an event per buffer). Experts already resident in cache slots are
+copied device-to-device instead of over PCIe. `double_buffer=False` keeps one buffer (copy and
+compute then alternate) for the ablation.
+
+The staging layout is the pool's, restricted to one layer ([E, 2I, H] and [E, H, I]), so the
+layer computes exactly what the resident bank computes from its slice of the banks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_agent.engine.experts.cache import ExpertCache
+from freetoken_agent.engine.experts.pool import ExpertPool
+
+# E experts per layer, H hidden, I expert width, B staging buffers (1 or 2)
+
+
+class LayerStreamer:
+    def __init__(
+        self,
+        pool: ExpertPool,
+        cache: ExpertCache,
+        n_experts: int,
+        n_layers: int,
+        device: torch.device,
+        double_buffer: bool = True,
+    ) -> None:
+        self.pool, self.cache = pool, cache
+        self.n_experts, self.n_layers = n_experts, n_layers
+        self.device = device
+        self.n_buffers = 2 if double_buffer else 1
+        shape13, shape2 = pool.w13.shape[1:], pool.w2.shape[1:]
+        b, e, dtype = self.n_buffers, n_experts, pool.w13.dtype
+        self.w13 = torch.empty((b, e, *shape13), dtype=dtype, device=device)  # [B, E, 2I, H]
+        self.w2 = torch.empty((b, e, *shape2), dtype=dtype, device=device)  # [B, E, H, I]
+        self.holds = [-1] * b  # which layer each buffer holds
+        cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        self.copied = [torch.cuda.Event() if cuda else None for _ in range(b)]
+        self.consumed = [torch.cuda.Event() if cuda else None for _ in range(b)]
+        self.bytes_h2d = 0
+        self.bytes_d2d = 0
+        self.layers_streamed = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.nbytes + self.w2.nbytes
+
+    def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's full expert set ([E, 2I, H], [E, H, I]), ready for the compute stream;
+        with two buffers, the next layer's copy is queued before returning."""
+        buf = layer % self.n_buffers
+        if self.holds[buf] != layer:
+            self._issue(layer)
+        if self.n_buffers > 1 and layer + 1 < self.n_layers:
+            nxt = (layer + 1) % self.n_buffers
+            if self.holds[nxt] != layer + 1:
+                self._issue(layer + 1)
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.copied[buf])
+        return self.w13[buf], self.w2[buf]
+
+    def done(self, layer: int) -> None:
+        """The layer's compute is queued: its buffer may be overwritten once that finishes."""
+        buf = layer % self.n_buffers
+        if self.copy_stream is not None:
+            self.consumed[buf].record(torch.cuda.current_stream(self.device))
+
+    def _issue(self, layer: int) -> None:
+        buf = layer % self.n_buffers
+        if self.copy_stream is None:
+            self._copy_layer(layer, buf)
+        else:
+            self.copy_stream.wait_event(self.consumed[buf])
+            with torch.cuda.stream(self.copy_stream):
+                self._copy_layer(layer, buf)
+                self.copied[buf].record(self.copy_stream)
+        self.holds[buf] = layer
+        self.layers_streamed += 1
+
+    def _copy_layer(self, layer: int, buf: int) -> None:
+        """Host runs of non-resident experts in one copy each; resident ones from their slot."""
+        base = layer * self.n_experts
+        nonblocking = self.pool.pinned
+        e = 0
+        while e < self.n_experts:
+            slot = self.cache._slot_of[base + e]
+            if slot >= 0:
+                self.w13[buf, e].copy_(self.cache.w13[slot])
+                self.w2[buf, e].copy_(self.cache.w2[slot])
+                self.bytes_d2d += self.pool.expert_bytes
+                e += 1
+                continue
+            end = e + 1
+            while end < self.n_experts and self.cache._slot_of[base + end] < 0:
+                end += 1
+            rows = slice(base + e, base + end)
+            self.w13[buf, e:end].copy_(self.pool.w13[rows], non_blocking=nonblocking)
+            self.w2[buf, e:end].copy_(self.pool.w2[rows], non_blocking=nonblocking)
+            self.bytes_h2d += (end - e) * self.pool.expert_bytes
+            e = end
