@@ -54,7 +54,10 @@ class Engine:
             self.config.max_batched_tokens,
         )
         self.runner = ModelRunner(loaded.model, loaded.kv, loaded.device, self.config.seed)
-        if loaded.device.type == "cuda" and self.config.cuda_graphs:
+        # The offloaded bank decides on the host (one sync per layer): it cannot be captured
+        # until its routing control moves onto the device, so it runs eagerly for now.
+        offloaded = hasattr(loaded.bank, "cache")
+        if loaded.device.type == "cuda" and self.config.cuda_graphs and not offloaded:
             max_pages = -(-self.max_model_len // loaded.kv.page_size)
             self.runner.enable_cuda_graphs(self.config.max_num_seqs, max_pages)
         self._requests: dict[str, Request] = {}
