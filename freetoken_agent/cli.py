@@ -1,9 +1,10 @@
-"""The `freetoken` command: demo, generate, chat, convert, bench.
+"""The `freetoken` command: demo, generate, chat, convert, calibrate, bench.
 
     freetoken demo                         build (once) and run the tiny random demo model
     freetoken generate --model DIR "text"  one completion, streamed to stdout
     freetoken chat --model DIR             an interactive chat that keeps its KV across turns
     freetoken convert HF_DIR OUT_DIR       write a checkpoint as FTW expert banks
+    freetoken calibrate [--model DIR]      measure the bandwidths the q* split uses
     freetoken bench ...                    benchmarks (see `freetoken bench --help`)
 
 `--model demo` (the default) means the embedded demo checkpoint. Statistics go to stderr so
@@ -166,6 +167,31 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from freetoken_agent.engine.config import parse_dtype, read_config
+    from freetoken_agent.engine.experts import calibration
+    from freetoken_agent.engine.models.registry import spec_from_config
+
+    if args.model:
+        spec = spec_from_config(read_config(_model_path(args.model)))
+        hidden, inter = spec.hidden_size, spec.moe_intermediate_size
+    else:
+        hidden, inter = args.hidden, args.inter
+    dtype = parse_dtype(args.dtype)
+    cal = calibration.calibrate(hidden, inter, dtype)
+    import torch
+
+    pcie_note = "" if torch.cuda.is_available() else " (no CUDA device: a default, not measured)"
+    print(
+        f"[freetoken] expert {hidden}x{inter} {args.dtype} ({cal.expert_bytes / 2**20:.1f} MiB): "
+        f"B_P (pinned host-to-device) {cal.pcie / 1e9:.1f} GB/s{pcie_note}, "
+        f"B_H (CPU experts, 1 token) "
+        f"{cal.cpu / 1e9:.1f} GB/s; saved to {calibration.cache_file()}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from freetoken_agent.bench.__main__ import main as bench_main
 
@@ -199,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="HF model folder (safetensors)")
     conv.add_argument("dst", help="new folder for the FTW checkpoint")
     conv.set_defaults(func=cmd_convert)
+
+    cal = sub.add_parser("calibrate", help="measure B_P and B_H for the q* split (cached)")
+    cal.add_argument("--model", default=None, help="take the expert shape from this model")
+    cal.add_argument("--hidden", type=int, default=2048, help="expert input width (no --model)")
+    cal.add_argument("--inter", type=int, default=768, help="expert width (no --model)")
+    cal.add_argument("--dtype", default="bfloat16")
+    cal.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser(
         "bench", help="benchmarks: `freetoken bench` lists them, `freetoken bench NAME --help`"

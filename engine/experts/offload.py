@@ -18,16 +18,17 @@ prefill streaming are the next steps (DESIGN section 1, idea 2; issue 3).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from freetoken_agent.engine.config import ModelSpec
+from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.policy import Bandwidths, fetch_count
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import LayerStreamer
-from freetoken_agent.kernels import reference
 from freetoken_agent.kernels.fused_moe import fused_moe
 
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
@@ -70,6 +71,7 @@ class OffloadedExpertBank:
         self.bandwidths = bandwidths or Bandwidths()
         self.stats = OffloadStats()
         self.stream_min_tokens = stream_min_tokens
+        self._pending_fills: list[tuple] = []  # (start, end, bytes) fill timings not yet read
         self.streamer = LayerStreamer(
             pool, self.cache, spec.n_experts, spec.n_moe_layers, device, double_buffer
         )
@@ -125,14 +127,19 @@ class OffloadedExpertBank:
         uniq_l, counts_l = uniq.tolist(), counts.tolist()  # the host decides (one sync)
         cache = self.cache
         cache.touch(uniq_l)
-        misses = [
-            (c, lid) for lid, c in zip(uniq_l, counts_l, strict=True) if not cache.resident(lid)
-        ]
+        pairs = zip(uniq_l, counts_l, strict=True)
+        misses = [(c, lid) for lid, c in pairs if not cache.resident(lid)]
         # Fetch the misses that serve the most tokens first: they save the most CPU work.
         misses.sort(key=lambda x: (-x[0], x[1]))
+        self._observe_fills()
         q = fetch_count(self.policy, len(misses), self.bandwidths)
-        fetched = cache.fill([lid for _, lid in misses[:q]], protect=set(uniq_l))
+        # The CPU branch needs the activations: start their copy before queueing the device
+        # branch, so the device computes its experts while the host computes the others.
+        staged = self._stage_hidden(hidden) if q < len(misses) else None
+        fetched = self._fill([lid for _, lid in misses[:q]], protect=set(uniq_l))
         on_cpu = [lid for _, lid in misses if not cache.resident(lid)]
+        if on_cpu and staged is None:
+            staged = self._stage_hidden(hidden)
         st = self.stats
         st.pairs += lids.numel()
         st.experts += len(uniq_l)
@@ -142,8 +149,40 @@ class OffloadedExpertBank:
         rows = cache.slot_of[lids]  # [T, K] slot, -1 where the expert runs on the CPU
         out = fused_moe(hidden, cache.w13, cache.w2, rows, topk_weights)
         if on_cpu:
-            out = out + self._run_on_cpu(hidden, lids, topk_weights, on_cpu)
+            out = out + self._run_on_cpu(staged, lids, topk_weights, on_cpu).to(out.dtype)
         return out
+
+    def _stage_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Start copying the activations to host memory; returns (host tensor, ready event)."""
+        if hidden.device.type != "cuda":
+            return hidden, None
+        host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+        host.copy_(hidden, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _fill(self, lids: list[int], protect: set[int]) -> list[int]:
+        """Fill slots, timing the copies (on CUDA, with events read at a later step)."""
+        if not lids:
+            return []
+        stream = self.cache.copy_stream
+        if stream is None:
+            return self.cache.fill(lids, protect)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        filled = self.cache.fill(lids, protect)
+        end.record(stream)
+        self._pending_fills.append((start, end, len(filled) * self.pool.expert_bytes))
+        return filled
+
+    def _observe_fills(self) -> None:
+        """Fold finished fills into the B_P estimate (online re-estimation)."""
+        done = [f for f in self._pending_fills if f[1].query()]
+        for start, end, nbytes in done:
+            seconds = start.elapsed_time(end) / 1e3
+            self.bandwidths.pcie = calibration.update(self.bandwidths.pcie, nbytes, seconds)
+        self._pending_fills = [f for f in self._pending_fills if f not in done]
 
     def _streamed(
         self,
@@ -161,19 +200,27 @@ class OffloadedExpertBank:
 
     def _run_on_cpu(
         self,
-        hidden: torch.Tensor,
+        staged: tuple[torch.Tensor, object],
         lids: torch.Tensor,
         topk_weights: torch.Tensor,
         on_cpu: list[int],
     ) -> torch.Tensor:
-        """The pairs whose expert stays in the pool, computed from the pool on the CPU."""
+        """The pairs whose expert stays in the pool, computed from the pool on the CPU while
+        the device computes the rest; times itself to re-estimate B_H."""
         cpu_lids = lids.cpu()
+        weights = topk_weights.cpu()
         mask = torch.isin(cpu_lids, torch.tensor(on_cpu, dtype=cpu_lids.dtype))
         rows = torch.where(mask, cpu_lids, -1)  # [T, K] pool rows, -1 elsewhere
-        part = reference.fused_moe(
-            hidden.cpu(), self.pool.w13, self.pool.w2, rows, topk_weights.cpu()
-        )  # [T, H]
-        return part.to(hidden.device)
+        hidden, ready = staged
+        if ready is not None:
+            ready.synchronize()
+        start = time.perf_counter()
+        part = calibration.cpu_experts(hidden.cpu(), self.pool.w13, self.pool.w2, rows, weights)
+        if lids.device.type == "cuda":
+            nbytes = len(on_cpu) * self.pool.expert_bytes
+            seconds = time.perf_counter() - start
+            self.bandwidths.cpu = calibration.update(self.bandwidths.cpu, nbytes, seconds)
+        return part.to(lids.device, non_blocking=True)  # [T, H]
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()

@@ -9,13 +9,18 @@ how tests run the offloading code with a small cache.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from freetoken_agent.engine.config import EngineConfig, ModelSpec
+from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.resident import ResidentExpertBank
 from freetoken_agent.engine.kv.pool import KVPool
+
+log = logging.getLogger("freetoken.experts")
 
 GiB = 1 << 30
 RESERVE_BYTES = 1 * GiB  # left free on the device for the CUDA context, cuBLAS, fragmentation
@@ -73,12 +78,16 @@ def make_bank(
     if config.policy == "adaptive" and slots >= n_rows:
         return ResidentExpertBank(spec, dtype, device)
     pool = ExpertPool.empty(spec, dtype)
+    measured = calibration.cached(spec.hidden_size, spec.moe_intermediate_size, dtype)
+    if measured is None and config.policy == "adaptive" and device.type == "cuda":
+        log.info("no bandwidth calibration for this machine yet: run `freetoken calibrate`")
     return OffloadedExpertBank(
         spec,
         pool,
         slots,
         device,
         config.policy,
+        bandwidths=measured.bandwidths() if measured else None,
         stream_min_tokens=config.stream_min_tokens,
         double_buffer=config.double_buffer,
     )

@@ -1,0 +1,122 @@
+"""Measured bandwidths for the q* split: B_P (pinned host-to-device, expert-sized copies) and B_H
+(the CPU executor's weight throughput at one token), cached per machine and expert shape.
+
+`freetoken calibrate` measures both and writes them to `$FREETOKEN_CACHE/calibration.json`
+(default `~/.cache/freetoken`), keyed by GPU, CPU, expert shape and dtype; `Engine.load` reads
+the entry for its model, and the offloaded bank keeps re-estimating both online from the copies
+and CPU runs it times (an exponential moving average), so a stale calibration corrects itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from freetoken_agent.engine.experts.policy import Bandwidths
+from freetoken_agent.kernels import reference
+
+EMA = 0.2  # weight of a new observation in the online estimates
+
+
+def cache_file() -> Path:
+    root = Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken"))
+    return root / "calibration.json"
+
+
+def machine_key(hidden: int, inter: int, dtype: torch.dtype) -> str:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"{gpu}|{platform.processor() or platform.machine()}|{hidden}x{inter}|{dtype}"
+
+
+@dataclass(slots=True)
+class Calibration:
+    pcie: float  # B_P bytes/s
+    cpu: float  # B_H bytes/s
+    expert_bytes: int
+    measured_at: float
+
+    def bandwidths(self) -> Bandwidths:
+        return Bandwidths(pcie=self.pcie, cpu=self.cpu)
+
+
+def measure_pcie(expert_bytes: int, n: int = 64, repeats: int = 3) -> float:
+    """Pinned host-to-device bandwidth in copies of one expert each."""
+    if not torch.cuda.is_available():
+        return Bandwidths().pcie
+    elems = expert_bytes // 2
+    host = torch.empty((n, elems), dtype=torch.bfloat16).pin_memory()
+    host.normal_()
+    dev = torch.empty((n, elems), dtype=torch.bfloat16, device="cuda")
+    best = 0.0
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(n):
+            dev[i].copy_(host[i], non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = max(best, n * host[0].nbytes / (start.elapsed_time(end) / 1e3))
+    return best
+
+
+def measure_cpu(hidden: int, inter: int, dtype: torch.dtype, pool_bytes: int = 1 << 30) -> float:
+    """Weight bytes per second the CPU executor streams for one token and eight experts, over
+    a pool larger than the caches."""
+    expert = 3 * hidden * inter * dtype.itemsize
+    n = max(16, pool_bytes // expert)
+    w13 = torch.randn(n, 2 * inter, hidden).mul_(0.05).to(dtype)
+    w2 = torch.randn(n, hidden, inter).mul_(0.05).to(dtype)
+    x = torch.randn(1, hidden).to(dtype)
+    weights = torch.full((1, 8), 0.125)
+    times = []
+    for r in range(6):
+        rows = torch.randperm(n)[:8].view(1, 8)
+        start = time.perf_counter()
+        cpu_experts(x, w13, w2, rows, weights)
+        if r:  # the first run warms up
+            times.append(time.perf_counter() - start)
+    return 8 * expert / sorted(times)[len(times) // 2]
+
+
+def cpu_experts(hidden, w13, w2, rows, weights) -> torch.Tensor:
+    """The CPU executor: the SIMD kernel when built (kernels/cpu), else the torch twin."""
+    try:
+        from freetoken_agent.kernels.cpu.experts import cpu_experts as kernel
+    except ImportError:
+        return reference.fused_moe(hidden, w13, w2, rows, weights.to(torch.float32))
+    return kernel(hidden, w13, w2, rows, weights)
+
+
+def calibrate(hidden: int, inter: int, dtype: torch.dtype) -> Calibration:
+    expert = 3 * hidden * inter * dtype.itemsize
+    cal = Calibration(measure_pcie(expert), measure_cpu(hidden, inter, dtype), expert, time.time())
+    path = cache_file()
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    table[machine_key(hidden, inter, dtype)] = asdict(cal)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1))
+    return cal
+
+
+def cached(hidden: int, inter: int, dtype: torch.dtype) -> Calibration | None:
+    path = cache_file()
+    if not path.is_file():
+        return None
+    try:
+        entry = json.loads(path.read_text()).get(machine_key(hidden, inter, dtype))
+    except json.JSONDecodeError:
+        return None
+    return Calibration(**entry) if entry else None
+
+
+def update(estimate: float, bytes_moved: int, seconds: float) -> float:
+    """One online observation folded into an estimate (ignored when too short to time)."""
+    if seconds <= 1e-6 or bytes_moved <= 0:
+        return estimate
+    return (1 - EMA) * estimate + EMA * (bytes_moved / seconds)
