@@ -1,6 +1,7 @@
 """`python -m freetoken_agent.bench NAME [options]` / `freetoken bench NAME [options]`.
 
     decode   all-resident decode and prefill beside the HBM limit (needs CUDA)
+    offload  experts in host memory: decode per policy, streamed prefill (needs CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -12,6 +13,7 @@ import sys
 
 BENCHES = {
     "decode": "freetoken_agent.bench.decode_baseline",
+    "offload": "freetoken_agent.bench.offload",
 }
 
 

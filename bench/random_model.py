@@ -47,12 +47,20 @@ def peer_slice(cfg: dict, n_layers: int = 12) -> dict:
 
 @torch.no_grad()
 def random_engine(
-    cfg: dict, device: str = "cuda", std: float = 0.02, seed: int = 0, **options
+    cfg: dict,
+    device: str = "cuda",
+    std: float = 0.02,
+    seed: int = 0,
+    policy: str = "resident",
+    **options,
 ) -> Engine:
+    """An engine over random weights. Offloading policies keep the experts in a host pool:
+    they are drawn on the device in chunks and copied there (drawing 58 GB on the CPU would
+    take minutes)."""
     spec = spec_from_config(cfg)
     dev = torch.device(device)
     dtype = spec.dtype
-    config = EngineConfig(device=str(dev), dtype=dtype, policy="resident", **options)
+    config = EngineConfig(device=str(dev), dtype=dtype, policy=policy, **options)
     model, bank, max_len = build_model(spec, config, dev, dtype)
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
@@ -63,6 +71,12 @@ def random_engine(
             p.normal_(0.0, std, generator=gen)
     for bank_tensor in (bank.w13, bank.w2):
         for chunk in bank_tensor.split(256):  # bounded temporaries
-            chunk.normal_(0.0, std, generator=gen)
+            if chunk.device == dev:
+                chunk.normal_(0.0, std, generator=gen)
+            else:
+                drawn = torch.empty(chunk.shape, dtype=dtype, device=dev)
+                chunk.copy_(drawn.normal_(0.0, std, generator=gen))
+    if hasattr(bank, "ready"):
+        bank.ready()  # pin the pool, place static experts
     loaded = assemble(spec, config, model, bank, dev, dtype, max_len, tokenizer=None)
     return Engine(loaded)

@@ -130,6 +130,14 @@ class ExpertCache:
         if pin:
             self._pinned_set = frozenset(lid for lid in lids if self._slot_of[lid] >= 0)
 
+    def reset(self) -> None:
+        """Empty every slot (benchmarks start each policy from the same state)."""
+        for lid in list(self._lru):
+            slot = self._slot_of[lid]
+            self._evict(lid)
+            self._free.append(slot)
+        self._pinned_set = frozenset()
+
     def clear_counters(self) -> None:
         self.hits = self.misses = self.fills = self.bytes_filled = 0
 

@@ -31,8 +31,13 @@ class BudgetError(ValueError):
 
 
 def workspace_bytes(spec: ModelSpec, config: EngineConfig) -> int:
-    """Activations of one step, logits of a full chunk (score), kernel scratch."""
-    return 512 * (1 << 20) + config.max_batched_tokens * spec.vocab_size * 4 * 2
+    """Activations of one step: per token the residual stream and projections (bf16) and the
+    MoE kernels' per-pair fp32 buffers, plus sampling logits and kernel scratch. `score()` of a
+    long sequence allocates [T, vocab] logits beyond this (it is for evaluation, not serving)."""
+    t, h, k = config.max_batched_tokens, spec.hidden_size, max(spec.top_k, 1)
+    per_token = 16 * h * 2 + k * (h + 2 * spec.moe_intermediate_size) * 4
+    logits = config.max_num_seqs * spec.vocab_size * 4 * 2
+    return 256 * (1 << 20) + t * per_token + logits
 
 
 def gpu_budget(config: EngineConfig, device: torch.device, already_used: int) -> int:

@@ -1,0 +1,168 @@
+"""Expert offloading on the device: decode per policy and streamed prefill, beside the limits.
+
+    python -m freetoken_agent.bench offload [--layers 48] [--budget-gb 32] [--decode 48]
+
+Builds a Qwen3-30B-A3B-shaped model (random bf16 weights; experts in a pinned host pool) under
+a GPU budget, then: decode at batch 1 for each policy (cpu, transfer, adaptive, static), each
+from an empty cache after the same warm-up, with miss rate and bytes over PCIe per token; and
+prefill of 4k/8k/16k-token prompts streamed in 8k chunks with two staging buffers and with one.
+Limits, from bandwidths measured in the same run: decode >= (resident bytes read) / B_HBM +
+(miss bytes) / (B_P + B_H); a prefill chunk >= (non-resident pool bytes) / B_P. Routing is the
+random router on random weights (near-uniform, the worst case for a cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from freetoken_agent.bench.limits import hbm_copy_bandwidth
+from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
+from freetoken_agent.engine.experts import calibration
+from freetoken_agent.engine.experts.streaming import LayerStreamer
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _decode(engine, n: int, rng) -> tuple[float, dict]:
+    bank = engine.loaded.bank
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    rid = engine.submit([rng.randrange(engine.spec.vocab_size) for _ in range(64)], sp)
+    while not engine._requests[rid].output_ids:
+        engine.step()
+    before = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu)
+    filled0 = bank.cache.bytes_filled
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    engine._collect(rid)
+    st = bank.stats
+    experts, hits = st.experts - before[0], st.hits - before[1]
+    return steps / seconds, {
+        "miss_rate": 1 - hits / experts,
+        "fetched_per_token": (st.fetched - before[2]) / steps,
+        "on_cpu_per_token": (st.on_cpu - before[3]) / steps,
+        "pcie_bytes_per_token": (bank.cache.bytes_filled - filled0) / steps,
+        "experts_per_token": experts / steps,
+    }
+
+
+def _prefill(engine, n: int, rng) -> float:
+    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.generate([rng.randrange(engine.spec.vocab_size) for _ in range(n)], sp)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench offload",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--layers", type=int, default=48, help="model depth (12: peer slice)")
+    parser.add_argument("--budget-gb", type=float, default=32.0, help="GPU budget (GB)")
+    parser.add_argument("--decode", type=int, default=48, help="decoded tokens per policy")
+    parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    dev = torch.device("cuda")
+    b_hbm = hbm_copy_bandwidth(dev)
+    cfg = peer_slice(QWEN3_30B_A3B, args.layers)
+    h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    b_p = calibration.measure_pcie(3 * h * i * 2)
+    b_h = calibration.measure_cpu(h, i, torch.bfloat16)
+    t0 = time.perf_counter()
+    engine = random_engine(
+        cfg,
+        policy="transfer",
+        gpu_budget=int(args.budget_gb * 1e9),
+        kv_tokens=32768,
+        max_num_seqs=4,
+        max_model_len=32768,
+        max_batched_tokens=args.chunk,
+        stream_min_tokens=512,
+    )
+    bank = engine.loaded.bank
+    spec = engine.spec
+    build_s = time.perf_counter() - t0
+    expert_bytes = bank.pool.expert_bytes
+    dense_read = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.weight.nbytes
+    rng = random.Random(0)
+    report = {
+        "bench": "offload",
+        "device": torch.cuda.get_device_name(dev),
+        "layers": spec.n_layers,
+        "budget_gb": args.budget_gb,
+        "slots": bank.cache.n_slots,
+        "pool_rows": bank.pool.n_rows,
+        "cached_fraction": bank.cache.n_slots / bank.pool.n_rows,
+        "pool_gb": bank.pool.nbytes / 1e9,
+        "pool_pinned": bank.pool.pinned,
+        "build_s": build_s,
+        "hbm_copy_gb_s": b_hbm / 1e9,
+        "b_p_gb_s": b_p / 1e9,
+        "b_h_gb_s": b_h / 1e9,
+        "routing": "random router on random weights (near-uniform)",
+        "decode_b1": {},
+        "prefill": {},
+    }
+    print(json.dumps({k: v for k, v in report.items() if not isinstance(v, dict)}), flush=True)
+    for policy in ("cpu", "transfer", "adaptive", "static"):
+        bank.cache.reset()
+        bank.policy = policy
+        bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
+        if policy == "static":
+            bank.place_static()
+        _decode(engine, 8, rng)  # warm-up
+        rate, st = _decode(engine, args.decode, rng)
+        miss_bytes = st["experts_per_token"] * st["miss_rate"] * expert_bytes
+        hit_bytes = st["experts_per_token"] * (1 - st["miss_rate"]) * expert_bytes
+        step_floor = (dense_read + hit_bytes) / b_hbm + miss_bytes / (b_p + b_h)
+        report["decode_b1"][policy] = {
+            "tok_s": rate,
+            "limit_tok_s": 1 / step_floor,
+            "of_limit": rate * step_floor,
+            **st,
+            "b_p_online_gb_s": bank.bandwidths.pcie / 1e9,
+            "b_h_online_gb_s": bank.bandwidths.cpu / 1e9,
+        }
+        print(policy, json.dumps(report["decode_b1"][policy]), flush=True)
+    bank.cache.reset()
+    bank.policy = "adaptive"
+    for double in (True, False):
+        if not double:
+            bank.streamer = LayerStreamer(
+                bank.pool, bank.cache, spec.n_experts, spec.n_moe_layers, dev, False
+            )
+        _prefill(engine, 1024, rng)  # warm-up (kernels at this size)
+        for n in args.prefill:
+            rate = _prefill(engine, n, rng)
+            chunk_limit = bank.pool.nbytes / b_p  # every expert of every layer streams
+            limit = min(n, args.chunk) / chunk_limit
+            key = f"{n}_{'double' if double else 'single'}"
+            report["prefill"][key] = {"tok_s": rate, "limit_tok_s": limit, "of_limit": rate / limit}
+            print(key, json.dumps(report["prefill"][key]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"offload_{spec.n_layers}l_{int(args.budget_gb)}gb.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
