@@ -62,8 +62,10 @@ def _prefill(engine, n: int, rng) -> float:
     sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    engine.generate([rng.randrange(engine.spec.vocab_size) for _ in range(n)], sp)
+    out = engine.generate([rng.randrange(engine.spec.vocab_size) for _ in range(n)], sp)
     torch.cuda.synchronize()
+    if out.finish_reason == "error":
+        raise RuntimeError(f"prefill of {n} tokens failed: {out.error}")
     return n / (time.perf_counter() - start)
 
 
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--skip-decode", action="store_true", help="prefill figures only")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     b_hbm = hbm_copy_bandwidth(dev)
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefill": {},
     }
     print(json.dumps({k: v for k, v in report.items() if not isinstance(v, dict)}), flush=True)
-    for policy in ("cpu", "transfer", "adaptive", "static"):
+    for policy in () if args.skip_decode else ("cpu", "transfer", "adaptive", "static"):
         bank.cache.reset()
         bank.policy = policy
         bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h

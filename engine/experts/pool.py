@@ -35,6 +35,9 @@ class ExpertPool:
         self.w2 = w2  # [N, H, I]
         self.pinned = False
         self._registered: list[int] = []
+        # Rows per page-locked registration, the same for both banks: a host-to-device copy
+        # must stay inside one registration, so multi-expert copies split at multiples of it.
+        self.pin_rows = max(1, PIN_CHUNK_BYTES // w13[0].nbytes)
 
     @classmethod
     def empty(cls, spec: ModelSpec, dtype: torch.dtype) -> ExpertPool:
@@ -75,9 +78,8 @@ class ExpertPool:
         cudart = torch.cuda.cudart()
         try:
             for bank in (self.w13, self.w2):
-                rows = max(1, PIN_CHUNK_BYTES // bank[0].nbytes)
-                for lo in range(0, bank.shape[0], rows):
-                    chunk = bank[lo : lo + rows]
+                for lo in range(0, bank.shape[0], self.pin_rows):
+                    chunk = bank[lo : lo + self.pin_rows]
                     ptr, size = chunk.data_ptr(), chunk.nbytes
                     err = cudart.cudaHostRegister(ptr, size, 0)
                     if int(err) != 0:

@@ -86,23 +86,37 @@ class LayerStreamer:
         self.layers_streamed += 1
 
     def _copy_layer(self, layer: int, buf: int) -> None:
-        """Host runs of non-resident experts in one copy each; resident ones from their slot."""
+        """Resident experts from their slot (device to device); the others from the pool in as
+        few host copies as the pool's registrations allow."""
         base = layer * self.n_experts
-        nonblocking = self.pool.pinned
-        e = 0
-        while e < self.n_experts:
-            slot = self.cache._slot_of[base + e]
+        slot_of = self.cache._slot_of
+        for e in range(self.n_experts):
+            slot = slot_of[base + e]
             if slot >= 0:
                 self.w13[buf, e].copy_(self.cache.w13[slot])
                 self.w2[buf, e].copy_(self.cache.w2[slot])
                 self.bytes_d2d += self.pool.expert_bytes
-                e += 1
-                continue
-            end = e + 1
-            while end < self.n_experts and self.cache._slot_of[base + end] < 0:
-                end += 1
-            rows = slice(base + e, base + end)
-            self.w13[buf, e:end].copy_(self.pool.w13[rows], non_blocking=nonblocking)
-            self.w2[buf, e:end].copy_(self.pool.w2[rows], non_blocking=nonblocking)
-            self.bytes_h2d += (end - e) * self.pool.expert_bytes
-            e = end
+        absent = [slot_of[base + e] < 0 for e in range(self.n_experts)]
+        for lo, hi in host_runs(absent, base, self.pool.pin_rows):
+            rows = slice(base + lo, base + hi)
+            self.w13[buf, lo:hi].copy_(self.pool.w13[rows], non_blocking=self.pool.pinned)
+            self.w2[buf, lo:hi].copy_(self.pool.w2[rows], non_blocking=self.pool.pinned)
+            self.bytes_h2d += (hi - lo) * self.pool.expert_bytes
+
+
+def host_runs(absent: list[bool], base: int, pin_rows: int) -> list[tuple[int, int]]:
+    """Maximal runs [lo, hi) of consecutive absent experts of a layer whose first lid is `base`,
+    cut where a page-locked registration of `pin_rows` pool rows ends: one host copy must stay
+    inside one registration (a copy spanning two fails with "invalid argument")."""
+    runs, e, n = [], 0, len(absent)
+    while e < n:
+        if not absent[e]:
+            e += 1
+            continue
+        boundary = ((base + e) // pin_rows + 1) * pin_rows - base
+        hi = e + 1
+        while hi < n and absent[hi] and hi < boundary:
+            hi += 1
+        runs.append((e, hi))
+        e = hi
+    return runs

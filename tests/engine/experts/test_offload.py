@@ -14,6 +14,7 @@ from tiny_models import make_tiny, max_rel_err
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.experts.policy import Bandwidths, fetch_count
+from freetoken_agent.engine.experts.streaming import host_runs
 
 POLICIES = ("transfer", "cpu", "static", "adaptive")
 
@@ -118,3 +119,15 @@ def test_streamed_prefill_matches_resident(model, double_buffer):
     else:
         assert streamer.bytes_h2d == before
     engine.check_integrity()
+
+
+def test_host_runs_stay_inside_pinned_registrations(rng_seed):
+    rng = random.Random(rng_seed)
+    for _ in range(200):
+        n, base, pin = rng.randrange(1, 40), rng.randrange(0, 200), rng.randrange(1, 12)
+        absent = [rng.random() < 0.7 for _ in range(n)]
+        runs = host_runs(absent, base, pin)
+        covered = [e for lo, hi in runs for e in range(lo, hi)]
+        assert covered == [e for e in range(n) if absent[e]]  # every absent expert, once
+        for lo, hi in runs:
+            assert (base + lo) // pin == (base + hi - 1) // pin  # one registration per copy
