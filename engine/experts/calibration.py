@@ -86,11 +86,14 @@ def measure_cpu(hidden: int, inter: int, dtype: torch.dtype, pool_bytes: int = 1
 
 def cpu_experts(hidden, w13, w2, rows, weights) -> torch.Tensor:
     """The CPU executor: the SIMD kernel when built (kernels/cpu), else the torch twin."""
-    try:
-        from freetoken_agent.kernels.cpu.experts import cpu_experts as kernel
-    except Exception:  # noqa: BLE001 - no SIMD kernel here: the torch twin computes the same
-        return reference.fused_moe(hidden, w13, w2, rows, weights.to(torch.float32))
-    return kernel(hidden, w13, w2, rows, weights).to(hidden.dtype)
+    if os.environ.get("FREETOKEN_CPU_KERNEL", "1") == "1":
+        try:
+            from freetoken_agent.kernels.cpu.experts import cpu_experts as kernel
+
+            return kernel(hidden, w13, w2, rows, weights).to(hidden.dtype)
+        except Exception:  # noqa: BLE001 - no SIMD kernel here: the torch twin computes the same
+            pass
+    return reference.fused_moe(hidden, w13, w2, rows, weights.to(torch.float32))
 
 
 def calibrate(hidden: int, inter: int, dtype: torch.dtype) -> Calibration:
