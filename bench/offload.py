@@ -3,12 +3,14 @@
     python -m freetoken_agent.bench offload [--layers 48] [--budget-gb 32] [--decode 48]
 
 Builds a Qwen3-30B-A3B-shaped model (random bf16 weights; experts in a pinned host pool) under
-a GPU budget, then: decode at batch 1 for each policy (cpu, transfer, adaptive, static), each
-from an empty cache after the same warm-up, with miss rate and bytes over PCIe per token; and
+a GPU budget, then: decode at batch 1 and 4 for each policy (cpu, transfer, adaptive, static)
+and routing regime (routing_traces.py), each from an empty cache after the same warm-up, with
+miss rate and bytes over PCIe per token; and
 prefill of 4k/8k/16k-token prompts streamed in 8k chunks with two staging buffers and with one.
 Limits, from bandwidths measured in the same run: decode >= (resident bytes read) / B_HBM +
 (miss bytes) / (B_P + B_H); a prefill chunk >= (non-resident pool bytes) / B_P. Routing is the
-random router on random weights (near-uniform, the worst case for a cache).
+random router on random weights ("native": it routes consecutive tokens alike) or replayed
+synthetic routing (uniform, or Zipf skew with temporal locality).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
+from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -30,11 +33,13 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _decode(engine, n: int, rng) -> tuple[float, dict]:
+def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
+    """Aggregate decode tok/s of `batch` sequences (after their prefill) and cache counters."""
     bank = engine.loaded.bank
     sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    rid = engine.submit([rng.randrange(engine.spec.vocab_size) for _ in range(64)], sp)
-    while not engine._requests[rid].output_ids:
+    vocab = engine.spec.vocab_size
+    rids = [engine.submit([rng.randrange(vocab) for _ in range(64)], sp) for _ in range(batch)]
+    while any(not engine._requests[r].output_ids for r in rids):
         engine.step()
     before = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu)
     filled0 = bank.cache.bytes_filled
@@ -46,10 +51,11 @@ def _decode(engine, n: int, rng) -> tuple[float, dict]:
         steps += 1
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    engine._collect(rid)
+    for rid in rids:
+        engine._collect(rid)
     st = bank.stats
     experts, hits = st.experts - before[0], st.hits - before[1]
-    return steps / seconds, {
+    return batch * steps / seconds, {
         "miss_rate": 1 - hits / experts,
         "fetched_per_token": (st.fetched - before[2]) / steps,
         "on_cpu_per_token": (st.on_cpu - before[3]) / steps,
@@ -82,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--skip-decode", action="store_true", help="prefill figures only")
+    parser.add_argument(
+        "--regimes",
+        nargs="+",
+        default=["native", "uniform", "zipf:1.0,loc:0.7"],
+        help="routing: native (the random router as is), uniform, or zipf:S,loc:P (skew S, "
+        "probability P that a token repeats the previous token's experts); see routing_traces",
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="decode batches")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     b_hbm = hbm_copy_bandwidth(dev)
@@ -120,31 +134,42 @@ def main(argv: list[str] | None = None) -> int:
         "hbm_copy_gb_s": b_hbm / 1e9,
         "b_p_gb_s": b_p / 1e9,
         "b_h_gb_s": b_h / 1e9,
-        "routing": "random router on random weights (near-uniform)",
-        "decode_b1": {},
+        "routing": "per decode key: native (the random router), uniform or zipf:S,loc:P replay",
+        "decode": {},
         "prefill": {},
     }
     print(json.dumps({k: v for k, v in report.items() if not isinstance(v, dict)}), flush=True)
-    for policy in () if args.skip_decode else ("cpu", "transfer", "adaptive", "static"):
-        bank.cache.reset()
-        bank.policy = policy
-        bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
-        if policy == "static":
-            bank.place_static()
-        _decode(engine, 8, rng)  # warm-up
-        rate, st = _decode(engine, args.decode, rng)
-        miss_bytes = st["experts_per_token"] * st["miss_rate"] * expert_bytes
-        hit_bytes = st["experts_per_token"] * (1 - st["miss_rate"]) * expert_bytes
-        step_floor = (dense_read + hit_bytes) / b_hbm + miss_bytes / (b_p + b_h)
-        report["decode_b1"][policy] = {
-            "tok_s": rate,
-            "limit_tok_s": 1 / step_floor,
-            "of_limit": rate * step_floor,
-            **st,
-            "b_p_online_gb_s": bank.bandwidths.pcie / 1e9,
-            "b_h_online_gb_s": bank.bandwidths.cpu / 1e9,
-        }
-        print(policy, json.dumps(report["decode_b1"][policy]), flush=True)
+    model = engine.loaded.model
+    for regime_name in () if args.skip_decode else args.regimes:
+        if regime_name == "native":
+            model.set_expert_bank(bank)
+        else:
+            regime = Regime.parse(regime_name)
+            gen = TraceGenerator(spec.n_moe_layers, spec.n_experts, spec.top_k, regime, seed=0)
+            model.set_expert_bank(TracedRouting(bank, gen))
+        for batch in args.batches:
+            for policy in ("cpu", "transfer", "adaptive", "static"):
+                bank.cache.reset()
+                bank.policy = policy
+                bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
+                if policy == "static":
+                    bank.place_static()
+                _decode(engine, 8, rng, batch)  # warm-up: the cache fills
+                rate, st = _decode(engine, args.decode, rng, batch)
+                miss_bytes = st["experts_per_token"] * st["miss_rate"] * expert_bytes
+                hit_bytes = st["experts_per_token"] * (1 - st["miss_rate"]) * expert_bytes
+                floor = (dense_read + hit_bytes) / b_hbm + miss_bytes / (b_p + b_h)
+                key = f"{regime_name}|b{batch}|{policy}"
+                report["decode"][key] = {
+                    "tok_s": rate,
+                    "limit_tok_s": batch / floor,
+                    "of_limit": rate * floor / batch,
+                    **st,
+                    "b_p_online_gb_s": bank.bandwidths.pcie / 1e9,
+                    "b_h_online_gb_s": bank.bandwidths.cpu / 1e9,
+                }
+                print(key, json.dumps(report["decode"][key]), flush=True)
+    model.set_expert_bank(bank)
     bank.cache.reset()
     bank.policy = "adaptive"
     for double in (True, False):

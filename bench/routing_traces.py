@@ -1,0 +1,79 @@
+"""Synthetic routing with controlled skew and temporal locality, for cache benchmarks.
+
+Random routers on random weights do not route like trained models: consecutive tokens of one
+sequence land on nearly the same experts (a miss rate near zero with any cache), and across
+sequences the choice is near-uniform. Trained MoE routing sits in between: some experts are
+popular (skew), and a token often reuses experts of the tokens just before it (locality). This
+module replays such routing: `TracedRouting` wraps an expert bank and replaces each layer's
+top-k ids by draws from the regime below, keeping everything else (weights, kernels, cache)
+real.
+
+Regime (per layer, per token):
+- with probability `locality`, each of the k choices repeats one of the previous token's choices
+  in this layer (the expert set drifts slowly);
+- otherwise, choices are drawn without replacement from a Zipf distribution over the layer's
+  experts, P(rank r) ~ 1 / r^skew (skew 0 = uniform), the ranking a fixed random permutation per
+  layer (each layer has its own popular experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True, frozen=True)
+class Regime:
+    skew: float = 0.0
+    locality: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"zipf{self.skew:g}-loc{self.locality:g}"
+
+    @classmethod
+    def parse(cls, text: str) -> Regime:
+        """ "uniform", or "zipf:1.0,loc:0.5" style."""
+        if text == "uniform":
+            return cls()
+        fields = dict(part.split(":") for part in text.split(","))
+        return cls(float(fields.get("zipf", 0)), float(fields.get("loc", 0)))
+
+
+class TraceGenerator:
+    def __init__(self, n_layers: int, n_experts: int, k: int, regime: Regime, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.n_experts, self.k, self.regime = n_experts, k, regime
+        ranks = np.arange(1, n_experts + 1, dtype=np.float64)
+        probs = ranks ** (-regime.skew)
+        self.probs = probs / probs.sum()
+        self.order = [self.rng.permutation(n_experts) for _ in range(n_layers)]
+        self.last: list[np.ndarray | None] = [None] * n_layers
+
+    def draw(self, layer: int, n_tokens: int) -> np.ndarray:
+        """[n_tokens, k] expert ids for the next tokens of this layer."""
+        out = np.empty((n_tokens, self.k), dtype=np.int64)
+        for t in range(n_tokens):
+            prev = self.last[layer]
+            if prev is not None and self.rng.random() < self.regime.locality:
+                ids = prev
+            else:
+                ranks = self.rng.choice(self.n_experts, self.k, replace=False, p=self.probs)
+                ids = self.order[layer][ranks]
+            out[t] = ids
+            self.last[layer] = ids
+        return out
+
+
+class TracedRouting:
+    """An expert bank whose top-k ids come from a TraceGenerator (weights stay the router's)."""
+
+    def __init__(self, bank, generator: TraceGenerator) -> None:
+        self.bank, self.generator = bank, generator
+
+    def __call__(self, layer, hidden, topk_ids, topk_weights):
+        ids = self.generator.draw(layer, topk_ids.shape[0])
+        traced = torch.from_numpy(ids).to(device=topk_ids.device, dtype=topk_ids.dtype)
+        return self.bank(layer, hidden, traced, topk_weights)
