@@ -33,6 +33,11 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
     """Aggregate decode tok/s of `batch` sequences (after their prefill) and cache counters."""
     bank = engine.loaded.bank
@@ -43,13 +48,13 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
         engine.step()
     before = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu)
     filled0 = bank.cache.bytes_filled
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     steps = 0
     while engine.has_unfinished():
         engine.step()
         steps += 1
-    torch.cuda.synchronize()
+    _sync()
     seconds = time.perf_counter() - start
     for rid in rids:
         engine._collect(rid)
@@ -66,10 +71,10 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
 
 def _prefill(engine, n: int, rng) -> float:
     sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     out = engine.generate([rng.randrange(engine.spec.vocab_size) for _ in range(n)], sp)
-    torch.cuda.synchronize()
+    _sync()
     if out.finish_reason == "error":
         raise RuntimeError(f"prefill of {n} tokens failed: {out.error}")
     return n / (time.perf_counter() - start)

@@ -44,3 +44,25 @@ def test_locality_lowers_the_miss_rate_of_an_offloaded_engine(tmp_path, rng_seed
         rates[regime.name] = bank.stats.miss_rate
         engine.check_integrity()
     assert rates["zipf0-loc0.95"] < rates["zipf0-loc0"] - 0.2, rates
+
+
+def test_offload_bench_measurements_run_on_a_tiny_engine(tmp_path, rng_seed):
+    """The benchmark's decode and prefill measurements, on the CPU, with replayed routing."""
+    import random
+
+    from freetoken_agent.bench import offload
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    engine = Engine.load(
+        tmp_path, device="cpu", policy="adaptive", expert_slots=4, stream_min_tokens=64,
+        progress=False,
+    )  # fmt: skip
+    spec = engine.spec
+    gen = TraceGenerator(spec.n_moe_layers, spec.n_experts, spec.top_k, Regime(1.0, 0.5), 1)
+    engine.loaded.model.set_expert_bank(TracedRouting(engine.loaded.bank, gen))
+    rng = random.Random(rng_seed)
+    rate, st = offload._decode(engine, 6, rng, batch=2)
+    assert rate > 0 and 0 < st["miss_rate"] <= 1 and st["experts_per_token"] > 0
+    assert offload._prefill(engine, 100, rng) > 0  # streamed (100 >= 64 tokens)
+    assert engine.loaded.bank.streamer.layers_streamed > 0
+    engine.check_integrity()
