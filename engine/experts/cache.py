@@ -42,6 +42,7 @@ class ExpertCache:
         self.misses = 0
         self.fills = 0
         self.bytes_filled = 0
+        self.fill_timings: list[tuple] = []  # (start, end, bytes) of fills, read by the bank
 
     @property
     def n_slots(self) -> int:
@@ -68,6 +69,13 @@ class ExpertCache:
         `protect` (the experts this layer is about to use). Returns the lids actually filled:
         fewer than asked when every slot is protected."""
         filled = []
+        timing = None
+        if self.copy_stream is not None and lids:
+            # Victim slots may hold experts that queued compute still reads: the copies go
+            # after it. The timing starts after that wait, so it measures the copies alone.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record(self.copy_stream)
         for lid in lids:
             if self._slot_of[lid] >= 0:
                 continue
@@ -79,6 +87,9 @@ class ExpertCache:
             self._lid_of[slot] = lid
             self._lru[lid] = None
             filled.append(lid)
+        if timing is not None:
+            timing[1].record(self.copy_stream)
+            self.fill_timings.append((*timing, len(filled) * self.pool.expert_bytes))
         if filled:
             self._sync_table(filled)
         return filled
@@ -107,8 +118,6 @@ class ExpertCache:
             self.w13[slot].copy_(self.pool.w13[lid])
             self.w2[slot].copy_(self.pool.w2[lid])
             return
-        # The slot may hold an expert that queued compute still reads: copy after it.
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             self.w13[slot].copy_(self.pool.w13[lid], non_blocking=self.pool.pinned)
             self.w2[slot].copy_(self.pool.w2[lid], non_blocking=self.pool.pinned)

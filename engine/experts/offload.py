@@ -71,7 +71,6 @@ class OffloadedExpertBank:
         self.bandwidths = bandwidths or Bandwidths()
         self.stats = OffloadStats()
         self.stream_min_tokens = stream_min_tokens
-        self._pending_fills: list[tuple] = []  # (start, end, bytes) fill timings not yet read
         self.streamer = LayerStreamer(
             pool, self.cache, spec.n_experts, spec.n_moe_layers, device, double_buffer
         )
@@ -136,7 +135,7 @@ class OffloadedExpertBank:
         # The CPU branch needs the activations: start their copy before queueing the device
         # branch, so the device computes its experts while the host computes the others.
         staged = self._stage_hidden(hidden) if q < len(misses) else None
-        fetched = self._fill([lid for _, lid in misses[:q]], protect=set(uniq_l))
+        fetched = cache.fill([lid for _, lid in misses[:q]], protect=set(uniq_l))
         on_cpu = [lid for _, lid in misses if not cache.resident(lid)]
         if on_cpu and staged is None:
             staged = self._stage_hidden(hidden)
@@ -162,27 +161,14 @@ class OffloadedExpertBank:
         event.record()
         return host, event
 
-    def _fill(self, lids: list[int], protect: set[int]) -> list[int]:
-        """Fill slots, timing the copies (on CUDA, with events read at a later step)."""
-        if not lids:
-            return []
-        stream = self.cache.copy_stream
-        if stream is None:
-            return self.cache.fill(lids, protect)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        filled = self.cache.fill(lids, protect)
-        end.record(stream)
-        self._pending_fills.append((start, end, len(filled) * self.pool.expert_bytes))
-        return filled
-
     def _observe_fills(self) -> None:
         """Fold finished fills into the B_P estimate (online re-estimation)."""
-        done = [f for f in self._pending_fills if f[1].query()]
+        timings = self.cache.fill_timings
+        done = [f for f in timings if f[1].query()]
         for start, end, nbytes in done:
             seconds = start.elapsed_time(end) / 1e3
             self.bandwidths.pcie = calibration.update(self.bandwidths.pcie, nbytes, seconds)
-        self._pending_fills = [f for f in self._pending_fills if f not in done]
+        self.cache.fill_timings = [f for f in timings if f not in done]
 
     def _streamed(
         self,
