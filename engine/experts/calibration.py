@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from freetoken_agent.engine.experts.policy import Bandwidths
-from freetoken_agent.kernels import reference
+from freetoken_agent.kernels.cpu.experts import cpu_experts as kernel_cpu_experts
 
 EMA = 0.2  # weight of a new observation in the online estimates
 
@@ -85,15 +85,9 @@ def measure_cpu(hidden: int, inter: int, dtype: torch.dtype, pool_bytes: int = 1
 
 
 def cpu_experts(hidden, w13, w2, rows, weights) -> torch.Tensor:
-    """The CPU executor: the SIMD kernel when built (kernels/cpu), else the torch twin."""
-    if os.environ.get("FREETOKEN_CPU_KERNEL", "1") == "1":
-        try:
-            from freetoken_agent.kernels.cpu.experts import cpu_experts as kernel
-
-            return kernel(hidden, w13, w2, rows, weights).to(hidden.dtype)
-        except Exception:  # noqa: BLE001 - no SIMD kernel here: the torch twin computes the same
-            pass
-    return reference.fused_moe(hidden, w13, w2, rows, weights.to(torch.float32))
+    """The CPU executor: the SIMD kernel of kernels/cpu (AVX-512 or AVX2, built on first use;
+    it falls back to plain torch by itself where no compiler exists). [T, H] in hidden.dtype."""
+    return kernel_cpu_experts(hidden, w13, w2, rows, weights.to(torch.float32)).to(hidden.dtype)
 
 
 def calibrate(hidden: int, inter: int, dtype: torch.dtype) -> Calibration:

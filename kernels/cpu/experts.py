@@ -1,0 +1,254 @@
+"""CPU SwiGLU experts for a few tokens, straight from the expert pool.
+
+    out[t] = sum_k w[t, k] * (w2[r] @ (silu(w13[r][:I] @ x_t) * (w13[r][I:] @ x_t))),
+    r = rows[t, k]
+
+computed in fp32 from upcast weights, like `kernels/reference.py`'s `fused_moe`, but returning the
+fp32 partial sum (the offloaded bank adds it to the device branch's). Decode is bound by the
+bytes of weights read, so the kernel reads each expert row once for all tokens that picked it,
+converts bf16/fp16 to fp32 in registers and spreads the rows over all physical cores.
+
+Build route: `expert_kernel.cpp` is a plain C ABI with no torch headers, compiled here with the
+system C++ compiler into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
+~/.cache/torch_extensions) and loaded with ctypes. Against a pybind11 `cpp_extension.load`:
+  - it compiles in about 2 s; torch/extension.h alone takes 30 s here, which CI would pay;
+  - it needs no ninja (cpp_extension.load does; the GPU image need not carry it), only a compiler;
+  - ctypes drops the GIL around every foreign call, so a Python thread running the CPU branch
+    never blocks the thread driving the GPU;
+  - the library links no libtorch, so one cached build serves torch 2.11 and 2.13 alike.
+The ISA is a build flag (-mavx512f -mavx512bw -mavx512vl, or -mavx2; both -mfma -mf16c): the
+kernel is written once over a small vector layer, chosen at load from /proc/cpuinfo, and the
+cache key holds the ISA, the flags, the compiler's version and the source's hash, so no binary is
+ever run on a CPU it was not built for. No compiler, or a failed build, leaves the plain-torch
+path with one warning. `FREETOKEN_CPU_EXPERTS=avx512|avx2|torch` overrides the choice.
+
+Shapes (legend of `kernels/reference.py`): T tokens, H hidden, I expert width, K top-k, N pool
+rows. hidden [T, H]; w13 [N, 2I, H]; w2 [N, H, I]; rows [T, K] int64; topk_weights [T, K] fp32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from freetoken_agent.kernels.reference import check_moe_shapes
+
+log = logging.getLogger("freetoken.kernels")
+
+SOURCE = Path(__file__).with_name("expert_kernel.cpp")
+ENV_BACKEND = "FREETOKEN_CPU_EXPERTS"
+CFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+ISA_FLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+}
+ISA_CPU_FLAGS = {  # /proc/cpuinfo flags each build's instructions need
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+}
+ISA_ID = {"avx512": 512, "avx2": 256}  # what the library's ft_isa() reports
+BACKENDS = ("avx512", "avx2", "torch")  # preference order
+DTYPE_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL | None] = {}
+_chosen: str | None = None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty elsewhere, which means torch."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on: SMT siblings share the core's load ports and add
+    nothing to a bandwidth-bound loop."""
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for c in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+        try:
+            cores.add(((topo / "physical_package_id").read_text(), (topo / "core_id").read_text()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def build(isa: str, cxx: str | None = None) -> Path:
+    """Compile the kernel for `isa` into torch's extension cache (once per source, flags and
+    compiler) and return the library's path. Raises when there is no compiler or it fails."""
+    cxx = cxx or _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    # Imported here: only a build needs it, and it pulls in more of torch than the kernel does.
+    from torch.utils.cpp_extension import get_default_build_root
+
+    flags = (*CFLAGS, *ISA_FLAGS[isa])
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(repr((cxx, version.stdout, flags)).encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch does
+    folder = Path(root) / "freetoken_cpu_experts"
+    lib = folder / f"expert_kernel_{isa}_{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{lib.name}.{os.getpid()}.{threading.get_ident()}"
+    done = subprocess.run(
+        [cxx, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{cxx} failed:\n{done.stderr[-2000:]}")
+    os.replace(tmp, lib)  # atomic: concurrent builders (test workers) each land a whole file
+    return lib
+
+
+def _load(isa: str) -> ctypes.CDLL | None:
+    if not ISA_CPU_FLAGS[isa] <= cpu_flags():
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(isa)))  # CDLL (not PyDLL): calls run without the GIL
+        lib.ft_isa.restype = ctypes.c_int
+        fn = lib.ft_cpu_experts
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+        fn.argtypes += [ctypes.c_int64] * 5 + [ctypes.c_int]
+        if lib.ft_isa() != ISA_ID[isa]:
+            raise RuntimeError(f"library reports ISA {lib.ft_isa()}, expected {ISA_ID[isa]}")
+        return lib
+    except Exception as e:  # noqa: BLE001 - any build or load failure falls back to torch
+        log.warning("CPU expert kernel (%s) unavailable, using plain torch: %s", isa, e)
+        return None
+
+
+def library(isa: str) -> ctypes.CDLL | None:
+    """The loaded kernel for `isa`, built on first use; None where this CPU or build can't."""
+    with _lock:
+        if isa not in _libs:
+            _libs[isa] = _load(isa)
+        return _libs[isa]
+
+
+def backend() -> str:
+    """ "avx512" | "avx2" | "torch": the implementation chosen at load (the first call builds)."""
+    global _chosen
+    if _chosen is None:
+        forced = os.environ.get(ENV_BACKEND)
+        if forced is not None and forced not in BACKENDS:
+            raise ValueError(f"{ENV_BACKEND}={forced!r}; choose one of {', '.join(BACKENDS)}")
+        order = [forced] if forced else list(BACKENDS)
+        _chosen = next(b for b in order + ["torch"] if b == "torch" or library(b) is not None)
+    return _chosen
+
+
+def cpu_experts(
+    hidden: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    rows: Tensor,
+    topk_weights: Tensor,
+    out: Tensor | None = None,
+    threads: int | None = None,
+    *,
+    impl: str | None = None,
+) -> Tensor:
+    """out [T, H] fp32 = sum_k topk_weights[t, k] * expert(rows[t, k], hidden[t]), k in order.
+
+    rows [T, K] int64 pool rows, negative = skip the pair. threads: OpenMP threads of the SIMD
+    kernel (default: all physical cores; the torch path uses torch's own pool). impl forces
+    "avx512" | "avx2" | "torch" (tests, benchmarks); default `backend()`. Runs without the GIL.
+    """
+    t, h, i, k = check_moe_shapes(hidden, w13, w2, rows, topk_weights, None)
+    for name, x in (("hidden", hidden), ("w13", w13), ("w2", w2), ("rows", rows)):
+        assert x.device.type == "cpu", f"{name} must be a CPU tensor, got {x.device}"
+    assert hidden.dtype in DTYPE_ID, f"unsupported dtype {hidden.dtype}"
+    # The kernel indexes the pool by raw offsets: a strided view would be read wrongly.
+    assert w13.is_contiguous() and w2.is_contiguous(), "w13 and w2 must be contiguous"
+    if out is None:
+        out = torch.empty(t, h, dtype=torch.float32)
+    assert out.shape == (t, h) and out.dtype == torch.float32 and out.is_contiguous(), (
+        f"out must be a contiguous [T={t}, H={h}] fp32 tensor, got {tuple(out.shape)} {out.dtype}"
+    )
+    impl = impl or backend()
+    if impl == "torch":
+        return _experts_torch(hidden, w13, w2, rows.long(), topk_weights, out)
+    lib = library(impl)
+    if lib is None:
+        raise RuntimeError(f"the {impl} CPU expert kernel is not available on this machine")
+    hidden, rows = hidden.contiguous(), rows.contiguous().long()
+    topk_weights = topk_weights.contiguous()
+    rc = lib.ft_cpu_experts(
+        hidden.data_ptr(),
+        w13.data_ptr(),
+        w2.data_ptr(),
+        DTYPE_ID[hidden.dtype],
+        rows.data_ptr(),
+        topk_weights.data_ptr(),
+        out.data_ptr(),
+        t,
+        k,
+        w13.shape[0],
+        h,
+        i,
+        threads or _default_threads(),
+    )
+    if rc == -1:
+        raise IndexError(f"rows out of range for a pool of {w13.shape[0]} rows: {rows.tolist()}")
+    assert rc == 0, f"ft_cpu_experts returned {rc}"
+    return out
+
+
+_threads: int | None = None
+
+
+def _default_threads() -> int:
+    global _threads
+    if _threads is None:
+        _threads = physical_cores()
+    return _threads
+
+
+def _experts_torch(
+    hidden: Tensor, w13: Tensor, w2: Tensor, rows: Tensor, topk_weights: Tensor, out: Tensor
+) -> Tensor:
+    """Plain-torch twin (no compiler, or forced): the reference's arithmetic, fp32 output. Each
+    picked row is upcast once per call; torch's bf16 GEMV is slow, so this is a fallback only."""
+    t, h = hidden.shape
+    k, i = rows.shape[1], w2.shape[2]
+    flat = rows.reshape(-1)  # [P]
+    if bool((flat >= w13.shape[0]).any()):
+        raise IndexError(f"rows out of range for a pool of {w13.shape[0]} rows: {rows.tolist()}")
+    y = torch.zeros(t * k, h, dtype=torch.float32)  # [P, H] per-pair outputs
+    for row in torch.unique(flat[flat >= 0]).tolist():
+        pairs = (flat == row).nonzero().squeeze(1)  # [m] pairs that picked this row
+        x = hidden[pairs // k].float()  # [m, H]
+        gate_up = x @ w13[row].float().t()  # [m, 2I]
+        y[pairs] = (F.silu(gate_up[:, :i]) * gate_up[:, i:]) @ w2[row].float().t()  # [m, H]
+    y = y.view(t, k, h)
+    weights = topk_weights.masked_fill(rows < 0, 0.0)  # [T, K]
+    out.zero_()
+    for j in range(k):  # fixed order over k
+        out += weights[:, j, None] * y[:, j]
+    return out
