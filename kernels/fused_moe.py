@@ -6,6 +6,7 @@ topk_ids [T, K] (negative = skip), topk_weights [T, K] fp32, out [T, H].
 
 import torch
 
+from freetoken_agent.kernels.dispatch import use_triton
 from freetoken_agent.kernels.reference import fused_moe as fused_moe_reference
 
 # Which Triton path serves a call, by its number of (token, choice) pairs P = T * K.
@@ -33,7 +34,7 @@ def fused_moe(
     force_triton runs CPU tensors through the Triton kernels (needs TRITON_INTERPRET=1 set before
     triton is imported); it is for tests.
     """
-    if not (hidden.is_cuda or force_triton):
+    if not use_triton(hidden, force_triton, "fused_moe"):
         return fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, out)
     # Imported here so the CPU fallback works on machines without triton (CPU builds of torch).
     from freetoken_agent.kernels.triton.fused_moe import fused_moe_decode, fused_moe_prefill

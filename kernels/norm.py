@@ -6,11 +6,10 @@ Shapes (legend of `kernels/reference.py`): x, residual, y, s [T, H]; weight [H].
 
 from __future__ import annotations
 
-import os
-
 from torch import Tensor
 
 from freetoken_agent.kernels import reference
+from freetoken_agent.kernels.dispatch import use_triton
 
 
 def rms_norm(
@@ -27,13 +26,8 @@ def rms_norm(
     CUDA tensors run the Triton kernel (no host synchronisation, CUDA-graph safe); CPU tensors
     run the twin, or, with force_triton, the Triton kernel under TRITON_INTERPRET=1 (tests).
     """
-    if not (x.is_cuda or force_triton):
+    if not use_triton(x, force_triton, "rms_norm"):
         return reference.rms_norm(x, weight, eps, residual)
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "rms_norm(force_triton=True) on CPU tensors needs TRITON_INTERPRET=1 set before "
-            "triton is imported"
-        )
     # Imported here so the CPU fallback works on machines without triton.
     from freetoken_agent.kernels.triton.norm import rms_norm as triton_impl
 

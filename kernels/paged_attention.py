@@ -6,11 +6,10 @@ page_table [B, max_pages] int32; cu_q_lens [B + 1] int32; kv_lens [B] int32.
 
 from __future__ import annotations
 
-import os
-
 from torch import Tensor
 
 from freetoken_agent.kernels import reference
+from freetoken_agent.kernels.dispatch import use_triton
 
 # store_kv is plain torch on every device (index_copy_ is graph-capturable): one implementation.
 store_kv = reference.store_kv
@@ -37,13 +36,8 @@ def paged_attention(
     force_triton, the Triton kernel under TRITON_INTERPRET=1 (tests).
     """
     args = (q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale, max_q_len, window, out)
-    if not (q.is_cuda or force_triton):
+    if not use_triton(q, force_triton, "paged_attention"):
         return reference.paged_attention(*args, max_kv_len)
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "paged_attention(force_triton=True) on CPU tensors needs TRITON_INTERPRET=1 set "
-            "before triton is imported"
-        )
     # Imported here so the CPU fallback works on machines without triton.
     from freetoken_agent.kernels.triton.paged_attention import paged_attention as triton_impl
 

@@ -8,11 +8,10 @@ k_cache, v_cache [P, S, Hkv, D]; returns q [T, Hq, D].
 
 from __future__ import annotations
 
-import os
-
 from torch import Tensor
 
 from freetoken_agent.kernels import reference
+from freetoken_agent.kernels.dispatch import use_triton
 
 
 def qk_norm_rope_store(
@@ -40,13 +39,8 @@ def qk_norm_rope_store(
     """
     args = (qkv, positions, cos, sin, n_heads, n_kv_heads, head_dim, q_norm_weight,
             k_norm_weight, eps, k_cache, v_cache, slot_mapping)  # fmt: skip
-    if not (qkv.is_cuda or force_triton):
+    if not use_triton(qkv, force_triton, "qk_norm_rope_store"):
         return reference.qk_norm_rope_store(*args)
-    if not qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "qk_norm_rope_store(force_triton=True) on CPU tensors needs TRITON_INTERPRET=1 set "
-            "before triton is imported"
-        )
     # Imported here so the CPU fallback works on machines without triton.
     from freetoken_agent.kernels.triton.rope import qk_norm_rope_store as triton_impl
 

@@ -7,12 +7,11 @@ Shapes (legend of `kernels/reference.py`): logits [T, E]; ids [T, K] int32; weig
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from freetoken_agent.kernels import reference
+from freetoken_agent.kernels.dispatch import use_triton
 
 
 def softmax_topk(
@@ -29,13 +28,8 @@ def softmax_topk(
     CUDA tensors run the Triton kernel (no host synchronisation, CUDA-graph safe); CPU tensors
     run the twin, or, with force_triton, the Triton kernel under TRITON_INTERPRET=1 (tests).
     """
-    if not (logits.is_cuda or force_triton):
+    if not use_triton(logits, force_triton, "softmax_topk"):
         return reference.softmax_topk(logits, k, renormalize, round_to)
-    if not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "softmax_topk(force_triton=True) on CPU tensors needs TRITON_INTERPRET=1 set before "
-            "triton is imported"
-        )
     # Imported here so the CPU fallback works on machines without triton.
     from freetoken_agent.kernels.triton.router import softmax_topk as triton_impl
 
