@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import jinja2
 import pytest
 
-from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.engine.text.chat_template import (
     ChatTemplate,
     ChatTemplateError,
@@ -25,21 +23,6 @@ _WORD_TEXT = (
     '"quotes" back\\slash tab\there new\nline café naïve 你好 世界 🙂 🚀 ∑ ≠ ℃ </think> <tool_call>'
 )
 WORDS = _WORD_TEXT.split(" ")
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_demo_model(tmp_path_factory.mktemp("cache"))
-
-
-@pytest.fixture(scope="module")
-def hf_tok(demo: Path):
-    return transformers.AutoTokenizer.from_pretrained(demo)
-
-
-@pytest.fixture(scope="module")
-def ours(demo: Path) -> Tokenizer:
-    return Tokenizer.from_dir(demo)
 
 
 def rand_text(rng: random.Random, max_words: int = 8) -> str:

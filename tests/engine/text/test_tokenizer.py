@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.engine.text.chat_template import ChatTemplateError
 from freetoken_agent.engine.text.tokenizer import Tokenizer, TokenizerConfigError
 
@@ -47,21 +46,6 @@ PIECES = [
     "\u00a0",
     "\r\n",
 ]
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_demo_model(tmp_path_factory.mktemp("cache"))
-
-
-@pytest.fixture(scope="module")
-def hf_tok(demo: Path):
-    return transformers.AutoTokenizer.from_pretrained(demo)
-
-
-@pytest.fixture(scope="module")
-def ours(demo: Path) -> Tokenizer:
-    return Tokenizer.from_dir(demo)
 
 
 def rand_text(rng: random.Random) -> str:
