@@ -1,7 +1,13 @@
 """`python -m freetoken_agent.bench NAME [options]` / `freetoken bench NAME [options]`.
 
-    decode   all-resident decode and prefill beside the HBM limit (needs CUDA)
-    offload  experts in host memory: decode per policy, streamed prefill (needs CUDA)
+    decode            all-resident decode and prefill beside the HBM limit (needs CUDA)
+    offload           experts in host memory: decode per policy and routing regime, streamed
+                      prefill with and without double buffering (needs CUDA)
+    cpu-experts       the CPU expert kernel's weight bandwidth beside the host's read bandwidth
+    attention-kernel  paged attention decode/prefill beside HBM bandwidth and SDPA (CUDA)
+    moe-kernel        fused MoE decode/prefill beside HBM bandwidth and matmul rate (CUDA)
+    profile           where a decode step and a prefill chunk spend their time (CUDA)
+    parity-precision  bf16 distance from fp32, ours and transformers', per family
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -14,6 +20,11 @@ import sys
 BENCHES = {
     "decode": "freetoken_agent.bench.decode_baseline",
     "offload": "freetoken_agent.bench.offload",
+    "cpu-experts": "freetoken_agent.bench.cpu_experts",
+    "attention-kernel": "freetoken_agent.bench.attention_kernel",
+    "moe-kernel": "freetoken_agent.bench.moe_kernel",
+    "profile": "freetoken_agent.bench.profile_step",
+    "parity-precision": "freetoken_agent.bench.parity_precision",
 }
 
 

@@ -150,11 +150,13 @@ def bench_prefill(n: int, page: int, hbm: float, sweep: bool) -> None:
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench attention-kernel", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     parser.add_argument("--page", type=int, default=16, help="tokens per KV page")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     hbm = hbm_copy_bandwidth(torch.device(DEV)) / 1e9
@@ -164,6 +166,8 @@ def main() -> None:
             bench_decode(B, kv_len, args.page, hbm, not args.no_sweep)
     bench_prefill(4096, args.page, hbm, not args.no_sweep)
 
+    return 0
+
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -120,7 +120,9 @@ def time_kernel(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench cpu-experts", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--threads", type=int, default=None, help="default: physical cores")
     parser.add_argument("--pool-gb", type=float, default=2.5, help="pool size (GB, >= 2 GiB)")
     parser.add_argument("--calls", type=int, default=60, help="timed calls per row")

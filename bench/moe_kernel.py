@@ -129,10 +129,12 @@ def bench_prefill(s: dict, w13, w2, t: int, mm: float, hbm: float, sweep: bool) 
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench moe-kernel", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     dev = torch.device("cuda")
@@ -148,6 +150,8 @@ def main() -> None:
         del w13, w2
         torch.cuda.empty_cache()
 
+    return 0
+
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -25,7 +25,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench parity-precision", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=300)
     args = parser.parse_args(argv)

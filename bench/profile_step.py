@@ -30,7 +30,9 @@ def _decode_steps(engine, n: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench profile", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--rows", type=int, default=25)
