@@ -43,10 +43,10 @@ class StepInputs:
     max_kv_len: int
 
 
-def build_inputs(chunks: list[ScheduledChunk], page_size: int, min_pages: int = 1) -> StepInputs:
+def build_inputs(chunks: list[ScheduledChunk], page_size: int) -> StepInputs:
     q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
     kv_lens = np.array([c.start + len(c.token_ids) for c in chunks], dtype=np.int32)
-    n_pages = max([min_pages, *[len(c.request.pages) for c in chunks]])
+    n_pages = max(1, *[len(c.request.pages) for c in chunks])
     page_table = np.full((len(chunks), n_pages), SCRATCH_PAGE, dtype=np.int32)
     positions, slots, ids = [], [], []
     for b, c in enumerate(chunks):

@@ -168,6 +168,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
     from freetoken_agent.engine.config import parse_dtype, read_config
     from freetoken_agent.engine.experts import calibration
     from freetoken_agent.engine.models.registry import spec_from_config
@@ -179,8 +181,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         hidden, inter = args.hidden, args.inter
     dtype = parse_dtype(args.dtype)
     cal = calibration.calibrate(hidden, inter, dtype)
-    import torch
-
     pcie_note = "" if torch.cuda.is_available() else " (no CUDA device: a default, not measured)"
     print(
         f"[freetoken] expert {hidden}x{inter} {args.dtype} ({cal.expert_bytes / 2**20:.1f} MiB): "

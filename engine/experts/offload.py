@@ -19,7 +19,7 @@ prefill streaming are the next steps (DESIGN section 1, idea 2; issue 3).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +43,6 @@ class OffloadStats:
     hits: int = 0
     fetched: int = 0
     on_cpu: int = 0
-    per_policy: dict = field(default_factory=dict)
 
     @property
     def miss_rate(self) -> float:
