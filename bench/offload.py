@@ -48,6 +48,8 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
         engine.step()
     before = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu)
     filled0 = bank.cache.bytes_filled
+    graphs = engine.runner.graphs
+    reruns0 = graphs.reruns if graphs is not None else 0
     _sync()
     start = time.perf_counter()
     steps = 0
@@ -66,6 +68,7 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
         "on_cpu_per_token": (st.on_cpu - before[3]) / steps,
         "pcie_bytes_per_token": (bank.cache.bytes_filled - filled0) / steps,
         "experts_per_token": experts / steps,
+        "segment_reruns_per_token": ((graphs.reruns if graphs else 0) - reruns0) / steps,
     }
 
 
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             regime = Regime.parse(regime_name)
             gen = TraceGenerator(spec.n_moe_layers, spec.n_experts, spec.top_k, regime, seed=0)
             model.set_expert_bank(TracedRouting(bank, gen))
+        engine.capture_graphs()  # graphs call the bank object they were captured with
         for batch in args.batches:
             for policy in ("cpu", "transfer", "adaptive", "static"):
                 bank.cache.reset()
@@ -175,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 print(key, json.dumps(report["decode"][key]), flush=True)
     model.set_expert_bank(bank)
+    engine.capture_graphs()
     bank.cache.reset()
     bank.policy = "adaptive"
     for double in (True, False):

@@ -68,12 +68,30 @@ class TraceGenerator:
 
 
 class TracedRouting:
-    """An expert bank whose top-k ids come from a TraceGenerator (weights stay the router's)."""
+    """An expert bank whose top-k ids come from a TraceGenerator (weights stay the router's).
+
+    Under captured decode graphs the ids come from a static device buffer that
+    `before_graph_step` fills with the step's draws for every layer (the segmented graphs call
+    it before the step; a re-run segment reads the same draws)."""
 
     def __init__(self, bank, generator: TraceGenerator) -> None:
         self.bank, self.generator = bank, generator
+        self.static_ids: torch.Tensor | None = None  # [L, Bp, K] on the device
 
     def __call__(self, layer, hidden, topk_ids, topk_weights):
-        ids = self.generator.draw(layer, topk_ids.shape[0])
-        traced = torch.from_numpy(ids).to(device=topk_ids.device, dtype=topk_ids.dtype)
+        io = getattr(self.bank, "graph_io", None)
+        if io is not None and io.active:
+            if self.static_ids is None:
+                shape = (len(self.generator.last), *io.ids.shape[1:])
+                self.static_ids = torch.zeros(shape, dtype=topk_ids.dtype, device=hidden.device)
+            traced = self.static_ids[layer, : topk_ids.shape[0]]
+        else:
+            ids = self.generator.draw(layer, topk_ids.shape[0])
+            traced = torch.from_numpy(ids).to(device=topk_ids.device, dtype=topk_ids.dtype)
         return self.bank(layer, hidden, traced, topk_weights)
+
+    def before_graph_step(self, n_tokens: int, padded: int) -> None:
+        draws = np.zeros((len(self.generator.last), padded, self.generator.k), dtype=np.int64)
+        for layer in range(draws.shape[0]):
+            draws[layer, :n_tokens] = self.generator.draw(layer, n_tokens)
+        self.static_ids[:, :padded].copy_(torch.from_numpy(draws), non_blocking=False)

@@ -89,6 +89,12 @@ class DecodeGraphs:
     def replay(self, inputs: StepInputs) -> torch.Tensor:
         """Run one decode step; returns hidden states [B, H] (a view of the graph's output,
         valid until the next replay)."""
+        b, bs = self._load(inputs)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]
+
+    def _load(self, inputs: StepInputs) -> tuple[int, int]:
+        """Copy the step's inputs into the static buffers; returns (batch, padded batch)."""
         b = inputs.cu_q_lens.shape[0] - 1
         bs = next(s for s in self.sizes if s >= b)
         n_pages = inputs.page_table.shape[1]
@@ -107,5 +113,4 @@ class DecodeGraphs:
             self.input_ids[b:bs].zero_()
             self.page_table[b:bs, 0].fill_(SCRATCH_PAGE)
             self.kv_lens[b:bs].fill_(1)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:b]
+        return b, bs

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.loading import LoadedModel, load_model
 from freetoken_agent.engine.output_state import OutputState
 from freetoken_agent.engine.outputs import (
@@ -54,18 +55,21 @@ class Engine:
             self.config.max_batched_tokens,
         )
         self.runner = ModelRunner(loaded.model, loaded.kv, loaded.device, self.config.seed)
-        # The offloaded bank decides on the host (one sync per layer): it cannot be captured
-        # until its routing control moves onto the device, so it runs eagerly for now.
-        offloaded = hasattr(loaded.bank, "cache")
-        if loaded.device.type == "cuda" and self.config.cuda_graphs and not offloaded:
-            max_pages = -(-self.max_model_len // loaded.kv.page_size)
-            self.runner.enable_cuda_graphs(self.config.max_num_seqs, max_pages)
+        if loaded.device.type == "cuda" and self.config.cuda_graphs:
+            self.capture_graphs()
         self._requests: dict[str, Request] = {}
         self._outputs: dict[str, OutputState] = {}
         self._events: dict[str, deque[TokenEvent]] = {}
         self._scores: dict[str, list[torch.Tensor]] = {}
         self._ids = itertools.count()
         self._totals = {"prefilled": 0, "reused": 0, "generated": 0, "finished": 0, "errors": 0}
+
+    def capture_graphs(self) -> None:
+        """(Re)capture the decode graphs: after the model's expert bank object changes."""
+        bank = self.loaded.bank
+        offloaded = bank if isinstance(bank, OffloadedExpertBank) else None
+        max_pages = -(-self.max_model_len // self.loaded.kv.page_size)
+        self.runner.enable_cuda_graphs(self.config.max_num_seqs, max_pages, offloaded)
 
     @classmethod
     def load(

@@ -97,10 +97,19 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.graphs = None  # set by enable_cuda_graphs
 
-    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
+    def enable_cuda_graphs(self, max_batch: int, max_pages: int, offloaded=None) -> None:
+        """Capture decode graphs; with an offloaded bank, segmented ones that stop for its
+        decisions after each MoE layer's router (see segmented_graphs.py)."""
         from freetoken_agent.engine.cuda_graphs import DecodeGraphs
+        from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
 
-        self.graphs = DecodeGraphs(self.model, self.kv.page_size, max_batch, max_pages, self.device)
+        page_size = self.kv.page_size
+        if offloaded is None:
+            self.graphs = DecodeGraphs(self.model, page_size, max_batch, max_pages, self.device)
+        else:
+            self.graphs = SegmentedDecodeGraphs(
+                self.model, offloaded, page_size, max_batch, max_pages, self.device
+            )
 
     def generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
         if seed is None:

@@ -64,16 +64,19 @@ class ExpertCache:
             else:
                 self.misses += 1
 
-    def fill(self, lids: list[int], protect: set[int]) -> list[int]:
+    def fill(self, lids: list[int], protect: set[int], after_compute: bool = True) -> list[int]:
         """Bring `lids` (absent ones) into slots, evicting least-recently-used lids outside
         `protect` (the experts this layer is about to use). Returns the lids actually filled:
-        fewer than asked when every slot is protected."""
+        fewer than asked when every slot is protected. `after_compute=False` lets the copies
+        start at once: for callers whose queued compute is all discarded anyway (speculative
+        graph segments, see segmented_graphs.py)."""
         filled = []
         timing = None
         if self.copy_stream is not None and lids:
             # Victim slots may hold experts that queued compute still reads: the copies go
             # after it. The timing starts after that wait, so it measures the copies alone.
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            if after_compute:
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record(self.copy_stream)
         for lid in lids:

@@ -11,9 +11,11 @@ bf16/fp32 weights, so every placement agrees with the all-resident run within fl
 `static` is the fixed placement of KTransformers and llama.cpp's `--n-cpu-moe`: whole layers,
 from the last backwards, fill the slots at load and stay; every other expert runs on the CPU.
 
-This version decides on the host (one sync per layer) and runs the CPU branch after the device
-branch is queued; graph-captured routing control, the concurrent CPU executor and full-layer
-prefill streaming are the next steps (DESIGN section 1, idea 2; issue 3).
+Eager steps (prefill chunks below the streaming threshold, CPU devices) decide on the host
+with one sync per layer. Decode on CUDA replays captured graphs cut into one segment per MoE
+layer (engine/segmented_graphs.py): the graph exports the routing, `resolve` places the misses,
+and the next segment computes the experts; chunks of `stream_min_tokens` or more stream whole
+layers instead (streaming.py).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from freetoken_agent.engine.config import ModelSpec
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.cache import ExpertCache
+from freetoken_agent.engine.experts.graph_io import GraphIO
 from freetoken_agent.engine.experts.policy import Bandwidths, fetch_count
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import LayerStreamer
@@ -69,6 +73,7 @@ class OffloadedExpertBank:
         self.policy = policy
         self.bandwidths = bandwidths or Bandwidths()
         self.stats = OffloadStats()
+        self.graph_io: GraphIO | None = None  # set when decode graphs are captured
         self.stream_min_tokens = stream_min_tokens
         self.streamer = LayerStreamer(
             pool, self.cache, spec.n_experts, spec.n_moe_layers, device, double_buffer
@@ -118,37 +123,115 @@ class OffloadedExpertBank:
         topk_ids: torch.Tensor,  # [T, K] int32 expert ids within the layer
         topk_weights: torch.Tensor,  # [T, K] fp32
     ) -> torch.Tensor:
+        if self.graph_io is not None and self.graph_io.active:
+            return self._captured(layer, hidden, topk_ids, topk_weights)
         if hidden.shape[0] >= self.stream_min_tokens:
             return self._streamed(layer, hidden, topk_ids, topk_weights)
         lids = topk_ids.long() + layer * self.n_experts  # [T, K]
         uniq, counts = torch.unique(lids, return_counts=True)
         uniq_l, counts_l = uniq.tolist(), counts.tolist()  # the host decides (one sync)
-        cache = self.cache
-        cache.touch(uniq_l)
-        pairs = zip(uniq_l, counts_l, strict=True)
-        misses = [(c, lid) for lid, c in pairs if not cache.resident(lid)]
-        # Fetch the misses that serve the most tokens first: they save the most CPU work.
-        misses.sort(key=lambda x: (-x[0], x[1]))
-        self._observe_fills()
-        q = fetch_count(self.policy, len(misses), self.bandwidths)
+        misses = self._misses(uniq_l, counts_l, lids.numel())
         # The CPU branch needs the activations: start their copy before queueing the device
         # branch, so the device computes its experts while the host computes the others.
-        staged = self._stage_hidden(hidden) if q < len(misses) else None
-        fetched = cache.fill([lid for _, lid in misses[:q]], protect=set(uniq_l))
-        on_cpu = [lid for _, lid in misses if not cache.resident(lid)]
+        staged = self._stage_hidden(hidden) if misses and self.policy != "transfer" else None
+        on_cpu = self._place(misses, uniq_l)
         if on_cpu and staged is None:
             staged = self._stage_hidden(hidden)
-        st = self.stats
-        st.pairs += lids.numel()
-        st.experts += len(uniq_l)
-        st.hits += len(uniq_l) - len(misses)
-        st.fetched += len(fetched)
-        st.on_cpu += len(on_cpu)
-        rows = cache.slot_of[lids]  # [T, K] slot, -1 where the expert runs on the CPU
-        out = fused_moe(hidden, cache.w13, cache.w2, rows, topk_weights)
+        rows = self.cache.slot_of[lids]  # [T, K] slot, -1 where the expert runs on the CPU
+        out = fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights)
         if on_cpu:
-            out = out + self._run_on_cpu(staged, lids, topk_weights, on_cpu).to(out.dtype)
+            hidden_cpu, ready = staged
+            if ready is not None:
+                ready.synchronize()
+            part = self._run_on_cpu(hidden_cpu, lids.cpu(), topk_weights.cpu(), on_cpu)
+            out = out + part.to(out.device, non_blocking=True)
         return out
+
+    def _misses(self, uniq: list[int], counts: list[int], n_pairs: int) -> list[tuple[int, int]]:
+        """Touch the layer's distinct lids in the LRU, count them; returns the misses as
+        (tokens served, lid), the ones serving the most tokens first: fetched first, they save
+        the most CPU work."""
+        cache = self.cache
+        cache.touch(uniq)
+        misses = [(c, lid) for lid, c in zip(uniq, counts, strict=True) if not cache.resident(lid)]
+        misses.sort(key=lambda x: (-x[0], x[1]))
+        st = self.stats
+        st.pairs += n_pairs
+        st.experts += len(uniq)
+        st.hits += len(uniq) - len(misses)
+        return misses
+
+    def _place(
+        self, misses: list[tuple[int, int]], uniq: list[int], after_compute: bool = True
+    ) -> list[int]:
+        """Fetch the policy's q of the misses into slots (the layer's own experts are never
+        evicted for them); returns the lids left to the CPU."""
+        if not misses:
+            return []
+        self._observe_fills()
+        q = fetch_count(self.policy, len(misses), self.bandwidths)
+        want = [lid for _, lid in misses[:q]]
+        fetched = self.cache.fill(want, protect=set(uniq), after_compute=after_compute)
+        on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
+        self.stats.fetched += len(fetched)
+        self.stats.on_cpu += len(on_cpu)
+        return on_cpu
+
+    # --- decode under captured graphs (engine/segmented_graphs.py) --------------------------
+    def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:
+        """Static buffers for graph-captured decode of up to `max_tokens` tokens per step."""
+        spec = self.spec
+        self.graph_io = GraphIO(
+            spec.n_moe_layers, max_tokens, spec.top_k, spec.hidden_size, dtype, self.device
+        )
+        return self.graph_io
+
+    def _captured(
+        self,
+        layer: int,
+        hidden: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, K]
+        topk_weights: torch.Tensor,  # [T, K]
+    ) -> torch.Tensor:
+        """What a decode graph records for one MoE layer. The routing and the activations go
+        to pinned host memory and the segment ends: the host looks at them (`resolve`) before
+        the next segment, which computes the experts from slots, adds what the CPU computed
+        for this layer (zero when nothing) and clears that buffer for the next step."""
+        io = self.graph_io
+        t = hidden.shape[0]
+        io.ids[layer, :t].copy_(topk_ids, non_blocking=True)
+        io.weights[layer, :t].copy_(topk_weights, non_blocking=True)
+        io.hidden[layer, :t].copy_(hidden, non_blocking=True)
+        io.split()
+        rows = self.cache.slot_of[topk_ids.long() + layer * self.n_experts]  # [T, K]
+        out = fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights)
+        part = io.cpu_part[layer, :t]
+        out = out + part
+        part.zero_()
+        return out
+
+    def resolve(self, layer: int, n_tokens: int) -> bool:
+        """After a graph segment exported `layer`'s routing: place its misses (fetch q*, run
+        the rest on the CPU into the layer's CPU buffer). True when the layer missed, so the
+        segments after it must run (again) to see the new slots and the CPU part."""
+        io = self.graph_io
+        ids = io.ids_np[layer, :n_tokens].astype(np.int64) + layer * self.n_experts  # [T, K]
+        uniq, counts = np.unique(ids, return_counts=True)
+        uniq_l = uniq.tolist()
+        misses = self._misses(uniq_l, counts.tolist(), ids.size)
+        if not misses:
+            return False
+        # Everything queued on the device now is either finished (up to this layer's segment)
+        # or speculative and about to run again: the fills need not wait for it.
+        on_cpu = self._place(misses, uniq_l, after_compute=False)
+        if on_cpu:
+            lids = torch.from_numpy(ids)
+            weights = io.weights[layer, :n_tokens]
+            part = self._run_on_cpu(io.hidden[layer, :n_tokens], lids, weights, on_cpu)
+            stage = io.cpu_stage[layer, :n_tokens]
+            stage.copy_(part)
+            io.cpu_part[layer, :n_tokens].copy_(stage, non_blocking=True)
+        return True
 
     def _stage_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Start copying the activations to host memory; returns (host tensor, ready event)."""
@@ -185,27 +268,22 @@ class OffloadedExpertBank:
 
     def _run_on_cpu(
         self,
-        staged: tuple[torch.Tensor, object],
-        lids: torch.Tensor,
-        topk_weights: torch.Tensor,
+        hidden: torch.Tensor,  # [T, H] on the host
+        lids: torch.Tensor,  # [T, K] on the host
+        topk_weights: torch.Tensor,  # [T, K] on the host
         on_cpu: list[int],
     ) -> torch.Tensor:
-        """The pairs whose expert stays in the pool, computed from the pool on the CPU while
-        the device computes the rest; times itself to re-estimate B_H."""
-        cpu_lids = lids.cpu()
-        weights = topk_weights.cpu()
-        mask = torch.isin(cpu_lids, torch.tensor(on_cpu, dtype=cpu_lids.dtype))
-        rows = torch.where(mask, cpu_lids, -1)  # [T, K] pool rows, -1 elsewhere
-        hidden, ready = staged
-        if ready is not None:
-            ready.synchronize()
+        """The pairs whose expert stays in the pool, computed from the pool on the CPU; times
+        itself to re-estimate B_H. Returns [T, H] on the host."""
+        mask = torch.isin(lids, torch.tensor(on_cpu, dtype=lids.dtype))
+        rows = torch.where(mask, lids, -1)  # [T, K] pool rows, -1 elsewhere
         start = time.perf_counter()
-        part = calibration.cpu_experts(hidden.cpu(), self.pool.w13, self.pool.w2, rows, weights)
-        if lids.device.type == "cuda":
+        part = calibration.cpu_experts(hidden, self.pool.w13, self.pool.w2, rows, topk_weights)
+        if self.device.type == "cuda":
             nbytes = len(on_cpu) * self.pool.expert_bytes
             seconds = time.perf_counter() - start
             self.bandwidths.cpu = calibration.update(self.bandwidths.cpu, nbytes, seconds)
-        return part.to(lids.device, non_blocking=True)  # [T, H]
+        return part
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()

@@ -96,6 +96,7 @@ class MoeCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, blueprint, bank, self.rope) for i in range(spec.n_layers)
         )
+        self.expert_bank = bank
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
         if spec.tie_word_embeddings:
@@ -104,6 +105,7 @@ class MoeCausalLM(nn.Module):
     def set_expert_bank(self, bank: ExpertBank) -> None:
         """Point every MoE block at `bank` (chosen after the dense weights are allocated, since
         the budget left for experts depends on them)."""
+        self.expert_bank = bank
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoeBlock):
                 layer.mlp._bank = bank

@@ -1,5 +1,6 @@
-"""Offloading on CUDA (device machine): every policy, a small slot budget and streamed
-prefill give the resident engine's tokens; fp32, so float noise stays below every gap."""
+"""Offloading on CUDA (device machine): every policy, slot budgets from one slot up, streamed
+prefill and segmented decode graphs give the resident engine's tokens; fp32, so float noise
+stays below every gap."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from tiny_models import make_tiny, max_rel_err
 
 from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
 
 pytestmark = pytest.mark.gpu
 
@@ -24,19 +26,27 @@ def test_offloaded_on_cuda_matches_resident(family, tmp_path, rng_seed):
     want = [o.token_ids for o in resident.generate(prompts, sp)]
     ids = prompts[2] + want[2]
     want_logits = resident.score(ids)
-    for policy in ("transfer", "cpu", "static", "adaptive"):
-        for double_buffer in (True, False):
-            engine = Engine.load(
-                tmp_path,
-                policy=policy,
-                expert_slots=5,
-                stream_min_tokens=128,  # the 300-token prompt streams, the others do not
-                double_buffer=double_buffer,
-                **opts,
-            )
-            got = [o.token_ids for o in engine.generate(prompts, sp)]
-            assert got == want, (policy, double_buffer)
-            assert max_rel_err(engine.score(ids), want_logits) <= 1e-4
-            engine.check_integrity()
-            st = engine.stats()["experts"]
-            assert st["placement"] == "offloaded" and st["layers_streamed"] > 0
+    cases = [
+        (p, s, d)
+        for p in ("transfer", "cpu", "static", "adaptive")
+        for s, d in ((1, True), (5, True), (5, False), (40, True))
+    ]
+    for policy, slots, double_buffer in cases:
+        engine = Engine.load(
+            tmp_path,
+            policy=policy,
+            expert_slots=slots,
+            stream_min_tokens=128,  # the 300-token prompt streams, the others do not
+            double_buffer=double_buffer,
+            **opts,
+        )
+        got = [o.token_ids for o in engine.generate(prompts, sp)]
+        assert got == want, (policy, slots, double_buffer)
+        graphs = engine.runner.graphs
+        assert isinstance(graphs, SegmentedDecodeGraphs)
+        if slots == 1:  # every layer misses: segments ran again after the placements
+            assert graphs.reruns > 0, policy
+        assert max_rel_err(engine.score(ids), want_logits) <= 1e-4
+        engine.check_integrity()
+        st = engine.stats()["experts"]
+        assert st["placement"] == "offloaded" and st["layers_streamed"] > 0

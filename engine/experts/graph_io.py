@@ -1,0 +1,44 @@
+"""The buffers through which captured decode graphs and the offloaded bank's host decisions meet.
+
+A decode graph cannot stop to ask the host which experts are missing, so it is captured in
+segments that end after each MoE layer's router (engine/segmented_graphs.py). At the end of a
+segment the graph copies the layer's routing and activations into pinned host memory (`ids`,
+`weights`, `hidden`); the host reads them, fetches or runs the misses (writing the CPU's partial
+sum to `cpu_part` on the device) and only then lets the next segment compute the layer's experts.
+`split` is the capture hook that ends one segment and begins the next; `active` is set while the
+model runs for capture (and its warm-up), so the bank records instead of deciding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# L MoE layers, T tokens per step at most, K top-k, H hidden
+
+
+class GraphIO:
+    def __init__(
+        self,
+        n_layers: int,
+        max_tokens: int,
+        top_k: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        pinned = device.type == "cuda"
+        shape_k, shape_h = (n_layers, max_tokens, top_k), (n_layers, max_tokens, hidden)
+        self.ids = torch.zeros(shape_k, dtype=torch.int32, pin_memory=pinned)  # [L, T, K]
+        self.ids_np = self.ids.numpy()
+        self.weights = torch.zeros(shape_k, dtype=torch.float32, pin_memory=pinned)  # [L, T, K]
+        self.hidden = torch.zeros(shape_h, dtype=dtype, pin_memory=pinned)  # [L, T, H]
+        self.cpu_stage = torch.zeros(shape_h, dtype=dtype, pin_memory=pinned)  # [L, T, H]
+        self.cpu_part = torch.zeros(shape_h, dtype=dtype, device=device)  # [L, T, H]
+        self.active = False
+        self.split: Callable[[], None] = lambda: None
+
+    @property
+    def device_bytes(self) -> int:
+        return self.cpu_part.nbytes

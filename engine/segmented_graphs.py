@@ -1,0 +1,154 @@
+"""Captured decode graphs for an offloaded expert bank: one segment per MoE layer.
+
+Which experts a decode step misses is known only after each layer's router has run, and the
+misses must be fetched or run on the CPU before that layer's experts are summed. So the step's
+graph is captured in segments cut inside each MoE layer, after its router:
+
+    seg_0 = embed, layers up to MoE layer 0's router          -> exports routing of layer 0
+    seg_j = experts of MoE layer j-1, ..., router of layer j  -> exports routing of layer j
+    seg_L = experts of the last MoE layer, final norm
+
+Between seg_j and seg_j+1 the host reads layer j's routing from pinned memory and places its
+misses (`OffloadedExpertBank.resolve`). Waiting for every segment would leave the device idle
+for the host's turn at each of the 48 layers, so the host runs ahead: it keeps up to `run_ahead`
+segments queued beyond the one it checks, betting that the layers it has not checked yet miss
+nothing. Most layers of most steps hit (the cache holds what routing reuses), and the bet costs
+nothing then. When layer j did miss, the segments queued after seg_j computed with experts
+absent; they are simply run again from seg_j+1 once the misses are in place. Running a segment
+again is exact: every segment reads only static inputs and tensors kept alive from the segments
+before it, and writes the same outputs (and the same KV slots) afresh.
+
+Keeping those tensors alive is the one subtlety. The segments share one memory pool; a tensor
+that seg_j+1 reads may have died during capture after seg_j+1 and been reused by seg_j+2, which
+a re-run of seg_j+1 after a speculative seg_j+2 would then read corrupted. So while one batch
+size is captured, every tensor produced is held (a dispatch mode keeps references), and no
+memory is reused within a step. Different batch sizes share the pool as plain decode graphs do:
+one step replays one size's segments only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from freetoken_agent.engine.cuda_graphs import DecodeGraphs
+from freetoken_agent.engine.experts.offload import OffloadedExpertBank
+from freetoken_agent.engine.models.base import MoeCausalLM
+from freetoken_agent.engine.runner import StepInputs
+
+# B real sequences, Bp padded batch of a graph, L MoE layers (L + 1 segments)
+
+# Segments queued beyond the one being checked. Each costs one segment of wasted device time
+# when the checked layer misses, and hides the host's check (event wait, lookup, launch: tens
+# of microseconds) behind device work when it does not. Two would hide a check shorter than one
+# segment; four leaves room for the host's jitter. When most layers miss (near-uniform routing
+# into a small cache) the bet mostly loses, so the depth drops to zero while the running
+# fraction of missing layers is above one half.
+RUN_AHEAD = 4
+MISS_EMA = 0.05  # weight of the newest layer in that running fraction
+
+
+class _KeepAlive(TorchDispatchMode):
+    """Holds a reference to every tensor an op returns, so the allocator reuses none of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.held.append(out)
+        return out
+
+
+class SegmentedDecodeGraphs(DecodeGraphs):
+    def __init__(
+        self,
+        model: MoeCausalLM,
+        bank: OffloadedExpertBank,
+        page_size: int,
+        max_batch: int,
+        max_pages: int,
+        device: torch.device,
+        run_ahead: int = RUN_AHEAD,
+    ) -> None:
+        self.bank = bank
+        self.io = bank.attach_graph_io(max_batch, model.embed_tokens.weight.dtype)
+        self.run_ahead = run_ahead
+        self.segments: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.reruns = 0  # segments launched again after a miss (a measure of wasted work)
+        self.layer_miss_rate = 0.0  # running fraction of MoE layers that missed
+        super().__init__(model, page_size, max_batch, max_pages, device)
+        n = len(next(iter(self.segments.values())))
+        assert n == bank.spec.n_moe_layers + 1, "every MoE layer must end one segment"
+        self.done = [torch.cuda.Event() for _ in range(n)]
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.io.active = True
+        try:
+            with torch.cuda.stream(stream):
+                for bs in reversed(self.sizes):
+                    self.model(self.input_ids[:bs], self._meta(bs))  # warm-up, unsplit
+                    self.segments[bs] = self._capture_segments(bs, pool)
+                    self.io.cpu_part.zero_()  # the warm-up and capture added nothing real
+        finally:
+            self.io.active = False
+            self.io.split = lambda: None
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def _capture_segments(self, bs: int, pool) -> list[torch.cuda.CUDAGraph]:
+        """One step at padded batch `bs`, captured as L + 1 graphs (the bank calls `split`)."""
+        segments: list[torch.cuda.CUDAGraph] = []
+
+        def begin() -> None:
+            segments.append(torch.cuda.CUDAGraph())
+            segments[-1].capture_begin(pool=pool)
+
+        def split() -> None:
+            segments[-1].capture_end()
+            begin()
+
+        self.io.split = split
+        with _KeepAlive():
+            begin()
+            self.outputs[bs] = self.model(self.input_ids[:bs], self._meta(bs))
+            segments[-1].capture_end()
+        self.io.split = lambda: None
+        return segments
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """Run one decode step, placing each MoE layer's misses between its segments; returns
+        hidden states [B, H] (valid until the next replay)."""
+        b, bs = self._load(inputs)
+        before = getattr(self.model_bank, "before_graph_step", None)
+        if before is not None:  # benchmark routing replays draw this step's routing
+            before(b, bs)
+        segments, done = self.segments[bs], self.done
+        n_layers = len(segments) - 1
+        launched = 0  # segments queued (in order) for this step's current attempt
+        for layer in range(n_layers):
+            ahead = self.run_ahead if self.layer_miss_rate <= 0.5 else 0
+            while launched < len(segments) and launched <= layer + ahead:
+                segments[launched].replay()
+                done[launched].record()
+                launched += 1
+            done[layer].synchronize()  # seg_layer exported this layer's routing
+            missed = self.bank.resolve(layer, b)
+            self.layer_miss_rate += MISS_EMA * (missed - self.layer_miss_rate)
+            if missed:
+                self.reruns += launched - (layer + 1)
+                launched = layer + 1  # what ran after it computed without its misses
+        while launched < len(segments):
+            segments[launched].replay()
+            launched += 1
+        return self.outputs[bs][:b]
+
+    @property
+    def model_bank(self):
+        """The bank the model's MoE blocks call (the offloaded bank, or a wrapper of it)."""
+        return self.model.expert_bank

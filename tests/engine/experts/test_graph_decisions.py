@@ -1,0 +1,113 @@
+"""The offloaded bank's graph-decode protocol, on the CPU.
+
+Under captured decode graphs (engine/segmented_graphs.py) a MoE layer runs as: the graph
+exports routing and activations (`_captured`, first half), the host places the misses
+(`resolve`), and the next segment sums the experts from slots plus the CPU's part (`_captured`,
+second half), running again when the layer missed. Here each half runs eagerly on CPU tensors,
+so the decisions, the CPU partial sums and the buffers' life cycle are checked in CI; the
+device test (test_offload_gpu.py) replays real graphs. The replay loop's ordering is checked
+with recorded fake segments.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine
+from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
+from freetoken_agent.kernels.reference import fused_moe
+
+
+@pytest.mark.parametrize("policy", ["transfer", "cpu", "static", "adaptive"])
+@pytest.mark.parametrize("slots", [1, 9])
+def test_export_resolve_rerun_matches_resident(policy, slots, tmp_path, rng_seed):
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    engine = Engine.load(tmp_path, device="cpu", policy=policy, expert_slots=slots, progress=False)
+    bank = engine.loaded.bank
+    spec = engine.spec
+    e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
+    io = bank.attach_graph_io(max_tokens=4, dtype=torch.float32)
+    io.active = True
+    gen = torch.Generator().manual_seed(rng_seed)
+    rng = random.Random(rng_seed)
+    missed_any = hit_any = False
+    for _ in range(40):
+        layer, t = rng.randrange(spec.n_moe_layers), rng.randint(1, 4)
+        hidden = torch.randn(t, h, generator=gen)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
+        weights = torch.rand(t, k, generator=gen)
+        want = fused_moe(hidden, bank.pool.w13, bank.pool.w2, ids + layer * e, weights)
+        first = bank(layer, hidden, ids, weights)  # the speculative segment
+        assert torch.equal(io.ids[layer, :t], ids) and torch.equal(io.hidden[layer, :t], hidden)
+        missed = bank.resolve(layer, t)
+        again = bank(layer, hidden, ids, weights)  # the segment after resolve
+        torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)
+        if missed:
+            missed_any = True
+        else:
+            hit_any = True
+            assert torch.equal(first, again)  # nothing changed: the bet was right
+        assert not io.cpu_part.any()  # each segment clears the CPU part it consumed
+        bank.check_integrity()
+    assert missed_any  # one or nine slots cannot hold every layer's experts
+    if policy in ("cpu", "static") and slots == 1:
+        assert bank.stats.fetched == 0 and bank.stats.on_cpu > 0
+    if policy == "transfer":
+        assert bank.stats.on_cpu == 0 or slots == 1  # one slot cannot hold a layer's misses
+    assert hit_any or slots == 1 or policy == "cpu"  # `cpu` never fills a slot
+
+
+class _Segment:
+    def __init__(self, k: int, log: list) -> None:
+        self.k, self.log = k, log
+
+    def replay(self) -> None:
+        self.log.append(("run", self.k))
+
+
+class _Event:
+    def record(self) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+@pytest.mark.parametrize("run_ahead", [1, 2, 4, 50])
+def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, rng_seed):
+    rng = random.Random(rng_seed)
+    n_layers = rng.randint(3, 12)
+    for _ in range(30):
+        log: list = []
+        missing = {j for j in range(n_layers) if rng.random() < 0.3}
+
+        def resolve(layer, b, log=log, missing=missing):
+            log.append(("resolve", layer))
+            return layer in missing
+
+        graphs = object.__new__(SegmentedDecodeGraphs)
+        graphs.bank = SimpleNamespace(resolve=resolve)
+        graphs.model = SimpleNamespace(expert_bank=None)
+        graphs.segments = {1: [_Segment(i, log) for i in range(n_layers + 1)]}
+        graphs.done = [_Event() for _ in range(n_layers + 1)]
+        graphs.outputs = {1: torch.zeros(1, 2)}
+        graphs.run_ahead, graphs.reruns, graphs.layer_miss_rate = run_ahead, 0, 0.0
+        graphs._load = lambda inputs: (1, 1)
+        graphs.replay(None)
+        last_run = {k: i for i, (what, k) in enumerate(log) if what == "run"}
+        resolved = {k: i for i, (what, k) in enumerate(log) if what == "resolve"}
+        assert sorted(resolved) == list(range(n_layers))  # each layer placed once
+        assert [what for what, _ in log].count("resolve") == n_layers
+        order = [last_run[k] for k in range(n_layers + 1)]
+        assert order == sorted(order)  # the final runs of the segments go in order
+        for j in range(n_layers):
+            assert resolved[j] > last_run[j]  # decided on the routing of seg_j's final run
+            if j in missing:  # the next segment ran after the misses were placed
+                assert last_run[j + 1] > resolved[j]
+        wasted = sum(1 for what, _ in log if what == "run") - (n_layers + 1)
+        assert graphs.reruns == wasted
+        if not missing:
+            assert wasted == 0
