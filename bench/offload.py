@@ -147,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         "prefill": {},
     }
     print(json.dumps({k: v for k, v in report.items() if not isinstance(v, dict)}), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"offload_{spec.n_layers}l_{int(args.budget_gb)}gb.json"
+
+    def save() -> None:  # after every figure: a run cut short keeps what it measured
+        path.write_text(json.dumps(report, indent=1))
     model = engine.loaded.model
     for regime_name in () if args.skip_decode else args.regimes:
         if regime_name == "native":
@@ -178,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                     "b_h_online_gb_s": bank.bandwidths.cpu / 1e9,
                 }
                 print(key, json.dumps(report["decode"][key]), flush=True)
+                save()
     model.set_expert_bank(bank)
     engine.capture_graphs()
     bank.cache.reset()
@@ -195,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             key = f"{n}_{'double' if double else 'single'}"
             report["prefill"][key] = {"tok_s": rate, "limit_tok_s": limit, "of_limit": rate / limit}
             print(key, json.dumps(report["prefill"][key]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"offload_{spec.n_layers}l_{int(args.budget_gb)}gb.json"
-    path.write_text(json.dumps(report, indent=1))
+            save()
     print(f"wrote {path}")
     return 0
 
