@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--skip-decode", action="store_true", help="prefill figures only")
+    parser.add_argument("--skip-prefill", action="store_true", help="decode figures only")
     parser.add_argument(
         "--regimes",
         nargs="+",
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.capture_graphs()
     bank.cache.reset()
     bank.policy = "adaptive"
-    for double in (True, False):
+    for double in () if args.skip_prefill else (True, False):
         if not double:
             bank.streamer = LayerStreamer(
                 bank.pool, bank.cache, spec.n_experts, spec.n_moe_layers, dev, False

@@ -41,11 +41,12 @@ from freetoken_agent.engine.runner import StepInputs
 # Segments queued beyond the one being checked. Each costs one segment of wasted device time
 # when the checked layer misses, and hides the host's check (event wait, lookup, launch: tens
 # of microseconds) behind device work when it does not. Two would hide a check shorter than one
-# segment; four leaves room for the host's jitter. When most layers miss (near-uniform routing
-# into a small cache) the bet mostly loses, so the depth drops to zero while the running
-# fraction of missing layers is above one half.
+# segment; four leaves room for the host's jitter. The bet is placed layer by layer: a segment
+# is queued ahead only past layers that missed in fewer than half of the recent steps (a
+# running average per layer), so layers whose experts live on the CPU (`static`) or that miss
+# under near-uniform routing stop the run-ahead, and layers that hit let it through.
 RUN_AHEAD = 4
-MISS_EMA = 0.05  # weight of the newest layer in that running fraction
+MISS_EMA = 0.1  # weight of the newest step in each layer's running miss rate
 
 
 class _KeepAlive(TorchDispatchMode):
@@ -77,7 +78,7 @@ class SegmentedDecodeGraphs(DecodeGraphs):
         self.run_ahead = run_ahead
         self.segments: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.reruns = 0  # segments launched again after a miss (a measure of wasted work)
-        self.layer_miss_rate = 0.0  # running fraction of MoE layers that missed
+        self.miss_rate = [0.0] * bank.spec.n_moe_layers  # per MoE layer, running average
         super().__init__(model, page_size, max_batch, max_pages, device)
         n = len(next(iter(self.segments.values())))
         assert n == bank.spec.n_moe_layers + 1, "every MoE layer must end one segment"
@@ -131,15 +132,20 @@ class SegmentedDecodeGraphs(DecodeGraphs):
         segments, done = self.segments[bs], self.done
         n_layers = len(segments) - 1
         launched = 0  # segments queued (in order) for this step's current attempt
+        rate = self.miss_rate
         for layer in range(n_layers):
-            ahead = self.run_ahead if self.layer_miss_rate <= 0.5 else 0
-            while launched < len(segments) and launched <= layer + ahead:
+            # seg_k computes layer k-1's experts: queueing it bets that layer k-1 hits.
+            while (
+                launched < len(segments)
+                and launched <= layer + self.run_ahead
+                and (launched <= layer or rate[launched - 1] < 0.5)
+            ):
                 segments[launched].replay()
                 done[launched].record()
                 launched += 1
             done[layer].synchronize()  # seg_layer exported this layer's routing
             missed = self.bank.resolve(layer, b)
-            self.layer_miss_rate += MISS_EMA * (missed - self.layer_miss_rate)
+            rate[layer] += MISS_EMA * (missed - rate[layer])
             if missed:
                 self.reruns += launched - (layer + 1)
                 launched = layer + 1  # what ran after it computed without its misses

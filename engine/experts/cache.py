@@ -64,12 +64,16 @@ class ExpertCache:
             else:
                 self.misses += 1
 
-    def fill(self, lids: list[int], protect: set[int], after_compute: bool = True) -> list[int]:
+    def fill(
+        self, lids: list[int], protect: set[int], after_compute: bool = True, publish: bool = True
+    ) -> list[int]:
         """Bring `lids` (absent ones) into slots, evicting least-recently-used lids outside
         `protect` (the experts this layer is about to use). Returns the lids actually filled:
         fewer than asked when every slot is protected. `after_compute=False` lets the copies
         start at once: for callers whose queued compute is all discarded anyway (speculative
-        graph segments, see segmented_graphs.py)."""
+        graph segments, see segmented_graphs.py). `publish=False` leaves the device table to a
+        later `publish(filled)`: publishing waits for the copies, so a caller with CPU work to
+        overlap with them does that work first."""
         filled = []
         timing = None
         if self.copy_stream is not None and lids:
@@ -93,8 +97,8 @@ class ExpertCache:
         if timing is not None:
             timing[1].record(self.copy_stream)
             self.fill_timings.append((*timing, len(filled) * self.pool.expert_bytes))
-        if filled:
-            self._sync_table(filled)
+        if filled and publish:
+            self.publish(filled)
         return filled
 
     def _take_slot(self, protect: set[int]) -> int | None:
@@ -125,8 +129,12 @@ class ExpertCache:
             self.w13[slot].copy_(self.pool.w13[lid], non_blocking=self.pool.pinned)
             self.w2[slot].copy_(self.pool.w2[lid], non_blocking=self.pool.pinned)
 
-    def _sync_table(self, lids: list[int]) -> None:
-        """Publish the new slots to the device table; compute waits for the copies."""
+    def publish(self, lids: list[int]) -> None:
+        """Publish filled slots to the device table; compute waits for the copies. The table's
+        host-to-device copy comes from pageable memory, which makes the host wait for the copy
+        stream too."""
+        if not lids:
+            return
         idx = torch.tensor(lids, dtype=torch.long)
         val = torch.tensor([self._slot_of[lid] for lid in lids], dtype=torch.int32)
         if self.copy_stream is not None:

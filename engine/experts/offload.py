@@ -131,19 +131,22 @@ class OffloadedExpertBank:
         uniq, counts = torch.unique(lids, return_counts=True)
         uniq_l, counts_l = uniq.tolist(), counts.tolist()  # the host decides (one sync)
         misses = self._misses(uniq_l, counts_l, lids.numel())
-        # The CPU branch needs the activations: start their copy before queueing the device
-        # branch, so the device computes its experts while the host computes the others.
+        # The CPU branch needs the activations: start their copy before the fills.
         staged = self._stage_hidden(hidden) if misses and self.policy != "transfer" else None
-        on_cpu = self._place(misses, uniq_l)
-        if on_cpu and staged is None:
-            staged = self._stage_hidden(hidden)
-        rows = self.cache.slot_of[lids]  # [T, K] slot, -1 where the expert runs on the CPU
-        out = fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights)
+        on_cpu, fetched = self._place(misses, uniq_l)
+        part = None
         if on_cpu:
+            if staged is None:
+                staged = self._stage_hidden(hidden)
             hidden_cpu, ready = staged
             if ready is not None:
                 ready.synchronize()
+            # While the fills cross the link: publishing them first would wait for them.
             part = self._run_on_cpu(hidden_cpu, lids.cpu(), topk_weights.cpu(), on_cpu)
+        self.cache.publish(fetched)
+        rows = self.cache.slot_of[lids]  # [T, K] slot, -1 where the expert runs on the CPU
+        out = fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights)
+        if part is not None:
             out = out + part.to(out.device, non_blocking=True)
         return out
 
@@ -163,19 +166,22 @@ class OffloadedExpertBank:
 
     def _place(
         self, misses: list[tuple[int, int]], uniq: list[int], after_compute: bool = True
-    ) -> list[int]:
-        """Fetch the policy's q of the misses into slots (the layer's own experts are never
-        evicted for them); returns the lids left to the CPU."""
+    ) -> tuple[list[int], list[int]]:
+        """Start fetching the policy's q of the misses into slots (the layer's own experts are
+        never evicted for them); returns (lids left to the CPU, lids filled). The caller
+        publishes the filled slots (`cache.publish`) once its CPU work is done."""
         if not misses:
-            return []
+            return [], []
         self._observe_fills()
         q = fetch_count(self.policy, len(misses), self.bandwidths)
         want = [lid for _, lid in misses[:q]]
-        fetched = self.cache.fill(want, protect=set(uniq), after_compute=after_compute)
+        fetched = self.cache.fill(
+            want, protect=set(uniq), after_compute=after_compute, publish=False
+        )
         on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
         self.stats.fetched += len(fetched)
         self.stats.on_cpu += len(on_cpu)
-        return on_cpu
+        return on_cpu, fetched
 
     # --- decode under captured graphs (engine/segmented_graphs.py) --------------------------
     def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:
@@ -223,7 +229,7 @@ class OffloadedExpertBank:
             return False
         # Everything queued on the device now is either finished (up to this layer's segment)
         # or speculative and about to run again: the fills need not wait for it.
-        on_cpu = self._place(misses, uniq_l, after_compute=False)
+        on_cpu, fetched = self._place(misses, uniq_l, after_compute=False)
         if on_cpu:
             lids = torch.from_numpy(ids)
             weights = io.weights[layer, :n_tokens]
@@ -231,6 +237,7 @@ class OffloadedExpertBank:
             stage = io.cpu_stage[layer, :n_tokens]
             stage.copy_(part)
             io.cpu_part[layer, :n_tokens].copy_(stage, non_blocking=True)
+        self.cache.publish(fetched)  # after the CPU work, which overlapped the copies
         return True
 
     def _stage_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, object]:
