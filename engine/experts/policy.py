@@ -14,6 +14,11 @@ which the model ignores: it favours the CPU branch slightly, which is the right 
 routing has little temporal locality and fills would mostly evict experts that were about to
 hit. Both bandwidths are measured (`freetoken calibrate`) and re-estimated online from observed
 timings; the policy only sees the current estimates.
+
+`adaptive` applies q* with one correction measured on the device: a fill evicts an expert and
+keeps the new one, which pays only when routing will ask for the new one again. It fetches the
+misses its layer also asked for in the previous step, and splits the others by q* only when the
+CPU branch is the slower one (see `OffloadedExpertBank._adaptive_fetches`).
 """
 
 from __future__ import annotations

@@ -131,3 +131,35 @@ def test_host_runs_stay_inside_pinned_registrations(rng_seed):
         assert covered == [e for e in range(n) if absent[e]]  # every absent expert, once
         for lo, hi in runs:
             assert (base + lo) // pin == (base + hi - 1) // pin  # one registration per copy
+
+
+def test_adaptive_fetches_what_routing_reuses(tmp_path, rng_seed):
+    """`adaptive` fetches a miss when its layer asked for that expert last step too; other
+    misses run on the CPU, unless the CPU is the slower branch (then q* splits them)."""
+    import torch
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    engine = Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=9, progress=False)
+    bank = engine.loaded.bank
+    spec = engine.spec
+    gen = torch.Generator().manual_seed(rng_seed)
+    layer = int(torch.randint(spec.n_moe_layers, (1,), generator=gen))
+    ids = torch.randperm(spec.n_experts, generator=gen)[: spec.top_k].int()[None]  # [1, K]
+    hidden = torch.randn(1, spec.hidden_size, generator=gen)
+    weights = torch.rand(1, spec.top_k, generator=gen)
+    bank.bandwidths = Bandwidths(pcie=10e9, cpu=50e9)  # the CPU is faster: no reuse, no fill
+    first = bank(layer, hidden, ids, weights)
+    assert bank.stats.fetched == 0 and bank.stats.on_cpu == spec.top_k
+    second = bank(layer, hidden, ids, weights)  # asked again: now worth a slot
+    assert bank.stats.fetched == spec.top_k
+    torch.testing.assert_close(first, second, rtol=1e-5, atol=1e-5)
+    third = bank(layer, hidden, ids, weights)
+    assert bank.stats.hits == spec.top_k  # and it hits from then on
+    torch.testing.assert_close(first, third, rtol=1e-5, atol=1e-5)
+    bank.bandwidths = Bandwidths(pcie=50e9, cpu=10e9)  # a slow CPU: q* fetches most at once
+    other = (layer + 1) % spec.n_moe_layers
+    before = bank.stats.fetched
+    bank(other, hidden, ids, weights)
+    q = fetch_count("adaptive", spec.top_k, bank.bandwidths)
+    assert bank.stats.fetched - before == q > 0
+    bank.check_integrity()
