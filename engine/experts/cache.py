@@ -21,6 +21,8 @@ from freetoken_agent.engine.experts.pool import ExpertPool
 
 # S slots, N = L * E lids, H hidden, I expert width
 
+USEFUL_EMA = 0.02  # weight of the newest fill in the running fraction of useful fills
+
 
 class ExpertCache:
     def __init__(self, pool: ExpertPool, n_slots: int, device: torch.device) -> None:
@@ -43,6 +45,10 @@ class ExpertCache:
         self.fills = 0
         self.bytes_filled = 0
         self.fill_timings: list[tuple] = []  # (start, end, bytes) of fills, read by the bank
+        # Did fills pay? A filled lid is "fresh" until its first hit; evicted fresh, it was
+        # churn. `useful_fills` is the running fraction of fills hit before eviction.
+        self._fresh: set[int] = set()
+        self.useful_fills = 1.0
 
     @property
     def n_slots(self) -> int:
@@ -61,6 +67,9 @@ class ExpertCache:
             if self._slot_of[lid] >= 0:
                 self.hits += 1
                 self._lru.move_to_end(lid)
+                if lid in self._fresh:
+                    self._fresh.discard(lid)
+                    self.useful_fills += USEFUL_EMA * (1.0 - self.useful_fills)
             else:
                 self.misses += 1
 
@@ -93,6 +102,7 @@ class ExpertCache:
             self._slot_of[lid] = slot
             self._lid_of[slot] = lid
             self._lru[lid] = None
+            self._fresh.add(lid)
             filled.append(lid)
         if timing is not None:
             timing[1].record(self.copy_stream)
@@ -112,6 +122,9 @@ class ExpertCache:
         return None
 
     def _evict(self, lid: int) -> None:
+        if lid in self._fresh:
+            self._fresh.discard(lid)
+            self.useful_fills += USEFUL_EMA * (0.0 - self.useful_fills)
         slot = self._slot_of[lid]
         del self._lru[lid]
         self._slot_of[lid] = -1
@@ -152,6 +165,8 @@ class ExpertCache:
 
     def reset(self) -> None:
         """Empty every slot (benchmarks start each policy from the same state)."""
+        self._fresh.clear()
+        self.useful_fills = 1.0
         for lid in list(self._lru):
             slot = self._slot_of[lid]
             self._evict(lid)

@@ -202,14 +202,17 @@ class OffloadedExpertBank:
         step only; a fill also evicts an expert and keeps the new one for later steps, which
         pays only when the new one is more likely to be asked for again than the victim. So:
         - misses this layer also asked for last step (reuse evidence: routing has temporal
-          locality) are fetched: their slot pays for itself over the next steps;
+          locality) are fetched: their slot pays for itself over the next steps, as long as
+          most fills are hit before they are evicted (when the steps' working set is larger
+          than the cache, fills only evict each other: then reuse evidence counts for nothing);
         - the others are split by q* only when the CPU branch is the slower one (B_H < B_P);
           otherwise they run on the CPU. Without reuse evidence a fill is likely churn (the
           victim was as likely to be reused), and both branches draw on the same host memory,
           so the split buys less than the model says: on the H200 host near-uniform routing
           ran at 17.7 tok/s split by q* against 22.3 with those misses on the CPU."""
-        recent = [lid for _, lid in misses if lid in self._recent]
-        others = [lid for _, lid in misses if lid not in self._recent]
+        admitted = self._recent if self.cache.useful_fills >= 0.5 else set()
+        recent = [lid for _, lid in misses if lid in admitted]
+        others = [lid for _, lid in misses if lid not in admitted]
         bw = self.bandwidths
         if bw.cpu < bw.pcie:
             return recent + others[: fetch_count("adaptive", len(others), bw)]
