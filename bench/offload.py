@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             bank.streamer = LayerStreamer(
                 bank.pool, bank.cache, spec.n_experts, spec.n_moe_layers, dev, False
             )
-        _prefill(engine, 1024, rng)  # warm-up (kernels at this size)
+        if double:  # warm-up: compile the kernels for every chunk shape before timing
+            for n in args.prefill:
+                _prefill(engine, n, rng)
         for n in args.prefill:
             rate = _prefill(engine, n, rng)
             chunk_limit = bank.pool.nbytes / b_p  # every expert of every layer streams
