@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:  # after every figure: a run cut short keeps what it measured
         path.write_text(json.dumps(report, indent=1))
+
     model = engine.loaded.model
     for regime_name in () if args.skip_decode else args.regimes:
         if regime_name == "native":
