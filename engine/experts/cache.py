@@ -39,6 +39,7 @@ class ExpertCache:
         self._lru: OrderedDict[int, None] = OrderedDict()  # resident lids, least recent first
         self._free = list(range(n_slots - 1, -1, -1))
         self._pinned_set: frozenset[int] = frozenset()  # lids that are never evicted (static)
+        self._lent = 0  # the last `_lent` slots are lent out as staging (lend / take_back)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.hits = 0
         self.misses = 0
@@ -157,6 +158,38 @@ class ExpertCache:
         else:
             self.slot_of[idx] = val
 
+    def lend(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take the last `n` slots out of service (evicting what they hold) and return them as
+        scratch banks ([n, 2I, H], [n, H, I]): the prefill streamer stages whole layers there
+        instead of in buffers of its own, so the budget holds more slots (see streaming.py).
+        `take_back` returns them, empty."""
+        if self._lent:
+            raise RuntimeError("the expert cache's slots are already lent")
+        if n > self.n_slots:
+            raise ValueError(f"cannot lend {n} of {self.n_slots} slots")
+        first = self.n_slots - n
+        for slot in range(first, self.n_slots):
+            lid = self._lid_of[slot]
+            if lid >= 0:
+                if lid in self._pinned_set:
+                    raise RuntimeError(f"slot {slot} holds pinned expert {lid}")
+                self._fresh.discard(lid)  # evicted for staging, not for another fill
+                self._evict(lid)
+        lent = set(range(first, self.n_slots))
+        self._free = [slot for slot in self._free if slot not in lent]
+        self._lent = n
+        return self.w13[first:], self.w2[first:]
+
+    def take_back(self) -> None:
+        """The lent slots return to the free list (their content is scratch)."""
+        first = self.n_slots - self._lent
+        self._free.extend(range(self.n_slots - 1, first - 1, -1))
+        self._lent = 0
+
+    @property
+    def lent(self) -> int:
+        return self._lent
+
     def preload(self, lids: list[int], pin: bool = False) -> None:
         """Fill `lids` now (e.g. a static placement chosen at load); `pin` keeps them forever."""
         self.fill(lids, protect=set(lids))
@@ -187,5 +220,8 @@ class ExpertCache:
                 seen.add(slot)
         assert len(self._lru) == len(seen), "LRU holds lids without slots"
         assert not (seen & set(self._free)), "a used slot is on the free list"
-        assert len(seen) + len(self._free) == self.n_slots, "slots leaked"
+        assert len(seen) + len(self._free) + self._lent == self.n_slots, "slots leaked"
+        lent = range(self.n_slots - self._lent, self.n_slots)
+        assert all(self._lid_of[slot] < 0 for slot in lent), "a lent slot holds an expert"
+        assert not (set(lent) & set(self._free)), "a lent slot is on the free list"
         assert self._pinned_set <= set(self._lru), "a pinned lid is not resident"

@@ -38,6 +38,12 @@ from freetoken_agent.kernels.fused_moe import fused_moe
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
 
 
+def lends_staging(n_slots: int, n_experts: int, n_buffers: int) -> bool:
+    """Whether prefill staging borrows cache slots (streaming.py): when, beside the lent
+    buffers, at least one layer's worth of slots stays in service."""
+    return n_slots >= (n_buffers + 1) * n_experts
+
+
 @dataclass(slots=True)
 class OffloadStats:
     """Counters since the last reset, read by `engine.stats()` and the benchmarks."""
@@ -78,8 +84,15 @@ class OffloadedExpertBank:
         self._last_step: dict[int, int] = {}  # lid -> the layer's step that last asked for it
         self._recent: set[int] = set()  # misses of the current layer asked for last step
         self.stream_min_tokens = stream_min_tokens
+        buffers = 2 if double_buffer else 1
         self.streamer = LayerStreamer(
-            pool, self.cache, spec.n_experts, spec.n_moe_layers, device, double_buffer
+            pool,
+            self.cache,
+            spec.n_experts,
+            spec.n_moe_layers,
+            device,
+            double_buffer,
+            lend=lends_staging(self.cache.n_slots, spec.n_experts, buffers),
         )
 
     # --- what the loader and the engine see ------------------------------------------------
@@ -111,9 +124,11 @@ class OffloadedExpertBank:
     def place_static(self) -> None:
         """`static`: fill the slots with whole layers, last layer first, and keep them."""
         lids = []
+        streamer = self.streamer
+        room = self.cache.n_slots - (streamer.n_buffers * self.n_experts if streamer.lend else 0)
         for layer in reversed(range(self.spec.n_moe_layers)):
             layer_lids = list(range(layer * self.n_experts, (layer + 1) * self.n_experts))
-            if len(lids) + len(layer_lids) > self.cache.n_slots:
+            if len(lids) + len(layer_lids) > room:
                 break
             lids += layer_lids
         self.cache.preload(lids, pin=True)
@@ -130,6 +145,7 @@ class OffloadedExpertBank:
             return self._captured(layer, hidden, topk_ids, topk_weights)
         if hidden.shape[0] >= self.stream_min_tokens:
             return self._streamed(layer, hidden, topk_ids, topk_weights)
+        self.streamer.release()  # a streamed chunk that failed midway still held slots
         lids = topk_ids.long() + layer * self.n_experts  # [T, K]
         uniq, counts = torch.unique(lids, return_counts=True)
         uniq_l, counts_l = uniq.tolist(), counts.tolist()  # the host decides (one sync)

@@ -15,7 +15,7 @@ import torch
 
 from freetoken_agent.engine.config import EngineConfig, ModelSpec
 from freetoken_agent.engine.experts import calibration
-from freetoken_agent.engine.experts.offload import OffloadedExpertBank
+from freetoken_agent.engine.experts.offload import OffloadedExpertBank, lends_staging
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.resident import ResidentExpertBank
 from freetoken_agent.engine.kv.pool import KVPool
@@ -61,9 +61,11 @@ def slot_count(
         spec.n_layers, config.page_size, spec.n_kv_heads, spec.head_dim, dtype
     )
     expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
-    staging = (2 if config.double_buffer else 1) * spec.n_experts * expert  # streaming buffers
+    buffers = 2 if config.double_buffer else 1
     left = gpu_budget(config, device, dense) - dense - kv - workspace_bytes(spec, config)
-    left -= staging
+    if lends_staging(left // expert, spec.n_experts, buffers):
+        return min(n_rows, left // expert)  # prefill staging borrows slots (streaming.py)
+    left -= buffers * spec.n_experts * expert  # staging buffers of their own
     if left < expert:
         raise BudgetError(
             f"a GPU budget of {gpu_budget(config, device, dense) / GiB:.2f} GiB holds the dense "

@@ -10,6 +10,12 @@ compute then alternate) for the ablation.
 
 The staging layout is the pool's, restricted to one layer ([E, 2I, H] and [E, H, I]), so the
 layer computes exactly what the resident bank computes from its slice of the banks.
+
+Where the cache has slots to spare (`lend=True`), the buffers are not memory of their own: the
+last B * E slots of the cache are lent for the chunk (their experts evicted) and returned when
+the chunk's last layer is queued. Staging is needed only while a long chunk streams, and
+reserving 2 * E experts for it permanently would cost a laptop budget most of its slots (2.4 GB
+of an 8.59 GB budget at Qwen3-30B-A3B shapes).
 """
 
 from __future__ import annotations
@@ -31,15 +37,21 @@ class LayerStreamer:
         n_layers: int,
         device: torch.device,
         double_buffer: bool = True,
+        lend: bool = False,
     ) -> None:
         self.pool, self.cache = pool, cache
+        self.lend = lend
         self.n_experts, self.n_layers = n_experts, n_layers
         self.device = device
         self.n_buffers = 2 if double_buffer else 1
         shape13, shape2 = pool.w13.shape[1:], pool.w2.shape[1:]
         b, e, dtype = self.n_buffers, n_experts, pool.w13.dtype
-        self.w13 = torch.empty((b, e, *shape13), dtype=dtype, device=device)  # [B, E, 2I, H]
-        self.w2 = torch.empty((b, e, *shape2), dtype=dtype, device=device)  # [B, E, H, I]
+        self._shapes = (shape13, shape2)
+        if lend:  # views into the cache's slots while a chunk streams; none in between
+            self.w13 = self.w2 = None
+        else:
+            self.w13 = torch.empty((b, e, *shape13), dtype=dtype, device=device)  # [B, E, 2I, H]
+            self.w2 = torch.empty((b, e, *shape2), dtype=dtype, device=device)  # [B, E, H, I]
         self.holds = [-1] * b  # which layer each buffer holds
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
@@ -51,11 +63,30 @@ class LayerStreamer:
 
     @property
     def nbytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
+        """Device bytes of its own (none when it borrows cache slots)."""
+        return 0 if self.lend else self.w13.nbytes + self.w2.nbytes
+
+    @property
+    def borrowing(self) -> bool:
+        return self.lend and self.w13 is not None
+
+    def release(self) -> None:
+        """Return borrowed slots to the cache (the chunk's compute is queued, and whoever
+        fills those slots next orders its copies after queued compute)."""
+        if self.borrowing:
+            self.w13 = self.w2 = None
+            self.holds = [-1] * self.n_buffers
+            self.cache.take_back()
 
     def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's full expert set ([E, 2I, H], [E, H, I]), ready for the compute stream;
         with two buffers, the next layer's copy is queued before returning."""
+        if self.lend and self.w13 is None:
+            b, e = self.n_buffers, self.n_experts
+            w13, w2 = self.cache.lend(b * e)
+            self.w13 = w13.view(b, e, *self._shapes[0])  # [B, E, 2I, H]
+            self.w2 = w2.view(b, e, *self._shapes[1])  # [B, E, H, I]
+            self.holds = [-1] * b
         buf = layer % self.n_buffers
         if self.holds[buf] != layer:
             self._issue(layer)
@@ -72,6 +103,8 @@ class LayerStreamer:
         buf = layer % self.n_buffers
         if self.copy_stream is not None:
             self.consumed[buf].record(torch.cuda.current_stream(self.device))
+        if layer == self.n_layers - 1:
+            self.release()
 
     def _issue(self, layer: int) -> None:
         buf = layer % self.n_buffers

@@ -163,3 +163,40 @@ def test_adaptive_fetches_what_routing_reuses(tmp_path, rng_seed):
     q = fetch_count("adaptive", spec.top_k, bank.bandwidths)
     assert bank.stats.fetched - before == q > 0
     bank.check_integrity()
+
+
+@pytest.mark.parametrize("double_buffer", [True, False])
+@pytest.mark.parametrize("policy", ["transfer", "static", "adaptive"])
+def test_streaming_borrows_cache_slots(tmp_path, rng_seed, double_buffer, policy):
+    """With slots to spare, prefill staging is lent from the cache for the chunk (no buffers
+    of its own) and given back afterwards; results stay the resident engine's."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_hidden_layers=5)  # 4 MoE layers
+    resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
+    spec = resident.spec
+    buffers = 2 if double_buffer else 1
+    slots = (buffers + 1) * spec.n_experts + 3  # lends: a layer's worth stays in service
+    assert slots < spec.n_moe_layers * spec.n_experts
+    engine = Engine.load(
+        tmp_path,
+        device="cpu",
+        policy=policy,
+        expert_slots=slots,
+        stream_min_tokens=16,
+        double_buffer=double_buffer,
+        progress=False,
+    )
+    bank = engine.loaded.bank
+    assert bank.streamer.lend and bank.streamer.nbytes == 0
+    assert bank.nbytes == bank.cache.nbytes
+    rng = random.Random(rng_seed)
+    prompt = [rng.randrange(3, 320) for _ in range(60)]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    assert engine.generate(prompt, sp).token_ids == resident.generate(prompt, sp).token_ids
+    assert bank.streamer.layers_streamed >= spec.n_moe_layers
+    assert bank.cache.lent == 0 and not bank.streamer.borrowing  # given back after the chunk
+    ids = prompt + [rng.randrange(3, 320) for _ in range(40)]  # streams again, after decoding
+    assert max_rel_err(engine.score(ids), resident.score(ids)) <= 1e-6
+    engine.check_integrity()
+    if policy == "static":  # whole layers placed, outside the lent region, and kept
+        assert bank.stats.fetched == 0 and len(bank.cache._pinned_set) % spec.n_experts == 0
+        assert bank.cache._pinned_set
