@@ -38,10 +38,11 @@ from freetoken_agent.kernels.fused_moe import fused_moe
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
 
 
-def lends_staging(n_slots: int, n_experts: int, n_buffers: int) -> bool:
+def lends_staging(n_slots: int, n_experts: int, n_buffers: int, n_rows: int) -> bool:
     """Whether prefill staging borrows cache slots (streaming.py): when, beside the lent
-    buffers, at least one layer's worth of slots stays in service."""
-    return n_slots >= (n_buffers + 1) * n_experts
+    buffers, at least one layer's worth of slots stays in service, and the cache does not hold
+    every expert anyway (then lending would only evict experts that never need to move)."""
+    return (n_buffers + 1) * n_experts <= n_slots < n_rows
 
 
 @dataclass(slots=True)
@@ -92,7 +93,7 @@ class OffloadedExpertBank:
             spec.n_moe_layers,
             device,
             double_buffer,
-            lend=lends_staging(self.cache.n_slots, spec.n_experts, buffers),
+            lend=lends_staging(self.cache.n_slots, spec.n_experts, buffers, pool.n_rows),
         )
 
     # --- what the loader and the engine see ------------------------------------------------

@@ -63,7 +63,7 @@ def slot_count(
     expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
     buffers = 2 if config.double_buffer else 1
     left = gpu_budget(config, device, dense) - dense - kv - workspace_bytes(spec, config)
-    if lends_staging(left // expert, spec.n_experts, buffers):
+    if lends_staging(left // expert, spec.n_experts, buffers, n_rows):
         return min(n_rows, left // expert)  # prefill staging borrows slots (streaming.py)
     left -= buffers * spec.n_experts * expert  # staging buffers of their own
     if left < expert:
