@@ -38,7 +38,3 @@ class GraphIO:
         self.cpu_part = torch.zeros(shape_h, dtype=dtype, device=device)  # [L, T, H]
         self.active = False
         self.split: Callable[[], None] = lambda: None
-
-    @property
-    def device_bytes(self) -> int:
-        return self.cpu_part.nbytes
