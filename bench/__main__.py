@@ -7,6 +7,7 @@
     attention-kernel  paged attention decode/prefill beside HBM bandwidth and SDPA (CUDA)
     moe-kernel        fused MoE decode/prefill beside HBM bandwidth and matmul rate (CUDA)
     profile           where a decode step and a prefill chunk spend their time (CUDA)
+    profile-offload   where an offloaded decode step spends its host time, per phase (CUDA)
     parity-precision  bf16 distance from fp32, ours and transformers', per family
 
 `freetoken bench NAME --help` lists that benchmark's options.
@@ -24,6 +25,7 @@ BENCHES = {
     "attention-kernel": "freetoken_agent.bench.attention_kernel",
     "moe-kernel": "freetoken_agent.bench.moe_kernel",
     "profile": "freetoken_agent.bench.profile_step",
+    "profile-offload": "freetoken_agent.bench.profile_offload",
     "parity-precision": "freetoken_agent.bench.parity_precision",
 }
 

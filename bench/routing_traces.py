@@ -54,16 +54,26 @@ class TraceGenerator:
 
     def draw(self, layer: int, n_tokens: int) -> np.ndarray:
         """[n_tokens, k] expert ids for the next tokens of this layer."""
-        out = np.empty((n_tokens, self.k), dtype=np.int64)
+        return self.draw_all(n_tokens, [layer])[0]
+
+    def draw_all(self, n_tokens: int, layers: list[int] | None = None) -> np.ndarray:
+        """[len(layers), n_tokens, k] expert ids for the next tokens of each layer (default:
+        every layer), vectorised over layers: the step's trace must cost the host microseconds,
+        not the milliseconds per-layer sampling took, or it would be timed as engine overhead.
+        Sampling k of E without replacement with probabilities p is the Gumbel top-k: the k
+        largest of log p + Gumbel noise (the same law as successive draws)."""
+        layers = list(range(len(self.last))) if layers is None else layers
+        out = np.empty((len(layers), n_tokens, self.k), dtype=np.int64)
+        log_p = np.log(self.probs)
         for t in range(n_tokens):
-            prev = self.last[layer]
-            if prev is not None and self.rng.random() < self.regime.locality:
-                ids = prev
-            else:
-                ranks = self.rng.choice(self.n_experts, self.k, replace=False, p=self.probs)
-                ids = self.order[layer][ranks]
-            out[t] = ids
-            self.last[layer] = ids
+            keys = log_p + self.rng.gumbel(size=(len(layers), self.n_experts))  # [L', E]
+            ranks = np.argpartition(-keys, self.k - 1, axis=1)[:, : self.k]  # [L', k]
+            repeat = self.rng.random(len(layers)) < self.regime.locality
+            for j, layer in enumerate(layers):
+                prev = self.last[layer]
+                ids = prev if prev is not None and repeat[j] else self.order[layer][ranks[j]]
+                out[j, t] = ids
+                self.last[layer] = ids
         return out
 
 
@@ -92,6 +102,5 @@ class TracedRouting:
 
     def before_graph_step(self, n_tokens: int, padded: int) -> None:
         draws = np.zeros((len(self.generator.last), padded, self.generator.k), dtype=np.int64)
-        for layer in range(draws.shape[0]):
-            draws[layer, :n_tokens] = self.generator.draw(layer, n_tokens)
+        draws[:, :n_tokens] = self.generator.draw_all(n_tokens)
         self.static_ids[:, :padded].copy_(torch.from_numpy(draws), non_blocking=False)

@@ -1,0 +1,182 @@
+"""Where an offloaded decode step spends its host time: per-phase wall time per token.
+
+    python -m freetoken_agent.bench profile-offload [--layers 12] [--budget-gb 8.59]
+        [--regimes uniform native] [--policies cpu static adaptive transfer]
+
+Builds the same random model as `bench offload`, captures segmented decode graphs, and times
+(with perf_counter, on the thread that drives the step) the phases of every decode step:
+waiting for a segment's routing (`wait`), the host's placement (`resolve`: of which `fill`
+issues the copies, `cpu` runs the CPU expert kernel, `publish` waits for the fills and publishes
+the slots), the trace replay (`trace`), and the rest of `engine.step` (scheduling, sampling).
+Prints one JSON line per (regime, policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import defaultdict
+
+import torch
+
+from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
+from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
+from freetoken_agent.engine.experts import calibration
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        """Replace obj.name by a version that adds its wall time to `label`."""
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[label] += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+
+class _TimedEvent:
+    def __init__(self, event, timers: Timers) -> None:
+        self.event, self.timers = event, timers
+
+    def record(self, *args):
+        self.event.record(*args)
+
+    def synchronize(self):
+        start = time.perf_counter()
+        self.event.synchronize()
+        self.timers.total["wait"] += time.perf_counter() - start
+
+
+def _kernel_alone(bank, repeats: int = 50) -> dict:
+    """The CPU expert kernel alone at one token: ms per call for n random pool rows."""
+    pool, spec = bank.pool, bank.spec
+    x = torch.randn(1, spec.hidden_size, dtype=pool.w13.dtype)
+    out = {}
+    for n in (1, 2, 4, 8):
+        rows = torch.full((1, spec.top_k), -1, dtype=torch.long)
+        weights = torch.rand(1, spec.top_k)
+        times = []
+        for _ in range(repeats):
+            rows[0, :n] = torch.randperm(pool.n_rows)[:n]
+            start = time.perf_counter()
+            calibration.cpu_experts(x, pool.w13, pool.w2, rows, weights)
+            times.append(time.perf_counter() - start)
+        times.sort()
+        ms = 1e3 * times[len(times) // 2]
+        out[f"kernel_{n}_ms"] = round(ms, 4)
+        out[f"kernel_{n}_gb_s"] = round(n * pool.expert_bytes / ms / 1e6, 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="freetoken bench profile-offload", description=__doc__)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--budget-gb", type=float, default=8.59)
+    parser.add_argument("--decode", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
+    parser.add_argument("--regimes", nargs="+", default=["uniform", "native"])
+    parser.add_argument(
+        "--policies", nargs="+", default=["cpu", "static", "adaptive", "transfer"]
+    )
+    args = parser.parse_args(argv)
+    cfg = peer_slice(QWEN3_30B_A3B, args.layers)
+    h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    b_p = calibration.measure_pcie(3 * h * i * 2)
+    b_h = calibration.measure_cpu(h, i, torch.bfloat16)
+    engine = random_engine(
+        cfg,
+        policy="transfer",
+        gpu_budget=int(args.budget_gb * 1e9),
+        kv_tokens=32768,
+        max_num_seqs=4,
+        max_model_len=32768,
+        max_batched_tokens=args.chunk,
+        stream_min_tokens=512,
+    )
+    bank, model = engine.loaded.bank, engine.loaded.model
+    print(json.dumps({"slots": bank.cache.n_slots, "b_p": b_p / 1e9, "b_h": b_h / 1e9}))
+    timers = Timers()
+    for name, label in (
+        ("resolve", "resolve"),
+        ("_place", "fill"),
+        ("_run_on_cpu", "cpu"),
+    ):
+        timers.wrap(bank, name, label)
+    timers.wrap(bank.cache, "publish", "publish")
+    timers.wrap(calibration, "cpu_experts", "kernel")
+    print(json.dumps(_kernel_alone(bank)))
+    timers.wrap(engine, "step", "step")
+    rng = random.Random(0)
+    vocab = engine.spec.vocab_size
+    for regime_name in args.regimes:
+        if regime_name == "native":
+            model.set_expert_bank(bank)
+        else:
+            gen = TraceGenerator(
+                engine.spec.n_moe_layers,
+                engine.spec.n_experts,
+                engine.spec.top_k,
+                Regime.parse(regime_name),
+                seed=0,
+            )
+            routing = TracedRouting(bank, gen)
+            timers.wrap(routing, "before_graph_step", "trace")
+            model.set_expert_bank(routing)
+        engine.capture_graphs()
+        graphs = engine.runner.graphs
+        timers.wrap(graphs, "replay", "replay")
+        graphs.done = [_TimedEvent(e, timers) for e in graphs.done]
+        for policy in args.policies:
+            bank.cache.reset()
+            bank.policy = policy
+            bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
+            if policy == "static":
+                bank.place_static()
+            sp = SamplingParams(max_tokens=8 + args.decode, temperature=0, ignore_eos=True)
+            for _ in range(args.batch):
+                engine.submit([rng.randrange(vocab) for _ in range(64)], sp)
+            for _ in range(9):  # prefill and warm-up
+                engine.step()
+            torch.cuda.synchronize()
+            timers.total.clear()
+            graphs.reruns = 0
+            st0 = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu)
+            start, steps = time.perf_counter(), 0
+            while engine.has_unfinished():
+                engine.step()
+                steps += 1
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+            for rid in list(engine._requests):
+                engine._collect(rid)
+            st = bank.stats
+            row = {
+                "regime": regime_name,
+                "policy": policy,
+                "tok_s": args.batch * steps / wall,
+                "ms_per_step": 1e3 * wall / steps,
+                **{k: round(1e3 * v / steps, 3) for k, v in sorted(timers.total.items())},
+                "experts_per_step": (st.experts - st0[0]) / steps,
+                "hits_per_step": (st.hits - st0[1]) / steps,
+                "fetched_per_step": (st.fetched - st0[2]) / steps,
+                "on_cpu_per_step": (st.on_cpu - st0[3]) / steps,
+                "reruns_per_step": graphs.reruns / max(steps, 1),
+            }
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
