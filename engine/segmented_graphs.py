@@ -98,7 +98,6 @@ class SegmentedDecodeGraphs(DecodeGraphs):
                     self.io.cpu_part.zero_()  # the warm-up and capture added nothing real
         finally:
             self.io.active = False
-            self.io.split = lambda: None
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
@@ -115,11 +114,15 @@ class SegmentedDecodeGraphs(DecodeGraphs):
             begin()
 
         self.io.split = split
-        with _KeepAlive():
-            begin()
-            self.outputs[bs] = self.model(self.input_ids[:bs], self._meta(bs))
-            segments[-1].capture_end()
-        return segments  # `_capture` resets io.split once every size is captured
+        try:
+            with _KeepAlive():
+                begin()
+                self.outputs[bs] = self.model(self.input_ids[:bs], self._meta(bs))
+                segments[-1].capture_end()
+        finally:
+            # The next size's warm-up runs unsplit: a stale hook would end a finished graph.
+            self.io.split = lambda: None
+        return segments
 
     def replay(self, inputs: StepInputs) -> torch.Tensor:
         """Run one decode step, placing each MoE layer's misses between its segments; returns
