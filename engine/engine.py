@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.engine.constrained import Grammars
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.loading import LoadedModel, load_model
 from freetoken_agent.engine.output_state import OutputState
@@ -62,6 +63,8 @@ class Engine:
         self._events: dict[str, deque[TokenEvent]] = {}
         self._scores: dict[str, list[torch.Tensor]] = {}
         self._ids = itertools.count()
+        # Constrained requests' grammars (json_schema); the library loads on the first one.
+        self.grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         self._totals = {"prefilled": 0, "reused": 0, "generated": 0, "finished": 0, "errors": 0}
 
     def capture_graphs(self) -> None:
@@ -110,6 +113,8 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if sampling.json_schema is not None and not _score:
+            self.grammars.add(request_id, sampling.json_schema)
         req = Request(request_id, ids, sampling, use_prefix_cache=use_prefix_cache and not _score)
         req.score_only = _score
         self._requests[request_id] = req
@@ -166,7 +171,8 @@ class Engine:
             return []
         self.runner.apply_copies(self.scheduler.take_copies())
         try:
-            out = self.runner.run(batch)
+            masks = self.grammars.masks(c.request.id for c in batch.chunks if c.sample)
+            out = self.runner.run(batch, masks)
         except Exception as e:  # noqa: BLE001 - one failing batch must not take the engine down
             log.exception("step failed; failing the %d request(s) in it", len(batch.chunks))
             return self._fail(batch, e)
@@ -187,6 +193,9 @@ class Engine:
         return events
 
     def _accept(self, req: Request, token: int) -> TokenEvent:
+        problem = self.grammars.problem(req.id)
+        if problem is not None:  # its grammar allowed no token: end this request only
+            return self._fail_request(req, problem)
         now = time.perf_counter()
         req.first_token_time = req.first_token_time or now
         req.output_ids.append(token)
@@ -200,6 +209,9 @@ class Engine:
             text = state.push(token)
             if state.stopped:
                 reason = "stop"
+            elif self.grammars.advance(req.id, token):  # the JSON is complete: nothing follows
+                reason = "stop"
+                text += state.release(final=True)
             elif len(req.output_ids) >= sp.max_tokens or req.n_tokens >= self.max_model_len:
                 reason = "length"
                 text += state.release(final=True)
@@ -213,6 +225,7 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
         self.runner.forget(req.id)
+        self.grammars.forget(req.id)
         self._totals["prefilled"] += req.num_prefilled
         self._totals["reused"] += req.num_reused
         self._totals["generated"] += len(req.output_ids)
@@ -222,14 +235,14 @@ class Engine:
             self._events[req.id].append(event)
 
     def _fail(self, batch: Batch, error: Exception) -> list[TokenEvent]:
-        events = []
-        for chunk in batch.chunks:
-            req = chunk.request
-            req.error = f"{type(error).__name__}: {error}"
-            self._totals["errors"] += 1
-            self._finish(req, "error")
-            events.append(self._events[req.id][-1])
-        return events
+        message = f"{type(error).__name__}: {error}"
+        return [self._fail_request(chunk.request, message) for chunk in batch.chunks]
+
+    def _fail_request(self, req: Request, message: str) -> TokenEvent:
+        req.error = message
+        self._totals["errors"] += 1
+        self._finish(req, "error")
+        return self._events[req.id][-1]
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

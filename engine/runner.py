@@ -7,11 +7,13 @@ about which tokens run (the Scheduler did). Decode-only batches on CUDA replay c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from freetoken_agent.engine.constrained import allowed_tokens
 from freetoken_agent.engine.kv.pool import SCRATCH_PAGE, KVPool
 from freetoken_agent.engine.layers.attention import AttentionMetadata
 from freetoken_agent.engine.layers.sampler import sample
@@ -129,7 +131,9 @@ class ModelRunner:
             self.kv.copy_prefix(src, dst, n)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> StepOutput:
+    def run(self, batch: Batch, masks: Mapping[str, np.ndarray] | None = None) -> StepOutput:
+        """`masks`: packed allowed-id rows of constrained requests (see constrained.py), applied
+        to their logits here, after the model (and any CUDA graph) and before sampling."""
         chunks = batch.chunks
         inputs = build_inputs(chunks, self.kv.page_size)
         if self.graphs is not None and batch.is_decode_only and self.graphs.fits(inputs):
@@ -147,7 +151,10 @@ class ModelRunner:
             reqs = [chunks[i].request for i in sampling]
             params = [r.sampling for r in reqs]
             gens = [self.generator_for(r.id, r.sampling.seed) for r in reqs]
-            tokens = sample(logits, params, gens).tolist()
+            allowed = allowed_tokens(
+                [r.id for r in reqs], masks or {}, logits.shape[-1], self.device
+            )
+            tokens = sample(logits, params, gens, allowed).tolist()
             out.sampled = {r.id: t for r, t in zip(reqs, tokens, strict=True)}
         for i, c in enumerate(chunks):
             if c.request.score_only:

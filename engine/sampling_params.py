@@ -1,8 +1,25 @@
-"""SamplingParams: how one request picks its tokens and when it stops."""
+"""SamplingParams: how one request picks its tokens and when it stops.
+
+Structured output: `json_schema` constrains the output to one JSON value matching the schema
+(see `constrained.py`); `response_format` takes the OpenAI form and is turned into `json_schema`
+here. Only a library-free structural check runs here (SamplingParams is built everywhere,
+clients included); the grammar itself is compiled, and its deeper errors reported, when the
+engine takes the request.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+JSON_TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+# Keywords whose value is a schema, a list of schemas, or a map of name -> schema.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "propertyNames")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
 @dataclass(slots=True)
@@ -15,6 +32,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # The output is exactly one JSON value valid against this schema; the request ends with
+    # finish_reason "stop" right after its last character (or "length" if max_tokens cut it).
+    json_schema: dict[str, Any] | None = None
+    # OpenAI's form: {"type": "text"} | {"type": "json_object"} |
+    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -30,9 +53,110 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop strings must be non-empty strings")
+        problems += self._structured_output_problems()
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _structured_output_problems(self) -> list[str]:
+        if self.response_format is not None:
+            try:
+                schema = schema_of_response_format(self.response_format)
+            except ValueError as e:
+                return [str(e)]
+            if schema is not None and self.json_schema is not None and schema != self.json_schema:
+                return ["json_schema and response_format disagree: give one of them"]
+            if schema is not None:
+                self.json_schema = schema
+        if self.json_schema is None:
+            return []
+        return schema_problems(self.json_schema)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def schema_of_response_format(fmt: Any) -> dict[str, Any] | None:
+    """The JSON schema an OpenAI `response_format` asks for (None for plain text)."""
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise ValueError(f"response_format must be a dict with a 'type', got {fmt!r:.80}")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ValueError(
+                "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}"
+            )
+        # OpenAI allows omitting the schema: any JSON object then.
+        return spec.get("schema", {"type": "object"})
+    raise ValueError(
+        f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'"
+    )
+
+
+def schema_problems(schema: Any) -> list[str]:
+    """Structural problems of a JSON schema, each naming where it is (a JSON pointer)."""
+    if not isinstance(schema, dict):
+        return [f"json_schema must be a dict (a JSON object), got {type(schema).__name__}"]
+    try:
+        json.dumps(schema, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        return [f"json_schema is not plain JSON: {e}"]
+    problems: list[str] = []
+    _walk(schema, "", problems)
+    return [f"json_schema at {where or '/'}: {what}" for where, what in problems]
+
+
+def _walk(node: Any, where: str, out: list[tuple[str, str]]) -> None:
+    if isinstance(node, bool):  # true / false are schemas too
+        return
+    if not isinstance(node, dict):
+        out.append((where, f"a schema must be an object or a boolean, got {node!r:.60}"))
+        return
+    kind = node.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+    for k in kinds:
+        if k not in JSON_TYPES:
+            out.append((where, f"'type' {k!r} is not one of {sorted(JSON_TYPES)}"))
+    required = node.get("required")
+    if required is not None and not (
+        isinstance(required, list) and all(isinstance(r, str) for r in required)
+    ):
+        out.append((where, "'required' must be a list of property names"))
+    if "enum" in node and not (isinstance(node["enum"], list) and node["enum"]):
+        out.append((where, "'enum' must be a non-empty list"))
+    for key in _COUNTS:
+        v = node.get(key)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            out.append((where, f"'{key}' must be an integer >= 0, got {v!r}"))
+    for key in _BOUNDS:
+        v = node.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            out.append((where, f"'{key}' must be a number, got {v!r}"))
+    for key in _SUBSCHEMA:
+        sub = node.get(key)
+        if key == "items" and isinstance(sub, list):  # the tuple form of older drafts
+            for i, item in enumerate(sub):
+                _walk(item, f"{where}/items/{i}", out)
+        elif key in node:
+            _walk(sub, f"{where}/{key}", out)
+    for key in _SCHEMA_LISTS:
+        if key in node:
+            subs = node[key]
+            if not isinstance(subs, list) or not subs:
+                out.append((where, f"'{key}' must be a non-empty list of schemas"))
+                continue
+            for i, sub in enumerate(subs):
+                _walk(sub, f"{where}/{key}/{i}", out)
+    for key in _SCHEMA_MAPS:
+        if key in node:
+            subs = node[key]
+            if not isinstance(subs, dict):
+                out.append((where, f"'{key}' must map names to schemas"))
+                continue
+            for name, sub in subs.items():
+                _walk(sub, f"{where}/{key}/{name}", out)

@@ -4,6 +4,9 @@ Greedy rows take the argmax. The others are scaled by temperature, cut by top-k 
 drawn with the exponential-race trick (argmax of p / Exp(1) noise, equivalent to a multinomial
 draw) so that a seeded request draws its noise from its own generator: its tokens do not depend
 on which other requests share the batch.
+
+`allowed` (constrained decoding, see engine/constrained.py) bans tokens per row before anything
+else, so greedy and sampled rows alike pick only allowed ids; rows left all True are untouched.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ def sample(
     logits: torch.Tensor,  # [B, V] fp32
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    allowed: torch.Tensor | None = None,  # [B, V] bool; None = no constraint on any row
 ) -> torch.Tensor:  # [B] int64
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     greedy_ids = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_ids
