@@ -87,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
     parser.add_argument("--regimes", nargs="+", default=["uniform", "native"])
-    parser.add_argument(
-        "--policies", nargs="+", default=["cpu", "static", "adaptive", "transfer"]
-    )
+    parser.add_argument("--policies", nargs="+", default=["cpu", "static", "adaptive", "transfer"])
     args = parser.parse_args(argv)
     cfg = peer_slice(QWEN3_30B_A3B, args.layers)
     h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]

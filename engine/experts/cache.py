@@ -21,7 +21,7 @@ from freetoken_agent.engine.experts.pool import ExpertPool
 
 # S slots, N = L * E lids, H hidden, I expert width
 
-USEFUL_EMA = 0.02  # weight of the newest fill in the running fraction of useful fills
+OUTCOME_EMA = 0.01  # weight of the newest race outcome in `fill_gain`
 
 
 class ExpertCache:
@@ -46,14 +46,26 @@ class ExpertCache:
         self.fills = 0
         self.bytes_filled = 0
         self.fill_timings: list[tuple] = []  # (start, end, bytes) of fills, read by the bank
-        # Did fills pay? A filled lid is "fresh" until its first hit; evicted fresh, it was
-        # churn. `useful_fills` is the running fraction of fills hit before eviction.
-        self._fresh: set[int] = set()
-        self.useful_fills = 1.0
+        # Do fills pay? Each fill races its victim: whichever routing asks for first decides
+        # the outcome, +1 when the filled expert is hit first, -1 when the victim is asked for
+        # first (a miss the fill caused), 0 when the filled expert is evicted unasked. A fill
+        # into a free slot has no victim: +1 when hit, else 0. `fill_gain` is the running mean:
+        # about 0 under near-uniform routing (either is as likely to come first), positive
+        # with temporal locality, negative when the steps' working set exceeds the cache.
+        self._victim_of: dict[int, int] = {}  # filled lid, unresolved -> its victim (-1: none)
+        self._filled_for: dict[int, int] = {}  # victim lid -> the lid filled in its place
+        self.fill_gain = 0.0
+        # Table entries of evicted lids not yet on the device: `publish` writes them with the
+        # fills that replace them, on the copy stream, so compute sees both at once.
+        self._unpublished: list[int] = []
 
     @property
     def n_slots(self) -> int:
         return len(self._lid_of)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
 
     @property
     def nbytes(self) -> int:
@@ -68,11 +80,18 @@ class ExpertCache:
             if self._slot_of[lid] >= 0:
                 self.hits += 1
                 self._lru.move_to_end(lid)
-                if lid in self._fresh:
-                    self._fresh.discard(lid)
-                    self.useful_fills += USEFUL_EMA * (1.0 - self.useful_fills)
+                if lid in self._victim_of:
+                    self._settle(lid, 1.0)  # the fill was hit first
             else:
                 self.misses += 1
+                if lid in self._filled_for:
+                    self._settle(self._filled_for[lid], -1.0)  # its victim was asked first
+
+    def _settle(self, filled: int, outcome: float) -> None:
+        victim = self._victim_of.pop(filled)
+        if victim >= 0:
+            del self._filled_for[victim]
+        self.fill_gain += OUTCOME_EMA * (outcome - self.fill_gain)
 
     def fill(
         self, lids: list[int], protect: set[int], after_compute: bool = True, publish: bool = True
@@ -85,78 +104,101 @@ class ExpertCache:
         later `publish(filled)`: publishing waits for the copies, so a caller with CPU work to
         overlap with them does that work first."""
         filled = []
-        timing = None
-        if self.copy_stream is not None and lids:
+        lids = [lid for lid in lids if self._slot_of[lid] < 0]
+        if not lids:
+            return filled
+        if self.copy_stream is None:
+            for lid in lids:
+                if not self._fill_one(lid, protect):
+                    break
+                filled.append(lid)
+        else:
             # Victim slots may hold experts that queued compute still reads: the copies go
             # after it. The timing starts after that wait, so it measures the copies alone.
             if after_compute:
                 self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            timing[0].record(self.copy_stream)
-        for lid in lids:
-            if self._slot_of[lid] >= 0:
-                continue
-            slot = self._take_slot(protect)
-            if slot is None:
-                break
-            self._copy_in(lid, slot)
-            self._slot_of[lid] = slot
-            self._lid_of[slot] = lid
-            self._lru[lid] = None
-            self._fresh.add(lid)
-            filled.append(lid)
-        if timing is not None:
-            timing[1].record(self.copy_stream)
+            with torch.cuda.stream(self.copy_stream):  # entered once: a fill costs two copies
+                timing[0].record()
+                for lid in lids:
+                    if not self._fill_one(lid, protect):
+                        break
+                    filled.append(lid)
+                timing[1].record()
             self.fill_timings.append((*timing, len(filled) * self.pool.expert_bytes))
-        if filled and publish:
+        if publish:
             self.publish(filled)
         return filled
 
-    def _take_slot(self, protect: set[int]) -> int | None:
+    def _fill_one(self, lid: int, protect: set[int]) -> bool:
+        if lid in self._filled_for:  # filled again before the race ended (no touch between)
+            self._settle(self._filled_for[lid], 0.0)
+        slot, victim = self._take_slot(protect)
+        if slot is None:
+            return False
+        self.fills += 1
+        self.bytes_filled += self.pool.expert_bytes
+        pinned = self.pool.pinned
+        self.w13[slot].copy_(self.pool.w13[lid], non_blocking=pinned)
+        self.w2[slot].copy_(self.pool.w2[lid], non_blocking=pinned)
+        self._slot_of[lid] = slot
+        self._lid_of[slot] = lid
+        self._lru[lid] = None
+        self._victim_of[lid] = victim
+        if victim >= 0:
+            self._filled_for[victim] = lid
+        return True
+
+    def _take_slot(self, protect: set[int]) -> tuple[int | None, int]:
+        """(a slot for a fill or None, the lid evicted from it or -1)."""
         if self._free:
-            return self._free.pop()
+            return self._free.pop(), -1
         for victim in self._lru:
             if victim not in protect and victim not in self._pinned_set:
                 slot = self._slot_of[victim]
                 self._evict(victim)
-                return slot
-        return None
+                self._unpublished.append(victim)
+                return slot, victim
+        return None, -1
 
     def _evict(self, lid: int) -> None:
-        if lid in self._fresh:
-            self._fresh.discard(lid)
-            self.useful_fills += USEFUL_EMA * (0.0 - self.useful_fills)
+        """Drop `lid` from the host-side maps; the device table is the caller's to update."""
+        if lid in self._victim_of:
+            self._settle(lid, 0.0)  # evicted before anyone asked: neither won
         slot = self._slot_of[lid]
         del self._lru[lid]
         self._slot_of[lid] = -1
         self._lid_of[slot] = -1
-        self.slot_of[lid] = -1
-
-    def _copy_in(self, lid: int, slot: int) -> None:
-        self.fills += 1
-        self.bytes_filled += self.pool.expert_bytes
-        if self.copy_stream is None:
-            self.w13[slot].copy_(self.pool.w13[lid])
-            self.w2[slot].copy_(self.pool.w2[lid])
-            return
-        with torch.cuda.stream(self.copy_stream):
-            self.w13[slot].copy_(self.pool.w13[lid], non_blocking=self.pool.pinned)
-            self.w2[slot].copy_(self.pool.w2[lid], non_blocking=self.pool.pinned)
 
     def publish(self, lids: list[int]) -> None:
-        """Publish filled slots to the device table; compute waits for the copies. The table's
-        host-to-device copy comes from pageable memory, which makes the host wait for the copy
-        stream too."""
-        if not lids:
+        """Write filled slots, and the evictions they replaced, into the device table; compute
+        queued from now on waits for the copies. On CUDA the entries travel from pinned memory
+        on the copy stream behind the fills, so the host does not wait for the copies (torch's
+        pinned allocator keeps each buffer until its copy is done)."""
+        evicted, self._unpublished = self._unpublished, []
+        if not lids and not evicted:
             return
-        idx = torch.tensor(lids, dtype=torch.long)
-        val = torch.tensor([self._slot_of[lid] for lid in lids], dtype=torch.int32)
-        if self.copy_stream is not None:
-            with torch.cuda.stream(self.copy_stream):
-                self.slot_of[idx.to(self.device)] = val.to(self.device)
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-        else:
-            self.slot_of[idx] = val
+        keys = evicted + lids  # an evicted lid filled again gets its new slot: keys in order
+        vals = [self._slot_of[lid] for lid in keys]
+        if self.copy_stream is None:
+            self.slot_of[torch.tensor(keys, dtype=torch.long)] = torch.tensor(
+                vals, dtype=torch.int32
+            )
+            return
+        idx = torch.tensor(keys, dtype=torch.long, pin_memory=True)
+        val = torch.tensor(vals, dtype=torch.int32, pin_memory=True)
+        with torch.cuda.stream(self.copy_stream):
+            idx_d = idx.to(self.device, non_blocking=True)
+            val_d = val.to(self.device, non_blocking=True)
+            # index_put_ with duplicate keys has no defined winner; the host mirror is the
+            # truth, so every duplicate carries the same (final) value.
+            self.slot_of.index_put_((idx_d,), val_d)
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def _write_table_now(self, lids: list[int]) -> None:
+        """Table entries outside a fill (lend, reset): written on the compute stream."""
+        for lid in lids:
+            self.slot_of[lid] = self._slot_of[lid]
 
     def lend(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the last `n` slots out of service (evicting what they hold) and return them as
@@ -173,8 +215,8 @@ class ExpertCache:
             if lid >= 0:
                 if lid in self._pinned_set:
                     raise RuntimeError(f"slot {slot} holds pinned expert {lid}")
-                self._fresh.discard(lid)  # evicted for staging, not for another fill
                 self._evict(lid)
+                self._write_table_now([lid])
         lent = set(range(first, self.n_slots))
         self._free = [slot for slot in self._free if slot not in lent]
         self._lent = n
@@ -198,12 +240,15 @@ class ExpertCache:
 
     def reset(self) -> None:
         """Empty every slot (benchmarks start each policy from the same state)."""
-        self._fresh.clear()
-        self.useful_fills = 1.0
+        self._victim_of.clear()
+        self._filled_for.clear()
+        self.fill_gain = 0.0
+        self._unpublished.clear()
         for lid in list(self._lru):
             slot = self._slot_of[lid]
             self._evict(lid)
             self._free.append(slot)
+        self.slot_of.fill_(-1)
         self._pinned_set = frozenset()
 
     def clear_counters(self) -> None:

@@ -21,6 +21,7 @@ layers instead (streaming.py).
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,9 +34,17 @@ from freetoken_agent.engine.experts.graph_io import GraphIO
 from freetoken_agent.engine.experts.policy import Bandwidths, fetch_count
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import LayerStreamer
+from freetoken_agent.kernels.cpu.experts import physical_cores
 from freetoken_agent.kernels.fused_moe import fused_moe
 
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
+
+# `adaptive` fetches every miss above FETCH_ALL_GAIN and none (beyond free slots) below
+# FETCH_NONE_GAIN, from ExpertCache.fill_gain. Simulated (LRU, 12 layers x 128 experts, top-8):
+# near-uniform routing wanders within +-0.12 of 0, a drifting working set sits at 0.9-0.97, a
+# batch of four near-uniform tokens in 202 slots (thrashing) at -0.2.
+FETCH_ALL_GAIN = 0.25
+FETCH_NONE_GAIN = -0.1
 
 
 def lends_staging(n_slots: int, n_experts: int, n_buffers: int, n_rows: int) -> bool:
@@ -81,9 +90,10 @@ class OffloadedExpertBank:
         self.bandwidths = bandwidths or Bandwidths()
         self.stats = OffloadStats()
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
-        self._layer_steps = [0] * spec.n_moe_layers  # steps seen per MoE layer
-        self._last_step: dict[int, int] = {}  # lid -> the layer's step that last asked for it
-        self._recent: set[int] = set()  # misses of the current layer asked for last step
+        # The CPU branch runs on a worker thread (the kernel drops the GIL) while this thread
+        # issues the fills, with one core left to this thread for that and the GPU launches.
+        self._cpu_worker: ThreadPoolExecutor | None = None
+        self.cpu_threads = max(1, physical_cores() - 1) if device.type == "cuda" else None
         self.stream_min_tokens = stream_min_tokens
         buffers = 2 if double_buffer else 1
         self.streamer = LayerStreamer(
@@ -153,16 +163,14 @@ class OffloadedExpertBank:
         misses = self._misses(uniq_l, counts_l, lids.numel())
         # The CPU branch needs the activations: start their copy before the fills.
         staged = self._stage_hidden(hidden) if misses and self.policy != "transfer" else None
-        on_cpu, fetched = self._place(misses, uniq_l)
-        part = None
-        if on_cpu:
-            if staged is None:
-                staged = self._stage_hidden(hidden)
-            hidden_cpu, ready = staged
+
+        def cpu_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            hidden_cpu, ready = staged if staged is not None else self._stage_hidden(hidden)
             if ready is not None:
                 ready.synchronize()
-            # While the fills cross the link: publishing them first would wait for them.
-            part = self._run_on_cpu(hidden_cpu, lids.cpu(), topk_weights.cpu(), on_cpu)
+            return hidden_cpu, lids.cpu(), topk_weights.cpu()
+
+        part, fetched = self._place(misses, uniq_l, cpu_inputs)
         self.cache.publish(fetched)
         rows = self.cache.slot_of[lids]  # [T, K] slot, -1 where the expert runs on the CPU
         out = fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights)
@@ -178,13 +186,6 @@ class OffloadedExpertBank:
         cache.touch(uniq)
         misses = [(c, lid) for lid, c in zip(uniq, counts, strict=True) if not cache.resident(lid)]
         misses.sort(key=lambda x: (-x[0], x[1]))
-        # Reuse evidence for `adaptive`: which misses this layer also asked for last step.
-        layer = uniq[0] // self.n_experts
-        step = self._layer_steps[layer] = self._layer_steps[layer] + 1
-        seen = self._last_step
-        self._recent = {lid for _, lid in misses if seen.get(lid) == step - 1}
-        for lid in uniq:
-            seen[lid] = step
         st = self.stats
         st.pairs += n_pairs
         st.experts += len(uniq)
@@ -192,48 +193,64 @@ class OffloadedExpertBank:
         return misses
 
     def _place(
-        self, misses: list[tuple[int, int]], uniq: list[int], after_compute: bool = True
-    ) -> tuple[list[int], list[int]]:
-        """Start fetching the policy's q of the misses into slots (the layer's own experts are
-        never evicted for them); returns (lids left to the CPU, lids filled). The caller
-        publishes the filled slots (`cache.publish`) once its CPU work is done."""
+        self,
+        misses: list[tuple[int, int]],
+        uniq: list[int],
+        cpu_inputs,
+        after_compute: bool = True,
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """Place the misses: the policy's share is filled into slots (the layer's own experts
+        are never evicted for them), the rest runs on the CPU, concurrently. `cpu_inputs()`
+        returns (hidden [T, H], lids [T, K], weights [T, K]) on the host. Returns (the CPU's
+        partial sum [T, H] on the host or None, the lids filled); the caller publishes the
+        filled slots (`cache.publish`) once it no longer needs to overlap them."""
         if not misses:
-            return [], []
+            return None, []
         self._observe_fills()
-        if self.policy == "adaptive":
-            want = self._adaptive_fetches(misses)
-        else:
-            want = [
-                lid for _, lid in misses[: fetch_count(self.policy, len(misses), self.bandwidths)]
-            ]
+        want = self._fetches(misses)
+        wanted = set(want)
+        on_cpu = [lid for _, lid in misses if lid not in wanted]
+        job = inputs = None
+        if on_cpu:
+            inputs = cpu_inputs()
+            job = self._submit_cpu(*inputs, on_cpu)
         fetched = self.cache.fill(
             want, protect=set(uniq), after_compute=after_compute, publish=False
         )
-        on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
+        part = job.result() if job is not None else None
+        left = [lid for lid in want if not self.cache.resident(lid)]  # every slot protected
+        if left:
+            inputs = inputs or cpu_inputs()
+            extra = self._run_on_cpu(*inputs, left)
+            part = extra if part is None else part + extra
         self.stats.fetched += len(fetched)
-        self.stats.on_cpu += len(on_cpu)
-        return on_cpu, fetched
+        self.stats.on_cpu += len(on_cpu) + len(left)
+        return part, fetched
 
-    def _adaptive_fetches(self, misses: list[tuple[int, int]]) -> list[int]:
-        """`adaptive`: which misses to fetch. q* (policy.py) balances the two branches of this
-        step only; a fill also evicts an expert and keeps the new one for later steps, which
-        pays only when the new one is more likely to be asked for again than the victim. So:
-        - misses this layer also asked for last step (reuse evidence: routing has temporal
-          locality) are fetched: their slot pays for itself over the next steps, as long as
-          most fills are hit before they are evicted (when the steps' working set is larger
-          than the cache, fills only evict each other: then reuse evidence counts for nothing);
-        - the others are split by q* only when the CPU branch is the slower one (B_H < B_P);
-          otherwise they run on the CPU. Without reuse evidence a fill is likely churn (the
-          victim was as likely to be reused), and both branches draw on the same host memory,
-          so the split buys less than the model says: on the H200 host near-uniform routing
-          ran at 17.7 tok/s split by q* against 22.3 with those misses on the CPU."""
-        admitted = self._recent if self.cache.useful_fills >= 0.5 else set()
-        recent = [lid for _, lid in misses if lid in admitted]
-        others = [lid for _, lid in misses if lid not in admitted]
-        bw = self.bandwidths
-        if bw.cpu < bw.pcie:
-            return recent + others[: fetch_count("adaptive", len(others), bw)]
-        return recent
+    def _fetches(self, misses: list[tuple[int, int]]) -> list[int]:
+        """Which misses the policy fills into slots, in order."""
+        lids = [lid for _, lid in misses]
+        if self.policy == "adaptive":
+            return self._adaptive_fetches(lids)
+        return lids[: fetch_count(self.policy, len(lids), self.bandwidths)]
+
+    def _adaptive_fetches(self, lids: list[int]) -> list[int]:
+        """`adaptive`: q* (policy.py) balances the two branches of this step only; a fill also
+        keeps its expert for later steps and evicts another, which the cache measures
+        (`ExpertCache.fill_gain`: does routing ask for the filled expert or its victim first):
+        - fills pay (temporal locality): fetch every miss; one run on the CPU instead would
+          leave the expert to miss again on the next steps (on the H200 host, native routing
+          at 12 layers ran at 406 tok/s fetching all against 299 splitting by q*);
+        - fills neither pay nor cost (near-uniform routing): split by q*;
+        - fills cost (the steps' working set exceeds the cache: victims are needed again
+          before fills are): fetch none, so the cache keeps what it has.
+        Free slots cost no victim: misses always fill those."""
+        cache = self.cache
+        gain = cache.fill_gain
+        if gain > FETCH_ALL_GAIN:
+            return lids
+        q = 0 if gain < FETCH_NONE_GAIN else fetch_count("adaptive", len(lids), self.bandwidths)
+        return lids[: max(q, min(cache.free_slots, len(lids)))]
 
     # --- decode under captured graphs (engine/segmented_graphs.py) --------------------------
     def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:
@@ -279,17 +296,18 @@ class OffloadedExpertBank:
         misses = self._misses(uniq_l, counts.tolist(), ids.size)
         if not misses:
             return False
+
         # Everything queued on the device now is either finished (up to this layer's segment)
         # or speculative and about to run again: the fills need not wait for it.
-        on_cpu, fetched = self._place(misses, uniq_l, after_compute=False)
-        if on_cpu:
-            lids = torch.from_numpy(ids)
-            weights = io.weights[layer, :n_tokens]
-            part = self._run_on_cpu(io.hidden[layer, :n_tokens], lids, weights, on_cpu)
+        def cpu_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return io.hidden[layer, :n_tokens], torch.from_numpy(ids), io.weights[layer, :n_tokens]
+
+        part, fetched = self._place(misses, uniq_l, cpu_inputs, after_compute=False)
+        if part is not None:
             stage = io.cpu_stage[layer, :n_tokens]
             stage.copy_(part)
             io.cpu_part[layer, :n_tokens].copy_(stage, non_blocking=True)
-        self.cache.publish(fetched)  # after the CPU work, which overlapped the copies
+        self.cache.publish(fetched)
         return True
 
     def _stage_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, object]:
@@ -325,6 +343,16 @@ class OffloadedExpertBank:
         self.stats.pairs += topk_ids.numel()
         return out
 
+    def _submit_cpu(self, hidden, lids, topk_weights, on_cpu: list[int]):
+        """Start the CPU branch: on the worker thread under CUDA (so the fills can be issued
+        meanwhile), inline on a CPU device (its "fills" are plain copies on the same cores).
+        Returns an object with `result()`."""
+        if self.device.type != "cuda":
+            return _Done(self._run_on_cpu(hidden, lids, topk_weights, on_cpu))
+        if self._cpu_worker is None:
+            self._cpu_worker = ThreadPoolExecutor(1, thread_name_prefix="freetoken-cpu-experts")
+        return self._cpu_worker.submit(self._run_on_cpu, hidden, lids, topk_weights, on_cpu)
+
     def _run_on_cpu(
         self,
         hidden: torch.Tensor,  # [T, H] on the host
@@ -334,10 +362,12 @@ class OffloadedExpertBank:
     ) -> torch.Tensor:
         """The pairs whose expert stays in the pool, computed from the pool on the CPU; times
         itself to re-estimate B_H. Returns [T, H] on the host."""
-        mask = torch.isin(lids, torch.tensor(on_cpu, dtype=lids.dtype))
-        rows = torch.where(mask, lids, -1)  # [T, K] pool rows, -1 elsewhere
+        ids = lids.numpy()
+        rows = torch.from_numpy(np.where(np.isin(ids, on_cpu), ids, -1))  # [T, K], -1: skip
         start = time.perf_counter()
-        part = calibration.cpu_experts(hidden, self.pool.w13, self.pool.w2, rows, topk_weights)
+        part = calibration.cpu_experts(
+            hidden, self.pool.w13, self.pool.w2, rows, topk_weights, threads=self.cpu_threads
+        )
         if self.device.type == "cuda":
             nbytes = len(on_cpu) * self.pool.expert_bytes
             seconds = time.perf_counter() - start
@@ -346,3 +376,13 @@ class OffloadedExpertBank:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
+
+
+class _Done:
+    """A finished result with the `result()` of a future (the inline CPU branch)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def result(self):
+        return self.value

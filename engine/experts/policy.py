@@ -15,10 +15,11 @@ routing has little temporal locality and fills would mostly evict experts that w
 hit. Both bandwidths are measured (`freetoken calibrate`) and re-estimated online from observed
 timings; the policy only sees the current estimates.
 
-`adaptive` applies q* with one correction measured on the device: a fill evicts an expert and
-keeps the new one, which pays only when routing will ask for the new one again. It fetches the
-misses its layer also asked for in the previous step, and splits the others by q* only when the
-CPU branch is the slower one (see `OffloadedExpertBank._adaptive_fetches`).
+`adaptive` applies q* with one correction: a fill evicts an expert and keeps the new one, which
+pays only when routing asks for the new one before the victim. The cache measures that race
+(`ExpertCache.fill_gain`); adaptive fetches every miss when fills win it (temporal locality),
+splits by q* when neither does (near-uniform routing), and fetches none when victims win
+(thrashing). Free slots are always filled (see `OffloadedExpertBank._adaptive_fetches`).
 """
 
 from __future__ import annotations

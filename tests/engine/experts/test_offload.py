@@ -133,35 +133,88 @@ def test_host_runs_stay_inside_pinned_registrations(rng_seed):
             assert (base + lo) // pin == (base + hi - 1) // pin  # one registration per copy
 
 
-def test_adaptive_fetches_what_routing_reuses(tmp_path, rng_seed):
-    """`adaptive` fetches a miss when its layer asked for that expert last step too; other
-    misses run on the CPU, unless the CPU is the slower branch (then q* splits them)."""
+def _routing_stream(kind: str, rng: random.Random, layers: int, experts: int, k: int):
+    """Per step and layer, the experts routing asks for: "uniform" (k fresh draws), "local"
+    (the layer's set drifts by at most one expert a step) or "thrash" (four uniform tokens)."""
+    sets = [rng.sample(range(experts), k) for _ in range(layers)]
+    while True:
+        for layer in range(layers):
+            if kind == "uniform":
+                ids = rng.sample(range(experts), k)
+            elif kind == "local":
+                ids = sets[layer]
+                if rng.random() < 0.3:
+                    new = rng.choice([e for e in range(experts) if e not in ids])
+                    ids[rng.randrange(k)] = new
+            else:
+                ids = list({e for _ in range(4) for e in rng.sample(range(experts), k)})
+            yield [layer * experts + e for e in ids]
+
+
+@pytest.mark.parametrize(
+    ("kind", "slots", "low", "high"),
+    [("uniform", 458, -0.25, 0.25), ("local", 458, 0.6, 1.0), ("thrash", 202, -1.0, -0.1)],
+)
+def test_fill_gain_tells_locality_from_churn(kind, slots, low, high, rng_seed):
+    """The cache's race between each fill and its victim reads near 0 under uniform routing,
+    high with temporal locality and negative when the working set exceeds the cache (12
+    layers x 128 experts, top-8, every miss filled: the `transfer` stream)."""
     import torch
 
-    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    from freetoken_agent.engine.experts.cache import ExpertCache
+    from freetoken_agent.engine.experts.pool import ExpertPool
+
+    layers, experts, k = 12, 128, 8
+    pool = ExpertPool(torch.zeros(layers * experts, 2, 2), torch.zeros(layers * experts, 2, 1))
+    cache = ExpertCache(pool, slots, torch.device("cpu"))
+    stream = _routing_stream(kind, random.Random(rng_seed), layers, experts, k)
+    for _ in range(300 * layers):
+        lids = next(stream)
+        cache.touch(lids)
+        cache.fill([lid for lid in lids if not cache.resident(lid)], protect=set(lids))
+    assert low < cache.fill_gain < high, (kind, cache.fill_gain)
+    cache.check_integrity()
+
+
+def test_adaptive_follows_the_fill_gain(tmp_path, rng_seed):
+    """`adaptive` fills free slots with every miss, then fetches all misses when fills win
+    their race, q* of them when neither wins, none when victims win; results stay exact."""
+    import torch
+
+    from freetoken_agent.kernels.reference import fused_moe
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=6)
     engine = Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=9, progress=False)
-    bank = engine.loaded.bank
-    spec = engine.spec
+    bank, spec = engine.loaded.bank, engine.spec
+    e, k = spec.n_experts, spec.top_k
     gen = torch.Generator().manual_seed(rng_seed)
-    layer = int(torch.randint(spec.n_moe_layers, (1,), generator=gen))
-    ids = torch.randperm(spec.n_experts, generator=gen)[: spec.top_k].int()[None]  # [1, K]
-    hidden = torch.randn(1, spec.hidden_size, generator=gen)
-    weights = torch.rand(1, spec.top_k, generator=gen)
-    bank.bandwidths = Bandwidths(pcie=10e9, cpu=50e9)  # the CPU is faster: no reuse, no fill
-    first = bank(layer, hidden, ids, weights)
-    assert bank.stats.fetched == 0 and bank.stats.on_cpu == spec.top_k
-    second = bank(layer, hidden, ids, weights)  # asked again: now worth a slot
-    assert bank.stats.fetched == spec.top_k
-    torch.testing.assert_close(first, second, rtol=1e-5, atol=1e-5)
-    third = bank(layer, hidden, ids, weights)
-    assert bank.stats.hits == spec.top_k  # and it hits from then on
-    torch.testing.assert_close(first, third, rtol=1e-5, atol=1e-5)
-    bank.bandwidths = Bandwidths(pcie=50e9, cpu=10e9)  # a slow CPU: q* fetches most at once
-    other = (layer + 1) % spec.n_moe_layers
-    before = bank.stats.fetched
-    bank(other, hidden, ids, weights)
-    q = fetch_count("adaptive", spec.top_k, bank.bandwidths)
-    assert bank.stats.fetched - before == q > 0
+    bank.bandwidths = Bandwidths(pcie=30e9, cpu=10e9)
+    q = fetch_count("adaptive", k, bank.bandwidths)
+    assert 0 < q < k
+
+    def step(layer: int) -> tuple[int, int, int]:
+        ids = torch.randperm(e, generator=gen)[:k].int()[None]  # [1, K]
+        hidden = torch.randn(1, spec.hidden_size, generator=gen)
+        weights = torch.rand(1, k, generator=gen)
+        before = (bank.stats.fetched, bank.stats.on_cpu, bank.stats.hits)
+        free = bank.cache.free_slots
+        out = bank(layer, hidden, ids, weights)
+        want = fused_moe(hidden, bank.pool.w13, bank.pool.w2, ids + layer * e, weights)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        misses = k - (bank.stats.hits - before[2])
+        return bank.stats.fetched - before[0], misses, free
+
+    fetched, misses, _ = step(0)  # an empty cache: free slots take every miss
+    assert fetched == misses == k
+    counts = {"all": 0, "q": 0, "none": 0}
+    for gain, expect in ((0.9, "all"), (0.0, "q"), (-0.5, "none")) * 3:
+        bank.cache.fill_gain = gain
+        layer = int(torch.randint(spec.n_moe_layers, (1,), generator=gen))
+        fetched, misses, free = step(layer)
+        want = {"all": misses, "q": fetch_count("adaptive", misses, bank.bandwidths), "none": 0}
+        assert fetched == max(want[expect], min(free, misses)), (gain, fetched, misses, free)
+        counts[expect] += fetched
+    assert counts["all"] > counts["q"] > counts["none"]
     bank.check_integrity()
 
 
