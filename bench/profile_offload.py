@@ -5,9 +5,10 @@
 
 Builds the same random model as `bench offload`, captures segmented decode graphs, and times
 (with perf_counter, on the thread that drives the step) the phases of every decode step:
-waiting for a segment's routing (`wait`), the host's placement (`resolve`: of which `fill`
-issues the copies, `cpu` runs the CPU expert kernel, `publish` waits for the fills and publishes
-the slots), the trace replay (`trace`), and the rest of `engine.step` (scheduling, sampling).
+waiting for a segment's routing (`wait`), the host's placement (`resolve`, of which `place`
+decides, issues the fills (`fill`) and waits for the CPU branch; `cpu` is that branch on its
+worker thread, `kernel` the CPU expert kernel in it; `publish` publishes the filled slots), the
+trace replay (`trace`), and the rest of `engine.step` (scheduling, sampling).
 Prints one JSON line per (regime, policy).
 """
 
@@ -106,12 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     bank, model = engine.loaded.bank, engine.loaded.model
     print(json.dumps({"slots": bank.cache.n_slots, "b_p": b_p / 1e9, "b_h": b_h / 1e9}))
     timers = Timers()
-    for name, label in (
-        ("resolve", "resolve"),
-        ("_place", "fill"),
-        ("_run_on_cpu", "cpu"),
-    ):
+    for name, label in (("resolve", "resolve"), ("_place", "place"), ("_run_on_cpu", "cpu")):
         timers.wrap(bank, name, label)
+    timers.wrap(bank.cache, "fill", "fill")
     timers.wrap(bank.cache, "publish", "publish")
     timers.wrap(calibration, "cpu_experts", "kernel")
     print(json.dumps(_kernel_alone(bank)))
