@@ -1,0 +1,323 @@
+"""ChatFormat: a structured history rendered into token ids, with semantic anchors.
+
+    # C characters of the rendered text, T its tokens
+    prompt = ChatFormat(tokenizer).render(messages, tools)    # Prompt(token_ids [T], text [C],
+                                                              #        anchors sorted by offset)
+
+An anchor is a token index where a semantic unit begins or ends: `turn_start` (each message),
+`reasoning_start` / `reasoning_end` (the reasoning text of an assistant turn, markers such as
+`<think>` outside it), `tool_call` (where each call's block starts, separator included),
+`tool_output` (where a tool result's text starts) and `generation_prefix` (the end of the
+history, just before what the template appends with add_generation_prompt, e.g.
+`<|im_start|>assistant\\n<think>\\n`). The engine checkpoints recurrent state at anchors and a
+Session resumes from the deepest anchor before the point where a new history diverges.
+
+Anchors are found by rendering, never by searching marker strings, so they hold for any template:
+
+- turn starts: the history truncated before message i, rendered without generation prompt, is
+  normally a prefix of the full text; message i starts where it ends. Templates that look ahead
+  (Qwen3 drops the reasoning of turns followed by a newer user message; tool results grouped in
+  one turn close it only after the last) render the truncated history differently. Then a point
+  of message i-1 that both renderings share (the start of its last tool call, else the end of
+  its content, each located as below) is aligned, and message i-1's tail is followed from there
+  in the full text as far as it agrees; without such a point, the common prefix is used.
+- field spans (reasoning, tool output): the full history is rendered twice with that field
+  replaced by two sentinels that differ in their first and last characters; the common prefix
+  and suffix of the two renderings bound the field. A span is used only when the real text has
+  that same prefix and suffix (the field did not change the template's structure); a field the
+  template leaves out (stripped reasoning) renders both variants alike and gets no anchor.
+- tool calls: the history with message i's calls cut before call j diverges where call j begins.
+- generation prefix: where the rendering without add_generation_prompt ends.
+
+Tokens: the text is tokenized once, as a whole (what the model sees); character positions map to
+tokens by the tokenizer's offsets. A position inside a token moves back to the start of that token
+(`ids[:offset]` then lies entirely before the boundary: resuming there recomputes a little, never
+skips a token that belongs to the unit). Boundaries of chat templates sit next to special tokens or
+newlines in practice, where BPE splits anyway, so the prefix tokenizes the same alone or in the
+whole; `Anchor.char_offset` is where the anchor actually landed in the text.
+
+Cost: one render per message plus two per reasoning span or tool result and one per tool call;
+look-ahead repairs add four. Histories of a few hundred messages render in well under a second.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.text.chat_template import ChatTemplate, ChatTemplateError
+from freetoken_agent.engine.text.tokenizer import Tokenizer
+from freetoken_agent.messages import Message, coerce_messages, to_template_messages
+
+ANCHOR_KINDS = (
+    "turn_start",
+    "reasoning_start",
+    "reasoning_end",
+    "tool_call",
+    "tool_output",
+    "generation_prefix",
+)
+_KIND_ORDER = {kind: i for i, kind in enumerate(ANCHOR_KINDS)}
+# Sentinels for field probes: private-use characters no template tests for, differing in their
+# first and last characters so the common prefix/suffix of two renderings stops exactly at them.
+_SENTINELS = ("\U000f0001\U000f0101\U000f0003", "\U000f0002\U000f0102\U000f0004")
+
+
+@dataclass(slots=True, frozen=True)
+class Anchor:
+    """A semantic boundary of a Prompt. `offset` is a token index: `token_ids[:offset]` is the
+    prefix before the boundary; `char_offset` is the text position that prefix ends at."""
+
+    offset: int
+    kind: str
+    message_index: int  # into Prompt.messages; len(messages) for generation_prefix
+    char_offset: int
+
+
+@dataclass(slots=True)
+class Prompt:
+    """A rendered history. Owned by whoever rendered it; a Session keeps the last one it sent,
+    with the generated tokens appended. Invariant: anchors sorted by (offset, kind order), every
+    offset in [0, len(token_ids)]."""
+
+    token_ids: list[int]
+    text: str
+    anchors: list[Anchor] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    generation_prefix: str = ""  # what add_generation_prompt appended ("" when it was off)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def find(self, kind: str, message_index: int) -> Anchor | None:
+        """The first anchor of this kind for that message (None if the template left it out)."""
+        return next(
+            (a for a in self.anchors if a.kind == kind and a.message_index == message_index), None
+        )
+
+    def anchors_of(self, message_index: int) -> list[Anchor]:
+        return [a for a in self.anchors if a.message_index == message_index]
+
+    def deepest_anchor(self, offset: int) -> Anchor | None:
+        """The last anchor at or before token `offset` (ties: the later kind)."""
+        best = None
+        for anchor in self.anchors:
+            if anchor.offset > offset:
+                break
+            best = anchor
+        return best
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix (strings or lists), by halving slices (C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def common_suffix(a: str, b: str) -> int:
+    return common_prefix(a[::-1], b[::-1])
+
+
+def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict] | None:
+    """Tools as OpenAI JSON-schema dicts; a bare {"name", "parameters", ...} gets wrapped."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise InvalidRequestError(f"tool {i} must be a dict, got {type(tool).__name__}")
+        if "type" not in tool and "name" in tool:
+            tool = {"type": "function", "function": dict(tool)}
+        out.append(dict(tool))
+    return out
+
+
+class ChatFormat:
+    """A tokenizer, a chat template and fixed template variables (`enable_thinking=False`...).
+
+    The template is the tokenizer's (`template_name` picks a named one; by default "tool_use"
+    when tools are given and the model has it) unless `chat_template` gives Jinja source, as
+    transformers' `apply_chat_template(chat_template=...)` does."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        template_name: str | None = None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> None:
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "this model folder has no tokenizer.json: a chat history cannot be rendered"
+            )
+        self.tokenizer = tokenizer
+        self.template_name = template_name
+        self.template_kwargs = template_kwargs
+        self._override = (
+            ChatTemplate(chat_template, tokenizer.special_tokens) if chat_template else None
+        )
+
+    def template(self, tools: list[dict] | None) -> ChatTemplate:
+        if self._override is not None:
+            return self._override
+        return self.tokenizer.get_chat_template(self.template_name, tools)
+
+    def render(
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> Prompt:
+        records = coerce_messages(messages)
+        if not records:
+            raise InvalidRequestError("cannot render an empty history: give at least one message")
+        dicts = to_template_messages(records)
+        tools = normalize_tools(tools)
+        template = self.template(tools)
+        variables = {**self.template_kwargs, **kwargs}
+
+        def render(ds: list[dict], gen: bool) -> str:
+            return template.render(ds, tools=tools, add_generation_prompt=gen, **variables)
+
+        try:
+            full = render(dicts, add_generation_prompt)
+        except ChatTemplateError as e:
+            raise InvalidRequestError(f"the chat template rejected this history: {e}") from e
+        marks, gen_text = _Locator(render, dicts, full, add_generation_prompt).locate()
+        encoding = self.tokenizer.backend.encode(full, add_special_tokens=False)
+        ends = [end for _, end in encoding.offsets]  # [T] character end of each token
+        starts = [start for start, _ in encoding.offsets]
+        anchors = []
+        for char, kind, index in marks:
+            tok = bisect.bisect_right(ends, char)  # tokens lying wholly before `char`
+            landed = starts[tok] if tok < len(starts) else len(full)
+            anchors.append(Anchor(tok, kind, index, min(landed, char)))
+        anchors.sort(key=lambda a: (a.offset, a.char_offset, _KIND_ORDER[a.kind]))
+        return Prompt(list(encoding.ids), full, anchors, records, gen_text)
+
+
+class _Locator:
+    """Finds anchor positions (characters of `full`) by rendering variants of `dicts`."""
+
+    def __init__(self, render, dicts: list[dict], full: str, gen: bool) -> None:
+        self._render = render
+        self.dicts = dicts
+        self.full = full
+        self.gen = gen
+
+    def render(self, dicts: list[dict], gen: bool) -> str | None:
+        """A variant's text, or None when the template refuses it (some templates raise on a
+        history without a user message, as a truncated one can be)."""
+        try:
+            return self._render(dicts, gen)
+        except ChatTemplateError:
+            return None
+
+    def locate(self) -> tuple[list[tuple[int, str, int]], str]:
+        n = len(self.dicts)
+        end = len(self.full)
+        gen_text = ""
+        if self.gen:
+            history = self.render(self.dicts, False)
+            if history is not None:
+                end = common_prefix(history, self.full)
+                gen_text = self.full[end:]
+        starts: list[int | None] = [0] + [self.turn_start(i) for i in range(1, n)]
+        marks: list[tuple[int, str, int]] = []
+        last = 0
+        for i in range(n):
+            start = starts[i]
+            if start is not None:
+                start = last = max(start, last)  # boundaries never go backwards
+                marks.append((start, "turn_start", i))
+            stop = next((s for s in starts[i + 1 :] if s is not None), end)
+            for char, kind in self.inner_marks(i):
+                if last <= char <= stop:  # anything else did not resolve: no anchor
+                    marks.append((char, kind, i))
+        if self.gen:
+            marks.append((end, "generation_prefix", n))
+        return marks, gen_text
+
+    def inner_marks(self, i: int) -> list[tuple[int, str]]:
+        msg = self.dicts[i]
+        out = []
+        if msg["role"] == "assistant":
+            if msg.get("reasoning_content"):
+                span = self.field_span(self.dicts, i, "reasoning_content", self.full, self.gen)
+                if span is not None:
+                    out += [(span[0], "reasoning_start"), (span[1], "reasoning_end")]
+            for j in range(len(msg.get("tool_calls", []))):
+                start = self.call_start(self.dicts, i, j, self.full, self.gen)
+                if start is not None:
+                    out.append((start, "tool_call"))
+        elif msg["role"] == "tool":
+            span = self.field_span(self.dicts, i, "content", self.full, self.gen)
+            if span is not None:
+                out.append((span[0], "tool_output"))
+        return out
+
+    def turn_start(self, i: int) -> int | None:
+        """Where message i begins in the full text (1 <= i < n)."""
+        head = self.dicts[:i]
+        text = self.render(head, False)
+        if text is None:
+            return None
+        if self.full.startswith(text):
+            return len(text)
+        # The template rendered message i-1 (or earlier ones) differently once it saw later
+        # messages. Align a point of message i-1 known in both renderings, then follow its tail.
+        k = i - 1
+        if self.dicts[k].get("tool_calls"):
+            last_call = len(self.dicts[k]["tool_calls"]) - 1
+            here = self.call_start(head, k, last_call, text, False)
+            there = self.call_start(self.dicts, k, last_call, self.full, self.gen)
+        else:
+            span_here = self.field_span(head, k, "content", text, False)
+            span_there = self.field_span(self.dicts, k, "content", self.full, self.gen)
+            here = span_here[1] if span_here else None
+            there = span_there[1] if span_there else None
+        if here is None or there is None:
+            return common_prefix(text, self.full)
+        return there + common_prefix(text[here:], self.full[there:])
+
+    def field_span(
+        self, dicts: list[dict], i: int, key: str, reference: str, gen: bool
+    ) -> tuple[int, int] | None:
+        """[start, end) of message i's `key` in `reference` (= the rendering of `dicts`)."""
+        variants = []
+        for sentinel in _SENTINELS:
+            probe = [*dicts]
+            probe[i] = {**dicts[i], key: sentinel}
+            variants.append(self.render(probe, gen))
+        a, b = variants
+        if a is None or b is None or a == b:
+            return None
+        pre = common_prefix(a, b)
+        post = min(common_suffix(a, b), len(a) - pre, len(b) - pre)
+        start, end = pre, len(reference) - post
+        ok = reference.startswith(a[:pre]) and reference.endswith(a[len(a) - post :])
+        return (start, end) if ok and start <= end else None
+
+    def call_start(
+        self, dicts: list[dict], i: int, j: int, reference: str, gen: bool
+    ) -> int | None:
+        """Where call j of message i begins in `reference`: cut the calls before it."""
+        probe = [*dicts]
+        probe[i] = {**dicts[i], "tool_calls": dicts[i]["tool_calls"][:j]}
+        if not probe[i]["tool_calls"]:
+            del probe[i]["tool_calls"]
+        text = self.render(probe, gen)
+        return None if text is None else common_prefix(text, reference)

@@ -1,0 +1,355 @@
+"""The structured history: what an agent said, thought, called and got back.
+
+Records, one per message kind, each a `@dataclass(slots=True)`:
+
+    SystemMessage(content)
+    UserMessage(content)
+    AssistantMessage(content, reasoning, tool_calls)     tool_calls: list[ToolCall]
+    ToolCall(id, name, arguments)                        arguments: a dict, never a JSON string
+    ToolResult(tool_call_id, content, is_error, name)    the answer to one ToolCall
+
+`content` is a string or a list of OpenAI-style content parts ({"type": "text", "text": ...}).
+Records check their own fields when built; `validate_history` checks the conversation as a whole
+(every ToolResult answers an earlier, still unanswered ToolCall). Both raise
+`InvalidRequestError` (a ValueError) with a message naming the message index and the problem.
+
+Conversions: `to_template_messages` gives the plain dicts chat templates expect (OpenAI roles,
+`reasoning_content`, tool-call arguments as dicts, text parts joined); `to_openai_messages`
+gives the OpenAI wire form (arguments as JSON strings); `messages_from_openai` reads that form.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from freetoken_agent.engine.outputs import InvalidRequestError
+
+Content = str | list[dict[str, Any]]
+
+
+def _check_content(content: Any, where: str) -> None:
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise InvalidRequestError(
+            f"{where}: content must be a string or a list of content parts, "
+            f"got {type(content).__name__}"
+        )
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+            raise InvalidRequestError(
+                f"{where}: content part {j} must be a dict with a 'type' key, got {part!r:.80}"
+            )
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{where}: text content part {j} has no string 'text'")
+
+
+def content_text(content: Content, where: str = "message") -> str:
+    """A content value as one string: text parts joined with newlines (as vLLM does for
+    templates that expect strings). The engine is text-only: other part types are refused
+    rather than silently dropped."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text":
+            raise InvalidRequestError(
+                f"{where}: content part {j} has type {part.get('type')!r}; this engine takes "
+                "text only"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One function call the assistant asked for. `id` pairs it with its ToolResult."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.check("tool call")
+
+    def check(self, where: str) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise InvalidRequestError(f"{where}: id must be a non-empty string, got {self.id!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidRequestError(
+                f"{where} {self.id!r}: name must be a non-empty string, got {self.name!r}"
+            )
+        if not isinstance(self.arguments, dict):
+            raise InvalidRequestError(
+                f"{where} {self.id!r} ({self.name}): arguments must be a dict, got "
+                f"{type(self.arguments).__name__} (parse JSON strings first: "
+                "messages_from_openai does)"
+            )
+        bad = [k for k in self.arguments if not isinstance(k, str)]
+        if bad:
+            raise InvalidRequestError(
+                f"{where} {self.id!r} ({self.name}): argument names must be strings, got {bad[0]!r}"
+            )
+
+
+@dataclass(slots=True)
+class SystemMessage:
+    content: Content
+    role: ClassVar[str] = "system"
+
+    def __post_init__(self) -> None:
+        self.check("system message")
+
+    def check(self, where: str) -> None:
+        _check_content(self.content, where)
+
+
+@dataclass(slots=True)
+class UserMessage:
+    content: Content
+    role: ClassVar[str] = "user"
+
+    def __post_init__(self) -> None:
+        self.check("user message")
+
+    def check(self, where: str) -> None:
+        _check_content(self.content, where)
+
+
+@dataclass(slots=True)
+class AssistantMessage:
+    """A model turn: optional reasoning (the thinking text, without its <think> markers),
+    visible content and any tool calls, in the order templates render them."""
+
+    content: Content = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    role: ClassVar[str] = "assistant"
+
+    def __post_init__(self) -> None:
+        if self.content is None:  # APIs send content=None beside tool calls
+            self.content = ""
+        if isinstance(self.tool_calls, tuple):
+            self.tool_calls = list(self.tool_calls)
+        self.check("assistant message")
+
+    def check(self, where: str) -> None:
+        _check_content(self.content, where)
+        if self.reasoning is not None and not isinstance(self.reasoning, str):
+            raise InvalidRequestError(
+                f"{where}: reasoning must be a string or None, got {type(self.reasoning).__name__}"
+            )
+        if not isinstance(self.tool_calls, list):
+            raise InvalidRequestError(f"{where}: tool_calls must be a list of ToolCall")
+        ids = set()
+        for j, call in enumerate(self.tool_calls):
+            if not isinstance(call, ToolCall):
+                raise InvalidRequestError(
+                    f"{where}: tool call {j} must be a ToolCall, got {type(call).__name__}"
+                )
+            call.check(f"{where}: tool call {j}")
+            if call.id in ids:
+                raise InvalidRequestError(f"{where}: tool call id {call.id!r} appears twice")
+            ids.add(call.id)
+
+
+@dataclass(slots=True)
+class ToolResult:
+    """What a tool returned for the call `tool_call_id`. `is_error` marks a failed call; chat
+    templates have no field for it, so the content itself must say what went wrong."""
+
+    tool_call_id: str
+    content: Content
+    is_error: bool = False
+    name: str | None = None
+    role: ClassVar[str] = "tool"
+
+    def __post_init__(self) -> None:
+        self.check("tool result")
+
+    def check(self, where: str) -> None:
+        if not isinstance(self.tool_call_id, str) or not self.tool_call_id:
+            raise InvalidRequestError(
+                f"{where}: tool_call_id must be a non-empty string, got {self.tool_call_id!r}"
+            )
+        _check_content(self.content, where)
+        if not isinstance(self.is_error, bool):
+            raise InvalidRequestError(f"{where}: is_error must be a bool")
+        if self.name is not None and not isinstance(self.name, str):
+            raise InvalidRequestError(f"{where}: name must be a string or None")
+
+
+Message = SystemMessage | UserMessage | AssistantMessage | ToolResult
+MESSAGE_TYPES = (SystemMessage, UserMessage, AssistantMessage, ToolResult)
+
+
+def validate_history(messages: Sequence[Message]) -> None:
+    """Check every record and the pairing of tool calls with results.
+
+    A ToolResult must answer a call made earlier and not answered yet. Ids may be reused once
+    answered (some models number calls from 0 every turn): a result pairs with the latest
+    pending call of its id."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise InvalidRequestError("messages must be a list of message records")
+    pending: dict[str, str] = {}  # call id -> tool name, for calls not answered yet
+    answered: set[str] = set()
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, MESSAGE_TYPES):
+            role = msg.get("role") if isinstance(msg, Mapping) else None
+            hint = f" (a dict with role {role!r}: use messages_from_openai)" if role else ""
+            raise InvalidRequestError(
+                f"message {i}: unknown message type {type(msg).__name__}{hint}; expected "
+                "SystemMessage, UserMessage, AssistantMessage or ToolResult"
+            )
+        where = f"message {i} ({msg.role})"
+        msg.check(where)
+        if isinstance(msg, AssistantMessage):
+            for call in msg.tool_calls:
+                if call.id in pending:
+                    raise InvalidRequestError(
+                        f"{where}: tool call id {call.id!r} is still waiting for its result "
+                        "from an earlier turn"
+                    )
+                pending[call.id] = call.name
+        elif isinstance(msg, ToolResult):
+            cid = msg.tool_call_id
+            if cid not in pending:
+                state = "was already answered" if cid in answered else "matches no earlier call"
+                raise InvalidRequestError(f"{where}: tool result for id {cid!r} {state}")
+            del pending[cid]
+            answered.add(cid)
+
+
+# --------------------------------------------------------------------------- conversions
+
+
+def _call_dict(call: ToolCall, json_arguments: bool) -> dict[str, Any]:
+    args: Any = json.dumps(call.arguments, ensure_ascii=False) if json_arguments else call.arguments
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": args}}
+
+
+def _to_dict(msg: Message, index: int, template: bool) -> dict[str, Any]:
+    where = f"message {index} ({msg.role})"
+    # Templates mostly expect strings (a list becomes '' in Qwen's); the wire form keeps parts.
+    content = content_text(msg.content, where) if template else msg.content
+    out: dict[str, Any] = {"role": msg.role, "content": content}
+    if isinstance(msg, AssistantMessage):
+        if msg.reasoning is not None:
+            out["reasoning_content"] = msg.reasoning
+        if msg.tool_calls:
+            out["tool_calls"] = [_call_dict(c, json_arguments=not template) for c in msg.tool_calls]
+    elif isinstance(msg, ToolResult):
+        out["tool_call_id"] = msg.tool_call_id
+        if msg.name is not None:
+            out["name"] = msg.name
+    return out
+
+
+def to_template_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Plain dicts for a chat template: arguments stay dicts (templates `tojson` them), reasoning
+    travels as `reasoning_content`, text parts are joined into one string."""
+    return [_to_dict(m, i, template=True) for i, m in enumerate(messages)]
+
+
+def to_openai_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """The OpenAI chat-completions form: arguments as JSON strings, content parts kept."""
+    return [_to_dict(m, i, template=False) for i, m in enumerate(messages)]
+
+
+_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+def _calls_from_openai(raw: Any, where: str) -> list[ToolCall]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise InvalidRequestError(f"{where}: tool_calls must be a list")
+    calls = []
+    for j, item in enumerate(raw):
+        w = f"{where}: tool call {j}"
+        if not isinstance(item, Mapping):
+            raise InvalidRequestError(f"{w} must be a dict")
+        fn = item.get("function", item)  # the nested OpenAI form, or a flat {name, arguments}
+        if not isinstance(fn, Mapping):
+            raise InvalidRequestError(f"{w}: 'function' must be a dict")
+        args = fn.get("arguments")
+        if args is None or args == "":
+            args = {}
+        elif isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(
+                    f"{w} ({fn.get('name')}): arguments are not JSON: {e}"
+                ) from e
+        try:
+            calls.append(ToolCall(id=item.get("id"), name=fn.get("name"), arguments=args))
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"{where}: {e}") from None
+    return calls
+
+
+def _message_from_openai(item: Any, i: int) -> Message:
+    try:
+        return _record_from_openai(item, i)
+    except InvalidRequestError as e:
+        text = str(e)
+        raise InvalidRequestError(
+            text if text.startswith("message ") else f"message {i}: {text}"
+        ) from None
+
+
+def _record_from_openai(item: Any, i: int) -> Message:
+    if not isinstance(item, Mapping):
+        raise InvalidRequestError(f"message {i} must be a dict, got {type(item).__name__}")
+    role = item.get("role")
+    where = f"message {i} ({role})"
+    content = item.get("content")
+    if role in ("system", "developer"):
+        return SystemMessage(content if content is not None else "")
+    if role == "user":
+        if content is None:
+            raise InvalidRequestError(f"{where}: a user message needs content")
+        return UserMessage(content)
+    if role == "assistant":
+        reasoning = next((item[k] for k in _REASONING_KEYS if item.get(k) is not None), None)
+        calls = _calls_from_openai(item.get("tool_calls"), where)
+        if isinstance(content, list):
+            # Assistant text parts are one reply split up: join them without separators.
+            content = "".join(content_text([p], where) for p in content)
+        return AssistantMessage(content or "", reasoning, calls)
+    if role == "tool":
+        return ToolResult(
+            tool_call_id=item.get("tool_call_id"),
+            content=content if content is not None else "",
+            is_error=bool(item.get("is_error", False)),
+            name=item.get("name"),
+        )
+    raise InvalidRequestError(
+        f"message {i}: unknown role {role!r}; expected system, developer, user, assistant or tool"
+    )
+
+
+def messages_from_openai(items: Iterable[Mapping[str, Any]]) -> list[Message]:
+    """Records from OpenAI-style dicts (role/content/tool_calls/tool_call_id; reasoning under
+    `reasoning_content`, `reasoning` or `thinking`), validated as a history."""
+    if isinstance(items, (str, bytes, Mapping)):
+        raise InvalidRequestError("messages must be a list of message dicts")
+    messages = [_message_from_openai(item, i) for i, item in enumerate(items)]
+    validate_history(messages)
+    return messages
+
+
+def coerce_messages(items: Iterable[Message | Mapping[str, Any]]) -> list[Message]:
+    """Records as given, dicts converted; then the whole history is validated."""
+    if isinstance(items, (str, bytes, Mapping)):
+        raise InvalidRequestError("messages must be a list of messages")
+    out = [
+        m if isinstance(m, MESSAGE_TYPES) else _message_from_openai(m, i)
+        for i, m in enumerate(items)
+    ]
+    validate_history(out)
+    return out

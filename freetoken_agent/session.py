@@ -1,0 +1,274 @@
+"""Session: one agent conversation against an Engine, rendered and diffed turn by turn.
+
+    session = Session(engine, system="...", tools=[...], temperature=0, max_tokens=256)
+    for event in session.send(messages): ...         # TextDelta... then Usage
+    session.diff(messages)                           # what the next send would reuse
+
+Agents resend their whole history every turn (OpenAI style). The Session renders it (ChatFormat:
+token ids + anchors), compares the ids with what it last sent (the previous prompt plus the
+tokens generated after it) and submits the new prompt. The engine's radix tree reuses KV up to
+the common prefix on its own; the diff says beforehand how much that will be and which anchor
+is the deepest at or before the divergence (where recurrent layers would resume), and per-turn
+stats record what the engine then reported.
+
+Streaming: without a parser, `send` yields `TextDelta`s of the raw text. `parser_factory(prompt)`
+returns an object with `feed(text) -> iterable of events` and `finish() -> iterable of events`
+(the reasoning / tool-call parsers of `freetoken_agent.parsers`); it gets the Prompt so it can see
+what the generation prefix opened (`prompt.generation_prefix`, e.g. "...<think>\\n").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt, common_prefix
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.hooks import ToolHooks, ToolRun, arun_tool, run_tool
+from freetoken_agent.messages import (
+    Message,
+    SystemMessage,
+    ToolCall,
+    ToolResult,
+    coerce_messages,
+)
+
+
+@dataclass(slots=True)
+class TextDelta:
+    """Generated text, in order; the deltas of a turn add up to its whole text."""
+
+    text: str
+
+
+@dataclass(slots=True)
+class Usage:
+    """The last event of a turn. Reuse figures are the engine's own when it could attribute them
+    to this request (`exact`), else the Session's prediction from the diff."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    exact: bool = True
+
+
+@dataclass(slots=True)
+class HistoryDiff:
+    """A new history against what the Session last sent (prompt + generated tokens)."""
+
+    first_divergence: int  # tokens the new prompt shares with the last sent sequence
+    anchor: Anchor | None  # deepest anchor of the new prompt with offset <= first_divergence
+    reused_tokens: int  # KV the engine can reuse: the shared tokens that it has computed
+    prefill_tokens: int  # len(prompt) - reused_tokens
+    prompt: Prompt  # the new rendering
+
+    @property
+    def resume_offset(self) -> int:
+        """Where a model with recurrent layers resumes: the anchor (0 without one)."""
+        return self.anchor.offset if self.anchor is not None else 0
+
+
+class StreamParser(Protocol):
+    def feed(self, text: str) -> Iterable[Any]: ...
+
+    def finish(self) -> Iterable[Any]: ...
+
+
+ParserFactory = Callable[[Prompt], StreamParser]
+_UNSET: Any = object()
+
+
+class Session:
+    def __init__(
+        self,
+        engine: Any,
+        system: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_format: ChatFormat | None = None,
+        *,
+        parser_factory: ParserFactory | None = None,
+        hooks: ToolHooks | None = None,
+        **sampling_defaults: Any,
+    ) -> None:
+        self.engine = engine
+        self.system = system
+        self.tools = list(tools) if tools is not None else None
+        self.chat_format = chat_format or ChatFormat(engine.tokenizer)
+        self.parser_factory = parser_factory
+        self.hooks = hooks or ToolHooks()
+        self.sampling_defaults = dict(sampling_defaults)
+        self.sampling()  # unknown or invalid options fail here, not at the first turn
+        self.turn_stats: list[dict[str, Any]] = []
+        self.tool_runs: dict[str, ToolRun] = {}
+        self.last_prompt: Prompt | None = None  # the last prompt sent, as rendered
+        self.last_output_ids: list[int] = []  # tokens generated after it
+        self.last_output_text = ""
+        self._kv_tokens = 0  # leading tokens of the last sent sequence whose KV the engine has
+
+    # --- rendering and diffing ------------------------------------------------------------
+    def sampling(self, overrides: SamplingParams | Mapping[str, Any] | None = None):
+        """SamplingParams from the session's defaults; a mapping overrides some of them."""
+        if isinstance(overrides, SamplingParams):
+            return overrides
+        options = {**self.sampling_defaults, **(overrides or {})}
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(SamplingParams)})
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling option(s): {', '.join(unknown)}")
+        try:
+            return SamplingParams(**options)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+
+    def render(self, messages: Sequence[Message | Mapping[str, Any]]) -> Prompt:
+        """The prompt for `messages`, behind the session's system message and with its tools.
+        Anchor message indices count the system message."""
+        records = coerce_messages(messages)
+        if self.system is not None:
+            if records and isinstance(records[0], SystemMessage):
+                raise InvalidRequestError(
+                    "the history starts with a system message but this Session already has "
+                    "system=...; give one or the other"
+                )
+            records = [SystemMessage(self.system), *records]
+        return self.chat_format.render(records, tools=self.tools)
+
+    @property
+    def last_sent(self) -> list[int]:
+        """The token sequence the engine last saw: prompt + generated tokens."""
+        if self.last_prompt is None:
+            return []
+        return self.last_prompt.token_ids + self.last_output_ids
+
+    def diff(self, messages: Sequence[Message | Mapping[str, Any]]) -> HistoryDiff:
+        prompt = self.render(messages)
+        shared = common_prefix(self.last_sent, prompt.token_ids)
+        # The engine computes the logits of a prompt's last token itself, and it never has the
+        # KV of the last generated token, hence the two caps.
+        reused = max(0, min(shared, self._kv_tokens, len(prompt) - 1))
+        return HistoryDiff(
+            shared, prompt.deepest_anchor(shared), reused, len(prompt) - reused, prompt
+        )
+
+    # --- a turn ---------------------------------------------------------------------------
+    def send(
+        self,
+        messages: Sequence[Message | Mapping[str, Any]],
+        sampling: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        parser_factory: ParserFactory | None = _UNSET,
+    ) -> Iterator[Any]:
+        """Render, diff, generate. Yields TextDelta (or the parser's events), then Usage.
+        Closing the iterator early aborts the request; what was generated so far is kept as
+        sent (the engine caches it too)."""
+        diff = self.diff(messages)
+        params = self.sampling(sampling)
+        factory = self.parser_factory if parser_factory is _UNSET else parser_factory
+        parser = factory(diff.prompt) if factory is not None else None
+        before = _totals(self.engine)
+        out_ids: list[int] = []
+        out_text: list[str] = []
+        end: dict[str, Any] = {"reason": None, "error": None, "started": False}
+        stream = self.engine.stream(diff.prompt.token_ids, params)
+        try:
+            for event in stream:
+                end["started"] = True
+                if event.token_id is not None:
+                    out_ids.append(event.token_id)
+                if event.finished:
+                    end["reason"], end["error"] = event.finish_reason, event.error
+                if event.text:
+                    out_text.append(event.text)
+                    yield from parser.feed(event.text) if parser else [TextDelta(event.text)]
+            if parser is not None:
+                yield from parser.finish()
+        finally:
+            stream.close()  # aborts the request if we were closed early
+            if end["started"]:
+                self._record(diff, out_ids, "".join(out_text), end["reason"] or "abort")
+        usage = self._usage(diff, out_ids, end, before)
+        if not end["started"]:  # the engine yielded nothing at all: nothing was sent
+            raise RuntimeError("the engine's stream ended without a single event")
+        self.turn_stats[-1].update(
+            reused_tokens=usage.reused_tokens,
+            prefilled_tokens=usage.prefilled_tokens,
+            source="engine" if usage.exact else "predicted",
+        )
+        yield usage
+
+    def _record(self, diff: HistoryDiff, out_ids: list[int], text: str, reason: str) -> None:
+        self.last_prompt = diff.prompt
+        self.last_output_ids = list(out_ids)
+        self.last_output_text = text
+        # After a clean or aborted finish the engine caches every token it computed: the prompt
+        # and all generated tokens but the last. After an error it caches nothing.
+        n = len(diff.prompt) + len(out_ids) - 1
+        self._kv_tokens = n if out_ids and reason != "error" else 0
+        anchor = diff.anchor
+        self.turn_stats.append(
+            {
+                "turn": len(self.turn_stats),
+                "prompt_tokens": len(diff.prompt),
+                "completion_tokens": len(out_ids),
+                "first_divergence": diff.first_divergence,
+                "anchor": None if anchor is None else dataclasses.asdict(anchor),
+                "predicted_reused": diff.reused_tokens,
+                "reused_tokens": diff.reused_tokens,
+                "prefilled_tokens": diff.prefill_tokens,
+                "source": "predicted",
+                "finish_reason": reason,
+            }
+        )
+
+    def _usage(self, diff: HistoryDiff, out_ids: list[int], end: dict, before) -> Usage:
+        after = _totals(self.engine)
+        reused, prefilled, exact = diff.reused_tokens, diff.prefill_tokens, False
+        if before is not None and after is not None and after[2] - before[2] == 1:
+            # Exactly one request finished during the turn, so it was ours: the engine's
+            # counters moved by our request's figures alone.
+            reused, prefilled, exact = after[0] - before[0], after[1] - before[1], True
+        return Usage(
+            len(diff.prompt), len(out_ids), reused, prefilled, end["reason"], end["error"], exact
+        )
+
+    # --- tools ----------------------------------------------------------------------------
+    def run_tool(self, call: ToolCall, fn: Callable[..., Any]) -> ToolResult:
+        """Run `fn(**call.arguments)` through the session's hooks; the ToolResult to append."""
+        run = run_tool(call, fn, self.hooks, self)
+        self.tool_runs[call.id] = run
+        return run.result
+
+    async def arun_tool(
+        self, call: ToolCall, fn: Callable[..., Awaitable[Any] | Any]
+    ) -> ToolResult:
+        run = await arun_tool(call, fn, self.hooks, self)
+        self.tool_runs[call.id] = run
+        return run.result
+
+    def anchor_for(self, tool_call_id: str) -> Anchor | None:
+        """The anchor a change to that call's result touches: the tool_output anchor of the
+        message carrying it in the last sent prompt (its turn_start if the template gave no
+        tool_output anchor). None until a prompt holding the result has been sent."""
+        prompt = self.last_prompt
+        if prompt is None:
+            return None
+        for index in range(len(prompt.messages) - 1, -1, -1):
+            msg = prompt.messages[index]
+            if isinstance(msg, ToolResult) and msg.tool_call_id == tool_call_id:
+                return prompt.find("tool_output", index) or prompt.find("turn_start", index)
+        return None
+
+
+def _totals(engine: Any) -> tuple[int, int, int] | None:
+    """(reused, prefilled, finished requests) from engine.stats(), when it reports them."""
+    try:
+        stats = engine.stats()
+        tokens, requests = stats["tokens"], stats["requests"]
+        return int(tokens["reused"]), int(tokens["prefilled"]), int(requests["finished"])
+    except (AttributeError, KeyError, TypeError):
+        return None
