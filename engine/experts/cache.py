@@ -25,7 +25,13 @@ OUTCOME_EMA = 0.01  # weight of the newest race outcome in `fill_gain`
 
 
 class ExpertCache:
-    def __init__(self, pool: ExpertPool, n_slots: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        pool: ExpertPool,
+        n_slots: int,
+        device: torch.device,
+        lids_per_layer: int | None = None,
+    ) -> None:
         if n_slots < 1:
             raise ValueError(f"the expert cache needs at least one slot, got {n_slots}")
         n_slots = min(n_slots, pool.n_rows)
@@ -46,14 +52,16 @@ class ExpertCache:
         self.fills = 0
         self.bytes_filled = 0
         self.fill_timings: list[tuple] = []  # (start, end, bytes) of fills, read by the bank
-        # Do fills pay? Each fill races its victim: whichever routing asks for first decides
-        # the outcome, +1 when the filled expert is hit first, -1 when the victim is asked for
-        # first (a miss the fill caused), 0 when the filled expert is evicted unasked. A fill
-        # into a free slot has no victim: +1 when hit, else 0. `fill_gain` is the running mean:
-        # about 0 under near-uniform routing (either is as likely to come first), positive
-        # with temporal locality, negative when the steps' working set exceeds the cache.
-        self._victim_of: dict[int, int] = {}  # filled lid, unresolved -> its victim (-1: none)
-        self._filled_for: dict[int, int] = {}  # victim lid -> the lid filled in its place
+        # Do fills pay? Each fill races its victim over one visit of each one's layer (a
+        # `touch` is one layer's visit; a lid's layer is lid // lids_per_layer): +1 when the
+        # filled expert is hit at its layer's next visit and the victim is not asked for at
+        # its own, -1 the other way round (a miss the fill caused), 0 for both or neither. A
+        # fill into a free slot has no victim. `fill_gain` is the running mean: 0 under
+        # near-uniform routing (each has the same chance at its one visit), positive with
+        # temporal locality, negative when the steps' working set exceeds the cache (fills
+        # are evicted before their layer comes round again).
+        self.lids_per_layer = lids_per_layer or pool.n_rows
+        self._races: dict[int, list[list[int]]] = {}  # layer -> races awaiting its next visit
         self.fill_gain = 0.0
         # Table entries of evicted lids not yet on the device: `publish` writes them with the
         # fills that replace them, on the copy stream, so compute sees both at once.
@@ -75,23 +83,33 @@ class ExpertCache:
         return self._slot_of[lid] >= 0
 
     def touch(self, lids: list[int]) -> None:
-        """Count hits and misses and move resident ones to the most-recent end of the LRU."""
+        """One layer's visit (its distinct lids): settle the fill races waiting on this layer,
+        count hits and misses, and move resident lids to the most-recent end of the LRU."""
+        if lids:
+            layer = lids[0] // self.lids_per_layer
+            races = self._races.pop(layer, None)
+            if races:
+                self._settle(races, layer, set(lids))
         for lid in lids:
             if self._slot_of[lid] >= 0:
                 self.hits += 1
                 self._lru.move_to_end(lid)
-                if lid in self._victim_of:
-                    self._settle(lid, 1.0)  # the fill was hit first
             else:
                 self.misses += 1
-                if lid in self._filled_for:
-                    self._settle(self._filled_for[lid], -1.0)  # its victim was asked first
 
-    def _settle(self, filled: int, outcome: float) -> None:
-        victim = self._victim_of.pop(filled)
-        if victim >= 0:
-            del self._filled_for[victim]
-        self.fill_gain += OUTCOME_EMA * (outcome - self.fill_gain)
+    def _settle(self, races: list[list[int]], layer: int, asked: set[int]) -> None:
+        """A race is [filled lid, victim lid or -1, filled's result, victim's result], a
+        result -1 until that side's layer is visited: the filled side wins when it is asked
+        for and still resident, the victim's when it is asked for and absent."""
+        per = self.lids_per_layer
+        for race in races:
+            filled, victim = race[0], race[1]
+            if filled // per == layer and race[2] < 0:
+                race[2] = int(filled in asked and self._slot_of[filled] >= 0)
+            if victim // per == layer and race[3] < 0:
+                race[3] = int(victim in asked and self._slot_of[victim] < 0)
+            if race[2] >= 0 and race[3] >= 0:
+                self.fill_gain += OUTCOME_EMA * (race[2] - race[3] - self.fill_gain)
 
     def fill(
         self, lids: list[int], protect: set[int], after_compute: bool = True, publish: bool = True
@@ -131,8 +149,6 @@ class ExpertCache:
         return filled
 
     def _fill_one(self, lid: int, protect: set[int]) -> bool:
-        if lid in self._filled_for:  # filled again before the race ended (no touch between)
-            self._settle(self._filled_for[lid], 0.0)
         slot, victim = self._take_slot(protect)
         if slot is None:
             return False
@@ -144,9 +160,11 @@ class ExpertCache:
         self._slot_of[lid] = slot
         self._lid_of[slot] = lid
         self._lru[lid] = None
-        self._victim_of[lid] = victim
-        if victim >= 0:
-            self._filled_for[victim] = lid
+        race = [lid, victim, -1, -1 if victim >= 0 else 0]
+        per = self.lids_per_layer
+        self._races.setdefault(lid // per, []).append(race)
+        if victim >= 0 and victim // per != lid // per:
+            self._races.setdefault(victim // per, []).append(race)
         return True
 
     def _take_slot(self, protect: set[int]) -> tuple[int | None, int]:
@@ -163,8 +181,6 @@ class ExpertCache:
 
     def _evict(self, lid: int) -> None:
         """Drop `lid` from the host-side maps; the device table is the caller's to update."""
-        if lid in self._victim_of:
-            self._settle(lid, 0.0)  # evicted before anyone asked: neither won
         slot = self._slot_of[lid]
         del self._lru[lid]
         self._slot_of[lid] = -1
@@ -240,8 +256,7 @@ class ExpertCache:
 
     def reset(self) -> None:
         """Empty every slot (benchmarks start each policy from the same state)."""
-        self._victim_of.clear()
-        self._filled_for.clear()
+        self._races.clear()
         self.fill_gain = 0.0
         self._unpublished.clear()
         for lid in list(self._lru):

@@ -40,9 +40,10 @@ from freetoken_agent.kernels.fused_moe import fused_moe
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
 
 # `adaptive` fetches every miss above FETCH_ALL_GAIN and none (beyond free slots) below
-# FETCH_NONE_GAIN, from ExpertCache.fill_gain. Simulated (LRU, 12 layers x 128 experts, top-8):
-# near-uniform routing wanders within +-0.12 of 0, a drifting working set sits at 0.9-0.97, a
-# batch of four near-uniform tokens in 202 slots (thrashing) at -0.2.
+# FETCH_NONE_GAIN, from ExpertCache.fill_gain. Simulated (LRU, 12 layers x 128 experts, top-8,
+# every miss filled; tests/engine/experts/test_offload.py): near-uniform routing stays within
+# +-0.04 of 0, a drifting working set at 0.91-0.95, four near-uniform tokens a step in 202
+# slots (thrashing) at -0.21 to -0.24.
 FETCH_ALL_GAIN = 0.25
 FETCH_NONE_GAIN = -0.1
 
@@ -84,16 +85,17 @@ class OffloadedExpertBank:
         self.spec = spec
         self.n_experts = spec.n_experts
         self.pool = pool
-        self.cache = ExpertCache(pool, n_slots, device)
+        self.cache = ExpertCache(pool, n_slots, device, lids_per_layer=spec.n_experts)
         self.device = device
         self.policy = policy
         self.bandwidths = bandwidths or Bandwidths()
         self.stats = OffloadStats()
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
-        # The CPU branch runs on a worker thread (the kernel drops the GIL) while this thread
-        # issues the fills, with one core left to this thread for that and the GPU launches.
-        self._cpu_worker: ThreadPoolExecutor | None = None
-        self.cpu_threads = max(1, physical_cores() - 1) if device.type == "cuda" else None
+        # Under graph decode the fills are issued by a worker thread while this thread runs
+        # the CPU branch (the kernel drops the GIL) on one core less. Not the other way round:
+        # the kernel's OpenMP team is this thread's, which torch's CPU ops share and keep
+        # warm; from a fresh thread the same kernel ran 3x slower on the H200 host.
+        self._fill_worker: ThreadPoolExecutor | None = None
         self.stream_min_tokens = stream_min_tokens
         buffers = 2 if double_buffer else 1
         self.streamer = LayerStreamer(
@@ -210,14 +212,24 @@ class OffloadedExpertBank:
         want = self._fetches(misses)
         wanted = set(want)
         on_cpu = [lid for _, lid in misses if lid not in wanted]
-        job = inputs = None
-        if on_cpu:
+        protect = set(uniq)
+        part = inputs = None
+        if on_cpu and want and not after_compute and self.device.type == "cuda":
+            # `after_compute=False`: the fills need not be ordered after this thread's stream.
+            if self._fill_worker is None:
+                self._fill_worker = ThreadPoolExecutor(1, thread_name_prefix="freetoken-fills")
+            job = self._fill_worker.submit(self.cache.fill, want, protect, False, False)
             inputs = cpu_inputs()
-            job = self._submit_cpu(*inputs, on_cpu)
-        fetched = self.cache.fill(
-            want, protect=set(uniq), after_compute=after_compute, publish=False
-        )
-        part = job.result() if job is not None else None
+            try:
+                part = self._run_on_cpu(*inputs, on_cpu, threads=max(1, physical_cores() - 1))
+            finally:
+                fetched = job.result()
+        else:
+            # The copies are asynchronous: issued first, they cross the link meanwhile.
+            fetched = self.cache.fill(want, protect, after_compute=after_compute, publish=False)
+            if on_cpu:
+                inputs = cpu_inputs()
+                part = self._run_on_cpu(*inputs, on_cpu)
         left = [lid for lid in want if not self.cache.resident(lid)]  # every slot protected
         if left:
             inputs = inputs or cpu_inputs()
@@ -343,30 +355,22 @@ class OffloadedExpertBank:
         self.stats.pairs += topk_ids.numel()
         return out
 
-    def _submit_cpu(self, hidden, lids, topk_weights, on_cpu: list[int]):
-        """Start the CPU branch: on the worker thread under CUDA (so the fills can be issued
-        meanwhile), inline on a CPU device (its "fills" are plain copies on the same cores).
-        Returns an object with `result()`."""
-        if self.device.type != "cuda":
-            return _Done(self._run_on_cpu(hidden, lids, topk_weights, on_cpu))
-        if self._cpu_worker is None:
-            self._cpu_worker = ThreadPoolExecutor(1, thread_name_prefix="freetoken-cpu-experts")
-        return self._cpu_worker.submit(self._run_on_cpu, hidden, lids, topk_weights, on_cpu)
-
     def _run_on_cpu(
         self,
         hidden: torch.Tensor,  # [T, H] on the host
         lids: torch.Tensor,  # [T, K] on the host
         topk_weights: torch.Tensor,  # [T, K] on the host
         on_cpu: list[int],
+        threads: int | None = None,
     ) -> torch.Tensor:
-        """The pairs whose expert stays in the pool, computed from the pool on the CPU; times
-        itself to re-estimate B_H. Returns [T, H] on the host."""
+        """The pairs whose expert stays in the pool, computed from the pool on the CPU (with
+        `threads` OpenMP threads, default every physical core); times itself to re-estimate
+        B_H. Returns [T, H] on the host."""
         ids = lids.numpy()
         rows = torch.from_numpy(np.where(np.isin(ids, on_cpu), ids, -1))  # [T, K], -1: skip
         start = time.perf_counter()
         part = calibration.cpu_experts(
-            hidden, self.pool.w13, self.pool.w2, rows, topk_weights, threads=self.cpu_threads
+            hidden, self.pool.w13, self.pool.w2, rows, topk_weights, threads=threads
         )
         if self.device.type == "cuda":
             nbytes = len(on_cpu) * self.pool.expert_bytes
@@ -376,13 +380,3 @@ class OffloadedExpertBank:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
-
-
-class _Done:
-    """A finished result with the `result()` of a future (the inline CPU branch)."""
-
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def result(self):
-        return self.value
