@@ -34,7 +34,7 @@ tokens by the tokenizer's offsets. A position inside a token moves back to the s
 (`ids[:offset]` then lies entirely before the boundary: resuming there recomputes a little, never
 skips a token that belongs to the unit). Boundaries of chat templates sit next to special tokens or
 newlines in practice, where BPE splits anyway, so the prefix tokenizes the same alone or in the
-whole; `Anchor.char_offset` is where the anchor actually landed in the text.
+whole; `Anchor.exact` says whether the token prefix ends exactly at the boundary.
 
 Cost: one render per message plus two per reasoning span or tool result and one per tool call;
 look-ahead repairs add four. Histories of a few hundred messages render in well under a second.
@@ -43,6 +43,8 @@ look-ahead repairs add four. Histories of a few hundred messages render in well 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,13 +70,17 @@ _SENTINELS = ("\U000f0001\U000f0101\U000f0003", "\U000f0002\U000f0102\U000f0004"
 
 @dataclass(slots=True, frozen=True)
 class Anchor:
-    """A semantic boundary of a Prompt. `offset` is a token index: `token_ids[:offset]` is the
-    prefix before the boundary; `char_offset` is the text position that prefix ends at."""
+    """A semantic boundary of a Prompt: text position `char_offset`, token index `offset`.
+
+    `token_ids[:offset]` holds the tokens lying wholly before the boundary. When `exact`, they
+    decode to `text[:char_offset]`; otherwise token `offset` straddles the boundary (BPE merged
+    across it) and the prefix stops short of it, at that token's start."""
 
     offset: int
     kind: str
     message_index: int  # into Prompt.messages; len(messages) for generation_prefix
     char_offset: int
+    exact: bool = True
 
 
 @dataclass(slots=True)
@@ -168,6 +174,8 @@ class ChatFormat:
         self._override = (
             ChatTemplate(chat_template, tokenizer.special_tokens) if chat_template else None
         )
+        self._added_ids = frozenset(tokenizer.backend.get_added_tokens_decoder())
+        self._cache: dict[tuple, Any] = {}  # what renders found, by message-prefix digest
 
     def template(self, tools: list[dict] | None) -> ChatTemplate:
         if self._override is not None:
@@ -196,115 +204,220 @@ class ChatFormat:
             full = render(dicts, add_generation_prompt)
         except ChatTemplateError as e:
             raise InvalidRequestError(f"the chat template rejected this history: {e}") from e
-        marks, gen_text = _Locator(render, dicts, full, add_generation_prompt).locate()
+        salt = json.dumps(
+            [id(template), template.source, tools, variables], default=str, sort_keys=True
+        ).encode("utf-8", "surrogatepass")
+        locator = _Locator(render, dicts, full, add_generation_prompt, self._cache, salt)
+        marks, gen_text = locator.locate()
         encoding = self.tokenizer.backend.encode(full, add_special_tokens=False)
+        ids = list(encoding.ids)  # [T]
         ends = [end for _, end in encoding.offsets]  # [T] character end of each token
         starts = [start for start, _ in encoding.offsets]
         anchors = []
         for char, kind, index in marks:
             tok = bisect.bisect_right(ends, char)  # tokens lying wholly before `char`
-            landed = starts[tok] if tok < len(starts) else len(full)
-            anchors.append(Anchor(tok, kind, index, min(landed, char)))
+            next_start = starts[tok] if tok < len(starts) else len(full)
+            if next_start < char and ids[tok] in self._added_ids:
+                # Added tokens (<|im_end|>, <tool_call>) are indivisible markers: a boundary
+                # inside one only means two compared renderings continued with markers that
+                # share leading characters ("<|im_end|>" vs "<tool_call>"). It is its start.
+                char = next_start
+            anchors.append(Anchor(tok, kind, index, char, exact=next_start >= char))
         anchors.sort(key=lambda a: (a.offset, a.char_offset, _KIND_ORDER[a.kind]))
-        return Prompt(list(encoding.ids), full, anchors, records, gen_text)
+        return Prompt(ids, full, anchors, records, gen_text)
+
+
+_CACHE_ENTRIES = 16384  # per ChatFormat; an entry is a few ints, cleared whole when full
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 class _Locator:
-    """Finds anchor positions (characters of `full`) by rendering variants of `dicts`."""
+    """Finds anchor positions (characters of `full`) by rendering variants of `dicts`.
 
-    def __init__(self, render, dicts: list[dict], full: str, gen: bool) -> None:
+    Contexts: R_j = the history truncated to its first j messages, rendered without generation
+    prompt, is "stable" when it is a prefix of the full text. A message's fields are probed in
+    the smallest stable context that holds it (the full text when there is none), where the text
+    up to R_j's end is the full text's own. What is found in a context depends only on the
+    messages it holds, so it is cached under their digest: a Session's next turn, which mostly
+    extends the history, renders only the new messages' contexts (agent histories grow to
+    hundreds of messages; rendering every truncation each turn would cost O(n^2) renders).
+    """
+
+    def __init__(self, render, dicts: list[dict], full: str, gen: bool, cache: dict, salt: bytes):
         self._render = render
         self.dicts = dicts
         self.full = full
+        self.full_bytes = full.encode("utf-8", "surrogatepass")
         self.gen = gen
+        self.cache = cache
+        self.keys = [_digest(salt)]  # keys[i] identifies dicts[:i] (with template and tools)
+        for d in dicts:
+            blob = json.dumps(d, sort_keys=True, ensure_ascii=False, default=str)
+            self.keys.append(_digest(self.keys[-1] + blob.encode("utf-8", "surrogatepass")))
+        self._texts: dict[int, str | None] = {}
 
     def render(self, dicts: list[dict], gen: bool) -> str | None:
         """A variant's text, or None when the template refuses it (some templates raise on a
-        history without a user message, as a truncated one can be)."""
+        history without a user query, as a truncated one can be)."""
         try:
             return self._render(dicts, gen)
         except ChatTemplateError:
             return None
 
+    def cached(self, key: tuple, compute):
+        if key not in self.cache:
+            if len(self.cache) >= _CACHE_ENTRIES:
+                self.cache.clear()
+            self.cache[key] = compute()
+        return self.cache[key]
+
+    # --- contexts: j in 1..n is R_j; n + 1 is the full text -----------------------------
+    def text(self, j: int) -> str | None:
+        if j > len(self.dicts):
+            return self.full
+        if j not in self._texts:
+            self._texts[j] = self.render(self.dicts[:j], False)
+        return self._texts[j]
+
+    def ctx_key(self, j: int) -> tuple:
+        n = len(self.dicts)
+        return (self.keys[n], self.gen) if j > n else (self.keys[j],)
+
+    def head(self, j: int) -> tuple[int, bytes] | None:
+        """(UTF-8 length, digest) of R_j, or None when the template refuses it."""
+
+        def compute():
+            text = self.text(j)
+            if text is None:
+                return None
+            data = text.encode("utf-8", "surrogatepass")
+            return len(text), len(data), _digest(data)
+
+        return self.cached(("head", *self.ctx_key(j)), compute)
+
+    def stable(self, j: int) -> bool:
+        head = self.head(j)
+        if head is None or head[1] > len(self.full_bytes):
+            return False
+        return _digest(memoryview(self.full_bytes)[: head[1]]) == head[2]
+
+    def ctx_dicts(self, j: int) -> list[dict]:
+        return self.dicts[:j] if j <= len(self.dicts) else self.dicts
+
+    def ctx_gen(self, j: int) -> bool:
+        return self.gen if j > len(self.dicts) else False
+
+    # --- the anchors --------------------------------------------------------------------
     def locate(self) -> tuple[list[tuple[int, str, int]], str]:
         n = len(self.dicts)
+        stable = [True] + [self.stable(j) for j in range(1, n + 1)]
+        ctx = [n + 1] * n  # smallest stable context holding message m
+        best = n + 1
+        for m in range(n - 1, -1, -1):
+            if stable[m + 1]:
+                best = m + 1
+            ctx[m] = best
         end = len(self.full)
         gen_text = ""
         if self.gen:
-            history = self.render(self.dicts, False)
-            if history is not None:
-                end = common_prefix(history, self.full)
-                gen_text = self.full[end:]
-        starts: list[int | None] = [0] + [self.turn_start(i) for i in range(1, n)]
+            if stable[n]:
+                end = self.head(n)[0]
+            elif self.text(n) is not None:
+                end = common_prefix(self.text(n), self.full)
+            gen_text = self.full[end:]
+        starts: list[int | None] = [0]
+        for m in range(1, n):
+            if stable[m]:
+                starts.append(self.head(m)[0])
+            else:
+                key = ("start", *self.ctx_key(ctx[m]), m)
+                starts.append(self.cached(key, lambda m=m: self.turn_start(m, ctx[m])))
         marks: list[tuple[int, str, int]] = []
         last = 0
-        for i in range(n):
-            start = starts[i]
+        for m in range(n):
+            start = starts[m]
             if start is not None:
                 start = last = max(start, last)  # boundaries never go backwards
-                marks.append((start, "turn_start", i))
-            stop = next((s for s in starts[i + 1 :] if s is not None), end)
-            for char, kind in self.inner_marks(i):
+                marks.append((start, "turn_start", m))
+            stop = next((s for s in starts[m + 1 :] if s is not None), end)
+            key = ("inner", *self.ctx_key(ctx[m]), m)
+            for char, kind in self.cached(key, lambda m=m: self.inner_marks(m, ctx[m])):
                 if last <= char <= stop:  # anything else did not resolve: no anchor
-                    marks.append((char, kind, i))
+                    marks.append((char, kind, m))
         if self.gen:
             marks.append((end, "generation_prefix", n))
         return marks, gen_text
 
-    def inner_marks(self, i: int) -> list[tuple[int, str]]:
-        msg = self.dicts[i]
+    def inner_marks(self, m: int, j: int) -> list[tuple[int, str]]:
+        """Reasoning, tool-call and tool-output marks of message m, found in context j."""
+        msg = self.dicts[m]
+        dicts, ref, gen = self.ctx_dicts(j), self.text(j), self.ctx_gen(j)
         out = []
+        if ref is None:
+            return out
         if msg["role"] == "assistant":
             if msg.get("reasoning_content"):
-                span = self.field_span(self.dicts, i, "reasoning_content", self.full, self.gen)
+                span = self.field_span(dicts, m, "reasoning_content", ref, gen)
                 if span is not None:
                     out += [(span[0], "reasoning_start"), (span[1], "reasoning_end")]
-            for j in range(len(msg.get("tool_calls", []))):
-                start = self.call_start(self.dicts, i, j, self.full, self.gen)
+            for c in range(len(msg.get("tool_calls", []))):
+                start = self.call_start(dicts, m, c, ref, gen)
                 if start is not None:
                     out.append((start, "tool_call"))
         elif msg["role"] == "tool":
-            span = self.field_span(self.dicts, i, "content", self.full, self.gen)
+            span = self.field_span(dicts, m, "content", ref, gen)
             if span is not None:
                 out.append((span[0], "tool_output"))
         return out
 
-    def turn_start(self, i: int) -> int | None:
-        """Where message i begins in the full text (1 <= i < n)."""
-        head = self.dicts[:i]
-        text = self.render(head, False)
-        if text is None:
+    def turn_start(self, m: int, j: int) -> int | None:
+        """Where message m begins in context j when R_m is not a prefix of it: the template
+        rendered message m-1 (or earlier ones) differently once it saw later messages. Align a
+        point of message m-1 known in both renderings, then follow m-1's tail from there."""
+        head, ref = self.text(m), self.text(j)
+        if head is None or ref is None:
             return None
-        if self.full.startswith(text):
-            return len(text)
-        # The template rendered message i-1 (or earlier ones) differently once it saw later
-        # messages. Align a point of message i-1 known in both renderings, then follow its tail.
-        k = i - 1
+        dicts, gen, k = self.ctx_dicts(j), self.ctx_gen(j), m - 1
         if self.dicts[k].get("tool_calls"):
             last_call = len(self.dicts[k]["tool_calls"]) - 1
-            here = self.call_start(head, k, last_call, text, False)
-            there = self.call_start(self.dicts, k, last_call, self.full, self.gen)
+            here = self.call_start(self.dicts[:m], k, last_call, head, False)
+            there = self.call_start(dicts, k, last_call, ref, gen)
         else:
-            span_here = self.field_span(head, k, "content", text, False)
-            span_there = self.field_span(self.dicts, k, "content", self.full, self.gen)
+            span_here = self.field_span(self.dicts[:m], k, "content", head, False)
+            span_there = self.field_span(dicts, k, "content", ref, gen)
             here = span_here[1] if span_here else None
             there = span_there[1] if span_there else None
         if here is None or there is None:
-            return common_prefix(text, self.full)
-        return there + common_prefix(text[here:], self.full[there:])
+            return common_prefix(head, ref)
+        return there + common_prefix(head[here:], ref[there:])
 
     def field_span(
         self, dicts: list[dict], i: int, key: str, reference: str, gen: bool
     ) -> tuple[int, int] | None:
-        """[start, end) of message i's `key` in `reference` (= the rendering of `dicts`)."""
+        """[start, end) of message i's `key` in `reference` (= the rendering of `dicts`).
+
+        A non-empty value is compared with one sentinel rendering: the sentinel's first and
+        last characters differ from the value's, so the common prefix and suffix stop exactly
+        at the field. An empty value might change the template's structure (`if content`), so
+        two sentinels are compared with each other and the result checked against the text."""
+        value = dicts[i].get(key)
+        single = (
+            isinstance(value, str)
+            and value != ""
+            and value[0] not in (_SENTINELS[0][0], _SENTINELS[1][0])
+            and value[-1] not in (_SENTINELS[0][-1], _SENTINELS[1][-1])
+        )
         variants = []
-        for sentinel in _SENTINELS:
+        for sentinel in _SENTINELS[:1] if single else _SENTINELS:
             probe = [*dicts]
             probe[i] = {**dicts[i], key: sentinel}
             variants.append(self.render(probe, gen))
-        a, b = variants
+        a, b = variants[0], variants[-1] if not single else reference
         if a is None or b is None or a == b:
-            return None
+            return None  # refused, or the template does not render the field
         pre = common_prefix(a, b)
         post = min(common_suffix(a, b), len(a) - pre, len(b) - pre)
         start, end = pre, len(reference) - post

@@ -255,7 +255,8 @@ def to_template_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
 
 
 def to_openai_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    """The OpenAI chat-completions form: arguments as JSON strings, content parts kept."""
+    """The OpenAI chat-completions form: arguments as JSON strings, content parts kept.
+    `ToolResult.is_error` has no field there and is left out (the content says what failed)."""
     return [_to_dict(m, i, template=False) for i, m in enumerate(messages)]
 
 
@@ -288,17 +289,28 @@ def _calls_from_openai(raw: Any, where: str) -> list[ToolCall]:
         try:
             calls.append(ToolCall(id=item.get("id"), name=fn.get("name"), arguments=args))
         except InvalidRequestError as e:
-            raise InvalidRequestError(f"{where}: {e}") from None
+            raise _relocated(e, "tool call", w) from None
     return calls
+
+
+def _relocated(error: InvalidRequestError, generic: str, where: str) -> InvalidRequestError:
+    """The error a record raised while being built, its generic place name made specific."""
+    text = str(error)
+    if text.startswith(generic):
+        text = where + text[len(generic) :]
+    return InvalidRequestError(text)
 
 
 def _message_from_openai(item: Any, i: int) -> Message:
     try:
         return _record_from_openai(item, i)
     except InvalidRequestError as e:
-        text = str(e)
-        raise InvalidRequestError(
-            text if text.startswith("message ") else f"message {i}: {text}"
+        if str(e).startswith("message "):
+            raise
+        role = item.get("role") if isinstance(item, Mapping) else None
+        kind = {"developer": "system", "tool": "tool result"}.get(role, role)
+        raise _relocated(
+            e, f"{kind} message" if role != "tool" else kind, f"message {i} ({role})"
         ) from None
 
 

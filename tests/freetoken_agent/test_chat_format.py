@@ -1,0 +1,416 @@
+"""ChatFormat: token ids equal the template's text tokenized, and every anchor sits exactly on
+the boundary it names, checked against oracles that parse the ChatML text independently."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from freetoken_agent.chat_format import ChatFormat, Prompt, normalize_tools
+from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.text.chat_template import ChatTemplate, ChatTemplateError
+from freetoken_agent.engine.text.tokenizer import Tokenizer
+from freetoken_agent.messages import (
+    AssistantMessage,
+    SystemMessage,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+    to_template_messages,
+)
+
+# A Qwen3-thinking-style template (the Qwen3 family's published structure, as in the
+# Thinking-2507 / 3.5 checkpoints): reasoning of assistant turns before the last user query is
+# dropped, turns after it always carry a think block, the generation prompt opens `<think>` when
+# thinking is on, tool calls use the XML form, tool results are grouped in one user turn, and a
+# history without a user query is refused. Model data used as a fixture.
+QWEN3_THINKING = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content|trim + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou have access to the following functions:\n\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + tool|tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nTo call a function reply in this format:\n<tool_call>\n<function=name>\n' }}
+    {{- '<parameter=key>\nvalue\n</parameter>\n</function>\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content|trim + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == 'user' and message.content is string %}
+        {%- if not (message.content.startswith('<tool_response>')
+                    and message.content.endswith('</tool_response>')) %}
+            {%- set ns.multi_step_tool = false %}
+            {%- set ns.last_query_index = index %}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if ns.multi_step_tool %}
+    {{- raise_exception('No user query found in messages.') }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == 'system' %}
+        {%- if not loop.first %}
+            {{- raise_exception('System message must be at the beginning.') }}
+        {%- endif %}
+    {%- elif message.role == 'user' %}
+        {{- '<|im_start|>user\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].split('<think>')[-1] %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content|trim + '\n</think>\n\n' }}
+            {{- content|trim }}
+        {%- else %}
+            {{- '<|im_start|>assistant\n' + content|trim }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- set call = tool_call.function if tool_call.function else tool_call %}
+            {%- if loop.first and content|trim %}
+                {{- '\n\n' }}
+            {%- elif not loop.first %}
+                {{- '\n' }}
+            {%- endif %}
+            {{- '<tool_call>\n<function=' + call.name + '>\n' }}
+            {%- if call.arguments is mapping %}
+                {%- for name, value in call.arguments|items %}
+                    {{- '<parameter=' + name + '>\n' }}
+                    {%- if value is string %}{{- value }}{%- else %}{{- value|tojson }}{%- endif %}
+                    {{- '\n</parameter>\n' }}
+                {%- endfor %}
+            {%- endif %}
+            {{- '</function>\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('Unexpected message role.') }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- else %}
+        {{- '<think>\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web.",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    },
+    {"name": "calc", "description": "Evaluate.", "parameters": {"type": "object"}},  # bare form
+]
+# Words with multi-byte text, punctuation runs and JSON-looking bits. Texts begin and end with a
+# letter so the templates' trim/strip leave them unchanged (the oracles compare them verbatim).
+WORDS = ["alpha", "beta", "gamma", "delta", "café", "naïve", "你好", "🙂", "x,", "{a:", "1}", "!?"]
+
+
+_serial = itertools.count()
+
+
+def rand_text(rng: random.Random, max_words: int = 8) -> str:
+    """Random words, unique per call (a serial number), so a text occurs once in a prompt."""
+    words = [rng.choice(WORDS) for _ in range(rng.randint(0, max_words))]
+    return " ".join([f"start{next(_serial)}", *words, "end"])
+
+
+def rand_history(rng: random.Random, reasoning: bool = True, end_with_user: bool = True) -> list:
+    """A random agent history: optional system, user turns, tool rounds, reasoning."""
+    history: list = [SystemMessage(rand_text(rng))] if rng.random() < 0.5 else []
+    n_call = 0
+    for _ in range(rng.randint(1, 4)):
+        history.append(UserMessage(rand_text(rng)))
+        for _ in range(rng.randint(0, 2)):
+            calls = []
+            for _ in range(rng.randint(1, 3)):
+                args = {
+                    f"p{i}": rng.choice([rand_text(rng, 2), rng.randint(-99, 999)])
+                    for i in range(rng.randint(0, 2))
+                }
+                calls.append(ToolCall(f"call_{n_call}", rng.choice(["search", "calc"]), args))
+                n_call += 1
+            think = rand_text(rng) if reasoning and rng.random() < 0.7 else None
+            content = rand_text(rng) if rng.random() < 0.6 else ""
+            history.append(AssistantMessage(content, think, calls))
+            history += [ToolResult(c.id, rand_text(rng), name=c.name) for c in calls]
+        think = rand_text(rng) if reasoning and rng.random() < 0.7 else None
+        history.append(AssistantMessage(rand_text(rng), think))
+    if end_with_user:
+        history.append(UserMessage(rand_text(rng)))
+    return history
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(ensure_demo_model(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(params=["demo", "qwen3"])
+def fmt(request, tok: Tokenizer) -> ChatFormat:
+    if request.param == "demo":
+        return ChatFormat(tok)
+    return ChatFormat(tok, chat_template=QWEN3_THINKING)
+
+
+def template_of(fmt: ChatFormat) -> ChatTemplate:
+    return fmt.template(None)
+
+
+def message_starts(text: str, tools_turn: bool) -> list[int]:
+    """Oracle for both ChatML templates: each message starts at `<|im_start|>`, except tool
+    results after the first of a group, which start at their `\n<tool_response>`. With tools
+    and no system message the templates open a system turn of their own (`tools_turn`), which
+    belongs to the first message."""
+    starts = []
+    for m in re.finditer(r"<\|im_start\|>|\n<tool_response>", text):
+        if m.group() == "\n<tool_response>" and text[: m.start()].endswith("<|im_start|>user"):
+            continue  # the first result of a group starts at its <|im_start|>user
+        starts.append(m.start())
+    if tools_turn:
+        del starts[1]  # the first message's own <|im_start|> follows the tools turn
+    return starts
+
+
+def check_token_prefix(tok: Tokenizer, prompt: Prompt) -> None:
+    for a in prompt.anchors:
+        head = tok.decode(prompt.token_ids[: a.offset], skip_special_tokens=False)
+        if a.exact:
+            assert head == prompt.text[: a.char_offset], a
+        else:  # the straddling token begins before the boundary and ends after it
+            assert prompt.text[: a.char_offset].startswith(head) and len(head) < a.char_offset
+            more = tok.decode(prompt.token_ids[: a.offset + 1], skip_special_tokens=False)
+            assert len(more) > a.char_offset, a
+
+
+def test_ids_and_text_match_the_template(fmt: ChatFormat, tok: Tokenizer, rng_seed: int) -> None:
+    rng = random.Random(rng_seed)
+    for _ in range(5):
+        history = rand_history(rng)
+        tools = TOOLS if rng.random() < 0.5 else None
+        prompt = fmt.render(history, tools=tools)
+        wrapped = [t if "type" in t else {"type": "function", "function": t} for t in tools or []]
+        text = template_of(fmt).render(to_template_messages(history), tools=wrapped or None)
+        assert prompt.text == text
+        assert prompt.token_ids == tok.encode(text)
+        assert prompt.messages == history
+        offsets = [(a.offset, a.char_offset) for a in prompt.anchors]
+        assert offsets == sorted(offsets)
+        assert all(0 <= a.offset <= len(prompt) for a in prompt.anchors)
+        check_token_prefix(tok, prompt)
+
+
+def test_turn_starts_are_message_boundaries(fmt: ChatFormat, tok: Tokenizer, rng_seed: int) -> None:
+    """Histories with and without reasoning (so with and without the template stripping it):
+    every message's turn_start is where the oracle says it begins."""
+    rng = random.Random(rng_seed)
+    template = template_of(fmt)
+    compared = 0
+    for trial in range(6):
+        history = rand_history(rng, reasoning=trial % 2 == 1)
+        tools = TOOLS if trial % 3 == 0 else None
+        prompt = fmt.render(history, tools=tools)
+        tools_turn = tools is not None and not isinstance(history[0], SystemMessage)
+        expected = message_starts(prompt.text, tools_turn)
+        assert expected[0] == 0
+        assert len(expected) == len(history) + 1  # + the generation prompt
+        dicts = to_template_messages(history)
+        for i in range(len(history)):
+            anchor = prompt.find("turn_start", i)
+            if anchor is None:
+                # Only where the template refuses the truncated history ([system] alone has no
+                # user query for the Qwen3 template): nothing to compare with, no anchor.
+                with pytest.raises(ChatTemplateError):
+                    template.render(dicts[:i], tools=None, add_generation_prompt=False)
+                continue
+            assert anchor.char_offset == expected[i], (i, prompt.text[expected[i] - 20 :][:60])
+            assert anchor.exact  # ChatML boundaries sit next to special tokens
+        # Where the truncated history renders as a prefix of the whole (the template did not
+        # look ahead), the token prefix decodes to exactly that rendering.
+        for i in range(1, len(history)):
+            anchor = prompt.find("turn_start", i)
+            head = _try_render(template, dicts[:i], normalize_tools(tools))
+            if anchor is not None and head is not None and prompt.text.startswith(head):
+                assert anchor.char_offset == len(head)
+                assert tok.decode(prompt.token_ids[: anchor.offset], False) == head
+                compared += 1
+    assert compared > 0
+
+
+def _try_render(template: ChatTemplate, dicts: list, tools) -> str | None:
+    try:
+        return template.render(dicts, tools=tools, add_generation_prompt=False)
+    except ChatTemplateError:
+        return None
+
+
+def test_reasoning_anchors_and_stripping(fmt: ChatFormat, rng_seed: int) -> None:
+    """Reasoning after the last user query is kept and spanned exactly; earlier reasoning is
+    dropped by the template and has no anchors."""
+    rng = random.Random(rng_seed)
+    for _ in range(6):
+        history = rand_history(rng, end_with_user=rng.random() < 0.5)
+        if rng.random() < 0.5:  # a tool round after the last query keeps its reasoning
+            call = ToolCall("late", "search", {"q": rand_text(rng, 2)})
+            history += [AssistantMessage("", rand_text(rng), [call]), ToolResult("late", "r end")]
+        prompt = fmt.render(history)
+        last_query = max(i for i, m in enumerate(history) if isinstance(m, UserMessage))
+        for i, msg in enumerate(history):
+            if not isinstance(msg, AssistantMessage) or not msg.reasoning:
+                assert prompt.find("reasoning_start", i) is None
+                continue
+            start, end = prompt.find("reasoning_start", i), prompt.find("reasoning_end", i)
+            if i > last_query:
+                assert start is not None and end is not None
+                assert prompt.text[start.char_offset : end.char_offset] == msg.reasoning
+                assert prompt.text[: start.char_offset].endswith("<think>\n")
+                assert prompt.text[end.char_offset :].startswith("\n</think>")
+                assert start.offset <= end.offset
+            else:
+                assert start is None and end is None
+                assert msg.reasoning not in prompt.text
+
+
+def test_tool_call_and_output_anchors(fmt: ChatFormat, tok: Tokenizer, rng_seed: int) -> None:
+    rng = random.Random(rng_seed)
+    for _ in range(6):
+        history = rand_history(rng)
+        prompt = fmt.render(history, tools=TOOLS)
+        for i, msg in enumerate(history):
+            calls = [a for a in prompt.anchors_of(i) if a.kind == "tool_call"]
+            if isinstance(msg, AssistantMessage):
+                assert len(calls) == len(msg.tool_calls)
+                turn = prompt.find("turn_start", i)
+                for j, (anchor, call) in enumerate(zip(calls, msg.tool_calls, strict=True)):
+                    rest = prompt.text[anchor.char_offset :]
+                    # The call's block, its separator included, starts here and names the call.
+                    assert rest.lstrip("\n").startswith("<tool_call>\n")
+                    assert re.match(
+                        rf"\n*<tool_call>\n(<function=|{{\"name\": \"){call.name}", rest
+                    )
+                    # Exactly j calls of this message lie before it.
+                    before = prompt.text[turn.char_offset : anchor.char_offset]
+                    assert before.count("<tool_call>") == j
+                    if msg.content:
+                        assert msg.content in before
+            else:
+                assert calls == []
+            out = prompt.find("tool_output", i)
+            if isinstance(msg, ToolResult):
+                assert out is not None
+                assert prompt.text[out.char_offset :].startswith(msg.content + "\n</tool_response>")
+                assert prompt.text[: out.char_offset].endswith("<tool_response>\n")
+                assert prompt.find("turn_start", i).offset <= out.offset
+            else:
+                assert out is None
+        check_token_prefix(tok, prompt)
+
+
+@pytest.mark.parametrize("thinking", [None, False])
+def test_generation_prefix(fmt: ChatFormat, rng_seed: int, thinking: bool | None) -> None:
+    rng = random.Random(rng_seed)
+    history = rand_history(rng)
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    prompt = fmt.render(history, **kwargs)
+    bare = fmt.render(history, add_generation_prompt=False, **kwargs)
+    anchor = prompt.find("generation_prefix", len(history))
+    assert anchor is not None and anchor.exact
+    assert anchor.char_offset == len(bare.text)
+    assert prompt.text[: anchor.char_offset] == bare.text
+    assert bare.token_ids == prompt.token_ids[: anchor.offset]
+    assert prompt.generation_prefix == prompt.text[anchor.char_offset :]
+    qwen = fmt.template(None).source == QWEN3_THINKING
+    head = "<|im_start|>assistant\n"
+    if thinking is False:
+        assert prompt.generation_prefix == head + "<think>\n\n</think>\n\n"
+    else:
+        assert prompt.generation_prefix == head + ("<think>\n" if qwen else "")
+    assert bare.generation_prefix == "" and bare.find("generation_prefix", len(history)) is None
+    # The generation prefix is the deepest anchor of the prompt.
+    assert prompt.deepest_anchor(len(prompt)) == anchor
+
+
+def test_boundary_inside_a_token_moves_back(tok: Tokenizer) -> None:
+    """A tool call right after content ending in punctuation: the demo tokenizer merges ".\n"
+    into one token, so the boundary before "\n<tool_call>" falls inside it."""
+    history = [UserMessage("q"), AssistantMessage("Let me check.", None, [ToolCall("c", "f", {})])]
+    prompt = ChatFormat(tok).render(history)
+    anchor = prompt.find("tool_call", 1)
+    assert prompt.text[anchor.char_offset :].startswith("\n<tool_call>")
+    assert not anchor.exact
+    assert tok.decode(prompt.token_ids[: anchor.offset], skip_special_tokens=False).endswith(
+        "Let me check"
+    )
+    assert prompt.deepest_anchor(anchor.offset - 1).kind == "turn_start"
+
+
+def test_render_errors(tok: Tokenizer) -> None:
+    with pytest.raises(InvalidRequestError, match="empty history"):
+        ChatFormat(tok).render([])
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        ChatFormat(None)
+    qwen = ChatFormat(tok, chat_template=QWEN3_THINKING)
+    with pytest.raises(InvalidRequestError, match="rejected this history.*No user query"):
+        qwen.render([SystemMessage("s")])
+    with pytest.raises(InvalidRequestError, match="matches no earlier call"):
+        qwen.render([UserMessage("q"), ToolResult("nope", "r")])
+    with pytest.raises(InvalidRequestError, match="tool 0 must be a dict"):
+        qwen.render([UserMessage("q")], tools=["search"])
+
+
+def test_dict_messages_are_accepted(tok: Tokenizer, tmp_path: Path) -> None:
+    fmt = ChatFormat(tok)
+    records = [UserMessage("hi"), AssistantMessage("yo", "hmm")]
+    dicts = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo", "reasoning_content": "hmm"},
+    ]
+    assert fmt.render(dicts).token_ids == fmt.render(records).token_ids
+
+
+def test_cache_gives_the_same_anchors_as_a_cold_render(tok: Tokenizer, rng_seed: int) -> None:
+    """A ChatFormat caches what it found per message prefix: a growing history (a Session's
+    turns, with earlier reasoning stripped once a new user message arrives) must get exactly
+    the anchors a fresh ChatFormat finds."""
+    rng = random.Random(rng_seed)
+    for source in (None, QWEN3_THINKING):
+        warm = ChatFormat(tok, chat_template=source)
+        history = rand_history(rng, end_with_user=True)
+        for _ in range(3):
+            tools = TOOLS if rng.random() < 0.5 else None
+            got = warm.render(history, tools=tools)
+            cold = ChatFormat(tok, chat_template=source).render(history, tools=tools)
+            assert got.anchors == cold.anchors and got.token_ids == cold.token_ids
+            more = [m for m in rand_history(rng) if not isinstance(m, SystemMessage)]
+            # Fresh call ids: the new turns' ids must not repeat the pending ones.
+            history = history + more
