@@ -21,11 +21,12 @@ Anchors are found by rendering, never by searching marker strings, so they hold 
   of message i-1 that both renderings share (the start of its last tool call, else the end of
   its content, each located as below) is aligned, and message i-1's tail is followed from there
   in the full text as far as it agrees; without such a point, the common prefix is used.
-- field spans (reasoning, tool output): the full history is rendered twice with that field
-  replaced by two sentinels that differ in their first and last characters; the common prefix
-  and suffix of the two renderings bound the field. A span is used only when the real text has
-  that same prefix and suffix (the field did not change the template's structure); a field the
-  template leaves out (stripped reasoning) renders both variants alike and gets no anchor.
+- field spans (reasoning, tool output): the history is rendered with that field replaced by a
+  sentinel whose first and last characters no text has; the common prefix and suffix with the
+  real rendering bound the field. An empty field might change the template's structure
+  (`if content`), so then two sentinels are compared with each other and the result must agree
+  with the real text. A field the template leaves out (stripped reasoning) renders like the
+  real text and gets no anchor.
 - tool calls: the history with message i's calls cut before call j diverges where call j begins.
 - generation prefix: where the rendering without add_generation_prompt ends.
 
@@ -36,8 +37,11 @@ skips a token that belongs to the unit). Boundaries of chat templates sit next t
 newlines in practice, where BPE splits anyway, so the prefix tokenizes the same alone or in the
 whole; `Anchor.exact` says whether the token prefix ends exactly at the boundary.
 
-Cost: one render per message plus two per reasoning span or tool result and one per tool call;
-look-ahead repairs add four. Histories of a few hundred messages render in well under a second.
+Cost: about one render per message plus one or two per reasoning span, tool call and tool
+result, each of a history prefix (O(n^2) template work for n messages). Results are cached per
+message prefix (see _Locator), so a Session's next turn renders only its new messages. Measured
+on the 2-core CI machine: a cold render of 100 messages takes ~0.9 s (200: ~3.3 s); the next
+turn of such a session ~0.1 s. A server should keep one ChatFormat per model to share the cache.
 """
 
 from __future__ import annotations
@@ -204,9 +208,11 @@ class ChatFormat:
             full = render(dicts, add_generation_prompt)
         except ChatTemplateError as e:
             raise InvalidRequestError(f"the chat template rejected this history: {e}") from e
-        salt = json.dumps(
-            [id(template), template.source, tools, variables], default=str, sort_keys=True
-        ).encode("utf-8", "surrogatepass")
+        # Cache entries are valid for one template, tool list and set of variables. (A template
+        # printing strftime_now() changes text without changing these; the stability check below
+        # compares digests of real text, so it only costs cache misses there.)
+        salt = json.dumps([template.source, tools, variables], default=str, sort_keys=True)
+        salt = salt.encode("utf-8", "surrogatepass")
         locator = _Locator(render, dicts, full, add_generation_prompt, self._cache, salt)
         marks, gen_text = locator.locate()
         encoding = self.tokenizer.backend.encode(full, add_special_tokens=False)
@@ -286,8 +292,8 @@ class _Locator:
         n = len(self.dicts)
         return (self.keys[n], self.gen) if j > n else (self.keys[j],)
 
-    def head(self, j: int) -> tuple[int, bytes] | None:
-        """(UTF-8 length, digest) of R_j, or None when the template refuses it."""
+    def head(self, j: int) -> tuple[int, int, bytes] | None:
+        """(characters, UTF-8 bytes, digest) of R_j, or None when the template refuses it."""
 
         def compute():
             text = self.text(j)

@@ -112,7 +112,9 @@ class Session:
         self._kv_tokens = 0  # leading tokens of the last sent sequence whose KV the engine has
 
     # --- rendering and diffing ------------------------------------------------------------
-    def sampling(self, overrides: SamplingParams | Mapping[str, Any] | None = None):
+    def sampling(
+        self, overrides: SamplingParams | Mapping[str, Any] | None = None
+    ) -> SamplingParams:
         """SamplingParams from the session's defaults; a mapping overrides some of them."""
         if isinstance(overrides, SamplingParams):
             return overrides
