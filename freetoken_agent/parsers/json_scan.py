@@ -1,0 +1,199 @@
+"""Incremental structural scan of one JSON object or array inside a growing string.
+
+Streaming tool calls needs three facts long before the JSON is complete: whether a position is
+inside a string (a closing tag there is data, not markup), where the top-level value ends, and
+where each member of a top-level object starts and ends (to stream `"arguments"` as it arrives).
+The scan is linear over the whole text however it is chunked. It accepts every valid JSON text
+(its top level must be an object or array); it flags some invalid ones as `broken` and lets
+`json.loads` judge the rest once the value is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+# Inside a string only these characters matter; everything else is skipped in one search.
+_STRING_STOP = re.compile(r'["\\\x00-\x1f]')
+_SPACE = " \t\n\r"
+
+# Member states of the top-level object (depth 1).
+_KEY = 0  # expecting a key (after `{` or `,`)
+_IN_KEY = 1  # inside the key string
+_COLON = 2  # expecting `:`
+_VALUE = 3  # expecting a value
+_IN_VALUE = 4  # inside a value
+_COMMA = 5  # expecting `,` or `}`
+
+
+class JsonScanner:
+    """Scans `text[pos:]` of a string that only ever grows; resumes where it stopped."""
+
+    __slots__ = (
+        "pos",
+        "in_string",
+        "broken",
+        "break_pos",
+        "done",
+        "end",
+        "members",
+        "_stack",
+        "_escape",
+        "_string_start",
+        "_state",
+        "_key_start",
+        "_key",
+        "_primitive",
+    )
+
+    def __init__(self, start: int = 0) -> None:
+        self.pos = start  # next character to scan
+        self.in_string = False
+        self.broken = False  # the text cannot be valid JSON; scanning stopped
+        self.break_pos = -1  # where validity was lost (the start of a bad string)
+        self.done = False  # the top-level value closed at `end`
+        self.end = -1
+        # top-level object member -> [value start, value end or -1 while open]
+        self.members: dict[str, list[int]] = {}
+        self._stack: list[str] = []
+        self._escape = False
+        self._string_start = -1
+        self._state = _KEY
+        self._key_start = -1
+        self._key = ""
+        self._primitive = False  # the open depth-1 value is a number/literal
+
+    @property
+    def depth(self) -> int:
+        return len(self._stack)
+
+    def mark_broken(self, at: int | None = None) -> None:
+        """Stop: the text is known to be invalid at `at` (default: the current position)."""
+        self.broken = True
+        self.break_pos = self.pos if at is None else at
+
+    def scan(self, text: str, stop: str = "") -> None:
+        """Advance through `text` until its end, the value's end, a break, or (outside a
+        string) a character in `stop`, which is left unscanned for the caller to inspect."""
+        n = len(text)
+        p = self.pos
+        while p < n and not self.done and not self.broken:
+            if self.in_string:
+                if self._escape:
+                    self._escape = False
+                    p += 1
+                    continue
+                m = _STRING_STOP.search(text, p)
+                if m is None:
+                    p = n
+                    break
+                q = m.start()
+                c = text[q]
+                if c == "\\":
+                    self._escape = True
+                    p = q + 1
+                elif c == '"':
+                    self.in_string = False
+                    p = q + 1
+                    self._string_closed(text, q)
+                else:  # a raw control character: JSON strings cannot hold one
+                    self.pos = q
+                    self.mark_broken(self._string_start)
+                    return
+                continue
+            c = text[p]
+            if c in stop:
+                break
+            self.pos = p
+            self._structural(c, p)
+            p += 1
+        if not self.broken:
+            self.pos = p
+
+    def _structural(self, c: str, p: int) -> None:
+        """One character outside any string, at position p."""
+        stack = self._stack
+        top_object = len(stack) == 1 and stack[0] == "{"
+        if top_object and self._primitive and (c in _SPACE or c in ",}"):
+            self._end_value(p)
+        if c in _SPACE:
+            return
+        if not stack:
+            if c in "{[":
+                stack.append(c)
+                self._state = _KEY
+            else:  # the top level must be an object or an array
+                self.mark_broken(p)
+            return
+        if top_object:
+            self._member_char(c, p)
+            return
+        if c in "{[":
+            stack.append(c)
+        elif c in "}]":
+            self._close(c, p)
+        elif c == '"':
+            self._open_string(p)
+
+    def _member_char(self, c: str, p: int) -> None:
+        """A character at depth 1 of the top-level object: follow the member grammar."""
+        state = self._state
+        if state == _KEY and c == '"':
+            self._open_string(p)
+            self._key_start = p
+            self._state = _IN_KEY
+        elif state == _COLON and c == ":":
+            self._state = _VALUE
+        elif state == _VALUE and c not in ",:}]":
+            self.members[self._key] = [p, -1]
+            self._state = _IN_VALUE
+            if c == '"':
+                self._open_string(p)
+            elif c in "{[":
+                self._stack.append(c)
+            else:
+                self._primitive = True
+        elif state == _IN_VALUE and self._primitive and c not in '"{[:]':
+            pass  # more of a number or literal
+        elif state in (_COMMA, _KEY) and c == "}":
+            self._close(c, p)
+        elif state == _COMMA and c == ",":
+            self._state = _KEY
+        else:
+            self.mark_broken(p)
+
+    def _open_string(self, p: int) -> None:
+        self.in_string = True
+        self._string_start = p
+
+    def _string_closed(self, text: str, q: int) -> None:
+        """The string opened at `_string_start` closed at q."""
+        if len(self._stack) != 1 or self._stack[0] != "{":
+            return
+        if self._state == _IN_KEY:
+            try:
+                self._key = json.loads(text[self._key_start : q + 1])
+            except ValueError:
+                self.pos = q
+                self.mark_broken(self._key_start)
+                return
+            self._state = _COLON
+        elif self._state == _IN_VALUE:
+            self._end_value(q + 1)
+
+    def _end_value(self, end: int) -> None:
+        self.members[self._key][1] = end
+        self._primitive = False
+        self._state = _COMMA
+
+    def _close(self, c: str, p: int) -> None:
+        stack = self._stack
+        if (c == "}") != (stack[-1] == "{"):
+            self.mark_broken(p)
+            return
+        stack.pop()
+        if not stack:
+            self.done = True
+            self.end = p + 1
+        elif len(stack) == 1 and stack[0] == "{" and self._state == _IN_VALUE:
+            self._end_value(p + 1)

@@ -1,0 +1,114 @@
+"""The content side shared by every tool-call format: text in, calls cut out.
+
+A format is an opening tag plus a reader for what follows it. This class finds the tags in the
+content stream (holding back a partial tag only while it can still become one), hands the text
+after a tag to a fresh reader until the reader says the call block is over, and takes the rest
+back as content. Readers live in the per-format files.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol
+
+from freetoken_agent.parsers.events import ContentDelta, Event, new_call_id
+from freetoken_agent.parsers.tags import partial_tag_len
+
+
+class CallNumbering:
+    """Hands out the stable (index, id) of each call of one output, in order."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def next(self) -> tuple[int, str]:
+        index = self.count
+        self.count += 1
+        return index, new_call_id()
+
+
+class CallReader(Protocol):
+    """Reads one call block, from just after its opening tag."""
+
+    completed: bool  # the block ended and held only well-formed calls
+
+    def feed(self, text: str, out: list[Event]) -> str | None:
+        """Consume text; return the text after the block once it has ended, else None."""
+        ...
+
+    def finish(self, out: list[Event]) -> None:
+        """The output ended inside the block: re-emit it as content with a ParseWarning."""
+        ...
+
+
+class ToolCallParser:
+    """Streams content text and the tool calls embedded in it (one format per subclass).
+
+    Whitespace alone between or after well-formed call blocks is dropped: chat templates put
+    newlines there themselves and render them again from the structured calls, so it is not
+    answer text. Any other text there, and all text before the first call, stays as it is.
+    """
+
+    open_tag: ClassVar[str]
+
+    def __init__(self) -> None:
+        self._text = ""  # content not yet released (a partial tag, or template whitespace)
+        self._reader: CallReader | None = None
+        self._after_call = False
+        self._numbering = CallNumbering()
+        self._finished = False
+
+    def _new_reader(self) -> CallReader:
+        raise NotImplementedError
+
+    def feed(self, text: str) -> list[Event]:
+        """Consume the next piece of content text; return the events it completes."""
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        out: list[Event] = []
+        pending: str | None = text
+        while pending is not None:
+            if self._reader is not None:
+                pending = self._reader.feed(pending, out)
+                if pending is not None:
+                    self._after_call = self._reader.completed
+                    self._reader = None
+            else:
+                self._text += pending
+                pending = self._scan_text(out)
+                if pending is not None:
+                    self._reader = self._new_reader()
+        return out
+
+    def finish(self) -> list[Event]:
+        """The output ended: release held text; an open call block becomes content."""
+        out: list[Event] = []
+        if not self._finished:
+            self._finished = True
+            if self._reader is not None:
+                self._reader.finish(out)
+                self._reader = None
+            elif self._text and not (self._after_call and self._text.isspace()):
+                out.append(ContentDelta(self._text))
+            self._text = ""
+        return out
+
+    def _scan_text(self, out: list[Event]) -> str | None:
+        """Release content up to an opening tag; return the text after the tag, if one came."""
+        buf = self._text
+        i = buf.find(self.open_tag)
+        if i >= 0:
+            before = buf[:i]
+            if before and not (self._after_call and before.isspace()):
+                out.append(ContentDelta(before))
+            self._text = ""
+            return buf[i + len(self.open_tag) :]
+        cut = len(buf) - partial_tag_len(buf, self.open_tag)
+        if self._after_call and (not buf[:cut] or buf[:cut].isspace()):
+            return None  # maybe template whitespace before the next call: hold it
+        if cut:
+            out.append(ContentDelta(buf[:cut]))
+            self._after_call = False
+        self._text = buf[cut:]
+        return None

@@ -1,0 +1,91 @@
+"""`<think>` ... `</think>` split, with and without the block opened by the template."""
+
+from __future__ import annotations
+
+from freetoken_agent.parsers import (
+    ContentDelta,
+    ReasoningDelta,
+    ReasoningSplitter,
+    prompt_opens_reasoning,
+)
+
+
+def reasoning_text(rng, kit) -> str:
+    # Tool-call syntax and tag fragments inside the thinking stay reasoning.
+    r = kit.without(rng, lambda: kit.rand_text(rng, 0, 60), "</think>")
+    r = "x" + r if r.startswith("<think>") else r  # would be a repeated open tag
+    if rng.random() < 0.5:
+        r += '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>' + r[:5]
+    return r
+
+
+def split(kit, starts: bool, chunks: list[str]) -> list:
+    return kit.merge(kit.run(ReasoningSplitter(starts), chunks))
+
+
+def test_qwen_layout_in_every_chunking(rng, kit):
+    """`<think>\\nR\\n</think>\\n\\nC` gives exactly R and C, for any R and C."""
+    for _ in range(40):
+        r = reasoning_text(rng, kit)
+        c = kit.without(rng, lambda: kit.rand_text(rng, 0, 40), "</think>").lstrip()
+        starts = rng.random() < 0.5
+        lead = "" if starts else rng.choice(["", "\n", "  "]) + "<think>\n"
+        text = f"{lead}{r}\n</think>\n\n{c}"
+        want = [ReasoningDelta(r)] if r else []
+        want += [ContentDelta(c)] if c else []
+        for chunks in kit.chunkings(rng, text):
+            assert split(kit, starts, chunks) == want, (text, chunks)
+
+
+def test_no_think_block_is_all_content(rng, kit):
+    for _ in range(20):
+        c = kit.without(rng, lambda: kit.rand_text(rng, 1, 40), "<think>")
+        for chunks in kit.chunkings(rng, c):
+            assert split(kit, False, chunks) == [ContentDelta(c)]
+
+
+def test_only_a_leading_block_is_reasoning():
+    text = "Answer first. <think>not reasoning</think> still content"
+    assert split_all(text) == [ContentDelta(text)]
+
+
+def split_all(text: str, starts: bool = False) -> list:
+    s = ReasoningSplitter(starts)
+    return s.feed(text) + s.finish()
+
+
+def test_other_newlines_are_kept():
+    # Only one newline after <think> and one before </think> belong to the tags.
+    got = split_all("<think>\n\nA\n\nB\n\n</think>\n\nC\n\nD\n")
+    assert got == [ReasoningDelta("\nA\n\nB\n"), ContentDelta("C\n\nD\n")]
+
+
+def test_template_opened_block_with_a_repeated_open_tag():
+    assert split_all("<think>\nR</think>C", starts=True) == [
+        ReasoningDelta("R"),
+        ContentDelta("C"),
+    ]
+    # Without a repeated tag nothing is stripped at the start.
+    assert split_all("\nR</think>C", starts=True) == [ReasoningDelta("\nR"), ContentDelta("C")]
+
+
+def test_unclosed_block_stays_reasoning_and_held_text_is_released(rng, kit):
+    r = reasoning_text(rng, kit) + "\n</thi"  # cut inside the close tag
+    for chunks in kit.chunkings(rng, "<think>\n" + r):
+        assert split(kit, False, chunks) == [ReasoningDelta(r)]
+
+
+def test_partial_tags_are_held_only_while_they_can_complete():
+    s = ReasoningSplitter(True)
+    assert s.feed("a <b> c") == [ReasoningDelta("a <b> c")]
+    assert s.feed(" </th") == [ReasoningDelta(" ")]
+    assert s.feed("x") == [ReasoningDelta("</thx")]
+    s = ReasoningSplitter(False)
+    assert s.feed("<thi") == []
+    assert s.feed("s is") == [ContentDelta("<this is")]
+
+
+def test_prompt_opens_reasoning():
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
