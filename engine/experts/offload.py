@@ -21,7 +21,6 @@ layers instead (streaming.py).
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +33,6 @@ from freetoken_agent.engine.experts.graph_io import GraphIO
 from freetoken_agent.engine.experts.policy import Bandwidths, fetch_count
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import LayerStreamer
-from freetoken_agent.kernels.cpu.experts import physical_cores
 from freetoken_agent.kernels.fused_moe import fused_moe
 
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
@@ -91,11 +89,6 @@ class OffloadedExpertBank:
         self.bandwidths = bandwidths or Bandwidths()
         self.stats = OffloadStats()
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
-        # Under graph decode the fills are issued by a worker thread while this thread runs
-        # the CPU branch (the kernel drops the GIL) on one core less. Not the other way round:
-        # the kernel's OpenMP team is this thread's, which torch's CPU ops share and keep
-        # warm; from a fresh thread the same kernel ran 3x slower on the H200 host.
-        self._fill_worker: ThreadPoolExecutor | None = None
         self.stream_min_tokens = stream_min_tokens
         buffers = 2 if double_buffer else 1
         self.streamer = LayerStreamer(
@@ -212,24 +205,14 @@ class OffloadedExpertBank:
         want = self._fetches(misses)
         wanted = set(want)
         on_cpu = [lid for _, lid in misses if lid not in wanted]
-        protect = set(uniq)
         part = inputs = None
-        if on_cpu and want and not after_compute and self.device.type == "cuda":
-            # `after_compute=False`: the fills need not be ordered after this thread's stream.
-            if self._fill_worker is None:
-                self._fill_worker = ThreadPoolExecutor(1, thread_name_prefix="freetoken-fills")
-            job = self._fill_worker.submit(self.cache.fill, want, protect, False, False)
+        # The copies are asynchronous: issued first, they cross the link while the CPU works.
+        # Not from a second thread: torch ops hold the GIL, and handing it back and forth
+        # with the thread driving the kernel cost milliseconds a step on the H200 host.
+        fetched = self.cache.fill(want, set(uniq), after_compute=after_compute, publish=False)
+        if on_cpu:
             inputs = cpu_inputs()
-            try:
-                part = self._run_on_cpu(*inputs, on_cpu, threads=max(1, physical_cores() - 1))
-            finally:
-                fetched = job.result()
-        else:
-            # The copies are asynchronous: issued first, they cross the link meanwhile.
-            fetched = self.cache.fill(want, protect, after_compute=after_compute, publish=False)
-            if on_cpu:
-                inputs = cpu_inputs()
-                part = self._run_on_cpu(*inputs, on_cpu)
+            part = self._run_on_cpu(*inputs, on_cpu)
         left = [lid for lid in want if not self.cache.resident(lid)]  # every slot protected
         if left:
             inputs = inputs or cpu_inputs()
@@ -361,17 +344,15 @@ class OffloadedExpertBank:
         lids: torch.Tensor,  # [T, K] on the host
         topk_weights: torch.Tensor,  # [T, K] on the host
         on_cpu: list[int],
-        threads: int | None = None,
     ) -> torch.Tensor:
-        """The pairs whose expert stays in the pool, computed from the pool on the CPU (with
-        `threads` OpenMP threads, default every physical core); times itself to re-estimate
-        B_H. Returns [T, H] on the host."""
+        """The pairs whose expert stays in the pool, computed from the pool on the CPU (on
+        this thread: its OpenMP team is the one torch's CPU ops share and keep warm; from a
+        fresh thread the same kernel ran 3x slower on the H200 host); times itself to
+        re-estimate B_H. Returns [T, H] on the host."""
         ids = lids.numpy()
         rows = torch.from_numpy(np.where(np.isin(ids, on_cpu), ids, -1))  # [T, K], -1: skip
         start = time.perf_counter()
-        part = calibration.cpu_experts(
-            hidden, self.pool.w13, self.pool.w2, rows, topk_weights, threads=threads
-        )
+        part = calibration.cpu_experts(hidden, self.pool.w13, self.pool.w2, rows, topk_weights)
         if self.device.type == "cuda":
             nbytes = len(on_cpu) * self.pool.expert_bytes
             seconds = time.perf_counter() - start

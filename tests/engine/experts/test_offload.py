@@ -206,15 +206,15 @@ def test_adaptive_follows_the_fill_gain(tmp_path, rng_seed):
 
     fetched, misses, _ = step(0)  # an empty cache: free slots take every miss
     assert fetched == misses == k
-    counts = {"all": 0, "q": 0, "none": 0}
-    for gain, expect in ((0.9, "all"), (0.0, "q"), (-0.5, "none")) * 3:
+    modes_differed = 0  # steps where the three modes would have fetched different counts
+    for gain, expect in ((0.9, "all"), (0.0, "q"), (-0.5, "none")) * 4:
         bank.cache.fill_gain = gain
         layer = int(torch.randint(spec.n_moe_layers, (1,), generator=gen))
         fetched, misses, free = step(layer)
         want = {"all": misses, "q": fetch_count("adaptive", misses, bank.bandwidths), "none": 0}
         assert fetched == max(want[expect], min(free, misses)), (gain, fetched, misses, free)
-        counts[expect] += fetched
-    assert counts["all"] > counts["q"] > counts["none"]
+        modes_differed += free == 0 and misses > want["q"] > 0
+    assert modes_differed > 0
     bank.check_integrity()
 
 
