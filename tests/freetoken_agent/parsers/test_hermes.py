@@ -141,3 +141,23 @@ def test_unterminated_call_becomes_content_with_a_warning(rng, kit):
         warnings = [e for e in merged if isinstance(e, ParseWarning)]
         assert len(warnings) == 1 and warnings[0].raw_text == cut
         assert not any(isinstance(e, ToolCallEnd) for e in merged)
+
+
+def test_unclosed_string_does_not_swallow_the_rest():
+    # A raw newline cannot be inside a JSON string, so the close tag after it closes the block.
+    bad = '<tool_call>\n{"name": "f", "arguments": {"a": "oops\n</tool_call>'
+    good = '<tool_call>\n{"name": "g", "arguments": {"b": 1}}\n</tool_call>'
+    events = HermesParser().feed(bad + "\nnext " + good)
+    assert [type(e).__name__ for e in events] == [
+        "ToolCallStart",  # index 0: the name was complete before the JSON broke
+        "ToolCallArgsDelta",
+        "ContentDelta",
+        "ParseWarning",
+        "ContentDelta",
+        "ToolCallStart",
+        "ToolCallArgsDelta",
+        "ToolCallEnd",
+    ]
+    assert events[2].text == bad and events[3].index == 0
+    assert events[4].text == "\nnext "
+    assert events[-1].index == 1 and events[-1].arguments == {"b": 1}
