@@ -33,7 +33,9 @@ the end of the JSON.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -49,7 +51,10 @@ if TYPE_CHECKING:
 # B sampling rows, V model vocab (lm_head rows), W = ceil(V / 32) mask words
 
 BACKEND = "llguidance"
-BACKEND_REQUIREMENT = "llguidance>=1.0"  # keep in step with pyproject.toml
+# Keep in step with pyproject.toml. 1.7.x dead-ends on negative numeric ranges with multipleOf
+# (no token allowed mid-number); 1.8 wheels need glibc >= 2.31 (manylinux_2_31, abi3).
+MIN_VERSION = (1, 8)
+BACKEND_REQUIREMENT = f"{BACKEND}>={MIN_VERSION[0]}.{MIN_VERSION[1]}"
 # Fixed separators, as json.dumps writes them: flexible whitespace would let a model (a weak or
 # random one above all) pad the JSON with whitespace until max_tokens. A schema can still ask
 # for other options through llguidance's "x-guidance" key, which overrides these defaults.
@@ -65,13 +70,27 @@ def load_backend() -> Any:
     # importlib rather than an `import` statement: the library is an optional engine dependency
     # that only constrained requests need, and tests/test_project.py lists the engine's
     # unconditional imports.
+    need = (
+        f"constrained output (json_schema, response_format or a forced tool call) needs the "
+        f"'{BACKEND}' package"
+    )
     try:
-        return importlib.import_module(BACKEND)
+        module = importlib.import_module(BACKEND)
     except ImportError as e:
         raise GrammarBackendMissing(
-            f"constrained output (json_schema, response_format or a forced tool call) needs the "
-            f"'{BACKEND}' package, which is not installed: pip install '{BACKEND_REQUIREMENT}'"
+            f"{need}, which is not installed: pip install '{BACKEND_REQUIREMENT}'"
         ) from e
+    try:
+        version = importlib.metadata.version(BACKEND)
+    except importlib.metadata.PackageNotFoundError:
+        return module  # imported from a path without metadata: trust it
+    found = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if found < MIN_VERSION:
+        raise GrammarBackendMissing(
+            f"{need} at version {'.'.join(map(str, MIN_VERSION))} or later, found {version}: "
+            f"pip install -U '{BACKEND_REQUIREMENT}'"
+        )
+    return module
 
 
 class GrammarCompiler:
