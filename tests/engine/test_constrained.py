@@ -14,6 +14,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -454,3 +455,37 @@ def test_sampler_picks_only_allowed_ids_and_keeps_free_rows_bitwise(rng_seed):
         assert torch.equal(got[::2], free[::2])
     greedy = sample(logits, [SamplingParams(temperature=0)] * n, [None] * n, allowed)
     assert torch.equal(greedy, logits.masked_fill(~allowed, float("-inf")).argmax(-1))
+
+
+# --- on the device -------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_on_cuda_with_decode_graphs(demo, rng_seed):
+    """The mask is applied after the captured decode graphs, on the device; prints the cost."""
+    rng = random.Random(rng_seed)
+    engine = Engine.load(demo, device="cuda", progress=False, max_model_len=1024)
+    assert engine.runner.graphs is not None
+    for greedy in (True, False):
+        for _ in range(3):
+            schema = random_schema(rng)
+            sp = _sampling(rng, greedy, max_tokens=400, json_schema=schema)
+            out = engine.generate(_prompt(rng), sp)
+            assert out.finish_reason == "stop", (out.text, out.error)
+            validate(parse(out.text), schema)
+    free = _sampling(rng, False, max_tokens=30, ignore_eos=True)
+    schema = random_schema(rng)
+    both = engine.generate(
+        [_prompt(rng), _prompt(rng)], [free, _sampling(rng, True, json_schema=schema)]
+    )
+    assert len(both[0].token_ids) == 30
+    validate(parse(both[1].text), schema)
+    # Decode cost per token, one request, with and without a grammar.
+    prompt = _prompt(rng)
+    long_string = {"type": "string", "maxLength": 10_000}
+    for label, js in (("free", None), ("json", long_string), ("free", None), ("json", long_string)):
+        sp = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, json_schema=js)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = engine.generate(prompt, sp)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) / len(out.token_ids) * 1e3
+        print(f"{label}: {len(out.token_ids)} tokens, {ms:.3f} ms/token")
