@@ -107,7 +107,8 @@ class GrammarCompiler:
 
     def matcher(self, schema: Mapping[str, Any]) -> Any:
         """A fresh matcher (llguidance LLMatcher) at the start of `schema`'s grammar."""
-        key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        # Key order is kept: properties are written in the order the schema lists them.
+        key = json.dumps(schema, separators=(",", ":"))
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self._compile(schema)

@@ -27,6 +27,7 @@ from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.engine.constrained import (
     GrammarBackendMissing,
+    GrammarCompiler,
     GrammarMatcher,
     Grammars,
     allowed_tokens,
@@ -219,6 +220,27 @@ def test_forced_tool_call(engine, rng_seed):
     no_params = tool_call_schema({"name": "ping"})
     out = engine.generate(_prompt(rng), SamplingParams(temperature=0, json_schema=no_params))
     assert parse(out.text) == {"name": "ping", "arguments": {}}
+
+
+def test_grammars_are_compiled_once_per_schema_and_keep_property_order(
+    engine, rng_seed, monkeypatch
+):
+    rng = random.Random(rng_seed)
+    schema = random_schema(rng)
+    while len(schema["properties"]) < 2:
+        schema = random_schema(rng)
+    schema["required"] = list(schema["properties"])  # every property, in the listed order
+    flipped = dict(schema, properties=dict(reversed(schema["properties"].items())))
+    engine.generate(_prompt(rng), SamplingParams(temperature=0, json_schema=schema))
+    compiled = []
+    compile_schema = GrammarCompiler._compile
+    monkeypatch.setattr(
+        GrammarCompiler, "_compile", lambda self, s: compiled.append(s) or compile_schema(self, s)
+    )
+    for js in (schema, flipped, schema, flipped):
+        out = engine.generate(_prompt(rng), _sampling(rng, False, json_schema=js))
+        assert list(parse(out.text)) == list(js["properties"])
+    assert compiled == [flipped]  # `schema` was compiled by the first request, before the spy
 
 
 def test_batch_with_a_constrained_request_leaves_the_others_alone(engine, rng_seed):
