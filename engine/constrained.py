@@ -67,15 +67,14 @@ class GrammarBackendMissing(ImportError):
 
 
 def load_backend() -> Any:
-    # importlib rather than an `import` statement: the library is an optional engine dependency
-    # that only constrained requests need, and tests/test_project.py lists the engine's
-    # unconditional imports.
+    # Imported here, not at module level: only constrained requests need it, and the GPU
+    # image does not carry it (tests/test_project.py allows it in the engine for that use).
     need = (
         f"constrained output (json_schema, response_format or a forced tool call) needs the "
         f"'{BACKEND}' package"
     )
     try:
-        module = importlib.import_module(BACKEND)
+        import llguidance as module
     except ImportError as e:
         raise GrammarBackendMissing(
             f"{need}, which is not installed: pip install '{BACKEND_REQUIREMENT}'"

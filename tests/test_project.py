@@ -14,7 +14,17 @@ STDLIB = set(sys.stdlib_module_names)
 # What each layer may import besides the standard library and its own package.
 ALLOWED = {
     "kernels": {"torch", "triton", "numpy"},
-    "engine": {"torch", "triton", "numpy", "safetensors", "tokenizers", "jinja2", "tqdm", "orjson"},
+    "engine": {
+        "torch",
+        "triton",
+        "numpy",
+        "safetensors",
+        "tokenizers",
+        "jinja2",
+        "tqdm",
+        "orjson",
+        "llguidance",  # imported lazily, by constrained requests only (engine/constrained.py)
+    },
 }
 PACKAGE_OF = {"kernels": "freetoken_agent.kernels", "engine": "freetoken_agent.engine"}
 
