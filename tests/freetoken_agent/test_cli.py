@@ -40,9 +40,14 @@ def test_generate_is_reproducible_with_a_seed_and_honours_stop(env, rng_seed):
     second = _run([*args, "--seed", seed], env)
     assert first.returncode == 0 and first.stdout == second.stdout
     text = first.stdout.rstrip("\n")
-    # A 2-character stop string from the second half (no spaces, which argv would mangle).
-    i = next(i for i in range(len(text) // 2, len(text) - 1) if not text[i : i + 2].isspace())
-    stop = text[i : i + 2].strip() or text[i]
+    # A 2-character stop string from the second half: printable and without spaces, which
+    # argv would mangle (a random model can emit NUL or control characters).
+    i = next(
+        i
+        for i in range(len(text) // 2, len(text) - 1)
+        if text[i : i + 2].isprintable() and not any(c.isspace() for c in text[i : i + 2])
+    )
+    stop = text[i : i + 2]
     stopped = _run([*args, "--seed", seed, "--stop", stop], env)
     assert stopped.returncode == 0
     assert stopped.stdout.rstrip("\n") == text[: text.index(stop)]
