@@ -1,0 +1,103 @@
+"""EngineService: many callers on one engine, each seeing exactly its own tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from freetoken_agent import Engine, SamplingParams, Session
+from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.service import EngineService
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_demo_model(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def engine(model_dir: Path) -> Engine:
+    return Engine.load(model_dir, device="cpu", progress=False, kv_tokens=4096, max_model_len=512)
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[int]]:
+    return [[rng.randrange(3, 300) for _ in range(rng.randint(4, 40))] for _ in range(n)]
+
+
+def test_threads_streaming_at_once_get_their_own_greedy_tokens(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 4)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = [engine.generate(p, sp).token_ids for p in prompts]
+    got: dict[int, list[int]] = {}
+    with EngineService(engine) as service:
+
+        def read(i: int) -> None:
+            got[i] = [e.token_id for e in service.stream(prompts[i], sp) if e.token_id is not None]
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [got[i] for i in range(len(prompts))] == alone
+        stats = service.stats()["requests"]
+        assert stats["running"] == stats["waiting"] == 0 and stats["finished"] >= 8
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+
+
+def test_async_readers_and_a_cancelled_one(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 3)
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    alone = [engine.generate(p, sp).token_ids for p in prompts[:2]]
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def main(service: EngineService):
+        async def read(p) -> list[int]:
+            return [e.token_id async for e in service.astream(p, sp) if e.token_id is not None]
+
+        async def abandoned() -> int:
+            seen = 0
+            async for event in service.astream(prompts[2], long):
+                seen += event.token_id is not None
+                if seen == 3:
+                    break  # the client went away: the request must be aborted
+            return seen
+
+        return await asyncio.gather(read(prompts[0]), read(prompts[1]), abandoned())
+
+    with EngineService(engine) as service:
+        first, second, seen = asyncio.run(main(service))
+        assert [first, second] == alone and seen == 3
+        with service.lock:
+            assert not engine.has_unfinished()  # the abandoned one no longer runs
+            engine.check_integrity()
+
+
+def test_bad_input_fails_in_the_caller_and_others_go_on(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    with EngineService(engine) as service:
+        with pytest.raises(InvalidRequestError, match="tokens"):
+            list(service.stream([rng.randrange(3, 300) for _ in range(600)], sp))
+        tokens = [e.token_id for e in service.stream(_prompts(rng, 1)[0], sp) if e.token_id]
+        assert len(tokens) == 5
+
+
+def test_session_runs_over_the_service(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    with EngineService(engine) as service:
+        session = Session(service, max_tokens=6, temperature=0)
+        word = "".join(rng.choice("abcdefgh") for _ in range(6))
+        events = list(session.send([{"role": "user", "content": f"say {word}"}]))
+        usage = events[-1]
+        assert usage.completion_tokens == 6 and usage.prompt_tokens > 0
+        events = list(session.send([{"role": "user", "content": f"say {word}"}]))
+        assert events[-1].reused_tokens > 0  # the same prompt again: its KV is reused
