@@ -101,3 +101,32 @@ def test_session_runs_over_the_service(engine, rng_seed):
         assert usage.completion_tokens == 6 and usage.prompt_tokens > 0
         events = list(session.send([{"role": "user", "content": f"say {word}"}]))
         assert events[-1].reused_tokens > 0  # the same prompt again: its KV is reused
+
+
+def test_session_with_the_models_parser_yields_parsed_events(engine, rng_seed):
+    """The demo model's template writes Hermes tool calls; the factory's parser turns the
+    raw text into content events whose text is exactly what was generated."""
+    import re
+
+    from freetoken_agent.parsers import (
+        ContentDelta,
+        ParseWarning,
+        ReasoningDelta,
+        ToolCallStart,
+        parser_factory_for,
+    )
+
+    rng = random.Random(rng_seed)
+    session = Session(engine, max_tokens=8, temperature=0)
+    word = "".join(rng.choice("abcdefgh") for _ in range(5))
+    raw = list(session.send([{"role": "user", "content": word}], parser_factory=None))
+    text = "".join(e.text for e in raw[:-1])
+    factory = parser_factory_for(engine)
+    session = Session(engine, max_tokens=8, temperature=0, parser_factory=factory)
+    events = list(session.send([{"role": "user", "content": word}]))
+    assert all(type(e).__name__ != "TextDelta" for e in events)
+    if "<tool_call>" in text:
+        assert any(isinstance(e, ToolCallStart | ParseWarning) for e in events)
+    else:  # the same greedy text, split into reasoning and content (tags and spacing aside)
+        parsed = "".join(e.text for e in events if isinstance(e, ContentDelta | ReasoningDelta))
+        assert re.sub(r"\s|</?think>", "", parsed) == re.sub(r"\s|</?think>", "", text)

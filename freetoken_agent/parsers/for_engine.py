@@ -1,0 +1,28 @@
+"""The parser factory a Session uses for an engine's model: format from the model's chat
+template (or its architecture), reasoning state from each rendered prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from freetoken_agent.parsers.output_parser import OutputParser
+from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
+from freetoken_agent.parsers.registry import tool_format_for
+
+
+def parser_factory_for(
+    engine: Any, tools: Sequence[Mapping[str, Any]] | None = None
+) -> Callable[[Any], OutputParser]:
+    """`Session(engine, parser_factory=parser_factory_for(engine, tools))`: each turn's
+    parser starts inside reasoning when the rendered prompt left `<think>` open."""
+    tokenizer = engine.tokenizer
+    sources = getattr(tokenizer, "chat_template_sources", {}) if tokenizer else {}
+    template = sources.get("tool_use") or sources.get("default")
+    tool_format = tool_format_for(engine.spec.arch, template)
+    tool_list = [dict(t) for t in tools] if tools else None
+
+    def factory(prompt: Any) -> OutputParser:
+        return OutputParser(tool_format, prompt_opens_reasoning(prompt.text), tool_list)
+
+    return factory
