@@ -1,0 +1,284 @@
+"""One MCP server as the host sees it: connect, list tools, call them, survive its failures.
+
+Each connection lives in its own asyncio task (the owner), which enters the SDK's `Client` and
+waits until it is told to close. Why a task per server: the SDK's transports open anyio task
+groups inside `Client.__aenter__`; entered from the host's own task, a transport fault would
+cancel the host (the whole agent loop) through that task group's cancel scope, and the clients
+would have to be closed in exact reverse order from the very task that opened them. Owned by
+their own tasks, servers start concurrently, fail alone and close in any order; tool calls are
+plain requests sent from the caller's task.
+
+Failures never raise out of `call`: a server that exits mid-call (the SDK reports "Connection
+closed"), a call past its timeout, a protocol error or a broken server all come back as an
+error `CallOutcome` whose text says what happened (with the tail of the server's stderr when it
+exited), because the agent loop feeds them to the model as error tool results. A server that
+exited is restarted on its next call, at most `MAX_RESTARTS` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import tempfile
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import mcp_types as types
+from mcp import Client, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.shared.exceptions import MCPError
+
+from freetoken_agent.integrations.mcp_config import ServerConfig
+
+log = logging.getLogger("freetoken.mcp")
+
+MAX_RESTARTS = 3
+STDERR_TAIL = 1500  # characters of a failed server's stderr quoted in error messages
+_GRACE = 5.0  # our own deadline past the SDK's per-call timeout, in case that one never fires
+
+SamplingCallback = Callable[[Any, types.CreateMessageRequestParams], Awaitable[Any]]
+
+
+class MCPServerError(RuntimeError):
+    """A server could not be started or listed; the message names it and says why."""
+
+
+@dataclass(slots=True)
+class CallOutcome:
+    """What one tool call produced, as text for the model."""
+
+    text: str
+    is_error: bool
+
+
+class ServerConnection:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        sampling_callback: SamplingCallback | None = None,
+        errlog: TextIO | None = None,
+        client_info: types.Implementation | None = None,
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        self.tools: list[types.Tool] = []
+        self.restarts = 0
+        self._sampling = sampling_callback
+        self._errlog = errlog  # None: capture each process's stderr to quote it in errors
+        self._captured: TextIO | None = None
+        self._client_info = client_info
+        self._client: Client | None = None
+        self._owner: asyncio.Task | None = None
+        self._stop: asyncio.Event | None = None
+        self._broken: str | None = None  # why the running connection stopped working
+
+    # --- life cycle -----------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._client is not None and self._broken is None
+
+    async def start(self) -> None:
+        """Connect and list the tools, within `startup_timeout`; MCPServerError if not."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+        self._stop = asyncio.Event()
+        self._broken = None
+        self._owner = asyncio.create_task(self._own(ready), name=f"mcp-server-{self.name}")
+        try:
+            await asyncio.wait_for(asyncio.shield(ready), self.config.startup_timeout)
+        except asyncio.TimeoutError:
+            await self._end_owner()
+            raise MCPServerError(
+                f"MCP server {self.name!r} did not start within {self.config.startup_timeout:g} s"
+                f"{self._stderr_note()}"
+            ) from None
+        except Exception as e:
+            await self._end_owner()
+            raise MCPServerError(
+                f"MCP server {self.name!r} failed to start: {_describe(e)}{self._stderr_note()}"
+            ) from None
+
+    async def _own(self, ready: asyncio.Future[None]) -> None:
+        """The owner task: open the client, publish it, wait for `close`, close it."""
+        try:
+            async with AsyncExitStack() as stack:
+                client = Client(
+                    await self._target(stack),
+                    sampling_callback=self._sampling,
+                    mode=self.config.protocol,
+                    client_info=self._client_info,
+                )
+                await stack.enter_async_context(client)
+                self.tools = await _list_tools(client)
+                self._client = client
+                ready.set_result(None)
+                await self._stop.wait()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a transport fault ends this server only
+            if not ready.done():
+                ready.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            else:
+                log.debug("MCP server %r closed with %s", self.name, _describe(e))
+        finally:
+            self._client = None
+
+    async def _target(self, stack: AsyncExitStack) -> Any:
+        c = self.config
+        if c.command is not None:
+            params = StdioServerParameters(command=c.command, args=c.args, env=c.env, cwd=c.cwd)
+            errlog = self._errlog
+            if errlog is None:  # one file for the connection's life: restarts append to it
+                if self._captured is None:
+                    self._captured = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in close()
+                errlog = self._captured
+            return stdio_client(params, errlog=errlog)
+        http = await stack.enter_async_context(create_mcp_http_client(headers=c.headers or None))
+        return streamable_http_client(c.url, http_client=http)
+
+    async def close(self) -> None:
+        await self._end_owner()
+        if self._captured is not None:
+            self._captured.close()
+            self._captured = None
+
+    async def _end_owner(self) -> None:
+        owner, self._owner = self._owner, None
+        if owner is None:
+            return
+        if self._stop is not None:
+            self._stop.set()
+        # A connected client closes cleanly (the SDK closes stdin, waits for the process, then
+        # terminates it: seconds at worst); one still starting is cancelled at once.
+        done = set()
+        if self._client is not None:
+            done, _ = await asyncio.wait({owner}, timeout=10)
+        if not done:
+            owner.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await owner
+        self._client = None
+
+    # --- calls ----------------------------------------------------------------------------
+    async def call(self, tool: str, arguments: dict[str, Any]) -> CallOutcome:
+        """Call `tool` on this server; every failure becomes an error outcome."""
+        if not self.running:
+            problem = await self._restart()
+            if problem is not None:
+                return CallOutcome(problem, True)
+        client = self._client
+        assert client is not None
+        timeout = self.config.timeout
+        try:
+            result = await asyncio.wait_for(
+                client.call_tool(tool, arguments, read_timeout_seconds=timeout), timeout + _GRACE
+            )
+        except asyncio.TimeoutError:
+            return CallOutcome(self._timed_out(tool), True)
+        except MCPError as e:
+            if e.code == types.REQUEST_TIMEOUT:
+                return CallOutcome(self._timed_out(tool), True)
+            if e.code == types.CONNECTION_CLOSED:
+                self._broken = "it exited during a call"
+                return CallOutcome(
+                    f"MCP server {self.name!r} exited while running tool {tool!r}"
+                    f"{self._stderr_note()}",
+                    True,
+                )
+            return CallOutcome(f"tool {tool!r} failed: {e.message or _describe(e)}", True)
+        except Exception as e:  # noqa: BLE001 - a malformed reply must not end the agent loop
+            return CallOutcome(f"tool {tool!r} failed: {_describe(e)}", True)
+        return result_outcome(result)
+
+    async def _restart(self) -> str | None:
+        """Reconnect a server that exited; the error text when that is impossible."""
+        why = self._broken or "it is not connected"
+        if self.restarts >= MAX_RESTARTS:
+            return f"MCP server {self.name!r} is not running ({why}; restarted {MAX_RESTARTS}x)"
+        self.restarts += 1
+        log.warning("restarting MCP server %r (%s)", self.name, why)
+        await self._end_owner()
+        try:
+            await self.start()
+        except MCPServerError as e:
+            self._broken = str(e)
+            return f"MCP server {self.name!r} is not running and could not be restarted: {e}"
+        return None
+
+    def _timed_out(self, tool: str) -> str:
+        return (
+            f"tool {tool!r} on MCP server {self.name!r} timed out after "
+            f"{self.config.timeout:g} s and was abandoned"
+        )
+
+    def _stderr_note(self) -> str:
+        tail = self.stderr_tail()
+        return f"; its stderr ended with:\n{tail}" if tail else ""
+
+    def stderr_tail(self) -> str:
+        """The last lines the server wrote to stderr (when the host captures it)."""
+        f = self._captured
+        if f is None or f.closed:
+            return ""
+        try:
+            f.flush()
+            end = f.seek(0, 2)
+            f.seek(max(0, end - 4 * STDERR_TAIL))
+            return f.read()[-STDERR_TAIL:].strip()
+        except (OSError, ValueError):
+            return ""
+
+
+def result_outcome(result: types.CallToolResult) -> CallOutcome:
+    """A CallToolResult as text. The engine reads text only: other content is named with a
+    placeholder rather than dropped without a word."""
+    parts = [_content_text(block) for block in result.content]
+    if not parts and result.structured_content is not None:
+        parts.append(json.dumps(result.structured_content, ensure_ascii=False))
+    text = "\n".join(parts)
+    if result.is_error and not text:
+        text = "the tool reported an error without a message"
+    return CallOutcome(text, bool(result.is_error))
+
+
+def _content_text(block: Any) -> str:
+    kind = getattr(block, "type", None)
+    if kind == "text":
+        return block.text
+    if kind == "resource":
+        res = block.resource
+        text = getattr(res, "text", None)
+        return text if text is not None else f"[binary resource {res.uri} omitted: text only]"
+    if kind == "resource_link":
+        return f"[resource link: {block.uri}{' ' + block.name if block.name else ''}]"
+    mime = getattr(block, "mime_type", None)
+    return f"[{kind} content{' (' + mime + ')' if mime else ''} omitted: this model reads text]"
+
+
+async def _list_tools(client: Client) -> list[types.Tool]:
+    tools: list[types.Tool] = []
+    cursor = None
+    for _ in range(100):  # a server whose cursor never ends must not hang the start
+        page = await client.list_tools(cursor=cursor)
+        tools += page.tools
+        cursor = page.next_cursor
+        if not cursor:
+            break
+    return tools
+
+
+def _describe(error: BaseException) -> str:
+    """The innermost cause of an (exception-group wrapped) error, as one line."""
+    while getattr(error, "exceptions", None):
+        error = error.exceptions[0]  # type: ignore[attr-defined]
+    if isinstance(error, MCPError):
+        return error.message or repr(error)
+    text = str(error) or repr(error)
+    return f"{type(error).__name__}: {text}" if type(error).__name__ not in text else text

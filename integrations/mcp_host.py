@@ -1,0 +1,443 @@
+"""MCPHost: the local model as an MCP host, running an agent loop over MCP servers' tools.
+
+    async with MCPHost.from_config("mcp_servers.json", engine=engine, max_tokens=256) as host:
+        result = await host.run("List the files and summarise README.md", max_steps=8)
+        print(result.answer)
+        async for event in host.stream(result.messages + [UserMessage("and then?")]): ...
+
+Entering the host starts every configured server at once (`mcp_connection.py`: one owner task
+each). A server that fails to start is logged, listed in `host.failures` and skipped; the host
+runs with the others. Tools are offered to the model as OpenAI-style function dicts under their
+own names, or as `server__tool` where two servers offer the same name.
+
+A run is the agent loop: one Session turn with the tools; each tool call the model makes is
+executed on its server through `session.arun_tool`, so the session's tool hooks apply, and its
+result (errors flagged `is_error`) is appended as a tool message; then the next turn, until the
+model answers without calling a tool or `max_steps` turns were taken. Calls of one turn run one
+after another, in the order the model wrote them: a model that writes a file and then reads it
+back in one turn means that order. Unknown tools, servers that crash or time out, and invalid
+arguments all come back to the model as error results; none of them ends the run.
+
+`tool_choice` (first turn only, as in OpenAI's Agents SDK: forcing every turn would loop until
+`max_steps`): "auto" (the default), "required" (some tool), a tool name or OpenAI's
+`{"type": "function", "function": {"name": ...}}`, to which FreeToken adds an optional
+`"arguments": {...}` that pins those argument values. A forced turn is generated under a
+JSON-schema grammar (`engine/constrained.py`) of `{"name", "arguments"}` objects, so even a weak
+model makes a well-formed call; the JSON is parsed here instead of by the model's tool-call
+parser, as vLLM does for a named tool_choice.
+
+Servers' sampling requests are answered by the same model (`mcp_sampling.py`). Runs are
+serialised (one Session per host keeps the rendered history for prefix reuse); use several
+hosts for parallel conversations on one EngineService.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import mcp_types as types
+
+from freetoken_agent.chat_format import ChatFormat
+from freetoken_agent.engine.constrained import tool_call_schema
+from freetoken_agent.hooks import ToolHooks
+from freetoken_agent.integrations.mcp_config import ServerConfig, load_config
+from freetoken_agent.integrations.mcp_connection import MCPServerError, ServerConnection
+from freetoken_agent.integrations.mcp_engine import as_service, iterate_in_thread
+from freetoken_agent.integrations.mcp_sampling import SamplingResponder
+from freetoken_agent.messages import (
+    MESSAGE_TYPES,
+    AssistantMessage,
+    Message,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+    coerce_messages,
+)
+from freetoken_agent.parsers import (
+    ContentDelta,
+    ParseWarning,
+    ReasoningDelta,
+    ToolCallEnd,
+    new_call_id,
+    parser_factory_for,
+)
+from freetoken_agent.session import Session, TextDelta, Usage
+
+log = logging.getLogger("freetoken.mcp")
+SEPARATOR = "__"  # server__tool for names offered by more than one server
+
+
+@dataclass(slots=True)
+class StepStart:
+    """A model turn begins; `forced` names the tool_choice it runs under, if any."""
+
+    step: int
+    forced: str | None = None
+
+
+@dataclass(slots=True)
+class ToolExecuted:
+    """A tool call has run (or failed); `result` is what the model will read."""
+
+    call: ToolCall
+    server: str | None  # None when the name matched no tool
+    result: ToolResult
+    seconds: float
+
+
+@dataclass(slots=True)
+class RunResult:
+    """The end of a run: the last event of `stream`, the value of `run`."""
+
+    messages: list[Message]  # the history given, plus every turn and tool result of the run
+    answer: str  # the last assistant turn's visible text
+    steps: int  # model turns taken
+    stop_reason: str  # answer | max_steps | error
+    usage: list[Usage] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Route:
+    connection: ServerConnection
+    tool: str  # the server's own name for it
+
+
+class MCPHost:
+    def __init__(
+        self,
+        servers: Sequence[ServerConfig],
+        *,
+        engine: Any,
+        system: str | None = None,
+        hooks: ToolHooks | None = None,
+        errlog: TextIO | None = None,
+        model_name: str | None = None,
+        sampling_max_tokens: int = 1024,
+        **sampling_defaults: Any,
+    ) -> None:
+        """`engine`: an Engine (wrapped in an EngineService owned by the host) or a shared
+        EngineService. `sampling_defaults` (max_tokens, temperature, ...) apply to the host's
+        turns and, where a server's request leaves them open, to sampling. `errlog`: where
+        stdio servers' stderr goes (default: captured, quoted in error messages)."""
+        names = [s.name for s in servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"MCP server names must be unique, got {names}")
+        self.configs = list(servers)
+        self.engine = engine
+        self.system = system
+        self.hooks = hooks or ToolHooks()
+        self.errlog = errlog
+        self.model_name = model_name or f"freetoken/{engine.spec.arch}"
+        self.sampling_max_tokens = sampling_max_tokens
+        self.sampling_defaults = dict(sampling_defaults)
+        self.connections: dict[str, ServerConnection] = {}
+        self.failures: dict[str, str] = {}  # server name -> why it did not start
+        self.tools: list[dict[str, Any]] = []  # OpenAI-style, as the prompt shows them
+        self.routes: dict[str, _Route] = {}
+        self.session: Session | None = None
+        self.sampler: SamplingResponder | None = None
+        self._service: Any = None
+        self._owns_service = False
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def from_config(
+        cls, config: str | Path | Mapping[str, Any], *, engine: Any, **options: Any
+    ) -> MCPHost:
+        """A host for the servers of a Cursor-style config (file path or dict)."""
+        return cls(load_config(config), engine=engine, **options)
+
+    # --- life cycle -----------------------------------------------------------------------
+    async def __aenter__(self) -> MCPHost:
+        self._service, self._owns_service = as_service(self.engine)
+        chat_format = ChatFormat(self._service.tokenizer)
+        self.sampler = SamplingResponder(
+            self._service,
+            chat_format,
+            model_name=self.model_name,
+            max_tokens_cap=self.sampling_max_tokens,
+            defaults=self.sampling_defaults,
+        )
+        candidates = [
+            ServerConnection(
+                c,
+                sampling_callback=self.sampler.callback_for(c.name),
+                errlog=self.errlog,
+                client_info=types.Implementation(name="freetoken-mcp-host", version="0.1.0"),
+            )
+            for c in self.configs
+        ]
+        outcomes = await asyncio.gather(*(c.start() for c in candidates), return_exceptions=True)
+        for conn, outcome in zip(candidates, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                why = str(outcome) if isinstance(outcome, MCPServerError) else repr(outcome)
+                self.failures[conn.name] = why
+                log.warning("skipping MCP server %r: %s", conn.name, why)
+                await conn.close()
+            else:
+                self.connections[conn.name] = conn
+        self._index_tools()
+        self.session = Session(
+            self._service,
+            system=self.system,
+            tools=self.tools or None,
+            chat_format=chat_format,
+            parser_factory=parser_factory_for(self._service, self.tools or None),
+            hooks=self.hooks,
+            **self.sampling_defaults,
+        )
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.connections.values()))
+        self.connections.clear()
+        if self._owns_service and self._service is not None:
+            self._service.close()
+        self._service = None
+
+    def _index_tools(self) -> None:
+        """Expose each tool under its own name, or `server__tool` when names collide."""
+        offers: dict[str, int] = {}
+        for conn in self.connections.values():
+            for tool in conn.tools:
+                offers[tool.name] = offers.get(tool.name, 0) + 1
+        self.tools, self.routes = [], {}
+        for conn in self.connections.values():
+            for tool in conn.tools:
+                name = tool.name if offers[tool.name] == 1 else conn.name + SEPARATOR + tool.name
+                self.routes[name] = _Route(conn, tool.name)
+                self.tools.append(openai_tool(name, tool))
+
+    # --- the agent loop -------------------------------------------------------------------
+    async def run(
+        self,
+        messages: str | Message | Sequence[Message | Mapping[str, Any]],
+        *,
+        max_steps: int = 8,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        sampling: Mapping[str, Any] | None = None,
+    ) -> RunResult:
+        """Run the loop to its end; see `stream` for the arguments."""
+        result = None
+        async for event in self.stream(
+            messages, max_steps=max_steps, tool_choice=tool_choice, sampling=sampling
+        ):
+            result = event
+        assert isinstance(result, RunResult)
+        return result
+
+    async def stream(
+        self,
+        messages: str | Message | Sequence[Message | Mapping[str, Any]],
+        *,
+        max_steps: int = 8,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        sampling: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[Any]:
+        """The loop's events: StepStart, the parser's events (ReasoningDelta, ContentDelta,
+        ToolCallStart/ArgsDelta/End, ParseWarning), Usage per turn, ToolExecuted per call,
+        and last a RunResult. `messages`: a user message or a whole history; `tool_choice`
+        applies to the first turn; `sampling` overrides the host's options for this run."""
+        if self.session is None:
+            raise RuntimeError("enter the host first: `async with MCPHost(...) as host`")
+        if not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+        history = coerce_messages(_as_history(messages))
+        forced = self._forced_schema(tool_choice)  # checked before anything runs
+        async with self._lock:
+            async for event in self._loop(history, max_steps, forced, dict(sampling or {})):
+                yield event
+
+    async def _loop(
+        self,
+        history: list[Message],
+        max_steps: int,
+        forced: tuple[str, dict[str, Any]] | None,
+        sampling: dict[str, Any],
+    ) -> AsyncIterator[Any]:
+        usages: list[Usage] = []
+        step = 0
+        while step < max_steps:
+            yield StepStart(step, forced[0] if forced else None)
+            turn = _Turn()
+            async for event in self._turn(history, sampling, forced, turn):
+                yield event
+            forced = None
+            step += 1
+            usages.append(turn.usage)
+            history.append(turn.message())
+            if turn.usage.finish_reason == "error":
+                error = turn.usage.error or "the generation failed"
+                yield RunResult(history, turn.content, step, "error", usages, error)
+                return
+            if not turn.calls:
+                yield RunResult(history, turn.content, step, "answer", usages)
+                return
+            for call in turn.calls:
+                executed = await self._execute(call)
+                history.append(executed.result)
+                yield executed
+        yield RunResult(history, "", step, "max_steps", usages)
+
+    async def _turn(
+        self,
+        history: list[Message],
+        sampling: dict[str, Any],
+        forced: tuple[str, dict[str, Any]] | None,
+        turn: _Turn,
+    ) -> AsyncIterator[Any]:
+        session = self.session
+        assert session is not None
+        options = dict(sampling)
+        parser: Any = session.parser_factory
+        if forced is not None:
+            options["json_schema"], parser = forced[1], None
+        params = session.sampling(options)
+        stream = iterate_in_thread(lambda: session.send(history, params, parser_factory=parser))
+        async for event in stream:
+            if isinstance(event, Usage):
+                turn.usage = event
+            elif isinstance(event, TextDelta):  # forced: the JSON of the call
+                turn.raw.append(event.text)
+            else:
+                turn.take(event)
+                yield event
+        if forced is not None and turn.usage.finish_reason != "error":
+            for event in turn.forced_call():
+                yield event
+        yield turn.usage
+
+    def _forced_schema(self, choice: str | Mapping[str, Any]) -> tuple[str, dict] | None:
+        """(label, JSON schema of the allowed calls) for a forcing tool_choice, else None."""
+        pinned: Mapping[str, Any] = {}
+        if isinstance(choice, Mapping):  # OpenAI's {"type": "function", "function": {...}}
+            fn = choice.get("function", choice)
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"tool_choice {choice!r} names no function")
+            choice, pinned = fn["name"], fn.get("arguments") or {}
+        if choice in ("auto", "none"):
+            # "none" cannot stop a model from writing a call; it only skips forcing here.
+            return None
+        if not self.tools:
+            raise ValueError(f"tool_choice {choice!r} needs tools, and no server offers any")
+        if choice == "required":
+            schemas = [_call_schema(t, {}) for t in self.tools]
+            return "required", schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        tool = next((t for t in self.tools if t["function"]["name"] == choice), None)
+        if tool is None:
+            raise ValueError(
+                f"tool_choice {choice!r} is not a tool of the connected servers; available: "
+                f"{', '.join(self.routes)}"
+            )
+        return choice, _call_schema(tool, pinned)
+
+    async def _execute(self, call: ToolCall) -> ToolExecuted:
+        session = self.session
+        assert session is not None
+        start = time.perf_counter()
+        route = self.routes.get(call.name)
+
+        async def fn(**arguments: Any) -> ToolResult:
+            if route is None:
+                available = ", ".join(self.routes) or "none"
+                text = f"unknown tool {call.name!r}; the available tools are: {available}"
+                return ToolResult(call.id, text, is_error=True, name=call.name)
+            outcome = await route.connection.call(route.tool, arguments)
+            return ToolResult(call.id, outcome.text, is_error=outcome.is_error, name=call.name)
+
+        result = await session.arun_tool(call, fn)
+        server = route.connection.name if route else None
+        return ToolExecuted(call, server, result, time.perf_counter() - start)
+
+
+class _Turn:
+    """What one model turn produced, gathered from its events."""
+
+    def __init__(self) -> None:
+        self.contents: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.raw: list[str] = []  # a forced turn's JSON text
+        self.usage = Usage(0, 0, 0, 0, "error", "the turn produced no usage")
+
+    @property
+    def content(self) -> str:
+        return "".join(self.contents)
+
+    def take(self, event: Any) -> None:
+        if isinstance(event, ContentDelta):
+            self.contents.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            self.reasoning.append(event.text)
+        elif isinstance(event, ToolCallEnd):
+            self.calls.append(ToolCall(event.id, event.name, dict(event.arguments)))
+
+    def forced_call(self) -> list[Any]:
+        """Parse a forced turn's JSON into its call; content plus a warning if it is cut."""
+        text = "".join(self.raw)
+        try:
+            data = json.loads(text)
+            call = ToolCall(new_call_id(), data["name"], dict(data["arguments"]))
+        except (ValueError, KeyError, TypeError) as e:
+            self.contents.append(text)
+            reason = self.usage.finish_reason
+            why = "max_tokens cut it" if reason == "length" else f"{type(e).__name__}: {e}"
+            return [ContentDelta(text), ParseWarning(f"the forced tool call is void: {why}", text)]
+        self.calls.append(call)
+        return [ToolCallEnd(0, call.id, call.name, call.arguments)]
+
+    def message(self) -> AssistantMessage:
+        reasoning = "".join(self.reasoning) if self.reasoning else None
+        return AssistantMessage(self.content, reasoning, list(self.calls))
+
+
+def _call_schema(tool: dict[str, Any], pinned: Mapping[str, Any]) -> dict[str, Any]:
+    """The grammar of a forced call of `tool`. Unknown argument names are closed off (a weak
+    model would otherwise invent keys until max_tokens) unless the tool's schema opens them;
+    `pinned` arguments are fixed to their values with `const`."""
+    schema = tool_call_schema(tool)
+    arguments = dict(schema["properties"]["arguments"])
+    properties = dict(arguments.get("properties") or {})
+    arguments.setdefault("additionalProperties", False)
+    unknown = sorted(set(pinned) - set(properties))
+    if unknown:
+        name = tool["function"]["name"]
+        raise ValueError(f"tool_choice pins argument(s) {unknown} that {name!r} does not take")
+    for key, value in pinned.items():
+        properties[key] = {"const": value}
+    arguments["properties"] = properties
+    arguments["required"] = list(dict.fromkeys([*(arguments.get("required") or []), *pinned]))
+    schema["properties"] = {**schema["properties"], "arguments": arguments}
+    return schema
+
+
+def openai_tool(name: str, tool: types.Tool) -> dict[str, Any]:
+    """An MCP tool as the OpenAI function dict chat templates render."""
+    schema = dict(tool.input_schema or {})
+    schema.setdefault("type", "object")
+    schema.setdefault("properties", {})
+    description = tool.description or tool.title or ""
+    fn = {"name": name, "description": description, "parameters": schema}
+    return {"type": "function", "function": fn}
+
+
+def _as_history(messages: Any) -> list[Any]:
+    if isinstance(messages, str):
+        return [UserMessage(messages)]
+    if isinstance(messages, (*MESSAGE_TYPES, Mapping)):
+        return [messages]
+    return list(messages)
+
+
+__all__ = ["MCPHost", "RunResult", "StepStart", "ToolExecuted", "openai_tool"]
