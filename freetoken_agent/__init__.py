@@ -1,8 +1,9 @@
 """FreeToken: an edge-native MoE serving runtime, driven by agents.
 
 Public surface (DESIGN section 9): the Engine, and the agent layer's Session with its structured
-history (messages), rendering (ChatFormat: token ids + anchors) and tool hooks. ChatFreeToken
-arrives with the integrations.
+history (messages), rendering (ChatFormat: token ids + anchors) and tool hooks. `ChatFreeToken`
+(the LangChain chat model) is exported lazily: importing this package never imports langchain,
+which the GPU image does not carry; it is left out of `__all__` so a star import does not either.
 """
 
 from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt
@@ -52,3 +53,18 @@ __all__ = [
     "messages_from_openai",
     "to_openai_messages",
 ]
+
+_LAZY = {"ChatFreeToken": "freetoken_agent.integrations.langchain"}
+
+
+def __getattr__(name: str):
+    """`from freetoken_agent import ChatFreeToken` imports langchain only then (PEP 562)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'freetoken_agent' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

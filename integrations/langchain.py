@@ -1,0 +1,415 @@
+"""ChatFreeToken: a LangChain chat model (langchain-core 1.x `BaseChatModel`) on a local engine.
+
+    llm = ChatFreeToken(model="path/to/model", temperature=0, max_tokens=256)   # or model="demo"
+    llm = ChatFreeToken(engine=engine_or_service)                               # share an engine
+    llm.bind_tools([add, count_words], tool_choice="any").invoke("...")
+    llm.with_structured_output(Answer).invoke("...")        # JSON-schema constrained decoding
+
+Why it is built this way:
+- Agents resend their whole history every call. Each ChatFreeToken keeps one warm Session per
+  tool binding (langchain_runtime.SessionPool), so a call renders only its new messages and the
+  engine reuses the KV of everything it has seen (`usage_metadata.input_token_details
+  .cache_read` says how much).
+- The engine is shared: all calls go through one EngineService per engine (one stepping
+  thread), so threads, asyncio tasks and several ChatFreeToken instances can run at once.
+  Cancelling an async call or hitting `timeout` aborts the engine request immediately.
+- A forced tool call (`tool_choice` "any"/"required"/a name) and `with_structured_output(
+  method="json_schema")` use constrained decoding: the output is valid JSON for the schema even
+  from a weak model. Such turns do not think (the grammar starts at the first token).
+- Reasoning streams in `additional_kwargs["reasoning_content"]` and goes back to the model in
+  later turns, where the chat template keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from operator import itemgetter
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput, ModelProfile
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import (
+    JsonOutputKeyToolsParser,
+    PydanticToolsParser,
+)
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import Field, PrivateAttr, model_validator
+
+from freetoken_agent.engine.sampling_params import SamplingParams, schema_of_response_format
+from freetoken_agent.integrations.langchain_chunks import ChunkBuilder
+from freetoken_agent.integrations.langchain_messages import (
+    parse_tool_choice,
+    to_history,
+    tool_names,
+)
+from freetoken_agent.integrations.langchain_runtime import (
+    Binding,
+    GenerationError,
+    GenerationTimeout,
+    SessionPool,
+    arun_turn,
+    load_service,
+    output_schema,
+    run_turn,
+    service_for,
+)
+from freetoken_agent.session import Usage
+
+__all__ = ["ChatFreeToken", "GenerationError", "GenerationTimeout"]
+
+_SAMPLING_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
+# Options LangChain (or an OpenAI-minded caller) may pass that mean nothing here.
+_IGNORED_OPTIONS = ("stream", "parallel_tool_calls", "strict")
+
+
+class ChatFreeToken(BaseChatModel):
+    """A FreeToken engine as a LangChain chat model (see the module docstring)."""
+
+    model: str | None = None
+    """A model folder (HF or FTW), or None / "demo" for the embedded random demo model."""
+    engine: Any = Field(default=None, exclude=True)
+    """An already loaded Engine or EngineService to use instead of loading `model`."""
+    device: str = "auto"
+    policy: str = "adaptive"
+    gpu_budget: int | None = None
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    """More `Engine.load` options (kv_tokens, max_model_len, max_num_seqs, ...)."""
+    temperature: float | None = None
+    max_tokens: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    timeout: float | None = None
+    """Seconds a generation may take; past it the request is aborted (GenerationTimeout)."""
+    max_retries: int = 0
+    """Retries of a generation that failed in the engine before producing any output."""
+    reasoning: bool | None = None
+    """enable_thinking for templates that have it; None keeps the template's default."""
+
+    _service: Any = PrivateAttr(default=None)
+    _pool: SessionPool | None = PrivateAttr(default=None)
+
+    # --- the engine -----------------------------------------------------------------------
+    def _ensure_engine(self) -> SessionPool:
+        if self._pool is None:
+            if self.engine is not None:
+                service = service_for(self.engine)
+            else:
+                service = load_service(
+                    self.model, self.device, self.policy, self.gpu_budget, self.engine_options
+                )
+            self._service = service
+            self._pool = SessionPool(service, self.reasoning)
+        return self._pool
+
+    @model_validator(mode="after")
+    def _start_freetoken_engine(self) -> ChatFreeToken:
+        """Load (or attach to) the engine at construction: a bad path fails here, clearly."""
+        self._ensure_engine()
+        return self
+
+    @property
+    def service(self):
+        """The EngineService every call of this model goes through."""
+        self._ensure_engine()
+        return self._service
+
+    @property
+    def model_name(self) -> str:
+        if self.model:
+            return self.model
+        return "demo" if self.engine is None else str(self.service.spec.arch)
+
+    @property
+    def last_prompt(self):
+        """The Prompt (token ids, text, anchors) of the last finished call, for inspection."""
+        session = self._ensure_engine().last
+        return None if session is None else session.last_prompt
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        service = self.service
+        sources = getattr(service.tokenizer, "chat_template_sources", {}) or {}
+        thinks = any("<think>" in s or "enable_thinking" in s for s in sources.values())
+        limit = int(service.engine.max_model_len)
+        return ModelProfile(
+            max_input_tokens=limit - 1,  # at least one token must be generated
+            max_output_tokens=limit - 1,
+            text_inputs=True,
+            text_outputs=True,
+            image_inputs=False,
+            audio_inputs=False,
+            video_inputs=False,
+            pdf_inputs=False,
+            reasoning_output=thinks,
+            tool_calling=True,
+            tool_choice=True,
+            tool_call_streaming=True,
+            structured_output=True,
+            temperature=True,
+        )
+
+    @property
+    def _llm_type(self) -> str:
+        return "freetoken"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "device": self.device,
+            "policy": self.policy,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "reasoning": self.reasoning,
+        }
+
+    def get_token_ids(self, text: str) -> list[int]:
+        return self.service.tokenizer.encode(text)
+
+    def get_num_tokens_from_messages(
+        self, messages: list[BaseMessage], tools: Sequence | None = None
+    ) -> int:
+        """Exact: the length of the rendered prompt (chat template included)."""
+        from freetoken_agent.integrations.langchain_runtime import chat_format
+
+        specs = [convert_to_openai_tool(t) for t in tools] if tools else None
+        fmt = chat_format(self.service, self.reasoning)
+        return len(fmt.render(to_history(messages), tools=specs))
+
+    # --- binding --------------------------------------------------------------------------
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: str | dict | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Tools in OpenAI form, rendered by the chat template. tool_choice: None/"auto",
+        "none", "any"/"required"/True (one call of some tool) or a tool name / dict (a call of
+        that tool); forced calls are constrained to the tool's argument schema."""
+        specs = [convert_to_openai_tool(t) for t in tools]
+        parse_tool_choice(tool_choice, tool_names(specs))  # a bad choice fails here
+        return self.bind(tools=specs, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["json_schema", "function_calling"] = "json_schema",
+        include_raw: bool = False,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | Any]:
+        """Outputs parsed into `schema` (pydantic model -> instance; TypedDict / JSON schema ->
+        dict). "json_schema": the answer is constrained to the schema; "function_calling": a
+        forced, constrained call of a tool made from the schema."""
+        if kwargs:
+            raise ValueError(f"unexpected with_structured_output options: {sorted(kwargs)}")
+        pydantic = is_basemodel_subclass(schema) if isinstance(schema, type) else False
+        trace = {"kwargs": {"method": method}, "schema": schema}
+        if method == "json_schema":
+            json_schema = _json_schema(schema)
+            fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": json_schema}}
+            llm = self.bind(response_format=fmt, ls_structured_output_format=trace)
+            parser: Runnable = (
+                PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+            )
+        elif method == "function_calling":
+            tool = convert_to_openai_tool(schema)
+            name = tool["function"]["name"]
+            llm = self.bind_tools([tool], tool_choice=name, ls_structured_output_format=trace)
+            parser = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)
+                if pydantic
+                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            )
+        else:
+            raise ValueError(f"method must be 'json_schema' or 'function_calling', got {method!r}")
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(
+            parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
+        )
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks(
+            [fallback], exception_key="parsing_error"
+        )
+
+    # --- one call -------------------------------------------------------------------------
+    def _prepare(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[Binding, list, SamplingParams, float | None]:
+        """Binding, history, sampling and timeout of a call; every input problem raises here."""
+        kwargs = dict(kwargs)
+        tools = kwargs.pop("tools", None)
+        specs = [convert_to_openai_tool(t) for t in tools] if tools else []
+        mode, allowed = parse_tool_choice(kwargs.pop("tool_choice", None), tool_names(specs))
+        fmt = kwargs.pop("response_format", None)
+        schema = schema_of_response_format(fmt) if fmt is not None else None
+        if schema is not None and mode != "required":
+            mode = "json_or_call" if mode == "auto" and specs else "json"
+        options = {k: kwargs.pop(k, getattr(self, k, None)) for k in _SAMPLING_OPTIONS}
+        options = {k: v for k, v in options.items() if v is not None}
+        timeout = kwargs.pop("timeout", self.timeout)
+        for key in _IGNORED_OPTIONS:
+            kwargs.pop(key, None)
+        if kwargs:
+            raise ValueError(f"unknown option(s) for ChatFreeToken: {', '.join(sorted(kwargs))}")
+        stops = list(stop) if stop is not None else list(self.stop or [])
+        shown = tuple(specs) if specs and mode != "none" else None
+        by_name = {t["function"]["name"]: t for t in specs}
+        constraint = output_schema(mode, [by_name[n] for n in allowed] or specs, schema)
+        key = json.dumps([shown, mode, allowed, schema], sort_keys=True, default=str)
+        binding = Binding(key, shown, mode, allowed, schema)
+        sampling = SamplingParams(**options, stop=stops, json_schema=constraint)
+        return binding, to_history(messages), sampling, timeout
+
+    def _turn(self, messages, stop, kwargs) -> Iterator[Any]:
+        """Session events of one call, retried while the engine fails before any output."""
+        binding, history, sampling, timeout = self._prepare(messages, stop, kwargs)
+        pool = self._ensure_engine()
+        for attempt in itertools.count():
+            produced = False
+            with contextlib.closing(run_turn(pool, binding, history, sampling, timeout)) as turn:
+                for event in turn:
+                    if isinstance(event, Usage) and _failed(event):
+                        if not produced and attempt < self.max_retries:
+                            break
+                        raise _failure(event)
+                    produced = True
+                    yield event
+                else:
+                    return
+
+    async def _aturn(self, messages, stop, kwargs) -> AsyncIterator[Any]:
+        binding, history, sampling, timeout = self._prepare(messages, stop, kwargs)
+        pool = self._ensure_engine()
+        for attempt in itertools.count():
+            produced = False
+            turn = arun_turn(pool, binding, history, sampling, timeout)
+            try:
+                async for event in turn:
+                    if isinstance(event, Usage) and _failed(event):
+                        if not produced and attempt < self.max_retries:
+                            break
+                        raise _failure(event)
+                    produced = True
+                    yield event
+                else:
+                    return
+            finally:
+                await turn.aclose()  # cancels (aborts) the engine request if still running
+
+    # --- LangChain's four entry points ----------------------------------------------------
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        builder = ChunkBuilder(self.model_name)
+        for event in self._turn(messages, stop, kwargs):
+            builder.chunk(event)
+        return _result(builder)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        builder = ChunkBuilder(self.model_name)
+        for event in self._turn(messages, stop, kwargs):
+            chunk = builder.chunk(event)
+            if chunk is not None:
+                piece = ChatGenerationChunk(message=chunk)
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(_text(chunk), chunk=piece)
+                yield piece
+        yield _last(builder)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        builder = ChunkBuilder(self.model_name)
+        async for event in self._aturn(messages, stop, kwargs):
+            builder.chunk(event)
+        return _result(builder)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        builder = ChunkBuilder(self.model_name)
+        turn = self._aturn(messages, stop, kwargs)
+        try:
+            async for event in turn:
+                chunk = builder.chunk(event)
+                if chunk is not None:
+                    piece = ChatGenerationChunk(message=chunk)
+                    if run_manager is not None:
+                        await run_manager.on_llm_new_token(_text(chunk), chunk=piece)
+                    yield piece
+        finally:
+            await turn.aclose()
+        yield _last(builder)
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def _json_schema(schema: dict[str, Any] | type) -> dict[str, Any]:
+    """A JSON schema from a pydantic model, TypedDict, OpenAI tool or plain JSON schema."""
+    plain = isinstance(schema, dict) and not {"function", "parameters"} & schema.keys()
+    if plain and {"type", "properties", "anyOf"} & schema.keys():
+        return schema  # already a JSON schema (title optional)
+    return convert_to_json_schema(schema)
+
+
+def _failed(usage: Usage) -> bool:
+    return usage.finish_reason in ("error", "abort")
+
+
+def _failure(usage: Usage) -> GenerationError:
+    if usage.finish_reason == "abort":
+        return GenerationError("the engine aborted the generation (was the service closed?)")
+    return GenerationError(f"the generation failed in the engine: {usage.error}")
+
+
+def _text(chunk: Any) -> str:
+    return chunk.content if isinstance(chunk.content, str) else ""
+
+
+def _info(builder: ChunkBuilder) -> dict[str, Any]:
+    return {"finish_reason": builder.finish_reason, "model_name": builder.model_name}
+
+
+def _last(builder: ChunkBuilder) -> ChatGenerationChunk:
+    return ChatGenerationChunk(message=builder.last_chunk(), generation_info=_info(builder))
+
+
+def _result(builder: ChunkBuilder) -> ChatResult:
+    message = builder.message()
+    return ChatResult(
+        generations=[ChatGeneration(message=message, generation_info=_info(builder))],
+        llm_output={"model_name": builder.model_name},
+    )
