@@ -1,8 +1,9 @@
-"""The `freetoken` command: demo, generate, chat, convert, calibrate, bench.
+"""The `freetoken` command: demo, generate, chat, serve, convert, calibrate, bench.
 
     freetoken demo                         build (once) and run the tiny random demo model
     freetoken generate --model DIR "text"  one completion, streamed to stdout
     freetoken chat --model DIR             an interactive chat that keeps its KV across turns
+    freetoken serve [--model DIR]          OpenAI-compatible API, session WebSocket, web page
     freetoken convert HF_DIR OUT_DIR       write a checkpoint as FTW expert banks
     freetoken calibrate [--model DIR]      measure the bandwidths the q* split uses
     freetoken bench ...                    benchmarks (see `freetoken bench --help`)
@@ -14,6 +15,7 @@ that stdout carries only the generated text.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -159,6 +161,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    # The server lives in integrations/ (Starlette, uvicorn): imported here only, so the other
+    # commands run without those packages.
+    from freetoken_agent.integrations.server.serve import check_bind, serve
+
+    check_bind(args.host, args.api_key)  # before loading: a refused bind costs nothing
+    engine = _load(args)
+    model_id = "freetoken-demo" if args.model == "demo" else Path(args.model).resolve().name
+    print(
+        f"[freetoken] serving {model_id} on http://{args.host}:{args.port} "
+        f"(web page at /, OpenAI API at /v1, auth {'on' if args.api_key else 'off'})",
+        file=sys.stderr,
+    )
+    serve(
+        engine,
+        args.host,
+        args.port,
+        api_key=args.api_key,
+        model_id=model_id,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        log_level=args.log_level,
+    )
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from freetoken_agent.engine.weights.ftw import convert
 
@@ -220,6 +247,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
+
+    srv = sub.add_parser(
+        "serve", help="OpenAI-compatible API, WebSocket session stream and a web page"
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (others need --api-key)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("FREETOKEN_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' (default: $FREETOKEN_API_KEY)",
+    )
+    srv.add_argument("--max-body-mb", type=float, default=4.0, help="request size limit (MiB)")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert", help="write an HF folder as FTW (expert banks by lid)")
     conv.add_argument("src", help="HF model folder (safetensors)")

@@ -1,0 +1,18 @@
+"""The Starlette server: OpenAI-compatible routes, the WebSocket session stream, a web page.
+
+    from freetoken_agent.integrations.server import create_app, serve
+    app = create_app(engine, api_key=None)        # any ASGI server runs it
+    serve(engine, host="127.0.0.1", port=8000)    # or `freetoken serve`
+
+Module map: app (create_app, /health), openai_routes (/v1/chat/completions, /v1/models),
+sessions_ws (/v1/sessions/{id}/ws), ui + ui_page (the page at /), hub (live Sessions by id and
+their watchers), turn_run (one turn in a worker thread, read on the event loop), bridge (the
+Session's engine: a cancellable request per turn), chat_request (body -> checked request),
+tool_choice (tools, forced calls), reply / completion_format / session_events (wire shapes),
+auth, browser_guard, limits (the safety middleware), errors, serve (uvicorn, binding rules).
+"""
+
+from freetoken_agent.integrations.server.app import create_app
+from freetoken_agent.integrations.server.serve import check_bind, make_server, serve
+
+__all__ = ["check_bind", "create_app", "make_server", "serve"]

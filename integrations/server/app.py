@@ -1,0 +1,121 @@
+"""create_app: the Starlette application serving one engine.
+
+    app = create_app(engine_or_service, api_key=None)
+    uvicorn.run(app, host="127.0.0.1", port=8000)       # or `freetoken serve`
+
+Routes: POST /v1/chat/completions, GET /v1/models, GET /health, WebSocket
+/v1/sessions/{id}/ws, and the web page at / (also /ui). Middleware, outermost first:
+BrowserGuard (foreign pages and DNS rebinding), BearerAuth (when `api_key` is set), BodyLimit
+(413 past `max_body_bytes`). Given an Engine, the app wraps it in an EngineService of its own
+and closes it at shutdown; given a service, the caller owns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from freetoken_agent.chat_format import ChatFormat
+from freetoken_agent.integrations.server import openai_routes, sessions_ws, ui
+from freetoken_agent.integrations.server.auth import BearerAuth
+from freetoken_agent.integrations.server.browser_guard import BrowserGuard
+from freetoken_agent.integrations.server.hub import LockedChatFormat, SessionHub
+from freetoken_agent.integrations.server.limits import DEFAULT_MAX_BODY, BodyLimit
+from freetoken_agent.service import EngineService
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What every route reads, as `request.app.state.server`."""
+
+    service: EngineService
+    hub: SessionHub
+    model_id: str
+    max_model_len: int
+    default_max_tokens: int
+    max_body_bytes: int
+    created: int
+    owns_service: bool
+
+
+async def health(request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.server
+    stats = await asyncio.to_thread(state.service.stats)
+    return JSONResponse(
+        {
+            "status": "ok",
+            "model": state.model_id,
+            "sessions": len(state.hub),
+            "memory": stats.get("memory"),
+            "requests": stats.get("requests"),
+            "tokens": stats.get("tokens"),
+            "experts": stats.get("experts"),
+        }
+    )
+
+
+def create_app(
+    engine: Any,
+    *,
+    api_key: str | None = None,
+    model_id: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+    max_sessions: int = 256,
+    default_max_tokens: int | None = None,
+    allowed_hosts: Sequence[str] | None = None,
+) -> Starlette:
+    """`engine`: an Engine or an EngineService. `default_max_tokens` applies when a request
+    gives none (default: the engine's whole context, which then ends the generation).
+    `allowed_hosts`: accepted Host header names (None: any; `serve` restricts a keyless local
+    server to the local names)."""
+    owns = not isinstance(engine, EngineService)
+    service = EngineService(engine) if owns else engine
+    try:
+        if service.tokenizer is None:
+            raise ValueError("the server needs a model folder with a tokenizer and chat template")
+        chat_format = LockedChatFormat(ChatFormat(service.tokenizer))
+        max_len = int(service.engine.max_model_len)
+    except BaseException:
+        if owns:
+            service.close()
+        raise
+    state = ServerState(
+        service=service,
+        hub=SessionHub(service, chat_format, max_sessions),
+        model_id=model_id or f"freetoken/{service.spec.arch}",
+        max_model_len=max_len,
+        default_max_tokens=default_max_tokens or max_len,
+        max_body_bytes=max_body_bytes,
+        created=int(time.time()),
+        owns_service=owns,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        if state.owns_service:
+            await asyncio.to_thread(service.close)
+
+    middleware = [Middleware(BrowserGuard, allowed_hosts=allowed_hosts)]
+    if api_key is not None:
+        middleware.append(Middleware(BearerAuth, api_key=api_key, public_paths=ui.PATHS))
+    middleware.append(Middleware(BodyLimit, max_bytes=max_body_bytes))
+    routes = [
+        *openai_routes.routes,
+        *sessions_ws.routes,
+        Route("/health", health, methods=["GET"]),
+        *ui.routes,
+    ]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.server = state
+    return app

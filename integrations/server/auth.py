@@ -1,0 +1,74 @@
+"""Bearer-key authentication for HTTP and WebSocket, as one ASGI middleware.
+
+A server with `api_key` refuses every request that does not carry it, with 401 and an OpenAI
+error object (`invalid_api_key`), before the body is read. Browsers cannot set headers on a
+WebSocket, so a socket may instead offer the subprotocol `bearer.<key>` (the web page does);
+the endpoint then answers with the `freetoken` subprotocol, never echoing the key. The web
+page itself is public: it holds no data and asks for the key.
+
+Keys are compared in constant time (hmac.compare_digest), so timing reveals nothing about them.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket
+
+from freetoken_agent.integrations.server.errors import error_response
+
+BEARER_PROTOCOL = "bearer."
+
+
+def offered_key(scope: Scope) -> str | None:
+    """The key a request presents: `Authorization: Bearer KEY`, or for a WebSocket the
+    subprotocol `bearer.KEY`."""
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    if scope["type"] == "websocket":
+        for protocol in scope.get("subprotocols", []):
+            if protocol.startswith(BEARER_PROTOCOL):
+                return protocol[len(BEARER_PROTOCOL) :]
+    return None
+
+
+class BearerAuth:
+    def __init__(self, app: ASGIApp, api_key: str, public_paths: Iterable[str] = ()) -> None:
+        if not api_key:
+            raise ValueError("an empty api_key would accept anyone; pass None to disable auth")
+        self.app = app
+        self._key = api_key.encode("utf-8")
+        self.public_paths = frozenset(public_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self.public_paths:
+            await self.app(scope, receive, send)
+            return
+        key = offered_key(scope)
+        if key is not None and hmac.compare_digest(key.encode("utf-8"), self._key):
+            await self.app(scope, receive, send)
+            return
+        message = (
+            "missing API key: send 'Authorization: Bearer <key>'"
+            if key is None
+            else "wrong API key"
+        )
+        response = error_response(
+            401,
+            message,
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": 'Bearer realm="freetoken"'},
+        )
+        if scope["type"] == "http":
+            await response(scope, receive, send)
+            return
+        socket = WebSocket(scope, receive, send)
+        if "websocket.http.response" in scope.get("extensions", {}):
+            await socket.send_denial_response(response)  # the client sees the 401 itself
+        else:
+            await socket.close(code=1008, reason=message)  # policy violation

@@ -1,0 +1,117 @@
+"""EngineBridge: what a server Session takes for its engine, so the event loop can stop a turn.
+
+A Session is synchronous: `session.send` calls `engine.stream(ids, sampling)` and blocks on it,
+so the server runs it in a worker thread. The event loop must still be able to end that turn at
+once when its client goes away (the request aborted, its KV pages freed) even while the worker
+is blocked waiting for the next token. Each turn therefore gets a `Turn`: it submits through
+`EngineService.submit` with its own queue, remembers the request id, and `Turn.cancel()` (from
+any thread) aborts the request and wakes the worker with a final "abort" event, which the
+Session handles like any early end.
+
+A Turn also carries what the server adds to a Session's prompt (the opener of a forced tool
+call, `suffix_ids`) and the engine's own figures for its request (reused and prefilled tokens),
+which stay exact however many requests run at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from freetoken_agent.engine.outputs import TokenEvent
+from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.service import EngineService
+
+
+class TurnCancelled(Exception):
+    """The turn was cancelled before its request reached the engine."""
+
+
+def request_figures(engine: Any, request_id: str) -> dict[str, int] | None:
+    """The engine's reused/prefilled token counts for one request, read on the engine thread
+    while the request is still registered (the service drops it right after its last event).
+
+    The engine has no public per-request accessor yet, so this reads `engine._requests`; it
+    returns None when that is not there, and callers fall back to the Session's figures."""
+    table = getattr(engine, "_requests", None)
+    req = table.get(request_id) if isinstance(table, dict) else None
+    if req is None:
+        return None
+    try:
+        return {"reused": int(req.num_reused), "prefilled": int(req.num_prefilled)}
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+class Turn:
+    """One engine request of one turn, cancellable from any thread."""
+
+    def __init__(self, service: EngineService) -> None:
+        self.service = service
+        self.suffix_ids: list[int] = []  # appended to the Session's prompt (forced tool calls)
+        self.on_submit: Callable[[int], None] | None = None  # called with the prompt length
+        self.figures: dict[str, int] | None = None  # set when the request finishes
+        self.request_id: str | None = None
+        self.cancelled = False
+        self._lock = threading.Lock()
+        self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+
+    def _deliver(self, event: TokenEvent) -> None:  # on the engine thread, under service.lock
+        if event.finished:
+            self.figures = request_figures(self.service.engine, event.request_id)
+        self._events.put(event)
+
+    def stream(self, prompt: Sequence[int], sampling: SamplingParams) -> Iterator[TokenEvent]:
+        ids = [*prompt, *self.suffix_ids]
+        with self._lock:  # cancel() either sees the request id or stops the submission
+            if self.cancelled:
+                raise TurnCancelled("the turn was cancelled before it started")
+            self.request_id = self.service.submit(ids, sampling, self._deliver)
+        if self.on_submit is not None:
+            self.on_submit(len(ids))
+        try:
+            while True:
+                event = self._events.get()
+                yield event
+                if event.finished:
+                    return
+        finally:
+            self.service.abort(self.request_id)  # a no-op once the request has finished
+
+    def cancel(self) -> None:
+        """Abort the request (its pages are freed at once) and wake the reader."""
+        with self._lock:
+            if self.cancelled:
+                return
+            self.cancelled = True
+            rid = self.request_id
+        if rid is not None:
+            self.service.abort(rid)
+            self._events.put(TokenEvent(rid, None, "", 0, True, "abort", None))
+
+
+class EngineBridge:
+    """Quacks like the engine for a Session (tokenizer, spec, stats, stream); `stream` goes
+    through the Turn the server set as `current` before calling `session.send`."""
+
+    def __init__(self, service: EngineService) -> None:
+        self.service = service
+        self.current: Turn | None = None
+
+    @property
+    def tokenizer(self):
+        return self.service.tokenizer
+
+    @property
+    def spec(self):
+        return self.service.spec
+
+    def stats(self) -> dict:
+        return self.service.stats()
+
+    def stream(self, prompt: Sequence[int], sampling: SamplingParams) -> Iterator[TokenEvent]:
+        if self.current is None:
+            raise RuntimeError("EngineBridge.stream outside a server turn (set .current first)")
+        return self.current.stream(prompt, sampling)

@@ -1,0 +1,89 @@
+"""OpenAI chat-completion objects from a turn's events: chunks while streaming, or one whole.
+
+Streaming deltas follow OpenAI's shapes exactly, since clients accumulate them by field:
+`role` in the first chunk, `content` and `reasoning_content` text pieces, and `tool_calls`
+entries keyed by a stable `index`, whose first delta carries the call's `id`, `type` and
+`function.name` and whose later deltas carry `function.arguments` pieces that concatenate to
+the arguments JSON. A final chunk has an empty delta and the `finish_reason`; the usage chunk
+(`choices: []`) follows when the client asked for it with `stream_options.include_usage`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from freetoken_agent.integrations.server.reply import Reply
+from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from freetoken_agent.session import Usage
+
+
+def usage_json(usage: Usage | None) -> dict[str, Any]:
+    if usage is None:
+        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.reused_tokens},
+    }
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event: a `data:` line and a blank line."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n"
+
+
+class CompletionFormat:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _envelope(self, kind: str, choices: list) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
+        return {**self._envelope("chat.completion.chunk", []), "usage": usage_json(usage)}
+
+    @staticmethod
+    def delta(event: Any) -> dict[str, Any] | None:
+        """The delta carrying one parser event (None: nothing to send for it)."""
+        if isinstance(event, ContentDelta) and event.text:
+            return {"content": event.text}
+        if isinstance(event, ReasoningDelta) and event.text:
+            return {"reasoning_content": event.text}
+        if isinstance(event, ToolCallStart):
+            call = {
+                "index": event.index,
+                "id": event.id,
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
+            return {"tool_calls": [call]}
+        if isinstance(event, ToolCallArgsDelta) and event.text:
+            return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+        return None  # ToolCallEnd (its arguments were streamed), warnings, Usage
+
+    def completion(self, reply: Reply, usage: Usage | None, finish_reason: str | None):
+        choice = {
+            "index": 0,
+            "message": reply.openai_message(),
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        return {**self._envelope("chat.completion", [choice]), "usage": usage_json(usage)}

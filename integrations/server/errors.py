@@ -1,0 +1,94 @@
+"""Errors on the wire: the OpenAI error object, and the request errors that produce it.
+
+OpenAI clients (the official SDKs, LangChain, most agent frameworks) read failures from
+`{"error": {"message", "type", "param", "code"}}` and map the HTTP status to an exception class,
+so every refusal of this server takes that shape, with a message that names the problem and,
+where one field is at fault, `param` naming it (`messages[2]`, `tool_choice`, `max_tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestError
+
+
+class BadParam(InvalidRequestError):
+    """An invalid request whose fault lies in one named field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def error_body(
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status, headers=headers)
+
+
+_MESSAGE_INDEX = re.compile(r"^message (\d+)")
+
+
+def describe_invalid(error: InvalidRequestError) -> tuple[str, str | None, str | None]:
+    """(message, param, code) for an InvalidRequestError from any layer.
+
+    The agent layer says "message 2: ..."; on the wire the field is `messages[2]`, so the text
+    and `param` use that spelling. A prompt over the context is OpenAI's
+    `context_length_exceeded`, which clients recognise (to trim a history, for instance)."""
+    text = str(error)
+    param = getattr(error, "param", None)
+    code = getattr(error, "code", None)
+    found = _MESSAGE_INDEX.match(text)
+    if found:
+        param = param or f"messages[{found.group(1)}]"
+        text = _MESSAGE_INDEX.sub(lambda m: f"messages[{m.group(1)}]", text, count=1)
+    if isinstance(error, ContextLengthError):
+        param, code = param or "messages", code or "context_length_exceeded"
+    return text, param, code
+
+
+def invalid_response(error: InvalidRequestError) -> JSONResponse:
+    message, param, code = describe_invalid(error)
+    return error_response(400, message, param=param, code=code)
+
+
+def parse_json_body(raw: bytes | str, what: str = "the request body") -> Any:
+    """A body (or WebSocket message) as JSON, or a BadParam saying where it stops being JSON."""
+    if not raw:
+        raise BadParam(f"{what} is empty; send a JSON object", code="invalid_json")
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            bad = raw[e.start : e.start + 1]
+            raise BadParam(
+                f"{what} is not UTF-8: byte {e.start} is {bad!r}", code="invalid_json"
+            ) from None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadParam(
+            f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} "
+            f"(character {e.pos})",
+            code="invalid_json",
+        ) from None

@@ -1,0 +1,67 @@
+"""Running the app under uvicorn, with the binding rules `freetoken serve` enforces.
+
+A server reachable from other machines must not be open to them: binding anything but a
+loopback address needs an API key. A keyless local server additionally accepts only local Host
+names (see browser_guard.py: DNS rebinding).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+import uvicorn
+
+from freetoken_agent.integrations.server.app import create_app
+from freetoken_agent.integrations.server.browser_guard import LOCAL_HOSTS
+from freetoken_agent.integrations.server.limits import DEFAULT_MAX_BODY
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse a non-loopback bind without a key (ValueError with what to do)."""
+    if not is_loopback(host) and not api_key:
+        raise ValueError(
+            f"refusing to serve on {host!r} without an API key: anyone who can reach that "
+            "address could use the model. Pass --api-key KEY (or set FREETOKEN_API_KEY), or "
+            "bind 127.0.0.1"
+        )
+
+
+def make_server(
+    engine: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    *,
+    log_level: str = "info",
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+    **app_options: Any,
+) -> uvicorn.Server:
+    """A uvicorn Server for the app (call `.run()`; set `.should_exit` to stop it)."""
+    check_bind(host, api_key)
+    if api_key is None and "allowed_hosts" not in app_options:
+        app_options["allowed_hosts"] = (*LOCAL_HOSTS, host.strip("[]"))
+    app = create_app(engine, api_key=api_key, max_body_bytes=max_body_bytes, **app_options)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        ws_max_size=max_body_bytes,
+        timeout_graceful_shutdown=5,
+    )
+    return uvicorn.Server(config)
+
+
+def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
+    """Serve until interrupted."""
+    make_server(engine, host, port, **options).run()

@@ -1,0 +1,91 @@
+"""The WebSocket session stream's events, as JSON objects (one `type` each).
+
+start        {"turn", "prompt_tokens", "user"}: the request is in the engine; `user` is the
+             text of the history's last user message when the turn answers one
+reasoning    {"text"}: thinking, in order
+content      {"text"}: answer text, in order
+tool_call    {"phase": "start", "index", "id", "name"}
+             {"phase": "arguments", "index", "text"}: JSON text, concatenating to the args
+             {"phase": "end", "index", "id", "name", "arguments": {...}}
+tool_result  {"tool_call_id", "name", "content", "is_error"}: a tool result this turn sent
+warning      {"message", "index"}: text that looked like a call but was not one
+usage        {"prompt_tokens", "completion_tokens", "reused_tokens", "prefilled_tokens",
+              "finish_reason", "exact"}
+memory       the engine's memory split (stats()["memory"]) and its expert placement
+error        {"message", "param"?}
+done         {"turn", "finish_reason", "message"}: the assistant message, OpenAI form
+session      {"id", "turns", "running", "history"}: sent to a socket when it joins
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from freetoken_agent.messages import ToolResult, content_text
+from freetoken_agent.parsers import (
+    ContentDelta,
+    ParseWarning,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from freetoken_agent.session import Usage
+
+
+def event_json(event: Any) -> dict[str, Any] | None:
+    """A Session event (parser event or Usage) as a stream event; None for unknown kinds."""
+    if isinstance(event, ReasoningDelta):
+        return {"type": "reasoning", "text": event.text}
+    if isinstance(event, ContentDelta):
+        return {"type": "content", "text": event.text}
+    if isinstance(event, ToolCallStart):
+        return {
+            "type": "tool_call",
+            "phase": "start",
+            "index": event.index,
+            "id": event.id,
+            "name": event.name,
+        }
+    if isinstance(event, ToolCallArgsDelta):
+        return {"type": "tool_call", "phase": "arguments", "index": event.index, "text": event.text}
+    if isinstance(event, ToolCallEnd):
+        return {
+            "type": "tool_call",
+            "phase": "end",
+            "index": event.index,
+            "id": event.id,
+            "name": event.name,
+            "arguments": event.arguments,
+        }
+    if isinstance(event, ParseWarning):
+        return {"type": "warning", "message": event.message, "index": event.index}
+    if isinstance(event, Usage):
+        return {
+            "type": "usage",
+            "prompt_tokens": event.prompt_tokens,
+            "completion_tokens": event.completion_tokens,
+            "reused_tokens": event.reused_tokens,
+            "prefilled_tokens": event.prefilled_tokens,
+            "finish_reason": event.finish_reason,
+            "exact": event.exact,
+        }
+    return None
+
+
+def tool_result_json(result: ToolResult) -> dict[str, Any]:
+    return {
+        "type": "tool_result",
+        "tool_call_id": result.tool_call_id,
+        "name": result.name,
+        "content": content_text(result.content, "tool result"),
+        "is_error": result.is_error,
+    }
+
+
+def memory_json(stats: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "memory", **stats.get("memory", {}), "experts": stats.get("experts", {})}
+
+
+def error_json(message: str, param: str | None = None) -> dict[str, Any]:
+    return {"type": "error", "message": message, "param": param}

@@ -1,0 +1,182 @@
+"""The WebSocket session stream: /v1/sessions/{session_id}/ws.
+
+The client sends JSON messages:
+
+    {"type": "send", "messages": [...], "tools": [...], "tool_choice": ...,
+     "sampling": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"},
+     "response_format": {...}, "append": false}
+    {"type": "cancel"}                     interrupt the running turn (any watcher may)
+
+`messages` is the whole history (OpenAI form), as agents resend it every turn; with
+`"append": true` it is only what is new, added to the history the session kept from its last
+finished turn (its messages and the reply). The server answers with the events of
+`session_events` (start, reasoning, content, tool_call, tool_result, usage, memory, done, ...),
+published to every socket open on the same id, so a second socket watches the session live.
+Problems with one message (bad JSON, a bad history, a busy session) go back to its sender as an
+`error` and a `done`; the socket stays open. A socket that closes cancels the turn it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from starlette.routing import WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.integrations.server.bridge import TurnCancelled
+from freetoken_agent.integrations.server.chat_request import TurnRequest, turn_from
+from freetoken_agent.integrations.server.errors import BadParam, describe_invalid, parse_json_body
+from freetoken_agent.integrations.server.hub import LiveSession, Watcher
+from freetoken_agent.integrations.server.session_events import error_json, memory_json
+from freetoken_agent.integrations.server.turn_run import TurnRun
+from freetoken_agent.messages import to_openai_messages
+
+log = logging.getLogger("freetoken.server")
+PROTOCOL = "freetoken"  # the subprotocol the server accepts (see auth.py for bearer.<key>)
+SAMPLING_KEYS = frozenset(
+    {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+)
+
+
+def turn_request(msg: dict[str, Any], live: LiveSession, default_max: int) -> TurnRequest:
+    sampling = msg.get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise BadParam("sampling must be an object", "sampling")
+    unknown = sorted(set(sampling) - SAMPLING_KEYS)
+    if unknown:
+        raise BadParam(
+            f"unknown sampling option(s) {unknown}; known: {sorted(SAMPLING_KEYS)}", "sampling"
+        )
+    messages = msg.get("messages")
+    if msg.get("append"):
+        if not isinstance(messages, list):
+            raise BadParam("messages must be a list of messages", "messages")
+        messages = to_openai_messages(live.history) + messages
+    body = {**sampling, "messages": messages}
+    for key in ("tools", "tool_choice", "response_format"):
+        if key in msg:
+            body[key] = msg[key]
+    return turn_from(body, default_max)
+
+
+async def _drive(live: LiveSession, run: TurnRun, sender: Watcher) -> None:
+    """Run a turn to its end (its events are published by the run itself)."""
+    try:
+        try:
+            await run.start()
+        except (InvalidRequestError, TurnCancelled) as e:
+            if isinstance(e, TurnCancelled):
+                sender.put({"type": "done", "turn": None, "finish_reason": "abort"})
+                return
+            message, param, _ = describe_invalid(e)
+            sender.put(error_json(message, param))
+            sender.put({"type": "done", "turn": None, "finish_reason": "error"})
+            return
+        async for _ in run.events():
+            pass
+    except Exception as e:  # noqa: BLE001 - published by the run; the socket goes on
+        log.error("session %s: turn failed: %s: %s", live.id, type(e).__name__, e)
+        if run.index < 0:
+            sender.put(error_json(f"{type(e).__name__}: {e}"))
+            sender.put({"type": "done", "turn": None, "finish_reason": "error"})
+    finally:
+        run.cancel()
+        if live.running is run:
+            live.running = None
+
+
+async def _write(ws: WebSocket, watcher: Watcher) -> None:
+    try:
+        while True:
+            event = await watcher.queue.get()
+            if event is None:
+                await ws.close(code=1013, reason="this socket fell too far behind the session")
+                return
+            await ws.send_text(json.dumps(event, ensure_ascii=False))
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        return
+
+
+async def session_socket(ws: WebSocket) -> None:
+    state = ws.app.state.server
+    try:
+        live = state.hub.get(ws.path_params["session_id"])
+    except BadParam as e:
+        await ws.close(code=1008, reason=str(e)[:120])
+        return
+    offered = ws.scope.get("subprotocols", [])
+    await ws.accept(subprotocol=PROTOCOL if PROTOCOL in offered else None)
+    watcher = live.watch()
+    writer = asyncio.create_task(_write(ws, watcher))
+    own: asyncio.Task | None = None  # the turn this socket started
+    try:
+        watcher.put(
+            {
+                "type": "session",
+                "id": live.id,
+                "turns": live.turns,
+                "running": live.running is not None,
+                "history": to_openai_messages(live.history),
+            }
+        )
+        watcher.put(memory_json(await asyncio.to_thread(state.service.stats)))
+        while not writer.done():
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            text = message.get("text")
+            if text is None:
+                text = (message.get("bytes") or b"").decode("utf-8", "replace")
+            task = _handle(text, live, watcher, state)
+            if task is not None:
+                own = task
+    except WebSocketDisconnect:
+        pass
+    finally:
+        live.unwatch(watcher)
+        if own is not None and not own.done():
+            own.cancel()  # its finally cancels the run: the request is aborted
+        writer.cancel()
+
+
+def _handle(text: str, live: LiveSession, sender: Watcher, state: Any) -> asyncio.Task | None:
+    """One client message; returns the task of a turn it started."""
+    if len(text) > state.max_body_bytes:
+        sender.put(error_json(f"message larger than {state.max_body_bytes} bytes"))
+        return None
+    kind = None
+    try:
+        msg = parse_json_body(text, "the message")
+        if not isinstance(msg, dict):
+            raise BadParam("a message must be a JSON object with a 'type'", "type")
+        kind = msg.get("type")
+        if kind == "cancel":
+            if live.running is None:
+                raise BadParam("no turn is running in this session", "type")
+            live.running.cancel()
+            return None
+        if kind != "send":
+            raise BadParam(f"unknown message type {kind!r}; expected 'send' or 'cancel'", "type")
+        if live.running is not None:
+            raise BadParam(
+                f"session {live.id!r} is already running a turn; wait for its 'done' or send "
+                "{'type': 'cancel'}",
+                "type",
+            )
+        request = turn_request(msg, live, state.default_max_tokens)
+    except InvalidRequestError as e:
+        message, param, _ = describe_invalid(e)
+        sender.put(error_json(message, param))
+        if kind != "cancel":  # a refused 'send' ends its turn-to-be (the UI waits for a done)
+            sender.put({"type": "done", "turn": None, "finish_reason": "error"})
+        return None
+    run = TurnRun(live, request)
+    live.running = run
+    return asyncio.create_task(_drive(live, run, sender))
+
+
+routes = [WebSocketRoute("/v1/sessions/{session_id}/ws", session_socket)]

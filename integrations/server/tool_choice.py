@@ -1,0 +1,145 @@
+"""Tools and `tool_choice`: which parser reads a turn, and how a forced call is generated.
+
+- "auto" (the default with tools): the model decides; the model's own tool-call parser reads it.
+- "none": tools stay in the prompt (the history keeps rendering the same, so its KV is reused),
+  but nothing is parsed as a call: all non-reasoning text is content.
+- "required" or {"type": "function", "function": {"name": ...}}: a call is forced by constrained
+  decoding. The prompt is extended with what closes an open think block and opens a call
+  (`</think>\\n\\n` when the template left `<think>` open, then `<tool_call>\\n` for Hermes-style
+  models), and the output is constrained to `{"name": ..., "arguments": {...}}` valid against
+  the tool's schema (`tool_call_schema`; "required" allows any of the tools). The model thus
+  writes the call where and how it was trained to. Models of other formats get the same JSON
+  without an opener (vLLM's way for named calls). Either way the parser sees the call wrapped
+  as a Hermes block, so forced calls stream as the same tool-call events as free ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from freetoken_agent.engine.constrained import tool_call_schema
+from freetoken_agent.integrations.server.bridge import Turn
+from freetoken_agent.integrations.server.errors import BadParam
+from freetoken_agent.parsers import OutputParser, prompt_opens_reasoning, tool_format_for
+from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+
+
+@dataclass(slots=True, frozen=True)
+class ToolChoice:
+    mode: str  # auto | none | required | named
+    name: str | None = None  # the function, when mode is "named"
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+def parse_tools(raw: Any, param: str = "tools") -> list[dict] | None:
+    """OpenAI tools, checked: each a function with a unique non-empty name and, if given,
+    an object schema for its parameters."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise BadParam(f"{param} must be a list of tools, got {type(raw).__name__}", param)
+    seen: set[str] = set()
+    tools = []
+    for i, tool in enumerate(raw):
+        where = f"{param}[{i}]"
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            raise BadParam(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
+        fn = tool.get("function")
+        if not isinstance(fn, Mapping):
+            raise BadParam(f"{where}.function must be an object with a name", where)
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadParam(f"{where}.function.name must be a non-empty string", where)
+        if name in seen:
+            raise BadParam(f"{where}: tool name {name!r} appears twice", where)
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, Mapping):
+            raise BadParam(f"{where}.function.parameters must be a JSON schema object", where)
+        tools.append({"type": "function", "function": dict(fn)})
+    return tools or None
+
+
+def parse_tool_choice(raw: Any, tools: Sequence[Mapping[str, Any]] | None) -> ToolChoice:
+    names = [t["function"]["name"] for t in tools or []]
+    if raw is None:
+        return ToolChoice("auto" if names else "none")
+    if raw in ("auto", "none", "required"):
+        if raw == "required" and not names:
+            raise BadParam("tool_choice 'required' needs at least one tool in tools", "tool_choice")
+        return ToolChoice(raw)
+    name = None
+    if isinstance(raw, Mapping) and raw.get("type") == "function":
+        fn = raw.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+    if not isinstance(name, str):
+        raise BadParam(
+            "tool_choice must be 'auto', 'none', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {raw!r:.80}",
+            "tool_choice",
+        )
+    if name not in names:
+        raise BadParam(
+            f"tool_choice names the function {name!r}, which is not among the tools "
+            f"({', '.join(names) or 'none given'})",
+            "tool_choice",
+        )
+    return ToolChoice("named", name)
+
+
+def forced_schema(choice: ToolChoice, tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of the call a forced turn must write."""
+    chosen = [t for t in tools if choice.mode == "required" or t["function"]["name"] == choice.name]
+    schemas = [tool_call_schema(t) for t in chosen]
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+class ForcedCallParser:
+    """The model's output of a forced call (the JSON alone) read as a whole Hermes block."""
+
+    def __init__(self, inner: OutputParser, lead: str) -> None:
+        self._inner = inner
+        self._lead = lead  # fed before the first generated text
+
+    def feed(self, text: str) -> list:
+        lead, self._lead = self._lead, ""
+        return self._inner.feed(lead + text)
+
+    def finish(self) -> list:
+        return self.feed(CALL_CLOSE) + self._inner.finish()
+
+
+ParserFactory = Callable[[Any], Any]
+
+
+def parser_factory(
+    choice: ToolChoice, tools: list[dict] | None, engine: Any, turn: Turn
+) -> ParserFactory:
+    """The Session's parser factory for one turn. For a forced call it also sets the Turn's
+    prompt suffix: Session.send calls the factory with the rendered prompt just before it
+    streams, and the bridge appends `turn.suffix_ids` to that prompt."""
+    tokenizer = engine.tokenizer
+    sources = getattr(tokenizer, "chat_template_sources", {}) or {}
+    template = sources.get("tool_use") or sources.get("default")
+    tool_format = tool_format_for(engine.spec.arch, template)
+
+    def factory(prompt: Any) -> Any:
+        thinking = prompt_opens_reasoning(prompt.text)
+        if not choice.forced:
+            fmt = tool_format if choice.mode == "auto" else None
+            return OutputParser(fmt, thinking, tools)
+        close = THINK_CLOSE + "\n\n" if thinking else ""
+        native = tool_format == "hermes"
+        sent = close + (CALL_OPEN if native else "")
+        turn.suffix_ids = tokenizer.encode(sent) if sent else []
+        # The suffix is prompt, not output: the parser reads it to know where it stands.
+        return ForcedCallParser(OutputParser("hermes", thinking, tools), close + CALL_OPEN)
+
+    return factory

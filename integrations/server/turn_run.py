@@ -1,0 +1,216 @@
+"""TurnRun: one turn of a LiveSession, run in a worker thread and read on the event loop.
+
+    run = TurnRun(live, request)
+    await run.start()              # rendered and submitted; bad input raises here (-> 400)
+    async for event in run.events(): ...   # parser events, then the Session's Usage
+    run.cancel()                   # any time: aborts the request, frees its pages
+
+`Session.send` blocks (it renders, then waits on each token), so it runs in a thread of its
+own; events cross to the loop through an asyncio queue. `start` returns as soon as the engine
+has accepted the request, so every refusal (malformed history, context too long, a schema the
+grammar cannot compile) surfaces before a response starts streaming. Every event is also
+published, as JSON, to the session's watchers, followed by `memory` and `done`.
+
+A session runs one turn at a time: the worker holds the session's `turn_lock` for the whole
+turn, so a turn queued behind another (two OpenAI requests with one X-Session-Id) waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from freetoken_agent.integrations.server.bridge import Turn
+from freetoken_agent.integrations.server.chat_request import TurnRequest
+from freetoken_agent.integrations.server.hub import LiveSession
+from freetoken_agent.integrations.server.reply import Reply
+from freetoken_agent.integrations.server.session_events import (
+    error_json,
+    event_json,
+    memory_json,
+    tool_result_json,
+)
+from freetoken_agent.integrations.server.tool_choice import parser_factory
+from freetoken_agent.messages import ToolResult, UserMessage, content_text
+from freetoken_agent.session import Usage
+
+log = logging.getLogger("freetoken.server")
+
+
+@dataclasses.dataclass(slots=True)
+class _Started:
+    prompt_tokens: int
+
+
+@dataclasses.dataclass(slots=True)
+class _Memory:
+    stats: dict
+
+
+_END = object()
+
+
+class TurnRun:
+    def __init__(self, live: LiveSession, request: TurnRequest) -> None:
+        self.live = live
+        self.request = request
+        self.turn = Turn(live.bridge.service)
+        self.reply = Reply()
+        self.usage: Usage | None = None
+        self.prompt_tokens: int | None = None
+        self.finished = False
+        self.index = -1  # the session's turn number, once started
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._thread: threading.Thread | None = None
+
+    # --- the worker thread ----------------------------------------------------------------
+    def _work(self, loop: asyncio.AbstractEventLoop) -> None:
+        def put(item: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads any more
+                loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+        live, request, turn = self.live, self.request, self.turn
+        try:
+            with live.turn_lock:
+                live.session.tools = request.tools
+                live.bridge.current = turn
+                turn.on_submit = lambda n: put(_Started(n))
+                factory = parser_factory(request.tool_choice, request.tools, live.bridge, turn)
+                try:
+                    for event in live.session.send(
+                        request.messages, request.sampling, parser_factory=factory
+                    ):
+                        put(self._exact(event) if isinstance(event, Usage) else event)
+                finally:
+                    live.bridge.current = None
+                put(_Memory(live.bridge.stats()))
+        except Exception as e:  # noqa: BLE001 - handed to the loop, which answers the client
+            put(e)
+        else:
+            put(_END)
+
+    def _exact(self, usage: Usage) -> Usage:
+        """The Session's Usage with the server's suffix counted and the engine's own figures
+        for this request (exact even when other requests finished meanwhile)."""
+        usage = dataclasses.replace(
+            usage, prompt_tokens=usage.prompt_tokens + len(self.turn.suffix_ids)
+        )
+        figures = self.turn.figures
+        if figures is not None:
+            usage = dataclasses.replace(
+                usage,
+                reused_tokens=figures["reused"],
+                prefilled_tokens=figures["prefilled"],
+                exact=True,
+            )
+            stats = self.live.session.turn_stats
+            if stats:
+                stats[-1].update(
+                    reused_tokens=usage.reused_tokens,
+                    prefilled_tokens=usage.prefilled_tokens,
+                    source="engine",
+                )
+        return usage
+
+    # --- the event loop -------------------------------------------------------------------
+    async def start(self) -> int:
+        """Run until the engine accepted the request; returns the prompt's token count."""
+        if self._thread is not None:
+            raise RuntimeError("TurnRun.start() called twice")
+        self._thread = threading.Thread(
+            target=self._work,
+            args=(asyncio.get_running_loop(),),
+            name=f"freetoken-turn-{self.live.id or 'anon'}",
+            daemon=True,
+        )
+        self._thread.start()
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.cancel()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if not isinstance(item, _Started):  # the worker always announces the submission first
+            self.cancel()
+            raise RuntimeError(f"turn worker sent {type(item).__name__} before starting")
+        self.prompt_tokens = item.prompt_tokens
+        self.index = self.live.turns
+        self.live.turns += 1
+        self._announce()
+        return item.prompt_tokens
+
+    def _announce(self) -> None:
+        live = self.live
+        user = next(
+            (m for m in reversed(self.request.messages) if not isinstance(m, ToolResult)), None
+        )
+        live.publish(
+            {
+                "type": "start",
+                "turn": self.index,
+                "prompt_tokens": self.prompt_tokens,
+                # what a watcher shows as the turn's question
+                "user": content_text(user.content) if isinstance(user, UserMessage) else None,
+            }
+        )
+        trailing = []
+        for msg in reversed(self.request.messages):  # what tools returned since the last reply
+            if not isinstance(msg, ToolResult):
+                break
+            trailing.append(msg)
+        for result in reversed(trailing):
+            live.publish(tool_result_json(result))
+
+    async def events(self) -> AsyncIterator[Any]:
+        """Parser events, then Usage. Raises what the worker raised."""
+        while not self.finished:
+            item = await self._queue.get()
+            if item is _END:
+                self.finished = True
+                self._done()
+                return
+            if isinstance(item, BaseException):
+                self.finished = True
+                self.live.publish(error_json(f"{type(item).__name__}: {item}"))
+                self.live.publish({"type": "done", "turn": self.index, "finish_reason": "error"})
+                raise item
+            if isinstance(item, _Memory):
+                self.live.publish(memory_json(item.stats))
+                continue
+            if isinstance(item, Usage):
+                self.usage = item
+                if item.error:
+                    self.live.publish(error_json(item.error))
+            else:
+                self.reply.add(item)
+            published = event_json(item)
+            if published is not None:
+                self.live.publish(published)
+            yield item
+
+    def finish_reason(self) -> str | None:
+        reason = self.usage.finish_reason if self.usage is not None else None
+        if reason == "stop" and self.reply.calls:
+            return "tool_calls"
+        return reason
+
+    def _done(self) -> None:
+        reason = self.finish_reason()
+        if reason in ("stop", "length", "tool_calls"):
+            self.live.history = [*self.request.messages, self.reply.message()]
+        message = self.reply.openai_message()
+        self.live.publish(
+            {"type": "done", "turn": self.index, "finish_reason": reason, "message": message}
+        )
+
+    def cancel(self) -> None:
+        """Abort the turn's request (a no-op once it has finished)."""
+        if not self.finished:
+            self.turn.cancel()
