@@ -6,7 +6,9 @@
     }}
 
 A server entry is stdio (`command`, optional `args`, `env`, `cwd`) or streamable HTTP (`url`,
-optional `headers`); `type` may say which ("stdio", "http", "streamable-http"). FreeToken's own
+optional `headers`); `type` may say which ("stdio", "http", "streamable-http"). As in Cursor,
+`${env:NAME}` in any of those strings is replaced by the host's environment variable (an unset
+one is an error), so secrets and paths stay out of the file. FreeToken's own
 optional keys: `timeout` (seconds per tool call, default 60), `startup_timeout` (seconds to
 connect and list tools, default 30), `protocol` ("legacy", the default, "auto" or a protocol
 version; see `ServerConfig.protocol`) and `disabled` (true: skip the entry). Keys other tools put
@@ -19,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +45,7 @@ _KNOWN = {
     "protocol",
     "disabled",
 }
+_ENV_REF = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")
 _TYPES = {"stdio": "stdio", "http": "http", "streamable-http": "http", "streamableHttp": "http"}
 
 
@@ -134,7 +139,7 @@ def parse_server(name: Any, entry: Any) -> ServerConfig | None:
         args = entry.get("args", [])
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise MCPConfigError(f"{where}: 'args' must be a list of strings")
-        config.args = list(args)
+        config.args = [expand_env(a, f"{where}, 'args'") for a in args]
         config.env = _strings(entry, "env", where) if "env" in entry else None
         config.cwd = _text(entry, "cwd", where) if entry.get("cwd") is not None else None
     else:
@@ -145,11 +150,23 @@ def parse_server(name: Any, entry: Any) -> ServerConfig | None:
     return config
 
 
+def expand_env(text: str, where: str) -> str:
+    """`text` with each `${env:NAME}` replaced by that environment variable."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise MCPConfigError(f"{where}: environment variable {name} is not set")
+        return os.environ[name]
+
+    return _ENV_REF.sub(value, text)
+
+
 def _text(entry: Mapping[str, Any], key: str, where: str) -> str:
     value = entry.get(key)
     if not isinstance(value, str) or not value:
         raise MCPConfigError(f"{where}: {key!r} must be a non-empty string, got {value!r}")
-    return value
+    return expand_env(value, f"{where}, {key!r}")
 
 
 def _strings(entry: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
@@ -158,7 +175,7 @@ def _strings(entry: Mapping[str, Any], key: str, where: str) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
         raise MCPConfigError(f"{where}: {key!r} must map strings to strings")
-    return dict(value)
+    return {k: expand_env(v, f"{where}, {key!r}") for k, v in value.items()}
 
 
 def _seconds(entry: Mapping[str, Any], key: str, default: float, where: str) -> float:

@@ -285,7 +285,7 @@ class MCPHost:
                 yield RunResult(history, turn.content, step, "answer", usages)
                 return
             for call in turn.calls:
-                executed = await self._execute(call)
+                executed = await self.execute(call)
                 history.append(executed.result)
                 yield executed
         yield RunResult(history, "", step, "max_steps", usages)
@@ -342,9 +342,13 @@ class MCPHost:
             )
         return choice, _call_schema(tool, pinned)
 
-    async def _execute(self, call: ToolCall) -> ToolExecuted:
+    async def execute(self, call: ToolCall) -> ToolExecuted:
+        """Run one call as the loop does: routed by name, through the session's hooks, every
+        failure (unknown tool, server crash, timeout) an error result. For callers that run
+        tools themselves (a UI, a test)."""
         session = self.session
-        assert session is not None
+        if session is None:
+            raise RuntimeError("enter the host first: `async with MCPHost(...) as host`")
         start = time.perf_counter()
         route = self.routes.get(call.name)
 

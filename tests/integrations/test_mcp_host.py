@@ -1,0 +1,393 @@
+"""MCPHost against real stdio MCP servers (the example file server and tiny scripts written here),
+driven by the demo model (random weights) on the CPU.
+
+A random model cannot be asked to pick a file, so every tool call that matters is forced: the
+first turn runs under tool_choice with the arguments pinned by the grammar (constrained
+decoding), and what the test checks is everything after the model: routing, the server's work,
+hooks, the result fed back into the next prompt, and the failures the host must survive. File
+names, contents and sampling prompts are drawn fresh per run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import string
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from freetoken_agent import Engine, Session, ToolHooks, UserMessage
+from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.integrations.mcp_config import MCPConfigError, load_config
+from freetoken_agent.integrations.mcp_host import MCPHost, RunResult, StepStart, ToolExecuted
+from freetoken_agent.messages import AssistantMessage, ToolCall, ToolResult
+from freetoken_agent.parsers import ContentDelta, ToolCallEnd, parser_factory_for
+from freetoken_agent.session import Usage
+
+REPO = Path(__file__).resolve().parents[2]
+FILE_SERVER = REPO / "examples" / "mcp_file_server.py"
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+# A server whose tools misbehave on purpose; the file server sits beside it in the same host.
+FAULTY_SERVER = """
+import os, sys, anyio
+from mcp.server import MCPServer
+
+app = MCPServer("faulty", log_level="WARNING")
+
+@app.tool()
+def crash(note: str) -> str:
+    print("faulty: dying on purpose", file=sys.stderr, flush=True)
+    os._exit(7)
+
+@app.tool()
+async def sleepy(seconds: float) -> str:
+    await anyio.sleep(seconds)
+    return "woke up"
+
+@app.tool()
+def echo(text: str) -> str:
+    return "echo:" + text
+
+app.run("stdio")
+"""
+
+# A server that asks the client's model, once the deprecated way (a mid-call request on the
+# session) and once through the 2026 resolver (`Sample`).
+SAMPLING_SERVER = """
+import json
+from typing import Annotated
+import mcp_types as types
+from mcp.server import MCPServer
+from mcp.server.mcpserver import Context, Resolve, Sample
+
+app = MCPServer("asker", log_level="WARNING")
+
+def _message(text):
+    return types.SamplingMessage(role="user", content=types.TextContent(type="text", text=text))
+
+@app.tool()
+async def ask(question: str, system: str, stop: str, max_tokens: int, ctx: Context) -> str:
+    r = await ctx.session.create_message(
+        [_message(question)], max_tokens=max_tokens, system_prompt=system, temperature=0.0,
+        stop_sequences=[stop],
+    )
+    return json.dumps({"text": r.content.text, "model": r.model, "stop": r.stop_reason})
+
+def _sample(question: str):
+    return Sample([_message(question)], max_tokens=5, temperature=0.0)
+
+@app.tool()
+async def ask_resolved(
+    question: str, answer: Annotated[types.CreateMessageResult, Resolve(_sample)]
+) -> str:
+    return json.dumps({"text": answer.content.text, "stop": answer.stop_reason})
+
+app.run("stdio")
+"""
+
+
+# --- fixtures and helpers ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    # float64: a greedy reference run and the host's run cannot differ by a near-tied argmax.
+    path = ensure_demo_model(tmp_path_factory.mktemp("cache"))
+    return Engine.load(
+        path, device="cpu", dtype="float64", progress=False, kv_tokens=8192, max_model_len=2048
+    )
+
+
+def _word(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(n))
+
+
+def _text(rng: random.Random) -> str:
+    alphabet = string.ascii_letters + string.digits + " .,:;-_/é€\n"
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(20, 120)))
+
+
+def _project(root: Path, rng: random.Random) -> dict[str, str]:
+    files = {f"{_word(rng, rng.randint(3, 10))}.{rng.choice(['txt', 'py', 'md'])}": _text(rng)}
+    while len(files) < rng.randint(2, 5):
+        files[f"{_word(rng, rng.randint(3, 10))}.txt"] = _text(rng)
+    for name, text in files.items():
+        (root / name).write_text(text, encoding="utf-8")
+    return files
+
+
+def _stdio(script: Path, *args: str, **extra: Any) -> dict[str, Any]:
+    return {"command": sys.executable, "args": [str(script), *args], **extra}
+
+
+def _forced(name: str, **arguments: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _results(result: RunResult) -> list[ToolResult]:
+    return [m for m in result.messages if isinstance(m, ToolResult)]
+
+
+def _host(config: dict, engine: Engine, **options: Any) -> MCPHost:
+    # Enough for a forced call with pinned arguments: a call cut by max_tokens is void.
+    options.setdefault("max_tokens", 48)
+    options.setdefault("temperature", 0.0)
+    return MCPHost.from_config({"mcpServers": config}, engine=engine, **options)
+
+
+# --- tests ---------------------------------------------------------------------------------
+def test_tools_are_listed_and_namespaced_when_names_collide(engine, tmp_path, rng_seed):
+    rng = random.Random(rng_seed)
+    roots = {}
+    for name in ("alpha", "beta"):
+        roots[name] = tmp_path / name
+        roots[name].mkdir()
+    files = {name: _project(root, rng) for name, root in roots.items()}
+
+    async def main() -> None:
+        async with _host({"only": _stdio(FILE_SERVER, str(roots["alpha"]))}, engine) as host:
+            names = [t["function"]["name"] for t in host.tools]
+            assert sorted(names) == ["list_files", "read_file", "write_file"]
+            read = next(t for t in host.tools if t["function"]["name"] == "read_file")
+            assert read["type"] == "function"
+            assert read["function"]["parameters"]["required"] == ["path"]
+            assert host.session.tools == host.tools and not host.failures
+        config = {name: _stdio(FILE_SERVER, str(root)) for name, root in roots.items()}
+        async with _host(config, engine) as host:
+            names = {t["function"]["name"] for t in host.tools}
+            assert names == {f"{s}__{t}" for s in roots for t in ("list_files", "read_file")} | {
+                f"{s}__write_file" for s in roots
+            }
+            name, text = next(iter(files["beta"].items()))
+            done = await host.execute(ToolCall("c1", "beta__read_file", {"path": name}))
+            assert done.server == "beta" and not done.result.is_error
+            assert done.result.content == text
+
+    asyncio.run(main())
+
+
+def test_forced_read_file_result_reaches_the_next_prompt(engine, tmp_path, rng_seed):
+    rng = random.Random(rng_seed)
+    files = _project(tmp_path, rng)
+    name = rng.choice(sorted(files))
+    seen: list[tuple[str, str]] = []
+    hooks = ToolHooks()
+    hooks.after.append(
+        lambda call, result, session: seen.append((call.name, result.content)) or result
+    )
+
+    async def main() -> list[Any]:
+        config = {"files": _stdio(FILE_SERVER, str(tmp_path))}
+        async with _host(config, engine, hooks=hooks) as host:
+            question = f"What is in {_word(rng, 6)}?"
+            events = [
+                e
+                async for e in host.stream(
+                    question, max_steps=2, tool_choice=_forced("read_file", path=name)
+                )
+            ]
+            return events, host.session
+
+    events, session = asyncio.run(main())
+    result = events[-1]
+    assert isinstance(result, RunResult) and result.steps == 2
+    call_msg = result.messages[1]
+    assert isinstance(call_msg, AssistantMessage) and len(call_msg.tool_calls) == 1
+    call = call_msg.tool_calls[0]
+    assert (call.name, call.arguments) == ("read_file", {"path": name})
+    tool_result = result.messages[2]
+    assert isinstance(tool_result, ToolResult) and tool_result.tool_call_id == call.id
+    assert tool_result.content == files[name] and not tool_result.is_error
+    assert seen == [("read_file", files[name])]  # the session's hooks ran
+    # The second turn's prompt, as the session rendered and sent it, carries the file.
+    prompt = session.last_prompt
+    assert files[name] in prompt.text and tool_result in prompt.messages
+    assert session.anchor_for(call.id) is not None
+    kinds = [type(e) for e in events]
+    assert kinds[0] is StepStart and events[0].forced == "read_file"
+    ends = [e for e in events if isinstance(e, ToolCallEnd)]
+    assert [(e.id, e.name) for e in ends[:1]] == [(call.id, "read_file")]
+    assert kinds.index(ToolCallEnd) < kinds.index(Usage) < kinds.index(ToolExecuted)
+    assert sum(isinstance(e, StepStart) for e in events) == 2
+
+
+def test_paths_escaping_the_root_are_refused(engine, tmp_path, rng_seed):
+    rng = random.Random(rng_seed)
+    root = tmp_path / "root"
+    root.mkdir()
+    _project(root, rng)
+    secret = tmp_path / f"{_word(rng, 8)}.txt"
+    secret.write_text(_text(rng))
+    outside = tmp_path / f"{_word(rng, 8)}.txt"
+    attempts = [
+        ("read_file", {"path": f"../{secret.name}"}),
+        ("read_file", {"path": str(secret)}),
+        ("write_file", {"path": f"../{outside.name}", "content": _text(rng)}),
+        ("list_files", {"path": ".."}),
+    ]
+
+    async def main() -> list[ToolResult]:
+        out = []
+        async with _host({"files": _stdio(FILE_SERVER, str(root))}, engine) as host:
+            for tool, arguments in attempts:
+                choice = _forced(tool, **arguments)
+                # Long pinned paths and contents: room for the whole call (512 tokens).
+                sampling = {"max_tokens": 512}
+                result = await host.run("go", max_steps=1, tool_choice=choice, sampling=sampling)
+                assert result.stop_reason == "max_steps", result.messages
+                out += _results(result)
+        return out
+
+    for result in asyncio.run(main()):
+        assert result.is_error and "outside the server's root" in result.content
+        assert secret.read_text() not in result.content
+    assert not outside.exists()
+
+
+def test_crash_timeout_and_unknown_tool_are_error_results(engine, tmp_path, rng_seed):
+    rng = random.Random(rng_seed)
+    files = _project(tmp_path, rng)
+    faulty = tmp_path / "faulty_server.py"
+    faulty.write_text(FAULTY_SERVER)
+    broken = tmp_path / "broken_server.py"
+    broken.write_text("import sys\nprint('broken: no config', file=sys.stderr)\nsys.exit(3)\n")
+    config = {
+        "files": _stdio(FILE_SERVER, str(tmp_path)),
+        "faulty": _stdio(faulty, timeout=1),
+        "broken": _stdio(broken),
+    }
+    name = rng.choice(sorted(files))
+    word = _word(rng, 10)
+
+    async def main() -> dict[str, Any]:
+        async with _host(config, engine) as host:
+            out: dict[str, Any] = {"failures": dict(host.failures)}
+            for label, choice in [
+                ("crash", _forced("crash", note=word)),
+                ("after_crash", _forced("read_file", path=name)),
+                ("restarted", _forced("echo", text=word)),
+                ("timeout", _forced("sleepy", seconds=30)),
+                ("after_timeout", _forced("echo", text=word[::-1])),
+            ]:
+                out[label] = _results(await host.run("go", max_steps=1, tool_choice=choice))[0]
+            out["unknown"] = (await host.execute(ToolCall("x1", f"no_{word}", {}))).result
+        return out
+
+    out = asyncio.run(main())
+    assert list(out["failures"]) == ["broken"] and "broken: no config" in out["failures"]["broken"]
+    assert out["crash"].is_error and "exited while running tool 'crash'" in out["crash"].content
+    assert "dying on purpose" in out["crash"].content  # the server's stderr tail
+    assert out["after_crash"].content == files[name] and not out["after_crash"].is_error
+    assert out["restarted"].content == "echo:" + word and not out["restarted"].is_error
+    assert out["timeout"].is_error and "timed out after 1 s" in out["timeout"].content
+    assert out["after_timeout"].content == "echo:" + word[::-1]
+    unknown = out["unknown"]
+    assert unknown.is_error and f"no_{word}" in unknown.content
+    for tool in ("read_file", "crash", "sleepy", "echo"):
+        assert tool in unknown.content
+
+
+def test_server_sampling_is_answered_by_the_local_model(engine, tmp_path, rng_seed):
+    rng = random.Random(rng_seed)
+    script = tmp_path / "asker.py"
+    script.write_text(SAMPLING_SERVER)
+    question, system = _text(rng), _text(rng)
+    max_tokens = rng.randint(6, 14)
+
+    def local(system: str | None, max_tokens: int, stop: list[str]) -> str:
+        session = Session(engine, system=system, parser_factory=parser_factory_for(engine))
+        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "stop": stop}
+        events = session.send([UserMessage(question)], sampling)
+        return "".join(e.text for e in events if isinstance(e, ContentDelta))
+
+    free = local(system, max_tokens, [])
+    if len(free) >= 4:  # a stop string from inside the free answer must cut the answer there
+        cut = rng.randrange(1, len(free) - 2)
+        stop, reason = free[cut : cut + 2], "stopSequence"
+    else:  # the model ended at once: a stop string it never writes
+        stop, reason = "\u2603\u2603", None
+    expected = local(system, max_tokens, [stop])
+    assert reason is None or len(expected) < len(free)
+
+    async def main() -> tuple[dict, dict, Any]:
+        async with _host({"asker": _stdio(script)}, engine) as host:
+            args = {"question": question, "system": system, "stop": stop, "max_tokens": max_tokens}
+            room = {"max_tokens": 512}  # the pinned texts are long
+            first = await host.run(
+                "go", max_steps=1, tool_choice=_forced("ask", **args), sampling=room
+            )
+            choice = _forced("ask_resolved", question=question)
+            second = await host.run("go", max_steps=1, tool_choice=choice, sampling=room)
+            replies = [_results(r)[0] for r in (first, second)]
+            assert not any(r.is_error for r in replies), replies
+            return json.loads(replies[0].content), json.loads(replies[1].content), host
+
+    answer, resolved, host = asyncio.run(main())
+    assert answer["text"] == expected and answer["model"] == host.model_name
+    assert answer["stop"] == reason or (reason is None and answer["stop"] != "stopSequence")
+    assert resolved["text"] == local(None, 5, [])
+    assert [r.server for r in host.sampler.log] == ["asker", "asker"]
+    assert host.sampler.log[0].system == system and host.sampler.log[0].max_tokens == max_tokens
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"args": ["x"]}, "exactly one of 'command'"),
+        ({"command": "x", "url": "http://h/mcp"}, "it has both"),
+        ({"command": "x", "args": "a b"}, "'args' must be a list of strings"),
+        ({"command": "x", "env": {"A": 1}}, "'env' must map strings to strings"),
+        ({"url": "ftp://h/mcp"}, "'url' must start with http"),
+        ({"url": "http://h/mcp", "headers": ["x"]}, "'headers' must map"),
+        ({"command": "x", "timeout": -1}, "'timeout' must be a positive number"),
+        ({"command": "x", "type": "sse"}, "type 'sse' is not supported"),
+        ({"url": "http://h/mcp", "type": "stdio"}, "does not match"),
+        ({"command": "x", "args": ["${env:FREETOKEN_TEST_UNSET_VAR}"]}, "is not set"),
+        ("python", "the entry must be an object"),
+    ],
+)
+def test_config_errors_name_the_server(entry, message, rng_seed):
+    name = f"srv_{rng_seed}"
+    with pytest.raises(MCPConfigError) as info:
+        load_config({"mcpServers": {"fine": {"command": "ok"}, name: entry}})
+    assert name in str(info.value) and message in str(info.value)
+
+
+def test_config_file_forms(tmp_path, monkeypatch, rng_seed):
+    value = _word(random.Random(rng_seed), 12)
+    monkeypatch.setenv("FREETOKEN_TEST_TOKEN", value)
+    path = tmp_path / "servers.json"
+    servers = {
+        "a": {"command": "run", "args": ["--k", "${env:FREETOKEN_TEST_TOKEN}"], "alwaysAllow": []},
+        "b": {"url": "http://127.0.0.1:1/mcp", "headers": {"X": "t ${env:FREETOKEN_TEST_TOKEN}"}},
+        "c": {"command": "off", "disabled": True},
+    }
+    path.write_text(json.dumps({"mcpServers": servers}))
+    a, b = load_config(path)
+    assert (a.name, a.transport, a.args) == ("a", "stdio", ["--k", value])
+    assert (b.name, b.transport, b.headers) == ("b", "http", {"X": f"t {value}"})
+    path.write_text("{not json")
+    with pytest.raises(MCPConfigError, match="is not JSON"):
+        load_config(path)
+    with pytest.raises(MCPConfigError, match="mcpServers"):
+        load_config({"servers": {}})
+
+
+def test_coding_assistant_example_runs(monkeypatch, capsys):
+    sys.path.insert(0, str(REPO / "examples"))
+    monkeypatch.setenv("MCP_FILE_ROOT", "")  # restored after the test; the example sets it
+    try:
+        import mcp_coding_assistant as example
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    args = ["--max-tokens", "32", "--max-steps", "2", "--device", "cpu", "--context", "2048"]
+    result = example.main(args)
+    calls = [c for m in result.messages if isinstance(m, AssistantMessage) for c in m.tool_calls]
+    assert (calls[0].name, calls[0].arguments) == ("list_files", {"path": "."})
+    listing = _results(result)[0]
+    assert not listing.is_error and listing.content.split("\n") == sorted(example.PROJECT)
+    out = capsys.readouterr().out
+    assert "[tool call] list_files" in out and "model turn(s), stopped:" in out
