@@ -222,20 +222,34 @@ class ForcedFormat:
 
 class PrefedParser:
     """An OutputParser that first reads `head` (what the prompt, not the model, wrote: the think
-    closer, the call opener) and finally `tail` (the call closer the grammar stops before)."""
+    closer, the call opener) and at the end `tail` (the call closer the grammar stops before),
+    the tail only when the body is complete JSON: a body cut by max_tokens stays unterminated,
+    and the parser says so, rather than closing it into a misleading JSON error."""
 
-    def __init__(self, inner: OutputParser, head: str, tail: str) -> None:
+    def __init__(self, inner: Any, head: str, tail: str) -> None:
         self.inner = inner
         self.head = head
         self.tail = tail
+        self.body: list[str] = []
 
     def feed(self, text: str) -> list:
         head, self.head = self.head, ""
+        if self.tail:
+            self.body.append(text)
         return self.inner.feed(head + text)
 
     def finish(self) -> list:
         head, self.head = self.head, ""
-        return self.inner.feed(head + self.tail) + self.inner.finish()
+        tail = self.tail if self.tail and _is_json("".join(self.body)) else ""
+        return self.inner.feed(head + tail) + self.inner.finish()
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 class JsonOrCallParser:
@@ -284,16 +298,30 @@ def _inline(schema: dict) -> dict:
     return out
 
 
+def _closed(node: Any) -> Any:
+    """Objects that list their properties get additionalProperties false unless they say
+    otherwise (OpenAI's strict mode does the same): otherwise the grammar lets a model append
+    keys nobody asked for, and a weak one rambles there until max_tokens."""
+    if isinstance(node, list):
+        return [_closed(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _closed(v) for k, v in node.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def output_schema(mode: str, tools: list[dict], schema: dict | None) -> dict | None:
     """The json_schema that constrains a turn of `mode` (None: unconstrained)."""
     if mode in ("auto", "none"):
         return None
     if mode == "json":
-        return schema
+        return _closed(schema)
     calls = [tool_call_schema(_inline_tool(t)) for t in tools]
     if mode == "json_or_call":
         calls.append(_inline(schema))
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return _closed(calls[0] if len(calls) == 1 else {"anyOf": calls})
 
 
 def _inline_tool(tool: dict) -> dict:

@@ -1,0 +1,494 @@
+"""ChatFreeToken: LangChain's chat-model contract on the demo engine, plus scripted replies.
+
+The demo model has random weights, so what it writes is gibberish: tests on it check what must
+hold whatever the text is (stream == invoke under greedy decoding, usage once and consistent
+with the engine's counters, forced calls and structured output valid for random schemas thanks
+to the grammar, KV reuse, aborts). Reasoning, free-form tool calls and malformed calls never
+come out of it, so `ScriptedEngine` answers with chosen random texts through a real
+EngineService and the real parsers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from freetoken_agent import Engine
+from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.engine.outputs import TokenEvent
+from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
+from freetoken_agent.integrations.langchain import (
+    ChatFreeToken,
+    GenerationError,
+    GenerationTimeout,
+)
+from freetoken_agent.integrations.langchain_chunks import _spoil
+from freetoken_agent.integrations.langchain_runtime import service_for
+from freetoken_agent.service import EngineService
+
+ROOT = Path(__file__).resolve().parents[2]
+SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "zo", "pe", "xi", "qu"]
+WORDS = ["alpha", "beta", "café", "你好", "🙂", "x,", "{a:", "1}", "!?", "line\nbreak"]
+
+
+def word(rng: random.Random) -> str:
+    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 4)))
+
+
+def text(rng: random.Random, n: int = 6) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, n)))
+
+
+def random_model(rng: random.Random, name: str) -> type[BaseModel]:
+    """A random pydantic model whose values are bounded (strings, lists, integer ranges), so a
+    constrained answer always closes within a few dozen tokens."""
+    fields: dict[str, Any] = {}
+    for i in range(rng.randint(1, 4)):
+        kind = rng.choice(["int", "bool", "enum", "str", "list"])
+        lo = rng.randint(-50, 50)
+        options = tuple({word(rng) for _ in range(rng.randint(1, 4))})
+        fields[f"{word(rng)}_{i}"] = {
+            "int": (int, Field(ge=lo, le=lo + rng.randint(0, 500))),
+            "bool": (bool, ...),
+            "enum": (Literal[options], ...),
+            "str": (str, Field(max_length=rng.randint(1, 10))),
+            "list": (list[Literal[options]], Field(max_length=3)),
+        }[kind]
+    doc = f"A random record: {text(rng)}"
+    return create_model(name, __config__=ConfigDict(extra="forbid"), __doc__=doc, **fields)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    path = ensure_demo_model(tmp_path_factory.mktemp("cache"))
+    engine = Engine.load(path, device="cpu", progress=False, kv_tokens=8192, max_model_len=1024)
+    yield engine
+    service_for(engine).close()
+
+
+def unfinished(llm: ChatFreeToken) -> bool:
+    with llm.service.lock:
+        return llm.service.engine.has_unfinished()
+
+
+def totals(llm: ChatFreeToken) -> tuple[int, int]:
+    tokens = llm.service.stats()["tokens"]
+    return tokens["reused"], tokens["prefilled"]
+
+
+def aggregate(chunks: list) -> AIMessageChunk:
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total = total + chunk
+    return total
+
+
+def check_usage_once(chunks: list) -> dict:
+    """usage_metadata on exactly one chunk, the last; returns it."""
+    with_usage = [i for i, c in enumerate(chunks) if c.usage_metadata]
+    assert with_usage == [len(chunks) - 1], with_usage
+    assert chunks[-1].chunk_position == "last"
+    usage = chunks[-1].usage_metadata
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    return usage
+
+
+# ------------------------------------------------------------------------ the demo engine
+
+
+def test_stream_adds_up_to_invoke_and_usage_matches_the_engine(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=rng.randint(4, 24))
+    history = [SystemMessage(text(rng)), HumanMessage(text(rng))]
+    before = totals(llm)
+    message = llm.invoke(history)
+    after = totals(llm)
+    prompt = llm.last_prompt
+    usage = message.usage_metadata
+    assert usage["input_tokens"] == len(prompt.token_ids)
+    assert 0 < usage["output_tokens"] <= llm.max_tokens
+    # One request ran: the engine's counters moved by exactly this call's figures.
+    assert after[0] - before[0] == usage["input_token_details"]["cache_read"]
+    assert sum(after) - sum(before) == usage["input_tokens"]
+    assert message.response_metadata["model_name"] == "qwen3_moe"
+
+    chunks = list(llm.stream(history))
+    streamed = aggregate(chunks)
+    check_usage_once(chunks)
+    assert streamed.content == message.content and message.content
+    assert streamed.tool_calls == message.tool_calls == []
+    assert streamed.response_metadata == message.response_metadata
+    for key in ("input_tokens", "output_tokens"):
+        assert streamed.usage_metadata[key] == usage[key]
+    # The second run reuses the whole prompt but its last token (the engine recomputes it).
+    assert streamed.usage_metadata["input_token_details"]["cache_read"] == usage["input_tokens"] - 1
+
+
+def test_async_matches_sync(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=rng.randint(4, 16))
+    question = text(rng)
+    expected = llm.invoke(question).content
+
+    async def run():
+        message = await llm.ainvoke(question)
+        chunks = [c async for c in llm.astream(question)]
+        return message, chunks
+
+    message, chunks = asyncio.run(run())
+    check_usage_once(chunks)
+    assert message.content == aggregate(chunks).content == expected
+    assert not unfinished(llm)
+
+
+def test_threads_share_one_engine(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    questions = [text(rng) for _ in range(3)]
+    llms = [ChatFreeToken(engine=engine, temperature=0, max_tokens=8) for _ in range(2)]
+    alone = [llms[0].invoke(q).content for q in questions]
+    got: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        got[i] = llms[i % 2].invoke(questions[i]).content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [got[i] for i in range(len(questions))] == alone
+
+
+@pytest.mark.parametrize("choice", ["name", "any"])
+def test_forced_tool_call_streams_valid_arguments(engine, rng_seed, choice):
+    rng = random.Random(rng_seed)
+    models = [random_model(rng, f"t_{word(rng)}_{i}") for i in range(rng.randint(1, 3))]
+    target = rng.choice(models)
+    tool_choice = target.__name__ if choice == "name" else "any"
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=200)
+    bound = llm.bind_tools(models, tool_choice=tool_choice)
+    question = [HumanMessage(text(rng))]
+
+    chunks = list(bound.stream(question))
+    check_usage_once(chunks)
+    pieces = [p for c in chunks for p in c.tool_call_chunks]
+    assert pieces and {p["index"] for p in pieces} == {0}
+    assert pieces[0]["id"] and pieces[0]["name"]
+    assert all(p["id"] is None and p["name"] is None for p in pieces[1:])
+    streamed = aggregate(chunks)
+    assert len(streamed.tool_calls) == 1 and not streamed.invalid_tool_calls
+    call = streamed.tool_calls[0]
+    by_name = {m.__name__: m for m in models}
+    assert call["id"] == pieces[0]["id"]
+    if choice == "name":
+        assert call["name"] == target.__name__
+    by_name[call["name"]].model_validate(call["args"])  # extra="forbid": no stray keys either
+    assert streamed.response_metadata["finish_reason"] == "tool_calls"
+
+    message = bound.invoke(question)
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [(call["name"], call["args"])]
+    assert message.tool_calls[0]["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("form", ["pydantic", "json_schema", "function_calling"])
+def test_structured_output_is_valid_for_a_random_schema(engine, rng_seed, form):
+    rng = random.Random(rng_seed)
+    model = random_model(rng, f"Out_{word(rng)}")
+    llm = ChatFreeToken(engine=engine, temperature=rng.choice([0, 0.8]), max_tokens=200)
+    question = text(rng)
+    if form == "pydantic":
+        result = llm.with_structured_output(model).invoke(question)
+        assert isinstance(result, model)
+    elif form == "json_schema":
+        schema = model.model_json_schema()
+        out = llm.with_structured_output(schema, include_raw=True).invoke(question)
+        assert out["parsing_error"] is None and isinstance(out["raw"], AIMessage)
+        assert json.loads(out["raw"].content) == out["parsed"]
+        model.model_validate(out["parsed"])
+    else:
+        result = llm.with_structured_output(model, method="function_calling").invoke(question)
+        assert isinstance(result, model)
+
+
+def test_tools_with_a_response_format_give_a_call_or_the_answer(engine, rng_seed):
+    """How create_agent binds a ProviderStrategy: tools plus response_format."""
+    rng = random.Random(rng_seed)
+    tools = [random_model(rng, f"t_{word(rng)}") for _ in range(2)]
+    answer = random_model(rng, f"Answer_{word(rng)}")
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "a", "schema": answer.model_json_schema()},
+    }
+    llm = ChatFreeToken(engine=engine, temperature=1.0, seed=rng.randrange(1 << 30), max_tokens=200)
+    message = llm.bind_tools(tools).bind(response_format=fmt).invoke(text(rng))
+    if message.tool_calls:
+        call = message.tool_calls[0]
+        {t.__name__: t for t in tools}[call["name"]].model_validate(call["args"])
+    else:
+        answer.model_validate_json(message.content)
+
+
+def test_longer_history_reuses_the_cached_prompt(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=8)
+    history = [HumanMessage(text(rng, 12))]
+    first = llm.invoke(history)
+    history += [first, HumanMessage(text(rng))]
+    before = totals(llm)
+    second = llm.invoke(history)
+    reused = totals(llm)[0] - before[0]
+    # The whole first prompt is a prefix of the second (give or take the token where BPE may
+    # merge the generation prefix's newline with the reply's first characters).
+    assert reused >= first.usage_metadata["input_tokens"] - 2 > 0
+    assert second.usage_metadata["input_token_details"]["cache_read"] == reused
+
+
+def test_reasoning_goes_back_into_the_prompt(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=4)
+    thought = f"{word(rng)} {text(rng)}"
+    tool = random_model(rng, f"t_{word(rng)}")
+    call = {"name": tool.__name__, "args": {}, "id": f"call_{word(rng)}"}
+    history = [
+        HumanMessage(text(rng)),
+        AIMessage("", additional_kwargs={"reasoning_content": thought}, tool_calls=[call]),
+        ToolMessage(text(rng), tool_call_id=call["id"]),
+    ]
+    llm.bind_tools([tool]).invoke(history)
+    assert f"<think>\n{thought.strip()}\n</think>" in llm.last_prompt.text
+    # The v1 form (a reasoning content block) is read too.
+    blocks = [{"type": "reasoning", "reasoning": thought}, {"type": "text", "text": "ok"}]
+    history[1] = AIMessage(blocks, tool_calls=[call])
+    llm.bind_tools([tool]).invoke(history)
+    assert f"<think>\n{thought.strip()}\n</think>\n\nok" in llm.last_prompt.text
+
+
+def test_cancelling_astream_aborts_the_request(engine):
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=900)
+
+    async def run() -> bool:
+        three = asyncio.Event()
+
+        async def read() -> None:
+            n = 0
+            async for _ in llm.astream("tell me everything"):
+                n += 1
+                if n == 3:
+                    three.set()
+
+        task = asyncio.create_task(read())
+        await three.wait()
+        running = unfinished(llm)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return running
+
+    assert asyncio.run(run())  # it was generating when cancelled...
+    assert not unfinished(llm)  # ...and no longer is, right after
+
+
+def test_timeout_and_early_close_abort(engine):
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=900, timeout=0.3)
+    with pytest.raises(GenerationTimeout):
+        llm.invoke("go on")
+    assert not unfinished(llm)
+    stream = llm.stream("go on", timeout=None)
+    next(stream)
+    stream.close()
+    assert not unfinished(llm)
+
+
+def test_bad_input_is_a_clear_value_error(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    llm = ChatFreeToken(engine=engine, max_tokens=4)
+    tool = random_model(rng, f"t_{word(rng)}")
+    cases = {
+        "tool_choice": lambda: llm.bind_tools([tool], tool_choice="nope"),
+        "text only": lambda: llm.invoke([HumanMessage([{"type": "image", "url": "x"}])]),
+        "matches no earlier call": lambda: llm.invoke(
+            [HumanMessage("a"), ToolMessage("b", tool_call_id="zz")]
+        ),
+        "unknown option": lambda: llm.invoke("a", frobnicate=1),
+        "temperature": lambda: llm.invoke("a", temperature=-1),
+        "no messages": lambda: llm.invoke([]),
+        "not a model folder": lambda: ChatFreeToken(model=str(ROOT / "nope")),
+    }
+    for expected, call in cases.items():
+        with pytest.raises(ValueError, match=expected):
+            call()
+
+
+def test_profile_and_identity(engine):
+    llm = ChatFreeToken(engine=engine)
+    profile = llm.profile
+    assert profile["max_input_tokens"] == engine.max_model_len - 1
+    assert profile["tool_calling"] and profile["structured_output"] and profile["tool_choice"]
+    assert profile["reasoning_output"]  # the demo template thinks
+    assert llm._llm_type == "freetoken"
+    assert llm.get_num_tokens_from_messages([HumanMessage("hi")]) > 2
+
+
+def test_importing_the_package_does_not_import_langchain():
+    code = (
+        "import sys, freetoken_agent; assert not any(m.startswith('langchain') for m in "
+        "sys.modules); from freetoken_agent import ChatFreeToken; print(ChatFreeToken.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ChatFreeToken", out.stderr
+
+
+def test_the_example_agent_calls_a_tool(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "langchain_agent", ROOT / "examples/langchain_agent.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    messages = module.main(["--device", "cpu", "--max-tokens", "48", "--max-steps", "2"])
+    calls = [c for m in messages if isinstance(m, AIMessage) for c in m.tool_calls]
+    assert calls and any(isinstance(m, ToolMessage) for m in messages)
+    assert "[tool call]" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- scripted replies
+
+
+class ScriptedEngine:
+    """What an EngineService drives (submit / step / abort), answering each request with a queued
+    reply: (text, finish_reason, error). One token per step, canonical tokenization."""
+
+    def __init__(self, real: Engine) -> None:
+        self.tokenizer, self.spec, self.max_model_len = (
+            real.tokenizer,
+            real.spec,
+            real.max_model_len,
+        )
+        self.replies: list[tuple[str, str, str | None]] = []
+        self.prompts: list[list[int]] = []
+        self.running: dict[str, list] = {}
+        self.finished = 0
+
+    def submit(self, prompt, sampling) -> str:
+        rid = f"s{len(self.prompts)}"
+        self.prompts.append(list(prompt))
+        reply, reason, error = self.replies.pop(0)
+        self.running[rid] = [
+            self.tokenizer.encode(reply),
+            0,
+            IncrementalDetokenizer(self.tokenizer),
+            reason,
+            error,
+        ]
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[TokenEvent]:
+        events = []
+        for rid, state in list(self.running.items()):
+            ids, i, detok, reason, error = state
+            if reason == "error" or i == len(ids):
+                events.append(TokenEvent(rid, None, "", i, True, reason, error))
+                del self.running[rid]
+                self.finished += 1
+                continue
+            state[1] += 1
+            events.append(TokenEvent(rid, ids[i], detok.push(ids[i]), i))
+        return events
+
+    def abort(self, rid: str) -> None:
+        self.running.pop(rid, None)
+
+    def _pop(self, rid: str) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"tokens": {"reused": 0, "prefilled": 0}, "requests": {"finished": self.finished}}
+
+
+@pytest.fixture
+def scripted(engine):
+    fake = ScriptedEngine(engine)
+    service = EngineService(fake)
+    yield fake, service
+    service.close()
+
+
+def test_scripted_reasoning_and_tool_calls_stream_like_invoke(scripted, rng_seed):
+    rng = random.Random(rng_seed)
+    fake, service = scripted
+    tools = [random_model(rng, f"t_{word(rng)}_{i}") for i in range(2)]
+    thought, answer = text(rng), text(rng)
+    calls = [(rng.choice(tools).__name__, {word(rng): rng.randint(-9, 99)}) for _ in range(2)]
+    blocks = "".join(
+        f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a)}}}\n</tool_call>\n'
+        for n, a in calls
+    )
+    broken = f'<tool_call>\n{{"name": "{word(rng)}", "arguments": {{"k": [1, "x\\\\'
+    reply = f"<think>\n{thought}\n</think>\n\n{answer}\n{blocks}{broken}\n</tool_call>"
+    llm = ChatFreeToken(engine=service, max_tokens=64).bind_tools(tools)
+    fake.replies = [(reply, "stop", None)] * 2
+
+    chunks = list(llm.stream([HumanMessage(text(rng))]))
+    check_usage_once(chunks)
+    streamed = aggregate(chunks)
+    message = llm.invoke([HumanMessage(text(rng))])
+    for m in (streamed, message):
+        assert m.additional_kwargs["reasoning_content"] == thought
+        assert m.content.startswith(answer) and m.content.endswith("</tool_call>")
+        assert [(c["name"], c["args"]) for c in m.tool_calls] == calls
+        assert len(m.invalid_tool_calls) == 1
+        assert len({c["id"] for c in m.tool_calls + m.invalid_tool_calls}) == 3
+    assert message.invalid_tool_calls[0]["error"].startswith("tool call is not valid JSON")
+    assert message.invalid_tool_calls[0]["args"] == broken + "\n</tool_call>"
+    indexes = [p["index"] for c in chunks for p in c.tool_call_chunks]
+    assert sorted(set(indexes)) == [0, 1, 2] and indexes == sorted(indexes)
+    assert message.response_metadata["finish_reason"] == "tool_calls"
+
+    # The turn goes back with its reasoning; the template keeps it (after the last user turn).
+    history = [HumanMessage(text(rng)), message] + [
+        ToolMessage(text(rng), tool_call_id=c["id"]) for c in message.tool_calls
+    ]
+    fake.replies = [(answer, "stop", None)]
+    llm.invoke(history)
+    assert f"<think>\n{thought}\n</think>" in fake.tokenizer.decode(fake.prompts[-1], False)
+
+
+def test_scripted_failures_raise_and_retry(scripted, rng_seed):
+    rng = random.Random(rng_seed)
+    fake, service = scripted
+    problem = f"boom {word(rng)}"
+    fake.replies = [("", "error", problem)]
+    with pytest.raises(GenerationError, match=problem):
+        ChatFreeToken(engine=service).invoke("a")
+    fake.replies = [("", "error", problem), (answer := text(rng), "stop", None)]
+    assert ChatFreeToken(engine=service, max_retries=1).invoke("a").content == answer
+
+
+def test_spoiled_arguments_never_parse_as_a_call(rng_seed):
+    rng = random.Random(rng_seed)
+    for _ in range(200):
+        value = {word(rng): rng.choice([1, 'a\\b"c', [1, {"x": "y"}], {"z": []}, None])}
+        full = json.dumps(value)
+        cut = full[: rng.randint(1, len(full))]
+        piece = {"name": "f", "args": cut + _spoil(cut), "id": "c", "index": 0}
+        chunk = AIMessageChunk(content="", tool_call_chunks=[piece])
+        assert not chunk.tool_calls and len(chunk.invalid_tool_calls) == 1, cut
