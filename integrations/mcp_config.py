@@ -8,10 +8,11 @@
 A server entry is stdio (`command`, optional `args`, `env`, `cwd`) or streamable HTTP (`url`,
 optional `headers`); `type` may say which ("stdio", "http", "streamable-http"). As in Cursor,
 `${env:NAME}` in any of those strings is replaced by the host's environment variable (an unset
-one is an error), so secrets and paths stay out of the file. FreeToken's own
-optional keys: `timeout` (seconds per tool call, default 60), `startup_timeout` (seconds to
-connect and list tools, default 30), `protocol` ("legacy", the default, "auto" or a protocol
-version; see `ServerConfig.protocol`) and `disabled` (true: skip the entry). Keys other tools put
+one is an error), so secrets and paths stay out of the file. FreeToken's own optional keys:
+`timeout` (seconds per tool call, default 60; it covers any sampling the server asks of the
+local model during the call, so a slow model needs more), `startup_timeout` (seconds to connect
+and list tools, default 30), `protocol` ("legacy", the default, "auto" or a protocol version;
+see `ServerConfig.protocol`) and `disabled` (true: skip the entry). Keys other tools put
 in these files (`autoApprove`, `description`, ...) are ignored with a log line, not refused:
 one shared config file serves several hosts. Every error names the server and the key.
 """

@@ -136,8 +136,8 @@ class ServerConnection:
             params = StdioServerParameters(command=c.command, args=c.args, env=c.env, cwd=c.cwd)
             errlog = self._errlog
             if errlog is None:  # one file for the connection's life: restarts append to it
-                if self._captured is None:
-                    self._captured = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in close()
+                if self._captured is None:  # closed in close()
+                    self._captured = tempfile.TemporaryFile("w+")  # noqa: SIM115
                 errlog = self._captured
             return stdio_client(params, errlog=errlog)
         http = await stack.enter_async_context(create_mcp_http_client(headers=c.headers or None))

@@ -34,74 +34,44 @@ hosts for parallel conversations on one EngineService.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import mcp_types as types
 
 from freetoken_agent.chat_format import ChatFormat
-from freetoken_agent.engine.constrained import tool_call_schema
+from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.hooks import ToolHooks
 from freetoken_agent.integrations.mcp_config import ServerConfig, load_config
 from freetoken_agent.integrations.mcp_connection import MCPServerError, ServerConnection
 from freetoken_agent.integrations.mcp_engine import as_service, iterate_in_thread
 from freetoken_agent.integrations.mcp_sampling import SamplingResponder
+from freetoken_agent.integrations.mcp_turn import (
+    RunResult,
+    StepStart,
+    ToolExecuted,
+    Turn,
+    call_schema,
+    openai_tool,
+)
 from freetoken_agent.messages import (
     MESSAGE_TYPES,
-    AssistantMessage,
     Message,
     ToolCall,
     ToolResult,
     UserMessage,
     coerce_messages,
 )
-from freetoken_agent.parsers import (
-    ContentDelta,
-    ParseWarning,
-    ReasoningDelta,
-    ToolCallEnd,
-    new_call_id,
-    parser_factory_for,
-)
+from freetoken_agent.parsers import parser_factory_for
 from freetoken_agent.session import Session, TextDelta, Usage
 
 log = logging.getLogger("freetoken.mcp")
 SEPARATOR = "__"  # server__tool for names offered by more than one server
-
-
-@dataclass(slots=True)
-class StepStart:
-    """A model turn begins; `forced` names the tool_choice it runs under, if any."""
-
-    step: int
-    forced: str | None = None
-
-
-@dataclass(slots=True)
-class ToolExecuted:
-    """A tool call has run (or failed); `result` is what the model will read."""
-
-    call: ToolCall
-    server: str | None  # None when the name matched no tool
-    result: ToolResult
-    seconds: float
-
-
-@dataclass(slots=True)
-class RunResult:
-    """The end of a run: the last event of `stream`, the value of `run`."""
-
-    messages: list[Message]  # the history given, plus every turn and tool result of the run
-    answer: str  # the last assistant turn's visible text
-    steps: int  # model turns taken
-    stop_reason: str  # answer | max_steps | error
-    usage: list[Usage] = field(default_factory=list)
-    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -157,6 +127,14 @@ class MCPHost:
 
     # --- life cycle -----------------------------------------------------------------------
     async def __aenter__(self) -> MCPHost:
+        try:
+            await self._start()
+        except BaseException:
+            await self.aclose()  # servers already started must not outlive a failed enter
+            raise
+        return self
+
+    async def _start(self) -> None:
         self._service, self._owns_service = as_service(self.engine)
         chat_format = ChatFormat(self._service.tokenizer)
         self.sampler = SamplingResponder(
@@ -175,15 +153,14 @@ class MCPHost:
             )
             for c in self.configs
         ]
+        self.connections = {c.name: c for c in candidates}  # so aclose() reaches them all
         outcomes = await asyncio.gather(*(c.start() for c in candidates), return_exceptions=True)
         for conn, outcome in zip(candidates, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 why = str(outcome) if isinstance(outcome, MCPServerError) else repr(outcome)
                 self.failures[conn.name] = why
                 log.warning("skipping MCP server %r: %s", conn.name, why)
-                await conn.close()
-            else:
-                self.connections[conn.name] = conn
+                await self.connections.pop(conn.name).close()
         self._index_tools()
         self.session = Session(
             self._service,
@@ -194,7 +171,6 @@ class MCPHost:
             hooks=self.hooks,
             **self.sampling_defaults,
         )
-        return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
@@ -253,10 +229,15 @@ class MCPHost:
             raise RuntimeError("enter the host first: `async with MCPHost(...) as host`")
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+        # Bad arguments raise here, before anything runs.
         history = coerce_messages(_as_history(messages))
-        forced = self._forced_schema(tool_choice)  # checked before anything runs
-        async with self._lock:
-            async for event in self._loop(history, max_steps, forced, dict(sampling or {})):
+        forced = self._forced_schema(tool_choice)
+        self.session.sampling(dict(sampling or {}))
+        async with (
+            self._lock,
+            aclosing(self._loop(history, max_steps, forced, dict(sampling or {}))) as events,
+        ):
+            async for event in events:
                 yield event
 
     async def _loop(
@@ -270,9 +251,14 @@ class MCPHost:
         step = 0
         while step < max_steps:
             yield StepStart(step, forced[0] if forced else None)
-            turn = _Turn()
-            async for event in self._turn(history, sampling, forced, turn):
-                yield event
+            turn = Turn()
+            try:
+                async with aclosing(self._turn(history, sampling, forced, turn)) as events:
+                    async for event in events:
+                        yield event
+            except InvalidRequestError as e:  # the history outgrew the context, say
+                yield RunResult(history, "", step, "error", usages, str(e))
+                return
             forced = None
             step += 1
             usages.append(turn.usage)
@@ -295,7 +281,7 @@ class MCPHost:
         history: list[Message],
         sampling: dict[str, Any],
         forced: tuple[str, dict[str, Any]] | None,
-        turn: _Turn,
+        turn: Turn,
     ) -> AsyncIterator[Any]:
         session = self.session
         assert session is not None
@@ -304,15 +290,16 @@ class MCPHost:
         if forced is not None:
             options["json_schema"], parser = forced[1], None
         params = session.sampling(options)
-        stream = iterate_in_thread(lambda: session.send(history, params, parser_factory=parser))
-        async for event in stream:
-            if isinstance(event, Usage):
-                turn.usage = event
-            elif isinstance(event, TextDelta):  # forced: the JSON of the call
-                turn.raw.append(event.text)
-            else:
-                turn.take(event)
-                yield event
+        send = lambda: session.send(history, params, parser_factory=parser)  # noqa: E731
+        async with aclosing(iterate_in_thread(send)) as stream:  # closing it aborts the request
+            async for event in stream:
+                if isinstance(event, Usage):
+                    turn.usage = event
+                elif isinstance(event, TextDelta):  # forced: the JSON of the call
+                    turn.raw.append(event.text)
+                else:
+                    turn.take(event)
+                    yield event
         if forced is not None and turn.usage.finish_reason != "error":
             for event in turn.forced_call():
                 yield event
@@ -332,7 +319,7 @@ class MCPHost:
         if not self.tools:
             raise ValueError(f"tool_choice {choice!r} needs tools, and no server offers any")
         if choice == "required":
-            schemas = [_call_schema(t, {}) for t in self.tools]
+            schemas = [call_schema(t, {}) for t in self.tools]
             return "required", schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         tool = next((t for t in self.tools if t["function"]["name"] == choice), None)
         if tool is None:
@@ -340,7 +327,7 @@ class MCPHost:
                 f"tool_choice {choice!r} is not a tool of the connected servers; available: "
                 f"{', '.join(self.routes)}"
             )
-        return choice, _call_schema(tool, pinned)
+        return choice, call_schema(tool, pinned)
 
     async def execute(self, call: ToolCall) -> ToolExecuted:
         """Run one call as the loop does: routed by name, through the session's hooks, every
@@ -363,77 +350,6 @@ class MCPHost:
         result = await session.arun_tool(call, fn)
         server = route.connection.name if route else None
         return ToolExecuted(call, server, result, time.perf_counter() - start)
-
-
-class _Turn:
-    """What one model turn produced, gathered from its events."""
-
-    def __init__(self) -> None:
-        self.contents: list[str] = []
-        self.reasoning: list[str] = []
-        self.calls: list[ToolCall] = []
-        self.raw: list[str] = []  # a forced turn's JSON text
-        self.usage = Usage(0, 0, 0, 0, "error", "the turn produced no usage")
-
-    @property
-    def content(self) -> str:
-        return "".join(self.contents)
-
-    def take(self, event: Any) -> None:
-        if isinstance(event, ContentDelta):
-            self.contents.append(event.text)
-        elif isinstance(event, ReasoningDelta):
-            self.reasoning.append(event.text)
-        elif isinstance(event, ToolCallEnd):
-            self.calls.append(ToolCall(event.id, event.name, dict(event.arguments)))
-
-    def forced_call(self) -> list[Any]:
-        """Parse a forced turn's JSON into its call; content plus a warning if it is cut."""
-        text = "".join(self.raw)
-        try:
-            data = json.loads(text)
-            call = ToolCall(new_call_id(), data["name"], dict(data["arguments"]))
-        except (ValueError, KeyError, TypeError) as e:
-            self.contents.append(text)
-            reason = self.usage.finish_reason
-            why = "max_tokens cut it" if reason == "length" else f"{type(e).__name__}: {e}"
-            return [ContentDelta(text), ParseWarning(f"the forced tool call is void: {why}", text)]
-        self.calls.append(call)
-        return [ToolCallEnd(0, call.id, call.name, call.arguments)]
-
-    def message(self) -> AssistantMessage:
-        reasoning = "".join(self.reasoning) if self.reasoning else None
-        return AssistantMessage(self.content, reasoning, list(self.calls))
-
-
-def _call_schema(tool: dict[str, Any], pinned: Mapping[str, Any]) -> dict[str, Any]:
-    """The grammar of a forced call of `tool`. Unknown argument names are closed off (a weak
-    model would otherwise invent keys until max_tokens) unless the tool's schema opens them;
-    `pinned` arguments are fixed to their values with `const`."""
-    schema = tool_call_schema(tool)
-    arguments = dict(schema["properties"]["arguments"])
-    properties = dict(arguments.get("properties") or {})
-    arguments.setdefault("additionalProperties", False)
-    unknown = sorted(set(pinned) - set(properties))
-    if unknown:
-        name = tool["function"]["name"]
-        raise ValueError(f"tool_choice pins argument(s) {unknown} that {name!r} does not take")
-    for key, value in pinned.items():
-        properties[key] = {"const": value}
-    arguments["properties"] = properties
-    arguments["required"] = list(dict.fromkeys([*(arguments.get("required") or []), *pinned]))
-    schema["properties"] = {**schema["properties"], "arguments": arguments}
-    return schema
-
-
-def openai_tool(name: str, tool: types.Tool) -> dict[str, Any]:
-    """An MCP tool as the OpenAI function dict chat templates render."""
-    schema = dict(tool.input_schema or {})
-    schema.setdefault("type", "object")
-    schema.setdefault("properties", {})
-    description = tool.description or tool.title or ""
-    fn = {"name": name, "description": description, "parameters": schema}
-    return {"type": "function", "function": fn}
 
 
 def _as_history(messages: Any) -> list[Any]:

@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import string
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +94,31 @@ app.run("stdio")
 """
 
 
+# The same over streamable HTTP, which also shows the configured headers arrive.
+HTTP_SERVER = """
+import sys
+import mcp_types as types
+from mcp.server import MCPServer
+from mcp.server.mcpserver import Context
+
+app = MCPServer("web", log_level="WARNING")
+
+@app.tool()
+def whoami(ctx: Context) -> str:
+    return (ctx.headers or {}).get("x-token", "<no header>")
+
+@app.tool()
+async def ask(question: str, ctx: Context) -> str:
+    content = types.TextContent(type="text", text=question)
+    r = await ctx.session.create_message(
+        [types.SamplingMessage(role="user", content=content)], max_tokens=6, temperature=0.0
+    )
+    return r.content.text
+
+app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+"""
+
+
 # --- fixtures and helpers ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
@@ -131,6 +159,22 @@ def _results(result: RunResult) -> list[ToolResult]:
     return [m for m in result.messages if isinstance(m, ToolResult)]
 
 
+def _local_answer(
+    engine: Engine, question: str, system: str | None, max_tokens: int, stop: list[str]
+) -> str:
+    """What the local model answers a one-message sampling request, computed directly."""
+    session = Session(engine, system=system, parser_factory=parser_factory_for(engine))
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "stop": stop}
+    events = session.send([UserMessage(question)], sampling)
+    return "".join(e.text for e in events if isinstance(e, ContentDelta))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _host(config: dict, engine: Engine, **options: Any) -> MCPHost:
     # Enough for a forced call with pinned arguments: a call cut by max_tokens is void.
     options.setdefault("max_tokens", 48)
@@ -158,9 +202,8 @@ def test_tools_are_listed_and_namespaced_when_names_collide(engine, tmp_path, rn
         config = {name: _stdio(FILE_SERVER, str(root)) for name, root in roots.items()}
         async with _host(config, engine) as host:
             names = {t["function"]["name"] for t in host.tools}
-            assert names == {f"{s}__{t}" for s in roots for t in ("list_files", "read_file")} | {
-                f"{s}__write_file" for s in roots
-            }
+            tools = ("list_files", "read_file", "write_file")
+            assert names == {f"{server}__{tool}" for server in roots for tool in tools}
             name, text = next(iter(files["beta"].items()))
             done = await host.execute(ToolCall("c1", "beta__read_file", {"path": name}))
             assert done.server == "beta" and not done.result.is_error
@@ -179,7 +222,7 @@ def test_forced_read_file_result_reaches_the_next_prompt(engine, tmp_path, rng_s
         lambda call, result, session: seen.append((call.name, result.content)) or result
     )
 
-    async def main() -> list[Any]:
+    async def main() -> tuple[list[Any], Session]:
         config = {"files": _stdio(FILE_SERVER, str(tmp_path))}
         async with _host(config, engine, hooks=hooks) as host:
             question = f"What is in {_word(rng, 6)}?"
@@ -298,10 +341,7 @@ def test_server_sampling_is_answered_by_the_local_model(engine, tmp_path, rng_se
     max_tokens = rng.randint(6, 14)
 
     def local(system: str | None, max_tokens: int, stop: list[str]) -> str:
-        session = Session(engine, system=system, parser_factory=parser_factory_for(engine))
-        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "stop": stop}
-        events = session.send([UserMessage(question)], sampling)
-        return "".join(e.text for e in events if isinstance(e, ContentDelta))
+        return _local_answer(engine, question, system, max_tokens, stop)
 
     free = local(system, max_tokens, [])
     if len(free) >= 4:  # a stop string from inside the free answer must cut the answer there
@@ -331,6 +371,42 @@ def test_server_sampling_is_answered_by_the_local_model(engine, tmp_path, rng_se
     assert resolved["text"] == local(None, 5, [])
     assert [r.server for r in host.sampler.log] == ["asker", "asker"]
     assert host.sampler.log[0].system == system and host.sampler.log[0].max_tokens == max_tokens
+
+
+def test_streamable_http_server_with_headers_and_sampling(engine, tmp_path, rng_seed):
+    rng = random.Random(rng_seed)
+    script = tmp_path / "web.py"
+    script.write_text(HTTP_SERVER)
+    port, token, question = _free_port(), _word(rng, 16), _word(rng, 12)
+    server = subprocess.Popen(
+        [sys.executable, str(script), str(port)], stderr=subprocess.DEVNULL, cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # uvicorn listening?
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "no HTTP server"
+                time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}/mcp"
+        config = {"web": {"url": url, "headers": {"X-Token": token}, "timeout": 20}}
+
+        async def main() -> list[ToolResult]:
+            async with _host(config, engine) as host:
+                assert sorted(host.routes) == ["ask", "whoami"]
+                out = []
+                for choice in (_forced("whoami"), _forced("ask", question=question)):
+                    out += _results(await host.run("go", max_steps=1, tool_choice=choice))
+                return out
+
+        whoami, asked = asyncio.run(main())
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert whoami.content == token and not whoami.is_error
+    assert asked.content == _local_answer(engine, question, None, 6, []) and not asked.is_error
 
 
 @pytest.mark.parametrize(
