@@ -42,18 +42,27 @@ class BrowserGuard:
         self.app = app
         self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
 
-    def problem(self, scope: Scope) -> str | None:
+    def problem(self, scope: Scope) -> tuple[str, str] | None:
+        """(code, message) of what is wrong with the request, or None."""
         host = _header(scope, b"host") or ""
         if self.allowed_hosts is not None and _hostname(host) not in self.allowed_hosts:
-            return (
+            return "forbidden_host", (
                 f"host {host!r} is not served here (allowed: {sorted(self.allowed_hosts)}); "
                 "this guards a local server against DNS rebinding"
             )
         origin = _header(scope, b"origin")
-        if origin is not None and origin != "null" and urlsplit(origin).netloc.lower() != host:
-            return f"cross-origin request from {origin!r} refused: only same-origin pages may call"
+        if (
+            origin is not None
+            and origin != "null"
+            and urlsplit(origin).netloc.lower() != host.lower()
+        ):
+            return "forbidden_origin", (
+                f"cross-origin request from {origin!r} refused: only same-origin pages may call"
+            )
         if origin == "null":
-            return "requests from opaque origins (sandboxed pages, file://) are refused"
+            return "forbidden_origin", (
+                "requests from opaque origins (sandboxed pages, file://) are refused"
+            )
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -64,7 +73,8 @@ class BrowserGuard:
         if problem is None:
             await self.app(scope, receive, send)
             return
-        response = error_response(403, problem, code="forbidden_origin")
+        code, message = problem
+        response = error_response(403, message, code=code)
         if scope["type"] == "http":
             await response(scope, receive, send)
             return
@@ -72,4 +82,4 @@ class BrowserGuard:
         if "websocket.http.response" in scope.get("extensions", {}):
             await socket.send_denial_response(response)
         else:
-            await socket.close(code=1008, reason=problem[:120])
+            await socket.close(code=1008, reason=message[:120])

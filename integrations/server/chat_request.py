@@ -80,7 +80,8 @@ def _integer(body: Mapping, key: str, lo: int | None = None):
 def sampling_from(
     body: Mapping[str, Any], tools: list[dict] | None, choice: ToolChoice, default_max: int
 ) -> SamplingParams:
-    """SamplingParams from OpenAI fields (plus top_k); a forced call adds its schema."""
+    """SamplingParams from OpenAI fields (plus vLLM's top_k and ignore_eos); a forced call
+    adds its schema."""
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
@@ -95,6 +96,9 @@ def sampling_from(
         isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
     ):
         raise BadParam("stop must be a non-empty string or a list of them", "stop")
+    ignore_eos = body.get("ignore_eos")  # vLLM's extension: benchmarks want fixed lengths
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise BadParam(f"ignore_eos must be true or false, got {ignore_eos!r:.40}", "ignore_eos")
     fmt = body.get("response_format")
     if fmt is not None and choice.forced:
         raise BadParam(
@@ -108,6 +112,7 @@ def sampling_from(
         "top_k": _integer(body, "top_k", 0),
         "seed": _integer(body, "seed"),
         "stop": stop,
+        "ignore_eos": ignore_eos,
         "response_format": fmt,
         "json_schema": forced_schema(choice, tools or []) if choice.forced else None,
     }

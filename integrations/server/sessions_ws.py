@@ -3,7 +3,7 @@
 The client sends JSON messages:
 
     {"type": "send", "messages": [...], "tools": [...], "tool_choice": ...,
-     "sampling": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"},
+     "sampling": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"},
      "response_format": {...}, "append": false}
     {"type": "cancel"}                     interrupt the running turn (any watcher may)
 
@@ -38,7 +38,16 @@ from freetoken_agent.messages import to_openai_messages
 log = logging.getLogger("freetoken.server")
 PROTOCOL = "freetoken"  # the subprotocol the server accepts (see auth.py for bearer.<key>)
 SAMPLING_KEYS = frozenset(
-    {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "ignore_eos",
+    }
 )
 
 

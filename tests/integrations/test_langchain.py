@@ -40,7 +40,7 @@ from freetoken_agent.integrations.langchain import (
     GenerationTimeout,
 )
 from freetoken_agent.integrations.langchain_chunks import _spoil
-from freetoken_agent.integrations.langchain_runtime import service_for
+from freetoken_agent.integrations.langchain_runtime import _closed, service_for
 from freetoken_agent.service import EngineService
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,6 +156,28 @@ def test_async_matches_sync(engine, rng_seed):
     check_usage_once(chunks)
     assert message.content == aggregate(chunks).content == expected
     assert not unfinished(llm)
+
+
+def test_stop_strings_cut_the_greedy_answer(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=24)
+    question = text(rng)
+    full = llm.invoke(question).content
+    start = rng.randrange(1, len(full) - 2)
+    stop = full[start : start + rng.randint(1, 3)]
+    cut = llm.invoke(question, stop=[stop])
+    assert cut.content == full[: full.find(stop)]
+    assert cut.response_metadata["finish_reason"] == "stop"
+
+
+def test_reasoning_switch_reaches_the_template(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    quiet = ChatFreeToken(engine=engine, max_tokens=2, reasoning=False)
+    quiet.invoke(text(rng))
+    assert quiet.last_prompt.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    default = ChatFreeToken(engine=engine, max_tokens=2)
+    default.invoke(text(rng))
+    assert default.last_prompt.text.endswith("<|im_start|>assistant\n")
 
 
 def test_threads_share_one_engine(engine, rng_seed):
@@ -472,6 +494,28 @@ def test_scripted_reasoning_and_tool_calls_stream_like_invoke(scripted, rng_seed
     assert f"<think>\n{thought}\n</think>" in fake.tokenizer.decode(fake.prompts[-1], False)
 
 
+def test_scripted_call_or_answer_is_told_apart_by_the_whole_output(scripted, rng_seed):
+    """tools + response_format: the output is either a {"name", "arguments"} call of a bound
+    tool or the answer's JSON (the grammar allows both; the parser decides at the end)."""
+    rng = random.Random(rng_seed)
+    fake, service = scripted
+    tool = random_model(rng, f"t_{word(rng)}")
+    args = {word(rng): rng.randint(0, 9)}
+    answer = {"name": word(rng), "arguments": {}}  # call-shaped, but names no bound tool
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    llm = ChatFreeToken(engine=service, max_tokens=64).bind_tools([tool]).bind(response_format=fmt)
+    fake.replies = [
+        (json.dumps({"name": tool.__name__, "arguments": args}), "stop", None),
+        (json.dumps(answer), "stop", None),
+    ]
+    called = llm.invoke(text(rng))
+    assert [(c["name"], c["args"]) for c in called.tool_calls] == [(tool.__name__, args)]
+    assert called.content == ""
+    chunks = list(llm.stream(text(rng)))
+    answered = aggregate(chunks)
+    assert not answered.tool_calls and json.loads(answered.content) == answer
+
+
 def test_scripted_failures_raise_and_retry(scripted, rng_seed):
     rng = random.Random(rng_seed)
     fake, service = scripted
@@ -481,6 +525,25 @@ def test_scripted_failures_raise_and_retry(scripted, rng_seed):
         ChatFreeToken(engine=service).invoke("a")
     fake.replies = [("", "error", problem), (answer := text(rng), "stop", None)]
     assert ChatFreeToken(engine=service, max_retries=1).invoke("a").content == answer
+
+
+def test_constrained_schemas_are_closed_but_keep_their_own_choice():
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+            "many": {"type": "array", "items": {"anyOf": [{"properties": {}}, {"type": "null"}]}},
+        },
+    }
+    out = _closed(schema)
+    props = out["properties"]
+    assert out["additionalProperties"] is False
+    assert set(props) == {"properties", "open", "many"}  # a property named "properties" stays
+    assert props["properties"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert props["many"]["items"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in props["many"]["items"]["anyOf"][1]
 
 
 def test_spoiled_arguments_never_parse_as_a_call(rng_seed):

@@ -18,6 +18,7 @@ import string
 import subprocess
 import sys
 import time
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from freetoken_agent.integrations.mcp_config import MCPConfigError, load_config
 from freetoken_agent.integrations.mcp_host import MCPHost, RunResult, StepStart, ToolExecuted
 from freetoken_agent.messages import AssistantMessage, ToolCall, ToolResult
 from freetoken_agent.parsers import ContentDelta, ToolCallEnd, parser_factory_for
+from freetoken_agent.service import EngineService
 from freetoken_agent.session import Usage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -407,6 +409,33 @@ def test_streamable_http_server_with_headers_and_sampling(engine, tmp_path, rng_
         server.wait(timeout=10)
     assert whoami.content == token and not whoami.is_error
     assert asked.content == _local_answer(engine, question, None, 6, []) and not asked.is_error
+
+
+def test_leaving_a_stream_early_aborts_the_turn(engine, rng_seed):
+    """No servers at all (a host may have none); the consumer walks away mid-answer."""
+    question = _text(random.Random(rng_seed))
+
+    async def main(service: EngineService) -> int:
+        seen = 0
+        async with _host({}, service) as host:
+            assert host.tools == [] and host.session.tools is None
+            room = {"max_tokens": 2000, "ignore_eos": True}
+            async with aclosing(host.stream(question, sampling=room)) as events:
+                async for event in events:
+                    seen += isinstance(event, ContentDelta)
+                    if seen == 3:
+                        break
+            for _ in range(200):  # the turn's thread aborts at its next token
+                with service.lock:
+                    if not service.engine.has_unfinished():
+                        return seen
+                await asyncio.sleep(0.01)
+        return -1
+
+    with EngineService(engine) as service:
+        assert asyncio.run(main(service)) == 3
+        stats = service.stats()["requests"]
+        assert stats["running"] == stats["waiting"] == 0
 
 
 @pytest.mark.parametrize(

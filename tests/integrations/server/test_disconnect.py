@@ -1,0 +1,114 @@
+"""A client that goes away ends its generation: the request is aborted and its pages come back.
+
+Every request here would run for hundreds of tokens (ignore_eos) if nobody stopped it, so a
+test passes only if the disconnect really aborted it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import string
+
+from freetoken_agent.integrations.server import create_app
+
+MAX_TOKENS = 900
+
+
+def _body(rng: random.Random, stream: bool) -> dict:
+    text = "".join(rng.choice(string.ascii_lowercase + " ") for _ in range(rng.randint(10, 60)))
+    return {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0.7,
+        "seed": rng.randrange(2**31),
+        "stream": stream,
+    }
+
+
+def assert_nothing_held(service, engine) -> None:
+    """No request runs, the engine's managers are consistent, and once the radix tree lets go
+    of what it caches every KV page is free: nothing is held by a request."""
+    with service.lock:
+        assert not engine.has_unfinished()
+        engine.check_integrity()
+        engine.radix.reset()
+        assert engine.kv.allocator.n_free == engine.kv.allocator.capacity
+
+
+def test_a_streaming_client_that_leaves_aborts_its_request(client, engine, rng_seed):
+    rng = random.Random(rng_seed)
+    service = client.app.state.server.service
+    assert_nothing_held(service, engine)
+    seen = 0
+    with client.stream("POST", "/v1/chat/completions", json=_body(rng, True)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+            if seen == 4:
+                break  # leaving the block closes the connection mid-stream
+    stats = service.stats()
+    assert stats["requests"]["finished"] == 1  # ended (aborted), not running on
+    assert 0 < stats["tokens"]["generated"] < MAX_TOKENS
+    assert_nothing_held(service, engine)
+
+
+def _scope(body: bytes) -> dict:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"testserver"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("testserver", 80),
+    }
+
+
+def test_a_waiting_non_streaming_client_that_leaves_aborts_its_request(engine, rng_seed):
+    """Driven as raw ASGI: the server sees the disconnect while it collects the reply."""
+    rng = random.Random(rng_seed)
+    app = create_app(engine)
+    service = app.state.server.service
+    body = json.dumps(_body(rng, False)).encode()
+    sent: list[dict] = []
+
+    async def main() -> None:
+        delivered = False
+
+        async def receive() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            while service.stats()["requests"]["running"] == 0:  # until it generates
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(app(_scope(body), receive, send), timeout=60)
+
+    try:
+        asyncio.run(main())
+        stats = service.stats()
+        assert stats["requests"]["finished"] == 1
+        assert 0 < stats["tokens"]["generated"] < MAX_TOKENS
+        assert sent[0]["status"] == 499  # nobody reads it; the point is the abort
+        assert_nothing_held(service, engine)
+    finally:
+        service.close()

@@ -1,0 +1,132 @@
+"""`freetoken serve` and the real thing: uvicorn on a free port, the `openai` client, the
+example script; the binding rules without binding anything."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import socket
+import string
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from freetoken_agent import cli
+from freetoken_agent.integrations.server import check_bind, make_server
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "openai_client.py"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.20", "::", "example.org"])
+def test_serve_refuses_a_public_host_without_a_key(host, monkeypatch, capsys):
+    def no_load(args):
+        raise AssertionError("the engine must not load for a refused bind")
+
+    monkeypatch.setattr(cli, "_load", no_load)
+    monkeypatch.delenv("FREETOKEN_API_KEY", raising=False)
+    assert cli.main(["serve", "--host", host]) == 2
+    err = capsys.readouterr().err
+    assert "without an API key" in err and "--api-key" in err and host in err
+
+
+def test_bind_rules():
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2", "[::1]"):
+        check_bind(host, None)
+    check_bind("0.0.0.0", "a-key")
+    with pytest.raises(ValueError, match="without an API key"):
+        check_bind("10.0.0.1", "")
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, "demo")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def live_server(engine):
+    """uvicorn serving the app on a free local port, in a thread; (base URL, key, server)."""
+    key = "".join(random.choice(string.ascii_letters) for _ in range(20))
+    port = _free_port()
+    server = make_server(engine, "127.0.0.1", port, api_key=key, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", key, server
+    server.should_exit = True
+    thread.join(timeout=15)
+    assert not thread.is_alive()
+
+
+def test_openai_client_streams_from_a_real_server(live_server, rng_seed):
+    base, key, _ = live_server
+    client = OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+    model = client.models.list().data[0].id
+    words = " ".join(random.Random(rng_seed).choice(["cat", "sun", "bird", "tea"]) for _ in "abc")
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": words}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens > 0 and chunks[-1].choices == []
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": words}], max_tokens=6, temperature=0
+    )
+    assert whole.choices[0].message.content == streamed
+    assert whole.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
+
+    wrong = OpenAI(base_url=base + "/v1", api_key=key + "x", max_retries=0)
+    with pytest.raises(Exception) as refused:
+        wrong.models.list()
+    assert getattr(refused.value, "status_code", None) == 401
+
+
+def test_the_example_script_runs_against_the_server(live_server, capsys):
+    base, key, _ = live_server
+    spec = importlib.util.spec_from_file_location("openai_client_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--base-url", base + "/v1", "--api-key", key]) == 0
+    out = capsys.readouterr().out
+    assert "tool call call_" in out and "get_weather(" in out and "[usage:" in out
+
+
+def test_a_real_client_that_disconnects_aborts_its_request(live_server, engine):
+    base, key, server = live_server
+    service = server.config.app.state.server.service
+    body = {
+        "messages": [{"role": "user", "content": "go on"}],
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=headers) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 3:
+                break
+    deadline = time.monotonic() + 10
+    while service.stats()["requests"]["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with service.lock:
+        assert not engine.has_unfinished()
+        assert engine.stats()["tokens"]["generated"] < 900
+        engine.check_integrity()

@@ -1,0 +1,206 @@
+"""The WebSocket session stream: turns on a kept Session, watchers, cancel, errors."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import time
+
+import pytest
+from starlette.websockets import WebSocketDisconnect
+
+URL = "/v1/sessions/{}/ws"
+
+
+def _text(rng: random.Random) -> str:
+    return " ".join(
+        "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 6)))
+        for _ in range(rng.randint(2, 8))
+    )
+
+
+def _until_done(ws) -> list[dict]:
+    events = []
+    while True:
+        event = ws.receive_json()
+        events.append(event)
+        if event["type"] == "done":
+            return events
+
+
+def _join(ws) -> list[dict]:
+    """What a socket gets when it joins: the session, then the memory split."""
+    hello = [ws.receive_json(), ws.receive_json()]
+    assert [e["type"] for e in hello] == ["session", "memory"]
+    return hello
+
+
+def _send(ws, rng: random.Random, max_tokens: int | None = None, **extra) -> None:
+    sampling = {"max_tokens": max_tokens or rng.randint(3, 8), "temperature": 0}
+    ws.send_json(
+        {"type": "send", "append": True, "messages": [{"role": "user", "content": _text(rng)}],
+         "sampling": sampling, **extra}
+    )  # fmt: skip
+
+
+def test_two_turns_the_second_reuses_and_a_watcher_sees_the_same(client, rng_seed):
+    rng = random.Random(rng_seed)
+    sid = f"s-{rng_seed}"
+    with client.websocket_connect(URL.format(sid)) as watcher:
+        _join(watcher)
+        with client.websocket_connect(URL.format(sid)) as ws:
+            session, memory = _join(ws)
+            assert session == {"type": "session", "id": sid, "turns": 0, "running": False,
+                               "history": []}  # fmt: skip
+            assert memory["kv_pages"] > 0 and "experts" in memory
+
+            _send(ws, rng)
+            first = _until_done(ws)
+            assert _until_done(watcher) == first
+            kinds = [e["type"] for e in first]
+            assert kinds[0] == "start" and kinds[-3:] == ["usage", "memory", "done"]
+            assert set(kinds[1:-3]) <= {"reasoning", "content", "tool_call", "warning"}
+            usage, done = first[-3], first[-1]
+            assert usage["completion_tokens"] > 0 and usage["exact"]
+            text = "".join(e["text"] for e in first if e["type"] == "content")
+            assert done["message"]["content"] in (text, None)
+
+            _send(ws, rng)
+            second = _until_done(ws)
+            assert _until_done(watcher) == second
+            usage = second[-3]
+            assert second[0]["turn"] == 1
+            # The kept history (turn 1 and its reply) is a prefix of turn 2's prompt.
+            assert usage["reused_tokens"] > 0
+            assert usage["prompt_tokens"] > first[-3]["prompt_tokens"]
+
+        with client.websocket_connect(URL.format(sid)) as late:
+            session, _ = _join(late)
+            assert session["turns"] == 2 and len(session["history"]) == 4
+            assert [m["role"] for m in session["history"]] == ["user", "assistant"] * 2
+
+
+def test_full_history_mode_and_tool_results_are_published(client, rng_seed):
+    rng = random.Random(rng_seed)
+    call_id = f"call_{rng.randrange(16**8):08x}"
+    messages = [
+        {"role": "user", "content": _text(rng)},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": "lookup", "arguments": json.dumps({"q": _text(rng)})}}]},
+        {"role": "tool", "tool_call_id": call_id, "name": "lookup", "content": _text(rng)},
+    ]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]  # fmt: skip
+    with client.websocket_connect(URL.format("tools")) as ws:
+        _join(ws)
+        ws.send_json({"type": "send", "messages": messages, "tools": tools,
+                      "sampling": {"max_tokens": 3}})  # fmt: skip
+        events = _until_done(ws)
+    results = [e for e in events if e["type"] == "tool_result"]
+    assert results == [
+        {"type": "tool_result", "tool_call_id": call_id, "name": "lookup",
+         "content": messages[2]["content"], "is_error": False}
+    ]  # fmt: skip
+
+
+def test_forced_tool_call_streams_tool_call_events(client, rng_seed):
+    rng = random.Random(rng_seed)
+    name = "".join(rng.choice(string.ascii_lowercase) for _ in range(6))
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 99}}, "required": ["n"], "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema}}]
+    with client.websocket_connect(URL.format("forced")) as ws:
+        _join(ws)
+        _send(ws, rng, max_tokens=60, tools=tools, tool_choice="required")
+        events = _until_done(ws)
+    calls = [e for e in events if e["type"] == "tool_call"]
+    assert calls[0]["phase"] == "start" and calls[0]["name"] == name
+    assert calls[-1]["phase"] == "end" and 0 <= calls[-1]["arguments"]["n"] <= 99
+    args = "".join(e["text"] for e in calls if e["phase"] == "arguments")
+    assert json.loads(args) == calls[-1]["arguments"]
+    assert events[-1]["finish_reason"] == "tool_calls"
+    assert events[-1]["message"]["tool_calls"][0]["function"]["name"] == name
+
+
+def test_cancel_and_a_closing_sender_abort_the_turn(client, engine, rng_seed):
+    rng = random.Random(rng_seed)
+    service = client.app.state.server.service
+    long = {"max_tokens": 900, "ignore_eos": True, "temperature": 0.8}
+    with client.websocket_connect(URL.format("c")) as ws:
+        _join(ws)
+        ws.send_json({"type": "send", "messages": [{"role": "user", "content": _text(rng)}],
+                      "sampling": long})  # fmt: skip
+        assert ws.receive_json()["type"] == "start"
+        busy = {"type": "send", "messages": [{"role": "user", "content": "x"}]}
+        ws.send_json(busy)  # a second turn while one runs is refused, the first goes on
+        ws.send_json({"type": "cancel"})
+        events = _until_done(ws)
+        assert any(e["type"] == "error" and "already running" in e["message"] for e in events)
+        events = [e for e in events if e["type"] != "error"]
+        if events[-1]["turn"] is None:  # the refusal's own done came first
+            events = _until_done(ws)
+        usage = next(e for e in events if e["type"] == "usage")
+        assert usage["finish_reason"] == "abort" and usage["completion_tokens"] < 900
+
+        ws.send_json({"type": "send", "messages": [{"role": "user", "content": _text(rng)}],
+                      "sampling": long})  # fmt: skip
+        assert ws.receive_json()["type"] == "start"
+    # The sender closed its socket mid-turn: the request is aborted.
+    deadline = time.monotonic() + 10
+    while service.stats()["requests"]["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with service.lock:
+        assert not engine.has_unfinished()
+        engine.check_integrity()
+        # Run to its end, the second turn would have generated all 900 tokens.
+        assert engine.stats()["tokens"]["generated"] < usage["completion_tokens"] + 900
+        engine.radix.reset()
+        assert engine.kv.allocator.n_free == engine.kv.allocator.capacity
+
+
+def test_bad_messages_get_an_error_and_the_socket_stays(client, rng_seed):
+    rng = random.Random(rng_seed)
+    with client.websocket_connect(URL.format("bad")) as ws:
+        _join(ws)
+        ws.send_text('{"type": "send", "messages": [')
+        error = ws.receive_json()
+        assert error["type"] == "error" and "not valid JSON" in error["message"]
+        assert ws.receive_json() == {"type": "done", "turn": None, "finish_reason": "error"}
+        ws.send_json({"type": "send", "messages": [{"role": "wizard", "content": "x"}]})
+        error = ws.receive_json()
+        assert error["param"] == "messages[0]" and "unknown role 'wizard'" in error["message"]
+        ws.receive_json()
+        ws.send_json({"type": "send", "messages": [{"role": "user", "content": "x"}],
+                      "sampling": {"temprature": 1}})  # fmt: skip
+        assert "temprature" in ws.receive_json()["message"]
+        ws.receive_json()
+        ws.send_json({"type": "dance"})
+        assert "unknown message type" in ws.receive_json()["message"]
+        ws.receive_json()
+        ws.send_json({"type": "cancel"})
+        assert "no turn is running" in ws.receive_json()["message"]
+        _send(ws, rng)  # still works
+        assert _until_done(ws)[-1]["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+def test_session_ids_are_checked(client):
+    with pytest.raises(WebSocketDisconnect) as closed, client.websocket_connect(URL.format("a b")):
+        pass
+    assert closed.value.code == 1008
+
+
+def test_an_openai_request_with_a_session_id_is_watched(client, rng_seed):
+    rng = random.Random(rng_seed)
+    sid = f"shared-{rng_seed}"
+    with client.websocket_connect(URL.format(sid)) as watcher:
+        _join(watcher)
+        body = {"messages": [{"role": "user", "content": _text(rng)}], "max_tokens": 4,
+                "temperature": 0}  # fmt: skip
+        r = client.post("/v1/chat/completions", json=body, headers={"X-Session-Id": sid})
+        events = _until_done(watcher)
+    assert events[0]["type"] == "start"
+    content = "".join(e["text"] for e in events if e["type"] == "content")
+    assert content == (r.json()["choices"][0]["message"]["content"] or "")
+    assert events[-3]["completion_tokens"] == r.json()["usage"]["completion_tokens"]

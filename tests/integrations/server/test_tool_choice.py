@@ -1,0 +1,175 @@
+"""tool_choice (named, required, none) and response_format through the OpenAI route.
+
+Schemas are drawn fresh each run; the demo model's weights are random, so whatever JSON comes
+out is the grammar's doing, and it must validate.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from typing import Any
+
+import jsonschema
+import pytest
+
+
+def _name(rng: random.Random) -> str:
+    return rng.choice(string.ascii_lowercase) + "".join(
+        rng.choice(string.ascii_lowercase + "_") for _ in range(rng.randint(2, 8))
+    )
+
+
+def _scalar(rng: random.Random) -> dict[str, Any]:
+    kind = rng.choice(["string", "integer", "boolean", "enum"])
+    if kind == "string":
+        return {"type": "string", "maxLength": rng.randint(1, 6)}
+    if kind == "integer":
+        lo = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 99)}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", "cyan", "amber"], rng.randint(1, 4))}
+    return {"type": "boolean"}
+
+
+def random_object_schema(rng: random.Random) -> dict[str, Any]:
+    names = list(dict.fromkeys(_name(rng) for _ in range(rng.randint(1, 4))))
+    return {
+        "type": "object",
+        "properties": {n: _scalar(rng) for n in names},
+        "required": rng.sample(names, rng.randint(1, len(names))),
+        "additionalProperties": False,
+    }
+
+
+def random_tools(rng: random.Random, n: int) -> list[dict]:
+    names = set()
+    while len(names) < n:
+        names.add(_name(rng))
+    return [
+        {
+            "type": "function",
+            "function": {"name": name, "parameters": random_object_schema(rng)},
+        }
+        for name in sorted(names)
+    ]
+
+
+def _user(rng: random.Random) -> list[dict]:
+    text = " ".join(_name(rng) for _ in range(rng.randint(2, 6)))
+    return [{"role": "user", "content": text}]
+
+
+def test_named_tool_choice_forces_a_valid_call(client, rng_seed):
+    rng = random.Random(rng_seed)
+    tools = random_tools(rng, rng.randint(1, 3))
+    chosen = rng.choice(tools)["function"]
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": _user(rng),
+            "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": chosen["name"]}},
+            "max_tokens": 120,
+            "temperature": rng.choice([0, 0.8]),
+            "seed": rng.randrange(2**31),
+        },
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    calls = choice["message"]["tool_calls"]
+    assert len(calls) == 1 and calls[0]["type"] == "function"
+    assert calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == chosen["name"]
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), chosen["parameters"])
+
+
+def test_required_tool_choice_streams_a_call_of_one_of_the_tools(client, read_sse, rng_seed):
+    rng = random.Random(rng_seed)
+    tools = random_tools(rng, 2)
+    body = {
+        "messages": _user(rng),
+        "tools": tools,
+        "tool_choice": "required",
+        "max_tokens": 120,
+        "temperature": 0,
+        "stream": True,
+    }
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        events = read_sse(list(r.iter_lines()))
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    pieces = [tc for e in events[:-2] for tc in e["choices"][0]["delta"].get("tool_calls") or []]
+    first = pieces[0]
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert {p["index"] for p in pieces} == {0}
+    assert all("id" not in p for p in pieces[1:])  # the id comes once, on the first delta
+    arguments = "".join(p["function"].get("arguments", "") for p in pieces)
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    jsonschema.validate(json.loads(arguments), by_name[first["function"]["name"]])
+
+
+def test_tool_choice_none_parses_no_calls(client, rng_seed):
+    rng = random.Random(rng_seed)
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": _user(rng),
+            "tools": random_tools(rng, 1),
+            "tool_choice": "none",
+            "max_tokens": 6,
+            "temperature": 0,
+        },
+    )
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] != "tool_calls"
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "json_object"])
+def test_response_format_gives_valid_json(client, rng_seed, kind):
+    rng = random.Random(rng_seed)
+    schema = random_object_schema(rng)
+    fmt = (
+        {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+        if kind == "json_schema"
+        else {"type": "json_object"}
+    )
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": _user(rng),
+            "response_format": fmt,
+            "max_tokens": 200,
+            "temperature": 0,
+        },
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["message"]["content"]
+    if kind == "json_object" and choice["finish_reason"] == "length":
+        # Any object is allowed, so a random model may go on adding keys until max_tokens.
+        assert content.startswith("{")
+        return
+    assert choice["finish_reason"] == "stop"
+    value = json.loads(content)
+    if kind == "json_schema":
+        jsonschema.validate(value, schema)
+    else:
+        assert isinstance(value, dict)
+
+
+def test_forced_call_and_response_format_together_are_refused(client, rng_seed):
+    rng = random.Random(rng_seed)
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": _user(rng),
+            "tools": random_tools(rng, 1),
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
