@@ -18,7 +18,6 @@ exited is restarted on its next call, at most `MAX_RESTARTS` times.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import tempfile
@@ -162,8 +161,8 @@ class ServerConnection:
             done, _ = await asyncio.wait({owner}, timeout=10)
         if not done:
             owner.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await owner
+            # wait(), not `await owner`: the owner's CancelledError is not ours to raise.
+            await asyncio.wait({owner}, timeout=10)
         self._client = None
 
     # --- calls ----------------------------------------------------------------------------
