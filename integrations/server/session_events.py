@@ -10,7 +10,10 @@ tool_call    {"phase": "start", "index", "id", "name"}
 tool_result  {"tool_call_id", "name", "content", "is_error"}: a tool result this turn sent
 warning      {"message", "index"}: text that looked like a call but was not one
 usage        {"prompt_tokens", "completion_tokens", "reused_tokens", "prefilled_tokens",
-              "finish_reason", "exact"}
+              "finish_reason", "exact", "first_divergence", "anchor"}: `first_divergence`
+             counts the tokens this prompt shares with what the session last sent, and
+             `anchor` ({"offset", "kind", "message_index", ...} or null) is the deepest
+             semantic anchor at or before it, where recurrent layers resume
 memory       the engine's memory split (stats()["memory"]) and its expert placement
 error        {"message", "param"?}
 done         {"turn", "finish_reason", "message"}: the assistant message, OpenAI form

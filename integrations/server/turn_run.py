@@ -65,6 +65,7 @@ class TurnRun:
         self.prompt_tokens: int | None = None
         self.finished = False
         self.index = -1  # the session's turn number, once started
+        self.divergence: dict[str, Any] = {}  # where the prompt left the last one (Session)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._thread: threading.Thread | None = None
 
@@ -96,7 +97,14 @@ class TurnRun:
 
     def _exact(self, usage: Usage) -> Usage:
         """The Session's Usage with the server's suffix counted and the engine's own figures
-        for this request (exact even when other requests finished meanwhile)."""
+        for this request (exact even when other requests finished meanwhile). Also keeps the
+        Session's record of where this turn diverged from the last (for the usage event)."""
+        stats = self.live.session.turn_stats
+        if stats:
+            self.divergence = {
+                "first_divergence": stats[-1].get("first_divergence"),
+                "anchor": stats[-1].get("anchor"),
+            }
         usage = dataclasses.replace(
             usage, prompt_tokens=usage.prompt_tokens + len(self.turn.suffix_ids)
         )
@@ -192,6 +200,8 @@ class TurnRun:
                 self.reply.add(item)
             published = event_json(item)
             if published is not None:
+                if isinstance(item, Usage):
+                    published.update(self.divergence)
                 self.live.publish(published)
             yield item
 

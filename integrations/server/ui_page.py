@@ -141,7 +141,9 @@ function onEvent(e) {
         e.finish_reason));
       table("usage", [["prompt", e.prompt_tokens], ["reused", e.reused_tokens],
         ["prefilled", e.prefilled_tokens], ["generated", e.completion_tokens],
-        ["finish", e.finish_reason], ["exact", e.exact]]);
+        ["finish", e.finish_reason], ["exact", e.exact],
+        ["shared prefix", e.first_divergence ?? "-"],
+        ["resume anchor", e.anchor ? e.anchor.kind + " @ " + e.anchor.offset : "-"]]);
       break;
     case "memory":
       table("memory", [["KV pages", e.kv_pages], ["free", e.kv_pages_free],
@@ -178,7 +180,8 @@ function send() {
   if (!ws || running || !text.trim()) return;
   ws.send(JSON.stringify({
     type: "send", append: true, messages: [{ role: "user", content: text }],
-    sampling: { max_tokens: Number($("maxtok").value), temperature: Number($("temp").value) },
+    sampling: { max_tokens: Number($("maxtok").value) || 256,
+      temperature: Number($("temp").value) || 0 },
   }));
   $("text").value = ""; setRunning(true);
 }

@@ -73,6 +73,8 @@ def test_two_turns_the_second_reuses_and_a_watcher_sees_the_same(client, rng_see
             assert second[0]["turn"] == 1
             # The kept history (turn 1 and its reply) is a prefix of turn 2's prompt.
             assert usage["reused_tokens"] > 0
+            assert usage["first_divergence"] >= usage["reused_tokens"]
+            assert usage["anchor"]["offset"] <= usage["first_divergence"]
             assert usage["prompt_tokens"] > first[-3]["prompt_tokens"]
 
         with client.websocket_connect(URL.format(sid)) as late:
