@@ -46,6 +46,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from freetoken_agent.engine.sampling_params import SamplingParams, schema_of_response_format
 from freetoken_agent.integrations.langchain_chunks import ChunkBuilder
+from freetoken_agent.integrations.langchain_constrained import output_schema
 from freetoken_agent.integrations.langchain_messages import (
     parse_tool_choice,
     to_history,
@@ -58,7 +59,6 @@ from freetoken_agent.integrations.langchain_runtime import (
     SessionPool,
     arun_turn,
     load_service,
-    output_schema,
     run_turn,
     service_for,
 )

@@ -8,16 +8,14 @@
   thread-safe); a concurrent call on the same binding gets another one.
 - `Gateway` is what a Session sees as its engine: the service, plus the current call's deadline
   (`timeout`) and cancellation (a cancelled asyncio task). Both abort the engine request at once.
-- Constrained turns (a forced tool call, JSON-schema output) cannot think and must start with
-  the tool-call opener: `ForcedFormat` appends it to each rendered prompt, `PrefedParser`
-  replays it to the output parser, and the grammar closes the JSON.
+- Constrained turns (a forced tool call, JSON-schema output) are assembled from the parts in
+  langchain_constrained.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import queue
 import threading
 import time
@@ -28,19 +26,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from langchain_core.utils.json_schema import dereference_refs
-
 from freetoken_agent.chat_format import ChatFormat, Prompt
-from freetoken_agent.engine.constrained import tool_call_schema
 from freetoken_agent.engine.sampling_params import SamplingParams
-from freetoken_agent.parsers import ContentDelta, OutputParser, parser_factory_for, tool_format_for
-from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
+from freetoken_agent.integrations.langchain_constrained import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    THINK_END,
+    ForcedFormat,
+    JsonOrCallParser,
+    PrefedParser,
+)
+from freetoken_agent.parsers import OutputParser, parser_factory_for, tool_format_for
 from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
 from freetoken_agent.service import EngineService
 from freetoken_agent.session import Session
 
-HERMES_OPEN = "<tool_call>\n"
-HERMES_CLOSE = "\n</tool_call>"
 _STOP = object()  # queued by a cancel: the reader stops waiting for engine events
 
 _lock = threading.Lock()
@@ -190,146 +190,6 @@ class Gateway:
             self.service.abort(rid)  # a no-op once finished; frees the request otherwise
 
 
-# ---------------------------------------------------------------- constrained turns' parts
-
-
-class ForcedFormat:
-    """A ChatFormat whose prompts end with what a constrained turn must start from: the think
-    block closed (when the template left it open) and, for a Hermes tool call, `<tool_call>\\n`.
-    One per Session: `opened` describes the last rendered prompt for its parser."""
-
-    def __init__(self, inner: ChatFormat, opener: str) -> None:
-        self.inner = inner
-        self.tokenizer = inner.tokenizer
-        self.opener = opener
-        self.opened = False  # the inner prompt left a think block open
-
-    def render(self, messages, tools=None, add_generation_prompt: bool = True, **kw) -> Prompt:
-        prompt = self.inner.render(messages, tools, add_generation_prompt, **kw)
-        self.opened = prompt_opens_reasoning(prompt.text)
-        suffix = (THINK_CLOSE + "\n\n" if self.opened else "") + self.opener
-        if not suffix:
-            return prompt
-        ids = self.tokenizer.backend.encode(suffix, add_special_tokens=False).ids
-        return Prompt(
-            prompt.token_ids + list(ids),
-            prompt.text + suffix,
-            prompt.anchors,
-            prompt.messages,
-            prompt.generation_prefix + suffix,
-        )
-
-
-class PrefedParser:
-    """An OutputParser that first reads `head` (what the prompt, not the model, wrote: the think
-    closer, the call opener) and at the end `tail` (the call closer the grammar stops before),
-    the tail only when the body is complete JSON: a body cut by max_tokens stays unterminated,
-    and the parser says so, rather than closing it into a misleading JSON error."""
-
-    def __init__(self, inner: Any, head: str, tail: str) -> None:
-        self.inner = inner
-        self.head = head
-        self.tail = tail
-        self.body: list[str] = []
-
-    def feed(self, text: str) -> list:
-        head, self.head = self.head, ""
-        if self.tail:
-            self.body.append(text)
-        return self.inner.feed(head + text)
-
-    def finish(self) -> list:
-        head, self.head = self.head, ""
-        tail = self.tail if self.tail and _is_json("".join(self.body)) else ""
-        return self.inner.feed(head + tail) + self.inner.finish()
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
-class JsonOrCallParser:
-    """Output constrained to "the answer's JSON or a {"name", "arguments"} call of a tool" (tools
-    and a response_format together, as LangChain agents bind them): only the whole text tells
-    which, so content is held until the end, then read as a Hermes call body or released."""
-
-    def __init__(self, opened: bool, tools: list[dict]) -> None:
-        self.inner = OutputParser(None, opened, None)
-        self.tools = tools
-        self.names = {t["function"]["name"] for t in tools}
-        self.held: list[str] = []
-
-    def feed(self, text: str) -> list:
-        return self._hold(self.inner.feed(text))
-
-    def finish(self) -> list:
-        out = self._hold(self.inner.finish())
-        text = "".join(self.held)
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            obj = None
-        is_call = isinstance(obj, dict) and set(obj) == {"name", "arguments"}
-        if is_call and obj["name"] in self.names:
-            calls = OutputParser("hermes", False, self.tools)
-            return out + calls.feed(HERMES_OPEN + text + HERMES_CLOSE) + calls.finish()
-        return out + ([ContentDelta(text)] if text else [])
-
-    def _hold(self, events: list) -> list:
-        out = []
-        for event in events:
-            if isinstance(event, ContentDelta):
-                self.held.append(event.text)
-            else:
-                out.append(event)
-        return out
-
-
-def _inline(schema: dict) -> dict:
-    """`schema` with its $refs inlined, so it can sit inside a larger schema (anyOf, a call's
-    arguments) where "#/$defs/..." would no longer resolve."""
-    out = dereference_refs(schema)
-    if "$ref" not in json.dumps(out):
-        out = {k: v for k, v in out.items() if k not in ("$defs", "definitions")}
-    return out
-
-
-def _closed(node: Any) -> Any:
-    """Objects that list their properties get additionalProperties false unless they say
-    otherwise (OpenAI's strict mode does the same): otherwise the grammar lets a model append
-    keys nobody asked for, and a weak one rambles there until max_tokens."""
-    if isinstance(node, list):
-        return [_closed(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _closed(v) for k, v in node.items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-def output_schema(mode: str, tools: list[dict], schema: dict | None) -> dict | None:
-    """The json_schema that constrains a turn of `mode` (None: unconstrained)."""
-    if mode in ("auto", "none"):
-        return None
-    if mode == "json":
-        return _closed(schema)
-    calls = [tool_call_schema(_inline_tool(t)) for t in tools]
-    if mode == "json_or_call":
-        calls.append(_inline(schema))
-    return _closed(calls[0] if len(calls) == 1 else {"anyOf": calls})
-
-
-def _inline_tool(tool: dict) -> dict:
-    fn = dict(tool["function"])
-    fn["parameters"] = _inline(fn.get("parameters") or {"type": "object", "properties": {}})
-    return {"type": "function", "function": fn}
-
-
 @dataclass(frozen=True, slots=True)
 class Binding:
     """What a Session is built for. mode: auto | none | required (a forced call of one of
@@ -361,7 +221,7 @@ def build_session(service: EngineService, binding: Binding, thinking: bool | Non
     forced = ForcedFormat(chat_format(service, False), HERMES_OPEN if native else "")
 
     def constrained(prompt: Prompt) -> PrefedParser:
-        head = THINK_CLOSE + "\n\n" if forced.opened else ""
+        head = THINK_END if forced.opened else ""
         if binding.mode == "json_or_call":
             return PrefedParser(JsonOrCallParser(forced.opened, tools), head, "")
         if not forced_call:
