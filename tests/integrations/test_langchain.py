@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -251,6 +252,22 @@ def test_structured_output_is_valid_for_a_random_schema(engine, rng_seed, form):
     else:
         result = llm.with_structured_output(model, method="function_calling").invoke(question)
         assert isinstance(result, model)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_structured_output_cut_by_max_tokens_is_an_error(engine, rng_seed, method):
+    """Not a silently completed partial object (LangChain's JSON parsers would complete it)."""
+    rng = random.Random(rng_seed)
+    model = random_model(rng, f"Out_{word(rng)}")
+    extra = {f"{word(rng)}_x": (int, Field(ge=0, le=9)) for _ in range(2)}
+    model = create_model(model.__name__ + "2", __base__=model, **extra)  # at least 3 fields
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=rng.randint(1, 6))
+    structured = llm.with_structured_output(model, method=method, include_raw=True)
+    out = structured.invoke(text(rng))
+    assert out["parsed"] is None and isinstance(out["parsing_error"], OutputParserException)
+    assert out["raw"].response_metadata["finish_reason"] == "length"
+    with pytest.raises(OutputParserException):
+        llm.with_structured_output(model, method=method).invoke(text(rng))
 
 
 def test_tools_with_a_response_format_give_a_call_or_the_answer(engine, rng_seed):

@@ -173,3 +173,27 @@ def test_forced_call_and_response_format_together_are_refused(client, rng_seed):
         },
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+def test_forced_call_parser_closes_an_open_think_block(rng_seed):
+    """A thinking-mode prompt gets `</think>` before the call opener: the parser, fed the same
+    suffix, yields the call and no reasoning or content, however the output is chunked."""
+    from freetoken_agent.integrations.server.tool_choice import ForcedCallParser
+    from freetoken_agent.parsers import OutputParser, ToolCallEnd, coalesce
+
+    rng = random.Random(rng_seed)
+    args = {_name(rng): rng.randint(-9, 99) for _ in range(rng.randint(1, 3))}
+    text = json.dumps({"name": "f", "arguments": args})
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 5)))
+    parser = ForcedCallParser(OutputParser("hermes", True, None), "</think>\n\n<tool_call>\n")
+    events = []
+    for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+        events += parser.feed(text[a:b])
+    events = coalesce(events + parser.finish())
+    assert [type(e).__name__ for e in events] == [
+        "ToolCallStart",
+        "ToolCallArgsDelta",
+        "ToolCallEnd",
+    ]
+    assert isinstance(events[-1], ToolCallEnd) and events[-1].arguments == args
+    assert json.loads(events[1].text) == args
