@@ -30,15 +30,11 @@ from operator import itemgetter
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput, ModelProfile
 from langchain_core.messages import AIMessage, BaseMessage
-from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
-from langchain_core.output_parsers.openai_tools import (
-    JsonOutputKeyToolsParser,
-    PydanticToolsParser,
-)
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -221,18 +217,12 @@ class ChatFreeToken(BaseChatModel):
             json_schema = _json_schema(schema)
             fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": json_schema}}
             llm = self.bind(response_format=fmt, ls_structured_output_format=trace)
-            parser: Runnable = (
-                PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
-            )
+            parser: Runnable = RunnableLambda(_strict_json(schema if pydantic else None))
         elif method == "function_calling":
             tool = convert_to_openai_tool(schema)
             name = tool["function"]["name"]
             llm = self.bind_tools([tool], tool_choice=name, ls_structured_output_format=trace)
-            parser = (
-                PydanticToolsParser(tools=[schema], first_tool_only=True)
-                if pydantic
-                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
-            )
+            parser = RunnableLambda(_first_call(name, schema if pydantic else None))
         else:
             raise ValueError(f"method must be 'json_schema' or 'function_calling', got {method!r}")
         if not include_raw:
@@ -383,6 +373,44 @@ def _json_schema(schema: dict[str, Any] | type) -> dict[str, Any]:
     if plain and {"type", "properties", "anyOf"} & schema.keys():
         return schema  # already a JSON schema (title optional)
     return convert_to_json_schema(schema)
+
+
+def _strict_json(model: type | None) -> Callable[[AIMessage], Any]:
+    """The answer parsed as whole JSON (then validated by the pydantic model, if any).
+    LangChain's JSON parsers accept a truncated object (they complete it), which would hand
+    back a dict missing the fields after the max_tokens cut without a word."""
+
+    def parse(message: AIMessage) -> Any:
+        text = message.content if isinstance(message.content, str) else ""
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            reason = message.response_metadata.get("finish_reason")
+            hint = " (the output hit max_tokens: raise it)" if reason == "length" else ""
+            raise OutputParserException(
+                f"the answer is not complete JSON{hint}: {e}", llm_output=text
+            ) from e
+        return model.model_validate(value) if model is not None else value
+
+    return parse
+
+
+def _first_call(name: str, model: type | None) -> Callable[[AIMessage], Any]:
+    """The arguments of the first call of `name` (validated by the pydantic model, if any); no
+    such call (cut by max_tokens: an invalid_tool_call) is an error, never a silent None."""
+
+    def parse(message: AIMessage) -> Any:
+        for call in message.tool_calls:
+            if call["name"] == name:
+                return model.model_validate(call["args"]) if model is not None else call["args"]
+        errors = [c.get("error") for c in message.invalid_tool_calls]
+        reason = message.response_metadata.get("finish_reason")
+        raise OutputParserException(
+            f"no complete call of {name} (finish_reason {reason}; invalid calls: {errors})",
+            llm_output=str(message.content),
+        )
+
+    return parse
 
 
 def _failed(usage: Usage) -> bool:
