@@ -26,18 +26,15 @@ import contextlib
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from operator import itemgetter
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput, ModelProfile
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
-from langchain_core.utils.pydantic import is_basemodel_subclass
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, model_validator
 
 from freetoken_agent.engine.sampling_params import SamplingParams, schema_of_response_format
@@ -58,6 +55,7 @@ from freetoken_agent.integrations.langchain_runtime import (
     run_turn,
     service_for,
 )
+from freetoken_agent.integrations.langchain_structured import structured_runnable
 from freetoken_agent.session import Usage
 
 __all__ = ["ChatFreeToken", "GenerationError", "GenerationTimeout"]
@@ -211,29 +209,7 @@ class ChatFreeToken(BaseChatModel):
         forced, constrained call of a tool made from the schema."""
         if kwargs:
             raise ValueError(f"unexpected with_structured_output options: {sorted(kwargs)}")
-        pydantic = is_basemodel_subclass(schema) if isinstance(schema, type) else False
-        trace = {"kwargs": {"method": method}, "schema": schema}
-        if method == "json_schema":
-            json_schema = _json_schema(schema)
-            fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": json_schema}}
-            llm = self.bind(response_format=fmt, ls_structured_output_format=trace)
-            parser: Runnable = RunnableLambda(_strict_json(schema if pydantic else None))
-        elif method == "function_calling":
-            tool = convert_to_openai_tool(schema)
-            name = tool["function"]["name"]
-            llm = self.bind_tools([tool], tool_choice=name, ls_structured_output_format=trace)
-            parser = RunnableLambda(_first_call(name, schema if pydantic else None))
-        else:
-            raise ValueError(f"method must be 'json_schema' or 'function_calling', got {method!r}")
-        if not include_raw:
-            return llm | parser
-        parsed = RunnablePassthrough.assign(
-            parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
-        )
-        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
-        return RunnableMap(raw=llm) | parsed.with_fallbacks(
-            [fallback], exception_key="parsing_error"
-        )
+        return structured_runnable(self, schema, method, include_raw)
 
     # --- one call -------------------------------------------------------------------------
     def _prepare(
@@ -365,52 +341,6 @@ class ChatFreeToken(BaseChatModel):
 
 
 # ------------------------------------------------------------------------------- helpers
-
-
-def _json_schema(schema: dict[str, Any] | type) -> dict[str, Any]:
-    """A JSON schema from a pydantic model, TypedDict, OpenAI tool or plain JSON schema."""
-    plain = isinstance(schema, dict) and not {"function", "parameters"} & schema.keys()
-    if plain and {"type", "properties", "anyOf"} & schema.keys():
-        return schema  # already a JSON schema (title optional)
-    return convert_to_json_schema(schema)
-
-
-def _strict_json(model: type | None) -> Callable[[AIMessage], Any]:
-    """The answer parsed as whole JSON (then validated by the pydantic model, if any).
-    LangChain's JSON parsers accept a truncated object (they complete it), which would hand
-    back a dict missing the fields after the max_tokens cut without a word."""
-
-    def parse(message: AIMessage) -> Any:
-        text = message.content if isinstance(message.content, str) else ""
-        try:
-            value = json.loads(text)
-        except ValueError as e:
-            reason = message.response_metadata.get("finish_reason")
-            hint = " (the output hit max_tokens: raise it)" if reason == "length" else ""
-            raise OutputParserException(
-                f"the answer is not complete JSON{hint}: {e}", llm_output=text
-            ) from e
-        return model.model_validate(value) if model is not None else value
-
-    return parse
-
-
-def _first_call(name: str, model: type | None) -> Callable[[AIMessage], Any]:
-    """The arguments of the first call of `name` (validated by the pydantic model, if any); no
-    such call (cut by max_tokens: an invalid_tool_call) is an error, never a silent None."""
-
-    def parse(message: AIMessage) -> Any:
-        for call in message.tool_calls:
-            if call["name"] == name:
-                return model.model_validate(call["args"]) if model is not None else call["args"]
-        errors = [c.get("error") for c in message.invalid_tool_calls]
-        reason = message.response_metadata.get("finish_reason")
-        raise OutputParserException(
-            f"no complete call of {name} (finish_reason {reason}; invalid calls: {errors})",
-            llm_output=str(message.content),
-        )
-
-    return parse
 
 
 def _failed(usage: Usage) -> bool:

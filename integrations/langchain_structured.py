@@ -1,0 +1,108 @@
+"""with_structured_output for ChatFreeToken: the bound model plus a strict parser.
+
+"json_schema" binds a response_format, so the answer is constrained to the schema by the
+grammar; "function_calling" forces a (constrained) call of a tool made from the schema. Either
+way the result is parsed strictly: LangChain's JSON parsers complete a truncated object (and
+its tool parsers return None when no call came), which would hand back a record missing the
+fields after a max_tokens cut without a word. Here that is an OutputParserException, which
+`include_raw=True` reports as `parsing_error` beside the raw message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from operator import itemgetter
+from typing import Any
+
+from langchain_core.exceptions import OutputParserException
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import ValidationError
+
+
+def structured_runnable(
+    llm: BaseChatModel, schema: dict[str, Any] | type, method: str, include_raw: bool
+) -> Runnable:
+    """The chain `with_structured_output` returns (see the module docstring)."""
+    pydantic = is_basemodel_subclass(schema) if isinstance(schema, type) else False
+    trace = {"kwargs": {"method": method}, "schema": schema}
+    if method == "json_schema":
+        json_schema = _json_schema(schema)
+        fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": json_schema}}
+        bound = llm.bind(response_format=fmt, ls_structured_output_format=trace)
+        parser: Runnable = RunnableLambda(_strict_json(schema if pydantic else None))
+    elif method == "function_calling":
+        tool = convert_to_openai_tool(schema)
+        name = tool["function"]["name"]
+        bound = llm.bind_tools([tool], tool_choice=name, ls_structured_output_format=trace)
+        parser = RunnableLambda(_first_call(name, schema if pydantic else None))
+    else:
+        raise ValueError(f"method must be 'json_schema' or 'function_calling', got {method!r}")
+    if not include_raw:
+        return bound | parser
+    parsed = RunnablePassthrough.assign(
+        parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
+    )
+    fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+    return RunnableMap(raw=bound) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+
+
+def _json_schema(schema: dict[str, Any] | type) -> dict[str, Any]:
+    """A JSON schema from a pydantic model, TypedDict, OpenAI tool or plain JSON schema."""
+    plain = isinstance(schema, dict) and not {"function", "parameters"} & schema.keys()
+    if plain and {"type", "properties", "anyOf"} & schema.keys():
+        return schema  # already a JSON schema (title optional)
+    return convert_to_json_schema(schema)
+
+
+def _strict_json(model: type | None) -> Callable[[AIMessage], Any]:
+    """The answer parsed as whole JSON (then validated by the pydantic model, if any).
+    LangChain's JSON parsers accept a truncated object (they complete it), which would hand
+    back a dict missing the fields after the max_tokens cut without a word."""
+
+    def parse(message: AIMessage) -> Any:
+        text = message.content if isinstance(message.content, str) else ""
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            reason = message.response_metadata.get("finish_reason")
+            hint = " (the output hit max_tokens: raise it)" if reason == "length" else ""
+            raise OutputParserException(
+                f"the answer is not complete JSON{hint}: {e}", llm_output=text
+            ) from e
+        return _validated(model, value, text)
+
+    return parse
+
+
+def _first_call(name: str, model: type | None) -> Callable[[AIMessage], Any]:
+    """The arguments of the first call of `name` (validated by the pydantic model, if any); no
+    such call (cut by max_tokens: an invalid_tool_call) is an error, never a silent None."""
+
+    def parse(message: AIMessage) -> Any:
+        for call in message.tool_calls:
+            if call["name"] == name:
+                return _validated(model, call["args"], str(message.content))
+        errors = [c.get("error") for c in message.invalid_tool_calls]
+        reason = message.response_metadata.get("finish_reason")
+        raise OutputParserException(
+            f"no complete call of {name} (finish_reason {reason}; invalid calls: {errors})",
+            llm_output=str(message.content),
+        )
+
+    return parse
+
+
+def _validated(model: type | None, value: Any, raw: str) -> Any:
+    """As LangChain's pydantic parsers do: a validation failure is an OutputParserException."""
+    if model is None:
+        return value
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        problem = f"the answer does not fit {model.__name__}: {e}"
+        raise OutputParserException(problem, llm_output=raw) from e
