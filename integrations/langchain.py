@@ -51,6 +51,7 @@ from freetoken_agent.integrations.langchain_runtime import (
     GenerationTimeout,
     SessionPool,
     arun_turn,
+    chat_format,
     load_service,
     run_turn,
     service_for,
@@ -175,8 +176,6 @@ class ChatFreeToken(BaseChatModel):
         self, messages: list[BaseMessage], tools: Sequence | None = None
     ) -> int:
         """Exact: the length of the rendered prompt (chat template included)."""
-        from freetoken_agent.integrations.langchain_runtime import chat_format
-
         specs = [convert_to_openai_tool(t) for t in tools] if tools else None
         fmt = chat_format(self.service, self.reasoning)
         return len(fmt.render(to_history(messages), tools=specs))
