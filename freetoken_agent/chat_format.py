@@ -240,6 +240,9 @@ def _digest(data: bytes | memoryview) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+_MISSING = object()
+
+
 class _Locator:
     """Finds anchor positions (characters of `full`) by rendering variants of `dicts`.
 
@@ -274,11 +277,15 @@ class _Locator:
             return None
 
     def cached(self, key: tuple, compute):
-        if key not in self.cache:
+        # One lookup, then a local value: another thread may clear the shared cache between
+        # a membership test and a read (servers render concurrently).
+        value = self.cache.get(key, _MISSING)
+        if value is _MISSING:
+            value = compute()
             if len(self.cache) >= _CACHE_ENTRIES:
                 self.cache.clear()
-            self.cache[key] = compute()
-        return self.cache[key]
+            self.cache[key] = value
+        return value
 
     # --- contexts: j in 1..n is R_j; n + 1 is the full text -----------------------------
     def text(self, j: int) -> str | None:
