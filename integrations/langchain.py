@@ -29,7 +29,12 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LanguageModelInput, ModelProfile
+from langchain_core.language_models import (
+    BaseChatModel,
+    LangSmithParams,
+    LanguageModelInput,
+    ModelProfile,
+)
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
@@ -38,7 +43,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, model_validator
 
 from freetoken_agent.engine.sampling_params import SamplingParams, schema_of_response_format
-from freetoken_agent.integrations.langchain_chunks import ChunkBuilder
+from freetoken_agent.integrations.langchain_chunks import PROVIDER, ChunkBuilder
 from freetoken_agent.integrations.langchain_constrained import output_schema
 from freetoken_agent.integrations.langchain_messages import (
     parse_tool_choice,
@@ -89,6 +94,8 @@ class ChatFreeToken(BaseChatModel):
     """Retries of a generation that failed in the engine before producing any output."""
     reasoning: bool | None = None
     """enable_thinking for templates that have it; None keeps the template's default."""
+    streaming: bool = False
+    """invoke() streams under the hood (LangChain's convention), so callbacks see each delta."""
 
     _service: Any = PrivateAttr(default=None)
     _pool: SessionPool | None = PrivateAttr(default=None)
@@ -152,6 +159,12 @@ class ChatFreeToken(BaseChatModel):
             temperature=True,
         )
 
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """No: an instance may hold a live engine (`engine=`), and a model folder is a path on
+        this machine; neither means anything in a serialized chain elsewhere."""
+        return False
+
     @property
     def _llm_type(self) -> str:
         return "freetoken"
@@ -199,16 +212,35 @@ class ChatFreeToken(BaseChatModel):
         self,
         schema: dict[str, Any] | type,
         *,
-        method: Literal["json_schema", "function_calling"] = "json_schema",
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
         include_raw: bool = False,
+        strict: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, dict | Any]:
         """Outputs parsed into `schema` (pydantic model -> instance; TypedDict / JSON schema ->
         dict). "json_schema": the answer is constrained to the schema; "function_calling": a
-        forced, constrained call of a tool made from the schema."""
+        forced, constrained call of a tool made from the schema; "json_mode": the answer is
+        constrained to some JSON object (the prompt must ask for the schema's keys), then
+        validated. `strict` is accepted for OpenAI-style callers; the first two are always
+        strict here, since the grammar enforces the schema (json_mode has no schema to be
+        strict about, so it takes no `strict`)."""
         if kwargs:
             raise ValueError(f"unexpected with_structured_output options: {sorted(kwargs)}")
+        if method == "json_mode" and strict is not None:
+            raise ValueError("strict does not apply to method='json_mode' (no schema is sent)")
         return structured_runnable(self, schema, method, include_raw)
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        """LangSmith's standard fields: the provider, the model (a per-call `model` wins, as
+        the tracing contract asks) and the sampling options this instance really applies."""
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = PROVIDER
+        model = kwargs.get("model")
+        params["ls_model_name"] = model if isinstance(model, str) else self.model_name
+        stops = stop if stop is not None else self.stop
+        if stops:
+            params["ls_stop"] = list(stops)
+        return params
 
     # --- one call -------------------------------------------------------------------------
     def _prepare(

@@ -37,8 +37,9 @@ from freetoken_agent.messages import (
 )
 
 # Content blocks that are not text but are carried elsewhere on an AIMessage (tool_calls) or
-# hold its reasoning; the v1 output format and Anthropic-style providers put them in content.
-_CALL_BLOCKS = {"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call"}
+# hold its reasoning; the v1 output format and Anthropic-style providers put them in content
+# ("tool_use" is Anthropic's call block, mirrored in `tool_calls` by LangChain).
+_CALL_BLOCKS = {"tool_call", "tool_call_chunk", "invalid_tool_call", "server_tool_call", "tool_use"}
 _REASONING_BLOCKS = {"reasoning": "reasoning", "thinking": "thinking"}
 
 

@@ -1,11 +1,13 @@
 """with_structured_output for ChatFreeToken: the bound model plus a strict parser.
 
 "json_schema" binds a response_format, so the answer is constrained to the schema by the
-grammar; "function_calling" forces a (constrained) call of a tool made from the schema. Either
-way the result is parsed strictly: LangChain's JSON parsers complete a truncated object (and
-its tool parsers return None when no call came), which would hand back a record missing the
-fields after a max_tokens cut without a word. Here that is an OutputParserException, which
-`include_raw=True` reports as `parsing_error` beside the raw message.
+grammar; "function_calling" forces a (constrained) call of a tool made from the schema;
+"json_mode" constrains the answer to some JSON object only (the caller's prompt names the
+keys), and the schema just validates it. Either way the result is parsed strictly: LangChain's
+JSON parsers complete a truncated object (and its tool parsers return None when no call came),
+which would hand back a record missing the fields after a max_tokens cut without a word. Here
+that is an OutputParserException, which `include_raw=True` reports as `parsing_error` beside
+the raw message.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, Runn
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ValidationError
+from pydantic.v1 import BaseModel as BaseModelV1
+from pydantic.v1 import ValidationError as ValidationErrorV1
 
 
 def structured_runnable(
@@ -35,13 +39,18 @@ def structured_runnable(
         fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": json_schema}}
         bound = llm.bind(response_format=fmt, ls_structured_output_format=trace)
         parser: Runnable = RunnableLambda(_strict_json(schema if pydantic else None))
+    elif method == "json_mode":
+        bound = llm.bind(response_format={"type": "json_object"}, ls_structured_output_format=trace)
+        parser = RunnableLambda(_strict_json(schema if pydantic else None))
     elif method == "function_calling":
         tool = convert_to_openai_tool(schema)
         name = tool["function"]["name"]
         bound = llm.bind_tools([tool], tool_choice=name, ls_structured_output_format=trace)
         parser = RunnableLambda(_first_call(name, schema if pydantic else None))
     else:
-        raise ValueError(f"method must be 'json_schema' or 'function_calling', got {method!r}")
+        raise ValueError(
+            f"method must be 'json_schema', 'function_calling' or 'json_mode', got {method!r}"
+        )
     if not include_raw:
         return bound | parser
     parsed = RunnablePassthrough.assign(
@@ -98,11 +107,15 @@ def _first_call(name: str, model: type | None) -> Callable[[AIMessage], Any]:
 
 
 def _validated(model: type | None, value: Any, raw: str) -> Any:
-    """As LangChain's pydantic parsers do: a validation failure is an OutputParserException."""
+    """As LangChain's pydantic parsers do: a validation failure is an OutputParserException.
+    Models of pydantic's v1 API (`pydantic.v1`, still accepted by LangChain) validate with
+    `parse_obj` and raise their own ValidationError."""
     if model is None:
         return value
     try:
+        if issubclass(model, BaseModelV1):
+            return model.parse_obj(value)
         return model.model_validate(value)
-    except ValidationError as e:
+    except (ValidationError, ValidationErrorV1) as e:
         problem = f"the answer does not fit {model.__name__}: {e}"
         raise OutputParserException(problem, llm_output=raw) from e
