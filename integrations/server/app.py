@@ -4,7 +4,15 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)       # or `freetoken serve`
 
 Routes: POST /v1/chat/completions, GET /v1/models, GET /health, WebSocket
-/v1/sessions/{id}/ws, and the web page at / (also /ui). Middleware, outermost first:
+/v1/sessions/{id}/ws, and the web page at / (also /ui).
+
+One model is served, under `model_id` (default `freetoken/<arch>`; `freetoken serve` passes the
+model folder's name, or `freetoken-demo`). A request's `model` must name it or one of its
+aliases: the default `freetoken/<arch>` id and whatever `model_aliases` adds (e.g. a folder
+name, or "gpt-4o" for a client that cannot be told another name). Any other name is refused
+with 404 `model_not_found`, as OpenAI does: a client pointed at the wrong server, or asking for
+a model this one does not have, learns it at once instead of getting another model's answers.
+A request without `model` (or with null) gets the served one. Middleware, outermost first:
 BrowserGuard (foreign pages and DNS rebinding), BearerAuth (when `api_key` is set), BodyLimit
 (413 past `max_body_bytes`). Given an Engine, the app wraps it in an EngineService of its own
 and closes it at shutdown; given a service, the caller owns it.
@@ -41,6 +49,7 @@ class ServerState:
     service: EngineService
     hub: SessionHub
     model_id: str
+    model_names: frozenset[str]  # model_id and its aliases: what a request may name
     max_model_len: int
     default_max_tokens: int
     max_body_bytes: int
@@ -69,6 +78,7 @@ def create_app(
     *,
     api_key: str | None = None,
     model_id: str | None = None,
+    model_aliases: Sequence[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY,
     max_sessions: int = 256,
     default_max_tokens: int | None = None,
@@ -76,6 +86,7 @@ def create_app(
 ) -> Starlette:
     """`engine`: an Engine or an EngineService. `default_max_tokens` applies when a request
     gives none (default: the engine's whole context, which then ends the generation).
+    `model_aliases`: other names a request's `model` may use for the served model.
     `allowed_hosts`: accepted Host header names (None: any; `serve` restricts a keyless local
     server to the local names)."""
     owns = not isinstance(engine, EngineService)
@@ -89,10 +100,13 @@ def create_app(
         if owns:
             service.close()
         raise
+    default_id = f"freetoken/{service.spec.arch}"
+    model_id = model_id or default_id
     state = ServerState(
         service=service,
         hub=SessionHub(service, chat_format, max_sessions),
-        model_id=model_id or f"freetoken/{service.spec.arch}",
+        model_id=model_id,
+        model_names=frozenset([model_id, default_id, *model_aliases]),
         max_model_len=max_len,
         default_max_tokens=default_max_tokens or max_len,
         max_body_bytes=max_body_bytes,

@@ -2,20 +2,22 @@
 
 Every refusal is a BadParam naming the field, so the client learns what to fix. Fields this
 engine cannot honour (n > 1, logprobs, penalties, logit_bias) are refused rather than silently
-ignored; fields that change nothing here (user, metadata, store, parallel_tool_calls, the
-model name: one model is served) are accepted. The WebSocket `send` message shares the
-sampling and tool fields (`sampling_from`).
+ignored; fields that change nothing here (user, metadata, store, parallel_tool_calls) are
+accepted when they have the right type. `model` must name the served model or an alias
+(`check_model`; 404 otherwise). Unknown fields are ignored, as vLLM does, since SDKs add new
+ones faster than servers learn them. The WebSocket `send` message shares the sampling and tool
+fields (`sampling_from`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.sampling_params import SamplingParams
-from freetoken_agent.integrations.server.errors import BadParam
+from freetoken_agent.integrations.server.errors import BadParam, ModelNotFound
 from freetoken_agent.integrations.server.tool_choice import (
     ToolChoice,
     forced_schema,
@@ -34,6 +36,15 @@ _UNSUPPORTED = {
     "logit_bias": (None, {}),
     "prediction": (None,),
     "audio": (None,),
+}
+
+# Accepted and ignored, but only with the type OpenAI documents: a wrong type is a client bug.
+_IGNORED_TYPES: dict[str, tuple[type, str]] = {
+    "user": (str, "a string"),
+    "metadata": (dict, "an object"),
+    "store": (bool, "true or false"),
+    "parallel_tool_calls": (bool, "true or false"),
+    "service_tier": (str, "a string"),
 }
 
 
@@ -123,12 +134,66 @@ def sampling_from(
         raise BadParam(str(e), param or (max_key if "max_tokens" in str(e) else None)) from None
 
 
+_TEXT_FIELDS = ("role", "name", "tool_call_id", "reasoning_content", "reasoning", "thinking")
+
+
+def check_message_shapes(raw: list) -> None:
+    """The JSON types of each message's fields, as OpenAI documents them, checked before the
+    agent layer reads the history: it expects those types, and a wrong one (content `5`, a
+    content part that is a list) must be a 400 naming the field, not a crash in there."""
+    for i, msg in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(msg, Mapping):
+            raise BadParam(f"{where} must be an object with a role, got {msg!r:.40}", where)
+        for key in _TEXT_FIELDS:
+            if msg.get(key) is not None and not isinstance(msg[key], str):
+                raise BadParam(f"{where}.{key} must be a string, got {msg[key]!r:.40}", where)
+        content = msg.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise BadParam(
+                f"{where}.content must be a string or a list of content parts, got {content!r:.40}",
+                where,
+            )
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+                raise BadParam(
+                    f"{where}.content[{j}] must be an object with a 'type', got {part!r:.40}",
+                    where,
+                )
+        calls = msg.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise BadParam(f"{where}.tool_calls must be a list, got {calls!r:.40}", where)
+        for j, call in enumerate(calls or []):
+            at = f"{where}.tool_calls[{j}]"
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            if (
+                not isinstance(fn, Mapping)
+                or call.get("type", "function") != "function"
+                or (call.get("id") is not None and not isinstance(call["id"], str))
+                or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments", "{}"), (str, Mapping))
+            ):
+                raise BadParam(
+                    f"{at} must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
+                    f"'arguments': JSON text}}}}, got {call!r:.80}",
+                    where,
+                )
+
+
 def turn_from(body: Mapping[str, Any], default_max: int) -> TurnRequest:
     """The turn part of a chat body (messages, tools, tool_choice, sampling fields)."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise BadParam("messages must be a non-empty list of messages", "messages")
-    messages = messages_from_openai(raw)  # InvalidRequestError naming "message i"
+    check_message_shapes(raw)
+    try:
+        messages = messages_from_openai(raw)  # InvalidRequestError naming "message i"
+    except InvalidRequestError:
+        raise
+    except (TypeError, AttributeError, KeyError, ValueError) as e:
+        # A shape the check above let through and the agent layer cannot read: still the
+        # client's input, so still a 400 rather than a server error.
+        raise BadParam(f"messages could not be read: {type(e).__name__}: {e}", "messages") from e
     tools = parse_tools(body.get("tools"))
     choice = parse_tool_choice(body.get("tool_choice"), tools)
     try:
@@ -140,14 +205,39 @@ def turn_from(body: Mapping[str, Any], default_max: int) -> TurnRequest:
     return TurnRequest(messages, tools, choice, sampling)
 
 
-def parse_chat_request(body: Any, default_max: int) -> ChatRequest:
+def check_model(name: Any, served: str, names: Collection[str]) -> None:
+    """`model` names the served model or an alias (absent or null: the served one)."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise BadParam(f"model must be a string naming the model, got {name!r:.40}", "model")
+    if name not in names:
+        raise ModelNotFound(name, served)
+
+
+def _flag(options: Mapping[str, Any], key: str, where: str) -> bool:
+    value = options.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise BadParam(f"{where} must be true or false, got {value!r:.40}", where)
+    return bool(value)
+
+
+def parse_chat_request(
+    body: Any, default_max: int, served: str | None = None, names: Collection[str] = ()
+) -> ChatRequest:
+    """The checked request. With `served`, `model` is checked first (a request meant for
+    another model is refused as such, whatever else is wrong with it)."""
     if not isinstance(body, Mapping):
         raise BadParam(f"the request body must be a JSON object, got {type(body).__name__}")
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise BadParam(f"stream must be true or false, got {stream!r:.40}", "stream")
+    if served is not None:
+        check_model(body.get("model"), served, names)
+    for key, (kind, what) in _IGNORED_TYPES.items():
+        value = body.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise BadParam(f"{key} must be {what}, got {value!r:.40}", key)
+    stream = _flag(body, "stream", "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):
         raise BadParam("stream_options must be an object", "stream_options")
-    include_usage = bool((options or {}).get("include_usage", False))
-    return ChatRequest(turn_from(body, default_max), bool(stream), include_usage)
+    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    return ChatRequest(turn_from(body, default_max), stream, include_usage)

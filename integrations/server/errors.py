@@ -18,12 +18,30 @@ from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestErr
 
 
 class BadParam(InvalidRequestError):
-    """An invalid request whose fault lies in one named field."""
+    """An invalid request whose fault lies in one named field. `status` is the HTTP status it
+    gets (400 unless a subclass says otherwise)."""
+
+    status = 400
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class ModelNotFound(BadParam):
+    """A request names a model this server does not serve: 404 `model_not_found`, the status
+    and code OpenAI answers with, which its SDKs raise as NotFoundError."""
+
+    status = 404
+
+    def __init__(self, name: str, served: str) -> None:
+        super().__init__(
+            f"the model {name!r} does not exist on this server; it serves {served!r} "
+            "(GET /v1/models lists it)",
+            "model",
+            "model_not_found",
+        )
 
 
 def error_body(
@@ -69,7 +87,7 @@ def describe_invalid(error: InvalidRequestError) -> tuple[str, str | None, str |
 
 def invalid_response(error: InvalidRequestError) -> JSONResponse:
     message, param, code = describe_invalid(error)
-    return error_response(400, message, param=param, code=code)
+    return error_response(getattr(error, "status", 400), message, param=param, code=code)
 
 
 def parse_json_body(raw: bytes | str, what: str = "the request body") -> Any:

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from freetoken_agent.engine.outputs import InvalidRequestError
-from freetoken_agent.integrations.server.chat_request import parse_chat_request
+from freetoken_agent.integrations.server.chat_request import check_model, parse_chat_request
 from freetoken_agent.integrations.server.completion_format import CompletionFormat, sse
 from freetoken_agent.integrations.server.errors import (
     error_body,
@@ -115,10 +115,13 @@ async def chat_completions(request: Request) -> Response:
     state = request.app.state.server
     try:
         body = parse_json_body(await request.body())
-        chat = parse_chat_request(body, state.default_max_tokens)
+        chat = parse_chat_request(body, state.default_max_tokens, state.model_id, state.model_names)
         live = state.hub.lookup(request.headers.get("x-session-id"))
     except InvalidRequestError as e:
         return invalid_response(e)
+    except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
+        log.exception("could not read a request")
+        return error_response(500, f"{type(e).__name__}: {e}", "server_error")
     run = TurnRun(live, chat.turn)
     handed_over = False
     try:
@@ -156,14 +159,10 @@ async def list_models(request: Request) -> Response:
 
 async def get_model(request: Request) -> Response:
     state = request.app.state.server
-    name = request.path_params["model"]
-    if name != state.model_id:
-        return error_response(
-            404,
-            f"model {name!r} is not served here; this server serves {state.model_id!r}",
-            param="model",
-            code="model_not_found",
-        )
+    try:
+        check_model(request.path_params["model"], state.model_id, state.model_names)
+    except InvalidRequestError as e:
+        return invalid_response(e)
     return JSONResponse(model_card(state))
 
 

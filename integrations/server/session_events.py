@@ -15,7 +15,7 @@ usage        {"prompt_tokens", "completion_tokens", "reused_tokens", "prefilled_
              `anchor` ({"offset", "kind", "message_index", ...} or null) is the deepest
              semantic anchor at or before it, where recurrent layers resume
 memory       the engine's memory split (stats()["memory"]) and its expert placement
-error        {"message", "param"?}
+error        {"message", "param", "code"?}
 done         {"turn", "finish_reason", "message"}: the assistant message, OpenAI form
 session      {"id", "turns", "running", "history"}: sent to a socket when it joins
 """
@@ -90,5 +90,8 @@ def memory_json(stats: dict[str, Any]) -> dict[str, Any]:
     return {"type": "memory", **stats.get("memory", {}), "experts": stats.get("experts", {})}
 
 
-def error_json(message: str, param: str | None = None) -> dict[str, Any]:
-    return {"type": "error", "message": message, "param": param}
+def error_json(message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    event = {"type": "error", "message": message, "param": param}
+    if code is not None:  # only where one applies (invalid_json, model_not_found, ...)
+        event["code"] = code
+    return event

@@ -4,14 +4,16 @@ The client sends JSON messages:
 
     {"type": "send", "messages": [...], "tools": [...], "tool_choice": ...,
      "sampling": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"},
-     "response_format": {...}, "append": false}
+     "response_format": {...}, "append": false, "model": "..."}
     {"type": "cancel"}                     interrupt the running turn (any watcher may)
 
 `messages` is the whole history (OpenAI form), as agents resend it every turn; with
 `"append": true` it is only what is new, added to the history the session kept from its last
-finished turn (its messages and the reply). The server answers with the events of
-`session_events` (start, reasoning, content, tool_call, tool_result, usage, memory, done, ...),
-published to every socket open on the same id, so a second socket watches the session live.
+finished turn (its messages and the reply). `model` is optional; given, it must name the served
+model or an alias (else an `error` with code `model_not_found`). The server answers with the
+events of `session_events` (start, reasoning, content, tool_call, tool_result, usage, memory,
+done, ...), published to every socket open on the same id, so a second socket watches the
+session live.
 Problems with one message (bad JSON, a bad history, a busy session) go back to its sender as an
 `error` and a `done`; the socket stays open. A socket that closes cancels the turn it started.
 """
@@ -28,7 +30,11 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.integrations.server.bridge import TurnCancelled
-from freetoken_agent.integrations.server.chat_request import TurnRequest, turn_from
+from freetoken_agent.integrations.server.chat_request import (
+    TurnRequest,
+    check_model,
+    turn_from,
+)
 from freetoken_agent.integrations.server.errors import BadParam, describe_invalid, parse_json_body
 from freetoken_agent.integrations.server.hub import LiveSession, Watcher
 from freetoken_agent.integrations.server.session_events import error_json, memory_json
@@ -51,7 +57,9 @@ SAMPLING_KEYS = frozenset(
 )
 
 
-def turn_request(msg: dict[str, Any], live: LiveSession, default_max: int) -> TurnRequest:
+def turn_request(msg: dict[str, Any], live: LiveSession, state: Any) -> TurnRequest:
+    """The turn a `send` message asks for; `model`, when given, must name the served one."""
+    check_model(msg.get("model"), state.model_id, state.model_names)
     sampling = msg.get("sampling") or {}
     if not isinstance(sampling, dict):
         raise BadParam("sampling must be an object", "sampling")
@@ -69,7 +77,7 @@ def turn_request(msg: dict[str, Any], live: LiveSession, default_max: int) -> Tu
     for key in ("tools", "tool_choice", "response_format"):
         if key in msg:
             body[key] = msg[key]
-    return turn_from(body, default_max)
+    return turn_from(body, state.default_max_tokens)
 
 
 async def _drive(live: LiveSession, run: TurnRun, sender: Watcher) -> None:
@@ -176,10 +184,10 @@ def _handle(text: str, live: LiveSession, sender: Watcher, state: Any) -> asynci
                 "{'type': 'cancel'}",
                 "type",
             )
-        request = turn_request(msg, live, state.default_max_tokens)
+        request = turn_request(msg, live, state)
     except InvalidRequestError as e:
-        message, param, _ = describe_invalid(e)
-        sender.put(error_json(message, param))
+        message, param, code = describe_invalid(e)
+        sender.put(error_json(message, param, code))
         if kind != "cancel":  # a refused 'send' ends its turn-to-be (the UI waits for a done)
             sender.put({"type": "done", "turn": None, "finish_reason": "error"})
         return None

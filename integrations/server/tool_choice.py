@@ -63,6 +63,18 @@ def parse_tools(raw: Any, param: str = "tools") -> list[dict] | None:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, Mapping):
             raise BadParam(f"{where}.function.parameters must be a JSON schema object", where)
+        # OpenAI's own rule: a function takes an object of named arguments.
+        if params is not None and params.get("type", "object") != "object":
+            raise BadParam(
+                f"{where}.function.parameters must be an object schema (type 'object'), "
+                f"got type {params.get('type')!r:.40}",
+                where,
+            )
+        if params is not None and not isinstance(params.get("properties", {}), Mapping):
+            raise BadParam(f"{where}.function.parameters.properties must be an object", where)
+        for key in ("description",):
+            if fn.get(key) is not None and not isinstance(fn[key], str):
+                raise BadParam(f"{where}.function.{key} must be a string", where)
         tools.append({"type": "function", "function": dict(fn)})
     return tools or None
 

@@ -63,8 +63,19 @@ PAGE = """<!doctype html>
 "use strict";
 const $ = (id) => document.getElementById(id);
 let ws = null, turn = null, running = false;
-$("sid").value = sessionStorage.getItem("ft-sid") || "ui-" + Math.random().toString(36).slice(2, 8);
+// URL parameters: ?session=ID joins that session; &send=TEXT sends TEXT once connected (a link
+// that starts a turn, as the browser test does); &max_tokens=N and &temperature=T preset those.
+const params = new URLSearchParams(location.search);
+let pending = params.get("send");
+$("sid").value = params.get("session") || sessionStorage.getItem("ft-sid") ||
+  "ui-" + Math.random().toString(36).slice(2, 8);
 $("key").value = sessionStorage.getItem("ft-key") || "";
+if (params.get("max_tokens")) $("maxtok").value = params.get("max_tokens");
+if (params.get("temperature")) $("temp").value = params.get("temperature");
+// The page's state for scripts and tests: connecting | ready | running | closed, plus how many
+// turns finished while it watched.
+let finished = 0;
+function state(name) { document.body.dataset.state = name; }
 
 function el(tag, cls, text) {
   const node = document.createElement(tag);
@@ -75,11 +86,13 @@ function el(tag, cls, text) {
 function add(node) { $("log").appendChild(node); $("log").scrollTop = 1e9; return node; }
 function setRunning(on) {
   running = on; $("send").disabled = on || !ws; $("cancel").disabled = !on;
+  if (ws) state(on ? "running" : "ready");
 }
 function table(id, rows) {
   const t = $(id); t.textContent = "";
   for (const [k, v] of rows) {
-    const tr = el("tr"); tr.appendChild(el("td", "", k)); tr.appendChild(el("td", "", v));
+    const tr = el("tr"); tr.dataset.key = k;
+    tr.appendChild(el("td", "", k)); tr.appendChild(el("td", "", v));
     t.appendChild(tr);
   }
 }
@@ -113,7 +126,14 @@ function onEvent(e) {
   switch (e.type) {
     case "session":
       showHistory(e.history); setRunning(e.running);
-      $("status").textContent = "session " + e.id + ", " + e.turns + " turn(s)"; break;
+      $("status").textContent = "session " + e.id + ", " + e.turns + " turn(s)";
+      // The server's hello says whether the session is free: the time to send a ?send= text
+      // (once; it leaves the URL too, so a reload does not send it again).
+      if (pending && !e.running) {
+        $("text").value = pending; pending = null; send();
+        params.delete("send"); history.replaceState(null, "", "?" + params.toString());
+      }
+      break;
     case "start": newTurn(e.user); setRunning(true); break;
     case "reasoning": ensureTurn().reasoning.textContent += e.text; break;
     case "content": ensureTurn().content.textContent += e.text; break;
@@ -154,7 +174,9 @@ function onEvent(e) {
         ["miss rate", (e.experts || {}).miss_rate ?? "-"]]);
       break;
     case "error": add(el("div", "msg error", "error: " + e.message)); break;
-    case "done": setRunning(false); turn = null; break;
+    case "done":
+      if (e.turn !== null && e.turn !== undefined) document.body.dataset.finished = ++finished;
+      setRunning(false); turn = null; break;
   }
 }
 
@@ -165,13 +187,19 @@ function connect() {
   const scheme = location.protocol === "https:" ? "wss" : "ws";
   const url = scheme + "://" + location.host + "/v1/sessions/" + encodeURIComponent(sid) + "/ws";
   const protocols = key ? ["freetoken", "bearer." + key] : ["freetoken"];
-  ws = new WebSocket(url, protocols);
-  $("status").textContent = "connecting...";
-  ws.onopen = () => { $("status").textContent = "connected"; setRunning(false); };
-  ws.onmessage = (m) => onEvent(JSON.parse(m.data));
-  ws.onclose = (c) => {
+  // A reconnect closes the old socket; its late events must not touch the new one's state.
+  const sock = new WebSocket(url, protocols);
+  ws = sock;
+  $("status").textContent = "connecting..."; state("connecting");
+  sock.onopen = () => {
+    if (ws !== sock) return;
+    $("status").textContent = "connected"; setRunning(false);
+  };
+  sock.onmessage = (m) => { if (ws === sock) onEvent(JSON.parse(m.data)); };
+  sock.onclose = (c) => {
+    if (ws !== sock) return;
     $("status").textContent = "closed" + (c.reason ? ": " + c.reason : " (" + c.code + ")");
-    ws = null; setRunning(false);
+    ws = null; setRunning(false); state("closed");
   };
 }
 

@@ -1,22 +1,30 @@
 """Fixtures for the server tests: the demo model on the CPU behind `create_app`.
 
 Each test gets a fresh Engine (loading the tiny demo folder takes milliseconds), so one test's
-cached pages or unfinished requests can never leak into another's checks.
+cached pages or unfinished requests can never leak into another's checks. Tests of real clients
+(SDKs, a browser, raw sockets) run a real uvicorn server on a free loopback port instead, one
+per module (`start_server`), and check after each test that nothing was left behind
+(`assert_nothing_held`).
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 from starlette.testclient import TestClient
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
-from freetoken_agent.integrations.server import create_app
+from freetoken_agent.integrations.server import create_app, make_server
 
 
 @pytest.fixture(scope="session")
@@ -66,3 +74,85 @@ def sse_payloads(lines: list[str]) -> list[Any]:
 @pytest.fixture
 def read_sse() -> Callable[[list[str]], list[Any]]:
     return sse_payloads
+
+
+def load_engine(model_dir: Path) -> Engine:
+    return Engine.load(model_dir, device="cpu", progress=False, kv_tokens=4096, max_model_len=1024)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class LiveServer:
+    """A uvicorn server running the app in a thread on 127.0.0.1."""
+
+    base: str  # http://127.0.0.1:PORT
+    port: int
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def state(self) -> Any:
+        """The app's ServerState (service, hub, model id)."""
+        return self.server.config.app.state.server
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        assert not self.thread.is_alive(), "uvicorn did not stop"
+
+
+@pytest.fixture(scope="module")
+def start_server() -> Iterator[Callable[..., LiveServer]]:
+    """start_server(model folder or Engine, **make_server options) -> a started LiveServer,
+    stopped when the module's tests are done. The app owns an EngineService, closed at
+    uvicorn's shutdown."""
+    servers: list[LiveServer] = []
+
+    def start(model: Path | Engine, **options: Any) -> LiveServer:
+        engine = load_engine(model) if isinstance(model, Path) else model
+        port = free_port()
+        options.setdefault("log_level", "warning")
+        server = make_server(engine, "127.0.0.1", port, **options)
+        thread = threading.Thread(target=server.run, daemon=True, name=f"uvicorn-{port}")
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        live = LiveServer(f"http://127.0.0.1:{port}", port, server, thread)
+        servers.append(live)
+        return live
+
+    yield start
+    for live in servers:
+        live.stop()
+
+
+def assert_nothing_held(service: Any, timeout: float = 10.0) -> None:
+    """No request runs (aborts land at the engine's next step: wait for them), the engine's
+    managers are consistent, and once the radix tree lets go of what it caches every KV page
+    is free: nothing is held by a request that should have ended."""
+    engine = service.engine
+    deadline = time.monotonic() + timeout
+    while True:
+        with service.lock:
+            busy = engine.has_unfinished()
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    with service.lock:
+        assert not engine.has_unfinished(), service.stats()["requests"]
+        engine.check_integrity()
+        engine.radix.reset()
+        assert engine.kv.allocator.n_free == engine.kv.allocator.capacity
+
+
+@pytest.fixture
+def nothing_held() -> Callable[..., None]:
+    """assert_nothing_held, for test modules (they cannot import conftest)."""
+    return assert_nothing_held

@@ -1,0 +1,127 @@
+"""Reasoning through a real client: LangChain's ChatDeepSeek against a real uvicorn server.
+
+The demo template closes no think block and opens none, so this module serves a copy of the
+demo model whose template ends the generation prompt with `<think>\\n`, as reasoning models'
+templates do (Qwen3 thinking mode, DeepSeek-R1). The output then starts inside the reasoning:
+whatever the random weights write before a `</think>` is reasoning, sent as
+`reasoning_content` deltas, which ChatDeepSeek keeps in `additional_kwargs`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import string
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from langchain_core.messages import AIMessageChunk, HumanMessage
+from langchain_deepseek import ChatDeepSeek
+
+MODEL = "demo-thinking"
+# The demo template's generation prompt, and the same opening a think block unless the caller
+# turned thinking off (the Qwen3 convention, which the demo template already follows for off).
+_PLAIN_TAIL = "{%- if enable_thinking is defined and enable_thinking is false %}\n{{- '<think>\\n\\n</think>\\n\\n' }}\n{%- endif %}"  # noqa: E501
+_THINKING_TAIL = "{%- if enable_thinking is defined and enable_thinking is false %}\n{{- '<think>\\n\\n</think>\\n\\n' }}\n{%- else %}\n{{- '<think>\\n' }}\n{%- endif %}"  # noqa: E501
+
+
+@pytest.fixture(scope="module")
+def thinking_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("thinking") / MODEL
+    shutil.copytree(model_dir, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    assert config["chat_template"].count(_PLAIN_TAIL) == 1, "the demo template changed"
+    config["chat_template"] = config["chat_template"].replace(_PLAIN_TAIL, _THINKING_TAIL)
+    config_path.write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(start_server, thinking_dir):
+    return start_server(thinking_dir, model_id=MODEL)
+
+
+def _text(rng: random.Random) -> str:
+    return " ".join(
+        "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 7)))
+        for _ in range(rng.randint(3, 9))
+    )
+
+
+def deepseek(server, **options: Any) -> ChatDeepSeek:
+    return ChatDeepSeek(
+        model=MODEL,
+        api_base=server.base + "/v1",
+        api_key="unused",
+        temperature=0,
+        max_retries=0,
+        timeout=60,
+        **options,
+    )
+
+
+def test_chat_deepseek_keeps_reasoning_invoked_and_streamed(server, rng_seed, nothing_held):
+    rng = random.Random(rng_seed)
+    n = rng.randint(6, 12)
+    # ignore_eos: a random model may end at once; a fixed length makes the reasoning non-empty.
+    llm = deepseek(server, max_tokens=n, stream_usage=True, extra_body={"ignore_eos": True})
+    prompt = [HumanMessage(_text(rng))]
+    reply = llm.invoke(prompt)
+    reasoning = reply.additional_kwargs.get("reasoning_content")
+    assert isinstance(reasoning, str) and reasoning.strip(), reply
+    assert "<think>" not in reasoning and "</think>" not in reasoning  # markers are not text
+    assert reply.usage_metadata["output_tokens"] == n
+    assert reply.response_metadata["finish_reason"] == "length"
+
+    raw = httpx.post(
+        server.base + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": prompt[0].content}],
+              "max_tokens": n, "temperature": 0, "ignore_eos": True},
+        timeout=60,
+    ).json()["choices"][0]["message"]  # fmt: skip
+    assert raw["reasoning_content"] == reasoning  # passed through as the server sent it
+    assert (raw["content"] or "") == reply.content
+
+    chunks = list(llm.stream(prompt))
+    assert all(isinstance(c, AIMessageChunk) for c in chunks)
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged = merged + chunk
+    assert merged.additional_kwargs["reasoning_content"] == reasoning
+    assert merged.content == reply.content
+    assert merged.usage_metadata["output_tokens"] == n
+    assert sum(bool(c.additional_kwargs.get("reasoning_content")) for c in chunks) > 1  # live
+    nothing_held(server.state.service)
+
+
+def test_chat_deepseek_forced_tool_call_under_thinking(server, rng_seed, nothing_held):
+    """A forced call closes the open think block first (server-side), so the call parses."""
+    rng = random.Random(rng_seed)
+    name = "lookup_" + "".join(rng.choice(string.ascii_lowercase) for _ in range(5))
+    schema = {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string", "maxLength": rng.randint(1, 6)},
+            "limit": {"type": "integer", "minimum": 1, "maximum": rng.randint(2, 99)},
+        },
+        "required": ["query", "limit"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": name, "parameters": schema}}
+    llm = deepseek(server, max_tokens=100).bind_tools([tool], tool_choice=name)
+    prompt = [HumanMessage(_text(rng))]
+    called = llm.invoke(prompt)
+    assert [c["name"] for c in called.tool_calls] == [name], called
+    jsonschema.validate(called.tool_calls[0]["args"], schema)
+    assert called.response_metadata["finish_reason"] == "tool_calls"
+
+    merged = None
+    for chunk in llm.stream(prompt):
+        merged = chunk if merged is None else merged + chunk
+    assert merged.tool_calls[0]["args"] == called.tool_calls[0]["args"]
+    nothing_held(server.state.service)
