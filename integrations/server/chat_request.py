@@ -11,6 +11,7 @@ fields (`sampling_from`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from freetoken_agent.integrations.server.tool_choice import (
     parse_tools,
 )
 from freetoken_agent.messages import Message, messages_from_openai
+
+_INT64 = (-(2**63), 2**63 - 1)
 
 # Unsupported fields and the value that means "not used".
 _UNSUPPORTED = {
@@ -71,6 +74,8 @@ def _number(body: Mapping, key: str, lo: float, hi: float, *, lo_open: bool = Fa
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadParam(f"{key} must be a number, got {value!r:.40}", key)
+    if not math.isfinite(value):
+        raise BadParam(f"{key} must be a finite number, got {value}", key)
     if value > hi or value < lo or (lo_open and value == lo):
         low = f"({lo}" if lo_open else f"[{lo}"
         raise BadParam(f"{key} must be in {low}, {hi}], got {value}", key)
@@ -83,6 +88,8 @@ def _integer(body: Mapping, key: str, lo: int | None = None):
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadParam(f"{key} must be an integer, got {value!r:.40}", key)
+    if not _INT64[0] <= value <= _INT64[1]:  # the engine's counters and seeds are 64-bit
+        raise BadParam(f"{key} must fit in 64 bits, got {value:.3g}", key)
     if lo is not None and value < lo:
         raise BadParam(f"{key} must be >= {lo}, got {value}", key)
     return value
@@ -96,10 +103,11 @@ def sampling_from(
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
-    max_tokens = _integer(body, "max_completion_tokens", 1)
-    max_key = "max_completion_tokens"
+    # Both are checked; the newer name wins when a client sends both.
+    max_tokens, max_key = _integer(body, "max_completion_tokens", 1), "max_completion_tokens"
+    legacy = _integer(body, "max_tokens", 1)
     if max_tokens is None:
-        max_tokens, max_key = _integer(body, "max_tokens", 1), "max_tokens"
+        max_tokens, max_key = legacy, "max_tokens"
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -130,8 +138,11 @@ def sampling_from(
     try:
         return SamplingParams(**{k: v for k, v in options.items() if v is not None})
     except ValueError as e:
-        param = "response_format" if "schema" in str(e) or "response_format" in str(e) else None
-        raise BadParam(str(e), param or (max_key if "max_tokens" in str(e) else None)) from None
+        text = str(e)
+        param = None
+        if "schema" in text or "response_format" in text:  # a forced call's schema is a tool's
+            param = "tools" if choice.forced else "response_format"
+        raise BadParam(text, param or (max_key if "max_tokens" in text else None)) from None
 
 
 _TEXT_FIELDS = ("role", "name", "tool_call_id", "reasoning_content", "reasoning", "thinking")

@@ -103,10 +103,42 @@ def parse_json_body(raw: bytes | str, what: str = "the request body") -> Any:
                 f"{what} is not UTF-8: byte {e.start} is {bad!r}", code="invalid_json"
             ) from None
     try:
-        return json.loads(raw)
+        value = json.loads(raw, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise BadParam(
             f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} "
             f"(character {e.pos})",
+            code="invalid_json",
+        ) from None
+    except _NotJSON as e:
+        raise BadParam(f"{what} is not valid JSON: {e}", code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_text(value, what)
+    return value
+
+
+class _NotJSON(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> Any:
+    # Python's json reads NaN and Infinity, which JSON does not have; a NaN would also slip
+    # through every range check (all comparisons with it are false).
+    raise _NotJSON(f"{name} is not a JSON value")
+
+
+# A \uD800-\uDFFF escape: json.loads joins a pair of them into one character but keeps a lone one
+# as a surrogate, which is no text at all: the tokenizer (Rust) refuses it deep inside a turn.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_text(value: Any, what: str) -> None:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = e.object[e.start : e.start + 1]
+        raise BadParam(
+            f"{what} holds a lone UTF-16 surrogate ({ascii(char)}), which is not text; "
+            "escape characters outside the BMP as a surrogate pair",
             code="invalid_json",
         ) from None
