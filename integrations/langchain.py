@@ -315,7 +315,7 @@ class ChatFreeToken(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        builder = ChunkBuilder(self.model_name)
+        builder = ChunkBuilder(self.model_name, self.output_version == "v1")
         for event in self._turn(messages, stop, kwargs):
             builder.chunk(event)
         return _result(builder)
@@ -327,7 +327,7 @@ class ChatFreeToken(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        builder = ChunkBuilder(self.model_name)
+        builder = ChunkBuilder(self.model_name, self.output_version == "v1")
         for event in self._turn(messages, stop, kwargs):
             chunk = builder.chunk(event)
             if chunk is not None:
@@ -344,7 +344,7 @@ class ChatFreeToken(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        builder = ChunkBuilder(self.model_name)
+        builder = ChunkBuilder(self.model_name, self.output_version == "v1")
         async for event in self._aturn(messages, stop, kwargs):
             builder.chunk(event)
         return _result(builder)
@@ -356,7 +356,7 @@ class ChatFreeToken(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        builder = ChunkBuilder(self.model_name)
+        builder = ChunkBuilder(self.model_name, self.output_version == "v1")
         turn = self._aturn(messages, stop, kwargs)
         try:
             async for event in turn:
@@ -385,7 +385,8 @@ def _failure(usage: Usage) -> GenerationError:
 
 
 def _text(chunk: Any) -> str:
-    return chunk.content if isinstance(chunk.content, str) else ""
+    """The text of a chunk for on_llm_new_token (v1 chunks hold it in text blocks)."""
+    return chunk.text
 
 
 def _info(builder: ChunkBuilder) -> dict[str, Any]:

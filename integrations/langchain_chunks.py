@@ -9,6 +9,15 @@ Chunk conventions (what LangChain's `+` and agents expect):
 - `usage_metadata`, `response_metadata` (finish_reason, model_name) and `chunk_position="last"`
   are on the last chunk only, so they are counted once.
 
+With `output_version="v1"` LangChain turns each chunk's content into content blocks and merges
+blocks by their `index`. It numbers blocks that carry no index itself (one more per change of
+block type), but keeps a tool_call_chunk's own index: a call's number (0, 1...) then collides
+with the reasoning or text block of the same number and the two merge into one garbled block.
+So in v1 mode every chunk carries its blocks with explicit indices, counted over the whole
+turn (reasoning, text, each call: a new index whenever the kind of block changes), and tool
+call chunks use their block's index. The v0 chunks are unchanged (content strings, calls
+numbered 0, 1...), as OpenAI-style consumers expect.
+
 A call block the parser rejects after its start went out (ParseWarning with an index) cannot be
 taken back from a stream, so its chunks get a closing args piece that makes the JSON malformed
 (`_spoil`): the aggregated message then lists it under `invalid_tool_calls` instead of running
@@ -73,10 +82,15 @@ def _spoil(args: str) -> str:
 
 
 class ChunkBuilder:
-    """Turns one turn's events into chunks and keeps what the final message needs."""
+    """Turns one turn's events into chunks and keeps what the final message needs.
+    `blocks`: emit v1 content blocks with explicit indices (see the module docstring)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, blocks: bool = False) -> None:
         self.model_name = model_name
+        self.blocks = blocks
+        self._block = -1  # index of the current content block (v1)
+        self._kind: Any = None  # its kind: "text", "reasoning" or ("call", index)
+        self._call_blocks: dict[int, int] = {}  # call index -> its block index (v1)
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.calls: dict[int, _CallState] = {}
@@ -89,16 +103,26 @@ class ChunkBuilder:
             if not event.text:
                 return None
             self.content.append(event.text)
+            if self.blocks:
+                block = {"type": "text", "text": event.text, "index": self._index("text")}
+                return AIMessageChunk(content=[block])
             return AIMessageChunk(content=event.text)
         if isinstance(event, ReasoningDelta):
             if not event.text:
                 return None
             self.reasoning.append(event.text)
-            return AIMessageChunk(content="", additional_kwargs={"reasoning_content": event.text})
+            extra = {"reasoning_content": event.text}
+            if self.blocks:
+                index = self._index("reasoning")
+                block = {"type": "reasoning", "reasoning": event.text, "index": index}
+                return AIMessageChunk(content=[block], additional_kwargs=extra)
+            return AIMessageChunk(content="", additional_kwargs=extra)
         if isinstance(event, ToolCallStart):
             self.calls[event.index] = _CallState(event.id, event.name)
-            piece = tool_call_chunk(name=event.name, args="", id=event.id, index=event.index)
-            return AIMessageChunk(content="", tool_call_chunks=[piece])
+            self._call_blocks[event.index] = self._index(("call", event.index))
+            index = self._call_index(event.index)
+            piece = tool_call_chunk(name=event.name, args="", id=event.id, index=index)
+            return AIMessageChunk(content=self._empty(), tool_call_chunks=[piece])
         if isinstance(event, ToolCallArgsDelta):
             self.calls[event.index].args += event.text
             return self._args(event.index, event.text)
@@ -118,8 +142,22 @@ class ChunkBuilder:
         raise TypeError(f"unexpected session event {type(event).__name__}")
 
     def _args(self, index: int, text: str) -> AIMessageChunk:
-        piece = tool_call_chunk(name=None, args=text, id=None, index=index)
-        return AIMessageChunk(content="", tool_call_chunks=[piece])
+        piece = tool_call_chunk(name=None, args=text, id=None, index=self._call_index(index))
+        return AIMessageChunk(content=self._empty(), tool_call_chunks=[piece])
+
+    def _index(self, kind: Any) -> int:
+        """The block index for a piece of `kind`: a new block whenever the kind changes."""
+        if kind != self._kind:
+            self._kind = kind
+            self._block += 1
+        return self._block
+
+    def _call_index(self, call: int) -> int:
+        """A tool_call_chunk's index: the call's number (v0) or its block's index (v1)."""
+        return self._call_blocks[call] if self.blocks else call
+
+    def _empty(self) -> str | list:
+        return [] if self.blocks else ""
 
     # --- the end of the turn --------------------------------------------------------------
     @property
@@ -152,7 +190,7 @@ class ChunkBuilder:
 
     def last_chunk(self) -> AIMessageChunk:
         return AIMessageChunk(
-            content="",
+            content=self._empty(),
             usage_metadata=self.usage_metadata(),
             response_metadata=self.response_metadata(),
             chunk_position="last",

@@ -74,7 +74,8 @@ def _strict_json(model: type | None) -> Callable[[AIMessage], Any]:
     back a dict missing the fields after the max_tokens cut without a word."""
 
     def parse(message: AIMessage) -> Any:
-        text = message.content if isinstance(message.content, str) else ""
+        # .text, not .content: with output_version="v1" the content is a list of blocks.
+        text = message.text
         try:
             value = json.loads(text)
         except ValueError as e:
@@ -95,12 +96,12 @@ def _first_call(name: str, model: type | None) -> Callable[[AIMessage], Any]:
     def parse(message: AIMessage) -> Any:
         for call in message.tool_calls:
             if call["name"] == name:
-                return _validated(model, call["args"], str(message.content))
+                return _validated(model, call["args"], message.text)
         errors = [c.get("error") for c in message.invalid_tool_calls]
         reason = message.response_metadata.get("finish_reason")
         raise OutputParserException(
             f"no complete call of {name} (finish_reason {reason}; invalid calls: {errors})",
-            llm_output=str(message.content),
+            llm_output=message.text,
         )
 
     return parse

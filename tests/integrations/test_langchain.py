@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import inspect
 import json
 import random
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
+from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import (
     AIMessage,
@@ -29,6 +31,7 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
+from langchain_tests.integration_tests import ChatModelIntegrationTests
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from freetoken_agent import Engine
@@ -158,6 +161,27 @@ def test_async_matches_sync(engine, rng_seed):
     check_usage_once(chunks)
     assert message.content == aggregate(chunks).content == expected
     assert not unfinished(llm)
+
+
+def test_streaming_field_streams_invoke_and_reports_each_delta(engine, rng_seed):
+    """streaming=True (LangChain's convention): invoke goes through _stream, callbacks see
+    every text delta, and the message is the one a plain invoke returns."""
+    rng = random.Random(rng_seed)
+    question = text(rng)
+    options = {"engine": engine, "temperature": 0, "max_tokens": rng.randint(4, 16)}
+    plain = ChatFreeToken(**options).invoke(question)
+    tokens: list[str] = []
+
+    class Tokens(BaseCallbackHandler):
+        def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+            tokens.append(token)
+
+    streamed = ChatFreeToken(**options, streaming=True).invoke(
+        question, config={"callbacks": [Tokens()]}
+    )
+    assert streamed.content == plain.content == "".join(tokens) and len(tokens) > 1
+    assert streamed.usage_metadata["output_tokens"] == plain.usage_metadata["output_tokens"]
+    assert streamed.response_metadata["finish_reason"] == plain.response_metadata["finish_reason"]
 
 
 def test_stop_strings_cut_the_greedy_answer(engine, rng_seed):
@@ -425,12 +449,14 @@ class ScriptedEngine:
         )
         self.replies: list[tuple[str, str, str | None]] = []
         self.prompts: list[list[int]] = []
+        self.samplings: list = []
         self.running: dict[str, list] = {}
         self.finished = 0
 
     def submit(self, prompt, sampling) -> str:
         rid = f"s{len(self.prompts)}"
         self.prompts.append(list(prompt))
+        self.samplings.append(sampling)
         reply, reason, error = self.replies.pop(0)
         self.running[rid] = [
             self.tokenizer.encode(reply),
@@ -515,6 +541,40 @@ def test_scripted_reasoning_and_tool_calls_stream_like_invoke(scripted, rng_seed
     assert f"<think>\n{thought}\n</think>" in fake.tokenizer.decode(fake.prompts[-1], False)
 
 
+def test_scripted_v1_stream_keeps_reasoning_text_and_calls_apart(scripted, rng_seed):
+    """output_version="v1": LangChain merges streamed content blocks by index, so a call's
+    chunks must not share an index with the reasoning or text blocks (they would merge into one
+    garbled block); the streamed message reads like the invoked one."""
+    rng = random.Random(rng_seed)
+    fake, service = scripted
+    tools = [random_model(rng, f"t_{word(rng)}_{i}") for i in range(2)]
+    thought, answer = text(rng), text(rng)
+    calls = [(rng.choice(tools).__name__, {word(rng): rng.randint(-9, 99)}) for _ in range(2)]
+    blocks = "".join(
+        f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a)}}}\n</tool_call>\n'
+        for n, a in calls
+    )
+    fake.replies = [(f"<think>\n{thought}\n</think>\n\n{answer}\n{blocks}", "stop", None)] * 2
+    llm = ChatFreeToken(engine=service, max_tokens=64, output_version="v1").bind_tools(tools)
+    message = llm.invoke([HumanMessage(text(rng))])
+    chunks = list(llm.stream([HumanMessage(text(rng))]))
+    check_usage_once(chunks)
+    streamed = aggregate(chunks)
+    kinds_at: dict[int, set[str]] = {}  # block index -> the block types streamed under it
+    for chunk in chunks:
+        for block in chunk.content:
+            kinds_at.setdefault(block["index"], set()).add(block["type"])
+    assert sorted(kinds_at) == list(range(4)) and all(len(k) == 1 for k in kinds_at.values())
+    for m in (message, streamed):
+        kinds = [b["type"] for b in m.content_blocks]
+        assert kinds == ["reasoning", "text", "tool_call", "tool_call"], m.content_blocks
+        assert m.content_blocks[0]["reasoning"] == thought
+        assert m.content_blocks[1]["text"].strip() == answer.strip()
+        assert [(c["name"], c["args"]) for c in m.tool_calls] == calls
+        assert [(b["name"], b["args"]) for b in m.content_blocks[2:]] == calls
+        assert m.additional_kwargs["reasoning_content"] == thought
+
+
 def test_scripted_call_or_answer_is_told_apart_by_the_whole_output(scripted, rng_seed):
     """tools + response_format: the output is either a {"name", "arguments"} call of a bound
     tool or the answer's JSON (the grammar allows both; the parser decides at the end)."""
@@ -546,6 +606,81 @@ def test_scripted_failures_raise_and_retry(scripted, rng_seed):
         ChatFreeToken(engine=service).invoke("a")
     fake.replies = [("", "error", problem), (answer := text(rng), "stop", None)]
     assert ChatFreeToken(engine=service, max_retries=1).invoke("a").content == answer
+
+
+class _StandardSuite(ChatModelIntegrationTests):
+    """LangChain's standard integration tests, to run single test bodies on a scripted model
+    (not collected: the whole suite runs on the demo model in test_langchain_standard.py)."""
+
+    @property
+    def chat_model_class(self) -> type[ChatFreeToken]:
+        return ChatFreeToken
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+
+def _call(name: str, args: dict) -> str:
+    return json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+
+
+_JOKE = json.dumps(
+    {"setup": "Why did the cat sit on the laptop?", "punchline": "To keep an eye on the mouse."}
+)
+_WEATHER = (
+    "<tool_call>\n" + _call("get_weather", {"location": "San Francisco, CA"}) + "\n</tool_call>"
+)
+# Every standard test test_langchain_standard.py expects to fail on the random demo model, with
+# the replies a capable model would write (forced calls: the call body the grammar starts at).
+_COMPETENT: dict[str, tuple[list[str], dict, tuple]] = {
+    "test_tool_calling": ([_call("magic_function", {"input": 3})] * 2, {}, ()),
+    "test_tool_calling_async": ([_call("magic_function", {"input": 3})] * 2, {}, ()),
+    "test_bind_runnables_as_tools": (
+        [_call("greeting_generator", {"answer_style": "pirate"})],
+        {},
+        (),
+    ),
+    "test_unicode_tool_call_integration": (
+        [
+            _call("unicode_customer", {"customer_name": "你好啊集团", "description": "科技"}),
+            _call(
+                "unicode_customer", {"customer_name": "こんにちは株式会社", "description": "会社"}
+            ),
+        ],
+        {},
+        (),
+    ),
+    "test_agent_loop": ([_WEATHER, "It is sunny in San Francisco."], {}, ()),
+    "test_structured_output": ([_JOKE] * 2, {}, ("pydantic",)),
+    "test_structured_output_async": ([_JOKE] * 2, {}, ("typeddict",)),
+    "test_structured_output_pydantic_2_v1": ([_JOKE] * 4, {}, ()),
+    "test_structured_output_optional_param": (
+        [json.dumps({"setup": "A cat walks in."})] + [_JOKE] * 3,
+        {},
+        (),
+    ),
+    "test_json_mode": ([_JOKE] * 4, {}, ()),
+}
+
+
+@pytest.mark.parametrize("output_version", [None, "v1"])
+@pytest.mark.parametrize("name", sorted(_COMPETENT))
+def test_scripted_competent_model_passes_the_xfailed_standard_tests(scripted, name, output_version):
+    """The standard tests expected to fail on the random demo model pass, body unchanged, when
+    the model writes what a capable one would: they fail for the model, not for the plumbing."""
+    fake, service = scripted
+    replies, params, args = _COMPETENT[name]
+    fake.replies = [(r, "stop", None) for r in replies]
+    extra = {"output_version": output_version} if output_version else {}
+    model = ChatFreeToken(engine=service, temperature=0, max_tokens=64, **params, **extra)
+    outcome = getattr(ChatModelIntegrationTests, name)(_StandardSuite(), model, *args)
+    if inspect.iscoroutine(outcome):
+        asyncio.run(outcome)
+    assert not fake.replies, "the test asked for fewer answers than scripted"
+    if name == "test_json_mode":  # JSON mode constrains to some JSON object, not the schema
+        assert {s.json_schema["type"] for s in fake.samplings} == {"object"}
+        assert all("properties" not in s.json_schema for s in fake.samplings)
 
 
 def test_constrained_schemas_are_closed_but_keep_their_own_choice():
