@@ -37,7 +37,7 @@ from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.integrations.server import openai_routes, sessions_ws, ui
 from freetoken_agent.integrations.server.auth import BearerAuth
 from freetoken_agent.integrations.server.browser_guard import BrowserGuard
-from freetoken_agent.integrations.server.hub import LockedChatFormat, SessionHub
+from freetoken_agent.integrations.server.hub import SessionHub
 from freetoken_agent.integrations.server.limits import DEFAULT_MAX_BODY, BodyLimit
 from freetoken_agent.service import EngineService
 
@@ -94,7 +94,7 @@ def create_app(
     try:
         if service.tokenizer is None:
             raise ValueError("the server needs a model folder with a tokenizer and chat template")
-        chat_format = LockedChatFormat(ChatFormat(service.tokenizer))
+        chat_format = ChatFormat(service.tokenizer)
         max_len = int(service.engine.max_model_len)
     except BaseException:
         if owns:

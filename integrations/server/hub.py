@@ -9,6 +9,13 @@ it has seen, whichever Session sent it.
 
 Every socket open on a session id is a watcher: each turn's events are published to all of
 them, so a web page can follow a session that an agent drives.
+
+All sessions share one ChatFormat (its render cache then serves them all: an agent's sessions
+share system prompts and tool lists) and render concurrently, each in its turn's worker thread.
+ChatFormat is safe for that: its cache does one lookup per step and never re-reads an entry
+another thread may have cleared (test_hub.py hammers it with a cache small enough to be
+cleared all the time). No lock, then: a long cold render (a hundred messages, about a second
+on two cores) would otherwise hold back every other session's first token.
 """
 
 from __future__ import annotations
@@ -35,23 +42,6 @@ SESSION_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 WATCHER_BACKLOG = 10_000  # events a slow watcher may fall behind before it is dropped
 
 
-class LockedChatFormat:
-    """One ChatFormat for every session of the server (its render cache then serves them all),
-    with renders serialised: the cache is a plain dict that concurrent renders could corrupt,
-    and rendering holds the GIL anyway."""
-
-    def __init__(self, chat_format: ChatFormat) -> None:
-        self._chat_format = chat_format
-        self._lock = threading.Lock()
-
-    def render(self, *args: Any, **kwargs: Any):
-        with self._lock:
-            return self._chat_format.render(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._chat_format, name)
-
-
 @dataclass(eq=False)
 class Watcher:
     """One socket's outbox. `None` in the queue tells its writer to close the socket."""
@@ -69,7 +59,9 @@ class Watcher:
 
 
 class LiveSession:
-    def __init__(self, session_id: str | None, service: EngineService, chat_format) -> None:
+    def __init__(
+        self, session_id: str | None, service: EngineService, chat_format: ChatFormat
+    ) -> None:
         self.id = session_id
         self.bridge = EngineBridge(service)
         self.session = Session(self.bridge, chat_format=chat_format)
@@ -98,7 +90,9 @@ class LiveSession:
 
 
 class SessionHub:
-    def __init__(self, service: EngineService, chat_format, max_sessions: int = 256) -> None:
+    def __init__(
+        self, service: EngineService, chat_format: ChatFormat, max_sessions: int = 256
+    ) -> None:
         self.service = service
         self.chat_format = chat_format
         self.max_sessions = max_sessions
