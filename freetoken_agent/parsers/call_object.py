@@ -7,8 +7,9 @@ string holding an object, arguments left out for a tool without parameters.
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from freetoken_agent.parsers.json_scan import loads_strict
 
 ARGS_KEYS = ("arguments", "parameters")
 
@@ -28,7 +29,7 @@ def call_from_object(item: Any) -> tuple[str, str, dict[str, Any]] | str:
     args = item[key] if key else {}
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = loads_strict(args)
         except ValueError:
             return "tool call arguments are not a JSON object"
     if not isinstance(args, dict):

@@ -6,10 +6,11 @@
 
 The JSON is scanned as it arrives: `ToolCallStart` goes out as soon as the name string is
 complete and the `"arguments"` object streams verbatim from there, so its deltas concatenate to
-the model's own JSON text. The call only counts once `</tool_call>` closes a body that
-`json.loads` accepts; otherwise the block is re-emitted as content with a ParseWarning (carrying
-the index when a start had already gone out). A `</tool_call>` inside a JSON string is data;
-but a raw newline is never valid inside one, so a newline-preceded close tag always closes.
+the model's own JSON text. The call only counts once `</tool_call>` closes a body that is
+strict JSON (`loads_strict`: no NaN, no arguments key written twice); otherwise the block is
+re-emitted as content with a ParseWarning (carrying the index when a start had already gone
+out). A `</tool_call>` inside a JSON string is data; but a raw newline is never valid inside
+one, even after a backslash, so a newline-preceded close tag always closes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from freetoken_agent.parsers.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from freetoken_agent.parsers.json_scan import JsonScanner
+from freetoken_agent.parsers.json_scan import JsonScanner, loads_strict
 from freetoken_agent.parsers.tool_parser import CallNumbering, ToolCallParser
 
 OPEN = "<tool_call>"
@@ -54,7 +55,6 @@ class _HermesCall:
         self._id = ""
         self._name = ""
         self._args_key = ""
-        self._args_start = -1  # where the streamed arguments object begins in the body
         self._args_sent = -1  # body position up to which arguments were streamed
 
     def feed(self, text: str, out: list[Event]) -> str | None:
@@ -113,14 +113,11 @@ class _HermesCall:
             for key, span in scan.members.items():
                 if key in ARGS_KEYS:
                     if body[span[0]] == "{":  # a JSON string holding JSON is decoded at the end
-                        self._args_key, self._args_start = key, span[0]
-                        self._args_sent = span[0]
+                        self._args_key, self._args_sent = key, span[0]
                     break
             if not self._args_key:
                 return
-        span = scan.members[self._args_key]
-        if span[0] != self._args_start:
-            return  # the key repeated; the end decides
+        span = scan.members[self._args_key]  # the first value written; a repeat is rejected
         limit = span[1] if span[1] >= 0 else scan.pos
         if limit > self._args_sent:
             out.append(ToolCallArgsDelta(self._index, body[self._args_sent : limit]))
@@ -130,7 +127,7 @@ class _HermesCall:
         body = self._body[:close]
         raw = OPEN + body + CLOSE
         try:
-            call = call_from_object(json.loads(body))
+            call = call_from_object(loads_strict(body))
         except ValueError as exc:
             call = f"tool call is not valid JSON: {exc}"
         if isinstance(call, str):
@@ -143,12 +140,14 @@ class _HermesCall:
         if self._index is None:
             self._index, self._id = self._numbering.next()
             out.append(ToolCallStart(self._index, self._id, name))
+        if key in self._scan.repeated or (self._args_key and self._args_key != key):
+            # json.loads keeps the last of a repeated key, the stream showed the first. This was
+            # decided on spans that moved with the chunking (found by fuzzing); now it is always
+            # a rejection, on spans that never move.
+            self._reject("tool call repeats its arguments", raw, out)
+            return
         if self._args_key:
             span = self._scan.members[self._args_key]
-            # The streamed text is the final arguments unless the key was written twice.
-            if self._args_key != key or span[0] != self._args_start:
-                self._reject("tool call repeats its arguments", raw, out)
-                return
             if span[1] > self._args_sent:
                 out.append(ToolCallArgsDelta(self._index, self._body[self._args_sent : span[1]]))
         else:

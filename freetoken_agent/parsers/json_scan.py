@@ -5,17 +5,57 @@ inside a string (a closing tag there is data, not markup), where the top-level v
 where each member of a top-level object starts and ends (to stream `"arguments"` as it arrives).
 The scan is linear over the whole text however it is chunked. It accepts every valid JSON text
 (its top level must be an object or array); it flags some invalid ones as `broken` and lets
-`json.loads` judge the rest once the value is complete.
+`loads_strict` judge the rest once the value is complete.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 # Inside a string only these characters matter; everything else is skipped in one search.
 _STRING_STOP = re.compile(r'["\\\x00-\x1f]')
+MAX_DEPTH = 100  # deeper than any tool's arguments, far within Python's recursion limit
+_ESCAPES = '"\\/bfnrtu'  # what may follow a backslash in a JSON string
 _SPACE = " \t\n\r"
+
+
+def loads_strict(text: str) -> Any:
+    """`json.loads` that raises ValueError for whatever is not plain JSON a tool can take.
+
+    Python's decoder also takes NaN and Infinity, and turns 1e999 into inf: not JSON, so the
+    arguments could not be sent on as JSON, and `nan != nan` breaks "the argument deltas parse
+    to the arguments". Nesting is capped at MAX_DEPTH: past Python's recursion limit the decoder
+    raises RecursionError, which a parser must never let out (a model can loop on `[`), and
+    where that limit falls depends on the caller's stack, so without a cap the same text was a
+    call in one place and not in another. (Found by tests/.../parsers/test_fuzz.py.)
+    """
+    try:
+        value = json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply") from exc
+    stack = [(value, 1)]  # depth-first, without recursion
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise ValueError(f"JSON nested deeper than {MAX_DEPTH}")
+            children = item.values() if isinstance(item, dict) else item
+            stack += [(child, depth + 1) for child in children]
+    return value
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} overflows a float")
+    return value
+
 
 # Member states of the top-level object (depth 1).
 _KEY = 0  # expecting a key (after `{` or `,`)
@@ -37,6 +77,8 @@ class JsonScanner:
         "done",
         "end",
         "members",
+        "repeated",
+        "_value",
         "_stack",
         "_escape",
         "_string_start",
@@ -53,8 +95,12 @@ class JsonScanner:
         self.break_pos = -1  # where validity was lost (the start of a bad string)
         self.done = False  # the top-level value closed at `end`
         self.end = -1
-        # top-level object member -> [value start, value end or -1 while open]
+        # top-level object member -> [value start, value end or -1 while open], first occurrence
+        # only: a span, once seen, never moves, so decisions made on it do not depend on where
+        # the chunks ended. Keys written again are in `repeated` (json.loads keeps the last).
         self.members: dict[str, list[int]] = {}
+        self.repeated: set[str] = set()
+        self._value: list[int] = [-1, -1]  # the span of the member value being scanned
         self._stack: list[str] = []
         self._escape = False
         self._string_start = -1
@@ -81,6 +127,12 @@ class JsonScanner:
             if self.in_string:
                 if self._escape:
                     self._escape = False
+                    if text[p] not in _ESCAPES:
+                        # Not JSON; above all a backslash must not hide a raw newline, which
+                        # would keep a newline-preceded close tag inside the string (fuzzing).
+                        self.pos = p
+                        self.mark_broken(self._string_start)
+                        return
                     p += 1
                     continue
                 m = _STRING_STOP.search(text, p)
@@ -145,7 +197,11 @@ class JsonScanner:
         elif state == _COLON and c == ":":
             self._state = _VALUE
         elif state == _VALUE and c not in ",:}]":
-            self.members[self._key] = [p, -1]
+            self._value = [p, -1]
+            if self._key in self.members:
+                self.repeated.add(self._key)
+            else:
+                self.members[self._key] = self._value
             self._state = _IN_VALUE
             if c == '"':
                 self._open_string(p)
@@ -182,7 +238,7 @@ class JsonScanner:
             self._end_value(q + 1)
 
     def _end_value(self, end: int) -> None:
-        self.members[self._key][1] = end
+        self._value[1] = end
         self._primitive = False
         self._state = _COMMA
 

@@ -27,7 +27,7 @@ from freetoken_agent.parsers.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from freetoken_agent.parsers.json_scan import JsonScanner
+from freetoken_agent.parsers.json_scan import JsonScanner, loads_strict
 from freetoken_agent.parsers.tool_parser import CallNumbering, ToolCallParser
 
 OPEN = "[TOOL_CALLS]"
@@ -123,7 +123,9 @@ class _MistralCalls:
         body, p = self._body, self._p
         q = (_NAME if self._state == _FN_NAME else _ID).match(body, p).end()
         if q - p > _MAX_NAME:
-            return self._reject("tool call name is too long", q, out)
+            # Cut at a fixed length: cutting at q, the end of the text so far, made the raw text
+            # depend on where the chunks ended (found by fuzzing).
+            return self._reject("tool call name is too long", p + _MAX_NAME + 1, out)
         if q == len(body):
             return None
         for tag in (ARGS, CALL_ID):
@@ -148,7 +150,7 @@ class _MistralCalls:
         assert self._scan is not None and self._index is not None
         start, end = self._p, self._scan.end  # _p: where the arguments object begins
         try:
-            args = json.loads(self._body[start:end])
+            args = loads_strict(self._body[start:end])
         except ValueError as exc:
             return self._reject(f"tool call arguments are not valid JSON: {exc}", end, out)
         if not isinstance(args, dict):
@@ -161,7 +163,7 @@ class _MistralCalls:
         assert self._scan is not None
         end = self._scan.end
         try:
-            value = json.loads(self._body[self._p : end])
+            value = loads_strict(self._body[self._p : end])
         except ValueError as exc:
             return self._reject(f"tool call list is not valid JSON: {exc}", end, out)
         items = value if isinstance(value, list) else [value]

@@ -146,8 +146,11 @@ class _CoderCall:
             if "\n" in tail or "<" in tail or len(tail) > _MAX_NAME:
                 return self._break(p)
             return None
-        name = body[p:gt].strip()
-        if not name or "\n" in name or "<" in name or len(name) > _MAX_NAME:
+        # Judged on the raw text, as above while `>` has not come: judging the stripped name
+        # accepted `<function=f\n>` in one chunk and broke it in several (found by fuzzing).
+        raw = body[p:gt]
+        name = raw.strip()
+        if not name or "\n" in raw or "<" in raw or len(raw) > _MAX_NAME:
             return self._break(p)
         self._p = gt + 1
         if self._state == _FUNCTION_NAME:

@@ -8,9 +8,10 @@ guess would hide the mistake.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
+
+from freetoken_agent.parsers.json_scan import loads_strict
 
 
 def parameter_schemas(tools: list[dict] | None) -> dict[str, dict[str, dict]]:
@@ -57,7 +58,7 @@ def convert_value(text: str, schema: dict | None) -> Any:
     if "boolean" in types and stripped.lower() in ("true", "false"):
         return stripped.lower() == "true"
     try:
-        value = json.loads(stripped)
+        value = loads_strict(stripped)  # strict: NaN or deep nesting stays text
     except ValueError:
         return text
     for kind in types:
