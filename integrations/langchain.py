@@ -16,8 +16,12 @@ Why it is built this way:
 - A forced tool call (`tool_choice` "any"/"required"/a name) and `with_structured_output(
   method="json_schema")` use constrained decoding: the output is valid JSON for the schema even
   from a weak model. Such turns do not think (the grammar starts at the first token).
-- Reasoning streams in `additional_kwargs["reasoning_content"]` and goes back to the model in
-  later turns, where the chat template keeps it.
+  `method="json_mode"` constrains the answer to some JSON object (the prompt names the keys).
+- Reasoning streams in `additional_kwargs["reasoning_content"]` (and, with
+  `output_version="v1"`, as reasoning content blocks) and goes back to the model in later
+  turns, where the chat template keeps it.
+- LangChain's standard test suites (langchain-tests) run on it: tests/integrations/
+  test_langchain_standard.py declares what it supports.
 """
 
 from __future__ import annotations
