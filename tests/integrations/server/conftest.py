@@ -152,7 +152,24 @@ def assert_nothing_held(service: Any, timeout: float = 10.0) -> None:
         assert engine.kv.allocator.n_free == engine.kv.allocator.capacity
 
 
-@pytest.fixture
+def assert_api_error(response: Any, *statuses: int) -> dict[str, Any]:
+    """An httpx response is a 4xx (one of `statuses` if given) carrying an OpenAI error object
+    with a message; returns the error."""
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    if statuses:
+        assert response.status_code in statuses, (response.status_code, response.text[:300])
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    return error
+
+
+# Test modules cannot import conftest (importlib mode): the helpers come as fixtures.
+@pytest.fixture(scope="session")
 def nothing_held() -> Callable[..., None]:
-    """assert_nothing_held, for test modules (they cannot import conftest)."""
     return assert_nothing_held
+
+
+@pytest.fixture(scope="session")
+def api_error() -> Callable[..., dict[str, Any]]:
+    return assert_api_error
