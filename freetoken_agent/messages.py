@@ -53,13 +53,23 @@ def content_text(content: Content, where: str = "message") -> str:
     rather than silently dropped."""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list | tuple):
+        raise InvalidRequestError(
+            f"{where}: content must be a string or a list of parts, got {type(content).__name__}"
+        )
     texts = []
     for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise InvalidRequestError(
+                f"{where}: content part {j} must be an object, got {type(part).__name__}"
+            )
         if part.get("type") != "text":
             raise InvalidRequestError(
                 f"{where}: content part {j} has type {part.get('type')!r}; this engine takes "
                 "text only"
             )
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{where}: content part {j} has no string 'text'")
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -224,3 +224,13 @@ def test_assistant_defaults() -> None:
     )[1].reasoning
     assert reasoning == "t"
     assert messages_from_openai([{"role": "developer", "content": "d"}]) == [SystemMessage("d")]
+
+
+@pytest.mark.parametrize(
+    "content", [[3], ["text"], [{"type": "text"}], [{"type": "text", "text": 5}], 7]
+)
+def test_malformed_content_parts_are_clear_errors(content):
+    from freetoken_agent.messages import content_text
+
+    with pytest.raises(InvalidRequestError, match="content"):
+        content_text(content, "messages[0]")
