@@ -161,3 +161,40 @@ def test_unclosed_string_does_not_swallow_the_rest():
     assert events[2].text == bad and events[3].index == 0
     assert events[4].text == "\nnext "
     assert events[-1].index == 1 and events[-1].arguments == {"b": 1}
+
+
+def every_chunking(text: str) -> list[list[str]]:
+    """One chunk, one character at a time, and two characters at a time."""
+    return [[text], list(text), [text[i : i + 2] for i in range(0, len(text), 2)]]
+
+
+def test_backslash_does_not_hide_a_newline_before_the_close_tag(kit):
+    # Regression (fuzzing): `\` + newline was read as an escape, so the close tag after it
+    # stayed inside the string and the block swallowed the rest of the output.
+    bad = '<tool_call>\n{"name": "f", "arguments": {"path": "C:\\\n</tool_call>'
+    good = '<tool_call>{"name": "g", "arguments": {}}</tool_call>'  # no newline to break on
+    for chunks in every_chunking(bad + " then " + good):
+        summary = kit.summary(kit.run(HermesParser(), chunks))
+        assert summary == [
+            ("content", bad),
+            ("warning", bad, True),
+            ("content", " then "),
+            ("call", "g", {}),
+        ]
+
+
+def test_repeated_keys_give_the_same_events_in_every_chunking(kit):
+    # Regression (fuzzing): the scanner kept the last span of a repeated key, so a call with
+    # "arguments" (or "name") written twice streamed, and ended, differently by chunking.
+    # The first value is streamed; an arguments key written twice voids the call.
+    bodies = [
+        '{"name": "f", "arguments": {"a": 1}, "arguments": {"b": 2}}',
+        '{"name": "f", "arguments": {"a": 1}, "arguments": 5}',
+        '{"name": "f", "arguments": "{}", "arguments": {"b": 2}}',
+        '{"name": "f", "name": "g", "arguments": {}}',
+    ]
+    for body in bodies:
+        text = f"<tool_call>\n{body}\n</tool_call>"
+        results = [kit.normalize(kit.run(HermesParser(), c)) for c in every_chunking(text)]
+        assert results[1:] == results[:-1], body
+        assert kit.summary(results[0]) == [("content", text), ("warning", text, True)], body

@@ -81,3 +81,15 @@ def test_broken_json_waits_for_the_end_then_becomes_content():
     tail = parser.finish()
     assert [(type(e).__name__, e.index) for e in tail[1:]] == [("ParseWarning", 0)]
     assert tail[0].text == text
+
+
+def test_too_long_name_is_cut_at_the_same_place_in_every_chunking(kit):
+    # Regression (fuzzing): the raw text of the warning ended wherever the chunk did.
+    text = "[TOOL_CALLS]" + "n" * 300 + "[ARGS]{}"
+    raw = "[TOOL_CALLS]" + "n" * 257
+    for chunks in ([text], list(text), [text[:100], text[100:280], text[280:]]):
+        assert kit.summary(kit.run(MistralParser(), chunks)) == [
+            ("content", raw),
+            ("warning", raw, False),
+            ("content", text[len(raw) :]),
+        ]

@@ -16,6 +16,7 @@ from freetoken_agent.parsers import (
     coalesce,
     tool_format_for,
 )
+from freetoken_agent.parsers.json_scan import MAX_DEPTH, loads_strict
 
 # One well-formed call per format, with the same meaning.
 CALLS = {
@@ -138,3 +139,43 @@ def test_unknown_format_is_rejected():
 )
 def test_tool_format_for(model_type, template, fmt):
     assert tool_format_for(model_type, template) == fmt
+
+
+# Values Python's json.loads takes but a tool call must not: not JSON, or nested so deep that
+# the decoder raises RecursionError (100000 is past any recursion limit).
+NOT_JSON = ["NaN", "-Infinity", "1e999", "[" * 100_000 + "]" * 100_000]
+
+
+@pytest.mark.parametrize("value", NOT_JSON, ids=["nan", "-inf", "overflow", "deep"])
+@pytest.mark.parametrize("fmt", ["hermes", "mistral"])
+def test_arguments_that_are_not_plain_json_void_the_call(fmt, value):
+    # Regression (fuzzing): NaN became a call whose arguments differ from their own deltas
+    # (nan != nan) and cannot be sent on as JSON; deep nesting raised RecursionError.
+    call = {
+        "hermes": f'<tool_call>\n{{"name": "f", "arguments": {{"x": {value}}}}}\n</tool_call>',
+        "mistral": f'[TOOL_CALLS]f[ARGS]{{"x": {value}}}',
+    }[fmt]
+    text = "ok " + call
+    for chunks in [[text], [text[:20], text[20:]]]:
+        parser = OutputParser(fmt)
+        events = [e for chunk in chunks for e in parser.feed(chunk)] + parser.finish()
+        assert not any(isinstance(e, ToolCallEnd) for e in events)
+        merged = coalesce(events)
+        assert "".join(e.text for e in merged if isinstance(e, ContentDelta)) == text
+        assert [e.raw_text for e in merged if isinstance(e, ParseWarning)] == [call]
+
+
+@pytest.mark.parametrize("value", NOT_JSON, ids=["nan", "-inf", "overflow", "deep"])
+def test_schema_typed_values_that_are_not_plain_json_stay_text(value):
+    tools = [{"name": "f", "parameters": {"properties": {"x": {"type": ["array", "number"]}}}}]
+    text = f"<tool_call>\n<function=f>\n<parameter=x>\n[{value}]\n</parameter>\n</function>\n"
+    parser = OutputParser("qwen3_coder", tools=tools)
+    events = parser.feed(text + "</tool_call>") + parser.finish()
+    assert events[-1].arguments == {"x": f"[{value}]"}
+
+
+def test_loads_strict_caps_nesting():
+    assert loads_strict("[" * MAX_DEPTH + "]" * MAX_DEPTH) is not None
+    with pytest.raises(ValueError):
+        loads_strict("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1))
+    assert loads_strict('{"a": "NaN", "b": 1e300}') == {"a": "NaN", "b": 1e300}

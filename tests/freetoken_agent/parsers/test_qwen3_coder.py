@@ -140,3 +140,20 @@ def test_unterminated_call_becomes_content_with_a_warning(rng, kit):
         summary = kit.summary(kit.run(Qwen3CoderParser(), chunks))
         voided = "<function=" in cut and ">" in cut[cut.index("<function=") :]
         assert summary == [("content", cut), ("warning", cut, voided)]
+
+
+def test_names_are_judged_on_their_raw_text_in_every_chunking(kit):
+    # Regression (fuzzing): a complete name was stripped before its checks, a partial one was
+    # not, so `<function=f\n>` was a call in one chunk and broken in several.
+    for head in ["<function=f\n>", "<function=\nf>", "<function= " + "n" * 256 + ">"]:
+        text = f"<tool_call>\n{head}\n</function>\n</tool_call>"
+        for chunks in ([text], list(text)):
+            assert kit.summary(kit.run(Qwen3CoderParser(), chunks)) == [
+                ("content", text),
+                ("warning", text, False),
+            ]
+    text = (
+        "<tool_call>\n<function= f >\n<parameter= a >\n1\n</parameter>\n</function>\n</tool_call>"
+    )
+    for chunks in ([text], list(text)):  # spaces around a name are still allowed
+        assert kit.summary(kit.run(Qwen3CoderParser(), chunks)) == [("call", "f", {"a": "1"})]
