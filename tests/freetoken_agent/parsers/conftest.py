@@ -7,6 +7,7 @@ imported in importlib mode and cannot import one another).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -14,14 +15,18 @@ import re
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import strategies as st
 
 from freetoken_agent.parsers import (
     ContentDelta,
+    Event,
+    OutputParser,
     ParseWarning,
     ReasoningDelta,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
+    coalesce,
 )
 
 # Characters that stress the parsers: tag and JSON syntax, escapes, newlines, non-ASCII.
@@ -278,4 +283,95 @@ def kit() -> SimpleNamespace:
         without=without,
         expected_from=expected_from,
         transcript=transcript,
+    )
+
+
+# The property tests (test_fuzz*.py) share the checks below through the `fuzz` fixture. It is
+# module-scoped: hypothesis refuses function-scoped fixtures, which are not reset per example.
+
+
+def drawn_chunkings(data: st.DataObject, text: str, n: int) -> list[list[str]]:
+    """One chunk, one character at a time, and `n` cuttings drawn by hypothesis (a repeated
+    cut gives an empty chunk)."""
+    ways = [[text], list(text)]
+    for _ in range(n):
+        cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=16), label="cuts"))
+        ways.append([text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+    return ways
+
+
+def check_stream(events: list[Event], text: str, verbatim: bool) -> None:
+    """The call protocol, stricter than `normalize`: every start is ended or voided by the end
+    of the output; text deltas are not empty; a warning's raw text is input text and repeats
+    the content just before it. `verbatim` (formats that stream the model's own argument text):
+    a voided call streamed nothing from past its block, so its argument text is in the raw."""
+    started: dict[int, ToolCallStart] = {}
+    open_calls: set[int] = set()
+    args_text: dict[int, str] = {}
+    for e in events:
+        if isinstance(e, (ContentDelta, ReasoningDelta)):
+            assert e.text, e
+        elif isinstance(e, ToolCallStart):
+            assert e.index == len(started) and e.name, e
+            assert ID_RE.match(e.id) and e.id not in {s.id for s in started.values()}, e
+            started[e.index] = e
+            open_calls.add(e.index)
+            args_text[e.index] = ""
+        elif isinstance(e, ToolCallArgsDelta):
+            assert e.index in open_calls, e
+            args_text[e.index] += e.text
+        elif isinstance(e, ToolCallEnd):
+            assert e.index in open_calls, e
+            assert (e.id, e.name) == (started[e.index].id, started[e.index].name), e
+            assert json.loads(args_text[e.index]) == e.arguments, (args_text[e.index], e)
+            open_calls.remove(e.index)
+        elif e.index is not None:
+            assert e.index in open_calls, e
+            assert not verbatim or args_text[e.index] in e.raw_text, (args_text[e.index], e)
+            open_calls.remove(e.index)
+    assert not open_calls, f"calls neither ended nor voided: {open_calls}"
+    merged = coalesce(events)
+    for i, e in enumerate(merged):
+        if isinstance(e, ParseWarning):
+            assert e.raw_text and e.raw_text in text, e
+            before = merged[i - 1] if i else None
+            assert isinstance(before, ContentDelta) and before.text.endswith(e.raw_text), e
+
+
+def canonical(events: list[Event]) -> list[Event]:
+    """Coalesced events with the random ids replaced by the call index."""
+    return [
+        dataclasses.replace(e, id=f"#{e.index}")
+        if isinstance(e, (ToolCallStart, ToolCallEnd))
+        else e
+        for e in coalesce(events)
+    ]
+
+
+def run_every(fmt: str | None, starts: bool, tools: list | None, text: str, ways: list) -> list:
+    """OutputParser over every chunking in `ways`: each passes `check_stream` and gives the
+    same canonical events. Returns the events of the first."""
+    first: list[Event] = []
+    for n, chunks in enumerate(ways):
+        events = run(OutputParser(fmt, starts, tools), chunks)
+        check_stream(events, text, verbatim=fmt in ("hermes", "mistral"))
+        if n == 0:
+            first, want = events, canonical(events)
+        else:
+            assert canonical(events) == want, chunks
+    return first
+
+
+def shown(events: list[Event], kind: type) -> str:
+    """The text of the deltas of one kind, joined."""
+    return "".join(e.text for e in events if isinstance(e, kind))
+
+
+@pytest.fixture(scope="module")
+def fuzz() -> SimpleNamespace:
+    return SimpleNamespace(
+        drawn_chunkings=drawn_chunkings,
+        run_every=run_every,
+        shown=shown,
+        merge_summary=merge_summary,
     )
