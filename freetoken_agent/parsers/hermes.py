@@ -7,10 +7,11 @@
 The JSON is scanned as it arrives: `ToolCallStart` goes out as soon as the name string is
 complete and the `"arguments"` object streams verbatim from there, so its deltas concatenate to
 the model's own JSON text. The call only counts once `</tool_call>` closes a body that is
-strict JSON (`loads_strict`: no NaN, no arguments key written twice); otherwise the block is
-re-emitted as content with a ParseWarning (carrying the index when a start had already gone
-out). A `</tool_call>` inside a JSON string is data; but a raw newline is never valid inside
-one, even after a backslash, so a newline-preceded close tag always closes.
+strict JSON (`loads_strict`: no NaN or Infinity, nesting capped) naming its arguments key
+once; otherwise the block is re-emitted as content with a ParseWarning (carrying the index when
+a start had already gone out). A `</tool_call>` inside a JSON string is data; but a raw
+newline is never valid inside one, even after a backslash, so a newline-preceded close tag
+always closes.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class _HermesCall:
 
     def _stream(self, out: list[Event]) -> None:
         """Emit the start once the name is known, then the arguments text scanned so far."""
-        # Decided on the scan's state alone (frozen once broken), so every chunking of the same
-        # text streams the same start and the same argument text.
+        # Decided on the scan's state alone (frozen once broken; member spans never move), so
+        # every chunking of the same text streams the same start and the same argument text.
         scan, body = self._scan, self._body
         if self._index is None:
             span = scan.members.get("name")
@@ -137,15 +138,15 @@ class _HermesCall:
         if self._index is not None and name != self._name:
             self._reject("tool call names its function twice", raw, out)
             return
-        if self._index is None:
-            self._index, self._id = self._numbering.next()
-            out.append(ToolCallStart(self._index, self._id, name))
         if key in self._scan.repeated or (self._args_key and self._args_key != key):
             # json.loads keeps the last of a repeated key, the stream showed the first. This was
             # decided on spans that moved with the chunking (found by fuzzing); now it is always
             # a rejection, on spans that never move.
             self._reject("tool call repeats its arguments", raw, out)
             return
+        if self._index is None:
+            self._index, self._id = self._numbering.next()
+            out.append(ToolCallStart(self._index, self._id, name))
         if self._args_key:
             span = self._scan.members[self._args_key]
             if span[1] > self._args_sent:

@@ -16,9 +16,9 @@ from typing import Any
 
 # Inside a string only these characters matter; everything else is skipped in one search.
 _STRING_STOP = re.compile(r'["\\\x00-\x1f]')
-MAX_DEPTH = 100  # deeper than any tool's arguments, far within Python's recursion limit
 _ESCAPES = '"\\/bfnrtu'  # what may follow a backslash in a JSON string
 _SPACE = " \t\n\r"
+MAX_DEPTH = 100  # deeper than any tool's arguments, far within Python's recursion limit
 
 
 def loads_strict(text: str) -> Any:
