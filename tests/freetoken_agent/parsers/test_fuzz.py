@@ -177,7 +177,10 @@ def coder_call(draw: st.DrawFn, safe: bool = False) -> tuple:
         if any(t in f"\n{text}\n" for t in VALUE_ENDS) or (safe and CLOSE in text):
             continue  # it would end the value early
         arguments[key] = value
-        params.append(f"<parameter={key}>\n{text}\n</parameter>\n")
+        # Models sometimes leave out `</parameter>`; then the next tag at a line start ends the
+        # value, and a value ending in a newline would lose it (documented), so not there.
+        close = "</parameter>\n" if text.endswith("\n") or draw(FLAGS) else ""
+        params.append(f"<parameter={key}>\n{text}\n{close}")
     block = f"<tool_call>\n<function={name}>\n{''.join(params)}</function>\n</tool_call>"
     return ("call", block, [(name, arguments)])
 
