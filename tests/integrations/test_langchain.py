@@ -83,7 +83,7 @@ def random_model(rng: random.Random, name: str) -> type[BaseModel]:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory):
     path = ensure_demo_model(tmp_path_factory.mktemp("cache"))
-    engine = Engine.load(path, device="cpu", progress=False, kv_tokens=8192, max_model_len=1024)
+    engine = Engine.load(path, device="cpu", progress=False, kv_tokens=8192, max_model_len=2048)
     yield engine
     service_for(engine).close()
 
