@@ -152,3 +152,23 @@ class EngineService:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ServiceView:
+    """What a Session reads from its engine (`tokenizer`, `spec`, `stats`), taken from a shared
+    EngineService. Integrations subclass it with their own `stream`, which routes a Session's
+    turn through their per-call bookkeeping (deadline, cancellation, the server's turn)."""
+
+    def __init__(self, service: EngineService) -> None:
+        self.service = service
+
+    @property
+    def tokenizer(self):
+        return self.service.tokenizer
+
+    @property
+    def spec(self):
+        return self.service.spec
+
+    def stats(self) -> dict:
+        return self.service.stats()

@@ -38,7 +38,7 @@ from freetoken_agent.integrations.langchain_constrained import (
 )
 from freetoken_agent.parsers import OutputParser, parser_factory_for, tool_format_for
 from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
-from freetoken_agent.service import EngineService
+from freetoken_agent.service import EngineService, ServiceView
 from freetoken_agent.session import Session
 
 _STOP = object()  # queued by a cancel: the reader stops waiting for engine events
@@ -155,23 +155,12 @@ class Call:
             ) from None
 
 
-class Gateway:
+class Gateway(ServiceView):
     """A Session's engine: the shared service, read through the current call's deadline."""
 
     def __init__(self, service: EngineService) -> None:
-        self.service = service
+        super().__init__(service)
         self.call: Call | None = None
-
-    @property
-    def tokenizer(self):
-        return self.service.tokenizer
-
-    @property
-    def spec(self):
-        return self.service.spec
-
-    def stats(self) -> dict:
-        return self.service.stats()
 
     def stream(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Iterator:
         call = self.call or Call(self.service, None)

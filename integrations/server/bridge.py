@@ -22,7 +22,7 @@ from typing import Any
 
 from freetoken_agent.engine.outputs import TokenEvent
 from freetoken_agent.engine.sampling_params import SamplingParams
-from freetoken_agent.service import EngineService
+from freetoken_agent.service import EngineService, ServiceView
 
 
 class TurnCancelled(Exception):
@@ -92,24 +92,13 @@ class Turn:
             self._events.put(TokenEvent(rid, None, "", 0, True, "abort", None))
 
 
-class EngineBridge:
+class EngineBridge(ServiceView):
     """Quacks like the engine for a Session (tokenizer, spec, stats, stream); `stream` goes
     through the Turn the server set as `current` before calling `session.send`."""
 
     def __init__(self, service: EngineService) -> None:
-        self.service = service
+        super().__init__(service)
         self.current: Turn | None = None
-
-    @property
-    def tokenizer(self):
-        return self.service.tokenizer
-
-    @property
-    def spec(self):
-        return self.service.spec
-
-    def stats(self) -> dict:
-        return self.service.stats()
 
     def stream(self, prompt: Sequence[int], sampling: SamplingParams) -> Iterator[TokenEvent]:
         if self.current is None:
