@@ -83,6 +83,26 @@ def _prefill(engine, n: int, rng) -> float:
     return n / (time.perf_counter() - start)
 
 
+def offload_engine(layers: int, budget_gb: float, chunk: int):
+    """(engine, B_P, B_H): the Qwen3-30B-A3B shape cut to `layers`, random weights, experts in
+    a pinned host pool under a `budget_gb` GPU budget; both bandwidths measured first."""
+    cfg = peer_slice(QWEN3_30B_A3B, layers)
+    h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    b_p = calibration.measure_pcie(3 * h * i * 2)
+    b_h = calibration.measure_cpu(h, i, torch.bfloat16)
+    engine = random_engine(
+        cfg,
+        policy="transfer",
+        gpu_budget=int(budget_gb * 1e9),
+        kv_tokens=32768,
+        max_num_seqs=4,
+        max_model_len=32768,
+        max_batched_tokens=chunk,
+        stream_min_tokens=512,
+    )
+    return engine, b_p, b_h
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench offload",
@@ -108,21 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     b_hbm = hbm_copy_bandwidth(dev)
-    cfg = peer_slice(QWEN3_30B_A3B, args.layers)
-    h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    b_p = calibration.measure_pcie(3 * h * i * 2)
-    b_h = calibration.measure_cpu(h, i, torch.bfloat16)
     t0 = time.perf_counter()
-    engine = random_engine(
-        cfg,
-        policy="transfer",
-        gpu_budget=int(args.budget_gb * 1e9),
-        kv_tokens=32768,
-        max_num_seqs=4,
-        max_model_len=32768,
-        max_batched_tokens=args.chunk,
-        stream_min_tokens=512,
-    )
+    engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank = engine.loaded.bank
     spec = engine.spec
     build_s = time.perf_counter() - t0

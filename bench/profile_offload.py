@@ -22,7 +22,7 @@ from collections import defaultdict
 
 import torch
 
-from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
+from freetoken_agent.bench.offload import offload_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -90,20 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regimes", nargs="+", default=["uniform", "native"])
     parser.add_argument("--policies", nargs="+", default=["cpu", "static", "adaptive", "transfer"])
     args = parser.parse_args(argv)
-    cfg = peer_slice(QWEN3_30B_A3B, args.layers)
-    h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    b_p = calibration.measure_pcie(3 * h * i * 2)
-    b_h = calibration.measure_cpu(h, i, torch.bfloat16)
-    engine = random_engine(
-        cfg,
-        policy="transfer",
-        gpu_budget=int(args.budget_gb * 1e9),
-        kv_tokens=32768,
-        max_num_seqs=4,
-        max_model_len=32768,
-        max_batched_tokens=args.chunk,
-        stream_min_tokens=512,
-    )
+    engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank, model = engine.loaded.bank, engine.loaded.model
     print(json.dumps({"slots": bank.cache.n_slots, "b_p": b_p / 1e9, "b_h": b_h / 1e9}))
     timers = Timers()
