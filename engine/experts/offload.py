@@ -197,31 +197,23 @@ class OffloadedExpertBank:
         after_compute: bool = True,
     ) -> tuple[torch.Tensor | None, list[int]]:
         """Place the misses: the policy's share is filled into slots (the layer's own experts
-        are never evicted for them), the rest runs on the CPU, concurrently. `cpu_inputs()`
-        returns (hidden [T, H], lids [T, K], weights [T, K]) on the host. Returns (the CPU's
-        partial sum [T, H] on the host or None, the lids filled); the caller publishes the
-        filled slots (`cache.publish`) once it no longer needs to overlap them."""
+        are never evicted for them), the rest runs on the CPU while the copies cross the link.
+        `cpu_inputs()` returns (hidden [T, H], lids [T, K], weights [T, K]) on the host.
+        Returns (the CPU's partial sum [T, H] on the host or None, the lids filled); the caller
+        publishes the filled slots (`cache.publish`) once it no longer needs to overlap them."""
         if not misses:
             return None, []
         self._observe_fills()
-        want = self._fetches(misses)
-        wanted = set(want)
-        on_cpu = [lid for _, lid in misses if lid not in wanted]
-        part = inputs = None
         # The copies are asynchronous: issued first, they cross the link while the CPU works.
         # Not from a second thread: torch ops hold the GIL, and handing it back and forth
         # with the thread driving the kernel cost milliseconds a step on the H200 host.
+        want = self._fetches(misses)
         fetched = self.cache.fill(want, set(uniq), after_compute=after_compute, publish=False)
-        if on_cpu:
-            inputs = cpu_inputs()
-            part = self._run_on_cpu(*inputs, on_cpu)
-        left = [lid for lid in want if not self.cache.resident(lid)]  # every slot protected
-        if left:
-            inputs = inputs or cpu_inputs()
-            extra = self._run_on_cpu(*inputs, left)
-            part = extra if part is None else part + extra
+        # The policy's rest, and any fill that found every slot protected.
+        on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
+        part = self._run_on_cpu(*cpu_inputs(), on_cpu) if on_cpu else None
         self.stats.fetched += len(fetched)
-        self.stats.on_cpu += len(on_cpu) + len(left)
+        self.stats.on_cpu += len(on_cpu)
         return part, fetched
 
     def _fetches(self, misses: list[tuple[int, int]]) -> list[int]:
