@@ -202,6 +202,12 @@ class EngineConfig:
     # slots per expert (a placeholder until `freetoken calibrate` measures the crossover).
     stream_min_tokens: int = 256
     double_buffer: bool = True  # False: one staging buffer (the ablation)
+    # Hybrid models: where recurrent state is checkpointed for cross-request reuse:
+    # "anchors" (the Session's semantic boundaries), "positional:N" (every N tokens, as
+    # llama.cpp's context checkpoints) or "none" (no reuse across requests).
+    checkpoints: str = "anchors"
+    checkpoint_device_bytes: int | None = None  # None: sized from the budget (loading.py)
+    checkpoint_host_bytes: int | None = None  # None: a share of host memory (loading.py)
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -212,3 +218,6 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_batched_tokens and max_num_seqs must be positive")
+        from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
+
+        CheckpointMode.parse(self.checkpoints)  # a bad mode is refused at load, by name
