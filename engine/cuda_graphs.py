@@ -19,6 +19,7 @@ import torch
 
 from freetoken_agent.engine.kv.pool import SCRATCH_PAGE
 from freetoken_agent.engine.layers.attention import AttentionMetadata
+from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.runner import StepInputs
 
@@ -50,6 +51,9 @@ class DecodeGraphs:
         self.page_table = torch.full((n, max_pages), SCRATCH_PAGE, dtype=i32, device=device)
         self.cu_q_lens = torch.arange(n + 1, dtype=i32, device=device)
         self.kv_lens = torch.ones(n, dtype=i32, device=device)
+        # Hybrid models: each row's recurrent state slot (padding rows: the scratch slot 0).
+        self.state_slots = torch.zeros(n, dtype=i64, device=device)
+        self.recurrent = model.spec.is_hybrid
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture()
@@ -63,6 +67,9 @@ class DecodeGraphs:
             kv_lens=self.kv_lens[:bs],
             max_q_len=1,
             max_kv_len=self.max_pages * self.page_size,
+            recurrent=(
+                RecurrentMetadata(self.state_slots[:bs], None, None) if self.recurrent else None
+            ),
         )
 
     @torch.inference_mode()
@@ -107,10 +114,12 @@ class DecodeGraphs:
         put(self.slot_mapping[:b], inputs.slot_mapping)
         put(self.page_table[:b, :n_pages], inputs.page_table)
         put(self.kv_lens[:b], inputs.kv_lens)
+        put(self.state_slots[:b], inputs.state_slots)
         if bs > b:  # padding rows: scratch page, length 1
             self.slot_mapping[b:bs].fill_(SCRATCH_PAGE * self.page_size)
             self.positions[b:bs].zero_()
             self.input_ids[b:bs].zero_()
             self.page_table[b:bs, 0].fill_(SCRATCH_PAGE)
             self.kv_lens[b:bs].fill_(1)
+            self.state_slots[b:bs].zero_()
         return b, bs

@@ -34,6 +34,7 @@ from freetoken_agent.engine.outputs import (
 from freetoken_agent.engine.runner import ModelRunner, StepOutput
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.engine.scheduler import Batch, Request, Scheduler, Status
+from freetoken_agent.engine.stats import checkpoint_stats, expert_stats, request_stats
 
 log = logging.getLogger("freetoken.engine")
 
@@ -54,6 +55,7 @@ class Engine:
             loaded.kv.page_size,
             self.config.max_num_seqs,
             self.config.max_batched_tokens,
+            loaded.recurrence,
         )
         self.runner = ModelRunner(loaded.model, loaded.kv, loaded.device, self.config.seed)
         if loaded.device.type == "cuda" and self.config.cuda_graphs:
@@ -104,12 +106,20 @@ class Engine:
         request_id: str | None = None,
         *,
         use_prefix_cache: bool = True,
+        anchors: Sequence[int] = (),
+        anchor_tokens: Sequence[int] = (),
         _score: bool = False,
     ) -> str:
         """Queue a request; returns its id. Bad input raises InvalidRequestError here, before
-        anything runs, so it can never disturb other requests."""
+        anything runs, so it can never disturb other requests.
+
+        Hybrid models: `anchors` are token boundaries of the prompt (the Session's semantic
+        anchors: the state after prompt[:a]) where prefilling checkpoints the recurrent state,
+        and `anchor_tokens` generated tokens before which decoding does; later requests
+        sharing a prefix resume from the deepest checkpoint in it (EngineConfig.checkpoints)."""
         sampling = sampling or SamplingParams()
         ids = self._encode(prompt)
+        plan = self._snapshot_plan(ids, anchors)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -117,6 +127,9 @@ class Engine:
             self.grammars.add(request_id, sampling.json_schema)
         req = Request(request_id, ids, sampling, use_prefix_cache=use_prefix_cache and not _score)
         req.score_only = _score
+        if self.scheduler.recurrence is not None and req.use_prefix_cache:
+            req.snapshot_plan = plan
+            req.anchor_tokens = frozenset(int(t) for t in anchor_tokens)
         self._requests[request_id] = req
         self._outputs[request_id] = OutputState(self.tokenizer, sampling.stop)
         self._events[request_id] = deque()
@@ -155,6 +168,19 @@ class Engine:
                 f"{self.max_model_len - 1} prompt tokens fit"
             )
         return ids
+
+    def _snapshot_plan(self, ids: list[int], anchors: Sequence[int]) -> list[int]:
+        try:
+            marks = [int(a) for a in anchors]
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"anchors are token offsets (ints): {e}") from e
+        bad = [a for a in marks if not 0 <= a <= len(ids)]
+        if bad:
+            raise InvalidRequestError(
+                f"anchor {bad[0]} lies outside the prompt's {len(ids)} tokens (0..{len(ids)})"
+            )
+        rec = self.scheduler.recurrence
+        return rec.mode.prompt_boundaries(len(ids), marks) if rec is not None else []
 
     def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)
@@ -199,6 +225,7 @@ class Engine:
         now = time.perf_counter()
         req.first_token_time = req.first_token_time or now
         req.output_ids.append(token)
+        self.scheduler.checkpoint_decode(req, token)
         state = self._outputs[req.id]
         sp = req.sampling
         reason = None
@@ -253,9 +280,10 @@ class Engine:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        **options,
     ) -> GenerationOutput | list[GenerationOutput]:
         """Run one prompt (returns one output) or a list of prompts batched together (returns a
-        list, in order)."""
+        list, in order). `options` go to `submit` for every prompt (e.g. anchors=...)."""
         # A list of ints (or an empty list, refused as an empty prompt) is one prompt.
         single = isinstance(prompts, str) or not (
             len(prompts) and isinstance(prompts[0], (str, list, tuple, torch.Tensor))
@@ -270,7 +298,7 @@ class Engine:
         ids = []
         try:
             for p, sp in zip(batch, params, strict=True):
-                ids.append(self.submit(p, sp))
+                ids.append(self.submit(p, sp, **options))
         except Exception:
             for rid in ids:
                 self.abort(rid)
@@ -282,11 +310,11 @@ class Engine:
         return outputs[0] if single else outputs
 
     def stream(
-        self, prompt: Prompt, sampling: SamplingParams | None = None
+        self, prompt: Prompt, sampling: SamplingParams | None = None, **options
     ) -> Iterator[TokenEvent]:
         """Yield this request's events as they come; other requests progress meanwhile. Closing
-        the iterator early aborts the request."""
-        rid = self.submit(prompt, sampling)
+        the iterator early aborts the request. `options` go to `submit` (anchors...)."""
+        rid = self.submit(prompt, sampling, **options)
         queue = self._events[rid]
         try:
             while True:
@@ -362,6 +390,7 @@ class Engine:
                 "generated": t["generated"],
                 "reuse_ratio": t["reused"] / seen if seen else 0.0,
             },
+            "checkpoints": checkpoint_stats(self.scheduler),
             "requests": {
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
@@ -373,47 +402,10 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        rec = self.scheduler.recurrence
+        if rec is not None:
+            rec.states.check_integrity()
+            rec.checkpoints.check_integrity()
         check = getattr(self.loaded.bank, "check_integrity", None)
         if check is not None:
             check()
-
-
-def expert_stats(bank, policy: str) -> dict:
-    """Where experts live and, when offloaded, how the cache is doing."""
-    cache = getattr(bank, "cache", None)
-    if cache is None:
-        return {"placement": "resident", "policy": policy}
-    st = bank.stats
-    return {
-        "placement": "offloaded",
-        "policy": policy,
-        "slots": cache.n_slots,
-        "pool_rows": bank.pool.n_rows,
-        "pool_bytes": bank.pool.nbytes,
-        "pool_pinned": bank.pool.pinned,
-        "experts_touched": st.experts,
-        "hits": st.hits,
-        "fetched": st.fetched,
-        "on_cpu": st.on_cpu,
-        "miss_rate": st.miss_rate,
-        "bytes_filled": cache.bytes_filled,
-        "layers_streamed": bank.streamer.layers_streamed,
-        "bytes_streamed_h2d": bank.streamer.bytes_h2d,
-    }
-
-
-def request_stats(req: Request) -> dict:
-    end = req.finish_time or time.perf_counter()
-    ttft = (req.first_token_time - req.arrival_time) if req.first_token_time else None
-    decode_s = end - req.first_token_time if req.first_token_time else 0.0
-    n_out = len(req.output_ids)
-    return {
-        "prompt_tokens": len(req.prompt_ids),
-        "completion_tokens": n_out,
-        "reused_tokens": req.num_reused,
-        "prefilled_tokens": req.num_prefilled,
-        "ttft_s": ttft,
-        "decode_tok_s": (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
-        "total_s": end - req.arrival_time,
-        "preempted": req.admissions - 1,
-    }

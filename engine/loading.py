@@ -26,9 +26,11 @@ from freetoken_agent.engine.experts.placement import (
 )
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.radix import RadixCache
+from freetoken_agent.engine.kv.recurrence import build_recurrence, recurrent_device_bytes
 from freetoken_agent.engine.layers.moe import ExpertBank
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.models.registry import family, spec_from_config
+from freetoken_agent.engine.scheduler import Recurrence
 from freetoken_agent.engine.text.tokenizer import Tokenizer
 from freetoken_agent.engine.weights import ftw
 from freetoken_agent.engine.weights.loader import load_safetensors
@@ -52,6 +54,7 @@ class LoadedModel:
     dense_bytes: int
     max_model_len: int
     eos_token_ids: frozenset[int]
+    recurrence: Recurrence | None = None  # hybrid models: state slots and checkpoint pool
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -105,14 +108,18 @@ def size_kv_pool(
     wanted_tokens = config.max_num_seqs * max_len
     if device.type != "cuda":
         return -(-min(config.kv_tokens, wanted_tokens) // s) + 1
-    page_bytes = KVPool.page_bytes(spec.n_layers, s, spec.n_kv_heads, spec.head_dim, dtype)
+    page_bytes = KVPool.page_bytes(
+        len(spec.attention_layers), s, spec.n_kv_heads, spec.head_dim, dtype
+    )
     budget = gpu_budget(config, device, resident_bytes)
     workspace = workspace_bytes(spec, config)
-    left = budget - resident_bytes - workspace
+    recurrent = recurrent_device_bytes(spec, config, device, dtype, budget)
+    left = budget - resident_bytes - workspace - recurrent
     if left < 2 * page_bytes:
         raise BudgetError(
             f"GPU budget of {budget / GiB:.2f} GiB cannot hold the resident weights "
-            f"({resident_bytes / GiB:.2f} GiB), a {workspace / GiB:.2f} GiB workspace and a KV pool"
+            f"({resident_bytes / GiB:.2f} GiB), a {workspace / GiB:.2f} GiB workspace, "
+            f"{recurrent / GiB:.2f} GiB of recurrent state and checkpoints and a KV pool"
         )
     return int(min(left // page_bytes, -(-wanted_tokens // s) + 1))
 
@@ -161,10 +168,21 @@ def assemble(
     that fill the weights themselves)."""
     dense = dense_nbytes(model)
     n_pages = size_kv_pool(spec, config, device, dtype, dense + bank.nbytes, max_len)
-    kv = KVPool(
-        spec.n_layers, n_pages, config.page_size, spec.n_kv_heads, spec.head_dim, dtype, device
-    )
+    n_attn = len(spec.attention_layers)
+    kv = KVPool(n_attn, n_pages, config.page_size, spec.n_kv_heads, spec.head_dim, dtype, device)
     radix = RadixCache(config.page_size, kv.allocator)
+    budget = gpu_budget(config, device, dense + bank.nbytes) if device.type == "cuda" else 0
+    recurrence = build_recurrence(spec, config, device, dtype, budget)
+    if recurrence is not None:
+        views = [
+            recurrence.states.view(i, recurrence.checkpoints)
+            for i in range(len(spec.recurrent_layers))
+        ]
+        model.bind_recurrent_state(views)
+        # The tree releases a node's checkpoints when it evicts the node; the pool tells the
+        # tree when it drops one for space.
+        radix.release_checkpoint = recurrence.checkpoints.release
+        recurrence.checkpoints.on_drop = radix.forget_checkpoint
     # One sequence can never hold more than the whole pool.
     max_len = min(max_len, kv.allocator.capacity * config.page_size)
     eos = set(spec.eos_token_ids)
@@ -176,7 +194,7 @@ def assemble(
     )  # fmt: skip
     return LoadedModel(
         spec, config, model, bank, kv, radix, tokenizer, device, dtype, dense, max_len,
-        frozenset(eos),
+        frozenset(eos), recurrence,
     )  # fmt: skip
 
 

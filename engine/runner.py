@@ -16,6 +16,7 @@ import torch
 from freetoken_agent.engine.constrained import allowed_tokens
 from freetoken_agent.engine.kv.pool import SCRATCH_PAGE, KVPool
 from freetoken_agent.engine.layers.attention import AttentionMetadata
+from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.layers.sampler import sample
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.scheduler import Batch, ScheduledChunk
@@ -43,6 +44,8 @@ class StepInputs:
     kv_lens: np.ndarray  # [B] int32
     max_q_len: int
     max_kv_len: int
+    state_slots: np.ndarray  # [B] int64: each sequence's recurrent state row (0: none)
+    snap_slots: np.ndarray | None  # [T] int64: checkpoint row written after token t, or -1
 
 
 def build_inputs(chunks: list[ScheduledChunk], page_size: int) -> StepInputs:
@@ -60,6 +63,12 @@ def build_inputs(chunks: list[ScheduledChunk], page_size: int) -> StepInputs:
         ids.append(np.asarray(c.token_ids, dtype=np.int64))
     cu = np.zeros(len(chunks) + 1, dtype=np.int32)
     np.cumsum(q_lens, out=cu[1:])
+    snap_slots = None
+    if any(c.snapshots for c in chunks):
+        snap_slots = np.full(int(cu[-1]), -1, dtype=np.int64)
+        for b, c in enumerate(chunks):
+            for boundary, ckpt in c.snapshots:  # the state after token boundary - 1
+                snap_slots[cu[b] + boundary - 1 - c.start] = ckpt.row
     return StepInputs(
         input_ids=np.concatenate(ids),
         positions=np.concatenate(positions),
@@ -69,13 +78,25 @@ def build_inputs(chunks: list[ScheduledChunk], page_size: int) -> StepInputs:
         kv_lens=kv_lens,
         max_q_len=int(q_lens.max()),
         max_kv_len=int(kv_lens.max()),
+        state_slots=np.array([c.request.state_slot for c in chunks], dtype=np.int64),
+        snap_slots=snap_slots,
     )
 
 
-def to_device(inputs: StepInputs, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+def to_device(
+    inputs: StepInputs, device: torch.device, recurrent: bool = False
+) -> tuple[torch.Tensor, AttentionMetadata]:
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)
 
+    rec = None
+    if recurrent:
+        decode = inputs.max_q_len == 1 and inputs.snap_slots is None
+        rec = RecurrentMetadata(
+            state_slots=t(inputs.state_slots),
+            snap_slots=None if inputs.snap_slots is None else t(inputs.snap_slots),
+            seq_bounds=None if decode else tuple(int(x) for x in inputs.cu_q_lens),
+        )
     meta = AttentionMetadata(
         positions=t(inputs.positions),
         slot_mapping=t(inputs.slot_mapping),
@@ -84,6 +105,7 @@ def to_device(inputs: StepInputs, device: torch.device) -> tuple[torch.Tensor, A
         kv_lens=t(inputs.kv_lens),
         max_q_len=inputs.max_q_len,
         max_kv_len=inputs.max_kv_len,
+        recurrent=rec,
     )
     return t(inputs.input_ids), meta
 
@@ -140,7 +162,7 @@ class ModelRunner:
             hidden = self.graphs.replay(inputs)  # [B, H]: one token per chunk
             last_rows = torch.arange(len(chunks), device=self.device)
         else:
-            input_ids, meta = to_device(inputs, self.device)
+            input_ids, meta = to_device(inputs, self.device, self.model.spec.is_hybrid)
             hidden = self.model(input_ids, meta)  # [T, H]
             last_rows = torch.from_numpy(inputs.cu_q_lens[1:].astype(np.int64) - 1).to(self.device)
         out = StepOutput()

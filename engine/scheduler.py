@@ -13,6 +13,12 @@ and it waits to be re-admitted, when it re-prefills only what was evicted meanwh
 
 Between steps (the safe point) nothing is in flight: the memory manager of later issues resizes
 pools there.
+
+Hybrid models (recurrent layers beside attention, see `Recurrence`): a running request also holds
+a state slot. Its recurrent layers cannot rewind, so admission reuses cached KV only up to the
+deepest recurrent checkpoint inside the matched prefix and restores the state from it; chunks
+that cross a planned boundary (an anchor, see checkpoint_mode.py) carry snapshot rows for the
+kernels to fill, and those checkpoints are hung on the radix tree with the request's pages.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
+from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 from freetoken_agent.engine.kv.pool import PageAllocator
 from freetoken_agent.engine.kv.radix import Node, RadixCache
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -56,6 +64,14 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     admissions: int = 0
+    # Hybrid models: boundaries where prefilling takes checkpoints (sorted), generated tokens
+    # before which decoding takes one, the state slot while running (0: none), checkpoints
+    # taken but not yet hung on the tree (boundary, Checkpoint).
+    snapshot_plan: list[int] = field(default_factory=list)
+    anchor_tokens: frozenset[int] = frozenset()
+    state_slot: int = 0
+    pending_checkpoints: list[tuple[int, Any]] = field(default_factory=list)
+    num_resumed: int = 0  # tokens covered by restored checkpoints (summed over admissions)
 
     @property
     def tokens(self) -> list[int]:
@@ -74,6 +90,8 @@ class ScheduledChunk:
     start: int
     token_ids: list[int]
     sample: bool  # the chunk reaches the end of the known tokens: pick the next one
+    # Hybrid models: (boundary, Checkpoint) snapshots the kernels write during this chunk.
+    snapshots: list[tuple[int, Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -88,7 +106,17 @@ class Batch:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(len(c.token_ids) == 1 and c.sample for c in self.chunks)
+        return all(len(c.token_ids) == 1 and c.sample and not c.snapshots for c in self.chunks)
+
+
+@dataclass(slots=True)
+class Recurrence:
+    """A hybrid model's per-request state slots and checkpoint pool (engine/kv/), and the
+    checkpoint mode. The scheduler calls their id-level methods; they own the tensors."""
+
+    states: Any  # RecurrentStatePool
+    checkpoints: Any  # CheckpointPool
+    mode: CheckpointMode
 
 
 class Scheduler:
@@ -99,6 +127,7 @@ class Scheduler:
         page_size: int,
         max_num_seqs: int,
         max_batched_tokens: int,
+        recurrence: Recurrence | None = None,
     ) -> None:
         self.allocator = allocator
         self.radix = radix
@@ -109,6 +138,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.preemptions = 0
         self.pending_copies: list[tuple[int, int, int]] = []  # (src page, dst page, n tokens)
+        self.recurrence = recurrence
 
     # --- intake -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -155,29 +185,63 @@ class Scheduler:
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed
         tokens = req.tokens[start : start + n]
-        return ScheduledChunk(req, start, tokens, sample=start + n == req.n_tokens)
+        chunk = ScheduledChunk(req, start, tokens, sample=start + n == req.n_tokens)
+        if self.recurrence is not None and req.snapshot_plan:
+            taken = {b for b, _ in req.pending_checkpoints}
+            for b in req.snapshot_plan:
+                if start < b <= start + n and b not in taken:
+                    ckpt = self.recurrence.checkpoints.reserve(b)
+                    if ckpt is not None:  # every row locked: skip it (never an error)
+                        chunk.snapshots.append((b, ckpt))
+            # Owned by the request from now on, so every way out (finish, failure,
+            # preemption) releases or hangs them.
+            req.pending_checkpoints.extend(chunk.snapshots)
+        return chunk
 
     def _admit(self, req: Request) -> None:
         """Reuse what the prefix cache holds of the request's tokens (all but the last one,
-        whose logits must be computed)."""
-        if not req.use_prefix_cache:
+        whose logits must be computed). Hybrid models reuse only up to their deepest
+        checkpoint there, whose state goes into a fresh state slot."""
+        rec = self.recurrence
+        if rec is not None:
+            req.state_slot = rec.states.alloc()  # zeroed: a cold start unless restored below
+        if not req.use_prefix_cache or (rec is not None and not rec.mode.reuses):
             return
-        match = self.radix.match(req.tokens[:-1])
-        self.radix.lock(match.nodes)
-        req.pages = [n.page for n in match.nodes]
-        req.nodes = list(match.nodes)
-        req.num_computed = len(match.nodes) * self.page_size
-        if match.partial is not None:
+        tokens = req.tokens[:-1]
+        match = self.radix.match(tokens)
+        nodes, partial, partial_tokens = match.nodes, match.partial, match.partial_tokens
+        found = None
+        if rec is not None:
+            found = self.radix.deepest_checkpoint(tokens, match)
+            if found is None:
+                return
+            full, partial_tokens = divmod(found.boundary, self.page_size)
+            nodes, partial = nodes[:full], (found.node if partial_tokens else None)
+        self.radix.lock(nodes)
+        req.pages = [n.page for n in nodes]
+        req.nodes = list(nodes)
+        req.num_computed = len(nodes) * self.page_size
+        if partial is not None:
             # The partial page is copied now, before anything can evict it (the copy is queued
-            # on the device stream ahead of any later write to that page).
+            # on the device stream ahead of any later write to that page). The source stays
+            # locked while a page is made free, so eviction cannot take it.
+            self.radix.lock([partial])
             if self.allocator.n_free == 0:
                 self.radix.evict(1)
-            if self.allocator.n_free > 0:
-                page = self.allocator.alloc(1)[0]
-                self.pending_copies.append((match.partial.page, page, match.partial_tokens))
-                req.pages.append(page)
-                req.nodes.append(None)
-                req.num_computed += match.partial_tokens
+            self.radix.unlock([partial])
+            if self.allocator.n_free == 0:
+                if found is not None:  # the checkpoint needs that KV: start cold instead
+                    self.radix.unlock(nodes)
+                    req.pages, req.nodes, req.num_computed = [], [], 0
+                return
+            page = self.allocator.alloc(1)[0]
+            self.pending_copies.append((partial.page, page, partial_tokens))
+            req.pages.append(page)
+            req.nodes.append(None)
+            req.num_computed += partial_tokens
+        if found is not None:
+            rec.checkpoints.restore(found.checkpoint, rec.states, req.state_slot)
+            req.num_resumed += found.boundary
 
     def take_copies(self) -> list[tuple[int, int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -217,7 +281,7 @@ class Scheduler:
 
     # --- after the step -----------------------------------------------------------------
     def advance(self, chunk: ScheduledChunk) -> None:
-        """The chunk's K/V are now in the cache."""
+        """The chunk's K/V (and its snapshots) are now in the cache."""
         req = chunk.request
         req.num_computed += len(chunk.token_ids)
         if not req.prefilling:
@@ -230,6 +294,44 @@ class Scheduler:
                 req.nodes = self.radix.insert(
                     req.tokens[: req.num_computed], req.pages, req.nodes, full_pages_only=True
                 )
+                self._hang_checkpoints(req, final=False)
+
+    def checkpoint_decode(self, req: Request, token: int) -> None:
+        """A decoding request just sampled `token`: take a checkpoint before it when the mode
+        asks (the state now covers exactly the tokens before it)."""
+        rec = self.recurrence
+        if rec is None or req.status is not Status.RUNNING or not req.use_prefix_cache:
+            return
+        boundary = req.num_computed
+        if boundary != req.n_tokens - 1 or not rec.mode.at_decode(
+            boundary, token, req.anchor_tokens
+        ):
+            return
+        if any(b == boundary for b, _ in req.pending_checkpoints):
+            return
+        ckpt = rec.checkpoints.reserve(boundary)
+        if ckpt is not None:
+            rec.checkpoints.save(ckpt, rec.states, req.state_slot)
+            req.pending_checkpoints.append((boundary, ckpt))
+
+    def _hang_checkpoints(self, req: Request, final: bool) -> None:
+        """Hang the request's checkpoints on the tree nodes holding their boundary's page;
+        release those that cannot be (no such node, or one already there). Before `final`,
+        checkpoints whose page is not cached yet wait for the release."""
+        rec = self.recurrence
+        if rec is None or not req.pending_checkpoints:
+            return
+        tokens, keep = req.tokens, []
+        for boundary, ckpt in req.pending_checkpoints:
+            rec.checkpoints.unlock(ckpt)
+            if self.radix.attach_checkpoint(tokens, boundary, ckpt):
+                continue
+            if final or boundary > req.num_computed:
+                rec.checkpoints.release(ckpt)
+            else:
+                rec.checkpoints.lock(ckpt)  # not hung yet: keep it from being dropped
+                keep.append((boundary, ckpt))
+        req.pending_checkpoints = keep
 
     def finish(self, req: Request, reason: str) -> None:
         if req.status is Status.FINISHED:
@@ -244,9 +346,20 @@ class Scheduler:
         req.status = Status.FINISHED
 
     def _release(self, req: Request, cache: bool) -> None:
-        """Return a request's pages: cached ones to the tree (unlocked), private ones freed."""
+        """Return a request's pages: cached ones to the tree (unlocked), private ones freed;
+        and its state slot and checkpoints (hung on the tree when cached)."""
         if cache:
             req.nodes = self.radix.insert(req.tokens[: req.num_computed], req.pages, req.nodes)
+        if self.recurrence is not None:
+            if cache:
+                self._hang_checkpoints(req, final=True)
+            for _, ckpt in req.pending_checkpoints:
+                self.recurrence.checkpoints.unlock(ckpt)
+                self.recurrence.checkpoints.release(ckpt)
+            req.pending_checkpoints = []
+            if req.state_slot:
+                self.recurrence.states.free(req.state_slot)
+                req.state_slot = 0
         self.radix.unlock([n for n in req.nodes if n is not None])
         self.allocator.free([p for p, n in zip(req.pages, req.nodes, strict=True) if n is None])
         req.pages, req.nodes = [], []
@@ -283,3 +396,9 @@ class Scheduler:
             assert node.ref == refs.get(id(node), 0), (
                 f"node of page {node.page} has ref {node.ref}, {refs.get(id(node), 0)} holders"
             )
+        if self.recurrence is not None:
+            slots = [r.state_slot for r in self.running]
+            assert all(slots) and len(set(slots)) == len(slots), "state slots shared or missing"
+            assert not any(r.state_slot for r in self.waiting), "a waiting request holds a slot"
+            states = self.recurrence.states
+            assert states.capacity - states.n_free == len(slots), "state slots leaked"

@@ -54,13 +54,13 @@ class EngineService:
             return self.engine.stats()
 
     # --- requests -------------------------------------------------------------------------
-    def submit(self, prompt, sampling: SamplingParams | None, sink) -> str:
+    def submit(self, prompt, sampling: SamplingParams | None, sink, **options) -> str:
         """Queue a request whose events go to `sink(event)` (called on the engine thread).
-        Bad input raises here, in the caller's thread."""
+        Bad input raises here, in the caller's thread. `options` go to Engine.submit."""
         with self.lock:
             if self._closed:
                 raise RuntimeError("the engine service is closed")
-            rid = self.engine.submit(prompt, sampling)
+            rid = self.engine.submit(prompt, sampling, **options)
             self._sinks[rid] = sink
             self._work.notify()
         return rid
@@ -71,10 +71,12 @@ class EngineService:
                 self.engine.abort(request_id)
                 self.engine._pop(request_id)  # the service reads events from step(), not here
 
-    def stream(self, prompt, sampling: SamplingParams | None = None) -> Iterator[TokenEvent]:
+    def stream(
+        self, prompt, sampling: SamplingParams | None = None, **options
+    ) -> Iterator[TokenEvent]:
         """This request's events, read in the calling thread. Closing early aborts it."""
         events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-        rid = self.submit(prompt, sampling, events.put)
+        rid = self.submit(prompt, sampling, events.put, **options)
         try:
             while True:
                 event = events.get()
@@ -85,7 +87,7 @@ class EngineService:
             self.abort(rid)
 
     async def astream(
-        self, prompt, sampling: SamplingParams | None = None
+        self, prompt, sampling: SamplingParams | None = None, **options
     ) -> AsyncIterator[TokenEvent]:
         """This request's events on the running asyncio loop. Cancelling the reader (a client
         that went away) aborts the request."""
@@ -96,7 +98,7 @@ class EngineService:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads this any more
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
-        rid = self.submit(prompt, sampling, deliver)
+        rid = self.submit(prompt, sampling, deliver, **options)
         try:
             while True:
                 event = await events.get()

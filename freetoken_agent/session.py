@@ -36,6 +36,10 @@ from freetoken_agent.messages import (
     coerce_messages,
 )
 
+# Generated tokens before which a hybrid model's decoding checkpoints its recurrent state: the
+# boundaries the next turn's rendering also marks (tool call, end of reasoning, end of turn).
+DECODE_ANCHOR_MARKERS = ("<tool_call>", "</think>", "<|im_end|>")
+
 
 @dataclass(slots=True)
 class TextDelta:
@@ -110,6 +114,7 @@ class Session:
         self.last_output_ids: list[int] = []  # tokens generated after it
         self.last_output_text = ""
         self._kv_tokens = 0  # leading tokens of the last sent sequence whose KV the engine has
+        self._marker_ids: list[int] | None = None  # see _anchor_options
 
     # --- rendering and diffing ------------------------------------------------------------
     def sampling(
@@ -176,7 +181,7 @@ class Session:
         out_ids: list[int] = []
         out_text: list[str] = []
         end: dict[str, Any] = {"reason": None, "error": None, "started": False}
-        stream = self.engine.stream(diff.prompt.token_ids, params)
+        stream = self.engine.stream(diff.prompt.token_ids, params, **self._anchor_options(diff))
         try:
             for event in stream:
                 end["started"] = True
@@ -202,6 +207,22 @@ class Session:
             source="engine" if usage.exact else "predicted",
         )
         yield usage
+
+    def _anchor_options(self, diff: HistoryDiff) -> dict[str, Any]:
+        """For models with recurrent layers: the prompt's anchors (where the engine checkpoints
+        the recurrent state while prefilling) and the marker tokens before which it checkpoints
+        while decoding (a tool call, the end of reasoning, the end of the turn), so the next
+        turn resumes close to where it diverges. Other models reuse any cached prefix without
+        them, so nothing is passed (duck-typed engines need not know the options)."""
+        if not getattr(getattr(self.engine, "spec", None), "is_hybrid", False):
+            return {}
+        if self._marker_ids is None:
+            vocab = self.chat_format.tokenizer.backend.get_vocab()
+            self._marker_ids = [vocab[m] for m in DECODE_ANCHOR_MARKERS if m in vocab]
+        return {
+            "anchors": sorted({a.offset for a in diff.prompt.anchors}),
+            "anchor_tokens": self._marker_ids,
+        }
 
     def _record(self, diff: HistoryDiff, out_ids: list[int], text: str, reason: str) -> None:
         self.last_prompt = diff.prompt

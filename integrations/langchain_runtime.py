@@ -162,9 +162,11 @@ class Gateway(ServiceView):
         super().__init__(service)
         self.call: Call | None = None
 
-    def stream(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> Iterator:
+    def stream(
+        self, prompt: Sequence[int], sampling: SamplingParams | None = None, **options
+    ) -> Iterator:
         call = self.call or Call(self.service, None)
-        rid = self.service.submit(prompt, sampling, call.events.put)
+        rid = self.service.submit(prompt, sampling, call.events.put, **options)
         try:
             if not call.started(rid):
                 return

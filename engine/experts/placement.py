@@ -19,6 +19,7 @@ from freetoken_agent.engine.experts.offload import OffloadedExpertBank, lends_st
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.resident import ResidentExpertBank
 from freetoken_agent.engine.kv.pool import KVPool
+from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 
 log = logging.getLogger("freetoken.experts")
 
@@ -58,11 +59,13 @@ def slot_count(
     if device.type != "cuda":
         return n_rows  # no budget to respect on a CPU device unless expert_slots is given
     kv = -(-config.kv_tokens // config.page_size) * KVPool.page_bytes(
-        spec.n_layers, config.page_size, spec.n_kv_heads, spec.head_dim, dtype
+        len(spec.attention_layers), config.page_size, spec.n_kv_heads, spec.head_dim, dtype
     )
     expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
     buffers = 2 if config.double_buffer else 1
-    left = gpu_budget(config, device, dense) - dense - kv - workspace_bytes(spec, config)
+    budget = gpu_budget(config, device, dense)
+    recurrent = recurrent_device_bytes(spec, config, device, dtype, budget)
+    left = budget - dense - kv - recurrent - workspace_bytes(spec, config)
     if lends_staging(left // expert, spec.n_experts, buffers, n_rows):
         return min(n_rows, left // expert)  # prefill staging borrows slots (streaming.py)
     left -= buffers * spec.n_experts * expert  # staging buffers of their own

@@ -10,13 +10,21 @@ partial) contributes its first r tokens, which the caller copies into a private 
 Reference counts: a request that reuses a node holds a reference until it finishes; nodes with
 no references and no children are evictable, least recently used first. Eviction returns page
 ids to the allocator: the tree is the only owner of the pages it holds.
+
+Recurrent checkpoints (hybrid models): a checkpoint of the state after tokens [0, b) hangs on
+the node holding token b - 1, so it lives exactly as long as the KV it needs, and two sessions
+branching from one prefix share it. Evicting a node releases its checkpoints
+(`release_checkpoint`, set by the engine); a checkpoint pool that drops one for space calls
+`forget_checkpoint`.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from freetoken_agent.engine.kv.pool import PageAllocator
 
@@ -29,6 +37,11 @@ class Node:
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     ref: int = 0
     last_used: int = 0
+    depth: int = 0  # pages above this one: its tokens start at depth * page size
+    checkpoints: dict[int, Any] = field(default_factory=dict)  # boundary -> Checkpoint
+
+    def start(self, page_size: int) -> int:
+        return self.depth * page_size
 
 
 @dataclass(slots=True)
@@ -44,6 +57,16 @@ class PrefixMatch:
         return len(self.nodes) * page_size + self.partial_tokens
 
 
+@dataclass(slots=True)
+class CheckpointMatch:
+    """The deepest checkpoint usable for a query: the state after tokens [0, boundary), on
+    `node`; `node` also holds the KV page of token boundary - 1."""
+
+    boundary: int
+    checkpoint: Any
+    node: Node
+
+
 class RadixCache:
     def __init__(self, page_size: int, allocator: PageAllocator) -> None:
         self.page_size = page_size
@@ -51,6 +74,7 @@ class RadixCache:
         self.root = Node((), -1, None)
         self._clock = itertools.count(1)
         self.n_pages = 0  # pages held by the tree
+        self.release_checkpoint: Callable[[Any], None] = lambda ckpt: None
 
     # --- lookup -------------------------------------------------------------------------
     def match(self, tokens: list[int]) -> PrefixMatch:
@@ -122,12 +146,71 @@ class RadixCache:
                 existing.last_used = now  # cached first by another sequence: ours stays private
                 result.append(None)
             else:
-                existing = Node(chunk, page, node, ref=1, last_used=now)
+                existing = Node(chunk, page, node, ref=1, last_used=now, depth=i)
                 node.children[chunk] = existing
                 self.n_pages += 1
                 result.append(existing)
             node = existing if len(chunk) == s else None
         return result
+
+    # --- recurrent checkpoints -------------------------------------------------------------
+    def node_holding(self, tokens: list[int], boundary: int) -> Node | None:
+        """The cached node whose page holds token boundary - 1 of `tokens` (its tokens up to
+        there equal the query's, and so do all its ancestors'), or None."""
+        s = self.page_size
+        last = (boundary - 1) // s
+        node = self.root
+        for i in range(last):
+            node = node.children.get(tuple(tokens[i * s : (i + 1) * s]))
+            if node is None:
+                return None
+        want = tuple(tokens[last * s : boundary])
+        full = node.children.get(tuple(tokens[last * s : (last + 1) * s]))
+        if full is not None and full.tokens[: len(want)] == want:
+            return full
+        return next((c for c in node.children.values() if c.tokens[: len(want)] == want), None)
+
+    def attach_checkpoint(self, tokens: list[int], boundary: int, ckpt: Any) -> bool:
+        """Hang `ckpt` (the state after tokens[:boundary]) on the node holding token
+        boundary - 1. False when no cached node holds it or one is already there: the caller
+        releases the checkpoint."""
+        node = self.node_holding(tokens, boundary)
+        if node is None or boundary in node.checkpoints:
+            return False
+        node.checkpoints[boundary] = ckpt
+        ckpt.owner = node
+        return True
+
+    def forget_checkpoint(self, ckpt: Any) -> None:
+        """The checkpoint pool dropped `ckpt` for space."""
+        node = ckpt.owner
+        if node is not None and node.checkpoints.get(ckpt.boundary) is ckpt:
+            del node.checkpoints[ckpt.boundary]
+        ckpt.owner = None
+
+    def deepest_checkpoint(self, tokens: list[int], match: PrefixMatch) -> CheckpointMatch | None:
+        """The checkpoint at the largest boundary b such that tokens[:b] is cached (b at most
+        the matched length): along the matched full pages, and among the children below the
+        last of them (each matching the query for its own number of tokens)."""
+        s = self.page_size
+        best: CheckpointMatch | None = None
+
+        def consider(node: Node, limit: int) -> None:
+            nonlocal best
+            for b, ckpt in node.checkpoints.items():
+                if b <= limit and (best is None or b > best.boundary):
+                    best = CheckpointMatch(b, ckpt, node)
+
+        for node in match.nodes:
+            consider(node, (node.depth + 1) * s)
+        parent = match.nodes[-1] if match.nodes else self.root
+        pos = len(match.nodes) * s
+        rest = tokens[pos : pos + s]
+        if rest:
+            for child in parent.children.values():
+                if child.checkpoints:
+                    consider(child, pos + _common_prefix(child.tokens, rest))
+        return best
 
     # --- eviction -----------------------------------------------------------------------
     def evictable(self) -> int:
@@ -145,6 +228,9 @@ class RadixCache:
             del parent.children[node.tokens]
             freed.append(node.page)
             node.parent = None
+            for ckpt in node.checkpoints.values():
+                self.release_checkpoint(ckpt)
+            node.checkpoints.clear()
             if parent is not self.root and parent.ref == 0 and not parent.children:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         self.n_pages -= len(freed)
@@ -179,6 +265,11 @@ class RadixCache:
             assert len(n.tokens) == s or not n.children, "a partial page has children"
             assert n.ref >= 0, "negative reference count"
             assert n.page not in seen, f"page {n.page} held by two nodes"
+            assert n.depth == (n.parent.depth + 1 if n.parent is not self.root else 0), "depth"
+            lo = n.depth * s
+            for b, ckpt in n.checkpoints.items():
+                assert lo < b <= lo + len(n.tokens), f"checkpoint at {b} outside its node"
+                assert ckpt.owner is n and ckpt.boundary == b, "checkpoint not owned by its node"
             seen.add(n.page)
         assert count == self.n_pages, f"tree counts {self.n_pages} pages, holds {count}"
         assert not (seen & self.allocator.free_set()), "a cached page is also on the free list"

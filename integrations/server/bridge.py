@@ -63,12 +63,14 @@ class Turn:
             self.figures = request_figures(self.service.engine, event.request_id)
         self._events.put(event)
 
-    def stream(self, prompt: Sequence[int], sampling: SamplingParams) -> Iterator[TokenEvent]:
+    def stream(
+        self, prompt: Sequence[int], sampling: SamplingParams, **options
+    ) -> Iterator[TokenEvent]:
         ids = [*prompt, *self.suffix_ids]
         with self._lock:  # cancel() either sees the request id or stops the submission
             if self.cancelled:
                 raise TurnCancelled("the turn was cancelled before it started")
-            self.request_id = self.service.submit(ids, sampling, self._deliver)
+            self.request_id = self.service.submit(ids, sampling, self._deliver, **options)
         if self.on_submit is not None:
             self.on_submit(len(ids))
         try:
@@ -100,7 +102,9 @@ class EngineBridge(ServiceView):
         super().__init__(service)
         self.current: Turn | None = None
 
-    def stream(self, prompt: Sequence[int], sampling: SamplingParams) -> Iterator[TokenEvent]:
+    def stream(
+        self, prompt: Sequence[int], sampling: SamplingParams, **options
+    ) -> Iterator[TokenEvent]:
         if self.current is None:
             raise RuntimeError("EngineBridge.stream outside a server turn (set .current first)")
-        return self.current.stream(prompt, sampling)
+        return self.current.stream(prompt, sampling, **options)

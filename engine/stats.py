@@ -1,0 +1,64 @@
+"""The figures `Engine.stats()` and each request's output report: expert placement and cache
+counters, recurrent checkpoint memory, per-request timings."""
+
+from __future__ import annotations
+
+import time
+
+from freetoken_agent.engine.scheduler import Request, Scheduler
+
+
+def expert_stats(bank, policy: str) -> dict:
+    """Where experts live and, when offloaded, how the cache is doing."""
+    cache = getattr(bank, "cache", None)
+    if cache is None:
+        return {"placement": "resident", "policy": policy}
+    st = bank.stats
+    return {
+        "placement": "offloaded",
+        "policy": policy,
+        "slots": cache.n_slots,
+        "pool_rows": bank.pool.n_rows,
+        "pool_bytes": bank.pool.nbytes,
+        "pool_pinned": bank.pool.pinned,
+        "experts_touched": st.experts,
+        "hits": st.hits,
+        "fetched": st.fetched,
+        "on_cpu": st.on_cpu,
+        "miss_rate": st.miss_rate,
+        "bytes_filled": cache.bytes_filled,
+        "layers_streamed": bank.streamer.layers_streamed,
+        "bytes_streamed_h2d": bank.streamer.bytes_h2d,
+    }
+
+
+def checkpoint_stats(scheduler: Scheduler) -> dict | None:
+    """Recurrent state and checkpoint memory of a hybrid model (None for pure attention)."""
+    rec = scheduler.recurrence
+    if rec is None:
+        return None
+    mode = rec.mode
+    return {
+        "mode": mode.kind if mode.kind != "positional" else f"positional:{mode.interval}",
+        "state_bytes": rec.states.nbytes,
+        "state_slots_free": rec.states.n_free,
+        **rec.checkpoints.stats(),
+    }
+
+
+def request_stats(req: Request) -> dict:
+    end = req.finish_time or time.perf_counter()
+    ttft = (req.first_token_time - req.arrival_time) if req.first_token_time else None
+    decode_s = end - req.first_token_time if req.first_token_time else 0.0
+    n_out = len(req.output_ids)
+    return {
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": n_out,
+        "reused_tokens": req.num_reused,
+        "prefilled_tokens": req.num_prefilled,
+        "resumed_tokens": req.num_resumed,
+        "ttft_s": ttft,
+        "decode_tok_s": (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
+        "total_s": end - req.arrival_time,
+        "preempted": req.admissions - 1,
+    }

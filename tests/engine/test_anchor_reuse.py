@@ -1,0 +1,149 @@
+"""Anchor-bounded re-prefill on hybrid models (CPU): a request resumes its recurrent layers from
+the deepest checkpoint at or before where it diverges from the cache, prefills only the tokens
+after it, and produces what a cold full prefill produces."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_models import HYBRID_FAMILIES, make_tiny
+
+from freetoken_agent import Engine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+VOCAB = 320
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def _load(path, **options) -> Engine:
+    return Engine.load(path, device="cpu", progress=False, kv_tokens=4096, **options)
+
+
+@pytest.fixture(params=HYBRID_FAMILIES)
+def hybrid(request, tmp_path, rng_seed):
+    make_tiny(request.param, tmp_path, rng_seed)
+    return tmp_path, random.Random(rng_seed)
+
+
+def _expected_resume(mode: str, boundaries: set[int], diverge: int, n_prompt: int) -> int:
+    """The deepest checkpointed boundary a request can resume from: at most the divergence and
+    at most len(prompt) - 1 (the last prompt token is always computed)."""
+    limit = min(diverge, n_prompt - 1)
+    if mode == "none":
+        return 0
+    return max([b for b in boundaries if b <= limit], default=0)
+
+
+@pytest.mark.parametrize("mode", ["anchors", "positional:48", "none"])
+def test_edit_resumes_from_deepest_checkpoint(hybrid, mode):
+    path, rng = hybrid
+    engine = _load(path, checkpoints=mode)
+    first = _tokens(rng, rng.randrange(150, 260))
+    anchors = sorted(rng.sample(range(1, len(first)), 6))
+    out1 = engine.generate(first, GREEDY, anchors=anchors)
+    assert out1.stats["prefilled_tokens"] == len(first)
+    # An edit inside the prompt, away from any anchor: the rest is new.
+    diverge = rng.randrange(anchors[1] + 1, len(first) - 1)
+    second = first[:diverge] + _tokens(rng, rng.randrange(20, 60))
+    second[diverge] = (first[diverge] + 1 - 3) % (VOCAB - 3) + 3  # differs right there
+    out2 = engine.generate(second, GREEDY, anchors=[])
+    if mode == "anchors":
+        taken = {*anchors, len(first)}
+    elif mode.startswith("positional"):
+        taken = set(range(48, len(first) + 1, 48))
+    else:
+        taken = set()
+    resume = _expected_resume(mode.split(":")[0], taken, diverge, len(second))
+    assert out2.stats["reused_tokens"] == resume
+    assert out2.stats["resumed_tokens"] == resume
+    assert out2.stats["prefilled_tokens"] == len(second) - resume
+    engine.check_integrity()
+    cold = _load(path, checkpoints="none")
+    assert cold.generate(second, GREEDY).token_ids == out2.token_ids
+    assert cold.generate(first, GREEDY).token_ids == out1.token_ids
+
+
+def test_branches_share_a_checkpoint(hybrid):
+    """Two sessions sharing a system prompt and tools: the second resumes at the shared anchor."""
+    path, rng = hybrid
+    engine = _load(path)
+    shared = _tokens(rng, 97)
+    a, b = shared + _tokens(rng, 40), shared + _tokens(rng, 33)
+    b[len(shared)] = (a[len(shared)] + 1 - 3) % (VOCAB - 3) + 3
+    engine.generate(a, GREEDY, anchors=[len(shared)])
+    out = engine.generate(b, GREEDY, anchors=[len(shared)])
+    assert out.stats["prefilled_tokens"] == len(b) - len(shared)
+    node = engine.radix.node_holding(b, len(shared))
+    assert node is not None and len(shared) in node.checkpoints  # one checkpoint, on the tree
+    cold = _load(path, checkpoints="none")
+    assert cold.generate(b, GREEDY).token_ids == out.token_ids
+    engine.check_integrity()
+
+
+def test_decode_checkpoint_before_marker_token(hybrid):
+    """A checkpoint taken while decoding (before a marker token) serves the follow-up turn."""
+    path, rng = hybrid
+    engine = _load(path)
+    prompt = _tokens(rng, 60)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first = engine.generate(prompt, sp, anchor_tokens=range(VOCAB))  # before every token
+    k = rng.randrange(2, 7)
+    follow = prompt + first.token_ids[:k] + _tokens(rng, 12)
+    out = engine.generate(follow, GREEDY)
+    assert out.stats["reused_tokens"] == len(prompt) + k
+    assert out.stats["prefilled_tokens"] == len(follow) - len(prompt) - k
+    cold = _load(path, checkpoints="none")
+    assert cold.generate(follow, GREEDY).token_ids == out.token_ids
+    engine.check_integrity()
+
+
+def test_checkpoints_spill_and_drop_under_pressure(hybrid):
+    """A checkpoint pool of two device rows and two host rows: many anchors spill and drop
+    (counted in stats), nothing fails, outputs stay exact."""
+    path, rng = hybrid
+    probe = _load(path)
+    per = probe.stats()["checkpoints"]["bytes_per_checkpoint"]
+    engine = _load(path, checkpoint_device_bytes=2 * per, checkpoint_host_bytes=2 * per)
+    prompt = _tokens(rng, 200)
+    anchors = sorted(rng.sample(range(1, 200), 12))
+    engine.generate(prompt, GREEDY, anchors=anchors)
+    engine.check_integrity()
+    stats = engine.stats()["checkpoints"]
+    assert stats["device_rows"] == 2 and stats["host_rows"] == 2
+    assert stats["spilled"] >= 2 and stats["dropped"] >= 1
+    assert stats["device_used"] <= 2 and stats["host_used"] <= 2
+    # The most recent checkpoints survive: an edit near the end resumes from one of them.
+    follow = prompt[:-1] + _tokens(rng, 5)
+    out = engine.generate(follow, GREEDY)
+    assert out.stats["resumed_tokens"] > 0
+    cold = _load(path, checkpoints="none")
+    assert cold.generate(follow, GREEDY).token_ids == out.token_ids
+    engine.check_integrity()
+
+
+def test_pure_attention_model_ignores_anchors(tmp_path, rng_seed):
+    rng = random.Random(rng_seed)
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    engine = _load(tmp_path)
+    prompt = _tokens(rng, 120)
+    engine.generate(prompt, GREEDY, anchors=[10, 50])
+    follow = prompt[:100] + _tokens(rng, 10)
+    follow[100] = (prompt[100] + 1 - 3) % (VOCAB - 3) + 3
+    out = engine.generate(follow, GREEDY)
+    assert out.stats["reused_tokens"] == 100  # the whole common prefix, not an anchor
+    assert engine.stats()["checkpoints"] is None
+
+
+def test_bad_anchor_is_refused(hybrid):
+    path, rng = hybrid
+    engine = _load(path)
+    from freetoken_agent.engine.outputs import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="outside the prompt"):
+        engine.submit(_tokens(rng, 10), GREEDY, anchors=[11])
+    with pytest.raises(ValueError, match="positional:N"):
+        _load(path, checkpoints="every:5")
