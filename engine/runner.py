@@ -125,14 +125,17 @@ class ModelRunner:
         """Capture decode graphs; with an offloaded bank, segmented ones that stop for its
         decisions after each MoE layer's router (see segmented_graphs.py)."""
         from freetoken_agent.engine.cuda_graphs import DecodeGraphs
-        from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
+        from freetoken_agent.engine.segmented_graphs import RUN_AHEAD, SegmentedDecodeGraphs
 
         page_size = self.kv.page_size
         if offloaded is None:
             self.graphs = DecodeGraphs(self.model, page_size, max_batch, max_pages, self.device)
         else:
+            # Recurrent layers update their state in place, so a segment run again after a
+            # missed layer would apply its tokens twice: hybrid models never run ahead.
+            run_ahead = 0 if self.model.spec.is_hybrid else RUN_AHEAD
             self.graphs = SegmentedDecodeGraphs(
-                self.model, offloaded, page_size, max_batch, max_pages, self.device
+                self.model, offloaded, page_size, max_batch, max_pages, self.device, run_ahead
             )
 
     def generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
