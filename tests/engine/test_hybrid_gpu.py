@@ -92,6 +92,7 @@ def test_anchor_resume_on_cuda_equals_cold(family, tmp_path, rng_seed):
     engine.generate(first, sp, anchors=anchors)
     cut = rng.randrange(anchors[2] + 1, 399)
     second = first[:cut] + _tokens(rng, 30)
+    second[cut] = (first[cut] + 1 - 3) % (VOCAB - 3) + 3  # diverges exactly at `cut`
     out = engine.generate(second, sp)
     resume = max(a for a in [*anchors, 400] if a <= cut)
     assert out.stats["resumed_tokens"] == resume
