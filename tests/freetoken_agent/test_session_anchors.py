@@ -1,0 +1,175 @@
+"""Agent-history edits on a hybrid model (CPU): each edited turn prefills exactly the tokens
+after the deepest checkpointed anchor before its divergence, and generates what a cold full
+prefill of the same history generates.
+
+The four edits of issue 5: reasoning stripped from earlier turns (a new user message makes the
+template drop it), a tool output truncated, an interrupted turn followed by a steering message,
+and two sessions branching from one system prompt and tool list."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine, SamplingParams, Session
+from freetoken_agent.chat_format import common_prefix
+from freetoken_agent.demo_model import ADDED_TOKENS, build_tokenizer, tokenizer_config
+from freetoken_agent.messages import AssistantMessage, ToolCall, ToolResult, UserMessage
+from freetoken_agent.session import Usage
+
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "file",
+    "open",
+    "read",
+    "write",
+    "parse",
+    "token",
+    "cache",
+    "layer",
+    "state",
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file of the project.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    }
+]
+SP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+class Tracker:
+    """What the engine's tree should hold: every sequence computed so far and the boundaries
+    it checkpointed (prompt anchors, prompt end, before generated marker tokens)."""
+
+    def __init__(self, markers: set[int]) -> None:
+        self.markers = markers
+        self.sent: list[tuple[list[int], set[int]]] = []
+
+    def record(self, prompt, out_ids: list[int]) -> None:
+        n = len(prompt.token_ids)
+        taken = {a.offset for a in prompt.anchors if 0 < a.offset <= n} | {n}
+        taken |= {n + i for i, t in enumerate(out_ids[:-1]) if i and t in self.markers}
+        # The KV of the last generated token is never computed.
+        self.sent.append((prompt.token_ids + out_ids[:-1], taken))
+
+    def resume(self, ids: list[int]) -> int:
+        best = 0
+        for seq, taken in self.sent:
+            limit = min(common_prefix(seq, ids), len(ids) - 1)
+            best = max([best, *(b for b in taken if b <= limit)])
+        return best
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture
+def chat(tmp_path, rng_seed):
+    tok = build_tokenizer()
+    ids = {content: tok.token_to_id(content) for content, _ in ADDED_TOKENS}
+    make_tiny(
+        "qwen3_5_moe",
+        tmp_path,
+        rng_seed,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        max_position_embeddings=8192,
+        eos_token_id=ids["<|im_end|>"],
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(ids)))
+    engine = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=8192)
+    cold = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=8192, checkpoints="none")
+    markers = {ids[m] for m in ("<tool_call>", "</think>", "<|im_end|>")}
+    return engine, cold, Tracker(markers), random.Random(rng_seed)
+
+
+def _turn(session: Session, tracker: Tracker, cold: Engine, history, stop_after=None):
+    """One request; checks prefilled == len - deepest checkpointed boundary and the cold
+    output. Returns (diff, usage, generated ids)."""
+    diff = session.diff(history)
+    expected = tracker.resume(diff.prompt.token_ids)
+    events = session.send(history, SP)
+    if stop_after is not None:  # a user interrupt: close the stream mid-generation
+        for _, _ in zip(range(stop_after), events, strict=False):
+            pass
+        events.close()
+        usage = None
+    else:
+        usage = [e for e in events if isinstance(e, Usage)][-1]
+    out = list(session.last_output_ids)
+    tracker.record(diff.prompt, out)
+    stats = session.turn_stats[-1]
+    assert stats["source"] == "engine"
+    assert stats["prefilled_tokens"] == len(diff.prompt) - expected, (expected, diff.anchor)
+    if stop_after is None:
+        assert usage.prefilled_tokens == len(diff.prompt) - expected
+        assert cold.generate(diff.prompt.token_ids, SP).token_ids == out
+    session.engine.check_integrity()
+    return diff, expected, out
+
+
+def _assistant_with_call(rng, i: int) -> AssistantMessage:
+    call = ToolCall(f"call{i}", "read_file", {"path": f"src/{rng.choice(WORDS)}.py"})
+    return AssistantMessage("", reasoning=_text(rng, 30), tool_calls=[call])
+
+
+def test_reasoning_stripped_and_tool_output_truncated(chat):
+    engine, cold, tracker, rng = chat
+    session = Session(engine, system=_text(rng, 60), tools=TOOLS)
+    history = [UserMessage(_text(rng, 12))]
+    _turn(session, tracker, cold, history)
+    for i in range(2):
+        history += [_assistant_with_call(rng, i), ToolResult(f"call{i}", _text(rng, 120))]
+        _turn(session, tracker, cold, history)
+    # A new user message: the template now drops the reasoning of the earlier turns.
+    history.append(UserMessage(_text(rng, 10)))
+    diff, resume, _ = _turn(session, tracker, cold, history)
+    assistant_at = diff.prompt.find("turn_start", 2)
+    assert diff.first_divergence < len(session.last_prompt) - 10, "the edit is not early"
+    assert resume == diff.resume_offset  # the deepest anchor before the divergence
+    assert resume >= assistant_at.offset
+    # The agent truncates the first tool output to save context.
+    first_output = history[2]
+    history[2] = ToolResult(first_output.tool_call_id, first_output.content[:40])
+    diff, resume, _ = _turn(session, tracker, cold, history)
+    assert resume == diff.resume_offset
+    assert diff.anchor.kind in ("tool_output", "turn_start")
+
+
+def test_interrupted_turn_then_steering(chat):
+    engine, cold, tracker, rng = chat
+    session = Session(engine, system=_text(rng, 40), tools=TOOLS)
+    history = [UserMessage(_text(rng, 12))]
+    _turn(session, tracker, cold, history, stop_after=2)
+    partial = session.last_output_text
+    history += [AssistantMessage(partial), UserMessage("stop, " + _text(rng, 8))]
+    diff, resume, _ = _turn(session, tracker, cold, history)
+    assert resume == diff.resume_offset or resume > diff.resume_offset  # never behind it
+    assert resume >= diff.prompt.find("turn_start", 1).offset
+
+
+def test_two_sessions_branch_from_one_prefix(chat):
+    engine, cold, tracker, rng = chat
+    system = _text(rng, 80)
+    a = Session(engine, system=system, tools=TOOLS)
+    b = Session(engine, system=system, tools=TOOLS)
+    _turn(a, tracker, cold, [UserMessage(_text(rng, 9))])
+    diff, resume, _ = _turn(b, tracker, cold, [UserMessage("other " + _text(rng, 9))])
+    user_turn = diff.prompt.find("turn_start", 1)
+    assert resume == user_turn.offset > 0  # the shared system prompt and tools, not re-run
