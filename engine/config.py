@@ -59,6 +59,33 @@ class RopeSpec:
 
 
 @dataclass(slots=True, frozen=True)
+class LinearAttentionSpec:
+    """The gated-DeltaNet layers of a hybrid model (qwen3_next, qwen3_5_moe): Hk key heads of
+    Dk dims, Hv value heads of Dv dims (Hv a multiple of Hk), a depthwise causal conv of width
+    `conv_kernel` over the concatenated q, k, v channels."""
+
+    n_key_heads: int
+    n_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.n_key_heads * self.key_head_dim + self.n_value_heads * self.value_head_dim
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """Per sequence: the last K - 1 conv inputs of every channel."""
+        return (self.conv_channels, self.conv_kernel - 1)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        """Per sequence: the delta rule's matrix state of every value head (fp32)."""
+        return (self.n_value_heads, self.key_head_dim, self.value_head_dim)
+
+
+@dataclass(slots=True, frozen=True)
 class ModelSpec:
     """The architecture, read from config.json. Layer indices are decoder-layer indices."""
 
@@ -86,6 +113,9 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     extra: tuple[tuple[str, Any], ...] = ()  # family-specific settings (e.g. clip_qkv)
+    # Hybrid models: per layer "full_attention" | "linear_attention"; empty = all full attention.
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttentionSpec | None = None  # the recurrent layers' shapes (hybrids only)
 
     def get(self, name: str, default: Any = None) -> Any:
         return dict(self.extra).get(name, default)
@@ -97,6 +127,24 @@ class ModelSpec:
     def moe_index(self, layer: int) -> int:
         """Ordinal of a decoder layer among the MoE layers: the `layer` of `lid`."""
         return self.moe_layers.index(layer)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Decoder layers with (paged, KV-cached) attention; the KV pool holds one slice each,
+        in this order."""
+        if not self.layer_types:
+            return tuple(range(self.n_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """Decoder layers with a recurrent (linear-attention) mixer; the state pools hold one
+        slice each, in this order."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.recurrent_layers)
 
     def window(self, layer: int) -> int:
         return self.sliding_windows[layer] if self.sliding_windows else 0

@@ -207,32 +207,42 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _rms_normalize(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def _rms_normalize(x: Tensor, weight: Tensor, eps: float, zero_centred: bool = False) -> Tensor:
     # engine/layers/norm.py RMSNorm.forward: statistics in fp32, cast back to the model dtype
     # before the weight multiply (a dtype multiply: torch computes it in fp32, rounds once).
+    # Zero-centred (Qwen3-Next's RMSNorm): the stored weight is w - 1; n * (1 + w) is formed in
+    # fp32 and rounded once, with no rounding of n in between.
     dtype = x.dtype
     x32 = x.to(_wide(dtype))
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (x32 * (1.0 + weight.to(x32.dtype))).to(dtype)
     return weight * x32.to(dtype)
 
 
 def rms_norm(
-    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    residual: Tensor | None = None,
+    zero_centred: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """RMSNorm over the last dim, optionally fused with the residual add before it.
 
     x: [T, H] fp32 / fp16 / bf16 (float64 here too); weight: [H], x.dtype; residual: [T, H].
     Without residual: returns y = weight * to_dtype(x32 * rsqrt(mean(x32^2) + eps)), [T, H].
+    zero_centred: y = to_dtype(x32 * rsqrt(mean(x32^2) + eps) * (1 + weight32)) instead (the
+    checkpoint stores w - 1; adding 1 in bf16 at load would round it away).
     With residual: s = x + residual in x.dtype (computed in fp32, rounded once, as transformers'
     `residual + hidden_states`), y = rms_norm(s); returns (y, s), the new residual stream s.
     """
     assert x.dim() == 2 and weight.shape == (x.shape[1],), (x.shape, weight.shape)
     assert weight.dtype == x.dtype, (x.dtype, weight.dtype)
     if residual is None:
-        return _rms_normalize(x, weight, eps)
+        return _rms_normalize(x, weight, eps, zero_centred)
     assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
     s = x + residual  # [T, H]
-    return _rms_normalize(s, weight, eps), s
+    return _rms_normalize(s, weight, eps, zero_centred), s
 
 
 def _rotate_half(x: Tensor, cos: Tensor, sin: Tensor, r: int) -> Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 from freetoken_agent.engine.config import ModelSpec
 from freetoken_agent.engine.layers.linear import Linear, ShardedLinear
 from freetoken_agent.engine.layers.norm import RMSNorm
+from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.layers.rope import RotaryEmbedding
 from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
 from freetoken_agent.kernels.rope import qk_norm_rope_store
@@ -36,6 +37,8 @@ class AttentionMetadata:
     kv_lens: torch.Tensor  # [B] int32, KV length including this step's tokens
     max_q_len: int
     max_kv_len: int
+    # Hybrid models: what the recurrent layers read (state slots, snapshots); None otherwise.
+    recurrent: RecurrentMetadata | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,6 +49,10 @@ class AttentionOptions:
     o_bias: bool = False
     qk_norm: str | None = None  # None | "head" (per head, Qwen3) | "proj" (whole projection, OLMoE)
     clip_qkv: float | None = None  # OLMoE clamps q, k, v to [-c, c]
+    # Qwen3-Next / Qwen3.5: q_proj emits [query, gate] per head (2 * D rows each); the output
+    # is attn * sigmoid(gate) before o_proj.
+    output_gate: bool = False
+    zero_centred_norm: bool = False  # q/k norms scale by (1 + w) (see layers/norm.py)
 
 
 class SelfAttention(nn.Module):
@@ -55,20 +62,29 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
         q_size, kv_size = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+        q_rows = 2 * q_size if options.output_gate else q_size  # per head [query, gate]
         self.qkv_proj = ShardedLinear(
-            spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=options.qkv_bias
+            spec.hidden_size, {"q": q_rows, "k": kv_size, "v": kv_size}, bias=options.qkv_bias
         )
         self.o_proj = Linear(q_size, spec.hidden_size, bias=options.o_bias)
         self.options = options
+        eps, zc = spec.rms_norm_eps, options.zero_centred_norm
         if options.qk_norm == "head":
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(spec.head_dim, eps, zc)
+            self.k_norm = RMSNorm(spec.head_dim, eps, zc)
         elif options.qk_norm == "proj":
-            self.q_norm = RMSNorm(q_size, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(kv_size, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(q_size, eps, zc)
+            self.k_norm = RMSNorm(kv_size, eps, zc)
         self.rope = rope
-        # Per-head norms (or none) run fused with RoPE and the KV store in one kernel.
-        self.fused_qk = options.qk_norm in (None, "head") and options.clip_qkv is None
+        # Per-head norms (or none) run fused with RoPE and the KV store in one kernel. The
+        # kernel handles partial rotary dims, but neither (1 + w) norms nor the gate rows
+        # interleaved into q: those families take the unfused path.
+        self.fused_qk = (
+            options.qk_norm in (None, "head")
+            and options.clip_qkv is None
+            and not options.output_gate
+            and not options.zero_centred_norm
+        )
         self.scale = spec.head_dim**-0.5
         self.window = spec.window(layer)
         self.k_cache: torch.Tensor | None = None  # [P, S, Hkv, D], bound by the runner
@@ -76,7 +92,8 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D], or [T, (2 Hq + 2 Hkv) * D] with a gate
+        gate = None
         if self.fused_qk:
             q = qk_norm_rope_store(
                 qkv,
@@ -94,13 +111,23 @@ class SelfAttention(nn.Module):
                 meta.slot_mapping,
             )  # [T, Hq, D]; k and v are in the cache
         else:
-            q = self._project_unfused(qkv, meta)
-        return self.o_proj(self._attend(q, meta).reshape(t, -1))
+            q, gate = self._project_unfused(qkv, meta)
+        out = self._attend(q, meta).reshape(t, -1)  # [T, Hq * D]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
-    def _project_unfused(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Norms over whole projections and clamping (OLMoE) stay plain torch ops."""
+    def _project_unfused(
+        self, qkv: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Norms over whole projections, clamping (OLMoE), (1 + w) norms and output gates
+        (Qwen3-Next) stay plain torch ops. Returns q [T, Hq, D] and the gate [T, Hq * D]."""
         t = qkv.shape[0]
-        q, k, v = self.qkv_proj.split(qkv)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        q, k, v = self.qkv_proj.split(qkv)  # [T, Hq*D] (or [T, Hq*2D]), [T, Hkv*D], [T, Hkv*D]
+        gate = None
+        if self.options.output_gate:
+            q, gate = q.view(t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(t, -1)  # [T, Hq * D]
         if self.options.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.options.clip_qkv is not None:
@@ -113,7 +140,7 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(meta.positions, q, k)
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return q.contiguous()
+        return q.contiguous(), gate
 
     def _attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return paged_attention(

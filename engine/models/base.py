@@ -1,12 +1,15 @@
 """The decoder-only MoE transformer that the supported families share.
 
 A family file (qwen3_moe.py, mixtral.py, ...) states what is particular to it: how its config
-reads, its attention and router options (a `Blueprint`), and its checkpoint-name table. This
-file reads top to bottom like the architecture figure: decoder layer, model, head.
+reads, its attention and router options (a `Blueprint`), and its checkpoint-name table. Hybrid
+families (qwen3_next, ...) also name the token mixer of each layer (attention or a recurrent
+layer, per `spec.layer_types`) and their norm. This file reads top to bottom like the
+architecture figure: decoder layer, model, head.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +25,15 @@ from freetoken_agent.engine.layers.linear import Linear
 from freetoken_agent.engine.layers.mlp import SwiGLU
 from freetoken_agent.engine.layers.moe import ExpertBank, RouterOptions, SparseMoeBlock
 from freetoken_agent.engine.layers.norm import RMSNorm
+from freetoken_agent.engine.layers.recurrent import RecurrentStateView
 from freetoken_agent.engine.layers.rope import RotaryEmbedding
 
 # T tokens of the step (flattened over sequences), H hidden, V vocab, N rows to score
+
+
+# (spec, decoder layer, shared rope table) -> the layer's token mixer, called as mixer(x, meta)
+MixerFactory = Callable[[ModelSpec, int, RotaryEmbedding], nn.Module]
+NormFactory = Callable[[int, float], nn.Module]  # (size, eps) -> a norm with RMSNorm's call
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,11 +42,15 @@ class Blueprint:
 
     attention: AttentionOptions
     router: RouterOptions
+    # None: every layer's mixer is SelfAttention(attention). Hybrids build attention for the
+    # layers in spec.attention_layers and their recurrent layer for spec.recurrent_layers.
+    mixer: MixerFactory | None = None
+    norm: NormFactory = RMSNorm  # decoder and final norms (zero-centred for Qwen3-Next)
 
 
 class DecoderLayer(nn.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x)); mlp is the MoE block or a dense SwiGLU. The
-    residual adds are fused into the following norms."""
+    """x + mixer(norm(x)), then x + mlp(norm(x)); the mixer is attention or a recurrent layer,
+    mlp the MoE block or a dense SwiGLU. The residual adds are fused into the following norms."""
 
     def __init__(
         self,
@@ -48,9 +61,19 @@ class DecoderLayer(nn.Module):
         rope: RotaryEmbedding,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = SelfAttention(spec, layer, blueprint.attention, rope)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        norm = blueprint.norm
+        self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
+        if blueprint.mixer is None:
+            mixer = SelfAttention(spec, layer, blueprint.attention, rope)
+        else:
+            mixer = blueprint.mixer(spec, layer, rope)
+        # Named as the checkpoints name them: self_attn, or linear_attn for recurrent layers.
+        self.recurrent = layer in spec.recurrent_layers
+        if self.recurrent:
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
+        self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
         if layer in spec.moe_layers:
             self.mlp: nn.Module = SparseMoeBlock(
                 spec.hidden_size,
@@ -72,7 +95,8 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, meta), residual)
+        mixer = self.linear_attn if self.recurrent else self.self_attn
+        h, residual = self.post_attention_layernorm(mixer(h, meta), residual)
         return self.mlp(h), residual
 
 
@@ -97,7 +121,7 @@ class MoeCausalLM(nn.Module):
             DecoderLayer(spec, i, blueprint, bank, self.rope) for i in range(spec.n_layers)
         )
         self.expert_bank = bank
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = blueprint.norm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -111,10 +135,22 @@ class MoeCausalLM(nn.Module):
                 layer.mlp._bank = bank
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Point every attention layer at its slice of the pool ([L, P, S, Hkv, D] each)."""
-        for i, layer in enumerate(self.layers):
-            layer.self_attn.k_cache = k_cache[i]
-            layer.self_attn.v_cache = v_cache[i]
+        """Point every attention layer at its slice of the pool ([L, P, S, Hkv, D] each, L the
+        attention layers: slice j belongs to decoder layer spec.attention_layers[j])."""
+        layers = self.spec.attention_layers
+        assert k_cache.shape[0] == v_cache.shape[0] == len(layers), (k_cache.shape, layers)
+        for j, i in enumerate(layers):
+            self.layers[i].self_attn.k_cache = k_cache[j]
+            self.layers[i].self_attn.v_cache = v_cache[j]
+
+    def bind_recurrent_state(self, views: list[RecurrentStateView]) -> None:
+        """Point every recurrent layer at its state and checkpoint slices: views[j] belongs to
+        decoder layer spec.recurrent_layers[j]."""
+        layers = self.spec.recurrent_layers
+        if len(views) != len(layers):
+            raise ValueError(f"{len(views)} state views for {len(layers)} recurrent layers")
+        for i, view in zip(layers, views, strict=True):
+            self.layers[i].linear_attn.state = view
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]

@@ -64,9 +64,10 @@ class _Plan:
 
 
 def name_pattern(template: str) -> re.Pattern:
-    """The regex of a name-table template: {L} and {E} become named digit groups."""
+    """The regex of a name-table template: {L} and {E} become named digit groups, {*} any
+    rest of the name (whole subtrees a family ignores, e.g. a vision tower)."""
     escaped = re.escape(template).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
-    return re.compile(escaped + "$")
+    return re.compile(escaped.replace(r"\{\*\}", ".*") + "$")
 
 
 def _plan(spec: ModelSpec, table: NameTable, params: dict[str, _Param]) -> _Plan:

@@ -1,7 +1,7 @@
 """Checkpoint-name tables: how a family's HF tensor names map onto our parameters and banks.
 
 A model file lists `(hf_template, target)` rows; `{L}` stands for the decoder layer and `{E}` for
-the expert. Targets say where the tensor goes:
+the expert; `{*}` (Ignore rows only) for any rest of the name. Targets say where the tensor goes:
 - `Dense(param, shard)`: a module parameter (or one shard of a stacked one, e.g. q of qkv);
 - `Expert(proj)`: one expert's projection ("gate", "up" or "down") in the expert bank;
 - `FusedExperts(proj)`: all experts of a layer in one 3-D tensor ("gate_up" [E, 2I, H],
@@ -95,4 +95,43 @@ def routed_expert_names(prefix: str, gate: str, up: str, down: str) -> NameTable
         (f"model.layers.{{L}}.{prefix}.experts.{{E}}.{down}.weight", Expert("down")),
         (f"model.layers.{{L}}.{prefix}.experts.gate_up_proj", FusedExperts("gate_up")),
         (f"model.layers.{{L}}.{prefix}.experts.down_proj", FusedExperts("down")),
+    )
+
+
+def shared_expert_names(prefix: str = "mlp") -> NameTable:
+    """A shared expert (SwiGLU) and its scalar sigmoid gate, as Qwen2-MoE and Qwen3-Next name
+    them under `model.layers.{L}.<prefix>`."""
+    return (
+        *dense_mlp_names(f"{prefix}.shared_expert"),
+        (
+            f"model.layers.{{L}}.{prefix}.shared_expert_gate.weight",
+            Dense(f"layers.{{L}}.{prefix}.shared_expert_gate.weight"),
+        ),
+    )
+
+
+def gated_delta_net_names(grouped: bool) -> NameTable:
+    """A gated-DeltaNet layer under `model.layers.{L}.linear_attn` (engine/layers/
+    gated_delta_net.py). grouped: Qwen3-Next's in_proj_qkvz / in_proj_ba (rows grouped per key
+    head); else Qwen3.5's separate in_proj_qkv / _z / _b / _a. Either goes into our stacked
+    in_proj, one shard per checkpoint tensor; the layer reads the layout it was built for."""
+    hf, ours = "model.layers.{L}.linear_attn", "layers.{L}.linear_attn"
+    parts = ("qkvz", "ba") if grouped else ("qkv", "z", "b", "a")
+    return (
+        *((f"{hf}.in_proj_{p}.weight", Dense(f"{ours}.in_proj.weight", p)) for p in parts),
+        (f"{hf}.conv1d.weight", Dense(f"{ours}.conv1d.weight")),
+        (f"{hf}.A_log", Dense(f"{ours}.A_log")),
+        (f"{hf}.dt_bias", Dense(f"{ours}.dt_bias")),
+        (f"{hf}.norm.weight", Dense(f"{ours}.norm.weight")),
+        (f"{hf}.out_proj.weight", Dense(f"{ours}.out_proj.weight")),
+    )
+
+
+def renamed_prefix(table: NameTable, old: str, new: str) -> NameTable:
+    """The rows whose checkpoint name starts with `old`, renamed to start with `new` (e.g.
+    Qwen3.5's `model.language_model.` for the text model inside a multimodal checkpoint)."""
+    return tuple(
+        (new + template[len(old) :], target)
+        for template, target in table
+        if template.startswith(old)
     )

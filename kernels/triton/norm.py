@@ -4,7 +4,9 @@ Twin: `kernels/reference.py` `rms_norm`. The math runs in fp32 and reproduces th
 rounding points: s = round(x + residual), n = round(s * rsqrt(mean(s^2) + eps)), y = round(w * n)
 (round = to the model dtype). Only the fp32 sum of squares (reduction order) and rsqrt may differ
 from torch's in the last fp32 bit, which can flip a dtype rounding of n: y then differs from the
-twin by one ulp of n times w, rarely.
+twin by one ulp of n times w, rarely. Zero-centred norms (ZERO_CENTRED, Qwen3-Next) compute
+y = round(s * rstd * (1 + w)) with w upcast to fp32 first and no rounding of n; there a flip
+moves y by one ulp of y.
 
 `round_to` below is shared with the rope and router kernels: Triton's interpreter converts fp32
 to bf16 by truncation (and its bf16 arithmetic is wrong), so under TRITON_INTERPRET=1 bf16
@@ -81,10 +83,22 @@ def _load_sum(x_ptr, r_ptr, offs, mask, HAS_RES: tl.constexpr, MODE: tl.constexp
 
 
 @triton.jit
+def _scale(x, rstd, w_ptr, offs, mask, ZERO_CENTRED: tl.constexpr, MODE: tl.constexpr):
+    # The normalised row times the weight, rounded to the model dtype (fp32 in, fp32 out).
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        y = round_to(x * rstd * (w + 1.0), MODE)
+    else:
+        y = round_to(w * round_to(x * rstd, MODE), MODE)
+    return y
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, s_ptr,  # x, residual, y, s [T, H]; w [H]
     H, inv_h, eps, stride_x, stride_r, stride_y, stride_s,
     BLOCK_H: tl.constexpr, CHUNKED: tl.constexpr, HAS_RES: tl.constexpr, MODE: tl.constexpr,
+    ZERO_CENTRED: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row, r_row = x_ptr + row * stride_x, r_ptr + row * stride_r
@@ -97,9 +111,8 @@ def _rms_norm_kernel(
             tl.store(s_row + offs, x.to(s_ptr.dtype.element_ty), mask=mask)
         # mean as torch's CUDA reduction computes it: sum times the fp32 reciprocal of H.
         rstd = tl.rsqrt(tl.sum(x * x, 0) * inv_h + eps)
-        n = round_to(x * rstd, MODE)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_row + offs, round_to(w * n, MODE).to(y_ptr.dtype.element_ty), mask=mask)
+        y = _scale(x, rstd, w_ptr, offs, mask, ZERO_CENTRED, MODE)
+        tl.store(y_row + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         acc = tl.zeros([BLOCK_H], tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -111,14 +124,16 @@ def _rms_norm_kernel(
             x = _load_sum(x_row, r_row, h0 + offs, mask, HAS_RES, MODE)
             if HAS_RES:
                 tl.store(s_row + h0 + offs, x.to(s_ptr.dtype.element_ty), mask=mask)
-            n = round_to(x * rstd, MODE)
-            w = tl.load(w_ptr + h0 + offs, mask=mask, other=0.0).to(tl.float32)
-            y = round_to(w * n, MODE)
+            y = _scale(x, rstd, w_ptr, h0 + offs, mask, ZERO_CENTRED, MODE)
             tl.store(y_row + h0 + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
-    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    residual: Tensor | None = None,
+    zero_centred: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Triton twin of `reference.rms_norm` (same contract); no host synchronisation.
 
@@ -143,6 +158,6 @@ def rms_norm(
             x, r, weight, y, out_s, H, 1.0 / H, eps,
             x.stride(0), r.stride(0), y.stride(0), out_s.stride(0),
             BLOCK_H=block, CHUNKED=chunked, HAS_RES=residual is not None, MODE=mode,
-            num_warps=warps_for(block),
+            ZERO_CENTRED=zero_centred, num_warps=warps_for(block),
         )  # fmt: skip
     return y if residual is None else (y, s)

@@ -202,3 +202,87 @@ def test_gpu_cuda_graph_replay(rng_seed: int, with_residual: bool) -> None:
         eager = step()
         for a, b in zip(replayed, eager if with_residual else (eager,), strict=True):
             assert torch.equal(a, b)
+
+
+# ---- zero-centred weights (Qwen3-Next / Qwen3.5: y = n * (1 + w), one rounding) ------------------
+
+
+def check_zero_centred_vs_twin(out: Tensor, ref: Tensor) -> None:
+    """Only one rounding (of y): a flip from the fp32 statistics moves y by one ulp of y."""
+    dtype = ref.dtype
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert not out.isnan().any(), "elements left unwritten"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=2e-6)
+        return
+    diff = (out.double() - ref.double()).abs()
+    allowed = ulp(ref, dtype)
+    assert (diff <= allowed).all(), f"max excess {(diff - allowed).max().item():.3g}"
+    mismatch = int((diff > 0).sum())
+    print(f"{mismatch} of {diff.numel()} elements not bitwise equal")
+    assert mismatch <= 4 + diff.numel() // 1000, f"{mismatch} elements differ: a systematic error"
+
+
+def zero_centred_weight(seed: int, H: int, dtype: torch.dtype, device: str = DEV) -> Tensor:
+    # Stored weights sit near 0 (the checkpoint holds w - 1); both signs, some large.
+    gen = torch.Generator().manual_seed(seed + 1)
+    return (0.3 * torch.randn(H, generator=gen)).to(device, dtype)
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES], ids=["fp64", *IDS])
+def test_twin_zero_centred(rng_seed: int, dtype: torch.dtype, with_residual: bool) -> None:
+    x, residual, _ = make_inputs(rng_seed, 5, 96, dtype, "cpu")
+    weight = zero_centred_weight(rng_seed, 96, dtype, "cpu")
+    residual = residual if with_residual else None
+    out = reference.rms_norm(x, weight, 1e-6, residual, zero_centred=True)
+    y, s = out if with_residual else (out, x)
+    y_ref, _ = oracle(s, 1 + weight.double(), 1e-6, None)  # from the rounded sum
+    u = 2.0 ** -(MANTISSA.get(dtype, 52) + 1)
+    u_sum = 2.0**-53 if dtype == torch.float64 else 2.0**-24
+    tiny = 1e-7 if dtype == torch.float16 else 1e-30
+    # One rounding of y, plus fp32 (fp64) statistics, the 1 + w add and two products.
+    assert ((y.double() - y_ref).abs() <= (u + 16 * u_sum) * y_ref.abs() + tiny).all()
+    if dtype != torch.float32 and dtype != torch.float64:
+        # Folding the +1 into the dtype weight (rounded) would differ in many elements.
+        folded = reference.rms_norm(x, 1 + weight, 1e-6, residual)
+        folded = folded[0] if with_residual else folded
+        assert not torch.equal(folded, y)
+
+
+@pytest.mark.usefixtures("poisoned_alloc")
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("H", [16, 100, 9000])  # 16: a per-head q/k norm; 9000: chunked
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_triton_zero_centred(rng_seed: int, dtype: torch.dtype, H: int,
+                             with_residual: bool) -> None:  # fmt: skip
+    T = 3 if H > 2048 else 6
+    x, residual, _ = make_inputs(rng_seed, T, H, dtype)
+    weight = zero_centred_weight(rng_seed, H, dtype)
+    residual = residual if with_residual else None
+    out = rms_norm(x, weight, 1e-6, residual, zero_centred=True, force_triton=True)
+    ref = reference.rms_norm(x, weight, 1e-6, residual, zero_centred=True)
+    if with_residual:
+        (y, s), (y_ref, s_ref) = out, ref
+        assert torch.equal(s, s_ref), "the residual sum must be exact"
+    else:
+        y, y_ref = out, ref
+    check_zero_centred_vs_twin(y, y_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poisoned_alloc")
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("T, H", [(1, 2048), (300, 2048), (4096, 256), (5, 10240)])
+def test_gpu_zero_centred(rng_seed: int, T: int, H: int, with_residual: bool) -> None:
+    x, residual, _ = make_inputs(rng_seed, T, H, torch.bfloat16)
+    weight = zero_centred_weight(rng_seed, H, torch.bfloat16)
+    residual = residual if with_residual else None
+    out = rms_norm(x, weight, 1e-6, residual, zero_centred=True)
+    ref = reference.rms_norm(x, weight, 1e-6, residual, zero_centred=True)
+    if with_residual:
+        (y, s), (y_ref, s_ref) = out, ref
+        assert torch.equal(s, s_ref)
+    else:
+        y, y_ref = out, ref
+    check_zero_centred_vs_twin(y, y_ref)
