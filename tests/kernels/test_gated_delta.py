@@ -1,0 +1,439 @@
+"""Gated DeltaNet kernels: the plain-torch twins vs transformers, split / snapshot invariants,
+the causal conv vs F.conv1d, Triton (interpreted here, compiled on CUDA) vs the reference.
+
+Fresh random inputs every run (seed printed by `rng_seed`); state pools hold random rows, state
+slots are shuffled and rows no sequence owns must come back untouched; outputs allocated by the
+launchers are NaN-poisoned (`poisoned_alloc`), checkpoint rows start random.
+"""
+
+# T tokens (packed over B sequences), Hk / Hv key / value heads, Dk / Dv head dims, N state
+# slots, Cn checkpoint rows, C conv channels, K conv width
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    causal_conv1d_update,
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
+)
+
+from freetoken_agent.kernels import reference_delta
+from freetoken_agent.kernels.gated_delta import causal_conv1d, gated_delta_rule
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+F64 = torch.float64
+
+
+@dataclass
+class Delta:
+    q: Tensor  # [T, Hk, Dk]
+    k: Tensor
+    v: Tensor  # [T, Hv, Dv]
+    g: Tensor  # [T, Hv] fp32
+    beta: Tensor
+    state: Tensor  # [N, Hv, Dk, Dv]
+    slots: Tensor  # [B] int64, shuffled
+    cu: Tensor  # [B + 1] int32
+    bounds: tuple[int, ...] | None
+    snap_slots: Tensor | None = None  # [T] int64
+    snap_out: Tensor | None = None  # [Cn, Hv, Dk, Dv]
+
+    def args(self) -> tuple:
+        return (self.q, self.k, self.v, self.g, self.beta, self.state, self.slots, self.cu,
+                self.q.shape[-1] ** -0.5, self.bounds, self.snap_slots, self.snap_out)  # fmt: skip
+
+    def clone(self) -> Delta:  # fresh pools for a second run on the same inputs
+        snap = None if self.snap_out is None else self.snap_out.clone()
+        return replace(self, state=self.state.clone(), snap_out=snap)
+
+    def seq(self, b: int) -> slice:
+        return slice(int(self.cu[b]), int(self.cu[b + 1]))
+
+
+def bounds_of(lens: list[int]) -> tuple[int, ...]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return tuple(out)
+
+
+def make_delta(seed: int, lens: list[int], hk=2, hv=4, dk=16, dv=8, dtype=torch.float32,
+               device=DEV, decode=False, snaps=0) -> Delta:  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    T, B = sum(lens), len(lens)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    sdt = F64 if dtype == F64 else torch.float32
+    n = B + 3  # rows no sequence owns
+    # Decay from "keeps everything" (g near 0) to "forgets at once"; beta over (0, 1).
+    g = -F.softplus(2 * rnd(T, hv) - 1) * torch.rand(T, hv, generator=gen)
+    d = Delta(rnd(T, hk, dk).to(dtype), rnd(T, hk, dk).to(dtype), rnd(T, hv, dv).to(dtype),
+              g.to(sdt), torch.rand(T, hv, generator=gen).to(sdt) * 0.98 + 0.01,
+              rnd(n, hv, dk, dv).to(sdt), torch.randperm(n, generator=gen)[:B],
+              torch.tensor(bounds_of(lens), dtype=torch.int32),
+              None if decode else bounds_of(lens))  # fmt: skip
+    if snaps:
+        d.snap_out = rnd(snaps + 2, hv, dk, dv).to(sdt)  # Cn > snaps: some rows stay untouched
+        d.snap_slots = torch.full((T,), -1, dtype=torch.int64)
+        at = torch.randperm(T, generator=gen)[:snaps]
+        d.snap_slots[at] = torch.randperm(snaps + 2, generator=gen)[: len(at)]
+    for f in ("q", "k", "v", "g", "beta", "state", "slots", "cu", "snap_slots", "snap_out"):
+        if getattr(d, f) is not None:
+            setattr(d, f, getattr(d, f).to(device))
+    return d
+
+
+def hf(fn, d: Delta, b: int, state0: Tensor) -> tuple[Tensor, Tensor]:
+    """transformers on sequence b from state0: (out [L, Hv, Dv], final state [Hv, Dk, Dv])."""
+    s = d.seq(b)
+    o, st = fn(d.q[None, s], d.k[None, s], d.v[None, s], d.g[None, s], d.beta[None, s],
+               initial_state=state0[None], output_final_state=True,
+               use_qk_l2norm_in_kernel=True)  # fmt: skip
+    return o[0], st[0]
+
+
+def close(a: Tensor, b: Tensor, tol: float) -> None:
+    torch.testing.assert_close(a, b.to(a.dtype), atol=tol, rtol=tol)
+
+
+def random_lens(rng: random.Random) -> list[int]:
+    lens = [1, 0, rng.randint(2, 63), rng.randint(65, 150), rng.randint(1, 140)]
+    rng.shuffle(lens)
+    return lens
+
+
+# ---- the reference twins ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["fp32", "fp64"])
+def test_reference_matches_transformers(rng_seed: int, dtype: torch.dtype, form: str) -> None:
+    """Both forms vs both of transformers' functions (which compute in fp32 whatever the input
+    dtype: hence the fp32 tolerance for fp64 too), GQA 2, packed, shuffled slots."""
+    lens = random_lens(random.Random(rng_seed))
+    d = make_delta(rng_seed, lens, dtype=dtype, device="cpu")
+    before = d.state.clone()
+    out = reference_delta.gated_delta_rule(*d.args(), form=form)
+    assert out.dtype == dtype
+    for b, slot in enumerate(d.slots.tolist()):
+        if lens[b] == 0:
+            assert torch.equal(d.state[slot], before[slot])
+            continue
+        for fn in (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule):
+            o, st = hf(fn, d, b, before[slot])
+            close(out[d.seq(b)], o, 2e-5)
+            close(d.state[slot], st, 2e-5)
+    untouched = [r for r in range(d.state.shape[0]) if r not in d.slots.tolist()]
+    assert torch.equal(d.state[untouched], before[untouched])
+
+
+def test_chunk_equals_recurrent_fp64(rng_seed: int) -> None:
+    lens = [64, 128, 129, 1, 63]
+    d = make_delta(rng_seed, lens, dtype=F64, device="cpu", hk=1, hv=3, dk=8, dv=12, snaps=4)
+    e = d.clone()
+    a = reference_delta.gated_delta_rule(*d.args(), form="chunk")
+    b = reference_delta.gated_delta_rule(*e.args(), form="recurrent")
+    for x, y in ((a, b), (d.state, e.state), (d.snap_out, e.snap_out)):
+        close(x, y, 1e-11)
+
+
+def sub_call(d: Delta, pieces: list[tuple[int, int, int]], pool: Tensor) -> Delta:
+    """A call on tokens [lo, hi) of sequence b for each (b, lo, hi), packed in that order, on
+    the state pool `pool`, without snapshots."""
+    idx = [int(d.cu[b]) + t for b, lo, hi in pieces for t in range(lo, hi)]
+    bounds = bounds_of([hi - lo for _, lo, hi in pieces])
+    dev = d.q.device
+    return replace(d, q=d.q[idx], k=d.k[idx], v=d.v[idx], g=d.g[idx], beta=d.beta[idx],
+                   state=pool, slots=d.slots[[b for b, _, _ in pieces]],
+                   cu=torch.tensor(bounds, dtype=torch.int32, device=dev),
+                   bounds=bounds, snap_slots=None, snap_out=None)  # fmt: skip
+
+
+def split_and_snap(run, seed: int, dtype: torch.dtype, tol: float, max_len: int = 90,
+                   device: str = "cpu") -> None:  # fmt: skip
+    """Two sequences cut at random tokens into two calls (state carried through the pool; one
+    piece may be empty) equal one call; a snapshot after token t equals the state that a call
+    ending at t leaves."""
+    rng = random.Random(seed)
+    lens = [rng.randint(2, max_len), rng.randint(1, max_len // 2)]
+    d = make_delta(seed, lens, dtype=dtype, device=device, snaps=3)
+    whole = d.clone()
+    out = run(whole)  # [T, Hv, Dv]
+    cuts = [rng.randint(1, lens[0] - 1), rng.randint(0, lens[1])]
+    pool = d.state.clone()
+    first = run(sub_call(d, [(0, 0, cuts[0]), (1, 0, cuts[1])], pool))
+    second = run(sub_call(d, [(0, cuts[0], lens[0]), (1, cuts[1], lens[1])], pool))
+    split = torch.cat([first[: cuts[0]], second[: lens[0] - cuts[0]], first[cuts[0] :],
+                       second[lens[0] - cuts[0] :]])  # fmt: skip
+    close(split, out, tol)
+    close(pool, whole.state, tol)
+    rows = d.snap_slots.tolist()
+    for t, row in enumerate(rows):
+        if row >= 0:
+            b = int(t >= lens[0])
+            pool = d.state.clone()
+            run(sub_call(d, [(b, 0, t + 1 - b * lens[0])], pool))
+            close(whole.snap_out[row], pool[int(d.slots[b])], tol)
+    untouched = [r for r in range(d.snap_out.shape[0]) if r not in rows]
+    assert torch.equal(whole.snap_out[untouched], d.snap_out[untouched])
+
+
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+def test_reference_split_and_snapshots(rng_seed: int, form: str) -> None:
+    split_and_snap(lambda d: reference_delta.gated_delta_rule(*d.args(), form=form), rng_seed,
+                   F64, 1e-11)  # fmt: skip
+
+
+def test_reference_decode_step(rng_seed: int) -> None:
+    """seq_bounds None (one vectorised step, snapshots row by row) equals the prefill path."""
+    d = make_delta(rng_seed, [1] * 5, device="cpu", decode=True, snaps=3)
+    e = replace(d.clone(), bounds=bounds_of([1] * 5))
+    close(gated_delta_rule(*d.args()), gated_delta_rule(*e.args()), 1e-6)
+    close(d.state, e.state, 1e-6)
+    close(d.snap_out, e.snap_out, 1e-6)
+
+
+# ---- causal conv -----------------------------------------------------------------------------
+
+
+@dataclass
+class Conv:
+    x: Tensor  # [T, C]
+    weight: Tensor  # [C, K]
+    state: Tensor  # [N, C, K - 1]
+    slots: Tensor
+    cu: Tensor
+    bounds: tuple[int, ...] | None
+    snap_slots: Tensor
+    snap_out: Tensor  # [Cn, C, K - 1]
+
+    def args(self) -> tuple:
+        return (self.x, self.weight, self.state, self.slots, self.cu, self.bounds,
+                self.snap_slots, self.snap_out)  # fmt: skip
+
+
+def make_conv(seed: int, lens: list[int], c=12, taps=4, dtype=torch.float32, decode=False,
+              device="cpu") -> Conv:  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    T, B, n = sum(lens), len(lens), len(lens) + 3
+    snap_slots = torch.full((T,), -1, dtype=torch.int64)
+    snap_slots[torch.randperm(T, generator=gen)[:3]] = torch.randperm(5, generator=gen)[:3]
+    conv = Conv(torch.randn(T, c, generator=gen).to(dtype),
+                torch.randn(c, taps, generator=gen).to(dtype),
+                torch.randn(n, c, taps - 1, generator=gen).to(dtype),
+                torch.randperm(n, generator=gen)[:B],
+                torch.tensor(bounds_of(lens), dtype=torch.int32),
+                None if decode else bounds_of(lens), snap_slots,
+                torch.randn(5, c, taps - 1, generator=gen).to(dtype))  # fmt: skip
+    return Conv(*(a.to(device) if isinstance(a, Tensor) else a for a in conv.args()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["fp32", "fp64"])
+def test_conv_matches_conv1d(rng_seed: int, dtype: torch.dtype, poisoned_alloc) -> None:
+    """Per sequence: F.conv1d over [state; x] (nn.Conv1d's taps), the new state is the last
+    K - 1 inputs, a snapshot after t the K - 1 inputs ending at t (lengths 0, 1, 2 < K - 1)."""
+    rng = random.Random(rng_seed)
+    lens = [0, 1, 2, rng.randint(3, 30), rng.randint(1, 30)]
+    rng.shuffle(lens)
+    c = make_conv(rng_seed, lens, dtype=dtype)
+    state0, snap0 = c.state.clone(), c.snap_out.clone()
+    out = causal_conv1d(*c.args())
+    taps = c.weight.shape[1]
+    for b, slot in enumerate(c.slots.tolist()):
+        lo, hi = c.bounds[b], c.bounds[b + 1]
+        xs = torch.cat([state0[slot].t(), c.x[lo:hi]])  # [K - 1 + L, C]
+        if hi == lo:
+            assert torch.equal(c.state[slot], state0[slot])
+            continue
+        conv = F.conv1d(xs.t()[None], c.weight[:, None, :], groups=xs.shape[1])[0].t()
+        close(out[lo:hi], F.silu(conv), 1e-6 if dtype == F64 else 1e-5)
+        assert torch.equal(c.state[slot], xs[hi - lo :].t())
+        for t in range(lo, hi):
+            if c.snap_slots[t] >= 0:
+                assert torch.equal(c.snap_out[c.snap_slots[t]], xs[t - lo + 1 : t - lo + taps].t())
+    others = [r for r in range(len(state0)) if r not in c.slots.tolist()]
+    assert torch.equal(c.state[others], state0[others])
+    unsnapped = [r for r in range(len(snap0)) if r not in c.snap_slots.tolist()]
+    assert torch.equal(c.snap_out[unsnapped], snap0[unsnapped])
+
+
+def test_conv_decode_matches_prefill_and_transformers(rng_seed: int) -> None:
+    """seq_bounds None (vectorised) equals the prefill path on one token per sequence, and
+    transformers' causal_conv1d_update (which keeps K inputs; the oldest is never read)."""
+    c = make_conv(rng_seed, [1] * 6, decode=True)
+    p = replace(c, state=c.state.clone(), snap_out=c.snap_out.clone(), bounds=bounds_of([1] * 6))
+    window = torch.cat([torch.randn(6, c.x.shape[1], 1), c.state[c.slots]], -1)  # [B, C, K]
+    hf_out = causal_conv1d_update(c.x[:, :, None], window, c.weight, None, "silu")[..., 0]
+    out = causal_conv1d(*c.args())
+    close(out, causal_conv1d(*p.args()), 1e-6)
+    close(out, hf_out, 1e-6)
+    assert torch.equal(c.state, p.state) and torch.equal(c.snap_out, p.snap_out)
+    assert torch.equal(c.state[c.slots], window[..., 1:])  # transformers' updated window
+
+
+# ---- launchers: clear errors, no host sync on the decode path --------------------------------
+
+
+def test_launcher_errors(rng_seed: int) -> None:
+    d = make_delta(rng_seed, [2, 3], device="cpu")
+    with pytest.raises(AssertionError, match="cu_seqlens must be"):
+        gated_delta_rule(*replace(d, cu=d.cu.long()).args())
+    with pytest.raises(AssertionError, match="seq_bounds=None means decode"):
+        gated_delta_rule(*replace(d, bounds=None).args())
+    with pytest.raises(AssertionError, match="Hv=4 value heads must be a multiple of Hk=3"):
+        three = dict(q=d.q.repeat(1, 2, 1)[:, :3], k=d.k.repeat(1, 2, 1)[:, :3])
+        gated_delta_rule(*replace(d, **three).args())
+    with pytest.raises(AssertionError, match="snap_slots and snap_out come together"):
+        gated_delta_rule(*replace(d, snap_slots=torch.full((5,), -1)).args())
+    with pytest.raises(AssertionError, match="must be a power of two"):
+        e = make_delta(rng_seed, [2, 3], dk=24, device="cpu")
+        gated_delta_rule(*e.args(), force_triton=True)
+    c = make_conv(rng_seed, [2, 3])
+    with pytest.raises(AssertionError, match="conv_state must be"):
+        causal_conv1d(*replace(c, state=c.state.double()).args())
+
+
+def test_decode_path_has_no_host_sync(rng_seed: int) -> None:
+    """The seq_bounds=None paths run on meta tensors, which hold no data: any .item(),
+    .tolist() or data-dependent shape would raise. (CUDA graphs are checked on the device.)"""
+    d = make_delta(rng_seed, [1] * 3, decode=True, snaps=2, device="meta")
+    assert gated_delta_rule(*d.args()).shape == d.v.shape
+    c = make_conv(rng_seed, [1] * 3, decode=True, device="meta")
+    assert causal_conv1d(*c.args()).shape == c.x.shape
+
+
+# ---- Triton (interpreted on the CPU, compiled on CUDA) vs the reference ----------------------
+
+TRITON_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # fp16: one output rounding apart
+
+
+def triton_run(d: Delta) -> Tensor:
+    return gated_delta_rule(*d.args(), force_triton=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("scenario", ["prefill", "decode"])
+def test_triton_matches_reference(rng_seed: int, scenario: str, dtype: torch.dtype,
+                                  poisoned_alloc) -> None:  # fmt: skip
+    """Dv = 24 over BV = 16 columns: a full and a masked column block; GQA 2; empty and
+    one-token sequences; snapshots; shuffled slots."""
+    rng = random.Random(rng_seed)
+    decode = scenario == "decode"
+    lens = [1] * rng.randint(1, 5) if decode else [0, 1, rng.randint(2, 12), rng.randint(2, 12)]
+    rng.shuffle(lens)
+    d = make_delta(rng_seed, lens, dv=24, dtype=dtype, decode=decode, snaps=2)
+    e = d.clone()
+    out = triton_run(d)
+    close(out, reference_delta.gated_delta_rule(*e.args()), TRITON_TOL[dtype])
+    close(d.state, e.state, 1e-5)  # every row: the unowned ones must be untouched
+    close(d.snap_out, e.snap_out, 1e-5)
+
+
+def test_triton_split_and_snapshots(rng_seed: int) -> None:
+    split_and_snap(triton_run, rng_seed, torch.float32, 1e-5, max_len=24, device=DEV)
+
+
+def test_triton_strided_inputs(rng_seed: int) -> None:
+    """q, k, v as the model makes them: views into one [T, 2 Hk Dk + Hv Dv] conv output."""
+    d = make_delta(rng_seed, [3, 5], hk=1, hv=2, dk=16, dv=16)
+    mixed = torch.cat([d.q.flatten(1), d.k.flatten(1), d.v.flatten(1)], 1)  # [T, 64]
+    q, k, v = mixed.split([16, 16, 32], 1)
+    s = replace(d.clone(), q=q.view(-1, 1, 16), k=k.view(-1, 1, 16), v=v.view(-1, 2, 16))
+    close(triton_run(s), triton_run(d), 0)
+    close(s.state, d.state, 0)
+
+
+# ---- CUDA: the real shape (Qwen3-Next / Qwen3.5-MoE), bf16 and fp32, CUDA graphs -------------
+
+REAL = dict(hk=16, hv=32, dk=128, dv=128)
+# Tolerances, against an fp64 reference fed the very same (bf16-rounded) inputs. The kernel
+# differs from it only by fp32 rounding in the recurrence: a few ulps (~1e-7 relative) per token,
+# and the delta rule with |k| = 1, 0 < beta < 1, g <= 0 is non-expansive, so errors grow at most
+# linearly, in practice like sqrt(T): ~1e-5 of the state's scale after 4096 tokens; 2e-4 leaves
+# margin and still catches any wrong index or missed step (those err by O(1)). bf16 outputs add
+# one rounding, 2^-9 relative: rtol 1e-2.
+GPU_TOL = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (2e-4, 1e-2)}  # (atol x scale, rtol)
+
+
+def fp64_reference(d: Delta) -> Delta:
+    """d in fp64 (same values), run through the chunked reference; returns the finished copy."""
+    e = replace(d, q=d.q.double(), k=d.k.double(), v=d.v.double(), g=d.g.double(),
+                beta=d.beta.double(), state=d.state.double(),
+                snap_out=None if d.snap_out is None else d.snap_out.double())  # fmt: skip
+    e.v = reference_delta.gated_delta_rule(*e.args())  # the output, kept in the v field
+    return e
+
+
+def gpu_close(out: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = GPU_TOL[dtype]
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out.double(), ref, atol=atol * scale, rtol=rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "lens", [[4096], [1000, 1, 0, 2047, 64], [1] * 1, [1] * 3, [1] * 8], ids=str
+)
+def test_gpu_matches_reference(rng_seed: int, lens: list[int], dtype: torch.dtype) -> None:
+    decode = set(lens) == {1}
+    d = make_delta(rng_seed, lens, **REAL, dtype=dtype, device="cuda", decode=decode, snaps=3)
+    ref = fp64_reference(d)
+    out = gated_delta_rule(*d.args())
+    assert out.dtype == dtype and not out.isnan().any()
+    gpu_close(out, ref.v, dtype)
+    gpu_close(d.state, ref.state, torch.float32)  # the state is fp32 whatever the model dtype
+    gpu_close(d.snap_out, ref.snap_out, torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph(rng_seed: int) -> None:
+    """Capture the decode step (delta rule + conv, snapshots on) once; replay on new tokens,
+    slots and snapshot rows: the same bits as eager calls."""
+    B = 4
+    gen = torch.Generator(device="cuda").manual_seed(rng_seed)
+    d = make_delta(rng_seed, [1] * B, **REAL, dtype=torch.bfloat16, device="cuda", decode=True,
+                   snaps=2)  # fmt: skip
+    c = make_conv(rng_seed, [1] * B, c=1024, dtype=torch.bfloat16, decode=True, device="cuda")
+
+    def step() -> tuple[Tensor, Tensor]:
+        return gated_delta_rule(*d.args()), causal_conv1d(*c.args())
+
+    def set_inputs() -> None:  # in place: the graph keeps the buffers' addresses
+        for t in (d.q, d.k, d.v, d.beta, c.x):
+            t.copy_(torch.rand(t.shape, device="cuda", generator=gen))
+        d.g.copy_(-torch.rand(d.g.shape, device="cuda", generator=gen))
+        d.slots.copy_(torch.randperm(d.state.shape[0], device="cuda", generator=gen)[:B])
+        c.slots.copy_(d.slots)
+        rows = torch.randperm(B, device="cuda", generator=gen)
+        for snap in (d.snap_slots, c.snap_slots):
+            snap.copy_(torch.where(rows < 2, rows, -1))
+
+    pools = (d.state, d.snap_out, c.state, c.snap_out)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(3):
+        set_inputs()
+        saved = [p.clone() for p in pools]
+        graph.replay()
+        replayed = [t.clone() for t in (*outs, *pools)]
+        for p, s in zip(pools, saved, strict=True):
+            p.copy_(s)
+        eager = [*step(), *pools]
+        for r, e in zip(replayed, eager, strict=True):
+            torch.testing.assert_close(r, e, atol=0, rtol=0)
+        assert not any(p.equal(s) for p, s in zip(pools, saved, strict=True))  # all were written
