@@ -6,13 +6,23 @@ from __future__ import annotations
 from types import ModuleType
 
 from freetoken_agent.engine.config import ConfigError, ModelSpec
-from freetoken_agent.engine.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from freetoken_agent.engine.models import (
+    mixtral,
+    olmoe,
+    qwen2_moe,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
     "qwen2_moe": qwen2_moe,
     "mixtral": mixtral,
     "olmoe": olmoe,
+    "qwen3_next": qwen3_next,
+    "qwen3_5_moe": qwen3_5_moe,  # multimodal repos: the text model of text_config
+    "qwen3_5_moe_text": qwen3_5_moe,
 }
 
 
