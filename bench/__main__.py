@@ -9,6 +9,8 @@
     profile           where a decode step and a prefill chunk spend their time (CUDA)
     profile-offload   where an offloaded decode step spends its host time, per phase (CUDA)
     parity-precision  bf16 distance from fp32, ours and transformers', per family
+    agent             agent sessions replayed per recurrent-checkpoint mode: tokens re-prefilled
+                      and time to first token per turn (CUDA; --cpu-smoke runs on the CPU)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -27,6 +29,7 @@ BENCHES = {
     "profile": "freetoken_agent.bench.profile_step",
     "profile-offload": "freetoken_agent.bench.profile_offload",
     "parity-precision": "freetoken_agent.bench.parity_precision",
+    "agent": "freetoken_agent.bench.agent",
 }
 
 

@@ -1,0 +1,448 @@
+"""Agent sessions replayed against the engine: what each recurrent-checkpoint mode re-prefills.
+
+    python -m freetoken_agent.bench agent [--kind coding] [--turns 20] [--budget-gb 32]
+    python -m freetoken_agent.bench agent --cpu-smoke        # CI: a tiny model, 4 short turns
+
+A session from agent_trace.py (tool schemas, reasoning, tool calls and outputs, user messages;
+edits: reasoning stripped, tool output truncated, interrupted turn) is replayed turn by turn on
+a Qwen3.6-35B-A3B-shaped hybrid model (random bf16 weights, 30 gated-DeltaNet and 10 attention
+layers, experts offloaded under --budget-gb), once per checkpoint mode: anchors (the recurrent
+state is checkpointed at the prompt's semantic anchors, the prompt's end and before decoded
+marker tokens), positional:N (every N tokens) and none. Each mode gets a fresh engine: the mode
+is an EngineConfig field, and a fresh engine starts from an empty prefix cache and checkpoint
+pool; the weights are redrawn from the same seed, so every mode runs the same model.
+
+A turn submits its rendered request with its anchors and decodes --decode-tokens tokens (the
+random model's, for timing). The trace scripts what the model wrote (reasoning, a tool call)
+and the next request carries that, so after each turn the runner prefills prompt + scripted
+answer (all but its last token, which a model never feeds back) as a separate request,
+checkpointed where decoding would have been (the prompt's anchors, before each marker token):
+the cache then holds what a real turn leaves behind. That fill is reported apart and never
+counted in a turn; on a hybrid model in mode none nothing is reused, so it is skipped there.
+
+Per turn: tokens reused and re-prefilled (the engine's counts) beside the count the engine's
+documented checkpoint rules predict (`expected_prefill`, from everything this run sent), time to
+first token beside its limit (tokens re-prefilled / the prefill rate measured on a fresh
+--probe-tokens prompt in the same engine), decode tok/s beside that probe's single-turn rate.
+Per mode: worst-turn TTFT and total re-prefilled tokens; across modes, for each edited turn,
+whether anchors re-prefilled strictly fewer tokens than positional. The JSON is rewritten after
+every turn, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import inspect
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from freetoken_agent.bench.agent_trace import KINDS, AgentTrace, SessionShape, generate_session
+from freetoken_agent.chat_format import common_prefix
+from freetoken_agent.engine.config import ConfigError, EngineConfig
+from freetoken_agent.engine.engine import Engine
+from freetoken_agent.engine.models.registry import spec_from_config
+from freetoken_agent.engine.outputs import GenerationOutput
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# Tokens before which decoding checkpoints in anchors mode (as the Session passes them).
+MARKERS = ("<tool_call>", "</think>", "<|im_end|>")
+_FULL_EVERY = 4  # Qwen3.6: every 4th layer is full attention, the others gated DeltaNet
+
+# Qwen3.6-35B-A3B's text model: transformers' Qwen3_5MoeTextConfig defaults, with the published
+# context length and RoPE base.
+QWEN36_35B_A3B = {
+    "model_type": "qwen3_5_moe_text",
+    "vocab_size": 248320,
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "layer_types": [
+        "full_attention" if (i + 1) % _FULL_EVERY == 0 else "linear_attention" for i in range(40)
+    ],
+    "full_attention_interval": _FULL_EVERY,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+}
+# The same layout at toy size for --cpu-smoke (fp32; the demo tokenizer's 1024 ids).
+TINY_HYBRID = {
+    **QWEN36_35B_A3B,
+    **dict(vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4),
+    **dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4),
+    **dict(linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2),
+    **dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, dtype="float32"),
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "max_position_embeddings": 8192,
+}
+
+
+def device_config(layers: int) -> dict:
+    """The device model cut to its first `layers` layers (a quick run keeps the 3:1 mix)."""
+    return {
+        **QWEN36_35B_A3B,
+        "num_hidden_layers": layers,
+        "layer_types": QWEN36_35B_A3B["layer_types"][:layers],
+    }
+
+
+@dataclasses.dataclass(slots=True)
+class Support:
+    """What the engine in this checkout accepts (the anchor API landed in steps)."""
+
+    checkpoints: bool  # EngineConfig.checkpoints
+    submit: frozenset[str]  # of "anchors", "anchor_tokens"
+
+    @staticmethod
+    def detect() -> Support:
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        params = set(inspect.signature(Engine.submit).parameters)
+        return Support("checkpoints" in fields, frozenset({"anchors", "anchor_tokens"} & params))
+
+
+def build_engine(args: argparse.Namespace, mode: str, support: Support) -> tuple[Engine, str]:
+    """(engine, what it is) for one checkpoint mode."""
+    options = {"checkpoints": mode} if support.checkpoints else {}
+    common = dict(max_model_len=args.max_model_len, max_batched_tokens=args.chunk, **options)
+    if args.cpu_smoke:
+        try:
+            spec_from_config(TINY_HYBRID)
+        except ConfigError:  # no hybrid family in this checkout: the demo model (attention)
+            from freetoken_agent.demo_model import ensure_demo_model
+
+            path = ensure_demo_model()
+            engine = Engine.load(path, device="cpu", policy="resident", progress=False, **common)
+            return engine, f"demo model {path.name} (qwen3_moe, attention only)"
+        from freetoken_agent.bench.random_model import random_engine
+
+        engine = random_engine(TINY_HYBRID, device="cpu", std=0.1, policy="resident", **common)
+        return engine, "tiny qwen3_5_moe_text (random, fp32)"
+    budget = int(args.budget_gb * 1e9)
+    if args.model is not None:
+        engine = Engine.load(
+            args.model, "cuda", None, budget, args.policy, progress=False, **common
+        )
+        return engine, str(args.model)
+    from freetoken_agent.bench.random_model import random_engine
+
+    cfg = device_config(args.layers)
+    engine = random_engine(
+        cfg, policy=args.policy, gpu_budget=budget, max_num_seqs=4, stream_min_tokens=512, **common
+    )
+    bank = engine.loaded.bank
+    if hasattr(bank, "bandwidths"):  # the adaptive split starts from this host's bandwidths
+        from freetoken_agent.engine.experts import calibration
+
+        h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
+        bank.bandwidths.pcie = calibration.measure_pcie(3 * h * i * 2)
+        bank.bandwidths.cpu = calibration.measure_cpu(h, i, torch.bfloat16)
+    return engine, f"Qwen3.6-35B-A3B shape, {args.layers} layers, random bf16"
+
+
+def run(engine: Engine, ids: list[int], n_decode: int, **options) -> GenerationOutput:
+    """One request to completion, alone in the engine; `options` go to submit."""
+    sp = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
+    rid = engine.submit(ids, sp, **options)
+    while engine.has_unfinished():
+        engine.step()
+    out = engine._collect(rid)  # noqa: SLF001 - the result of a submitted request (as offload)
+    if out.finish_reason == "error":
+        raise RuntimeError(f"a request of {len(ids)} tokens failed: {out.error}")
+    return out
+
+
+def probe(engine: Engine, n_tokens: int, n_decode: int, seed: int) -> dict:
+    """Prefill rate of a fresh n_tokens prompt (after one warm-up of the same size, so kernels
+    are compiled for its shapes) and the decode rate after it; the cache is emptied after."""
+    rng = random.Random(seed)
+    vocab = engine.spec.vocab_size
+    run(engine, [rng.randrange(vocab) for _ in range(n_tokens)], 2)
+    out = run(engine, [rng.randrange(vocab) for _ in range(n_tokens)], n_decode)
+    engine.radix.reset()  # the trace starts from an empty cache (checkpoints go with pages)
+    ttft = out.stats["ttft_s"]
+    return {
+        "tokens": n_tokens,
+        "ttft_s": ttft,
+        "prefill_tok_s": n_tokens / ttft,
+        "decode_tok_s": out.stats["decode_tok_s"],
+    }
+
+
+class CacheModel:
+    """What the engine's documented rules say it holds: each sent sequence (the tokens it
+    computed) with the boundaries its requests checkpointed (engine/kv/checkpoint_mode.py)."""
+
+    def __init__(self, mode: str, hybrid: bool, markers: frozenset[int]) -> None:
+        kind, _, n = mode.partition(":")
+        self.kind, self.every, self.hybrid, self.markers = kind, int(n or 0), hybrid, markers
+        self.sent: list[tuple[list[int], set[int]]] = []
+
+    def add(self, prompt: list[int], anchors: list[int], output: list[int]) -> None:
+        seq = prompt + output[:-1]  # the last sampled token is never computed
+        n = len(prompt)
+        if self.kind == "anchors":
+            bounds = {a for a in anchors if 0 < a <= n} | {n}
+            bounds |= {n + i for i, t in enumerate(output[:-1]) if t in self.markers}
+        elif self.kind == "positional":
+            bounds = set(range(self.every, len(seq) + 1, self.every))
+        else:
+            bounds = set()
+        self.sent.append((seq, bounds))
+
+    def resume(self, ids: list[int]) -> int:
+        """Tokens of `ids` the next request should reuse (all but the last at most)."""
+        best = 0
+        for seq, bounds in self.sent:
+            shared = common_prefix(seq, ids[:-1])
+            if not self.hybrid:
+                best = max(best, shared)
+            else:
+                best = max([best, *(b for b in bounds if b <= shared)])
+        return best
+
+
+def replay(engine: Engine, trace: AgentTrace, mode: str, args, support: Support, entry: dict, save):
+    """Every turn of the trace, in order, into entry["turns"] (saved and printed after each)."""
+    markers = trace_markers()
+    hybrid = bool(getattr(engine.spec, "is_hybrid", False))
+    passed = markers if "anchor_tokens" in support.submit else frozenset()
+    model = CacheModel(mode if support.checkpoints else "anchors", hybrid, passed)
+    rate = entry["probe"]
+    print_header(mode, entry)
+    for turn in trace.turns:
+        options: dict = {}
+        if "anchors" in support.submit:
+            options["anchors"] = turn.anchors
+        if "anchor_tokens" in support.submit:
+            options["anchor_tokens"] = sorted(markers)
+        expected = len(turn.prompt_ids) - model.resume(turn.prompt_ids)
+        out = run(engine, turn.prompt_ids, args.decode_tokens, **options)
+        model.add(turn.prompt_ids, options.get("anchors", []), out.token_ids)
+        st = out.stats
+        row = {
+            "turn": turn.index,
+            "edit": turn.edit,
+            "prompt_tokens": st["prompt_tokens"],
+            "reused_tokens": st["reused_tokens"],
+            "prefilled_tokens": st["prefilled_tokens"],
+            "resumed_tokens": st.get("resumed_tokens"),
+            "expected_prefill": expected,
+            "anchor_prefill": turn.anchor_prefill,  # the trace's bound: prompt anchors only
+            "min_prefill": turn.min_prefill,  # attention only: every shared token reused
+            "ttft_s": st["ttft_s"],
+            "ttft_limit_s": st["prefilled_tokens"] / rate["prefill_tok_s"],
+            "decode_tok_s": st["decode_tok_s"],
+        }
+        row["ttft_of_limit"] = row["ttft_limit_s"] / row["ttft_s"]
+        single = rate["decode_tok_s"]
+        row["decode_of_single_turn"] = (row["decode_tok_s"] or 0) / single if single else None
+        if not (hybrid and mode == "none"):
+            # The scripted answer into the cache, checkpointed where decoding would have been.
+            fill = turn.prompt_ids + turn.generated_ids[:-1]
+            n = len(turn.prompt_ids)
+            marks = {n + i for i, t in enumerate(turn.generated_ids[:-1]) if t in markers}
+            if "anchors" in support.submit:
+                options["anchors"] = sorted(marks.union(turn.anchors))
+            t0 = time.perf_counter()
+            done = run(engine, fill, 1, **options)
+            model.add(fill, options.get("anchors", []), done.token_ids)
+            row["fill_prefilled"] = done.stats["prefilled_tokens"]
+            row["fill_s"] = time.perf_counter() - t0
+        entry["turns"].append(row)
+        print_row(row)
+        save()
+
+
+def trace_markers() -> frozenset[int]:
+    from freetoken_agent.bench.agent_trace import demo_tokenizer
+
+    vocab = demo_tokenizer().backend.get_vocab()
+    return frozenset(vocab[m] for m in MARKERS if m in vocab)
+
+
+def summarize(rows: list[dict]) -> dict:
+    worst = max(rows, key=lambda r: r["ttft_s"])
+    decode = [r["decode_tok_s"] for r in rows if r["decode_tok_s"]]
+    return {
+        "worst_ttft_s": worst["ttft_s"],
+        "worst_ttft_turn": worst["turn"],
+        "worst_ttft_limit_s": worst["ttft_limit_s"],
+        "total_prefilled": sum(r["prefilled_tokens"] for r in rows),
+        "total_reused": sum(r["reused_tokens"] for r in rows),
+        "total_expected_prefill": sum(r["expected_prefill"] for r in rows),
+        "turns_off_expected": [
+            r["turn"] for r in rows if r["prefilled_tokens"] != r["expected_prefill"]
+        ],
+        "mean_decode_tok_s": sum(decode) / len(decode) if decode else None,
+        "min_decode_tok_s": min(decode) if decode else None,
+    }
+
+
+def compare(modes: dict) -> dict | None:
+    """Edited turns: prefilled tokens per mode, and whether anchors beat positional."""
+    positional = next((m for m in modes if m.startswith("positional")), None)
+    if "anchors" not in modes or positional is None:
+        return None
+    by_mode = {m: {r["turn"]: r for r in modes[m]["turns"]} for m in modes}
+    rows = []
+    for turn, a in by_mode["anchors"].items():
+        p = by_mode[positional].get(turn)
+        if a["edit"] == "none" or p is None:
+            continue
+        row = {"turn": turn, "edit": a["edit"]}
+        row |= {m: by_mode[m][turn]["prefilled_tokens"] for m in modes if turn in by_mode[m]}
+        row["anchors_fewer"] = a["prefilled_tokens"] < p["prefilled_tokens"]
+        rows.append(row)
+    return {
+        "positional": positional,
+        "edited": rows,
+        "all_anchors_fewer": all(r["anchors_fewer"] for r in rows),
+    }
+
+
+def print_header(mode: str, entry: dict) -> None:
+    p = entry["probe"]
+    print(
+        f"\n[{mode}] {entry['engine']}, built in {entry['build_s']:.1f} s; probe {p['tokens']} "
+        f"tokens: prefill {p['prefill_tok_s']:.0f} tok/s, decode {p['decode_tok_s'] or 0:.1f} tok/s"
+    )
+    columns = ("prompt", "reused", "prefill", "expect", "ttft_s", "limit_s", "of_lim", "dec/s")
+    print(f"{'turn':>4} {'edit':<22}" + "".join(f"{c:>9}" for c in columns), flush=True)
+
+
+def print_row(r: dict) -> None:
+    print(
+        f"{r['turn']:4d} {r['edit']:<22}{r['prompt_tokens']:9d}{r['reused_tokens']:9d}"
+        f"{r['prefilled_tokens']:9d}{r['expected_prefill']:9d}{r['ttft_s']:9.3f}"
+        f"{r['ttft_limit_s']:9.3f}{r['ttft_of_limit']:9.2f}{r['decode_tok_s'] or 0:9.1f}",
+        flush=True,
+    )
+
+
+# (option, device default, --cpu-smoke default, help): integer knobs whose default depends on
+# the run (a 20-turn 40k-token session on the device model, or a short one on a tiny model).
+KNOBS = (
+    ("--turns", 20, 4, "requests in the session"),
+    ("--decode-tokens", 32, 4, "tokens decoded per turn (the random model's, for timing)"),
+    ("--probe-tokens", 8192, 256, "prompt tokens of the prefill-rate probe"),
+    ("--chunk", 8192, 512, "max_batched_tokens: tokens per step (the prefill chunk)"),
+    ("--max-model-len", 65536, 4096, "the engine's context"),
+    ("--positional", 1024, 256, "N of a bare 'positional' mode (checkpoint every N tokens)"),
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench agent",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--kind", choices=KINDS, default="coding", help="session kind")
+    parser.add_argument("--seed", type=int, default=0, help="trace seed (same seed, same tokens)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["anchors", "positional", "none"],
+        help="checkpoint modes, run in order: anchors, positional, positional:N, none",
+    )
+    for flag, device, small, text in KNOBS:
+        help_text = f"{text} (default {device}; with --cpu-smoke {small})"
+        parser.add_argument(flag, type=int, default=None, help=help_text)
+    parser.add_argument("--budget-gb", type=float, default=32.0, help="GPU budget in GB")
+    parser.add_argument("--policy", default="adaptive", help="expert placement policy")
+    parser.add_argument("--layers", type=int, default=40, help="device model depth (cut: quick)")
+    parser.add_argument("--model", type=Path, help="load this model folder instead (CUDA)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, short trace")
+    parser.add_argument("--out", type=Path, default=RESULTS / "agent_trace.json", help="JSON")
+    args = parser.parse_args(argv)
+    for flag, device, small, _ in KNOBS:
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.cpu_smoke else device)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    modes = [f"positional:{args.positional}" if m == "positional" else m for m in args.modes]
+    support = Support.detect()
+    if not support.checkpoints or "anchors" not in support.submit:
+        print("warning: this engine lacks checkpoints= or anchors=; modes run alike", flush=True)
+    shape = SessionShape.small() if args.cpu_smoke else None
+    trace = generate_session(args.kind, args.seed, args.turns, shape)
+    print(trace.summary(), flush=True)
+    on_gpu = torch.cuda.is_available() and not args.cpu_smoke
+    report = {
+        "bench": "agent",
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "support": {"checkpoints": support.checkpoints, "submit": sorted(support.submit)},
+        "trace": trace.to_json(ids=False),
+        "modes": {},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every turn: a run cut short keeps what it measured
+        args.out.write_text(json.dumps(report, indent=1))
+
+    for mode in modes:
+        t0 = time.perf_counter()
+        engine, what = build_engine(args, mode, support)
+        entry = report["modes"][mode] = {"engine": what, "build_s": time.perf_counter() - t0}
+        entry["probe"] = probe(engine, args.probe_tokens, args.decode_tokens, args.seed)
+        entry["turns"] = []
+        replay(engine, trace, mode, args, support, entry, save)
+        entry["summary"] = s = summarize(entry["turns"])
+        stats = engine.stats()
+        keep = ("memory", "tokens", "checkpoints")
+        entry["engine_stats"] = {k: stats[k] for k in keep if stats.get(k) is not None}
+        save()
+        print(
+            f"worst TTFT {s['worst_ttft_s']:.3f} s (turn {s['worst_ttft_turn']}, limit "
+            f"{s['worst_ttft_limit_s']:.3f} s); prefilled {s['total_prefilled']} tokens "
+            f"(expected {s['total_expected_prefill']}), reused {s['total_reused']}"
+        )
+        del engine  # a fresh engine per mode: free this one's memory first
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    report["comparison"] = c = compare(report["modes"])
+    save()
+    if c is not None:
+        print(f"\nedited turns, prefilled tokens (anchors < {c['positional']}?)")
+        for r in c["edited"]:
+            figures = "  ".join(f"{m} {r[m]}" for m in modes if m in r)
+            verdict = "yes" if r["anchors_fewer"] else "NO"
+            print(f"{r['turn']:4d} {r['edit']:<22} {figures}  {verdict}")
+        print(f"all edited turns: {'yes' if c['all_anchors_fewer'] else 'NO'}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,517 @@
+"""Agent sessions for `freetoken bench agent`: structured histories, rendered turn by turn.
+
+    trace = generate_session("coding", seed=0)       # 20 turns; the last request is past 40k
+    turn = trace.turns[k]                            # prompt_ids, anchors, edit, diverge_at,
+                                                     # deepest_anchor, generated_ids
+    print(trace.summary())
+
+A session is a list of `freetoken_agent.messages` records: a system prompt with 8-12 tool
+schemas (about 3k tokens), a user task with a pasted attachment, then turns. A turn is one
+request: the history so far rendered by ChatFormat with the demo model's byte-level BPE
+tokenizer and its Qwen3-style template, which drops the reasoning of assistant turns before the
+last user message. The answer is scripted (a random model will not write it): reasoning
+(100-600 tokens), a short preface, one tool call; the tool output (200-4000 tokens, log-uniform)
+joins the history of the next turn. Every 4-6 turns a new user message arrives.
+
+Edits, deterministic from the seed, each labelling the request that carries it:
+  reasoning_stripped     a new user message: the reasoning of the turns since the previous one
+                         vanishes from the render
+  interrupted            the previous turn was cut mid-reasoning (no tool call, its partial
+                         reasoning kept in the history), then a user steering message
+  tool_output_truncated  an earlier output (>= truncate_min_tokens, two or more requests old)
+                         shrinks to its first line(s) and an omission marker, as agents mask
+                         old observations to save context (SWE-agent, OpenHands)
+
+Sizes are token counts on the demo tokenizer. Tool output sizes are stratified: output i falls
+in its own 1/n band of the log-uniform range (bands shuffled), so each is log-uniform while the
+sum barely moves with the seed. Agents at 20 turns of these sizes reach ~30k tokens, so the
+first user message's attachment (pasted files and logs) grows until the last request reaches
+`min_context`; `AgentTrace.attachment_tokens` says how large it became.
+
+Per turn: `diverge_at` = the longest common token prefix with any sequence sent before (an
+earlier prompt plus the tokens its turn generated); `deepest_anchor` = the deepest anchor of
+this prompt at or before `diverge_at` that was also an anchor of an earlier prompt sharing those
+tokens: where a hybrid model's recurrent state resumes when checkpoints sit at anchors (0: from
+scratch). Anchors of generated tokens do not count: the engine learns anchors at submit time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from freetoken_agent.chat_format import ChatFormat, common_prefix, normalize_tools
+from freetoken_agent.engine.text.tokenizer import Tokenizer
+from freetoken_agent.messages import (
+    AssistantMessage,
+    Message,
+    SystemMessage,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+    to_template_messages,
+)
+
+# T tokens of a rendered request
+KINDS = ("coding", "tools")
+EDITS = ("none", "reasoning_stripped", "tool_output_truncated", "interrupted")
+
+_VOCABULARY = """
+    agent anchor array batch buffer cache call chunk client config context count cursor data
+    debug decode device diff entry error event expert field file filter format frame graph
+    handle header index input item kernel layer limit line list load lock log memory merge
+    message method model module node number offset option order output page parse path pool
+    prefix queue range reader record request result route row schema scope search segment
+    server session shape slot source state status step stream string table task test thread
+    token tool trace tree update user value version view window worker write the a of to and
+    in is it for on with as by this that from we should check first then next why because
+    when not only all new old each more most some every still after before again look fix
+    run read find keep move test call seems likely wrong right case missing extra"""
+_WORDS = tuple(_VOCABULARY.split())
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+def _ident(rng: random.Random) -> str:
+    return "_".join(rng.choice(_WORDS[:110]) for _ in range(rng.randint(1, 3)))
+
+
+def _sentence(rng: random.Random) -> str:
+    s = _words(rng, rng.randint(5, 16))
+    return s[0].upper() + s[1:] + rng.choice("..,;:?")
+
+
+# Line makers by output style: (rng, line number) -> one line of text.
+def _prose(rng: random.Random, i: int) -> str:
+    return " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))
+
+
+def _code(rng: random.Random, i: int) -> str:
+    a, b, c = _ident(rng), _ident(rng), _ident(rng)
+    forms = (
+        f"def {a}({b}, {c}):",
+        f"{a} = {b}.{c}({_ident(rng)}, {rng.randint(0, 4096)})",
+        f"if {a} is not None and {b} > {rng.randint(0, 64)}:",
+        f"return {a}[{b}]",
+        f"# {_words(rng, rng.randint(4, 12))}",
+        f'raise ValueError(f"{_words(rng, 4)} {{{a}}}")',
+        f"for {a} in {b}.{c}():",
+        f"self.{a} = {b}",
+    )
+    return "    " * rng.choice((0, 1, 1, 2, 2, 3)) + rng.choice(forms)
+
+
+def _log(rng: random.Random, i: int) -> str:
+    if rng.random() < 0.5:
+        status = rng.choice(("PASSED", "PASSED", "PASSED", "FAILED", "SKIPPED"))
+        return f"tests/test_{_ident(rng)}.py::test_{_ident(rng)} {status} [{i % 100:3d}%]"
+    level = rng.choice(("INFO", "INFO", "WARNING", "ERROR", "DEBUG"))
+    return f"12:{i // 60 % 60:02d}:{i % 60:02d} {level} {_ident(rng)}: {_sentence(rng)}"
+
+
+STYLES: dict[str, Callable[[random.Random, int], str]] = {
+    "prose": _prose,
+    "code": _code,
+    "log": _log,
+    "numbered": lambda rng, i: f"{i + 1:6d}\t{_code(rng, i)}",
+    "grep": lambda rng, i: f"src/{_ident(rng)}.py:{rng.randint(1, 900)}:{_code(rng, i).strip()}",
+    "diff": lambda rng, i: rng.choice("+- ") + _code(rng, i),
+    "paths": lambda rng, i: f"{'  ' * rng.randint(0, 3)}{_ident(rng)}/{_ident(rng)}.py",
+    "json": lambda rng, i: json.dumps(
+        {"id": i, "title": _words(rng, 5), "snippet": _sentence(rng), "score": rng.randint(1, 99)}
+    ),
+    "table": lambda rng, i: " | ".join([str(i), *(_words(rng, rng.randint(1, 3)) for _ in "abcd")]),
+}
+
+# kind, tool, output style, parameters (* marks the one carrying a long argument: code, a body)
+_TOOL_TABLE = """
+    coding read_file numbered path offset limit
+    coding edit_file numbered path old_string *new_string
+    coding write_file log path *content
+    coding apply_patch log *patch
+    coding bash log command timeout
+    coding run_tests log target flags
+    coding grep grep pattern path glob
+    coding search_symbols grep query kind
+    coding glob paths pattern
+    coding list_dir paths path depth
+    coding git_diff diff ref path
+    coding web_fetch prose url prompt
+    tools web_search json query top_k
+    tools fetch_page prose url
+    tools sql_query table database *sql
+    tools send_email json to subject *body
+    tools calendar_lookup json start end attendee
+    tools weather table location date
+    tools read_document prose doc_id section
+    tools spreadsheet table sheet range formula
+    tools translate prose *text target
+    tools calculator table expression
+    tools crm_lookup json customer_id fields
+    tools create_ticket json title *body priority"""
+TOOLS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {kind: {} for kind in KINDS}
+for _kind, _tool, _style, *_params in map(str.split, _TOOL_TABLE.strip().splitlines()):
+    TOOLS[_kind][_tool] = (_style, tuple(_params))
+_INTEGER_PARAMS = frozenset({"offset", "limit", "timeout", "depth", "top_k"})
+
+
+@dataclass(slots=True)
+class SessionShape:
+    """Every size of a session, in tokens of the demo tokenizer ((lo, hi) ranges inclusive)."""
+
+    system_tokens: int = 3000  # system turn: instructions + tool schemas
+    n_tools: tuple[int, int] = (8, 12)
+    task_tokens: tuple[int, int] = (100, 400)  # the first user message, before its attachment
+    attachment_tokens: tuple[int, int] = (2000, 6000)  # grown up to min_context (log-uniform)
+    user_tokens: tuple[int, int] = (30, 300)  # later user messages
+    user_every: tuple[int, int] = (4, 6)  # turns between user messages
+    reasoning_tokens: tuple[int, int] = (100, 600)
+    preface_tokens: tuple[int, int] = (0, 40)  # visible text before the tool call
+    call_tokens: tuple[int, int] = (20, 600)  # a long argument (code, a body), log-uniform
+    tool_output_tokens: tuple[int, int] = (200, 4000)  # log-uniform, stratified
+    truncate_rate: float = 0.1  # truncations per turn (at least one when possible)
+    truncate_min_tokens: int = 1000  # only outputs this large get truncated
+    truncate_keep_lines: int = 1  # lines a truncated output keeps
+    interrupt_rate: float = 0.34  # of the user messages after the task, the share that interrupt
+    min_context: int = 40_000  # the last request reaches at least this many tokens
+
+    @classmethod
+    def small(cls) -> SessionShape:
+        """A short session for CPU smoke runs (a few hundred tokens per turn)."""
+        return cls(
+            system_tokens=300,
+            n_tools=(3, 4),
+            task_tokens=(20, 60),
+            attachment_tokens=(50, 150),
+            user_tokens=(10, 40),
+            user_every=(2, 3),
+            reasoning_tokens=(20, 60),
+            preface_tokens=(0, 10),
+            call_tokens=(10, 60),
+            tool_output_tokens=(40, 200),
+            truncate_rate=0.25,
+            truncate_min_tokens=60,
+            min_context=0,
+        )
+
+
+@dataclass(slots=True)
+class TraceTurn:
+    """One request of a session and the answer its turn scripts."""
+
+    index: int
+    edit: str  # one of EDITS
+    prompt_ids: list[int]  # [T] the whole rendered request
+    anchors: list[int]  # token offsets of Prompt.anchors, sorted, deduplicated
+    diverge_at: int  # longest common prefix with any earlier prompt + generated tokens
+    diverge_from: int  # the earlier turn sharing that prefix (-1: none)
+    deepest_anchor: int  # see the module docstring
+    generated_ids: list[int]  # the scripted answer's tokens (cut short when interrupted)
+    tool: str | None  # the tool called (None when the turn was interrupted)
+    reasoning_tokens: int
+    tool_output_tokens: int  # of this turn's output (it appears in the next request)
+    cut: bool = False  # generation interrupted mid-reasoning
+    truncated_turn: int | None = None  # tool_output_truncated: whose output shrank
+
+    @property
+    def min_prefill(self) -> int:
+        """Tokens to prefill when every matched token is reused (an attention-only model)."""
+        return len(self.prompt_ids) - min(self.diverge_at, len(self.prompt_ids) - 1)
+
+    @property
+    def anchor_prefill(self) -> int:
+        """Tokens to prefill when recurrent state resumes from the deepest anchor."""
+        return len(self.prompt_ids) - self.deepest_anchor
+
+
+@dataclass(slots=True)
+class AgentTrace:
+    kind: str
+    seed: int
+    shape: SessionShape
+    turns: list[TraceTurn]
+    tools: list[str]
+    system_tokens: int  # the rendered system turn
+    attachment_tokens: int
+    render_s: float  # wall time of the rendering (ChatFormat with its prefix cache)
+
+    @property
+    def final_context(self) -> int:
+        return len(self.turns[-1].prompt_ids)
+
+    def to_json(self, ids: bool = True) -> dict:
+        """A JSON-ready dict; `ids=False` leaves out the token ids (results files)."""
+        drop = () if ids else ("prompt_ids", "generated_ids")
+        turns = []
+        for t in self.turns:
+            row = {k: v for k, v in dataclasses.asdict(t).items() if k not in drop}
+            row |= {"prompt_tokens": len(t.prompt_ids), "generated_tokens": len(t.generated_ids)}
+            turns.append(row)
+        head = {k: getattr(self, k) for k in ("kind", "seed", "tools", "system_tokens")}
+        return head | {
+            "attachment_tokens": self.attachment_tokens,
+            "render_s": self.render_s,
+            "final_context": self.final_context,
+            "edits": {e: sum(t.edit == e for t in self.turns) for e in EDITS},
+            "shape": dataclasses.asdict(self.shape),
+            "turns": turns,
+        }
+
+    def summary(self) -> str:
+        lines = [
+            f"{self.kind} session, seed {self.seed}: {len(self.turns)} turns, {len(self.tools)} "
+            f"tools, system {self.system_tokens} tokens, attachment {self.attachment_tokens}, "
+            f"final context {self.final_context}, rendered in {self.render_s:.2f} s",
+            f"{'turn':>4} {'prompt':>7} {'new':>6} {'diverge':>7} {'anchor':>7} {'output':>6} "
+            f"{'reason':>6}  edit",
+        ]
+        for t in self.turns:
+            lines.append(
+                f"{t.index:4d} {len(t.prompt_ids):7d} {len(t.prompt_ids) - t.diverge_at:6d} "
+                f"{t.diverge_at:7d} {t.deepest_anchor:7d} {t.tool_output_tokens:6d} "
+                f"{t.reasoning_tokens:6d}  {t.edit}{' (cut)' if t.cut else ''}"
+            )
+        return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=1)
+def demo_tokenizer() -> Tokenizer:
+    from freetoken_agent.demo_model import ensure_demo_model
+
+    return Tokenizer.from_dir(ensure_demo_model())
+
+
+def generate_session(
+    kind: str,
+    seed: int,
+    turns: int = 20,
+    shape: SessionShape | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> AgentTrace:
+    """A deterministic session of `turns` requests (same arguments, same tokens)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown session kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if turns < 1:
+        raise ValueError(f"a session needs at least one turn, got {turns}")
+    builder = _Builder(kind, seed, turns, shape or SessionShape(), tokenizer or demo_tokenizer())
+    return builder.build()
+
+
+class _Builder:
+    def __init__(self, kind: str, seed: int, turns: int, shape: SessionShape, tok: Tokenizer):
+        self.kind, self.seed, self.n, self.shape, self.tok = kind, seed, turns, shape, tok
+        self.fmt = ChatFormat(tok)
+
+    def rng(self, *key: object) -> random.Random:
+        # One stream per purpose: resizing the attachment changes nothing else.
+        return random.Random(":".join(map(str, (self.kind, self.seed, *key))))
+
+    def count(self, text: str) -> int:
+        return len(self.tok.backend.encode(text, add_special_tokens=False).ids)
+
+    def text(self, rng: random.Random, style: str, n_tokens: int, lo: int = 0, hi: int = 0):
+        """(text, tokens): lines of `style` until `n_tokens`; within [lo, hi] when hi > 0."""
+        lines: list[str] = []
+        total = 0
+        while total < n_tokens:
+            lines.append(STYLES[style](rng, len(lines)))
+            total += self.count(lines[-1] + "\n")
+        exact = self.count("\n".join(lines))
+        while (hi and exact > hi and len(lines) > 1) or exact < lo:
+            if exact < lo:
+                lines.append(STYLES[style](rng, len(lines)))
+            else:
+                lines.pop()
+            exact = self.count("\n".join(lines))
+        return "\n".join(lines), exact
+
+    def build(self) -> AgentTrace:
+        sh = self.shape
+        rng = self.rng("tools")
+        names = rng.sample(sorted(TOOLS[self.kind]), min(rng.randint(*sh.n_tools), 12))
+        bare = self.fmt.render([SystemMessage("")], [self.schema(n, 0) for n in names], False)
+        budget = max(0, (3 * sh.system_tokens // 4 - len(bare)) // len(names))
+        tools = [self.schema(name, budget) for name in names]
+        empty = self.fmt.render([SystemMessage("")], tools, add_generation_prompt=False)
+        room = max(sh.system_tokens - len(empty), 1)  # instructions fill the rest
+        system = SystemMessage(self.text(self.rng("system"), "prose", room)[0])
+        norm = normalize_tools(tools)
+        t0 = time.perf_counter()
+        turns, histories, answers = self.plan(names, system)
+        task = self.text(self.rng("task"), "prose", self.rng("task").randint(*sh.task_tokens))[0]
+        style = "code" if self.kind == "coding" else "prose"
+        want = _log_uniform(self.rng("attachment"), *sh.attachment_tokens)
+        for _ in range(4):  # grow the attachment until the last request reaches min_context
+            attach, attach_tokens = self.text(self.rng("attachment"), style, want)
+            first = UserMessage(f"{task}\n\n```\n{attach}\n```")
+            for history in histories:
+                history[1] = first
+            last = self.fmt.template(norm).render(
+                to_template_messages(histories[-1]), tools=norm, add_generation_prompt=True
+            )
+            deficit = sh.min_context - self.count(last)
+            if deficit <= 0:
+                break
+            want = attach_tokens + deficit + 64
+        else:
+            raise RuntimeError(f"could not reach min_context={sh.min_context} tokens")
+        self.render(turns, histories, answers, tools)
+        render_s = time.perf_counter() - t0
+        head = len(self.fmt.render([system], tools, add_generation_prompt=False))
+        return AgentTrace(self.kind, self.seed, sh, turns, names, head, attach_tokens, render_s)
+
+    def schema(self, name: str, budget: int) -> dict:
+        """An OpenAI tool schema; its descriptions take about `budget` tokens."""
+        rng = self.rng("schema", name)
+        params = [p.lstrip("*") for p in TOOLS[self.kind][name][1]]
+
+        def describe(n_tokens: int) -> str:  # exactly n_tokens: 44 descriptions add up
+            ids = self.tok.encode(self.text(rng, "prose", n_tokens)[0].replace("\n", " "))
+            return self.tok.backend.decode(ids[:n_tokens])
+
+        props = {
+            p: {
+                "type": "integer" if p in _INTEGER_PARAMS else "string",
+                "description": describe(budget // (2 * len(params))),
+            }
+            for p in params
+        }
+        parameters = {"type": "object", "properties": props, "required": [params[0]]}
+        function = {"name": name, "description": describe(budget // 2), "parameters": parameters}
+        return {"type": "function", "function": function}
+
+    def plan(self, names: list[str], system: SystemMessage):
+        """(turns without tokens, the history each sends, the answer each scripts): every edit
+        decided, nothing rendered. history[1], the first user message, is a placeholder."""
+        sh, n = self.shape, self.n
+        rng = self.rng("plan")
+        user_turns = [0]
+        while user_turns[-1] + (gap := rng.randint(*sh.user_every)) < n:
+            user_turns.append(user_turns[-1] + gap)
+        later = user_turns[1:]
+        n_int = min(len(later) - 1, max(1, round(sh.interrupt_rate * len(later))))
+        interrupted = set(rng.sample(later, max(n_int, 0)))
+        eligible = [k for k in range(2, n) if k not in user_turns]
+        n_trunc = min(len(eligible), max(1, round(sh.truncate_rate * n)))
+        truncations = set(rng.sample(eligible, n_trunc))
+        # Stratified log-uniform output sizes: band i of n, bands shuffled.
+        bands = list(range(n))
+        rng.shuffle(bands)
+        lo, hi = sh.tool_output_tokens
+        sizes = [round(lo * (hi / lo) ** ((b + rng.random()) / n)) for b in bands]
+
+        history: list[Message] = [system, UserMessage("")]
+        outputs: dict[int, tuple[int, int]] = {}  # turn -> (history index, tokens)
+        turns, histories, answers = [], [], []
+        pending = 0  # truncations whose turn found no candidate yet
+        for k in range(n):
+            turn, answer = self.answer(k, names, cut=k + 1 in interrupted)
+            if k in later:
+                turn.edit = "interrupted" if k in interrupted else "reasoning_stripped"
+                r = self.rng("user", k)
+                words = self.text(r, "prose", r.randint(*sh.user_tokens))[0]
+                history.append(UserMessage(("Stop, wait. " if k in interrupted else "") + words))
+            elif k in truncations or pending:
+                pending += k in truncations
+                j = self.truncate(k, history, outputs)
+                if j is not None:
+                    turn.edit, turn.truncated_turn = "tool_output_truncated", j
+                    pending -= 1
+            histories.append(list(history))
+            answers.append(answer)
+            history.append(answer)
+            if not turn.cut:
+                call = answer.tool_calls[0]
+                out_style = TOOLS[self.kind][call.name][0]
+                output, turn.tool_output_tokens = self.text(
+                    self.rng("output", k), out_style, sizes[k], lo, hi
+                )
+                history.append(ToolResult(call.id, output, name=call.name))
+                outputs[k] = (len(history) - 1, turn.tool_output_tokens)
+            turns.append(turn)
+        return turns, histories, answers
+
+    def truncate(self, k: int, history: list[Message], outputs: dict) -> int | None:
+        """Shrink one earlier output (two or more requests old, large) in place; its turn."""
+        big = self.shape.truncate_min_tokens
+        candidates = [j for j, (_, n) in outputs.items() if j <= k - 2 and n >= big]
+        if not candidates:
+            return None
+        j = self.rng("truncate", k).choice(candidates)
+        at, _ = outputs.pop(j)
+        old = history[at]
+        head = old.content.split("\n")[: self.shape.truncate_keep_lines]
+        omitted = old.content.count("\n") + 1 - len(head)
+        short = "\n".join([*head, f"[... {omitted} more lines truncated to save context ...]"])
+        history[at] = ToolResult(old.tool_call_id, short, name=old.name)
+        return j
+
+    def answer(self, k: int, names: list[str], cut: bool) -> tuple[TraceTurn, AssistantMessage]:
+        """Turn k's record (tokens still empty) and the answer it scripts."""
+        rng = self.rng("answer", k)
+        reasoning = self.text(rng, "prose", rng.randint(*self.shape.reasoning_tokens))[0]
+        reasoning = reasoning.replace("\n", " ")
+        if cut:  # the user stopped it mid-thought: part of the reasoning, no call
+            words = reasoning.split(" ")
+            reasoning = " ".join(words[: max(1, int(len(words) * rng.uniform(0.2, 0.8)))])
+            msg = AssistantMessage("", reasoning)
+        else:
+            name = rng.choice(names)
+            args: dict[str, object] = {}
+            for p in TOOLS[self.kind][name][1]:
+                if p in _INTEGER_PARAMS:
+                    args[p] = rng.randint(1, 400)
+                elif p.startswith("*"):  # code to write, a message body: sized in tokens
+                    n = _log_uniform(rng, *self.shape.call_tokens)
+                    style = "code" if self.kind == "coding" else "prose"
+                    args[p[1:]] = self.text(rng, style, n)[0]
+                else:
+                    args[p] = f"{_ident(rng)}/{_ident(rng)}.py" if p == "path" else _words(rng, 3)
+            preface = ""
+            if rng.random() < 0.7:  # some turns call the tool without a word
+                preface = self.text(rng, "prose", rng.randint(*self.shape.preface_tokens))[0]
+            msg = AssistantMessage(preface, reasoning, [ToolCall(f"call_{k}", name, args)])
+        turn = TraceTurn(k, "none", [], [], 0, -1, 0, [], None if cut else name, 0, 0, cut)
+        turn.reasoning_tokens = self.count(reasoning)
+        return turn, msg
+
+    def render(self, turns: list[TraceTurn], histories, answers, tools: list[dict]) -> None:
+        """Fill each turn's tokens, anchors and divergence, in order."""
+        norm = normalize_tools(tools)
+        template = self.fmt.template(norm)
+        sent: list[tuple[list[int], frozenset[int]]] = []  # prompt + generated, prompt anchors
+        for turn, history, answer in zip(turns, histories, answers, strict=True):
+            prompt = self.fmt.render(history, tools)
+            ids = turn.prompt_ids = prompt.token_ids
+            turn.anchors = sorted({a.offset for a in prompt.anchors})
+            for j, (seq, seen) in enumerate(sent):
+                shared = common_prefix(seq, ids)
+                if shared > turn.diverge_at:
+                    turn.diverge_at, turn.diverge_from = shared, j
+                deep = [a for a in turn.anchors if a <= shared and a in seen]
+                turn.deepest_anchor = max([turn.deepest_anchor, *deep])
+            # The answer as the model writes it: the render with it, past the prompt, up to and
+            # including its end-of-turn marker (cut: up to where the reasoning stopped).
+            answered = to_template_messages([*history, answer])
+            full = template.render(answered, tools=norm, add_generation_prompt=False)
+            if not full.startswith(prompt.text):
+                raise RuntimeError(f"turn {turn.index}: the template moved text before the answer")
+            gen = full[len(prompt.text) :]
+            end = gen.index(answer.reasoning) + len(answer.reasoning) if turn.cut else None
+            gen = gen[: end or gen.index("<|im_end|>") + len("<|im_end|>")]
+            # A model emits its answer token by token: tokenized alone, whatever the next
+            # request's tokenization of the same text (both end at markers, so they agree).
+            turn.generated_ids = self.tok.encode(gen)
+            sent.append((ids + turn.generated_ids, frozenset(turn.anchors)))
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return round(math.exp(rng.uniform(math.log(max(lo, 1)), math.log(max(hi, 1)))))
