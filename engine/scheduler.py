@@ -188,7 +188,9 @@ class Scheduler:
         chunk = ScheduledChunk(req, start, tokens, sample=start + n == req.n_tokens)
         if self.recurrence is not None and req.snapshot_plan:
             taken = {b for b, _ in req.pending_checkpoints}
-            for b in req.snapshot_plan:
+            # Deepest first: when the pool's rows run out within one chunk, the boundaries a
+            # later edit is most likely to resume from are the ones kept.
+            for b in reversed(req.snapshot_plan):
                 if start < b <= start + n and b not in taken:
                     ckpt = self.recurrence.checkpoints.reserve(b)
                     if ckpt is not None:  # every row locked: skip it (never an error)
@@ -284,6 +286,9 @@ class Scheduler:
         """The chunk's K/V (and its snapshots) are now in the cache."""
         req = chunk.request
         req.num_computed += len(chunk.token_ids)
+        if self.recurrence is not None:
+            for _, ckpt in chunk.snapshots:  # written: from now on it may spill or drop
+                self.recurrence.checkpoints.unlock(ckpt)
         if not req.prefilling:
             return
         req.num_prefilled += len(chunk.token_ids)
@@ -311,25 +316,29 @@ class Scheduler:
             return
         ckpt = rec.checkpoints.reserve(boundary)
         if ckpt is not None:
-            rec.checkpoints.save(ckpt, rec.states, req.state_slot)
+            rec.checkpoints.save(ckpt, rec.states, req.state_slot)  # queued on the stream
+            rec.checkpoints.unlock(ckpt)
             req.pending_checkpoints.append((boundary, ckpt))
 
     def _hang_checkpoints(self, req: Request, final: bool) -> None:
         """Hang the request's checkpoints on the tree nodes holding their boundary's page;
         release those that cannot be (no such node, or one already there). Before `final`,
-        checkpoints whose page is not cached yet wait for the release."""
+        checkpoints whose page is not cached yet wait for the release. Until hung, the pool
+        may spill or drop them like any other (a dropped one is simply forgotten)."""
         rec = self.recurrence
         if rec is None or not req.pending_checkpoints:
             return
         tokens, keep = req.tokens, []
         for boundary, ckpt in req.pending_checkpoints:
-            rec.checkpoints.unlock(ckpt)
+            if ckpt.tier == "dropped" or ckpt.locks:
+                if ckpt.locks:  # not written yet (its step failed or never ran)
+                    keep.append((boundary, ckpt))
+                continue
             if self.radix.attach_checkpoint(tokens, boundary, ckpt):
                 continue
             if final or boundary > req.num_computed:
                 rec.checkpoints.release(ckpt)
             else:
-                rec.checkpoints.lock(ckpt)  # not hung yet: keep it from being dropped
                 keep.append((boundary, ckpt))
         req.pending_checkpoints = keep
 
@@ -353,9 +362,12 @@ class Scheduler:
         if self.recurrence is not None:
             if cache:
                 self._hang_checkpoints(req, final=True)
+            pool = self.recurrence.checkpoints
             for _, ckpt in req.pending_checkpoints:
-                self.recurrence.checkpoints.unlock(ckpt)
-                self.recurrence.checkpoints.release(ckpt)
+                if ckpt.tier != "dropped":
+                    while ckpt.locks:
+                        pool.unlock(ckpt)
+                    pool.release(ckpt)
             req.pending_checkpoints = []
             if req.state_slot:
                 self.recurrence.states.free(req.state_slot)

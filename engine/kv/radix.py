@@ -154,31 +154,31 @@ class RadixCache:
         return result
 
     # --- recurrent checkpoints -------------------------------------------------------------
-    def node_holding(self, tokens: list[int], boundary: int) -> Node | None:
-        """The cached node whose page holds token boundary - 1 of `tokens` (its tokens up to
-        there equal the query's, and so do all its ancestors'), or None."""
+    def holders(self, tokens: list[int], boundary: int) -> list[Node]:
+        """The cached nodes whose page holds token boundary - 1 of `tokens` with everything up
+        to it equal (ancestors included): the one caching the query's own full page first,
+        then pages of other branches sharing those tokens."""
         s = self.page_size
         last = (boundary - 1) // s
         node = self.root
         for i in range(last):
             node = node.children.get(tuple(tokens[i * s : (i + 1) * s]))
             if node is None:
-                return None
+                return []
         want = tuple(tokens[last * s : boundary])
-        full = node.children.get(tuple(tokens[last * s : (last + 1) * s]))
-        if full is not None and full.tokens[: len(want)] == want:
-            return full
-        return next((c for c in node.children.values() if c.tokens[: len(want)] == want), None)
+        found = [c for c in node.children.values() if c.tokens[: len(want)] == want]
+        own = tuple(tokens[last * s : (last + 1) * s])
+        return sorted(found, key=lambda c: c.tokens != own)
 
     def attach_checkpoint(self, tokens: list[int], boundary: int, ckpt: Any) -> bool:
-        """Hang `ckpt` (the state after tokens[:boundary]) on the node holding token
-        boundary - 1. False when no cached node holds it or one is already there: the caller
-        releases the checkpoint."""
-        node = self.node_holding(tokens, boundary)
-        if node is None or boundary in node.checkpoints:
+        """Hang `ckpt` (the state after tokens[:boundary]) on a node holding token
+        boundary - 1. False when no cached node holds it, or one already has a checkpoint
+        there (branches share it): the caller releases the checkpoint."""
+        nodes = self.holders(tokens, boundary)
+        if not nodes or any(boundary in n.checkpoints for n in nodes):
             return False
-        node.checkpoints[boundary] = ckpt
-        ckpt.owner = node
+        nodes[0].checkpoints[boundary] = ckpt
+        ckpt.owner = nodes[0]
         return True
 
     def forget_checkpoint(self, ckpt: Any) -> None:

@@ -6,12 +6,12 @@ import random
 
 import pytest
 import torch
-from tiny_models import FAMILIES, hf_greedy, make_tiny, max_rel_err
+from tiny_models import FAMILIES, HYBRID_FAMILIES, hf_greedy, make_tiny, max_rel_err
 
 from freetoken_agent import Engine, SamplingParams
 
 
-@pytest.fixture(params=FAMILIES)
+@pytest.fixture(params=(*FAMILIES, *HYBRID_FAMILIES))
 def tiny(request, tmp_path, rng_seed):
     hf = make_tiny(request.param, tmp_path, rng_seed)
     engine = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=4096)

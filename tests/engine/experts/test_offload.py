@@ -19,7 +19,7 @@ from freetoken_agent.engine.experts.streaming import host_runs
 POLICIES = ("transfer", "cpu", "static", "adaptive")
 
 
-@pytest.fixture(params=["qwen3_moe", "mixtral"])
+@pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3_5_moe"])
 def model(request, tmp_path, rng_seed):
     make_tiny(request.param, tmp_path, rng_seed)
     resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from tiny_models import FAMILIES, make_tiny
+from tiny_models import FAMILIES, HYBRID_FAMILIES, make_tiny
 
 from freetoken_agent import Engine
 from freetoken_agent.engine.config import read_config
@@ -17,7 +17,7 @@ from freetoken_agent.engine.weights import ftw
 from freetoken_agent.engine.weights.loader import CheckpointError
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", (*FAMILIES, *HYBRID_FAMILIES))
 def test_ftw_loads_identically(family, tmp_path, rng_seed):
     hf_dir, ftw_dir = tmp_path / "hf", tmp_path / "ftw"
     hf = make_tiny(family, hf_dir, rng_seed)
