@@ -1,18 +1,19 @@
-"""Gated delta rule kernel timings (Triton, fused recurrent), each beside its physical bound.
+"""Gated delta rule kernel timings (Triton), each beside its physical bound.
 
     python -m freetoken_agent.bench.gated_delta_kernel [--no-sweep] [--cpu] [--out PATH]
 
 Shape of the Qwen3-Next / Qwen3.5-MoE linear-attention layers: Hk 16, Hv 32, Dk = Dv = 128, bf16
 inputs and outputs, fp32 state. Prefill: one sequence of 4096 and 8192 tokens, eager
-(triton.testing.do_bench median; launch overhead is noise at these lengths). Decode: batch 1 and
+(triton.testing.do_bench median; launch overhead is noise at these lengths), in the chunked form
+(the default for prefill) and the recurrent one (the fallback). Decode: batch 1 and
 4, one step of GRAPH_LAYERS layers captured in a CUDA graph, reported per layer; every layer has
 its own state pool, so the states (2 MiB per sequence and layer) come from HBM, not L2.
 
 Bounds: bytes that must move (q, k, v, g, beta read, the output written, the state read and
 written once) / 4.0e12 B/s of HBM, and FLOPs (7 Dk Dv per token and value head: decay, k^T S,
-the rank-1 update, q^T S) / 400e12 FLOP/s, a dense bf16 tensor-core rate; a chunked kernel
-could reach for it, the recurrent one runs on the CUDA cores. Prefill is bound by neither: the
-token loop is a chain of dependent steps (see kernels/triton/gated_delta.py).
+the rank-1 update, q^T S) / 400e12 FLOP/s, a dense bf16 tensor-core rate. The chunked form does
+more FLOPs than that count (the intra-chunk matmuls, tf32x3 = three tf32 passes) on tensor
+cores; the recurrent one runs on the CUDA cores, a chain of dependent steps per token.
 Rows name their tiles ("default" = the table in kernels/triton/gated_delta.py); the sweep rows
 are candidates for that table. `--cpu` runs small shapes through Triton's interpreter: a smoke
 test of this script, its timings mean nothing (no JSON unless --out is given).
@@ -40,14 +41,23 @@ SHAPES = {
     "cuda": dict(hk=16, hv=32, dk=128, dv=128, prefill=(4096, 8192), decode=(1, 4)),
     "cpu": dict(hk=2, hv=4, dk=16, dv=16, prefill=(64, 128), decode=(1, 4)),
 }
-SWEEP = [  # each overrides keys of the default tiles
-    dict(BV=8, num_warps=1),
-    dict(BV=8, num_warps=2),
-    dict(BV=16, num_warps=2),
-    dict(BV=32, num_warps=4),
-    dict(BV=32, num_warps=8),
-    dict(BV=64, num_warps=8),
-]
+SWEEP = {  # per form, each overrides keys of the default tiles
+    "recurrent": [
+        dict(BV=8, num_warps=1),
+        dict(BV=8, num_warps=2),
+        dict(BV=16, num_warps=2),
+        dict(BV=32, num_warps=4),
+        dict(BV=32, num_warps=8),
+        dict(BV=64, num_warps=8),
+    ],
+    "chunk": [
+        dict(BV=16),
+        dict(BV=64, num_warps=8),
+        dict(num_warps=8, solve_warps=8),
+        dict(precision="ieee"),
+        dict(precision="tf32"),  # fast but ~1e-3 relative: informative only
+    ],
+}
 
 
 def make_inputs(s: dict, lens: list[int], device: str, layers: int = 1) -> dict:
@@ -66,6 +76,7 @@ def make_inputs(s: dict, lens: list[int], device: str, layers: int = 1) -> dict:
         ],
         slots=torch.arange(1, B + 1, device=device),
         cu=cu,
+        bounds=tuple(cu.tolist()),
     )
 
 
@@ -101,17 +112,18 @@ def timer(cuda: bool):
     return cpu_median
 
 
-def call(x: dict, state: torch.Tensor, decode: bool, tiles: dict | None):
+def call(x: dict, state: torch.Tensor, form: str, tiles: dict | None):
     from freetoken_agent.kernels.triton.gated_delta import gated_delta_rule
 
+    bounds = None if form == "decode" else x["bounds"]
     return gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], state, x["slots"],
-                            x["cu"], x["q"].shape[-1] ** -0.5, decode=decode,
-                            tiles=tiles)  # fmt: skip
+                            x["cu"], x["q"].shape[-1] ** -0.5, bounds, tiles=tiles,
+                            form="recurrent" if form == "decode" else form)  # fmt: skip
 
 
 def decode_step(x: dict, tiles: dict | None, cuda: bool):
     """One decode step over every layer's pool; on CUDA a captured graph's replay."""
-    step = lambda: [call(x, state, True, tiles) for state in x["states"]]  # noqa: E731
+    step = lambda: [call(x, state, "decode", tiles) for state in x["states"]]  # noqa: E731
     if not cuda:
         return step
     side = torch.cuda.Stream()
@@ -125,31 +137,35 @@ def decode_step(x: dict, tiles: dict | None, cuda: bool):
     return graph.replay
 
 
-def run_case(s: dict, case: str, lens: list[int], cuda: bool, sweep: bool) -> list[dict]:
+def run_case(s: dict, form: str, lens: list[int], cuda: bool, sweep: bool) -> list[dict]:
+    """form: "decode" (recurrent kernel, graph), or the prefill form "recurrent" / "chunk"."""
     device = "cuda" if cuda else "cpu"
-    decode = case == "decode"
+    decode = form == "decode"
     layers = GRAPH_LAYERS if decode and cuda else 1
     x = make_inputs(s, lens, device, layers)
     T, B = sum(lens), len(lens)
     limit = bound(s, T, B)
     measure = timer(cuda)
+    case = "decode" if decode else "prefill"
+    candidates = SWEEP["recurrent" if decode else form] if sweep else []
     rows = []
-    for name, tiles in [("default", None)] + [(str(t), t) for t in SWEEP if sweep]:
+    for name, tiles in [("default", None)] + [(str(t), t) for t in candidates]:
+        label = name if decode else f"{form} {name}"
         try:
             if decode:
                 ms = measure(decode_step(x, tiles, cuda)) / layers
             else:
-                ms = measure(lambda tiles=tiles: call(x, x["states"][0], False, tiles))
+                ms = measure(lambda tiles=tiles: call(x, x["states"][0], form, tiles))
         except Exception as e:  # a candidate may not compile (resources); report and go on
-            print(f"  {case:7} T={T:<5} {name}: failed: {type(e).__name__}: {e}"[:200])
+            print(f"  {case:7} T={T:<5} {label}: failed: {type(e).__name__}: {e}"[:200])
             continue
-        row = dict(case=case, tokens=T, batch=B, tiles=name, ms=ms, **limit)
-        rows.append(row)
+        rows.append(dict(case=case, form="recurrent" if decode else form, tokens=T, batch=B,
+                         tiles=name, ms=ms, **limit))  # fmt: skip
         us = {k: limit[k] * 1e3 for k in ("bound_ms", "bound_ms_hbm", "bound_ms_flops")}
         print(
             f"  {case:7} T={T:<5} B={B}  {ms * 1e3:9.1f} us  bound {us['bound_ms']:7.2f} us"
             f" (HBM {us['bound_ms_hbm']:.2f}, FLOPs {us['bound_ms_flops']:.2f})"
-            f"  {ms / limit['bound_ms']:6.1f}x  {name}"
+            f"  {ms / limit['bound_ms']:6.1f}x  {label}"
         )
     return rows
 
@@ -183,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep = cuda and not args.no_sweep
     rows = []
     for t in s["prefill"]:
-        rows += run_case(s, "prefill", [t], cuda, sweep)
+        for form in ("chunk", "recurrent"):
+            rows += run_case(s, form, [t], cuda, sweep)
     for b in s["decode"]:
         rows += run_case(s, "decode", [1] * b, cuda, sweep)
     out = args.out or (RESULTS / "gated_delta_kernel.json" if cuda else None)

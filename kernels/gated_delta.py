@@ -54,8 +54,8 @@ def gated_delta_rule(
     # Imported here so the CPU fallback works on machines without triton.
     from freetoken_agent.kernels.triton.gated_delta import gated_delta_rule as triton_impl
 
-    return triton_impl(q, k, v, g, beta, state, state_slots, cu_seqlens, scale, snap_slots,
-                       snap_out, decode=seq_bounds is None)  # fmt: skip
+    return triton_impl(q, k, v, g, beta, state, state_slots, cu_seqlens, scale, seq_bounds,
+                       snap_slots, snap_out)  # fmt: skip
 
 
 def causal_conv1d(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from freetoken_agent.kernels import reference_delta
 from freetoken_agent.kernels.gated_delta import causal_conv1d, gated_delta_rule
+from freetoken_agent.kernels.triton.gated_delta import gated_delta_rule as triton_delta
+from freetoken_agent.kernels.triton.gated_delta import pick_form
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 CUDA = torch.cuda.is_available()
@@ -60,10 +63,7 @@ class Delta:
 
 
 def bounds_of(lens: list[int]) -> tuple[int, ...]:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return tuple(out)
+    return tuple(accumulate(lens, initial=0))
 
 
 def make_delta(seed: int, lens: list[int], hk=2, hv=4, dk=16, dv=8, dtype=torch.float32,
@@ -85,10 +85,7 @@ def make_delta(seed: int, lens: list[int], hk=2, hv=4, dk=16, dv=8, dtype=torch.
         d.snap_slots = torch.full((T,), -1, dtype=torch.int64)
         at = torch.randperm(T, generator=gen)[:snaps]
         d.snap_slots[at] = torch.randperm(snaps + 2, generator=gen)[: len(at)]
-    for f in ("q", "k", "v", "g", "beta", "state", "slots", "cu", "snap_slots", "snap_out"):
-        if getattr(d, f) is not None:
-            setattr(d, f, getattr(d, f).to(device))
-    return d
+    return Delta(*(x.to(device) if isinstance(x, Tensor) else x for x in vars(d).values()))
 
 
 def hf(fn, d: Delta, b: int, state0: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,10 +101,13 @@ def close(a: Tensor, b: Tensor, tol: float) -> None:
     torch.testing.assert_close(a, b.to(a.dtype), atol=tol, rtol=tol)
 
 
-def random_lens(rng: random.Random) -> list[int]:
-    lens = [1, 0, rng.randint(2, 63), rng.randint(65, 150), rng.randint(1, 140)]
-    rng.shuffle(lens)
-    return lens
+def fp64_reference(d: Delta) -> Delta:
+    """d in fp64 (same values), run through the chunked reference; returns the finished copy."""
+    e = replace(d, q=d.q.double(), k=d.k.double(), v=d.v.double(), g=d.g.double(),
+                beta=d.beta.double(), state=d.state.double(),
+                snap_out=None if d.snap_out is None else d.snap_out.double())  # fmt: skip
+    e.v = reference_delta.gated_delta_rule(*e.args())  # the output, kept in the v field
+    return e
 
 
 # ---- the reference twins ---------------------------------------------------------------------
@@ -118,7 +118,9 @@ def random_lens(rng: random.Random) -> list[int]:
 def test_reference_matches_transformers(rng_seed: int, dtype: torch.dtype, form: str) -> None:
     """Both forms vs both of transformers' functions (which compute in fp32 whatever the input
     dtype: hence the fp32 tolerance for fp64 too), GQA 2, packed, shuffled slots."""
-    lens = random_lens(random.Random(rng_seed))
+    rng = random.Random(rng_seed)
+    lens = [1, 0, rng.randint(2, 63), rng.randint(65, 150), rng.randint(1, 140)]
+    rng.shuffle(lens)
     d = make_delta(rng_seed, lens, dtype=dtype, device="cpu")
     before = d.state.clone()
     out = reference_delta.gated_delta_rule(*d.args(), form=form)
@@ -315,61 +317,73 @@ def test_decode_path_has_no_host_sync(rng_seed: int) -> None:
 TRITON_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # fp16: one output rounding apart
 
 
-def triton_run(d: Delta) -> Tensor:
-    return gated_delta_rule(*d.args(), force_triton=True)
+def triton_run(d: Delta, form: str | None = None) -> Tensor:
+    """The dispatcher's own pick (form None) or the launcher with a forced form."""
+    if form is None:
+        return gated_delta_rule(*d.args(), force_triton=True)
+    return triton_delta(*d.args(), form=form)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("scenario", ["prefill", "decode"])
+@pytest.mark.parametrize("scenario", ["decode", "recurrent", "chunk"])
 def test_triton_matches_reference(rng_seed: int, scenario: str, dtype: torch.dtype,
                                   poisoned_alloc) -> None:  # fmt: skip
-    """Dv = 24 over BV = 16 columns: a full and a masked column block; GQA 2; empty and
-    one-token sequences; snapshots; shuffled slots."""
+    """Through the dispatcher, which picks the chunked form once a sequence has 64 tokens.
+    Dv = 24: a full and a masked column block (BV 16), or one masked block (chunked, BV 32);
+    GQA 2; empty and one-token sequences; several chunks; snapshots; shuffled slots."""
     rng = random.Random(rng_seed)
     decode = scenario == "decode"
-    lens = [1] * rng.randint(1, 5) if decode else [0, 1, rng.randint(2, 12), rng.randint(2, 12)]
+    lens = [0, 1, rng.randint(2, 12), rng.randint(64, 100) if scenario == "chunk" else 20]
+    lens = [1] * rng.randint(1, 5) if decode else lens
     rng.shuffle(lens)
-    d = make_delta(rng_seed, lens, dv=24, dtype=dtype, decode=decode, snaps=2)
+    d = make_delta(rng_seed, lens, dv=24, dtype=dtype, decode=decode, snaps=4)
+    assert pick_form(d.bounds, 16, False) == ("recurrent" if decode else scenario)
     e = d.clone()
-    out = triton_run(d)
-    close(out, reference_delta.gated_delta_rule(*e.args()), TRITON_TOL[dtype])
+    close(triton_run(d), reference_delta.gated_delta_rule(*e.args()), TRITON_TOL[dtype])
     close(d.state, e.state, 1e-5)  # every row: the unowned ones must be untouched
     close(d.snap_out, e.snap_out, 1e-5)
 
 
-def test_triton_split_and_snapshots(rng_seed: int) -> None:
-    split_and_snap(triton_run, rng_seed, torch.float32, 1e-5, max_len=24, device=DEV)
+@pytest.mark.parametrize("form", ["recurrent", "chunk"])
+def test_triton_split_and_snapshots(rng_seed: int, form: str) -> None:
+    max_len = 100 if form == "chunk" else 24  # the interpreter walks tokens slowly
+    split_and_snap(lambda d: triton_run(d, form), rng_seed, torch.float32, 1e-5, max_len, DEV)
 
 
-def test_triton_strided_inputs(rng_seed: int) -> None:
+@pytest.mark.parametrize("form", ["recurrent", "chunk"])
+def test_triton_alike_keys(rng_seed: int, form: str) -> None:
+    """The hard case for the chunk's triangular solve: keys nearly parallel, beta near 1, no
+    decay, so A's entries are near 1 and every substitution step matters (random keys make
+    A's high powers vanish). Against the fp64 reference."""
+    d = make_delta(rng_seed, [128], hk=1, hv=2, dk=16, dv=16)
+    d.k = d.k[:1] + 0.05 * d.k
+    d.g, d.beta = d.g * 1e-3, 0.9 + 0.1 * d.beta
+    ref = fp64_reference(d)
+    close(triton_run(d, form), ref.v, 2e-5)
+    close(d.state, ref.state, 2e-5)
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunk"])
+def test_triton_strided_inputs(rng_seed: int, form: str) -> None:
     """q, k, v as the model makes them: views into one [T, 2 Hk Dk + Hv Dv] conv output."""
     d = make_delta(rng_seed, [3, 5], hk=1, hv=2, dk=16, dv=16)
     mixed = torch.cat([d.q.flatten(1), d.k.flatten(1), d.v.flatten(1)], 1)  # [T, 64]
     q, k, v = mixed.split([16, 16, 32], 1)
     s = replace(d.clone(), q=q.view(-1, 1, 16), k=k.view(-1, 1, 16), v=v.view(-1, 2, 16))
-    close(triton_run(s), triton_run(d), 0)
+    close(triton_run(s, form), triton_run(d, form), 0)
     close(s.state, d.state, 0)
 
 
 # ---- CUDA: the real shape (Qwen3-Next / Qwen3.5-MoE), bf16 and fp32, CUDA graphs -------------
 
 REAL = dict(hk=16, hv=32, dk=128, dv=128)
-# Tolerances, against an fp64 reference fed the very same (bf16-rounded) inputs. The kernel
-# differs from it only by fp32 rounding in the recurrence: a few ulps (~1e-7 relative) per token,
-# and the delta rule with |k| = 1, 0 < beta < 1, g <= 0 is non-expansive, so errors grow at most
-# linearly, in practice like sqrt(T): ~1e-5 of the state's scale after 4096 tokens; 2e-4 leaves
-# margin and still catches any wrong index or missed step (those err by O(1)). bf16 outputs add
-# one rounding, 2^-9 relative: rtol 1e-2.
+# Tolerances, against an fp64 reference fed the very same (bf16-rounded) inputs. The kernels
+# differ from it only by fp32 rounding (the chunked form: tf32x3 matmuls, about fp32 accuracy):
+# ~1e-7 relative per step, and the delta rule with |k| = 1, 0 < beta < 1, g <= 0 is
+# non-expansive, so errors grow at most linearly, in practice like sqrt(T): ~1e-5 of the state's
+# scale after 4096 tokens. 2e-4 leaves margin and still catches any wrong index or missed step
+# (those err by O(1)). bf16 outputs add one rounding, 2^-9 relative: rtol 1e-2.
 GPU_TOL = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (2e-4, 1e-2)}  # (atol x scale, rtol)
-
-
-def fp64_reference(d: Delta) -> Delta:
-    """d in fp64 (same values), run through the chunked reference; returns the finished copy."""
-    e = replace(d, q=d.q.double(), k=d.k.double(), v=d.v.double(), g=d.g.double(),
-                beta=d.beta.double(), state=d.state.double(),
-                snap_out=None if d.snap_out is None else d.snap_out.double())  # fmt: skip
-    e.v = reference_delta.gated_delta_rule(*e.args())  # the output, kept in the v field
-    return e
 
 
 def gpu_close(out: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
@@ -378,16 +392,21 @@ def gpu_close(out: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.double(), ref, atol=atol * scale, rtol=rtol)
 
 
+GPU_CASES = [("recurrent", [1] * b) for b in (1, 3, 8)] + [
+    (form, lens) for form in ("recurrent", "chunk") for lens in ([4096], [1000, 1, 0, 2047, 64])
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize(
-    "lens", [[4096], [1000, 1, 0, 2047, 64], [1] * 1, [1] * 3, [1] * 8], ids=str
-)
-def test_gpu_matches_reference(rng_seed: int, lens: list[int], dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("form, lens", GPU_CASES, ids=str)
+def test_gpu_matches_reference(rng_seed: int, form: str, lens: list[int],
+                               dtype: torch.dtype) -> None:  # fmt: skip
+    """Decode batches (seq_bounds None) and packed prefill, each Triton form, snapshots on."""
     decode = set(lens) == {1}
     d = make_delta(rng_seed, lens, **REAL, dtype=dtype, device="cuda", decode=decode, snaps=3)
     ref = fp64_reference(d)
-    out = gated_delta_rule(*d.args())
+    out = triton_run(d, form)
     assert out.dtype == dtype and not out.isnan().any()
     gpu_close(out, ref.v, dtype)
     gpu_close(d.state, ref.state, torch.float32)  # the state is fp32 whatever the model dtype
