@@ -51,10 +51,10 @@ TILES: dict[str, dict[str, dict]] = {
     },
 }
 CHUNK = 64  # tokens per chunk of the chunked form (as transformers and FLA)
-# Devices whose shared memory cannot hold the chunked kernels' tiles (they take about 200 KB
-# at Dk = 128: Hopper-class GPUs have 227 KB, consumer GPUs ~100 KB): those prefill with the
-# recurrent kernel. Found at the first launch, which Triton refuses before running anything.
-_NO_CHUNK: set[torch.device] = set()
+# (device, Dk) pairs whose shared memory cannot hold the chunked kernels' tiles (about 200 KB at
+# Dk = 128, 360 KB at 256: Hopper-class GPUs have 227 KB, consumer GPUs ~100 KB): those prefill
+# with the recurrent kernel. Found at the first launch, which Triton refuses before it runs.
+_NO_CHUNK: set[tuple[torch.device, int]] = set()
 
 
 def tiles_for(decode: bool, override: dict | None = None) -> dict[str, int]:
@@ -306,11 +306,13 @@ def gated_delta_rule(
         snap_slots, snap_out = state_slots, state
     fp64 = torch.float64 in (v.dtype, state.dtype)
     picked = form is None
-    form = form or pick_form(seq_bounds, dk, fp64)
+    if picked:
+        form = pick_form(seq_bounds, dk, fp64)
+        form = "recurrent" if (q.device, dk) in _NO_CHUNK else form
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                g.stride(0), beta.stride(0), out.stride(0), out.stride(1), state.stride(0),
                state.stride(1), snap_out.stride(0), snap_out.stride(1))  # fmt: skip
-    if form == "chunk" and q.device not in _NO_CHUNK:
+    if form == "chunk":
         assert seq_bounds is not None and not fp64 and dk >= 16, "chunk form: fp32 prefill only"
         c = {**TILES["default"]["chunk"], **(tiles or {})}
         try:
@@ -320,7 +322,7 @@ def gated_delta_rule(
         except OutOfResources:  # raised before the scan kernel writes anything
             if not picked:
                 raise
-            _NO_CHUNK.add(q.device)
+            _NO_CHUNK.add((q.device, dk))
     c = tiles_for(seq_bounds is None, tiles)
     grid = (B, hv, triton.cdiv(dv, c["BV"]))
     _gated_delta_kernel[grid](

@@ -24,9 +24,11 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_chunk_gated_delta_rule,
     torch_recurrent_gated_delta_rule,
 )
+from triton.runtime.errors import OutOfResources
 
 from freetoken_agent.kernels import reference_delta
 from freetoken_agent.kernels.gated_delta import causal_conv1d, gated_delta_rule
+from freetoken_agent.kernels.triton import gated_delta as triton_gated_delta
 from freetoken_agent.kernels.triton.gated_delta import gated_delta_rule as triton_delta
 from freetoken_agent.kernels.triton.gated_delta import pick_form
 
@@ -361,6 +363,23 @@ def test_triton_alike_keys(rng_seed: int, form: str) -> None:
     ref = fp64_reference(d)
     close(triton_run(d, form), ref.v, 2e-5)
     close(d.state, ref.state, 2e-5)
+
+
+def test_triton_chunk_falls_back_when_shared_memory_is_short(rng_seed, monkeypatch) -> None:
+    """A GPU that cannot hold the chunk tiles (Triton refuses the launch) prefills with the
+    recurrent kernel from then on; a forced chunk form re-raises."""
+
+    def refuse(*args) -> None:
+        raise OutOfResources(232448, 101376, "shared memory")
+
+    monkeypatch.setattr(triton_gated_delta, "_launch_chunked", refuse)
+    monkeypatch.setattr(triton_gated_delta, "_NO_CHUNK", set())
+    d = make_delta(rng_seed, [64], hk=1, hv=1)
+    e = d.clone()
+    close(triton_run(d), reference_delta.gated_delta_rule(*e.args()), 1e-5)
+    assert (d.q.device, 16) in triton_gated_delta._NO_CHUNK
+    with pytest.raises(OutOfResources):
+        triton_run(d, "chunk")
 
 
 @pytest.mark.parametrize("form", ["recurrent", "chunk"])
