@@ -170,7 +170,7 @@ def run(engine: Engine, ids: list[int], n_decode: int, **options) -> GenerationO
     rid = engine.submit(ids, sp, **options)
     while engine.has_unfinished():
         engine.step()
-    out = engine._collect(rid)  # noqa: SLF001 - the result of a submitted request (as offload)
+    out = engine._collect(rid)  # the result of a submitted request (as bench offload does)
     if out.finish_reason == "error":
         raise RuntimeError(f"a request of {len(ids)} tokens failed: {out.error}")
     return out
@@ -257,6 +257,7 @@ def replay(engine: Engine, trace: AgentTrace, mode: str, args, support: Support,
             "ttft_s": st["ttft_s"],
             "ttft_limit_s": st["prefilled_tokens"] / rate["prefill_tok_s"],
             "decode_tok_s": st["decode_tok_s"],
+            "preempted": st.get("preempted", 0),  # re-admissions (they re-prefill)
         }
         row["ttft_of_limit"] = row["ttft_limit_s"] / row["ttft_s"]
         single = rate["decode_tok_s"]
@@ -298,6 +299,7 @@ def summarize(rows: list[dict]) -> dict:
         "turns_off_expected": [
             r["turn"] for r in rows if r["prefilled_tokens"] != r["expected_prefill"]
         ],
+        "preempted_turns": [r["turn"] for r in rows if r["preempted"]],
         "mean_decode_tok_s": sum(decode) / len(decode) if decode else None,
         "min_decode_tok_s": min(decode) if decode else None,
     }
@@ -425,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"worst TTFT {s['worst_ttft_s']:.3f} s (turn {s['worst_ttft_turn']}, limit "
             f"{s['worst_ttft_limit_s']:.3f} s); prefilled {s['total_prefilled']} tokens "
-            f"(expected {s['total_expected_prefill']}), reused {s['total_reused']}"
+            f"(expected {s['total_expected_prefill']}), reused {s['total_reused']}; turns off "
+            f"the expected count {s['turns_off_expected']}, preempted {s['preempted_turns']}"
         )
         del engine  # a fresh engine per mode: free this one's memory first
         gc.collect()

@@ -1,38 +1,31 @@
 """Agent sessions for `freetoken bench agent`: structured histories, rendered turn by turn.
 
-    trace = generate_session("coding", seed=0)       # 20 turns; the last request is past 40k
-    turn = trace.turns[k]                            # prompt_ids, anchors, edit, diverge_at,
-                                                     # deepest_anchor, generated_ids
+    trace = generate_session("coding", seed=0)  # 20 requests, the last past 40k tokens
+    trace.turns[k]  # prompt_ids, anchors, edit, diverge_at, deepest_anchor, generated_ids
     print(trace.summary())
 
-A session is a list of `freetoken_agent.messages` records: a system prompt with 8-12 tool
-schemas (about 3k tokens), a user task with a pasted attachment, then turns. A turn is one
-request: the history so far rendered by ChatFormat with the demo model's byte-level BPE
-tokenizer and its Qwen3-style template, which drops the reasoning of assistant turns before the
-last user message. The answer is scripted (a random model will not write it): reasoning
-(100-600 tokens), a short preface, one tool call; the tool output (200-4000 tokens, log-uniform)
-joins the history of the next turn. Every 4-6 turns a new user message arrives.
+A session is `freetoken_agent.messages` records: a system prompt with 8-12 tool schemas (about
+3k tokens), a user task with a pasted attachment, then turns. A turn is one request, the history
+so far rendered by ChatFormat on the demo tokenizer and its Qwen3-style template (which drops the
+reasoning of assistant turns before the last user message), and a scripted answer: reasoning
+(100-600 tokens), a short preface, one tool call, whose output (200-4000 tokens, log-uniform)
+joins the next request. Every 4-6 turns a user message arrives. Edits, from the seed, label the
+request that carries them:
+  reasoning_stripped     a new user message: the reasoning since the previous one vanishes
+  interrupted            the previous turn was cut mid-reasoning (no call; its partial reasoning
+                         stays in the history), then a user steering message
+  tool_output_truncated  an earlier large output (two or more requests old) shrinks to its first
+                         line and an omission marker, as agents mask old observations
 
-Edits, deterministic from the seed, each labelling the request that carries it:
-  reasoning_stripped     a new user message: the reasoning of the turns since the previous one
-                         vanishes from the render
-  interrupted            the previous turn was cut mid-reasoning (no tool call, its partial
-                         reasoning kept in the history), then a user steering message
-  tool_output_truncated  an earlier output (>= truncate_min_tokens, two or more requests old)
-                         shrinks to its first line(s) and an omission marker, as agents mask
-                         old observations to save context (SWE-agent, OpenHands)
-
-Sizes are token counts on the demo tokenizer. Tool output sizes are stratified: output i falls
-in its own 1/n band of the log-uniform range (bands shuffled), so each is log-uniform while the
-sum barely moves with the seed. Agents at 20 turns of these sizes reach ~30k tokens, so the
-first user message's attachment (pasted files and logs) grows until the last request reaches
-`min_context`; `AgentTrace.attachment_tokens` says how large it became.
+Sizes are token counts on the demo tokenizer. Output sizes are stratified (output i in its own
+1/n band of the log-uniform range, bands shuffled): each is log-uniform, their sum barely moves
+with the seed. These sizes reach ~30k tokens in 20 turns, so the first message's attachment
+(pasted files, logs) grows until the last request reaches `min_context`.
 
 Per turn: `diverge_at` = the longest common token prefix with any sequence sent before (an
-earlier prompt plus the tokens its turn generated); `deepest_anchor` = the deepest anchor of
-this prompt at or before `diverge_at` that was also an anchor of an earlier prompt sharing those
-tokens: where a hybrid model's recurrent state resumes when checkpoints sit at anchors (0: from
-scratch). Anchors of generated tokens do not count: the engine learns anchors at submit time.
+earlier prompt plus the tokens its turn generated); `deepest_anchor` = the deepest anchor of the
+prompt at or before it that was also an anchor of an earlier prompt sharing those tokens: where
+recurrent state resumes from checkpoints at prompt anchors (0: from scratch).
 """
 
 from __future__ import annotations
@@ -234,6 +227,8 @@ class TraceTurn:
 
 @dataclass(slots=True)
 class AgentTrace:
+    """A generated session: its turns in order, and how it was built."""
+
     kind: str
     seed: int
     shape: SessionShape
