@@ -296,10 +296,19 @@ class Scheduler:
             req.prefilling = False
             if req.use_prefix_cache:
                 # The prompt is in the cache: share its full pages with requests arriving now.
-                req.nodes = self.radix.insert(
-                    req.tokens[: req.num_computed], req.pages, req.nodes, full_pages_only=True
-                )
+                self._cache(req, full_pages_only=True)
                 self._hang_checkpoints(req, final=False)
+
+    def _cache(self, req: Request, full_pages_only: bool) -> None:
+        """Offer the request's pages to the tree; where the tree already caches the same
+        tokens, switch to its page and free our duplicate."""
+        nodes = self.radix.insert(req.tokens[: req.num_computed], req.pages, req.nodes,
+                                  full_pages_only)  # fmt: skip
+        duplicates = [p for p, n in zip(req.pages, nodes, strict=True) if n and n.page != p]
+        if duplicates:
+            self.allocator.free(duplicates)
+            req.pages = [n.page if n else p for p, n in zip(req.pages, nodes, strict=True)]
+        req.nodes = nodes
 
     def checkpoint_decode(self, req: Request, token: int) -> None:
         """A decoding request just sampled `token`: take a checkpoint before it when the mode
@@ -358,7 +367,7 @@ class Scheduler:
         """Return a request's pages: cached ones to the tree (unlocked), private ones freed;
         and its state slot and checkpoints (hung on the tree when cached)."""
         if cache:
-            req.nodes = self.radix.insert(req.tokens[: req.num_computed], req.pages, req.nodes)
+            self._cache(req, full_pages_only=False)
         if self.recurrence is not None:
             if cache:
                 self._hang_checkpoints(req, final=True)

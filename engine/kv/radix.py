@@ -121,11 +121,15 @@ class RadixCache:
 
         tokens: the tokens whose KV is in `pages` (len <= len(pages) * S).
         owned[i]: the node the caller already locks for page i, or None if page i is private.
-        Returns nodes[i]: the node now holding the caller's page i, locked for the caller (so
-        its references cover every shared page it uses), or None where page i stays private
-        because another page already caches those tokens (the caller frees it on release) or
-        because there is nothing to cache in it. A partial last page is cached only when
-        `full_pages_only` is False: a running sequence still writes into its last page.
+        Returns nodes[i]: the node now caching page i's tokens, locked for the caller (so its
+        references cover every shared page it uses), or None where page i stays private
+        because there is nothing to cache in it. When another page already caches those tokens
+        (a request that recomputed a cached prefix: a hybrid model resuming from an earlier
+        checkpoint, or one that reused nothing), that node is returned: its page differs from
+        the caller's, which the caller frees and replaces by the node's (the same K/V), so the
+        tree never keeps a chain pinned under a private duplicate. A partial last page is cached
+        only when `full_pages_only` is False: a running sequence still writes into its last
+        page.
         """
         s = self.page_size
         now = next(self._clock)
@@ -143,8 +147,9 @@ class RadixCache:
                 continue
             existing = node.children.get(chunk)
             if existing is not None:
-                existing.last_used = now  # cached first by another sequence: ours stays private
-                result.append(None)
+                existing.last_used = now  # cached first by another sequence: ours is a copy
+                existing.ref += 1
+                result.append(existing)
             else:
                 existing = Node(chunk, page, node, ref=1, last_used=now, depth=i)
                 node.children[chunk] = existing

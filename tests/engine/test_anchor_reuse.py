@@ -20,7 +20,8 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def _load(path, **options) -> Engine:
-    return Engine.load(path, device="cpu", progress=False, kv_tokens=4096, **options)
+    options.setdefault("kv_tokens", 4096)
+    return Engine.load(path, device="cpu", progress=False, **options)
 
 
 @pytest.fixture(params=HYBRID_FAMILIES)
@@ -156,3 +157,20 @@ def test_bad_anchor_is_refused(hybrid):
         engine.submit(_tokens(rng, 10), GREEDY, anchors=[11])
     with pytest.raises(ValueError, match="positional:N"):
         _load(path, checkpoints="every:5")
+
+
+def test_recomputed_prefix_dedupes_into_the_tree(tmp_path, rng_seed):
+    """A hybrid model in mode none recomputes a growing session's whole prefix every turn. Its
+    copies of cached pages are swapped for the tree's when its prompt is cached, so the tree's
+    chain is never pinned under a private duplicate: decoding finds pages, and a lone request
+    is never preempted (it was, with 2,400 tokens in a 4,096-token pool)."""
+    make_tiny("qwen3_5_moe", tmp_path, rng_seed, max_position_embeddings=4096)
+    rng = random.Random(rng_seed)
+    engine = _load(tmp_path, checkpoints="none", max_model_len=4096, max_batched_tokens=512)
+    history = _tokens(rng, 1800)
+    for _ in range(3):
+        history += _tokens(rng, 300)
+        out = engine.generate(history, GREEDY)
+        assert out.stats["preempted"] == 0
+        assert out.stats["prefilled_tokens"] == len(history)
+        engine.check_integrity()

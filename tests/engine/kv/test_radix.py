@@ -24,7 +24,7 @@ def _cache_sequence(cache: RadixCache, alloc: PageAllocator, tokens: list[int]) 
     pages = alloc.alloc(-(-len(tokens) // S))
     nodes = cache.insert(tokens, pages, [None] * len(pages))
     cache.unlock([n for n in nodes if n is not None])
-    alloc.free([p for p, n in zip(pages, nodes, strict=True) if n is None])
+    alloc.free([p for p, n in zip(pages, nodes, strict=True) if n is None or n.page != p])
 
 
 def test_match_is_longest_common_prefix(rng_seed):
