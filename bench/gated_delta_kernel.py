@@ -52,6 +52,8 @@ SWEEP = {  # per form, each overrides keys of the default tiles
     ],
     "chunk": [
         dict(BV=16),
+        dict(BV=16, num_stages=2),
+        dict(BV=32, num_stages=2),
         dict(BV=64, num_warps=8),
         dict(num_warps=8, solve_warps=8),
         dict(precision="ieee"),

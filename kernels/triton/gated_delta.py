@@ -47,7 +47,11 @@ TILES: dict[str, dict[str, dict]] = {
         "prefill": dict(BV=16, num_warps=4),
         # The chunked prefill: used once a sequence of the call has min_tokens; tf32x3 keeps the
         # matmuls at about fp32 accuracy on tensor cores (plain tf32 loses ~3 digits).
-        "chunk": dict(BV=32, num_warps=4, solve_warps=4, min_tokens=64, precision="tf32x3"),
+        # num_stages 1: the default software pipelining (3 stages on Hopper) multiplies the
+        # shared memory of the chunk loop's tiles past the H200's 227 KB.
+        "chunk": dict(
+            BV=32, num_warps=4, solve_warps=4, num_stages=1, min_tokens=64, precision="tf32x3"
+        ),
     },
 }
 CHUNK = 64  # tokens per chunk of the chunked form (as transformers and FLA)
@@ -353,11 +357,11 @@ def _launch_chunked(q, k, v, g, beta, out, state, state_slots, cu_seqlens, snap_
         k, g, beta, table, tinv, 1e-6, k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
         tinv.stride(0), tinv.stride(1), nc,
         GROUP=hv // hk, DK=dk, CHUNK=CHUNK, BLOCK=16, PREC=c["precision"],
-        num_warps=c["solve_warps"],
+        num_warps=c["solve_warps"], num_stages=c["num_stages"],
     )  # fmt: skip
     _chunk_scan_kernel[(len(first), hv, triton.cdiv(dv, c["BV"]))](
         q, k, v, g, beta, out, state, state_slots, cu_seqlens, snap_slots, snap_out, tinv,
         table[2 * nc :], scale, 1e-6, *strides, tinv.stride(0), tinv.stride(1), dv,
         GROUP=hv // hk, DK=dk, BV=c["BV"], CHUNK=CHUNK, HAS_SNAP=has_snap, PREC=c["precision"],
-        num_warps=c["num_warps"],
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
     )  # fmt: skip
