@@ -76,7 +76,9 @@ def _load_token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, hk, h, offs_k, offs_v, 
     return q, k, v, g, beta
 
 
-@triton.jit
+# `last` and `NC` change with every batch: specialising on them (divisible by 16, equal to 1)
+# would compile a new variant mid-serving, a second of stall on some steps.
+@triton.jit(do_not_specialize=["last"])
 def _gated_delta_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,  # [T, Hk, Dk] x2, [T, Hv, Dv], [T, Hv] x2, out
     state_ptr, slots_ptr, cu_ptr, snap_slots_ptr, snap_ptr,
@@ -154,7 +156,7 @@ def _unit_rows(x, eps):
     return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + eps))[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NC"])
 def _chunk_solve_kernel(
     k_ptr, g_ptr, beta_ptr, chunks_ptr, tinv_ptr,  # chunks: [2, NC] start and end tokens
     eps, sk_t, sk_h, sg_t, sb_t, st_c, st_h, NC,
