@@ -32,13 +32,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from freetoken_agent.bench.agent_text import (
+    INTEGER_PARAMS,
+    KINDS,
+    TOOLS,
+    count_tokens,
+    ident,
+    text_of,
+    words,
+)
 from freetoken_agent.chat_format import ChatFormat, common_prefix, normalize_tools
 from freetoken_agent.engine.text.tokenizer import Tokenizer
 from freetoken_agent.messages import (
@@ -52,108 +59,7 @@ from freetoken_agent.messages import (
 )
 
 # T tokens of a rendered request
-KINDS = ("coding", "tools")
 EDITS = ("none", "reasoning_stripped", "tool_output_truncated", "interrupted")
-
-_VOCABULARY = """
-    agent anchor array batch buffer cache call chunk client config context count cursor data
-    debug decode device diff entry error event expert field file filter format frame graph
-    handle header index input item kernel layer limit line list load lock log memory merge
-    message method model module node number offset option order output page parse path pool
-    prefix queue range reader record request result route row schema scope search segment
-    server session shape slot source state status step stream string table task test thread
-    token tool trace tree update user value version view window worker write the a of to and
-    in is it for on with as by this that from we should check first then next why because
-    when not only all new old each more most some every still after before again look fix
-    run read find keep move test call seems likely wrong right case missing extra"""
-_WORDS = tuple(_VOCABULARY.split())
-
-
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(n))
-
-
-def _ident(rng: random.Random) -> str:
-    return "_".join(rng.choice(_WORDS[:110]) for _ in range(rng.randint(1, 3)))
-
-
-def _sentence(rng: random.Random) -> str:
-    s = _words(rng, rng.randint(5, 16))
-    return s[0].upper() + s[1:] + rng.choice("..,;:?")
-
-
-# Line makers by output style: (rng, line number) -> one line of text.
-def _prose(rng: random.Random, i: int) -> str:
-    return " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))
-
-
-def _code(rng: random.Random, i: int) -> str:
-    a, b, c = _ident(rng), _ident(rng), _ident(rng)
-    forms = (
-        f"def {a}({b}, {c}):",
-        f"{a} = {b}.{c}({_ident(rng)}, {rng.randint(0, 4096)})",
-        f"if {a} is not None and {b} > {rng.randint(0, 64)}:",
-        f"return {a}[{b}]",
-        f"# {_words(rng, rng.randint(4, 12))}",
-        f'raise ValueError(f"{_words(rng, 4)} {{{a}}}")',
-        f"for {a} in {b}.{c}():",
-        f"self.{a} = {b}",
-    )
-    return "    " * rng.choice((0, 1, 1, 2, 2, 3)) + rng.choice(forms)
-
-
-def _log(rng: random.Random, i: int) -> str:
-    if rng.random() < 0.5:
-        status = rng.choice(("PASSED", "PASSED", "PASSED", "FAILED", "SKIPPED"))
-        return f"tests/test_{_ident(rng)}.py::test_{_ident(rng)} {status} [{i % 100:3d}%]"
-    level = rng.choice(("INFO", "INFO", "WARNING", "ERROR", "DEBUG"))
-    return f"12:{i // 60 % 60:02d}:{i % 60:02d} {level} {_ident(rng)}: {_sentence(rng)}"
-
-
-STYLES: dict[str, Callable[[random.Random, int], str]] = {
-    "prose": _prose,
-    "code": _code,
-    "log": _log,
-    "numbered": lambda rng, i: f"{i + 1:6d}\t{_code(rng, i)}",
-    "grep": lambda rng, i: f"src/{_ident(rng)}.py:{rng.randint(1, 900)}:{_code(rng, i).strip()}",
-    "diff": lambda rng, i: rng.choice("+- ") + _code(rng, i),
-    "paths": lambda rng, i: f"{'  ' * rng.randint(0, 3)}{_ident(rng)}/{_ident(rng)}.py",
-    "json": lambda rng, i: json.dumps(
-        {"id": i, "title": _words(rng, 5), "snippet": _sentence(rng), "score": rng.randint(1, 99)}
-    ),
-    "table": lambda rng, i: " | ".join([str(i), *(_words(rng, rng.randint(1, 3)) for _ in "abcd")]),
-}
-
-# kind, tool, output style, parameters (* marks the one carrying a long argument: code, a body)
-_TOOL_TABLE = """
-    coding read_file numbered path offset limit
-    coding edit_file numbered path old_string *new_string
-    coding write_file log path *content
-    coding apply_patch log *patch
-    coding bash log command timeout
-    coding run_tests log target flags
-    coding grep grep pattern path glob
-    coding search_symbols grep query kind
-    coding glob paths pattern
-    coding list_dir paths path depth
-    coding git_diff diff ref path
-    coding web_fetch prose url prompt
-    tools web_search json query top_k
-    tools fetch_page prose url
-    tools sql_query table database *sql
-    tools send_email json to subject *body
-    tools calendar_lookup json start end attendee
-    tools weather table location date
-    tools read_document prose doc_id section
-    tools spreadsheet table sheet range formula
-    tools translate prose *text target
-    tools calculator table expression
-    tools crm_lookup json customer_id fields
-    tools create_ticket json title *body priority"""
-TOOLS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {kind: {} for kind in KINDS}
-for _kind, _tool, _style, *_params in map(str.split, _TOOL_TABLE.strip().splitlines()):
-    TOOLS[_kind][_tool] = (_style, tuple(_params))
-_INTEGER_PARAMS = frozenset({"offset", "limit", "timeout", "depth", "top_k"})
 
 
 @dataclass(slots=True)
@@ -310,23 +216,11 @@ class _Builder:
         return random.Random(":".join(map(str, (self.kind, self.seed, *key))))
 
     def count(self, text: str) -> int:
-        return len(self.tok.backend.encode(text, add_special_tokens=False).ids)
+        return count_tokens(self.tok, text)
 
     def text(self, rng: random.Random, style: str, n_tokens: int, lo: int = 0, hi: int = 0):
-        """(text, tokens): lines of `style` until `n_tokens`; within [lo, hi] when hi > 0."""
-        lines: list[str] = []
-        total = 0
-        while total < n_tokens:
-            lines.append(STYLES[style](rng, len(lines)))
-            total += self.count(lines[-1] + "\n")
-        exact = self.count("\n".join(lines))
-        while (hi and exact > hi and len(lines) > 1) or exact < lo:
-            if exact < lo:
-                lines.append(STYLES[style](rng, len(lines)))
-            else:
-                lines.pop()
-            exact = self.count("\n".join(lines))
-        return "\n".join(lines), exact
+        """(text, tokens) on this session's tokenizer: see agent_text.text_of."""
+        return text_of(self.tok, rng, style, n_tokens, lo, hi)
 
     def build(self) -> AgentTrace:
         sh = self.shape
@@ -374,7 +268,7 @@ class _Builder:
 
         props = {
             p: {
-                "type": "integer" if p in _INTEGER_PARAMS else "string",
+                "type": "integer" if p in INTEGER_PARAMS else "string",
                 "description": describe(budget // (2 * len(params))),
             }
             for p in params
@@ -412,8 +306,8 @@ class _Builder:
             if k in later:
                 turn.edit = "interrupted" if k in interrupted else "reasoning_stripped"
                 r = self.rng("user", k)
-                words = self.text(r, "prose", r.randint(*sh.user_tokens))[0]
-                history.append(UserMessage(("Stop, wait. " if k in interrupted else "") + words))
+                said = self.text(r, "prose", r.randint(*sh.user_tokens))[0]
+                history.append(UserMessage(("Stop, wait. " if k in interrupted else "") + said))
             elif k in truncations or pending:
                 pending += k in truncations
                 j = self.truncate(k, history, outputs)
@@ -455,21 +349,21 @@ class _Builder:
         reasoning = self.text(rng, "prose", rng.randint(*self.shape.reasoning_tokens))[0]
         reasoning = reasoning.replace("\n", " ")
         if cut:  # the user stopped it mid-thought: part of the reasoning, no call
-            words = reasoning.split(" ")
-            reasoning = " ".join(words[: max(1, int(len(words) * rng.uniform(0.2, 0.8)))])
+            parts = reasoning.split(" ")
+            reasoning = " ".join(parts[: max(1, int(len(parts) * rng.uniform(0.2, 0.8)))])
             msg = AssistantMessage("", reasoning)
         else:
             name = rng.choice(names)
             args: dict[str, object] = {}
             for p in TOOLS[self.kind][name][1]:
-                if p in _INTEGER_PARAMS:
+                if p in INTEGER_PARAMS:
                     args[p] = rng.randint(1, 400)
                 elif p.startswith("*"):  # code to write, a message body: sized in tokens
                     n = _log_uniform(rng, *self.shape.call_tokens)
                     style = "code" if self.kind == "coding" else "prose"
                     args[p[1:]] = self.text(rng, style, n)[0]
                 else:
-                    args[p] = f"{_ident(rng)}/{_ident(rng)}.py" if p == "path" else _words(rng, 3)
+                    args[p] = f"{ident(rng)}/{ident(rng)}.py" if p == "path" else words(rng, 3)
             preface = ""
             if rng.random() < 0.7:  # some turns call the tool without a word
                 preface = self.text(rng, "prose", rng.randint(*self.shape.preface_tokens))[0]

@@ -3,7 +3,8 @@ the causal conv vs F.conv1d, Triton (interpreted here, compiled on CUDA) vs the 
 
 Fresh random inputs every run (seed printed by `rng_seed`); state pools hold random rows, state
 slots are shuffled and rows no sequence owns must come back untouched; outputs allocated by the
-launchers are NaN-poisoned (`poisoned_alloc`), checkpoint rows start random.
+launchers are NaN-poisoned (`poisoned_alloc`), checkpoint rows start random. The inputs come
+from tests/helpers/gated_delta_inputs.py; the real-shape CUDA tests are in test_gated_delta_gpu.py.
 """
 
 # T tokens (packed over B sequences), Hk / Hv key / value heads, Dk / Dv head dims, N state
@@ -12,12 +13,12 @@ launchers are NaN-poisoned (`poisoned_alloc`), checkpoint rows start random.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
-from itertools import accumulate
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from gated_delta_inputs import DEV, F64, Delta, bounds_of, fp64_reference, make_conv, make_delta
 from torch import Tensor
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     causal_conv1d_update,
@@ -33,61 +34,6 @@ from freetoken_agent.kernels.triton.gated_delta import gated_delta_rule as trito
 from freetoken_agent.kernels.triton.gated_delta import pick_form
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-F64 = torch.float64
-
-
-@dataclass
-class Delta:
-    q: Tensor  # [T, Hk, Dk]
-    k: Tensor
-    v: Tensor  # [T, Hv, Dv]
-    g: Tensor  # [T, Hv] fp32
-    beta: Tensor
-    state: Tensor  # [N, Hv, Dk, Dv]
-    slots: Tensor  # [B] int64, shuffled
-    cu: Tensor  # [B + 1] int32
-    bounds: tuple[int, ...] | None
-    snap_slots: Tensor | None = None  # [T] int64
-    snap_out: Tensor | None = None  # [Cn, Hv, Dk, Dv]
-
-    def args(self) -> tuple:
-        return (self.q, self.k, self.v, self.g, self.beta, self.state, self.slots, self.cu,
-                self.q.shape[-1] ** -0.5, self.bounds, self.snap_slots, self.snap_out)  # fmt: skip
-
-    def clone(self) -> Delta:  # fresh pools for a second run on the same inputs
-        snap = None if self.snap_out is None else self.snap_out.clone()
-        return replace(self, state=self.state.clone(), snap_out=snap)
-
-    def seq(self, b: int) -> slice:
-        return slice(int(self.cu[b]), int(self.cu[b + 1]))
-
-
-def bounds_of(lens: list[int]) -> tuple[int, ...]:
-    return tuple(accumulate(lens, initial=0))
-
-
-def make_delta(seed: int, lens: list[int], hk=2, hv=4, dk=16, dv=8, dtype=torch.float32,
-               device=DEV, decode=False, snaps=0) -> Delta:  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
-    T, B = sum(lens), len(lens)
-    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    sdt = F64 if dtype == F64 else torch.float32
-    n = B + 3  # rows no sequence owns
-    # Decay from "keeps everything" (g near 0) to "forgets at once"; beta over (0, 1).
-    g = -F.softplus(2 * rnd(T, hv) - 1) * torch.rand(T, hv, generator=gen)
-    d = Delta(rnd(T, hk, dk).to(dtype), rnd(T, hk, dk).to(dtype), rnd(T, hv, dv).to(dtype),
-              g.to(sdt), torch.rand(T, hv, generator=gen).to(sdt) * 0.98 + 0.01,
-              rnd(n, hv, dk, dv).to(sdt), torch.randperm(n, generator=gen)[:B],
-              torch.tensor(bounds_of(lens), dtype=torch.int32),
-              None if decode else bounds_of(lens))  # fmt: skip
-    if snaps:
-        d.snap_out = rnd(snaps + 2, hv, dk, dv).to(sdt)  # Cn > snaps: some rows stay untouched
-        d.snap_slots = torch.full((T,), -1, dtype=torch.int64)
-        at = torch.randperm(T, generator=gen)[:snaps]
-        d.snap_slots[at] = torch.randperm(snaps + 2, generator=gen)[: len(at)]
-    return Delta(*(x.to(device) if isinstance(x, Tensor) else x for x in vars(d).values()))
 
 
 def hf(fn, d: Delta, b: int, state0: Tensor) -> tuple[Tensor, Tensor]:
@@ -101,15 +47,6 @@ def hf(fn, d: Delta, b: int, state0: Tensor) -> tuple[Tensor, Tensor]:
 
 def close(a: Tensor, b: Tensor, tol: float) -> None:
     torch.testing.assert_close(a, b.to(a.dtype), atol=tol, rtol=tol)
-
-
-def fp64_reference(d: Delta) -> Delta:
-    """d in fp64 (same values), run through the chunked reference; returns the finished copy."""
-    e = replace(d, q=d.q.double(), k=d.k.double(), v=d.v.double(), g=d.g.double(),
-                beta=d.beta.double(), state=d.state.double(),
-                snap_out=None if d.snap_out is None else d.snap_out.double())  # fmt: skip
-    e.v = reference_delta.gated_delta_rule(*e.args())  # the output, kept in the v field
-    return e
 
 
 # ---- the reference twins ---------------------------------------------------------------------
@@ -206,38 +143,6 @@ def test_reference_decode_step(rng_seed: int) -> None:
 
 
 # ---- causal conv -----------------------------------------------------------------------------
-
-
-@dataclass
-class Conv:
-    x: Tensor  # [T, C]
-    weight: Tensor  # [C, K]
-    state: Tensor  # [N, C, K - 1]
-    slots: Tensor
-    cu: Tensor
-    bounds: tuple[int, ...] | None
-    snap_slots: Tensor
-    snap_out: Tensor  # [Cn, C, K - 1]
-
-    def args(self) -> tuple:
-        return (self.x, self.weight, self.state, self.slots, self.cu, self.bounds,
-                self.snap_slots, self.snap_out)  # fmt: skip
-
-
-def make_conv(seed: int, lens: list[int], c=12, taps=4, dtype=torch.float32, decode=False,
-              device="cpu") -> Conv:  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
-    T, B, n = sum(lens), len(lens), len(lens) + 3
-    snap_slots = torch.full((T,), -1, dtype=torch.int64)
-    snap_slots[torch.randperm(T, generator=gen)[:3]] = torch.randperm(5, generator=gen)[:3]
-    conv = Conv(torch.randn(T, c, generator=gen).to(dtype),
-                torch.randn(c, taps, generator=gen).to(dtype),
-                torch.randn(n, c, taps - 1, generator=gen).to(dtype),
-                torch.randperm(n, generator=gen)[:B],
-                torch.tensor(bounds_of(lens), dtype=torch.int32),
-                None if decode else bounds_of(lens), snap_slots,
-                torch.randn(5, c, taps - 1, generator=gen).to(dtype))  # fmt: skip
-    return Conv(*(a.to(device) if isinstance(a, Tensor) else a for a in conv.args()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["fp32", "fp64"])
@@ -391,87 +296,3 @@ def test_triton_strided_inputs(rng_seed: int, form: str) -> None:
     s = replace(d.clone(), q=q.view(-1, 1, 16), k=k.view(-1, 1, 16), v=v.view(-1, 2, 16))
     close(triton_run(s, form), triton_run(d, form), 0)
     close(s.state, d.state, 0)
-
-
-# ---- CUDA: the real shape (Qwen3-Next / Qwen3.5-MoE), bf16 and fp32, CUDA graphs -------------
-
-REAL = dict(hk=16, hv=32, dk=128, dv=128)
-# Tolerances, against an fp64 reference fed the very same (bf16-rounded) inputs. The kernels
-# differ from it only by fp32 rounding (the chunked form: tf32x3 matmuls, about fp32 accuracy):
-# ~1e-7 relative per step, and the delta rule with |k| = 1, 0 < beta < 1, g <= 0 is
-# non-expansive, so errors grow at most linearly, in practice like sqrt(T): ~1e-5 of the state's
-# scale after 4096 tokens. 2e-4 leaves margin and still catches any wrong index or missed step
-# (those err by O(1)). bf16 outputs add one rounding, 2^-9 relative: rtol 1e-2.
-GPU_TOL = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (2e-4, 1e-2)}  # (atol x scale, rtol)
-
-
-def gpu_close(out: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
-    atol, rtol = GPU_TOL[dtype]
-    scale = ref.abs().max().item()
-    torch.testing.assert_close(out.double(), ref, atol=atol * scale, rtol=rtol)
-
-
-GPU_CASES = [("recurrent", [1] * b) for b in (1, 3, 8)] + [
-    (form, lens) for form in ("recurrent", "chunk") for lens in ([4096], [1000, 1, 0, 2047, 64])
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("form, lens", GPU_CASES, ids=str)
-def test_gpu_matches_reference(rng_seed: int, form: str, lens: list[int],
-                               dtype: torch.dtype) -> None:  # fmt: skip
-    """Decode batches (seq_bounds None) and packed prefill, each Triton form, snapshots on."""
-    decode = set(lens) == {1}
-    d = make_delta(rng_seed, lens, **REAL, dtype=dtype, device="cuda", decode=decode, snaps=3)
-    ref = fp64_reference(d)
-    out = triton_run(d, form)
-    assert out.dtype == dtype and not out.isnan().any()
-    gpu_close(out, ref.v, dtype)
-    gpu_close(d.state, ref.state, torch.float32)  # the state is fp32 whatever the model dtype
-    gpu_close(d.snap_out, ref.snap_out, torch.float32)
-
-
-@pytest.mark.gpu
-def test_gpu_decode_cuda_graph(rng_seed: int) -> None:
-    """Capture the decode step (delta rule + conv, snapshots on) once; replay on new tokens,
-    slots and snapshot rows: the same bits as eager calls."""
-    B = 4
-    gen = torch.Generator(device="cuda").manual_seed(rng_seed)
-    d = make_delta(rng_seed, [1] * B, **REAL, dtype=torch.bfloat16, device="cuda", decode=True,
-                   snaps=2)  # fmt: skip
-    c = make_conv(rng_seed, [1] * B, c=1024, dtype=torch.bfloat16, decode=True, device="cuda")
-
-    def step() -> tuple[Tensor, Tensor]:
-        return gated_delta_rule(*d.args()), causal_conv1d(*c.args())
-
-    def set_inputs() -> None:  # in place: the graph keeps the buffers' addresses
-        for t in (d.q, d.k, d.v, d.beta, c.x):
-            t.copy_(torch.rand(t.shape, device="cuda", generator=gen))
-        d.g.copy_(-torch.rand(d.g.shape, device="cuda", generator=gen))
-        d.slots.copy_(torch.randperm(d.state.shape[0], device="cuda", generator=gen)[:B])
-        c.slots.copy_(d.slots)
-        rows = torch.randperm(B, device="cuda", generator=gen)
-        for snap in (d.snap_slots, c.snap_slots):
-            snap.copy_(torch.where(rows < 2, rows, -1))
-
-    pools = (d.state, d.snap_out, c.state, c.snap_out)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    for _ in range(3):
-        set_inputs()
-        saved = [p.clone() for p in pools]
-        graph.replay()
-        replayed = [t.clone() for t in (*outs, *pools)]
-        for p, s in zip(pools, saved, strict=True):
-            p.copy_(s)
-        eager = [*step(), *pools]
-        for r, e in zip(replayed, eager, strict=True):
-            torch.testing.assert_close(r, e, atol=0, rtol=0)
-        assert not any(p.equal(s) for p, s in zip(pools, saved, strict=True))  # all were written
