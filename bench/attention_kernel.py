@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from freetoken_agent.bench.cuda_graph import captured
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.kernels.triton.paged_attention import (
     LaunchPlan,
@@ -84,15 +85,7 @@ class Batch:
 
 def graph_ms_per_layer(layers: list[Batch], tiles: Tiles | None, num_splits: int | None) -> float:
     step = lambda: [b.run(tiles, num_splits) for b in layers]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return do_bench(graph.replay, return_mode="median") / len(layers)
+    return do_bench(captured(step), return_mode="median") / len(layers)
 
 
 def bench_decode(B: int, kv_len: int, page: int, hbm: float, sweep: bool) -> None:

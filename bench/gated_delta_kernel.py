@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.cuda_graph import captured
+
 RESULTS = Path(__file__).resolve().parent / "results"
 HBM_BYTES_PER_S = 4.0e12
 FLOPS_PER_S = 400e12
@@ -128,15 +130,7 @@ def decode_step(x: dict, tiles: dict | None, cuda: bool):
     step = lambda: [call(x, state, "decode", tiles) for state in x["states"]]  # noqa: E731
     if not cuda:
         return step
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+    return captured(step)
 
 
 def run_case(s: dict, form: str, lens: list[int], cuda: bool, sweep: bool) -> list[dict]:

@@ -19,6 +19,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from freetoken_agent.bench.cuda_graph import captured
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, matmul_rate
 from freetoken_agent.kernels.triton.fused_moe import (
     DECODE_TILES,
@@ -75,15 +76,7 @@ def graph_ms_per_layer(s, w13, w2, hidden, ids, wts, tiles) -> float:
         fused_moe_decode(hidden, w13, w2, lid, wts, out, tiles=tiles)
         for lid, out in zip(layer_ids, outs, strict=True)
     ]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return do_bench(graph.replay, return_mode="median") / GRAPH_LAYERS
+    return do_bench(captured(step), return_mode="median") / GRAPH_LAYERS
 
 
 def bench_decode(s: dict, w13, w2, t: int, hbm: float, sweep: bool) -> None:
