@@ -4,6 +4,7 @@ Shape legend (the twin is `kernels/reference.py`):
   T tokens, H hidden, I expert intermediate width, K top-k, N rows in a weight bank,
   P = T * K (token, choice) pairs; pair p = t * K + k. S sorted positions (pairs grouped by row).
   hidden [T, H]; w13 [N, 2I, H] (gate rows 0..I-1, up rows I..2I-1); w2 [N, H, I];
+  w13 / w2 rows may be strided (stride(0) any, each row's block dense: arena slots);
   topk_ids [T, K] int32/int64 (negative = skip); topk_weights [T, K] fp32; out [T, H].
   Expert: y = w2 @ (silu(w13[:I] @ x) * (w13[I:] @ x)).
 
@@ -105,6 +106,7 @@ def _decode_gate_up_kernel(
     ids_ptr,  # [P]
     hi_ptr,  # [P, I] act, or with SPLIT its high 16-bit part
     lo_ptr,  # [P, I] with SPLIT: act - hi, rounded to 16 bits
+    stride13,  # elements between w13 rows (2I*H dense; larger for arena slots)
     P,
     H,
     I,  # noqa: E741 (the shape legend's name)
@@ -128,7 +130,7 @@ def _decode_gate_up_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     i_mask = offs_i < I
     # [BLOCK_H, BLOCK_I] tiles of the gate rows; the up rows sit I * H elements further.
-    w_ptrs = w13_ptr + row.to(tl.int64) * (2 * I * H) + offs_i[None, :] * H + offs_h[:, None]
+    w_ptrs = w13_ptr + row.to(tl.int64) * stride13 + offs_i[None, :] * H + offs_h[:, None]
     for m0 in range(0, n_group, BLOCK_M):  # more than BLOCK_M members: rare, re-reads from L2
         pair = _members(same, rank, m0, BLOCK_M, BLOCK_P)
         valid = (m0 + offs_m) < n_group
@@ -162,6 +164,7 @@ def _decode_down_kernel(
     w2_ptr,  # [N, H, I]
     ids_ptr,  # [P]
     y_ptr,  # [P, H] fp32, unweighted expert outputs by pair
+    stride2,  # elements between w2 rows (H*I dense; larger for arena slots)
     P,
     H,
     I,  # noqa: E741 (the shape legend's name)
@@ -183,7 +186,7 @@ def _decode_down_kernel(
     offs_n = (pid % n_nblk) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < H
-    w_ptrs = w2_ptr + row.to(tl.int64) * (H * I) + offs_n[None, :] * I + offs_k[:, None]
+    w_ptrs = w2_ptr + row.to(tl.int64) * stride2 + offs_n[None, :] * I + offs_k[:, None]
     for m0 in range(0, n_group, BLOCK_M):
         pair = _members(same, rank, m0, BLOCK_M, BLOCK_P)
         valid = (m0 + offs_m) < n_group
@@ -219,6 +222,7 @@ def _grouped_gate_up_kernel(
     blk_start_ptr,  # [B] first sorted position of the block
     blk_end_ptr,  # [B] end of the row's positions (the block stops there)
     act_ptr,  # [S, I] hidden.dtype, indexed by sorted position
+    stride13,  # elements between w13 rows
     H,
     I,  # noqa: E741 (the shape legend's name)
     K: tl.constexpr,
@@ -239,7 +243,7 @@ def _grouped_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < I
     x_ptrs = x_ptr + (pair // K)[:, None] * H + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w13_ptr + row.to(tl.int64) * (2 * I * H) + offs_n[None, :] * H + offs_k[:, None]
+    w_ptrs = w13_ptr + row.to(tl.int64) * stride13 + offs_n[None, :] * H + offs_k[:, None]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -266,6 +270,7 @@ def _grouped_down_kernel(
     blk_start_ptr,  # [B]
     blk_end_ptr,  # [B]
     y_ptr,  # [P, H] fp32, unweighted expert outputs by pair
+    stride2,  # elements between w2 rows
     H,
     I,  # noqa: E741 (the shape legend's name)
     BLOCK_M: tl.constexpr,
@@ -282,7 +287,7 @@ def _grouped_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < H
     a_ptrs = act_ptr + offs_s[:, None] * I + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w2_ptr + row.to(tl.int64) * (H * I) + offs_n[None, :] * I + offs_k[:, None]
+    w_ptrs = w2_ptr + row.to(tl.int64) * stride2 + offs_n[None, :] * I + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = (k0 + offs_k) < I
@@ -321,8 +326,16 @@ def _sum_over_k_kernel(
 
 def _check(hidden, w13, w2, topk_ids, topk_weights, out) -> tuple[int, int, int, int]:
     t, h, i, k = check_moe_shapes(hidden, w13, w2, topk_ids, topk_weights, out)
-    tensors = [hidden, w13, w2, topk_ids, topk_weights] + ([out] if out is not None else [])
+    tensors = [hidden, topk_ids, topk_weights] + ([out] if out is not None else [])
     assert all(x.is_contiguous() for x in tensors), "fused_moe needs contiguous tensors"
+    # Bank rows may sit at any stride (arena slots interleave w13 and w2 rows, engine/arena.py);
+    # each row's [2I, H] / [H, I] block must be dense, which is what the kernels index.
+    assert w13.stride()[1:] == (h, 1) and w2.stride()[1:] == (i, 1), (
+        f"fused_moe needs dense rows: w13 strides {w13.stride()}, w2 strides {w2.stride()}"
+    )
+    n = w13.shape[0]
+    assert n <= 1 or (w13.stride(0) >= 2 * i * h and w2.stride(0) >= h * i), "bank rows overlap"
+    tensors += [w13, w2]
     assert all(x.device == hidden.device for x in tensors), "fused_moe tensors on one device"
     assert hidden.numel() < 2**31, "token offsets are int32"
     return t, h, i, k
@@ -352,12 +365,12 @@ def fused_moe_decode(
     act = torch.empty(2 if split else 1, p, i, dtype=hidden.dtype, device=hidden.device)
     y = torch.empty(p, h, dtype=torch.float32, device=hidden.device)  # [P, H]
     _decode_gate_up_kernel[(p * triton.cdiv(i, c["BLOCK_I"]),)](
-        hidden, w13, topk_ids, act[0], act[-1], p, h, i,
+        hidden, w13, topk_ids, act[0], act[-1], w13.stride(0), p, h, i,
         K=k, BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_I=c["BLOCK_I"], BLOCK_H=c["BLOCK_H"],
         PREC=prec, SPLIT=split, num_warps=c["WARPS_UP"], num_stages=c["STAGES_UP"],
     )  # fmt: skip
     _decode_down_kernel[(p * triton.cdiv(h, c["BLOCK_N"]),)](
-        act[0], act[-1], w2, topk_ids, y, p, h, i,
+        act[0], act[-1], w2, topk_ids, y, w2.stride(0), p, h, i,
         BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
         PREC=prec, SPLIT=split, num_warps=c["WARPS_DOWN"], num_stages=c["STAGES_DOWN"],
     )  # fmt: skip
@@ -427,12 +440,12 @@ def _prefill_chunk(hidden, w13, w2, topk_ids, topk_weights, out, c: dict[str, in
     act = torch.empty(p, i, dtype=hidden.dtype, device=hidden.device)  # [S, I]
     y = torch.empty(p, h, dtype=torch.float32, device=hidden.device)  # [P, H]
     _grouped_gate_up_kernel[(n_blk * triton.cdiv(i, c["BLOCK_N"]),)](
-        hidden, w13, order, blk_row, blk_start, blk_end, act, h, i,
+        hidden, w13, order, blk_row, blk_start, blk_end, act, w13.stride(0), h, i,
         K=k, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PREC=prec,
         num_warps=c["WARPS_UP"], num_stages=c["STAGES_UP"],
     )  # fmt: skip
     _grouped_down_kernel[(n_blk * triton.cdiv(h, c["DOWN_BLOCK_N"]),)](
-        act, w2, order, blk_row, blk_start, blk_end, y, h, i,
+        act, w2, order, blk_row, blk_start, blk_end, y, w2.stride(0), h, i,
         BLOCK_M=c["BLOCK_M"], BLOCK_N=c["DOWN_BLOCK_N"], BLOCK_K=c["DOWN_BLOCK_K"], PREC=prec,
         num_warps=c["WARPS_DOWN"], num_stages=c["STAGES_DOWN"],
     )  # fmt: skip

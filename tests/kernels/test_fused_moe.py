@@ -276,3 +276,67 @@ def test_gpu_cuda_graph(rng_seed, real_banks, path, t):
     torch.cuda.synchronize()
     eager = fn(new_hidden, w13, w2, new_ids, new_wts)
     assert torch.equal(out, eager)
+
+
+# ---------------------------------------------------------------- strided banks (arena slots)
+
+
+def arena_banks(w13: torch.Tensor, w2: torch.Tensor, pages: int = 3):
+    """The banks copied into the slots of an elastic arena (engine/arena.py): rows at stride
+    3*I*H with w13 and w2 interleaved, the lowest slots below the boundary left poisoned.
+    Returns the whole-arena views ([S_max, 2I, H], [S_max, H, I]) and the first slot."""
+    from freetoken_agent.engine.arena import ElasticArena, KVUnit, SlotUnit
+
+    n, h, i = w13.shape[0], w13.shape[2], w2.shape[2]
+    kv = KVUnit(1, 2, 1, 8, w13.dtype)
+    slot = SlotUnit(h, i, w13.dtype)
+    nbytes = pages * kv.nbytes + (n + 1) * slot.nbytes + 5  # a gap slot and an odd tail
+    arena = ElasticArena(nbytes, w13.device, kv, slot)
+    arena.buffer.fill_(0xFF)  # NaN in every float dtype
+    arena.set_boundary(arena.boundary_for(n_slots=n))
+    first = arena.first_slot
+    arena.w13[first:] = w13
+    arena.w2[first:] = w2
+    assert arena.w13.stride(0) == 3 * i * h and not arena.w13.is_contiguous()
+    return arena.w13, arena.w2, first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("path", ["decode", "prefill", "reference"])
+def test_strided_arena_banks_match_contiguous(rng_seed, dtype, path):
+    hidden, w13, w2, ids, wts = make_inputs(rng_seed, 6, 40, 24, 7, 3, dtype, skip=0.2)
+    s13, s2, first = arena_banks(w13, w2)
+    rows = torch.where(ids < 0, ids, ids + first)  # [T, K] absolute slot ids
+    if path == "reference":
+        got = fused_moe_reference(hidden, s13, s2, rows, wts, out=poisoned(hidden))
+        want = fused_moe_reference(hidden, w13, w2, ids, wts)
+    else:
+        tiles = SMALL_DECODE if path == "decode" else SMALL_PREFILL
+        got = run(path, (hidden, s13, s2, rows, wts), tiles)
+        want = run(path, (hidden, w13, w2, ids, wts), tiles)
+    assert torch.isfinite(got).all() and torch.equal(got, want), f"seed={rng_seed}"
+    assert got.abs().max() > 0.1
+    # a sub-range of the views (the streamer's lent staging) is strided the same way
+    got = fused_moe_reference(hidden, s13[first:], s2[first:], ids, wts)
+    assert torch.equal(got, fused_moe_reference(hidden, w13, w2, ids, wts))
+
+
+def test_strided_rows_must_be_dense(rng_seed):
+    hidden, w13, w2, ids, wts = make_inputs(rng_seed, 2, 32, 16, 4, 2, torch.float32)
+    with pytest.raises(AssertionError, match="dense rows"):
+        triton_moe.fused_moe_decode(hidden, w13.transpose(1, 2).contiguous().transpose(1, 2),
+                                    w2, ids, wts)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 64])
+def test_gpu_strided_arena_banks_bf16(rng_seed, real_banks, t):
+    w13, w2 = real_banks
+    s13, s2, first = arena_banks(w13, w2)
+    hidden, ids, wts = real_tokens(rng_seed, t)
+    ids[0, 1] = -1
+    rows = torch.where(ids < 0, ids, ids + first)
+    paths = ["dispatch", "prefill"] + (["decode"] if t * REAL["k"] <= 128 else [])
+    for path in paths:
+        got = run(path, (hidden, s13, s2, rows, wts))
+        assert torch.equal(got, run(path, (hidden, w13, w2, ids, wts))), f"{path} T={t}"
