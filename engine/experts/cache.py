@@ -9,19 +9,32 @@ keeps its slot against a cold one in layer 40.
 On a CPU "device" the slots are CPU tensors and a fill is a plain copy: the same cache, policy
 and accounting code runs in CI. On CUDA, fills go on a dedicated copy stream and the compute
 stream waits on an event recorded after them, so compute waits only for the slots it needs.
+
+On the elastic arena (engine/arena.py) `w13`/`w2` are the arena's views over every slot
+position ([S_max, 2I, H] / [S_max, H, I], rows strided: a slot's w13 and w2 rows are adjacent)
+and slot ids are absolute: the usable ones are first_slot .. S_max-1, the slots below belong to
+KV. `resize(first_slot)` moves that edge at a safe point; the fused kernels index rows by
+stride, so no pointer changes. `lend` always lends the top of the arena.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from itertools import islice
+from typing import TYPE_CHECKING
 
 import torch
 
 from freetoken_agent.engine.experts.pool import ExpertPool
 
+if TYPE_CHECKING:
+    from freetoken_agent.engine.arena import ElasticArena
+
 # S slots, N = L * E lids, H hidden, I expert width
 
 OUTCOME_EMA = 0.01  # weight of the newest race outcome in `fill_gain`
+NEVER = -(1 << 62)  # the last-hit step of a lid never hit
 
 
 class ExpertCache:
@@ -31,19 +44,35 @@ class ExpertCache:
         n_slots: int,
         device: torch.device,
         lids_per_layer: int | None = None,
+        arena: ElasticArena | None = None,
     ) -> None:
-        if n_slots < 1:
-            raise ValueError(f"the expert cache needs at least one slot, got {n_slots}")
-        n_slots = min(n_slots, pool.n_rows)
+        """Standalone: `n_slots` slots of its own. On `arena`: the arena's slot views, usable
+        from `arena.first_slot` (`n_slots` is ignored; at least one slot is required)."""
         self.pool = pool
         self.device = device
-        self.w13 = torch.empty((n_slots, *pool.w13.shape[1:]), dtype=pool.w13.dtype, device=device)
-        self.w2 = torch.empty((n_slots, *pool.w2.shape[1:]), dtype=pool.w2.dtype, device=device)
+        if arena is not None:
+            assert arena.w13 is not None, "the arena has no slot unit"
+            assert arena.w13.shape[1:] == pool.w13.shape[1:] and arena.w13.dtype == pool.w13.dtype
+            self.w13, self.w2 = arena.w13, arena.w2  # [S_max, 2I, H], [S_max, H, I] strided
+            self.first_slot = arena.first_slot
+            n_slots = arena.n_slots
+        else:
+            n_slots = min(n_slots, pool.n_rows)
+            w13_shape, w2_shape = (n_slots, *pool.w13.shape[1:]), (n_slots, *pool.w2.shape[1:])
+            self.w13 = torch.empty(w13_shape, dtype=pool.w13.dtype, device=device)
+            self.w2 = torch.empty(w2_shape, dtype=pool.w2.dtype, device=device)
+            self.first_slot = 0
+        if n_slots < 1:
+            raise ValueError(f"the expert cache needs at least one slot, got {n_slots}")
+        self.max_slots = self.w13.shape[0]
         self.slot_of = torch.full((pool.n_rows,), -1, dtype=torch.int32, device=device)  # [N]
         self._slot_of: list[int] = [-1] * pool.n_rows  # host mirror
-        self._lid_of: list[int] = [-1] * n_slots
+        self._lid_of: list[int] = [-1] * self.max_slots
         self._lru: OrderedDict[int, None] = OrderedDict()  # resident lids, least recent first
-        self._free = list(range(n_slots - 1, -1, -1))
+        self._free = list(range(self.max_slots - 1, self.first_slot - 1, -1))  # pop: lowest
+        # For the memory manager: the step of each lid's last hit (`tick` counts steps).
+        self.step = 0
+        self._last_hit: list[int] = [NEVER] * pool.n_rows
         self._pinned_set: frozenset[int] = frozenset()  # lids that are never evicted (static)
         self._lent = 0  # the last `_lent` slots are lent out as staging (lend / take_back)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -69,7 +98,7 @@ class ExpertCache:
 
     @property
     def n_slots(self) -> int:
-        return len(self._lid_of)
+        return self.max_slots - self.first_slot
 
     @property
     def free_slots(self) -> int:
@@ -77,7 +106,7 @@ class ExpertCache:
 
     @property
     def nbytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
+        return self.n_slots * self.pool.expert_bytes
 
     def resident(self, lid: int) -> bool:
         return self._slot_of[lid] >= 0
@@ -94,6 +123,7 @@ class ExpertCache:
             if self._slot_of[lid] >= 0:
                 self.hits += 1
                 self._lru.move_to_end(lid)
+                self._last_hit[lid] = self.step
             else:
                 self.misses += 1
 
@@ -225,28 +255,112 @@ class ExpertCache:
             raise RuntimeError("the expert cache's slots are already lent")
         if n > self.n_slots:
             raise ValueError(f"cannot lend {n} of {self.n_slots} slots")
-        first = self.n_slots - n
-        for slot in range(first, self.n_slots):
+        first = self.max_slots - n  # the top of the arena: resize moves only the bottom edge
+        for slot in range(first, self.max_slots):
             lid = self._lid_of[slot]
             if lid >= 0:
                 if lid in self._pinned_set:
                     raise RuntimeError(f"slot {slot} holds pinned expert {lid}")
                 self._evict(lid)
                 self._write_table_now([lid])
-        lent = set(range(first, self.n_slots))
+        lent = set(range(first, self.max_slots))
         self._free = [slot for slot in self._free if slot not in lent]
         self._lent = n
         return self.w13[first:], self.w2[first:]
 
     def take_back(self) -> None:
         """The lent slots return to the free list (their content is scratch)."""
-        first = self.n_slots - self._lent
-        self._free.extend(range(self.n_slots - 1, first - 1, -1))
+        first = self.max_slots - self._lent
+        self._free.extend(range(self.max_slots - 1, first - 1, -1))
         self._lent = 0
 
     @property
     def lent(self) -> int:
         return self._lent
+
+    # --- the elastic split (engine/arena.py; the MemoryManager decides, at safe points) -----
+    def resize(self, first_slot: int) -> list[int]:
+        """Make slots first_slot .. S_max-1 the usable ones. Growing (a lower first_slot) adds
+        free slots. Shrinking evicts the coldest resident lids in LRU order (never pinned ones)
+        until the residents fit, then moves each lid still below the new first_slot into a free
+        kept slot: a device copy of its rows on the copy stream, after queued compute (which
+        may read the old slot), as fills are. The table is published like a fill's, so compute
+        queued afterwards sees the new slots, and writes into the vacated slots (KV, on the
+        compute stream) come after the copies. Returns the evicted lids.
+
+        Races whose filled lid is evicted here are dropped: a memory-manager eviction says
+        nothing about whether that fill paid. Races with it as victim settle as usual (it is
+        absent, as it was)."""
+        assert not self._lent, "resize while cache slots are lent out"
+        if not 0 <= first_slot < self.max_slots:
+            raise ValueError(f"first_slot {first_slot} outside [0, {self.max_slots})")
+        old = self.first_slot
+        if first_slot <= old:
+            self._free = sorted(set(self._free) | set(range(first_slot, old)), reverse=True)
+            self.first_slot = first_slot
+            return []
+        keep = self.max_slots - first_slot
+        if len(self._pinned_set) > keep:
+            raise RuntimeError(
+                f"cannot shrink the expert cache to {keep} slots: {len(self._pinned_set)} pinned"
+            )
+        evicted = []
+        excess = len(self._lru) - keep
+        for lid in list(self._lru):
+            if excess <= 0:
+                break
+            if lid in self._pinned_set:
+                continue
+            self._free.append(self._slot_of[lid])
+            self._evict(lid)
+            evicted.append(lid)
+            excess -= 1
+        self._drop_races(set(evicted))
+        kept_free = sorted((s for s in self._free if s >= first_slot), reverse=True)
+        moves = [(self._lid_of[s], s) for s in range(old, first_slot) if self._lid_of[s] >= 0]
+        pairs = [(lid, src, kept_free.pop()) for lid, src in moves]  # lowest kept free slots
+        if pairs:
+            self._move(pairs)
+        self._free = kept_free
+        self.first_slot = first_slot
+        self._unpublished += evicted
+        self.publish([lid for lid, _, _ in pairs])
+        return evicted
+
+    def _move(self, pairs: list[tuple[int, int, int]]) -> None:
+        """(lid, from slot, to slot): copy the rows and update the host maps."""
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream) if self.copy_stream else contextlib.nullcontext():
+            for lid, src, dst in pairs:
+                self.w13[dst].copy_(self.w13[src])
+                self.w2[dst].copy_(self.w2[src])
+                self._lid_of[src], self._lid_of[dst] = -1, lid
+                self._slot_of[lid] = dst
+
+    def _drop_races(self, lids: set[int]) -> None:
+        if not lids:
+            return
+        for layer in list(self._races):
+            races = [r for r in self._races[layer] if r[0] not in lids]
+            if races:
+                self._races[layer] = races
+            else:
+                del self._races[layer]
+
+    def tick(self) -> None:
+        """One engine step begins: hits from now on count for this step."""
+        self.step += 1
+
+    def tail_hits(self, k: int, window: int) -> float:
+        """Hits per step that giving up k slots would lose: how many of the k least recently
+        used resident lids were hit within the last `window` steps (the current one
+        included), divided by `window`. Pinned lids are skipped (they are never given up).
+        O(k) from the cold end of the LRU (plus pinned lids passed over)."""
+        since = self.step - window
+        tail = islice((lid for lid in self._lru if lid not in self._pinned_set), k)
+        hot = sum(self._last_hit[lid] > since for lid in tail)
+        return hot / window
 
     def preload(self, lids: list[int], pin: bool = False) -> None:
         """Fill `lids` now (e.g. a static placement chosen at load); `pin` keeps them forever."""
@@ -281,7 +395,9 @@ class ExpertCache:
         assert len(self._lru) == len(seen), "LRU holds lids without slots"
         assert not (seen & set(self._free)), "a used slot is on the free list"
         assert len(seen) + len(self._free) + self._lent == self.n_slots, "slots leaked"
-        lent = range(self.n_slots - self._lent, self.n_slots)
+        assert all(s >= self.first_slot for s in seen | set(self._free)), "a slot below first"
+        assert all(lid < 0 for lid in self._lid_of[: self.first_slot]), "a lid below first_slot"
+        lent = range(self.max_slots - self._lent, self.max_slots)
         assert all(self._lid_of[slot] < 0 for slot in lent), "a lent slot holds an expert"
         assert not (set(lent) & set(self._free)), "a lent slot is on the free list"
         assert self._pinned_set <= set(self._lru), "a pinned lid is not resident"

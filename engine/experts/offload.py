@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.config import ModelSpec
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.cache import ExpertCache
@@ -81,11 +82,14 @@ class OffloadedExpertBank:
         bandwidths: Bandwidths | None = None,
         stream_min_tokens: int = 256,
         double_buffer: bool = True,
+        arena: ElasticArena | None = None,
     ) -> None:
+        """`arena`: the slots are the arena's (engine/arena.py; `n_slots` then comes from its
+        boundary), so the memory manager can resize the cache at runtime."""
         self.spec = spec
         self.n_experts = spec.n_experts
         self.pool = pool
-        self.cache = ExpertCache(pool, n_slots, device, lids_per_layer=spec.n_experts)
+        self.cache = ExpertCache(pool, n_slots, device, lids_per_layer=spec.n_experts, arena=arena)
         self.device = device
         self.policy = policy
         self.bandwidths = bandwidths or Bandwidths()

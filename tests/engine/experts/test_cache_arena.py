@@ -1,0 +1,137 @@
+"""ExpertCache on the elastic arena: resize (grow / shrink with eviction and slot moves),
+lend / take_back after resizes, tail_hits, and the layer streamer on lent arena slots.
+
+Shape legend: N = L * E lids, H hidden, I expert width.
+"""
+
+import random
+
+import pytest
+import torch
+
+from freetoken_agent.engine.arena import ElasticArena, KVUnit, SlotUnit
+from freetoken_agent.engine.experts.cache import ExpertCache
+from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.engine.experts.streaming import LayerStreamer
+
+L, E, H, I = 4, 6, 8, 4  # noqa: E741
+N = L * E
+
+
+def make(seed: int, max_slots: int = 14, slots: int = 10):
+    g = torch.Generator().manual_seed(seed)
+    pool = ExpertPool(torch.randn(N, 2 * I, H, generator=g), torch.randn(N, H, I, generator=g))
+    kv = KVUnit(1, 3, 1, 5, torch.float32)  # 120 bytes: divides neither way into a slot's 384
+    slot = SlotUnit(H, I, torch.float32)
+    arena = ElasticArena(max_slots * slot.nbytes + 7, "cpu", kv, slot)
+    arena.buffer.fill_(0xFF)  # NaN: a slot read before its fill shows up
+    arena.set_boundary(arena.boundary_for(n_slots=slots))
+    cache = ExpertCache(pool, 0, torch.device("cpu"), lids_per_layer=E, arena=arena)
+    return pool, arena, cache
+
+
+def check(cache: ExpertCache, pool: ExpertPool) -> None:
+    cache.check_integrity()
+    for lid, slot in enumerate(cache._slot_of):
+        if slot >= 0:
+            assert slot >= cache.first_slot
+            assert torch.equal(cache.w13[slot], pool.w13[lid]), f"slot {slot} lost lid {lid}"
+            assert torch.equal(cache.w2[slot], pool.w2[lid]), f"slot {slot} lost lid {lid}"
+
+
+def test_resize_randomized(rng_seed):
+    r = random.Random(rng_seed)
+    pool, arena, cache = make(rng_seed)
+    cache.preload([0, 1], pin=True)
+    for _ in range(200):
+        op = r.random()
+        if op < 0.45:
+            layer = r.randrange(L)
+            lids = r.sample(range(layer * E, (layer + 1) * E), r.randint(1, 4))
+            cache.touch(lids)
+            cache.fill(lids, set(lids))
+        elif op < 0.5:
+            cache.tick()
+        elif op < 0.75:  # shrink: the coldest unpinned go first
+            first = r.randint(cache.first_slot, cache.max_slots - 2)
+            keep = cache.max_slots - first
+            lru = list(cache._lru)
+            unpinned = [lid for lid in lru if lid not in cache._pinned_set]
+            n_evict = max(0, len(lru) - keep)
+            evicted = cache.resize(first)
+            assert evicted == unpinned[:n_evict]
+            assert all(cache.resident(lid) for lid in lru if lid not in evicted)
+            assert list(cache._lru) == [lid for lid in lru if lid not in evicted]  # order kept
+            arena.set_boundary(arena.boundary_for(n_slots=cache.n_slots))
+            assert arena.first_slot == cache.first_slot
+        else:
+            first = r.randint(1, cache.first_slot) if cache.first_slot > 1 else 1
+            assert cache.resize(first) == []
+            arena.set_boundary(arena.boundary_for(n_slots=cache.n_slots))
+        # the KV side scribbles over everything below first_slot after a move of the boundary
+        arena.buffer[: cache.first_slot * arena.slot_unit.nbytes].fill_(0xFF)
+        check(cache, pool)
+        assert {0, 1} <= set(cache._lru), "pinned lids evicted"
+        if r.random() < 0.1:  # lend and give back, then the cache still works
+            n = r.randint(1, max(1, cache.n_slots - 2))
+            if not any(cache._lid_of[s] in cache._pinned_set for s in range(14 - n, 14)):
+                w13, w2 = cache.lend(n)
+                assert w13.shape[0] == n and w13.data_ptr() == cache.w13[14 - n].data_ptr()
+                w13.normal_(), w2.normal_()
+                cache.check_integrity()
+                with pytest.raises(AssertionError, match="lent"):
+                    cache.resize(cache.first_slot)
+                cache.take_back()
+                check(cache, pool)
+
+
+def test_shrink_refuses_to_drop_pinned(rng_seed):
+    pool, _, cache = make(rng_seed)
+    cache.preload(list(range(6)), pin=True)
+    with pytest.raises(RuntimeError, match="6 pinned"):
+        cache.resize(cache.max_slots - 5)
+    cache.resize(cache.max_slots - 6)  # exactly fits: everything else evicted, pinned moved
+    check(cache, pool)
+    assert set(cache._lru) == set(range(6))
+
+
+def test_resize_drops_races_of_evicted_fills(rng_seed):
+    pool, _, cache = make(rng_seed, slots=3)
+    cache.fill([0, 1, 2], set())
+    cache.fill([E], set())  # evicts lid 0 (LRU): a race [E, 0, ...] waits on layers 1 and 0
+    cache.touch([1, 2])  # settles layer 0's races; LRU: E, 1, 2
+    assert any(r[0] == E for r in cache._races[1])
+    evicted = cache.resize(cache.max_slots - 1)
+    assert evicted == [E, 1]
+    assert all(r[0] not in evicted for races in cache._races.values() for r in races)
+    check(cache, pool)
+
+
+def test_tail_hits(rng_seed):
+    pool, _, cache = make(rng_seed, slots=8)
+    cache.fill(list(range(6)), set())  # LRU: 0..5
+    cache.tick()
+    cache.touch([0, 1])  # hit at step 1; LRU: 2 3 4 5 0 1
+    for _ in range(3):
+        cache.tick()
+    cache.touch([2])  # step 4; LRU: 3 4 5 0 1 2
+    assert cache.tail_hits(3, 2) == 0.0  # 3, 4, 5 never hit
+    assert cache.tail_hits(5, 4) == 2 / 4  # 0 and 1, hit at step 1, within steps 1..4
+    assert cache.tail_hits(5, 3) == 0.0  # window of steps 2..4: neither 0 nor 1
+    assert cache.tail_hits(6, 1) == 1.0  # only lid 2, this step
+    assert cache.tail_hits(6, 10) == 3 / 10
+
+
+def test_streamer_on_lent_arena_slots(rng_seed):
+    pool, arena, cache = make(rng_seed, max_slots=16, slots=15)
+    cache.resize(cache.max_slots - 15)
+    cache.fill([1, E + 2, 3 * E], set())  # resident ones are copied device to device
+    streamer = LayerStreamer(pool, cache, E, L, torch.device("cpu"), double_buffer=True, lend=True)
+    for layer in range(L):
+        w13, w2 = streamer.weights(layer)  # [E, 2I, H], [E, H, I] strided views
+        assert w13.stride(0) == arena.slot_unit.elems
+        assert torch.equal(w13, pool.w13[layer * E : (layer + 1) * E])
+        assert torch.equal(w2, pool.w2[layer * E : (layer + 1) * E])
+        streamer.done(layer)
+    assert not cache.lent
+    check(cache, pool)
