@@ -120,6 +120,13 @@ class OffloadedExpertBank:
         return self.pool.projection(layer, expert, proj, self.n_experts)
 
     @property
+    def min_slots(self) -> int:
+        """The fewest slots `cache.resize` may leave: a streamer that lends its staging needs
+        its buffers plus one layer in service (`lends_staging`); otherwise one slot."""
+        s = self.streamer
+        return (s.n_buffers + 1) * self.n_experts if s.lend else 1
+
+    @property
     def nbytes(self) -> int:
         """Device bytes the experts take: the slots and the streaming buffers."""
         return self.cache.nbytes + self.streamer.nbytes
