@@ -27,17 +27,19 @@ _REF_Q_CHUNK = 256
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write new tokens' K/V into their cache slots, in place.
 
-    k, v: [T, Hkv, D]; k_cache, v_cache: [P, S, Hkv, D], contiguous; slot_mapping: [T] int64,
-    slot = page * S + offset. Serves the CPU and CUDA alike: `index_copy_` on a flat view has no
-    host synchronisation, so it can be captured in a CUDA graph.
+    k, v: [T, Hkv, D]; k_cache, v_cache: [P, S, Hkv, D] with each page's [S, Hkv, D] dense
+    (pages may be strided: the KV pool lives in an elastic arena, engine/arena.py);
+    slot_mapping: [T] int64, slot = page * S + offset. Serves the CPU and CUDA alike:
+    `index_put_` with tensor indices has no host synchronisation, so it can be captured in a
+    CUDA graph.
     """
     P, S, Hkv, D = k_cache.shape
     assert v_cache.shape == k_cache.shape, (k_cache.shape, v_cache.shape)
     assert k.shape == v.shape and k.shape[1:] == (Hkv, D), (k.shape, v.shape, k_cache.shape)
     assert slot_mapping.shape == (k.shape[0],), (slot_mapping.shape, k.shape)
-    # view() (not reshape()) so a non-contiguous cache fails loudly instead of writing a copy.
-    k_cache.view(P * S, Hkv, D).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(P * S, Hkv, D).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    page, offset = slot_mapping // S, slot_mapping % S
+    k_cache.index_put_((page, offset), k.to(k_cache.dtype))
+    v_cache.index_put_((page, offset), v.to(v_cache.dtype))
 
 
 def paged_attention(
