@@ -256,6 +256,10 @@ class EngineConfig:
     checkpoints: str = "anchors"
     checkpoint_device_bytes: int | None = None  # None: sized from the budget (loading.py)
     checkpoint_host_bytes: int | None = None  # None: a share of host memory (loading.py)
+    # Elastic memory: with experts offloaded under a known budget (CUDA, or an explicit
+    # gpu_budget on the CPU), KV pages and expert slots share one arena whose split the
+    # MemoryManager moves at safe points. False: the split stays as loaded (a fixed baseline).
+    elastic: bool = True
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -167,9 +167,19 @@ def assemble(
     """Size the KV pool around loaded weights and bundle the parts (also used by benchmarks
     that fill the weights themselves)."""
     dense = dense_nbytes(model)
-    n_pages = size_kv_pool(spec, config, device, dtype, dense + bank.nbytes, max_len)
-    n_attn = len(spec.attention_layers)
-    kv = KVPool(n_attn, n_pages, config.page_size, spec.n_kv_heads, spec.head_dim, dtype, device)
+    arena = getattr(getattr(bank, "cache", None), "arena", None)
+    if arena is not None:  # elastic memory: the KV pool lives in the arena with the slots
+        kv = KVPool.on_arena(arena)
+        n_pages = arena.kv_pages
+        # A sequence may grow as far as the arena allows with the fewest slots.
+        most = arena.boundary_for(n_slots=bank.min_slots) // arena.kv_unit.nbytes - 1
+        max_len = min(max_len, most * config.page_size)
+    else:
+        n_pages = size_kv_pool(spec, config, device, dtype, dense + bank.nbytes, max_len)
+        n_attn = len(spec.attention_layers)
+        kv = KVPool(
+            n_attn, n_pages, config.page_size, spec.n_kv_heads, spec.head_dim, dtype, device
+        )
     radix = RadixCache(config.page_size, kv.allocator)
     budget = gpu_budget(config, device, dense + bank.nbytes) if device.type == "cuda" else 0
     recurrence = build_recurrence(spec, config, device, dtype, budget)
@@ -183,8 +193,8 @@ def assemble(
         # tree when it drops one for space.
         radix.release_checkpoint = recurrence.checkpoints.release
         recurrence.checkpoints.on_drop = radix.forget_checkpoint
-    # One sequence can never hold more than the whole pool.
-    max_len = min(max_len, kv.allocator.capacity * config.page_size)
+    if arena is None:  # one sequence can never hold more than the whole pool
+        max_len = min(max_len, kv.allocator.capacity * config.page_size)
     eos = set(spec.eos_token_ids)
     if tokenizer is not None:
         eos |= set(tokenizer.eos_token_ids)

@@ -299,10 +299,7 @@ def qk_norm_rope_store(
     c = cos[positions].unsqueeze(1)  # [T, 1, R]
     s = sin[positions].unsqueeze(1)
     q, k = _rotate_half(q, c, s, R), _rotate_half(k, c, s, R)
-    # store_kv of kernels/reference.py: index_copy_ on the flat [P * S, Hkv, D] view.
-    P, S = k_cache.shape[:2]
-    k_cache.view(P * S, Hkv, D).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(P * S, Hkv, D).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
     return q.contiguous()
 
 

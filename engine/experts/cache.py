@@ -50,6 +50,7 @@ class ExpertCache:
         from `arena.first_slot` (`n_slots` is ignored; at least one slot is required)."""
         self.pool = pool
         self.device = device
+        self.arena = arena
         if arena is not None:
             assert arena.w13 is not None, "the arena has no slot unit"
             assert arena.w13.shape[1:] == pool.w13.shape[1:] and arena.w13.dtype == pool.w13.dtype

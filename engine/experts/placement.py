@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from freetoken_agent.engine.arena import ElasticArena, KVUnit, SlotUnit
 from freetoken_agent.engine.config import EngineConfig, ModelSpec
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank, lends_staging
@@ -56,8 +57,8 @@ def slot_count(
     n_rows = spec.n_moe_layers * spec.n_experts
     if config.expert_slots is not None:
         return config.expert_slots
-    if device.type != "cuda":
-        return n_rows  # no budget to respect on a CPU device unless expert_slots is given
+    if device.type != "cuda" and config.gpu_budget is None:
+        return n_rows  # no budget on a CPU device unless one is given (a simulated GPU)
     kv = -(-config.kv_tokens // config.page_size) * KVPool.page_bytes(
         len(spec.attention_layers), config.page_size, spec.n_kv_heads, spec.head_dim, dtype
     )
@@ -88,6 +89,7 @@ def make_bank(
     if config.policy == "adaptive" and slots >= n_rows:
         return ResidentExpertBank(spec, dtype, device)
     pool = ExpertPool.empty(spec, dtype)
+    arena = elastic_arena(spec, config, device, dtype, slots)
     measured = calibration.cached(spec.hidden_size, spec.moe_intermediate_size, dtype)
     if measured is None and config.policy == "adaptive" and device.type == "cuda":
         log.info("no bandwidth calibration for this machine yet: run `freetoken calibrate`")
@@ -100,4 +102,22 @@ def make_bank(
         bandwidths=measured.bandwidths() if measured else None,
         stream_min_tokens=config.stream_min_tokens,
         double_buffer=config.double_buffer,
+        arena=arena,
     )
+
+
+def elastic_arena(
+    spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype, slots: int
+) -> ElasticArena | None:
+    """The arena KV pages and expert slots share when memory is elastic: sized for the
+    `kv_tokens` KV pool and the `slots` the budget left (slot_count), split there at load."""
+    budget_known = device.type == "cuda" or config.gpu_budget is not None
+    if not (config.elastic and budget_known and config.expert_slots is None):
+        return None
+    kv = KVUnit(len(spec.attention_layers), config.page_size, spec.n_kv_heads, spec.head_dim, dtype)
+    slot = SlotUnit(spec.hidden_size, spec.moe_intermediate_size, dtype)
+    pages = -(-config.kv_tokens // config.page_size) + 1  # + the scratch page
+    # One slot unit of slack: the first slot starts at the next slot boundary after the pages.
+    arena = ElasticArena(pages * kv.nbytes + (slots + 1) * slot.nbytes, device, kv, slot)
+    arena.set_boundary(arena.boundary_for(kv_pages=pages))
+    return arena
