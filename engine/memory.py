@@ -21,7 +21,9 @@ The policy is a priority list, each level served only from what the ones above l
    lookahead), then, if they also fit, the first waiting request's (`pages_waiting`), and
    `min_slots` slots (offloading cannot run with fewer). If running pages plus `min_slots`
    do not fit, the answer is the pages that fit with reason "over budget": the engine
-   preempts the newest request or keeps requests waiting. Never an out-of-memory.
+   preempts the newest request or keeps requests waiting. Never an out-of-memory. This
+   answer comes at every safe point while the shortage lasts, even when the split is
+   unchanged: it tells the engine to preempt.
 2. Expert slots up to their knee. The cache's `slot_tail_hits(k)` says how many hits per step
    the k least-recently-used slots earned; the cold end is given up group by group while a
    group's hits per GiB stay below `cold_hits_per_gib`. Slots that earn their bytes stay.
@@ -29,6 +31,10 @@ The policy is a priority list, each level served only from what the ones above l
    losing them costs a re-prefill of the whole history.
 4. The rest: slots up to `max_slots` (beyond that every expert is resident: no gain), then
    pages (stale cached pages first by the radix LRU, then free pages).
+
+`cached_stale` and `slot_hits_per_step` are not needed by the decision (stale pages get only
+the leftover, like free pages; the coldness threshold is absolute): they are in the snapshot
+for the engine's stats and for policies that scale the threshold by the cache's hit rate.
 
 Moves. The slot count moves in whole groups of `group_bytes` (ceil(group_bytes / slot_bytes)
 slots): a smaller move costs a migration for a gain below measurement noise. A target less
