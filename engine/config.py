@@ -260,6 +260,7 @@ class EngineConfig:
     # gpu_budget on the CPU), KV pages and expert slots share one arena whose split the
     # MemoryManager moves at safe points. False: the split stays as loaded (a fixed baseline).
     elastic: bool = True
+    elastic_group_bytes: int = 64 << 20  # the split moves in groups of this many bytes
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -24,6 +24,7 @@ import torch
 from freetoken_agent.engine.constrained import Grammars
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.loading import LoadedModel, load_model
+from freetoken_agent.engine.memory_manager import elastic_memory
 from freetoken_agent.engine.output_state import OutputState
 from freetoken_agent.engine.outputs import (
     ContextLengthError,
@@ -58,6 +59,7 @@ class Engine:
             loaded.recurrence,
         )
         self.runner = ModelRunner(loaded.model, loaded.kv, loaded.device, self.config.seed)
+        self.memory = elastic_memory(loaded, self.scheduler)
         if loaded.device.type == "cuda" and self.config.cuda_graphs:
             self.capture_graphs()
         self._requests: dict[str, Request] = {}
@@ -182,6 +184,20 @@ class Engine:
         rec = self.scheduler.recurrence
         return rec.mode.prompt_boundaries(len(ids), marks) if rec is not None else []
 
+    def set_gpu_budget(self, nbytes: int) -> None:
+        """Change the GPU budget while running; applied at the next safe point (KV pages and
+        expert slots re-split, requests preempted rather than failing if even the fewest slots
+        leave too few pages). At most the budget the engine was loaded with."""
+        if self.memory is None:
+            raise InvalidRequestError(
+                "this engine's memory is not elastic (experts resident, elastic=False, or no "
+                "budget on a CPU device): its budget is fixed at load"
+            )
+        try:
+            self.memory.set_budget(nbytes)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+
     def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)
         if req is not None and req.status is not Status.FINISHED:
@@ -192,6 +208,8 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        if self.memory is not None:  # the safe point: the split moves before scheduling
+            self.memory.safe_point()
         batch = self.scheduler.schedule()
         if not batch.chunks:
             return []
@@ -391,6 +409,7 @@ class Engine:
                 "reuse_ratio": t["reused"] / seen if seen else 0.0,
             },
             "checkpoints": checkpoint_stats(self.scheduler),
+            "elastic": None if self.memory is None else self.memory.stats(),
             "requests": {
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
@@ -406,6 +425,8 @@ class Engine:
         if rec is not None:
             rec.states.check_integrity()
             rec.checkpoints.check_integrity()
+        if self.memory is not None:
+            self.memory.check_integrity()
         check = getattr(self.loaded.bank, "check_integrity", None)
         if check is not None:
             check()

@@ -21,7 +21,6 @@ branching from one prefix share it. Evicting a node releases its checkpoints
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,15 +71,19 @@ class RadixCache:
         self.page_size = page_size
         self.allocator = allocator
         self.root = Node((), -1, None)
-        self._clock = itertools.count(1)
+        self.clock = 0  # uses of the tree (matches and inserts): the LRU time
         self.n_pages = 0  # pages held by the tree
         self.release_checkpoint: Callable[[Any], None] = lambda ckpt: None
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
 
     # --- lookup -------------------------------------------------------------------------
     def match(self, tokens: list[int]) -> PrefixMatch:
         s = self.page_size
         node, nodes, pos = self.root, [], 0
-        now = next(self._clock)
+        now = self._tick()
         while pos + s <= len(tokens):
             child = node.children.get(tuple(tokens[pos : pos + s]))
             if child is None:
@@ -132,7 +135,7 @@ class RadixCache:
         page.
         """
         s = self.page_size
-        now = next(self._clock)
+        now = self._tick()
         node: Node | None = self.root
         result: list[Node | None] = []
         for i, page in enumerate(pages):
