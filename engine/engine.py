@@ -197,6 +197,8 @@ class Engine:
             self.memory.set_budget(nbytes)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
+        if not self.has_unfinished():  # idle: between steps already, apply it now
+            self.memory.safe_point()
 
     def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)

@@ -53,6 +53,23 @@ class EngineService:
         with self.lock:
             return self.engine.stats()
 
+    def set_gpu_budget(self, nbytes: int) -> dict:
+        """Engine.set_gpu_budget under the lock (applied at the engine's next safe point);
+        returns the elastic-memory figures. InvalidRequestError when it cannot apply."""
+        with self.lock:
+            self.engine.set_gpu_budget(nbytes)
+            return self.engine.stats()["elastic"]
+
+    def memory_trace(self, last: int) -> dict | None:
+        """The last `last` changes of the elastic split (None: memory is not elastic)."""
+        with self.lock:
+            memory = self.engine.memory
+            if memory is None:
+                return None
+            trace = memory.trace.to_json()
+            trace["records"] = trace["records"][-last:]
+            return trace
+
     # --- requests -------------------------------------------------------------------------
     def submit(self, prompt, sampling: SamplingParams | None, sink, **options) -> str:
         """Queue a request whose events go to `sink(event)` (called on the engine thread).

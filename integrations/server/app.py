@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from freetoken_agent.chat_format import ChatFormat
-from freetoken_agent.integrations.server import openai_routes, sessions_ws, ui
+from freetoken_agent.integrations.server import memory_routes, openai_routes, sessions_ws, ui
 from freetoken_agent.integrations.server.auth import BearerAuth
 from freetoken_agent.integrations.server.browser_guard import BrowserGuard
 from freetoken_agent.integrations.server.hub import SessionHub
@@ -127,6 +127,7 @@ def create_app(
     routes = [
         *openai_routes.routes,
         *sessions_ws.routes,
+        *memory_routes.routes,
         Route("/health", health, methods=["GET"]),
         *ui.routes,
     ]
