@@ -125,3 +125,35 @@ def test_pressure_preempts_the_newest_never_fails(model):
     assert all(g.finish_reason == "length" for g in got)
     assert m.preempted + engine.scheduler.preemptions > 0
     assert engine.kv.allocator.n_pages <= 20
+
+
+@pytest.mark.gpu
+def test_elastic_on_cuda_matches_resident_through_a_budget_cut(tmp_path, rng_seed):
+    """The arena on CUDA: strided KV pages and slots under segmented decode graphs, a budget
+    cut mid-generation, the resident engine's tokens."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, max_position_embeddings=2048)
+    rng = random.Random(rng_seed)
+    opts = dict(device="cuda", progress=False, max_model_len=1024, max_num_seqs=4)
+    resident = Engine.load(tmp_path, policy="resident", **opts)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (7, 150, 300)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in resident.generate(prompts, sp)]
+    spec = resident.spec
+    dense = dense_nbytes(resident.loaded.model)
+    kv_unit = 2 * spec.n_layers * 16 * spec.n_kv_heads * spec.head_dim * 4
+    budget = dense + workspace_bytes(spec, resident.config) + 40 * kv_unit + 41 * spec.expert_bytes
+    engine = Engine.load(
+        tmp_path, policy="adaptive", gpu_budget=budget, kv_tokens=512,
+        elastic_group_bytes=4 * spec.expert_bytes, stream_min_tokens=128, **opts,
+    )  # fmt: skip
+    assert engine.memory is not None and engine.runner.graphs is not None
+    rids = [engine.submit(p, sp) for p in prompts]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 5:
+            engine.set_gpu_budget(budget - 12 * spec.expert_bytes)
+        engine.check_integrity()
+    assert [engine._collect(r).token_ids for r in rids] == want
+    assert len(engine.memory.trace) > 1
