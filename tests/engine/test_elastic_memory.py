@@ -143,7 +143,7 @@ def test_elastic_on_cuda_matches_resident_through_a_budget_cut(tmp_path, rng_see
     kv_unit = 2 * spec.n_layers * 16 * spec.n_kv_heads * spec.head_dim * 4
     budget = dense + workspace_bytes(spec, resident.config) + 40 * kv_unit + 41 * spec.expert_bytes
     engine = Engine.load(
-        tmp_path, policy="adaptive", gpu_budget=budget, kv_tokens=512,
+        tmp_path, policy="transfer", gpu_budget=budget, kv_tokens=512,
         elastic_group_bytes=4 * spec.expert_bytes, stream_min_tokens=128, **opts,
     )  # fmt: skip
     assert engine.memory is not None and engine.runner.graphs is not None
