@@ -11,6 +11,8 @@
     parity-precision  bf16 distance from fp32, ours and transformers', per family
     agent             agent sessions replayed per recurrent-checkpoint mode: tokens re-prefilled
                       and time to first token per turn (CUDA; --cpu-smoke runs on the CPU)
+    elastic           a growing agent session on the elastic split against two fixed ones, with
+                      an external allocation mid-session (CUDA; --cpu-smoke runs on the CPU)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -30,6 +32,7 @@ BENCHES = {
     "profile-offload": "freetoken_agent.bench.profile_offload",
     "parity-precision": "freetoken_agent.bench.parity_precision",
     "agent": "freetoken_agent.bench.agent",
+    "elastic": "freetoken_agent.bench.elastic",
 }
 
 

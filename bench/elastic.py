@@ -1,0 +1,415 @@
+"""Elastic memory over a growing agent session, against two fixed splits (issue 6's acceptance).
+
+    python -m freetoken_agent.bench elastic [--layers 48] [--budget-gb 32] [--turns 20]
+    python -m freetoken_agent.bench elastic --cpu-smoke      # CI: tiny model, 4 short turns
+
+Qwen3-30B-A3B shape (random bf16 weights, experts in a pinned host pool, policy adaptive, context
+raised to hold the session) under --budget-gb. --turns turns, context growing geometrically from
+--start-tokens to --end-tokens: each re-sends the history (earlier prompts and the engine's own
+answers: prefix reuse serves them) plus new random tokens (fixed seed), then decodes
+--decode-tokens. Three engines, each built fresh from the same seed, run the same session:
+elastic (default config: KV pages and expert slots share one arena, split on demand),
+fixed-first (elastic=False, kv_tokens = turn 1's context + decode, the rest to slots) and
+fixed-last (kv_tokens = the last turn's context + decode). A turn a split cannot hold (prompt
+refused, fewer tokens decoded than asked, an error) is reported failed and the session goes on
+with a scripted answer in the engine's place; an engine that cannot be built fails every turn.
+
+Pressure (elastic only): before turn --pressure-turn a --pressure-gb tensor is allocated in this
+process (another program, simulated) and the budget lowered by as much (set_gpu_budget); after
+--pressure-turns turns it is freed and the budget restored; tok/s is reported against the turn
+before (dip, recovery). The arena is allocated at load, so the tensor comes out of the memory left
+outside the budget; a lower budget makes the engine use fewer arena bytes without returning them
+to the driver: physical release (the arena on cuMemMap) is future work (engine/memory_manager.py).
+
+Per turn and engine: decode tok/s beside its limit (dense, hit-expert and KV bytes at B_HBM,
+miss bytes at B_P + B_H, measured in this run), TTFT beside its limit (prefilled tokens at chunk /
+(pool bytes / B_P) tok/s), reuse, slots, KV pages, decode miss rate, preemptions, failure.
+Summary: elastic >= both fixed splits on every turn (within --noise; a failed fixed turn is
+slower), elastic never failed, its last-turn decode within 12% of its first. The JSON (--out) is
+rewritten after every turn, with the elastic memory trace; a PNG goes beside it (without
+matplotlib a notice: `python -m freetoken_agent.bench.memory_plot OUT.json OUT.png --x step`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
+from freetoken_agent.engine.engine import Engine
+from freetoken_agent.engine.experts.placement import workspace_bytes
+from freetoken_agent.engine.kv.pool import KVPool
+from freetoken_agent.engine.loading import dense_nbytes
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ENGINES = ("elastic", "fixed-first", "fixed-last")
+WITHIN = 0.12  # the paper: decode within 12% of the single-turn rate as sessions grow
+# The same family at toy size for --cpu-smoke (fp32): 4 MoE layers x 16 experts = 64 pool rows.
+TINY_QWEN3_MOE = {
+    **QWEN3_30B_A3B,
+    **dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4),
+    **dict(num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32),
+    **dict(num_experts=16, num_experts_per_tok=2, torch_dtype="float32", eos_token_id=2),
+    "max_position_embeddings": 4096,
+}
+SMOKE_SLOTS = 40  # slots the simulated budget holds beside the first turn's KV
+
+# (option, device default, --cpu-smoke default, help)
+KNOBS = (
+    ("--turns", 20, 4, "turns in the session"),
+    ("--start-tokens", 2048, 96, "context of turn 1 (tokens)"),
+    ("--end-tokens", 100_000, 480, "context of the last turn (tokens); geometric growth between"),
+    ("--decode-tokens", 64, 8, "tokens decoded per turn"),
+    ("--pressure-turn", 10, 3, "turn (1-based) before which the external allocation is made"),
+    ("--pressure-turns", 3, 1, "turns it is held before it is freed and the budget restored"),
+    ("--chunk", 8192, 128, "max_batched_tokens: tokens per step (the prefill chunk)"),
+)
+
+
+def session(args) -> list[tuple[int, list[int], list[int]]]:
+    """(context, new tokens, scripted answer) per turn: turn t's prompt is the history (every
+    earlier prompt and answer) plus its new tokens, `context` tokens in all."""
+    rng = random.Random(args.seed)
+    ratio = (args.end_tokens / args.start_tokens) ** (1 / max(1, args.turns - 1))
+    turns, history = [], 0
+    for t in range(args.turns):
+        context = max(round(args.start_tokens * ratio**t), history + 1)
+        new = [rng.randrange(3, args.vocab) for _ in range(context - history)]
+        answer = [rng.randrange(3, args.vocab) for _ in range(args.decode_tokens)]
+        turns.append((context, new, answer))
+        history = context + args.decode_tokens
+    return turns
+
+
+def build(args, name: str, turns) -> Engine:
+    first, last = turns[0][0], turns[-1][0]
+    common = dict(max_model_len=last + args.decode_tokens + 16, max_batched_tokens=args.chunk)
+    options = dict(common, max_num_seqs=4, gpu_budget=args.budget)
+    if name != "elastic":
+        ctx = first if name == "fixed-first" else last
+        options.update(elastic=False, kv_tokens=ctx + args.decode_tokens)
+    elif args.cpu_smoke:  # the default 64k-token arena start does not fit a toy budget
+        options.update(kv_tokens=first + args.decode_tokens)
+    if args.cpu_smoke:
+        return random_engine(args.cfg, device="cpu", std=0.1, policy="transfer", **options)
+    return random_engine(args.cfg, policy=args.policy, stream_min_tokens=512, **options)
+
+
+def smoke_budget(cfg: dict, args) -> int:
+    """A simulated budget on the CPU: dense weights, workspace, staging buffers, turn 1's KV
+    and SMOKE_SLOTS slots (as tests/engine/test_elastic_memory.py builds one)."""
+    probe = random_engine(cfg, device="cpu", policy="resident", max_batched_tokens=args.chunk)
+    spec, config = probe.spec, probe.config
+    s = config.page_size
+    page = KVPool.page_bytes(
+        len(spec.attention_layers), s, spec.n_kv_heads, spec.head_dim, spec.dtype
+    )
+    pages = -(-(args.start_tokens + args.decode_tokens) // s) + 1
+    staging = 2 * spec.n_experts * spec.expert_bytes
+    return (
+        dense_nbytes(probe.loaded.model)
+        + workspace_bytes(spec, config)
+        + staging
+        + pages * page
+        + (SMOKE_SLOTS + 1) * spec.expert_bytes
+    )
+
+
+def _counters(engine: Engine) -> tuple[int, int]:
+    st = getattr(engine.loaded.bank, "stats", None)
+    return (st.experts, st.hits) if st is not None else (0, 0)
+
+
+def run_turn(engine: Engine, ids: list[int], n_decode: int) -> dict:
+    """One request alone in the engine; decode counters from its first token on."""
+    sp = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
+    try:
+        rid = engine.submit(ids, sp)
+    except InvalidRequestError as e:
+        return {"failed": f"refused: {e}"}
+    req = engine._requests[rid]
+    try:
+        while engine.has_unfinished() and not req.output_ids:
+            engine.step()
+        before = _counters(engine)
+        while engine.has_unfinished():
+            engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - a turn that breaks is a result, not a crash
+        engine.abort(rid)
+        engine._pop(rid)
+        return {"failed": f"{type(e).__name__}: {e}"}
+    experts, hits = (a - b for a, b in zip(_counters(engine), before, strict=True))
+    out = engine._collect(rid)
+    st = out.stats
+    row = {
+        "reused_tokens": st["reused_tokens"],
+        "prefilled_tokens": st["prefilled_tokens"],
+        "ttft_s": st["ttft_s"],
+        "decode_tok_s": st["decode_tok_s"],
+        "decoded": len(out.token_ids),
+        "preempted": st["preempted"],
+        "miss_rate": 1 - hits / experts if experts else None,
+        "experts_per_token": experts / max(1, len(out.token_ids) - 1),
+        "answer": out.token_ids,
+    }
+    if out.finish_reason == "error":
+        row["failed"] = f"error: {out.error}"
+    elif len(out.token_ids) < n_decode:
+        row["failed"] = f"{out.finish_reason} after {len(out.token_ids)} of {n_decode} tokens"
+    return row
+
+
+class Limits:
+    """Bandwidths measured in this run (CUDA only) and the per-turn limits they give."""
+
+    def __init__(self, cfg: dict, on_gpu: bool) -> None:
+        self.on_gpu = on_gpu
+        self.hbm = self.pcie = self.cpu = None
+        if on_gpu:
+            from freetoken_agent.bench.limits import hbm_copy_bandwidth
+            from freetoken_agent.engine.experts import calibration
+
+            h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
+            self.hbm = hbm_copy_bandwidth(torch.device("cuda"))
+            self.pcie = calibration.measure_pcie(3 * h * i * 2)
+            self.cpu = calibration.measure_cpu(h, i, torch.bfloat16)
+
+    def add(self, row: dict, engine: Engine, context: int, chunk: int) -> None:
+        row["decode_limit_tok_s"] = row["ttft_limit_s"] = None
+        bank = engine.loaded.bank
+        if not self.on_gpu or row.get("miss_rate") is None:
+            return
+        loaded = engine.loaded
+        dense = loaded.dense_bytes - loaded.model.embed_tokens.weight.nbytes
+        spec = engine.spec  # K and V of every attention layer, per token of context
+        kv = context * 2 * len(spec.attention_layers) * spec.n_kv_heads * spec.head_dim * 2
+        moved = row["experts_per_token"] * bank.pool.expert_bytes
+        floor = (dense + kv + moved * (1 - row["miss_rate"])) / self.hbm
+        floor += moved * row["miss_rate"] / (self.pcie + self.cpu)
+        row["decode_limit_tok_s"] = 1 / floor
+        row["ttft_limit_s"] = row["prefilled_tokens"] * bank.pool.nbytes / (chunk * self.pcie)
+
+    def to_json(self) -> dict:
+        pairs = (("hbm_copy", self.hbm), ("b_p", self.pcie), ("b_h", self.cpu))
+        return {f"{k}_gb_s": v / 1e9 if v else None for k, v in pairs}
+
+
+HEAD = f"{'engine':<12}{'turn':>5}{'ctx':>8}{'reused':>8}{'prefill':>8}{'ttft s':>8}"
+HEAD += f"{'(lim)':>7}{'tok/s':>8}{'(lim)':>7}{'miss':>6}{'slots':>7}{'pages':>8}{'GB':>7}  status"
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_row(name: str, r: dict) -> None:
+    print(
+        f"{name:<12}{r['turn']:>5}{r['context']:>8}{_fmt(r.get('reused_tokens'), 'd'):>8}"
+        f"{_fmt(r.get('prefilled_tokens'), 'd'):>8}{_fmt(r.get('ttft_s'), '.3f'):>8}"
+        f"{_fmt(r.get('ttft_limit_s'), '.2f'):>7}{_fmt(r.get('decode_tok_s'), '.1f'):>8}"
+        f"{_fmt(r.get('decode_limit_tok_s'), '.0f'):>7}{_fmt(r.get('miss_rate'), '.2f'):>6}"
+        f"{_fmt(r.get('slots'), 'd'):>7}{_fmt(r.get('kv_pages'), 'd'):>8}"
+        f"{_fmt(r.get('budget_gb'), '.2f'):>7}  {r.get('failed') or 'ok'}"
+        + ("  [pressure]" if r.get("pressure") else ""),
+        flush=True,
+    )
+
+
+def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Engine | None:
+    """The session on one engine into entry["turns"] (saved after each turn)."""
+    t0 = time.perf_counter()
+    try:
+        engine = build(args, name, turns)
+    except Exception as e:  # noqa: BLE001 - a split that cannot be built fails every turn
+        entry["build_error"] = f"{type(e).__name__}: {e}"
+        engine = None
+    entry["build_s"] = time.perf_counter() - t0
+    history: list[int] = []
+    blocker, budget0 = None, engine.memory.budget if engine and engine.memory else None
+    for t, (_, new, answer) in enumerate(turns, start=1):
+        ids = history + new
+        row = {"turn": t, "context": len(ids), "pressure": False}
+        if engine is None:
+            row["failed"] = f"not built: {entry['build_error']}"
+        else:
+            if name == "elastic" and budget0 is not None:
+                if t == args.pressure_turn:  # another program takes memory: the budget drops
+                    nbytes = int(args.pressure_gb * 1e9)  # the CPU: a quarter of the arena
+                    if args.cpu_smoke:
+                        nbytes = (engine.memory.budget - engine.memory.fixed) // 4
+                    dev = "cpu" if args.cpu_smoke else "cuda"
+                    blocker = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+                    engine.set_gpu_budget(budget0 - nbytes)
+                    entry["pressure_bytes"] = nbytes
+                elif t == args.pressure_turn + args.pressure_turns and blocker is not None:
+                    blocker = None  # freed: the budget comes back
+                    if torch.cuda.is_available() and not args.cpu_smoke:
+                        torch.cuda.empty_cache()
+                    engine.set_gpu_budget(budget0)
+                row["pressure"] = blocker is not None
+            row.update(run_turn(engine, ids, args.decode_tokens))
+            st = engine.stats()
+            row["slots"] = st["experts"].get("slots")
+            row["kv_pages"] = st["memory"]["kv_pages"]
+            row["budget_gb"] = (engine.memory.budget if engine.memory else args.budget) / 1e9
+            row["engine_errors"] = st["requests"]["errors"]
+            if engine.memory is not None:  # the trace so far: a cut run keeps it too
+                row["step"] = engine.memory.steps
+                entry["memory_trace"] = engine.memory.trace.to_json()
+            limits.add(row, engine, len(ids), args.chunk)
+        got = row.pop("answer", None)
+        history = ids + (got if "failed" not in row and got else answer)
+        entry["turns"].append(row)
+        print_row(name, row)
+        save()
+    return engine
+
+
+def summarize(report: dict, args) -> dict:
+    """Elastic against both fixed splits per turn, never failed, last turn within 12%."""
+    rows = {n: report["engines"][n]["turns"] for n in ENGINES if n in report["engines"]}
+    el = rows.get("elastic", [])
+    ratios, pressure = [], []
+    for i, r in enumerate(el):
+        fixed = [rows[n][i] for n in ENGINES[1:] if n in rows and i < len(rows[n])]
+        rates = [f["decode_tok_s"] for f in fixed if "failed" not in f and f.get("decode_tok_s")]
+        mine = r.get("decode_tok_s") if "failed" not in r else None
+        ratio = None if not rates or mine is None else mine / max(rates)
+        ratios.append(ratio if rates else float("inf"))  # every fixed split failed: elastic wins
+        if r.get("pressure"):
+            pressure.append(i)
+    ok = [x is not None and x >= 1 - args.noise for x in ratios]
+    first = el[0].get("decode_tok_s") if el and "failed" not in el[0] else None
+    last = el[-1].get("decode_tok_s") if el and "failed" not in el[-1] else None
+    before = el[pressure[0] - 1].get("decode_tok_s") if pressure and pressure[0] > 0 else None
+    return {
+        "elastic_vs_best_fixed": [None if x in (None, float("inf")) else x for x in ratios],
+        "elastic_at_least_fixed_every_turn": bool(el) and all(ok),
+        "elastic_at_least_fixed_outside_pressure": bool(el)
+        and all(o for i, o in enumerate(ok) if i not in pressure),
+        "elastic_never_failed": bool(el) and all("failed" not in r for r in el),
+        "fixed_failed_turns": {
+            n: [r["turn"] for r in rows[n] if "failed" in r] for n in ENGINES[1:] if n in rows
+        },  # fmt: skip
+        "last_over_first_decode": last / first if first and last else None,
+        "last_within_12pct_of_first": bool(first and last and last >= (1 - WITHIN) * first),
+        "pressure_turns": [el[i]["turn"] for i in pressure],
+        "tok_s_over_pre_pressure": None
+        if not before
+        else [(r["turn"], (r.get("decode_tok_s") or 0) / before) for r in el[pressure[0] :]],
+    }
+
+
+def plot(report: dict, out: Path) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"matplotlib missing: no PNG; re-plot from {out} with bench/memory_plot.py --x step")
+        return
+    from freetoken_agent.bench.memory_plot import plot_split
+
+    png = plot_split(report["memory_trace"], out.with_suffix(".png"), x="step",
+                     title=report["title"], turns=report["turns_tok_s"])  # fmt: skip
+    print(f"wrote {png}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench elastic",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for flag, device, small, text in KNOBS:
+        text = f"{text} (default {device}; with --cpu-smoke {small})"
+        parser.add_argument(flag, type=int, default=None, help=text)
+    parser.add_argument("--layers", type=int, default=48, help="model depth (cut: quicker)")
+    parser.add_argument("--budget-gb", type=float, default=32.0, help="GPU budget (GB)")
+    text = "external allocation (GB; --cpu-smoke: a quarter of the arena)"
+    parser.add_argument("--pressure-gb", type=float, default=8.0, help=text)
+    parser.add_argument("--policy", default="adaptive", help="expert placement policy (device)")
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES,
+                        help="engines to run, in order")  # fmt: skip
+    text = "elastic counts as at least as fast as a fixed split within this fraction (noise)"
+    parser.add_argument("--noise", type=float, default=0.03, help=text)
+    parser.add_argument("--seed", type=int, default=0, help="session and weight seed")
+    parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, 4 short turns")
+    parser.add_argument("--out", type=Path, default=RESULTS / "elastic_memory.json", help="JSON")
+    args = parser.parse_args(argv)
+    for flag, device, small, _ in KNOBS:
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.cpu_smoke else device)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    on_gpu = torch.cuda.is_available() and not args.cpu_smoke
+    if not on_gpu and not args.cpu_smoke:
+        return print("no CUDA device: run with --cpu-smoke for the CPU flow") or 2
+    max_len = args.end_tokens + args.decode_tokens + 16
+    if args.cpu_smoke:
+        args.cfg = {**TINY_QWEN3_MOE, "max_position_embeddings": max(4096, max_len)}
+        args.budget = smoke_budget(args.cfg, args)
+    else:
+        cfg = peer_slice(QWEN3_30B_A3B, args.layers)
+        args.cfg = {**cfg, "max_position_embeddings": max(cfg["max_position_embeddings"], max_len)}
+        args.budget = int(args.budget_gb * 1e9)
+    args.vocab = args.cfg["vocab_size"]
+    turns = session(args)
+    limits = Limits(args.cfg, on_gpu)
+    where = torch.cuda.get_device_name() if on_gpu else "cpu"
+    report = {
+        "bench": "elastic",
+        "device": where,
+        "title": f"elastic split, {args.cfg['num_hidden_layers']} layers, "
+        f"{args.budget / 1e9:.3g} GB budget ({where})",
+        "args": {
+            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "cfg"
+        },  # fmt: skip
+        "model": args.cfg,
+        "limits": limits.to_json(),
+        "contexts": [c for c, _, _ in turns],
+        "engines": {},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every turn: a run cut short keeps what it measured
+        args.out.write_text(json.dumps(report, indent=1))
+
+    print(HEAD, flush=True)
+    for name in args.engines:
+        entry = report["engines"][name] = {"turns": []}
+        engine = run_engine(args, name, turns, limits, entry, save)
+        if engine is not None:
+            entry["stats"] = {k: engine.stats()[k] for k in ("memory", "experts", "elastic")}
+            if "memory_trace" in entry and name == "elastic":
+                report["memory_trace"] = entry.pop("memory_trace")
+                report["turns_tok_s"] = [(r["step"], r["decode_tok_s"]) for r in entry["turns"]
+                                         if r.get("decode_tok_s") and "step" in r]  # fmt: skip
+        save()
+        del engine  # a fresh engine each: free this one's memory first
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()
+    report["summary"] = summary = summarize(report, args)
+    save()
+    print(json.dumps(summary, indent=1))
+    if "memory_trace" in report:
+        plot(report, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
