@@ -24,17 +24,20 @@ The policy is a priority list, each level served only from what the ones above l
    preempts the newest request or keeps requests waiting. Never an out-of-memory. This
    answer comes at every safe point while the shortage lasts, even when the split is
    unchanged: it tells the engine to preempt.
-2. Expert slots up to their knee. The cache's `slot_tail_hits(k)` says how many hits per step
+2. Recently used cached KV pages (`cached_recent`): an agent's next turn reuses them, and
+   losing them costs a re-prefill. Per byte they outrank even hot slots: 64 MiB of a
+   Qwen3-30B-shaped KV is ~650 tokens of history, whose re-prefill streams the expert pool
+   (>= 1 s at PCIe speed), while 64 MiB of hot slots (7 experts) save ~0.1 ms a decode step,
+   ~10 ms over a 64-token answer.
+3. Expert slots up to their knee. The cache's `slot_tail_hits(k)` says how many hits per step
    the k least-recently-used slots earned; the cold end is given up group by group while a
    group's hits per GiB stay below `cold_hits_per_gib`. Slots that earn their bytes stay.
-3. Recently used cached KV pages (`cached_recent`): an agent's next turn reuses them, and
-   losing them costs a re-prefill of the whole history.
-4. The rest: slots up to `max_slots` (beyond that every expert is resident: no gain), then
-   pages (stale cached pages first by the radix LRU, then free pages).
+4. Stale cached pages (`cached_stale`): they may still be reused; a cold slot earns nothing.
+5. The rest: slots up to `max_slots` (beyond that every expert is resident: no gain), then
+   free pages.
 
-`cached_stale` and `slot_hits_per_step` are not needed by the decision (stale pages get only
-the leftover, like free pages; the coldness threshold is absolute): they are in the snapshot
-for the engine's stats and for policies that scale the threshold by the cache's hit rate.
+`slot_hits_per_step` is not needed by the decision (the coldness threshold is absolute): it is
+in the snapshot for the engine's stats and for policies that scale the threshold.
 
 Moves. The slot count moves in whole groups of `group_bytes` (ceil(group_bytes / slot_bytes)
 slots): a smaller move costs a migration for a gain below measurement noise. A target less
@@ -126,19 +129,23 @@ class MemoryPolicy:
             return self._move(d, d.slots_now, hard, 0, "budget")
         s_hard = (avail - hard * pb) // sb  # the most slots level 1 leaves
         max_slots = max(d.max_slots, min_slots)
-        # Levels 2-4 in bytes (rem: bytes not yet given; hard pages and min_slots come first).
+        # Levels 2-5 in bytes (rem: bytes not yet given; hard pages and min_slots come first).
         rem = avail - hard * pb - min_slots * sb
+        recent = min(d.cached_recent, rem // pb)
+        rem -= recent * pb
         knee = self._knee(d, min_slots)
         s = min_slots + min(max(knee - min_slots, 0), rem // sb)
         rem -= (s - min_slots) * sb
-        recent = min(d.cached_recent, rem // pb)
-        rem -= recent * pb
+        stale = min(d.cached_stale, rem // pb)
+        rem -= stale * pb
         s += min(max(max_slots - s, 0), rem // sb)
         target = min(s, s_hard)
         if target > d.slots_now:
             cause = "kv released"
-        elif knee < d.slots_now and recent:
-            cause = "cold slots"  # level 2 gave up a cold tail for level 3
+        elif target < d.slots_now and recent:
+            cause = "recent kv"  # level 2 took bytes from slots
+        elif target < d.slots_now and knee < d.slots_now and stale:
+            cause = "cold slots"  # level 3 gave up a cold tail for level 4
         else:
             cause = "kv demand"
         return self._move(d, target, hard, s_hard, cause)

@@ -85,6 +85,10 @@ def test_view_slices_alias_the_pools(rng_seed):
     gen = torch.Generator().manual_seed(rng_seed)
     pool = _pool()
     ckpts = CheckpointPool(L, 4, 2, CONV, SSM, torch.bfloat16, "cpu")
+    # Random contents everywhere first: the device tier is uninitialised memory, which may
+    # hold NaNs (never equal to themselves).
+    ckpts.ssm.copy_(torch.randn(ckpts.ssm.shape, generator=gen))
+    pool.conv.copy_(torch.randn(pool.conv.shape, generator=gen).to(pool.conv.dtype))
     for layer in range(L):
         view = pool.view(layer, ckpts)
         assert view.conv.shape == (N, C, KM1) and view.ssm.shape == (N, HV, DK, DV)
