@@ -24,20 +24,17 @@ The policy is a priority list, each level served only from what the ones above l
    preempts the newest request or keeps requests waiting. Never an out-of-memory. This
    answer comes at every safe point while the shortage lasts, even when the split is
    unchanged: it tells the engine to preempt.
-2. Recently used cached KV pages (`cached_recent`): an agent's next turn reuses them, and
-   losing them costs a re-prefill. Per byte they outrank even hot slots: 64 MiB of a
-   Qwen3-30B-shaped KV is ~650 tokens of history, whose re-prefill streams the expert pool
-   (>= 1 s at PCIe speed), while 64 MiB of hot slots (7 experts) save ~0.1 ms a decode step,
-   ~10 ms over a 64-token answer.
-3. Expert slots up to their knee. The cache's `slot_tail_hits(k)` says how many hits per step
+2. Expert slots up to their knee. The cache's `slot_tail_hits(k)` says how many hits per step
    the k least-recently-used slots earned; the cold end is given up group by group while a
    group's hits per GiB stay below `cold_hits_per_gib`. Slots that earn their bytes stay.
-4. Stale cached pages (`cached_stale`): they may still be reused; a cold slot earns nothing.
-5. The rest: slots up to `max_slots` (beyond that every expert is resident: no gain), then
-   free pages.
+3. Recently used cached KV pages (`cached_recent`): an agent's next turn reuses them, and
+   losing them costs a re-prefill of the whole history.
+4. The rest: slots up to `max_slots` (beyond that every expert is resident: no gain), then
+   pages (stale cached pages first by the radix LRU, then free pages).
 
-`slot_hits_per_step` is not needed by the decision (the coldness threshold is absolute): it is
-in the snapshot for the engine's stats and for policies that scale the threshold.
+`cached_stale` and `slot_hits_per_step` are not needed by the decision (stale pages get only
+the leftover, like free pages; the coldness threshold is absolute): they are in the snapshot
+for the engine's stats and for policies that scale the threshold by the cache's hit rate.
 
 Moves. The slot count moves in whole groups of `group_bytes` (ceil(group_bytes / slot_bytes)
 slots): a smaller move costs a migration for a gain below measurement noise. A target less
@@ -91,14 +88,18 @@ class MemoryPolicy:
     def __init__(
         self,
         group_bytes: int = 64 << 20,
-        cold_hits_per_gib: float = 1.0,
+        cold_hits_per_gib: float = 32.0,
         min_gap: int = 8,
     ) -> None:
         # group_bytes: 64 MiB is ~10 Qwen3.6 expert slots or a few hundred KV pages; a move
         #   costs a page migration / slot refill, so smaller moves are not worth one.
-        # cold_hits_per_gib: a hit saves one expert fetch (~6.3 MB at ~100 GB/s over PCIe +
-        #   CPU, ~60 us); 1 hit/step per GiB is ~60 us of a ~12 ms decode step per GiB: noise.
-        #   A GiB of slots earning less is worth more as reusable KV.
+        # cold_hits_per_gib: a GiB of slots is weighed against a GiB of recently used KV.
+        #   The KV: ~11k tokens of a Qwen3-30B-shaped history (98 KB a token), whose loss
+        #   costs a re-prefill on the agent's next turn: ~1.5 s at ~7k tokens/s streamed.
+        #   The slots: a hit saves one expert fetch (~9.4 MB at ~55-100 GB/s, ~170 us); over
+        #   a turn of ~256 decode steps, 32 hits/step per GiB save ~1.4 s. Below that the
+        #   history is worth more. Near-uniform routing at 41% cached gives ~7 hits/step
+        #   per GiB (cold: the history wins); a hot working set under locality stays.
         # min_gap: safe points between opposite moves; a decode step is ~10 ms, so 8 steps
         #   keep a wobbling demand from migrating memory on every step.
         if group_bytes <= 0:
@@ -129,23 +130,19 @@ class MemoryPolicy:
             return self._move(d, d.slots_now, hard, 0, "budget")
         s_hard = (avail - hard * pb) // sb  # the most slots level 1 leaves
         max_slots = max(d.max_slots, min_slots)
-        # Levels 2-5 in bytes (rem: bytes not yet given; hard pages and min_slots come first).
+        # Levels 2-4 in bytes (rem: bytes not yet given; hard pages and min_slots come first).
         rem = avail - hard * pb - min_slots * sb
-        recent = min(d.cached_recent, rem // pb)
-        rem -= recent * pb
         knee = self._knee(d, min_slots)
         s = min_slots + min(max(knee - min_slots, 0), rem // sb)
         rem -= (s - min_slots) * sb
-        stale = min(d.cached_stale, rem // pb)
-        rem -= stale * pb
+        recent = min(d.cached_recent, rem // pb)
+        rem -= recent * pb
         s += min(max(max_slots - s, 0), rem // sb)
         target = min(s, s_hard)
         if target > d.slots_now:
             cause = "kv released"
-        elif target < d.slots_now and recent:
-            cause = "recent kv"  # level 2 took bytes from slots
-        elif target < d.slots_now and knee < d.slots_now and stale:
-            cause = "cold slots"  # level 3 gave up a cold tail for level 4
+        elif knee < d.slots_now and recent:
+            cause = "cold slots"  # level 2 gave up a cold tail for level 3
         else:
             cause = "kv demand"
         return self._move(d, target, hard, s_hard, cause)

@@ -172,49 +172,31 @@ def test_growing_context_takes_slots_then_release_gives_them_back(rng_seed):
 
 
 @pytest.mark.parametrize("hot", [False, True])
-def test_recent_pages_outrank_slots(rng_seed, hot):
-    """Recently used cached pages (an agent's next turn) take bytes from slots, hot or cold."""
+def test_cold_slots_yield_to_recent_pages_hot_ones_do_not(rng_seed, hot):
     rng = random.Random(rng_seed)
     slot_bytes = 6_291_456
     n_hot = rng.randint(300, 800)
+    # cold: a hot head then ~0; hot: every slot earns well above the threshold
     rates = [5.0 + rng.random() for _ in range(n_hot)]
     rates += [(5.0 if hot else 1e-4) * (1 + rng.random()) for _ in range(4000 - n_hot)]
     rates.sort(reverse=True)
     d = session(rng, rates, slot_bytes)
+    # recent KV that fits beside the hot slots only: knee + recent + running > the budget
     room = d.budget - d.fixed - 532 * d.page_bytes - n_hot * slot_bytes
-    recent = room // d.page_bytes + rng.randint(0, 1000)  # more than fits beside the hot head
-    d = replace(d, pages_held=500, pages_growth=32, cached_recent=recent, cached_stale=0)
-    policy = MemoryPolicy()
-    s = policy.decide(d)
-    check_split(d, s, policy)
-    assert s is not None and s.reason == "recent kv"
-    g = policy.group_slots(slot_bytes)
-    fit = (d.budget - d.fixed - d.min_slots * slot_bytes) // d.page_bytes
-    # every byte beyond min_slots (rounded to a group) went to pages, the recent ones first
-    assert s.pages >= min(532 + recent, fit) - (g + 1) * slot_bytes // d.page_bytes
-
-
-@pytest.mark.parametrize("hot", [False, True])
-def test_cold_slots_yield_to_stale_pages_hot_ones_do_not(rng_seed, hot):
-    rng = random.Random(rng_seed)
-    slot_bytes = 6_291_456
-    n_hot = rng.randint(300, 800)
-    rates = [5.0 + rng.random() for _ in range(n_hot)]
-    rates += [(5.0 if hot else 1e-4) * (1 + rng.random()) for _ in range(4000 - n_hot)]
-    rates.sort(reverse=True)
-    d = session(rng, rates, slot_bytes)
-    room = d.budget - d.fixed - 532 * d.page_bytes - n_hot * slot_bytes
-    stale = room // d.page_bytes + rng.randint(0, 1000)
-    d = replace(d, pages_held=500, pages_growth=32, cached_recent=0, cached_stale=stale)
+    recent = room // d.page_bytes + rng.randint(0, 1000)
+    d = replace(d, pages_held=500, pages_growth=32, cached_recent=recent)
     policy = MemoryPolicy()
     s = policy.decide(d)
     check_split(d, s, policy)
     if hot:
         assert s is None or s.slots >= d.slots_now  # the cache keeps what it uses
+        assert (s.pages if s else d.pages_now) < 532 + recent
     else:
         assert s is not None and s.reason == "cold slots"
         g = policy.group_slots(slot_bytes)
         assert n_hot <= s.slots <= n_hot + g  # cut to the knee, not into the hot head
+        # every byte past the hot slots went to KV (recent pages fill it)
+        assert s.pages >= 532 + room // d.page_bytes - (g + 1) * slot_bytes // d.page_bytes
 
 
 def test_stable_demand_does_not_oscillate(rng_seed):
