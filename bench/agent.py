@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 
-# `compare` is imported from here by other code: keep it reachable under this module's name.
 from freetoken_agent.bench.agent_report import (
     CacheModel,
     compare,
@@ -53,6 +52,9 @@ from freetoken_agent.bench.agent_report import (
     summarize,
 )
 from freetoken_agent.bench.agent_trace import KINDS, AgentTrace, SessionShape, generate_session
+
+# `compare` is imported from here by other code: keep it reachable under this module's name.
+from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.engine.config import ConfigError, EngineConfig
 from freetoken_agent.engine.engine import Engine
 from freetoken_agent.engine.models.registry import spec_from_config
@@ -301,9 +303,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=["anchors", "positional", "none"],
         help="checkpoint modes, run in order: anchors, positional, positional:N, none",
     )
-    for flag, device, small, text in KNOBS:
-        help_text = f"{text} (default {device}; with --cpu-smoke {small})"
-        parser.add_argument(flag, type=int, default=None, help=help_text)
+    add_knobs(parser, KNOBS)
     parser.add_argument("--budget-gb", type=float, default=32.0, help="GPU budget in GB")
     parser.add_argument("--policy", default="adaptive", help="expert placement policy")
     parser.add_argument("--layers", type=int, default=40, help="device model depth (cut: quick)")
@@ -311,10 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, short trace")
     parser.add_argument("--out", type=Path, default=RESULTS / "agent_trace.json", help="JSON")
     args = parser.parse_args(argv)
-    for flag, device, small, _ in KNOBS:
-        name = flag[2:].replace("-", "_")
-        if getattr(args, name) is None:
-            setattr(args, name, small if args.cpu_smoke else device)
+    resolve_knobs(args, KNOBS)
     return args
 
 

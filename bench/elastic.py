@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.engine.engine import Engine
 from freetoken_agent.engine.experts.placement import workspace_bytes
@@ -329,9 +330,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for flag, device, small, text in KNOBS:
-        text = f"{text} (default {device}; with --cpu-smoke {small})"
-        parser.add_argument(flag, type=int, default=None, help=text)
+    add_knobs(parser, KNOBS)
     parser.add_argument("--layers", type=int, default=48, help="model depth (cut: quicker)")
     parser.add_argument("--budget-gb", type=float, default=32.0, help="GPU budget (GB)")
     text = "external allocation (GB; --cpu-smoke: a quarter of the arena)"
@@ -345,10 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, 4 short turns")
     parser.add_argument("--out", type=Path, default=RESULTS / "elastic_memory.json", help="JSON")
     args = parser.parse_args(argv)
-    for flag, device, small, _ in KNOBS:
-        name = flag[2:].replace("-", "_")
-        if getattr(args, name) is None:
-            setattr(args, name, small if args.cpu_smoke else device)
+    resolve_knobs(args, KNOBS)
     return args
 
 
