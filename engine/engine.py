@@ -70,6 +70,7 @@ class Engine:
         # Constrained requests' grammars (json_schema); the library loads on the first one.
         self.grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         self._totals = {"prefilled": 0, "reused": 0, "generated": 0, "finished": 0, "errors": 0}
+        self._stalled: Request | None = None  # a waiting request no step could admit
 
     def capture_graphs(self) -> None:
         """(Re)capture the decode graphs: after the model's expert bank object changes."""
@@ -214,7 +215,7 @@ class Engine:
             self.memory.safe_point()
         batch = self.scheduler.schedule()
         if not batch.chunks:
-            return []
+            return self._unschedulable()
         self.runner.apply_copies(self.scheduler.take_copies())
         try:
             masks = self.grammars.masks(c.request.id for c in batch.chunks if c.sample)
@@ -223,6 +224,26 @@ class Engine:
             log.exception("step failed; failing the %d request(s) in it", len(batch.chunks))
             return self._fail(batch, e)
         return self._update(batch, out)
+
+    def _unschedulable(self) -> list[TokenEvent]:
+        """Nothing ran although requests wait and none runs: the first cannot get its pages
+        even from an empty pool (a shrunk elastic budget). Fail it, never wait forever."""
+        sched = self.scheduler
+        if sched.running or not sched.waiting:
+            return []
+        req = sched.waiting[0]
+        if self._stalled is not req:  # the next safe point may still make room: one more try
+            self._stalled = req
+            return []
+        self._stalled = None
+        pages = self.kv.allocator.capacity
+        return [
+            self._fail_request(
+                req,
+                f"the request needs KV for {req.n_tokens} tokens but the GPU budget now holds "
+                f"{pages * self.kv.page_size} ({pages} pages); raise the budget or shorten it",
+            )
+        ]
 
     def _update(self, batch: Batch, out: StepOutput) -> list[TokenEvent]:
         events: list[TokenEvent] = []

@@ -97,7 +97,10 @@ class MemoryManager:
             left = r.n_tokens - r.num_computed + max(0, r.sampling.max_tokens - len(r.output_ids))
             want = -(-(r.num_computed + min(left, LOOKAHEAD_TOKENS)) // s)
             growth += max(0, want - len(r.pages))
-        waiting = -(-sched.waiting[0].n_tokens // s) if sched.waiting else 0
+        waiting = 0
+        if sched.waiting:  # its whole prompt, and its first answer tokens, as for growth
+            w = sched.waiting[0]
+            waiting = -(-(w.n_tokens + min(w.sampling.max_tokens, LOOKAHEAD_TOKENS)) // s)
         clock = sched.radix.clock
         recent = stale = 0
         for node in sched.radix._nodes():
