@@ -134,9 +134,14 @@ class MemoryManager:
         arena, cache, alloc = self.arena, self.cache, self.kv.allocator
         before = (alloc.n_pages, cache.n_slots, self.budget)
         slots = split.slots
+        # The policy counts bytes; the arena also loses a partial unit where pages meet slots
+        # and at its top. Pages (the policy's priority) win: give up slots until they fit.
+        pb = arena.kv_unit.nbytes
+        while slots > self.bank.min_slots and arena.boundary_for(n_slots=slots) // pb < split.pages:
+            slots -= 1
         # Pages count the scratch page (its bytes are spent too); at most what lies below the
-        # slots (the arena's alignment gap).
-        below = arena.boundary_for(n_slots=slots) // arena.kv_unit.nbytes
+        # slots.
+        below = arena.boundary_for(n_slots=slots) // pb
         pages = max(2, min(split.pages, below))
         if slots < cache.n_slots:  # experts give bytes up first
             cache.resize(arena.max_slots - slots)
