@@ -157,3 +157,19 @@ def test_elastic_on_cuda_matches_resident_through_a_budget_cut(tmp_path, rng_see
         engine.check_integrity()
     assert [engine._collect(r).token_ids for r in rids] == want
     assert len(engine.memory.trace) > 1
+
+
+def test_request_that_cannot_fit_the_cut_budget_fails_clearly(model):
+    """A budget cut below what a waiting request needs: it fails with a message naming the
+    shortfall after a safe point had its chance, instead of waiting forever; others go on."""
+    path, resident, rng = model
+    engine = _elastic(path, resident, slots=40)
+    m = engine.memory
+    floor = m.fixed + engine.loaded.bank.min_slots * resident.spec.expert_bytes
+    engine.set_gpu_budget(floor + 8 * m.arena.kv_unit.nbytes)  # 8 pages: 128 tokens of KV
+    big = [rng.randrange(3, 320) for _ in range(300)]
+    small = [rng.randrange(3, 320) for _ in range(20)]
+    out = engine.generate(big, SP)
+    assert out.finish_reason == "error" and "needs KV for 300 tokens" in out.error
+    assert engine.generate(small, SP).token_ids == resident.generate(small, SP).token_ids
+    engine.check_integrity()
