@@ -32,9 +32,8 @@ The policy is a priority list, each level served only from what the ones above l
 4. The rest: slots up to `max_slots` (beyond that every expert is resident: no gain), then
    pages (stale cached pages first by the radix LRU, then free pages).
 
-`cached_stale` and `slot_hits_per_step` are not needed by the decision (stale pages get only
-the leftover, like free pages; the coldness threshold is absolute): they are in the snapshot
-for the engine's stats and for policies that scale the threshold by the cache's hit rate.
+`cached_stale` is not needed by the decision (stale pages get only the leftover, like free
+pages): it is in the snapshot for the engine's stats.
 
 Moves. The slot count moves in whole groups of `group_bytes` (ceil(group_bytes / slot_bytes)
 slots): a smaller move costs a migration for a gain below measurement noise. A target less
@@ -72,7 +71,6 @@ class MemoryDemand:
     min_slots: int  # the fewest slots offloading can run with (prefill staging)
     max_slots: int  # slots that would hold every expert (no gain beyond)
     slot_tail_hits: Callable[[int], float]  # hits/step lost if the k coldest slots went
-    slot_hits_per_step: float  # the cache's current hit rate, for scale (reasons)
 
 
 @dataclass(slots=True, frozen=True)

@@ -124,7 +124,6 @@ class MemoryManager:
             min_slots=self.bank.min_slots,
             max_slots=min(self.bank.pool.n_rows, self.arena.max_slots),
             slot_tail_hits=lambda k: self.cache.tail_hits(k, TAIL_WINDOW),
-            slot_hits_per_step=0.0,
         )
 
     # --- carrying a split out ---------------------------------------------------------------
@@ -132,7 +131,7 @@ class MemoryManager:
         """Move to `split` (pages, the scratch page included; slots). False when the pages
         in use cannot move below the new top yet (it is tried again at the next safe point)."""
         arena, cache, alloc = self.arena, self.cache, self.kv.allocator
-        before = (alloc.n_pages, cache.n_slots, self.budget)
+        before = (alloc.n_pages, cache.n_slots)
         slots = split.slots
         # The policy counts bytes; the arena also loses a partial unit where pages meet slots
         # and at its top. Pages (the policy's priority) win: give up slots until they fit.
@@ -159,7 +158,7 @@ class MemoryManager:
         pages = min(pages, arena.kv_pages)
         if pages > alloc.n_pages:
             alloc.grow(pages)
-        if (alloc.n_pages, cache.n_slots, self.budget) != before or self._budget_unrecorded:
+        if (alloc.n_pages, cache.n_slots) != before or self._budget_unrecorded:
             self._record(split.reason)
         return True
 

@@ -339,9 +339,10 @@ class Scheduler:
             return
         tokens, keep = req.tokens, []
         for boundary, ckpt in req.pending_checkpoints:
-            if ckpt.tier == "dropped" or ckpt.locks:
-                if ckpt.locks:  # not written yet (its step failed or never ran)
-                    keep.append((boundary, ckpt))
+            if ckpt.locks:  # not written yet (its step failed or never ran)
+                keep.append((boundary, ckpt))
+                continue
+            if ckpt.tier == "dropped":
                 continue
             if self.radix.attach_checkpoint(tokens, boundary, ckpt):
                 continue

@@ -39,9 +39,6 @@ class Node:
     depth: int = 0  # pages above this one: its tokens start at depth * page size
     checkpoints: dict[int, Any] = field(default_factory=dict)  # boundary -> Checkpoint
 
-    def start(self, page_size: int) -> int:
-        return self.depth * page_size
-
 
 @dataclass(slots=True)
 class PrefixMatch:

@@ -49,7 +49,6 @@ def demand(rng: random.Random, rates: list[float] | None = None, **kw) -> Memory
         min_slots=rng.randint(0, 40),
         max_slots=max_slots,
         slot_tail_hits=tail_fn(rates, slots_now),
-        slot_hits_per_step=sum(rates[:slots_now]),
     )
     d.update(kw)
     return MemoryDemand(**d)
@@ -137,7 +136,6 @@ def session(rng: random.Random, rates: list[float], slot_bytes: int) -> MemoryDe
         min_slots=16,
         max_slots=len(rates),
         slot_tail_hits=tail_fn(rates, (20 * GIB - 1024 * 2 * MIB) // slot_bytes),
-        slot_hits_per_step=100.0,
     )
 
 
