@@ -30,6 +30,12 @@ Layout (bytes):
   unused. Only valid ids are ever touched: the views span the whole buffer so they never change.
 
 An arena without a slot unit (resident experts, no MoE offload) is a resizable KV region.
+
+Backing (engine/device_memory.py): on CUDA the buffer is a reserved range of virtual addresses
+whose chunks are mapped only where pages or slots are in use; `release_unused` gives the gap
+between the last page in use and the first slot (and the unused tail) back to the driver, so
+another program can have it, and `map_for` backs a range again before it is used. On the CPU
+the same bookkeeping runs over one tensor whose released chunks are scribbled.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from freetoken_agent.engine.device_memory import CHUNK_BYTES, arena_memory
 
 # L attention layers, P pages, S page size (tokens), Hkv kv heads, D head_dim,
 # H hidden, I expert width
@@ -86,18 +94,22 @@ class ElasticArena:
         kv: KVUnit,
         slot: SlotUnit | None = None,
         boundary: int | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         if nbytes < 2 * kv.nbytes:
             raise ValueError(f"an arena of {nbytes} bytes holds fewer than 2 KV pages")
         self.device = torch.device(device)
         self.kv_unit, self.slot_unit = kv, slot
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.memory = arena_memory(nbytes, self.device, chunk_bytes)
+        self.buffer = self.memory.view()  # [nbytes] uint8
         self.max_pages = nbytes // kv.nbytes
         self.k, self.v = self._kv_views()
         self.max_slots = nbytes // slot.nbytes if slot is not None else 0
         self.w13, self.w2 = self._slot_views() if slot is not None else (None, None)
         self.boundary = 0
         self.set_boundary(nbytes if boundary is None else boundary)
+        if not self.map_for(self.kv_pages, self.first_slot):
+            raise torch.cuda.OutOfMemoryError(f"no device memory for an arena of {nbytes} bytes")
 
     def _typed(self, dtype: torch.dtype) -> torch.Tensor:
         """The buffer in elements of `dtype` (a tail shorter than one element dropped)."""
@@ -173,6 +185,36 @@ class ElasticArena:
             return self.nbytes
         return (self.max_slots - n_slots) * self.slot_unit.nbytes
 
+    # --- backing memory --------------------------------------------------------------------
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of device memory the arena holds now (the whole arena without release)."""
+        return self.memory.mapped_bytes
+
+    def _slot_span(self, first_slot: int) -> tuple[int, int]:
+        if self.slot_unit is None:
+            return self.nbytes, self.nbytes
+        return first_slot * self.slot_unit.nbytes, self.max_slots * self.slot_unit.nbytes
+
+    def map_for(self, pages: int, first_slot: int) -> bool:
+        """Back pages 0..pages-1 and slots first_slot.. with memory. False when the device is
+        out of memory: the caller keeps the pages and slots it had."""
+        lo, hi = self._slot_span(first_slot)
+        return self.memory.map(0, pages * self.kv_unit.nbytes) and self.memory.map(lo, hi)
+
+    def release_unused(self, pages: int, first_slot: int) -> int:
+        """Give back the chunks wholly between page `pages` and slot `first_slot`, and above
+        the last slot; returns the bytes released. Waits for the device first: work in flight
+        (a moved expert's copy, a vacated page's copy) may still read the released range."""
+        kv_top = pages * self.kv_unit.nbytes
+        lo, hi = self._slot_span(first_slot)
+        spans = ((kv_top, lo), (hi, self.nbytes))
+        if not any(self.memory.releasable(a, b) for a, b in spans):
+            return 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.memory.unmap(kv_top, lo) + self.memory.unmap(hi, self.nbytes)
+
     def check_integrity(self) -> None:
         assert 0 < self.boundary <= self.nbytes, "boundary outside the buffer"
         assert self.kv_pages >= 2, "fewer than 2 KV pages"
@@ -186,3 +228,5 @@ class ElasticArena:
             ), "a usable slot starts below the boundary"
             assert self.max_slots * self.slot_unit.nbytes <= self.nbytes, "slots past the end"
             assert self.w13.data_ptr() == base, "w13 view moved"
+            lo, hi = self._slot_span(self.first_slot)
+            assert self.memory.is_mapped(lo, hi), "a usable slot is not backed by memory"

@@ -261,6 +261,13 @@ class EngineConfig:
     # MemoryManager moves at safe points. False: the split stays as loaded (a fixed baseline).
     elastic: bool = True
     elastic_group_bytes: int = 64 << 20  # the split moves in groups of this many bytes
+    # On CUDA the elastic budget also follows free device memory: it keeps `memory_reserve`
+    # bytes free for the driver and other programs, yields when another program takes VRAM
+    # and grows back (at most to the load-time budget) when it is released; read every
+    # `memory_poll_s` seconds at the safe points (and by an idle EngineService).
+    follow_free_memory: bool = True
+    memory_reserve: int = 1 << 30
+    memory_poll_s: float = 0.5
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 

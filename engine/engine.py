@@ -201,6 +201,16 @@ class Engine:
         if not self.has_unfinished():  # idle: between steps already, apply it now
             self.memory.safe_point()
 
+    def poll_memory(self) -> int | None:
+        """An idle engine's safe point: follow free device memory (yield VRAM another program
+        took, regain what it released) and apply a pending budget. Does nothing while requests
+        run (each step's safe point polls). Returns the budget (None: memory not elastic)."""
+        if self.memory is None:
+            return None
+        if not self.has_unfinished():
+            self.memory.safe_point()
+        return self.memory.budget
+
     def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)
         if req is not None and req.status is not Status.FINISHED:

@@ -14,12 +14,15 @@ asks `MemoryPolicy.decide`, and carries the answer out on the shared arena (engi
 Pointers never change (the arena is allocated once), so kernels and captured CUDA graphs stay
 valid; the CPU pool is never reloaded. Every change is recorded in a `MemoryTrace`.
 
-The budget is the load-time budget (`gpu_budget`, or free memory at load) until
-`set_gpu_budget` lowers or restores it; it never exceeds the load-time one, whose bytes the
-arena holds. Lowering it is enforced by the split (the engine uses fewer bytes); returning the
-unused bytes of the arena to the driver, so another process can have them, needs the arena on
-CUDA virtual memory (cuMemMap): the bytes between the KV top and the first slot are one
-contiguous range, ready to be unmapped. That is the next step.
+The budget never exceeds the load-time one (`gpu_budget`, or free memory at load), whose
+addresses the arena reserved. Below it, it is the lower of the user's (`set_gpu_budget`) and,
+with a watcher (`watch`: on CUDA at load, `EngineConfig.follow_free_memory`), what free device
+memory allows: the engine keeps `memory_reserve` bytes free, so when another program takes
+VRAM the budget drops by the shortfall at the next safe point, and when it gives VRAM back the
+budget grows again (engine/memory.py `BudgetWatcher`). A lower budget is enforced by the split
+and made real by the arena's backing: the chunks between the last KV page and the first slot
+are unmapped and go back to the driver (engine/device_memory.py); growing maps them again, and
+a map that fails (someone else took the memory first) leaves the split where it was.
 
 When even the fewest slots leave too few pages for the running requests (the policy says
 "over budget"), the newest running request is preempted (its pages go to the prefix cache; it
@@ -33,7 +36,14 @@ from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 from freetoken_agent.engine.kv.vacate import vacate_pages
-from freetoken_agent.engine.memory import MemoryDemand, MemoryPolicy, MemoryTrace, Split
+from freetoken_agent.engine.memory import (
+    BudgetWatcher,
+    MemoryDemand,
+    MemoryPolicy,
+    MemoryTrace,
+    Split,
+    cuda_free_memory,
+)
 from freetoken_agent.engine.scheduler import Scheduler, Status
 
 LOOKAHEAD_TOKENS = 256  # pages a running request is granted ahead of its next steps
@@ -56,14 +66,33 @@ class MemoryManager:
         self.cache = bank.cache
         self.max_budget = budget
         self.budget = budget
+        self.user_budget = budget  # set_gpu_budget's, at most max_budget
         self.fixed = budget - arena.nbytes  # dense, workspace, recurrent memory, staging
         self.policy = policy or MemoryPolicy()
         self.trace = trace or MemoryTrace()
+        self.watcher: BudgetWatcher | None = None
         self.steps = 0
         self.preempted = 0
+        self.released_bytes = 0  # arena bytes given back to the driver, over the run
+        self.map_failures = 0  # grows refused because the device had no memory
         self._record("load")
 
-    # --- the user's budget ------------------------------------------------------------------
+    # --- the budget -------------------------------------------------------------------------
+    @property
+    def floor(self) -> int:
+        """The least budget the engine can run in: fixed bytes, 2 KV pages, min_slots slots."""
+        a = self.arena
+        return self.fixed + 2 * a.kv_unit.nbytes + self.bank.min_slots * a.slot_unit.nbytes
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Arena bytes backed by device memory now."""
+        return self.arena.mapped_bytes
+
+    def used_bytes(self) -> int:
+        """What the engine holds on the device, as the budget counts it."""
+        return self.fixed + self.mapped_bytes
+
     def set_budget(self, nbytes: int) -> None:
         """Applied at the next safe point. At most the load-time budget (the arena's size)."""
         nbytes = int(nbytes)
@@ -72,12 +101,39 @@ class MemoryManager:
                 f"a GPU budget of {nbytes} bytes does not cover the {self.fixed} bytes of dense "
                 "weights, workspace and recurrent memory"
             )
-        self.budget = min(nbytes, self.max_budget)
+        self.user_budget = min(nbytes, self.max_budget)
+        if self.watcher is not None:
+            self.watcher.set_budget(self.user_budget)
+        self.budget = self._effective_budget(poll=False)
+
+    def watch(self, free_memory, reserve: int | None = None, poll_s: float | None = None) -> None:
+        """Follow free device memory: `free_memory()` -> (free, total) bytes. The budget becomes
+        the lower of the user's and free + used - reserve (BudgetWatcher), read at the safe
+        points at most every `poll_s` seconds."""
+        self.watcher = BudgetWatcher(
+            configured=self.user_budget,
+            reserve=1 << 30 if reserve is None else int(reserve),
+            poll_s=0.5 if poll_s is None else float(poll_s),
+            free_memory=free_memory,
+            used_by_engine=self.used_bytes,
+            group_bytes=self.policy.group_bytes,
+        )
+        self.budget = self._effective_budget(poll=True)
+
+    def _effective_budget(self, poll: bool) -> int:
+        budget = self.user_budget
+        if self.watcher is not None:
+            watched = self.watcher.poll() if poll else self.watcher.budget
+            if watched is not None:
+                budget = min(budget, watched)
+        return max(self.floor, budget)
 
     # --- the safe point ---------------------------------------------------------------------
     def safe_point(self) -> Split | None:
         self.steps += 1
         self.cache.tick()
+        if self.watcher is not None:
+            self.budget = self._effective_budget(poll=True)
         split = self.policy.decide(self.demand())
         if split is None:
             return None
@@ -148,19 +204,34 @@ class MemoryManager:
         if pages < alloc.n_pages:
             copies = vacate_pages(alloc, self.scheduler.radix, self._requests(), pages)
             if copies is None:
+                self._release()
                 return False
             for src, dst in copies:
                 self.kv.copy_page(src, dst)
             alloc.shrink(pages)
+        # Growing needs memory behind the bytes first; a map the device refuses (another
+        # program took it since the last poll) leaves that side where it was.
         if slots > cache.n_slots:
-            arena.set_boundary(arena.boundary_for(n_slots=slots))
-            cache.resize(arena.first_slot)
+            if arena.map_for(alloc.n_pages, arena.max_slots - slots):
+                arena.set_boundary(arena.boundary_for(n_slots=slots))
+                cache.resize(arena.first_slot)
+            else:
+                self.map_failures += 1
         pages = min(pages, arena.kv_pages)
         if pages > alloc.n_pages:
-            alloc.grow(pages)
+            if arena.map_for(pages, cache.first_slot):
+                alloc.grow(pages)
+            else:
+                self.map_failures += 1
+        self._release()
         if (alloc.n_pages, cache.n_slots) != before or self._budget_unrecorded:
             self._record(split.reason)
         return True
+
+    def _release(self) -> None:
+        """Unmap what neither pages nor slots use (a no-op when nothing is newly unused)."""
+        self.released_bytes += self.arena.release_unused(self.kv.allocator.n_pages,
+                                                         self.cache.first_slot)  # fmt: skip
 
     def _requests(self):
         return [*self.scheduler.running, *self.scheduler.waiting]
@@ -199,6 +270,12 @@ class MemoryManager:
         return {
             "budget": self.budget,
             "max_budget": self.max_budget,
+            "user_budget": self.user_budget,
+            "mapped_bytes": self.mapped_bytes,
+            "released_bytes": self.released_bytes,
+            "map_failures": self.map_failures,
+            "watching": self.watcher is not None,
+            "reserve": None if self.watcher is None else self.watcher.reserve,
             "fixed_bytes": self.fixed,
             "kv_pages": self.kv.allocator.n_pages,
             "slots": self.cache.n_slots,
@@ -214,6 +291,9 @@ class MemoryManager:
         used = (alloc.n_pages * arena.kv_unit.nbytes + self.cache.n_slots
                 * arena.slot_unit.nbytes)  # fmt: skip
         assert used <= arena.nbytes, "pages and slots overlap"
+        assert arena.memory.is_mapped(0, alloc.n_pages * arena.kv_unit.nbytes), (
+            "a usable KV page is not backed by memory"
+        )
 
 
 def elastic_memory(loaded, scheduler: Scheduler) -> MemoryManager | None:
@@ -233,4 +313,7 @@ def elastic_memory(loaded, scheduler: Scheduler) -> MemoryManager | None:
         - bank.cache.nbytes
     )
     policy = MemoryPolicy(group_bytes=config.elastic_group_bytes)
-    return MemoryManager(arena, loaded.kv, bank, scheduler, fixed + arena.nbytes, policy)
+    manager = MemoryManager(arena, loaded.kv, bank, scheduler, fixed + arena.nbytes, policy)
+    if loaded.device.type == "cuda" and config.follow_free_memory:
+        manager.watch(cuda_free_memory(loaded.device), config.memory_reserve, config.memory_poll_s)
+    return manager

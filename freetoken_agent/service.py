@@ -28,6 +28,7 @@ from freetoken_agent.engine.outputs import TokenEvent
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("freetoken.service")
+IDLE_POLL_S = 0.5  # an idle engine's memory safe point (elastic memory follows free VRAM)
 
 
 class EngineService:
@@ -130,7 +131,9 @@ class EngineService:
         while True:
             with self.lock:
                 while not self._closed and not self.engine.has_unfinished():
-                    self._work.wait()
+                    # Idle: wake now and then so elastic memory follows other programs.
+                    if not self._work.wait(timeout=IDLE_POLL_S):
+                        self._poll_memory()
                 if self._closed:
                     return
                 try:
@@ -147,6 +150,15 @@ class EngineService:
                         del self._sinks[event.request_id]
                         self.engine._pop(event.request_id)
             time.sleep(0)  # let a thread waiting for the lock (a new request) take it
+
+    def _poll_memory(self) -> None:
+        poll = getattr(self.engine, "poll_memory", None)
+        if poll is None:
+            return
+        try:
+            poll()
+        except Exception:  # noqa: BLE001 - a failed poll must not stop the engine thread
+            log.exception("memory poll failed")
 
     def _fail_all(self, message: str) -> list[TokenEvent]:
         events = []

@@ -25,8 +25,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng_seed() -> int:
-    """A fresh seed per test run, printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A fresh seed per test run, printed so a failure can be replayed
+    (FREETOKEN_TEST_SEED=<seed> pytest ... runs with that one)."""
+    fixed = os.environ.get("FREETOKEN_TEST_SEED")
+    seed = int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
     print(f"seed={seed}")
     return seed
 

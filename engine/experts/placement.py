@@ -15,6 +15,7 @@ import torch
 
 from freetoken_agent.engine.arena import ElasticArena, KVUnit, SlotUnit
 from freetoken_agent.engine.config import EngineConfig, ModelSpec
+from freetoken_agent.engine.device_memory import CHUNK_BYTES
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank, lends_staging
 from freetoken_agent.engine.experts.pool import ExpertPool
@@ -118,6 +119,7 @@ def elastic_arena(
     slot = SlotUnit(spec.hidden_size, spec.moe_intermediate_size, dtype)
     pages = -(-config.kv_tokens // config.page_size) + 1  # + the scratch page
     # One slot unit of slack: the first slot starts at the next slot boundary after the pages.
-    arena = ElasticArena(pages * kv.nbytes + (slots + 1) * slot.nbytes, device, kv, slot)
-    arena.set_boundary(arena.boundary_for(kv_pages=pages))
-    return arena
+    # Memory is released and mapped in chunks no larger than a move of the split.
+    nbytes = pages * kv.nbytes + (slots + 1) * slot.nbytes
+    chunk = min(CHUNK_BYTES, config.elastic_group_bytes)
+    return ElasticArena(nbytes, device, kv, slot, boundary=pages * kv.nbytes, chunk_bytes=chunk)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
@@ -60,15 +61,20 @@ def test_growing_context_moves_slots_to_pages_and_back(model):
     engine = _elastic(path, resident, slots=40)
     first = engine.memory.stats()
     history = [rng.randrange(3, 320) for _ in range(60)]
-    pages, slots = [], []
+    pages, slots, needed = [], [], []
     for _ in range(5):  # an agent session: each turn adds to the context (to ~510 tokens)
         history += [rng.randrange(3, 320) for _ in range(rng.randrange(80, 90))]
         assert _run(engine, history) == resident.generate(history, SP).token_ids
         st = engine.memory.stats()
         pages.append(st["kv_pages"])
         slots.append(st["slots"])
+        needed.append(-(-(len(history) + SP.max_tokens) // 16) + 1)  # + the scratch page
     assert pages[-1] > first["kv_pages"] and slots[-1] < first["slots"]
-    assert pages == sorted(pages) and slots == sorted(slots, reverse=True)
+    # Pages follow the context (between turns free pages may go back to slots, so the
+    # counts need not be monotone): every turn held its whole KV, and the last turn's
+    # context (~4x the first's) took slots' bytes.
+    assert all(p >= n for p, n in zip(pages, needed, strict=True)), (pages, needed)
+    assert max(slots[-2:]) < slots[0] and min(pages[-2:]) > pages[0]
     # The session ends: its cached pages go stale; a short request lets slots come back.
     engine.radix.reset()
     for _ in range(3):
@@ -172,4 +178,108 @@ def test_request_that_cannot_fit_the_cut_budget_fails_clearly(model):
     out = engine.generate(big, SP)
     assert out.finish_reason == "error" and "needs KV for 300 tokens" in out.error
     assert engine.generate(small, SP).token_ids == resident.generate(small, SP).token_ids
+    engine.check_integrity()
+
+
+class SimulatedDevice:
+    """A device whose memory the engine shares with other programs: free = total - what the
+    engine holds (its fixed bytes and the arena's mapped chunks) - the others'."""
+
+    def __init__(self, total: int, engine: Engine) -> None:
+        self.total, self.engine, self.others = total, engine, 0
+
+    def free_memory(self) -> tuple[int, int]:
+        return self.total - self.others - self.engine.memory.used_bytes(), self.total
+
+
+def test_budget_follows_free_memory_as_another_program_takes_and_releases(model):
+    """Another program takes more than the free headroom: at the next safe point the engine
+    drops its budget by the shortfall and unmaps arena chunks until the reserve is free again,
+    mid-generation and with exact outputs; when the program exits the budget comes back."""
+    path, resident, rng = model
+    engine = _elastic(path, resident, slots=40)
+    m = engine.memory
+    chunk, sb = m.arena.memory.chunk, resident.spec.expert_bytes
+    reserve, headroom = rng.randint(2, 4) * chunk, rng.randint(0, 2) * sb
+    dev = SimulatedDevice(m.used_bytes() + reserve + headroom, engine)
+    m.watch(dev.free_memory, reserve=reserve, poll_s=0)
+    budget0, mapped0 = m.budget, m.mapped_bytes
+    assert budget0 == m.user_budget  # the headroom covers the load-time budget
+    taken = rng.randint(12, 16) * sb  # about a third of the slots
+
+    def on_step(n: int) -> None:
+        if n == 2:
+            dev.others = taken
+
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(60, 120))]
+    assert _run(engine, prompt, on_step) == resident.generate(prompt, SP).token_ids
+    assert m.budget <= budget0 - (taken - headroom) + chunk
+    assert m.mapped_bytes < mapped0 and m.released_bytes > 0
+    free, _ = dev.free_memory()
+    assert free >= reserve - 2 * chunk, (free, reserve)  # the other program has its bytes
+    squeezed = m.stats()["slots"]
+
+    dev.others = 0  # it exits
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(20, 60))]
+    assert _run(engine, prompt) == resident.generate(prompt, SP).token_ids
+    for _ in range(10):  # idle safe points (an EngineService polls like this)
+        engine.poll_memory()
+    assert m.budget == budget0
+    assert m.stats()["slots"] > squeezed
+    reasons = [r.reason for r in m.trace.records]
+    assert len({r.budget for r in m.trace.records}) >= 2, reasons
+    engine.check_integrity()
+
+
+@pytest.mark.gpu
+def test_cuda_engine_gives_vram_back_to_another_allocation(tmp_path, rng_seed):
+    """On CUDA: the arena on virtual memory, the budget following mem_get_info. An allocation
+    beyond the free headroom makes the engine unmap arena chunks (the driver's free memory
+    comes back to the reserve) while its outputs stay the resident engine's; freeing it lets
+    the engine map them again."""
+    over = dict(hidden_size=256, moe_intermediate_size=1024, num_experts=32)
+    make_tiny("qwen3_moe", tmp_path, rng_seed, max_position_embeddings=2048, **over)
+    rng = random.Random(rng_seed)
+    opts = dict(device="cuda", progress=False, max_model_len=1024, max_num_seqs=4)
+    resident = Engine.load(tmp_path, policy="resident", **opts)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (40, 200)]
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in resident.generate(prompts, sp)]
+    spec = resident.spec
+    budget = (dense_nbytes(resident.loaded.model) + workspace_bytes(spec, resident.config)
+              + 48 * spec.expert_bytes + (600 // 16 + 1) * 2 * 16 * spec.n_layers
+              * spec.n_kv_heads * spec.head_dim * 4)  # fmt: skip
+    group = 2 << 20
+    engine = Engine.load(
+        tmp_path, policy="transfer", gpu_budget=budget, kv_tokens=600,
+        elastic_group_bytes=group, stream_min_tokens=128, **opts,
+    )  # fmt: skip
+    m = engine.memory
+    assert m is not None and m.arena.memory.releases  # CUDA virtual memory, not a fallback
+    torch.cuda.synchronize()
+    free0, _ = torch.cuda.mem_get_info()
+    headroom = 8 << 20
+    m.watch(lambda: torch.cuda.mem_get_info(), reserve=free0 - headroom, poll_s=0)
+    budget0, mapped0 = m.budget, m.mapped_bytes
+    taken_bytes = min(mapped0 // 2, 64 << 20)
+    rids = [engine.submit(p, sp) for p in prompts]
+    other, steps = None, 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 3:  # another program's allocation (here: this process's allocator)
+            other = torch.empty(taken_bytes, dtype=torch.uint8, device="cuda")
+        engine.check_integrity()
+    assert [engine._collect(r).token_ids for r in rids] == want
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    assert m.budget < budget0 and m.released_bytes >= taken_bytes - headroom - 2 * group
+    assert free >= free0 - headroom - 3 * group, (free0, free)  # the reserve is free again
+    del other
+    torch.cuda.empty_cache()
+    for _ in range(10):
+        engine.poll_memory()
+    assert m.budget == budget0
+    out = engine.generate(prompts[0], sp)
+    assert out.token_ids == want[0]
     engine.check_integrity()

@@ -1,0 +1,296 @@
+"""Backing memory for the elastic arena whose unused middle can go back to the driver.
+
+The arena (engine/arena.py) is one address range: KV pages grow from the bottom, expert slots
+from the top. When the budget shrinks, the bytes between the last KV page and the first slot
+are unused; for another program to get them, they must leave this process. CUDA's virtual
+memory API does exactly that without moving anything: reserve the whole range of addresses
+once, back it with physical chunks (cuMemCreate + cuMemMap), and unmap and release the chunks
+of the gap (cuMemUnmap + cuMemRelease). Addresses never change, so tensor views, kernel
+pointers and captured CUDA graphs stay valid; only the gap, which nothing reads, loses its
+memory. vLLM's sleep mode and PyTorch's expandable segments use the same API.
+
+Three backings, one interface (`tensor`, `map`, `unmap`, `mapped_bytes`):
+- `VirtualMemory`: CUDA, the driver API through ctypes (libcuda ships with every driver; no
+  build step). Chunks of `chunk_bytes` (a multiple of the allocation granularity, 2 MiB).
+- `SimulatedMemory`: the CPU stand-in for a GPU with a budget (tests, --cpu-smoke). One real
+  tensor; "unmapped" chunks are scribbled with 0xFF, so any read of a released byte corrupts
+  results and the exactness tests fail, as a GPU would fault.
+- `PlainMemory`: CUDA without the virtual memory API (a driver refusing it): one allocation,
+  nothing is ever released; `mapped_bytes` stays the whole arena, so the budget watcher sees
+  that shrinking gave nothing back.
+
+A chunk is mapped when any byte of it is in use; `unmap(lo, hi)` releases only the chunks
+wholly inside [lo, hi). Callers synchronise the device before unmapping (work in flight may
+still read the old slots of moved experts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 32 << 20  # release/map granularity: 1/32 of a GiB, ~1,000 handles for 32 GB
+
+
+class ChunkedMemory:
+    """`nbytes` of addresses split in chunks, each mapped (backed) or not."""
+
+    def __init__(self, nbytes: int, chunk_bytes: int) -> None:
+        self.nbytes, self.chunk = nbytes, chunk_bytes
+        self.n_chunks = -(-nbytes // chunk_bytes)
+        self.mapped = [False] * self.n_chunks
+
+    def view(self) -> torch.Tensor:
+        """[nbytes] uint8 over the whole range (only mapped chunks may be touched)."""
+        raise NotImplementedError
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(self.mapped) * self.chunk
+
+    @property
+    def releases(self) -> bool:
+        """Whether unmapping gives memory back (False: PlainMemory)."""
+        return True
+
+    def map(self, lo: int, hi: int) -> bool:
+        """Back every chunk touching [lo, hi). False when the device is out of memory (the
+        chunks mapped before the failure stay mapped; the caller must not use [lo, hi))."""
+        for c in range(lo // self.chunk, -(-hi // self.chunk)):
+            if not self.mapped[c]:
+                if not self._map_chunk(c):
+                    return False
+                self.mapped[c] = True
+        return True
+
+    def unmap(self, lo: int, hi: int) -> int:
+        """Release every chunk wholly inside [lo, hi); returns the bytes released."""
+        freed = 0
+        for c in range(-(-lo // self.chunk), hi // self.chunk):
+            if self.mapped[c]:
+                self._unmap_chunk(c)
+                self.mapped[c] = False
+                freed += self.chunk
+        return freed
+
+    def releasable(self, lo: int, hi: int) -> bool:
+        """Whether unmap(lo, hi) would release anything."""
+        return any(self.mapped[c] for c in range(-(-lo // self.chunk), hi // self.chunk))
+
+    def is_mapped(self, lo: int, hi: int) -> bool:
+        return all(self.mapped[c] for c in range(lo // self.chunk, -(-hi // self.chunk)))
+
+    def _span(self, c: int) -> tuple[int, int]:
+        return c * self.chunk, min((c + 1) * self.chunk, self.nbytes)
+
+    def _map_chunk(self, c: int) -> bool:
+        raise NotImplementedError
+
+    def _unmap_chunk(self, c: int) -> None:
+        raise NotImplementedError
+
+
+class SimulatedMemory(ChunkedMemory):
+    """One host (or device) tensor; an unmapped chunk is scribbled (0xFF: NaN in bf16/fp16/
+    fp32), so reading released memory shows in the results instead of passing silently."""
+
+    def __init__(self, nbytes: int, device: torch.device, chunk_bytes: int) -> None:
+        super().__init__(nbytes, chunk_bytes)
+        self.tensor = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=device)
+
+    def view(self) -> torch.Tensor:
+        return self.tensor
+
+    def _map_chunk(self, c: int) -> bool:
+        return True  # the bytes keep their scribble until written, as fresh memory is undefined
+
+    def _unmap_chunk(self, c: int) -> None:
+        lo, hi = self._span(c)
+        self.tensor[lo:hi].fill_(0xFF)
+
+
+class PlainMemory(ChunkedMemory):
+    """One ordinary allocation: always mapped, never released."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        super().__init__(nbytes, max(nbytes, 1))
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.mapped = [True]
+
+    def view(self) -> torch.Tensor:
+        return self.tensor
+
+    @property
+    def releases(self) -> bool:
+        return False
+
+    def map(self, lo: int, hi: int) -> bool:
+        return True
+
+    def releasable(self, lo: int, hi: int) -> bool:
+        return False
+
+    def unmap(self, lo: int, hi: int) -> int:
+        return 0
+
+
+# --- CUDA virtual memory through the driver API -------------------------------------------
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class _AllocationProp(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [
+        ("type", ctypes.c_int),  # CU_MEM_ALLOCATION_TYPE_PINNED = 1
+        ("requestedHandleTypes", ctypes.c_int),  # CU_MEM_HANDLE_TYPE_NONE = 0
+        ("location", _Location),  # CU_MEM_LOCATION_TYPE_DEVICE = 1, device ordinal
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
+
+
+class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]  # READWRITE = 3
+
+
+CUDA_ERROR_OUT_OF_MEMORY = 2
+_driver: ctypes.CDLL | None = None
+
+
+def _libcuda() -> ctypes.CDLL:
+    global _driver
+    if _driver is None:
+        name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+        _driver = ctypes.CDLL(name)
+    return _driver
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        text = ctypes.c_char_p()
+        _libcuda().cuGetErrorString(result, ctypes.byref(text))
+        message = text.value.decode() if text.value else "unknown error"
+        raise RuntimeError(f"{what} failed: CUDA error {result} ({message})")
+
+
+class _ArrayInterface:
+    """What torch.as_tensor needs to wrap raw device memory (no copy, no ownership)."""
+
+    def __init__(self, ptr: int, nbytes: int, owner: object) -> None:
+        self.owner = owner  # torch keeps this object while the tensor lives: so the memory
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,  # no synchronisation: nothing was written
+        }
+
+
+class VirtualMemory(ChunkedMemory):
+    """A reserved range of device addresses, chunks mapped and released on demand."""
+
+    def __init__(self, nbytes: int, device: torch.device, chunk_bytes: int) -> None:
+        cu = _libcuda()
+        self.device = device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.synchronize(index)  # the runtime made the primary context current here
+        self._prop = _AllocationProp(type=1, requestedHandleTypes=0)
+        self._prop.location = _Location(1, index)
+        granularity = ctypes.c_size_t()
+        _check(cu.cuMemGetAllocationGranularity(ctypes.byref(granularity),
+                                                ctypes.byref(self._prop), 0),  # fmt: skip
+               "cuMemGetAllocationGranularity")  # fmt: skip
+        g = granularity.value
+        chunk = -(-chunk_bytes // g) * g
+        super().__init__(nbytes, chunk)
+        self._access = _AccessDesc(_Location(1, index), 3)
+        self._reserved = self.n_chunks * chunk
+        base = ctypes.c_uint64()
+        _check(cu.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(self._reserved),
+                                      ctypes.c_size_t(g), ctypes.c_uint64(0),
+                                      ctypes.c_ulonglong(0)),  # fmt: skip
+               "cuMemAddressReserve")  # fmt: skip
+        self.base = base.value
+        self._handles: list[int | None] = [None] * self.n_chunks
+        # The first chunk is mapped so that torch can read the pointer's attributes (its
+        # device) when the view is made.
+        if not self.map(0, 1):
+            self.close()
+            raise torch.cuda.OutOfMemoryError("no device memory for the arena's first chunk")
+
+    def view(self) -> torch.Tensor:
+        """A tensor over the range. It keeps this object alive (the interface holds it and
+        torch holds the interface), so the memory outlives every view; this object never
+        holds the tensor, or the two would keep each other forever."""
+        return torch.as_tensor(_ArrayInterface(self.base, self.nbytes, self), device=self.device)
+
+    def _map_chunk(self, c: int) -> bool:
+        cu, lo = _libcuda(), c * self.chunk
+        handle = ctypes.c_uint64()
+        result = cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.chunk),
+                                ctypes.byref(self._prop), ctypes.c_ulonglong(0))  # fmt: skip
+        if result == CUDA_ERROR_OUT_OF_MEMORY:
+            return False
+        _check(result, "cuMemCreate")
+        ptr = ctypes.c_uint64(self.base + lo)
+        _check(cu.cuMemMap(ptr, ctypes.c_size_t(self.chunk), ctypes.c_size_t(0), handle,
+                           ctypes.c_ulonglong(0)), "cuMemMap")  # fmt: skip
+        _check(cu.cuMemSetAccess(ptr, ctypes.c_size_t(self.chunk), ctypes.byref(self._access),
+                                 ctypes.c_size_t(1)), "cuMemSetAccess")  # fmt: skip
+        self._handles[c] = handle.value
+        return True
+
+    def _unmap_chunk(self, c: int) -> None:
+        cu = _libcuda()
+        ptr = ctypes.c_uint64(self.base + c * self.chunk)
+        _check(cu.cuMemUnmap(ptr, ctypes.c_size_t(self.chunk)), "cuMemUnmap")
+        _check(cu.cuMemRelease(ctypes.c_uint64(self._handles[c])), "cuMemRelease")
+        self._handles[c] = None
+
+    def close(self) -> None:
+        """Unmap everything and give the addresses back (the tensor must be unused)."""
+        if getattr(self, "base", None) is None:
+            return
+        torch.cuda.synchronize(self.device)
+        for c in range(self.n_chunks):
+            if self.mapped[c]:
+                self._unmap_chunk(c)
+                self.mapped[c] = False
+        _libcuda().cuMemAddressFree(ctypes.c_uint64(self.base), ctypes.c_size_t(self._reserved))
+        self.base = None
+
+    def __del__(self) -> None:
+        # At interpreter shutdown the driver may be gone first: it frees the memory anyway.
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def arena_memory(nbytes: int, device: torch.device, chunk_bytes: int = CHUNK_BYTES):
+    """The backing for an arena on `device`: virtual memory on CUDA (plain memory, with one
+    warning, if the driver refuses it), simulated chunks elsewhere. Nothing is mapped yet
+    except what `VirtualMemory` needs to create its tensor: the arena maps what it uses."""
+    if device.type != "cuda":
+        return SimulatedMemory(nbytes, device, chunk_bytes)
+    try:
+        return VirtualMemory(nbytes, device, chunk_bytes)
+    except (OSError, AttributeError, RuntimeError) as e:
+        log.warning("CUDA virtual memory unavailable (%s): the arena's unused bytes cannot "
+                    "be returned to the driver when the budget shrinks", e)  # fmt: skip
+        return PlainMemory(nbytes, device)
