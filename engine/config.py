@@ -266,7 +266,7 @@ class EngineConfig:
     # and grows back (at most to the load-time budget) when it is released; read every
     # `memory_poll_s` seconds at the safe points (and by an idle EngineService).
     follow_free_memory: bool = True
-    memory_reserve: int = 1 << 30
+    memory_reserve: int = 1 << 30  # also what a load without gpu_budget leaves free
     memory_poll_s: float = 0.5
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

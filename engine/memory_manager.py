@@ -75,6 +75,7 @@ class MemoryManager:
         self.preempted = 0
         self.released_bytes = 0  # arena bytes given back to the driver, over the run
         self.map_failures = 0  # grows refused because the device had no memory
+        self._cached_key, self._cached = -1, (0, 0)  # radix version, (recent, stale) pages
         self._record("load")
 
     # --- the budget -------------------------------------------------------------------------
@@ -157,14 +158,7 @@ class MemoryManager:
         if sched.waiting:  # its whole prompt, and its first answer tokens, as for growth
             w = sched.waiting[0]
             waiting = -(-(w.n_tokens + min(w.sampling.max_tokens, LOOKAHEAD_TOKENS)) // s)
-        clock = sched.radix.clock
-        recent = stale = 0
-        for node in sched.radix._nodes():
-            if node.ref == 0:
-                if node.last_used > clock - RECENT_USES:
-                    recent += 1
-                else:
-                    stale += 1
+        recent, stale = self._cached_pages()
         return MemoryDemand(
             budget=self.budget,
             fixed=self.fixed,
@@ -181,6 +175,22 @@ class MemoryManager:
             max_slots=min(self.bank.pool.n_rows, self.arena.max_slots),
             slot_tail_hits=lambda k: self.cache.tail_hits(k, TAIL_WINDOW),
         )
+
+    def _cached_pages(self) -> tuple[int, int]:
+        """(recent, stale) unreferenced pages of the prefix cache. A walk of the whole tree
+        (milliseconds at 100k tokens), so it is redone only when the tree changed: decode
+        steps that fill no page reuse the last count."""
+        radix = self.scheduler.radix
+        if self._cached_key != radix.version:
+            clock, recent, stale = radix.clock, 0, 0
+            for node in radix._nodes():
+                if node.ref == 0:
+                    if node.last_used > clock - RECENT_USES:
+                        recent += 1
+                    else:
+                        stale += 1
+            self._cached_key, self._cached = radix.version, (recent, stale)
+        return self._cached
 
     # --- carrying a split out ---------------------------------------------------------------
     def apply(self, split: Split) -> bool:

@@ -39,6 +39,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: model's)")
     p.add_argument("--policy", default="adaptive", choices=POLICIES)
     p.add_argument("--gpu-budget-gb", type=float, default=None, help="GPU memory budget (GB)")
+    p.add_argument("--memory-reserve-gb", type=float, default=None,
+                   help="GPU memory kept free for other programs (GB, default 1 GiB); the "
+                   "elastic budget shrinks when they take more and grows back after")  # fmt: skip
+    p.add_argument(
+        "--fixed-memory",
+        action="store_true",
+        help="do not follow free GPU memory (the budget moves only on request)",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
 
 
@@ -67,6 +75,10 @@ def _load(args: argparse.Namespace):
 
     budget = int(args.gpu_budget_gb * 1e9) if args.gpu_budget_gb else None
     options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    if args.memory_reserve_gb is not None:
+        options["memory_reserve"] = int(args.memory_reserve_gb * 1e9)
+    if args.fixed_memory:
+        options["follow_free_memory"] = False
     return Engine.load(
         _model_path(args.model),
         device=args.device,

@@ -26,7 +26,6 @@ from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 log = logging.getLogger("freetoken.experts")
 
 GiB = 1 << 30
-RESERVE_BYTES = 1 * GiB  # left free on the device for the CUDA context, cuBLAS, fragmentation
 
 
 class BudgetError(ValueError):
@@ -48,7 +47,7 @@ def gpu_budget(config: EngineConfig, device: torch.device, already_used: int) ->
     if config.gpu_budget is not None:
         return config.gpu_budget
     free, _ = torch.cuda.mem_get_info(device)
-    return free + already_used - RESERVE_BYTES
+    return free + already_used - config.memory_reserve
 
 
 def slot_count(

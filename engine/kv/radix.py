@@ -70,10 +70,14 @@ class RadixCache:
         self.root = Node((), -1, None)
         self.clock = 0  # uses of the tree (matches and inserts): the LRU time
         self.n_pages = 0  # pages held by the tree
+        # Bumped by every change a reader of node refs and recency could see (uses, locks,
+        # unlocks, evictions): MemoryManager recounts cached pages only when it moved.
+        self.version = 0
         self.release_checkpoint: Callable[[Any], None] = lambda ckpt: None
 
     def _tick(self) -> int:
         self.clock += 1
+        self.version += 1
         return self.clock
 
     # --- lookup -------------------------------------------------------------------------
@@ -100,10 +104,12 @@ class RadixCache:
         return PrefixMatch(nodes, best, best_r)
 
     def lock(self, nodes: list[Node]) -> None:
+        self.version += 1
         for n in nodes:
             n.ref += 1
 
     def unlock(self, nodes: list[Node]) -> None:
+        self.version += 1
         for n in nodes:
             if n.ref <= 0:
                 raise AssertionError("radix node unlocked more often than locked")
@@ -239,6 +245,7 @@ class RadixCache:
             if parent is not self.root and parent.ref == 0 and not parent.children:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         self.n_pages -= len(freed)
+        self.version += 1
         self.allocator.free(freed)
         return len(freed)
 

@@ -68,3 +68,22 @@ def test_bad_model_path_is_a_clear_error(env, tmp_path):
     done = _run(["generate", "hi", "--model", str(tmp_path / "nope"), "--device", "cpu"], env)
     assert done.returncode == 2
     assert "no config.json" in done.stderr
+
+
+def test_memory_flags_reach_the_engine_config(monkeypatch, rng_seed):
+    """--memory-reserve-gb and --fixed-memory become EngineConfig options at load."""
+    import argparse
+
+    from freetoken_agent import cli
+    from freetoken_agent.engine.engine import Engine
+
+    seen = {}
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, **kw: seen.update(kw)))
+    parser = argparse.ArgumentParser()
+    cli._add_engine_args(parser)
+    gb = 0.5 + (rng_seed % 100) / 10
+    cli._load(parser.parse_args(["--model", ".", "--memory-reserve-gb", str(gb), "--fixed-memory"]))
+    assert seen["memory_reserve"] == int(gb * 1e9) and seen["follow_free_memory"] is False
+    seen.clear()
+    cli._load(parser.parse_args(["--model", "."]))
+    assert "memory_reserve" not in seen and "follow_free_memory" not in seen
