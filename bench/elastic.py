@@ -14,12 +14,25 @@ fixed-last (kv_tokens = the last turn's context + decode). A turn a split cannot
 refused, fewer tokens decoded than asked, an error) is reported failed and the session goes on
 with a scripted answer in the engine's place; an engine that cannot be built fails every turn.
 
-Pressure (elastic only): before turn --pressure-turn a --pressure-gb tensor is allocated in this
-process (another program, simulated) and the budget lowered by as much (set_gpu_budget); after
---pressure-turns turns it is freed and the budget restored; tok/s is reported against the turn
-before (dip, recovery). The arena is allocated at load, so the tensor comes out of the memory left
-outside the budget; a lower budget makes the engine use fewer arena bytes without returning them
-to the driver: physical release (the arena on cuMemMap) is future work (engine/memory_manager.py).
+Pressure: another process (bench/vram_hog.py, its own CUDA context: it gets only what the
+driver has free). After each engine is built and warmed up (a prompt of one prefill chunk: its
+allocator then holds its working memory), the other program takes ballast until the device has
+the engine's `memory_reserve` + --headroom-gb free (+ what the elastic arena may still map up to
+its budget). Before turn --pressure-turn it starts taking --pressure-gb in 256 MiB pieces,
+retrying a refused piece every 20 ms for up to --pressure-timeout-s; the turn runs meanwhile,
+then the bench polls the idle engine (`poll_memory`) every 50 ms until the other program
+answers. The elastic engine follows free memory: as it drops below the reserve, the safe points
+lower the budget and unmap the arena's unused chunks, and the other program gets them. A fixed
+split gives nothing back: the other program gets what was free (if the engine then needs more
+memory of its own, its turn fails, recorded as such). Before turn pressure_turn +
+--pressure-turns it releases what it took; the bench polls until the elastic budget is back
+(within one piece) or the timeout. Recorded: per engine what was asked and got, in how long,
+the budget before, under and after; per turn the budget, the arena's mapped bytes and the free
+device memory. --cpu-smoke runs the same flow on bench/simulated_device.py (the other program
+a counter stepped between engine steps and polls; the elastic engine watches its free memory):
+the take is a quarter of the arena, the reserve an eighth, the headroom a sixteenth.
+--routing replays a synthetic regime for decode (bench/routing_traces.py; prefill keeps the
+router's ids).
 
 Per turn and engine: decode tok/s beside its limit (dense, hit-expert and KV bytes at B_HBM,
 miss bytes at B_P + B_H, measured in this run), TTFT beside its limit (prefilled tokens at chunk /
@@ -35,6 +48,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -43,6 +57,9 @@ import torch
 
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
+from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
+from freetoken_agent.bench.simulated_device import SimulatedDevice
+from freetoken_agent.bench.vram_hog import PIECE, VramHog
 from freetoken_agent.engine.engine import Engine
 from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.pool import KVPool
@@ -62,6 +79,8 @@ TINY_QWEN3_MOE = {
     "max_position_embeddings": 4096,
 }
 SMOKE_SLOTS = 40  # slots the simulated budget holds beside the first turn's KV
+POLL_S = 0.05  # the idle engine's polls while the other program takes or after it released
+HOG_MARGIN_S = 30.0  # the other program answers a take at its timeout; later than this: stuck
 
 # (option, device default, --cpu-smoke default, help)
 KNOBS = (
@@ -69,8 +88,8 @@ KNOBS = (
     ("--start-tokens", 2048, 96, "context of turn 1 (tokens)"),
     ("--end-tokens", 100_000, 480, "context of the last turn (tokens); geometric growth between"),
     ("--decode-tokens", 64, 8, "tokens decoded per turn"),
-    ("--pressure-turn", 10, 3, "turn (1-based) before which the external allocation is made"),
-    ("--pressure-turns", 3, 1, "turns it is held before it is freed and the budget restored"),
+    ("--pressure-turn", 10, 3, "turn (1-based) before which the other program takes memory"),
+    ("--pressure-turns", 3, 1, "turns it holds the memory before it releases it"),
     ("--chunk", 8192, 128, "max_batched_tokens: tokens per step (the prefill chunk)"),
 )
 
@@ -99,14 +118,17 @@ def build(args, name: str, turns) -> Engine:
         options.update(elastic=False, kv_tokens=ctx + args.decode_tokens)
     elif args.cpu_smoke:  # the default 64k-token arena start does not fit a toy budget
         options.update(kv_tokens=first + args.decode_tokens)
+        # Moves of the split and of the budget in the toy arena's scale (64 MiB is a GPU's).
+        options.update(elastic_group_bytes=args.smoke_group)
     if args.cpu_smoke:
         return random_engine(args.cfg, device="cpu", std=0.1, policy="transfer", **options)
     return random_engine(args.cfg, policy=args.policy, stream_min_tokens=512, **options)
 
 
-def smoke_budget(cfg: dict, args) -> int:
+def smoke_budget(cfg: dict, args) -> tuple[int, int]:
     """A simulated budget on the CPU: dense weights, workspace, staging buffers, turn 1's KV
-    and SMOKE_SLOTS slots (as tests/engine/test_elastic_memory.py builds one)."""
+    and SMOKE_SLOTS slots (as tests/engine/test_elastic_memory.py builds one); and the arena
+    (the KV and the slots)."""
     probe = random_engine(cfg, device="cpu", policy="resident", max_batched_tokens=args.chunk)
     spec, config = probe.spec, probe.config
     s = config.page_size
@@ -115,13 +137,8 @@ def smoke_budget(cfg: dict, args) -> int:
     )
     pages = -(-(args.start_tokens + args.decode_tokens) // s) + 1
     staging = 2 * spec.n_experts * spec.expert_bytes
-    return (
-        dense_nbytes(probe.loaded.model)
-        + workspace_bytes(spec, config)
-        + staging
-        + pages * page
-        + (SMOKE_SLOTS + 1) * spec.expert_bytes
-    )
+    arena = pages * page + (SMOKE_SLOTS + 1) * spec.expert_bytes
+    return dense_nbytes(probe.loaded.model) + workspace_bytes(spec, config) + staging + arena, arena
 
 
 def _counters(engine: Engine) -> tuple[int, int]:
@@ -129,8 +146,10 @@ def _counters(engine: Engine) -> tuple[int, int]:
     return (st.experts, st.hits) if st is not None else (0, 0)
 
 
-def run_turn(engine: Engine, ids: list[int], n_decode: int) -> dict:
-    """One request alone in the engine; decode counters from its first token on."""
+def run_turn(engine: Engine, ids: list[int], n_decode: int, tick=None) -> dict:
+    """One request alone in the engine; decode counters from its first token on. `tick()`
+    runs before each step (the simulated other program's turn)."""
+    tick = tick or (lambda: None)
     sp = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
     try:
         rid = engine.submit(ids, sp)
@@ -139,9 +158,11 @@ def run_turn(engine: Engine, ids: list[int], n_decode: int) -> dict:
     req = engine._requests[rid]
     try:
         while engine.has_unfinished() and not req.output_ids:
+            tick()
             engine.step()
         before = _counters(engine)
         while engine.has_unfinished():
+            tick()
             engine.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -168,6 +189,149 @@ def run_turn(engine: Engine, ids: list[int], n_decode: int) -> dict:
     elif len(out.token_ids) < n_decode:
         row["failed"] = f"{out.finish_reason} after {len(out.token_ids)} of {n_decode} tokens"
     return row
+
+
+def warm_up(engine: Engine, args) -> dict:
+    """One prompt of a prefill chunk (or what the engine's KV holds) and two decoded tokens:
+    kernels compiled, and the allocator holding its working memory before the other program
+    measures what is free."""
+    rng = random.Random(args.seed + 1)
+    n = max(1, min(args.chunk, engine.max_model_len - 4))
+    t0 = time.perf_counter()
+    row = run_turn(engine, [rng.randrange(3, args.vocab) for _ in range(n)], 2)
+    row.pop("answer", None)
+    return {"tokens": n, "seconds": time.perf_counter() - t0, "failed": row.get("failed")}
+
+
+def install_routing(engine: Engine, args) -> None:
+    """--routing: a synthetic regime for decode (routing_traces.py), as bench/offload.py does."""
+    if args.routing == "native":
+        return
+    spec, bank = engine.spec, engine.loaded.bank
+    regime = Regime.parse(args.routing)
+    gen = TraceGenerator(spec.n_moe_layers, spec.n_experts, spec.top_k, regime, args.seed)
+    traced = TracedRouting(bank, gen, max_tokens=engine.config.max_num_seqs)
+    engine.loaded.model.set_expert_bank(traced)
+    if engine.runner.graphs is not None:
+        engine.capture_graphs()  # graphs call the bank object they were captured with
+
+
+class Pressure:
+    """Another program beside one engine (module docstring): bench/vram_hog.py on CUDA,
+    bench/simulated_device.py on the CPU (with the elastic engine watching its free memory).
+    What it was asked, got and released, and the engine's budget around it, go to `record`."""
+
+    def __init__(self, args, engine: Engine, record: dict) -> None:
+        self.args, self.engine, self.record = args, engine, record
+        self.active = False
+        self.budget_before: int | None = None
+        mem = engine.memory
+        if args.cpu_smoke:
+            reserve = args.smoke_reserve
+            used = mem.used_bytes if mem is not None else lambda: args.budget
+            self.other = SimulatedDevice(4 * args.budget, used)
+            if mem is not None:
+                mem.watch(self.other.free_memory, reserve=reserve, poll_s=0)
+            self.tick = self.other.take_step
+            self.timeout = math.ceil(args.pressure_timeout_s / POLL_S)  # steps: one per poll
+            self.pause, self.slack = 0.0, 0
+        else:
+            reserve = engine.config.memory_reserve
+            self.other = VramHog(torch.cuda.current_device())
+            self.tick, self.timeout = None, args.pressure_timeout_s
+            self.pause, self.slack = POLL_S, PIECE
+        # The elastic arena maps what it uses: what it may still map up to its budget is its
+        # own, so that stays free beside the reserve and the headroom.
+        room = max(0, mem.max_budget - mem.used_bytes()) if mem is not None else 0
+        leave = reserve + args.headroom + room
+        record.update(reserve=reserve, headroom=args.headroom, leave=leave)
+        try:
+            if isinstance(self.other, VramHog):
+                record["hog"] = self.other.start()
+            record["ballast"] = self.other.ballast(leave)["ballast"]
+        except BaseException:
+            self.other.close()
+            raise
+        record["free_after_ballast"] = self.free()
+
+    def free(self) -> int:
+        return self.other.free_memory()[0]
+
+    def _budget(self) -> int | None:
+        return self.engine.memory.budget if self.engine.memory is not None else None
+
+    def before_turn(self, turn: int) -> None:
+        a = self.args
+        try:
+            if turn == a.pressure_turn:
+                self.budget_before = self._budget()
+                self.record.update(asked=a.pressure_bytes, budget_before=self.budget_before)
+                self.active = True
+                self.other.take_async(a.pressure_bytes, self.timeout)
+            elif turn == a.pressure_turn + a.pressure_turns and self.active:
+                self._release()
+        except (RuntimeError, OSError) as e:  # the other program died: recorded, no crash
+            self.record["error"] = f"{type(e).__name__}: {e}"
+
+    def after_turn(self, turn: int) -> None:
+        """After the pressure turn: poll the idle engine until the other program answers."""
+        if turn != self.args.pressure_turn or not self.active:
+            return
+        polls = math.ceil((self.args.pressure_timeout_s + HOG_MARGIN_S) / POLL_S)
+        reply = None
+        try:
+            for _ in range(polls):
+                self.engine.poll_memory()
+                if (reply := self.other.wait_reply(self.pause)) is not None:
+                    break
+        except (RuntimeError, OSError) as e:
+            self.record["error"] = f"{type(e).__name__}: {e}"
+        if reply is None:
+            self.record.setdefault("error", f"no answer to the take within {polls} polls")
+        else:
+            self.record.update(reply)
+        self.record["budget_under"] = self._budget()
+
+    def _release(self) -> None:
+        """The other program frees what it took; poll until the budget is back (elastic)."""
+        self.active = False
+        self.record["released"] = self.other.release()["released"]
+        if self.budget_before is None:
+            return
+        t0 = time.perf_counter()
+        target = self.budget_before - self.slack
+        for _ in range(math.ceil(self.args.pressure_timeout_s / POLL_S)):
+            if self.engine.poll_memory() >= target:
+                break
+            time.sleep(self.pause)
+        budget = self._budget()
+        self.record["recovery"] = {
+            "seconds": time.perf_counter() - t0,
+            "budget": budget,
+            "back": budget >= target,
+        }
+
+    def close(self) -> None:
+        self.other.close()
+
+
+def _memory_row(row: dict, engine: Engine, args, pressure: Pressure | None) -> None:
+    st = engine.stats()
+    mem = engine.memory
+    row["slots"] = st["experts"].get("slots")
+    row["kv_pages"] = st["memory"]["kv_pages"]
+    row["budget_gb"] = (mem.budget if mem else args.budget) / 1e9
+    row["mapped_gb"] = mem.mapped_bytes / 1e9 if mem else None
+    if pressure is not None:
+        row["free_gb"] = pressure.free() / 1e9
+    elif torch.cuda.is_available() and not args.cpu_smoke:
+        row["free_gb"] = torch.cuda.mem_get_info()[0] / 1e9
+    else:
+        row["free_gb"] = None
+    row["engine_errors"] = st["requests"]["errors"]
+    if mem is not None:  # the trace so far: a cut run keeps it too
+        row["step"] = mem.steps
+        row["map_failures"] = mem.map_failures
 
 
 class Limits:
@@ -206,7 +370,8 @@ class Limits:
 
 
 HEAD = f"{'engine':<12}{'turn':>5}{'ctx':>8}{'reused':>8}{'prefill':>8}{'ttft s':>8}"
-HEAD += f"{'(lim)':>7}{'tok/s':>8}{'(lim)':>7}{'miss':>6}{'slots':>7}{'pages':>8}{'GB':>7}  status"
+HEAD += f"{'(lim)':>7}{'tok/s':>8}{'(lim)':>7}{'miss':>6}{'slots':>7}{'pages':>8}{'GB':>7}"
+HEAD += f"{'free':>7}  status"
 
 
 def _fmt(v, spec: str) -> str:
@@ -220,65 +385,69 @@ def print_row(name: str, r: dict) -> None:
         f"{_fmt(r.get('ttft_limit_s'), '.2f'):>7}{_fmt(r.get('decode_tok_s'), '.1f'):>8}"
         f"{_fmt(r.get('decode_limit_tok_s'), '.0f'):>7}{_fmt(r.get('miss_rate'), '.2f'):>6}"
         f"{_fmt(r.get('slots'), 'd'):>7}{_fmt(r.get('kv_pages'), 'd'):>8}"
-        f"{_fmt(r.get('budget_gb'), '.2f'):>7}  {r.get('failed') or 'ok'}"
-        + ("  [pressure]" if r.get("pressure") else ""),
+        f"{_fmt(r.get('budget_gb'), '.2f'):>7}{_fmt(r.get('free_gb'), '.2f'):>7}"
+        f"  {r.get('failed') or 'ok'}" + ("  [pressure]" if r.get("pressure") else ""),
         flush=True,
     )
 
 
 def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Engine | None:
-    """The session on one engine into entry["turns"] (saved after each turn)."""
+    """The session on one engine into entry["turns"] (saved after each turn), another program
+    beside it (entry["pressure"])."""
     t0 = time.perf_counter()
     try:
         engine = build(args, name, turns)
+        install_routing(engine, args)
     except Exception as e:  # noqa: BLE001 - a split that cannot be built fails every turn
         entry["build_error"] = f"{type(e).__name__}: {e}"
         engine = None
     entry["build_s"] = time.perf_counter() - t0
+    pressure = None
+    if engine is not None:
+        entry["warmup"] = warm_up(engine, args)
+        entry["pressure"] = {}
+        try:
+            pressure = Pressure(args, engine, entry["pressure"])
+        except Exception as e:  # noqa: BLE001 - recorded: the session runs without pressure
+            entry["pressure"]["error"] = f"{type(e).__name__}: {e}"
     history: list[int] = []
-    blocker, budget0 = None, engine.memory.budget if engine and engine.memory else None
-    for t, (_, new, answer) in enumerate(turns, start=1):
-        ids = history + new
-        row = {"turn": t, "context": len(ids), "pressure": False}
-        if engine is None:
-            row["failed"] = f"not built: {entry['build_error']}"
-        else:
-            if name == "elastic" and budget0 is not None:
-                if t == args.pressure_turn:  # another program takes memory: the budget drops
-                    nbytes = int(args.pressure_gb * 1e9)  # the CPU: a quarter of the arena
-                    if args.cpu_smoke:
-                        nbytes = (engine.memory.budget - engine.memory.fixed) // 4
-                    dev = "cpu" if args.cpu_smoke else "cuda"
-                    blocker = torch.ones(nbytes, dtype=torch.uint8, device=dev)
-                    engine.set_gpu_budget(budget0 - nbytes)
-                    entry["pressure_bytes"] = nbytes
-                elif t == args.pressure_turn + args.pressure_turns and blocker is not None:
-                    blocker = None  # freed: the budget comes back
-                    if torch.cuda.is_available() and not args.cpu_smoke:
-                        torch.cuda.empty_cache()
-                    engine.set_gpu_budget(budget0)
-                row["pressure"] = blocker is not None
-            row.update(run_turn(engine, ids, args.decode_tokens))
-            st = engine.stats()
-            row["slots"] = st["experts"].get("slots")
-            row["kv_pages"] = st["memory"]["kv_pages"]
-            row["budget_gb"] = (engine.memory.budget if engine.memory else args.budget) / 1e9
-            row["engine_errors"] = st["requests"]["errors"]
-            if engine.memory is not None:  # the trace so far: a cut run keeps it too
-                row["step"] = engine.memory.steps
-                entry["memory_trace"] = engine.memory.trace.to_json()
-            limits.add(row, engine, len(ids), args.chunk)
-        got = row.pop("answer", None)
-        history = ids + (got if "failed" not in row and got else answer)
-        entry["turns"].append(row)
-        print_row(name, row)
-        save()
+    try:
+        for t, (_, new, answer) in enumerate(turns, start=1):
+            ids = history + new
+            row = {"turn": t, "context": len(ids), "pressure": False}
+            if engine is None:
+                row["failed"] = f"not built: {entry['build_error']}"
+            else:
+                if pressure is not None:
+                    pressure.before_turn(t)
+                    row["pressure"] = pressure.active
+                tick = pressure.tick if pressure is not None else None
+                row.update(run_turn(engine, ids, args.decode_tokens, tick))
+                if pressure is not None:
+                    pressure.after_turn(t)
+                _memory_row(row, engine, args, pressure)
+                if engine.memory is not None:
+                    entry["memory_trace"] = engine.memory.trace.to_json()
+                limits.add(row, engine, len(ids), args.chunk)
+            got = row.pop("answer", None)
+            history = ids + (got if "failed" not in row and got else answer)
+            entry["turns"].append(row)
+            print_row(name, row)
+            save()
+    finally:
+        if pressure is not None:
+            pressure.close()
     return engine
+
+
+def _gb(takes: dict, key: str) -> dict:
+    return {n: None if p.get(key) is None else p[key] / 1e9 for n, p in takes.items()}
 
 
 def summarize(report: dict, args) -> dict:
     """Elastic against both fixed splits per turn, never failed, last turn within 12%."""
     rows = {n: report["engines"][n]["turns"] for n in ENGINES if n in report["engines"]}
+    takes = {n: e.get("pressure") or {} for n, e in report["engines"].items()}
     el = rows.get("elastic", [])
     ratios, pressure = [], []
     for i, r in enumerate(el):
@@ -286,7 +455,8 @@ def summarize(report: dict, args) -> dict:
         rates = [f["decode_tok_s"] for f in fixed if "failed" not in f and f.get("decode_tok_s")]
         mine = r.get("decode_tok_s") if "failed" not in r else None
         ratio = None if not rates or mine is None else mine / max(rates)
-        ratios.append(ratio if rates else float("inf"))  # every fixed split failed: elastic wins
+        # Every fixed split failed: elastic wins, unless it failed too.
+        ratios.append(ratio if rates or mine is None else float("inf"))
         if r.get("pressure"):
             pressure.append(i)
     ok = [x is not None and x >= 1 - args.noise for x in ratios]
@@ -305,6 +475,10 @@ def summarize(report: dict, args) -> dict:
         "last_over_first_decode": last / first if first and last else None,
         "last_within_12pct_of_first": bool(first and last and last >= (1 - WITHIN) * first),
         "pressure_turns": [el[i]["turn"] for i in pressure],
+        "other_process_asked_gb": _gb(takes, "asked"),
+        "other_process_got_gb": _gb(takes, "got"),
+        "absorbed": takes.get("elastic", {}).get("complete") is True,
+        "budget_back_after_release": takes.get("elastic", {}).get("recovery", {}).get("back"),
         "tok_s_over_pre_pressure": None
         if not before
         else [(r["turn"], (r.get("decode_tok_s") or 0) / before) for r in el[pressure[0] :]],
@@ -333,8 +507,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_knobs(parser, KNOBS)
     parser.add_argument("--layers", type=int, default=48, help="model depth (cut: quicker)")
     parser.add_argument("--budget-gb", type=float, default=32.0, help="GPU budget (GB)")
-    text = "external allocation (GB; --cpu-smoke: a quarter of the arena)"
+    text = "what the other program takes (GB; --cpu-smoke: a quarter of the arena)"
     parser.add_argument("--pressure-gb", type=float, default=8.0, help=text)
+    text = "how long the other program retries refused pieces (s; --cpu-smoke: polls x 0.05)"
+    parser.add_argument("--pressure-timeout-s", type=float, default=15.0, help=text)
+    text = "free memory the ballast leaves beside the engine's reserve (GB; --cpu-smoke: 1/16 "
+    parser.add_argument("--headroom-gb", type=float, default=0.5, help=text + "of the arena)")
+    text = "decode routing: native (the random router), uniform or zipf:S,loc:P (routing_traces)"
+    parser.add_argument("--routing", default="native", help=text)
     parser.add_argument("--policy", default="adaptive", help="expert placement policy (device)")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES,
                         help="engines to run, in order")  # fmt: skip
@@ -354,13 +534,21 @@ def main(argv: list[str] | None = None) -> int:
     if not on_gpu and not args.cpu_smoke:
         return print("no CUDA device: run with --cpu-smoke for the CPU flow") or 2
     max_len = args.end_tokens + args.decode_tokens + 16
+    if args.routing != "native":
+        Regime.parse(args.routing)  # a typo fails here, not after the first engine
     if args.cpu_smoke:
         args.cfg = {**TINY_QWEN3_MOE, "max_position_embeddings": max(4096, max_len)}
-        args.budget = smoke_budget(args.cfg, args)
+        args.budget, arena = smoke_budget(args.cfg, args)
+        # The toy arena's scale: the other program asks a quarter of it; the engine keeps an
+        # eighth free; the ballast leaves a sixteenth beside that.
+        args.pressure_bytes, args.smoke_reserve, args.headroom = arena // 4, arena // 8, arena // 16
+        args.smoke_group = arena // 16
     else:
         cfg = peer_slice(QWEN3_30B_A3B, args.layers)
         args.cfg = {**cfg, "max_position_embeddings": max(cfg["max_position_embeddings"], max_len)}
         args.budget = int(args.budget_gb * 1e9)
+        args.pressure_bytes = int(args.pressure_gb * 1e9)
+        args.headroom = int(args.headroom_gb * 1e9)
     args.vocab = args.cfg["vocab_size"]
     turns = session(args)
     limits = Limits(args.cfg, on_gpu)

@@ -82,19 +82,25 @@ class TracedRouting:
 
     Under captured decode graphs the ids come from a static device buffer that
     `before_graph_step` fills with the step's draws for every layer (the segmented graphs call
-    it before the step; a re-run segment reads the same draws)."""
+    it before the step; a re-run segment reads the same draws).
 
-    def __init__(self, bank, generator: TraceGenerator) -> None:
-        self.bank, self.generator = bank, generator
+    `max_tokens`: calls with more tokens keep the router's own ids (None: every call is
+    traced). Decode-only tracing: a prefill chunk streams every expert whatever its ids, and
+    drawing ids for thousands of tokens in Python would be timed as engine overhead."""
+
+    def __init__(self, bank, generator: TraceGenerator, max_tokens: int | None = None) -> None:
+        self.bank, self.generator, self.max_tokens = bank, generator, max_tokens
         self.static_ids: torch.Tensor | None = None  # [L, Bp, K] on the device
 
     def __call__(self, layer, hidden, topk_ids, topk_weights):
         io = getattr(self.bank, "graph_io", None)
-        if io is not None and io.active:
+        if io is not None and io.active:  # captured graphs run decode steps only
             if self.static_ids is None:
                 shape = (len(self.generator.last), *io.ids.shape[1:])
                 self.static_ids = torch.zeros(shape, dtype=topk_ids.dtype, device=hidden.device)
             traced = self.static_ids[layer, : topk_ids.shape[0]]
+        elif self.max_tokens is not None and topk_ids.shape[0] > self.max_tokens:
+            traced = topk_ids
         else:
             ids = self.generator.draw(layer, topk_ids.shape[0])
             traced = torch.from_numpy(ids).to(device=topk_ids.device, dtype=topk_ids.dtype)
