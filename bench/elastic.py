@@ -48,18 +48,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import random
 import time
 from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.elastic_pressure import Pressure, memory_row
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
-from freetoken_agent.bench.simulated_device import SimulatedDevice
-from freetoken_agent.bench.vram_hog import PIECE, VramHog
 from freetoken_agent.engine.engine import Engine
 from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.pool import KVPool
@@ -79,8 +77,6 @@ TINY_QWEN3_MOE = {
     "max_position_embeddings": 4096,
 }
 SMOKE_SLOTS = 40  # slots the simulated budget holds beside the first turn's KV
-POLL_S = 0.05  # the idle engine's polls while the other program takes or after it released
-HOG_MARGIN_S = 30.0  # the other program answers a take at its timeout; later than this: stuck
 
 # (option, device default, --cpu-smoke default, help)
 KNOBS = (
@@ -192,11 +188,13 @@ def run_turn(engine: Engine, ids: list[int], n_decode: int, tick=None) -> dict:
 
 
 def warm_up(engine: Engine, args) -> dict:
-    """One prompt of a prefill chunk (or what the engine's KV holds) and two decoded tokens:
-    kernels compiled, and the allocator holding its working memory before the other program
-    measures what is free."""
+    """One prompt of a prefill chunk and a short one (or what the engine's KV holds), and two
+    decoded tokens: kernels compiled, and the allocator holding its working memory before the
+    other program measures what is free."""
     rng = random.Random(args.seed + 1)
-    n = max(1, min(args.chunk, engine.max_model_len - 4))
+    # A full chunk (streamed) and a short one (200 tokens: below the bench's stream_min_tokens,
+    # the cache path): both compiled before timing.
+    n = max(1, min(args.chunk + 200, engine.max_model_len - 4))
     t0 = time.perf_counter()
     row = run_turn(engine, [rng.randrange(3, args.vocab) for _ in range(n)], 2)
     row.pop("answer", None)
@@ -214,124 +212,6 @@ def install_routing(engine: Engine, args) -> None:
     engine.loaded.model.set_expert_bank(traced)
     if engine.runner.graphs is not None:
         engine.capture_graphs()  # graphs call the bank object they were captured with
-
-
-class Pressure:
-    """Another program beside one engine (module docstring): bench/vram_hog.py on CUDA,
-    bench/simulated_device.py on the CPU (with the elastic engine watching its free memory).
-    What it was asked, got and released, and the engine's budget around it, go to `record`."""
-
-    def __init__(self, args, engine: Engine, record: dict) -> None:
-        self.args, self.engine, self.record = args, engine, record
-        self.active = False
-        self.budget_before: int | None = None
-        mem = engine.memory
-        if args.cpu_smoke:
-            reserve = args.smoke_reserve
-            used = mem.used_bytes if mem is not None else lambda: args.budget
-            self.other = SimulatedDevice(4 * args.budget, used)
-            if mem is not None:
-                mem.watch(self.other.free_memory, reserve=reserve, poll_s=0)
-            self.tick = self.other.take_step
-            self.timeout = math.ceil(args.pressure_timeout_s / POLL_S)  # steps: one per poll
-            self.pause, self.slack = 0.0, 0
-        else:
-            reserve = engine.config.memory_reserve
-            self.other = VramHog(torch.cuda.current_device())
-            self.tick, self.timeout = None, args.pressure_timeout_s
-            self.pause, self.slack = POLL_S, PIECE
-        # The elastic arena maps what it uses: what it may still map up to its budget is its
-        # own, so that stays free beside the reserve and the headroom.
-        room = max(0, mem.max_budget - mem.used_bytes()) if mem is not None else 0
-        leave = reserve + args.headroom + room
-        record.update(reserve=reserve, headroom=args.headroom, leave=leave)
-        try:
-            if isinstance(self.other, VramHog):
-                record["hog"] = self.other.start()
-            record["ballast"] = self.other.ballast(leave)["ballast"]
-        except BaseException:
-            self.other.close()
-            raise
-        record["free_after_ballast"] = self.free()
-
-    def free(self) -> int:
-        return self.other.free_memory()[0]
-
-    def _budget(self) -> int | None:
-        return self.engine.memory.budget if self.engine.memory is not None else None
-
-    def before_turn(self, turn: int) -> None:
-        a = self.args
-        try:
-            if turn == a.pressure_turn:
-                self.budget_before = self._budget()
-                self.record.update(asked=a.pressure_bytes, budget_before=self.budget_before)
-                self.active = True
-                self.other.take_async(a.pressure_bytes, self.timeout)
-            elif turn == a.pressure_turn + a.pressure_turns and self.active:
-                self._release()
-        except (RuntimeError, OSError) as e:  # the other program died: recorded, no crash
-            self.record["error"] = f"{type(e).__name__}: {e}"
-
-    def after_turn(self, turn: int) -> None:
-        """After the pressure turn: poll the idle engine until the other program answers."""
-        if turn != self.args.pressure_turn or not self.active:
-            return
-        polls = math.ceil((self.args.pressure_timeout_s + HOG_MARGIN_S) / POLL_S)
-        reply = None
-        try:
-            for _ in range(polls):
-                self.engine.poll_memory()
-                if (reply := self.other.wait_reply(self.pause)) is not None:
-                    break
-        except (RuntimeError, OSError) as e:
-            self.record["error"] = f"{type(e).__name__}: {e}"
-        if reply is None:
-            self.record.setdefault("error", f"no answer to the take within {polls} polls")
-        else:
-            self.record.update(reply)
-        self.record["budget_under"] = self._budget()
-
-    def _release(self) -> None:
-        """The other program frees what it took; poll until the budget is back (elastic)."""
-        self.active = False
-        self.record["released"] = self.other.release()["released"]
-        if self.budget_before is None:
-            return
-        t0 = time.perf_counter()
-        target = self.budget_before - self.slack
-        for _ in range(math.ceil(self.args.pressure_timeout_s / POLL_S)):
-            if self.engine.poll_memory() >= target:
-                break
-            time.sleep(self.pause)
-        budget = self._budget()
-        self.record["recovery"] = {
-            "seconds": time.perf_counter() - t0,
-            "budget": budget,
-            "back": budget >= target,
-        }
-
-    def close(self) -> None:
-        self.other.close()
-
-
-def _memory_row(row: dict, engine: Engine, args, pressure: Pressure | None) -> None:
-    st = engine.stats()
-    mem = engine.memory
-    row["slots"] = st["experts"].get("slots")
-    row["kv_pages"] = st["memory"]["kv_pages"]
-    row["budget_gb"] = (mem.budget if mem else args.budget) / 1e9
-    row["mapped_gb"] = mem.mapped_bytes / 1e9 if mem else None
-    if pressure is not None:
-        row["free_gb"] = pressure.free() / 1e9
-    elif torch.cuda.is_available() and not args.cpu_smoke:
-        row["free_gb"] = torch.cuda.mem_get_info()[0] / 1e9
-    else:
-        row["free_gb"] = None
-    row["engine_errors"] = st["requests"]["errors"]
-    if mem is not None:  # the trace so far: a cut run keeps it too
-        row["step"] = mem.steps
-        row["map_failures"] = mem.map_failures
 
 
 class Limits:
@@ -425,7 +305,7 @@ def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Eng
                 row.update(run_turn(engine, ids, args.decode_tokens, tick))
                 if pressure is not None:
                     pressure.after_turn(t)
-                _memory_row(row, engine, args, pressure)
+                memory_row(row, engine, args, pressure)
                 if engine.memory is not None:
                     entry["memory_trace"] = engine.memory.trace.to_json()
                 limits.add(row, engine, len(ids), args.chunk)
@@ -523,13 +403,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="session and weight seed")
     parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, 4 short turns")
     parser.add_argument("--out", type=Path, default=RESULTS / "elastic_memory.json", help="JSON")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="no run: join reports of the same session made by separate runs "
+                        "(--engines split across device commands) into --out, with the summary "
+                        "and the PNG")  # fmt: skip
     args = parser.parse_args(argv)
     resolve_knobs(args, KNOBS)
     return args
 
 
+def merge(args) -> int:
+    """--merge: one report from several runs of the same session (same contexts and args but
+    --engines); engines in ENGINES order, the elastic memory trace kept."""
+    reports = [json.loads(p.read_text()) for p in args.merge]
+    first = reports[0]
+    for path, r in zip(args.merge[1:], reports[1:], strict=True):
+        same = (r["contexts"], r["model"], r["args"]["seed"], r["args"]["routing"])
+        if same != (first["contexts"], first["model"], first["args"]["seed"],
+                    first["args"]["routing"]):  # fmt: skip
+            return print(f"{path}: not the same session as {args.merge[0]}") or 2
+    report = {**first, "engines": {}, "merged_from": [str(p) for p in args.merge]}
+    for r in reports:
+        report["engines"].update(r["engines"])
+        for key in ("memory_trace", "turns_tok_s"):
+            if key in r:
+                report[key] = r[key]
+    report["engines"] = {n: report["engines"][n] for n in ENGINES if n in report["engines"]}
+    report["summary"] = summary = summarize(report, args)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(summary, indent=1))
+    if "memory_trace" in report:
+        plot(report, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args)
     on_gpu = torch.cuda.is_available() and not args.cpu_smoke
     if not on_gpu and not args.cpu_smoke:
         return print("no CUDA device: run with --cpu-smoke for the CPU flow") or 2

@@ -31,7 +31,12 @@ from freetoken_agent.engine.config import ModelSpec
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.graph_io import GraphIO
-from freetoken_agent.engine.experts.policy import Bandwidths, fetch_count
+from freetoken_agent.engine.experts.policy import (
+    CPU_KNEE_TOKENS,
+    Bandwidths,
+    fetch_count,
+    split_count,
+)
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.kernels.fused_moe import fused_moe
@@ -231,10 +236,10 @@ class OffloadedExpertBank:
         """Which misses the policy fills into slots, in order."""
         lids = [lid for _, lid in misses]
         if self.policy == "adaptive":
-            return self._adaptive_fetches(lids)
+            return self._adaptive_fetches(lids, [c for c, _ in misses])
         return lids[: fetch_count(self.policy, len(lids), self.bandwidths)]
 
-    def _adaptive_fetches(self, lids: list[int]) -> list[int]:
+    def _adaptive_fetches(self, lids: list[int], tokens: list[int]) -> list[int]:
         """`adaptive`: q* (policy.py) balances the two branches of this step only; a fill also
         keeps its expert for later steps and evicts another, which the cache measures
         (`ExpertCache.fill_gain`: does routing ask for the filled expert or its victim first):
@@ -243,13 +248,19 @@ class OffloadedExpertBank:
           at 12 layers ran at 406 tok/s fetching all against 299 splitting by q*);
         - fills neither pay nor cost (near-uniform routing): split by q*;
         - fills cost (the steps' working set exceeds the cache: victims are needed again
-          before fills are): fetch none, so the cache keeps what it has.
-        Free slots cost no victim: misses always fill those."""
+          before fills are): fetch none, so the cache keeps what it has; except the experts
+          serving more than CPU_KNEE_TOKENS tokens (a short prefill chunk): the CPU would take
+          longer over those than a fetch plus the victim's later miss.
+        Free slots cost no victim: misses always fill those. `lids` come sorted by `tokens`
+        (tokens each serves this step), most first."""
         cache = self.cache
         gain = cache.fill_gain
         if gain > FETCH_ALL_GAIN:
             return lids
-        q = 0 if gain < FETCH_NONE_GAIN else fetch_count("adaptive", len(lids), self.bandwidths)
+        if gain < FETCH_NONE_GAIN:
+            q = sum(1 for t in tokens if t > CPU_KNEE_TOKENS)
+        else:
+            q = split_count(tokens, self.bandwidths)
         return lids[: max(q, min(cache.free_slots, len(lids)))]
 
     # --- decode under captured graphs (engine/segmented_graphs.py) --------------------------

@@ -8,7 +8,15 @@ few tokens). The two branches run concurrently, so the layer waits for the slowe
 
     t(q) = max(q * S_e / B_P, (m - q) * S_e / B_H),   minimised at  q* = m * B_P / (B_P + B_H)
 
-rounded to the nearest integer. As B_H -> 0 every miss is fetched (the `transfer` policy); as
+rounded to the nearest integer. That holds while the CPU branch is bound by reading weights,
+i.e. while each missed expert serves few tokens (decode). An expert serving c tokens costs the
+CPU about max(1, c / CPU_KNEE_TOKENS) reads' worth of time: past the knee its kernel is bound by
+arithmetic (9.4 MFLOP a token for a Qwen3-30B expert against ~0.5 TFLOP/s on 16 cores, beside
+one 9.4 MB read at ~60 GB/s: equal near 8 tokens). Chunks too short to stream (below
+`stream_min_tokens`) but past the knee (an agent's re-prefill of a few hundred tokens: ~20
+tokens per expert) would run 2-10x slower on the CPU than fetched; `split_count` then
+minimises the same max over the per-expert costs, fetching the experts with most tokens first.
+As B_H -> 0 every miss is fetched (the `transfer` policy); as
 B_P -> 0 every miss runs on the CPU (`cpu`). Fetched experts also stay cached for later steps,
 which the model ignores: it favours the CPU branch slightly, which is the right bias when the
 routing has little temporal locality and fills would mostly evict experts that were about to
@@ -36,6 +44,30 @@ class Bandwidths:
 
     pcie: float = 25e9  # B_P
     cpu: float = 25e9  # B_H
+
+
+CPU_KNEE_TOKENS = 8  # tokens per expert where the CPU kernel turns compute-bound (above)
+
+
+def cpu_cost(tokens: int) -> float:
+    """The CPU's time for one expert serving `tokens` tokens, in reads of its weights."""
+    return max(1.0, tokens / CPU_KNEE_TOKENS)
+
+
+def split_count(tokens: list[int], bw: Bandwidths) -> int:
+    """`adaptive`'s q for misses serving `tokens` tokens each, most first: the first q are
+    fetched. Minimises max(q / B_P, sum of cpu_cost over the rest / B_H) (in expert sizes);
+    q* of the module docstring when every expert serves at most CPU_KNEE_TOKENS tokens."""
+    if all(t <= CPU_KNEE_TOKENS for t in tokens):
+        return fetch_count("adaptive", len(tokens), bw)
+    rest = sum(cpu_cost(t) for t in tokens) / bw.cpu
+    best_q, best = 0, rest
+    for q, t in enumerate(tokens, start=1):
+        rest -= cpu_cost(t) / bw.cpu
+        slower = max(q / bw.pcie, rest)
+        if slower < best:
+            best_q, best = q, slower
+    return best_q
 
 
 def fetch_count(policy: str, misses: int, bw: Bandwidths) -> int:

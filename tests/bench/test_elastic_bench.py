@@ -141,3 +141,27 @@ def test_summary_never_counts_a_failed_elastic_turn_as_a_win(rng_seed):
     report["engines"]["elastic"]["turns"] = ok
     s = elastic.summarize(report, args)
     assert s["elastic_at_least_fixed_every_turn"] is True and s["elastic_never_failed"] is True
+
+
+def test_merge_joins_engines_run_separately(tmp_path, rng_seed):
+    """--engines split across runs (device commands have a time limit) and --merge: one
+    report with every engine, the elastic trace, and the summary over all of them."""
+    seed = ["--cpu-smoke", "--seed", str(rng_seed)]
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "all.json"
+    assert elastic.main([*seed, "--engines", "elastic", "--out", str(a)]) == 0
+    assert elastic.main([*seed, "--engines", "fixed-first", "fixed-last", "--out", str(b)]) == 0
+    assert elastic.main(["--merge", str(b), str(a), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["engines"]) == list(elastic.ENGINES)
+    assert report["memory_trace"] == json.loads(a.read_text())["memory_trace"]
+    s = report["summary"]
+    assert len(s["elastic_vs_best_fixed"]) == 4 and s["fixed_failed_turns"]["fixed-first"]
+    assert s["fixed_failed_turns"] == {
+        n: [r["turn"] for r in json.loads(b.read_text())["engines"][n]["turns"] if "failed" in r]
+        for n in ("fixed-first", "fixed-last")
+    }
+    # Another session (other seed) does not merge.
+    c = tmp_path / "c.json"
+    other = ["--cpu-smoke", "--seed", str(rng_seed + 1), "--engines", "elastic", "--out", str(c)]
+    assert elastic.main(other) == 0
+    assert elastic.main(["--merge", str(a), str(c), "--out", str(tmp_path / "x.json")]) == 2

@@ -101,7 +101,8 @@ def test_cuda_virtual_memory_returns_the_gap_to_the_driver(rng_seed):
     assert torch.equal(view[-chunk:].view(torch.float32), tail)
     assert mem.map(chunk, 3 * chunk)  # mapped again: usable
     view[chunk : 3 * chunk].fill_(7)
-    assert int(view[chunk : 3 * chunk].sum()) == 7 * 2 * chunk
+    assert bool((view[chunk : 3 * chunk] == 7).all())
     del view
     mem.close()
-    assert torch.cuda.mem_get_info()[0] >= free_after
+    torch.cuda.empty_cache()  # temporaries of the checks above sit in torch's cache
+    assert torch.cuda.mem_get_info()[0] >= free_after - (64 << 20)

@@ -246,9 +246,13 @@ def test_cuda_engine_gives_vram_back_to_another_allocation(tmp_path, rng_seed):
     sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in resident.generate(prompts, sp)]
     spec = resident.spec
-    budget = (dense_nbytes(resident.loaded.model) + workspace_bytes(spec, resident.config)
-              + 48 * spec.expert_bytes + (600 // 16 + 1) * 2 * 16 * spec.n_layers
-              * spec.n_kv_heads * spec.head_dim * 4)  # fmt: skip
+    budget = (
+        dense_nbytes(resident.loaded.model)
+        + workspace_bytes(spec, resident.config)
+        + 48 * spec.expert_bytes
+        + (600 // 16 + 1) * 2 * 16 * spec.n_layers * spec.n_kv_heads * spec.head_dim * 4
+        + 2 * spec.n_experts * spec.expert_bytes
+    )  # fmt: skip  (+ staging buffers)
     group = 2 << 20
     engine = Engine.load(
         tmp_path, policy="transfer", gpu_budget=budget, kv_tokens=600,

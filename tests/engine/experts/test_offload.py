@@ -13,7 +13,13 @@ from tiny_models import make_tiny, max_rel_err
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
-from freetoken_agent.engine.experts.policy import Bandwidths, fetch_count
+from freetoken_agent.engine.experts.policy import (
+    CPU_KNEE_TOKENS,
+    Bandwidths,
+    cpu_cost,
+    fetch_count,
+    split_count,
+)
 from freetoken_agent.engine.experts.streaming import host_runs
 
 POLICIES = ("transfer", "cpu", "static", "adaptive")
@@ -69,6 +75,32 @@ def test_adaptive_splits_misses_by_bandwidth():
     assert fetch_count("transfer", 5, bw) == 5 and fetch_count("cpu", 5, bw) == 0
     with pytest.raises(ValueError, match="unknown offload policy"):
         fetch_count("magic", 3, bw)
+
+
+def test_split_counts_the_cpu_cost_of_many_tokens(rng_seed):
+    """Past CPU_KNEE_TOKENS an expert costs the CPU more than one read of its weights: the
+    split minimises the slower branch over those costs (checked against every q), fetches the
+    experts serving most tokens, and equals q* when every expert serves few tokens."""
+    r = random.Random(rng_seed)
+    for _ in range(50):
+        bw = Bandwidths(pcie=r.uniform(5e9, 60e9), cpu=r.uniform(5e9, 60e9))
+        m = r.randint(1, 40)
+        few = sorted((r.randint(1, CPU_KNEE_TOKENS) for _ in range(m)), reverse=True)
+        assert split_count(few, bw) == fetch_count("adaptive", m, bw)
+        many = sorted((r.randint(1, 300) for _ in range(m)), reverse=True)
+        if max(many) <= CPU_KNEE_TOKENS:
+            continue
+
+        def slower(q: int, t=many, bw=bw) -> float:
+            return max(q / bw.pcie, sum(cpu_cost(x) for x in t[q:]) / bw.cpu)
+
+        q = split_count(many, bw)
+        assert slower(q) <= min(slower(k) for k in range(m + 1)) * (1 + 1e-12)
+    # A 300-token chunk over 128 experts (~19 tokens each), equal bandwidths: the CPU's
+    # share shrinks with its per-expert cost (2.3 reads each), q* alone would fetch half.
+    bw = Bandwidths(pcie=50e9, cpu=50e9)
+    q = split_count([19] * 128, bw)
+    assert q > fetch_count("adaptive", 128, bw) and q == round(128 * 2.375 / 3.375)
 
 
 def test_lru_keeps_the_recent_experts(model):
