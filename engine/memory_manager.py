@@ -49,6 +49,7 @@ from freetoken_agent.engine.scheduler import Scheduler, Status
 LOOKAHEAD_TOKENS = 256  # pages a running request is granted ahead of its next steps
 RECENT_USES = 64  # cached pages touched in the last this-many radix uses count as recent
 TAIL_WINDOW = 64  # steps over which the cache's cold tail is judged
+TAIL_REFRESH = 8  # steps between two profiles of the cold tail
 
 
 class MemoryManager:
@@ -76,6 +77,8 @@ class MemoryManager:
         self.released_bytes = 0  # arena bytes given back to the driver, over the run
         self.map_failures = 0  # grows refused because the device had no memory
         self._cached_key, self._cached = -1, (0, 0)  # radix version, (recent, stale) pages
+        self._reuse_key, self._reuse = None, (0, 0)  # (request, tokens, version), its reuse
+        self._tail_step, self._tail, self._tail_slots = -(10**9), [0], -1  # tail_profile
         self._record("load")
 
     # --- the budget -------------------------------------------------------------------------
@@ -154,11 +157,17 @@ class MemoryManager:
             left = r.n_tokens - r.num_computed + max(0, r.sampling.max_tokens - len(r.output_ids))
             want = -(-(r.num_computed + min(left, LOOKAHEAD_TOKENS)) // s)
             growth += max(0, want - len(r.pages))
-        waiting = 0
+        waiting = reused = 0
         if sched.waiting:  # its whole prompt, and its first answer tokens, as for growth
             w = sched.waiting[0]
             waiting = -(-(w.n_tokens + min(w.sampling.max_tokens, LOOKAHEAD_TOKENS)) // s)
+            locked, reused = self._reusable_pages(w)
+            waiting -= locked  # pages a running request holds: in pages_held already
         recent, stale = self._cached_pages()
+        # The unreferenced cached pages the waiting request will reuse are in pages_waiting:
+        # not counted again as cached (counting them twice took half the slots at the start
+        # of every agent turn on the device, and gave them back a few steps later).
+        recent, stale = max(0, recent - reused), max(0, stale - max(0, reused - recent))
         return MemoryDemand(
             budget=self.budget,
             fixed=self.fixed,
@@ -173,8 +182,30 @@ class MemoryManager:
             cached_stale=stale,
             min_slots=self.bank.min_slots,
             max_slots=min(self.bank.pool.n_rows, self.arena.max_slots),
-            slot_tail_hits=lambda k: self.cache.tail_hits(k, TAIL_WINDOW),
+            slot_tail_hits=self._tail_hits,
         )
+
+    def _tail_hits(self, k: int) -> float:
+        """The cache's `tail_hits(k, TAIL_WINDOW)` from a profile of the whole LRU taken at
+        most every TAIL_REFRESH steps: the policy's bisection asks ~10 k's a step, each an O(k)
+        walk of thousands of slots, which cost decode ~15% on the device. Hits over a 64-step
+        window move little in 8 steps."""
+        stale = self.steps - self._tail_step >= TAIL_REFRESH
+        if stale or self._tail_slots != self.cache.n_slots:  # or the cache was resized
+            self._tail = self.cache.tail_profile(TAIL_WINDOW)
+            self._tail_step, self._tail_slots = self.steps, self.cache.n_slots
+        return self._tail[min(k, len(self._tail) - 1)] / TAIL_WINDOW
+
+    def _reusable_pages(self, req) -> tuple[int, int]:
+        """Full pages of `req`'s tokens the prefix cache holds: (referenced by running
+        requests, unreferenced). Redone when the tree or the first waiting request changed."""
+        radix = self.scheduler.radix
+        key = (id(req), req.n_tokens, radix.version)
+        if self._reuse_key != key:
+            path = radix.cached_pages_of(req.tokens)
+            locked = sum(1 for n in path if n.ref > 0)
+            self._reuse_key, self._reuse = key, (locked, len(path) - locked)
+        return self._reuse
 
     def _cached_pages(self) -> tuple[int, int]:
         """(recent, stale) unreferenced pages of the prefix cache. A walk of the whole tree

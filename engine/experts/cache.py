@@ -363,6 +363,17 @@ class ExpertCache:
         hot = sum(self._last_hit[lid] > since for lid in tail)
         return hot / window
 
+    def tail_profile(self, window: int) -> list[int]:
+        """hot[k]: how many of the k least recently used unpinned resident lids were hit within
+        the last `window` steps (hot[0] = 0), for every k at once: tail_hits(k, window) is
+        hot[k] / window. One O(slots) walk."""
+        since, hot, n = self.step - window, [0], 0
+        for lid in self._lru:
+            if lid not in self._pinned_set:
+                n += self._last_hit[lid] > since
+                hot.append(n)
+        return hot
+
     def preload(self, lids: list[int], pin: bool = False) -> None:
         """Fill `lids` now (e.g. a static placement chosen at load); `pin` keeps them forever."""
         self.fill(lids, protect=set(lids))

@@ -103,6 +103,18 @@ class RadixCache:
             best.last_used = now
         return PrefixMatch(nodes, best, best_r)
 
+    def cached_pages_of(self, tokens: list[int]) -> list[Node]:
+        """The nodes holding the full pages of `tokens` from the start. A look only: no use
+        recorded (the LRU clock and recency stay as they are)."""
+        s, node, path = self.page_size, self.root, []
+        while (len(path) + 1) * s <= len(tokens):
+            n = len(path)
+            node = node.children.get(tuple(tokens[n * s : (n + 1) * s]))
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     def lock(self, nodes: list[Node]) -> None:
         self.version += 1
         for n in nodes:

@@ -135,3 +135,18 @@ def test_streamer_on_lent_arena_slots(rng_seed):
         streamer.done(layer)
     assert not cache.lent
     check(cache, pool)
+
+
+def test_tail_profile_matches_tail_hits(rng_seed):
+    r = random.Random(rng_seed)
+    pool, _, cache = make(rng_seed, slots=8)
+    for _ in range(20):  # fills, hits and steps at random
+        cache.tick()
+        lids = r.sample(range(pool.n_rows), r.randint(1, 4))
+        cache.touch(lids)
+        cache.fill([x for x in lids if not cache.resident(x)], set(lids))
+    window = r.randint(1, 12)
+    hot = cache.tail_profile(window)
+    assert len(hot) == len(cache._lru) + 1 and hot[0] == 0
+    for k in range(len(hot)):
+        assert hot[k] / window == cache.tail_hits(k, window)

@@ -81,3 +81,19 @@ def test_duplicate_pages_stay_private():
     assert cache.n_pages == used
     assert alloc.n_free + cache.n_pages == alloc.capacity
     cache.check_integrity()
+
+
+def test_cached_pages_of_looks_without_using(rng_seed):
+    rng = random.Random(rng_seed)
+    alloc = PageAllocator(1024)
+    cache = RadixCache(S, alloc)
+    seq = [rng.randrange(5) for _ in range(rng.randint(9, 40))]
+    _cache_sequence(cache, alloc, seq)
+    clock, version = cache.clock, cache.version
+    cut = rng.randrange(len(seq))
+    probe = seq[:cut] + [5] * rng.randint(0, 9)  # token 5 never occurs in seq
+    assert len(cache.cached_pages_of(probe)) == cut // S
+    path = cache.cached_pages_of(seq)
+    assert len(path) == len(seq) // S
+    assert [n.tokens for n in path] == [tuple(seq[i * S : (i + 1) * S]) for i in range(len(path))]
+    assert (cache.clock, cache.version) == (clock, version)  # no use recorded
