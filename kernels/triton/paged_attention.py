@@ -145,7 +145,11 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Arguments that change from call to call (batch size, chunk length, context length) are not
+# specialised: Triton would compile a new variant whenever one of them first turns out
+# divisible by 16 (or equal to 1), which on the device put 1-2 s compiles inside agent turns
+# (a prefill chunk of a new length, a page table of a new width).
+@triton.jit(do_not_specialize=["window", "num_seqs", "q_blocks_per_seq", "num_splits", "stride_pt"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,  # q, out [T, Hq, D]; k, v [P, S, Hkv, D]
     part_acc_ptr, part_m_ptr, part_l_ptr,  # [T, Hq, NS, D], [T, Hq, NS], [T, Hq, NS] fp32
@@ -248,7 +252,7 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, num_q_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
