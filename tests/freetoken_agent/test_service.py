@@ -130,3 +130,30 @@ def test_session_with_the_models_parser_yields_parsed_events(engine, rng_seed):
     else:  # the same greedy text, split into reasoning and content (tags and spacing aside)
         parsed = "".join(e.text for e in events if isinstance(e, ContentDelta | ReasoningDelta))
         assert re.sub(r"\s|</?think>", "", parsed) == re.sub(r"\s|</?think>", "", text)
+
+
+def test_idle_service_polls_memory_and_a_failed_poll_keeps_it_alive(engine, rng_seed, monkeypatch):
+    """An idle engine still follows free device memory (another program may take or release
+    VRAM between agent turns): the service's thread wakes every IDLE_POLL_S to call
+    poll_memory, and a poll that raises is logged, not fatal."""
+    import freetoken_agent.service as service_mod
+
+    monkeypatch.setattr(service_mod, "IDLE_POLL_S", 0.01)
+    polls, fail_at = [], random.Random(rng_seed).randint(1, 3)
+
+    def poll():
+        polls.append(1)
+        if len(polls) == fail_at:
+            raise RuntimeError("simulated driver error")
+
+    monkeypatch.setattr(engine, "poll_memory", poll, raising=False)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with EngineService(engine) as service:
+        deadline = threading.Event()
+        for _ in range(200):
+            if len(polls) > fail_at + 2:
+                break
+            deadline.wait(0.01)
+        assert len(polls) > fail_at + 2  # went on polling after the failure
+        out = [e.token_id for e in service.stream([5, 6, 7], sp) if e.token_id is not None]
+        assert len(out) == 4  # and still serves requests
