@@ -13,6 +13,8 @@
                       and time to first token per turn (CUDA; --cpu-smoke runs on the CPU)
     elastic           a growing agent session on the elastic split against two fixed ones, with
                       an external allocation mid-session (CUDA; --cpu-smoke runs on the CPU)
+    kv-layout         paged attention over the elastic arena's KV layout against the fixed
+                      pool's, decode and prefill at long contexts (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -33,6 +35,7 @@ BENCHES = {
     "parity-precision": "freetoken_agent.bench.parity_precision",
     "agent": "freetoken_agent.bench.agent",
     "elastic": "freetoken_agent.bench.elastic",
+    "kv-layout": "freetoken_agent.bench.kv_layout",
 }
 
 
