@@ -48,13 +48,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from freetoken_agent.bench.elastic_pressure import Pressure, memory_row
+from freetoken_agent.bench.elastic_report import ENGINES, merge, plot, summarize
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
@@ -66,8 +69,6 @@ from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ENGINES = ("elastic", "fixed-first", "fixed-last")
-WITHIN = 0.12  # the paper: decode within 12% of the single-turn rate as sessions grow
 # The same family at toy size for --cpu-smoke (fp32): 4 MoE layers x 16 experts = 64 pool rows.
 TINY_QWEN3_MOE = {
     **QWEN3_30B_A3B,
@@ -320,64 +321,6 @@ def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Eng
     return engine
 
 
-def _gb(takes: dict, key: str) -> dict:
-    return {n: None if p.get(key) is None else p[key] / 1e9 for n, p in takes.items()}
-
-
-def summarize(report: dict, args) -> dict:
-    """Elastic against both fixed splits per turn, never failed, last turn within 12%."""
-    rows = {n: report["engines"][n]["turns"] for n in ENGINES if n in report["engines"]}
-    takes = {n: e.get("pressure") or {} for n, e in report["engines"].items()}
-    el = rows.get("elastic", [])
-    ratios, pressure = [], []
-    for i, r in enumerate(el):
-        fixed = [rows[n][i] for n in ENGINES[1:] if n in rows and i < len(rows[n])]
-        rates = [f["decode_tok_s"] for f in fixed if "failed" not in f and f.get("decode_tok_s")]
-        mine = r.get("decode_tok_s") if "failed" not in r else None
-        ratio = None if not rates or mine is None else mine / max(rates)
-        # Every fixed split failed: elastic wins, unless it failed too.
-        ratios.append(ratio if rates or mine is None else float("inf"))
-        if r.get("pressure"):
-            pressure.append(i)
-    ok = [x is not None and x >= 1 - args.noise for x in ratios]
-    first = el[0].get("decode_tok_s") if el and "failed" not in el[0] else None
-    last = el[-1].get("decode_tok_s") if el and "failed" not in el[-1] else None
-    before = el[pressure[0] - 1].get("decode_tok_s") if pressure and pressure[0] > 0 else None
-    return {
-        "elastic_vs_best_fixed": [None if x in (None, float("inf")) else x for x in ratios],
-        "elastic_at_least_fixed_every_turn": bool(el) and all(ok),
-        "elastic_at_least_fixed_outside_pressure": bool(el)
-        and all(o for i, o in enumerate(ok) if i not in pressure),
-        "elastic_never_failed": bool(el) and all("failed" not in r for r in el),
-        "fixed_failed_turns": {
-            n: [r["turn"] for r in rows[n] if "failed" in r] for n in ENGINES[1:] if n in rows
-        },  # fmt: skip
-        "last_over_first_decode": last / first if first and last else None,
-        "last_within_12pct_of_first": bool(first and last and last >= (1 - WITHIN) * first),
-        "pressure_turns": [el[i]["turn"] for i in pressure],
-        "other_process_asked_gb": _gb(takes, "asked"),
-        "other_process_got_gb": _gb(takes, "got"),
-        "absorbed": takes.get("elastic", {}).get("complete") is True,
-        "budget_back_after_release": takes.get("elastic", {}).get("recovery", {}).get("back"),
-        "tok_s_over_pre_pressure": None
-        if not before
-        else [(r["turn"], (r.get("decode_tok_s") or 0) / before) for r in el[pressure[0] :]],
-    }
-
-
-def plot(report: dict, out: Path) -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print(f"matplotlib missing: no PNG; re-plot from {out} with bench/memory_plot.py --x step")
-        return
-    from freetoken_agent.bench.memory_plot import plot_split
-
-    png = plot_split(report["memory_trace"], out.with_suffix(".png"), x="step",
-                     title=report["title"], turns=report["turns_tok_s"])  # fmt: skip
-    print(f"wrote {png}")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="freetoken bench elastic",
@@ -402,6 +345,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--noise", type=float, default=0.03, help=text)
     parser.add_argument("--seed", type=int, default=0, help="session and weight seed")
     parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, 4 short turns")
+    parser.add_argument("--triton-cache", choices=("fresh", "shared"), default="fresh",
+                        help="fresh (default): compile into a new Triton cache directory, so "
+                        "engines measured in separate commands, or after other runs on the same "
+                        "machine, pay the same compiles (a warm cache once hid 1-2 s compiles "
+                        "inside a fixed split's turns); shared: the usual cache")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "elastic_memory.json", help="JSON")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                         help="no run: join reports of the same session made by separate runs "
@@ -412,32 +360,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def merge(args) -> int:
-    """--merge: one report from several runs of the same session (same contexts and args but
-    --engines); engines in ENGINES order, the elastic memory trace kept."""
-    reports = [json.loads(p.read_text()) for p in args.merge]
-    first = reports[0]
-    for path, r in zip(args.merge[1:], reports[1:], strict=True):
-        same = (r["contexts"], r["model"], r["args"]["seed"], r["args"]["routing"])
-        if same != (first["contexts"], first["model"], first["args"]["seed"],
-                    first["args"]["routing"]):  # fmt: skip
-            return print(f"{path}: not the same session as {args.merge[0]}") or 2
-    report = {**first, "engines": {}, "merged_from": [str(p) for p in args.merge]}
-    for r in reports:
-        report["engines"].update(r["engines"])
-        for key in ("memory_trace", "turns_tok_s"):
-            if key in r:
-                report[key] = r[key]
-    report["engines"] = {n: report["engines"][n] for n in ENGINES if n in report["engines"]}
-    report["summary"] = summary = summarize(report, args)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(json.dumps(summary, indent=1))
-    if "memory_trace" in report:
-        plot(report, args.out)
-    print(f"wrote {args.out}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.merge:
@@ -445,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available() and not args.cpu_smoke
     if not on_gpu and not args.cpu_smoke:
         return print("no CUDA device: run with --cpu-smoke for the CPU flow") or 2
+    if on_gpu and args.triton_cache == "fresh":  # read by Triton at each compile
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="freetoken-triton-")
     max_len = args.end_tokens + args.decode_tokens + 16
     if args.routing != "native":
         Regime.parse(args.routing)  # a typo fails here, not after the first engine
