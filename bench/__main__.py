@@ -13,8 +13,8 @@
                       and time to first token per turn (CUDA; --cpu-smoke runs on the CPU)
     elastic           a growing agent session on the elastic split against two fixed ones, with
                       an external allocation mid-session (CUDA; --cpu-smoke runs on the CPU)
-    kv-layout         paged attention over the elastic arena's KV layout against the fixed
-                      pool's, decode and prefill at long contexts (CUDA)
+    kv-layout         paged attention over the fixed pool's, the elastic arena's and the old
+                      interleaved KV layouts, decode and prefill at long contexts (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """

@@ -1,41 +1,35 @@
-"""The elastic device arena: one buffer shared by KV pages and expert slots (DESIGN.md, idea 3).
+"""The elastic device arena: one budget shared by KV pages and expert slots (DESIGN.md, idea 3).
 
-One `torch.uint8` buffer of `nbytes` on the device, allocated once. KV pages grow from the low
-end, expert slots from the high end, and `boundary` (bytes) splits them: KV owns [0, boundary),
-experts own [boundary, nbytes). Moving the boundary never reallocates, so every pointer handed
-to kernels and captured in CUDA graphs stays valid; callers shrink the pool that loses bytes
-first (evict or migrate what lives there), then move the boundary, then grow the other pool.
+`nbytes` of budget split by `boundary` (bytes): KV pages take [0, boundary), expert slots
+[boundary, nbytes), counted as if they lay in one range, pages from the bottom and slots from
+the top; the split's arithmetic below works in that range. Physically they live in two ranges
+of device addresses, each reserved once at its largest size and backed by memory only where
+in use (engine/device_memory.py): nothing is ever reallocated, so every pointer handed to
+kernels and captured in CUDA graphs stays valid. Callers shrink the side that loses bytes
+first (evict or migrate what lives there), then move the boundary, then grow the other side.
 
-Layout (bytes):
+KV: one lane of addresses per layer and per K/V, 2L lanes of `lane_bytes` holding P_max pages
+each, so one layer's pages are as dense as in a fixed pool: kernels see the same [P, S, Hkv, D]
+layout either way, and a long context's attention touches few translation pages. (The first
+layout kept every layer of a page together, one layer's pages 2*L*S*Hkv*D elements apart; on
+the device the elastic engine's time to first token then ran above a fixed split's at long
+contexts.) With E = lane_bytes / itemsize elements a lane:
+    k [L, P_max, S, Hkv, D] strides (E, S*Hkv*D, Hkv*D, D, 1), offset 0
+    v the same strides, offset L * E
+Growing the pages maps the next bytes of every lane; shrinking unmaps them (whole chunks of
+KV_CHUNK_BYTES: 2L partial chunks are the layout's slack).
 
-    0        unit_kv  2*unit_kv          boundary                      S_max*unit_slot  nbytes
-    | page 0 | page 1 | ... | page P-1 |  gap  | slot first_slot | ... | slot S_max-1 | tail |
+Slots: slot s occupies [s * unit_slot, (s + 1) * unit_slot) of the slot range, unit_slot =
+(2I*H + H*I) * itemsize: its w13 rows [2I, H] then its w2 rows [H, I]. With U = unit_slot /
+itemsize elements:
+    w13 [S_max, 2I, H] strides (U, H, 1), offset 0
+    w2  [S_max, H, I]  strides (U, I, 1), offset 2I*H
+S_max = nbytes // unit_slot. Slot ids are absolute (slot s is always at the same address); the
+usable ones are first_slot .. S_max-1, the ones below are not backed.
 
-- Page p occupies [p * unit_kv, (p + 1) * unit_kv), unit_kv = 2 * L * S * Hkv * D * itemsize:
-  K of every attention layer, then V of every attention layer, each layer [S, Hkv, D] dense.
-  Views over the whole buffer (P_max = nbytes // unit_kv pages), in elements of the KV dtype:
-      k [L, P_max, S, Hkv, D] strides (S*Hkv*D, 2*L*S*Hkv*D, Hkv*D, D, 1), offset 0
-      v the same strides, offset L*S*Hkv*D
-  so `k[l]` is [P_max, S, Hkv, D] with stride(0) = 2*L*S*Hkv*D and its last three dims dense
-  (what the paged attention kernels read), and a page is one contiguous run of bytes (one copy
-  moves it, every layer, K and V).
-- Slot s occupies [s * unit_slot, (s + 1) * unit_slot), unit_slot = (2I*H + H*I) * itemsize:
-  its w13 rows [2I, H] then its w2 rows [H, I]. With U = unit_slot / itemsize elements:
-      w13 [S_max, 2I, H] strides (U, H, 1), offset 0
-      w2  [S_max, H, I]  strides (U, I, 1), offset 2I*H
-  S_max = nbytes // unit_slot. Slot ids are absolute: slot s is always at the same address.
-- kv_pages = boundary // unit_kv usable pages (page 0 is the scratch page), first_slot =
-  ceil(boundary / unit_slot), usable slots first_slot .. S_max-1. The bytes between the last
-  page and the first slot (less than one unit of either) and the tail above the last slot are
-  unused. Only valid ids are ever touched: the views span the whole buffer so they never change.
-
-An arena without a slot unit (resident experts, no MoE offload) is a resizable KV region.
-
-Backing (engine/device_memory.py): on CUDA the buffer is a reserved range of virtual addresses
-whose chunks are mapped only where pages or slots are in use; `release_unused` gives the gap
-between the last page in use and the first slot (and the unused tail) back to the driver, so
-another program can have it, and `map_for` backs a range again before it is used. On the CPU
-the same bookkeeping runs over one tensor whose released chunks are scribbled.
+kv_pages = boundary // unit_kv usable pages (page 0 is the scratch page), first_slot =
+ceil(boundary / unit_slot): less than one unit of either is lost where they meet. An arena
+without a slot unit (resident experts, no MoE offload) is a resizable KV region.
 """
 
 from __future__ import annotations
@@ -44,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken_agent.engine.device_memory import CHUNK_BYTES, arena_memory
+from freetoken_agent.engine.device_memory import CHUNK_BYTES, KV_CHUNK_BYTES, arena_memory
 
 # L attention layers, P pages, S page size (tokens), Hkv kv heads, D head_dim,
 # H hidden, I expert width
@@ -96,49 +90,54 @@ class ElasticArena:
         boundary: int | None = None,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
+        """`chunk_bytes`: the slots' map/release granularity; the KV lanes use at most
+        KV_CHUNK_BYTES (2L lanes each round up to a chunk)."""
         if nbytes < 2 * kv.nbytes:
             raise ValueError(f"an arena of {nbytes} bytes holds fewer than 2 KV pages")
         self.device = torch.device(device)
+        self.nbytes = nbytes
         self.kv_unit, self.slot_unit = kv, slot
-        self.memory = arena_memory(nbytes, self.device, chunk_bytes)
-        self.buffer = self.memory.view()  # [nbytes] uint8
         self.max_pages = nbytes // kv.nbytes
-        self.k, self.v = self._kv_views()
         self.max_slots = nbytes // slot.nbytes if slot is not None else 0
-        self.w13, self.w2 = self._slot_views() if slot is not None else (None, None)
+        # A lane: one layer's K (or V) for every page, whole chunks (lanes share no chunk).
+        # A simulated device (the CPU) has no mapping granularity: its lanes map page by page.
+        self.page_lane_bytes = kv.layer_elems * kv.dtype.itemsize  # one page of one lane
+        cuda = self.device.type == "cuda"
+        kv_chunk = min(KV_CHUNK_BYTES, chunk_bytes) if cuda else self.page_lane_bytes
+        self.lane_bytes = -(-self.max_pages * self.page_lane_bytes // kv_chunk) * kv_chunk
+        self.kv_memory = arena_memory(2 * kv.n_layers * self.lane_bytes, self.device, kv_chunk)
+        self.kv_buffer = self.kv_memory.view()  # [2L * lane_bytes] uint8
+        self.k, self.v = self._kv_views()
+        self.slot_memory = self.slot_buffer = None
+        self.w13 = self.w2 = None
+        if slot is not None:
+            self.slot_memory = arena_memory(self.max_slots * slot.nbytes, self.device, chunk_bytes)
+            self.slot_buffer = self.slot_memory.view()  # [S_max * unit_slot] uint8
+            self.w13, self.w2 = self._slot_views()
         self.boundary = 0
         self.set_boundary(nbytes if boundary is None else boundary)
         if not self.map_for(self.kv_pages, self.first_slot):
             raise torch.cuda.OutOfMemoryError(f"no device memory for an arena of {nbytes} bytes")
 
-    def _typed(self, dtype: torch.dtype) -> torch.Tensor:
-        """The buffer in elements of `dtype` (a tail shorter than one element dropped)."""
-        n = self.nbytes - self.nbytes % dtype.itemsize
-        return self.buffer[:n].view(dtype)
-
     def _kv_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         u = self.kv_unit
-        flat = self._typed(u.dtype)
+        flat = self.kv_buffer.view(u.dtype)
+        lane = self.lane_bytes // u.dtype.itemsize
         shape = (u.n_layers, self.max_pages, u.page_size, u.n_kv_heads, u.head_dim)
-        layer = u.layer_elems
-        stride = (layer, 2 * u.n_layers * layer, u.n_kv_heads * u.head_dim, u.head_dim, 1)
+        stride = (lane, u.layer_elems, u.n_kv_heads * u.head_dim, u.head_dim, 1)
         k = flat.as_strided(shape, stride, 0)  # [L, P_max, S, Hkv, D]
-        v = flat.as_strided(shape, stride, u.n_layers * layer)  # [L, P_max, S, Hkv, D]
+        v = flat.as_strided(shape, stride, u.n_layers * lane)  # [L, P_max, S, Hkv, D]
         return k, v
 
     def _slot_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         u = self.slot_unit
-        flat = self._typed(u.dtype)
+        flat = self.slot_buffer.view(u.dtype)
         h, i, n = u.hidden, u.inter, self.max_slots
         w13 = flat.as_strided((n, 2 * i, h), (u.elems, h, 1), 0)  # [S_max, 2I, H]
         w2 = flat.as_strided((n, h, i), (u.elems, i, 1), 2 * i * h)  # [S_max, H, I]
         return w13, w2
 
     # --- the split --------------------------------------------------------------------------
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
-
     @property
     def kv_pages(self) -> int:
         return min(self.boundary // self.kv_unit.nbytes, self.max_pages)
@@ -189,44 +188,58 @@ class ElasticArena:
     @property
     def mapped_bytes(self) -> int:
         """Bytes of device memory the arena holds now (the whole arena without release)."""
-        return self.memory.mapped_bytes
+        slots = self.slot_memory.mapped_bytes if self.slot_memory is not None else 0
+        return self.kv_memory.mapped_bytes + slots
+
+    def _lanes(self, lo_page: int, hi_page: int):
+        """[lo, hi) byte ranges of pages lo_page .. hi_page-1 in every lane."""
+        pb, lane = self.page_lane_bytes, self.lane_bytes
+        for j in range(2 * self.kv_unit.n_layers):
+            yield j * lane + lo_page * pb, j * lane + hi_page * pb
 
     def _slot_span(self, first_slot: int) -> tuple[int, int]:
-        if self.slot_unit is None:
-            return self.nbytes, self.nbytes
         return first_slot * self.slot_unit.nbytes, self.max_slots * self.slot_unit.nbytes
+
+    def kv_backed(self, pages: int) -> bool:
+        """Whether pages 0..pages-1 of every lane are backed by memory."""
+        return all(self.kv_memory.is_mapped(a, b) for a, b in self._lanes(0, pages))
+
+    def slots_backed(self, first_slot: int) -> bool:
+        return self.slot_unit is None or self.slot_memory.is_mapped(*self._slot_span(first_slot))
 
     def map_for(self, pages: int, first_slot: int) -> bool:
         """Back pages 0..pages-1 and slots first_slot.. with memory. False when the device is
         out of memory: the caller keeps the pages and slots it had."""
-        lo, hi = self._slot_span(first_slot)
-        return self.memory.map(0, pages * self.kv_unit.nbytes) and self.memory.map(lo, hi)
+        if not all(self.kv_memory.map(a, b) for a, b in self._lanes(0, pages)):
+            return False
+        return self.slot_unit is None or self.slot_memory.map(*self._slot_span(first_slot))
 
     def release_unused(self, pages: int, first_slot: int) -> int:
-        """Give back the chunks wholly between page `pages` and slot `first_slot`, and above
-        the last slot; returns the bytes released. Waits for the device first: work in flight
+        """Give back the chunks wholly above page `pages` in every lane and below slot
+        `first_slot`; returns the bytes released. Waits for the device first: work in flight
         (a moved expert's copy, a vacated page's copy) may still read the released range."""
-        kv_top = pages * self.kv_unit.nbytes
-        lo, hi = self._slot_span(first_slot)
-        spans = ((kv_top, lo), (hi, self.nbytes))
-        if not any(self.memory.releasable(a, b) for a, b in spans):
+        lane = self.lane_bytes
+        work = [(self.kv_memory, a, (j + 1) * lane)  # each lane above its page `pages`
+                for j, (a, _) in enumerate(self._lanes(pages, pages))]  # fmt: skip
+        if self.slot_unit is not None:  # the slot range below first_slot
+            work.append((self.slot_memory, 0, self._slot_span(first_slot)[0]))
+        work = [(m, a, b) for m, a, b in work if m.releasable(a, b)]
+        if not work:
             return 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return self.memory.unmap(kv_top, lo) + self.memory.unmap(hi, self.nbytes)
+        return sum(m.unmap(a, b) for m, a, b in work)
 
     def check_integrity(self) -> None:
-        assert 0 < self.boundary <= self.nbytes, "boundary outside the buffer"
+        assert 0 < self.boundary <= self.nbytes, "boundary outside the budget"
         assert self.kv_pages >= 2, "fewer than 2 KV pages"
         assert self.kv_bytes <= self.boundary, "KV pages cross the boundary"
-        base = self.buffer.data_ptr()
-        assert self.k.data_ptr() == base, "k view moved"
-        assert self.k.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
+        assert self.k.data_ptr() == self.kv_buffer.data_ptr(), "k view moved"
+        assert self.k.untyped_storage().data_ptr() == self.kv_buffer.untyped_storage().data_ptr()
         if self.slot_unit is not None:
             assert self.first_slot * self.slot_unit.nbytes >= self.boundary or (
                 self.first_slot == self.max_slots
             ), "a usable slot starts below the boundary"
             assert self.max_slots * self.slot_unit.nbytes <= self.nbytes, "slots past the end"
-            assert self.w13.data_ptr() == base, "w13 view moved"
-            lo, hi = self._slot_span(self.first_slot)
-            assert self.memory.is_mapped(lo, hi), "a usable slot is not backed by memory"
+            assert self.w13.data_ptr() == self.slot_buffer.data_ptr(), "w13 view moved"
+            assert self.slots_backed(self.first_slot), "a usable slot is not backed by memory"

@@ -36,6 +36,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 32 << 20  # release/map granularity: 1/32 of a GiB, ~1,000 handles for 32 GB
+# KV lanes (engine/arena.py) map in the driver's granularity: each of the 2L lanes rounds up to
+# a chunk, so a larger chunk would strand up to 2L of them (3 GB at 32 MiB for 48 layers).
+KV_CHUNK_BYTES = 2 << 20
 
 
 class ChunkedMemory:

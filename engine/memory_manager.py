@@ -20,9 +20,10 @@ with a watcher (`watch`: on CUDA at load, `EngineConfig.follow_free_memory`), wh
 memory allows: the engine keeps `memory_reserve` bytes free, so when another program takes
 VRAM the budget drops by the shortfall at the next safe point, and when it gives VRAM back the
 budget grows again (engine/memory.py `BudgetWatcher`). A lower budget is enforced by the split
-and made real by the arena's backing: the chunks between the last KV page and the first slot
-are unmapped and go back to the driver (engine/device_memory.py); growing maps them again, and
-a map that fails (someone else took the memory first) leaves the split where it was.
+and made real by the arena's backing: the chunks above the last KV page (in every layer's lane)
+and below the first slot are unmapped and go back to the driver (engine/device_memory.py);
+growing maps them again, and a map that fails (someone else took the memory first) leaves the
+split where it was.
 
 When even the fewest slots leave too few pages for the running requests (the policy says
 "over budget"), the newest running request is preempted (its pages go to the prefix cache; it
@@ -94,8 +95,16 @@ class MemoryManager:
         return self.arena.mapped_bytes
 
     def used_bytes(self) -> int:
-        """What the engine holds on the device, as the budget counts it."""
+        """What the engine holds on the device: fixed bytes and the arena's backed chunks."""
         return self.fixed + self.mapped_bytes
+
+    def held_bytes(self) -> int:
+        """What the budget counts: fixed bytes, the pages and the slots of the split. The
+        backed chunks hold a little more (partial chunks at every lane's top and at the first
+        slot): that slack shows in free memory, so the watcher subtracts it by itself."""
+        a = self.arena
+        pages = self.kv.allocator.n_pages * a.kv_unit.nbytes
+        return self.fixed + pages + self.cache.n_slots * a.slot_unit.nbytes
 
     def set_budget(self, nbytes: int) -> None:
         """Applied at the next safe point. At most the load-time budget (the arena's size)."""
@@ -119,7 +128,7 @@ class MemoryManager:
             reserve=1 << 30 if reserve is None else int(reserve),
             poll_s=0.5 if poll_s is None else float(poll_s),
             free_memory=free_memory,
-            used_by_engine=self.used_bytes,
+            used_by_engine=self.held_bytes,
             group_bytes=self.policy.group_bytes,
         )
         self.budget = self._effective_budget(poll=True)
@@ -332,9 +341,7 @@ class MemoryManager:
         used = (alloc.n_pages * arena.kv_unit.nbytes + self.cache.n_slots
                 * arena.slot_unit.nbytes)  # fmt: skip
         assert used <= arena.nbytes, "pages and slots overlap"
-        assert arena.memory.is_mapped(0, alloc.n_pages * arena.kv_unit.nbytes), (
-            "a usable KV page is not backed by memory"
-        )
+        assert arena.kv_backed(alloc.n_pages), "a usable KV page is not backed by memory"
 
 
 def elastic_memory(loaded, scheduler: Scheduler) -> MemoryManager | None:

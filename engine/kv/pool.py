@@ -5,10 +5,10 @@ slice [P, S, Hkv, D] is contiguous, which is what the attention kernels read. Pa
 handed out: padded rows of a captured CUDA graph write their K/V there, so padding can never
 corrupt a live sequence.
 
-On the elastic arena (engine/arena.py) k and v are strided views of the arena's buffer (a page's
-K and V for every layer are one contiguous run there); a layer's slice keeps its last three dims
-dense, which is all the attention kernels need. The allocator hands out the lowest free ids
-first, so the high end of the pool tends to be free when the arena moves KV bytes to experts.
+On the elastic arena (engine/arena.py) k and v are views of its KV lanes: each layer's slice is
+the same dense [P, S, Hkv, D] as here, over more pages than are backed (only ids below
+`allocator.n_pages` are). The allocator hands out the lowest free ids first, so the high end of
+the pool tends to be free when the arena moves KV bytes to experts.
 """
 
 from __future__ import annotations
@@ -163,9 +163,5 @@ class KVPool:
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy page src into page dst, every layer, K and V (migration of a busy page)."""
-        if self.arena is not None:  # a page is one contiguous run of the arena's bytes
-            u, buf = self.arena.kv_unit.nbytes, self.arena.buffer
-            buf[dst * u : (dst + 1) * u].copy_(buf[src * u : (src + 1) * u])
-            return
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]

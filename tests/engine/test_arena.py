@@ -22,13 +22,14 @@ def make_arena(seed: int, dtype=torch.float32, slots=True, extra=0) -> ElasticAr
     slot = SlotUnit(r.choice([5, 6, 7]), r.choice([3, 4]), dtype) if slots else None
     nbytes = 7 * kv.nbytes + (9 * slot.nbytes if slots else 0) + extra + r.randint(1, 13)
     arena = ElasticArena(nbytes, "cpu", kv, slot)
-    arena.buffer.fill_(POISON)
+    arena.kv_buffer.fill_(POISON)
+    if slots:
+        arena.slot_buffer.fill_(POISON)
     return arena
 
 
-def _only_changed(arena: ElasticArena, before: torch.Tensor, lo: int, hi: int) -> None:
+def _only_changed(after: torch.Tensor, before: torch.Tensor, lo: int, hi: int) -> None:
     """Bytes outside [lo, hi) are unchanged; some inside changed (the write landed there)."""
-    after = arena.buffer
     assert torch.equal(after[:lo], before[:lo]) and torch.equal(after[hi:], before[hi:])
     assert not torch.equal(after[lo:hi], before[lo:hi])
 
@@ -43,14 +44,16 @@ def test_kv_views_touch_exactly_their_bytes(rng_seed, dtype):
         p = int(torch.randint(arena.max_pages, (1,), generator=g))
         layer = int(torch.randint(u.n_layers, (1,), generator=g))
         for which, view in ((0, arena.k), (1, arena.v)):
-            before = arena.buffer.clone()
+            before = arena.kv_buffer.clone()
             data = torch.randn(view.shape[2:], generator=g).to(dtype)  # [S, Hkv, D]
             view[layer][p] = data
-            lo = p * u.nbytes + (which * u.n_layers + layer) * layer_bytes
-            _only_changed(arena, before, lo, lo + layer_bytes)
+            # layer's lane (K lanes, then V lanes), then page p within it
+            lo = (which * u.n_layers + layer) * arena.lane_bytes + p * layer_bytes
+            _only_changed(arena.kv_buffer, before, lo, lo + layer_bytes)
             assert torch.equal(view[layer, p], data)
-    assert arena.k[0].stride(0) == 2 * u.n_layers * u.layer_elems
-    assert arena.k[0][0].is_contiguous()
+    # A layer's pages are dense, as in a fixed pool: what the attention kernels read.
+    assert arena.k[0].is_contiguous() and arena.v[u.n_layers - 1].is_contiguous()
+    assert arena.k.stride(0) * dtype.itemsize == arena.lane_bytes >= arena.max_pages * layer_bytes
 
 
 def test_slot_views_touch_exactly_their_bytes(rng_seed):
@@ -59,12 +62,12 @@ def test_slot_views_touch_exactly_their_bytes(rng_seed):
     g = torch.Generator().manual_seed(rng_seed)
     w13_bytes = 2 * u.inter * u.hidden * 4
     for s in torch.randperm(arena.max_slots, generator=g)[:4].tolist():
-        before = arena.buffer.clone()
+        before = arena.slot_buffer.clone()
         arena.w13[s] = torch.randn(2 * u.inter, u.hidden, generator=g)
-        _only_changed(arena, before, s * u.nbytes, s * u.nbytes + w13_bytes)
-        before = arena.buffer.clone()
+        _only_changed(arena.slot_buffer, before, s * u.nbytes, s * u.nbytes + w13_bytes)
+        before = arena.slot_buffer.clone()
         arena.w2[s] = torch.randn(u.hidden, u.inter, generator=g)
-        _only_changed(arena, before, s * u.nbytes + w13_bytes, (s + 1) * u.nbytes)
+        _only_changed(arena.slot_buffer, before, s * u.nbytes + w13_bytes, (s + 1) * u.nbytes)
     assert arena.w13.stride(0) == arena.w2.stride(0) == u.elems
     assert arena.w13[0].is_contiguous() and arena.w2[0].is_contiguous()
 
@@ -167,15 +170,14 @@ def test_kv_pool_on_arena_copy_page(rng_seed):
     g = torch.Generator().manual_seed(rng_seed)
     pool.k[:, :5] = torch.randn(pool.k[:, :5].shape, generator=g)
     pool.v[:, :5] = torch.randn(pool.v[:, :5].shape, generator=g)
-    k_before, v_before, raw = pool.k.clone(), pool.v.clone(), arena.buffer.clone()
+    k_before, v_before, raw = pool.k.clone(), pool.v.clone(), arena.slot_buffer.clone()
     pool.copy_page(3, 1)
     assert torch.equal(pool.k[:, 1], k_before[:, 3]) and torch.equal(pool.v[:, 1], v_before[:, 3])
     for p in (0, 2, 3, 4):
         assert torch.equal(pool.k[:, p], k_before[:, p]) and torch.equal(
             pool.v[:, p], v_before[:, p]
         )
-    u = arena.kv_unit.nbytes
-    assert torch.equal(arena.buffer[2 * u :], raw[2 * u :])  # the slots untouched
+    assert torch.equal(arena.slot_buffer, raw)  # the slots untouched
     pool.copy_prefix(4, 2, 1)
     assert torch.equal(pool.k[:, 2, :1], k_before[:, 4, :1])
     assert torch.equal(pool.v[:, 2, 1:], v_before[:, 2, 1:])

@@ -43,36 +43,40 @@ def test_simulated_chunks_map_release_and_scribble(rng_seed):
     assert not mem.releasable(a, b) and mem.unmap(a, b) == 0
 
 
-def test_arena_releases_the_gap_and_maps_it_again(rng_seed):
+def test_arena_releases_what_is_unused_and_maps_it_again(rng_seed):
+    """Pages: every layer's lane keeps its first `pages` pages backed and gives back whole
+    chunks above them. Slots: the range below first_slot is not backed."""
     r = random.Random(rng_seed)
     kv = KVUnit(r.randint(1, 3), 4, r.randint(1, 2), r.choice([4, 8]), torch.float32)
     slot = SlotUnit(r.choice([8, 12]), r.choice([4, 6]), torch.float32)
-    nbytes = 40 * kv.nbytes + 30 * slot.nbytes
+    lane_page = kv.layer_elems * 4  # bytes of one page in one lane
     chunk = r.choice([kv.nbytes // 2, kv.nbytes, 3 * kv.nbytes // 2])
+    nbytes = 40 * kv.nbytes + 30 * slot.nbytes
     arena = ElasticArena(nbytes, "cpu", kv, slot, boundary=20 * kv.nbytes, chunk_bytes=chunk)
-    assert arena.memory.is_mapped(0, arena.kv_bytes)
-    assert arena.memory.is_mapped(arena.first_slot * slot.nbytes, arena.max_slots * slot.nbytes)
+    lanes, kc = 2 * kv.n_layers, arena.kv_memory.chunk  # the CPU maps lanes page by page
+    assert kc == lane_page and arena.slot_memory.chunk == chunk
+    assert arena.kv_backed(20) and arena.slots_backed(arena.first_slot)
+    assert not arena.slot_memory.is_mapped(0, arena.first_slot * slot.nbytes)
     arena.check_integrity()
-    # Fewer pages in use and the slots where they are: the bytes between go back.
     pages = r.randint(2, 10)
     before = arena.mapped_bytes
     freed = arena.release_unused(pages, arena.first_slot)
-    gap = arena.first_slot * slot.nbytes - pages * kv.nbytes
-    assert before - arena.mapped_bytes == freed
-    assert gap - 2 * chunk < freed <= gap + chunk  # whole chunks of the gap (and tail)
-    assert arena.memory.is_mapped(0, pages * kv.nbytes)
+
+    def chunks(n_pages: int) -> int:  # chunks a lane needs for n_pages
+        return -(-n_pages * lane_page // kc)
+
+    assert freed == before - arena.mapped_bytes == lanes * (chunks(20) - chunks(pages)) * kc
+    assert arena.kv_backed(pages) and (freed == 0 or not arena.kv_backed(20))
     arena.check_integrity()  # the usable slots are still backed
-    # Growing the pages again needs the chunks back.
-    assert not arena.memory.is_mapped(0, 20 * kv.nbytes) or freed == 0
-    assert arena.map_for(20, arena.first_slot)
-    assert arena.memory.is_mapped(0, 20 * kv.nbytes)
-    # Slots shrunk to a few: the gap widens upward.
+    assert arena.map_for(20, arena.first_slot) and arena.kv_backed(20)
+    # Slots shrunk to a few: the slot range below them goes back too.
     n = r.randint(1, 5)
     arena.set_boundary(arena.boundary_for(n_slots=n))
     arena.release_unused(20, arena.first_slot)
-    top = arena.max_slots * slot.nbytes
-    assert arena.memory.is_mapped(arena.first_slot * slot.nbytes, top)
-    assert arena.mapped_bytes <= 20 * kv.nbytes + n * slot.nbytes + 3 * chunk
+    assert arena.slots_backed(arena.first_slot)
+    sc = arena.slot_memory.chunk
+    assert arena.slot_memory.mapped_bytes <= n * slot.nbytes + 2 * sc
+    assert arena.kv_memory.mapped_bytes == lanes * chunks(20) * kc
 
 
 @pytest.mark.gpu

@@ -199,9 +199,12 @@ def test_budget_follows_free_memory_as_another_program_takes_and_releases(model)
     path, resident, rng = model
     engine = _elastic(path, resident, slots=40)
     m = engine.memory
-    chunk, sb = m.arena.memory.chunk, resident.spec.expert_bytes
+    chunk, sb = m.arena.slot_memory.chunk, resident.spec.expert_bytes
     reserve, headroom = rng.randint(2, 4) * chunk, rng.randint(0, 2) * sb
-    dev = SimulatedDevice(m.used_bytes() + reserve + headroom, engine)
+    # A device that holds the engine at its budget (and the backing's slack), the reserve and
+    # a headroom of 0-2 slots.
+    total = m.used_bytes() + m.budget - m.held_bytes() + reserve + headroom
+    dev = SimulatedDevice(total, engine)
     m.watch(dev.free_memory, reserve=reserve, poll_s=0)
     budget0, mapped0 = m.budget, m.mapped_bytes
     assert budget0 == m.user_budget  # the headroom covers the load-time budget
@@ -259,7 +262,7 @@ def test_cuda_engine_gives_vram_back_to_another_allocation(tmp_path, rng_seed):
         elastic_group_bytes=group, stream_min_tokens=128, **opts,
     )  # fmt: skip
     m = engine.memory
-    assert m is not None and m.arena.memory.releases  # CUDA virtual memory, not a fallback
+    assert m is not None and m.arena.slot_memory.releases  # CUDA virtual memory
     torch.cuda.synchronize()
     free0, _ = torch.cuda.mem_get_info()
     headroom = 8 << 20

@@ -292,7 +292,7 @@ def arena_banks(w13: torch.Tensor, w2: torch.Tensor, pages: int = 3):
     slot = SlotUnit(h, i, w13.dtype)
     nbytes = pages * kv.nbytes + (n + 1) * slot.nbytes + 5  # a gap slot and an odd tail
     arena = ElasticArena(nbytes, w13.device, kv, slot)
-    arena.buffer.fill_(0xFF)  # NaN in every float dtype
+    arena.slot_buffer.fill_(0xFF)  # NaN in every float dtype
     arena.set_boundary(arena.boundary_for(n_slots=n))
     first = arena.first_slot
     arena.w13[first:] = w13

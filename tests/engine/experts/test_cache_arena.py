@@ -24,7 +24,7 @@ def make(seed: int, max_slots: int = 14, slots: int = 10):
     kv = KVUnit(1, 3, 1, 5, torch.float32)  # 120 bytes: divides neither way into a slot's 384
     slot = SlotUnit(H, I, torch.float32)
     arena = ElasticArena(max_slots * slot.nbytes + 7, "cpu", kv, slot)
-    arena.buffer.fill_(0xFF)  # NaN: a slot read before its fill shows up
+    arena.slot_buffer.fill_(0xFF)  # NaN: a slot read before its fill shows up
     arena.set_boundary(arena.boundary_for(n_slots=slots))
     cache = ExpertCache(pool, 0, torch.device("cpu"), lids_per_layer=E, arena=arena)
     return pool, arena, cache
@@ -69,7 +69,7 @@ def test_resize_randomized(rng_seed):
             assert cache.resize(first) == []
             arena.set_boundary(arena.boundary_for(n_slots=cache.n_slots))
         # the KV side scribbles over everything below first_slot after a move of the boundary
-        arena.buffer[: cache.first_slot * arena.slot_unit.nbytes].fill_(0xFF)
+        arena.slot_buffer[: cache.first_slot * arena.slot_unit.nbytes].fill_(0xFF)
         check(cache, pool)
         assert {0, 1} <= set(cache._lru), "pinned lids evicted"
         if r.random() < 0.1:  # lend and give back, then the cache still works
