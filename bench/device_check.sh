@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: install without network, run the GPU tests, then benchmarks.
-# Usage (on the device): bash bench/device_check.sh STAGE...   stages: tests decode kernels
+# Usage (on the device): bash bench/device_check.sh STAGE...
+# stages: tests engine-tests elastic-tests decode kernels kv-layout elastic-a elastic-b
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -21,6 +22,22 @@ for stage in "$@"; do
     decode)
       timeout 400 python3 -m freetoken_agent.bench decode --out "$OUT" 2>&1 \
         | tee "$OUT/decode_baseline.log" | tail -12 ;;
+    elastic-tests)  # the arena, its virtual memory, the watcher, the no-recompile check
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_device_memory.py \
+        tests/engine/test_elastic_memory.py tests/engine/experts/test_cache_arena.py \
+        tests/kernels/test_paged_attention.py tests/kernels/test_fused_moe.py 2>&1 \
+        | tee "$OUT/gpu_elastic_tests.log" | tail -8 ;;
+    kv-layout)
+      timeout 300 python3 -m freetoken_agent.bench kv-layout --out "$OUT/kv_layout.json" 2>&1 \
+        | tee "$OUT/kv_layout.log" | tail -12 ;;
+    elastic-a)  # one engine per command: each run is ~4 minutes at 48 layers
+      timeout 560 python3 -m freetoken_agent.bench elastic --engines elastic \
+        --routing zipf:1.0,loc:0.7 --decode-tokens 128 --out "$OUT/elastic_a.json" 2>&1 \
+        | tee "$OUT/elastic_a.log" | grep -E "^elastic|^engine" ;;
+    elastic-b)  # then: freetoken bench elastic --merge elastic_b.json elastic_a.json --out ...
+      timeout 560 python3 -m freetoken_agent.bench elastic --engines fixed-first fixed-last \
+        --routing zipf:1.0,loc:0.7 --decode-tokens 128 --out "$OUT/elastic_b.json" 2>&1 \
+        | tee "$OUT/elastic_b.log" | grep -E "^fixed|^engine" ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;
