@@ -100,10 +100,13 @@ class ElasticArena:
         self.max_pages = nbytes // kv.nbytes
         self.max_slots = nbytes // slot.nbytes if slot is not None else 0
         # A lane: one layer's K (or V) for every page, whole chunks (lanes share no chunk).
-        # A simulated device (the CPU) has no mapping granularity: its lanes map page by page.
+        # A simulated device (the CPU) has no mapping granularity: its lanes map page by page,
+        # or in runs of pages that keep a lane to 256 chunks (bookkeeping loops stay short).
         self.page_lane_bytes = kv.layer_elems * kv.dtype.itemsize  # one page of one lane
-        cuda = self.device.type == "cuda"
-        kv_chunk = min(KV_CHUNK_BYTES, chunk_bytes) if cuda else self.page_lane_bytes
+        if self.device.type == "cuda":
+            kv_chunk = min(KV_CHUNK_BYTES, chunk_bytes)
+        else:
+            kv_chunk = self.page_lane_bytes * -(-self.max_pages // 256)
         self.lane_bytes = -(-self.max_pages * self.page_lane_bytes // kv_chunk) * kv_chunk
         self.kv_memory = arena_memory(2 * kv.n_layers * self.lane_bytes, self.device, kv_chunk)
         self.kv_buffer = self.kv_memory.view()  # [2L * lane_bytes] uint8
