@@ -280,8 +280,11 @@ def test_cuda_engine_gives_vram_back_to_another_allocation(tmp_path, rng_seed):
     assert [engine._collect(r).token_ids for r in rids] == want
     torch.cuda.synchronize()
     free, _ = torch.cuda.mem_get_info()
-    assert m.budget < budget0 and m.released_bytes >= taken_bytes - headroom - 2 * group
-    assert free >= free0 - headroom - 3 * group, (free0, free)  # the reserve is free again
+    # The backing's slack (a partial chunk at the top of every KV lane and at the first slot)
+    # may shift by a chunk each.
+    slack = (2 * len(resident.spec.attention_layers) + 2) * m.arena.kv_memory.chunk + group
+    assert m.budget < budget0 and m.released_bytes >= taken_bytes - headroom - slack
+    assert free >= free0 - headroom - slack, (free0, free)  # the reserve is free again
     del other
     torch.cuda.empty_cache()
     for _ in range(10):
