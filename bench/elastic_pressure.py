@@ -48,7 +48,7 @@ class Pressure:
             self.pause, self.slack = POLL_S, PIECE
         # The elastic arena maps what it uses: what it may still map up to its budget is its
         # own, so that stays free beside the reserve and the headroom.
-        room = max(0, mem.max_budget - mem.held_bytes()) if mem is not None else 0
+        room = max(0, mem.user_budget - mem.held_bytes()) if mem is not None else 0
         leave = reserve + args.headroom + room
         record.update(reserve=reserve, headroom=args.headroom, leave=leave)
         try:

@@ -89,9 +89,11 @@ class ElasticArena:
         slot: SlotUnit | None = None,
         boundary: int | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        pages: int | None = None,
     ) -> None:
         """`chunk_bytes`: the slots' map/release granularity; the KV lanes use at most
-        KV_CHUNK_BYTES (2L lanes each round up to a chunk)."""
+        KV_CHUNK_BYTES (2L lanes each round up to a chunk). `pages`: the pages in use at the
+        start (`initial_pages`, backed now; default: every page below the boundary)."""
         if nbytes < 2 * kv.nbytes:
             raise ValueError(f"an arena of {nbytes} bytes holds fewer than 2 KV pages")
         self.device = torch.device(device)
@@ -119,7 +121,12 @@ class ElasticArena:
             self.w13, self.w2 = self._slot_views()
         self.boundary = 0
         self.set_boundary(nbytes if boundary is None else boundary)
-        if not self.map_for(self.kv_pages, self.first_slot):
+        self.initial_pages = self.kv_pages if pages is None else pages
+        if not 2 <= self.initial_pages <= self.kv_pages:
+            raise ValueError(
+                f"{self.initial_pages} pages in use, {self.kv_pages} below the boundary"
+            )
+        if not self.map_for(self.initial_pages, self.first_slot):
             raise torch.cuda.OutOfMemoryError(f"no device memory for an arena of {nbytes} bytes")
 
     def _kv_views(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -267,6 +267,10 @@ class EngineConfig:
     # `memory_poll_s` seconds at the safe points (and by an idle EngineService).
     follow_free_memory: bool = True
     memory_reserve: int = 1 << 30  # also what a load without gpu_budget leaves free
+    # The most the elastic budget may grow to, in all, when memory frees up or the user raises
+    # it (bytes): the arena reserves addresses for it and backs only what it uses. None: on
+    # CUDA the device's total memory less memory_reserve; on the CPU the budget itself.
+    gpu_ceiling: int | None = None
     memory_poll_s: float = 0.5
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

@@ -170,7 +170,7 @@ def assemble(
     arena = getattr(getattr(bank, "cache", None), "arena", None)
     if arena is not None:  # elastic memory: the KV pool lives in the arena with the slots
         kv = KVPool.on_arena(arena)
-        n_pages = arena.kv_pages
+        n_pages = arena.initial_pages
         # A sequence may grow as far as the arena allows with the fewest slots.
         most = arena.boundary_for(n_slots=bank.min_slots) // arena.kv_unit.nbytes - 1
         max_len = min(max_len, most * config.page_size)

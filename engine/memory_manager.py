@@ -14,12 +14,14 @@ asks `MemoryPolicy.decide`, and carries the answer out on the shared arena (engi
 Pointers never change (the arena is allocated once), so kernels and captured CUDA graphs stay
 valid; the CPU pool is never reloaded. Every change is recorded in a `MemoryTrace`.
 
-The budget never exceeds the load-time one (`gpu_budget`, or free memory at load), whose
-addresses the arena reserved. Below it, it is the lower of the user's (`set_gpu_budget`) and,
-with a watcher (`watch`: on CUDA at load, `EngineConfig.follow_free_memory`), what free device
-memory allows: the engine keeps `memory_reserve` bytes free, so when another program takes
-VRAM the budget drops by the shortfall at the next safe point, and when it gives VRAM back the
-budget grows again (engine/memory.py `BudgetWatcher`). A lower budget is enforced by the split
+The budget never exceeds the ceiling (`EngineConfig.gpu_ceiling`: by default the device's
+memory less the reserve), for which the arena reserved addresses. Below it, it is the lower of
+the user's (`gpu_budget` at load or `set_gpu_budget`; without one, the ceiling) and, with a
+watcher (`watch`: on CUDA at load, `EngineConfig.follow_free_memory`), what free device memory
+allows: the engine keeps `memory_reserve` bytes free, so when another program takes VRAM the
+budget drops by the shortfall at the next safe point, and when VRAM frees up (that program
+exits, or one that ran before the engine loaded) the budget grows again
+(engine/memory.py `BudgetWatcher`). A lower budget is enforced by the split
 and made real by the arena's backing: the chunks above the last KV page (in every layer's lane)
 and below the first slot are unmapped and go back to the driver (engine/device_memory.py);
 growing maps them again, and a map that fails (someone else took the memory first) leaves the
@@ -60,16 +62,22 @@ class MemoryManager:
         kv: KVPool,
         bank,
         scheduler: Scheduler,
+        fixed: int,
         budget: int,
         policy: MemoryPolicy | None = None,
         trace: MemoryTrace | None = None,
+        explicit: bool = True,
     ) -> None:
+        """`fixed`: dense weights, workspace, recurrent memory, staging of its own; `budget`:
+        the budget at load (what the split was sized for); `explicit`: the user gave it (a
+        cap the watcher keeps), else the watcher may grow it up to the ceiling."""
         self.arena, self.kv, self.bank, self.scheduler = arena, kv, bank, scheduler
         self.cache = bank.cache
-        self.max_budget = budget
-        self.budget = budget
-        self.user_budget = budget  # set_gpu_budget's, at most max_budget
-        self.fixed = budget - arena.nbytes  # dense, workspace, recurrent memory, staging
+        self.fixed = fixed
+        self.max_budget = fixed + arena.nbytes  # the ceiling: the arena's addresses
+        self.budget = min(budget, self.max_budget)
+        self.user_budget = self.budget  # set_gpu_budget's, at most max_budget
+        self.explicit = explicit
         self.policy = policy or MemoryPolicy()
         self.trace = trace or MemoryTrace()
         self.watcher: BudgetWatcher | None = None
@@ -107,7 +115,8 @@ class MemoryManager:
         return self.fixed + pages + self.cache.n_slots * a.slot_unit.nbytes
 
     def set_budget(self, nbytes: int) -> None:
-        """Applied at the next safe point. At most the load-time budget (the arena's size)."""
+        """Applied at the next safe point. At most the ceiling (`max_budget`: the addresses
+        the arena reserved, EngineConfig.gpu_ceiling)."""
         nbytes = int(nbytes)
         if nbytes <= self.fixed:
             raise ValueError(
@@ -115,6 +124,7 @@ class MemoryManager:
                 "weights, workspace and recurrent memory"
             )
         self.user_budget = min(nbytes, self.max_budget)
+        self.explicit = True
         if self.watcher is not None:
             self.watcher.set_budget(self.user_budget)
         self.budget = self._effective_budget(poll=False)
@@ -122,7 +132,10 @@ class MemoryManager:
     def watch(self, free_memory, reserve: int | None = None, poll_s: float | None = None) -> None:
         """Follow free device memory: `free_memory()` -> (free, total) bytes. The budget becomes
         the lower of the user's and free + used - reserve (BudgetWatcher), read at the safe
-        points at most every `poll_s` seconds."""
+        points at most every `poll_s` seconds. Without a budget from the user, the budget may
+        grow up to the ceiling as memory frees up (another program exits)."""
+        if not self.explicit:
+            self.user_budget = self.max_budget
         self.watcher = BudgetWatcher(
             configured=self.user_budget,
             reserve=1 << 30 if reserve is None else int(reserve),
@@ -361,7 +374,17 @@ def elastic_memory(loaded, scheduler: Scheduler) -> MemoryManager | None:
         - bank.cache.nbytes
     )
     policy = MemoryPolicy(group_bytes=config.elastic_group_bytes)
-    manager = MemoryManager(arena, loaded.kv, bank, scheduler, fixed + arena.nbytes, policy)
+    # The budget at load: the user's, or what the split was sized for (free memory at load).
+    sized = (
+        fixed
+        + arena.initial_pages * arena.kv_unit.nbytes
+        + (arena.n_slots + 1) * (arena.slot_unit.nbytes)
+    )
+    explicit = config.gpu_budget is not None
+    budget = config.gpu_budget if explicit else sized
+    manager = MemoryManager(
+        arena, loaded.kv, bank, scheduler, fixed, budget, policy, None, explicit
+    )
     if loaded.device.type == "cuda" and config.follow_free_memory:
         manager.watch(cuda_free_memory(loaded.device), config.memory_reserve, config.memory_poll_s)
     return manager

@@ -15,7 +15,7 @@ import torch
 
 from freetoken_agent.engine.arena import ElasticArena, KVUnit, SlotUnit
 from freetoken_agent.engine.config import EngineConfig, ModelSpec
-from freetoken_agent.engine.device_memory import CHUNK_BYTES
+from freetoken_agent.engine.device_memory import CHUNK_BYTES, virtual_memory_works
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank, lends_staging
 from freetoken_agent.engine.experts.pool import ExpertPool
@@ -89,7 +89,7 @@ def make_bank(
     if config.policy == "adaptive" and slots >= n_rows:
         return ResidentExpertBank(spec, dtype, device)
     pool = ExpertPool.empty(spec, dtype)
-    arena = elastic_arena(spec, config, device, dtype, slots)
+    arena = elastic_arena(spec, config, device, dtype, slots, dense)
     measured = calibration.cached(spec.hidden_size, spec.moe_intermediate_size, dtype)
     if measured is None and config.policy == "adaptive" and device.type == "cuda":
         log.info("no bandwidth calibration for this machine yet: run `freetoken calibrate`")
@@ -106,11 +106,30 @@ def make_bank(
     )
 
 
+def gpu_ceiling(config: EngineConfig, device: torch.device, budget: int) -> int:
+    """The most the elastic budget may grow to (EngineConfig.gpu_ceiling), at least `budget`."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if not virtual_memory_works(index):  # the arena is one allocation of its full size
+            return budget
+    if config.gpu_ceiling is not None:
+        return max(config.gpu_ceiling, budget)
+    if device.type == "cuda":
+        return max(torch.cuda.mem_get_info(device)[1] - config.memory_reserve, budget)
+    return budget
+
+
 def elastic_arena(
-    spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype, slots: int
+    spec: ModelSpec,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    slots: int,
+    dense: int,
 ) -> ElasticArena | None:
-    """The arena KV pages and expert slots share when memory is elastic: sized for the
-    `kv_tokens` KV pool and the `slots` the budget left (slot_count), split there at load."""
+    """The arena KV pages and expert slots share when memory is elastic: `kv_tokens` of KV and
+    the `slots` the budget left (slot_count) at load, with room up to the ceiling (addresses
+    only: the arena backs what it uses)."""
     budget_known = device.type == "cuda" or config.gpu_budget is not None
     if not (config.elastic and budget_known and config.expert_slots is None):
         return None
@@ -120,5 +139,9 @@ def elastic_arena(
     # One slot unit of slack: the first slot starts at the next slot boundary after the pages.
     # Memory is released and mapped in chunks no larger than a move of the split.
     nbytes = pages * kv.nbytes + (slots + 1) * slot.nbytes
+    budget = gpu_budget(config, device, dense)
+    nbytes += gpu_ceiling(config, device, budget) - budget  # room to grow into
     chunk = min(CHUNK_BYTES, config.elastic_group_bytes)
-    return ElasticArena(nbytes, device, kv, slot, boundary=pages * kv.nbytes, chunk_bytes=chunk)
+    # Slots from the top, `pages` backed: with room to grow the boundary's page bound is more.
+    boundary = (nbytes // slot.nbytes - slots) * slot.nbytes
+    return ElasticArena(nbytes, device, kv, slot, boundary, chunk, pages=pages)

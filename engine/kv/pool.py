@@ -138,7 +138,7 @@ class KVPool:
         pool = cls.__new__(cls)
         pool.k, pool.v = arena.k, arena.v
         pool.page_size = arena.kv_unit.page_size
-        pool.allocator = PageAllocator(arena.kv_pages)
+        pool.allocator = PageAllocator(min(arena.initial_pages, arena.kv_pages))
         pool.arena = arena
         return pool
 

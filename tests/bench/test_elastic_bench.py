@@ -53,7 +53,8 @@ def test_cpu_smoke_moves_memory_and_never_fails(tmp_path, capsys, rng_seed):
     assert p["asked"] > 0 and p["complete"] is True and p["got"] == p["asked"]
     assert p["got"] > p["leave"] == p["free_after_ballast"]  # more than was free at the start
     st = report["engines"]["elastic"]["stats"]["elastic"]
-    assert st["user_budget"] == st["max_budget"] and st["released_bytes"] > 0
+    assert st["user_budget"] == min(report["args"]["budget"], st["max_budget"])  # as loaded
+    assert st["released_bytes"] > 0
     # Free memory dropped under the take and came back (not to the byte: the arena backs
     # what the split uses, and turn 4's split holds more pages than turn 2's).
     assert el[2]["free_gb"] < min(el[1]["free_gb"], el[3]["free_gb"])

@@ -293,3 +293,34 @@ def test_cuda_engine_gives_vram_back_to_another_allocation(tmp_path, rng_seed):
     out = engine.generate(prompts[0], sp)
     assert out.token_ids == want[0]
     engine.check_integrity()
+
+
+def test_budget_grows_past_the_load_time_one_up_to_the_ceiling(model):
+    """The arena reserves addresses up to `gpu_ceiling` and backs only what the split uses:
+    raising the budget past the one at load grows the split (and maps its memory) without a
+    restart, outputs unchanged; the ceiling caps it."""
+    path, resident, rng = model
+    spec = resident.spec
+    base = _elastic(path, resident, slots=40)
+    budget = base.memory.budget
+    ceiling = budget + rng.randint(16, 24) * spec.expert_bytes
+    engine = Engine.load(
+        path, device="cpu", progress=False, policy="transfer", gpu_budget=budget,
+        gpu_ceiling=ceiling, kv_tokens=256, elastic_group_bytes=4 * spec.expert_bytes,
+        max_model_len=2048,
+    )  # fmt: skip
+    m = engine.memory
+    assert m.budget == m.user_budget == budget and m.max_budget >= ceiling - spec.expert_bytes
+    held0, mapped0 = m.held_bytes(), m.mapped_bytes
+    assert m.mapped_bytes < ceiling - m.fixed  # the room is addresses, not memory
+    engine.set_gpu_budget(ceiling)
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(30, 80))]
+    assert _run(engine, prompt) == resident.generate(prompt, SP).token_ids
+    assert m.budget == ceiling or m.budget == m.max_budget
+    # The split took the new bytes (pages here: this model's slots already hold every expert)
+    # and the arena backed them.
+    assert m.held_bytes() > held0 + (ceiling - budget) // 2 and m.mapped_bytes > mapped0
+    assert m.held_bytes() <= m.budget
+    engine.set_gpu_budget(ceiling * 4)
+    assert m.user_budget == m.max_budget  # capped at the ceiling
+    engine.check_integrity()

@@ -77,8 +77,12 @@ def test_eviction_frees_pages(setup):
 
 def test_preempted_requests_match_unpressured_run(setup):
     path, rng = setup
-    prompts = [_tokens(rng, rng.randrange(40, 150)) for _ in range(6)]
-    # Decodes of 40 tokens cross page boundaries, so running requests outgrow the 13 pages.
+    # Four short prompts (3-4 pages each) run together and outgrow the 13 pages as their
+    # 40-token decodes cross page boundaries; two long ones wait (a seed that drew only long
+    # prompts ran them one at a time and never preempted).
+    prompts = [_tokens(rng, rng.randrange(40, 60)) for _ in range(4)]
+    prompts += [_tokens(rng, rng.randrange(100, 150)) for _ in range(2)]
+    rng.shuffle(prompts)
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     roomy = Engine.load(path, device="cpu", progress=False, kv_tokens=8192)
     ref = [o.token_ids for o in roomy.generate(prompts, sp)]

@@ -35,9 +35,10 @@ def elastic_client(model_dir):
 def test_budget_change_applies_and_is_traced(elastic_client):
     client, engine = elastic_client
     before = client.get("/v1/memory").json()
-    assert before["elastic"]["budget"] == engine.memory.max_budget
+    loaded = min(engine.config.gpu_budget, engine.memory.max_budget)  # the user's, at most
+    assert before["elastic"]["budget"] == loaded  # the arena's ceiling (here: the same)
     assert before["trace"]["records"][0]["reason"] == "load"
-    cut = engine.memory.max_budget - 8 * engine.spec.expert_bytes
+    cut = loaded - 8 * engine.spec.expert_bytes
     reply = client.post("/v1/memory/budget", json={"bytes": cut})
     assert reply.status_code == 200, reply.text
     assert reply.json()["elastic"]["budget"] == cut
@@ -71,7 +72,7 @@ def test_bad_budgets_are_400(elastic_client, body, param):
     assert error["message"]
     if param is not None:
         assert error["param"] == param
-    assert engine.memory.budget == engine.memory.max_budget
+    assert engine.memory.budget == min(engine.config.gpu_budget, engine.memory.max_budget)
 
 
 def test_not_elastic_engine_says_so(client):
