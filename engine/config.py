@@ -263,7 +263,8 @@ class EngineConfig:
     elastic_group_bytes: int = 64 << 20  # the split moves in groups of this many bytes
     # On CUDA the elastic budget also follows free device memory: it keeps `memory_reserve`
     # bytes free for the driver and other programs, yields when another program takes VRAM
-    # and grows back (at most to the load-time budget) when it is released; read every
+    # and grows back when it is released (up to the user's budget, or without one up to
+    # gpu_ceiling: memory freed after load is taken too); read every
     # `memory_poll_s` seconds at the safe points (and by an idle EngineService).
     follow_free_memory: bool = True
     memory_reserve: int = 1 << 30  # also what a load without gpu_budget leaves free

@@ -188,7 +188,8 @@ class Engine:
     def set_gpu_budget(self, nbytes: int) -> None:
         """Change the GPU budget while running; applied at the next safe point (KV pages and
         expert slots re-split, requests preempted rather than failing if even the fewest slots
-        leave too few pages). At most the budget the engine was loaded with."""
+        leave too few pages). At most the ceiling the arena reserved addresses for
+        (EngineConfig.gpu_ceiling); higher values are capped there."""
         if self.memory is None:
             raise InvalidRequestError(
                 "this engine's memory is not elastic (experts resident, elastic=False, or no "
