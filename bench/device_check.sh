@@ -2,6 +2,7 @@
 # One device-machine session: install without network, run the GPU tests, then benchmarks.
 # Usage (on the device): bash bench/device_check.sh STAGE...
 # stages: tests engine-tests elastic-tests decode kernels kv-layout elastic-a elastic-b
+#         elastic-hybrid-a elastic-hybrid-b (the Qwen3.6-35B-A3B shape: a quarter of the KV)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -38,6 +39,16 @@ for stage in "$@"; do
       timeout 560 python3 -m freetoken_agent.bench elastic --engines fixed-first fixed-last \
         --routing zipf:1.0,loc:0.7 --decode-tokens 128 --out "$OUT/elastic_b.json" 2>&1 \
         | tee "$OUT/elastic_b.log" | grep -E "^fixed|^engine" ;;
+    elastic-hybrid-a)
+      timeout 560 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
+        --engines elastic --routing zipf:1.0,loc:0.7 --decode-tokens 128 \
+        --out "$OUT/elastic_hybrid_a.json" 2>&1 | tee "$OUT/elastic_hybrid_a.log" \
+        | grep -E "^elastic|^engine" ;;
+    elastic-hybrid-b)
+      timeout 560 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
+        --engines fixed-first fixed-last --routing zipf:1.0,loc:0.7 --decode-tokens 128 \
+        --out "$OUT/elastic_hybrid_b.json" 2>&1 | tee "$OUT/elastic_hybrid_b.log" \
+        | grep -E "^fixed|^engine" ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;

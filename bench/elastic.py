@@ -1,13 +1,15 @@
 """Elastic memory over a growing agent session, against two fixed splits (issue 6's acceptance).
 
-    python -m freetoken_agent.bench elastic [--layers 48] [--budget-gb 32] [--turns 20]
+    python -m freetoken_agent.bench elastic [--shape S] [--layers N] [--budget-gb 32]
     python -m freetoken_agent.bench elastic --cpu-smoke      # CI: tiny model, 4 short turns
 
-Qwen3-30B-A3B shape (random bf16 weights, experts in a pinned host pool, policy adaptive, context
-raised to hold the session) under --budget-gb. --turns turns, context growing geometrically from
---start-tokens to --end-tokens: each re-sends the history (earlier prompts and the engine's own
-answers: prefix reuse serves them) plus new random tokens (fixed seed), then decodes
---decode-tokens. Three engines, each built fresh from the same seed, run the same session:
+--shape qwen3-30b-a3b (default, 48 attention layers) or qwen3.6-35b-a3b (40 layers, every 4th
+full attention, the rest gated DeltaNet: a quarter of the KV per token), random bf16 weights,
+experts in a pinned host pool, policy adaptive, context raised to hold the session, under
+--budget-gb. --turns turns, context growing geometrically from --start-tokens to --end-tokens:
+each re-sends the history (earlier prompts and the engine's own answers: prefix reuse serves
+them; a hybrid model resumes from the checkpoint at the previous prompt's end, an anchor) plus
+new random tokens (fixed seed), then decodes --decode-tokens. Three engines, each built fresh from the same seed, run the same session:
 elastic (default config: KV pages and expert slots share one arena, split on demand),
 fixed-first (elastic=False, kv_tokens = turn 1's context + decode, the rest to slots) and
 fixed-last (kv_tokens = the last turn's context + decode). A turn a split cannot hold (prompt
@@ -64,6 +66,7 @@ from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGen
 from freetoken_agent.engine.engine import Engine
 from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.pool import KVPool
+from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 from freetoken_agent.engine.loading import dense_nbytes
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -106,6 +109,18 @@ def session(args) -> list[tuple[int, list[int], list[int]]]:
     return turns
 
 
+def shape_config(args) -> tuple[dict, int]:
+    """(model config, stream_min_tokens) of --shape at --layers (device) or toy size."""
+    from freetoken_agent.bench import agent  # the Qwen3.6 shape lives with its first bench
+
+    if args.shape == "qwen3.6-35b-a3b":
+        # 128 tokens of a 256-expert top-8 layer touch ~98% of its experts: stream from there.
+        cfg = agent.TINY_HYBRID if args.cpu_smoke else agent.device_config(args.layers or 40)
+        return dict(cfg), 128
+    cfg = TINY_QWEN3_MOE if args.cpu_smoke else peer_slice(QWEN3_30B_A3B, args.layers or 48)
+    return dict(cfg), 512
+
+
 def build(args, name: str, turns) -> Engine:
     first, last = turns[0][0], turns[-1][0]
     common = dict(max_model_len=last + args.decode_tokens + 16, max_batched_tokens=args.chunk)
@@ -119,7 +134,7 @@ def build(args, name: str, turns) -> Engine:
         options.update(elastic_group_bytes=args.smoke_group)
     if args.cpu_smoke:
         return random_engine(args.cfg, device="cpu", std=0.1, policy="transfer", **options)
-    return random_engine(args.cfg, policy=args.policy, stream_min_tokens=512, **options)
+    return random_engine(args.cfg, policy=args.policy, stream_min_tokens=args.stream_min, **options)
 
 
 def smoke_budget(cfg: dict, args) -> tuple[int, int]:
@@ -135,7 +150,9 @@ def smoke_budget(cfg: dict, args) -> tuple[int, int]:
     pages = -(-(args.start_tokens + args.decode_tokens) // s) + 1
     staging = 2 * spec.n_experts * spec.expert_bytes
     arena = pages * page + (SMOKE_SLOTS + 1) * spec.expert_bytes
-    return dense_nbytes(probe.loaded.model) + workspace_bytes(spec, config) + staging + arena, arena
+    recurrent = recurrent_device_bytes(spec, config, torch.device("cpu"), spec.dtype, 0)
+    fixed = dense_nbytes(probe.loaded.model) + workspace_bytes(spec, config) + staging + recurrent
+    return fixed + arena, arena
 
 
 def _counters(engine: Engine) -> tuple[int, int]:
@@ -149,7 +166,9 @@ def run_turn(engine: Engine, ids: list[int], n_decode: int, tick=None) -> dict:
     tick = tick or (lambda: None)
     sp = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
     try:
-        rid = engine.submit(ids, sp)
+        # An anchor at the prompt's end: a hybrid model checkpoints its recurrent state there,
+        # so the next turn (this history plus more) resumes from it (attention: ignored).
+        rid = engine.submit(ids, sp, anchors=[len(ids)])
     except InvalidRequestError as e:
         return {"failed": f"refused: {e}"}
     req = engine._requests[rid]
@@ -328,7 +347,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_knobs(parser, KNOBS)
-    parser.add_argument("--layers", type=int, default=48, help="model depth (cut: quicker)")
+    parser.add_argument(
+        "--shape",
+        default="qwen3-30b-a3b",
+        choices=("qwen3-30b-a3b", "qwen3.6-35b-a3b"),
+        help="model shape: Qwen3-30B-A3B (48 attention layers) or Qwen3.6-35B-A3B "
+        "(40 layers, every 4th full attention: a quarter of the KV per token)",
+    )
+    parser.add_argument("--layers", type=int, default=None,
+                        help="model depth (default: the shape's; cut: quicker)")  # fmt: skip
     parser.add_argument("--budget-gb", type=float, default=32.0, help="GPU budget (GB)")
     text = "what the other program takes (GB; --cpu-smoke: a quarter of the arena)"
     parser.add_argument("--pressure-gb", type=float, default=8.0, help=text)
@@ -372,15 +399,15 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.end_tokens + args.decode_tokens + 16
     if args.routing != "native":
         Regime.parse(args.routing)  # a typo fails here, not after the first engine
+    cfg, args.stream_min = shape_config(args)
     if args.cpu_smoke:
-        args.cfg = {**TINY_QWEN3_MOE, "max_position_embeddings": max(4096, max_len)}
+        args.cfg = {**cfg, "max_position_embeddings": max(4096, max_len)}
         args.budget, arena = smoke_budget(args.cfg, args)
         # The toy arena's scale: the other program asks a quarter of it; the engine keeps an
         # eighth free; the ballast leaves a sixteenth beside that.
         args.pressure_bytes, args.smoke_reserve, args.headroom = arena // 4, arena // 8, arena // 16
         args.smoke_group = arena // 16
     else:
-        cfg = peer_slice(QWEN3_30B_A3B, args.layers)
         args.cfg = {**cfg, "max_position_embeddings": max(cfg["max_position_embeddings"], max_len)}
         args.budget = int(args.budget_gb * 1e9)
         args.pressure_bytes = int(args.pressure_gb * 1e9)

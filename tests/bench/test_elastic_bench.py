@@ -168,3 +168,24 @@ def test_merge_joins_engines_run_separately(tmp_path, rng_seed):
     other = ["--cpu-smoke", "--seed", str(rng_seed + 1), "--engines", "elastic", "--out", str(c)]
     assert elastic.main(other) == 0
     assert elastic.main(["--merge", str(a), str(c), "--out", str(tmp_path / "x.json")]) == 2
+
+
+def test_cpu_smoke_on_the_hybrid_shape_resumes_from_anchors(tmp_path, rng_seed):
+    """--shape qwen3.6-35b-a3b (gated DeltaNet with every 4th layer full attention): each
+    turn resumes from the checkpoint at the previous prompt's end, the elastic engine never
+    fails and absorbs the other program, as on the attention-only shape."""
+    out = tmp_path / "hybrid.json"
+    argv = ["--cpu-smoke", "--shape", "qwen3.6-35b-a3b", "--seed", str(rng_seed)]
+    assert elastic.main([*argv, "--engines", "elastic", "fixed-last", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"]["model_type"] == "qwen3_5_moe_text"
+    el = report["engines"]["elastic"]["turns"]
+    contexts = report["contexts"]
+    assert all("failed" not in r for r in el)
+    for prev, row in zip(el, el[1:], strict=False):  # the previous prompt, from its checkpoint
+        assert row["reused_tokens"] == prev["context"]
+        assert row["prefilled_tokens"] == row["context"] - prev["context"]
+    assert [r["context"] for r in el] == contexts
+    p = report["engines"]["elastic"]["pressure"]
+    assert p["complete"] is True and p["got"] == p["asked"]
+    assert report["summary"]["absorbed"] is True
