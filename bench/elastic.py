@@ -9,12 +9,13 @@ experts in a pinned host pool, policy adaptive, context raised to hold the sessi
 --budget-gb. --turns turns, context growing geometrically from --start-tokens to --end-tokens:
 each re-sends the history (earlier prompts and the engine's own answers: prefix reuse serves
 them; a hybrid model resumes from the checkpoint at the previous prompt's end, an anchor) plus
-new random tokens (fixed seed), then decodes --decode-tokens. Three engines, each built fresh from the same seed, run the same session:
-elastic (default config: KV pages and expert slots share one arena, split on demand),
-fixed-first (elastic=False, kv_tokens = turn 1's context + decode, the rest to slots) and
-fixed-last (kv_tokens = the last turn's context + decode). A turn a split cannot hold (prompt
-refused, fewer tokens decoded than asked, an error) is reported failed and the session goes on
-with a scripted answer in the engine's place; an engine that cannot be built fails every turn.
+new random tokens (fixed seed), then decodes --decode-tokens. Three engines, each built fresh
+from the same seed, run the same session: elastic (default config: KV pages and expert slots
+share one arena, split on demand), fixed-first (elastic=False, kv_tokens = turn 1's context +
+decode, the rest to slots) and fixed-last (kv_tokens = the last turn's context + decode). A
+turn a split cannot hold (prompt refused, fewer tokens decoded than asked, an error) is reported
+failed and the session goes on with a scripted answer in the engine's place; an engine that
+cannot be built fails every turn.
 
 Pressure: another process (bench/vram_hog.py, its own CUDA context: it gets only what the
 driver has free). After each engine is built and warmed up (a prompt of one prefill chunk: its
