@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from itertools import islice
 from typing import TYPE_CHECKING
 
 import torch
@@ -357,16 +356,13 @@ class ExpertCache:
         """Hits per step that giving up k slots would lose: how many of the k least recently
         used resident lids were hit within the last `window` steps (the current one
         included), divided by `window`. Pinned lids are skipped (they are never given up).
-        O(k) from the cold end of the LRU (plus pinned lids passed over)."""
-        since = self.step - window
-        tail = islice((lid for lid in self._lru if lid not in self._pinned_set), k)
-        hot = sum(self._last_hit[lid] > since for lid in tail)
-        return hot / window
+        One read of `tail_profile`; the MemoryManager keeps a profile for many k instead."""
+        hot = self.tail_profile(window)
+        return hot[min(k, len(hot) - 1)] / window
 
     def tail_profile(self, window: int) -> list[int]:
         """hot[k]: how many of the k least recently used unpinned resident lids were hit within
-        the last `window` steps (hot[0] = 0), for every k at once: tail_hits(k, window) is
-        hot[k] / window. One O(slots) walk."""
+        the last `window` steps (hot[0] = 0), for every k at once. One O(slots) walk."""
         since, hot, n = self.step - window, [0], 0
         for lid in self._lru:
             if lid not in self._pinned_set:

@@ -10,6 +10,7 @@ import torch
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.bench.simulated_device import SimulatedDevice
 from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.loading import dense_nbytes
 from freetoken_agent.engine.outputs import InvalidRequestError
@@ -181,17 +182,6 @@ def test_request_that_cannot_fit_the_cut_budget_fails_clearly(model):
     engine.check_integrity()
 
 
-class SimulatedDevice:
-    """A device whose memory the engine shares with other programs: free = total - what the
-    engine holds (its fixed bytes and the arena's mapped chunks) - the others'."""
-
-    def __init__(self, total: int, engine: Engine) -> None:
-        self.total, self.engine, self.others = total, engine, 0
-
-    def free_memory(self) -> tuple[int, int]:
-        return self.total - self.others - self.engine.memory.used_bytes(), self.total
-
-
 def test_budget_follows_free_memory_as_another_program_takes_and_releases(model):
     """Another program takes more than the free headroom: at the next safe point the engine
     drops its budget by the shortfall and unmaps arena chunks until the reserve is free again,
@@ -204,7 +194,7 @@ def test_budget_follows_free_memory_as_another_program_takes_and_releases(model)
     # A device that holds the engine at its budget (and the backing's slack), the reserve and
     # a headroom of 0-2 slots.
     total = m.used_bytes() + m.budget - m.held_bytes() + reserve + headroom
-    dev = SimulatedDevice(total, engine)
+    dev = SimulatedDevice(total, m.used_bytes)  # the other program holds `taken`
     m.watch(dev.free_memory, reserve=reserve, poll_s=0)
     budget0, mapped0 = m.budget, m.mapped_bytes
     assert budget0 == m.user_budget  # the headroom covers the load-time budget
@@ -212,7 +202,7 @@ def test_budget_follows_free_memory_as_another_program_takes_and_releases(model)
 
     def on_step(n: int) -> None:
         if n == 2:
-            dev.others = taken
+            dev.taken = taken
 
     prompt = [rng.randrange(3, 320) for _ in range(rng.randint(60, 120))]
     assert _run(engine, prompt, on_step) == resident.generate(prompt, SP).token_ids
@@ -222,7 +212,7 @@ def test_budget_follows_free_memory_as_another_program_takes_and_releases(model)
     assert free >= reserve - 2 * chunk, (free, reserve)  # the other program has its bytes
     squeezed = m.stats()["slots"]
 
-    dev.others = 0  # it exits
+    dev.taken = 0  # it exits
     prompt = [rng.randrange(3, 320) for _ in range(rng.randint(20, 60))]
     assert _run(engine, prompt) == resident.generate(prompt, SP).token_ids
     for _ in range(10):  # idle safe points (an EngineService polls like this)

@@ -148,5 +148,7 @@ def test_tail_profile_matches_tail_hits(rng_seed):
     window = r.randint(1, 12)
     hot = cache.tail_profile(window)
     assert len(hot) == len(cache._lru) + 1 and hot[0] == 0
-    for k in range(len(hot)):
-        assert hot[k] / window == cache.tail_hits(k, window)
+    coldest_first = [lid for lid in cache._lru if lid not in cache._pinned_set]
+    for k in range(len(hot)):  # counted here from the LRU order and the last hits directly
+        recent = sum(cache._last_hit[lid] > cache.step - window for lid in coldest_first[:k])
+        assert hot[k] == recent and hot[k] / window == cache.tail_hits(k, window)
