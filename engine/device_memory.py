@@ -9,7 +9,7 @@ unmap and release chunks nothing uses (cuMemUnmap + cuMemRelease). Addresses nev
 tensor views, kernel pointers and captured CUDA graphs stay valid. vLLM's sleep mode and
 PyTorch's expandable segments use the same API.
 
-Three backings, one interface (`tensor`, `map`, `unmap`, `mapped_bytes`):
+Three backings, one interface (`view`, `map`, `unmap`, `releasable`, `mapped_bytes`):
 - `VirtualMemory`: CUDA, the driver API through ctypes (libcuda ships with every driver; no
   build step). Chunks of `chunk_bytes` (a multiple of the allocation granularity, 2 MiB).
 - `SimulatedMemory`: the CPU stand-in for a GPU with a budget (tests, --cpu-smoke). One real
