@@ -119,6 +119,11 @@ class ElasticArena:
             self.slot_memory = arena_memory(self.max_slots * slot.nbytes, self.device, chunk_bytes)
             self.slot_buffer = self.slot_memory.view()  # [S_max * unit_slot] uint8
             self.w13, self.w2 = self._slot_views()
+            # Slot 0 is rarely in use (slots fill from the top), but w13's and w2's first
+            # elements lie there: keep those chunks mapped, or kernels refuse the views.
+            # (KV needs nothing: page 0 of every lane is always in use.)
+            if not all(self.slot_memory.keep(o) for o in self._slot_view_offsets()):
+                raise torch.cuda.OutOfMemoryError("no device memory for the arena's slot views")
         self.boundary = 0
         self.set_boundary(nbytes if boundary is None else boundary)
         self.initial_pages = self.kv_pages if pages is None else pages
@@ -146,6 +151,11 @@ class ElasticArena:
         w13 = flat.as_strided((n, 2 * i, h), (u.elems, h, 1), 0)  # [S_max, 2I, H]
         w2 = flat.as_strided((n, h, i), (u.elems, i, 1), 2 * i * h)  # [S_max, H, I]
         return w13, w2
+
+    def _slot_view_offsets(self) -> tuple[int, int]:
+        """Byte offsets of the first elements of w13 and w2 in the slot range."""
+        u = self.slot_unit
+        return 0, 2 * u.inter * u.hidden * u.dtype.itemsize
 
     # --- the split --------------------------------------------------------------------------
     @property
@@ -253,3 +263,6 @@ class ElasticArena:
             assert self.max_slots * self.slot_unit.nbytes <= self.nbytes, "slots past the end"
             assert self.w13.data_ptr() == self.slot_buffer.data_ptr(), "w13 view moved"
             assert self.slots_backed(self.first_slot), "a usable slot is not backed by memory"
+            assert all(self.slot_memory.is_mapped(o, o + 1) for o in self._slot_view_offsets()), (
+                "a slot view's first element is not backed (kernels check base pointers)"
+            )

@@ -53,6 +53,7 @@ class ChunkedMemory:
         self.nbytes, self.chunk = nbytes, chunk_bytes
         self.n_chunks = -(-nbytes // chunk_bytes)
         self._mapped: list[int] = []  # sorted ids of the mapped chunks
+        self._kept: set[int] = set()  # mapped for good: unmap skips them (see keep)
 
     def view(self) -> torch.Tensor:
         """[nbytes] uint8 over the whole range (only mapped chunks may be touched)."""
@@ -94,20 +95,32 @@ class ChunkedMemory:
                 self._mapped.insert(i, c)
         return True
 
+    def keep(self, offset: int) -> bool:
+        """Map the chunk holding byte `offset` for good. Kernel launchers check the base pointer
+        of every tensor they get (Triton asks the driver for its attributes and refuses an
+        unmapped address), so the chunk under a view's first element must stay mapped even when
+        the rows there are not in use. False when the device is out of memory."""
+        if not self.map(offset, offset + 1):
+            return False
+        self._kept.add(offset // self.chunk)
+        return True
+
     def unmap(self, lo: int, hi: int) -> int:
-        """Release every chunk wholly inside [lo, hi); returns the bytes released."""
+        """Release every chunk wholly inside [lo, hi), except kept ones; returns the bytes
+        released."""
         first, end = -(-lo // self.chunk), hi // self.chunk
-        ids = self._ids(first, end)
+        ids = [c for c in self._ids(first, end) if c not in self._kept]
         for c in ids:
             self._unmap_chunk(c)
         if ids:
-            i = bisect_left(self._mapped, first)
-            del self._mapped[i : i + len(ids)]
+            i, j = bisect_left(self._mapped, first), bisect_left(self._mapped, end)
+            self._mapped[i:j] = [c for c in self._mapped[i:j] if c in self._kept]
         return len(ids) * self.chunk
 
     def releasable(self, lo: int, hi: int) -> bool:
         """Whether unmap(lo, hi) would release anything."""
-        return bool(self._ids(-(-lo // self.chunk), hi // self.chunk))
+        ids = self._ids(-(-lo // self.chunk), hi // self.chunk)
+        return len(ids) > len(self._kept) or any(c not in self._kept for c in ids)
 
     def is_mapped(self, lo: int, hi: int) -> bool:
         first, end = lo // self.chunk, -(-hi // self.chunk)

@@ -41,6 +41,14 @@ def test_simulated_chunks_map_release_and_scribble(rng_seed):
     kept = [i for i in range(lo, hi) if i // chunk not in whole]
     assert torch.equal(view[kept], data[[i - lo for i in kept]])
     assert not mem.releasable(a, b) and mem.unmap(a, b) == 0
+    # A kept chunk (under a view's first element) survives every release.
+    k = r.randrange(mem.n_chunks)
+    assert mem.keep(k * chunk + r.randrange(chunk) if k < mem.n_chunks - 1 else k * chunk)
+    others = sum(mem.mapped) - 1
+    end = mem.n_chunks * chunk  # the address range, the short last chunk included
+    assert mem.mapped[k] and mem.unmap(0, end) == others * chunk
+    assert mem.mapped == [c == k for c in range(mem.n_chunks)]
+    assert not mem.releasable(0, end) and mem.unmap(0, end) == 0
 
 
 def test_arena_releases_what_is_unused_and_maps_it_again(rng_seed):
@@ -75,7 +83,13 @@ def test_arena_releases_what_is_unused_and_maps_it_again(rng_seed):
     arena.release_unused(20, arena.first_slot)
     assert arena.slots_backed(arena.first_slot)
     sc = arena.slot_memory.chunk
-    assert arena.slot_memory.mapped_bytes <= n * slot.nbytes + 2 * sc
+    # What stays below the usable slots: the chunks under w13[0] and w2[0] (kernels check
+    # the views' base pointers), nothing else.
+    bases = {0, 2 * slot.inter * slot.hidden * 4 // sc}
+    low = arena.first_slot * slot.nbytes // sc  # chunks wholly below the first usable slot
+    assert [c for c in range(low) if arena.slot_memory.mapped[c]] == sorted(b for b in bases
+                                                                            if b < low)
+    assert arena.slot_memory.mapped_bytes <= n * slot.nbytes + (2 + len(bases)) * sc
     assert arena.kv_memory.mapped_bytes == lanes * chunks(20) * kc
 
 

@@ -292,9 +292,10 @@ def arena_banks(w13: torch.Tensor, w2: torch.Tensor, pages: int = 3):
     slot = SlotUnit(h, i, w13.dtype)
     nbytes = pages * kv.nbytes + (n + 1) * slot.nbytes + 5  # a gap slot and an odd tail
     arena = ElasticArena(nbytes, w13.device, kv, slot)
-    arena.slot_buffer.fill_(0xFF)  # NaN in every float dtype
     arena.set_boundary(arena.boundary_for(n_slots=n))
     first = arena.first_slot
+    assert arena.map_for(arena.kv_pages, first)
+    arena.slot_buffer[first * slot.nbytes :].fill_(0xFF)  # NaN in every float dtype
     arena.w13[first:] = w13
     arena.w2[first:] = w2
     assert arena.w13.stride(0) == 3 * i * h and not arena.w13.is_contiguous()
