@@ -37,7 +37,6 @@ from __future__ import annotations
 from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.pool import KVPool
-from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 from freetoken_agent.engine.kv.vacate import vacate_pages
 from freetoken_agent.engine.memory import (
     BudgetWatcher,
@@ -369,7 +368,10 @@ def elastic_memory(loaded, scheduler: Scheduler) -> MemoryManager | None:
     fixed = (
         loaded.dense_bytes
         + workspace_bytes(spec, config)
-        + recurrent_device_bytes(spec, config, loaded.device, loaded.dtype, arena.nbytes)
+        # What the recurrence holds (it was sized from the load-time budget; the arena's
+        # addresses reach the ceiling, so sizing it again from them overstated it: 6.6 GB,
+        # a third of the split, on the Qwen3.6 shape on the device).
+        + (loaded.recurrence.device_bytes if loaded.recurrence is not None else 0)
         + bank.nbytes
         - bank.cache.nbytes
     )

@@ -118,6 +118,12 @@ class Recurrence:
     checkpoints: Any  # CheckpointPool
     mode: CheckpointMode
 
+    @property
+    def device_bytes(self) -> int:
+        """What the state slots and the checkpoints' device tier hold on the device."""
+        ck = self.checkpoints
+        return self.states.nbytes + ck.conv.nbytes + ck.ssm.nbytes
+
 
 class Scheduler:
     def __init__(

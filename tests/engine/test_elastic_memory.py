@@ -12,6 +12,8 @@ from tiny_models import make_tiny
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.bench.simulated_device import SimulatedDevice
 from freetoken_agent.engine.experts.placement import workspace_bytes
+from freetoken_agent.engine.kv.pool import KVPool
+from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 from freetoken_agent.engine.loading import dense_nbytes
 from freetoken_agent.engine.outputs import InvalidRequestError
 
@@ -314,3 +316,61 @@ def test_budget_grows_past_the_load_time_one_up_to_the_ceiling(model):
     engine.set_gpu_budget(ceiling * 4)
     assert m.user_budget == m.max_budget  # capped at the ceiling
     engine.check_integrity()
+
+
+def _same_budget_elastic_and_fixed(path, device: str, rng: random.Random):
+    """A hybrid model (state slots, a checkpoint device tier) loaded twice under one budget
+    with one KV size: elastic and a fixed split."""
+    opts = dict(device=device, progress=False, policy="transfer", max_model_len=1024,
+                kv_tokens=rng.choice([256, 512]))  # fmt: skip
+    resident = Engine.load(path, policy="resident", device=device, progress=False)
+    spec, config = resident.spec, resident.config
+    kv = KVPool.page_bytes(len(spec.attention_layers), config.page_size, spec.n_kv_heads,
+                           spec.head_dim, spec.dtype) * (opts["kv_tokens"] // config.page_size + 1)
+    base = (
+        dense_nbytes(resident.loaded.model)
+        + workspace_bytes(spec, config)
+        + kv
+        + (3 * spec.n_experts + rng.randint(4, 12)) * spec.expert_bytes  # lent staging + slots
+    )
+    # On CUDA the checkpoint tier is a 16th of the budget: sized from twice the base, it fits.
+    dev = torch.device(device)
+    budget = base + recurrent_device_bytes(spec, config, dev, spec.dtype, 2 * base)
+    fixed = Engine.load(path, gpu_budget=budget, elastic=False, **opts)
+    elastic = Engine.load(path, gpu_budget=budget, **opts)
+    return elastic, fixed
+
+
+def _check_counts_what_the_recurrence_holds(elastic: Engine, fixed: Engine) -> None:
+    loaded, mem = elastic.loaded, elastic.memory
+    assert mem is not None and loaded.recurrence is not None
+    bank = loaded.bank
+    outside = (
+        dense_nbytes(loaded.model)
+        + workspace_bytes(elastic.spec, elastic.config)
+        + bank.nbytes
+        - bank.cache.nbytes
+    )
+    assert mem.fixed == outside + loaded.recurrence.device_bytes
+    # The split fills what the fixed bytes leave: never fewer slots than the fixed split that
+    # holds the same KV (the policy may only trade slots for pages beyond it).
+    assert loaded.recurrence.device_bytes == fixed.loaded.recurrence.device_bytes
+    assert elastic.loaded.bank.cache.n_slots >= fixed.loaded.bank.cache.n_slots
+
+
+def test_fixed_bytes_are_what_the_recurrence_holds(tmp_path, rng_seed):
+    """The manager's fixed bytes count the recurrent state and the checkpoint device tier as
+    allocated, not sized again from the arena (whose addresses reach the ceiling)."""
+    make_tiny("qwen3_5_moe", tmp_path, rng_seed, max_position_embeddings=2048)
+    elastic, fixed = _same_budget_elastic_and_fixed(tmp_path, "cpu", random.Random(rng_seed))
+    _check_counts_what_the_recurrence_holds(elastic, fixed)
+
+
+@pytest.mark.gpu
+def test_cuda_fixed_bytes_are_what_the_recurrence_holds(tmp_path, rng_seed):
+    """On CUDA the checkpoint tier is sized from the budget: the device run's elastic engine
+    counted it from the ceiling's addresses (8.6 GB for 2 GB held) and ran with fewer slots
+    than a fixed split at the same budget."""
+    make_tiny("qwen3_5_moe", tmp_path, rng_seed, max_position_embeddings=2048)
+    elastic, fixed = _same_budget_elastic_and_fixed(tmp_path, "cuda", random.Random(rng_seed))
+    _check_counts_what_the_recurrence_holds(elastic, fixed)
