@@ -34,21 +34,21 @@ for stage in "$@"; do
     elastic-a)  # one engine per command: each run is ~4 minutes at 48 layers
       timeout 560 python3 -m freetoken_agent.bench elastic --engines elastic \
         --routing zipf:1.0,loc:0.7 --decode-tokens 128 --out "$OUT/elastic_a.json" 2>&1 \
-        | tee "$OUT/elastic_a.log" | grep -E "^elastic|^engine" ;;
+        | tee "$OUT/elastic_a.log" | grep -E "^elastic|^engine|^watch|^Timeout|^Thread|^  File" ;;
     elastic-b)  # then: freetoken bench elastic --merge elastic_b.json elastic_a.json --out ...
       timeout 560 python3 -m freetoken_agent.bench elastic --engines fixed-first fixed-last \
         --routing zipf:1.0,loc:0.7 --decode-tokens 128 --out "$OUT/elastic_b.json" 2>&1 \
-        | tee "$OUT/elastic_b.log" | grep -E "^fixed|^engine" ;;
+        | tee "$OUT/elastic_b.log" | grep -E "^fixed|^engine|^watch|^Timeout|^Thread|^  File" ;;
     elastic-hybrid-a)
       timeout 560 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
         --engines elastic --routing zipf:1.0,loc:0.7 --decode-tokens 128 \
         --out "$OUT/elastic_hybrid_a.json" 2>&1 | tee "$OUT/elastic_hybrid_a.log" \
-        | grep -E "^elastic|^engine" ;;
+        | grep -E "^elastic|^engine|^watch|^Timeout|^Thread|^  File" ;;
     elastic-hybrid-b)
       timeout 560 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
         --engines fixed-first fixed-last --routing zipf:1.0,loc:0.7 --decode-tokens 128 \
         --out "$OUT/elastic_hybrid_b.json" 2>&1 | tee "$OUT/elastic_hybrid_b.log" \
-        | grep -E "^fixed|^engine" ;;
+        | grep -E "^fixed|^engine|^watch|^Timeout|^Thread|^  File" ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;

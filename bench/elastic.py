@@ -64,6 +64,7 @@ from freetoken_agent.bench.elastic_report import ENGINES, merge, plot, summarize
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
+from freetoken_agent.bench.turn_watch import TurnWatch
 from freetoken_agent.engine.engine import Engine
 from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.pool import KVPool
@@ -161,9 +162,12 @@ def _counters(engine: Engine) -> tuple[int, int]:
     return (st.experts, st.hits) if st is not None else (0, 0)
 
 
-def run_turn(engine: Engine, ids: list[int], n_decode: int, tick=None) -> dict:
+def run_turn(
+    engine: Engine, ids: list[int], n_decode: int, tick=None, watch: TurnWatch | None = None,
+    turn: int = 0,
+) -> dict:  # fmt: skip
     """One request alone in the engine; decode counters from its first token on. `tick()`
-    runs before each step (the simulated other program's turn)."""
+    runs before each step (the simulated other program's turn); `watch` reports a long turn."""
     tick = tick or (lambda: None)
     sp = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
     try:
@@ -173,13 +177,20 @@ def run_turn(engine: Engine, ids: list[int], n_decode: int, tick=None) -> dict:
     except InvalidRequestError as e:
         return {"failed": f"refused: {e}"}
     req = engine._requests[rid]
+    if watch is not None:
+        watch.start(turn, rid)
+        beat = watch.beat
+    else:
+        beat = lambda: None  # noqa: E731
     try:
         while engine.has_unfinished() and not req.output_ids:
             tick()
+            beat()
             engine.step()
         before = _counters(engine)
         while engine.has_unfinished():
             tick()
+            beat()
             engine.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -187,6 +198,9 @@ def run_turn(engine: Engine, ids: list[int], n_decode: int, tick=None) -> dict:
         engine.abort(rid)
         engine._pop(rid)
         return {"failed": f"{type(e).__name__}: {e}"}
+    finally:
+        if watch is not None:
+            watch.stop()
     experts, hits = (a - b for a, b in zip(_counters(engine), before, strict=True))
     out = engine._collect(rid)
     st = out.stats
@@ -323,7 +337,8 @@ def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Eng
                     pressure.before_turn(t)
                     row["pressure"] = pressure.active
                 tick = pressure.tick if pressure is not None else None
-                row.update(run_turn(engine, ids, args.decode_tokens, tick))
+                watch = TurnWatch(engine, args.heartbeat_s, args.stall_s)
+                row.update(run_turn(engine, ids, args.decode_tokens, tick, watch, t))
                 if pressure is not None:
                     pressure.after_turn(t)
                 memory_row(row, engine, args, pressure)
@@ -378,6 +393,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "engines measured in separate commands, or after other runs on the same "
                         "machine, pay the same compiles (a warm cache once hid 1-2 s compiles "
                         "inside a fixed split's turns); shared: the usual cache")  # fmt: skip
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=10.0,
+        help="a progress line on stderr every this many seconds of a turn",
+    )
+    parser.add_argument(
+        "--stall-s",
+        type=float,
+        default=120.0,
+        help="after this many seconds in one turn, dump every thread's stack "
+        "(repeated; 0: never): evidence from a turn that does not end",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "elastic_memory.json", help="JSON")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                         help="no run: join reports of the same session made by separate runs "

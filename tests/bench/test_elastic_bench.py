@@ -189,3 +189,32 @@ def test_cpu_smoke_on_the_hybrid_shape_resumes_from_anchors(tmp_path, rng_seed):
     p = report["engines"]["elastic"]["pressure"]
     assert p["complete"] is True and p["got"] == p["asked"]
     assert report["summary"]["absorbed"] is True
+
+
+def test_turn_watch_reports_each_turns_progress(tmp_path, capsys, rng_seed):
+    """--heartbeat-s 0: a line before every step of every turn, naming the turn, the request's
+    progress and the split, so a device log shows whether a long turn crawls, loops or stalls."""
+    import re
+
+    out = tmp_path / "watch.json"
+    argv = ["--cpu-smoke", "--seed", str(rng_seed), "--engines", "elastic", "--out", str(out)]
+    assert elastic.main([*argv, "--heartbeat-s", "0", "--stall-s", "0"]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("watch turn")]
+    pat = re.compile(r"watch turn (\d+) .*computed (\d+)/(\d+) out (\d+) .*step (\d+) budget")
+    seen: dict[int, list[tuple[int, int, int]]] = {}
+    for line in lines:
+        m = pat.search(line)
+        assert m, line
+        turn, computed, total, n_out, step = map(int, m.groups())
+        assert computed <= total
+        seen.setdefault(turn, []).append((step, computed, n_out))
+    report = json.loads(out.read_text())
+    rows = report["engines"]["elastic"]["turns"]
+    assert sorted(seen) == [r["turn"] for r in rows]
+    for turn, beats in seen.items():
+        steps = [s for s, _, _ in beats]
+        assert steps == sorted(steps) and len(set(steps)) == len(steps), turn
+        outs = [o for _, _, o in beats]
+        assert outs == sorted(outs), turn  # the answer only grows within a turn
+        # one beat per step: the last one comes before the step that finished the answer
+        assert outs[-1] == rows[turn - 1]["decoded"] - 1, turn

@@ -87,8 +87,9 @@ def test_arena_releases_what_is_unused_and_maps_it_again(rng_seed):
     # the views' base pointers), nothing else.
     bases = {0, 2 * slot.inter * slot.hidden * 4 // sc}
     low = arena.first_slot * slot.nbytes // sc  # chunks wholly below the first usable slot
-    assert [c for c in range(low) if arena.slot_memory.mapped[c]] == sorted(b for b in bases
-                                                                            if b < low)
+    assert [c for c in range(low) if arena.slot_memory.mapped[c]] == sorted(
+        b for b in bases if b < low
+    )
     assert arena.slot_memory.mapped_bytes <= n * slot.nbytes + (2 + len(bases)) * sc
     assert arena.kv_memory.mapped_bytes == lanes * chunks(20) * kc
 

@@ -325,8 +325,9 @@ def _same_budget_elastic_and_fixed(path, device: str, rng: random.Random):
                 kv_tokens=rng.choice([256, 512]))  # fmt: skip
     resident = Engine.load(path, policy="resident", device=device, progress=False)
     spec, config = resident.spec, resident.config
-    kv = KVPool.page_bytes(len(spec.attention_layers), config.page_size, spec.n_kv_heads,
-                           spec.head_dim, spec.dtype) * (opts["kv_tokens"] // config.page_size + 1)
+    kv = KVPool.page_bytes(
+        len(spec.attention_layers), config.page_size, spec.n_kv_heads, spec.head_dim, spec.dtype
+    ) * (opts["kv_tokens"] // config.page_size + 1)
     base = (
         dense_nbytes(resident.loaded.model)
         + workspace_bytes(spec, config)
