@@ -225,16 +225,17 @@ class Engine:
         if self.memory is not None:  # the safe point: the split moves before scheduling
             self.memory.safe_point()
         batch = self.scheduler.schedule()
+        failed = [self._fail_request(r, why) for r, why in self.scheduler.take_unservable()]
         if not batch.chunks:
-            return self._unschedulable()
+            return failed + self._unschedulable()
         self.runner.apply_copies(self.scheduler.take_copies())
         try:
             masks = self.grammars.masks(c.request.id for c in batch.chunks if c.sample)
             out = self.runner.run(batch, masks)
         except Exception as e:  # noqa: BLE001 - one failing batch must not take the engine down
             log.exception("step failed; failing the %d request(s) in it", len(batch.chunks))
-            return self._fail(batch, e)
-        return self._update(batch, out)
+            return failed + self._fail(batch, e)
+        return failed + self._update(batch, out)
 
     def _unschedulable(self) -> list[TokenEvent]:
         """Nothing ran although requests wait and none runs: the first cannot get its pages

@@ -34,6 +34,8 @@ re-prefills later from there): never an out-of-memory.
 
 from __future__ import annotations
 
+import torch
+
 from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.pool import KVPool
@@ -175,8 +177,11 @@ class MemoryManager:
         held = len({p for r in running for p in r.pages}) + 1  # + the scratch page
         growth = 0
         for r in running:
-            left = r.n_tokens - r.num_computed + max(0, r.sampling.max_tokens - len(r.output_ids))
-            want = -(-(r.num_computed + min(left, LOOKAHEAD_TOKENS)) // s)
+            # The rest of its prompt (a prefilling request needs it over its next chunks, as
+            # a waiting one does: granting only the lookahead let a forced shrink take the
+            # pages of its next chunk) and the lookahead of its answer.
+            answer_left = max(0, r.sampling.max_tokens - len(r.output_ids))
+            want = -(-(r.n_tokens + min(answer_left, LOOKAHEAD_TOKENS)) // s)
             growth += max(0, want - len(r.pages))
         waiting = reused = 0
         if sched.waiting:  # its whole prompt, and its first answer tokens, as for growth
@@ -271,24 +276,33 @@ class MemoryManager:
             for src, dst in copies:
                 self.kv.copy_page(src, dst)
             alloc.shrink(pages)
+        # What the shrinking side gave up goes back first: the growing side may need it.
+        self._release()
         # Growing needs memory behind the bytes first; a map the device refuses (another
         # program took it since the last poll) leaves that side where it was.
-        if slots > cache.n_slots:
-            if arena.map_for(alloc.n_pages, arena.max_slots - slots):
-                arena.set_boundary(arena.boundary_for(n_slots=slots))
-                cache.resize(arena.first_slot)
-            else:
-                self.map_failures += 1
+        if slots > cache.n_slots and self._map(alloc.n_pages, arena.max_slots - slots):
+            arena.set_boundary(arena.boundary_for(n_slots=slots))
+            cache.resize(arena.first_slot)
         pages = min(pages, arena.kv_pages)
-        if pages > alloc.n_pages:
-            if arena.map_for(pages, cache.first_slot):
-                alloc.grow(pages)
-            else:
-                self.map_failures += 1
-        self._release()
+        if pages > alloc.n_pages and self._map(pages, cache.first_slot):
+            alloc.grow(pages)
         if (alloc.n_pages, cache.n_slots) != before or self._budget_unrecorded:
             self._record(split.reason)
         return True
+
+    def _map(self, pages: int, first_slot: int) -> bool:
+        """Back pages and slots with memory. When the device refuses, torch's allocator may be
+        caching blocks it freed (a prefill chunk's activations took what the split released,
+        under pressure): the split comes first, so those go back to the driver and the map is
+        tried once more."""
+        if self.arena.map_for(pages, first_slot):
+            return True
+        if self.arena.device.type == "cuda":
+            torch.cuda.empty_cache()
+            if self.arena.map_for(pages, first_slot):
+                return True
+        self.map_failures += 1
+        return False
 
     def _release(self) -> None:
         """Unmap what neither pages nor slots use (a no-op when nothing is newly unused)."""

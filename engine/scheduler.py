@@ -19,6 +19,11 @@ a state slot. Its recurrent layers cannot rewind, so admission reuses cached KV 
 deepest recurrent checkpoint inside the matched prefix and restores the state from it; chunks
 that cross a planned boundary (an anchor, see checkpoint_mode.py) carry snapshot rows for the
 kernels to fill, and those checkpoints are hung on the radix tree with the request's pages.
+A preempted hybrid request is checkpointed where it stops, so it resumes there.
+
+A request alone in the engine that is preempted MAX_FRUITLESS_PREEMPTIONS + 1 times in a row
+without computing a token in between cannot progress (its pages cannot grow): it is handed to
+the engine to fail (`take_unservable`) rather than retried forever.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 from freetoken_agent.engine.kv.pool import PageAllocator
 from freetoken_agent.engine.kv.radix import Node, RadixCache
 from freetoken_agent.engine.sampling_params import SamplingParams
+
+MAX_FRUITLESS_PREEMPTIONS = 3
 
 
 class Status(Enum):
@@ -72,6 +79,11 @@ class Request:
     state_slot: int = 0
     pending_checkpoints: list[tuple[int, Any]] = field(default_factory=list)
     num_resumed: int = 0  # tokens covered by restored checkpoints (summed over admissions)
+    resume_boundary: int = 0  # the checkpoint the admission being tried restored (0: none)
+    # Preemptions: tokens computed at the last one, and how many in a row came with nothing
+    # computed since the one before (a request that cannot progress is failed, not retried).
+    preempted_at: int = -1
+    fruitless_preemptions: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -145,6 +157,8 @@ class Scheduler:
         self.preemptions = 0
         self.pending_copies: list[tuple[int, int, int]] = []  # (src page, dst page, n tokens)
         self.recurrence = recurrence
+        # Requests that cannot progress, with why: the engine fails them after `schedule`.
+        self.unservable: list[tuple[Request, str]] = []
 
     # --- intake -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -183,6 +197,7 @@ class Scheduler:
             req.prefilling = True
             req.admissions += 1
             req.num_reused += req.num_computed
+            req.num_resumed += req.resume_boundary
             self.running.append(req)
             chunks.append(self._chunk(req, n))
             budget -= n
@@ -211,6 +226,7 @@ class Scheduler:
         whose logits must be computed). Hybrid models reuse only up to their deepest
         checkpoint there, whose state goes into a fresh state slot."""
         rec = self.recurrence
+        req.resume_boundary = 0
         if rec is not None:
             req.state_slot = rec.states.alloc()  # zeroed: a cold start unless restored below
         if not req.use_prefix_cache or (rec is not None and not rec.mode.reuses):
@@ -249,7 +265,7 @@ class Scheduler:
             req.num_computed += partial_tokens
         if found is not None:
             rec.checkpoints.restore(found.checkpoint, rec.states, req.state_slot)
-            req.num_resumed += found.boundary
+            req.resume_boundary = found.boundary  # counted if the admission goes through
 
     def take_copies(self) -> list[tuple[int, int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -277,15 +293,52 @@ class Scheduler:
             victim = victims[-1] if victims else req
             self._preempt(victim)
             if victim is req:
+                if not victims and req.fruitless_preemptions >= MAX_FRUITLESS_PREEMPTIONS:
+                    self.waiting.remove(req)  # not readmitted: the engine fails it
+                    self.unservable.append((req, (
+                        f"the request cannot progress: alone in the engine, it was preempted "
+                        f"{req.fruitless_preemptions + 1} times in a row at token "
+                        f"{req.preempted_at} of {req.n_tokens}, its KV pages unable to grow "
+                        f"({self.allocator.n_pages} in the pool); raise the GPU budget or "
+                        f"shorten the request"
+                    )))  # fmt: skip
                 return False
         return True
 
+    def take_unservable(self) -> list[tuple[Request, str]]:
+        out, self.unservable = self.unservable, []
+        return out
+
     def _preempt(self, req: Request) -> None:
         self.preemptions += 1
+        computed = req.num_computed
+        req.fruitless_preemptions = (
+            req.fruitless_preemptions + 1 if computed <= req.preempted_at else 0
+        )
+        req.preempted_at = computed
+        self._checkpoint_progress(req)
         self._release(req, cache=True)
         self.running.remove(req)
         req.status = Status.WAITING
         self.waiting.appendleft(req)
+
+    def _checkpoint_progress(self, req: Request) -> None:
+        """A hybrid request keeps what it computed: its recurrent state is checkpointed where it
+        stops, so readmission resumes there, not at its last anchor. (Resuming at the anchor
+        re-prefilled whole chunks; on the device, under memory pressure, a lone request was
+        preempted again at the same place each time and its turn never ended.)"""
+        rec, boundary = self.recurrence, req.num_computed
+        if rec is None or not req.use_prefix_cache or not rec.mode.reuses:
+            return
+        if boundary == 0 or not req.state_slot:
+            return
+        if any(b == boundary for b, _ in req.pending_checkpoints):
+            return
+        ckpt = rec.checkpoints.reserve(boundary)
+        if ckpt is not None:  # every row locked: the request resumes from an older one
+            rec.checkpoints.save(ckpt, rec.states, req.state_slot)  # queued on the stream
+            rec.checkpoints.unlock(ckpt)
+            req.pending_checkpoints.append((boundary, ckpt))
 
     # --- after the step -----------------------------------------------------------------
     def advance(self, chunk: ScheduledChunk) -> None:

@@ -94,7 +94,10 @@ def test_decode_checkpoint_before_marker_token(hybrid):
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     first = engine.generate(prompt, sp, anchor_tokens=range(VOCAB))  # before every token
     k = rng.randrange(2, 7)
-    follow = prompt + first.token_ids[:k] + _tokens(rng, 12)
+    new = _tokens(rng, 12)
+    while new[0] == first.token_ids[k]:  # the edit must diverge at token k, not later
+        new[0] = rng.randrange(3, VOCAB)
+    follow = prompt + first.token_ids[:k] + new
     out = engine.generate(follow, GREEDY)
     assert out.stats["reused_tokens"] == len(prompt) + k
     assert out.stats["prefilled_tokens"] == len(follow) - len(prompt) - k
