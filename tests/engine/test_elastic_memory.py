@@ -375,3 +375,47 @@ def test_cuda_fixed_bytes_are_what_the_recurrence_holds(tmp_path, rng_seed):
     make_tiny("qwen3_5_moe", tmp_path, rng_seed, max_position_embeddings=2048)
     elastic, fixed = _same_budget_elastic_and_fixed(tmp_path, "cuda", random.Random(rng_seed))
     _check_counts_what_the_recurrence_holds(elastic, fixed)
+
+
+@pytest.mark.gpu
+def test_cuda_split_grows_into_memory_torch_only_caches(tmp_path, rng_seed):
+    """The device's free memory sits in torch's allocator cache (blocks freed but kept, as a
+    prefill chunk's activations are): a budget raise still maps the arena's new slots, because
+    a refused map empties that cache and tries again; outputs stay the resident engine's."""
+    over = dict(hidden_size=256, moe_intermediate_size=1024, num_experts=32)  # 3 MiB slots
+    make_tiny("qwen3_moe", tmp_path, rng_seed, max_position_embeddings=2048, **over)
+    rng = random.Random(rng_seed)
+    opts = dict(device="cuda", progress=False, max_model_len=1024, max_num_seqs=2)
+    resident = Engine.load(tmp_path, policy="resident", **opts)
+    prompt = [rng.randrange(3, 320) for _ in range(100)]
+    want = resident.generate(prompt, SP).token_ids
+    spec = resident.spec
+    budget = (
+        dense_nbytes(resident.loaded.model)
+        + workspace_bytes(spec, resident.config)
+        + 40 * 2 * spec.n_layers * 16 * spec.n_kv_heads * spec.head_dim * 4
+        + 8 * spec.expert_bytes
+    )
+    engine = Engine.load(tmp_path, policy="transfer", gpu_budget=budget, kv_tokens=512,
+                         follow_free_memory=False, **opts)  # fmt: skip
+    slots = engine.memory.cache.n_slots
+    grow = 64 << 20  # ~21 more slots: the arena maps 32 MiB chunks, this needs new ones
+    del resident
+    torch.cuda.empty_cache()
+    # Take all but 16 MiB of the device through torch, then free it: torch keeps the blocks.
+    held, free = [], torch.cuda.mem_get_info()[0]
+    while free > (48 << 20):
+        try:
+            held.append(torch.empty(max(2 << 20, free - (16 << 20)) // 2, dtype=torch.uint8,
+                                    device="cuda"))  # fmt: skip
+        except torch.cuda.OutOfMemoryError:
+            break
+        free = torch.cuda.mem_get_info()[0]
+    del held
+    assert torch.cuda.mem_get_info()[0] < grow, "torch's cache should hold the free memory"
+    assert torch.cuda.memory_reserved() > grow
+    engine.set_gpu_budget(budget + grow)
+    m = engine.memory
+    assert m.map_failures == 0 and m.cache.n_slots > slots, (m.map_failures, slots)
+    assert engine.generate(prompt, SP).token_ids == want
+    engine.check_integrity()
