@@ -3,6 +3,7 @@
 # Usage (on the device): bash bench/device_check.sh STAGE...
 # stages: tests engine-tests elastic-tests decode kernels kv-layout elastic-a elastic-b
 #         elastic-hybrid-a elastic-hybrid-b (the Qwen3.6-35B-A3B shape: a quarter of the KV)
+#         elastic-hybrid elastic-30b (all three engines in one run, ~6-8 minutes each)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -49,6 +50,14 @@ for stage in "$@"; do
         --engines fixed-first fixed-last --routing zipf:1.0,loc:0.7 --decode-tokens 128 \
         --out "$OUT/elastic_hybrid_b.json" 2>&1 | tee "$OUT/elastic_hybrid_b.log" \
         | grep -E "^fixed|^engine|^watch|^Timeout|^Thread|^  File" ;;
+    elastic-hybrid)  # every engine in one run: the host pool is drawn and pinned once
+      timeout 590 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
+        --routing zipf:1.0,loc:0.7 --decode-tokens 128 --out "$OUT/elastic_hybrid.json" 2>&1 \
+        | tee "$OUT/elastic_hybrid.log" | grep -E "^elastic|^fixed|^engine|^watch|^Timeout|^  File" ;;
+    elastic-30b)
+      timeout 590 python3 -m freetoken_agent.bench elastic --routing zipf:1.0,loc:0.7 \
+        --decode-tokens 128 --out "$OUT/elastic_30b.json" 2>&1 \
+        | tee "$OUT/elastic_30b.log" | grep -E "^elastic|^fixed|^engine|^watch|^Timeout|^  File" ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;

@@ -135,8 +135,14 @@ def build(args, name: str, turns) -> Engine:
         # Moves of the split and of the budget in the toy arena's scale (64 MiB is a GPU's).
         options.update(elastic_group_bytes=args.smoke_group)
     if args.cpu_smoke:
-        return random_engine(args.cfg, device="cpu", std=0.1, policy="transfer", **options)
-    return random_engine(args.cfg, policy=args.policy, stream_min_tokens=args.stream_min, **options)
+        engine = random_engine(args.cfg, device="cpu", std=0.1, policy="transfer",
+                               pool=args.pool, **options)  # fmt: skip
+    else:
+        engine = random_engine(args.cfg, policy=args.policy, stream_min_tokens=args.stream_min,
+                               pool=args.pool, **options)  # fmt: skip
+    # One host pool for every engine of the run: drawn and pinned once (a minute at 58 GB).
+    args.pool = getattr(engine.loaded.bank, "pool", None) or args.pool
+    return engine
 
 
 def smoke_budget(cfg: dict, args) -> tuple[int, int]:
@@ -442,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         args.pressure_bytes = int(args.pressure_gb * 1e9)
         args.headroom = int(args.headroom_gb * 1e9)
     args.vocab = args.cfg["vocab_size"]
+    args.pool = None  # the host experts, shared by the engines (build)
     turns = session(args)
     limits = Limits(args.cfg, on_gpu)
     where = torch.cuda.get_device_name() if on_gpu else "cpu"
@@ -451,7 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         "title": f"elastic split, {args.cfg['num_hidden_layers']} layers, "
         f"{args.budget / 1e9:.3g} GB budget ({where})",
         "args": {
-            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "cfg"
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("cfg", "pool")
         },  # fmt: skip
         "model": args.cfg,
         "limits": limits.to_json(),

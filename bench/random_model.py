@@ -12,6 +12,7 @@ import torch
 
 from freetoken_agent.engine.config import EngineConfig
 from freetoken_agent.engine.engine import Engine
+from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.loading import assemble, build_model
 from freetoken_agent.engine.models.registry import spec_from_config
 
@@ -52,16 +53,19 @@ def random_engine(
     std: float = 0.02,
     seed: int = 0,
     policy: str = "resident",
+    pool: ExpertPool | None = None,
     **options,
 ) -> Engine:
     """An engine over random weights. Offloading policies keep the experts in a host pool:
     they are drawn on the device in chunks and copied there (drawing 58 GB on the CPU would
-    take minutes)."""
+    take minutes). `pool`: the host pool of an engine built before from the same `cfg`, `std`
+    and `seed` (`engine.loaded.bank.pool`): reused as is, so a benchmark comparing engines
+    draws and pins it once (about a minute at 58 GB on the device)."""
     spec = spec_from_config(cfg)
     dev = torch.device(device)
     dtype = spec.dtype
     config = EngineConfig(device=str(dev), dtype=dtype, policy=policy, **options)
-    model, bank, max_len = build_model(spec, config, dev, dtype)
+    model, bank, max_len = build_model(spec, config, dev, dtype, pool)
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
     for name, p in model.named_parameters():
@@ -69,7 +73,8 @@ def random_engine(
             p.fill_(1.0)
         else:
             p.normal_(0.0, std, generator=gen)
-    for bank_tensor in (bank.w13, bank.w2):
+    drawn_before = pool is not None and getattr(bank, "pool", None) is pool
+    for bank_tensor in () if drawn_before else (bank.w13, bank.w2):
         for chunk in bank_tensor.split(256):  # bounded temporaries
             if chunk.device == dev:
                 chunk.normal_(0.0, std, generator=gen)

@@ -24,6 +24,7 @@ from freetoken_agent.engine.experts.placement import (
     make_bank,
     workspace_bytes,
 )
+from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.radix import RadixCache
 from freetoken_agent.engine.kv.recurrence import build_recurrence, recurrent_device_bytes
@@ -67,10 +68,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def build_model(
-    spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype
+    spec: ModelSpec,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    pool: ExpertPool | None = None,
 ) -> tuple[MoeCausalLM, ExpertBank, int]:
     """An uninitialised model and its expert bank (chosen by policy and budget once the dense
-    weights are allocated); returns them and the model length."""
+    weights are allocated; `pool`: host experts already loaded, see make_bank); returns them
+    and the model length."""
     max_len = min(
         config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
@@ -79,7 +85,7 @@ def build_model(
         model = MoeCausalLM(spec, fam.blueprint(spec), None, max_len, dtype)
     model.to(dtype=dtype)
     model.eval()
-    bank = make_bank(spec, config, device, dtype, dense_nbytes(model))
+    bank = make_bank(spec, config, device, dtype, dense_nbytes(model), pool)
     model.set_expert_bank(bank)
     return model, bank, max_len
 

@@ -80,15 +80,26 @@ def slot_count(
 
 
 def make_bank(
-    spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype, dense: int
+    spec: ModelSpec,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    dense: int,
+    pool: ExpertPool | None = None,
 ) -> ResidentExpertBank | OffloadedExpertBank:
+    """`pool`: host experts already loaded (a benchmark comparing engines over one model
+    builds its 58 GB pool once); by default an empty one the loader fills."""
     n_rows = spec.n_moe_layers * spec.n_experts
     if config.policy == "resident":
         return ResidentExpertBank(spec, dtype, device)
     slots = slot_count(spec, config, device, dtype, dense)
     if config.policy == "adaptive" and slots >= n_rows:
         return ResidentExpertBank(spec, dtype, device)
-    pool = ExpertPool.empty(spec, dtype)
+    if pool is None:
+        pool = ExpertPool.empty(spec, dtype)
+    elif (pool.n_rows, pool.w13.dtype) != (n_rows, dtype):
+        raise ValueError(f"a pool of {pool.n_rows} {pool.w13.dtype} rows for a model of "
+                         f"{n_rows} {dtype} experts")  # fmt: skip
     arena = elastic_arena(spec, config, device, dtype, slots, dense)
     measured = calibration.cached(spec.hidden_size, spec.moe_intermediate_size, dtype)
     if measured is None and config.policy == "adaptive" and device.type == "cuda":
