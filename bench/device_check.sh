@@ -53,11 +53,11 @@ for stage in "$@"; do
     elastic-hybrid)  # every engine in one run: the host pool is drawn and pinned once
       timeout 590 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
         --routing zipf:1.0,loc:0.7 --decode-tokens 128 --out "$OUT/elastic_hybrid.json" 2>&1 \
-        | tee "$OUT/elastic_hybrid.log" | grep -E "^elastic|^fixed|^engine|^watch|^Timeout|^  File" ;;
+        | tee "$OUT/elastic_hybrid.log" | grep -E "^elastic|^fixed|^engine|^watch|^compile|^Timeout|^  File" ;;
     elastic-30b)
       timeout 590 python3 -m freetoken_agent.bench elastic --routing zipf:1.0,loc:0.7 \
         --decode-tokens 128 --out "$OUT/elastic_30b.json" 2>&1 \
-        | tee "$OUT/elastic_30b.log" | grep -E "^elastic|^fixed|^engine|^watch|^Timeout|^  File" ;;
+        | tee "$OUT/elastic_30b.log" | grep -E "^elastic|^fixed|^engine|^watch|^compile|^Timeout|^  File" ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;

@@ -53,14 +53,18 @@ import gc
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.compile_log import CompileLog
 from freetoken_agent.bench.elastic_pressure import Pressure, memory_row
 from freetoken_agent.bench.elastic_report import ENGINES, merge, plot, summarize
+from freetoken_agent.bench.elastic_rows import HEAD, Limits, print_row
+from freetoken_agent.bench.elastic_turn import run_turn, warm_up
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
@@ -70,8 +74,6 @@ from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 from freetoken_agent.engine.loading import dense_nbytes
-from freetoken_agent.engine.outputs import InvalidRequestError
-from freetoken_agent.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The same family at toy size for --cpu-smoke (fp32): 4 MoE layers x 16 experts = 64 pool rows.
@@ -163,85 +165,6 @@ def smoke_budget(cfg: dict, args) -> tuple[int, int]:
     return fixed + arena, arena
 
 
-def _counters(engine: Engine) -> tuple[int, int]:
-    st = getattr(engine.loaded.bank, "stats", None)
-    return (st.experts, st.hits) if st is not None else (0, 0)
-
-
-def run_turn(
-    engine: Engine, ids: list[int], n_decode: int, tick=None, watch: TurnWatch | None = None,
-    turn: int = 0,
-) -> dict:  # fmt: skip
-    """One request alone in the engine; decode counters from its first token on. `tick()`
-    runs before each step (the simulated other program's turn); `watch` reports a long turn."""
-    tick = tick or (lambda: None)
-    sp = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
-    try:
-        # An anchor at the prompt's end: a hybrid model checkpoints its recurrent state there,
-        # so the next turn (this history plus more) resumes from it (attention: ignored).
-        rid = engine.submit(ids, sp, anchors=[len(ids)])
-    except InvalidRequestError as e:
-        return {"failed": f"refused: {e}"}
-    req = engine._requests[rid]
-    if watch is not None:
-        watch.start(turn, rid)
-        beat = watch.beat
-    else:
-        beat = lambda: None  # noqa: E731
-    try:
-        while engine.has_unfinished() and not req.output_ids:
-            tick()
-            beat()
-            engine.step()
-        before = _counters(engine)
-        while engine.has_unfinished():
-            tick()
-            beat()
-            engine.step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001 - a turn that breaks is a result, not a crash
-        engine.abort(rid)
-        engine._pop(rid)
-        return {"failed": f"{type(e).__name__}: {e}"}
-    finally:
-        if watch is not None:
-            watch.stop()
-    experts, hits = (a - b for a, b in zip(_counters(engine), before, strict=True))
-    out = engine._collect(rid)
-    st = out.stats
-    row = {
-        "reused_tokens": st["reused_tokens"],
-        "prefilled_tokens": st["prefilled_tokens"],
-        "ttft_s": st["ttft_s"],
-        "decode_tok_s": st["decode_tok_s"],
-        "decoded": len(out.token_ids),
-        "preempted": st["preempted"],
-        "miss_rate": 1 - hits / experts if experts else None,
-        "experts_per_token": experts / max(1, len(out.token_ids) - 1),
-        "answer": out.token_ids,
-    }
-    if out.finish_reason == "error":
-        row["failed"] = f"error: {out.error}"
-    elif len(out.token_ids) < n_decode:
-        row["failed"] = f"{out.finish_reason} after {len(out.token_ids)} of {n_decode} tokens"
-    return row
-
-
-def warm_up(engine: Engine, args) -> dict:
-    """One prompt of a prefill chunk and a short one (or what the engine's KV holds), and two
-    decoded tokens: kernels compiled, and the allocator holding its working memory before the
-    other program measures what is free."""
-    rng = random.Random(args.seed + 1)
-    # A full chunk (streamed) and a short one (200 tokens: below the bench's stream_min_tokens,
-    # the cache path): both compiled before timing.
-    n = max(1, min(args.chunk + 200, engine.max_model_len - 4))
-    t0 = time.perf_counter()
-    row = run_turn(engine, [rng.randrange(3, args.vocab) for _ in range(n)], 2)
-    row.pop("answer", None)
-    return {"tokens": n, "seconds": time.perf_counter() - t0, "failed": row.get("failed")}
-
-
 def install_routing(engine: Engine, args) -> None:
     """--routing: a synthetic regime for decode (routing_traces.py), as bench/offload.py does."""
     if args.routing == "native":
@@ -253,63 +176,6 @@ def install_routing(engine: Engine, args) -> None:
     engine.loaded.model.set_expert_bank(traced)
     if engine.runner.graphs is not None:
         engine.capture_graphs()  # graphs call the bank object they were captured with
-
-
-class Limits:
-    """Bandwidths measured in this run (CUDA only) and the per-turn limits they give."""
-
-    def __init__(self, cfg: dict, on_gpu: bool) -> None:
-        self.on_gpu = on_gpu
-        self.hbm = self.pcie = self.cpu = None
-        if on_gpu:
-            from freetoken_agent.bench.limits import hbm_copy_bandwidth
-            from freetoken_agent.engine.experts import calibration
-
-            h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
-            self.hbm = hbm_copy_bandwidth(torch.device("cuda"))
-            self.pcie = calibration.measure_pcie(3 * h * i * 2)
-            self.cpu = calibration.measure_cpu(h, i, torch.bfloat16)
-
-    def add(self, row: dict, engine: Engine, context: int, chunk: int) -> None:
-        row["decode_limit_tok_s"] = row["ttft_limit_s"] = None
-        bank = engine.loaded.bank
-        if not self.on_gpu or row.get("miss_rate") is None:
-            return
-        loaded = engine.loaded
-        dense = loaded.dense_bytes - loaded.model.embed_tokens.weight.nbytes
-        spec = engine.spec  # K and V of every attention layer, per token of context
-        kv = context * 2 * len(spec.attention_layers) * spec.n_kv_heads * spec.head_dim * 2
-        moved = row["experts_per_token"] * bank.pool.expert_bytes
-        floor = (dense + kv + moved * (1 - row["miss_rate"])) / self.hbm
-        floor += moved * row["miss_rate"] / (self.pcie + self.cpu)
-        row["decode_limit_tok_s"] = 1 / floor
-        row["ttft_limit_s"] = row["prefilled_tokens"] * bank.pool.nbytes / (chunk * self.pcie)
-
-    def to_json(self) -> dict:
-        pairs = (("hbm_copy", self.hbm), ("b_p", self.pcie), ("b_h", self.cpu))
-        return {f"{k}_gb_s": v / 1e9 if v else None for k, v in pairs}
-
-
-HEAD = f"{'engine':<12}{'turn':>5}{'ctx':>8}{'reused':>8}{'prefill':>8}{'ttft s':>8}"
-HEAD += f"{'(lim)':>7}{'tok/s':>8}{'(lim)':>7}{'miss':>6}{'slots':>7}{'pages':>8}{'GB':>7}"
-HEAD += f"{'free':>7}  status"
-
-
-def _fmt(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def print_row(name: str, r: dict) -> None:
-    print(
-        f"{name:<12}{r['turn']:>5}{r['context']:>8}{_fmt(r.get('reused_tokens'), 'd'):>8}"
-        f"{_fmt(r.get('prefilled_tokens'), 'd'):>8}{_fmt(r.get('ttft_s'), '.3f'):>8}"
-        f"{_fmt(r.get('ttft_limit_s'), '.2f'):>7}{_fmt(r.get('decode_tok_s'), '.1f'):>8}"
-        f"{_fmt(r.get('decode_limit_tok_s'), '.0f'):>7}{_fmt(r.get('miss_rate'), '.2f'):>6}"
-        f"{_fmt(r.get('slots'), 'd'):>7}{_fmt(r.get('kv_pages'), 'd'):>8}"
-        f"{_fmt(r.get('budget_gb'), '.2f'):>7}{_fmt(r.get('free_gb'), '.2f'):>7}"
-        f"  {r.get('failed') or 'ok'}" + ("  [pressure]" if r.get("pressure") else ""),
-        flush=True,
-    )
 
 
 def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Engine | None:
@@ -326,6 +192,7 @@ def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Eng
     pressure = None
     if engine is not None:
         entry["warmup"] = warm_up(engine, args)
+        entry["warmup"]["compiles"] = args.compiles.take()
         entry["pressure"] = {}
         try:
             pressure = Pressure(args, engine, entry["pressure"])
@@ -344,7 +211,10 @@ def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Eng
                     row["pressure"] = pressure.active
                 tick = pressure.tick if pressure is not None else None
                 watch = TurnWatch(engine, args.heartbeat_s, args.stall_s)
+                args.compiles.take()  # between turns (the other program's polls): not timed
                 row.update(run_turn(engine, ids, args.decode_tokens, tick, watch, t))
+                # Triton variants built inside the turn (each one is seconds of TTFT or decode)
+                row["compiles"] = [(c["kernel"], c["seconds"]) for c in args.compiles.take()]
                 if pressure is not None:
                     pressure.after_turn(t)
                 memory_row(row, engine, args, pressure)
@@ -449,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         args.headroom = int(args.headroom_gb * 1e9)
     args.vocab = args.cfg["vocab_size"]
     args.pool = None  # the host experts, shared by the engines (build)
+    args.compiles = CompileLog(sys.stderr)  # Triton compiles, printed and attached to turns
     turns = session(args)
     limits = Limits(args.cfg, on_gpu)
     where = torch.cuda.get_device_name() if on_gpu else "cpu"
@@ -460,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": {
             k: str(v) if isinstance(v, Path) else v
             for k, v in vars(args).items()
-            if k not in ("cfg", "pool")
+            if k not in ("cfg", "pool", "compiles")
         },  # fmt: skip
         "model": args.cfg,
         "limits": limits.to_json(),
@@ -487,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if on_gpu:
             torch.cuda.empty_cache()
+    args.compiles.close()
     report["summary"] = summary = summarize(report, args)
     save()
     print(json.dumps(summary, indent=1))

@@ -16,7 +16,7 @@ from freetoken_agent.bench import elastic
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 
 ROW_KEYS = {"turn", "context", "pressure", "slots", "kv_pages", "budget_gb", "decode_limit_tok_s"}
-ROW_KEYS |= {"mapped_gb", "free_gb"}
+ROW_KEYS |= {"mapped_gb", "free_gb", "compiles"}
 
 
 def test_cpu_smoke_moves_memory_and_never_fails(tmp_path, capsys, rng_seed):

@@ -1,0 +1,68 @@
+"""Which Triton kernels compile while a benchmark measures, and for how long.
+
+A compile inside a timed turn costs seconds (ptxas and LLVM run on the host): the elastic
+benchmark's TTFT outliers were such compiles, found by profiling one turn at a time. `CompileLog`
+hooks Triton's JIT (knobs.runtime.jit_cache_hook before a new variant is built, and
+jit_post_compile_hook after) and records every variant built from then on: the kernel, the
+specialisation of its arguments (the `repr` Triton prints: dtypes, and which integers were
+specialised as 1 or as divisible by 16) and the seconds it took. `take()` hands over what was
+recorded since the last call, so a benchmark can attach each turn's compiles to its row.
+
+Without Triton (a CPU machine) or without those hooks (an older Triton), nothing is recorded
+and `available` says so.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class CompileLog:
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out
+        self._records: list[dict] = []
+        self._started: dict[str, float] = {}
+        self._knobs = None
+        self.available = False
+        try:
+            import triton
+        except ImportError:
+            return
+        runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+        if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+            return
+        self._knobs = runtime
+        self._previous = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+        runtime.jit_cache_hook = self._before
+        runtime.jit_post_compile_hook = self._after
+        self.available = True
+
+    def _before(self, *, key, repr, fn, **_) -> bool:
+        self._started[str(key)] = time.perf_counter()
+        return False  # compile as usual
+
+    def _after(self, *, key, repr, fn, **_) -> bool:
+        start = self._started.pop(str(key), None)
+        seconds = time.perf_counter() - start if start is not None else None
+        record = {"kernel": getattr(fn, "name", str(fn)), "variant": repr, "seconds": seconds}
+        self._records.append(record)
+        if self.out is not None:
+            took = "-" if seconds is None else f"{seconds:.2f}s"
+            print(f"compile {record['kernel']} {took} {repr}", file=self.out, flush=True)
+        return False
+
+    def take(self) -> list[dict]:
+        """The variants built since the last call (oldest first)."""
+        out, self._records = self._records, []
+        return out
+
+    def close(self) -> None:
+        if self._knobs is not None:
+            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._previous
+            self._knobs = None
+
+
+def stderr_log() -> CompileLog:
+    return CompileLog(sys.stderr)

@@ -1,0 +1,65 @@
+"""The rows bench/elastic.py prints and saves: each turn's physical limits (bandwidths measured
+in the run) and its line on stdout."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_agent.engine.engine import Engine
+
+
+class Limits:
+    """Bandwidths measured in this run (CUDA only) and the per-turn limits they give."""
+
+    def __init__(self, cfg: dict, on_gpu: bool) -> None:
+        self.on_gpu = on_gpu
+        self.hbm = self.pcie = self.cpu = None
+        if on_gpu:
+            from freetoken_agent.bench.limits import hbm_copy_bandwidth
+            from freetoken_agent.engine.experts import calibration
+
+            h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
+            self.hbm = hbm_copy_bandwidth(torch.device("cuda"))
+            self.pcie = calibration.measure_pcie(3 * h * i * 2)
+            self.cpu = calibration.measure_cpu(h, i, torch.bfloat16)
+
+    def add(self, row: dict, engine: Engine, context: int, chunk: int) -> None:
+        row["decode_limit_tok_s"] = row["ttft_limit_s"] = None
+        bank = engine.loaded.bank
+        if not self.on_gpu or row.get("miss_rate") is None:
+            return
+        loaded = engine.loaded
+        dense = loaded.dense_bytes - loaded.model.embed_tokens.weight.nbytes
+        spec = engine.spec  # K and V of every attention layer, per token of context
+        kv = context * 2 * len(spec.attention_layers) * spec.n_kv_heads * spec.head_dim * 2
+        moved = row["experts_per_token"] * bank.pool.expert_bytes
+        floor = (dense + kv + moved * (1 - row["miss_rate"])) / self.hbm
+        floor += moved * row["miss_rate"] / (self.pcie + self.cpu)
+        row["decode_limit_tok_s"] = 1 / floor
+        row["ttft_limit_s"] = row["prefilled_tokens"] * bank.pool.nbytes / (chunk * self.pcie)
+
+    def to_json(self) -> dict:
+        pairs = (("hbm_copy", self.hbm), ("b_p", self.pcie), ("b_h", self.cpu))
+        return {f"{k}_gb_s": v / 1e9 if v else None for k, v in pairs}
+
+
+HEAD = f"{'engine':<12}{'turn':>5}{'ctx':>8}{'reused':>8}{'prefill':>8}{'ttft s':>8}"
+HEAD += f"{'(lim)':>7}{'tok/s':>8}{'(lim)':>7}{'miss':>6}{'slots':>7}{'pages':>8}{'GB':>7}"
+HEAD += f"{'free':>7}  status"
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_row(name: str, r: dict) -> None:
+    print(
+        f"{name:<12}{r['turn']:>5}{r['context']:>8}{_fmt(r.get('reused_tokens'), 'd'):>8}"
+        f"{_fmt(r.get('prefilled_tokens'), 'd'):>8}{_fmt(r.get('ttft_s'), '.3f'):>8}"
+        f"{_fmt(r.get('ttft_limit_s'), '.2f'):>7}{_fmt(r.get('decode_tok_s'), '.1f'):>8}"
+        f"{_fmt(r.get('decode_limit_tok_s'), '.0f'):>7}{_fmt(r.get('miss_rate'), '.2f'):>6}"
+        f"{_fmt(r.get('slots'), 'd'):>7}{_fmt(r.get('kv_pages'), 'd'):>8}"
+        f"{_fmt(r.get('budget_gb'), '.2f'):>7}{_fmt(r.get('free_gb'), '.2f'):>7}"
+        f"  {r.get('failed') or 'ok'}" + ("  [pressure]" if r.get("pressure") else ""),
+        flush=True,
+    )

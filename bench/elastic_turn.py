@@ -1,0 +1,93 @@
+"""One turn of bench/elastic.py's session on one engine, and the engine's warm-up: a request alone
+in the engine, its decode counters taken from its first token on."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from freetoken_agent.bench.turn_watch import TurnWatch
+from freetoken_agent.engine.engine import Engine
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+
+def _counters(engine: Engine) -> tuple[int, int]:
+    st = getattr(engine.loaded.bank, "stats", None)
+    return (st.experts, st.hits) if st is not None else (0, 0)
+
+
+def run_turn(
+    engine: Engine, ids: list[int], n_decode: int, tick=None, watch: TurnWatch | None = None,
+    turn: int = 0,
+) -> dict:  # fmt: skip
+    """One request alone in the engine; decode counters from its first token on. `tick()`
+    runs before each step (the simulated other program's turn); `watch` reports a long turn."""
+    tick = tick or (lambda: None)
+    sp = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
+    try:
+        # An anchor at the prompt's end: a hybrid model checkpoints its recurrent state there,
+        # so the next turn (this history plus more) resumes from it (attention: ignored).
+        rid = engine.submit(ids, sp, anchors=[len(ids)])
+    except InvalidRequestError as e:
+        return {"failed": f"refused: {e}"}
+    req = engine._requests[rid]
+    if watch is not None:
+        watch.start(turn, rid)
+        beat = watch.beat
+    else:
+        beat = lambda: None  # noqa: E731
+    try:
+        while engine.has_unfinished() and not req.output_ids:
+            tick()
+            beat()
+            engine.step()
+        before = _counters(engine)
+        while engine.has_unfinished():
+            tick()
+            beat()
+            engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - a turn that breaks is a result, not a crash
+        engine.abort(rid)
+        engine._pop(rid)
+        return {"failed": f"{type(e).__name__}: {e}"}
+    finally:
+        if watch is not None:
+            watch.stop()
+    experts, hits = (a - b for a, b in zip(_counters(engine), before, strict=True))
+    out = engine._collect(rid)
+    st = out.stats
+    row = {
+        "reused_tokens": st["reused_tokens"],
+        "prefilled_tokens": st["prefilled_tokens"],
+        "ttft_s": st["ttft_s"],
+        "decode_tok_s": st["decode_tok_s"],
+        "decoded": len(out.token_ids),
+        "preempted": st["preempted"],
+        "miss_rate": 1 - hits / experts if experts else None,
+        "experts_per_token": experts / max(1, len(out.token_ids) - 1),
+        "answer": out.token_ids,
+    }
+    if out.finish_reason == "error":
+        row["failed"] = f"error: {out.error}"
+    elif len(out.token_ids) < n_decode:
+        row["failed"] = f"{out.finish_reason} after {len(out.token_ids)} of {n_decode} tokens"
+    return row
+
+
+def warm_up(engine: Engine, args) -> dict:
+    """One prompt of a prefill chunk and a short one (or what the engine's KV holds), and two
+    decoded tokens: kernels compiled, and the allocator holding its working memory before the
+    other program measures what is free."""
+    rng = random.Random(args.seed + 1)
+    # A full chunk (streamed) and a short one (200 tokens: below the bench's stream_min_tokens,
+    # the cache path): both compiled before timing.
+    n = max(1, min(args.chunk + 200, engine.max_model_len - 4))
+    t0 = time.perf_counter()
+    row = run_turn(engine, [rng.randrange(3, args.vocab) for _ in range(n)], 2)
+    row.pop("answer", None)
+    return {"tokens": n, "seconds": time.perf_counter() - t0, "failed": row.get("failed")}
