@@ -31,7 +31,7 @@ class CompileLog:
         except ImportError:
             return
         runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-        if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        if not all(hasattr(runtime, h) for h in ("jit_cache_hook", "jit_post_compile_hook")):
             return
         self._knobs = runtime
         self._previous = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
