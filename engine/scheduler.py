@@ -80,8 +80,9 @@ class Request:
     pending_checkpoints: list[tuple[int, Any]] = field(default_factory=list)
     num_resumed: int = 0  # tokens covered by restored checkpoints (summed over admissions)
     resume_boundary: int = 0  # the checkpoint the admission being tried restored (0: none)
-    # Preemptions: tokens computed at the last one, and how many in a row came with nothing
-    # computed since the one before (a request that cannot progress is failed, not retried).
+    # Preemptions: tokens computed at the last one, and how many self-preemptions in a row,
+    # alone in the engine, came with nothing computed since the one before (such a request
+    # cannot progress: it is failed, not retried).
     preempted_at: int = -1
     fruitless_preemptions: int = 0
 
@@ -291,6 +292,8 @@ class Scheduler:
         while not self._grow(req, req.num_computed + n):
             victims = [r for r in self.running if r is not req and id(r) not in scheduled]
             victim = victims[-1] if victims else req
+            if not victims and req.num_computed <= req.preempted_at:
+                req.fruitless_preemptions += 1  # alone, and nothing computed since the last
             self._preempt(victim)
             if victim is req:
                 if not victims and req.fruitless_preemptions >= MAX_FRUITLESS_PREEMPTIONS:
@@ -311,11 +314,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.preemptions += 1
-        computed = req.num_computed
-        req.fruitless_preemptions = (
-            req.fruitless_preemptions + 1 if computed <= req.preempted_at else 0
-        )
-        req.preempted_at = computed
+        if req.num_computed > req.preempted_at:  # it progressed since its last preemption
+            req.fruitless_preemptions = 0
+        req.preempted_at = req.num_computed
         self._checkpoint_progress(req)
         self._release(req, cache=True)
         self.running.remove(req)
@@ -325,8 +326,9 @@ class Scheduler:
     def _checkpoint_progress(self, req: Request) -> None:
         """A hybrid request keeps what it computed: its recurrent state is checkpointed where it
         stops, so readmission resumes there, not at its last anchor. (Resuming at the anchor
-        re-prefilled whole chunks; on the device, under memory pressure, a lone request was
-        preempted again at the same place each time and its turn never ended.)"""
+        re-prefilled whole chunks: on the CPU, a lone request under a budget cut was preempted
+        at the same place each time, forever; a device turn after another program took memory
+        stalled, most likely the same way.)"""
         rec, boundary = self.recurrence, req.num_computed
         if rec is None or not req.use_prefix_cache or not rec.mode.reuses:
             return

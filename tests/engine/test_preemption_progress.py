@@ -175,3 +175,22 @@ def test_engine_fails_a_lone_hybrid_request_that_cannot_grow(tmp_path, rng_seed,
     small = [rng.randrange(3, 320) for _ in range(20)]
     assert engine.generate(small, SamplingParams(max_tokens=4)).finish_reason == "length"
     engine.check_integrity()
+
+
+def test_preemptions_by_others_do_not_count_toward_failing():
+    """Preempted for others (here by hand, as the memory manager or a growing neighbour
+    does), a request waits its turn: only self-preemptions alone in the engine count, so its
+    first one after those is not a failure."""
+    gen = torch.Generator().manual_seed(1)
+    sched = _scheduler(n_pages=5, chunk=4 * PAGE, mode="none")
+    req = Request("a", list(range(3, 3 + 8 * PAGE)), SamplingParams())
+    sched.add(req)
+    for _ in range(MAX_FRUITLESS_PREEMPTIONS + 1):
+        _compute(sched, sched.schedule(), gen)  # (re)admitted cold: its first chunk
+        sched._preempt(req)  # at the same token each time
+    _compute(sched, sched.schedule(), gen)
+    # Alone, its next chunk cannot grow: it preempts itself (and, in mode none, is readmitted
+    # cold in the same schedule); one fruitless self-preemption, not a failure.
+    batch = sched.schedule()
+    assert [(c.request, c.start) for c in batch.chunks] == [(req, 0)]
+    assert sched.take_unservable() == [] and req.fruitless_preemptions == 1
