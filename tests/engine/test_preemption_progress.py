@@ -126,9 +126,9 @@ def test_lone_request_without_progress_is_failed_not_retried():
     sched.check_integrity()
 
 
-def _elastic_hybrid(path, checkpoints: str) -> Engine:
-    """A tiny hybrid model whose budget holds its fixed bytes, 512 tokens of KV and a few slots
-    beyond the fewest; prefill chunks of 64 tokens."""
+def _elastic_engine(path, checkpoints: str) -> Engine:
+    """An elastic engine whose budget holds its fixed bytes (a hybrid's recurrent memory too),
+    512 tokens of KV and a few slots beyond the fewest; prefill chunks of 64 tokens."""
     probe = Engine.load(path, device="cpu", progress=False, policy="resident")
     spec, config = probe.spec, probe.config
     page = KVPool.page_bytes(len(spec.attention_layers), config.page_size, spec.n_kv_heads,
@@ -155,7 +155,7 @@ def test_engine_fails_a_lone_hybrid_request_that_cannot_grow(tmp_path, rng_seed,
     progress (without that, it looped forever). A short request runs afterwards."""
     make_tiny("qwen3_5_moe", tmp_path, rng_seed, max_position_embeddings=2048)
     rng = random.Random(rng_seed)
-    engine = _elastic_hybrid(tmp_path, checkpoints)
+    engine = _elastic_engine(tmp_path, checkpoints)
     rid = engine.submit([rng.randrange(3, 320) for _ in range(300)],
                         SamplingParams(max_tokens=4, temperature=0))  # fmt: skip
     engine.step()
@@ -194,3 +194,41 @@ def test_preemptions_by_others_do_not_count_toward_failing():
     batch = sched.schedule()
     assert [(c.request, c.start) for c in batch.chunks] == [(req, 0)]
     assert sched.take_unservable() == [] and req.fruitless_preemptions == 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_random_budget_walk_always_ends_and_matches_resident(tmp_path, rng_seed, family):
+    """Several requests of random lengths (anchored, as agent turns are) while the budget
+    jumps at random between the floor and the load-time budget every few steps: every request
+    ends within a bounded number of steps, a finished one has the resident engine's tokens, a
+    failed one says why, and every pool is intact after every step."""
+    make_tiny(family, tmp_path, rng_seed, max_position_embeddings=2048)
+    rng = random.Random(rng_seed)
+    resident = Engine.load(tmp_path, device="cpu", progress=False, policy="resident")
+    engine = _elastic_engine(tmp_path, "anchors")  # any family: hybrids also get checkpoints
+    m = engine.memory
+    floor = m.fixed + engine.loaded.bank.min_slots * m.arena.slot_unit.nbytes
+    top = m.user_budget
+    sp = SamplingParams(max_tokens=rng.randint(4, 24), temperature=0, ignore_eos=True)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(10, 300))]
+               for _ in range(rng.randint(2, 4))]  # fmt: skip
+    rids = [engine.submit(p, sp, anchors=sorted(rng.sample(range(1, len(p) + 1), 2)))
+            for p in prompts]  # fmt: skip
+    for step in range(3000):
+        if step % rng.randint(2, 6) == 0:
+            engine.set_gpu_budget(rng.randint(floor + 2 * m.arena.kv_unit.nbytes, top))
+        engine.step()
+        engine.check_integrity()
+        if not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished(), f"requests still running after 3000 steps (seed {rng_seed})"
+    finished = 0
+    for p, rid in zip(prompts, rids, strict=True):
+        out = engine._collect(rid)
+        if out.finish_reason == "error":
+            assert "needs KV" in out.error or "cannot progress" in out.error, out.error
+        else:
+            assert out.token_ids == resident.generate(p, sp).token_ids
+            finished += 1
+    print(f"{finished}/{len(prompts)} finished, {m.preempted + engine.scheduler.preemptions} "
+          f"preemptions, {len(m.trace)} split moves")  # fmt: skip
