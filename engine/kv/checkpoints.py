@@ -26,12 +26,19 @@ kernel overwrites the device row it read from, and a host row is only ever read 
 host-to-device copy on that same stream (the CPU never reads it), so no sync is needed. A caller
 that issues pool calls from another stream must synchronise the two itself.
 
-Single-threaded, like the scheduler that calls it. Sizes are fixed at construction.
+Single-threaded, like the scheduler that calls it. The host tier's size is fixed at
+construction. The device tier's may move between 1 and `max_device_rows` (`resize_device`, at
+the elastic memory manager's safe points): then each layer's conv and ssm rows live in a lane
+of device addresses reserved for `max_device_rows` and backed only up to `device_rows`
+(engine/device_memory.py), so the views the kernels hold never move. Shrinking empties the rows
+above the new top first: their checkpoints move to free rows below, or spill (or drop) as
+`reserve` would; a locked one keeps its row, and the top stays above it.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +46,7 @@ from typing import Any
 
 import torch
 
+from freetoken_agent.engine.device_memory import KV_CHUNK_BYTES, ChunkedMemory, arena_memory
 from freetoken_agent.engine.kv.recurrent_state import (
     SCRATCH_SLOT,
     RecurrentStatePool,
@@ -76,11 +84,13 @@ class CheckpointPool:
         dtype: torch.dtype,
         device: torch.device | str,
         on_drop: Callable[[Checkpoint], None] | None = None,
+        max_device_rows: int | None = None,
     ) -> None:
         if device_rows < 0 or host_rows < 0:
             raise ValueError(f"checkpoint rows must be >= 0, got {device_rows} and {host_rows}")
         self.n_layers = n_layers
         self.device_rows = device_rows
+        self.max_device_rows = max(device_rows, max_device_rows or 0)
         self.host_rows = host_rows
         self.conv_shape = tuple(conv_shape)
         self.ssm_shape = tuple(ssm_shape)
@@ -88,8 +98,16 @@ class CheckpointPool:
         self.device = torch.device(device)
         self.on_drop = on_drop
         sdt = ssm_dtype_for(dtype)
-        self.conv = torch.empty((n_layers, device_rows, *conv_shape), dtype=dtype, device=device)
-        self.ssm = torch.empty((n_layers, device_rows, *ssm_shape), dtype=sdt, device=device)
+        self._lanes: list[tuple[ChunkedMemory, int]] = []  # (memory, bytes of one row)
+        if self.max_device_rows > device_rows:  # resizable: lanes of reserved addresses
+            self.conv = self._lane_views(conv_shape, dtype)  # [L, Cmax, C, K - 1]
+            self.ssm = self._lane_views(ssm_shape, sdt)  # [L, Cmax, Hv, Dk, Dv]
+            if not self._map_rows(device_rows):
+                raise torch.cuda.OutOfMemoryError("no device memory for the checkpoint rows")
+        else:
+            shape = (n_layers, device_rows)
+            self.conv = torch.empty((*shape, *conv_shape), dtype=dtype, device=device)
+            self.ssm = torch.empty((*shape, *ssm_shape), dtype=sdt, device=device)
         pin = self.device.type == "cuda" and torch.cuda.is_available() and host_rows > 0
         (self.host_conv, self.host_ssm), self.pinned = _alloc_host(
             [((host_rows, n_layers, *conv_shape), dtype), ((host_rows, n_layers, *ssm_shape), sdt)],
@@ -124,6 +142,86 @@ class CheckpointPool:
         dtype: torch.dtype,
     ) -> int:
         return state_bytes(n_layers, conv_shape, ssm_shape, dtype)
+
+    # --- the device tier's size ------------------------------------------------------------
+    def _lane_views(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """[L, Cmax, *shape] over L lanes of Cmax rows each (a layer's rows dense)."""
+        row = math.prod(shape)
+        row_bytes = row * dtype.itemsize
+        if self.device.type == "cuda":
+            chunk = KV_CHUNK_BYTES
+        else:  # a simulated device: rows mapped in runs keeping a lane to 256 chunks
+            chunk = row_bytes * -(-self.max_device_rows // 256)
+        lane = -(-self.max_device_rows * row_bytes // chunk) * chunk
+        memory = arena_memory(self.n_layers * lane, self.device, chunk)
+        self._lanes.append((memory, row_bytes))
+        flat = memory.view().view(dtype)
+        strides = [1]
+        for d in reversed(shape[1:]):
+            strides.insert(0, strides[0] * d)
+        full = (self.n_layers, self.max_device_rows, *shape)
+        return flat.as_strided(full, (lane // dtype.itemsize, row, *strides), 0)
+
+    def _map_rows(self, rows: int) -> bool:
+        """Back rows 0..rows-1 of every lane."""
+        for memory, row_bytes in self._lanes:
+            lane = memory.nbytes // self.n_layers
+            for layer in range(self.n_layers):
+                if not memory.map(layer * lane, layer * lane + rows * row_bytes):
+                    return False
+        return True
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes the usable rows take (every layer's conv and ssm)."""
+        per = self.bytes_per_checkpoint(self.n_layers, self.conv_shape, self.ssm_shape, self.dtype)
+        return self.device_rows * per
+
+    def resize_device(self, rows: int) -> int:
+        """Make `rows` device rows usable (at least 1, at most max_device_rows; never below a
+        locked checkpoint's row). Returns the rows it has now: unchanged when the device
+        refuses the memory to grow."""
+        if not self._lanes:
+            raise ValueError("this checkpoint pool's device tier has a fixed size")
+        rows = max(1, min(rows, self.max_device_rows))
+        table, free = self._rows[DEVICE], self._free[DEVICE]
+        if rows > self.device_rows:
+            if not self._map_rows(rows):
+                return self.device_rows
+            # New rows go to the cold end of the free stack: reuse stays in hot rows.
+            free[:0] = range(rows - 1, self.device_rows - 1, -1)
+            table.extend([None] * (rows - self.device_rows))
+        elif rows < self.device_rows:
+            locked = [r for r, c in enumerate(table) if c is not None and c.locks]
+            rows = max(rows, max(locked, default=-1) + 1)
+            for r in range(rows, self.device_rows):
+                ckpt = table[r]
+                if ckpt is None:
+                    continue
+                below = [f for f in free if f < rows]
+                if below:
+                    self._move_device_row(ckpt, below[-1])
+                else:
+                    self._evict_device(ckpt)
+            del table[rows:]
+            self._free[DEVICE] = [f for f in free if f < rows]
+            if self._lanes and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # moves and spills still read those rows
+            for memory, row_bytes in self._lanes:  # each lane above its new top
+                lane = memory.nbytes // self.n_layers
+                for layer in range(self.n_layers):
+                    memory.unmap(layer * lane + rows * row_bytes, (layer + 1) * lane)
+        self.device_rows = rows
+        return rows
+
+    def _move_device_row(self, ckpt: Checkpoint, dst: int) -> None:
+        src, free = ckpt.row, self._free[DEVICE]
+        self.conv[:, dst].copy_(self.conv[:, src], non_blocking=True)
+        self.ssm[:, dst].copy_(self.ssm[:, src], non_blocking=True)
+        free.remove(dst)
+        free.append(src)
+        self._rows[DEVICE][dst], self._rows[DEVICE][src] = ckpt, None
+        ckpt.row = dst
 
     # --- lifecycle ----------------------------------------------------------------------
     def reserve(self, boundary: int, owner: Any = None) -> Checkpoint | None:
@@ -275,7 +373,8 @@ class CheckpointPool:
             "host_rows": self.host_rows,
             "host_used": host_used,
             "host_pinned": self.pinned,
-            "device_bytes": self.conv.nbytes + self.ssm.nbytes,
+            "device_bytes": self.device_bytes,
+            "max_device_rows": self.max_device_rows,
             "host_bytes": self.host_conv.nbytes + self.host_ssm.nbytes,
             **self._counts,
         }
@@ -302,7 +401,16 @@ class CheckpointPool:
         ids = {id(c) for c in live}
         for c in self._doomed:
             assert id(c) in ids and c.locks > 0, "a released checkpoint outlived its locks"
-        assert self.conv.shape[:2] == self.ssm.shape[:2] == (self.n_layers, self.device_rows)
+        rows = self.max_device_rows if self._lanes else self.device_rows
+        assert self.conv.shape[:2] == self.ssm.shape[:2] == (self.n_layers, rows)
+        assert self.device_rows <= rows and (self.device_rows >= 1 or not self._lanes)
+        if self._lanes:  # the usable rows are backed; lane row 0 (the views' base) above all
+            for memory, row_bytes in self._lanes:
+                lane = memory.nbytes // self.n_layers
+                assert all(
+                    memory.is_mapped(j * lane, j * lane + self.device_rows * row_bytes)
+                    for j in range(self.n_layers)
+                ), "a usable checkpoint row is not backed by memory"
         assert (
             self.host_conv.shape[:2]
             == self.host_ssm.shape[:2]

@@ -21,14 +21,16 @@ CONV, SSM = (C, KM1), (HV, DK, DV)
 class Rig:
     """A state pool, a checkpoint pool, and the record of on_drop calls."""
 
-    def __init__(self, device_rows, host_rows, dtype=torch.bfloat16, device="cpu", seed=0):
+    def __init__(self, device_rows, host_rows, dtype=torch.bfloat16, device="cpu", seed=0,
+                 max_device_rows=None):  # fmt: skip
         self.gen = torch.Generator().manual_seed(seed)
         self.device = device
         self.state = RecurrentStatePool(L, N, CONV, SSM, dtype, device)
         self.dropped: list[Checkpoint] = []
         self.pool = CheckpointPool(
-            L, device_rows, host_rows, CONV, SSM, dtype, device, on_drop=self.dropped.append
-        )
+            L, device_rows, host_rows, CONV, SSM, dtype, device, on_drop=self.dropped.append,
+            max_device_rows=max_device_rows,
+        )  # fmt: skip
         self.slots = [self.state.alloc() for _ in range(N - 1)]
 
     def random_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,3 +370,56 @@ def test_random_ops_cuda_pinned(rng_seed, side_stream):
         assert rig.pool.conv.is_cuda and not rig.pool.host_conv.is_cuda
         run_random_ops(rig, random.Random(rng_seed), 1500)
     torch.cuda.synchronize()
+
+
+def test_device_tier_resizes_keeping_every_checkpoint_it_can(rng_seed):
+    """A resizable device tier (lanes of reserved rows): growing adds free rows; shrinking
+    moves the checkpoints above the new top to free rows below, spills the rest to the host
+    tier (dropping the least recently used when that is full), never moves a locked one
+    (the top stays above it), and gives the rows above back (a simulated device scribbles
+    them). Every surviving checkpoint restores bit-exactly."""
+    r = random.Random(rng_seed)
+    max_rows, host = r.randint(10, 16), r.randint(0, 3)
+    rig = Rig(device_rows=4, host_rows=host, seed=rng_seed, max_device_rows=max_rows)
+    pool = rig.pool
+    mapped = sum(m.mapped_bytes for m, _ in pool._lanes)
+    assert pool.resize_device(max_rows) == max_rows and pool.device_rows == max_rows
+    assert sum(m.mapped_bytes for m, _ in pool._lanes) > mapped
+    saved = dict(_filled(rig, b) for b in range(r.randint(3, max_rows)))
+    for ckpt in r.sample(list(saved), r.randint(0, len(saved) // 2)):
+        pool.release(ckpt)
+        del saved[ckpt]
+    locked = r.choice([None, *saved])
+    if locked is not None:
+        pool.lock(locked)
+    pool.check_integrity()
+    target = r.randint(1, max_rows - 1)
+    got = pool.resize_device(target)
+    want_rows = max(target, locked.row + 1 if locked is not None else 0)
+    assert got == want_rows == pool.device_rows
+    pool.check_integrity()
+    on_device = [c for c in saved if c.tier == "device"]
+    assert all(c.row < got for c in on_device)
+    assert len(on_device) == min(len(saved), got)  # the tier full before anything leaves it
+    assert sum(c.tier == "host" for c in saved) <= host
+    assert all((c.tier == "dropped") == (c in rig.dropped) for c in saved)
+    for ckpt, want in saved.items():
+        if ckpt.tier != "dropped":
+            _same(rig.restored(ckpt, rig.slots[1]), want)
+    if locked is not None:
+        pool.unlock(locked)
+    # The rows above the top are given back: the lanes hold less than at the full size.
+    assert sum(m.mapped_bytes for m, _ in pool._lanes) < sum(
+        m.nbytes for m, _ in pool._lanes
+    )
+    # And it grows again, its free rows usable.
+    assert pool.resize_device(max_rows) == max_rows
+    fresh, want = _filled(rig, 999)
+    _same(rig.restored(fresh, rig.slots[1]), want)
+    pool.check_integrity()
+
+
+def test_fixed_device_tier_cannot_resize():
+    rig = Rig(device_rows=3, host_rows=1)
+    with pytest.raises(ValueError, match="fixed size"):
+        rig.pool.resize_device(5)
