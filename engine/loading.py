@@ -21,6 +21,7 @@ from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.experts.placement import (
     BudgetError,
     gpu_budget,
+    gpu_ceiling,
     make_bank,
     workspace_bytes,
 )
@@ -188,7 +189,13 @@ def assemble(
         )
     radix = RadixCache(config.page_size, kv.allocator)
     budget = gpu_budget(config, device, dense + bank.nbytes) if device.type == "cuda" else 0
-    recurrence = build_recurrence(spec, config, device, dtype, budget)
+    # Elastic memory: the checkpoints' device tier is part of the split (memory_manager.py),
+    # resizable up to its share of the most the budget can reach.
+    ceiling = None
+    if arena is not None:
+        loaded_budget = config.gpu_budget if config.gpu_budget is not None else budget
+        ceiling = gpu_ceiling(config, device, loaded_budget)
+    recurrence = build_recurrence(spec, config, device, dtype, budget, ceiling)
     if recurrence is not None:
         views = [
             recurrence.states.view(i, recurrence.checkpoints)

@@ -1,7 +1,8 @@
 """The elastic split of the GPU budget: the decision side (DESIGN sections 1 idea 3, and 5).
 
-One budget pays for `fixed` bytes (dense weights, workspace, recurrent state slots, the
-checkpoint device tier: the policy does not move them), KV pages of `page_bytes` (every
+One budget pays for `fixed` bytes (dense weights, workspace, recurrent state slots, and the
+checkpoint device tier, which the manager sizes before asking: the policy does not move
+them), KV pages of `page_bytes` (every
 attention layer's K and V of one page) and expert slots of `slot_bytes` (every tensor of one
 (layer, expert) pair). At a scheduler safe point the engine fills a `MemoryDemand`;
 `MemoryPolicy.decide` answers the split to move to, or None to keep the current one. The

@@ -30,15 +30,26 @@ split where it was.
 When even the fewest slots leave too few pages for the running requests (the policy says
 "over budget"), the newest running request is preempted (its pages go to the prefix cache; it
 re-prefills later from there): never an out-of-memory.
+
+Hybrid models: the checkpoints' device tier is on the KV side too (kv/checkpoints.py, a
+resizable tier in lanes of reserved addresses). Before the policy runs, the manager sizes it
+(`_checkpoint_rows`: the checkpoints it holds plus a row per sequence that may run, at most a
+16th of the budget and at most what running, waiting and recently used pages and the fewest
+slots leave); the policy then splits what is left between pages and slots. A shrinking tier
+spills its least recently used checkpoints to the host tier first; a growing one maps rows last.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.pool import KVPool
+from freetoken_agent.engine.kv.recurrence import device_row_cap
 from freetoken_agent.engine.kv.vacate import vacate_pages
 from freetoken_agent.engine.memory import (
     BudgetWatcher,
@@ -68,14 +79,25 @@ class MemoryManager:
         policy: MemoryPolicy | None = None,
         trace: MemoryTrace | None = None,
         explicit: bool = True,
+        checkpoint_cap: Callable[[int], int] | None = None,
     ) -> None:
-        """`fixed`: dense weights, workspace, recurrent memory, staging of its own; `budget`:
-        the budget at load (what the split was sized for); `explicit`: the user gave it (a
-        cap the watcher keeps), else the watcher may grow it up to the ceiling."""
+        """`fixed`: dense weights, workspace, recurrent state slots (and a fixed checkpoint
+        tier), staging of its own; `budget`: the budget at load (what the split was sized
+        for); `explicit`: the user gave it (a cap the watcher keeps), else the watcher may grow
+        it up to the ceiling; `checkpoint_cap(budget)`: the most checkpoint device rows at a
+        budget, when the scheduler's checkpoint tier is resizable (then it is on the KV side of
+        the split, see `_checkpoint_rows`)."""
         self.arena, self.kv, self.bank, self.scheduler = arena, kv, bank, scheduler
+        rec = scheduler.recurrence
+        resizable = rec is not None and rec.checkpoints.resizable and checkpoint_cap is not None
+        self.checkpoints = rec.checkpoints if resizable else None
+        self._checkpoint_cap = checkpoint_cap
+        self._checkpoint_target = self.checkpoints.device_rows if resizable else 0
         self.cache = bank.cache
         self.fixed = fixed
-        self.max_budget = fixed + arena.nbytes  # the ceiling: the arena's addresses
+        # The ceiling: the addresses the arena (and a resizable checkpoint tier) reserved.
+        tier = self.checkpoints.max_device_rows * self._row_bytes if resizable else 0
+        self.max_budget = fixed + arena.nbytes + tier
         self.budget = min(budget, self.max_budget)
         self.user_budget = self.budget  # set_gpu_budget's, at most max_budget
         self.explicit = explicit
@@ -96,7 +118,8 @@ class MemoryManager:
     def floor(self) -> int:
         """The least budget the engine can run in: fixed bytes, 2 KV pages, min_slots slots."""
         a = self.arena
-        return self.fixed + 2 * a.kv_unit.nbytes + self.bank.min_slots * a.slot_unit.nbytes
+        least = self.fixed + 2 * a.kv_unit.nbytes + self.bank.min_slots * a.slot_unit.nbytes
+        return least + self._row_bytes  # and one checkpoint row, when they are in the split
 
     @property
     def mapped_bytes(self) -> int:
@@ -105,7 +128,7 @@ class MemoryManager:
 
     def used_bytes(self) -> int:
         """What the engine holds on the device: fixed bytes and the arena's backed chunks."""
-        return self.fixed + self.mapped_bytes
+        return self.fixed + self._tier_bytes() + self.mapped_bytes
 
     def held_bytes(self) -> int:
         """What the budget counts: fixed bytes, the pages and the slots of the split. The
@@ -113,7 +136,52 @@ class MemoryManager:
         slot): that slack shows in free memory, so the watcher subtracts it by itself."""
         a = self.arena
         pages = self.kv.allocator.n_pages * a.kv_unit.nbytes
-        return self.fixed + pages + self.cache.n_slots * a.slot_unit.nbytes
+        return self.fixed + self._tier_bytes() + pages + self.cache.n_slots * a.slot_unit.nbytes
+
+    # --- the checkpoints' device tier (hybrid models) ------------------------------------------
+    @property
+    def _row_bytes(self) -> int:
+        pool = self.checkpoints
+        if pool is None:
+            return 0
+        return pool.bytes_per_checkpoint(pool.n_layers, pool.conv_shape, pool.ssm_shape,
+                                         pool.dtype)  # fmt: skip
+
+    def _tier_bytes(self) -> int:
+        """Bytes of the checkpoints' device tier when it is in the split (else in `fixed`)."""
+        return self.checkpoints.device_bytes if self.checkpoints is not None else 0
+
+    def _checkpoint_rows(self, d: MemoryDemand) -> int:
+        """The checkpoint device rows this safe point asks for, on the KV side of the split:
+        the checkpoints the tier holds plus a row per sequence that may run (room for new
+        snapshots without a spill), at most a 16th of the budget (a fixed tier's share) and
+        at most what the pages of running requests, of the first waiting one and of recently
+        used history, and the fewest slots, leave; the policy splits the rest between pages
+        and slots. A session's
+        anchors make the tier grow; a cut budget shrinks it, spilling the least recently used
+        checkpoints to the host tier; a released history gives its rows back."""
+        pool, per = self.checkpoints, self._row_bytes
+        # Recently used cached pages come first too: a checkpoint is worth nothing without
+        # the KV of the tokens before it (evicting those pages releases it).
+        pages = d.pages_held + d.pages_growth + d.pages_waiting + d.cached_recent
+        hard = pages * d.page_bytes + d.min_slots * d.slot_bytes
+        room = (d.budget - d.fixed - hard) // per
+        want = pool.device_used + self.scheduler.max_num_seqs
+        return max(1, min(self._checkpoint_cap(d.budget), want, room))
+
+    def _resize_checkpoints(self, rows: int) -> None:
+        pool = self.checkpoints
+        if rows == pool.device_rows:
+            return
+        if rows > pool.device_rows and pool.resize_device(rows) < rows:
+            if self.arena.device.type == "cuda":  # as in _map: torch's cache goes back first
+                torch.cuda.empty_cache()
+            if pool.resize_device(rows) < rows:
+                self.map_failures += 1
+                return
+        elif rows < pool.device_rows:
+            pool.resize_device(rows)
+        self._record("checkpoints")
 
     def set_budget(self, nbytes: int) -> None:
         """Applied at the next safe point. At most the ceiling (`max_budget`: the addresses
@@ -161,14 +229,22 @@ class MemoryManager:
         self.cache.tick()
         if self.watcher is not None:
             self.budget = self._effective_budget(poll=True)
-        split = self.policy.decide(self.demand())
-        if split is None:
-            return None
-        # Pages in use that cannot move below the new top: preempt the newest running
-        # requests (their pages join the prefix cache, which can evict them) until they can.
-        while not self.apply(split):
-            if not self._preempt_newest():
-                break
+        demand = self.demand()
+        if self.checkpoints is not None:
+            rows = self._checkpoint_rows(demand)
+            if rows < self.checkpoints.device_rows:  # shrink first: its bytes may go elsewhere
+                self._resize_checkpoints(rows)
+            self._checkpoint_target = rows
+            demand = replace(demand, fixed=demand.fixed + rows * self._row_bytes)
+        split = self.policy.decide(demand)
+        if split is not None:
+            # Pages in use that cannot move below the new top: preempt the newest running
+            # requests (their pages join the prefix cache, which can evict them) until they can.
+            while not self.apply(split):
+                if not self._preempt_newest():
+                    break
+        if self.checkpoints is not None and self._checkpoint_target > self.checkpoints.device_rows:
+            self._resize_checkpoints(self._checkpoint_target)  # grow last: the split made room
         return split
 
     def demand(self) -> MemoryDemand:
@@ -340,7 +416,7 @@ class MemoryManager:
 
     def _checkpoint_bytes(self) -> int:
         rec = self.scheduler.recurrence
-        return 0 if rec is None else rec.checkpoints.stats()["device_bytes"]
+        return 0 if rec is None else rec.checkpoints.device_bytes
 
     def stats(self) -> dict:
         return {
@@ -355,6 +431,7 @@ class MemoryManager:
             "fixed_bytes": self.fixed,
             "kv_pages": self.kv.allocator.n_pages,
             "slots": self.cache.n_slots,
+            "checkpoint_rows": None if self.checkpoints is None else self.checkpoints.device_rows,
             "changes": len(self.trace),
             "preempted": self.preempted,
         }
@@ -382,24 +459,30 @@ def elastic_memory(loaded, scheduler: Scheduler) -> MemoryManager | None:
     fixed = (
         loaded.dense_bytes
         + workspace_bytes(spec, config)
-        # What the recurrence holds (it was sized from the load-time budget; the arena's
-        # addresses reach the ceiling, so sizing it again from them overstated it: 6.6 GB,
-        # a third of the split, on the Qwen3.6 shape on the device).
-        + (loaded.recurrence.device_bytes if loaded.recurrence is not None else 0)
+        # What the recurrence holds outside the split (sized again from the arena, whose
+        # addresses reach the ceiling, it was overstated by 6.6 GB, a third of the split, on
+        # the Qwen3.6 shape on the device); a resizable checkpoint tier is in the split.
+        + (loaded.recurrence.fixed_device_bytes if loaded.recurrence is not None else 0)
         + bank.nbytes
         - bank.cache.nbytes
     )
     policy = MemoryPolicy(group_bytes=config.elastic_group_bytes)
     # The budget at load: the user's, or what the split was sized for (free memory at load).
+    rec = loaded.recurrence
     sized = (
         fixed
+        + (rec.device_bytes - rec.fixed_device_bytes if rec is not None else 0)
         + arena.initial_pages * arena.kv_unit.nbytes
         + (arena.n_slots + 1) * (arena.slot_unit.nbytes)
     )
     explicit = config.gpu_budget is not None
     budget = config.gpu_budget if explicit else sized
+
+    def checkpoint_cap(b: int) -> int:
+        return device_row_cap(spec, loaded.dtype, b)
+
     manager = MemoryManager(
-        arena, loaded.kv, bank, scheduler, fixed, budget, policy, None, explicit
+        arena, loaded.kv, bank, scheduler, fixed, budget, policy, None, explicit, checkpoint_cap
     )
     if loaded.device.type == "cuda" and config.follow_free_memory:
         manager.watch(cuda_free_memory(loaded.device), config.memory_reserve, config.memory_poll_s)

@@ -133,9 +133,15 @@ class Recurrence:
 
     @property
     def device_bytes(self) -> int:
-        """What the state slots and the checkpoints' device tier hold on the device."""
+        """What the state slots and the checkpoints' device tier hold on the device now."""
+        return self.states.nbytes + self.checkpoints.device_bytes
+
+    @property
+    def fixed_device_bytes(self) -> int:
+        """The part elastic memory does not move: the state slots, and the checkpoints' device
+        tier unless it is resizable (then it is part of the split)."""
         ck = self.checkpoints
-        return self.states.nbytes + ck.conv.nbytes + ck.ssm.nbytes
+        return self.states.nbytes + (0 if ck.resizable else ck.device_bytes)
 
 
 class Scheduler:

@@ -172,6 +172,15 @@ class CheckpointPool:
         return True
 
     @property
+    def resizable(self) -> bool:
+        return bool(self._lanes)
+
+    @property
+    def device_used(self) -> int:
+        """Device rows holding a checkpoint."""
+        return self.device_rows - len(self._free[DEVICE])
+
+    @property
     def device_bytes(self) -> int:
         """Device bytes the usable rows take (every layer's conv and ssm)."""
         per = self.bytes_per_checkpoint(self.n_layers, self.conv_shape, self.ssm_shape, self.dtype)

@@ -4,6 +4,10 @@ GPU memory (DESIGN section 5) counts them with the KV pool: per running request 
 (every recurrent layer's conv and matrix state, fp32 matrices), plus the checkpoint pool's
 device tier. The host tier holds checkpoints spilled from the device, in pinned memory.
 
+With elastic memory the device tier is resizable, part of the split (engine/memory_manager.py):
+it starts at this size and then holds the checkpoints in use plus a row per sequence, up to the
+same 1/16 of the budget of the moment.
+
 Defaults: the device tier gets 1/16 of the GPU budget (2 GiB at a 32 GB budget: about 30
 checkpoints of a Qwen3.6-35B-A3B-shaped model, 66 MB each); the host tier min(16 GiB, 1/8 of
 the machine's memory). On a CPU "device" both tiers default to a few rows per running request
@@ -75,16 +79,35 @@ def recurrent_device_bytes(
     return state_bytes(spec, config, dtype) + rows * per
 
 
+def device_row_cap(spec: ModelSpec, dtype: torch.dtype, budget: int) -> int:
+    """The most device rows elastic memory gives the checkpoints at `budget`: a 16th of it,
+    the share a fixed tier gets on CUDA (at least 1, at most MAX_ROWS)."""
+    per = CheckpointPool.bytes_per_checkpoint(*_shapes(spec), dtype)
+    return int(min(max(budget // 16 // per, 1), MAX_ROWS))
+
+
 def build_recurrence(
-    spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype, budget: int
+    spec: ModelSpec,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    budget: int,
+    max_budget: int | None = None,
 ) -> Recurrence | None:
+    """`max_budget`: with elastic memory, the most the budget may reach; the checkpoint device
+    tier is then resizable up to `device_row_cap` there (unless its size was given)."""
     if not spec.is_hybrid:
         return None
     n_layers, conv, ssm = _shapes(spec)
     states = RecurrentStatePool(n_layers, config.max_num_seqs + 1, conv, ssm, dtype, device)
     dev_rows, host_rows = checkpoint_rows(spec, config, device, dtype, budget)
-    # A pool with one row keeps the layers' snapshot views valid in mode "none" too.
-    checkpoints = CheckpointPool(n_layers, max(dev_rows, 1), host_rows, conv, ssm, dtype, device)
+    dev_rows = max(dev_rows, 1)  # one row keeps the layers' snapshot views valid in mode none
+    max_rows = None
+    resizable = CheckpointMode.parse(config.checkpoints).reuses
+    if max_budget is not None and resizable and config.checkpoint_device_bytes is None:
+        max_rows = max(dev_rows, device_row_cap(spec, dtype, max_budget))
+    checkpoints = CheckpointPool(n_layers, dev_rows, host_rows, conv, ssm, dtype, device,
+                                 max_device_rows=max_rows)  # fmt: skip
     return Recurrence(states, checkpoints, CheckpointMode.parse(config.checkpoints))
 
 

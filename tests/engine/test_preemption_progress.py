@@ -16,17 +16,15 @@ import random
 
 import pytest
 import torch
+from elastic_engines import elastic_engine as _elastic_engine
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
-from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 from freetoken_agent.engine.kv.checkpoints import CheckpointPool
-from freetoken_agent.engine.kv.pool import KVPool, PageAllocator
+from freetoken_agent.engine.kv.pool import PageAllocator
 from freetoken_agent.engine.kv.radix import RadixCache
-from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 from freetoken_agent.engine.kv.recurrent_state import RecurrentStatePool
-from freetoken_agent.engine.loading import dense_nbytes
 from freetoken_agent.engine.scheduler import (
     MAX_FRUITLESS_PREEMPTIONS,
     Recurrence,
@@ -126,26 +124,6 @@ def test_lone_request_without_progress_is_failed_not_retried():
     sched.check_integrity()
 
 
-def _elastic_engine(path, checkpoints: str) -> Engine:
-    """An elastic engine whose budget holds its fixed bytes (a hybrid's recurrent memory too),
-    512 tokens of KV and a few slots beyond the fewest; prefill chunks of 64 tokens."""
-    probe = Engine.load(path, device="cpu", progress=False, policy="resident")
-    spec, config = probe.spec, probe.config
-    page = KVPool.page_bytes(len(spec.attention_layers), config.page_size, spec.n_kv_heads,
-                             spec.head_dim, spec.dtype)  # fmt: skip
-    budget = (
-        dense_nbytes(probe.loaded.model)
-        + workspace_bytes(spec, config)
-        + recurrent_device_bytes(spec, config, torch.device("cpu"), spec.dtype, 0)
-        + 33 * page
-        + (3 * spec.n_experts + 8) * spec.expert_bytes
-    )
-    engine = Engine.load(path, device="cpu", progress=False, policy="transfer", gpu_budget=budget,
-                         kv_tokens=512, max_batched_tokens=64, checkpoints=checkpoints)  # fmt: skip
-    assert engine.memory is not None
-    return engine
-
-
 @pytest.mark.parametrize("checkpoints", ["anchors", "none"])
 def test_engine_fails_a_lone_hybrid_request_that_cannot_grow(tmp_path, rng_seed, checkpoints):
     """After its first 64-token chunk, a budget cut leaves a lone 300-token request 6 pages
@@ -160,8 +138,8 @@ def test_engine_fails_a_lone_hybrid_request_that_cannot_grow(tmp_path, rng_seed,
                         SamplingParams(max_tokens=4, temperature=0))  # fmt: skip
     engine.step()
     m = engine.memory
-    floor = m.fixed + engine.loaded.bank.min_slots * m.arena.slot_unit.nbytes
-    engine.set_gpu_budget(floor + 6 * m.arena.kv_unit.nbytes)
+    # The floor (fixed bytes, 2 pages, the fewest slots, a checkpoint row) and 4 pages more.
+    engine.set_gpu_budget(m.floor + 4 * m.arena.kv_unit.nbytes)
     for _ in range(100):
         engine.step()
         engine.check_integrity()
@@ -207,7 +185,6 @@ def test_random_budget_walk_always_ends_and_matches_resident(tmp_path, rng_seed,
     resident = Engine.load(tmp_path, device="cpu", progress=False, policy="resident")
     engine = _elastic_engine(tmp_path, "anchors")  # any family: hybrids also get checkpoints
     m = engine.memory
-    floor = m.fixed + engine.loaded.bank.min_slots * m.arena.slot_unit.nbytes
     top = m.user_budget
     sp = SamplingParams(max_tokens=rng.randint(4, 24), temperature=0, ignore_eos=True)
     prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(10, 300))]
@@ -216,7 +193,7 @@ def test_random_budget_walk_always_ends_and_matches_resident(tmp_path, rng_seed,
             for p in prompts]  # fmt: skip
     for step in range(3000):
         if step % rng.randint(2, 6) == 0:
-            engine.set_gpu_budget(rng.randint(floor + 2 * m.arena.kv_unit.nbytes, top))
+            engine.set_gpu_budget(rng.randint(m.floor, top))
         engine.step()
         engine.check_integrity()
         if not engine.has_unfinished():

@@ -408,10 +408,10 @@ def test_device_tier_resizes_keeping_every_checkpoint_it_can(rng_seed):
             _same(rig.restored(ckpt, rig.slots[1]), want)
     if locked is not None:
         pool.unlock(locked)
-    # The rows above the top are given back: the lanes hold less than at the full size.
-    assert sum(m.mapped_bytes for m, _ in pool._lanes) < sum(
-        m.nbytes for m, _ in pool._lanes
-    )
+    # The rows above the top are given back: the lanes hold less than at the full size
+    # (unless the locked checkpoint sat in the top row).
+    if got < max_rows:
+        assert sum(m.mapped_bytes for m, _ in pool._lanes) < sum(m.nbytes for m, _ in pool._lanes)
     # And it grows again, its free rows usable.
     assert pool.resize_device(max_rows) == max_rows
     fresh, want = _filled(rig, 999)
