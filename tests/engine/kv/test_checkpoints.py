@@ -378,9 +378,22 @@ def test_device_tier_resizes_keeping_every_checkpoint_it_can(rng_seed):
     tier (dropping the least recently used when that is full), never moves a locked one
     (the top stays above it), and gives the rows above back (a simulated device scribbles
     them). Every surviving checkpoint restores bit-exactly."""
+    _resize_cycle(rng_seed, "cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_device_tier_resizes_on_virtual_memory(rng_seed):
+    """The same on CUDA, where the lanes are virtual memory: the kernels' views keep their
+    addresses, rows above the top are unmapped, and spills and moves are exact."""
+    _resize_cycle(rng_seed, "cuda")
+
+
+def _resize_cycle(rng_seed: int, device: str) -> None:
     r = random.Random(rng_seed)
     max_rows, host = r.randint(10, 16), r.randint(0, 3)
-    rig = Rig(device_rows=4, host_rows=host, seed=rng_seed, max_device_rows=max_rows)
+    rig = Rig(device_rows=4, host_rows=host, seed=rng_seed, max_device_rows=max_rows,
+              device=device)  # fmt: skip
+    views = (rig.pool.conv.data_ptr(), rig.pool.ssm.data_ptr())
     pool = rig.pool
     mapped = sum(m.mapped_bytes for m, _ in pool._lanes)
     assert pool.resize_device(max_rows) == max_rows and pool.device_rows == max_rows
@@ -417,6 +430,7 @@ def test_device_tier_resizes_keeping_every_checkpoint_it_can(rng_seed):
     fresh, want = _filled(rig, 999)
     _same(rig.restored(fresh, rig.slots[1]), want)
     pool.check_integrity()
+    assert (pool.conv.data_ptr(), pool.ssm.data_ptr()) == views  # the kernels' views stay
 
 
 def test_fixed_device_tier_cannot_resize():
