@@ -47,6 +47,20 @@ def _elastic(path, resident: Engine, slots: int, kv_tokens: int = 256) -> Engine
     return engine
 
 
+def _staged_budget(resident: Engine, slots: int, kv_tokens: int) -> int:
+    """Dense weights, workspace, `kv_tokens` of fp32 KV, `slots` slots and two layers of
+    staging buffers of their own (a budget too small to lend them from slots)."""
+    spec = resident.spec
+    kv_page = 2 * 16 * spec.n_layers * spec.n_kv_heads * spec.head_dim * 4
+    return (
+        dense_nbytes(resident.loaded.model)
+        + workspace_bytes(spec, resident.config)
+        + slots * spec.expert_bytes
+        + (kv_tokens // 16 + 1) * kv_page
+        + 2 * spec.n_experts * spec.expert_bytes
+    )
+
+
 def _run(engine: Engine, prompt: list[int], on_step=None) -> list[int]:
     rid = engine.submit(prompt, SP)
     n = 0
@@ -240,14 +254,7 @@ def test_cuda_engine_gives_vram_back_to_another_allocation(tmp_path, rng_seed):
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (40, 200)]
     sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in resident.generate(prompts, sp)]
-    spec = resident.spec
-    budget = (
-        dense_nbytes(resident.loaded.model)
-        + workspace_bytes(spec, resident.config)
-        + 48 * spec.expert_bytes
-        + (600 // 16 + 1) * 2 * 16 * spec.n_layers * spec.n_kv_heads * spec.head_dim * 4
-        + 2 * spec.n_experts * spec.expert_bytes
-    )  # fmt: skip  (+ staging buffers)
+    budget = _staged_budget(resident, slots=48, kv_tokens=600)
     group = 2 << 20
     engine = Engine.load(
         tmp_path, policy="transfer", gpu_budget=budget, kv_tokens=600,
@@ -393,13 +400,7 @@ def test_cuda_split_grows_into_memory_torch_only_caches(tmp_path, rng_seed):
     prompt = [rng.randrange(3, 320) for _ in range(100)]
     want = resident.generate(prompt, SP).token_ids
     spec = resident.spec
-    budget = (
-        dense_nbytes(resident.loaded.model)
-        + workspace_bytes(spec, resident.config)
-        + 8 * spec.expert_bytes
-        + (512 // 16 + 1) * 2 * 16 * spec.n_layers * spec.n_kv_heads * spec.head_dim * 4
-        + 2 * spec.n_experts * spec.expert_bytes
-    )  # fmt: skip  (+ staging buffers)
+    budget = _staged_budget(resident, slots=8, kv_tokens=512)
     engine = Engine.load(tmp_path, policy="transfer", gpu_budget=budget, kv_tokens=512,
                          follow_free_memory=False, elastic_group_bytes=4 * spec.expert_bytes,
                          **opts)  # fmt: skip
