@@ -25,11 +25,12 @@ for stage in "$@"; do
       timeout 400 python3 -m freetoken_agent.bench decode --out "$OUT" 2>&1 \
         | tee "$OUT/decode_baseline.log" | tail -12 ;;
     elastic-tests)  # the arena, its virtual memory, the watcher, the no-recompile check
-      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_device_memory.py \
+      timeout 320 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_device_memory.py \
         tests/engine/test_elastic_memory.py tests/engine/experts/test_cache_arena.py \
         tests/kernels/test_paged_attention.py tests/kernels/test_fused_moe.py \
         tests/engine/test_preemption_progress.py tests/bench/test_compile_log.py \
-        tests/engine/kv/test_checkpoints.py tests/engine/test_elastic_checkpoints.py 2>&1 \
+        tests/engine/kv/test_checkpoints.py tests/engine/test_elastic_checkpoints.py \
+        tests/engine/test_hybrid_gpu.py 2>&1 \
         | tee "$OUT/gpu_elastic_tests.log" | tail -8 ;;
     kv-layout)
       timeout 300 python3 -m freetoken_agent.bench kv-layout --out "$OUT/kv_layout.json" 2>&1 \
