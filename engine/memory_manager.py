@@ -95,8 +95,9 @@ class MemoryManager:
         self._checkpoint_target = self.checkpoints.device_rows if resizable else 0
         self.cache = bank.cache
         self.fixed = fixed
-        # The ceiling: the addresses the arena (and a resizable checkpoint tier) reserved.
-        tier = self.checkpoints.max_device_rows * self._row_bytes if resizable else 0
+        # The ceiling: what the arena's addresses hold, and the checkpoint tier as loaded (the
+        # arena was sized beside it; a tier grown later takes its rows from the same budget).
+        tier = self.checkpoints.device_bytes if resizable else 0
         self.max_budget = fixed + arena.nbytes + tier
         self.budget = min(budget, self.max_budget)
         self.user_budget = self.budget  # set_gpu_budget's, at most max_budget
@@ -235,7 +236,11 @@ class MemoryManager:
             if rows < self.checkpoints.device_rows:  # shrink first: its bytes may go elsewhere
                 self._resize_checkpoints(rows)
             self._checkpoint_target = rows
-            demand = replace(demand, fixed=demand.fixed + rows * self._row_bytes)
+            # Pages and slots get the rest, at most what the arena holds (the budget's ceiling
+            # counts the tier's largest size, which these rows may leave unused).
+            fixed = demand.fixed + rows * self._row_bytes
+            budget = min(demand.budget, fixed + self.arena.nbytes)
+            demand = replace(demand, fixed=fixed, budget=budget)
         split = self.policy.decide(demand)
         if split is not None:
             # Pages in use that cannot move below the new top: preempt the newest running

@@ -189,6 +189,11 @@ def test_cpu_smoke_on_the_hybrid_shape_resumes_from_anchors(tmp_path, rng_seed):
     p = report["engines"]["elastic"]["pressure"]
     assert p["complete"] is True and p["got"] == p["asked"]
     assert report["summary"]["absorbed"] is True
+    # The split never asks the arena for more than it holds: the checkpoint tier shrinking
+    # below its load-time size once left budget the arena could not take, and the policy's
+    # pages squeezed the slots to one (miss rate 1.0).
+    fixed_slots = report["engines"]["fixed-last"]["turns"][0]["slots"]
+    assert min(r["slots"] for r in el) > fixed_slots // 2
 
 
 def test_turn_watch_reports_each_turns_progress(tmp_path, capsys, rng_seed):
