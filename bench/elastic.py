@@ -137,11 +137,10 @@ def build(args, name: str, turns) -> Engine:
         # Moves of the split and of the budget in the toy arena's scale (64 MiB is a GPU's).
         options.update(elastic_group_bytes=args.smoke_group)
     if args.cpu_smoke:
-        engine = random_engine(args.cfg, device="cpu", std=0.1, policy="transfer",
-                               pool=args.pool, **options)  # fmt: skip
+        options.update(device="cpu", std=0.1, policy="transfer")
     else:
-        engine = random_engine(args.cfg, policy=args.policy, stream_min_tokens=args.stream_min,
-                               pool=args.pool, **options)  # fmt: skip
+        options.update(policy=args.policy, stream_min_tokens=args.stream_min)
+    engine = random_engine(args.cfg, pool=args.pool, **options)
     # One host pool for every engine of the run: drawn and pinned once (a minute at 58 GB).
     args.pool = getattr(engine.loaded.bank, "pool", None) or args.pool
     return engine

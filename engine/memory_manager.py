@@ -142,11 +142,7 @@ class MemoryManager:
     # --- the checkpoints' device tier (hybrid models) ------------------------------------------
     @property
     def _row_bytes(self) -> int:
-        pool = self.checkpoints
-        if pool is None:
-            return 0
-        return pool.bytes_per_checkpoint(pool.n_layers, pool.conv_shape, pool.ssm_shape,
-                                         pool.dtype)  # fmt: skip
+        return self.checkpoints.row_bytes if self.checkpoints is not None else 0
 
     def _tier_bytes(self) -> int:
         """Bytes of the checkpoints' device tier when it is in the split (else in `fixed`)."""
@@ -158,9 +154,9 @@ class MemoryManager:
         snapshots without a spill), at most a 16th of the budget (a fixed tier's share) and
         at most what the pages of running requests, of the first waiting one and of recently
         used history, and the fewest slots, leave; the policy splits the rest between pages
-        and slots. A session's
-        anchors make the tier grow; a cut budget shrinks it, spilling the least recently used
-        checkpoints to the host tier; a released history gives its rows back."""
+        and slots. A session's anchors make the tier grow; a cut budget shrinks it, spilling
+        the least recently used checkpoints to the host tier; a released history gives its
+        rows back."""
         pool, per = self.checkpoints, self._row_bytes
         # Recently used cached pages come first too: a checkpoint is worth nothing without
         # the KV of the tokens before it (evicting those pages releases it).
@@ -174,13 +170,10 @@ class MemoryManager:
         pool = self.checkpoints
         if rows == pool.device_rows:
             return
-        if rows > pool.device_rows and pool.resize_device(rows) < rows:
-            if self.arena.device.type == "cuda":  # as in _map: torch's cache goes back first
-                torch.cuda.empty_cache()
-            if pool.resize_device(rows) < rows:
-                self.map_failures += 1
+        if rows > pool.device_rows:
+            if not self._backed(lambda: pool.resize_device(rows) == rows):
                 return
-        elif rows < pool.device_rows:
+        else:
             pool.resize_device(rows)
         self._record("checkpoints")
 
@@ -237,7 +230,7 @@ class MemoryManager:
                 self._resize_checkpoints(rows)
             self._checkpoint_target = rows
             # Pages and slots get the rest, at most what the arena holds (the budget's ceiling
-            # counts the tier's largest size, which these rows may leave unused).
+            # counts the tier as loaded, which these rows may leave partly unused).
             fixed = demand.fixed + rows * self._row_bytes
             budget = min(demand.budget, fixed + self.arena.nbytes)
             demand = replace(demand, fixed=fixed, budget=budget)
@@ -372,15 +365,19 @@ class MemoryManager:
         return True
 
     def _map(self, pages: int, first_slot: int) -> bool:
-        """Back pages and slots with memory. When the device refuses, torch's allocator may be
-        caching blocks it freed (a prefill chunk's activations took what the split released,
-        under pressure): the split comes first, so those go back to the driver and the map is
-        tried once more."""
-        if self.arena.map_for(pages, first_slot):
+        """Back pages and slots with memory (see `_backed`)."""
+        return self._backed(lambda: self.arena.map_for(pages, first_slot))
+
+    def _backed(self, grow: Callable[[], bool]) -> bool:
+        """Run `grow` (maps memory; False when the device refuses). When the device refuses,
+        torch's allocator may be caching blocks it freed (a prefill chunk's activations took
+        what the split released, under pressure): the split comes first, so those go back to
+        the driver and `grow` is tried once more; a second refusal counts in map_failures."""
+        if grow():
             return True
         if self.arena.device.type == "cuda":
             torch.cuda.empty_cache()
-            if self.arena.map_for(pages, first_slot):
+            if grow():
                 return True
         self.map_failures += 1
         return False

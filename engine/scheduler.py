@@ -340,13 +340,7 @@ class Scheduler:
             return
         if boundary == 0 or not req.state_slot:
             return
-        if any(b == boundary for b, _ in req.pending_checkpoints):
-            return
-        ckpt = rec.checkpoints.reserve(boundary)
-        if ckpt is not None:  # every row locked: the request resumes from an older one
-            rec.checkpoints.save(ckpt, rec.states, req.state_slot)  # queued on the stream
-            rec.checkpoints.unlock(ckpt)
-            req.pending_checkpoints.append((boundary, ckpt))
+        self._save_checkpoint(req, boundary)  # none saved: it resumes from an older one
 
     # --- after the step -----------------------------------------------------------------
     def advance(self, chunk: ScheduledChunk) -> None:
@@ -388,8 +382,14 @@ class Scheduler:
             boundary, token, req.anchor_tokens
         ):
             return
+        self._save_checkpoint(req, boundary)
+
+    def _save_checkpoint(self, req: Request, boundary: int) -> None:
+        """Checkpoint the request's state slot (it covers tokens [0, boundary)) unless one is
+        pending there; skipped when every device row is locked (never an error)."""
         if any(b == boundary for b, _ in req.pending_checkpoints):
             return
+        rec = self.recurrence
         ckpt = rec.checkpoints.reserve(boundary)
         if ckpt is not None:
             rec.checkpoints.save(ckpt, rec.states, req.state_slot)  # queued on the stream

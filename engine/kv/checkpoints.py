@@ -162,14 +162,19 @@ class CheckpointPool:
         full = (self.n_layers, self.max_device_rows, *shape)
         return flat.as_strided(full, (lane // dtype.itemsize, row, *strides), 0)
 
-    def _map_rows(self, rows: int) -> bool:
-        """Back rows 0..rows-1 of every lane."""
+    def _lane_spans(self, lo_row: int, hi_row: int | None = None):
+        """(memory, lo, hi) byte ranges of rows lo_row..hi_row-1 in every lane (hi_row None:
+        to the lane's end, whole chunks)."""
         for memory, row_bytes in self._lanes:
             lane = memory.nbytes // self.n_layers
             for layer in range(self.n_layers):
-                if not memory.map(layer * lane, layer * lane + rows * row_bytes):
-                    return False
-        return True
+                start = layer * lane
+                end = start + hi_row * row_bytes if hi_row is not None else start + lane
+                yield memory, start + lo_row * row_bytes, end
+
+    def _map_rows(self, rows: int) -> bool:
+        """Back rows 0..rows-1 of every lane."""
+        return all(memory.map(lo, hi) for memory, lo, hi in self._lane_spans(0, rows))
 
     @property
     def resizable(self) -> bool:
@@ -181,10 +186,14 @@ class CheckpointPool:
         return self.device_rows - len(self._free[DEVICE])
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one checkpoint (every layer's conv and ssm)."""
+        return self.bytes_per_checkpoint(self.n_layers, self.conv_shape, self.ssm_shape, self.dtype)
+
+    @property
     def device_bytes(self) -> int:
-        """Device bytes the usable rows take (every layer's conv and ssm)."""
-        per = self.bytes_per_checkpoint(self.n_layers, self.conv_shape, self.ssm_shape, self.dtype)
-        return self.device_rows * per
+        """Device bytes the usable rows take."""
+        return self.device_rows * self.row_bytes
 
     def resize_device(self, rows: int) -> int:
         """Make `rows` device rows usable (at least 1, at most max_device_rows; never below a
@@ -214,12 +223,10 @@ class CheckpointPool:
                     self._evict_device(ckpt)
             del table[rows:]
             self._free[DEVICE] = [f for f in free if f < rows]
-            if self._lanes and self.device.type == "cuda":
+            if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # moves and spills still read those rows
-            for memory, row_bytes in self._lanes:  # each lane above its new top
-                lane = memory.nbytes // self.n_layers
-                for layer in range(self.n_layers):
-                    memory.unmap(layer * lane + rows * row_bytes, (layer + 1) * lane)
+            for memory, lo, hi in self._lane_spans(rows):  # each lane above its new top
+                memory.unmap(lo, hi)
         self.device_rows = rows
         return rows
 
@@ -413,13 +420,10 @@ class CheckpointPool:
         rows = self.max_device_rows if self._lanes else self.device_rows
         assert self.conv.shape[:2] == self.ssm.shape[:2] == (self.n_layers, rows)
         assert self.device_rows <= rows and (self.device_rows >= 1 or not self._lanes)
-        if self._lanes:  # the usable rows are backed; lane row 0 (the views' base) above all
-            for memory, row_bytes in self._lanes:
-                lane = memory.nbytes // self.n_layers
-                assert all(
-                    memory.is_mapped(j * lane, j * lane + self.device_rows * row_bytes)
-                    for j in range(self.n_layers)
-                ), "a usable checkpoint row is not backed by memory"
+        # The usable rows are backed; lane row 0 (the views' base) above all.
+        assert all(m.is_mapped(lo, hi) for m, lo, hi in self._lane_spans(0, self.device_rows)), (
+            "a usable checkpoint row is not backed by memory"
+        )
         assert (
             self.host_conv.shape[:2]
             == self.host_ssm.shape[:2]

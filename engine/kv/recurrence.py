@@ -103,12 +103,12 @@ def build_recurrence(
     dev_rows, host_rows = checkpoint_rows(spec, config, device, dtype, budget)
     dev_rows = max(dev_rows, 1)  # one row keeps the layers' snapshot views valid in mode none
     max_rows = None
-    resizable = CheckpointMode.parse(config.checkpoints).reuses
-    if max_budget is not None and resizable and config.checkpoint_device_bytes is None:
+    mode = CheckpointMode.parse(config.checkpoints)
+    if max_budget is not None and mode.reuses and config.checkpoint_device_bytes is None:
         max_rows = max(dev_rows, device_row_cap(spec, dtype, max_budget))
     checkpoints = CheckpointPool(n_layers, dev_rows, host_rows, conv, ssm, dtype, device,
                                  max_device_rows=max_rows)  # fmt: skip
-    return Recurrence(states, checkpoints, CheckpointMode.parse(config.checkpoints))
+    return Recurrence(states, checkpoints, mode)
 
 
 def _physical_memory() -> int:
