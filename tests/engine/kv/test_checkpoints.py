@@ -388,6 +388,17 @@ def test_cuda_device_tier_resizes_on_virtual_memory(rng_seed):
     _resize_cycle(rng_seed, "cuda")
 
 
+def _mapped(pool: CheckpointPool) -> int:
+    return sum(m.mapped_bytes for m, _ in pool._lanes)
+
+
+def _backing(pool: CheckpointPool, rows: int) -> int:
+    """Bytes mapped when rows 0..rows-1 are usable: each layer's lane holds the chunks its
+    rows touch (on CUDA one 2 MiB chunk holds this rig's whole lane, so the count does not
+    move there; on the simulated device a chunk is a few rows)."""
+    return sum(pool.n_layers * -(-rows * row // m.chunk) * m.chunk for m, row in pool._lanes)
+
+
 def _resize_cycle(rng_seed: int, device: str) -> None:
     r = random.Random(rng_seed)
     max_rows, host = r.randint(10, 16), r.randint(0, 3)
@@ -395,9 +406,9 @@ def _resize_cycle(rng_seed: int, device: str) -> None:
               device=device)  # fmt: skip
     views = (rig.pool.conv.data_ptr(), rig.pool.ssm.data_ptr())
     pool = rig.pool
-    mapped = sum(m.mapped_bytes for m, _ in pool._lanes)
+    assert _mapped(pool) == _backing(pool, 4)
     assert pool.resize_device(max_rows) == max_rows and pool.device_rows == max_rows
-    assert sum(m.mapped_bytes for m, _ in pool._lanes) > mapped
+    assert _mapped(pool) == _backing(pool, max_rows)
     saved = dict(_filled(rig, b) for b in range(r.randint(3, max_rows)))
     for ckpt in r.sample(list(saved), r.randint(0, len(saved) // 2)):
         pool.release(ckpt)
@@ -421,12 +432,11 @@ def _resize_cycle(rng_seed: int, device: str) -> None:
             _same(rig.restored(ckpt, rig.slots[1]), want)
     if locked is not None:
         pool.unlock(locked)
-    # The rows above the top are given back: the lanes hold less than at the full size
-    # (unless the locked checkpoint sat in the top row).
-    if got < max_rows:
-        assert sum(m.mapped_bytes for m, _ in pool._lanes) < sum(m.nbytes for m, _ in pool._lanes)
+    # The chunks wholly above the top are given back, no more and no fewer.
+    assert _mapped(pool) == _backing(pool, got)
     # And it grows again, its free rows usable.
     assert pool.resize_device(max_rows) == max_rows
+    assert _mapped(pool) == _backing(pool, max_rows)
     fresh, want = _filled(rig, 999)
     _same(rig.restored(fresh, rig.slots[1]), want)
     pool.check_integrity()
