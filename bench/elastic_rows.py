@@ -45,7 +45,7 @@ class Limits:
 
 HEAD = f"{'engine':<12}{'turn':>5}{'ctx':>8}{'reused':>8}{'prefill':>8}{'ttft s':>8}"
 HEAD += f"{'(lim)':>7}{'tok/s':>8}{'(lim)':>7}{'miss':>6}{'slots':>7}{'pages':>8}{'GB':>7}"
-HEAD += f"{'free':>7}  status"
+HEAD += f"{'free':>7}{'fetch':>7}{'cpu':>6}{'sp ms':>7}{'step':>7}  status"
 
 
 def _fmt(v, spec: str) -> str:
@@ -60,6 +60,8 @@ def print_row(name: str, r: dict) -> None:
         f"{_fmt(r.get('decode_limit_tok_s'), '.0f'):>7}{_fmt(r.get('miss_rate'), '.2f'):>6}"
         f"{_fmt(r.get('slots'), 'd'):>7}{_fmt(r.get('kv_pages'), 'd'):>8}"
         f"{_fmt(r.get('budget_gb'), '.2f'):>7}{_fmt(r.get('free_gb'), '.2f'):>7}"
+        f"{_fmt(r.get('fetched_per_token'), '.1f'):>7}{_fmt(r.get('on_cpu_per_token'), '.1f'):>6}"
+        f"{_fmt(r.get('safe_point_ms'), '.2f'):>7}{_fmt(r.get('step_ms'), '.1f'):>7}"
         f"  {r.get('failed') or 'ok'}" + ("  [pressure]" if r.get("pressure") else ""),
         flush=True,
     )

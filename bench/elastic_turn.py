@@ -14,9 +14,12 @@ from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 
-def _counters(engine: Engine) -> tuple[int, int]:
+def _counters(engine: Engine) -> tuple[float, ...]:
+    """(experts, hits, fetched, on_cpu, safe-point seconds, wall seconds) so far."""
     st = getattr(engine.loaded.bank, "stats", None)
-    return (st.experts, st.hits) if st is not None else (0, 0)
+    bank = (st.experts, st.hits, st.fetched, st.on_cpu) if st is not None else (0, 0, 0, 0)
+    memory = engine.memory.safe_point_s if engine.memory is not None else 0.0
+    return (*bank, memory, time.perf_counter())
 
 
 def run_turn(
@@ -58,7 +61,8 @@ def run_turn(
     finally:
         if watch is not None:
             watch.stop()
-    experts, hits = (a - b for a, b in zip(_counters(engine), before, strict=True))
+    deltas = (a - b for a, b in zip(_counters(engine), before, strict=True))
+    experts, hits, fetched, on_cpu, safe_point_s, wall_s = deltas
     out = engine._collect(rid)
     st = out.stats
     row = {
@@ -70,6 +74,12 @@ def run_turn(
         "preempted": st["preempted"],
         "miss_rate": 1 - hits / experts if experts else None,
         "experts_per_token": experts / max(1, len(out.token_ids) - 1),
+        # Where the misses went (filled into slots, run on the CPU) and what the memory
+        # manager's safe points cost, per decode step: what separates two splits' tok/s.
+        "fetched_per_token": fetched / max(1, len(out.token_ids) - 1),
+        "on_cpu_per_token": on_cpu / max(1, len(out.token_ids) - 1),
+        "safe_point_ms": 1e3 * safe_point_s / max(1, len(out.token_ids) - 1),
+        "step_ms": 1e3 * wall_s / max(1, len(out.token_ids) - 1),
         "answer": out.token_ids,
     }
     if out.finish_reason == "error":

@@ -41,6 +41,7 @@ spills its least recently used checkpoints to the host tier first; a growing one
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -106,6 +107,7 @@ class MemoryManager:
         self.trace = trace or MemoryTrace()
         self.watcher: BudgetWatcher | None = None
         self.steps = 0
+        self.safe_point_s = 0.0  # seconds spent in safe_point, summed
         self.preempted = 0
         self.released_bytes = 0  # arena bytes given back to the driver, over the run
         self.map_failures = 0  # grows refused because the device had no memory
@@ -219,6 +221,13 @@ class MemoryManager:
 
     # --- the safe point ---------------------------------------------------------------------
     def safe_point(self) -> Split | None:
+        t0 = time.perf_counter()
+        try:
+            return self._safe_point()
+        finally:  # its cost per step, beside the step's (the elastic bench reports both)
+            self.safe_point_s += time.perf_counter() - t0
+
+    def _safe_point(self) -> Split | None:
         self.steps += 1
         self.cache.tick()
         if self.watcher is not None:
