@@ -1,0 +1,94 @@
+"""Where a decode step's host time goes, elastic engine against a fixed split (a diagnosis, not
+a target: the elastic bench showed elastic decode 0-10% slower than fixed-last on the hybrid
+shape with more slots and fewer fills, and offloaded decode is host-bound there).
+
+    python -m freetoken_agent.bench.decode_profile [--layers 8] [--budget-gb 9] [--tokens 64]
+    python -m freetoken_agent.bench.decode_profile --cpu-smoke
+
+Both engines share one host pool and run the same prompt (--context tokens, then --tokens
+decoded, routing zipf:1.0,loc:0.7 as the elastic bench); the decode steps run under cProfile,
+whose top functions by own time are printed per engine, beside the step's wall time (measured
+without the profiler, on a second identical turn)."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import random
+import time
+from types import SimpleNamespace
+
+import torch
+
+from freetoken_agent.bench.elastic import build, install_routing, shape_config
+from freetoken_agent.bench.elastic_turn import run_turn
+
+
+def _decode(engine, ids: list[int], n: int, profile: cProfile.Profile | None) -> float:
+    """Prefill `ids`, then decode `n` tokens (under `profile` if given); ms per decode step."""
+    from freetoken_agent.engine.sampling_params import SamplingParams
+
+    rid = engine.submit(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    req = engine._requests[rid]
+    while engine.has_unfinished() and not req.output_ids:
+        engine.step()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    if profile is not None:
+        profile.enable()
+    while engine.has_unfinished():
+        engine.step()
+    sync()
+    if profile is not None:
+        profile.disable()
+    engine._collect(rid)
+    return 1e3 * (time.perf_counter() - t0) / max(1, n - 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--budget-gb", type=float, default=9.0)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--cpu-smoke", action="store_true")
+    a = ap.parse_args(argv)
+    args = SimpleNamespace(
+        shape="qwen3.6-35b-a3b", layers=a.layers, cpu_smoke=a.cpu_smoke, chunk=8192,
+        decode_tokens=a.tokens, budget=int(a.budget_gb * 1e9), policy="adaptive", pool=None,
+        routing="zipf:1.0,loc:0.7", seed=0, smoke_group=1 << 16,
+    )  # fmt: skip
+    cfg, args.stream_min = shape_config(args)
+    if a.cpu_smoke:
+        from freetoken_agent.bench.elastic import smoke_budget
+
+        args.chunk, args.start_tokens = 128, a.context
+        args.budget, arena = smoke_budget(cfg, args)
+        args.smoke_group = arena // 16
+    args.cfg = {**cfg, "max_position_embeddings": max(4096, 2 * a.context + 64)}
+    args.vocab = args.cfg["vocab_size"]
+    turns = [(a.context, None, None), (a.context, None, None)]
+    rng = random.Random(1)
+    ids = [rng.randrange(3, args.vocab) for _ in range(a.context)]
+    for name in ("elastic", "fixed-last"):
+        engine = build(args, name, turns)
+        install_routing(engine, args)
+        run_turn(engine, ids[: min(len(ids), 300)], 2)  # warm: kernels compiled
+        wall = _decode(engine, ids, a.tokens, None)
+        prof = cProfile.Profile()
+        profiled = _decode(engine, list(reversed(ids)), a.tokens, prof)
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.top)
+        slots = engine.loaded.bank.cache.n_slots
+        print(f"== {name}: {wall:.2f} ms/step ({profiled:.2f} profiled), {slots} slots")
+        print("\n".join(out.getvalue().splitlines()[6:]))
+        del engine
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+if __name__ == "__main__":
+    main()
