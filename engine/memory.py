@@ -131,7 +131,8 @@ class MemoryPolicy:
         max_slots = max(d.max_slots, min_slots)
         # Levels 2-4 in bytes (rem: bytes not yet given; hard pages and min_slots come first).
         rem = avail - hard * pb - min_slots * sb
-        knee = self._knee(d, min_slots)
+        contest = self._contested(d, rem, min_slots, max_slots)
+        knee = self._knee(d, min_slots) if contest else max_slots
         s = min_slots + min(max(knee - min_slots, 0), rem // sb)
         rem -= (s - min_slots) * sb
         recent = min(d.cached_recent, rem // pb)
@@ -140,8 +141,8 @@ class MemoryPolicy:
         target = min(s, s_hard)
         if target > d.slots_now:
             cause = "kv released"
-        elif knee < d.slots_now and recent:
-            cause = "cold slots"  # level 2 gave up a cold tail for level 3
+        elif contest and recent and knee < d.slots_now:
+            cause = "cold slots"  # level 2 gave up a cold tail for level 3 (else: hard pages)
         else:
             cause = "kv demand"
         return self._move(d, target, hard, s_hard, cause)
@@ -187,6 +188,15 @@ class MemoryPolicy:
             return Split(0, 0 if sb else d.slots_now, "over budget")
         slots = min(min_slots, avail // sb) if sb else d.slots_now
         return Split((avail - slots * sb) // d.page_bytes, slots, "over budget")
+
+    @staticmethod
+    def _contested(d: MemoryDemand, rem: int, min_slots: int, max_slots: int) -> bool:
+        """Whether recent pages and slots compete for the `rem` bytes left after level 1. Only
+        then does the knee (a profile of the whole LRU, ~4,000 slots) change the split: without
+        recent pages, or with room for all of both, levels 2-4 give max_slots (capped by rem)
+        whatever it is (a decode step with no recent cached pages skips it)."""
+        need = (max_slots - min_slots) * d.slot_bytes + d.cached_recent * d.page_bytes
+        return d.cached_recent > 0 and rem < need
 
     def _knee(self, d: MemoryDemand, min_slots: int) -> int:
         """Fewest slots keeping every group that earns >= cold_hits_per_gib. The k coldest by

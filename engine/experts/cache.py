@@ -23,6 +23,7 @@ import contextlib
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from freetoken_agent.engine.experts.pool import ExpertPool
@@ -358,16 +359,18 @@ class ExpertCache:
         included), divided by `window`. Pinned lids are skipped (they are never given up).
         One read of `tail_profile`; the MemoryManager keeps a profile for many k instead."""
         hot = self.tail_profile(window)
-        return hot[min(k, len(hot) - 1)] / window
+        return float(hot[min(k, len(hot) - 1)]) / window
 
-    def tail_profile(self, window: int) -> list[int]:
+    def tail_profile(self, window: int) -> np.ndarray:
         """hot[k]: how many of the k least recently used unpinned resident lids were hit within
-        the last `window` steps (hot[0] = 0), for every k at once. One O(slots) walk."""
-        since, hot, n = self.step - window, [0], 0
-        for lid in self._lru:
-            if lid not in self._pinned_set:
-                n += self._last_hit[lid] > since
-                hot.append(n)
+        the last `window` steps (hot[0] = 0), for every k at once: [resident + 1] int64. One
+        O(slots) pass in C (a Python walk of ~4,000 slots cost the elastic decode step ~0.3 ms
+        on the device, a profile every 8 steps)."""
+        lru = self._lru
+        lids = [lid for lid in lru if lid not in self._pinned_set] if self._pinned_set else lru
+        last = np.fromiter(map(self._last_hit.__getitem__, lids), np.int64, len(lids))
+        hot = np.zeros(len(lids) + 1, np.int64)
+        np.cumsum(last > self.step - window, out=hot[1:])
         return hot
 
     def preload(self, lids: list[int], pin: bool = False) -> None:

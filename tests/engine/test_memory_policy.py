@@ -197,6 +197,41 @@ def test_cold_slots_yield_to_recent_pages_hot_ones_do_not(rng_seed, hot):
         assert s.pages >= 532 + room // d.page_bytes - (g + 1) * slot_bytes // d.page_bytes
 
 
+class EagerKnee(MemoryPolicy):
+    """The policy as it was: the knee profiled at every decision."""
+
+    @staticmethod
+    def _contested(d, rem, min_slots, max_slots) -> bool:
+        return True
+
+
+def test_knee_skipped_only_where_it_cannot_change_the_split(rng_seed):
+    """Skipping the knee's LRU profile (no recent pages, or room for all of them and every
+    slot) leaves every split as profiling it at every decision gave. Labels may differ there
+    only from "cold slots" to "kv demand": nothing cold was given up for recent pages."""
+    rng = random.Random(rng_seed)
+    skipped = 0
+    for _ in range(3000):
+        d = demand(rng)
+        if rng.random() < 0.3:  # decode-like: nothing recent, or plenty of room
+            d = replace(d, cached_recent=0 if rng.random() < 0.5 else rng.randint(1, 50),
+                        budget=d.budget + rng.choice([0, 40 * GIB]))  # fmt: skip
+        calls = []
+        lazy = MemoryPolicy()
+        knee = lazy._knee
+        lazy._knee = lambda dd, m: calls.append(1) or knee(dd, m)
+        got, want = lazy.decide(d), EagerKnee().decide(d)
+        skipped += not calls
+        check_split(d, got, lazy)
+        assert (got is None) == (want is None), (d, got, want)
+        if got is not None:
+            assert (got.pages, got.slots) == (want.pages, want.slots), (d, got, want)
+            assert got.reason == want.reason or (
+                want.reason.replace("cold slots", "kv demand") == got.reason
+            ), (got, want)
+    assert skipped > 300  # the skip is taken, not just allowed
+
+
 def test_stable_demand_does_not_oscillate(rng_seed):
     rng = random.Random(rng_seed)
     for _ in range(40):
