@@ -3,12 +3,15 @@ a target: the elastic bench showed elastic decode 0-10% slower than fixed-last o
 shape with more slots and fewer fills, and offloaded decode is host-bound there).
 
     python -m freetoken_agent.bench.decode_profile [--layers 8] [--budget-gb 9] [--tokens 64]
+        [--fixed-kv-tokens N]
     python -m freetoken_agent.bench.decode_profile --cpu-smoke
 
 Both engines share one host pool and run the same prompt (--context tokens, then --tokens
-decoded, routing zipf:1.0,loc:0.7 as the elastic bench); the decode steps run under cProfile,
-whose top functions by own time are printed per engine, beside the step's wall time (measured
-without the profiler, on a second identical turn)."""
+decoded, routing zipf:1.0,loc:0.7 as the elastic bench); the fixed split's KV holds
+--fixed-kv-tokens (default: the context; the elastic bench's fixed-last holds its last turn).
+Per engine: the step's wall time and the memory manager's share (a turn without profilers),
+the top functions by own time under cProfile (a second turn), and on CUDA the device time of
+each kernel under torch.profiler (a third): host overhead and kernel time, told apart."""
 
 from __future__ import annotations
 
@@ -48,6 +51,23 @@ def _decode(engine, ids: list[int], n: int, profile: cProfile.Profile | None) ->
     return 1e3 * (time.perf_counter() - t0) / max(1, n - 1)
 
 
+def _kernels(engine, ids: list[int], a) -> None:
+    """Device time per kernel over a turn's decode steps (torch.profiler), the top --top."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=acts) as prof:
+        _decode(engine, ids, a.tokens, None)
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in rows)
+    steps = a.tokens - 1
+    print(f"-- device time {total / 1e3 / steps:.2f} ms/step; top kernels (us/step, calls/step):")
+    for e in rows[: a.top]:
+        name = e.key[:90]
+        print(f"{e.self_device_time_total / steps:9.1f} {e.count / steps:7.1f}  {name}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -55,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--fixed-kv-tokens", type=int, default=None)
     ap.add_argument("--cpu-smoke", action="store_true")
     a = ap.parse_args(argv)
     args = SimpleNamespace(
@@ -71,21 +92,33 @@ def main(argv: list[str] | None = None) -> None:
         args.smoke_group = arena // 16
     args.cfg = {**cfg, "max_position_embeddings": max(4096, 2 * a.context + 64)}
     args.vocab = args.cfg["vocab_size"]
-    turns = [(a.context, None, None), (a.context, None, None)]
+    turns = [(a.context, None, None), (a.fixed_kv_tokens or a.context, None, None)]
     rng = random.Random(1)
     ids = [rng.randrange(3, args.vocab) for _ in range(a.context)]
     for name in ("elastic", "fixed-last"):
         engine = build(args, name, turns)
         install_routing(engine, args)
         run_turn(engine, ids[: min(len(ids), 300)], 2)  # warm: kernels compiled
+        memory = engine.memory
+        sp0 = memory.safe_point_s if memory is not None else 0.0
         wall = _decode(engine, ids, a.tokens, None)
+        sp = 1e3 * ((memory.safe_point_s if memory is not None else 0.0) - sp0) / (a.tokens - 1)
         prof = cProfile.Profile()
-        profiled = _decode(engine, list(reversed(ids)), a.tokens, prof)
+        profiled = _decode(engine, ids[::-1], a.tokens, prof)
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.top)
         slots = engine.loaded.bank.cache.n_slots
-        print(f"== {name}: {wall:.2f} ms/step ({profiled:.2f} profiled), {slots} slots")
+        print(
+            f"== {name}: {wall:.2f} ms/step (safe point {sp:.2f}; {profiled:.2f} under "
+            f"cProfile), {slots} slots"
+        )
         print("\n".join(out.getvalue().splitlines()[6:]))
+        if torch.cuda.is_available():
+            t0 = time.perf_counter()
+            for _ in range(20):  # the budget watcher's read (every memory_poll_s)
+                torch.cuda.mem_get_info()
+            print(f"-- mem_get_info {1e6 * (time.perf_counter() - t0) / 20:.0f} us a call")
+            _kernels(engine, ids[1::2] + ids[::2], a)
         del engine
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
