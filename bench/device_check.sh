@@ -4,6 +4,7 @@
 # stages: tests engine-tests elastic-tests decode kernels kv-layout elastic-a elastic-b
 #         elastic-hybrid-a elastic-hybrid-b (the Qwen3.6-35B-A3B shape: a quarter of the KV)
 #         elastic-hybrid elastic-30b (all three engines in one run, ~6-8 minutes each)
+#         decode-profile (elastic vs fixed-last decode steps at the hybrid shape, ~4 minutes)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -61,6 +62,10 @@ for stage in "$@"; do
       timeout 590 python3 -m freetoken_agent.bench elastic --routing zipf:1.0,loc:0.7 \
         --decode-tokens 128 --out "$OUT/elastic_30b.json" 2>&1 \
         | tee "$OUT/elastic_30b.log" | grep -E "^elastic|^fixed|^engine|^watch|^compile|^Timeout|^  File" ;;
+    decode-profile)  # elastic vs fixed-last decode step: host functions, kernels, watcher reads
+      timeout 420 python3 -m freetoken_agent.bench.decode_profile --layers 40 --budget-gb 32 \
+        --context 16384 --fixed-kv-tokens 100000 --tokens 96 --top 20 2>&1 \
+        | tee "$OUT/decode_profile.log" | grep -v "^compile" | cut -c1-200 ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;
