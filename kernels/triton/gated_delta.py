@@ -340,6 +340,19 @@ def gated_delta_rule(
     return out
 
 
+def chunk_table(
+    starts: list[int], ends: list[int], first: list[int], device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """The chunk table [starts (nc), ends (nc), pad, first (B)] int32 and where `first`
+    begins. Triton specialises a pointer on 16-byte alignment: a `first` right after the ends
+    (offset 8 * nc bytes) changed alignment with the parity of nc, and a prompt with an odd
+    chunk count compiled the scan kernel again (~5 s, inside an agent's turn on the device).
+    Padded, it always starts 16-byte aligned."""
+    at = -(-2 * len(starts) // 4) * 4  # int32 elements: a multiple of 4 is 16 bytes
+    pad = [0] * (at - 2 * len(starts))
+    return torch.tensor(starts + ends + pad + first, dtype=torch.int32).to(device), at
+
+
 def _launch_chunked(q, k, v, g, beta, out, state, state_slots, cu_seqlens, snap_slots, snap_out,
                     scale, seq_bounds, strides, has_snap, c) -> None:  # fmt: skip
     hk, dk = q.shape[1:]
@@ -353,7 +366,7 @@ def _launch_chunked(q, k, v, g, beta, out, state, state_slots, cu_seqlens, snap_
     nc = len(starts)
     if nc == 0:
         return
-    table = torch.tensor(starts + ends + first, dtype=torch.int32).to(q.device)
+    table, first_at = chunk_table(starts, ends, first, q.device)
     tinv = torch.empty(nc, hv, CHUNK, CHUNK, dtype=torch.float32, device=q.device)
     _chunk_solve_kernel[(nc, hv)](
         k, g, beta, table, tinv, 1e-6, k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
@@ -363,7 +376,7 @@ def _launch_chunked(q, k, v, g, beta, out, state, state_slots, cu_seqlens, snap_
     )  # fmt: skip
     _chunk_scan_kernel[(len(first), hv, triton.cdiv(dv, c["BV"]))](
         q, k, v, g, beta, out, state, state_slots, cu_seqlens, snap_slots, snap_out, tinv,
-        table[2 * nc :], scale, 1e-6, *strides, tinv.stride(0), tinv.stride(1), dv,
+        table[first_at:], scale, 1e-6, *strides, tinv.stride(0), tinv.stride(1), dv,
         GROUP=hv // hk, DK=dk, BV=c["BV"], CHUNK=CHUNK, HAS_SNAP=has_snap, PREC=c["precision"],
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )  # fmt: skip

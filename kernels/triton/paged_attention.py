@@ -66,6 +66,7 @@ _TILE_CLASS_ROWS = (("decode", 16), ("small", 64))  # rows per sequence -> class
 # tiles than min_tiles (every split adds a write and a read of D fp32 partials per row).
 _SPLIT_POLICY = {"programs_per_sm": 2, "min_tiles": 2, "max_splits": 128}
 _SPLIT_CHUNK = 16  # splits combined per step in the reduce kernel (bounds its registers)
+_SPLITS_PAD = triton.next_power_of_2(_SPLIT_POLICY["max_splits"])  # the reduce's split tile
 _INTERPRETER_SMS = 8  # pretend SM count on the CPU, so the split heuristic runs there too
 
 
@@ -407,10 +408,11 @@ def launch_paged_attention(
         num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
     )  # fmt: skip
     if split:
-        splits_pad = triton.next_power_of_2(ns)
+        # One variant for every split count: a constexpr that followed it (its next power of
+        # two) compiled a new reduce kernel each time a growing context doubled the splits,
+        # inside an agent's turn on the device. Masked loads of the unused splits cost nothing.
         _combine_splits_kernel[(T, Hq)](
             part_acc, part_m, part_l, out, ns, Hq, out.stride(0), out.stride(1),
-            HEAD_DIM=D, D_PAD=d_pad, SPLITS_PAD=splits_pad, CHUNK=min(splits_pad, _SPLIT_CHUNK),
-            num_warps=4,
+            HEAD_DIM=D, D_PAD=d_pad, SPLITS_PAD=_SPLITS_PAD, CHUNK=_SPLIT_CHUNK, num_warps=4,
         )  # fmt: skip
     return out

@@ -48,4 +48,5 @@ def test_a_new_variant_is_recorded_with_its_time(rng_seed):
     [record] = log.take()
     assert record["kernel"].endswith("scale") and record["seconds"] > 0
     assert "x_ptr" in record["variant"] and out.getvalue().startswith("compile ")
+    assert str(factor) in record["key"]  # the key spells the constexprs
     assert log.take() == []

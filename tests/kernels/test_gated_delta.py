@@ -296,3 +296,19 @@ def test_triton_strided_inputs(rng_seed: int, form: str) -> None:
     s = replace(d.clone(), q=q.view(-1, 1, 16), k=k.view(-1, 1, 16), v=v.view(-1, 2, 16))
     close(triton_run(s, form), triton_run(d, form), 0)
     close(s.state, d.state, 0)
+
+
+def test_chunk_table_first_is_16_byte_aligned(rng_seed: int) -> None:
+    """The scan kernel's `first` pointer starts 16-byte aligned for every chunk count (Triton
+    compiles a variant per alignment: an odd count had cost a ~5 s compile mid-session), and
+    the table holds starts, ends and firsts where the kernels read them."""
+    rng = random.Random(rng_seed)
+    for _ in range(50):
+        nc, b = rng.randint(1, 300), rng.randint(1, 9)
+        starts = [rng.randrange(10**6) for _ in range(nc)]
+        ends = [s + rng.randint(1, 64) for s in starts]
+        first = sorted(rng.randrange(nc) for _ in range(b))
+        table, at = triton_gated_delta.chunk_table(starts, ends, first, torch.device("cpu"))
+        assert table.dtype == torch.int32 and table[at:].data_ptr() % 16 == 0
+        assert table[:nc].tolist() == starts and table[nc : 2 * nc].tolist() == ends
+        assert table[at:].tolist() == first and 2 * nc <= at < 2 * nc + 4

@@ -106,3 +106,28 @@ def test_gpu_decode_cuda_graph(rng_seed: int) -> None:
         for r, e in zip(replayed, eager, strict=True):
             torch.testing.assert_close(r, e, atol=0, rtol=0)
         assert not any(p.equal(s) for p, s in zip(pools, saved, strict=True))  # all were written
+
+
+@pytest.mark.gpu
+def test_gpu_no_recompile_for_new_prompt_lengths(rng_seed: int) -> None:
+    """Prefills whose chunk counts differ (odd, even, 1, multiples of 16) reuse the chunked
+    kernels compiled for the first: on the device an odd chunk count had compiled the scan
+    kernel again (~5 s) inside an agent's turn."""
+    import random
+
+    from freetoken_agent.kernels.triton.gated_delta import _chunk_scan_kernel, _chunk_solve_kernel
+
+    def compiled() -> int:  # variants in Triton's in-memory caches, every device
+        kernels = (_chunk_scan_kernel, _chunk_solve_kernel)
+        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+
+    rng = random.Random(rng_seed)
+    lens = [[64 * n - rng.randrange(64)] for n in (1, 2, 9, 16, 33)] + [[571], [465, 130]]
+    rng.shuffle(lens)
+    counts = []
+    for i, ls in enumerate(lens):
+        d = make_delta(rng_seed + i, ls, **REAL, dtype=torch.bfloat16, device="cuda", snaps=2)
+        ref = fp64_reference(d)
+        gpu_close(triton_run(d, "chunk"), ref.v, torch.bfloat16)
+        counts.append(compiled())
+    assert counts[-1] == counts[0], (lens, counts)

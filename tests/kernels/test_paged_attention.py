@@ -346,13 +346,17 @@ def test_gpu_decode_cuda_graph_replay(rng_seed: int) -> None:
 @pytest.mark.gpu
 def test_gpu_no_recompile_for_new_batch_chunk_or_table_sizes(rng_seed: int) -> None:
     """Per-call integers (sequences, query blocks per sequence, splits, page-table width) are
-    not specialised: launches that differ only in them (tiles and split count fixed, so the
-    constexprs stay) reuse one compiled kernel. On the device each first value divisible by 16
-    had compiled a new variant inside an agent turn (1-2 s)."""
-    from freetoken_agent.kernels.triton.paged_attention import _paged_attention_kernel
+    not specialised: launches that differ only in them (tiles fixed, so the constexprs stay)
+    reuse one compiled kernel, and one reduce kernel serves every split count. On the device
+    each first value divisible by 16 had compiled a new variant inside an agent turn (1-2 s)."""
+    from freetoken_agent.kernels.triton.paged_attention import (
+        _combine_splits_kernel,
+        _paged_attention_kernel,
+    )
 
-    def compiled() -> int:  # kernels in Triton's in-memory cache, every device
-        return sum(len(caches[0]) for caches in _paged_attention_kernel.device_caches.values())
+    def compiled() -> int:  # kernels in Triton's in-memory caches, every device
+        kernels = (_paged_attention_kernel, _combine_splits_kernel)
+        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
 
     rng = random.Random(rng_seed)
     tiles = Tiles(64, 64, 4, 2)
@@ -362,7 +366,9 @@ def test_gpu_no_recompile_for_new_batch_chunk_or_table_sizes(rng_seed: int) -> N
     for B, q_len, kv in shapes:  # q_len tokens per sequence over kv tokens of context
         c = make_case(rng.randrange(10**6), [q_len] * B, [kv + q_len] * B, 32, 4, 128, 16,
                       torch.bfloat16, "cuda")  # fmt: skip
-        out = run_triton(c, 0, tiles=tiles, num_splits=2)
+        # The split count too: the reduce kernel once took its next power of two as a
+        # constexpr, a new variant each time a growing context doubled the splits.
+        out = run_triton(c, 0, tiles=tiles, num_splits=rng.choice([2, 3, 5, 17, 64]))
         check_close(out, naive_attention(c, 0), 2e-2)
         counts.append(compiled())
-    assert counts[-1] == counts[0], counts  # one kernel for every shape (+ combine's own)
+    assert counts[-1] == counts[0], counts  # one kernel for every shape, one combine
