@@ -16,6 +16,7 @@ each kernel under torch.profiler (a third): host overhead and kernel time, told 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -29,43 +30,58 @@ from freetoken_agent.bench.elastic import build, install_routing, shape_config
 from freetoken_agent.bench.elastic_turn import run_turn
 
 
-def _decode(engine, ids: list[int], n: int, profile: cProfile.Profile | None) -> float:
-    """Prefill `ids`, then decode `n` tokens (under `profile` if given); ms per decode step."""
+def _turn(engine, ids: list[int], n: int, prefill_ctx=None, decode_ctx=None) -> tuple[float, float]:
+    """Prefill `ids` (inside `prefill_ctx`), then decode `n` tokens (inside `decode_ctx`);
+    returns (ms to the first token, ms per decode step)."""
     from freetoken_agent.engine.sampling_params import SamplingParams
 
-    rid = engine.submit(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    req = engine._requests[rid]
-    while engine.has_unfinished() and not req.output_ids:
-        engine.step()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    if profile is not None:
-        profile.enable()
-    while engine.has_unfinished():
-        engine.step()
-    sync()
-    if profile is not None:
-        profile.disable()
+    with prefill_ctx or contextlib.nullcontext():
+        rid = engine.submit(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        req = engine._requests[rid]
+        while engine.has_unfinished() and not req.output_ids:
+            engine.step()
+        sync()
+    t1 = time.perf_counter()
+    with decode_ctx or contextlib.nullcontext():
+        while engine.has_unfinished():
+            engine.step()
+        sync()
+    t2 = time.perf_counter()
     engine._collect(rid)
-    return 1e3 * (time.perf_counter() - t0) / max(1, n - 1)
+    return 1e3 * (t1 - t0), 1e3 * (t2 - t1) / max(1, n - 1)
 
 
-def _kernels(engine, ids: list[int], a) -> None:
-    """Device time per kernel over a turn's decode steps (torch.profiler), the top --top."""
-    from torch.profiler import ProfilerActivity, profile
+@contextlib.contextmanager
+def _cprofile(prof: cProfile.Profile):
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
 
-    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(activities=acts) as prof:
-        _decode(engine, ids, a.tokens, None)
+
+def _kernel_table(prof, per: int, top: int, what: str) -> None:
+    """Device time per kernel under torch.profiler, divided by `per` (steps or 1)."""
     rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in rows)
-    steps = a.tokens - 1
-    print(f"-- device time {total / 1e3 / steps:.2f} ms/step; top kernels (us/step, calls/step):")
-    for e in rows[: a.top]:
-        name = e.key[:90]
-        print(f"{e.self_device_time_total / steps:9.1f} {e.count / steps:7.1f}  {name}")
+    print(f"-- {what}: device time {total / 1e3 / per:.2f} ms; top kernels (us, calls):")
+    for e in rows[:top]:
+        print(f"{e.self_device_time_total / per:11.1f} {e.count / per:8.1f}  {e.key[:90]}")
+
+
+def _kernels(engine, ids: list[int], a) -> None:
+    """Kernel times of a fresh prompt's prefill (whole) and its decode steps (per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    pre, dec = profile(activities=acts), profile(activities=acts)
+    _turn(engine, ids, a.tokens, pre, dec)
+    _kernel_table(pre, 1, a.top, "prefill")
+    _kernel_table(dec, a.tokens - 1, a.top, "decode, per step")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,18 +117,20 @@ def main(argv: list[str] | None = None) -> None:
         run_turn(engine, ids[: min(len(ids), 300)], 2)  # warm: kernels compiled
         memory = engine.memory
         sp0 = memory.safe_point_s if memory is not None else 0.0
-        wall = _decode(engine, ids, a.tokens, None)
+        ttft, wall = _turn(engine, ids, a.tokens)
         sp = 1e3 * ((memory.safe_point_s if memory is not None else 0.0) - sp0) / (a.tokens - 1)
-        prof = cProfile.Profile()
-        profiled = _decode(engine, ids[::-1], a.tokens, prof)
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.top)
+        pre, dec = cProfile.Profile(), cProfile.Profile()
+        ttft_p, profiled = _turn(engine, ids[::-1], a.tokens, _cprofile(pre), _cprofile(dec))
         slots = engine.loaded.bank.cache.n_slots
         print(
-            f"== {name}: {wall:.2f} ms/step (safe point {sp:.2f}; {profiled:.2f} under "
-            f"cProfile), {slots} slots"
+            f"== {name}: prefill {ttft:.0f} ms, decode {wall:.2f} ms/step (safe points in both "
+            f"{sp:.2f}; under cProfile {ttft_p:.0f} ms, {profiled:.2f}), {slots} slots"
         )
-        print("\n".join(out.getvalue().splitlines()[6:]))
+        for what, prof in (("decode", dec), ("prefill", pre)):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.top)
+            print(f"-- {what}, host functions by own time:")
+            print("\n".join(out.getvalue().splitlines()[6:]))
         if torch.cuda.is_available():
             t0 = time.perf_counter()
             for _ in range(20):  # the budget watcher's read (every memory_poll_s)

@@ -4,7 +4,7 @@
 # stages: tests engine-tests elastic-tests decode kernels kv-layout elastic-a elastic-b
 #         elastic-hybrid-a elastic-hybrid-b (the Qwen3.6-35B-A3B shape: a quarter of the KV)
 #         elastic-hybrid elastic-30b (all three engines in one run, ~6-8 minutes each)
-#         decode-profile (elastic vs fixed-last decode steps at the hybrid shape, ~4 minutes)
+#         decode-profile (elastic vs fixed-last prefill and decode at the hybrid shape, ~4 minutes)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -64,7 +64,7 @@ for stage in "$@"; do
         | tee "$OUT/elastic_30b.log" | grep -E "^elastic|^fixed|^engine|^watch|^compile|^Timeout|^  File" ;;
     decode-profile)  # elastic vs fixed-last decode step: host functions, kernels, watcher reads
       timeout 420 python3 -m freetoken_agent.bench.decode_profile --layers 40 --budget-gb 32 \
-        --context 16384 --fixed-kv-tokens 100000 --tokens 96 --top 20 2>&1 \
+        --context 32768 --fixed-kv-tokens 100000 --tokens 96 --top 20 2>&1 \
         | tee "$OUT/decode_profile.log" | grep -v "^compile" | cut -c1-200 ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25

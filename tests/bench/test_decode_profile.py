@@ -1,0 +1,22 @@
+"""bench/decode_profile.py on the CPU smoke model: both engines run a prefill and a decode under
+each measurement, and their lines carry what the device run is read for."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from freetoken_agent.bench import decode_profile
+
+
+def test_cpu_smoke_profiles_both_engines(capsys, rng_seed):
+    tokens = random.Random(rng_seed).randint(6, 12)
+    decode_profile.main(["--cpu-smoke", "--context", "96", "--tokens", str(tokens), "--top", "5"])
+    out = capsys.readouterr().out
+    heads = re.findall(r"^== (\S+): prefill (\d+) ms, decode ([\d.]+) ms/step", out, re.M)
+    assert [h[0] for h in heads] == ["elastic", "fixed-last"], out
+    assert all(float(h[2]) > 0 for h in heads)
+    # The elastic engine's safe points are measured; the fixed split has none.
+    sp = re.findall(r"safe points in both ([\d.]+);", out)
+    assert float(sp[0]) > 0 and float(sp[1]) == 0
+    assert out.count("host functions by own time") == 4
