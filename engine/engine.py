@@ -38,6 +38,7 @@ from freetoken_agent.engine.scheduler import Batch, Request, Scheduler, Status
 from freetoken_agent.engine.stats import checkpoint_stats, expert_stats, request_stats
 
 log = logging.getLogger("freetoken.engine")
+CAPTURE_ATTEMPTS = 2  # decode-graph captures tried before decoding without graphs
 
 Prompt = str | Sequence[int]
 
@@ -60,6 +61,7 @@ class Engine:
         )
         self.runner = ModelRunner(loaded.model, loaded.kv, loaded.device, self.config.seed)
         self.memory = elastic_memory(loaded, self.scheduler)
+        self.graph_error: str | None = None  # why decode runs without graphs, if it does
         if loaded.device.type == "cuda" and self.config.cuda_graphs:
             self.capture_graphs()
         self._requests: dict[str, Request] = {}
@@ -73,11 +75,26 @@ class Engine:
         self._stalled: Request | None = None  # a waiting request no step could admit
 
     def capture_graphs(self) -> None:
-        """(Re)capture the decode graphs: after the model's expert bank object changes."""
+        """(Re)capture the decode graphs: after the model's expert bank object changes. A
+        capture the driver invalidates is tried once more (on the device one failed on a
+        machine just started and passed on the next run: the first launch of a kernel may do
+        work a capture forbids, and it is done by then); if that fails too, decode runs
+        without graphs, slower but correct, and the engine says so rather than failing to
+        load."""
         bank = self.loaded.bank
         offloaded = bank if isinstance(bank, OffloadedExpertBank) else None
         max_pages = -(-self.max_model_len // self.loaded.kv.page_size)
-        self.runner.enable_cuda_graphs(self.config.max_num_seqs, max_pages, offloaded)
+        for attempt in range(1, CAPTURE_ATTEMPTS + 1):
+            try:
+                self.runner.enable_cuda_graphs(self.config.max_num_seqs, max_pages, offloaded)
+                self.graph_error = None
+                return
+            except RuntimeError as e:  # torch.AcceleratorError is one
+                self.runner.graphs = None
+                self.graph_error = f"{type(e).__name__}: {e}".splitlines()[0]
+                log.warning("decode-graph capture failed (attempt %d of %d): %s", attempt,
+                            CAPTURE_ATTEMPTS, self.graph_error)  # fmt: skip
+        log.warning("decoding without CUDA graphs (slower): %s", self.graph_error)
 
     @classmethod
     def load(
@@ -426,6 +443,10 @@ class Engine:
             "device": str(self.loaded.device),
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "policy": self.config.policy,
+            # Decode under CUDA graphs (False on the CPU, with cuda_graphs off, or after a
+            # failed capture: then graph_error says why).
+            "cuda_graphs": self.runner.graphs is not None,
+            "graph_error": self.graph_error,
             "memory": {
                 "dense_bytes": self.loaded.dense_bytes,
                 "expert_bytes": self.loaded.bank.nbytes,

@@ -28,6 +28,8 @@ one step replays one size's segments only.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -60,6 +62,16 @@ class _KeepAlive(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.held.append(out)
         return out
+
+
+def _abort_capture(graph: torch.cuda.CUDAGraph) -> None:
+    """End the capture a failure interrupted: a stream left capturing fails every later
+    launch on it (the engine then retries the capture or decodes without graphs). The driver
+    refuses to end an invalidated capture cleanly; the failure that invalidated it is the one
+    worth raising, so this one is dropped."""
+    if torch.cuda.is_current_stream_capturing():
+        with contextlib.suppress(RuntimeError):
+            graph.capture_end()
 
 
 class SegmentedDecodeGraphs(DecodeGraphs):
@@ -117,7 +129,11 @@ class SegmentedDecodeGraphs(DecodeGraphs):
         try:
             with _KeepAlive():
                 begin()
-                self.outputs[bs] = self.model(self.input_ids[:bs], self._meta(bs))
+                try:
+                    self.outputs[bs] = self.model(self.input_ids[:bs], self._meta(bs))
+                except BaseException:
+                    _abort_capture(segments[-1])
+                    raise
                 segments[-1].capture_end()
         finally:
             # The next size's warm-up runs unsplit: a stale hook would end a finished graph.
