@@ -101,3 +101,34 @@ def test_anchor_resume_on_cuda_equals_cold(family, tmp_path, rng_seed):
     assert cold.generate(second, sp).token_ids == out.token_ids
     assert max_rel_err(engine.score(second), cold.score(second)) <= 1e-4
     engine.check_integrity()
+
+
+def test_invalidated_capture_is_retried_and_decodes_right(tmp_path, rng_seed, monkeypatch):
+    """A capture the driver invalidates (here: a host sync inside the first capture, as a
+    kernel's first launch did on a machine just started) is ended, retried, and the retried
+    graphs decode what eager decode does."""
+    from freetoken_agent.engine.experts.offload import OffloadedExpertBank
+
+    family = random.Random(rng_seed).choice(HYBRID_FAMILIES)
+    make_tiny(family, tmp_path, rng_seed)
+    captured = OffloadedExpertBank._captured
+    spoiled = []
+
+    def spoil_first_capture(self, *args):
+        if torch.cuda.is_current_stream_capturing() and not spoiled:
+            spoiled.append(True)
+            torch.cuda.synchronize()  # forbidden while capturing: invalidates the capture
+        return captured(self, *args)
+
+    monkeypatch.setattr(OffloadedExpertBank, "_captured", spoil_first_capture)
+    opts = dict(policy="adaptive", expert_slots=3, stream_min_tokens=128, max_num_seqs=4)
+    engine = _load(tmp_path, **opts)
+    assert spoiled and engine.runner.graphs is not None and engine.graph_error is None
+    rng = random.Random(rng_seed + 1)
+    prompts = [_tokens(rng, n) for n in (9, 140)]
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    eager = _load(tmp_path, cuda_graphs=False, **opts)
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == [
+        o.token_ids for o in eager.generate(prompts, sp)
+    ]
+    engine.check_integrity()
