@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _strided_copy(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+@triton.jit(do_not_specialize=["programs"])
+def _strided_copy(src_ptr, dst_ptr, n, programs, BLOCK: tl.constexpr):
     start = tl.program_id(0) * BLOCK
-    for base in range(start, n, BLOCK * PROGRAMS):
+    for base in range(start, n, BLOCK * programs):
         offs = base + tl.arange(0, BLOCK)
         mask = offs < n
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         for programs in (16, 66, 132, 264, 528):
 
             def run(block=block, programs=programs):
-                _strided_copy[(programs,)](host, dev, n, BLOCK=block, PROGRAMS=programs)
+                _strided_copy[(programs,)](host, dev, n, programs, BLOCK=block)
 
             try:
                 gb = _gbps(run, nbytes)
