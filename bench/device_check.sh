@@ -4,6 +4,7 @@
 # stages: tests engine-tests elastic-tests decode kernels kv-layout elastic-a elastic-b
 #         elastic-hybrid-a elastic-hybrid-b (the Qwen3.6-35B-A3B shape: a quarter of the KV)
 #         elastic-hybrid elastic-30b (all three engines in one run, ~6-8 minutes each)
+#         zero-copy (a Triton kernel reading pinned host memory: GB/s against cudaMemcpy)
 #         decode-profile (elastic vs fixed-last prefill and decode at the hybrid shape, ~4 minutes)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
@@ -66,6 +67,9 @@ for stage in "$@"; do
       timeout 420 python3 -m freetoken_agent.bench.decode_profile --layers 40 --budget-gb 32 \
         --context 32768 --fixed-kv-tokens 100000 --tokens 96 --top 20 2>&1 \
         | tee "$OUT/decode_profile.log" | grep -v "^compile" | cut -c1-200 ;;
+    zero-copy)  # can kernels read experts from pinned host memory, and how fast (~30 s)
+      timeout 120 python3 -m freetoken_agent.bench.zero_copy_probe 2>&1 \
+        | tee "$OUT/zero_copy.log" | tail -14 ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;
