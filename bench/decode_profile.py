@@ -84,6 +84,22 @@ def _kernels(engine, ids: list[int], a) -> None:
     _kernel_table(dec, a.tokens - 1, a.top, "decode, per step")
 
 
+def _squeeze(engine, nbytes: int, ids: list[int], a, before: float) -> None:
+    """Cut the elastic budget by `nbytes` for a turn, give it back, and time decode again."""
+    memory, rng = engine.memory, random.Random(2)
+    budget, slots = memory.budget, engine.loaded.bank.cache.n_slots
+    engine.set_gpu_budget(budget - nbytes)
+    n = min(512, len(ids) // 2)  # short turns of fresh tokens, under each budget
+    _turn(engine, rng.choices(ids, k=n), 8)
+    squeezed = engine.loaded.bank.cache.n_slots
+    engine.set_gpu_budget(budget)
+    _turn(engine, rng.choices(ids, k=n), 8)
+    _, after = _turn(engine, ids[::3] + ids[1::3], a.tokens)
+    regrown = engine.loaded.bank.cache.n_slots
+    print(f"-- squeeze {nbytes / 1e9:.1f} GB: slots {slots} -> {squeezed} -> {regrown}; "
+          f"decode {before:.2f} -> {after:.2f} ms/step")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -92,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--fixed-kv-tokens", type=int, default=None)
+    ap.add_argument("--squeeze-gb", type=float, default=0.0,
+                    help="elastic only: cut the budget by this much for a turn, restore it, and "
+                    "decode again (does a shrink and regrow leave decode slower?)")  # fmt: skip
     ap.add_argument("--cpu-smoke", action="store_true")
     a = ap.parse_args(argv)
     args = SimpleNamespace(
@@ -119,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         sp0 = memory.safe_point_s if memory is not None else 0.0
         ttft, wall = _turn(engine, ids, a.tokens)
         sp = 1e3 * ((memory.safe_point_s if memory is not None else 0.0) - sp0) / (a.tokens - 1)
+        if a.squeeze_gb and memory is not None:
+            _squeeze(engine, int(a.squeeze_gb * 1e9), ids, a, wall)
         pre, dec = cProfile.Profile(), cProfile.Profile()
         ttft_p, profiled = _turn(engine, ids[::-1], a.tokens, _cprofile(pre), _cprofile(dec))
         slots = engine.loaded.bank.cache.n_slots

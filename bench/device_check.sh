@@ -65,7 +65,7 @@ for stage in "$@"; do
         | tee "$OUT/elastic_30b.log" | grep -E "^elastic|^fixed|^engine|^watch|^compile|^Timeout|^  File" ;;
     decode-profile)  # elastic vs fixed-last decode step: host functions, kernels, watcher reads
       timeout 420 python3 -m freetoken_agent.bench.decode_profile --layers 40 --budget-gb 32 \
-        --context 32768 --fixed-kv-tokens 100000 --tokens 96 --top 20 2>&1 \
+        --context 32768 --fixed-kv-tokens 100000 --tokens 96 --top 20 --squeeze-gb 8 2>&1 \
         | tee "$OUT/decode_profile.log" | grep -v "^compile" | cut -c1-200 ;;
     zero-copy)  # can kernels read experts from pinned host memory, and how fast (~30 s)
       timeout 120 python3 -m freetoken_agent.bench.zero_copy_probe 2>&1 \
