@@ -21,6 +21,7 @@ layers instead (streaming.py).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +75,18 @@ class OffloadStats:
     @property
     def miss_rate(self) -> float:
         return 1.0 - self.hits / self.experts if self.experts else 0.0
+
+
+def distinct_lids(ids: np.ndarray) -> tuple[list[int], list[int]]:
+    """The sorted distinct lids of `ids` [T, K] and the pairs each serves, as lists. On a
+    few dozen ids this is 4-6x cheaper than np.unique (~8 us), which ran for every MoE layer of
+    every decode step: 40 a step on the Qwen3.6 shape."""
+    flat = ids.ravel().tolist()
+    uniq = sorted(set(flat))
+    if len(uniq) == len(flat):  # one token's top-k: distinct experts
+        return uniq, [1] * len(uniq)
+    counts = Counter(flat)
+    return uniq, [counts[lid] for lid in uniq]
 
 
 class OffloadedExpertBank:
@@ -302,9 +315,8 @@ class OffloadedExpertBank:
         segments after it must run (again) to see the new slots and the CPU part."""
         io = self.graph_io
         ids = io.ids_np[layer, :n_tokens].astype(np.int64) + layer * self.n_experts  # [T, K]
-        uniq, counts = np.unique(ids, return_counts=True)
-        uniq_l = uniq.tolist()
-        misses = self._misses(uniq_l, counts.tolist(), ids.size)
+        uniq_l, counts = distinct_lids(ids)
+        misses = self._misses(uniq_l, counts, ids.size)
         if not misses:
             return False
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from tiny_models import make_tiny, max_rel_err
 
 from freetoken_agent import Engine, SamplingParams
-from freetoken_agent.engine.experts.offload import OffloadedExpertBank
+from freetoken_agent.engine.experts.offload import OffloadedExpertBank, distinct_lids
 from freetoken_agent.engine.experts.policy import (
     CPU_KNEE_TOKENS,
     Bandwidths,
@@ -287,3 +288,20 @@ def test_streaming_borrows_cache_slots(tmp_path, rng_seed, double_buffer, policy
     if policy == "static":  # whole layers placed, outside the lent region, and kept
         assert bank.stats.fetched == 0 and len(bank.cache._pinned_set) % spec.n_experts == 0
         assert bank.cache._pinned_set
+
+
+def test_distinct_lids_equals_numpy_unique(rng_seed):
+    """The decode path's dedup of a layer's routed lids gives what np.unique does, for one
+    token (distinct top-k) and for batches (repeats counted)."""
+    rng = np.random.default_rng(rng_seed)
+    for _ in range(200):
+        t, k, n = int(rng.integers(1, 9)), int(rng.integers(1, 9)), int(rng.integers(8, 300))
+        if t == 1 or rng.random() < 0.3:  # rows of distinct experts, as a router gives
+            ids = np.stack([rng.choice(n, size=min(k, n), replace=False) for _ in range(t)])
+        else:
+            ids = rng.integers(0, n, size=(t, k))
+        ids = ids.astype(np.int64) + int(rng.integers(0, 40)) * n
+        uniq, counts = np.unique(ids, return_counts=True)
+        got = distinct_lids(ids)
+        assert got == (uniq.tolist(), counts.tolist())
+        assert all(type(x) is int for x in got[0] + got[1])
