@@ -32,7 +32,8 @@ for stage in "$@"; do
         tests/kernels/test_paged_attention.py tests/kernels/test_fused_moe.py \
         tests/engine/test_preemption_progress.py tests/bench/test_compile_log.py \
         tests/engine/kv/test_checkpoints.py tests/engine/test_elastic_checkpoints.py \
-        tests/engine/test_hybrid_gpu.py 2>&1 \
+        tests/engine/test_hybrid_gpu.py \
+        tests/kernels/test_gated_delta_gpu.py::test_gpu_no_recompile_for_new_prompt_lengths 2>&1 \
         | tee "$OUT/gpu_elastic_tests.log" | tail -8 ;;
     kv-layout)
       timeout 300 python3 -m freetoken_agent.bench kv-layout --out "$OUT/kv_layout.json" 2>&1 \

@@ -127,7 +127,7 @@ def test_gpu_no_recompile_for_new_prompt_lengths(rng_seed: int) -> None:
     counts = []
     for i, ls in enumerate(lens):
         d = make_delta(rng_seed + i, ls, **REAL, dtype=torch.bfloat16, device="cuda", snaps=2)
-        ref = fp64_reference(d)
-        gpu_close(triton_run(d, "chunk"), ref.v, torch.bfloat16)
+        out = triton_run(d, "chunk")  # its accuracy: test_gpu_matches_reference
+        assert out.isfinite().all()
         counts.append(compiled())
     assert counts[-1] == counts[0], (lens, counts)
