@@ -364,8 +364,8 @@ class ExpertCache:
     def tail_profile(self, window: int) -> np.ndarray:
         """hot[k]: how many of the k least recently used unpinned resident lids were hit within
         the last `window` steps (hot[0] = 0), for every k at once: [resident + 1] int64. One
-        O(slots) pass in C (a Python walk of ~4,000 slots cost the elastic decode step ~0.3 ms
-        on the device, a profile every 8 steps)."""
+        O(slots) pass, the counting in numpy (~0.12 ms for 4,000 slots on the CPU here against
+        ~0.2 ms for the Python walk it replaced)."""
         lru = self._lru
         lids = [lid for lid in lru if lid not in self._pinned_set] if self._pinned_set else lru
         last = np.fromiter(map(self._last_hit.__getitem__, lids), np.int64, len(lids))
