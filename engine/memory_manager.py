@@ -1,8 +1,9 @@
 """MemoryManager: applies the elastic split (engine/memory.py decides) at the safe points.
 
 Before each `schedule()` nothing is in flight on the host side, so the split may move: the
-manager measures demand (`MemoryDemand`: the pages running requests hold and will need, the
-first waiting request, the radix cache's recently used pages, the expert cache's cold tail),
+manager measures demand (`MemoryDemand`, engine/memory_demand.py: the pages running requests
+hold and will need, the first waiting request, the radix cache's recently used pages, the
+expert cache's cold tail),
 asks `MemoryPolicy.decide`, and carries the answer out on the shared arena (engine/arena.py):
 
 - slots shrink: the cache evicts its coldest experts (`ExpertCache.resize`), the boundary
@@ -60,12 +61,8 @@ from freetoken_agent.engine.memory import (
     Split,
     cuda_free_memory,
 )
-from freetoken_agent.engine.scheduler import Scheduler, Status
-
-LOOKAHEAD_TOKENS = 256  # pages a running request is granted ahead of its next steps
-RECENT_USES = 64  # cached pages touched in the last this-many radix uses count as recent
-TAIL_WINDOW = 64  # steps over which the cache's cold tail is judged
-TAIL_REFRESH = 8  # steps between two profiles of the cold tail
+from freetoken_agent.engine.memory_demand import DemandMeter
+from freetoken_agent.engine.scheduler import Scheduler
 
 
 class MemoryManager:
@@ -111,9 +108,7 @@ class MemoryManager:
         self.preempted = 0
         self.released_bytes = 0  # arena bytes given back to the driver, over the run
         self.map_failures = 0  # grows refused because the device had no memory
-        self._cached_key, self._cached = -1, (0, 0)  # radix version, (recent, stale) pages
-        self._reuse_key, self._reuse = None, (0, 0)  # (request, tokens, version), its reuse
-        self._tail_step, self._tail, self._tail_slots = -(10**9), [0], -1  # tail_profile
+        self.meter = DemandMeter(arena, kv, bank, scheduler)
         self._record("load")
 
     # --- the budget -------------------------------------------------------------------------
@@ -255,87 +250,7 @@ class MemoryManager:
         return split
 
     def demand(self) -> MemoryDemand:
-        sched, s = self.scheduler, self.kv.page_size
-        running = [r for r in sched.running if r.status is Status.RUNNING]
-        # + the scratch page. One request's pages are distinct; several may share a prefix's
-        # (a set of ~6k pages at 100k tokens cost every decode step ~0.1 ms).
-        if len(running) == 1:
-            held = 1 + len(running[0].pages)
-        else:
-            held = 1 + len({p for r in running for p in r.pages})
-        growth = 0
-        for r in running:
-            # The rest of its prompt (a prefilling request needs it over its next chunks, as
-            # a waiting one does: granting only the lookahead let a forced shrink take the
-            # pages of its next chunk) and the lookahead of its answer.
-            answer_left = max(0, r.sampling.max_tokens - len(r.output_ids))
-            want = -(-(r.n_tokens + min(answer_left, LOOKAHEAD_TOKENS)) // s)
-            growth += max(0, want - len(r.pages))
-        waiting = reused = 0
-        if sched.waiting:  # its whole prompt, and its first answer tokens, as for growth
-            w = sched.waiting[0]
-            waiting = -(-(w.n_tokens + min(w.sampling.max_tokens, LOOKAHEAD_TOKENS)) // s)
-            locked, reused = self._reusable_pages(w)
-            waiting -= locked  # pages a running request holds: in pages_held already
-        recent, stale = self._cached_pages()
-        # The unreferenced cached pages the waiting request will reuse are in pages_waiting:
-        # not counted again as cached (counting them twice took half the slots at the start
-        # of every agent turn on the device, and gave them back a few steps later).
-        recent, stale = max(0, recent - reused), max(0, stale - max(0, reused - recent))
-        return MemoryDemand(
-            budget=self.budget,
-            fixed=self.fixed,
-            page_bytes=self.arena.kv_unit.nbytes,
-            slot_bytes=self.arena.slot_unit.nbytes,
-            pages_now=self.kv.allocator.n_pages,
-            slots_now=self.cache.n_slots,
-            pages_held=held,
-            pages_growth=growth,
-            pages_waiting=waiting,
-            cached_recent=recent,
-            cached_stale=stale,
-            min_slots=self.bank.min_slots,
-            max_slots=min(self.bank.pool.n_rows, self.arena.max_slots),
-            slot_tail_hits=self._tail_hits,
-        )
-
-    def _tail_hits(self, k: int) -> float:
-        """The cache's `tail_hits(k, TAIL_WINDOW)` from a profile of the whole LRU taken at
-        most every TAIL_REFRESH steps: the policy's bisection asks ~10 k's a step, each an O(k)
-        walk of thousands of slots, which cost decode ~15% on the device. Hits over a 64-step
-        window move little in 8 steps."""
-        stale = self.steps - self._tail_step >= TAIL_REFRESH
-        if stale or self._tail_slots != self.cache.n_slots:  # or the cache was resized
-            self._tail = self.cache.tail_profile(TAIL_WINDOW)
-            self._tail_step, self._tail_slots = self.steps, self.cache.n_slots
-        return float(self._tail[min(k, len(self._tail) - 1)]) / TAIL_WINDOW
-
-    def _reusable_pages(self, req) -> tuple[int, int]:
-        """Full pages of `req`'s tokens the prefix cache holds: (referenced by running
-        requests, unreferenced). Redone when the tree or the first waiting request changed."""
-        radix = self.scheduler.radix
-        key = (id(req), req.n_tokens, radix.version)
-        if self._reuse_key != key:
-            path = radix.cached_pages_of(req.tokens)
-            locked = sum(1 for n in path if n.ref > 0)
-            self._reuse_key, self._reuse = key, (locked, len(path) - locked)
-        return self._reuse
-
-    def _cached_pages(self) -> tuple[int, int]:
-        """(recent, stale) unreferenced pages of the prefix cache. A walk of the whole tree
-        (milliseconds at 100k tokens), so it is redone only when the tree changed: decode
-        steps that fill no page reuse the last count."""
-        radix = self.scheduler.radix
-        if self._cached_key != radix.version:
-            clock, recent, stale = radix.clock, 0, 0
-            for node in radix._nodes():
-                if node.ref == 0:
-                    if node.last_used > clock - RECENT_USES:
-                        recent += 1
-                    else:
-                        stale += 1
-            self._cached_key, self._cached = radix.version, (recent, stale)
-        return self._cached
+        return self.meter.measure(self.budget, self.fixed, self.steps)
 
     # --- carrying a split out ---------------------------------------------------------------
     def apply(self, split: Split) -> bool:
