@@ -27,18 +27,30 @@ def fused_moe(
     topk_weights: torch.Tensor,
     out: torch.Tensor | None = None,
     *,
+    host_w13: torch.Tensor | None = None,
+    host_w2: torch.Tensor | None = None,
     force_triton: bool = False,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]).
 
+    host_w13 / host_w2: a second pair of banks in pinned host memory, whose row r an id of
+    -r - 2 names (`reference.host_ids`); the kernels read those experts over the link
+    themselves. Decode batches only (up to PATH_LIMITS["decode_max_pairs"] pairs).
     force_triton runs CPU tensors through the Triton kernels (needs TRITON_INTERPRET=1 set before
     triton is imported); it is for tests.
     """
+    host = dict(host_w13=host_w13, host_w2=host_w2) if host_w13 is not None else {}
+    pairs = topk_ids.shape[0] * topk_ids.shape[1]
+    if host and pairs > PATH_LIMITS["decode_max_pairs"]:
+        raise ValueError(
+            f"host banks serve decode batches of at most {PATH_LIMITS['decode_max_pairs']} "
+            f"(token, expert) pairs, got {pairs}"
+        )
     if not use_triton(hidden, force_triton, "fused_moe"):
-        return fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, out)
+        return fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, out, **host)
     # Imported here so the CPU fallback works on machines without triton (CPU builds of torch).
     from freetoken_agent.kernels.triton.fused_moe import fused_moe_decode, fused_moe_prefill
 
-    pairs = topk_ids.shape[0] * topk_ids.shape[1]
-    path = fused_moe_decode if pairs <= PATH_LIMITS["decode_max_pairs"] else fused_moe_prefill
-    return path(hidden, w13, w2, topk_ids, topk_weights, out)
+    if pairs <= PATH_LIMITS["decode_max_pairs"]:
+        return fused_moe_decode(hidden, w13, w2, topk_ids, topk_weights, out, **host)
+    return fused_moe_prefill(hidden, w13, w2, topk_ids, topk_weights, out)

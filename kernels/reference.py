@@ -165,6 +165,27 @@ def check_moe_shapes(
     return t, h, i, k
 
 
+def host_ids(rows: torch.Tensor) -> torch.Tensor:
+    """The ids that send pairs to rows of the host banks (`fused_moe`'s host_w13 / host_w2):
+    row r is id -r - 2, so every host row keeps an id of its own and -1 still means skip."""
+    return -rows - 2
+
+
+def check_host_banks(w13: torch.Tensor, host_w13: torch.Tensor, host_w2: torch.Tensor) -> None:
+    """Host banks hold rows of the same experts' shape and dtype as the device banks."""
+    _, two_i, h = w13.shape
+    assert host_w13.dim() == 3 and tuple(host_w13.shape[1:]) == (two_i, h), (
+        f"host_w13 must be [N, 2I={two_i}, H={h}], got {tuple(host_w13.shape)}"
+    )
+    n, i = host_w13.shape[0], two_i // 2
+    assert tuple(host_w2.shape) == (n, h, i), (
+        f"host_w2 must be [N={n}, H={h}, I={i}], got {tuple(host_w2.shape)}"
+    )
+    assert host_w13.dtype == w13.dtype and host_w2.dtype == w13.dtype, (
+        f"host bank dtypes {host_w13.dtype}, {host_w2.dtype} differ from {w13.dtype}"
+    )
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -172,23 +193,31 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     out: torch.Tensor | None = None,
+    host_w13: torch.Tensor | None = None,
+    host_w2: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]); SwiGLU experts."""
+    """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]); SwiGLU experts.
+    With host banks, an id <= -2 names row -id - 2 of host_w13 / host_w2 (`host_ids`)."""
     t, h, i, k = check_moe_shapes(hidden, w13, w2, topk_ids, topk_weights, out)
+    host = host_w13 is not None
+    if host:
+        check_host_banks(w13, host_w13, host_w2)
     if out is None:
         out = torch.empty_like(hidden)
     ids = topk_ids.reshape(-1).long()  # [P]
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or float64 for float64
     y = torch.zeros(t * k, h, dtype=acc_dtype, device=hidden.device)  # [P, H] per-pair outputs
+    live = ids != -1 if host else ids >= 0  # [P] pairs that compute
     # A host sync (unique) is fine here: this is the oracle and the CPU path.
-    for row in torch.unique(ids[ids >= 0]).tolist():
+    for row in torch.unique(ids[live]).tolist():
         pairs = (ids == row).nonzero().squeeze(1)  # [m] pairs that picked this bank row
+        bank13, bank2, r = (host_w13, host_w2, -row - 2) if row < 0 else (w13, w2, row)
         x = hidden[pairs // k].to(acc_dtype)  # [m, H]
-        gate_up = x @ w13[row].to(acc_dtype).t()  # [m, 2I]
+        gate_up = x @ bank13[r].to(device=hidden.device, dtype=acc_dtype).t()  # [m, 2I]
         act = F.silu(gate_up[:, :i]) * gate_up[:, i:]  # [m, I]
-        y[pairs] = act @ w2[row].to(acc_dtype).t()  # [m, H]
+        y[pairs] = act @ bank2[r].to(device=hidden.device, dtype=acc_dtype).t()  # [m, H]
     y = y.view(t, k, h)
-    weights = topk_weights.masked_fill(topk_ids < 0, 0.0)  # [T, K] a skipped pair adds nothing
+    weights = topk_weights.masked_fill(~live.view(t, k), 0.0)  # [T, K] a skipped pair adds 0
     acc = torch.zeros(t, h, dtype=acc_dtype, device=hidden.device)  # [T, H]
     for j in range(k):  # fixed order over k
         acc += weights[:, j, None] * y[:, j]

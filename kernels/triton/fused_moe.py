@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken_agent.kernels.reference import check_moe_shapes
+from freetoken_agent.kernels.reference import check_host_banks, check_moe_shapes
 
 # fmt: off
 # Tiles keyed by (H, I); "default" covers other shapes. First guesses for the H200;
@@ -100,6 +100,26 @@ def _members(same, rank, m0, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
 
 
 @triton.jit
+def _skipped(row, HOST: tl.constexpr):
+    """Whether a pair's id means skip: any negative id, or with host banks only -1 (ids <= -2
+    name host rows)."""
+    if HOST:
+        return row == -1
+    return row < 0
+
+
+@triton.jit
+def _row_ptr(bank_ptr, stride, host_ptr, host_stride, row, HOST: tl.constexpr):
+    """Start of the weights of a pair's row: bank row `row`, or with HOST and row <= -2 host
+    row -row - 2 (pinned host memory, read by the kernel itself over the link)."""
+    ptr = bank_ptr + row.to(tl.int64) * stride
+    if HOST:  # noqa: SIM102 - a compile-time branch around a run-time one (Triton)
+        if row < -1:
+            ptr = host_ptr + (-row - 2).to(tl.int64) * host_stride
+    return ptr
+
+
+@triton.jit
 def _decode_gate_up_kernel(
     x_ptr,  # [T, H]
     w13_ptr,  # [N, 2I, H]
@@ -107,6 +127,8 @@ def _decode_gate_up_kernel(
     hi_ptr,  # [P, I] act, or with SPLIT its high 16-bit part
     lo_ptr,  # [P, I] with SPLIT: act - hi, rounded to 16 bits
     stride13,  # elements between w13 rows (2I*H dense; larger for arena slots)
+    hw13_ptr,  # [Nh, 2I, H] host bank (HOST), read over the link; else any bank
+    hstride13,
     P,
     H,
     I,  # noqa: E741 (the shape legend's name)
@@ -117,11 +139,12 @@ def _decode_gate_up_kernel(
     BLOCK_H: tl.constexpr,
     PREC: tl.constexpr,
     SPLIT: tl.constexpr,
+    HOST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_iblk = tl.cdiv(I, BLOCK_I)
     row, n_before, same, rank, n_group = _group(ids_ptr, pid // n_iblk, P, BLOCK_P)
-    if row < 0:
+    if _skipped(row, HOST):
         return
     if n_before > 0:
         return
@@ -130,7 +153,8 @@ def _decode_gate_up_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     i_mask = offs_i < I
     # [BLOCK_H, BLOCK_I] tiles of the gate rows; the up rows sit I * H elements further.
-    w_ptrs = w13_ptr + row.to(tl.int64) * stride13 + offs_i[None, :] * H + offs_h[:, None]
+    w_row = _row_ptr(w13_ptr, stride13, hw13_ptr, hstride13, row, HOST)
+    w_ptrs = w_row + offs_i[None, :] * H + offs_h[:, None]
     for m0 in range(0, n_group, BLOCK_M):  # more than BLOCK_M members: rare, re-reads from L2
         pair = _members(same, rank, m0, BLOCK_M, BLOCK_P)
         valid = (m0 + offs_m) < n_group
@@ -165,6 +189,8 @@ def _decode_down_kernel(
     ids_ptr,  # [P]
     y_ptr,  # [P, H] fp32, unweighted expert outputs by pair
     stride2,  # elements between w2 rows (H*I dense; larger for arena slots)
+    hw2_ptr,  # [Nh, H, I] host bank (HOST); else any bank
+    hstride2,
     P,
     H,
     I,  # noqa: E741 (the shape legend's name)
@@ -174,11 +200,12 @@ def _decode_down_kernel(
     BLOCK_K: tl.constexpr,
     PREC: tl.constexpr,
     SPLIT: tl.constexpr,
+    HOST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_nblk = tl.cdiv(H, BLOCK_N)
     row, n_before, same, rank, n_group = _group(ids_ptr, pid // n_nblk, P, BLOCK_P)
-    if row < 0:
+    if _skipped(row, HOST):
         return
     if n_before > 0:
         return
@@ -186,7 +213,8 @@ def _decode_down_kernel(
     offs_n = (pid % n_nblk) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < H
-    w_ptrs = w2_ptr + row.to(tl.int64) * stride2 + offs_n[None, :] * I + offs_k[:, None]
+    w_row = _row_ptr(w2_ptr, stride2, hw2_ptr, hstride2, row, HOST)
+    w_ptrs = w_row + offs_n[None, :] * I + offs_k[:, None]
     for m0 in range(0, n_group, BLOCK_M):
         pair = _members(same, rank, m0, BLOCK_M, BLOCK_P)
         valid = (m0 + offs_m) < n_group
@@ -308,6 +336,7 @@ def _sum_over_k_kernel(
     H,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
+    HOST: tl.constexpr,
 ):
     # A separate pass because the pairs of one token live in different row groups; summing here
     # in k order keeps the result deterministic without atomics.
@@ -317,7 +346,11 @@ def _sum_over_k_kernel(
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in range(K):
         p = t * K + k
-        live = tl.load(ids_ptr + p) >= 0  # a skipped pair's y was never written
+        pair_id = tl.load(ids_ptr + p)
+        if HOST:  # noqa: SIM108 - compile-time; a skipped pair's y was never written
+            live = pair_id != -1
+        else:
+            live = pair_id >= 0
         wt = tl.where(live, tl.load(wts_ptr + p), 0.0)
         y_mask = offs < tl.where(live, H, 0)
         acc += wt * tl.load(y_ptr + p * H + offs, mask=y_mask, other=0.0)
@@ -341,6 +374,18 @@ def _check(hidden, w13, w2, topk_ids, topk_weights, out) -> tuple[int, int, int,
     return t, h, i, k
 
 
+def _check_host(hidden, w13, host_w13, host_w2) -> None:
+    check_host_banks(w13, host_w13, host_w2)
+    h, i = host_w13.shape[2], host_w13.shape[1] // 2
+    assert host_w13.stride()[1:] == (h, 1) and host_w2.stride()[1:] == (i, 1), (
+        "fused_moe needs dense host bank rows"
+    )
+    for bank in (host_w13, host_w2):  # the kernels reach pinned memory through its mapping
+        assert bank.device == hidden.device or (bank.device.type == "cpu" and bank.is_pinned()), (
+            f"host banks must be pinned host memory (or on {hidden.device}), got {bank.device}"
+        )
+
+
 def fused_moe_decode(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -350,9 +395,18 @@ def fused_moe_decode(
     out: torch.Tensor | None = None,
     *,
     tiles: dict[str, int] | None = None,
+    host_w13: torch.Tensor | None = None,
+    host_w2: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Bandwidth-bound path for few pairs; no host sync, safe under CUDA-graph capture."""
+    """Bandwidth-bound path for few pairs; no host sync, safe under CUDA-graph capture. With
+    host banks (pinned host memory on CUDA), ids <= -2 name their rows (`reference.host_ids`):
+    the kernels read those experts over the link themselves, with no copy into a slot."""
     t, h, i, k = _check(hidden, w13, w2, topk_ids, topk_weights, out)
+    host = host_w13 is not None
+    if host:
+        _check_host(hidden, w13, host_w13, host_w2)
+    else:
+        host_w13, host_w2 = w13, w2  # never read: HOST is off
     p = t * k
     assert p <= DECODE_MAX_PAIRS, f"decode path takes at most {DECODE_MAX_PAIRS} pairs, got {p}"
     if out is None:
@@ -365,17 +419,19 @@ def fused_moe_decode(
     act = torch.empty(2 if split else 1, p, i, dtype=hidden.dtype, device=hidden.device)
     y = torch.empty(p, h, dtype=torch.float32, device=hidden.device)  # [P, H]
     _decode_gate_up_kernel[(p * triton.cdiv(i, c["BLOCK_I"]),)](
-        hidden, w13, topk_ids, act[0], act[-1], w13.stride(0), p, h, i,
+        hidden, w13, topk_ids, act[0], act[-1], w13.stride(0), host_w13, host_w13.stride(0),
+        p, h, i,
         K=k, BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_I=c["BLOCK_I"], BLOCK_H=c["BLOCK_H"],
-        PREC=prec, SPLIT=split, num_warps=c["WARPS_UP"], num_stages=c["STAGES_UP"],
+        PREC=prec, SPLIT=split, HOST=host, num_warps=c["WARPS_UP"], num_stages=c["STAGES_UP"],
     )  # fmt: skip
     _decode_down_kernel[(p * triton.cdiv(h, c["BLOCK_N"]),)](
-        act[0], act[-1], w2, topk_ids, y, w2.stride(0), p, h, i,
+        act[0], act[-1], w2, topk_ids, y, w2.stride(0), host_w2, host_w2.stride(0), p, h, i,
         BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-        PREC=prec, SPLIT=split, num_warps=c["WARPS_DOWN"], num_stages=c["STAGES_DOWN"],
+        PREC=prec, SPLIT=split, HOST=host, num_warps=c["WARPS_DOWN"],
+        num_stages=c["STAGES_DOWN"],
     )  # fmt: skip
     _sum_over_k_kernel[(t, triton.cdiv(h, c["SUM_BLOCK"]))](
-        y, topk_ids, topk_weights, out, h, K=k, BLOCK=c["SUM_BLOCK"]
+        y, topk_ids, topk_weights, out, h, K=k, BLOCK=c["SUM_BLOCK"], HOST=host
     )
     return out
 
@@ -450,5 +506,5 @@ def _prefill_chunk(hidden, w13, w2, topk_ids, topk_weights, out, c: dict[str, in
         num_warps=c["WARPS_DOWN"], num_stages=c["STAGES_DOWN"],
     )  # fmt: skip
     _sum_over_k_kernel[(t, triton.cdiv(h, c["SUM_BLOCK"]))](
-        y, topk_ids, topk_weights, out, h, K=k, BLOCK=c["SUM_BLOCK"]
+        y, topk_ids, topk_weights, out, h, K=k, BLOCK=c["SUM_BLOCK"], HOST=False
     )

@@ -341,3 +341,80 @@ def test_gpu_strided_arena_banks_bf16(rng_seed, real_banks, t):
     for path in paths:
         got = run(path, (hidden, s13, s2, rows, wts))
         assert torch.equal(got, run(path, (hidden, w13, w2, ids, wts))), f"{path} T={t}"
+
+
+# ---------------------------------------------------------------- host banks (direct reads)
+
+
+def split_banks(seed: int, t: int, k: int, dtype: torch.dtype, device: str = "cpu"):
+    """A slot bank and a host bank of random experts, and ids sending each pair to a slot row,
+    a host row (`host_ids`) or nowhere (-1); with the same pairs on one combined bank
+    [slots; host rows] for comparison: (hidden, slots13, slots2, host13, host2, ids, wts,
+    combined13, combined2, combined_ids)."""
+    from freetoken_agent.kernels.reference import host_ids
+
+    g = torch.Generator().manual_seed(seed)
+    n_slots, n_host = int(torch.randint(3, 9, (1,), generator=g)), 11
+    hidden, w13, w2, _, wts = make_inputs(seed, t, 48, 24, n_slots + n_host, k, dtype)
+    n = n_slots + n_host
+    rows = torch.rand(t, n, generator=g).topk(k, dim=1).indices  # [T, K] distinct per token
+    rows[torch.rand(t, k, generator=g) < 0.15] = -1
+    # Token 0 reads one slot row and one host row whatever the draw: both sources in play.
+    a, b = (
+        int(torch.randint(n_slots, (1,), generator=g)),
+        n_slots + int(torch.randint(n_host, (1,), generator=g)),
+    )
+    rows[0] = torch.tensor([a, b, *[r for r in rows[0].tolist() if r not in (a, b)][: k - 2]])
+    on_host = rows >= n_slots
+    ids = torch.where(on_host, host_ids(rows - n_slots), rows)  # -1 stays -1
+    host13, host2 = w13[n_slots:].clone(), w2[n_slots:].clone()
+    if device != "cpu":
+        host13, host2 = host13.pin_memory(), host2.pin_memory()
+    dev = lambda x: x.to(device)  # noqa: E731
+    return (dev(hidden), dev(w13[:n_slots]), dev(w2[:n_slots]), host13, host2, dev(ids),
+            dev(wts), dev(w13), dev(w2), dev(rows))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t", [1, 5])
+def test_host_bank_pairs_equal_one_combined_bank(rng_seed, dtype, t):
+    """Pairs read from the host bank compute exactly what they compute from a device bank
+    holding the same rows: the decode kernels' bits do not depend on where a row lives; the
+    reference agrees, and skipped pairs add nothing."""
+    hidden, s13, s2, h13, h2, ids, wts, c13, c2, c_ids = split_banks(rng_seed, t, 4, dtype)
+    assert (ids <= -2).any() and (ids >= 0).any()  # both sources in play
+    got = poisoned(hidden)
+    fused_moe(hidden, s13, s2, ids, wts, out=got, host_w13=h13, host_w2=h2, force_triton=True)
+    want = run("decode", (hidden, c13, c2, c_ids, wts), SMALL_DECODE)
+    got_small = triton_moe.fused_moe_decode(hidden, s13, s2, ids, wts, tiles=SMALL_DECODE,
+                                            host_w13=h13, host_w2=h2)  # fmt: skip
+    assert torch.equal(got_small, want)
+    ref = fused_moe_reference(hidden, s13, s2, ids, wts, host_w13=h13, host_w2=h2)
+    assert torch.equal(ref, fused_moe_reference(hidden, c13, c2, c_ids, wts))
+    assert rel_err(got, ref) < TOL[dtype]
+    skipped = (ids == -1).all(dim=1)
+    assert (got[skipped] == 0).all()
+
+
+def test_host_banks_refused_beyond_decode_batches(rng_seed):
+    hidden, s13, s2, h13, h2, ids, wts, *_ = split_banks(rng_seed, 40, 4, torch.float32)
+    with pytest.raises(ValueError, match="host banks serve decode batches of at most 128"):
+        fused_moe(hidden, s13, s2, ids, wts, host_w13=h13, host_w2=h2)
+    with pytest.raises(AssertionError, match="host_w2 must be"):
+        fused_moe(hidden[:2], s13, s2, ids[:2], wts[:2], host_w13=h13, host_w2=h2[:, :, :5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_gpu_host_bank_read_over_the_link(rng_seed, t):
+    """On CUDA the host bank is pinned host memory the kernels read themselves: the same bits
+    as the same rows in device memory."""
+    hidden, s13, s2, h13, h2, ids, wts, c13, c2, c_ids = split_banks(
+        rng_seed, t, 8, torch.bfloat16, device="cuda"
+    )
+    assert h13.device.type == "cpu" and h13.is_pinned()
+    got = fused_moe(hidden, s13, s2, ids, wts, host_w13=h13, host_w2=h2)
+    want = fused_moe(hidden, c13, c2, c_ids, wts)
+    assert torch.equal(got, want)
+    ref = fused_moe_reference(hidden.float(), c13.float(), c2.float(), c_ids, wts)
+    assert rel_err(got, ref) < TOL[torch.bfloat16]
