@@ -69,8 +69,10 @@ for stage in "$@"; do
         --context 32768 --fixed-kv-tokens 100000 --tokens 96 --top 20 --squeeze-gb 8 2>&1 \
         | tee "$OUT/decode_profile.log" | grep -v "^compile" | cut -c1-200 ;;
     zero-copy)  # can kernels read experts from pinned host memory, and how fast (~30 s)
+      timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+        -k host_bank 2>&1 | tail -3
       timeout 120 python3 -m freetoken_agent.bench.zero_copy_probe 2>&1 \
-        | tee "$OUT/zero_copy.log" | tail -14 ;;
+        | tee "$OUT/zero_copy.log" | tail -16 ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;

@@ -3,12 +3,12 @@ without host round trips: a miss read over PCIe by the MoE kernel itself instead
 
     python -m freetoken_agent.bench.zero_copy_probe [--mib 512]
 
-Prints GB/s of a Triton kernel that loads a pinned host tensor (UVA) and stores it on the
-device, for grids of G programs each striding over the buffer, beside cudaMemcpyAsync of the
-same bytes (B_P). Then the decision that matters: one MoE layer of the Qwen3.6 shape (H 2048,
-I 512, 256 experts of 6.3 MB) at one token, top-8, all 8 experts missing, computed by the decode
-kernels (a) from HBM, (b) straight from the pinned host bank, (c) after copying the 8 experts
-into slots (what a fill costs today), with (b)'s bits checked against (a)'s."""
+First a Triton kernel that loads a pinned host tensor and stores it on the device, for grids of
+G programs striding over it, beside cudaMemcpyAsync of the same bytes (B_P). Then the decision
+that matters: one MoE layer of the Qwen3.6 shape (H 2048, I 512, 256 experts of 6.3 MB) at one
+token, top-8, with 8 and with 2 experts missing: the decode kernels reading the missing ones
+from the pinned host bank (fused_moe's host banks), against copying them in first (a fill) and
+against all in HBM, the bits of the first two compared."""
 
 from __future__ import annotations
 
@@ -66,60 +66,60 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def moe_layer(experts: int = 256, h: int = 2048, i: int = 512, k: int = 8, reps: int = 30) -> None:
-    """One MoE layer, one token, its k experts all missing: the decode kernels reading them from
-    HBM, from the pinned host bank (zero-copy), and from slots just filled by cudaMemcpyAsync."""
-    from freetoken_agent.kernels.reference import check_moe_shapes
-    from freetoken_agent.kernels.triton import fused_moe as triton_moe
+    """One MoE layer at one token of the Qwen3.6 shape, `missing` of its k experts not in slots:
+    the decode kernels reading those from the pinned host bank themselves (host_w13/host_w2),
+    against copying them into slots first (a fill, today's miss), and all k from HBM."""
+    from freetoken_agent.kernels.reference import host_ids
+    from freetoken_agent.kernels.triton.fused_moe import fused_moe_decode
 
     gen = torch.Generator().manual_seed(0)
     host13 = (torch.randn(experts, 2 * i, h, generator=gen) * 0.02).to(torch.bfloat16)
     host2 = (torch.randn(experts, h, i, generator=gen) * 0.02).to(torch.bfloat16)
     host13, host2 = host13.pin_memory(), host2.pin_memory()
-    dev13, dev2 = host13.cuda(), host2.cuda()
-    slots13, slots2 = torch.empty_like(dev13[:k]), torch.empty_like(dev2[:k])
+    dev13, dev2 = host13.cuda(), host2.cuda()  # every expert in HBM: slot row = expert id
     x = torch.randn(1, h, device="cuda").to(torch.bfloat16)
     w = torch.softmax(torch.randn(1, k, device="cuda"), -1)
-    expert_bytes = (3 * h * i) * 2
-    # The launcher insists on one device; the probe lifts that for the host bank only.
-    checked = triton_moe._check
-    triton_moe._check = lambda *a: check_moe_shapes(*a)
-    try:
-        ids = [torch.randperm(experts)[:k].view(1, k).cuda() for _ in range(reps)]
-        slot_ids = torch.arange(k, device="cuda").view(1, k)
+    expert_bytes = 3 * h * i * 2
+    picks = [torch.randperm(experts)[:k] for _ in range(reps)]
+    print(f"moe layer, top-{k} of {experts} experts of {expert_bytes / 1e6:.1f} MB, one token:")
 
-        on_host = {id(r): r[0].tolist() for r in ids}  # the fill loop's ids, read beforehand
+    def timed(fn, args) -> float:
+        fn(*args[0])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for a in args:
+            fn(*a)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / len(args) * 1e6
 
-        def timed(fn) -> float:
-            fn(ids[0])
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for r in ids:
-                fn(r)
-            torch.cuda.synchronize()
-            return (time.perf_counter() - t0) / len(ids) * 1e6
+    for missing in (k, 2):
+        # Pairs 0..missing-1 miss: direct, their ids name host rows; filled, their expert is
+        # copied over its HBM row first (the same bytes a fill moves), then read from HBM.
+        direct = [
+            (torch.cat([host_ids(p[:missing]), p[missing:]]).view(1, k).cuda(),) for p in picks
+        ]
+        filled = [(p[:missing].tolist(), p.view(1, k).cuda()) for p in picks]
 
-        def filled(r):
-            for j, e in enumerate(on_host[id(r)]):
-                slots13[j].copy_(host13[e], non_blocking=True)
-                slots2[j].copy_(host2[e], non_blocking=True)
-            return triton_moe.fused_moe_decode(x, slots13, slots2, slot_ids, w)
+        def run_direct(ids):
+            return fused_moe_decode(x, dev13, dev2, ids, w, host_w13=host13, host_w2=host2)
+
+        def run_filled(lids, ids):
+            for e in lids:
+                dev13[e].copy_(host13[e], non_blocking=True)
+                dev2[e].copy_(host2[e], non_blocking=True)
+            return fused_moe_decode(x, dev13, dev2, ids, w)
 
         try:
-            direct = triton_moe.fused_moe_decode(x, host13, host2, ids[0], w)
+            same = torch.equal(run_direct(*direct[0]), run_filled(*filled[0]))
         except Exception as e:  # noqa: BLE001 - a refused host pointer is the answer too
-            print(f"moe from host refused: {type(e).__name__}: {e}".splitlines()[0])
+            print(f"  moe from host refused: {type(e).__name__}: {e}".splitlines()[0])
             return
-        same = torch.equal(direct, triton_moe.fused_moe_decode(x, dev13, dev2, ids[0], w))
-        hbm = timed(lambda r: triton_moe.fused_moe_decode(x, dev13, dev2, r, w))
-        zc = timed(lambda r: triton_moe.fused_moe_decode(x, host13, host2, r, w))
-        fill = timed(filled)
-    finally:
-        triton_moe._check = checked
-    moved = k * expert_bytes / 1e9
-    print(f"moe layer, {k} of {experts} experts of {expert_bytes / 1e6:.1f} MB, one token:")
-    print(f"  from HBM      {hbm:8.1f} us")
-    print(f"  from host     {zc:8.1f} us  ({moved / zc * 1e6:.1f} GB/s)  bits equal: {same}")
-    print(f"  fill + HBM    {fill:8.1f} us  ({moved / fill * 1e6:.1f} GB/s)")
+        hbm = timed(lambda ids: fused_moe_decode(x, dev13, dev2, ids, w), [(f[1],) for f in filled])
+        zc, fill = timed(run_direct, direct), timed(run_filled, filled)
+        moved = missing * expert_bytes / 1e9
+        print(f"  {missing} missing: all in HBM {hbm:7.1f} us; read from host {zc:7.1f} us "
+              f"({moved / max(zc - hbm, 1e-3) * 1e6:.1f} GB/s over HBM's time); fill + HBM "
+              f"{fill:7.1f} us; bits equal: {same}")  # fmt: skip
 
 
 if __name__ == "__main__":
