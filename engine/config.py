@@ -227,7 +227,7 @@ def read_config(model_dir: str | Path) -> dict:
         raise ConfigError(f"{path} is not valid JSON: {e}") from e
 
 
-POLICIES = ("adaptive", "transfer", "cpu", "static", "resident")
+POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "resident")
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ about which tokens run (the Scheduler did). Decode-only batches on CUDA replay c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -120,16 +120,24 @@ class ModelRunner:
         self._default_generator.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
         self.graphs = None  # set by enable_cuda_graphs
+        # Called after each step with the tokens a graph replayed (None: an eager step): the
+        # direct offload policy's cache learns from the step's routing there.
+        self.after_step: Callable[[int | None], None] | None = None
 
     def enable_cuda_graphs(self, max_batch: int, max_pages: int, offloaded=None) -> None:
         """Capture decode graphs; with an offloaded bank, segmented ones that stop for its
         decisions after each MoE layer's router (see segmented_graphs.py)."""
         from freetoken_agent.engine.cuda_graphs import DecodeGraphs
+        from freetoken_agent.engine.direct_graphs import DirectDecodeGraphs
         from freetoken_agent.engine.segmented_graphs import RUN_AHEAD, SegmentedDecodeGraphs
 
         page_size = self.kv.page_size
         if offloaded is None:
             self.graphs = DecodeGraphs(self.model, page_size, max_batch, max_pages, self.device)
+        elif offloaded.policy == "direct":  # misses read on the device: one graph a step
+            self.graphs = DirectDecodeGraphs(
+                self.model, offloaded, page_size, max_batch, max_pages, self.device
+            )
         else:
             # Recurrent layers update their state in place, so a segment run again after a
             # missed layer would apply its tokens twice: hybrid models never run ahead.
@@ -161,7 +169,8 @@ class ModelRunner:
         to their logits here, after the model (and any CUDA graph) and before sampling."""
         chunks = batch.chunks
         inputs = build_inputs(chunks, self.kv.page_size)
-        if self.graphs is not None and batch.is_decode_only and self.graphs.fits(inputs):
+        graphed = self.graphs is not None and batch.is_decode_only and self.graphs.fits(inputs)
+        if graphed:
             hidden = self.graphs.replay(inputs)  # [B, H]: one token per chunk
             last_rows = torch.arange(len(chunks), device=self.device)
         else:
@@ -185,4 +194,8 @@ class ModelRunner:
             if c.request.score_only:
                 lo, hi = int(inputs.cu_q_lens[i]), int(inputs.cu_q_lens[i + 1])
                 out.logits[c.request.id] = self.model.compute_logits(hidden[lo:hi])
+        if self.after_step is not None:
+            if graphed:  # the routing the graph wrote to pinned memory is complete by now
+                torch.cuda.current_stream(self.device).synchronize()
+            self.after_step(len(chunks) if graphed else None)
         return out

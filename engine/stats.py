@@ -25,6 +25,7 @@ def expert_stats(bank, policy: str) -> dict:
         "hits": st.hits,
         "fetched": st.fetched,
         "on_cpu": st.on_cpu,
+        "direct": st.direct,  # misses the kernels read from the pool (policy direct)
         "miss_rate": st.miss_rate,
         "bytes_filled": cache.bytes_filled,
         "layers_streamed": bank.streamer.layers_streamed,

@@ -31,6 +31,7 @@ from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.config import ModelSpec
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.cache import ExpertCache
+from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids
 from freetoken_agent.engine.experts.graph_io import GraphIO
 from freetoken_agent.engine.experts.policy import (
     CPU_KNEE_TOKENS,
@@ -40,7 +41,7 @@ from freetoken_agent.engine.experts.policy import (
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import LayerStreamer
-from freetoken_agent.kernels.fused_moe import fused_moe
+from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
 
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
 
@@ -51,6 +52,9 @@ from freetoken_agent.kernels.fused_moe import fused_moe
 # slots (thrashing) at -0.21 to -0.24; the bench's Zipf 1.0 / locality 0.7 trace at 0.57-0.87
 # in one token a step and 0.28-0.56 in four (bench/routing_traces.py), where fetching every
 # miss measured best on the device.
+# Policy direct reads misses from the pool in the decode kernels, which take this many
+# (token, expert) pairs at most; longer eager chunks (below stream_min_tokens) fill instead.
+DIRECT_MAX_PAIRS = PATH_LIMITS["decode_max_pairs"]
 FETCH_ALL_GAIN = 0.15
 FETCH_NONE_GAIN = -0.1
 
@@ -71,6 +75,7 @@ class OffloadStats:
     hits: int = 0
     fetched: int = 0
     on_cpu: int = 0
+    direct: int = 0  # misses the kernels read from the pool (policy direct)
 
     @property
     def miss_rate(self) -> float:
@@ -113,6 +118,7 @@ class OffloadedExpertBank:
         self.bandwidths = bandwidths or Bandwidths()
         self.stats = OffloadStats()
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
+        self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
         self.stream_min_tokens = stream_min_tokens
         buffers = 2 if double_buffer else 1
         self.streamer = LayerStreamer(
@@ -184,6 +190,9 @@ class OffloadedExpertBank:
             return self._streamed(layer, hidden, topk_ids, topk_weights)
         self.streamer.release()  # a streamed chunk that failed midway still held slots
         lids = topk_ids.long() + layer * self.n_experts  # [T, K]
+        if self.policy == "direct" and lids.numel() <= DIRECT_MAX_PAIRS:
+            self.routed.add(layer, lids)  # misses read from the pool; the cache learns later
+            return self._direct(hidden, lids, topk_weights)
         uniq, counts = torch.unique(lids, return_counts=True)
         uniq_l, counts_l = uniq.tolist(), counts.tolist()  # the host decides (one sync)
         misses = self._misses(uniq_l, counts_l, lids.numel())
@@ -246,8 +255,11 @@ class OffloadedExpertBank:
         return part, fetched
 
     def _fetches(self, misses: list[tuple[int, int]]) -> list[int]:
-        """Which misses the policy fills into slots, in order."""
+        """Which misses the policy fills into slots, in order (direct: a chunk too long for
+        the kernels' host reads fills them all, as transfer does)."""
         lids = [lid for _, lid in misses]
+        if self.policy == "direct":
+            return lids
         if self.policy == "adaptive":
             return self._adaptive_fetches(lids, [c for c, _ in misses])
         return lids[: fetch_count(self.policy, len(lids), self.bandwidths)]
@@ -299,6 +311,8 @@ class OffloadedExpertBank:
         io = self.graph_io
         t = hidden.shape[0]
         io.ids[layer, :t].copy_(topk_ids, non_blocking=True)
+        if self.policy == "direct":  # one graph a step: nothing for the host until it ends
+            return self._direct(hidden, topk_ids.long() + layer * self.n_experts, topk_weights)
         io.weights[layer, :t].copy_(topk_weights, non_blocking=True)
         io.hidden[layer, :t].copy_(hidden, non_blocking=True)
         io.split()
@@ -332,6 +346,42 @@ class OffloadedExpertBank:
             io.cpu_part[layer, :n_tokens].copy_(stage, non_blocking=True)
         self.cache.publish(fetched)
         return True
+
+    # --- policy direct (direct.py) ---------------------------------------------------------
+    def _direct(self, hidden: torch.Tensor, lids: torch.Tensor, weights: torch.Tensor):
+        """The layer's experts from their slots, the missing ones read from the pool."""
+        pool = self.pool
+        if self.device.type == "cuda" and not pool.pinned:
+            raise RuntimeError(
+                "policy 'direct' reads experts from pinned host memory, but the expert pool "
+                "could not be pinned on this machine; load with policy='adaptive'"
+            )
+        ids = direct_ids(self.cache.slot_of, lids)
+        return fused_moe(hidden, self.cache.w13, self.cache.w2, ids, weights,
+                         host_w13=pool.w13, host_w2=pool.w2)  # fmt: skip
+
+    def after_step(self, graph_tokens: int | None) -> None:
+        """Policy direct, between steps: count the step's hits and fill the misses worth
+        keeping (all while fills win their races, free slots only once victims win). Routing
+        from the replayed graph's buffers (`graph_tokens` tokens) or the eager step's log."""
+        if graph_tokens is not None:
+            ids = self.graph_io.ids_np[:, :graph_tokens].astype(np.int64)  # [L, T, K]
+            offsets = np.arange(ids.shape[0], dtype=np.int64)[:, None, None] * self.n_experts
+            layers = list(enumerate(ids + offsets))
+        else:
+            layers = self.routed.take()
+        cache = self.cache
+        for _, lids in layers:
+            uniq, counts = distinct_lids(lids)
+            misses = self._misses(uniq, counts, lids.size)
+            if not misses:
+                continue
+            self.stats.direct += len(misses)
+            want = [lid for _, lid in misses]
+            if cache.fill_gain < FETCH_NONE_GAIN:
+                want = want[: cache.free_slots]
+            fetched = cache.fill(want, set(uniq))  # published: the next step sees them
+            self.stats.fetched += len(fetched)
 
     def _stage_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Start copying the activations to host memory; returns (host tensor, ready event)."""

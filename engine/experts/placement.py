@@ -93,7 +93,7 @@ def make_bank(
     if config.policy == "resident":
         return ResidentExpertBank(spec, dtype, device)
     slots = slot_count(spec, config, device, dtype, dense)
-    if config.policy == "adaptive" and slots >= n_rows:
+    if config.policy in ("adaptive", "direct") and slots >= n_rows:  # every expert fits
         return ResidentExpertBank(spec, dtype, device)
     if pool is None:
         pool = ExpertPool.empty(spec, dtype)

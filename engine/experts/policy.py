@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-OFFLOAD_POLICIES = ("adaptive", "transfer", "cpu", "static")
+OFFLOAD_POLICIES = ("adaptive", "transfer", "cpu", "static", "direct")  # direct: direct.py
 
 
 @dataclass(slots=True)

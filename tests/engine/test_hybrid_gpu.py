@@ -73,7 +73,7 @@ def test_offloaded_hybrid_matches_resident(family, tmp_path, rng_seed):
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     opts = dict(max_num_seqs=4)
     want = [o.token_ids for o in _load(tmp_path, policy="resident", **opts).generate(prompts, sp)]
-    for policy in ("transfer", "cpu", "adaptive"):
+    for policy in ("transfer", "cpu", "adaptive", "direct"):
         engine = _load(tmp_path, policy=policy, expert_slots=3, stream_min_tokens=128, **opts)
         got = [o.token_ids for o in engine.generate(prompts, sp)]
         assert got == want, policy

@@ -112,3 +112,40 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, rng_seed):
         assert graphs.reruns == wasted
         if not missing:
             assert wasted == 0
+
+
+@pytest.mark.parametrize("slots", [1, 9, 15])  # of 16 rows
+def test_direct_graph_step_reads_misses_then_learns(tmp_path, rng_seed, slots):
+    """Policy direct under a decode graph: each layer's captured half records the routing and
+    computes every pair (misses read from the pool) with no host decision; `after_step`, run
+    once the step is over, counts each layer's experts and fills misses into slots."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    engine = Engine.load(tmp_path, device="cpu", policy="direct", expert_slots=slots,
+                         progress=False)  # fmt: skip
+    bank = engine.loaded.bank
+    spec = engine.spec
+    e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
+    io = bank.attach_graph_io(max_tokens=4, dtype=torch.float32)
+    io.active = True
+    gen = torch.Generator().manual_seed(rng_seed)
+    rng = random.Random(rng_seed)
+    for _ in range(25):
+        t = rng.randint(1, 4)
+        distinct = 0
+        experts_before = bank.stats.experts
+        for layer in range(spec.n_moe_layers):
+            hidden = torch.randn(t, h, generator=gen)
+            ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
+            weights = torch.rand(t, k, generator=gen)
+            want = fused_moe(hidden, bank.pool.w13, bank.pool.w2, ids + layer * e, weights)
+            got = bank(layer, hidden, ids, weights)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(io.ids[layer, :t], ids)
+            distinct += len(set(ids.flatten().tolist()))
+        assert bank.stats.experts == experts_before  # nothing counted within the step
+        bank.after_step(t)
+        assert bank.stats.experts - experts_before == distinct  # every layer, once, after it
+        bank.check_integrity()
+    st = bank.stats
+    assert st.direct == st.experts - st.hits > 0 and st.on_cpu == 0
+    assert st.fetched > 0 or slots == 1

@@ -23,7 +23,7 @@ from freetoken_agent.engine.experts.policy import (
 )
 from freetoken_agent.engine.experts.streaming import host_runs
 
-POLICIES = ("transfer", "cpu", "static", "adaptive")
+POLICIES = ("transfer", "cpu", "static", "adaptive", "direct")
 
 
 @pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3_5_moe"])
@@ -37,7 +37,8 @@ def test_every_policy_and_budget_matches_resident(model):
     path, resident, rng = model
     spec = resident.spec
     rows = spec.n_moe_layers * spec.n_experts
-    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9, 40)]
+    # 150 tokens: too many pairs for direct reads, too few to stream (direct fills instead)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9, 40, 150)]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     want_tokens = [o.token_ids for o in resident.generate(prompts, sp)]
     ids = prompts[1] + want_tokens[1]
@@ -55,7 +56,7 @@ def test_every_policy_and_budget_matches_resident(model):
             assert err <= 3e-5, (policy, slots, err)
             engine.check_integrity()
             st = engine.stats()["experts"]
-            if policy == "adaptive" and slots == rows:  # everything fits: no offloading at all
+            if policy in ("adaptive", "direct") and slots == rows:  # everything fits: resident
                 assert st["placement"] == "resident"
                 continue
             assert isinstance(engine.loaded.bank, OffloadedExpertBank)
@@ -68,6 +69,14 @@ def test_every_policy_and_budget_matches_resident(model):
                 assert st["miss_rate"] == 0.0  # all layers placed at load
             if policy == "cpu":
                 assert st["on_cpu"] == st["experts_touched"] - st["hits"]
+            if policy == "direct":  # decode misses read from the pool by the kernels; the
+                # 150-token chunk fills its misses (the CPU takes them only when every slot
+                # is the layer's own)
+                assert 0 < st["direct"] < st["experts_touched"] - st["hits"]
+                assert st["on_cpu"] == 0 or slots < spec.n_experts
+                assert st["fetched"] > 0 or slots < spec.n_experts  # the cache learns
+            else:
+                assert st["direct"] == 0
 
 
 def test_adaptive_splits_misses_by_bandwidth():

@@ -10,6 +10,7 @@ import pytest
 from tiny_models import make_tiny, max_rel_err
 
 from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.direct_graphs import DirectDecodeGraphs
 from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +30,7 @@ def test_offloaded_on_cuda_matches_resident(family, tmp_path, rng_seed):
     rows = resident.spec.n_moe_layers * resident.spec.n_experts  # with `rows` slots adaptive
     cases = [  # would keep every expert resident: one fewer keeps it offloaded
         (p, s, d)
-        for p in ("transfer", "cpu", "static", "adaptive")
+        for p in ("transfer", "cpu", "static", "adaptive", "direct")
         for s, d in ((1, True), (5, True), (5, False), (rows - 1, True))
     ]
     for policy, slots, double_buffer in cases:
@@ -44,8 +45,12 @@ def test_offloaded_on_cuda_matches_resident(family, tmp_path, rng_seed):
         got = [o.token_ids for o in engine.generate(prompts, sp)]
         assert got == want, (policy, slots, double_buffer)
         graphs = engine.runner.graphs
-        assert isinstance(graphs, SegmentedDecodeGraphs)
-        if slots == 1:  # every layer misses: segments ran again after the placements
+        if policy == "direct":  # one graph a step; misses read from the pinned pool
+            assert isinstance(graphs, DirectDecodeGraphs)
+            assert engine.stats()["experts"]["direct"] > 0
+        else:
+            assert isinstance(graphs, SegmentedDecodeGraphs)
+        if slots == 1 and policy != "direct":  # every layer misses: segments ran again
             assert graphs.reruns > 0, policy
         assert max_rel_err(engine.score(ids), want_logits) <= 1e-4
         engine.check_integrity()

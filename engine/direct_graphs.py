@@ -1,0 +1,50 @@
+"""Decode graphs of the `direct` offload policy (engine/experts/direct.py): one graph a step.
+
+The offloaded bank's captured path reads each layer's missing experts from the pinned pool on
+the device, so unlike the segmented graphs (engine/segmented_graphs.py) a step never stops for
+the host: it replays whole, as a resident model's does. The bank records every layer's routing
+into its GraphIO buffers inside the graph; the runner hands it to `bank.after_step` once the
+step is sampled, and the cache learns and fills from it before the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_agent.engine.cuda_graphs import DecodeGraphs
+from freetoken_agent.engine.experts.offload import OffloadedExpertBank
+from freetoken_agent.engine.models.base import MoeCausalLM
+from freetoken_agent.engine.runner import StepInputs
+
+# B real sequences, Bp padded batch size, H hidden
+
+
+class DirectDecodeGraphs(DecodeGraphs):
+    def __init__(
+        self,
+        model: MoeCausalLM,
+        bank: OffloadedExpertBank,
+        page_size: int,
+        max_batch: int,
+        max_pages: int,
+        device: torch.device,
+    ) -> None:
+        self.bank = bank
+        self.io = bank.attach_graph_io(max_batch, model.embed_tokens.weight.dtype)
+        super().__init__(model, page_size, max_batch, max_pages, device)
+
+    def _capture(self) -> None:
+        self.io.active = True  # the bank records the routing and reads misses from the pool
+        try:
+            super()._capture()
+        finally:
+            self.io.active = False
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """Run one decode step; returns hidden states [B, H] (valid until the next replay)."""
+        b, bs = self._load(inputs)
+        before = getattr(self.model.expert_bank, "before_graph_step", None)
+        if before is not None:  # benchmark routing replays draw this step's routing
+            before(b, bs)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]
