@@ -370,18 +370,18 @@ class OffloadedExpertBank:
             layers = list(enumerate(ids + offsets))
         else:
             layers = self.routed.take()
-        cache = self.cache
+        cache, want, used = self.cache, [], set()
         for _, lids in layers:
             uniq, counts = distinct_lids(lids)
             misses = self._misses(uniq, counts, lids.size)
-            if not misses:
-                continue
             self.stats.direct += len(misses)
-            want = [lid for _, lid in misses]
-            if cache.fill_gain < FETCH_NONE_GAIN:
-                want = want[: cache.free_slots]
-            fetched = cache.fill(want, set(uniq))  # published: the next step sees them
-            self.stats.fetched += len(fetched)
+            want += [lid for _, lid in misses]
+            used.update(uniq)
+        if cache.fill_gain < FETCH_NONE_GAIN:
+            want = want[: cache.free_slots]
+        # One fill for the whole step (one stream switch, one table update), evicting only
+        # experts this step did not use; published, so the next step reads the new slots.
+        self.stats.fetched += len(cache.fill(want, used))
 
     def _stage_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Start copying the activations to host memory; returns (host tensor, ready event)."""

@@ -72,7 +72,8 @@ def test_every_policy_and_budget_matches_resident(model):
             if policy == "direct":  # decode misses read from the pool by the kernels; the
                 # 150-token chunk fills its misses (the CPU takes them only when every slot
                 # is the layer's own)
-                assert 0 < st["direct"] < st["experts_touched"] - st["hits"]
+                assert st["direct"] < st["experts_touched"] - st["hits"]
+                assert st["direct"] > 0 or slots > spec.n_experts + 1  # (nearly all resident)
                 assert st["on_cpu"] == 0 or slots < spec.n_experts
                 assert st["fetched"] > 0 or slots < spec.n_experts  # the cache learns
             else:
