@@ -38,6 +38,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _use_policy(engine, bank, policy: str) -> None:
+    """Switch the offload policy between measurements. `direct` decodes with graphs of its own
+    (one per step) and learns after each step: switching to or from it recaptures them."""
+    was_direct = bank.policy == "direct"
+    bank.policy = policy
+    engine.runner.after_step = bank.after_step if policy == "direct" else None
+    if (policy == "direct") != was_direct and engine.runner.graphs is not None:
+        engine.capture_graphs()
+
+
 def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
     """Aggregate decode tok/s of `batch` sequences (after their prefill) and cache counters."""
     bank = engine.loaded.bank
@@ -171,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             model.set_expert_bank(TracedRouting(bank, gen))
         engine.capture_graphs()  # graphs call the bank object they were captured with
         for batch in args.batches:
-            for policy in ("cpu", "transfer", "adaptive", "static"):
+            for policy in ("cpu", "transfer", "adaptive", "static", "direct"):
                 bank.cache.reset()
-                bank.policy = policy
+                _use_policy(engine, bank, policy)
                 bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
                 if policy == "static":
                     bank.place_static()
@@ -181,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                 rate, st = _decode(engine, args.decode, rng, batch)
                 miss_bytes = st["experts_per_token"] * st["miss_rate"] * expert_bytes
                 hit_bytes = st["experts_per_token"] * (1 - st["miss_rate"]) * expert_bytes
-                floor = (dense_read + hit_bytes) / b_hbm + miss_bytes / (b_p + b_h)
+                link = b_p if policy == "direct" else b_p + b_h  # direct: no CPU branch
+                floor = (dense_read + hit_bytes) / b_hbm + miss_bytes / link
                 key = f"{regime_name}|b{batch}|{policy}"
                 report["decode"][key] = {
                     "tok_s": rate,
@@ -194,9 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(key, json.dumps(report["decode"][key]), flush=True)
                 save()
     model.set_expert_bank(bank)
+    _use_policy(engine, bank, "adaptive")
     engine.capture_graphs()
     bank.cache.reset()
-    bank.policy = "adaptive"
     for double in () if args.skip_prefill else (True, False):
         if not double:
             bank.streamer = LayerStreamer(

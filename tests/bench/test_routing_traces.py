@@ -66,3 +66,12 @@ def test_offload_bench_measurements_run_on_a_tiny_engine(tmp_path, rng_seed):
     assert offload._prefill(engine, 100, rng) > 0  # streamed (100 >= 64 tokens)
     assert engine.loaded.bank.streamer.layers_streamed > 0
     engine.check_integrity()
+    # The bench switches policies in place; direct learns after each step, the others not.
+    bank = engine.loaded.bank
+    offload._use_policy(engine, bank, "direct")
+    assert engine.runner.after_step == bank.after_step
+    rate, st = offload._decode(engine, 6, rng, batch=2)
+    assert rate > 0 and bank.stats.direct > 0 and st["miss_rate"] > 0
+    offload._use_policy(engine, bank, "adaptive")
+    assert engine.runner.after_step is None and bank.policy == "adaptive"
+    engine.check_integrity()
