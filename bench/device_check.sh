@@ -4,7 +4,8 @@
 # stages: tests engine-tests elastic-tests decode kernels kv-layout elastic-a elastic-b
 #         elastic-hybrid-a elastic-hybrid-b (the Qwen3.6-35B-A3B shape: a quarter of the KV)
 #         elastic-hybrid elastic-30b (all three engines in one run, ~6-8 minutes each)
-#         zero-copy (a Triton kernel reading pinned host memory: GB/s against cudaMemcpy)
+#         zero-copy (the host-bank and direct-policy GPU tests, then the zero-copy probe)
+#         elastic-hybrid-direct (the Qwen3.6 session under policy direct)
 #         decode-profile (elastic vs fixed-last prefill and decode at the hybrid shape, ~4 minutes)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
@@ -60,6 +61,11 @@ for stage in "$@"; do
       timeout 590 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
         --routing zipf:1.0,loc:0.7 --decode-tokens 128 --out "$OUT/elastic_hybrid.json" 2>&1 \
         | tee "$OUT/elastic_hybrid.log" | grep -E "^elastic|^fixed|^engine|^watch|^compile|^Timeout|^  File" ;;
+    elastic-hybrid-direct)  # policy direct (misses read by the kernels), elastic vs fixed-last
+      timeout 590 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
+        --engines elastic fixed-last --policy direct --routing zipf:1.0,loc:0.7 \
+        --decode-tokens 128 --out "$OUT/elastic_hybrid_direct.json" 2>&1 \
+        | tee "$OUT/elastic_hybrid_direct.log" | grep -E "^elastic|^fixed|^engine|^watch|^Timeout" ;;
     elastic-30b)
       timeout 590 python3 -m freetoken_agent.bench elastic --routing zipf:1.0,loc:0.7 \
         --decode-tokens 128 --out "$OUT/elastic_30b.json" 2>&1 \
@@ -69,8 +75,9 @@ for stage in "$@"; do
         --context 32768 --fixed-kv-tokens 100000 --tokens 96 --top 20 --squeeze-gb 8 2>&1 \
         | tee "$OUT/decode_profile.log" | grep -v "^compile" | cut -c1-200 ;;
     zero-copy)  # can kernels read experts from pinned host memory, and how fast (~30 s)
-      timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
-        -k host_bank 2>&1 | tail -3
+      timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+        tests/engine/experts/test_offload_gpu.py -k "host_bank or offloaded_on_cuda" 2>&1 \
+        | tee "$OUT/gpu_direct_tests.log" | tail -4
       timeout 120 python3 -m freetoken_agent.bench.zero_copy_probe 2>&1 \
         | tee "$OUT/zero_copy.log" | tail -16 ;;
     kernels)
