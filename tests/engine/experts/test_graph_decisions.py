@@ -23,16 +23,21 @@ from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
 from freetoken_agent.kernels.reference import fused_moe
 
 
+def graph_bank(tmp_path, seed: int, policy: str, slots: int):
+    """A tiny offloaded bank with its graph buffers, recording as under capture: (bank, spec,
+    GraphIO)."""
+    make_tiny("qwen3_moe", tmp_path, seed)
+    engine = Engine.load(tmp_path, device="cpu", policy=policy, expert_slots=slots, progress=False)
+    io = engine.loaded.bank.attach_graph_io(max_tokens=4, dtype=torch.float32)
+    io.active = True
+    return engine.loaded.bank, engine.spec, io
+
+
 @pytest.mark.parametrize("policy", ["transfer", "cpu", "static", "adaptive"])
 @pytest.mark.parametrize("slots", [1, 9])
 def test_export_resolve_rerun_matches_resident(policy, slots, tmp_path, rng_seed):
-    make_tiny("qwen3_moe", tmp_path, rng_seed)
-    engine = Engine.load(tmp_path, device="cpu", policy=policy, expert_slots=slots, progress=False)
-    bank = engine.loaded.bank
-    spec = engine.spec
+    bank, spec, io = graph_bank(tmp_path, rng_seed, policy, slots)
     e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
-    io = bank.attach_graph_io(max_tokens=4, dtype=torch.float32)
-    io.active = True
     gen = torch.Generator().manual_seed(rng_seed)
     rng = random.Random(rng_seed)
     missed_any = hit_any = False
@@ -119,14 +124,8 @@ def test_direct_graph_step_reads_misses_then_learns(tmp_path, rng_seed, slots):
     """Policy direct under a decode graph: each layer's captured half records the routing and
     computes every pair (misses read from the pool) with no host decision; `after_step`, run
     once the step is over, counts each layer's experts and fills misses into slots."""
-    make_tiny("qwen3_moe", tmp_path, rng_seed)
-    engine = Engine.load(tmp_path, device="cpu", policy="direct", expert_slots=slots,
-                         progress=False)  # fmt: skip
-    bank = engine.loaded.bank
-    spec = engine.spec
+    bank, spec, io = graph_bank(tmp_path, rng_seed, "direct", slots)
     e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
-    io = bank.attach_graph_io(max_tokens=4, dtype=torch.float32)
-    io.active = True
     gen = torch.Generator().manual_seed(rng_seed)
     rng = random.Random(rng_seed)
     for _ in range(25):
