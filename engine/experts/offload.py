@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from freetoken_agent.engine.arena import ElasticArena
-from freetoken_agent.engine.config import ModelSpec
+from freetoken_agent.engine.config import ConfigError, ModelSpec
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids
@@ -157,8 +157,11 @@ class OffloadedExpertBank:
 
     def ready(self) -> None:
         """After the pool is loaded: pin it (CUDA) and make the static placement."""
-        if self.device.type == "cuda":
-            self.pool.pin()
+        if self.device.type == "cuda" and not self.pool.pin() and self.policy == "direct":
+            raise ConfigError(
+                "policy 'direct' reads experts from pinned host memory, but the expert pool "
+                "could not be pinned on this machine; load with policy='adaptive'"
+            )
         if self.policy == "static":
             self.place_static()
         self.stats = OffloadStats()
