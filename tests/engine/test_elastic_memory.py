@@ -27,7 +27,8 @@ def model(tmp_path, rng_seed):
     return tmp_path, resident, random.Random(rng_seed)
 
 
-def _elastic(path, resident: Engine, slots: int, kv_tokens: int = 256) -> Engine:
+def _elastic(path, resident: Engine, slots: int, kv_tokens: int = 256,
+             policy: str = "transfer") -> Engine:  # fmt: skip
     """An engine whose budget holds the dense weights, the workspace, `kv_tokens` of KV and
     `slots` expert slots; the split moves in groups of 4 slots."""
     spec, config = resident.spec, resident.config
@@ -40,7 +41,7 @@ def _elastic(path, resident: Engine, slots: int, kv_tokens: int = 256) -> Engine
         + (slots + 1) * spec.expert_bytes
     )
     engine = Engine.load(
-        path, device="cpu", progress=False, policy="transfer", gpu_budget=budget,
+        path, device="cpu", progress=False, policy=policy, gpu_budget=budget,
         kv_tokens=kv_tokens, elastic_group_bytes=4 * spec.expert_bytes, max_model_len=2048,
     )  # fmt: skip
     assert engine.memory is not None
@@ -103,18 +104,25 @@ def test_growing_context_moves_slots_to_pages_and_back(model):
     engine.check_integrity()
 
 
-def test_budget_cut_mid_generation_keeps_outputs(model):
+@pytest.mark.parametrize("policy", ["transfer", "direct"])
+def test_budget_cut_mid_generation_keeps_outputs(model, policy):
     path, resident, rng = model
-    engine = _elastic(path, resident, slots=40)
+    spec = resident.spec
+    # direct with every expert fitting loads resident: 28 slots of budget, 16 of them the
+    # streamer's own staging (too few to lend), leave 12 of the 16 rows
+    slots, cut_slots = (40, 12) if policy == "transfer" else (28, 6)
+    engine = _elastic(path, resident, slots=slots, policy=policy)
     prompt = [rng.randrange(3, 320) for _ in range(120)]
     want = resident.generate(prompt, SP).token_ids
-    cut = engine.memory.budget - 12 * resident.spec.expert_bytes
+    cut = engine.memory.budget - cut_slots * spec.expert_bytes
 
     def on_step(n: int) -> None:
         if n == 3:
             engine.set_gpu_budget(cut)
 
     assert _run(engine, prompt, on_step) == want
+    if policy == "direct":  # decode read misses from the pool, on the arena's slots
+        assert engine.stats()["experts"]["direct"] > 0
     st = engine.memory.stats()
     assert st["budget"] == cut
     used = st["fixed_bytes"] + engine.kv.allocator.n_pages * engine.memory.arena.kv_unit.nbytes
@@ -151,9 +159,11 @@ def test_pressure_preempts_the_newest_never_fails(model):
 
 
 @pytest.mark.gpu
-def test_elastic_on_cuda_matches_resident_through_a_budget_cut(tmp_path, rng_seed):
-    """The arena on CUDA: strided KV pages and slots under segmented decode graphs, a budget
-    cut mid-generation, the resident engine's tokens."""
+@pytest.mark.parametrize("policy", ["transfer", "direct"])
+def test_elastic_on_cuda_matches_resident_through_a_budget_cut(tmp_path, rng_seed, policy):
+    """The arena on CUDA: strided KV pages and slots under decode graphs (segmented; direct:
+    one a step, misses read from the pinned pool), a budget cut mid-generation, the resident
+    engine's tokens."""
     make_tiny("qwen3_moe", tmp_path, rng_seed, max_position_embeddings=2048)
     rng = random.Random(rng_seed)
     opts = dict(device="cuda", progress=False, max_model_len=1024, max_num_seqs=4)
@@ -164,9 +174,13 @@ def test_elastic_on_cuda_matches_resident_through_a_budget_cut(tmp_path, rng_see
     spec = resident.spec
     dense = dense_nbytes(resident.loaded.model)
     kv_unit = 2 * spec.n_layers * 16 * spec.n_kv_heads * spec.head_dim * 4
-    budget = dense + workspace_bytes(spec, resident.config) + 40 * kv_unit + 41 * spec.expert_bytes
+    # direct with every expert fitting loads resident: 29 slots of budget, 16 of them the
+    # streamer's own staging, leave 13 of the 16 rows
+    slots, cut_slots = (41, 12) if policy == "transfer" else (29, 6)
+    budget = dense + workspace_bytes(spec, resident.config) + 40 * kv_unit
+    budget += slots * spec.expert_bytes
     engine = Engine.load(
-        tmp_path, policy="transfer", gpu_budget=budget, kv_tokens=512,
+        tmp_path, policy=policy, gpu_budget=budget, kv_tokens=512,
         elastic_group_bytes=4 * spec.expert_bytes, stream_min_tokens=128, **opts,
     )  # fmt: skip
     assert engine.memory is not None and engine.runner.graphs is not None
@@ -176,7 +190,7 @@ def test_elastic_on_cuda_matches_resident_through_a_budget_cut(tmp_path, rng_see
         engine.step()
         steps += 1
         if steps == 5:
-            engine.set_gpu_budget(budget - 12 * spec.expert_bytes)
+            engine.set_gpu_budget(budget - cut_slots * spec.expert_bytes)
         engine.check_integrity()
     assert [engine._collect(r).token_ids for r in rids] == want
     assert len(engine.memory.trace) > 1
