@@ -243,9 +243,14 @@ class ExpertCache:
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def _write_table_now(self, lids: list[int]) -> None:
-        """Table entries outside a fill (lend, reset): written on the compute stream."""
-        for lid in lids:
-            self.slot_of[lid] = self._slot_of[lid]
+        """Table entries outside a fill (lend): written on the compute stream, in one indexed
+        write (a lend evicts up to two layers' experts: hundreds of single-element writes,
+        each a copy and a launch, had been milliseconds of every streamed chunk)."""
+        if not lids:
+            return
+        idx = torch.tensor(lids, dtype=torch.long).to(self.device)
+        vals = torch.tensor([self._slot_of[lid] for lid in lids], dtype=torch.int32)
+        self.slot_of.index_put_((idx,), vals.to(self.device))
 
     def lend(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the last `n` slots out of service (evicting what they hold) and return them as
@@ -257,13 +262,14 @@ class ExpertCache:
         if n > self.n_slots:
             raise ValueError(f"cannot lend {n} of {self.n_slots} slots")
         first = self.max_slots - n  # the top of the arena: resize moves only the bottom edge
-        for slot in range(first, self.max_slots):
-            lid = self._lid_of[slot]
-            if lid >= 0:
-                if lid in self._pinned_set:
-                    raise RuntimeError(f"slot {slot} holds pinned expert {lid}")
-                self._evict(lid)
-                self._write_table_now([lid])
+        held = [(slot, self._lid_of[slot]) for slot in range(first, self.max_slots)]
+        evicted = [lid for _, lid in held if lid >= 0]
+        pinned = [(slot, lid) for slot, lid in held if lid in self._pinned_set]
+        if pinned:
+            raise RuntimeError(f"slot {pinned[0][0]} holds pinned expert {pinned[0][1]}")
+        for lid in evicted:
+            self._evict(lid)
+        self._write_table_now(evicted)
         lent = set(range(first, self.max_slots))
         self._free = [slot for slot in self._free if slot not in lent]
         self._lent = n
