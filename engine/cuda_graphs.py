@@ -15,6 +15,8 @@ Graphs hold raw pointers to the KV pool: whoever replaces the pool must capture 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from freetoken_agent.engine.kv.pool import SCRATCH_PAGE
@@ -22,6 +24,9 @@ from freetoken_agent.engine.layers.attention import AttentionMetadata
 from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.runner import StepInputs
+
+if TYPE_CHECKING:
+    from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 
 # B real sequences, Bp padded batch size of a graph, H hidden, Pm pages per sequence at most
 
@@ -123,3 +128,32 @@ class DecodeGraphs:
             self.kv_lens[b:bs].fill_(1)
             self.state_slots[b:bs].zero_()
         return b, bs
+
+
+class OffloadedDecodeGraphs(DecodeGraphs):
+    """Decode graphs over an offloaded expert bank (segmented_graphs.py, direct_graphs.py):
+    the bank's GraphIO buffers, through which the graphs hand each layer's routing to the
+    host, and the benchmarks' hook that draws a step's routing before it replays."""
+
+    def __init__(
+        self,
+        model: MoeCausalLM,
+        bank: OffloadedExpertBank,
+        page_size: int,
+        max_batch: int,
+        max_pages: int,
+        device: torch.device,
+    ) -> None:
+        self.bank = bank
+        self.io = bank.attach_graph_io(max_batch, model.embed_tokens.weight.dtype)
+        super().__init__(model, page_size, max_batch, max_pages, device)
+
+    @property
+    def model_bank(self):
+        """The bank the model's MoE blocks call (the offloaded bank, or a wrapper of it)."""
+        return self.model.expert_bank
+
+    def _before_replay(self, b: int, bs: int) -> None:
+        before = getattr(self.model_bank, "before_graph_step", None)
+        if before is not None:  # benchmark routing replays draw this step's routing
+            before(b, bs)

@@ -11,28 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from freetoken_agent.engine.cuda_graphs import DecodeGraphs
-from freetoken_agent.engine.experts.offload import OffloadedExpertBank
-from freetoken_agent.engine.models.base import MoeCausalLM
+from freetoken_agent.engine.cuda_graphs import OffloadedDecodeGraphs
 from freetoken_agent.engine.runner import StepInputs
 
 # B real sequences, Bp padded batch size, H hidden
 
 
-class DirectDecodeGraphs(DecodeGraphs):
-    def __init__(
-        self,
-        model: MoeCausalLM,
-        bank: OffloadedExpertBank,
-        page_size: int,
-        max_batch: int,
-        max_pages: int,
-        device: torch.device,
-    ) -> None:
-        self.bank = bank
-        self.io = bank.attach_graph_io(max_batch, model.embed_tokens.weight.dtype)
-        super().__init__(model, page_size, max_batch, max_pages, device)
-
+class DirectDecodeGraphs(OffloadedDecodeGraphs):
     def _capture(self) -> None:
         self.io.active = True  # the bank records the routing and reads misses from the pool
         try:
@@ -43,8 +28,6 @@ class DirectDecodeGraphs(DecodeGraphs):
     def replay(self, inputs: StepInputs) -> torch.Tensor:
         """Run one decode step; returns hidden states [B, H] (valid until the next replay)."""
         b, bs = self._load(inputs)
-        before = getattr(self.model.expert_bank, "before_graph_step", None)
-        if before is not None:  # benchmark routing replays draw this step's routing
-            before(b, bs)
+        self._before_replay(b, bs)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

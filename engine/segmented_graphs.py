@@ -33,7 +33,7 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from freetoken_agent.engine.cuda_graphs import DecodeGraphs
+from freetoken_agent.engine.cuda_graphs import OffloadedDecodeGraphs
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.runner import StepInputs
@@ -74,7 +74,7 @@ def _abort_capture(graph: torch.cuda.CUDAGraph) -> None:
             graph.capture_end()
 
 
-class SegmentedDecodeGraphs(DecodeGraphs):
+class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
     def __init__(
         self,
         model: MoeCausalLM,
@@ -85,13 +85,11 @@ class SegmentedDecodeGraphs(DecodeGraphs):
         device: torch.device,
         run_ahead: int = RUN_AHEAD,
     ) -> None:
-        self.bank = bank
-        self.io = bank.attach_graph_io(max_batch, model.embed_tokens.weight.dtype)
         self.run_ahead = run_ahead
         self.segments: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.reruns = 0  # segments launched again after a miss (a measure of wasted work)
         self.miss_rate = [0.0] * bank.spec.n_moe_layers  # per MoE layer, running average
-        super().__init__(model, page_size, max_batch, max_pages, device)
+        super().__init__(model, bank, page_size, max_batch, max_pages, device)
         n = len(next(iter(self.segments.values())))
         assert n == bank.spec.n_moe_layers + 1, "every MoE layer must end one segment"
         self.done = [torch.cuda.Event() for _ in range(n)]
@@ -144,9 +142,7 @@ class SegmentedDecodeGraphs(DecodeGraphs):
         """Run one decode step, placing each MoE layer's misses between its segments; returns
         hidden states [B, H] (valid until the next replay)."""
         b, bs = self._load(inputs)
-        before = getattr(self.model_bank, "before_graph_step", None)
-        if before is not None:  # benchmark routing replays draw this step's routing
-            before(b, bs)
+        self._before_replay(b, bs)
         segments, done = self.segments[bs], self.done
         n_layers = len(segments) - 1
         launched = 0  # segments queued (in order) for this step's current attempt
@@ -171,8 +167,3 @@ class SegmentedDecodeGraphs(DecodeGraphs):
             segments[launched].replay()
             launched += 1
         return self.outputs[bs][:b]
-
-    @property
-    def model_bank(self):
-        """The bank the model's MoE blocks call (the offloaded bank, or a wrapper of it)."""
-        return self.model.expert_bank
