@@ -40,10 +40,9 @@ def _sync() -> None:
 
 def _use_policy(engine, bank, policy: str) -> None:
     """Switch the offload policy between measurements. `direct` decodes with graphs of its own
-    (one per step) and learns after each step: switching to or from it recaptures them."""
+    (one per step): switching to or from it recaptures them."""
     was_direct = bank.policy == "direct"
     bank.policy = policy
-    engine.runner.after_step = bank.after_step if policy == "direct" else None
     if (policy == "direct") != was_direct and engine.runner.graphs is not None:
         engine.capture_graphs()
 

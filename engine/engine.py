@@ -60,9 +60,8 @@ class Engine:
             loaded.recurrence,
         )
         self.runner = ModelRunner(loaded.model, loaded.kv, loaded.device, self.config.seed)
-        bank = loaded.bank
-        if isinstance(bank, OffloadedExpertBank) and bank.policy == "direct":
-            self.runner.after_step = bank.after_step  # its cache learns between steps
+        if isinstance(loaded.bank, OffloadedExpertBank):  # policy direct learns between steps
+            self.runner.after_step = loaded.bank.after_step
         self.memory = elastic_memory(loaded, self.scheduler)
         self.graph_error: str | None = None  # why decode runs without graphs, if it does
         if loaded.device.type == "cuda" and self.config.cuda_graphs:

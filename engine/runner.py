@@ -120,8 +120,8 @@ class ModelRunner:
         self._default_generator.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
         self.graphs = None  # set by enable_cuda_graphs
-        # Called after each step with the tokens a graph replayed (None: an eager step): the
-        # direct offload policy's cache learns from the step's routing there.
+        # Called after each step with the tokens a graph replayed (None: an eager step): an
+        # offloaded bank under policy direct learns from the step's routing there.
         self.after_step: Callable[[int | None], None] | None = None
 
     def enable_cuda_graphs(self, max_batch: int, max_pages: int, offloaded=None) -> None:
@@ -195,7 +195,5 @@ class ModelRunner:
                 lo, hi = int(inputs.cu_q_lens[i]), int(inputs.cu_q_lens[i + 1])
                 out.logits[c.request.id] = self.model.compute_logits(hidden[lo:hi])
         if self.after_step is not None:
-            if graphed:  # the routing the graph wrote to pinned memory is complete by now
-                torch.cuda.current_stream(self.device).synchronize()
             self.after_step(len(chunks) if graphed else None)
         return out

@@ -42,12 +42,12 @@ class RoutedLog:
     step ends (one sync for all layers then, instead of one per layer)."""
 
     def __init__(self) -> None:
-        self._layers: list[tuple[int, torch.Tensor]] = []
+        self._layers: list[torch.Tensor] = []
 
-    def add(self, layer: int, lids: torch.Tensor) -> None:
-        self._layers.append((layer, lids))
+    def add(self, lids: torch.Tensor) -> None:
+        self._layers.append(lids)
 
-    def take(self) -> list[tuple[int, np.ndarray]]:
-        """(layer, lids [T, K] int64) per call since the last take, on the host."""
+    def take(self) -> list[np.ndarray]:
+        """The lids [T, K] int64 of each call since the last take, on the host."""
         layers, self._layers = self._layers, []
-        return [(layer, lids.cpu().numpy()) for layer, lids in layers]
+        return [lids.cpu().numpy() for lids in layers]

@@ -194,7 +194,7 @@ class OffloadedExpertBank:
         self.streamer.release()  # a streamed chunk that failed midway still held slots
         lids = topk_ids.long() + layer * self.n_experts  # [T, K]
         if self.policy == "direct" and lids.numel() <= DIRECT_MAX_PAIRS:
-            self.routed.add(layer, lids)  # misses read from the pool; the cache learns later
+            self.routed.add(lids)  # misses read from the pool; the cache learns after the step
             return self._direct(hidden, lids, topk_weights)
         uniq, counts = torch.unique(lids, return_counts=True)
         uniq_l, counts_l = uniq.tolist(), counts.tolist()  # the host decides (one sync)
@@ -331,7 +331,7 @@ class OffloadedExpertBank:
         the rest on the CPU into the layer's CPU buffer). True when the layer missed, so the
         segments after it must run (again) to see the new slots and the CPU part."""
         io = self.graph_io
-        ids = io.ids_np[layer, :n_tokens].astype(np.int64) + layer * self.n_experts  # [T, K]
+        ids = self._graph_lids(layer, n_tokens)
         uniq_l, counts = distinct_lids(ids)
         misses = self._misses(uniq_l, counts, ids.size)
         if not misses:
@@ -350,31 +350,34 @@ class OffloadedExpertBank:
         self.cache.publish(fetched)
         return True
 
+    def _graph_lids(self, layer: int, n_tokens: int) -> np.ndarray:
+        """[T, K] int64 lids of the routing a decode graph exported for `layer`."""
+        return self.graph_io.ids_np[layer, :n_tokens].astype(np.int64) + layer * self.n_experts
+
     # --- policy direct (direct.py) ---------------------------------------------------------
     def _direct(self, hidden: torch.Tensor, lids: torch.Tensor, weights: torch.Tensor):
-        """The layer's experts from their slots, the missing ones read from the pool."""
-        pool = self.pool
-        if self.device.type == "cuda" and not pool.pinned:
-            raise RuntimeError(
-                "policy 'direct' reads experts from pinned host memory, but the expert pool "
-                "could not be pinned on this machine; load with policy='adaptive'"
-            )
+        """The layer's experts from their slots, the missing ones read from the pool (pinned:
+        `ready` refuses to load direct without it)."""
         ids = direct_ids(self.cache.slot_of, lids)
         return fused_moe(hidden, self.cache.w13, self.cache.w2, ids, weights,
-                         host_w13=pool.w13, host_w2=pool.w2)  # fmt: skip
+                         host_w13=self.pool.w13, host_w2=self.pool.w2)  # fmt: skip
 
     def after_step(self, graph_tokens: int | None) -> None:
-        """Policy direct, between steps: count the step's hits and fill the misses worth
-        keeping (all while fills win their races, free slots only once victims win). Routing
-        from the replayed graph's buffers (`graph_tokens` tokens) or the eager step's log."""
+        """Policy direct, between steps (the runner calls it after every step; other policies
+        decided within it): count the step's hits and fill the misses worth keeping (all while
+        fills win their races, free slots only once victims win). Routing from the replayed
+        graph's buffers (`graph_tokens` tokens) or the eager step's log."""
+        if self.policy != "direct":
+            return
         if graph_tokens is not None:
-            ids = self.graph_io.ids_np[:, :graph_tokens].astype(np.int64)  # [L, T, K]
-            offsets = np.arange(ids.shape[0], dtype=np.int64)[:, None, None] * self.n_experts
-            layers = list(enumerate(ids + offsets))
+            if self.device.type == "cuda":  # the routing the graph copies to pinned memory
+                torch.cuda.current_stream(self.device).synchronize()
+            layers = range(self.spec.n_moe_layers)
+            routed = [self._graph_lids(layer, graph_tokens) for layer in layers]
         else:
-            layers = self.routed.take()
+            routed = self.routed.take()
         cache, want, used = self.cache, [], set()
-        for _, lids in layers:
+        for lids in routed:
             uniq, counts = distinct_lids(lids)
             misses = self._misses(uniq, counts, lids.size)
             self.stats.direct += len(misses)
