@@ -301,8 +301,8 @@ class Scheduler:
             if not victims and req.num_computed <= req.preempted_at:
                 req.fruitless_preemptions += 1  # alone, and nothing computed since the last
             self._preempt(victim)
-            if victim is req:
-                if not victims and req.fruitless_preemptions >= MAX_FRUITLESS_PREEMPTIONS:
+            if victim is req:  # alone: no other victim
+                if req.fruitless_preemptions >= MAX_FRUITLESS_PREEMPTIONS:
                     self.waiting.remove(req)  # not readmitted: the engine fails it
                     self.unservable.append((req, (
                         f"the request cannot progress: alone in the engine, it was preempted "

@@ -226,12 +226,10 @@ class ExpertCache:
         if not lids and not evicted:
             return
         keys = evicted + lids  # an evicted lid filled again gets its new slot: keys in order
-        vals = [self._slot_of[lid] for lid in keys]
         if self.copy_stream is None:
-            self.slot_of[torch.tensor(keys, dtype=torch.long)] = torch.tensor(
-                vals, dtype=torch.int32
-            )
+            self._write_table_now(keys)
             return
+        vals = [self._slot_of[lid] for lid in keys]
         idx = torch.tensor(keys, dtype=torch.long, pin_memory=True)
         val = torch.tensor(vals, dtype=torch.int32, pin_memory=True)
         with torch.cuda.stream(self.copy_stream):
@@ -243,9 +241,10 @@ class ExpertCache:
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def _write_table_now(self, lids: list[int]) -> None:
-        """Table entries outside a fill (lend): written on the compute stream, in one indexed
-        write (a lend evicts up to two layers' experts: hundreds of single-element writes,
-        each a copy and a launch, had been milliseconds of every streamed chunk)."""
+        """Table entries written on the compute stream (lend; every publish without a copy
+        stream), in one indexed write (a lend evicts up to two layers' experts: hundreds of
+        single-element writes, each a copy and a launch, had been milliseconds of every streamed
+        chunk). Duplicate keys all carry the host mirror's (final) value."""
         if not lids:
             return
         idx = torch.tensor(lids, dtype=torch.long).to(self.device)
