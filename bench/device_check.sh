@@ -60,7 +60,7 @@ for stage in "$@"; do
     elastic-hybrid)  # every engine in one run: the host pool is drawn and pinned once
       timeout 590 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
         --routing zipf:1.0,loc:0.7 --decode-tokens 128 --out "$OUT/elastic_hybrid.json" 2>&1 \
-        | tee "$OUT/elastic_hybrid.log" | grep -E "^elastic|^fixed|^engine|^watch|^compile|^Timeout|^  File" ;;
+        | tee "$OUT/elastic_hybrid.log" | grep -E "^elastic|^fixed|^engine|^watch|^compile|^prof|^Timeout|^  File" ;;
     elastic-hybrid-direct)  # policy direct (misses read by the kernels), elastic vs fixed-last
       timeout 590 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
         --engines elastic fixed-last --policy direct --routing zipf:1.0,loc:0.7 \

@@ -49,6 +49,7 @@ matplotlib a notice: `python -m freetoken_agent.bench.memory_plot OUT.json OUT.p
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
@@ -64,7 +65,7 @@ from freetoken_agent.bench.compile_log import CompileLog
 from freetoken_agent.bench.elastic_pressure import Pressure, memory_row
 from freetoken_agent.bench.elastic_report import ENGINES, merge, plot, summarize
 from freetoken_agent.bench.elastic_rows import HEAD, Limits, print_row
-from freetoken_agent.bench.elastic_turn import run_turn, warm_up
+from freetoken_agent.bench.elastic_turn import host_profile, run_turn, warm_up
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
@@ -225,10 +226,39 @@ def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Eng
             entry["turns"].append(row)
             print_row(name, row)
             save()
+        if engine is not None and args.profile_top > 0:
+            entry["decode_profile"] = profile_last(engine, ids, args, name)
+            save()
     finally:
         if pressure is not None:
             pressure.close()
     return engine
+
+
+def profile_last(engine: Engine, ids: list[int], args, name: str) -> dict:
+    """One turn past the session (not in its figures): the last turn's prompt with its last
+    chunk of tokens drawn afresh (its prefix cached: one long-context chunk to prefill), under
+    cProfile. Where two engines' steps differ on the host, this says which functions differ."""
+    rng = random.Random(args.seed + 7)
+    keep = max(0, len(ids) - args.chunk)
+    ids = ids[:keep] + [rng.randrange(3, args.vocab) for _ in range(len(ids) - keep)]
+    pre, dec = cProfile.Profile(), cProfile.Profile()
+    row = run_turn(engine, ids, args.decode_tokens, profile=dec, prefill_profile=pre)
+    if "failed" in row:
+        return {"failed": row["failed"]}
+    out = {"context": len(ids), "prefilled_tokens": row["prefilled_tokens"], "ttft_s": row["ttft_s"]}
+    out.update({k: row.get(k) for k in ("step_ms", "step_p50_ms", "step_max_ms", "gc_ms",
+                                        "safe_point_ms")})  # fmt: skip
+    out["decode_top"] = host_profile(dec, max(1, row["decoded"] - 1), args.profile_top)
+    out["prefill_top"] = host_profile(pre, 1, args.profile_top)
+    print(f"prof {name:<11} ttft {row['ttft_s']:.3f} s ({row['prefilled_tokens']} tokens), "
+          f"decode step {row['step_ms']:.2f} ms (p50 {row['step_p50_ms']:.2f})")
+    for what in ("decode", "prefill"):
+        unit = "us/step" if what == "decode" else "us"
+        for r in out[f"{what}_top"][:10]:
+            print(f"prof {name:<11} {what:<8}{r['own_us_per_step']:9.0f} {unit:<8}"
+                  f"{r['calls_per_step']:8.1f}x  {r['function']}")  # fmt: skip
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -280,6 +310,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=120.0,
         help="after this many seconds in one turn, dump every thread's stack "
         "(repeated; 0: never): evidence from a turn that does not end",
+    )
+    parser.add_argument(
+        "--profile-top",
+        type=int,
+        default=25,
+        help="after the session, one more turn on its whole history, decode under cProfile: "
+        "the top functions by own time per step go to the JSON (0: no such turn)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "elastic_memory.json", help="JSON")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",

@@ -3,8 +3,14 @@ in the engine, its decode counters taken from its first token on."""
 
 from __future__ import annotations
 
+import contextlib
+import cProfile
+import gc
+import pstats
 import random
+import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -22,12 +28,90 @@ def _counters(engine: Engine) -> tuple[float, ...]:
     return (*bank, memory, time.perf_counter())
 
 
+class GcClock:
+    """Seconds the garbage collector ran while it is installed (gc.callbacks): a decode step
+    that is slow because a collection walked the heap is told apart from one whose own work
+    grew."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self._t0 = 0.0, 0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections += 1
+            self._t0 = None
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
+@contextlib.contextmanager
+def _enabled(profile: cProfile.Profile | None):
+    if profile is not None:
+        profile.enable()
+    try:
+        yield
+    finally:
+        if profile is not None:
+            profile.disable()
+
+
+def step_spread(steps_s: list[float]) -> dict:
+    """Median, 90th percentile and slowest decode step (ms): a uniform slowdown against a few
+    stalls."""
+    if not steps_s:
+        return {"step_p50_ms": None, "step_p90_ms": None, "step_max_ms": None}
+    ms = sorted(1e3 * s for s in steps_s)
+    return {
+        "step_p50_ms": statistics.median(ms),
+        "step_p90_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+        "step_max_ms": ms[-1],
+    }
+
+
+def host_profile(prof: cProfile.Profile, steps: int, top: int = 25) -> list[dict]:
+    """The `top` functions by own time under `prof`, per step (us; a prefill: steps=1)."""
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, ncalls, own, cum, ...)}
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [
+        {
+            "function": f"{Path(file).name}:{line}({name})",
+            "calls_per_step": ncalls / steps,
+            "own_us_per_step": 1e6 * own / steps,
+            "cum_us_per_step": 1e6 * cum / steps,
+        }
+        for (file, line, name), (_, ncalls, own, cum, _) in rows
+    ]
+
+
+ALLOCATOR_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def _allocator() -> dict:
+    """torch's caching-allocator counters (CUDA): a retry frees cached blocks and syncs, and a
+    device alloc or free is a driver call; on a nearly full device either could slow a turn."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ALLOCATOR_KEYS}
+
+
 def run_turn(
     engine: Engine, ids: list[int], n_decode: int, tick=None, watch: TurnWatch | None = None,
-    turn: int = 0,
+    turn: int = 0, profile: cProfile.Profile | None = None,
+    prefill_profile: cProfile.Profile | None = None,
 ) -> dict:  # fmt: skip
     """One request alone in the engine; decode counters from its first token on. `tick()`
-    runs before each step (the simulated other program's turn); `watch` reports a long turn."""
+    runs before each step (the simulated other program's turn); `watch` reports a long turn;
+    `profile` (cProfile) runs around the decode steps, `prefill_profile` around the steps to
+    the first token."""
     tick = tick or (lambda: None)
     sp = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
     try:
@@ -37,23 +121,29 @@ def run_turn(
     except InvalidRequestError as e:
         return {"failed": f"refused: {e}"}
     req = engine._requests[rid]
+    allocator = _allocator()
     if watch is not None:
         watch.start(turn, rid)
         beat = watch.beat
     else:
         beat = lambda: None  # noqa: E731
     try:
-        while engine.has_unfinished() and not req.output_ids:
-            tick()
-            beat()
-            engine.step()
+        with _enabled(prefill_profile):
+            while engine.has_unfinished() and not req.output_ids:
+                tick()
+                beat()
+                engine.step()
         before = _counters(engine)
-        while engine.has_unfinished():
-            tick()
-            beat()
-            engine.step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        steps_s: list[float] = []  # host time of each decode step (graphs replay async)
+        with GcClock() as gc_clock, _enabled(profile):
+            while engine.has_unfinished():
+                tick()
+                beat()
+                t0 = time.perf_counter()
+                engine.step()
+                steps_s.append(time.perf_counter() - t0)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - a turn that breaks is a result, not a crash
         engine.abort(rid)
         engine._pop(rid)
@@ -80,6 +170,10 @@ def run_turn(
         "on_cpu_per_token": on_cpu / max(1, len(out.token_ids) - 1),
         "safe_point_ms": 1e3 * safe_point_s / max(1, len(out.token_ids) - 1),
         "step_ms": 1e3 * wall_s / max(1, len(out.token_ids) - 1),
+        **step_spread(steps_s),
+        "gc_ms": 1e3 * gc_clock.seconds,
+        "gc_collections": gc_clock.collections,
+        **{k: v - allocator[k] for k, v in _allocator().items()},
         "answer": out.token_ids,
     }
     if out.finish_reason == "error":
