@@ -246,13 +246,14 @@ def profile_last(engine: Engine, ids: list[int], args, name: str) -> dict:
     row = run_turn(engine, ids, args.decode_tokens, profile=dec, prefill_profile=pre)
     if "failed" in row:
         return {"failed": row["failed"]}
-    out = {"context": len(ids), "prefilled_tokens": row["prefilled_tokens"], "ttft_s": row["ttft_s"]}
-    out.update({k: row.get(k) for k in ("step_ms", "step_p50_ms", "step_max_ms", "gc_ms",
-                                        "safe_point_ms")})  # fmt: skip
+    keys = ("prefilled_tokens", "ttft_s", "step_ms", "step_p50_ms", "step_max_ms", "gc_ms")
+    out = {"context": len(ids), **{k: row.get(k) for k in (*keys, "safe_point_ms")}}
     out["decode_top"] = host_profile(dec, max(1, row["decoded"] - 1), args.profile_top)
     out["prefill_top"] = host_profile(pre, 1, args.profile_top)
-    print(f"prof {name:<11} ttft {row['ttft_s']:.3f} s ({row['prefilled_tokens']} tokens), "
-          f"decode step {row['step_ms']:.2f} ms (p50 {row['step_p50_ms']:.2f})")
+    print(
+        f"prof {name:<11} ttft {row['ttft_s']:.3f} s ({row['prefilled_tokens']} tokens), "
+        f"decode step {row['step_ms']:.2f} ms (p50 {row['step_p50_ms']:.2f})"
+    )
     for what in ("decode", "prefill"):
         unit = "us/step" if what == "decode" else "us"
         for r in out[f"{what}_top"][:10]:
