@@ -114,6 +114,10 @@ class MemoryPolicy:
         """Slots in one move group (at least one)."""
         return max(1, -(-self.group_bytes // slot_bytes)) if slot_bytes else 0
 
+    def skip(self) -> None:
+        """A safe point that did not ask (nothing moved): the hysteresis counts it still."""
+        self._safe_points += 1
+
     def decide(self, d: MemoryDemand) -> Split | None:
         self._safe_points += 1
         pb, sb = d.page_bytes, d.slot_bytes

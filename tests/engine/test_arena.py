@@ -187,3 +187,26 @@ def test_kv_pool_on_arena_copy_page(rng_seed):
     k0 = alone.k.clone()
     alone.copy_page(1, 3)
     assert torch.equal(alone.k[:, 3], k0[:, 1]) and torch.equal(alone.k[:, 1], k0[:, 1])
+
+
+def test_kv_pool_on_arena_copies_pages_in_groups(rng_seed):
+    """copy_pages (a vacate's migration, grouped) moves what copy_page would, page by page,
+    touching no other page and no slot, whatever the group size."""
+    rng = random.Random(rng_seed)
+    arena = make_arena(rng_seed)
+    n = 7  # what make_arena holds
+    arena.set_boundary(arena.boundary_for(kv_pages=n))
+    pool = KVPool.on_arena(arena)
+    g = torch.Generator().manual_seed(rng_seed)
+    pool.k[:, :n] = torch.randn(pool.k[:, :n].shape, generator=g)
+    pool.v[:, :n] = torch.randn(pool.v[:, :n].shape, generator=g)
+    k0, v0, raw = pool.k[:, :n].clone(), pool.v[:, :n].clone(), arena.slot_buffer.clone()
+    limit = rng.randrange(n // 2, n)  # sources above, destinations below: as vacate_pages
+    k = rng.randrange(1, min(n - limit, limit - 1) + 1)
+    moves = list(zip(rng.sample(range(limit, n), k), rng.sample(range(1, limit), k), strict=True))
+    pool.copy_pages(moves, group=rng.randrange(1, 4))
+    expect_k, expect_v = k0.clone(), v0.clone()
+    for s, d in moves:
+        expect_k[:, d], expect_v[:, d] = k0[:, s], v0[:, s]
+    assert torch.equal(pool.k[:, :n], expect_k) and torch.equal(pool.v[:, :n], expect_v)
+    assert torch.equal(arena.slot_buffer, raw)

@@ -3,6 +3,7 @@ arena whose split moves at safe points, with outputs unchanged and every pool in
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -440,3 +441,41 @@ def test_cuda_split_grows_into_memory_torch_only_caches(tmp_path, rng_seed):
     assert m.map_failures == 0 and m.cache.n_slots > slots, (m.map_failures, slots)
     assert engine.generate(prompt, SP).token_ids == want
     engine.check_integrity()
+
+
+def test_steady_decode_decides_every_few_steps_and_a_cut_at_once(model):
+    """A decode step that moves nothing the split rests on (no new page, same requests, same
+    budget) skips the decision but every FULL_EVERY steps; a budget cut is decided at the
+    very next safe point; the outputs stay the resident engine's."""
+    from freetoken_agent.engine.memory_manager import FULL_EVERY
+
+    path, resident, rng = model
+    engine = _elastic(path, resident, slots=40, kv_tokens=512)
+    memory, calls = engine.memory, []
+    decide = memory.policy.decide
+
+    def counted(d):
+        calls.append(memory.steps)
+        return decide(d)
+
+    memory.policy.decide = counted
+    n_decode = rng.randrange(40, 60)
+    sp = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randrange(20, 40))]
+    rid = engine.submit(prompt, sp)
+    steps, cut_at = 0, rng.randrange(15, 30)
+    while engine.has_unfinished():
+        if steps == cut_at:  # busy: applied at the next step's safe point
+            engine.set_gpu_budget(memory.budget - 8 * resident.spec.expert_bytes)
+        engine.step()
+        engine.check_integrity()
+        steps += 1
+        if steps == cut_at + 1:
+            assert calls[-1] == memory.steps, "the cut was not decided at once"
+    assert engine._collect(rid).token_ids == resident.generate(prompt, sp).token_ids
+    # Decisions: the cut, the pages the answer filled (one every 16 tokens, and the step
+    # after a change), and one every FULL_EVERY steps in between; far fewer than the steps.
+    pages_filled = -(-(len(prompt) + n_decode) // 16)
+    assert len(calls) <= steps // FULL_EVERY + 2 * pages_filled + 4, (len(calls), steps)
+    gaps = [b - a for a, b in itertools.pairwise(calls)]
+    assert max(gaps) <= FULL_EVERY, gaps  # the cold tail is never left unread for longer
