@@ -100,6 +100,49 @@ def _squeeze(engine, nbytes: int, ids: list[int], a, before: float) -> None:
           f"decode {before:.2f} -> {after:.2f} ms/step")  # fmt: skip
 
 
+def _hog_squeeze(engine, nbytes: int, ids: list[int], a, before: tuple[float, float]) -> None:
+    """As the elastic bench's pressure turns: another process (bench/vram_hog.py, beside a
+    ballast that leaves the engine no spare memory) takes `nbytes` while a turn runs, then
+    frees them; decode is timed again, with the host's wait on the device per step, and the
+    kernels after. Does decode stay slower once the budget is back (the elastic bench's
+    post-pressure turns were 8 of 8 slower than fixed-last in three runs)?"""
+    from freetoken_agent.bench.elastic_pressure import Pressure
+
+    rng, record = random.Random(3), {}
+    args = SimpleNamespace(cpu_smoke=a.cpu_smoke, headroom=int(0.5e9), pressure_turn=1,
+                           pressure_turns=1, pressure_bytes=nbytes, pressure_timeout_s=15.0,
+                           budget=a.budget, smoke_reserve=a.smoke_reserve)  # fmt: skip
+    if a.cpu_smoke:  # the simulated device (bench/simulated_device.py), as the elastic bench's
+        args.headroom = a.smoke_reserve // 2
+    pressure = Pressure(args, engine, record)
+    try:
+        slots, n = engine.loaded.bank.cache.n_slots, min(512, len(ids) // 2)
+        pressure.before_turn(1)  # the take, stepped by the turn's ticks (simulated device)
+        run_turn(engine, rng.choices(ids, k=n), 8, tick=pressure.tick)
+        pressure.after_turn(1)
+        squeezed = engine.loaded.bank.cache.n_slots
+        pressure.before_turn(2)  # the release, polled until the budget is back
+        run_turn(engine, rng.choices(ids, k=n), 8)
+        after = _timed(engine, ids[::3] + ids[1::3], a.tokens)
+    finally:
+        pressure.close()
+    print(
+        f"-- hog {nbytes / 1e9:.3g} GB (got {record.get('got', 0) / 1e9:.3g}): slots {slots} -> "
+        f"{squeezed} -> {engine.loaded.bank.cache.n_slots}; decode {before[0]:.2f} -> "
+        f"{after[0]:.2f} ms/step, waiting on the device {before[1]:.2f} -> {after[1]:.2f}"
+    )
+    if torch.cuda.is_available():
+        _kernels(engine, ids[1::2] + ids[::2], a)
+
+
+def _timed(engine, ids: list[int], n: int) -> tuple[float, float]:
+    """(ms per decode step, of which ms the host waited on the device's routing)."""
+    graphs = engine.runner.graphs
+    w0 = getattr(graphs, "wait_s", 0.0)
+    _, wall = _turn(engine, ids, n)
+    return wall, 1e3 * (getattr(graphs, "wait_s", 0.0) - w0) / max(1, n - 1)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -112,6 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--squeeze-gb", type=float, default=0.0,
                     help="elastic only: cut the budget by this much for a turn, restore it, and "
                     "decode again (does a shrink and regrow leave decode slower?)")  # fmt: skip
+    ap.add_argument("--hog-gb", type=float, default=0.0,
+                    help="another process takes this much for a turn and frees it (--cpu-smoke: "
+                    "a quarter of the simulated arena); "
+                    "decode (and its wait on the device) is timed again, kernels after",
+                    )  # fmt: skip
     ap.add_argument("--cpu-smoke", action="store_true")
     a = ap.parse_args(argv)
     args = SimpleNamespace(
@@ -126,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         args.chunk, args.start_tokens = 128, a.context
         args.budget, arena = smoke_budget(cfg, args)
         args.smoke_group = arena // 16
+        a.budget, a.smoke_reserve = args.budget, arena // 8
     args.cfg = {**cfg, "max_position_embeddings": max(4096, 2 * a.context + 64)}
     args.vocab = args.cfg["vocab_size"]
     turns = [(a.context, None, None), (a.fixed_kv_tokens or a.context, None, None)]
@@ -141,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
         sp = 1e3 * ((memory.safe_point_s if memory is not None else 0.0) - sp0) / (a.tokens - 1)
         if a.squeeze_gb and memory is not None:
             _squeeze(engine, int(a.squeeze_gb * 1e9), ids, a, wall)
+        if a.hog_gb:
+            nbytes = arena // 4 if a.cpu_smoke else int(a.hog_gb * 1e9)
+            _hog_squeeze(engine, nbytes, ids, a, _timed(engine, ids[::-1], a.tokens))
         pre, dec = cProfile.Profile(), cProfile.Profile()
         ttft_p, profiled = _turn(engine, ids[::-1], a.tokens, _cprofile(pre), _cprofile(dec))
         slots = engine.loaded.bank.cache.n_slots

@@ -7,6 +7,7 @@
 #         zero-copy (the host-bank and direct-policy GPU tests, then the zero-copy probe)
 #         elastic-hybrid-direct (the Qwen3.6 session under policy direct)
 #         decode-profile (elastic vs fixed-last prefill and decode at the hybrid shape, ~4 minutes)
+#         hog-profile (decode and kernels before and after another process takes 8 GB, ~5 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -70,6 +71,11 @@ for stage in "$@"; do
       timeout 590 python3 -m freetoken_agent.bench elastic --routing zipf:1.0,loc:0.7 \
         --decode-tokens 128 --out "$OUT/elastic_30b.json" 2>&1 \
         | tee "$OUT/elastic_30b.log" | grep -E "^elastic|^fixed|^engine|^watch|^compile|^Timeout|^  File" ;;
+    hog-profile)  # decode before and after another process takes 8 GB and frees it (~5 min)
+      timeout 500 python3 -m freetoken_agent.bench.decode_profile --layers 40 --budget-gb 32 \
+        --context 32768 --fixed-kv-tokens 100000 --tokens 96 --top 12 --hog-gb 8 2>&1 \
+        | tee "$OUT/hog_profile.log" | grep -E "^==|^-- hog|^-- decode, per|^ +[0-9.]+ +[0-9.]+  " \
+        | cut -c1-160 ;;
     decode-profile)  # elastic vs fixed-last decode step: host functions, kernels, watcher reads
       timeout 420 python3 -m freetoken_agent.bench.decode_profile --layers 40 --budget-gb 32 \
         --context 32768 --fixed-kv-tokens 100000 --tokens 96 --top 20 --squeeze-gb 8 2>&1 \

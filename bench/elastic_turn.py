@@ -21,11 +21,14 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 
 
 def _counters(engine: Engine) -> tuple[float, ...]:
-    """(experts, hits, fetched, on_cpu, safe-point seconds, wall seconds) so far."""
+    """(experts, hits, fetched, on_cpu, safe-point seconds, routing-wait seconds, wall seconds)
+    so far. The routing wait: host time blocked on the device inside segmented decode graphs,
+    so a slower step is told device-bound (it grows) from host-bound (it does not)."""
     st = getattr(engine.loaded.bank, "stats", None)
     bank = (st.experts, st.hits, st.fetched, st.on_cpu) if st is not None else (0, 0, 0, 0)
     memory = engine.memory.safe_point_s if engine.memory is not None else 0.0
-    return (*bank, memory, time.perf_counter())
+    wait = getattr(engine.runner.graphs, "wait_s", 0.0)
+    return (*bank, memory, wait, time.perf_counter())
 
 
 class GcClock:
@@ -152,7 +155,7 @@ def run_turn(
         if watch is not None:
             watch.stop()
     deltas = (a - b for a, b in zip(_counters(engine), before, strict=True))
-    experts, hits, fetched, on_cpu, safe_point_s, wall_s = deltas
+    experts, hits, fetched, on_cpu, safe_point_s, wait_s, wall_s = deltas
     out = engine._collect(rid)
     st = out.stats
     row = {
@@ -170,6 +173,7 @@ def run_turn(
         "on_cpu_per_token": on_cpu / max(1, len(out.token_ids) - 1),
         "safe_point_ms": 1e3 * safe_point_s / max(1, len(out.token_ids) - 1),
         "step_ms": 1e3 * wall_s / max(1, len(out.token_ids) - 1),
+        "device_wait_ms": 1e3 * wait_s / max(1, len(out.token_ids) - 1),
         **step_spread(steps_s),
         "gc_ms": 1e3 * gc_clock.seconds,
         "gc_collections": gc_clock.collections,

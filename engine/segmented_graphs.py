@@ -29,6 +29,7 @@ one step replays one size's segments only.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,6 +89,9 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
         self.run_ahead = run_ahead
         self.segments: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.reruns = 0  # segments launched again after a miss (a measure of wasted work)
+        # Host seconds spent waiting for layers' routing: the step's device-bound share (a
+        # step that got slower on the device waits longer here; one slower on the host not).
+        self.wait_s = 0.0
         self.miss_rate = [0.0] * bank.spec.n_moe_layers  # per MoE layer, running average
         super().__init__(model, bank, page_size, max_batch, max_pages, device)
         n = len(next(iter(self.segments.values())))
@@ -157,7 +161,9 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
                 segments[launched].replay()
                 done[launched].record()
                 launched += 1
+            t0 = time.perf_counter()
             done[layer].synchronize()  # seg_layer exported this layer's routing
+            self.wait_s += time.perf_counter() - t0
             missed = self.bank.resolve(layer, b)
             rate[layer] += MISS_EMA * (missed - rate[layer])
             if missed:

@@ -23,3 +23,20 @@ def test_cpu_smoke_profiles_both_engines(capsys, rng_seed):
     assert out.count("host functions by own time") == 4
     # The squeeze (elastic only): a budget cut and restored, decode timed again after it.
     assert re.findall(r"^-- squeeze .* decode [\d.]+ -> [\d.]+ ms/step$", out, re.M), out
+
+
+def test_cpu_smoke_hog_squeeze_yields_to_the_other_program_and_times_decode_again(capsys, rng_seed):
+    tokens = random.Random(rng_seed).randint(6, 12)
+    argv = ["--cpu-smoke", "--context", "96", "--tokens", str(tokens), "--top", "3"]
+    decode_profile.main([*argv, "--hog-gb", "1"])
+    out = capsys.readouterr().out
+    hogs = re.findall(
+        r"^-- hog ([\d.e-]+) GB \(got ([\d.e-]+)\).* decode [\d.]+ -> [\d.]+ ms/step, waiting on "
+        r"the device [\d.]+ -> [\d.]+$",
+        out,
+        re.M,
+    )
+    assert len(hogs) == 2, out  # both engines
+    (asked, got_elastic), (_, got_fixed) = hogs
+    # The elastic engine gives the other program all it asks; the fixed split cannot.
+    assert float(got_elastic) == float(asked) > float(got_fixed), out
