@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from freetoken_agent.bench.elastic import build, install_routing, shape_config
+from freetoken_agent.bench.elastic_engines import build, install_routing, shape_config
 from freetoken_agent.bench.elastic_turn import run_turn
 
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     cfg, args.stream_min = shape_config(args)
     if a.cpu_smoke:
-        from freetoken_agent.bench.elastic import smoke_budget
+        from freetoken_agent.bench.elastic_engines import smoke_budget
 
         args.chunk, args.start_tokens = 128, a.context
         args.budget, arena = smoke_budget(cfg, args)

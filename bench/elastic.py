@@ -49,43 +49,25 @@ matplotlib a notice: `python -m freetoken_agent.bench.memory_plot OUT.json OUT.p
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
 import json
 import os
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from freetoken_agent.bench.compile_log import CompileLog
-from freetoken_agent.bench.elastic_pressure import Pressure, memory_row
+from freetoken_agent.bench.elastic_engines import shape_config, smoke_budget
 from freetoken_agent.bench.elastic_report import ENGINES, merge, plot, summarize
-from freetoken_agent.bench.elastic_rows import HEAD, Limits, print_row
-from freetoken_agent.bench.elastic_turn import host_profile, run_turn, warm_up
+from freetoken_agent.bench.elastic_rows import HEAD, Limits
+from freetoken_agent.bench.elastic_session import run_engine
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
-from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
-from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
-from freetoken_agent.bench.turn_watch import TurnWatch
-from freetoken_agent.engine.engine import Engine
-from freetoken_agent.engine.experts.placement import workspace_bytes
-from freetoken_agent.engine.kv.pool import KVPool
-from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
-from freetoken_agent.engine.loading import dense_nbytes
+from freetoken_agent.bench.routing_traces import Regime
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# The same family at toy size for --cpu-smoke (fp32): 4 MoE layers x 16 experts = 64 pool rows.
-TINY_QWEN3_MOE = {
-    **QWEN3_30B_A3B,
-    **dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4),
-    **dict(num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32),
-    **dict(num_experts=16, num_experts_per_tok=2, torch_dtype="float32", eos_token_id=2),
-    "max_position_embeddings": 4096,
-}
-SMOKE_SLOTS = 40  # slots the simulated budget holds beside the first turn's KV
 
 # (option, device default, --cpu-smoke default, help)
 KNOBS = (
@@ -112,154 +94,6 @@ def session(args) -> list[tuple[int, list[int], list[int]]]:
         turns.append((context, new, answer))
         history = context + args.decode_tokens
     return turns
-
-
-def shape_config(args) -> tuple[dict, int]:
-    """(model config, stream_min_tokens) of --shape at --layers (device) or toy size."""
-    from freetoken_agent.bench import agent  # the Qwen3.6 shape lives with its first bench
-
-    if args.shape == "qwen3.6-35b-a3b":
-        # 128 tokens of a 256-expert top-8 layer touch ~98% of its experts: stream from there.
-        cfg = agent.TINY_HYBRID if args.cpu_smoke else agent.device_config(args.layers or 40)
-        return dict(cfg), 128
-    cfg = TINY_QWEN3_MOE if args.cpu_smoke else peer_slice(QWEN3_30B_A3B, args.layers or 48)
-    return dict(cfg), 512
-
-
-def build(args, name: str, turns) -> Engine:
-    first, last = turns[0][0], turns[-1][0]
-    common = dict(max_model_len=last + args.decode_tokens + 16, max_batched_tokens=args.chunk)
-    options = dict(common, max_num_seqs=4, gpu_budget=args.budget)
-    if name != "elastic":
-        ctx = first if name == "fixed-first" else last
-        options.update(elastic=False, kv_tokens=ctx + args.decode_tokens)
-    elif args.cpu_smoke:  # the default 64k-token arena start does not fit a toy budget
-        options.update(kv_tokens=first + args.decode_tokens)
-        # Moves of the split and of the budget in the toy arena's scale (64 MiB is a GPU's).
-        options.update(elastic_group_bytes=args.smoke_group)
-    if args.cpu_smoke:
-        options.update(device="cpu", std=0.1, policy="transfer")
-    else:
-        options.update(policy=args.policy, stream_min_tokens=args.stream_min)
-    engine = random_engine(args.cfg, pool=args.pool, **options)
-    # One host pool for every engine of the run: drawn and pinned once (a minute at 58 GB).
-    args.pool = getattr(engine.loaded.bank, "pool", None) or args.pool
-    return engine
-
-
-def smoke_budget(cfg: dict, args) -> tuple[int, int]:
-    """A simulated budget on the CPU: dense weights, workspace, staging buffers, turn 1's KV
-    and SMOKE_SLOTS slots (as tests/engine/test_elastic_memory.py builds one); and the arena
-    (the KV and the slots)."""
-    probe = random_engine(cfg, device="cpu", policy="resident", max_batched_tokens=args.chunk)
-    spec, config = probe.spec, probe.config
-    s = config.page_size
-    page = KVPool.page_bytes(
-        len(spec.attention_layers), s, spec.n_kv_heads, spec.head_dim, spec.dtype
-    )
-    pages = -(-(args.start_tokens + args.decode_tokens) // s) + 1
-    staging = 2 * spec.n_experts * spec.expert_bytes
-    arena = pages * page + (SMOKE_SLOTS + 1) * spec.expert_bytes
-    recurrent = recurrent_device_bytes(spec, config, torch.device("cpu"), spec.dtype, 0)
-    fixed = dense_nbytes(probe.loaded.model) + workspace_bytes(spec, config) + staging + recurrent
-    return fixed + arena, arena
-
-
-def install_routing(engine: Engine, args) -> None:
-    """--routing: a synthetic regime for decode (routing_traces.py), as bench/offload.py does."""
-    if args.routing == "native":
-        return
-    spec, bank = engine.spec, engine.loaded.bank
-    regime = Regime.parse(args.routing)
-    gen = TraceGenerator(spec.n_moe_layers, spec.n_experts, spec.top_k, regime, args.seed)
-    traced = TracedRouting(bank, gen, max_tokens=engine.config.max_num_seqs)
-    engine.loaded.model.set_expert_bank(traced)
-    if engine.runner.graphs is not None:
-        engine.capture_graphs()  # graphs call the bank object they were captured with
-
-
-def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Engine | None:
-    """The session on one engine into entry["turns"] (saved after each turn), another program
-    beside it (entry["pressure"])."""
-    t0 = time.perf_counter()
-    try:
-        engine = build(args, name, turns)
-        install_routing(engine, args)
-    except Exception as e:  # noqa: BLE001 - a split that cannot be built fails every turn
-        entry["build_error"] = f"{type(e).__name__}: {e}"
-        engine = None
-    entry["build_s"] = time.perf_counter() - t0
-    pressure = None
-    if engine is not None:
-        entry["warmup"] = warm_up(engine, args)
-        entry["warmup"]["compiles"] = args.compiles.take()
-        entry["pressure"] = {}
-        try:
-            pressure = Pressure(args, engine, entry["pressure"])
-        except Exception as e:  # noqa: BLE001 - recorded: the session runs without pressure
-            entry["pressure"]["error"] = f"{type(e).__name__}: {e}"
-    history: list[int] = []
-    try:
-        for t, (_, new, answer) in enumerate(turns, start=1):
-            ids = history + new
-            row = {"turn": t, "context": len(ids), "pressure": False}
-            if engine is None:
-                row["failed"] = f"not built: {entry['build_error']}"
-            else:
-                if pressure is not None:
-                    pressure.before_turn(t)
-                    row["pressure"] = pressure.active
-                tick = pressure.tick if pressure is not None else None
-                watch = TurnWatch(engine, args.heartbeat_s, args.stall_s)
-                args.compiles.take()  # between turns (the other program's polls): not timed
-                row.update(run_turn(engine, ids, args.decode_tokens, tick, watch, t))
-                # Triton variants built inside the turn (each one is seconds of TTFT or decode)
-                row["compiles"] = [(c["kernel"], c["seconds"]) for c in args.compiles.take()]
-                if pressure is not None:
-                    pressure.after_turn(t)
-                memory_row(row, engine, args, pressure)
-                if engine.memory is not None:
-                    entry["memory_trace"] = engine.memory.trace.to_json()
-                limits.add(row, engine, len(ids), args.chunk)
-            got = row.pop("answer", None)
-            history = ids + (got if "failed" not in row and got else answer)
-            entry["turns"].append(row)
-            print_row(name, row)
-            save()
-        if engine is not None and args.profile_top > 0:
-            entry["decode_profile"] = profile_last(engine, ids, args, name)
-            save()
-    finally:
-        if pressure is not None:
-            pressure.close()
-    return engine
-
-
-def profile_last(engine: Engine, ids: list[int], args, name: str) -> dict:
-    """One turn past the session (not in its figures): the last turn's prompt with its last
-    chunk of tokens drawn afresh (its prefix cached: one long-context chunk to prefill), under
-    cProfile. Where two engines' steps differ on the host, this says which functions differ."""
-    rng = random.Random(args.seed + 7)
-    keep = max(0, len(ids) - args.chunk)
-    ids = ids[:keep] + [rng.randrange(3, args.vocab) for _ in range(len(ids) - keep)]
-    pre, dec = cProfile.Profile(), cProfile.Profile()
-    row = run_turn(engine, ids, args.decode_tokens, profile=dec, prefill_profile=pre)
-    if "failed" in row:
-        return {"failed": row["failed"]}
-    keys = ("prefilled_tokens", "ttft_s", "step_ms", "step_p50_ms", "step_max_ms", "gc_ms")
-    out = {"context": len(ids), **{k: row.get(k) for k in (*keys, "safe_point_ms")}}
-    out["decode_top"] = host_profile(dec, max(1, row["decoded"] - 1), args.profile_top)
-    out["prefill_top"] = host_profile(pre, 1, args.profile_top)
-    print(
-        f"prof {name:<11} ttft {row['ttft_s']:.3f} s ({row['prefilled_tokens']} tokens), "
-        f"decode step {row['step_ms']:.2f} ms (p50 {row['step_p50_ms']:.2f})"
-    )
-    for what in ("decode", "prefill"):
-        unit = "us/step" if what == "decode" else "us"
-        for r in out[f"{what}_top"][:10]:
-            print(f"prof {name:<11} {what:<8}{r['own_us_per_step']:9.0f} {unit:<8}"
-                  f"{r['calls_per_step']:8.1f}x  {r['function']}")  # fmt: skip
-    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

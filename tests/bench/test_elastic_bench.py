@@ -12,7 +12,7 @@ import random
 import numpy as np
 import torch
 
-from freetoken_agent.bench import elastic
+from freetoken_agent.bench import elastic, elastic_engines
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 
 ROW_KEYS = {"turn", "context", "pressure", "slots", "kv_pages", "budget_gb", "decode_limit_tok_s"}
@@ -118,7 +118,7 @@ def test_cpu_smoke_with_synthetic_decode_routing(tmp_path, rng_seed, monkeypatch
                 traced.append(topk_ids.shape[0])
             return super().__call__(layer, hidden, topk_ids, topk_weights)
 
-    monkeypatch.setattr(elastic, "TracedRouting", Counting)
+    monkeypatch.setattr(elastic_engines, "TracedRouting", Counting)
     out = tmp_path / "elastic.json"
     argv = ["--cpu-smoke", "--engines", "elastic", "--routing", "zipf:1.0,loc:0.5"]
     assert elastic.main([*argv, "--seed", str(rng_seed % 10_000), "--out", str(out)]) == 0

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from freetoken_agent import SamplingParams
-from freetoken_agent.bench.elastic import TINY_QWEN3_MOE
+from freetoken_agent.bench.elastic_engines import TINY_QWEN3_MOE
 from freetoken_agent.bench.random_model import random_engine
 
 

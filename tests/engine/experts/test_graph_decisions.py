@@ -99,7 +99,7 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, rng_seed):
         graphs.segments = {1: [_Segment(i, log) for i in range(n_layers + 1)]}
         graphs.done = [_Event() for _ in range(n_layers + 1)]
         graphs.outputs = {1: torch.zeros(1, 2)}
-        graphs.run_ahead, graphs.reruns = run_ahead, 0
+        graphs.run_ahead, graphs.reruns, graphs.wait_s = run_ahead, 0, 0.0
         graphs.miss_rate = [rng.choice([0.0, 0.9]) for _ in range(n_layers)]
         graphs._load = lambda inputs: (1, 1)
         graphs.replay(None)
