@@ -8,6 +8,7 @@
 #         elastic-hybrid-direct (the Qwen3.6 session under policy direct)
 #         decode-profile (elastic vs fixed-last prefill and decode at the hybrid shape, ~4 minutes)
 #         hog-profile (decode and kernels before and after another process takes 8 GB, ~5 min)
+#         elastic-hybrid-interleaved (the three engines alive at once, each turn on all, ~7 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -62,6 +63,11 @@ for stage in "$@"; do
       timeout 590 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
         --routing zipf:1.0,loc:0.7 --decode-tokens 128 --out "$OUT/elastic_hybrid.json" 2>&1 \
         | tee "$OUT/elastic_hybrid.log" | grep -E "^elastic|^fixed|^engine|^watch|^compile|^prof|^Timeout|^  File" ;;
+    elastic-hybrid-interleaved)  # every engine alive, each turn on all of them (~7 min)
+      timeout 590 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b --interleave \
+        --routing zipf:1.0,loc:0.7 --decode-tokens 128 --out "$OUT/elastic_hybrid_interleaved.json" \
+        2>&1 | tee "$OUT/elastic_hybrid_interleaved.log" \
+        | grep -E "^elastic|^fixed|^engine|^watch|^prof .*ttft|^Timeout|^  File|geomean|turn_change" ;;
     elastic-hybrid-direct)  # policy direct (misses read by the kernels), elastic vs fixed-last
       timeout 590 python3 -m freetoken_agent.bench elastic --shape qwen3.6-35b-a3b \
         --engines elastic fixed-last --policy direct --routing zipf:1.0,loc:0.7 \

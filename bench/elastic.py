@@ -63,7 +63,7 @@ from freetoken_agent.bench.compile_log import CompileLog
 from freetoken_agent.bench.elastic_engines import shape_config, smoke_budget
 from freetoken_agent.bench.elastic_report import ENGINES, merge, plot, summarize
 from freetoken_agent.bench.elastic_rows import HEAD, Limits
-from freetoken_agent.bench.elastic_session import run_engine
+from freetoken_agent.bench.elastic_session import run_engine, run_interleaved
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.bench.routing_traces import Regime
 
@@ -147,6 +147,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(repeated; 0: never): evidence from a turn that does not end",
     )
     parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="every engine alive at once, each turn run on all of them seconds apart (order "
+        "alternating): the machine's drift falls on all alike (default: one engine after "
+        "another, each with the device to itself)",
+    )
+    parser.add_argument(
         "--profile-top",
         type=int,
         default=25,
@@ -161,6 +168,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     resolve_knobs(args, KNOBS)
     return args
+
+
+def _finish(report: dict, name: str, engine) -> None:
+    """An engine's stats into its entry; the elastic engine's memory trace to the report."""
+    entry = report["engines"][name]
+    if engine is None:
+        return
+    entry["stats"] = {k: engine.stats()[k] for k in ("memory", "experts", "elastic")}
+    if "memory_trace" in entry and name == "elastic":
+        report["memory_trace"] = entry.pop("memory_trace")
+        report["turns_tok_s"] = [(r["step"], r["decode_tok_s"]) for r in entry["turns"]
+                                 if r.get("decode_tok_s") and "step" in r]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,15 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(report, indent=1))
 
     print(HEAD, flush=True)
-    for name in args.engines:
+    if args.interleave:  # every engine alive, turn by turn (elastic_session.py says why)
+        engines = run_interleaved(args, args.engines, turns, limits, report, save)
+        for name, engine in engines.items():
+            _finish(report, name, engine)
+        save()
+    for name in [] if args.interleave else args.engines:
         entry = report["engines"][name] = {"turns": []}
         engine = run_engine(args, name, turns, limits, entry, save)
-        if engine is not None:
-            entry["stats"] = {k: engine.stats()[k] for k in ("memory", "experts", "elastic")}
-            if "memory_trace" in entry and name == "elastic":
-                report["memory_trace"] = entry.pop("memory_trace")
-                report["turns_tok_s"] = [(r["step"], r["decode_tok_s"]) for r in entry["turns"]
-                                         if r.get("decode_tok_s") and "step" in r]  # fmt: skip
+        _finish(report, name, engine)
         save()
         del engine  # a fresh engine each: free this one's memory first
         gc.collect()

@@ -4,7 +4,10 @@ report)."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import statistics
 from pathlib import Path
 
 ENGINES = ("elastic", "fixed-first", "fixed-last")
@@ -13,6 +16,26 @@ WITHIN = 0.12  # the paper: decode within 12% of the single-turn rate as session
 
 def _gb(takes: dict, key: str) -> dict:
     return {n: None if p.get(key) is None else p[key] / 1e9 for n, p in takes.items()}
+
+
+def _against_fixed_last(rows: dict, pressure: list[int]) -> dict:
+    """Elastic over fixed-last as one figure (the geometric mean of the turns outside pressure
+    where both decoded), beside the noise to read it against: fixed-last's median change from
+    one turn to the next (|log| ratio; its split never moves, so that is the machine's)."""
+    el, fl = rows.get("elastic", []), rows.get("fixed-last", [])
+
+    def rate(r: dict) -> float | None:
+        return r.get("decode_tok_s") if "failed" not in r else None
+
+    pairs = [(rate(a), rate(b)) for i, (a, b) in enumerate(zip(el, fl, strict=False))
+             if i not in pressure]  # fmt: skip
+    logs = [math.log(a / b) for a, b in pairs if a and b]
+    own = [rate(r) for r in fl]
+    steps = [abs(math.log(b / a)) for a, b in itertools.pairwise(own) if a and b]
+    return {
+        "elastic_over_fixed_last_geomean": math.exp(statistics.fmean(logs)) if logs else None,
+        "fixed_last_turn_to_turn_change": statistics.median(steps) if steps else None,
+    }
 
 
 def summarize(report: dict, args) -> dict:
@@ -50,6 +73,7 @@ def summarize(report: dict, args) -> dict:
         "other_process_got_gb": _gb(takes, "got"),
         "absorbed": takes.get("elastic", {}).get("complete") is True,
         "budget_back_after_release": takes.get("elastic", {}).get("recovery", {}).get("back"),
+        **_against_fixed_last(rows, pressure),
         "tok_s_over_pre_pressure": None
         if not before
         else [(r["turn"], (r.get("decode_tok_s") or 0) / before) for r in el[pressure[0] :]],

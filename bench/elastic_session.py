@@ -18,18 +18,9 @@ from freetoken_agent.engine.engine import Engine
 def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Engine | None:
     """The session on one engine into entry["turns"] (saved after each turn), another program
     beside it (entry["pressure"])."""
-    t0 = time.perf_counter()
-    try:
-        engine = build(args, name, turns)
-        install_routing(engine, args)
-    except Exception as e:  # noqa: BLE001 - a split that cannot be built fails every turn
-        entry["build_error"] = f"{type(e).__name__}: {e}"
-        engine = None
-    entry["build_s"] = time.perf_counter() - t0
+    engine = _built(args, name, turns, entry)
     pressure = None
     if engine is not None:
-        entry["warmup"] = warm_up(engine, args)
-        entry["warmup"]["compiles"] = args.compiles.take()
         entry["pressure"] = {}
         try:
             pressure = Pressure(args, engine, entry["pressure"])
@@ -97,3 +88,90 @@ def profile_last(engine: Engine, ids: list[int], args, name: str) -> dict:
             print(f"prof {name:<11} {what:<8}{r['own_us_per_step']:9.0f} {unit:<8}"
                   f"{r['calls_per_step']:8.1f}x  {r['function']}")  # fmt: skip
     return out
+
+
+def _built(args, name: str, turns, entry: dict) -> Engine | None:
+    """An engine of the session, warmed up; None (and entry["build_error"]) if it cannot be."""
+    t0 = time.perf_counter()
+    try:
+        engine = build(args, name, turns)
+        install_routing(engine, args)
+    except Exception as e:  # noqa: BLE001 - a split that cannot be built fails every turn
+        entry["build_error"] = f"{type(e).__name__}: {e}"
+        engine = None
+    entry["build_s"] = time.perf_counter() - t0
+    if engine is not None:
+        entry["warmup"] = warm_up(engine, args)
+        entry["warmup"]["compiles"] = args.compiles.take()
+    return engine
+
+
+def run_interleaved(args, names, turns, limits: Limits, report: dict, save) -> dict:
+    """Every engine alive at once and the session run turn by turn: each turn runs on every
+    engine, seconds apart, forward on odd turns and backward on even ones. One engine alone
+    swung ±10% from turn to turn on the device (the machine's speed drifts), more than the
+    differences between the splits; run apart, minutes apart, a turn's comparison measured
+    the drift as much as the splits. One other program beside them all, its take polled on
+    the elastic engine (the one that follows free memory; else the first built): the fixed
+    splits keep what they hold, as in a run of their own. Returns the engines by name."""
+    entries = {n: report["engines"].setdefault(n, {"turns": []}) for n in names}
+    engines = {n: _built(args, n, turns, entries[n]) for n in names}
+    lead_name = next((n for n in ("elastic", *names) if engines.get(n) is not None), None)
+    lead = engines.get(lead_name)
+    pressure, record = None, {}
+    if lead is not None:
+        try:
+            pressure = Pressure(args, lead, record)
+        except Exception as e:  # noqa: BLE001 - recorded: the session runs without pressure
+            record["error"] = f"{type(e).__name__}: {e}"
+    for n in names:  # what the other program got is the lead's record; the others share it
+        entries[n]["pressure"] = record if n == lead_name else {"shared_with": lead_name}
+    histories: dict[str, list[int]] = {n: [] for n in names}
+    last: dict[str, list[int]] = {}
+    try:
+        for t, (_, new, answer) in enumerate(turns, start=1):
+            if pressure is not None:
+                pressure.before_turn(t)
+            for name in names if t % 2 else names[::-1]:
+                ids = last[name] = histories[name] + new
+                row = _interleaved_turn(args, t, ids, engines[name], entries[name], limits,
+                                        pressure, engines[name] is lead)  # fmt: skip
+                got = row.pop("answer", None)
+                histories[name] = ids + (got if "failed" not in row and got else answer)
+                entries[name]["turns"].append(row)
+                print_row(name, row)
+                save()
+        if args.profile_top > 0:
+            for name in names:
+                if engines[name] is not None and name in last:
+                    entries[name]["decode_profile"] = profile_last(engines[name], last[name],
+                                                                   args, name)  # fmt: skip
+                    save()
+    finally:
+        if pressure is not None:
+            pressure.close()
+    return engines
+
+
+def _interleaved_turn(
+    args, t: int, ids, engine, entry: dict, limits: Limits, pressure, polls: bool
+) -> dict:  # fmt: skip
+    """One engine's turn `t` in run_interleaved; `polls`: the engine the other program's take
+    is stepped and polled on."""
+    row = {"turn": t, "context": len(ids), "pressure": bool(pressure and pressure.active)}
+    if engine is None:
+        row["failed"] = f"not built: {entry['build_error']}"
+        return row
+    polls = polls and pressure is not None
+    tick = pressure.tick if polls else None
+    watch = TurnWatch(engine, args.heartbeat_s, args.stall_s)
+    args.compiles.take()  # between turns (the other program's polls): not timed
+    row.update(run_turn(engine, ids, args.decode_tokens, tick, watch, t))
+    row["compiles"] = [(c["kernel"], c["seconds"]) for c in args.compiles.take()]
+    if polls:
+        pressure.after_turn(t)
+    memory_row(row, engine, args, pressure)
+    if engine.memory is not None:
+        entry["memory_trace"] = engine.memory.trace.to_json()
+    limits.add(row, engine, len(ids), args.chunk)
+    return row

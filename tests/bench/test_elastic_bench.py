@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import random
 
 import numpy as np
@@ -146,6 +147,23 @@ def test_summary_never_counts_a_failed_elastic_turn_as_a_win(rng_seed):
     assert s["elastic_at_least_fixed_every_turn"] is True and s["elastic_never_failed"] is True
 
 
+def test_summary_gives_elastic_over_fixed_last_beside_fixed_last_noise(rng_seed):
+    """One figure for elastic against fixed-last (the geometric mean outside pressure turns)
+    and the noise to read it against (fixed-last's median turn-to-turn change)."""
+    rng = random.Random(rng_seed)
+    n, ratio, swing = rng.randrange(6, 12), rng.uniform(0.8, 1.2), rng.uniform(1.01, 1.3)
+    fixed = [50 * swing ** (t % 2) for t in range(n)]  # alternates: every change is log(swing)
+    pressed = rng.randrange(n)
+    el = [{"turn": t + 1, "decode_tok_s": f * ratio, "pressure": t == pressed}
+          for t, f in enumerate(fixed)]  # fmt: skip
+    el[pressed]["decode_tok_s"] = 1.0  # a pressure turn does not count
+    fl = [{"decode_tok_s": f} for f in fixed]
+    report = {"engines": {"elastic": {"turns": el}, "fixed-last": {"turns": fl}}}
+    s = elastic.summarize(report, argparse.Namespace(noise=0.03))
+    assert abs(s["elastic_over_fixed_last_geomean"] - ratio) < 1e-9
+    assert abs(s["fixed_last_turn_to_turn_change"] - math.log(swing)) < 1e-9
+
+
 def test_merge_joins_engines_run_separately(tmp_path, rng_seed):
     """--engines split across runs (device commands have a time limit) and --merge: one
     report with every engine, the elastic trace, and the summary over all of them."""
@@ -223,3 +241,28 @@ def test_turn_watch_reports_each_turns_progress(tmp_path, capsys, rng_seed):
         assert outs == sorted(outs), turn  # the answer only grows within a turn
         # one beat per step: the last one comes before the step that finished the answer
         assert outs[-1] == rows[turn - 1]["decoded"] - 1, turn
+
+
+def test_cpu_smoke_interleaved_runs_each_turn_on_every_engine_in_alternating_order(
+    tmp_path, capsys, rng_seed
+):
+    out = tmp_path / "elastic.json"
+    names = ["elastic", "fixed-last"]
+    argv = ["--cpu-smoke", "--interleave", "--engines", *names, "--profile-top", "0"]
+    assert elastic.main([*argv, "--seed", str(rng_seed % 10_000), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    printed = [line.split()[:2] for line in capsys.readouterr().out.splitlines()
+               if line.split()[:1] in (["elastic"], ["fixed-last"])]  # fmt: skip
+    rows = [(name, int(turn)) for name, turn in printed if turn.isdigit()]
+    # Turn by turn, every engine, forward on odd turns and backward on even ones.
+    expect = [(n, t) for t in range(1, 5) for n in (names if t % 2 else names[::-1])]
+    assert rows == expect, rows
+    el, fl = (report["engines"][n]["turns"] for n in names)
+    assert all("failed" not in r for r in el + fl)
+    assert [r["pressure"] for r in el] == [r["pressure"] for r in fl] == [False, False, True, False]
+    # The other program's take is polled on the elastic engine, which gives it all it asks.
+    p = report["engines"]["elastic"]["pressure"]
+    assert p["complete"] is True and p["got"] == p["asked"] > 0
+    assert report["engines"]["fixed-last"]["pressure"] == {"shared_with": "elastic"}
+    assert report["memory_trace"]["records"]
+    assert len(report["summary"]["elastic_vs_best_fixed"]) == 4
