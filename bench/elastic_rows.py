@@ -46,7 +46,7 @@ class Limits:
 HEAD = f"{'engine':<12}{'turn':>5}{'ctx':>8}{'reused':>8}{'prefill':>8}{'ttft s':>8}"
 HEAD += f"{'(lim)':>7}{'tok/s':>8}{'(lim)':>7}{'miss':>6}{'slots':>7}{'pages':>8}{'GB':>7}"
 HEAD += f"{'free':>7}{'fetch':>7}{'cpu':>6}{'sp ms':>7}{'step':>7}{'p50':>6}{'max':>6}{'wait':>6}"
-HEAD += f"{'gc ms':>7}"
+HEAD += f"{'stops':>6}{'gc ms':>7}"
 HEAD += "  status"
 
 
@@ -66,6 +66,7 @@ def print_row(name: str, r: dict) -> None:
         f"{_fmt(r.get('safe_point_ms'), '.2f'):>7}{_fmt(r.get('step_ms'), '.1f'):>7}"
         f"{_fmt(r.get('step_p50_ms'), '.1f'):>6}{_fmt(r.get('step_max_ms'), '.0f'):>6}"
         f"{_fmt(r.get('device_wait_ms'), '.1f'):>6}"
+        f"{_fmt(r.get('missed_layers_per_step'), '.1f'):>6}"
         f"{_fmt(r.get('gc_ms'), '.0f'):>7}"
         f"  {r.get('failed') or 'ok'}" + ("  [pressure]" if r.get("pressure") else ""),
         flush=True,

@@ -21,14 +21,18 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 
 
 def _counters(engine: Engine) -> tuple[float, ...]:
-    """(experts, hits, fetched, on_cpu, safe-point seconds, routing-wait seconds, wall seconds)
-    so far. The routing wait: host time blocked on the device inside segmented decode graphs,
-    so a slower step is told device-bound (it grows) from host-bound (it does not)."""
+    """(experts, hits, fetched, on_cpu, safe-point seconds, routing-wait seconds, layers with a
+    miss, segments rerun, wall seconds) so far. The routing wait: host time blocked on the
+    device inside segmented decode graphs, so a slower step is told device-bound (it grows)
+    from host-bound (it does not). A layer with a miss stops the step for the host (the same
+    misses spread over more layers cost more stops)."""
     st = getattr(engine.loaded.bank, "stats", None)
     bank = (st.experts, st.hits, st.fetched, st.on_cpu) if st is not None else (0, 0, 0, 0)
     memory = engine.memory.safe_point_s if engine.memory is not None else 0.0
-    wait = getattr(engine.runner.graphs, "wait_s", 0.0)
-    return (*bank, memory, wait, time.perf_counter())
+    graphs = engine.runner.graphs
+    wait = getattr(graphs, "wait_s", 0.0)
+    stalls = (getattr(graphs, "missed_layers", 0), getattr(graphs, "reruns", 0))
+    return (*bank, memory, wait, *stalls, time.perf_counter())
 
 
 class GcClock:
@@ -155,7 +159,7 @@ def run_turn(
         if watch is not None:
             watch.stop()
     deltas = (a - b for a, b in zip(_counters(engine), before, strict=True))
-    experts, hits, fetched, on_cpu, safe_point_s, wait_s, wall_s = deltas
+    experts, hits, fetched, on_cpu, safe_point_s, wait_s, missed_layers, reruns, wall_s = deltas
     out = engine._collect(rid)
     st = out.stats
     row = {
@@ -174,6 +178,8 @@ def run_turn(
         "safe_point_ms": 1e3 * safe_point_s / max(1, len(out.token_ids) - 1),
         "step_ms": 1e3 * wall_s / max(1, len(out.token_ids) - 1),
         "device_wait_ms": 1e3 * wait_s / max(1, len(out.token_ids) - 1),
+        "missed_layers_per_step": missed_layers / max(1, len(out.token_ids) - 1),
+        "reruns_per_step": reruns / max(1, len(out.token_ids) - 1),
         **step_spread(steps_s),
         "gc_ms": 1e3 * gc_clock.seconds,
         "gc_collections": gc_clock.collections,

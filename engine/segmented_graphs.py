@@ -92,6 +92,7 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
         # Host seconds spent waiting for layers' routing: the step's device-bound share (a
         # step that got slower on the device waits longer here; one slower on the host not).
         self.wait_s = 0.0
+        self.missed_layers = 0  # layers that had a miss to place (each a stall of the step)
         self.miss_rate = [0.0] * bank.spec.n_moe_layers  # per MoE layer, running average
         super().__init__(model, bank, page_size, max_batch, max_pages, device)
         n = len(next(iter(self.segments.values())))
@@ -167,6 +168,7 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
             missed = self.bank.resolve(layer, b)
             rate[layer] += MISS_EMA * (missed - rate[layer])
             if missed:
+                self.missed_layers += 1
                 self.reruns += launched - (layer + 1)
                 launched = layer + 1  # what ran after it computed without its misses
         while launched < len(segments):

@@ -100,6 +100,7 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, rng_seed):
         graphs.done = [_Event() for _ in range(n_layers + 1)]
         graphs.outputs = {1: torch.zeros(1, 2)}
         graphs.run_ahead, graphs.reruns, graphs.wait_s = run_ahead, 0, 0.0
+        graphs.missed_layers = 0
         graphs.miss_rate = [rng.choice([0.0, 0.9]) for _ in range(n_layers)]
         graphs._load = lambda inputs: (1, 1)
         graphs.replay(None)
@@ -115,6 +116,7 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, rng_seed):
                 assert last_run[j + 1] > resolved[j]
         wasted = sum(1 for what, _ in log if what == "run") - (n_layers + 1)
         assert graphs.reruns == wasted
+        assert graphs.missed_layers == len(missing)  # each layer with a miss: one stop
         if not missing:
             assert wasted == 0
 
