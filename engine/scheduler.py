@@ -94,6 +94,17 @@ class Request:
     def n_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def token_range(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building `tokens`: at 100k tokens of context, the whole
+        list built (and freed) for one decode step's token cost ~0.7 ms of every step on the
+        device's host."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
 
 @dataclass(slots=True)
 class ScheduledChunk:
@@ -212,7 +223,7 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed
-        tokens = req.tokens[start : start + n]
+        tokens = req.token_range(start, start + n)
         chunk = ScheduledChunk(req, start, tokens, sample=start + n == req.n_tokens)
         if self.recurrence is not None and req.snapshot_plan:
             taken = {b for b, _ in req.pending_checkpoints}
