@@ -76,7 +76,7 @@ class _Segment:
 
 
 class _Event:
-    def record(self) -> None: ...
+    def record(self, stream=None) -> None: ...
 
     def synchronize(self) -> None: ...
 
@@ -103,6 +103,7 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, rng_seed):
         graphs.missed_layers = 0
         graphs.miss_rate = [rng.choice([0.0, 0.9]) for _ in range(n_layers)]
         graphs._load = lambda inputs: (1, 1)
+        graphs._stream = lambda: None
         graphs.replay(None)
         last_run = {k: i for i, (what, k) in enumerate(log) if what == "run"}
         resolved = {k: i for i, (what, k) in enumerate(log) if what == "resolve"}
