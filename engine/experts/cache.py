@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from freetoken_agent.engine.experts.inflight import InflightFills
 from freetoken_agent.engine.experts.pool import ExpertPool
 
 if TYPE_CHECKING:
@@ -96,6 +97,8 @@ class ExpertCache:
         # Table entries of evicted lids not yet on the device: `publish` writes them with the
         # fills that replace them, on the copy stream, so compute sees both at once.
         self._unpublished: list[int] = []
+        # Fills that land while later steps run (policy direct; inflight.py).
+        self.inflight = InflightFills(self)
 
     @property
     def n_slots(self) -> int:
@@ -152,6 +155,7 @@ class ExpertCache:
         graph segments, see segmented_graphs.py). `publish=False` leaves the device table to a
         later `publish(filled)`: publishing waits for the copies, so a caller with CPU work to
         overlap with them does that work first."""
+        self.inflight.settle()
         filled = []
         lids = [lid for lid in lids if self._slot_of[lid] < 0]
         if not lids:
@@ -180,14 +184,26 @@ class ExpertCache:
         return filled
 
     def _fill_one(self, lid: int, protect: set[int]) -> bool:
-        slot, victim = self._take_slot(protect)
+        slot = self._claim(lid, protect)
         if slot is None:
             return False
-        self.fills += 1
-        self.bytes_filled += self.pool.expert_bytes
+        self._copy_in(lid, slot)
+        return True
+
+    def _copy_in(self, lid: int, slot: int) -> None:
+        """Copy `lid`'s rows from the pool into `slot` (on the current stream)."""
         pinned = self.pool.pinned
         self.w13[slot].copy_(self.pool.w13[lid], non_blocking=pinned)
         self.w2[slot].copy_(self.pool.w2[lid], non_blocking=pinned)
+
+    def _claim(self, lid: int, protect: set[int]) -> int | None:
+        """A slot for `lid` (evicting a victim outside `protect`; None if every slot is
+        protected): the host maps and the fill's race are updated, the copy is the caller's."""
+        slot, victim = self._take_slot(protect)
+        if slot is None:
+            return None
+        self.fills += 1
+        self.bytes_filled += self.pool.expert_bytes
         self._slot_of[lid] = slot
         self._lid_of[slot] = lid
         self._lru[lid] = None
@@ -196,7 +212,7 @@ class ExpertCache:
         self._races.setdefault(lid // per, []).append(race)
         if victim >= 0 and victim // per != lid // per:
             self._races.setdefault(victim // per, []).append(race)
-        return True
+        return slot
 
     def _take_slot(self, protect: set[int]) -> tuple[int | None, int]:
         """(a slot for a fill or None, the lid evicted from it or -1)."""
@@ -258,6 +274,7 @@ class ExpertCache:
         `take_back` returns them, empty."""
         if self._lent:
             raise RuntimeError("the expert cache's slots are already lent")
+        self.inflight.settle()
         if n > self.n_slots:
             raise ValueError(f"cannot lend {n} of {self.n_slots} slots")
         first = self.max_slots - n  # the top of the arena: resize moves only the bottom edge
@@ -298,6 +315,7 @@ class ExpertCache:
         nothing about whether that fill paid. Races with it as victim settle as usual (it is
         absent, as it was)."""
         assert not self._lent, "resize while cache slots are lent out"
+        self.inflight.settle()
         if not 0 <= first_slot < self.max_slots:
             raise ValueError(f"first_slot {first_slot} outside [0, {self.max_slots})")
         old = self.first_slot
@@ -386,6 +404,7 @@ class ExpertCache:
 
     def reset(self) -> None:
         """Empty every slot (benchmarks start each policy from the same state)."""
+        self.inflight.settle()
         self._races.clear()
         self.fill_gain = 0.0
         self._unpublished.clear()
@@ -401,6 +420,9 @@ class ExpertCache:
 
     def check_integrity(self) -> None:
         host = torch.tensor(self._slot_of, dtype=torch.int32)
+        inflight = sorted(self.inflight.lids)
+        if inflight:  # claimed, copies in flight: the device sends them to the pool
+            host[torch.tensor(inflight, dtype=torch.long)] = -1
         assert torch.equal(self.slot_of.cpu(), host), "device lid->slot table out of sync"
         seen = set()
         for lid, slot in enumerate(self._slot_of):

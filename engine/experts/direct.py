@@ -14,10 +14,13 @@ the GPU, hands the routing to the host, waits for it to fill or run the misses, 
   all of them while fills win their races against their victims (temporal locality), only free
   slots once victims win (thrashing).
 
-The CPU branch has no place here (it needs the round trip). Fills issued after a step finish
-before the next one starts (the cache publishes them on the compute stream); overlapping them
-with the next step is the next refinement. Results equal every other placement: the same
-kernels compute every pair from the same weights, wherever they are read from.
+The CPU branch has no place here (it needs the round trip). Fills issued after a step cross
+the link while the next step runs (engine/experts/inflight.py), one batch at a time: a step's
+misses are not filled while the last batch is still crossing, so fills take what the link has
+spare. (v1 finished them before the next step: on the H200 every miss then crossed twice, read
+by the kernels and filled, and decode was no faster than `adaptive`.) Results equal every other
+placement: the same kernels compute every pair from the same weights, wherever they are read
+from, and whenever a fill lands.
 """
 
 from __future__ import annotations

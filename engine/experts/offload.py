@@ -196,6 +196,7 @@ class OffloadedExpertBank:
         if self.policy == "direct" and lids.numel() <= DIRECT_MAX_PAIRS:
             self.routed.add(lids)  # misses read from the pool; the cache learns after the step
             return self._direct(hidden, lids, topk_weights)
+        self.cache.inflight.settle()  # the table as the mirror has it (direct's late fills)
         uniq, counts = torch.unique(lids, return_counts=True)
         uniq_l, counts_l = uniq.tolist(), counts.tolist()  # the host decides (one sync)
         misses = self._misses(uniq_l, counts_l, lids.numel())
@@ -331,6 +332,8 @@ class OffloadedExpertBank:
         the rest on the CPU into the layer's CPU buffer). True when the layer missed, so the
         segments after it must run (again) to see the new slots and the CPU part."""
         io = self.graph_io
+        if self.cache.inflight:  # only after a switch from direct (benchmarks): settle once
+            self.cache.inflight.settle()
         ids = self._graph_lids(layer, n_tokens)
         uniq_l, counts = distinct_lids(ids)
         misses = self._misses(uniq_l, counts, ids.size)
@@ -377,17 +380,24 @@ class OffloadedExpertBank:
         else:
             routed = self.routed.take()
         cache, want, used = self.cache, [], set()
+        cache.inflight.publish_ready()  # fills whose copies landed serve the next step
+        crossing = cache.inflight.lids  # claimed, still read from the pool this step
         for lids in routed:
             uniq, counts = distinct_lids(lids)
             misses = self._misses(uniq, counts, lids.size)
-            self.stats.direct += len(misses)
+            late = sum(1 for lid in uniq if lid in crossing) if crossing else 0
+            self.stats.hits -= late  # the mirror counts them resident; the step read the pool
+            self.stats.direct += len(misses) + late
             want += [lid for _, lid in misses]
             used.update(uniq)
+        if cache.inflight:
+            return  # the link is busy with the last batch: this step's misses stay in the pool
         if cache.fill_gain < FETCH_NONE_GAIN:
             want = want[: cache.free_slots]
-        # One fill for the whole step (one stream switch, one table update), evicting only
-        # experts this step did not use; published, so the next step reads the new slots.
-        self.stats.fetched += len(cache.fill(want, used))
+        # One batch for the whole step, evicting only experts this step did not use; its
+        # copies cross the link while the next step runs (inflight.py), which reads them from
+        # the pool until they have landed.
+        self.stats.fetched += len(cache.inflight.start(want, used))
 
     def _stage_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Start copying the activations to host memory; returns (host tensor, ready event)."""
