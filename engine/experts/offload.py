@@ -380,8 +380,10 @@ class OffloadedExpertBank:
         else:
             routed = self.routed.take()
         cache, want, used = self.cache, [], set()
-        cache.inflight.publish_ready()  # fills whose copies landed serve the next step
-        crossing = cache.inflight.lids  # claimed, still read from the pool this step
+        # Claimed before this step, published only now: this step still read them from the
+        # pool. Fills whose copies have landed serve the next step.
+        crossing = cache.inflight.lids
+        cache.inflight.publish_ready()
         for lids in routed:
             uniq, counts = distinct_lids(lids)
             misses = self._misses(uniq, counts, lids.size)
