@@ -3,7 +3,7 @@ a target: the elastic bench showed elastic decode 0-10% slower than fixed-last o
 shape with more slots and fewer fills, and offloaded decode is host-bound there).
 
     python -m freetoken_agent.bench.decode_profile [--layers 8] [--budget-gb 9] [--tokens 64]
-        [--fixed-kv-tokens N]
+        [--fixed-kv-tokens N] [--squeeze-gb G] [--hog-gb G]
     python -m freetoken_agent.bench.decode_profile --cpu-smoke
 
 Both engines share one host pool and run the same prompt (--context tokens, then --tokens
@@ -11,7 +11,10 @@ decoded, routing zipf:1.0,loc:0.7 as the elastic bench); the fixed split's KV ho
 --fixed-kv-tokens (default: the context; the elastic bench's fixed-last holds its last turn).
 Per engine: the step's wall time and the memory manager's share (a turn without profilers),
 the top functions by own time under cProfile (a second turn), and on CUDA the device time of
-each kernel under torch.profiler (a third): host overhead and kernel time, told apart."""
+each kernel under torch.profiler (a third): host overhead and kernel time, told apart.
+--squeeze-gb cuts and restores the elastic budget through set_gpu_budget; --hog-gb has another
+process take and free that much (the elastic bench's pressure), then times decode and the
+host's wait on the device again: after pressure the elastic bench's decode stayed slower."""
 
 from __future__ import annotations
 
