@@ -28,6 +28,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from freetoken_agent.engine.experts.graph_io import distinct_lids
+from freetoken_agent.engine.experts.policy import FETCH_NONE_GAIN
 from freetoken_agent.kernels.reference import host_ids
 
 # T tokens, K top-k, L MoE layers, N = L * E lids
@@ -54,3 +56,38 @@ class RoutedLog:
         """The lids [T, K] int64 of each call since the last take, on the host."""
         layers, self._layers = self._layers, []
         return [lids.cpu().numpy() for lids in layers]
+
+
+def learn_after_step(bank, graph_tokens: int | None) -> None:
+    """After a step of `bank` (an OffloadedExpertBank under policy direct): count the step's
+    hits and fill the misses worth keeping (all while fills win their races, free slots only
+    once victims win). Routing from the replayed graph's buffers (`graph_tokens` tokens) or the
+    eager step's log (`bank.routed`)."""
+    if graph_tokens is not None:
+        if bank.device.type == "cuda":  # the routing the graph copies to pinned memory
+            torch.cuda.current_stream(bank.device).synchronize()
+        layers = range(bank.spec.n_moe_layers)
+        routed = [bank._graph_lids(layer, graph_tokens) for layer in layers]
+    else:
+        routed = bank.routed.take()
+    cache, stats, want, used = bank.cache, bank.stats, [], set()
+    # Claimed before this step, published only now: this step still read them from the pool.
+    # Fills whose copies have landed serve the next step.
+    crossing = cache.inflight.lids
+    cache.inflight.publish_ready()
+    for lids in routed:
+        uniq, counts = distinct_lids(lids)
+        misses = bank._misses(uniq, counts, lids.size)
+        late = sum(1 for lid in uniq if lid in crossing) if crossing else 0
+        stats.hits -= late  # the mirror counts them resident; the step read the pool
+        stats.direct += len(misses) + late
+        want += [lid for _, lid in misses]
+        used.update(uniq)
+    if cache.inflight:
+        return  # the link is busy with the last batch: this step's misses stay in the pool
+    if cache.fill_gain < FETCH_NONE_GAIN:
+        want = want[: cache.free_slots]
+    # One batch for the whole step, evicting only experts this step did not use; its copies
+    # cross the link while the next step runs (inflight.py), which reads them from the pool
+    # until they have landed.
+    stats.fetched += len(cache.inflight.start(want, used))

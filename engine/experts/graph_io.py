@@ -7,12 +7,15 @@ segment the graph copies the layer's routing and activations into pinned host me
 sum to `cpu_part` on the device) and only then lets the next segment compute the layer's experts.
 `split` is the capture hook that ends one segment and begins the next; `active` is set while the
 model runs for capture (and its warm-up), so the bank records instead of deciding.
+`distinct_lids` turns one layer's routing read here into what the host decides on.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 # L MoE layers, T tokens per step at most, K top-k, H hidden
@@ -38,3 +41,15 @@ class GraphIO:
         self.cpu_part = torch.zeros(shape_h, dtype=dtype, device=device)  # [L, T, H]
         self.active = False
         self.split: Callable[[], None] = lambda: None
+
+
+def distinct_lids(ids: np.ndarray) -> tuple[list[int], list[int]]:
+    """The sorted distinct lids of `ids` [T, K] and the pairs each serves, as lists. On a
+    few dozen ids this is 3-6x cheaper than np.unique (~8 us), which ran for every MoE layer of
+    every decode step: 40 a step on the Qwen3.6 shape."""
+    flat = ids.ravel().tolist()
+    uniq = sorted(set(flat))
+    if len(uniq) == len(flat):  # one token's top-k: distinct experts
+        return uniq, [1] * len(uniq)
+    counts = Counter(flat)
+    return uniq, [counts[lid] for lid in uniq]

@@ -21,7 +21,6 @@ layers instead (streaming.py).
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,10 +30,12 @@ from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.config import ConfigError, ModelSpec
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.cache import ExpertCache
-from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids
-from freetoken_agent.engine.experts.graph_io import GraphIO
+from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids, learn_after_step
+from freetoken_agent.engine.experts.graph_io import GraphIO, distinct_lids
 from freetoken_agent.engine.experts.policy import (
     CPU_KNEE_TOKENS,
+    FETCH_ALL_GAIN,
+    FETCH_NONE_GAIN,
     Bandwidths,
     fetch_count,
     split_count,
@@ -45,18 +46,9 @@ from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
 
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
 
-# `adaptive` fetches every miss above FETCH_ALL_GAIN and none (beyond free slots) below
-# FETCH_NONE_GAIN, from ExpertCache.fill_gain. Simulated (LRU, 12 layers x 128 experts, top-8,
-# every miss filled; tests/engine/experts/test_offload.py): near-uniform routing stays within
-# +-0.04 of 0, a drifting working set at 0.91-0.95, four near-uniform tokens a step in 202
-# slots (thrashing) at -0.21 to -0.24; the bench's Zipf 1.0 / locality 0.7 trace at 0.57-0.87
-# in one token a step and 0.28-0.56 in four (bench/routing_traces.py), where fetching every
-# miss measured best on the device.
 # Policy direct reads misses from the pool in the decode kernels, which take this many
 # (token, expert) pairs at most; longer eager chunks (below stream_min_tokens) fill instead.
 DIRECT_MAX_PAIRS = PATH_LIMITS["decode_max_pairs"]
-FETCH_ALL_GAIN = 0.15
-FETCH_NONE_GAIN = -0.1
 
 
 def lends_staging(n_slots: int, n_experts: int, n_buffers: int, n_rows: int) -> bool:
@@ -80,18 +72,6 @@ class OffloadStats:
     @property
     def miss_rate(self) -> float:
         return 1.0 - self.hits / self.experts if self.experts else 0.0
-
-
-def distinct_lids(ids: np.ndarray) -> tuple[list[int], list[int]]:
-    """The sorted distinct lids of `ids` [T, K] and the pairs each serves, as lists. On a
-    few dozen ids this is 3-6x cheaper than np.unique (~8 us), which ran for every MoE layer of
-    every decode step: 40 a step on the Qwen3.6 shape."""
-    flat = ids.ravel().tolist()
-    uniq = sorted(set(flat))
-    if len(uniq) == len(flat):  # one token's top-k: distinct experts
-        return uniq, [1] * len(uniq)
-    counts = Counter(flat)
-    return uniq, [counts[lid] for lid in uniq]
 
 
 class OffloadedExpertBank:
@@ -366,40 +346,11 @@ class OffloadedExpertBank:
                          host_w13=self.pool.w13, host_w2=self.pool.w2)  # fmt: skip
 
     def after_step(self, graph_tokens: int | None) -> None:
-        """Policy direct, between steps (the runner calls it after every step; other policies
-        decided within it): count the step's hits and fill the misses worth keeping (all while
-        fills win their races, free slots only once victims win). Routing from the replayed
-        graph's buffers (`graph_tokens` tokens) or the eager step's log."""
-        if self.policy != "direct":
-            return
-        if graph_tokens is not None:
-            if self.device.type == "cuda":  # the routing the graph copies to pinned memory
-                torch.cuda.current_stream(self.device).synchronize()
-            layers = range(self.spec.n_moe_layers)
-            routed = [self._graph_lids(layer, graph_tokens) for layer in layers]
-        else:
-            routed = self.routed.take()
-        cache, want, used = self.cache, [], set()
-        # Claimed before this step, published only now: this step still read them from the
-        # pool. Fills whose copies have landed serve the next step.
-        crossing = cache.inflight.lids
-        cache.inflight.publish_ready()
-        for lids in routed:
-            uniq, counts = distinct_lids(lids)
-            misses = self._misses(uniq, counts, lids.size)
-            late = sum(1 for lid in uniq if lid in crossing) if crossing else 0
-            self.stats.hits -= late  # the mirror counts them resident; the step read the pool
-            self.stats.direct += len(misses) + late
-            want += [lid for _, lid in misses]
-            used.update(uniq)
-        if cache.inflight:
-            return  # the link is busy with the last batch: this step's misses stay in the pool
-        if cache.fill_gain < FETCH_NONE_GAIN:
-            want = want[: cache.free_slots]
-        # One batch for the whole step, evicting only experts this step did not use; its
-        # copies cross the link while the next step runs (inflight.py), which reads them from
-        # the pool until they have landed.
-        self.stats.fetched += len(cache.inflight.start(want, used))
+        """Between steps (the runner calls it after every step): policy direct learns from
+        the step's routing (direct.py `learn_after_step`); the other policies decided within
+        the step."""
+        if self.policy == "direct":
+            learn_after_step(self, graph_tokens)
 
     def _stage_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Start copying the activations to host memory; returns (host tensor, ready event)."""
