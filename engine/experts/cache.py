@@ -38,6 +38,14 @@ OUTCOME_EMA = 0.01  # weight of the newest race outcome in `fill_gain`
 NEVER = -(1 << 62)  # the last-hit step of a lid never hit
 
 
+def on_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[R] `values` on `device`; on CUDA through pinned memory, queued on the current stream
+    with no host wait (torch's caching host allocator keeps the buffer until the copy is done)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 class ExpertCache:
     def __init__(
         self,
@@ -245,27 +253,22 @@ class ExpertCache:
         if self.copy_stream is None:
             self._write_table_now(keys)
             return
-        vals = [self._slot_of[lid] for lid in keys]
-        idx = torch.tensor(keys, dtype=torch.long, pin_memory=True)
-        val = torch.tensor(vals, dtype=torch.int32, pin_memory=True)
         with torch.cuda.stream(self.copy_stream):
-            idx_d = idx.to(self.device, non_blocking=True)
-            val_d = val.to(self.device, non_blocking=True)
-            # index_put_ with duplicate keys has no defined winner; the host mirror is the
-            # truth, so every duplicate carries the same (final) value.
-            self.slot_of.index_put_((idx_d,), val_d)
+            self._write_table_now(keys)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def _write_table_now(self, lids: list[int]) -> None:
-        """Table entries written on the compute stream (lend; every publish without a copy
-        stream), in one indexed write (a lend evicts up to two layers' experts: hundreds of
-        single-element writes, each a copy and a launch, had been milliseconds of every streamed
-        chunk). Duplicate keys all carry the host mirror's (final) value."""
+        """Table entries written on the current stream (the compute stream for lend and
+        direct's fills, the copy stream inside `publish`), in one indexed write (a lend evicts
+        up to two layers' experts: hundreds of single-element writes, each a copy and a
+        launch, had been milliseconds of every streamed chunk). index_put_ with duplicate keys
+        has no defined winner; the host mirror is the truth, so every duplicate carries the
+        same (final) value."""
         if not lids:
             return
-        idx = torch.tensor(lids, dtype=torch.long).to(self.device)
-        vals = torch.tensor([self._slot_of[lid] for lid in lids], dtype=torch.int32)
-        self.slot_of.index_put_((idx,), vals.to(self.device))
+        idx = on_device(lids, torch.long, self.device)
+        vals = on_device([self._slot_of[lid] for lid in lids], torch.int32, self.device)
+        self.slot_of.index_put_((idx,), vals)
 
     def lend(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the last `n` slots out of service (evicting what they hold) and return them as

@@ -312,8 +312,7 @@ class OffloadedExpertBank:
         the rest on the CPU into the layer's CPU buffer). True when the layer missed, so the
         segments after it must run (again) to see the new slots and the CPU part."""
         io = self.graph_io
-        if self.cache.inflight:  # only after a switch from direct (benchmarks): settle once
-            self.cache.inflight.settle()
+        self.cache.inflight.settle()  # fills of direct (a benchmark switched policy)
         ids = self._graph_lids(layer, n_tokens)
         uniq_l, counts = distinct_lids(ids)
         misses = self._misses(uniq_l, counts, ids.size)

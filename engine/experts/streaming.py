@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken_agent.engine.experts.cache import ExpertCache
+from freetoken_agent.engine.experts.cache import ExpertCache, on_device
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.kernels.row_copy import row_copy
 
@@ -127,8 +127,8 @@ class LayerStreamer:
         slots = slot_of[base : base + self.n_experts]
         resident = [(e, slot) for e, slot in enumerate(slots) if slot >= 0]
         if resident:  # one launch a bank (a copy each had cost the host ~90 a layer)
-            dst_rows = _index([e for e, _ in resident], self.device)
-            src_rows = _index([slot for _, slot in resident], self.device)
+            dst_rows = on_device([e for e, _ in resident], torch.long, self.device)
+            src_rows = on_device([slot for _, slot in resident], torch.long, self.device)
             row_copy(self.w13[buf], self.cache.w13, dst_rows, src_rows)
             row_copy(self.w2[buf], self.cache.w2, dst_rows, src_rows)
             self.bytes_d2d += len(resident) * self.pool.expert_bytes
@@ -138,15 +138,6 @@ class LayerStreamer:
             self.w13[buf, lo:hi].copy_(self.pool.w13[rows], non_blocking=self.pool.pinned)
             self.w2[buf, lo:hi].copy_(self.pool.w2[rows], non_blocking=self.pool.pinned)
             self.bytes_h2d += (hi - lo) * self.pool.expert_bytes
-
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    """[R] int64 on `device`, from pinned memory without a host wait on CUDA (the caching
-    host allocator keeps the buffer until the copy, queued on the current stream, is done)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.long)
-    host = torch.tensor(values, dtype=torch.long, pin_memory=True)
-    return host.to(device, non_blocking=True)
 
 
 def host_runs(absent: list[bool], base: int, pin_rows: int) -> list[tuple[int, int]]:
