@@ -9,12 +9,22 @@ pinned memory directly is slow (about 1.6 GB/s); registering an ordinary buffer 
 `cudaHostRegister` is fast (about 11.5 GB/s), so the pool is filled first and registered after,
 in chunks aligned to expert rows (a copy never straddles two registrations). A failure to pin
 leaves the pool pageable with one warning: slower fills, same results.
+
+Registration works on whole pages, so every page a bank touches must be the bank's alone: a
+small pool from the heap shared its first and last pages with other tensors, and then (device,
+tiny test models) a second pool's registration failed (error 712) and a copy of a neighbouring
+ordinary tensor, half inside a registered page, failed with "invalid argument" and poisoned
+graph captures. Banks are therefore allocated page-exclusive (`page_exclusive`), registration
+chunks end on page boundaries, and a pool built from someone else's tensors is moved into
+page-exclusive memory before it is registered.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import mmap
 
 import torch
 
@@ -25,6 +35,24 @@ log = logging.getLogger("freetoken.experts")
 # N = L * E expert rows (lid), H hidden, I expert width
 
 PIN_CHUNK_BYTES = 1 << 30
+PAGE = mmap.PAGESIZE
+
+
+def page_exclusive(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous tensor whose pages hold nothing else: it starts on a page
+    boundary and the rest of its last page is padding of the same allocation."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = torch.empty(-(-nbytes // PAGE) * PAGE + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    return raw[start : start + nbytes].view(dtype).view(shape)  # the view keeps `raw` alive
+
+
+def pin_rows_for(row_bytes: tuple[int, ...]) -> int:
+    """Rows per registration: about PIN_CHUNK_BYTES, and a whole number of pages in every bank
+    (two registrations sharing a page fail, error 712)."""
+    step = math.lcm(*(PAGE // math.gcd(b, PAGE) for b in row_bytes))
+    rows = max(1, PIN_CHUNK_BYTES // max(row_bytes))
+    return -(-rows // step) * step
 
 
 class ExpertPool:
@@ -35,9 +63,10 @@ class ExpertPool:
         self.w2 = w2  # [N, H, I]
         self.pinned = False
         self._registered: list[int] = []
+        self._page_exclusive = False  # set by `empty`; else `pin` moves the banks first
         # Rows per page-locked registration, the same for both banks: a host-to-device copy
         # must stay inside one registration, so multi-expert copies split at multiples of it.
-        self.pin_rows = max(1, PIN_CHUNK_BYTES // w13[0].nbytes)
+        self.pin_rows = pin_rows_for((w13[0].nbytes, w2[0].nbytes))
         # One expert's bytes in both banks. An attribute, not a property: it was two tensor
         # views per read, and fills and streamed layers read it per expert (~0.25 ms of every
         # offloaded decode step and ~60 ms of a long prefill turn on the device's host).
@@ -47,7 +76,9 @@ class ExpertPool:
     def empty(cls, spec: ModelSpec, dtype: torch.dtype) -> ExpertPool:
         n = spec.n_moe_layers * spec.n_experts
         h, i = spec.hidden_size, spec.moe_intermediate_size
-        return cls(torch.empty(n, 2 * i, h, dtype=dtype), torch.empty(n, h, i, dtype=dtype))
+        pool = cls(page_exclusive((n, 2 * i, h), dtype), page_exclusive((n, h, i), dtype))
+        pool._page_exclusive = True
+        return pool
 
     @property
     def n_rows(self) -> int:
@@ -75,6 +106,9 @@ class ExpertPool:
         worked; on failure the pool stays pageable and one warning says so."""
         if self.pinned or not torch.cuda.is_available():
             return self.pinned
+        if not self._page_exclusive:  # tensors of unknown neighbours: one copy, at load
+            self.w13, self.w2 = (_moved_page_exclusive(b) for b in (self.w13, self.w2))
+            self._page_exclusive = True
         cudart = torch.cuda.cudart()
         try:
             for bank in (self.w13, self.w2):
@@ -108,3 +142,9 @@ class ExpertPool:
     def __del__(self) -> None:  # registrations must not outlive the memory they cover
         with contextlib.suppress(Exception):  # interpreter shutdown
             self.unpin()
+
+
+def _moved_page_exclusive(bank: torch.Tensor) -> torch.Tensor:
+    out = page_exclusive(tuple(bank.shape), bank.dtype)
+    out.copy_(bank)
+    return out

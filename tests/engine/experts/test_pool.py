@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import random
 
 import torch
 from tiny_models import tiny_config
 
-from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.engine.experts import pool as pool_module
+from freetoken_agent.engine.experts.pool import PAGE, ExpertPool, pin_rows_for
 from freetoken_agent.engine.models.registry import spec_from_config
 
 
@@ -47,3 +49,73 @@ def test_pin_failure_leaves_the_pool_pageable_with_one_warning(monkeypatch, capl
     assert not pool.pinned and pool._registered == []  # the first registration was undone
     warnings = [r for r in caplog.records if "keeping it pageable" in r.getMessage()]
     assert len(warnings) == 1
+
+
+class _RecordingCudart:
+    """Registrations as the driver sees them: whole pages, none shared (else error 712)."""
+
+    def __init__(self) -> None:
+        self.pages: set[int] = set()
+        self.calls: list[tuple[int, int]] = []
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 (CUDA's name)
+        pages = set(range(ptr // PAGE, -(-(ptr + size) // PAGE)))
+        self.calls.append((ptr, size))
+        if pages & self.pages:
+            return 712
+        self.pages |= pages
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        return 0
+
+
+def _small_tensors(rng: random.Random) -> list[torch.Tensor]:
+    return [torch.empty(rng.randrange(1, 300)) for _ in range(rng.randrange(20, 60))]
+
+
+def test_banks_own_their_pages_so_two_small_pools_both_pin(monkeypatch, rng_seed):
+    """Tiny pools come from the heap: unaligned, they shared pages with each other and with
+    ordinary tensors, and the second registration failed on the device (error 712)."""
+    rng = random.Random(rng_seed)
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    pools, neighbours = [], []
+    for _ in range(3):
+        neighbours += _small_tensors(rng)
+        pools.append(ExpertPool.empty(_spec(), torch.float32))
+    for pool in pools:
+        assert pool.pin() is True
+        for bank in (pool.w13, pool.w2):
+            assert bank.data_ptr() % PAGE == 0 and bank.is_contiguous()
+    owned = cudart.pages
+    for t in neighbours:  # no ordinary tensor lies on a registered page
+        first, last = t.data_ptr() // PAGE, (t.data_ptr() + t.nbytes - 1) // PAGE
+        assert not owned & set(range(first, last + 1))
+
+
+def test_pool_of_foreign_tensors_moves_before_pinning(monkeypatch, rng_seed):
+    g = torch.Generator().manual_seed(rng_seed)
+    rows, h, i = 6, 64, 32  # rows of four and two pages
+    w13, w2 = torch.randn(rows, 2 * i, h, generator=g), torch.randn(rows, h, i, generator=g)
+    pool = ExpertPool(w13.clone(), w2.clone())
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(pool_module, "PIN_CHUNK_BYTES", 40000)  # three chunks a bank
+    pool.pin_rows = pin_rows_for((pool.w13[0].nbytes, pool.w2[0].nbytes))
+    assert pool.pin() is True and len(cudart.calls) == 6
+    assert torch.equal(pool.w13, w13) and torch.equal(pool.w2, w2)  # same values, moved
+    for ptr, _ in cudart.calls:
+        assert ptr % PAGE == 0  # every chunk starts on a page of its own
+
+
+def test_pin_rows_end_every_chunk_on_a_page(rng_seed):
+    rng = random.Random(rng_seed)
+    for _ in range(50):
+        h, i, item = rng.randrange(1, 5000), rng.randrange(1, 3000), rng.choice((2, 4))
+        row13, row2 = 2 * i * h * item, h * i * item
+        rows = pin_rows_for((row13, row2))
+        assert rows * row13 % PAGE == 0 and rows * row2 % PAGE == 0
+        assert rows * row13 < pool_module.PIN_CHUNK_BYTES + PAGE * row13  # near the chunk size
