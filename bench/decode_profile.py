@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         routing="zipf:1.0,loc:0.7", seed=0, smoke_group=1 << 16,
     )  # fmt: skip
     cfg, args.stream_min = shape_config(args)
+    a.budget, a.smoke_reserve = args.budget, 0  # the hog's (the reserve is the smoke's only)
     if a.cpu_smoke:
         from freetoken_agent.bench.elastic_engines import smoke_budget
 

@@ -15,6 +15,9 @@ Graphs hold raw pointers to the KV pool: whoever replaces the pool must capture 
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +30,23 @@ from freetoken_agent.engine.runner import StepInputs
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.experts.offload import OffloadedExpertBank
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """No cyclic garbage collection while graphs are captured: a collection runs finalizers,
+    and an old engine's expert pool unregistering its pinned memory inside a capture is a call
+    the driver forbids there. On the device that broke the capture and left the registration
+    behind the freed memory, so the next pool's registration failed (error 712) and a copy
+    from the reused addresses failed with "invalid argument"."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
 
 # B real sequences, Bp padded batch size of a graph, H hidden, Pm pages per sequence at most
 

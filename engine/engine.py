@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from freetoken_agent.engine.constrained import Grammars
+from freetoken_agent.engine.cuda_graphs import collection_paused
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.loading import LoadedModel, load_model
 from freetoken_agent.engine.memory_manager import elastic_memory
@@ -88,7 +89,8 @@ class Engine:
         max_pages = -(-self.max_model_len // self.loaded.kv.page_size)
         for attempt in range(1, CAPTURE_ATTEMPTS + 1):
             try:
-                self.runner.enable_cuda_graphs(self.config.max_num_seqs, max_pages, offloaded)
+                with collection_paused():
+                    self.runner.enable_cuda_graphs(self.config.max_num_seqs, max_pages, offloaded)
                 self.graph_error = None
                 return
             except RuntimeError as e:  # torch.AcceleratorError is one

@@ -36,6 +36,9 @@ log = logging.getLogger("freetoken.experts")
 
 PIN_CHUNK_BYTES = 1 << 30
 PAGE = mmap.PAGESIZE
+# Registrations whose release had to wait, each with the banks it covers (kept alive: memory
+# freed while still registered poisons the next allocation at its addresses).
+_deferred: list[tuple[list[int], tuple[torch.Tensor, ...]]] = []
 
 
 def page_exclusive(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -109,6 +112,7 @@ class ExpertPool:
         if not self._page_exclusive:  # tensors of unknown neighbours: one copy, at load
             self.w13, self.w2 = (_moved_page_exclusive(b) for b in (self.w13, self.w2))
             self._page_exclusive = True
+        _unregister_deferred()
         cudart = torch.cuda.cudart()
         try:
             for bank in (self.w13, self.w2):
@@ -133,9 +137,7 @@ class ExpertPool:
 
     def unpin(self) -> None:
         if self._registered:
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
+            _unregister(self._registered, (self.w13, self.w2))
         self._registered = []
         self.pinned = False
 
@@ -148,3 +150,33 @@ def _moved_page_exclusive(bank: torch.Tensor) -> torch.Tensor:
     out = page_exclusive(tuple(bank.shape), bank.dtype)
     out.copy_(bank)
     return out
+
+
+def _unregister(ptrs: list[int], banks: tuple[torch.Tensor, ...]) -> None:
+    """Release registrations now, or, inside a graph capture (where the call is forbidden and
+    would break the capture) or when the driver refuses, later, keeping `banks` alive till then."""
+    if _capturing():
+        _deferred.append((list(ptrs), banks))
+        return
+    cudart = torch.cuda.cudart()
+    refused = [ptr for ptr in ptrs if int(cudart.cudaHostUnregister(ptr)) != 0]
+    if refused:
+        log.warning("%d pinned pool chunks could not be released yet; retrying later", len(refused))
+        _deferred.append((refused, banks))
+
+
+def _unregister_deferred() -> None:
+    """Retry the releases that had to wait (before the next registration may reuse memory)."""
+    if _capturing():
+        return
+    waiting = list(_deferred)
+    _deferred.clear()
+    cudart = torch.cuda.cudart()
+    for ptrs, banks in waiting:
+        refused = [ptr for ptr in ptrs if int(cudart.cudaHostUnregister(ptr)) != 0]
+        if refused:
+            _deferred.append((refused, banks))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 
+import pytest
 import torch
 from tiny_models import tiny_config
 
+from freetoken_agent.engine.cuda_graphs import collection_paused
 from freetoken_agent.engine.experts import pool as pool_module
 from freetoken_agent.engine.experts.pool import PAGE, ExpertPool, pin_rows_for
 from freetoken_agent.engine.models.registry import spec_from_config
@@ -57,6 +60,7 @@ class _RecordingCudart:
     def __init__(self) -> None:
         self.pages: set[int] = set()
         self.calls: list[tuple[int, int]] = []
+        self.released: list[int] = []
 
     def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 (CUDA's name)
         pages = set(range(ptr // PAGE, -(-(ptr + size) // PAGE)))
@@ -67,6 +71,9 @@ class _RecordingCudart:
         return 0
 
     def cudaHostUnregister(self, ptr):  # noqa: N802
+        size = dict(self.calls)[ptr]
+        self.pages -= set(range(ptr // PAGE, -(-(ptr + size) // PAGE)))
+        self.released.append(ptr)
         return 0
 
 
@@ -119,3 +126,31 @@ def test_pin_rows_end_every_chunk_on_a_page(rng_seed):
         rows = pin_rows_for((row13, row2))
         assert rows * row13 % PAGE == 0 and rows * row2 % PAGE == 0
         assert rows * row13 < pool_module.PIN_CHUNK_BYTES + PAGE * row13  # near the chunk size
+
+
+def test_a_release_inside_a_graph_capture_waits_and_keeps_the_memory(monkeypatch):
+    """A collection inside a capture ran an old pool's release, which the driver forbids
+    there: the capture broke and the registration outlived its memory (device, error 712)."""
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(pool_module, "_deferred", [])
+    old = ExpertPool.empty(_spec(), torch.float32)
+    assert old.pin()
+    ptrs, banks = list(old._registered), (old.w13, old.w2)
+    monkeypatch.setattr(pool_module, "_capturing", lambda: True)
+    del old  # finalized inside the "capture"
+    assert cudart.released == []
+    assert pool_module._deferred == [(ptrs, banks)]  # the banks stay alive with their pins
+    monkeypatch.setattr(pool_module, "_capturing", lambda: False)
+    new = ExpertPool.empty(_spec(), torch.float32)
+    assert new.pin()  # releases what waited before registering
+    assert cudart.released == ptrs and pool_module._deferred == []
+
+
+def test_graph_capture_pauses_garbage_collection():
+    assert gc.isenabled()
+    with pytest.raises(ValueError), collection_paused():
+        assert not gc.isenabled()
+        raise ValueError  # a failed capture still restores collection
+    assert gc.isenabled()
