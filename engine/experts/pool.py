@@ -42,12 +42,12 @@ _deferred: list[tuple[list[int], tuple[torch.Tensor, ...]]] = []
 
 
 def page_exclusive(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised contiguous tensor whose pages hold nothing else: it starts on a page
-    boundary and the rest of its last page is padding of the same allocation."""
+    """An uninitialised contiguous tensor whose pages hold nothing else: an anonymous mapping of
+    its own. Its storage starts on the mapping's first page, as registration needs (torch's
+    `is_pinned`, which the direct policy's kernels check, asks about the storage's start)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = torch.empty(-(-nbytes // PAGE) * PAGE + PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % PAGE
-    return raw[start : start + nbytes].view(dtype).view(shape)  # the view keeps `raw` alive
+    mapping = mmap.mmap(-1, max(1, nbytes))  # the tensor holds the mapping alive
+    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
 def pin_rows_for(row_bytes: tuple[int, ...]) -> int:

@@ -96,6 +96,8 @@ def test_banks_own_their_pages_so_two_small_pools_both_pin(monkeypatch, rng_seed
         assert pool.pin() is True
         for bank in (pool.w13, pool.w2):
             assert bank.data_ptr() % PAGE == 0 and bank.is_contiguous()
+            # torch's is_pinned (checked by the direct policy's kernels) asks the storage
+            assert bank.untyped_storage().data_ptr() == bank.data_ptr()
     owned = cudart.pages
     for t in neighbours:  # no ordinary tensor lies on a registered page
         first, last = t.data_ptr() // PAGE, (t.data_ptr() + t.nbytes - 1) // PAGE
