@@ -60,3 +60,17 @@ def poisoned_alloc(monkeypatch: pytest.MonkeyPatch) -> None:
         return t.fill_(float("nan") if t.is_floating_point() else -(2**31))
 
     monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.fixture(autouse=True)
+def _device_left_clean(request):
+    """A GPU test starts with the device as a fresh process would have it: the engines of the
+    tests before it (cyclic garbage, holding arenas and graph pools) are collected and torch's
+    cache emptied. Device-memory tests read mem_get_info; on the device, run after the offload
+    tests' twenty-odd engines, two of them saw that garbage instead of their own engine."""
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    yield
