@@ -146,6 +146,31 @@ def _timed(engine, ids: list[int], n: int) -> tuple[float, float]:
     return wall, 1e3 * (getattr(graphs, "wait_s", 0.0) - w0) / max(1, n - 1)
 
 
+def _prefill_counters(engine) -> dict[str, float]:
+    """What a prefill moved: layers streamed, bytes over PCIe and copied from slots, split
+    changes, slots (elastic and fixed prefill differ by ~1 s at 32k on the device; the device
+    time of both is the same)."""
+    bank, memory = engine.loaded.bank, engine.memory
+    s = getattr(bank, "streamer", None)
+    return {
+        "layers": s.layers_streamed if s else 0,
+        "h2d": s.bytes_h2d if s else 0,
+        "d2d": s.bytes_d2d if s else 0,
+        "changes": len(memory.trace) if memory is not None else 0,
+        "slots": bank.cache.n_slots if s else 0,
+    }
+
+
+def _prefill_delta(engine, before: dict[str, float]) -> str:
+    after = _prefill_counters(engine)
+    d = {k: after[k] - before[k] for k in ("layers", "h2d", "d2d", "changes")}
+    return (
+        f"{d['layers']} layers streamed, {d['h2d'] / 1e9:.2f} GB host-to-device, "
+        f"{d['d2d'] / 1e9:.2f} GB from slots, {d['changes']} split changes, slots "
+        f"{before['slots']} -> {after['slots']}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -187,10 +212,15 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("elastic", "fixed-last"):
         engine = build(args, name, turns)
         install_routing(engine, args)
-        run_turn(engine, ids[: min(len(ids), 300)], 2)  # warm: kernels compiled
+        # Warm: a fresh prompt of one whole prefill chunk compiles what the timed turn runs
+        # (the streamed layers, the chunked scans). A 300-token warm-up had left that to the
+        # first engine's timed prefill: 11.8 s against 4.7 s for the engine after it.
+        run_turn(engine, [rng.randrange(3, args.vocab) for _ in range(args.chunk)], 2)
         memory = engine.memory
         sp0 = memory.safe_point_s if memory is not None else 0.0
+        before = _prefill_counters(engine)
         ttft, wall = _turn(engine, ids, a.tokens)
+        print(f"-- {name} prefill of {len(ids)} tokens: {_prefill_delta(engine, before)}")
         sp = 1e3 * ((memory.safe_point_s if memory is not None else 0.0) - sp0) / (a.tokens - 1)
         if a.squeeze_gb and memory is not None:
             _squeeze(engine, int(a.squeeze_gb * 1e9), ids, a, wall)

@@ -49,7 +49,7 @@ def build(args, name: str, turns) -> Engine:
         # Moves of the split and of the budget in the toy arena's scale (64 MiB is a GPU's).
         options.update(elastic_group_bytes=args.smoke_group)
     if args.cpu_smoke:
-        options.update(device="cpu", std=0.1, policy="transfer")
+        options.update(device="cpu", std=0.1, policy="transfer", stream_min_tokens=args.stream_min)
     else:
         options.update(policy=args.policy, stream_min_tokens=args.stream_min)
     engine = random_engine(args.cfg, pool=args.pool, **options)

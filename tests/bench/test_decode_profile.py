@@ -11,7 +11,7 @@ from freetoken_agent.bench import decode_profile
 
 def test_cpu_smoke_profiles_both_engines(capsys, rng_seed):
     tokens = random.Random(rng_seed).randint(6, 12)
-    argv = ["--cpu-smoke", "--context", "96", "--tokens", str(tokens), "--top", "5"]
+    argv = ["--cpu-smoke", "--context", "200", "--tokens", str(tokens), "--top", "5"]
     decode_profile.main([*argv, "--squeeze-gb", "0.0002"])
     out = capsys.readouterr().out
     heads = re.findall(r"^== (\S+): prefill (\d+) ms, decode ([\d.]+) ms/step", out, re.M)
@@ -21,6 +21,15 @@ def test_cpu_smoke_profiles_both_engines(capsys, rng_seed):
     sp = re.findall(r"safe points in both ([\d.]+);", out)
     assert float(sp[0]) > 0 and float(sp[1]) == 0
     assert out.count("host functions by own time") == 4
+    # Each timed prefill says what it moved; a smoke chunk of 128 tokens streams its layers.
+    moved = re.findall(
+        r"^-- (\S+) prefill of 200 tokens: (\d+) layers streamed, ([\d.]+) GB "
+        r"host-to-device, [\d.]+ GB from slots, (\d+) split changes",
+        out,
+        re.M,
+    )
+    assert [m[0] for m in moved] == ["elastic", "fixed-last"], out
+    assert all(int(m[1]) > 0 for m in moved), out
     # The squeeze (elastic only): a budget cut and restored, decode timed again after it.
     assert re.findall(r"^-- squeeze .* decode [\d.]+ -> [\d.]+ ms/step$", out, re.M), out
 
