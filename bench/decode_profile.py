@@ -25,6 +25,7 @@ import io
 import pstats
 import random
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import torch
@@ -157,17 +158,22 @@ def _prefill_counters(engine) -> dict[str, float]:
         "h2d": s.bytes_h2d if s else 0,
         "d2d": s.bytes_d2d if s else 0,
         "changes": len(memory.trace) if memory is not None else 0,
+        "map_failures": memory.map_failures if memory is not None else 0,
         "slots": bank.cache.n_slots if s else 0,
     }
 
 
 def _prefill_delta(engine, before: dict[str, float]) -> str:
     after = _prefill_counters(engine)
-    d = {k: after[k] - before[k] for k in ("layers", "h2d", "d2d", "changes")}
+    d = {k: after[k] - before[k] for k in before}
+    reasons = ""
+    if d["changes"]:  # the trace keeps its latest records: these are the prefill's
+        counts = Counter(r.reason for r in engine.memory.trace.records[-d["changes"] :])
+        reasons = " (" + ", ".join(f"{n}x {why}" for why, n in counts.most_common()) + ")"
     return (
         f"{d['layers']} layers streamed, {d['h2d'] / 1e9:.2f} GB host-to-device, "
-        f"{d['d2d'] / 1e9:.2f} GB from slots, {d['changes']} split changes, slots "
-        f"{before['slots']} -> {after['slots']}"
+        f"{d['d2d'] / 1e9:.2f} GB from slots, {d['changes']} split changes{reasons}, "
+        f"{d['map_failures']} refused maps, slots {before['slots']} -> {after['slots']}"
     )
 
 
