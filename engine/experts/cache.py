@@ -26,24 +26,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from freetoken_agent.engine.device_index import on_device
+from freetoken_agent.engine.experts.fill_races import FillRaces
 from freetoken_agent.engine.experts.inflight import InflightFills
 from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.kernels.row_copy import row_copy
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.arena import ElasticArena
 
 # S slots, N = L * E lids, H hidden, I expert width
 
-OUTCOME_EMA = 0.01  # weight of the newest race outcome in `fill_gain`
 NEVER = -(1 << 62)  # the last-hit step of a lid never hit
-
-
-def on_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[R] `values` on `device`; on CUDA through pinned memory, queued on the current stream
-    with no host wait (torch's caching host allocator keeps the buffer until the copy is done)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class ExpertCache:
@@ -91,17 +85,9 @@ class ExpertCache:
         self.fills = 0
         self.bytes_filled = 0
         self.fill_timings: list[tuple] = []  # (start, end, bytes) of fills, read by the bank
-        # Do fills pay? Each fill races its victim over one visit of each one's layer (a
-        # `touch` is one layer's visit; a lid's layer is lid // lids_per_layer): +1 when the
-        # filled expert is hit at its layer's next visit and the victim is not asked for at
-        # its own, -1 the other way round (a miss the fill caused), 0 for both or neither. A
-        # fill into a free slot has no victim. `fill_gain` is the running mean: 0 under
-        # near-uniform routing (each has the same chance at its one visit), positive with
-        # temporal locality, negative when the steps' working set exceeds the cache (fills
-        # are evicted before their layer comes round again).
+        # Do fills pay? (fill_races.py; `touch` is one layer's visit)
         self.lids_per_layer = lids_per_layer or pool.n_rows
-        self._races: dict[int, list[list[int]]] = {}  # layer -> races awaiting its next visit
-        self.fill_gain = 0.0
+        self.races = FillRaces(self.lids_per_layer)
         # Table entries of evicted lids not yet on the device: `publish` writes them with the
         # fills that replace them, on the copy stream, so compute sees both at once.
         self._unpublished: list[int] = []
@@ -120,6 +106,15 @@ class ExpertCache:
     def nbytes(self) -> int:
         return self.n_slots * self.pool.expert_bytes
 
+    @property
+    def fill_gain(self) -> float:
+        """The running mean of fills' races against their victims (fill_races.py)."""
+        return self.races.gain
+
+    @fill_gain.setter
+    def fill_gain(self, gain: float) -> None:
+        self.races.gain = gain
+
     def resident(self, lid: int) -> bool:
         return self._slot_of[lid] >= 0
 
@@ -127,10 +122,7 @@ class ExpertCache:
         """One layer's visit (its distinct lids): settle the fill races waiting on this layer,
         count hits and misses, and move resident lids to the most-recent end of the LRU."""
         if lids:
-            layer = lids[0] // self.lids_per_layer
-            races = self._races.pop(layer, None)
-            if races:
-                self._settle(races, layer, set(lids))
+            self.races.visit(lids[0] // self.lids_per_layer, lids, self._slot_of)
         for lid in lids:
             if self._slot_of[lid] >= 0:
                 self.hits += 1
@@ -138,20 +130,6 @@ class ExpertCache:
                 self._last_hit[lid] = self.step
             else:
                 self.misses += 1
-
-    def _settle(self, races: list[list[int]], layer: int, asked: set[int]) -> None:
-        """A race is [filled lid, victim lid or -1, filled's result, victim's result], a
-        result -1 until that side's layer is visited: the filled side wins when it is asked
-        for and still resident, the victim's when it is asked for and absent."""
-        per = self.lids_per_layer
-        for race in races:
-            filled, victim = race[0], race[1]
-            if filled // per == layer and race[2] < 0:
-                race[2] = int(filled in asked and self._slot_of[filled] >= 0)
-            if victim // per == layer and race[3] < 0:
-                race[3] = int(victim in asked and self._slot_of[victim] < 0)
-            if race[2] >= 0 and race[3] >= 0:
-                self.fill_gain += OUTCOME_EMA * (race[2] - race[3] - self.fill_gain)
 
     def fill(
         self, lids: list[int], protect: set[int], after_compute: bool = True, publish: bool = True
@@ -215,11 +193,7 @@ class ExpertCache:
         self._slot_of[lid] = slot
         self._lid_of[slot] = lid
         self._lru[lid] = None
-        race = [lid, victim, -1, -1 if victim >= 0 else 0]
-        per = self.lids_per_layer
-        self._races.setdefault(lid // per, []).append(race)
-        if victim >= 0 and victim // per != lid // per:
-            self._races.setdefault(victim // per, []).append(race)
+        self.races.start(lid, victim)
         return slot
 
     def _take_slot(self, protect: set[int]) -> tuple[int | None, int]:
@@ -342,7 +316,7 @@ class ExpertCache:
             self._evict(lid)
             evicted.append(lid)
             excess -= 1
-        self._drop_races(set(evicted))
+        self.races.drop(set(evicted))
         kept_free = sorted((s for s in self._free if s >= first_slot), reverse=True)
         moves = [(self._lid_of[s], s) for s in range(old, first_slot) if self._lid_of[s] >= 0]
         pairs = [(lid, src, kept_free.pop()) for lid, src in moves]  # lowest kept free slots
@@ -359,39 +333,26 @@ class ExpertCache:
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream) if self.copy_stream else contextlib.nullcontext():
-            for lid, src, dst in pairs:
-                self.w13[dst].copy_(self.w13[src])
-                self.w2[dst].copy_(self.w2[src])
-                self._lid_of[src], self._lid_of[dst] = -1, lid
-                self._slot_of[lid] = dst
-
-    def _drop_races(self, lids: set[int]) -> None:
-        if not lids:
-            return
-        for layer in list(self._races):
-            races = [r for r in self._races[layer] if r[0] not in lids]
-            if races:
-                self._races[layer] = races
-            else:
-                del self._races[layer]
+            # One launch a bank: a shrink moves up to a group's worth of slots (a copy each
+            # was two launches a slot). Sources sit below the new edge, destinations above.
+            src_rows = on_device([src for _, src, _ in pairs], torch.long, self.device)
+            dst_rows = on_device([dst for _, _, dst in pairs], torch.long, self.device)
+            row_copy(self.w13, self.w13, dst_rows, src_rows)
+            row_copy(self.w2, self.w2, dst_rows, src_rows)
+        for lid, src, dst in pairs:
+            self._lid_of[src], self._lid_of[dst] = -1, lid
+            self._slot_of[lid] = dst
 
     def tick(self) -> None:
         """One engine step begins: hits from now on count for this step."""
         self.step += 1
 
-    def tail_hits(self, k: int, window: int) -> float:
-        """Hits per step that giving up k slots would lose: how many of the k least recently
-        used resident lids were hit within the last `window` steps (the current one
-        included), divided by `window`. Pinned lids are skipped (they are never given up).
-        One read of `tail_profile`; the MemoryManager keeps a profile for many k instead."""
-        hot = self.tail_profile(window)
-        return float(hot[min(k, len(hot) - 1)]) / window
-
     def tail_profile(self, window: int) -> np.ndarray:
         """hot[k]: how many of the k least recently used unpinned resident lids were hit within
         the last `window` steps (hot[0] = 0), for every k at once: [resident + 1] int64. One
         O(slots) pass, the counting in numpy (~0.12 ms for 4,000 slots on the CPU here against
-        ~0.2 ms for the Python walk it replaced)."""
+        ~0.2 ms for the Python walk it replaced). The MemoryManager reads hot[k] / window as
+        the hits per step that giving up k slots would lose."""
         lru = self._lru
         lids = [lid for lid in lru if lid not in self._pinned_set] if self._pinned_set else lru
         last = np.fromiter(map(self._last_hit.__getitem__, lids), np.int64, len(lids))
@@ -408,8 +369,7 @@ class ExpertCache:
     def reset(self) -> None:
         """Empty every slot (benchmarks start each policy from the same state)."""
         self.inflight.settle()
-        self._races.clear()
-        self.fill_gain = 0.0
+        self.races.clear()
         self._unpublished.clear()
         for lid in list(self._lru):
             slot = self._slot_of[lid]

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from freetoken_agent.engine.experts.cache import ExpertCache, on_device
+from freetoken_agent.engine.device_index import on_device
+from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.kernels.row_copy import row_copy
 

@@ -1,0 +1,66 @@
+"""Do cache fills pay? Each fill races its victim over one visit of each one's layer.
+
+A visit is one MoE layer's routing in one step (`ExpertCache.touch`); a lid's layer is
+`lid // lids_per_layer`. A race is settled when both sides' layers have been visited once after
+the fill: +1 when the filled expert is asked for (and still resident) and the victim is not,
+-1 the other way round (a miss the fill caused), 0 for both or neither. A fill into a free slot
+has no victim (its side counts 0). `gain` is the running mean of the outcomes: about 0 under
+near-uniform routing (each has the same chance at its one visit), positive with temporal
+locality, negative when the steps' working set exceeds the cache (fills are evicted before
+their layer comes round again). Policy adaptive reads it to decide whether fills are worth
+their bytes (engine/experts/policy.py).
+"""
+
+from __future__ import annotations
+
+OUTCOME_EMA = 0.01  # weight of the newest race outcome in `gain`
+
+
+class FillRaces:
+    def __init__(self, lids_per_layer: int) -> None:
+        self.lids_per_layer = lids_per_layer
+        # layer -> races awaiting that layer's next visit; a race is
+        # [filled lid, victim lid or -1, filled's result, victim's result], -1 until settled.
+        self.pending: dict[int, list[list[int]]] = {}
+        self.gain = 0.0
+
+    def start(self, filled: int, victim: int) -> None:
+        """A fill of `filled` into the slot `victim` held (-1: a free slot)."""
+        race = [filled, victim, -1, -1 if victim >= 0 else 0]
+        per = self.lids_per_layer
+        self.pending.setdefault(filled // per, []).append(race)
+        if victim >= 0 and victim // per != filled // per:
+            self.pending.setdefault(victim // per, []).append(race)
+
+    def visit(self, layer: int, lids: list[int], slot_of: list[int]) -> None:
+        """`layer` asked for `lids` (its distinct lids) with the host table `slot_of` as it is
+        before this visit's fills: the filled side wins when asked for and still resident, the
+        victim's when asked for and absent."""
+        races = self.pending.pop(layer, None)
+        if not races:
+            return
+        asked, per = set(lids), self.lids_per_layer
+        for race in races:
+            filled, victim = race[0], race[1]
+            if filled // per == layer and race[2] < 0:
+                race[2] = int(filled in asked and slot_of[filled] >= 0)
+            if victim // per == layer and race[3] < 0:
+                race[3] = int(victim in asked and slot_of[victim] < 0)
+            if race[2] >= 0 and race[3] >= 0:
+                self.gain += OUTCOME_EMA * (race[2] - race[3] - self.gain)
+
+    def drop(self, filled: set[int]) -> None:
+        """Forget the races of fills evicted by something other than a fill (a resize): their
+        outcome says nothing about fills."""
+        if not filled:
+            return
+        for layer in list(self.pending):
+            races = [r for r in self.pending[layer] if r[0] not in filled]
+            if races:
+                self.pending[layer] = races
+            else:
+                del self.pending[layer]
+
+    def clear(self) -> None:
+        self.pending.clear()
+        self.gain = 0.0
