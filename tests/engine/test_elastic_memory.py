@@ -228,6 +228,7 @@ def test_budget_follows_free_memory_as_another_program_takes_and_releases(model)
     dev = SimulatedDevice(total, m.used_bytes)  # the other program holds `taken`
     m.watch(dev.free_memory, reserve=reserve, poll_s=0)
     budget0, mapped0 = m.budget, m.mapped_bytes
+    slack0 = m.used_bytes() - m.held_bytes()
     assert budget0 == m.user_budget  # the headroom covers the load-time budget
     taken = rng.randint(12, 16) * sb  # about a third of the slots
 
@@ -248,7 +249,11 @@ def test_budget_follows_free_memory_as_another_program_takes_and_releases(model)
     assert _run(engine, prompt) == resident.generate(prompt, SP).token_ids
     for _ in range(10):  # idle safe points (an EngineService polls like this)
         engine.poll_memory()
-    assert m.budget == budget0
+    # Back to the start, less what the backing's slack grew beyond the headroom (partial
+    # chunks mapped at a lane's top or the first slot: memory the engine really holds; one
+    # seed grew it by 24 KiB), give or take a chunk of it moving between polls.
+    grew = max(0, m.used_bytes() - m.held_bytes() - slack0 - headroom)
+    assert 0 <= budget0 - m.budget <= grew + chunk, (budget0, m.budget, grew)
     assert m.stats()["slots"] > squeezed
     reasons = [r.reason for r in m.trace.records]
     assert len({r.budget for r in m.trace.records}) >= 2, reasons
