@@ -25,7 +25,7 @@ from freetoken_agent.engine.constrained import Grammars
 from freetoken_agent.engine.cuda_graphs import collection_paused
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.loading import LoadedModel, load_model
-from freetoken_agent.engine.memory_manager import elastic_memory
+from freetoken_agent.engine.memory_setup import elastic_memory
 from freetoken_agent.engine.output_state import OutputState
 from freetoken_agent.engine.outputs import (
     ContextLengthError,

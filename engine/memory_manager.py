@@ -49,9 +49,7 @@ from dataclasses import replace
 import torch
 
 from freetoken_agent.engine.arena import ElasticArena
-from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.pool import KVPool
-from freetoken_agent.engine.kv.recurrence import device_row_cap
 from freetoken_agent.engine.kv.vacate import vacate_pages
 from freetoken_agent.engine.memory import (
     BudgetWatcher,
@@ -59,7 +57,6 @@ from freetoken_agent.engine.memory import (
     MemoryPolicy,
     MemoryTrace,
     Split,
-    cuda_free_memory,
 )
 from freetoken_agent.engine.memory_demand import DemandMeter
 from freetoken_agent.engine.scheduler import Scheduler
@@ -413,45 +410,3 @@ class MemoryManager:
                 * arena.slot_unit.nbytes)  # fmt: skip
         assert used <= arena.nbytes, "pages and slots overlap"
         assert arena.kv_backed(alloc.n_pages), "a usable KV page is not backed by memory"
-
-
-def elastic_memory(loaded, scheduler: Scheduler) -> MemoryManager | None:
-    """The MemoryManager when KV pages and expert slots share an arena (engine/arena.py). Its
-    budget is what the arena was sized from: the fixed bytes (dense weights, workspace,
-    recurrent memory, staging buffers of their own) plus the arena."""
-    bank = loaded.bank
-    arena = getattr(getattr(bank, "cache", None), "arena", None)
-    if arena is None:
-        return None
-    spec, config = loaded.spec, loaded.config
-    fixed = (
-        loaded.dense_bytes
-        + workspace_bytes(spec, config)
-        # What the recurrence holds outside the split (sized again from the arena, whose
-        # addresses reach the ceiling, it was overstated by 6.6 GB, a third of the split, on
-        # the Qwen3.6 shape on the device); a resizable checkpoint tier is in the split.
-        + (loaded.recurrence.fixed_device_bytes if loaded.recurrence is not None else 0)
-        + bank.nbytes
-        - bank.cache.nbytes
-    )
-    policy = MemoryPolicy(group_bytes=config.elastic_group_bytes)
-    # The budget at load: the user's, or what the split was sized for (free memory at load).
-    rec = loaded.recurrence
-    sized = (
-        fixed
-        + (rec.device_bytes - rec.fixed_device_bytes if rec is not None else 0)
-        + arena.initial_pages * arena.kv_unit.nbytes
-        + (arena.n_slots + 1) * (arena.slot_unit.nbytes)
-    )
-    explicit = config.gpu_budget is not None
-    budget = config.gpu_budget if explicit else sized
-
-    def checkpoint_cap(b: int) -> int:
-        return device_row_cap(spec, loaded.dtype, b)
-
-    manager = MemoryManager(
-        arena, loaded.kv, bank, scheduler, fixed, budget, policy, None, explicit, checkpoint_cap
-    )
-    if loaded.device.type == "cuda" and config.follow_free_memory:
-        manager.watch(cuda_free_memory(loaded.device), config.memory_reserve, config.memory_poll_s)
-    return manager
