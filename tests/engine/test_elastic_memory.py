@@ -120,6 +120,8 @@ def test_budget_cut_mid_generation_keeps_outputs(model, policy):
     def on_step(n: int) -> None:
         if n == 3:
             engine.set_gpu_budget(cut)
+        if n == 5 and policy == "direct":  # emptied after the cut: the next steps must miss
+            engine.loaded.bank.cache.reset()  # (a peaked router kept all decode on residents)
 
     assert _run(engine, prompt, on_step) == want
     if policy == "direct":  # decode read misses from the pool, on the arena's slots
