@@ -47,7 +47,8 @@ def test_offloaded_on_cuda_matches_resident(family, tmp_path, rng_seed):
         graphs = engine.runner.graphs
         if policy == "direct":  # one graph a step; misses read from the pinned pool
             assert isinstance(graphs, DirectDecodeGraphs)
-            assert engine.stats()["experts"]["direct"] > 0
+            # (all but one expert resident: decode may route to residents only)
+            assert engine.stats()["experts"]["direct"] > 0 or slots == rows - 1
         else:
             assert isinstance(graphs, SegmentedDecodeGraphs)
         if slots == 1 and policy != "direct":  # every layer misses: segments ran again
