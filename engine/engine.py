@@ -36,7 +36,7 @@ from freetoken_agent.engine.outputs import (
 from freetoken_agent.engine.runner import ModelRunner, StepOutput
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.engine.scheduler import Batch, Request, Scheduler, Status
-from freetoken_agent.engine.stats import checkpoint_stats, expert_stats, request_stats
+from freetoken_agent.engine.stats import engine_stats, request_stats
 
 log = logging.getLogger("freetoken.engine")
 CAPTURE_ATTEMPTS = 2  # decode-graph captures tried before decoding without graphs
@@ -439,45 +439,8 @@ class Engine:
 
     # --- introspection --------------------------------------------------------------------
     def stats(self) -> dict:
-        kv, radix = self.kv, self.radix
-        t = self._totals
-        seen = t["prefilled"] + t["reused"]
-        return {
-            "model": self.spec.arch,
-            "device": str(self.loaded.device),
-            "dtype": str(self.loaded.dtype).removeprefix("torch."),
-            "policy": self.config.policy,
-            # Decode under CUDA graphs (False on the CPU, with cuda_graphs off, or after a
-            # failed capture: then graph_error says why).
-            "cuda_graphs": self.runner.graphs is not None,
-            "graph_error": self.graph_error,
-            "memory": {
-                "dense_bytes": self.loaded.dense_bytes,
-                "expert_bytes": self.loaded.bank.nbytes,
-                "kv_bytes": kv.nbytes,
-                "kv_pages": kv.allocator.capacity,
-                "kv_pages_free": kv.allocator.n_free,
-                "kv_pages_cached": radix.n_pages,
-                "page_size": kv.page_size,
-                "max_model_len": self.max_model_len,
-            },
-            "experts": expert_stats(self.loaded.bank, self.config.policy),
-            "tokens": {
-                "prefilled": t["prefilled"],
-                "reused": t["reused"],
-                "generated": t["generated"],
-                "reuse_ratio": t["reused"] / seen if seen else 0.0,
-            },
-            "checkpoints": checkpoint_stats(self.scheduler),
-            "elastic": None if self.memory is None else self.memory.stats(),
-            "requests": {
-                "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
-                "finished": t["finished"],
-                "errors": t["errors"],
-                "preemptions": self.scheduler.preemptions,
-            },
-        }
+        """Model, memory, experts, tokens, checkpoints, elastic split, requests (stats.py)."""
+        return engine_stats(self)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

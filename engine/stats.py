@@ -63,3 +63,46 @@ def request_stats(req: Request) -> dict:
         "total_s": end - req.arrival_time,
         "preempted": req.admissions - 1,
     }
+
+
+def engine_stats(engine) -> dict:
+    """What `Engine.stats()` returns."""
+    kv, radix = engine.kv, engine.radix
+    t = engine._totals
+    seen = t["prefilled"] + t["reused"]
+    return {
+        "model": engine.spec.arch,
+        "device": str(engine.loaded.device),
+        "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+        "policy": engine.config.policy,
+        # Decode under CUDA graphs (False on the CPU, with cuda_graphs off, or after a
+        # failed capture: then graph_error says why).
+        "cuda_graphs": engine.runner.graphs is not None,
+        "graph_error": engine.graph_error,
+        "memory": {
+            "dense_bytes": engine.loaded.dense_bytes,
+            "expert_bytes": engine.loaded.bank.nbytes,
+            "kv_bytes": kv.nbytes,
+            "kv_pages": kv.allocator.capacity,
+            "kv_pages_free": kv.allocator.n_free,
+            "kv_pages_cached": radix.n_pages,
+            "page_size": kv.page_size,
+            "max_model_len": engine.max_model_len,
+        },
+        "experts": expert_stats(engine.loaded.bank, engine.config.policy),
+        "tokens": {
+            "prefilled": t["prefilled"],
+            "reused": t["reused"],
+            "generated": t["generated"],
+            "reuse_ratio": t["reused"] / seen if seen else 0.0,
+        },
+        "checkpoints": checkpoint_stats(engine.scheduler),
+        "elastic": None if engine.memory is None else engine.memory.stats(),
+        "requests": {
+            "running": len(engine.scheduler.running),
+            "waiting": len(engine.scheduler.waiting),
+            "finished": t["finished"],
+            "errors": t["errors"],
+            "preemptions": engine.scheduler.preemptions,
+        },
+    }
