@@ -33,9 +33,10 @@ from freetoken_agent.engine.outputs import (
     InvalidRequestError,
     TokenEvent,
 )
+from freetoken_agent.engine.request import Batch, Request, Status
 from freetoken_agent.engine.runner import ModelRunner, StepOutput
 from freetoken_agent.engine.sampling_params import SamplingParams
-from freetoken_agent.engine.scheduler import Batch, Request, Scheduler, Status
+from freetoken_agent.engine.scheduler import Scheduler
 from freetoken_agent.engine.stats import engine_stats, request_stats
 
 log = logging.getLogger("freetoken.engine")

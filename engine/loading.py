@@ -32,7 +32,7 @@ from freetoken_agent.engine.kv.recurrence import build_recurrence, recurrent_dev
 from freetoken_agent.engine.layers.moe import ExpertBank
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.models.registry import family, spec_from_config
-from freetoken_agent.engine.scheduler import Recurrence
+from freetoken_agent.engine.request import Recurrence
 from freetoken_agent.engine.text.tokenizer import Tokenizer
 from freetoken_agent.engine.weights import ftw
 from freetoken_agent.engine.weights.loader import load_safetensors

@@ -15,7 +15,8 @@ from __future__ import annotations
 from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.memory import MemoryDemand
-from freetoken_agent.engine.scheduler import Scheduler, Status
+from freetoken_agent.engine.request import Status
+from freetoken_agent.engine.scheduler import Scheduler
 
 LOOKAHEAD_TOKENS = 256  # pages a running request is granted ahead of its next steps
 RECENT_USES = 64  # cached pages touched in the last this-many radix uses count as recent

@@ -19,7 +19,7 @@ from freetoken_agent.engine.layers.attention import AttentionMetadata
 from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.layers.sampler import sample
 from freetoken_agent.engine.models.base import MoeCausalLM
-from freetoken_agent.engine.scheduler import Batch, ScheduledChunk
+from freetoken_agent.engine.request import Batch, ScheduledChunk
 
 # T tokens in the step, B chunks (sequences), S page size, V vocab
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from freetoken_agent.engine.scheduler import Request, Scheduler
+from freetoken_agent.engine.request import Request
+from freetoken_agent.engine.scheduler import Scheduler
 
 
 def expert_stats(bank, policy: str) -> dict:

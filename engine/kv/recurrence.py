@@ -25,7 +25,7 @@ from freetoken_agent.engine.config import EngineConfig, ModelSpec
 from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 from freetoken_agent.engine.kv.checkpoints import CheckpointPool
 from freetoken_agent.engine.kv.recurrent_state import RecurrentStatePool
-from freetoken_agent.engine.scheduler import Recurrence
+from freetoken_agent.engine.request import Recurrence
 
 GiB = 1 << 30
 MAX_ROWS = 4096  # per tier

@@ -25,13 +25,8 @@ from freetoken_agent.engine.kv.checkpoints import CheckpointPool
 from freetoken_agent.engine.kv.pool import PageAllocator
 from freetoken_agent.engine.kv.radix import RadixCache
 from freetoken_agent.engine.kv.recurrent_state import RecurrentStatePool
-from freetoken_agent.engine.scheduler import (
-    MAX_FRUITLESS_PREEMPTIONS,
-    Recurrence,
-    Request,
-    Scheduler,
-    Status,
-)
+from freetoken_agent.engine.request import Recurrence, Request, Status
+from freetoken_agent.engine.scheduler import MAX_FRUITLESS_PREEMPTIONS, Scheduler
 
 PAGE = 4
 CONV, SSM = (6, 3), (2, 4, 4)  # [C, K - 1], [Hv, Dk, Dv]

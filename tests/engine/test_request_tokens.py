@@ -3,8 +3,8 @@ decode step at 100k tokens of context had built and freed a 100k list for one to
 
 import random
 
+from freetoken_agent.engine.request import Request
 from freetoken_agent.engine.sampling_params import SamplingParams
-from freetoken_agent.engine.scheduler import Request
 
 
 def test_token_range_is_the_slice_of_prompt_and_output(rng_seed):
