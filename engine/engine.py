@@ -28,11 +28,11 @@ from freetoken_agent.engine.loading import LoadedModel, load_model
 from freetoken_agent.engine.memory_setup import elastic_memory
 from freetoken_agent.engine.output_state import OutputState
 from freetoken_agent.engine.outputs import (
-    ContextLengthError,
     GenerationOutput,
     InvalidRequestError,
     TokenEvent,
 )
+from freetoken_agent.engine.prompt_input import Prompt, encode_prompt, snapshot_plan
 from freetoken_agent.engine.request import Batch, Request, Status
 from freetoken_agent.engine.runner import ModelRunner, StepOutput
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -41,8 +41,6 @@ from freetoken_agent.engine.stats import engine_stats, request_stats
 
 log = logging.getLogger("freetoken.engine")
 CAPTURE_ATTEMPTS = 2  # decode-graph captures tried before decoding without graphs
-
-Prompt = str | Sequence[int]
 
 
 class Engine:
@@ -143,8 +141,8 @@ class Engine:
         and `anchor_tokens` generated tokens before which decoding does; later requests
         sharing a prefix resume from the deepest checkpoint in it (EngineConfig.checkpoints)."""
         sampling = sampling or SamplingParams()
-        ids = self._encode(prompt)
-        plan = self._snapshot_plan(ids, anchors)
+        ids = encode_prompt(prompt, self.tokenizer, self.spec.vocab_size, self.max_model_len)
+        plan = snapshot_plan(ids, anchors, self.scheduler.recurrence)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -162,50 +160,6 @@ class Engine:
             self._scores[request_id] = []
         self.scheduler.add(req)
         return request_id
-
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, torch.Tensor):
-            ids = [int(t) for t in prompt.reshape(-1).tolist()]
-        else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError) as e:
-                raise InvalidRequestError(
-                    f"a prompt is a string or a list of token ids: {e}"
-                ) from e
-        if not ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        vocab = self.spec.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
-                + (f" ({len(bad)} such ids)" if len(bad) > 1 else "")
-            )
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens; this engine's context holds "
-                f"{self.max_model_len} tokens (prompt + output), so at most "
-                f"{self.max_model_len - 1} prompt tokens fit"
-            )
-        return ids
-
-    def _snapshot_plan(self, ids: list[int], anchors: Sequence[int]) -> list[int]:
-        try:
-            marks = [int(a) for a in anchors]
-        except (TypeError, ValueError) as e:
-            raise InvalidRequestError(f"anchors are token offsets (ints): {e}") from e
-        bad = [a for a in marks if not 0 <= a <= len(ids)]
-        if bad:
-            raise InvalidRequestError(
-                f"anchor {bad[0]} lies outside the prompt's {len(ids)} tokens (0..{len(ids)})"
-            )
-        rec = self.scheduler.recurrence
-        return rec.mode.prompt_boundaries(len(ids), marks) if rec is not None else []
 
     def set_gpu_budget(self, nbytes: int) -> None:
         """Change the GPU budget while running; applied at the next safe point (KV pages and
