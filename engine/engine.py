@@ -28,6 +28,7 @@ from freetoken_agent.engine.loading import LoadedModel, load_model
 from freetoken_agent.engine.memory_setup import elastic_memory
 from freetoken_agent.engine.output_state import OutputState
 from freetoken_agent.engine.outputs import (
+    EngineClosedError,
     GenerationOutput,
     InvalidRequestError,
     TokenEvent,
@@ -38,6 +39,7 @@ from freetoken_agent.engine.runner import ModelRunner, StepOutput
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.engine.scheduler import Scheduler
 from freetoken_agent.engine.stats import engine_stats, request_stats
+from freetoken_agent.engine.teardown import release
 
 log = logging.getLogger("freetoken.engine")
 CAPTURE_ATTEMPTS = 2  # decode-graph captures tried before decoding without graphs
@@ -140,6 +142,7 @@ class Engine:
         anchors: the state after prompt[:a]) where prefilling checkpoints the recurrent state,
         and `anchor_tokens` generated tokens before which decoding does; later requests
         sharing a prefix resume from the deepest checkpoint in it (EngineConfig.checkpoints)."""
+        self._open()
         sampling = sampling or SamplingParams()
         ids = encode_prompt(prompt, self.tokenizer, self.spec.vocab_size, self.max_model_len)
         plan = snapshot_plan(ids, anchors, self.scheduler.recurrence)
@@ -166,6 +169,7 @@ class Engine:
         expert slots re-split, requests preempted rather than failing if even the fewest slots
         leave too few pages). At most the ceiling the arena reserved addresses for
         (EngineConfig.gpu_ceiling); higher values are capped there."""
+        self._open()
         if self.memory is None:
             raise InvalidRequestError(
                 "this engine's memory is not elastic (experts resident, elastic=False, or no "
@@ -182,6 +186,7 @@ class Engine:
         """An idle engine's safe point: follow free device memory (yield VRAM another program
         took, regain what it released) and apply a pending budget. Does nothing while requests
         run (each step's safe point polls). Returns the budget (None: memory not elastic)."""
+        self._open()
         if self.memory is None:
             return None
         if not self.has_unfinished():
@@ -194,10 +199,22 @@ class Engine:
             self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler is not None and self.scheduler.has_work()
+
+    def close(self) -> None:
+        """Give back now what the engine holds on the device and the host pool's page-locked
+        memory (teardown.py); unfinished requests end with "abort". Every later call raises
+        EngineClosedError; closing twice does nothing. Close an EngineService over it first."""
+        if self.loaded is not None:
+            release(self)
+
+    def _open(self) -> None:
+        if self.loaded is None:
+            raise EngineClosedError("this engine was closed: load the model again to use it")
 
     # --- the loop -------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        self._open()
         if self.memory is not None:  # the safe point: the split moves before scheduling
             self.memory.safe_point()
         batch = self.scheduler.schedule()
@@ -395,6 +412,7 @@ class Engine:
     # --- introspection --------------------------------------------------------------------
     def stats(self) -> dict:
         """Model, memory, experts, tokens, checkpoints, elastic split, requests (stats.py)."""
+        self._open()
         return engine_stats(self)
 
     def check_integrity(self) -> None:

@@ -13,6 +13,10 @@ class ContextLengthError(InvalidRequestError):
     """The prompt does not fit the model's context (or the KV pool)."""
 
 
+class EngineClosedError(RuntimeError):
+    """A call to an engine after `Engine.close()` gave its memory back."""
+
+
 @dataclass(slots=True)
 class TokenEvent:
     """One sampled token of one request, with the text it completes (possibly "", when the token

@@ -10,6 +10,7 @@ from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt
 from freetoken_agent.engine.engine import Engine
 from freetoken_agent.engine.outputs import (
     ContextLengthError,
+    EngineClosedError,
     GenerationOutput,
     InvalidRequestError,
     TokenEvent,
@@ -34,6 +35,7 @@ __all__ = [
     "ChatFormat",
     "ContextLengthError",
     "Engine",
+    "EngineClosedError",
     "GenerationOutput",
     "HistoryDiff",
     "InvalidRequestError",
