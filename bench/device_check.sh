@@ -36,7 +36,7 @@ for stage in "$@"; do
         tests/engine/test_preemption_progress.py tests/bench/test_compile_log.py \
         tests/engine/kv/test_checkpoints.py tests/engine/test_elastic_checkpoints.py \
         tests/engine/test_hybrid_gpu.py tests/kernels/test_row_copy.py \
-        tests/engine/experts/test_offload_gpu.py \
+        tests/engine/experts/test_offload_gpu.py tests/engine/test_close.py \
         tests/kernels/test_gated_delta_gpu.py::test_gpu_no_recompile_for_new_prompt_lengths 2>&1 \
         | tee "$OUT/gpu_elastic_tests.log" | tail -8 ;;
     kv-layout)
