@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--fixed-kv-tokens", type=int, default=None)
     ap.add_argument("--policy", default="adaptive", help="offload policy of both engines")
+    ap.add_argument("--hybrid-run-ahead", action="store_true",
+                    help="both engines: segmented decode runs ahead (recurrent_shadow.py)",
+                    )  # fmt: skip
     ap.add_argument("--squeeze-gb", type=float, default=0.0,
                     help="elastic only: cut the budget by this much for a turn, restore it, and "
                     "decode again (does a shrink and regrow leave decode slower?)")  # fmt: skip
@@ -199,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     args = SimpleNamespace(
         shape="qwen3.6-35b-a3b", layers=a.layers, cpu_smoke=a.cpu_smoke, chunk=8192,
         decode_tokens=a.tokens, budget=int(a.budget_gb * 1e9), policy=a.policy, pool=None,
+        hybrid_run_ahead=a.hybrid_run_ahead,
         routing="zipf:1.0,loc:0.7", seed=0, smoke_group=1 << 16,
     )  # fmt: skip
     cfg, args.stream_min = shape_config(args)

@@ -9,6 +9,7 @@
 #         decode-profile (elastic vs fixed-last prefill and decode at the hybrid shape, ~4 minutes)
 #         hog-profile (decode and kernels before and after another process takes 8 GB, ~5 min)
 #         elastic-hybrid-interleaved (the three engines alive at once, each turn on all, ~7 min)
+#         run-ahead (hybrid run-ahead: its GPU test, then decode_profile at 8k off and on, ~6 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -87,6 +88,14 @@ for stage in "$@"; do
       timeout 420 python3 -m freetoken_agent.bench.decode_profile --layers 40 --budget-gb 32 \
         --context 32768 --fixed-kv-tokens 100000 --tokens 96 --top 20 --squeeze-gb 8 2>&1 \
         | tee "$OUT/decode_profile.log" | grep -v "^compile" | cut -c1-200 ;;
+    run-ahead)  # hybrid segmented decode running ahead from step-start recurrent state copies
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_hybrid_gpu.py \
+        -k run_ahead 2>&1 | tee "$OUT/gpu_run_ahead.log" | tail -3
+      for flag in "" --hybrid-run-ahead; do
+        timeout 240 python3 -m freetoken_agent.bench.decode_profile --layers 40 --budget-gb 32 \
+          --context 8192 --tokens 96 --top 8 $flag 2>&1 | tee -a "$OUT/run_ahead_profile.log" \
+          | grep -E "^== |prefill of" | cut -c1-200
+      done ;;
     zero-copy)  # can kernels read experts from pinned host memory, and how fast (~30 s)
       timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
         tests/engine/experts/test_offload_gpu.py -k "host_bank or offloaded_on_cuda" 2>&1 \

@@ -122,6 +122,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     text = "decode routing: native (the random router), uniform or zipf:S,loc:P (routing_traces)"
     parser.add_argument("--routing", default="native", help=text)
     parser.add_argument("--policy", default="adaptive", help="expert placement policy (device)")
+    parser.add_argument("--hybrid-run-ahead", action="store_true",
+                        help="hybrid shapes: segmented decode runs ahead, re-running from "
+                        "step-start copies of the recurrent state (hybrid_run_ahead)",
+                        )  # fmt: skip
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES,
                         help="engines to run, in order")  # fmt: skip
     text = "elastic counts as at least as fast as a fixed split within this fraction (noise)"

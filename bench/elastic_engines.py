@@ -52,6 +52,7 @@ def build(args, name: str, turns) -> Engine:
         options.update(device="cpu", std=0.1, policy="transfer", stream_min_tokens=args.stream_min)
     else:
         options.update(policy=args.policy, stream_min_tokens=args.stream_min)
+        options.update(hybrid_run_ahead=getattr(args, "hybrid_run_ahead", False))
     engine = random_engine(args.cfg, pool=args.pool, **options)
     # One host pool for every engine of the run: drawn and pinned once (a minute at 58 GB).
     args.pool = getattr(engine.loaded.bank, "pool", None) or args.pool

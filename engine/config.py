@@ -250,6 +250,10 @@ class EngineConfig:
     # slots per expert (a placeholder until `freetoken calibrate` measures the crossover).
     stream_min_tokens: int = 256
     double_buffer: bool = True  # False: one staging buffer (the ablation)
+    # Hybrid models, segmented decode: run ahead of the host's miss checks as attention-only
+    # models do, re-running from step-start copies of the recurrent state after a miss
+    # (recurrent_shadow.py). Off until measured on the device.
+    hybrid_run_ahead: bool = False
     # Hybrid models: where recurrent state is checkpointed for cross-request reuse:
     # "anchors" (the Session's semantic boundaries), "positional:N" (every N tokens, as
     # llama.cpp's context checkpoints) or "none" (no reuse across requests).

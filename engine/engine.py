@@ -90,8 +90,12 @@ class Engine:
         max_pages = -(-self.max_model_len // self.loaded.kv.page_size)
         for attempt in range(1, CAPTURE_ATTEMPTS + 1):
             try:
+                rec = self.scheduler.recurrence
+                states = rec.states if rec is not None and self.config.hybrid_run_ahead else None
                 with collection_paused():
-                    self.runner.enable_cuda_graphs(self.config.max_num_seqs, max_pages, offloaded)
+                    self.runner.enable_cuda_graphs(
+                        self.config.max_num_seqs, max_pages, offloaded, states
+                    )
                 self.graph_error = None
                 return
             except RuntimeError as e:  # torch.AcceleratorError is one

@@ -124,11 +124,15 @@ class ModelRunner:
         # offloaded bank under policy direct learns from the step's routing there.
         self.after_step: Callable[[int | None], None] | None = None
 
-    def enable_cuda_graphs(self, max_batch: int, max_pages: int, offloaded=None) -> None:
+    def enable_cuda_graphs(
+        self, max_batch: int, max_pages: int, offloaded=None, states=None
+    ) -> None:
         """Capture decode graphs; with an offloaded bank, segmented ones that stop for its
-        decisions after each MoE layer's router (see segmented_graphs.py)."""
+        decisions after each MoE layer's router (see segmented_graphs.py). `states`: a hybrid
+        model's RecurrentStatePool, to run ahead with (EngineConfig.hybrid_run_ahead)."""
         from freetoken_agent.engine.cuda_graphs import DecodeGraphs
         from freetoken_agent.engine.direct_graphs import DirectDecodeGraphs
+        from freetoken_agent.engine.recurrent_shadow import RecurrentShadow
         from freetoken_agent.engine.segmented_graphs import RUN_AHEAD, SegmentedDecodeGraphs
 
         page_size = self.kv.page_size
@@ -140,11 +144,16 @@ class ModelRunner:
             )
         else:
             # Recurrent layers update their state in place, so a segment run again after a
-            # missed layer would apply its tokens twice: hybrid models never run ahead.
-            run_ahead = 0 if self.model.spec.is_hybrid else RUN_AHEAD
+            # missed layer would apply its tokens twice: hybrid models run ahead only with
+            # step-start copies of that state to re-run from (recurrent_shadow.py).
+            shadow = None
+            if self.model.spec.is_hybrid and states is not None:
+                shadow = RecurrentShadow(self.model.spec, states.conv, states.ssm)
+            run_ahead = 0 if self.model.spec.is_hybrid and shadow is None else RUN_AHEAD
             self.graphs = SegmentedDecodeGraphs(
-                self.model, offloaded, page_size, max_batch, max_pages, self.device, run_ahead
-            )
+                self.model, offloaded, page_size, max_batch, max_pages, self.device, run_ahead,
+                shadow,
+            )  # fmt: skip
 
     def generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
         if seed is None:

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from freetoken_agent.engine.cuda_graphs import OffloadedDecodeGraphs
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.models.base import MoeCausalLM
+from freetoken_agent.engine.recurrent_shadow import RecurrentShadow
 from freetoken_agent.engine.runner import StepInputs
 
 # B real sequences, Bp padded batch of a graph, L MoE layers (L + 1 segments)
@@ -85,8 +86,10 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
         max_pages: int,
         device: torch.device,
         run_ahead: int = RUN_AHEAD,
+        shadow: RecurrentShadow | None = None,
     ) -> None:
         self.run_ahead = run_ahead
+        self.shadow = shadow  # hybrid models running ahead: the state to re-run from
         self.segments: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.reruns = 0  # segments launched again after a miss (a measure of wasted work)
         # Host seconds spent waiting for layers' routing: the step's device-bound share (a
@@ -158,6 +161,8 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
         n_layers = len(segments) - 1
         launched = 0  # segments queued (in order) for this step's current attempt
         rate = self.miss_rate
+        if self.shadow is not None:
+            self.shadow.save(self.state_slots[:bs])
         for layer in range(n_layers):
             # seg_k computes layer k-1's experts: queueing it bets that layer k-1 hits.
             while (
@@ -176,6 +181,8 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
             if missed:
                 self.missed_layers += 1
                 self.reruns += launched - (layer + 1)
+                if self.shadow is not None:  # recurrent layers that ran ahead: back to start
+                    self.shadow.restore(layer + 1, launched)
                 launched = layer + 1  # what ran after it computed without its misses
         while launched < len(segments):
             segments[launched].replay()

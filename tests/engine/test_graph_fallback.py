@@ -26,7 +26,7 @@ class FlakyCapture:
     def __init__(self, runner, fails: int, graphs=None) -> None:
         self.runner, self.fails, self.graphs, self.calls = runner, fails, graphs, 0
 
-    def __call__(self, max_batch, max_pages, offloaded=None) -> None:
+    def __call__(self, max_batch, max_pages, offloaded=None, states=None) -> None:
         self.calls += 1
         self.runner.graphs = object()  # a half-built capture the engine must drop
         if self.calls <= self.fails:

@@ -132,3 +132,28 @@ def test_invalidated_capture_is_retried_and_decodes_right(tmp_path, rng_seed, mo
         o.token_ids for o in eager.generate(prompts, sp)
     ]
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_hybrid_run_ahead_reruns_from_the_step_start_state(family, tmp_path, rng_seed, monkeypatch):
+    """hybrid_run_ahead: segments run ahead of the host's miss checks and, after a miss, run
+    again from step-start copies of the recurrent state (recurrent_shadow.py). Forced to bet on
+    every layer (miss rates held at 0) with few slots, so re-runs happen on most steps; tokens
+    and logits stay the resident engine's."""
+    from freetoken_agent.engine import segmented_graphs
+
+    monkeypatch.setattr(segmented_graphs, "MISS_EMA", 0.0)  # never stop betting
+    make_tiny(family, tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    prompts = [_tokens(rng, n) for n in (7, 50, 90)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    resident = _load(tmp_path, policy="resident", max_num_seqs=4)
+    want = [o.token_ids for o in resident.generate(prompts, sp)]
+    for slots in (1, rng.randint(2, 6)):
+        engine = _load(tmp_path, policy="transfer", expert_slots=slots, max_num_seqs=4,
+                       hybrid_run_ahead=True)  # fmt: skip
+        graphs = engine.runner.graphs
+        assert graphs.shadow is not None and graphs.run_ahead > 0
+        assert [o.token_ids for o in engine.generate(prompts, sp)] == want, slots
+        assert graphs.reruns > 0, slots  # segments did run again
+        engine.check_integrity()

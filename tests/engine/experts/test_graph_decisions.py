@@ -68,11 +68,13 @@ def test_export_resolve_rerun_matches_resident(policy, slots, tmp_path, rng_seed
 
 
 class _Segment:
-    def __init__(self, k: int, log: list) -> None:
-        self.k, self.log = k, log
+    def __init__(self, k: int, log: list, shadow=None) -> None:
+        self.k, self.log, self.shadow = k, log, shadow
 
     def replay(self) -> None:
         self.log.append(("run", self.k))
+        if self.shadow is not None:  # its recurrent layers apply the step's token once more
+            self.shadow.applied[self.k] += 1
 
 
 class _Event:
@@ -81,8 +83,25 @@ class _Event:
     def synchronize(self) -> None: ...
 
 
+class _Shadow:
+    """RecurrentShadow's calls, and what they do to each segment's recurrent state: the
+    number of times the step's token was applied (a restore puts segments back to none)."""
+
+    def __init__(self, log: list, n_segments: int) -> None:
+        self.log, self.applied = log, [0] * n_segments
+
+    def save(self, slots) -> None:
+        self.log.append(("save", None))
+
+    def restore(self, first: int, end: int) -> None:
+        self.log.append(("restore", (first, end)))
+        for k in range(first, end):
+            self.applied[k] = 0
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("run_ahead", [1, 2, 4, 50])
-def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, rng_seed):
+def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, hybrid, rng_seed):
     rng = random.Random(rng_seed)
     n_layers = rng.randint(3, 12)
     for _ in range(30):
@@ -96,7 +115,8 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, rng_seed):
         graphs = object.__new__(SegmentedDecodeGraphs)
         graphs.bank = SimpleNamespace(resolve=resolve)
         graphs.model = SimpleNamespace(expert_bank=None)
-        graphs.segments = {1: [_Segment(i, log) for i in range(n_layers + 1)]}
+        shadow = _Shadow(log, n_layers + 1) if hybrid else None
+        graphs.segments = {1: [_Segment(i, log, shadow) for i in range(n_layers + 1)]}
         graphs.done = [_Event() for _ in range(n_layers + 1)]
         graphs.outputs = {1: torch.zeros(1, 2)}
         graphs.run_ahead, graphs.reruns, graphs.wait_s = run_ahead, 0, 0.0
@@ -104,7 +124,13 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, rng_seed):
         graphs.miss_rate = [rng.choice([0.0, 0.9]) for _ in range(n_layers)]
         graphs._load = lambda inputs: (1, 1)
         graphs._stream = lambda: None
+        graphs.state_slots = torch.zeros(1, dtype=torch.long)
+        graphs.shadow = shadow
         graphs.replay(None)
+        if hybrid:  # saved before anything ran; every segment's token applied exactly once
+            assert log[0] == ("save", None)
+            assert shadow.applied == [1] * (n_layers + 1), log
+        log[:] = [entry for entry in log if entry[0] in ("run", "resolve")]
         last_run = {k: i for i, (what, k) in enumerate(log) if what == "run"}
         resolved = {k: i for i, (what, k) in enumerate(log) if what == "resolve"}
         assert sorted(resolved) == list(range(n_layers))  # each layer placed once
