@@ -22,6 +22,7 @@ from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.resident import ResidentExpertBank
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
+from freetoken_agent.engine.kv.recurrent_state import state_bytes
 
 log = logging.getLogger("freetoken.experts")
 
@@ -39,7 +40,12 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig) -> int:
     t, h, k = config.max_batched_tokens, spec.hidden_size, max(spec.top_k, 1)
     per_token = 16 * h * 2 + k * (h + 2 * spec.moe_intermediate_size) * 4
     logits = config.max_num_seqs * spec.vocab_size * 4 * 2
-    return 256 * (1 << 20) + t * per_token + logits
+    shadow = 0  # hybrid run-ahead: a decode step's copies of its recurrent state rows
+    if config.hybrid_run_ahead and spec.linear is not None:
+        per_row = state_bytes(len(spec.recurrent_layers), spec.linear.conv_state_shape,
+                              spec.linear.ssm_state_shape, config.dtype or spec.dtype)  # fmt: skip
+        shadow = config.max_num_seqs * per_row
+    return 256 * (1 << 20) + t * per_token + logits + shadow
 
 
 def gpu_budget(config: EngineConfig, device: torch.device, already_used: int) -> int:

@@ -67,3 +67,22 @@ def test_restore_puts_back_the_rerun_layers_rows_only(rng_seed):
                 if s == 0 and r in back:
                     continue  # scratch: padding rows read and write it, its value is no one's
                 assert torch.equal(now[r, s], want[r, s]), (r, s, sorted(back))
+
+
+def test_workspace_counts_the_shadow_when_hybrid_runs_ahead(rng_seed):
+    from freetoken_agent.engine.config import EngineConfig
+    from freetoken_agent.engine.experts.placement import workspace_bytes
+    from freetoken_agent.engine.kv.recurrent_state import state_bytes
+
+    seqs = random.Random(rng_seed).randint(1, 16)
+    hybrid = spec_from_config(tiny_config("qwen3_5_moe").to_dict())
+    plain = spec_from_config(tiny_config("qwen3_moe").to_dict())
+    on, off = (
+        EngineConfig(max_num_seqs=seqs, hybrid_run_ahead=True),
+        EngineConfig(max_num_seqs=seqs),
+    )
+    lin = hybrid.linear
+    row = state_bytes(len(hybrid.recurrent_layers), lin.conv_state_shape, lin.ssm_state_shape,
+                      hybrid.dtype)  # fmt: skip
+    assert workspace_bytes(hybrid, on) - workspace_bytes(hybrid, off) == seqs * row > 0
+    assert workspace_bytes(plain, on) == workspace_bytes(plain, off)
