@@ -79,6 +79,4 @@ class InflightFills:
         for event, _ in self._batches:
             if event is not None:
                 event.synchronize()
-        lids = [lid for _, batch in self._batches for lid in batch]
-        self._batches.clear()
-        self.cache._write_table_now(lids)
+        self.publish_ready()  # every batch is done now

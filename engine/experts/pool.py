@@ -158,8 +158,7 @@ def _unregister(ptrs: list[int], banks: tuple[torch.Tensor, ...]) -> None:
     if _capturing():
         _deferred.append((list(ptrs), banks))
         return
-    cudart = torch.cuda.cudart()
-    refused = [ptr for ptr in ptrs if int(cudart.cudaHostUnregister(ptr)) != 0]
+    refused = _released_now(ptrs)
     if refused:
         log.warning("%d pinned pool chunks could not be released yet; retrying later", len(refused))
         _deferred.append((refused, banks))
@@ -171,11 +170,16 @@ def _unregister_deferred() -> None:
         return
     waiting = list(_deferred)
     _deferred.clear()
-    cudart = torch.cuda.cudart()
     for ptrs, banks in waiting:
-        refused = [ptr for ptr in ptrs if int(cudart.cudaHostUnregister(ptr)) != 0]
+        refused = _released_now(ptrs)
         if refused:
             _deferred.append((refused, banks))
+
+
+def _released_now(ptrs: list[int]) -> list[int]:
+    """Unregister `ptrs`; returns the ones the driver refused."""
+    cudart = torch.cuda.cudart()
+    return [ptr for ptr in ptrs if int(cudart.cudaHostUnregister(ptr)) != 0]
 
 
 def _capturing() -> bool:

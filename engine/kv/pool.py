@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from freetoken_agent.engine.device_index import on_device
+
 if TYPE_CHECKING:
     from freetoken_agent.engine.arena import ElasticArena
 
@@ -175,7 +177,7 @@ class KVPool:
         and destinations must be disjoint, as a vacate's are (above / below the new top)."""
         for i in range(0, len(moves), group):
             part = moves[i : i + group]
-            src = torch.tensor([s for s, _ in part], device=self.k.device)
-            dst = torch.tensor([d for _, d in part], device=self.k.device)
+            src = on_device([s for s, _ in part], torch.long, self.k.device)
+            dst = on_device([d for _, d in part], torch.long, self.k.device)
             self.k[:, dst] = self.k[:, src]  # [L, n, S, Hkv, D]
             self.v[:, dst] = self.v[:, src]
