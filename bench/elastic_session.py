@@ -30,25 +30,9 @@ def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Eng
     try:
         for t, (_, new, answer) in enumerate(turns, start=1):
             ids = history + new
-            row = {"turn": t, "context": len(ids), "pressure": False}
-            if engine is None:
-                row["failed"] = f"not built: {entry['build_error']}"
-            else:
-                if pressure is not None:
-                    pressure.before_turn(t)
-                    row["pressure"] = pressure.active
-                tick = pressure.tick if pressure is not None else None
-                watch = TurnWatch(engine, args.heartbeat_s, args.stall_s)
-                args.compiles.take()  # between turns (the other program's polls): not timed
-                row.update(run_turn(engine, ids, args.decode_tokens, tick, watch, t))
-                # Triton variants built inside the turn (each one is seconds of TTFT or decode)
-                row["compiles"] = [(c["kernel"], c["seconds"]) for c in args.compiles.take()]
-                if pressure is not None:
-                    pressure.after_turn(t)
-                memory_row(row, engine, args, pressure)
-                if engine.memory is not None:
-                    entry["memory_trace"] = engine.memory.trace.to_json()
-                limits.add(row, engine, len(ids), args.chunk)
+            if pressure is not None:
+                pressure.before_turn(t)
+            row = _engine_turn(args, t, ids, engine, entry, limits, pressure, polls=True)
             got = row.pop("answer", None)
             history = ids + (got if "failed" not in row and got else answer)
             entry["turns"].append(row)
@@ -134,8 +118,8 @@ def run_interleaved(args, names, turns, limits: Limits, report: dict, save) -> d
                 pressure.before_turn(t)
             for name in names if t % 2 else names[::-1]:
                 ids = last[name] = histories[name] + new
-                row = _interleaved_turn(args, t, ids, engines[name], entries[name], limits,
-                                        pressure, engines[name] is lead)  # fmt: skip
+                row = _engine_turn(args, t, ids, engines[name], entries[name], limits,
+                                   pressure, engines[name] is lead)  # fmt: skip
                 got = row.pop("answer", None)
                 histories[name] = ids + (got if "failed" not in row and got else answer)
                 entries[name]["turns"].append(row)
@@ -153,11 +137,11 @@ def run_interleaved(args, names, turns, limits: Limits, report: dict, save) -> d
     return engines
 
 
-def _interleaved_turn(
+def _engine_turn(
     args, t: int, ids, engine, entry: dict, limits: Limits, pressure, polls: bool
 ) -> dict:  # fmt: skip
-    """One engine's turn `t` in run_interleaved; `polls`: the engine the other program's take
-    is stepped and polled on."""
+    """One engine's turn `t` (run_engine, run_interleaved), the other program's `before_turn`
+    already called; `polls`: the engine the other program's take is stepped and polled on."""
     row = {"turn": t, "context": len(ids), "pressure": bool(pressure and pressure.active)}
     if engine is None:
         row["failed"] = f"not built: {entry['build_error']}"
@@ -167,6 +151,7 @@ def _interleaved_turn(
     watch = TurnWatch(engine, args.heartbeat_s, args.stall_s)
     args.compiles.take()  # between turns (the other program's polls): not timed
     row.update(run_turn(engine, ids, args.decode_tokens, tick, watch, t))
+    # Triton variants built inside the turn (each one is seconds of TTFT or decode)
     row["compiles"] = [(c["kernel"], c["seconds"]) for c in args.compiles.take()]
     if polls:
         pressure.after_turn(t)
