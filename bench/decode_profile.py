@@ -58,15 +58,6 @@ def _turn(engine, ids: list[int], n: int, prefill_ctx=None, decode_ctx=None) -> 
     return 1e3 * (t1 - t0), 1e3 * (t2 - t1) / max(1, n - 1)
 
 
-@contextlib.contextmanager
-def _cprofile(prof: cProfile.Profile):
-    prof.enable()
-    try:
-        yield
-    finally:
-        prof.disable()
-
-
 def _kernel_table(prof, per: int, top: int, what: str) -> None:
     """Device time per kernel under torch.profiler, divided by `per` (steps or 1)."""
     rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
@@ -238,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
             nbytes = arena // 4 if a.cpu_smoke else int(a.hog_gb * 1e9)
             _hog_squeeze(engine, nbytes, ids, a, _timed(engine, ids[::-1], a.tokens))
         pre, dec = cProfile.Profile(), cProfile.Profile()
-        ttft_p, profiled = _turn(engine, ids[::-1], a.tokens, _cprofile(pre), _cprofile(dec))
+        ttft_p, profiled = _turn(engine, ids[::-1], a.tokens, pre, dec)  # a Profile enables itself
         slots = engine.loaded.bank.cache.n_slots
         print(
             f"== {name}: prefill {ttft:.0f} ms, decode {wall:.2f} ms/step (safe points in both "
