@@ -30,6 +30,7 @@ from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.experts.fill_races import FillRaces
 from freetoken_agent.engine.experts.inflight import InflightFills
 from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.engine.experts.scratch_banks import contiguous_scratch
 from freetoken_agent.kernels.row_copy import row_copy
 
 if TYPE_CHECKING:
@@ -246,8 +247,9 @@ class ExpertCache:
 
     def lend(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the last `n` slots out of service (evicting what they hold) and return them as
-        scratch banks ([n, 2I, H], [n, H, I]): the prefill streamer stages whole layers there
-        instead of in buffers of its own, so the budget holds more slots (see streaming.py).
+        scratch banks ([n, 2I, H], [n, H, I], contiguous even on the arena: scratch_banks.py):
+        the prefill streamer stages whole layers there instead of in buffers of its own, so the
+        budget holds more slots (see streaming.py).
         `take_back` returns them, empty."""
         if self._lent:
             raise RuntimeError("the expert cache's slots are already lent")
@@ -266,7 +268,7 @@ class ExpertCache:
         lent = set(range(first, self.max_slots))
         self._free = [slot for slot in self._free if slot not in lent]
         self._lent = n
-        return self.w13[first:], self.w2[first:]
+        return contiguous_scratch(self.w13[first:], self.w2[first:])
 
     def take_back(self) -> None:
         """The lent slots return to the free list (their content is scratch)."""

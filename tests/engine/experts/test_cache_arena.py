@@ -12,6 +12,7 @@ import torch
 from freetoken_agent.engine.arena import ElasticArena, KVUnit, SlotUnit
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.engine.experts.scratch_banks import contiguous_scratch
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 
 L, E, H, I = 4, 6, 8, 4  # noqa: E741
@@ -132,8 +133,8 @@ def test_streamer_on_lent_arena_slots(rng_seed):
     cache.fill([1, E + 2, 3 * E], set())  # resident ones are copied device to device
     streamer = LayerStreamer(pool, cache, E, L, torch.device("cpu"), double_buffer=True, lend=True)
     for layer in range(L):
-        w13, w2 = streamer.weights(layer)  # [E, 2I, H], [E, H, I] strided views
-        assert w13.stride(0) == arena.slot_unit.elems
+        w13, w2 = streamer.weights(layer)  # [E, 2I, H], [E, H, I] over lent slots
+        assert w13.is_contiguous() and w2.is_contiguous()  # host copies into them are one DMA
         assert torch.equal(w13, pool.w13[layer * E : (layer + 1) * E])
         assert torch.equal(w2, pool.w2[layer * E : (layer + 1) * E])
         streamer.done(layer)
@@ -156,3 +157,35 @@ def test_tail_profile_counts_recent_hits_of_the_coldest(rng_seed):
     for k in range(len(hot)):  # counted here from the LRU order and the last hits directly
         recent = sum(cache._last_hit[lid] > cache.step - window for lid in coldest_first[:k])
         assert hot[k] == recent
+
+
+def test_lent_arena_slots_are_contiguous_banks_over_exactly_their_bytes(rng_seed):
+    """Lent slots come back as contiguous [n, 2I, H] / [n, H, I] banks (a host copy into them
+    is one DMA, not a temporary and a strided kernel), covering the lent slots' bytes and
+    nothing else: the slots below keep their experts."""
+    r = random.Random(rng_seed)
+    pool, arena, cache = make(rng_seed, max_slots=16, slots=15)
+    cache.resize(cache.max_slots - 15)
+    cache.fill(r.sample(range(pool.n_rows), 12), set())
+    n = r.randint(1, 6)
+    below = {lid: slot for lid, slot in enumerate(cache._slot_of) if 0 <= slot < 16 - n}
+    w13, w2 = cache.lend(n)
+    assert w13.is_contiguous() and w2.is_contiguous()
+    assert w13.shape == (n, 2 * I, H) and w2.shape == (n, H, I)
+    lo = (16 - n) * arena.slot_unit.nbytes  # the lent slots' bytes in the slot range
+    assert w13.data_ptr() == arena.slot_buffer.data_ptr() + lo
+    assert w2.data_ptr() + w2.nbytes == arena.slot_buffer.data_ptr() + 16 * arena.slot_unit.nbytes
+    a, b = torch.randn(w13.shape), torch.randn(w2.shape)
+    w13.copy_(a), w2.copy_(b)
+    assert torch.equal(w13, a) and torch.equal(w2, b)  # the two banks do not overlap
+    for lid, slot in below.items():  # untouched below the lent range
+        assert torch.equal(cache.w13[slot], pool.w13[lid])
+        assert torch.equal(cache.w2[slot], pool.w2[lid])
+    cache.take_back()
+    check(cache, pool)
+
+
+def test_contiguous_scratch_refuses_an_unknown_layout():
+    w = torch.randn(4, 6, 5)
+    with pytest.raises(ValueError, match="unknown layout"):
+        contiguous_scratch(w[:, :, :4], torch.randn(4, 4, 3))
