@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import torch
 
 from freetoken_agent.bench.elastic_engines import build, install_routing, shape_config
-from freetoken_agent.bench.elastic_turn import run_turn
+from freetoken_agent.bench.turn_run import run_turn
 
 
 def _turn(engine, ids: list[int], n: int, prefill_ctx=None, decode_ctx=None) -> tuple[float, float]:
@@ -213,10 +213,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("elastic", "fixed-last"):
         engine = build(args, name, turns)
         install_routing(engine, args)
-        # Warm: a fresh prompt of one whole prefill chunk compiles what the timed turn runs
-        # (the streamed layers, the chunked scans). A 300-token warm-up had left that to the
-        # first engine's timed prefill: 11.8 s against 4.7 s for the engine after it.
-        run_turn(engine, [rng.randrange(3, args.vocab) for _ in range(args.chunk)], 2)
+        # Warm: a fresh prompt of two whole prefill chunks (what the context allows) compiles
+        # what the timed turn runs: the streamed layers, the chunked scans, and the variants of
+        # a chunk after a prefix. A 300-token warm-up had left all of it to the first engine's
+        # timed prefill (11.8 s against 4.7 s for the engine after it), one chunk the prefix
+        # variants (16k at 8 layers: 5.4 s against 0.49 s, tenth session).
+        n = min(2 * args.chunk, engine.max_model_len - 4)
+        run_turn(engine, [rng.randrange(3, args.vocab) for _ in range(n)], 2)
         memory = engine.memory
         sp0 = memory.safe_point_s if memory is not None else 0.0
         before = _prefill_counters(engine)

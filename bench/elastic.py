@@ -158,6 +158,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "another, each with the device to itself)",
     )
     parser.add_argument(
+        "--interleave-block",
+        type=int,
+        default=16,
+        help="with --interleave: each turn's decode alternates between the engines in blocks "
+        "of this many steps (the host's speed switches level for seconds at a time on the "
+        "device; 0: each engine's decode whole, one after another)",
+    )
+    parser.add_argument(
         "--profile-top",
         type=int,
         default=25,

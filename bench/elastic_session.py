@@ -10,7 +10,8 @@ import time
 from freetoken_agent.bench.elastic_engines import build, install_routing
 from freetoken_agent.bench.elastic_pressure import Pressure, memory_row
 from freetoken_agent.bench.elastic_rows import Limits, print_row
-from freetoken_agent.bench.elastic_turn import host_profile, run_turn, warm_up
+from freetoken_agent.bench.elastic_turn import host_profile, warm_up
+from freetoken_agent.bench.turn_run import TurnRun, run_turn
 from freetoken_agent.bench.turn_watch import TurnWatch
 from freetoken_agent.engine.engine import Engine
 
@@ -32,7 +33,9 @@ def run_engine(args, name: str, turns, limits: Limits, entry: dict, save) -> Eng
             ids = history + new
             if pressure is not None:
                 pressure.before_turn(t)
-            row = _engine_turn(args, t, ids, engine, entry, limits, pressure, polls=True)
+            turn = SessionTurn(args, t, ids, engine, entry, pressure, polls=True)
+            turn.decode(None)
+            row = turn.finish(limits)
             got = row.pop("answer", None)
             history = ids + (got if "failed" not in row and got else answer)
             entry["turns"].append(row)
@@ -91,13 +94,17 @@ def _built(args, name: str, turns, entry: dict) -> Engine | None:
 
 
 def run_interleaved(args, names, turns, limits: Limits, report: dict, save) -> dict:
-    """Every engine alive at once and the session run turn by turn: each turn runs on every
-    engine, seconds apart, forward on odd turns and backward on even ones. One engine alone
-    swung ±10% from turn to turn on the device (the machine's speed drifts), more than the
-    differences between the splits; run apart, minutes apart, a turn's comparison measured
-    the drift as much as the splits. One other program beside them all, its take polled on
-    the elastic engine (the one that follows free memory; else the first built): the fixed
-    splits keep what they hold, as in a run of their own. Returns the engines by name."""
+    """Every engine alive at once and the session run turn by turn: each turn is prefilled on
+    every engine, forward on odd turns and backward on even ones, then decoded on all of them
+    in alternating blocks of `args.interleave_block` steps (0: each engine's decode whole), the
+    first engine of each round rotating. One engine alone swung ±10% from turn to turn on the
+    device (the machine's speed drifts), more than the differences between the splits; and
+    within a session the host's speed switches between two levels for seconds at a time
+    (tenth session: a step's host time ~6.5 or ~10.5 ms in every engine alike), so even
+    turns run back to back compared the levels as much as the splits. One other program
+    beside them all, its take polled on the elastic engine (the one that follows free
+    memory; else the first built): the fixed splits keep what they hold, as in a run of their
+    own. Returns the engines by name."""
     entries = {n: report["engines"].setdefault(n, {"turns": []}) for n in names}
     engines = {n: _built(args, n, turns, entries[n]) for n in names}
     lead_name = next((n for n in ("elastic", *names) if engines.get(n) is not None), None)
@@ -116,15 +123,20 @@ def run_interleaved(args, names, turns, limits: Limits, report: dict, save) -> d
         for t, (_, new, answer) in enumerate(turns, start=1):
             if pressure is not None:
                 pressure.before_turn(t)
-            for name in names if t % 2 else names[::-1]:
+            order = names if t % 2 else names[::-1]
+            runs = {}
+            for name in order:
                 ids = last[name] = histories[name] + new
-                row = _engine_turn(args, t, ids, engines[name], entries[name], limits,
-                                   pressure, engines[name] is lead)  # fmt: skip
+                runs[name] = SessionTurn(args, t, ids, engines[name], entries[name], pressure,
+                                         engines[name] is lead)  # fmt: skip
+            _decode_in_blocks([runs[name] for name in order], args.interleave_block or None)
+            for name in order:
+                row = runs[name].finish(limits)
                 got = row.pop("answer", None)
-                histories[name] = ids + (got if "failed" not in row and got else answer)
+                histories[name] = last[name] + (got if "failed" not in row and got else answer)
                 entries[name]["turns"].append(row)
                 print_row(name, row)
-                save()
+            save()
         if args.profile_top > 0:
             for name in names:
                 if engines[name] is not None and name in last:
@@ -137,26 +149,58 @@ def run_interleaved(args, names, turns, limits: Limits, report: dict, save) -> d
     return engines
 
 
-def _engine_turn(
-    args, t: int, ids, engine, entry: dict, limits: Limits, pressure, polls: bool
-) -> dict:  # fmt: skip
-    """One engine's turn `t` (run_engine, run_interleaved), the other program's `before_turn`
-    already called; `polls`: the engine the other program's take is stepped and polled on."""
-    row = {"turn": t, "context": len(ids), "pressure": bool(pressure and pressure.active)}
-    if engine is None:
-        row["failed"] = f"not built: {entry['build_error']}"
+def _decode_in_blocks(runs: list[SessionTurn], block: int | None) -> None:
+    """Decode every run to its end, `block` steps of each in turn (None: each whole), the
+    first run of each round rotating so that no engine always follows the same one."""
+    rounds = 0
+    while not all(run.done for run in runs):
+        k = rounds % len(runs)
+        for run in runs[k:] + runs[:k]:
+            if not run.done:
+                run.decode(block)
+        rounds += 1
+
+
+class SessionTurn:
+    """One engine's turn `t` of the session (run_engine, run_interleaved), the other program's
+    `before_turn` already called; `polls`: the engine the other program's take is stepped and
+    polled on. Created: prefilled to the first token; `decode(steps)`; `finish` -> the row."""
+
+    def __init__(self, args, t: int, ids, engine, entry: dict, pressure, polls: bool) -> None:
+        self.args, self.t, self.engine, self.entry, self.pressure = args, t, engine, entry, pressure
+        self.row = {"turn": t, "context": len(ids), "pressure": bool(pressure and pressure.active)}
+        self.compiles: list[dict] = []
+        self.polls = polls and pressure is not None
+        self.run = None
+        self.context = len(ids)
+        if engine is None:
+            self.row["failed"] = f"not built: {entry['build_error']}"
+            return
+        tick = pressure.tick if self.polls else None
+        watch = TurnWatch(engine, args.heartbeat_s, args.stall_s)
+        args.compiles.take()  # between turns (the other program's polls): not timed
+        self.run = TurnRun(engine, ids, args.decode_tokens, tick, watch, t).start()
+        self.compiles += args.compiles.take()
+
+    @property
+    def done(self) -> bool:
+        return self.run is None or self.run.done
+
+    def decode(self, steps: int | None) -> None:
+        self.run.decode(steps)
+        self.compiles += self.args.compiles.take()
+
+    def finish(self, limits: Limits) -> dict:
+        row = self.row
+        if self.run is None:
+            return row
+        row.update(self.run.finish())
+        # Triton variants built inside the turn (each one is seconds of TTFT or decode)
+        row["compiles"] = [(c["kernel"], c["seconds"]) for c in self.compiles]
+        if self.polls:
+            self.pressure.after_turn(self.t)
+        memory_row(row, self.engine, self.args, self.pressure)
+        if self.engine.memory is not None:
+            self.entry["memory_trace"] = self.engine.memory.trace.to_json()
+        limits.add(row, self.engine, self.context, self.args.chunk)
         return row
-    polls = polls and pressure is not None
-    tick = pressure.tick if polls else None
-    watch = TurnWatch(engine, args.heartbeat_s, args.stall_s)
-    args.compiles.take()  # between turns (the other program's polls): not timed
-    row.update(run_turn(engine, ids, args.decode_tokens, tick, watch, t))
-    # Triton variants built inside the turn (each one is seconds of TTFT or decode)
-    row["compiles"] = [(c["kernel"], c["seconds"]) for c in args.compiles.take()]
-    if polls:
-        pressure.after_turn(t)
-    memory_row(row, engine, args, pressure)
-    if engine.memory is not None:
-        entry["memory_trace"] = engine.memory.trace.to_json()
-    limits.add(row, engine, len(ids), args.chunk)
-    return row

@@ -266,3 +266,45 @@ def test_cpu_smoke_interleaved_runs_each_turn_on_every_engine_in_alternating_ord
     assert report["engines"]["fixed-last"]["pressure"] == {"shared_with": "elastic"}
     assert report["memory_trace"]["records"]
     assert len(report["summary"]["elastic_vs_best_fixed"]) == 4
+
+
+def test_interleaved_decode_alternates_blocks_with_the_first_engine_rotating(rng_seed):
+    from freetoken_agent.bench.elastic_session import _decode_in_blocks
+
+    r = random.Random(rng_seed)
+    log: list[tuple[str, int]] = []
+
+    class Run:  # a turn with `left` decode steps
+        def __init__(self, name: str, left: int) -> None:
+            self.name, self.left = name, left
+
+        @property
+        def done(self) -> bool:
+            return self.left == 0
+
+        def decode(self, steps):
+            k = self.left if steps is None else min(steps, self.left)
+            self.left -= k
+            log.append((self.name, k))
+
+    block = r.randrange(2, 6)
+    runs = [Run(n, r.randrange(1, 40)) for n in ("a", "b", "c")]
+    want = {run.name: run.left for run in runs}
+    _decode_in_blocks(runs, block)
+    assert all(run.done for run in runs)
+    assert {n: sum(k for m, k in log if m == n) for n in want} == want
+    assert all(0 < k <= block for _, k in log)
+    rounds, i = [], 0  # the log cut into rounds: each engine at most once, in rotated order
+    while i < len(log):
+        names = []
+        while i < len(log) and log[i][0] not in names:
+            names.append(log[i][0])
+            i += 1
+        rounds.append(names)
+    for k, names in enumerate(rounds[:3]):
+        if len(names) == 3:  # every run still decoding: the first one rotates
+            assert names == ["abc"[(k + j) % 3] for j in range(3)], rounds
+    log.clear()
+    runs = [Run(n, r.randrange(1, 40)) for n in ("a", "b")]
+    _decode_in_blocks(runs, None)  # whole: one call each
+    assert [n for n, _ in log] == ["a", "b"]

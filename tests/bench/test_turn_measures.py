@@ -5,8 +5,10 @@ import cProfile
 import gc
 import random
 import statistics
+import time
 
-from freetoken_agent.bench.elastic_turn import GcClock, host_profile, step_spread
+from freetoken_agent.bench.elastic_turn import host_profile
+from freetoken_agent.bench.turn_run import GcClock, step_spread
 
 
 def test_step_spread_reports_median_tail_and_slowest():
@@ -52,3 +54,48 @@ def test_host_profile_is_per_step():
     assert [r["own_us_per_step"] for r in top] == sorted(
         (r["own_us_per_step"] for r in top), reverse=True
     )
+
+
+def _tiny_engine(seed: int):
+    from freetoken_agent.bench.elastic_engines import TINY_QWEN3_MOE
+    from freetoken_agent.bench.random_model import random_engine
+
+    return random_engine(dict(TINY_QWEN3_MOE), device="cpu", seed=seed, std=0.1)
+
+
+def test_turn_run_in_blocks_decodes_what_a_whole_turn_does_and_times_only_its_blocks(rng_seed):
+    """A turn decoded in blocks with other work between them (what an interleaved session
+    does) gives the tokens of a turn decoded whole, and its decode_tok_s counts its own blocks
+    only: the engine's clock, which also holds the pauses, reads slower."""
+    from freetoken_agent.bench.turn_run import TurnRun, run_turn
+
+    r = random.Random(rng_seed)
+    ids = [r.randrange(3, 500) for _ in range(r.randrange(20, 60))]
+    n, block, pause = r.randrange(12, 20), r.randrange(2, 5), 0.05
+    whole = run_turn(_tiny_engine(rng_seed), ids, n)
+    run = TurnRun(_tiny_engine(rng_seed), ids, n).start()
+    blocks = 0
+    while not run.done:
+        run.decode(block)
+        blocks += 1
+        time.sleep(pause)  # another engine's block
+    row = run.finish()
+    assert "failed" not in row and "failed" not in whole
+    assert row["answer"] == whole["answer"] and row["decoded"] == n
+    assert blocks == -(-(n - 1) // block)  # n - 1 decode steps after the first token
+    assert len(run.steps_s) == n - 1
+    assert row["step_ms"] == 1e3 * run.decode_s / (n - 1)
+    assert run.decode_s < sum(run.steps_s) + blocks * pause / 2  # no pause inside the clock
+    assert row["engine_decode_tok_s"] < row["decode_tok_s"]
+
+
+def test_turn_run_reports_a_refused_prompt_as_its_row():
+    from freetoken_agent.bench.turn_run import TurnRun
+
+    engine = _tiny_engine(0)
+    too_long = [5] * (engine.max_model_len + 1)
+    run = TurnRun(engine, too_long, 4).start()
+    assert run.done
+    row = run.finish()
+    assert row["failed"].startswith("refused:") and "tokens" in row["failed"]
+    assert not engine.has_unfinished()
