@@ -39,8 +39,7 @@ def contiguous_scratch(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tenso
     )
     if not interleaved:
         raise ValueError(
-            f"lent slots in an unknown layout: w13 strides {w13.stride()}, w2 strides "
-            f"{w2.stride()}"
+            f"lent slots in an unknown layout: w13 strides {w13.stride()}, w2 strides {w2.stride()}"
         )
     flat = w13.as_strided((n * unit,), (1,), w13.storage_offset())  # the n slots' bytes
     return flat[: n * e13].view(w13.shape), flat[n * e13 :].view(w2.shape)
