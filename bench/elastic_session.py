@@ -187,8 +187,9 @@ class SessionTurn:
         return self.run is None or self.run.done
 
     def decode(self, steps: int | None) -> None:
-        self.run.decode(steps)
-        self.compiles += self.args.compiles.take()
+        if self.run is not None:  # an engine that could not be built has no turn to decode
+            self.run.decode(steps)
+            self.compiles += self.args.compiles.take()
 
     def finish(self, limits: Limits) -> dict:
         row = self.row

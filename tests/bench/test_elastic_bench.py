@@ -308,3 +308,16 @@ def test_interleaved_decode_alternates_blocks_with_the_first_engine_rotating(rng
     runs = [Run(n, r.randrange(1, 40)) for n in ("a", "b")]
     _decode_in_blocks(runs, None)  # whole: one call each
     assert [n for n, _ in log] == ["a", "b"]
+
+
+def test_a_turn_on_an_engine_that_could_not_be_built_is_a_failed_row():
+    from types import SimpleNamespace
+
+    from freetoken_agent.bench.elastic_session import SessionTurn
+
+    reason = f"OutOfMemoryError: {random.randrange(10**6)} bytes"
+    turn = SessionTurn(SimpleNamespace(), 3, [1, 2, 3], None, {"build_error": reason}, None, True)
+    assert turn.done
+    turn.decode(None)  # nothing to decode, and no error
+    row = turn.finish(limits=None)
+    assert row == {"turn": 3, "context": 3, "pressure": False, "failed": f"not built: {reason}"}
