@@ -233,10 +233,10 @@ class ExpertCache:
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def _write_table_now(self, lids: list[int]) -> None:
-        """Table entries written on the current stream (the compute stream for lend and
-        direct's fills, the copy stream inside `publish`), in one indexed write (a lend evicts
-        up to two layers' experts: hundreds of single-element writes, each a copy and a
-        launch, had been milliseconds of every streamed chunk). index_put_ with duplicate keys
+        """Table entries written on the current stream (the compute stream for direct's
+        fills, the copy stream inside `publish`), in one indexed write (a lend evicts up to
+        two layers' experts: hundreds of single-element writes, each a copy and a launch, had
+        been milliseconds of every streamed chunk). index_put_ with duplicate keys
         has no defined winner; the host mirror is the truth, so every duplicate carries the
         same (final) value."""
         if not lids:
@@ -246,28 +246,45 @@ class ExpertCache:
         self.slot_of.index_put_((idx,), vals)
 
     def lend(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Take the last `n` slots out of service (evicting what they hold) and return them as
-        scratch banks ([n, 2I, H], [n, H, I], contiguous even on the arena: scratch_banks.py):
-        the prefill streamer stages whole layers there instead of in buffers of its own, so the
-        budget holds more slots (see streaming.py).
-        `take_back` returns them, empty."""
+        """Take the last `n` slots out of service and return them as scratch banks
+        ([n, 2I, H], [n, H, I], contiguous even on the arena: scratch_banks.py): the prefill
+        streamer stages whole layers there instead of in buffers of its own, so the budget
+        holds more slots (see streaming.py). `take_back` returns them, empty.
+
+        The cache keeps its hottest experts: the n coldest unpinned residents are evicted
+        (wherever they live) and the survivors in the lent slots move into the slots that
+        frees, one row copy a bank after queued compute, as `resize` does. Evicting whatever
+        the top slots held had thrown out the experts filled last: after a lend, fills take the
+        lowest free slot, which is the lent range's, so every prefill chunk evicted the
+        previous decode's freshest fills."""
         if self._lent:
             raise RuntimeError("the expert cache's slots are already lent")
         self.inflight.settle()
         if n > self.n_slots:
             raise ValueError(f"cannot lend {n} of {self.n_slots} slots")
+        room = self.n_slots - n  # slots that stay in service
+        if len(self._pinned_set) > room:
+            raise RuntimeError(f"cannot lend {n} slots: {len(self._pinned_set)} experts pinned")
         first = self.max_slots - n  # the top of the arena: resize moves only the bottom edge
-        held = [(slot, self._lid_of[slot]) for slot in range(first, self.max_slots)]
-        evicted = [lid for _, lid in held if lid >= 0]
-        pinned = [(slot, lid) for slot, lid in held if lid in self._pinned_set]
-        if pinned:
-            raise RuntimeError(f"slot {pinned[0][0]} holds pinned expert {pinned[0][1]}")
-        for lid in evicted:
-            self._evict(lid)
-        self._write_table_now(evicted)
-        lent = set(range(first, self.max_slots))
-        self._free = [slot for slot in self._free if slot not in lent]
+        evicted, excess = [], len(self._lru) - room
+        for lid in list(self._lru):  # coldest first
+            if excess <= 0:
+                break
+            if lid not in self._pinned_set:
+                self._free.append(self._slot_of[lid])
+                self._evict(lid)
+                evicted.append(lid)
+                excess -= 1
+        self.races.drop(set(evicted))
+        free = sorted((slot for slot in self._free if slot < first), reverse=True)
+        stay = [(self._lid_of[s], s) for s in range(first, self.max_slots) if self._lid_of[s] >= 0]
+        pairs = [(lid, src, free.pop()) for lid, src in stay]  # into the lowest free slots
+        if pairs:
+            self._move(pairs)
+        self._free = free
         self._lent = n
+        self._unpublished += evicted
+        self.publish([lid for lid, _, _ in pairs])
         return contiguous_scratch(self.w13[first:], self.w2[first:])
 
     def take_back(self) -> None:
@@ -335,8 +352,8 @@ class ExpertCache:
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream) if self.copy_stream else contextlib.nullcontext():
-            # One launch a bank: a shrink moves up to a group's worth of slots (a copy each
-            # was two launches a slot). Sources sit below the new edge, destinations above.
+            # One launch a bank: a shrink or a lend moves up to a group's worth of slots (a
+            # copy each was two launches a slot). Sources and destinations never overlap.
             src_rows = on_device([src for _, src, _ in pairs], torch.long, self.device)
             dst_rows = on_device([dst for _, _, dst in pairs], torch.long, self.device)
             row_copy(self.w13, self.w13, dst_rows, src_rows)

@@ -12,8 +12,9 @@ The staging layout is the pool's, restricted to one layer ([E, 2I, H] and [E, H,
 layer computes exactly what the resident bank computes from its slice of the banks.
 
 Where the cache has slots to spare (`lend=True`), the buffers are not memory of their own: the
-last B * E slots of the cache are lent for the chunk (their experts evicted) and returned when
-the chunk's last layer is queued. Staging is needed only while a long chunk streams, and
+last B * E slots of the cache are lent for the chunk (the cache's B * E coldest experts evicted,
+the lent slots' experts moved into their slots) and returned when the chunk's last layer is
+queued. Staging is needed only while a long chunk streams, and
 reserving 2 * E experts for it permanently would cost a laptop budget most of its slots (2.4 GB
 of an 8.59 GB budget at Qwen3-30B-A3B shapes).
 """
@@ -86,6 +87,8 @@ class LayerStreamer:
         if self.lend and self.w13 is None:
             b, e = self.n_buffers, self.n_experts
             w13, w2 = self.cache.lend(b * e)
+            if self.copy_stream is not None:  # the lend's moves read these slots first
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             self.w13 = w13.view(b, e, *self._shapes[0])  # [B, E, 2I, H]
             self.w2 = w2.view(b, e, *self._shapes[1])  # [B, E, H, I]
             self.holds = [-1] * b

@@ -168,7 +168,6 @@ def test_lent_arena_slots_are_contiguous_banks_over_exactly_their_bytes(rng_seed
     cache.resize(cache.max_slots - 15)
     cache.fill(r.sample(range(pool.n_rows), 12), set())
     n = r.randint(1, 6)
-    below = {lid: slot for lid, slot in enumerate(cache._slot_of) if 0 <= slot < 16 - n}
     w13, w2 = cache.lend(n)
     assert w13.is_contiguous() and w2.is_contiguous()
     assert w13.shape == (n, 2 * I, H) and w2.shape == (n, H, I)
@@ -178,9 +177,11 @@ def test_lent_arena_slots_are_contiguous_banks_over_exactly_their_bytes(rng_seed
     a, b = torch.randn(w13.shape), torch.randn(w2.shape)
     w13.copy_(a), w2.copy_(b)
     assert torch.equal(w13, a) and torch.equal(w2, b)  # the two banks do not overlap
-    for lid, slot in below.items():  # untouched below the lent range
-        assert torch.equal(cache.w13[slot], pool.w13[lid])
-        assert torch.equal(cache.w2[slot], pool.w2[lid])
+    for lid, slot in enumerate(cache._slot_of):  # the experts in service, untouched
+        if slot >= 0:
+            assert slot < 16 - n
+            assert torch.equal(cache.w13[slot], pool.w13[lid])
+            assert torch.equal(cache.w2[slot], pool.w2[lid])
     cache.take_back()
     check(cache, pool)
 
@@ -189,3 +190,40 @@ def test_contiguous_scratch_refuses_an_unknown_layout():
     w = torch.randn(4, 6, 5)
     with pytest.raises(ValueError, match="unknown layout"):
         contiguous_scratch(w[:, :, :4], torch.randn(4, 4, 3))
+
+
+def test_lend_keeps_the_hottest_experts_and_evicts_the_coldest(rng_seed):
+    """A lend evicts the n least recently used unpinned experts, wherever they live, and moves
+    the lent slots' other experts below (content intact); the LRU order of the survivors is
+    kept. Fills after a take_back go to the lowest free slot, the lent range's, so the top
+    slots hold the freshest experts: evicting them had cost every prefill chunk those."""
+    r = random.Random(rng_seed)
+    pool, arena, cache = make(rng_seed, max_slots=16, slots=15)
+    cache.resize(cache.max_slots - 15)
+    pinned = r.sample(range(pool.n_rows), r.randint(0, 2))
+    cache.preload(pinned, pin=True)
+    cache.fill(
+        r.sample([x for x in range(pool.n_rows) if x not in pinned], 15 - len(pinned)), set()
+    )
+    cache.touch(r.sample(list(cache._lru), 6))  # some hits: a mixed LRU order
+    n = r.randint(1, 15 - len(pinned) - 1)
+    order = list(cache._lru)
+    coldest = [lid for lid in order if lid not in pinned][: max(0, len(order) - (15 - n))]
+    cache.lend(n)
+    assert sorted(lid for lid in order if not cache.resident(lid)) == sorted(coldest)
+    assert list(cache._lru) == [lid for lid in order if lid not in coldest]  # order kept
+    assert set(pinned) <= set(cache._lru)
+    assert all(slot < 16 - n for slot in cache._slot_of if slot >= 0)
+    cache.check_integrity()
+    cache.take_back()
+    check(cache, pool)
+
+
+def test_lend_refuses_when_the_pinned_experts_would_not_fit():
+    pool, arena, cache = make(0, max_slots=16, slots=10)
+    cache.preload(list(range(8)), pin=True)
+    with pytest.raises(RuntimeError, match="8 experts pinned"):
+        cache.lend(3)
+    cache.lend(2)  # exactly fits: the pinned ones all moved below the lent slots
+    check(cache, pool)
+    assert all(cache.resident(lid) for lid in range(8))
