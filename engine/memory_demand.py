@@ -24,6 +24,17 @@ TAIL_WINDOW = 64  # steps over which the cache's cold tail is judged
 TAIL_REFRESH = 8  # steps between two profiles of the cold tail
 
 
+def pages_wanted(req, page_size: int) -> int:
+    """The pages a running request holds or will need soon: the rest of its prompt (a
+    prefilling request needs it over its next chunks, as a waiting one does: granting only the
+    lookahead let a forced shrink take the pages of its next chunk) and the lookahead of its
+    answer. Constant while it decodes within the last LOOKAHEAD_TOKENS of its answer (each step
+    adds a token and takes one from what is left)."""
+    answer_left = max(0, req.sampling.max_tokens - len(req.output_ids))
+    want = -(-(req.n_tokens + min(answer_left, LOOKAHEAD_TOKENS)) // page_size)
+    return max(len(req.pages), want)
+
+
 class DemandMeter:
     def __init__(self, arena: ElasticArena, kv: KVPool, bank, scheduler: Scheduler) -> None:
         self.arena, self.kv, self.bank, self.scheduler = arena, kv, bank, scheduler
@@ -45,14 +56,7 @@ class DemandMeter:
             held = 1 + len(running[0].pages)
         else:
             held = 1 + len({p for r in running for p in r.pages})
-        growth = 0
-        for r in running:
-            # The rest of its prompt (a prefilling request needs it over its next chunks, as
-            # a waiting one does: granting only the lookahead let a forced shrink take the
-            # pages of its next chunk) and the lookahead of its answer.
-            answer_left = max(0, r.sampling.max_tokens - len(r.output_ids))
-            want = -(-(r.n_tokens + min(answer_left, LOOKAHEAD_TOKENS)) // s)
-            growth += max(0, want - len(r.pages))
+        growth = sum(pages_wanted(r, s) - len(r.pages) for r in running)
         waiting = reused = 0
         if sched.waiting:  # its whole prompt, and its first answer tokens, as for growth
             w = sched.waiting[0]

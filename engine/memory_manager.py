@@ -58,10 +58,12 @@ from freetoken_agent.engine.memory import (
     MemoryTrace,
     Split,
 )
-from freetoken_agent.engine.memory_demand import DemandMeter
+from freetoken_agent.engine.memory_demand import DemandMeter, pages_wanted
 from freetoken_agent.engine.scheduler import Scheduler
 
-FULL_EVERY = 8  # steps between full decisions while nothing but the cold tail can move
+FULL_EVERY = 32  # steps between full decisions while nothing but the cold tail can move
+# (every 8, the decisions alone were 0.15 of the safe point's ~0.2 ms a step on this machine's
+# CPU at 40 layers x 256 experts; the cold tail's hits are judged over 64 steps)
 
 
 class MemoryManager:
@@ -240,19 +242,21 @@ class MemoryManager:
 
     def _steady_key(self) -> tuple:
         """What the split rests on that can change from one step to the next: the budget, the
-        split itself, which requests run and the pages they hold, the first waiting request,
-        the prefix cache (its version) and the checkpoints held. While none of these moves
-        (a decode step inside its pages), the demand is the same but for the cold tail's
-        hits, which drift over tens of steps: the full decision then runs every FULL_EVERY
-        steps. Run every step, it cost 0.3-0.5 ms of a ~15 ms offloaded decode step on the
-        device: about half of what elastic lagged fixed-last by on average (1.5-7%)."""
-        sched = self.scheduler
+        split itself, which requests run and the pages they hold or want, the first waiting
+        request, the prefix cache (its version) and the checkpoints held. While none of these
+        moves (a decode step within its lookahead), the demand is the same but for the cold
+        tail's hits, which drift over tens of steps: the full decision then runs every
+        FULL_EVERY steps. Run every step, it cost 0.3-0.5 ms of a ~15 ms offloaded decode
+        step on the device: about half of what elastic lagged fixed-last by on average."""
+        sched, page_size = self.scheduler, self.kv.page_size
         first = sched.waiting[0] if sched.waiting else None
         return (
             self.budget,
             self.kv.allocator.n_pages,
             self.cache.n_slots,
-            tuple((id(r), r.status, len(r.pages)) for r in sched.running),
+            # Pages held or soon wanted, not held: a decode step that fills a page within its
+            # lookahead changes neither the demand nor the decision.
+            tuple((id(r), r.status, pages_wanted(r, page_size)) for r in sched.running),
             (id(first), first.n_tokens, len(sched.waiting)) if first is not None else None,
             sched.radix.version,
             self.checkpoints.device_used if self.checkpoints is not None else 0,
