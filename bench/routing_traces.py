@@ -42,39 +42,117 @@ class Regime:
         return cls(float(fields.get("zipf", 0)), float(fields.get("loc", 0)))
 
 
+BLOCK_TOKENS = 64  # tokens drawn at once for every layer (decode then reads a slice a step)
+OVERSAMPLE = 3  # draws with replacement per choice: enough for k distinct but ~1e-9 of rows
+
+
 class TraceGenerator:
+    """Each layer's routing is one endless stream of tokens, drawn BLOCK_TOKENS at a time for
+    every layer at once and read in order, however the calls slice it (per layer in eager
+    steps, all layers in graph steps): two generators of one seed give every engine the same
+    tokens. Drawing a token at a time cost the host ~0.26 ms a decode step at 40 layers x 256
+    experts (Gumbel keys for every expert, a Python loop over layers), timed as every engine's
+    overhead; a block costs ~10 us a token.
+
+    k distinct choices of E with probabilities p, in order, are drawn as successive draws with
+    replacement keeping first occurrences: the law of sampling without replacement, without
+    E keys per token. The rare row with fewer than k distinct draws is drawn again."""
+
     def __init__(self, n_layers: int, n_experts: int, k: int, regime: Regime, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
         self.n_experts, self.k, self.regime = n_experts, k, regime
         ranks = np.arange(1, n_experts + 1, dtype=np.float64)
         probs = ranks ** (-regime.skew)
         self.probs = probs / probs.sum()
-        self.order = [self.rng.permutation(n_experts) for _ in range(n_layers)]
-        self.last: list[np.ndarray | None] = [None] * n_layers
+        self._cdf = np.cumsum(self.probs)
+        self._cdf[-1] = 1.0
+        self.order = np.stack([self.rng.permutation(n_experts) for _ in range(n_layers)])  # [L, E]
+        self.last: list[np.ndarray | None] = [None] * n_layers  # each stream's last token drawn
+        self._buf = np.empty((n_layers, 0, k), dtype=np.int64)  # [L, drawn - read, k]
+        self._read = [0] * n_layers  # tokens of _buf each layer has read
 
     def draw(self, layer: int, n_tokens: int) -> np.ndarray:
         """[n_tokens, k] expert ids for the next tokens of this layer."""
-        return self.draw_all(n_tokens, [layer])[0]
+        lo = self._read[layer]
+        if lo + n_tokens > self._buf.shape[1]:
+            self._ensure(lo + n_tokens)
+            lo = self._read[layer]
+        self._read[layer] = lo + n_tokens
+        return self._buf[layer, lo : lo + n_tokens].copy()
 
     def draw_all(self, n_tokens: int, layers: list[int] | None = None) -> np.ndarray:
         """[len(layers), n_tokens, k] expert ids for the next tokens of each layer (default:
-        every layer), vectorised over layers: the step's trace must cost the host microseconds,
-        not the milliseconds per-layer sampling took, or it would be timed as engine overhead.
-        Sampling k of E without replacement with probabilities p is the Gumbel top-k: the k
-        largest of log p + Gumbel noise (the same law as successive draws)."""
-        layers = list(range(len(self.last))) if layers is None else layers
-        out = np.empty((len(layers), n_tokens, self.k), dtype=np.int64)
-        log_p = np.log(self.probs)
-        for t in range(n_tokens):
-            keys = log_p + self.rng.gumbel(size=(len(layers), self.n_experts))  # [L', E]
-            ranks = np.argpartition(-keys, self.k - 1, axis=1)[:, : self.k]  # [L', k]
-            repeat = self.rng.random(len(layers)) < self.regime.locality
-            for j, layer in enumerate(layers):
-                prev = self.last[layer]
-                ids = prev if prev is not None and repeat[j] else self.order[layer][ranks[j]]
-                out[j, t] = ids
-                self.last[layer] = ids
+        every layer: one slice when every stream is read to the same token, as in decode)."""
+        if layers is None and min(self._read) == max(self._read):
+            lo = self._read[0]
+            if lo + n_tokens > self._buf.shape[1]:
+                self._ensure(lo + n_tokens)
+                lo = self._read[0]
+            self._read = [lo + n_tokens] * len(self._read)
+            return self._buf[:, lo : lo + n_tokens].copy()
+        layers = range(len(self.last)) if layers is None else layers
+        return np.stack([self.draw(layer, n_tokens) for layer in layers])
+
+    def _ensure(self, n: int) -> None:
+        """At least `n` tokens past what every layer has read: the read part is dropped, then
+        blocks are drawn for every layer."""
+        done = min(self._read)
+        if done:
+            self._buf = self._buf[:, done:]
+            self._read = [r - done for r in self._read]
+            n -= done
+        blocks = [self._buf]
+        while n > sum(b.shape[1] for b in blocks):  # whole blocks: the stream is the same
+            blocks.append(self._block(BLOCK_TOKENS))  # however the calls slice it
+        if len(blocks) > 1:
+            self._buf = np.concatenate(blocks, axis=1)
+
+    def _block(self, t: int) -> np.ndarray:
+        """[L, t, k] the next t tokens of every layer's stream."""
+        n_layers, k = len(self.last), self.k
+        fresh = self.order[
+            np.arange(n_layers)[:, None, None], self._ranks(n_layers * t).reshape(n_layers, t, k)
+        ]
+        # Locality: a token repeats the previous token's choices in its layer with probability
+        # `locality`, so it carries the last fresh draw at or before it (or the stream's last).
+        repeat = self.rng.random((n_layers, t)) < self.regime.locality
+        src = np.where(repeat, -1, np.arange(t))
+        src = np.maximum.accumulate(src, axis=1)  # [L, t]: the fresh token each one shows
+        out = fresh[np.arange(n_layers)[:, None], np.maximum(src, 0)]
+        for layer, prev in enumerate(self.last):
+            carried = src[layer] < 0
+            if carried.any():  # repeats before the block's first fresh token
+                out[layer, carried] = prev if prev is not None else fresh[layer, 0]
+            self.last[layer] = out[layer, -1].copy()
         return out
+
+    def _ranks(self, rows: int) -> np.ndarray:
+        """[rows, k] ranks (0 = most popular), k distinct each, in draw order."""
+        k, m = self.k, self.k * OVERSAMPLE
+        draws = np.searchsorted(self._cdf, self.rng.random((rows, m)), side="right")  # [R, M]
+        draws = np.minimum(draws, self.n_experts - 1)
+        order = np.argsort(draws, axis=1, kind="stable")
+        sorted_draws = np.take_along_axis(draws, order, axis=1)
+        first = np.ones_like(sorted_draws, dtype=bool)
+        first[:, 1:] = sorted_draws[:, 1:] != sorted_draws[:, :-1]  # first of equal values
+        is_first = np.empty_like(first)
+        np.put_along_axis(is_first, order, first, axis=1)  # back in draw order
+        short = np.flatnonzero(is_first.sum(axis=1) < k)
+        pos = np.argsort(~is_first, axis=1, kind="stable")[:, :k]  # the first k first draws
+        ranks = np.take_along_axis(draws, pos, axis=1)
+        for r in short:  # fewer than k distinct in m draws (skewed and small E): draw again
+            ranks[r] = self._ranks_slow()
+        return ranks
+
+    def _ranks_slow(self) -> np.ndarray:
+        """k distinct ranks by successive draws (the same law, a row at a time)."""
+        seen: list[int] = []
+        while len(seen) < self.k:
+            r = min(int(np.searchsorted(self._cdf, self.rng.random(), side="right")),
+                    self.n_experts - 1)  # fmt: skip
+            if r not in seen:
+                seen.append(r)
+        return np.array(seen, dtype=np.int64)
 
 
 class TracedRouting:

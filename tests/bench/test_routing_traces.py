@@ -77,3 +77,43 @@ def test_offload_bench_measurements_run_on_a_tiny_engine(tmp_path, rng_seed):
     offload._decode(engine, 4, rng, batch=2)
     assert bank.policy == "adaptive" and bank.stats.direct == direct
     engine.check_integrity()
+
+
+def test_each_layer_is_one_stream_however_the_calls_slice_it(rng_seed):
+    """Engines that read the routing in different slices (eager steps per layer, graph steps
+    for every layer, prefill chunks) see the same tokens, so they are compared on one trace."""
+    rng = np.random.default_rng(rng_seed)
+    layers, e, k = int(rng.integers(2, 7)), int(rng.integers(16, 64)), int(rng.integers(2, 6))
+    regime = Regime(skew=float(rng.uniform(0, 1.3)), locality=float(rng.uniform(0, 0.9)))
+    a, b = (TraceGenerator(layers, e, k, regime, rng_seed) for _ in range(2))
+    sizes = [int(x) for x in rng.integers(1, 150, size=6)]
+    whole = np.concatenate([a.draw_all(n) for n in sizes], axis=1)  # [L, T, k]
+    for layer in rng.permutation(layers):  # one layer at a time, in other slices
+        cuts = np.sort(rng.integers(0, sum(sizes), size=3))
+        parts = np.split(np.arange(sum(sizes)), cuts)
+        got = np.concatenate([b.draw(int(layer), len(p)) for p in parts])
+        assert np.array_equal(got, whole[layer]), layer
+    assert all(len(set(row)) == k for row in whole.reshape(-1, k))
+
+
+def test_choices_follow_successive_draws_without_replacement(rng_seed):
+    """The first choice follows the Zipf law itself; a later one the law of what is left (the
+    same as Gumbel top-k). E=8, k=3, skew 1: each rank's frequency as first, second and third
+    choice within 2% of the exact values."""
+    from itertools import permutations
+
+    e, k, n = 8, 3, 60_000
+    gen = TraceGenerator(1, e, k, Regime(skew=1.0), rng_seed)
+    ranks = np.argsort(gen.order[0])[gen.draw(0, n)]  # expert ids back to popularity ranks
+    p = gen.probs
+    exact = np.zeros((k, e))
+    for seq in permutations(range(e), k):  # P(seq) = prod p_i / (1 - sum of those before)
+        prob, left = 1.0, 1.0
+        for r in seq:
+            prob *= p[r] / left
+            left -= p[r]
+        for pos, r in enumerate(seq):
+            exact[pos, r] += prob
+    for pos in range(k):
+        seen = np.bincount(ranks[:, pos], minlength=e) / n
+        assert np.abs(seen - exact[pos]).max() < 0.02, (pos, seen, exact[pos])
