@@ -235,3 +235,37 @@ def test_lend_refuses_when_the_pinned_experts_would_not_fit():
     cache.lend(2)  # exactly fits: the pinned ones all moved below the lent slots
     check(cache, pool)
     assert all(cache.resident(lid) for lid in range(8))
+
+
+@pytest.mark.gpu
+def test_lend_on_cuda_moves_experts_before_the_streamer_writes(rng_seed):
+    """On CUDA, with real streams: a lend's moves (copy stream) read the lent slots before a
+    streamer's copy stream scribbles over them, and compute queued after the lend reads the
+    moved experts. Large rows, so a missing wait would let the scribble win the race."""
+    r = random.Random(rng_seed)
+    h, i, e, layers = 512, 256, 8, 4  # 1.5 MiB a slot
+    g = torch.Generator().manual_seed(rng_seed)
+    n = layers * e
+    pool = ExpertPool(torch.randn(n, 2 * i, h, generator=g), torch.randn(n, h, i, generator=g))
+    pool.pin()
+    slot = SlotUnit(h, i, torch.float32)
+    arena = ElasticArena(20 * slot.nbytes, "cuda", KVUnit(1, 16, 1, 16, torch.float32), slot)
+    arena.set_boundary(arena.boundary_for(n_slots=19))
+    cache = ExpertCache(pool, 0, torch.device("cuda"), lids_per_layer=e, arena=arena)
+    cache.resize(arena.first_slot)
+    cache.fill(r.sample(range(n), cache.n_slots), set())
+    cache.touch(r.sample(list(cache._lru), 8))
+    lent = r.randint(4, 10)
+    streamer = torch.cuda.Stream()
+    w13, w2 = cache.lend(lent)
+    streamer.wait_stream(torch.cuda.current_stream())  # as LayerStreamer.weights does
+    with torch.cuda.stream(streamer):
+        w13.fill_(float("nan")), w2.fill_(float("nan"))
+    sums = {lid: (cache.w13[s].sum(), cache.w2[s].sum()) for lid, s in enumerate(cache._slot_of)
+            if s >= 0}  # fmt: skip
+    torch.cuda.synchronize()
+    for lid, (a, b) in sums.items():
+        assert torch.allclose(a.cpu(), pool.w13[lid].sum(), rtol=1e-4), lid
+        assert torch.allclose(b.cpu(), pool.w2[lid].sum(), rtol=1e-4), lid
+    cache.take_back()
+    cache.check_integrity()
