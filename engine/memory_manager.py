@@ -62,8 +62,8 @@ from freetoken_agent.engine.memory_demand import DemandMeter, pages_wanted
 from freetoken_agent.engine.scheduler import Scheduler
 
 FULL_EVERY = 32  # steps between full decisions while nothing but the cold tail can move
-# (every 8, the decisions alone were 0.15 of the safe point's ~0.2 ms a step on this machine's
-# CPU at 40 layers x 256 experts; the cold tail's hits are judged over 64 steps)
+# (every 8, decisions took ~0.15 ms of the safe point's ~0.2 ms a step, on the dev box's CPU at
+# 40 layers x 256 experts; the cold tail's hits are judged over 64 steps anyway)
 
 
 class MemoryManager:
