@@ -8,7 +8,8 @@
 #         elastic-hybrid-direct (the Qwen3.6 session under policy direct)
 #         decode-profile (elastic vs fixed-last prefill and decode at the hybrid shape, ~4 minutes)
 #         hog-profile (decode and kernels before and after another process takes 8 GB, ~5 min)
-#         elastic-hybrid-interleaved (the three engines alive at once, each turn on all, ~7 min)
+#         elastic-hybrid-interleaved (the three engines alive at once, each turn on all, its
+#         decode in alternating blocks of 16 steps, ~7 min)
 #         run-ahead (hybrid run-ahead: its GPU test, then decode_profile at 8k off and on, ~6 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail

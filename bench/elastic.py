@@ -153,9 +153,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--interleave",
         action="store_true",
-        help="every engine alive at once, each turn run on all of them seconds apart (order "
-        "alternating): the machine's drift falls on all alike (default: one engine after "
-        "another, each with the device to itself)",
+        help="every engine alive at once, each turn prefilled on all of them (order "
+        "alternating) and decoded in alternating blocks (--interleave-block): the machine's "
+        "drift falls on all alike (default: one engine after another, each with the device "
+        "to itself)",
     )
     parser.add_argument(
         "--interleave-block",
