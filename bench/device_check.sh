@@ -32,7 +32,7 @@ for stage in "$@"; do
       timeout 400 python3 -m freetoken_agent.bench decode --out "$OUT" 2>&1 \
         | tee "$OUT/decode_baseline.log" | tail -12 ;;
     elastic-tests)  # the arena, its virtual memory, the watcher, the no-recompile check
-      timeout 320 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_device_memory.py \
+      timeout 320 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=12 tests/engine/test_device_memory.py \
         tests/engine/test_elastic_memory.py tests/engine/experts/test_cache_arena.py \
         tests/kernels/test_paged_attention.py tests/kernels/test_fused_moe.py \
         tests/engine/test_preemption_progress.py tests/bench/test_compile_log.py \
@@ -40,7 +40,7 @@ for stage in "$@"; do
         tests/engine/test_hybrid_gpu.py tests/kernels/test_row_copy.py \
         tests/engine/experts/test_offload_gpu.py tests/engine/test_close.py \
         tests/kernels/test_gated_delta_gpu.py::test_gpu_no_recompile_for_new_prompt_lengths 2>&1 \
-        | tee "$OUT/gpu_elastic_tests.log" | tail -8 ;;
+        | tee "$OUT/gpu_elastic_tests.log" | tail -22 ;;
     kv-layout)
       timeout 300 python3 -m freetoken_agent.bench kv-layout --out "$OUT/kv_layout.json" 2>&1 \
         | tee "$OUT/kv_layout.log" | tail -12 ;;
