@@ -266,25 +266,10 @@ class ExpertCache:
         if len(self._pinned_set) > room:
             raise RuntimeError(f"cannot lend {n} slots: {len(self._pinned_set)} experts pinned")
         first = self.max_slots - n  # the top of the arena: resize moves only the bottom edge
-        evicted, excess = [], len(self._lru) - room
-        for lid in list(self._lru):  # coldest first
-            if excess <= 0:
-                break
-            if lid not in self._pinned_set:
-                self._free.append(self._slot_of[lid])
-                self._evict(lid)
-                evicted.append(lid)
-                excess -= 1
-        self.races.drop(set(evicted))
-        free = sorted((slot for slot in self._free if slot < first), reverse=True)
-        stay = [(self._lid_of[s], s) for s in range(first, self.max_slots) if self._lid_of[s] >= 0]
-        pairs = [(lid, src, free.pop()) for lid, src in stay]  # into the lowest free slots
-        if pairs:
-            self._move(pairs)
-        self._free = free
+        evicted, moved = self._vacate(first, self.max_slots, room)
         self._lent = n
         self._unpublished += evicted
-        self.publish([lid for lid, _, _ in pairs])
+        self.publish(moved)
         return contiguous_scratch(self.w13[first:], self.w2[first:])
 
     def take_back(self) -> None:
@@ -324,28 +309,35 @@ class ExpertCache:
             raise RuntimeError(
                 f"cannot shrink the expert cache to {keep} slots: {len(self._pinned_set)} pinned"
             )
-        evicted = []
-        excess = len(self._lru) - keep
-        for lid in list(self._lru):
-            if excess <= 0:
-                break
-            if lid in self._pinned_set:
-                continue
-            self._free.append(self._slot_of[lid])
-            self._evict(lid)
-            evicted.append(lid)
-            excess -= 1
-        self.races.drop(set(evicted))
-        kept_free = sorted((s for s in self._free if s >= first_slot), reverse=True)
-        moves = [(self._lid_of[s], s) for s in range(old, first_slot) if self._lid_of[s] >= 0]
-        pairs = [(lid, src, kept_free.pop()) for lid, src in moves]  # lowest kept free slots
-        if pairs:
-            self._move(pairs)
-        self._free = kept_free
+        evicted, moved = self._vacate(old, first_slot, keep)
         self.first_slot = first_slot
         self._unpublished += evicted
-        self.publish([lid for lid, _, _ in pairs])
+        self.publish(moved)
         return evicted
+
+    def _vacate(self, lo: int, hi: int, keep: int) -> tuple[list[int], list[int]]:
+        """Empty slots lo..hi-1 (a shrink's bottom edge, a lend's top): evict the least
+        recently used unpinned lids until `keep` remain (the caller checked the pinned ones
+        fit), then move the residents of the range into the lowest free slots outside it. The
+        free list keeps the free slots outside the range; the table is the caller's to publish.
+        Returns (evicted lids, moved lids)."""
+        evicted, excess = [], len(self._lru) - keep
+        for lid in list(self._lru):  # coldest first
+            if excess <= 0:
+                break
+            if lid not in self._pinned_set:
+                self._free.append(self._slot_of[lid])
+                self._evict(lid)
+                evicted.append(lid)
+                excess -= 1
+        self.races.drop(set(evicted))
+        free = sorted((slot for slot in self._free if not lo <= slot < hi), reverse=True)
+        stay = [(self._lid_of[s], s) for s in range(lo, hi) if self._lid_of[s] >= 0]
+        pairs = [(lid, src, free.pop()) for lid, src in stay]  # into the lowest free slots
+        if pairs:
+            self._move(pairs)
+        self._free = free
+        return evicted, [lid for lid, _, _ in pairs]
 
     def _move(self, pairs: list[tuple[int, int, int]]) -> None:
         """(lid, from slot, to slot): copy the rows and update the host maps."""
