@@ -11,6 +11,7 @@
 #         elastic-hybrid-interleaved (the three engines alive at once, each turn on all, its
 #         decode in alternating blocks of 16 steps, ~7 min)
 #         run-ahead (hybrid run-ahead: its GPU test, then decode_profile at 8k off and on, ~6 min)
+#         offload-peer offload-30b (issue 3's decode table per policy and routing, no prefill)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -97,6 +98,12 @@ for stage in "$@"; do
           --context 8192 --tokens 96 --top 8 $flag 2>&1 | tee -a "$OUT/run_ahead_profile.log" \
           | grep -E "^== |prefill of" | cut -c1-200
       done ;;
+    offload-peer)  # issue 3's decode table on the peer slice (12 layers, 8.59 GB), every policy
+      timeout 450 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --out "$OUT" 2>&1 | tee "$OUT/offload_peer.log" | tail -30 ;;
+    offload-30b)  # the same at 48 layers, 32 GB (the 58 GB pool: ~1 min to draw and pin)
+      timeout 560 python3 -m freetoken_agent.bench offload --skip-prefill --out "$OUT" 2>&1 \
+        | tee "$OUT/offload_30b.log" | tail -30 ;;
     zero-copy)  # can kernels read experts from pinned host memory, and how fast (~30 s)
       timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
         tests/engine/experts/test_offload_gpu.py -k "host_bank or offloaded_on_cuda" 2>&1 \
