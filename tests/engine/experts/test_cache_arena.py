@@ -265,7 +265,7 @@ def test_lend_on_cuda_moves_experts_before_the_streamer_writes(rng_seed):
             if s >= 0}  # fmt: skip
     torch.cuda.synchronize()
     for lid, (a, b) in sums.items():
-        assert torch.allclose(a.cpu(), pool.w13[lid].sum(), rtol=1e-4), lid
-        assert torch.allclose(b.cpu(), pool.w2[lid].sum(), rtol=1e-4), lid
+        assert torch.allclose(a.cpu(), pool.w13[lid].sum(), rtol=1e-4, atol=1e-2), lid
+        assert torch.allclose(b.cpu(), pool.w2[lid].sum(), rtol=1e-4, atol=1e-2), lid
     cache.take_back()
     cache.check_integrity()
