@@ -152,6 +152,19 @@ class ElasticArena:
         w2 = flat.as_strided((n, h, i), (u.elems, i, 1), 2 * i * h)  # [S_max, H, I]
         return w13, w2
 
+    def scratch_banks(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots first .. first+n-1, while they hold no experts (lent to the prefill streamer),
+        as two contiguous banks over their bytes: w13 [n, 2I, H], then w2 [n, H, I]. Through
+        the strided slot views, a host-to-device copy is no DMA: torch copies into a contiguous
+        temporary, then launches an elementwise kernel into the strided rows. Staging a
+        streamed layer there cost a 32k-token prefill on the device ~12k kernels, each waiting
+        on the copy stream behind compute for SMs and stalling the next layer's DMA: elastic's
+        time to first token ran 20-30% above a fixed split's on every long turn."""
+        u = self.slot_unit
+        h, i = u.hidden, u.inter
+        flat = self.slot_buffer.view(u.dtype)[first * u.elems : (first + n) * u.elems]
+        return flat[: n * 2 * i * h].view(n, 2 * i, h), flat[n * 2 * i * h :].view(n, h, i)
+
     def _slot_view_offsets(self) -> tuple[int, int]:
         """Byte offsets of the first elements of w13 and w2 in the slot range."""
         u = self.slot_unit

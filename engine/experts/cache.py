@@ -30,7 +30,6 @@ from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.experts.fill_races import FillRaces
 from freetoken_agent.engine.experts.inflight import InflightFills
 from freetoken_agent.engine.experts.pool import ExpertPool
-from freetoken_agent.engine.experts.scratch_banks import contiguous_scratch
 from freetoken_agent.kernels.row_copy import row_copy
 
 if TYPE_CHECKING:
@@ -247,7 +246,7 @@ class ExpertCache:
 
     def lend(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the last `n` slots out of service and return them as scratch banks
-        ([n, 2I, H], [n, H, I], contiguous even on the arena: scratch_banks.py): the prefill
+        ([n, 2I, H], [n, H, I], contiguous even on the arena: `scratch_banks`): the prefill
         streamer stages whole layers there instead of in buffers of its own, so the budget
         holds more slots (see streaming.py). `take_back` returns them, empty.
 
@@ -270,7 +269,9 @@ class ExpertCache:
         self._lent = n
         self._unpublished += evicted
         self.publish(moved)
-        return contiguous_scratch(self.w13[first:], self.w2[first:])
+        if self.arena is not None:  # its slot views are strided: staging wants plain DMA
+            return self.arena.scratch_banks(first, n)
+        return self.w13[first:], self.w2[first:]
 
     def take_back(self) -> None:
         """The lent slots return to the free list (their content is scratch)."""

@@ -12,7 +12,6 @@ import torch
 from freetoken_agent.engine.arena import ElasticArena, KVUnit, SlotUnit
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.pool import ExpertPool
-from freetoken_agent.engine.experts.scratch_banks import contiguous_scratch
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 
 L, E, H, I = 4, 6, 8, 4  # noqa: E741
@@ -192,12 +191,6 @@ def test_lent_arena_slots_are_contiguous_banks_over_exactly_their_bytes(rng_seed
             assert torch.equal(cache.w2[slot], pool.w2[lid])
     cache.take_back()
     check(cache, pool)
-
-
-def test_contiguous_scratch_refuses_an_unknown_layout():
-    w = torch.randn(4, 6, 5)
-    with pytest.raises(ValueError, match="unknown layout"):
-        contiguous_scratch(w[:, :, :4], torch.randn(4, 4, 3))
 
 
 def test_lend_keeps_the_hottest_experts_and_evicts_the_coldest(rng_seed):
