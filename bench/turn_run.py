@@ -27,7 +27,7 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 
 def _counters(engine: Engine) -> tuple[float, ...]:
     """(experts, hits, fetched, on_cpu, safe-point seconds, routing-wait seconds, layers with a
-    miss, segments rerun, wall seconds) so far. The routing wait: host time blocked on the
+    miss, segments rerun) so far. The routing wait: host time blocked on the
     device inside segmented decode graphs, so a slower step is told device-bound (it grows)
     from host-bound (it does not). A layer with a miss stops the step for the host (the same
     misses spread over more layers cost more stops)."""
@@ -37,7 +37,7 @@ def _counters(engine: Engine) -> tuple[float, ...]:
     graphs = engine.runner.graphs
     wait = getattr(graphs, "wait_s", 0.0)
     stalls = (getattr(graphs, "missed_layers", 0), getattr(graphs, "reruns", 0))
-    return (*bank, memory, wait, *stalls, time.perf_counter())
+    return (*bank, memory, wait, *stalls)
 
 
 class GcClock:
@@ -186,7 +186,7 @@ class TurnRun:
             if self.failed is not None:
                 return {"failed": self.failed}
         deltas = (a - b for a, b in zip(_counters(self.engine), self._before, strict=True))
-        experts, hits, fetched, on_cpu, safe_point_s, wait_s, missed_layers, reruns, _ = deltas
+        experts, hits, fetched, on_cpu, safe_point_s, wait_s, missed_layers, reruns = deltas
         out = self.engine._collect(self.rid)
         st, steps = out.stats, max(1, len(out.token_ids) - 1)
         row = {
