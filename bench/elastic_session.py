@@ -172,7 +172,6 @@ class SessionTurn:
         self.compiles: list[dict] = []
         self.polls = polls and pressure is not None
         self.run = None
-        self.context = len(ids)
         if engine is None:
             self.row["failed"] = f"not built: {entry['build_error']}"
             return
@@ -203,5 +202,5 @@ class SessionTurn:
         memory_row(row, self.engine, self.args, self.pressure)
         if self.engine.memory is not None:
             self.entry["memory_trace"] = self.engine.memory.trace.to_json()
-        limits.add(row, self.engine, self.context, self.args.chunk)
+        limits.add(row, self.engine, row["context"], self.args.chunk)
         return row
