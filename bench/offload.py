@@ -3,9 +3,10 @@
     python -m freetoken_agent.bench offload [--layers 48] [--budget-gb 32] [--decode 48]
 
 Builds a Qwen3-30B-A3B-shaped model (random bf16 weights; experts in a pinned host pool) under
-a GPU budget, then: decode at batch 1 and 4 for each policy (cpu, transfer, adaptive, static)
-and routing regime (routing_traces.py), each from an empty cache after the same warm-up, with
-miss rate and bytes over PCIe per token; and
+a GPU budget, then: decode at batch 1 and 4 for each policy (cpu, transfer, adaptive, static,
+direct) and routing regime (routing_traces.py), each from an empty cache after the same
+warm-up, with miss rate and bytes over PCIe per token, in `--rounds` rounds (the median
+reported); and
 prefill of 4k/8k/16k-token prompts streamed in 8k chunks with two staging buffers and with one.
 Limits, from bandwidths measured in the same run: decode >= (resident bytes read) / B_HBM +
 (miss bytes) / (B_P + B_H); a prefill chunk >= (non-resident pool bytes) / B_P. Routing is the
@@ -27,10 +28,16 @@ from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration
+from freetoken_agent.engine.experts.split_trials import BLOCK, ROTATIONS, SplitTrials
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
+POLICIES = ("cpu", "transfer", "adaptive", "static", "direct")
+# Decode steps before the timed ones: the cache fills, and adaptive measures its split modes
+# once (3 modes x BLOCK steps x ROTATIONS, split_trials.py); later measurements, every PERIOD
+# steps, fall outside the timed window.
+WARM_UP = 8 + 3 * BLOCK * ROTATIONS
 
 
 def _sync() -> None:
@@ -80,6 +87,32 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
         "experts_per_token": experts / steps,
         "segment_reruns_per_token": (getattr(graphs, "reruns", 0) - reruns0) / steps,
     }
+
+
+def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h: float) -> dict:
+    """One policy from an empty cache: WARM_UP decode steps (the cache fills; adaptive's
+    first split trials run), then `n` timed. The row: tok/s, counters, online bandwidths."""
+    bank.cache.reset()
+    _use_policy(engine, bank, policy)
+    bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
+    bank.trials = SplitTrials()
+    if policy == "static":
+        bank.place_static()
+    _decode(engine, WARM_UP, rng, batch)
+    rate, st = _decode(engine, n, rng, batch)
+    row = {"tok_s": rate, **st}
+    row["b_p_online_gb_s"] = bank.bandwidths.pcie / 1e9
+    row["b_h_online_gb_s"] = bank.bandwidths.cpu / 1e9
+    if policy == "adaptive":
+        row["split_mode"] = bank.trials.chosen if bank.trials.choices else None
+        row["split_ms_per_token"] = {m: 1e3 * v for m, v in bank.trials.medians().items()}
+    return row
+
+
+def _median_round(rows: list[dict]) -> dict:
+    """The round with the median tok/s (its counters with it), and every round's tok/s."""
+    ranked = sorted(rows, key=lambda row: row["tok_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "tok_s_rounds": [row["tok_s"] for row in rows]}
 
 
 def _prefill(engine, n: int, rng) -> float:
@@ -135,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         "probability P that a token repeats the previous token's experts); see routing_traces",
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="decode batches")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="decode measurements per policy, each round starting at another policy; the "
+        "median round is reported (the device host's speed changes over seconds)",
+    )
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     b_hbm = hbm_copy_bandwidth(dev)
@@ -181,29 +221,24 @@ def main(argv: list[str] | None = None) -> int:
             model.set_expert_bank(TracedRouting(bank, gen))
         engine.capture_graphs()  # graphs call the bank object they were captured with
         for batch in args.batches:
-            for policy in ("cpu", "transfer", "adaptive", "static", "direct"):
-                bank.cache.reset()
-                _use_policy(engine, bank, policy)
-                bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
-                if policy == "static":
-                    bank.place_static()
-                _decode(engine, 8, rng, batch)  # warm-up: the cache fills
-                rate, st = _decode(engine, args.decode, rng, batch)
-                miss_bytes = st["experts_per_token"] * st["miss_rate"] * expert_bytes
-                hit_bytes = st["experts_per_token"] * (1 - st["miss_rate"]) * expert_bytes
-                link = b_p if policy == "direct" else b_p + b_h  # direct: no CPU branch
-                floor = (dense_read + hit_bytes) / b_hbm + miss_bytes / link
+            rounds: dict[str, list[dict]] = {p: [] for p in POLICIES}
+            for r in range(args.rounds):
+                # Each round starts at another policy: the device host's speed changes over
+                # seconds, so a policy always measured first (or last) would carry a bias.
+                for policy in POLICIES[r % len(POLICIES) :] + POLICIES[: r % len(POLICIES)]:
+                    row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h)
+                    miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
+                    hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
+                    link = b_p if policy == "direct" else b_p + b_h  # direct: no CPU branch
+                    floor = (dense_read + hit_bytes) / b_hbm + miss_bytes / link
+                    row.update(limit_tok_s=batch / floor, of_limit=row["tok_s"] * floor / batch)
+                    rounds[policy].append(row)
+                    print(f"{regime_name}|b{batch}|{policy}|round{r}", json.dumps(row), flush=True)
+            for policy, rows in rounds.items():
                 key = f"{regime_name}|b{batch}|{policy}"
-                report["decode"][key] = {
-                    "tok_s": rate,
-                    "limit_tok_s": batch / floor,
-                    "of_limit": rate * floor / batch,
-                    **st,
-                    "b_p_online_gb_s": bank.bandwidths.pcie / 1e9,
-                    "b_h_online_gb_s": bank.bandwidths.cpu / 1e9,
-                }
+                report["decode"][key] = _median_round(rows)
                 print(key, json.dumps(report["decode"][key]), flush=True)
-                save()
+            save()
     model.set_expert_bank(bank)
     _use_policy(engine, bank, "adaptive")
     engine.capture_graphs()

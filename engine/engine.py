@@ -64,6 +64,7 @@ class Engine:
         self.runner = ModelRunner(loaded.model, loaded.kv, loaded.device, self.config.seed)
         if isinstance(loaded.bank, OffloadedExpertBank):  # policy direct learns between steps
             self.runner.after_step = loaded.bank.after_step
+            self.runner.on_decode_step = loaded.bank.decode_step_timed
         self.memory = elastic_memory(loaded, self.scheduler)
         self.graph_error: str | None = None  # why decode runs without graphs, if it does
         if loaded.device.type == "cuda" and self.config.cuda_graphs:

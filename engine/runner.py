@@ -7,6 +7,7 @@ about which tokens run (the Scheduler did). Decode-only batches on CUDA replay c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -123,6 +124,9 @@ class ModelRunner:
         # Called after each step with the tokens a graph replayed (None: an eager step): an
         # offloaded bank under policy direct learns from the step's routing there.
         self.after_step: Callable[[int | None], None] | None = None
+        # Called with (tokens, seconds) after each decode-only step that sampled: adaptive
+        # offloading measures its modes by it (engine/experts/split_trials.py).
+        self.on_decode_step: Callable[[int, float], None] | None = None
 
     def enable_cuda_graphs(
         self, max_batch: int, max_pages: int, offloaded=None, states=None
@@ -176,6 +180,7 @@ class ModelRunner:
     def run(self, batch: Batch, masks: Mapping[str, np.ndarray] | None = None) -> StepOutput:
         """`masks`: packed allowed-id rows of constrained requests (see constrained.py), applied
         to their logits here, after the model (and any CUDA graph) and before sampling."""
+        start = time.perf_counter()
         chunks = batch.chunks
         inputs = build_inputs(chunks, self.kv.page_size)
         graphed = self.graphs is not None and batch.is_decode_only and self.graphs.fits(inputs)
@@ -205,4 +210,7 @@ class ModelRunner:
                 out.logits[c.request.id] = self.model.compute_logits(hidden[lo:hi])
         if self.after_step is not None:
             self.after_step(len(chunks) if graphed else None)
+        if self.on_decode_step is not None and batch.is_decode_only and sampling:
+            # .tolist() above waited for the sampled tokens: the step's device work is done.
+            self.on_decode_step(len(chunks), time.perf_counter() - start)
         return out

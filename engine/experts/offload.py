@@ -41,6 +41,7 @@ from freetoken_agent.engine.experts.policy import (
     split_count,
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.engine.experts.split_trials import SplitTrials
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
 
@@ -96,6 +97,7 @@ class OffloadedExpertBank:
         self.device = device
         self.policy = policy
         self.bandwidths = bandwidths or Bandwidths()
+        self.trials = SplitTrials()  # adaptive's in-band mode, from measured steps
         self.stats = OffloadStats()
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
@@ -255,7 +257,8 @@ class OffloadedExpertBank:
         - fills pay (temporal locality): fetch every miss; one run on the CPU instead would
           leave the expert to miss again on the next steps (on the H200 host, native routing
           at 12 layers ran at 406 tok/s fetching all against 299 splitting by q*);
-        - fills neither pay nor cost (near-uniform routing): split by q*;
+        - fills neither pay nor cost (near-uniform routing): the mode of SplitTrials
+          (split_trials.py): q*, every miss or none, whichever measured the shortest steps;
         - fills cost (the steps' working set exceeds the cache: victims are needed again
           before fills are): fetch none, so the cache keeps what it has; except the experts
           serving more than CPU_KNEE_TOKENS tokens (a short prefill chunk): the CPU would take
@@ -266,11 +269,22 @@ class OffloadedExpertBank:
         gain = cache.fill_gain
         if gain > FETCH_ALL_GAIN:
             return lids
-        if gain < FETCH_NONE_GAIN:
+        mode = "none" if gain < FETCH_NONE_GAIN else self.trials.mode
+        if mode == "all":
+            return lids
+        if mode == "none":
             q = sum(1 for t in tokens if t > CPU_KNEE_TOKENS)
         else:
             q = split_count(tokens, self.bandwidths)
         return lids[: max(q, min(cache.free_slots, len(lids)))]
+
+    def decode_step_timed(self, n_tokens: int, seconds: float) -> None:
+        """The runner's wall time of a decode-only step of `n_tokens` tokens (its sampled
+        tokens read back, so the device work is done): adaptive's trials learn from the steps
+        that ran while the fill race left the split to them."""
+        gain = self.cache.fill_gain
+        if self.policy == "adaptive" and n_tokens > 0 and FETCH_NONE_GAIN <= gain <= FETCH_ALL_GAIN:
+            self.trials.step_done(seconds / n_tokens)
 
     # --- decode under captured graphs (engine/segmented_graphs.py) --------------------------
     def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:

@@ -77,6 +77,14 @@ def test_offload_bench_measurements_run_on_a_tiny_engine(tmp_path, rng_seed):
     offload._decode(engine, 4, rng, batch=2)
     assert bank.policy == "adaptive" and bank.stats.direct == direct
     engine.check_integrity()
+    # One round's measurement of a policy, and the median of the rounds.
+    row = offload._measure(engine, bank, "adaptive", 2, 4, rng, 30e9, 10e9)
+    assert row["tok_s"] > 0 and bank.policy == "adaptive" and "split_mode" in row
+    assert bank.stats.experts > 0
+    rates = [rng.uniform(1, 100) for _ in range(rng.choice([3, 4, 5]))]
+    median = offload._median_round([{"tok_s": r, "round": i} for i, r in enumerate(rates)])
+    assert median["tok_s"] == sorted(rates)[(len(rates) - 1) // 2]
+    assert median["tok_s_rounds"] == rates and rates[median["round"]] == median["tok_s"]
 
 
 def test_each_layer_is_one_stream_however_the_calls_slice_it(rng_seed):

@@ -1,0 +1,81 @@
+"""`adaptive`'s split of misses, chosen by measured decode step time while fills neither pay nor
+cost.
+
+q* (policy.py) models the layer as two independent branches, the link at B_P and the CPU at
+B_H. On the H200 host they are not independent: running together, the CPU kernel fell from
+~73 to ~56 GB/s and the link from ~55 to ~45 GB/s (both read the host's memory), and every fill
+costs the driving thread tens of microseconds of host time before the CPU branch can start. So
+under near-uniform routing (12 layers, 458 of 1536 slots) q* measured 52 tok/s where fetching
+every miss gave 57 and fetching none 55, and which of those wins changes with the machine.
+
+While the fill race (`ExpertCache.fill_gain`) sits between FETCH_NONE_GAIN and FETCH_ALL_GAIN,
+a fill's lasting effect on the cache is nil by that measure, so the step it is made in is the
+whole of its cost: the fastest way to place this step's misses is the one with the shortest
+steps. SplitTrials measures that directly. It runs the candidate modes
+- `split`: q* of the misses fetched, the rest on the CPU (split_count),
+- `all`: every miss fetched (as `transfer`),
+- `none`: only free slots filled, the rest on the CPU (as `static`, with the cache as it is),
+in turn, for BLOCK decode steps each, ROTATIONS times (interleaved: the H200 host's speed
+changes over seconds, so modes measured far apart compare the host with itself), then keeps
+the mode with the lowest median seconds per decoded token for PERIOD steps and measures again.
+Outside the band the gain decides alone and the steps are not samples (the trials wait).
+
+Which mode runs never changes results: placement only moves where a pair is computed.
+Cost: of every EXPLORE + PERIOD steps, at most 2 * BLOCK * ROTATIONS run a mode other than
+the best (24 of 280 at the defaults, ~9%), each slower by the margin it loses by.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+MODES = ("split", "all", "none")
+BLOCK = 4  # decode steps per mode per rotation
+ROTATIONS = 2
+PERIOD = 256  # decode steps on the chosen mode before measuring again
+
+
+class SplitTrials:
+    def __init__(self, block: int = BLOCK, rotations: int = ROTATIONS, period: int = PERIOD):
+        if block < 1 or rotations < 1 or period < 0:
+            raise ValueError(f"split trials need block >= 1, rotations >= 1, period >= 0, got "
+                             f"{block}, {rotations}, {period}")  # fmt: skip
+        self.block, self.rotations, self.period = block, rotations, period
+        self.chosen = "split"  # the mode kept between measurements
+        self.choices = 0  # measurements completed
+        self._explore()
+
+    @property
+    def mode(self) -> str:
+        """The mode for the current step's in-band misses."""
+        return self._schedule[self._at] if self._exploring else self.chosen
+
+    @property
+    def exploring(self) -> bool:
+        return self._exploring
+
+    def step_done(self, seconds_per_token: float) -> None:
+        """One decode step finished in band, running `mode`, at `seconds_per_token`."""
+        if not self._exploring:
+            self._left -= 1
+            if self._left <= 0:
+                self._explore()
+            return
+        self._samples[self.mode].append(seconds_per_token)
+        self._at += 1
+        if self._at == len(self._schedule):
+            self.chosen = min(MODES, key=lambda m: statistics.median(self._samples[m]))
+            self.choices += 1
+            self._exploring, self._left = False, self.period
+
+    def medians(self) -> dict[str, float]:
+        """Median seconds per token of each mode measured so far in this measurement."""
+        return {m: statistics.median(s) for m, s in self._samples.items() if s}
+
+    def _explore(self) -> None:
+        # Rotation r starts at mode r: no mode always runs first (right after the last mode
+        # of the previous rotation, whose cache state it inherits).
+        order = [MODES[(r + i) % len(MODES)] for r in range(self.rotations) for i in range(3)]
+        self._schedule = [m for m in order for _ in range(self.block)]
+        self._samples: dict[str, list[float]] = {m: [] for m in MODES}
+        self._at, self._exploring, self._left = 0, True, 0
