@@ -98,8 +98,8 @@ for stage in "$@"; do
           --context 8192 --tokens 96 --top 8 $flag 2>&1 | tee -a "$OUT/run_ahead_profile.log" \
           | grep -E "^== |prefill of" | cut -c1-200
       done ;;
-    offload-peer)  # issue 3's decode table on the peer slice (12 layers, 8.59 GB), every policy
-      timeout 450 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+    offload-peer)  # issue 3 decode table, peer slice (12 layers, 8.59 GB), every policy, 3 rounds (~7 min)
+      timeout 570 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
         --skip-prefill --out "$OUT" 2>&1 | tee "$OUT/offload_peer.log" | tail -30 ;;
     offload-30b)  # the same at 48 layers, 32 GB (the 58 GB pool: ~1 min to draw and pin)
       timeout 560 python3 -m freetoken_agent.bench offload --skip-prefill --out "$OUT" 2>&1 \
