@@ -28,7 +28,7 @@ from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration
-from freetoken_agent.engine.experts.split_trials import BLOCK, ROTATIONS, SplitTrials
+from freetoken_agent.engine.experts.split_trials import BLOCK, ROTATIONS
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.engine.sampling_params import SamplingParams
 
@@ -95,7 +95,7 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
     bank.cache.reset()
     _use_policy(engine, bank, policy)
     bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
-    bank.trials = SplitTrials()
+    bank.reset_decisions()
     if policy == "static":
         bank.place_static()
     _decode(engine, WARM_UP, rng, batch)

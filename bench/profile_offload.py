@@ -25,7 +25,6 @@ import torch
 from freetoken_agent.bench.offload import offload_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration
-from freetoken_agent.engine.experts.split_trials import SplitTrials
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             bank.cache.reset()
             bank.policy = policy
             bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
-            bank.trials = SplitTrials()
+            bank.reset_decisions()
             if policy == "static":
                 bank.place_static()
             sp = SamplingParams(max_tokens=8 + args.decode, temperature=0, ignore_eos=True)

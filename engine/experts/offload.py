@@ -34,9 +34,8 @@ from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids, learn_a
 from freetoken_agent.engine.experts.graph_io import GraphIO, distinct_lids
 from freetoken_agent.engine.experts.policy import (
     CPU_KNEE_TOKENS,
-    FETCH_ALL_GAIN,
-    FETCH_NONE_GAIN,
     Bandwidths,
+    FillVerdict,
     fetch_count,
     split_count,
 )
@@ -97,6 +96,7 @@ class OffloadedExpertBank:
         self.device = device
         self.policy = policy
         self.bandwidths = bandwidths or Bandwidths()
+        self.verdict = FillVerdict()  # adaptive's reading of the fill race
         self.trials = SplitTrials()  # adaptive's in-band mode, from measured steps
         self.stats = OffloadStats()
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
@@ -254,9 +254,10 @@ class OffloadedExpertBank:
         """`adaptive`: q* (policy.py) balances the two branches of this step only; a fill also
         keeps its expert for later steps and evicts another, which the cache measures
         (`ExpertCache.fill_gain`: does routing ask for the filled expert or its victim first):
-        - fills pay (temporal locality): fetch every miss; one run on the CPU instead would
-          leave the expert to miss again on the next steps (on the H200 host, native routing
-          at 12 layers ran at 406 tok/s fetching all against 299 splitting by q*);
+        - fills pay (temporal locality; with hysteresis, policy.FillVerdict): fetch every
+          miss; one run on the CPU instead would leave the expert to miss again on the next
+          steps (on the H200 host, native routing at 12 layers ran at 406 tok/s fetching all
+          against 299 splitting by q*);
         - fills neither pay nor cost (near-uniform routing): the mode of SplitTrials
           (split_trials.py): q*, every miss or none, whichever measured the shortest steps;
         - fills cost (the steps' working set exceeds the cache: victims are needed again
@@ -266,10 +267,8 @@ class OffloadedExpertBank:
         Free slots cost no victim: misses always fill those. `lids` come sorted by `tokens`
         (tokens each serves this step), most first."""
         cache = self.cache
-        gain = cache.fill_gain
-        if gain > FETCH_ALL_GAIN:
-            return lids
-        mode = "none" if gain < FETCH_NONE_GAIN else self.trials.mode
+        verdict = self.verdict(cache.fill_gain)
+        mode = self.trials.mode if verdict == "band" else verdict
         if mode == "all":
             return lids
         if mode == "none":
@@ -282,9 +281,15 @@ class OffloadedExpertBank:
         """The runner's wall time of a decode-only step of `n_tokens` tokens (its sampled
         tokens read back, so the device work is done): adaptive's trials learn from the steps
         that ran while the fill race left the split to them."""
-        gain = self.cache.fill_gain
-        if self.policy == "adaptive" and n_tokens > 0 and FETCH_NONE_GAIN <= gain <= FETCH_ALL_GAIN:
+        if self.policy != "adaptive" or n_tokens <= 0:
+            return
+        if self.verdict(self.cache.fill_gain) == "band":
             self.trials.step_done(seconds / n_tokens)
+
+    def reset_decisions(self) -> None:
+        """Forget what adaptive learnt of the fill race and the split modes (the benchmark,
+        between measurements from an empty cache)."""
+        self.verdict, self.trials = FillVerdict(), SplitTrials()
 
     # --- decode under captured graphs (engine/segmented_graphs.py) --------------------------
     def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:

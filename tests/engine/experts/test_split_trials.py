@@ -10,7 +10,14 @@ import torch
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
-from freetoken_agent.engine.experts.policy import Bandwidths, fetch_count
+from freetoken_agent.engine.experts.policy import (
+    FETCH_ALL_GAIN,
+    FETCH_ALL_HOLD_GAIN,
+    FETCH_NONE_GAIN,
+    Bandwidths,
+    FillVerdict,
+    fetch_count,
+)
 from freetoken_agent.engine.experts.split_trials import MODES, SplitTrials
 from freetoken_agent.kernels.reference import fused_moe
 
@@ -47,6 +54,24 @@ def test_trials_keep_the_fastest_mode_and_measure_again(rng_seed):
 def test_trials_refuse_a_schedule_that_measures_nothing():
     with pytest.raises(ValueError, match="block >= 1"):
         SplitTrials(block=0)
+
+
+def test_fill_verdict_holds_fetch_all_until_the_gain_falls_below_the_hold(rng_seed):
+    rng = random.Random(rng_seed)
+    verdict = FillVerdict()
+
+    def gain(lo: float, hi: float) -> float:
+        return rng.uniform(lo, hi)
+
+    for _ in range(5):
+        assert verdict(gain(FETCH_NONE_GAIN, FETCH_ALL_HOLD_GAIN)) == "band"
+        assert verdict(gain(FETCH_ALL_HOLD_GAIN, FETCH_ALL_GAIN)) == "band"  # never paid yet
+        assert verdict(gain(FETCH_ALL_GAIN, 1.0)) == "all"
+        for _ in range(rng.randrange(1, 4)):  # a dip into the band keeps fetching all
+            assert verdict(gain(FETCH_ALL_HOLD_GAIN, FETCH_ALL_GAIN)) == "all"
+        assert verdict(gain(FETCH_NONE_GAIN, FETCH_ALL_HOLD_GAIN)) == "band"
+        assert verdict(gain(FETCH_ALL_HOLD_GAIN, FETCH_ALL_GAIN)) == "band"
+        assert verdict(gain(-1.0, FETCH_NONE_GAIN)) == "none" == verdict.last
 
 
 def _bank(tmp_path, rng_seed, **trials):
