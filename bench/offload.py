@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="decode batches")
     parser.add_argument(
+        "--policies", nargs="+", choices=POLICIES, default=list(POLICIES), help="decode policies"
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=3,
@@ -221,11 +224,15 @@ def main(argv: list[str] | None = None) -> int:
             model.set_expert_bank(TracedRouting(bank, gen))
         engine.capture_graphs()  # graphs call the bank object they were captured with
         for batch in args.batches:
-            rounds: dict[str, list[dict]] = {p: [] for p in POLICIES}
+            rounds: dict[str, list[dict]] = {p: [] for p in args.policies}
             for r in range(args.rounds):
                 # Each round starts at another policy: the device host's speed changes over
                 # seconds, so a policy always measured first (or last) would carry a bias.
-                for policy in POLICIES[r % len(POLICIES) :] + POLICIES[: r % len(POLICIES)]:
+                order = (
+                    args.policies[r % len(args.policies) :]
+                    + args.policies[: r % len(args.policies)]
+                )
+                for policy in order:
                     row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h)
                     miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
                     hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
