@@ -132,7 +132,12 @@ class ExpertCache:
                 self.misses += 1
 
     def fill(
-        self, lids: list[int], protect: set[int], after_compute: bool = True, publish: bool = True
+        self,
+        lids: list[int],
+        protect: set[int],
+        after_compute: bool = True,
+        publish: bool = True,
+        race: bool = True,
     ) -> list[int]:
         """Bring `lids` (absent ones) into slots, evicting least-recently-used lids outside
         `protect` (the experts this layer is about to use). Returns the lids actually filled:
@@ -140,7 +145,8 @@ class ExpertCache:
         start at once: for callers whose queued compute is all discarded anyway (speculative
         graph segments, see segmented_graphs.py). `publish=False` leaves the device table to a
         later `publish(filled)`: publishing waits for the copies, so a caller with CPU work to
-        overlap with them does that work first."""
+        overlap with them does that work first. `race=False`: the fills race nothing
+        (fill_races.py; the bank's prefill chunks)."""
         self.inflight.settle()
         filled = []
         lids = [lid for lid in lids if self._slot_of[lid] < 0]
@@ -148,7 +154,7 @@ class ExpertCache:
             return filled
         if self.copy_stream is None:
             for lid in lids:
-                if not self._fill_one(lid, protect):
+                if not self._fill_one(lid, protect, race):
                     break
                 filled.append(lid)
         else:
@@ -160,7 +166,7 @@ class ExpertCache:
             with torch.cuda.stream(self.copy_stream):  # entered once: a fill costs two copies
                 timing[0].record(self.copy_stream)  # named: a lookup of the stream is ~5 us
                 for lid in lids:
-                    if not self._fill_one(lid, protect):
+                    if not self._fill_one(lid, protect, race):
                         break
                     filled.append(lid)
                 timing[1].record(self.copy_stream)
@@ -169,8 +175,8 @@ class ExpertCache:
             self.publish(filled)
         return filled
 
-    def _fill_one(self, lid: int, protect: set[int]) -> bool:
-        slot = self._claim(lid, protect)
+    def _fill_one(self, lid: int, protect: set[int], race: bool) -> bool:
+        slot = self._claim(lid, protect, race)
         if slot is None:
             return False
         self._copy_in(lid, slot)
@@ -182,7 +188,7 @@ class ExpertCache:
         self.w13[slot].copy_(self.pool.w13[lid], non_blocking=pinned)
         self.w2[slot].copy_(self.pool.w2[lid], non_blocking=pinned)
 
-    def _claim(self, lid: int, protect: set[int]) -> int | None:
+    def _claim(self, lid: int, protect: set[int], race: bool = True) -> int | None:
         """A slot for `lid` (evicting a victim outside `protect`; None if every slot is
         protected): the host maps and the fill's race are updated, the copy is the caller's."""
         slot, victim = self._take_slot(protect)
@@ -193,7 +199,8 @@ class ExpertCache:
         self._slot_of[lid] = slot
         self._lid_of[slot] = lid
         self._lru[lid] = None
-        self.races.start(lid, victim)
+        if race:
+            self.races.start(lid, victim)
         return slot
 
     def _take_slot(self, protect: set[int]) -> tuple[int | None, int]:

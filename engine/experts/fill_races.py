@@ -14,6 +14,14 @@ their bytes (engine/experts/policy.py).
 from __future__ import annotations
 
 OUTCOME_EMA = 0.01  # weight of the newest race outcome in `gain`
+# Only fills of calls of at most this many tokens race (decode batches). A prefill chunk too
+# short to stream (a prompt or tool output of tens to hundreds of tokens) fills most of every
+# layer at once; decode then asks for 8 of those experts, so its hundreds of races settle at 0
+# or -1 on the first decode step and pulled the gain from ~0.6 to ~0 after every prompt
+# (simulated on the bench's Zipf 1.0 / locality 0.7 trace, 12 layers, 458 slots). That step
+# then split its misses with the CPU, which locality punishes: on the peer slice at one token
+# adaptive ran 0.6-1.5 experts a token on the CPU and trailed transfer by 6-9%.
+RACE_MAX_TOKENS = 16
 
 
 class FillRaces:

@@ -31,6 +31,7 @@ from freetoken_agent.engine.config import ConfigError, ModelSpec
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids, learn_after_step
+from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
 from freetoken_agent.engine.experts.graph_io import GraphIO, distinct_lids
 from freetoken_agent.engine.experts.policy import (
     CPU_KNEE_TOKENS,
@@ -191,7 +192,7 @@ class OffloadedExpertBank:
                 ready.synchronize()
             return hidden_cpu, lids.cpu(), topk_weights.cpu()
 
-        part, fetched = self._place(misses, uniq_l, cpu_inputs)
+        part, fetched = self._place(misses, uniq_l, cpu_inputs, hidden.shape[0])
         self.cache.publish(fetched)
         rows = self.cache.slot_of[lids]  # [T, K] slot, -1 where the expert runs on the CPU
         out = fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights)
@@ -218,11 +219,13 @@ class OffloadedExpertBank:
         misses: list[tuple[int, int]],
         uniq: list[int],
         cpu_inputs,
+        n_tokens: int,
         after_compute: bool = True,
     ) -> tuple[torch.Tensor | None, list[int]]:
         """Place the misses: the policy's share is filled into slots (the layer's own experts
         are never evicted for them), the rest runs on the CPU while the copies cross the link.
-        `cpu_inputs()` returns (hidden [T, H], lids [T, K], weights [T, K]) on the host.
+        `cpu_inputs()` returns (hidden [T, H], lids [T, K], weights [T, K]) on the host;
+        `n_tokens` is T (only decode-sized calls start fill races: fill_races.py).
         Returns (the CPU's partial sum [T, H] on the host or None, the lids filled); the caller
         publishes the filled slots (`cache.publish`) once it no longer needs to overlap them."""
         if not misses:
@@ -232,7 +235,10 @@ class OffloadedExpertBank:
         # Not from a second thread: torch ops hold the GIL, and handing it back and forth
         # with the thread driving the kernel cost milliseconds a step on the H200 host.
         want = self._fetches(misses)
-        fetched = self.cache.fill(want, set(uniq), after_compute=after_compute, publish=False)
+        race = n_tokens <= RACE_MAX_TOKENS  # decode's fills measure whether fills pay
+        fetched = self.cache.fill(
+            want, set(uniq), after_compute=after_compute, publish=False, race=race
+        )
         # The policy's rest, and any fill that found every slot protected.
         on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
         part = self._run_on_cpu(*cpu_inputs(), on_cpu) if on_cpu else None
@@ -343,7 +349,7 @@ class OffloadedExpertBank:
         def cpu_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return io.hidden[layer, :n_tokens], torch.from_numpy(ids), io.weights[layer, :n_tokens]
 
-        part, fetched = self._place(misses, uniq_l, cpu_inputs, after_compute=False)
+        part, fetched = self._place(misses, uniq_l, cpu_inputs, n_tokens, after_compute=False)
         if part is not None:
             stage = io.cpu_stage[layer, :n_tokens]
             stage.copy_(part)

@@ -139,3 +139,31 @@ def test_decode_steps_feed_the_trials_and_switching_modes_keeps_the_tokens(tmp_p
     seen.clear()
     generate(0.9)  # out of band: the race fetches all, the trials wait
     assert seen == []
+
+
+def test_prefill_chunks_fill_without_racing(tmp_path, rng_seed):
+    """A chunk longer than RACE_MAX_TOKENS (too short to stream) fills without starting fill
+    races, so its fills cannot drag the decode gain to 0; a decode-sized call races its fills.
+    Both stay exact."""
+    from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
+
+    engine = _bank(tmp_path, rng_seed)
+    bank, spec = engine.loaded.bank, engine.spec
+    gen = torch.Generator().manual_seed(rng_seed)
+    bank.cache.fill_gain = 0.9  # fetch every miss
+    for tokens, races in ((RACE_MAX_TOKENS + 1 + int(torch.randint(40, (1,), generator=gen)),
+                           False), (int(torch.randint(1, RACE_MAX_TOKENS + 1, (1,),
+                                                      generator=gen)), True)):  # fmt: skip
+        bank.cache.reset()
+        bank.cache.fill_gain = 0.9
+        for _ in range(3):  # past the free slots: fills evict victims
+            layer = int(torch.randint(spec.n_moe_layers, (1,), generator=gen))
+            ids = torch.randint(spec.n_experts, (tokens, spec.top_k), generator=gen).int()
+            hidden = torch.randn(tokens, spec.hidden_size, generator=gen)
+            weights = torch.rand(tokens, spec.top_k, generator=gen)
+            out = bank(layer, hidden, ids, weights)
+            want = fused_moe(hidden, bank.pool.w13, bank.pool.w2, ids + layer * spec.n_experts,
+                             weights)  # fmt: skip
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert bank.stats.fetched > 0 and bank.cache.fills > 0
+        assert bool(bank.cache.races.pending) == races, tokens
