@@ -29,19 +29,16 @@ import torch
 from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.config import ConfigError, ModelSpec
 from freetoken_agent.engine.experts import calibration
+from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids, learn_after_step
 from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
 from freetoken_agent.engine.experts.graph_io import GraphIO, distinct_lids
 from freetoken_agent.engine.experts.policy import (
-    CPU_KNEE_TOKENS,
     Bandwidths,
-    FillVerdict,
     fetch_count,
-    split_count,
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
-from freetoken_agent.engine.experts.split_trials import SplitTrials
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
 
@@ -97,8 +94,7 @@ class OffloadedExpertBank:
         self.device = device
         self.policy = policy
         self.bandwidths = bandwidths or Bandwidths()
-        self.verdict = FillVerdict()  # adaptive's reading of the fill race
-        self.trials = SplitTrials()  # adaptive's in-band mode, from measured steps
+        self.adaptive = AdaptiveFetches()  # policy adaptive's choice of fetches (adaptive.py)
         self.stats = OffloadStats()
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
@@ -253,49 +249,22 @@ class OffloadedExpertBank:
         if self.policy == "direct":
             return lids
         if self.policy == "adaptive":
-            return self._adaptive_fetches(lids, [c for c, _ in misses])
+            tokens, cache = [c for c, _ in misses], self.cache
+            return self.adaptive.choose(
+                lids, tokens, cache.fill_gain, cache.free_slots, self.bandwidths
+            )
         return lids[: fetch_count(self.policy, len(lids), self.bandwidths)]
-
-    def _adaptive_fetches(self, lids: list[int], tokens: list[int]) -> list[int]:
-        """`adaptive`: q* (policy.py) balances the two branches of this step only; a fill also
-        keeps its expert for later steps and evicts another, which the cache measures
-        (`ExpertCache.fill_gain`: does routing ask for the filled expert or its victim first):
-        - fills pay (temporal locality; with hysteresis, policy.FillVerdict): fetch every
-          miss; one run on the CPU instead would leave the expert to miss again on the next
-          steps (on the H200 host, native routing at 12 layers ran at 406 tok/s fetching all
-          against 299 splitting by q*);
-        - fills neither pay nor cost (near-uniform routing): the mode of SplitTrials
-          (split_trials.py): q*, every miss or none, whichever measured the shortest steps;
-        - fills cost (the steps' working set exceeds the cache: victims are needed again
-          before fills are): fetch none, so the cache keeps what it has; except the experts
-          serving more than CPU_KNEE_TOKENS tokens (a short prefill chunk): the CPU would take
-          longer over those than a fetch plus the victim's later miss.
-        Free slots cost no victim: misses always fill those. `lids` come sorted by `tokens`
-        (tokens each serves this step), most first."""
-        cache = self.cache
-        verdict = self.verdict(cache.fill_gain)
-        mode = self.trials.mode if verdict == "band" else verdict
-        if mode == "all":
-            return lids
-        if mode == "none":
-            q = sum(1 for t in tokens if t > CPU_KNEE_TOKENS)
-        else:
-            q = split_count(tokens, self.bandwidths)
-        return lids[: max(q, min(cache.free_slots, len(lids)))]
 
     def decode_step_timed(self, n_tokens: int, seconds: float) -> None:
         """The runner's wall time of a decode-only step of `n_tokens` tokens (its sampled
-        tokens read back, so the device work is done): adaptive's trials learn from the steps
-        that ran while the fill race left the split to them."""
-        if self.policy != "adaptive" or n_tokens <= 0:
-            return
-        if self.verdict(self.cache.fill_gain) == "band":
-            self.trials.step_done(seconds / n_tokens)
+        tokens read back, so the device work is done): adaptive learns its split from it."""
+        if self.policy == "adaptive":
+            self.adaptive.step_timed(self.cache.fill_gain, n_tokens, seconds)
 
     def reset_decisions(self) -> None:
         """Forget what adaptive learnt of the fill race and the split modes (the benchmark,
         between measurements from an empty cache)."""
-        self.verdict, self.trials = FillVerdict(), SplitTrials()
+        self.adaptive = AdaptiveFetches()
 
     # --- decode under captured graphs (engine/segmented_graphs.py) --------------------------
     def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:

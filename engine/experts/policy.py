@@ -27,7 +27,7 @@ timings; the policy only sees the current estimates.
 pays only when routing asks for the new one before the victim. The cache measures that race
 (`ExpertCache.fill_gain`); adaptive fetches every miss when fills win it (temporal locality),
 splits by q* when neither does (near-uniform routing), and fetches none when victims win
-(thrashing). Free slots are always filled (see `OffloadedExpertBank._adaptive_fetches`).
+(thrashing). Free slots are always filled (see adaptive.py).
 """
 
 from __future__ import annotations

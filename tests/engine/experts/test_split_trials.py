@@ -77,7 +77,7 @@ def test_fill_verdict_holds_fetch_all_until_the_gain_falls_below_the_hold(rng_se
 def _bank(tmp_path, rng_seed, **trials):
     make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=6)
     engine = Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=9, progress=False)
-    engine.loaded.bank.trials = SplitTrials(**trials)
+    engine.loaded.bank.adaptive.trials = SplitTrials(**trials)
     return engine
 
 
@@ -93,7 +93,7 @@ def test_in_band_the_trials_mode_places_the_misses(tmp_path, rng_seed):
     cases = [(0.0, m, m) for m in MODES] * 4 + [(0.9, "none", "all"), (-0.5, "all", "none")] * 2
     for gain, mode, expect in cases:
         bank.cache.fill_gain = gain
-        bank.trials.chosen, bank.trials._exploring = mode, False
+        bank.adaptive.trials.chosen, bank.adaptive.trials._exploring = mode, False
         layer = int(torch.randint(spec.n_moe_layers, (1,), generator=gen))
         ids = torch.randperm(e, generator=gen)[:k].int()[None]  # [1, K]
         hidden = torch.randn(1, spec.hidden_size, generator=gen)
@@ -122,8 +122,9 @@ def test_decode_steps_feed_the_trials_and_switching_modes_keeps_the_tokens(tmp_p
     prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(40)]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     seen = []
-    step_done = bank.trials.step_done
-    bank.trials.step_done = lambda s: (seen.append((bank.trials.mode, s)), step_done(s))
+    trials = bank.adaptive.trials
+    step_done = trials.step_done
+    trials.step_done = lambda s: (seen.append((trials.mode, s)), step_done(s))
 
     def generate(gain: float) -> list[int]:
         rid = engine.submit(prompt, sp)
