@@ -77,12 +77,12 @@ def test_eviction_frees_pages(setup):
 
 def test_preempted_requests_match_unpressured_run(setup):
     path, rng = setup
-    # Four short prompts (3-4 pages each) run together and outgrow the 13 pages as their
-    # 40-token decodes cross page boundaries; two long ones wait (a seed that drew only long
-    # prompts ran them one at a time and never preempted).
+    # The four short prompts (3-4 pages of 16 tokens each) come first: at least three are
+    # admitted together, and their 40-token decodes outgrow the 14 pages (each grows to 6-7).
+    # The two long ones wait behind them. (Shuffled all together, a long prompt third in line
+    # held the queue behind two short ones that fit, and nothing was preempted: seed 88513644.)
     prompts = [_tokens(rng, rng.randrange(40, 60)) for _ in range(4)]
     prompts += [_tokens(rng, rng.randrange(100, 150)) for _ in range(2)]
-    rng.shuffle(prompts)
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     roomy = Engine.load(path, device="cpu", progress=False, kv_tokens=8192)
     ref = [o.token_ids for o in roomy.generate(prompts, sp)]
