@@ -28,16 +28,16 @@ from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration
-from freetoken_agent.engine.experts.split_trials import BLOCK, ROTATIONS
+from freetoken_agent.engine.experts.split_trials import BLOCK, MODES, ROTATIONS
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("cpu", "transfer", "adaptive", "static", "direct")
 # Decode steps before the timed ones: the cache fills, and adaptive measures its split modes
-# once (3 modes x BLOCK steps x ROTATIONS, split_trials.py); later measurements, every PERIOD
-# steps, fall outside the timed window.
-WARM_UP = 8 + 3 * BLOCK * ROTATIONS
+# once (every mode for BLOCK steps, ROTATIONS times: split_trials.py); later measurements,
+# every PERIOD steps, fall outside the timed window.
+WARM_UP = 8 + len(MODES) * BLOCK * ROTATIONS
 
 
 def _sync() -> None:

@@ -7,17 +7,23 @@ routing ask for the filled expert or its victim first):
 - fills pay (temporal locality; with hysteresis, policy.FillVerdict): fetch every miss; one
   run on the CPU instead would leave the expert to miss again on the next steps (on the H200
   host, native routing at 12 layers ran at 406 tok/s fetching all against 299 splitting by q*);
-- fills neither pay nor cost (near-uniform routing): the mode of SplitTrials (split_trials.py):
-  q*, every miss or none, whichever measured the shortest decode steps;
+- fills neither pay nor cost (near-uniform routing): the mode of SplitTrials (split_trials.py),
+  whichever measured the shortest decode steps of
+  - `split`: q* of the misses fetched,
+  - `all`: every miss fetched,
+  - `none`: only free slots filled, the cache left as it is,
+  - `layers`: the cache made of whole layers (layer_layout.py), their misses fetched and every
+    other layer's run on the CPU;
 - fills cost (the steps' working set exceeds the cache: victims are needed again before fills
   are): fetch none, so the cache keeps what it has; except the experts serving more than
   CPU_KNEE_TOKENS tokens (a short prefill chunk): the CPU would take longer over those than a
   fetch plus the victim's later miss.
-Free slots cost no victim: misses always fill those.
+Free slots cost no victim: misses always fill those (in `layers` mode, those of kept layers).
 """
 
 from __future__ import annotations
 
+from freetoken_agent.engine.experts import layer_layout
 from freetoken_agent.engine.experts.policy import (
     CPU_KNEE_TOKENS,
     Bandwidths,
@@ -28,27 +34,36 @@ from freetoken_agent.engine.experts.split_trials import SplitTrials
 
 
 class AdaptiveFetches:
-    def __init__(self) -> None:
+    def __init__(self, cache, n_layers: int) -> None:
+        self.cache = cache  # the bank's ExpertCache
+        self.n_layers = n_layers
         self.verdict = FillVerdict()  # the fill race, read with hysteresis
         self.trials = SplitTrials()  # the in-band mode, from measured decode steps
 
-    def choose(
-        self, lids: list[int], tokens: list[int], gain: float, free_slots: int, bw: Bandwidths
-    ) -> list[int]:
-        """The misses to fetch, a prefix of `lids` (sorted by `tokens`, the tokens each serves
-        this step, most first), given the cache's fill race `gain` and its free slots."""
-        verdict = self.verdict(gain)
+    def choose(self, lids: list[int], tokens: list[int], protect: set[int], bw: Bandwidths):
+        """The misses to fetch, a prefix of `lids` (one layer's, sorted by `tokens`, the tokens
+        each serves this step, most first); `protect` holds the layer's experts. Entering
+        `layers` mode first makes the kept layers whole (fills of its own, published)."""
+        cache = self.cache
+        verdict = self.verdict(cache.fill_gain)
         mode = self.trials.mode if verdict == "band" else verdict
+        if mode != "layers":
+            cache.kept_layers = frozenset()
+        elif not cache.kept_layers:
+            cache.kept_layers = layer_layout.kept_layers(cache, self.n_layers)
+            layer_layout.complete(cache, cache.kept_layers, protect)
         if mode == "all":
             return lids
-        if mode == "none":
+        if mode == "layers" and lids and lids[0] // cache.lids_per_layer in cache.kept_layers:
+            return lids
+        if mode in ("none", "layers"):
             q = sum(1 for t in tokens if t > CPU_KNEE_TOKENS)
         else:
             q = split_count(tokens, bw)
-        return lids[: max(q, min(free_slots, len(lids)))]
+        return lids[: max(q, min(cache.free_slots, len(lids)))]
 
-    def step_timed(self, gain: float, n_tokens: int, seconds: float) -> None:
+    def step_timed(self, n_tokens: int, seconds: float) -> None:
         """A decode step of `n_tokens` tokens took `seconds`: a sample for the trials when the
         race left the split to them."""
-        if n_tokens > 0 and self.verdict(gain) == "band":
+        if n_tokens > 0 and self.verdict(self.cache.fill_gain) == "band":
             self.trials.step_done(seconds / n_tokens)

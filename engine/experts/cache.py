@@ -78,6 +78,8 @@ class ExpertCache:
         self.step = 0
         self._last_hit: list[int] = [NEVER] * pool.n_rows
         self._pinned_set: frozenset[int] = frozenset()  # lids that are never evicted (static)
+        # Layers whose experts fills never evict (adaptive's `layers` mode, layer_layout.py).
+        self.kept_layers: frozenset[int] = frozenset()
         self._lent = 0  # the last `_lent` slots are lent out as staging (lend / take_back)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.hits = 0
@@ -207,8 +209,11 @@ class ExpertCache:
         """(a slot for a fill or None, the lid evicted from it or -1)."""
         if self._free:
             return self._free.pop(), -1
+        kept, per = self.kept_layers, self.lids_per_layer
         for victim in self._lru:
-            if victim not in protect and victim not in self._pinned_set:
+            if victim in protect or victim in self._pinned_set:
+                continue
+            if not kept or victim // per not in kept:
                 slot = self._slot_of[victim]
                 self._evict(victim)
                 self._unpublished.append(victim)
@@ -396,6 +401,7 @@ class ExpertCache:
             self._free.append(slot)
         self.slot_of.fill_(-1)
         self._pinned_set = frozenset()
+        self.kept_layers = frozenset()
 
     def clear_counters(self) -> None:
         self.hits = self.misses = self.fills = self.bytes_filled = 0

@@ -94,7 +94,8 @@ class OffloadedExpertBank:
         self.device = device
         self.policy = policy
         self.bandwidths = bandwidths or Bandwidths()
-        self.adaptive = AdaptiveFetches()  # policy adaptive's choice of fetches (adaptive.py)
+        # Policy adaptive's choice of fetches (adaptive.py).
+        self.adaptive = AdaptiveFetches(self.cache, spec.n_moe_layers)
         self.stats = OffloadStats()
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
@@ -230,7 +231,7 @@ class OffloadedExpertBank:
         # The copies are asynchronous: issued first, they cross the link while the CPU works.
         # Not from a second thread: torch ops hold the GIL, and handing it back and forth
         # with the thread driving the kernel cost milliseconds a step on the H200 host.
-        want = self._fetches(misses)
+        want = self._fetches(misses, set(uniq))
         race = n_tokens <= RACE_MAX_TOKENS  # decode's fills measure whether fills pay
         fetched = self.cache.fill(
             want, set(uniq), after_compute=after_compute, publish=False, race=race
@@ -242,29 +243,28 @@ class OffloadedExpertBank:
         self.stats.on_cpu += len(on_cpu)
         return part, fetched
 
-    def _fetches(self, misses: list[tuple[int, int]]) -> list[int]:
+    def _fetches(self, misses: list[tuple[int, int]], protect: set[int]) -> list[int]:
         """Which misses the policy fills into slots, in order (direct: a chunk too long for
         the kernels' host reads fills them all, as transfer does)."""
         lids = [lid for _, lid in misses]
         if self.policy == "direct":
             return lids
         if self.policy == "adaptive":
-            tokens, cache = [c for c, _ in misses], self.cache
-            return self.adaptive.choose(
-                lids, tokens, cache.fill_gain, cache.free_slots, self.bandwidths
-            )
+            tokens = [c for c, _ in misses]
+            return self.adaptive.choose(lids, tokens, protect, self.bandwidths)
         return lids[: fetch_count(self.policy, len(lids), self.bandwidths)]
 
     def decode_step_timed(self, n_tokens: int, seconds: float) -> None:
         """The runner's wall time of a decode-only step of `n_tokens` tokens (its sampled
         tokens read back, so the device work is done): adaptive learns its split from it."""
         if self.policy == "adaptive":
-            self.adaptive.step_timed(self.cache.fill_gain, n_tokens, seconds)
+            self.adaptive.step_timed(n_tokens, seconds)
 
     def reset_decisions(self) -> None:
         """Forget what adaptive learnt of the fill race and the split modes (the benchmark,
         between measurements from an empty cache)."""
-        self.adaptive = AdaptiveFetches()
+        self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers)
+        self.cache.kept_layers = frozenset()
 
     # --- decode under captured graphs (engine/segmented_graphs.py) --------------------------
     def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:

@@ -14,22 +14,25 @@ whole of its cost: the fastest way to place this step's misses is the one with t
 steps. SplitTrials measures that directly. It runs the candidate modes
 - `split`: q* of the misses fetched, the rest on the CPU (split_count),
 - `all`: every miss fetched (as `transfer`),
-- `none`: only free slots filled, the rest on the CPU (as `static`, with the cache as it is),
+- `none`: only free slots filled, the rest on the CPU (the cache as it is),
+- `layers`: the cache made of whole layers, the other layers on the CPU (as `static`;
+  layer_layout.py; the first step of its first block pays for the fills, and the median
+  leaves that step out),
 in turn, for BLOCK decode steps each, ROTATIONS times (interleaved: the H200 host's speed
 changes over seconds, so modes measured far apart compare the host with itself), then keeps
 the mode with the lowest median seconds per decoded token for PERIOD steps and measures again.
 Outside the band the gain decides alone and the steps are not samples (the trials wait).
 
 Which mode runs never changes results: placement only moves where a pair is computed.
-Cost: of every EXPLORE + PERIOD steps, at most 2 * BLOCK * ROTATIONS run a mode other than
-the best (24 of 280 at the defaults, ~9%), each slower by the margin it loses by.
+Cost: of every EXPLORE + PERIOD steps, at most 3 * BLOCK * ROTATIONS run a mode other than
+the best (24 of 288 at the defaults, ~8%), each slower by the margin it loses by.
 """
 
 from __future__ import annotations
 
 import statistics
 
-MODES = ("split", "all", "none")
+MODES = ("split", "all", "none", "layers")
 BLOCK = 4  # decode steps per mode per rotation
 ROTATIONS = 2
 PERIOD = 256  # decode steps on the chosen mode before measuring again
@@ -75,7 +78,8 @@ class SplitTrials:
     def _explore(self) -> None:
         # Rotation r starts at mode r: no mode always runs first (right after the last mode
         # of the previous rotation, whose cache state it inherits).
-        order = [MODES[(r + i) % len(MODES)] for r in range(self.rotations) for i in range(3)]
+        n = len(MODES)
+        order = [MODES[(r + i) % n] for r in range(self.rotations) for i in range(n)]
         self._schedule = [m for m in order for _ in range(self.block)]
         self._samples: dict[str, list[float]] = {m: [] for m in MODES}
         self._at, self._exploring, self._left = 0, True, 0

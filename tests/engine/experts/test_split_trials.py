@@ -35,7 +35,8 @@ def _run(trials: SplitTrials, cost: dict[str, float], rng: random.Random, steps:
 def test_trials_keep_the_fastest_mode_and_measure_again(rng_seed):
     rng = random.Random(rng_seed)
     trials = SplitTrials(block=3, rotations=2, period=40)
-    explore = 3 * 3 * 2
+    n = len(MODES)
+    explore = n * 3 * 2
     for _ in range(4):  # the best mode changes between measurements; each one finds it
         best = rng.choice(MODES)
         cost = {m: rng.uniform(1.3, 2.0) * 1e-2 for m in MODES}
@@ -45,7 +46,7 @@ def test_trials_keep_the_fastest_mode_and_measure_again(rng_seed):
         # Interleaved: each mode ran in `rotations` separate blocks of `block` steps.
         blocks = [ran[i] for i in range(0, explore, 3)]
         assert all(ran[i : i + 3] == [blocks[i // 3]] * 3 for i in range(0, explore, 3))
-        assert sorted(blocks) == sorted(MODES * 2) and blocks[:3] != blocks[3:]
+        assert sorted(blocks) == sorted(MODES * 2) and blocks[:n] != blocks[n:]
         assert _run(trials, cost, rng, 40) == [best] * 40  # the period runs the chosen mode
         assert trials.exploring  # then it measures again
     assert trials.choices == 4
@@ -74,9 +75,11 @@ def test_fill_verdict_holds_fetch_all_until_the_gain_falls_below_the_hold(rng_se
         assert verdict(gain(-1.0, FETCH_NONE_GAIN)) == "none" == verdict.last
 
 
-def _bank(tmp_path, rng_seed, **trials):
+def _bank(tmp_path, rng_seed, slots: int = 9, **trials):
     make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=6)
-    engine = Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=9, progress=False)
+    engine = Engine.load(
+        tmp_path, device="cpu", policy="adaptive", expert_slots=slots, progress=False
+    )
     engine.loaded.bank.adaptive.trials = SplitTrials(**trials)
     return engine
 
@@ -90,7 +93,8 @@ def test_in_band_the_trials_mode_places_the_misses(tmp_path, rng_seed):
     gen = torch.Generator().manual_seed(rng_seed)
     bank.bandwidths = Bandwidths(pcie=30e9, cpu=10e9)
     differed = 0
-    cases = [(0.0, m, m) for m in MODES] * 4 + [(0.9, "none", "all"), (-0.5, "all", "none")] * 2
+    splits = ("split", "all", "none")  # `layers`: test_layers_mode_keeps_whole_layers
+    cases = [(0.0, m, m) for m in splits] * 4 + [(0.9, "none", "all"), (-0.5, "all", "none")] * 2
     for gain, mode, expect in cases:
         bank.cache.fill_gain = gain
         bank.adaptive.trials.chosen, bank.adaptive.trials._exploring = mode, False
@@ -116,7 +120,7 @@ def test_decode_steps_feed_the_trials_and_switching_modes_keeps_the_tokens(tmp_p
     """The runner times every decode step for the bank; a mode switch every step (block 1,
     period 0) gives the resident engine's greedy tokens; prefill steps and steps out of band
     are not samples."""
-    engine = _bank(tmp_path, rng_seed, block=1, rotations=1, period=0)
+    engine = _bank(tmp_path, rng_seed, slots=20, block=1, rotations=1, period=0)
     resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
     bank, rng = engine.loaded.bank, random.Random(rng_seed)
     prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(40)]
@@ -142,6 +146,18 @@ def test_decode_steps_feed_the_trials_and_switching_modes_keeps_the_tokens(tmp_p
     assert seen == []
 
 
+def _log_races(races) -> list[int]:
+    """Record the filled lid of every race `races` starts from now on."""
+    started, start = [], races.start
+
+    def logged(filled: int, victim: int) -> None:
+        started.append(filled)
+        start(filled, victim)
+
+    races.start = logged
+    return started
+
+
 def test_prefill_chunks_fill_without_racing(tmp_path, rng_seed):
     """A chunk longer than RACE_MAX_TOKENS (too short to stream) fills without starting fill
     races, so its fills cannot drag the decode gain to 0; a decode-sized call races its fills.
@@ -157,6 +173,7 @@ def test_prefill_chunks_fill_without_racing(tmp_path, rng_seed):
                                                       generator=gen)), True)):  # fmt: skip
         bank.cache.reset()
         bank.cache.fill_gain = 0.9
+        started = _log_races(bank.cache.races)
         for _ in range(3):  # past the free slots: fills evict victims
             layer = int(torch.randint(spec.n_moe_layers, (1,), generator=gen))
             ids = torch.randint(spec.n_experts, (tokens, spec.top_k), generator=gen).int()
@@ -167,4 +184,100 @@ def test_prefill_chunks_fill_without_racing(tmp_path, rng_seed):
                              weights)  # fmt: skip
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         assert bank.stats.fetched > 0 and bank.cache.fills > 0
-        assert bool(bank.cache.races.pending) == races, tokens
+        assert bool(started) == races, tokens
+
+
+def test_layers_mode_keeps_whole_layers(tmp_path, rng_seed):
+    """`layers`: entering it keeps the layer holding the most experts (as many layers as the
+    slots hold) and fills its missing experts, victims from the other layers only; its misses
+    are then always fetched and never evicted, the other layers' run on the CPU (beyond free
+    slots), until it is whole. Another mode's fills may break it; coming back keeps a layer
+    again. Results stay exact throughout."""
+    rng = random.Random(rng_seed)
+    slots = 16 + rng.randrange(16)  # one whole layer of 16 experts, and some to spare
+    engine = _bank(tmp_path, rng_seed, slots=slots)
+    bank, spec = engine.loaded.bank, engine.spec
+    e, k, n_layers = spec.n_experts, spec.top_k, spec.n_moe_layers
+    assert n_layers * e > slots
+    gen = torch.Generator().manual_seed(rng_seed)
+    trials, cache = bank.adaptive.trials, bank.cache
+    trials._exploring = False
+
+    routed: set[int] = set()  # the lids of the latest call
+
+    def call(layer: int, mode: str, tokens: int = 1) -> tuple[int, int]:
+        """`tokens` tokens through `layer` under `mode` (race in band); (misses, fetched)."""
+        cache.fill_gain, trials.chosen = 0.0, mode
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)]).int()
+        routed.clear()
+        routed.update((ids + layer * e).flatten().tolist())
+        hidden = torch.randn(tokens, spec.hidden_size, generator=gen)
+        weights = torch.rand(tokens, k, generator=gen)
+        before = (bank.stats.hits, bank.stats.fetched)
+        out = bank(layer, hidden, ids, weights)
+        want = fused_moe(hidden, bank.pool.w13, bank.pool.w2, ids + layer * e, weights)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        bank.check_integrity()
+        distinct = len(set(ids.flatten().tolist()))
+        return distinct - (bank.stats.hits - before[0]), bank.stats.fetched - before[1]
+
+    def resident(layer: int) -> set[int]:
+        return {lid for lid in range(layer * e, (layer + 1) * e) if cache.resident(lid)}
+
+    def enter_layers_mode() -> int:
+        while True:  # the mode acts at the first call with a miss
+            counts = [len(resident(layer)) for layer in range(n_layers)]
+            call(rng.randrange(n_layers), "layers")
+            if cache.kept_layers:
+                (kept,) = cache.kept_layers  # slots // 16 == 1 layer
+                assert counts[kept] == max(counts)
+                # Filled at once: whole, unless every other resident is this call's.
+                others = [lid for lid in cache._lru if lid // e != kept and lid not in routed]
+                assert len(resident(kept)) == e or not (others or cache.free_slots)
+                return kept
+
+    for _ in range(3 * n_layers):  # fill the cache under `all`: spread over the layers
+        call(rng.randrange(n_layers), "all")
+    for _ in range(2):
+        kept = enter_layers_mode()
+        for _ in range(200):
+            layer = kept if rng.random() < 0.5 else rng.randrange(n_layers)
+            free, had = cache.free_slots, resident(kept)
+            misses, fetched = call(layer, "layers")
+            assert resident(kept) >= had  # never a victim
+            assert fetched == (misses if layer == kept else min(free, misses))
+            if len(resident(kept)) == e:
+                break
+        assert len(resident(kept)) == e
+        # A short prefill chunk: experts serving many tokens are fetched, never over `kept`.
+        other = rng.choice([x for x in range(n_layers) if x != kept])
+        call(other, "layers", tokens=48)
+        assert len(resident(kept)) == e
+        for _ in range(20):  # `all` evicts least recently used experts, the kept layer's too
+            call(rng.choice([x for x in range(n_layers) if x != kept]), "all")
+        assert not cache.kept_layers
+
+
+def test_fills_never_evict_a_kept_layer(rng_seed):
+    """With `kept_layers` set, a fill takes the least recently used expert outside them even
+    when the kept layers' experts are the least recently used of all."""
+    from freetoken_agent.engine.experts.cache import ExpertCache
+    from freetoken_agent.engine.experts.pool import ExpertPool
+
+    rng = random.Random(rng_seed)
+    layers, e = 4, 8
+    pool = ExpertPool(torch.randn(layers * e, 2, 2), torch.randn(layers * e, 2, 1))
+    spare = rng.randrange(2, 6)
+    cache = ExpertCache(pool, e + spare, torch.device("cpu"), lids_per_layer=e)
+    kept = rng.randrange(layers)
+    cache.fill(list(range(kept * e, (kept + 1) * e)), protect=set())  # oldest in the LRU
+    others = [lid for lid in range(layers * e) if lid // e != kept]
+    rng.shuffle(others)
+    cache.fill(others[:spare], protect=set())  # the slots are full
+    cache.kept_layers = frozenset({kept})
+    filled = cache.fill(others[spare : 2 * spare], protect=set())
+    assert filled == others[spare : 2 * spare]
+    assert all(cache.resident(lid) for lid in range(kept * e, (kept + 1) * e))
+    assert not any(cache.resident(lid) for lid in others[:spare])  # they were the victims
+    torch.testing.assert_close(cache.w13[cache._slot_of[filled[0]]], pool.w13[filled[0]])
+    cache.check_integrity()

@@ -1,0 +1,61 @@
+"""Whole layers in the cache: adaptive's `layers` mode, the layout of `static` learnt at run time.
+
+Under near-uniform routing every layout of S slots hits the same number of experts a token
+(S * K / E on average), but not in the same number of layers. A decode step stops for the host
+at every layer with a miss (the routing read back, the misses placed, the next segment
+launched: tenths of a millisecond each on the H200 host). Slots spread over all L layers make
+every layer stop; the same slots holding S // E whole layers leave those layers with no miss at
+all. At 48 layers and 2537 slots (32 GB), `static` (19 whole layers, fixed at load) decoded
+25.5 tok/s against adaptive's 24.5 with the slots spread, though adaptive missed fewer experts.
+
+`kept_layers` picks the layers that already hold the most experts; `complete` fills their
+missing experts, evicting least-recently-used experts of the other layers only. Afterwards the
+mode fetches the kept layers' misses (experts another mode evicted) with victims from the other
+layers, and runs every other miss on the CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+
+def kept_layers(cache, n_layers: int) -> frozenset[int]:
+    """The layers to keep whole: as many as the slots in service hold (pinned experts aside),
+    those holding the most experts now first (then the later layers, as `static` does)."""
+    per = cache.lids_per_layer
+    room = cache.n_slots - cache.lent - len(cache._pinned_set)
+    resident = (np.asarray(cache._slot_of[: n_layers * per]) >= 0).reshape(n_layers, per)
+    counts = resident.sum(axis=1)
+    order = sorted(range(n_layers), key=lambda layer: (-counts[layer], -layer))
+    return frozenset(order[: max(room, 0) // per])
+
+
+def complete(cache, layers: frozenset[int], protect: set[int], race: bool = False) -> list[int]:
+    """Fill every missing expert of `layers`; victims (least recently used first) come from the
+    other layers only, never pinned or in `protect`. Returns the lids filled (published)."""
+    per = cache.lids_per_layer
+    missing = [
+        lid
+        for layer in sorted(layers)
+        for lid in range(layer * per, (layer + 1) * per)
+        if cache._slot_of[lid] < 0
+    ]
+    if not missing:
+        return []
+    pinned = cache._pinned_set
+    victims = (
+        lid
+        for lid in cache._lru
+        if lid // per not in layers and lid not in pinned and lid not in protect
+    )
+    need = max(len(missing) - cache.free_slots, 0)
+    evicted = list(itertools.islice(victims, need))
+    for lid in evicted:
+        cache._free.append(cache._slot_of[lid])
+        cache._evict(lid)
+    cache._unpublished += evicted
+    cache.races.drop(set(evicted))  # not a fill's victim: their races say nothing about fills
+    # As many as the free slots now hold: a fill past them would evict a kept layer's expert.
+    return cache.fill(missing[: cache.free_slots], protect, race=race)
