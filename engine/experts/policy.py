@@ -26,8 +26,9 @@ timings; the policy only sees the current estimates.
 `adaptive` applies q* with one correction: a fill evicts an expert and keeps the new one, which
 pays only when routing asks for the new one before the victim. The cache measures that race
 (`ExpertCache.fill_gain`); adaptive fetches every miss when fills win it (temporal locality),
-splits by q* when neither does (near-uniform routing), and fetches none when victims win
-(thrashing). Free slots are always filled (see adaptive.py).
+fetches none when victims win (thrashing), and when neither does (near-uniform routing) runs
+q*, fetch-all, fetch-none or whole layers, whichever measured the shortest decode steps
+(split_trials.py). Free slots are always filled (see adaptive.py).
 """
 
 from __future__ import annotations
@@ -104,10 +105,8 @@ class FillVerdict:
 
     def __init__(self) -> None:
         self.fills_pay = False
-        self.last = "band"  # the verdict of the latest call
 
     def __call__(self, gain: float) -> str:
         hold = self.fills_pay and gain > FETCH_ALL_HOLD_GAIN
         self.fills_pay = gain > FETCH_ALL_GAIN or hold
-        self.last = "all" if self.fills_pay else "none" if gain < FETCH_NONE_GAIN else "band"
-        return self.last
+        return "all" if self.fills_pay else "none" if gain < FETCH_NONE_GAIN else "band"
