@@ -104,8 +104,9 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
     row["b_p_online_gb_s"] = bank.bandwidths.pcie / 1e9
     row["b_h_online_gb_s"] = bank.bandwidths.cpu / 1e9
     if policy == "adaptive":
-        row["split_mode"] = bank.adaptive.trials.chosen if bank.adaptive.trials.choices else None
-        row["split_ms_per_token"] = {m: 1e3 * v for m, v in bank.adaptive.trials.medians().items()}
+        trials = bank.adaptive.trials(batch)
+        row["split_mode"] = trials.chosen if trials.choices else None
+        row["split_ms_per_token"] = {m: 1e3 * v for m, v in trials.medians().items()}
     return row
 
 

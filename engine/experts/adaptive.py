@@ -24,6 +24,7 @@ Free slots cost no victim: misses always fill those (in `layers` mode, those of 
 from __future__ import annotations
 
 from freetoken_agent.engine.experts import layer_layout
+from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
 from freetoken_agent.engine.experts.policy import (
     CPU_KNEE_TOKENS,
     Bandwidths,
@@ -34,19 +35,37 @@ from freetoken_agent.engine.experts.split_trials import SplitTrials
 
 
 class AdaptiveFetches:
-    def __init__(self, cache, n_layers: int) -> None:
+    def __init__(self, cache, n_layers: int, **trial_params) -> None:
+        """`trial_params`: SplitTrials' schedule (its defaults otherwise)."""
         self.cache = cache  # the bank's ExpertCache
         self.n_layers = n_layers
         self.verdict = FillVerdict()  # the fill race, read with hysteresis
-        self.trials = SplitTrials()  # the in-band mode, from measured decode steps
+        self.trial_params = trial_params
+        self._trials: dict[int, SplitTrials] = {}  # per decode batch size
 
-    def choose(self, lids: list[int], tokens: list[int], protect: set[int], bw: Bandwidths):
+    def trials(self, n_tokens: int) -> SplitTrials:
+        """The in-band mode's trials for decode steps of `n_tokens` tokens. Each batch size
+        has its own: its steps' time per token differs (four tokens share one step's stops),
+        so a mode measured while the batch was larger would look faster."""
+        if n_tokens not in self._trials:
+            self._trials[n_tokens] = SplitTrials(**self.trial_params)
+        return self._trials[n_tokens]
+
+    def choose(
+        self, lids: list[int], tokens: list[int], protect: set[int], bw: Bandwidths, n_tokens: int
+    ) -> list[int]:
         """The misses to fetch, a prefix of `lids` (one layer's, sorted by `tokens`, the tokens
-        each serves this step, most first); `protect` holds the layer's experts. Entering
-        `layers` mode first makes the kept layers whole (fills of its own, published)."""
+        each serves this step, most first) in a call of `n_tokens` tokens; `protect` holds the
+        layer's experts. Entering `layers` mode first makes the kept layers whole (fills of its
+        own, published)."""
         cache = self.cache
-        verdict = self.verdict(cache.fill_gain)
-        mode = self.trials.mode if verdict == "band" else verdict
+        mode = self.verdict(cache.fill_gain)
+        if mode == "band" and n_tokens > RACE_MAX_TOKENS:
+            # A prefill chunk too short to stream: measured by nothing, it keeps the layout
+            # decode chose (whole layers) or splits by q*.
+            mode = "layers" if cache.kept_layers else "split"
+        elif mode == "band":
+            mode = self.trials(n_tokens).mode
         if mode != "layers":
             cache.kept_layers = frozenset()
         elif not cache.kept_layers:
@@ -65,5 +84,5 @@ class AdaptiveFetches:
     def step_timed(self, n_tokens: int, seconds: float) -> None:
         """A decode step of `n_tokens` tokens took `seconds`: a sample for the trials when the
         race left the split to them."""
-        if n_tokens > 0 and self.verdict(self.cache.fill_gain) == "band":
-            self.trials.step_done(seconds / n_tokens)
+        if 0 < n_tokens <= RACE_MAX_TOKENS and self.verdict(self.cache.fill_gain) == "band":
+            self.trials(n_tokens).step_done(seconds / n_tokens)

@@ -231,7 +231,7 @@ class OffloadedExpertBank:
         # The copies are asynchronous: issued first, they cross the link while the CPU works.
         # Not from a second thread: torch ops hold the GIL, and handing it back and forth
         # with the thread driving the kernel cost milliseconds a step on the H200 host.
-        want = self._fetches(misses, set(uniq))
+        want = self._fetches(misses, set(uniq), n_tokens)
         race = n_tokens <= RACE_MAX_TOKENS  # decode's fills measure whether fills pay
         fetched = self.cache.fill(
             want, set(uniq), after_compute=after_compute, publish=False, race=race
@@ -243,7 +243,7 @@ class OffloadedExpertBank:
         self.stats.on_cpu += len(on_cpu)
         return part, fetched
 
-    def _fetches(self, misses: list[tuple[int, int]], protect: set[int]) -> list[int]:
+    def _fetches(self, misses: list[tuple[int, int]], protect: set[int], n_tokens: int):
         """Which misses the policy fills into slots, in order (direct: a chunk too long for
         the kernels' host reads fills them all, as transfer does)."""
         lids = [lid for _, lid in misses]
@@ -251,7 +251,7 @@ class OffloadedExpertBank:
             return lids
         if self.policy == "adaptive":
             tokens = [c for c, _ in misses]
-            return self.adaptive.choose(lids, tokens, protect, self.bandwidths)
+            return self.adaptive.choose(lids, tokens, protect, self.bandwidths, n_tokens)
         return lids[: fetch_count(self.policy, len(lids), self.bandwidths)]
 
     def decode_step_timed(self, n_tokens: int, seconds: float) -> None:

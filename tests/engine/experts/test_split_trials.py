@@ -80,7 +80,7 @@ def _bank(tmp_path, rng_seed, slots: int = 9, **trials):
     engine = Engine.load(
         tmp_path, device="cpu", policy="adaptive", expert_slots=slots, progress=False
     )
-    engine.loaded.bank.adaptive.trials = SplitTrials(**trials)
+    engine.loaded.bank.adaptive.trial_params = trials
     return engine
 
 
@@ -97,7 +97,7 @@ def test_in_band_the_trials_mode_places_the_misses(tmp_path, rng_seed):
     cases = [(0.0, m, m) for m in splits] * 4 + [(0.9, "none", "all"), (-0.5, "all", "none")] * 2
     for gain, mode, expect in cases:
         bank.cache.fill_gain = gain
-        bank.adaptive.trials.chosen, bank.adaptive.trials._exploring = mode, False
+        bank.adaptive.trials(1).chosen, bank.adaptive.trials(1)._exploring = mode, False
         layer = int(torch.randint(spec.n_moe_layers, (1,), generator=gen))
         ids = torch.randperm(e, generator=gen)[:k].int()[None]  # [1, K]
         hidden = torch.randn(1, spec.hidden_size, generator=gen)
@@ -126,7 +126,7 @@ def test_decode_steps_feed_the_trials_and_switching_modes_keeps_the_tokens(tmp_p
     prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(40)]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     seen = []
-    trials = bank.adaptive.trials
+    trials = bank.adaptive.trials(1)  # one request: decode steps of one token
     step_done = trials.step_done
     trials.step_done = lambda s: (seen.append((trials.mode, s)), step_done(s))
 
@@ -200,7 +200,7 @@ def test_layers_mode_keeps_whole_layers(tmp_path, rng_seed):
     e, k, n_layers = spec.n_experts, spec.top_k, spec.n_moe_layers
     assert n_layers * e > slots
     gen = torch.Generator().manual_seed(rng_seed)
-    trials, cache = bank.adaptive.trials, bank.cache
+    trials, cache = bank.adaptive.trials(1), bank.cache
     trials._exploring = False
 
     routed: set[int] = set()  # the lids of the latest call
@@ -281,3 +281,28 @@ def test_fills_never_evict_a_kept_layer(rng_seed):
     assert not any(cache.resident(lid) for lid in others[:spare])  # they were the victims
     torch.testing.assert_close(cache.w13[cache._slot_of[filled[0]]], pool.w13[filled[0]])
     cache.check_integrity()
+
+
+def test_each_decode_batch_size_measures_its_own_modes(rng_seed):
+    """Steps of 1 and 4 tokens interleave (requests join and leave); a 4-token step costs far
+    less per token, so one shared measurement would credit whatever ran at batch 4. Each size
+    keeps its own trials and finds its own best mode; prefill-sized steps measure nothing."""
+    from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
+    from freetoken_agent.engine.experts.cache import ExpertCache
+    from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
+    from freetoken_agent.engine.experts.pool import ExpertPool
+
+    rng = random.Random(rng_seed)
+    pool = ExpertPool(torch.zeros(4 * 8, 2, 2), torch.zeros(4 * 8, 2, 1))
+    cache = ExpertCache(pool, 6, torch.device("cpu"), lids_per_layer=8)
+    adaptive = AdaptiveFetches(cache, 4, block=2, rotations=2, period=1000)
+    best = {1: rng.choice(MODES), 4: rng.choice(MODES)}
+    cost = {n: {m: (1.0 if m == best[n] else rng.uniform(1.3, 2.0)) / n**2 for m in MODES}
+            for n in (1, 4)}  # fmt: skip
+    for _ in range(400):
+        n = rng.choice([1, 4])
+        mode = adaptive.trials(n).mode
+        adaptive.step_timed(n, n * cost[n][mode] * rng.uniform(0.95, 1.05))
+        adaptive.step_timed(RACE_MAX_TOKENS + 1, 1e-6)  # a prefill step: not a sample
+    assert {n: adaptive.trials(n).chosen for n in (1, 4)} == best
+    assert sorted(adaptive._trials) == [1, 4]
