@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.limits import host_read_bandwidth
 from freetoken_agent.kernels.cpu import experts
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -54,18 +55,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.machine()
-
-
-def read_bandwidth(gib: float = 2.0, repeats: int = 7) -> float:
-    """Host memory read bandwidth in bytes/s: a torch sum over a large fp32 buffer."""
-    buf = torch.ones(int(gib * (1 << 30)) // 4)
-    buf.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - start)
-    return buf.nbytes / sorted(times)[len(times) // 2]
 
 
 def make_pool(n: int, h: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,13 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpu: {cpu_model()}, {threads} threads, L3 {l3 >> 20} MiB")
     print(f"backend {backend}; pool {n} experts, {n * expert_bytes / 1e9:.2f} GB bf16", flush=True)
 
-    bandwidth = read_bandwidth()
+    bandwidth = host_read_bandwidth()
     print(f"host read bandwidth (torch sum, 2 GiB, {threads} threads): {bandwidth / 1e9:.1f} GB/s")
     w13, w2 = make_pool(n, h, i)
     runs = [time_kernel(backend, t, w13, w2, threads, args.calls, 20) for t in (1, 4)]
     if backend != "torch" and not args.no_torch:
         runs.append(time_kernel("torch", 1, w13, w2, threads, max(5, args.calls // 6), 3))
-    bandwidth = max(bandwidth, read_bandwidth())  # again: the box may have been busy at first
+    bandwidth = max(bandwidth, host_read_bandwidth())  # again: the box may have been busy at first
 
     print(f"{'impl':7} {'T':>2} {'MB/call':>8} {'ms/call':>8} {'GB/s med':>9} {'best':>6} "
           f"{'of read':>8}")  # fmt: skip

@@ -38,8 +38,9 @@ the take is a quarter of the arena, the reserve an eighth, the headroom a sixtee
 router's ids).
 
 Per turn and engine: decode tok/s beside its limit (dense, hit-expert and KV bytes at B_HBM,
-miss bytes at B_P + B_H, measured in this run), TTFT beside its limit (prefilled tokens at chunk /
-(pool bytes / B_P) tok/s), reuse, slots, KV pages, decode miss rate, preemptions, failure.
+miss bytes at B_P + B_H capped by the host read bandwidth, measured in this run), TTFT beside
+its limit (prefilled tokens at chunk / (pool bytes / B_P) tok/s), reuse, slots, KV pages, decode
+miss rate, preemptions, failure.
 Summary: elastic >= both fixed splits on every turn (within --noise; a failed fixed turn is
 slower), elastic never failed, its last-turn decode within 12% of its first. The JSON (--out) is
 rewritten after every turn, with the elastic memory trace; a PNG goes beside it (without

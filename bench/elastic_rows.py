@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_paths, host_read_bandwidth
 from freetoken_agent.engine.engine import Engine
 
 
@@ -13,15 +14,15 @@ class Limits:
 
     def __init__(self, cfg: dict, on_gpu: bool) -> None:
         self.on_gpu = on_gpu
-        self.hbm = self.pcie = self.cpu = None
+        self.hbm = self.pcie = self.cpu = self.host_read = None
         if on_gpu:
-            from freetoken_agent.bench.limits import hbm_copy_bandwidth
             from freetoken_agent.engine.experts import calibration
 
             h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
             self.hbm = hbm_copy_bandwidth(torch.device("cuda"))
             self.pcie = calibration.measure_pcie(3 * h * i * 2)
             self.cpu = calibration.measure_cpu(h, i, torch.bfloat16)
+            self.host_read = host_read_bandwidth()
 
     def add(self, row: dict, engine: Engine, context: int, chunk: int) -> None:
         row["decode_limit_tok_s"] = row["ttft_limit_s"] = None
@@ -34,12 +35,17 @@ class Limits:
         kv = context * 2 * len(spec.attention_layers) * spec.n_kv_heads * spec.head_dim * 2
         moved = row["experts_per_token"] * bank.pool.expert_bytes
         floor = (dense + kv + moved * (1 - row["miss_rate"])) / self.hbm
-        floor += moved * row["miss_rate"] / (self.pcie + self.cpu)
+        floor += moved * row["miss_rate"] / host_paths(self.pcie, self.cpu, self.host_read)
         row["decode_limit_tok_s"] = 1 / floor
         row["ttft_limit_s"] = row["prefilled_tokens"] * bank.pool.nbytes / (chunk * self.pcie)
 
     def to_json(self) -> dict:
-        pairs = (("hbm_copy", self.hbm), ("b_p", self.pcie), ("b_h", self.cpu))
+        pairs = (
+            ("hbm_copy", self.hbm),
+            ("b_p", self.pcie),
+            ("b_h", self.cpu),
+            ("host_read", self.host_read),
+        )
         return {f"{k}_gb_s": v / 1e9 if v else None for k, v in pairs}
 
 

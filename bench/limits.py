@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -39,3 +41,22 @@ def matmul_rate(device: torch.device, n: int = 8192, repeats: int = 10) -> float
     end.record()
     end.synchronize()
     return 2 * n**3 * repeats / (start.elapsed_time(end) / 1e3)
+
+
+def host_read_bandwidth(gib: float = 2.0, repeats: int = 7) -> float:
+    """Host memory read bandwidth in bytes/s: a torch sum over a large fp32 buffer."""
+    buf = torch.ones(int(gib * (1 << 30)) // 4)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - start)
+    return buf.nbytes / sorted(times)[len(times) // 2]
+
+
+def host_paths(b_p: float, b_h: float, b_read: float) -> float:
+    """Bytes/s at which a decode step's misses can leave host memory: the link (B_P) and the
+    CPU branch (B_H) run together, but both read host memory, so their sum is capped by its
+    read bandwidth (DESIGN section 7)."""
+    return min(b_p + b_h, b_read)

@@ -9,9 +9,9 @@ warm-up, with miss rate and bytes over PCIe per token, in `--rounds` rounds (the
 reported); and
 prefill of 4k/8k/16k-token prompts streamed in 8k chunks with two staging buffers and with one.
 Limits, from bandwidths measured in the same run: decode >= (resident bytes read) / B_HBM +
-(miss bytes) / (B_P + B_H); a prefill chunk >= (non-resident pool bytes) / B_P. Routing is the
-random router on random weights ("native": it routes consecutive tokens alike) or replayed
-synthetic routing (uniform, or Zipf skew with temporal locality).
+(miss bytes) / min(B_P + B_H, host read bandwidth); a prefill chunk >= (non-resident pool bytes)
+/ B_P. Routing is the random router on random weights ("native": it routes consecutive tokens
+alike) or replayed synthetic routing (uniform, or Zipf skew with temporal locality).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from freetoken_agent.bench.limits import hbm_copy_bandwidth
+from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_paths, host_read_bandwidth
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     b_hbm = hbm_copy_bandwidth(dev)
+    b_read = host_read_bandwidth()
     t0 = time.perf_counter()
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank = engine.loaded.bank
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "hbm_copy_gb_s": b_hbm / 1e9,
         "b_p_gb_s": b_p / 1e9,
         "b_h_gb_s": b_h / 1e9,
+        "host_read_gb_s": b_read / 1e9,
         "routing": "per decode key: native (the random router), uniform or zipf:S,loc:P replay",
         "decode": {},
         "prefill": {},
@@ -237,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                     row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h)
                     miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
                     hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
-                    link = b_p if policy == "direct" else b_p + b_h  # direct: no CPU branch
+                    # direct has no CPU branch; the others' two host paths share host memory.
+                    link = b_p if policy == "direct" else host_paths(b_p, b_h, b_read)
                     floor = (dense_read + hit_bytes) / b_hbm + miss_bytes / link
                     row.update(limit_tok_s=batch / floor, of_limit=row["tok_s"] * floor / batch)
                     rounds[policy].append(row)
