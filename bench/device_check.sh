@@ -100,10 +100,12 @@ for stage in "$@"; do
       done ;;
     offload-peer)  # issue 3 decode table, peer slice (12 layers, 8.59 GB), every policy, 3 rounds (~7 min)
       timeout 570 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
-        --skip-prefill --out "$OUT" 2>&1 | tee "$OUT/offload_peer.log" | tail -30 ;;
-    offload-30b)  # the same at 48 layers, 32 GB (the 58 GB pool: ~1 min to draw and pin)
-      timeout 560 python3 -m freetoken_agent.bench offload --skip-prefill --out "$OUT" 2>&1 \
-        | tee "$OUT/offload_30b.log" | tail -30 ;;
+        --skip-prefill --out "$OUT" 2>&1 | tee "$OUT/offload_peer.log" | grep -v "round[0-9]" \
+        | cut -c1-240 ;;
+    offload-30b)  # 48 layers, 32 GB, b=1, the four policies of the acceptance, 3 rounds (~6 min)
+      timeout 580 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 \
+        --regimes uniform zipf:1.0,loc:0.7 native --policies cpu transfer adaptive static \
+        --out "$OUT" 2>&1 | tee "$OUT/offload_30b.log" | grep -v "round[0-9]" | cut -c1-240 ;;
     zero-copy)  # can kernels read experts from pinned host memory, and how fast (~30 s)
       timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
         tests/engine/experts/test_offload_gpu.py -k "host_bank or offloaded_on_cuda" 2>&1 \
