@@ -57,3 +57,30 @@ def test_offloaded_on_cuda_matches_resident(family, tmp_path, rng_seed):
         engine.check_integrity()
         st = engine.stats()["experts"]
         assert st["placement"] == "offloaded" and st["layers_streamed"] > 0
+
+
+def test_adaptive_split_modes_on_cuda_match_resident(tmp_path, rng_seed):
+    """adaptive under segmented decode graphs, its fill race held in the neutral band and its
+    split mode switching every decode step (q*, all, none, whole layers: the layers mode's
+    bulk fill runs inside a graph step), gives the resident engine's tokens."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9, 40)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    opts = dict(device="cuda", progress=False, max_model_len=512, max_num_seqs=4)
+    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
+        prompts, sp)]  # fmt: skip
+    slots = 16 + rng.randrange(1, 16)  # one whole layer and some to spare
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=slots, **opts)
+    bank = engine.loaded.bank
+    assert isinstance(engine.runner.graphs, SegmentedDecodeGraphs)
+    bank.adaptive.trial_params = dict(block=1, rotations=1, period=0)
+    ids = [engine.submit(p, sp) for p in prompts]
+    modes = set()
+    while engine.has_unfinished():
+        bank.cache.fill_gain = 0.0  # in band: the trials choose
+        modes |= {t.mode for t in bank.adaptive._trials.values()}
+        engine.step()
+    assert [engine._collect(i).token_ids for i in ids] == want
+    assert modes == {"split", "all", "none", "layers"}
+    engine.check_integrity()
