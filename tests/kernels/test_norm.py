@@ -60,11 +60,15 @@ def check_vs_twin(out: Tensor, ref: Tensor, n_ref: Tensor, weight: Tensor) -> No
     diff = (out.double() - ref.double()).abs()
     allowed = ulp(ref, dtype) + weight.double().abs() * ulp(n_ref, dtype)
     assert (diff <= allowed).all(), f"max excess {(diff - allowed).max().item():.3g}"
-    # A flip needs the fp32 statistics to land within an fp32 ulp or so of a rounding boundary;
-    # a wrong rounding point or mode differs in a large fraction of the elements instead.
-    mismatch = int((diff > 0).sum())
-    print(f"{mismatch} of {diff.numel()} elements not bitwise equal")
-    assert mismatch <= 4 + diff.numel() // 1000, f"{mismatch} elements differ: a systematic error"
+    # Flips come a row at a time: a row whose fp32 sum of squares came out a little apart (the
+    # reduction order) flips the rounding of n wherever n sits near a boundary. Seed 3347572631
+    # (bf16, H 2048): 20 of one row's 2048 elements, none in the five other rows; over 300 seeds
+    # at most 17. A wrong rounding mode differs in about half of every row (truncating: 48-51%),
+    # so a row may differ in at most 3% of its elements.
+    per_row = (diff > 0).sum(dim=-1)  # [T]
+    print(f"{int(per_row.sum())} of {diff.numel()} elements not bitwise equal, per row {per_row}")
+    limit = 4 + 3 * diff.shape[-1] // 100
+    assert int(per_row.max()) <= limit, f"a row differs in {int(per_row.max())}: systematic"
 
 
 # ---- the twin ----------------------------------------------------------------------------------
