@@ -40,10 +40,14 @@ def complete(cache, layers: frozenset[int], protect: set[int], race: bool = Fals
         lid
         for layer in sorted(layers)
         for lid in range(layer * per, (layer + 1) * per)
-        if cache._slot_of[lid] < 0
+        if not cache.resident(lid)
     ]
     if not missing:
         return []
+    # The victims are chosen here in one walk of the LRU, not by `cache.fill` with
+    # `kept_layers` set (which skips kept experts too): each fill's walk would pass every kept
+    # expert at the cold end again, 67 ms against 10 ms for 48 layers and 2537 slots on the
+    # dev box's CPU.
     pinned = cache._pinned_set
     victims = (
         lid

@@ -231,10 +231,11 @@ class OffloadedExpertBank:
         # The copies are asynchronous: issued first, they cross the link while the CPU works.
         # Not from a second thread: torch ops hold the GIL, and handing it back and forth
         # with the thread driving the kernel cost milliseconds a step on the H200 host.
-        want = self._fetches(misses, set(uniq), n_tokens)
+        protect = set(uniq)  # the layer's own experts: never victims of its fills
+        want = self._fetches(misses, protect, n_tokens)
         race = n_tokens <= RACE_MAX_TOKENS  # decode's fills measure whether fills pay
         fetched = self.cache.fill(
-            want, set(uniq), after_compute=after_compute, publish=False, race=race
+            want, protect, after_compute=after_compute, publish=False, race=race
         )
         # The policy's rest, and any fill that found every slot protected.
         on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
@@ -243,7 +244,9 @@ class OffloadedExpertBank:
         self.stats.on_cpu += len(on_cpu)
         return part, fetched
 
-    def _fetches(self, misses: list[tuple[int, int]], protect: set[int], n_tokens: int):
+    def _fetches(
+        self, misses: list[tuple[int, int]], protect: set[int], n_tokens: int
+    ) -> list[int]:
         """Which misses the policy fills into slots, in order (direct: a chunk too long for
         the kernels' host reads fills them all, as transfer does)."""
         lids = [lid for _, lid in misses]
