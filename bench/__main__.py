@@ -15,6 +15,8 @@
                       an external allocation mid-session (CUDA; --cpu-smoke runs on the CPU)
     kv-layout         paged attention over the fixed pool's, the elastic arena's and the old
                       interleaved KV layouts, decode and prefill at long contexts (CUDA)
+    workspace         the device memory a prefill step allocates beside the estimate slots are
+                      sized with (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -36,6 +38,7 @@ BENCHES = {
     "agent": "freetoken_agent.bench.agent",
     "elastic": "freetoken_agent.bench.elastic",
     "kv-layout": "freetoken_agent.bench.kv_layout",
+    "workspace": "freetoken_agent.bench.workspace",
 }
 
 

@@ -100,7 +100,9 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
         bank.place_static()
     _decode(engine, WARM_UP, rng, batch)
     rate, st = _decode(engine, n, rng, batch)
-    row = {"tok_s": rate, **st}
+    # Elastic memory gives the KV pool's idle pages to slots while decoding: the count at the
+    # end, beside the count at load in the report's header.
+    row = {"tok_s": rate, **st, "slots": bank.cache.n_slots}
     row["b_p_online_gb_s"] = bank.bandwidths.pcie / 1e9
     row["b_h_online_gb_s"] = bank.bandwidths.cpu / 1e9
     if policy == "adaptive":
