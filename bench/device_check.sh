@@ -12,6 +12,8 @@
 #         decode in alternating blocks of 16 steps, ~7 min)
 #         run-ahead (hybrid run-ahead: its GPU test, then decode_profile at 8k off and on, ~6 min)
 #         offload-peer offload-30b (issue 3's decode table per policy and routing, no prefill)
+#         workspace (a prefill step's peak allocation beside the slot sizing estimate, ~2 min)
+#         profile (top kernels of an eager decode step and a prefill chunk, 12 layers, ~1 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -112,6 +114,12 @@ for stage in "$@"; do
         | tee "$OUT/gpu_direct_tests.log" | tail -4
       timeout 120 python3 -m freetoken_agent.bench.zero_copy_probe 2>&1 \
         | tee "$OUT/zero_copy.log" | tail -16 ;;
+    workspace)
+      timeout 300 python3 -m freetoken_agent.bench workspace --out "$OUT" 2>&1 \
+        | tee "$OUT/workspace.log" | grep -v Warn | tail -14 ;;
+    profile)
+      timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
+        >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;
