@@ -73,7 +73,8 @@ def smoke_budget(cfg: dict, args) -> tuple[int, int]:
     staging = 2 * spec.n_experts * spec.expert_bytes
     arena = pages * page + (SMOKE_SLOTS + 1) * spec.expert_bytes
     recurrent = recurrent_device_bytes(spec, config, torch.device("cpu"), spec.dtype, 0)
-    fixed = dense_nbytes(probe.loaded.model) + workspace_bytes(spec, config) + staging + recurrent
+    workspace = workspace_bytes(spec, config, offloaded=True)
+    fixed = dense_nbytes(probe.loaded.model) + workspace + staging + recurrent
     return fixed + arena, arena
 
 

@@ -2,16 +2,15 @@
 the slot count is sized with (`placement.workspace_bytes`).
 
     python -m freetoken_agent.bench workspace [--layers 12] [--prompts 2048 4096 8192]
-        [--moe-chunk-pairs 65536 16384] [--out DIR]
+        [--budget-gb 8.59] [--out DIR]
 
 KV pages and expert slots live in the elastic arena (driver allocations outside torch's
 allocator), so torch's peak allocation during a step is the step's workspace: activations,
 the MoE kernels' per-pair buffers, logits. An estimate below the peak means a budget the
 engine overruns; one far above it means slots given away for nothing (at the 8 GiB laptop
-tier each 9.4 MB slot is 0.2% of the experts). Measured for an all-resident engine (prefill
-compute-bound) and an offloaded one (prefill streams whole layers), with the fused MoE's
-prefill chunk (pairs per launch) at each `--moe-chunk-pairs`, and the prefill time beside it:
-a smaller chunk re-reads its rows' weights once per chunk.
+tier each 9.4 MB slot is 0.07% of the experts). Measured for an all-resident engine (prefill
+compute-bound, the fused MoE in PREFILL_CHUNK_PAIRS chunks) and an offloaded one (prefill
+streams whole layers, in STREAMED_MOE_PAIRS chunks), with the prefill time beside each.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from freetoken_agent.bench.offload import offload_engine
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.sampling_params import SamplingParams
-from freetoken_agent.kernels.triton import fused_moe as triton_moe
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -50,24 +48,18 @@ def _peak_of(engine, n: int, rng: random.Random) -> tuple[int, float]:
     return torch.cuda.max_memory_allocated() - base, seconds
 
 
-def measure(engine, prompts: list[int], chunk_pairs: list[int], rng) -> dict:
+def measure(engine, prompts: list[int], rng, offloaded: bool) -> dict:
     config = engine.loaded.config
     rows = {}
-    tiles = triton_moe.PREFILL_TILES["default"]
-    saved = tiles["CHUNK_PAIRS"]
-    try:
-        for pairs in chunk_pairs:
-            tiles["CHUNK_PAIRS"] = pairs
-            for n in prompts:
-                _peak_of(engine, n, rng)  # compiles the kernels for this shape
-                peak, seconds = _peak_of(engine, n, rng)
-                estimate = workspace_bytes(engine.spec, replace(config, max_batched_tokens=n))
-                row = {"peak_gb": peak / 1e9, "estimate_gb": estimate / 1e9,
-                       "peak_of_estimate": peak / estimate, "prefill_s": seconds}  # fmt: skip
-                rows[f"{n}|pairs{pairs}"] = row
-                print(f"{n}|pairs{pairs}", json.dumps(row), flush=True)
-    finally:
-        tiles["CHUNK_PAIRS"] = saved
+    for n in prompts:
+        _peak_of(engine, n, rng)  # compiles the kernels for this shape
+        peak, seconds = _peak_of(engine, n, rng)
+        sized = replace(config, max_batched_tokens=n)
+        estimate = workspace_bytes(engine.spec, sized, offloaded=offloaded)
+        row = {"peak_gb": peak / 1e9, "estimate_gb": estimate / 1e9,
+               "peak_of_estimate": peak / estimate, "prefill_s": seconds}  # fmt: skip
+        rows[str(n)] = row
+        print(f"{'offloaded' if offloaded else 'resident'}|{n}", json.dumps(row), flush=True)
     return rows
 
 
@@ -80,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")
     parser.add_argument("--prompts", type=int, nargs="+", default=[2048, 4096, 8192],
                         help="prefill lengths (tokens), each one chunk")  # fmt: skip
-    parser.add_argument("--moe-chunk-pairs", type=int, nargs="+", default=[65536, 16384],
-                        help="fused MoE prefill chunks to compare ((token, expert) pairs)")  # fmt: skip
     parser.add_argument("--budget-gb", type=float, default=8.59, help="offloaded engine budget")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -93,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     report = {"bench": "workspace", "layers": args.layers, "prompts": args.prompts}
     engine = random_engine(cfg, kv_tokens=chunk + 64, max_num_seqs=4, max_batched_tokens=chunk,
                            max_model_len=chunk + 64)  # fmt: skip
-    report["resident"] = measure(engine, args.prompts, args.moe_chunk_pairs, rng)
+    report["resident"] = measure(engine, args.prompts, rng, offloaded=False)
     engine.close()
     del engine
     torch.cuda.empty_cache()
     engine, _, _ = offload_engine(args.layers, args.budget_gb, chunk)
-    report["offloaded"] = measure(engine, args.prompts, args.moe_chunk_pairs, rng)
+    report["offloaded"] = measure(engine, args.prompts, rng, offloaded=True)
     report["slots"] = engine.loaded.bank.cache.n_slots
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"workspace_{args.layers}l.json"

@@ -107,8 +107,10 @@ def size_kv_pool(
     dtype: torch.dtype,
     resident_bytes: int,
     max_len: int,
+    offloaded: bool,
 ) -> int:
-    """Number of KV pages (scratch page included)."""
+    """Number of KV pages (scratch page included). `offloaded`: the expert bank is (its
+    workspace is smaller: placement.workspace_bytes)."""
     s = config.page_size
     if config.kv_pages is not None:
         return config.kv_pages
@@ -119,7 +121,7 @@ def size_kv_pool(
         len(spec.attention_layers), s, spec.n_kv_heads, spec.head_dim, dtype
     )
     budget = gpu_budget(config, device, resident_bytes)
-    workspace = workspace_bytes(spec, config)
+    workspace = workspace_bytes(spec, config, offloaded=offloaded)
     recurrent = recurrent_device_bytes(spec, config, device, dtype, budget)
     left = budget - resident_bytes - workspace - recurrent
     if left < 2 * page_bytes:
@@ -182,7 +184,8 @@ def assemble(
         most = arena.boundary_for(n_slots=bank.min_slots) // arena.kv_unit.nbytes - 1
         max_len = min(max_len, most * config.page_size)
     else:
-        n_pages = size_kv_pool(spec, config, device, dtype, dense + bank.nbytes, max_len)
+        offloaded = isinstance(bank, OffloadedExpertBank)
+        n_pages = size_kv_pool(spec, config, device, dtype, dense + bank.nbytes, max_len, offloaded)
         n_attn = len(spec.attention_layers)
         kv = KVPool(
             n_attn, n_pages, config.page_size, spec.n_kv_heads, spec.head_dim, dtype, device

@@ -21,7 +21,7 @@ def elastic_memory(loaded, scheduler: Scheduler) -> MemoryManager | None:
     spec, config = loaded.spec, loaded.config
     fixed = (
         loaded.dense_bytes
-        + workspace_bytes(spec, config)
+        + workspace_bytes(spec, config, offloaded=True)
         # What the recurrence holds outside the split (sized again from the arena, whose
         # addresses reach the ceiling, it was overstated by 6.6 GB, a third of the split, on
         # the Qwen3.6 shape on the device); a resizable checkpoint tier is in the split.

@@ -17,6 +17,20 @@ from freetoken_agent.kernels.reference import fused_moe as fused_moe_reference
 # Decode batches of up to 16 sequences at K = 8 stay on one path, so a sequence's bits do not
 # change as such a batch grows or shrinks.
 PATH_LIMITS: dict[str, int] = {"decode_max_pairs": 128}
+# The prefill path runs a long batch in token chunks of at most this many pairs: its buffers
+# (act [P, I] and fp32 y [P, H], about 600 MB at 65536 pairs, H=2048, I=768) are bounded by it,
+# and each chunk reads its rows' weights again. A caller whose prefill is bound by something
+# else (a streamed layer waits on the link) passes a smaller `max_pairs`.
+PREFILL_CHUNK_PAIRS = 65536
+
+
+def prefill_workspace_bytes(
+    tokens: int, top_k: int, hidden: int, width: int, itemsize: int, max_pairs: int
+) -> int:
+    """Device bytes the prefill path's buffers take for `tokens` tokens: per pair act [I] in
+    the activation dtype, y [H] in fp32, and the row sort's int64 key and order."""
+    pairs = min(tokens * top_k, max_pairs)
+    return pairs * (width * itemsize + hidden * 4 + 16)
 
 
 def fused_moe(
@@ -30,6 +44,7 @@ def fused_moe(
     host_w13: torch.Tensor | None = None,
     host_w2: torch.Tensor | None = None,
     force_triton: bool = False,
+    max_pairs: int | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]).
 
@@ -38,6 +53,9 @@ def fused_moe(
     themselves. Decode batches only (up to PATH_LIMITS["decode_max_pairs"] pairs).
     force_triton runs CPU tensors through the Triton kernels (needs TRITON_INTERPRET=1 set before
     triton is imported); it is for tests.
+    max_pairs: the prefill path's chunk ((token, expert) pairs per launch; None:
+    PREFILL_CHUNK_PAIRS); the results do not depend on it, its workspace does
+    (`prefill_workspace_bytes`).
     """
     host = dict(host_w13=host_w13, host_w2=host_w2) if host_w13 is not None else {}
     pairs = topk_ids.shape[0] * topk_ids.shape[1]
@@ -53,4 +71,5 @@ def fused_moe(
 
     if pairs <= PATH_LIMITS["decode_max_pairs"]:
         return fused_moe_decode(hidden, w13, w2, topk_ids, topk_weights, out, **host)
-    return fused_moe_prefill(hidden, w13, w2, topk_ids, topk_weights, out)
+    chunk = {"CHUNK_PAIRS": max_pairs or PREFILL_CHUNK_PAIRS}
+    return fused_moe_prefill(hidden, w13, w2, topk_ids, topk_weights, out, tiles=chunk)

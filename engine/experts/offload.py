@@ -39,7 +39,7 @@ from freetoken_agent.engine.experts.policy import (
     fetch_count,
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
-from freetoken_agent.engine.experts.streaming import LayerStreamer
+from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerStreamer
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
 
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
@@ -192,7 +192,10 @@ class OffloadedExpertBank:
         part, fetched = self._place(misses, uniq_l, cpu_inputs, hidden.shape[0])
         self.cache.publish(fetched)
         rows = self.cache.slot_of[lids]  # [T, K] slot, -1 where the expert runs on the CPU
-        out = fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights)
+        # Chunks below the streaming threshold wait on their fills: the kernel's buffers stay
+        # within what the workspace was sized for (placement.workspace_bytes).
+        out = fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights,
+                        max_pairs=STREAMED_MOE_PAIRS)  # fmt: skip
         if part is not None:
             out = out + part.to(out.device, non_blocking=True)
         return out
@@ -376,7 +379,7 @@ class OffloadedExpertBank:
     ) -> torch.Tensor:
         """Long chunks: the whole layer from a staging buffer, the next layer copying behind."""
         w13, w2 = self.streamer.weights(layer)  # [E, 2I, H], [E, H, I]
-        out = fused_moe(hidden, w13, w2, topk_ids, topk_weights)
+        out = fused_moe(hidden, w13, w2, topk_ids, topk_weights, max_pairs=STREAMED_MOE_PAIRS)
         self.streamer.done(layer)
         self.stats.pairs += topk_ids.numel()
         return out

@@ -30,6 +30,14 @@ from freetoken_agent.kernels.row_copy import row_copy
 
 # E experts per layer, H hidden, I expert width, B staging buffers (1 or 2)
 
+# (token, expert) pairs per fused-MoE launch of a streamed layer. A streamed layer waits on the
+# link (a 12-layer Qwen3-30B slice streams 14.5 GB per chunk), so the kernel's chunking costs
+# nothing, while its buffers are memory taken from the slots: on the H200, an 8192-token
+# chunk's peak allocation fell from 0.81 to 0.39 GB going from 65536 to 16384 pairs, and the
+# prefill took 278 and 279 ms (bench/results/workspace_12l_s12_chunks.json). All-resident
+# prefill is compute-bound and keeps the kernel's default: there 16384 cost 17% at 8192 tokens.
+STREAMED_MOE_PAIRS = 16384
+
 
 class LayerStreamer:
     def __init__(

@@ -56,8 +56,8 @@ DECODE_TILES: dict[tuple[int, int] | str, dict[str, int]] = {
     ),
 }
 PREFILL_TILES: dict[tuple[int, int] | str, dict[str, int]] = {
-    # CHUNK_PAIRS bounds the workspace (act [S, I] + fp32 y [P, H]: about 600 MB at H=2048,
-    # I=768); a longer batch runs in token chunks, each re-reading the weights of its rows.
+    # CHUNK_PAIRS: the dispatcher's max_pairs (kernels/fused_moe.py: PREFILL_CHUNK_PAIRS) when
+    # called from it; this default serves direct calls.
     "default": dict(
         BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, WARPS_UP=8, STAGES_UP=3,
         DOWN_BLOCK_N=128, DOWN_BLOCK_K=64, WARPS_DOWN=4, STAGES_DOWN=4,

@@ -37,7 +37,7 @@ def _elastic(path, resident: Engine, slots: int, kv_tokens: int = 256,
     kv_unit = 2 * len(spec.attention_layers) * 16 * spec.n_kv_heads * spec.head_dim * 4
     budget = (
         dense
-        + workspace_bytes(spec, config)
+        + workspace_bytes(spec, config, offloaded=True)
         + (kv_tokens // 16 + 1) * kv_unit
         + (slots + 1) * spec.expert_bytes
     )
@@ -56,7 +56,7 @@ def _staged_budget(resident: Engine, slots: int, kv_tokens: int) -> int:
     kv_page = 2 * 16 * spec.n_layers * spec.n_kv_heads * spec.head_dim * 4
     return (
         dense_nbytes(resident.loaded.model)
-        + workspace_bytes(spec, resident.config)
+        + workspace_bytes(spec, resident.config, offloaded=True)
         + slots * spec.expert_bytes
         + (kv_tokens // 16 + 1) * kv_page
         + 2 * spec.n_experts * spec.expert_bytes
@@ -180,7 +180,7 @@ def test_elastic_on_cuda_matches_resident_through_a_budget_cut(tmp_path, rng_see
     # direct with every expert fitting loads resident: 26 slots of budget (and 7 spare KV
     # pages), 16 of them the streamer's own staging, leave about 13 of the 16 rows
     slots, cut_slots = (41, 12) if policy == "transfer" else (26, 6)
-    budget = dense + workspace_bytes(spec, resident.config) + 40 * kv_unit
+    budget = dense + workspace_bytes(spec, resident.config, offloaded=True) + 40 * kv_unit
     budget += slots * spec.expert_bytes
     engine = Engine.load(
         tmp_path, policy=policy, gpu_budget=budget, kv_tokens=512,
@@ -359,7 +359,7 @@ def _same_budget_elastic_and_fixed(path, device: str, rng: random.Random):
     ) * (opts["kv_tokens"] // config.page_size + 1)
     base = (
         dense_nbytes(resident.loaded.model)
-        + workspace_bytes(spec, config)
+        + workspace_bytes(spec, config, offloaded=True)
         + kv
         + (3 * spec.n_experts + rng.randint(4, 12)) * spec.expert_bytes  # lent staging + slots
     )
@@ -377,7 +377,7 @@ def _check_counts_what_the_recurrence_holds(elastic: Engine, fixed: Engine) -> N
     bank = loaded.bank
     outside = (
         dense_nbytes(loaded.model)
-        + workspace_bytes(elastic.spec, elastic.config)
+        + workspace_bytes(elastic.spec, elastic.config, offloaded=True)
         + bank.nbytes
         - bank.cache.nbytes
     )

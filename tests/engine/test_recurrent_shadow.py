@@ -4,6 +4,7 @@ the others keep what they computed (segmented decode running ahead on hybrid mod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import torch
@@ -84,5 +85,7 @@ def test_workspace_counts_the_shadow_when_hybrid_runs_ahead(rng_seed):
     lin = hybrid.linear
     row = state_bytes(len(hybrid.recurrent_layers), lin.conv_state_shape, lin.ssm_state_shape,
                       hybrid.dtype)  # fmt: skip
-    assert workspace_bytes(hybrid, on) - workspace_bytes(hybrid, off) == seqs * row > 0
-    assert workspace_bytes(plain, on) == workspace_bytes(plain, off)
+    for offloaded in (True, False):
+        ws = functools.partial(workspace_bytes, offloaded=offloaded)
+        assert ws(hybrid, on) - ws(hybrid, off) == seqs * row > 0
+        assert ws(plain, on) == ws(plain, off)

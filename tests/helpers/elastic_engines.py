@@ -20,7 +20,7 @@ def elastic_engine(path, checkpoints: str) -> Engine:
                              spec.head_dim, spec.dtype)  # fmt: skip
     budget = (
         dense_nbytes(probe.loaded.model)
-        + workspace_bytes(spec, config)
+        + workspace_bytes(spec, config, offloaded=True)
         + recurrent_device_bytes(spec, config, torch.device("cpu"), spec.dtype, 0)
         + 33 * page
         + (3 * spec.n_experts + 8) * spec.expert_bytes

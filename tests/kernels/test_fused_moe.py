@@ -150,7 +150,7 @@ def test_dispatcher_default_tiles_both_paths(rng_seed, dtype):
 def test_dispatcher_picks_path(monkeypatch):
     called = []
     for name in ("fused_moe_decode", "fused_moe_prefill"):
-        monkeypatch.setattr(triton_moe, name, lambda *a, name=name: called.append(name))
+        monkeypatch.setattr(triton_moe, name, lambda *a, name=name, **kw: called.append(name))
     limit = PATH_LIMITS["decode_max_pairs"]
     for pairs in (1, limit, limit + 1):
         ids = torch.zeros(pairs, 1, dtype=torch.int64)

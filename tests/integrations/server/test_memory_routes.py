@@ -19,7 +19,7 @@ def elastic_client(model_dir):
     kv_unit = 2 * len(spec.attention_layers) * 16 * spec.n_kv_heads * spec.head_dim * 4
     budget = (
         dense_nbytes(probe.loaded.model)
-        + workspace_bytes(spec, probe.config)
+        + workspace_bytes(spec, probe.config, offloaded=True)
         + 65 * kv_unit
         + 41 * spec.expert_bytes
     )
