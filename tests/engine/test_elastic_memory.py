@@ -3,7 +3,6 @@ arena whose split moves at safe points, with outputs unchanged and every pool in
 
 from __future__ import annotations
 
-import gc
 import itertools
 import random
 
@@ -269,11 +268,6 @@ def test_cuda_engine_gives_vram_back_to_another_allocation(tmp_path, rng_seed):
     beyond the free headroom makes the engine unmap arena chunks (the driver's free memory
     comes back to the reserve) while its outputs stay the resident engine's; freeing it lets
     the engine map them again."""
-    # The "other program" allocates through torch's caching allocator: blocks an earlier test
-    # left cached would serve it without the driver's free memory moving (seen on the device
-    # after a test that ran a real-shaped prefill).
-    gc.collect()
-    torch.cuda.empty_cache()
     over = dict(hidden_size=256, moe_intermediate_size=1024, num_experts=32)
     make_tiny("qwen3_moe", tmp_path, rng_seed, max_position_embeddings=2048, **over)
     rng = random.Random(rng_seed)
@@ -298,11 +292,16 @@ def test_cuda_engine_gives_vram_back_to_another_allocation(tmp_path, rng_seed):
     taken_bytes = min(mapped0 // 2, 64 << 20)
     rids = [engine.submit(p, sp) for p in prompts]
     other, steps = None, 0
+    # Another program's allocation, made here from a private pool: torch's shared cache could
+    # serve it from a segment an earlier test left partly in use (seen on the device after a
+    # real-shaped prefill), and the driver's free memory would not move.
+    other_pool = torch.cuda.MemPool()
     while engine.has_unfinished():
         engine.step()
         steps += 1
-        if steps == 3:  # another program's allocation (here: this process's allocator)
-            other = torch.empty(taken_bytes, dtype=torch.uint8, device="cuda")
+        if steps == 3:
+            with torch.cuda.use_mem_pool(other_pool):
+                other = torch.empty(taken_bytes, dtype=torch.uint8, device="cuda")
         engine.check_integrity()
     assert [engine._collect(r).token_ids for r in rids] == want
     torch.cuda.synchronize()
@@ -312,7 +311,7 @@ def test_cuda_engine_gives_vram_back_to_another_allocation(tmp_path, rng_seed):
     slack = (2 * len(resident.spec.attention_layers) + 2) * m.arena.kv_memory.chunk + group
     assert m.budget < budget0 and m.released_bytes >= taken_bytes - headroom - slack
     assert free >= free0 - headroom - slack, (free0, free)  # the reserve is free again
-    del other
+    del other, other_pool
     torch.cuda.empty_cache()
     for _ in range(10):
         engine.poll_memory()
