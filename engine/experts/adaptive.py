@@ -13,7 +13,11 @@ routing ask for the filled expert or its victim first):
   - `all`: every miss fetched,
   - `none`: only free slots filled, the cache left as it is,
   - `layers`: the cache made of whole layers (layer_layout.py), their misses fetched and every
-    other layer's run on the CPU;
+    other layer's run on the CPU. It is tried only where it can pay (`layers_may_pay`): entering
+    it fills whole layers, evicting the other layers' experts, and where few layers miss (the
+    working set nearly fits: on the H200, native routing at 12 layers and 621 slots) one block
+    of it cost 27 ms a token against 6 and left the cache to refill, and a round measured 192
+    tok/s against 456;
 - fills cost (the steps' working set exceeds the cache: victims are needed again before fills
   are): fetch none, so the cache keeps what it has; except the experts serving more than
   CPU_KNEE_TOKENS tokens (a short prefill chunk): the CPU would take longer over those than a
@@ -33,6 +37,8 @@ from freetoken_agent.engine.experts.policy import (
 )
 from freetoken_agent.engine.experts.split_trials import SplitTrials
 
+STOPS_EMA = 0.1  # weight of the newest decode step in the running count of stopping layers
+
 
 class AdaptiveFetches:
     def __init__(self, cache, n_layers: int, **trial_params) -> None:
@@ -42,14 +48,28 @@ class AdaptiveFetches:
         self.verdict = FillVerdict()  # the fill race, read with hysteresis
         self.trial_params = trial_params
         self._trials: dict[int, SplitTrials] = {}  # per decode batch size
+        # Per decode batch size: layers with a miss per step (each a stop for the host),
+        # running average over steps outside `layers` mode; and the count of this step so far.
+        self._stops: dict[int, float] = {}
+        self._stops_now = 0
 
     def trials(self, n_tokens: int) -> SplitTrials:
         """The in-band mode's trials for decode steps of `n_tokens` tokens. Each batch size
         has its own: its steps' time per token differs (four tokens share one step's stops),
         so a mode measured while the batch was larger would look faster."""
         if n_tokens not in self._trials:
-            self._trials[n_tokens] = SplitTrials(**self.trial_params)
+            self._trials[n_tokens] = SplitTrials(
+                allowed=lambda mode: mode != "layers" or self.layers_may_pay(n_tokens),
+                **self.trial_params,
+            )
         return self._trials[n_tokens]
+
+    def layers_may_pay(self, n_tokens: int) -> bool:
+        """Whether `layers` could shorten decode steps of `n_tokens` tokens: it hits no more
+        experts than any layout of the same slots, so it wins only by stopping at fewer layers,
+        which it can do only if the steps now stop at more layers than the ones it leaves out."""
+        stops = self._stops.get(n_tokens)
+        return stops is not None and stops > self.n_layers - layer_layout.whole_layers(self.cache)
 
     def choose(
         self, lids: list[int], tokens: list[int], protect: set[int], bw: Bandwidths, n_tokens: int
@@ -59,6 +79,8 @@ class AdaptiveFetches:
         layer's experts. Entering `layers` mode first makes the kept layers whole (fills of its
         own, published)."""
         cache = self.cache
+        if n_tokens <= RACE_MAX_TOKENS:
+            self._stops_now += 1  # called once per layer with misses
         mode = self.verdict(cache.fill_gain)
         if mode == "band" and n_tokens > RACE_MAX_TOKENS:
             # A prefill chunk too short to stream: measured by nothing, it keeps the layout
@@ -84,5 +106,11 @@ class AdaptiveFetches:
     def step_timed(self, n_tokens: int, seconds: float) -> None:
         """A decode step of `n_tokens` tokens took `seconds`: a sample for the trials when the
         race left the split to them."""
-        if 0 < n_tokens <= RACE_MAX_TOKENS and self.verdict(self.cache.fill_gain) == "band":
+        if not 0 < n_tokens <= RACE_MAX_TOKENS:
+            return
+        stops, self._stops_now = self._stops_now, 0
+        if not self.cache.kept_layers:
+            was = self._stops.get(n_tokens)
+            self._stops[n_tokens] = stops if was is None else was + STOPS_EMA * (stops - was)
+        if self.verdict(self.cache.fill_gain) == "band":
             self.trials(n_tokens).step_done(seconds / n_tokens)

@@ -21,15 +21,19 @@ import itertools
 import numpy as np
 
 
+def whole_layers(cache) -> int:
+    """How many whole layers the slots in service hold (pinned experts aside)."""
+    return max(cache.n_slots - cache.lent - len(cache._pinned_set), 0) // cache.lids_per_layer
+
+
 def kept_layers(cache, n_layers: int) -> frozenset[int]:
-    """The layers to keep whole: as many as the slots in service hold (pinned experts aside),
-    those holding the most experts now first (then the later layers, as `static` does)."""
+    """The layers to keep whole: as many as `whole_layers`, those holding the most experts now
+    first (then the later layers, as `static` does)."""
     per = cache.lids_per_layer
-    room = cache.n_slots - cache.lent - len(cache._pinned_set)
     resident = (np.asarray(cache._slot_of[: n_layers * per]) >= 0).reshape(n_layers, per)
     counts = resident.sum(axis=1)
     order = sorted(range(n_layers), key=lambda layer: (-counts[layer], -layer))
-    return frozenset(order[: max(room, 0) // per])
+    return frozenset(order[: whole_layers(cache)])
 
 
 def complete(cache, layers: frozenset[int], protect: set[int], race: bool = False) -> list[int]:

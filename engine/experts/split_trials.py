@@ -23,6 +23,9 @@ changes over seconds, so modes measured far apart compare the host with itself),
 the mode with the lowest median seconds per decoded token for PERIOD steps and measures again.
 Outside the band the gain decides alone and the steps are not samples (the trials wait).
 
+A mode the caller says cannot win where it stands (`allowed`; adaptive.py refuses `layers`
+where few layers miss) is skipped for that measurement.
+
 Which mode runs never changes results: placement only moves where a pair is computed.
 Cost: of every EXPLORE + PERIOD steps, at most 3 * BLOCK * ROTATIONS run a mode other than
 the best (24 of 288 at the defaults, ~8%), each slower by the margin it loses by.
@@ -31,6 +34,7 @@ the best (24 of 288 at the defaults, ~8%), each slower by the margin it loses by
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 MODES = ("split", "all", "none", "layers")
 BLOCK = 4  # decode steps per mode per rotation
@@ -39,11 +43,20 @@ PERIOD = 256  # decode steps on the chosen mode before measuring again
 
 
 class SplitTrials:
-    def __init__(self, block: int = BLOCK, rotations: int = ROTATIONS, period: int = PERIOD):
+    def __init__(
+        self,
+        block: int = BLOCK,
+        rotations: int = ROTATIONS,
+        period: int = PERIOD,
+        allowed: Callable[[str], bool] = lambda mode: True,
+    ):
+        """`allowed(mode)`: asked as each block of `mode` is due; a block it refuses is skipped
+        (a mode that cannot win where it stands is not paid for: adaptive.py)."""
         if block < 1 or rotations < 1 or period < 0:
             raise ValueError(f"split trials need block >= 1, rotations >= 1, period >= 0, got "
                              f"{block}, {rotations}, {period}")  # fmt: skip
         self.block, self.rotations, self.period = block, rotations, period
+        self.allowed = allowed
         self.chosen = "split"  # the mode kept between measurements
         self.choices = 0  # measurements completed
         self._explore()
@@ -66,8 +79,10 @@ class SplitTrials:
             return
         self._samples[self.mode].append(seconds_per_token)
         self._at += 1
+        self._skip_refused()
         if self._at == len(self._schedule):
-            self.chosen = min(MODES, key=lambda m: statistics.median(self._samples[m]))
+            measured = [m for m in MODES if self._samples[m]]
+            self.chosen = min(measured, key=lambda m: statistics.median(self._samples[m]))
             self.choices += 1
             self._exploring, self._left = False, self.period
 
@@ -83,3 +98,14 @@ class SplitTrials:
         self._schedule = [m for m in order for _ in range(self.block)]
         self._samples: dict[str, list[float]] = {m: [] for m in MODES}
         self._at, self._exploring, self._left = 0, True, 0
+        self._skip_refused()
+
+    def _skip_refused(self) -> None:
+        """At a block's start, pass over the blocks `allowed` refuses now. The schedule's first
+        block (`split`) is always run, so every measurement has a mode to choose."""
+        while (
+            0 < self._at < len(self._schedule)
+            and self._at % self.block == 0
+            and not self.allowed(self._schedule[self._at])
+        ):
+            self._at += self.block

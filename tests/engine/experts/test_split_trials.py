@@ -296,6 +296,7 @@ def test_each_decode_batch_size_measures_its_own_modes(rng_seed):
     pool = ExpertPool(torch.zeros(4 * 8, 2, 2), torch.zeros(4 * 8, 2, 1))
     cache = ExpertCache(pool, 6, torch.device("cpu"), lids_per_layer=8)
     adaptive = AdaptiveFetches(cache, 4, block=2, rotations=2, period=1000)
+    adaptive.layers_may_pay = lambda n: True  # no layer stops here: test_layers_is_tried_...
     best = {1: rng.choice(MODES), 4: rng.choice(MODES)}
     cost = {n: {m: (1.0 if m == best[n] else rng.uniform(1.3, 2.0)) / n**2 for m in MODES}
             for n in (1, 4)}  # fmt: skip
@@ -306,3 +307,50 @@ def test_each_decode_batch_size_measures_its_own_modes(rng_seed):
         adaptive.step_timed(RACE_MAX_TOKENS + 1, 1e-6)  # a prefill step: not a sample
     assert {n: adaptive.trials(n).chosen for n in (1, 4)} == best
     assert sorted(adaptive._trials) == [1, 4]
+
+
+def test_a_refused_mode_is_neither_run_nor_chosen(rng_seed):
+    """`allowed` refusing a mode skips its blocks (even where it would be fastest); allowed
+    again at the next measurement, it is run and can win."""
+    rng = random.Random(rng_seed)
+    refused = {rng.choice(MODES[1:])}  # the first block (`split`) always runs
+    trials = SplitTrials(block=2, rotations=2, period=10, allowed=lambda m: m not in refused)
+    cost = {m: rng.uniform(1.3, 2.0) for m in MODES}
+    (best,) = refused
+    cost[best] = 1.0
+    ran = _run(trials, cost, rng, 2 * 2 * (len(MODES) - 1))
+    assert best not in ran and not trials.exploring and trials.chosen != best
+    assert sorted(set(ran)) == sorted(set(MODES) - refused)
+    refused.clear()
+    _run(trials, cost, rng, 10)  # the period, then a measurement with every mode
+    ran = _run(trials, cost, rng, 2 * 2 * len(MODES))
+    assert ran.count(best) == 4 and trials.chosen == best
+
+
+def test_layers_is_tried_only_where_steps_stop_at_more_layers_than_it_leaves(rng_seed):
+    """`layers` can only win by stopping at fewer layers. With 4 layers and slots for 2 whole
+    ones it leaves 2 layers stopping: where decode steps stop at 1 layer (the working set nearly
+    fits) it is never entered; where they stop at all 4 it is measured."""
+    from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
+    from freetoken_agent.engine.experts.cache import ExpertCache
+    from freetoken_agent.engine.experts.pool import ExpertPool
+
+    rng = random.Random(rng_seed)
+    per, n_layers = 8, 4
+    pool = ExpertPool(torch.zeros(n_layers * per, 2, 2), torch.zeros(n_layers * per, 2, 1))
+    bw = Bandwidths(pcie=50e9, cpu=50e9)
+    for stopping, tried in ((1, False), (n_layers, True)):
+        cache = ExpertCache(pool, 2 * per + rng.randrange(per), torch.device("cpu"),
+                            lids_per_layer=per)  # fmt: skip
+        adaptive = AdaptiveFetches(cache, n_layers, block=2, rotations=2, period=4)
+        modes, kept = set(), False
+        for _ in range(120):
+            cache.fill_gain = 0.0  # in band: the trials choose
+            modes.add(adaptive.trials(1).mode)
+            for layer in rng.sample(range(n_layers), stopping):
+                lid = layer * per + rng.randrange(per)
+                if not cache.resident(lid):
+                    adaptive.choose([lid], [1], {lid}, bw, 1)
+                    kept |= bool(cache.kept_layers)
+            adaptive.step_timed(1, rng.uniform(0.9, 1.1) * 1e-2)
+        assert ("layers" in modes) == tried == kept, (stopping, modes)
