@@ -78,8 +78,10 @@ class ExpertCache:
         self.step = 0
         self._last_hit: list[int] = [NEVER] * pool.n_rows
         self._pinned_set: frozenset[int] = frozenset()  # lids that are never evicted (static)
-        # Layers whose experts fills never evict (adaptive's `layers` mode, layer_layout.py).
+        # Layers whose experts fills never evict (adaptive's `layers` mode and `static`,
+        # layer_layout.py); a lend or a shrink may (`vacates` counts those).
         self.kept_layers: frozenset[int] = frozenset()
+        self.vacates = 0
         self._lent = 0  # the last `_lent` slots are lent out as staging (lend / take_back)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.hits = 0
@@ -334,6 +336,7 @@ class ExpertCache:
         fit), then move the residents of the range into the lowest free slots outside it. The
         free list keeps the free slots outside the range; the table is the caller's to publish.
         Returns (evicted lids, moved lids)."""
+        self.vacates += 1
         evicted, excess = [], len(self._lru) - keep
         for lid in list(self._lru):  # coldest first
             if excess <= 0:

@@ -5,8 +5,9 @@ Under near-uniform routing every layout of S slots hits the same number of exper
 at every layer with a miss (the routing read back, the misses placed, the next segment
 launched: tenths of a millisecond each on the H200 host). Slots spread over all L layers make
 every layer stop; the same slots holding S // E whole layers leave those layers with no miss at
-all. At 48 layers and 2537 slots (32 GB), `static` (19 whole layers, fixed at load) decoded
-25.5 tok/s against adaptive's 24.5 with the slots spread, though adaptive missed fewer experts.
+all. At 48 layers and 2537 slots (32 GB), `static` (19 whole layers) decoded 25.5 tok/s against
+adaptive's 24.5 with the slots spread, though adaptive missed fewer experts. `static` keeps the
+last layers whole with the same two functions (OffloadedExpertBank.place_static).
 
 `kept_layers` picks the layers that already hold the most experts; `complete` fills their
 missing experts, evicting least-recently-used experts of the other layers only. Afterwards the

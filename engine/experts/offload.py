@@ -9,7 +9,9 @@ branch computes a pair never changes what is computed: the same SwiGLU in fp32 f
 bf16/fp32 weights, so every placement agrees with the all-resident run within float rounding.
 
 `static` is the fixed placement of KTransformers and llama.cpp's `--n-cpu-moe`: whole layers,
-from the last backwards, fill the slots at load and stay; every other expert runs on the CPU.
+from the last backwards, as many as the slots in service hold (refilled after a prefill
+chunk's staging borrowed their slots, and following the elastic split); every other expert
+runs on the CPU.
 
 Eager steps (prefill chunks below the streaming threshold, CPU devices) decide on the host
 with one sync per layer. Decode on CUDA replays captured graphs cut into one segment per MoE
@@ -28,7 +30,7 @@ import torch
 
 from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.config import ConfigError, ModelSpec
-from freetoken_agent.engine.experts import calibration
+from freetoken_agent.engine.experts import calibration, layer_layout
 from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids, learn_after_step
@@ -99,6 +101,7 @@ class OffloadedExpertBank:
         self.stats = OffloadStats()
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
+        self._placed_after = -1  # static: cache.vacates when its layers were last made whole
         self.stream_min_tokens = stream_min_tokens
         buffers = 2 if double_buffer else 1
         self.streamer = LayerStreamer(
@@ -147,17 +150,22 @@ class OffloadedExpertBank:
         self.stats = OffloadStats()
         self.cache.clear_counters()
 
-    def place_static(self) -> None:
-        """`static`: fill the slots with whole layers, last layer first, and keep them."""
-        lids = []
-        streamer = self.streamer
-        room = self.cache.n_slots - (streamer.n_buffers * self.n_experts if streamer.lend else 0)
-        for layer in reversed(range(self.spec.n_moe_layers)):
-            layer_lids = list(range(layer * self.n_experts, (layer + 1) * self.n_experts))
-            if len(lids) + len(layer_lids) > room:
-                break
-            lids += layer_lids
-        self.cache.preload(lids, pin=True)
+    def place_static(self, protect: frozenset[int] | set[int] = frozenset()) -> None:
+        """`static`: the last layers whole, as many as the slots in service hold, as llama.cpp's
+        `--n-cpu-moe` keeps the first layers' experts on the CPU; every other layer's misses run
+        on the CPU. The layers follow the slots: a prefill chunk's staging borrows slots (its
+        lend evicts the coldest experts, kept ones too) and the elastic split moves their
+        count, so each call with misses (`_fetches`) places again and fetches the kept layers'
+        missing experts back (victims from other layers, never in `protect`). Pinning the
+        layers once at load had to leave the staging's slots (two layers' worth) out of them
+        for good: at 8.59 GB on the peer slice, 2 whole layers where 4 fit while decoding."""
+        cache = self.cache
+        n = layer_layout.whole_layers(cache)
+        layers = frozenset(range(self.spec.n_moe_layers - n, self.spec.n_moe_layers))
+        if layers != cache.kept_layers or cache.vacates != self._placed_after:
+            cache.kept_layers = layers
+            layer_layout.complete(cache, layers, set(protect))
+            self._placed_after = cache.vacates  # a later lend or shrink may evict kept ones
 
     # --- one MoE layer ----------------------------------------------------------------------
     def __call__(
@@ -258,6 +266,9 @@ class OffloadedExpertBank:
         if self.policy == "adaptive":
             tokens = [c for c, _ in misses]
             return self.adaptive.choose(lids, tokens, protect, self.bandwidths, n_tokens)
+        if self.policy == "static":
+            self.place_static(protect)
+            return lids if lids[0] // self.n_experts in self.cache.kept_layers else []
         return lids[: fetch_count(self.policy, len(lids), self.bandwidths)]
 
     def decode_step_timed(self, n_tokens: int, seconds: float) -> None:

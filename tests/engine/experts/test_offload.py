@@ -13,6 +13,7 @@ import pytest
 from tiny_models import make_tiny, max_rel_err
 
 from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.experts import layer_layout
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank, distinct_lids
 from freetoken_agent.engine.experts.policy import (
     CPU_KNEE_TOKENS,
@@ -284,20 +285,24 @@ def test_streaming_borrows_cache_slots(tmp_path, rng_seed, double_buffer, policy
         progress=False,
     )
     bank = engine.loaded.bank
+    e, n_layers = spec.n_experts, spec.n_moe_layers
     assert bank.streamer.lend and bank.streamer.nbytes == 0
     assert bank.nbytes == bank.cache.nbytes
     rng = random.Random(rng_seed)
     prompt = [rng.randrange(3, 320) for _ in range(60)]
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     assert engine.generate(prompt, sp).token_ids == resident.generate(prompt, sp).token_ids
+    if policy == "static":  # the last layers whole, as many as the slots in service hold,
+        # made whole again after the chunk's lend evicted some (decode placed its misses since)
+        n = layer_layout.whole_layers(bank.cache)
+        assert n == buffers + 1 and bank.cache.kept_layers == set(range(n_layers - n, n_layers))
+        assert all(bank.cache.resident(lid) for lid in range((n_layers - n) * e, n_layers * e))
+        assert bank.cache.vacates > 0  # a lend emptied slots of the kept layers: refilled
     assert bank.streamer.layers_streamed >= spec.n_moe_layers
     assert bank.cache.lent == 0 and not bank.streamer.borrowing  # given back after the chunk
     ids = prompt + [rng.randrange(3, 320) for _ in range(40)]  # streams again, after decoding
     assert max_rel_err(engine.score(ids), resident.score(ids)) <= 1e-6
     engine.check_integrity()
-    if policy == "static":  # whole layers placed, outside the lent region, and kept
-        assert bank.stats.fetched == 0 and len(bank.cache._pinned_set) % spec.n_experts == 0
-        assert bank.cache._pinned_set
 
 
 def test_distinct_lids_equals_numpy_unique(rng_seed):
@@ -315,3 +320,36 @@ def test_distinct_lids_equals_numpy_unique(rng_seed):
         got = distinct_lids(ids)
         assert got == (uniq.tolist(), counts.tolist())
         assert all(type(x) is int for x in got[0] + got[1])
+
+
+def test_static_keeps_as_many_whole_layers_as_the_slots_hold(tmp_path, rng_seed):
+    """`static` keeps the last layers whole, as many as the slots in service hold, and follows
+    their count: after the cache shrinks (the elastic split) and grows back, its next steps
+    keep fewer, then as many, whole layers again. Results stay the resident engine's."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_hidden_layers=5)  # 4 MoE layers
+    resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
+    spec = resident.spec
+    e, n_layers = spec.n_experts, spec.n_moe_layers
+    rng = random.Random(rng_seed)
+    whole = rng.choice([2, 3])
+    slots = whole * e + rng.randrange(e)
+    engine = Engine.load(
+        tmp_path, device="cpu", policy="static", expert_slots=slots, double_buffer=False,
+        progress=False,
+    )  # fmt: skip
+    bank, cache = engine.loaded.bank, engine.loaded.bank.cache
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def run_and_check(n: int) -> None:
+        prompt = [rng.randrange(3, 320) for _ in range(rng.randint(5, 40))]
+        assert engine.generate(prompt, sp).token_ids == resident.generate(prompt, sp).token_ids
+        assert cache.kept_layers == set(range(n_layers - n, n_layers)), (n, cache.kept_layers)
+        assert all(cache.resident(lid) for lid in range((n_layers - n) * e, n_layers * e))
+        engine.check_integrity()
+
+    run_and_check(whole)
+    cache.resize(cache.max_slots - (whole - 1) * e)  # the split takes a layer's slots
+    run_and_check(whole - 1)
+    cache.resize(0)  # and gives them back
+    run_and_check(whole)
+    assert bank.stats.on_cpu > 0  # the layers before the kept ones ran on the CPU
