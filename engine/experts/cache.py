@@ -77,7 +77,6 @@ class ExpertCache:
         # For the memory manager: the step of each lid's last hit (`tick` counts steps).
         self.step = 0
         self._last_hit: list[int] = [NEVER] * pool.n_rows
-        self._pinned_set: frozenset[int] = frozenset()  # lids that are never evicted (static)
         # Layers whose experts fills never evict (adaptive's `layers` mode and `static`,
         # layer_layout.py); a lend or a shrink may (`vacates` counts those).
         self.kept_layers: frozenset[int] = frozenset()
@@ -213,7 +212,7 @@ class ExpertCache:
             return self._free.pop(), -1
         kept, per = self.kept_layers, self.lids_per_layer
         for victim in self._lru:
-            if victim in protect or victim in self._pinned_set:
+            if victim in protect:
                 continue
             if not kept or victim // per not in kept:
                 slot = self._slot_of[victim]
@@ -264,7 +263,7 @@ class ExpertCache:
         streamer stages whole layers there instead of in buffers of its own, so the budget
         holds more slots (see streaming.py). `take_back` returns them, empty.
 
-        The cache keeps its hottest experts: the n coldest unpinned residents are evicted
+        The cache keeps its hottest experts: the n coldest residents are evicted
         (wherever they live) and the survivors in the lent slots move into the slots that
         frees, one row copy a bank after queued compute, as `resize` does. Evicting whatever
         the top slots held had thrown out the experts filled last: after a lend, fills take the
@@ -276,8 +275,6 @@ class ExpertCache:
         if n > self.n_slots:
             raise ValueError(f"cannot lend {n} of {self.n_slots} slots")
         room = self.n_slots - n  # slots that stay in service
-        if len(self._pinned_set) > room:
-            raise RuntimeError(f"cannot lend {n} slots: {len(self._pinned_set)} experts pinned")
         first = self.max_slots - n  # the top of the arena: resize moves only the bottom edge
         evicted, moved = self._vacate(first, self.max_slots, room)
         self._lent = n
@@ -300,7 +297,7 @@ class ExpertCache:
     # --- the elastic split (engine/arena.py; the MemoryManager decides, at safe points) -----
     def resize(self, first_slot: int) -> list[int]:
         """Make slots first_slot .. S_max-1 the usable ones. Growing (a lower first_slot) adds
-        free slots. Shrinking evicts the coldest resident lids in LRU order (never pinned ones)
+        free slots. Shrinking evicts the coldest resident lids in LRU order
         until the residents fit, then moves each lid still below the new first_slot into a free
         kept slot: a device copy of its rows on the copy stream, after queued compute (which
         may read the old slot), as fills are. The table is published like a fill's, so compute
@@ -319,12 +316,7 @@ class ExpertCache:
             self._free = sorted(set(self._free) | set(range(first_slot, old)), reverse=True)
             self.first_slot = first_slot
             return []
-        keep = self.max_slots - first_slot
-        if len(self._pinned_set) > keep:
-            raise RuntimeError(
-                f"cannot shrink the expert cache to {keep} slots: {len(self._pinned_set)} pinned"
-            )
-        evicted, moved = self._vacate(old, first_slot, keep)
+        evicted, moved = self._vacate(old, first_slot, self.max_slots - first_slot)
         self.first_slot = first_slot
         self._unpublished += evicted
         self.publish(moved)
@@ -332,20 +324,18 @@ class ExpertCache:
 
     def _vacate(self, lo: int, hi: int, keep: int) -> tuple[list[int], list[int]]:
         """Empty slots lo..hi-1 (a shrink's bottom edge, a lend's top): evict the least
-        recently used unpinned lids until `keep` remain (the caller checked the pinned ones
-        fit), then move the residents of the range into the lowest free slots outside it. The
-        free list keeps the free slots outside the range; the table is the caller's to publish.
-        Returns (evicted lids, moved lids)."""
+        recently used lids until `keep` remain, then move the residents of the range into the
+        lowest free slots outside it. The free list keeps the free slots outside the range; the
+        table is the caller's to publish. Returns (evicted lids, moved lids)."""
         self.vacates += 1
         evicted, excess = [], len(self._lru) - keep
         for lid in list(self._lru):  # coldest first
             if excess <= 0:
                 break
-            if lid not in self._pinned_set:
-                self._free.append(self._slot_of[lid])
-                self._evict(lid)
-                evicted.append(lid)
-                excess -= 1
+            self._free.append(self._slot_of[lid])
+            self._evict(lid)
+            evicted.append(lid)
+            excess -= 1
         self.races.drop(set(evicted))
         free = sorted((slot for slot in self._free if not lo <= slot < hi), reverse=True)
         stay = [(self._lid_of[s], s) for s in range(lo, hi) if self._lid_of[s] >= 0]
@@ -375,23 +365,16 @@ class ExpertCache:
         self.step += 1
 
     def tail_profile(self, window: int) -> np.ndarray:
-        """hot[k]: how many of the k least recently used unpinned resident lids were hit within
+        """hot[k]: how many of the k least recently used resident lids were hit within
         the last `window` steps (hot[0] = 0), for every k at once: [resident + 1] int64. One
         O(slots) pass, the counting in numpy (~0.12 ms for 4,000 slots on the CPU here against
         ~0.2 ms for the Python walk it replaced). The MemoryManager reads hot[k] / window as
         the hits per step that giving up k slots would lose."""
-        lru = self._lru
-        lids = [lid for lid in lru if lid not in self._pinned_set] if self._pinned_set else lru
+        lids = self._lru
         last = np.fromiter(map(self._last_hit.__getitem__, lids), np.int64, len(lids))
         hot = np.zeros(len(lids) + 1, np.int64)
         np.cumsum(last > self.step - window, out=hot[1:])
         return hot
-
-    def preload(self, lids: list[int], pin: bool = False) -> None:
-        """Fill `lids` now (e.g. a static placement chosen at load); `pin` keeps them forever."""
-        self.fill(lids, protect=set(lids))
-        if pin:
-            self._pinned_set = frozenset(lid for lid in lids if self._slot_of[lid] >= 0)
 
     def reset(self) -> None:
         """Empty every slot (benchmarks start each policy from the same state)."""
@@ -403,7 +386,6 @@ class ExpertCache:
             self._evict(lid)
             self._free.append(slot)
         self.slot_of.fill_(-1)
-        self._pinned_set = frozenset()
         self.kept_layers = frozenset()
 
     def clear_counters(self) -> None:
@@ -429,4 +411,3 @@ class ExpertCache:
         lent = range(self.max_slots - self._lent, self.max_slots)
         assert all(self._lid_of[slot] < 0 for slot in lent), "a lent slot holds an expert"
         assert not (set(lent) & set(self._free)), "a lent slot is on the free list"
-        assert self._pinned_set <= set(self._lru), "a pinned lid is not resident"

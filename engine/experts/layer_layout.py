@@ -23,8 +23,8 @@ import numpy as np
 
 
 def whole_layers(cache) -> int:
-    """How many whole layers the slots in service hold (pinned experts aside)."""
-    return max(cache.n_slots - cache.lent - len(cache._pinned_set), 0) // cache.lids_per_layer
+    """How many whole layers the slots in service hold."""
+    return (cache.n_slots - cache.lent) // cache.lids_per_layer
 
 
 def kept_layers(cache, n_layers: int) -> frozenset[int]:
@@ -39,7 +39,7 @@ def kept_layers(cache, n_layers: int) -> frozenset[int]:
 
 def complete(cache, layers: frozenset[int], protect: set[int], race: bool = False) -> list[int]:
     """Fill every missing expert of `layers`; victims (least recently used first) come from the
-    other layers only, never pinned or in `protect`. Returns the lids filled (published)."""
+    other layers only, never in `protect`. Returns the lids filled (published)."""
     per = cache.lids_per_layer
     missing = [
         lid
@@ -53,12 +53,7 @@ def complete(cache, layers: frozenset[int], protect: set[int], race: bool = Fals
     # `kept_layers` set (which skips kept experts too): each fill's walk would pass every kept
     # expert at the cold end again, 67 ms against 10 ms for 48 layers and 2537 slots on the
     # dev box's CPU.
-    pinned = cache._pinned_set
-    victims = (
-        lid
-        for lid in cache._lru
-        if lid // per not in layers and lid not in pinned and lid not in protect
-    )
+    victims = (lid for lid in cache._lru if lid // per not in layers and lid not in protect)
     need = max(len(missing) - cache.free_slots, 0)
     evicted = list(itertools.islice(victims, need))
     for lid in evicted:

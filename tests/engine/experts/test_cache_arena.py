@@ -42,7 +42,6 @@ def check(cache: ExpertCache, pool: ExpertPool) -> None:
 def test_resize_randomized(rng_seed):
     r = random.Random(rng_seed)
     pool, arena, cache = make(rng_seed)
-    cache.preload([0, 1], pin=True)
     for _ in range(200):
         op = r.random()
         if op < 0.45:
@@ -52,14 +51,13 @@ def test_resize_randomized(rng_seed):
             cache.fill(lids, set(lids))
         elif op < 0.5:
             cache.tick()
-        elif op < 0.75:  # shrink: the coldest unpinned go first
+        elif op < 0.75:  # shrink: the coldest go first
             first = r.randint(cache.first_slot, cache.max_slots - 2)
             keep = cache.max_slots - first
             lru = list(cache._lru)
-            unpinned = [lid for lid in lru if lid not in cache._pinned_set]
             n_evict = max(0, len(lru) - keep)
             evicted = cache.resize(first)
-            assert evicted == unpinned[:n_evict]
+            assert evicted == lru[:n_evict]
             assert all(cache.resident(lid) for lid in lru if lid not in evicted)
             assert list(cache._lru) == [lid for lid in lru if lid not in evicted]  # order kept
             arena.set_boundary(arena.boundary_for(n_slots=cache.n_slots))
@@ -71,17 +69,10 @@ def test_resize_randomized(rng_seed):
         # the KV side scribbles over everything below first_slot after a move of the boundary
         arena.slot_buffer[: cache.first_slot * arena.slot_unit.nbytes].fill_(0xFF)
         check(cache, pool)
-        assert {0, 1} <= set(cache._lru), "pinned lids evicted"
-        if r.random() < 0.2:  # lend (pinned experts in the lent slots move) and give back
+        if r.random() < 0.2:  # lend (experts in the lent slots move) and give back
             n = r.randint(1, max(1, cache.n_slots - 2))
-            room, pinned = cache.n_slots - n, cache._pinned_set
-            if len(pinned) > room:
-                with pytest.raises(RuntimeError, match="pinned"):
-                    cache.lend(n)
-                continue
-            unpinned = [lid for lid in cache._lru if lid not in pinned]
-            keep = set(pinned) | set(unpinned[max(0, len(unpinned) - (room - len(pinned))) :])
-            keep &= set(cache._lru)  # the pinned and the most recent others that fit
+            lru = list(cache._lru)
+            keep = set(lru[max(0, len(lru) - (cache.n_slots - n)) :])  # the most recent that fit
             w13, w2 = cache.lend(n)
             assert w13.shape[0] == n and w13.data_ptr() == cache.w13[14 - n].data_ptr()
             assert set(cache._lru) == keep
@@ -91,16 +82,6 @@ def test_resize_randomized(rng_seed):
                 cache.resize(cache.first_slot)
             cache.take_back()
             check(cache, pool)
-
-
-def test_shrink_refuses_to_drop_pinned(rng_seed):
-    pool, _, cache = make(rng_seed)
-    cache.preload(list(range(6)), pin=True)
-    with pytest.raises(RuntimeError, match="6 pinned"):
-        cache.resize(cache.max_slots - 5)
-    cache.resize(cache.max_slots - 6)  # exactly fits: everything else evicted, pinned moved
-    check(cache, pool)
-    assert set(cache._lru) == set(range(6))
 
 
 def test_resize_drops_races_of_evicted_fills(rng_seed):
@@ -160,7 +141,7 @@ def test_tail_profile_counts_recent_hits_of_the_coldest(rng_seed):
     window = r.randint(1, 12)
     hot = cache.tail_profile(window)
     assert len(hot) == len(cache._lru) + 1 and hot[0] == 0
-    coldest_first = [lid for lid in cache._lru if lid not in cache._pinned_set]
+    coldest_first = list(cache._lru)
     for k in range(len(hot)):  # counted here from the LRU order and the last hits directly
         recent = sum(cache._last_hit[lid] > cache.step - window for lid in coldest_first[:k])
         assert hot[k] == recent
@@ -194,40 +175,25 @@ def test_lent_arena_slots_are_contiguous_banks_over_exactly_their_bytes(rng_seed
 
 
 def test_lend_keeps_the_hottest_experts_and_evicts_the_coldest(rng_seed):
-    """A lend evicts the n least recently used unpinned experts, wherever they live, and moves
+    """A lend evicts the n least recently used experts, wherever they live, and moves
     the lent slots' other experts below (content intact); the LRU order of the survivors is
     kept. Fills after a take_back go to the lowest free slot, the lent range's, so the top
     slots hold the freshest experts: evicting them had cost every prefill chunk those."""
     r = random.Random(rng_seed)
     pool, arena, cache = make(rng_seed, max_slots=16, slots=15)
     cache.resize(cache.max_slots - 15)
-    pinned = r.sample(range(pool.n_rows), r.randint(0, 2))
-    cache.preload(pinned, pin=True)
-    cache.fill(
-        r.sample([x for x in range(pool.n_rows) if x not in pinned], 15 - len(pinned)), set()
-    )
+    cache.fill(r.sample(range(pool.n_rows), 15), set())
     cache.touch(r.sample(list(cache._lru), 6))  # some hits: a mixed LRU order
-    n = r.randint(1, 15 - len(pinned) - 1)
+    n = r.randint(1, 14)
     order = list(cache._lru)
-    coldest = [lid for lid in order if lid not in pinned][: max(0, len(order) - (15 - n))]
+    coldest = order[: max(0, len(order) - (15 - n))]
     cache.lend(n)
     assert sorted(lid for lid in order if not cache.resident(lid)) == sorted(coldest)
     assert list(cache._lru) == [lid for lid in order if lid not in coldest]  # order kept
-    assert set(pinned) <= set(cache._lru)
     assert all(slot < 16 - n for slot in cache._slot_of if slot >= 0)
     cache.check_integrity()
     cache.take_back()
     check(cache, pool)
-
-
-def test_lend_refuses_when_the_pinned_experts_would_not_fit():
-    pool, arena, cache = make(0, max_slots=16, slots=10)
-    cache.preload(list(range(8)), pin=True)
-    with pytest.raises(RuntimeError, match="8 experts pinned"):
-        cache.lend(3)
-    cache.lend(2)  # exactly fits: the pinned ones all moved below the lent slots
-    check(cache, pool)
-    assert all(cache.resident(lid) for lid in range(8))
 
 
 @pytest.mark.gpu
