@@ -22,7 +22,6 @@ layers instead (streaming.py).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +29,10 @@ import torch
 
 from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.config import ConfigError, ModelSpec
-from freetoken_agent.engine.experts import calibration, layer_layout
+from freetoken_agent.engine.experts import layer_layout
 from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 from freetoken_agent.engine.experts.cache import ExpertCache
+from freetoken_agent.engine.experts.cpu_branch import observe_fills, run_on_cpu, stage_hidden
 from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids, learn_after_step
 from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
 from freetoken_agent.engine.experts.graph_io import GraphIO, distinct_lids
@@ -189,10 +189,10 @@ class OffloadedExpertBank:
         uniq_l, counts_l = uniq.tolist(), counts.tolist()  # the host decides (one sync)
         misses = self._misses(uniq_l, counts_l, lids.numel())
         # The CPU branch needs the activations: start their copy before the fills.
-        staged = self._stage_hidden(hidden) if misses and self.policy != "transfer" else None
+        staged = stage_hidden(hidden) if misses and self.policy != "transfer" else None
 
         def cpu_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            hidden_cpu, ready = staged if staged is not None else self._stage_hidden(hidden)
+            hidden_cpu, ready = staged if staged is not None else stage_hidden(hidden)
             if ready is not None:
                 ready.synchronize()
             return hidden_cpu, lids.cpu(), topk_weights.cpu()
@@ -238,7 +238,7 @@ class OffloadedExpertBank:
         publishes the filled slots (`cache.publish`) once it no longer needs to overlap them."""
         if not misses:
             return None, []
-        self._observe_fills()
+        observe_fills(self.cache, self.bandwidths)
         # The copies are asynchronous: issued first, they cross the link while the CPU works.
         # Not from a second thread: torch ops hold the GIL, and handing it back and forth
         # with the thread driving the kernel cost milliseconds a step on the H200 host.
@@ -250,7 +250,10 @@ class OffloadedExpertBank:
         )
         # The policy's rest, and any fill that found every slot protected.
         on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
-        part = self._run_on_cpu(*cpu_inputs(), on_cpu) if on_cpu else None
+        cuda = self.device.type == "cuda"
+        part = None
+        if on_cpu:
+            part = run_on_cpu(self.pool, self.bandwidths, *cpu_inputs(), on_cpu, timed=cuda)
         self.stats.fetched += len(fetched)
         self.stats.on_cpu += len(on_cpu)
         return part, fetched
@@ -362,25 +365,6 @@ class OffloadedExpertBank:
         if self.policy == "direct":
             learn_after_step(self, graph_tokens)
 
-    def _stage_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """Start copying the activations to host memory; returns (host tensor, ready event)."""
-        if hidden.device.type != "cuda":
-            return hidden, None
-        host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
-        host.copy_(hidden, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
-    def _observe_fills(self) -> None:
-        """Fold finished fills into the B_P estimate (online re-estimation)."""
-        timings = self.cache.fill_timings
-        done = [f for f in timings if f[1].query()]
-        for start, end, nbytes in done:
-            seconds = start.elapsed_time(end) / 1e3
-            self.bandwidths.pcie = calibration.update(self.bandwidths.pcie, nbytes, seconds)
-        self.cache.fill_timings = [f for f in timings if f not in done]
-
     def _streamed(
         self,
         layer: int,
@@ -394,27 +378,6 @@ class OffloadedExpertBank:
         self.streamer.done(layer)
         self.stats.pairs += topk_ids.numel()
         return out
-
-    def _run_on_cpu(
-        self,
-        hidden: torch.Tensor,  # [T, H] on the host
-        lids: torch.Tensor,  # [T, K] on the host
-        topk_weights: torch.Tensor,  # [T, K] on the host
-        on_cpu: list[int],
-    ) -> torch.Tensor:
-        """The pairs whose expert stays in the pool, computed from the pool on the CPU (on
-        this thread: its OpenMP team is the one torch's CPU ops share and keep warm; from a
-        fresh thread the same kernel ran 3x slower on the H200 host); times itself to
-        re-estimate B_H. Returns [T, H] on the host."""
-        ids = lids.numpy()
-        rows = torch.from_numpy(np.where(np.isin(ids, on_cpu), ids, -1))  # [T, K], -1: skip
-        start = time.perf_counter()
-        part = calibration.cpu_experts(hidden, self.pool.w13, self.pool.w2, rows, topk_weights)
-        if self.device.type == "cuda":
-            nbytes = len(on_cpu) * self.pool.expert_bytes
-            seconds = time.perf_counter() - start
-            self.bandwidths.cpu = calibration.update(self.bandwidths.cpu, nbytes, seconds)
-        return part
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()

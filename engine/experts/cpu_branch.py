@@ -1,0 +1,67 @@
+"""The CPU branch of a layer's misses, and the online bandwidth estimates q* is computed from.
+
+The misses a policy leaves in the pool run on the CPU while the fills cross the link: the
+layer's activations are staged to host memory (started before the fills are issued), the
+SIMD expert kernel reads the pool directly, and its partial sum goes back to the device to be
+added to the slots' part. Each run and each finished fill is folded into the bank's B_H and
+B_P estimates (calibration.update), so q* follows what the link and the CPU deliver now.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from freetoken_agent.engine.experts import calibration
+from freetoken_agent.engine.experts.cache import ExpertCache
+from freetoken_agent.engine.experts.policy import Bandwidths
+from freetoken_agent.engine.experts.pool import ExpertPool
+
+# T tokens, K choices, H hidden
+
+
+def stage_hidden(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying the activations [T, H] to pinned host memory; returns (host tensor,
+    ready event; None on a CPU device, where the tensor is the input)."""
+    if hidden.device.type != "cuda":
+        return hidden, None
+    host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+    host.copy_(hidden, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def run_on_cpu(
+    pool: ExpertPool,
+    bandwidths: Bandwidths,
+    hidden: torch.Tensor,  # [T, H] on the host
+    lids: torch.Tensor,  # [T, K] on the host
+    topk_weights: torch.Tensor,  # [T, K] on the host
+    on_cpu: list[int],
+    timed: bool,
+) -> torch.Tensor:
+    """The pairs whose expert stays in the pool, computed from the pool on the CPU (on the
+    calling thread: its OpenMP team is the one torch's CPU ops share and keep warm; from a
+    fresh thread the same kernel ran 3x slower on the H200 host). `timed`: fold the run into
+    B_H (on CUDA; a CPU "device" has no second branch to balance). Returns [T, H] on the host."""
+    ids = lids.numpy()
+    rows = torch.from_numpy(np.where(np.isin(ids, on_cpu), ids, -1))  # [T, K], -1: skip
+    start = time.perf_counter()
+    part = calibration.cpu_experts(hidden, pool.w13, pool.w2, rows, topk_weights)
+    if timed:
+        nbytes = len(on_cpu) * pool.expert_bytes
+        bandwidths.cpu = calibration.update(bandwidths.cpu, nbytes, time.perf_counter() - start)
+    return part
+
+
+def observe_fills(cache: ExpertCache, bandwidths: Bandwidths) -> None:
+    """Fold the cache's finished fills into the B_P estimate."""
+    timings = cache.fill_timings
+    done = [f for f in timings if f[1].query()]
+    for start, end, nbytes in done:
+        seconds = start.elapsed_time(end) / 1e3
+        bandwidths.pcie = calibration.update(bandwidths.pcie, nbytes, seconds)
+    cache.fill_timings = [f for f in timings if f not in done]
