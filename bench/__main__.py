@@ -17,6 +17,8 @@
                       interleaved KV layouts, decode and prefill at long contexts (CUDA)
     workspace         the device memory a prefill step allocates beside the estimate slots are
                       sized with (CUDA)
+    gemv              decode projections: torch's F.linear against the Triton skinny matmul,
+                      beside HBM bandwidth (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -39,6 +41,7 @@ BENCHES = {
     "elastic": "freetoken_agent.bench.elastic",
     "kv-layout": "freetoken_agent.bench.kv_layout",
     "workspace": "freetoken_agent.bench.workspace",
+    "gemv": "freetoken_agent.bench.gemv_kernel",
 }
 
 

@@ -14,6 +14,7 @@
 #         offload-peer offload-30b (issue 3's decode table per policy and routing, no prefill)
 #         workspace (a prefill step's peak allocation beside the slot sizing estimate, ~2 min)
 #         profile (top kernels of an eager decode step and a prefill chunk, 12 layers, ~1 min)
+#         gemv (the skinny-matmul kernel's GPU test, then F.linear against it per shape, ~1 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -120,6 +121,11 @@ for stage in "$@"; do
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;
+    gemv)
+      timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gemv.py 2>&1 \
+        | tee "$OUT/gpu_gemv_tests.log" | tail -3
+      timeout 300 python3 -m freetoken_agent.bench gemv --out "$OUT" 2>&1 | tee "$OUT/gemv.log" \
+        | cut -c1-200 | tail -50 ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;

@@ -1,0 +1,92 @@
+"""Decode projections: torch's F.linear against the Triton skinny matmul (kernels/triton/gemv.py),
+each beside the HBM limit measured in the same run.
+
+    python -m freetoken_agent.bench gemv [--no-sweep] [--out DIR]
+
+Shapes are the Qwen3-30B-A3B decode projections (bf16, random weights): qkv 2048 -> 5120,
+o 4096 -> 2048, router 2048 -> 128, lm_head 2048 -> 151936; M = 1 and 4 rows. Each is timed as
+GRAPH_LAYERS different weights of that shape in one CUDA graph (per call; the weights together
+exceed the 50 MB L2 except the router's, which a decode step reads once a layer as here), and
+reported as weight bytes / time beside the HBM bandwidth of a large copy (read + write counted).
+The sweep times tile candidates for `choose_tiles`. JSON: `gemv_kernel.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from freetoken_agent.bench.cuda_graph import captured
+from freetoken_agent.bench.limits import hbm_copy_bandwidth
+from freetoken_agent.kernels.triton.gemv import choose_tiles, gemv
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
+GRAPH_LAYERS = 8
+SWEEP = [
+    dict(BLOCK_N=16, BLOCK_K=256),
+    dict(BLOCK_N=64, BLOCK_K=128),
+    dict(BLOCK_N=32, BLOCK_K=512, WARPS=8),
+    dict(BLOCK_N=32, BLOCK_K=128, WARPS=2),
+]
+
+
+def per_call_us(fn, weights: list[torch.Tensor], x: torch.Tensor) -> float:
+    """One CUDA graph calling `fn(x, w)` for every weight; microseconds per call."""
+    step = lambda: [fn(x, w) for w in weights]  # noqa: E731
+    return 1e3 * do_bench(captured(step), return_mode="median") / len(weights)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench gemv",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs CUDA")
+    hbm = hbm_copy_bandwidth(torch.device("cuda"))
+    report: dict = {"bench": "gemv", "hbm_copy_gb_s": hbm / 1e9, "rows": {}}
+    print(f"HBM copy {hbm / 1e9:.0f} GB/s")
+    for name, (n, k) in SHAPES.items():
+        layers = 2 if name == "lm_head" else GRAPH_LAYERS  # 622 MB each
+        weights = [
+            (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(layers)
+        ]
+        nbytes = n * k * 2
+        for m in (1, 4):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            candidates = {"torch": lambda x, w: F.linear(x, w), "triton": gemv}
+            if not args.no_sweep:
+                for i, tiles in enumerate(SWEEP):
+                    candidates[f"sweep{i}"] = lambda x, w, t=tiles: gemv(x, w, tiles=t)
+            for label, fn in candidates.items():
+                us = per_call_us(fn, weights, x)
+                gb_s = nbytes / us / 1e3
+                row = {"us": us, "gb_s": gb_s, "of_hbm": gb_s / (hbm / 1e9)}
+                if label.startswith("sweep"):
+                    row["tiles"] = choose_tiles(n, k, SWEEP[int(label[5:])])
+                elif label == "triton":
+                    row["tiles"] = choose_tiles(n, k)
+                key = f"{name}|m{m}|{label}"
+                report["rows"][key] = row
+                print(key, json.dumps(row), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "gemv_kernel.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Skinny matmul for decode: y [M, N] = x [M, K] @ W [N, K]^T (+ b), M a handful of rows.
+
+At decode a linear layer reads its whole weight for one to a few tokens, so its time is the
+weight's bytes over HBM bandwidth. On the H200 the cuBLAS kernels torch picks for the 30B-A3B
+projections at M = 1 ran at ~42% of the copy bandwidth (bench/results/profile_12l_s12.txt: qkv
+7.7 us, o_proj 7.1 us + a split-K reduce, the 0.5 MB router 4.9 us). This kernel streams W once
+in [BLOCK_N, BLOCK_K] tiles, coalesced along K, each program owning BLOCK_N output columns and
+one of SPLIT_K slices of K; x's rows are loaded per tile (they stay in L1/L2) and multiplied
+with the tile in one tensor-core dot (rows padded to 16), accumulated in fp32. The SPLIT_K
+slices' fp32 partials are summed by a second launch (with the bias and the cast), so a narrow
+W (the router's 128 rows) still spreads over the SMs.
+
+Not yet used by the model: `bench gemv` measures it against torch's choice per shape first.
+"""
+
+# Shape legend: M rows of x (decode batch), N output features, K input features, S = SPLIT_K.
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_M = 8  # rows a call takes (padded to 16 in the dot); a larger batch belongs to a GEMM
+SM_TARGET = 264  # programs to aim for: two waves of the H200's 132 SMs
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """out[s, m, n] (fp32) = sum over the s-th K slice of x[m, k] * W[n, k]. The M rows are
+    padded to 16 for one tensor-core dot per tile: the tile of W is read once for all rows, and
+    the padding costs arithmetic only, which a weight-bound matmul has to spare."""
+    pid_n, s = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    n_ok, m_ok = offs_n < N, offs_m < M
+    k_lo = s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [16, 1]
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_hi
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)  # [16, BLOCK_N]
+    out = out_ptr + (s * M + offs_m[:, None]) * stride_om + offs_n[None, :]
+    tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr, b_ptr, y_ptr, N, stride_ym,
+    M: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """y[m, n] = sum_s part[s, m, n] (+ b[n]), cast to y's dtype."""
+    m, pid = tl.program_id(0), tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(S):
+        acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def gemv(
+    x: Tensor, w: Tensor, bias: Tensor | None = None, *, tiles: dict[str, int] | None = None
+) -> Tensor:
+    """x [M, K] (M <= MAX_M, rows contiguous), w [N, K] (rows contiguous), bias [N] or None:
+    y [M, N] in x's dtype. `tiles` overrides BLOCK_N, BLOCK_K, SPLIT_K, WARPS (the bench)."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert 1 <= m <= MAX_M, f"gemv takes 1..{MAX_M} rows, got {m}"
+    assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1, "K must be contiguous"
+    c = choose_tiles(n, k, tiles)
+    s = c["SPLIT_K"]
+    k_per_split = triton.cdiv(triton.cdiv(k, s), c["BLOCK_K"]) * c["BLOCK_K"]
+    s = triton.cdiv(k, k_per_split)  # no empty slice
+    part = torch.empty(s, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
+    _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]), s)](
+        x, w, part, n, k, k_per_split, x.stride(0), w.stride(0), n,
+        M=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], num_warps=c["WARPS"],
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 stays exact
+    )  # fmt: skip
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _sum_splits_kernel[(m, triton.cdiv(n, block))](
+        part, bias if bias is not None else part, y, n, y.stride(0),
+        M=m, S=s, HAS_BIAS=bias is not None, BLOCK=block,
+    )  # fmt: skip
+    return y
+
+
+def choose_tiles(n: int, k: int, override: dict[str, int] | None = None) -> dict[str, int]:
+    """Tiles for an [N, K] weight: 32 columns a program, 256-wide K steps (512 bytes of bf16
+    per row a load), and K split until about SM_TARGET programs run."""
+    c = {"BLOCK_N": 32, "BLOCK_K": 256, "WARPS": 4, "SPLIT_K": 1}
+    programs = triton.cdiv(n, c["BLOCK_N"])
+    c["SPLIT_K"] = max(1, min(SM_TARGET // programs, triton.cdiv(k, c["BLOCK_K"])))
+    return {**c, **(override or {})}
