@@ -79,7 +79,8 @@ def decode_bytes(engine: Engine, batch: int, context: int) -> int:
 
 def bench_model(cfg: dict, label: str, args, b_hbm: float, flops: float) -> dict:
     rng = random.Random(0)
-    engine = random_engine(cfg, max_num_seqs=8, max_model_len=4096, max_batched_tokens=2048)
+    engine = random_engine(cfg, max_num_seqs=8, max_model_len=4096, max_batched_tokens=2048,
+                           skinny_gemv=args.skinny_gemv)  # fmt: skip
     spec = engine.spec
     decode_rate(engine, 1, 32, 16, rng)  # warm-up (autotuning, allocator)
     result = {"model": label, "layers": spec.n_layers, "expert_gb": engine.loaded.bank.nbytes / 1e9}
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[48, 12])
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=128, help="decoded tokens per request")
+    parser.add_argument("--skinny-gemv", action="store_true",
+                        help="decode projections through the Triton skinny matmul (EngineConfig."
+                        "skinny_gemv); writes decode_baseline_skinny.json")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
         "policy": "resident",
+        "skinny_gemv": args.skinny_gemv,
         "dtype": "bfloat16",
         "hbm_copy_bandwidth_gb_s": b_hbm / 1e9,
         "bf16_matmul_tflop_s": flops / 1e12,
@@ -143,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "decode_baseline.json"
+    name = "decode_baseline_skinny.json" if args.skinny_gemv else "decode_baseline.json"
+    path = args.out / name
     path.write_text(json.dumps(report, indent=1))
     print(f"{'model':28} {'b1 tok/s':>9} {'limit':>7} {'b4 tok/s':>9} {'limit':>7} "
           f"{'eager b1':>9} {'prefill512':>10} {'limit':>8}")  # fmt: skip

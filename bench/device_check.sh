@@ -15,6 +15,7 @@
 #         workspace (a prefill step's peak allocation beside the slot sizing estimate, ~2 min)
 #         profile (top kernels of an eager decode step and a prefill chunk, 12 layers, ~1 min)
 #         gemv (the skinny-matmul kernel's GPU test, then F.linear against it per shape, ~1 min)
+#         decode-skinny (bench decode at 12 layers without and with the skinny matmul, ~3 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -126,6 +127,10 @@ for stage in "$@"; do
         | tee "$OUT/gpu_gemv_tests.log" | tail -3
       timeout 300 python3 -m freetoken_agent.bench gemv --out "$OUT" 2>&1 | tee "$OUT/gemv.log" \
         | cut -c1-200 | tail -50 ;;
+    decode-skinny)  # all-resident decode, 12 layers, cuBLAS projections then the skinny matmul
+      timeout 250 python3 -m freetoken_agent.bench decode --layers 12 --out "$OUT" 2>&1 | tail -3
+      timeout 250 python3 -m freetoken_agent.bench decode --layers 12 --skinny-gemv --out "$OUT" \
+        2>&1 | tail -3 ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;

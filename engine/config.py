@@ -254,6 +254,9 @@ class EngineConfig:
     # models do, re-running from step-start copies of the recurrent state after a miss
     # (recurrent_shadow.py). Off until measured on the device.
     hybrid_run_ahead: bool = False
+    # Decode-sized projections (<= 8 rows) on CUDA through the Triton skinny matmul instead of
+    # cuBLAS (kernels/gemv.py). Off until measured on the device.
+    skinny_gemv: bool = False
     # Hybrid models: where recurrent state is checkpointed for cross-request reuse:
     # "anchors" (the Session's semantic boundaries), "positional:N" (every N tokens, as
     # llama.cpp's context checkpoints) or "none" (no reuse across requests).

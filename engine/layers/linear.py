@@ -2,6 +2,10 @@
 
 q/k/v (and gate/up) run as one GEMM: one launch and one pass over the activations instead of
 three. The checkpoint still stores them apart, so the loader writes each shard into its rows.
+
+`skinny` (set by `use_skinny_gemv`, EngineConfig.skinny_gemv): decode-sized inputs on CUDA take
+the Triton skinny matmul (kernels/gemv.py) instead of torch's choice of cuBLAS kernel. Off by
+default until measured on the device (`bench gemv`, `bench decode --skinny-gemv`).
 """
 
 from __future__ import annotations
@@ -9,6 +13,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from freetoken_agent.kernels.gemv import MAX_M, gemv
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: bool):
+    """x @ weight.T (+ bias): the skinny matmul for up to MAX_M rows on CUDA when `skinny`."""
+    if skinny and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_M:
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def use_skinny_gemv(model: nn.Module) -> int:
+    """Switch every layer with a `skinny` flag to the skinny matmul; returns how many."""
+    layers = [m for m in model.modules() if hasattr(m, "skinny")]
+    for m in layers:
+        m.skinny = True
+    return len(layers)
 
 
 class ShardedLinear(nn.Module):
@@ -25,6 +46,7 @@ class ShardedLinear(nn.Module):
             offset += rows
         self.weight = nn.Parameter(torch.empty(offset, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(offset), requires_grad=False) if bias else None
+        self.skinny = False
 
     def shard_view(self, param: str, shard: str) -> torch.Tensor:
         """The rows of `param` ("weight" or "bias") that hold `shard`: the loader copies into it."""
@@ -33,7 +55,7 @@ class ShardedLinear(nn.Module):
         return tensor[start : start + self.shards[shard]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias, self.skinny)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, list(self.shards.values()), dim=-1)
@@ -44,6 +66,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.skinny = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias, self.skinny)

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from freetoken_agent.engine.layers.linear import Linear
+from freetoken_agent.engine.layers.linear import Linear, project
 from freetoken_agent.engine.layers.mlp import SwiGLU
 from freetoken_agent.kernels.router import softmax_topk
 
@@ -49,9 +48,10 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_experts, hidden), requires_grad=False)
         self.options = options
+        self.skinny = False  # linear.use_skinny_gemv
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)  # [T, E] in the model dtype
+        logits = project(x, self.weight, None, self.skinny)  # [T, E] in the model dtype
         opts = self.options
         round_to = logits.dtype if opts.weights_in_model_dtype else None
         # One kernel for softmax, top-k, renormalisation and rounding: [T, K] ids and weights.

@@ -71,3 +71,44 @@ def test_gemv_on_cuda_matches_float64_at_model_shapes(rng_seed):
             want = _want(x, w, None)
             scale = want.abs().max().item() + 1e-3
             assert (got.double().cpu() - want).abs().max().item() <= 1e-2 * scale, (n, k, m)
+
+
+def test_engine_switches_every_projection_with_the_config(tmp_path, rng_seed):
+    """EngineConfig.skinny_gemv reaches every linear layer and router of the model (they then
+    take the skinny matmul for decode-sized CUDA inputs); off, none."""
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine
+    from freetoken_agent.engine.layers.linear import Linear, ShardedLinear
+    from freetoken_agent.engine.layers.moe import TopKRouter
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    for on in (False, True):
+        engine = Engine.load(tmp_path, device="cpu", progress=False, skinny_gemv=on)
+        layers = [
+            m
+            for m in engine.loaded.model.modules()
+            if isinstance(m, (Linear, ShardedLinear, TopKRouter))
+        ]
+        assert len(layers) > 3 and all(m.skinny == on for m in layers)
+
+
+@pytest.mark.gpu
+def test_engine_with_skinny_gemv_matches_the_default_on_cuda(tmp_path, rng_seed):
+    """fp32 tiny model on CUDA, decode under graphs: the same greedy tokens and logits within
+    fp32 rounding with the skinny matmul as with cuBLAS."""
+    from tiny_models import make_tiny, max_rel_err
+
+    from freetoken_agent import Engine, SamplingParams
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 40)]
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    opts = dict(device="cuda", progress=False, max_model_len=512, max_num_seqs=4)
+    base = Engine.load(tmp_path, **opts)
+    skinny = Engine.load(tmp_path, skinny_gemv=True, **opts)
+    want = [o.token_ids for o in base.generate(prompts, sp)]
+    assert [o.token_ids for o in skinny.generate(prompts, sp)] == want
+    ids = prompts[1] + want[1]
+    assert max_rel_err(skinny.score(ids), base.score(ids)) <= 1e-4
