@@ -160,8 +160,9 @@ class OffloadedExpertBank:
         layers once at load had to leave the staging's slots (two layers' worth) out of them
         for good: at 8.59 GB on the peer slice, 2 whole layers where 4 fit while decoding."""
         cache = self.cache
-        n = layer_layout.whole_layers(cache)
-        layers = frozenset(range(self.spec.n_moe_layers - n, self.spec.n_moe_layers))
+        n_layers = self.spec.n_moe_layers
+        n = min(layer_layout.whole_layers(cache), n_layers)
+        layers = frozenset(range(n_layers - n, n_layers))
         if layers != cache.kept_layers or cache.vacates != self._placed_after:
             cache.kept_layers = layers
             layer_layout.complete(cache, layers, set(protect))
