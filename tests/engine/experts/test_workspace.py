@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def _budget_around_all_fitting(spec, config: EngineConfig, dtype: torch.dtype) -
         lo, hi = 1, 1 << 40
         while lo < hi:
             mid = (lo + hi) // 2
-            cfg = EngineConfig(**{**_fields(config), "gpu_budget": mid})
+            cfg = replace(config, gpu_budget=mid)
             try:
                 fits = slot_count(spec, cfg, dev, dtype, 0, offloaded=offloaded) >= rows
             except ValueError:  # BudgetError: not one slot
@@ -70,10 +71,6 @@ def _budget_around_all_fitting(spec, config: EngineConfig, dtype: torch.dtype) -
         return lo
 
     return least(True), least(False)
-
-
-def _fields(config: EngineConfig) -> dict:
-    return {f: getattr(config, f) for f in config.__slots__ if not f.startswith("_")}
 
 
 def test_adaptive_keeps_experts_offloaded_when_only_the_smaller_workspace_fits(rng_seed):
@@ -93,7 +90,7 @@ def test_adaptive_keeps_experts_offloaded_when_only_the_smaller_workspace_fits(r
         (rng.randrange(offloaded_fit, resident_fit), OffloadedExpertBank),
         (resident_fit + rng.randrange(0, 1 << 20), ResidentExpertBank),
     ):
-        cfg = EngineConfig(**{**_fields(base), "gpu_budget": budget, "policy": "adaptive"})
+        cfg = replace(base, gpu_budget=budget, policy="adaptive")
         bank = make_bank(spec, cfg, torch.device("cpu"), dtype, 0)
         assert isinstance(bank, want), (budget, offloaded_fit, resident_fit)
         if want is OffloadedExpertBank:  # every expert in a slot, none on the CPU
