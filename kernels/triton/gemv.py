@@ -6,9 +6,10 @@ projections at M = 1 ran at ~42% of the copy bandwidth (bench/results/profile_12
 7.7 us, o_proj 7.1 us + a split-K reduce, the 0.5 MB router 4.9 us). This kernel streams W once
 in [BLOCK_N, BLOCK_K] tiles, coalesced along K, each program owning BLOCK_N output columns and
 one of SPLIT_K slices of K; x's rows are loaded per tile (they stay in L1/L2) and multiplied
-with the tile in one tensor-core dot (rows padded to 16), accumulated in fp32. The SPLIT_K
-slices' fp32 partials are summed by a second launch (with the bias and the cast), so a narrow
-W (the router's 128 rows) still spreads over the SMs.
+with the tile in one tensor-core dot (rows padded to 16), accumulated in fp32. With SPLIT_K > 1
+the slices' fp32 partials are summed by a second launch (with the bias and the cast), so a
+narrow W (the router's 128 rows) still spreads over the SMs; with one slice the kernel writes
+the output itself.
 
 Not yet used by the model: `bench gemv` measures it against torch's choice per shape first.
 """
@@ -28,10 +29,12 @@ SM_TARGET = 264  # programs to aim for: two waves of the H200's 132 SMs
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, b_ptr, out_ptr, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    FINAL: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """out[s, m, n] (fp32) = sum over the s-th K slice of x[m, k] * W[n, k]. The M rows are
+    """out[s, m, n] (fp32) = sum over the s-th K slice of x[m, k] * W[n, k]; with FINAL (one
+    slice) out is y itself: the bias added, cast to y's dtype, no second launch. The M rows are
     padded to 16 for one tensor-core dot per tile: the tile of W is read once for all rows, and
     the padding costs arithmetic only, which a weight-bound matmul has to spare."""
     pid_n, s = tl.program_id(0), tl.program_id(1)
@@ -50,7 +53,13 @@ def _gemv_kernel(
         x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)  # [16, BLOCK_N]
     out = out_ptr + (s * M + offs_m[:, None]) * stride_om + offs_n[None, :]
-    tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+    ok = m_ok[:, None] & n_ok[None, :]
+    if FINAL:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out, acc, mask=ok)
 
 
 @triton.jit
@@ -83,13 +92,17 @@ def gemv(
     s = c["SPLIT_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, s), c["BLOCK_K"]) * c["BLOCK_K"]
     s = triton.cdiv(k, k_per_split)  # no empty slice
-    part = torch.empty(s, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
-    _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]), s)](
-        x, w, part, n, k, k_per_split, x.stride(0), w.stride(0), n,
-        M=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], num_warps=c["WARPS"],
-        PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 stays exact
-    )  # fmt: skip
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # One slice: the kernel writes y; more: fp32 partials [S, M, N], summed by a second launch.
+    part = y if s == 1 else torch.empty(s, m, n, dtype=torch.float32, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]), s)](
+        x, w, bias if bias is not None else w, part, n, k, k_per_split, x.stride(0),
+        w.stride(0), n, M=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], num_warps=c["WARPS"],
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 stays exact
+        FINAL=s == 1, HAS_BIAS=bias is not None,
+    )  # fmt: skip
+    if s == 1:
+        return y
     block = 1024
     _sum_splits_kernel[(m, triton.cdiv(n, block))](
         part, bias if bias is not None else part, y, n, y.stride(0),
