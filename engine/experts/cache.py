@@ -20,7 +20,9 @@ stride, so no pointer changes. `lend` always lends the top of the arena.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -276,9 +278,8 @@ class ExpertCache:
             raise ValueError(f"cannot lend {n} of {self.n_slots} slots")
         room = self.n_slots - n  # slots that stay in service
         first = self.max_slots - n  # the top of the arena: resize moves only the bottom edge
-        evicted, moved = self._vacate(first, self.max_slots, room)
+        _, moved = self._vacate(first, self.max_slots, room)
         self._lent = n
-        self._unpublished += evicted
         self.publish(moved)
         if self.arena is not None:  # its slot views are strided: staging wants plain DMA
             return self.arena.scratch_banks(first, n)
@@ -318,7 +319,6 @@ class ExpertCache:
             return []
         evicted, moved = self._vacate(old, first_slot, self.max_slots - first_slot)
         self.first_slot = first_slot
-        self._unpublished += evicted
         self.publish(moved)
         return evicted
 
@@ -326,17 +326,10 @@ class ExpertCache:
         """Empty slots lo..hi-1 (a shrink's bottom edge, a lend's top): evict the least
         recently used lids until `keep` remain, then move the residents of the range into the
         lowest free slots outside it. The free list keeps the free slots outside the range; the
-        table is the caller's to publish. Returns (evicted lids, moved lids)."""
+        caller publishes the moves (and with them the evictions). Returns (evicted lids, moved
+        lids)."""
         self.vacates += 1
-        evicted, excess = [], len(self._lru) - keep
-        for lid in list(self._lru):  # coldest first
-            if excess <= 0:
-                break
-            self._free.append(self._slot_of[lid])
-            self._evict(lid)
-            evicted.append(lid)
-            excess -= 1
-        self.races.drop(set(evicted))
+        evicted = self.evict_coldest(len(self._lru) - keep)
         free = sorted((slot for slot in self._free if not lo <= slot < hi), reverse=True)
         stay = [(self._lid_of[s], s) for s in range(lo, hi) if self._lid_of[s] >= 0]
         pairs = [(lid, src, free.pop()) for lid, src in stay]  # into the lowest free slots
@@ -344,6 +337,20 @@ class ExpertCache:
             self._move(pairs)
         self._free = free
         return evicted, [lid for lid, _, _ in pairs]
+
+    def evict_coldest(self, n: int, spare: Callable[[int], bool] | None = None) -> list[int]:
+        """Evict the `n` least recently used resident lids (passing over those `spare` keeps),
+        their slots to the free list. Not a fill's victims, so their races are dropped: they
+        say nothing about whether fills pay. The device table learns of them with the next
+        `publish`. Returns the evicted lids."""
+        victims = (lid for lid in self._lru if spare is None or not spare(lid))
+        evicted = list(itertools.islice(victims, max(n, 0)))  # coldest first
+        for lid in evicted:
+            self._free.append(self._slot_of[lid])
+            self._evict(lid)
+        self.races.drop(set(evicted))
+        self._unpublished += evicted
+        return evicted
 
     def _move(self, pairs: list[tuple[int, int, int]]) -> None:
         """(lid, from slot, to slot): copy the rows and update the host maps."""

@@ -17,8 +17,6 @@ layers, and runs every other miss on the CPU.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 
@@ -49,17 +47,14 @@ def complete(cache, layers: frozenset[int], protect: set[int], race: bool = Fals
     ]
     if not missing:
         return []
+
     # The victims are chosen here in one walk of the LRU, not by `cache.fill` with
     # `kept_layers` set (which skips kept experts too): each fill's walk would pass every kept
     # expert at the cold end again, 67 ms against 10 ms for 48 layers and 2537 slots on the
     # dev box's CPU.
-    victims = (lid for lid in cache._lru if lid // per not in layers and lid not in protect)
-    need = max(len(missing) - cache.free_slots, 0)
-    evicted = list(itertools.islice(victims, need))
-    for lid in evicted:
-        cache._free.append(cache._slot_of[lid])
-        cache._evict(lid)
-    cache._unpublished += evicted
-    cache.races.drop(set(evicted))  # not a fill's victim: their races say nothing about fills
+    def spare(lid: int) -> bool:
+        return lid // per in layers or lid in protect
+
+    cache.evict_coldest(len(missing) - cache.free_slots, spare)  # published with the fills
     # As many as the free slots now hold: a fill past them would evict a kept layer's expert.
     return cache.fill(missing[: cache.free_slots], protect, race=race)
