@@ -12,7 +12,7 @@ from torch import Tensor
 
 from freetoken_agent.kernels.dispatch import use_triton
 
-MAX_M = 8  # as kernels/triton/gemv.py (importing it needs triton)
+MAX_M = 8  # rows a call takes; a larger batch belongs to a GEMM
 
 
 def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, *, force_triton: bool = False,

@@ -14,22 +14,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken_agent.kernels.gemv import MAX_M, gemv
+from freetoken_agent.kernels.gemv import gemv
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: bool):
-    """x @ weight.T (+ bias): the skinny matmul for up to MAX_M rows on CUDA when `skinny`."""
-    if skinny and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_M:
+    """x @ weight.T (+ bias); with `skinny`, through kernels/gemv.py (the Triton kernel for
+    decode-sized CUDA inputs, F.linear otherwise)."""
+    if skinny and x.dim() == 2:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def use_skinny_gemv(model: nn.Module) -> int:
-    """Switch every layer with a `skinny` flag to the skinny matmul; returns how many."""
-    layers = [m for m in model.modules() if hasattr(m, "skinny")]
-    for m in layers:
-        m.skinny = True
-    return len(layers)
+def use_skinny_gemv(model: nn.Module) -> None:
+    """Switch every layer with a `skinny` flag to the skinny matmul."""
+    for m in model.modules():
+        if hasattr(m, "skinny"):
+            m.skinny = True
 
 
 class ShardedLinear(nn.Module):

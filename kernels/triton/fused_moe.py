@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken_agent.kernels.fused_moe import PREFILL_CHUNK_PAIRS
 from freetoken_agent.kernels.reference import check_host_banks, check_moe_shapes
 
 # fmt: off
@@ -56,12 +57,12 @@ DECODE_TILES: dict[tuple[int, int] | str, dict[str, int]] = {
     ),
 }
 PREFILL_TILES: dict[tuple[int, int] | str, dict[str, int]] = {
-    # CHUNK_PAIRS: the dispatcher's max_pairs (kernels/fused_moe.py: PREFILL_CHUNK_PAIRS) when
-    # called from it; this default serves direct calls.
+    # CHUNK_PAIRS: pairs per launch (the dispatcher passes its max_pairs; the default is its
+    # PREFILL_CHUNK_PAIRS).
     "default": dict(
         BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, WARPS_UP=8, STAGES_UP=3,
         DOWN_BLOCK_N=128, DOWN_BLOCK_K=64, WARPS_DOWN=4, STAGES_DOWN=4,
-        SUM_BLOCK=512, CHUNK_PAIRS=65536,
+        SUM_BLOCK=512, CHUNK_PAIRS=PREFILL_CHUNK_PAIRS,
     ),
 }
 # fmt: on

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-MAX_M = 8  # rows a call takes (padded to 16 in the dot); a larger batch belongs to a GEMM
+from freetoken_agent.kernels.gemv import MAX_M  # rows a call takes (padded to 16 in the dot)
+
 SM_TARGET = 264  # programs to aim for: two waves of the H200's 132 SMs
 
 
