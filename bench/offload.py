@@ -54,6 +54,17 @@ def _use_policy(engine, bank, policy: str) -> None:
         engine.capture_graphs()
 
 
+def start_policy(engine, bank, policy: str, b_p: float, b_h: float) -> None:
+    """Before a measurement: an empty cache, `policy`, the bandwidths measured alone, nothing
+    learnt by adaptive, static's layers placed."""
+    bank.cache.reset()
+    _use_policy(engine, bank, policy)
+    bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
+    bank.reset_decisions()
+    if policy == "static":
+        bank.place_static()
+
+
 def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
     """Aggregate decode tok/s of `batch` sequences (after their prefill) and cache counters."""
     bank = engine.loaded.bank
@@ -92,12 +103,7 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
 def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h: float) -> dict:
     """One policy from an empty cache: WARM_UP decode steps (the cache fills; adaptive's
     first split trials run), then `n` timed. The row: tok/s, counters, online bandwidths."""
-    bank.cache.reset()
-    _use_policy(engine, bank, policy)
-    bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
-    bank.reset_decisions()
-    if policy == "static":
-        bank.place_static()
+    start_policy(engine, bank, policy, b_p, b_h)
     _decode(engine, WARM_UP, rng, batch)
     rate, st = _decode(engine, n, rng, batch)
     # Elastic memory gives the KV pool's idle pages to slots while decoding: the count at the

@@ -22,7 +22,7 @@ from collections import defaultdict
 
 import torch
 
-from freetoken_agent.bench.offload import offload_engine
+from freetoken_agent.bench.offload import offload_engine, start_policy
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration, offload
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -123,12 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         timers.wrap(graphs, "replay", "replay")
         graphs.done = [_TimedEvent(e, timers) for e in graphs.done]
         for policy in args.policies:
-            bank.cache.reset()
-            bank.policy = policy
-            bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
-            bank.reset_decisions()
-            if policy == "static":
-                bank.place_static()
+            start_policy(engine, bank, policy, b_p, b_h)
             sp = SamplingParams(max_tokens=8 + args.decode, temperature=0, ignore_eos=True)
             for _ in range(args.batch):
                 engine.submit([rng.randrange(vocab) for _ in range(64)], sp)
