@@ -95,7 +95,7 @@ class AdaptiveFetches:
             layer_layout.complete(cache, cache.kept_layers, protect)
         if mode == "all":
             return lids
-        if mode == "layers" and lids and lids[0] // cache.lids_per_layer in cache.kept_layers:
+        if mode == "layers" and lids and cache.kept(lids[0]):
             return lids
         if mode in ("none", "layers"):
             q = sum(1 for t in tokens if t > CPU_KNEE_TOKENS)

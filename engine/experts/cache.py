@@ -208,6 +208,10 @@ class ExpertCache:
             self.races.start(lid, victim)
         return slot
 
+    def kept(self, lid: int) -> bool:
+        """Whether `lid` belongs to a kept layer (`kept_layers`)."""
+        return lid // self.lids_per_layer in self.kept_layers
+
     def _take_slot(self, protect: set[int]) -> tuple[int | None, int]:
         """(a slot for a fill or None, the lid evicted from it or -1)."""
         if self._free:

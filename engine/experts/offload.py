@@ -272,7 +272,7 @@ class OffloadedExpertBank:
             return self.adaptive.choose(lids, tokens, protect, self.bandwidths, n_tokens)
         if self.policy == "static":
             self.place_static(protect)
-            return lids if lids[0] // self.n_experts in self.cache.kept_layers else []
+            return lids if self.cache.kept(lids[0]) else []  # one layer's misses
         return lids[: fetch_count(self.policy, len(lids), self.bandwidths)]
 
     def decode_step_timed(self, n_tokens: int, seconds: float) -> None:
