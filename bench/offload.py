@@ -124,7 +124,7 @@ def _median_round(rows: list[dict]) -> dict:
     return {**ranked[(len(ranked) - 1) // 2], "tok_s_rounds": [row["tok_s"] for row in rows]}
 
 
-def _prefill(engine, n: int, rng) -> float:
+def timed_prefill(engine, n: int, rng) -> float:
     sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     _sync()
     start = time.perf_counter()
@@ -269,9 +269,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if double:  # warm-up: compile the kernels for every chunk shape before timing
             for n in args.prefill:
-                _prefill(engine, n, rng)
+                timed_prefill(engine, n, rng)
         for n in args.prefill:
-            rate = _prefill(engine, n, rng)
+            rate = timed_prefill(engine, n, rng)
             chunk_limit = bank.pool.nbytes / b_p  # every expert of every layer streams
             limit = min(n, args.chunk) / chunk_limit
             key = f"{n}_{'double' if double else 'single'}"

@@ -18,34 +18,26 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from freetoken_agent.bench.offload import offload_engine
+from freetoken_agent.bench.offload import offload_engine, timed_prefill
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.engine.experts.placement import workspace_bytes
-from freetoken_agent.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _peak_of(engine, n: int, rng: random.Random) -> tuple[int, float]:
-    """(peak bytes torch allocated beyond what it held before, seconds) for an n-token prefill."""
-    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(n)]
+    """(peak bytes torch allocated beyond what it held before, seconds) for an n-token prefill
+    (bench offload's timed_prefill: timed, a failed one refused)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    out = engine.generate(prompt, sp)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    if out.finish_reason == "error":
-        raise RuntimeError(f"prefill of {n} tokens failed: {out.error}")
-    return torch.cuda.max_memory_allocated() - base, seconds
+    rate = timed_prefill(engine, n, rng)
+    return torch.cuda.max_memory_allocated() - base, n / rate
 
 
 def measure(engine, prompts: list[int], rng, offloaded: bool) -> dict:
