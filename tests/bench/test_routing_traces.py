@@ -63,7 +63,7 @@ def test_offload_bench_measurements_run_on_a_tiny_engine(tmp_path, rng_seed):
     rng = random.Random(rng_seed)
     rate, st = offload._decode(engine, 6, rng, batch=2)
     assert rate > 0 and 0 < st["miss_rate"] <= 1 and st["experts_per_token"] > 0
-    assert offload._prefill(engine, 100, rng) > 0  # streamed (100 >= 64 tokens)
+    assert offload.timed_prefill(engine, 100, rng) > 0  # streamed (100 >= 64 tokens)
     assert engine.loaded.bank.streamer.layers_streamed > 0
     engine.check_integrity()
     # The bench switches policies in place; direct learns after each step, the others not.
