@@ -123,6 +123,10 @@ def test_decode_steps_feed_the_trials_and_switching_modes_keeps_the_tokens(tmp_p
     engine = _bank(tmp_path, rng_seed, slots=20, block=1, rotations=1, period=0)
     resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
     bank, rng = engine.loaded.bank, random.Random(rng_seed)
+    # Whether `layers` may pay depends on how many layers this seed's steps stop at (steps
+    # that miss in one layer only refuse it); its gate has its own test
+    # (test_layers_is_tried_only_where_steps_stop_at_...): here every mode must run.
+    bank.adaptive.layers_may_pay = lambda n: True
     prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(40)]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     seen = []
