@@ -16,6 +16,8 @@
 #         profile (top kernels of an eager decode step and a prefill chunk, 12 layers, ~1 min)
 #         gemv (the skinny-matmul kernel's GPU test, then F.linear against it per shape, ~1 min)
 #         decode-skinny (bench decode at 12 layers without and with the skinny matmul, ~3 min)
+#         stops (peer slice, uniform b=1: a decode step's host phases per policy, then
+#         torch.profiler's host table of 8 steps each: where a stopping layer's time goes, ~3 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -119,6 +121,10 @@ for stage in "$@"; do
     workspace)
       timeout 300 python3 -m freetoken_agent.bench workspace --out "$OUT" 2>&1 \
         | tee "$OUT/workspace.log" | grep -v Warn | tail -14 ;;
+    stops)
+      timeout 300 python3 -m freetoken_agent.bench profile-offload --layers 12 --budget-gb 8.59 \
+        --regimes uniform --policies cpu static adaptive --torch-profile 8 \
+        >"$OUT/stops_12l.txt" 2>&1; grep -E '^\{|^==' "$OUT/stops_12l.txt" | cut -c1-900 ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;

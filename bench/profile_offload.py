@@ -8,8 +8,11 @@ Builds the same random model as `bench offload`, captures segmented decode graph
 waiting for a segment's routing (`wait`), the host's placement (`resolve`, of which `place`
 decides, issues the fills (`fill`) and waits for the CPU branch; `cpu` is that branch on its
 worker thread, `kernel` the CPU expert kernel in it; `publish` publishes the filled slots), the
-trace replay (`trace`), and the rest of `engine.step` (scheduling, sampling).
-Prints one JSON line per (regime, policy).
+trace replay (`trace`), the segments' graph launches (`launch`), and the rest of `engine.step`
+(scheduling, sampling). `stops_per_step` counts the layers that stopped the step for the host.
+Prints one JSON line per (regime, policy). `--torch-profile N` then profiles N more steps per
+row with torch.profiler and prints its host-side table (self CPU time per op and CUDA runtime
+call): where the time between the CPU kernel's runs goes, beyond the phases above.
 """
 
 from __future__ import annotations
@@ -59,6 +62,32 @@ class _TimedEvent:
         self.timers.total["wait"] += time.perf_counter() - start
 
 
+class _TimedSegment:
+    """A captured segment whose replay (the host's graph launch) is timed as `launch`."""
+
+    def __init__(self, graph, timers: Timers) -> None:
+        self.graph, self.timers = graph, timers
+
+    def replay(self) -> None:
+        start = time.perf_counter()
+        self.graph.replay()
+        self.timers.total["launch"] += time.perf_counter() - start
+
+
+def _host_table(engine, policy: str, steps: int, rows: int) -> str:
+    """torch.profiler's host-side table over `steps` decode steps of the running requests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    return f"== host table, policy {policy}, {steps} steps\n{table}"
+
+
 def _kernel_alone(bank, repeats: int = 50) -> dict:
     """The CPU expert kernel alone at one token: ms per call for n random pool rows."""
     pool, spec = bank.pool, bank.spec
@@ -89,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
     parser.add_argument("--regimes", nargs="+", default=["uniform", "native"])
     parser.add_argument("--policies", nargs="+", default=["cpu", "static", "adaptive", "transfer"])
+    parser.add_argument(
+        "--torch-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each row, profile N more decode steps with torch.profiler (host table)",
+    )
     args = parser.parse_args(argv)
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank, model = engine.loaded.bank, engine.loaded.model
@@ -122,9 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         graphs = engine.runner.graphs
         timers.wrap(graphs, "replay", "replay")
         graphs.done = [_TimedEvent(e, timers) for e in graphs.done]
+        graphs.segments = {
+            bs: [_TimedSegment(g, timers) for g in segs] for bs, segs in graphs.segments.items()
+        }
         for policy in args.policies:
             start_policy(engine, bank, policy, b_p, b_h)
-            sp = SamplingParams(max_tokens=8 + args.decode, temperature=0, ignore_eos=True)
+            extra = args.torch_profile  # steps left for the profiler after the timed ones
+            sp = SamplingParams(max_tokens=8 + args.decode + extra, temperature=0, ignore_eos=True)
             for _ in range(args.batch):
                 engine.submit([rng.randrange(vocab) for _ in range(64)], sp)
             for _ in range(9):  # prefill and warm-up
@@ -132,13 +172,17 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
             timers.total.clear()
             graphs.reruns = 0
+            stops0 = graphs.missed_layers
             st0 = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu)
             start, steps = time.perf_counter(), 0
-            while engine.has_unfinished():
+            while engine.has_unfinished() and steps < args.decode:
                 engine.step()
                 steps += 1
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
+            table = _host_table(engine, policy, extra, 40) if extra else None
+            while engine.has_unfinished():
+                engine.step()
             for rid in list(engine._requests):
                 engine._collect(rid)
             st = bank.stats
@@ -153,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
                 "fetched_per_step": (st.fetched - st0[2]) / steps,
                 "on_cpu_per_step": (st.on_cpu - st0[3]) / steps,
                 "reruns_per_step": graphs.reruns / max(steps, 1),
+                "stops_per_step": (graphs.missed_layers - stops0) / max(steps, 1),
             }
             print(json.dumps(row), flush=True)
+            if table is not None:
+                print(table, flush=True)
     return 0
 
 
