@@ -68,7 +68,7 @@ def decode_bytes(engine: Engine, batch: int, context: int) -> int:
     gathered), the distinct experts of `batch` tokens under uniform routing, and the KV."""
     spec = engine.spec
     model = engine.loaded.model
-    dense = engine.loaded.dense_bytes - model.embed_tokens.weight.nbytes
+    dense = engine.loaded.dense_bytes - model.embed_tokens.device_nbytes
     e, k = spec.n_experts, spec.top_k
     expected_distinct = e * (1 - (1 - k / e) ** batch)  # per layer, uniform routing
     itemsize = torch.tensor([], dtype=engine.loaded.dtype).element_size()

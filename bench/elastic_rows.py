@@ -30,7 +30,7 @@ class Limits:
         if not self.on_gpu or row.get("miss_rate") is None:
             return
         loaded = engine.loaded
-        dense = loaded.dense_bytes - loaded.model.embed_tokens.weight.nbytes
+        dense = loaded.dense_bytes - loaded.model.embed_tokens.device_nbytes
         spec = engine.spec  # K and V of every attention layer, per token of context
         kv = context * 2 * len(spec.attention_layers) * spec.n_kv_heads * spec.head_dim * 2
         moved = row["experts_per_token"] * bank.pool.expert_bytes

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = engine.spec
     build_s = time.perf_counter() - t0
     expert_bytes = bank.pool.expert_bytes
-    dense_read = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.weight.nbytes
+    dense_read = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.device_nbytes
     rng = random.Random(0)
     report = {
         "bench": "offload",

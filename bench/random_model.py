@@ -71,8 +71,12 @@ def random_engine(
     for name, p in model.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
-        else:
+        elif p.device == dev:
             p.normal_(0.0, std, generator=gen)
+        else:  # a table in host memory (layers/embedding.py): drawn on the device in chunks
+            for chunk in p.split(16384):
+                drawn = torch.empty(chunk.shape, dtype=p.dtype, device=dev)
+                chunk.copy_(drawn.normal_(0.0, std, generator=gen))
     drawn_before = pool is not None and getattr(bank, "pool", None) is pool
     for bank_tensor in () if drawn_before else (bank.w13, bank.w2):
         for chunk in bank_tensor.split(256):  # bounded temporaries

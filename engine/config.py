@@ -257,6 +257,11 @@ class EngineConfig:
     # Decode-sized projections (<= 8 rows) on CUDA through the Triton skinny matmul instead of
     # cuBLAS (kernels/gemv.py). Off until measured on the device.
     skinny_gemv: bool = False
+    # Where the token embedding table lives (engine/layers/embedding.py): None (auto) keeps an
+    # untied table in pinned host memory when the experts are offloaded on CUDA, where its
+    # device bytes are worth more as expert slots; True asks for it whenever the table is
+    # untied (on a CPU device: counted outside the budget, as on CUDA); False never.
+    host_embeddings: bool | None = None
     # Hybrid models: where recurrent state is checkpointed for cross-request reuse:
     # "anchors" (the Session's semantic boundaries), "positional:N" (every N tokens, as
     # llama.cpp's context checkpoints) or "none" (no reuse across requests).

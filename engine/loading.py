@@ -1,10 +1,11 @@
 """Builds everything a model folder needs to run: spec, model, expert bank, KV pool, tokenizer.
 
 Memory on CUDA: the budget (default: free device memory minus a reserve) pays for the dense
-weights, the expert bank (all-resident in this version), a workspace for one step's
-activations, and the KV pool, which takes what is left (capped at what `max_num_seqs` sequences
-of `max_model_len` tokens could use). A budget too small for the weights is an error that says
-how much is needed.
+weights, the expert bank (resident, or slots in front of the host pool: experts/placement.py),
+a workspace for one step's activations, and the KV pool, which takes what is left (capped at
+what `max_num_seqs` sequences of `max_model_len` tokens could use). An offloaded model keeps
+its untied token embedding table in pinned host memory instead (layers/embedding.py). A budget
+too small for the weights is an error that says how much is needed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from freetoken_agent.engine.experts.placement import (
     gpu_budget,
     gpu_ceiling,
     make_bank,
+    offloads,
     workspace_bytes,
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
@@ -83,17 +85,48 @@ def build_model(
         config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings
     )
     fam = family(spec.arch)
+    host_table = host_embeddings_asked(spec, config, device)
     with torch.device(device):
-        model = MoeCausalLM(spec, fam.blueprint(spec), None, max_len, dtype)
+        model = MoeCausalLM(spec, fam.blueprint(spec), None, max_len, dtype, host_table)
     model.to(dtype=dtype)
     model.eval()
+    if host_table:
+        place_embeddings(model, spec, config, device, dtype)
     bank = make_bank(spec, config, device, dtype, dense_nbytes(model), pool)
     model.set_expert_bank(bank)
     return model, bank, max_len
 
 
+def host_embeddings_asked(spec: ModelSpec, config: EngineConfig, device: torch.device) -> bool:
+    """Whether the embedding table is built in host memory (EngineConfig.host_embeddings;
+    auto: on CUDA when the experts may be offloaded). A tied table is the LM head: never."""
+    if spec.tie_word_embeddings or config.host_embeddings is False:
+        return False
+    if config.host_embeddings:
+        return True
+    return device.type == "cuda" and config.policy != "resident"
+
+
+def place_embeddings(
+    model: MoeCausalLM, spec: ModelSpec, config: EngineConfig, device: torch.device,
+    dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """Settle a host-built embedding table: auto moves it to the device when every expert
+    fits beside it there (nothing to gain on the host), and any table that cannot be pinned
+    moves too (the device reads only pinned host memory)."""
+    table = model.embed_tokens
+    with_table = dense_nbytes(model) + table.weight.nbytes
+    auto = config.host_embeddings is None
+    gains = not auto or offloads(spec, config, device, dtype, with_table)
+    if not gains or (device.type == "cuda" and not table.pin()):
+        table.to_device(device)
+
+
 def dense_nbytes(model: MoeCausalLM) -> int:
+    """Device bytes of the dense weights (a table kept on the host is not counted)."""
     seen, total = set(), 0
+    if model.embed_tokens.on_host:
+        seen.add(id(model.embed_tokens.weight))
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))

@@ -113,6 +113,18 @@ def _all_fit(
     return slots >= spec.n_moe_layers * spec.n_experts
 
 
+def offloads(
+    spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype, dense: int
+) -> bool:
+    """Whether `make_bank` serves the experts from the host pool, with `dense` device bytes
+    of dense weights."""
+    if config.policy == "resident":
+        return False
+    return not (
+        config.policy in ("adaptive", "direct") and _all_fit(spec, config, device, dtype, dense)
+    )
+
+
 def make_bank(
     spec: ModelSpec,
     config: EngineConfig,
@@ -124,9 +136,7 @@ def make_bank(
     """`pool`: host experts already loaded (a benchmark comparing engines over one model
     builds its 58 GB pool once); by default an empty one the loader fills."""
     n_rows = spec.n_moe_layers * spec.n_experts
-    if config.policy == "resident":
-        return ResidentExpertBank(spec, dtype, device)
-    if config.policy in ("adaptive", "direct") and _all_fit(spec, config, device, dtype, dense):
+    if not offloads(spec, config, device, dtype, dense):
         return ResidentExpertBank(spec, dtype, device)
     slots = slot_count(spec, config, device, dtype, dense)
     if pool is None:

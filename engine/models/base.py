@@ -21,6 +21,7 @@ from freetoken_agent.engine.layers.attention import (
     AttentionOptions,
     SelfAttention,
 )
+from freetoken_agent.engine.layers.embedding import TokenEmbedding
 from freetoken_agent.engine.layers.linear import Linear
 from freetoken_agent.engine.layers.mlp import SwiGLU
 from freetoken_agent.engine.layers.moe import ExpertBank, RouterOptions, SparseMoeBlock
@@ -110,11 +111,14 @@ class MoeCausalLM(nn.Module):
         bank: ExpertBank | None,
         max_positions: int,
         dtype: torch.dtype,
+        embed_on_host: bool = False,
     ) -> None:
+        """`embed_on_host`: the token embedding table lives in host memory
+        (layers/embedding.py; untied tables only)."""
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        assert not (embed_on_host and spec.tie_word_embeddings), "a tied table is the LM head"
+        self.embed_tokens = TokenEmbedding(spec.vocab_size, spec.hidden_size, embed_on_host)
         # One table shared by every layer: built once, not per layer.
         self.rope = RotaryEmbedding(spec, max_positions, dtype)
         self.layers = nn.ModuleList(

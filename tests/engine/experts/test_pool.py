@@ -11,8 +11,9 @@ import torch
 from tiny_models import tiny_config
 
 from freetoken_agent.engine.cuda_graphs import collection_paused
-from freetoken_agent.engine.experts import pool as pool_module
-from freetoken_agent.engine.experts.pool import PAGE, ExpertPool, pin_rows_for
+from freetoken_agent.engine import host_memory
+from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.engine.host_memory import PAGE, pin_rows_for
 from freetoken_agent.engine.models.registry import spec_from_config
 
 
@@ -112,7 +113,7 @@ def test_pool_of_foreign_tensors_moves_before_pinning(monkeypatch, rng_seed):
     cudart = _RecordingCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    monkeypatch.setattr(pool_module, "PIN_CHUNK_BYTES", 40000)  # three chunks a bank
+    monkeypatch.setattr(host_memory, "PIN_CHUNK_BYTES", 40000)  # three chunks a bank
     pool.pin_rows = pin_rows_for((pool.w13[0].nbytes, pool.w2[0].nbytes))
     assert pool.pin() is True and len(cudart.calls) == 6
     assert torch.equal(pool.w13, w13) and torch.equal(pool.w2, w2)  # same values, moved
@@ -127,7 +128,7 @@ def test_pin_rows_end_every_chunk_on_a_page(rng_seed):
         row13, row2 = 2 * i * h * item, h * i * item
         rows = pin_rows_for((row13, row2))
         assert rows * row13 % PAGE == 0 and rows * row2 % PAGE == 0
-        assert rows * row13 < pool_module.PIN_CHUNK_BYTES + PAGE * row13  # near the chunk size
+        assert rows * row13 < host_memory.PIN_CHUNK_BYTES + PAGE * row13  # near the chunk size
 
 
 def test_a_release_inside_a_graph_capture_waits_and_keeps_the_memory(monkeypatch):
@@ -136,18 +137,18 @@ def test_a_release_inside_a_graph_capture_waits_and_keeps_the_memory(monkeypatch
     cudart = _RecordingCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    monkeypatch.setattr(pool_module, "_deferred", [])
+    monkeypatch.setattr(host_memory, "_deferred", [])
     old = ExpertPool.empty(_spec(), torch.float32)
     assert old.pin()
     ptrs, banks = list(old._registered), (old.w13, old.w2)
-    monkeypatch.setattr(pool_module, "_capturing", lambda: True)
+    monkeypatch.setattr(host_memory, "_capturing", lambda: True)
     del old  # finalized inside the "capture"
     assert cudart.released == []
-    assert pool_module._deferred == [(ptrs, banks)]  # the banks stay alive with their pins
-    monkeypatch.setattr(pool_module, "_capturing", lambda: False)
+    assert host_memory._deferred == [(ptrs, banks)]  # the banks stay alive with their pins
+    monkeypatch.setattr(host_memory, "_capturing", lambda: False)
     new = ExpertPool.empty(_spec(), torch.float32)
     assert new.pin()  # releases what waited before registering
-    assert cudart.released == ptrs and pool_module._deferred == []
+    assert cudart.released == ptrs and host_memory._deferred == []
 
 
 def test_graph_capture_pauses_garbage_collection():
