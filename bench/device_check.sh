@@ -17,7 +17,8 @@
 #         gemv (the skinny-matmul kernel's GPU test, then F.linear against it per shape, ~1 min)
 #         decode-skinny (bench decode at 12 layers without and with the skinny matmul, ~3 min)
 #         stops (peer slice, uniform b=1: a decode step's host phases per policy, then
-#         torch.profiler's host table of 8 steps each: where a stopping layer's time goes, ~3 min)
+#         torch.profiler's host table of 8 steps each: where a stopping layer's time goes; the
+#         CPU kernel with 0.3 ms host gaps, OpenMP waiting passively and actively, ~4 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -124,7 +125,12 @@ for stage in "$@"; do
     stops)
       timeout 300 python3 -m freetoken_agent.bench profile-offload --layers 12 --budget-gb 8.59 \
         --regimes uniform --policies cpu static adaptive --torch-profile 8 \
-        >"$OUT/stops_12l.txt" 2>&1; grep -E '^\{|^==' "$OUT/stops_12l.txt" | cut -c1-900 ;;
+        >"$OUT/stops_12l.txt" 2>&1; grep -E '^\{|^==' "$OUT/stops_12l.txt" | cut -c1-900
+      for policy in default active; do  # the CPU kernel with decode-like gaps: does its team sleep?
+        wait_env=(); [ "$policy" = active ] && wait_env=(OMP_WAIT_POLICY=active)
+        env "${wait_env[@]}" timeout 120 python3 -m freetoken_agent.bench cpu-experts \
+          --no-torch --calls 40 --gap-us 0 300 2>&1 | tail -6 | sed "s/^/$policy: /"
+      done ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;
