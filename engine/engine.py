@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.engine import frontends
 from freetoken_agent.engine.constrained import Grammars
 from freetoken_agent.engine.cuda_graphs import collection_paused
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
@@ -326,7 +327,7 @@ class Engine:
     def eos_token_ids(self) -> frozenset[int]:
         return self.loaded.eos_token_ids
 
-    # --- convenience front-ends -----------------------------------------------------------
+    # --- convenience front-ends (frontends.py) ---------------------------------------------
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -335,65 +336,19 @@ class Engine:
     ) -> GenerationOutput | list[GenerationOutput]:
         """Run one prompt (returns one output) or a list of prompts batched together (returns a
         list, in order). `options` go to `submit` for every prompt (e.g. anchors=...)."""
-        # A list of ints (or an empty list, refused as an empty prompt) is one prompt.
-        single = isinstance(prompts, str) or not (
-            len(prompts) and isinstance(prompts[0], (str, list, tuple, torch.Tensor))
-        )
-        batch = [prompts] if single else list(prompts)
-        if sampling is None or isinstance(sampling, SamplingParams):
-            params = [sampling or SamplingParams()] * len(batch)
-        else:
-            params = list(sampling)
-            if len(params) != len(batch):
-                raise InvalidRequestError(f"{len(batch)} prompts but {len(params)} SamplingParams")
-        ids = []
-        try:
-            for p, sp in zip(batch, params, strict=True):
-                ids.append(self.submit(p, sp, **options))
-        except Exception:
-            for rid in ids:
-                self.abort(rid)
-                self._pop(rid)
-            raise
-        while any(self._requests[r].status is not Status.FINISHED for r in ids):
-            self.step()
-        outputs = [self._collect(r) for r in ids]
-        return outputs[0] if single else outputs
+        return frontends.generate(self, prompts, sampling, **options)
 
     def stream(
         self, prompt: Prompt, sampling: SamplingParams | None = None, **options
     ) -> Iterator[TokenEvent]:
         """Yield this request's events as they come; other requests progress meanwhile. Closing
         the iterator early aborts the request. `options` go to `submit` (anchors...)."""
-        rid = self.submit(prompt, sampling, **options)
-        queue = self._events[rid]
-        try:
-            while True:
-                while queue:
-                    event = queue.popleft()
-                    yield event
-                    if event.finished:
-                        return
-                if self._requests[rid].status is Status.FINISHED and not queue:
-                    return
-                self.step()
-        finally:
-            self.abort(rid)
-            self._pop(rid)
+        return frontends.stream(self, prompt, sampling, **options)
 
-    @torch.inference_mode()
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Logits [T, vocab] (fp32, on the CPU) at every position of `token_ids`, computed from
         scratch (no prefix reuse) through the same paged path as generation."""
-        rid = self.submit(token_ids, SamplingParams(max_tokens=1), _score=True)
-        req = self._requests[rid]
-        while req.status is not Status.FINISHED:
-            self.step()
-        chunks = self._scores.pop(rid)
-        self._pop(rid)
-        if req.finish_reason == "error":
-            raise RuntimeError(f"scoring failed: {req.error}")
-        return torch.cat(chunks).cpu()
+        return frontends.score(self, token_ids)
 
     def _collect(self, rid: str) -> GenerationOutput:
         req = self._requests[rid]

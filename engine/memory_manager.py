@@ -58,6 +58,7 @@ from freetoken_agent.engine.memory import (
     MemoryTrace,
     Split,
 )
+from freetoken_agent.engine.memory_audit import check_manager_integrity, manager_stats
 from freetoken_agent.engine.memory_demand import DemandMeter, pages_wanted
 from freetoken_agent.engine.scheduler import Scheduler
 
@@ -388,29 +389,7 @@ class MemoryManager:
         return 0 if rec is None else rec.checkpoints.device_bytes
 
     def stats(self) -> dict:
-        return {
-            "budget": self.budget,
-            "max_budget": self.max_budget,
-            "user_budget": self.user_budget,
-            "mapped_bytes": self.mapped_bytes,
-            "released_bytes": self.released_bytes,
-            "map_failures": self.map_failures,
-            "watching": self.watcher is not None,
-            "reserve": None if self.watcher is None else self.watcher.reserve,
-            "fixed_bytes": self.fixed,
-            "kv_pages": self.kv.allocator.n_pages,
-            "slots": self.cache.n_slots,
-            "checkpoint_rows": None if self.checkpoints is None else self.checkpoints.device_rows,
-            "changes": len(self.trace),
-            "preempted": self.preempted,
-        }
+        return manager_stats(self)
 
     def check_integrity(self) -> None:
-        arena, alloc = self.arena, self.kv.allocator
-        arena.check_integrity()
-        assert alloc.n_pages <= arena.kv_pages, "KV pages beyond the arena's boundary"
-        assert self.cache.first_slot >= arena.first_slot, "slots below the arena's boundary"
-        used = (alloc.n_pages * arena.kv_unit.nbytes + self.cache.n_slots
-                * arena.slot_unit.nbytes)  # fmt: skip
-        assert used <= arena.nbytes, "pages and slots overlap"
-        assert arena.kv_backed(alloc.n_pages), "a usable KV page is not backed by memory"
+        check_manager_integrity(self)

@@ -19,7 +19,6 @@ stride, so no pointer changes. `lend` always lends the top of the arena.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.experts.fill_races import FillRaces
 from freetoken_agent.engine.experts.inflight import InflightFills
 from freetoken_agent.engine.experts.pool import ExpertPool
-from freetoken_agent.kernels.row_copy import row_copy
+from freetoken_agent.engine.experts.vacate import vacate_slots
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.arena import ElasticArena
@@ -282,7 +281,7 @@ class ExpertCache:
             raise ValueError(f"cannot lend {n} of {self.n_slots} slots")
         room = self.n_slots - n  # slots that stay in service
         first = self.max_slots - n  # the top of the arena: resize moves only the bottom edge
-        _, moved = self._vacate(first, self.max_slots, room)
+        _, moved = vacate_slots(self, first, self.max_slots, room)
         self._lent = n
         self.publish(moved)
         if self.arena is not None:  # its slot views are strided: staging wants plain DMA
@@ -321,26 +320,10 @@ class ExpertCache:
             self._free = sorted(set(self._free) | set(range(first_slot, old)), reverse=True)
             self.first_slot = first_slot
             return []
-        evicted, moved = self._vacate(old, first_slot, self.max_slots - first_slot)
+        evicted, moved = vacate_slots(self, old, first_slot, self.max_slots - first_slot)
         self.first_slot = first_slot
         self.publish(moved)
         return evicted
-
-    def _vacate(self, lo: int, hi: int, keep: int) -> tuple[list[int], list[int]]:
-        """Empty slots lo..hi-1 (a shrink's bottom edge, a lend's top): evict the least
-        recently used lids until `keep` remain, then move the residents of the range into the
-        lowest free slots outside it. The free list keeps the free slots outside the range; the
-        caller publishes the moves (and with them the evictions). Returns (evicted lids, moved
-        lids)."""
-        self.vacates += 1
-        evicted = self.evict_coldest(len(self._lru) - keep)
-        free = sorted((slot for slot in self._free if not lo <= slot < hi), reverse=True)
-        stay = [(self._lid_of[s], s) for s in range(lo, hi) if self._lid_of[s] >= 0]
-        pairs = [(lid, src, free.pop()) for lid, src in stay]  # into the lowest free slots
-        if pairs:
-            self._move(pairs)
-        self._free = free
-        return evicted, [lid for lid, _, _ in pairs]
 
     def evict_coldest(self, n: int, spare: Callable[[int], bool] | None = None) -> list[int]:
         """Evict the `n` least recently used resident lids (passing over those `spare` keeps),
@@ -355,21 +338,6 @@ class ExpertCache:
         self.races.drop(set(evicted))
         self._unpublished += evicted
         return evicted
-
-    def _move(self, pairs: list[tuple[int, int, int]]) -> None:
-        """(lid, from slot, to slot): copy the rows and update the host maps."""
-        if self.copy_stream is not None:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream) if self.copy_stream else contextlib.nullcontext():
-            # One launch a bank: a shrink or a lend moves up to a group's worth of slots (a
-            # copy each was two launches a slot). Sources and destinations never overlap.
-            src_rows = on_device([src for _, src, _ in pairs], torch.long, self.device)
-            dst_rows = on_device([dst for _, _, dst in pairs], torch.long, self.device)
-            row_copy(self.w13, self.w13, dst_rows, src_rows)
-            row_copy(self.w2, self.w2, dst_rows, src_rows)
-        for lid, src, dst in pairs:
-            self._lid_of[src], self._lid_of[dst] = -1, lid
-            self._slot_of[lid] = dst
 
     def tick(self) -> None:
         """One engine step begins: hits from now on count for this step."""

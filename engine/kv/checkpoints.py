@@ -30,15 +30,14 @@ Single-threaded, like the scheduler that calls it. The host tier's size is fixed
 construction. The device tier's may move between 1 and `max_device_rows` (`resize_device`, at
 the elastic memory manager's safe points): then each layer's conv and ssm rows live in a lane
 of device addresses reserved for `max_device_rows` and backed only up to `device_rows`
-(engine/device_memory.py), so the views the kernels hold never move. Shrinking empties the rows
-above the new top first: their checkpoints move to free rows below, or spill (or drop) as
-`reserve` would; a locked one keeps its row, and the top stays above it.
+(checkpoint_lanes.py, over engine/device_memory.py), so the views the kernels hold never move.
+Shrinking empties the rows above the new top first: their checkpoints move to free rows below,
+or spill (or drop) as `reserve` would; a locked one keeps its row, and the top stays above it.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +45,8 @@ from typing import Any
 
 import torch
 
-from freetoken_agent.engine.device_memory import KV_CHUNK_BYTES, ChunkedMemory, arena_memory
+from freetoken_agent.engine.device_memory import ChunkedMemory
+from freetoken_agent.engine.kv.checkpoint_lanes import lane_spans, lane_views, map_rows
 from freetoken_agent.engine.kv.recurrent_state import (
     SCRATCH_SLOT,
     RecurrentStatePool,
@@ -100,9 +100,9 @@ class CheckpointPool:
         sdt = ssm_dtype_for(dtype)
         self._lanes: list[tuple[ChunkedMemory, int]] = []  # (memory, bytes of one row)
         if self.max_device_rows > device_rows:  # resizable: lanes of reserved addresses
-            self.conv = self._lane_views(conv_shape, dtype)  # [L, Cmax, C, K - 1]
-            self.ssm = self._lane_views(ssm_shape, sdt)  # [L, Cmax, Hv, Dk, Dv]
-            if not self._map_rows(device_rows):
+            self.conv = lane_views(self, conv_shape, dtype)  # [L, Cmax, C, K - 1]
+            self.ssm = lane_views(self, ssm_shape, sdt)  # [L, Cmax, Hv, Dk, Dv]
+            if not map_rows(self, device_rows):
                 raise torch.cuda.OutOfMemoryError("no device memory for the checkpoint rows")
         else:
             shape = (n_layers, device_rows)
@@ -144,38 +144,6 @@ class CheckpointPool:
         return state_bytes(n_layers, conv_shape, ssm_shape, dtype)
 
     # --- the device tier's size ------------------------------------------------------------
-    def _lane_views(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """[L, Cmax, *shape] over L lanes of Cmax rows each (a layer's rows dense)."""
-        row = math.prod(shape)
-        row_bytes = row * dtype.itemsize
-        if self.device.type == "cuda":
-            chunk = KV_CHUNK_BYTES
-        else:  # a simulated device: rows mapped in runs keeping a lane to 256 chunks
-            chunk = row_bytes * -(-self.max_device_rows // 256)
-        lane = -(-self.max_device_rows * row_bytes // chunk) * chunk
-        memory = arena_memory(self.n_layers * lane, self.device, chunk)
-        self._lanes.append((memory, row_bytes))
-        flat = memory.view().view(dtype)
-        strides = [1]
-        for d in reversed(shape[1:]):
-            strides.insert(0, strides[0] * d)
-        full = (self.n_layers, self.max_device_rows, *shape)
-        return flat.as_strided(full, (lane // dtype.itemsize, row, *strides), 0)
-
-    def _lane_spans(self, lo_row: int, hi_row: int | None = None):
-        """(memory, lo, hi) byte ranges of rows lo_row..hi_row-1 in every lane (hi_row None:
-        to the lane's end, whole chunks)."""
-        for memory, row_bytes in self._lanes:
-            lane = memory.nbytes // self.n_layers
-            for layer in range(self.n_layers):
-                start = layer * lane
-                end = start + hi_row * row_bytes if hi_row is not None else start + lane
-                yield memory, start + lo_row * row_bytes, end
-
-    def _map_rows(self, rows: int) -> bool:
-        """Back rows 0..rows-1 of every lane."""
-        return all(memory.map(lo, hi) for memory, lo, hi in self._lane_spans(0, rows))
-
     @property
     def resizable(self) -> bool:
         return bool(self._lanes)
@@ -204,7 +172,7 @@ class CheckpointPool:
         rows = max(1, min(rows, self.max_device_rows))
         table, free = self._rows[DEVICE], self._free[DEVICE]
         if rows > self.device_rows:
-            if not self._map_rows(rows):
+            if not map_rows(self, rows):
                 return self.device_rows
             # New rows go to the cold end of the free stack: reuse stays in hot rows.
             free[:0] = range(rows - 1, self.device_rows - 1, -1)
@@ -225,7 +193,7 @@ class CheckpointPool:
             self._free[DEVICE] = [f for f in free if f < rows]
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # moves and spills still read those rows
-            for memory, lo, hi in self._lane_spans(rows):  # each lane above its new top
+            for memory, lo, hi in lane_spans(self, rows):  # each lane above its new top
                 memory.unmap(lo, hi)
         self.device_rows = rows
         return rows
@@ -376,62 +344,16 @@ class CheckpointPool:
         if ours != theirs:
             raise ValueError(f"checkpoint pool {ours} does not match the state pool {theirs}")
 
+    # checkpoint_audit.py imports this module (the tier names), so it is imported at the call.
     def stats(self) -> dict:
-        device_used = self.device_rows - len(self._free[DEVICE])
-        host_used = self.host_rows - len(self._free[HOST])
-        return {
-            "bytes_per_checkpoint": self.bytes_per_checkpoint(
-                self.n_layers, self.conv_shape, self.ssm_shape, self.dtype
-            ),
-            "device_rows": self.device_rows,
-            "device_used": device_used,
-            "device_locked": sum(1 for c in self._rows[DEVICE] if c is not None and c.locks),
-            "host_rows": self.host_rows,
-            "host_used": host_used,
-            "host_pinned": self.pinned,
-            "device_bytes": self.device_bytes,
-            "max_device_rows": self.max_device_rows,
-            "host_bytes": self.host_conv.nbytes + self.host_ssm.nbytes,
-            **self._counts,
-        }
+        from freetoken_agent.engine.kv.checkpoint_audit import pool_stats
+
+        return pool_stats(self)
 
     def check_integrity(self) -> None:
-        for tier, size in ((DEVICE, self.device_rows), (HOST, self.host_rows)):
-            rows, free = self._rows[tier], self._free[tier]
-            assert len(rows) == size, f"{tier} tier has {len(rows)} row entries, not {size}"
-            assert len(set(free)) == len(free), f"duplicate rows in the {tier} free list"
-            assert all(0 <= r < size for r in free), f"{tier} free list holds a row out of range"
-            used = {r for r, c in enumerate(rows) if c is not None}
-            assert not used & set(free), f"a used {tier} row is also on the free list"
-            assert len(used) + len(free) == size, f"{tier} rows lost: neither used nor free"
-            for r, c in enumerate(rows):
-                if c is None:
-                    continue
-                assert c.tier == tier and c.row == r, (
-                    f"{tier} row {r} holds a checkpoint that says {c.tier} row {c.row}"
-                )
-                assert c.locks >= 0, "negative lock count"
-                assert 0 < c.last_used <= self._now, "LRU clock from the future"
-        live = [c for t in (DEVICE, HOST) for c in self._rows[t] if c is not None]
-        assert len({id(c) for c in live}) == len(live), "one checkpoint holds two rows"
-        ids = {id(c) for c in live}
-        for c in self._doomed:
-            assert id(c) in ids and c.locks > 0, "a released checkpoint outlived its locks"
-        rows = self.max_device_rows if self._lanes else self.device_rows
-        assert self.conv.shape[:2] == self.ssm.shape[:2] == (self.n_layers, rows)
-        assert self.device_rows <= rows and (self.device_rows >= 1 or not self._lanes)
-        # The usable rows are backed; lane row 0 (the views' base) above all.
-        assert all(m.is_mapped(lo, hi) for m, lo, hi in self._lane_spans(0, self.device_rows)), (
-            "a usable checkpoint row is not backed by memory"
-        )
-        assert (
-            self.host_conv.shape[:2]
-            == self.host_ssm.shape[:2]
-            == (
-                self.host_rows,
-                self.n_layers,
-            )
-        )
+        from freetoken_agent.engine.kv.checkpoint_audit import check_pool_integrity
+
+        check_pool_integrity(self)
 
 
 def _alloc_host(

@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny_models import tiny_config
 
-from freetoken_agent.engine.cuda_graphs import collection_paused
 from freetoken_agent.engine import host_memory
+from freetoken_agent.engine.cuda_graphs import collection_paused
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.host_memory import PAGE, pin_rows_for
 from freetoken_agent.engine.models.registry import spec_from_config

@@ -1,0 +1,97 @@
+"""The convenience front-ends over the engine's loop: `Engine.generate`, `Engine.stream` and
+`Engine.score` submit requests and call `step()` until theirs are done.
+
+They live apart from engine.py because they are clients of the loop, not part of it: each
+uses what any caller of the engine has (`submit`, `step`, `abort`) plus the per-request
+tables the engine keeps for its callers (`_requests`, `_events`, `_scores`, read and dropped
+through `_collect` and `_pop`). The Engine methods of the same names delegate here and keep
+the user-facing docstrings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from freetoken_agent.engine.outputs import GenerationOutput, InvalidRequestError, TokenEvent
+from freetoken_agent.engine.prompt_input import Prompt
+from freetoken_agent.engine.request import Status
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from freetoken_agent.engine.engine import Engine
+
+# T tokens
+
+
+def generate(
+    engine: Engine,
+    prompts: Prompt | Sequence[Prompt],
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    **options,
+) -> GenerationOutput | list[GenerationOutput]:
+    """Submit every prompt, step until all are finished, collect their outputs in order; a
+    refused prompt aborts the ones already submitted (nothing is left queued)."""
+    # A list of ints (or an empty list, refused as an empty prompt) is one prompt.
+    single = isinstance(prompts, str) or not (
+        len(prompts) and isinstance(prompts[0], (str, list, tuple, torch.Tensor))
+    )
+    batch = [prompts] if single else list(prompts)
+    if sampling is None or isinstance(sampling, SamplingParams):
+        params = [sampling or SamplingParams()] * len(batch)
+    else:
+        params = list(sampling)
+        if len(params) != len(batch):
+            raise InvalidRequestError(f"{len(batch)} prompts but {len(params)} SamplingParams")
+    ids = []
+    try:
+        for p, sp in zip(batch, params, strict=True):
+            ids.append(engine.submit(p, sp, **options))
+    except Exception:
+        for rid in ids:
+            engine.abort(rid)
+            engine._pop(rid)
+        raise
+    while any(engine._requests[r].status is not Status.FINISHED for r in ids):
+        engine.step()
+    outputs = [engine._collect(r) for r in ids]
+    return outputs[0] if single else outputs
+
+
+def stream(
+    engine: Engine, prompt: Prompt, sampling: SamplingParams | None = None, **options
+) -> Iterator[TokenEvent]:
+    """Submit, then alternate draining this request's event queue and stepping; the request
+    is aborted and its tables dropped however the iteration ends."""
+    rid = engine.submit(prompt, sampling, **options)
+    queue = engine._events[rid]
+    try:
+        while True:
+            while queue:
+                event = queue.popleft()
+                yield event
+                if event.finished:
+                    return
+            if engine._requests[rid].status is Status.FINISHED and not queue:
+                return
+            engine.step()
+    finally:
+        engine.abort(rid)
+        engine._pop(rid)
+
+
+@torch.inference_mode()
+def score(engine: Engine, token_ids: Sequence[int]) -> torch.Tensor:
+    """Submit a score-only request (one sampled token, no prefix reuse), step until it is
+    finished and concatenate the logits chunks `Engine._update` kept for it: [T, vocab]."""
+    rid = engine.submit(token_ids, SamplingParams(max_tokens=1), _score=True)
+    req = engine._requests[rid]
+    while req.status is not Status.FINISHED:
+        engine.step()
+    chunks = engine._scores.pop(rid)
+    engine._pop(rid)
+    if req.finish_reason == "error":
+        raise RuntimeError(f"scoring failed: {req.error}")
+    return torch.cat(chunks).cpu()
