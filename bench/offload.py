@@ -78,6 +78,9 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
     graphs = engine.runner.graphs
     # Direct graphs never re-run a segment: misses are read in place, so they keep no counter.
     reruns0 = getattr(graphs, "reruns", 0)
+    # Segmented graphs: layers that stopped the step for the host, and the host's seconds
+    # waiting on segments (the device-bound share of the step).
+    stops0, wait0 = getattr(graphs, "missed_layers", 0), getattr(graphs, "wait_s", 0.0)
     _sync()
     start = time.perf_counter()
     steps = 0
@@ -97,6 +100,8 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
         "pcie_bytes_per_token": (bank.cache.bytes_filled - filled0) / steps,
         "experts_per_token": experts / steps,
         "segment_reruns_per_token": (getattr(graphs, "reruns", 0) - reruns0) / steps,
+        "stops_per_token": (getattr(graphs, "missed_layers", 0) - stops0) / steps,
+        "wait_ms_per_token": 1e3 * (getattr(graphs, "wait_s", 0.0) - wait0) / steps,
     }
 
 
