@@ -45,6 +45,7 @@ def fused_moe(
     host_w2: torch.Tensor | None = None,
     force_triton: bool = False,
     max_pairs: int | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]).
 
@@ -56,6 +57,8 @@ def fused_moe(
     max_pairs: the prefill path's chunk ((token, expert) pairs per launch; None:
     PREFILL_CHUNK_PAIRS); the results do not depend on it, its workspace does
     (`prefill_workspace_bytes`).
+    add [T, H]: a part of the sum computed elsewhere, added before the result's rounding and
+    then zeroed (`reference.check_add`), in the summing kernel of either path.
     """
     host = dict(host_w13=host_w13, host_w2=host_w2) if host_w13 is not None else {}
     pairs = topk_ids.shape[0] * topk_ids.shape[1]
@@ -65,11 +68,11 @@ def fused_moe(
             f"(token, expert) pairs, got {pairs}"
         )
     if not use_triton(hidden, force_triton, "fused_moe"):
-        return fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, out, **host)
+        return fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, out, **host, add=add)
     # Imported here so the CPU fallback works on machines without triton (CPU builds of torch).
     from freetoken_agent.kernels.triton.fused_moe import fused_moe_decode, fused_moe_prefill
 
     if pairs <= PATH_LIMITS["decode_max_pairs"]:
-        return fused_moe_decode(hidden, w13, w2, topk_ids, topk_weights, out, **host)
+        return fused_moe_decode(hidden, w13, w2, topk_ids, topk_weights, out, **host, add=add)
     chunk = {"CHUNK_PAIRS": max_pairs or PREFILL_CHUNK_PAIRS}
-    return fused_moe_prefill(hidden, w13, w2, topk_ids, topk_weights, out, tiles=chunk)
+    return fused_moe_prefill(hidden, w13, w2, topk_ids, topk_weights, out, tiles=chunk, add=add)

@@ -195,10 +195,13 @@ def fused_moe(
     out: torch.Tensor | None = None,
     host_w13: torch.Tensor | None = None,
     host_w2: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]); SwiGLU experts.
-    With host banks, an id <= -2 names row -id - 2 of host_w13 / host_w2 (`host_ids`)."""
+    With host banks, an id <= -2 names row -id - 2 of host_w13 / host_w2 (`host_ids`).
+    `add` [T, H]: added to the sum before its rounding to out's dtype, then zeroed (`consume`)."""
     t, h, i, k = check_moe_shapes(hidden, w13, w2, topk_ids, topk_weights, out)
+    check_add(add, hidden)
     host = host_w13 is not None
     if host:
         check_host_banks(w13, host_w13, host_w2)
@@ -221,8 +224,24 @@ def fused_moe(
     acc = torch.zeros(t, h, dtype=acc_dtype, device=hidden.device)  # [T, H]
     for j in range(k):  # fixed order over k
         acc += weights[:, j, None] * y[:, j]
+    if add is not None:
+        acc += add.to(acc_dtype)
+        add.zero_()
     out.copy_(acc)
     return out
+
+
+def check_add(add: torch.Tensor | None, hidden: torch.Tensor) -> None:
+    """`fused_moe`'s `add`: a contiguous [T, H] buffer beside hidden [T, H]. It carries a part
+    of the sum computed elsewhere (the offloaded bank's CPU branch), written again before each
+    use: the kernel consumes it, leaving zeros, so a step whose branch computed nothing adds
+    nothing without a clear of its own (one less kernel a layer in decode graphs)."""
+    if add is None:
+        return
+    assert add.shape == hidden.shape and add.is_contiguous(), (
+        f"add must be a contiguous {tuple(hidden.shape)} tensor, got {tuple(add.shape)}"
+    )
+    assert add.device == hidden.device, f"add on {add.device}, hidden on {hidden.device}"
 
 
 # --- fused norm / rope / router (the decode path's small ops) -------------------------

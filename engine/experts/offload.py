@@ -203,11 +203,9 @@ class OffloadedExpertBank:
         rows = self.cache.slot_of[lids]  # [T, K] slot, -1 where the expert runs on the CPU
         # Chunks below the streaming threshold wait on their fills: the kernel's buffers stay
         # within what the workspace was sized for (placement.workspace_bytes).
-        out = fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights,
-                        max_pairs=STREAMED_MOE_PAIRS)  # fmt: skip
-        if part is not None:
-            out = out + part.to(out.device, non_blocking=True)
-        return out
+        add = None if part is None else part.to(hidden.device, non_blocking=True)
+        return fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights,
+                         max_pairs=STREAMED_MOE_PAIRS, add=add)  # fmt: skip
 
     def _misses(self, uniq: list[int], counts: list[int], n_pairs: int) -> list[tuple[int, int]]:
         """Touch the layer's distinct lids in the LRU, count them; returns the misses as
@@ -305,8 +303,11 @@ class OffloadedExpertBank:
     ) -> torch.Tensor:
         """What a decode graph records for one MoE layer. The routing and the activations go
         to pinned host memory and the segment ends: the host looks at them (`resolve`) before
-        the next segment, which computes the experts from slots, adds what the CPU computed
-        for this layer (zero when nothing) and clears that buffer for the next step."""
+        the next segment, which computes the experts from slots and adds what the CPU computed
+        for this layer, clearing that buffer for the next step (zero when nothing), in the
+        MoE's own summing kernel. Every kernel here runs for every layer of every step, hit
+        or miss: the slots come from the layer's slice of the table in one gather, not a cast,
+        an offset and a gather of all lids, and the CPU part needs no add or clear of its own."""
         io = self.graph_io
         t = hidden.shape[0]
         io.ids[layer, :t].copy_(topk_ids, non_blocking=True)
@@ -315,12 +316,11 @@ class OffloadedExpertBank:
         io.weights[layer, :t].copy_(topk_weights, non_blocking=True)
         io.hidden[layer, :t].copy_(hidden, non_blocking=True)
         io.split()
-        rows = self.cache.slot_of[topk_ids.long() + layer * self.n_experts]  # [T, K]
-        out = fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights)
-        part = io.cpu_part[layer, :t]
-        out = out + part
-        part.zero_()
-        return out
+        e = self.n_experts
+        table = self.cache.slot_of[layer * e : (layer + 1) * e]  # [E] this layer's lid -> slot
+        rows = table.index_select(0, topk_ids.reshape(-1)).view(topk_ids.shape)  # [T, K]
+        part = io.cpu_part[layer, :t]  # [T, H]
+        return fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights, add=part)
 
     def resolve(self, layer: int, n_tokens: int) -> bool:
         """After a graph segment exported `layer`'s routing: place its misses (fetch q*, run

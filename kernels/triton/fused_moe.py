@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from freetoken_agent.kernels.fused_moe import PREFILL_CHUNK_PAIRS
-from freetoken_agent.kernels.reference import check_host_banks, check_moe_shapes
+from freetoken_agent.kernels.reference import check_add, check_host_banks, check_moe_shapes
 
 # fmt: off
 # Tiles keyed by (H, I); "default" covers other shapes. First guesses for the H200;
@@ -334,10 +334,12 @@ def _sum_over_k_kernel(
     ids_ptr,  # [P]
     wts_ptr,  # [P] fp32
     out_ptr,  # [T, H]
+    add_ptr,  # [T, H] (ADD): added before the rounding, then zeroed
     H,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     HOST: tl.constexpr,
+    ADD: tl.constexpr,
 ):
     # A separate pass because the pairs of one token live in different row groups; summing here
     # in k order keeps the result deterministic without atomics.
@@ -355,6 +357,10 @@ def _sum_over_k_kernel(
         wt = tl.where(live, tl.load(wts_ptr + p), 0.0)
         y_mask = offs < tl.where(live, H, 0)
         acc += wt * tl.load(y_ptr + p * H + offs, mask=y_mask, other=0.0)
+    if ADD:  # the part summed elsewhere (the CPU branch), consumed: zeros for the next use
+        acc += tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(add_ptr + t * H + offs, tl.zeros((BLOCK,), dtype=add_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -398,11 +404,14 @@ def fused_moe_decode(
     tiles: dict[str, int] | None = None,
     host_w13: torch.Tensor | None = None,
     host_w2: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bandwidth-bound path for few pairs; no host sync, safe under CUDA-graph capture. With
     host banks (pinned host memory on CUDA), ids <= -2 name their rows (`reference.host_ids`):
-    the kernels read those experts over the link themselves, with no copy into a slot."""
+    the kernels read those experts over the link themselves, with no copy into a slot.
+    `add` [T, H]: added before the rounding and zeroed, in the summing kernel."""
     t, h, i, k = _check(hidden, w13, w2, topk_ids, topk_weights, out)
+    check_add(add, hidden)
     host = host_w13 is not None
     if host:
         _check_host(hidden, w13, host_w13, host_w2)
@@ -412,7 +421,7 @@ def fused_moe_decode(
     assert p <= DECODE_MAX_PAIRS, f"decode path takes at most {DECODE_MAX_PAIRS} pairs, got {p}"
     if out is None:
         out = torch.empty_like(hidden)
-    if p == 0:
+    if p == 0:  # no token: nothing to add either
         return out
     c = _tiles(DECODE_TILES, h, i, tiles)
     block_p, prec = max(16, triton.next_power_of_2(p)), _dot_precision(hidden.dtype)
@@ -432,8 +441,9 @@ def fused_moe_decode(
         num_stages=c["STAGES_DOWN"],
     )  # fmt: skip
     _sum_over_k_kernel[(t, triton.cdiv(h, c["SUM_BLOCK"]))](
-        y, topk_ids, topk_weights, out, h, K=k, BLOCK=c["SUM_BLOCK"], HOST=host
-    )
+        y, topk_ids, topk_weights, out, out if add is None else add, h,
+        K=k, BLOCK=c["SUM_BLOCK"], HOST=host, ADD=add is not None,
+    )  # fmt: skip
     return out
 
 
@@ -471,20 +481,27 @@ def fused_moe_prefill(
     out: torch.Tensor | None = None,
     *,
     tiles: dict[str, int] | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Compute-bound path: pairs sorted by row, grouped GEMMs, then a sum over k per token."""
+    """Compute-bound path: pairs sorted by row, grouped GEMMs, then a sum over k per token
+    (which adds `add` and zeroes it, as the decode path's does)."""
     t, h, i, k = _check(hidden, w13, w2, topk_ids, topk_weights, out)
+    check_add(add, hidden)
     if out is None:
         out = torch.empty_like(hidden)
     c = _tiles(PREFILL_TILES, h, i, tiles)
     chunk = max(1, c["CHUNK_PAIRS"] // max(k, 1))  # tokens per launch
     for t0 in range(0, t, chunk):
         t1 = min(t, t0 + chunk)
-        _prefill_chunk(hidden[t0:t1], w13, w2, topk_ids[t0:t1], topk_weights[t0:t1], out[t0:t1], c)
+        part = None if add is None else add[t0:t1]
+        _prefill_chunk(hidden[t0:t1], w13, w2, topk_ids[t0:t1], topk_weights[t0:t1], out[t0:t1],
+                       c, part)  # fmt: skip
     return out
 
 
-def _prefill_chunk(hidden, w13, w2, topk_ids, topk_weights, out, c: dict[str, int]) -> None:
+def _prefill_chunk(
+    hidden, w13, w2, topk_ids, topk_weights, out, c: dict[str, int], add=None
+) -> None:
     t, h = hidden.shape
     n, i, k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
     p = t * k
@@ -507,5 +524,6 @@ def _prefill_chunk(hidden, w13, w2, topk_ids, topk_weights, out, c: dict[str, in
         num_warps=c["WARPS_DOWN"], num_stages=c["STAGES_DOWN"],
     )  # fmt: skip
     _sum_over_k_kernel[(t, triton.cdiv(h, c["SUM_BLOCK"]))](
-        y, topk_ids, topk_weights, out, h, K=k, BLOCK=c["SUM_BLOCK"], HOST=False
-    )
+        y, topk_ids, topk_weights, out, out if add is None else add, h,
+        K=k, BLOCK=c["SUM_BLOCK"], HOST=False, ADD=add is not None,
+    )  # fmt: skip

@@ -132,6 +132,39 @@ def test_triton_matches_reference(rng_seed, dtype, path, case):
     assert (got[skipped] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("path", ["decode", "prefill", "reference"])
+def test_add_joins_the_sum_before_rounding_and_is_consumed(rng_seed, dtype, path):
+    """`add` (the offloaded bank's CPU part) is summed with the experts' output in fp32 and
+    rounded once, then left zero: a second call without new content adds nothing."""
+    t, h, i, n, k, used, skip = CASES[1 + rng_seed % 3]
+    inputs = make_inputs(rng_seed, t, h, i, n, k, dtype, used_rows=used, skip=skip)
+    g = torch.Generator().manual_seed(rng_seed)
+    part = torch.randn(t, h, generator=g).to(dtype)
+    tiles = SMALL_DECODE if path == "decode" else SMALL_PREFILL
+
+    def call(**add):
+        if path == "reference":
+            return fused_moe_reference(*inputs, **add)
+        fn = triton_moe.fused_moe_decode if path == "decode" else triton_moe.fused_moe_prefill
+        return fn(*inputs, tiles=tiles, **add)
+
+    add = part.clone()
+    got = call(add=add)
+    assert not add.any(), "add was not consumed"
+    exact = naive_f64(*inputs) + part.double()
+    assert rel_err(got, exact) < TOL[dtype], f"seed={rng_seed}"
+    if path != "reference":
+        assert rel_err(got, fused_moe_reference(*inputs, add=part.clone())) < TOL[dtype]
+    assert torch.equal(call(add=add), call())  # consumed: the next call adds zeros
+
+
+def test_add_must_match_hidden(rng_seed):
+    inputs = make_inputs(rng_seed, 3, 64, 32, 12, 2, torch.float32)
+    with pytest.raises(AssertionError, match="add must be"):
+        fused_moe(*inputs, add=torch.zeros(3, 32))
+
+
 def test_all_pairs_skipped(rng_seed):
     inputs = list(make_inputs(rng_seed, 3, 64, 32, 6, 2, torch.float32))
     inputs[3] = torch.full_like(inputs[3], -1)
