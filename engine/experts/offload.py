@@ -43,6 +43,7 @@ from freetoken_agent.engine.experts.policy import (
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerStreamer
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
+from freetoken_agent.kernels.routing_export import export_routing
 
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
 
@@ -306,15 +307,16 @@ class OffloadedExpertBank:
         the next segment, which computes the experts from slots and adds what the CPU computed
         for this layer, clearing that buffer for the next step (zero when nothing), in the
         MoE's own summing kernel. Every kernel here runs for every layer of every step, hit
-        or miss: the slots come from the layer's slice of the table in one gather, not a cast,
-        an offset and a gather of all lids, and the CPU part needs no add or clear of its own."""
+        or miss: the export is one kernel, not three copies; the slots come from the layer's
+        slice of the table in one gather, not a cast, an offset and a gather of all lids; and
+        the CPU part needs no add or clear of its own."""
         io = self.graph_io
         t = hidden.shape[0]
-        io.ids[layer, :t].copy_(topk_ids, non_blocking=True)
         if self.policy == "direct":  # one graph a step: nothing for the host until it ends
+            io.ids[layer, :t].copy_(topk_ids, non_blocking=True)
             return self._direct(hidden, topk_ids.long() + layer * self.n_experts, topk_weights)
-        io.weights[layer, :t].copy_(topk_weights, non_blocking=True)
-        io.hidden[layer, :t].copy_(hidden, non_blocking=True)
+        export_routing(topk_ids, topk_weights, hidden, io.ids[layer, :t], io.weights[layer, :t],
+                       io.hidden[layer, :t])  # fmt: skip
         io.split()
         e = self.n_experts
         table = self.cache.slot_of[layer * e : (layer + 1) * e]  # [E] this layer's lid -> slot

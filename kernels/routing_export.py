@@ -1,0 +1,35 @@
+"""Export a MoE layer's routing and activations to the host (kernels/triton/routing_export.py on
+CUDA: one launch into pinned memory; three copies elsewhere, the same values).
+
+Shapes: ids [T, K] int32, weights [T, K] fp32, hidden [T, H]; destinations alike, contiguous.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from freetoken_agent.kernels.dispatch import use_triton
+
+
+def export_routing(ids: Tensor, weights: Tensor, hidden: Tensor, dst_ids: Tensor,
+                   dst_weights: Tensor, dst_hidden: Tensor, *,
+                   force_triton: bool = False) -> None:  # fmt: skip
+    """dst_* = the layer's ids, weights and hidden. On CUDA the destinations are pinned host
+    tensors (or device ones) the kernel writes directly; callers order their reads after it
+    (an event)."""
+    pairs = ((ids, dst_ids), (weights, dst_weights), (hidden, dst_hidden))
+    for src, dst in pairs:
+        if dst.shape != src.shape or not dst.is_contiguous():
+            raise ValueError(
+                f"export destination {tuple(dst.shape)} does not fit {tuple(src.shape)} "
+                "(or is not contiguous)"
+            )
+    same = all(src.dtype == dst.dtype for src, dst in pairs)  # the kernel converts nothing
+    if not (same and use_triton(hidden, force_triton, "export_routing")):
+        for src, dst in pairs:
+            dst.copy_(src, non_blocking=True)
+        return
+    from freetoken_agent.kernels.triton.routing_export import export_routing as triton_impl
+
+    triton_impl(ids.contiguous(), weights.contiguous(), hidden.contiguous(), dst_ids,
+                dst_weights, dst_hidden)  # fmt: skip
