@@ -47,7 +47,8 @@ for stage in "$@"; do
         tests/engine/kv/test_checkpoints.py tests/engine/test_elastic_checkpoints.py \
         tests/engine/test_hybrid_gpu.py tests/kernels/test_row_copy.py \
         tests/engine/experts/test_offload_gpu.py tests/engine/test_close.py \
-        tests/kernels/test_gated_delta_gpu.py::test_gpu_no_recompile_for_new_prompt_lengths 2>&1 \
+        tests/kernels/test_gated_delta_gpu.py::test_gpu_no_recompile_for_new_prompt_lengths \
+        tests/kernels/test_routing_export.py tests/engine/test_host_embeddings.py 2>&1 \
         | tee "$OUT/gpu_elastic_tests.log" | tail -22 ;;
     kv-layout)
       timeout 300 python3 -m freetoken_agent.bench kv-layout --out "$OUT/kv_layout.json" 2>&1 \
