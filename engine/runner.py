@@ -50,13 +50,14 @@ class StepInputs:
 
 
 def build_inputs(chunks: list[ScheduledChunk], page_size: int) -> StepInputs:
+    if all(len(c.token_ids) == 1 and not c.snapshots for c in chunks):
+        return _decode_inputs(chunks, page_size)
     q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
     kv_lens = np.array([c.start + len(c.token_ids) for c in chunks], dtype=np.int32)
-    n_pages = max(1, *[len(c.request.pages) for c in chunks])
-    page_table = np.full((len(chunks), n_pages), SCRATCH_PAGE, dtype=np.int32)
+    tables = [c.request.page_array() for c in chunks]  # [n_pages] int64 each
+    page_table = np.full((len(chunks), max(1, *map(len, tables))), SCRATCH_PAGE, dtype=np.int32)
     positions, slots, ids = [], [], []
-    for b, c in enumerate(chunks):
-        pages = np.asarray(c.request.pages, dtype=np.int64)
+    for b, (c, pages) in enumerate(zip(chunks, tables, strict=True)):
         page_table[b, : len(pages)] = pages
         pos = np.arange(c.start, c.start + len(c.token_ids), dtype=np.int64)
         positions.append(pos)
@@ -81,6 +82,34 @@ def build_inputs(chunks: list[ScheduledChunk], page_size: int) -> StepInputs:
         max_kv_len=int(kv_lens.max()),
         state_slots=np.array([c.request.state_slot for c in chunks], dtype=np.int64),
         snap_slots=snap_slots,
+    )
+
+
+def _decode_inputs(chunks: list[ScheduledChunk], page_size: int) -> StepInputs:
+    """`build_inputs` for a step of one token per sequence (every decode step): the same
+    arrays, from scalars, without the per-chunk arrays and concatenations of the general path
+    (31 us of its 59 at four requests and 1k tokens of context on this host; the page tables
+    come from each request's cached array, `Request.page_array`)."""
+    b, s = len(chunks), page_size
+    tables = [c.request.page_array() for c in chunks]  # [n_pages] int64 each
+    page_table = np.full((b, max(1, *map(len, tables))), SCRATCH_PAGE, dtype=np.int32)
+    for row, pages in zip(page_table, tables, strict=True):
+        row[: len(pages)] = pages
+    starts = [c.start for c in chunks]
+    slots = [int(pages[p // s]) * s + p % s for p, pages in zip(starts, tables, strict=True)]
+    positions = np.array(starts, dtype=np.int64)
+    kv_lens = (positions + 1).astype(np.int32)
+    return StepInputs(
+        input_ids=np.array([c.token_ids[0] for c in chunks], dtype=np.int64),
+        positions=positions,
+        slot_mapping=np.array(slots, dtype=np.int64),
+        page_table=page_table,
+        cu_q_lens=np.arange(b + 1, dtype=np.int32),
+        kv_lens=kv_lens,
+        max_q_len=1,
+        max_kv_len=int(kv_lens.max()),
+        state_slots=np.array([c.request.state_slot for c in chunks], dtype=np.int64),
+        snap_slots=None,
     )
 
 

@@ -360,6 +360,7 @@ class Scheduler:
         refs: dict[int, int] = {}
         for req in [*self.running, *self.waiting]:
             assert len(req.pages) == len(req.nodes), f"request {req.id}: pages/nodes out of step"
+            req.check_page_mirror()
             assert req.num_computed <= len(req.pages) * self.page_size
             for page, node in zip(req.pages, req.nodes, strict=True):
                 if node is None:
