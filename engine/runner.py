@@ -188,6 +188,18 @@ class ModelRunner:
                 shadow,
             )  # fmt: skip
 
+    def _sampled_rows(
+        self, hidden: torch.Tensor, inputs: StepInputs, sampling: list[int]
+    ) -> torch.Tensor:
+        """[B', H] the last row of each chunk in `sampling`. A decode step where every chunk
+        samples (nearly every step) takes `hidden` as it is: an index list, its copy to the
+        device and a gather were three host launches of every step."""
+        n_chunks = inputs.cu_q_lens.shape[0] - 1
+        if inputs.max_q_len == 1 and len(sampling) == n_chunks:
+            return hidden  # [B, H]: one token per chunk, all sampled, in order
+        last = inputs.cu_q_lens[1:].astype(np.int64) - 1  # [B] each chunk's last token
+        return hidden[torch.from_numpy(last[sampling]).to(self.device)]
+
     def generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
         if seed is None:
             return self._default_generator
@@ -215,16 +227,13 @@ class ModelRunner:
         graphed = self.graphs is not None and batch.is_decode_only and self.graphs.fits(inputs)
         if graphed:
             hidden = self.graphs.replay(inputs)  # [B, H]: one token per chunk
-            last_rows = torch.arange(len(chunks), device=self.device)
         else:
             input_ids, meta = to_device(inputs, self.device, self.model.spec.is_hybrid)
             hidden = self.model(input_ids, meta)  # [T, H]
-            last_rows = torch.from_numpy(inputs.cu_q_lens[1:].astype(np.int64) - 1).to(self.device)
         out = StepOutput()
         sampling = [i for i, c in enumerate(chunks) if c.sample and not c.request.score_only]
         if sampling:
-            rows = last_rows[sampling]
-            logits = self.model.compute_logits(hidden[rows])  # [B', V]
+            logits = self.model.compute_logits(self._sampled_rows(hidden, inputs, sampling))
             reqs = [chunks[i].request for i in sampling]
             params = [r.sampling for r in reqs]
             gens = [self.generator_for(r.id, r.sampling.seed) for r in reqs]
