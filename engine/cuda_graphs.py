@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from freetoken_agent.engine.kv.pool import SCRATCH_PAGE
+from freetoken_agent.engine.graph_inputs import GraphInputs
 from freetoken_agent.engine.layers.attention import AttentionMetadata
 from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.models.base import MoeCausalLM
@@ -69,15 +69,14 @@ class DecodeGraphs:
         sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
         self.sizes = sorted(set(sizes))
         n = self.sizes[-1]
-        i64, i32 = torch.int64, torch.int32
-        self.input_ids = torch.zeros(n, dtype=i64, device=device)
-        self.positions = torch.zeros(n, dtype=i64, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=i64, device=device)
-        self.page_table = torch.full((n, max_pages), SCRATCH_PAGE, dtype=i32, device=device)
-        self.cu_q_lens = torch.arange(n + 1, dtype=i32, device=device)
-        self.kv_lens = torch.ones(n, dtype=i32, device=device)
-        # Hybrid models: each row's recurrent state slot (padding rows: the scratch slot 0).
-        self.state_slots = torch.zeros(n, dtype=i64, device=device)
+        # The step's inputs, in one block a step copies at once (graph_inputs.py); hybrid
+        # models read each row's recurrent state slot (padding rows: the scratch slot 0).
+        self.static_inputs = GraphInputs(n, max_pages, page_size, device)
+        io = self.static_inputs
+        self.input_ids, self.positions = io.input_ids, io.positions
+        self.slot_mapping, self.page_table = io.slot_mapping, io.page_table
+        self.kv_lens, self.state_slots = io.kv_lens, io.state_slots
+        self.cu_q_lens = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.recurrent = model.spec.is_hybrid
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -129,24 +128,7 @@ class DecodeGraphs:
         """Copy the step's inputs into the static buffers; returns (batch, padded batch)."""
         b = inputs.cu_q_lens.shape[0] - 1
         bs = next(s for s in self.sizes if s >= b)
-        n_pages = inputs.page_table.shape[1]
-
-        def put(dst: torch.Tensor, src) -> None:
-            dst.copy_(torch.from_numpy(src), non_blocking=True)
-
-        put(self.input_ids[:b], inputs.input_ids)
-        put(self.positions[:b], inputs.positions)
-        put(self.slot_mapping[:b], inputs.slot_mapping)
-        put(self.page_table[:b, :n_pages], inputs.page_table)
-        put(self.kv_lens[:b], inputs.kv_lens)
-        put(self.state_slots[:b], inputs.state_slots)
-        if bs > b:  # padding rows: scratch page, length 1
-            self.slot_mapping[b:bs].fill_(SCRATCH_PAGE * self.page_size)
-            self.positions[b:bs].zero_()
-            self.input_ids[b:bs].zero_()
-            self.page_table[b:bs, 0].fill_(SCRATCH_PAGE)
-            self.kv_lens[b:bs].fill_(1)
-            self.state_slots[b:bs].zero_()
+        self.static_inputs.load(inputs, bs)
         return b, bs
 
 
