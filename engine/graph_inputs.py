@@ -13,9 +13,11 @@ Layout (bytes, in this order, so that the rows a step uses are a prefix):
     int32 [N]: KV lengths
     int32 [N, Pm]: page tables (a step copies rows 0..Bp-1)
 
-The pinned block is rewritten only by the next step's `load`, after the runner has read that
-step's sampled tokens, which waited for the copy (issued on the same stream before the graph).
-On a CPU device (tests) both blocks are plain memory and the copy is a plain copy.
+The pinned block is rewritten only by the next step's `load`, which first waits for the last
+copy out of it (an event; always long done when the step before ended normally, since its
+sampled tokens were read after the graph that followed the copy, but a step that failed midway
+may not have waited). On a CPU device (tests) both blocks are plain memory and the copy is a
+plain copy.
 
 Shapes: N rows (the largest batch), Pm pages a sequence at most, B real rows, Bp padded rows.
 """
@@ -46,6 +48,8 @@ class GraphInputs:
         self._host[5][:] = SCRATCH_PAGE
         self._host[2][:] = SCRATCH_PAGE * page_size
         self.device_block.copy_(self.host_block)
+        # Recorded after each copy out of the pinned block (CUDA): the next write waits on it.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def _views(self, block: torch.Tensor):
         n = self.n
@@ -58,6 +62,8 @@ class GraphInputs:
         """Write a step of B <= `bs` rows and the padding rows up to `bs` into the static
         buffers: numpy into the pinned block, then one copy of its used prefix."""
         ids, pos, slots, states, lens, pages = self._host
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy out is done (an unrecorded event: at once)
         b = inputs.cu_q_lens.shape[0] - 1
         n_pages = inputs.page_table.shape[1]
         ids[:b], pos[:b], slots[:b] = inputs.input_ids, inputs.positions, inputs.slot_mapping
@@ -69,3 +75,5 @@ class GraphInputs:
             pages[b:bs, 0] = SCRATCH_PAGE
         used = self._pages_at + bs * self.max_pages * 4
         self.device_block[:used].copy_(self.host_block[:used], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
