@@ -53,6 +53,8 @@ def test_host_table_leaves_the_budget_to_expert_slots(tmp_path, rng_seed):
     assert not on_device.loaded.model.embed_tokens.on_host
     assert on_host.loaded.model.embed_tokens.on_host
     assert on_host.loaded.dense_bytes == on_device.loaded.dense_bytes - table == dense - table
+    assert on_host.stats()["memory"]["host_embedding_bytes"] == table
+    assert on_device.stats()["memory"]["host_embedding_bytes"] == 0
     gained = on_host.loaded.bank.cache.n_slots - on_device.loaded.bank.cache.n_slots
     assert gained in (table // spec.expert_bytes, table // spec.expert_bytes + 1), gained
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (rng.randint(5, 40), 60)]
