@@ -123,9 +123,11 @@ for stage in "$@"; do
     workspace)
       timeout 300 python3 -m freetoken_agent.bench workspace --out "$OUT" 2>&1 \
         | tee "$OUT/workspace.log" | grep -v Warn | tail -14 ;;
-    stops)
+    stops)  # kernel threads: all physical cores, one left free, four left free
+      cores=$(python3 -c "from freetoken_agent.kernels.cpu.experts import physical_cores as p; print(p())")
       timeout 300 python3 -m freetoken_agent.bench profile-offload --layers 12 --budget-gb 8.59 \
         --regimes uniform --policies cpu static adaptive --torch-profile 8 \
+        --threads "$cores" $((cores - 1)) $((cores - 4)) \
         >"$OUT/stops_12l.txt" 2>&1; grep -E '^\{|^==' "$OUT/stops_12l.txt" | cut -c1-900
       for policy in default active; do  # the CPU kernel with decode-like gaps: does its team sleep?
         wait_env=(); [ "$policy" = active ] && wait_env=(OMP_WAIT_POLICY=active)

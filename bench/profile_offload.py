@@ -18,7 +18,9 @@ call): where the time between the CPU kernel's runs goes, beyond the phases abov
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import random
 import time
 from collections import defaultdict
@@ -29,6 +31,7 @@ from freetoken_agent.bench.offload import offload_engine, start_policy
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration, offload
 from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.kernels.cpu import experts as cpu_kernel
 
 
 class Timers:
@@ -125,10 +128,19 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="after each row, profile N more decode steps with torch.profiler (host table)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="CPU expert kernel threads, one set of rows per value (default: all physical "
+        "cores); fewer leave cores to the driver and the thread launching graphs",
+    )
     args = parser.parse_args(argv)
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank, model = engine.loaded.bank, engine.loaded.model
-    print(json.dumps({"slots": bank.cache.n_slots, "b_p": b_p / 1e9, "b_h": b_h / 1e9}))
+    cores = {"physical_cores": cpu_kernel.physical_cores(), "logical_cpus": os.cpu_count()}
+    print(json.dumps({"slots": bank.cache.n_slots, "b_p": b_p / 1e9, "b_h": b_h / 1e9, **cores}))
     timers = Timers()
     for name, label in (("resolve", "resolve"), ("_place", "place")):
         timers.wrap(bank, name, label)
@@ -161,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         graphs.segments = {
             bs: [_TimedSegment(g, timers) for g in segs] for bs, segs in graphs.segments.items()
         }
-        for policy in args.policies:
+        for threads, policy in itertools.product(args.threads or [None], args.policies):
+            cpu_kernel._threads = threads  # None: the default (cpu_kernel._default_threads)
             start_policy(engine, bank, policy, b_p, b_h)
             extra = args.torch_profile  # steps left for the profiler after the timed ones
             sp = SamplingParams(max_tokens=8 + args.decode + extra, temperature=0, ignore_eos=True)
@@ -189,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 "regime": regime_name,
                 "policy": policy,
+                "threads": cpu_kernel._default_threads(),
                 "tok_s": args.batch * steps / wall,
                 "ms_per_step": 1e3 * wall / steps,
                 **{k: round(1e3 * v / steps, 3) for k, v in sorted(timers.total.items())},

@@ -47,6 +47,7 @@ log = logging.getLogger("freetoken.kernels")
 
 SOURCE = Path(__file__).with_name("expert_kernel.cpp")
 ENV_BACKEND = "FREETOKEN_CPU_EXPERTS"
+ENV_THREADS = "FREETOKEN_CPU_THREADS"  # the kernel's threads (default: all physical cores)
 CFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"),
@@ -224,10 +225,22 @@ _threads: int | None = None
 
 
 def _default_threads() -> int:
+    """All physical cores, or `FREETOKEN_CPU_THREADS` (as llama.cpp's -t): the kernel's team
+    spins between calls, and a machine whose every core it fills leaves none for the driver's
+    threads and the thread launching graphs."""
     global _threads
     if _threads is None:
-        _threads = physical_cores()
+        _threads = _threads_from_env() or physical_cores()
     return _threads
+
+
+def _threads_from_env() -> int | None:
+    value = os.environ.get(ENV_THREADS)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{ENV_THREADS}={value!r}: a positive number of threads")
+    return int(value)
 
 
 def _experts_torch(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 
@@ -193,3 +194,17 @@ def test_backend_choice(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="freetoken.kernels"):
         assert experts.backend() == "torch"
     assert ("unavailable" in caplog.text) == bool(NATIVE), caplog.text
+
+
+def test_thread_count_comes_from_the_environment_when_set(monkeypatch, rng_seed):
+    n = random.Random(rng_seed).randint(1, 64)
+    monkeypatch.setattr(experts, "_threads", None)
+    monkeypatch.setenv(experts.ENV_THREADS, str(n))
+    assert experts._default_threads() == n
+    monkeypatch.setattr(experts, "_threads", None)
+    monkeypatch.delenv(experts.ENV_THREADS)
+    assert experts._default_threads() == experts.physical_cores()
+    monkeypatch.setattr(experts, "_threads", None)
+    monkeypatch.setenv(experts.ENV_THREADS, "0")
+    with pytest.raises(ValueError, match="FREETOKEN_CPU_THREADS"):
+        experts._default_threads()
