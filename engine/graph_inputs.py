@@ -5,13 +5,14 @@ page tables from fixed device buffers (cuda_graphs.py). Loading them one by one 
 from pageable memory, each staged by the driver, and six fills more whenever padding rows were
 needed (a batch of 3 replays the graph of 4): a dozen host launches of every decode step. Here
 the buffers are views into one device block laid out as one pinned host block: the host writes
-the step's values (padding rows included) into the pinned block with numpy, and one copy moves
-its used prefix.
+the step's values (padding rows included) into the pinned block with numpy, and two copies move
+what the step uses: the per-row values, and the page tables' used corner (rows 0..Bp-1, the
+step's widest page count; whole rows would be megabytes at 32 rows of a 256k-token context).
 
-Layout (bytes, in this order, so that the rows a step uses are a prefix):
+Layout (bytes, in this order):
     int64 [4, N]: token ids, positions, KV slots, state rows
     int32 [N]: KV lengths
-    int32 [N, Pm]: page tables (a step copies rows 0..Bp-1)
+    int32 [N, Pm]: page tables
 
 The pinned block is rewritten only by the next step's `load`, which first waits for the last
 copy out of it (an event; always long done when the step before ended normally, since its
@@ -42,6 +43,7 @@ class GraphInputs:
         self.input_ids, self.positions, self.slot_mapping, self.state_slots = dev[0]  # [N] each
         self.kv_lens, self.page_table = dev[1], dev[2]  # [N], [N, Pm]
         (ids, pos, slots, states), lens, pages = host
+        self._host_pages = pages  # [N, Pm] pinned, the source of the page tables' copy
         self._host = [a.numpy() for a in (ids, pos, slots, states, lens, pages)]
         # What a padding row holds: the scratch page (never a request's), KV length 1.
         self._host[4][:] = 1
@@ -60,7 +62,7 @@ class GraphInputs:
 
     def load(self, inputs: StepInputs, bs: int) -> None:
         """Write a step of B <= `bs` rows and the padding rows up to `bs` into the static
-        buffers: numpy into the pinned block, then one copy of its used prefix."""
+        buffers: numpy into the pinned block, then two copies."""
         ids, pos, slots, states, lens, pages = self._host
         if self._copied is not None:
             self._copied.synchronize()  # the last copy out is done (an unrecorded event: at once)
@@ -73,7 +75,8 @@ class GraphInputs:
             ids[b:bs], pos[b:bs], states[b:bs] = 0, 0, 0
             slots[b:bs], lens[b:bs] = SCRATCH_PAGE * self.page_size, 1
             pages[b:bs, 0] = SCRATCH_PAGE
-        used = self._pages_at + bs * self.max_pages * 4
-        self.device_block[:used].copy_(self.host_block[:used], non_blocking=True)
+        head = self._pages_at  # the per-row values
+        self.device_block[:head].copy_(self.host_block[:head], non_blocking=True)
+        self.page_table[:bs, :n_pages].copy_(self._host_pages[:bs, :n_pages], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
