@@ -122,6 +122,12 @@ class ExpertCache:
     def resident(self, lid: int) -> bool:
         return self._slot_of[lid] >= 0
 
+    @property
+    def host_slot_of(self) -> list[int]:
+        """The host mirror of `slot_of` ([N] lid -> slot, -1 when absent), for readers that
+        walk many lids at once (one attribute lookup, not a call per lid). Read only."""
+        return self._slot_of
+
     def touch(self, lids: list[int]) -> None:
         """One layer's visit (its distinct lids): settle the fill races waiting on this layer,
         count hits and misses, and move resident lids to the most-recent end of the LRU."""

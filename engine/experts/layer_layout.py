@@ -29,7 +29,7 @@ def kept_layers(cache, n_layers: int) -> frozenset[int]:
     """The layers to keep whole: as many as `whole_layers`, those holding the most experts now
     first (then the later layers, as `static` does)."""
     per = cache.lids_per_layer
-    resident = (np.asarray(cache._slot_of[: n_layers * per]) >= 0).reshape(n_layers, per)
+    resident = (np.asarray(cache.host_slot_of[: n_layers * per]) >= 0).reshape(n_layers, per)
     counts = resident.sum(axis=1)
     order = sorted(range(n_layers), key=lambda layer: (-counts[layer], -layer))
     return frozenset(order[: whole_layers(cache)])

@@ -135,7 +135,7 @@ class LayerStreamer:
         """Resident experts from their slot (device to device); the others from the pool in as
         few host copies as the pool's registrations allow."""
         base = layer * self.n_experts
-        slot_of = self.cache._slot_of
+        slot_of = self.cache.host_slot_of
         slots = slot_of[base : base + self.n_experts]
         resident = [(e, slot) for e, slot in enumerate(slots) if slot >= 0]
         if resident:  # one launch a bank (a copy each had cost the host ~90 a layer)
