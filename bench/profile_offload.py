@@ -193,11 +193,6 @@ def main(argv: list[str] | None = None) -> int:
                 steps += 1
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
-            table = _host_table(engine, policy, extra, 40) if extra else None
-            while engine.has_unfinished():
-                engine.step()
-            for rid in list(engine._requests):
-                engine._collect(rid)
             st = bank.stats
             row = {
                 "regime": regime_name,
@@ -213,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
                 "reruns_per_step": graphs.reruns / max(steps, 1),
                 "stops_per_step": (graphs.missed_layers - stops0) / max(steps, 1),
             }
+            # The row is read before the profiled steps (and the rest of the request) run.
+            table = _host_table(engine, policy, extra, 40) if extra else None
+            while engine.has_unfinished():
+                engine.step()
+            for rid in list(engine._requests):
+                engine._collect(rid)
             print(json.dumps(row), flush=True)
             if table is not None:
                 print(table, flush=True)
