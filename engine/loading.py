@@ -250,9 +250,12 @@ def assemble(
     eos = set(spec.eos_token_ids)
     if tokenizer is not None:
         eos |= set(tokenizer.eos_token_ids)
+    table = model.embed_tokens
+    on_host = f", embedding table on the host ({table.weight.nbytes / GiB:.2f} GiB)" * table.on_host
     log.info(
-        "loaded %s on %s (%s): dense %.2f GiB, experts %.2f GiB, KV %d pages (%.2f GiB)",
-        spec.arch, device, dtype, dense / GiB, bank.nbytes / GiB, n_pages, kv.nbytes / GiB,
+        "loaded %s on %s (%s): dense %.2f GiB%s, experts %.2f GiB, KV %d pages (%.2f GiB)",
+        spec.arch, device, dtype, dense / GiB, on_host, bank.nbytes / GiB, n_pages,
+        kv.nbytes / GiB,
     )  # fmt: skip
     return LoadedModel(
         spec, config, model, bank, kv, radix, tokenizer, device, dtype, dense, max_len,
