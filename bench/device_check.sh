@@ -19,6 +19,7 @@
 #         stops (peer slice, uniform b=1: a decode step's host phases per policy, then
 #         torch.profiler's host table of 8 steps each: where a stopping layer's time goes; the
 #         CPU kernel with 0.3 ms host gaps, OpenMP waiting passively and actively, ~4 min)
+#         run-ahead-zipf (peer slice, Zipf b=1: run-ahead 0/2/4 and miss gates 0.2/0.5, ~2 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -134,6 +135,11 @@ for stage in "$@"; do
         env "${wait_env[@]}" timeout 120 python3 -m freetoken_agent.bench cpu-experts \
           --no-torch --calls 40 --gap-us 0 300 2>&1 | tail -6 | sed "s/^/$policy: /"
       done ;;
+    run-ahead-zipf)  # Zipf b=1 re-runs ~11 segments a token: run-ahead depth and gate (~2 min)
+      timeout 300 python3 -m freetoken_agent.bench profile-offload --layers 12 --budget-gb 8.59 \
+        --regimes zipf:1.0,loc:0.7 --policies adaptive transfer --run-ahead 0 2 4 \
+        --miss-gate 0.2 0.5 >"$OUT/run_ahead_zipf.txt" 2>&1; grep -E '^\{' "$OUT/run_ahead_zipf.txt" \
+        | cut -c1-700 ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;

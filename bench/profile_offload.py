@@ -29,6 +29,7 @@ import torch
 
 from freetoken_agent.bench.offload import offload_engine, start_policy
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
+from freetoken_agent.engine import segmented_graphs
 from freetoken_agent.engine.experts import calibration, offload
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.kernels.cpu import experts as cpu_kernel
@@ -136,6 +137,22 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU expert kernel threads, one set of rows per value (default: all physical "
         "cores); fewer leave cores to the driver and the thread launching graphs",
     )
+    parser.add_argument(
+        "--run-ahead",
+        type=int,
+        nargs="+",
+        default=None,
+        help="segments queued past the one checked, one set of rows per value (default: "
+        "segmented_graphs.RUN_AHEAD)",
+    )
+    parser.add_argument(
+        "--miss-gate",
+        type=float,
+        nargs="+",
+        default=None,
+        help="run ahead past layers missing in fewer than this share of steps, one set of "
+        "rows per value (default: segmented_graphs.MISS_GATE)",
+    )
     args = parser.parse_args(argv)
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank, model = engine.loaded.bank, engine.loaded.model
@@ -173,8 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         graphs.segments = {
             bs: [_TimedSegment(g, timers) for g in segs] for bs, segs in graphs.segments.items()
         }
-        for threads, policy in itertools.product(args.threads or [None], args.policies):
+        variants = itertools.product(
+            args.threads or [None],
+            args.run_ahead or [segmented_graphs.RUN_AHEAD],
+            args.miss_gate or [segmented_graphs.MISS_GATE],
+            args.policies,
+        )
+        for threads, run_ahead, miss_gate, policy in variants:
             cpu_kernel._threads = threads  # None: the default (cpu_kernel._default_threads)
+            graphs.run_ahead, graphs.miss_gate = run_ahead, miss_gate
             start_policy(engine, bank, policy, b_p, b_h)
             extra = args.torch_profile  # steps left for the profiler after the timed ones
             sp = SamplingParams(max_tokens=8 + args.decode + extra, temperature=0, ignore_eos=True)
@@ -200,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                 "regime": regime_name,
                 "policy": policy,
                 "threads": cpu_kernel._default_threads(),
+                "run_ahead": run_ahead,
+                "miss_gate": miss_gate,
                 "tok_s": args.batch * steps / wall,
                 "ms_per_step": 1e3 * wall / steps,
                 **{k: round(1e3 * v / steps, 3) for k, v in sorted(timers.total.items())},

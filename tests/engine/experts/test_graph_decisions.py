@@ -152,6 +152,37 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, hybrid, rng
             assert wasted == 0
 
 
+def test_run_ahead_passes_only_layers_missing_less_than_the_gate(rng_seed):
+    """The segment after layer j is queued before j's check exactly when j's running miss
+    rate is below `miss_gate` (a benchmark sweeps the gate; segmented_graphs.MISS_GATE)."""
+    rng = random.Random(rng_seed)
+    for _ in range(20):
+        n_layers, gate = rng.randint(2, 12), rng.uniform(0.05, 1.0)
+        log: list = []
+
+        def resolve(layer, b, log=log) -> bool:  # no layer misses
+            log.append(("resolve", layer))
+            return False
+
+        graphs = object.__new__(SegmentedDecodeGraphs)
+        graphs.bank = SimpleNamespace(resolve=resolve)
+        graphs.model = SimpleNamespace(expert_bank=None)
+        graphs.segments = {1: [_Segment(i, log) for i in range(n_layers + 1)]}
+        graphs.done = [_Event() for _ in range(n_layers + 1)]
+        graphs.outputs = {1: torch.zeros(1, 2)}
+        graphs.run_ahead, graphs.reruns, graphs.wait_s, graphs.missed_layers = 50, 0, 0.0, 0
+        graphs.miss_gate = gate
+        rates = [rng.random() for _ in range(n_layers)]
+        graphs.miss_rate = list(rates)
+        graphs._load, graphs._stream = (lambda inputs: (1, 1)), (lambda: None)
+        graphs.shadow = None
+        graphs.replay(None)
+        at = {entry: i for i, entry in enumerate(log)}
+        for j in range(n_layers):
+            ahead = at[("run", j + 1)] < at[("resolve", j)]
+            assert ahead == (rates[j] < gate), (j, rates[j], gate)
+
+
 @pytest.mark.parametrize("slots", [1, 9, 15])  # of 16 rows
 def test_direct_graph_step_reads_misses_then_learns(tmp_path, rng_seed, slots):
     """Policy direct under a decode graph: each layer's captured half records the routing and
