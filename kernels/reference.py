@@ -199,7 +199,7 @@ def fused_moe(
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]); SwiGLU experts.
     With host banks, an id <= -2 names row -id - 2 of host_w13 / host_w2 (`host_ids`).
-    `add` [T, H]: added to the sum before its rounding to out's dtype, then zeroed (`consume`)."""
+    `add` [T, H]: added to the sum before its rounding to out's dtype, then zeroed (`check_add`)."""
     t, h, i, k = check_moe_shapes(hidden, w13, w2, topk_ids, topk_weights, out)
     check_add(add, hidden)
     host = host_w13 is not None
