@@ -19,6 +19,8 @@
                       sized with (CUDA)
     gemv              decode projections: torch's F.linear against the Triton skinny matmul,
                       beside HBM bandwidth (CUDA)
+    stream-threshold  prefill chunk lengths streamed and placed: the measured crossover beside
+                      the model's (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -42,6 +44,7 @@ BENCHES = {
     "kv-layout": "freetoken_agent.bench.kv_layout",
     "workspace": "freetoken_agent.bench.workspace",
     "gemv": "freetoken_agent.bench.gemv_kernel",
+    "stream-threshold": "freetoken_agent.bench.stream_threshold",
 }
 
 

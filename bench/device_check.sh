@@ -20,6 +20,7 @@
 #         torch.profiler's host table of 8 steps each: where a stopping layer's time goes; the
 #         CPU kernel with 0.3 ms host gaps, OpenMP waiting passively and actively, ~4 min)
 #         run-ahead-zipf (peer slice, Zipf b=1: run-ahead 0/2/4 and miss gates 0.2/0.5, ~2 min)
+#         stream-threshold (prefill 64-1536 tokens streamed and placed against the model, ~3 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -135,6 +136,9 @@ for stage in "$@"; do
         env "${wait_env[@]}" timeout 120 python3 -m freetoken_agent.bench cpu-experts \
           --no-torch --calls 40 --gap-us 0 300 2>&1 | tail -6 | sed "s/^/$policy: /"
       done ;;
+    stream-threshold)  # prefill chunks streamed vs placed, 64-1536 tokens, beside the model (~3 min)
+      timeout 400 python3 -m freetoken_agent.bench stream-threshold --out "$OUT" 2>&1 \
+        | tee "$OUT/stream_threshold.log" | grep -v Warn | tail -12 ;;
     run-ahead-zipf)  # Zipf b=1 re-runs ~11 segments a token: run-ahead depth and gate (~2 min)
       timeout 300 python3 -m freetoken_agent.bench profile-offload --layers 12 --budget-gb 8.59 \
         --regimes zipf:1.0,loc:0.7 --policies adaptive transfer --run-ahead 0 2 4 \

@@ -246,9 +246,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     cuda_graphs: bool = True  # capture batched decode in CUDA graphs (CUDA only)
     expert_slots: int | None = None  # offloading: GPU expert slots (None: sized from budget)
-    # Offloading: chunks of at least this many tokens stream whole layers instead of filling
-    # slots per expert (a placeholder until `freetoken calibrate` measures the crossover).
-    stream_min_tokens: int = 256
+    # Offloading: chunks of at least this many tokens stream whole layers instead of placing
+    # their misses expert by expert. None: derived from the calibrated bandwidths and the
+    # slots' share of the experts (experts/stream_threshold.py; ~800 tokens at the H200 host's
+    # figures). 256 stays the default until `bench stream-threshold` has measured the crossover
+    # on the device against that model.
+    stream_min_tokens: int | None = 256
     double_buffer: bool = True  # False: one staging buffer (the ablation)
     # Hybrid models, segmented decode: run ahead of the host's miss checks as attention-only
     # models do, re-running from step-start copies of the recurrent state after a miss
@@ -295,6 +298,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_batched_tokens and max_num_seqs must be positive")
+        if self.stream_min_tokens is not None and self.stream_min_tokens < 1:
+            raise ValueError(f"stream_min_tokens must be positive, got {self.stream_min_tokens}")
         from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 
         CheckpointMode.parse(self.checkpoints)  # a bad mode is refused at load, by name

@@ -82,6 +82,7 @@ def _abort_capture(graph: torch.cuda.CUDAGraph) -> None:
 
 class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
     miss_gate = MISS_GATE  # per instance where a benchmark sweeps it
+
     def __init__(
         self,
         model: MoeCausalLM,

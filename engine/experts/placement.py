@@ -18,8 +18,10 @@ from freetoken_agent.engine.config import EngineConfig, ModelSpec
 from freetoken_agent.engine.device_memory import CHUNK_BYTES, virtual_memory_works
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank, lends_staging
+from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.resident import ResidentExpertBank
+from freetoken_agent.engine.experts.stream_threshold import stream_threshold
 from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
@@ -148,14 +150,22 @@ def make_bank(
     measured = calibration.cached(spec.hidden_size, spec.moe_intermediate_size, dtype)
     if measured is None and config.policy == "adaptive" and device.type == "cuda":
         log.info("no bandwidth calibration for this machine yet: run `freetoken calibrate`")
+    bandwidths = measured.bandwidths() if measured else Bandwidths()
+    stream_min = config.stream_min_tokens
+    if stream_min is None:  # derived: experts/stream_threshold.py
+        expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
+        stream_min = stream_threshold(
+            spec.n_experts, spec.top_k, expert, bandwidths, resident=min(1.0, slots / n_rows)
+        )
+        log.info("prefill chunks of %d tokens or more stream whole layers", stream_min)
     return OffloadedExpertBank(
         spec,
         pool,
         slots,
         device,
         config.policy,
-        bandwidths=measured.bandwidths() if measured else None,
-        stream_min_tokens=config.stream_min_tokens,
+        bandwidths=bandwidths,
+        stream_min_tokens=stream_min,
         double_buffer=config.double_buffer,
         arena=arena,
     )

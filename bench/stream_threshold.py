@@ -1,0 +1,121 @@
+"""Where prefill chunks should start streaming whole layers: measured, beside the model.
+
+    python -m freetoken_agent.bench stream-threshold [--layers 12] [--budget-gb 8.59]
+        [--tokens 64 128 256 384 512 768 1024 1536] [--repeats 3] [--out DIR]
+
+An offloaded engine prefills a chunk of fewer than `stream_min_tokens` tokens by placing its
+misses expert by expert (fills beside CPU work, adaptive's split), and a longer one by
+streaming every layer's experts behind compute. engine/experts/stream_threshold.py derives
+the crossover from B_P, B_H and the slots' share of the experts (~800 tokens at the H200
+host's figures, against the 256 the engine still defaults to). This measures it: the peer
+slice (bench offload's engine, policy adaptive), its cache filled by a short decode before
+each prefill, then a fresh prompt of each length prefilled with every chunk streamed
+(stream_min_tokens 1) and with every chunk placed (stream_min_tokens above the length).
+Medians of `--repeats` after one warm-up each. Reports both times per length, the measured
+crossover and the model's prediction from this run's B_P, B_H and host read bandwidth, beside
+the streaming limit (the non-resident experts' bytes over B_P). JSON to
+`<out>/stream_threshold_<layers>l.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from pathlib import Path
+
+import torch
+
+from freetoken_agent.bench.limits import host_read_bandwidth
+from freetoken_agent.bench.offload import _decode, offload_engine, start_policy, timed_prefill
+from freetoken_agent.engine.config import EngineConfig
+from freetoken_agent.engine.experts.policy import Bandwidths
+from freetoken_agent.engine.experts.stream_threshold import stream_threshold
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WARM_DECODE = 24  # tokens decoded before each prefill: the cache full, as mid-session
+
+
+def _prefill_seconds(engine, bank, tokens: int, stream: bool, rng) -> float:
+    """One prefill of a fresh `tokens`-token prompt, every chunk streamed or placed."""
+    _decode(engine, WARM_DECODE, rng)
+    saved = bank.stream_min_tokens
+    bank.stream_min_tokens = 1 if stream else tokens + 1
+    try:
+        return tokens / timed_prefill(engine, tokens, rng)
+    finally:
+        bank.stream_min_tokens = saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench stream-threshold",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")
+    parser.add_argument("--budget-gb", type=float, default=8.59, help="GPU budget (GB)")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=[64, 128, 256, 384, 512, 768, 1024, 1536],
+        help="prompt lengths (one chunk each)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="timed prefills per point")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, chunk=max(args.tokens))
+    bank, spec = engine.loaded.bank, engine.spec
+    host = host_read_bandwidth()
+    start_policy(engine, bank, "adaptive", b_p, b_h)
+    rows_total = spec.n_moe_layers * spec.n_experts
+    resident = min(1.0, bank.cache.n_slots / rows_total)
+    expert = bank.pool.expert_bytes
+    predicted = stream_threshold(spec.n_experts, spec.top_k, expert, Bandwidths(b_p, b_h),
+                                 resident, host)  # fmt: skip
+    rng = random.Random(0)
+    rows = []
+    for tokens in args.tokens:
+        row = {"tokens": tokens}
+        for mode in ("stream", "place"):
+            times = [
+                _prefill_seconds(engine, bank, tokens, mode == "stream", rng)
+                for _ in range(args.repeats + 1)
+            ][1:]  # the first compiles what this length needs
+            row[f"{mode}_ms"] = 1e3 * statistics.median(times)
+            row[f"{mode}_ms_all"] = [round(1e3 * t, 2) for t in times]
+        # Streaming's floor: every layer's non-resident experts over the link.
+        row["stream_limit_ms"] = (
+            1e3 * spec.n_moe_layers * (1 - resident) * spec.n_experts * (expert / b_p)
+        )
+        rows.append(row)
+        print(
+            f"{tokens:6d} tokens: streamed {row['stream_ms']:8.1f} ms, placed "
+            f"{row['place_ms']:8.1f} ms (streaming limit {row['stream_limit_ms']:.1f} ms)",
+            flush=True,
+        )
+    measured = next((r["tokens"] for r in rows if r["stream_ms"] <= r["place_ms"]), None)
+    report = {
+        "bench": "stream-threshold",
+        "device": torch.cuda.get_device_name(),
+        "layers": args.layers,
+        "budget_gb": args.budget_gb,
+        "slots": bank.cache.n_slots,
+        "resident_fraction": resident,
+        "b_p_gb_s": b_p / 1e9,
+        "b_h_gb_s": b_h / 1e9,
+        "host_read_gb_s": host / 1e9,
+        "predicted_threshold": predicted,
+        "measured_threshold": measured,  # the first length that streamed no slower (or None)
+        "default_threshold": EngineConfig().stream_min_tokens,
+        "rows": rows,
+    }
+    print(f"crossover: measured {measured}, predicted {predicted} tokens")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"stream_threshold_{args.layers}l.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""From how many tokens a prefill chunk streams whole layers (streaming.py) instead of placing
+its misses expert by expert (offload.py), derived from measured bandwidths.
+
+Per MoE layer, a chunk of T tokens routes to each of the E experts a Binomial(T, K/E) number of
+tokens. Of the experts it touches, those not in a slot (a share 1 - r) are misses, each S bytes:
+
+- placed (adaptive's split, policy.split_count): the experts serving the most tokens are
+  fetched, each S / B_P on the link plus the host's work to issue it (FILL_HOST_S, measured
+  47-72 us on the H200 host), while the CPU runs the rest from the pool, each
+  cpu_cost(tokens) * S / B_H; the layer waits for the slower branch. Both branches read host
+  memory, so the layer takes at least (misses * S) / host read bandwidth when that is known.
+- streamed: every non-resident expert of the layer crosses the link, E * (1 - r) * S / B_P,
+  while the previous layer computes (double buffering), touched or not.
+
+Few tokens touch few experts, each serving few tokens, cheap on the CPU: placing wins. Many
+tokens touch every expert, each serving many tokens, where the CPU is bound by arithmetic:
+placing degenerates into fetching every miss one by one, which streaming does in whole layers
+behind compute. The threshold is the smallest T at which streaming is no slower. The GPU's own
+compute is left out of both (under a millisecond a layer at the chunk sizes where the two
+cross on the H200, and streamed chunks overlap it); so is the cache churn, which both paths
+cause (fills evict, streaming lends two layers' worth of slots as staging).
+
+Counts are the Binomial's quantiles (no sampling): expert i serves the (i + 1/2)/E quantile.
+"""
+
+from __future__ import annotations
+
+import math
+
+from freetoken_agent.engine.experts.policy import Bandwidths, cpu_cost
+
+FILL_HOST_S = 60e-6  # host time to issue one expert's fill (two copies, bookkeeping; H200 host)
+STEP = 16  # thresholds are searched in steps of this many tokens
+MAX_TOKENS = 1 << 15  # past this, stream (a layer's experts every chunk is the cheaper bound)
+
+
+def binomial_quantiles(n: int, p: float, count: int) -> list[int]:
+    """The (i + 1/2)/count quantiles of Binomial(n, p), i = 0..count-1, largest first."""
+    targets = [(i + 0.5) / count for i in range(count)]
+    out, cdf, k = [], 0.0, 0
+    log_q = math.log1p(-p) if p < 1 else -math.inf
+    log_pmf = n * log_q if p < 1 else (0.0 if n == 0 else -math.inf)  # P(X = 0)
+    for t in targets:  # ascending targets: walk the CDF once
+        while k < n and cdf + math.exp(log_pmf) < t:
+            cdf += math.exp(log_pmf)
+            log_pmf += math.log(n - k) - math.log(k + 1) + math.log(p) - log_q
+            k += 1
+        out.append(k)
+    return sorted(out, reverse=True)
+
+
+def placed_seconds(tokens: list[int], expert_bytes: int, bw: Bandwidths,
+                   host_read: float | None) -> float:  # fmt: skip
+    """A layer's time placing misses that serve `tokens` tokens each (most first): the first
+    q fetched, the rest on the CPU, q chosen to minimise the slower branch."""
+    fetch = expert_bytes / bw.pcie + FILL_HOST_S
+    cpu = [cpu_cost(t) * expert_bytes / bw.cpu for t in tokens]
+    rest, best = sum(cpu), sum(cpu)
+    for q, c in enumerate(cpu, start=1):
+        rest -= c
+        best = min(best, max(q * fetch, rest))
+    if host_read:
+        best = max(best, len(tokens) * expert_bytes / host_read)
+    return best
+
+
+def stream_threshold(
+    n_experts: int,
+    top_k: int,
+    expert_bytes: int,
+    bw: Bandwidths,
+    resident: float,
+    host_read: float | None = None,
+) -> int:
+    """The smallest chunk (a multiple of STEP tokens, at most MAX_TOKENS) whose layers stream
+    no slower than they are placed, with a share `resident` of each layer's experts in slots."""
+    missing = max(1, round(n_experts * (1 - resident)))  # non-resident experts a layer
+    streamed = missing * expert_bytes / bw.pcie
+
+    def streams(t: int) -> bool:
+        # The non-resident experts take counts spread evenly over the layer's quantiles.
+        counts = binomial_quantiles(t, top_k / n_experts, n_experts)
+        spread = [counts[int((j + 0.5) * n_experts / missing)] for j in range(missing)]
+        tokens = [c for c in spread if c > 0]  # untouched experts are no miss
+        return streamed <= placed_seconds(tokens, expert_bytes, bw, host_read)
+
+    # Placing only slows as chunks grow (more experts touched, more tokens each): bisect for
+    # the first step that streams (a dozen evaluations, not thousands at load).
+    lo, hi = 1, MAX_TOKENS // STEP  # in steps; streams(hi * STEP) is assumed
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if streams(mid * STEP) else (mid + 1, hi)
+    return lo * STEP
