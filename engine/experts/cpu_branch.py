@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from freetoken_agent.engine.experts import calibration
@@ -19,6 +20,8 @@ from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.engine.experts.pool import ExpertPool
 
 # T tokens, K choices, H hidden
+
+SET_LOOKUP_PAIRS = 64  # up to this many (token, choice) pairs, a Python set beats numpy
 
 
 def stage_hidden(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -47,10 +50,16 @@ def run_on_cpu(
     fresh thread the same kernel ran 3x slower on the H200 host). `timed`: fold the run into
     B_H (on CUDA; a CPU "device" has no second branch to balance). Returns [T, H] on the host."""
     # [T, K] pool rows, -1 where the expert is not this branch's. A set lookup per pair: on a
-    # decode step's 8-32 pairs np.isin + np.where took 20-40 us, this 5-10 (dev box).
-    keep = set(on_cpu)
-    flat = [lid if lid in keep else -1 for lid in lids.reshape(-1).tolist()]
-    rows = torch.tensor(flat, dtype=torch.int64).view(lids.shape)
+    # decode step's 8-32 pairs np.isin + np.where took 20-40 us, this 5-10 (dev box); a
+    # prefill chunk placed expert by expert has thousands of pairs: at 4096 the list took
+    # 0.8 ms a layer, numpy 40 us.
+    if lids.numel() <= SET_LOOKUP_PAIRS:
+        keep = set(on_cpu)
+        flat = [lid if lid in keep else -1 for lid in lids.reshape(-1).tolist()]
+        rows = torch.tensor(flat, dtype=torch.int64).view(lids.shape)
+    else:
+        ids = lids.numpy() if lids.dtype == torch.int64 else lids.long().numpy()
+        rows = torch.from_numpy(np.where(np.isin(ids, on_cpu), ids, -1))
     start = time.perf_counter()
     part = calibration.cpu_experts(hidden, pool.w13, pool.w2, rows, topk_weights)
     if timed:
