@@ -224,8 +224,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(
         f"[freetoken] expert {hidden}x{inter} {args.dtype} ({cal.expert_bytes / 2**20:.1f} MiB): "
         f"B_P (pinned host-to-device) {cal.pcie / 1e9:.1f} GB/s{pcie_note}, "
-        f"B_H (CPU experts, 1 token) "
-        f"{cal.cpu / 1e9:.1f} GB/s; saved to {calibration.cache_file()}",
+        f"B_H (CPU experts, 1 token) {cal.cpu / 1e9:.1f} GB/s, "
+        f"CPU knee {cal.knee:.1f} tokens an expert; saved to {calibration.cache_file()}",
         file=sys.stderr,
     )
     return 0
@@ -280,7 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst", help="new folder for the FTW checkpoint")
     conv.set_defaults(func=cmd_convert)
 
-    cal = sub.add_parser("calibrate", help="measure B_P and B_H for the q* split (cached)")
+    cal = sub.add_parser(
+        "calibrate", help="measure B_P, B_H and the CPU's knee for the q* split (cached)"
+    )
     cal.add_argument("--model", default=None, help="take the expert shape from this model")
     cal.add_argument("--hidden", type=int, default=2048, help="expert input width (no --model)")
     cal.add_argument("--inter", type=int, default=768, help="expert width (no --model)")

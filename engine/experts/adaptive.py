@@ -19,9 +19,9 @@ routing ask for the filled expert or its victim first):
     of it cost 27 ms a token against 6 and left the cache to refill, and a round measured 192
     tok/s against 456;
 - fills cost (the steps' working set exceeds the cache: victims are needed again before fills
-  are): fetch none, so the cache keeps what it has; except the experts serving more than
-  CPU_KNEE_TOKENS tokens (a short prefill chunk): the CPU would take longer over those than a
-  fetch plus the victim's later miss.
+  are): fetch none, so the cache keeps what it has; except the experts serving more tokens
+  than the CPU's knee (a short prefill chunk; `Bandwidths.knee`, measured by `freetoken
+  calibrate`): the CPU would take longer over those than a fetch plus the victim's later miss.
 Free slots cost no victim: misses always fill those (in `layers` mode, those of kept layers).
 """
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 from freetoken_agent.engine.experts import layer_layout
 from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
 from freetoken_agent.engine.experts.policy import (
-    CPU_KNEE_TOKENS,
     Bandwidths,
     FillVerdict,
     split_count,
@@ -98,7 +97,7 @@ class AdaptiveFetches:
         if mode == "layers" and lids and cache.kept(lids[0]):
             return lids
         if mode in ("none", "layers"):
-            q = sum(1 for t in tokens if t > CPU_KNEE_TOKENS)
+            q = sum(1 for t in tokens if t > bw.knee)
         else:
             q = split_count(tokens, bw)
         return lids[: max(q, min(cache.free_slots, len(lids)))]

@@ -1,5 +1,6 @@
-"""Measured bandwidths for the q* split: B_P (pinned host-to-device, expert-sized copies) and B_H
-(the CPU executor's weight throughput at one token), cached per machine and expert shape.
+"""Measured bandwidths for the q* split: B_P (pinned host-to-device, expert-sized copies), B_H
+(the CPU executor's weight throughput at one token) and the CPU's knee (tokens per expert past
+which it computes more than it reads), cached per machine and expert shape.
 
 `freetoken calibrate` measures both and writes them to `$FREETOKEN_CACHE/calibration.json`
 (default `~/.cache/freetoken`), keyed by GPU, CPU, expert shape and dtype; `Engine.load` reads
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from freetoken_agent.engine.experts.policy import Bandwidths
+from freetoken_agent.engine.experts.policy import CPU_KNEE_TOKENS, Bandwidths
 from freetoken_agent.kernels.cpu.experts import cpu_experts as kernel_cpu_experts
 
 EMA = 0.2  # weight of a new observation in the online estimates
@@ -40,9 +41,10 @@ class Calibration:
     cpu: float  # B_H bytes/s
     expert_bytes: int
     measured_at: float
+    knee: float = CPU_KNEE_TOKENS  # tokens per expert where the CPU turns compute-bound
 
     def bandwidths(self) -> Bandwidths:
-        return Bandwidths(pcie=self.pcie, cpu=self.cpu)
+        return Bandwidths(pcie=self.pcie, cpu=self.cpu, knee=self.knee)
 
 
 def measure_pcie(expert_bytes: int, n: int = 64, repeats: int = 3) -> float:
@@ -65,13 +67,20 @@ def measure_pcie(expert_bytes: int, n: int = 64, repeats: int = 3) -> float:
     return best
 
 
-def measure_cpu(hidden: int, inter: int, dtype: torch.dtype, pool_bytes: int = 1 << 30) -> float:
-    """Weight bytes per second the CPU executor streams for one token and eight experts, over
-    a pool larger than the caches."""
-    expert = 3 * hidden * inter * dtype.itemsize
-    n = max(16, pool_bytes // expert)
+def probe_pool(hidden: int, inter: int, dtype: torch.dtype, pool_bytes: int = 1 << 30):
+    """(w13 [N, 2I, H], w2 [N, H, I]): random experts filling `pool_bytes`, beyond the
+    caches, for the CPU measurements below (drawn once, read by both)."""
+    n = max(32, pool_bytes // (3 * hidden * inter * dtype.itemsize))
     w13 = torch.randn(n, 2 * inter, hidden).mul_(0.05).to(dtype)
-    w2 = torch.randn(n, hidden, inter).mul_(0.05).to(dtype)
+    return w13, torch.randn(n, hidden, inter).mul_(0.05).to(dtype)
+
+
+def measure_cpu(hidden: int, inter: int, dtype: torch.dtype, pool=None) -> float:
+    """Weight bytes per second the CPU executor streams for one token and eight experts, over
+    a pool larger than the caches (`probe_pool`, drawn here unless given)."""
+    expert = 3 * hidden * inter * dtype.itemsize
+    w13, w2 = pool or probe_pool(hidden, inter, dtype)
+    n = w13.shape[0]
     x = torch.randn(1, hidden).to(dtype)
     weights = torch.full((1, 8), 0.125)
     times = []
@@ -84,6 +93,35 @@ def measure_cpu(hidden: int, inter: int, dtype: torch.dtype, pool_bytes: int = 1
     return 8 * expert / sorted(times)[len(times) // 2]
 
 
+KNEE_PROBE_TOKENS = 64  # tokens on one expert: far past any CPU's knee (8 on the H200 host)
+
+
+def measure_knee(hidden: int, inter: int, dtype: torch.dtype, pool=None) -> float:
+    """Tokens per expert where the CPU kernel turns from reading weights to arithmetic: one
+    expert at KNEE_PROBE_TOKENS tokens takes that many tokens / knee times one token's read
+    (policy.cpu_cost). Each call reads rows no call read before (from a pool beyond the
+    caches: `probe_pool`), so one token's time is the weights' read, as in decode."""
+    w13, w2 = pool or probe_pool(hidden, inter, dtype)
+    order = torch.randperm(w13.shape[0]).tolist()
+
+    def median_seconds(tokens: int, calls: int) -> float:
+        x = torch.randn(tokens, hidden).to(dtype)
+        rows = torch.full((tokens, 1), -1, dtype=torch.long)
+        weights = torch.ones(tokens, 1)
+        times = []
+        for r in range(calls + 2):  # two warm-up calls
+            rows[:] = order.pop()  # every token on one expert, new to the caches
+            start = time.perf_counter()
+            cpu_experts(x, w13, w2, rows, weights)
+            if r >= 2:
+                times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    one = median_seconds(1, 9)
+    many = median_seconds(KNEE_PROBE_TOKENS, 9)
+    return float(min(KNEE_PROBE_TOKENS, max(1.0, KNEE_PROBE_TOKENS * one / many)))
+
+
 def cpu_experts(hidden, w13, w2, rows, weights, threads: int | None = None) -> torch.Tensor:
     """The CPU executor: the SIMD kernel of kernels/cpu (AVX-512 or AVX2, built on first use;
     it falls back to plain torch by itself where no compiler exists). [T, H] in hidden.dtype."""
@@ -93,7 +131,11 @@ def cpu_experts(hidden, w13, w2, rows, weights, threads: int | None = None) -> t
 
 def calibrate(hidden: int, inter: int, dtype: torch.dtype) -> Calibration:
     expert = 3 * hidden * inter * dtype.itemsize
-    cal = Calibration(measure_pcie(expert), measure_cpu(hidden, inter, dtype), expert, time.time())
+    pool = probe_pool(hidden, inter, dtype)
+    cal = Calibration(
+        measure_pcie(expert), measure_cpu(hidden, inter, dtype, pool), expert, time.time(),
+        measure_knee(hidden, inter, dtype, pool),
+    )  # fmt: skip
     path = cache_file()
     table = json.loads(path.read_text()) if path.is_file() else {}
     table[machine_key(hidden, inter, dtype)] = asdict(cal)

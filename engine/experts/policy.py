@@ -38,6 +38,9 @@ from dataclasses import dataclass
 OFFLOAD_POLICIES = ("adaptive", "transfer", "cpu", "static", "direct")  # direct: direct.py
 
 
+CPU_KNEE_TOKENS = 8  # tokens per expert where the CPU kernel turns compute-bound (H200 host)
+
+
 @dataclass(slots=True)
 class Bandwidths:
     """Current estimates in bytes/s. Defaults stand in until a calibration exists: equal
@@ -45,26 +48,26 @@ class Bandwidths:
 
     pcie: float = 25e9  # B_P
     cpu: float = 25e9  # B_H
+    # Tokens per expert past which the CPU kernel is bound by arithmetic, not by reading the
+    # weights (`freetoken calibrate` measures it: fewer cores or narrower vectors lower it).
+    knee: float = CPU_KNEE_TOKENS
 
 
-CPU_KNEE_TOKENS = 8  # tokens per expert where the CPU kernel turns compute-bound (above)
-
-
-def cpu_cost(tokens: int) -> float:
+def cpu_cost(tokens: int, knee: float = CPU_KNEE_TOKENS) -> float:
     """The CPU's time for one expert serving `tokens` tokens, in reads of its weights."""
-    return max(1.0, tokens / CPU_KNEE_TOKENS)
+    return max(1.0, tokens / knee)
 
 
 def split_count(tokens: list[int], bw: Bandwidths) -> int:
     """`adaptive`'s q for misses serving `tokens` tokens each, most first: the first q are
     fetched. Minimises max(q / B_P, sum of cpu_cost over the rest / B_H) (in expert sizes);
-    q* of the module docstring when every expert serves at most CPU_KNEE_TOKENS tokens."""
-    if all(t <= CPU_KNEE_TOKENS for t in tokens):
+    q* of the module docstring when every expert serves at most `bw.knee` tokens."""
+    if all(t <= bw.knee for t in tokens):
         return fetch_count("adaptive", len(tokens), bw)
-    rest = sum(cpu_cost(t) for t in tokens) / bw.cpu
+    rest = sum(cpu_cost(t, bw.knee) for t in tokens) / bw.cpu
     best_q, best = 0, rest
     for q, t in enumerate(tokens, start=1):
-        rest -= cpu_cost(t) / bw.cpu
+        rest -= cpu_cost(t, bw.knee) / bw.cpu
         slower = max(q / bw.pcie, rest)
         if slower < best:
             best_q, best = q, slower

@@ -54,7 +54,7 @@ def placed_seconds(tokens: list[int], expert_bytes: int, bw: Bandwidths,
     """A layer's time placing misses that serve `tokens` tokens each (most first): the first
     q fetched, the rest on the CPU, q chosen to minimise the slower branch."""
     fetch = expert_bytes / bw.pcie + FILL_HOST_S
-    cpu = [cpu_cost(t) * expert_bytes / bw.cpu for t in tokens]
+    cpu = [cpu_cost(t, bw.knee) * expert_bytes / bw.cpu for t in tokens]
     rest, best = sum(cpu), sum(cpu)
     for q, c in enumerate(cpu, start=1):
         rest -= c

@@ -97,16 +97,17 @@ def test_split_counts_the_cpu_cost_of_many_tokens(rng_seed):
     experts serving most tokens, and equals q* when every expert serves few tokens."""
     r = random.Random(rng_seed)
     for _ in range(50):
-        bw = Bandwidths(pcie=r.uniform(5e9, 60e9), cpu=r.uniform(5e9, 60e9))
+        knee = r.choice([CPU_KNEE_TOKENS, r.uniform(1.0, 40.0)])  # the default or a measured one
+        bw = Bandwidths(pcie=r.uniform(5e9, 60e9), cpu=r.uniform(5e9, 60e9), knee=knee)
         m = r.randint(1, 40)
-        few = sorted((r.randint(1, CPU_KNEE_TOKENS) for _ in range(m)), reverse=True)
+        few = sorted((r.randint(1, max(1, int(knee))) for _ in range(m)), reverse=True)
         assert split_count(few, bw) == fetch_count("adaptive", m, bw)
         many = sorted((r.randint(1, 300) for _ in range(m)), reverse=True)
-        if max(many) <= CPU_KNEE_TOKENS:
+        if max(many) <= knee:
             continue
 
         def slower(q: int, t=many, bw=bw) -> float:
-            return max(q / bw.pcie, sum(cpu_cost(x) for x in t[q:]) / bw.cpu)
+            return max(q / bw.pcie, sum(cpu_cost(x, bw.knee) for x in t[q:]) / bw.cpu)
 
         q = split_count(many, bw)
         assert slower(q) <= min(slower(k) for k in range(m + 1)) * (1 + 1e-12)
