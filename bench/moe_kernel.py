@@ -7,7 +7,7 @@ large device-to-device copy (read + write counted). Two timings: eager (triton.t
 median, L2 flushed before each call, launch overhead included) and one decode step of L layers
 captured in a CUDA graph (per layer; every layer reads its own rows, so L2 cannot hold them).
 Prefill (T = 4096): TFLOP/s next to torch.matmul bf16 on an 8192^3 product.
-Each row names its tiles ("default" = the table in kernels/triton/fused_moe.py); the sweep rows
+Each row names its tiles ("default" = the table in kernels/triton/moe_common.py); the sweep rows
 are candidates for that table.
 
 Shape legend: T tokens, H hidden, I expert width, N experts (bank rows per layer), K top-k.
