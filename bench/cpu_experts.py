@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from freetoken_agent.bench.limits import host_read_bandwidth
+from freetoken_agent.engine.host_memory import page_exclusive
 from freetoken_agent.kernels.cpu import experts
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -47,6 +49,18 @@ def l3_bytes() -> int:
     return best
 
 
+def anon_huge_kb() -> int | None:
+    """The kernel's count of anonymous memory in transparent huge pages (Linux), in kB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -60,13 +74,14 @@ def cpu_model() -> str:
 
 def make_pool(n: int, h: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """w13 [N, 2I, H], w2 [N, H, I] bf16, std 0.05: a random block of 16 experts, tiled (the
-    values do not change the timing; drawing gigabytes of normals would take minutes)."""
+    values do not change the timing; drawing gigabytes of normals would take minutes). Memory
+    as the engine's pool has it (`host_memory.page_exclusive`: huge pages when asked)."""
     g = torch.Generator().manual_seed(0)
     block = min(16, n)
     a = (torch.randn(block, 2 * i, h, generator=g) * 0.05).bfloat16()
     b = (torch.randn(block, h, i, generator=g) * 0.05).bfloat16()
-    w13 = torch.empty(n, 2 * i, h, dtype=torch.bfloat16)
-    w2 = torch.empty(n, h, i, dtype=torch.bfloat16)
+    w13 = page_exclusive((n, 2 * i, h), torch.bfloat16)
+    w2 = page_exclusive((n, h, i), torch.bfloat16)
     for lo in range(0, n, block):
         m = min(block, n - lo)
         w13[lo : lo + m], w2[lo : lo + m] = a[:m], b[:m]
@@ -147,7 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, nargs="?", const=RESULTS / "cpu_experts.json", default=None
     )
+    parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="the pool in transparent huge pages (as FREETOKEN_HUGE_PAGES=1 makes the engine's)",
+    )
     args = parser.parse_args(argv)
+    if args.huge_pages:
+        os.environ["FREETOKEN_HUGE_PAGES"] = "1"
     threads = args.threads or experts.physical_cores()
     torch.set_num_threads(threads)
     h, i = SHAPE["h"], SHAPE["i"]
@@ -162,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = host_read_bandwidth()
     print(f"host read bandwidth (torch sum, 2 GiB, {threads} threads): {bandwidth / 1e9:.1f} GB/s")
     w13, w2 = make_pool(n, h, i)
+    print(f"huge pages asked: {args.huge_pages}; AnonHugePages now {anon_huge_kb()} kB")
     runs = [
         time_kernel(backend, t, w13, w2, threads, args.calls, 20, gap * 1e-6)
         for gap in args.gap_us

@@ -21,6 +21,7 @@
 #         CPU kernel with 0.3 ms host gaps, OpenMP waiting passively and actively, ~4 min)
 #         run-ahead-zipf (peer slice, Zipf b=1: run-ahead 0/2/4 and miss gates 0.2/0.5, ~2 min)
 #         stream-threshold (prefill 64-1536 tokens streamed and placed against the model, ~3 min)
+#         huge-pages (the CPU kernel over 4 KB pages, then transparent huge pages, ~2 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -135,6 +136,12 @@ for stage in "$@"; do
         wait_env=(); [ "$policy" = active ] && wait_env=(OMP_WAIT_POLICY=active)
         env "${wait_env[@]}" timeout 120 python3 -m freetoken_agent.bench cpu-experts \
           --no-torch --calls 40 --gap-us 0 300 2>&1 | tail -6 | sed "s/^/$policy: /"
+      done ;;
+    huge-pages)  # the CPU kernel over a pool in 4 KB pages, then in transparent huge pages (~2 min)
+      cat /sys/kernel/mm/transparent_hugepage/enabled
+      for flag in "" --huge-pages; do
+        timeout 150 python3 -m freetoken_agent.bench cpu-experts --no-torch --calls 40 $flag 2>&1 \
+          | tail -7 | sed "s/^/${flag:-4k-pages}: /"
       done ;;
     stream-threshold)  # prefill chunks streamed vs placed, 64-1536 tokens, beside the model (~3 min)
       timeout 400 python3 -m freetoken_agent.bench stream-threshold --out "$OUT" 2>&1 \

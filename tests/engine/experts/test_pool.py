@@ -157,3 +157,16 @@ def test_graph_capture_pauses_garbage_collection():
         assert not gc.isenabled()
         raise ValueError  # a failed capture still restores collection
     assert gc.isenabled()
+
+
+def test_huge_pages_are_asked_for_only_when_set(monkeypatch, rng_seed):
+    """FREETOKEN_HUGE_PAGES=1 advises every page-exclusive mapping before it is touched."""
+    advised = []
+    monkeypatch.setattr(host_memory, "advise_huge", lambda m: advised.append(len(m)))
+    shape = (random.Random(rng_seed).randint(1, 64), 1000)
+    monkeypatch.delenv("FREETOKEN_HUGE_PAGES", raising=False)
+    host_memory.page_exclusive(shape, torch.float32)
+    assert advised == []
+    monkeypatch.setenv("FREETOKEN_HUGE_PAGES", "1")
+    t = host_memory.page_exclusive(shape, torch.float32)
+    assert advised == [shape[0] * 1000 * 4] and t.shape == shape
