@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             args.policies,
         )
         for threads, run_ahead, miss_gate, policy in variants:
-            cpu_kernel._threads = threads  # None: the default (cpu_kernel._default_threads)
+            cpu_kernel._threads = threads  # None: the default (cpu_kernel.default_threads)
             graphs.run_ahead, graphs.miss_gate = run_ahead, miss_gate
             start_policy(engine, bank, policy, b_p, b_h)
             extra = args.torch_profile  # steps left for the profiler after the timed ones
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 "regime": regime_name,
                 "policy": policy,
-                "threads": cpu_kernel._default_threads(),
+                "threads": cpu_kernel.default_threads(),
                 "run_ahead": run_ahead,
                 "miss_gate": miss_gate,
                 "tok_s": args.batch * steps / wall,

@@ -42,6 +42,7 @@ from freetoken_agent.engine.experts.policy import (
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerStreamer
+from freetoken_agent.kernels.cpu.experts import default_threads as cpu_kernel_threads
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
 from freetoken_agent.kernels.routing_export import export_routing
 
@@ -140,7 +141,13 @@ class OffloadedExpertBank:
         return self.cache.nbytes + self.streamer.nbytes
 
     def ready(self) -> None:
-        """After the pool is loaded: pin it (CUDA) and make the static placement."""
+        """After the pool is loaded: pin it (CUDA) and make the static placement. The CPU
+        kernel's thread count is settled here, so a bad FREETOKEN_CPU_THREADS fails the load,
+        not a decode step."""
+        try:
+            cpu_kernel_threads()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.device.type == "cuda" and not self.pool.pin() and self.policy == "direct":
             raise ConfigError(
                 "policy 'direct' reads experts from pinned host memory, but the expert pool "

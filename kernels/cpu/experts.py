@@ -213,7 +213,7 @@ def cpu_experts(
         w13.shape[0],
         h,
         i,
-        threads or _default_threads(),
+        threads or default_threads(),
     )
     if rc == -1:
         raise IndexError(f"rows out of range for a pool of {w13.shape[0]} rows: {rows.tolist()}")
@@ -224,7 +224,7 @@ def cpu_experts(
 _threads: int | None = None
 
 
-def _default_threads() -> int:
+def default_threads() -> int:
     """All physical cores, or `FREETOKEN_CPU_THREADS` (as llama.cpp's -t): the kernel's team
     spins between calls, and a machine whose every core it fills leaves none for the driver's
     threads and the thread launching graphs."""

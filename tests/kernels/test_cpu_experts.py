@@ -200,11 +200,24 @@ def test_thread_count_comes_from_the_environment_when_set(monkeypatch, rng_seed)
     n = random.Random(rng_seed).randint(1, 64)
     monkeypatch.setattr(experts, "_threads", None)
     monkeypatch.setenv(experts.ENV_THREADS, str(n))
-    assert experts._default_threads() == n
+    assert experts.default_threads() == n
     monkeypatch.setattr(experts, "_threads", None)
     monkeypatch.delenv(experts.ENV_THREADS)
-    assert experts._default_threads() == experts.physical_cores()
+    assert experts.default_threads() == experts.physical_cores()
     monkeypatch.setattr(experts, "_threads", None)
     monkeypatch.setenv(experts.ENV_THREADS, "0")
     with pytest.raises(ValueError, match="FREETOKEN_CPU_THREADS"):
-        experts._default_threads()
+        experts.default_threads()
+
+
+def test_a_bad_thread_count_fails_the_load_not_a_step(monkeypatch, tmp_path, rng_seed):
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine
+    from freetoken_agent.engine.config import ConfigError
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    monkeypatch.setattr(experts, "_threads", None)
+    monkeypatch.setenv(experts.ENV_THREADS, random.Random(rng_seed).choice(["-2", "many", "1.5"]))
+    with pytest.raises(ConfigError, match="FREETOKEN_CPU_THREADS"):
+        Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=3, progress=False)
