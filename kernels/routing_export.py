@@ -6,9 +6,13 @@ Shapes: ids [T, K] int32, weights [T, K] fp32, hidden [T, H]; destinations alike
 
 from __future__ import annotations
 
+import logging
+
 from torch import Tensor
 
 from freetoken_agent.kernels.dispatch import use_triton
+
+log = logging.getLogger("freetoken.kernels")
 
 
 def export_routing(ids: Tensor, weights: Tensor, hidden: Tensor, dst_ids: Tensor,
@@ -24,12 +28,31 @@ def export_routing(ids: Tensor, weights: Tensor, hidden: Tensor, dst_ids: Tensor
                 f"export destination {tuple(dst.shape)} does not fit {tuple(src.shape)} "
                 "(or is not contiguous)"
             )
+    global _kernel_works
     same = all(src.dtype == dst.dtype for src, dst in pairs)  # the kernel converts nothing
-    if not (same and use_triton(hidden, force_triton, "export_routing")):
-        for src, dst in pairs:
-            dst.copy_(src, non_blocking=True)
+    if not (same and _kernel_works is not False and use_triton(hidden, force_triton, "export")):
+        _copy(pairs)
         return
-    from freetoken_agent.kernels.triton.routing_export import export_routing as triton_impl
+    from freetoken_agent.kernels.triton import routing_export as triton_impl
 
-    triton_impl(ids.contiguous(), weights.contiguous(), hidden.contiguous(), dst_ids,
-                dst_weights, dst_hidden)  # fmt: skip
+    try:
+        triton_impl.export_routing(ids.contiguous(), weights.contiguous(), hidden.contiguous(),
+                                   dst_ids, dst_weights, dst_hidden)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - only the first launch, which proves the path
+        if _kernel_works:
+            raise
+        # A driver that will not let kernels store to pinned host memory: copies from now on
+        # (the first call is a warm-up before any graph capture).
+        _kernel_works = False
+        log.warning("routing export kernel unavailable (%s); exporting with copies", e)
+        _copy(pairs)
+        return
+    _kernel_works = True
+
+
+_kernel_works: bool | None = None  # None: the kernel not launched yet
+
+
+def _copy(pairs) -> None:
+    for src, dst in pairs:
+        dst.copy_(src, non_blocking=True)

@@ -67,3 +67,33 @@ def test_gpu_export_into_pinned_memory_in_a_captured_graph(rng_seed):
         done.synchronize()  # what the host waits on before reading (segmented_graphs.py)
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(d, s.cpu())
+
+
+def test_a_kernel_that_cannot_launch_falls_back_to_copies_once(monkeypatch, caplog, rng_seed):
+    """The first launch proves the path: a failure there (a driver that refuses kernel stores
+    to pinned memory) leaves copies for good, with one warning; after a success, failures
+    are real errors."""
+    import logging
+
+    from freetoken_agent.kernels import routing_export as dispatcher
+    from freetoken_agent.kernels.triton import routing_export as kernel
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    calls = []
+
+    def refuse(*args):
+        calls.append(1)
+        raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+
+    monkeypatch.setattr(kernel, "export_routing", refuse)
+    monkeypatch.setattr(dispatcher, "_kernel_works", None)
+    with caplog.at_level(logging.WARNING, logger="freetoken.kernels"):
+        for _ in range(3):
+            src = _inputs(gen, 2, 8, 64, torch.float16)
+            dst = tuple(torch.empty_like(x) for x in src)
+            export_routing(*src, *dst, force_triton=True)
+            assert all(torch.equal(d, s) for s, d in zip(src, dst, strict=True))
+    assert calls == [1] and len(caplog.records) == 1
+    monkeypatch.setattr(dispatcher, "_kernel_works", True)
+    with pytest.raises(ValueError, match="Pointer argument"):
+        export_routing(*src, *dst, force_triton=True)
