@@ -11,6 +11,7 @@ too small for the weights is an error that says how much is needed.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,11 +100,14 @@ def build_model(
 
 def host_embeddings_asked(spec: ModelSpec, config: EngineConfig, device: torch.device) -> bool:
     """Whether the embedding table is built in host memory (EngineConfig.host_embeddings;
-    auto: on CUDA when the experts may be offloaded). A tied table is the LM head: never."""
+    auto: on CUDA when the experts may be offloaded, unless FREETOKEN_HOST_EMBEDDINGS=0). A
+    tied table is the LM head: never."""
     if spec.tie_word_embeddings or config.host_embeddings is False:
         return False
     if config.host_embeddings:
         return True
+    if os.environ.get("FREETOKEN_HOST_EMBEDDINGS") == "0":  # auto off, for every engine
+        return False
     return device.type == "cuda" and config.policy != "resident"
 
 

@@ -183,3 +183,18 @@ def test_offloaded_engine_on_cuda_keeps_the_table_on_the_host(tmp_path, rng_seed
     assert engine.runner.graphs is not None  # decode ran from captured graphs
     for e in (engine, resident):
         e.close()
+
+
+def test_auto_asks_for_the_host_table_on_cuda_unless_the_environment_says_no(monkeypatch):
+    from freetoken_agent.engine.loading import host_embeddings_asked
+
+    spec = spec_from_config(tiny_config("qwen3_moe").to_dict())
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("FREETOKEN_HOST_EMBEDDINGS", raising=False)
+    assert host_embeddings_asked(spec, EngineConfig(policy="adaptive"), cuda)
+    assert not host_embeddings_asked(spec, EngineConfig(policy="resident"), cuda)
+    assert not host_embeddings_asked(spec, EngineConfig(policy="adaptive"), cpu)
+    assert host_embeddings_asked(spec, EngineConfig(host_embeddings=True), cpu)
+    monkeypatch.setenv("FREETOKEN_HOST_EMBEDDINGS", "0")
+    assert not host_embeddings_asked(spec, EngineConfig(policy="adaptive"), cuda)
+    assert host_embeddings_asked(spec, EngineConfig(host_embeddings=True), cuda)  # asked for
