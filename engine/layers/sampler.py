@@ -47,10 +47,19 @@ def sample(
 
 
 def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keep each row's logits at or above its k-th largest (ties at the k-th kept); rows with
+    top_k 0 keep all. The k-th largest comes from a top-k selection over the vocabulary, not a
+    sort of it (Qwen's recommended top_k is 20 of 151,936)."""
     vocab = logits.shape[-1]
-    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
-    sorted_desc = logits.sort(dim=-1, descending=True).values
-    kth = sorted_desc.gather(1, (k - 1)[:, None])  # [B, 1] the k-th largest logit
+    limited = [0 < k < vocab for k in top_k]
+    if not any(limited):
+        return logits
+    kmax = max(k for k, lim in zip(top_k, limited, strict=True) if lim)
+    largest = logits.topk(kmax, dim=-1).values  # [B, kmax], descending
+    at = torch.tensor([k - 1 if lim else 0 for k, lim in zip(top_k, limited, strict=True)],
+                      device=logits.device)  # fmt: skip
+    kth = largest.gather(1, at[:, None])  # [B, 1] the k-th largest logit
+    kth = kth.masked_fill(~torch.tensor(limited, device=logits.device)[:, None], float("-inf"))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 

@@ -63,3 +63,27 @@ def test_seeded_rows_do_not_depend_on_the_batch(rng_seed):
     alone = _gens([7])
     seq_alone = [sample(logits[:1], params[:1], alone)[0].item() for _ in range(20)]
     assert draws[0] == draws[1] == seq_alone
+
+
+def test_top_k_keeps_what_a_full_sort_keeps_ties_included(rng_seed):
+    """The k-th largest from a top-k selection, as from a sorted vocabulary: every logit at or
+    above it is kept (ties at the k-th, common in bf16 logits, all kept); top_k 0 keeps all."""
+    from freetoken_agent.engine.layers.sampler import _top_k
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    for _ in range(20):
+        b, v = (
+            int(torch.randint(1, 6, (1,), generator=gen)),
+            int(torch.randint(2, 3000, (1,), generator=gen)),
+        )
+        logits = torch.randn(b, v, generator=gen).to(torch.bfloat16).float()  # many ties
+        ks = [int(k) for k in torch.randint(0, v + 3, (b,), generator=gen)]
+        got = _top_k(logits, ks)
+        for row, k in enumerate(ks):
+            if k <= 0 or k >= v:
+                assert torch.equal(got[row], logits[row])
+                continue
+            kth = logits[row].sort(descending=True).values[k - 1]
+            kept = logits[row] >= kth
+            assert torch.equal(torch.isfinite(got[row]), kept) and int(kept.sum()) >= k
+            assert torch.equal(got[row][kept], logits[row][kept])
