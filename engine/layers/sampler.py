@@ -36,7 +36,12 @@ def sample(
     if any(top_k):
         scaled = _top_k(scaled, top_k)
     if any(p.top_p < 1.0 for p in params):
-        scaled = _top_p(scaled, torch.tensor([p.top_p for p in params], device=device))
+        # Every row cut by top-k: the nucleus lies among its few finite logits, which a top-k
+        # selection orders without sorting the vocabulary (one sync for their count).
+        cut = all(0 < k < logits.shape[-1] for k in top_k)
+        candidates = int(torch.isfinite(scaled).sum(dim=-1).max()) if cut else None
+        scaled = _top_p(scaled, torch.tensor([p.top_p for p in params], device=device),
+                        candidates)  # fmt: skip
     probs = torch.softmax(scaled, dim=-1)
     noise = torch.empty_like(probs)
     for i, g in enumerate(generators):
@@ -63,11 +68,19 @@ def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability reaches top_p (always at least one)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+def _top_p(
+    logits: torch.Tensor, top_p: torch.Tensor, candidates: int | None = None
+) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability reaches top_p (always at least one).
+    `candidates`: at most this many logits of a row are finite (the rest -inf, probability 0),
+    so ordering only the largest that many decides the same set."""
+    if candidates is not None and candidates < logits.shape[-1]:
+        sorted_logits, order = logits.topk(max(1, candidates), dim=-1)  # descending
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
     drop_sorted = before >= top_p[:, None]
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    drop = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    drop = drop.scatter(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))

@@ -87,3 +87,34 @@ def test_top_k_keeps_what_a_full_sort_keeps_ties_included(rng_seed):
             kept = logits[row] >= kth
             assert torch.equal(torch.isfinite(got[row]), kept) and int(kept.sum()) >= k
             assert torch.equal(got[row][kept], logits[row][kept])
+
+
+def test_top_p_over_the_top_k_candidates_decides_as_over_the_vocabulary(rng_seed):
+    """After top-k the nucleus lies among the finite logits: ordering only those (a top-k
+    selection) drops the same tokens as sorting the whole row."""
+    from freetoken_agent.engine.layers.sampler import _top_k, _top_p
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    for _ in range(20):
+        b = int(torch.randint(1, 6, (1,), generator=gen))
+        v = int(torch.randint(50, 5000, (1,), generator=gen))
+        logits = torch.randn(b, v, generator=gen) * 3  # continuous: no ties to order
+        ks = [int(k) for k in torch.randint(1, 60, (b,), generator=gen)]
+        cut = _top_k(logits, ks)
+        top_p = torch.rand(b, generator=gen) * 0.98 + 0.01
+        n = int(torch.isfinite(cut).sum(dim=-1).max())
+        assert n == max(ks)
+        assert torch.equal(_top_p(cut, top_p, n), _top_p(cut, top_p))
+
+
+def test_top_k_with_top_p_draws_within_both(rng_seed):
+    torch.manual_seed(rng_seed)
+    logits = torch.randn(1, 300) * 2
+    n = 1500
+    rows = logits.expand(n, 300).contiguous()
+    params = [SamplingParams(top_k=12, top_p=0.7)] * n
+    tokens = set(sample(rows, params, _gens(range(n))).tolist())
+    top12 = logits[0].topk(12)
+    probs = torch.softmax(top12.values, -1)
+    nucleus = top12.indices[: int((probs.cumsum(0) - probs < 0.7).sum())].tolist()
+    assert tokens <= set(nucleus) and len(tokens) > 1
