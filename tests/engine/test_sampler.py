@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from freetoken_agent.engine.layers.sampler import sample
@@ -89,22 +90,36 @@ def test_top_k_keeps_what_a_full_sort_keeps_ties_included(rng_seed):
             assert torch.equal(got[row][kept], logits[row][kept])
 
 
-def test_top_p_over_the_top_k_candidates_decides_as_over_the_vocabulary(rng_seed):
-    """After top-k the nucleus lies among the finite logits: ordering only those (a top-k
-    selection) drops the same tokens as sorting the whole row."""
-    from freetoken_agent.engine.layers.sampler import _top_k, _top_p
+@pytest.mark.parametrize("cut_by_top_k", [True, False])
+def test_top_p_over_candidates_decides_as_over_the_vocabulary(rng_seed, cut_by_top_k):
+    """The nucleus lies among the finite logits after top-k, or among the largest 1024 when
+    they carry top_p of the mass: ordering only those drops the same tokens as sorting the
+    whole row. When they do not, there are no candidates (the row is sorted)."""
+    from freetoken_agent.engine.layers.sampler import (
+        TOP_P_CANDIDATES,
+        _nucleus_candidates,
+        _top_k,
+        _top_p,
+    )
 
     gen = torch.Generator().manual_seed(rng_seed)
+    seen = set()
     for _ in range(20):
         b = int(torch.randint(1, 6, (1,), generator=gen))
-        v = int(torch.randint(50, 5000, (1,), generator=gen))
-        logits = torch.randn(b, v, generator=gen) * 3  # continuous: no ties to order
-        ks = [int(k) for k in torch.randint(1, 60, (b,), generator=gen)]
-        cut = _top_k(logits, ks)
+        v = int(torch.randint(TOP_P_CANDIDATES + 1, 8000, (1,), generator=gen))
+        scale = float(torch.rand(1, generator=gen)) * 8  # flat to peaked rows
+        logits = torch.randn(b, v, generator=gen) * scale  # continuous: no ties to order
+        ks = (
+            [int(k) for k in torch.randint(1, 60, (b,), generator=gen)] if cut_by_top_k else [0] * b
+        )
+        logits = _top_k(logits, ks)
         top_p = torch.rand(b, generator=gen) * 0.98 + 0.01
-        n = int(torch.isfinite(cut).sum(dim=-1).max())
-        assert n == max(ks)
-        assert torch.equal(_top_p(cut, top_p, n), _top_p(cut, top_p))
+        largest = _nucleus_candidates(logits, ks, top_p)
+        seen.add(largest is not None)
+        if largest is None:
+            continue
+        assert torch.equal(_top_p(logits, top_p, largest), _top_p(logits, top_p))
+    assert True in seen  # the candidates' path ran
 
 
 def test_top_k_with_top_p_draws_within_both(rng_seed):
