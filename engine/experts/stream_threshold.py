@@ -36,10 +36,12 @@ MAX_TOKENS = 1 << 15  # past this, stream (a layer's experts every chunk is the 
 
 def binomial_quantiles(n: int, p: float, count: int) -> list[int]:
     """The (i + 1/2)/count quantiles of Binomial(n, p), i = 0..count-1, largest first."""
+    if p >= 1 or p <= 0:  # every token on every expert (top-k of all), or none
+        return [n if p >= 1 else 0] * count
     targets = [(i + 0.5) / count for i in range(count)]
     out, cdf, k = [], 0.0, 0
-    log_q = math.log1p(-p) if p < 1 else -math.inf
-    log_pmf = n * log_q if p < 1 else (0.0 if n == 0 else -math.inf)  # P(X = 0)
+    log_q = math.log1p(-p)
+    log_pmf = n * log_q  # P(X = 0)
     for t in targets:  # ascending targets: walk the CDF once
         while k < n and cdf + math.exp(log_pmf) < t:
             cdf += math.exp(log_pmf)

@@ -26,6 +26,8 @@ def test_binomial_quantiles_follow_the_distribution(rng_seed):
         mean, sd = n * p, (n * p * (1 - p)) ** 0.5
         assert abs(sum(q) / count - mean) <= 0.6 + 0.1 * sd, (n, p, count)  # quantile rounding
         assert q[0] <= mean + 4 * sd + 1 and q[-1] >= mean - 4 * sd - 1
+    n = rng.randint(0, 100)  # top-k of every expert, or of none
+    assert binomial_quantiles(n, 1.0, 5) == [n] * 5 and binomial_quantiles(n, 0.0, 3) == [0] * 3
 
 
 def _layer(e: int, k: int, resident: float, t: int) -> list[int]:
