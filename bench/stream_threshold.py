@@ -11,9 +11,9 @@ host's figures, against the 256 the engine still defaults to). This measures it:
 slice (bench offload's engine, policy adaptive), its cache filled by a short decode before
 each prefill, then a fresh prompt of each length prefilled with every chunk streamed
 (stream_min_tokens 1) and with every chunk placed (stream_min_tokens above the length).
-Medians of `--repeats` after one warm-up each. Reports both times per length, the measured
-crossover and the model's prediction from this run's B_P, B_H and host read bandwidth, beside
-the streaming limit (the non-resident experts' bytes over B_P). JSON to
+Medians of `--repeats` after one warm-up each. Reports both times per length, each beside the
+model's figure from this run's B_P, B_H and host read bandwidth (for streaming, its limit: the
+non-resident experts' bytes over B_P), and the measured crossover beside the predicted one. JSON to
 `<out>/stream_threshold_<layers>l.json`.
 """
 
@@ -31,7 +31,7 @@ from freetoken_agent.bench.limits import host_read_bandwidth
 from freetoken_agent.bench.offload import _decode, offload_engine, start_policy, timed_prefill
 from freetoken_agent.engine.config import EngineConfig
 from freetoken_agent.engine.experts.policy import Bandwidths
-from freetoken_agent.engine.experts.stream_threshold import stream_threshold
+from freetoken_agent.engine.experts.stream_threshold import layer_seconds, stream_threshold
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WARM_DECODE = 24  # tokens decoded before each prefill: the cache full, as mid-session
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     rows_total = spec.n_moe_layers * spec.n_experts
     resident = min(1.0, bank.cache.n_slots / rows_total)
     expert = bank.pool.expert_bytes
-    predicted = stream_threshold(spec.n_experts, spec.top_k, expert, Bandwidths(b_p, b_h),
-                                 resident, host)  # fmt: skip
+    bw = Bandwidths(b_p, b_h)
+    predicted = stream_threshold(spec.n_experts, spec.top_k, expert, bw, resident, host)
     rng = random.Random(0)
     rows = []
     for tokens in args.tokens:
@@ -83,14 +83,17 @@ def main(argv: list[str] | None = None) -> int:
             ][1:]  # the first compiles what this length needs
             row[f"{mode}_ms"] = 1e3 * statistics.median(times)
             row[f"{mode}_ms_all"] = [round(1e3 * t, 2) for t in times]
-        # Streaming's floor: every layer's non-resident experts over the link.
-        row["stream_limit_ms"] = (
-            1e3 * spec.n_moe_layers * (1 - resident) * spec.n_experts * (expert / b_p)
-        )
+        # The model's figures for every layer: streaming's is its floor (the non-resident
+        # experts over the link), placing's the split of those misses between link and CPU.
+        streamed, placed = layer_seconds(tokens, spec.n_experts, spec.top_k, expert, bw,
+                                         resident, host)  # fmt: skip
+        row["stream_limit_ms"] = 1e3 * spec.n_moe_layers * streamed
+        row["place_model_ms"] = 1e3 * spec.n_moe_layers * placed
         rows.append(row)
         print(
-            f"{tokens:6d} tokens: streamed {row['stream_ms']:8.1f} ms, placed "
-            f"{row['place_ms']:8.1f} ms (streaming limit {row['stream_limit_ms']:.1f} ms)",
+            f"{tokens:6d} tokens: streamed {row['stream_ms']:8.1f} ms (limit "
+            f"{row['stream_limit_ms']:.1f}), placed {row['place_ms']:8.1f} ms (model "
+            f"{row['place_model_ms']:.1f})",
             flush=True,
         )
     measured = next((r["tokens"] for r in rows if r["stream_ms"] <= r["place_ms"]), None)

@@ -64,14 +64,20 @@ def split_count(tokens: list[int], bw: Bandwidths) -> int:
     q* of the module docstring when every expert serves at most `bw.knee` tokens."""
     if all(t <= bw.knee for t in tokens):
         return fetch_count("adaptive", len(tokens), bw)
-    rest = sum(cpu_cost(t, bw.knee) for t in tokens) / bw.cpu
-    best_q, best = 0, rest
-    for q, t in enumerate(tokens, start=1):
-        rest -= cpu_cost(t, bw.knee) / bw.cpu
-        slower = max(q / bw.pcie, rest)
+    return balance(1 / bw.pcie, [cpu_cost(t, bw.knee) / bw.cpu for t in tokens])[0]
+
+
+def balance(fetch: float, cpu: list[float]) -> tuple[int, float]:
+    """Fetch the first q misses (`fetch` each on the link), run the rest on the CPU (`cpu[i]`
+    each): the q that minimises the slower branch, and that branch's time."""
+    rest = best = sum(cpu)
+    best_q = 0
+    for q, c in enumerate(cpu, start=1):
+        rest -= c
+        slower = max(q * fetch, rest)
         if slower < best:
             best_q, best = q, slower
-    return best_q
+    return best_q, best
 
 
 def fetch_count(policy: str, misses: int, bw: Bandwidths) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from freetoken_agent.engine.experts.policy import Bandwidths, cpu_cost
+from freetoken_agent.engine.experts.policy import Bandwidths, balance, cpu_cost
 
 FILL_HOST_S = 60e-6  # host time to issue one expert's fill (two copies, bookkeeping; H200 host)
 STEP = 16  # thresholds are searched in steps of this many tokens
@@ -57,13 +57,32 @@ def placed_seconds(tokens: list[int], expert_bytes: int, bw: Bandwidths,
     q fetched, the rest on the CPU, q chosen to minimise the slower branch."""
     fetch = expert_bytes / bw.pcie + FILL_HOST_S
     cpu = [cpu_cost(t, bw.knee) * expert_bytes / bw.cpu for t in tokens]
-    rest, best = sum(cpu), sum(cpu)
-    for q, c in enumerate(cpu, start=1):
-        rest -= c
-        best = min(best, max(q * fetch, rest))
+    best = balance(fetch, cpu)[1]
     if host_read:
         best = max(best, len(tokens) * expert_bytes / host_read)
     return best
+
+
+def layer_seconds(
+    tokens: int,
+    n_experts: int,
+    top_k: int,
+    expert_bytes: int,
+    bw: Bandwidths,
+    resident: float,
+    host_read: float | None = None,
+) -> tuple[float, float]:
+    """(streamed, placed): one layer's time for a chunk of `tokens` tokens, with a share
+    `resident` of the layer's experts in slots."""
+    missing = max(1, round(n_experts * (1 - resident)))  # non-resident experts a layer
+    # The non-resident experts take counts spread evenly over the layer's quantiles.
+    counts = binomial_quantiles(tokens, top_k / n_experts, n_experts)
+    spread = [counts[int((j + 0.5) * n_experts / missing)] for j in range(missing)]
+    placed = [c for c in spread if c > 0]  # untouched experts are no miss
+    return (
+        missing * expert_bytes / bw.pcie,
+        placed_seconds(placed, expert_bytes, bw, host_read),
+    )
 
 
 def stream_threshold(
@@ -76,15 +95,11 @@ def stream_threshold(
 ) -> int:
     """The smallest chunk (a multiple of STEP tokens, at most MAX_TOKENS) whose layers stream
     no slower than they are placed, with a share `resident` of each layer's experts in slots."""
-    missing = max(1, round(n_experts * (1 - resident)))  # non-resident experts a layer
-    streamed = missing * expert_bytes / bw.pcie
 
     def streams(t: int) -> bool:
-        # The non-resident experts take counts spread evenly over the layer's quantiles.
-        counts = binomial_quantiles(t, top_k / n_experts, n_experts)
-        spread = [counts[int((j + 0.5) * n_experts / missing)] for j in range(missing)]
-        tokens = [c for c in spread if c > 0]  # untouched experts are no miss
-        return streamed <= placed_seconds(tokens, expert_bytes, bw, host_read)
+        streamed, placed = layer_seconds(t, n_experts, top_k, expert_bytes, bw, resident,
+                                         host_read)  # fmt: skip
+        return streamed <= placed
 
     # Placing only slows as chunks grow (more experts touched, more tokens each): bisect for
     # the first step that streams (a dozen evaluations, not thousands at load).

@@ -12,6 +12,7 @@ from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.engine.experts.stream_threshold import (
     STEP,
     binomial_quantiles,
+    layer_seconds,
     placed_seconds,
     stream_threshold,
 )
@@ -48,7 +49,9 @@ def test_the_threshold_is_where_streaming_stops_losing(rng_seed):
         t = stream_threshold(e, k, expert, bw, resident)
         missing = max(1, round(e * (1 - resident)))
         streamed = missing * expert / bw.pcie
-        assert streamed <= placed_seconds(_layer(e, k, resident, t), expert, bw, None)
+        placed = placed_seconds(_layer(e, k, resident, t), expert, bw, None)
+        assert layer_seconds(t, e, k, expert, bw, resident) == (streamed, placed)
+        assert streamed <= placed
         if t > STEP:
             assert streamed > placed_seconds(_layer(e, k, resident, t - STEP), expert, bw, None)
         faster_link = Bandwidths(pcie=bw.pcie * 2, cpu=bw.cpu)
