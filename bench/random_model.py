@@ -46,6 +46,18 @@ def peer_slice(cfg: dict, n_layers: int = 12) -> dict:
     return {**cfg, "num_hidden_layers": n_layers}
 
 
+def _draw_normal(t: torch.Tensor, rows: int, std: float, gen: torch.Generator,
+                 dev: torch.device) -> None:  # fmt: skip
+    """N(0, std) into `t`, `rows` rows at a time, drawn on `dev`: a host tensor gets each
+    chunk copied (drawing gigabytes on the CPU would take minutes)."""
+    for chunk in t.split(rows):
+        if chunk.device == dev:
+            chunk.normal_(0.0, std, generator=gen)
+        else:
+            drawn = torch.empty(chunk.shape, dtype=chunk.dtype, device=dev)
+            chunk.copy_(drawn.normal_(0.0, std, generator=gen))
+
+
 @torch.no_grad()
 def random_engine(
     cfg: dict,
@@ -71,20 +83,11 @@ def random_engine(
     for name, p in model.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
-        elif p.device == dev:
-            p.normal_(0.0, std, generator=gen)
-        else:  # a table in host memory (layers/embedding.py): drawn on the device in chunks
-            for chunk in p.split(16384):
-                drawn = torch.empty(chunk.shape, dtype=p.dtype, device=dev)
-                chunk.copy_(drawn.normal_(0.0, std, generator=gen))
+        else:  # whole on the device; a table in host memory (layers/embedding.py) in chunks
+            _draw_normal(p, p.shape[0] if p.device == dev else 16384, std, gen, dev)
     drawn_before = pool is not None and getattr(bank, "pool", None) is pool
     for bank_tensor in () if drawn_before else (bank.w13, bank.w2):
-        for chunk in bank_tensor.split(256):  # bounded temporaries
-            if chunk.device == dev:
-                chunk.normal_(0.0, std, generator=gen)
-            else:
-                drawn = torch.empty(chunk.shape, dtype=dtype, device=dev)
-                chunk.copy_(drawn.normal_(0.0, std, generator=gen))
+        _draw_normal(bank_tensor, 256, std, gen, dev)  # bounded temporaries
     if hasattr(bank, "ready"):
         bank.ready()  # pin the pool, place static experts
     loaded = assemble(spec, config, model, bank, dev, dtype, max_len, tokenizer=None)
