@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = host_read_bandwidth()
     print(f"host read bandwidth (torch sum, 2 GiB, {threads} threads): {bandwidth / 1e9:.1f} GB/s")
     w13, w2 = make_pool(n, h, i)
-    print(f"huge pages asked: {args.huge_pages}; AnonHugePages now {anon_huge_kb()} kB")
+    huge_kb = anon_huge_kb()
+    print(f"huge pages asked: {args.huge_pages}; AnonHugePages now {huge_kb} kB")
     runs = [
         time_kernel(backend, t, w13, w2, threads, args.calls, 20, gap * 1e-6)
         for gap in args.gap_us
@@ -215,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             backend=backend,
             shape=SHAPE,
             pool_bytes=n * expert_bytes,
+            huge_pages_asked=args.huge_pages,
+            anon_huge_kb=huge_kb,
             read_bandwidth_gbs=bandwidth / 1e9,
             target=TARGET,
             ratio_t1=ratio,

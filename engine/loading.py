@@ -254,8 +254,8 @@ def assemble(
     eos = set(spec.eos_token_ids)
     if tokenizer is not None:
         eos |= set(tokenizer.eos_token_ids)
-    table = model.embed_tokens
-    on_host = f", embedding table on the host ({table.weight.nbytes / GiB:.2f} GiB)" * table.on_host
+    host = model.embed_tokens.host_nbytes
+    on_host = f", embedding table on the host ({host / GiB:.2f} GiB)" if host else ""
     log.info(
         "loaded %s on %s (%s): dense %.2f GiB%s, experts %.2f GiB, KV %d pages (%.2f GiB)",
         spec.arch, device, dtype, dense / GiB, on_host, bank.nbytes / GiB, n_pages,

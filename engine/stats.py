@@ -83,8 +83,7 @@ def engine_stats(engine) -> dict:
         "memory": {
             "dense_bytes": engine.loaded.dense_bytes,  # on the device
             # The token embedding table in pinned host memory (layers/embedding.py), else 0.
-            "host_embedding_bytes": engine.loaded.model.embed_tokens.weight.nbytes
-            - engine.loaded.model.embed_tokens.device_nbytes,
+            "host_embedding_bytes": engine.loaded.model.embed_tokens.host_nbytes,
             "expert_bytes": engine.loaded.bank.nbytes,
             "kv_bytes": kv.nbytes,
             "kv_pages": kv.allocator.capacity,

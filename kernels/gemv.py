@@ -1,8 +1,8 @@
 """Skinny matmul dispatcher: y [M, N] = x [M, K] @ W [N, K]^T (+ b) for decode-sized M.
 
 CUDA tensors of at most `MAX_M` rows take the Triton kernel (kernels/triton/gemv.py), anything
-else torch's F.linear. Not yet used by the model's linear layers: `bench gemv` compares the two
-per shape on the device before any layer switches.
+else torch's F.linear. The model's projections take it only with EngineConfig.skinny_gemv
+(layers/linear.py), off until `bench gemv` has compared the two per shape on the device.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from freetoken_agent.kernels.dispatch import use_triton
 
 log = logging.getLogger("freetoken.kernels")
 
+_kernel_works: bool | None = None  # whether the kernel's first launch went (None: not yet)
+
 
 def export_routing(ids: Tensor, weights: Tensor, hidden: Tensor, dst_ids: Tensor,
                    dst_weights: Tensor, dst_hidden: Tensor, *,
@@ -48,9 +50,6 @@ def export_routing(ids: Tensor, weights: Tensor, hidden: Tensor, dst_ids: Tensor
         _copy(pairs)
         return
     _kernel_works = True
-
-
-_kernel_works: bool | None = None  # None: the kernel not launched yet
 
 
 def _copy(pairs) -> None:

@@ -49,6 +49,11 @@ class TokenEmbedding(nn.Module):
         """Bytes the table takes in device memory (0 on the host)."""
         return 0 if self.on_host else self.weight.nbytes
 
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes the table takes in host memory (0 on the device)."""
+        return self.weight.nbytes - self.device_nbytes
+
     def pin(self) -> bool:
         """Page-lock the host table (CUDA), so the device can read it. Returns whether it
         worked; the caller moves the table to the device otherwise. Registered as the expert
