@@ -196,6 +196,18 @@ def test_backend_choice(monkeypatch, caplog):
     assert ("unavailable" in caplog.text) == bool(NATIVE), caplog.text
 
 
+def test_team_leaves_the_driver_a_core_unless_smt_gives_it_one(monkeypatch, rng_seed):
+    cores = random.Random(rng_seed).randint(2, 64)
+    monkeypatch.setattr(experts, "physical_cores", lambda: cores)
+    monkeypatch.setattr(experts.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert experts.team_size() == cores - 1
+    monkeypatch.setattr(experts.os, "sched_getaffinity", lambda pid: set(range(2 * cores)))
+    assert experts.team_size() == cores
+    monkeypatch.setattr(experts, "physical_cores", lambda: 1)
+    monkeypatch.setattr(experts.os, "sched_getaffinity", lambda pid: {0})
+    assert experts.team_size() == 1
+
+
 def test_thread_count_comes_from_the_environment_when_set(monkeypatch, rng_seed):
     n = random.Random(rng_seed).randint(1, 64)
     monkeypatch.setattr(experts, "_threads", None)
@@ -203,7 +215,7 @@ def test_thread_count_comes_from_the_environment_when_set(monkeypatch, rng_seed)
     assert experts.default_threads() == n
     monkeypatch.setattr(experts, "_threads", None)
     monkeypatch.delenv(experts.ENV_THREADS)
-    assert experts.default_threads() == experts.physical_cores()
+    assert experts.default_threads() == experts.team_size()
     monkeypatch.setattr(experts, "_threads", None)
     monkeypatch.setenv(experts.ENV_THREADS, "0")
     with pytest.raises(ValueError, match="FREETOKEN_CPU_THREADS"):
