@@ -18,7 +18,8 @@ layer could cost, so its prompts reach fewer experts than a trained router's wou
 records the distinct experts a layer its placed prefills touched, and how many were hits,
 filled and run on the CPU. Medians of `--repeats` after one warm-up each. Reports both
 times per length, each beside the model's figure from this run's B_P, B_H and host read
-bandwidth (for streaming, its limit: the non-resident experts' bytes over B_P), and the
+bandwidth and the CPU's knee, measured first (for streaming, its limit: the non-resident
+experts' bytes over B_P, with the slots lent as staging counted as non-resident), and the
 measured crossover beside the predicted one. JSON to
 `<out>/stream_threshold_<layers>l.json`.
 """
@@ -37,6 +38,7 @@ from freetoken_agent.bench.limits import host_read_bandwidth
 from freetoken_agent.bench.offload import _decode, offload_engine, start_policy, timed_prefill
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.config import EngineConfig
+from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.engine.experts.stream_threshold import layer_seconds, stream_threshold
 
@@ -89,16 +91,24 @@ def main(argv: list[str] | None = None) -> int:
     bank, spec = engine.loaded.bank, engine.spec
     host = host_read_bandwidth()
     start_policy(engine, bank, "adaptive", b_p, b_h)
+    # The CPU's knee as `freetoken calibrate` measures it: adaptive's split of a chunk's misses
+    # reads it. The fourteenth session's first run kept the default 8: its 768-token chunk
+    # placed in 252 ms, where its ~55 fills a layer needed ~150 and its CPU branch's time fits
+    # a knee of ~4 (a CPU share sized for 8 is twice too slow).
+    knee = calibration.measure_knee(spec.hidden_size, spec.moe_intermediate_size, torch.bfloat16)
+    bank.bandwidths.knee = knee
     if args.regime != "native":
-        spec = engine.spec
         gen = TraceGenerator(spec.n_moe_layers, spec.n_experts, spec.top_k,
                              Regime.parse(args.regime), seed=0)  # fmt: skip
         engine.loaded.model.set_expert_bank(TracedRouting(bank, gen))
+        engine.capture_graphs()  # graphs call the bank object they were captured with
     rows_total = spec.n_moe_layers * spec.n_experts
     resident = min(1.0, bank.cache.n_slots / rows_total)
     expert = bank.pool.expert_bytes
-    bw = Bandwidths(b_p, b_h)
-    predicted = stream_threshold(spec.n_experts, spec.top_k, expert, bw, resident, host)
+    bw = Bandwidths(b_p, b_h, knee)
+    streamer = bank.streamer  # lent staging slots evict experts while a chunk streams
+    staging = streamer.n_buffers * spec.n_experts / rows_total if streamer.lend else 0.0
+    predicted = stream_threshold(spec.n_experts, spec.top_k, expert, bw, resident, host, staging)
     rng = random.Random(0)
     rows = []
     for tokens in args.tokens:
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         # The model's figures for every layer: streaming's is its floor (the non-resident
         # experts over the link), placing's the split of those misses between link and CPU.
         streamed, placed = layer_seconds(tokens, spec.n_experts, spec.top_k, expert, bw,
-                                         resident, host)  # fmt: skip
+                                         resident, host, staging)  # fmt: skip
         row["stream_limit_ms"] = 1e3 * spec.n_moe_layers * streamed
         row["place_model_ms"] = 1e3 * spec.n_moe_layers * placed
         rows.append(row)
@@ -138,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         "b_p_gb_s": b_p / 1e9,
         "b_h_gb_s": b_h / 1e9,
         "host_read_gb_s": host / 1e9,
+        "cpu_knee_tokens": knee,
+        "staging_fraction": staging,
         "predicted_threshold": predicted,
         "measured_threshold": measured,  # the first length that streamed no slower (or None)
         "default_threshold": EngineConfig().stream_min_tokens,

@@ -154,8 +154,12 @@ def make_bank(
     stream_min = config.stream_min_tokens
     if stream_min is None:  # derived: experts/stream_threshold.py
         expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
+        buffers = 2 if config.double_buffer else 1
+        lends = lends_staging(slots, spec.n_experts, buffers, n_rows)  # as the bank will
+        resident = min(1.0, slots / n_rows)
+        staging = buffers * spec.n_experts / n_rows if lends else 0.0
         stream_min = stream_threshold(
-            spec.n_experts, spec.top_k, expert, bandwidths, resident=min(1.0, slots / n_rows)
+            spec.n_experts, spec.top_k, expert, bandwidths, resident, staging=staging
         )
         log.info("prefill chunks of %d tokens or more stream whole layers", stream_min)
     return OffloadedExpertBank(

@@ -9,8 +9,12 @@ tokens. Of the experts it touches, those not in a slot (a share 1 - r) are misse
   47-72 us on the H200 host), while the CPU runs the rest from the pool, each
   cpu_cost(tokens) * S / B_H; the layer waits for the slower branch. Both branches read host
   memory, so the layer takes at least (misses * S) / host read bandwidth when that is known.
-- streamed: every non-resident expert of the layer crosses the link, E * (1 - r) * S / B_P,
-  while the previous layer computes (double buffering), touched or not.
+- streamed: every non-resident expert of the layer crosses the link, E * (1 - r') * S / B_P,
+  while the previous layer computes (double buffering), touched or not. r' is the share
+  still resident while the chunk streams: its staging buffers borrow B * E slots
+  (streaming.py, `lend`), whose experts are evicted first. On the H200 host's peer slice
+  (12 layers, 657 slots: r = 0.43, r' = 0.26) a chunk streamed in 188-193 ms at every length,
+  the model with r' says 195, with r 151 (bench/results/stream_threshold_12l_s14.json).
 
 Few tokens touch few experts, each serving few tokens, cheap on the CPU: placing wins. Many
 tokens touch every expert, each serving many tokens, where the CPU is bound by arithmetic:
@@ -18,7 +22,7 @@ placing degenerates into fetching every miss one by one, which streaming does in
 behind compute. The threshold is the smallest T at which streaming is no slower. The GPU's own
 compute is left out of both (under a millisecond a layer at the chunk sizes where the two
 cross on the H200, and streamed chunks overlap it); so is the cache churn, which both paths
-cause (fills evict, streaming lends two layers' worth of slots as staging).
+cause (fills evict; the slots streaming lends are counted above, while it streams).
 
 Counts are the Binomial's quantiles (no sampling): expert i serves the (i + 1/2)/E quantile.
 """
@@ -71,16 +75,19 @@ def layer_seconds(
     bw: Bandwidths,
     resident: float,
     host_read: float | None = None,
+    staging: float = 0.0,
 ) -> tuple[float, float]:
     """(streamed, placed): one layer's time for a chunk of `tokens` tokens, with a share
-    `resident` of the layer's experts in slots."""
+    `resident` of the layer's experts in slots, of which a share `staging` of all experts is
+    lent to a streamed chunk's staging buffers (its experts evicted while it streams)."""
     missing = max(1, round(n_experts * (1 - resident)))  # non-resident experts a layer
     # The non-resident experts take counts spread evenly over the layer's quantiles.
     counts = binomial_quantiles(tokens, top_k / n_experts, n_experts)
     spread = [counts[int((j + 0.5) * n_experts / missing)] for j in range(missing)]
     placed = [c for c in spread if c > 0]  # untouched experts are no miss
+    streamed_missing = max(1, round(n_experts * (1 - max(0.0, resident - staging))))
     return (
-        missing * expert_bytes / bw.pcie,
+        streamed_missing * expert_bytes / bw.pcie,
         placed_seconds(placed, expert_bytes, bw, host_read),
     )
 
@@ -92,13 +99,15 @@ def stream_threshold(
     bw: Bandwidths,
     resident: float,
     host_read: float | None = None,
+    staging: float = 0.0,
 ) -> int:
     """The smallest chunk (a multiple of STEP tokens, at most MAX_TOKENS) whose layers stream
-    no slower than they are placed, with a share `resident` of each layer's experts in slots."""
+    no slower than they are placed, with a share `resident` of each layer's experts in slots
+    (`staging`: the share lent to a streamed chunk, layer_seconds)."""
 
     def streams(t: int) -> bool:
         streamed, placed = layer_seconds(t, n_experts, top_k, expert_bytes, bw, resident,
-                                         host_read)  # fmt: skip
+                                         host_read, staging)  # fmt: skip
         return streamed <= placed
 
     # Placing only slows as chunks grow (more experts touched, more tokens each): bisect for

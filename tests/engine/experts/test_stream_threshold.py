@@ -58,18 +58,36 @@ def test_the_threshold_is_where_streaming_stops_losing(rng_seed):
         faster_cpu = Bandwidths(pcie=bw.pcie, cpu=bw.cpu * 2)
         assert stream_threshold(e, k, expert, faster_link, resident) <= t
         assert stream_threshold(e, k, expert, faster_cpu, resident) >= t
+        # Slots lent as staging stay out of the cache while a chunk streams: it streams them
+        # too (placing is unchanged), so streaming pays later.
+        staging = rng.uniform(0.0, resident)
+        lent_missing = max(1, round(e * (1 - (resident - staging))))
+        lent = layer_seconds(t, e, k, expert, bw, resident, staging=staging)
+        assert lent == (lent_missing * expert / bw.pcie, placed)
+        assert stream_threshold(e, k, expert, bw, resident, staging=staging) >= t
 
 
 def test_an_engine_may_derive_its_threshold(tmp_path, monkeypatch, rng_seed):
+    """The loader derives the threshold from the slots it sizes, with the staging the bank's
+    streamer then lends (two buffers of 16 experts, from 48 slots on)."""
     monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "cache"))  # no calibration: defaults
-    make_tiny("qwen3_moe", tmp_path / "model", rng_seed, num_experts=16, num_experts_per_tok=4)
-    slots = random.Random(rng_seed).randint(1, 31)
-    engine = Engine.load(tmp_path / "model", device="cpu", policy="adaptive", expert_slots=slots,
-                         stream_min_tokens=None, progress=False)  # fmt: skip
-    spec, bank = engine.spec, engine.loaded.bank
-    expert = 3 * spec.hidden_size * spec.moe_intermediate_size * 4  # fp32
-    rows = spec.n_moe_layers * spec.n_experts
-    want = stream_threshold(spec.n_experts, spec.top_k, expert, Bandwidths(), slots / rows)
-    assert bank.stream_min_tokens == want
+    make_tiny("qwen3_moe", tmp_path / "model", rng_seed, num_experts=16, num_experts_per_tok=4,
+              num_hidden_layers=6)  # fmt: skip
+    rng = random.Random(rng_seed)
+    rows = None
+    for lends in (False, True):
+        slots = rng.randint(48, rows - 1) if lends else rng.randint(1, 47)
+        engine = Engine.load(tmp_path / "model", device="cpu", policy="adaptive",
+                             expert_slots=slots, stream_min_tokens=None,
+                             progress=False)  # fmt: skip
+        spec, bank = engine.spec, engine.loaded.bank
+        expert = 3 * spec.hidden_size * spec.moe_intermediate_size * 4  # fp32
+        rows = spec.n_moe_layers * spec.n_experts
+        assert rows > 48 and bank.streamer.lend == lends
+        staging = bank.streamer.n_buffers * spec.n_experts / rows if bank.streamer.lend else 0.0
+        want = stream_threshold(spec.n_experts, spec.top_k, expert, Bandwidths(), slots / rows,
+                                staging=staging)  # fmt: skip
+        assert bank.stream_min_tokens == want
+        engine.close()
     with pytest.raises(ValueError, match="stream_min_tokens must be positive"):
         Engine.load(tmp_path / "model", device="cpu", stream_min_tokens=0, progress=False)
