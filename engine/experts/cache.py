@@ -20,7 +20,7 @@ stride, so no pointer changes. `lend` always lends the top of the arena.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -148,6 +148,7 @@ class ExpertCache:
         after_compute: bool = True,
         publish: bool = True,
         race: bool = True,
+        ahead_from: int | None = None,
     ) -> list[int]:
         """Bring `lids` (absent ones) into slots, evicting least-recently-used lids outside
         `protect` (the experts this layer is about to use). Returns the lids actually filled:
@@ -156,15 +157,20 @@ class ExpertCache:
         graph segments, see segmented_graphs.py). `publish=False` leaves the device table to a
         later `publish(filled)`: publishing waits for the copies, so a caller with CPU work to
         overlap with them does that work first. `race=False`: the fills race nothing
-        (fill_races.py; the bank's prefill chunks)."""
+        (fill_races.py; the bank's prefill chunks). `ahead_from`: for a prefill chunk, the
+        first lid of the layers after the filling one; victims come from below it first
+        (`_victims`)."""
         self.inflight.settle()
         filled = []
         lids = [lid for lid in lids if self._slot_of[lid] < 0]
         if not lids:
             return filled
+        victims = None
+        if ahead_from is not None:
+            victims = self._victims(protect, len(lids) - len(self._free), ahead_from)
         if self.copy_stream is None:
             for lid in lids:
-                if not self._fill_one(lid, protect, race):
+                if not self._fill_one(lid, protect, race, victims):
                     break
                 filled.append(lid)
         else:
@@ -176,7 +182,7 @@ class ExpertCache:
             with torch.cuda.stream(self.copy_stream):  # entered once: a fill costs two copies
                 timing[0].record(self.copy_stream)  # named: a lookup of the stream is ~5 us
                 for lid in lids:
-                    if not self._fill_one(lid, protect, race):
+                    if not self._fill_one(lid, protect, race, victims):
                         break
                     filled.append(lid)
                 timing[1].record(self.copy_stream)
@@ -185,8 +191,8 @@ class ExpertCache:
             self.publish(filled)
         return filled
 
-    def _fill_one(self, lid: int, protect: set[int], race: bool) -> bool:
-        slot = self._claim(lid, protect, race)
+    def _fill_one(self, lid: int, protect: set[int], race: bool, victims=None) -> bool:
+        slot = self._claim(lid, protect, race, victims)
         if slot is None:
             return False
         self._copy_in(lid, slot)
@@ -198,10 +204,13 @@ class ExpertCache:
         self.w13[slot].copy_(self.pool.w13[lid], non_blocking=pinned)
         self.w2[slot].copy_(self.pool.w2[lid], non_blocking=pinned)
 
-    def _claim(self, lid: int, protect: set[int], race: bool = True) -> int | None:
-        """A slot for `lid` (evicting a victim outside `protect`; None if every slot is
-        protected): the host maps and the fill's race are updated, the copy is the caller's."""
-        slot, victim = self._take_slot(protect)
+    def _claim(
+        self, lid: int, protect: set[int], race: bool = True, victims: deque[int] | None = None
+    ) -> int | None:
+        """A slot for `lid` (evicting a victim outside `protect`, or the next of `victims`;
+        None if there is none): the host maps and the fill's race are updated, the copy is the
+        caller's."""
+        slot, victim = self._take_slot(protect, victims)
         if slot is None:
             return None
         self.fills += 1
@@ -217,20 +226,54 @@ class ExpertCache:
         """Whether `lid` belongs to a kept layer (`kept_layers`)."""
         return lid // self.lids_per_layer in self.kept_layers
 
-    def _take_slot(self, protect: set[int]) -> tuple[int | None, int]:
-        """(a slot for a fill or None, the lid evicted from it or -1)."""
+    def _take_slot(
+        self, protect: set[int], victims: deque[int] | None = None
+    ) -> tuple[int | None, int]:
+        """(a slot for a fill or None, the lid evicted from it or -1): a free slot, else the
+        next of `victims` when given, else the least recently used lid that may go."""
         if self._free:
             return self._free.pop(), -1
-        kept, per = self.kept_layers, self.lids_per_layer
+        if victims is not None:
+            if not victims:
+                return None, -1
+            return self._evict_for_fill(victims.popleft())
         for victim in self._lru:
-            if victim in protect:
-                continue
-            if not kept or victim // per not in kept:
-                slot = self._slot_of[victim]
-                self._evict(victim)
-                self._unpublished.append(victim)
-                return slot, victim
+            if self._may_evict(victim, protect):
+                return self._evict_for_fill(victim)
         return None, -1
+
+    def _may_evict(self, lid: int, protect: set[int]) -> bool:
+        kept = self.kept_layers
+        return lid not in protect and (not kept or lid // self.lids_per_layer not in kept)
+
+    def _evict_for_fill(self, victim: int) -> tuple[int, int]:
+        slot = self._slot_of[victim]
+        self._evict(victim)
+        self._unpublished.append(victim)
+        return slot, victim
+
+    def _victims(self, protect: set[int], n: int, ahead_from: int) -> deque[int]:
+        """Up to `n` lids for a prefill chunk's fills to evict: first those below `ahead_from`
+        (the layers it has passed, and the filling layer's experts it does not use), then
+        those of the layers ahead, least recently used first within each. A chunk of more
+        than a few dozen tokens touches nearly every expert of every layer, so the LRU's
+        oldest lids are the layers ahead (last touched a chunk ago), which this chunk is about
+        to use: evicting them trades each fill for a miss a few layers on, while the layers
+        passed are needed again only by the next step. One walk of the LRU for the call."""
+        passed: deque[int] = deque()
+        ahead: deque[int] = deque()
+        for lid in self._lru:
+            if len(passed) >= n:
+                break
+            if not self._may_evict(lid, protect):
+                continue
+            if lid < ahead_from:
+                passed.append(lid)
+            elif len(ahead) < n:
+                ahead.append(lid)
+        while len(passed) < n and ahead:
+            passed.append(ahead.popleft())
+        return passed
 
     def _evict(self, lid: int) -> None:
         """Drop `lid` from the host-side maps; the device table is the caller's to update."""

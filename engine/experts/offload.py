@@ -252,8 +252,11 @@ class OffloadedExpertBank:
         protect = set(uniq)  # the layer's own experts: never victims of its fills
         want = self._fetches(misses, protect, n_tokens)
         race = n_tokens <= RACE_MAX_TOKENS  # decode's fills measure whether fills pay
+        # A prefill chunk's fills take their victims from the layers it has passed first
+        # (cache._victims): the LRU's oldest are the layers it is about to use.
+        ahead = None if race else (uniq[0] // self.n_experts + 1) * self.n_experts
         fetched = self.cache.fill(
-            want, protect, after_compute=after_compute, publish=False, race=race
+            want, protect, after_compute=after_compute, publish=False, race=race, ahead_from=ahead
         )
         # The policy's rest, and any fill that found every slot protected.
         on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
