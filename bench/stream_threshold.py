@@ -6,8 +6,8 @@
 An offloaded engine prefills a chunk of fewer than `stream_min_tokens` tokens by placing its
 misses expert by expert (fills beside CPU work, adaptive's split), and a longer one by
 streaming every layer's experts behind compute. engine/experts/stream_threshold.py derives
-the crossover from B_P, B_H and the slots' share of the experts (~800 tokens at the H200
-host's figures, against the 256 the engine still defaults to). This measures it: the peer
+the crossover from B_P, B_H, the CPU's knee and the slots' share of the experts; the engine
+defaults to a measured 512 (EngineConfig.stream_min_tokens). This measures it: the peer
 slice (bench offload's engine, policy adaptive), its cache filled by a short decode before
 each prefill, then a fresh prompt of each length prefilled with every chunk streamed
 (stream_min_tokens 1) and with every chunk placed (stream_min_tokens above the length).

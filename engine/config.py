@@ -247,11 +247,14 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture batched decode in CUDA graphs (CUDA only)
     expert_slots: int | None = None  # offloading: GPU expert slots (None: sized from budget)
     # Offloading: chunks of at least this many tokens stream whole layers instead of placing
-    # their misses expert by expert. None: derived from the calibrated bandwidths and the
-    # slots' share of the experts (experts/stream_threshold.py; ~800 tokens at the H200 host's
-    # figures). 256 stays the default until `bench stream-threshold` has measured the crossover
-    # on the device against that model.
-    stream_min_tokens: int | None = 256
+    # their misses expert by expert. Measured on the H200 host (`bench stream-threshold`, peer
+    # slice, uniform routing): streaming a chunk took 190 ms at any length, placing it 137 at
+    # 256 tokens, 140-175 at 384-512 and 247 at 768 (bench/results/stream_threshold_12l_s14*).
+    # None: derived from the calibrated bandwidths and the slots' share of the experts
+    # (experts/stream_threshold.py). Its streaming branch matches the device (197 ms modelled);
+    # its placing branch is 1.3-2x optimistic there past 512 tokens, so it derives thousands
+    # of tokens: an experiment, not the default.
+    stream_min_tokens: int | None = 512
     double_buffer: bool = True  # False: one staging buffer (the ablation)
     # Hybrid models, segmented decode: run ahead of the host's miss checks as attention-only
     # models do, re-running from step-start copies of the recurrent state after a miss
