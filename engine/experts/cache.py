@@ -253,26 +253,35 @@ class ExpertCache:
         return slot, victim
 
     def _victims(self, protect: set[int], n: int, ahead_from: int) -> deque[int]:
-        """Up to `n` lids for a prefill chunk's fills to evict: first those below `ahead_from`
-        (the layers it has passed, and the filling layer's experts it does not use), then
-        those of the layers ahead, least recently used first within each. A chunk of more
-        than a few dozen tokens touches nearly every expert of every layer, so the LRU's
-        oldest lids are the layers ahead (last touched a chunk ago), which this chunk is about
-        to use: evicting them trades each fill for a miss a few layers on, while the layers
-        passed are needed again only by the next step. One walk of the LRU for the call."""
-        passed: deque[int] = deque()
-        ahead: deque[int] = deque()
+        """Up to `n` lids for a prefill chunk's fills to evict, in this order: those below
+        `ahead_from` (the layers it has passed, and the filling layer's experts it does not
+        use), then those of kept layers it has passed, then any other, least recently used
+        first within each. A chunk of more than a few dozen tokens touches nearly every expert
+        of every layer, so the LRU's oldest lids are the layers ahead (last touched a chunk
+        ago), which this chunk is about to use: evicting them trades each fill for a miss a
+        few layers on, while the layers passed are needed again only by the next step. Kept
+        layers (`kept_layers`: decode's whole-layer layout) are victims too, after the others
+        passed: a chunk confined to the slots outside them ran most of every other layer's
+        misses on the CPU at dozens of tokens each (on the H200 host's peer slice, 18 of 73
+        a layer took 247 ms at 768 tokens, where streaming took 190); decode fetches a kept
+        layer's evicted experts back as routing asks for them. One walk of the LRU a call."""
+        per, kept = self.lids_per_layer, self.kept_layers
+        buckets: tuple[deque[int], deque[int], deque[int]] = (deque(), deque(), deque())
+        passed, passed_kept, ahead = buckets
         for lid in self._lru:
             if len(passed) >= n:
                 break
-            if not self._may_evict(lid, protect):
+            if lid in protect:
                 continue
-            if lid < ahead_from:
-                passed.append(lid)
-            elif len(ahead) < n:
-                ahead.append(lid)
-        while len(passed) < n and ahead:
-            passed.append(ahead.popleft())
+            if lid >= ahead_from:
+                bucket = ahead
+            else:
+                bucket = passed_kept if kept and lid // per in kept else passed
+            if len(bucket) < n:
+                bucket.append(lid)
+        for more in (passed_kept, ahead):
+            while len(passed) < n and more:
+                passed.append(more.popleft())
         return passed
 
     def _evict(self, lid: int) -> None:

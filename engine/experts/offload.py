@@ -253,8 +253,10 @@ class OffloadedExpertBank:
         want = self._fetches(misses, protect, n_tokens)
         race = n_tokens <= RACE_MAX_TOKENS  # decode's fills measure whether fills pay
         # A prefill chunk's fills take their victims from the layers it has passed first
-        # (cache._victims): the LRU's oldest are the layers it is about to use.
-        ahead = None if race else (uniq[0] // self.n_experts + 1) * self.n_experts
+        # (cache._victims): the LRU's oldest are the layers it is about to use. Not static's:
+        # its kept layers are the layout it is measured by, and only they fill.
+        prefill = not race and self.policy != "static"
+        ahead = (uniq[0] // self.n_experts + 1) * self.n_experts if prefill else None
         fetched = self.cache.fill(
             want, protect, after_compute=after_compute, publish=False, race=race, ahead_from=ahead
         )

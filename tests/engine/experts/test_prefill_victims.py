@@ -5,7 +5,10 @@ evict the experts it is about to use."""
 import random
 
 import torch
+from tiny_models import make_tiny
 
+from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.experts import layer_layout
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.pool import ExpertPool
 
@@ -19,12 +22,15 @@ def _cache(seed: int, slots: int) -> ExpertCache:
 
 
 def test_fills_evict_the_layers_passed_first_then_the_oldest_ahead(rng_seed):
+    """Passed layers first, then passed kept layers (decode's whole-layer layout), then the
+    layers ahead; least recently used first within each."""
     rng = random.Random(rng_seed)
     for _ in range(20):
         slots = rng.randrange(E, L * E - E)
         cache = _cache(rng_seed, slots)
         cache.fill(rng.sample(range(L * E), slots), protect=set())  # full: fills evict
         cache.touch(rng.sample(range(L * E), L * E))  # an arbitrary LRU order
+        cache.kept_layers = frozenset(rng.sample(range(L), rng.randrange(0, 3)))
         layer = rng.randrange(L)
         ahead_from = (layer + 1) * E
         own = range(layer * E, ahead_from)
@@ -32,8 +38,9 @@ def test_fills_evict_the_layers_passed_first_then_the_oldest_ahead(rng_seed):
         want = [lid for lid in own if not cache.resident(lid) and rng.random() < 0.8]
         order = list(cache._lru)  # oldest first
         free = [lid for lid in order if lid not in protect]
-        expected = ([lid for lid in free if lid < ahead_from] +
-                    [lid for lid in free if lid >= ahead_from])[: len(want)]  # fmt: skip
+        kept = [lid for lid in free if lid < ahead_from and lid // E in cache.kept_layers]
+        passed = [lid for lid in free if lid < ahead_from and lid not in kept]
+        expected = (passed + kept + [lid for lid in free if lid >= ahead_from])[: len(want)]
         before = {lid for lid in range(L * E) if cache.resident(lid)}
         filled = cache.fill(want, protect, ahead_from=ahead_from)
         assert filled == want[: len(expected)]
@@ -82,3 +89,45 @@ def test_a_chunk_keeps_the_hits_of_the_layers_ahead(rng_seed):
             lost = min(E - resident[0], sum(resident[1:]))
             assert hits[first] == sum(resident) - lost
     assert hits[True] > hits[False]
+
+
+def test_a_placed_chunk_in_layers_mode_fills_past_the_other_layers_slots(tmp_path, rng_seed):
+    """Adaptive's `layers` mode keeps whole layers for decode; a prefill chunk placed under
+    it may evict their experts, so a layer outside them fills more misses than the slots
+    outside the kept layers hold (before, the rest ran on the CPU at dozens of tokens each).
+    The tokens stay the resident engine's, then through decode steps that fetch the kept
+    layers' evicted experts back as routing asks for them."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_hidden_layers=5)  # 4 MoE layers, E = 8
+    resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
+    e, n_layers = resident.spec.n_experts, resident.spec.n_moe_layers
+    rng = random.Random(rng_seed)
+    slots = 2 * e + rng.randrange(1, 3)  # two whole layers and a few slots more
+    engine = Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=slots,
+                         double_buffer=False, stream_min_tokens=4096,
+                         progress=False)  # fmt: skip
+    bank, cache = engine.loaded.bank, engine.loaded.bank.cache
+    bank.adaptive.verdict = lambda gain: "band"  # fills neither pay nor cost: the trials' band
+    cache.kept_layers = layer_layout.kept_layers(cache, n_layers)  # `layers` mode entered
+    layer_layout.complete(cache, cache.kept_layers, set())
+    outside = slots - len(cache.kept_layers) * e
+    fetched: dict[int, int] = {}
+    place = bank._place
+
+    def counted(misses, uniq, cpu_inputs, n_tokens, after_compute=True):
+        part, filled = place(misses, uniq, cpu_inputs, n_tokens, after_compute)
+        if n_tokens > 16:  # the prompt's chunk
+            layer = uniq[0] // e
+            fetched[layer] = fetched.get(layer, 0) + len(filled)
+        return part, filled
+
+    bank._place = counted
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(150, 250))]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert engine.generate(prompt, sp).token_ids == resident.generate(prompt, sp).token_ids
+    assert max(fetched.values()) > outside, (fetched, outside)
+    # Decode in `layers` mode with kept layers the chunk left incomplete.
+    more = engine.generate(prompt[:5], SamplingParams(max_tokens=24, temperature=0,
+                                                      ignore_eos=True))  # fmt: skip
+    assert more.token_ids == resident.generate(prompt[:5], SamplingParams(
+        max_tokens=24, temperature=0, ignore_eos=True)).token_ids  # fmt: skip
+    engine.check_integrity()
