@@ -248,12 +248,13 @@ class EngineConfig:
     expert_slots: int | None = None  # offloading: GPU expert slots (None: sized from budget)
     # Offloading: chunks of at least this many tokens stream whole layers instead of placing
     # their misses expert by expert. Measured on the H200 host (`bench stream-threshold`, peer
-    # slice, uniform routing): streaming a chunk took 190 ms at any length, placing it 137 at
-    # 256 tokens, 140-175 at 384-512 and 247 at 768 (bench/results/stream_threshold_12l_s14*).
+    # slice, uniform routing, stream_threshold_12l_s14_kept.json): streaming a chunk took
+    # 189-193 ms at any length; placing it 92-137 ms at 64-256 tokens, 157-179 at 384-512,
+    # 184-186 at 768-1024 and 194 at 1536. Past 512 the two are within 5%, and streaming
+    # leaves the cache as decode had it (it lends two layers' slots), where placing evicts.
     # None: derived from the calibrated bandwidths and the slots' share of the experts
-    # (experts/stream_threshold.py). Its streaming branch matches the device (197 ms modelled);
-    # its placing branch is 1.3-2x optimistic there past 512 tokens, so it derives thousands
-    # of tokens: an experiment, not the default.
+    # (experts/stream_threshold.py): its model is within 10-25% of both measured times, but
+    # the two stay so close past 512 tokens that it derives thousands. An experiment.
     stream_min_tokens: int | None = 512
     double_buffer: bool = True  # False: one staging buffer (the ablation)
     # Hybrid models, segmented decode: run ahead of the host's miss checks as attention-only
