@@ -14,7 +14,7 @@ tokens. Of the experts it touches, those not in a slot (a share 1 - r) are misse
   still resident while the chunk streams: its staging buffers borrow B * E slots
   (streaming.py, `lend`), whose experts are evicted first. On the H200 host's peer slice
   (12 layers, 657 slots: r = 0.43, r' = 0.26) a chunk streamed in 188-193 ms at every length,
-  the model with r' says 195, with r 151 (bench/results/stream_threshold_12l_s14.json).
+  the model with r' says 195, with r 151 (bench/results/stream_threshold_12l_s14_kept.json).
 
 Few tokens touch few experts, each serving few tokens, cheap on the CPU: placing wins. Many
 tokens touch every expert, each serving many tokens, where the CPU is bound by arithmetic:
