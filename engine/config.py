@@ -253,7 +253,7 @@ class EngineConfig:
     # 184-186 at 768-1024 and 194 at 1536. Past 512 the two are within 5%, and streaming
     # leaves the cache as decode had it (it lends two layers' slots), where placing evicts.
     # None: derived from the calibrated bandwidths and the slots' share of the experts
-    # (experts/stream_threshold.py): its model is within 10-25% of both measured times, but
+    # (experts/stream_threshold.py): its model is within 2-24% of both measured times, but
     # the two stay so close past 512 tokens that it derives thousands. An experiment.
     stream_min_tokens: int | None = 512
     double_buffer: bool = True  # False: one staging buffer (the ablation)

@@ -191,7 +191,9 @@ class ExpertCache:
             self.publish(filled)
         return filled
 
-    def _fill_one(self, lid: int, protect: set[int], race: bool, victims=None) -> bool:
+    def _fill_one(
+        self, lid: int, protect: set[int], race: bool, victims: deque[int] | None = None
+    ) -> bool:
         slot = self._claim(lid, protect, race, victims)
         if slot is None:
             return False
