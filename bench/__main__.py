@@ -53,9 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv or argv[0] not in BENCHES:
-        print(__doc__.strip(), file=sys.stderr if argv else sys.stdout)
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"\nunknown benchmark {argv[0]!r}; choose one of {', '.join(BENCHES)}")
+        asked = not argv or argv[0] in ("-h", "--help")
+        print(__doc__.strip(), file=sys.stdout if asked else sys.stderr)
+        if not asked:
+            print(f"\nunknown benchmark {argv[0]!r}; choose one of {', '.join(BENCHES)}",
+                  file=sys.stderr)  # fmt: skip
             return 2
         return 0
     return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])

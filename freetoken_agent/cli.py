@@ -298,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # The benchmarks parse their own options: argparse would take `freetoken bench --help`
+        # for its own (an empty usage line) instead of the list of benchmarks.
+        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

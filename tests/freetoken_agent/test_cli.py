@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
@@ -95,3 +96,18 @@ def test_memory_flags_reach_the_engine_config(monkeypatch, rng_seed):
     seen.clear()
     cli._load(parser.parse_args(["--model", "."]))
     assert "memory_reserve" not in seen and "follow_free_memory" not in seen
+
+
+def test_bench_help_lists_every_benchmark_and_each_has_its_options(env, rng_seed):
+    """`freetoken bench --help` is the benchmarks' list (argparse used to answer it with an
+    empty usage line), and `freetoken bench NAME --help` that benchmark's options."""
+    from freetoken_agent.bench.__main__ import BENCHES
+
+    done = _run(["bench", "--help"], env)
+    assert done.returncode == 0, done.stderr
+    assert all(name in done.stdout for name in BENCHES), done.stdout
+    name = random.Random(rng_seed).choice(sorted(BENCHES))
+    done = _run(["bench", name, "--help"], env)
+    assert done.returncode == 0, done.stderr
+    assert f"usage: freetoken bench {name}" in done.stdout
+    assert _run(["bench", "no-such-bench"], env).returncode == 2
