@@ -160,7 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         "0.2-0.5 ms apart; compare with OMP_WAIT_POLICY / GOMP_SPINCOUNT set",
     )
     parser.add_argument(
-        "--out", type=Path, nargs="?", const=RESULTS / "cpu_experts.json", default=None
+        "--out",
+        type=Path,
+        nargs="?",
+        const=RESULTS / "cpu_experts.json",
+        default=None,
+        help="write the JSON results (no path: bench/results/cpu_experts.json)",
     )
     parser.add_argument(
         "--huge-pages",

@@ -115,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--layers", type=int, nargs="+", default=[48, 12])
+    parser.add_argument("--layers", type=int, nargs="+", default=[48, 12],
+                        help="model depths (48: Qwen3-30B-A3B, 12: peer slice)")  # fmt: skip
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=128, help="decoded tokens per request")
     parser.add_argument("--skinny-gemv", action="store_true",
                         help="decode projections through the Triton skinny matmul (EngineConfig."
                         "skinny_gemv); writes decode_baseline_skinny.json")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the decode baseline needs a CUDA device")

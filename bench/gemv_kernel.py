@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs CUDA")

@@ -77,9 +77,10 @@ def step_ms(k: torch.Tensor, v: torch.Tensor, context: int, q_len: int, seed: in
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="freetoken bench kv-layout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 16384, 44000, 100000])
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 16384, 44000, 100000],
+                   help="context lengths (tokens)")  # fmt: skip
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random inputs' seed")
     p.add_argument("--out", type=Path, default=None, help="JSON results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

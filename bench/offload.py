@@ -172,9 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=48, help="model depth (12: peer slice)")
     parser.add_argument("--budget-gb", type=float, default=32.0, help="GPU budget (GB)")
     parser.add_argument("--decode", type=int, default=48, help="decoded tokens per policy")
-    parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 8192, 16384],
+                        help="prompt lengths prefilled, double buffer on and off")  # fmt: skip
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     parser.add_argument("--skip-decode", action="store_true", help="prefill figures only")
     parser.add_argument("--skip-prefill", action="store_true", help="decode figures only")
     parser.add_argument(

@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench parity-precision", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=300)
+    parser.add_argument("--seeds", type=int, default=3, help="random models per family")
+    parser.add_argument("--tokens", type=int, default=300, help="prompt tokens compared")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
     from tiny_models import FAMILIES, make_tiny

@@ -115,13 +115,15 @@ def _kernel_alone(bank, repeats: int = 50) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="freetoken bench profile-offload", description=__doc__)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--budget-gb", type=float, default=8.59)
-    parser.add_argument("--decode", type=int, default=48)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")
+    parser.add_argument("--budget-gb", type=float, default=8.59, help="GPU budget (GB)")
+    parser.add_argument("--decode", type=int, default=48, help="decode steps timed per row")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
-    parser.add_argument("--regimes", nargs="+", default=["uniform", "native"])
-    parser.add_argument("--policies", nargs="+", default=["cpu", "static", "adaptive", "transfer"])
+    parser.add_argument("--regimes", nargs="+", default=["uniform", "native"],
+                        help="routing: native (random router), uniform, zipf:S,loc:P")  # fmt: skip
+    parser.add_argument("--policies", nargs="+", default=["cpu", "static", "adaptive", "transfer"],
+                        help="offload policies, one row each")  # fmt: skip
     parser.add_argument(
         "--torch-profile",
         type=int,

@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench profile", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")
+    parser.add_argument("--prefill", type=int, default=512, help="prefill chunk (tokens)")
+    parser.add_argument("--rows", type=int, default=25, help="kernels listed per table")
     args = parser.parse_args(argv)
     engine = random_engine(peer_slice(QWEN3_30B_A3B, args.layers), max_num_seqs=4)
     rng = random.Random(0)

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         "--regime", default="uniform",
         help="routing of every call: uniform, zipf:S,loc:P, or native (the random router)",
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, chunk=max(args.tokens))
     bank, spec = engine.loaded.bank, engine.spec

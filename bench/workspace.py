@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, nargs="+", default=[2048, 4096, 8192],
                         help="prefill lengths (tokens), each one chunk")  # fmt: skip
     parser.add_argument("--budget-gb", type=float, default=8.59, help="offloaded engine budget")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs CUDA")
