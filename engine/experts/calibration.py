@@ -122,11 +122,17 @@ def measure_knee(hidden: int, inter: int, dtype: torch.dtype, pool=None) -> floa
     return float(min(KNEE_PROBE_TOKENS, max(1.0, KNEE_PROBE_TOKENS * one / many)))
 
 
-def cpu_experts(hidden, w13, w2, rows, weights, threads: int | None = None) -> torch.Tensor:
+def cpu_experts(
+    hidden, w13, w2, rows, weights, threads: int | None = None, into: torch.Tensor | None = None
+) -> torch.Tensor:
     """The CPU executor: the SIMD kernel of kernels/cpu (AVX-512 or AVX2, built on first use;
-    it falls back to plain torch by itself where no compiler exists). [T, H] in hidden.dtype."""
+    it falls back to plain torch by itself where no compiler exists). [T, H] in hidden.dtype:
+    a new tensor, or `into` (a decode graph's pinned staging rows: the kernel's fp32 sum is
+    rounded straight into them, one op fewer at every stopping layer)."""
     out = kernel_cpu_experts(hidden, w13, w2, rows, weights.to(torch.float32), threads=threads)
-    return out.to(hidden.dtype)
+    if into is None:
+        return out.to(hidden.dtype)
+    return into.copy_(out)
 
 
 def calibrate(hidden: int, inter: int, dtype: torch.dtype) -> Calibration:

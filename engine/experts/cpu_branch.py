@@ -44,11 +44,13 @@ def run_on_cpu(
     topk_weights: torch.Tensor,  # [T, K] on the host
     on_cpu: list[int],
     timed: bool,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The pairs whose expert stays in the pool, computed from the pool on the CPU (on the
     calling thread: its OpenMP team is the one torch's CPU ops share and keep warm; from a
     fresh thread the same kernel ran 3x slower on the H200 host). `timed`: fold the run into
-    B_H (on CUDA; a CPU "device" has no second branch to balance). Returns [T, H] on the host."""
+    B_H (on CUDA; a CPU "device" has no second branch to balance). Returns [T, H] on the host:
+    `into` when given (calibration.cpu_experts)."""
     # [T, K] pool rows, -1 where the expert is not this branch's. A set lookup per pair: on a
     # decode step's 8-32 pairs np.isin + np.where took 20-40 us, this 5-10 (dev box); a
     # prefill chunk placed expert by expert has thousands of pairs: at 4096 the list took
@@ -61,7 +63,7 @@ def run_on_cpu(
         ids = lids.numpy() if lids.dtype == torch.int64 else lids.long().numpy()
         rows = torch.from_numpy(np.where(np.isin(ids, on_cpu), ids, -1))
     start = time.perf_counter()
-    part = calibration.cpu_experts(hidden, pool.w13, pool.w2, rows, topk_weights)
+    part = calibration.cpu_experts(hidden, pool.w13, pool.w2, rows, topk_weights, into=into)
     if timed:
         nbytes = len(on_cpu) * pool.expert_bytes
         bandwidths.cpu = calibration.update(bandwidths.cpu, nbytes, time.perf_counter() - start)

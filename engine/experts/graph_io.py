@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +42,30 @@ class GraphIO:
         self.cpu_part = torch.zeros(shape_h, dtype=dtype, device=device)  # [L, T, H]
         self.active = False
         self.split: Callable[[], None] = lambda: None
+        self._views: dict[tuple[int, int], LayerViews] = {}
+
+    def views(self, layer: int, n_tokens: int) -> LayerViews:
+        """The first `n_tokens` rows of `layer` in each buffer the host reads or writes at a
+        stop, made once: slicing four buffers at every stop cost eight tensor ops."""
+        key = (layer, n_tokens)
+        if key not in self._views:
+            rows = slice(0, n_tokens)
+            self._views[key] = LayerViews(
+                self.hidden[layer, rows],
+                self.weights[layer, rows],
+                self.cpu_stage[layer, rows],
+                self.cpu_part[layer, rows],
+            )
+        return self._views[key]
+
+
+class LayerViews(NamedTuple):
+    """One layer's rows of a step in GraphIO's buffers."""
+
+    hidden: torch.Tensor  # [T, H] pinned: the activations the graph exported
+    weights: torch.Tensor  # [T, K] pinned: the routing weights
+    cpu_stage: torch.Tensor  # [T, H] pinned: the CPU's partial sum, in the model dtype
+    cpu_part: torch.Tensor  # [T, H] on the device: what the next segment adds
 
 
 def distinct_lids(ids: np.ndarray) -> tuple[list[int], list[int]]:

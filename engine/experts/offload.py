@@ -236,13 +236,15 @@ class OffloadedExpertBank:
         cpu_inputs,
         n_tokens: int,
         after_compute: bool = True,
+        into: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, list[int]]:
         """Place the misses: the policy's share is filled into slots (the layer's own experts
         are never evicted for them), the rest runs on the CPU while the copies cross the link.
         `cpu_inputs()` returns (hidden [T, H], lids [T, K], weights [T, K]) on the host;
         `n_tokens` is T (only decode-sized calls start fill races: fill_races.py).
-        Returns (the CPU's partial sum [T, H] on the host or None, the lids filled); the caller
-        publishes the filled slots (`cache.publish`) once it no longer needs to overlap them."""
+        Returns (the CPU's partial sum [T, H] on the host, in `into` when given, or None; the
+        lids filled); the caller publishes the filled slots (`cache.publish`) once it no longer
+        needs to overlap them."""
         if not misses:
             return None, []
         observe_fills(self.cache, self.bandwidths)
@@ -265,7 +267,8 @@ class OffloadedExpertBank:
         cuda = self.device.type == "cuda"
         part = None
         if on_cpu:
-            part = run_on_cpu(self.pool, self.bandwidths, *cpu_inputs(), on_cpu, timed=cuda)
+            part = run_on_cpu(self.pool, self.bandwidths, *cpu_inputs(), on_cpu, timed=cuda,
+                              into=into)  # fmt: skip
         self.stats.fetched += len(fetched)
         self.stats.on_cpu += len(on_cpu)
         return part, fetched
@@ -348,16 +351,17 @@ class OffloadedExpertBank:
         if not misses:
             return False
 
+        rows = io.views(layer, n_tokens)
+
         # Everything queued on the device now is either finished (up to this layer's segment)
         # or speculative and about to run again: the fills need not wait for it.
         def cpu_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return io.hidden[layer, :n_tokens], torch.from_numpy(ids), io.weights[layer, :n_tokens]
+            return rows.hidden, torch.from_numpy(ids), rows.weights
 
-        part, fetched = self._place(misses, uniq_l, cpu_inputs, n_tokens, after_compute=False)
-        if part is not None:
-            stage = io.cpu_stage[layer, :n_tokens]
-            stage.copy_(part)
-            io.cpu_part[layer, :n_tokens].copy_(stage, non_blocking=True)
+        part, fetched = self._place(misses, uniq_l, cpu_inputs, n_tokens, after_compute=False,
+                                    into=rows.cpu_stage)  # fmt: skip
+        if part is not None:  # the CPU's sum is in the pinned stage: to the device
+            rows.cpu_part.copy_(part, non_blocking=True)
         self.cache.publish(fetched)
         return True
 
