@@ -22,6 +22,7 @@
 #         run-ahead-zipf (peer slice, Zipf b=1: run-ahead 0/2/4 and miss gates 0.2/0.5, ~2 min)
 #         stream-threshold (prefill 64-1536 tokens streamed and placed against the model, ~3 min)
 #         huge-pages (the CPU kernel over 4 KB pages, then transparent huge pages, ~2 min)
+#         fill-behind (Zipf b=1, EngineConfig.fill_behind off and on: 12 then 48 layers, ~5 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -154,6 +155,13 @@ for stage in "$@"; do
         --regimes zipf:1.0,loc:0.7 --policies adaptive transfer --run-ahead 0 2 4 \
         --miss-gate 0.2 0.5 >"$OUT/run_ahead_zipf.txt" 2>&1; grep -E '^\{' "$OUT/run_ahead_zipf.txt" \
         | cut -c1-700 ;;
+    fill-behind)  # Zipf b=1: fills behind off and on, peer slice then 48 layers (~5 min)
+      timeout 200 python3 -m freetoken_agent.bench profile-offload --layers 12 --budget-gb 8.59 \
+        --regimes zipf:1.0,loc:0.7 --policies adaptive transfer --fill-behind 0 1 \
+        >"$OUT/fill_behind_12l.txt" 2>&1; grep -E '^\{' "$OUT/fill_behind_12l.txt" | cut -c1-700
+      timeout 380 python3 -m freetoken_agent.bench profile-offload --layers 48 --budget-gb 32 \
+        --regimes zipf:1.0,loc:0.7 --policies adaptive --fill-behind 0 1 \
+        >"$OUT/fill_behind_48l.txt" 2>&1; grep -E '^\{' "$OUT/fill_behind_48l.txt" | cut -c1-700 ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;

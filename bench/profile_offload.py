@@ -155,6 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         help="run ahead past layers missing in fewer than this share of steps, one set of "
         "rows per value (default: segmented_graphs.MISS_GATE)",
     )
+    parser.add_argument(
+        "--fill-behind",
+        type=int,
+        nargs="+",
+        choices=[0, 1],
+        default=None,
+        help="EngineConfig.fill_behind off (0) and/or on (1), one set of rows per value "
+        "(default: the engine's)",
+    )
     args = parser.parse_args(argv)
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank, model = engine.loaded.bank, engine.loaded.model
@@ -196,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
             args.threads or [None],
             args.run_ahead or [segmented_graphs.RUN_AHEAD],
             args.miss_gate or [segmented_graphs.MISS_GATE],
+            args.fill_behind or [int(bank.fill_behind)],
             args.policies,
         )
-        for threads, run_ahead, miss_gate, policy in variants:
+        for threads, run_ahead, miss_gate, behind, policy in variants:
             cpu_kernel._threads = threads  # None: the default (cpu_kernel.default_threads)
             graphs.run_ahead, graphs.miss_gate = run_ahead, miss_gate
+            bank.fill_behind = bool(behind)
             start_policy(engine, bank, policy, b_p, b_h)
             extra = args.torch_profile  # steps left for the profiler after the timed ones
             sp = SamplingParams(max_tokens=8 + args.decode + extra, temperature=0, ignore_eos=True)
@@ -214,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             timers.total.clear()
             graphs.reruns = 0
             stops0 = graphs.missed_layers
-            st0 = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu)
+            st0 = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu,
+                   bank.stats.behind)  # fmt: skip
             start, steps = time.perf_counter(), 0
             while engine.has_unfinished() and steps < args.decode:
                 engine.step()
@@ -228,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 "threads": cpu_kernel.default_threads(),
                 "run_ahead": run_ahead,
                 "miss_gate": miss_gate,
+                "fill_behind": bool(behind),
                 "tok_s": args.batch * steps / wall,
                 "ms_per_step": 1e3 * wall / steps,
                 **{k: round(1e3 * v / steps, 3) for k, v in sorted(timers.total.items())},
@@ -235,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 "hits_per_step": (st.hits - st0[1]) / steps,
                 "fetched_per_step": (st.fetched - st0[2]) / steps,
                 "on_cpu_per_step": (st.on_cpu - st0[3]) / steps,
+                "behind_per_step": (st.behind - st0[4]) / steps,  # of fetched, and of on_cpu
                 "reruns_per_step": graphs.reruns / max(steps, 1),
                 "stops_per_step": (graphs.missed_layers - stops0) / max(steps, 1),
             }

@@ -264,6 +264,11 @@ class EngineConfig:
     # Decode-sized projections (<= 8 rows) on CUDA through the Triton skinny matmul instead of
     # cuBLAS (kernels/gemv.py). Off until measured on the device.
     skinny_gemv: bool = False
+    # Offloaded decode under adaptive, while fills pay (temporal locality, as Zipf traces): a
+    # stopping layer waits for q* of its misses' fills and runs the rest on the CPU while they
+    # too are filled, behind its compute, for the steps after (AdaptiveFetches.behind).
+    # Off until measured on the device.
+    fill_behind: bool = False
     # Where the token embedding table lives (engine/layers/embedding.py): None (auto) keeps an
     # untied table in pinned host memory when the experts are offloaded on CUDA, where its
     # device bytes are worth more as expert slots; True asks for it whenever the table is

@@ -160,6 +160,7 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
         hidden states [B, H] (valid until the next replay)."""
         b, bs = self._load(inputs)
         self._before_replay(b, bs)
+        self.bank.settle_fills()  # the last step's fills behind, before any segment reads
         segments, done = self.segments[bs], self.done
         # The stream the segments replay on, looked up once: Event.record() without one looks
         # it up per call, ~5 us of Python each (41 a step).

@@ -70,6 +70,7 @@ class OffloadStats:
     fetched: int = 0
     on_cpu: int = 0
     direct: int = 0  # misses the kernels read from the pool (policy direct)
+    behind: int = 0  # misses run on the CPU and filled behind the layer's compute
 
     @property
     def miss_rate(self) -> float:
@@ -88,15 +89,18 @@ class OffloadedExpertBank:
         stream_min_tokens: int = 256,
         double_buffer: bool = True,
         arena: ElasticArena | None = None,
+        fill_behind: bool = False,
     ) -> None:
         """`arena`: the slots are the arena's (engine/arena.py; `n_slots` then comes from its
-        boundary), so the memory manager can resize the cache at runtime."""
+        boundary), so the memory manager can resize the cache at runtime. `fill_behind`:
+        EngineConfig.fill_behind (AdaptiveFetches.behind)."""
         self.spec = spec
         self.n_experts = spec.n_experts
         self.pool = pool
         self.cache = ExpertCache(pool, n_slots, device, lids_per_layer=spec.n_experts, arena=arena)
         self.device = device
         self.policy = policy
+        self.fill_behind = fill_behind
         self.bandwidths = bandwidths or Bandwidths()
         # Policy adaptive's choice of fetches (adaptive.py).
         self.adaptive = AdaptiveFetches(self.cache, spec.n_moe_layers)
@@ -254,6 +258,10 @@ class OffloadedExpertBank:
         protect = set(uniq)  # the layer's own experts: never victims of its fills
         want = self._fetches(misses, protect, n_tokens)
         race = n_tokens <= RACE_MAX_TOKENS  # decode's fills measure whether fills pay
+        behind: list[int] = []  # filled behind the layer's compute (EngineConfig.fill_behind)
+        if self.fill_behind and race and self.policy == "adaptive":
+            n = self.adaptive.behind([count for count, _ in misses[: len(want)]], self.bandwidths)
+            want, behind = want[: len(want) - n], want[len(want) - n :]
         # A prefill chunk's fills take their victims from the layers it has passed first
         # (cache._victims): the LRU's oldest are the layers it is about to use. Not static's:
         # its kept layers are the layout it is measured by, and only they fill.
@@ -264,6 +272,18 @@ class OffloadedExpertBank:
         )
         # The policy's rest, and any fill that found every slot protected.
         on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
+        if behind:
+            # The layer waits only for `fetched`: published now, before the fills behind
+            # queue on the copy stream (publishing makes compute wait for what is queued
+            # there). Those start before the CPU's work, so the link moves them meanwhile;
+            # their table entries wait for the copies (cache.inflight), and the CPU computes
+            # them this time.
+            self.cache.publish(fetched)
+            self.stats.fetched += len(fetched)
+            fetched = []
+            started = self.cache.inflight.start(behind, protect)
+            self.stats.behind += len(started)
+            self.stats.fetched += len(started)
         cuda = self.device.type == "cuda"
         part = None
         if on_cpu:
@@ -344,12 +364,15 @@ class OffloadedExpertBank:
         the rest on the CPU into the layer's CPU buffer). True when the layer missed, so the
         segments after it must run (again) to see the new slots and the CPU part."""
         io = self.graph_io
-        self.cache.inflight.settle()  # fills of direct (a benchmark switched policy)
+        in_flight = self.cache.inflight.lids if self.cache.inflight else None
+        self.cache.inflight.settle()  # fills behind (or of direct, a benchmark switched policy)
         ids = self._graph_lids(layer, n_tokens)
         uniq_l, counts = distinct_lids(ids)
         misses = self._misses(uniq_l, counts, ids.size)
         if not misses:
-            return False
+            # A segment queued before the settle read the table without these lids' entries:
+            # the layer runs again. (`settle_fills` leaves none in flight across steps.)
+            return bool(in_flight) and not in_flight.isdisjoint(uniq_l)
 
         rows = io.views(layer, n_tokens)
 
@@ -364,6 +387,12 @@ class OffloadedExpertBank:
             rows.cpu_part.copy_(part, non_blocking=True)
         self.cache.publish(fetched)
         return True
+
+    def settle_fills(self) -> None:
+        """Before a decode step's first segment: fills still in flight from the step before
+        (AdaptiveFetches.behind) are published, so no segment of this step reads the table without
+        them where `resolve` could not tell (its check covers this step's fills only)."""
+        self.cache.inflight.settle()
 
     def _graph_lids(self, layer: int, n_tokens: int) -> np.ndarray:
         """[T, K] int64 lids of the routing a decode graph exported for `layer`."""

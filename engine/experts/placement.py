@@ -172,6 +172,7 @@ def make_bank(
         stream_min_tokens=stream_min,
         double_buffer=config.double_buffer,
         arena=arena,
+        fill_behind=config.fill_behind,
     )
 
 

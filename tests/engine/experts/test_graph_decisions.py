@@ -117,7 +117,9 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, hybrid, rng
             return layer in missing
 
         graphs = object.__new__(SegmentedDecodeGraphs)
-        graphs.bank = SimpleNamespace(resolve=resolve)
+        graphs.bank = SimpleNamespace(
+            resolve=resolve, settle_fills=lambda log=log: log.append(("settle", None))
+        )
         graphs.model = SimpleNamespace(expert_bank=None)
         shadow = _Shadow(log, n_layers + 1) if hybrid else None
         graphs.segments = {1: [_Segment(i, log, shadow) for i in range(n_layers + 1)]}
@@ -132,8 +134,10 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, hybrid, rng
         graphs.shadow = shadow
         graphs.replay(None)
         if hybrid:  # saved before anything ran; every segment's token applied exactly once
-            assert log[0] == ("save", None)
+            assert log.index(("save", None)) < [what for what, _ in log].index("run")
             assert shadow.applied == [1] * (n_layers + 1), log
+        # The last step's fills behind are settled before any segment reads the table.
+        assert [what for what, _ in log].index("settle") < [what for what, _ in log].index("run")
         log[:] = [entry for entry in log if entry[0] in ("run", "resolve")]
         last_run = {k: i for i, (what, k) in enumerate(log) if what == "run"}
         resolved = {k: i for i, (what, k) in enumerate(log) if what == "resolve"}
@@ -165,7 +169,7 @@ def test_run_ahead_passes_only_layers_missing_less_than_the_gate(rng_seed):
             return False
 
         graphs = object.__new__(SegmentedDecodeGraphs)
-        graphs.bank = SimpleNamespace(resolve=resolve)
+        graphs.bank = SimpleNamespace(resolve=resolve, settle_fills=lambda: None)
         graphs.model = SimpleNamespace(expert_bank=None)
         graphs.segments = {1: [_Segment(i, log) for i in range(n_layers + 1)]}
         graphs.done = [_Event() for _ in range(n_layers + 1)]
@@ -212,3 +216,50 @@ def test_direct_graph_step_reads_misses_then_learns(tmp_path, rng_seed, slots):
     st = bank.stats
     assert st.direct == st.experts - st.hits > 0 and st.on_cpu == 0
     assert st.fetched > 0 or slots == 1
+
+
+def test_fills_behind_reach_the_table_only_after_their_layer(tmp_path, rng_seed):
+    """EngineConfig.fill_behind: a stop waits for q* of its misses' fills and runs the rest on
+    the CPU while they are filled too. Those stay out of the device table (the CPU's part has
+    them) until a later stop settles them; a segment that read the table before that, and is
+    routed to them, runs again. Results stay the resident bank's throughout."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    engine = Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=20,
+                         fill_behind=True, progress=False)  # fmt: skip
+    bank, spec = engine.loaded.bank, engine.spec
+    io = bank.attach_graph_io(max_tokens=4, dtype=torch.float32)
+    io.active = True
+    bank.adaptive.verdict = lambda gain: "all"  # fills pay: every miss is filled
+    e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
+    gen = torch.Generator().manual_seed(rng_seed)
+    rng = random.Random(rng_seed)
+    stale_reruns = 0
+    in_flight: set[int] = set()
+    for _ in range(60):
+        layer = rng.randrange(spec.n_moe_layers)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k]]).int()
+        if in_flight and rng.random() < 0.5:  # routed to experts still filling behind
+            lid = rng.choice(sorted(in_flight))
+            layer, mine = lid // e, lid % e
+            if mine not in ids[0].tolist():
+                ids[0, 0] = mine
+        routed = set((ids + layer * e).flatten().tolist())
+        hidden = torch.randn(1, h, generator=gen)
+        weights = torch.rand(1, k, generator=gen)
+        want = fused_moe(hidden, bank.pool.w13, bank.pool.w2, ids + layer * e, weights)
+        first = bank(layer, hidden, ids, weights)  # the speculative segment
+        was_in_flight = routed & in_flight
+        missed = bank.resolve(layer, 1)
+        again = bank(layer, hidden, ids, weights)  # the segment after resolve
+        torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)
+        if was_in_flight:
+            assert missed, "a segment that read the table before the settle was accepted"
+            stale_reruns += 1
+        if not missed:
+            assert torch.equal(first, again)
+        in_flight = bank.cache.inflight.lids
+        table = bank.cache.slot_of.tolist()
+        assert all(table[lid] == -1 and bank.cache.resident(lid) for lid in in_flight)
+        assert not io.cpu_part.any()
+        bank.check_integrity()
+    assert bank.stats.behind > 0 and stale_reruns > 0
