@@ -88,3 +88,25 @@ def test_adaptive_split_modes_on_cuda_match_resident(tmp_path, rng_seed):
     assert [engine._collect(i).token_ids for i in ids] == want
     assert modes == {"split", "all", "none", "layers"}
     engine.check_integrity()
+
+
+@pytest.mark.gpu
+def test_fills_behind_on_cuda_match_resident(tmp_path, rng_seed):
+    """EngineConfig.fill_behind under segmented decode graphs, fills paying: fills left in
+    flight on the copy stream while the step goes on, reruns of segments that read the table
+    before they settled, and the last step's settled before the next begins; the resident
+    engine's tokens."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9, 40)]
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    opts = dict(device="cuda", progress=False, max_model_len=512, max_num_seqs=4)
+    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
+        prompts, sp)]  # fmt: skip
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=20, fill_behind=True, **opts)
+    bank = engine.loaded.bank
+    assert isinstance(engine.runner.graphs, SegmentedDecodeGraphs)
+    bank.adaptive.verdict = lambda gain: "all"  # fills pay: every miss is filled
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+    assert bank.stats.behind > 0
+    engine.check_integrity()
