@@ -196,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         help="decode measurements per policy, each round starting at another policy; the "
         "median round is reported (the device host's speed changes over seconds)",
     )
+    parser.add_argument(
+        "--fill-behind",
+        action="store_true",
+        help="adaptive fills some misses behind the layer's compute (EngineConfig.fill_behind)",
+    )
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     b_hbm = hbm_copy_bandwidth(dev)
@@ -203,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank = engine.loaded.bank
+    bank.fill_behind = args.fill_behind
     spec = engine.spec
     build_s = time.perf_counter() - t0
     expert_bytes = bank.pool.expert_bytes
@@ -213,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(dev),
         "layers": spec.n_layers,
         "budget_gb": args.budget_gb,
+        "fill_behind": args.fill_behind,
         "slots": bank.cache.n_slots,
         "pool_rows": bank.pool.n_rows,
         "cached_fraction": bank.cache.n_slots / bank.pool.n_rows,
