@@ -16,6 +16,20 @@ from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
 pytestmark = pytest.mark.gpu
 
 
+CUDA = dict(device="cuda", progress=False, max_model_len=512, max_num_seqs=4)
+
+
+def _resident_run(tmp_path, rng_seed: int, max_tokens: int):
+    """A tiny 16-expert top-4 model in `tmp_path`, two prompts and the resident engine's greedy
+    tokens for them: (prompts, sampling params, tokens)."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9, 40)]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    resident = Engine.load(tmp_path, policy="resident", **CUDA)
+    return prompts, sp, [o.token_ids for o in resident.generate(prompts, sp)]
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_offloaded_on_cuda_matches_resident(family, tmp_path, rng_seed):
     make_tiny(family, tmp_path, rng_seed)
@@ -63,15 +77,10 @@ def test_adaptive_split_modes_on_cuda_match_resident(tmp_path, rng_seed):
     """adaptive under segmented decode graphs, its fill race held in the neutral band and its
     split mode switching every decode step (q*, all, none, whole layers: the layers mode's
     bulk fill runs inside a graph step), gives the resident engine's tokens."""
-    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
     rng = random.Random(rng_seed)
-    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9, 40)]
-    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    opts = dict(device="cuda", progress=False, max_model_len=512, max_num_seqs=4)
-    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
-        prompts, sp)]  # fmt: skip
+    prompts, sp, want = _resident_run(tmp_path, rng_seed, max_tokens=24)
     slots = 16 + rng.randrange(1, 16)  # one whole layer and some to spare
-    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=slots, **opts)
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=slots, **CUDA)
     bank = engine.loaded.bank
     assert isinstance(engine.runner.graphs, SegmentedDecodeGraphs)
     bank.adaptive.trial_params = dict(block=1, rotations=1, period=0)
@@ -90,20 +99,13 @@ def test_adaptive_split_modes_on_cuda_match_resident(tmp_path, rng_seed):
     engine.check_integrity()
 
 
-@pytest.mark.gpu
 def test_fills_behind_on_cuda_match_resident(tmp_path, rng_seed):
     """EngineConfig.fill_behind under segmented decode graphs, fills paying: fills left in
     flight on the copy stream while the step goes on, reruns of segments that read the table
     before they settled, and the last step's settled before the next begins; the resident
     engine's tokens."""
-    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
-    rng = random.Random(rng_seed)
-    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9, 40)]
-    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    opts = dict(device="cuda", progress=False, max_model_len=512, max_num_seqs=4)
-    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
-        prompts, sp)]  # fmt: skip
-    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=20, fill_behind=True, **opts)
+    prompts, sp, want = _resident_run(tmp_path, rng_seed, max_tokens=32)
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=20, fill_behind=True, **CUDA)
     bank = engine.loaded.bank
     assert isinstance(engine.runner.graphs, SegmentedDecodeGraphs)
     bank.adaptive.verdict = lambda gain: "all"  # fills pay: every miss is filled
