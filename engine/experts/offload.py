@@ -86,7 +86,7 @@ class OffloadedExpertBank:
         device: torch.device,
         policy: str,
         bandwidths: Bandwidths | None = None,
-        stream_min_tokens: int = 256,
+        stream_min_tokens: int = 512,  # EngineConfig.stream_min_tokens
         double_buffer: bool = True,
         arena: ElasticArena | None = None,
         fill_behind: bool = False,
