@@ -270,16 +270,16 @@ class OffloadedExpertBank:
         fetched = self.cache.fill(
             want, protect, after_compute=after_compute, publish=False, race=race, ahead_from=ahead
         )
+        self.stats.fetched += len(fetched)
         # The policy's rest, and any fill that found every slot protected.
         on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
         if behind:
-            # The layer waits only for `fetched`: published now, before the fills behind
-            # queue on the copy stream (publishing makes compute wait for what is queued
-            # there). Those start before the CPU's work, so the link moves them meanwhile;
-            # their table entries wait for the copies (cache.inflight), and the CPU computes
-            # them this time.
+            # The layer waits only for `fetched`: published now (the caller gets none to
+            # publish), before the fills behind queue on the copy stream (publishing makes
+            # compute wait for what is queued there). Those start before the CPU's work, so
+            # the link moves them meanwhile; their table entries wait for the copies
+            # (cache.inflight), and the CPU computes them this time.
             self.cache.publish(fetched)
-            self.stats.fetched += len(fetched)
             fetched = []
             started = self.cache.inflight.start(behind, protect)
             self.stats.behind += len(started)
@@ -289,7 +289,6 @@ class OffloadedExpertBank:
         if on_cpu:
             part = run_on_cpu(self.pool, self.bandwidths, *cpu_inputs(), on_cpu, timed=cuda,
                               into=into)  # fmt: skip
-        self.stats.fetched += len(fetched)
         self.stats.on_cpu += len(on_cpu)
         return part, fetched
 

@@ -6,7 +6,7 @@
 computed in fp32 from upcast weights, like `kernels/reference.py`'s `fused_moe`, but returning the
 fp32 partial sum (the offloaded bank adds it to the device branch's). Decode is bound by the
 bytes of weights read, so the kernel reads each expert row once for all tokens that picked it,
-converts bf16/fp16 to fp32 in registers and spreads the rows over all physical cores.
+converts bf16/fp16 to fp32 in registers and spreads the rows over the physical cores (`team_size`).
 
 Build route: `expert_kernel.cpp` is a plain C ABI with no torch headers, compiled here with the
 system C++ compiler into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
@@ -47,7 +47,7 @@ log = logging.getLogger("freetoken.kernels")
 
 SOURCE = Path(__file__).with_name("expert_kernel.cpp")
 ENV_BACKEND = "FREETOKEN_CPU_EXPERTS"
-ENV_THREADS = "FREETOKEN_CPU_THREADS"  # the kernel's threads (default: all physical cores)
+ENV_THREADS = "FREETOKEN_CPU_THREADS"  # the kernel's threads (default: team_size())
 CFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"),
@@ -178,7 +178,7 @@ def cpu_experts(
     """out [T, H] fp32 = sum_k topk_weights[t, k] * expert(rows[t, k], hidden[t]), k in order.
 
     rows [T, K] int64 pool rows, negative = skip the pair. threads: OpenMP threads of the SIMD
-    kernel (default: all physical cores; the torch path uses torch's own pool). impl forces
+    kernel (default: `default_threads`; the torch path uses torch's own pool). impl forces
     "avx512" | "avx2" | "torch" (tests, benchmarks); default `backend()`. Runs without the GIL.
     """
     t, h, i, k = check_moe_shapes(hidden, w13, w2, rows, topk_weights, None)
