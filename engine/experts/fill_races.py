@@ -9,6 +9,14 @@ near-uniform routing (each has the same chance at its one visit), positive with 
 locality, negative when the steps' working set exceeds the cache (fills are evicted before
 their layer comes round again). Policy adaptive reads it to decide whether fills are worth
 their bytes (engine/experts/policy.py).
+
+The mean is an exponential moving average corrected for its start at 0, as Adam corrects its
+moments: divided by the weight the outcomes so far carry, 1 - (1 - OUTCOME_EMA)^n. Uncorrected,
+it needed ~16 straight wins to pass FETCH_ALL_GAIN (0.15). Where misses are rare (native routing
+on the H200 peer slice: ~0.4 fills a token) that took hundreds of tokens, and adaptive spent
+them running misses on the CPU, which then missed again: 469 tok/s against transfer's 635
+(fourteenth session), 392 against 601 (fifteenth). Under near-uniform routing races are many
+(~55 fills a token at 12 layers), so an early corrected mean's noise lasts a step or two.
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ OUTCOME_EMA = 0.01  # weight of the newest race outcome in `gain`
 # then split its misses with the CPU, which locality punishes: on the peer slice at one token
 # adaptive ran 0.6-1.5 experts a token on the CPU and trailed transfer by 6-9%.
 RACE_MAX_TOKENS = 16
+# Races settled before `gain` reads other than 0: one or two early outcomes alone would set it
+# to +-1 (and the verdict's hysteresis would then hold a fetch-all for a while).
+MIN_RACES = 16
 
 
 class FillRaces:
@@ -30,7 +41,19 @@ class FillRaces:
         # layer -> races awaiting that layer's next visit; a race is
         # [filled lid, victim lid or -1, filled's result, victim's result], -1 until settled.
         self.pending: dict[int, list[list[int]]] = {}
-        self.gain = 0.0
+        self._mean = 0.0  # the moving average, from 0
+        self._weight = 0.0  # the weight its outcomes carry: 1 - (1 - OUTCOME_EMA)^settled
+        self.settled = 0
+
+    @property
+    def gain(self) -> float:
+        """The running mean of the settled races' outcomes, in [-1, 1]; 0 before MIN_RACES."""
+        return self._mean / self._weight if self.settled >= MIN_RACES else 0.0
+
+    @gain.setter
+    def gain(self, gain: float) -> None:
+        """Pin the mean as if many races had settled at `gain` (tests, a restored cache)."""
+        self._mean, self._weight, self.settled = gain, 1.0, max(self.settled, MIN_RACES)
 
     def start(self, filled: int, victim: int) -> None:
         """A fill of `filled` into the slot `victim` held (-1: a free slot)."""
@@ -55,7 +78,9 @@ class FillRaces:
             if victim // per == layer and race[3] < 0:
                 race[3] = int(victim in asked and slot_of[victim] < 0)
             if race[2] >= 0 and race[3] >= 0:
-                self.gain += OUTCOME_EMA * (race[2] - race[3] - self.gain)
+                self._mean += OUTCOME_EMA * (race[2] - race[3] - self._mean)
+                self._weight += OUTCOME_EMA * (1.0 - self._weight)
+                self.settled += 1
 
     def drop(self, filled: set[int]) -> None:
         """Forget the races of fills evicted by something other than a fill (a resize): their
@@ -71,4 +96,5 @@ class FillRaces:
 
     def clear(self) -> None:
         self.pending.clear()
-        self.gain = 0.0
+        self._mean = self._weight = 0.0
+        self.settled = 0
