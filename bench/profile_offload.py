@@ -9,7 +9,8 @@ waiting for a segment's routing (`wait`), the host's placement (`resolve`, of wh
 decides, issues the fills (`fill`) and waits for the CPU branch; `cpu` is that branch on its
 worker thread, `kernel` the CPU expert kernel in it; `publish` publishes the filled slots), the
 trace replay (`trace`), the segments' graph launches (`launch`), and the rest of `engine.step`
-(scheduling, sampling). `stops_per_step` counts the layers that stopped the step for the host.
+(scheduling, sampling). `stops_per_step` counts the layers that stopped the step for the host;
+the `stop_*_us` fields split a stop with fills into its host intervals (stop_clock.py).
 Prints one JSON line per (regime, policy). `--torch-profile N` then profiles N more steps per
 row with torch.profiler and prints its host-side table (self CPU time per op and CUDA runtime
 call): where the time between the CPU kernel's runs goes, beyond the phases above.
@@ -29,6 +30,7 @@ import torch
 
 from freetoken_agent.bench.offload import offload_engine, start_policy
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
+from freetoken_agent.bench.stop_clock import StopClock
 from freetoken_agent.engine import segmented_graphs
 from freetoken_agent.engine.experts import calibration, offload
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -38,6 +40,7 @@ from freetoken_agent.kernels.cpu import experts as cpu_kernel
 class Timers:
     def __init__(self) -> None:
         self.total: dict[str, float] = defaultdict(float)
+        self.clock = StopClock()  # a stop's intervals (stop_clock.py)
 
     def wrap(self, obj, name: str, label: str) -> None:
         """Replace obj.name by a version that adds its wall time to `label`."""
@@ -64,6 +67,7 @@ class _TimedEvent:
         start = time.perf_counter()
         self.event.synchronize()
         self.timers.total["wait"] += time.perf_counter() - start
+        self.timers.clock.woke()
 
 
 class _TimedSegment:
@@ -73,6 +77,7 @@ class _TimedSegment:
         self.graph, self.timers = graph, timers
 
     def replay(self) -> None:
+        self.timers.clock.launching()
         start = time.perf_counter()
         self.graph.replay()
         self.timers.total["launch"] += time.perf_counter() - start
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     timers.wrap(offload, "run_on_cpu", "cpu")  # the CPU branch, as the bank calls it
     timers.wrap(bank.cache, "fill", "fill")
     timers.wrap(bank.cache, "publish", "publish")
+    timers.clock.attach(bank)
     timers.wrap(calibration, "cpu_experts", "kernel")
     print(json.dumps(_kernel_alone(bank)))
     timers.wrap(engine, "step", "step")
@@ -223,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                 routing.reserve((args.decode + extra) * args.batch)
             torch.cuda.synchronize()
             timers.total.clear()
+            timers.clock.reset()
             graphs.reruns = 0
             stops0 = graphs.missed_layers
             st0 = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu,
@@ -251,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 "behind_per_step": (st.behind - st0[4]) / steps,  # of fetched, and of on_cpu
                 "reruns_per_step": graphs.reruns / max(steps, 1),
                 "stops_per_step": (graphs.missed_layers - stops0) / max(steps, 1),
+                **timers.clock.row(),
             }
             # The row is read before the profiled steps (and the rest of the request) run.
             table = _host_table(engine, policy, extra, 40) if extra else None
