@@ -251,7 +251,6 @@ class OffloadedExpertBank:
         needs to overlap them."""
         if not misses:
             return None, []
-        observe_fills(self.cache, self.bandwidths)
         # The copies are asynchronous: issued first, they cross the link while the CPU works.
         # Not from a second thread: torch ops hold the GIL, and handing it back and forth
         # with the thread driving the kernel cost milliseconds a step on the H200 host.
@@ -271,6 +270,11 @@ class OffloadedExpertBank:
             want, protect, after_compute=after_compute, publish=False, race=race, ahead_from=ahead
         )
         self.stats.fetched += len(fetched)
+        # The finished fills' timings into B_P once this stop's copies are on their way: at a
+        # decode stop the device waits from the routing's arrival to the first copy (on the
+        # H200 host 83-127 us of host work a stop, `bench profile-offload`'s stop clock), and
+        # the event queries here need not be part of it; the estimate lags by one stop.
+        observe_fills(self.cache, self.bandwidths)
         # The policy's rest, and any fill that found every slot protected.
         on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
         if behind:
