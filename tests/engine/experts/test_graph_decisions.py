@@ -263,3 +263,47 @@ def test_fills_behind_reach_the_table_only_after_their_layer(tmp_path, rng_seed)
         assert not io.cpu_part.any()
         bank.check_integrity()
     assert bank.stats.behind > 0 and stale_reruns > 0
+
+
+@pytest.mark.parametrize("policy", ["transfer", "adaptive"])
+def test_hit_fast_path_keeps_the_general_paths_state(policy, tmp_path, rng_seed):
+    """`resolve`'s check for a layer whose experts are all in slots must leave the bank as
+    the general path does: the same answers, LRU order, fill races and counts. Two banks
+    resolve the same routing (fresh draws, some repeating cached experts so layers hit), one
+    with the fast path turned off."""
+    banks = []
+    for fast in (True, False):
+        bank, spec, _ = graph_bank(tmp_path / str(fast), rng_seed, policy, slots=9)
+        if not fast:
+            bank._all_resident = lambda layer, n_tokens: False
+        banks.append(bank)
+    e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
+    gen = torch.Generator().manual_seed(rng_seed)
+    rng = random.Random(rng_seed)
+    hits = 0
+    for _ in range(60):
+        layer, t = rng.randrange(spec.n_moe_layers), rng.randint(1, 3)
+        resident = [x for x in range(e) if banks[0].cache.resident(layer * e + x)]
+        if len(resident) >= k and rng.random() < 0.5:
+            ids = torch.tensor([rng.sample(resident, k) for _ in range(t)]).int()
+        else:
+            ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
+        hidden = torch.randn(t, h, generator=gen)
+        weights = torch.rand(t, k, generator=gen)
+        answers = []
+        for bank in banks:
+            bank(layer, hidden, ids, weights)
+            answers.append(bank.resolve(layer, t))
+            bank(layer, hidden, ids, weights)
+        assert answers[0] == answers[1]
+        hits += not answers[0]
+        fast, slow = (b.cache for b in banks)
+        assert list(fast._lru) == list(slow._lru)
+        assert fast.host_slot_of == slow.host_slot_of
+        assert fast.races.pending == slow.races.pending
+        assert fast.fill_gain == slow.fill_gain
+        assert (fast.hits, fast.misses) == (slow.hits, slow.misses)
+        assert banks[0].stats == banks[1].stats
+    assert hits > 0  # the fast path ran
+    for bank in banks:
+        bank.check_integrity()
