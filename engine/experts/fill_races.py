@@ -15,7 +15,8 @@ moments: divided by the weight the outcomes so far carry, 1 - (1 - OUTCOME_EMA)^
 it needed ~16 straight wins to pass FETCH_ALL_GAIN (0.15). Where misses are rare (native routing
 on the H200 peer slice: ~0.4 fills a token) that took hundreds of tokens, and adaptive spent
 them running misses on the CPU, which then missed again: 469 tok/s against transfer's 635
-(fourteenth session), 392 against 601 (fifteenth). Under near-uniform routing races are many
+(fourteenth session), 392 against 601 (fifteenth); corrected, 602 against 560 in the same
+session's last table. Under near-uniform routing races are many
 (~55 fills a token at 12 layers), so an early corrected mean's noise lasts a step or two.
 """
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from freetoken_agent.engine.arena import ElasticArena
@@ -35,7 +34,8 @@ from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.cpu_branch import observe_fills, run_on_cpu, stage_hidden
 from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids, learn_after_step
 from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
-from freetoken_agent.engine.experts.graph_io import GraphIO, distinct_lids
+from freetoken_agent.engine.experts.graph_decode import GraphDecode
+from freetoken_agent.engine.experts.graph_io import GraphIO
 from freetoken_agent.engine.experts.policy import (
     Bandwidths,
     fetch_count,
@@ -44,7 +44,6 @@ from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerStreamer
 from freetoken_agent.kernels.cpu.experts import default_threads as cpu_kernel_threads
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
-from freetoken_agent.kernels.routing_export import export_routing
 
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
 
@@ -77,7 +76,7 @@ class OffloadStats:
         return 1.0 - self.hits / self.experts if self.experts else 0.0
 
 
-class OffloadedExpertBank:
+class OffloadedExpertBank(GraphDecode):
     def __init__(
         self,
         spec: ModelSpec,
@@ -323,106 +322,6 @@ class OffloadedExpertBank:
         between measurements from an empty cache)."""
         self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers)
         self.cache.kept_layers = frozenset()
-
-    # --- decode under captured graphs (engine/segmented_graphs.py) --------------------------
-    def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:
-        """Static buffers for graph-captured decode of up to `max_tokens` tokens per step."""
-        spec = self.spec
-        self.graph_io = GraphIO(
-            spec.n_moe_layers, max_tokens, spec.top_k, spec.hidden_size, dtype, self.device
-        )
-        return self.graph_io
-
-    def _captured(
-        self,
-        layer: int,
-        hidden: torch.Tensor,  # [T, H]
-        topk_ids: torch.Tensor,  # [T, K]
-        topk_weights: torch.Tensor,  # [T, K]
-    ) -> torch.Tensor:
-        """What a decode graph records for one MoE layer. The routing and the activations go
-        to pinned host memory and the segment ends: the host looks at them (`resolve`) before
-        the next segment, which computes the experts from slots and adds what the CPU computed
-        for this layer, clearing that buffer for the next step (zero when nothing), in the
-        MoE's own summing kernel. Every kernel here runs for every layer of every step, hit
-        or miss: the export is one kernel, not three copies; the slots come from the layer's
-        slice of the table in one gather, not a cast, an offset and a gather of all lids; and
-        the CPU part needs no add or clear of its own."""
-        io = self.graph_io
-        t = hidden.shape[0]
-        if self.policy == "direct":  # one graph a step: nothing for the host until it ends
-            io.ids[layer, :t].copy_(topk_ids, non_blocking=True)
-            return self._direct(hidden, topk_ids.long() + layer * self.n_experts, topk_weights)
-        export_routing(topk_ids, topk_weights, hidden, io.ids[layer, :t], io.weights[layer, :t],
-                       io.hidden[layer, :t])  # fmt: skip
-        io.split()
-        e = self.n_experts
-        table = self.cache.slot_of[layer * e : (layer + 1) * e]  # [E] this layer's lid -> slot
-        rows = table.index_select(0, topk_ids.reshape(-1)).view(topk_ids.shape)  # [T, K]
-        part = io.cpu_part[layer, :t]  # [T, H]
-        return fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights, add=part)
-
-    def resolve(self, layer: int, n_tokens: int) -> bool:
-        """After a graph segment exported `layer`'s routing: place its misses (fetch q*, run
-        the rest on the CPU into the layer's CPU buffer). True when the layer missed, so the
-        segments after it must run (again) to see the new slots and the CPU part."""
-        io, cache = self.graph_io, self.cache
-        in_flight = cache.inflight.lids if cache.inflight else None
-        cache.inflight.settle()  # fills behind (or of direct, a benchmark switched policy)
-        if not in_flight and self._all_resident(layer, n_tokens):
-            return False
-        ids = self._graph_lids(layer, n_tokens)
-        uniq_l, counts = distinct_lids(ids)
-        misses = self._misses(uniq_l, counts, ids.size)
-        if not misses:
-            # A segment queued before the settle read the table without these lids' entries:
-            # the layer runs again. (`settle_fills` leaves none in flight across steps.)
-            return bool(in_flight) and not in_flight.isdisjoint(uniq_l)
-
-        rows = io.views(layer, n_tokens)
-
-        # Everything queued on the device now is either finished (up to this layer's segment)
-        # or speculative and about to run again: the fills need not wait for it.
-        def cpu_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return rows.hidden, torch.from_numpy(ids), rows.weights
-
-        part, fetched = self._place(misses, uniq_l, cpu_inputs, n_tokens, after_compute=False,
-                                    into=rows.cpu_stage)  # fmt: skip
-        if part is not None:  # the CPU's sum is in the pinned stage: to the device
-            rows.cpu_part.copy_(part, non_blocking=True)
-        cache.publish(fetched)
-        return True
-
-    def _all_resident(self, layer: int, n_tokens: int) -> bool:
-        """Whether every expert `layer`'s exported routing asks for is in a slot; if so, the
-        hit's bookkeeping is done here, as `_misses` would do it (the same LRU moves, races
-        and counts). Most layers of most decode steps hit, and the host resolves each before
-        its next segment's launch: where it takes longer than a layer's device work the
-        device waits on it. The general path (numpy lids, distinct counts, the misses sorted)
-        took 22.7 us a hit in the engine's loop on the dev box, this one 13.6."""
-        flat = self.graph_io.ids_np[layer, :n_tokens].ravel().tolist()
-        base = layer * self.n_experts
-        slot_of = self.cache.host_slot_of
-        for e in flat:
-            if slot_of[base + e] < 0:
-                return False
-        uniq = sorted({base + e for e in flat})
-        self.cache.touch(uniq)
-        st = self.stats
-        st.pairs += len(flat)
-        st.experts += len(uniq)
-        st.hits += len(uniq)
-        return True
-
-    def settle_fills(self) -> None:
-        """Before a decode step's first segment: fills still in flight from the step before
-        (AdaptiveFetches.behind) are published, so no segment of this step reads the table without
-        them where `resolve` could not tell (its check covers this step's fills only)."""
-        self.cache.inflight.settle()
-
-    def _graph_lids(self, layer: int, n_tokens: int) -> np.ndarray:
-        """[T, K] int64 lids of the routing a decode graph exported for `layer`."""
-        return self.graph_io.ids_np[layer, :n_tokens].astype(np.int64) + layer * self.n_experts
 
     # --- policy direct (direct.py) ---------------------------------------------------------
     def _direct(self, hidden: torch.Tensor, lids: torch.Tensor, weights: torch.Tensor):

@@ -14,7 +14,8 @@ from tiny_models import make_tiny, max_rel_err
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.experts import layer_layout
-from freetoken_agent.engine.experts.offload import OffloadedExpertBank, distinct_lids
+from freetoken_agent.engine.experts.graph_io import distinct_lids
+from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.experts.policy import (
     CPU_KNEE_TOKENS,
     Bandwidths,

@@ -1,0 +1,118 @@
+"""The offloaded bank's half of decode under captured graphs (engine/segmented_graphs.py).
+
+A decode step's graph is cut after each MoE layer's router. The segment before the cut exports
+the layer's routing and activations to pinned memory (`_captured`, first half); between
+segments the host places the layer's misses (`resolve`); the segment after the cut sums the
+experts from slots plus the CPU's part (`_captured`, second half). A mixin of
+OffloadedExpertBank (offload.py), which holds the cache, the policy and `_misses`/`_place`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from freetoken_agent.engine.experts.graph_io import GraphIO, distinct_lids
+from freetoken_agent.kernels.fused_moe import fused_moe
+from freetoken_agent.kernels.routing_export import export_routing
+
+
+class GraphDecode:
+    def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:
+        """Static buffers for graph-captured decode of up to `max_tokens` tokens per step."""
+        spec = self.spec
+        self.graph_io = GraphIO(
+            spec.n_moe_layers, max_tokens, spec.top_k, spec.hidden_size, dtype, self.device
+        )
+        return self.graph_io
+
+    def _captured(
+        self,
+        layer: int,
+        hidden: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, K]
+        topk_weights: torch.Tensor,  # [T, K]
+    ) -> torch.Tensor:
+        """What a decode graph records for one MoE layer. The routing and the activations go
+        to pinned host memory and the segment ends: the host looks at them (`resolve`) before
+        the next segment, which computes the experts from slots and adds what the CPU computed
+        for this layer, clearing that buffer for the next step (zero when nothing), in the
+        MoE's own summing kernel. Every kernel here runs for every layer of every step, hit
+        or miss: the export is one kernel, not three copies; the slots come from the layer's
+        slice of the table in one gather, not a cast, an offset and a gather of all lids; and
+        the CPU part needs no add or clear of its own."""
+        io = self.graph_io
+        t = hidden.shape[0]
+        if self.policy == "direct":  # one graph a step: nothing for the host until it ends
+            io.ids[layer, :t].copy_(topk_ids, non_blocking=True)
+            return self._direct(hidden, topk_ids.long() + layer * self.n_experts, topk_weights)
+        export_routing(topk_ids, topk_weights, hidden, io.ids[layer, :t], io.weights[layer, :t],
+                       io.hidden[layer, :t])  # fmt: skip
+        io.split()
+        e = self.n_experts
+        table = self.cache.slot_of[layer * e : (layer + 1) * e]  # [E] this layer's lid -> slot
+        rows = table.index_select(0, topk_ids.reshape(-1)).view(topk_ids.shape)  # [T, K]
+        part = io.cpu_part[layer, :t]  # [T, H]
+        return fused_moe(hidden, self.cache.w13, self.cache.w2, rows, topk_weights, add=part)
+
+    def resolve(self, layer: int, n_tokens: int) -> bool:
+        """After a graph segment exported `layer`'s routing: place its misses (fetch q*, run
+        the rest on the CPU into the layer's CPU buffer). True when the layer missed, so the
+        segments after it must run (again) to see the new slots and the CPU part."""
+        io, cache = self.graph_io, self.cache
+        in_flight = cache.inflight.lids if cache.inflight else None
+        cache.inflight.settle()  # fills behind (or of direct, a benchmark switched policy)
+        if not in_flight and self._all_resident(layer, n_tokens):
+            return False
+        ids = self._graph_lids(layer, n_tokens)
+        uniq_l, counts = distinct_lids(ids)
+        misses = self._misses(uniq_l, counts, ids.size)
+        if not misses:
+            # A segment queued before the settle read the table without these lids' entries:
+            # the layer runs again. (`settle_fills` leaves none in flight across steps.)
+            return bool(in_flight) and not in_flight.isdisjoint(uniq_l)
+
+        rows = io.views(layer, n_tokens)
+
+        # Everything queued on the device now is either finished (up to this layer's segment)
+        # or speculative and about to run again: the fills need not wait for it.
+        def cpu_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return rows.hidden, torch.from_numpy(ids), rows.weights
+
+        part, fetched = self._place(misses, uniq_l, cpu_inputs, n_tokens, after_compute=False,
+                                    into=rows.cpu_stage)  # fmt: skip
+        if part is not None:  # the CPU's sum is in the pinned stage: to the device
+            rows.cpu_part.copy_(part, non_blocking=True)
+        cache.publish(fetched)
+        return True
+
+    def _all_resident(self, layer: int, n_tokens: int) -> bool:
+        """Whether every expert `layer`'s exported routing asks for is in a slot; if so, the
+        hit's bookkeeping is done here, as `_misses` would do it (the same LRU moves, races
+        and counts). Most layers of most decode steps hit, and the host resolves each before
+        its next segment's launch: where it takes longer than a layer's device work the
+        device waits on it. The general path (numpy lids, distinct counts, the misses sorted)
+        took 22.7 us a hit in the engine's loop on the dev box, this one 13.6."""
+        flat = self.graph_io.ids_np[layer, :n_tokens].ravel().tolist()
+        base = layer * self.n_experts
+        slot_of = self.cache.host_slot_of
+        for e in flat:
+            if slot_of[base + e] < 0:
+                return False
+        uniq = sorted({base + e for e in flat})
+        self.cache.touch(uniq)
+        st = self.stats
+        st.pairs += len(flat)
+        st.experts += len(uniq)
+        st.hits += len(uniq)
+        return True
+
+    def settle_fills(self) -> None:
+        """Before a decode step's first segment: fills still in flight from the step before
+        (AdaptiveFetches.behind) are published, so no segment of this step reads the table without
+        them where `resolve` could not tell (its check covers this step's fills only)."""
+        self.cache.inflight.settle()
+
+    def _graph_lids(self, layer: int, n_tokens: int) -> np.ndarray:
+        """[T, K] int64 lids of the routing a decode graph exported for `layer`."""
+        return self.graph_io.ids_np[layer, :n_tokens].astype(np.int64) + layer * self.n_experts
