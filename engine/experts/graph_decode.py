@@ -18,6 +18,9 @@ from freetoken_agent.kernels.routing_export import export_routing
 
 
 class GraphDecode:
+    """Mixed into OffloadedExpertBank, whose attributes it reads: `spec`, `device`, `policy`,
+    `n_experts`, `cache`, `stats`, `graph_io` (set here), `_misses`, `_place`, `_direct`."""
+
     def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:
         """Static buffers for graph-captured decode of up to `max_tokens` tokens per step."""
         spec = self.spec
