@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from freetoken_agent.engine.experts.graph_io import GraphIO, distinct_lids
+from freetoken_agent.engine.experts.graph_io import GraphIO, distinct_of
 from freetoken_agent.kernels.fused_moe import fused_moe
 from freetoken_agent.kernels.routing_export import export_routing
 
@@ -65,11 +65,11 @@ class GraphDecode:
         io, cache = self.graph_io, self.cache
         in_flight = cache.inflight.lids if cache.inflight else None
         cache.inflight.settle()  # fills behind (or of direct, a benchmark switched policy)
-        if not in_flight and self._all_resident(layer, n_tokens):
+        lids = self._routed(layer, n_tokens)
+        if not in_flight and self._hit(lids):
             return False
-        ids = self._graph_lids(layer, n_tokens)
-        uniq_l, counts = distinct_lids(ids)
-        misses = self._misses(uniq_l, counts, ids.size)
+        uniq_l, counts = distinct_of(lids)
+        misses = self._misses(uniq_l, counts, len(lids))
         if not misses:
             # A segment queued before the settle read the table without these lids' entries:
             # the layer runs again. (`settle_fills` leaves none in flight across steps.)
@@ -80,7 +80,8 @@ class GraphDecode:
         # Everything queued on the device now is either finished (up to this layer's segment)
         # or speculative and about to run again: the fills need not wait for it.
         def cpu_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return rows.hidden, torch.from_numpy(ids), rows.weights
+            ids = torch.tensor(lids, dtype=torch.int64).view(n_tokens, -1)  # [T, K]
+            return rows.hidden, ids, rows.weights
 
         part, fetched = self._place(misses, uniq_l, cpu_inputs, n_tokens, after_compute=False,
                                     into=rows.cpu_stage)  # fmt: skip
@@ -89,23 +90,29 @@ class GraphDecode:
         cache.publish(fetched)
         return True
 
-    def _all_resident(self, layer: int, n_tokens: int) -> bool:
-        """Whether every expert `layer`'s exported routing asks for is in a slot; if so, the
-        hit's bookkeeping is done here, as `_misses` would do it (the same LRU moves, races
-        and counts). Most layers of most decode steps hit, and the host resolves each before
-        its next segment's launch: where it takes longer than a layer's device work the
-        device waits on it. The general path (numpy lids, distinct counts, the misses sorted)
-        took 22.7 us a hit in the engine's loop on the dev box, this one 13.6."""
-        flat = self.graph_io.ids_np[layer, :n_tokens].ravel().tolist()
+    def _routed(self, layer: int, n_tokens: int) -> list[int]:
+        """[T * K] the lids `layer`'s exported routing asks for, token by token, as a list:
+        the host's decisions are Python, and one list serves the hit check, the distinct
+        count and the CPU branch's ids (numpy's cast and add, then a list of it, had cost
+        ~16 us of a stop's host time before its first copy on the dev box)."""
         base = layer * self.n_experts
+        return [base + e for e in self.graph_io.ids_np[layer, :n_tokens].ravel().tolist()]
+
+    def _hit(self, lids: list[int]) -> bool:
+        """Whether every one of `lids` (one layer's routing) is in a slot; if so, the hit's
+        bookkeeping is done here, as `_misses` would do it (the same LRU moves, races and
+        counts). Most layers of most decode steps hit, and the host resolves each before its
+        next segment's launch: where it takes longer than a layer's device work the device
+        waits on it. The general path (numpy lids, distinct counts, the misses sorted) took
+        22.7 us a hit in the engine's loop on the dev box, this one 13.6."""
         slot_of = self.cache.host_slot_of
-        for e in flat:
-            if slot_of[base + e] < 0:
+        for lid in lids:
+            if slot_of[lid] < 0:
                 return False
-        uniq = sorted({base + e for e in flat})
+        uniq = sorted(set(lids))
         self.cache.touch(uniq)
         st = self.stats
-        st.pairs += len(flat)
+        st.pairs += len(lids)
         st.experts += len(uniq)
         st.hits += len(uniq)
         return True

@@ -275,7 +275,7 @@ def test_hit_fast_path_keeps_the_general_paths_state(policy, tmp_path, rng_seed)
     for fast in (True, False):
         bank, spec, _ = graph_bank(tmp_path / str(fast), rng_seed, policy, slots=9)
         if not fast:
-            bank._all_resident = lambda layer, n_tokens: False
+            bank._hit = lambda lids: False
         banks.append(bank)
     e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
     gen = torch.Generator().manual_seed(rng_seed)
