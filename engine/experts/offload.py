@@ -224,8 +224,10 @@ class OffloadedExpertBank(GraphDecode):
         the most CPU work."""
         cache = self.cache
         cache.touch(uniq)
-        misses = [(c, lid) for lid, c in zip(uniq, counts, strict=True) if not cache.resident(lid)]
-        misses.sort(key=lambda x: (-x[0], x[1]))
+        slot_of = cache.host_slot_of
+        misses = [(c, lid) for lid, c in zip(uniq, counts, strict=True) if slot_of[lid] < 0]
+        if max(counts, default=1) > 1:  # else `uniq`'s order (sorted lids) is already it
+            misses.sort(key=lambda x: (-x[0], x[1]))
         st = self.stats
         st.pairs += n_pairs
         st.experts += len(uniq)
