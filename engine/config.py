@@ -267,7 +267,8 @@ class EngineConfig:
     # Offloaded decode under adaptive, while fills pay (temporal locality, as Zipf traces): a
     # stopping layer waits for q* of its misses' fills and runs the rest on the CPU while they
     # too are filled, behind its compute, for the steps after (AdaptiveFetches.behind).
-    # Off until measured on the device.
+    # Off: slower on the H200 host (Zipf b=1, 12 layers 304 -> 255 tok/s, 48 layers 90 -> 78;
+    # one expert on its CPU took as long as its fill); kept for hosts with a slower link.
     fill_behind: bool = False
     # Where the token embedding table lives (engine/layers/embedding.py): None (auto) keeps an
     # untied table in pinned host memory when the experts are offloaded on CUDA, where its
