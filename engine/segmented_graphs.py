@@ -194,4 +194,7 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
         while launched < len(segments):
             segments[launched].replay()
             launched += 1
+        # The hits' bookkeeping, while the device runs the segments still queued (and before
+        # anything between steps reads the cache: the safe point's elastic split).
+        self.bank.flush_hits()
         return self.outputs[bs][:b]

@@ -105,6 +105,7 @@ class OffloadedExpertBank(GraphDecode):
         self.adaptive = AdaptiveFetches(self.cache, spec.n_moe_layers)
         self.stats = OffloadStats()
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
+        self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
         self._placed_after = -1  # static: cache.vacates when its layers were last made whole
         self.stream_min_tokens = stream_min_tokens
@@ -189,6 +190,7 @@ class OffloadedExpertBank(GraphDecode):
     ) -> torch.Tensor:
         if self.graph_io is not None and self.graph_io.active:
             return self._captured(layer, hidden, topk_ids, topk_weights)
+        self.flush_hits()  # a graph step that failed midway may have left some
         if hidden.shape[0] >= self.stream_min_tokens:
             return self._streamed(layer, hidden, topk_ids, topk_weights)
         self.streamer.release()  # a streamed chunk that failed midway still held slots
@@ -337,6 +339,7 @@ class OffloadedExpertBank(GraphDecode):
         """Between steps (the runner calls it after every step): policy direct learns from
         the step's routing (direct.py `learn_after_step`); the other policies decided within
         the step."""
+        self.flush_hits()
         if self.policy == "direct":
             learn_after_step(self, graph_tokens)
 
@@ -355,4 +358,5 @@ class OffloadedExpertBank(GraphDecode):
         return out
 
     def check_integrity(self) -> None:
+        self.flush_hits()
         self.cache.check_integrity()

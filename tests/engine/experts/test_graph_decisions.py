@@ -118,7 +118,9 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, hybrid, rng
 
         graphs = object.__new__(SegmentedDecodeGraphs)
         graphs.bank = SimpleNamespace(
-            resolve=resolve, settle_fills=lambda log=log: log.append(("settle", None))
+            resolve=resolve,
+            settle_fills=lambda log=log: log.append(("settle", None)),
+            flush_hits=lambda log=log: log.append(("flush", None)),
         )
         graphs.model = SimpleNamespace(expert_bank=None)
         shadow = _Shadow(log, n_layers + 1) if hybrid else None
@@ -138,6 +140,8 @@ def test_replay_reruns_every_segment_after_a_missed_layer(run_ahead, hybrid, rng
             assert shadow.applied == [1] * (n_layers + 1), log
         # The last step's fills behind are settled before any segment reads the table.
         assert [what for what, _ in log].index("settle") < [what for what, _ in log].index("run")
+        # The hits' bookkeeping is flushed once, after the last resolve and the last launch.
+        assert [what for what, _ in log].count("flush") == 1 and log[-1] == ("flush", None)
         log[:] = [entry for entry in log if entry[0] in ("run", "resolve")]
         last_run = {k: i for i, (what, k) in enumerate(log) if what == "run"}
         resolved = {k: i for i, (what, k) in enumerate(log) if what == "resolve"}
@@ -169,7 +173,9 @@ def test_run_ahead_passes_only_layers_missing_less_than_the_gate(rng_seed):
             return False
 
         graphs = object.__new__(SegmentedDecodeGraphs)
-        graphs.bank = SimpleNamespace(resolve=resolve, settle_fills=lambda: None)
+        graphs.bank = SimpleNamespace(
+            resolve=resolve, settle_fills=lambda: None, flush_hits=lambda: None
+        )
         graphs.model = SimpleNamespace(expert_bank=None)
         graphs.segments = {1: [_Segment(i, log) for i in range(n_layers + 1)]}
         graphs.done = [_Event() for _ in range(n_layers + 1)]
@@ -267,10 +273,11 @@ def test_fills_behind_reach_the_table_only_after_their_layer(tmp_path, rng_seed)
 
 @pytest.mark.parametrize("policy", ["transfer", "adaptive"])
 def test_hit_fast_path_keeps_the_general_paths_state(policy, tmp_path, rng_seed):
-    """`resolve`'s check for a layer whose experts are all in slots must leave the bank as
-    the general path does: the same answers, LRU order, fill races and counts. Two banks
-    resolve the same routing (fresh draws, some repeating cached experts so layers hit), one
-    with the fast path turned off."""
+    """`resolve`'s check for a layer whose experts are all in slots, its bookkeeping waiting
+    for `flush_hits`, must leave the bank as the general path does: the same answers, and once
+    flushed the same LRU order, fill races and counts; a layer that misses meanwhile must
+    choose its victims as the general path would. Two banks resolve the same routing (fresh
+    draws, some repeating cached experts so layers hit), one with the fast path turned off."""
     banks = []
     for fast in (True, False):
         bank, spec, _ = graph_bank(tmp_path / str(fast), rng_seed, policy, slots=9)
@@ -297,13 +304,23 @@ def test_hit_fast_path_keeps_the_general_paths_state(policy, tmp_path, rng_seed)
             bank(layer, hidden, ids, weights)
         assert answers[0] == answers[1]
         hits += not answers[0]
-        fast, slow = (b.cache for b in banks)
-        assert list(fast._lru) == list(slow._lru)
-        assert fast.host_slot_of == slow.host_slot_of
-        assert fast.races.pending == slow.races.pending
-        assert fast.fill_gain == slow.fill_gain
-        assert (fast.hits, fast.misses) == (slow.hits, slow.misses)
-        assert banks[0].stats == banks[1].stats
+        # Hits' bookkeeping waits: flushed here at random, else by the next layer that misses
+        # (before its victims are chosen) or at the end.
+        if rng.random() < 0.5:
+            banks[0].flush_hits()
+            _assert_same_cache_state(*banks)
+    banks[0].flush_hits()
+    _assert_same_cache_state(*banks)
     assert hits > 0  # the fast path ran
     for bank in banks:
         bank.check_integrity()
+
+
+def _assert_same_cache_state(fast_bank, slow_bank) -> None:
+    fast, slow = fast_bank.cache, slow_bank.cache
+    assert list(fast._lru) == list(slow._lru)
+    assert fast.host_slot_of == slow.host_slot_of
+    assert fast.races.pending == slow.races.pending
+    assert fast.fill_gain == slow.fill_gain
+    assert (fast.hits, fast.misses) == (slow.hits, slow.misses)
+    assert fast_bank.stats == slow_bank.stats
