@@ -23,6 +23,8 @@
 #         stream-threshold (prefill 64-1536 tokens streamed and placed against the model, ~3 min)
 #         huge-pages (the CPU kernel over 4 KB pages, then transparent huge pages, ~2 min)
 #         fill-behind (Zipf b=1, EngineConfig.fill_behind off and on: 12 then 48 layers, ~5 min)
+#         stop-clock (profile-offload's per-phase and per-stop host times, Zipf and native, 12
+#         then 48 layers, ~5 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -162,6 +164,13 @@ for stage in "$@"; do
       timeout 380 python3 -m freetoken_agent.bench profile-offload --layers 48 --budget-gb 32 \
         --regimes zipf:1.0,loc:0.7 --policies adaptive --fill-behind 0 1 \
         >"$OUT/fill_behind_48l.txt" 2>&1; grep -E '^\{' "$OUT/fill_behind_48l.txt" | cut -c1-700 ;;
+    stop-clock)  # a stop's and a hit's host time: Zipf and native, 12 then 48 layers (~5 min)
+      timeout 150 python3 -m freetoken_agent.bench profile-offload --layers 12 --budget-gb 8.59 \
+        --regimes zipf:1.0,loc:0.7 native --policies adaptive transfer \
+        >"$OUT/stop_clock_12l.txt" 2>&1; grep -E '^\{' "$OUT/stop_clock_12l.txt" | cut -c1-900
+      timeout 200 python3 -m freetoken_agent.bench profile-offload --layers 48 --budget-gb 32 \
+        --regimes zipf:1.0,loc:0.7 native --policies adaptive \
+        >"$OUT/stop_clock_48l.txt" 2>&1; grep -E '^\{' "$OUT/stop_clock_48l.txt" | cut -c1-900 ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;
