@@ -19,8 +19,8 @@ from freetoken_agent.kernels.routing_export import export_routing
 
 class GraphDecode:
     """Mixed into OffloadedExpertBank, whose attributes it reads: `spec`, `device`, `policy`,
-    `n_experts`, `cache`, `stats`, `graph_io` (set here), `_hits`, `_misses`, `_place`,
-    `_direct`."""
+    `n_experts`, `cache`, `stats`, `graph_io` (set here), `_hits`, `_misses`, `_visited`,
+    `_place`, `_direct`."""
 
     def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:
         """Static buffers for graph-captured decode of up to `max_tokens` tokens per step."""
@@ -102,7 +102,7 @@ class GraphDecode:
 
     def _hit(self, lids: list[int]) -> bool:
         """Whether every one of `lids` (one layer's routing) is in a slot. A hit's bookkeeping
-        (`_misses`' LRU moves, race visits and counts) waits in `_hits` for `flush_hits`.
+        (`_visited`: LRU moves, race visits and counts) waits in `_hits` for `flush_hits`.
         Most layers of most decode steps hit, and the host resolves each before its next
         segment's launch: where it takes longer than a layer's device work the device waits
         on it. In the engine's loop on the dev box (12 layers, Zipf trace) a hit took 22.7 us
@@ -116,21 +116,16 @@ class GraphDecode:
         return True
 
     def flush_hits(self) -> None:
-        """The waiting hits' bookkeeping, in the order the layers came, exactly as `_misses`
-        would have done it for each. Called before anything that reads the LRU, the races or
-        the counts: a layer that misses (before its own touch, so victims are chosen as
-        without the wait), the end of a step's replay (segmented_graphs.py), an eager call,
-        `after_step` and `check_integrity`."""
+        """The waiting hits' bookkeeping, in the order the layers came: the visit `_misses`
+        makes of a layer (`_visited`), with no misses. Called before anything that reads the
+        LRU, the races or the counts: a layer that misses (before its own touch, so victims
+        are chosen as without the wait), the end of a step's replay (segmented_graphs.py), an
+        eager call, `after_step` and `check_integrity`."""
         if not self._hits:
             return
         hits, self._hits = self._hits, []
-        cache, st = self.cache, self.stats
         for lids in hits:
-            uniq = sorted(set(lids))
-            cache.touch(uniq)
-            st.pairs += len(lids)
-            st.experts += len(uniq)
-            st.hits += len(uniq)
+            self._visited(sorted(set(lids)), len(lids), n_misses=0)
 
     def settle_fills(self) -> None:
         """Before a decode step's first segment: fills still in flight from the step before

@@ -221,20 +221,23 @@ class OffloadedExpertBank(GraphDecode):
                          max_pairs=STREAMED_MOE_PAIRS, add=add)  # fmt: skip
 
     def _misses(self, uniq: list[int], counts: list[int], n_pairs: int) -> list[tuple[int, int]]:
-        """Touch the layer's distinct lids in the LRU, count them; returns the misses as
-        (tokens served, lid), the ones serving the most tokens first: fetched first, they save
-        the most CPU work."""
-        cache = self.cache
-        cache.touch(uniq)
-        slot_of = cache.host_slot_of
+        """Visit the layer (`_visited`); returns its misses as (tokens served, lid), the ones
+        serving the most tokens first: fetched first, they save the most CPU work."""
+        slot_of = self.cache.host_slot_of
         misses = [(c, lid) for lid, c in zip(uniq, counts, strict=True) if slot_of[lid] < 0]
         if max(counts, default=1) > 1:  # else `uniq`'s order (sorted lids) is already it
             misses.sort(key=lambda x: (-x[0], x[1]))
+        self._visited(uniq, n_pairs, len(misses))
+        return misses
+
+    def _visited(self, uniq: list[int], n_pairs: int, n_misses: int) -> None:
+        """One layer's visit, its distinct lids `uniq` serving `n_pairs` pairs: the cache's
+        LRU moves and race visits (`touch`), and the counts."""
+        self.cache.touch(uniq)
         st = self.stats
         st.pairs += n_pairs
         st.experts += len(uniq)
-        st.hits += len(uniq) - len(misses)
-        return misses
+        st.hits += len(uniq) - n_misses
 
     def _place(
         self,
