@@ -346,7 +346,10 @@ class _Builder:
     def answer(self, k: int, names: list[str], cut: bool) -> tuple[TraceTurn, AssistantMessage]:
         """Turn k's record (tokens still empty) and the answer it scripts."""
         rng = self.rng("answer", k)
-        reasoning = self.text(rng, "prose", rng.randint(*self.shape.reasoning_tokens))[0]
+        # Bounded by the shape's range: the last prose line alone can overshoot by ~100 tokens,
+        # and joining lines by spaces retokenizes (a CI run saw 707 against 600).
+        bounds = self.shape.reasoning_tokens
+        reasoning = self.text(rng, "prose", rng.randint(*bounds), *bounds)[0]
         reasoning = reasoning.replace("\n", " ")
         if cut:  # the user stopped it mid-thought: part of the reasoning, no call
             parts = reasoning.split(" ")
