@@ -270,6 +270,10 @@ class EngineConfig:
     # Off: slower on the H200 host (Zipf b=1, 12 layers 304 -> 255 tok/s, 48 layers 90 -> 78;
     # one expert on its CPU took as long as its fill); kept for hosts with a slower link.
     fill_behind: bool = False
+    # Launch each decode step before the last one's tokens are read on the host, so the
+    # step boundary's host work runs beside the device (engine/overlap.py). Off until
+    # measured on the device.
+    overlap_schedule: bool = False
     # Where the token embedding table lives (engine/layers/embedding.py): None (auto) keeps an
     # untied table in pinned host memory when the experts are offloaded on CUDA, where its
     # device bytes are worth more as expert slots; True asks for it whenever the table is

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -117,11 +117,13 @@ class DecodeGraphs:
         b = inputs.cu_q_lens.shape[0] - 1
         return b <= self.sizes[-1] and inputs.page_table.shape[1] <= self.max_pages
 
-    def replay(self, inputs: StepInputs) -> torch.Tensor:
+    def replay(self, inputs: StepInputs, between: Callable[[], None] | None = None) -> torch.Tensor:
         """Run one decode step; returns hidden states [B, H] (a view of the graph's output,
-        valid until the next replay)."""
+        valid until the next replay). `between`: called once the graph is launched."""
         b, bs = self._load(inputs)
         self.graphs[bs].replay()
+        if between is not None:
+            between()
         return self.outputs[bs][:b]
 
     def _load(self, inputs: StepInputs) -> tuple[int, int]:
@@ -129,6 +131,8 @@ class DecodeGraphs:
         b = inputs.cu_q_lens.shape[0] - 1
         bs = next(s for s in self.sizes if s >= b)
         self.static_inputs.load(inputs, bs)
+        if inputs.device_ids is not None:  # overlap: the ids the last step sampled, on the device
+            self.input_ids[:b].copy_(inputs.device_ids)
         return b, bs
 
 

@@ -9,6 +9,8 @@ step is sampled, and the cache learns and fills from it before the next step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from freetoken_agent.engine.cuda_graphs import OffloadedDecodeGraphs
@@ -25,9 +27,12 @@ class DirectDecodeGraphs(OffloadedDecodeGraphs):
         finally:
             self.io.active = False
 
-    def replay(self, inputs: StepInputs) -> torch.Tensor:
-        """Run one decode step; returns hidden states [B, H] (valid until the next replay)."""
+    def replay(self, inputs: StepInputs, between: Callable[[], None] | None = None) -> torch.Tensor:
+        """Run one decode step; returns hidden states [B, H] (valid until the next replay).
+        `between`: called once the graph is launched."""
         b, bs = self._load(inputs)
         self._before_replay(b, bs)
         self.graphs[bs].replay()
+        if between is not None:
+            between()
         return self.outputs[bs][:b]

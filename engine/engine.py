@@ -34,6 +34,7 @@ from freetoken_agent.engine.outputs import (
     InvalidRequestError,
     TokenEvent,
 )
+from freetoken_agent.engine.overlap import Overlap
 from freetoken_agent.engine.prompt_input import Prompt, encode_prompt, snapshot_plan
 from freetoken_agent.engine.request import Batch, Request, Status
 from freetoken_agent.engine.runner import ModelRunner, StepOutput
@@ -67,6 +68,10 @@ class Engine:
             self.runner.after_step = loaded.bank.after_step
             self.runner.on_decode_step = loaded.bank.decode_step_timed
         self.memory = elastic_memory(loaded, self.scheduler)
+        # Policy direct learns from each step's exported routing after it: nothing may be in
+        # flight then (overlap.py).
+        direct = getattr(loaded.bank, "policy", None) == "direct"
+        self.overlap = Overlap(self, self.config.overlap_schedule and not direct)
         self.graph_error: str | None = None  # why decode runs without graphs, if it does
         if loaded.device.type == "cuda" and self.config.cuda_graphs:
             self.capture_graphs()
@@ -186,6 +191,7 @@ class Engine:
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         if not self.has_unfinished():  # idle: between steps already, apply it now
+            self.overlap.drain()  # idle: only finished requests' rows, no events
             self.memory.safe_point()
 
     def poll_memory(self) -> int | None:
@@ -196,6 +202,7 @@ class Engine:
         if self.memory is None:
             return None
         if not self.has_unfinished():
+            self.overlap.drain()  # idle: only finished requests' rows, no events
             self.memory.safe_point()
         return self.memory.budget
 
@@ -220,15 +227,27 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        """One iteration; returns the events it produced. With overlap scheduling a decode
+        step's events come from the next call, which launches the step after it first."""
         self._open()
+        done: list[TokenEvent] = []
+        if self.overlap.inflight is not None:
+            lagged = self.overlap.step()
+            if lagged is not None:
+                return lagged
+            done = self.overlap.drain()  # the next step is not a plain decode: step plainly
         if self.memory is not None:  # the safe point: the split moves before scheduling
             self.memory.safe_point()
         batch = self.scheduler.schedule()
         failed = [self._fail_request(r, why) for r, why in self.scheduler.take_unservable()]
+        failed = done + failed
         if not batch.chunks:
             return failed + self._unschedulable()
         self.runner.apply_copies(self.scheduler.take_copies())
         try:
+            if self.overlap.eligible(batch):
+                self.overlap.launch(batch)  # its tokens are read by the next call
+                return failed
             masks = self.grammars.masks(c.request.id for c in batch.chunks if c.sample)
             out = self.runner.run(batch, masks)
         except Exception as e:  # noqa: BLE001 - one failing batch must not take the engine down

@@ -226,6 +226,27 @@ class MemoryManager:
         finally:  # its cost per step, beside the step's (the elastic bench reports both)
             self.safe_point_s += time.perf_counter() - t0
 
+    def quiet_point(self) -> bool:
+        """The safe point of a step launched with another in flight (engine/overlap.py): when
+        nothing a decision rests on moved (the budget polled, the steady key) and no full
+        decision is due, count the step as `safe_point` does and return True; else change
+        nothing and return False: the caller completes the step in flight, then calls
+        `safe_point` (a split moves only with nothing in flight)."""
+        t0 = time.perf_counter()
+        try:
+            if self.watcher is not None:
+                self.budget = self._effective_budget(poll=True)
+            if self._decided_on != self._steady_key():
+                return False
+            if self.steps + 1 - self._decided_at >= FULL_EVERY:
+                return False
+            self.steps += 1
+            self.cache.tick()
+            self.policy.skip()
+            return True
+        finally:
+            self.safe_point_s += time.perf_counter() - t0
+
     def _safe_point(self) -> Split | None:
         self.steps += 1
         self.cache.tick()

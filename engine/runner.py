@@ -20,7 +20,7 @@ from freetoken_agent.engine.layers.attention import AttentionMetadata
 from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.layers.sampler import sample
 from freetoken_agent.engine.models.base import MoeCausalLM
-from freetoken_agent.engine.request import Batch, ScheduledChunk
+from freetoken_agent.engine.request import Batch, Request, ScheduledChunk
 
 # T tokens in the step, B chunks (sequences), S page size, V vocab
 
@@ -31,6 +31,17 @@ class StepOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logits: dict[str, torch.Tensor] = field(default_factory=dict)  # score requests: [n, V]
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward pass is enqueued (`ModelRunner.launch`): what sampling needs."""
+
+    batch: Batch
+    inputs: StepInputs
+    hidden: torch.Tensor  # [T, H], or [B, H] from a graph (valid until the next replay)
+    graphed: bool
+    start: float  # perf_counter at launch
 
 
 @dataclass(slots=True)
@@ -47,6 +58,9 @@ class StepInputs:
     max_kv_len: int
     state_slots: np.ndarray  # [B] int64: each sequence's recurrent state row (0: none)
     snap_slots: np.ndarray | None  # [T] int64: checkpoint row written after token t, or -1
+    # [T] int64 on the device: the token ids when the host does not know them yet (overlap
+    # scheduling: the previous step's sampled tokens); `input_ids` then holds placeholders.
+    device_ids: torch.Tensor | None = None
 
 
 def build_inputs(chunks: list[ScheduledChunk], page_size: int) -> StepInputs:
@@ -125,6 +139,7 @@ def to_device(
         return torch.from_numpy(a).to(device, non_blocking=True)
 
     rec = None
+    ids = inputs.device_ids if inputs.device_ids is not None else t(inputs.input_ids)
     if recurrent:
         decode = inputs.max_q_len == 1 and inputs.snap_slots is None
         rec = RecurrentMetadata(
@@ -142,7 +157,7 @@ def to_device(
         max_kv_len=inputs.max_kv_len,
         recurrent=rec,
     )
-    return t(inputs.input_ids), meta
+    return ids, meta
 
 
 class ModelRunner:
@@ -226,34 +241,66 @@ class ModelRunner:
     def run(self, batch: Batch, masks: Mapping[str, np.ndarray] | None = None) -> StepOutput:
         """`masks`: packed allowed-id rows of constrained requests (see constrained.py), applied
         to their logits here, after the model (and any CUDA graph) and before sampling."""
-        start = time.perf_counter()
-        chunks = batch.chunks
-        inputs = build_inputs(chunks, self.kv.page_size)
-        graphed = self.graphs is not None and batch.is_decode_only and self.graphs.fits(inputs)
-        if graphed:
-            hidden = self.graphs.replay(inputs)  # [B, H]: one token per chunk
-        else:
-            input_ids, meta = to_device(inputs, self.device, self.model.spec.is_hybrid)
-            hidden = self.model(input_ids, meta)  # [T, H]
+        step = self.launch(batch)
+        reqs, tokens = self.sample_tokens(step, masks)
         out = StepOutput()
-        sampling = [i for i, c in enumerate(chunks) if c.sample and not c.request.score_only]
-        if sampling:
-            logits = self.model.compute_logits(self._sampled_rows(hidden, inputs, sampling))
-            reqs = [chunks[i].request for i in sampling]
-            params = [r.sampling for r in reqs]
-            gens = [self.generator_for(r.id, r.sampling.seed) for r in reqs]
-            allowed = allowed_tokens(
-                [r.id for r in reqs], masks or {}, logits.shape[-1], self.device
-            )
-            tokens = sample(logits, params, gens, allowed).tolist()
-            out.sampled = {r.id: t for r, t in zip(reqs, tokens, strict=True)}
+        if tokens is not None:
+            out.sampled = {r.id: t for r, t in zip(reqs, tokens.tolist(), strict=True)}
+        chunks, inputs = batch.chunks, step.inputs
         for i, c in enumerate(chunks):
             if c.request.score_only:
                 lo, hi = int(inputs.cu_q_lens[i]), int(inputs.cu_q_lens[i + 1])
-                out.logits[c.request.id] = self.model.compute_logits(hidden[lo:hi])
-        if self.after_step is not None:
-            self.after_step(len(chunks) if graphed else None)
-        if self.on_decode_step is not None and batch.is_decode_only and sampling:
+                out.logits[c.request.id] = self.model.compute_logits(step.hidden[lo:hi])
+        self.step_done(step)
+        if self.on_decode_step is not None and batch.is_decode_only and reqs:
             # .tolist() above waited for the sampled tokens: the step's device work is done.
-            self.on_decode_step(len(chunks), time.perf_counter() - start)
+            self.on_decode_step(len(chunks), time.perf_counter() - step.start)
         return out
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        batch: Batch,
+        device_ids: torch.Tensor | None = None,
+        between: Callable[[], None] | None = None,
+    ) -> LaunchedStep:
+        """Enqueue the step's forward pass (a graph replay for a decode-only batch that fits,
+        else eagerly); nothing waits for it but the offloaded graphs' own stops. For overlap
+        scheduling (engine/overlap.py): `device_ids` [B] are the token ids on the device, of
+        a decode batch whose ids the host does not know yet; `between` is called once the
+        step's first kernels are queued (before an offloaded graph's first stop)."""
+        start = time.perf_counter()
+        inputs = build_inputs(batch.chunks, self.kv.page_size)
+        inputs.device_ids = device_ids
+        graphed = self.graphs is not None and batch.is_decode_only and self.graphs.fits(inputs)
+        if graphed:
+            hidden = self.graphs.replay(inputs, between)  # [B, H]: one token per chunk
+        else:
+            input_ids, meta = to_device(inputs, self.device, self.model.spec.is_hybrid)
+            hidden = self.model(input_ids, meta)  # [T, H]
+            if between is not None:
+                between()
+        return LaunchedStep(batch, inputs, hidden, graphed, start)
+
+    @torch.inference_mode()
+    def sample_tokens(
+        self, step: LaunchedStep, masks: Mapping[str, np.ndarray] | None = None
+    ) -> tuple[list[Request], torch.Tensor | None]:
+        """The requests whose chunks sample, in order, and their tokens [B'] int64 on the
+        device (None when no chunk samples). Waits for nothing but what sampling itself reads
+        back (top-p's candidate check)."""
+        chunks = step.batch.chunks
+        sampling = [i for i, c in enumerate(chunks) if c.sample and not c.request.score_only]
+        if not sampling:
+            return [], None
+        logits = self.model.compute_logits(self._sampled_rows(step.hidden, step.inputs, sampling))
+        reqs = [chunks[i].request for i in sampling]
+        params = [r.sampling for r in reqs]
+        gens = [self.generator_for(r.id, r.sampling.seed) for r in reqs]
+        allowed = allowed_tokens([r.id for r in reqs], masks or {}, logits.shape[-1], self.device)
+        return reqs, sample(logits, params, gens, allowed)
+
+    def step_done(self, step: LaunchedStep) -> None:
+        """After a step's sampling is enqueued: the offloaded bank's between-steps work."""
+        if self.after_step is not None:
+            self.after_step(len(step.batch.chunks) if step.graphed else None)

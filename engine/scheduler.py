@@ -236,6 +236,23 @@ class Scheduler:
             return
         self._save_checkpoint(req, boundary)  # none saved: it resumes from an older one
 
+    # --- overlap scheduling (engine/overlap.py) --------------------------------------------
+    def grow_one(self, req: Request) -> bool:
+        """Pages for the next token of a decoding request, evicting cached pages if needed
+        but preempting no one (a step in flight holds the others): False when the pool is dry."""
+        return self._grow(req, req.num_computed + 1)
+
+    def may_checkpoint_at_accept(self, req: Request) -> bool:
+        """Whether accepting the token the request's last step sampled may checkpoint its
+        state (`checkpoint_decode`, at boundary num_computed): then the next step must not
+        have run yet."""
+        rec = self.recurrence
+        if rec is None or not req.use_prefix_cache or not rec.mode.reuses:
+            return False
+        if rec.mode.kind == "anchors":
+            return bool(req.anchor_tokens)  # whether the token is one is not known yet
+        return rec.mode.at_decode(req.num_computed, -1, req.anchor_tokens)
+
     # --- after the step -----------------------------------------------------------------
     def advance(self, chunk: ScheduledChunk) -> None:
         """The chunk's K/V (and its snapshots) are now in the cache."""

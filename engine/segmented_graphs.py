@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -155,9 +156,11 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
     def _stream(self):
         return torch.cuda.current_stream(self.device)
 
-    def replay(self, inputs: StepInputs) -> torch.Tensor:
+    def replay(self, inputs: StepInputs, between: Callable[[], None] | None = None) -> torch.Tensor:
         """Run one decode step, placing each MoE layer's misses between its segments; returns
-        hidden states [B, H] (valid until the next replay)."""
+        hidden states [B, H] (valid until the next replay). `between`: called once, when the
+        first segments are queued, before the host waits for layer 0's routing (overlap
+        scheduling completes the previous step there)."""
         b, bs = self._load(inputs)
         self._before_replay(b, bs)
         self.bank.settle_fills()  # the last step's fills behind, before any segment reads
@@ -180,6 +183,9 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
                 segments[launched].replay()
                 done[launched].record(stream)
                 launched += 1
+            if between is not None:
+                between()
+                between = None
             t0 = time.perf_counter()
             done[layer].synchronize()  # seg_layer exported this layer's routing
             self.wait_s += time.perf_counter() - t0
@@ -194,6 +200,8 @@ class SegmentedDecodeGraphs(OffloadedDecodeGraphs):
         while launched < len(segments):
             segments[launched].replay()
             launched += 1
+        if between is not None:  # no MoE layer stopped the host
+            between()
         # The hits' bookkeeping, while the device runs the segments still queued (and before
         # anything between steps reads the cache: the safe point's elastic split).
         self.bank.flush_hits()

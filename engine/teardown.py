@@ -14,13 +14,14 @@ import gc
 import torch
 
 # What the engine holds that leads to device or page-locked memory.
-HOLDERS = ("loaded", "kv", "radix", "scheduler", "runner", "memory", "grammars")
+HOLDERS = ("loaded", "kv", "radix", "scheduler", "runner", "memory", "grammars", "overlap")
 
 
 def release(engine) -> None:
     """End every unfinished request with "abort", then drop what holds memory and collect."""
     for rid in list(engine._requests):
         engine.abort(rid)
+    engine.overlap.drain()  # a step in flight: its rows are all finished now
     device = engine.loaded.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # nothing queued may still read what is freed

@@ -30,21 +30,32 @@ def sample(
     if all(p.greedy for p in params):
         return greedy_ids
     device = logits.device
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    temps = _on(device, [p.temperature if not p.greedy else 1.0 for p in params])
     scaled = logits / temps[:, None]
     top_k = [p.top_k for p in params]
     if any(top_k):
         scaled = _top_k(scaled, top_k)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_p = _on(device, [p.top_p for p in params])
         scaled = _top_p(scaled, top_p, _nucleus_candidates(scaled, top_k, top_p))
     probs = torch.softmax(scaled, dim=-1)
     noise = torch.empty_like(probs)
     for i, g in enumerate(generators):
         noise[i].exponential_(generator=g)
     drawn = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=device)
+    is_greedy = _on(device, [p.greedy for p in params])
     return torch.where(is_greedy, greedy_ids, drawn)
+
+
+def _on(device: torch.device, values: list) -> torch.Tensor:
+    """A few per-row values as a device tensor, copied without waiting: `torch.tensor(values,
+    device=cuda)` copies from pageable memory, which waits for all work queued on the stream
+    (under overlap scheduling, the decode step launched next); a pinned source's copy is
+    queued behind it instead."""
+    t = torch.tensor(values)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
@@ -57,10 +68,9 @@ def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
         return logits
     kmax = max(k for k, lim in zip(top_k, limited, strict=True) if lim)
     largest = logits.topk(kmax, dim=-1).values  # [B, kmax], descending
-    at = torch.tensor([k - 1 if lim else 0 for k, lim in zip(top_k, limited, strict=True)],
-                      device=logits.device)  # fmt: skip
+    at = _on(logits.device, [k - 1 if lim else 0 for k, lim in zip(top_k, limited, strict=True)])
     kth = largest.gather(1, at[:, None])  # [B, 1] the k-th largest logit
-    kth = kth.masked_fill(~torch.tensor(limited, device=logits.device)[:, None], float("-inf"))
+    kth = kth.masked_fill(~_on(logits.device, limited)[:, None], float("-inf"))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 

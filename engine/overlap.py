@@ -1,0 +1,231 @@
+"""Overlap scheduling: decode step N is launched before step N-1's tokens are read on the host.
+
+Between two decode steps the host reads the sampled tokens, detokenizes, checks stops, emits
+events, schedules, builds the next inputs and launches: ~0.5-0.6 ms with the device idle, of
+a ~4 ms all-resident step at 48 layers on the H200 host (NOTES, fifteenth session). With
+overlap (EngineConfig.overlap_schedule) step N takes its token ids on the device from step
+N-1's sampled tokens, so the host launches it first and processes N-1 while it runs (SGLang's
+overlap scheduler and vLLM's async scheduling do the same):
+
+    call k:  schedule N (advance N-1, a page each) -> launch N, and once its first kernels are
+             queued: wait for N-1's tokens (done by then), accept them (events, stops,
+             finishes) -> sample N, its tokens copied out behind an event -> return N-1's events
+
+The token of step N-1 reaches the caller one launch later than without overlap; the steps come
+faster. Step N is scheduled before N-1's tokens are known, so:
+- a request that N-1 ends by length (max_tokens, the model's length) is left out of N;
+- one that N-1 ends otherwise (EOS, a stop string, an abort) ran one step more: its row of N
+  is dropped. Its pages and state slot were released at the finish; whoever gets them next
+  writes after N on the same stream, so N's stray row cannot corrupt them (and its KV position
+  is past the tokens the prefix cache took);
+- N's host-side token ids are placeholders; `StepInputs.device_ids` carries the real ones.
+
+Steps overlap only while each is a plain decode step; otherwise the step in flight is completed
+first and the engine steps as without overlap:
+- every running request decodes and none waits for admission (a new request drains);
+- no grammar (its mask needs N-1's token on the host) and no score-only request;
+- not policy direct (its `after_step` reads a step's exported routing, which N overwrites);
+- no hybrid request whose accept may checkpoint its state (anchor tokens, a positional
+  boundary): that checkpoint must be taken before N updates the state;
+- the elastic memory's safe point is quiet (`MemoryManager.quiet_point`): a split moves only
+  with nothing in flight;
+- the pool gives every request its next page without a preemption.
+Anything that must see the engine idle (a budget applied while idle, close) drains first.
+
+Shapes: B rows of a step (one token each).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from freetoken_agent.engine.outputs import TokenEvent
+from freetoken_agent.engine.request import Batch, Request, ScheduledChunk, Status
+from freetoken_agent.engine.runner import LaunchedStep
+
+if TYPE_CHECKING:
+    from freetoken_agent.engine.engine import Engine
+
+log = logging.getLogger("freetoken.engine")
+PLACEHOLDER = 0  # a lagged step's host-side token id; the device reads the sampled one
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A decode step launched and sampled, its tokens not yet read on the host."""
+
+    batch: Batch
+    tokens: torch.Tensor  # [B] int64 on the device: what the step sampled, row by row
+    host: torch.Tensor  # [B] int64: their copy on the host (pinned on CUDA), valid at `ready`
+    ready: torch.cuda.Event | None  # recorded after the copy (None on a CPU device)
+    launched_at: float
+    advanced: bool = False  # its chunks advanced already (the next step was scheduled)
+
+
+class Overlap:
+    def __init__(self, engine: Engine, enabled: bool) -> None:
+        self.engine = engine
+        self.enabled = enabled
+        self.inflight: InFlight | None = None
+        self.lagged_steps = 0  # steps launched with another in flight
+        self.drains = 0  # steps in flight completed without a successor
+        self._last_done: float | None = None  # when the last lagged completion read its tokens
+        n, device = engine.config.max_num_seqs, engine.loaded.device
+        pinned = device.type == "cuda"
+        # Two host buffers, alternating: step N's copy lands while N-1's is being read.
+        self._host = [torch.empty(n, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._flip = 0
+
+    # --- the plain loop's side --------------------------------------------------------------
+    def eligible(self, batch: Batch) -> bool:
+        """Whether the plain loop may launch `batch` and return before reading its tokens."""
+        if not self.enabled or not batch.is_decode_only:
+            return False
+        return all(self._plain(c.request) for c in batch.chunks)
+
+    def _plain(self, req: Request) -> bool:
+        return not req.score_only and req.sampling.json_schema is None
+
+    def launch(self, batch: Batch) -> None:
+        """Launch and sample `batch`; its tokens are read by the next `step` or `drain`."""
+        self._last_done = None
+        self._sample(self.engine.runner.launch(batch))
+
+    def drain(self) -> list[TokenEvent]:
+        """Complete the step in flight, if any: its tokens accepted, its events returned."""
+        prev, self.inflight = self.inflight, None
+        self._last_done = None
+        if prev is None:
+            return []
+        self.drains += 1
+        return self._complete(prev, since=prev.launched_at)
+
+    # --- lagged steps -----------------------------------------------------------------------
+    def step(self) -> list[TokenEvent] | None:
+        """Launch the next decode step, then complete the one in flight while it runs; returns
+        the completed step's events. None (nothing done but bookkeeping a drain repeats
+        harmlessly) when the next step cannot overlap: the caller drains and steps plainly."""
+        prev = self.inflight
+        planned = self._next_batch(prev)
+        if planned is None:
+            return None
+        nxt, rows = planned
+        runner = self.engine.runner
+        done: list[list[TokenEvent]] = []
+
+        def complete_prev() -> None:  # once N's first kernels are queued
+            self.inflight = None
+            done.append(self._complete(prev, since=self._last_done or prev.launched_at))
+            self._last_done = time.perf_counter()
+
+        ids = prev.tokens[: len(rows)] if rows == list(range(len(rows))) else prev.tokens[rows]
+        try:
+            step = runner.launch(nxt, ids, between=complete_prev)
+        except Exception as err:  # noqa: BLE001 - a failing step fails its requests only
+            log.exception("overlapped step failed; failing its %d request(s)", len(rows))
+            if not done:
+                complete_prev()
+            return done[0] + self._fail(nxt, err)
+        events = done[0] if done else []
+        try:
+            self._sample(step)
+        except Exception as err:  # noqa: BLE001
+            log.exception("overlapped sampling failed; failing its %d request(s)", len(rows))
+            events += self._fail(nxt, err)
+        self.lagged_steps += 1
+        return events
+
+    def _next_batch(self, prev: InFlight) -> tuple[Batch, list[int]] | None:
+        """Step N's batch (each live request's next token, a placeholder) and, per row, its
+        row in `prev`; None when N cannot be launched before `prev` is read."""
+        e = self.engine
+        sched = e.scheduler
+        if not self.enabled or sched.waiting:
+            return None
+        chunks = prev.batch.chunks
+        live = [c for c in chunks if c.request.status is Status.RUNNING]
+        if len(live) != len(sched.running) or not all(self._plain(c.request) for c in live):
+            return None  # another request runs (it prefills), or one needs the host's token
+        if not prev.advanced:  # what `_complete` would do first; the pages need it now
+            for c in live:
+                sched.advance(c)
+            prev.advanced = True
+        if any(sched.may_checkpoint_at_accept(c.request) for c in live):
+            return None
+        row = {id(c.request): i for i, c in enumerate(chunks)}
+        picked: list[ScheduledChunk] = []
+        for c in live:
+            req = c.request
+            if self._ends_by_length(req):
+                continue
+            if not sched.grow_one(req):
+                return None  # the pool is dry: the plain loop preempts
+            picked.append(ScheduledChunk(req, req.num_computed, [PLACEHOLDER], sample=True))
+        if not picked:
+            return None
+        if e.memory is not None and not e.memory.quiet_point():
+            return None
+        return Batch(picked), [row[id(c.request)] for c in picked]
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """Whether accepting the token in flight ends the request by length (Engine._accept)."""
+        out = len(req.output_ids) + 1
+        return out >= req.sampling.max_tokens or req.n_tokens + 1 >= self.engine.max_model_len
+
+    # --- both -------------------------------------------------------------------------------
+    def _sample(self, step: LaunchedStep) -> None:
+        """Enqueue `step`'s sampling and the copy of its tokens to the host; it is in flight."""
+        runner = self.engine.runner
+        _, tokens = runner.sample_tokens(step)
+        host = self._host[self._flip][: tokens.shape[0]]
+        self._flip ^= 1
+        ready = None
+        if tokens.is_cuda:
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = tokens
+        self.inflight = InFlight(step.batch, tokens, host, ready, step.start)
+        runner.step_done(step)
+
+    def _complete(self, prev: InFlight, since: float) -> list[TokenEvent]:
+        """Read `prev`'s tokens and accept them (rows of finished requests are dropped); the
+        decode-step hook is told the time from `since` (the last completion, or the launch)."""
+        e = self.engine
+        try:
+            if prev.ready is not None:
+                prev.ready.synchronize()
+            tokens = prev.host.tolist()
+        except Exception as err:  # noqa: BLE001
+            log.exception("a step in flight failed; failing its requests")
+            return self._fail(prev.batch, err)
+        now = time.perf_counter()
+        live = [c for c in prev.batch.chunks if c.request.status is Status.RUNNING]
+        if not prev.advanced:
+            for c in live:
+                e.scheduler.advance(c)
+        events = [
+            e._accept(c.request, tok)
+            for c, tok in zip(prev.batch.chunks, tokens, strict=True)
+            if c.request.status is Status.RUNNING
+        ]
+        hook = e.runner.on_decode_step
+        if hook is not None and live:
+            # Lagged steps follow each other without a gap: the time between two completions
+            # is a step's (adaptive's split trials time their modes by it).
+            hook(len(prev.batch.chunks), now - since)
+        return events
+
+    def _fail(self, batch: Batch, err: Exception) -> list[TokenEvent]:
+        message = f"{type(err).__name__}: {err}"
+        return [
+            self.engine._fail_request(c.request, message)
+            for c in batch.chunks
+            if c.request.status is not Status.FINISHED
+        ]

@@ -1,0 +1,230 @@
+"""Overlap scheduling (engine/overlap.py): decode step N launched before N-1's tokens are read.
+
+Every test drives two engines over the same model, overlap off and on, through the same
+submissions at the same calls, and holds them to the same tokens, events and finish reasons;
+each also checks that the overlapped engine really launched lagged steps (or, where it must
+not, that it did not), and the engine's integrity after every call (a step in flight included).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from elastic_engines import elastic_engine
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.request import Status
+
+Events = dict[str, list[tuple]]
+
+
+def _load(path, overlap: bool, **options) -> Engine:
+    """float64: a lagged step's dropped rows change the batch's shape, which in float32 may
+    flip a near-tied router or token choice of another row."""
+    options.setdefault("kv_tokens", 4096)
+    options.setdefault("dtype", "float64")
+    return Engine.load(path, device="cpu", progress=False, overlap_schedule=overlap, **options)
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 320) for _ in range(n)]
+
+
+def drive(engine: Engine, plan: dict[int, list[tuple]], max_calls: int = 400) -> Events:
+    """Call `step` until every request is done; at call k submit plan[k]'s (prompt, sampling,
+    options) first. Returns each request's events as (index, token, text, finished, reason)."""
+    seen: Events = {}
+    last = max(plan)
+    for call in range(max_calls):
+        for prompt, sp, options in plan.get(call, []):
+            rid = engine.submit(prompt, sp, **options)
+            seen[rid] = []
+        for ev in engine.step():
+            seen[ev.request_id].append(
+                (ev.index, ev.token_id, ev.text, ev.finished, ev.finish_reason)
+            )
+        engine.check_integrity()
+        if call >= last and not engine.has_unfinished():
+            break
+    else:
+        raise AssertionError("the requests did not finish")
+    for rid, events in seen.items():  # every request ended exactly once, indexes in order
+        assert [e[0] for e in events] == list(range(len(events))), rid
+        assert [e[3] for e in events] == [False] * (len(events) - 1) + [True], rid
+    return seen
+
+
+def both(path, plan: dict[int, list[tuple]], **options) -> tuple[Events, Engine]:
+    """The events of both engines (they must agree) and the overlapped engine."""
+    plain = drive(_load(path, False, **options), plan)
+    engine = _load(path, True, **options)
+    lagged = drive(engine, plan)
+    assert lagged == plain
+    return lagged, engine
+
+
+@pytest.fixture
+def model_dir(tmp_path, rng_seed):
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    return tmp_path
+
+
+def test_batch_ending_by_length_and_by_stop(model_dir, rng_seed):
+    """Requests end at different steps, by length (left out of the lagged step) and by stop
+    tokens (their lagged row dropped), while the others go on."""
+    rng = random.Random(rng_seed)
+    prompts = [_prompt(rng, rng.randint(5, 40)) for _ in range(4)]
+    free = _load(model_dir, False).generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    )
+    plan = {0: []}
+    for i, (p, out) in enumerate(zip(prompts, free, strict=True)):
+        if i % 2:  # stop at a token it generates mid-way
+            stop = out.token_ids[rng.randint(3, 12)]
+            sp = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop])
+        else:
+            # At least 13: the batch is the same until every stop token is reached.
+            sp = SamplingParams(max_tokens=rng.randint(13, 24), temperature=0, ignore_eos=True)
+        plan[0].append((p, sp, {}))
+    events, engine = both(model_dir, plan)
+    reasons = {evs[-1][4] for evs in events.values()}
+    assert reasons == {"stop", "length"}
+    assert engine.overlap.lagged_steps >= 10
+    assert engine.kv.allocator.n_free + len(engine.radix.pages()) == engine.kv.allocator.capacity
+
+
+def test_seeded_sampling_and_arrivals_mid_decode(model_dir, rng_seed):
+    """Seeded top-p/top-k sampling gives the same tokens; requests arriving while others
+    decode drain the step in flight, prefill, and the batch overlaps again."""
+    rng = random.Random(rng_seed)
+    plan: dict[int, list[tuple]] = {}
+    for k in range(5):
+        at = 0 if k == 0 else rng.randint(1, 30)
+        sp = SamplingParams(max_tokens=rng.randint(8, 30), temperature=rng.choice([0, 0.8, 1.2]),
+                            top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 20]),
+                            seed=rng.randrange(1 << 30), ignore_eos=True)  # fmt: skip
+        plan.setdefault(at, []).append((_prompt(rng, rng.randint(3, 50)), sp, {}))
+    events, engine = both(model_dir, plan, max_batched_tokens=32)
+    assert len(events) == 5
+    assert engine.overlap.lagged_steps >= 10 and engine.overlap.drains >= 1
+
+
+def test_abort_with_a_step_in_flight(model_dir, rng_seed):
+    rng = random.Random(rng_seed)
+    engine = _load(model_dir, True)
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    keep, drop = engine.submit(_prompt(rng, 20), sp), engine.submit(_prompt(rng, 30), sp)
+    for _ in range(rng.randint(4, 10)):
+        engine.step()
+    assert engine.overlap.inflight is not None
+    engine.abort(drop)  # its row of the step in flight is dropped
+    engine.check_integrity()
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    out = [e.token_id for e in engine._events[keep]]
+    alone = _load(model_dir, False).generate(engine._requests[keep].prompt_ids, sp)
+    assert out == alone.token_ids
+    assert engine._events[drop][-1].finish_reason == "abort"
+    assert engine._requests[drop].status is Status.FINISHED
+
+
+def test_model_length_and_a_dry_pool(tmp_path, rng_seed):
+    """A request reaching the model's length ends there; a KV pool too small for every
+    request's next page drains and preempts as the plain loop does (float64: a re-prefill
+    after preemption computes exactly what decode did)."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, max_position_embeddings=96)
+    rng = random.Random(rng_seed)
+    sp = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    plan = {0: [(_prompt(rng, rng.randint(40, 80)), sp, {}) for _ in range(3)]}
+    events, engine = both(tmp_path, plan, kv_tokens=160, page_size=16)
+    assert {evs[-1][4] for evs in events.values()} == {"length"}
+    assert engine.scheduler.preemptions >= 1 and engine.overlap.lagged_steps >= 5
+    assert engine.overlap.inflight is None  # the length was known: no step ran past it
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "transfer", "cpu"])
+def test_offloaded_bank(tmp_path, rng_seed, policy):
+    """An offloaded bank with a few slots: the same tokens as the plain loop and as resident;
+    adaptive's split trials are told each overlapped step's time."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    sp = SamplingParams(max_tokens=rng.randint(10, 20), temperature=0, ignore_eos=True)
+    prompts = [_prompt(rng, rng.randint(5, 30)) for _ in range(2)]
+    plan = {0: [(p, sp, {}) for p in prompts]}
+    timed: list[tuple[int, float]] = []
+    # float32: the CPU expert kernel has no float64; the batches are the same in both loops
+    # (no request ends early, so no row is dropped).
+    options = {"policy": policy, "expert_slots": rng.randint(6, 20), "dtype": "float32"}
+    events, engine = both(tmp_path, plan, **options)
+    resident = _load(tmp_path, False, policy="resident", dtype="float32").generate(prompts, sp)
+    assert [[e[1] for e in evs] for evs in events.values()] == [o.token_ids for o in resident]
+    engine.runner.on_decode_step = lambda n, s: timed.append((n, s))
+    engine.generate(prompts, sp)
+    assert engine.overlap.inflight is None  # their length was known: no step ran past it
+    assert engine.overlap.lagged_steps >= 2 * (sp.max_tokens - 3)
+    assert len(timed) >= sp.max_tokens - 2 and all(n == 2 and s > 0 for n, s in timed)
+
+
+def test_hybrid_checkpoints_at_decode(tmp_path, rng_seed):
+    """A hybrid model. Anchors mode: a request with anchor tokens may checkpoint at any
+    accept, so it never overlaps. Positional mode: steps overlap but for the accepts at a
+    boundary, whose checkpoints must hold the state before the next step: a follow-up turn
+    resumes from one taken while decoding and must decode as a cold engine does."""
+    make_tiny("qwen3_next", tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    prompt = _prompt(rng, rng.randint(20, 30))
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    free = _load(tmp_path, False).generate(prompt, sp)
+    anchors = {"anchor_tokens": [free.token_ids[rng.randint(2, 10)]]}
+    _, engine = both(tmp_path, {0: [(prompt, sp, anchors)]}, checkpoints="anchors")
+    assert engine.overlap.lagged_steps == 0
+
+    every = rng.choice([5, 6, 7])
+    follow = prompt + free.token_ids + _prompt(rng, 7)
+    outs = []
+    for overlap in (False, True):
+        engine = _load(tmp_path, overlap, checkpoints=f"positional:{every}")
+        assert engine.generate(prompt, sp).token_ids == free.token_ids
+        if overlap:
+            assert engine.overlap.lagged_steps >= 10 and engine.overlap.drains >= 3
+        outs.append(engine.generate(follow, sp))
+        engine.check_integrity()
+    # The deepest boundary within the KV computed (all but the last token sampled): one that
+    # decoding checkpointed.
+    deepest = (len(prompt) + sp.max_tokens - 1) // every * every
+    assert deepest > len(prompt)
+    assert [o.stats["resumed_tokens"] for o in outs] == [deepest, deepest]
+    cold = _load(tmp_path, False, checkpoints="none").generate(follow, sp)
+    assert outs[0].token_ids == outs[1].token_ids == cold.token_ids
+
+
+def test_elastic_budget_change_drains(tmp_path, rng_seed):
+    """An elastic engine: a budget cut mid-decode is applied at a safe point with nothing in
+    flight (the quiet point refuses it), and the tokens are the plain loop's."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompts = [_prompt(rng, rng.randint(10, 40)) for _ in range(2)]
+    cut_at = rng.randint(3, 12)
+    outs = []
+    for overlap in (False, True):
+        engine = elastic_engine(tmp_path, "anchors")
+        engine.overlap.enabled = overlap
+        rids = [engine.submit(p, sp) for p in prompts]
+        for call in range(200):
+            if call == cut_at:
+                top = engine.memory.budget
+                engine.set_gpu_budget(engine.memory.floor + (top - engine.memory.floor) // 3)
+            applied = engine.memory.steps
+            engine.step()
+            engine.check_integrity()
+            assert engine.memory.held_bytes() <= engine.memory.budget or applied == 0
+            if not engine.has_unfinished():
+                break
+        outs.append([[e.token_id for e in engine._events[r]] for r in rids])
+        if overlap:
+            assert engine.overlap.lagged_steps >= 10 and engine.overlap.drains >= 1
+    assert outs[0] == outs[1]
