@@ -201,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="adaptive fills some misses behind the layer's compute (EngineConfig.fill_behind)",
     )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlap scheduling: each decode step launched before the last one's tokens are "
+        "read (EngineConfig.overlap_schedule)",
+    )
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     b_hbm = hbm_copy_bandwidth(dev)
@@ -209,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank = engine.loaded.bank
     bank.fill_behind = args.fill_behind
+    engine.overlap.enabled = args.overlap
     spec = engine.spec
     build_s = time.perf_counter() - t0
     expert_bytes = bank.pool.expert_bytes
@@ -220,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": spec.n_layers,
         "budget_gb": args.budget_gb,
         "fill_behind": args.fill_behind,
+        "overlap": args.overlap,
         "slots": bank.cache.n_slots,
         "pool_rows": bank.pool.n_rows,
         "cached_fraction": bank.cache.n_slots / bank.pool.n_rows,

@@ -169,6 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         help="EngineConfig.fill_behind off (0) and/or on (1), one set of rows per value "
         "(default: the engine's)",
     )
+    parser.add_argument(
+        "--overlap",
+        type=int,
+        nargs="+",
+        choices=[0, 1],
+        default=None,
+        help="EngineConfig.overlap_schedule off (0) and/or on (1), one set of rows per value "
+        "(default: the engine's). Under overlap, `replay` includes the previous step's reading",
+    )
     args = parser.parse_args(argv)
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank, model = engine.loaded.bank, engine.loaded.model
@@ -212,12 +221,14 @@ def main(argv: list[str] | None = None) -> int:
             args.run_ahead or [segmented_graphs.RUN_AHEAD],
             args.miss_gate or [segmented_graphs.MISS_GATE],
             args.fill_behind or [int(bank.fill_behind)],
+            args.overlap or [int(engine.overlap.enabled)],
             args.policies,
         )
-        for threads, run_ahead, miss_gate, behind, policy in variants:
+        for threads, run_ahead, miss_gate, behind, overlap, policy in variants:
             cpu_kernel._threads = threads  # None: the default (cpu_kernel.default_threads)
             graphs.run_ahead, graphs.miss_gate = run_ahead, miss_gate
             bank.fill_behind = bool(behind)
+            engine.overlap.enabled = bool(overlap)
             start_policy(engine, bank, policy, b_p, b_h)
             extra = args.torch_profile  # steps left for the profiler after the timed ones
             sp = SamplingParams(max_tokens=8 + args.decode + extra, temperature=0, ignore_eos=True)
@@ -248,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 "run_ahead": run_ahead,
                 "miss_gate": miss_gate,
                 "fill_behind": bool(behind),
+                "overlap": bool(overlap),
                 "tok_s": args.batch * steps / wall,
                 "ms_per_step": 1e3 * wall / steps,
                 **{k: round(1e3 * v / steps, 3) for k, v in sorted(timers.total.items())},

@@ -48,6 +48,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="do not follow free GPU memory (the budget moves only on request)",
     )
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    p.add_argument(
+        "--overlap-schedule",
+        action="store_true",
+        help="launch each decode step before the last one's tokens are read (experimental)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -79,6 +84,8 @@ def _load(args: argparse.Namespace):
         options["memory_reserve"] = int(args.memory_reserve_gb * 1e9)
     if args.fixed_memory:
         options["follow_free_memory"] = False
+    if args.overlap_schedule:
+        options["overlap_schedule"] = True
     return Engine.load(
         _model_path(args.model),
         device=args.device,

@@ -12,12 +12,11 @@ import random
 
 import pytest
 from elastic_engines import elastic_engine
+from overlap_runs import Events, Plan, both_loops
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.request import Status
-
-Events = dict[str, list[tuple]]
 
 
 def _load(path, overlap: bool, **options) -> Engine:
@@ -28,41 +27,13 @@ def _load(path, overlap: bool, **options) -> Engine:
     return Engine.load(path, device="cpu", progress=False, overlap_schedule=overlap, **options)
 
 
+def both(path, plan: Plan, **options) -> tuple[Events, Engine]:
+    """The events of both loops (they must agree) and the overlapped engine."""
+    return both_loops(lambda overlap: _load(path, overlap, **options), plan)
+
+
 def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 320) for _ in range(n)]
-
-
-def drive(engine: Engine, plan: dict[int, list[tuple]], max_calls: int = 400) -> Events:
-    """Call `step` until every request is done; at call k submit plan[k]'s (prompt, sampling,
-    options) first. Returns each request's events as (index, token, text, finished, reason)."""
-    seen: Events = {}
-    last = max(plan)
-    for call in range(max_calls):
-        for prompt, sp, options in plan.get(call, []):
-            rid = engine.submit(prompt, sp, **options)
-            seen[rid] = []
-        for ev in engine.step():
-            seen[ev.request_id].append(
-                (ev.index, ev.token_id, ev.text, ev.finished, ev.finish_reason)
-            )
-        engine.check_integrity()
-        if call >= last and not engine.has_unfinished():
-            break
-    else:
-        raise AssertionError("the requests did not finish")
-    for rid, events in seen.items():  # every request ended exactly once, indexes in order
-        assert [e[0] for e in events] == list(range(len(events))), rid
-        assert [e[3] for e in events] == [False] * (len(events) - 1) + [True], rid
-    return seen
-
-
-def both(path, plan: dict[int, list[tuple]], **options) -> tuple[Events, Engine]:
-    """The events of both engines (they must agree) and the overlapped engine."""
-    plain = drive(_load(path, False, **options), plan)
-    engine = _load(path, True, **options)
-    lagged = drive(engine, plan)
-    assert lagged == plain
-    return lagged, engine
 
 
 @pytest.fixture
@@ -99,7 +70,7 @@ def test_seeded_sampling_and_arrivals_mid_decode(model_dir, rng_seed):
     """Seeded top-p/top-k sampling gives the same tokens; requests arriving while others
     decode drain the step in flight, prefill, and the batch overlaps again."""
     rng = random.Random(rng_seed)
-    plan: dict[int, list[tuple]] = {}
+    plan: Plan = {}
     for k in range(5):
         at = 0 if k == 0 else rng.randint(1, 30)
         sp = SamplingParams(max_tokens=rng.randint(8, 30), temperature=rng.choice([0, 0.8, 1.2]),

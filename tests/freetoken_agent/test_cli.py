@@ -80,7 +80,8 @@ def test_bad_model_path_is_a_clear_error(env, tmp_path):
 
 
 def test_memory_flags_reach_the_engine_config(monkeypatch, rng_seed):
-    """--memory-reserve-gb and --fixed-memory become EngineConfig options at load."""
+    """--memory-reserve-gb, --fixed-memory and --overlap-schedule become EngineConfig options
+    at load."""
     import argparse
 
     from freetoken_agent import cli
@@ -91,11 +92,13 @@ def test_memory_flags_reach_the_engine_config(monkeypatch, rng_seed):
     parser = argparse.ArgumentParser()
     cli._add_engine_args(parser)
     gb = 0.5 + (rng_seed % 100) / 10
-    cli._load(parser.parse_args(["--model", ".", "--memory-reserve-gb", str(gb), "--fixed-memory"]))
+    cli._load(parser.parse_args(["--model", ".", "--memory-reserve-gb", str(gb), "--fixed-memory",
+                                 "--overlap-schedule"]))  # fmt: skip
     assert seen["memory_reserve"] == int(gb * 1e9) and seen["follow_free_memory"] is False
+    assert seen["overlap_schedule"] is True
     seen.clear()
     cli._load(parser.parse_args(["--model", "."]))
-    assert "memory_reserve" not in seen and "follow_free_memory" not in seen
+    assert not {"memory_reserve", "follow_free_memory", "overlap_schedule"} & set(seen)
 
 
 def test_bench_help_lists_every_benchmark_and_each_has_its_options(env, rng_seed):
