@@ -68,10 +68,7 @@ class Engine:
             self.runner.after_step = loaded.bank.after_step
             self.runner.on_decode_step = loaded.bank.decode_step_timed
         self.memory = elastic_memory(loaded, self.scheduler)
-        # Policy direct learns from each step's exported routing after it: nothing may be in
-        # flight then (overlap.py).
-        direct = getattr(loaded.bank, "policy", None) == "direct"
-        self.overlap = Overlap(self, self.config.overlap_schedule and not direct)
+        self.overlap = Overlap(self, self.config.overlap_schedule)
         self.graph_error: str | None = None  # why decode runs without graphs, if it does
         if loaded.device.type == "cuda" and self.config.cuda_graphs:
             self.capture_graphs()

@@ -84,9 +84,14 @@ class Overlap:
     # --- the plain loop's side --------------------------------------------------------------
     def eligible(self, batch: Batch) -> bool:
         """Whether the plain loop may launch `batch` and return before reading its tokens."""
-        if not self.enabled or not batch.is_decode_only:
+        if not self._on() or not batch.is_decode_only:
             return False
         return all(self._plain(c.request) for c in batch.chunks)
+
+    def _on(self) -> bool:
+        # Policy direct learns from each step's exported routing after it, which the next
+        # step would overwrite (the benchmarks switch a bank's policy at run time).
+        return self.enabled and getattr(self.engine.loaded.bank, "policy", None) != "direct"
 
     def _plain(self, req: Request) -> bool:
         return not req.score_only and req.sampling.json_schema is None
@@ -116,36 +121,41 @@ class Overlap:
             return None
         nxt, rows = planned
         runner = self.engine.runner
-        done: list[list[TokenEvent]] = []
+        done: list[TokenEvent] = []
+        started = False
 
         def complete_prev() -> None:  # once N's first kernels are queued
-            self.inflight = None
-            done.append(self._complete(prev, since=self._last_done or prev.launched_at))
+            nonlocal started
+            if started:
+                return
+            started, self.inflight = True, None
+            done.extend(self._complete(prev, since=self._last_done or prev.launched_at))
             self._last_done = time.perf_counter()
 
         ids = prev.tokens[: len(rows)] if rows == list(range(len(rows))) else prev.tokens[rows]
         try:
             step = runner.launch(nxt, ids, between=complete_prev)
+            complete_prev()  # (every launch calls it; a no-op then)
+            self._sample(step)
         except Exception as err:  # noqa: BLE001 - a failing step fails its requests only
             log.exception("overlapped step failed; failing its %d request(s)", len(rows))
-            if not done:
-                complete_prev()
-            return done[0] + self._fail(nxt, err)
-        events = done[0] if done else []
-        try:
-            self._sample(step)
-        except Exception as err:  # noqa: BLE001
-            log.exception("overlapped sampling failed; failing its %d request(s)", len(rows))
-            events += self._fail(nxt, err)
+            self.inflight = None
+            if not started:  # the step before computed: its tokens still count
+                try:
+                    complete_prev()
+                except Exception:  # noqa: BLE001
+                    log.exception("completing the step before failed too")
+            # What is left of both: a request whose token was not accepted could never end.
+            return done + self._fail(prev.batch, err) + self._fail(nxt, err)
         self.lagged_steps += 1
-        return events
+        return done
 
     def _next_batch(self, prev: InFlight) -> tuple[Batch, list[int]] | None:
         """Step N's batch (each live request's next token, a placeholder) and, per row, its
         row in `prev`; None when N cannot be launched before `prev` is read."""
         e = self.engine
         sched = e.scheduler
-        if not self.enabled or sched.waiting:
+        if not self._on() or sched.waiting:
             return None
         chunks = prev.batch.chunks
         live = [c for c in chunks if c.request.status is Status.RUNNING]

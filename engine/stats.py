@@ -80,6 +80,13 @@ def engine_stats(engine) -> dict:
         # failed capture: then graph_error says why).
         "cuda_graphs": engine.runner.graphs is not None,
         "graph_error": engine.graph_error,
+        # Overlap scheduling (overlap.py): decode steps launched with the last one in flight,
+        # and steps in flight completed without a successor (an admission, a memory decision).
+        "overlap": {
+            "enabled": engine.overlap.enabled,
+            "lagged_steps": engine.overlap.lagged_steps,
+            "drains": engine.overlap.drains,
+        },
         "memory": {
             "dense_bytes": engine.loaded.dense_bytes,  # on the device
             # The token embedding table in pinned host memory (layers/embedding.py), else 0.

@@ -79,7 +79,8 @@ def test_seeded_sampling_and_arrivals_mid_decode(model_dir, rng_seed):
         plan.setdefault(at, []).append((_prompt(rng, rng.randint(3, 50)), sp, {}))
     events, engine = both(model_dir, plan, max_batched_tokens=32)
     assert len(events) == 5
-    assert engine.overlap.lagged_steps >= 10 and engine.overlap.drains >= 1
+    st = engine.stats()["overlap"]
+    assert st["enabled"] and st["lagged_steps"] >= 10 and st["drains"] >= 1
 
 
 def test_abort_with_a_step_in_flight(model_dir, rng_seed):
@@ -199,3 +200,45 @@ def test_elastic_budget_change_drains(tmp_path, rng_seed):
         if overlap:
             assert engine.overlap.lagged_steps >= 10 and engine.overlap.drains >= 1
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_a_failing_lagged_step_fails_its_requests_only(model_dir, rng_seed, monkeypatch, after):
+    """A lagged launch that raises (after completing the step in flight, or before) ends the
+    requests of both steps with an error event, never a hang; the engine serves the next."""
+    rng = random.Random(rng_seed)
+    engine = _load(model_dir, True)
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    rids = [engine.submit(_prompt(rng, 15), sp), engine.submit(_prompt(rng, 25), sp),
+            engine.submit(_prompt(rng, 10), short)]  # fmt: skip
+    # The second lagged call reads the short request's last token and fails to launch, before
+    # or after reading it: the step before still counts either way.
+    launch, fail_at = engine.runner.launch, 2
+    calls = 0
+
+    def flaky(batch, device_ids=None, between=None):
+        nonlocal calls
+        calls += device_ids is not None
+        if calls == fail_at:
+            if after and between is not None:
+                between()
+            raise RuntimeError("injected launch failure")
+        return launch(batch, device_ids, between)
+
+    monkeypatch.setattr(engine.runner, "launch", flaky)
+    for _ in range(100):
+        engine.step()
+        engine.check_integrity()
+        if not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished()
+    ends = [engine._events[r][-1] for r in rids]
+    assert [e.finish_reason for e in ends[:2]] == ["error", "error"]
+    assert all("injected launch failure" in e.error for e in ends[:2])
+    assert ends[2].finish_reason == "length"
+    assert len(engine._events[rids[2]]) == 3
+    monkeypatch.setattr(engine.runner, "launch", launch)
+    prompt = _prompt(rng, 12)
+    again = engine.generate(prompt, short).token_ids
+    assert again == _load(model_dir, False).generate(prompt, short).token_ids
