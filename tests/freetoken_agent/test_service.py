@@ -52,6 +52,42 @@ def test_threads_streaming_at_once_get_their_own_greedy_tokens(engine, rng_seed)
     engine.check_integrity()
 
 
+def test_overlap_scheduling_under_the_service(model_dir, rng_seed):
+    """An engine with overlap scheduling behind the service: concurrent streams get the plain
+    engine's tokens and text, a stop string included (its lagged row is dropped)."""
+    rng = random.Random(rng_seed)
+    plain = Engine.load(model_dir, device="cpu", progress=False, kv_tokens=4096, max_model_len=512)
+    prompts = _prompts(rng, 3)
+    sps = [SamplingParams(max_tokens=rng.randint(8, 16), temperature=0, ignore_eos=True)
+           for _ in prompts]  # fmt: skip
+    free = plain.generate(prompts[0], sps[0])
+    cut = rng.randint(2, len(free.text) - 2)
+    sps[0] = SamplingParams(max_tokens=sps[0].max_tokens, temperature=0, ignore_eos=True,
+                            stop=[free.text[cut - 2 : cut]])  # fmt: skip
+    want = [plain.generate(p, sp) for p, sp in zip(prompts, sps, strict=True)]
+    engine = Engine.load(model_dir, device="cpu", progress=False, kv_tokens=4096,
+                         max_model_len=512, overlap_schedule=True)  # fmt: skip
+    got: dict[int, list] = {}
+    with EngineService(engine) as service:
+
+        def read(i: int) -> None:
+            got[i] = list(service.stream(prompts[i], sps[i]))
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    for i, out in enumerate(want):
+        events = got[i]
+        assert [e.token_id for e in events if e.token_id is not None] == out.token_ids
+        assert "".join(e.text for e in events) == out.text
+        assert events[-1].finish_reason == out.finish_reason
+    assert want[0].finish_reason == "stop"
+    assert engine.stats()["overlap"]["lagged_steps"] > 0
+    engine.check_integrity()
+
+
 def test_async_readers_and_a_cancelled_one(engine, rng_seed):
     rng = random.Random(rng_seed)
     prompts = _prompts(rng, 3)
