@@ -191,7 +191,7 @@ class Overlap:
     def _sample(self, step: LaunchedStep) -> None:
         """Enqueue `step`'s sampling and the copy of its tokens to the host; it is in flight."""
         runner = self.engine.runner
-        _, tokens = runner.sample_tokens(step)
+        _, tokens = runner.sample_tokens(step, may_wait=False)
         host = self._host[self._flip][: tokens.shape[0]]
         self._flip ^= 1
         ready = None

@@ -284,11 +284,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_tokens(
-        self, step: LaunchedStep, masks: Mapping[str, np.ndarray] | None = None
+        self,
+        step: LaunchedStep,
+        masks: Mapping[str, np.ndarray] | None = None,
+        may_wait: bool = True,
     ) -> tuple[list[Request], torch.Tensor | None]:
         """The requests whose chunks sample, in order, and their tokens [B'] int64 on the
         device (None when no chunk samples). Waits for nothing but what sampling itself reads
-        back (top-p's candidate check)."""
+        back: top-p's candidate check, unless `may_wait` is False (layers/sampler.py)."""
         chunks = step.batch.chunks
         sampling = [i for i, c in enumerate(chunks) if c.sample and not c.request.score_only]
         if not sampling:
@@ -298,7 +301,7 @@ class ModelRunner:
         params = [r.sampling for r in reqs]
         gens = [self.generator_for(r.id, r.sampling.seed) for r in reqs]
         allowed = allowed_tokens([r.id for r in reqs], masks or {}, logits.shape[-1], self.device)
-        return reqs, sample(logits, params, gens, allowed)
+        return reqs, sample(logits, params, gens, allowed, may_wait)
 
     def step_done(self, step: LaunchedStep) -> None:
         """After a step's sampling is enqueued: the offloaded bank's between-steps work."""

@@ -23,7 +23,12 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     allowed: torch.Tensor | None = None,  # [B, V] bool; None = no constraint on any row
+    may_wait: bool = True,
 ) -> torch.Tensor:  # [B] int64
+    """`may_wait`: top-p may read its candidates' check back to the host (a wait for the
+    logits, free when the caller reads the tokens next anyway). False (overlap scheduling,
+    where a wait would idle the device until the next step's launch): every top-p row is
+    sorted whole on the device instead, the same tokens for ~tens of microseconds more."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
     greedy_ids = logits.argmax(dim=-1)
@@ -37,7 +42,8 @@ def sample(
         scaled = _top_k(scaled, top_k)
     if any(p.top_p < 1.0 for p in params):
         top_p = _on(device, [p.top_p for p in params])
-        scaled = _top_p(scaled, top_p, _nucleus_candidates(scaled, top_k, top_p))
+        largest = _nucleus_candidates(scaled, top_k, top_p) if may_wait else None
+        scaled = _top_p(scaled, top_p, largest)
     probs = torch.softmax(scaled, dim=-1)
     noise = torch.empty_like(probs)
     for i, g in enumerate(generators):

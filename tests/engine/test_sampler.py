@@ -133,3 +133,25 @@ def test_top_k_with_top_p_draws_within_both(rng_seed):
     probs = torch.softmax(top12.values, -1)
     nucleus = top12.indices[: int((probs.cumsum(0) - probs < 0.7).sum())].tolist()
     assert tokens <= set(nucleus) and len(tokens) > 1
+
+
+def test_sampling_without_waiting_draws_the_same_tokens(rng_seed):
+    """may_wait=False (overlap scheduling) sorts every top-p row instead of reading back the
+    candidates' check: the same tokens from the same generators, top-k or not."""
+    gen = torch.Generator().manual_seed(rng_seed)
+    for _ in range(10):
+        b = int(torch.randint(1, 6, (1,), generator=gen))
+        v = int(torch.randint(1100, 5000, (1,), generator=gen))
+        logits = torch.randn(b, v, generator=gen) * float(torch.rand(1, generator=gen) * 6 + 0.5)
+        params = [
+            SamplingParams(
+                temperature=float(torch.rand(1, generator=gen)) + 0.3,
+                top_p=float(torch.rand(1, generator=gen)) * 0.9 + 0.05,
+                top_k=int(torch.randint(0, 40, (1,), generator=gen)),
+            )
+            for _ in range(b)
+        ]
+        seeds = [int(torch.randint(0, 1 << 30, (1,), generator=gen)) for _ in range(b)]
+        waited = sample(logits, params, _gens(seeds))
+        free = sample(logits, params, _gens(seeds), may_wait=False)
+        assert torch.equal(waited, free)
