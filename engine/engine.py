@@ -6,8 +6,11 @@
 
 `step()` is one iteration of the loop: the Scheduler decides the batch (a safe point: nothing is
 in flight), the ModelRunner executes it, and the Engine turns sampled tokens into events, checks
-stop conditions and hands finished requests' pages back. The engine is not thread-safe: one
-thread drives it (servers run it in a loop thread and talk to it through queues).
+stop conditions and hands finished requests' pages back. With overlap scheduling
+(EngineConfig.overlap_schedule, overlap.py) a decode step is launched before the previous
+step's tokens are turned into events, so its events come from the next call. The engine is not
+thread-safe: one thread drives it (servers run it in a loop thread and talk to it through
+queues).
 """
 
 from __future__ import annotations

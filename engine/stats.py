@@ -81,7 +81,8 @@ def engine_stats(engine) -> dict:
         "cuda_graphs": engine.runner.graphs is not None,
         "graph_error": engine.graph_error,
         # Overlap scheduling (overlap.py): decode steps launched with the last one in flight,
-        # and steps in flight completed without a successor (an admission, a memory decision).
+        # and steps in flight completed without a successor (the batch ended, an admission, a
+        # memory decision).
         "overlap": {
             "enabled": engine.overlap.enabled,
             "lagged_steps": engine.overlap.lagged_steps,
