@@ -113,6 +113,7 @@ class MemoryManager:
         self.meter = DemandMeter(arena, kv, bank, scheduler)
         self._decided_on: tuple | None = None  # _steady_key after the last full decision
         self._decided_at = 0  # its step
+        self._decided: Split | None = None  # a split `quiet_point` decided, to carry out
         self._record("load")
 
     # --- the budget -------------------------------------------------------------------------
@@ -227,27 +228,43 @@ class MemoryManager:
             self.safe_point_s += time.perf_counter() - t0
 
     def quiet_point(self) -> bool:
-        """The safe point of a step launched with another in flight (engine/overlap.py): when
-        nothing a decision rests on moved (the budget polled, the steady key) and no full
-        decision is due, count the step as `safe_point` does and return True; else change
-        nothing and return False: the caller completes the step in flight, then calls
-        `safe_point` (a split moves only with nothing in flight)."""
+        """The safe point of a step launched with another in flight (engine/overlap.py). It
+        polls, counts and decides as `safe_point` does (deciding reads host state only); True
+        when nothing is to move. False when the split must move: it is kept, the caller
+        completes the step in flight and calls `safe_point`, which carries it out. (A decode
+        request crosses into a new page of lookahead every page_size tokens, which changes the
+        steady key; draining for each of those decisions lost one overlap in 16.) A hybrid
+        model's checkpoint tier, sized before the policy runs, is resized only by `safe_point`:
+        with it, any decision returns False."""
         t0 = time.perf_counter()
         try:
             if self.watcher is not None:
                 self.budget = self._effective_budget(poll=True)
-            if self._decided_on != self._steady_key():
-                return False
-            if self.steps + 1 - self._decided_at >= FULL_EVERY:
+            key = self._steady_key()
+            due = key != self._decided_on or self.steps + 1 - self._decided_at >= FULL_EVERY
+            if due and self.checkpoints is not None:
                 return False
             self.steps += 1
             self.cache.tick()
-            self.policy.skip()
-            return True
+            if not due:
+                self.policy.skip()
+                return True
+            self._decided_at = self.steps
+            split = self.policy.decide(self.demand())
+            if split is None:
+                self._decided_on = key
+                return True
+            self._decided, self._decided_on = split, None
+            return False
         finally:
             self.safe_point_s += time.perf_counter() - t0
 
     def _safe_point(self) -> Split | None:
+        if self._decided is not None:  # decided by `quiet_point`, counted there
+            split, self._decided = self._decided, None
+            if self._carry_out(split):
+                self._decided_on = self._steady_key()
+            return split
         self.steps += 1
         self.cache.tick()
         if self.watcher is not None:
@@ -300,15 +317,19 @@ class MemoryManager:
             demand = replace(demand, fixed=fixed, budget=budget)
         split = self.policy.decide(demand)
         if split is not None:
-            # Pages in use that cannot move below the new top: preempt the newest running
-            # requests (their pages join the prefix cache, which can evict them) until they can.
-            while not self.apply(split):
-                if not self._preempt_newest():
-                    settled = False
-                    break
+            settled = self._carry_out(split)
         if self.checkpoints is not None and self._checkpoint_target > self.checkpoints.device_rows:
             self._resize_checkpoints(self._checkpoint_target)  # grow last: the split made room
         return split, settled
+
+    def _carry_out(self, split: Split) -> bool:
+        """Apply `split`; pages in use that cannot move below the new top preempt the newest
+        running requests (their pages join the prefix cache, which can evict them) until they
+        can. False when even that was not enough (tried again at the next safe point)."""
+        while not self.apply(split):
+            if not self._preempt_newest():
+                return False
+        return True
 
     def demand(self) -> MemoryDemand:
         return self.meter.measure(self.budget, self.fixed, self.steps)

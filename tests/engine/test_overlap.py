@@ -242,3 +242,24 @@ def test_a_failing_lagged_step_fails_its_requests_only(model_dir, rng_seed, monk
     prompt = _prompt(rng, 12)
     again = engine.generate(prompt, short).token_ids
     assert again == _load(model_dir, False).generate(prompt, short).token_ids
+
+
+def test_elastic_decisions_taken_in_flight(tmp_path, rng_seed):
+    """A long answer crosses into a new page of lookahead every page_size tokens, which calls
+    for a full memory decision; one that moves nothing is taken with the step in flight, so a
+    long decode drains only where it ends, and counts a safe point a call as the plain loop
+    (one call more: the last only reads the last step). Within the 512 tokens of KV."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    prompt = _prompt(rng, rng.randint(10, 40))
+    sp = SamplingParams(max_tokens=rng.randint(300, 460), temperature=0, ignore_eos=True)
+    assert len(prompt) + sp.max_tokens < 512
+    runs = []
+    for overlap in (False, True):
+        engine = elastic_engine(tmp_path, "anchors")
+        engine.overlap.enabled = overlap
+        runs.append((engine.generate(prompt, sp).token_ids, engine.memory.steps))
+        engine.check_integrity()
+    assert runs[0][0] == runs[1][0] and runs[1][1] == runs[0][1] + 1
+    assert engine.overlap.drains == 1 and engine.overlap.lagged_steps == sp.max_tokens - 2
+    assert len(engine.memory.trace.records) == 1  # nothing moved: the load's split only
