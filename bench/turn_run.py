@@ -142,7 +142,8 @@ class TurnRun:
 
     def decode(self, max_steps: int | None = None) -> None:
         """Up to `max_steps` decode steps (all that are left: None), then a device synchronize:
-        the block's device work is counted in this turn, not in the next engine's."""
+        the block's device work is counted in this turn, not in the next engine's (under
+        overlap scheduling the step in flight is completed first, so the block ends idle)."""
         n = 0
         t0 = time.perf_counter()
         with self._guarded(), self.gc_clock, _enabled(self.profile):
@@ -151,6 +152,7 @@ class TurnRun:
                 self._step()
                 self.steps_s.append(time.perf_counter() - s0)
                 n += 1
+            self.engine.overlap.drain()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         self.decode_s += time.perf_counter() - t0
