@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.outputs import TokenEvent
 from freetoken_agent.engine.request import Batch, Request, ScheduledChunk, Status
 from freetoken_agent.engine.runner import LaunchedStep
@@ -132,7 +133,10 @@ class Overlap:
             done.extend(self._complete(prev, since=self._last_done or prev.launched_at))
             self._last_done = time.perf_counter()
 
-        ids = prev.tokens[: len(rows)] if rows == list(range(len(rows))) else prev.tokens[rows]
+        if rows == list(range(len(rows))):
+            ids = prev.tokens[: len(rows)]
+        else:  # a row left (finished, aborted): gather, the index through pinned memory
+            ids = prev.tokens.index_select(0, on_device(rows, torch.int64, prev.tokens.device))
         try:
             step = runner.launch(nxt, ids, between=complete_prev)
             complete_prev()  # (every launch calls it; a no-op then)

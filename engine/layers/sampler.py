@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.sampling_params import SamplingParams
+
+F32 = torch.float32
 
 # B sequences that sample this step, V vocab
 
@@ -35,13 +38,16 @@ def sample(
     if all(p.greedy for p in params):
         return greedy_ids
     device = logits.device
-    temps = _on(device, [p.temperature if not p.greedy else 1.0 for p in params])
+    # Per-row values through pinned memory (device_index.py): `torch.tensor(..., device=cuda)`
+    # copies from pageable memory, which waits for everything queued (under overlap
+    # scheduling, the decode step just launched).
+    temps = on_device([p.temperature if not p.greedy else 1.0 for p in params], F32, device)
     scaled = logits / temps[:, None]
     top_k = [p.top_k for p in params]
     if any(top_k):
         scaled = _top_k(scaled, top_k)
     if any(p.top_p < 1.0 for p in params):
-        top_p = _on(device, [p.top_p for p in params])
+        top_p = on_device([p.top_p for p in params], F32, device)
         largest = _nucleus_candidates(scaled, top_k, top_p) if may_wait else None
         scaled = _top_p(scaled, top_p, largest)
     probs = torch.softmax(scaled, dim=-1)
@@ -49,19 +55,8 @@ def sample(
     for i, g in enumerate(generators):
         noise[i].exponential_(generator=g)
     drawn = (probs / noise).argmax(dim=-1)
-    is_greedy = _on(device, [p.greedy for p in params])
+    is_greedy = on_device([p.greedy for p in params], torch.bool, device)
     return torch.where(is_greedy, greedy_ids, drawn)
-
-
-def _on(device: torch.device, values: list) -> torch.Tensor:
-    """A few per-row values as a device tensor, copied without waiting: `torch.tensor(values,
-    device=cuda)` copies from pageable memory, which waits for all work queued on the stream
-    (under overlap scheduling, the decode step launched next); a pinned source's copy is
-    queued behind it instead."""
-    t = torch.tensor(values)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
@@ -74,9 +69,10 @@ def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
         return logits
     kmax = max(k for k, lim in zip(top_k, limited, strict=True) if lim)
     largest = logits.topk(kmax, dim=-1).values  # [B, kmax], descending
-    at = _on(logits.device, [k - 1 if lim else 0 for k, lim in zip(top_k, limited, strict=True)])
+    at = [k - 1 if lim else 0 for k, lim in zip(top_k, limited, strict=True)]
+    at = on_device(at, torch.int64, logits.device)
     kth = largest.gather(1, at[:, None])  # [B, 1] the k-th largest logit
-    kth = kth.masked_fill(~_on(logits.device, limited)[:, None], float("-inf"))
+    kth = kth.masked_fill(~on_device(limited, torch.bool, logits.device)[:, None], float("-inf"))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
