@@ -31,10 +31,17 @@ def _prompt(n: int, vocab: int, rng: random.Random) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def decode_rate(engine: Engine, batch: int, prompt_len: int, n_tokens: int, rng) -> float:
+# Qwen3's recommended sampling (thinking mode), for the --sampled rows.
+SAMPLED = dict(temperature=0.6, top_p=0.95, top_k=20)
+
+
+def decode_rate(
+    engine: Engine, batch: int, prompt_len: int, n_tokens: int, rng, sampled: bool = False
+) -> float:
     """Aggregate decode tok/s of `batch` requests generating n_tokens each (timed from the
-    step after the last prefill to the end)."""
-    sp = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
+    step after the last prefill to the end); greedy, or with SAMPLED's sampling."""
+    options = SAMPLED if sampled else {"temperature": 0}
+    sp = SamplingParams(max_tokens=n_tokens, ignore_eos=True, **options)
     vocab = engine.spec.vocab_size
     ids = [engine.submit(_prompt(prompt_len, vocab, rng), sp) for _ in range(batch)]
     # Prefill everything first, so the timed steps are pure decode.
@@ -90,11 +97,12 @@ def bench_model(cfg: dict, label: str, args, b_hbm: float, flops: float) -> dict
         limit = batch / (decode_bytes(engine, batch, ctx) / b_hbm)
         result[f"decode_b{batch}_limit_tok_s"] = limit
         for overlap in (False, True) if args.overlap else (False,):
-            engine.overlap.enabled = overlap
-            rate = decode_rate(engine, batch, args.prompt, args.tokens, rng)
-            key = f"decode_b{batch}{'_overlap' if overlap else ''}"
-            result[f"{key}_tok_s"] = rate
-            result[f"{key}_of_limit"] = rate / limit
+            for sampled in (False, True) if args.sampled else (False,):
+                engine.overlap.enabled = overlap
+                rate = decode_rate(engine, batch, args.prompt, args.tokens, rng, sampled)
+                tags = ("_sampled" if sampled else "") + ("_overlap" if overlap else "")
+                result[f"decode_b{batch}{tags}_tok_s"] = rate
+                result[f"decode_b{batch}{tags}_of_limit"] = rate / limit
         engine.overlap.enabled = False
     graphs, engine.runner.graphs = engine.runner.graphs, None  # the same engine, eager
     result["decode_b1_eager_tok_s"] = decode_rate(engine, 1, args.prompt, 64, rng)
@@ -129,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", action="store_true",
                         help="decode also with overlap scheduling (EngineConfig.overlap_schedule):"
                         " decode_b*_overlap_tok_s beside the plain loop's")  # fmt: skip
+    parser.add_argument("--sampled", action="store_true",
+                        help="decode also with Qwen3's recommended sampling (temperature 0.6, "
+                        "top-p 0.95, top-k 20): decode_b*_sampled_tok_s")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -148,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "policy": "resident",
         "skinny_gemv": args.skinny_gemv,
         "overlap": args.overlap,
+        "sampled": SAMPLED if args.sampled else None,
         "dtype": "bfloat16",
         "hbm_copy_bandwidth_gb_s": b_hbm / 1e9,
         "bf16_matmul_tflop_s": flops / 1e12,
@@ -169,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['decode_b1_eager_tok_s']:9.1f} {r['prefill_512_tok_s']:10.0f} "
             f"{r['prefill_512_limit_tok_s']:8.0f}"
         )
-        if args.overlap:
-            print(f"{'  overlap scheduling':28} {r['decode_b1_overlap_tok_s']:9.1f} {'':7} "
-                  f"{r['decode_b4_overlap_tok_s']:9.1f}")  # fmt: skip
+        for tags in ("_overlap", "_sampled", "_sampled_overlap"):
+            if f"decode_b1{tags}_tok_s" in r:
+                print(f"{'  ' + tags[1:].replace('_', ', '):28} {r[f'decode_b1{tags}_tok_s']:9.1f} "
+                      f"{'':7} {r[f'decode_b4{tags}_tok_s']:9.1f}")  # fmt: skip
     print(f"wrote {path}")
     return 0
 

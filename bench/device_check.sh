@@ -25,8 +25,10 @@
 #         fill-behind (Zipf b=1, EngineConfig.fill_behind off and on: 12 then 48 layers, ~5 min)
 #         stop-clock (profile-offload's per-phase and per-stop host times, Zipf and native, 12
 #         then 48 layers, ~5 min)
-#         overlap (overlap scheduling: its GPU tests, all-resident decode at 48 and 12 layers off
-#         and on, then profile-offload native and Zipf at 12 layers off and on, ~8 min)
+#         overlap (overlap scheduling: its GPU tests, then all-resident decode at 48 and 12
+#         layers off and on, greedy and sampled, ~6 min)
+#         overlap-offload (profile-offload adaptive with overlap off and on: native and Zipf at
+#         12 layers, native at 48 layers / 32 GB, ~6 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -173,14 +175,18 @@ for stage in "$@"; do
       timeout 200 python3 -m freetoken_agent.bench profile-offload --layers 48 --budget-gb 32 \
         --regimes zipf:1.0,loc:0.7 native --policies adaptive \
         >"$OUT/stop_clock_48l.txt" 2>&1; grep -E '^\{' "$OUT/stop_clock_48l.txt" | cut -c1-900 ;;
-    overlap)  # EngineConfig.overlap_schedule off and on (~8 min)
+    overlap)  # EngineConfig.overlap_schedule off and on, all resident (~6 min)
       timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_overlap_gpu.py \
         2>&1 | tee "$OUT/gpu_overlap_tests.log" | tail -3
-      timeout 300 python3 -m freetoken_agent.bench decode --layers 48 12 --tokens 64 --overlap \
-        --out "$OUT" 2>&1 | tee "$OUT/decode_overlap.log" | tail -6
+      timeout 400 python3 -m freetoken_agent.bench decode --layers 48 12 --tokens 64 --overlap \
+        --sampled --out "$OUT" 2>&1 | tee "$OUT/decode_overlap.log" | tail -8 ;;
+    overlap-offload)  # profile-offload, adaptive, overlap off and on (~6 min)
       timeout 200 python3 -m freetoken_agent.bench profile-offload --layers 12 --budget-gb 8.59 \
         --regimes native zipf:1.0,loc:0.7 --policies adaptive --overlap 0 1 \
-        >"$OUT/overlap_12l.txt" 2>&1; grep -E '^\{' "$OUT/overlap_12l.txt" | cut -c1-700 ;;
+        >"$OUT/overlap_12l.txt" 2>&1; grep -E '^\{' "$OUT/overlap_12l.txt" | cut -c1-700
+      timeout 240 python3 -m freetoken_agent.bench profile-offload --layers 48 --budget-gb 32 \
+        --regimes native --policies adaptive --overlap 0 1 \
+        >"$OUT/overlap_48l.txt" 2>&1; grep -E '^\{' "$OUT/overlap_48l.txt" | cut -c1-700 ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;
