@@ -25,8 +25,11 @@ first and the engine steps as without overlap:
 - every running request decodes and none waits for admission (a new request drains);
 - no grammar (its mask needs N-1's token on the host) and no score-only request;
 - not policy direct (its `after_step` reads a step's exported routing, which N overwrites);
-- no hybrid request whose accept may checkpoint its state (anchor tokens, a positional
-  boundary): that checkpoint must be taken before N updates the state;
+- a device row for every checkpoint taken ahead. A hybrid request's accept may checkpoint
+  its state (a positional boundary, or its token is an anchor: the Session passes
+  `<tool_call>`, `</think>`, `<|im_end|>`), and that checkpoint must hold the state before N
+  updates it: so it is taken before N is launched (`Scheduler.checkpoint_ahead`) and, under
+  anchors, kept at the accept only if the token is one (`settle_ahead`);
 - the elastic memory's safe point is quiet (`MemoryManager.quiet_point`): a split moves only
   with nothing in flight;
 - the pool gives every request its next page without a preemption.
@@ -169,8 +172,6 @@ class Overlap:
             for c in live:
                 sched.advance(c)
             prev.advanced = True
-        if any(sched.may_checkpoint_at_accept(c.request) for c in live):
-            return None
         row = {id(c.request): i for i, c in enumerate(chunks)}
         picked: list[ScheduledChunk] = []
         for c in live:
@@ -182,6 +183,12 @@ class Overlap:
             picked.append(ScheduledChunk(req, req.num_computed, [PLACEHOLDER], sample=True))
         if not picked:
             return None
+        # Checkpoints the accepts may take are taken now, before N updates the states; any
+        # left unsettled by a drain are settled by its `_complete` as here.
+        for c in picked:
+            req = c.request
+            if sched.may_checkpoint_at_accept(req) and not sched.checkpoint_ahead(req):
+                return None
         if e.memory is not None and not e.memory.quiet_point():
             return None
         return Batch(picked), [row[id(c.request)] for c in picked]
@@ -224,11 +231,11 @@ class Overlap:
         if not prev.advanced:
             for c in live:
                 e.scheduler.advance(c)
-        events = [
-            e._accept(c.request, tok)
-            for c, tok in zip(prev.batch.chunks, tokens, strict=True)
-            if c.request.status is Status.RUNNING
-        ]
+        events = []
+        for c, tok in zip(prev.batch.chunks, tokens, strict=True):
+            if c.request.status is Status.RUNNING:
+                e.scheduler.settle_ahead(c.request, tok)  # before the accept may checkpoint
+                events.append(e._accept(c.request, tok))
         hook = e.runner.on_decode_step
         if hook is not None and live:
             # Lagged steps follow each other without a gap: the time between two completions

@@ -51,6 +51,9 @@ class Request:
     anchor_tokens: frozenset[int] = frozenset()
     state_slot: int = 0
     pending_checkpoints: list[tuple[int, Any]] = field(default_factory=list)
+    # Overlap scheduling: a decode checkpoint taken before the next step, kept at the accept
+    # only if the token in flight is an anchor token (Scheduler.checkpoint_ahead).
+    ahead_checkpoint: tuple[int, Any] | None = None
     num_resumed: int = 0  # tokens covered by restored checkpoints (summed over admissions)
     resume_boundary: int = 0  # the checkpoint the admission being tried restored (0: none)
     # Preemptions: tokens computed at the last one, and how many self-preemptions in a row,

@@ -141,36 +141,80 @@ def test_offloaded_bank(tmp_path, rng_seed, policy):
 
 
 def test_hybrid_checkpoints_at_decode(tmp_path, rng_seed):
-    """A hybrid model. Anchors mode: a request with anchor tokens may checkpoint at any
-    accept, so it never overlaps. Positional mode: steps overlap but for the accepts at a
-    boundary, whose checkpoints must hold the state before the next step: a follow-up turn
-    resumes from one taken while decoding and must decode as a cold engine does."""
+    """A hybrid model: a decode checkpoint the accept of a token may take holds the state
+    before the next step, which overlap has launched by then, so it is taken ahead. Anchors
+    mode: kept when the token is an anchor token (an edited history diverging there resumes
+    from it), released otherwise; positional mode: at each boundary. Both loops resume the
+    follow-up turn from the same decode checkpoint and decode as a cold engine does."""
     make_tiny("qwen3_next", tmp_path, rng_seed)
     rng = random.Random(rng_seed)
     prompt = _prompt(rng, rng.randint(20, 30))
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     free = _load(tmp_path, False).generate(prompt, sp)
-    anchors = {"anchor_tokens": [free.token_ids[rng.randint(2, 10)]]}
-    _, engine = both(tmp_path, {0: [(prompt, sp, anchors)]}, checkpoints="anchors")
-    assert engine.overlap.lagged_steps == 0
-
+    at = rng.randint(3, 12)
+    anchor = free.token_ids[at]
+    first = free.token_ids.index(anchor)  # the first time it is generated
     every = rng.choice([5, 6, 7])
-    follow = prompt + free.token_ids + _prompt(rng, 7)
-    outs = []
-    for overlap in (False, True):
-        engine = _load(tmp_path, overlap, checkpoints=f"positional:{every}")
-        assert engine.generate(prompt, sp).token_ids == free.token_ids
-        if overlap:
-            assert engine.overlap.lagged_steps >= 10 and engine.overlap.drains >= 3
-        outs.append(engine.generate(follow, sp))
-        engine.check_integrity()
-    # The deepest boundary within the KV computed (all but the last token sampled): one that
-    # decoding checkpointed.
-    deepest = (len(prompt) + sp.max_tokens - 1) // every * every
-    assert deepest > len(prompt)
-    assert [o.stats["resumed_tokens"] for o in outs] == [deepest, deepest]
-    cold = _load(tmp_path, False, checkpoints="none").generate(follow, sp)
-    assert outs[0].token_ids == outs[1].token_ids == cold.token_ids
+    cases = [
+        # anchors: the follow-up keeps the answer up to the anchor, then diverges there
+        ("anchors", {"anchor_tokens": [anchor]}, prompt + free.token_ids[:first]
+         + _prompt(rng, 7), len(prompt) + first),
+        ("positional", {}, prompt + free.token_ids + _prompt(rng, 7),
+         (len(prompt) + sp.max_tokens - 1) // every * every),
+    ]  # fmt: skip
+    for mode, options, follow, deepest in cases:
+        checkpoints = "anchors" if mode == "anchors" else f"positional:{every}"
+        assert deepest > len(prompt)  # a checkpoint taken while decoding
+        outs, held = [], []
+        for overlap in (False, True):
+            engine = _load(tmp_path, overlap, checkpoints=checkpoints)
+            assert engine.generate(prompt, sp, **options).token_ids == free.token_ids
+            if overlap:
+                assert engine.overlap.lagged_steps >= sp.max_tokens - 3, mode
+            outs.append(engine.generate(follow, sp))
+            engine.check_integrity()
+            # Idle: every checkpoint left is hung on the tree (none taken ahead leaked).
+            rows = engine.loaded.recurrence.checkpoints._rows.values()
+            live = [c for tier in rows for c in tier if c is not None]
+            assert all(c.owner is not None for c in live)
+            held.append(sorted(c.boundary for c in live))
+        assert held[0] == held[1], mode  # the same checkpoints, none kept at a non-anchor
+        assert [o.stats["resumed_tokens"] for o in outs] == [deepest, deepest], mode
+        cold = _load(tmp_path, False, checkpoints="none").generate(follow, sp)
+        assert outs[0].token_ids == outs[1].token_ids == cold.token_ids, mode
+
+
+def test_hybrid_failed_read_releases_the_checkpoints_taken_ahead(tmp_path, rng_seed):
+    """Hybrid requests with anchor tokens whose step in flight cannot be read back (a device
+    fault): they fail with the error, and the checkpoints taken ahead for their unread tokens
+    go back to the pool, not into the tree; the engine serves the next request."""
+    make_tiny("qwen3_next", tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    engine = _load(tmp_path, True, checkpoints="anchors")
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    anchors = {"anchor_tokens": [rng.randrange(3, 320) for _ in range(3)]}
+    rids = [engine.submit(_prompt(rng, n), sp, **anchors) for n in (20, 25)]
+    for _ in range(rng.randint(4, 10)):
+        engine.step()
+
+    class Unreadable:
+        def tolist(self):
+            raise RuntimeError("injected read failure")
+
+    engine.overlap.inflight.host = Unreadable()
+    engine.step()  # schedules the next step (taking checkpoints ahead), then fails the read
+    while engine.has_unfinished():
+        engine.step()
+    ends = [engine._events[r][-1] for r in rids]
+    assert all(e.finish_reason == "error" and "injected" in e.error for e in ends)
+    engine.overlap.drain()
+    engine.check_integrity()
+    rows = engine.loaded.recurrence.checkpoints._rows.values()
+    assert all(c.owner is not None for tier in rows for c in tier if c is not None)
+    prompt = _prompt(rng, 15)
+    short = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    cold = _load(tmp_path, False, checkpoints="none").generate(prompt, short)
+    assert engine.generate(prompt, short).token_ids == cold.token_ids
 
 
 def test_elastic_budget_change_drains(tmp_path, rng_seed):
