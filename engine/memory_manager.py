@@ -114,6 +114,7 @@ class MemoryManager:
         self._decided_on: tuple | None = None  # _steady_key after the last full decision
         self._decided_at = 0  # its step
         self._decided: Split | None = None  # a split `quiet_point` decided, to carry out
+        self._counted = False  # `quiet_point` counted this step, and left the decision
         self._record("load")
 
     # --- the budget -------------------------------------------------------------------------
@@ -234,23 +235,28 @@ class MemoryManager:
         completes the step in flight and calls `safe_point`, which carries it out. (A decode
         request crosses into a new page of lookahead every page_size tokens, which changes the
         steady key; draining for each of those decisions lost one overlap in 16.) A hybrid
-        model's checkpoint tier, sized before the policy runs, is resized only by `safe_point`:
-        with it, any decision returns False."""
+        model's checkpoint tier is sized before the policy runs: when it would move, False,
+        and `safe_point` decides again."""
         t0 = time.perf_counter()
         try:
             if self.watcher is not None:
                 self.budget = self._effective_budget(poll=True)
             key = self._steady_key()
             due = key != self._decided_on or self.steps + 1 - self._decided_at >= FULL_EVERY
-            if due and self.checkpoints is not None:
-                return False
             self.steps += 1
             self.cache.tick()
             if not due:
                 self.policy.skip()
                 return True
+            demand = self.demand()
+            if self.checkpoints is not None:
+                rows = self._checkpoint_rows(demand)
+                if rows != self.checkpoints.device_rows:
+                    self._counted = True  # `safe_point` decides without counting again
+                    return False
+                demand = self._beside_tier(demand, rows)
             self._decided_at = self.steps
-            split = self.policy.decide(self.demand())
+            split = self.policy.decide(demand)
             if split is None:
                 self._decided_on = key
                 return True
@@ -265,10 +271,13 @@ class MemoryManager:
             if self._carry_out(split):
                 self._decided_on = self._steady_key()
             return split
-        self.steps += 1
-        self.cache.tick()
-        if self.watcher is not None:
-            self.budget = self._effective_budget(poll=True)
+        if self._counted:  # by `quiet_point`, which found the checkpoint tier moving
+            self._counted = False
+        else:
+            self.steps += 1
+            self.cache.tick()
+            if self.watcher is not None:
+                self.budget = self._effective_budget(poll=True)
         key = self._steady_key()
         if key == self._decided_on and self.steps - self._decided_at < FULL_EVERY:
             self.policy.skip()
@@ -310,17 +319,21 @@ class MemoryManager:
             if rows < self.checkpoints.device_rows:  # shrink first: its bytes may go elsewhere
                 self._resize_checkpoints(rows)
             self._checkpoint_target = rows
-            # Pages and slots get the rest, at most what the arena holds (the budget's ceiling
-            # counts the tier as loaded, which these rows may leave partly unused).
-            fixed = demand.fixed + rows * self._row_bytes
-            budget = min(demand.budget, fixed + self.arena.nbytes)
-            demand = replace(demand, fixed=fixed, budget=budget)
+            demand = self._beside_tier(demand, rows)
         split = self.policy.decide(demand)
         if split is not None:
             settled = self._carry_out(split)
         if self.checkpoints is not None and self._checkpoint_target > self.checkpoints.device_rows:
             self._resize_checkpoints(self._checkpoint_target)  # grow last: the split made room
         return split, settled
+
+    def _beside_tier(self, demand: MemoryDemand, rows: int) -> MemoryDemand:
+        """The demand pages and slots split, beside a checkpoint tier of `rows`: the rest, at
+        most what the arena holds (the budget's ceiling counts the tier as loaded, which these
+        rows may leave partly unused)."""
+        fixed = demand.fixed + rows * self._row_bytes
+        budget = min(demand.budget, fixed + self.arena.nbytes)
+        return replace(demand, fixed=fixed, budget=budget)
 
     def _carry_out(self, split: Split) -> bool:
         """Apply `split`; pages in use that cannot move below the new top preempt the newest

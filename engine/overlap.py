@@ -183,14 +183,16 @@ class Overlap:
             picked.append(ScheduledChunk(req, req.num_computed, [PLACEHOLDER], sample=True))
         if not picked:
             return None
+        # The memory's safe point before the checkpoints taken ahead, which it would count
+        # as held (they are given back at the accept, before the next safe point).
+        if e.memory is not None and not e.memory.quiet_point():
+            return None
         # Checkpoints the accepts may take are taken now, before N updates the states; any
         # left unsettled by a drain are settled by its `_complete` as here.
         for c in picked:
             req = c.request
             if sched.may_checkpoint_at_accept(req) and not sched.checkpoint_ahead(req):
                 return None
-        if e.memory is not None and not e.memory.quiet_point():
-            return None
         return Batch(picked), [row[id(c.request)] for c in picked]
 
     def _ends_by_length(self, req: Request) -> bool:

@@ -307,3 +307,29 @@ def test_elastic_decisions_taken_in_flight(tmp_path, rng_seed):
     assert runs[0][0] == runs[1][0] and runs[1][1] == runs[0][1] + 1
     assert engine.overlap.drains == 1 and engine.overlap.lagged_steps == sp.max_tokens - 2
     assert len(engine.memory.trace.records) == 1  # nothing moved: the load's split only
+
+
+def test_hybrid_elastic_session_overlaps(tmp_path, rng_seed):
+    """A hybrid model under an elastic budget, a request with many anchor tokens (about one
+    in ten generated tokens is one): checkpoints taken ahead do not count against the memory's
+    steady state, so most steps overlap (each kept checkpoint may move the checkpoint tier:
+    a drain), and the tokens and the checkpoints kept are the plain loop's."""
+    make_tiny("qwen3_next", tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    prompt = _prompt(rng, rng.randint(20, 40))
+    sp = SamplingParams(max_tokens=rng.randint(80, 120), temperature=0, ignore_eos=True)
+    anchor_tokens = rng.sample(range(3, 320), 32)
+    runs = []
+    for overlap in (False, True):
+        engine = elastic_engine(tmp_path, "anchors")
+        engine.overlap.enabled = overlap
+        out = engine.generate(prompt, sp, anchor_tokens=anchor_tokens)
+        engine.check_integrity()
+        rows = engine.loaded.recurrence.checkpoints._rows.values()
+        live = [c for tier in rows for c in tier if c is not None]
+        assert all(c.owner is not None for c in live)
+        runs.append((out.token_ids, sorted(c.boundary for c in live)))
+    assert runs[0] == runs[1]
+    hits = sum(t in anchor_tokens for t in runs[1][0][:-1])
+    st = engine.stats()["overlap"]
+    assert st["lagged_steps"] >= sp.max_tokens - 3 - 2 * hits and st["drains"] <= hits + 2
