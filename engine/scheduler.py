@@ -34,11 +34,12 @@ from collections import deque
 from freetoken_agent.engine.kv.pool import PageAllocator
 from freetoken_agent.engine.kv.radix import RadixCache
 from freetoken_agent.engine.request import Batch, Recurrence, Request, ScheduledChunk, Status
+from freetoken_agent.engine.scheduler_ahead import AheadScheduling
 
 MAX_FRUITLESS_PREEMPTIONS = 3
 
 
-class Scheduler:
+class Scheduler(AheadScheduling):
     def __init__(
         self,
         allocator: PageAllocator,
@@ -235,55 +236,6 @@ class Scheduler:
         if boundary == 0 or not req.state_slot:
             return
         self._save_checkpoint(req, boundary)  # none saved: it resumes from an older one
-
-    # --- overlap scheduling (engine/overlap.py) --------------------------------------------
-    def grow_one(self, req: Request) -> bool:
-        """Pages for the next token of a decoding request, evicting cached pages if needed
-        but preempting no one (a step in flight holds the others): False when the pool is dry."""
-        return self._grow(req, req.num_computed + 1)
-
-    def may_checkpoint_at_accept(self, req: Request) -> bool:
-        """Whether accepting the token the request's last step sampled may checkpoint its
-        state (`checkpoint_decode`, at boundary num_computed): then the checkpoint must be
-        taken before the next step runs (`checkpoint_ahead`)."""
-        rec = self.recurrence
-        if rec is None or not req.use_prefix_cache or not rec.mode.reuses:
-            return False
-        if rec.mode.kind == "anchors":
-            return bool(req.anchor_tokens)  # whether the token is one is not known yet
-        return rec.mode.at_decode(req.num_computed, -1, req.anchor_tokens)
-
-    def checkpoint_ahead(self, req: Request) -> bool:
-        """Take now, before the next step updates the state, the checkpoint the accept of the
-        token in flight may take (`may_checkpoint_at_accept`): at a positional boundary it is
-        the accept's own (its `checkpoint_decode` finds it pending); under anchors it is kept
-        only if the token is an anchor (`settle_ahead`), else released. A state copy a step
-        while a request has anchor tokens (~30-60 MB for a Qwen3.6-shaped request: tens of us
-        on an H200, against a step boundary of ~0.5 ms of host work). False when no device
-        row is free of locks: the caller steps without overlap."""
-        rec, boundary = self.recurrence, req.num_computed
-        if rec.mode.kind != "anchors":
-            self._save_checkpoint(req, boundary)  # skipped like the accept's when rows run out
-            return True
-        ckpt = rec.checkpoints.reserve(boundary)
-        if ckpt is None:
-            return False
-        rec.checkpoints.save(ckpt, rec.states, req.state_slot)  # queued on the stream
-        rec.checkpoints.unlock(ckpt)
-        req.ahead_checkpoint = (boundary, ckpt)
-        return True
-
-    def settle_ahead(self, req: Request, token: int) -> None:
-        """Before the accept of `token`: keep the checkpoint taken ahead if the accept would
-        take one there (the token is an anchor), else give its row back."""
-        if req.ahead_checkpoint is None:
-            return
-        (boundary, ckpt), req.ahead_checkpoint = req.ahead_checkpoint, None
-        rec = self.recurrence
-        if boundary == req.num_computed and rec.mode.at_decode(boundary, token, req.anchor_tokens):
-            req.pending_checkpoints.append((boundary, ckpt))
-        else:
-            rec.checkpoints.release(ckpt)
 
     # --- after the step -----------------------------------------------------------------
     def advance(self, chunk: ScheduledChunk) -> None:
