@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
@@ -60,6 +59,7 @@ from freetoken_agent.engine.memory import (
 )
 from freetoken_agent.engine.memory_audit import check_manager_integrity, manager_stats
 from freetoken_agent.engine.memory_demand import DemandMeter, pages_wanted
+from freetoken_agent.engine.memory_tier import CheckpointTier
 from freetoken_agent.engine.scheduler import Scheduler
 
 FULL_EVERY = 32  # steps between full decisions while nothing but the cold tail can move
@@ -67,7 +67,7 @@ FULL_EVERY = 32  # steps between full decisions while nothing but the cold tail 
 # 40 layers x 256 experts; the cold tail's hits are judged over 64 steps anyway)
 
 
-class MemoryManager:
+class MemoryManager(CheckpointTier):
     def __init__(
         self,
         arena: ElasticArena,
@@ -141,44 +141,6 @@ class MemoryManager:
         a = self.arena
         pages = self.kv.allocator.n_pages * a.kv_unit.nbytes
         return self.fixed + self._tier_bytes() + pages + self.cache.n_slots * a.slot_unit.nbytes
-
-    # --- the checkpoints' device tier (hybrid models) ------------------------------------------
-    @property
-    def _row_bytes(self) -> int:
-        return self.checkpoints.row_bytes if self.checkpoints is not None else 0
-
-    def _tier_bytes(self) -> int:
-        """Bytes of the checkpoints' device tier when it is in the split (else in `fixed`)."""
-        return self.checkpoints.device_bytes if self.checkpoints is not None else 0
-
-    def _checkpoint_rows(self, d: MemoryDemand) -> int:
-        """The checkpoint device rows this safe point asks for, on the KV side of the split:
-        the checkpoints the tier holds plus a row per sequence that may run (room for new
-        snapshots without a spill), at most a 16th of the budget (a fixed tier's share) and
-        at most what the pages of running requests, of the first waiting one and of recently
-        used history, and the fewest slots, leave; the policy splits the rest between pages
-        and slots. A session's anchors make the tier grow; a cut budget shrinks it, spilling
-        the least recently used checkpoints to the host tier; a released history gives its
-        rows back."""
-        pool, per = self.checkpoints, self._row_bytes
-        # Recently used cached pages come first too: a checkpoint is worth nothing without
-        # the KV of the tokens before it (evicting those pages releases it).
-        pages = d.pages_held + d.pages_growth + d.pages_waiting + d.cached_recent
-        hard = pages * d.page_bytes + d.min_slots * d.slot_bytes
-        room = (d.budget - d.fixed - hard) // per
-        want = pool.device_used + self.scheduler.max_num_seqs
-        return max(1, min(self._checkpoint_cap(d.budget), want, room))
-
-    def _resize_checkpoints(self, rows: int) -> None:
-        pool = self.checkpoints
-        if rows == pool.device_rows:
-            return
-        if rows > pool.device_rows:
-            if not self._backed(lambda: pool.resize_device(rows) == rows):
-                return
-        else:
-            pool.resize_device(rows)
-        self._record("checkpoints")
 
     def set_budget(self, nbytes: int) -> None:
         """Applied at the next safe point. At most the ceiling (`max_budget`: the addresses
@@ -326,14 +288,6 @@ class MemoryManager:
         if self.checkpoints is not None and self._checkpoint_target > self.checkpoints.device_rows:
             self._resize_checkpoints(self._checkpoint_target)  # grow last: the split made room
         return split, settled
-
-    def _beside_tier(self, demand: MemoryDemand, rows: int) -> MemoryDemand:
-        """The demand pages and slots split, beside a checkpoint tier of `rows`: the rest, at
-        most what the arena holds (the budget's ceiling counts the tier as loaded, which these
-        rows may leave partly unused)."""
-        fixed = demand.fixed + rows * self._row_bytes
-        budget = min(demand.budget, fixed + self.arena.nbytes)
-        return replace(demand, fixed=fixed, budget=budget)
 
     def _carry_out(self, split: Split) -> bool:
         """Apply `split`; pages in use that cannot move below the new top preempt the newest
