@@ -201,13 +201,8 @@ class MemoryManager(CheckpointTier):
         and `safe_point` decides again."""
         t0 = time.perf_counter()
         try:
-            if self.watcher is not None:
-                self.budget = self._effective_budget(poll=True)
-            key = self._steady_key()
-            due = key != self._decided_on or self.steps + 1 - self._decided_at >= FULL_EVERY
-            self.steps += 1
-            self.cache.tick()
-            if not due:
+            key = self._count()
+            if not self._due(key):
                 self.policy.skip()
                 return True
             demand = self.demand()
@@ -235,13 +230,10 @@ class MemoryManager(CheckpointTier):
             return split
         if self._counted:  # by `quiet_point`, which found the checkpoint tier moving
             self._counted = False
+            key = self._steady_key()
         else:
-            self.steps += 1
-            self.cache.tick()
-            if self.watcher is not None:
-                self.budget = self._effective_budget(poll=True)
-        key = self._steady_key()
-        if key == self._decided_on and self.steps - self._decided_at < FULL_EVERY:
+            key = self._count()
+        if not self._due(key):
             self.policy.skip()
             return None  # nothing a decision rests on moved but the cold tail's slow drift
         split, settled = self._decide_and_apply()
@@ -249,6 +241,20 @@ class MemoryManager(CheckpointTier):
         self._decided_on = self._steady_key() if settled else None
         self._decided_at = self.steps
         return split
+
+    def _count(self) -> tuple:
+        """Count a safe point (the step, the cache's hit clock), poll the budget; returns the
+        steady key."""
+        self.steps += 1
+        self.cache.tick()
+        if self.watcher is not None:
+            self.budget = self._effective_budget(poll=True)
+        return self._steady_key()
+
+    def _due(self, key: tuple) -> bool:
+        """Whether a full decision is due: something it rests on moved, or FULL_EVERY steps
+        passed since the last."""
+        return key != self._decided_on or self.steps - self._decided_at >= FULL_EVERY
 
     def _steady_key(self) -> tuple:
         """What the split rests on that can change from one step to the next: the budget, the
