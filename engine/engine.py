@@ -310,7 +310,7 @@ class Engine:
             elif self.grammars.advance(req.id, token):  # the JSON is complete: nothing follows
                 reason = "stop"
                 text += state.release(final=True)
-            elif len(req.output_ids) >= sp.max_tokens or req.n_tokens >= self.max_model_len:
+            elif req.at_length(self.max_model_len):
                 reason = "length"
                 text += state.release(final=True)
         event = TokenEvent(req.id, token, text, len(req.output_ids) - 1)

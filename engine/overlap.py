@@ -176,7 +176,7 @@ class Overlap:
         picked: list[ScheduledChunk] = []
         for c in live:
             req = c.request
-            if self._ends_by_length(req):
+            if req.at_length(e.max_model_len, more=1):  # ends at the accept of its token
                 continue
             if not sched.grow_one(req):
                 return None  # the pool is dry: the plain loop preempts
@@ -194,11 +194,6 @@ class Overlap:
             if sched.may_checkpoint_at_accept(req) and not sched.checkpoint_ahead(req):
                 return None
         return Batch(picked), [row[id(c.request)] for c in picked]
-
-    def _ends_by_length(self, req: Request) -> bool:
-        """Whether accepting the token in flight ends the request by length (Engine._accept)."""
-        out = len(req.output_ids) + 1
-        return out >= req.sampling.max_tokens or req.n_tokens + 1 >= self.engine.max_model_len
 
     # --- both -------------------------------------------------------------------------------
     def _sample(self, step: LaunchedStep) -> None:

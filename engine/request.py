@@ -73,6 +73,12 @@ class Request:
     def n_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def at_length(self, max_model_len: int, more: int = 0) -> bool:
+        """Whether the request has reached its length (max_tokens, or the model's) once
+        `more` tokens are appended (overlap scheduling asks before the token in flight is)."""
+        n_out = len(self.output_ids) + more
+        return n_out >= self.sampling.max_tokens or self.n_tokens + more >= max_model_len
+
     def page_array(self) -> np.ndarray:
         """`pages` as an int64 array [n]. Every step's page table holds every page of every
         running request: converting the whole list each decode step cost ~50 us per request at
