@@ -81,8 +81,10 @@ class Overlap:
         self._last_done: float | None = None  # when the last lagged completion read its tokens
         n, device = engine.config.max_num_seqs, engine.loaded.device
         pinned = device.type == "cuda"
-        # Two host buffers, alternating: step N's copy lands while N-1's is being read.
+        # Two host buffers and their events, alternating: step N's copy lands while N-1's is
+        # being read (N-1 is always read before N+1 takes its pair back).
         self._host = [torch.empty(n, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._ready = [torch.cuda.Event() for _ in range(2)] if pinned else [None, None]
         self._flip = 0
 
     # --- the plain loop's side --------------------------------------------------------------
@@ -200,12 +202,10 @@ class Overlap:
         """Enqueue `step`'s sampling and the copy of its tokens to the host; it is in flight."""
         runner = self.engine.runner
         _, tokens = runner.sample_tokens(step, may_wait=False)
-        host = self._host[self._flip][: tokens.shape[0]]
+        host, ready = self._host[self._flip][: tokens.shape[0]], self._ready[self._flip]
         self._flip ^= 1
-        ready = None
-        if tokens.is_cuda:
+        if ready is not None:
             host.copy_(tokens, non_blocking=True)
-            ready = torch.cuda.Event()
             ready.record()
         else:
             host = tokens
