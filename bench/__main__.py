@@ -21,6 +21,8 @@
                       beside HBM bandwidth (CUDA)
     stream-threshold  prefill chunk lengths streamed and placed: the measured crossover beside
                       the model's (CUDA)
+    sampler           a decode step's sampling per configuration: the Triton kernel against
+                      torch's ops, host and device time, launches (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -45,6 +47,7 @@ BENCHES = {
     "workspace": "freetoken_agent.bench.workspace",
     "gemv": "freetoken_agent.bench.gemv_kernel",
     "stream-threshold": "freetoken_agent.bench.stream_threshold",
+    "sampler": "freetoken_agent.bench.sampler_profile",
 }
 
 

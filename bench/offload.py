@@ -203,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--overlap",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="overlap scheduling: each decode step launched before the last one's tokens are "
-        "read (EngineConfig.overlap_schedule)",
+        "read (EngineConfig.overlap_schedule; default on, --no-overlap for the plain loop)",
     )
     args = parser.parse_args(argv)
     dev = torch.device("cuda")

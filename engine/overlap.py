@@ -201,7 +201,7 @@ class Overlap:
     def _sample(self, step: LaunchedStep) -> None:
         """Enqueue `step`'s sampling and the copy of its tokens to the host; it is in flight."""
         runner = self.engine.runner
-        _, tokens = runner.sample_tokens(step, may_wait=False)
+        _, tokens = runner.sample_tokens(step)
         host, ready = self._host[self._flip][: tokens.shape[0]], self._ready[self._flip]
         self._flip ^= 1
         if ready is not None:

@@ -166,7 +166,8 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         model.bind_kv_cache(kv.k, kv.v)
-        self._default_generator = torch.Generator(device=device)
+        # CPU generators: a CUDA step draws each row's noise seed from them on the host.
+        self._default_generator = torch.Generator()
         self._default_generator.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
         self.graphs = None  # set by enable_cuda_graphs
@@ -225,7 +226,7 @@ class ModelRunner:
             return self._default_generator
         g = self._generators.get(request_id)
         if g is None:
-            g = torch.Generator(device=self.device)
+            g = torch.Generator()
             g.manual_seed(seed)
             self._generators[request_id] = g
         return g
@@ -287,11 +288,9 @@ class ModelRunner:
         self,
         step: LaunchedStep,
         masks: Mapping[str, np.ndarray] | None = None,
-        may_wait: bool = True,
     ) -> tuple[list[Request], torch.Tensor | None]:
         """The requests whose chunks sample, in order, and their tokens [B'] int64 on the
-        device (None when no chunk samples). Waits for nothing but what sampling itself reads
-        back: top-p's candidate check, unless `may_wait` is False (layers/sampler.py)."""
+        device (None when no chunk samples). Waits for nothing (layers/sampler.py)."""
         chunks = step.batch.chunks
         sampling = [i for i, c in enumerate(chunks) if c.sample and not c.request.score_only]
         if not sampling:
@@ -301,7 +300,7 @@ class ModelRunner:
         params = [r.sampling for r in reqs]
         gens = [self.generator_for(r.id, r.sampling.seed) for r in reqs]
         allowed = allowed_tokens([r.id for r in reqs], masks or {}, logits.shape[-1], self.device)
-        return reqs, sample(logits, params, gens, allowed, may_wait)
+        return reqs, sample(logits, params, gens, allowed)
 
     def step_done(self, step: LaunchedStep) -> None:
         """After a step's sampling is enqueued: the offloaded bank's between-steps work."""

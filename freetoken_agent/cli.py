@@ -50,8 +50,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     p.add_argument(
         "--overlap-schedule",
-        action="store_true",
-        help="launch each decode step before the last one's tokens are read (experimental)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each decode step before the last one's tokens are read (default: on)",
     )
 
 
@@ -84,8 +85,8 @@ def _load(args: argparse.Namespace):
         options["memory_reserve"] = int(args.memory_reserve_gb * 1e9)
     if args.fixed_memory:
         options["follow_free_memory"] = False
-    if args.overlap_schedule:
-        options["overlap_schedule"] = True
+    if args.overlap_schedule is not None:
+        options["overlap_schedule"] = args.overlap_schedule
     return Engine.load(
         _model_path(args.model),
         device=args.device,

@@ -3,7 +3,12 @@
 Greedy rows take the argmax. The others are scaled by temperature, cut by top-k then top-p, and
 drawn with the exponential-race trick (argmax of p / Exp(1) noise, equivalent to a multinomial
 draw) so that a seeded request draws its noise from its own generator: its tokens do not depend
-on which other requests share the batch.
+on which other requests share the batch. Top-k keeps the ties at its k-th largest, top-p those
+at its nucleus's smallest: each row keeps the logits at or above one threshold.
+
+On CUDA the whole of it is two Triton launches (kernels/triton/sampling.py: torch's ops were
+50-100 launches and 0.9-1.7 ms of host time a step), the noise from a Philox stream seeded per
+row and step from the request's generator; on the CPU torch's ops below, the same semantics.
 
 `allowed` (constrained decoding, see engine/constrained.py) bans tokens per row before anything
 else, so greedy and sampled rows alike pick only allowed ids; rows left all True are untouched.
@@ -26,12 +31,42 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     allowed: torch.Tensor | None = None,  # [B, V] bool; None = no constraint on any row
+) -> torch.Tensor:  # [B] int64
+    """`generators` are CPU generators (None: torch's default). Never waits for the device."""
+    if allowed is None and all(p.greedy for p in params):
+        return logits.argmax(dim=-1)
+    if logits.is_cuda:
+        return _sample_on_device(logits, params, generators, allowed)
+    return sample_with_torch(logits, params, generators, allowed)
+
+
+def _sample_on_device(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    allowed: torch.Tensor | None,
+) -> torch.Tensor:  # [B] int64
+    from freetoken_agent.kernels.triton.sampling import sample_rows
+
+    rows = []
+    for p, g in zip(params, generators, strict=True):
+        # A fresh 31-bit Philox seed a row and step, drawn on the host: no device generator.
+        seed = 0 if p.greedy else int(torch.randint(0, 2**31 - 1, (), generator=g))
+        rows.append([0.0 if p.greedy else p.temperature, p.top_p, p.top_k, seed])
+    table = on_device(rows, torch.float64, logits.device)  # [B, 4]
+    return sample_rows(logits.float().contiguous(), table, allowed)[0]
+
+
+def sample_with_torch(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    allowed: torch.Tensor | None = None,
     may_wait: bool = True,
 ) -> torch.Tensor:  # [B] int64
-    """`may_wait`: top-p may read its candidates' check back to the host (a wait for the
-    logits, free when the caller reads the tokens next anyway). False (overlap scheduling,
-    where a wait would idle the device until the next step's launch): every top-p row is
-    sorted whole on the device instead, the same tokens for ~tens of microseconds more."""
+    """torch's ops (the CPU path; on CUDA the benchmarks' reference). `may_wait` False: every
+    top-p row is sorted whole instead of reading back whether its candidates hold its nucleus
+    (on CUDA a wait for the logits)."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
     greedy_ids = logits.argmax(dim=-1)
@@ -53,7 +88,10 @@ def sample(
     probs = torch.softmax(scaled, dim=-1)
     noise = torch.empty_like(probs)
     for i, g in enumerate(generators):
-        noise[i].exponential_(generator=g)
+        if g is None or g.device == device:
+            noise[i].exponential_(generator=g)
+        else:  # a CPU generator's noise for a CUDA row (benchmarks only)
+            noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=g).to(device)
     drawn = (probs / noise).argmax(dim=-1)
     is_greedy = on_device([p.greedy for p in params], torch.bool, device)
     return torch.where(is_greedy, greedy_ids, drawn)
@@ -102,9 +140,10 @@ def _top_p(
     top_p: torch.Tensor,
     largest: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability reaches top_p (always at least one).
-    `largest`: (values, indices) of each row's largest logits, descending, known to hold its
-    nucleus (`_nucleus_candidates`): only they are ordered, every other token is dropped."""
+    """Keep the smallest set of tokens whose probability reaches top_p (always at least one),
+    and the ties at its smallest logit. `largest`: (values, indices) of each row's largest
+    logits, descending, known to hold its nucleus (`_nucleus_candidates`): only they are
+    ordered, every other token is dropped."""
     if largest is not None:
         sorted_logits, order = largest
         drop = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
@@ -115,4 +154,5 @@ def _top_p(
     probs = torch.exp(sorted_logits - torch.logsumexp(logits, dim=-1, keepdim=True))
     before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
     drop = drop.scatter(1, order, before >= top_p[:, None])
-    return logits.masked_fill(drop, float("-inf"))
+    smallest = logits.masked_fill(drop, float("inf")).amin(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill(logits < smallest, float("-inf"))

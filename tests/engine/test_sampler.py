@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken_agent.engine.layers.sampler import sample
+from freetoken_agent.engine.layers.sampler import sample, sample_with_torch
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 
@@ -142,7 +142,7 @@ def test_top_k_with_top_p_draws_within_both(rng_seed):
 
 
 def test_sampling_without_waiting_draws_the_same_tokens(rng_seed):
-    """may_wait=False (overlap scheduling) sorts every top-p row instead of reading back the
+    """The torch path with may_wait=False sorts every top-p row instead of reading back the
     candidates' check: the same tokens from the same generators, top-k or not."""
     gen = torch.Generator().manual_seed(rng_seed)
     for _ in range(10):
@@ -158,6 +158,28 @@ def test_sampling_without_waiting_draws_the_same_tokens(rng_seed):
             for _ in range(b)
         ]
         seeds = [int(torch.randint(0, 1 << 30, (1,), generator=gen)) for _ in range(b)]
-        waited = sample(logits, params, _gens(seeds))
-        free = sample(logits, params, _gens(seeds), may_wait=False)
+        waited = sample_with_torch(logits, params, _gens(seeds))
+        free = sample_with_torch(logits, params, _gens(seeds), may_wait=False)
         assert torch.equal(waited, free)
+
+
+def test_top_p_keeps_the_ties_at_its_smallest_logit(rng_seed):
+    """Top-p keeps the shortest descending prefix reaching top_p and every token tied with its
+    last: one threshold a row, as the CUDA kernel keeps (bf16 logits: many ties)."""
+    from freetoken_agent.engine.layers.sampler import _top_p
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    for _ in range(20):
+        b, v = (
+            int(torch.randint(1, 5, (1,), generator=gen)),
+            int(torch.randint(2, 400, (1,), generator=gen)),
+        )
+        logits = (torch.randn(b, v, generator=gen) * 2).to(torch.bfloat16).float()
+        top_p = torch.rand(b, generator=gen) * 0.98 + 0.01
+        got = _top_p(logits, top_p)
+        for row in range(b):
+            ordered = logits[row].double().sort(descending=True).values
+            mass = torch.softmax(ordered, 0).cumsum(0)
+            last = int((mass >= top_p[row].double() - 1e-6).nonzero()[0])
+            kept = logits[row] >= ordered[last]
+            assert torch.equal(torch.isfinite(got[row]), kept), (row, last)

@@ -1,0 +1,248 @@
+"""Temperature, top-k, top-p and the draw of a decode step's tokens in two launches.
+
+torch's ops for the same work (engine/layers/sampler.py's CPU path) cost 50-100 launches a call
+(top-k selection and sorting 151,936 logits are each many kernels): 0.9-1.7 ms of host time a
+step on the H200 host, against ~25 us for a greedy argmax (bench/sampler_profile.py).
+
+Semantics (the CPU path's): x = logits / T per row. Top-k keeps x >= the k-th largest (ties at
+the k-th kept). Top-p then keeps x >= the smallest x of the shortest descending prefix whose
+probability (over what top-k kept) reaches top_p (ties at that boundary kept). So each row keeps
+{x >= tau} for one threshold tau. The draw is the Gumbel-max trick: argmax over the kept of
+x + Gumbel noise, the noise a Philox stream keyed by (the row's seed, token id), so a seeded
+request's tokens do not depend on its batch. Greedy rows (T = 0) take the first largest.
+
+Launch 1 (B x S programs, S = ceil(V / SLICE)): each slice's max and sum of exp(x - max), and
+its CAND largest as packed keys (order-preserving int32 of x, then the token id: ties go to
+the lower id). Launch 2 (B programs): the union of the slices' candidates, sorted, holds every
+token above L, the largest CAND-th value of any slice. tau_k (k <= CAND) and tau_p come from
+the candidates when they are above L (logits of a trained model: nearly always), and the draw
+then runs over the candidates only; otherwise tau is bisected over the whole row (32 passes of
+the row's order-preserving keys: exact, ~0.3-1 ms, for flat rows or k > CAND).
+
+Shapes: logits [B, V] fp32 (rows `stride` apart, unit stride inside); allowed [B, V] bool or
+None; table [B, 4] float64 (temperature, top_p, top_k (0: off), seed); returns tokens [B]
+int64 and tau [B] fp32 (-inf: nothing cut).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SLICE = 4096  # logits a launch-1 program reads (one block in registers)
+CAND = 64  # largest kept per slice: top-k up to 64 is read from the candidates
+BLOCK = 4096  # logits a launch-2 pass reads at a time
+MAX_VOCAB = 2147483647
+# A packed key's low half holds LOW - token id: among ties the lower id sorts first.
+LOW = tl.constexpr(MAX_VOCAB)
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _key(x):
+    """float32 -> int32 whose signed order is the floats' order."""
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _value(k):
+    """The inverse of _key."""
+    b = k ^ ((k >> 31) & 0x7FFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled(logits, allowed, row, stride, a_stride, offs, V, t, HAS_ALLOWED: tl.constexpr):
+    """x = logits / t at `offs` (IEEE division: the CPU path's values), -inf past V or where
+    not allowed."""
+    inside = offs < V
+    x = tl.load(logits + row * stride + offs, mask=inside, other=NEG_INF)
+    x = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * t)
+    if HAS_ALLOWED:
+        ok = tl.load(allowed + row * a_stride + offs, mask=inside, other=0)
+        x = tl.where(ok != 0, x, NEG_INF)
+    return tl.where(inside, x, NEG_INF)
+
+
+@triton.jit
+def _row_temperature(table, row):
+    t = tl.load(table + row * 4).to(tl.float32)
+    return tl.where(t > 0, t, 1.0)
+
+
+@triton.jit
+def _slice_candidates(logits, allowed, table, cand, stats, V, S, stride, a_stride,
+                      SLICE: tl.constexpr, CAND: tl.constexpr,
+                      HAS_ALLOWED: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    t = _row_temperature(table, row)
+    offs = s * SLICE + tl.arange(0, SLICE)
+    x = _scaled(logits, allowed, row, stride, a_stride, offs, V, t, HAS_ALLOWED)
+    m = tl.max(x, 0)
+    z = tl.sum(tl.where(x > NEG_INF, tl.exp(x - m), 0.0), 0)
+    packed = (_key(x).to(tl.int64) << 32) | (LOW - offs.to(tl.int64))
+    top = tl.sort(packed, descending=True)
+    i = tl.arange(0, SLICE)
+    tl.store(cand + (row * S + s) * CAND + i, top, mask=i < CAND)
+    tl.store(stats + (row * S + s) * 2, m)
+    tl.store(stats + (row * S + s) * 2 + 1, z)
+
+
+@triton.jit
+def _count_at_least(logits, allowed, row, stride, a_stride, V, t, tau,
+                    BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr):  # fmt: skip
+    n = 0
+    for start in range(0, V, BLOCK):
+        x = _scaled(logits, allowed, row, stride, a_stride, start + tl.arange(0, BLOCK), V, t,
+                    HAS_ALLOWED)  # fmt: skip
+        n += tl.sum(((x >= tau) & (x > NEG_INF)).to(tl.int32), 0)
+    return n
+
+
+@triton.jit
+def _mass_at_least(logits, allowed, row, stride, a_stride, V, t, tau, M,
+                   BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr):  # fmt: skip
+    mass = 0.0
+    for start in range(0, V, BLOCK):
+        x = _scaled(logits, allowed, row, stride, a_stride, start + tl.arange(0, BLOCK), V, t,
+                    HAS_ALLOWED)  # fmt: skip
+        mass += tl.sum(tl.where((x >= tau) & (x > NEG_INF), tl.exp(x - M), 0.0), 0)
+    return mass
+
+
+@triton.jit
+def _bisect(logits, allowed, row, stride, a_stride, V, t, lo_value, M, floor, goal,
+            BY_MASS: tl.constexpr, BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr):  # fmt: skip
+    """The largest x-value tau >= lo_value with count(x >= tau) >= goal (BY_MASS False) or
+    sum over x >= max(tau, floor) of exp(x - M) >= goal (True): a bisection over the
+    order-preserving keys, exact in 32 passes. lo_value must satisfy it."""
+    lo = _key(lo_value).to(tl.int64)
+    hi = _key(M).to(tl.int64) + 1  # above the row's largest: nothing is kept there
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        tau = _value(mid.to(tl.int32))
+        if BY_MASS:
+            ok = _mass_at_least(logits, allowed, row, stride, a_stride, V, t,
+                                tl.maximum(tau, floor), M, BLOCK, HAS_ALLOWED) >= goal  # fmt: skip
+        else:
+            ok = _count_at_least(logits, allowed, row, stride, a_stride, V, t, tau, BLOCK,
+                                 HAS_ALLOWED) >= goal  # fmt: skip
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return _value(lo.to(tl.int32))
+
+
+@triton.jit
+def _gumbel(seed, ids):
+    return -tl.log(-tl.log(tl.rand(seed, ids)))
+
+
+@triton.jit
+def _draw_row(logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a_stride,
+              CAND: tl.constexpr, S_PAD: tl.constexpr, CAND_PAD: tl.constexpr,
+              BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    t_asked = tl.load(table + row * 4).to(tl.float32)
+    t = tl.where(t_asked > 0, t_asked, 1.0)
+    top_p = tl.load(table + row * 4 + 1).to(tl.float32)
+    k = tl.load(table + row * 4 + 2).to(tl.int32)
+    seed = tl.load(table + row * 4 + 3).to(tl.int32)
+
+    # The candidates, descending; padding sorts last (-inf, id LOW).
+    i = tl.arange(0, CAND_PAD)
+    floor_key = _key(tl.full((CAND_PAD,), NEG_INF, tl.float32)).to(tl.int64) << 32
+    packed = tl.load(cand + row * S * CAND + i, mask=i < S * CAND, other=0)
+    packed = tl.where(i < S * CAND, packed, floor_key)
+    top = tl.sort(packed, descending=True)
+    vals = _value((top >> 32).to(tl.int32))
+    low = top & 0xFFFFFFFF
+    ids = (-low + LOW).to(tl.int32)  # tensor first: TRITON_INTERPRET keeps LOW - x a constexpr
+    M = tl.max(vals, 0)
+    first = tl.sum(tl.where(i == 0, ids, 0), 0)
+
+    # The row's mass (relative to M) from the slices' sums.
+    j = tl.arange(0, S_PAD)
+    ms = tl.load(stats + (row * S + j) * 2, mask=j < S, other=NEG_INF)
+    zs = tl.load(stats + (row * S + j) * 2 + 1, mask=j < S, other=0.0)
+    Z = tl.sum(tl.where(ms > NEG_INF, zs * tl.exp(ms - M), 0.0), 0)
+    # L: a token that is not a candidate is <= its slice's CAND-th largest, so <= L.
+    lows = tl.load(cand + (row * S + j) * CAND + CAND - 1, mask=j < S, other=0)
+    lows = tl.where(j < S, _value((lows >> 32).to(tl.int32)), NEG_INF)
+    L = tl.max(lows, 0)
+
+    tau_k = tl.full((), NEG_INF, tl.float32)
+    Z_k = Z
+    if (k > 0) & (k < V):
+        if k <= CAND:
+            tau_k = tl.max(tl.where(i == k - 1, vals, NEG_INF), 0)
+        else:
+            tau_k = _bisect(logits, allowed, row, stride, a_stride, V, t, tau_k, M, tau_k, k,
+                            False, BLOCK, HAS_ALLOWED)  # fmt: skip
+        if tau_k > L:  # every token >= tau_k is a candidate
+            Z_k = tl.sum(tl.where(vals >= tau_k, tl.exp(vals - M), 0.0), 0)
+        else:
+            Z_k = _mass_at_least(logits, allowed, row, stride, a_stride, V, t, tau_k, M, BLOCK,
+                                 HAS_ALLOWED)  # fmt: skip
+    tau = tau_k
+    if top_p < 1.0:
+        goal = top_p * Z_k
+        p = tl.where((vals >= tau_k) & (vals > NEG_INF), tl.exp(vals - M), 0.0)
+        reached = tl.cumsum(p, 0) >= goal
+        tau_p = tl.max(tl.where(reached, vals, NEG_INF), 0)
+        if tau_p <= L:  # the prefix reaches a value a non-candidate may share: bisect the row
+            tau_p = _bisect(logits, allowed, row, stride, a_stride, V, t, tau_k, M, tau_k, goal,
+                            True, BLOCK, HAS_ALLOWED)  # fmt: skip
+        tau = tl.maximum(tau_k, tau_p)
+
+    token = first
+    if t_asked > 0:
+        if tau > L:  # every kept token is a candidate
+            score = tl.where(vals >= tau, vals + _gumbel(seed, ids), NEG_INF)
+            at = tl.argmax(score, 0)
+            token = tl.sum(tl.where(i == at, ids, 0), 0)
+        else:
+            best = tl.full((), NEG_INF, tl.float32)
+            for start in range(0, V, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                x = _scaled(logits, allowed, row, stride, a_stride, offs, V, t, HAS_ALLOWED)
+                score = tl.where((x >= tau) & (x > NEG_INF), x + _gumbel(seed, offs), NEG_INF)
+                blk = tl.max(score, 0)
+                token = tl.where(blk > best, start + tl.argmax(score, 0), token)
+                best = tl.maximum(blk, best)
+    tl.store(tokens + row, token.to(tl.int64))
+    tl.store(taus + row, tau)
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [B, V] fp32, unit stride inside a row
+    table: torch.Tensor,  # [B, 4] float64: temperature (0: greedy), top_p, top_k, seed
+    allowed: torch.Tensor | None = None,  # [B, V] bool
+    slice_size: int = SLICE,
+    cand: int = CAND,
+) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B] int64, tau [B] fp32
+    """Each row's token (see the module docstring) with the threshold it kept above.
+    `slice_size` and `cand` (powers of two, cand < slice_size) are the tests' to shrink, so
+    that the fallbacks run on small rows."""
+    B, V = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert V < MAX_VOCAB, "token ids must fit the packed key's low half"
+    S = triton.cdiv(V, slice_size)
+    device = logits.device
+    kept = torch.empty(B * S * cand, dtype=torch.int64, device=device)
+    stats = torch.empty(B * S * 2, dtype=torch.float32, device=device)
+    tokens = torch.empty(B, dtype=torch.int64, device=device)
+    taus = torch.empty(B, dtype=torch.float32, device=device)
+    has_allowed = allowed is not None
+    a = allowed if has_allowed else logits  # unread when HAS_ALLOWED is False
+    a_stride = allowed.stride(0) if has_allowed else 0
+    _slice_candidates[(B, S)](logits, a, table, kept, stats, V, S, logits.stride(0), a_stride,
+                              SLICE=slice_size, CAND=cand, HAS_ALLOWED=has_allowed,
+                              num_warps=8)  # fmt: skip
+    _draw_row[(B,)](logits, a, table, kept, stats, tokens, taus, V, S, logits.stride(0),
+                    a_stride, CAND=cand, S_PAD=triton.next_power_of_2(S),
+                    CAND_PAD=triton.next_power_of_2(S * cand), BLOCK=BLOCK,
+                    HAS_ALLOWED=has_allowed, num_warps=8)  # fmt: skip
+    return tokens, taus
