@@ -3,7 +3,8 @@
     freetoken bench sampler [--vocab 151936] [--out DIR]
 
 Per configuration (greedy; Qwen3's T 0.6 / top-k 20 / top-p 0.95; the CLI's T 0.7 / top-p 0.95
-with no top-k) and b = 1 and 4, three paths: `kernel` (`sample`: the Triton kernel), `torch`
+with no top-k) and b = 1 and 4, four paths: `kernel` (`sample`: the Triton kernel, one launch),
+`kernel_two_launches` (its draw as a second launch), `torch`
 (torch's ops, reading back top-p's candidate check) and `torch_nowait` (torch's ops sorting
 every top-p row instead):
 - host_us: the host's time per call with nothing queued before it (launches and any wait);
@@ -71,10 +72,21 @@ def _kernels(call) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
+def _two_launches(logits, params, gens):
+    """`sample` with the kernel's launch 2 as its own launch (sampling.ONE_LAUNCH off)."""
+    from freetoken_agent.kernels.triton import sampling
+
+    sampling.ONE_LAUNCH = False
+    try:
+        return sample(logits, params, gens)
+    finally:
+        sampling.ONE_LAUNCH = True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="freetoken bench sampler")
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--vocab", type=int, default=151936, help="logits a row (Qwen3's)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for sampler_profile.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
@@ -87,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             gens = [None] * b
             paths = {
                 "kernel": partial(sample, logits, params, gens),
+                "kernel_two_launches": partial(_two_launches, logits, params, gens),
                 "torch": partial(sample_with_torch, logits, params, gens),
                 "torch_nowait": partial(sample_with_torch, logits, params, gens, None, False),
             }

@@ -171,6 +171,7 @@ class ModelRunner:
         self._default_generator.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
         self.graphs = None  # set by enable_cuda_graphs
+        self.launched = 0  # forward passes enqueued (prefill and decode steps)
         # Called after each step with the tokens a graph replayed (None: an eager step): an
         # offloaded bank under policy direct learns from the step's routing there.
         self.after_step: Callable[[int | None], None] | None = None
@@ -271,6 +272,7 @@ class ModelRunner:
         a decode batch whose ids the host does not know yet; `between` is called once the
         step's first kernels are queued (before an offloaded graph's first stop)."""
         start = time.perf_counter()
+        self.launched += 1
         inputs = build_inputs(batch.chunks, self.kv.page_size)
         inputs.device_ids = device_ids
         graphed = self.graphs is not None and batch.is_decode_only and self.graphs.fits(inputs)

@@ -1,4 +1,4 @@
-"""Temperature, top-k, top-p and the draw of a decode step's tokens in two launches.
+"""Temperature, top-k, top-p and the draw of a decode step's tokens in one launch.
 
 torch's ops for the same work (engine/layers/sampler.py's CPU path) cost 50-100 launches a call
 (top-k selection and sorting 151,936 logits are each many kernels): 0.9-1.7 ms of host time a
@@ -13,11 +13,13 @@ request's tokens do not depend on its batch. Greedy rows (T = 0) take the first 
 
 Launch 1 (B x S programs, S = ceil(V / SLICE)): each slice's max and sum of exp(x - max), and
 its CAND largest as packed keys (order-preserving int32 of x, then the token id: ties go to
-the lower id). Launch 2 (B programs): the union of the slices' candidates, sorted, holds every
+the lower id). Then per row (its last slice program to finish, told by an atomic counter; or
+launch 2, B programs, with ONE_LAUNCH off): the union of the slices' candidates, sorted, holds every
 token above L, the largest CAND-th value of any slice. tau_k (k <= CAND) and tau_p come from
 the candidates when they are above L (logits of a trained model: nearly always), and the draw
 then runs over the candidates only; otherwise tau is bisected over the whole row (32 passes of
-the row's order-preserving keys: exact, ~0.3-1 ms, for flat rows or k > CAND).
+the row's order-preserving keys by one program: exact but slow, not yet measured; flat rows or
+k > CAND).
 
 Shapes: logits [B, V] fp32 (rows `stride` apart, unit stride inside); allowed [B, V] bool or
 None; table [B, 4] float64 (temperature, top_p, top_k (0: off), seed); returns tokens [B]
@@ -33,6 +35,7 @@ import triton.language as tl
 SLICE = 4096  # logits a launch-1 program reads (one block in registers)
 CAND = 64  # largest kept per slice: top-k up to 64 is read from the candidates
 BLOCK = 4096  # logits a launch-2 pass reads at a time
+ONE_LAUNCH = True  # launch 2's work done by each row's last slice program (see sample_rows)
 MAX_VOCAB = 2147483647
 # A packed key's low half holds LOW - token id: among ties the lower id sorts first.
 LOW = tl.constexpr(MAX_VOCAB)
@@ -73,9 +76,13 @@ def _row_temperature(table, row):
 
 
 @triton.jit
-def _slice_candidates(logits, allowed, table, cand, stats, V, S, stride, a_stride,
-                      SLICE: tl.constexpr, CAND: tl.constexpr,
-                      HAS_ALLOWED: tl.constexpr):  # fmt: skip
+def _slice_candidates(logits, allowed, table, cand, stats, tokens, taus, done, V, S, stride,
+                      a_stride, SLICE: tl.constexpr, CAND: tl.constexpr, S_PAD: tl.constexpr,
+                      CAND_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr,
+                      ONE_LAUNCH: tl.constexpr):  # fmt: skip
+    """Launch 1: a program a row and slice. ONE_LAUNCH: the row's last slice to finish (a
+    counter in `done`, acquire-release at GPU scope, so the others' candidates are visible to
+    it) then draws the row and puts its counter back to 0 for the next call."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     t = _row_temperature(table, row)
@@ -89,6 +96,11 @@ def _slice_candidates(logits, allowed, table, cand, stats, V, S, stride, a_strid
     tl.store(cand + (row * S + s) * CAND + i, top, mask=i < CAND)
     tl.store(stats + (row * S + s) * 2, m)
     tl.store(stats + (row * S + s) * 2 + 1, z)
+    if ONE_LAUNCH:  # noqa: SIM102 - a constexpr branch: the atomic is not emitted without it
+        if tl.atomic_add(done + row, 1, sem="acq_rel", scope="gpu") == S - 1:
+            tl.store(done + row, 0)
+            _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a_stride,
+                  CAND, S_PAD, CAND_PAD, BLOCK, HAS_ALLOWED)  # fmt: skip
 
 
 @triton.jit
@@ -144,7 +156,16 @@ def _gumbel(seed, ids):
 def _draw_row(logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a_stride,
               CAND: tl.constexpr, S_PAD: tl.constexpr, CAND_PAD: tl.constexpr,
               BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
+    """Launch 2 of two: a program a row."""
+    _draw(tl.program_id(0).to(tl.int64), logits, allowed, table, cand, stats, tokens, taus, V,
+          S, stride, a_stride, CAND, S_PAD, CAND_PAD, BLOCK, HAS_ALLOWED)  # fmt: skip
+
+
+@triton.jit
+def _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a_stride,
+          CAND: tl.constexpr, S_PAD: tl.constexpr, CAND_PAD: tl.constexpr,
+          BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr):  # fmt: skip
+    """A row's threshold and token from its slices' candidates and sums."""
     t_asked = tl.load(table + row * 4).to(tl.float32)
     t = tl.where(t_asked > 0, t_asked, 1.0)
     top_p = tl.load(table + row * 4 + 1).to(tl.float32)
@@ -216,33 +237,52 @@ def _draw_row(logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a
     tl.store(taus + row, tau)
 
 
+# Per device: launch 1's scratch and the rows' counters (zero between calls), grown as needed.
+# Calls are ordered on one stream (the engine's), so one set serves every call.
+_scratch: dict[torch.device, dict[str, torch.Tensor]] = {}
+
+
+def _buffers(device: torch.device, n_cand: int, n_stats: int, rows: int) -> dict:
+    held = _scratch.setdefault(device, {})
+    for name, size, dtype in (("cand", n_cand, torch.int64), ("stats", n_stats, torch.float32),
+                              ("done", rows, torch.int32)):  # fmt: skip
+        if name not in held or held[name].numel() < size:
+            held[name] = torch.zeros(max(size, 2 * held[name].numel() if name in held else 0),
+                                     dtype=dtype, device=device)  # fmt: skip
+    return held
+
+
 def sample_rows(
     logits: torch.Tensor,  # [B, V] fp32, unit stride inside a row
     table: torch.Tensor,  # [B, 4] float64: temperature (0: greedy), top_p, top_k, seed
     allowed: torch.Tensor | None = None,  # [B, V] bool
     slice_size: int = SLICE,
     cand: int = CAND,
+    one_launch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B] int64, tau [B] fp32
     """Each row's token (see the module docstring) with the threshold it kept above.
     `slice_size` and `cand` (powers of two, cand < slice_size) are the tests' to shrink, so
-    that the fallbacks run on small rows."""
+    that the fallbacks run on small rows. `one_launch` (None: ONE_LAUNCH): the row's last
+    slice draws it, else a second launch does."""
+    one_launch = ONE_LAUNCH if one_launch is None else one_launch
     B, V = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     assert V < MAX_VOCAB, "token ids must fit the packed key's low half"
     S = triton.cdiv(V, slice_size)
     device = logits.device
-    kept = torch.empty(B * S * cand, dtype=torch.int64, device=device)
-    stats = torch.empty(B * S * 2, dtype=torch.float32, device=device)
+    held = _buffers(device, B * S * cand, B * S * 2, B)
     tokens = torch.empty(B, dtype=torch.int64, device=device)
     taus = torch.empty(B, dtype=torch.float32, device=device)
     has_allowed = allowed is not None
     a = allowed if has_allowed else logits  # unread when HAS_ALLOWED is False
     a_stride = allowed.stride(0) if has_allowed else 0
-    _slice_candidates[(B, S)](logits, a, table, kept, stats, V, S, logits.stride(0), a_stride,
-                              SLICE=slice_size, CAND=cand, HAS_ALLOWED=has_allowed,
-                              num_warps=8)  # fmt: skip
-    _draw_row[(B,)](logits, a, table, kept, stats, tokens, taus, V, S, logits.stride(0),
-                    a_stride, CAND=cand, S_PAD=triton.next_power_of_2(S),
-                    CAND_PAD=triton.next_power_of_2(S * cand), BLOCK=BLOCK,
-                    HAS_ALLOWED=has_allowed, num_warps=8)  # fmt: skip
+    pad = triton.next_power_of_2
+    sizes = dict(CAND=cand, S_PAD=pad(S), CAND_PAD=pad(S * cand), BLOCK=BLOCK,
+                 HAS_ALLOWED=has_allowed)  # fmt: skip
+    _slice_candidates[(B, S)](logits, a, table, held["cand"], held["stats"], tokens, taus,
+                              held["done"], V, S, logits.stride(0), a_stride, SLICE=slice_size,
+                              ONE_LAUNCH=one_launch, num_warps=8, **sizes)  # fmt: skip
+    if not one_launch:
+        _draw_row[(B,)](logits, a, table, held["cand"], held["stats"], tokens, taus, V, S,
+                        logits.stride(0), a_stride, num_warps=8, **sizes)  # fmt: skip
     return tokens, taus
