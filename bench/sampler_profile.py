@@ -32,6 +32,8 @@ CONFIGS = {
     "greedy": dict(temperature=0.0),
     "qwen3": dict(temperature=0.6, top_k=20, top_p=0.95),
     "cli": dict(temperature=0.7, top_p=0.95),
+    # A flat row (logits * 0.1): the nucleus runs past the candidates, so the kernel bisects.
+    "flat": dict(temperature=0.7, top_p=0.95),
 }
 REPEATS = 50
 
@@ -93,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for b in (1, 4):
         # Logits as a model gives them: bf16 values widened to fp32, a few large ones.
-        logits = (torch.randn(b, args.vocab, device="cuda") * 3).bfloat16().float()
+        peaked = (torch.randn(b, args.vocab, device="cuda") * 3).bfloat16().float()
         for name, options in CONFIGS.items():
+            logits = peaked * 0.1 if name == "flat" else peaked
             params = [SamplingParams(**options) for _ in range(b)]
             gens = [None] * b
             paths = {
