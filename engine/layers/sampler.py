@@ -6,7 +6,7 @@ draw) so that a seeded request draws its noise from its own generator: its token
 on which other requests share the batch. Top-k keeps the ties at its k-th largest, top-p those
 at its nucleus's smallest: each row keeps the logits at or above one threshold.
 
-On CUDA the whole of it is two Triton launches (kernels/triton/sampling.py: torch's ops were
+On CUDA the whole of it is one Triton launch (kernels/triton/sampling.py: torch's ops were
 50-100 launches and 0.9-1.7 ms of host time a step), the noise from a Philox stream seeded per
 row and step from the request's generator; on the CPU torch's ops below, the same semantics.
 
