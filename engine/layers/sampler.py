@@ -48,13 +48,23 @@ def _sample_on_device(
 ) -> torch.Tensor:  # [B] int64
     from freetoken_agent.kernels.triton.sampling import sample_rows
 
-    rows = []
-    for p, g in zip(params, generators, strict=True):
-        # A fresh 31-bit Philox seed a row and step, drawn on the host: no device generator.
-        seed = 0 if p.greedy else int(torch.randint(0, 2**31 - 1, (), generator=g))
-        rows.append([0.0 if p.greedy else p.temperature, p.top_p, p.top_k, seed])
+    rows = kernel_rows(params, generators, logits.shape[-1])
     table = on_device(rows, torch.float64, logits.device)  # [B, 4]
     return sample_rows(logits.float().contiguous(), table, allowed)[0]
+
+
+def kernel_rows(
+    params: list[SamplingParams], generators: list[torch.Generator | None], vocab: int
+) -> list[list[float]]:
+    """The sampling kernel's table rows: temperature (0: greedy), top_p, top_k (0: off; a k
+    of the vocabulary or more cuts nothing, and would not fit the kernel's int32), and a fresh
+    31-bit Philox seed a sampled row and step, drawn on the host from its generator."""
+    rows = []
+    for p, g in zip(params, generators, strict=True):
+        seed = 0 if p.greedy else int(torch.randint(0, 2**31 - 1, (), generator=g))
+        top_k = p.top_k if p.top_k < vocab else 0
+        rows.append([0.0 if p.greedy else p.temperature, p.top_p, top_k, seed])
+    return rows
 
 
 def sample_with_torch(

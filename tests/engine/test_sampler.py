@@ -183,3 +183,29 @@ def test_top_p_keeps_the_ties_at_its_smallest_logit(rng_seed):
             last = int((mass >= top_p[row].double() - 1e-6).nonzero()[0])
             kept = logits[row] >= ordered[last]
             assert torch.equal(torch.isfinite(got[row]), kept), (row, last)
+
+
+def test_kernel_rows_carry_each_request_and_fit_the_kernel(rng_seed):
+    """The CUDA kernel's table: greedy rows as temperature 0 with no seed drawn, a top_k of the
+    vocabulary or more as 0 (off: a k past int32 would wrap in the kernel), and seeds from the
+    requests' generators, replayed by a generator seeded alike."""
+    from freetoken_agent.engine.layers.sampler import kernel_rows
+
+    r = torch.Generator().manual_seed(rng_seed)
+    vocab = int(torch.randint(100, 200_000, (1,), generator=r))
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            top_k=vocab + int(torch.randint(0, 10**12, (1,), generator=r)),
+        ),
+        SamplingParams(temperature=0.6, top_p=0.95, top_k=20),
+    ]
+    seed = int(torch.randint(0, 2**40, (1,), generator=r))
+    rows = kernel_rows(params, _gens([seed, seed, seed + 1]), vocab)
+    again = kernel_rows(params, _gens([seed, seed, seed + 1]), vocab)
+    assert rows == again
+    assert rows[0] == [0.0, 1.0, 0, 0]
+    assert rows[1][:3] == [0.8, 0.9, 0] and rows[2][:3] == [0.6, 0.95, 20]
+    assert all(0 <= row[3] < 2**31 - 1 for row in rows) and rows[1][3] != rows[2][3]
