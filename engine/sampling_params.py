@@ -22,6 +22,9 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below it decode greedily
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -73,7 +76,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below GREEDY_TEMPERATURE logits / T overflow fp32 (vLLM's _SAMPLING_EPS is the same):
+        # such a row is all but greedy anyway.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def schema_of_response_format(fmt: Any) -> dict[str, Any] | None:

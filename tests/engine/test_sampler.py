@@ -209,3 +209,16 @@ def test_kernel_rows_carry_each_request_and_fit_the_kernel(rng_seed):
     assert rows[0] == [0.0, 1.0, 0, 0]
     assert rows[1][:3] == [0.8, 0.9, 0] and rows[2][:3] == [0.6, 0.95, 20]
     assert all(0 <= row[3] < 2**31 - 1 for row in rows) and rows[1][3] != rows[2][3]
+
+
+def test_a_tiny_temperature_decodes_greedily(rng_seed):
+    """Below 1e-5 (vLLM's threshold) logits / T would overflow fp32 into inf and NaN: such a
+    row takes the argmax, as temperature 0 does."""
+    gen = torch.Generator().manual_seed(rng_seed)
+    logits = torch.randn(3, 500, generator=gen) * 20
+    t = float(torch.rand(1, generator=gen)) * 1e-5 * 0.99
+    params = [SamplingParams(temperature=t, top_p=0.9), SamplingParams(temperature=1e-40),
+              SamplingParams(temperature=t, top_k=5)]  # fmt: skip
+    assert all(p.greedy for p in params)
+    assert torch.equal(sample(logits, params, _gens([1, 2, 3])), logits.argmax(-1))
+    assert not SamplingParams(temperature=2e-5).greedy
