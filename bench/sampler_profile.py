@@ -3,10 +3,11 @@
     freetoken bench sampler [--vocab 151936] [--out DIR]
 
 Per configuration (greedy; Qwen3's T 0.6 / top-k 20 / top-p 0.95; the CLI's T 0.7 / top-p 0.95
-with no top-k; a flat row) and b = 1 and 4, five paths: `kernel` (`sample`: the Triton kernel,
+with no top-k; a flat row) and b = 1 and 4, six paths: `kernel` (`sample`: the Triton kernel,
 one launch), `kernel_two_launches` (its draw as a second launch), `kernel_16_ways` (the slow
-path's search 16 ways a pass), `torch` (torch's ops, reading back top-p's candidate check) and
-`torch_nowait` (torch's ops sorting every top-p row instead):
+path's search 16 ways a pass), `kernel_merged_top` (a slice's largest merged from sorted rows),
+`torch` (torch's ops, reading back top-p's candidate check) and `torch_nowait` (torch's ops
+sorting every top-p row instead):
 - host_us: the host's time per call with nothing queued before it (launches and any wait);
 - behind_us: the host's time per call queued behind 2 ms of device work (a decode step just
   launched): a call that waits for the device shows it here;
@@ -96,6 +97,17 @@ def _sixteen_ways(logits, params, gens):
         sampling.SEARCH_WAYS = 2
 
 
+def _merged_top(logits, params, gens):
+    """`sample` with each slice's largest merged from sorted rows (sampling.MERGED_TOP)."""
+    from freetoken_agent.kernels.triton import sampling
+
+    sampling.MERGED_TOP = True
+    try:
+        return sample(logits, params, gens)
+    finally:
+        sampling.MERGED_TOP = False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="freetoken bench sampler")
     parser.add_argument("--vocab", type=int, default=151936, help="logits a row (Qwen3's)")
@@ -115,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 "kernel": partial(sample, logits, params, gens),
                 "kernel_two_launches": partial(_two_launches, logits, params, gens),
                 "kernel_16_ways": partial(_sixteen_ways, logits, params, gens),
+                "kernel_merged_top": partial(_merged_top, logits, params, gens),
                 "torch": partial(sample_with_torch, logits, params, gens),
                 "torch_nowait": partial(sample_with_torch, logits, params, gens, None, False),
             }

@@ -40,6 +40,11 @@ BLOCK = 4096  # logits a launch-2 pass reads at a time
 SEARCH_WAYS = 2
 SEARCH_BLOCK = tl.constexpr(512)  # logits a 16-way pass reads at a time: [512, 16] compares
 ONE_LAUNCH = True  # launch 2's work done by each row's last slice program (see sample_rows)
+# A slice's CAND largest: False sorts all SLICE keys (measured: the fast path's ~150 us of
+# device time at b=1 holds two 4,096-key sorts); True merges sorted rows of CAND (_merged_top,
+# about half the compare-exchanges; not yet measured).
+MERGED_TOP = False
+LEVELS_MAX = tl.constexpr(16)  # _merged_top's unrolled levels: log2(SLICE / CAND) of them run
 MAX_VOCAB = 2147483647
 # A packed key's low half holds LOW - token id: among ties the lower id sorts first.
 LOW = tl.constexpr(MAX_VOCAB)
@@ -80,10 +85,24 @@ def _row_temperature(table, row):
 
 
 @triton.jit
+def _merged_top(packed, CAND: tl.constexpr):
+    """The CAND largest of `packed` [SLICE], descending, without sorting all of it: rows of
+    CAND sorted, then pairs of rows halved level by level, the larger half of two descending
+    rows being max(a, reversed b), itself sorted again (bitonic top-k)."""
+    rows = tl.sort(tl.reshape(packed, [packed.shape[0] // CAND, CAND]), dim=1, descending=True)
+    for _ in tl.static_range(LEVELS_MAX):
+        if rows.shape[0] > 1:
+            a, b = tl.split(tl.permute(tl.reshape(rows, [rows.shape[0] // 2, 2, CAND]), [0, 2, 1]))
+            rows = tl.sort(tl.maximum(a, tl.flip(b, 1)), dim=1, descending=True)
+    return tl.reshape(rows, [CAND])
+
+
+@triton.jit
 def _slice_candidates(logits, allowed, table, cand, stats, tokens, taus, done, V, S, stride,
                       a_stride, SLICE: tl.constexpr, CAND: tl.constexpr, S_PAD: tl.constexpr,
                       CAND_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-                      ONE_LAUNCH: tl.constexpr, WAYS: tl.constexpr):  # fmt: skip
+                      ONE_LAUNCH: tl.constexpr, WAYS: tl.constexpr,
+                      MERGED_TOP: tl.constexpr):  # fmt: skip
     """Launch 1: a program a row and slice. ONE_LAUNCH: the row's last slice to finish (a
     counter in `done`, acquire-release at GPU scope, so the others' candidates are visible to
     it) then draws the row and puts its counter back to 0 for the next call."""
@@ -95,9 +114,13 @@ def _slice_candidates(logits, allowed, table, cand, stats, tokens, taus, done, V
     m = tl.max(x, 0)
     z = tl.sum(tl.where(x > NEG_INF, tl.exp(x - m), 0.0), 0)
     packed = (_key(x).to(tl.int64) << 32) | (LOW - offs.to(tl.int64))
-    top = tl.sort(packed, descending=True)
-    i = tl.arange(0, SLICE)
-    tl.store(cand + (row * S + s) * CAND + i, top, mask=i < CAND)
+    if MERGED_TOP:
+        i = tl.arange(0, CAND)
+        tl.store(cand + (row * S + s) * CAND + i, _merged_top(packed, CAND))
+    else:
+        top = tl.sort(packed, descending=True)
+        i = tl.arange(0, SLICE)
+        tl.store(cand + (row * S + s) * CAND + i, top, mask=i < CAND)
     tl.store(stats + (row * S + s) * 2, m)
     tl.store(stats + (row * S + s) * 2 + 1, z)
     if ONE_LAUNCH:  # noqa: SIM102 - a constexpr branch: the atomic is not emitted without it
@@ -308,14 +331,17 @@ def sample_rows(
     cand: int = CAND,
     one_launch: bool | None = None,
     ways: int | None = None,
+    merged_top: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B] int64, tau [B] fp32
     """Each row's token (see the module docstring) with the threshold it kept above.
     `slice_size` and `cand` (powers of two, cand < slice_size) are the tests' to shrink, so
     that the fallbacks run on small rows. `one_launch` (None: ONE_LAUNCH): the row's last
     slice draws it, else a second launch does. `ways` (None: SEARCH_WAYS): the slow path's
-    search, 2 (a bisection) or 16."""
+    search, 2 (a bisection) or 16. `merged_top` (None: MERGED_TOP): how a slice's largest
+    are found."""
     one_launch = ONE_LAUNCH if one_launch is None else one_launch
     ways = SEARCH_WAYS if ways is None else ways
+    merged_top = MERGED_TOP if merged_top is None else merged_top
     assert ways in (2, 16), "the slow path searches 2 or 16 ways"
     B, V = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
@@ -333,7 +359,8 @@ def sample_rows(
                  HAS_ALLOWED=has_allowed, WAYS=ways)  # fmt: skip
     _slice_candidates[(B, S)](logits, a, table, held["cand"], held["stats"], tokens, taus,
                               held["done"], V, S, logits.stride(0), a_stride, SLICE=slice_size,
-                              ONE_LAUNCH=one_launch, num_warps=8, **sizes)  # fmt: skip
+                              ONE_LAUNCH=one_launch, MERGED_TOP=merged_top, num_warps=8,
+                              **sizes)  # fmt: skip
     if not one_launch:
         _draw_row[(B,)](logits, a, table, held["cand"], held["stats"], tokens, taus, V, S,
                         logits.stride(0), a_stride, num_warps=8, **sizes)  # fmt: skip
