@@ -29,6 +29,8 @@
 #         layers off and on, greedy and sampled, ~6 min)
 #         overlap-offload (profile-offload adaptive with overlap off and on: native and Zipf at
 #         12 layers, native at 48 layers / 32 GB, ~6 min)
+#         sampler (the sampling kernel's GPU tests, bench sampler with its variants, then
+#         sampled decode at 12 and 48 layers, ~2 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -187,6 +189,13 @@ for stage in "$@"; do
       timeout 240 python3 -m freetoken_agent.bench profile-offload --layers 48 --budget-gb 32 \
         --regimes native --policies adaptive --overlap 0 1 \
         >"$OUT/overlap_48l.txt" 2>&1; grep -E '^\{' "$OUT/overlap_48l.txt" | cut -c1-700 ;;
+    sampler)  # kernels/triton/sampling.py: its variants (SEARCH_WAYS, MERGED_TOP) measured
+      timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_sampling_kernel.py \
+        2>&1 | tee "$OUT/gpu_sampling_tests.log" | tail -3
+      timeout 120 python3 -m freetoken_agent.bench sampler --out "$OUT" 2>&1 | grep '^{' \
+        | grep -v '"torch' | cut -c1-200
+      timeout 150 python3 -m freetoken_agent.bench decode --layers 48 12 --tokens 64 --overlap \
+        --sampled --out "$OUT" 2>&1 | tail -9 ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;
