@@ -75,37 +75,17 @@ def _kernels(call) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def _two_launches(logits, params, gens):
-    """`sample` with the kernel's launch 2 as its own launch (sampling.ONE_LAUNCH off)."""
+def _variant(setting: str, value, logits, params, gens):
+    """`sample` with one of kernels/triton/sampling.py's module settings (ONE_LAUNCH,
+    SEARCH_WAYS, MERGED_TOP) set to `value` for the call, then put back."""
     from freetoken_agent.kernels.triton import sampling
 
-    sampling.ONE_LAUNCH = False
+    before = getattr(sampling, setting)
+    setattr(sampling, setting, value)
     try:
         return sample(logits, params, gens)
     finally:
-        sampling.ONE_LAUNCH = True
-
-
-def _sixteen_ways(logits, params, gens):
-    """`sample` with the slow path's 16-way search (sampling.SEARCH_WAYS 16)."""
-    from freetoken_agent.kernels.triton import sampling
-
-    sampling.SEARCH_WAYS = 16
-    try:
-        return sample(logits, params, gens)
-    finally:
-        sampling.SEARCH_WAYS = 2
-
-
-def _merged_top(logits, params, gens):
-    """`sample` with each slice's largest merged from sorted rows (sampling.MERGED_TOP)."""
-    from freetoken_agent.kernels.triton import sampling
-
-    sampling.MERGED_TOP = True
-    try:
-        return sample(logits, params, gens)
-    finally:
-        sampling.MERGED_TOP = False
+        setattr(sampling, setting, before)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,13 +103,14 @@ def main(argv: list[str] | None = None) -> int:
             logits = peaked * 0.1 if name == "flat" else peaked
             params = [SamplingParams(**options) for _ in range(b)]
             gens = [None] * b
+            inputs = (logits, params, gens)
             paths = {
-                "kernel": partial(sample, logits, params, gens),
-                "kernel_two_launches": partial(_two_launches, logits, params, gens),
-                "kernel_16_ways": partial(_sixteen_ways, logits, params, gens),
-                "kernel_merged_top": partial(_merged_top, logits, params, gens),
-                "torch": partial(sample_with_torch, logits, params, gens),
-                "torch_nowait": partial(sample_with_torch, logits, params, gens, None, False),
+                "kernel": partial(sample, *inputs),
+                "kernel_two_launches": partial(_variant, "ONE_LAUNCH", False, *inputs),
+                "kernel_16_ways": partial(_variant, "SEARCH_WAYS", 16, *inputs),
+                "kernel_merged_top": partial(_variant, "MERGED_TOP", True, *inputs),
+                "torch": partial(sample_with_torch, *inputs),
+                "torch_nowait": partial(sample_with_torch, *inputs, None, False),
             }
             for path, call in paths.items():
                 call()
