@@ -98,10 +98,7 @@ def sample_with_torch(
     probs = torch.softmax(scaled, dim=-1)
     noise = torch.empty_like(probs)
     for i, g in enumerate(generators):
-        if g is None or g.device == device:
-            noise[i].exponential_(generator=g)
-        else:  # a CPU generator's noise for a CUDA row (benchmarks only)
-            noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=g).to(device)
+        noise[i].exponential_(generator=g)
     drawn = (probs / noise).argmax(dim=-1)
     is_greedy = on_device([p.greedy for p in params], torch.bool, device)
     return torch.where(is_greedy, greedy_ids, drawn)
