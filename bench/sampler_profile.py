@@ -3,11 +3,10 @@
     freetoken bench sampler [--vocab 151936] [--out DIR]
 
 Per configuration (greedy; Qwen3's T 0.6 / top-k 20 / top-p 0.95; the CLI's T 0.7 / top-p 0.95
-with no top-k; a flat row) and b = 1 and 4, six paths: `kernel` (`sample`: the Triton kernel,
-one launch), `kernel_two_launches` (its draw as a second launch), `kernel_16_ways` (the slow
-path's search 16 ways a pass), `kernel_merged_top` (a slice's largest merged from sorted rows),
-`torch` (torch's ops, reading back top-p's candidate check) and `torch_nowait` (torch's ops
-sorting every top-p row instead):
+with no top-k; a flat row) and b = 1 and 4, five paths: `kernel` (`sample`: the Triton kernel,
+one launch), `kernel_16_ways` (the slow path's search 16 ways a pass), `kernel_merged_top` (a
+slice's largest merged from sorted rows), `torch` (torch's ops, reading back top-p's candidate
+check) and `torch_nowait` (torch's ops sorting every top-p row instead):
 - host_us: the host's time per call with nothing queued before it (launches and any wait);
 - behind_us: the host's time per call queued behind 2 ms of device work (a decode step just
   launched): a call that waits for the device shows it here;
@@ -76,8 +75,8 @@ def _kernels(call) -> int:
 
 
 def _variant(setting: str, value, logits, params, gens):
-    """`sample` with one of kernels/triton/sampling.py's module settings (ONE_LAUNCH,
-    SEARCH_WAYS, MERGED_TOP) set to `value` for the call, then put back."""
+    """`sample` with one of kernels/triton/sampling.py's module settings (SEARCH_WAYS,
+    MERGED_TOP) set to `value` for the call, then put back."""
     from freetoken_agent.kernels.triton import sampling
 
     before = getattr(sampling, setting)
@@ -106,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
             inputs = (logits, params, gens)
             paths = {
                 "kernel": partial(sample, *inputs),
-                "kernel_two_launches": partial(_variant, "ONE_LAUNCH", False, *inputs),
                 "kernel_16_ways": partial(_variant, "SEARCH_WAYS", 16, *inputs),
                 "kernel_merged_top": partial(_variant, "MERGED_TOP", True, *inputs),
                 "torch": partial(sample_with_torch, *inputs),

@@ -11,15 +11,16 @@ probability (over what top-k kept) reaches top_p (ties at that boundary kept). S
 x + Gumbel noise, the noise a Philox stream keyed by (the row's seed, token id), so a seeded
 request's tokens do not depend on its batch. Greedy rows (T = 0) take the first largest.
 
-Launch 1 (B x S programs, S = ceil(V / SLICE)): each slice's max and sum of exp(x - max), and
-its CAND largest as packed keys (order-preserving int32 of x, then the token id: ties go to
-the lower id). Then per row (its last slice program to finish, told by an atomic counter; or
-launch 2, B programs, with ONE_LAUNCH off): the union of the slices' candidates, sorted, holds every
-token above L, the largest CAND-th value of any slice. tau_k (k <= CAND) and tau_p come from
-the candidates when they are above L (logits of a trained model: nearly always), and the draw
-then runs over the candidates only; otherwise tau is bisected over the whole row (32 passes of
-the row's order-preserving keys by one program: exact but slow, not yet measured; flat rows or
-k > CAND).
+B x S programs (S = ceil(V / SLICE)): each slice's max and sum of exp(x - max), and its CAND
+largest as packed keys (order-preserving int32 of x, then the token id: ties go to the lower
+id). Then each row's last slice program to finish (told by an atomic counter; a second launch
+for the rows measured the same device time and ~25 us more host time, NOTES seventeenth
+session) draws the row: the union of the slices' candidates, sorted, holds every token above
+L, the largest CAND-th value of any slice. tau_k (k <= CAND) and tau_p come from the
+candidates when they are above L (logits of a trained model: nearly always), and the draw then
+runs over the candidates only; otherwise tau is searched over the whole row (a bisection of
+the row's order-preserving keys by one program, 32 passes: exact but slow, ~1.8 ms a
+151,936-logit row; flat rows or k > CAND).
 
 Shapes: logits [B, V] fp32 (rows `stride` apart, unit stride inside); allowed [B, V] bool or
 None; table [B, 4] float64 (temperature, top_p, top_k (0: off), seed); returns tokens [B]
@@ -39,7 +40,6 @@ BLOCK = 4096  # logits a launch-2 pass reads at a time
 # 151,936-logit row on the H200 host) or 16 (15 thresholds a pass, 9 passes; not yet measured).
 SEARCH_WAYS = 2
 SEARCH_BLOCK = tl.constexpr(512)  # logits a 16-way pass reads at a time: [512, 16] compares
-ONE_LAUNCH = True  # launch 2's work done by each row's last slice program (see sample_rows)
 # A slice's CAND largest: False sorts all SLICE keys (measured: the fast path's ~150 us of
 # device time at b=1 holds two 4,096-key sorts); True merges sorted rows of CAND (_merged_top,
 # about half the compare-exchanges; not yet measured).
@@ -101,11 +101,10 @@ def _merged_top(packed, CAND: tl.constexpr):
 def _slice_candidates(logits, allowed, table, cand, stats, tokens, taus, done, V, S, stride,
                       a_stride, SLICE: tl.constexpr, CAND: tl.constexpr, S_PAD: tl.constexpr,
                       CAND_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-                      ONE_LAUNCH: tl.constexpr, WAYS: tl.constexpr,
-                      MERGED_TOP: tl.constexpr):  # fmt: skip
-    """Launch 1: a program a row and slice. ONE_LAUNCH: the row's last slice to finish (a
-    counter in `done`, acquire-release at GPU scope, so the others' candidates are visible to
-    it) then draws the row and puts its counter back to 0 for the next call."""
+                      WAYS: tl.constexpr, MERGED_TOP: tl.constexpr):  # fmt: skip
+    """A program a row and slice. The row's last slice to finish (a counter in `done`,
+    acquire-release at GPU scope, so the others' candidates are visible to it) then draws the
+    row and puts its counter back to 0 for the next call."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     t = _row_temperature(table, row)
@@ -123,11 +122,10 @@ def _slice_candidates(logits, allowed, table, cand, stats, tokens, taus, done, V
         tl.store(cand + (row * S + s) * CAND + i, top, mask=i < CAND)
     tl.store(stats + (row * S + s) * 2, m)
     tl.store(stats + (row * S + s) * 2 + 1, z)
-    if ONE_LAUNCH:  # noqa: SIM102 - a constexpr branch: the atomic is not emitted without it
-        if tl.atomic_add(done + row, 1, sem="acq_rel", scope="gpu") == S - 1:
-            tl.store(done + row, 0)
-            _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a_stride,
-                  CAND, S_PAD, CAND_PAD, BLOCK, HAS_ALLOWED, WAYS)  # fmt: skip
+    if tl.atomic_add(done + row, 1, sem="acq_rel", scope="gpu") == S - 1:
+        tl.store(done + row, 0)
+        _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a_stride,
+              CAND, S_PAD, CAND_PAD, BLOCK, HAS_ALLOWED, WAYS)  # fmt: skip
 
 
 @triton.jit
@@ -221,15 +219,6 @@ def _find(logits, allowed, row, stride, a_stride, V, t, lo_value, M, floor, goal
 @triton.jit
 def _gumbel(seed, ids):
     return -tl.log(-tl.log(tl.rand(seed, ids)))
-
-
-@triton.jit
-def _draw_row(logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a_stride,
-              CAND: tl.constexpr, S_PAD: tl.constexpr, CAND_PAD: tl.constexpr,
-              BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr, WAYS: tl.constexpr):  # fmt: skip
-    """Launch 2 of two: a program a row."""
-    _draw(tl.program_id(0).to(tl.int64), logits, allowed, table, cand, stats, tokens, taus, V,
-          S, stride, a_stride, CAND, S_PAD, CAND_PAD, BLOCK, HAS_ALLOWED, WAYS)  # fmt: skip
 
 
 @triton.jit
@@ -329,17 +318,14 @@ def sample_rows(
     allowed: torch.Tensor | None = None,  # [B, V] bool
     slice_size: int = SLICE,
     cand: int = CAND,
-    one_launch: bool | None = None,
     ways: int | None = None,
     merged_top: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B] int64, tau [B] fp32
     """Each row's token (see the module docstring) with the threshold it kept above.
     `slice_size` and `cand` (powers of two, cand < slice_size) are the tests' to shrink, so
-    that the fallbacks run on small rows. `one_launch` (None: ONE_LAUNCH): the row's last
-    slice draws it, else a second launch does. `ways` (None: SEARCH_WAYS): the slow path's
+    that the fallbacks run on small rows. `ways` (None: SEARCH_WAYS): the slow path's
     search, 2 (a bisection) or 16. `merged_top` (None: MERGED_TOP): how a slice's largest
     are found."""
-    one_launch = ONE_LAUNCH if one_launch is None else one_launch
     ways = SEARCH_WAYS if ways is None else ways
     merged_top = MERGED_TOP if merged_top is None else merged_top
     assert ways in (2, 16), "the slow path searches 2 or 16 ways"
@@ -355,13 +341,9 @@ def sample_rows(
     a = allowed if has_allowed else logits  # unread when HAS_ALLOWED is False
     a_stride = allowed.stride(0) if has_allowed else 0
     pad = triton.next_power_of_2
-    sizes = dict(CAND=cand, S_PAD=pad(S), CAND_PAD=pad(S * cand), BLOCK=BLOCK,
-                 HAS_ALLOWED=has_allowed, WAYS=ways)  # fmt: skip
     _slice_candidates[(B, S)](logits, a, table, held["cand"], held["stats"], tokens, taus,
                               held["done"], V, S, logits.stride(0), a_stride, SLICE=slice_size,
-                              ONE_LAUNCH=one_launch, MERGED_TOP=merged_top, num_warps=8,
-                              **sizes)  # fmt: skip
-    if not one_launch:
-        _draw_row[(B,)](logits, a, table, held["cand"], held["stats"], tokens, taus, V, S,
-                        logits.stride(0), a_stride, num_warps=8, **sizes)  # fmt: skip
+                              CAND=cand, S_PAD=pad(S), CAND_PAD=pad(S * cand), BLOCK=BLOCK,
+                              HAS_ALLOWED=has_allowed, WAYS=ways, MERGED_TOP=merged_top,
+                              num_warps=8)  # fmt: skip
     return tokens, taus
