@@ -11,7 +11,10 @@ check) and `torch_nowait` (torch's ops sorting every top-p row instead):
 - behind_us: the host's time per call queued behind 2 ms of device work (a decode step just
   launched): a call that waits for the device shows it here;
 - total_us: the call plus the device finishing it (synchronised);
-- kernels: CUDA kernels (and copies) a call launches, from torch.profiler.
+- kernels: CUDA kernels (and copies) a call launches, from torch.profiler;
+- limit_us: the physical limit beside them, the rows' logits read once at the HBM bandwidth
+  measured in the same run (bench/limits.py), and greedy's total_us, one argmax launch, as
+  the floor a call's launch and synchronisation set.
 JSON: `sampler_profile.json`.
 """
 
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.engine.layers.sampler import sample, sample_with_torch
 from freetoken_agent.engine.sampling_params import SamplingParams
 
@@ -94,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
+    b_hbm = hbm_copy_bandwidth(torch.device("cuda"))
     rows = []
     for b in (1, 4):
         # Logits as a model gives them: bf16 values widened to fp32, a few large ones.
@@ -113,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             for path, call in paths.items():
                 call()
                 row = {"b": b, "config": name, "path": path}
+                row["limit_us"] = round(logits.numel() * 4 / b_hbm * 1e6, 2)
                 row["host_us"] = round(_time(call, behind=False), 1)
                 row["behind_us"] = round(_time(call, behind=True), 1)
                 row["total_us"] = round(_total(call), 1)
