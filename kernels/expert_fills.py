@@ -1,0 +1,68 @@
+"""The in-graph cache fill (policy `gpu-fill`, engine/experts/device_fills.py): a MoE layer
+plans its own fills on the device and copies the missing experts from the pinned pool into
+victim slots, so a decode step needs no host decision. Triton on CUDA tensors
+(kernels/triton/expert_fills.py), the plain-torch twin otherwise (kernels/reference_fills.py,
+which documents the state tensors and the plan's rule).
+
+Shapes: ids [P] (a layer's [T, K] routing, flattened), slot_of [N] int32, lid_of [S] int32,
+stamp [S] int64, state [STATE] int64, moves [M >= P, 2] int64; banks [N, 2I, H] / [N, H, I]
+(the pool: pinned host memory on CUDA) and [S, 2I, H] / [S, H, I] (the slots, any row stride).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from freetoken_agent.kernels import reference_fills as reference
+from freetoken_agent.kernels.dispatch import use_triton
+
+
+def plan_fills(
+    ids: Tensor,
+    base: int,
+    slot_of: Tensor,
+    lid_of: Tensor,
+    stamp: Tensor,
+    state: Tensor,
+    moves: Tensor,
+    live_pairs: int | None = None,
+    *,
+    force_triton: bool = False,
+) -> Tensor:
+    """One MoE layer's plan (reference_fills.plan_fills); returns the rows [P] int64 that
+    `fused_moe` reads with host banks. `live_pairs` None: state[LIVE_PAIRS] (captured graphs,
+    whose padded rows must not fill)."""
+    p = ids.numel()
+    if moves.shape[0] < p:
+        raise ValueError(f"moves holds {moves.shape[0]} fills, the layer has {p} pairs")
+    if stamp.shape != lid_of.shape:
+        raise ValueError(f"stamp {tuple(stamp.shape)} and lid_of {tuple(lid_of.shape)} differ")
+    if not use_triton(ids, force_triton, "plan_fills"):
+        return reference.plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, live_pairs)
+    from freetoken_agent.kernels.triton import expert_fills as triton_impl
+
+    flat = ids.reshape(-1)
+    return triton_impl.plan_fills(flat, base, slot_of, lid_of, stamp, state, moves, live_pairs)
+
+
+def copy_fills(
+    state: Tensor,
+    moves: Tensor,
+    src_w13: Tensor,
+    src_w2: Tensor,
+    dst_w13: Tensor,
+    dst_w2: Tensor,
+    *,
+    force_triton: bool = False,
+) -> None:
+    """The last plan's moves, dst[slot] = src[lid] in both banks (rows dense inside)."""
+    if src_w13.shape[1:] != dst_w13.shape[1:] or src_w2.shape[1:] != dst_w2.shape[1:]:
+        raise ValueError("pool and slot rows differ in shape")
+    if not all(t[0].is_contiguous() for t in (src_w13, src_w2, dst_w13, dst_w2)):
+        raise ValueError("copy_fills needs rows contiguous inside")
+    if not use_triton(dst_w13, force_triton, "copy_fills"):
+        reference.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2)
+        return
+    from freetoken_agent.kernels.triton import expert_fills as triton_impl
+
+    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2)
