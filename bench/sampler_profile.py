@@ -3,10 +3,9 @@
     freetoken bench sampler [--vocab 151936] [--out DIR]
 
 Per configuration (greedy; Qwen3's T 0.6 / top-k 20 / top-p 0.95; the CLI's T 0.7 / top-p 0.95
-with no top-k; a flat row) and b = 1 and 4, five paths: `kernel` (`sample`: the Triton kernel,
-one launch), `kernel_16_ways` (the slow path's search 16 ways a pass), `kernel_merged_top` (a
-slice's largest merged from sorted rows), `torch` (torch's ops, reading back top-p's candidate
-check) and `torch_nowait` (torch's ops sorting every top-p row instead):
+with no top-k; a flat row) and b = 1 and 4, three paths: `kernel` (`sample`: the Triton kernel,
+one launch), `torch` (torch's ops, reading back top-p's candidate check) and `torch_nowait`
+(torch's ops sorting every top-p row instead):
 - host_us: the host's time per call with nothing queued before it (launches and any wait);
 - behind_us: the host's time per call queued behind 2 ms of device work (a decode step just
   launched): a call that waits for the device shows it here;
@@ -78,19 +77,6 @@ def _kernels(call) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def _variant(setting: str, value, logits, params, gens):
-    """`sample` with one of kernels/triton/sampling.py's module settings (SEARCH_WAYS,
-    MERGED_TOP) set to `value` for the call, then put back."""
-    from freetoken_agent.kernels.triton import sampling
-
-    before = getattr(sampling, setting)
-    setattr(sampling, setting, value)
-    try:
-        return sample(logits, params, gens)
-    finally:
-        setattr(sampling, setting, before)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="freetoken bench sampler")
     parser.add_argument("--vocab", type=int, default=151936, help="logits a row (Qwen3's)")
@@ -110,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
             inputs = (logits, params, gens)
             paths = {
                 "kernel": partial(sample, *inputs),
-                "kernel_16_ways": partial(_variant, "SEARCH_WAYS", 16, *inputs),
-                "kernel_merged_top": partial(_variant, "MERGED_TOP", True, *inputs),
                 "torch": partial(sample_with_torch, *inputs),
                 "torch_nowait": partial(sample_with_torch, *inputs, None, False),
             }

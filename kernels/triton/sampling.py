@@ -20,7 +20,9 @@ L, the largest CAND-th value of any slice. tau_k (k <= CAND) and tau_p come from
 candidates when they are above L (logits of a trained model: nearly always), and the draw then
 runs over the candidates only; otherwise tau is searched over the whole row (a bisection of
 the row's order-preserving keys by one program, 32 passes: exact but slow, ~1.8 ms a
-151,936-logit row; flat rows or k > CAND).
+151,936-logit row; flat rows or k > CAND). Measured on the H200 and dropped: a 16-way search,
+~2x slower on flat rows (3945 vs 1979 us at b=1, 4075 vs 2107 at b=4); a bitonic merged top-64,
+not faster than the whole sort (Qwen3 b=1 287 vs 267 us, CLI 231 vs 244, b=4 321 vs 383).
 
 Shapes: logits [B, V] fp32 (rows `stride` apart, unit stride inside); allowed [B, V] bool or
 None; table [B, 4] float64 (temperature, top_p, top_k (0: off), seed); returns tokens [B]
@@ -36,15 +38,6 @@ import triton.language as tl
 SLICE = 4096  # logits a launch-1 program reads (one block in registers)
 CAND = 64  # largest kept per slice: top-k up to 64 is read from the candidates
 BLOCK = 4096  # logits a launch-2 pass reads at a time
-# The slow path's threshold search: 2 (a bisection, 32 passes of the row; measured ~1.8 ms a
-# 151,936-logit row on the H200 host) or 16 (15 thresholds a pass, 9 passes; not yet measured).
-SEARCH_WAYS = 2
-SEARCH_BLOCK = tl.constexpr(512)  # logits a 16-way pass reads at a time: [512, 16] compares
-# A slice's CAND largest: False sorts all SLICE keys (measured: the fast path's ~150 us of
-# device time at b=1 holds two 4,096-key sorts); True merges sorted rows of CAND (_merged_top,
-# about half the compare-exchanges; not yet measured).
-MERGED_TOP = False
-LEVELS_MAX = tl.constexpr(16)  # _merged_top's unrolled levels: log2(SLICE / CAND) of them run
 MAX_VOCAB = 2147483647
 # A packed key's low half holds LOW - token id: among ties the lower id sorts first.
 LOW = tl.constexpr(MAX_VOCAB)
@@ -85,23 +78,10 @@ def _row_temperature(table, row):
 
 
 @triton.jit
-def _merged_top(packed, CAND: tl.constexpr):
-    """The CAND largest of `packed` [SLICE], descending, without sorting all of it: rows of
-    CAND sorted, then pairs of rows halved level by level, the larger half of two descending
-    rows being max(a, reversed b), itself sorted again (bitonic top-k)."""
-    rows = tl.sort(tl.reshape(packed, [packed.shape[0] // CAND, CAND]), dim=1, descending=True)
-    for _ in tl.static_range(LEVELS_MAX):
-        if rows.shape[0] > 1:
-            a, b = tl.split(tl.permute(tl.reshape(rows, [rows.shape[0] // 2, 2, CAND]), [0, 2, 1]))
-            rows = tl.sort(tl.maximum(a, tl.flip(b, 1)), dim=1, descending=True)
-    return tl.reshape(rows, [CAND])
-
-
-@triton.jit
 def _slice_candidates(logits, allowed, table, cand, stats, tokens, taus, done, V, S, stride,
                       a_stride, SLICE: tl.constexpr, CAND: tl.constexpr, S_PAD: tl.constexpr,
-                      CAND_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr,
-                      WAYS: tl.constexpr, MERGED_TOP: tl.constexpr):  # fmt: skip
+                      CAND_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                      HAS_ALLOWED: tl.constexpr):  # fmt: skip
     """A program a row and slice. The row's last slice to finish (a counter in `done`,
     acquire-release at GPU scope, so the others' candidates are visible to it) then draws the
     row and puts its counter back to 0 for the next call."""
@@ -113,19 +93,15 @@ def _slice_candidates(logits, allowed, table, cand, stats, tokens, taus, done, V
     m = tl.max(x, 0)
     z = tl.sum(tl.where(x > NEG_INF, tl.exp(x - m), 0.0), 0)
     packed = (_key(x).to(tl.int64) << 32) | (LOW - offs.to(tl.int64))
-    if MERGED_TOP:
-        i = tl.arange(0, CAND)
-        tl.store(cand + (row * S + s) * CAND + i, _merged_top(packed, CAND))
-    else:
-        top = tl.sort(packed, descending=True)
-        i = tl.arange(0, SLICE)
-        tl.store(cand + (row * S + s) * CAND + i, top, mask=i < CAND)
+    top = tl.sort(packed, descending=True)  # all SLICE keys; the CAND largest are kept
+    i = tl.arange(0, SLICE)
+    tl.store(cand + (row * S + s) * CAND + i, top, mask=i < CAND)
     tl.store(stats + (row * S + s) * 2, m)
     tl.store(stats + (row * S + s) * 2 + 1, z)
     if tl.atomic_add(done + row, 1, sem="acq_rel", scope="gpu") == S - 1:
         tl.store(done + row, 0)
         _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a_stride,
-              CAND, S_PAD, CAND_PAD, BLOCK, HAS_ALLOWED, WAYS)  # fmt: skip
+              CAND, S_PAD, CAND_PAD, BLOCK, HAS_ALLOWED)  # fmt: skip
 
 
 @triton.jit
@@ -173,50 +149,6 @@ def _bisect(logits, allowed, row, stride, a_stride, V, t, lo_value, M, floor, go
 
 
 @triton.jit
-def _search_ways(logits, allowed, row, stride, a_stride, V, t, lo_value, M, floor, goal,
-                 BY_MASS: tl.constexpr, WAYS: tl.constexpr, HAS_ALLOWED: tl.constexpr):  # fmt: skip
-    """_bisect's answer with WAYS - 1 thresholds tried in each pass: 9 passes of the row for
-    16 ways instead of 32. The interval [lo, hi) of keys shrinks to at most
-    floor((hi - lo) / WAYS) + 1 a pass, from 2^32 + 1 to 1 in 9 passes at 16 ways."""
-    lo = _key(lo_value).to(tl.int64)
-    hi = _key(M).to(tl.int64) + 1
-    j = tl.arange(0, WAYS).to(tl.int64)
-    for _ in range(9):  # WAYS 16 (sample_rows checks)
-        keys = lo + ((hi - lo) * j) // WAYS  # [WAYS] ascending; keys[0] = lo
-        taus = _value(keys.to(tl.int32))
-        if BY_MASS:
-            taus = tl.maximum(taus, floor)
-        acc = tl.zeros([WAYS], dtype=tl.float32)
-        for start in range(0, V, SEARCH_BLOCK):
-            x = _scaled(logits, allowed, row, stride, a_stride, start + tl.arange(0, SEARCH_BLOCK),
-                        V, t, HAS_ALLOWED)  # fmt: skip
-            kept = (x[:, None] >= taus[None, :]) & (x[:, None] > NEG_INF)  # [SEARCH_BLOCK, WAYS]
-            if BY_MASS:
-                acc += tl.sum(tl.where(kept, tl.exp(x - M)[:, None], 0.0), 0)
-            else:
-                acc += tl.sum(kept.to(tl.float32), 0)  # exact: counts < 2^24
-        ok = acc >= goal  # a prefix of the ways: sums over supersets only grow
-        new_lo = tl.max(tl.where(ok, keys, lo), 0)
-        hi = tl.min(tl.where(ok, hi, keys), 0)
-        lo = new_lo
-    return _value(lo.to(tl.int32))
-
-
-@triton.jit
-def _find(logits, allowed, row, stride, a_stride, V, t, lo_value, M, floor, goal,
-          BY_MASS: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr,
-          HAS_ALLOWED: tl.constexpr):  # fmt: skip
-    """The slow path's threshold: a bisection (WAYS 2) or a WAYS-way search."""
-    if WAYS == 2:
-        tau = _bisect(logits, allowed, row, stride, a_stride, V, t, lo_value, M, floor, goal,
-                      BY_MASS, BLOCK, HAS_ALLOWED)  # fmt: skip
-    else:
-        tau = _search_ways(logits, allowed, row, stride, a_stride, V, t, lo_value, M, floor,
-                           goal, BY_MASS, WAYS, HAS_ALLOWED)  # fmt: skip
-    return tau
-
-
-@triton.jit
 def _gumbel(seed, ids):
     return -tl.log(-tl.log(tl.rand(seed, ids)))
 
@@ -224,7 +156,7 @@ def _gumbel(seed, ids):
 @triton.jit
 def _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a_stride,
           CAND: tl.constexpr, S_PAD: tl.constexpr, CAND_PAD: tl.constexpr,
-          BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr, WAYS: tl.constexpr):  # fmt: skip
+          BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr):  # fmt: skip
     """A row's threshold and token from its slices' candidates and sums."""
     t_asked = tl.load(table + row * 4).to(tl.float32)
     t = tl.where(t_asked > 0, t_asked, 1.0)
@@ -260,8 +192,8 @@ def _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, 
         if k <= CAND:
             tau_k = tl.max(tl.where(i == k - 1, vals, NEG_INF), 0)
         else:
-            tau_k = _find(logits, allowed, row, stride, a_stride, V, t, tau_k, M, tau_k, k,
-                          False, WAYS, BLOCK, HAS_ALLOWED)  # fmt: skip
+            tau_k = _bisect(logits, allowed, row, stride, a_stride, V, t, tau_k, M, tau_k, k,
+                            False, BLOCK, HAS_ALLOWED)  # fmt: skip
         if tau_k > L:  # every token >= tau_k is a candidate
             Z_k = tl.sum(tl.where(vals >= tau_k, tl.exp(vals - M), 0.0), 0)
         else:
@@ -274,8 +206,8 @@ def _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, 
         reached = tl.cumsum(p, 0) >= goal
         tau_p = tl.max(tl.where(reached, vals, NEG_INF), 0)
         if tau_p <= L:  # the prefix reaches a value a non-candidate may share: bisect the row
-            tau_p = _find(logits, allowed, row, stride, a_stride, V, t, tau_k, M, tau_k, goal,
-                          True, WAYS, BLOCK, HAS_ALLOWED)  # fmt: skip
+            tau_p = _bisect(logits, allowed, row, stride, a_stride, V, t, tau_k, M, tau_k, goal,
+                            True, BLOCK, HAS_ALLOWED)  # fmt: skip
         tau = tl.maximum(tau_k, tau_p)
 
     token = first
@@ -318,17 +250,10 @@ def sample_rows(
     allowed: torch.Tensor | None = None,  # [B, V] bool
     slice_size: int = SLICE,
     cand: int = CAND,
-    ways: int | None = None,
-    merged_top: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B] int64, tau [B] fp32
     """Each row's token (see the module docstring) with the threshold it kept above.
     `slice_size` and `cand` (powers of two, cand < slice_size) are the tests' to shrink, so
-    that the fallbacks run on small rows. `ways` (None: SEARCH_WAYS): the slow path's
-    search, 2 (a bisection) or 16. `merged_top` (None: MERGED_TOP): how a slice's largest
-    are found."""
-    ways = SEARCH_WAYS if ways is None else ways
-    merged_top = MERGED_TOP if merged_top is None else merged_top
-    assert ways in (2, 16), "the slow path searches 2 or 16 ways"
+    that the fallbacks run on small rows."""
     B, V = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     assert V < MAX_VOCAB, "token ids must fit the packed key's low half"
@@ -344,6 +269,5 @@ def sample_rows(
     _slice_candidates[(B, S)](logits, a, table, held["cand"], held["stats"], tokens, taus,
                               held["done"], V, S, logits.stride(0), a_stride, SLICE=slice_size,
                               CAND=cand, S_PAD=pad(S), CAND_PAD=pad(S * cand), BLOCK=BLOCK,
-                              HAS_ALLOWED=has_allowed, WAYS=ways, MERGED_TOP=merged_top,
-                              num_warps=8)  # fmt: skip
+                              HAS_ALLOWED=has_allowed, num_warps=8)  # fmt: skip
     return tokens, taus
