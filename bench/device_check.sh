@@ -29,8 +29,10 @@
 #         layers off and on, greedy and sampled, ~6 min)
 #         overlap-offload (profile-offload adaptive with overlap off and on: native and Zipf at
 #         12 layers, native at 48 layers / 32 GB, ~6 min)
-#         sampler (the sampling kernel's GPU tests, bench sampler with its variants, then
-#         sampled decode at 12 and 48 layers, ~2 min)
+#         gpu-fill (policy gpu-fill's GPU tests, then bench offload adaptive vs gpu-fill, b=1:
+#         12 layers at 8.59 GB, 48 layers at 32 GB native and Zipf, ~9 min)
+#         sampler (the sampling kernel's GPU tests, bench sampler, sampled decode at 12 and 48
+#         layers, ~2 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -189,13 +191,23 @@ for stage in "$@"; do
       timeout 240 python3 -m freetoken_agent.bench profile-offload --layers 48 --budget-gb 32 \
         --regimes native --policies adaptive --overlap 0 1 \
         >"$OUT/overlap_48l.txt" 2>&1; grep -E '^\{' "$OUT/overlap_48l.txt" | cut -c1-700 ;;
-    sampler)  # kernels/triton/sampling.py: its variants (SEARCH_WAYS, MERGED_TOP) measured
+    sampler)  # the sampling kernel's GPU tests, bench sampler, sampled decode
       timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_sampling_kernel.py \
         2>&1 | tee "$OUT/gpu_sampling_tests.log" | tail -3
       timeout 120 python3 -m freetoken_agent.bench sampler --out "$OUT" 2>&1 | grep '^{' \
         | grep -v '"torch' | cut -c1-200
       timeout 150 python3 -m freetoken_agent.bench decode --layers 48 12 --tokens 64 --overlap \
         --sampled --out "$OUT" 2>&1 | tail -9 ;;
+    gpu-fill)  # policy gpu-fill: its GPU tests, then adaptive against it, 12 then 48 layers (~9 min)
+      timeout 190 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_expert_fills.py \
+        tests/engine/experts/test_offload_gpu.py tests/engine/test_overlap_gpu.py 2>&1 \
+        | tee "$OUT/gpu_fill_tests.log" | tail -4
+      timeout 150 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --batches 1 --rounds 2 --policies adaptive gpu-fill --out "$OUT" 2>&1 \
+        | tee "$OUT/gpu_fill_12l.log" | grep -v "round[0-9]" | cut -c1-600
+      timeout 230 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 --rounds 2 \
+        --regimes native zipf:1.0,loc:0.7 --policies adaptive gpu-fill --out "$OUT" 2>&1 \
+        | tee "$OUT/gpu_fill_48l.log" | grep -v "round[0-9]" | cut -c1-600 ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;

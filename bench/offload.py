@@ -28,12 +28,13 @@ from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_paths, host_re
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration
+from freetoken_agent.engine.experts.offload import WHOLE_STEP_POLICIES
 from freetoken_agent.engine.experts.split_trials import BLOCK, MODES, ROTATIONS
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
-POLICIES = ("cpu", "transfer", "adaptive", "static", "direct")
+POLICIES = ("cpu", "transfer", "adaptive", "static", "direct", "gpu-fill")
 # Decode steps before the timed ones: the cache fills, and adaptive measures its split modes
 # once (every mode for BLOCK steps, ROTATIONS times: split_trials.py); later measurements,
 # every PERIOD steps, fall outside the timed window.
@@ -46,11 +47,13 @@ def _sync() -> None:
 
 
 def _use_policy(engine, bank, policy: str) -> None:
-    """Switch the offload policy between measurements. `direct` decodes with graphs of its own
-    (one per step): switching to or from it recaptures them."""
-    was_direct = bank.policy == "direct"
+    """Switch the offload policy between measurements. `direct` and `gpu-fill` decode with
+    graphs of their own (one per step, each its own layer path): switching to or from either
+    recaptures them."""
+    was = bank.policy
     bank.policy = policy
-    if (policy == "direct") != was_direct and engine.runner.graphs is not None:
+    whole = {was, policy} & set(WHOLE_STEP_POLICIES)
+    if policy != was and whole and engine.runner.graphs is not None:
         engine.capture_graphs()
 
 
@@ -84,6 +87,7 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
     # Segmented graphs: layers that stopped the step for the host, and the host's seconds
     # waiting on segments (the device-bound share of the step).
     stops0, wait0 = getattr(graphs, "missed_layers", 0), getattr(graphs, "wait_s", 0.0)
+    releases0 = bank.cache.on_device.releases  # gpu-fill: the cache handed back to the host
     _sync()
     start = time.perf_counter()
     steps = 0
@@ -105,6 +109,7 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
         "segment_reruns_per_token": (getattr(graphs, "reruns", 0) - reruns0) / steps,
         "stops_per_token": (getattr(graphs, "missed_layers", 0) - stops0) / steps,
         "wait_ms_per_token": 1e3 * (getattr(graphs, "wait_s", 0.0) - wait0) / steps,
+        "releases_per_token": (bank.cache.on_device.releases - releases0) / steps,
     }
 
 
@@ -272,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                     row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h)
                     miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
                     hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
-                    # direct has no CPU branch; the others' two host paths share host memory.
-                    link = b_p if policy == "direct" else host_paths(b_p, b_h, b_read)
+                    # direct and gpu-fill have no CPU branch; the others' two host paths
+                    # share host memory.
+                    whole = policy in WHOLE_STEP_POLICIES
+                    link = b_p if whole else host_paths(b_p, b_h, b_read)
                     floor = (dense_read + hit_bytes) / b_hbm + miss_bytes / link
                     row.update(limit_tok_s=batch / floor, of_limit=row["tok_s"] * floor / batch)
                     rounds[policy].append(row)

@@ -227,7 +227,7 @@ def read_config(model_dir: str | Path) -> dict:
         raise ConfigError(f"{path} is not valid JSON: {e}") from e
 
 
-POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "resident")
+POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "gpu-fill", "resident")
 
 
 @dataclass(slots=True)

@@ -1,10 +1,15 @@
-"""Decode graphs of the `direct` offload policy (engine/experts/direct.py): one graph a step.
+"""Decode graphs of the offload policies that need no host decision within a step: one graph
+a step (`WHOLE_STEP_POLICIES`).
 
-The offloaded bank's captured path reads each layer's missing experts from the pinned pool on
-the device, so unlike the segmented graphs (engine/segmented_graphs.py) a step never stops for
-the host: it replays whole, as a resident model's does. The bank records every layer's routing
-into its GraphIO buffers inside the graph; the runner hands it to `bank.after_step` once the
-step is sampled, and the cache learns and fills from it before the next step.
+- `direct` (engine/experts/direct.py): the captured path reads each layer's missing experts
+  from the pinned pool on the device and records the routing into the GraphIO buffers; the
+  runner hands it to `bank.after_step` once the step is sampled, and the cache learns and
+  fills from it before the next step.
+- `gpu-fill` (engine/experts/device_fills.py): each layer plans and copies its own fills on
+  the device; before each replay the bank owns the cache and learns the real pair count.
+
+Unlike the segmented graphs (engine/segmented_graphs.py) a step never stops for the host: it
+replays whole, as a resident model's does.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from freetoken_agent.engine.runner import StepInputs
 class DirectDecodeGraphs(OffloadedDecodeGraphs):
     def _capture(self) -> None:
         self.io.active = True  # the bank records the routing and reads misses from the pool
+        self.bank.before_whole_step(None)  # gpu-fill: owned, and the warm-up fills nothing
         try:
             super()._capture()
         finally:
@@ -32,6 +38,7 @@ class DirectDecodeGraphs(OffloadedDecodeGraphs):
         `between`: called once the graph is launched."""
         b, bs = self._load(inputs)
         self._before_replay(b, bs)
+        self.bank.before_whole_step(b)
         self.graphs[bs].replay()
         if between is not None:
             between()

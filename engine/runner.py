@@ -193,7 +193,7 @@ class ModelRunner:
         page_size = self.kv.page_size
         if offloaded is None:
             self.graphs = DecodeGraphs(self.model, page_size, max_batch, max_pages, self.device)
-        elif offloaded.policy == "direct":  # misses read on the device: one graph a step
+        elif offloaded.policy in ("direct", "gpu-fill"):  # no host decision: one graph a step
             self.graphs = DirectDecodeGraphs(
                 self.model, offloaded, page_size, max_batch, max_pages, self.device
             )

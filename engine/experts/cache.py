@@ -28,10 +28,12 @@ import numpy as np
 import torch
 
 from freetoken_agent.engine.device_index import on_device
+from freetoken_agent.engine.experts.device_fills import DeviceFills
 from freetoken_agent.engine.experts.fill_races import FillRaces
 from freetoken_agent.engine.experts.inflight import InflightFills
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.vacate import vacate_slots
+from freetoken_agent.kernels.fused_moe import PATH_LIMITS
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.arena import ElasticArena
@@ -97,6 +99,15 @@ class ExpertCache:
         self._unpublished: list[int] = []
         # Fills that land while later steps run (policy direct; inflight.py).
         self.inflight = InflightFills(self)
+        # Fills the decode graph makes itself (policy gpu-fill; device_fills.py). While the
+        # device owns the cache the host mirror is stale: every method that reads or changes
+        # it calls `_host` first.
+        self.on_device = DeviceFills(self, PATH_LIMITS["decode_max_pairs"])
+
+    def _host(self) -> None:
+        """The host mirror made the truth again (a no-op unless policy gpu-fill's decode
+        owns the cache: then one sync)."""
+        self.on_device.release()
 
     @property
     def n_slots(self) -> int:
@@ -104,6 +115,7 @@ class ExpertCache:
 
     @property
     def free_slots(self) -> int:
+        self._host()
         return len(self._free)
 
     @property
@@ -120,17 +132,20 @@ class ExpertCache:
         self.races.gain = gain
 
     def resident(self, lid: int) -> bool:
+        self._host()
         return self._slot_of[lid] >= 0
 
     @property
     def host_slot_of(self) -> list[int]:
         """The host mirror of `slot_of` ([N] lid -> slot, -1 when absent), for readers that
         walk many lids at once (one attribute lookup, not a call per lid). Read only."""
+        self._host()
         return self._slot_of
 
     def touch(self, lids: list[int]) -> None:
         """One layer's visit (its distinct lids): settle the fill races waiting on this layer,
         count hits and misses, and move resident lids to the most-recent end of the LRU."""
+        self._host()
         if lids:
             self.races.visit(lids[0] // self.lids_per_layer, lids, self._slot_of)
         for lid in lids:
@@ -160,6 +175,7 @@ class ExpertCache:
         (fill_races.py; the bank's prefill chunks). `ahead_from`: for a prefill chunk, the
         first lid of the layers after the filling one; victims come from below it first
         (`_victims`)."""
+        self._host()
         self.inflight.settle()
         filled = []
         lids = [lid for lid in lids if self._slot_of[lid] < 0]
@@ -337,6 +353,7 @@ class ExpertCache:
         the top slots held had thrown out the experts filled last: after a lend, fills take the
         lowest free slot, which is the lent range's, so every prefill chunk evicted the
         previous decode's freshest fills."""
+        self._host()
         if self._lent:
             raise RuntimeError("the expert cache's slots are already lent")
         self.inflight.settle()
@@ -374,6 +391,7 @@ class ExpertCache:
         Races whose filled lid is evicted here are dropped: a memory-manager eviction says
         nothing about whether that fill paid. Races with it as victim settle as usual (it is
         absent, as it was)."""
+        self._host()
         assert not self._lent, "resize while cache slots are lent out"
         self.inflight.settle()
         if not 0 <= first_slot < self.max_slots:
@@ -393,6 +411,7 @@ class ExpertCache:
         their slots to the free list. Not a fill's victims, so their races are dropped: they
         say nothing about whether fills pay. The device table learns of them with the next
         `publish`. Returns the evicted lids."""
+        self._host()
         victims = (lid for lid in self._lru if spare is None or not spare(lid))
         evicted = list(itertools.islice(victims, max(n, 0)))  # coldest first
         for lid in evicted:
@@ -412,6 +431,7 @@ class ExpertCache:
         O(slots) pass, the counting in numpy (~0.12 ms for 4,000 slots on the CPU here against
         ~0.2 ms for the Python walk it replaced). The MemoryManager reads hot[k] / window as
         the hits per step that giving up k slots would lose."""
+        self._host()
         lids = self._lru
         last = np.fromiter(map(self._last_hit.__getitem__, lids), np.int64, len(lids))
         hot = np.zeros(len(lids) + 1, np.int64)
@@ -420,6 +440,7 @@ class ExpertCache:
 
     def reset(self) -> None:
         """Empty every slot (benchmarks start each policy from the same state)."""
+        self._host()
         self.inflight.settle()
         self.races.clear()
         self._unpublished.clear()
@@ -434,6 +455,7 @@ class ExpertCache:
         self.hits = self.misses = self.fills = self.bytes_filled = 0
 
     def check_integrity(self) -> None:
+        self._host()
         host = torch.tensor(self._slot_of, dtype=torch.int32)
         inflight = sorted(self.inflight.lids)
         if inflight:  # claimed, copies in flight: the device sends them to the pool

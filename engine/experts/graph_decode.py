@@ -20,7 +20,7 @@ from freetoken_agent.kernels.routing_export import export_routing
 class GraphDecode:
     """Mixed into OffloadedExpertBank, whose attributes it reads: `spec`, `device`, `policy`,
     `n_experts`, `cache`, `stats`, `graph_io` (set here), `_hits`, `_misses`, `_visited`,
-    `_place`, `_direct`."""
+    `_place`, `_direct`, `_gpu_fill`."""
 
     def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:
         """Static buffers for graph-captured decode of up to `max_tokens` tokens per step."""
@@ -50,6 +50,8 @@ class GraphDecode:
         if self.policy == "direct":  # one graph a step: nothing for the host until it ends
             io.ids[layer, :t].copy_(topk_ids, non_blocking=True)
             return self._direct(hidden, topk_ids.long() + layer * self.n_experts, topk_weights)
+        if self.policy == "gpu-fill":  # one graph a step: the layer fills its own misses
+            return self._gpu_fill(layer, hidden, topk_ids, topk_weights, None)
         export_routing(topk_ids, topk_weights, hidden, io.ids[layer, :t], io.weights[layer, :t],
                        io.hidden[layer, :t])  # fmt: skip
         io.split()

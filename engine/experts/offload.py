@@ -43,13 +43,18 @@ from freetoken_agent.engine.experts.policy import (
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerStreamer
 from freetoken_agent.kernels.cpu.experts import default_threads as cpu_kernel_threads
+from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
+from freetoken_agent.kernels.reference_fills import LIVE_PAIRS
 
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
 
-# Policy direct reads misses from the pool in the decode kernels, which take this many
-# (token, expert) pairs at most; longer eager chunks (below stream_min_tokens) fill instead.
+# Policies direct and gpu-fill read misses from the pool in the decode kernels, which take
+# this many (token, expert) pairs at most; longer eager chunks (below stream_min_tokens) fill
+# instead, as transfer does.
 DIRECT_MAX_PAIRS = PATH_LIMITS["decode_max_pairs"]
+# Policies whose decode step is one graph: nothing in it waits for the host.
+WHOLE_STEP_POLICIES = ("direct", "gpu-fill")
 
 
 def lends_staging(n_slots: int, n_experts: int, n_buffers: int, n_rows: int) -> bool:
@@ -68,7 +73,7 @@ class OffloadStats:
     hits: int = 0
     fetched: int = 0
     on_cpu: int = 0
-    direct: int = 0  # misses the kernels read from the pool (policy direct)
+    direct: int = 0  # misses the kernels read from the pool (direct; gpu-fill with no slot)
     behind: int = 0  # misses run on the CPU and filled behind the layer's compute
 
     @property
@@ -103,7 +108,8 @@ class OffloadedExpertBank(GraphDecode):
         self.bandwidths = bandwidths or Bandwidths()
         # Policy adaptive's choice of fetches (adaptive.py).
         self.adaptive = AdaptiveFetches(self.cache, spec.n_moe_layers)
-        self.stats = OffloadStats()
+        self._stats = OffloadStats()
+        self.cache.on_device.stats = self._stats
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
         self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
@@ -121,6 +127,17 @@ class OffloadedExpertBank(GraphDecode):
         )
 
     # --- what the loader and the engine see ------------------------------------------------
+    @property
+    def stats(self) -> OffloadStats:
+        """The counters; under gpu-fill the device's are added first (one sync)."""
+        if self.cache.on_device.owned:
+            self.cache.on_device.fold()
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: OffloadStats) -> None:
+        self._stats = self.cache.on_device.stats = stats
+
     @property
     def w13(self) -> torch.Tensor:
         return self.pool.w13
@@ -152,10 +169,11 @@ class OffloadedExpertBank(GraphDecode):
             cpu_kernel_threads()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.device.type == "cuda" and not self.pool.pin() and self.policy == "direct":
+        pinned = self.device.type != "cuda" or self.pool.pin()
+        if not pinned and self.policy in WHOLE_STEP_POLICIES:
             raise ConfigError(
-                "policy 'direct' reads experts from pinned host memory, but the expert pool "
-                "could not be pinned on this machine; load with policy='adaptive'"
+                f"policy {self.policy!r} reads experts from pinned host memory, but the expert "
+                "pool could not be pinned on this machine; load with policy='adaptive'"
             )
         if self.policy == "static":
             self.place_static()
@@ -198,6 +216,8 @@ class OffloadedExpertBank(GraphDecode):
         if self.policy == "direct" and lids.numel() <= DIRECT_MAX_PAIRS:
             self.routed.add(lids)  # misses read from the pool; the cache learns after the step
             return self._direct(hidden, lids, topk_weights)
+        if self.policy == "gpu-fill" and lids.numel() <= DIRECT_MAX_PAIRS:
+            return self._gpu_fill(layer, hidden, topk_ids, topk_weights, lids.numel())
         self.cache.inflight.settle()  # the table as the mirror has it (direct's late fills)
         uniq, counts = torch.unique(lids, return_counts=True)
         uniq_l, counts_l = uniq.tolist(), counts.tolist()  # the host decides (one sync)
@@ -308,7 +328,7 @@ class OffloadedExpertBank(GraphDecode):
         """Which misses the policy fills into slots, in order (direct: a chunk too long for
         the kernels' host reads fills them all, as transfer does)."""
         lids = [lid for _, lid in misses]
-        if self.policy == "direct":
+        if self.policy in WHOLE_STEP_POLICIES:
             return lids
         if self.policy == "adaptive":
             tokens = [c for c, _ in misses]
@@ -337,6 +357,38 @@ class OffloadedExpertBank(GraphDecode):
         ids = direct_ids(self.cache.slot_of, lids)
         return fused_moe(hidden, self.cache.w13, self.cache.w2, ids, weights,
                          host_w13=self.pool.w13, host_w2=self.pool.w2)  # fmt: skip
+
+    # --- policy gpu-fill (device_fills.py) -------------------------------------------------
+    def _gpu_fill(
+        self,
+        layer: int,
+        hidden: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, K]
+        weights: torch.Tensor,  # [T, K]
+        live_pairs: int | None,
+    ) -> torch.Tensor:
+        """The layer plans and copies its own fills on the device, then computes from the
+        slots (a miss that found no slot from the pool). `live_pairs` None: a captured step,
+        whose real pair count the bank wrote before the replay (`before_whole_step`)."""
+        cache, fills = self.cache, self.cache.on_device
+        if live_pairs is not None:
+            fills.own()  # eager: a captured step was owned before its replay
+        rows = plan_fills(topk_ids, layer * self.n_experts, cache.slot_of, fills.lid_of,
+                          fills.stamp, fills.state, fills.moves, live_pairs)  # fmt: skip
+        copy_fills(fills.state, fills.moves, self.pool.w13, self.pool.w2, cache.w13, cache.w2)
+        return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
+                         host_w13=self.pool.w13, host_w2=self.pool.w2)  # fmt: skip
+
+    def before_whole_step(self, n_tokens: int | None) -> None:
+        """Before a whole-step graph replays `n_tokens` real tokens (None: before capture,
+        whose warm-up must fill nothing): gpu-fill owns the cache and tells the plans how many
+        pairs are real."""
+        if self.policy != "gpu-fill":
+            return
+        fills = self.cache.on_device
+        fills.own()
+        pairs = 0 if n_tokens is None else n_tokens * self.spec.top_k
+        fills.state[LIVE_PAIRS : LIVE_PAIRS + 1].fill_(pairs)
 
     def after_step(self, graph_tokens: int | None) -> None:
         """Between steps (the runner calls it after every step): policy direct learns from

@@ -122,9 +122,8 @@ def offloads(
     of dense weights."""
     if config.policy == "resident":
         return False
-    return not (
-        config.policy in ("adaptive", "direct") and _all_fit(spec, config, device, dtype, dense)
-    )
+    fits_policies = ("adaptive", "direct", "gpu-fill")  # load resident when everything fits
+    return not (config.policy in fits_policies and _all_fit(spec, config, device, dtype, dense))
 
 
 def make_bank(

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-OFFLOAD_POLICIES = ("adaptive", "transfer", "cpu", "static", "direct")  # direct: direct.py
+# direct: direct.py; gpu-fill: device_fills.py
+OFFLOAD_POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "gpu-fill")
 
 
 CPU_KNEE_TOKENS = 8  # tokens per expert where the CPU kernel turns compute-bound (H200 host)
@@ -84,7 +85,7 @@ def fetch_count(policy: str, misses: int, bw: Bandwidths) -> int:
     """How many of `misses` experts to fetch into slots (the rest run on the CPU)."""
     if misses <= 0 or policy in ("cpu", "static"):
         return 0
-    if policy == "transfer":
+    if policy in ("transfer", "gpu-fill"):  # gpu-fill: a chunk too long for its plans
         return misses
     if policy == "adaptive":
         return min(misses, max(0, round(misses * bw.pcie / (bw.pcie + bw.cpu))))

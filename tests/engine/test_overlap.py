@@ -117,7 +117,7 @@ def test_model_length_and_a_dry_pool(tmp_path, rng_seed):
     assert engine.overlap.inflight is None  # the length was known: no step ran past it
 
 
-@pytest.mark.parametrize("policy", ["adaptive", "transfer", "cpu"])
+@pytest.mark.parametrize("policy", ["adaptive", "transfer", "cpu", "gpu-fill"])
 def test_offloaded_bank(tmp_path, rng_seed, policy):
     """An offloaded bank with a few slots: the same tokens as the plain loop and as resident;
     adaptive's split trials are told each overlapped step's time."""

@@ -14,6 +14,7 @@ from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.cuda_graphs import DecodeGraphs
+from freetoken_agent.engine.direct_graphs import DirectDecodeGraphs
 from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
 
 pytestmark = pytest.mark.gpu
@@ -65,7 +66,7 @@ def test_resident_graphs(tmp_path, rng_seed):
     assert [e[1] for e in got] == free.token_ids[:cut] and got[-1][4] == "stop"
 
 
-@pytest.mark.parametrize("policy", ["adaptive", "transfer"])
+@pytest.mark.parametrize("policy", ["adaptive", "transfer", "gpu-fill"])
 def test_offloaded_segmented_graphs(tmp_path, rng_seed, policy):
     make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
     rng = random.Random(rng_seed)
@@ -74,7 +75,12 @@ def test_offloaded_segmented_graphs(tmp_path, rng_seed, policy):
     resident = Engine.load(tmp_path, policy="resident", **CUDA).generate(prompts, sp)
     load = _loader(tmp_path, policy=policy, expert_slots=rng.randint(5, 20))
     events, engine = both_loops(load, {0: [(p, sp, {}) for p in prompts]})
-    assert isinstance(engine.runner.graphs, SegmentedDecodeGraphs)
+    whole_step = policy == "gpu-fill"  # one graph a step, its layers fill their own misses
+    graphs = DirectDecodeGraphs if whole_step else SegmentedDecodeGraphs
+    assert isinstance(engine.runner.graphs, graphs)
     assert [[e[1] for e in evs] for evs in events.values()] == [o.token_ids for o in resident]
     assert engine.overlap.lagged_steps >= sp.max_tokens - 3
-    assert engine.runner.graphs.missed_layers > 0  # stops ran with a step completed inside
+    if whole_step:
+        assert engine.stats()["experts"]["fetched"] > 0
+    else:
+        assert engine.runner.graphs.missed_layers > 0  # stops ran with a step completed inside

@@ -25,7 +25,7 @@ from freetoken_agent.engine.experts.policy import (
 )
 from freetoken_agent.engine.experts.streaming import host_runs
 
-POLICIES = ("transfer", "cpu", "static", "adaptive", "direct")
+POLICIES = ("transfer", "cpu", "static", "adaptive", "direct", "gpu-fill")
 
 
 @pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3_5_moe"])
@@ -58,7 +58,7 @@ def test_every_policy_and_budget_matches_resident(model):
             assert err <= 3e-5, (policy, slots, err)
             engine.check_integrity()
             st = engine.stats()["experts"]
-            if policy in ("adaptive", "direct") and slots == rows:  # everything fits: resident
+            if policy in ("adaptive", "direct", "gpu-fill") and slots == rows:  # all fit: resident
                 assert st["placement"] == "resident"
                 continue
             assert isinstance(engine.loaded.bank, OffloadedExpertBank)
@@ -78,6 +78,14 @@ def test_every_policy_and_budget_matches_resident(model):
                 assert st["direct"] > 0 or slots > spec.n_experts + 1  # (nearly all resident)
                 assert st["on_cpu"] == 0 or slots < spec.n_experts
                 assert st["fetched"] > 0 or slots < spec.n_experts  # the cache learns
+            elif policy == "gpu-fill":  # decode's layers fill their own misses; a miss finds
+                # no slot only when the layer's own experts hold every one (then it is read
+                # from the pool), and the CPU runs only the 150-token chunk's leftovers
+                assert st["fetched"] > 0
+                assert st["on_cpu"] == 0 or slots < spec.n_experts
+                if slots == 1:
+                    assert st["direct"] > 0
+                assert st["direct"] == 0 or slots <= spec.n_experts
             else:
                 assert st["direct"] == 0
 

@@ -44,7 +44,7 @@ def test_offloaded_on_cuda_matches_resident(family, tmp_path, rng_seed):
     rows = resident.spec.n_moe_layers * resident.spec.n_experts  # with `rows` slots adaptive
     cases = [  # would keep every expert resident: one fewer keeps it offloaded
         (p, s, d)
-        for p in ("transfer", "cpu", "static", "adaptive", "direct")
+        for p in ("transfer", "cpu", "static", "adaptive", "direct", "gpu-fill")
         for s, d in ((1, True), (5, True), (5, False), (rows - 1, True))
     ]
     for policy, slots, double_buffer in cases:
@@ -63,9 +63,14 @@ def test_offloaded_on_cuda_matches_resident(family, tmp_path, rng_seed):
             assert isinstance(graphs, DirectDecodeGraphs)
             # (all but one expert resident: decode may route to residents only)
             assert engine.stats()["experts"]["direct"] > 0 or slots == rows - 1
+        elif policy == "gpu-fill":  # one graph a step; its layers fill their own misses
+            assert isinstance(graphs, DirectDecodeGraphs)
+            st = engine.stats()["experts"]
+            assert st["fetched"] > 0 or slots == rows - 1
+            assert st["direct"] > 0 or slots > 1  # one slot: the layer's second expert
         else:
             assert isinstance(graphs, SegmentedDecodeGraphs)
-        if slots == 1 and policy != "direct":  # every layer misses: segments ran again
+        if slots == 1 and policy not in ("direct", "gpu-fill"):  # layers missed: segments re-ran
             assert graphs.reruns > 0, policy
         assert max_rel_err(engine.score(ids), want_logits) <= 1e-4
         engine.check_integrity()
