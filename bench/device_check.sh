@@ -29,8 +29,9 @@
 #         layers off and on, greedy and sampled, ~6 min)
 #         overlap-offload (profile-offload adaptive with overlap off and on: native and Zipf at
 #         12 layers, native at 48 layers / 32 GB, ~6 min)
-#         gpu-fill (policy gpu-fill's GPU tests, then bench offload adaptive vs gpu-fill, b=1:
-#         12 layers at 8.59 GB, 48 layers at 32 GB native and Zipf, ~9 min)
+#         gpu-fill (policy gpu-fill's and the sampling kernel's GPU tests, then bench offload
+#         adaptive vs gpu-fill on the peer slice, b=1, ~6 min)
+#         gpu-fill-48 (the same at 48 layers / 32 GB, native and Zipf, ~5 min)
 #         sampler (the sampling kernel's GPU tests, bench sampler, sampled decode at 12 and 48
 #         layers, ~2 min)
 # Logs and JSON land in $OUT (or ./.out).
@@ -198,14 +199,16 @@ for stage in "$@"; do
         | grep -v '"torch' | cut -c1-200
       timeout 150 python3 -m freetoken_agent.bench decode --layers 48 12 --tokens 64 --overlap \
         --sampled --out "$OUT" 2>&1 | tail -9 ;;
-    gpu-fill)  # policy gpu-fill: its GPU tests, then adaptive against it, 12 then 48 layers (~9 min)
-      timeout 190 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_expert_fills.py \
-        tests/engine/experts/test_offload_gpu.py tests/engine/test_overlap_gpu.py 2>&1 \
-        | tee "$OUT/gpu_fill_tests.log" | tail -4
-      timeout 150 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+    gpu-fill)  # policy gpu-fill: its GPU tests (and the sampling kernel's), then adaptive against
+      # it on the peer slice, every routing, b=1 (~6 min)
+      timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_expert_fills.py \
+        tests/engine/experts/test_offload_gpu.py tests/engine/test_overlap_gpu.py \
+        tests/kernels/test_sampling_kernel.py 2>&1 | tee "$OUT/gpu_fill_tests.log" | tail -4
+      timeout 200 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
         --skip-prefill --batches 1 --rounds 2 --policies adaptive gpu-fill --out "$OUT" 2>&1 \
-        | tee "$OUT/gpu_fill_12l.log" | grep -v "round[0-9]" | cut -c1-600
-      timeout 230 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 --rounds 2 \
+        | tee "$OUT/gpu_fill_12l.log" | grep -v "round[0-9]" | cut -c1-600 ;;
+    gpu-fill-48)  # adaptive against gpu-fill, 48 layers at 32 GB, native and Zipf, b=1 (~5 min)
+      timeout 400 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 --rounds 2 \
         --regimes native zipf:1.0,loc:0.7 --policies adaptive gpu-fill --out "$OUT" 2>&1 \
         | tee "$OUT/gpu_fill_48l.log" | grep -v "round[0-9]" | cut -c1-600 ;;
     profile)
