@@ -32,6 +32,8 @@
 #         gpu-fill (policy gpu-fill's and the sampling kernel's GPU tests, then bench offload
 #         adaptive vs gpu-fill on the peer slice, b=1, ~6 min)
 #         gpu-fill-48 (the same at 48 layers / 32 GB, native and Zipf, ~5 min)
+#         step-paths (adaptive's stops and device paths: the GPU tests that load adaptive, then
+#         adaptive, transfer and gpu-fill on the peer slice, ~7 min), step-paths-48 (48 layers)
 #         sampler (the sampling kernel's GPU tests, bench sampler, sampled decode at 12 and 48
 #         layers, ~2 min)
 # Logs and JSON land in $OUT (or ./.out).
@@ -211,6 +213,18 @@ for stage in "$@"; do
       timeout 400 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 --rounds 2 \
         --regimes native zipf:1.0,loc:0.7 --policies adaptive gpu-fill --out "$OUT" 2>&1 \
         | tee "$OUT/gpu_fill_48l.log" | grep -v "round[0-9]" | cut -c1-600 ;;
+    step-paths)  # adaptive's two step paths: the GPU tests that load adaptive, then the peer
+      # slice's table for adaptive, transfer and gpu-fill, b=1 (~7 min)
+      timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_expert_fills.py \
+        tests/engine/experts/test_offload_gpu.py tests/engine/test_overlap_gpu.py \
+        tests/engine/test_hybrid_gpu.py 2>&1 | tee "$OUT/step_paths_tests.log" | tail -4
+      timeout 230 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --batches 1 --rounds 2 --policies adaptive transfer gpu-fill --out "$OUT" \
+        2>&1 | tee "$OUT/step_paths_12l.log" | grep -v "round[0-9]" | cut -c1-700 ;;
+    step-paths-48)  # the same table at 48 layers / 32 GB, native and Zipf (~5 min)
+      timeout 420 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 --rounds 2 \
+        --regimes native zipf:1.0,loc:0.7 --policies adaptive transfer gpu-fill --out "$OUT" 2>&1 \
+        | tee "$OUT/step_paths_48l.log" | grep -v "round[0-9]" | cut -c1-700 ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;

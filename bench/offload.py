@@ -27,7 +27,7 @@ import torch
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_paths, host_read_bandwidth
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
-from freetoken_agent.engine.experts import calibration
+from freetoken_agent.engine.experts import calibration, step_paths
 from freetoken_agent.engine.experts.offload import WHOLE_STEP_POLICIES
 from freetoken_agent.engine.experts.split_trials import BLOCK, MODES, ROTATIONS
 from freetoken_agent.engine.experts.streaming import LayerStreamer
@@ -35,10 +35,12 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("cpu", "transfer", "adaptive", "static", "direct", "gpu-fill")
-# Decode steps before the timed ones: the cache fills, and adaptive measures its split modes
-# once (every mode for BLOCK steps, ROTATIONS times: split_trials.py); later measurements,
-# every PERIOD steps, fall outside the timed window.
-WARM_UP = 8 + len(MODES) * BLOCK * ROTATIONS
+# Decode steps before the timed ones: the cache fills, and adaptive measures its step paths
+# (step_paths.py) and its split modes once (every mode for BLOCK steps, ROTATIONS times:
+# split_trials.py; on the stops path's steps only); later measurements, every PERIOD steps,
+# fall outside the timed window.
+PATH_STEPS = len(step_paths.PATHS) * step_paths.BLOCK * step_paths.ROTATIONS
+WARM_UP = 8 + len(MODES) * BLOCK * ROTATIONS + PATH_STEPS
 
 
 def _sync() -> None:
@@ -128,6 +130,9 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
         trials = bank.adaptive.trials(batch)
         row["split_mode"] = trials.chosen if trials.choices else None
         row["split_ms_per_token"] = {m: 1e3 * v for m, v in trials.medians().items()}
+        paths = bank.adaptive.paths(batch)
+        row["step_path"] = paths.chosen if paths.choices else None
+        row["path_ms_per_token"] = {p: 1e3 * v for p, v in paths.medians().items()}
     return row
 
 

@@ -27,11 +27,13 @@ from freetoken_agent.engine.runner import StepInputs
 class DirectDecodeGraphs(OffloadedDecodeGraphs):
     def _capture(self) -> None:
         self.io.active = True  # the bank records the routing and reads misses from the pool
+        self.bank.whole_step_capture = True  # adaptive's whole graph: its device path
         self.bank.before_whole_step(None)  # gpu-fill: owned, and the warm-up fills nothing
         try:
             super()._capture()
         finally:
             self.io.active = False
+            self.bank.whole_step_capture = False
 
     def replay(self, inputs: StepInputs, between: Callable[[], None] | None = None) -> torch.Tensor:
         """Run one decode step; returns hidden states [B, H] (valid until the next replay).

@@ -187,6 +187,7 @@ class ModelRunner:
         model's RecurrentStatePool, to run ahead with (EngineConfig.hybrid_run_ahead)."""
         from freetoken_agent.engine.cuda_graphs import DecodeGraphs
         from freetoken_agent.engine.direct_graphs import DirectDecodeGraphs
+        from freetoken_agent.engine.path_graphs import PathDecodeGraphs
         from freetoken_agent.engine.recurrent_shadow import RecurrentShadow
         from freetoken_agent.engine.segmented_graphs import RUN_AHEAD, SegmentedDecodeGraphs
 
@@ -209,6 +210,12 @@ class ModelRunner:
                 self.model, offloaded, page_size, max_batch, max_pages, self.device, run_ahead,
                 shadow,
             )  # fmt: skip
+            if offloaded.policy == "adaptive" and offloaded.device_path_ok:
+                # adaptive's device path (step_paths.py): a second set, one graph a step
+                whole = DirectDecodeGraphs(
+                    self.model, offloaded, page_size, max_batch, max_pages, self.device
+                )
+                self.graphs = PathDecodeGraphs(self.graphs, whole)
 
     def _sampled_rows(
         self, hidden: torch.Tensor, inputs: StepInputs, sampling: list[int]

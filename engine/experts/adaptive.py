@@ -23,6 +23,11 @@ routing ask for the filled expert or its victim first):
   than the CPU's knee (a short prefill chunk; `Bandwidths.knee`, measured by `freetoken
   calibrate`): the CPU would take longer over those than a fetch plus the victim's later miss.
 Free slots cost no victim: misses always fill those (in `layers` mode, those of kept layers).
+
+All of the above is the `stops` path of a decode step: the host decides at each layer that
+misses. The `device` path (policy gpu-fill's: every miss filled by the layer itself, no host
+stop, no CPU branch) is the other; PathTrials (step_paths.py) keeps whichever measured the
+shorter steps, per decode batch size.
 """
 
 from __future__ import annotations
@@ -35,18 +40,24 @@ from freetoken_agent.engine.experts.policy import (
     split_count,
 )
 from freetoken_agent.engine.experts.split_trials import SplitTrials
+from freetoken_agent.engine.experts.step_paths import PathTrials
 
 STOPS_EMA = 0.1  # weight of the newest decode step in the running count of stopping layers
 
 
 class AdaptiveFetches:
-    def __init__(self, cache, n_layers: int, **trial_params) -> None:
-        """`trial_params`: SplitTrials' schedule (its defaults otherwise)."""
+    def __init__(
+        self, cache, n_layers: int, path_params: dict | None = None, **trial_params
+    ) -> None:
+        """`trial_params`: SplitTrials' schedule, `path_params`: PathTrials' (their defaults
+        otherwise)."""
         self.cache = cache  # the bank's ExpertCache
         self.n_layers = n_layers
         self.verdict = FillVerdict()  # the fill race, read with hysteresis
         self.trial_params = trial_params
+        self.path_params = path_params or {}
         self._trials: dict[int, SplitTrials] = {}  # per decode batch size
+        self._paths: dict[int, PathTrials] = {}  # per decode batch size
         # Per decode batch size: layers with a miss per step (each a stop for the host),
         # running average over steps outside `layers` mode; and the count of this step so far.
         self._stops: dict[int, float] = {}
@@ -63,6 +74,18 @@ class AdaptiveFetches:
                 **self.trial_params,
             )
         return self._trials[n_tokens]
+
+    def paths(self, n_tokens: int) -> PathTrials:
+        """The step path's trials for decode steps of `n_tokens` tokens."""
+        if n_tokens not in self._paths:
+            self._paths[n_tokens] = PathTrials(**self.path_params)
+        return self._paths[n_tokens]
+
+    def path(self, n_tokens: int) -> str:
+        """`stops` or `device` for a decode step of `n_tokens` tokens (longer calls: stops)."""
+        if not 0 < n_tokens <= RACE_MAX_TOKENS:
+            return "stops"
+        return self.paths(n_tokens).path
 
     def layers_may_pay(self, n_tokens: int) -> bool:
         """Whether `layers` could shorten decode steps of `n_tokens` tokens: it hits no more
@@ -119,6 +142,11 @@ class AdaptiveFetches:
         """A decode step of `n_tokens` tokens took `seconds`: a sample for the trials when the
         race left the split to them."""
         if not 0 < n_tokens <= RACE_MAX_TOKENS:
+            return
+        paths = self.paths(n_tokens)
+        on_stops = paths.path == "stops"
+        paths.step_done(seconds / n_tokens)
+        if not on_stops:
             return
         stops, self._stops_now = self._stops_now, 0
         if not self.cache.kept_layers:

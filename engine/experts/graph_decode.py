@@ -23,8 +23,12 @@ class GraphDecode:
     `_place`, `_direct`, `_gpu_fill`."""
 
     def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:
-        """Static buffers for graph-captured decode of up to `max_tokens` tokens per step."""
-        spec = self.spec
+        """Static buffers for graph-captured decode of up to `max_tokens` tokens per step;
+        the ones already attached when they fit (adaptive captures two sets of graphs over
+        them: path_graphs.py)."""
+        spec, io = self.spec, self.graph_io
+        if io is not None and io.ids.shape[1] == max_tokens and io.hidden.dtype == dtype:
+            return io
         self.graph_io = GraphIO(
             spec.n_moe_layers, max_tokens, spec.top_k, spec.hidden_size, dtype, self.device
         )
@@ -50,7 +54,7 @@ class GraphDecode:
         if self.policy == "direct":  # one graph a step: nothing for the host until it ends
             io.ids[layer, :t].copy_(topk_ids, non_blocking=True)
             return self._direct(hidden, topk_ids.long() + layer * self.n_experts, topk_weights)
-        if self.policy == "gpu-fill":  # one graph a step: the layer fills its own misses
+        if self.policy == "gpu-fill" or self.whole_step_capture:  # the layer fills its misses
             return self._gpu_fill(layer, hidden, topk_ids, topk_weights, None)
         export_routing(topk_ids, topk_weights, hidden, io.ids[layer, :t], io.weights[layer, :t],
                        io.hidden[layer, :t])  # fmt: skip

@@ -111,6 +111,12 @@ class OffloadedExpertBank(GraphDecode):
         self._stats = OffloadStats()
         self.cache.on_device.stats = self._stats
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
+        # Set while a whole-step graph captures: adaptive's layers then record the device
+        # path (gpu-fill's kernels), its segmented graphs the stops.
+        self.whole_step_capture = False
+        # Whether the device path (policy gpu-fill, adaptive's `device`) can run: the kernels
+        # read the pool over the link, so on CUDA it must be pinned (`ready`).
+        self.device_path_ok = device.type != "cuda"
         self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
         self._placed_after = -1  # static: cache.vacates when its layers were last made whole
@@ -170,6 +176,7 @@ class OffloadedExpertBank(GraphDecode):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         pinned = self.device.type != "cuda" or self.pool.pin()
+        self.device_path_ok = pinned
         if not pinned and self.policy in WHOLE_STEP_POLICIES:
             raise ConfigError(
                 f"policy {self.policy!r} reads experts from pinned host memory, but the expert "
@@ -216,7 +223,7 @@ class OffloadedExpertBank(GraphDecode):
         if self.policy == "direct" and lids.numel() <= DIRECT_MAX_PAIRS:
             self.routed.add(lids)  # misses read from the pool; the cache learns after the step
             return self._direct(hidden, lids, topk_weights)
-        if self.policy == "gpu-fill" and lids.numel() <= DIRECT_MAX_PAIRS:
+        if lids.numel() <= DIRECT_MAX_PAIRS and self._device_path(hidden.shape[0]):
             return self._gpu_fill(layer, hidden, topk_ids, topk_weights, lids.numel())
         self.cache.inflight.settle()  # the table as the mirror has it (direct's late fills)
         uniq, counts = torch.unique(lids, return_counts=True)
@@ -379,11 +386,19 @@ class OffloadedExpertBank(GraphDecode):
         return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
                          host_w13=self.pool.w13, host_w2=self.pool.w2)  # fmt: skip
 
+    def _device_path(self, n_tokens: int) -> bool:
+        """Whether an eager call of `n_tokens` tokens takes the device path: always under
+        gpu-fill, when adaptive holds it for this batch size (step_paths.py)."""
+        if self.policy == "gpu-fill":
+            return True
+        ok = self.policy == "adaptive" and self.device_path_ok
+        return ok and self.adaptive.path(n_tokens) == "device"
+
     def before_whole_step(self, n_tokens: int | None) -> None:
         """Before a whole-step graph replays `n_tokens` real tokens (None: before capture,
-        whose warm-up must fill nothing): gpu-fill owns the cache and tells the plans how many
-        pairs are real."""
-        if self.policy != "gpu-fill":
+        whose warm-up must fill nothing): gpu-fill (adaptive's device path) owns the cache and
+        tells the plans how many pairs are real."""
+        if self.policy not in ("gpu-fill", "adaptive"):
             return
         fills = self.cache.on_device
         fills.own()

@@ -15,6 +15,7 @@ from tiny_models import make_tiny
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.cuda_graphs import DecodeGraphs
 from freetoken_agent.engine.direct_graphs import DirectDecodeGraphs
+from freetoken_agent.engine.path_graphs import PathDecodeGraphs
 from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
 
 pytestmark = pytest.mark.gpu
@@ -76,7 +77,9 @@ def test_offloaded_segmented_graphs(tmp_path, rng_seed, policy):
     load = _loader(tmp_path, policy=policy, expert_slots=rng.randint(5, 20))
     events, engine = both_loops(load, {0: [(p, sp, {}) for p in prompts]})
     whole_step = policy == "gpu-fill"  # one graph a step, its layers fill their own misses
-    graphs = DirectDecodeGraphs if whole_step else SegmentedDecodeGraphs
+    graphs = {"gpu-fill": DirectDecodeGraphs, "adaptive": PathDecodeGraphs}.get(
+        policy, SegmentedDecodeGraphs
+    )
     assert isinstance(engine.runner.graphs, graphs)
     assert [[e[1] for e in evs] for evs in events.values()] == [o.token_ids for o in resident]
     assert engine.overlap.lagged_steps >= sp.max_tokens - 3

@@ -11,6 +11,7 @@ from tiny_models import make_tiny, max_rel_err
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.direct_graphs import DirectDecodeGraphs
+from freetoken_agent.engine.path_graphs import PathDecodeGraphs
 from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
 
 pytestmark = pytest.mark.gpu
@@ -68,8 +69,9 @@ def test_offloaded_on_cuda_matches_resident(family, tmp_path, rng_seed):
             st = engine.stats()["experts"]
             assert st["fetched"] > 0 or slots == rows - 1
             assert st["direct"] > 0 or slots > 1  # one slot: the layer's second expert
-        else:
-            assert isinstance(graphs, SegmentedDecodeGraphs)
+        else:  # adaptive: both paths' graphs (path_graphs.py)
+            want_type = PathDecodeGraphs if policy == "adaptive" else SegmentedDecodeGraphs
+            assert isinstance(graphs, want_type)
         if slots == 1 and policy not in ("direct", "gpu-fill"):  # layers missed: segments re-ran
             assert graphs.reruns > 0, policy
         assert max_rel_err(engine.score(ids), want_logits) <= 1e-4
@@ -87,7 +89,8 @@ def test_adaptive_split_modes_on_cuda_match_resident(tmp_path, rng_seed):
     slots = 16 + rng.randrange(1, 16)  # one whole layer and some to spare
     engine = Engine.load(tmp_path, policy="adaptive", expert_slots=slots, **CUDA)
     bank = engine.loaded.bank
-    assert isinstance(engine.runner.graphs, SegmentedDecodeGraphs)
+    assert isinstance(engine.runner.graphs, PathDecodeGraphs)
+    bank.adaptive.path_params = {"fixed": "stops"}  # the stops path's split modes
     bank.adaptive.trial_params = dict(block=1, rotations=1, period=0)
     # Every mode runs, `layers` too: its gate (layers_may_pay, tested on the CPU) refuses it
     # where decode steps stop at few layers, as some seeds' did on the device (seed
@@ -112,8 +115,27 @@ def test_fills_behind_on_cuda_match_resident(tmp_path, rng_seed):
     prompts, sp, want = _resident_run(tmp_path, rng_seed, max_tokens=32)
     engine = Engine.load(tmp_path, policy="adaptive", expert_slots=20, fill_behind=True, **CUDA)
     bank = engine.loaded.bank
-    assert isinstance(engine.runner.graphs, SegmentedDecodeGraphs)
+    assert isinstance(engine.runner.graphs, PathDecodeGraphs)
+    bank.adaptive.path_params = {"fixed": "stops"}  # fills behind are the stops path's
     bank.adaptive.verdict = lambda gain: "all"  # fills pay: every miss is filled
     assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     assert bank.stats.behind > 0
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_adaptive_alternating_step_paths_on_cuda_match_resident(tmp_path, rng_seed, overlap):
+    """adaptive switching every two decode steps between the segmented graphs (the host's
+    stops) and the whole-step graph whose layers fill their own misses (step_paths.py), with
+    the cache handed between host and device at each switch: the resident engine's tokens."""
+    rng = random.Random(rng_seed)
+    prompts, sp, want = _resident_run(tmp_path, rng_seed, max_tokens=24)
+    opts = {**CUDA, "overlap_schedule": overlap}
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(5, 30), **opts)
+    bank, graphs = engine.loaded.bank, engine.runner.graphs
+    assert isinstance(graphs, PathDecodeGraphs)
+    bank.adaptive.path_params = dict(block=2, rotations=1, period=0)
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+    assert graphs.device_steps > 0 and graphs.missed_layers > 0  # both paths ran
+    assert bank.cache.on_device.releases >= 2
     engine.check_integrity()

@@ -81,6 +81,7 @@ def _bank(tmp_path, rng_seed, slots: int = 9, **trials):
         tmp_path, device="cpu", policy="adaptive", expert_slots=slots, progress=False
     )
     engine.loaded.bank.adaptive.trial_params = trials
+    engine.loaded.bank.adaptive.path_params = {"fixed": "stops"}  # the trials of that path
     return engine
 
 

@@ -1,0 +1,84 @@
+"""`adaptive`'s choice of how a decode step reaches its missing experts, by measured step time.
+
+Two paths (engine/experts/device_fills.py has the why):
+- `stops`: the segmented graphs stop after each router that misses; the host places the misses
+  (q*, fetch-all, the CPU branch, whole layers: adaptive.py) and the step resumes;
+- `device`: one graph a step whose layers fill their own misses (policy gpu-fill's kernels):
+  no host decision, no CPU branch.
+
+Neither wins everywhere. On the H200 host (bench/results/NOTES.md, eighteenth session) the
+device path ran native routing at 721 against 543 tok/s on the peer slice and Zipf at 98.9
+against 75.1 at 48 layers, while near-uniform routing, where the CPU branch takes half the
+misses, ran 86 against 119. So PathTrials times both: BLOCK decode steps of each, ROTATIONS
+times (interleaved, as SplitTrials does), keeps the one with the lower median seconds per
+token for PERIOD steps, then measures again. The first step of every block is not a sample:
+it pays the cache's hand-over between host and device (one sync and a rebuild), and under
+overlap scheduling the step timed at a block's start is the last one of the block before.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+PATHS = ("stops", "device")
+BLOCK = 4  # decode steps per path per rotation; the first is not a sample
+ROTATIONS = 2
+PERIOD = 256  # decode steps on the chosen path before measuring again
+
+
+class PathTrials:
+    def __init__(
+        self,
+        block: int = BLOCK,
+        rotations: int = ROTATIONS,
+        period: int = PERIOD,
+        fixed: str | None = None,
+    ):
+        """`fixed`: always that path, nothing measured (tests of one path's machinery)."""
+        if block < 2 or rotations < 1 or period < 0 or fixed not in (None, *PATHS):
+            raise ValueError(f"path trials need block >= 2, rotations >= 1, period >= 0 and a "
+                             f"fixed path of {PATHS} or none, got {block}, {rotations}, {period}, "
+                             f"{fixed!r}")  # fmt: skip
+        self.block, self.rotations, self.period = block, rotations, period
+        self.chosen = fixed or "stops"
+        self.fixed = fixed is not None
+        self.choices = 0  # measurements completed
+        self._explore()
+
+    @property
+    def path(self) -> str:
+        """The path for the next decode step."""
+        return self._schedule[self._at] if self._exploring and not self.fixed else self.chosen
+
+    @property
+    def exploring(self) -> bool:
+        return self._exploring
+
+    def step_done(self, seconds_per_token: float) -> None:
+        """A decode step finished at `seconds_per_token`, on `path` (as it stood)."""
+        if self.fixed:
+            return
+        if not self._exploring:
+            self._left -= 1
+            if self._left <= 0:
+                self._explore()
+            return
+        if self._at % self.block:  # not a block's first step
+            self._samples[self.path].append(seconds_per_token)
+        self._at += 1
+        if self._at == len(self._schedule):
+            self.chosen = min(PATHS, key=lambda p: statistics.median(self._samples[p]))
+            self.choices += 1
+            self._exploring, self._left = False, self.period
+
+    def medians(self) -> dict[str, float]:
+        """Median seconds per token of each path measured so far in this measurement."""
+        return {p: statistics.median(s) for p, s in self._samples.items() if s}
+
+    def _explore(self) -> None:
+        # Rotation r starts at path r: neither always runs first.
+        n = len(PATHS)
+        order = [PATHS[(r + i) % n] for r in range(self.rotations) for i in range(n)]
+        self._schedule = [p for p in order for _ in range(self.block)]
+        self._samples: dict[str, list[float]] = {p: [] for p in PATHS}
+        self._at, self._exploring, self._left = 0, True, 0

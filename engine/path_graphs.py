@@ -1,0 +1,45 @@
+"""Decode graphs of policy `adaptive`: both step paths captured, one replayed a step.
+
+`adaptive` chooses per decode step between the segmented graphs (the `stops` path: the host
+places each layer's misses; engine/segmented_graphs.py) and one graph a step whose layers fill
+their own misses (the `device` path: policy gpu-fill's kernels; engine/direct_graphs.py), by
+measured step time (engine/experts/step_paths.py). Both sets share the bank's GraphIO buffers.
+A step on the stops path first gives the cache back to the host (a no-op when it has it); the
+device path's `before_whole_step` hands it to the device. Other attributes (the segmented
+graphs' counters: `reruns`, `missed_layers`, `wait_s`, ...) are the segmented set's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from freetoken_agent.engine.direct_graphs import DirectDecodeGraphs
+from freetoken_agent.engine.runner import StepInputs
+from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
+
+# B real sequences, H hidden
+
+
+class PathDecodeGraphs:
+    def __init__(self, stops: SegmentedDecodeGraphs, device: DirectDecodeGraphs) -> None:
+        self.stops, self.device = stops, device
+        self.bank = stops.bank
+        self.device_steps = 0  # steps replayed on the device path
+
+    def __getattr__(self, name: str):
+        return getattr(self.stops, name)  # only for names this class does not define
+
+    def fits(self, inputs: StepInputs) -> bool:
+        return self.stops.fits(inputs) and self.device.fits(inputs)
+
+    def replay(self, inputs: StepInputs, between: Callable[[], None] | None = None) -> torch.Tensor:
+        """Run one decode step on the path adaptive holds for its batch size; returns hidden
+        states [B, H] (valid until the next replay)."""
+        b = inputs.cu_q_lens.shape[0] - 1
+        if self.bank.adaptive.path(b) == "device":
+            self.device_steps += 1
+            return self.device.replay(inputs, between)
+        self.bank.cache.on_device.release()
+        return self.stops.replay(inputs, between)

@@ -1,0 +1,75 @@
+"""adaptive's step paths (engine/experts/step_paths.py): the trials' schedule and choice, and
+an engine alternating between the host's stops and the device's own fills every other step
+gives the resident engine's tokens with the cache's host mirror intact."""
+
+import random
+
+import pytest
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.experts.step_paths import PATHS, PathTrials
+
+
+def test_trials_time_both_paths_and_keep_the_faster(rng_seed):
+    rng = random.Random(rng_seed)
+    block, rotations, period = rng.randrange(2, 5), rng.randrange(1, 3), rng.randrange(1, 9)
+    trials = PathTrials(block, rotations, period)
+    cost = {p: rng.uniform(1.0, 2.0) for p in PATHS}
+    ran = []
+    for _ in range(2 * block * rotations):
+        assert trials.exploring
+        ran.append(trials.path)
+        trials.step_done(cost[trials.path] * rng.uniform(0.99, 1.01))
+    assert not trials.exploring and trials.choices == 1
+    assert trials.chosen == min(PATHS, key=cost.get)
+    assert {p: ran.count(p) for p in PATHS} == {p: block * rotations for p in PATHS}
+    # a block's first step is not a sample: block - 1 a block
+    assert all(len(s) == (block - 1) * rotations for s in trials._samples.values())
+    for _ in range(period):
+        assert trials.path == trials.chosen
+        trials.step_done(1.0)
+    assert trials.exploring  # measured again after the period
+
+
+def test_the_first_step_of_a_block_is_not_a_sample():
+    """A handoff's cost, or under overlap the last step of the block before: a huge first step
+    of every block does not move the choice."""
+    trials = PathTrials(block=3, rotations=2, period=5)
+    # (path, first of its block): counted, the first steps would make `stops` win
+    cost = {("stops", True): 0.1, ("stops", False): 2.0, ("device", True): 100.0,
+            ("device", False): 1.0}  # fmt: skip
+    while trials.exploring:
+        trials.step_done(cost[trials.path, trials._at % trials.block == 0])
+    assert trials.chosen == "device"
+
+
+def test_fixed_and_bad_parameters():
+    trials = PathTrials(fixed="device")
+    for _ in range(40):
+        assert trials.path == "device"
+        trials.step_done(1.0)
+    for bad in (dict(block=1), dict(rotations=0), dict(period=-1), dict(fixed="gpu")):
+        with pytest.raises(ValueError, match="path trials need"):
+            PathTrials(**bad)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_alternating_paths_keep_the_tokens(tmp_path, rng_seed, overlap):
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (rng.randint(5, 30), 40)]
+    sp = SamplingParams(max_tokens=rng.randint(12, 20), temperature=0, ignore_eos=True)
+    opts = dict(device="cpu", progress=False, dtype="float32", overlap_schedule=overlap)
+    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
+        prompts, sp)]  # fmt: skip
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(5, 30), **opts)
+    bank = engine.loaded.bank
+    bank.adaptive.path_params = dict(block=2, rotations=1, period=0)  # switch every 2 steps
+    got = [o.token_ids for o in engine.generate(prompts, sp)]
+    assert got == want
+    fills = bank.cache.on_device
+    assert fills.releases >= 2  # the device path ran, and handed the cache back
+    st = engine.stats()["experts"]
+    assert st["fetched"] > 0 and st["experts_touched"] > 0
+    engine.check_integrity()
