@@ -48,14 +48,20 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _graph_kind(policy: str) -> str:
+    """Which decode graphs a policy is captured with (runner.enable_cuda_graphs): one graph a
+    step with its own layer path (direct, gpu-fill), both paths (adaptive), or segmented."""
+    if policy in WHOLE_STEP_POLICIES:
+        return policy
+    return "paths" if policy == "adaptive" else "segmented"
+
+
 def _use_policy(engine, bank, policy: str) -> None:
-    """Switch the offload policy between measurements. `direct` and `gpu-fill` decode with
-    graphs of their own (one per step, each its own layer path): switching to or from either
-    recaptures them."""
+    """Switch the offload policy between measurements, recapturing the decode graphs when the
+    new policy decodes with another kind (`_graph_kind`)."""
     was = bank.policy
     bank.policy = policy
-    whole = {was, policy} & set(WHOLE_STEP_POLICIES)
-    if policy != was and whole and engine.runner.graphs is not None:
+    if _graph_kind(policy) != _graph_kind(was) and engine.runner.graphs is not None:
         engine.capture_graphs()
 
 

@@ -38,7 +38,8 @@ class PathDecodeGraphs:
         """Run one decode step on the path adaptive holds for its batch size; returns hidden
         states [B, H] (valid until the next replay)."""
         b = inputs.cu_q_lens.shape[0] - 1
-        if self.bank.adaptive.path(b) == "device":
+        # (a benchmark may switch the bank's policy without a new capture: others stop)
+        if self.bank.policy == "adaptive" and self.bank.adaptive.path(b) == "device":
             self.device_steps += 1
             return self.device.replay(inputs, between)
         self.bank.cache.on_device.release()

@@ -82,10 +82,17 @@ class AdaptiveFetches:
         return self._paths[n_tokens]
 
     def path(self, n_tokens: int) -> str:
-        """`stops` or `device` for a decode step of `n_tokens` tokens (longer calls: stops)."""
-        if not 0 < n_tokens <= RACE_MAX_TOKENS:
+        """`stops` or `device` for a decode step of `n_tokens` tokens (longer calls: stops).
+        While the stops path's own trials explore (the race in band), it is held to stops:
+        PathTrials must compare the device with the stops path at its best mode, not with
+        one still trying the others (on the H200's peer slice under uniform routing the
+        stops path measured 12.8 ms a token mid-trials, 10.9 with its `layers` mode)."""
+        if not 0 < n_tokens <= RACE_MAX_TOKENS or self._stops_exploring(n_tokens):
             return "stops"
         return self.paths(n_tokens).path
+
+    def _stops_exploring(self, n_tokens: int) -> bool:
+        return self.verdict(self.cache.fill_gain) == "band" and self.trials(n_tokens).exploring
 
     def layers_may_pay(self, n_tokens: int) -> bool:
         """Whether `layers` could shorten decode steps of `n_tokens` tokens: it hits no more
@@ -143,9 +150,12 @@ class AdaptiveFetches:
         race left the split to them."""
         if not 0 < n_tokens <= RACE_MAX_TOKENS:
             return
-        paths = self.paths(n_tokens)
-        on_stops = paths.path == "stops"
-        paths.step_done(seconds / n_tokens)
+        if self._stops_exploring(n_tokens):
+            on_stops = True  # held there (`path`): not a sample of the path trials
+        else:
+            paths = self.paths(n_tokens)
+            on_stops = paths.path == "stops"
+            paths.step_done(seconds / n_tokens)
         if not on_stops:
             return
         stops, self._stops_now = self._stops_now, 0

@@ -66,6 +66,7 @@ def test_alternating_paths_keep_the_tokens(tmp_path, rng_seed, overlap):
     engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(5, 30), **opts)
     bank = engine.loaded.bank
     bank.adaptive.path_params = dict(block=2, rotations=1, period=0)  # switch every 2 steps
+    bank.adaptive.verdict = lambda gain: "all"  # fills pay: no split trials hold the path
     got = [o.token_ids for o in engine.generate(prompts, sp)]
     assert got == want
     fills = bank.cache.on_device
@@ -73,3 +74,31 @@ def test_alternating_paths_keep_the_tokens(tmp_path, rng_seed, overlap):
     st = engine.stats()["experts"]
     assert st["fetched"] > 0 and st["experts_touched"] > 0
     engine.check_integrity()
+
+
+def test_the_stops_path_is_timed_at_its_best_mode(tmp_path, rng_seed):
+    """While the fill race is in band and the stops path's split trials explore, adaptive holds
+    the stops path and the path trials take no sample; once a split mode is chosen they run."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    engine = Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=20,
+                         progress=False)  # fmt: skip
+    adaptive = engine.loaded.bank.adaptive
+    adaptive.trial_params = dict(block=1, rotations=1, period=50)
+    adaptive.path_params = dict(block=2, rotations=1, period=50)
+    adaptive.verdict = lambda gain: "band"
+    adaptive.layers_may_pay = lambda n: True  # every split mode tried: one step each
+    split = adaptive.trials(1)
+    adaptive._paths[1] = PathTrials(fixed="device")  # what the path trials would say
+    steps = 0
+    while split.exploring:
+        assert adaptive.path(1) == "stops"
+        adaptive.step_timed(1, 0.01)
+        steps += 1
+    assert steps == 4
+    assert adaptive.path(1) == "device"  # the split chosen: the path trials decide
+    paths = adaptive._paths[1] = PathTrials(block=2, rotations=1, period=50)
+    seen = []
+    while paths.exploring:
+        seen.append(adaptive.path(1))
+        adaptive.step_timed(1, 0.01 if seen[-1] == "device" else 0.02)
+    assert seen == ["stops", "stops", "device", "device"] and paths.chosen == "device"
