@@ -82,17 +82,20 @@ class AdaptiveFetches:
         return self._paths[n_tokens]
 
     def path(self, n_tokens: int) -> str:
-        """`stops` or `device` for a decode step of `n_tokens` tokens (longer calls: stops).
-        While the stops path's own trials explore (the race in band), it is held to stops:
-        PathTrials must compare the device with the stops path at its best mode, not with
-        one still trying the others (on the H200's peer slice under uniform routing the
-        stops path measured 12.8 ms a token mid-trials, 10.9 with its `layers` mode)."""
-        if not 0 < n_tokens <= RACE_MAX_TOKENS or self._stops_exploring(n_tokens):
+        """`stops` or `device` for a decode step of `n_tokens` tokens (longer calls: stops)."""
+        if not 0 < n_tokens <= RACE_MAX_TOKENS:
             return "stops"
         return self.paths(n_tokens).path
 
-    def _stops_exploring(self, n_tokens: int) -> bool:
-        return self.verdict(self.cache.fill_gain) == "band" and self.trials(n_tokens).exploring
+    def _paths_exploring(self, n_tokens: int) -> bool:
+        """Whether the path trials measure now: the stops path then runs its split trials'
+        chosen mode, not their next trial, so PathTrials compares the device with the stops
+        path as it would run (mid-trials, the peer slice's uniform stops path measured 12.8 ms
+        a token against 10.9 with its `layers` mode), and the split trials take no sample.
+        Holding the stops path until the split trials were done instead left it in them for
+        most of a measurement at 48 layers under Zipf routing, whose race drifts in and out
+        of the band (57.9 tok/s against 103 on the device path)."""
+        return 0 < n_tokens <= RACE_MAX_TOKENS and self.paths(n_tokens).exploring
 
     def layers_may_pay(self, n_tokens: int) -> bool:
         """Whether `layers` could shorten decode steps of `n_tokens` tokens: it hits no more
@@ -117,7 +120,8 @@ class AdaptiveFetches:
             # decode chose (whole layers) or splits by q*.
             mode = "layers" if cache.kept_layers else "split"
         elif mode == "band":
-            mode = self.trials(n_tokens).mode
+            trials = self.trials(n_tokens)
+            mode = trials.chosen if self._paths_exploring(n_tokens) else trials.mode
         self.mode = mode
         if mode != "layers":
             cache.kept_layers = frozenset()
@@ -150,17 +154,14 @@ class AdaptiveFetches:
         race left the split to them."""
         if not 0 < n_tokens <= RACE_MAX_TOKENS:
             return
-        if self._stops_exploring(n_tokens):
-            on_stops = True  # held there (`path`): not a sample of the path trials
-        else:
-            paths = self.paths(n_tokens)
-            on_stops = paths.path == "stops"
-            paths.step_done(seconds / n_tokens)
+        paths = self.paths(n_tokens)
+        was_exploring, on_stops = paths.exploring, paths.path == "stops"
+        paths.step_done(seconds / n_tokens)
         if not on_stops:
             return
         stops, self._stops_now = self._stops_now, 0
         if not self.cache.kept_layers:
             was = self._stops.get(n_tokens)
             self._stops[n_tokens] = stops if was is None else was + STOPS_EMA * (stops - was)
-        if self.verdict(self.cache.fill_gain) == "band":
+        if self.verdict(self.cache.fill_gain) == "band" and not was_exploring:
             self.trials(n_tokens).step_done(seconds / n_tokens)

@@ -48,11 +48,11 @@ class PathTrials:
     @property
     def path(self) -> str:
         """The path for the next decode step."""
-        return self._schedule[self._at] if self._exploring and not self.fixed else self.chosen
+        return self._schedule[self._at] if self.exploring else self.chosen
 
     @property
     def exploring(self) -> bool:
-        return self._exploring
+        return self._exploring and not self.fixed
 
     def step_done(self, seconds_per_token: float) -> None:
         """A decode step finished at `seconds_per_token`, on `path` (as it stood)."""

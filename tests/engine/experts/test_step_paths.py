@@ -77,8 +77,9 @@ def test_alternating_paths_keep_the_tokens(tmp_path, rng_seed, overlap):
 
 
 def test_the_stops_path_is_timed_at_its_best_mode(tmp_path, rng_seed):
-    """While the fill race is in band and the stops path's split trials explore, adaptive holds
-    the stops path and the path trials take no sample; once a split mode is chosen they run."""
+    """While the path trials measure, the stops path runs its split trials' chosen mode (not
+    their next trial) and the split trials take no sample; between path measurements, the
+    stops path's split trials explore on its steps."""
     make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
     engine = Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=20,
                          progress=False)  # fmt: skip
@@ -87,18 +88,20 @@ def test_the_stops_path_is_timed_at_its_best_mode(tmp_path, rng_seed):
     adaptive.path_params = dict(block=2, rotations=1, period=50)
     adaptive.verdict = lambda gain: "band"
     adaptive.layers_may_pay = lambda n: True  # every split mode tried: one step each
-    split = adaptive.trials(1)
-    adaptive._paths[1] = PathTrials(fixed="device")  # what the path trials would say
-    steps = 0
-    while split.exploring:
-        assert adaptive.path(1) == "stops"
-        adaptive.step_timed(1, 0.01)
-        steps += 1
-    assert steps == 4
-    assert adaptive.path(1) == "device"  # the split chosen: the path trials decide
-    paths = adaptive._paths[1] = PathTrials(block=2, rotations=1, period=50)
-    seen = []
+    split, paths = adaptive.trials(1), adaptive.paths(1)
+    split.chosen = "none"
+    modes, seen = [], []
     while paths.exploring:
         seen.append(adaptive.path(1))
-        adaptive.step_timed(1, 0.01 if seen[-1] == "device" else 0.02)
-    assert seen == ["stops", "stops", "device", "device"] and paths.chosen == "device"
+        adaptive.choose([1, 2], [1, 1], {1, 2}, engine.loaded.bank.bandwidths, 1)
+        modes.append(adaptive.mode)
+        adaptive.step_timed(1, 0.02 if seen[-1] == "device" else 0.01)
+    assert seen == ["stops", "stops", "device", "device"] and paths.chosen == "stops"
+    assert set(modes) == {"none"} and split._at == 0  # the chosen mode; no split sample
+    tried = []
+    while split.exploring:  # the stops path kept: its split trials now explore
+        assert adaptive.path(1) == "stops"
+        adaptive.choose([1, 2], [1, 1], {1, 2}, engine.loaded.bank.bandwidths, 1)
+        tried.append(adaptive.mode)
+        adaptive.step_timed(1, 0.01)
+    assert tried == ["split", "all", "none", "layers"]
