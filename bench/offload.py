@@ -40,7 +40,7 @@ POLICIES = ("cpu", "transfer", "adaptive", "static", "direct", "gpu-fill")
 # split_trials.py; on the stops path's steps only); later measurements, every PERIOD steps,
 # fall outside the timed window.
 PATH_STEPS = len(step_paths.PATHS) * step_paths.BLOCK * step_paths.ROTATIONS
-WARM_UP = 8 + len(MODES) * BLOCK * ROTATIONS + PATH_STEPS
+WARM_UP = 8 + len(MODES) * BLOCK * ROTATIONS + PATH_STEPS + step_paths.WARM
 
 
 def _sync() -> None:

@@ -11,7 +11,11 @@ device path ran native routing at 721 against 543 tok/s on the peer slice and Zi
 against 75.1 at 48 layers, while near-uniform routing, where the CPU branch takes half the
 misses, ran 86 against 119. So PathTrials times both: BLOCK decode steps of each, ROTATIONS
 times (interleaved, as SplitTrials does), keeps the one with the lower median seconds per
-token for PERIOD steps, then measures again. The first step of every block is not a sample:
+token for PERIOD steps, then measures again. The first measurement waits WARM steps on the
+stops path: a cold cache's first steps fill on whichever path runs them (on the device the
+peer slice's uniform routing once measured its stops blocks, the run's first steps among
+them, at 14.2 ms a token where another run's took 9.9, and kept the slower path; the wait is
+not measured yet). The first step of every block is not a sample:
 it pays the cache's hand-over between host and device (one sync and a rebuild), and under
 overlap scheduling the step timed at a block's start is the last one of the block before.
 """
@@ -24,6 +28,7 @@ PATHS = ("stops", "device")
 BLOCK = 4  # decode steps per path per rotation; the first is not a sample
 ROTATIONS = 2
 PERIOD = 256  # decode steps on the chosen path before measuring again
+WARM = 16  # decode steps on the stops path before the first measurement
 
 
 class PathTrials:
@@ -33,9 +38,10 @@ class PathTrials:
         rotations: int = ROTATIONS,
         period: int = PERIOD,
         fixed: str | None = None,
+        warm: int = WARM,
     ):
         """`fixed`: always that path, nothing measured (tests of one path's machinery)."""
-        if block < 2 or rotations < 1 or period < 0 or fixed not in (None, *PATHS):
+        if block < 2 or rotations < 1 or period < 0 or warm < 0 or fixed not in (None, *PATHS):
             raise ValueError(f"path trials need block >= 2, rotations >= 1, period >= 0 and a "
                              f"fixed path of {PATHS} or none, got {block}, {rotations}, {period}, "
                              f"{fixed!r}")  # fmt: skip
@@ -44,6 +50,8 @@ class PathTrials:
         self.fixed = fixed is not None
         self.choices = 0  # measurements completed
         self._explore()
+        if warm:  # the first measurement waits
+            self._exploring, self._left = False, warm
 
     @property
     def path(self) -> str:

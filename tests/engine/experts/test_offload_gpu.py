@@ -134,7 +134,7 @@ def test_adaptive_alternating_step_paths_on_cuda_match_resident(tmp_path, rng_se
     engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(5, 30), **opts)
     bank, graphs = engine.loaded.bank, engine.runner.graphs
     assert isinstance(graphs, PathDecodeGraphs)
-    bank.adaptive.path_params = dict(block=2, rotations=1, period=0)
+    bank.adaptive.path_params = dict(block=2, rotations=1, period=0, warm=0)
     bank.adaptive.verdict = lambda gain: "all"  # fills pay: no split trials hold the path
     assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     assert graphs.device_steps > 0 and graphs.missed_layers > 0  # both paths ran

@@ -14,7 +14,7 @@ from freetoken_agent.engine.experts.step_paths import PATHS, PathTrials
 def test_trials_time_both_paths_and_keep_the_faster(rng_seed):
     rng = random.Random(rng_seed)
     block, rotations, period = rng.randrange(2, 5), rng.randrange(1, 3), rng.randrange(1, 9)
-    trials = PathTrials(block, rotations, period)
+    trials = PathTrials(block, rotations, period, warm=0)
     cost = {p: rng.uniform(1.0, 2.0) for p in PATHS}
     ran = []
     for _ in range(2 * block * rotations):
@@ -32,10 +32,19 @@ def test_trials_time_both_paths_and_keep_the_faster(rng_seed):
     assert trials.exploring  # measured again after the period
 
 
+def test_the_first_measurement_waits_for_a_warm_cache(rng_seed):
+    warm = random.Random(rng_seed).randrange(1, 20)
+    trials = PathTrials(block=2, rotations=1, period=5, warm=warm)
+    for _ in range(warm):
+        assert trials.path == "stops" and not trials.exploring
+        trials.step_done(1.0)
+    assert trials.exploring and trials.path == "stops" and trials._at == 0
+
+
 def test_the_first_step_of_a_block_is_not_a_sample():
     """A handoff's cost, or under overlap the last step of the block before: a huge first step
     of every block does not move the choice."""
-    trials = PathTrials(block=3, rotations=2, period=5)
+    trials = PathTrials(block=3, rotations=2, period=5, warm=0)
     # (path, first of its block): counted, the first steps would make `stops` win
     cost = {("stops", True): 0.1, ("stops", False): 2.0, ("device", True): 100.0,
             ("device", False): 1.0}  # fmt: skip
@@ -49,7 +58,8 @@ def test_fixed_and_bad_parameters():
     for _ in range(40):
         assert trials.path == "device"
         trials.step_done(1.0)
-    for bad in (dict(block=1), dict(rotations=0), dict(period=-1), dict(fixed="gpu")):
+    for bad in (dict(block=1), dict(rotations=0), dict(period=-1), dict(warm=-1),
+                dict(fixed="gpu")):  # fmt: skip
         with pytest.raises(ValueError, match="path trials need"):
             PathTrials(**bad)
 
@@ -65,7 +75,7 @@ def test_alternating_paths_keep_the_tokens(tmp_path, rng_seed, overlap):
         prompts, sp)]  # fmt: skip
     engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(5, 30), **opts)
     bank = engine.loaded.bank
-    bank.adaptive.path_params = dict(block=2, rotations=1, period=0)  # switch every 2 steps
+    bank.adaptive.path_params = dict(block=2, rotations=1, period=0, warm=0)  # switch every 2
     bank.adaptive.verdict = lambda gain: "all"  # fills pay: no split trials hold the path
     got = [o.token_ids for o in engine.generate(prompts, sp)]
     assert got == want
@@ -85,7 +95,7 @@ def test_the_stops_path_is_timed_at_its_best_mode(tmp_path, rng_seed):
                          progress=False)  # fmt: skip
     adaptive = engine.loaded.bank.adaptive
     adaptive.trial_params = dict(block=1, rotations=1, period=50)
-    adaptive.path_params = dict(block=2, rotations=1, period=50)
+    adaptive.path_params = dict(block=2, rotations=1, period=50, warm=0)
     adaptive.verdict = lambda gain: "band"
     adaptive.layers_may_pay = lambda n: True  # every split mode tried: one step each
     split, paths = adaptive.trials(1), adaptive.paths(1)
