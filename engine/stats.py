@@ -26,11 +26,14 @@ def expert_stats(bank, policy: str) -> dict:
         "hits": st.hits,
         "fetched": st.fetched,
         "on_cpu": st.on_cpu,
-        "direct": st.direct,  # misses the kernels read from the pool (policy direct)
+        "direct": st.direct,  # misses read from the pool (direct; gpu-fill's with no slot)
         "miss_rate": st.miss_rate,
         "bytes_filled": cache.bytes_filled,
         "layers_streamed": bank.streamer.layers_streamed,
         "bytes_streamed_h2d": bank.streamer.bytes_h2d,
+        # adaptive: per decode batch size, the path its last measurement kept (step_paths.py)
+        "step_paths": bank.adaptive.chosen_paths() if bank.policy == "adaptive" else {},
+        "cache_handoffs": cache.on_device.releases,  # device path -> host: one sync each
     }
 
 

@@ -81,6 +81,10 @@ class AdaptiveFetches:
             self._paths[n_tokens] = PathTrials(**self.path_params)
         return self._paths[n_tokens]
 
+    def chosen_paths(self) -> dict[int, str]:
+        """The path each decode batch size's last measurement kept (for Engine.stats)."""
+        return {n: t.chosen for n, t in sorted(self._paths.items()) if t.choices}
+
     def path(self, n_tokens: int) -> str:
         """`stops` or `device` for a decode step of `n_tokens` tokens (longer calls: stops)."""
         if not 0 < n_tokens <= RACE_MAX_TOKENS:

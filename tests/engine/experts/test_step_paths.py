@@ -83,6 +83,8 @@ def test_alternating_paths_keep_the_tokens(tmp_path, rng_seed, overlap):
     assert fills.releases >= 2  # the device path ran, and handed the cache back
     st = engine.stats()["experts"]
     assert st["fetched"] > 0 and st["experts_touched"] > 0
+    assert st["cache_handoffs"] == fills.releases and set(st["step_paths"]) <= {1, 2}
+    assert set(st["step_paths"].values()) <= set(PATHS) and st["step_paths"]
     engine.check_integrity()
 
 
