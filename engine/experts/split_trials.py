@@ -42,6 +42,20 @@ ROTATIONS = 2
 PERIOD = 256  # decode steps on the chosen mode before measuring again
 
 
+def rotated_schedule(modes: tuple[str, ...], block: int, rotations: int) -> list[str]:
+    """`block` steps of each mode in turn, `rotations` times; rotation r starts at mode r, so
+    no mode always runs first (right after the last mode of the previous rotation, whose cache
+    state it inherits). Shared with step_paths.PathTrials."""
+    n = len(modes)
+    order = [modes[(r + i) % n] for r in range(rotations) for i in range(n)]
+    return [m for m in order for _ in range(block)]
+
+
+def medians(samples: dict[str, list[float]]) -> dict[str, float]:
+    """The median of each mode's samples, for the modes that have some."""
+    return {m: statistics.median(s) for m, s in samples.items() if s}
+
+
 class SplitTrials:
     def __init__(
         self,
@@ -81,21 +95,17 @@ class SplitTrials:
         self._at += 1
         self._skip_refused()
         if self._at == len(self._schedule):
-            measured = [m for m in MODES if self._samples[m]]
-            self.chosen = min(measured, key=lambda m: statistics.median(self._samples[m]))
+            measured = medians(self._samples)
+            self.chosen = min(measured, key=measured.__getitem__)
             self.choices += 1
             self._exploring, self._left = False, self.period
 
     def medians(self) -> dict[str, float]:
         """Median seconds per token of each mode measured so far in this measurement."""
-        return {m: statistics.median(s) for m, s in self._samples.items() if s}
+        return medians(self._samples)
 
     def _explore(self) -> None:
-        # Rotation r starts at mode r: no mode always runs first (right after the last mode
-        # of the previous rotation, whose cache state it inherits).
-        n = len(MODES)
-        order = [MODES[(r + i) % n] for r in range(self.rotations) for i in range(n)]
-        self._schedule = [m for m in order for _ in range(self.block)]
+        self._schedule = rotated_schedule(MODES, self.block, self.rotations)
         self._samples: dict[str, list[float]] = {m: [] for m in MODES}
         self._at, self._exploring, self._left = 0, True, 0
         self._skip_refused()

@@ -22,7 +22,7 @@ overlap scheduling the step timed at a block's start is the last one of the bloc
 
 from __future__ import annotations
 
-import statistics
+from freetoken_agent.engine.experts.split_trials import medians, rotated_schedule
 
 PATHS = ("stops", "device")
 BLOCK = 4  # decode steps per path per rotation; the first is not a sample
@@ -75,18 +75,16 @@ class PathTrials:
             self._samples[self.path].append(seconds_per_token)
         self._at += 1
         if self._at == len(self._schedule):
-            self.chosen = min(PATHS, key=lambda p: statistics.median(self._samples[p]))
+            measured = medians(self._samples)
+            self.chosen = min(measured, key=measured.__getitem__)
             self.choices += 1
             self._exploring, self._left = False, self.period
 
     def medians(self) -> dict[str, float]:
         """Median seconds per token of each path measured so far in this measurement."""
-        return {p: statistics.median(s) for p, s in self._samples.items() if s}
+        return medians(self._samples)
 
     def _explore(self) -> None:
-        # Rotation r starts at path r: neither always runs first.
-        n = len(PATHS)
-        order = [PATHS[(r + i) % n] for r in range(self.rotations) for i in range(n)]
-        self._schedule = [p for p in order for _ in range(self.block)]
+        self._schedule = rotated_schedule(PATHS, self.block, self.rotations)
         self._samples: dict[str, list[float]] = {p: [] for p in PATHS}
         self._at, self._exploring, self._left = 0, True, 0
