@@ -32,14 +32,15 @@ class PathDecodeGraphs:
         return getattr(self.stops, name)  # only for names this class does not define
 
     def fits(self, inputs: StepInputs) -> bool:
-        return self.stops.fits(inputs) and self.device.fits(inputs)
+        return self.stops.fits(inputs)  # the device set holds the smaller batches only
 
     def replay(self, inputs: StepInputs, between: Callable[[], None] | None = None) -> torch.Tensor:
         """Run one decode step on the path adaptive holds for its batch size; returns hidden
         states [B, H] (valid until the next replay)."""
         b = inputs.cu_q_lens.shape[0] - 1
         # (a benchmark may switch the bank's policy without a new capture: others stop)
-        if self.bank.policy == "adaptive" and self.bank.adaptive.path(b) == "device":
+        adaptive = self.bank.policy == "adaptive"
+        if adaptive and self.bank.adaptive.path(b) == "device" and self.device.fits(inputs):
             self.device_steps += 1
             return self.device.replay(inputs, between)
         self.bank.cache.on_device.release()

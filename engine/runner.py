@@ -195,8 +195,10 @@ class ModelRunner:
         if offloaded is None:
             self.graphs = DecodeGraphs(self.model, page_size, max_batch, max_pages, self.device)
         elif offloaded.policy in ("direct", "gpu-fill"):  # no host decision: one graph a step
+            # (batches past `device_tokens` exceed the kernels' host reads: eager steps)
+            whole_batch = min(max_batch, offloaded.device_tokens)
             self.graphs = DirectDecodeGraphs(
-                self.model, offloaded, page_size, max_batch, max_pages, self.device
+                self.model, offloaded, page_size, whole_batch, max_pages, self.device
             )
         else:
             # Recurrent layers update their state in place, so a segment run again after a
@@ -212,8 +214,10 @@ class ModelRunner:
             )  # fmt: skip
             if offloaded.policy == "adaptive" and offloaded.device_path_ok:
                 # adaptive's device path (step_paths.py): a second set, one graph a step
+                # (larger batches take the stops path: path_graphs.py)
+                whole_batch = min(max_batch, offloaded.device_tokens)
                 whole = DirectDecodeGraphs(
-                    self.model, offloaded, page_size, max_batch, max_pages, self.device
+                    self.model, offloaded, page_size, whole_batch, max_pages, self.device
                 )
                 self.graphs = PathDecodeGraphs(self.graphs, whole)
 

@@ -47,12 +47,19 @@ STOPS_EMA = 0.1  # weight of the newest decode step in the running count of stop
 
 class AdaptiveFetches:
     def __init__(
-        self, cache, n_layers: int, path_params: dict | None = None, **trial_params
+        self,
+        cache,
+        n_layers: int,
+        device_tokens: int = RACE_MAX_TOKENS,
+        path_params: dict | None = None,
+        **trial_params,
     ) -> None:
-        """`trial_params`: SplitTrials' schedule, `path_params`: PathTrials' (their defaults
+        """`device_tokens`: the largest decode step the device path serves (the bank's);
+        `trial_params`: SplitTrials' schedule, `path_params`: PathTrials' (their defaults
         otherwise)."""
         self.cache = cache  # the bank's ExpertCache
         self.n_layers = n_layers
+        self.device_tokens = device_tokens
         self.verdict = FillVerdict()  # the fill race, read with hysteresis
         self.trial_params = trial_params
         self.path_params = path_params or {}
@@ -86,10 +93,9 @@ class AdaptiveFetches:
         return {n: t.chosen for n, t in sorted(self._paths.items()) if t.choices}
 
     def path(self, n_tokens: int) -> str:
-        """`stops` or `device` for a decode step of `n_tokens` tokens (longer calls: stops)."""
-        if not 0 < n_tokens <= RACE_MAX_TOKENS:
-            return "stops"
-        return self.paths(n_tokens).path
+        """`stops` or `device` for a decode step of `n_tokens` tokens (longer calls, and steps
+        past `device_tokens`: stops)."""
+        return self.paths(n_tokens).path if self.path_measured(n_tokens) else "stops"
 
     def _paths_exploring(self, n_tokens: int) -> bool:
         """Whether the path trials measure now: the stops path then runs its split trials'
@@ -99,7 +105,11 @@ class AdaptiveFetches:
         Holding the stops path until the split trials were done instead left it in them for
         most of a measurement at 48 layers under Zipf routing, whose race drifts in and out
         of the band (57.9 tok/s against 103 on the device path)."""
-        return 0 < n_tokens <= RACE_MAX_TOKENS and self.paths(n_tokens).exploring
+        return self.path_measured(n_tokens) and self.paths(n_tokens).exploring
+
+    def path_measured(self, n_tokens: int) -> bool:
+        """Whether decode steps of `n_tokens` tokens choose their path by PathTrials."""
+        return 0 < n_tokens <= min(RACE_MAX_TOKENS, self.device_tokens)
 
     def layers_may_pay(self, n_tokens: int) -> bool:
         """Whether `layers` could shorten decode steps of `n_tokens` tokens: it hits no more
@@ -158,9 +168,11 @@ class AdaptiveFetches:
         race left the split to them."""
         if not 0 < n_tokens <= RACE_MAX_TOKENS:
             return
-        paths = self.paths(n_tokens)
-        was_exploring, on_stops = paths.exploring, paths.path == "stops"
-        paths.step_done(seconds / n_tokens)
+        was_exploring, on_stops = False, True
+        if self.path_measured(n_tokens):
+            paths = self.paths(n_tokens)
+            was_exploring, on_stops = paths.exploring, paths.path == "stops"
+            paths.step_done(seconds / n_tokens)
         if not on_stops:
             return
         stops, self._stops_now = self._stops_now, 0

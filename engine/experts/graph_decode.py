@@ -27,7 +27,7 @@ class GraphDecode:
         the ones already attached when they fit (adaptive captures two sets of graphs over
         them: path_graphs.py)."""
         spec, io = self.spec, self.graph_io
-        if io is not None and io.ids.shape[1] == max_tokens and io.hidden.dtype == dtype:
+        if io is not None and io.ids.shape[1] >= max_tokens and io.hidden.dtype == dtype:
             return io
         self.graph_io = GraphIO(
             spec.n_moe_layers, max_tokens, spec.top_k, spec.hidden_size, dtype, self.device

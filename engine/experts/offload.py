@@ -107,7 +107,11 @@ class OffloadedExpertBank(GraphDecode):
         self.fill_behind = fill_behind
         self.bandwidths = bandwidths or Bandwidths()
         # Policy adaptive's choice of fetches (adaptive.py).
-        self.adaptive = AdaptiveFetches(self.cache, spec.n_moe_layers)
+        # Decode tokens a layer's device-side fills serve at most: the decode kernels read
+        # the pool for at most DIRECT_MAX_PAIRS pairs (16 tokens at top-8). Whole-step graphs
+        # hold batches up to it; adaptive's device path too (step_paths.py).
+        self.device_tokens = DIRECT_MAX_PAIRS // spec.top_k
+        self.adaptive = AdaptiveFetches(self.cache, spec.n_moe_layers, self.device_tokens)
         self._stats = OffloadStats()
         self.cache.on_device.stats = self._stats
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
@@ -354,7 +358,7 @@ class OffloadedExpertBank(GraphDecode):
     def reset_decisions(self) -> None:
         """Forget what adaptive learnt of the fill race and the split modes (the benchmark,
         between measurements from an empty cache)."""
-        self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers)
+        self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers, self.device_tokens)
         self.cache.kept_layers = frozenset()
 
     # --- policy direct (direct.py) ---------------------------------------------------------

@@ -140,3 +140,21 @@ def test_adaptive_alternating_step_paths_on_cuda_match_resident(tmp_path, rng_se
     assert graphs.device_steps > 0 and graphs.missed_layers > 0  # both paths ran
     assert bank.cache.on_device.releases >= 2
     engine.check_integrity()
+
+
+def test_adaptive_with_more_sequences_than_the_device_path_holds(tmp_path, rng_seed):
+    """At top-8 the device path's graphs hold 16 sequences (the kernels read the pool for 128
+    pairs at most); the default 32 still loads, and a batch past 16 takes the stops path."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=8)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(3, 12))] for _ in range(20)]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    opts = dict(device="cuda", progress=False, max_model_len=256)  # max_num_seqs: default 32
+    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
+        prompts, sp)]  # fmt: skip
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(20, 40), **opts)
+    graphs = engine.runner.graphs
+    assert isinstance(graphs, PathDecodeGraphs) and graphs.device.sizes[-1] == 16
+    assert graphs.stops.sizes[-1] == engine.config.max_num_seqs
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+    engine.check_integrity()

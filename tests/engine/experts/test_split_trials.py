@@ -306,7 +306,8 @@ def test_each_decode_batch_size_measures_its_own_modes(rng_seed):
     rng = random.Random(rng_seed)
     pool = ExpertPool(torch.zeros(4 * 8, 2, 2), torch.zeros(4 * 8, 2, 1))
     cache = ExpertCache(pool, 6, torch.device("cpu"), lids_per_layer=8)
-    adaptive = AdaptiveFetches(cache, 4, {"fixed": "stops"}, block=2, rotations=2, period=1000)
+    stops = {"fixed": "stops"}  # the stops path's trials
+    adaptive = AdaptiveFetches(cache, 4, path_params=stops, block=2, rotations=2, period=1000)
     adaptive.layers_may_pay = lambda n: True  # no layer stops here: test_layers_is_tried_...
     best = {1: rng.choice(MODES), 4: rng.choice(MODES)}
     cost = {n: {m: (1.0 if m == best[n] else rng.uniform(1.3, 2.0)) / n**2 for m in MODES}
@@ -353,7 +354,8 @@ def test_layers_is_tried_only_where_steps_stop_at_more_layers_than_it_leaves(rng
     for stopping, tried in ((1, False), (n_layers, True)):
         cache = ExpertCache(pool, 2 * per + rng.randrange(per), torch.device("cpu"),
                             lids_per_layer=per)  # fmt: skip
-        adaptive = AdaptiveFetches(cache, n_layers, {"fixed": "stops"}, block=2, rotations=2,
+        stops = {"fixed": "stops"}  # the stops path's trials
+        adaptive = AdaptiveFetches(cache, n_layers, path_params=stops, block=2, rotations=2,
                                    period=4)  # fmt: skip
         modes, kept = set(), False
         for _ in range(120):

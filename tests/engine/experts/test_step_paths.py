@@ -117,3 +117,19 @@ def test_the_stops_path_is_timed_at_its_best_mode(tmp_path, rng_seed):
         tried.append(adaptive.mode)
         adaptive.step_timed(1, 0.01)
     assert tried == ["split", "all", "none", "layers"]
+
+
+def test_steps_past_the_device_paths_tokens_stop(rng_seed):
+    """The device path serves decode steps whose pairs the kernels' pool reads take
+    (`device_tokens`: 128 pairs); larger steps take the stops path and measure no path."""
+    from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
+
+    rng = random.Random(rng_seed)
+    device_tokens = rng.randrange(1, 8)
+    adaptive = AdaptiveFetches(None, 4, device_tokens, path_params={"fixed": "device"})
+    adaptive.verdict = lambda gain: "all"  # (the race is not read past the verdict)
+    for n in range(1, 17):
+        assert adaptive.path(n) == ("device" if n <= device_tokens else "stops")
+    adaptive.cache = type("Cache", (), {"kept_layers": frozenset(), "fill_gain": 0.5})()
+    adaptive.step_timed(device_tokens + 1, 0.01)
+    assert sorted(adaptive._paths) == list(range(1, device_tokens + 1))
