@@ -4,12 +4,13 @@
 
 Builds a Qwen3-30B-A3B-shaped model (random bf16 weights; experts in a pinned host pool) under
 a GPU budget, then: decode at batch 1 and 4 for each policy (cpu, transfer, adaptive, static,
-direct) and routing regime (routing_traces.py), each from an empty cache after the same
-warm-up, with miss rate and bytes over PCIe per token, in `--rounds` rounds (the median
-reported); and
+direct, gpu-fill) and routing regime (routing_traces.py), each from an empty cache after the
+same warm-up, with miss rate and bytes over PCIe per token (adaptive: its step path and split
+mode), in `--rounds` rounds (the median reported); and
 prefill of 4k/8k/16k-token prompts streamed in 8k chunks with two staging buffers and with one.
 Limits, from bandwidths measured in the same run: decode >= (resident bytes read) / B_HBM +
-(miss bytes) / min(B_P + B_H, host read bandwidth); a prefill chunk >= (non-resident pool bytes)
+(miss bytes) / min(B_P + B_H, host read bandwidth) (direct and gpu-fill, with no CPU branch:
+/ B_P); a prefill chunk >= (non-resident pool bytes)
 / B_P. Routing is the random router on random weights ("native": it routes consecutive tokens
 alike) or replayed synthetic routing (uniform, or Zipf skew with temporal locality).
 """
