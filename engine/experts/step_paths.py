@@ -18,6 +18,8 @@ them, at 14.2 ms a token where another run's took 9.9, and kept the slower path;
 not measured yet). The first step of every block is not a sample:
 it pays the cache's hand-over between host and device (one sync and a rebuild), and under
 overlap scheduling the step timed at a block's start is the last one of the block before.
+While the paths are measured, the stops path runs its split trials' chosen mode and those
+trials wait (adaptive.py `_paths_exploring`).
 """
 
 from __future__ import annotations
