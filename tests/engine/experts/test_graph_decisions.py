@@ -71,6 +71,34 @@ def test_export_resolve_rerun_matches_resident(policy, slots, tmp_path, rng_seed
     assert hit_any or slots == 1 or policy == "cpu"  # `cpu` never fills a slot
 
 
+@pytest.mark.parametrize("whole", ["gpu-fill", "adaptive"])
+def test_whole_step_layers_fill_only_the_real_rows(whole, tmp_path, rng_seed):
+    """A whole-step graph's layer (gpu-fill, or adaptive's device path while its whole set
+    captures): the plan reads the step's real pair count from the device state that
+    `before_whole_step` wrote, so padded rows plan nothing and add nothing; the real rows are
+    the pool's experts' sum; the mirror, released after, passes the integrity check."""
+    bank, spec, io = graph_bank(tmp_path, rng_seed, whole, rng_seed % 9 + 1)
+    e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
+    gen = torch.Generator().manual_seed(rng_seed)
+    rng = random.Random(rng_seed)
+    bank.whole_step_capture = whole == "adaptive"
+    pairs = 0
+    for _ in range(20):
+        real, padded = rng.randint(1, 4), 4
+        bank.before_whole_step(real)
+        layer = rng.randrange(spec.n_moe_layers)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(padded)]).int()
+        hidden, weights = torch.randn(padded, h, generator=gen), torch.rand(padded, k)
+        got = bank(layer, hidden, ids, weights)
+        want = fused_moe(hidden[:real], bank.pool.w13, bank.pool.w2, ids[:real] + layer * e,
+                         weights[:real])  # fmt: skip
+        torch.testing.assert_close(got[:real], want, rtol=1e-5, atol=1e-5)
+        assert not got[real:].any()  # padded rows: every pair skipped
+        pairs += real * k
+    assert bank.stats.pairs == pairs and bank.stats.fetched > 0
+    bank.check_integrity()
+
+
 class _Segment:
     def __init__(self, k: int, log: list, shadow=None) -> None:
         self.k, self.log, self.shadow = k, log, shadow
