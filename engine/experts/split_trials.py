@@ -42,21 +42,69 @@ ROTATIONS = 2
 PERIOD = 256  # decode steps on the chosen mode before measuring again
 
 
-def rotated_schedule(modes: tuple[str, ...], block: int, rotations: int) -> list[str]:
-    """`block` steps of each mode in turn, `rotations` times; rotation r starts at mode r, so
-    no mode always runs first (right after the last mode of the previous rotation, whose cache
-    state it inherits). Shared with step_paths.PathTrials."""
-    n = len(modes)
-    order = [modes[(r + i) % n] for r in range(rotations) for i in range(n)]
-    return [m for m in order for _ in range(block)]
+class RotatedTrials:
+    """Measures `candidates` by step time: `block` steps of each in turn, `rotations` times
+    (rotation r starts at candidate r, so none always runs first, right after the last one of
+    the previous rotation, whose cache state it inherits), keeps the lowest median seconds per
+    token for `period` steps, then measures again. SplitTrials' modes here, PathTrials' step
+    paths in step_paths.py; subclasses say which steps are samples and which blocks run."""
+
+    candidates: tuple[str, ...] = ()
+
+    def __init__(self, block: int, rotations: int, period: int, chosen: str) -> None:
+        self.block, self.rotations, self.period = block, rotations, period
+        self.chosen = chosen  # the candidate kept between measurements
+        self.choices = 0  # measurements completed
+        self._explore()
+
+    @property
+    def exploring(self) -> bool:
+        return self._exploring
+
+    @property
+    def current(self) -> str:
+        """The candidate the next step runs."""
+        return self._schedule[self._at] if self.exploring else self.chosen
+
+    def step_done(self, seconds_per_token: float) -> None:
+        """A step finished, running `current`, at `seconds_per_token`."""
+        if not self._exploring:
+            self._left -= 1
+            if self._left <= 0:
+                self._explore()
+            return
+        if self._is_sample():
+            self._samples[self.current].append(seconds_per_token)
+        self._at += 1
+        self._skip_blocks()
+        if self._at == len(self._schedule):
+            measured = self.medians()
+            self.chosen = min(measured, key=measured.__getitem__)
+            self.choices += 1
+            self._exploring, self._left = False, self.period
+
+    def medians(self) -> dict[str, float]:
+        """Median seconds per token of each candidate measured so far in this measurement."""
+        return {c: statistics.median(s) for c, s in self._samples.items() if s}
+
+    def _is_sample(self) -> bool:
+        return True
+
+    def _skip_blocks(self) -> None:
+        """After each step of a measurement: pass over blocks that should not run."""
+
+    def _explore(self) -> None:
+        n = len(self.candidates)
+        order = [self.candidates[(r + i) % n] for r in range(self.rotations) for i in range(n)]
+        self._schedule = [c for c in order for _ in range(self.block)]
+        self._samples: dict[str, list[float]] = {c: [] for c in self.candidates}
+        self._at, self._exploring, self._left = 0, True, 0
+        self._skip_blocks()
 
 
-def medians(samples: dict[str, list[float]]) -> dict[str, float]:
-    """The median of each mode's samples, for the modes that have some."""
-    return {m: statistics.median(s) for m, s in samples.items() if s}
+class SplitTrials(RotatedTrials):
+    candidates = MODES
 
-
-class SplitTrials:
     def __init__(
         self,
         block: int = BLOCK,
@@ -69,48 +117,15 @@ class SplitTrials:
         if block < 1 or rotations < 1 or period < 0:
             raise ValueError(f"split trials need block >= 1, rotations >= 1, period >= 0, got "
                              f"{block}, {rotations}, {period}")  # fmt: skip
-        self.block, self.rotations, self.period = block, rotations, period
         self.allowed = allowed
-        self.chosen = "split"  # the mode kept between measurements
-        self.choices = 0  # measurements completed
-        self._explore()
+        super().__init__(block, rotations, period, chosen="split")
 
     @property
     def mode(self) -> str:
         """The mode for the current step's in-band misses."""
-        return self._schedule[self._at] if self._exploring else self.chosen
+        return self.current
 
-    @property
-    def exploring(self) -> bool:
-        return self._exploring
-
-    def step_done(self, seconds_per_token: float) -> None:
-        """One decode step finished in band, running `mode`, at `seconds_per_token`."""
-        if not self._exploring:
-            self._left -= 1
-            if self._left <= 0:
-                self._explore()
-            return
-        self._samples[self.mode].append(seconds_per_token)
-        self._at += 1
-        self._skip_refused()
-        if self._at == len(self._schedule):
-            measured = medians(self._samples)
-            self.chosen = min(measured, key=measured.__getitem__)
-            self.choices += 1
-            self._exploring, self._left = False, self.period
-
-    def medians(self) -> dict[str, float]:
-        """Median seconds per token of each mode measured so far in this measurement."""
-        return medians(self._samples)
-
-    def _explore(self) -> None:
-        self._schedule = rotated_schedule(MODES, self.block, self.rotations)
-        self._samples: dict[str, list[float]] = {m: [] for m in MODES}
-        self._at, self._exploring, self._left = 0, True, 0
-        self._skip_refused()
-
-    def _skip_refused(self) -> None:
+    def _skip_blocks(self) -> None:
         """At a block's start, pass over the blocks `allowed` refuses now. The schedule's first
         block (`split`) is always run, so every measurement has a mode to choose."""
         while (

@@ -24,7 +24,7 @@ trials wait (adaptive.py `_paths_exploring`).
 
 from __future__ import annotations
 
-from freetoken_agent.engine.experts.split_trials import medians, rotated_schedule
+from freetoken_agent.engine.experts.split_trials import RotatedTrials
 
 PATHS = ("stops", "device")
 BLOCK = 4  # decode steps per path per rotation; the first is not a sample
@@ -33,7 +33,9 @@ PERIOD = 256  # decode steps on the chosen path before measuring again
 WARM = 16  # decode steps on the stops path before the first measurement
 
 
-class PathTrials:
+class PathTrials(RotatedTrials):
+    candidates = PATHS
+
     def __init__(
         self,
         block: int = BLOCK,
@@ -47,18 +49,15 @@ class PathTrials:
             raise ValueError(f"path trials need block >= 2, rotations >= 1, period >= 0 and a "
                              f"fixed path of {PATHS} or none, got {block}, {rotations}, {period}, "
                              f"{fixed!r}")  # fmt: skip
-        self.block, self.rotations, self.period = block, rotations, period
-        self.chosen = fixed or "stops"
         self.fixed = fixed is not None
-        self.choices = 0  # measurements completed
-        self._explore()
+        super().__init__(block, rotations, period, chosen=fixed or "stops")
         if warm:  # the first measurement waits
             self._exploring, self._left = False, warm
 
     @property
     def path(self) -> str:
         """The path for the next decode step."""
-        return self._schedule[self._at] if self.exploring else self.chosen
+        return self.current
 
     @property
     def exploring(self) -> bool:
@@ -66,27 +65,8 @@ class PathTrials:
 
     def step_done(self, seconds_per_token: float) -> None:
         """A decode step finished at `seconds_per_token`, on `path` (as it stood)."""
-        if self.fixed:
-            return
-        if not self._exploring:
-            self._left -= 1
-            if self._left <= 0:
-                self._explore()
-            return
-        if self._at % self.block:  # not a block's first step
-            self._samples[self.path].append(seconds_per_token)
-        self._at += 1
-        if self._at == len(self._schedule):
-            measured = medians(self._samples)
-            self.chosen = min(measured, key=measured.__getitem__)
-            self.choices += 1
-            self._exploring, self._left = False, self.period
+        if not self.fixed:
+            super().step_done(seconds_per_token)
 
-    def medians(self) -> dict[str, float]:
-        """Median seconds per token of each path measured so far in this measurement."""
-        return medians(self._samples)
-
-    def _explore(self) -> None:
-        self._schedule = rotated_schedule(PATHS, self.block, self.rotations)
-        self._samples: dict[str, list[float]] = {p: [] for p in PATHS}
-        self._at, self._exploring, self._left = 0, True, 0
+    def _is_sample(self) -> bool:
+        return self._at % self.block != 0  # not a block's first step
