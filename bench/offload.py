@@ -29,7 +29,7 @@ from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_paths, host_re
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration, step_paths
-from freetoken_agent.engine.experts.offload import WHOLE_STEP_POLICIES
+from freetoken_agent.engine.experts.offload import WHOLE_STEP_POLICIES, decode_graph_kind
 from freetoken_agent.engine.experts.split_trials import BLOCK, MODES, ROTATIONS
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -49,20 +49,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _graph_kind(policy: str) -> str:
-    """Which decode graphs a policy is captured with (runner.enable_cuda_graphs): one graph a
-    step with its own layer path (direct, gpu-fill), both paths (adaptive), or segmented."""
-    if policy in WHOLE_STEP_POLICIES:
-        return policy
-    return "paths" if policy == "adaptive" else "segmented"
-
-
 def _use_policy(engine, bank, policy: str) -> None:
     """Switch the offload policy between measurements, recapturing the decode graphs when the
-    new policy decodes with another kind (`_graph_kind`)."""
+    new policy decodes with another kind (`decode_graph_kind`)."""
     was = bank.policy
     bank.policy = policy
-    if _graph_kind(policy) != _graph_kind(was) and engine.runner.graphs is not None:
+    kinds = {decode_graph_kind(p, bank.device_path_ok) for p in (was, policy)}
+    if len(kinds) > 1 and engine.runner.graphs is not None:
         engine.capture_graphs()
 
 

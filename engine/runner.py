@@ -187,6 +187,7 @@ class ModelRunner:
         model's RecurrentStatePool, to run ahead with (EngineConfig.hybrid_run_ahead)."""
         from freetoken_agent.engine.cuda_graphs import DecodeGraphs
         from freetoken_agent.engine.direct_graphs import DirectDecodeGraphs
+        from freetoken_agent.engine.experts.offload import WHOLE_STEP_POLICIES, decode_graph_kind
         from freetoken_agent.engine.path_graphs import PathDecodeGraphs
         from freetoken_agent.engine.recurrent_shadow import RecurrentShadow
         from freetoken_agent.engine.segmented_graphs import RUN_AHEAD, SegmentedDecodeGraphs
@@ -194,32 +195,33 @@ class ModelRunner:
         page_size = self.kv.page_size
         if offloaded is None:
             self.graphs = DecodeGraphs(self.model, page_size, max_batch, max_pages, self.device)
-        elif offloaded.policy in ("direct", "gpu-fill"):  # no host decision: one graph a step
-            # (batches past `device_tokens` exceed the kernels' host reads: eager steps)
+            return
+        kind = decode_graph_kind(offloaded.policy, offloaded.device_path_ok)
+
+        def whole_step() -> DirectDecodeGraphs:
+            # Batches past `device_tokens` exceed the kernels' pool reads: a whole-step policy
+            # steps them eagerly, adaptive takes its stops path (path_graphs.py).
             whole_batch = min(max_batch, offloaded.device_tokens)
-            self.graphs = DirectDecodeGraphs(
+            return DirectDecodeGraphs(
                 self.model, offloaded, page_size, whole_batch, max_pages, self.device
             )
-        else:
-            # Recurrent layers update their state in place, so a segment run again after a
-            # missed layer would apply its tokens twice: hybrid models run ahead only with
-            # step-start copies of that state to re-run from (recurrent_shadow.py).
-            shadow = None
-            if self.model.spec.is_hybrid and states is not None:
-                shadow = RecurrentShadow(self.model.spec, states.conv, states.ssm)
-            run_ahead = 0 if self.model.spec.is_hybrid and shadow is None else RUN_AHEAD
-            self.graphs = SegmentedDecodeGraphs(
-                self.model, offloaded, page_size, max_batch, max_pages, self.device, run_ahead,
-                shadow,
-            )  # fmt: skip
-            if offloaded.policy == "adaptive" and offloaded.device_path_ok:
-                # adaptive's device path (step_paths.py): a second set, one graph a step
-                # (larger batches take the stops path: path_graphs.py)
-                whole_batch = min(max_batch, offloaded.device_tokens)
-                whole = DirectDecodeGraphs(
-                    self.model, offloaded, page_size, whole_batch, max_pages, self.device
-                )
-                self.graphs = PathDecodeGraphs(self.graphs, whole)
+
+        if kind in WHOLE_STEP_POLICIES:  # no host decision: one graph a step
+            self.graphs = whole_step()
+            return
+        # Recurrent layers update their state in place, so a segment run again after a missed
+        # layer would apply its tokens twice: hybrid models run ahead only with step-start
+        # copies of that state to re-run from (recurrent_shadow.py).
+        shadow = None
+        if self.model.spec.is_hybrid and states is not None:
+            shadow = RecurrentShadow(self.model.spec, states.conv, states.ssm)
+        run_ahead = 0 if self.model.spec.is_hybrid and shadow is None else RUN_AHEAD
+        self.graphs = SegmentedDecodeGraphs(
+            self.model, offloaded, page_size, max_batch, max_pages, self.device, run_ahead,
+            shadow,
+        )  # fmt: skip
+        if kind == "paths":  # adaptive's device path (step_paths.py): a second set
+            self.graphs = PathDecodeGraphs(self.graphs, whole_step())
 
     def _sampled_rows(
         self, hidden: torch.Tensor, inputs: StepInputs, sampling: list[int]

@@ -57,6 +57,15 @@ DIRECT_MAX_PAIRS = PATH_LIMITS["decode_max_pairs"]
 WHOLE_STEP_POLICIES = ("direct", "gpu-fill")
 
 
+def decode_graph_kind(policy: str, device_path_ok: bool = True) -> str:
+    """Which decode graphs a policy is captured with (runner.enable_cuda_graphs): one graph a
+    step, each whole-step policy with its own layer path (the policy's name); both of
+    adaptive's paths (`paths`, when the device path can run); or `segmented`."""
+    if policy in WHOLE_STEP_POLICIES:
+        return policy
+    return "paths" if policy == "adaptive" and device_path_ok else "segmented"
+
+
 def lends_staging(n_slots: int, n_experts: int, n_buffers: int, n_rows: int) -> bool:
     """Whether prefill staging borrows cache slots (streaming.py): when, beside the lent
     buffers, at least one layer's worth of slots stays in service, and the cache does not hold
