@@ -27,7 +27,7 @@ from freetoken_agent.engine.runner import StepInputs
 class DirectDecodeGraphs(OffloadedDecodeGraphs):
     def _capture(self) -> None:
         self.io.active = True  # the bank records the routing and reads misses from the pool
-        self.bank.whole_step_capture = True  # adaptive's whole graph: its device path
+        self.bank.whole_step_capture = True  # gpu-fill's layers (adaptive's device path)
         self.bank.before_whole_step(None)  # gpu-fill: owned, and the warm-up fills nothing
         try:
             super()._capture()

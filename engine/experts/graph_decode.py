@@ -54,7 +54,7 @@ class GraphDecode:
         if self.policy == "direct":  # one graph a step: nothing for the host until it ends
             io.ids[layer, :t].copy_(topk_ids, non_blocking=True)
             return self._direct(hidden, topk_ids.long() + layer * self.n_experts, topk_weights)
-        if self.policy == "gpu-fill" or self.whole_step_capture:  # the layer fills its misses
+        if self.whole_step_capture:  # gpu-fill's (adaptive's device) path: fills its misses
             return self._gpu_fill(layer, hidden, topk_ids, topk_weights, None)
         export_routing(topk_ids, topk_weights, hidden, io.ids[layer, :t], io.weights[layer, :t],
                        io.hidden[layer, :t])  # fmt: skip

@@ -124,8 +124,8 @@ class OffloadedExpertBank(GraphDecode):
         self._stats = OffloadStats()
         self.cache.on_device.stats = self._stats
         self.graph_io: GraphIO | None = None  # set when decode graphs are captured
-        # Set while a whole-step graph captures: adaptive's layers then record the device
-        # path (gpu-fill's kernels), its segmented graphs the stops.
+        # Set while a whole-step graph captures: its layers then record gpu-fill's kernels
+        # (under direct, direct's path; adaptive's segmented graphs record the stops).
         self.whole_step_capture = False
         # Whether the device path (policy gpu-fill, adaptive's `device`) can run: the kernels
         # read the pool over the link, so on CUDA it must be pinned (`ready`).
