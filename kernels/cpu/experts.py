@@ -45,10 +45,11 @@ from freetoken_agent.kernels.reference import check_moe_shapes
 
 log = logging.getLogger("freetoken.kernels")
 
-SOURCE = Path(__file__).with_name("expert_kernel.cpp")
+# The kernel, and the thread that serves a decode graph's CPU branch with it (cpu_worker.py).
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("expert_kernel.cpp", "expert_worker.cpp"))
 ENV_BACKEND = "FREETOKEN_CPU_EXPERTS"
 ENV_THREADS = "FREETOKEN_CPU_THREADS"  # the kernel's threads (default: team_size())
-CFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+CFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-pthread")
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
@@ -107,7 +108,7 @@ def build(isa: str, cxx: str | None = None) -> Path:
 
     flags = (*CFLAGS, *ISA_FLAGS[isa])
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     key.update(repr((cxx, version.stdout, flags)).encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch does
     folder = Path(root) / "freetoken_cpu_experts"
@@ -117,7 +118,7 @@ def build(isa: str, cxx: str | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{lib.name}.{os.getpid()}.{threading.get_ident()}"
     done = subprocess.run(
-        [cxx, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True
+        [cxx, *flags, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True
     )
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)

@@ -1,0 +1,165 @@
+// The CPU side of a decode graph's CPU branch: a thread that answers the device's jobs.
+//
+// Why a thread of its own (not the host stops of the segmented graphs): a whole-step decode
+// graph cannot stop for the host, so a MoE layer whose misses are shared between the link and
+// the CPU posts the CPU's share to a mailbox in pinned host memory and goes on copying the
+// link's share; this thread sees the post, runs the SIMD expert kernel (ft_cpu_experts, the
+// other file of this library) from the pool and answers; the graph's wait kernel spins on the
+// answer before the layer's MoE kernels add it (kernels/cpu_mailbox.py has the layout and the
+// device side). No Python, no GIL, no CUDA call here: the thread only reads and writes host
+// memory, so it runs beside a graph replay.
+//
+// Protocol (ctrl is int64; the indexes are kernels/cpu_mailbox.py's):
+//   device: writes tokens, rows, weights, hidden; then POST = seq with a release store (sys)
+//   worker: acquire-loads POST; when it differs from the last seq it answered, computes
+//           out [T, H] fp32 from rows [T, K] (pool rows, -1 = not the CPU's), then counts the
+//           job, and release-stores ANSWER = seq
+//   device: acquire-loads ANSWER until it equals seq, then reads out.
+// One job is outstanding at a time: the device waits for each answer before its next post.
+//
+// Idle: the thread spins (pause) for spin_ns after its last job (a decode step posts every few
+// hundred microseconds), then sleeps on a condition variable in 1 ms slices until ft_worker_wake
+// (called before each replay that may post) or the stop; a post seen on a slice's timeout is
+// answered too, so a missed wake costs at most 1 ms, never a hang.
+
+#include <immintrin.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+
+extern "C" int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtype,
+                              const int64_t* rows, const float* topk_w, float* out, int64_t T,
+                              int64_t K, int64_t n_rows, int64_t H, int64_t I, int threads);
+
+namespace {
+
+// ctrl's entries (kernels/cpu_mailbox.py: POST, TOKENS, ANSWER, ERROR, JOBS, EXPERTS, BUSY_NS)
+constexpr int POST = 0, TOKENS = 1, ANSWER = 8, ERROR = 9, JOBS = 11, EXPERTS = 12,
+              BUSY_NS = 13;
+
+struct Args {
+  int64_t* ctrl;
+  const int64_t* rows;   // [T_max * K]
+  const float* weights;  // [T_max * K]
+  const void* hidden;    // [T_max, H]
+  float* out;            // [T_max, H]
+  const void* w13;       // [N, 2I, H]
+  const void* w2;        // [N, H, I]
+  int dtype;
+  int64_t n_rows, H, I, K, max_tokens;
+  int threads;
+  int64_t spin_ns;
+};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::atomic<int64_t>& at(int64_t* ctrl, int i) {
+  // The entries are naturally aligned int64 in pinned memory; std::atomic_ref is C++20.
+  return *reinterpret_cast<std::atomic<int64_t>*>(ctrl + i);
+}
+
+struct Worker {
+  Args a;
+  std::atomic<bool> stop{false};
+  std::atomic<bool> woken{false};
+  std::mutex mu;
+  std::condition_variable cv;
+  std::thread thread;
+
+  void answer(int64_t seq) {
+    const int64_t t0 = now_ns();
+    int64_t T = at(a.ctrl, TOKENS).load(std::memory_order_relaxed);
+    int rc = 0;
+    if (T < 0 || T > a.max_tokens) {
+      rc = -3;  // a job larger than the mailbox: answered with an error, nothing computed
+    } else {
+      rc = ft_cpu_experts(a.hidden, a.w13, a.w2, a.dtype, a.rows, a.weights, a.out, T, a.K,
+                          a.n_rows, a.H, a.I, a.threads);
+    }
+    int64_t experts = 0;  // distinct rows computed (the pool bytes read)
+    if (rc == 0) {
+      for (int64_t p = 0; p < T * a.K; ++p) {
+        if (a.rows[p] < 0) continue;
+        bool seen = false;
+        for (int64_t q = 0; q < p && !seen; ++q) seen = a.rows[q] == a.rows[p];
+        experts += !seen;
+      }
+    } else {
+      at(a.ctrl, ERROR).store(rc, std::memory_order_relaxed);
+    }
+    at(a.ctrl, EXPERTS).fetch_add(experts, std::memory_order_relaxed);
+    at(a.ctrl, BUSY_NS).fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    at(a.ctrl, JOBS).fetch_add(1, std::memory_order_relaxed);
+    at(a.ctrl, ANSWER).store(seq, std::memory_order_release);
+  }
+
+  void loop() {
+    int64_t last = at(a.ctrl, ANSWER).load(std::memory_order_relaxed);
+    int64_t active = now_ns();
+    while (!stop.load(std::memory_order_relaxed)) {
+      const int64_t seq = at(a.ctrl, POST).load(std::memory_order_acquire);
+      if (seq != last) {
+        answer(seq);
+        last = seq;
+        active = now_ns();
+        continue;
+      }
+      if (now_ns() - active < a.spin_ns) {
+        _mm_pause();
+        continue;
+      }
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait_for(lock, std::chrono::milliseconds(1),
+                  [&] { return woken.load() || stop.load(); });
+      if (woken.exchange(false)) active = now_ns();
+    }
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// Starts the thread; returns its handle (nullptr when the arguments are invalid).
+void* ft_worker_start(int64_t* ctrl, const int64_t* rows, const float* weights,
+                      const void* hidden, float* out, const void* w13, const void* w2, int dtype,
+                      int64_t n_rows, int64_t H, int64_t I, int64_t K, int64_t max_tokens,
+                      int threads, int64_t spin_ns) {
+  if (!ctrl || !rows || !weights || !hidden || !out || !w13 || !w2 || K < 1 || max_tokens < 1)
+    return nullptr;
+  auto* w = new Worker();
+  w->a = Args{ctrl, rows, weights, hidden, out, w13, w2, dtype, n_rows, H, I, K, max_tokens,
+              threads, spin_ns};
+  w->thread = std::thread([w] { w->loop(); });
+  return w;
+}
+
+// Before a replay that may post: the thread spins again from now (no-op while it spins).
+void ft_worker_wake(void* handle) {
+  auto* w = static_cast<Worker*>(handle);
+  if (w->woken.exchange(true)) return;
+  std::lock_guard<std::mutex> lock(w->mu);
+  w->cv.notify_one();
+}
+
+// Stops and joins the thread (a job in progress finishes first), then frees it.
+void ft_worker_stop(void* handle) {
+  auto* w = static_cast<Worker*>(handle);
+  {
+    std::lock_guard<std::mutex> lock(w->mu);
+    w->stop.store(true);
+  }
+  w->cv.notify_one();
+  w->thread.join();
+  delete w;
+}
+
+}  // extern "C"

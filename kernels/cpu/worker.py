@@ -1,0 +1,130 @@
+"""The CPU branch of a whole-step decode graph: a mailbox in pinned host memory and the thread
+that answers it (expert_worker.cpp, built into the CPU kernel's library).
+
+A captured decode step cannot stop for the host, so the device posts a layer's CPU share here
+(kernels/expert_fills.py: the plan's post, then the wait before the MoE kernels) and this
+thread computes it from the pool while the link copies the rest. The protocol, one job
+outstanding at a time:
+
+    device: tokens, rows, weights, hidden written; then ctrl[POST] = seq (release, sys scope)
+    worker: sees POST change; out = ft_cpu_experts(...); JOBS, EXPERTS, BUSY_NS counted;
+            ctrl[ANSWER] = seq (release)
+    device: spins until ctrl[ANSWER] == seq (acquire, sys scope), then reads out.
+
+A device wait that outlives TIMEOUT_S writes its seq to ctrl[TIMEOUT] and gives up (the
+layer's CPU share is then missing: the bank raises for that step and stops sharing,
+engine/experts/device_fills.py). ctrl[ERROR] holds the kernel's nonzero return code.
+
+Shapes: T_max tokens, K top-k, H hidden. rows [T_max * K] int64 (pool rows, -1: not the CPU's),
+weights [T_max * K] fp32, hidden [T_max, H] (the model's dtype), out [T_max, H] fp32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from freetoken_agent.kernels.cpu import experts
+
+# ctrl's entries (expert_worker.cpp has the same): the device writes POST, TOKENS, TIMEOUT;
+# the worker ANSWER, ERROR and the counters. POST and ANSWER sit on different cache lines.
+POST, TOKENS, ANSWER, ERROR, TIMEOUT, JOBS, EXPERTS, BUSY_NS = 0, 1, 8, 9, 10, 11, 12, 13
+CTRL = 16
+TIMEOUT_S = 2.0  # a device wait's bound: jobs take well under a millisecond
+SPIN_NS = 20_000_000  # the worker spins this long after a job before it sleeps (1 ms slices)
+
+
+@dataclass(slots=True)
+class Mailbox:
+    ctrl: torch.Tensor  # [CTRL] int64
+    rows: torch.Tensor  # [T_max * K] int64
+    weights: torch.Tensor  # [T_max * K] fp32
+    hidden: torch.Tensor  # [T_max, H]
+    out: torch.Tensor  # [T_max, H] fp32
+
+    @classmethod
+    def allocate(cls, max_tokens: int, top_k: int, hidden: int, dtype: torch.dtype,
+                 pin: bool) -> Mailbox:  # fmt: skip
+        """`pin`: page-locked (a CUDA device's kernels read and write it over the link)."""
+        p = max_tokens * top_k
+
+        def empty(*shape: int, dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dt, pin_memory=pin)
+
+        return cls(
+            empty(CTRL, dt=torch.int64),
+            empty(p, dt=torch.int64),
+            empty(p, dt=torch.float32),
+            empty(max_tokens, hidden, dt=dtype),
+            empty(max_tokens, hidden, dt=torch.float32),
+        )
+
+    @property
+    def max_tokens(self) -> int:
+        return self.hidden.shape[0]
+
+
+def available() -> bool:
+    """Whether this machine built the SIMD kernel the worker runs (no compiler: torch only)."""
+    return experts.backend() != "torch"
+
+
+class CpuWorker:
+    """The thread answering `mailbox` from the pool banks w13 [N, 2I, H], w2 [N, H, I] (host,
+    contiguous; they and the mailbox must outlive it: the bank holds all three)."""
+
+    def __init__(self, mailbox: Mailbox, w13: torch.Tensor, w2: torch.Tensor,
+                 threads: int | None = None, spin_ns: int = SPIN_NS) -> None:  # fmt: skip
+        if not available():
+            raise RuntimeError("the CPU branch of decode graphs needs the SIMD expert kernel")
+        assert w13.is_contiguous() and w2.is_contiguous(), "the pool must be contiguous"
+        dt = mailbox.hidden.dtype
+        assert w13.dtype == dt, f"pool {w13.dtype}, mailbox {dt}"
+        lib = experts.library(experts.backend())
+        _declare(lib)
+        self.mailbox = mailbox
+        self.threads = threads or experts.default_threads()
+        k = mailbox.rows.numel() // mailbox.max_tokens
+        handle = lib.ft_worker_start(
+            mailbox.ctrl.data_ptr(), mailbox.rows.data_ptr(), mailbox.weights.data_ptr(),
+            mailbox.hidden.data_ptr(), mailbox.out.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+            experts.DTYPE_ID[w13.dtype], w13.shape[0], w13.shape[2], w2.shape[2], k,
+            mailbox.max_tokens, self.threads, spin_ns,
+        )  # fmt: skip
+        if not handle:
+            raise RuntimeError("ft_worker_start refused its arguments")
+        self._lib, self._handle = lib, handle
+        # Stopped when the worker is dropped, whoever forgets to: a spinning thread must not
+        # outlive the engine that fed it.
+        self._finalizer = weakref.finalize(self, lib.ft_worker_stop, ctypes.c_void_p(handle))
+
+    def wake(self) -> None:
+        """Before a replay that may post: the thread spins from now on (no-op while it spins)."""
+        self._lib.ft_worker_wake(ctypes.c_void_p(self._handle))
+
+    def stop(self) -> None:
+        """Join the thread (idempotent)."""
+        self._finalizer()
+
+    @property
+    def running(self) -> bool:
+        return self._finalizer.alive
+
+
+_declared: set[int] = set()
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    if id(lib) in _declared:
+        return
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.ft_worker_start.restype = vp
+    lib.ft_worker_start.argtypes = [vp] * 7 + [ctypes.c_int] + [i64] * 5 + [ctypes.c_int, i64]
+    lib.ft_worker_wake.argtypes = [vp]
+    lib.ft_worker_wake.restype = None
+    lib.ft_worker_stop.argtypes = [vp]
+    lib.ft_worker_stop.restype = None
+    _declared.add(id(lib))

@@ -1,0 +1,99 @@
+"""The CPU worker thread (`kernels/cpu/worker.py`, `expert_worker.cpp`): this test plays the
+device's side of the mailbox protocol from Python and checks every answer against the kernel
+called directly. T tokens, K top-k, H hidden, I expert width, N pool rows."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from freetoken_agent.kernels.cpu import experts, worker
+from freetoken_agent.kernels.cpu.worker import ANSWER, BUSY_NS, ERROR, EXPERTS, JOBS, POST, TOKENS
+
+H, W, N, K, T_MAX = 64, 24, 12, 4, 3  # W: the expert width I
+
+pytestmark = pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
+
+
+def post(box: worker.Mailbox, seq: int, hidden, rows, weights) -> None:
+    """The device's post: the job's data, then the sequence number."""
+    t = hidden.shape[0]
+    box.hidden[:t].copy_(hidden)
+    box.rows[: rows.numel()].copy_(rows.reshape(-1))
+    box.weights[: weights.numel()].copy_(weights.reshape(-1))
+    box.ctrl[TOKENS] = t
+    box.ctrl[POST] = seq
+
+
+def wait(box: worker.Mailbox, seq: int, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while int(box.ctrl[ANSWER]) != seq:
+        assert time.monotonic() < end, f"no answer to job {seq}"
+        time.sleep(0)
+
+
+def job(gen: torch.Generator, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden = torch.randn(t, H, generator=gen).to(torch.bfloat16)
+    rows = torch.randint(-1, N, (t, K), generator=gen)  # -1: a pair the device computes
+    weights = torch.rand(t, K, generator=gen)
+    return hidden, rows, weights
+
+
+def test_worker_answers_each_post_as_the_kernel_computes_it():
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
+    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
+    cpu = worker.CpuWorker(box, w13, w2, threads=2, spin_ns=1_000_000)
+    try:
+        distinct = 0
+        for seq in range(1, 9):
+            if seq == 5:
+                time.sleep(0.01)  # past the spin: the thread sleeps and must still answer
+            t = int(torch.randint(1, T_MAX + 1, (1,), generator=gen))
+            hidden, rows, weights = job(gen, t)
+            post(box, seq, hidden, rows, weights)
+            if seq % 2:
+                cpu.wake()  # a wake while it spins changes nothing
+            wait(box, seq)
+            want = experts.cpu_experts(hidden, w13, w2, rows, weights)
+            assert torch.equal(box.out[:t], want), f"job {seq} differs"
+            distinct += len(set(rows[rows >= 0].tolist()))
+        assert int(box.ctrl[JOBS]) == 8
+        assert int(box.ctrl[EXPERTS]) == distinct
+        assert int(box.ctrl[BUSY_NS]) > 0
+        assert int(box.ctrl[ERROR]) == 0
+    finally:
+        cpu.stop()
+    assert not cpu.running
+    cpu.stop()  # idempotent
+
+
+def test_worker_reports_a_job_it_cannot_run_and_keeps_answering():
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
+    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
+    cpu = worker.CpuWorker(box, w13, w2, threads=1)
+    try:
+        hidden, rows, weights = job(gen, 1)
+        rows[0, 0] = N + 3  # past the pool
+        post(box, 1, hidden, rows, weights)
+        wait(box, 1)
+        assert int(box.ctrl[ERROR]) == -1  # ft_cpu_experts: a row out of range
+        box.ctrl[ERROR] = 0
+        box.ctrl[TOKENS] = T_MAX + 1  # more tokens than the mailbox holds
+        box.ctrl[POST] = 2
+        wait(box, 2)
+        assert int(box.ctrl[ERROR]) == -3
+        box.ctrl[ERROR] = 0
+        hidden, rows, weights = job(gen, 2)
+        post(box, 3, hidden, rows, weights)
+        wait(box, 3)
+        assert torch.equal(box.out[:2], experts.cpu_experts(hidden, w13, w2, rows, weights))
+        assert int(box.ctrl[ERROR]) == 0
+    finally:
+        cpu.stop()
