@@ -7,6 +7,7 @@ which documents the state tensors and the plan's rule).
 Shapes: ids [P] (a layer's [T, K] routing, flattened), slot_of [N] int32, lid_of [S] int32,
 stamp [S] int64, state [STATE] int64, moves [M >= P, 2] int64; banks [N, 2I, H] / [N, H, I]
 (the pool: pinned host memory on CUDA) and [S, 2I, H] / [S, H, I] (the slots, any row stride).
+The CPU's share (CpuPost, wait_cpu): the mailbox of kernels/cpu/worker.py, add [T, H].
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from freetoken_agent.kernels import reference_fills as reference
+from freetoken_agent.kernels.cpu.worker import TIMEOUT_S, Mailbox
 from freetoken_agent.kernels.dispatch import use_triton
+from freetoken_agent.kernels.reference_fills import CpuPost
 
 
 def plan_fills(
@@ -26,23 +29,52 @@ def plan_fills(
     state: Tensor,
     moves: Tensor,
     live_pairs: int | None = None,
+    post: CpuPost | None = None,
     *,
     force_triton: bool = False,
 ) -> Tensor:
     """One MoE layer's plan (reference_fills.plan_fills); returns the rows [P] int64 that
     `fused_moe` reads with host banks. `live_pairs` None: state[LIVE_PAIRS] (captured graphs,
-    whose padded rows must not fill)."""
+    whose padded rows must not fill). `post`: the CPU takes state[CPU_SHARE] of the misses,
+    posted to its mailbox (wait_cpu collects the answer)."""
     p = ids.numel()
     if moves.shape[0] < p:
         raise ValueError(f"moves holds {moves.shape[0]} fills, the layer has {p} pairs")
     if stamp.shape != lid_of.shape:
         raise ValueError(f"stamp {tuple(stamp.shape)} and lid_of {tuple(lid_of.shape)} differ")
+    if post is not None:
+        t, h = post.hidden.shape
+        if t > post.box.max_tokens or p != t * post.box.top_k:
+            raise ValueError(
+                f"{t} tokens, {p} pairs: the mailbox holds {post.box.max_tokens} tokens of "
+                f"{post.box.top_k} pairs"
+            )
+        if not post.hidden.is_contiguous() or post.weights.numel() != p:
+            raise ValueError("post needs contiguous hidden [T, H] and weights [T, K]")
     if not use_triton(ids, force_triton, "plan_fills"):
-        return reference.plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, live_pairs)
+        args = (ids, base, slot_of, lid_of, stamp, state, moves, live_pairs, post)
+        return reference.plan_fills(*args)
     from freetoken_agent.kernels.triton import expert_fills as triton_impl
 
     flat = ids.reshape(-1)
-    return triton_impl.plan_fills(flat, base, slot_of, lid_of, stamp, state, moves, live_pairs)
+    args = (flat, base, slot_of, lid_of, stamp, state, moves, live_pairs, post)
+    return triton_impl.plan_fills(*args)
+
+
+def wait_cpu(
+    state: Tensor, box: Mailbox, add: Tensor, *, timeout_s: float = TIMEOUT_S,
+    force_triton: bool = False,
+) -> None:  # fmt: skip
+    """The CPU's answer to the last plan's post into `add` [T, H] (reference_fills.wait_cpu);
+    nothing when the plan posted nothing."""
+    if not add.is_contiguous() or add.shape[0] > box.max_tokens:
+        raise ValueError(f"add must be contiguous with at most {box.max_tokens} rows")
+    if not use_triton(add, force_triton, "wait_cpu"):
+        reference.wait_cpu(state, box, add, timeout_s)
+        return
+    from freetoken_agent.kernels.triton import expert_fills as triton_impl
+
+    triton_impl.wait_cpu(state, box, add, timeout_s)
 
 
 def copy_fills(

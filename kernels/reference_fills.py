@@ -15,19 +15,49 @@ that has a slot is a hit and takes the new clock as its stamp (PINNED stamps sta
 miss, in order of first appearance, takes the slot of smallest stamp below the new clock
 (ties: the lowest slot), evicting its lid. A miss left with no such slot (every slot is used
 by this layer or pinned) is read from the host bank by the MoE kernels (`host_ids`).
+
+The CPU's share (`post` given, state[CPU_SHARE] > 0): miss r (in that order) goes to the CPU
+instead when round((r + 1) * share) > round(r * share), share in 1/SHARE_ONE: of m misses the
+CPU takes round(m * share), spread evenly. Its pairs get row -1 (the MoE kernels skip them);
+the plan posts them to the CPU worker's mailbox (kernels/cpu/worker.py: the hidden rows, the
+pairs' pool rows and weights, then POST = the next SEQ) and `wait_cpu` later puts the answer in
+the MoE kernels' `add` buffer. They take no slot: the link keeps its share's worth of fills.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from freetoken_agent.kernels.cpu.worker import ANSWER, POST, TIMEOUT, TIMEOUT_S, TOKENS, Mailbox
 
 # P pairs (T tokens x K), N lids, S slots, M most moves
 
 PINNED = 1 << 62  # a stamp no clock reaches: the slot is never a victim
-# state's entries
+# state's entries. CPU_SHARE, SEQ and the counters outlive a hand-back (DeviceFills.own);
+# LAYER_CPU is the last plan's CPU experts, which the wait reads.
 CLOCK, MOVES, HITS, FILLS, HOST_READS, EXPERTS, PAIRS, LIVE_PAIRS = range(8)
-STATE = 8
+CPU_SHARE, SEQ, LAYER_CPU, CPU_EXPERTS = range(8, 12)
+STATE = 12
+SHARE_ONE = 1 << 16  # CPU_SHARE's fixed point: SHARE_ONE sends every miss to the CPU
+
+
+def cpu_count(n: int, share: int) -> int:
+    """Of n misses, how many the CPU takes at `share` (round(n * share / SHARE_ONE))."""
+    return (n * share + SHARE_ONE // 2) >> 16
+
+
+@dataclass(slots=True)
+class CpuPost:
+    """What a plan posts to the CPU worker besides its pairs' rows: the layer's input and
+    routing weights, and the mailbox (kernels/cpu/worker.py)."""
+
+    box: Mailbox
+    hidden: Tensor  # [T, H]
+    weights: Tensor  # [T, K] fp32
 
 
 def plan_fills(
@@ -39,10 +69,12 @@ def plan_fills(
     state: Tensor,
     moves: Tensor,
     live_pairs: int | None = None,
+    post: CpuPost | None = None,
 ) -> Tensor:
     """One layer's plan, in place on the state; returns rows [P] int64 for `fused_moe` with
     host banks: the slot of each pair's lid, its host id when it stayed absent, -1 for pairs
-    at or past `live_pairs` (None: state[LIVE_PAIRS], a captured graph's padded rows)."""
+    at or past `live_pairs` (None: state[LIVE_PAIRS], a captured graph's padded rows) and for
+    the CPU's share (posted to `post.box`)."""
     p = ids.numel()
     live = min(p, int(state[LIVE_PAIRS]) if live_pairs is None else live_pairs)
     lids = ids.reshape(-1)[:live].long() + base
@@ -58,8 +90,12 @@ def plan_fills(
         slot = int(slot_of[lid])
         if int(stamp[slot]) != PINNED:
             stamp[slot] = clock
+    share = int(state[CPU_SHARE]) if post is not None else 0
+    on_cpu = [lid for r, lid in enumerate(misses) if cpu_count(r + 1, share) > cpu_count(r, share)]
     filled = 0
     for lid in misses:
+        if lid in on_cpu:
+            continue
         best = int(torch.argmin(stamp))  # the first of the smallest: the lowest slot
         if int(stamp[best]) >= clock:
             break  # every slot is this layer's or pinned: the rest are read from the host
@@ -74,13 +110,53 @@ def plan_fills(
     state[MOVES] = filled
     state[HITS] += len(hits)
     state[FILLS] += filled
-    state[HOST_READS] += len(misses) - filled
+    state[HOST_READS] += len(misses) - filled - len(on_cpu)
     state[EXPERTS] += len(uniq)
     state[PAIRS] += live
+    state[LAYER_CPU] = len(on_cpu)
+    state[CPU_EXPERTS] += len(on_cpu)
     rows = torch.full((p,), -1, dtype=torch.int64, device=ids.device)
     slots = slot_of[lids].long()
     rows[:live] = torch.where(slots >= 0, slots, -lids - 2)
+    if on_cpu:
+        cpu = torch.isin(lids, torch.tensor(on_cpu, dtype=torch.int64, device=lids.device))
+        rows[:live][cpu] = -1
+        _post(post, state, torch.where(cpu, lids, -1), p)
     return rows
+
+
+def _post(post: CpuPost, state: Tensor, cpu_rows: Tensor, p: int) -> None:
+    """The CPU's share into the mailbox, then its sequence number (the worker's doorbell)."""
+    box, t = post.box, post.hidden.shape[0]
+    box.rows[:p].fill_(-1)
+    box.rows[: cpu_rows.numel()].copy_(cpu_rows)
+    box.weights[:p].copy_(post.weights.reshape(-1))
+    box.hidden[:t].copy_(post.hidden)
+    box.ctrl[TOKENS] = t
+    seq = int(state[SEQ]) + 1
+    state[SEQ] = seq
+    box.ctrl[POST] = seq
+
+
+def wait_cpu(state: Tensor, box: Mailbox, add: Tensor, timeout_s: float = TIMEOUT_S) -> None:
+    """After the last plan posted: wait for the worker's answer and put it in `add` [T, H]
+    (the MoE kernels' buffer, zero between layers; fp32 in the bank: the part is added before
+    the layer's one rounding, as the resident sum is). A wait that outlives `timeout_s` marks
+    the mailbox (ctrl[TIMEOUT]) and leaves `add` zero; a marked mailbox is not waited on
+    again."""
+    if int(state[LAYER_CPU]) == 0:
+        return
+    seq = int(state[SEQ])
+    end = time.monotonic() + timeout_s
+    while int(box.ctrl[ANSWER]) != seq:
+        if int(box.ctrl[TIMEOUT]) != 0:
+            return
+        if time.monotonic() > end:
+            box.ctrl[TIMEOUT] = seq
+            return
+        time.sleep(0)
+    t = add.shape[0]
+    add.copy_(box.out[:t].to(add.device, add.dtype))
 
 
 def copy_fills(

@@ -66,6 +66,10 @@ class Mailbox:
     def max_tokens(self) -> int:
         return self.hidden.shape[0]
 
+    @property
+    def top_k(self) -> int:
+        return self.rows.numel() // self.max_tokens
+
 
 def available() -> bool:
     """Whether this machine built the SIMD kernel the worker runs (no compiler: torch only)."""
@@ -87,7 +91,7 @@ class CpuWorker:
         _declare(lib)
         self.mailbox = mailbox
         self.threads = threads or experts.default_threads()
-        k = mailbox.rows.numel() // mailbox.max_tokens
+        k = mailbox.top_k
         handle = lib.ft_worker_start(
             mailbox.ctrl.data_ptr(), mailbox.rows.data_ptr(), mailbox.weights.data_ptr(),
             mailbox.hidden.data_ptr(), mailbox.out.data_ptr(), w13.data_ptr(), w2.data_ptr(),

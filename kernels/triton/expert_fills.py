@@ -18,20 +18,35 @@ zero-copy probe (bench/zero_copy_probe.py) read pinned memory at 51 GB/s from 16
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from freetoken_agent.kernels.cpu.worker import ANSWER, POST, TIMEOUT, TIMEOUT_S, TOKENS
 from freetoken_agent.kernels.reference_fills import (
     CLOCK,
+    CPU_EXPERTS,
+    CPU_SHARE,
     EXPERTS,
     FILLS,
     HITS,
     HOST_READS,
+    LAYER_CPU,
     LIVE_PAIRS,
     MOVES,
     PAIRS,
     PINNED,
+    SEQ,
+    SHARE_ONE,
+    CpuPost,
+)
+from freetoken_agent.kernels.triton.host_sync import (
+    load_acquire_sys,
+    release_fence_sys,
+    store_release_sys,
+    timer,
 )
 
 BLOCK_S = 1024  # stamps a scan step reads
@@ -43,12 +58,19 @@ _CLOCK, _MOVES = tl.constexpr(CLOCK), tl.constexpr(MOVES)
 _HITS, _FILLS = tl.constexpr(HITS), tl.constexpr(FILLS)
 _HOST_READS, _EXPERTS = tl.constexpr(HOST_READS), tl.constexpr(EXPERTS)
 _PAIRS, _LIVE_PAIRS = tl.constexpr(PAIRS), tl.constexpr(LIVE_PAIRS)
+_CPU_SHARE, _SEQ = tl.constexpr(CPU_SHARE), tl.constexpr(SEQ)
+_LAYER_CPU, _CPU_EXPERTS = tl.constexpr(LAYER_CPU), tl.constexpr(CPU_EXPERTS)
+_HALF = tl.constexpr(SHARE_ONE // 2)
+_POST, _TOKENS, _ANSWER, _TIMEOUT = (tl.constexpr(i) for i in (POST, TOKENS, ANSWER, TIMEOUT))
+BLOCK_H = 1024  # hidden elements a post or a wait step moves
 
 
 @triton.jit
 def _plan_kernel(
     ids_ptr, rows_ptr, slot_of, lid_of, stamp, state, moves, base, P, live_pairs, S,
-    LIMITED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    box_ctrl, box_rows, box_weights, box_hidden, hidden, weights, T, TH,
+    LIMITED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, SHARE: tl.constexpr,
+    SYS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     offs = tl.arange(0, BLOCK_P)
     limit = live_pairs
@@ -69,18 +91,27 @@ def _plan_kernel(
     rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1  # [BLOCK_P] a miss's order
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
     filled = n_miss * 0
+    n_cpu = n_miss * 0
+    on_cpu = offs < 0  # [BLOCK_P] pairs whose lid the CPU computes
+    share = clock * 0
+    if SHARE:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
+        share = tl.load(state + _CPU_SHARE)
     offs_s = tl.arange(0, BLOCK_S)
     for r in range(n_miss):
+        new = tl.sum(tl.where(miss & (rank == r), lid, 0), axis=0)  # the r-th miss's lid
+        to_cpu = ((r + 1) * share + _HALF) >> 16 > (r * share + _HALF) >> 16
         best_v = clock * 0 + _PINNED
         best_i = clock * 0 - 1
-        for s0 in range(0, S, BLOCK_S):
-            st = tl.load(stamp + s0 + offs_s, mask=s0 + offs_s < S, other=_PINNED)
-            v, i = tl.min(st, 0, return_indices=True, return_indices_tie_break_left=True)
-            take = v < best_v  # strict: an earlier chunk keeps a tie
-            best_i = tl.where(take, s0 + i.to(tl.int64), best_i)
-            best_v = tl.where(take, v, best_v)
+        if not to_cpu:
+            for s0 in range(0, S, BLOCK_S):
+                st = tl.load(stamp + s0 + offs_s, mask=s0 + offs_s < S, other=_PINNED)
+                v, i = tl.min(st, 0, return_indices=True, return_indices_tie_break_left=True)
+                take = v < best_v  # strict: an earlier chunk keeps a tie
+                best_i = tl.where(take, s0 + i.to(tl.int64), best_i)
+                best_v = tl.where(take, v, best_v)
+        on_cpu = on_cpu | (live & (lid == new) & to_cpu)
+        n_cpu += to_cpu.to(tl.int32)
         found = best_v < clock
-        new = tl.sum(tl.where(miss & (rank == r), lid, 0), axis=0)  # the r-th miss's lid
         old = tl.load(lid_of + best_i, mask=found, other=-1)
         tl.store(slot_of + old, -1, mask=found & (old >= 0))
         tl.store(lid_of + best_i, new.to(tl.int32), mask=found)
@@ -92,15 +123,32 @@ def _plan_kernel(
         tl.debug_barrier()
     slot = tl.load(slot_of + lid, mask=live, other=-1).to(tl.int64)
     rows = tl.where(slot >= 0, slot, -lid - 2)
-    tl.store(rows_ptr + offs, tl.where(live, rows, -1), mask=offs < P)
+    tl.store(rows_ptr + offs, tl.where(live & ~on_cpu, rows, -1), mask=offs < P)
     tl.store(state + _MOVES, filled.to(tl.int64))
     n_hit = tl.sum(hit.to(tl.int64), axis=0)
     n_first = tl.sum(first.to(tl.int64), axis=0)
     tl.store(state + _HITS, tl.load(state + _HITS) + n_hit)
     tl.store(state + _FILLS, tl.load(state + _FILLS) + filled)
-    tl.store(state + _HOST_READS, tl.load(state + _HOST_READS) + n_miss - filled)
+    tl.store(state + _HOST_READS, tl.load(state + _HOST_READS) + n_miss - filled - n_cpu)
     tl.store(state + _EXPERTS, tl.load(state + _EXPERTS) + n_first)
     tl.store(state + _PAIRS, tl.load(state + _PAIRS) + limit)
+    tl.store(state + _LAYER_CPU, n_cpu.to(tl.int64))
+    tl.store(state + _CPU_EXPERTS, tl.load(state + _CPU_EXPERTS) + n_cpu)
+    if SHARE:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
+        if n_cpu > 0:  # the post: the job's data, a fence, then the doorbell
+            tl.store(box_rows + offs, tl.where(on_cpu, lid, -1), mask=offs < P)
+            w = tl.load(weights + offs, mask=offs < P, other=0.0)
+            tl.store(box_weights + offs, w, mask=offs < P)
+            offs_h = tl.arange(0, BLOCK_H)
+            for h0 in range(0, TH, BLOCK_H):
+                x = tl.load(hidden + h0 + offs_h, mask=h0 + offs_h < TH)
+                tl.store(box_hidden + h0 + offs_h, x, mask=h0 + offs_h < TH)
+            tl.store(box_ctrl + _TOKENS, tl.zeros((), tl.int64) + T)
+            seq = tl.load(state + _SEQ) + 1
+            tl.store(state + _SEQ, seq)
+            release_fence_sys(SYS)
+            tl.debug_barrier()
+            store_release_sys(box_ctrl + _POST, seq, SYS)
 
 
 @triton.jit
@@ -129,7 +177,40 @@ def _copy_kernel(
             tl.store(dst2 + slot * d_stride2 + at, val, mask=ok)
 
 
-def plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, live_pairs) -> torch.Tensor:
+@triton.jit
+def _wait_kernel(state, box_ctrl, box_out, add, TH, timeout, SYS: tl.constexpr,
+                 BLOCK_H: tl.constexpr):  # fmt: skip
+    # Every program spins on the answer, then moves its BLOCK_H of the CPU's part into `add`.
+    if tl.load(state + _LAYER_CPU) > 0:
+        seq = tl.load(state + _SEQ)
+        dead = tl.load(box_ctrl + _TIMEOUT, volatile=True)
+        answer = load_acquire_sys(box_ctrl + _ANSWER, SYS)
+        start = timer(SYS, seq * 0)
+        now = start
+        while (answer != seq) & (dead == 0):
+            answer = load_acquire_sys(box_ctrl + _ANSWER, SYS)
+            now = timer(SYS, now)
+            if now - start > timeout:  # the worker is gone: mark the mailbox, add nothing
+                tl.store(box_ctrl + _TIMEOUT, seq)
+                dead = seq
+        if dead == 0:
+            offs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+            part = tl.load(box_out + offs, mask=offs < TH, volatile=True)
+            tl.store(
+                add + offs,
+                part.to(add.dtype.element_ty),
+                mask=offs < TH,
+            )
+
+
+def _sys_ordering() -> bool:
+    """PTX ordering on a GPU; the interpreter's plain loads and stores on the CPU tests."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def plan_fills(
+    ids, base, slot_of, lid_of, stamp, state, moves, live_pairs, post: CpuPost | None = None
+) -> torch.Tensor:
     """Twin of `reference_fills.plan_fills` (same contract); one launch, no host sync."""
     p = ids.numel()
     rows = torch.empty(p, dtype=torch.int64, device=ids.device)
@@ -137,11 +218,30 @@ def plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, live_pairs) -> t
         return rows
     limited = live_pairs is None
     live = p if limited else min(p, live_pairs)
+    if post is None:
+        box = (state,) * 4 + (state, state)  # unused pointers (SHARE is off)
+        t = 0
+    else:
+        b = post.box
+        box = (b.ctrl, b.rows, b.weights, b.hidden, post.hidden, post.weights)
+        t = post.hidden.shape[0]
+    th = t * (0 if post is None else post.hidden.shape[1])
     _plan_kernel[(1,)](
-        ids, rows, slot_of, lid_of, stamp, state, moves, base, p, live, stamp.numel(),
-        LIMITED=limited, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=BLOCK_S, num_warps=4,
+        ids, rows, slot_of, lid_of, stamp, state, moves, base, p, live, stamp.numel(), *box, t,
+        th, LIMITED=limited, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=BLOCK_S,
+        SHARE=post is not None, SYS=_sys_ordering(), BLOCK_H=BLOCK_H, num_warps=4,
     )  # fmt: skip
     return rows
+
+
+def wait_cpu(state, box, add, timeout_s: float = TIMEOUT_S) -> None:
+    """Twin of `reference_fills.wait_cpu`; no host sync (the interpreter counts spins, each
+    some hundreds of microseconds there: 10,000 a second of `timeout_s`)."""
+    th = add.numel()
+    sys = _sys_ordering()
+    timeout = int(timeout_s * (1e9 if sys else 1e4))
+    grid = (triton.cdiv(th, BLOCK_H),)
+    _wait_kernel[grid](state, box.ctrl, box.out, add, th, timeout, SYS=sys, BLOCK_H=BLOCK_H)
 
 
 def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2) -> None:

@@ -1,0 +1,191 @@
+"""The CPU's share of a layer's misses in the in-graph plan (kernels/expert_fills.py `post`,
+`wait_cpu`): the twin against the rule, the Triton kernels (interpreter here, compiled in the
+gpu tests) against the twin, and the answer of a real CPU worker (kernels/cpu/worker.py)
+collected into the MoE kernels' `add`. T tokens, K top-k, H hidden, I expert width."""
+
+import random
+import time
+
+import pytest
+import torch
+
+from freetoken_agent.kernels import reference_fills as ref
+from freetoken_agent.kernels.cpu import experts, worker
+from freetoken_agent.kernels.expert_fills import plan_fills, wait_cpu
+from freetoken_agent.kernels.reference_fills import CpuPost, cpu_count
+
+H, W = 48, 16  # hidden, expert width
+
+
+def _cache(rng: random.Random, n_lids: int, n_slots: int):
+    """A random consistent cache (some residents, free and pinned slots) and a share."""
+    slot_of = torch.full((n_lids,), -1, dtype=torch.int32)
+    lid_of = torch.full((n_slots,), -1, dtype=torch.int32)
+    stamp = torch.full((n_slots,), -1, dtype=torch.int64)
+    residents = rng.sample(range(n_lids), rng.randrange(0, min(n_lids, n_slots) + 1))
+    for lid, slot in zip(residents, rng.sample(range(n_slots), len(residents)), strict=True):
+        slot_of[lid], lid_of[slot], stamp[slot] = slot, lid, rng.randrange(0, 6)
+    for slot in range(n_slots):
+        if rng.random() < 0.15:
+            stamp[slot] = ref.PINNED
+    state = torch.zeros(ref.STATE, dtype=torch.int64)
+    state[ref.CLOCK] = 6
+    state[ref.CPU_SHARE] = rng.choice([0, ref.SHARE_ONE // 3, ref.SHARE_ONE // 2, ref.SHARE_ONE])
+    return slot_of, lid_of, stamp, state
+
+
+def _layer(rng: random.Random, n_experts: int, max_tokens: int, k: int = 4):
+    """A layer's routing [T, K] (K: the mailbox's top-k), input [T, H] and weights [T, K]."""
+    t = rng.randrange(1, max_tokens + 1)
+    ids = torch.stack([torch.randperm(n_experts)[:k] for _ in range(t)]).to(torch.int32)
+    hidden = torch.randn(t, H).to(torch.bfloat16)
+    weights = torch.rand(t, k)
+    return ids, hidden, weights
+
+
+def _box(max_tokens: int = 4, k: int = 4) -> worker.Mailbox:
+    return worker.Mailbox.allocate(max_tokens, k, H, torch.bfloat16, pin=False)
+
+
+def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
+    rng = random.Random(rng_seed)
+    torch.manual_seed(rng_seed)
+    for _ in range(30):
+        n_experts = rng.randrange(4, 9)
+        slot_of, lid_of, stamp, state = _cache(rng, 2 * n_experts, rng.randrange(1, 10))
+        ids, hidden, weights = _layer(rng, n_experts, 4)
+        base = n_experts * rng.randrange(2)
+        lids = (ids.reshape(-1).long() + base).tolist()
+        misses = [lid for lid in dict.fromkeys(lids) if int(slot_of[lid]) < 0]
+        share, seq, resident_before = (
+            int(state[ref.CPU_SHARE]),
+            int(state[ref.SEQ]),
+            slot_of.clone(),
+        )
+        box = _box()
+        moves = torch.zeros(16, 2, dtype=torch.int64)
+        rows = plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, ids.numel(),
+                          CpuPost(box, hidden, weights))  # fmt: skip
+        on_cpu = {
+            lid for r, lid in enumerate(misses) if cpu_count(r + 1, share) > cpu_count(r, share)
+        }
+        assert len(on_cpu) == round(len(misses) * share / ref.SHARE_ONE + 1e-9)
+        assert int(state[ref.LAYER_CPU]) == len(on_cpu) == int(state[ref.CPU_EXPERTS])
+        for p, lid in enumerate(lids):
+            if lid in on_cpu:  # skipped by the MoE kernels, posted to the CPU, given no slot
+                assert int(rows[p]) == -1 and int(box.rows[p]) == lid
+                assert int(slot_of[lid]) < 0
+            else:
+                assert int(rows[p]) != -1
+                if on_cpu:
+                    assert int(box.rows[p]) == -1
+        if on_cpu:
+            t = hidden.shape[0]
+            assert int(box.ctrl[worker.POST]) == int(state[ref.SEQ]) == seq + 1
+            assert int(box.ctrl[worker.TOKENS]) == t
+            assert torch.equal(box.hidden[:t], hidden)
+            assert torch.equal(box.weights[: ids.numel()], weights.reshape(-1))
+        else:  # nothing posted
+            assert int(box.ctrl[worker.POST]) == 0 and int(state[ref.SEQ]) == seq
+        fills = int(state[ref.FILLS])
+        reads = int(state[ref.HOST_READS])
+        assert fills + reads + len(on_cpu) == len(misses)
+        assert all(int(resident_before[lid]) < 0 for lid in on_cpu)
+
+
+def test_triton_plan_with_a_share_equals_the_twin(rng_seed):
+    rng = random.Random(rng_seed)
+    torch.manual_seed(rng_seed)
+    for _ in range(12):
+        n_experts = rng.randrange(4, 9)
+        a = _cache(rng, 2 * n_experts, rng.randrange(1, 10))
+        b = tuple(x.clone() for x in a)
+        box_a, box_b = _box(), _box()
+        ma, mb = (torch.zeros(16, 2, dtype=torch.int64) for _ in range(2))
+        for _ in range(3):  # successive layers: the sequence numbers advance alike
+            ids, hidden, weights = _layer(rng, n_experts, 4)
+            base = n_experts * rng.randrange(2)
+            live = rng.randrange(1, ids.numel() + 1)
+            a[3][ref.LIVE_PAIRS] = b[3][ref.LIVE_PAIRS] = live
+            ra = plan_fills(ids, base, *a, ma, None, CpuPost(box_a, hidden, weights))
+            rb = plan_fills(ids, base, *b, mb, None, CpuPost(box_b, hidden, weights),
+                            force_triton=True)  # fmt: skip
+            assert torch.equal(ra, rb)
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x, y)
+            n = int(a[3][ref.MOVES])
+            assert torch.equal(ma[:n], mb[:n])
+            for field in ("ctrl", "rows", "weights", "hidden"):
+                assert torch.equal(getattr(box_a, field), getattr(box_b, field)), field
+
+
+@pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
+@pytest.mark.parametrize("force_triton", [False, True])
+def test_wait_collects_the_workers_answer(rng_seed, force_triton):
+    rng = random.Random(rng_seed)
+    torch.manual_seed(rng_seed)
+    n_experts = 6
+    w13 = torch.randn(2 * n_experts, 2 * W, H).to(torch.bfloat16)
+    w2 = torch.randn(2 * n_experts, H, W).to(torch.bfloat16)
+    box = _box()
+    cpu = worker.CpuWorker(box, w13, w2, threads=1)
+    try:
+        slot_of, lid_of, stamp, state = _cache(rng, 2 * n_experts, 3)
+        state[ref.CPU_SHARE] = ref.SHARE_ONE // 2
+        moves = torch.zeros(16, 2, dtype=torch.int64)
+        posted = 0
+        for _ in range(6):
+            ids, hidden, weights = _layer(rng, n_experts, 4)
+            base = n_experts * rng.randrange(2)
+            plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, ids.numel(),
+                       CpuPost(box, hidden, weights), force_triton=force_triton)  # fmt: skip
+            add = torch.zeros(hidden.shape)  # fp32, as the bank's: the part is not rounded
+            wait_cpu(state, box, add, force_triton=force_triton)
+            t, k = ids.shape
+            cpu_rows = box.rows[: t * k].view(t, k)
+            want = experts.cpu_experts(hidden, w13, w2, cpu_rows, weights)
+            if int(state[ref.LAYER_CPU]):
+                posted += 1
+                assert torch.equal(add, want)
+            else:
+                assert not add.any()  # nothing posted, nothing added
+        assert int(box.ctrl[worker.JOBS]) == posted == int(state[ref.SEQ])
+    finally:
+        cpu.stop()
+
+
+@pytest.mark.parametrize("force_triton", [False, True])
+def test_a_wait_with_no_worker_gives_up_once(rng_seed, force_triton):
+    """No thread answers: the first wait marks the mailbox after its timeout and adds nothing;
+    the next layer's wait does not wait again."""
+    rng = random.Random(rng_seed)
+    torch.manual_seed(rng_seed)
+    box = _box()
+    slot_of, lid_of, stamp, state = _cache(rng, 8, 2)
+    slot_of.fill_(-1)
+    lid_of.fill_(-1)  # every lid misses
+    state[ref.CPU_SHARE] = ref.SHARE_ONE
+    moves = torch.zeros(16, 2, dtype=torch.int64)
+    for layer in range(2):
+        ids, hidden, weights = _layer(rng, 4, 2)
+        plan_fills(ids, 0, slot_of, lid_of, stamp, state, moves, ids.numel(),
+                   CpuPost(box, hidden, weights), force_triton=force_triton)  # fmt: skip
+        add = torch.zeros(hidden.shape, dtype=torch.bfloat16)
+        start = time.monotonic()
+        wait_cpu(state, box, add, timeout_s=0.2, force_triton=force_triton)
+        took = time.monotonic() - start
+        assert int(box.ctrl[worker.TIMEOUT]) == 1  # the first post's sequence number
+        assert not add.any()
+        if layer == 1:
+            assert took < 0.2, "a marked mailbox was waited on again"
+
+
+def test_post_refuses_a_layer_larger_than_the_mailbox():
+    box = _box(max_tokens=2, k=4)
+    slot_of, lid_of, stamp, state = _cache(random.Random(0), 8, 2)
+    moves = torch.zeros(16, 2, dtype=torch.int64)
+    for t, k in ((3, 4), (2, 2)):  # more tokens than it holds; a routing of another top-k
+        ids = torch.zeros(t, k, dtype=torch.int32)
+        post = CpuPost(box, torch.zeros(t, H, dtype=torch.bfloat16), torch.zeros(t, k))
+        with pytest.raises(ValueError, match="mailbox holds 2 tokens of 4 pairs"):
+            plan_fills(ids, 0, slot_of, lid_of, stamp, state, moves, t * k, post)
