@@ -189,3 +189,109 @@ def test_post_refuses_a_layer_larger_than_the_mailbox():
         post = CpuPost(box, torch.zeros(t, H, dtype=torch.bfloat16), torch.zeros(t, k))
         with pytest.raises(ValueError, match="mailbox holds 2 tokens of 4 pairs"):
             plan_fills(ids, 0, slot_of, lid_of, stamp, state, moves, t * k, post)
+
+
+def _cuda_setup(rng: random.Random, n_experts: int, n_slots: int):
+    """A CPU twin's cache and its CUDA copy, a pinned pool, a pinned mailbox and its worker."""
+    cpu = _cache(rng, 2 * n_experts, n_slots)
+    cpu[3][ref.CPU_SHARE] = ref.SHARE_ONE // 2
+    gpu = tuple(t.cuda() for t in cpu)
+    w13 = torch.randn(2 * n_experts, 2 * W, H).to(torch.bfloat16).pin_memory()
+    w2 = torch.randn(2 * n_experts, H, W).to(torch.bfloat16).pin_memory()
+    box = worker.Mailbox.allocate(4, 4, H, torch.bfloat16, pin=True)
+    return cpu, gpu, w13, w2, box
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
+def test_gpu_plan_posts_and_the_wait_collects_the_answer(rng_seed):
+    """Compiled on CUDA with a pinned mailbox: the same plans as the twin, and every layer's
+    `add` is the worker's answer for the pairs the plan posted."""
+    rng = random.Random(rng_seed)
+    torch.manual_seed(rng_seed)
+    n_experts = 8
+    cpu, gpu, w13, w2, box = _cuda_setup(rng, n_experts, 5)
+    twin_box = _box()
+    mc, mg = torch.zeros(16, 2, dtype=torch.int64), torch.zeros(16, 2, dtype=torch.int64).cuda()
+    answer = worker.CpuWorker(box, w13, w2)
+    try:
+        for _ in range(40):
+            ids, hidden, weights = _layer(rng, n_experts, 4)
+            base = n_experts * rng.randrange(2)
+            rc = plan_fills(ids, base, *cpu, mc, ids.numel(), CpuPost(twin_box, hidden, weights))
+            hg, wg = hidden.cuda(), weights.cuda()
+            rg = plan_fills(ids.cuda(), base, *gpu, mg, ids.numel(), CpuPost(box, hg, wg))
+            add = torch.zeros(hidden.shape, device="cuda")
+            wait_cpu(gpu[3], box, add)
+            assert torch.equal(rc, rg.cpu())
+            for x, y in zip(cpu, gpu, strict=True):
+                assert torch.equal(x, y.cpu())
+            t, k = ids.shape
+            rows = twin_box.rows[: t * k].view(t, k)
+            if int(cpu[3][ref.LAYER_CPU]):
+                want = experts.cpu_experts(hidden, w13, w2, rows, weights)
+                assert torch.equal(add.cpu(), want)
+            else:
+                assert not add.any()
+        assert int(box.ctrl[worker.TIMEOUT]) == 0
+        assert int(box.ctrl[worker.JOBS]) == int(cpu[3][ref.SEQ]) > 0
+    finally:
+        answer.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
+def test_gpu_cpu_share_replays_in_a_captured_graph(rng_seed):
+    """Plan and wait captured once, replayed over fresh routings: each replay's `add` is the
+    worker's answer to that replay's post (the graph holds no host decision)."""
+    rng = random.Random(rng_seed)
+    torch.manual_seed(rng_seed)
+    n_experts, t, k = 8, 2, 4
+    cpu, gpu, w13, w2, box = _cuda_setup(rng, n_experts, 5)
+    twin_box = _box()
+    mc, mg = torch.zeros(16, 2, dtype=torch.int64), torch.zeros(16, 2, dtype=torch.int64).cuda()
+    ids_in = torch.zeros(t, k, dtype=torch.int32, device="cuda")
+    hidden_in = torch.zeros(t, H, dtype=torch.bfloat16, device="cuda")
+    weights_in = torch.zeros(t, k, device="cuda")
+    add = torch.zeros(t, H, device="cuda")
+    answer = worker.CpuWorker(box, w13, w2)
+    try:
+        gpu[3][ref.LIVE_PAIRS] = 0  # the capture's warm-up plans nothing
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for capture in (False, True):  # a warm-up (Triton compiles), then the capture
+                if capture:
+                    graph.capture_begin()
+                post = CpuPost(box, hidden_in, weights_in)
+                plan_fills(ids_in, n_experts, *gpu, mg, None, post)
+                wait_cpu(gpu[3], box, add)
+                if capture:
+                    graph.capture_end()
+        torch.cuda.synchronize()
+        for x, y in zip(cpu, gpu, strict=True):
+            x.copy_(y.cpu())  # the warm-up's plan advanced the clock
+        gpu[3][ref.LIVE_PAIRS] = t * k
+        cpu[3][ref.LIVE_PAIRS] = t * k
+        answered = 0
+        for _ in range(30):
+            ids = torch.stack([torch.randperm(n_experts)[:k] for _ in range(t)]).to(torch.int32)
+            hidden = torch.randn(t, H).to(torch.bfloat16)
+            weights = torch.rand(t, k)
+            ids_in.copy_(ids)
+            hidden_in.copy_(hidden)
+            weights_in.copy_(weights)
+            add.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            plan_fills(ids, n_experts, *cpu, mc, None, CpuPost(twin_box, hidden, weights))
+            for x, y in zip(cpu, gpu, strict=True):
+                assert torch.equal(x, y.cpu())
+            if int(cpu[3][ref.LAYER_CPU]):
+                rows = twin_box.rows[: t * k].view(t, k)
+                want = experts.cpu_experts(hidden, w13, w2, rows, weights)
+                assert torch.equal(add.cpu(), want)
+                answered += 1
+        assert answered > 0 and int(box.ctrl[worker.TIMEOUT]) == 0
+    finally:
+        answer.stop()
