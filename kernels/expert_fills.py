@@ -7,7 +7,7 @@ which documents the state tensors and the plan's rule).
 Shapes: ids [P] (a layer's [T, K] routing, flattened), slot_of [N] int32, lid_of [S] int32,
 stamp [S] int64, state [STATE] int64, moves [M >= P, 2] int64; banks [N, 2I, H] / [N, H, I]
 (the pool: pinned host memory on CUDA) and [S, 2I, H] / [S, H, I] (the slots, any row stride).
-The CPU's share (CpuPost, wait_cpu): the mailbox of kernels/cpu/worker.py, add [T, H].
+The CPU's share (the plan's CpuPost; the copy's box and add [T, H]): kernels/cpu/worker.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def plan_fills(
     """One MoE layer's plan (reference_fills.plan_fills); returns the rows [P] int64 that
     `fused_moe` reads with host banks. `live_pairs` None: state[LIVE_PAIRS] (captured graphs,
     whose padded rows must not fill). `post`: the CPU takes state[CPU_SHARE] of the misses,
-    posted to its mailbox (wait_cpu collects the answer)."""
+    posted to its mailbox (`copy_fills` collects the answer)."""
     p = ids.numel()
     if moves.shape[0] < p:
         raise ValueError(f"moves holds {moves.shape[0]} fills, the layer has {p} pairs")
@@ -61,22 +61,6 @@ def plan_fills(
     return triton_impl.plan_fills(*args)
 
 
-def wait_cpu(
-    state: Tensor, box: Mailbox, add: Tensor, *, timeout_s: float = TIMEOUT_S,
-    force_triton: bool = False,
-) -> None:  # fmt: skip
-    """The CPU's answer to the last plan's post into `add` [T, H] (reference_fills.wait_cpu);
-    nothing when the plan posted nothing."""
-    if not add.is_contiguous() or add.shape[0] > box.max_tokens:
-        raise ValueError(f"add must be contiguous with at most {box.max_tokens} rows")
-    if not use_triton(add, force_triton, "wait_cpu"):
-        reference.wait_cpu(state, box, add, timeout_s)
-        return
-    from freetoken_agent.kernels.triton import expert_fills as triton_impl
-
-    triton_impl.wait_cpu(state, box, add, timeout_s)
-
-
 def copy_fills(
     state: Tensor,
     moves: Tensor,
@@ -84,17 +68,27 @@ def copy_fills(
     src_w2: Tensor,
     dst_w13: Tensor,
     dst_w2: Tensor,
+    box: Mailbox | None = None,
+    add: Tensor | None = None,
     *,
+    timeout_s: float = TIMEOUT_S,
     force_triton: bool = False,
 ) -> None:
-    """The last plan's moves, dst[slot] = src[lid] in both banks (rows dense inside)."""
+    """The last plan's moves, dst[slot] = src[lid] in both banks (rows dense inside); with
+    `box`, then the CPU's answer to the last plan's post into `add` [T, H] (nothing when it
+    posted nothing; reference_fills.wait_cpu)."""
     if src_w13.shape[1:] != dst_w13.shape[1:] or src_w2.shape[1:] != dst_w2.shape[1:]:
         raise ValueError("pool and slot rows differ in shape")
     if not all(t[0].is_contiguous() for t in (src_w13, src_w2, dst_w13, dst_w2)):
         raise ValueError("copy_fills needs rows contiguous inside")
+    if box is not None and (add is None or not add.is_contiguous() or
+                            add.shape[0] > box.max_tokens):  # fmt: skip
+        raise ValueError(f"add must be contiguous with at most {box.max_tokens} rows")
     if not use_triton(dst_w13, force_triton, "copy_fills"):
         reference.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2)
+        if box is not None:
+            reference.wait_cpu(state, box, add, timeout_s)
         return
     from freetoken_agent.kernels.triton import expert_fills as triton_impl
 
-    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2)
+    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box, add, timeout_s)

@@ -20,7 +20,8 @@ The CPU's share (`post` given, state[CPU_SHARE] > 0): miss r (in that order) goe
 instead when round((r + 1) * share) > round(r * share), share in 1/SHARE_ONE: of m misses the
 CPU takes round(m * share), spread evenly. Its pairs get row -1 (the MoE kernels skip them);
 the plan posts them to the CPU worker's mailbox (kernels/cpu/worker.py: the hidden rows, the
-pairs' pool rows and weights, then POST = the next SEQ) and `wait_cpu` later puts the answer in
+pairs' pool rows and weights, then POST = the next SEQ) and `wait_cpu` (after the copies) puts
+the answer in
 the MoE kernels' `add` buffer. They take no slot: the link keeps its share's worth of fills.
 """
 

@@ -154,7 +154,9 @@ def _plan_kernel(
 @triton.jit
 def _copy_kernel(
     state, moves, src13, src2, dst13, dst2, s_stride13, s_stride2, d_stride13, d_stride2, n13, n2,
-    PROGRAMS: tl.constexpr, BLOCK: tl.constexpr,
+    box_ctrl, box_out, add, TH, timeout,
+    PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr, SYS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     c13 = tl.cdiv(n13, BLOCK)
     per = c13 + tl.cdiv(n2, BLOCK)  # chunks of one expert
@@ -175,32 +177,34 @@ def _copy_kernel(
             ok = at < n2
             val = tl.load(src2 + lid * s_stride2 + at, mask=ok)
             tl.store(dst2 + slot * d_stride2 + at, val, mask=ok)
+    if WAIT:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
+        # The CPU's answer: the programs that hold a BLOCK_H of `add` spin on it once their
+        # copies are issued, then move their part (no launch of its own: a decode step has
+        # one of these a layer).
+        if (tl.program_id(0) * BLOCK_H < TH) & (tl.load(state + _LAYER_CPU) > 0):
+            _collect(state, box_ctrl, box_out, add, TH, timeout, SYS, BLOCK_H)
 
 
 @triton.jit
-def _wait_kernel(state, box_ctrl, box_out, add, TH, timeout, SYS: tl.constexpr,
-                 BLOCK_H: tl.constexpr):  # fmt: skip
-    # Every program spins on the answer, then moves its BLOCK_H of the CPU's part into `add`.
-    if tl.load(state + _LAYER_CPU) > 0:
-        seq = tl.load(state + _SEQ)
-        dead = tl.load(box_ctrl + _TIMEOUT, volatile=True)
+def _collect(state, box_ctrl, box_out, add, TH, timeout, SYS: tl.constexpr,
+             BLOCK_H: tl.constexpr):  # fmt: skip
+    """Spin until the worker answers the last post (or the mailbox is marked dead, or the
+    timeout marks it), then this program's BLOCK_H of the answer into `add`."""
+    seq = tl.load(state + _SEQ)
+    dead = tl.load(box_ctrl + _TIMEOUT, volatile=True)
+    answer = load_acquire_sys(box_ctrl + _ANSWER, SYS)
+    start = timer(SYS, seq * 0)
+    now = start
+    while (answer != seq) & (dead == 0):
         answer = load_acquire_sys(box_ctrl + _ANSWER, SYS)
-        start = timer(SYS, seq * 0)
-        now = start
-        while (answer != seq) & (dead == 0):
-            answer = load_acquire_sys(box_ctrl + _ANSWER, SYS)
-            now = timer(SYS, now)
-            if now - start > timeout:  # the worker is gone: mark the mailbox, add nothing
-                tl.store(box_ctrl + _TIMEOUT, seq)
-                dead = seq
-        if dead == 0:
-            offs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-            part = tl.load(box_out + offs, mask=offs < TH, volatile=True)
-            tl.store(
-                add + offs,
-                part.to(add.dtype.element_ty),
-                mask=offs < TH,
-            )
+        now = timer(SYS, now)
+        if now - start > timeout:  # the worker is gone: mark the mailbox, add nothing
+            tl.store(box_ctrl + _TIMEOUT, seq)
+            dead = seq
+    if dead == 0:
+        offs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+        part = tl.load(box_out + offs, mask=offs < TH, volatile=True)
+        tl.store(add + offs, part.to(add.dtype.element_ty), mask=offs < TH)
 
 
 def _sys_ordering() -> bool:
@@ -234,20 +238,20 @@ def plan_fills(
     return rows
 
 
-def wait_cpu(state, box, add, timeout_s: float = TIMEOUT_S) -> None:
-    """Twin of `reference_fills.wait_cpu`; no host sync (the interpreter counts spins, each
-    some hundreds of microseconds there: 10,000 a second of `timeout_s`)."""
-    th = add.numel()
+def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=None,
+               timeout_s: float = TIMEOUT_S) -> None:  # fmt: skip
+    """Twin of `reference_fills.copy_fills` (and its collection of the CPU's answer into `add`
+    when `box` is given); a fixed grid, no host sync. The interpreter counts spins for the
+    timeout, each some hundreds of microseconds there: 10,000 a second of `timeout_s`."""
     sys = _sys_ordering()
+    wait = box is not None
+    th = add.numel() if wait else 0
     timeout = int(timeout_s * (1e9 if sys else 1e4))
-    grid = (triton.cdiv(th, BLOCK_H),)
-    _wait_kernel[grid](state, box.ctrl, box.out, add, th, timeout, SYS=sys, BLOCK_H=BLOCK_H)
-
-
-def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2) -> None:
-    """Twin of `reference_fills.copy_fills`; a fixed grid, no host sync."""
-    _copy_kernel[(COPY_PROGRAMS,)](
+    ctrl, out, add = (box.ctrl, box.out, add) if wait else (state, state, state)
+    grid = max(COPY_PROGRAMS, triton.cdiv(th, BLOCK_H))
+    _copy_kernel[(grid,)](
         state, moves, src_w13, src_w2, dst_w13, dst_w2, src_w13.stride(0), src_w2.stride(0),
         dst_w13.stride(0), dst_w2.stride(0), src_w13[0].numel(), src_w2[0].numel(),
-        PROGRAMS=COPY_PROGRAMS, BLOCK=COPY_BLOCK,
+        ctrl, out, add, th, timeout,
+        PROGRAMS=grid, BLOCK=COPY_BLOCK, WAIT=wait, SYS=sys, BLOCK_H=BLOCK_H,
     )  # fmt: skip

@@ -1,7 +1,7 @@
-"""The CPU's share of a layer's misses in the in-graph plan (kernels/expert_fills.py `post`,
-`wait_cpu`): the twin against the rule, the Triton kernels (interpreter here, compiled in the
-gpu tests) against the twin, and the answer of a real CPU worker (kernels/cpu/worker.py)
-collected into the MoE kernels' `add`. T tokens, K top-k, H hidden, I expert width."""
+"""The CPU's share of a layer's misses in the in-graph plan (kernels/expert_fills.py: the
+plan's `post`, the copy's collection of the answer): the twin against the rule, the Triton
+kernels (interpreter here, compiled in the gpu tests) against the twin, and the answer of a
+real CPU worker (kernels/cpu/worker.py) collected into the MoE kernels' `add`. T tokens, K top-k, H hidden, I expert width."""
 
 import random
 import time
@@ -11,7 +11,7 @@ import torch
 
 from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.cpu import experts, worker
-from freetoken_agent.kernels.expert_fills import plan_fills, wait_cpu
+from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
 from freetoken_agent.kernels.reference_fills import CpuPost, cpu_count
 
 H, W = 48, 16  # hidden, expert width
@@ -41,6 +41,24 @@ def _layer(rng: random.Random, n_experts: int, max_tokens: int, k: int = 4):
     hidden = torch.randn(t, H).to(torch.bfloat16)
     weights = torch.rand(t, k)
     return ids, hidden, weights
+
+
+def _collect(state, moves, pool, n_slots, box, add, **kw) -> None:
+    """The layer's copies into fresh slots, then the CPU's answer into `add`."""
+    w13, w2 = pool
+    slots13 = torch.zeros((n_slots, *w13.shape[1:]), dtype=w13.dtype, device=add.device)
+    slots2 = torch.zeros((n_slots, *w2.shape[1:]), dtype=w2.dtype, device=add.device)
+    copy_fills(state, moves, w13, w2, slots13, slots2, box, add, **kw)
+    for lid, slot in moves[: int(state[ref.MOVES])].tolist():
+        assert torch.equal(slots13[slot].cpu(), w13[lid]) and torch.equal(
+            slots2[slot].cpu(), w2[lid]
+        )
+
+
+def _pool(n_rows: int, pin: bool = False):
+    w13 = torch.randn(n_rows, 2 * W, H).to(torch.bfloat16)
+    w2 = torch.randn(n_rows, H, W).to(torch.bfloat16)
+    return (w13.pin_memory(), w2.pin_memory()) if pin else (w13, w2)
 
 
 def _box(max_tokens: int = 4, k: int = 4) -> worker.Mailbox:
@@ -125,8 +143,7 @@ def test_wait_collects_the_workers_answer(rng_seed, force_triton):
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
     n_experts = 6
-    w13 = torch.randn(2 * n_experts, 2 * W, H).to(torch.bfloat16)
-    w2 = torch.randn(2 * n_experts, H, W).to(torch.bfloat16)
+    w13, w2 = _pool(2 * n_experts)
     box = _box()
     cpu = worker.CpuWorker(box, w13, w2, threads=1)
     try:
@@ -140,7 +157,7 @@ def test_wait_collects_the_workers_answer(rng_seed, force_triton):
             plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, ids.numel(),
                        CpuPost(box, hidden, weights), force_triton=force_triton)  # fmt: skip
             add = torch.zeros(hidden.shape)  # fp32, as the bank's: the part is not rounded
-            wait_cpu(state, box, add, force_triton=force_triton)
+            _collect(state, moves, (w13, w2), 3, box, add, force_triton=force_triton)
             t, k = ids.shape
             cpu_rows = box.rows[: t * k].view(t, k)
             want = experts.cpu_experts(hidden, w13, w2, cpu_rows, weights)
@@ -172,7 +189,7 @@ def test_a_wait_with_no_worker_gives_up_once(rng_seed, force_triton):
                    CpuPost(box, hidden, weights), force_triton=force_triton)  # fmt: skip
         add = torch.zeros(hidden.shape, dtype=torch.bfloat16)
         start = time.monotonic()
-        wait_cpu(state, box, add, timeout_s=0.2, force_triton=force_triton)
+        _collect(state, moves, _pool(8), 2, box, add, timeout_s=0.2, force_triton=force_triton)
         took = time.monotonic() - start
         assert int(box.ctrl[worker.TIMEOUT]) == 1  # the first post's sequence number
         assert not add.any()
@@ -196,8 +213,7 @@ def _cuda_setup(rng: random.Random, n_experts: int, n_slots: int):
     cpu = _cache(rng, 2 * n_experts, n_slots)
     cpu[3][ref.CPU_SHARE] = ref.SHARE_ONE // 2
     gpu = tuple(t.cuda() for t in cpu)
-    w13 = torch.randn(2 * n_experts, 2 * W, H).to(torch.bfloat16).pin_memory()
-    w2 = torch.randn(2 * n_experts, H, W).to(torch.bfloat16).pin_memory()
+    w13, w2 = _pool(2 * n_experts, pin=True)
     box = worker.Mailbox.allocate(4, 4, H, torch.bfloat16, pin=True)
     return cpu, gpu, w13, w2, box
 
@@ -222,7 +238,7 @@ def test_gpu_plan_posts_and_the_wait_collects_the_answer(rng_seed):
             hg, wg = hidden.cuda(), weights.cuda()
             rg = plan_fills(ids.cuda(), base, *gpu, mg, ids.numel(), CpuPost(box, hg, wg))
             add = torch.zeros(hidden.shape, device="cuda")
-            wait_cpu(gpu[3], box, add)
+            _collect(gpu[3], mg, (w13, w2), 5, box, add)
             assert torch.equal(rc, rg.cpu())
             for x, y in zip(cpu, gpu, strict=True):
                 assert torch.equal(x, y.cpu())
@@ -254,6 +270,8 @@ def test_gpu_cpu_share_replays_in_a_captured_graph(rng_seed):
     hidden_in = torch.zeros(t, H, dtype=torch.bfloat16, device="cuda")
     weights_in = torch.zeros(t, k, device="cuda")
     add = torch.zeros(t, H, device="cuda")
+    slots13 = torch.zeros((5, *w13.shape[1:]), dtype=w13.dtype, device="cuda")
+    slots2 = torch.zeros((5, *w2.shape[1:]), dtype=w2.dtype, device="cuda")
     answer = worker.CpuWorker(box, w13, w2)
     try:
         gpu[3][ref.LIVE_PAIRS] = 0  # the capture's warm-up plans nothing
@@ -265,7 +283,7 @@ def test_gpu_cpu_share_replays_in_a_captured_graph(rng_seed):
                     graph.capture_begin()
                 post = CpuPost(box, hidden_in, weights_in)
                 plan_fills(ids_in, n_experts, *gpu, mg, None, post)
-                wait_cpu(gpu[3], box, add)
+                copy_fills(gpu[3], mg, w13, w2, slots13, slots2, box, add)
                 if capture:
                     graph.capture_end()
         torch.cuda.synchronize()
@@ -287,6 +305,8 @@ def test_gpu_cpu_share_replays_in_a_captured_graph(rng_seed):
             plan_fills(ids, n_experts, *cpu, mc, None, CpuPost(twin_box, hidden, weights))
             for x, y in zip(cpu, gpu, strict=True):
                 assert torch.equal(x, y.cpu())
+            for lid, slot in mc[: int(cpu[3][ref.MOVES])].tolist():
+                assert torch.equal(slots13[slot].cpu(), w13[lid])
             if int(cpu[3][ref.LAYER_CPU]):
                 rows = twin_box.rows[: t * k].view(t, k)
                 want = experts.cpu_experts(hidden, w13, w2, rows, weights)

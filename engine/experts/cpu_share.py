@@ -1,0 +1,102 @@
+"""The CPU's share of the device path's misses (adaptive's `shared` step path).
+
+Why: the device path (device_fills.py) moves every miss over the link, one expert at ~180 us,
+while the host's memory can feed the CPU's SIMD kernel about as fast again (DESIGN section 7:
+52 GB/s over the link and 66 GB/s by the CPU at the same time on the H200 host). The stops
+path uses both, but stops the step at every layer that misses for a host decision (~120 us).
+Here the decision stays on the device: each layer's plan sends the CPU share of its misses
+(CPU_SHARE, spread evenly: kernels/reference_fills.py) to a worker thread through a pinned
+mailbox (kernels/cpu/worker.py) and copies the rest; the copy kernel then waits for the
+worker's answer and puts it in the MoE kernels' `add` buffer. No step stops for Python.
+
+The share balances the two branches as q* does (policy.py): the CPU takes
+B_H / (B_P + B_H) of a layer's misses, from the bank's bandwidth estimates, which the worker's
+own timings keep current (`observe`). The CPU's misses take no slot: that is the price when
+routing repeats itself (fills pay), where adaptive keeps the plain device path instead
+(PathTrials measures the three paths).
+
+Shapes: T_max = the bank's device_tokens, K top-k, H hidden. add [T_max, H] fp32 on the
+device: the CPU's part enters the MoE kernels' fp32 sum before its one rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_agent.engine.experts import calibration
+from freetoken_agent.engine.experts.policy import Bandwidths
+from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.kernels.cpu import worker
+from freetoken_agent.kernels.cpu.worker import BUSY_NS, ERROR, EXPERTS, TIMEOUT, CpuWorker
+from freetoken_agent.kernels.reference_fills import SHARE_ONE, CpuPost
+
+
+class CpuShareFailed(RuntimeError):
+    """The worker did not answer (or could not run a job): the steps since the last check
+    miss the CPU's part of some layers."""
+
+
+class CpuShare:
+    def __init__(self, pool: ExpertPool, device: torch.device, max_tokens: int, top_k: int,
+                 hidden: int) -> None:  # fmt: skip
+        """After the pool is in its final place (pinned: `ExpertPool.pin` may move it)."""
+        dtype = pool.w13.dtype
+        self.box = worker.Mailbox.allocate(max_tokens, top_k, hidden, dtype,
+                                           pin=device.type == "cuda")  # fmt: skip
+        self.add = torch.zeros(max_tokens, hidden, dtype=torch.float32, device=device)
+        self.worker = CpuWorker(self.box, pool.w13, pool.w2)
+        self.expert_bytes = pool.expert_bytes
+        self.broken: str | None = None  # why the share is off for good
+        self._seen = (0, 0)  # (experts, busy ns) already folded into B_H
+
+    @staticmethod
+    def possible() -> bool:
+        return worker.available()
+
+    def post(self, hidden: torch.Tensor, weights: torch.Tensor) -> CpuPost:
+        """A layer's post for the plan: hidden [T, H], weights [T, K] fp32."""
+        return CpuPost(self.box, hidden.contiguous(), weights)
+
+    def answer(self, n_tokens: int) -> torch.Tensor:
+        """The MoE kernels' `add` [T, H] for a layer of `n_tokens` tokens (zero unless the
+        copy kernel put the worker's answer there; the kernels zero it after use)."""
+        return self.add[:n_tokens]
+
+    def fixed_share(self, bandwidths: Bandwidths) -> int:
+        """CPU_SHARE (1/SHARE_ONE) for the estimates: B_H / (B_P + B_H); 0 once broken."""
+        if self.broken is not None:
+            return 0
+        fraction = bandwidths.cpu / (bandwidths.pcie + bandwidths.cpu)
+        return round(fraction * SHARE_ONE)
+
+    def wake(self) -> None:
+        if self.broken is None:
+            self.worker.wake()
+
+    def observe(self, bandwidths: Bandwidths) -> None:
+        """Fold the worker's jobs since the last call into B_H (no sync: host memory)."""
+        ctrl = self.box.ctrl
+        now = int(ctrl[EXPERTS]), int(ctrl[BUSY_NS])
+        experts, ns = now[0] - self._seen[0], now[1] - self._seen[1]
+        self._seen = now
+        if experts > 0:
+            nbytes = experts * self.expert_bytes
+            bandwidths.cpu = calibration.update(bandwidths.cpu, nbytes, ns / 1e9)
+
+    def check(self) -> None:
+        """After a step: raise CpuShareFailed when a wait timed out or a job failed since the
+        last check; the share is then off for good (the plans send the CPU nothing)."""
+        ctrl = self.box.ctrl
+        timeout, error = int(ctrl[TIMEOUT]), int(ctrl[ERROR])
+        if self.broken is None and (timeout or error):
+            what = (f"did not answer job {timeout} within {worker.TIMEOUT_S:.0f} s" if timeout
+                    else f"failed a job (code {error})")  # fmt: skip
+            self.broken = f"the CPU expert worker {what}"
+            self.worker.stop()
+            raise CpuShareFailed(
+                f"{self.broken}: this step's outputs miss the CPU's part of some layers; the "
+                "CPU share of the device path is off from now on"
+            )
+
+    def close(self) -> None:
+        self.worker.stop()
