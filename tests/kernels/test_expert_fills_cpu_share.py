@@ -1,7 +1,8 @@
 """The CPU's share of a layer's misses in the in-graph plan (kernels/expert_fills.py: the
 plan's `post`, the copy's collection of the answer): the twin against the rule, the Triton
 kernels (interpreter here, compiled in the gpu tests) against the twin, and the answer of a
-real CPU worker (kernels/cpu/worker.py) collected into the MoE kernels' `add`. T tokens, K top-k, H hidden, I expert width."""
+real CPU worker (kernels/cpu/worker.py) collected into the MoE kernels' `add`.
+T tokens, K top-k, H hidden, I expert width."""
 
 import random
 import time
