@@ -2,7 +2,8 @@
 
 `adaptive` chooses per decode step between the segmented graphs (the `stops` path: the host
 places each layer's misses; engine/segmented_graphs.py) and one graph a step whose layers fill
-their own misses (the `device` path: policy gpu-fill's kernels; engine/direct_graphs.py), by
+their own misses (the `device` and `shared` paths: policy gpu-fill's kernels, the second with
+the CPU worker's share; engine/direct_graphs.py), by
 measured step time (engine/experts/step_paths.py). Both sets share the bank's GraphIO buffers.
 A step on the stops path first gives the cache back to the host (a no-op when it has it); the
 device path's `before_whole_step` hands it to the device. Other attributes (the segmented
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from freetoken_agent.engine.direct_graphs import DirectDecodeGraphs
+from freetoken_agent.engine.experts.step_paths import DEVICE_PATHS
 from freetoken_agent.engine.runner import StepInputs
 from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
 
@@ -40,7 +42,8 @@ class PathDecodeGraphs:
         b = inputs.cu_q_lens.shape[0] - 1
         # (a benchmark may switch the bank's policy without a new capture: others stop)
         adaptive = self.bank.policy == "adaptive"
-        if adaptive and self.bank.adaptive.path(b) == "device" and self.device.fits(inputs):
+        on_device = adaptive and self.bank.adaptive.path(b) in DEVICE_PATHS
+        if on_device and self.device.fits(inputs):
             self.device_steps += 1
             return self.device.replay(inputs, between)
         self.bank.cache.on_device.release()

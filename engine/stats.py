@@ -34,6 +34,10 @@ def expert_stats(bank, policy: str) -> dict:
         # adaptive: per decode batch size, the path its last measurement kept (step_paths.py)
         "step_paths": bank.adaptive.chosen_paths() if bank.policy == "adaptive" else {},
         "cache_handoffs": cache.on_device.releases,  # device path -> host: one sync each
+        # adaptive's `shared` path: the CPU worker's jobs (engine/experts/cpu_share.py)
+        "cpu_share": None
+        if bank.cpu_share is None
+        else bank.cpu_share.stats(cache.on_device.share),
     }
 
 

@@ -26,6 +26,9 @@ def release(engine) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # nothing queued may still read what is freed
     engine.runner.graphs = None  # graphs hold their memory pool
+    close = getattr(engine.loaded.bank, "close", None)
+    if close is not None:
+        close()  # threads that read the pool (the CPU worker) stop before it goes
     pool = getattr(engine.loaded.bank, "pool", None)
     if pool is not None:
         pool.unpin()

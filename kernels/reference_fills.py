@@ -33,7 +33,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from freetoken_agent.kernels.cpu.worker import ANSWER, POST, TIMEOUT, TIMEOUT_S, TOKENS, Mailbox
+from freetoken_agent.kernels.cpu.worker import (
+    ANSWER,
+    LOST,
+    POST,
+    TIMEOUT,
+    TIMEOUT_S,
+    TOKENS,
+    Mailbox,
+)
 
 # P pairs (T tokens x K), N lids, S slots, M most moves
 
@@ -144,16 +152,16 @@ def wait_cpu(state: Tensor, box: Mailbox, add: Tensor, timeout_s: float = TIMEOU
     (the MoE kernels' buffer, zero between layers; fp32 in the bank: the part is added before
     the layer's one rounding, as the resident sum is). A wait that outlives `timeout_s` marks
     the mailbox (ctrl[TIMEOUT]) and leaves `add` zero; a marked mailbox is not waited on
-    again."""
+    again. Every wait that gives up writes its seq to ctrl[LOST]."""
     if int(state[LAYER_CPU]) == 0:
         return
     seq = int(state[SEQ])
     end = time.monotonic() + timeout_s
     while int(box.ctrl[ANSWER]) != seq:
-        if int(box.ctrl[TIMEOUT]) != 0:
-            return
-        if time.monotonic() > end:
+        if int(box.ctrl[TIMEOUT]) == 0 and time.monotonic() > end:
             box.ctrl[TIMEOUT] = seq
+        if int(box.ctrl[TIMEOUT]) != 0:
+            box.ctrl[LOST] = seq
             return
         time.sleep(0)
     t = add.shape[0]

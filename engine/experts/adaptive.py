@@ -26,8 +26,9 @@ Free slots cost no victim: misses always fill those (in `layers` mode, those of 
 
 All of the above is the `stops` path of a decode step: the host decides at each layer that
 misses. The `device` path (policy gpu-fill's: every miss filled by the layer itself, no host
-stop, no CPU branch) is the other; PathTrials (step_paths.py) keeps whichever measured the
-shorter steps, per decode batch size.
+stop, no CPU branch) and the `shared` path (the same, with the CPU worker taking q*'s share of
+each layer's misses: cpu_share.py) are the others; PathTrials (step_paths.py) keeps whichever
+measured the shorter steps, per decode batch size.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class AdaptiveFetches:
         self.verdict = FillVerdict()  # the fill race, read with hysteresis
         self.trial_params = trial_params
         self.path_params = path_params or {}
+        self.shared_ok = False  # whether the `shared` path can run (the bank's CpuShare)
         self._trials: dict[int, SplitTrials] = {}  # per decode batch size
         self._paths: dict[int, PathTrials] = {}  # per decode batch size
         # Per decode batch size: layers with a miss per step (each a stop for the host),
@@ -85,7 +87,8 @@ class AdaptiveFetches:
     def paths(self, n_tokens: int) -> PathTrials:
         """The step path's trials for decode steps of `n_tokens` tokens."""
         if n_tokens not in self._paths:
-            self._paths[n_tokens] = PathTrials(**self.path_params)
+            params = {"shared": self.shared_ok, **self.path_params}
+            self._paths[n_tokens] = PathTrials(**params)
         return self._paths[n_tokens]
 
     def chosen_paths(self) -> dict[int, str]:
@@ -93,8 +96,8 @@ class AdaptiveFetches:
         return {n: t.chosen for n, t in sorted(self._paths.items()) if t.choices}
 
     def path(self, n_tokens: int) -> str:
-        """`stops` or `device` for a decode step of `n_tokens` tokens (longer calls, and steps
-        past `device_tokens`: stops)."""
+        """`stops`, `device` or `shared` for a decode step of `n_tokens` tokens (longer
+        calls, and steps past `device_tokens`: stops)."""
         return self.paths(n_tokens).path if self.path_measured(n_tokens) else "stops"
 
     def _paths_exploring(self, n_tokens: int) -> bool:

@@ -27,7 +27,7 @@ from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.kernels.cpu import worker
-from freetoken_agent.kernels.cpu.worker import BUSY_NS, ERROR, EXPERTS, TIMEOUT, CpuWorker
+from freetoken_agent.kernels.cpu.worker import BUSY_NS, ERROR, EXPERTS, LOST, TIMEOUT, CpuWorker
 from freetoken_agent.kernels.reference_fills import SHARE_ONE, CpuPost
 
 
@@ -47,6 +47,8 @@ class CpuShare:
         self.worker = CpuWorker(self.box, pool.w13, pool.w2)
         self.expert_bytes = pool.expert_bytes
         self.broken: str | None = None  # why the share is off for good
+        self.timeout_s = worker.TIMEOUT_S  # a device wait's bound (the copy kernel's)
+        self._lost = 0  # ctrl[LOST] last reported
         self._seen = (0, 0)  # (experts, busy ns) already folded into B_H
 
     @staticmethod
@@ -84,19 +86,30 @@ class CpuShare:
             bandwidths.cpu = calibration.update(bandwidths.cpu, nbytes, ns / 1e9)
 
     def check(self) -> None:
-        """After a step: raise CpuShareFailed when a wait timed out or a job failed since the
-        last check; the share is then off for good (the plans send the CPU nothing)."""
+        """After a step: raise CpuShareFailed when a layer's CPU part went missing since the
+        last check (a wait gave up: ctrl[LOST]) or a job failed; the share is then off for
+        good (the plans send the CPU nothing). A step already queued with a share (overlap
+        scheduling) finds the mailbox dead, loses its parts at once, and raises too."""
         ctrl = self.box.ctrl
-        timeout, error = int(ctrl[TIMEOUT]), int(ctrl[ERROR])
-        if self.broken is None and (timeout or error):
-            what = (f"did not answer job {timeout} within {worker.TIMEOUT_S:.0f} s" if timeout
-                    else f"failed a job (code {error})")  # fmt: skip
+        timeout, error, lost = int(ctrl[TIMEOUT]), int(ctrl[ERROR]), int(ctrl[LOST])
+        if lost == self._lost and (error == 0 or self.broken is not None):
+            return
+        self._lost = lost
+        if self.broken is None:
+            what = (f"failed a job (code {error})" if error
+                    else f"did not answer job {timeout} within {self.timeout_s:g} s")  # fmt: skip
             self.broken = f"the CPU expert worker {what}"
             self.worker.stop()
-            raise CpuShareFailed(
-                f"{self.broken}: this step's outputs miss the CPU's part of some layers; the "
-                "CPU share of the device path is off from now on"
-            )
+        raise CpuShareFailed(
+            f"{self.broken}: this step's outputs miss the CPU's part of some layers; the CPU "
+            "share of the device path is off from now on"
+        )
+
+    def stats(self, share: int) -> dict:
+        """For Engine.stats: the worker's jobs and experts, the share the plans read now."""
+        ctrl = self.box.ctrl
+        return {"jobs": int(ctrl[worker.JOBS]), "experts": int(ctrl[EXPERTS]),
+                "share": share / SHARE_ONE, "broken": self.broken}  # fmt: skip
 
     def close(self) -> None:
         self.worker.stop()

@@ -53,6 +53,8 @@ class DeviceFills:
         self.stats = None  # the bank's OffloadStats (set by the bank): fold adds to it
         self._clock_at_own = 0
         self._folded = [0] * layout.STATE  # counters already added to the host's
+        self.share = 0  # CPU_SHARE the plans read (cpu_share.py; 0: every miss filled)
+        self._seq = 0  # the last SEQ posted to the CPU worker: it never goes back
 
     def own(self) -> None:
         """Hand the cache to the device (a no-op while it has it)."""
@@ -68,11 +70,20 @@ class DeviceFills:
             stamp[c._slot_of[lid]] = layout.PINNED if c.kept(lid) else rank
         state = [0] * layout.STATE
         state[layout.CLOCK] = self._clock_at_own = len(c._lru)
+        state[layout.CPU_SHARE], state[layout.SEQ] = self.share, self._seq
         self.lid_of.copy_(torch.tensor(c._lid_of, dtype=torch.int32))
         self.stamp.copy_(torch.tensor(stamp, dtype=torch.int64))
         self.state.copy_(torch.tensor(state, dtype=torch.int64))
         self._folded = [0] * layout.STATE
         self.owned = True
+
+    def set_share(self, value: int) -> None:
+        """CPU_SHARE for the next plans (in stream order while owned; `own` writes it)."""
+        if value == self.share:
+            return
+        self.share = value
+        if self.owned:
+            self.state[layout.CPU_SHARE : layout.CPU_SHARE + 1].fill_(value)
 
     def fold(self) -> None:
         """Add the device's counters since the last fold to the bank's and the cache's
@@ -80,9 +91,10 @@ class DeviceFills:
         now = self.state.tolist()
         d = [a - b for a, b in zip(now, self._folded, strict=True)]
         self._folded = now
+        self._seq = now[layout.SEQ]
         c = self.cache
         c.hits += d[layout.HITS]
-        c.misses += d[layout.FILLS] + d[layout.HOST_READS]
+        c.misses += d[layout.FILLS] + d[layout.HOST_READS] + d[layout.CPU_EXPERTS]
         c.fills += d[layout.FILLS]
         c.bytes_filled += d[layout.FILLS] * c.pool.expert_bytes
         st = self.stats
@@ -92,6 +104,7 @@ class DeviceFills:
             st.hits += d[layout.HITS]
             st.fetched += d[layout.FILLS]
             st.direct += d[layout.HOST_READS]
+            st.on_cpu += d[layout.CPU_EXPERTS]
 
     def release(self) -> None:
         """Give the cache back to the host: rebuild its mirror from the device tables."""

@@ -32,6 +32,7 @@ from freetoken_agent.engine.experts import layer_layout
 from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.cpu_branch import observe_fills, run_on_cpu, stage_hidden
+from freetoken_agent.engine.experts.cpu_share import CpuShare
 from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids, learn_after_step
 from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
 from freetoken_agent.engine.experts.graph_decode import GraphDecode
@@ -41,6 +42,7 @@ from freetoken_agent.engine.experts.policy import (
     fetch_count,
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.engine.experts.step_paths import DEVICE_PATHS
 from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerStreamer
 from freetoken_agent.kernels.cpu.experts import default_threads as cpu_kernel_threads
 from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
@@ -130,6 +132,8 @@ class OffloadedExpertBank(GraphDecode):
         # Whether the device path (policy gpu-fill, adaptive's `device`) can run: the kernels
         # read the pool over the link, so on CUDA it must be pinned (`ready`).
         self.device_path_ok = device.type != "cuda"
+        # adaptive's `shared` path: the CPU worker's share of the device path (`ready`).
+        self.cpu_share: CpuShare | None = None
         self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
         self._placed_after = -1  # static: cache.vacates when its layers were last made whole
@@ -197,6 +201,11 @@ class OffloadedExpertBank(GraphDecode):
             )
         if self.policy == "static":
             self.place_static()
+        if self.policy == "adaptive" and pinned and CpuShare.possible() and self.cpu_share is None:
+            spec = self.spec
+            self.cpu_share = CpuShare(self.pool, self.device, self.device_tokens, spec.top_k,
+                                      spec.hidden_size)  # fmt: skip
+            self.adaptive.shared_ok = True
         self.stats = OffloadStats()
         self.cache.clear_counters()
 
@@ -368,6 +377,7 @@ class OffloadedExpertBank(GraphDecode):
         """Forget what adaptive learnt of the fill race and the split modes (the benchmark,
         between measurements from an empty cache)."""
         self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers, self.device_tokens)
+        self.adaptive.shared_ok = self.cpu_share is not None
         self.cache.kept_layers = frozenset()
 
     # --- policy direct (direct.py) ---------------------------------------------------------
@@ -390,22 +400,43 @@ class OffloadedExpertBank(GraphDecode):
         """The layer plans and copies its own fills on the device, then computes from the
         slots (a miss that found no slot from the pool). `live_pairs` None: a captured step,
         whose real pair count the bank wrote before the replay (`before_whole_step`)."""
-        cache, fills = self.cache, self.cache.on_device
+        cache, fills, share = self.cache, self.cache.on_device, self.cpu_share
         if live_pairs is not None:
             fills.own()  # eager: a captured step was owned before its replay
+            if layer == 0:
+                self._set_share(hidden.shape[0])
+        # adaptive posts the CPU's share (CPU_SHARE, 0 off the `shared` path) and adds the
+        # worker's answer; a captured step holds both for any share.
+        shared = share is not None and self.policy == "adaptive"
+        post = share.post(hidden, weights) if shared else None
         rows = plan_fills(topk_ids, layer * self.n_experts, cache.slot_of, fills.lid_of,
-                          fills.stamp, fills.state, fills.moves, live_pairs)  # fmt: skip
-        copy_fills(fills.state, fills.moves, self.pool.w13, self.pool.w2, cache.w13, cache.w2)
+                          fills.stamp, fills.state, fills.moves, live_pairs, post)  # fmt: skip
+        box, add = (share.box, share.answer(hidden.shape[0])) if shared else (None, None)
+        copy_fills(fills.state, fills.moves, self.pool.w13, self.pool.w2, cache.w13, cache.w2,
+                   box, add, timeout_s=share.timeout_s if shared else 0.0)  # fmt: skip
         return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
-                         host_w13=self.pool.w13, host_w2=self.pool.w2)  # fmt: skip
+                         host_w13=self.pool.w13, host_w2=self.pool.w2, add=add)  # fmt: skip
+
+    def _set_share(self, n_tokens: int | None) -> None:
+        """The CPU's share for the next step of `n_tokens` tokens (None: a capture's warm-up,
+        none): q*'s on adaptive's `shared` path, none on the others."""
+        share = self.cpu_share
+        if share is None:
+            return
+        shared = n_tokens is not None and self.adaptive.path(n_tokens) == "shared"
+        value = share.fixed_share(self.bandwidths) if shared else 0
+        self.cache.on_device.set_share(value)
+        if value:
+            share.wake()
 
     def _device_path(self, n_tokens: int) -> bool:
         """Whether an eager call of `n_tokens` tokens takes the device path: always under
-        gpu-fill, when adaptive holds it for this batch size (step_paths.py)."""
+        gpu-fill, when adaptive holds `device` or `shared` for this batch size
+        (step_paths.py)."""
         if self.policy == "gpu-fill":
             return True
         ok = self.policy == "adaptive" and self.device_path_ok
-        return ok and self.adaptive.path(n_tokens) == "device"
+        return ok and self.adaptive.path(n_tokens) in DEVICE_PATHS
 
     def before_whole_step(self, n_tokens: int | None) -> None:
         """Before a whole-step graph replays `n_tokens` real tokens (None: before capture,
@@ -417,14 +448,26 @@ class OffloadedExpertBank(GraphDecode):
         fills.own()
         pairs = 0 if n_tokens is None else n_tokens * self.spec.top_k
         fills.state[LIVE_PAIRS : LIVE_PAIRS + 1].fill_(pairs)
+        if self.policy == "adaptive":
+            self._set_share(n_tokens)
 
     def after_step(self, graph_tokens: int | None) -> None:
         """Between steps (the runner calls it after every step): policy direct learns from
         the step's routing (direct.py `learn_after_step`); the other policies decided within
-        the step."""
+        the step. The CPU worker's timings go into B_H; a worker that failed raises here
+        (cpu_share.py), once."""
         self.flush_hits()
         if self.policy == "direct":
             learn_after_step(self, graph_tokens)
+        if self.cpu_share is not None:
+            self.cpu_share.observe(self.bandwidths)
+            self.cpu_share.check()
+
+    def close(self) -> None:
+        """Stop what runs beside the engine (the CPU worker); Engine.close calls it before the
+        pool it reads goes."""
+        if self.cpu_share is not None:
+            self.cpu_share.close()
 
     def _streamed(
         self,

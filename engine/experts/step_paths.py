@@ -1,10 +1,12 @@
 """`adaptive`'s choice of how a decode step reaches its missing experts, by measured step time.
 
-Two paths (engine/experts/device_fills.py has the why):
+Three paths (engine/experts/device_fills.py and cpu_share.py have the why):
 - `stops`: the segmented graphs stop after each router that misses; the host places the misses
   (q*, fetch-all, the CPU branch, whole layers: adaptive.py) and the step resumes;
 - `device`: one graph a step whose layers fill their own misses (policy gpu-fill's kernels):
-  no host decision, no CPU branch.
+  no host decision, no CPU branch;
+- `shared`: the same graph, its layers sending the CPU worker B_H / (B_P + B_H) of their
+  misses (cpu_share.py); offered where the worker runs (the SIMD kernel built).
 
 Neither wins everywhere. On the H200 host (bench/results/NOTES.md, eighteenth session) the
 device path ran native routing at 721 against 543 tok/s on the peer slice and Zipf at 98.9
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 from freetoken_agent.engine.experts.split_trials import RotatedTrials
 
-PATHS = ("stops", "device")
+PATHS = ("stops", "device", "shared")
+DEVICE_PATHS = ("device", "shared")  # the whole-step graph's paths
 BLOCK = 4  # decode steps per path per rotation; the first is not a sample
 ROTATIONS = 2
 PERIOD = 256  # decode steps on the chosen path before measuring again
@@ -34,8 +37,6 @@ WARM = 16  # decode steps on the stops path before the first measurement
 
 
 class PathTrials(RotatedTrials):
-    candidates = PATHS
-
     def __init__(
         self,
         block: int = BLOCK,
@@ -43,8 +44,11 @@ class PathTrials(RotatedTrials):
         period: int = PERIOD,
         fixed: str | None = None,
         warm: int = WARM,
+        shared: bool = True,
     ):
-        """`fixed`: always that path, nothing measured (tests of one path's machinery)."""
+        """`fixed`: always that path, nothing measured (tests of one path's machinery);
+        `shared`: whether the `shared` path is among the candidates."""
+        self.candidates = PATHS if shared else PATHS[:2]
         if block < 2 or rotations < 1 or period < 0 or warm < 0 or fixed not in (None, *PATHS):
             raise ValueError(f"path trials need block >= 2, rotations >= 1, period >= 0 and a "
                              f"fixed path of {PATHS} or none, got {block}, {rotations}, {period}, "

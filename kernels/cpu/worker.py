@@ -11,9 +11,10 @@ outstanding at a time:
             ctrl[ANSWER] = seq (release)
     device: spins until ctrl[ANSWER] == seq (acquire, sys scope), then reads out.
 
-A device wait that outlives TIMEOUT_S writes its seq to ctrl[TIMEOUT] and gives up (the
-layer's CPU share is then missing: the bank raises for that step and stops sharing,
-engine/experts/device_fills.py). ctrl[ERROR] holds the kernel's nonzero return code.
+A device wait that outlives TIMEOUT_S writes its seq to ctrl[TIMEOUT] (the mailbox is dead
+from then on: later waits do not spin) and every wait that gives up writes its seq to
+ctrl[LOST] (that layer's CPU part is missing: the bank raises for the step and stops sharing,
+engine/experts/cpu_share.py). ctrl[ERROR] holds the kernel's nonzero return code.
 
 Shapes: T_max tokens, K top-k, H hidden. rows [T_max * K] int64 (pool rows, -1: not the CPU's),
 weights [T_max * K] fp32, hidden [T_max, H] (the model's dtype), out [T_max, H] fp32.
@@ -31,7 +32,7 @@ from freetoken_agent.kernels.cpu import experts
 
 # ctrl's entries (expert_worker.cpp has the same): the device writes POST, TOKENS, TIMEOUT;
 # the worker ANSWER, ERROR and the counters. POST and ANSWER sit on different cache lines.
-POST, TOKENS, ANSWER, ERROR, TIMEOUT, JOBS, EXPERTS, BUSY_NS = 0, 1, 8, 9, 10, 11, 12, 13
+POST, TOKENS, ANSWER, ERROR, TIMEOUT, JOBS, EXPERTS, BUSY_NS, LOST = 0, 1, 8, 9, 10, 11, 12, 13, 14
 CTRL = 16
 TIMEOUT_S = 2.0  # a device wait's bound: jobs take well under a millisecond
 SPIN_NS = 20_000_000  # the worker spins this long after a job before it sleeps (1 ms slices)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken_agent.kernels.cpu.worker import ANSWER, POST, TIMEOUT, TIMEOUT_S, TOKENS
+from freetoken_agent.kernels.cpu.worker import ANSWER, LOST, POST, TIMEOUT, TIMEOUT_S, TOKENS
 from freetoken_agent.kernels.reference_fills import (
     CLOCK,
     CPU_EXPERTS,
@@ -61,7 +61,8 @@ _PAIRS, _LIVE_PAIRS = tl.constexpr(PAIRS), tl.constexpr(LIVE_PAIRS)
 _CPU_SHARE, _SEQ = tl.constexpr(CPU_SHARE), tl.constexpr(SEQ)
 _LAYER_CPU, _CPU_EXPERTS = tl.constexpr(LAYER_CPU), tl.constexpr(CPU_EXPERTS)
 _HALF = tl.constexpr(SHARE_ONE // 2)
-_POST, _TOKENS, _ANSWER, _TIMEOUT = (tl.constexpr(i) for i in (POST, TOKENS, ANSWER, TIMEOUT))
+_POST, _TOKENS, _ANSWER = tl.constexpr(POST), tl.constexpr(TOKENS), tl.constexpr(ANSWER)
+_TIMEOUT, _LOST = tl.constexpr(TIMEOUT), tl.constexpr(LOST)
 BLOCK_H = 1024  # hidden elements a post or a wait step moves
 
 
@@ -201,7 +202,9 @@ def _collect(state, box_ctrl, box_out, add, TH, timeout, SYS: tl.constexpr,
         if now - start > timeout:  # the worker is gone: mark the mailbox, add nothing
             tl.store(box_ctrl + _TIMEOUT, seq)
             dead = seq
-    if dead == 0:
+    if dead != 0:
+        tl.store(box_ctrl + _LOST, seq)
+    else:
         offs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
         part = tl.load(box_out + offs, mask=offs < TH, volatile=True)
         tl.store(add + offs, part.to(add.dtype.element_ty), mask=offs < TH)

@@ -193,6 +193,7 @@ def test_a_wait_with_no_worker_gives_up_once(rng_seed, force_triton):
         _collect(state, moves, _pool(8), 2, box, add, timeout_s=0.2, force_triton=force_triton)
         took = time.monotonic() - start
         assert int(box.ctrl[worker.TIMEOUT]) == 1  # the first post's sequence number
+        assert int(box.ctrl[worker.LOST]) == layer + 1  # each lost answer's
         assert not add.any()
         if layer == 1:
             assert took < 0.2, "a marked mailbox was waited on again"
