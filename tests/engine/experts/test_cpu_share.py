@@ -1,0 +1,83 @@
+"""adaptive's `shared` path (engine/experts/cpu_share.py): the device path with the CPU worker
+taking a share of each layer's misses gives the resident engine's tokens and logits at any
+budget and share, and a worker that stops answering fails the steps it broke, once, then the
+share is off and the engine serves on."""
+
+import random
+
+import pytest
+import torch
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.kernels.cpu import worker
+
+pytestmark = pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
+
+OPTS = dict(device="cpu", progress=False, dtype="float32")
+
+
+def _shared_engine(path, slots: int, cpu_fraction: float, **opts) -> Engine:
+    engine = Engine.load(path, policy="adaptive", expert_slots=slots, **OPTS, **opts)
+    bank = engine.loaded.bank
+    assert bank.cpu_share is not None and bank.adaptive.shared_ok
+    bank.adaptive.path_params = {"fixed": "shared"}
+    # The share is B_H / (B_P + B_H) of the estimates.
+    bank.bandwidths.cpu, bank.bandwidths.pcie = cpu_fraction, 1.0 - cpu_fraction + 1e-9
+    bank.cpu_share.observe = lambda bandwidths: None  # keep the share this test set
+    return engine
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_shared_path_gives_the_resident_tokens_and_logits(tmp_path, rng_seed, overlap):
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(3, 30))] for _ in range(3)]
+    sp = SamplingParams(max_tokens=rng.randint(8, 16), temperature=0, ignore_eos=True)
+    resident = Engine.load(tmp_path, policy="resident", overlap_schedule=overlap, **OPTS)
+    want = [o.token_ids for o in resident.generate(prompts, sp)]
+    scored = prompts[0][:20]
+    want_logits = resident.score(scored)
+    n_lids = resident.loaded.spec.n_moe_layers * 16
+    # one slot; a random budget; all but one (all would load the resident bank)
+    for slots, fraction in ((1, 1.0), (rng.randint(2, n_lids - 2), rng.uniform(0.2, 0.8)),
+                            (n_lids - 1, 0.5)):  # fmt: skip
+        engine = _shared_engine(tmp_path, slots, fraction, overlap_schedule=overlap)
+        got = [o.token_ids for o in engine.generate(prompts, sp)]
+        assert got == want, (slots, fraction)
+        torch.testing.assert_close(engine.score(scored), want_logits, rtol=1e-4, atol=1e-4)
+        st = engine.stats()["experts"]
+        if slots < n_lids // 2:  # many misses: the worker computed some of them
+            assert st["cpu_share"]["jobs"] > 0 and st["on_cpu"] > 0
+        assert st["cpu_share"]["broken"] is None
+        engine.check_integrity()
+        engine.close()
+
+
+def test_close_stops_the_worker(tmp_path, rng_seed):
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    engine = _shared_engine(tmp_path, 6, 0.5)
+    share = engine.loaded.bank.cpu_share
+    assert share.worker.running
+    engine.close()
+    assert not share.worker.running
+
+
+def test_a_worker_that_stops_answering_fails_its_steps_once(tmp_path, rng_seed):
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompt = [rng.randrange(3, 320) for _ in range(12)]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = Engine.load(tmp_path, policy="resident", **OPTS).generate(prompt, sp).token_ids
+    engine = _shared_engine(tmp_path, 3, 1.0, overlap_schedule=False)
+    share = engine.loaded.bank.cpu_share
+    assert engine.generate(prompt, sp).token_ids == want  # the worker answers
+    share.worker.stop()  # ... and now does not
+    share.timeout_s = 0.05
+    out = engine.generate(prompt, sp)
+    assert out.finish_reason == "error" and "CPU expert worker did not answer" in out.error
+    assert "off from now on" in out.error
+    again = engine.generate(prompt, sp)  # the share is off: the device fills every miss
+    assert again.finish_reason == "length" and again.token_ids == want
+    st = engine.stats()["experts"]["cpu_share"]
+    assert st["broken"] and st["share"] == 0.0
