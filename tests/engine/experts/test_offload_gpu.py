@@ -158,3 +158,39 @@ def test_adaptive_with_more_sequences_than_the_device_path_holds(tmp_path, rng_s
     assert graphs.stops.sizes[-1] == engine.config.max_num_seqs
     assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_adaptive_shared_path_on_cuda_matches_resident(tmp_path, rng_seed, overlap):
+    """adaptive's `shared` path held: the whole-step graph's layers post the CPU worker its
+    share of their misses (pinned mailbox, system-scope ordering) and collect its answer in
+    the copy kernel; at one slot (every miss to the CPU), a random budget and share, and all
+    but one slot: the resident engine's tokens and logits."""
+    from freetoken_agent.kernels.cpu import worker
+
+    if not worker.available():
+        pytest.fail("the device image has no C++ compiler: the CPU expert kernel did not build")
+    rng = random.Random(rng_seed)
+    prompts, sp, want = _resident_run(tmp_path, rng_seed, max_tokens=20)
+    resident = Engine.load(tmp_path, policy="resident", **CUDA)
+    ids = prompts[1] + want[1]
+    want_logits = resident.score(ids)
+    rows = resident.spec.n_moe_layers * resident.spec.n_experts
+    opts = {**CUDA, "overlap_schedule": overlap}
+    for slots, fraction in ((1, 1.0), (rng.randint(5, rows - 2), rng.uniform(0.2, 0.8)),
+                            (rows - 1, 0.5)):  # fmt: skip
+        engine = Engine.load(tmp_path, policy="adaptive", expert_slots=slots, **opts)
+        bank, graphs = engine.loaded.bank, engine.runner.graphs
+        assert isinstance(graphs, PathDecodeGraphs) and bank.cpu_share is not None
+        bank.adaptive.path_params = {"fixed": "shared"}
+        bank.bandwidths.cpu, bank.bandwidths.pcie = fraction, 1.0 - fraction + 1e-9
+        bank.cpu_share.observe = lambda bandwidths: None  # keep the share set here
+        assert [o.token_ids for o in engine.generate(prompts, sp)] == want, (slots, fraction)
+        assert graphs.device_steps > 0
+        st = engine.stats()["experts"]
+        if slots < rows // 2:
+            assert st["cpu_share"]["jobs"] > 0 and st["on_cpu"] > 0
+        assert st["cpu_share"]["broken"] is None
+        assert max_rel_err(engine.score(ids), want_logits) <= 1e-4
+        engine.check_integrity()
+        engine.close()
