@@ -54,18 +54,23 @@ def _use_policy(engine, bank, policy: str) -> None:
     new policy decodes with another kind (`decode_graph_kind`)."""
     was = bank.policy
     bank.policy = policy
+    if policy == "adaptive":
+        bank.start_cpu_share()  # (loaded under another policy: its shared path's worker)
     kinds = {decode_graph_kind(p, bank.device_path_ok) for p in (was, policy)}
     if len(kinds) > 1 and engine.runner.graphs is not None:
         engine.capture_graphs()
 
 
-def start_policy(engine, bank, policy: str, b_p: float, b_h: float) -> None:
+def start_policy(engine, bank, policy: str, b_p: float, b_h: float,
+                 path: str | None = None) -> None:  # fmt: skip
     """Before a measurement: an empty cache, `policy`, the bandwidths measured alone, nothing
-    learnt by adaptive, static's layers placed."""
+    learnt by adaptive (`path`: its step path held, not measured), static's layers placed."""
     bank.cache.reset()
     _use_policy(engine, bank, policy)
     bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
     bank.reset_decisions()
+    if path is not None:
+        bank.adaptive.path_params = {"fixed": path}
     if policy == "static":
         bank.place_static()
 
@@ -115,10 +120,11 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
     }
 
 
-def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h: float) -> dict:
+def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h: float,
+             path: str | None = None) -> dict:  # fmt: skip
     """One policy from an empty cache: WARM_UP decode steps (the cache fills; adaptive's
     first split trials run), then `n` timed. The row: tok/s, counters, online bandwidths."""
-    start_policy(engine, bank, policy, b_p, b_h)
+    start_policy(engine, bank, policy, b_p, b_h, path)
     _decode(engine, WARM_UP, rng, batch)
     rate, st = _decode(engine, n, rng, batch)
     # Elastic memory gives the KV pool's idle pages to slots while decoding: the count at the
@@ -133,6 +139,8 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
         paths = bank.adaptive.paths(batch)
         row["step_path"] = paths.chosen if paths.choices else None
         row["path_ms_per_token"] = {p: 1e3 * v for p, v in paths.medians().items()}
+        share = bank.cpu_share
+        row["cpu_share"] = None if share is None else share.stats(bank.cache.on_device.share)
     return row
 
 
@@ -218,6 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         help="overlap scheduling: each decode step launched before the last one's tokens are "
         "read (EngineConfig.overlap_schedule; default on, --no-overlap for the plain loop)",
     )
+    parser.add_argument(
+        "--adaptive-path",
+        choices=step_paths.PATHS,
+        default=None,
+        help="hold adaptive's decode step path (stops: the host's stops; device: the layers "
+        "fill their misses; shared: and the CPU worker computes B_H/(B_P+B_H) of them) "
+        "instead of measuring the three (default)",
+    )
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     b_hbm = hbm_copy_bandwidth(dev)
@@ -239,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget_gb": args.budget_gb,
         "fill_behind": args.fill_behind,
         "overlap": args.overlap,
+        "adaptive_path": args.adaptive_path,  # None: measured (step_paths.py)
         "slots": bank.cache.n_slots,
         "pool_rows": bank.pool.n_rows,
         "cached_fraction": bank.cache.n_slots / bank.pool.n_rows,
@@ -279,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                     + args.policies[: r % len(args.policies)]
                 )
                 for policy in order:
-                    row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h)
+                    row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h,
+                                   args.adaptive_path)  # fmt: skip
                     miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
                     hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
                     # direct and gpu-fill have no CPU branch; the others' two host paths

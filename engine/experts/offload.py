@@ -201,13 +201,20 @@ class OffloadedExpertBank(GraphDecode):
             )
         if self.policy == "static":
             self.place_static()
-        if self.policy == "adaptive" and pinned and CpuShare.possible() and self.cpu_share is None:
+        if self.policy == "adaptive":
+            self.start_cpu_share()
+        self.stats = OffloadStats()
+        self.cache.clear_counters()
+
+    def start_cpu_share(self) -> None:
+        """adaptive's `shared` path: start the CPU worker, where the pool is pinned (or the
+        device is the CPU) and the SIMD kernel is built. Decode graphs captured before it
+        hold no post: capture again after (the benchmark switching policies does)."""
+        if self.cpu_share is None and self.device_path_ok and CpuShare.possible():
             spec = self.spec
             self.cpu_share = CpuShare(self.pool, self.device, self.device_tokens, spec.top_k,
                                       spec.hidden_size)  # fmt: skip
-            self.adaptive.shared_ok = True
-        self.stats = OffloadStats()
-        self.cache.clear_counters()
+        self.adaptive.shared_ok = self.cpu_share is not None
 
     def place_static(self, protect: frozenset[int] | set[int] = frozenset()) -> None:
         """`static`: the last layers whole, as many as the slots in service hold, as llama.cpp's
