@@ -36,6 +36,10 @@
 #         adaptive, transfer and gpu-fill on the peer slice, ~7 min), step-paths-48 (48 layers)
 #         sampler (the sampling kernel's GPU tests, bench sampler, sampled decode at 12 and 48
 #         layers, ~2 min)
+#         shared (adaptive's shared path: the CPU worker's and the CPU share's GPU tests, every
+#         test that loads adaptive, then the peer slice with the shared path held, ~6 min)
+#         shared-48 (48 layers / 32 GB, native and Zipf: adaptive measuring its three paths,
+#         then held on shared, and gpu-fill, b=1, ~6 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -225,6 +229,18 @@ for stage in "$@"; do
       timeout 420 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 --rounds 2 \
         --regimes native zipf:1.0,loc:0.7 --policies adaptive transfer gpu-fill --out "$OUT" 2>&1 \
         | tee "$OUT/step_paths_48l.log" | grep -v "round[0-9]" | cut -c1-700 ;;
+    shared)
+      timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_cpu_worker.py \
+        tests/kernels/test_expert_fills_cpu_share.py tests/kernels/test_expert_fills.py \
+        tests/engine/experts/test_offload_gpu.py tests/engine/test_overlap_gpu.py \
+        tests/engine/test_hybrid_gpu.py 2>&1 | tee "$OUT/shared_tests.log" | tail -6
+      timeout 250 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --batches 1 --rounds 1 --policies adaptive --adaptive-path shared \
+        --out "$OUT" 2>&1 | tee "$OUT/shared_12l.log" | grep -v "round[0-9]" | cut -c1-900 ;;
+    shared-48)
+      timeout 560 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 --rounds 1 \
+        --regimes native zipf:1.0,loc:0.7 --policies adaptive gpu-fill --out "$OUT" 2>&1 \
+        | tee "$OUT/shared_48l.log" | grep -v "round[0-9]" | cut -c1-900 ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;

@@ -97,7 +97,10 @@ class CpuShare:
         self._lost = lost
         if self.broken is None:
             what = (f"failed a job (code {error})" if error
-                    else f"did not answer job {timeout} within {self.timeout_s:g} s")  # fmt: skip
+                    else f"did not answer job {timeout} within {self.timeout_s:g} s (the device "
+                    f"last read answer {int(ctrl[worker.GAVE_UP_AT])}; {int(ctrl[worker.JOBS])} "
+                    f"jobs answered, the longest in "
+                    f"{int(ctrl[worker.MAX_JOB_NS]) / 1e6:.2f} ms)")  # fmt: skip
             self.broken = f"the CPU expert worker {what}"
             self.worker.stop()
         raise CpuShareFailed(
@@ -109,7 +112,8 @@ class CpuShare:
         """For Engine.stats: the worker's jobs and experts, the share the plans read now."""
         ctrl = self.box.ctrl
         return {"jobs": int(ctrl[worker.JOBS]), "experts": int(ctrl[EXPERTS]),
-                "share": share / SHARE_ONE, "broken": self.broken}  # fmt: skip
+                "share": share / SHARE_ONE, "broken": self.broken,
+                "max_job_ms": int(ctrl[worker.MAX_JOB_NS]) / 1e6}  # fmt: skip
 
     def close(self) -> None:
         self.worker.stop()

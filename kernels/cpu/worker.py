@@ -33,6 +33,8 @@ from freetoken_agent.kernels.cpu import experts
 # ctrl's entries (expert_worker.cpp has the same): the device writes POST, TOKENS, TIMEOUT;
 # the worker ANSWER, ERROR and the counters. POST and ANSWER sit on different cache lines.
 POST, TOKENS, ANSWER, ERROR, TIMEOUT, JOBS, EXPERTS, BUSY_NS, LOST = 0, 1, 8, 9, 10, 11, 12, 13, 14
+# Diagnostics: the longest job (ns), and the answer a wait last read when it gave up.
+MAX_JOB_NS, GAVE_UP_AT = 15, 2
 CTRL = 16
 TIMEOUT_S = 2.0  # a device wait's bound: jobs take well under a millisecond
 SPIN_NS = 20_000_000  # the worker spins this long after a job before it sleeps (1 ms slices)

@@ -24,7 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken_agent.kernels.cpu.worker import ANSWER, LOST, POST, TIMEOUT, TIMEOUT_S, TOKENS
+from freetoken_agent.kernels.cpu.worker import (
+    ANSWER,
+    GAVE_UP_AT,
+    LOST,
+    POST,
+    TIMEOUT,
+    TIMEOUT_S,
+    TOKENS,
+)
 from freetoken_agent.kernels.reference_fills import (
     CLOCK,
     CPU_EXPERTS,
@@ -62,7 +70,7 @@ _CPU_SHARE, _SEQ = tl.constexpr(CPU_SHARE), tl.constexpr(SEQ)
 _LAYER_CPU, _CPU_EXPERTS = tl.constexpr(LAYER_CPU), tl.constexpr(CPU_EXPERTS)
 _HALF = tl.constexpr(SHARE_ONE // 2)
 _POST, _TOKENS, _ANSWER = tl.constexpr(POST), tl.constexpr(TOKENS), tl.constexpr(ANSWER)
-_TIMEOUT, _LOST = tl.constexpr(TIMEOUT), tl.constexpr(LOST)
+_TIMEOUT, _LOST, _GAVE_UP_AT = tl.constexpr(TIMEOUT), tl.constexpr(LOST), tl.constexpr(GAVE_UP_AT)
 BLOCK_H = 1024  # hidden elements a post or a wait step moves
 
 
@@ -204,6 +212,7 @@ def _collect(state, box_ctrl, box_out, add, TH, timeout, SYS: tl.constexpr,
             dead = seq
     if dead != 0:
         tl.store(box_ctrl + _LOST, seq)
+        tl.store(box_ctrl + _GAVE_UP_AT, answer)
     else:
         offs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
         part = tl.load(box_out + offs, mask=offs < TH, volatile=True)
