@@ -6,7 +6,11 @@ all-pairs compare), its slot, the hits' stamps, then per miss one scan of the st
 smallest (chunks of BLOCK_S, ties to the lowest slot). The scans are serial in the misses: m
 misses read the S stamps m times (4 K int64 at 32 GB of 9.4 MB experts: ~32 KB from L2 a
 scan), which is small beside the 9.4 MB each miss then moves. A layer that hits scans nothing.
-Writes by some threads are read by others after `tl.debug_barrier` (one CTA).
+Writes by some threads are read by others after `tl.debug_barrier` (one CTA). A scalar is
+loaded by every thread and stored by one, so a state entry the plan updates (CLOCK, SEQ, the
+counters) is read by all threads before the barrier that precedes its store: on the device a
+warp that read SEQ after the store rang the worker's doorbell with the next number, and the
+layer's wait never saw its answer.
 
 Copies. A fixed grid (a captured graph cannot size it by the plan) walks the moves' chunks:
 program g takes chunks g, g + PROGRAMS, ...; with no move every program exits at once. The
@@ -93,6 +97,11 @@ def _plan_kernel(
     hit = first & (slot >= 0)
     miss = first & (slot < 0)
     clock = tl.load(state + _CLOCK) + 1
+    seq = tl.load(state + _SEQ) + 1  # the next post's, read before any store (below)
+    # Every thread holds what it read of the state before any thread writes it: a warp that
+    # read CLOCK after another stored it would stamp with the next clock (see the module
+    # docstring: scalars are read by every thread, stored by one).
+    tl.debug_barrier()
     tl.store(state + _CLOCK, clock)
     old_stamp = tl.load(stamp + slot, mask=hit, other=_PINNED)
     tl.store(stamp + slot, tl.zeros_like(old_stamp) + clock, mask=hit & (old_stamp != _PINNED))
@@ -133,16 +142,20 @@ def _plan_kernel(
     slot = tl.load(slot_of + lid, mask=live, other=-1).to(tl.int64)
     rows = tl.where(slot >= 0, slot, -lid - 2)
     tl.store(rows_ptr + offs, tl.where(live & ~on_cpu, rows, -1), mask=offs < P)
-    tl.store(state + _MOVES, filled.to(tl.int64))
     n_hit = tl.sum(hit.to(tl.int64), axis=0)
     n_first = tl.sum(first.to(tl.int64), axis=0)
-    tl.store(state + _HITS, tl.load(state + _HITS) + n_hit)
-    tl.store(state + _FILLS, tl.load(state + _FILLS) + filled)
-    tl.store(state + _HOST_READS, tl.load(state + _HOST_READS) + n_miss - filled - n_cpu)
-    tl.store(state + _EXPERTS, tl.load(state + _EXPERTS) + n_first)
-    tl.store(state + _PAIRS, tl.load(state + _PAIRS) + limit)
+    hits, fills = tl.load(state + _HITS), tl.load(state + _FILLS)
+    reads, experts = tl.load(state + _HOST_READS), tl.load(state + _EXPERTS)
+    pairs, on_cpu_total = tl.load(state + _PAIRS), tl.load(state + _CPU_EXPERTS)
+    tl.debug_barrier()  # the counters read by every thread before one adds to them
+    tl.store(state + _MOVES, filled.to(tl.int64))
+    tl.store(state + _HITS, hits + n_hit)
+    tl.store(state + _FILLS, fills + filled)
+    tl.store(state + _HOST_READS, reads + n_miss - filled - n_cpu)
+    tl.store(state + _EXPERTS, experts + n_first)
+    tl.store(state + _PAIRS, pairs + limit)
     tl.store(state + _LAYER_CPU, n_cpu.to(tl.int64))
-    tl.store(state + _CPU_EXPERTS, tl.load(state + _CPU_EXPERTS) + n_cpu)
+    tl.store(state + _CPU_EXPERTS, on_cpu_total + n_cpu)
     if SHARE:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
         if n_cpu > 0:  # the post: the job's data, a fence, then the doorbell
             tl.store(box_rows + offs, tl.where(on_cpu, lid, -1), mask=offs < P)
@@ -153,7 +166,6 @@ def _plan_kernel(
                 x = tl.load(hidden + h0 + offs_h, mask=h0 + offs_h < TH)
                 tl.store(box_hidden + h0 + offs_h, x, mask=h0 + offs_h < TH)
             tl.store(box_ctrl + _TOKENS, tl.zeros((), tl.int64) + T)
-            seq = tl.load(state + _SEQ) + 1
             tl.store(state + _SEQ, seq)
             release_fence_sys(SYS)
             tl.debug_barrier()
