@@ -234,6 +234,7 @@ for stage in "$@"; do
         tests/kernels/test_expert_fills_cpu_share.py tests/kernels/test_expert_fills.py \
         tests/engine/experts/test_offload_gpu.py tests/engine/test_overlap_gpu.py \
         tests/engine/test_hybrid_gpu.py 2>&1 | tee "$OUT/shared_tests.log" | tail -6
+      grep -E "^(FAILED|ERROR)|^E " "$OUT/shared_tests.log" | head -20
       timeout 250 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
         --skip-prefill --batches 1 --rounds 1 --policies adaptive --adaptive-path shared \
         --out "$OUT" 2>&1 | tee "$OUT/shared_12l.log" | grep -v "round[0-9]" | cut -c1-900 ;;
