@@ -147,4 +147,6 @@ class DeviceFills:
                 c._last_hit[lid] = c.step
         used = {slot for _, slot, _ in residents}
         c._free = [s for s in range(lent_from - 1, c.first_slot - 1, -1) if s not in used]
-        c.races.clear()  # the device's fills raced nothing; the host's pending ones are moot
+        # The device's fills raced nothing; the host's pending races are moot. The mean stays:
+        # while the shared path fills behind the CPU, adaptive reads it every step.
+        c.races.drop_pending()

@@ -95,6 +95,11 @@ class FillRaces:
             else:
                 del self.pending[layer]
 
+    def drop_pending(self) -> None:
+        """Forget the races not yet settled; the mean stays (a hand-back from the device
+        path: adaptive's verdict must outlive it)."""
+        self.pending.clear()
+
     def clear(self) -> None:
         self.pending.clear()
         self._mean = self._weight = 0.0
