@@ -86,7 +86,8 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
     reserve = getattr(engine.loaded.model.expert_bank, "reserve", None)  # traced routing
     if reserve is not None:  # the traces' draws happen before the clock starts
         reserve(n * batch)
-    before = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu)
+    before = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu,
+              bank.stats.behind)  # fmt: skip
     filled0 = bank.cache.bytes_filled
     graphs = engine.runner.graphs
     # Direct graphs never re-run a segment: misses are read in place, so they keep no counter.
@@ -111,6 +112,7 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
         "miss_rate": 1 - hits / experts,
         "fetched_per_token": (st.fetched - before[2]) / steps,
         "on_cpu_per_token": (st.on_cpu - before[3]) / steps,
+        "behind_per_token": (st.behind - before[4]) / steps,  # of those on the CPU, filled too
         "pcie_bytes_per_token": (bank.cache.bytes_filled - filled0) / steps,
         "experts_per_token": experts / steps,
         "segment_reruns_per_token": (getattr(graphs, "reruns", 0) - reruns0) / steps,
@@ -141,6 +143,7 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
         row["path_ms_per_token"] = {p: 1e3 * v for p, v in paths.medians().items()}
         share = bank.cpu_share
         row["cpu_share"] = None if share is None else share.stats(bank.cache.on_device.share)
+        row["fill_gain"] = bank.cache.fill_gain  # the race adaptive's verdict reads
     return row
 
 
