@@ -104,18 +104,14 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
                 meta = self._meta(bs)
-                self._forward(bs, meta)  # warm-up: compile/autotune outside capture
+                self.model(self.input_ids[:bs], meta)  # warm-up: compile/autotune outside capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bs] = self._forward(bs, meta)
+                    self.outputs[bs] = self.model(self.input_ids[:bs], meta)
                 pool = graph.pool()
                 self.graphs[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-
-    def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
-        """The step a graph captures (the warm-up runs it too)."""
-        return self.model(self.input_ids[:bs], meta)
 
     def fits(self, inputs: StepInputs) -> bool:
         b = inputs.cu_q_lens.shape[0] - 1

@@ -35,13 +35,6 @@ class DirectDecodeGraphs(OffloadedDecodeGraphs):
             self.io.active = False
             self.bank.whole_step_capture = False
 
-    def _forward(self, bs: int, meta) -> torch.Tensor:
-        """The step, then its fills behind the CPU joined (adaptive's shared path forks them
-        to a side stream: a capture must end on its own stream)."""
-        out = super()._forward(bs, meta)
-        self.bank.join_behind()
-        return out
-
     def replay(self, inputs: StepInputs, between: Callable[[], None] | None = None) -> torch.Tensor:
         """Run one decode step; returns hidden states [B, H] (valid until the next replay).
         `between`: called once the graph is launched."""

@@ -155,10 +155,6 @@ class AdaptiveFetches:
             q = split_count(tokens, bw)
         return lids[: max(q, min(cache.free_slots, len(lids)))]
 
-    def fills_pay(self) -> bool:
-        """Whether the fill race says fills pay (the verdict `all`, with its hysteresis)."""
-        return self.verdict(self.cache.fill_gain) == "all"
-
     def behind(self, tokens: list[int], bw: Bandwidths) -> int:
         """How many of a decode stop's fetches (serving `tokens` tokens each, most first) to
         fill behind the layer's compute (EngineConfig.fill_behind): while fills pay (`all`),

@@ -11,11 +11,9 @@ worker's answer and puts it in the MoE kernels' `add` buffer. No step stops for 
 
 The share balances the two branches as q* does (policy.py): the CPU takes
 B_H / (B_P + B_H) of a layer's misses, from the bank's bandwidth estimates, which the worker's
-own timings keep current (`observe`). While fills pay (routing repeats itself: adaptive's
-verdict `all`), the CPU's misses are filled too, behind it: the plan lists them per layer and a
-copy on a side stream moves them while the step goes on (joined at the step's end), so the
-layer waits only for the link's share and the next steps hit them. Otherwise they take no slot
-and the link carries only its share.
+own timings keep current (`observe`). The CPU's misses take no slot: that is the price when
+routing repeats itself (fills pay), where adaptive keeps the plain device path instead
+(PathTrials measures the three paths).
 
 Shapes: T_max = the bank's device_tokens, K top-k, H hidden. add [T_max, H] fp32 on the
 device: the CPU's part enters the MoE kernels' fp32 sum before its one rounding.
@@ -57,11 +55,9 @@ class CpuShare:
     def possible() -> bool:
         return worker.available()
 
-    def post(self, hidden: torch.Tensor, weights: torch.Tensor, behind_moves: torch.Tensor,
-             behind_n: torch.Tensor, ahead: int) -> CpuPost:  # fmt: skip
-        """A layer's post for the plan: hidden [T, H], weights [T, K] fp32, and the layer's
-        list of fills behind the CPU ([M, 2], its count [1]; `ahead`: the step's MoE layers)."""
-        return CpuPost(self.box, hidden.contiguous(), weights, behind_moves, behind_n, ahead)
+    def post(self, hidden: torch.Tensor, weights: torch.Tensor) -> CpuPost:
+        """A layer's post for the plan: hidden [T, H], weights [T, K] fp32."""
+        return CpuPost(self.box, hidden.contiguous(), weights)
 
     def answer(self, n_tokens: int) -> torch.Tensor:
         """The MoE kernels' `add` [T, H] for a layer of `n_tokens` tokens (zero unless the

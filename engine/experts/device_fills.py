@@ -37,7 +37,7 @@ from freetoken_agent.kernels import reference_fills as layout
 if TYPE_CHECKING:
     from freetoken_agent.engine.experts.cache import ExpertCache
 
-# S slots (the cache's max_slots), M = most pairs a decode step's layer routes, L MoE layers
+# S slots (the cache's max_slots), M = most pairs a decode step's layer routes
 
 
 class DeviceFills:
@@ -54,11 +54,6 @@ class DeviceFills:
         self._clock_at_own = 0
         self._folded = [0] * layout.STATE  # counters already added to the host's
         self.share = 0  # CPU_SHARE the plans read (cpu_share.py; 0: every miss filled)
-        self.behind = 0  # BEHIND: whether the CPU's misses are filled behind it too
-        # Each layer's fills behind the CPU ([L, M, 2], [L]): per layer, as a layer's copy on
-        # the side stream may still read its list when the next layer plans (`behind_lists`).
-        self.behind_moves: torch.Tensor | None = None
-        self.behind_n: torch.Tensor | None = None
         self._seq = 0  # the last SEQ posted to the CPU worker: it never goes back
 
     def own(self) -> None:
@@ -76,28 +71,19 @@ class DeviceFills:
         state = [0] * layout.STATE
         state[layout.CLOCK] = self._clock_at_own = len(c._lru)
         state[layout.CPU_SHARE], state[layout.SEQ] = self.share, self._seq
-        state[layout.BEHIND] = self.behind
         self.lid_of.copy_(torch.tensor(c._lid_of, dtype=torch.int32))
         self.stamp.copy_(torch.tensor(stamp, dtype=torch.int64))
         self.state.copy_(torch.tensor(state, dtype=torch.int64))
         self._folded = [0] * layout.STATE
         self.owned = True
 
-    def behind_lists(self, n_layers: int) -> None:
-        """Allocate the per-layer lists of fills behind the CPU (once)."""
-        if self.behind_moves is None:
-            m, device = self.moves.shape[0], self.state.device
-            self.behind_moves = torch.zeros((n_layers, m, 2), dtype=torch.int64, device=device)
-            self.behind_n = torch.zeros(n_layers, dtype=torch.int64, device=device)
-
-    def set_share(self, value: int, behind: bool = False) -> None:
-        """CPU_SHARE and BEHIND for the next plans (in stream order while owned; `own` writes
-        them)."""
-        if self.owned and value != self.share:
+    def set_share(self, value: int) -> None:
+        """CPU_SHARE for the next plans (in stream order while owned; `own` writes it)."""
+        if value == self.share:
+            return
+        self.share = value
+        if self.owned:
             self.state[layout.CPU_SHARE : layout.CPU_SHARE + 1].fill_(value)
-        if self.owned and int(behind) != self.behind:
-            self.state[layout.BEHIND : layout.BEHIND + 1].fill_(int(behind))
-        self.share, self.behind = value, int(behind)
 
     def fold(self) -> None:
         """Add the device's counters since the last fold to the bank's and the cache's
@@ -109,9 +95,8 @@ class DeviceFills:
         c = self.cache
         c.hits += d[layout.HITS]
         c.misses += d[layout.FILLS] + d[layout.HOST_READS] + d[layout.CPU_EXPERTS]
-        fills = d[layout.FILLS] + d[layout.BEHIND_FILLS]
-        c.fills += fills
-        c.bytes_filled += fills * c.pool.expert_bytes
+        c.fills += d[layout.FILLS]
+        c.bytes_filled += d[layout.FILLS] * c.pool.expert_bytes
         st = self.stats
         if st is not None:
             st.pairs += d[layout.PAIRS]
@@ -120,8 +105,6 @@ class DeviceFills:
             st.fetched += d[layout.FILLS]
             st.direct += d[layout.HOST_READS]
             st.on_cpu += d[layout.CPU_EXPERTS]
-            st.behind += d[layout.BEHIND_FILLS]
-            st.fetched += d[layout.BEHIND_FILLS]
 
     def release(self) -> None:
         """Give the cache back to the host: rebuild its mirror from the device tables."""

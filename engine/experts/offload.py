@@ -134,8 +134,6 @@ class OffloadedExpertBank(GraphDecode):
         self.device_path_ok = device.type != "cuda"
         # adaptive's `shared` path: the CPU worker's share of the device path (`ready`).
         self.cpu_share: CpuShare | None = None
-        self._behind_stream: torch.cuda.Stream | None = None  # captured fills behind the CPU
-        self._behind_pending = False
         self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
         self._placed_after = -1  # static: cache.vacates when its layers were last made whole
@@ -415,52 +413,16 @@ class OffloadedExpertBank(GraphDecode):
             if layer == 0:
                 self._set_share(hidden.shape[0])
         # adaptive posts the CPU's share (CPU_SHARE, 0 off the `shared` path) and adds the
-        # worker's answer; a captured step holds both for any share, and the fills behind the
-        # CPU (BEHIND) for either setting.
+        # worker's answer; a captured step holds both for any share.
         shared = share is not None and self.policy == "adaptive"
-        post = None
-        if shared:
-            n_layers = self.spec.n_moe_layers
-            fills.behind_lists(n_layers)
-            behind = (fills.behind_moves[layer], fills.behind_n[layer : layer + 1], n_layers)
-            post = share.post(hidden, weights, *behind)
+        post = share.post(hidden, weights) if shared else None
         rows = plan_fills(topk_ids, layer * self.n_experts, cache.slot_of, fills.lid_of,
                           fills.stamp, fills.state, fills.moves, live_pairs, post)  # fmt: skip
-        if shared:
-            self._fill_behind(layer)
         box, add = (share.box, share.answer(hidden.shape[0])) if shared else (None, None)
         copy_fills(fills.state, fills.moves, self.pool.w13, self.pool.w2, cache.w13, cache.w2,
                    box, add, timeout_s=share.timeout_s if shared else 0.0)  # fmt: skip
         return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
                          host_w13=self.pool.w13, host_w2=self.pool.w2, add=add)  # fmt: skip
-
-    def _fill_behind(self, layer: int) -> None:
-        """The layer's fills behind the CPU (none unless BEHIND is set): in a captured step on
-        a side stream, forked here and joined at the step's end (`join_behind`), so the layer
-        and the ones after it do not wait for them; eagerly, in line."""
-        cache, fills = self.cache, self.cache.on_device
-        args = (fills.state, fills.behind_moves[layer], self.pool.w13, self.pool.w2,
-                cache.w13, cache.w2)  # fmt: skip
-        count = fills.behind_n[layer : layer + 1]
-        captured = self.graph_io is not None and self.graph_io.active
-        if not (captured and self.device.type == "cuda"):
-            copy_fills(*args, count=count)
-            return
-        main = torch.cuda.current_stream(self.device)
-        if self._behind_stream is None:
-            self._behind_stream = torch.cuda.Stream(self.device)
-        side = self._behind_stream
-        side.wait_stream(main)  # after the plan that listed them
-        with torch.cuda.stream(side):
-            copy_fills(*args, count=count)
-        self._behind_pending = True
-
-    def join_behind(self) -> None:
-        """The step's end in a captured whole-step graph: the main stream waits for the fills
-        behind the CPU (DirectDecodeGraphs calls it inside the capture)."""
-        if self._behind_pending:
-            torch.cuda.current_stream(self.device).wait_stream(self._behind_stream)
-            self._behind_pending = False
 
     def _set_share(self, n_tokens: int | None) -> None:
         """The CPU's share for the next step of `n_tokens` tokens (None: a capture's warm-up,
@@ -470,8 +432,7 @@ class OffloadedExpertBank(GraphDecode):
             return
         shared = n_tokens is not None and self.adaptive.path(n_tokens) == "shared"
         value = share.fixed_share(self.bandwidths) if shared else 0
-        # While fills pay, the CPU's misses are filled behind it (cpu_share.py).
-        self.cache.on_device.set_share(value, behind=value > 0 and self.adaptive.fills_pay())
+        self.cache.on_device.set_share(value)
         if value:
             share.wake()
 
