@@ -72,13 +72,11 @@ def copy_fills(
     add: Tensor | None = None,
     *,
     timeout_s: float = TIMEOUT_S,
-    count: Tensor | None = None,
     force_triton: bool = False,
 ) -> None:
     """The last plan's moves, dst[slot] = src[lid] in both banks (rows dense inside); with
     `box`, then the CPU's answer to the last plan's post into `add` [T, H] (nothing when it
-    posted nothing; reference_fills.wait_cpu). `count` [1] int64: how many of `moves` to
-    copy (a layer's fills behind the CPU: CpuPost.behind_n); default state[MOVES]."""
+    posted nothing; reference_fills.wait_cpu)."""
     if src_w13.shape[1:] != dst_w13.shape[1:] or src_w2.shape[1:] != dst_w2.shape[1:]:
         raise ValueError("pool and slot rows differ in shape")
     if not all(t[0].is_contiguous() for t in (src_w13, src_w2, dst_w13, dst_w2)):
@@ -87,11 +85,10 @@ def copy_fills(
                             add.shape[0] > box.max_tokens):  # fmt: skip
         raise ValueError(f"add must be contiguous with at most {box.max_tokens} rows")
     if not use_triton(dst_w13, force_triton, "copy_fills"):
-        reference.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, count)
+        reference.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2)
         if box is not None:
             reference.wait_cpu(state, box, add, timeout_s)
         return
     from freetoken_agent.kernels.triton import expert_fills as triton_impl
 
-    args = (state, moves, src_w13, src_w2, dst_w13, dst_w2, box, add, timeout_s, count)
-    triton_impl.copy_fills(*args)
+    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box, add, timeout_s)

@@ -21,12 +21,8 @@ instead when round((r + 1) * share) > round(r * share), share in 1/SHARE_ONE: of
 CPU takes round(m * share), spread evenly. Its pairs get row -1 (the MoE kernels skip them);
 the plan posts them to the CPU worker's mailbox (kernels/cpu/worker.py: the hidden rows, the
 pairs' pool rows and weights, then POST = the next SEQ) and `wait_cpu` (after the copies) puts
-the answer in the MoE kernels' `add` buffer. They take no slot, unless state[BEHIND] is set
-and the post carries a layer's behind list: then each also takes a victim, in the same order,
-listed there (`post.behind_moves`, count in `post.behind_n`) instead of in `moves`, for a copy
-that the layer does not wait for (the CPU computes it this time); its stamp is the clock plus
-`post.ahead` (the step's MoE layers), so no later layer of the step picks the slot while the
-copy may still be writing it.
+the answer in
+the MoE kernels' `add` buffer. They take no slot: the link keeps its share's worth of fills.
 """
 
 from __future__ import annotations
@@ -53,8 +49,8 @@ PINNED = 1 << 62  # a stamp no clock reaches: the slot is never a victim
 # state's entries. CPU_SHARE, SEQ and the counters outlive a hand-back (DeviceFills.own);
 # LAYER_CPU is the last plan's CPU experts, which the wait reads.
 CLOCK, MOVES, HITS, FILLS, HOST_READS, EXPERTS, PAIRS, LIVE_PAIRS = range(8)
-CPU_SHARE, SEQ, LAYER_CPU, CPU_EXPERTS, BEHIND, BEHIND_FILLS = range(8, 14)
-STATE = 14
+CPU_SHARE, SEQ, LAYER_CPU, CPU_EXPERTS = range(8, 12)
+STATE = 12
 SHARE_ONE = 1 << 16  # CPU_SHARE's fixed point: SHARE_ONE sends every miss to the CPU
 
 
@@ -71,11 +67,6 @@ class CpuPost:
     box: Mailbox
     hidden: Tensor  # [T, H]
     weights: Tensor  # [T, K] fp32
-    # The layer's fills behind the CPU (state[BEHIND]): its list [M, 2] and count [1] int64,
-    # and the stamp offset (the step's MoE layers). None: the CPU's misses never fill.
-    behind_moves: Tensor | None = None
-    behind_n: Tensor | None = None
-    ahead: int = 0
 
 
 def plan_fills(
@@ -110,11 +101,9 @@ def plan_fills(
             stamp[slot] = clock
     share = int(state[CPU_SHARE]) if post is not None else 0
     on_cpu = [lid for r, lid in enumerate(misses) if cpu_count(r + 1, share) > cpu_count(r, share)]
-    behind_on = post is not None and post.behind_moves is not None and int(state[BEHIND]) != 0
-    filled = behind = 0
+    filled = 0
     for lid in misses:
-        cpu = lid in on_cpu
-        if cpu and not behind_on:
+        if lid in on_cpu:
             continue
         best = int(torch.argmin(stamp))  # the first of the smallest: the lowest slot
         if int(stamp[best]) >= clock:
@@ -124,18 +113,10 @@ def plan_fills(
             slot_of[old] = -1
         lid_of[best] = lid
         slot_of[lid] = best
-        if cpu:  # filled behind: the CPU computes it this step
-            stamp[best] = clock + post.ahead
-            post.behind_moves[behind, 0], post.behind_moves[behind, 1] = lid, best
-            behind += 1
-        else:
-            stamp[best] = clock
-            moves[filled, 0], moves[filled, 1] = lid, best
-            filled += 1
+        stamp[best] = clock
+        moves[filled, 0], moves[filled, 1] = lid, best
+        filled += 1
     state[MOVES] = filled
-    if post is not None and post.behind_n is not None:
-        post.behind_n[0] = behind
-    state[BEHIND_FILLS] += behind
     state[HITS] += len(hits)
     state[FILLS] += filled
     state[HOST_READS] += len(misses) - filled - len(on_cpu)
@@ -188,17 +169,9 @@ def wait_cpu(state: Tensor, box: Mailbox, add: Tensor, timeout_s: float = TIMEOU
 
 
 def copy_fills(
-    state: Tensor,
-    moves: Tensor,
-    src_w13: Tensor,
-    src_w2: Tensor,
-    dst_w13: Tensor,
-    dst_w2: Tensor,
-    count: Tensor | None = None,
+    state: Tensor, moves: Tensor, src_w13: Tensor, src_w2: Tensor, dst_w13: Tensor, dst_w2: Tensor
 ) -> None:
-    """The last plan's moves (`count` [1]: how many; default state[MOVES]): dst[slot] =
-    src[lid] in both banks."""
-    n = int(state[MOVES] if count is None else count[0])
-    for lid, slot in moves[:n].tolist():
+    """The last plan's moves: dst[slot] = src[lid] in both banks."""
+    for lid, slot in moves[: int(state[MOVES])].tolist():
         dst_w13[slot].copy_(src_w13[lid])
         dst_w2[slot].copy_(src_w2[lid])

@@ -38,8 +38,6 @@ from freetoken_agent.kernels.cpu.worker import (
     TOKENS,
 )
 from freetoken_agent.kernels.reference_fills import (
-    BEHIND,
-    BEHIND_FILLS,
     CLOCK,
     CPU_EXPERTS,
     CPU_SHARE,
@@ -74,7 +72,6 @@ _HOST_READS, _EXPERTS = tl.constexpr(HOST_READS), tl.constexpr(EXPERTS)
 _PAIRS, _LIVE_PAIRS = tl.constexpr(PAIRS), tl.constexpr(LIVE_PAIRS)
 _CPU_SHARE, _SEQ = tl.constexpr(CPU_SHARE), tl.constexpr(SEQ)
 _LAYER_CPU, _CPU_EXPERTS = tl.constexpr(LAYER_CPU), tl.constexpr(CPU_EXPERTS)
-_BEHIND, _BEHIND_FILLS = tl.constexpr(BEHIND), tl.constexpr(BEHIND_FILLS)
 _HALF = tl.constexpr(SHARE_ONE // 2)
 _POST, _TOKENS, _ANSWER = tl.constexpr(POST), tl.constexpr(TOKENS), tl.constexpr(ANSWER)
 _TIMEOUT, _LOST, _GAVE_UP_AT = tl.constexpr(TIMEOUT), tl.constexpr(LOST), tl.constexpr(GAVE_UP_AT)
@@ -85,9 +82,8 @@ BLOCK_H = 1024  # hidden elements a post or a wait step moves
 def _plan_kernel(
     ids_ptr, rows_ptr, slot_of, lid_of, stamp, state, moves, base, P, live_pairs, S,
     box_ctrl, box_rows, box_weights, box_hidden, hidden, weights, T, TH,
-    behind_moves, behind_n, ahead,
     LIMITED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, SHARE: tl.constexpr,
-    SYS: tl.constexpr, BLOCK_H: tl.constexpr, BEHIND_LIST: tl.constexpr,
+    SYS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     offs = tl.arange(0, BLOCK_P)
     limit = live_pairs
@@ -115,21 +111,16 @@ def _plan_kernel(
     filled = n_miss * 0
     n_cpu = n_miss * 0
     on_cpu = offs < 0  # [BLOCK_P] pairs whose lid the CPU computes
-    n_behind = n_miss * 0
     share = clock * 0
-    behind_on = share != 0  # false
     if SHARE:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
         share = tl.load(state + _CPU_SHARE)
-    if BEHIND_LIST:
-        behind_on = tl.load(state + _BEHIND) != 0
-    behind_total = tl.load(state + _BEHIND_FILLS)
     offs_s = tl.arange(0, BLOCK_S)
     for r in range(n_miss):
         new = tl.sum(tl.where(miss & (rank == r), lid, 0), axis=0)  # the r-th miss's lid
         to_cpu = ((r + 1) * share + _HALF) >> 16 > (r * share + _HALF) >> 16
         best_v = clock * 0 + _PINNED
         best_i = clock * 0 - 1
-        if (not to_cpu) | behind_on:  # a link fill, or one behind the CPU
+        if not to_cpu:
             for s0 in range(0, S, BLOCK_S):
                 st = tl.load(stamp + s0 + offs_s, mask=s0 + offs_s < S, other=_PINNED)
                 v, i = tl.min(st, 0, return_indices=True, return_indices_tie_break_left=True)
@@ -139,20 +130,14 @@ def _plan_kernel(
         on_cpu = on_cpu | (live & (lid == new) & to_cpu)
         n_cpu += to_cpu.to(tl.int32)
         found = best_v < clock
-        link = found & (not to_cpu)
-        back = found & to_cpu
         old = tl.load(lid_of + best_i, mask=found, other=-1)
         tl.store(slot_of + old, -1, mask=found & (old >= 0))
         tl.store(lid_of + best_i, new.to(tl.int32), mask=found)
         tl.store(slot_of + new, best_i.to(tl.int32), mask=found)
-        # A slot filled behind is no victim for the rest of the step: its copy may still run.
-        tl.store(stamp + best_i, tl.where(to_cpu, clock + ahead, clock), mask=found)
-        tl.store(moves + 2 * filled, new, mask=link)
-        tl.store(moves + 2 * filled + 1, best_i, mask=link)
-        tl.store(behind_moves + 2 * n_behind, new, mask=back)
-        tl.store(behind_moves + 2 * n_behind + 1, best_i, mask=back)
-        filled += link.to(tl.int32)
-        n_behind += back.to(tl.int32)
+        tl.store(stamp + best_i, clock, mask=found)
+        tl.store(moves + 2 * filled, new, mask=found)
+        tl.store(moves + 2 * filled + 1, best_i, mask=found)
+        filled += found.to(tl.int32)
         tl.debug_barrier()
     slot = tl.load(slot_of + lid, mask=live, other=-1).to(tl.int64)
     rows = tl.where(slot >= 0, slot, -lid - 2)
@@ -171,9 +156,6 @@ def _plan_kernel(
     tl.store(state + _PAIRS, pairs + limit)
     tl.store(state + _LAYER_CPU, n_cpu.to(tl.int64))
     tl.store(state + _CPU_EXPERTS, on_cpu_total + n_cpu)
-    tl.store(state + _BEHIND_FILLS, behind_total + n_behind)
-    if BEHIND_LIST:
-        tl.store(behind_n, n_behind.to(tl.int64))
     if SHARE:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
         if n_cpu > 0:  # the post: the job's data, a fence, then the doorbell
             tl.store(box_rows + offs, tl.where(on_cpu, lid, -1), mask=offs < P)
@@ -192,14 +174,14 @@ def _plan_kernel(
 
 @triton.jit
 def _copy_kernel(
-    state, count, moves, src13, src2, dst13, dst2, s_stride13, s_stride2, d_stride13, d_stride2,
-    n13, n2, box_ctrl, box_out, add, TH, timeout,
+    state, moves, src13, src2, dst13, dst2, s_stride13, s_stride2, d_stride13, d_stride2, n13, n2,
+    box_ctrl, box_out, add, TH, timeout,
     PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr, SYS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     c13 = tl.cdiv(n13, BLOCK)
     per = c13 + tl.cdiv(n2, BLOCK)  # chunks of one expert
-    total = tl.load(count).to(tl.int32) * per
+    total = tl.load(state + _MOVES).to(tl.int32) * per
     offs = tl.arange(0, BLOCK)
     for w in range(tl.program_id(0), total, PROGRAMS):
         move = w // per
@@ -272,19 +254,16 @@ def plan_fills(
         box = (b.ctrl, b.rows, b.weights, b.hidden, post.hidden, post.weights)
         t = post.hidden.shape[0]
     th = t * (0 if post is None else post.hidden.shape[1])
-    listed = post is not None and post.behind_moves is not None
-    behind = (post.behind_moves, post.behind_n, post.ahead) if listed else (state, state, 0)
     _plan_kernel[(1,)](
         ids, rows, slot_of, lid_of, stamp, state, moves, base, p, live, stamp.numel(), *box, t,
-        th, *behind, LIMITED=limited, BLOCK_P=max(16, triton.next_power_of_2(p)),
-        BLOCK_S=BLOCK_S, SHARE=post is not None, SYS=_sys_ordering(), BLOCK_H=BLOCK_H,
-        BEHIND_LIST=listed, num_warps=4,
+        th, LIMITED=limited, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=BLOCK_S,
+        SHARE=post is not None, SYS=_sys_ordering(), BLOCK_H=BLOCK_H, num_warps=4,
     )  # fmt: skip
     return rows
 
 
 def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=None,
-               timeout_s: float = TIMEOUT_S, count=None) -> None:  # fmt: skip
+               timeout_s: float = TIMEOUT_S) -> None:  # fmt: skip
     """Twin of `reference_fills.copy_fills` (and its collection of the CPU's answer into `add`
     when `box` is given); a fixed grid, no host sync. The interpreter counts spins for the
     timeout, each some hundreds of microseconds there: 10,000 a second of `timeout_s`."""
@@ -294,9 +273,8 @@ def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=Non
     timeout = int(timeout_s * (1e9 if sys else 1e4))
     ctrl, out, add = (box.ctrl, box.out, add) if wait else (state, state, state)
     grid = max(COPY_PROGRAMS, triton.cdiv(th, BLOCK_H))
-    count = state[MOVES:] if count is None else count
     _copy_kernel[(grid,)](
-        state, count, moves, src_w13, src_w2, dst_w13, dst_w2, src_w13.stride(0), src_w2.stride(0),
+        state, moves, src_w13, src_w2, dst_w13, dst_w2, src_w13.stride(0), src_w2.stride(0),
         dst_w13.stride(0), dst_w2.stride(0), src_w13[0].numel(), src_w2[0].numel(),
         ctrl, out, add, th, timeout,
         PROGRAMS=grid, BLOCK=COPY_BLOCK, WAIT=wait, SYS=sys, BLOCK_H=BLOCK_H,

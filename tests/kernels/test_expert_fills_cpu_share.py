@@ -32,14 +32,7 @@ def _cache(rng: random.Random, n_lids: int, n_slots: int):
     state = torch.zeros(ref.STATE, dtype=torch.int64)
     state[ref.CLOCK] = 6
     state[ref.CPU_SHARE] = rng.choice([0, ref.SHARE_ONE // 3, ref.SHARE_ONE // 2, ref.SHARE_ONE])
-    state[ref.BEHIND] = rng.randrange(2)  # the CPU's misses fill behind it, or take no slot
     return slot_of, lid_of, stamp, state
-
-
-def _post(box, hidden, weights, ahead: int = 3) -> CpuPost:
-    """A post with a behind list (used when state[BEHIND] is set)."""
-    moves = torch.full((16, 2), -7, dtype=torch.int64)
-    return CpuPost(box, hidden, weights, moves, torch.zeros(1, dtype=torch.int64), ahead)
 
 
 def _layer(rng: random.Random, n_experts: int, max_tokens: int, k: int = 4):
@@ -88,20 +81,19 @@ def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
             int(state[ref.SEQ]),
             slot_of.clone(),
         )
-        behind_on, clock = bool(state[ref.BEHIND]), int(state[ref.CLOCK]) + 1
         box = _box()
         moves = torch.zeros(16, 2, dtype=torch.int64)
-        post = _post(box, hidden, weights, ahead=rng.randrange(1, 9))
-        rows = plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, ids.numel(), post)
+        rows = plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, ids.numel(),
+                          CpuPost(box, hidden, weights))  # fmt: skip
         on_cpu = {
             lid for r, lid in enumerate(misses) if cpu_count(r + 1, share) > cpu_count(r, share)
         }
         assert len(on_cpu) == round(len(misses) * share / ref.SHARE_ONE + 1e-9)
         assert int(state[ref.LAYER_CPU]) == len(on_cpu) == int(state[ref.CPU_EXPERTS])
         for p, lid in enumerate(lids):
-            if lid in on_cpu:  # skipped by the MoE kernels, posted to the CPU
+            if lid in on_cpu:  # skipped by the MoE kernels, posted to the CPU, given no slot
                 assert int(rows[p]) == -1 and int(box.rows[p]) == lid
-                assert behind_on or int(slot_of[lid]) < 0  # no slot, unless filled behind
+                assert int(slot_of[lid]) < 0
             else:
                 assert int(rows[p]) != -1
                 if on_cpu:
@@ -118,14 +110,6 @@ def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
         reads = int(state[ref.HOST_READS])
         assert fills + reads + len(on_cpu) == len(misses)
         assert all(int(resident_before[lid]) < 0 for lid in on_cpu)
-        n_behind = int(post.behind_n[0])
-        assert n_behind == int(state[ref.BEHIND_FILLS]) and (behind_on or n_behind == 0)
-        for lid, slot in post.behind_moves[:n_behind].tolist():  # filled behind the CPU
-            assert lid in on_cpu and int(slot_of[lid]) == slot and int(lid_of[slot]) == lid
-            assert int(stamp[slot]) == clock + post.ahead  # no victim for the step's rest
-        if behind_on:  # every CPU miss that a slot could take was listed, in order
-            listed = [lid for lid, _ in post.behind_moves[:n_behind].tolist()]
-            assert listed == [lid for lid in misses if lid in on_cpu][:n_behind]
 
 
 def test_triton_plan_with_a_share_equals_the_twin(rng_seed):
@@ -142,12 +126,9 @@ def test_triton_plan_with_a_share_equals_the_twin(rng_seed):
             base = n_experts * rng.randrange(2)
             live = rng.randrange(1, ids.numel() + 1)
             a[3][ref.LIVE_PAIRS] = b[3][ref.LIVE_PAIRS] = live
-            pa, pb = _post(box_a, hidden, weights), _post(box_b, hidden, weights)
-            ra = plan_fills(ids, base, *a, ma, None, pa)
-            rb = plan_fills(ids, base, *b, mb, None, pb, force_triton=True)
-            n = int(pa.behind_n[0])
-            assert n == int(pb.behind_n[0])
-            assert torch.equal(pa.behind_moves[:n], pb.behind_moves[:n])
+            ra = plan_fills(ids, base, *a, ma, None, CpuPost(box_a, hidden, weights))
+            rb = plan_fills(ids, base, *b, mb, None, CpuPost(box_b, hidden, weights),
+                            force_triton=True)  # fmt: skip
             assert torch.equal(ra, rb)
             for x, y in zip(a, b, strict=True):
                 assert torch.equal(x, y)
