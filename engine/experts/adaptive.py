@@ -87,7 +87,7 @@ class AdaptiveFetches:
     def paths(self, n_tokens: int) -> PathTrials:
         """The step path's trials for decode steps of `n_tokens` tokens."""
         if n_tokens not in self._paths:
-            params = {"shared": self.shared_ok, **self.path_params}
+            params = {"shared": self.shared_ok, "allowed": self._path_allowed, **self.path_params}
             self._paths[n_tokens] = PathTrials(**params)
         return self._paths[n_tokens]
 
@@ -97,8 +97,25 @@ class AdaptiveFetches:
 
     def path(self, n_tokens: int) -> str:
         """`stops`, `device` or `shared` for a decode step of `n_tokens` tokens (longer
-        calls, and steps past `device_tokens`: stops)."""
-        return self.paths(n_tokens).path if self.path_measured(n_tokens) else "stops"
+        calls, and steps past `device_tokens`: stops). `shared` kept from a measurement gives
+        way to `device` while fills pay (`_path_allowed`)."""
+        if not self.path_measured(n_tokens):
+            return "stops"
+        path = self.paths(n_tokens).path
+        return "device" if path == "shared" and not self._path_allowed(path) else path
+
+    def fills_pay(self) -> bool:
+        """Whether the fill race says fills pay (the verdict `all`, with its hysteresis)."""
+        return self.verdict(self.cache.fill_gain) == "all"
+
+    def _path_allowed(self, path: str) -> bool:
+        """`shared` only while fills do not pay. With temporal locality every miss is worth a
+        slot, and the CPU's share takes none; filling it too, behind the CPU on a side
+        stream, was built and measured on the H200 (peer slice, Zipf 1.0 / loc 0.7): 289-304
+        against gpu-fill's 324-366 tok/s at b=1, 395-412 against 508-524 at b=4. Few misses a
+        layer cost the worker's handshake more than they save, and the copies behind shared
+        the link with the next layers'. Short trials did not see it (they kept `shared`)."""
+        return path != "shared" or not self.fills_pay()
 
     def _paths_exploring(self, n_tokens: int) -> bool:
         """Whether the path trials measure now: the stops path then runs its split trials'

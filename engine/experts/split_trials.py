@@ -51,8 +51,13 @@ class RotatedTrials:
 
     candidates: tuple[str, ...] = ()
 
-    def __init__(self, block: int, rotations: int, period: int, chosen: str) -> None:
+    def __init__(self, block: int, rotations: int, period: int, chosen: str,
+                 allowed: Callable[[str], bool] = lambda candidate: True) -> None:  # fmt: skip
+        """`allowed(candidate)`: asked as each block of it is due; a block it refuses is
+        skipped (a candidate that cannot win where it stands is not paid for). The schedule's
+        first block is always run, so every measurement has a candidate to choose."""
         self.block, self.rotations, self.period = block, rotations, period
+        self.allowed = allowed
         self.chosen = chosen  # the candidate kept between measurements
         self.choices = 0  # measurements completed
         self._explore()
@@ -91,7 +96,13 @@ class RotatedTrials:
         return True
 
     def _skip_blocks(self) -> None:
-        """After each step of a measurement: pass over blocks that should not run."""
+        """At a block's start, pass over the blocks `allowed` refuses now."""
+        while (
+            0 < self._at < len(self._schedule)
+            and self._at % self.block == 0
+            and not self.allowed(self._schedule[self._at])
+        ):
+            self._at += self.block
 
     def _explore(self) -> None:
         n = len(self.candidates)
@@ -112,25 +123,13 @@ class SplitTrials(RotatedTrials):
         period: int = PERIOD,
         allowed: Callable[[str], bool] = lambda mode: True,
     ):
-        """`allowed(mode)`: asked as each block of `mode` is due; a block it refuses is skipped
-        (a mode that cannot win where it stands is not paid for: adaptive.py)."""
+        """`allowed(mode)`: RotatedTrials' (adaptive.py refuses `layers` where it cannot pay)."""
         if block < 1 or rotations < 1 or period < 0:
             raise ValueError(f"split trials need block >= 1, rotations >= 1, period >= 0, got "
                              f"{block}, {rotations}, {period}")  # fmt: skip
-        self.allowed = allowed
-        super().__init__(block, rotations, period, chosen="split")
+        super().__init__(block, rotations, period, chosen="split", allowed=allowed)
 
     @property
     def mode(self) -> str:
         """The mode for the current step's in-band misses."""
         return self.current
-
-    def _skip_blocks(self) -> None:
-        """At a block's start, pass over the blocks `allowed` refuses now. The schedule's first
-        block (`split`) is always run, so every measurement has a mode to choose."""
-        while (
-            0 < self._at < len(self._schedule)
-            and self._at % self.block == 0
-            and not self.allowed(self._schedule[self._at])
-        ):
-            self._at += self.block

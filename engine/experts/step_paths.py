@@ -26,6 +26,8 @@ trials wait (adaptive.py `_paths_exploring`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from freetoken_agent.engine.experts.split_trials import RotatedTrials
 
 PATHS = ("stops", "device", "shared")
@@ -45,16 +47,18 @@ class PathTrials(RotatedTrials):
         fixed: str | None = None,
         warm: int = WARM,
         shared: bool = True,
+        allowed: Callable[[str], bool] = lambda path: True,
     ):
         """`fixed`: always that path, nothing measured (tests of one path's machinery);
-        `shared`: whether the `shared` path is among the candidates."""
+        `shared`: whether the `shared` path is among the candidates; `allowed`: RotatedTrials'
+        (adaptive.py refuses `shared` while fills pay)."""
         self.candidates = PATHS if shared else PATHS[:2]
         if block < 2 or rotations < 1 or period < 0 or warm < 0 or fixed not in (None, *PATHS):
             raise ValueError(f"path trials need block >= 2, rotations >= 1, period >= 0 and a "
                              f"fixed path of {PATHS} or none, got {block}, {rotations}, {period}, "
                              f"{fixed!r}")  # fmt: skip
         self.fixed = fixed is not None
-        super().__init__(block, rotations, period, chosen=fixed or "stops")
+        super().__init__(block, rotations, period, chosen=fixed or "stops", allowed=allowed)
         if warm:  # the first measurement waits
             self._exploring, self._left = False, warm
 

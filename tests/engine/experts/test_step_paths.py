@@ -85,8 +85,6 @@ def test_alternating_paths_keep_the_tokens(tmp_path, rng_seed, overlap):
     assert got == want
     fills = bank.cache.on_device
     assert fills.releases >= 1  # the device path ran, and handed the cache back
-    if bank.cpu_share is not None:  # the shared path ran too: the CPU worker took misses
-        assert engine.stats()["experts"]["cpu_share"]["jobs"] > 0
     st = engine.stats()["experts"]
     assert st["fetched"] > 0 and st["experts_touched"] > 0
     assert st["cache_handoffs"] == fills.releases and set(st["step_paths"]) <= {1, 2}
@@ -140,3 +138,28 @@ def test_steps_past_the_device_paths_tokens_stop(rng_seed):
     adaptive.cache = type("Cache", (), {"kept_layers": frozenset(), "fill_gain": 0.5})()
     adaptive.step_timed(device_tokens + 1, 0.01)
     assert sorted(adaptive._paths) == list(range(1, device_tokens + 1))
+
+
+def test_shared_gives_way_while_fills_pay(rng_seed):
+    """The shared path is not measured while fills pay, and a kept `shared` runs as `device`
+    then (adaptive.py `_path_allowed`); the split trials' `allowed` works the same way."""
+    from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
+
+    rng = random.Random(rng_seed)
+    cache = type("Cache", (), {"kept_layers": frozenset(), "fill_gain": 0.0})()
+    adaptive = AdaptiveFetches(cache, 4, 8, path_params=dict(block=2, rotations=2, period=9,
+                                                                 warm=0))  # fmt: skip
+    adaptive.shared_ok = True
+    pay = rng.random() < 0.5
+    adaptive.verdict = lambda gain: "all" if pay else "band"
+    ran = []
+    while adaptive.paths(1).exploring:
+        ran.append(adaptive.path(1))
+        adaptive.step_timed(1, 0.001 if ran[-1] == "shared" else 0.002)
+    assert ("shared" in ran) == (not pay)
+    assert adaptive.paths(1).chosen in (("stops", "device") if pay else ("shared",))
+    adaptive.paths(1).chosen = "shared"  # kept by a measurement before fills paid
+    adaptive.verdict = lambda gain: "all"
+    assert adaptive.path(1) == "device"
+    adaptive.verdict = lambda gain: "band"
+    assert adaptive.path(1) == "shared"
