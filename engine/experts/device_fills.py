@@ -131,5 +131,5 @@ class DeviceFills:
         used = {slot for _, slot, _ in residents}
         c._free = [s for s in range(lent_from - 1, c.first_slot - 1, -1) if s not in used]
         # The device's fills raced nothing; the host's pending races are moot. The mean stays:
-        # while the shared path fills behind the CPU, adaptive reads it every step.
+        # adaptive reads its verdict on every step of the device paths (`_path_allowed`).
         c.races.drop_pending()

@@ -6,7 +6,8 @@ Three paths (engine/experts/device_fills.py and cpu_share.py have the why):
 - `device`: one graph a step whose layers fill their own misses (policy gpu-fill's kernels):
   no host decision, no CPU branch;
 - `shared`: the same graph, its layers sending the CPU worker B_H / (B_P + B_H) of their
-  misses (cpu_share.py); offered where the worker runs (the SIMD kernel built).
+  misses (cpu_share.py); offered where the worker runs (the SIMD kernel built) and while
+  fills do not pay (adaptive.py).
 
 Neither wins everywhere. On the H200 host (bench/results/NOTES.md, eighteenth session) the
 device path ran native routing at 721 against 543 tok/s on the peer slice and Zipf at 98.9
