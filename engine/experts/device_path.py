@@ -1,0 +1,121 @@
+"""The offloaded bank's device path: a MoE layer that places its own misses on the device.
+
+Policy gpu-fill runs it for every decode step, adaptive for the steps its PathTrials hold on
+`device` or `shared` (step_paths.py). Per layer: the plan (kernels/expert_fills.py) looks the
+layer's lids up and gives each miss a victim slot, or, on the shared path, sends the CPU
+worker its share of them (cpu_share.py); the copy kernel moves the link's share from the
+pinned pool and collects the worker's answer; the MoE kernels compute from the slots and add
+it. The cache belongs to the device meanwhile (device_fills.py: `own`, `release`).
+
+The bank keeps the state; this class is its device-path half (as GraphDecode is its half under
+segmented graphs), split out to keep each file to one concept.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from freetoken_agent.engine.experts.cpu_share import CpuShare
+from freetoken_agent.engine.experts.step_paths import DEVICE_PATHS
+from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
+from freetoken_agent.kernels.fused_moe import fused_moe
+from freetoken_agent.kernels.reference_fills import LIVE_PAIRS
+
+if TYPE_CHECKING:
+    from freetoken_agent.engine.experts.offload import OffloadedExpertBank
+
+# T tokens, K top-k, H hidden
+
+
+class DevicePath:
+    def __init__(self, bank: OffloadedExpertBank) -> None:
+        self.bank = bank
+        # adaptive's `shared` path: the CPU worker's share of the device path (`start_share`).
+        self.cpu_share: CpuShare | None = None
+
+    def start_share(self) -> None:
+        """adaptive's `shared` path: start the CPU worker, where the pool is pinned (or the
+        device is the CPU) and the SIMD kernel is built. Decode graphs captured before it
+        hold no post: capture again after (the benchmark switching policies does)."""
+        bank = self.bank
+        if self.cpu_share is None and bank.device_path_ok and CpuShare.possible():
+            spec = bank.spec
+            self.cpu_share = CpuShare(bank.pool, bank.device, bank.device_tokens, spec.top_k,
+                                      spec.hidden_size)  # fmt: skip
+        bank.adaptive.shared_ok = self.cpu_share is not None
+
+    def takes(self, n_tokens: int) -> bool:
+        """Whether an eager call of `n_tokens` tokens takes the device path: always under
+        gpu-fill, when adaptive holds `device` or `shared` for this batch size."""
+        bank = self.bank
+        if bank.policy == "gpu-fill":
+            return True
+        ok = bank.policy == "adaptive" and bank.device_path_ok
+        return ok and bank.adaptive.path(n_tokens) in DEVICE_PATHS
+
+    def layer(
+        self,
+        layer: int,
+        hidden: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, K]
+        weights: torch.Tensor,  # [T, K]
+        live_pairs: int | None,
+    ) -> torch.Tensor:
+        """The layer plans and copies its own fills on the device, then computes from the
+        slots (a miss that found no slot from the pool). `live_pairs` None: a captured step,
+        whose real pair count was written before the replay (`before_whole_step`)."""
+        bank, share = self.bank, self.cpu_share
+        cache, fills, pool = bank.cache, bank.cache.on_device, bank.pool
+        if live_pairs is not None:
+            fills.own()  # eager: a captured step was owned before its replay
+            if layer == 0:
+                self._set_share(hidden.shape[0])
+        # adaptive posts the CPU's share (CPU_SHARE, 0 off the `shared` path) and adds the
+        # worker's answer; a captured step holds both for any share.
+        shared = share is not None and bank.policy == "adaptive"
+        post = share.post(hidden, weights) if shared else None
+        rows = plan_fills(topk_ids, layer * bank.n_experts, cache.slot_of, fills.lid_of,
+                          fills.stamp, fills.state, fills.moves, live_pairs, post)  # fmt: skip
+        box, add = (share.box, share.answer(hidden.shape[0])) if shared else (None, None)
+        copy_fills(fills.state, fills.moves, pool.w13, pool.w2, cache.w13, cache.w2, box, add,
+                   timeout_s=share.timeout_s if shared else 0.0)  # fmt: skip
+        return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
+                         host_w13=pool.w13, host_w2=pool.w2, add=add)  # fmt: skip
+
+    def before_whole_step(self, n_tokens: int | None) -> None:
+        """Before a whole-step graph replays `n_tokens` real tokens (None: before capture,
+        whose warm-up must fill nothing): the device owns the cache and the plans learn how
+        many pairs are real, and adaptive's share for the step."""
+        bank = self.bank
+        if bank.policy not in ("gpu-fill", "adaptive"):
+            return
+        fills = bank.cache.on_device
+        fills.own()
+        pairs = 0 if n_tokens is None else n_tokens * bank.spec.top_k
+        fills.state[LIVE_PAIRS : LIVE_PAIRS + 1].fill_(pairs)
+        if bank.policy == "adaptive":
+            self._set_share(n_tokens)
+
+    def _set_share(self, n_tokens: int | None) -> None:
+        """The CPU's share for the next step of `n_tokens` tokens (None: a capture's warm-up,
+        none): q*'s on adaptive's `shared` path, none on the others."""
+        share, bank = self.cpu_share, self.bank
+        if share is None:
+            return
+        shared = n_tokens is not None and bank.adaptive.path(n_tokens) == "shared"
+        value = share.fixed_share(bank.bandwidths) if shared else 0
+        bank.cache.on_device.set_share(value)
+        if value:
+            share.wake()
+
+    def after_step(self) -> None:
+        """The CPU worker's timings into B_H; a worker that failed raises (cpu_share.py)."""
+        if self.cpu_share is not None:
+            self.cpu_share.observe(self.bank.bandwidths)
+            self.cpu_share.check()
+
+    def close(self) -> None:
+        if self.cpu_share is not None:
+            self.cpu_share.close()
