@@ -17,7 +17,8 @@ Eager steps (prefill chunks below the streaming threshold, CPU devices) decide o
 with one sync per layer. Decode on CUDA replays captured graphs cut into one segment per MoE
 layer (engine/segmented_graphs.py): the graph exports the routing, `resolve` places the misses,
 and the next segment computes the experts; chunks of `stream_min_tokens` or more stream whole
-layers instead (streaming.py).
+layers instead (streaming.py). Policy gpu-fill, and adaptive on its device and shared paths,
+place a layer's misses on the device within one graph a step (device_path.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.cpu_branch import observe_fills, run_on_cpu, stage_hidden
 from freetoken_agent.engine.experts.cpu_share import CpuShare
+from freetoken_agent.engine.experts.device_path import DevicePath
 from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids, learn_after_step
 from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
 from freetoken_agent.engine.experts.graph_decode import GraphDecode
@@ -42,12 +44,9 @@ from freetoken_agent.engine.experts.policy import (
     fetch_count,
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
-from freetoken_agent.engine.experts.step_paths import DEVICE_PATHS
 from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerStreamer
 from freetoken_agent.kernels.cpu.experts import default_threads as cpu_kernel_threads
-from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
-from freetoken_agent.kernels.reference_fills import LIVE_PAIRS
 
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
 
@@ -132,8 +131,8 @@ class OffloadedExpertBank(GraphDecode):
         # Whether the device path (policy gpu-fill, adaptive's `device`) can run: the kernels
         # read the pool over the link, so on CUDA it must be pinned (`ready`).
         self.device_path_ok = device.type != "cuda"
-        # adaptive's `shared` path: the CPU worker's share of the device path (`ready`).
-        self.cpu_share: CpuShare | None = None
+        # Policy gpu-fill's and adaptive's device paths, with the CPU worker (`ready`).
+        self.device_path = DevicePath(self)
         self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
         self._placed_after = -1  # static: cache.vacates when its layers were last made whole
@@ -206,16 +205,6 @@ class OffloadedExpertBank(GraphDecode):
         self.stats = OffloadStats()
         self.cache.clear_counters()
 
-    def start_cpu_share(self) -> None:
-        """adaptive's `shared` path: start the CPU worker, where the pool is pinned (or the
-        device is the CPU) and the SIMD kernel is built. Decode graphs captured before it
-        hold no post: capture again after (the benchmark switching policies does)."""
-        if self.cpu_share is None and self.device_path_ok and CpuShare.possible():
-            spec = self.spec
-            self.cpu_share = CpuShare(self.pool, self.device, self.device_tokens, spec.top_k,
-                                      spec.hidden_size)  # fmt: skip
-        self.adaptive.shared_ok = self.cpu_share is not None
-
     def place_static(self, protect: frozenset[int] | set[int] = frozenset()) -> None:
         """`static`: the last layers whole, as many as the slots in service hold, as llama.cpp's
         `--n-cpu-moe` keeps the first layers' experts on the CPU; every other layer's misses run
@@ -252,7 +241,7 @@ class OffloadedExpertBank(GraphDecode):
         if self.policy == "direct" and lids.numel() <= DIRECT_MAX_PAIRS:
             self.routed.add(lids)  # misses read from the pool; the cache learns after the step
             return self._direct(hidden, lids, topk_weights)
-        if lids.numel() <= DIRECT_MAX_PAIRS and self._device_path(hidden.shape[0]):
+        if lids.numel() <= DIRECT_MAX_PAIRS and self.device_path.takes(hidden.shape[0]):
             return self._gpu_fill(layer, hidden, topk_ids, topk_weights, lids.numel())
         self.cache.inflight.settle()  # the table as the mirror has it (direct's late fills)
         uniq, counts = torch.unique(lids, return_counts=True)
@@ -396,68 +385,6 @@ class OffloadedExpertBank(GraphDecode):
                          host_w13=self.pool.w13, host_w2=self.pool.w2)  # fmt: skip
 
     # --- policy gpu-fill (device_fills.py) -------------------------------------------------
-    def _gpu_fill(
-        self,
-        layer: int,
-        hidden: torch.Tensor,  # [T, H]
-        topk_ids: torch.Tensor,  # [T, K]
-        weights: torch.Tensor,  # [T, K]
-        live_pairs: int | None,
-    ) -> torch.Tensor:
-        """The layer plans and copies its own fills on the device, then computes from the
-        slots (a miss that found no slot from the pool). `live_pairs` None: a captured step,
-        whose real pair count the bank wrote before the replay (`before_whole_step`)."""
-        cache, fills, share = self.cache, self.cache.on_device, self.cpu_share
-        if live_pairs is not None:
-            fills.own()  # eager: a captured step was owned before its replay
-            if layer == 0:
-                self._set_share(hidden.shape[0])
-        # adaptive posts the CPU's share (CPU_SHARE, 0 off the `shared` path) and adds the
-        # worker's answer; a captured step holds both for any share.
-        shared = share is not None and self.policy == "adaptive"
-        post = share.post(hidden, weights) if shared else None
-        rows = plan_fills(topk_ids, layer * self.n_experts, cache.slot_of, fills.lid_of,
-                          fills.stamp, fills.state, fills.moves, live_pairs, post)  # fmt: skip
-        box, add = (share.box, share.answer(hidden.shape[0])) if shared else (None, None)
-        copy_fills(fills.state, fills.moves, self.pool.w13, self.pool.w2, cache.w13, cache.w2,
-                   box, add, timeout_s=share.timeout_s if shared else 0.0)  # fmt: skip
-        return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
-                         host_w13=self.pool.w13, host_w2=self.pool.w2, add=add)  # fmt: skip
-
-    def _set_share(self, n_tokens: int | None) -> None:
-        """The CPU's share for the next step of `n_tokens` tokens (None: a capture's warm-up,
-        none): q*'s on adaptive's `shared` path, none on the others."""
-        share = self.cpu_share
-        if share is None:
-            return
-        shared = n_tokens is not None and self.adaptive.path(n_tokens) == "shared"
-        value = share.fixed_share(self.bandwidths) if shared else 0
-        self.cache.on_device.set_share(value)
-        if value:
-            share.wake()
-
-    def _device_path(self, n_tokens: int) -> bool:
-        """Whether an eager call of `n_tokens` tokens takes the device path: always under
-        gpu-fill, when adaptive holds `device` or `shared` for this batch size
-        (step_paths.py)."""
-        if self.policy == "gpu-fill":
-            return True
-        ok = self.policy == "adaptive" and self.device_path_ok
-        return ok and self.adaptive.path(n_tokens) in DEVICE_PATHS
-
-    def before_whole_step(self, n_tokens: int | None) -> None:
-        """Before a whole-step graph replays `n_tokens` real tokens (None: before capture,
-        whose warm-up must fill nothing): gpu-fill (adaptive's device path) owns the cache and
-        tells the plans how many pairs are real."""
-        if self.policy not in ("gpu-fill", "adaptive"):
-            return
-        fills = self.cache.on_device
-        fills.own()
-        pairs = 0 if n_tokens is None else n_tokens * self.spec.top_k
-        fills.state[LIVE_PAIRS : LIVE_PAIRS + 1].fill_(pairs)
-        if self.policy == "adaptive":
-            self._set_share(n_tokens)
-
     def after_step(self, graph_tokens: int | None) -> None:
         """Between steps (the runner calls it after every step): policy direct learns from
         the step's routing (direct.py `learn_after_step`); the other policies decided within
@@ -466,15 +393,27 @@ class OffloadedExpertBank(GraphDecode):
         self.flush_hits()
         if self.policy == "direct":
             learn_after_step(self, graph_tokens)
-        if self.cpu_share is not None:
-            self.cpu_share.observe(self.bandwidths)
-            self.cpu_share.check()
+        self.device_path.after_step()
 
     def close(self) -> None:
         """Stop what runs beside the engine (the CPU worker); Engine.close calls it before the
         pool it reads goes."""
-        if self.cpu_share is not None:
-            self.cpu_share.close()
+        self.device_path.close()
+
+    # --- the device path (device_path.py) --------------------------------------------------
+    @property
+    def cpu_share(self) -> CpuShare | None:
+        return self.device_path.cpu_share
+
+    def start_cpu_share(self) -> None:
+        self.device_path.start_share()
+
+    def before_whole_step(self, n_tokens: int | None) -> None:
+        self.device_path.before_whole_step(n_tokens)
+
+    def _gpu_fill(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                  weights: torch.Tensor, live_pairs: int | None) -> torch.Tensor:  # fmt: skip
+        return self.device_path.layer(layer, hidden, topk_ids, weights, live_pairs)
 
     def _streamed(
         self,
