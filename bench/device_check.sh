@@ -40,6 +40,7 @@
 #         test that loads adaptive, then the peer slice with the shared path held, ~6 min)
 #         shared-48 (48 layers / 32 GB, native and Zipf: adaptive measuring its three paths,
 #         then held on shared, and gpu-fill, b=1, ~6 min)
+#         shared-team (the CPU worker's kernel threads, OpenMP against its SpinTeam, ~3 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -238,6 +239,14 @@ for stage in "$@"; do
       timeout 250 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
         --skip-prefill --batches 1 --rounds 1 --policies adaptive --adaptive-path shared \
         --out "$OUT" 2>&1 | tee "$OUT/shared_12l.log" | grep -v "round[0-9]" | cut -c1-900 ;;
+    shared-team)  # the worker's kernel threads: OpenMP team against its SpinTeam, peer slice
+      # uniform b=1, shared path held (~3 min)
+      for team in omp spin; do
+        FREETOKEN_WORKER_TEAM=$team timeout 150 python3 -m freetoken_agent.bench offload \
+          --layers 12 --budget-gb 8.59 --skip-prefill --batches 1 --rounds 1 --regimes uniform \
+          --policies adaptive --adaptive-path shared --out "$OUT/team_$team" 2>&1 \
+          | grep "|b1|" | grep -v round | cut -c1-300
+      done ;;
     shared-48)
       timeout 560 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 --rounds 1 \
         --regimes native zipf:1.0,loc:0.7 --policies adaptive gpu-fill --out "$OUT" 2>&1 \

@@ -24,10 +24,16 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -188,24 +194,122 @@ static void run_gemv(const Gemv& g, int64_t R, int tid, int nth) {
 
 static inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-template <int DT>
-static void run(const Gemv& up, const Gemv& down, int64_t R, const int* pair, int64_t npairs,
-                float* gu, float* y, const int64_t* rows, const float* topk_w, float* out,
-                int64_t T, int64_t K, int64_t H, int64_t I, int threads) {
+// Who runs the phases. OmpTeam: an OpenMP team of the calling thread (calls from Python: the
+// team torch's CPU ops share and keep warm). SpinTeam: threads of the decode graph's CPU worker
+// (expert_worker.cpp), which spin between its jobs: with the caller's OpenMP team beside it,
+// the process has more OpenMP threads than cores, and libgomp then lets idle threads sleep
+// almost at once (its throttled spin count), so every job and each of its three barriers would
+// wait on futex wake-ups (a sleeping team cost ~200 us a 1-expert call on the H200 host,
+// fourteenth session). Both split the work by (tid, nth) alike: the same bits either way.
+struct OmpTeam {
+  int threads;
+  template <class F>
+  void parallel(F&& f) {
 #pragma omp parallel num_threads(threads)
-  {
-    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    run_gemv<DT>(up, R, tid, nth);
+    f(omp_get_thread_num(), omp_get_num_threads());
+  }
+  void sync() {
 #pragma omp barrier
+  }
+};
+
+class SpinTeam {
+ public:
+  SpinTeam(int n, int64_t spin_ns) : n_(std::max(1, n)), spin_ns_(spin_ns) {
+    for (int tid = 1; tid < n_; ++tid) threads_.emplace_back([this, tid] { loop(tid); });
+  }
+  ~SpinTeam() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_.store(true);
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  // f(tid, nth) on every thread of the team, the caller as tid 0; returns when all are done.
+  template <class F>
+  void parallel(F&& f) {
+    using Fn = std::remove_reference_t<F>;
+    job_ = [](void* c, int tid, int nth) { (*static_cast<Fn*>(c))(tid, nth); };
+    ctx_ = &f;
+    done_.store(0, std::memory_order_relaxed);
+    hot_until_.store(now_ns() + spin_ns_, std::memory_order_relaxed);
+    gen_.fetch_add(1, std::memory_order_release);
+    {
+      std::lock_guard<std::mutex> lock(mu_);  // a thread between its check and its wait
+      if (sleepers_ > 0) cv_.notify_all();
+    }
+    f(0, n_);
+    while (done_.load(std::memory_order_acquire) != n_ - 1) _mm_pause();
+  }
+  // A sense-reversing barrier: the team spins through a job's phases.
+  void sync() {
+    const uint64_t g = bar_gen_.load(std::memory_order_acquire);
+    if (bar_count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      bar_count_.store(0, std::memory_order_relaxed);
+      bar_gen_.fetch_add(1, std::memory_order_release);
+    } else {
+      while (bar_gen_.load(std::memory_order_acquire) == g) _mm_pause();
+    }
+  }
+
+ private:
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  void loop(int tid) {
+    uint64_t seen = 0;
+    for (;;) {
+      while (gen_.load(std::memory_order_acquire) == seen && !stop_.load()) {
+        if (now_ns() < hot_until_.load(std::memory_order_relaxed)) {
+          _mm_pause();
+          continue;
+        }
+        std::unique_lock<std::mutex> lock(mu_);
+        ++sleepers_;
+        cv_.wait_for(lock, std::chrono::milliseconds(1),
+                     [&] { return gen_.load() != seen || stop_.load(); });
+        --sleepers_;
+      }
+      if (stop_.load()) return;
+      seen = gen_.load(std::memory_order_acquire);
+      job_(ctx_, tid, n_);
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  const int n_;
+  const int64_t spin_ns_;
+  std::vector<std::thread> threads_;
+  void (*job_)(void*, int, int) = nullptr;
+  void* ctx_ = nullptr;
+  std::atomic<uint64_t> gen_{0}, bar_gen_{0};
+  std::atomic<int> done_{0}, bar_count_{0};
+  std::atomic<int64_t> hot_until_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int sleepers_ = 0;  // under mu_
+};
+
+template <int DT, class Team>
+static void run(Team& team, const Gemv& up, const Gemv& down, int64_t R, const int* pair,
+                int64_t npairs, float* gu, float* y, const int64_t* rows, const float* topk_w,
+                float* out, int64_t T, int64_t K, int64_t H, int64_t I) {
+  team.parallel([&](int tid, int nth) {
+    run_gemv<DT>(up, R, tid, nth);
+    team.sync();
     const int64_t acts = npairs * I;  // phase 2: every pair's I activations, split evenly
     for (int64_t f = acts * tid / nth; f < acts * (tid + 1) / nth; ++f) {
       float* g = gu + pair[f / I] * 2 * I;
       const int64_t c = f % I;
       g[c] = silu(g[c]) * g[I + c];
     }
-#pragma omp barrier
+    team.sync();
     run_gemv<DT>(down, R, tid, nth);
-#pragma omp barrier
+    team.sync();
     const int64_t h0 = H * tid / nth, h1 = H * (tid + 1) / nth;  // phase 4: split over H
     for (int64_t t = 0; t < T; ++t) {
       float* o = out + t * H;
@@ -218,17 +322,14 @@ static void run(const Gemv& up, const Gemv& down, int64_t R, const int* pair, in
         for (int64_t h = h0; h < h1; ++h) o[h] += wk * yp[h];
       }
     }
-  }
+  });
 }
 
-extern "C" {
-
-int ft_isa() { return FT_ISA; }
-
 // Returns 0, or -1 when a row is >= n_rows (nothing written), -2 for an unknown dtype.
-int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtype,
+template <class Team>
+static int experts(Team& team, const void* hidden, const void* w13, const void* w2, int dtype,
                    const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
-                   int64_t n_rows, int64_t H, int64_t I, int threads) {
+                   int64_t n_rows, int64_t H, int64_t I) {
   if (dtype != F32 && dtype != BF16 && dtype != F16) return -2;
   const int64_t P = T * K;
   std::vector<std::pair<int64_t, int>> picked;  // (row, pair) of the pairs that run
@@ -278,17 +379,37 @@ int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtyp
                 xs_up.data(), ys_up.data()};
   const Gemv down{static_cast<const char*>(w2), H, I, row.data(), start.data(),
                   xs_down.data(), ys_down.data()};
-  threads = std::max(1, threads);
   if (dtype == F32)
-    run<F32>(up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T, K, H, I,
-             threads);
+    run<F32>(team, up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T, K, H, I);
   else if (dtype == BF16)
-    run<BF16>(up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T, K, H, I,
-              threads);
+    run<BF16>(team, up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T, K, H,
+              I);
   else
-    run<F16>(up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T, K, H, I,
-             threads);
+    run<F16>(team, up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T, K, H, I);
   return 0;
+}
+
+extern "C" {
+
+int ft_isa() { return FT_ISA; }
+
+int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtype,
+                   const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
+                   int64_t n_rows, int64_t H, int64_t I, int threads) {
+  OmpTeam team{std::max(1, threads)};
+  return experts(team, hidden, w13, w2, dtype, rows, topk_w, out, T, K, n_rows, H, I);
+}
+
+// The CPU worker's team (expert_worker.cpp): `threads` threads counting the caller, spinning
+// for spin_ns after each job's start, then sleeping in 1 ms slices.
+void* ft_team_new(int threads, int64_t spin_ns) { return new SpinTeam(threads, spin_ns); }
+void ft_team_free(void* team) { delete static_cast<SpinTeam*>(team); }
+
+int ft_cpu_experts_on(void* team, const void* hidden, const void* w13, const void* w2, int dtype,
+                      const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
+                      int64_t n_rows, int64_t H, int64_t I) {
+  return experts(*static_cast<SpinTeam*>(team), hidden, w13, w2, dtype, rows, topk_w, out, T, K,
+                 n_rows, H, I);
 }
 
 }  // extern "C"

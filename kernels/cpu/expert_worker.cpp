@@ -3,13 +3,13 @@
 // Why a thread of its own (not the host stops of the segmented graphs): a whole-step decode
 // graph cannot stop for the host, so a MoE layer whose misses are shared between the link and
 // the CPU posts the CPU's share to a mailbox in pinned host memory and goes on copying the
-// link's share; this thread sees the post, runs the SIMD expert kernel (ft_cpu_experts, the
-// other file of this library) from the pool and answers; the graph's wait kernel spins on the
-// answer before the layer's MoE kernels add it (kernels/cpu_mailbox.py has the layout and the
-// device side). No Python, no GIL, no CUDA call here: the thread only reads and writes host
+// link's share; this thread sees the post, runs the SIMD expert kernel (ft_cpu_experts_on, the
+// other file of this library, on the thread's own SpinTeam) from the pool and answers; the
+// copy kernel spins on the answer before the layer's MoE kernels add it (kernels/cpu/worker.py
+// has the layout, kernels/expert_fills.py the device side). No Python, no GIL, no CUDA call here: the thread only reads and writes host
 // memory, so it runs beside a graph replay.
 //
-// Protocol (ctrl is int64; the indexes are kernels/cpu_mailbox.py's):
+// Protocol (ctrl is int64; the indexes are kernels/cpu/worker.py's):
 //   device: writes tokens, rows, weights, hidden; then POST = seq with a release store (sys)
 //   worker: acquire-loads POST; when it differs from the last seq it answered, computes
 //           out [T, H] fp32 from rows [T, K] (pool rows, -1 = not the CPU's), then counts the
@@ -32,13 +32,21 @@
 #include <mutex>
 #include <thread>
 
-extern "C" int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtype,
-                              const int64_t* rows, const float* topk_w, float* out, int64_t T,
-                              int64_t K, int64_t n_rows, int64_t H, int64_t I, int threads);
+extern "C" {
+int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtype,
+                   const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
+                   int64_t n_rows, int64_t H, int64_t I, int threads);
+void* ft_team_new(int threads, int64_t spin_ns);
+void ft_team_free(void* team);
+int ft_cpu_experts_on(void* team, const void* hidden, const void* w13, const void* w2, int dtype,
+                      const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
+                      int64_t n_rows, int64_t H, int64_t I);
+}
 
 namespace {
 
-// ctrl's entries (kernels/cpu_mailbox.py: POST, TOKENS, ANSWER, ERROR, JOBS, EXPERTS, BUSY_NS)
+// ctrl's entries (kernels/cpu/worker.py: POST, TOKENS, ANSWER, ERROR, JOBS, EXPERTS, BUSY_NS,
+// MAX_JOB_NS)
 constexpr int POST = 0, TOKENS = 1, ANSWER = 8, ERROR = 9, JOBS = 11, EXPERTS = 12,
               BUSY_NS = 13, MAX_JOB_NS = 15;
 
@@ -54,6 +62,7 @@ struct Args {
   int64_t n_rows, H, I, K, max_tokens;
   int threads;
   int64_t spin_ns;
+  int spin_team;  // 1: the kernel on a SpinTeam of this thread's; 0: on its OpenMP team
 };
 
 int64_t now_ns() {
@@ -74,6 +83,7 @@ struct Worker {
   std::mutex mu;
   std::condition_variable cv;
   std::thread thread;
+  void* team = nullptr;  // the kernel's threads (made by the thread itself, freed at its end)
 
   void answer(int64_t seq) {
     const int64_t t0 = now_ns();
@@ -82,8 +92,10 @@ struct Worker {
     if (T < 0 || T > a.max_tokens) {
       rc = -3;  // a job larger than the mailbox: answered with an error, nothing computed
     } else {
-      rc = ft_cpu_experts(a.hidden, a.w13, a.w2, a.dtype, a.rows, a.weights, a.out, T, a.K,
-                          a.n_rows, a.H, a.I, a.threads);
+      rc = team ? ft_cpu_experts_on(team, a.hidden, a.w13, a.w2, a.dtype, a.rows, a.weights,
+                                    a.out, T, a.K, a.n_rows, a.H, a.I)
+                : ft_cpu_experts(a.hidden, a.w13, a.w2, a.dtype, a.rows, a.weights, a.out, T, a.K,
+                                 a.n_rows, a.H, a.I, a.threads);
     }
     int64_t experts = 0;  // distinct rows computed (the pool bytes read)
     if (rc == 0) {
@@ -106,10 +118,17 @@ struct Worker {
   }
 
   void loop() {
-    // The OpenMP team of this thread, made now: its first parallel region starts the threads
-    // (a job's deadline is the device's wait, not this).
+    // The kernel's threads, made now (a job's deadline is the device's wait). A SpinTeam of
+    // its own spins between jobs as this thread does (expert_kernel.cpp: OpenMP's idle threads
+    // sleep almost at once when the process has more of them than cores, as it does beside
+    // the caller's team); or this thread's OpenMP team, as measured on the H200 (nineteenth
+    // session; the SpinTeam is not measured there yet).
+    if (a.spin_team) {
+      team = ft_team_new(a.threads, a.spin_ns);
+    } else {
 #pragma omp parallel num_threads(a.threads)
-    { (void)0; }
+      { (void)0; }
+    }
     int64_t last = at(a.ctrl, ANSWER).load(std::memory_order_relaxed);
     int64_t active = now_ns();
     while (!stop.load(std::memory_order_relaxed)) {
@@ -129,6 +148,7 @@ struct Worker {
                   [&] { return woken.load() || stop.load(); });
       if (woken.exchange(false)) active = now_ns();
     }
+    if (team) ft_team_free(team);
   }
 };
 
@@ -140,12 +160,12 @@ extern "C" {
 void* ft_worker_start(int64_t* ctrl, const int64_t* rows, const float* weights,
                       const void* hidden, float* out, const void* w13, const void* w2, int dtype,
                       int64_t n_rows, int64_t H, int64_t I, int64_t K, int64_t max_tokens,
-                      int threads, int64_t spin_ns) {
+                      int threads, int64_t spin_ns, int spin_team) {
   if (!ctrl || !rows || !weights || !hidden || !out || !w13 || !w2 || K < 1 || max_tokens < 1)
     return nullptr;
   auto* w = new Worker();
   w->a = Args{ctrl, rows, weights, hidden, out, w13, w2, dtype, n_rows, H, I, K, max_tokens,
-              threads, spin_ns};
+              threads, spin_ns, spin_team};
   w->thread = std::thread([w] { w->loop(); });
   return w;
 }

@@ -23,6 +23,7 @@ weights [T_max * K] fp32, hidden [T_max, H] (the model's dtype), out [T_max, H] 
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -37,6 +38,13 @@ POST, TOKENS, ANSWER, ERROR, TIMEOUT, JOBS, EXPERTS, BUSY_NS, LOST = 0, 1, 8, 9,
 MAX_JOB_NS, GAVE_UP_AT = 15, 2
 CTRL = 16
 TIMEOUT_S = 2.0  # a device wait's bound: jobs take well under a millisecond
+# The worker's kernel threads: "omp" (its OpenMP team: what the H200 measured) or "spin" (a
+# team of its own that spins between jobs: expert_kernel.cpp SpinTeam, not yet measured there).
+# On the 2-core dev box, two-expert jobs 0.5 ms apart beside the main thread's OpenMP team took
+# 0.70 ms a job on the worker's OpenMP team and 0.50 on the SpinTeam (0.58 for OpenMP from a
+# fresh Python thread): the worker's team sleeps between jobs.
+ENV_TEAM = "FREETOKEN_WORKER_TEAM"
+TEAMS = ("omp", "spin")
 SPIN_NS = 20_000_000  # the worker spins this long after a job before it sleeps (1 ms slices)
 
 
@@ -84,7 +92,13 @@ class CpuWorker:
     contiguous; they and the mailbox must outlive it: the bank holds all three)."""
 
     def __init__(self, mailbox: Mailbox, w13: torch.Tensor, w2: torch.Tensor,
-                 threads: int | None = None, spin_ns: int = SPIN_NS) -> None:  # fmt: skip
+                 threads: int | None = None, spin_ns: int = SPIN_NS,
+                 team: str | None = None) -> None:  # fmt: skip
+        """`team`: "omp" or "spin" (TEAMS); default FREETOKEN_WORKER_TEAM, else "omp"."""
+        team = team or os.environ.get(ENV_TEAM, "omp")
+        if team not in TEAMS:
+            raise ValueError(f"{ENV_TEAM}={team!r}; choose one of {', '.join(TEAMS)}")
+        self.team = team
         if not available():
             raise RuntimeError("the CPU branch of decode graphs needs the SIMD expert kernel")
         assert w13.is_contiguous() and w2.is_contiguous(), "the pool must be contiguous"
@@ -99,7 +113,7 @@ class CpuWorker:
             mailbox.ctrl.data_ptr(), mailbox.rows.data_ptr(), mailbox.weights.data_ptr(),
             mailbox.hidden.data_ptr(), mailbox.out.data_ptr(), w13.data_ptr(), w2.data_ptr(),
             experts.DTYPE_ID[w13.dtype], w13.shape[0], w13.shape[2], w2.shape[2], k,
-            mailbox.max_tokens, self.threads, spin_ns,
+            mailbox.max_tokens, self.threads, spin_ns, int(team == "spin"),
         )  # fmt: skip
         if not handle:
             raise RuntimeError("ft_worker_start refused its arguments")
@@ -130,6 +144,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.ft_worker_start.restype = vp
     lib.ft_worker_start.argtypes = [vp] * 7 + [ctypes.c_int] + [i64] * 5 + [ctypes.c_int, i64]
+    lib.ft_worker_start.argtypes += [ctypes.c_int]
     lib.ft_worker_wake.argtypes = [vp]
     lib.ft_worker_wake.restype = None
     lib.ft_worker_stop.argtypes = [vp]

@@ -42,12 +42,15 @@ def job(gen: torch.Generator, t: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return hidden, rows, weights
 
 
-def test_worker_answers_each_post_as_the_kernel_computes_it():
+@pytest.mark.parametrize("team", worker.TEAMS)
+def test_worker_answers_each_post_as_the_kernel_computes_it(team):
+    """Its kernel threads either way: its OpenMP team, or a SpinTeam of its own (the same
+    bits: both split the work by thread alike)."""
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
     w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
     w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
     box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
-    cpu = worker.CpuWorker(box, w13, w2, threads=2, spin_ns=1_000_000)
+    cpu = worker.CpuWorker(box, w13, w2, threads=2, spin_ns=1_000_000, team=team)
     try:
         distinct = 0
         for seq in range(1, 9):
@@ -70,6 +73,17 @@ def test_worker_answers_each_post_as_the_kernel_computes_it():
         cpu.stop()
     assert not cpu.running
     cpu.stop()  # idempotent
+
+
+def test_a_bad_team_is_refused(monkeypatch):
+    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
+    pool = (
+        torch.zeros(N, 2 * W, H, dtype=torch.bfloat16),
+        torch.zeros(N, H, W, dtype=torch.bfloat16),
+    )
+    monkeypatch.setenv(worker.ENV_TEAM, "tbb")
+    with pytest.raises(ValueError, match="FREETOKEN_WORKER_TEAM='tbb'"):
+        worker.CpuWorker(box, *pool)
 
 
 def test_worker_reports_a_job_it_cannot_run_and_keeps_answering():
