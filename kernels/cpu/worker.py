@@ -2,7 +2,7 @@
 that answers it (expert_worker.cpp, built into the CPU kernel's library).
 
 A captured decode step cannot stop for the host, so the device posts a layer's CPU share here
-(kernels/expert_fills.py: the plan's post, then the wait before the MoE kernels) and this
+(kernels/expert_fills.py: the plan's post, then the copy kernel's wait) and this
 thread computes it from the pool while the link copies the rest. The protocol, one job
 outstanding at a time:
 
@@ -31,8 +31,9 @@ import torch
 
 from freetoken_agent.kernels.cpu import experts
 
-# ctrl's entries (expert_worker.cpp has the same): the device writes POST, TOKENS, TIMEOUT;
-# the worker ANSWER, ERROR and the counters. POST and ANSWER sit on different cache lines.
+# ctrl's entries (expert_worker.cpp has the same): the device writes POST, TOKENS, TIMEOUT,
+# LOST and GAVE_UP_AT; the worker ANSWER, ERROR and the counters. POST and ANSWER sit on
+# different cache lines.
 POST, TOKENS, ANSWER, ERROR, TIMEOUT, JOBS, EXPERTS, BUSY_NS, LOST = 0, 1, 8, 9, 10, 11, 12, 13, 14
 # Diagnostics: the longest job (ns), and the answer a wait last read when it gave up.
 MAX_JOB_NS, GAVE_UP_AT = 15, 2
@@ -107,6 +108,7 @@ class CpuWorker:
         lib = experts.library(experts.backend())
         _declare(lib)
         self.mailbox = mailbox
+        self._pool = (w13, w2)  # the thread reads them until it stops
         self.threads = threads or experts.default_threads()
         k = mailbox.top_k
         handle = lib.ft_worker_start(
