@@ -26,9 +26,8 @@ def release(engine) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # nothing queued may still read what is freed
     engine.runner.graphs = None  # graphs hold their memory pool
-    close = getattr(engine.loaded.bank, "close", None)
-    if close is not None:
-        close()  # threads that read the pool (the CPU worker) stop before it goes
+    if hasattr(engine.loaded.bank, "close"):  # (no local: a bound method holds the bank)
+        engine.loaded.bank.close()  # threads that read the pool (the CPU worker) stop first
     pool = getattr(engine.loaded.bank, "pool", None)
     if pool is not None:
         pool.unpin()
