@@ -23,6 +23,8 @@
                       the model's (CUDA)
     sampler           a decode step's sampling per configuration: the Triton kernel against
                       torch's ops, host and device time, launches (CUDA)
+    worker-teams      the CPU worker's job time on its OpenMP team against its own spinning
+                      team, beside the host's read bandwidth (any CPU)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -48,6 +50,7 @@ BENCHES = {
     "gemv": "freetoken_agent.bench.gemv_kernel",
     "stream-threshold": "freetoken_agent.bench.stream_threshold",
     "sampler": "freetoken_agent.bench.sampler_profile",
+    "worker-teams": "freetoken_agent.bench.worker_teams",
 }
 
 

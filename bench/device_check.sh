@@ -239,8 +239,9 @@ for stage in "$@"; do
       timeout 250 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
         --skip-prefill --batches 1 --rounds 1 --policies adaptive --adaptive-path shared \
         --out "$OUT" 2>&1 | tee "$OUT/shared_12l.log" | grep -v "round[0-9]" | cut -c1-900 ;;
-    shared-team)  # the worker's kernel threads: OpenMP team against its SpinTeam, peer slice
-      # uniform b=1, shared path held (~3 min)
+    shared-team)  # the worker's kernel threads: OpenMP team against its SpinTeam, alone
+      # (bench worker-teams) then on the peer slice's uniform rows, shared path held (~4 min)
+      timeout 120 python3 -m freetoken_agent.bench worker-teams --out "$OUT" 2>&1 | tail -6
       for team in omp spin; do
         FREETOKEN_WORKER_TEAM=$team timeout 150 python3 -m freetoken_agent.bench offload \
           --layers 12 --budget-gb 8.59 --skip-prefill --batches 1 --rounds 1 --regimes uniform \
