@@ -43,7 +43,7 @@ def plan_fills(
     if stamp.shape != lid_of.shape:
         raise ValueError(f"stamp {tuple(stamp.shape)} and lid_of {tuple(lid_of.shape)} differ")
     if post is not None:
-        t, h = post.hidden.shape
+        t = post.hidden.shape[0]
         if t > post.box.max_tokens or p != t * post.box.top_k:
             raise ValueError(
                 f"{t} tokens, {p} pairs: the mailbox holds {post.box.max_tokens} tokens of "

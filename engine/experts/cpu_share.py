@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from freetoken_agent.engine.experts import calibration
-from freetoken_agent.engine.experts.policy import Bandwidths
+from freetoken_agent.engine.experts.policy import Bandwidths, cpu_fraction
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.kernels.cpu import worker
 from freetoken_agent.kernels.cpu.worker import BUSY_NS, ERROR, EXPERTS, LOST, TIMEOUT, CpuWorker
@@ -71,8 +71,7 @@ class CpuShare:
         """CPU_SHARE (1/SHARE_ONE) for the estimates: B_H / (B_P + B_H); 0 once broken."""
         if self.broken is not None:
             return 0
-        fraction = bandwidths.cpu / (bandwidths.pcie + bandwidths.cpu)
-        return round(fraction * SHARE_ONE)
+        return round(cpu_fraction(bandwidths) * SHARE_ONE)
 
     def wake(self) -> None:
         if self.broken is None:

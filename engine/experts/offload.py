@@ -384,7 +384,7 @@ class OffloadedExpertBank(GraphDecode):
         return fused_moe(hidden, self.cache.w13, self.cache.w2, ids, weights,
                          host_w13=self.pool.w13, host_w2=self.pool.w2)  # fmt: skip
 
-    # --- policy gpu-fill (device_fills.py) -------------------------------------------------
+    # --- between steps ---------------------------------------------------------------------
     def after_step(self, graph_tokens: int | None) -> None:
         """Between steps (the runner calls it after every step): policy direct learns from
         the step's routing (direct.py `learn_after_step`); the other policies decided within

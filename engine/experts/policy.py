@@ -92,6 +92,12 @@ def fetch_count(policy: str, misses: int, bw: Bandwidths) -> int:
     raise ValueError(f"unknown offload policy {policy!r}")
 
 
+def cpu_fraction(bw: Bandwidths) -> float:
+    """The CPU's share of a layer's misses at q*: (m - q*) / m = B_H / (B_P + B_H), for a
+    split the device makes itself, miss by miss (cpu_share.py)."""
+    return bw.cpu / (bw.pcie + bw.cpu)
+
+
 # `adaptive` fetches every miss above FETCH_ALL_GAIN and none (beyond free slots) below
 # FETCH_NONE_GAIN, from ExpertCache.fill_gain. Simulated (LRU, 12 layers x 128 experts, top-8,
 # every miss filled; tests/engine/experts/test_offload.py): near-uniform routing stays within

@@ -247,13 +247,11 @@ def plan_fills(
     limited = live_pairs is None
     live = p if limited else min(p, live_pairs)
     if post is None:
-        box = (state,) * 4 + (state, state)  # unused pointers (SHARE is off)
-        t = 0
+        box, t, th = (state,) * 6, 0, 0  # unused pointers (SHARE is off)
     else:
         b = post.box
         box = (b.ctrl, b.rows, b.weights, b.hidden, post.hidden, post.weights)
-        t = post.hidden.shape[0]
-    th = t * (0 if post is None else post.hidden.shape[1])
+        t, th = post.hidden.shape[0], post.hidden.numel()
     _plan_kernel[(1,)](
         ids, rows, slot_of, lid_of, stamp, state, moves, base, p, live, stamp.numel(), *box, t,
         th, LIMITED=limited, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=BLOCK_S,
