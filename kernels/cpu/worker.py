@@ -39,13 +39,15 @@ POST, TOKENS, ANSWER, ERROR, TIMEOUT, JOBS, EXPERTS, BUSY_NS, LOST = 0, 1, 8, 9,
 MAX_JOB_NS, GAVE_UP_AT = 15, 2
 CTRL = 16
 TIMEOUT_S = 2.0  # a device wait's bound: jobs take well under a millisecond
-# The worker's kernel threads: "omp" (its OpenMP team: what the H200 measured) or "spin" (a
-# team of its own that spins between jobs: expert_kernel.cpp SpinTeam, not yet measured there).
-# On the 2-core dev box, two-expert jobs 0.5 ms apart beside the main thread's OpenMP team took
-# 0.70 ms a job on the worker's OpenMP team and 0.50 on the SpinTeam (0.58 for OpenMP from a
-# fresh Python thread): the worker's team sleeps between jobs.
+# The worker's kernel threads: "spin" (a team of its own that spins between jobs:
+# expert_kernel.cpp SpinTeam) or "omp" (its OpenMP team). On the H200 host (twentieth session,
+# `bench worker-teams`, jobs posted as the device posts them) the OpenMP team took 0.71 / 0.98 /
+# 1.41 ms for 1 / 2 / 4 experts (13-27 GB/s: it sleeps between jobs, and each job's fork and
+# barriers wait on wake-ups) and the SpinTeam 0.16 / 0.30 / 0.50 ms (58-75 GB/s, 65-84% of the
+# host's read bandwidth); on the peer slice's uniform rows the worker's B_H online was 9.5-40
+# GB/s on OpenMP and 55 on the SpinTeam.
 ENV_TEAM = "FREETOKEN_WORKER_TEAM"
-TEAMS = ("omp", "spin")
+TEAMS = ("spin", "omp")
 SPIN_NS = 20_000_000  # the worker spins this long after a job before it sleeps (1 ms slices)
 
 
@@ -95,8 +97,8 @@ class CpuWorker:
     def __init__(self, mailbox: Mailbox, w13: torch.Tensor, w2: torch.Tensor,
                  threads: int | None = None, spin_ns: int = SPIN_NS,
                  team: str | None = None) -> None:  # fmt: skip
-        """`team`: "omp" or "spin" (TEAMS); default FREETOKEN_WORKER_TEAM, else "omp"."""
-        team = team or os.environ.get(ENV_TEAM, "omp")
+        """`team`: "omp" or "spin" (TEAMS); default FREETOKEN_WORKER_TEAM, else "spin"."""
+        team = team or os.environ.get(ENV_TEAM, "spin")
         if team not in TEAMS:
             raise ValueError(f"{ENV_TEAM}={team!r}; choose one of {', '.join(TEAMS)}")
         self.team = team
