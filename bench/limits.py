@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -63,3 +64,60 @@ def host_paths(b_p: float, b_h: float, b_read: float) -> float:
     CPU branch (B_H) run together, but both read host memory, so their sum is capped by its
     read bandwidth (DESIGN section 7)."""
     return min(b_p + b_h, b_read)
+
+
+def host_paths_bandwidth(
+    w13: torch.Tensor, w2: torch.Tensor, device: torch.device, seconds: float = 1.0
+) -> dict[str, float]:
+    """Bytes/s leaving host memory with both of decode's miss paths reading it at once: pinned
+    copies of pool rows to the device (the link) while the SIMD expert kernel runs 8 random
+    experts a call on another thread (the CPU branch), over `seconds`. This, not a torch sum
+    (which read 74 GB/s where the engine's two paths together moved ~72 GB/s averaged over whole
+    steps, twentieth session), is the cap on B_P + B_H. w13 [N, 2I, H], w2 [N, H, I]: the pool.
+    Returns the combined rate and each path's share of it."""
+    import threading
+
+    from freetoken_agent.engine.experts.calibration import cpu_experts
+
+    n_rows, hidden = w13.shape[0], w13.shape[2]
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    flat = w13.view(-1)
+    chunk = min(flat.numel(), 64 << 20)  # 128 MB of bf16 a copy
+    dst = torch.empty(chunk, dtype=w13.dtype, device=device)
+    # On a CPU "device" (the tests) the link is a host memcpy: the same loop, no stream.
+    cuda = device.type == "cuda"
+    stream = torch.cuda.Stream(device) if cuda else None
+    x = torch.randn(1, hidden, dtype=w13.dtype)
+    k = min(8, n_rows)
+    weights = torch.full((1, k), 1.0 / k)
+    stop = threading.Event()
+    cpu_bytes = [0]
+
+    def cpu_branch() -> None:
+        while not stop.is_set():
+            rows = torch.randperm(n_rows)[:k].view(1, k)
+            cpu_experts(x, w13, w2, rows, weights)
+            cpu_bytes[0] += k * expert_bytes
+
+    cpu_experts(x, w13, w2, torch.arange(k).view(1, k), weights)  # build and warm the kernel
+    thread = threading.Thread(target=cpu_branch, daemon=True)
+    dma_bytes, offset = 0, 0
+    start = time.perf_counter()
+    thread.start()
+    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+        while time.perf_counter() - start < seconds:
+            if offset + chunk > flat.numel():
+                offset = 0
+            dst.copy_(flat[offset : offset + chunk], non_blocking=cuda)
+            if cuda:
+                stream.synchronize()
+            dma_bytes += chunk * w13.element_size()
+            offset += chunk
+    stop.set()
+    thread.join()
+    elapsed = time.perf_counter() - start
+    return {
+        "both_gb_s": (dma_bytes + cpu_bytes[0]) / elapsed / 1e9,
+        "link_gb_s": dma_bytes / elapsed / 1e9,
+        "cpu_gb_s": cpu_bytes[0] / elapsed / 1e9,
+    }

@@ -25,7 +25,12 @@ from pathlib import Path
 
 import torch
 
-from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_paths, host_read_bandwidth
+from freetoken_agent.bench.limits import (
+    hbm_copy_bandwidth,
+    host_paths,
+    host_paths_bandwidth,
+    host_read_bandwidth,
+)
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration, step_paths
@@ -240,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     b_hbm = hbm_copy_bandwidth(dev)
-    b_read = host_read_bandwidth()
+    b_sum = host_read_bandwidth()
     t0 = time.perf_counter()
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank = engine.loaded.bank
@@ -249,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = engine.spec
     build_s = time.perf_counter() - t0
     expert_bytes = bank.pool.expert_bytes
+    # The cap on the two miss paths together: the best of a plain read and both paths measured
+    # at once (the CPU kernel out-reads a torch sum on this host).
+    both = host_paths_bandwidth(bank.pool.w13, bank.pool.w2, dev)
+    b_read = max(b_sum, 1e9 * both["both_gb_s"])
     dense_read = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.device_nbytes
     rng = random.Random(0)
     report = {
@@ -269,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         "b_p_gb_s": b_p / 1e9,
         "b_h_gb_s": b_h / 1e9,
         "host_read_gb_s": b_read / 1e9,
+        "host_read_sum_gb_s": b_sum / 1e9,
+        "host_paths_measured": both,
         "routing": "per decode key: native (the random router), uniform or zipf:S,loc:P replay",
         "decode": {},
         "prefill": {},

@@ -9,7 +9,7 @@ from tiny_models import make_tiny
 
 from freetoken_agent import Engine
 from freetoken_agent.bench.elastic_rows import Limits
-from freetoken_agent.bench.limits import host_paths, host_read_bandwidth
+from freetoken_agent.bench.limits import host_paths, host_paths_bandwidth, host_read_bandwidth
 
 
 def test_the_two_host_paths_are_capped_by_host_memory(rng_seed):
@@ -24,6 +24,21 @@ def test_the_two_host_paths_are_capped_by_host_memory(rng_seed):
 def test_host_read_bandwidth_measures_a_plausible_rate():
     rate = host_read_bandwidth(gib=0.05, repeats=3)
     assert math.isfinite(rate) and 1e8 < rate < 5e12
+
+
+def test_both_host_paths_are_measured_reading_at_once(rng_seed):
+    """The link's copies and the CPU kernel's experts, both counted, over the window they ran
+    together (on the CPU the link is a memcpy into a host buffer)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    n, hidden, inter = 12, 64, 32
+    w13 = torch.randn(n, 2 * inter, hidden, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(n, hidden, inter, generator=gen).to(torch.bfloat16)
+    rates = host_paths_bandwidth(w13, w2, torch.device("cpu"), seconds=0.2)
+    assert rates["link_gb_s"] > 0 and rates["cpu_gb_s"] > 0
+    assert math.isclose(rates["both_gb_s"], rates["link_gb_s"] + rates["cpu_gb_s"])
+    assert rates["both_gb_s"] < 5e3
 
 
 def test_the_decode_limit_uses_the_capped_host_paths(tmp_path, rng_seed):
