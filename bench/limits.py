@@ -81,9 +81,11 @@ def host_paths_bandwidth(
 
     n_rows, hidden = w13.shape[0], w13.shape[2]
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-    flat = w13.view(-1)
-    chunk = min(flat.numel(), 64 << 20)  # 128 MB of bf16 a copy
-    dst = torch.empty(chunk, dtype=w13.dtype, device=device)
+    # The link copies whole experts, as fills do: a pool pinned in chunks is registered per
+    # chunk, and one copy across two registrations fails.
+    batch = min(16, n_rows)
+    dst13 = torch.empty((batch, *w13.shape[1:]), dtype=w13.dtype, device=device)
+    dst2 = torch.empty((batch, *w2.shape[1:]), dtype=w2.dtype, device=device)
     # On a CPU "device" (the tests) the link is a host memcpy: the same loop, no stream.
     cuda = device.type == "cuda"
     stream = torch.cuda.Stream(device) if cuda else None
@@ -101,20 +103,21 @@ def host_paths_bandwidth(
 
     cpu_experts(x, w13, w2, torch.arange(k).view(1, k), weights)  # build and warm the kernel
     thread = threading.Thread(target=cpu_branch, daemon=True)
-    dma_bytes, offset = 0, 0
+    dma_bytes = 0
     start = time.perf_counter()
     thread.start()
-    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-        while time.perf_counter() - start < seconds:
-            if offset + chunk > flat.numel():
-                offset = 0
-            dst.copy_(flat[offset : offset + chunk], non_blocking=cuda)
-            if cuda:
-                stream.synchronize()
-            dma_bytes += chunk * w13.element_size()
-            offset += chunk
-    stop.set()
-    thread.join()
+    try:
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            while time.perf_counter() - start < seconds:
+                for j, row in enumerate(torch.randperm(n_rows)[:batch].tolist()):
+                    dst13[j].copy_(w13[row], non_blocking=cuda)
+                    dst2[j].copy_(w2[row], non_blocking=cuda)
+                if cuda:
+                    stream.synchronize()
+                dma_bytes += batch * expert_bytes
+    finally:
+        stop.set()
+        thread.join()
     elapsed = time.perf_counter() - start
     return {
         "both_gb_s": (dma_bytes + cpu_bytes[0]) / elapsed / 1e9,
