@@ -25,6 +25,8 @@
                       torch's ops, host and device time, launches (CUDA)
     worker-teams      the CPU worker's job time on its OpenMP team against its own spinning
                       team, beside the host's read bandwidth (any CPU)
+    step-kernels      an offloaded decode step's device time kernel by kernel, in the graphs
+                      each policy replays (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -51,6 +53,7 @@ BENCHES = {
     "stream-threshold": "freetoken_agent.bench.stream_threshold",
     "sampler": "freetoken_agent.bench.sampler_profile",
     "worker-teams": "freetoken_agent.bench.worker_teams",
+    "step-kernels": "freetoken_agent.bench.step_kernels",
 }
 
 
