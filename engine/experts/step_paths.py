@@ -14,7 +14,8 @@ device path ran native routing at 721 against 543 tok/s on the peer slice and Zi
 against 75.1 at 48 layers, while near-uniform routing, where the CPU branch takes half the
 misses, ran 86 against 119. So PathTrials times both: BLOCK decode steps of each, ROTATIONS
 times (interleaved, as SplitTrials does), keeps the one with the lower median seconds per
-token for PERIOD steps, then measures again. The first measurement waits WARM steps on the
+token for PERIOD steps (longer while the same path keeps winning clearly: split_trials.py's
+back-off), then measures again. The first measurement waits WARM steps on the
 stops path: a cold cache's first steps fill on whichever path runs them (on the device the
 peer slice's uniform routing once measured its stops blocks, the run's first steps among
 them, at 14.2 ms a token where another run's took 9.9, and kept the slower path; the wait is

@@ -18,7 +18,12 @@ from freetoken_agent.engine.experts.policy import (
     FillVerdict,
     fetch_count,
 )
-from freetoken_agent.engine.experts.split_trials import MODES, SplitTrials
+from freetoken_agent.engine.experts.split_trials import (
+    BACKOFF_CAP,
+    CLEAR_MARGIN,
+    MODES,
+    SplitTrials,
+)
 from freetoken_agent.kernels.reference import fused_moe
 
 
@@ -37,8 +42,9 @@ def test_trials_keep_the_fastest_mode_and_measure_again(rng_seed):
     trials = SplitTrials(block=3, rotations=2, period=40)
     n = len(MODES)
     explore = n * 3 * 2
+    best = None
     for _ in range(4):  # the best mode changes between measurements; each one finds it
-        best = rng.choice(MODES)
+        best = rng.choice([m for m in MODES if m != best])  # (a repeated clear win backs off)
         cost = {m: rng.uniform(1.3, 2.0) * 1e-2 for m in MODES}
         cost[best] = 1e-2
         ran = _run(trials, cost, rng, explore)
@@ -50,6 +56,39 @@ def test_trials_keep_the_fastest_mode_and_measure_again(rng_seed):
         assert _run(trials, cost, rng, 40) == [best] * 40  # the period runs the chosen mode
         assert trials.exploring  # then it measures again
     assert trials.choices == 4
+
+
+def _measure(trials: SplitTrials, cost: dict[str, float], rng: random.Random) -> int:
+    """One whole measurement, then the steps on the chosen mode until the next: their count."""
+    while trials.exploring:
+        trials.step_done(cost[trials.mode] * rng.uniform(0.99, 1.01))
+    steps = 0
+    while not trials.exploring:
+        trials.step_done(cost[trials.mode])
+        steps += 1
+    return steps
+
+
+def test_a_repeated_clear_win_backs_the_period_off_and_anything_else_restores_it(rng_seed):
+    """The same mode ahead of every other by CLEAR_MARGIN: the period doubles from the second
+    such measurement on, up to BACKOFF_CAP periods. A close win, or another winner, restores
+    the period."""
+    rng = random.Random(rng_seed)
+    period = rng.randrange(3, 20)
+    trials = SplitTrials(block=2, rotations=1, period=period)
+    best = rng.choice(MODES)
+    clear = {m: rng.uniform(1.05, 2.0) * (1 + CLEAR_MARGIN) for m in MODES}
+    clear[best] = 1.0
+    doubled = [period * min(2**i, BACKOFF_CAP) for i in range(6)]
+    assert [_measure(trials, clear, rng) for _ in range(6)] == doubled
+    close = dict(clear)
+    close[rng.choice([m for m in MODES if m != best])] = rng.uniform(1.03, 1 + CLEAR_MARGIN - 0.03)
+    assert _measure(trials, close, rng) == period and trials.chosen == best
+    assert _measure(trials, clear, rng) == 2 * period  # clear again after a kept close win
+    other = rng.choice([m for m in MODES if m != best])
+    moved = {m: 2.0 for m in MODES}
+    moved[other] = 1.0
+    assert _measure(trials, moved, rng) == period and trials.chosen == other
 
 
 def test_trials_refuse_a_schedule_that_measures_nothing():
