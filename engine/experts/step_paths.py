@@ -16,10 +16,14 @@ misses, ran 86 against 119. So PathTrials times both: BLOCK decode steps of each
 times (interleaved, as SplitTrials does), keeps the one with the lower median seconds per
 token for PERIOD steps (longer while the same path keeps winning clearly: split_trials.py's
 back-off), then measures again. The first measurement waits WARM steps on the
-stops path: a cold cache's first steps fill on whichever path runs them (on the device the
+device path: a cold cache's first steps fill on whichever path runs them (on the device the
 peer slice's uniform routing once measured its stops blocks, the run's first steps among
-them, at 14.2 ms a token where another run's took 9.9, and kept the slower path; the wait is
-not measured yet). The first step of every block is not a sample:
+them, at 14.2 ms a token where another run's took 9.9, and kept the slower path). The wait
+runs on the device path because it measured at least as fast as the stops path in every
+regime and batch on the H200 host (twentieth session: 48 layers native b=4 1.71-1.81 against
+2.08-2.59 ms a token, where the stops path's wait also ran the split trials' slow `split`
+blocks at 4.7 ms; the peer slice's uniform routing 12.2 against 13.3), and short generations
+(an agent's tool call) are mostly that wait. The first step of every block is not a sample:
 it pays the cache's hand-over between host and device (one sync and a rebuild), and under
 overlap scheduling the step timed at a block's start is the last one of the block before.
 While the paths are measured, the stops path runs its split trials' chosen mode and those
@@ -60,7 +64,7 @@ class PathTrials(RotatedTrials):
                              f"fixed path of {PATHS} or none, got {block}, {rotations}, {period}, "
                              f"{fixed!r}")  # fmt: skip
         self.fixed = fixed is not None
-        super().__init__(block, rotations, period, chosen=fixed or "stops", allowed=allowed)
+        super().__init__(block, rotations, period, chosen=fixed or "device", allowed=allowed)
         if warm:  # the first measurement waits
             self._exploring, self._left = False, warm
 

@@ -74,7 +74,14 @@ def test_offloaded_segmented_graphs(tmp_path, rng_seed, policy):
     sp = SamplingParams(max_tokens=rng.randint(12, 24), temperature=0, ignore_eos=True)
     prompts = [_prompt(rng, n) for n in (9, 40)]
     resident = Engine.load(tmp_path, policy="resident", **CUDA).generate(prompts, sp)
-    load = _loader(tmp_path, policy=policy, expert_slots=rng.randint(5, 20))
+    plain = _loader(tmp_path, policy=policy, expert_slots=rng.randint(5, 20))
+
+    def load(overlap: bool) -> Engine:
+        engine = plain(overlap)
+        if policy == "adaptive":  # its segmented graphs are the stops path (it warms on device)
+            engine.loaded.bank.adaptive.path_params = {"fixed": "stops"}
+        return engine
+
     events, engine = both_loops(load, {0: [(p, sp, {}) for p in prompts]})
     whole_step = policy == "gpu-fill"  # one graph a step, its layers fill their own misses
     graphs = {"gpu-fill": DirectDecodeGraphs, "adaptive": PathDecodeGraphs}.get(

@@ -22,6 +22,7 @@ def test_decode_with_fills_behind_matches_resident(tmp_path, rng_seed, fill_behi
                          fill_behind=fill_behind, progress=False)  # fmt: skip
     bank = engine.loaded.bank
     bank.adaptive.verdict = lambda gain: "all"  # fills pay: every miss is filled
+    bank.adaptive.path_params = {"fixed": "stops"}  # fills behind are the stops path's
     assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     engine.check_integrity()
     # Only the flag fills behind; either way every miss of a decode step is filled.

@@ -244,6 +244,7 @@ def test_adaptive_follows_the_fill_gain(tmp_path, rng_seed):
     make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=6)
     engine = Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=9, progress=False)
     bank, spec = engine.loaded.bank, engine.spec
+    bank.adaptive.path_params = {"fixed": "stops"}  # the host's decisions: the stops path
     e, k = spec.n_experts, spec.top_k
     gen = torch.Generator().manual_seed(rng_seed)
     bank.bandwidths = Bandwidths(pcie=30e9, cpu=10e9)
