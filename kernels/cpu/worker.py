@@ -127,8 +127,10 @@ class CpuWorker:
         self._finalizer = weakref.finalize(self, lib.ft_worker_stop, ctypes.c_void_p(handle))
 
     def wake(self) -> None:
-        """Before a replay that may post: the thread spins from now on (no-op while it spins)."""
-        self._lib.ft_worker_wake(ctypes.c_void_p(self._handle))
+        """Before a replay that may post: the thread spins from now on (no-op while it spins,
+        and once stopped: the handle is freed then, and waking it aborted the process)."""
+        if self._finalizer.alive:
+            self._lib.ft_worker_wake(ctypes.c_void_p(self._handle))
 
     def stop(self) -> None:
         """Join the thread (idempotent)."""

@@ -75,6 +75,33 @@ def test_worker_answers_each_post_as_the_kernel_computes_it(team):
     cpu.stop()  # idempotent
 
 
+@pytest.mark.parametrize("team", worker.TEAMS)
+def test_waking_a_stopped_worker_is_a_no_op(team):
+    """The engine wakes its worker before every replay that may post, also after the worker
+    was stopped (a failing share's test stops it mid-run): the handle is freed by then, and
+    waking it once aborted the whole process. Run in a child so an abort fails this test."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch
+from freetoken_agent.kernels.cpu import worker
+w13 = torch.randn({N}, {2 * W}, {H}).to(torch.bfloat16)
+w2 = torch.randn({N}, {H}, {W}).to(torch.bfloat16)
+box = worker.Mailbox.allocate({T_MAX}, {K}, {H}, torch.bfloat16, pin=False)
+for _ in range(20):
+    cpu = worker.CpuWorker(box, w13, w2, threads=2, team={team!r})
+    cpu.wake()
+    cpu.stop()
+    junk = [bytearray(4096) for _ in range(64)]  # reuse the freed memory
+    for _ in range(100):
+        cpu.wake()
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
 def test_a_bad_team_is_refused(monkeypatch):
     box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
     pool = (
