@@ -42,11 +42,12 @@ def test_a_calibration_cached_before_the_knee_was_measured_takes_the_default(cac
 
 def test_the_knee_separates_reading_from_computing():
     """One token's time is one read of the expert; far past the knee each token adds work:
-    a wide expert (compute ~ tokens) measures a knee well inside the probe's range."""
-    knee = calibration.measure_knee(
-        512, 256, torch.bfloat16, calibration.probe_pool(512, 256, torch.bfloat16, 64 << 20)
-    )
-    assert 1.0 <= knee < calibration.KNEE_PROBE_TOKENS
+    a wide expert (compute ~ tokens) measures a knee well inside the probe's range. The best
+    of three: a timing on a 2-core machine shared with other tests' threads once came out at
+    the probe's end."""
+    pool = calibration.probe_pool(512, 256, torch.bfloat16, 64 << 20)
+    knees = [calibration.measure_knee(512, 256, torch.bfloat16, pool) for _ in range(3)]
+    assert all(k >= 1.0 for k in knees) and min(knees) < calibration.KNEE_PROBE_TOKENS, knees
 
 
 def test_adaptive_engine_uses_the_cached_bandwidths(cache_dir, tmp_path, rng_seed):
