@@ -67,13 +67,15 @@ def _use_policy(engine, bank, policy: str) -> None:
 
 
 def start_policy(engine, bank, policy: str, b_p: float, b_h: float,
-                 path: str | None = None) -> None:  # fmt: skip
+                 path: str | None = None, shared_gate: bool = True) -> None:  # fmt: skip
     """Before a measurement: an empty cache, `policy`, the bandwidths measured alone, nothing
-    learnt by adaptive (`path`: its step path held, not measured), static's layers placed."""
+    learnt by adaptive (`path`: its step path held, not measured; `shared_gate`: whether
+    `shared` gives way while fills pay), static's layers placed."""
     bank.cache.reset()
     _use_policy(engine, bank, policy)
     bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
     bank.reset_decisions()
+    bank.adaptive.shared_gate = shared_gate
     if path is not None:
         bank.adaptive.path_params = {"fixed": path}
     if policy == "static":
@@ -128,10 +130,10 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
 
 
 def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h: float,
-             path: str | None = None) -> dict:  # fmt: skip
+             path: str | None = None, shared_gate: bool = True) -> dict:  # fmt: skip
     """One policy from an empty cache: WARM_UP decode steps (the cache fills; adaptive's
     first split trials run), then `n` timed. The row: tok/s, counters, online bandwidths."""
-    start_policy(engine, bank, policy, b_p, b_h, path)
+    start_policy(engine, bank, policy, b_p, b_h, path, shared_gate)
     _decode(engine, WARM_UP, rng, batch)
     rate, st = _decode(engine, n, rng, batch)
     # Elastic memory gives the KV pool's idle pages to slots while decoding: the count at the
@@ -242,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         "fill their misses; shared: and the CPU worker computes B_H/(B_P+B_H) of them) "
         "instead of measuring the three (default)",
     )
+    parser.add_argument(
+        "--shared-gate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="adaptive's shared path gives way to the device path while fills pay (default; "
+        "--no-shared-gate measures shared under temporal locality too)",
+    )
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     b_hbm = hbm_copy_bandwidth(dev)
@@ -271,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "fill_behind": args.fill_behind,
         "overlap": args.overlap,
         "adaptive_path": args.adaptive_path,  # None: measured (step_paths.py)
+        "shared_gate": args.shared_gate,
         "slots": bank.cache.n_slots,
         "pool_rows": bank.pool.n_rows,
         "cached_fraction": bank.cache.n_slots / bank.pool.n_rows,
@@ -314,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for policy in order:
                     row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h,
-                                   args.adaptive_path)  # fmt: skip
+                                   args.adaptive_path, args.shared_gate)  # fmt: skip
                     miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
                     hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
                     # direct and gpu-fill have no CPU branch; the others' two host paths

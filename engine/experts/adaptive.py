@@ -65,6 +65,9 @@ class AdaptiveFetches:
         self.trial_params = trial_params
         self.path_params = path_params or {}
         self.shared_ok = False  # whether the `shared` path can run (the bank's CpuShare)
+        # Whether `shared` gives way while fills pay (`_path_allowed`); off only to measure
+        # shared under locality (`bench offload --no-shared-gate`).
+        self.shared_gate = True
         self._trials: dict[int, SplitTrials] = {}  # per decode batch size
         self._paths: dict[int, PathTrials] = {}  # per decode batch size
         # Per decode batch size: layers with a miss per step (each a stop for the host),
@@ -115,7 +118,7 @@ class AdaptiveFetches:
         against gpu-fill's 324-366 tok/s at b=1, 395-412 against 508-524 at b=4. Few misses a
         layer cost the worker's handshake more than they save, and the copies behind shared
         the link with the next layers'. Short trials did not see it (they kept `shared`)."""
-        return path != "shared" or not self.fills_pay()
+        return path != "shared" or not self.shared_gate or not self.fills_pay()
 
     def _paths_exploring(self, n_tokens: int) -> bool:
         """Whether the path trials measure now: the stops path then runs its split trials'

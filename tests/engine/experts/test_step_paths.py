@@ -163,3 +163,23 @@ def test_shared_gives_way_while_fills_pay(rng_seed):
     assert adaptive.path(1) == "device"
     adaptive.verdict = lambda gain: "band"
     assert adaptive.path(1) == "shared"
+
+
+def test_without_the_gate_shared_is_measured_and_kept_while_fills_pay(rng_seed):
+    """`shared_gate` off (bench offload --no-shared-gate, to measure shared under locality):
+    fills paying neither skips its blocks nor turns a kept `shared` into `device`."""
+    from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
+
+    rng = random.Random(rng_seed)
+    cache = type("Cache", (), {"kept_layers": frozenset(), "fill_gain": 0.0})()
+    block, rotations = rng.randrange(2, 5), rng.randrange(1, 3)
+    adaptive = AdaptiveFetches(cache, 4, 8, path_params=dict(block=block, rotations=rotations,
+                                                                 period=9, warm=0))  # fmt: skip
+    adaptive.shared_ok, adaptive.shared_gate = True, False
+    adaptive.verdict = lambda gain: "all"  # fills pay
+    ran = []
+    while adaptive.paths(1).exploring:
+        ran.append(adaptive.path(1))
+        adaptive.step_timed(1, 0.001 if ran[-1] == "shared" else 0.002)
+    assert ran.count("shared") == block * rotations
+    assert adaptive.paths(1).chosen == "shared" and adaptive.path(1) == "shared"
