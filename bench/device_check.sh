@@ -41,6 +41,8 @@
 #         shared-48 (48 layers / 32 GB, native and Zipf: adaptive measuring its three paths,
 #         then held on shared, and gpu-fill, b=1, ~6 min)
 #         shared-team (the CPU worker's kernel threads, OpenMP against its SpinTeam, ~3 min)
+#         shared-zipf (the peer slice under Zipf 1.0 / loc 0.7, b=1 and 4: adaptive held on
+#         shared with the gate off, against gpu-fill, SpinTeam; ~3 min)
 #         step-kernels (an offloaded decode step's kernels in its replayed graphs: gpu-fill and
 #         transfer at 12 layers, gpu-fill at 48 layers / 32 GB, ~5 min)
 # Logs and JSON land in $OUT (or ./.out).
@@ -254,6 +256,11 @@ for stage in "$@"; do
       timeout 560 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 --rounds 1 \
         --regimes native zipf:1.0,loc:0.7 --policies adaptive gpu-fill --out "$OUT" 2>&1 \
         | tee "$OUT/shared_48l.log" | grep -v "round[0-9]" | cut -c1-900 ;;
+    shared-zipf)
+      timeout 300 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --batches 1 4 --rounds 1 --regimes zipf:1.0,loc:0.7 --policies adaptive \
+        gpu-fill --adaptive-path shared --no-shared-gate --out "$OUT" 2>&1 \
+        | grep "|b" | cut -c1-300 ;;
     step-kernels)
       timeout 200 python3 -m freetoken_agent.bench step-kernels --layers 12 --budget-gb 8.59 \
         --policies gpu-fill transfer --rows 24 --out "$OUT/step_kernels_12l.jsonl" 2>&1 \
