@@ -20,7 +20,8 @@ from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 
-def _decode_steps(engine, n: int) -> float:
+def decode_steps(engine, n: int) -> float:
+    """Seconds a decode step over `n` steps (the host waits for the device at both ends)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(n):
@@ -44,12 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     engine.submit([rng.randrange(vocab) for _ in range(256)], sp)
     for _ in range(5):
         engine.step()
-    graphed = _decode_steps(engine, 50)
+    graphed = decode_steps(engine, 50)
     graphs, engine.runner.graphs = engine.runner.graphs, None
-    eager = _decode_steps(engine, 20)
+    eager = decode_steps(engine, 20)
     print(f"decode step: graphs {graphed * 1e3:.2f} ms, eager {eager * 1e3:.2f} ms")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _decode_steps(engine, 5)
+        decode_steps(engine, 5)
     table = prof.key_averages()
     print("== eager decode, by device time ==")
     print(table.table(sort_by="cuda_time_total", row_limit=args.rows))

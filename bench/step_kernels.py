@@ -17,24 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from pathlib import Path
 
-import torch
-
 from freetoken_agent.bench.offload import offload_engine, start_policy
+from freetoken_agent.bench.profile_step import decode_steps
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.sampling_params import SamplingParams
-
-
-def _steps(engine, n: int) -> float:
-    """Seconds a decode step over `n` steps (the host waits for the device at both ends)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        engine.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n
 
 
 def kernel_rows(events, steps: int, layers: int) -> tuple[float, list[dict]]:
@@ -97,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         reserve = getattr(model.expert_bank, "reserve", None)
         if reserve is not None:  # the traces' draws before the clock starts
             reserve(n * args.batch)
-        _steps(engine, args.warm)
-        wall = _steps(engine, args.steps)
+        decode_steps(engine, args.warm)
+        wall = decode_steps(engine, args.steps)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            profiled = _steps(engine, args.steps)
+            profiled = decode_steps(engine, args.steps)
         device_us, rows = kernel_rows(prof.key_averages(), args.steps, spec.n_moe_layers)
         while engine.has_unfinished():
             engine.step()
