@@ -87,7 +87,8 @@ def decode_bytes(engine: Engine, batch: int, context: int) -> int:
 def bench_model(cfg: dict, label: str, args, b_hbm: float, flops: float) -> dict:
     rng = random.Random(0)
     engine = random_engine(cfg, max_num_seqs=8, max_model_len=4096, max_batched_tokens=2048,
-                           skinny_gemv=args.skinny_gemv)  # fmt: skip
+                           skinny_gemv=args.skinny_gemv,
+                           fused_router=args.fused_router)  # fmt: skip
     spec = engine.spec
     decode_rate(engine, 1, 32, 16, rng)  # warm-up (autotuning, allocator)
     result = {"model": label, "layers": spec.n_layers, "expert_gb": engine.loaded.bank.nbytes / 1e9}
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skinny-gemv", action="store_true",
                         help="decode projections through the Triton skinny matmul (EngineConfig."
                         "skinny_gemv); writes decode_baseline_skinny.json")  # fmt: skip
+    parser.add_argument("--fused-router", action="store_true",
+                        help="decode routers in one launch, linear layer and top-k (EngineConfig."
+                        "fused_router); writes decode_baseline_fused_router.json")  # fmt: skip
     parser.add_argument("--overlap", action="store_true",
                         help="decode also with overlap scheduling (EngineConfig.overlap_schedule):"
                         " decode_b*_overlap_tok_s beside the plain loop's")  # fmt: skip
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "policy": "resident",
         "skinny_gemv": args.skinny_gemv,
+        "fused_router": args.fused_router,
         "overlap": args.overlap,
         "sampled": SAMPLED if args.sampled else None,
         "dtype": "bfloat16",
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "decode_baseline_skinny.json" if args.skinny_gemv else "decode_baseline.json"
+    name = "decode_baseline" + "_skinny" * args.skinny_gemv + "_fused_router" * args.fused_router
+    name += ".json"
     path = args.out / name
     path.write_text(json.dumps(report, indent=1))
     print(f"{'model':28} {'b1 tok/s':>9} {'limit':>7} {'b4 tok/s':>9} {'limit':>7} "

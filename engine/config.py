@@ -264,6 +264,10 @@ class EngineConfig:
     # Decode-sized projections (<= 8 rows) on CUDA through the Triton skinny matmul instead of
     # cuBLAS (kernels/gemv.py). Off until measured on the device.
     skinny_gemv: bool = False
+    # Decode-sized MoE routers (<= 16 tokens) on CUDA in one launch, the linear layer with the
+    # softmax and top-k (kernels/triton/route.py), instead of cuBLAS's GEMV and the top-k
+    # kernel. Off until measured on the device (`bench decode --fused-router`).
+    fused_router: bool = False
     # Offloaded decode under adaptive, while fills pay (temporal locality, as Zipf traces): a
     # stopping layer waits for q* of its misses' fills and runs the rest on the CPU while they
     # too are filled, behind its compute, for the steps after (AdaptiveFetches.behind).

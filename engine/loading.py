@@ -33,7 +33,7 @@ from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.radix import RadixCache
 from freetoken_agent.engine.kv.recurrence import build_recurrence, recurrent_device_bytes
 from freetoken_agent.engine.layers.linear import use_skinny_gemv
-from freetoken_agent.engine.layers.moe import ExpertBank
+from freetoken_agent.engine.layers.moe import ExpertBank, use_fused_router
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.models.registry import family, spec_from_config
 from freetoken_agent.engine.request import Recurrence
@@ -215,6 +215,8 @@ def assemble(
     that fill the weights themselves)."""
     if config.skinny_gemv:
         use_skinny_gemv(model)
+    if config.fused_router:
+        use_fused_router(model)
     dense = dense_nbytes(model)
     arena = getattr(getattr(bank, "cache", None), "arena", None)
     if arena is not None:  # elastic memory: the KV pool lives in the arena with the slots

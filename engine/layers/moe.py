@@ -16,7 +16,7 @@ from torch import nn
 
 from freetoken_agent.engine.layers.linear import Linear, project
 from freetoken_agent.engine.layers.mlp import SwiGLU
-from freetoken_agent.kernels.router import softmax_topk
+from freetoken_agent.kernels.router import route, softmax_topk
 
 # T tokens, H hidden, E experts, K top-k
 
@@ -49,13 +49,23 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_experts, hidden), requires_grad=False)
         self.options = options
         self.skinny = False  # linear.use_skinny_gemv
+        self.fused = False  # use_fused_router
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = project(x, self.weight, None, self.skinny)  # [T, E] in the model dtype
         opts = self.options
-        round_to = logits.dtype if opts.weights_in_model_dtype else None
+        round_to = x.dtype if opts.weights_in_model_dtype else None
+        if self.fused and x.dim() == 2:  # decode steps in one launch (kernels/triton/route.py)
+            return route(x, self.weight, opts.top_k, opts.norm_topk_prob, round_to)
+        logits = project(x, self.weight, None, self.skinny)  # [T, E] in the model dtype
         # One kernel for softmax, top-k, renormalisation and rounding: [T, K] ids and weights.
         return softmax_topk(logits, opts.top_k, opts.norm_topk_prob, round_to)
+
+
+def use_fused_router(model: nn.Module) -> None:
+    """Switch every MoE router to `route` (EngineConfig.fused_router)."""
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            m.fused = True
 
 
 class SparseMoeBlock(nn.Module):

@@ -38,9 +38,18 @@ def _softmax_topk_kernel(
     MODE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
+    _topk_row(logits_ptr + t * stride_l, ids_ptr + t * stride_i, w_ptr + t * stride_w, E,
+              K, E_PAD, K_PAD, RENORM, MODE)  # fmt: skip
+
+
+@triton.jit
+def _topk_row(row_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, E_PAD: tl.constexpr,
+              K_PAD: tl.constexpr, RENORM: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+    """One token: its E logits at row_ptr -> K ids and weights at ids_ptr, w_ptr."""
     offs_e = tl.arange(0, E_PAD)
     e_ok = offs_e < E
-    x = tl.load(logits_ptr + t * stride_l + offs_e, mask=e_ok, other=float("-inf"))
+    # .cg: past L1, which is not coherent with the other programs' stores (fused route).
+    x = tl.load(row_ptr + offs_e, mask=e_ok, other=float("-inf"), cache_modifier=".cg")
     x = x.to(tl.float32)  # [E_PAD]
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
@@ -58,8 +67,8 @@ def _softmax_topk_kernel(
         w = w / tl.sum(w, 0)  # padding lanes of w are 0
     w = _round(w, MODE)
     k_ok = offs_k < K
-    tl.store(ids_ptr + t * stride_i + offs_k, ids, mask=k_ok)
-    tl.store(w_ptr + t * stride_w + offs_k, w, mask=k_ok)
+    tl.store(ids_ptr + offs_k, ids, mask=k_ok)
+    tl.store(w_ptr + offs_k, w, mask=k_ok)
 
 
 def softmax_topk(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from router_checks import check_weights
 from torch import Tensor
 
 from freetoken_agent.kernels import reference
@@ -50,20 +51,6 @@ def oracle(logits: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return ids.to(torch.int32), weights
-
-
-def check_weights(w: Tensor, ref: Tensor, round_to: torch.dtype | None, tol: float) -> None:
-    """Within tol; rounded weights within one ulp of round_to, and bitwise nearly everywhere
-    (a few fp32 ulps of difference only matter on a rounding boundary of round_to)."""
-    assert w.shape == ref.shape and not w.isnan().any(), "weights left unwritten"
-    w, ref = w.double().cpu(), ref.double().cpu()
-    if round_to is None:
-        torch.testing.assert_close(w, ref, atol=tol, rtol=0)
-        return
-    assert torch.equal(w, w.to(round_to).double()), f"weights not rounded to {round_to}"
-    assert ((w - ref).abs() <= ref.abs() * 2.0**-7).all(), "more than one ulp of round_to"
-    mismatch = int((w != ref).sum())
-    assert mismatch <= 1 + w.numel() // 1000, f"{mismatch} weights differ: a systematic error"
 
 
 # ---- the twin ----------------------------------------------------------------------------------

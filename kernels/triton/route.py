@@ -1,0 +1,118 @@
+"""A decode step's MoE router in one launch: the router's linear layer, then softmax, top-k,
+renormalise and round (kernels/triton/router.py's row code).
+
+Why: at decode the router is two small launches a layer, a cuBLAS GEMV of [T, H] x [E, H]
+(0.5 MB at Qwen3-30B-A3B's shape: 4.9 us on the H200, latency, not bandwidth) and the top-k
+kernel; a 48-layer step spends ~0.3 ms on them (bench/results/NOTES.md, twelfth session).
+Here E / BLOCK_E programs each compute BLOCK_E logits of every token, rounded to the model
+dtype as F.linear's output is, into a scratch row; the last program to finish (an atomic
+counter, acquire-release at GPU scope, as kernels/triton/sampling.py draws) reads all E logits
+of each token and picks its experts, then puts the counter back to 0 for the next launch.
+
+Numerics: the logits are fp32 sums in another order than cuBLAS's, rounded to the model dtype,
+so a logit can land one ulp of that dtype away from F.linear's; the top k then follow from
+those logits exactly as softmax_topk's do. Prefill chunks keep F.linear + softmax_topk.
+
+Shape legend: T tokens (<= MAX_TOKENS), H hidden, E experts (E_PAD padded to a power of two),
+K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from freetoken_agent.kernels.router import ROUTE_MAX_TOKENS as MAX_TOKENS
+from freetoken_agent.kernels.triton.norm import round_mode
+from freetoken_agent.kernels.triton.router import MAX_EXPERTS, MAX_TOP_K, _topk_row
+
+BLOCK_E = 8  # logits a program computes: 16 programs at E = 128
+BLOCK_H = 256
+
+
+@triton.jit
+def _route_kernel(
+    x_ptr, w_ptr, logits_ptr, done_ptr, ids_ptr, wt_ptr, T, E, H, stride_x, stride_w,
+    K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
+    MODE: tl.constexpr, LOGIT_MODE: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    offs_h = tl.arange(0, BLOCK_H)
+    for t in range(T):
+        acc = tl.zeros([BLOCK_E], tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h_ok = h0 + offs_h < H
+            x = tl.load(x_ptr + t * stride_x + h0 + offs_h, mask=h_ok, other=0.0)
+            w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + h0 + offs_h[None, :],
+                        mask=e_ok[:, None] & h_ok[None, :], other=0.0)  # fmt: skip
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        # F.linear's output is in the model dtype: the same rounding before the softmax.
+        tl.store(logits_ptr + t * E_PAD + offs_e, _round_logits(acc, LOGIT_MODE), mask=e_ok)
+    # The stores above are ordered before the add (release); the last program's loads after it
+    # (acquire) see every program's logits.
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(done_ptr, 0)
+        for t in range(T):
+            _topk_row(logits_ptr + t * E_PAD, ids_ptr + t * K, wt_ptr + t * K, E, K, E_PAD,
+                      K_PAD, RENORM, MODE)  # fmt: skip
+
+
+@triton.jit
+def _round_logits(acc, LOGIT_MODE: tl.constexpr):
+    """fp32 sums -> the model dtype's value, kept in fp32 (0: fp32, 1: fp16, 2: bf16)."""
+    if LOGIT_MODE == 1:
+        return acc.to(tl.float16).to(tl.float32)
+    if LOGIT_MODE == 2:
+        return acc.to(tl.bfloat16).to(tl.float32)
+    return acc
+
+
+_LOGIT_MODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# Per device: the logits scratch [MAX_TOKENS, MAX_EXPERTS] fp32 and the counter (0 between
+# launches). Allocated once at full size: a captured graph keeps their addresses.
+_scratch: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+
+def _buffers(device: torch.device) -> tuple[Tensor, Tensor]:
+    if device not in _scratch:
+        logits = torch.zeros(MAX_TOKENS * MAX_EXPERTS, dtype=torch.float32, device=device)
+        _scratch[device] = (logits, torch.zeros(1, dtype=torch.int32, device=device))
+    return _scratch[device]
+
+
+def route(
+    x: Tensor, weight: Tensor, k: int, renormalize: bool, round_to: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """(ids [T, K] int32, weights [T, K] fp32) of x [T, H] routed by weight [E, H]: the same
+    contract as F.linear followed by softmax_topk, in one launch; no host synchronisation.
+    T <= MAX_TOKENS, E <= 512, k <= 16; x and weight of one dtype, rows contiguous."""
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (
+        tuple(x.shape), tuple(weight.shape))  # fmt: skip
+    T, H = x.shape
+    E = weight.shape[0]
+    assert T <= MAX_TOKENS and 0 < k <= min(E, MAX_TOP_K) and E <= MAX_EXPERTS, (T, E, k)
+    assert x.dtype == weight.dtype and x.stride(1) == 1 and weight.stride(1) == 1
+    mode = 0 if round_to is None else round_mode(round_to)
+    ids = torch.empty((T, k), dtype=torch.int32, device=x.device)
+    weights = torch.empty((T, k), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return ids, weights
+    logits, done = _buffers(x.device)
+    e_pad = triton.next_power_of_2(E)
+    _route_kernel[(triton.cdiv(E, BLOCK_E),)](
+        x, weight, logits, done, ids, weights, T, E, H, x.stride(0), weight.stride(0),
+        K=k, E_PAD=e_pad, K_PAD=triton.next_power_of_2(k), RENORM=renormalize, MODE=mode,
+        LOGIT_MODE=_LOGIT_MODES[x.dtype], BLOCK_E=BLOCK_E, BLOCK_H=BLOCK_H, num_warps=4,
+    )  # fmt: skip
+    return ids, weights
+
+
+def scratch_logits(device: torch.device, T: int, E: int) -> Tensor:
+    """The rounded logits the last `route` on `device` computed: [T, E] (tests)."""
+    logits, _ = _buffers(device)
+    return logits[: T * triton.next_power_of_2(E)].view(T, -1)[:, :E]
