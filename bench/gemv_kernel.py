@@ -4,7 +4,9 @@ each beside the HBM limit measured in the same run.
     python -m freetoken_agent.bench gemv [--no-sweep] [--out DIR]
 
 Shapes are the Qwen3-30B-A3B decode projections (bf16, random weights): qkv 2048 -> 5120,
-o 4096 -> 2048, router 2048 -> 128, lm_head 2048 -> 151936; M = 1 and 4 rows. Each is timed as
+o 4096 -> 2048, router 2048 -> 128, lm_head 2048 -> 151936; M = 1 and 4 rows. The router also
+runs as it routes: F.linear then softmax_topk (`torch+topk`) against the one-launch `route`
+(kernels/triton/route.py) and its tile candidates (ROUTE_SWEEP). Each is timed as
 GRAPH_LAYERS different weights of that shape in one CUDA graph (per call; the weights together
 exceed the 50 MB L2 except the router's, which a decode step reads once a layer as here), and
 reported as weight bytes / time beside the HBM bandwidth of a large copy (read + write counted).
@@ -23,7 +25,9 @@ from triton.testing import do_bench
 
 from freetoken_agent.bench.cuda_graph import captured
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
+from freetoken_agent.kernels.router import softmax_topk
 from freetoken_agent.kernels.triton.gemv import choose_tiles, gemv
+from freetoken_agent.kernels.triton.route import route
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
@@ -34,6 +38,23 @@ SWEEP = [
     dict(BLOCK_N=32, BLOCK_K=512, WARPS=8),
     dict(BLOCK_N=32, BLOCK_K=128, WARPS=2),
 ]
+
+ROUTE_SWEEP = [
+    dict(BLOCK_E=4, BLOCK_H=512, WARPS=1),
+    dict(BLOCK_E=8, BLOCK_H=256, WARPS=4),
+    dict(BLOCK_E=1, BLOCK_H=2048, WARPS=1),
+]
+
+
+def _routers(sweep: bool) -> dict:
+    """The router's two ways, Qwen3's top-8 with rounded weights: name -> fn(x, w)."""
+    out = {
+        "torch+topk": lambda x, w: softmax_topk(F.linear(x, w), 8, True, torch.bfloat16),
+        "route": lambda x, w: route(x, w, 8, True, torch.bfloat16),
+    }
+    for i, tiles in enumerate(ROUTE_SWEEP if sweep else []):
+        out[f"route{i}"] = lambda x, w, t=tiles: route(x, w, 8, True, torch.bfloat16, t)
+    return out
 
 
 def per_call_us(fn, weights: list[torch.Tensor], x: torch.Tensor) -> float:
@@ -68,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_sweep:
                 for i, tiles in enumerate(SWEEP):
                     candidates[f"sweep{i}"] = lambda x, w, t=tiles: gemv(x, w, tiles=t)
+            if name == "router":
+                candidates.update(_routers(not args.no_sweep))
             for label, fn in candidates.items():
                 us = per_call_us(fn, weights, x)
                 gb_s = nbytes / us / 1e3
@@ -76,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                     row["tiles"] = choose_tiles(n, k, SWEEP[int(label[5:])])
                 elif label == "triton":
                     row["tiles"] = choose_tiles(n, k)
+                elif label.startswith("route") and label != "route":
+                    row["tiles"] = ROUTE_SWEEP[int(label[5:])]
                 key = f"{name}|m{m}|{label}"
                 report["rows"][key] = row
                 print(key, json.dumps(row), flush=True)

@@ -28,8 +28,10 @@ from freetoken_agent.kernels.router import ROUTE_MAX_TOKENS as MAX_TOKENS
 from freetoken_agent.kernels.triton.norm import round_mode
 from freetoken_agent.kernels.triton.router import MAX_EXPERTS, MAX_TOP_K, _topk_row
 
-BLOCK_E = 8  # logits a program computes: 16 programs at E = 128
-BLOCK_H = 256
+# Default tiles (`bench gemv` times others). One warp a program: the last program's k argmax
+# rounds then reduce with shuffles alone (router.py), and 64 programs at E = 128 keep enough
+# loads in flight for the 0.5 MB of weights. Not yet measured on the device.
+TILES = dict(BLOCK_E=2, BLOCK_H=1024, WARPS=1)
 
 
 @triton.jit
@@ -86,11 +88,17 @@ def _buffers(device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def route(
-    x: Tensor, weight: Tensor, k: int, renormalize: bool, round_to: torch.dtype | None = None
+    x: Tensor,
+    weight: Tensor,
+    k: int,
+    renormalize: bool,
+    round_to: torch.dtype | None = None,
+    tiles: dict[str, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(ids [T, K] int32, weights [T, K] fp32) of x [T, H] routed by weight [E, H]: the same
     contract as F.linear followed by softmax_topk, in one launch; no host synchronisation.
-    T <= MAX_TOKENS, E <= 512, k <= 16; x and weight of one dtype, rows contiguous."""
+    T <= MAX_TOKENS, E <= 512, k <= 16; x and weight of one dtype, rows contiguous. `tiles`:
+    TILES' keys, any of them (bench gemv's sweep)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (
         tuple(x.shape), tuple(weight.shape))  # fmt: skip
     T, H = x.shape
@@ -104,10 +112,12 @@ def route(
         return ids, weights
     logits, done = _buffers(x.device)
     e_pad = triton.next_power_of_2(E)
-    _route_kernel[(triton.cdiv(E, BLOCK_E),)](
+    t = {**TILES, **(tiles or {})}
+    _route_kernel[(triton.cdiv(E, t["BLOCK_E"]),)](
         x, weight, logits, done, ids, weights, T, E, H, x.stride(0), weight.stride(0),
         K=k, E_PAD=e_pad, K_PAD=triton.next_power_of_2(k), RENORM=renormalize, MODE=mode,
-        LOGIT_MODE=_LOGIT_MODES[x.dtype], BLOCK_E=BLOCK_E, BLOCK_H=BLOCK_H, num_warps=4,
+        LOGIT_MODE=_LOGIT_MODES[x.dtype], BLOCK_E=t["BLOCK_E"], BLOCK_H=t["BLOCK_H"],
+        num_warps=t["WARPS"],
     )  # fmt: skip
     return ids, weights
 

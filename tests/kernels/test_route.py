@@ -140,3 +140,18 @@ def test_engine_with_the_fused_router_matches_the_default_on_cuda(tmp_path, rng_
     assert [o.token_ids for o in fused.generate(prompts, sp)] == want
     ids = prompts[1] + want[1]
     assert max_rel_err(fused.score(ids), base.score(ids)) <= 1e-4
+
+
+def test_every_tile_choice_routes_alike(rng_seed):
+    """The default tiles and bench gemv's candidates: the same ids and weights."""
+    from freetoken_agent.bench.gemv_kernel import ROUTE_SWEEP
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    x = torch.randn(3, 300, generator=gen).to(DEV)
+    w = torch.randn(37, 300, generator=gen).to(DEV)
+    ids, weights = route(x, w, 5, True, force_triton=True)
+    for tiles in ROUTE_SWEEP:
+        from freetoken_agent.kernels.triton.route import route as triton_route
+
+        got = triton_route(x, w, 5, True, None, tiles)
+        assert torch.equal(got[0], ids) and torch.allclose(got[1], weights), tiles
