@@ -45,15 +45,17 @@ def route(
     renormalize: bool,
     round_to: torch.dtype | None = None,
     *,
+    scratch: tuple[Tensor, Tensor] | None = None,
     force_triton: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The router's linear layer and `softmax_topk` of its logits (in x's dtype, as F.linear
     returns them): x [T, H], weight [E, H] -> ids [T, K] int32, weights [T, K] fp32. Decode-
     sized CUDA inputs run both in one launch (kernels/triton/route.py, EngineConfig.
-    fused_router); anything else F.linear, then softmax_topk."""
+    fused_router; `scratch`: kernels/triton/route.py new_scratch's, the caller's own); anything
+    else F.linear, then softmax_topk."""
     if x.shape[0] <= ROUTE_MAX_TOKENS and use_triton(x, force_triton, "route"):
         from freetoken_agent.kernels.triton.route import route as triton_route
 
-        return triton_route(x, weight, k, renormalize, round_to)
+        return triton_route(x, weight, k, renormalize, round_to, scratch=scratch)
     logits = torch.nn.functional.linear(x, weight)
     return softmax_topk(logits, k, renormalize, round_to, force_triton=force_triton)

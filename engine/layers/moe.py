@@ -50,12 +50,18 @@ class TopKRouter(nn.Module):
         self.options = options
         self.skinny = False  # linear.use_skinny_gemv
         self.fused = False  # use_fused_router
+        self._scratch = None  # route's, this router's own (made at its first CUDA decode)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         opts = self.options
         round_to = x.dtype if opts.weights_in_model_dtype else None
         if self.fused and x.dim() == 2:  # decode steps in one launch (kernels/triton/route.py)
-            return route(x, self.weight, opts.top_k, opts.norm_topk_prob, round_to)
+            if self._scratch is None and x.is_cuda:
+                from freetoken_agent.kernels.triton.route import new_scratch
+
+                self._scratch = new_scratch(x.device)
+            return route(x, self.weight, opts.top_k, opts.norm_topk_prob, round_to,
+                         scratch=self._scratch)  # fmt: skip
         logits = project(x, self.weight, None, self.skinny)  # [T, E] in the model dtype
         # One kernel for softmax, top-k, renormalisation and rounding: [T, K] ids and weights.
         return softmax_topk(logits, opts.top_k, opts.norm_topk_prob, round_to)

@@ -75,16 +75,24 @@ def _round_logits(acc, LOGIT_MODE: tl.constexpr):
 
 
 _LOGIT_MODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# Per device: the logits scratch [MAX_TOKENS, MAX_EXPERTS] fp32 and the counter (0 between
-# launches). Allocated once at full size: a captured graph keeps their addresses.
-_scratch: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+
+def new_scratch(device: torch.device) -> tuple[Tensor, Tensor]:
+    """A launch's scratch: the logits [MAX_TOKENS * MAX_EXPERTS] fp32 and the counter (0
+    between launches). Full size at once: a captured graph keeps their addresses. Each router
+    keeps its own (engine/layers/moe.py), so routers of engines on other streams never share
+    one; launches on one stream may (the tests' default)."""
+    logits = torch.zeros(MAX_TOKENS * MAX_EXPERTS, dtype=torch.float32, device=device)
+    return logits, torch.zeros(1, dtype=torch.int32, device=device)
+
+
+_shared: dict[torch.device, tuple[Tensor, Tensor]] = {}  # per device: calls without scratch
 
 
 def _buffers(device: torch.device) -> tuple[Tensor, Tensor]:
-    if device not in _scratch:
-        logits = torch.zeros(MAX_TOKENS * MAX_EXPERTS, dtype=torch.float32, device=device)
-        _scratch[device] = (logits, torch.zeros(1, dtype=torch.int32, device=device))
-    return _scratch[device]
+    if device not in _shared:
+        _shared[device] = new_scratch(device)
+    return _shared[device]
 
 
 def route(
@@ -94,11 +102,13 @@ def route(
     renormalize: bool,
     round_to: torch.dtype | None = None,
     tiles: dict[str, int] | None = None,
+    scratch: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(ids [T, K] int32, weights [T, K] fp32) of x [T, H] routed by weight [E, H]: the same
     contract as F.linear followed by softmax_topk, in one launch; no host synchronisation.
     T <= MAX_TOKENS, E <= 512, k <= 16; x and weight of one dtype, rows contiguous. `tiles`:
-    TILES' keys, any of them (bench gemv's sweep)."""
+    TILES' keys, any of them (bench gemv's sweep); `scratch`: new_scratch's, else the
+    device's shared one."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (
         tuple(x.shape), tuple(weight.shape))  # fmt: skip
     T, H = x.shape
@@ -110,7 +120,7 @@ def route(
     weights = torch.empty((T, k), dtype=torch.float32, device=x.device)
     if T == 0:
         return ids, weights
-    logits, done = _buffers(x.device)
+    logits, done = scratch if scratch is not None else _buffers(x.device)
     e_pad = triton.next_power_of_2(E)
     t = {**TILES, **(tiles or {})}
     _route_kernel[(triton.cdiv(E, t["BLOCK_E"]),)](
@@ -123,6 +133,7 @@ def route(
 
 
 def scratch_logits(device: torch.device, T: int, E: int) -> Tensor:
-    """The rounded logits the last `route` on `device` computed: [T, E] (tests)."""
+    """The rounded logits the last `route` on `device` without a scratch of its own computed:
+    [T, E] (tests)."""
     logits, _ = _buffers(device)
     return logits[: T * triton.next_power_of_2(E)].view(T, -1)[:, :E]
