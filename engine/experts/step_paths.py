@@ -22,8 +22,8 @@ them, at 14.2 ms a token where another run's took 9.9, and kept the slower path)
 runs on the device path because it measured at least as fast as the stops path in every
 regime and batch on the H200 host (twentieth session: 48 layers native b=4 1.71-1.81 against
 2.08-2.59 ms a token, where the stops path's wait also ran the split trials' slow `split`
-blocks at 4.7 ms; the peer slice's uniform routing 12.2 against 13.3), and short generations
-(an agent's tool call) are mostly that wait. The first step of every block is not a sample:
+blocks at 4.7 ms; the peer slice's uniform routing 12.2 against 13.3), and a fresh engine's
+first replies run in it. The first step of every block is not a sample:
 it pays the cache's hand-over between host and device (one sync and a rebuild), and under
 overlap scheduling the step timed at a block's start is the last one of the block before.
 While the paths are measured, the stops path runs its split trials' chosen mode and those
