@@ -88,7 +88,8 @@ def bench_model(cfg: dict, label: str, args, b_hbm: float, flops: float) -> dict
     rng = random.Random(0)
     engine = random_engine(cfg, max_num_seqs=8, max_model_len=4096, max_batched_tokens=2048,
                            skinny_gemv=args.skinny_gemv,
-                           fused_router=args.fused_router)  # fmt: skip
+                           fused_router=args.fused_router,
+                           fused_proj_norm=args.fused_proj_norm)  # fmt: skip
     spec = engine.spec
     decode_rate(engine, 1, 32, 16, rng)  # warm-up (autotuning, allocator)
     result = {"model": label, "layers": spec.n_layers, "expert_gb": engine.loaded.bank.nbytes / 1e9}
@@ -138,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-router", action="store_true",
                         help="decode routers in one launch, linear layer and top-k (EngineConfig."
                         "fused_router); writes decode_baseline_fused_router.json")  # fmt: skip
+    parser.add_argument("--fused-proj-norm", action="store_true",
+                        help="decode each attention layer's o_proj, residual add and norm in "
+                        "one launch (EngineConfig.fused_proj_norm); writes "
+                        "decode_baseline_fused_proj_norm.json")  # fmt: skip
     parser.add_argument("--overlap", action="store_true",
                         help="decode also with overlap scheduling (EngineConfig.overlap_schedule):"
                         " decode_b*_overlap_tok_s beside the plain loop's")  # fmt: skip
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "policy": "resident",
         "skinny_gemv": args.skinny_gemv,
         "fused_router": args.fused_router,
+        "fused_proj_norm": args.fused_proj_norm,
         "overlap": args.overlap,
         "sampled": SAMPLED if args.sampled else None,
         "dtype": "bfloat16",
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     name = "decode_baseline" + "_skinny" * args.skinny_gemv + "_fused_router" * args.fused_router
+    name += "_fused_proj_norm" * args.fused_proj_norm
     name += ".json"
     path = args.out / name
     path.write_text(json.dumps(report, indent=1))

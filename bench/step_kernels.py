@@ -9,20 +9,55 @@ against a ~1.5 ms limit (bench/results/NOTES.md, twentieth session): the step's 
 not its misses, bound it. Per policy row (from an empty cache, after `--warm` steps): the wall
 time a step unprofiled, then torch.profiler (CUPTI records the kernels of graph replays) over
 `--steps` steps: the device time a step, every kernel's device time and launches a step, and
-the same divided by the MoE layers. JSON lines; `--out` also writes them to a file.
+the same divided by the MoE layers; and who handed the cache back to the host during the
+unprofiled steps (DeviceFills.release: a sync and a rebuild of the host's mirror; the 48-layer
+table of the twentieth session showed 0.25 a step at b=4 under gpu-fill and adaptive), by
+caller. JSON lines; `--out` also writes them to a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
+import sys
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from freetoken_agent.bench.offload import offload_engine, start_policy
 from freetoken_agent.bench.profile_step import decode_steps
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
+from freetoken_agent.engine.experts.device_fills import DeviceFills
 from freetoken_agent.engine.sampling_params import SamplingParams
+
+_CACHE_FILES = ("device_fills.py", "cache.py")
+
+
+@contextlib.contextmanager
+def release_callers() -> Iterator[Counter]:
+    """Counts DeviceFills.release calls that hand an owned cache back while the block runs,
+    by the first caller outside the cache's own files ("file.py:function")."""
+    callers: Counter = Counter()
+    release = DeviceFills.release
+
+    def counted(self) -> None:
+        if self.owned:
+            frame = sys._getframe(1)
+            while frame is not None and os.path.basename(frame.f_code.co_filename) in _CACHE_FILES:
+                frame = frame.f_back
+            where = "?" if frame is None else frame.f_code.co_filename
+            name = "?" if frame is None else frame.f_code.co_name
+            callers[f"{os.path.basename(where)}:{name}"] += 1
+        release(self)
+
+    DeviceFills.release = counted
+    try:
+        yield callers
+    finally:
+        DeviceFills.release = release
 
 
 def kernel_rows(events, steps: int, layers: int) -> tuple[float, list[dict]]:
@@ -86,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         if reserve is not None:  # the traces' draws before the clock starts
             reserve(n * args.batch)
         decode_steps(engine, args.warm)
-        wall = decode_steps(engine, args.steps)
+        with release_callers() as callers:
+            wall = decode_steps(engine, args.steps)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             profiled = decode_steps(engine, args.steps)
         device_us, rows = kernel_rows(prof.key_averages(), args.steps, spec.n_moe_layers)
@@ -101,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             "profiled_wall_ms_per_step": round(1e3 * profiled, 3),
             "device_ms_per_step": round(device_us / 1e3, 3),
             "launches_per_step": round(sum(r["launches_per_step"] for r in rows), 1),
+            "releases_per_step": round(sum(callers.values()) / args.steps, 3),
+            "release_callers": dict(callers.most_common()),
             "kernels": rows,
         }  # fmt: skip
         lines.append(line)

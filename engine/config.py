@@ -268,6 +268,11 @@ class EngineConfig:
     # softmax and top-k (kernels/triton/route.py), instead of cuBLAS's GEMV and the top-k
     # kernel. Off until measured on the device (`bench decode --fused-router`).
     fused_router: bool = False
+    # Decode-sized steps (<= 8 tokens) on CUDA run each attention layer's o_proj, the residual
+    # add and the post-attention RMSNorm in one launch (kernels/triton/proj_norm.py) instead of
+    # cuBLAS's GEMV, its split-K reduce and the norm kernel. Off until measured on the device
+    # (`bench decode --fused-proj-norm`).
+    fused_proj_norm: bool = False
     # Offloaded decode under adaptive, while fills pay (temporal locality, as Zipf traces): a
     # stopping layer waits for q* of its misses' fills and runs the rest on the CPU while they
     # too are filled, behind its compute, for the steps after (AdaptiveFetches.behind).

@@ -34,7 +34,7 @@ from freetoken_agent.engine.kv.radix import RadixCache
 from freetoken_agent.engine.kv.recurrence import build_recurrence, recurrent_device_bytes
 from freetoken_agent.engine.layers.linear import use_skinny_gemv
 from freetoken_agent.engine.layers.moe import ExpertBank, use_fused_router
-from freetoken_agent.engine.models.base import MoeCausalLM
+from freetoken_agent.engine.models.base import MoeCausalLM, use_fused_proj_norm
 from freetoken_agent.engine.models.registry import family, spec_from_config
 from freetoken_agent.engine.request import Recurrence
 from freetoken_agent.engine.text.tokenizer import Tokenizer
@@ -217,6 +217,8 @@ def assemble(
         use_skinny_gemv(model)
     if config.fused_router:
         use_fused_router(model)
+    if config.fused_proj_norm:
+        use_fused_proj_norm(model)
     dense = dense_nbytes(model)
     arena = getattr(getattr(bank, "cache", None), "arena", None)
     if arena is not None:  # elastic memory: the KV pool lives in the arena with the slots

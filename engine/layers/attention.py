@@ -91,6 +91,11 @@ class SelfAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attend(x, meta))
+
+    def attend(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything before o_proj: [T, Hq * D] (the decoder layer may fuse o_proj with the
+        norm after it: kernels/proj_norm.py)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D], or [T, (2 Hq + 2 Hkv) * D] with a gate
         gate = None
@@ -115,7 +120,7 @@ class SelfAttention(nn.Module):
         out = self._attend(q, meta).reshape(t, -1)  # [T, Hq * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return out
 
     def _project_unfused(
         self, qkv: torch.Tensor, meta: AttentionMetadata

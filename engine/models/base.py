@@ -28,6 +28,7 @@ from freetoken_agent.engine.layers.moe import ExpertBank, RouterOptions, SparseM
 from freetoken_agent.engine.layers.norm import RMSNorm
 from freetoken_agent.engine.layers.recurrent import RecurrentStateView
 from freetoken_agent.engine.layers.rope import RotaryEmbedding
+from freetoken_agent.kernels.proj_norm import proj_add_norm
 
 # T tokens of the step (flattened over sequences), H hidden, V vocab, N rows to score
 
@@ -75,6 +76,10 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = mixer
         self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
+        # EngineConfig.fused_proj_norm (use_fused_proj_norm): o_proj and this norm in one
+        # launch at decode; its partials' scratch is made at the first CUDA step.
+        self.fused_proj_norm = False
+        self._proj_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         if layer in spec.moe_layers:
             self.mlp: nn.Module = SparseMoeBlock(
                 spec.hidden_size,
@@ -96,9 +101,34 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        mixer = self.linear_attn if self.recurrent else self.self_attn
-        h, residual = self.post_attention_layernorm(mixer(h, meta), residual)
+        if self.fused_proj_norm:  # o_proj, the add and the norm in one launch at decode
+            h, residual = self._proj_norm(self.self_attn.attend(h, meta), residual)
+        else:
+            mixer = self.linear_attn if self.recurrent else self.self_attn
+            h, residual = self.post_attention_layernorm(mixer(h, meta), residual)
         return self.mlp(h), residual
+
+    def _proj_norm(
+        self, out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """post_attention_layernorm(o_proj(out), residual) through kernels/proj_norm.py (one
+        launch for decode-sized CUDA steps), with this layer's own scratch."""
+        norm, weight = self.post_attention_layernorm, self.self_attn.o_proj.weight
+        if self._proj_scratch is None and out.is_cuda:
+            from freetoken_agent.kernels.triton.proj_norm import new_scratch
+
+            self._proj_scratch = new_scratch(weight.shape[0], weight.shape[1], out.device)
+        return proj_add_norm(out, weight, residual, norm.weight, norm.eps, norm.zero_centred,
+                             scratch=self._proj_scratch)  # fmt: skip
+
+
+def use_fused_proj_norm(model: nn.Module) -> None:
+    """EngineConfig.fused_proj_norm: every attention layer whose o_proj has no bias and whose
+    post-attention norm is an RMSNorm fuses the two (kernels/proj_norm.py)."""
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer) and not layer.recurrent:
+            attn, norm = layer.self_attn, layer.post_attention_layernorm
+            layer.fused_proj_norm = attn.o_proj.bias is None and isinstance(norm, RMSNorm)
 
 
 class MoeCausalLM(nn.Module):

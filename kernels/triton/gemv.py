@@ -43,7 +43,25 @@ def _gemv_kernel(
     offs_m = tl.arange(0, 16)
     n_ok, m_ok = offs_n < N, offs_m < M
     k_lo = s * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = _gemv_tile(x_ptr, w_ptr, offs_n, n_ok, offs_m, k_lo, tl.minimum(k_lo + k_per_split, K),
+                     stride_xm, stride_wn, M, BLOCK_N, BLOCK_K, PREC)  # fmt: skip
+    out = out_ptr + (s * M + offs_m[:, None]) * stride_om + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if FINAL:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out, acc, mask=ok)
+
+
+@triton.jit
+def _gemv_tile(x_ptr, w_ptr, offs_n, n_ok, offs_m, k_lo, k_hi, stride_xm, stride_wn,
+               M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               PREC: tl.constexpr):  # fmt: skip
+    """sum over k in [k_lo, k_hi) of x[m, k] * W[n, k] for the columns offs_n: [16, BLOCK_N]
+    fp32, rows past M zero (also kernels/triton/proj_norm.py's)."""
+    m_ok = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_rows = x_ptr + offs_m[:, None] * stride_xm  # [16, 1]
     acc = tl.zeros([16, BLOCK_N], tl.float32)
@@ -53,14 +71,7 @@ def _gemv_kernel(
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)  # [16, BLOCK_N]
-    out = out_ptr + (s * M + offs_m[:, None]) * stride_om + offs_n[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
-    if FINAL:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.store(out, acc, mask=ok)
+    return acc
 
 
 @triton.jit

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from norm_checks import MANTISSA, check_vs_twin, check_zero_centred_vs_twin
 from torch import Tensor
 
 from freetoken_agent.kernels import reference
@@ -23,15 +24,6 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IDS = ["fp32", "fp16", "bf16"]
-MANTISSA = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
-MIN_EXP = {torch.float16: -14, torch.bfloat16: -126, torch.float32: -126}
-
-
-def ulp(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """One unit in the last place of dtype at |x| (float64)."""
-    _, e = torch.frexp(x.double().abs())  # |x| = m * 2^e, 0.5 <= m < 1
-    e = torch.where(x == 0, MIN_EXP[dtype], (e - 1).clamp(min=MIN_EXP[dtype]))
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), e - MANTISSA[dtype])
 
 
 def make_inputs(seed: int, T: int, H: int, dtype: torch.dtype, device: str = DEV):
@@ -46,29 +38,6 @@ def oracle(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None) -> tu
     """float64 (y, s) from the dtype inputs: s exact, y = w * s / sqrt(mean(s^2) + eps)."""
     s = x.double() if residual is None else x.double() + residual.double()
     return weight.double() * s / (s.square().mean(-1, keepdim=True) + eps).sqrt(), s
-
-
-def check_vs_twin(out: Tensor, ref: Tensor, n_ref: Tensor, weight: Tensor) -> None:
-    """Bitwise, except where the fp32 sum of squares (reduction order) flipped the rounding of
-    the normalised value n: then one ulp of n times |w|, plus the product's own rounding."""
-    dtype = ref.dtype
-    assert out.dtype == dtype and out.shape == ref.shape
-    assert not out.isnan().any(), "elements left unwritten"
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=2e-6)
-        return
-    diff = (out.double() - ref.double()).abs()
-    allowed = ulp(ref, dtype) + weight.double().abs() * ulp(n_ref, dtype)
-    assert (diff <= allowed).all(), f"max excess {(diff - allowed).max().item():.3g}"
-    # Flips come a row at a time: a row whose fp32 sum of squares came out a little apart (the
-    # reduction order) flips the rounding of n wherever n sits near a boundary. Seed 3347572631
-    # (bf16, H 2048): 20 of one row's 2048 elements, none in the five other rows; over 300 seeds
-    # at most 17. A wrong rounding mode differs in about half of every row (truncating: 48-51%),
-    # so a row may differ in at most 3% of its elements.
-    per_row = (diff > 0).sum(dim=-1)  # [T]
-    print(f"{int(per_row.sum())} of {diff.numel()} elements not bitwise equal, per row {per_row}")
-    limit = 4 + 3 * diff.shape[-1] // 100
-    assert int(per_row.max()) <= limit, f"a row differs in {int(per_row.max())}: systematic"
 
 
 # ---- the twin ----------------------------------------------------------------------------------
@@ -209,22 +178,6 @@ def test_gpu_cuda_graph_replay(rng_seed: int, with_residual: bool) -> None:
 
 
 # ---- zero-centred weights (Qwen3-Next / Qwen3.5: y = n * (1 + w), one rounding) ------------------
-
-
-def check_zero_centred_vs_twin(out: Tensor, ref: Tensor) -> None:
-    """Only one rounding (of y): a flip from the fp32 statistics moves y by one ulp of y."""
-    dtype = ref.dtype
-    assert out.dtype == dtype and out.shape == ref.shape
-    assert not out.isnan().any(), "elements left unwritten"
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=2e-6)
-        return
-    diff = (out.double() - ref.double()).abs()
-    allowed = ulp(ref, dtype)
-    assert (diff <= allowed).all(), f"max excess {(diff - allowed).max().item():.3g}"
-    mismatch = int((diff > 0).sum())
-    print(f"{mismatch} of {diff.numel()} elements not bitwise equal")
-    assert mismatch <= 4 + diff.numel() // 1000, f"{mismatch} elements differ: a systematic error"
 
 
 def zero_centred_weight(seed: int, H: int, dtype: torch.dtype, device: str = DEV) -> Tensor:
