@@ -27,6 +27,8 @@
                       team, beside the host's read bandwidth (any CPU)
     step-kernels      an offloaded decode step's device time kernel by kernel, in the graphs
                       each policy replays (CUDA)
+    fusions           the decode step's fused kernels (router, o_proj + norm) on and off in
+                      one all-resident engine, beside the HBM limit (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -54,6 +56,7 @@ BENCHES = {
     "sampler": "freetoken_agent.bench.sampler_profile",
     "worker-teams": "freetoken_agent.bench.worker_teams",
     "step-kernels": "freetoken_agent.bench.step_kernels",
+    "fusions": "freetoken_agent.bench.fusions",
 }
 
 

@@ -43,8 +43,8 @@
 #         shared-team (the CPU worker's kernel threads, OpenMP against its SpinTeam, ~3 min)
 #         shared-zipf (the peer slice under Zipf 1.0 / loc 0.7, b=1 and 4: adaptive held on
 #         shared with the gate off, against gpu-fill, SpinTeam; ~3 min)
-#         route (the router in one launch: its GPU tests, bench gemv's router rows, then all-
-#         resident decode at 12 and 48 layers without and with EngineConfig.fused_router, ~7 min)
+#         fusions (the decode step's fused kernels: their GPU tests, bench gemv's router rows,
+#         then bench fusions at 48 layers: router and o_proj + norm on and off, ~6 min)
 #         step-kernels (an offloaded decode step's kernels in its replayed graphs: gpu-fill and
 #         transfer at 12 layers, gpu-fill at 48 layers / 32 GB, ~5 min)
 # Logs and JSON land in $OUT (or ./.out).
@@ -258,15 +258,15 @@ for stage in "$@"; do
       timeout 560 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 --rounds 1 \
         --regimes native zipf:1.0,loc:0.7 --policies adaptive gpu-fill --out "$OUT" 2>&1 \
         | tee "$OUT/shared_48l.log" | grep -v "round[0-9]" | cut -c1-900 ;;
-    route)
-      timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_route.py \
-        tests/kernels/test_router.py 2>&1 | tail -4
-      timeout 150 python3 -m freetoken_agent.bench gemv --out "$OUT" 2>&1 | grep router \
-        | cut -c1-200
-      for flag in "" --fused-router; do
-        timeout 200 python3 -m freetoken_agent.bench decode --layers 12 48 --tokens 128 $flag \
-          --out "$OUT" 2>&1 | tail -3
-      done ;;
+    fusions)
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_route.py \
+        tests/kernels/test_proj_norm.py tests/kernels/test_router.py tests/kernels/test_norm.py \
+        tests/kernels/test_gemv.py 2>&1 | tee "$OUT/fusion_tests.log" | tail -4
+      grep -E "^(FAILED|ERROR)" "$OUT/fusion_tests.log" | head
+      timeout 120 python3 -m freetoken_agent.bench gemv --out "$OUT" 2>&1 | grep router \
+        | cut -c1-160
+      timeout 260 python3 -m freetoken_agent.bench fusions --layers 48 --out "$OUT" 2>&1 \
+        | cut -c1-200 ;;
     shared-zipf)
       timeout 300 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
         --skip-prefill --batches 1 4 --rounds 1 --regimes zipf:1.0,loc:0.7 --policies adaptive \

@@ -67,11 +67,12 @@ class TopKRouter(nn.Module):
         return softmax_topk(logits, opts.top_k, opts.norm_topk_prob, round_to)
 
 
-def use_fused_router(model: nn.Module) -> None:
-    """Switch every MoE router to `route` (EngineConfig.fused_router)."""
+def use_fused_router(model: nn.Module, on: bool = True) -> None:
+    """Switch every MoE router to `route` (EngineConfig.fused_router), or back (`on` False;
+    captured graphs keep the kernels they were captured with)."""
     for m in model.modules():
         if isinstance(m, TopKRouter):
-            m.fused = True
+            m.fused = on
 
 
 class SparseMoeBlock(nn.Module):

@@ -122,13 +122,15 @@ class DecoderLayer(nn.Module):
                              scratch=self._proj_scratch)  # fmt: skip
 
 
-def use_fused_proj_norm(model: nn.Module) -> None:
+def use_fused_proj_norm(model: nn.Module, on: bool = True) -> None:
     """EngineConfig.fused_proj_norm: every attention layer whose o_proj has no bias and whose
-    post-attention norm is an RMSNorm fuses the two (kernels/proj_norm.py)."""
+    post-attention norm is an RMSNorm fuses the two (kernels/proj_norm.py); `on` False
+    switches them back (captured graphs keep the kernels they were captured with)."""
     for layer in model.modules():
         if isinstance(layer, DecoderLayer) and not layer.recurrent:
             attn, norm = layer.self_attn, layer.post_attention_layernorm
-            layer.fused_proj_norm = attn.o_proj.bias is None and isinstance(norm, RMSNorm)
+            fusable = attn.o_proj.bias is None and isinstance(norm, RMSNorm)
+            layer.fused_proj_norm = on and fusable
 
 
 class MoeCausalLM(nn.Module):

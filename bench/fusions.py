@@ -1,0 +1,95 @@
+"""The decode step's fused kernels, each on and off, in one all-resident engine beside the HBM
+limit: EngineConfig.fused_router (kernels/triton/route.py) and fused_proj_norm
+(kernels/triton/proj_norm.py), both off until this bench has measured them.
+
+    python -m freetoken_agent.bench fusions [--layers 48] [--tokens 128] [--rounds 2]
+
+One engine (the Qwen3-30B-A3B shape, random weights, all experts resident) is built once; for
+each variant (none, router, proj_norm, both) the model's switches are set and the decode graphs
+captured again, then decode tok/s at batch 1 and 4 (overlap scheduling on, as the engine runs).
+Variants take turns over `--rounds` rounds (the device host's speed drifts over seconds); the
+median round is reported beside the limit of `bench decode` (bytes a step must read / B_HBM).
+JSON: `fusions_{layers}l.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from pathlib import Path
+
+import torch
+
+from freetoken_agent.bench.decode_baseline import decode_bytes, decode_rate
+from freetoken_agent.bench.limits import hbm_copy_bandwidth
+from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
+from freetoken_agent.engine.layers.moe import use_fused_router
+from freetoken_agent.engine.models.base import use_fused_proj_norm
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = {
+    "none": (False, False),
+    "router": (True, False),
+    "proj_norm": (False, True),
+    "both": (True, True),
+}  # name -> (fused_router, fused_proj_norm)
+
+
+def set_variant(engine, name: str) -> None:
+    """Switch the model's fusions to `name`'s and capture the decode graphs with them."""
+    router, proj_norm = VARIANTS[name]
+    use_fused_router(engine.loaded.model, router)
+    use_fused_proj_norm(engine.loaded.model, proj_norm)
+    engine.capture_graphs()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench fusions",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--layers", type=int, default=48, help="model depth (12: peer slice)")
+    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--tokens", type=int, default=128, help="decoded tokens per request")
+    parser.add_argument("--rounds", type=int, default=2, help="turns of every variant")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="which fusions to measure")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs CUDA")
+    b_hbm = hbm_copy_bandwidth(torch.device("cuda"))
+    engine = random_engine(peer_slice(QWEN3_30B_A3B, args.layers), max_num_seqs=8,
+                           max_model_len=4096, max_batched_tokens=2048)  # fmt: skip
+    rng = random.Random(0)
+    ctx = args.prompt + args.tokens // 2
+    limits = {b: b / (decode_bytes(engine, b, ctx) / b_hbm) for b in (1, 4)}
+    rates: dict[str, dict[int, list[float]]] = {v: {1: [], 4: []} for v in args.variants}
+    for r in range(args.rounds):
+        order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
+        for name in order:
+            set_variant(engine, name)
+            decode_rate(engine, 1, 32, 16, rng)  # the new graphs' first replays
+            for batch in (1, 4):
+                rates[name][batch].append(decode_rate(engine, batch, args.prompt, args.tokens, rng))
+    report = {"bench": "fusions", "layers": args.layers, "hbm_copy_gb_s": b_hbm / 1e9,
+              "rounds": args.rounds, "rows": {}}  # fmt: skip
+    for name in args.variants:
+        for batch in (1, 4):
+            tok_s = statistics.median(rates[name][batch])
+            row = {"tok_s": tok_s, "limit_tok_s": limits[batch],
+                   "of_limit": tok_s / limits[batch], "rounds": rates[name][batch]}  # fmt: skip
+            report["rows"][f"{name}|b{batch}"] = row
+            print(f"{name}|b{batch}", json.dumps(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"fusions_{args.layers}l.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""bench fusions' switch: each variant sets exactly its fusions on the model, and back."""
+
+from __future__ import annotations
+
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine
+from freetoken_agent.bench.fusions import VARIANTS, set_variant
+from freetoken_agent.engine.layers.moe import TopKRouter
+from freetoken_agent.engine.models.base import DecoderLayer
+
+
+def test_each_variant_sets_its_fusions_and_recaptures(tmp_path, rng_seed, monkeypatch):
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    engine = Engine.load(tmp_path, device="cpu", progress=False)
+    captured = []
+    monkeypatch.setattr(engine, "capture_graphs", lambda: captured.append(True))
+    model = engine.loaded.model
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    for name in [*VARIANTS, "none"]:
+        set_variant(engine, name)
+        router, proj_norm = VARIANTS[name]
+        assert all(m.fused == router for m in routers), name
+        assert all(m.fused_proj_norm == proj_norm for m in layers), name
+    assert len(captured) == len(VARIANTS) + 1
