@@ -22,6 +22,10 @@ LOOKAHEAD_TOKENS = 256  # pages a running request is granted ahead of its next s
 RECENT_USES = 64  # cached pages touched in the last this-many radix uses count as recent
 TAIL_WINDOW = 64  # steps over which the cache's cold tail is judged
 TAIL_REFRESH = 8  # steps between two profiles of the cold tail
+# While the device owns the expert cache, a profile may come from the host's mirror as the
+# device last handed it back, up to this many steps old (ExpertCache.tail_profile): a fresher
+# one costs a sync and a rebuild of the mirror.
+TAIL_STALE_OWNED = 256
 
 
 def pages_wanted(req, page_size: int) -> int:
@@ -92,7 +96,7 @@ class DemandMeter:
         window move little in 8 steps."""
         stale = self.steps - self._tail_step >= TAIL_REFRESH
         if stale or self._tail_slots != self.cache.n_slots:  # or the cache was resized
-            self._tail = self.cache.tail_profile(TAIL_WINDOW)
+            self._tail = self.cache.tail_profile(TAIL_WINDOW, max_stale=TAIL_STALE_OWNED)
             self._tail_step, self._tail_slots = self.steps, self.cache.n_slots
         return float(self._tail[min(k, len(self._tail) - 1)]) / TAIL_WINDOW
 

@@ -228,3 +228,29 @@ def test_lend_on_cuda_moves_experts_before_the_streamer_writes(rng_seed):
         assert torch.allclose(b.cpu(), pool.w2[lid].sum(), rtol=1e-4, atol=1e-2), lid
     cache.take_back()
     cache.check_integrity()
+
+
+def test_an_owned_cache_profiles_its_mirror_until_it_is_too_old(rng_seed):
+    """While the device owns the cache, the tail profile is the host mirror's as of the step
+    the device took it (no hand-back: the policy asks ~every 16 decode steps), for up to
+    `max_stale` steps; past that the cache is handed back and profiled now."""
+    r = random.Random(rng_seed)
+    pool, _, cache = make(rng_seed, slots=8)
+    for _ in range(12):
+        cache.tick()
+        lids = r.sample(range(pool.n_rows), r.randint(1, 4))
+        cache.touch(lids)
+        cache.fill([x for x in lids if not cache.resident(x)], set(lids))
+    window = r.randint(2, 6)
+    want = cache.tail_profile(window)
+    fills = cache.on_device
+    fills.own()
+    stale = r.randint(1, 10)
+    for _ in range(stale):
+        cache.tick()  # steps on the device: the mirror ages, its window does not
+    got = cache.tail_profile(window, max_stale=stale)
+    assert fills.owned and fills.releases == 0 and (got == want).all()
+    cache.tick()
+    later = cache.tail_profile(window, max_stale=stale)  # too old: handed back first
+    assert not fills.owned and fills.releases == 1 and cache.mirror_step == cache.step
+    assert later.sum() <= want.sum()  # profiled now: the window moved past older hits
