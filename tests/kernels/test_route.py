@@ -121,25 +121,11 @@ def test_route_replays_in_a_cuda_graph(rng_seed):
 
 @pytest.mark.gpu
 def test_engine_with_the_fused_router_matches_the_default_on_cuda(tmp_path, rng_seed):
-    """fp32 tiny model on CUDA, decode under graphs: the same greedy tokens and logits within
-    fp32 rounding with the router in one launch as with F.linear and the top-k kernel."""
-    import random
+    """The router in one launch gives F.linear + softmax_topk's tokens and logits (fp32,
+    decode under graphs)."""
+    from option_parity import assert_option_keeps_results_on_cuda
 
-    from tiny_models import make_tiny, max_rel_err
-
-    from freetoken_agent import Engine, SamplingParams
-
-    make_tiny("qwen3_moe", tmp_path, rng_seed)
-    rng = random.Random(rng_seed)
-    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 40)]
-    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    opts = dict(device="cuda", progress=False, max_model_len=512, max_num_seqs=4)
-    base = Engine.load(tmp_path, **opts)
-    fused = Engine.load(tmp_path, fused_router=True, **opts)
-    want = [o.token_ids for o in base.generate(prompts, sp)]
-    assert [o.token_ids for o in fused.generate(prompts, sp)] == want
-    ids = prompts[1] + want[1]
-    assert max_rel_err(fused.score(ids), base.score(ids)) <= 1e-4
+    assert_option_keeps_results_on_cuda(tmp_path, rng_seed, fused_router=True)
 
 
 def test_every_tile_choice_routes_alike(rng_seed):

@@ -130,14 +130,19 @@ def test_streamer_on_lent_arena_slots(rng_seed):
     check(cache, pool)
 
 
-def test_tail_profile_counts_recent_hits_of_the_coldest(rng_seed):
-    r = random.Random(rng_seed)
-    pool, _, cache = make(rng_seed, slots=8)
-    for _ in range(20):  # fills, hits and steps at random
+def use_at_random(cache, pool, r: random.Random, steps: int) -> None:
+    """`steps` steps of random hits and fills."""
+    for _ in range(steps):
         cache.tick()
         lids = r.sample(range(pool.n_rows), r.randint(1, 4))
         cache.touch(lids)
         cache.fill([x for x in lids if not cache.resident(x)], set(lids))
+
+
+def test_tail_profile_counts_recent_hits_of_the_coldest(rng_seed):
+    r = random.Random(rng_seed)
+    pool, _, cache = make(rng_seed, slots=8)
+    use_at_random(cache, pool, r, 20)
     window = r.randint(1, 12)
     hot = cache.tail_profile(window)
     assert len(hot) == len(cache._lru) + 1 and hot[0] == 0
@@ -236,11 +241,7 @@ def test_an_owned_cache_profiles_its_mirror_until_it_is_too_old(rng_seed):
     `max_stale` steps; past that the cache is handed back and profiled now."""
     r = random.Random(rng_seed)
     pool, _, cache = make(rng_seed, slots=8)
-    for _ in range(12):
-        cache.tick()
-        lids = r.sample(range(pool.n_rows), r.randint(1, 4))
-        cache.touch(lids)
-        cache.fill([x for x in lids if not cache.resident(x)], set(lids))
+    use_at_random(cache, pool, r, 12)
     window = r.randint(2, 6)
     want = cache.tail_profile(window)
     fills = cache.on_device
