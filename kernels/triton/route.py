@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from freetoken_agent.kernels.router import ROUTE_MAX_TOKENS as MAX_TOKENS
-from freetoken_agent.kernels.triton.norm import round_mode
+from freetoken_agent.kernels.triton.norm import round_mode, round_to
 from freetoken_agent.kernels.triton.router import MAX_EXPERTS, MAX_TOP_K, _topk_row
 
 # Default tiles (`bench gemv` times others). One warp a program: the last program's k argmax
@@ -53,8 +53,10 @@ def _route_kernel(
             w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * stride_w + h0 + offs_h[None, :],
                         mask=e_ok[:, None] & h_ok[None, :], other=0.0)  # fmt: skip
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        # F.linear's output is in the model dtype: the same rounding before the softmax.
-        tl.store(logits_ptr + t * E_PAD + offs_e, _round_logits(acc, LOGIT_MODE), mask=e_ok)
+        # F.linear's output is in the model dtype: the same rounding before the softmax
+        # (round_to's bf16 rounding is integer arithmetic: compiled code folded a bf16 round
+        # trip away on the H200, and the interpreter truncates; kernels/triton/norm.py).
+        tl.store(logits_ptr + t * E_PAD + offs_e, round_to(acc, LOGIT_MODE), mask=e_ok)
     # The stores above are ordered before the add (release); the last program's loads after it
     # (acquire) see every program's logits.
     if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
@@ -62,19 +64,6 @@ def _route_kernel(
         for t in range(T):
             _topk_row(logits_ptr + t * E_PAD, ids_ptr + t * K, wt_ptr + t * K, E, K, E_PAD,
                       K_PAD, RENORM, MODE)  # fmt: skip
-
-
-@triton.jit
-def _round_logits(acc, LOGIT_MODE: tl.constexpr):
-    """fp32 sums -> the model dtype's value, kept in fp32 (0: fp32, 1: fp16, 2: bf16)."""
-    if LOGIT_MODE == 1:
-        return acc.to(tl.float16).to(tl.float32)
-    if LOGIT_MODE == 2:
-        return acc.to(tl.bfloat16).to(tl.float32)
-    return acc
-
-
-_LOGIT_MODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def new_scratch(device: torch.device) -> tuple[Tensor, Tensor]:
@@ -126,7 +115,7 @@ def route(
     _route_kernel[(triton.cdiv(E, t["BLOCK_E"]),)](
         x, weight, logits, done, ids, weights, T, E, H, x.stride(0), weight.stride(0),
         K=k, E_PAD=e_pad, K_PAD=triton.next_power_of_2(k), RENORM=renormalize, MODE=mode,
-        LOGIT_MODE=_LOGIT_MODES[x.dtype], BLOCK_E=t["BLOCK_E"], BLOCK_H=t["BLOCK_H"],
+        LOGIT_MODE=round_mode(x.dtype), BLOCK_E=t["BLOCK_E"], BLOCK_H=t["BLOCK_H"],
         num_warps=t["WARPS"],
     )  # fmt: skip
     return ids, weights
