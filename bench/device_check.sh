@@ -45,6 +45,7 @@
 #         shared with the gate off, against gpu-fill, SpinTeam; ~3 min)
 #         fusions (the decode step's fused kernels: their GPU tests, bench gemv's router rows,
 #         then bench fusions at 48 layers: router and o_proj + norm on and off, ~6 min)
+#         shared-zipf-48 (the same at 48 layers / 32 GB, b=1: the acceptance's Zipf row, ~4 min)
 #         step-kernels (an offloaded decode step's kernels in its replayed graphs: gpu-fill and
 #         transfer at 12 layers, gpu-fill at 48 layers / 32 GB, ~5 min)
 # Logs and JSON land in $OUT (or ./.out).
@@ -272,6 +273,10 @@ for stage in "$@"; do
         --skip-prefill --batches 1 4 --rounds 1 --regimes zipf:1.0,loc:0.7 --policies adaptive \
         gpu-fill --adaptive-path shared --no-shared-gate --out "$OUT" 2>&1 \
         | grep "|b" | cut -c1-300 ;;
+    shared-zipf-48)
+      timeout 330 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 --rounds 1 \
+        --regimes zipf:1.0,loc:0.7 --policies adaptive gpu-fill --adaptive-path shared \
+        --no-shared-gate --out "$OUT" 2>&1 | grep "|b" | cut -c1-300 ;;
     step-kernels)
       timeout 200 python3 -m freetoken_agent.bench step-kernels --layers 12 --budget-gb 8.59 \
         --policies gpu-fill transfer --rows 24 --out "$OUT/step_kernels_12l.jsonl" 2>&1 \
