@@ -125,7 +125,8 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
         "segment_reruns_per_token": (getattr(graphs, "reruns", 0) - reruns0) / steps,
         "stops_per_token": (getattr(graphs, "missed_layers", 0) - stops0) / steps,
         "wait_ms_per_token": 1e3 * (getattr(graphs, "wait_s", 0.0) - wait0) / steps,
-        "releases_per_token": (bank.cache.on_device.releases - releases0) / steps,
+        # (per step: the rows before the twentieth session called it releases_per_token)
+        "releases_per_step": (bank.cache.on_device.releases - releases0) / steps,
     }
 
 
