@@ -40,6 +40,7 @@ from freetoken_agent.engine.experts.policy import (
     FillVerdict,
     split_count,
 )
+from freetoken_agent.engine.experts.share_trials import ShareTrials
 from freetoken_agent.engine.experts.split_trials import SplitTrials
 from freetoken_agent.engine.experts.step_paths import PathTrials
 
@@ -70,6 +71,8 @@ class AdaptiveFetches:
         self.shared_gate = True
         self._trials: dict[int, SplitTrials] = {}  # per decode batch size
         self._paths: dict[int, PathTrials] = {}  # per decode batch size
+        self._shares: dict[int, ShareTrials] = {}  # per decode batch size: the shared path's
+        self.share_params: dict = {}  # ShareTrials' schedule (its defaults otherwise)
         # Per decode batch size: layers with a miss per step (each a stop for the host),
         # running average over steps outside `layers` mode; and the count of this step so far.
         self._stops: dict[int, float] = {}
@@ -93,6 +96,16 @@ class AdaptiveFetches:
             params = {"shared": self.shared_ok, "allowed": self._path_allowed, **self.path_params}
             self._paths[n_tokens] = PathTrials(**params)
         return self._paths[n_tokens]
+
+    def shares(self, n_tokens: int) -> ShareTrials:
+        """The shared path's share trials for decode steps of `n_tokens` tokens."""
+        if n_tokens not in self._shares:
+            self._shares[n_tokens] = ShareTrials(**self.share_params)
+        return self._shares[n_tokens]
+
+    def share_offset(self, n_tokens: int) -> float:
+        """The offset from q*'s CPU share for the next shared step (share_trials.py)."""
+        return self.shares(n_tokens).offset
 
     def chosen_paths(self) -> dict[int, str]:
         """The path each decode batch size's last measurement kept (for Engine.stats)."""
@@ -194,8 +207,11 @@ class AdaptiveFetches:
         was_exploring, on_stops = False, True
         if self.path_measured(n_tokens):
             paths = self.paths(n_tokens)
+            on_shared = self.path(n_tokens) == "shared"
             was_exploring, on_stops = paths.exploring, paths.path == "stops"
             paths.step_done(seconds / n_tokens)
+            if on_shared and not was_exploring:  # the path kept: a sample for its share
+                self.shares(n_tokens).step_done(seconds / n_tokens)
         if not on_stops:
             return
         stops, self._stops_now = self._stops_now, 0

@@ -67,11 +67,12 @@ class CpuShare:
         copy kernel put the worker's answer there; the kernels zero it after use)."""
         return self.add[:n_tokens]
 
-    def fixed_share(self, bandwidths: Bandwidths) -> int:
-        """CPU_SHARE (1/SHARE_ONE) for the estimates: B_H / (B_P + B_H); 0 once broken."""
+    def fixed_share(self, bandwidths: Bandwidths, offset: float = 0.0) -> int:
+        """CPU_SHARE (1/SHARE_ONE) for the estimates: B_H / (B_P + B_H), moved by `offset`
+        (adaptive's share trials) within [0, 1]; 0 once broken."""
         if self.broken is not None:
             return 0
-        return round(cpu_fraction(bandwidths) * SHARE_ONE)
+        return round(min(1.0, max(0.0, cpu_fraction(bandwidths) + offset)) * SHARE_ONE)
 
     def wake(self) -> None:
         if self.broken is None:

@@ -105,7 +105,10 @@ class DevicePath:
         if share is None:
             return
         shared = n_tokens is not None and bank.adaptive.path(n_tokens) == "shared"
-        value = share.fixed_share(bank.bandwidths) if shared else 0
+        if shared:
+            value = share.fixed_share(bank.bandwidths, bank.adaptive.share_offset(n_tokens))
+        else:
+            value = 0
         bank.cache.on_device.set_share(value)
         if value:
             share.wake()

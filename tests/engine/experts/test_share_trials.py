@@ -1,0 +1,72 @@
+"""The shared path's CPU share, tuned around q*'s by measured step time (share_trials.py): a
+hill-climb that finds the fastest share within one STEP, holds still there, stays within
+MAX_BIAS, and never changes results."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.experts.share_trials import MAX_BIAS, STEP, ShareTrials
+from freetoken_agent.kernels.cpu import worker
+
+
+def _climb(trials: ShareTrials, best: float, rng: random.Random, measurements: int) -> list:
+    """Feed steps whose time grows with the distance of the offset from `best` (1% noise);
+    returns the bias after each measurement."""
+    biases = []
+    while len(biases) < measurements:
+        choices = trials.choices
+        trials.step_done((1.0 + 4 * abs(trials.offset - best)) * rng.uniform(0.995, 1.005))
+        if trials.choices > choices:
+            biases.append(trials.bias)
+    return biases
+
+
+def test_the_share_climbs_to_the_fastest_and_holds_there(rng_seed):
+    rng = random.Random(rng_seed)
+    # Near one of the offsets the climb can reach (a best midway between two would tie them)
+    best = STEP * rng.randint(-4, 4) + rng.uniform(-0.02, 0.02)
+    trials = ShareTrials(block=2, rotations=2, period=rng.randrange(0, 5))
+    biases = _climb(trials, best, rng, 20)
+    assert abs(biases[-1] - best) <= STEP / 2 + 1e-9, (best, biases)
+    assert biases[-4:] == [biases[-1]] * 4  # it holds still once there
+    steps = [abs(b - a) for a, b in zip([0.0, *biases[:-1]], biases, strict=True)]
+    assert all(s <= STEP + 1e-9 for s in steps)  # one STEP a measurement at most
+
+
+def test_the_share_stays_within_max_bias(rng_seed):
+    rng = random.Random(rng_seed)
+    far = rng.choice([-1, 1]) * rng.uniform(MAX_BIAS + 0.1, 1.0)
+    biases = _climb(ShareTrials(block=2, rotations=1, period=0), far, rng, 12)
+    assert biases[-1] == pytest.approx(MAX_BIAS if far > 0 else -MAX_BIAS)
+    assert all(abs(b) <= MAX_BIAS + 1e-9 for b in biases)
+
+
+@pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
+def test_shares_moved_by_the_trials_keep_the_resident_tokens(tmp_path, rng_seed):
+    """The shared path with the trials measuring every few steps: the plans ran several
+    shares, and the tokens are the resident engine's."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(3, 30))] for _ in range(2)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    opts = dict(device="cpu", progress=False, dtype="float32", overlap_schedule=False)
+    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
+        prompts, sp)]  # fmt: skip
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(2, 20), **opts)
+    bank = engine.loaded.bank
+    bank.adaptive.path_params = {"fixed": "shared"}
+    bank.adaptive.share_params = dict(block=2, rotations=1, period=0)
+    bank.bandwidths.cpu, bank.bandwidths.pcie = 0.5, 0.5
+    bank.cpu_share.observe = lambda bandwidths: None  # keep q*'s share at one half
+    fills, shares = bank.cache.on_device, set()
+    set_share = fills.set_share
+    fills.set_share = lambda value: (shares.add(value), set_share(value))
+    got = [[o for o in out.token_ids] for out in (engine.generate(p, sp) for p in prompts)]
+    assert got == want
+    assert len(shares - {0}) >= 2, shares  # q*'s share and at least one offset from it
+    engine.close()
