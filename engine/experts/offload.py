@@ -198,6 +198,8 @@ class OffloadedExpertBank(GraphDecode):
                 f"policy {self.policy!r} reads experts from pinned host memory, but the expert "
                 "pool could not be pinned on this machine; load with policy='adaptive'"
             )
+        if not pinned:  # adaptive's step paths are the stops path's alone (step_paths.py)
+            self.adaptive.device_tokens = 0
         if self.policy == "static":
             self.place_static()
         if self.policy == "adaptive":
@@ -372,7 +374,9 @@ class OffloadedExpertBank(GraphDecode):
     def reset_decisions(self) -> None:
         """Forget what adaptive learnt of the fill race and the split modes (the benchmark,
         between measurements from an empty cache)."""
-        self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers, self.device_tokens)
+        # (no device path, no path trials: a pool that could not be pinned takes the stops)
+        tokens = self.device_tokens if self.device_path_ok else 0
+        self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers, tokens)
         self.adaptive.shared_ok = self.cpu_share is not None
         self.cache.kept_layers = frozenset()
 

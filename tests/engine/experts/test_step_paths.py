@@ -183,3 +183,17 @@ def test_without_the_gate_shared_is_measured_and_kept_while_fills_pay(rng_seed):
         adaptive.step_timed(1, 0.001 if ran[-1] == "shared" else 0.002)
     assert ran.count("shared") == block * rotations
     assert adaptive.paths(1).chosen == "shared" and adaptive.path(1) == "shared"
+
+
+def test_without_a_device_path_adaptive_stays_on_its_stops(tmp_path, rng_seed):
+    """A pool that could not be pinned has no device path (its kernels read the pool over the
+    link): no path trials, every decode step on the stops path, from load or a reset."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    engine = Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=5,
+                         progress=False)  # fmt: skip
+    bank = engine.loaded.bank
+    assert bank.adaptive.path_measured(1) and bank.adaptive.path(1) == "device"  # warming
+    bank.device_path_ok = False  # as `ready` leaves it when pinning failed
+    bank.reset_decisions()
+    for n in range(1, 5):
+        assert not bank.adaptive.path_measured(n) and bank.adaptive.path(n) == "stops"
