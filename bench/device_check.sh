@@ -62,7 +62,7 @@ for stage in "$@"; do
     tests)
       # The device image has no langchain, mcp or starlette: the integrations' tests would
       # stop the collection.
-      timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/integrations \
+      timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/integrations \
         tests/ 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -40 ;;
     engine-tests)
