@@ -17,17 +17,24 @@ def ulp(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.ldexp(torch.ones_like(x, dtype=torch.float64), e - MANTISSA[dtype])
 
 
+def _diff(out: Tensor, ref: Tensor) -> Tensor | None:
+    """|out - ref| (float64) for a 16-bit dtype's checks; fp32 rows are checked here, within
+    fp32 rounding (None then). Every element must have been written."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not out.isnan().any(), "elements left unwritten"
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=2e-6)
+        return None
+    return (out.double() - ref.double()).abs()
+
+
 def check_vs_twin(out: Tensor, ref: Tensor, n_ref: Tensor, weight: Tensor) -> None:
     """Bitwise, except where the fp32 sum of squares (reduction order) flipped the rounding of
     the normalised value n: then one ulp of n times |w|, plus the product's own rounding."""
-    dtype = ref.dtype
-    assert out.dtype == dtype and out.shape == ref.shape
-    assert not out.isnan().any(), "elements left unwritten"
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=2e-6)
+    diff = _diff(out, ref)
+    if diff is None:
         return
-    diff = (out.double() - ref.double()).abs()
-    allowed = ulp(ref, dtype) + weight.double().abs() * ulp(n_ref, dtype)
+    allowed = ulp(ref, ref.dtype) + weight.double().abs() * ulp(n_ref, ref.dtype)
     assert (diff <= allowed).all(), f"max excess {(diff - allowed).max().item():.3g}"
     # Flips come a row at a time: a row whose fp32 sum of squares came out a little apart (the
     # reduction order) flips the rounding of n wherever n sits near a boundary. Seed 3347572631
@@ -42,14 +49,10 @@ def check_vs_twin(out: Tensor, ref: Tensor, n_ref: Tensor, weight: Tensor) -> No
 
 def check_zero_centred_vs_twin(out: Tensor, ref: Tensor) -> None:
     """Only one rounding (of y): a flip from the fp32 statistics moves y by one ulp of y."""
-    dtype = ref.dtype
-    assert out.dtype == dtype and out.shape == ref.shape
-    assert not out.isnan().any(), "elements left unwritten"
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=2e-6)
+    diff = _diff(out, ref)
+    if diff is None:
         return
-    diff = (out.double() - ref.double()).abs()
-    allowed = ulp(ref, dtype)
+    allowed = ulp(ref, ref.dtype)
     assert (diff <= allowed).all(), f"max excess {(diff - allowed).max().item():.3g}"
     mismatch = int((diff > 0).sum())
     print(f"{mismatch} of {diff.numel()} elements not bitwise equal")
