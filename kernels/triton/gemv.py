@@ -101,9 +101,7 @@ def gemv(
     assert 1 <= m <= MAX_M, f"gemv takes 1..{MAX_M} rows, got {m}"
     assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1, "K must be contiguous"
     c = choose_tiles(n, k, tiles)
-    s = c["SPLIT_K"]
-    k_per_split = triton.cdiv(triton.cdiv(k, s), c["BLOCK_K"]) * c["BLOCK_K"]
-    s = triton.cdiv(k, k_per_split)  # no empty slice
+    s, k_per_split = splits(k, c)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # One slice: the kernel writes y; more: fp32 partials [S, M, N], summed by a second launch.
     part = y if s == 1 else torch.empty(s, m, n, dtype=torch.float32, device=x.device)
@@ -121,6 +119,13 @@ def gemv(
         M=m, S=s, HAS_BIAS=bias is not None, BLOCK=block,
     )  # fmt: skip
     return y
+
+
+def splits(k: int, tiles: dict[str, int]) -> tuple[int, int]:
+    """(slices, K per slice) of a K-long reduction under `tiles`: SPLIT_K slices of whole
+    BLOCK_K steps, fewer where the last ones would be empty."""
+    k_per_split = triton.cdiv(triton.cdiv(k, tiles["SPLIT_K"]), tiles["BLOCK_K"]) * tiles["BLOCK_K"]
+    return triton.cdiv(k, k_per_split), k_per_split
 
 
 def choose_tiles(n: int, k: int, override: dict[str, int] | None = None) -> dict[str, int]:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from freetoken_agent.kernels.gemv import MAX_M
 from freetoken_agent.kernels.proj_norm import MAX_N
-from freetoken_agent.kernels.triton.gemv import _gemv_tile, choose_tiles
+from freetoken_agent.kernels.triton.gemv import _gemv_tile, choose_tiles, splits
 from freetoken_agent.kernels.triton.norm import _scale, round_mode, round_to, warps_for
 
 
@@ -73,16 +73,9 @@ def new_scratch(n: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """A call site's scratch for an [n, k] weight: fp32 partials [S * MAX_M * n] and the
     counter (0 between launches). Full size at once: a captured graph keeps their addresses.
     Each projection keeps its own (engine/layers/attention.py), as the router does its."""
-    s = _splits(n, k, choose_tiles(n, k))[0]
+    s = splits(k, choose_tiles(n, k))[0]
     part = torch.zeros(s * MAX_M * n, dtype=torch.float32, device=device)
     return part, torch.zeros(1, dtype=torch.int32, device=device)
-
-
-def _splits(n: int, k: int, tiles: dict[str, int]) -> tuple[int, int]:
-    """(slices, K per slice) for `tiles`, no slice empty (as gemv.py splits)."""
-    s = tiles["SPLIT_K"]
-    k_per_split = triton.cdiv(triton.cdiv(k, s), tiles["BLOCK_K"]) * tiles["BLOCK_K"]
-    return triton.cdiv(k, k_per_split), k_per_split
 
 
 def proj_add_norm(
@@ -105,7 +98,7 @@ def proj_add_norm(
     assert x.stride(1) == 1 and w.stride(1) == 1 and residual.stride(1) == 1
     assert x.dtype == w.dtype == residual.dtype == norm_weight.dtype
     tiles = choose_tiles(n, k)
-    s, k_per_split = _splits(n, k, tiles)
+    s, k_per_split = splits(k, tiles)
     part, done = scratch if scratch is not None else new_scratch(n, k, x.device)
     assert part.numel() >= s * m * n, "the scratch was made for another shape"
     h = torch.empty((m, n), dtype=x.dtype, device=x.device)

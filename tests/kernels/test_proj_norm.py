@@ -46,7 +46,8 @@ def _projection(part: torch.Tensor, slices: int, m: int, n: int, dtype) -> torch
 @pytest.mark.parametrize("zero_centred", [False, True], ids=["plain", "zero-centred"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_one_launch_is_the_projection_then_the_norm(rng_seed, dtype, zero_centred):
-    from freetoken_agent.kernels.triton.proj_norm import _splits, choose_tiles, new_scratch
+    from freetoken_agent.kernels.triton.gemv import choose_tiles, splits
+    from freetoken_agent.kernels.triton.proj_norm import new_scratch
 
     gen = torch.Generator().manual_seed(rng_seed)
     m = int(torch.randint(1, MAX_M + 1, (1,), generator=gen))
@@ -57,7 +58,7 @@ def test_one_launch_is_the_projection_then_the_norm(rng_seed, dtype, zero_centre
     eps = 1e-6
     h, s = proj_add_norm(x, w, residual, norm_w, eps, zero_centred, scratch=scratch,
                          force_triton=True)  # fmt: skip
-    slices = _splits(n, k, choose_tiles(n, k))[0]
+    slices = splits(k, choose_tiles(n, k))[0]
     y = _projection(scratch[0], slices, m, n, dtype)  # [M, N]
     want = torch.nn.functional.linear(x.double().cpu(), w.double().cpu())
     scale = torch.nn.functional.linear(x.double().abs().cpu(), w.double().abs().cpu())
