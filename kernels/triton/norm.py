@@ -94,6 +94,20 @@ def _scale(x, rstd, w_ptr, offs, mask, ZERO_CENTRED: tl.constexpr, MODE: tl.cons
 
 
 @triton.jit
+def _normalise_row(x, offs, mask, w_ptr, y_row, s_row, inv_h, eps, HAS_RES: tl.constexpr,
+                   MODE: tl.constexpr, ZERO_CENTRED: tl.constexpr):  # fmt: skip
+    """A row held whole: x the values the norm sees (fp32, masked lanes 0), stored as s with
+    HAS_RES; y = the normalised row times the weight, stored (also kernels/triton/
+    proj_norm.py's last program)."""
+    if HAS_RES:
+        tl.store(s_row + offs, x.to(s_row.dtype.element_ty), mask=mask)
+    # mean as torch's CUDA reduction computes it: sum times the fp32 reciprocal of H.
+    rstd = tl.rsqrt(tl.sum(x * x, 0) * inv_h + eps)
+    y = _scale(x, rstd, w_ptr, offs, mask, ZERO_CENTRED, MODE)
+    tl.store(y_row + offs, y.to(y_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, s_ptr,  # x, residual, y, s [T, H]; w [H]
     H, inv_h, eps, stride_x, stride_r, stride_y, stride_s,
@@ -107,12 +121,8 @@ def _rms_norm_kernel(
     if not CHUNKED:
         mask = offs < H
         x = _load_sum(x_row, r_row, offs, mask, HAS_RES, MODE)  # [BLOCK_H]
-        if HAS_RES:
-            tl.store(s_row + offs, x.to(s_ptr.dtype.element_ty), mask=mask)
-        # mean as torch's CUDA reduction computes it: sum times the fp32 reciprocal of H.
-        rstd = tl.rsqrt(tl.sum(x * x, 0) * inv_h + eps)
-        y = _scale(x, rstd, w_ptr, offs, mask, ZERO_CENTRED, MODE)
-        tl.store(y_row + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        _normalise_row(x, offs, mask, w_ptr, y_row, s_row, inv_h, eps, HAS_RES, MODE,
+                       ZERO_CENTRED)  # fmt: skip
     else:
         acc = tl.zeros([BLOCK_H], tl.float32)
         for h0 in range(0, H, BLOCK_H):

@@ -29,7 +29,7 @@ from torch import Tensor
 from freetoken_agent.kernels.gemv import MAX_M
 from freetoken_agent.kernels.proj_norm import MAX_N
 from freetoken_agent.kernels.triton.gemv import _gemv_tile, choose_tiles, splits
-from freetoken_agent.kernels.triton.norm import _scale, round_mode, round_to, warps_for
+from freetoken_agent.kernels.triton.norm import _normalise_row, round_mode, round_to, warps_for
 
 
 @triton.jit
@@ -63,10 +63,8 @@ def _proj_norm_kernel(
             y = round_to(y, MODE)  # F.linear's output in the model dtype
             r = tl.load(r_ptr + m * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
             row = round_to(y + r, MODE)  # the residual stream s, as the norm kernel rounds it
-            tl.store(s_ptr + m * N + offs, row.to(s_ptr.dtype.element_ty), mask=ok)
-            rstd = tl.rsqrt(tl.sum(row * row, 0) * inv_n + eps)
-            h = _scale(row, rstd, nw_ptr, offs, ok, ZERO_CENTRED, MODE)
-            tl.store(h_ptr + m * N + offs, h.to(h_ptr.dtype.element_ty), mask=ok)
+            _normalise_row(row, offs, ok, nw_ptr, h_ptr + m * N, s_ptr + m * N, inv_n, eps,
+                           True, MODE, ZERO_CENTRED)  # fmt: skip
 
 
 def new_scratch(n: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
