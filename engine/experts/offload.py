@@ -198,8 +198,8 @@ class OffloadedExpertBank(GraphDecode):
                 f"policy {self.policy!r} reads experts from pinned host memory, but the expert "
                 "pool could not be pinned on this machine; load with policy='adaptive'"
             )
-        if not pinned:  # adaptive's step paths are the stops path's alone (step_paths.py)
-            self.adaptive.device_tokens = 0
+        if not pinned:  # adaptive without a device path: no path trials (reset_decisions)
+            self.reset_decisions()
         if self.policy == "static":
             self.place_static()
         if self.policy == "adaptive":
