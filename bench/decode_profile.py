@@ -60,12 +60,12 @@ def _turn(engine, ids: list[int], n: int, prefill_ctx=None, decode_ctx=None) -> 
 
 def _kernel_table(prof, per: int, top: int, what: str) -> None:
     """Device time per kernel under torch.profiler, divided by `per` (steps or 1)."""
-    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in rows)
-    print(f"-- {what}: device time {total / 1e3 / per:.2f} ms; top kernels (us, calls):")
-    for e in rows[:top]:
-        print(f"{e.self_device_time_total / per:11.1f} {e.count / per:8.1f}  {e.key[:90]}")
+    from freetoken_agent.bench.step_kernels import kernel_rows
+
+    total, rows = kernel_rows(prof.key_averages(), per, 1)
+    print(f"-- {what}: device time {total / 1e3:.2f} ms; top kernels (us, calls):")
+    for r in rows[:top]:
+        print(f"{r['us_per_step']:11.1f} {r['launches_per_step']:8.1f}  {r['kernel'][:90]}")
 
 
 def _kernels(engine, ids: list[int], a) -> None:
