@@ -111,7 +111,9 @@ class CpuWorker:
         _declare(lib)
         self.mailbox = mailbox
         self._pool = (w13, w2)  # the thread reads them until it stops
-        self.threads = threads or experts.default_threads()
+        # The OpenMP team sleeps between jobs and may take every core but the driver's.
+        default = experts.spin_team_size() if team == "spin" else experts.default_threads()
+        self.threads = threads or default
         k = mailbox.top_k
         handle = lib.ft_worker_start(
             mailbox.ctrl.data_ptr(), mailbox.rows.data_ptr(), mailbox.weights.data_ptr(),

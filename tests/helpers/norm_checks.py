@@ -30,11 +30,15 @@ def _diff(out: Tensor, ref: Tensor) -> Tensor | None:
 
 def check_vs_twin(out: Tensor, ref: Tensor, n_ref: Tensor, weight: Tensor) -> None:
     """Bitwise, except where the fp32 sum of squares (reduction order) flipped the rounding of
-    the normalised value n: then one ulp of n times |w|, plus the product's own rounding."""
+    the normalised value n: then one ulp of n times |w|, plus the two products' roundings,
+    half an ulp each at its own value. A flipped product may cross into the next binade, where
+    its ulp is twice the twin's: the device's seed 2218862724 (bf16, T 4096, H 2048) gave
+    -0.50390625 for the twin's -0.498046875, half a twin ulp past ulp(ref) + |w| ulp(n)."""
     diff = _diff(out, ref)
     if diff is None:
         return
-    allowed = ulp(ref, ref.dtype) + weight.double().abs() * ulp(n_ref, ref.dtype)
+    rounding = 0.5 * (ulp(ref, ref.dtype) + ulp(out, ref.dtype))
+    allowed = rounding + weight.double().abs() * ulp(n_ref, ref.dtype)
     assert (diff <= allowed).all(), f"max excess {(diff - allowed).max().item():.3g}"
     # Flips come a row at a time: a row whose fp32 sum of squares came out a little apart (the
     # reduction order) flips the rounding of n wherever n sits near a boundary. Seed 3347572631
@@ -48,11 +52,12 @@ def check_vs_twin(out: Tensor, ref: Tensor, n_ref: Tensor, weight: Tensor) -> No
 
 
 def check_zero_centred_vs_twin(out: Tensor, ref: Tensor) -> None:
-    """Only one rounding (of y): a flip from the fp32 statistics moves y by one ulp of y."""
+    """Only one rounding (of y): a flip from the fp32 statistics moves y by one ulp of y (of
+    the larger of the two where it crosses a binade)."""
     diff = _diff(out, ref)
     if diff is None:
         return
-    allowed = ulp(ref, ref.dtype)
+    allowed = torch.maximum(ulp(ref, ref.dtype), ulp(out, ref.dtype))
     assert (diff <= allowed).all(), f"max excess {(diff - allowed).max().item():.3g}"
     mismatch = int((diff > 0).sum())
     print(f"{mismatch} of {diff.numel()} elements not bitwise equal")

@@ -233,3 +233,18 @@ def test_a_bad_thread_count_fails_the_load_not_a_step(monkeypatch, tmp_path, rng
     monkeypatch.setenv(experts.ENV_THREADS, random.Random(rng_seed).choice(["-2", "many", "1.5"]))
     with pytest.raises(ConfigError, match="FREETOKEN_CPU_THREADS"):
         Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=3, progress=False)
+
+
+def test_spin_team_leaves_a_quarter_of_the_cores(monkeypatch, rng_seed):
+    """The worker's spinning team leaves the driver, CUDA's and Python's threads a quarter of
+    the cores, at least two (a team of 15 of 16 lost barriers to time slices: 31.7 ms jobs)."""
+    cores = random.Random(rng_seed).randint(9, 64)
+    monkeypatch.setattr(experts, "physical_cores", lambda: cores)
+    monkeypatch.delenv(experts.ENV_THREADS, raising=False)
+    assert experts.spin_team_size() == cores - cores // 4
+    for small, want in ((16, 12), (8, 6), (4, 2), (3, 1), (2, 1), (1, 1)):
+        monkeypatch.setattr(experts, "physical_cores", lambda small=small: small)
+        assert experts.spin_team_size() == want, small
+    n = random.Random(rng_seed + 1).randint(1, 64)
+    monkeypatch.setenv(experts.ENV_THREADS, str(n))
+    assert experts.spin_team_size() == n

@@ -76,6 +76,21 @@ def test_worker_answers_each_post_as_the_kernel_computes_it(team):
 
 
 @pytest.mark.parametrize("team", worker.TEAMS)
+def test_default_threads_per_team(team, monkeypatch):
+    """The SpinTeam is sized by spin_team_size, the OpenMP team by default_threads."""
+    monkeypatch.setattr(worker.experts, "spin_team_size", lambda: 3)
+    monkeypatch.setattr(worker.experts, "default_threads", lambda: 2)
+    w13 = torch.randn(N, 2 * W, H).to(torch.bfloat16)
+    w2 = torch.randn(N, H, W).to(torch.bfloat16)
+    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
+    cpu = worker.CpuWorker(box, w13, w2, spin_ns=1_000_000, team=team)
+    try:
+        assert cpu.threads == (3 if team == "spin" else 2)
+    finally:
+        cpu.stop()
+
+
+@pytest.mark.parametrize("team", worker.TEAMS)
 def test_waking_a_stopped_worker_never_reaches_its_freed_handle(team):
     """The engine wakes its worker before every replay that may post, also after the worker
     was stopped (a failing share stops it mid-run): its handle is freed by then, and waking it
