@@ -136,13 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skinny-gemv", action="store_true",
                         help="decode projections through the Triton skinny matmul (EngineConfig."
                         "skinny_gemv); writes decode_baseline_skinny.json")  # fmt: skip
-    parser.add_argument("--fused-router", action="store_true",
-                        help="decode routers in one launch, linear layer and top-k (EngineConfig."
-                        "fused_router); writes decode_baseline_fused_router.json")  # fmt: skip
-    parser.add_argument("--fused-proj-norm", action="store_true",
-                        help="decode each attention layer's o_proj, residual add and norm in "
-                        "one launch (EngineConfig.fused_proj_norm); writes "
-                        "decode_baseline_fused_proj_norm.json")  # fmt: skip
+    parser.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=True,
+                        help="one-row decode steps' routers in one launch, linear layer and "
+                        "top-k (EngineConfig.fused_router, on by default; --no-fused-router "
+                        "writes decode_baseline_no_fused_router.json)")  # fmt: skip
+    parser.add_argument("--fused-proj-norm", action=argparse.BooleanOptionalAction, default=True,
+                        help="one-row decode steps' o_proj, residual add and norm in one launch "
+                        "(EngineConfig.fused_proj_norm, on by default; --no-fused-proj-norm "
+                        "writes decode_baseline_no_fused_proj_norm.json)")  # fmt: skip
     parser.add_argument("--overlap", action="store_true",
                         help="decode also with overlap scheduling (EngineConfig.overlap_schedule):"
                         " decode_b*_overlap_tok_s beside the plain loop's")  # fmt: skip
@@ -180,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "decode_baseline" + "_skinny" * args.skinny_gemv + "_fused_router" * args.fused_router
-    name += "_fused_proj_norm" * args.fused_proj_norm
+    name = "decode_baseline" + "_skinny" * args.skinny_gemv
+    name += "_no_fused_router" * (not args.fused_router)
+    name += "_no_fused_proj_norm" * (not args.fused_proj_norm)
     name += ".json"
     path = args.out / name
     path.write_text(json.dumps(report, indent=1))

@@ -264,15 +264,19 @@ class EngineConfig:
     # Decode-sized projections (<= 8 rows) on CUDA through the Triton skinny matmul instead of
     # cuBLAS (kernels/gemv.py). Off until measured on the device.
     skinny_gemv: bool = False
-    # Decode-sized MoE routers (<= 16 tokens) on CUDA in one launch, the linear layer with the
+    # One-row decode steps on CUDA run each MoE router in one launch, the linear layer with the
     # softmax and top-k (kernels/triton/route.py), instead of cuBLAS's GEMV and the top-k
-    # kernel. Off until measured on the device (`bench decode --fused-router`).
-    fused_router: bool = False
-    # Decode-sized steps (<= 8 tokens) on CUDA run each attention layer's o_proj, the residual
-    # add and the post-attention RMSNorm in one launch (kernels/triton/proj_norm.py) instead of
-    # cuBLAS's GEMV, its split-K reduce and the norm kernel. Off until measured on the device
-    # (`bench decode --fused-proj-norm`).
-    fused_proj_norm: bool = False
+    # kernel (engine/layers/moe.py FUSED_ROUTER_ROWS). Measured on the H200 host (twenty-first
+    # session, `bench fusions`, 48 layers all resident): b=1 274.4 -> 281.4 tok/s; at b=4 the
+    # kernel is slower (route 15.3 us against 8.4 for F.linear and the top-k), so wider steps
+    # keep cuBLAS.
+    fused_router: bool = True
+    # One-row decode steps on CUDA run each attention layer's o_proj, the residual add and the
+    # post-attention RMSNorm in one launch (kernels/triton/proj_norm.py) instead of cuBLAS's
+    # GEMV, its split-K reduce and the norm kernel (engine/models/base.py
+    # FUSED_PROJ_NORM_ROWS). Measured as fused_router: b=1 274.4 -> 281.7 tok/s, both 289.4;
+    # b=4 624.2 -> 609.3, so wider steps keep cuBLAS.
+    fused_proj_norm: bool = True
     # Offloaded decode under adaptive, while fills pay (temporal locality, as Zipf traces): a
     # stopping layer waits for q* of its misses' fills and runs the rest on the CPU while they
     # too are filled, behind its compute, for the steps after (AdaptiveFetches.behind).

@@ -150,3 +150,32 @@ def test_engine_with_proj_norm_matches_the_default_on_cuda(tmp_path, rng_seed):
     from option_parity import assert_option_keeps_results_on_cuda
 
     assert_option_keeps_results_on_cuda(tmp_path, rng_seed, fused_proj_norm=True)
+
+
+def test_a_fused_layer_fuses_only_steps_of_few_rows(tmp_path, rng_seed, monkeypatch):
+    """A layer with fused_proj_norm sends steps of at most FUSED_PROJ_NORM_ROWS rows to
+    proj_add_norm (measured faster there), wider ones to o_proj and its norm: a one-sequence
+    decode calls it, a two-sequence one does not, and the tokens are the plain layer's."""
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine, SamplingParams
+    from freetoken_agent.engine.models import base
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    rows = []
+
+    def counted(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return proj_add_norm(x, *args)
+
+    monkeypatch.setattr(base, "proj_add_norm", counted)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(rng_seed)
+    prompts = [[int(t) for t in torch.randint(3, 300, (n,), generator=gen)] for n in (9, 14)]
+    out = {}
+    for on in (False, True):
+        engine = Engine.load(tmp_path, device="cpu", progress=False, fused_proj_norm=on)
+        out[on] = [o.token_ids for o in engine.generate(prompts, sp)]
+        out[on].append(engine.generate(prompts[0], sp).token_ids)
+    assert out[True] == out[False]
+    assert rows and max(rows) <= base.FUSED_PROJ_NORM_ROWS

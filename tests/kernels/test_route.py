@@ -141,3 +141,23 @@ def test_every_tile_choice_routes_alike(rng_seed):
 
         got = triton_route(x, w, 5, True, None, tiles)
         assert torch.equal(got[0], ids) and torch.allclose(got[1], weights), tiles
+
+
+def test_the_router_fuses_only_steps_of_few_rows(rng_seed, monkeypatch):
+    """A fused router sends steps of at most FUSED_ROUTER_ROWS rows to `route` (measured
+    faster there), wider ones to F.linear and softmax_topk; both answer alike."""
+    from freetoken_agent.engine.layers import moe
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    router = moe.TopKRouter(64, 16, moe.RouterOptions(top_k=4, norm_topk_prob=True))
+    router.weight.copy_(torch.randn(16, 64, generator=gen) / 8)
+    router.fused = True
+    calls = []
+    monkeypatch.setattr(moe, "route", lambda *a, **kw: calls.append(a[0].shape[0]) or route(*a))
+    for rows in (1, moe.FUSED_ROUTER_ROWS, moe.FUSED_ROUTER_ROWS + 1, 7):
+        x = torch.randn(rows, 64, generator=gen)
+        ids, weights = router(x)
+        ids_ref, w_ref = reference.softmax_topk(torch.nn.functional.linear(x, router.weight), 4,
+                                                True, x.dtype)  # fmt: skip
+        assert torch.equal(ids, ids_ref) and torch.allclose(weights, w_ref)
+    assert calls == [1, moe.FUSED_ROUTER_ROWS]
