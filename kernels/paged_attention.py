@@ -28,12 +28,15 @@ def paged_attention(
     out: Tensor | None = None,
     max_kv_len: int | None = None,
     force_triton: bool = False,
+    counters: Tensor | None = None,
 ) -> Tensor:
     """Causal (window > 0: sliding-window) attention of a varlen batch over a paged KV cache.
 
     See `reference.paged_attention` for the contract. CUDA tensors run the Triton kernel (no
     host synchronisation, CUDA-graph safe); CPU tensors run the reference, or, with
-    force_triton, the Triton kernel under TRITON_INTERPRET=1 (tests).
+    force_triton, the Triton kernel under TRITON_INTERPRET=1 (tests). counters: the caller's
+    own kernels/triton/paged_attention.py `new_counters` buffer for the Triton kernel (split
+    launches then combine in their last programs, without a second launch).
     """
     args = (q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale, max_q_len, window, out)
     if not use_triton(q, force_triton, "paged_attention"):
@@ -41,4 +44,4 @@ def paged_attention(
     # Imported here so the CPU fallback works on machines without triton.
     from freetoken_agent.kernels.triton.paged_attention import paged_attention as triton_impl
 
-    return triton_impl(*args, max_kv_len)
+    return triton_impl(*args, max_kv_len, counters)

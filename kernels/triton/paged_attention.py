@@ -10,9 +10,11 @@ run without mask arithmetic; only the diagonal and window-edge tiles compute a m
 
 Split-KV ("flash decoding"): when the batch has too few (q block, kv head) programs to fill the
 GPU (decode at batch 1 has Hkv of them), a second grid axis cuts each sequence's kv range into
-NS pieces; programs write unnormalised partials (acc, running max, running sum) and a second
-kernel combines them. NS and every grid size come from python ints, so a captured CUDA graph
-replays correctly whatever kv_lens hold; each sequence's range is divided on the device.
+NS pieces; programs write unnormalised partials (acc, running max, running sum), combined by the
+last program of each (q block, kv head) to finish when the caller lends a counter buffer
+(`new_counters`), else by a second kernel (kernels/triton/split_combine.py). NS and every grid
+size come from python ints, so a captured CUDA graph replays correctly whatever kv_lens hold;
+each sequence's range is divided on the device.
 """
 
 # Shape legend: T query tokens (all sequences, flattened), B sequences, Hq / Hkv query / kv heads,
@@ -29,6 +31,12 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from freetoken_agent.kernels.triton.split_combine import (
+    COMBINE_CHUNK,
+    _combine_rows,
+    _combine_splits_kernel,
+)
 
 _LOG2E = 1.4426950408889634
 # Stands in for "no window": positions stay below 2**30, so p - _NO_WINDOW never reaches a real
@@ -68,6 +76,10 @@ _SPLIT_POLICY = {"programs_per_sm": 2, "min_tiles": 2, "max_splits": 128}
 _SPLIT_CHUNK = 16  # splits combined per step in the reduce kernel (bounds its registers)
 _SPLITS_PAD = triton.next_power_of_2(_SPLIT_POLICY["max_splits"])  # the reduce's split tile
 _INTERPRETER_SMS = 8  # pretend SM count on the CPU, so the split heuristic runs there too
+# A counter buffer's entries: one per (q block, kv head) program of a split launch. The split
+# heuristic splits only launches of fewer than programs_per_sm x SMs programs (264 on an H200);
+# a launch with more (a test's forced split count) combines in the second kernel.
+COUNTERS = 1024
 
 
 @triton.jit
@@ -154,6 +166,7 @@ def _attend_tiles(
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,  # q, out [T, Hq, D]; k, v [P, S, Hkv, D]
     part_acc_ptr, part_m_ptr, part_l_ptr,  # [T, Hq, NS, D], [T, Hq, NS], [T, Hq, NS] fp32
+    count_ptr,  # [>= grid axis 0] int32, 0 between launches (COMBINE)
     page_table_ptr, cu_q_lens_ptr, kv_lens_ptr,  # [B, max_pages], [B + 1], [B]
     qk_scale, window, num_seqs, q_blocks_per_seq, head_progs, num_splits, num_q_heads,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_ot, stride_oh, stride_pt,
@@ -161,6 +174,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DIRECT: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # grid: (q blocks x head_progs, NS), head_progs = Hkv * HEAD_CHUNKS. The head is the fast
     # index and q blocks run last to first: a sequence's last blocks see the most kv tiles
@@ -247,39 +261,23 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        if COMBINE:  # the last of the block's splits to finish combines them (no 2nd launch)
+            # The partials are ordered before the add (release); the last program's loads
+            # after it (acquire, past L1) see every split's.
+            counter = count_ptr + tl.program_id(0)
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.store(counter, 0)
+                used = (n_hi - n_lo + tl.maximum(per, 1) - 1) // tl.maximum(per, 1)
+                o_ptrs = out_ptr + row_t[:, None] * stride_ot + head[:, None] * stride_oh
+                _combine_rows(
+                    part_acc_ptr, part_m_ptr, part_l_ptr, (row_t * num_q_heads + head) * num_splits,
+                    row_ok, tl.maximum(used, 1), o_ptrs + offs_d[None, :], io_mask,
+                    BLOCK_M, HEAD_DIM, D_PAD, SPLITS_PAD, CHUNK,
+                )  # fmt: skip
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + row_t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _combine_splits_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, num_q_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
-    # grid: (T, Hq). out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    base = (t * num_q_heads + h) * num_splits
-    offs_s = tl.arange(0, SPLITS_PAD)
-    m_all = tl.load(part_m_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    l_all = tl.load(part_l_ptr + base + offs_s, mask=offs_s < num_splits, other=0.0)
-    m_max = tl.max(m_all, 0)
-    denom = tl.sum(tl.exp2(m_all - m_max) * l_all, 0)
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM
-    acc = tl.zeros([D_PAD], tl.float32)
-    for c in range(0, num_splits, CHUNK):  # CHUNK splits at a time bounds registers at NS = 128
-        s = c + tl.arange(0, CHUNK)
-        s_ok = s < num_splits
-        w = tl.exp2(tl.load(part_m_ptr + base + s, mask=s_ok, other=float("-inf")) - m_max)
-        a_ptrs = part_acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :]
-        a = tl.load(a_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [CHUNK, D_PAD]
-        acc += tl.sum(a * w[:, None], 0)
-    o = acc / denom
-    o_ptrs = out_ptr + t * stride_ot + h * stride_oh + offs_d
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @functools.cache
@@ -340,16 +338,25 @@ def paged_attention(
     window: int = 0,
     out: Tensor | None = None,
     max_kv_len: int | None = None,
+    counters: Tensor | None = None,
 ) -> Tensor:
     """Triton twin of `reference.paged_attention` (same contract); no host synchronisation.
 
     max_q_len must be >= every q_len (a smaller value leaves rows unwritten); max_kv_len bounds
-    every kv_len for the split heuristic (default: page_table.shape[1] * S).
+    every kv_len for the split heuristic (default: page_table.shape[1] * S). counters:
+    `new_counters`' buffer, the caller's own (launches that may run at once on other streams
+    never share one): split launches then combine in their last programs.
     """
     return launch_paged_attention(
         q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale, max_q_len, window, out,
-        max_kv_len,
+        max_kv_len, counters=counters,
     )  # fmt: skip
+
+
+def new_counters(device: torch.device) -> Tensor:
+    """A call site's counters for combining splits in-kernel: [COUNTERS] int32 zeros, left at
+    zero by every launch (a captured graph keeps the address)."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
 def launch_paged_attention(
@@ -367,6 +374,7 @@ def launch_paged_attention(
     *,
     tiles: Tiles | None = None,
     num_splits: int | None = None,
+    counters: Tensor | None = None,
 ) -> Tensor:
     """`paged_attention` with the tile shape and the split count exposed (tests, tuning)."""
     T, Hq, D = q.shape
@@ -392,8 +400,12 @@ def launch_paged_attention(
     part_m = torch.empty((T, Hq, ns), **f32) if split else out
     part_l = torch.empty((T, Hq, ns), **f32) if split else out
     head_progs = Hkv * plan.head_chunks
+    combine = split and counters is not None and counters.numel() >= plan.q_blocks * head_progs
+    if combine:
+        assert counters.dtype == torch.int32 and counters.device == q.device, counters
     _paged_attention_kernel[(plan.q_blocks * head_progs, ns)](
-        q, k_cache, v_cache, out, part_acc, part_m, part_l, page_table, cu_q_lens, kv_lens,
+        q, k_cache, v_cache, out, part_acc, part_m, part_l, counters if combine else out,
+        page_table, cu_q_lens, kv_lens,
         scale * _LOG2E, window if 0 < window < _NO_WINDOW else _NO_WINDOW, B, plan.q_blocks_per_seq,
         head_progs, ns, Hq,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -405,9 +417,10 @@ def launch_paged_attention(
         # there. fp32 inputs on the GPU use full-precision dots instead of tf32.
         UPCAST=os.environ.get("TRITON_INTERPRET", "0") == "1",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        COMBINE=combine, SPLITS_PAD=_SPLITS_PAD, CHUNK=COMBINE_CHUNK,
         num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
     )  # fmt: skip
-    if split:
+    if split and not combine:
         # One variant for every split count: a constexpr that followed it (its next power of
         # two) compiled a new reduce kernel each time a growing context doubled the splits,
         # inside an agent's turn on the device. Masked loads of the unused splits cost nothing.

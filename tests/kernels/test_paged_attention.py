@@ -19,7 +19,12 @@ from torch import Tensor
 
 from freetoken_agent.kernels import reference
 from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
-from freetoken_agent.kernels.triton.paged_attention import Tiles, launch_paged_attention
+from freetoken_agent.kernels.triton import paged_attention as triton_attention
+from freetoken_agent.kernels.triton.paged_attention import (
+    Tiles,
+    launch_paged_attention,
+    new_counters,
+)
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -212,6 +217,38 @@ def test_triton_split_kv(rng_seed: int, scenario: str, num_splits: int) -> None:
     c = make_case(rng_seed, q_lens, kv_lens, 8, 2, 16, 16, torch.float32)
     ref = reference.paged_attention(*c.args(), window)
     check_close(run_triton(c, window, tiles=SMALL, num_splits=num_splits), ref, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+def test_triton_splits_combined_by_their_last_program(rng_seed: int, scenario: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """With a counter buffer, the last split of each (q block, kv head) combines the partials
+    (no second launch): the reference's rows, the combine kernel's within fp32 rounding, the
+    counters back at zero, so a second launch on them (another batch) is right too. A buffer
+    too small for the launch's programs leaves the combine to the second kernel."""
+    rng = random.Random(rng_seed)
+    counters = new_counters(torch.device(DEV))
+    for launch in range(2):
+        q_lens, kv_lens = lengths(rng, scenario, max_kv=100)
+        window = rng.choice([0, rng.randint(1, 50)])
+        num_splits = rng.choice([2, 3, 7, 40])  # 40 splits: most hold no tile of the block
+        print(f"launch {launch}: q_lens={q_lens} kv_lens={kv_lens} window={window} "
+              f"splits={num_splits}")  # fmt: skip
+        c = make_case(rng.randrange(1 << 30), q_lens, kv_lens, 8, 2, 16, 16, torch.float32)
+        ref = reference.paged_attention(*c.args(), window)
+        with monkeypatch.context() as patch:  # no second launch
+            patch.setattr(triton_attention, "_combine_splits_kernel", None)
+            fused = run_triton(c, window, tiles=SMALL, num_splits=num_splits, counters=counters)
+        check_close(fused, ref, TOL[torch.float32])
+        assert not counters.any(), "a counter left standing"
+        second = run_triton(c, window, tiles=SMALL, num_splits=num_splits)
+        torch.testing.assert_close(fused, second, atol=1e-6, rtol=1e-5)
+    small = torch.zeros(1, dtype=torch.int32, device=DEV)  # fewer entries than programs
+    c = make_case(rng.randrange(1 << 30), [1, 1, 1], [rng.randint(20, 90) for _ in range(3)],
+                  8, 2, 16, 16, torch.float32)  # fmt: skip
+    out = run_triton(c, 0, tiles=SMALL, num_splits=3, counters=small)
+    check_close(out, reference.paged_attention(*c.args()), TOL[torch.float32])
+    assert int(small[0]) == 0
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
