@@ -220,8 +220,9 @@ def test_triton_split_kv(rng_seed: int, scenario: str, num_splits: int) -> None:
 
 
 @pytest.mark.parametrize("scenario", ["decode", "mixed"])
-def test_triton_splits_combined_by_their_last_program(rng_seed: int, scenario: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_triton_splits_combined_by_their_last_program(
+    rng_seed: int, scenario: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With a counter buffer, the last split of each (q block, kv head) combines the partials
     (no second launch): the reference's rows, the combine kernel's within fp32 rounding, the
     counters back at zero, so a second launch on them (another batch) is right too. A buffer
