@@ -89,6 +89,9 @@ class SelfAttention(nn.Module):
         self.window = spec.window(layer)
         self.k_cache: torch.Tensor | None = None  # [P, S, Hkv, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
+        # This layer's own counters for combining split-KV partials in the attention kernel
+        # (kernels/triton/paged_attention.py new_counters; made at its first CUDA call).
+        self._counters: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(x, meta))
@@ -148,6 +151,10 @@ class SelfAttention(nn.Module):
         return q.contiguous(), gate
 
     def _attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self._counters is None and q.is_cuda:
+            from freetoken_agent.kernels.triton.paged_attention import new_counters
+
+            self._counters = new_counters(q.device)
         return paged_attention(
             q,
             self.k_cache,
@@ -159,4 +166,5 @@ class SelfAttention(nn.Module):
             meta.max_q_len,
             window=self.window,
             max_kv_len=meta.max_kv_len,
+            counters=self._counters,
         )  # [T, Hq, D]

@@ -330,8 +330,10 @@ def test_gpu_head_dims_and_pages(rng_seed: int, scenario: str, d: int, page: int
 
 
 @pytest.mark.gpu
-def test_gpu_decode_cuda_graph_replay(rng_seed: int) -> None:
-    """Capture store_kv + decode attention once; replay with new lengths, pages and tokens."""
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["combine-kernel", "last-program"])
+def test_gpu_decode_cuda_graph_replay(rng_seed: int, in_kernel: bool) -> None:
+    """Capture store_kv + decode attention once; replay with new lengths, pages and tokens.
+    in_kernel: the splits combined by their last program (a counter buffer lent)."""
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
     B, Hq, Hkv, D, S, P = 4, 32, 4, 128, 16, 4096
@@ -344,11 +346,12 @@ def test_gpu_decode_cuda_graph_replay(rng_seed: int) -> None:
     kv_lens = torch.empty(B, dtype=torch.int32, device="cuda")
     slots = torch.empty(B, dtype=torch.int64, device="cuda")
     cu = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    counters = new_counters(torch.device("cuda")) if in_kernel else None
 
     def step() -> None:
         store_kv(k_new, v_new, k_cache, v_cache, slots)
         paged_attention(q, k_cache, v_cache, table, cu, kv_lens, D**-0.5, 1, 0, out,
-                        max_kv_len=pages_per_seq * S)  # fmt: skip
+                        max_kv_len=pages_per_seq * S, counters=counters)  # fmt: skip
 
     def set_inputs() -> None:  # in place: the graph keeps the buffers' addresses
         kv_lens.copy_(torch.tensor([rng.randint(1, pages_per_seq * S) for _ in range(B)]))
@@ -379,6 +382,7 @@ def test_gpu_decode_cuda_graph_replay(rng_seed: int) -> None:
         ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), table, cu,
                                         kv_lens, D**-0.5, 1)  # fmt: skip
         assert rel_err(replayed, ref) < 1e-2
+        assert counters is None or not counters.any()
 
 
 @pytest.mark.gpu
