@@ -34,7 +34,7 @@ measured the shorter steps, per decode batch size.
 from __future__ import annotations
 
 from freetoken_agent.engine.experts import layer_layout
-from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
+from freetoken_agent.engine.experts.fill_races import MIN_RACES, RACE_MAX_TOKENS
 from freetoken_agent.engine.experts.policy import (
     Bandwidths,
     FillVerdict,
@@ -124,14 +124,25 @@ class AdaptiveFetches:
         """Whether the fill race says fills pay (the verdict `all`, with its hysteresis)."""
         return self.verdict(self.cache.fill_gain) == "all"
 
+    def fills_judged(self) -> bool:
+        """Whether enough fill races have settled for the race to say anything (MIN_RACES;
+        before that its gain reads 0)."""
+        return self.cache.races.settled >= MIN_RACES
+
     def _path_allowed(self, path: str) -> bool:
-        """`shared` only while fills do not pay. With temporal locality every miss is worth a
-        slot, and the CPU's share takes none; filling it too, behind the CPU on a side
-        stream, was built and measured on the H200 (peer slice, Zipf 1.0 / loc 0.7): 289-304
-        against gpu-fill's 324-366 tok/s at b=1, 395-412 against 508-524 at b=4. Few misses a
-        layer cost the worker's handshake more than they save, and the copies behind shared
-        the link with the next layers'. Short trials did not see it (they kept `shared`)."""
-        return path != "shared" or not self.shared_gate or not self.fills_pay()
+        """`shared` only once the race has shown that fills do not pay. With temporal locality
+        every miss is worth a slot, and the CPU's share takes none; filling it too, behind the
+        CPU on a side stream, was built and measured on the H200 (peer slice, Zipf 1.0 / loc
+        0.7): 289-304 against gpu-fill's 324-366 tok/s at b=1, 395-412 against 508-524 at b=4.
+        Few misses a layer cost the worker's handshake more than they save, and the copies
+        behind shared the link with the next layers'. Short trials did not see it (they kept
+        `shared`). Before the race has judged, shared waits too: its CPU share starts no race,
+        so where misses are rare (native routing, ~0.4 fills a token) the gain stayed at its
+        unjudged 0 and the cache stopped learning: 578 tok/s against gpu-fill's 824 (twenty-
+        first session, peer slice b=1, 4.75 experts a token on the CPU)."""
+        if path != "shared" or not self.shared_gate:
+            return True
+        return self.fills_judged() and not self.fills_pay()
 
     def _paths_exploring(self, n_tokens: int) -> bool:
         """Whether the path trials measure now: the stops path then runs its split trials'

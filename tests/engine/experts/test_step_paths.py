@@ -3,11 +3,13 @@ an engine alternating between the host's stops and the device's own fills every 
 gives the resident engine's tokens with the cache's host mirror intact."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.experts.fill_races import MIN_RACES
 from freetoken_agent.engine.experts.step_paths import PATHS, PathTrials
 
 
@@ -103,6 +105,7 @@ def test_the_stops_path_is_timed_at_its_best_mode(tmp_path, rng_seed):
     adaptive.trial_params = dict(block=1, rotations=1, period=50)
     adaptive.path_params = dict(block=2, rotations=1, period=50, warm=0)
     adaptive.verdict = lambda gain: "band"
+    adaptive.fills_judged = lambda: True  # the race has spoken: shared may run
     adaptive.layers_may_pay = lambda n: True  # every split mode tried: one step each
     split, paths = adaptive.trials(1), adaptive.paths(1)
     split.chosen = "none"
@@ -146,7 +149,7 @@ def test_shared_gives_way_while_fills_pay(rng_seed):
     from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 
     rng = random.Random(rng_seed)
-    cache = type("Cache", (), {"kept_layers": frozenset(), "fill_gain": 0.0})()
+    cache = fake_cache(settled=MIN_RACES + rng.randrange(100))
     adaptive = AdaptiveFetches(cache, 4, 8, path_params=dict(block=2, rotations=2, period=9,
                                                                  warm=0))  # fmt: skip
     adaptive.shared_ok = True
@@ -165,13 +168,43 @@ def test_shared_gives_way_while_fills_pay(rng_seed):
     assert adaptive.path(1) == "shared"
 
 
+def test_shared_waits_for_the_race_to_judge(rng_seed):
+    """Before MIN_RACES fill races have settled the race's gain reads 0 (not "fills pay"),
+    yet shared is neither measured nor run: its CPU share starts no race, so where misses are
+    rare the race would never judge and the cache would stop learning. Once judged, shared
+    is measured and kept when it is fastest."""
+    from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
+
+    rng = random.Random(rng_seed)
+    cache = fake_cache(settled=rng.randrange(MIN_RACES))
+    adaptive = AdaptiveFetches(cache, 4, 8, path_params=dict(block=2, rotations=1, period=9,
+                                                                 warm=0))  # fmt: skip
+    adaptive.shared_ok = True
+    adaptive.verdict = lambda gain: "band"  # fills do not pay, as far as the gain says
+    ran = []
+    while adaptive.paths(1).exploring:
+        ran.append(adaptive.path(1))
+        adaptive.step_timed(1, 0.001 if ran[-1] == "shared" else 0.002)
+    assert "shared" not in ran
+    adaptive.paths(1).chosen = "shared"
+    assert adaptive.path(1) == "device"
+    cache.races.settled = MIN_RACES
+    assert adaptive.path(1) == "shared"
+
+
+def fake_cache(settled: int):
+    """What AdaptiveFetches reads of an ExpertCache in these tests."""
+    races = SimpleNamespace(settled=settled)
+    return SimpleNamespace(kept_layers=frozenset(), fill_gain=0.0, races=races)
+
+
 def test_without_the_gate_shared_is_measured_and_kept_while_fills_pay(rng_seed):
     """`shared_gate` off (bench offload --no-shared-gate, to measure shared under locality):
     fills paying neither skips its blocks nor turns a kept `shared` into `device`."""
     from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 
     rng = random.Random(rng_seed)
-    cache = type("Cache", (), {"kept_layers": frozenset(), "fill_gain": 0.0})()
+    cache = fake_cache(settled=0)  # the gate off: the race is not asked
     block, rotations = rng.randrange(2, 5), rng.randrange(1, 3)
     adaptive = AdaptiveFetches(cache, 4, 8, path_params=dict(block=block, rotations=rotations,
                                                                  period=9, warm=0))  # fmt: skip
