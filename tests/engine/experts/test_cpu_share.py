@@ -22,6 +22,7 @@ def _shared_engine(path, slots: int, cpu_fraction: float, **opts) -> Engine:
     bank = engine.loaded.bank
     assert bank.cpu_share is not None and bank.adaptive.shared_ok
     bank.adaptive.path_params = {"fixed": "shared"}
+    bank.adaptive.shared_gate = False  # the path itself, not when adaptive allows it
     # The share is B_H / (B_P + B_H) of the estimates.
     bank.bandwidths.cpu, bank.bandwidths.pcie = cpu_fraction, 1.0 - cpu_fraction + 1e-9
     bank.cpu_share.observe = lambda bandwidths: None  # keep the share this test set

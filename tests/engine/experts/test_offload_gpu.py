@@ -185,6 +185,7 @@ def test_adaptive_shared_path_on_cuda_matches_resident(tmp_path, rng_seed, overl
         bank, graphs = engine.loaded.bank, engine.runner.graphs
         assert isinstance(graphs, PathDecodeGraphs) and bank.cpu_share is not None
         bank.adaptive.path_params = {"fixed": "shared"}
+        bank.adaptive.shared_gate = False  # the path itself, not when adaptive allows it
         bank.bandwidths.cpu, bank.bandwidths.pcie = fraction, 1.0 - fraction + 1e-9
         bank.cpu_share.observe = lambda bandwidths: None  # keep the share set here
         assert [o.token_ids for o in engine.generate(prompts, sp)] == want, (slots, fraction)

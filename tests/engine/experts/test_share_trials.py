@@ -60,6 +60,7 @@ def test_shares_moved_by_the_trials_keep_the_resident_tokens(tmp_path, rng_seed)
     engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(2, 20), **opts)
     bank = engine.loaded.bank
     bank.adaptive.path_params = {"fixed": "shared"}
+    bank.adaptive.shared_gate = False  # the path itself, not when adaptive allows it
     bank.adaptive.share_params = dict(block=2, rotations=1, period=0)
     bank.bandwidths.cpu, bank.bandwidths.pcie = 0.5, 0.5
     bank.cpu_share.observe = lambda bandwidths: None  # keep q*'s share at one half
