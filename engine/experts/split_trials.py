@@ -28,7 +28,8 @@ where few layers miss) is skipped for that measurement.
 
 Which mode runs never changes results: placement only moves where a pair is computed.
 Cost: of every EXPLORE + PERIOD steps, at most 3 * BLOCK * ROTATIONS run a mode other than
-the best (24 of 288 at the defaults, ~8%), each slower by the margin it loses by. Where one
+the best (24 of 288 at the defaults, ~8%), each slower by the margin it loses by; a candidate
+that is already DROP_FACTOR times slower than another runs no more blocks in that measurement. Where one
 candidate keeps winning clearly that cost buys nothing, so the period backs off: a measurement
 that keeps the same candidate, ahead of every other by CLEAR_MARGIN, doubles the next period
 (up to BACKOFF_CAP periods); any other outcome restores it. On the H200 host the peer slice's
@@ -47,6 +48,12 @@ ROTATIONS = 2
 PERIOD = 256  # decode steps on the chosen mode before measuring again
 CLEAR_MARGIN = 0.25  # a win this far ahead of every other candidate, twice running, backs off
 BACKOFF_CAP = 8  # the longest period, in PERIODs
+# A candidate whose median so far is this many times another's runs no more blocks in the
+# measurement: on the H200 host the peer slice's Zipf b=1 stops path measured 21.3 ms a token
+# against the device path's 2.9 (twenty-first session), so its second rotation cost ~4 x 18 ms
+# of a 256-token run that takes ~0.7 s. The slowest losses kept measuring are ~2x (uniform:
+# stops 14.1 against shared 6.8 ms; native: 1.7 against 1.0).
+DROP_FACTOR = 3.0
 
 
 class RotatedTrials:
@@ -111,13 +118,21 @@ class RotatedTrials:
         return True
 
     def _skip_blocks(self) -> None:
-        """At a block's start, pass over the blocks `allowed` refuses now."""
-        while (
-            0 < self._at < len(self._schedule)
-            and self._at % self.block == 0
-            and not self.allowed(self._schedule[self._at])
-        ):
+        """At a block's start, pass over the blocks `allowed` refuses now, and those of a
+        candidate already DROP_FACTOR times slower than another (`_lost`)."""
+        while 0 < self._at < len(self._schedule) and self._at % self.block == 0:
+            candidate = self._schedule[self._at]
+            if self.allowed(candidate) and not self._lost(candidate):
+                break
             self._at += self.block
+
+    def _lost(self, candidate: str) -> bool:
+        """Whether `candidate`'s median so far is DROP_FACTOR times another's."""
+        measured = self.medians()
+        if candidate not in measured or len(measured) < 2:
+            return False
+        best_other = min(t for c, t in measured.items() if c != candidate)
+        return measured[candidate] > DROP_FACTOR * best_other
 
     def _explore(self) -> None:
         n = len(self.candidates)
