@@ -26,12 +26,8 @@ from triton.testing import do_bench
 
 from freetoken_agent.bench.cuda_graph import captured
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
-from freetoken_agent.kernels.triton.paged_attention import (
-    LaunchPlan,
-    Tiles,
-    launch_paged_attention,
-    plan_launch,
-)
+from freetoken_agent.kernels.triton.attention_plan import LaunchPlan, Tiles, plan_launch
+from freetoken_agent.kernels.triton.paged_attention import launch_paged_attention
 
 HQ, HKV, D = 32, 4, 128
 DEV = "cuda"

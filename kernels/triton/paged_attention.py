@@ -23,17 +23,22 @@ each sequence's range is divided on the device.
 
 from __future__ import annotations
 
-import functools
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from freetoken_agent.kernels.triton.attention_plan import (
+    _SPLITS_PAD,
+    COUNTERS,
+    Tiles,
+    plan_launch,
+)
 from freetoken_agent.kernels.triton.split_combine import (
     COMBINE_CHUNK,
+    SPLIT_CHUNK,
     _combine_rows,
     _combine_splits_kernel,
 )
@@ -42,44 +47,6 @@ _LOG2E = 1.4426950408889634
 # Stands in for "no window": positions stay below 2**30, so p - _NO_WINDOW never reaches a real
 # kv position and the window arithmetic needs no branch.
 _NO_WINDOW = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class Tiles:
-    block_m: int  # query rows per program (tokens x heads of one GQA group), >= 16 for tl.dot
-    block_n: int  # kv positions per inner step, >= 16
-    num_warps: int
-    num_stages: int
-
-
-# Tile table keyed by device class, then (tile class, padded head dim). "decode": at most 16 rows
-# per sequence (decode and short speculative chunks): memory-bound, the tile only needs enough
-# bytes in flight. "small": up to 64 rows. "prefill": compute-bound flash-attention tiles; D=256
-# halves both sides so K/V stages fit in shared memory. Starting points for the H200 (sm_90):
-# add a device key beside "default" once tuned on another machine.
-_TILES: dict[str, dict[tuple[str, int], Tiles]] = {
-    "default": {
-        **{("decode", d): Tiles(16, 64, 4, 3) for d in (16, 32, 64, 128)},
-        ("decode", 256): Tiles(16, 32, 4, 3),
-        **{("small", d): Tiles(64, 64, 4, 3) for d in (16, 32, 64, 128)},
-        ("small", 256): Tiles(64, 32, 8, 2),
-        **{("prefill", d): Tiles(128, 64, 4, 3) for d in (16, 32)},
-        **{("prefill", d): Tiles(128, 64, 8, 3) for d in (64, 128)},
-        ("prefill", 256): Tiles(64, 32, 8, 2),
-    },
-}
-_TILE_CLASS_ROWS = (("decode", 16), ("small", 64))  # rows per sequence -> class; else "prefill"
-
-# Split-KV policy: aim at this many programs per SM, never cut a sequence into pieces of fewer
-# tiles than min_tiles (every split adds a write and a read of D fp32 partials per row).
-_SPLIT_POLICY = {"programs_per_sm": 2, "min_tiles": 2, "max_splits": 128}
-_SPLIT_CHUNK = 16  # splits combined per step in the reduce kernel (bounds its registers)
-_SPLITS_PAD = triton.next_power_of_2(_SPLIT_POLICY["max_splits"])  # the reduce's split tile
-_INTERPRETER_SMS = 8  # pretend SM count on the CPU, so the split heuristic runs there too
-# A counter buffer's entries: one per (q block, kv head) program of a split launch. The split
-# heuristic splits only launches of fewer than programs_per_sm x SMs programs (264 on an H200);
-# a launch with more (a test's forced split count) combines in the second kernel.
-COUNTERS = 1024
 
 
 @triton.jit
@@ -280,52 +247,6 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@functools.cache
-def _device_facts(device_index: int) -> tuple[str, int]:
-    # (tile-table key, SM count): host-side property queries, no device sync (capture-safe).
-    props = torch.cuda.get_device_properties(device_index)
-    return f"sm{props.major}{props.minor}", props.multi_processor_count
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchPlan:
-    """Grid and tiles of one launch, from python ints only (identical on every graph replay)."""
-
-    tiles: Tiles
-    heads: int  # HEADS: query heads of one GQA group per program
-    block_q: int  # BLOCK_Q: tokens per program
-    head_chunks: int  # programs per kv head (> 1 only when G > BLOCK_M)
-    q_blocks_per_seq: int  # cdiv(max_q_len, BLOCK_Q)
-    direct: bool  # grid axis 0 is (sequence, q block) directly; else found by _find_seq
-    q_blocks: int  # grid axis 0
-    num_splits: int  # grid axis 2 (NS); 1 = no split, no combine kernel
-
-
-def plan_launch(device: torch.device, T: int, B: int, Hq: int, Hkv: int, D: int, max_q_len: int,
-                max_kv_len: int, tiles: Tiles | None = None,
-                num_splits: int | None = None) -> LaunchPlan:  # fmt: skip
-    key, sms = _device_facts(device.index or 0) if device.type == "cuda" else ("", _INTERPRETER_SMS)
-    g_pad = triton.next_power_of_2(Hq // Hkv)
-    if tiles is None:  # the class follows the rows one sequence puts in a kv group's programs
-        rows = max_q_len * g_pad
-        cls = next((c for c, limit in _TILE_CLASS_ROWS if rows <= limit), "prefill")
-        tiles = _TILES.get(key, _TILES["default"])[(cls, max(16, triton.next_power_of_2(D)))]
-    heads = min(g_pad, tiles.block_m)
-    block_q = tiles.block_m // heads
-    # Grid axis 0: B * cdiv(max_q_len, BLOCK_Q) (direct index) or the T // BLOCK_Q + B bound of
-    # _find_seq, whichever is smaller: decode takes the first, a long prefill mixed with many
-    # decodes the second.
-    per_seq = triton.cdiv(max_q_len, block_q)
-    direct = B * per_seq <= T // block_q + B
-    q_blocks = B * per_seq if direct else T // block_q + B
-    if num_splits is None:  # enough programs for programs_per_sm per SM, >= min_tiles each
-        programs = max(q_blocks * Hkv * (g_pad // heads), 1)
-        want = triton.cdiv(_SPLIT_POLICY["programs_per_sm"] * sms, programs)
-        most = triton.cdiv(triton.cdiv(max_kv_len, tiles.block_n), _SPLIT_POLICY["min_tiles"])
-        num_splits = max(1, min(want, most, _SPLIT_POLICY["max_splits"]))
-    return LaunchPlan(tiles, heads, block_q, g_pad // heads, per_seq, direct, q_blocks, num_splits)
-
-
 def paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -426,6 +347,6 @@ def launch_paged_attention(
         # inside an agent's turn on the device. Masked loads of the unused splits cost nothing.
         _combine_splits_kernel[(T, Hq)](
             part_acc, part_m, part_l, out, ns, Hq, out.stride(0), out.stride(1),
-            HEAD_DIM=D, D_PAD=d_pad, SPLITS_PAD=_SPLITS_PAD, CHUNK=_SPLIT_CHUNK, num_warps=4,
+            HEAD_DIM=D, D_PAD=d_pad, SPLITS_PAD=_SPLITS_PAD, CHUNK=SPLIT_CHUNK, num_warps=4,
         )  # fmt: skip
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+SPLIT_CHUNK = 16  # splits combined per step in the reduce kernel (bounds its registers)
 COMBINE_CHUNK = 4  # splits a row's combine reads a step in `_combine_rows` (BLOCK_M rows at once)
 
 
