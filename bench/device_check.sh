@@ -48,6 +48,8 @@
 #         shared-zipf-48 (the same at 48 layers / 32 GB, b=1: the acceptance's Zipf row, ~4 min)
 #         step-kernels (an offloaded decode step's kernels in its replayed graphs: gpu-fill and
 #         transfer at 12 layers, gpu-fill at 48 layers / 32 GB, ~5 min)
+#         acceptance-peer acceptance-48 (issue 3's tables: adaptive, transfer and gpu-fill at b=1
+#         and 4 under native, Zipf and uniform routing; the peer slice ~4 min, 48 layers ~8 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -142,6 +144,16 @@ for stage in "$@"; do
       timeout 570 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
         --skip-prefill --out "$OUT" 2>&1 | tee "$OUT/offload_peer.log" | grep -v "round[0-9]" \
         | cut -c1-240 ;;
+    acceptance-peer)  # peer slice, b=1 and 4, adaptive / transfer / gpu-fill, 2 rounds (~4 min)
+      timeout 560 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --batches 1 4 --rounds 2 --regimes uniform zipf:1.0,loc:0.7 native \
+        --policies adaptive transfer gpu-fill --out "$OUT" 2>&1 | tee "$OUT/acceptance_peer.log" \
+        | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
+    acceptance-48)  # 48 layers / 32 GB, b=1 and 4, adaptive / transfer / gpu-fill, 1 round (~8 min)
+      timeout 570 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
+        --rounds 1 --regimes native zipf:1.0,loc:0.7 uniform --policies adaptive transfer \
+        gpu-fill --out "$OUT" 2>&1 | tee "$OUT/acceptance_48.log" | grep "|b" \
+        | grep -v "round[0-9]" | cut -c1-200 ;;
     offload-30b)  # 48 layers, 32 GB, b=1, the four policies of the acceptance, 3 rounds (~6 min)
       timeout 580 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 \
         --regimes uniform zipf:1.0,loc:0.7 native --policies cpu transfer adaptive static \
