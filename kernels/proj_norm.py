@@ -30,7 +30,7 @@ def proj_add_norm(
 ) -> tuple[Tensor, Tensor]:
     """(h, s) with s = round(x @ w^T + residual), h = rms_norm(s) * norm_weight (zero_centred:
     * (1 + norm_weight)). `scratch`: kernels/triton/proj_norm.py new_scratch's for w's shape."""
-    if x.shape[0] <= MAX_M and w.shape[0] <= MAX_N and use_triton(x, force_triton, "proj_norm"):
+    if 0 < x.shape[0] <= MAX_M and w.shape[0] <= MAX_N and use_triton(x, force_triton, "proj_norm"):
         from freetoken_agent.kernels.triton.proj_norm import proj_add_norm as triton_impl
 
         return triton_impl(x, w, residual, norm_weight, eps, zero_centred, scratch)

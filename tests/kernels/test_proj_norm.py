@@ -98,6 +98,16 @@ def test_more_rows_than_a_decode_step_take_linear_then_the_norm(rng_seed):
     assert torch.equal(s, s_ref) and torch.equal(h, h_ref)
 
 
+def test_an_empty_step_takes_linear_then_the_norm(rng_seed):
+    """No rows (on by default, the fused layer may see an empty step): empty (h, s), not the
+    kernel's 1 <= M assertion."""
+    gen = torch.Generator().manual_seed(rng_seed)
+    x, w, residual, norm_w = _inputs(gen, 1, 64, 48, torch.float32)
+    x, residual = x[:0], residual[:0]
+    h, s = proj_add_norm(x, w, residual, norm_w, 1e-6, force_triton=True)
+    assert h.shape == s.shape == (0, 48)
+
+
 def test_the_config_switches_every_attention_layer(tmp_path, rng_seed):
     """EngineConfig.fused_proj_norm reaches every attention layer (recurrent ones have no
     o_proj to fuse); off, none. On the CPU the fused layer computes what the plain one does."""
