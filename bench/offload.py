@@ -31,6 +31,7 @@ from freetoken_agent.bench.limits import (
     host_paths_bandwidth,
     host_read_bandwidth,
 )
+from freetoken_agent.bench.offload_table import decode_table
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration, step_paths
@@ -361,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             report["prefill"][key] = {"tok_s": rate, "limit_tok_s": limit, "of_limit": rate / limit}
             print(key, json.dumps(report["prefill"][key]), flush=True)
             save()
+    print("\n".join(decode_table(report["decode"])))
     print(f"wrote {path}")
     return 0
 
