@@ -141,6 +141,8 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
     # Elastic memory gives the KV pool's idle pages to slots while decoding: the count at the
     # end, beside the count at load in the report's header.
     row = {"tok_s": rate, **st, "slots": bank.cache.n_slots}
+    # Whole layers the stops path's `layers` mode keeps (a layout the device path inherits).
+    row["kept_layers"] = len(bank.cache.kept_layers)
     row["b_p_online_gb_s"] = bank.bandwidths.pcie / 1e9
     row["b_h_online_gb_s"] = bank.bandwidths.cpu / 1e9
     if policy == "adaptive":
