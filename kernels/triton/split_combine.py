@@ -2,10 +2,11 @@
 
 A split program leaves, per query row, its unnormalised sum acc [D], running max m and running
 sum l (fp32, log2 domain). The output row is sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
-with M = max_s m_s. Two ways to run it:
+with M = max_s m_s. One piece of code (`_combine_rows`, BLOCK_M rows at once), run two ways:
 
-- `_combine_splits_kernel`, a launch of its own over (T, Hq) after the split programs;
-- `_combine_rows`, called by the last split program of a (q block, kv head) to finish (an
+- `_combine_splits_kernel`, a launch of its own over (T, Hq) after the split programs, a row
+  each;
+- inside the attention kernel, by the last split program of a (q block, kv head) to finish (an
   acquire-release counter at GPU scope, as kernels/triton/proj_norm.py sums its slices): no
   second launch. On the H200 at Qwen3-30B-A3B's decode step the combine launch took 5.2 us of
   the layer's 11.5 us of attention, 48 times a step (bench step-kernels, twenty-first session).
@@ -30,28 +31,17 @@ def _combine_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, num_q_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    # grid: (T, Hq). out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.
+    # grid: (T, Hq): one row a program, all its splits (`_combine_rows` with one row).
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    base = (t * num_q_heads + h) * num_splits
-    offs_s = tl.arange(0, SPLITS_PAD)
-    m_all = tl.load(part_m_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    l_all = tl.load(part_l_ptr + base + offs_s, mask=offs_s < num_splits, other=0.0)
-    m_max = tl.max(m_all, 0)
-    denom = tl.sum(tl.exp2(m_all - m_max) * l_all, 0)
+    one = tl.arange(0, 1)  # [1]: the program's row
+    base = (t * num_q_heads + h) * num_splits + one
     offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM
-    acc = tl.zeros([D_PAD], tl.float32)
-    for c in range(0, num_splits, CHUNK):  # CHUNK splits at a time bounds registers at NS = 128
-        s = c + tl.arange(0, CHUNK)
-        s_ok = s < num_splits
-        w = tl.exp2(tl.load(part_m_ptr + base + s, mask=s_ok, other=float("-inf")) - m_max)
-        a_ptrs = part_acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :]
-        a = tl.load(a_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [CHUNK, D_PAD]
-        acc += tl.sum(a * w[:, None], 0)
-    o = acc / denom
-    o_ptrs = out_ptr + t * stride_ot + h * stride_oh + offs_d
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    o_ptrs = out_ptr + t * stride_ot + h * stride_oh + offs_d[None, :] + one[:, None]
+    _combine_rows(
+        part_acc_ptr, part_m_ptr, part_l_ptr, base, one == 0, num_splits, o_ptrs,
+        (offs_d < HEAD_DIM)[None, :] & (one == 0)[:, None], 1, HEAD_DIM, D_PAD, SPLITS_PAD, CHUNK,
+    )  # fmt: skip
 
 
 @triton.jit
