@@ -26,6 +26,7 @@ OFFSETS = {"lower": -STEP, "same": 0.0, "higher": STEP}
 
 class ShareTrials(RotatedTrials):
     candidates = tuple(OFFSETS)
+    first_step_sampled = False  # a block's first step pays for the change of share
 
     def __init__(self, block: int = BLOCK, rotations: int = ROTATIONS, period: int = PERIOD):
         if block < 2 or rotations < 1 or period < 0:
@@ -46,9 +47,6 @@ class ShareTrials(RotatedTrials):
         if self.choices > choices:  # a measurement ended: move to the fastest offset
             self.bias = _clamp(self.bias + OFFSETS[self.chosen])
             self.chosen = "same"  # the kept offset is now the bias itself
-
-    def _is_sample(self) -> bool:
-        return self._at % self.block != 0  # a block's first step pays for the change
 
 
 def _clamp(bias: float) -> float:

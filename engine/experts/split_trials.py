@@ -62,9 +62,12 @@ class RotatedTrials:
     (rotation r starts at candidate r, so none always runs first, right after the last one of
     the previous rotation, whose cache state it inherits), keeps the lowest median seconds per
     token for `period` steps, then measures again. SplitTrials' modes here, PathTrials' step
-    paths in step_paths.py; subclasses say which steps are samples and which blocks run."""
+    paths in step_paths.py, ShareTrials' offsets in share_trials.py; subclasses say whether a
+    block's first step is a sample and which blocks run."""
 
     candidates: tuple[str, ...] = ()
+    # Whether a block's first step is a sample (False where it pays for the switch to it).
+    first_step_sampled = True
 
     def __init__(self, block: int, rotations: int, period: int, chosen: str,
                  allowed: Callable[[str], bool] = lambda candidate: True) -> None:  # fmt: skip
@@ -116,7 +119,7 @@ class RotatedTrials:
         return {c: statistics.median(s) for c, s in self._samples.items() if s}
 
     def _is_sample(self) -> bool:
-        return True
+        return self.first_step_sampled or self._at % self.block != 0
 
     def _skip_blocks(self) -> None:
         """At a block's start, pass over the blocks `allowed` refuses now, and those of a

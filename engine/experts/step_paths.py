@@ -45,6 +45,8 @@ WARM = 16  # decode steps on the stops path before the first measurement
 
 
 class PathTrials(RotatedTrials):
+    first_step_sampled = False  # see the module docstring
+
     def __init__(
         self,
         block: int = BLOCK,
@@ -81,6 +83,3 @@ class PathTrials(RotatedTrials):
         """A decode step finished at `seconds_per_token`, on `path` (as it stood)."""
         if not self.fixed:
             super().step_done(seconds_per_token)
-
-    def _is_sample(self) -> bool:
-        return self._at % self.block != 0  # not a block's first step
