@@ -39,6 +39,23 @@ DECODE_SWEEP = [  # each overrides a few keys of the default tiles
     dict(BLOCK_I=32, BLOCK_H=128, STAGES_UP=3, BLOCK_N=64, WARPS_DOWN=8, STAGES_DOWN=3),
     dict(STAGES_UP=3, STAGES_DOWN=3),
 ]
+# One side at a time around the (2048, 768) entry, so each graph time's difference is that
+# kernel's: gate/up's grid is P * I / BLOCK_I programs (192 at BLOCK_I=32 for 132 SMs, unevenly
+# spread) and down's P * H / BLOCK_N.
+WIDE_DECODE_SWEEP = [
+    dict(BLOCK_I=16, BLOCK_H=128, WARPS_UP=4, STAGES_UP=4),
+    dict(BLOCK_I=16, BLOCK_H=256, WARPS_UP=4, STAGES_UP=3),
+    dict(BLOCK_I=16, BLOCK_H=128, WARPS_UP=2, STAGES_UP=4),
+    dict(BLOCK_I=32, BLOCK_H=128, WARPS_UP=4, STAGES_UP=4),
+    dict(BLOCK_I=32, BLOCK_H=256, WARPS_UP=8, STAGES_UP=3),
+    dict(BLOCK_I=16, BLOCK_H=64, WARPS_UP=2, STAGES_UP=6),
+    dict(BLOCK_N=32, BLOCK_K=128, WARPS_DOWN=4, STAGES_DOWN=4),
+    dict(BLOCK_N=32, BLOCK_K=256, WARPS_DOWN=4, STAGES_DOWN=3),
+    dict(BLOCK_N=64, BLOCK_K=256, WARPS_DOWN=8, STAGES_DOWN=3),
+    dict(BLOCK_N=16, BLOCK_K=256, WARPS_DOWN=2, STAGES_DOWN=4),
+    dict(BLOCK_N=32, BLOCK_K=128, WARPS_DOWN=8, STAGES_DOWN=3),
+    dict(BLOCK_N=128, BLOCK_K=64, WARPS_DOWN=8, STAGES_DOWN=4),
+]
 PREFILL_SWEEP = [
     dict(BLOCK_M=128, BLOCK_N=64, STAGES_UP=4, WARPS_DOWN=8, STAGES_DOWN=3),
     dict(BLOCK_M=64, BLOCK_N=64, WARPS_UP=4, STAGES_UP=4, DOWN_BLOCK_N=64, STAGES_DOWN=4),
@@ -79,11 +96,11 @@ def graph_ms_per_layer(s, w13, w2, hidden, ids, wts, tiles) -> float:
     return do_bench(captured(step), return_mode="median") / GRAPH_LAYERS
 
 
-def bench_decode(s: dict, w13, w2, t: int, hbm: float, sweep: bool) -> None:
+def bench_decode(s: dict, w13, w2, t: int, hbm: float, sweep: list[dict]) -> None:
     hidden, ids, wts = make_tokens(s, t, seed=t)
     out = torch.empty_like(hidden)
     nbytes = row_bytes(ids, s)
-    for name, tiles in [("default", None)] + [(str(c), c) for c in DECODE_SWEEP if sweep]:
+    for name, tiles in [("default", None)] + [(str(c), c) for c in sweep]:
         try:
             eager = do_bench(
                 lambda tiles=tiles: fused_moe_decode(hidden, w13, w2, ids, wts, out, tiles=tiles),
@@ -127,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="freetoken bench moe-kernel", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
+    parser.add_argument(
+        "--wide", action="store_true", help="decode: one side at a time (WIDE_DECODE_SWEEP)"
+    )
+    parser.add_argument("--shape", choices=SHAPES, nargs="+", default=list(SHAPES))
+    parser.add_argument("--skip-prefill", action="store_true", help="decode rows only")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
@@ -134,12 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     hbm, mm = hbm_copy_bandwidth(dev) / 1e9, matmul_rate(dev) / 1e12
     print(f"HBM copy {hbm:.0f} GB/s (read + write)   torch.matmul bf16 8192^3 {mm:.0f} TFLOP/s")
     print(f"default tiles: decode {DECODE_TILES['default']}\n  prefill {PREFILL_TILES['default']}")
-    for name, s in SHAPES.items():
+    decode_sweep = [] if args.no_sweep else WIDE_DECODE_SWEEP if args.wide else DECODE_SWEEP
+    for name in args.shape:
+        s = SHAPES[name]
         print(f"{name}: H={s['h']} I={s['i']} N={s['n']} K={s['k']} bf16")
         w13, w2 = make_banks(s, GRAPH_LAYERS)
         for t in (1, 4):
-            bench_decode(s, w13, w2, t, hbm, not args.no_sweep)
-        bench_prefill(s, w13[: s["n"]], w2[: s["n"]], 4096, mm, hbm, not args.no_sweep)
+            bench_decode(s, w13, w2, t, hbm, decode_sweep)
+        if not args.skip_prefill:
+            bench_prefill(s, w13[: s["n"]], w2[: s["n"]], 4096, mm, hbm, not args.no_sweep)
         del w13, w2
         torch.cuda.empty_cache()
 
