@@ -27,13 +27,17 @@ DECODE_TILES: dict[tuple[int, int] | str, dict[str, int]] = {
     # Measured on an H200 (bench/moe_kernel.py sweep, graph-replayed, 8 layers' rows): against
     # the default, H=2048 I=768 decodes T=1 in 29.6 vs 32.9 us/layer (60% vs 54% of copy
     # bandwidth) and T=4 in 86.7 vs 97.4; H=2048 I=512: 24.3 vs 26.1 and 65.5 vs 76.3.
+    # Down's tiles from the twenty-second session's `--wide` sweep (one kernel changed at a
+    # time): BLOCK_N=128 BLOCK_K=64 with 4 warps took T=4 from 87.4 to 79.5 us/layer (I=768)
+    # and 65.9 to 58.9 (I=512), T=1 from 29.8 to 29.2 and 24.6 to 23.9; gate/up's candidates
+    # were all within 1% at T=1 or slower.
     (2048, 768): dict(
         BLOCK_M=16, BLOCK_I=32, BLOCK_H=128, WARPS_UP=4, STAGES_UP=3,
-        BLOCK_N=64, BLOCK_K=128, WARPS_DOWN=8, STAGES_DOWN=3, SUM_BLOCK=512,
+        BLOCK_N=128, BLOCK_K=64, WARPS_DOWN=4, STAGES_DOWN=4, SUM_BLOCK=512,
     ),
     (2048, 512): dict(
         BLOCK_M=16, BLOCK_I=32, BLOCK_H=128, WARPS_UP=4, STAGES_UP=3,
-        BLOCK_N=64, BLOCK_K=128, WARPS_DOWN=8, STAGES_DOWN=3, SUM_BLOCK=512,
+        BLOCK_N=128, BLOCK_K=64, WARPS_DOWN=4, STAGES_DOWN=4, SUM_BLOCK=512,
     ),
 }
 PREFILL_TILES: dict[tuple[int, int] | str, dict[str, int]] = {
