@@ -1,6 +1,7 @@
 """The decode step's fused kernels, each on and off, in one all-resident engine beside the HBM
 limit: EngineConfig.fused_router (kernels/triton/route.py) and fused_proj_norm
-(kernels/triton/proj_norm.py), both off until this bench has measured them.
+(kernels/triton/proj_norm.py), and programmatic dependent launch (kernels/triton/pdl.py,
+FREETOKEN_PDL) with both.
 
     python -m freetoken_agent.bench fusions [--layers 48] [--tokens 128] [--rounds 2]
 
@@ -27,19 +28,22 @@ from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.engine.layers.moe import use_fused_router
 from freetoken_agent.engine.models.base import use_fused_proj_norm
+from freetoken_agent.kernels.triton import pdl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = {
-    "none": (False, False),
-    "router": (True, False),
-    "proj_norm": (False, True),
-    "both": (True, True),
-}  # name -> (fused_router, fused_proj_norm)
+    "none": (False, False, False),
+    "router": (True, False, False),
+    "proj_norm": (False, True, False),
+    "both": (True, True, False),
+    "both+pdl": (True, True, True),
+}  # name -> (fused_router, fused_proj_norm, programmatic dependent launch)
 
 
 def set_variant(engine, name: str) -> None:
-    """Switch the model's fusions to `name`'s and capture the decode graphs with them."""
-    router, proj_norm = VARIANTS[name]
+    """Switch the model's fusions to `name`'s and capture the decode graphs with them (call it
+    inside `pdl.override(VARIANTS[name][2])`, which the decoding after it needs too)."""
+    router, proj_norm, _ = VARIANTS[name]
     use_fused_router(engine.loaded.model, router)
     use_fused_proj_norm(engine.loaded.model, proj_norm)
     engine.capture_graphs()
@@ -71,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
         for name in order:
-            set_variant(engine, name)
-            decode_rate(engine, 1, 32, 16, rng)  # the new graphs' first replays
-            for batch in (1, 4):
-                rates[name][batch].append(decode_rate(engine, batch, args.prompt, args.tokens, rng))
+            with pdl.override(VARIANTS[name][2]):
+                set_variant(engine, name)
+                decode_rate(engine, 1, 32, 16, rng)  # the new graphs' first replays
+                for batch in (1, 4):
+                    rate = decode_rate(engine, batch, args.prompt, args.tokens, rng)
+                    rates[name][batch].append(rate)
     report = {"bench": "fusions", "layers": args.layers, "hbm_copy_gb_s": b_hbm / 1e9,
               "rounds": args.rounds, "rows": {}}  # fmt: skip
     for name in args.variants:

@@ -60,6 +60,8 @@ from freetoken_agent.kernels.triton.host_sync import (
     store_release_sys,
     timer,
 )
+from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 BLOCK_S = 1024  # stamps a scan step reads
 COPY_BLOCK = 8192  # elements a copy program moves a step
@@ -84,7 +86,9 @@ def _plan_kernel(
     box_ctrl, box_rows, box_weights, box_hidden, hidden, weights, T, TH,
     LIMITED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, SHARE: tl.constexpr,
     SYS: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)  # first: pdl.py
     offs = tl.arange(0, BLOCK_P)
     limit = live_pairs
     if LIMITED:  # a captured graph's padded rows: only the step's real pairs count
@@ -178,7 +182,9 @@ def _copy_kernel(
     box_ctrl, box_out, add, TH, timeout,
     PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr, SYS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)  # first: pdl.py
     c13 = tl.cdiv(n13, BLOCK)
     per = c13 + tl.cdiv(n2, BLOCK)  # chunks of one expert
     total = tl.load(state + _MOVES).to(tl.int32) * per
@@ -256,6 +262,7 @@ def plan_fills(
         ids, rows, slot_of, lid_of, stamp, state, moves, base, p, live, stamp.numel(), *box, t,
         th, LIMITED=limited, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=BLOCK_S,
         SHARE=post is not None, SYS=_sys_ordering(), BLOCK_H=BLOCK_H, num_warps=4,
+        **pdl_launch(ids.device),
     )  # fmt: skip
     return rows
 
@@ -276,4 +283,5 @@ def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=Non
         dst_w13.stride(0), dst_w2.stride(0), src_w13[0].numel(), src_w2[0].numel(),
         ctrl, out, add, th, timeout,
         PROGRAMS=grid, BLOCK=COPY_BLOCK, WAIT=wait, SYS=sys, BLOCK_H=BLOCK_H,
+        **pdl_launch(state.device),
     )  # fmt: skip

@@ -24,6 +24,8 @@ import triton.language as tl
 from torch import Tensor
 
 from freetoken_agent.kernels.gemv import MAX_M  # rows a call takes (padded to 16 in the dot)
+from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 SM_TARGET = 264  # programs to aim for: two waves of the H200's 132 SMs
 
@@ -33,11 +35,13 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     FINAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """out[s, m, n] (fp32) = sum over the s-th K slice of x[m, k] * W[n, k]; with FINAL (one
     slice) out is y itself: the bias added, cast to y's dtype, no second launch. The M rows are
     padded to 16 for one tensor-core dot per tile: the tile of W is read once for all rows, and
     the padding costs arithmetic only, which a weight-bound matmul has to spare."""
+    enter(PDL)  # first: pdl.py
     pid_n, s = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, 16)
@@ -78,8 +82,10 @@ def _gemv_tile(x_ptr, w_ptr, offs_n, n_ok, offs_m, k_lo, k_hi, stride_xm, stride
 def _sum_splits_kernel(
     part_ptr, b_ptr, y_ptr, N, stride_ym,
     M: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """y[m, n] = sum_s part[s, m, n] (+ b[n]), cast to y's dtype."""
+    enter(PDL)  # first: pdl.py
     m, pid = tl.program_id(0), tl.program_id(1)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -110,6 +116,7 @@ def gemv(
         w.stride(0), n, M=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], num_warps=c["WARPS"],
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 stays exact
         FINAL=s == 1, HAS_BIAS=bias is not None,
+        **pdl_launch(x.device),
     )  # fmt: skip
     if s == 1:
         return y
@@ -117,6 +124,7 @@ def gemv(
     _sum_splits_kernel[(m, triton.cdiv(n, block))](
         part, bias if bias is not None else part, y, n, y.stride(0),
         M=m, S=s, HAS_BIAS=bias is not None, BLOCK=block,
+        **pdl_launch(x.device),
     )  # fmt: skip
     return y
 

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from freetoken_agent.kernels.fused_moe import PREFILL_CHUNK_PAIRS
 from freetoken_agent.kernels.reference import check_host_banks, check_moe_shapes
+from freetoken_agent.kernels.triton.pdl import enter
 
 # fmt: off
 # Tiles keyed by (H, I); "default" covers other shapes. First guesses for the H200;
@@ -76,7 +77,9 @@ def _sum_over_k_kernel(
     BLOCK: tl.constexpr,
     HOST: tl.constexpr,
     ADD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)  # first: pdl.py
     # A separate pass because the pairs of one token live in different row groups; summing here
     # in k order keeps the result deterministic without atomics.
     t = tl.program_id(0)

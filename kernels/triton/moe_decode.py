@@ -18,6 +18,8 @@ from freetoken_agent.kernels.triton.moe_common import (
     _sum_over_k_kernel,
     _tiles,
 )
+from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 
 @triton.jit
@@ -81,7 +83,9 @@ def _decode_gate_up_kernel(
     PREC: tl.constexpr,
     SPLIT: tl.constexpr,
     HOST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)  # first: pdl.py
     pid = tl.program_id(0)
     n_iblk = tl.cdiv(I, BLOCK_I)
     row, n_before, same, rank, n_group = _group(ids_ptr, pid // n_iblk, P, BLOCK_P)
@@ -142,7 +146,9 @@ def _decode_down_kernel(
     PREC: tl.constexpr,
     SPLIT: tl.constexpr,
     HOST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)  # first: pdl.py
     pid = tl.program_id(0)
     n_nblk = tl.cdiv(H, BLOCK_N)
     row, n_before, same, rank, n_group = _group(ids_ptr, pid // n_nblk, P, BLOCK_P)
@@ -214,15 +220,18 @@ def fused_moe_decode(
         p, h, i,
         K=k, BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_I=c["BLOCK_I"], BLOCK_H=c["BLOCK_H"],
         PREC=prec, SPLIT=split, HOST=host, num_warps=c["WARPS_UP"], num_stages=c["STAGES_UP"],
+        **pdl_launch(hidden.device),
     )  # fmt: skip
     _decode_down_kernel[(p * triton.cdiv(h, c["BLOCK_N"]),)](
         act[0], act[-1], w2, topk_ids, y, w2.stride(0), host_w2, host_w2.stride(0), p, h, i,
         BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
         PREC=prec, SPLIT=split, HOST=host, num_warps=c["WARPS_DOWN"],
         num_stages=c["STAGES_DOWN"],
+        **pdl_launch(hidden.device),
     )  # fmt: skip
     _sum_over_k_kernel[(t, triton.cdiv(h, c["SUM_BLOCK"]))](
         y, topk_ids, topk_weights, out, out if add is None else add, h,
         K=k, BLOCK=c["SUM_BLOCK"], HOST=host, ADD=add is not None,
+        **pdl_launch(hidden.device),
     )  # fmt: skip
     return out

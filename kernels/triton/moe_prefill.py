@@ -15,6 +15,7 @@ from freetoken_agent.kernels.triton.moe_common import (
     _sum_over_k_kernel,
     _tiles,
 )
+from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 
 @triton.jit
@@ -190,4 +191,5 @@ def _prefill_chunk(
     _sum_over_k_kernel[(t, triton.cdiv(h, c["SUM_BLOCK"]))](
         y, topk_ids, topk_weights, out, out if add is None else add, h,
         K=k, BLOCK=c["SUM_BLOCK"], HOST=False, ADD=add is not None,
+        **pdl_launch(hidden.device),
     )  # fmt: skip

@@ -25,6 +25,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
+
 # Rounding modes of `round_to` (constexpr codes).
 ROUND_NONE, ROUND_FP16, ROUND_BF16, ROUND_BF16_EMULATED = 0, 1, 2, 3
 
@@ -113,7 +116,9 @@ def _rms_norm_kernel(
     H, inv_h, eps, stride_x, stride_r, stride_y, stride_s,
     BLOCK_H: tl.constexpr, CHUNKED: tl.constexpr, HAS_RES: tl.constexpr, MODE: tl.constexpr,
     ZERO_CENTRED: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)  # first: pdl.py
     row = tl.program_id(0).to(tl.int64)
     x_row, r_row = x_ptr + row * stride_x, r_ptr + row * stride_r
     y_row, s_row = y_ptr + row * stride_y, s_ptr + row * stride_s
@@ -169,5 +174,6 @@ def rms_norm(
             x.stride(0), r.stride(0), y.stride(0), out_s.stride(0),
             BLOCK_H=block, CHUNKED=chunked, HAS_RES=residual is not None, MODE=mode,
             ZERO_CENTRED=zero_centred, num_warps=warps_for(block),
+            **pdl_launch(x.device),
         )  # fmt: skip
     return y if residual is None else (y, s)

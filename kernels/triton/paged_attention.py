@@ -36,6 +36,8 @@ from freetoken_agent.kernels.triton.attention_plan import (
     Tiles,
     plan_launch,
 )
+from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 from freetoken_agent.kernels.triton.split_combine import (
     COMBINE_CHUNK,
     SPLIT_CHUNK,
@@ -142,7 +144,9 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DIRECT: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)  # first: pdl.py
     # grid: (q blocks x head_progs, NS), head_progs = Hkv * HEAD_CHUNKS. The head is the fast
     # index and q blocks run last to first: a sequence's last blocks see the most kv tiles
     # (causal), so the longest programs start first and the tail of the grid is short ones.
@@ -340,6 +344,7 @@ def launch_paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         COMBINE=combine, SPLITS_PAD=_SPLITS_PAD, CHUNK=COMBINE_CHUNK,
         num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
+        **pdl_launch(q.device),
     )  # fmt: skip
     if split and not combine:
         # One variant for every split count: a constexpr that followed it (its next power of
@@ -348,5 +353,6 @@ def launch_paged_attention(
         _combine_splits_kernel[(T, Hq)](
             part_acc, part_m, part_l, out, ns, Hq, out.stride(0), out.stride(1),
             HEAD_DIM=D, D_PAD=d_pad, SPLITS_PAD=_SPLITS_PAD, CHUNK=SPLIT_CHUNK, num_warps=4,
+            **pdl_launch(q.device),
         )  # fmt: skip
     return out

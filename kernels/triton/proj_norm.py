@@ -30,6 +30,8 @@ from freetoken_agent.kernels.gemv import MAX_M
 from freetoken_agent.kernels.proj_norm import MAX_N
 from freetoken_agent.kernels.triton.gemv import _gemv_tile, choose_tiles, splits
 from freetoken_agent.kernels.triton.norm import _normalise_row, round_mode, round_to, warps_for
+from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 
 @triton.jit
@@ -38,7 +40,9 @@ def _proj_norm_kernel(
     N, K, k_per_split, stride_xm, stride_wn, stride_r, inv_n, eps,
     M: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREC: tl.constexpr, MODE: tl.constexpr, ZERO_CENTRED: tl.constexpr, ROW: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)  # first: pdl.py
     pid_n, s = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, 16)
@@ -108,5 +112,6 @@ def proj_add_norm(
         BLOCK_K=tiles["BLOCK_K"], PREC="ieee" if x.dtype == torch.float32 else "tf32",
         MODE=round_mode(x.dtype), ZERO_CENTRED=zero_centred, ROW=row,
         num_warps=max(tiles["WARPS"], warps_for(row)),
+        **pdl_launch(x.device),
     )  # fmt: skip
     return h, out_s

@@ -29,6 +29,8 @@ import triton.language as tl
 from torch import Tensor
 
 from freetoken_agent.kernels.triton.norm import round_mode, round_to
+from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 # Elements (heads x padded head dim) per program: HB = min(Hkv padded, this // D_PAD), so the kv
 # heads fit one program and decode still gets several q programs (Hq=32, D=128: 8 + 1 + 1).
@@ -76,7 +78,9 @@ def _qk_norm_rope_store_kernel(
     stride_qkv, stride_cos, stride_sin, stride_qt, stride_qh, stride_cp, stride_cs, stride_ch,
     HB: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, MODE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)  # first: pdl.py
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     row = qkv_ptr + t * stride_qkv
@@ -163,5 +167,6 @@ def qk_norm_rope_store(
         HB=hb, HEAD_DIM=D, D_PAD=d_pad, ROT=R,
         Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None, MODE=mode,
         num_warps=_NUM_WARPS,
+        **pdl_launch(qkv.device),
     )  # fmt: skip
     return q

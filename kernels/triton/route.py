@@ -26,6 +26,8 @@ from torch import Tensor
 
 from freetoken_agent.kernels.router import ROUTE_MAX_TOKENS as MAX_TOKENS
 from freetoken_agent.kernels.triton.norm import round_mode, round_to
+from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 from freetoken_agent.kernels.triton.router import MAX_EXPERTS, MAX_TOP_K, _topk_row
 
 # Default tiles (`bench gemv` times others). One warp a program: the last program's k argmax
@@ -40,7 +42,9 @@ def _route_kernel(
     K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
     MODE: tl.constexpr, LOGIT_MODE: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)  # first: pdl.py
     pid = tl.program_id(0)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
@@ -117,6 +121,7 @@ def route(
         K=k, E_PAD=e_pad, K_PAD=triton.next_power_of_2(k), RENORM=renormalize, MODE=mode,
         LOGIT_MODE=round_mode(x.dtype), BLOCK_E=t["BLOCK_E"], BLOCK_H=t["BLOCK_H"],
         num_warps=t["WARPS"],
+        **pdl_launch(x.device),
     )  # fmt: skip
     return ids, weights
 

@@ -23,6 +23,8 @@ from torch import Tensor
 
 from freetoken_agent.kernels.triton.norm import round_mode
 from freetoken_agent.kernels.triton.norm import round_to as _round  # the name is a parameter below
+from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
@@ -36,7 +38,9 @@ def _softmax_topk_kernel(
     logits_ptr, ids_ptr, w_ptr, E, stride_l, stride_i, stride_w,
     K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
     MODE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)  # first: pdl.py
     t = tl.program_id(0).to(tl.int64)
     _topk_row(logits_ptr + t * stride_l, ids_ptr + t * stride_i, w_ptr + t * stride_w, E,
               K, E_PAD, K_PAD, RENORM, MODE)  # fmt: skip
@@ -94,5 +98,6 @@ def softmax_topk(
             logits, ids, weights, E, logits.stride(0), ids.stride(0), weights.stride(0),
             K=k, E_PAD=e_pad, K_PAD=triton.next_power_of_2(k), RENORM=renormalize, MODE=mode,
             num_warps=warps,
+            **pdl_launch(logits.device),
         )  # fmt: skip
     return ids, weights

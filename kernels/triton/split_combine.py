@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from freetoken_agent.kernels.triton.pdl import enter
+
 SPLIT_CHUNK = 16  # splits combined per step in the reduce kernel (bounds its registers)
 COMBINE_CHUNK = 4  # splits a row's combine reads a step in `_combine_rows` (BLOCK_M rows at once)
 
@@ -30,7 +32,9 @@ COMBINE_CHUNK = 4  # splits a row's combine reads a step in `_combine_rows` (BLO
 def _combine_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, num_q_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)  # first: pdl.py
     # grid: (T, Hq): one row a program, all its splits (`_combine_rows` with one row).
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)

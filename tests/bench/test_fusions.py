@@ -20,7 +20,7 @@ def test_each_variant_sets_its_fusions_and_recaptures(tmp_path, rng_seed, monkey
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     for name in [*VARIANTS, "none"]:
         set_variant(engine, name)
-        router, proj_norm = VARIANTS[name]
+        router, proj_norm, _ = VARIANTS[name]
         assert all(m.fused == router for m in routers), name
         assert all(m.fused_proj_norm == proj_norm for m in layers), name
     assert len(captured) == len(VARIANTS) + 1
