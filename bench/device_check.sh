@@ -69,11 +69,12 @@ for stage in "$@"; do
       timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/integrations \
         tests/ 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -40 ;;
-    pdl)  # programmatic dependent launch: its GPU tests, then bench fusions with and without (~4 min)
-      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_pdl_gpu.py \
+    pdl)  # programmatic dependent launch: its GPU tests, then bench fusions with and without (~6 min)
+      timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_pdl_gpu.py \
         2>&1 | tee "$OUT/pdl_tests.log" | tail -15
-      timeout 300 python3 -m freetoken_agent.bench fusions --layers 48 --variants both both+pdl \
-        --rounds 2 --out "$OUT" 2>&1 | tee "$OUT/pdl_fusions.log" | grep "|b" | cut -c1-200 ;;
+      timeout 330 python3 -m freetoken_agent.bench fusions --layers 48 --variants both both+pdl \
+        both+pdl-exit both+pdl-prefetch both+skinny both+skinny+pdl-prefetch --rounds 2 \
+        --out "$OUT" 2>&1 | tee "$OUT/pdl_fusions.log" | grep "|b" | cut -c1-200 ;;
     tests-kernels)
       timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/kernels tests/bench \
         2>&1 | tee "$OUT/gpu_tests_kernels.log" | tail -30 ;;

@@ -25,11 +25,11 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sk
     return F.linear(x, weight, bias)
 
 
-def use_skinny_gemv(model: nn.Module) -> None:
-    """Switch every layer with a `skinny` flag to the skinny matmul."""
+def use_skinny_gemv(model: nn.Module, on: bool = True) -> None:
+    """Switch every layer with a `skinny` flag to the skinny matmul (or back, `on=False`)."""
     for m in model.modules():
         if hasattr(m, "skinny"):
-            m.skinny = True
+            m.skinny = on
 
 
 class ShardedLinear(nn.Module):

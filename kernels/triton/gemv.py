@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from freetoken_agent.kernels.gemv import MAX_M  # rows a call takes (padded to 16 in the dot)
-from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import enter, prefetch_l2
 from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 SM_TARGET = 264  # programs to aim for: two waves of the H200's 132 SMs
@@ -41,12 +41,14 @@ def _gemv_kernel(
     slice) out is y itself: the bias added, cast to y's dtype, no second launch. The M rows are
     padded to 16 for one tensor-core dot per tile: the tile of W is read once for all rows, and
     the padding costs arithmetic only, which a weight-bound matmul has to spare."""
-    enter(PDL)  # first: pdl.py
     pid_n, s = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, 16)
-    n_ok, m_ok = offs_n < N, offs_m < M
+    n_ok = offs_n < N
     k_lo = s * k_per_split
+    _prefetch_tile(w_ptr, offs_n, n_ok, k_lo, tl.minimum(k_lo + k_per_split, K), stride_wn, PDL)
+    enter(PDL)  # after the prefetch of the model's weights, before anything else: pdl.py
+    offs_m = tl.arange(0, 16)
+    m_ok = offs_m < M
     acc = _gemv_tile(x_ptr, w_ptr, offs_n, n_ok, offs_m, k_lo, tl.minimum(k_lo + k_per_split, K),
                      stride_xm, stride_wn, M, BLOCK_N, BLOCK_K, PREC)  # fmt: skip
     out = out_ptr + (s * M + offs_m[:, None]) * stride_om + offs_n[None, :]
@@ -57,6 +59,19 @@ def _gemv_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(out, acc, mask=ok)
+
+
+@triton.jit
+def _prefetch_tile(w_ptr, offs_n, n_ok, k_lo, k_hi, stride_wn, PDL: tl.constexpr):
+    """pdl.prefetch_l2 of the lines of W a program reads (rows offs_n, columns [k_lo, k_hi)),
+    eight lines a row a step; with PDL's PREFETCH only (also kernels/triton/proj_norm.py's)."""
+    if PDL & 4:  # PREFETCH
+        line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        for k0 in range(k_lo, k_hi, 8 * line):
+            offs_k = k0 + tl.arange(0, 8) * line
+            ok = n_ok[:, None] & (offs_k < k_hi)[None, :]
+            prefetch_l2(w_rows + offs_k[None, :], ok, w_ptr, PDL)
 
 
 @triton.jit

@@ -15,8 +15,21 @@ the one just before it; a kernel that is not PDL-aware (cuBLAS, torch) launches 
 waits for its predecessor to complete. The release comes right after the wait: dependents
 launch only once every program of this grid has started, so they never take SMs from it.
 
-Process-wide switch: `FREETOKEN_PDL=1` (off by default until measured on the device);
-`override` for benches and tests. A captured CUDA graph keeps the launches it was captured with.
+Variants (FREETOKEN_PDL, a comma list; off by default until measured on the device):
+- `on` (or `1`): wait, then release at once (above).
+- `exit`: wait, no explicit release; the next kernel launches as this one's programs exit. The
+  twenty-second session measured `on` at 48 layers: b=4 660.4 -> 680.8 tok/s, b=1 296.1 -> 283.8;
+  `exit` separates the early launch's cost from the wait's.
+- `prefetch` (with `on` or `exit`): before its wait, a kernel whose weights no kernel in flight
+  writes asks L2 for its own lines of them (`prefetch_l2`), so they stream in while the kernel
+  before it runs: the skinny matmuls (their weights are the model's) and MoE down (its rows were
+  filled two kernels back, by the copy kernel before gate/up, which completed before gate/up's
+  programs started). A prefetch moves no data into the kernel: correctness never depends on it.
+The rule in full, then: no load of data a kernel writes, no store, no atomic and no return before
+`enter`; pointer arithmetic and `prefetch_l2` may precede it.
+
+`override` sets the switch for benches and tests. A captured CUDA graph keeps the launches it was
+captured with.
 """
 
 from __future__ import annotations
@@ -30,21 +43,42 @@ import torch
 import triton
 import triton.language as tl
 
-_override: bool | None = None
+# PDL's constexpr in a kernel: bit flags.
+WAIT, RELEASE, PREFETCH = 1, 2, 4
+_WORDS = {"0": 0, "off": 0, "1": WAIT | RELEASE, "on": WAIT | RELEASE, "exit": WAIT,
+          "prefetch": PREFETCH}  # fmt: skip
+
+_override: str | None = None
 
 
-def requested() -> bool:
-    """The switch: `override`'s value inside it, else FREETOKEN_PDL=1."""
-    if _override is not None:
-        return _override
-    return os.environ.get("FREETOKEN_PDL", "0") == "1"
+def flags(value: str) -> int:
+    """FREETOKEN_PDL's value as the kernels' PDL flags: 0 (off), or WAIT with RELEASE and/or
+    PREFETCH. `prefetch` alone means `on,prefetch`."""
+    words = [w.strip() for w in value.lower().replace("+", ",").split(",") if w.strip()]
+    unknown = [w for w in words if w not in _WORDS]
+    if unknown:
+        raise ValueError(f"FREETOKEN_PDL: unknown {unknown}; say a list of {sorted(_WORDS)}")
+    bits = 0
+    for w in words:
+        bits |= _WORDS[w]
+    if bits & PREFETCH and not bits & WAIT:
+        bits |= WAIT | RELEASE
+    return bits
+
+
+def requested() -> int:
+    """The switch's flags: `override`'s value inside it, else FREETOKEN_PDL's (default off)."""
+    return flags(_override if _override is not None else os.environ.get("FREETOKEN_PDL", "0"))
 
 
 @contextmanager
-def override(on: bool) -> Iterator[None]:
-    """Launch PDL-aware kernels with (or without) PDL inside the block, whatever the env says."""
+def override(value: bool | str) -> Iterator[None]:
+    """The switch inside the block, whatever the env says: True / False (`on` / off), or a
+    FREETOKEN_PDL value."""
     global _override
-    before, _override = _override, on
+    word = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    flags(word)  # a bad value fails here, not at a launch
+    before, _override = _override, word
     try:
         yield
     finally:
@@ -66,17 +100,38 @@ def _sm90_with_gdc(index: int) -> bool:
 
 
 def launch(device: torch.device) -> dict:
-    """Keyword arguments for a PDL-aware kernel's launch: its `PDL` constexpr, and `launch_pdl`
+    """Keyword arguments for a PDL-aware kernel's launch: its `PDL` flags, and `launch_pdl`
     when PDL is on for `device`. Spread into the launch: `kernel[grid](..., **pdl.launch(dev))`."""
-    if requested() and supported(device):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+    bits = requested()
+    if bits and supported(device):
+        return {"PDL": bits, "launch_pdl": True}
+    return {"PDL": 0}
 
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """First statement of a PDL-aware kernel: wait for the kernel before it in the stream to
-    complete, then let the next one's programs launch (module docstring: why here, both)."""
-    if PDL:
+    """A PDL-aware kernel's wait for the kernel before it in the stream to complete, then (with
+    RELEASE) the next one's launch: before anything that reads what a kernel writes (module
+    docstring: the rule, and why the release comes here)."""
+    if PDL & 1:  # WAIT
         tl.extra.cuda.gdc_wait()
+    if PDL & 2:  # RELEASE
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, ok, base, PDL: tl.constexpr):
+    """With PREFETCH, ask L2 for the lines at `ptrs` (a tensor of addresses, one a line; lanes
+    where `ok` is false ask for `base`, a valid address) and keep them there (evict_last) until
+    the kernel reads them. A hint: nothing moves into registers, and a line no one reads again
+    ages out."""
+    if PDL & 4:  # PREFETCH
+        safe = tl.where(ok, ptrs, base)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;",
+            "=r,l",
+            [safe],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )

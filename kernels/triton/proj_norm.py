@@ -28,7 +28,7 @@ from torch import Tensor
 
 from freetoken_agent.kernels.gemv import MAX_M
 from freetoken_agent.kernels.proj_norm import MAX_N
-from freetoken_agent.kernels.triton.gemv import _gemv_tile, choose_tiles, splits
+from freetoken_agent.kernels.triton.gemv import _gemv_tile, _prefetch_tile, choose_tiles, splits
 from freetoken_agent.kernels.triton.norm import _normalise_row, round_mode, round_to, warps_for
 from freetoken_agent.kernels.triton.pdl import enter
 from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
@@ -42,12 +42,13 @@ def _proj_norm_kernel(
     PREC: tl.constexpr, MODE: tl.constexpr, ZERO_CENTRED: tl.constexpr, ROW: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    enter(PDL)  # first: pdl.py
     pid_n, s = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, 16)
     n_ok = offs_n < N
     k_lo = s * k_per_split
+    _prefetch_tile(w_ptr, offs_n, n_ok, k_lo, tl.minimum(k_lo + k_per_split, K), stride_wn, PDL)
+    enter(PDL)  # after the prefetch of the model's weights, before anything else: pdl.py
+    offs_m = tl.arange(0, 16)
     acc = _gemv_tile(x_ptr, w_ptr, offs_n, n_ok, offs_m, k_lo, tl.minimum(k_lo + k_per_split, K),
                      stride_xm, stride_wn, M, BLOCK_N, BLOCK_K, PREC)  # fmt: skip
     part = part_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :]

@@ -1,6 +1,9 @@
-"""bench fusions' switch: each variant sets exactly its fusions on the model, and back."""
+"""bench fusions' switch: each variant sets exactly its fusions and skinny matmuls on the model,
+and back."""
 
 from __future__ import annotations
+
+import random
 
 from tiny_models import make_tiny
 
@@ -8,6 +11,7 @@ from freetoken_agent import Engine
 from freetoken_agent.bench.fusions import VARIANTS, set_variant
 from freetoken_agent.engine.layers.moe import TopKRouter
 from freetoken_agent.engine.models.base import DecoderLayer
+from freetoken_agent.kernels.triton import pdl
 
 
 def test_each_variant_sets_its_fusions_and_recaptures(tmp_path, rng_seed, monkeypatch):
@@ -18,9 +22,13 @@ def test_each_variant_sets_its_fusions_and_recaptures(tmp_path, rng_seed, monkey
     model = engine.loaded.model
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
-    for name in [*VARIANTS, "none"]:
+    projections = [m for m in model.modules() if hasattr(m, "skinny")]
+    assert projections
+    for name in [*random.sample(list(VARIANTS), len(VARIANTS)), "none"]:
         set_variant(engine, name)
-        router, proj_norm, _ = VARIANTS[name]
+        router, proj_norm, pdl_word, skinny = VARIANTS[name]
         assert all(m.fused == router for m in routers), name
         assert all(m.fused_proj_norm == proj_norm for m in layers), name
+        assert all(m.skinny == skinny for m in projections), name
+        pdl.flags(pdl_word)  # a word the switch takes
     assert len(captured) == len(VARIANTS) + 1

@@ -17,11 +17,12 @@ from freetoken_agent.kernels.triton import pdl
 pytestmark = pytest.mark.gpu
 
 
-def _run(tmp_path, on: bool, prompts, sp, **load):
+def _run(tmp_path, word: str, prompts, sp, **load):
     """Tokens of the prompts together and of the first alone, and the logits of a scored
-    sequence, with PDL on or off for everything the engine launches (its graphs included)."""
-    with pdl.override(on):
-        assert pdl.launch(torch.device("cuda"))["PDL"] is on  # sm_90: the H200
+    sequence, with PDL as FREETOKEN_PDL=`word` for everything the engine launches (its graphs
+    included)."""
+    with pdl.override(word):
+        assert pdl.launch(torch.device("cuda"))["PDL"] == pdl.flags(word)  # sm_90: the H200
         engine = Engine.load(tmp_path, device="cuda", progress=False, max_model_len=512,
                              max_num_seqs=4, **load)  # fmt: skip
         if load.get("policy") == "adaptive":  # its three paths in turn, the shared one too
@@ -36,22 +37,27 @@ def _run(tmp_path, on: bool, prompts, sp, **load):
 
 
 @pytest.mark.parametrize(
-    "policy,dtype",
-    [("resident", torch.bfloat16), ("gpu-fill", torch.bfloat16), ("adaptive", torch.float32)],
+    "policy,dtype,word,skinny",
+    [
+        ("resident", torch.bfloat16, "on", False),
+        ("resident", torch.bfloat16, "exit,prefetch", True),  # the skinny matmul prefetches
+        ("gpu-fill", torch.bfloat16, "prefetch", True),
+        ("adaptive", torch.float32, "on", False),
+    ],
 )
-def test_pdl_changes_no_bit(policy, dtype, tmp_path, rng_seed):
+def test_pdl_changes_no_bit(policy, dtype, word, skinny, tmp_path, rng_seed):
     make_tiny("qwen3_moe", tmp_path, rng_seed, dtype=dtype, num_experts=16,
               num_experts_per_tok=4)  # fmt: skip
     rng = random.Random(rng_seed)
     prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(1, 12))],
                [rng.randrange(3, 320) for _ in range(rng.randint(30, 90))]]  # fmt: skip
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    load = {"policy": policy}
+    load = {"policy": policy, "skinny_gemv": skinny}
     if policy != "resident":  # fewer slots than the 3 layers x 16 experts: misses each step
         load["expert_slots"] = rng.randint(12, 30)
-    off = _run(tmp_path, False, prompts, sp, **load)
-    on = _run(tmp_path, True, prompts, sp, **load)
-    assert on[0] == off[0] and on[1] == off[1], policy
+    off = _run(tmp_path, "off", prompts, sp, **load)
+    on = _run(tmp_path, word, prompts, sp, **load)
+    assert on[0] == off[0] and on[1] == off[1], (policy, word)
     if policy == "adaptive":  # where the CPU ran a miss is timing: tokens only (its own tests)
         return
     assert torch.equal(on[2], off[2]), (on[2] - off[2]).abs().max()

@@ -45,8 +45,14 @@ def _definition(fn) -> ast.FunctionDef:
     return ast.parse(textwrap.dedent(inspect.getsource(fn.fn))).body[0]
 
 
+# What may come before a kernel's `enter(PDL)`: index arithmetic and the L2 prefetch of its own
+# weights (pdl.py's rule). Any other call (a load, a helper that loads) or a return fails.
+BEFORE_ENTER = {"tl.program_id", "tl.arange", "tl.minimum", "tl.num_programs", "tl.cdiv",
+                "_prefetch_tile"}  # fmt: skip
+
+
 @pytest.mark.parametrize("module,name", [(m, n) for m, ns in AWARE.items() for n in ns])
-def test_every_aware_kernel_waits_first(module, name):
+def test_every_aware_kernel_waits_before_it_reads(module, name):
     """The rule that makes PDL safe: `enter(PDL)` before any load, store or early return, in
     every program (a program that returned first would let its grid end before its
     predecessor's, and a kernel after it read unfinished output)."""
@@ -56,12 +62,19 @@ def test_every_aware_kernel_waits_first(module, name):
     body = definition.body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # the docstring
-    first = body[0]
-    assert isinstance(first, ast.Expr) and ast.unparse(first.value) == "enter(PDL)", name
+    enters = [i for i, st in enumerate(body) if ast.unparse(st) == "enter(PDL)"]
+    assert len(enters) == 1, name
+    for statement in body[: enters[0]]:
+        for node in ast.walk(statement):
+            assert not isinstance(node, ast.Return), name
+            if isinstance(node, ast.Call):
+                called = ast.unparse(node.func)
+                assert called in BEFORE_ENTER or called.endswith(".to"), (name, called)
 
 
 def test_no_other_kernel_takes_the_switch():
-    """A kernel with a PDL parameter outside AWARE would go unchecked above."""
+    """A kernel (`*_kernel`, the launched functions) with a PDL parameter outside AWARE would go
+    unchecked above."""
     import freetoken_agent.kernels.triton as package
 
     found = set()
@@ -69,57 +82,85 @@ def test_no_other_kernel_takes_the_switch():
         if file.stem == "pdl":  # `enter` itself
             continue
         for node in ast.walk(ast.parse(file.read_text())):
-            if isinstance(node, ast.FunctionDef) and "PDL" in [a.arg for a in node.args.args]:
+            launched = isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel")
+            if launched and "PDL" in [a.arg for a in node.args.args]:
                 found.add((file.stem, node.name))
     assert found == {(m, n) for m, ns in AWARE.items() for n in ns}
 
 
 def test_the_switch(monkeypatch):
     monkeypatch.delenv("FREETOKEN_PDL", raising=False)
-    assert not pdl.requested()
+    assert pdl.requested() == 0
     monkeypatch.setenv("FREETOKEN_PDL", "1")
-    assert pdl.requested()
+    assert pdl.requested() == pdl.WAIT | pdl.RELEASE
     with pdl.override(False):
-        assert not pdl.requested()
+        assert pdl.requested() == 0
         with pdl.override(True):
-            assert pdl.requested()
-        assert not pdl.requested()
+            assert pdl.requested() == pdl.WAIT | pdl.RELEASE
+        assert pdl.requested() == 0
     with pytest.raises(RuntimeError), pdl.override(False):
         raise RuntimeError("restored on the way out")
-    assert pdl.requested()
+    assert pdl.requested() == pdl.WAIT | pdl.RELEASE
+    cases = {"exit": pdl.WAIT, "on,prefetch": pdl.WAIT | pdl.RELEASE | pdl.PREFETCH,
+             "prefetch": pdl.WAIT | pdl.RELEASE | pdl.PREFETCH,
+             "exit+prefetch": pdl.WAIT | pdl.PREFETCH, "off": 0, "0": 0}  # fmt: skip
+    for word in random.sample(list(cases), len(cases)):
+        with pdl.override(word):
+            assert pdl.requested() == cases[word], word
+    with pytest.raises(ValueError, match="sometimes"):
+        pdl.override("on,sometimes").__enter__()
+    monkeypatch.setenv("FREETOKEN_PDL", "early")
+    with pytest.raises(ValueError, match="early"):
+        pdl.requested()
     # Never on a device without it: the CPU (and the interpreter) launch as before.
-    with pdl.override(True):
-        assert pdl.launch(torch.device("cpu")) == {"PDL": False}
+    with pdl.override("prefetch"):
+        assert pdl.launch(torch.device("cpu")) == {"PDL": 0}
 
 
-# Compiles the RMSNorm kernel for sm_90 (no GPU needed) with PDL on and off, in a process of its
-# own: this one imported the kernels under the interpreter (TRITON_INTERPRET=1).
+# Compiles the RMSNorm kernel and the skinny matmul for sm_90 (no GPU needed) under each PDL
+# flag set, in a process of its own: this one imported the kernels under the interpreter.
 _COMPILE = """
 import json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from freetoken_agent.kernels.triton.norm import _rms_norm_kernel as fn
+from freetoken_agent.kernels.triton.gemv import _gemv_kernel
+from freetoken_agent.kernels.triton.norm import _rms_norm_kernel
+warps = int(sys.argv[1])
+def ptx(fn, consts, types):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    return compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=warps)).asm["ptx"]
+norm_types = {n: "*bf16" for n in ("x_ptr", "r_ptr", "w_ptr", "y_ptr", "s_ptr")}
+norm_types.update(inv_h="fp32", eps="fp32")
+gemv_types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*fp32")
 out = {}
-for on in (True, False):
-    consts = dict(BLOCK_H=2048, CHUNKED=False, HAS_RES=True, MODE=2, ZERO_CENTRED=False, PDL=on)
-    sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else
-           "fp32" if n in ("inv_h", "eps") else "i32" for n in fn.arg_names}
-    k = compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                options=dict(num_warps=int(sys.argv[1])))
-    out[str(on)] = k.asm["ptx"]
+for flags in (0, 1, 3):
+    consts = dict(BLOCK_H=2048, CHUNKED=False, HAS_RES=True, MODE=2, ZERO_CENTRED=False, PDL=flags)
+    out[f"norm{flags}"] = ptx(_rms_norm_kernel, consts, norm_types)
+for flags in (3, 7):
+    consts = dict(M=1, BLOCK_N=64, BLOCK_K=128, PREC="tf32", FINAL=False, HAS_BIAS=False, PDL=flags)
+    out[f"gemv{flags}"] = ptx(_gemv_kernel, consts, gemv_types)
 print(json.dumps(out))
 """
 
 
-def test_sm90_code_waits_before_its_first_load():
-    """Compiled, the wait comes before the kernel's first global load, then the release."""
+def test_sm90_code_keeps_the_order():
+    """Compiled: no PDL code when off; the wait, then the release (`on`), before the first
+    global load; `exit` releases at no point; `prefetch` asks L2 for the weights before the
+    wait, and only then."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     warps = str(random.choice([4, 8]))
     done = subprocess.run([sys.executable, "-c", _COMPILE, warps], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+                          text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     ptx = json.loads(done.stdout.strip().splitlines()[-1])
-    on, off = ptx["True"], ptx["False"]
-    assert "griddepcontrol" not in off
+    assert "griddepcontrol" not in ptx["norm0"]
+    on = ptx["norm3"]
     wait, release = on.index("griddepcontrol.wait"), on.index("griddepcontrol.launch_dependents")
     assert wait < release < on.index("ld.global")
+    assert "launch_dependents" not in ptx["norm1"]
+    assert ptx["norm1"].index("griddepcontrol.wait") < ptx["norm1"].index("ld.global")
+    assert "prefetch" not in ptx["gemv3"]
+    fetch = ptx["gemv7"]
+    assert fetch.index("prefetch.global.L2::evict_last") < fetch.index("griddepcontrol.wait")
+    assert fetch.index("griddepcontrol.wait") < fetch.index("ld.global")
