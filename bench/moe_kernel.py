@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wide", action="store_true", help="decode: one side at a time (WIDE_DECODE_SWEEP)"
     )
-    parser.add_argument("--shape", choices=SHAPES, nargs="+", default=list(SHAPES))
+    parser.add_argument("--shape", choices=SHAPES, nargs="+", default=list(SHAPES),
+                        help="model shapes to time (default: all)")  # fmt: skip
     parser.add_argument("--skip-prefill", action="store_true", help="decode rows only")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
