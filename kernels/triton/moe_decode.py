@@ -220,14 +220,14 @@ def fused_moe_decode(
         p, h, i,
         K=k, BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_I=c["BLOCK_I"], BLOCK_H=c["BLOCK_H"],
         PREC=prec, SPLIT=split, HOST=host, num_warps=c["WARPS_UP"], num_stages=c["STAGES_UP"],
-        **pdl_launch(hidden.device),
+        **pdl_launch(hidden.device, heavy=True),
     )  # fmt: skip
     _decode_down_kernel[(p * triton.cdiv(h, c["BLOCK_N"]),)](
         act[0], act[-1], w2, topk_ids, y, w2.stride(0), host_w2, host_w2.stride(0), p, h, i,
         BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
         PREC=prec, SPLIT=split, HOST=host, num_warps=c["WARPS_DOWN"],
         num_stages=c["STAGES_DOWN"],
-        **pdl_launch(hidden.device),
+        **pdl_launch(hidden.device, heavy=True),
     )  # fmt: skip
     _sum_over_k_kernel[(t, triton.cdiv(h, c["SUM_BLOCK"]))](
         y, topk_ids, topk_weights, out, out if add is None else add, h,

@@ -25,6 +25,10 @@ Variants (FREETOKEN_PDL, a comma list; off by default until measured on the devi
   before it runs: the skinny matmuls (their weights are the model's) and MoE down (its rows were
   filled two kernels back, by the copy kernel before gate/up, which completed before gate/up's
   programs started). A prefetch moves no data into the kernel: correctness never depends on it.
+- `light`: `on` for the small kernels only; the weight-streaming ones (MoE gate/up and down, the
+  skinny matmul, o_proj + norm) launch as without PDL. An early launch places a grid's programs
+  on the SMs that have room while the kernel before it still runs, which for a one-wave kernel
+  can mean fewer SMs streaming its weights: one explanation of `on`'s loss at b=1.
 The rule in full, then: no load of data a kernel writes, no store, no atomic and no return before
 `enter`; pointer arithmetic and `prefetch_l2` may precede it.
 
@@ -45,8 +49,9 @@ import triton.language as tl
 
 # PDL's constexpr in a kernel: bit flags.
 WAIT, RELEASE, PREFETCH = 1, 2, 4
+LIGHT = 8  # not a kernel's: `launch` leaves the heavy kernels out
 _WORDS = {"0": 0, "off": 0, "1": WAIT | RELEASE, "on": WAIT | RELEASE, "exit": WAIT,
-          "prefetch": PREFETCH}  # fmt: skip
+          "prefetch": PREFETCH, "light": WAIT | RELEASE | LIGHT}  # fmt: skip
 
 _override: str | None = None
 
@@ -99,13 +104,14 @@ def _sm90_with_gdc(index: int) -> bool:
     return hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
 
 
-def launch(device: torch.device) -> dict:
+def launch(device: torch.device, heavy: bool = False) -> dict:
     """Keyword arguments for a PDL-aware kernel's launch: its `PDL` flags, and `launch_pdl`
-    when PDL is on for `device`. Spread into the launch: `kernel[grid](..., **pdl.launch(dev))`."""
+    when PDL is on for `device` (and, with LIGHT, the kernel is not `heavy`: one that streams
+    weights). Spread into the launch: `kernel[grid](..., **pdl.launch(dev))`."""
     bits = requested()
-    if bits and supported(device):
-        return {"PDL": bits, "launch_pdl": True}
-    return {"PDL": 0}
+    if not bits or not supported(device) or (heavy and bits & LIGHT):
+        return {"PDL": 0}
+    return {"PDL": bits & (WAIT | RELEASE | PREFETCH), "launch_pdl": True}
 
 
 @triton.jit

@@ -102,6 +102,7 @@ def test_the_switch(monkeypatch):
         raise RuntimeError("restored on the way out")
     assert pdl.requested() == pdl.WAIT | pdl.RELEASE
     cases = {"exit": pdl.WAIT, "on,prefetch": pdl.WAIT | pdl.RELEASE | pdl.PREFETCH,
+             "light": pdl.WAIT | pdl.RELEASE | pdl.LIGHT,
              "prefetch": pdl.WAIT | pdl.RELEASE | pdl.PREFETCH,
              "exit+prefetch": pdl.WAIT | pdl.PREFETCH, "off": 0, "0": 0}  # fmt: skip
     for word in random.sample(list(cases), len(cases)):
@@ -115,6 +116,51 @@ def test_the_switch(monkeypatch):
     # Never on a device without it: the CPU (and the interpreter) launch as before.
     with pdl.override("prefetch"):
         assert pdl.launch(torch.device("cpu")) == {"PDL": 0}
+
+
+def test_launch_arguments(monkeypatch):
+    """What a launch passes, on a device that has PDL: the kernel's flags (LIGHT is the
+    launcher's, not the kernel's) and launch_pdl; `light` leaves the heavy kernels out."""
+    monkeypatch.setattr(pdl, "supported", lambda device: True)
+    dev = torch.device("cpu")  # stands for the CUDA device `supported` now says it is
+    on = {"PDL": pdl.WAIT | pdl.RELEASE, "launch_pdl": True}
+    cases = {
+        ("off", False): {"PDL": 0},
+        ("on", False): on,
+        ("on", True): on,
+        ("light", False): on,
+        ("light", True): {"PDL": 0},
+        ("exit,prefetch", True): {"PDL": pdl.WAIT | pdl.PREFETCH, "launch_pdl": True},
+    }
+    for (word, heavy), want in random.sample(list(cases.items()), len(cases)):
+        with pdl.override(word):
+            assert pdl.launch(dev, heavy=heavy) == want, (word, heavy)
+
+
+def _launch_sites() -> dict[str, bool]:
+    """Every launch of a PDL-aware kernel in kernels/triton: kernel name -> whether it says
+    heavy=True (a weight-streaming kernel, left out by `light`)."""
+    import freetoken_agent.kernels.triton as package
+
+    sites = {}
+    for file in Path(package.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                spread = [k.value for k in node.keywords if k.arg is None]
+                calls = [c for c in spread if isinstance(c, ast.Call)]
+                if any(ast.unparse(c.func) == "pdl_launch" for c in calls):
+                    heavy = any(k.arg == "heavy" and ast.unparse(k.value) == "True"
+                                for c in calls for k in c.keywords)  # fmt: skip
+                    name = ast.unparse(node.func.value)
+                    sites[name] = sites.get(name, heavy) and heavy
+    return sites
+
+
+def test_every_aware_kernel_launches_with_the_switch_and_the_heavy_ones_say_so():
+    sites = _launch_sites()
+    assert set(sites) == {n for ns in AWARE.values() for n in ns}
+    heavy = {"_decode_gate_up_kernel", "_decode_down_kernel", "_gemv_kernel", "_proj_norm_kernel"}
+    assert {name for name, is_heavy in sites.items() if is_heavy} == heavy
 
 
 # Compiles the RMSNorm kernel and the skinny matmul for sm_90 (no GPU needed) under each PDL
