@@ -73,7 +73,8 @@ for stage in "$@"; do
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_pdl_gpu.py \
         2>&1 | tee "$OUT/pdl_tests.log" | tail -15
       timeout 330 python3 -m freetoken_agent.bench fusions --layers 48 --variants both both+pdl \
-        both+pdl-exit both+pdl-prefetch both+skinny both+skinny+pdl-prefetch --rounds 2 \
+        both+pdl-exit both+pdl-light both+pdl-prefetch both+skinny both+skinny+pdl-prefetch \
+        --rounds 2 \
         --out "$OUT" 2>&1 | tee "$OUT/pdl_fusions.log" | grep "|b" | cut -c1-200 ;;
     tests-kernels)
       timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/kernels tests/bench \

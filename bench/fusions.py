@@ -1,7 +1,7 @@
 """The decode step's fused kernels, each on and off, in one all-resident engine beside the HBM
 limit: EngineConfig.fused_router (kernels/triton/route.py) and fused_proj_norm
 (kernels/triton/proj_norm.py); with both, programmatic dependent launch (kernels/triton/pdl.py,
-FREETOKEN_PDL: on, exit, prefetch) and the skinny matmul for the other projections
+FREETOKEN_PDL: on, exit, prefetch, light) and the skinny matmul for the other projections
 (EngineConfig.skinny_gemv).
 
     python -m freetoken_agent.bench fusions [--layers 48] [--tokens 128] [--rounds 2]
@@ -41,6 +41,7 @@ VARIANTS = {
     "both+pdl": (True, True, "on", False),
     "both+pdl-exit": (True, True, "exit", False),
     "both+pdl-prefetch": (True, True, "on,prefetch", False),
+    "both+pdl-light": (True, True, "light", False),
     "both+skinny": (True, True, "off", True),
     "both+skinny+pdl-prefetch": (True, True, "on,prefetch", True),
 }  # name -> (fused_router, fused_proj_norm, FREETOKEN_PDL, skinny_gemv)

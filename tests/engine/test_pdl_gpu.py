@@ -42,6 +42,7 @@ def _run(tmp_path, word: str, prompts, sp, **load):
         ("resident", torch.bfloat16, "on", False),
         ("resident", torch.bfloat16, "exit,prefetch", True),  # the skinny matmul prefetches
         ("gpu-fill", torch.bfloat16, "prefetch", True),
+        ("gpu-fill", torch.bfloat16, "light", False),
         ("adaptive", torch.float32, "on", False),
     ],
 )
