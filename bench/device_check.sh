@@ -51,6 +51,9 @@
 #         transfer at 12 layers, gpu-fill at 48 layers / 32 GB, ~5 min)
 #         acceptance-peer acceptance-48 (issue 3's tables: adaptive, transfer and gpu-fill at b=1
 #         and 4 under native, Zipf and uniform routing; the peer slice ~4 min, 48 layers ~8 min)
+#         tests-kernels tests-engine (every GPU test in two runs of under 10 minutes)
+#         pdl (programmatic dependent launch: its GPU tests, then bench fusions' variants, ~6 min)
+#         pdl-offload (48 layers / 32 GB, gpu-fill under each FREETOKEN_PDL value, ~4 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -76,6 +79,11 @@ for stage in "$@"; do
         both+pdl-exit both+pdl-light both+pdl-prefetch both+skinny both+skinny+pdl-prefetch \
         --rounds 2 \
         --out "$OUT" 2>&1 | tee "$OUT/pdl_fusions.log" | grep "|b" | cut -c1-200 ;;
+    pdl-offload)  # 48 layers / 32 GB, gpu-fill under each PDL variant, native and Zipf (~4 min)
+      timeout 420 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
+        --rounds 1 --regimes native zipf:1.0,loc:0.7 --policies gpu-fill \
+        --pdl off on exit light prefetch --out "$OUT" 2>&1 | tee "$OUT/pdl_offload_48.log" \
+        | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
     tests-kernels)
       timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/kernels tests/bench \
         2>&1 | tee "$OUT/gpu_tests_kernels.log" | tail -30 ;;

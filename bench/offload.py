@@ -21,6 +21,8 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,6 +41,7 @@ from freetoken_agent.engine.experts.offload import WHOLE_STEP_POLICIES, decode_g
 from freetoken_agent.engine.experts.split_trials import BLOCK, MODES, ROTATIONS
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.kernels.triton import pdl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("cpu", "transfer", "adaptive", "static", "direct", "gpu-fill")
@@ -81,6 +84,19 @@ def start_policy(engine, bank, policy: str, b_p: float, b_h: float,
         bank.adaptive.path_params = {"fixed": path}
     if policy == "static":
         bank.place_static()
+
+
+@contextmanager
+def pdl_variant(engine, word: str | None) -> Iterator[None]:
+    """Inside: FREETOKEN_PDL as `word`, the decode graphs captured again under it (a graph
+    keeps the launches it was captured with); None: as the environment says, nothing done."""
+    if word is None:
+        yield
+        return
+    with pdl.override(word):
+        if engine.runner.graphs is not None:
+            engine.capture_graphs()
+        yield
 
 
 def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
@@ -249,6 +265,15 @@ def main(argv: list[str] | None = None) -> int:
         "instead of measuring the three (default)",
     )
     parser.add_argument(
+        "--pdl",
+        nargs="+",
+        default=None,
+        metavar="WORD",
+        help="measure each policy under each FREETOKEN_PDL value (on, exit, light, prefetch, "
+        "off; kernels/triton/pdl.py), the decode graphs captured again for each; rows are "
+        "then named policy@word (default: the environment's FREETOKEN_PDL, rows by policy)",
+    )
+    parser.add_argument(
         "--shared-gate",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -309,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(report, indent=1))
 
     model = engine.loaded.model
+    words = args.pdl or [None]
+    variants = [(p if len(words) == 1 else f"{p}@{w}", p, w) for p in args.policies for w in words]
     for regime_name in () if args.skip_decode else args.regimes:
         if regime_name == "native":
             model.set_expert_bank(bank)
@@ -318,17 +345,15 @@ def main(argv: list[str] | None = None) -> int:
             model.set_expert_bank(TracedRouting(bank, gen))
         engine.capture_graphs()  # graphs call the bank object they were captured with
         for batch in args.batches:
-            rounds: dict[str, list[dict]] = {p: [] for p in args.policies}
+            rounds: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
             for r in range(args.rounds):
                 # Each round starts at another policy: the device host's speed changes over
                 # seconds, so a policy always measured first (or last) would carry a bias.
-                order = (
-                    args.policies[r % len(args.policies) :]
-                    + args.policies[: r % len(args.policies)]
-                )
-                for policy in order:
-                    row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h,
-                                   args.adaptive_path, args.shared_gate)  # fmt: skip
+                order = variants[r % len(variants) :] + variants[: r % len(variants)]
+                for name, policy, word in order:
+                    with pdl_variant(engine, word):
+                        row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h,
+                                       args.adaptive_path, args.shared_gate)  # fmt: skip
                     miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
                     hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
                     # direct and gpu-fill have no CPU branch; the others' two host paths
@@ -337,10 +362,10 @@ def main(argv: list[str] | None = None) -> int:
                     link = b_p if whole else host_paths(b_p, b_h, b_read)
                     floor = (dense_read + hit_bytes) / b_hbm + miss_bytes / link
                     row.update(limit_tok_s=batch / floor, of_limit=row["tok_s"] * floor / batch)
-                    rounds[policy].append(row)
-                    print(f"{regime_name}|b{batch}|{policy}|round{r}", json.dumps(row), flush=True)
-            for policy, rows in rounds.items():
-                key = f"{regime_name}|b{batch}|{policy}"
+                    rounds[name].append(row)
+                    print(f"{regime_name}|b{batch}|{name}|round{r}", json.dumps(row), flush=True)
+            for name, rows in rounds.items():
+                key = f"{regime_name}|b{batch}|{name}"
                 report["decode"][key] = _median_round(rows)
                 print(key, json.dumps(report["decode"][key]), flush=True)
             save()

@@ -46,6 +46,7 @@ def fused_moe(
     force_triton: bool = False,
     max_pairs: int | None = None,
     add: torch.Tensor | None = None,
+    rows_settled: bool = False,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]).
 
@@ -59,6 +60,8 @@ def fused_moe(
     (`prefill_workspace_bytes`).
     add [T, H]: a part of the sum computed elsewhere, added before the result's rounding and
     then zeroed (`reference.check_add`), in the summing kernel of either path.
+    rows_settled: topk_ids were written two or more kernels before this call (the in-graph fill
+    plan's rows): the decode path may prefetch their weights early (kernels/triton/pdl.py).
     """
     host = dict(host_w13=host_w13, host_w2=host_w2) if host_w13 is not None else {}
     pairs = topk_ids.shape[0] * topk_ids.shape[1]
@@ -73,6 +76,7 @@ def fused_moe(
     from freetoken_agent.kernels.triton.fused_moe import fused_moe_decode, fused_moe_prefill
 
     if pairs <= PATH_LIMITS["decode_max_pairs"]:
-        return fused_moe_decode(hidden, w13, w2, topk_ids, topk_weights, out, **host, add=add)
+        return fused_moe_decode(hidden, w13, w2, topk_ids, topk_weights, out, **host, add=add,
+                                rows_settled=rows_settled)  # fmt: skip
     chunk = {"CHUNK_PAIRS": max_pairs or PREFILL_CHUNK_PAIRS}
     return fused_moe_prefill(hidden, w13, w2, topk_ids, topk_weights, out, tiles=chunk, add=add)

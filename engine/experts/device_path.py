@@ -81,8 +81,11 @@ class DevicePath:
         box, add = (share.box, share.answer(hidden.shape[0])) if shared else (None, None)
         copy_fills(fills.state, fills.moves, pool.w13, pool.w2, cache.w13, cache.w2, box, add,
                    timeout_s=share.timeout_s if shared else 0.0)  # fmt: skip
+        # rows_settled: the plan wrote the rows, and the copy kernel runs between it and the
+        # MoE kernels (FREETOKEN_PDL's `prefetch` may then read them early).
         return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
-                         host_w13=pool.w13, host_w2=pool.w2, add=add)  # fmt: skip
+                         host_w13=pool.w13, host_w2=pool.w2, add=add,
+                         rows_settled=True)  # fmt: skip
 
     def before_whole_step(self, n_tokens: int | None) -> None:
         """Before a whole-step graph replays `n_tokens` real tokens (None: before capture,

@@ -131,7 +131,7 @@ def gemv(
         w.stride(0), n, M=m, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], num_warps=c["WARPS"],
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 stays exact
         FINAL=s == 1, HAS_BIAS=bias is not None,
-        **pdl_launch(x.device, heavy=True),
+        **pdl_launch(x.device, heavy=True, prefetch=True),
     )  # fmt: skip
     if s == 1:
         return y

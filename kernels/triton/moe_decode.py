@@ -18,7 +18,7 @@ from freetoken_agent.kernels.triton.moe_common import (
     _sum_over_k_kernel,
     _tiles,
 )
-from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import enter, prefetch_l2
 from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 
@@ -63,6 +63,25 @@ def _row_ptr(bank_ptr, stride, host_ptr, host_stride, row, HOST: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(ids_ptr, p, i0, w13_ptr, stride13, H, I, BLOCK_I: tl.constexpr,  # noqa: E741
+                   PDL: tl.constexpr):  # fmt: skip
+    """With PREFETCH (launched so only where the rows are the fill plan's, two kernels back:
+    pdl.py), pdl.prefetch_l2 of the gate and up lines of pair p's slot row for outputs
+    i0 .. i0 + BLOCK_I - 1; eight lines an output row a step. A host row or a skip: nothing."""
+    if PDL & 4:  # PREFETCH
+        row = tl.load(ids_ptr + p, cache_modifier=".cg")  # past L1: another kernel wrote it
+        if row >= 0:
+            line = 1024 // w13_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
+            offs_i = i0 + tl.arange(0, BLOCK_I)
+            gate = w13_ptr + row.to(tl.int64) * stride13 + offs_i.to(tl.int64)[:, None] * H
+            for h0 in range(0, H, 8 * line):
+                offs_h = h0 + tl.arange(0, 8) * line
+                ok = (offs_i < I)[:, None] & (offs_h < H)[None, :]
+                prefetch_l2(gate + offs_h[None, :], ok, w13_ptr, PDL)
+                prefetch_l2(gate + I * H + offs_h[None, :], ok, w13_ptr, PDL)  # the up rows
+
+
+@triton.jit
 def _decode_gate_up_kernel(
     x_ptr,  # [T, H]
     w13_ptr,  # [N, 2I, H]
@@ -85,9 +104,11 @@ def _decode_gate_up_kernel(
     HOST: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    enter(PDL)  # first: pdl.py
     pid = tl.program_id(0)
     n_iblk = tl.cdiv(I, BLOCK_I)
+    _prefetch_rows(ids_ptr, pid // n_iblk, (pid % n_iblk) * BLOCK_I, w13_ptr, stride13, H, I,
+                   BLOCK_I, PDL)  # fmt: skip
+    enter(PDL)  # after the prefetch of settled rows, before anything else: pdl.py
     row, n_before, same, rank, n_group = _group(ids_ptr, pid // n_iblk, P, BLOCK_P)
     if _skipped(row, HOST):
         return
@@ -192,11 +213,15 @@ def fused_moe_decode(
     host_w13: torch.Tensor | None = None,
     host_w2: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
+    rows_settled: bool = False,
 ) -> torch.Tensor:
     """Bandwidth-bound path for few pairs; no host sync, safe under CUDA-graph capture. With
     host banks (pinned host memory on CUDA), ids <= -2 name their rows (`reference.host_ids`):
     the kernels read those experts over the link themselves, with no copy into a slot.
-    `add` [T, H]: added before the rounding and zeroed, in the summing kernel."""
+    `add` [T, H]: added before the rounding and zeroed, in the summing kernel.
+    `rows_settled`: topk_ids were written two or more kernels before this call's first launch
+    (the fill plan's rows): under FREETOKEN_PDL's `prefetch`, gate/up asks L2 for its rows
+    before its wait (kernels/triton/pdl.py)."""
     t, h, i, k = _check(hidden, w13, w2, topk_ids, topk_weights, out)
     check_add(add, hidden)
     host = host_w13 is not None
@@ -220,7 +245,7 @@ def fused_moe_decode(
         p, h, i,
         K=k, BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_I=c["BLOCK_I"], BLOCK_H=c["BLOCK_H"],
         PREC=prec, SPLIT=split, HOST=host, num_warps=c["WARPS_UP"], num_stages=c["STAGES_UP"],
-        **pdl_launch(hidden.device, heavy=True),
+        **pdl_launch(hidden.device, heavy=True, prefetch=rows_settled),
     )  # fmt: skip
     _decode_down_kernel[(p * triton.cdiv(h, c["BLOCK_N"]),)](
         act[0], act[-1], w2, topk_ids, y, w2.stride(0), host_w2, host_w2.stride(0), p, h, i,

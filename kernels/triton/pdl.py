@@ -22,15 +22,19 @@ Variants (FREETOKEN_PDL, a comma list; off by default until measured on the devi
   `exit` separates the early launch's cost from the wait's.
 - `prefetch` (with `on` or `exit`): before its wait, a kernel whose weights no kernel in flight
   writes asks L2 for its own lines of them (`prefetch_l2`), so they stream in while the kernel
-  before it runs: the skinny matmuls (their weights are the model's) and MoE down (its rows were
-  filled two kernels back, by the copy kernel before gate/up, which completed before gate/up's
-  programs started). A prefetch moves no data into the kernel: correctness never depends on it.
+  before it runs: the skinny matmuls and o_proj + norm (their weights are the model's), and
+  MoE gate/up on the device path (its rows are the fill plan's, two kernels back: the plan
+  completed before the copy kernel's wait returned, so before gate/up's programs started; the
+  rows are read past L1, `.cg`, and the copy kernel's writes to a filled slot reach the lines
+  in L2 after the prefetch as before it). A prefetch moves no data into the kernel:
+  correctness never depends on it.
 - `light`: `on` for the small kernels only; the weight-streaming ones (MoE gate/up and down, the
   skinny matmul, o_proj + norm) launch as without PDL. An early launch places a grid's programs
   on the SMs that have room while the kernel before it still runs, which for a one-wave kernel
   can mean fewer SMs streaming its weights: one explanation of `on`'s loss at b=1.
-The rule in full, then: no load of data a kernel writes, no store, no atomic and no return before
-`enter`; pointer arithmetic and `prefetch_l2` may precede it.
+The rule in full, then: before `enter`, no store, no atomic, no return, and no load of anything
+a kernel still in flight may write (the kernel just before, or one it waits for); index
+arithmetic, `prefetch_l2` and gate/up's `.cg` read of rows settled two kernels back may.
 
 `override` sets the switch for benches and tests. A captured CUDA graph keeps the launches it was
 captured with.
@@ -104,14 +108,16 @@ def _sm90_with_gdc(index: int) -> bool:
     return hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
 
 
-def launch(device: torch.device, heavy: bool = False) -> dict:
+def launch(device: torch.device, heavy: bool = False, prefetch: bool = False) -> dict:
     """Keyword arguments for a PDL-aware kernel's launch: its `PDL` flags, and `launch_pdl`
     when PDL is on for `device` (and, with LIGHT, the kernel is not `heavy`: one that streams
-    weights). Spread into the launch: `kernel[grid](..., **pdl.launch(dev))`."""
+    weights). PREFETCH only where the caller says `prefetch`: the kernel has a prefetch before
+    its wait and what it prefetches is settled (other kernels compile no variant for it).
+    Spread into the launch: `kernel[grid](..., **pdl.launch(dev))`."""
     bits = requested()
     if not bits or not supported(device) or (heavy and bits & LIGHT):
         return {"PDL": 0}
-    return {"PDL": bits & (WAIT | RELEASE | PREFETCH), "launch_pdl": True}
+    return {"PDL": bits & (WAIT | RELEASE | (PREFETCH if prefetch else 0)), "launch_pdl": True}
 
 
 @triton.jit

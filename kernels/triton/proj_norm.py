@@ -113,6 +113,6 @@ def proj_add_norm(
         BLOCK_K=tiles["BLOCK_K"], PREC="ieee" if x.dtype == torch.float32 else "tf32",
         MODE=round_mode(x.dtype), ZERO_CENTRED=zero_centred, ROW=row,
         num_warps=max(tiles["WARPS"], warps_for(row)),
-        **pdl_launch(x.device, heavy=True),
+        **pdl_launch(x.device, heavy=True, prefetch=True),
     )  # fmt: skip
     return h, out_s

@@ -10,6 +10,7 @@ import inspect
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -46,9 +47,11 @@ def _definition(fn) -> ast.FunctionDef:
 
 
 # What may come before a kernel's `enter(PDL)`: index arithmetic and the L2 prefetch of its own
-# weights (pdl.py's rule). Any other call (a load, a helper that loads) or a return fails.
+# weights (pdl.py's rule; `_prefetch_rows` reads the fill plan's rows, settled two kernels
+# back, and its launch asks for PREFETCH only where they are). Any other call (a load, a
+# helper that loads) or a return fails.
 BEFORE_ENTER = {"tl.program_id", "tl.arange", "tl.minimum", "tl.num_programs", "tl.cdiv",
-                "_prefetch_tile"}  # fmt: skip
+                "_prefetch_tile", "_prefetch_rows"}  # fmt: skip
 
 
 @pytest.mark.parametrize("module,name", [(m, n) for m, ns in AWARE.items() for n in ns])
@@ -130,16 +133,26 @@ def test_launch_arguments(monkeypatch):
         ("on", True): on,
         ("light", False): on,
         ("light", True): {"PDL": 0},
-        ("exit,prefetch", True): {"PDL": pdl.WAIT | pdl.PREFETCH, "launch_pdl": True},
+        ("exit,prefetch", True): {"PDL": pdl.WAIT, "launch_pdl": True},
+        ("prefetch", False): on,  # a kernel with nothing to prefetch compiles no variant for it
     }
     for (word, heavy), want in random.sample(list(cases.items()), len(cases)):
         with pdl.override(word):
             assert pdl.launch(dev, heavy=heavy) == want, (word, heavy)
+    prefetching = {
+        ("exit,prefetch", True): {"PDL": pdl.WAIT | pdl.PREFETCH, "launch_pdl": True},
+        ("prefetch", False): {"PDL": pdl.WAIT | pdl.RELEASE | pdl.PREFETCH, "launch_pdl": True},
+        ("on", True): on,
+        ("light,prefetch", True): {"PDL": 0},
+    }
+    for (word, heavy), want in random.sample(list(prefetching.items()), len(prefetching)):
+        with pdl.override(word):
+            assert pdl.launch(dev, heavy=heavy, prefetch=True) == want, (word, heavy)
 
 
-def _launch_sites() -> dict[str, bool]:
-    """Every launch of a PDL-aware kernel in kernels/triton: kernel name -> whether it says
-    heavy=True (a weight-streaming kernel, left out by `light`)."""
+def _launch_sites() -> dict[str, tuple[bool, str | None]]:
+    """Every launch of a PDL-aware kernel in kernels/triton: kernel name -> (whether it says
+    heavy=True: a weight-streaming kernel, left out by `light`; what it passes as prefetch)."""
     import freetoken_agent.kernels.triton as package
 
     sites = {}
@@ -149,10 +162,10 @@ def _launch_sites() -> dict[str, bool]:
                 spread = [k.value for k in node.keywords if k.arg is None]
                 calls = [c for c in spread if isinstance(c, ast.Call)]
                 if any(ast.unparse(c.func) == "pdl_launch" for c in calls):
-                    heavy = any(k.arg == "heavy" and ast.unparse(k.value) == "True"
-                                for c in calls for k in c.keywords)  # fmt: skip
+                    said = {k.arg: ast.unparse(k.value) for c in calls for k in c.keywords}
                     name = ast.unparse(node.func.value)
-                    sites[name] = sites.get(name, heavy) and heavy
+                    assert name not in sites or sites[name][1] is None, name
+                    sites[name] = (said.get("heavy") == "True", said.get("prefetch"))
     return sites
 
 
@@ -160,7 +173,12 @@ def test_every_aware_kernel_launches_with_the_switch_and_the_heavy_ones_say_so()
     sites = _launch_sites()
     assert set(sites) == {n for ns in AWARE.values() for n in ns}
     heavy = {"_decode_gate_up_kernel", "_decode_down_kernel", "_gemv_kernel", "_proj_norm_kernel"}
-    assert {name for name, is_heavy in sites.items() if is_heavy} == heavy
+    assert {name for name, is_heavy in sites.items() if is_heavy[0]} == heavy
+    # PREFETCH goes to the kernels that prefetch before their wait: always for the model's
+    # weights, where the caller says the rows are settled for gate/up.
+    prefetch = {name: is_heavy[1] for name, is_heavy in sites.items() if is_heavy[1]}
+    assert prefetch == {"_gemv_kernel": "True", "_proj_norm_kernel": "True",
+                        "_decode_gate_up_kernel": "rows_settled"}  # fmt: skip
 
 
 # Compiles the RMSNorm kernel and the skinny matmul for sm_90 (no GPU needed) under each PDL
@@ -170,6 +188,7 @@ import json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from freetoken_agent.kernels.triton.gemv import _gemv_kernel
+from freetoken_agent.kernels.triton.moe_decode import _decode_gate_up_kernel
 from freetoken_agent.kernels.triton.norm import _rms_norm_kernel
 warps = int(sys.argv[1])
 def ptx(fn, consts, types):
@@ -186,6 +205,11 @@ for flags in (0, 1, 3):
 for flags in (3, 7):
     consts = dict(M=1, BLOCK_N=64, BLOCK_K=128, PREC="tf32", FINAL=False, HAS_BIAS=False, PDL=flags)
     out[f"gemv{flags}"] = ptx(_gemv_kernel, consts, gemv_types)
+up_types = dict(x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64", hi_ptr="*bf16", lo_ptr="*bf16",
+                hw13_ptr="*bf16")
+consts = dict(K=8, BLOCK_P=16, BLOCK_M=16, BLOCK_I=32, BLOCK_H=128, PREC="tf32", SPLIT=True,
+              HOST=True, PDL=7)
+out["up7"] = ptx(_decode_gate_up_kernel, consts, up_types)
 print(json.dumps(out))
 """
 
@@ -210,3 +234,8 @@ def test_sm90_code_keeps_the_order():
     fetch = ptx["gemv7"]
     assert fetch.index("prefetch.global.L2::evict_last") < fetch.index("griddepcontrol.wait")
     assert fetch.index("griddepcontrol.wait") < fetch.index("ld.global")
+    # gate/up: before its wait one load of its pair's row, past L1, then the prefetches.
+    up = ptx["up7"]
+    before = up[: up.index("griddepcontrol.wait")]
+    assert re.findall(r"ld\.global[.\w]*", before) == ["ld.global.cg.b64"]
+    assert before.index("ld.global.cg") < before.index("prefetch.global.L2::evict_last")
