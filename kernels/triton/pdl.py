@@ -8,18 +8,19 @@ it in the stream has issued `griddepcontrol.launch_dependents`; each of its prog
 (`griddepcontrol.wait`) until that kernel has completed and its writes are visible. The next
 kernel's programs are resident and waiting when the last one ends.
 
-The rule every PDL-aware kernel keeps (`enter`): the wait is its first statement, in every
-program, before any load, store or early return. A kernel's completion then implies its
-predecessor's, transitively, so a kernel may read the output of any earlier kernel, not only
-the one just before it; a kernel that is not PDL-aware (cuBLAS, torch) launches as usual and
-waits for its predecessor to complete. The release comes right after the wait: dependents
-launch only once every program of this grid has started, so they never take SMs from it.
+The rule every PDL-aware kernel keeps (`enter`): every program waits before it stores, returns
+or loads anything another kernel may still be writing (in full at the end). A kernel's
+completion then implies its predecessor's, transitively, so a kernel may read the output of any
+earlier kernel, not only the one just before it; a kernel that is not PDL-aware (cuBLAS, torch)
+launches as usual and waits for its predecessor to complete. The release comes right after the
+wait: dependents launch only once every program of this grid has started, so they never take
+SMs from it.
 
 Variants (FREETOKEN_PDL, a comma list; off by default until measured on the device):
-- `on` (or `1`): wait, then release at once (above).
-- `exit`: wait, no explicit release; the next kernel launches as this one's programs exit. The
-  twenty-second session measured `on` at 48 layers: b=4 660.4 -> 680.8 tok/s, b=1 296.1 -> 283.8;
-  `exit` separates the early launch's cost from the wait's.
+- `on` (or `1`): wait, then release at once (above). The twenty-second session measured it at
+  48 layers, all resident: b=4 660.4 -> 680.8 tok/s, b=1 296.1 -> 283.8.
+- `exit`: wait, no explicit release; the next kernel launches as this one's programs exit:
+  separates the early launch's cost from the wait's.
 - `prefetch` (with `on` or `exit`): before its wait, a kernel whose weights no kernel in flight
   writes asks L2 for its own lines of them (`prefetch_l2`), so they stream in while the kernel
   before it runs: the skinny matmuls and o_proj + norm (their weights are the model's), and
