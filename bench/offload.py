@@ -21,12 +21,11 @@ import argparse
 import json
 import random
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.kernel_variants import kernel_variant
 from freetoken_agent.bench.limits import (
     hbm_copy_bandwidth,
     host_paths,
@@ -41,7 +40,6 @@ from freetoken_agent.engine.experts.offload import WHOLE_STEP_POLICIES, decode_g
 from freetoken_agent.engine.experts.split_trials import BLOCK, MODES, ROTATIONS
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.engine.sampling_params import SamplingParams
-from freetoken_agent.kernels.triton import pdl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("cpu", "transfer", "adaptive", "static", "direct", "gpu-fill")
@@ -84,19 +82,6 @@ def start_policy(engine, bank, policy: str, b_p: float, b_h: float,
         bank.adaptive.path_params = {"fixed": path}
     if policy == "static":
         bank.place_static()
-
-
-@contextmanager
-def pdl_variant(engine, word: str | None) -> Iterator[None]:
-    """Inside: FREETOKEN_PDL as `word`, the decode graphs captured again under it (a graph
-    keeps the launches it was captured with); None: as the environment says, nothing done."""
-    if word is None:
-        yield
-        return
-    with pdl.override(word):
-        if engine.runner.graphs is not None:
-            engine.capture_graphs()
-        yield
 
 
 def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
@@ -274,6 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         "then named policy@word (default: the environment's FREETOKEN_PDL, rows by policy)",
     )
     parser.add_argument(
+        "--l2",
+        nargs="+",
+        choices=("off", "on"),
+        default=None,
+        help="measure each policy with EngineConfig.l2_prefetch off and/or on (rows policy+l2 "
+        "when both; default: as loaded, off)",
+    )
+    parser.add_argument(
         "--shared-gate",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -334,8 +327,13 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(report, indent=1))
 
     model = engine.loaded.model
-    words = args.pdl or [None]
-    variants = [(p if len(words) == 1 else f"{p}@{w}", p, w) for p in args.policies for w in words]
+    words, l2s = args.pdl or [None], [x == "on" for x in args.l2] if args.l2 else [None]
+    variants = [
+        (p + (f"@{w}" if len(words) > 1 else "") + ("+l2" if l2 and len(l2s) > 1 else ""), p, w, l2)
+        for p in args.policies
+        for w in words
+        for l2 in l2s
+    ]
     for regime_name in () if args.skip_decode else args.regimes:
         if regime_name == "native":
             model.set_expert_bank(bank)
@@ -345,13 +343,13 @@ def main(argv: list[str] | None = None) -> int:
             model.set_expert_bank(TracedRouting(bank, gen))
         engine.capture_graphs()  # graphs call the bank object they were captured with
         for batch in args.batches:
-            rounds: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+            rounds: dict[str, list[dict]] = {name: [] for name, *_ in variants}
             for r in range(args.rounds):
                 # Each round starts at another policy: the device host's speed changes over
                 # seconds, so a policy always measured first (or last) would carry a bias.
                 order = variants[r % len(variants) :] + variants[: r % len(variants)]
-                for name, policy, word in order:
-                    with pdl_variant(engine, word):
+                for name, policy, word, l2 in order:
+                    with kernel_variant(engine, word, l2):
                         row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h,
                                        args.adaptive_path, args.shared_gate)  # fmt: skip
                     miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes

@@ -264,6 +264,10 @@ class EngineConfig:
     # Decode-sized projections (<= 8 rows) on CUDA through the Triton skinny matmul instead of
     # cuBLAS (kernels/gemv.py). Off until measured on the device.
     skinny_gemv: bool = False
+    # Decode-sized steps on CUDA ask L2 for o_proj's weight beside RoPE and attention, and on
+    # the offloaded device path for the MoE rows beside the fill copy: side-stream prefetches
+    # while HBM idles (kernels/l2_prefetch.py, engine/l2_prefetcher.py). Off until measured.
+    l2_prefetch: bool = False
     # One-row decode steps on CUDA run each MoE router in one launch, the linear layer with the
     # softmax and top-k (kernels/triton/route.py), instead of cuBLAS's GEMV and the top-k
     # kernel (engine/layers/moe.py FUSED_ROUTER_ROWS). Measured on the H200 host (twenty-first

@@ -32,6 +32,7 @@ from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.radix import RadixCache
 from freetoken_agent.engine.kv.recurrence import build_recurrence, recurrent_device_bytes
+from freetoken_agent.engine.l2_prefetcher import use_l2_prefetch
 from freetoken_agent.engine.layers.linear import use_skinny_gemv
 from freetoken_agent.engine.layers.moe import ExpertBank, use_fused_router
 from freetoken_agent.engine.models.base import MoeCausalLM, use_fused_proj_norm
@@ -219,6 +220,8 @@ def assemble(
         use_fused_router(model)
     if config.fused_proj_norm:
         use_fused_proj_norm(model)
+    if config.l2_prefetch:
+        use_l2_prefetch(model, bank)
     dense = dense_nbytes(model)
     arena = getattr(getattr(bank, "cache", None), "arena", None)
     if arena is not None:  # elastic memory: the KV pool lives in the arena with the slots

@@ -19,8 +19,10 @@ import torch
 
 from freetoken_agent.engine.experts.cpu_share import CpuShare
 from freetoken_agent.engine.experts.step_paths import DEVICE_PATHS
+from freetoken_agent.engine.l2_prefetcher import MOE_ROW_FRACTION
 from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
 from freetoken_agent.kernels.fused_moe import fused_moe
+from freetoken_agent.kernels.l2_prefetch import prefetch_rows
 from freetoken_agent.kernels.reference_fills import LIVE_PAIRS
 
 if TYPE_CHECKING:
@@ -78,9 +80,13 @@ class DevicePath:
         post = share.post(hidden, weights) if shared else None
         rows = plan_fills(topk_ids, layer * bank.n_experts, cache.slot_of, fills.lid_of,
                           fills.stamp, fills.state, fills.moves, live_pairs, post)  # fmt: skip
+        if bank.l2 is not None:  # the rows' gate/up lines into L2 beside the fill copy
+            bank.l2.start(prefetch_rows, cache.w13, rows, MOE_ROW_FRACTION)
         box, add = (share.box, share.answer(hidden.shape[0])) if shared else (None, None)
         copy_fills(fills.state, fills.moves, pool.w13, pool.w2, cache.w13, cache.w2, box, add,
                    timeout_s=share.timeout_s if shared else 0.0)  # fmt: skip
+        if bank.l2 is not None:
+            bank.l2.join(hidden.device)
         # rows_settled: the plan wrote the rows, and the copy kernel runs between it and the
         # MoE kernels (FREETOKEN_PDL's `prefetch` may then read them early).
         return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,

@@ -45,6 +45,7 @@ from freetoken_agent.engine.experts.policy import (
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerStreamer
+from freetoken_agent.engine.l2_prefetcher import L2Prefetcher
 from freetoken_agent.kernels.cpu.experts import default_threads as cpu_kernel_threads
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
 
@@ -135,6 +136,7 @@ class OffloadedExpertBank(GraphDecode):
         self.device_path = DevicePath(self)
         self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
+        self.l2: L2Prefetcher | None = None  # EngineConfig.l2_prefetch (use_l2_prefetch)
         self._placed_after = -1  # static: cache.vacates when its layers were last made whole
         self.stream_min_tokens = stream_min_tokens
         buffers = 2 if double_buffer else 1

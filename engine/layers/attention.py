@@ -14,10 +14,12 @@ import torch
 from torch import nn
 
 from freetoken_agent.engine.config import ModelSpec
+from freetoken_agent.engine.l2_prefetcher import PREFETCH_ROWS, L2Prefetcher
 from freetoken_agent.engine.layers.linear import Linear, ShardedLinear
 from freetoken_agent.engine.layers.norm import RMSNorm
 from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.layers.rope import RotaryEmbedding
+from freetoken_agent.kernels.l2_prefetch import prefetch_tensor
 from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
 from freetoken_agent.kernels.rope import qk_norm_rope_store
 
@@ -92,6 +94,8 @@ class SelfAttention(nn.Module):
         # This layer's own counters for combining split-KV partials in the attention kernel
         # (kernels/triton/paged_attention.py new_counters; made at its first CUDA call).
         self._counters: torch.Tensor | None = None
+        # EngineConfig.l2_prefetch (use_l2_prefetch): the model's prefetcher, or None.
+        self.l2: L2Prefetcher | None = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(x, meta))
@@ -101,6 +105,9 @@ class SelfAttention(nn.Module):
         norm after it: kernels/proj_norm.py)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D], or [T, (2 Hq + 2 Hkv) * D] with a gate
+        prefetch = self.l2 is not None and t <= PREFETCH_ROWS
+        if prefetch:  # o_proj's weight into L2 beside RoPE and attention (EngineConfig.l2_prefetch)
+            self.l2.start(prefetch_tensor, self.o_proj.weight)
         gate = None
         if self.fused_qk:
             q = qk_norm_rope_store(
@@ -123,6 +130,8 @@ class SelfAttention(nn.Module):
         out = self._attend(q, meta).reshape(t, -1)  # [T, Hq * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
+        if prefetch:
+            self.l2.join(out.device)
         return out
 
     def _project_unfused(

@@ -52,6 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken_agent.kernels.triton.l2_prefetch import prefetch_lines
+
 # PDL's constexpr in a kernel: bit flags.
 WAIT, RELEASE, PREFETCH = 1, 2, 4
 LIGHT = 8  # not a kernel's: `launch` leaves the heavy kernels out
@@ -134,17 +136,8 @@ def enter(PDL: tl.constexpr):
 
 @triton.jit
 def prefetch_l2(ptrs, ok, base, PDL: tl.constexpr):
-    """With PREFETCH, ask L2 for the lines at `ptrs` (a tensor of addresses, one a line; lanes
-    where `ok` is false ask for `base`, a valid address) and keep them there (evict_last) until
-    the kernel reads them. A hint: nothing moves into registers, and a line no one reads again
-    ages out."""
+    """With PREFETCH, l2_prefetch.prefetch_lines: ask L2 for the lines at `ptrs` (one address a
+    line; lanes where `ok` is false ask for `base`, a valid address) until the kernel reads
+    them. A hint: nothing moves into registers, and a line no one reads again ages out."""
     if PDL & 4:  # PREFETCH
-        safe = tl.where(ok, ptrs, base)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;",
-            "=r,l",
-            [safe],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        prefetch_lines(ptrs, ok, base)

@@ -1,37 +1,49 @@
-"""bench offload's --pdl: each measurement runs under its FREETOKEN_PDL value, with the decode
-graphs captured again under it (a graph keeps the launches it was captured with)."""
+"""bench offload's --pdl and --l2: each measurement runs under its FREETOKEN_PDL value and
+l2_prefetch setting, with the decode graphs captured again under them (a graph keeps the
+launches it was captured with)."""
 
 from __future__ import annotations
 
 import random
 from types import SimpleNamespace
 
-from freetoken_agent.bench.offload import pdl_variant
+from freetoken_agent.bench.kernel_variants import kernel_variant
 from freetoken_agent.kernels.triton import pdl
 
 
 class _Engine:
     def __init__(self, graphs):
         self.runner = SimpleNamespace(graphs=graphs)
-        self.captured: list[int] = []  # the PDL flags each capture ran under
+        self.loaded = SimpleNamespace(model=SimpleNamespace(modules=lambda: []),
+                                      bank=SimpleNamespace(l2="unset"))  # fmt: skip
+        self.captured: list[tuple[int, object]] = []  # (PDL flags, the bank's prefetcher)
 
     def capture_graphs(self):
-        self.captured.append(pdl.requested())
+        self.captured.append((pdl.requested(), self.loaded.bank.l2))
 
 
-def test_each_word_captures_under_itself_and_measures_under_itself(monkeypatch, rng_seed):
+def test_each_variant_captures_under_itself_and_measures_under_itself(monkeypatch, rng_seed):
     monkeypatch.delenv("FREETOKEN_PDL", raising=False)
-    words = random.Random(rng_seed).sample(["on", "exit", "light", "prefetch", "off"], 3)
+    rng = random.Random(rng_seed)
+    cases = [(w, rng.choice([None, False, True]))
+             for w in rng.sample(["on", "exit", "light", "prefetch", "off"], 3)]  # fmt: skip
     engine = _Engine(graphs=object())
-    for word in words:
-        with pdl_variant(engine, word):
+    for word, l2 in cases:
+        with kernel_variant(engine, word, l2):
             assert pdl.requested() == pdl.flags(word)  # the measurement's eager launches
         assert pdl.requested() == 0  # back to the environment's
-    assert engine.captured == [pdl.flags(w) for w in words]
-    with pdl_variant(engine, None):  # no --pdl: the environment's value, no capture
-        assert pdl.requested() == 0
-    assert len(engine.captured) == len(words)
-    uncaptured = _Engine(graphs=None)  # eager engine: nothing to capture
-    with pdl_variant(uncaptured, words[0]):
-        assert pdl.requested() == pdl.flags(words[0])
+    for (word, l2), (flags, prefetcher) in zip(cases, engine.captured, strict=True):
+        assert flags == pdl.flags(word)
+        if l2 is not None:  # set before the capture: on gives a prefetcher, off none
+            assert (prefetcher is not None and prefetcher != "unset") == l2
+    monkeypatch.setenv("FREETOKEN_PDL", "exit")
+    with kernel_variant(engine, None, True):  # l2 alone: PDL as the environment says
+        assert pdl.requested() == pdl.WAIT
+    assert len(engine.captured) == len(cases) + 1
+    with kernel_variant(engine, None, None):  # neither: as loaded, no capture
+        pass
+    assert len(engine.captured) == len(cases) + 1
+    uncaptured = _Engine(graphs=None)  # an eager engine: nothing to capture
+    with kernel_variant(uncaptured, cases[0][0], None):
+        assert pdl.requested() == pdl.flags(cases[0][0])
     assert uncaptured.captured == []
