@@ -53,7 +53,8 @@
 #         and 4 under native, Zipf and uniform routing; the peer slice ~4 min, 48 layers ~8 min)
 #         tests-kernels tests-engine (every GPU test in two runs of under 10 minutes)
 #         pdl (programmatic dependent launch: its GPU tests, then bench fusions' variants, ~6 min)
-#         pdl-offload (48 layers / 32 GB, gpu-fill under each FREETOKEN_PDL value, ~4 min)
+#         pdl-offload (48 layers / 32 GB, gpu-fill under each FREETOKEN_PDL value and
+#         EngineConfig.l2_prefetch off and on, ~6 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -77,12 +78,14 @@ for stage in "$@"; do
         2>&1 | tee "$OUT/pdl_tests.log" | tail -15
       timeout 330 python3 -m freetoken_agent.bench fusions --layers 48 --variants both both+pdl \
         both+pdl-exit both+pdl-light both+pdl-prefetch both+skinny both+skinny+pdl-prefetch \
+        both+l2 \
         --rounds 2 \
         --out "$OUT" 2>&1 | tee "$OUT/pdl_fusions.log" | grep "|b" | cut -c1-200 ;;
-    pdl-offload)  # 48 layers / 32 GB, gpu-fill under each PDL variant, native and Zipf (~4 min)
-      timeout 420 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
-        --rounds 1 --regimes native zipf:1.0,loc:0.7 --policies gpu-fill \
-        --pdl off on exit light prefetch --out "$OUT" 2>&1 | tee "$OUT/pdl_offload_48.log" \
+    pdl-offload)  # 48 layers / 32 GB native, gpu-fill under PDL variants x L2 prefetch (~5 min)
+      timeout 480 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
+        --rounds 1 --regimes native --policies gpu-fill \
+        --pdl off on light prefetch --l2 off on --out "$OUT" 2>&1 \
+        | tee "$OUT/pdl_offload_48.log" \
         | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
     tests-kernels)
       timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/kernels tests/bench \

@@ -62,3 +62,22 @@ def test_pdl_changes_no_bit(policy, dtype, word, skinny, tmp_path, rng_seed):
     if policy == "adaptive":  # where the CPU ran a miss is timing: tokens only (its own tests)
         return
     assert torch.equal(on[2], off[2]), (on[2] - off[2]).abs().max()
+
+
+@pytest.mark.parametrize("policy", ["resident", "gpu-fill"])
+def test_l2_prefetch_changes_no_bit(policy, tmp_path, rng_seed):
+    """EngineConfig.l2_prefetch's side-stream prefetches (o_proj; the device path's MoE rows),
+    forked and joined inside the captured graphs: the same tokens and logits, bit for bit."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, dtype=torch.bfloat16, num_experts=16,
+              num_experts_per_tok=4)  # fmt: skip
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(1, 12))],
+               [rng.randrange(3, 320) for _ in range(rng.randint(30, 90))]]  # fmt: skip
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    load = {"policy": policy}
+    if policy != "resident":
+        load["expert_slots"] = rng.randint(12, 30)
+    off = _run(tmp_path, "off", prompts, sp, **load)
+    on = _run(tmp_path, "off", prompts, sp, l2_prefetch=True, **load)
+    assert on[0] == off[0] and on[1] == off[1], policy
+    assert torch.equal(on[2], off[2]), (on[2] - off[2]).abs().max()
