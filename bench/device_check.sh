@@ -52,7 +52,8 @@
 #         acceptance-peer acceptance-48 (issue 3's tables: adaptive, transfer and gpu-fill at b=1
 #         and 4 under native, Zipf and uniform routing; the peer slice ~4 min, 48 layers ~8 min)
 #         tests-kernels tests-engine (every GPU test in two runs of under 10 minutes)
-#         pdl (programmatic dependent launch: its GPU tests, then bench fusions' variants, ~6 min)
+#         pdl-tests (PDL's and L2 prefetch's GPU tests, ~5 min), pdl (bench fusions' variants:
+#         PDL, skinny matmul, L2 prefetch, ~4 min)
 #         pdl-offload (48 layers / 32 GB, gpu-fill under each FREETOKEN_PDL value and
 #         EngineConfig.l2_prefetch off and on, ~6 min)
 # Logs and JSON land in $OUT (or ./.out).
@@ -73,10 +74,11 @@ for stage in "$@"; do
       timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/integrations \
         tests/ 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -40 ;;
-    pdl)  # programmatic dependent launch: its GPU tests, then bench fusions with and without (~6 min)
-      timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_pdl_gpu.py \
-        2>&1 | tee "$OUT/pdl_tests.log" | tail -15
-      timeout 330 python3 -m freetoken_agent.bench fusions --layers 48 --variants both both+pdl \
+    pdl-tests)  # PDL's and L2 prefetch's GPU tests: each variant against off, bit for bit (~5 min)
+      timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_pdl_gpu.py \
+        2>&1 | tee "$OUT/pdl_tests.log" | tail -15 ;;
+    pdl)  # bench fusions at 48 layers: PDL's variants, the skinny matmul, L2 prefetch (~4 min)
+      timeout 560 python3 -m freetoken_agent.bench fusions --layers 48 --variants both both+pdl \
         both+pdl-exit both+pdl-light both+pdl-prefetch both+skinny both+skinny+pdl-prefetch \
         both+l2 \
         --rounds 2 \
