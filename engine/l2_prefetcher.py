@@ -23,8 +23,10 @@ MOE_ROW_FRACTION = 0.5  # of each MoE row's w13 (gate, then up): ~25 MB a layer 
 
 
 class L2Prefetcher:
-    def __init__(self) -> None:
-        self._side: torch.cuda.Stream | None = None
+    def __init__(self, device: torch.device) -> None:
+        # Made here, not at the first fork: that may come inside a graph capture, where
+        # creating a stream is not allowed.
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._open = False  # a fork not yet joined
 
     def start(self, prefetch: Callable[..., None], tensor: torch.Tensor, *args) -> None:
@@ -32,10 +34,8 @@ class L2Prefetcher:
         if not tensor.is_cuda:
             prefetch(tensor, *args)
             return
-        main = torch.cuda.current_stream(tensor.device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(tensor.device)
-        self._side.wait_stream(main)
+        assert self._side is not None, "an L2Prefetcher made for the CPU got CUDA tensors"
+        self._side.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(self._side):
             prefetch(tensor, *args)
         self._open = True
@@ -53,7 +53,8 @@ def use_l2_prefetch(model: torch.nn.Module, bank: object, on: bool = True) -> No
     False: none; captured graphs keep what they were captured with)."""
     from freetoken_agent.engine.layers.attention import SelfAttention
 
-    prefetcher = L2Prefetcher() if on else None
+    device = next(model.parameters()).device
+    prefetcher = L2Prefetcher(device) if on else None
     for m in model.modules():
         if isinstance(m, SelfAttention):
             m.l2 = prefetcher
