@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import torch
+
 from freetoken_agent.bench.kernel_variants import kernel_variant
 from freetoken_agent.kernels.triton import pdl
 
@@ -14,8 +16,8 @@ from freetoken_agent.kernels.triton import pdl
 class _Engine:
     def __init__(self, graphs):
         self.runner = SimpleNamespace(graphs=graphs)
-        self.loaded = SimpleNamespace(model=SimpleNamespace(modules=lambda: []),
-                                      bank=SimpleNamespace(l2="unset"))  # fmt: skip
+        model = SimpleNamespace(modules=lambda: [], parameters=lambda: iter([torch.zeros(1)]))
+        self.loaded = SimpleNamespace(model=model, bank=SimpleNamespace(l2="unset"))
         self.captured: list[tuple[int, object]] = []  # (PDL flags, the bank's prefetcher)
 
     def capture_graphs(self):
