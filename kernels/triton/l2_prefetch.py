@@ -1,6 +1,10 @@
-"""Ask L2 for bytes ahead of the kernel that reads them: `prefetch.global.L2::evict_last`, one
-instruction a 128-byte line, nothing loaded into registers (dispatcher and why:
-kernels/l2_prefetch.py).
+"""Ask L2 for bytes ahead of the kernel that reads them: `prefetch.global.L2`, one instruction a
+128-byte line, nothing loaded into registers (dispatcher and why: kernels/l2_prefetch.py).
+
+Normal eviction priority, not evict_last: the lines are read within microseconds, by the next
+weight-streaming kernel, while the kernels between read little (attention over a short context,
+the fill copy's few experts); lines marked evict_last would stay after that read, a step's
+worth of them (~40 MB a layer) crowding the L2 for everything after.
 
 Grid (chunks, rows): program (c, r) asks for lines c * LINES .. (c + 1) * LINES - 1 of row r's
 first `row_bytes` bytes, where row r starts at base + rows[r] * row_stride bytes (with ROWS; a
@@ -22,10 +26,10 @@ LINES = 256  # lines a program asks for: 32 KB
 @triton.jit
 def prefetch_lines(ptrs, ok, base):
     """The L2 prefetch of the lines at `ptrs` (a tensor of addresses, one a line; lanes where
-    `ok` is false ask for `base`), kept there (evict_last) for the kernel that reads them."""
+    `ok` is false ask for `base`), for the kernel that reads them next."""
     safe = tl.where(ok, ptrs, base)
     tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;",
+        "prefetch.global.L2 [$1];\n mov.u32 $0, 0;",
         "=r,l",
         [safe],
         dtype=tl.int32,

@@ -22,8 +22,8 @@ Variants (FREETOKEN_PDL, a comma list; off by default until measured on the devi
 - `exit`: wait, no explicit release; the next kernel launches as this one's programs exit:
   separates the early launch's cost from the wait's.
 - `prefetch` (with `on` or `exit`): before its wait, a kernel whose weights no kernel in flight
-  writes asks L2 for its own lines of them (`prefetch_l2`), so they stream in while the kernel
-  before it runs: the skinny matmuls and o_proj + norm (their weights are the model's), and
+  writes asks L2 for its own lines of them (`prefetch_l2`: `prefetch.global.L2`), so they
+  stream in while the kernel before it runs: the skinny matmuls and o_proj + norm (their weights are the model's), and
   MoE gate/up on the device path (its rows are the fill plan's, two kernels back: the plan
   completed before the copy kernel's wait returned, so before gate/up's programs started; the
   rows are read past L1, `.cg`, and the copy kernel's writes to a filled slot reach the lines

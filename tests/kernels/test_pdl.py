@@ -232,10 +232,10 @@ def test_sm90_code_keeps_the_order():
     assert ptx["norm1"].index("griddepcontrol.wait") < ptx["norm1"].index("ld.global")
     assert "prefetch" not in ptx["gemv3"]
     fetch = ptx["gemv7"]
-    assert fetch.index("prefetch.global.L2::evict_last") < fetch.index("griddepcontrol.wait")
+    assert fetch.index("prefetch.global.L2 ") < fetch.index("griddepcontrol.wait")
     assert fetch.index("griddepcontrol.wait") < fetch.index("ld.global")
     # gate/up: before its wait one load of its pair's row, past L1, then the prefetches.
     up = ptx["up7"]
     before = up[: up.index("griddepcontrol.wait")]
     assert re.findall(r"ld\.global[.\w]*", before) == ["ld.global.cg.b64"]
-    assert before.index("ld.global.cg") < before.index("prefetch.global.L2::evict_last")
+    assert before.index("ld.global.cg") < before.index("prefetch.global.L2 ")
