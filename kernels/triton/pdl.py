@@ -23,12 +23,12 @@ Variants (FREETOKEN_PDL, a comma list; off by default until measured on the devi
   separates the early launch's cost from the wait's.
 - `prefetch` (with `on` or `exit`): before its wait, a kernel whose weights no kernel in flight
   writes asks L2 for its own lines of them (`prefetch_l2`: `prefetch.global.L2`), so they
-  stream in while the kernel before it runs: the skinny matmuls and o_proj + norm (their weights are the model's), and
-  MoE gate/up on the device path (its rows are the fill plan's, two kernels back: the plan
-  completed before the copy kernel's wait returned, so before gate/up's programs started; the
-  rows are read past L1, `.cg`, and the copy kernel's writes to a filled slot reach the lines
-  in L2 after the prefetch as before it). A prefetch moves no data into the kernel:
-  correctness never depends on it.
+  stream in while the kernel before it runs: the skinny matmuls and o_proj + norm (their
+  weights are the model's), and MoE gate/up on the device path (its rows are the fill plan's,
+  two kernels back: the plan completed before the copy kernel's wait returned, so before
+  gate/up's programs started; the rows are read past L1, `.cg`, and the copy kernel's writes
+  to a filled slot reach the lines in L2 after the prefetch as before it). A prefetch moves no
+  data into the kernel: correctness never depends on it.
 - `light`: `on` for the small kernels only; the weight-streaming ones (MoE gate/up and down, the
   skinny matmul, o_proj + norm) launch as without PDL. An early launch places a grid's programs
   on the SMs that have room while the kernel before it still runs, which for a one-wave kernel
