@@ -26,3 +26,20 @@ def kernel_variant(engine, word: str | None, l2: bool | None) -> Iterator[None]:
         if engine.runner.graphs is not None:
             engine.capture_graphs()
         yield
+
+
+def measured_variants(
+    policies: list[str], words: list[str] | None, l2: list[str] | None
+) -> list[tuple[str, str, str | None, bool | None]]:
+    """(row name, policy, FREETOKEN_PDL word or None, l2_prefetch or None) for every policy
+    under every word and l2 setting given; a row is named by its policy, then `@word` when
+    several words were given and `+l2` for l2 on when both settings were."""
+    word_list = words or [None]
+    l2_list = [x == "on" for x in l2] if l2 else [None]
+    return [
+        (p + (f"@{w}" if len(word_list) > 1 else "") + ("+l2" if on and len(l2_list) > 1 else ""),
+         p, w, on)
+        for p in policies
+        for w in word_list
+        for on in l2_list
+    ]  # fmt: skip

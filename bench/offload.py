@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from freetoken_agent.bench.kernel_variants import kernel_variant
+from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
 from freetoken_agent.bench.limits import (
     hbm_copy_bandwidth,
     host_paths,
@@ -327,13 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(report, indent=1))
 
     model = engine.loaded.model
-    words, l2s = args.pdl or [None], [x == "on" for x in args.l2] if args.l2 else [None]
-    variants = [
-        (p + (f"@{w}" if len(words) > 1 else "") + ("+l2" if l2 and len(l2s) > 1 else ""), p, w, l2)
-        for p in args.policies
-        for w in words
-        for l2 in l2s
-    ]
+    variants = measured_variants(args.policies, args.pdl, args.l2)
     for regime_name in () if args.skip_decode else args.regimes:
         if regime_name == "native":
             model.set_expert_bank(bank)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from freetoken_agent.bench.kernel_variants import kernel_variant
+from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
 from freetoken_agent.kernels.triton import pdl
 
 
@@ -49,3 +49,17 @@ def test_each_variant_captures_under_itself_and_measures_under_itself(monkeypatc
     with kernel_variant(uncaptured, cases[0][0], None):
         assert pdl.requested() == pdl.flags(cases[0][0])
     assert uncaptured.captured == []
+
+
+def test_rows_are_named_by_what_varies(rng_seed):
+    rng = random.Random(rng_seed)
+    policies = rng.sample(["adaptive", "transfer", "gpu-fill"], rng.randint(1, 3))
+    assert measured_variants(policies, None, None) == [(p, p, None, None) for p in policies]
+    rows = measured_variants(policies, ["off", "light"], ["off", "on"])
+    assert len(rows) == 4 * len(policies) and len({name for name, *_ in rows}) == len(rows)
+    for name, policy, word, l2 in rows:
+        assert name == f"{policy}@{word}" + ("+l2" if l2 else "")
+    # one value given: applied, and the row keeps the policy's name
+    assert measured_variants(policies, ["prefetch"], ["on"]) == [
+        (p, p, "prefetch", True) for p in policies
+    ]
