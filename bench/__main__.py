@@ -29,6 +29,8 @@
                       each policy replays (CUDA)
     fusions           the decode step's fused kernels (router, o_proj + norm) on and off in
                       one all-resident engine, beside the HBM limit (CUDA)
+    cache-policies    expert cache replacement policies replayed on routing traces: LRU's
+                      miss rate beside frequency-aware ones and the offline optimum (any CPU)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -57,6 +59,7 @@ BENCHES = {
     "worker-teams": "freetoken_agent.bench.worker_teams",
     "step-kernels": "freetoken_agent.bench.step_kernels",
     "fusions": "freetoken_agent.bench.fusions",
+    "cache-policies": "freetoken_agent.bench.cache_policies",
 }
 
 

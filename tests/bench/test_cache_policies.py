@@ -1,0 +1,68 @@
+"""bench cache-policies: the replayed policies on random traces. Belady is the optimum (an
+exhaustive search agrees on small traces, and no policy misses less), every policy misses only
+compulsorily when the cache holds every expert, pinned experts never miss, and LRU with one
+slot misses at every change of expert."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+
+from freetoken_agent.bench import cache_policies as cp
+
+
+def _optimal_misses(lids: list[int], slots: int) -> int:
+    """Exhaustive: the fewest misses over every choice of victim."""
+
+    @functools.cache
+    def best(i: int, cache: frozenset) -> int:
+        if i == len(lids):
+            return 0
+        if lids[i] in cache:
+            return best(i + 1, cache)
+        if len(cache) < slots:
+            return 1 + best(i + 1, cache | {lids[i]})
+        return 1 + min(best(i + 1, (cache - {v}) | {lids[i]}) for v in cache)
+
+    return best(0, frozenset())
+
+
+def test_belady_is_the_optimum(rng_seed):
+    rng = random.Random(rng_seed)
+    for _ in range(30):
+        n, distinct, slots = rng.randint(1, 12), rng.randint(1, 6), rng.randint(1, 4)
+        lids = [rng.randrange(distinct) for _ in range(n)]
+        assert round(cp.belady(lids, slots, 0) * n) == _optimal_misses(lids, slots), lids
+
+
+def test_no_policy_beats_belady_and_all_agree_when_everything_fits(rng_seed):
+    rng = random.Random(rng_seed)
+    lids = [rng.randrange(60) if rng.random() < 0.5 else rng.randrange(8) for _ in range(3000)]
+    first = rng.randrange(0, 1000)
+    for slots in (rng.randint(4, 40), 60):
+        bound = cp.belady(lids, slots, first)
+        rates = [cp.lru(lids, slots, first), cp.w_tinylfu(lids, slots, first, halve_every=500)]
+        assert all(rate >= bound for rate in rates), (slots, bound, rates)
+    compulsory = len({x for i, x in enumerate(lids) if i >= first and x not in lids[:i]})
+    rate = compulsory / (len(lids) - first)
+    assert cp.lru(lids, 60, first) == cp.belady(lids, 60, first) == rate
+
+
+def test_lru_edges(rng_seed):
+    rng = random.Random(rng_seed)
+    lids = [rng.randrange(5) for _ in range(200)]
+    changes = sum(1 for i in range(len(lids)) if i == 0 or lids[i] != lids[i - 1])
+    assert cp.lru(lids, 1, 0) == changes / len(lids)
+    assert cp.lru(lids, 2, 0, pinned=frozenset(range(5))) == 0.0  # every expert pinned
+
+
+def test_the_bench_writes_its_rows(tmp_path, rng_seed):
+    seed = random.Random(rng_seed).randrange(1000)
+    args = ["--layers", "3", "--experts", "16", "--top-k", "2", "--slots", "20",
+            "--tokens", "120", "--warm", "20", "--pinned", "4", "--seed", str(seed),
+            "--out", str(tmp_path)]  # fmt: skip
+    assert cp.main(args) == 0
+    rows = json.loads((tmp_path / "cache_policies_3l.json").read_text())["miss_rate"]
+    assert set(rows) == {"lru", "w-tinylfu", "pinned-4", "belady"}
+    assert all(rows["belady"] <= rate <= 1.0 for rate in rows.values())
