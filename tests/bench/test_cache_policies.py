@@ -66,3 +66,21 @@ def test_the_bench_writes_its_rows(tmp_path, rng_seed):
     rows = json.loads((tmp_path / "cache_policies_3l.json").read_text())["miss_rate"]
     assert set(rows) == {"lru", "w-tinylfu", "pinned-4", "belady"}
     assert all(rows["belady"] <= rate <= 1.0 for rate in rows.values())
+
+
+def test_w_tinylfu_keeps_hot_experts_through_a_scan(rng_seed):
+    """A few hot experts between runs of ones used once: LRU loses the hot ones to each run;
+    W-TinyLFU's admission keeps them (a once-used expert never outranks a hot one), so after
+    the warm-up it misses only the once-used experts."""
+    rng = random.Random(rng_seed)
+    hot, slots = rng.randint(2, 5), rng.randint(8, 12)
+    lids, fresh = [], 1000
+    for _ in range(300):
+        lids += [rng.randrange(hot)]
+        for _ in range(rng.randint(slots, 2 * slots)):  # a run longer than the cache
+            lids.append(fresh)
+            fresh += 1
+    first = len(lids) // 3
+    once = sum(1 for x in lids[first:] if x >= 1000)
+    assert cp.w_tinylfu(lids, slots, first) == once / (len(lids) - first)
+    assert cp.lru(lids, slots, first) > once / (len(lids) - first)
