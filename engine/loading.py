@@ -41,6 +41,7 @@ from freetoken_agent.engine.request import Recurrence
 from freetoken_agent.engine.text.tokenizer import Tokenizer
 from freetoken_agent.engine.weights import ftw
 from freetoken_agent.engine.weights.loader import load_safetensors
+from freetoken_agent.kernels import pdl_switch
 
 log = logging.getLogger("freetoken.load")
 
@@ -214,6 +215,7 @@ def assemble(
 ) -> LoadedModel:
     """Size the KV pool around loaded weights and bundle the parts (also used by benchmarks
     that fill the weights themselves)."""
+    pdl_switch.requested()  # a misspelt FREETOKEN_PDL fails here, not at the first CUDA step
     if config.skinny_gemv:
         use_skinny_gemv(model)
     if config.fused_router:

@@ -37,64 +37,30 @@ The rule in full, then: before `enter`, no store, no atomic, no return, and no l
 a kernel still in flight may write (the kernel just before, or one it waits for); index
 arithmetic, `prefetch_l2` and gate/up's `.cg` read of rows settled two kernels back may.
 
-`override` sets the switch for benches and tests. A captured CUDA graph keeps the launches it was
-captured with.
+The switch (FREETOKEN_PDL's words, `override` for benches and tests) is kernels/pdl_switch.py,
+which needs no Triton: an engine checks the variable when it loads. A captured CUDA graph keeps
+the launches it was captured with.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import triton
 import triton.language as tl
 
+from freetoken_agent.kernels.pdl_switch import (  # noqa: F401 - the switch, re-exported
+    LIGHT,
+    PREFETCH,
+    RELEASE,
+    WAIT,
+    flags,
+    override,
+    requested,
+)
 from freetoken_agent.kernels.triton.l2_prefetch import prefetch_lines
-
-# PDL's constexpr in a kernel: bit flags.
-WAIT, RELEASE, PREFETCH = 1, 2, 4
-LIGHT = 8  # not a kernel's: `launch` leaves the heavy kernels out
-_WORDS = {"0": 0, "off": 0, "1": WAIT | RELEASE, "on": WAIT | RELEASE, "exit": WAIT,
-          "prefetch": PREFETCH, "light": WAIT | RELEASE | LIGHT}  # fmt: skip
-
-_override: str | None = None
-
-
-def flags(value: str) -> int:
-    """FREETOKEN_PDL's value as the kernels' PDL flags: 0 (off), or WAIT with RELEASE and/or
-    PREFETCH. `prefetch` alone means `on,prefetch`."""
-    words = [w.strip() for w in value.lower().replace("+", ",").split(",") if w.strip()]
-    unknown = [w for w in words if w not in _WORDS]
-    if unknown:
-        raise ValueError(f"FREETOKEN_PDL: unknown {unknown}; say a list of {sorted(_WORDS)}")
-    bits = 0
-    for w in words:
-        bits |= _WORDS[w]
-    if bits & PREFETCH and not bits & WAIT:
-        bits |= WAIT | RELEASE
-    return bits
-
-
-def requested() -> int:
-    """The switch's flags: `override`'s value inside it, else FREETOKEN_PDL's (default off)."""
-    return flags(_override if _override is not None else os.environ.get("FREETOKEN_PDL", "0"))
-
-
-@contextmanager
-def override(value: bool | str) -> Iterator[None]:
-    """The switch inside the block, whatever the env says: True / False (`on` / off), or a
-    FREETOKEN_PDL value."""
-    global _override
-    word = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-    flags(word)  # a bad value fails here, not at a launch
-    before, _override = _override, word
-    try:
-        yield
-    finally:
-        _override = before
 
 
 def supported(device: torch.device) -> bool:
