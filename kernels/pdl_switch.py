@@ -32,18 +32,22 @@ def flags(value: str) -> int:
     return bits
 
 
+def _env_word() -> str:
+    return os.environ.get("FREETOKEN_PDL", "0")  # off by default
+
+
 def requested() -> int:
-    """The switch's flags: `override`'s value inside it, else FREETOKEN_PDL's (default off)."""
-    return flags(_override if _override is not None else os.environ.get("FREETOKEN_PDL", "0"))
+    """The switch's flags: `override`'s value inside it, else FREETOKEN_PDL's."""
+    return flags(_override if _override is not None else _env_word())
 
 
 @contextmanager
-def override(value: bool | str) -> Iterator[None]:
+def override(value: bool | str | None) -> Iterator[None]:
     """The switch inside the block, whatever the env says: True / False (`on` / off), or a
-    FREETOKEN_PDL value."""
+    FREETOKEN_PDL value; None: the environment's value."""
     global _override
     word = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-    flags(word)  # a bad value fails here, not at a launch
+    flags(word if word is not None else _env_word())  # a bad value fails here, not at a launch
     before, _override = _override, word
     try:
         yield
