@@ -24,7 +24,8 @@ import triton.language as tl
 from torch import Tensor
 
 from freetoken_agent.kernels.gemv import MAX_M  # rows a call takes (padded to 16 in the dot)
-from freetoken_agent.kernels.triton.pdl import enter, prefetch_l2
+from freetoken_agent.kernels.triton.l2_prefetch import prefetch_lines
+from freetoken_agent.kernels.triton.pdl import enter
 from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 SM_TARGET = 264  # programs to aim for: two waves of the H200's 132 SMs
@@ -63,15 +64,16 @@ def _gemv_kernel(
 
 @triton.jit
 def _prefetch_tile(w_ptr, offs_n, n_ok, k_lo, k_hi, stride_wn, PDL: tl.constexpr):
-    """pdl.prefetch_l2 of the lines of W a program reads (rows offs_n, columns [k_lo, k_hi)),
-    eight lines a row a step; with PDL's PREFETCH only (also kernels/triton/proj_norm.py's)."""
+    """The L2 prefetch (l2_prefetch.prefetch_lines) of the lines of W a program reads (rows
+    offs_n, columns [k_lo, k_hi)), eight lines a row a step; with PDL's PREFETCH only (also
+    kernels/triton/proj_norm.py's)."""
     if PDL & 4:  # PREFETCH
         line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         for k0 in range(k_lo, k_hi, 8 * line):
             offs_k = k0 + tl.arange(0, 8) * line
             ok = n_ok[:, None] & (offs_k < k_hi)[None, :]
-            prefetch_l2(w_rows + offs_k[None, :], ok, w_ptr, PDL)
+            prefetch_lines(w_rows + offs_k[None, :], ok, w_ptr)
 
 
 @triton.jit

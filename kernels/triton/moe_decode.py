@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from freetoken_agent.kernels.reference import check_add
+from freetoken_agent.kernels.triton.l2_prefetch import prefetch_lines
 from freetoken_agent.kernels.triton.moe_common import (
     DECODE_MAX_PAIRS,
     DECODE_TILES,
@@ -18,7 +19,7 @@ from freetoken_agent.kernels.triton.moe_common import (
     _sum_over_k_kernel,
     _tiles,
 )
-from freetoken_agent.kernels.triton.pdl import enter, prefetch_l2
+from freetoken_agent.kernels.triton.pdl import enter
 from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 
@@ -66,7 +67,7 @@ def _row_ptr(bank_ptr, stride, host_ptr, host_stride, row, HOST: tl.constexpr):
 def _prefetch_rows(ids_ptr, p, i0, w13_ptr, stride13, H, I, BLOCK_I: tl.constexpr,  # noqa: E741
                    PDL: tl.constexpr):  # fmt: skip
     """With PREFETCH (launched so only where the rows are the fill plan's, two kernels back:
-    pdl.py), pdl.prefetch_l2 of the gate and up lines of pair p's slot row for outputs
+    pdl.py), l2_prefetch.prefetch_lines of the gate and up lines of pair p's slot row for outputs
     i0 .. i0 + BLOCK_I - 1; eight lines an output row a step. A host row or a skip: nothing."""
     if PDL & 4:  # PREFETCH
         row = tl.load(ids_ptr + p, cache_modifier=".cg")  # past L1: another kernel wrote it
@@ -77,8 +78,8 @@ def _prefetch_rows(ids_ptr, p, i0, w13_ptr, stride13, H, I, BLOCK_I: tl.constexp
             for h0 in range(0, H, 8 * line):
                 offs_h = h0 + tl.arange(0, 8) * line
                 ok = (offs_i < I)[:, None] & (offs_h < H)[None, :]
-                prefetch_l2(gate + offs_h[None, :], ok, w13_ptr, PDL)
-                prefetch_l2(gate + I * H + offs_h[None, :], ok, w13_ptr, PDL)  # the up rows
+                prefetch_lines(gate + offs_h[None, :], ok, w13_ptr)
+                prefetch_lines(gate + I * H + offs_h[None, :], ok, w13_ptr)  # the up rows
 
 
 @triton.jit

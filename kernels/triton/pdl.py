@@ -22,7 +22,7 @@ Variants (FREETOKEN_PDL, a comma list; off by default until measured on the devi
 - `exit`: wait, no explicit release; the next kernel launches as this one's programs exit:
   separates the early launch's cost from the wait's.
 - `prefetch` (with `on` or `exit`): before its wait, a kernel whose weights no kernel in flight
-  writes asks L2 for its own lines of them (`prefetch_l2`: `prefetch.global.L2`), so they
+  writes asks L2 for its own lines of them (l2_prefetch.py's `prefetch_lines`), so they
   stream in while the kernel before it runs: the skinny matmuls and o_proj + norm (their
   weights are the model's), and MoE gate/up on the device path (its rows are the fill plan's,
   two kernels back: the plan completed before the copy kernel's wait returned, so before
@@ -35,7 +35,7 @@ Variants (FREETOKEN_PDL, a comma list; off by default until measured on the devi
   can mean fewer SMs streaming its weights: one explanation of `on`'s loss at b=1.
 The rule in full, then: before `enter`, no store, no atomic, no return, and no load of anything
 a kernel still in flight may write (the kernel just before, or one it waits for); index
-arithmetic, `prefetch_l2` and gate/up's `.cg` read of rows settled two kernels back may.
+arithmetic, `prefetch_lines` and gate/up's `.cg` read of rows settled two kernels back may.
 
 The switch (FREETOKEN_PDL's words, `override` for benches and tests) is kernels/pdl_switch.py,
 which needs no Triton: an engine checks the variable when it loads. A captured CUDA graph keeps
@@ -60,7 +60,6 @@ from freetoken_agent.kernels.pdl_switch import (  # noqa: F401 - the switch, re-
     override,
     requested,
 )
-from freetoken_agent.kernels.triton.l2_prefetch import prefetch_lines
 
 
 def supported(device: torch.device) -> bool:
@@ -98,12 +97,3 @@ def enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
     if PDL & 2:  # RELEASE
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, ok, base, PDL: tl.constexpr):
-    """With PREFETCH, l2_prefetch.prefetch_lines: ask L2 for the lines at `ptrs` (one address a
-    line; lanes where `ok` is false ask for `base`, a valid address) until the kernel reads
-    them. A hint: nothing moves into registers, and a line no one reads again ages out."""
-    if PDL & 4:  # PREFETCH
-        prefetch_lines(ptrs, ok, base)
