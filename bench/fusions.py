@@ -57,7 +57,7 @@ def set_variant(engine, name: str) -> None:
     use_fused_router(engine.loaded.model, router)
     use_fused_proj_norm(engine.loaded.model, proj_norm)
     use_skinny_gemv(engine.loaded.model, skinny)
-    use_l2_prefetch(engine.loaded.model, engine.loaded.bank, l2)
+    use_l2_prefetch(engine.loaded.model, engine.loaded.bank, engine.loaded.device, l2)
     engine.capture_graphs()
 
 

@@ -21,7 +21,7 @@ def kernel_variant(engine, word: str | None, l2: bool | None) -> Iterator[None]:
         return
     with pdl_switch.override(word):
         if l2 is not None:
-            use_l2_prefetch(engine.loaded.model, engine.loaded.bank, l2)
+            use_l2_prefetch(engine.loaded.model, engine.loaded.bank, engine.loaded.device, l2)
         if engine.runner.graphs is not None:
             engine.capture_graphs()
         yield

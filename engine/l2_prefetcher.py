@@ -47,13 +47,16 @@ class L2Prefetcher:
             self._open = False
 
 
-def use_l2_prefetch(model: torch.nn.Module, bank: object, on: bool = True) -> None:
+def use_l2_prefetch(
+    model: torch.nn.Module, bank: object, device: torch.device, on: bool = True
+) -> None:
     """EngineConfig.l2_prefetch: every attention layer prefetches its o_proj weight, and an
-    offloaded bank's device path its MoE rows, through one prefetcher of the model (`on`
-    False: none; captured graphs keep what they were captured with)."""
+    offloaded bank's device path its MoE rows, through one prefetcher of the model on `device`
+    (`on` False: none; captured graphs keep what they were captured with). The device is
+    given, not read off the model's first parameter: an offloaded model's embedding table
+    may live in host memory."""
     from freetoken_agent.engine.layers.attention import SelfAttention
 
-    device = next(model.parameters()).device
     prefetcher = L2Prefetcher(device) if on else None
     for m in model.modules():
         if isinstance(m, SelfAttention):

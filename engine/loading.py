@@ -223,7 +223,7 @@ def assemble(
     if config.fused_proj_norm:
         use_fused_proj_norm(model)
     if config.l2_prefetch:
-        use_l2_prefetch(model, bank)
+        use_l2_prefetch(model, bank, device)
     dense = dense_nbytes(model)
     arena = getattr(getattr(bank, "cache", None), "arena", None)
     if arena is not None:  # elastic memory: the KV pool lives in the arena with the slots

@@ -17,7 +17,9 @@ class _Engine:
     def __init__(self, graphs):
         self.runner = SimpleNamespace(graphs=graphs)
         model = SimpleNamespace(modules=lambda: [], parameters=lambda: iter([torch.zeros(1)]))
-        self.loaded = SimpleNamespace(model=model, bank=SimpleNamespace(l2="unset"))
+        self.loaded = SimpleNamespace(
+            model=model, bank=SimpleNamespace(l2="unset"), device=torch.device("cpu")
+        )
         self.captured: list[tuple[int, object]] = []  # (PDL flags, the bank's prefetcher)
 
     def capture_graphs(self):
