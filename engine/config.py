@@ -266,7 +266,8 @@ class EngineConfig:
     skinny_gemv: bool = False
     # Decode-sized steps on CUDA ask L2 for o_proj's weight beside RoPE and attention, and on
     # the offloaded device path for the MoE rows beside the fill copy: side-stream prefetches
-    # while HBM idles (kernels/l2_prefetch.py, engine/l2_prefetcher.py). Off until measured.
+    # while HBM idles (kernels/l2_prefetch.py, engine/l2_prefetcher.py). Off: it lost at 48
+    # layers, all resident b=1 296.1 -> 283.9 tok/s, gpu-fill 258.4 -> 246.0 (NOTES, s23).
     l2_prefetch: bool = False
     # One-row decode steps on CUDA run each MoE router in one launch, the linear layer with the
     # softmax and top-k (kernels/triton/route.py), instead of cuBLAS's GEMV and the top-k

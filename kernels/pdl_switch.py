@@ -32,8 +32,13 @@ def flags(value: str) -> int:
     return bits
 
 
+DEFAULT = "light"  # the twenty-third session, 48 layers: all resident b=1 296.1 -> 299.5 and
+# b=4 664.2 -> 675.2 tok/s (`on`: 283.9 / 685.4); gpu-fill native 258.4 -> 265.3 and
+# 511.9 -> 516.1 (bench/results/NOTES.md). FREETOKEN_PDL=off launches without PDL.
+
+
 def _env_word() -> str:
-    return os.environ.get("FREETOKEN_PDL", "0")  # off by default
+    return os.environ.get("FREETOKEN_PDL", DEFAULT)
 
 
 def requested() -> int:

@@ -16,7 +16,7 @@ launches as usual and waits for its predecessor to complete. The release comes r
 wait: dependents launch only once every program of this grid has started, so they never take
 SMs from it.
 
-Variants (FREETOKEN_PDL, a comma list; off by default until measured on the device):
+Variants (FREETOKEN_PDL, a comma list; `light` by default, the one that won at both batches):
 - `on` (or `1`): wait, then release at once (above). The twenty-second session measured it at
   48 layers, all resident: b=4 660.4 -> 680.8 tok/s, b=1 296.1 -> 283.8.
 - `exit`: wait, no explicit release; the next kernel launches as this one's programs exit:
@@ -32,7 +32,9 @@ Variants (FREETOKEN_PDL, a comma list; off by default until measured on the devi
 - `light`: `on` for the small kernels only; the weight-streaming ones (MoE gate/up and down, the
   skinny matmul, o_proj + norm) launch as without PDL. An early launch places a grid's programs
   on the SMs that have room while the kernel before it still runs, which for a one-wave kernel
-  can mean fewer SMs streaming its weights: one explanation of `on`'s loss at b=1.
+  can mean fewer SMs streaming its weights: one explanation of `on`'s loss at b=1. Measured in
+  the twenty-third session (48 layers): all resident b=1 299.5 and b=4 675.2 tok/s against off's
+  296.1 / 664.2 (`exit` 296.9 / 665.5, `prefetch` 282.9 / 685.3); the default.
 The rule in full, then: before `enter`, no store, no atomic, no return, and no load of anything
 a kernel still in flight may write (the kernel just before, or one it waits for); index
 arithmetic, `prefetch_lines` and gate/up's `.cg` read of rows settled two kernels back may.

@@ -93,6 +93,8 @@ def test_no_other_kernel_takes_the_switch():
 
 def test_the_switch(monkeypatch):
     monkeypatch.delenv("FREETOKEN_PDL", raising=False)
+    assert pdl.requested() == pdl.WAIT | pdl.RELEASE | pdl.LIGHT  # the measured default
+    monkeypatch.setenv("FREETOKEN_PDL", "off")
     assert pdl.requested() == 0
     monkeypatch.setenv("FREETOKEN_PDL", "1")
     assert pdl.requested() == pdl.WAIT | pdl.RELEASE
