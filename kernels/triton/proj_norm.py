@@ -72,11 +72,14 @@ def _proj_norm_kernel(
                            True, MODE, ZERO_CENTRED)  # fmt: skip
 
 
-def new_scratch(n: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def new_scratch(
+    n: int, k: int, device: torch.device, tiles: dict[str, int] | None = None
+) -> tuple[Tensor, Tensor]:
     """A call site's scratch for an [n, k] weight: fp32 partials [S * MAX_M * n] and the
     counter (0 between launches). Full size at once: a captured graph keeps their addresses.
-    Each projection keeps its own (engine/layers/attention.py), as the router does its."""
-    s = splits(k, choose_tiles(n, k))[0]
+    Each projection keeps its own (engine/layers/attention.py), as the router does its.
+    `tiles`: the overrides the launches will pass (the bench's sweep)."""
+    s = splits(k, choose_tiles(n, k, tiles))[0]
     part = torch.zeros(s * MAX_M * n, dtype=torch.float32, device=device)
     return part, torch.zeros(1, dtype=torch.int32, device=device)
 
@@ -89,20 +92,22 @@ def proj_add_norm(
     eps: float,
     zero_centred: bool = False,
     scratch: tuple[Tensor, Tensor] | None = None,
+    tiles: dict[str, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(h, s): s = round(x @ w^T + residual), h = rms_norm(s) * norm_weight, as F.linear then
     kernels/norm.py's rms_norm(y, norm_weight, eps, residual) give them. x [M, K] (M <= MAX_M),
     w [N, K], residual [M, N], norm_weight [N]; rows contiguous. `scratch`: new_scratch's for
-    this w's shape (a new one when None)."""
+    this w's shape and `tiles` (a new one when None). `tiles` overrides the skinny matmul's
+    (gemv.py choose_tiles; bench gemv's sweep)."""
     m, k = x.shape
     n = w.shape[0]
     assert 1 <= m <= MAX_M and n <= MAX_N and w.shape[1] == k, (tuple(x.shape), tuple(w.shape))
     assert residual.shape == (m, n) and norm_weight.shape == (n,), (residual.shape, n)
     assert x.stride(1) == 1 and w.stride(1) == 1 and residual.stride(1) == 1
     assert x.dtype == w.dtype == residual.dtype == norm_weight.dtype
-    tiles = choose_tiles(n, k)
+    tiles = choose_tiles(n, k, tiles)
     s, k_per_split = splits(k, tiles)
-    part, done = scratch if scratch is not None else new_scratch(n, k, x.device)
+    part, done = scratch if scratch is not None else new_scratch(n, k, x.device, tiles)
     assert part.numel() >= s * m * n, "the scratch was made for another shape"
     h = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out_s = torch.empty_like(h)
