@@ -194,15 +194,16 @@ def test_a_fused_layer_fuses_only_steps_of_few_rows(tmp_path, rng_seed, monkeypa
 def test_every_tile_choice_projects_and_norms_alike(rng_seed):
     """bench gemv's o_proj + norm candidates (K split 2 to 16 ways, 8 to 64 columns a program):
     each gives the default tiles' s and h within the fp32 sums' reordering, and leaves its
-    counter at 0. Random K not a multiple of any BLOCK_K, so every candidate masks."""
+    counter at 0. K > 15 x 256, so the 16-way split runs 16 slices; random, so every candidate
+    masks its last step."""
     from freetoken_agent.bench.gemv_kernel import SPLIT_SWEEP
     from freetoken_agent.kernels.triton.proj_norm import new_scratch
     from freetoken_agent.kernels.triton.proj_norm import proj_add_norm as triton_impl
 
     gen = torch.Generator().manual_seed(rng_seed)
     m = int(torch.randint(1, MAX_M + 1, (1,), generator=gen))
-    k = int(torch.randint(300, 1500, (1,), generator=gen))
-    n = int(torch.randint(40, 160, (1,), generator=gen))
+    k = int(torch.randint(3841, 4600, (1,), generator=gen))
+    n = int(torch.randint(20, 100, (1,), generator=gen))
     x, w, residual, norm_w = _inputs(gen, m, k, n, torch.float32)
     h_ref, s_ref = reference.rms_norm(torch.nn.functional.linear(x.cpu(), w.cpu()),
                                       norm_w.cpu(), 1e-6, residual.cpu())  # fmt: skip
