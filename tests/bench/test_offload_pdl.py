@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
+from freetoken_agent.kernels import pdl_switch
 from freetoken_agent.kernels.triton import pdl
 
 
@@ -35,7 +36,7 @@ def test_each_variant_captures_under_itself_and_measures_under_itself(monkeypatc
     for word, l2 in cases:
         with kernel_variant(engine, word, l2):
             assert pdl.requested() == pdl.flags(word)  # the measurement's eager launches
-        assert pdl.requested() == 0  # back to the environment's
+        assert pdl.requested() == pdl.flags(pdl_switch.DEFAULT)  # the environment's: unset
     for (word, l2), (flags, prefetcher) in zip(cases, engine.captured, strict=True):
         assert flags == pdl.flags(word)
         if l2 is not None:  # set before the capture: on gives a prefetcher, off none
