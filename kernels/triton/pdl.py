@@ -73,7 +73,8 @@ def supported(device: torch.device) -> bool:
 
 @functools.cache
 def _sm90_with_gdc(index: int) -> bool:
-    if torch.cuda.get_device_capability(index)[0] < 9:
+    # ROCm reports its GPUs through torch.cuda too, MI300 as capability 9.x: no PDL there.
+    if torch.version.hip is not None or torch.cuda.get_device_capability(index)[0] < 9:
         return False
     return hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
 

@@ -152,6 +152,21 @@ def test_launch_arguments(monkeypatch):
             assert pdl.launch(dev, heavy=heavy, prefetch=True) == want, (word, heavy)
 
 
+def test_only_hopper_and_later_nvidia_gpus_launch_with_pdl(monkeypatch):
+    """PDL needs sm_90+ on CUDA: an Ampere or Ada GPU, and a ROCm GPU (which torch.cuda
+    reports too, MI300 as capability 9.x), launch without it whatever FREETOKEN_PDL says."""
+    monkeypatch.setattr(pdl.tl.extra.cuda, "gdc_wait", lambda: None, raising=False)
+    monkeypatch.setattr(pdl.tl.extra.cuda, "gdc_launch_dependents", lambda: None, raising=False)
+    cases = [((8, 6), None, False), ((8, 9), None, False), ((9, 0), None, True),
+             ((10, 0), None, True), ((9, 4), "6.2", False)]  # fmt: skip
+    for capability, hip, want in random.sample(cases, len(cases)):
+        pdl._sm90_with_gdc.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, c=capability: c)
+        monkeypatch.setattr(torch.version, "hip", hip)
+        assert pdl._sm90_with_gdc(0) is want, (capability, hip)
+    pdl._sm90_with_gdc.cache_clear()
+
+
 def _launch_sites() -> dict[str, tuple[bool, str | None]]:
     """Every launch of a PDL-aware kernel in kernels/triton: kernel name -> (whether it says
     heavy=True: a weight-streaming kernel, left out by `light`; what it passes as prefetch)."""
