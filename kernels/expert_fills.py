@@ -12,6 +12,7 @@ The CPU's share (the plan's CpuPost; the copy's box and add [T, H]): kernels/cpu
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from freetoken_agent.kernels import reference_fills as reference
@@ -31,12 +32,14 @@ def plan_fills(
     live_pairs: int | None = None,
     post: CpuPost | None = None,
     *,
+    uses: Tensor | None = None,
     force_triton: bool = False,
 ) -> Tensor:
     """One MoE layer's plan (reference_fills.plan_fills); returns the rows [P] int64 that
     `fused_moe` reads with host banks. `live_pairs` None: state[LIVE_PAIRS] (captured graphs,
     whose padded rows must not fill). `post`: the CPU takes state[CPU_SHARE] of the misses,
-    posted to its mailbox (`copy_fills` collects the answer)."""
+    posted to its mailbox (`copy_fills` collects the answer). `uses` [N] int32: one more for
+    each distinct lid the layer routes to."""
     p = ids.numel()
     if moves.shape[0] < p:
         raise ValueError(f"moves holds {moves.shape[0]} fills, the layer has {p} pairs")
@@ -51,13 +54,15 @@ def plan_fills(
             )
         if not post.hidden.is_contiguous() or post.weights.numel() != p:
             raise ValueError("post needs contiguous hidden [T, H] and weights [T, K]")
+    if uses is not None and (uses.dtype != torch.int32 or uses.shape != slot_of.shape):
+        raise ValueError(f"uses must be int32 {tuple(slot_of.shape)}, like slot_of")
     if not use_triton(ids, force_triton, "plan_fills"):
-        args = (ids, base, slot_of, lid_of, stamp, state, moves, live_pairs, post)
+        args = (ids, base, slot_of, lid_of, stamp, state, moves, live_pairs, post, uses)
         return reference.plan_fills(*args)
     from freetoken_agent.kernels.triton import expert_fills as triton_impl
 
     flat = ids.reshape(-1)
-    args = (flat, base, slot_of, lid_of, stamp, state, moves, live_pairs, post)
+    args = (flat, base, slot_of, lid_of, stamp, state, moves, live_pairs, post, uses)
     return triton_impl.plan_fills(*args)
 
 

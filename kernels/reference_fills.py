@@ -79,11 +79,13 @@ def plan_fills(
     moves: Tensor,
     live_pairs: int | None = None,
     post: CpuPost | None = None,
+    uses: Tensor | None = None,
 ) -> Tensor:
     """One layer's plan, in place on the state; returns rows [P] int64 for `fused_moe` with
     host banks: the slot of each pair's lid, its host id when it stayed absent, -1 for pairs
     at or past `live_pairs` (None: state[LIVE_PAIRS], a captured graph's padded rows) and for
-    the CPU's share (posted to `post.box`)."""
+    the CPU's share (posted to `post.box`). `uses` [N] int32: each distinct lid the layer
+    routes to counts one use (engine/experts/popular_pins.py reads them)."""
     p = ids.numel()
     live = min(p, int(state[LIVE_PAIRS]) if live_pairs is None else live_pairs)
     lids = ids.reshape(-1)[:live].long() + base
@@ -93,6 +95,8 @@ def plan_fills(
     for lid in lids.tolist():
         seen.setdefault(lid, None)
     uniq = list(seen)
+    if uses is not None and uniq:
+        uses[torch.tensor(uniq, dtype=torch.int64, device=uses.device)] += 1
     hits = [lid for lid in uniq if int(slot_of[lid]) >= 0]
     misses = [lid for lid in uniq if int(slot_of[lid]) < 0]
     for lid in hits:

@@ -83,9 +83,9 @@ BLOCK_H = 1024  # hidden elements a post or a wait step moves
 @triton.jit
 def _plan_kernel(
     ids_ptr, rows_ptr, slot_of, lid_of, stamp, state, moves, base, P, live_pairs, S,
-    box_ctrl, box_rows, box_weights, box_hidden, hidden, weights, T, TH,
+    box_ctrl, box_rows, box_weights, box_hidden, hidden, weights, T, TH, uses,
     LIMITED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, SHARE: tl.constexpr,
-    SYS: tl.constexpr, BLOCK_H: tl.constexpr,
+    SYS: tl.constexpr, BLOCK_H: tl.constexpr, COUNT: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)  # first: pdl.py
@@ -97,6 +97,9 @@ def _plan_kernel(
     lid = tl.load(ids_ptr + offs, mask=live, other=0).to(tl.int64) + base  # [BLOCK_P]
     earlier = (lid[:, None] == lid[None, :]) & (offs[None, :] < offs[:, None]) & live[None, :]
     first = live & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
+    if COUNT:  # one use for each distinct lid (first appearances: no two threads share one)
+        used = tl.load(uses + lid, mask=first, other=0)
+        tl.store(uses + lid, used + 1, mask=first)
     slot = tl.load(slot_of + lid, mask=live, other=-1)
     hit = first & (slot >= 0)
     miss = first & (slot < 0)
@@ -243,8 +246,9 @@ def _sys_ordering() -> bool:
 
 
 def plan_fills(
-    ids, base, slot_of, lid_of, stamp, state, moves, live_pairs, post: CpuPost | None = None
-) -> torch.Tensor:
+    ids, base, slot_of, lid_of, stamp, state, moves, live_pairs, post: CpuPost | None = None,
+    uses: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Twin of `reference_fills.plan_fills` (same contract); one launch, no host sync."""
     p = ids.numel()
     rows = torch.empty(p, dtype=torch.int64, device=ids.device)
@@ -260,8 +264,9 @@ def plan_fills(
         t, th = post.hidden.shape[0], post.hidden.numel()
     _plan_kernel[(1,)](
         ids, rows, slot_of, lid_of, stamp, state, moves, base, p, live, stamp.numel(), *box, t,
-        th, LIMITED=limited, BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=BLOCK_S,
-        SHARE=post is not None, SYS=_sys_ordering(), BLOCK_H=BLOCK_H, num_warps=4,
+        th, uses if uses is not None else slot_of, LIMITED=limited,
+        BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=BLOCK_S, SHARE=post is not None,
+        SYS=_sys_ordering(), BLOCK_H=BLOCK_H, COUNT=uses is not None, num_warps=4,
         **pdl_launch(ids.device),
     )  # fmt: skip
     return rows

@@ -92,22 +92,32 @@ def _run_both(rng, n_lids_layers, n_slots, steps, live_from_state):
     a = _state(rng, n_layers * n_experts, n_slots)
     b = tuple(t.clone() for t in a)
     ma, mb = (torch.zeros(16, 2, dtype=torch.int64) for _ in range(2))
+    # The popularity counts (popular_pins.py), from random starting values; every other run
+    # counts none, as an engine without the pins.
+    count = rng.random() < 0.5
+    ua = torch.randint(0, 50, (n_layers * n_experts,), dtype=torch.int32) if count else None
+    ub = ua.clone() if count else None
+    want = ua.clone() if count else None
     for layer, ids in _visits(rng, n_layers, n_experts, steps):
         base = layer * n_experts
         if live_from_state:  # a captured graph: padded rows past the step's real pairs
             live = rng.randrange(1, ids.numel() + 1)
             a[3][ref.LIVE_PAIRS] = b[3][ref.LIVE_PAIRS] = live
-            ra = plan_fills(ids, base, *a, ma)
-            rb = plan_fills(ids, base, *b, mb, force_triton=True)
+            ra = plan_fills(ids, base, *a, ma, uses=ua)
+            rb = plan_fills(ids, base, *b, mb, uses=ub, force_triton=True)
             assert rb[live:].eq(-1).all()
         else:
-            ra = plan_fills(ids, base, *a, ma, live_pairs=ids.numel())
-            rb = plan_fills(ids, base, *b, mb, live_pairs=ids.numel(), force_triton=True)
+            live = ids.numel()
+            ra = plan_fills(ids, base, *a, ma, live_pairs=live, uses=ua)
+            rb = plan_fills(ids, base, *b, mb, live_pairs=live, uses=ub, force_triton=True)
         assert torch.equal(ra, rb)
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
         n = int(a[3][ref.MOVES])
         assert torch.equal(ma[:n], mb[:n])
+        if count:  # each distinct lid of the live pairs: one use, in both
+            want[torch.unique(ids.reshape(-1)[:live].long()) + base] += 1
+            assert torch.equal(ua, want) and torch.equal(ub, want)
 
 
 @pytest.mark.parametrize("live_from_state", [False, True])
