@@ -48,6 +48,8 @@ class DeviceFills:
         self.stamp = torch.full((s,), layout.PINNED, dtype=torch.int64, device=device)  # [S]
         self.state = torch.zeros(layout.STATE, dtype=torch.int64, device=device)
         self.moves = torch.zeros((max_pairs, 2), dtype=torch.int64, device=device)  # [M, 2]
+        # Slots pinned for their popularity (popular_pins.py), until `own` rebuilds the stamps.
+        self.popular = torch.zeros(s, dtype=torch.bool, device=device)  # [S]
         self.owned = False
         self.releases = 0  # hand-backs to the host (each one sync and a rebuild)
         self.stats = None  # the bank's OffloadStats (set by the bank): fold adds to it
@@ -73,6 +75,7 @@ class DeviceFills:
         state[layout.CPU_SHARE], state[layout.SEQ] = self.share, self._seq
         self.lid_of.copy_(torch.tensor(c._lid_of, dtype=torch.int32))
         self.stamp.copy_(torch.tensor(stamp, dtype=torch.int64))
+        self.popular.zero_()
         self.state.copy_(torch.tensor(state, dtype=torch.int64))
         self._folded = [0] * layout.STATE
         self.owned = True
@@ -117,6 +120,7 @@ class DeviceFills:
         c = self.cache
         lid_of = self.lid_of.tolist()
         stamp = self.stamp.tolist()
+        popular = self.popular.tolist()
         lent_from = c.max_slots - c.lent
         residents = sorted(
             (stamp[s], s, lid_of[s]) for s in range(c.first_slot, lent_from) if lid_of[s] >= 0
@@ -127,7 +131,8 @@ class DeviceFills:
         for st, slot, lid in residents:
             c._slot_of[lid] = slot
             c._lru[lid] = None
-            if self._clock_at_own < st < layout.PINNED:  # used while the device owned it
+            # Used while the device owned it: a stamp since `own`, or pinned for its uses.
+            if self._clock_at_own < st < layout.PINNED or popular[slot]:
                 c._last_hit[lid] = c.step
         c.mirror_step = c.step
         used = {slot for _, slot, _ in residents}

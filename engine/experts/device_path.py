@@ -78,8 +78,10 @@ class DevicePath:
         # worker's answer; a captured step holds both for any share.
         shared = share is not None and bank.policy == "adaptive"
         post = share.post(hidden, weights) if shared else None
+        uses = bank.popular.uses if bank.popular is not None else None
         rows = plan_fills(topk_ids, layer * bank.n_experts, cache.slot_of, fills.lid_of,
-                          fills.stamp, fills.state, fills.moves, live_pairs, post)  # fmt: skip
+                          fills.stamp, fills.state, fills.moves, live_pairs, post,
+                          uses=uses)  # fmt: skip
         if bank.l2 is not None:  # the rows' gate/up lines into L2 beside the fill copy
             bank.l2.start(prefetch_rows, cache.w13, rows, MOE_ROW_FRACTION)
         box, add = (share.box, share.answer(hidden.shape[0])) if shared else (None, None)

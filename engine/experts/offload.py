@@ -44,6 +44,7 @@ from freetoken_agent.engine.experts.policy import (
     fetch_count,
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.engine.experts.popular_pins import PopularPins
 from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerStreamer
 from freetoken_agent.engine.l2_prefetcher import L2Prefetcher
 from freetoken_agent.kernels.cpu.experts import default_threads as cpu_kernel_threads
@@ -105,10 +106,12 @@ class OffloadedExpertBank(GraphDecode):
         double_buffer: bool = True,
         arena: ElasticArena | None = None,
         fill_behind: bool = False,
+        popular_pins: float = 0.0,
     ) -> None:
         """`arena`: the slots are the arena's (engine/arena.py; `n_slots` then comes from its
         boundary), so the memory manager can resize the cache at runtime. `fill_behind`:
-        EngineConfig.fill_behind (AdaptiveFetches.behind)."""
+        EngineConfig.fill_behind (AdaptiveFetches.behind). `popular_pins`: EngineConfig's,
+        the fraction of slots the device path pins for their use (popular_pins.py)."""
         self.spec = spec
         self.n_experts = spec.n_experts
         self.pool = pool
@@ -134,6 +137,9 @@ class OffloadedExpertBank(GraphDecode):
         self.device_path_ok = device.type != "cuda"
         # Policy gpu-fill's and adaptive's device paths, with the CPU worker (`ready`).
         self.device_path = DevicePath(self)
+        device_paths = policy in ("gpu-fill", "adaptive")
+        self.popular = (PopularPins(self.cache.on_device, spec.n_experts, popular_pins)
+                        if popular_pins > 0 and device_paths else None)  # fmt: skip
         self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
         self.l2: L2Prefetcher | None = None  # EngineConfig.l2_prefetch (use_l2_prefetch)
@@ -400,6 +406,8 @@ class OffloadedExpertBank(GraphDecode):
         if self.policy == "direct":
             learn_after_step(self, graph_tokens)
         self.device_path.after_step()
+        if self.popular is not None:
+            self.popular.after_step()
 
     def close(self) -> None:
         """Stop what runs beside the engine (the CPU worker); Engine.close calls it before the

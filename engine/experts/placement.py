@@ -172,6 +172,7 @@ def make_bank(
         double_buffer=config.double_buffer,
         arena=arena,
         fill_behind=config.fill_behind,
+        popular_pins=config.popular_pins,
     )
 
 
