@@ -10,6 +10,8 @@ so lets popular ones go; frequency-aware policies keep them. Rows (miss rate of 
 - lru: the engine's policy;
 - w-tinylfu: a 5% LRU window in front of an LRU main segment that admits the window's victim
   only when it was used more often than the main segment's (counts halved every 100k uses);
+- popular-F: the engine's EngineConfig.popular_pins (engine/experts/popular_pins.py): every
+  64 steps each layer's most used residents pinned, F of the slots in all, the rest LRU;
 - pinned-N: the N most popular experts of each layer pinned (the trace's own popularity: an
   oracle), LRU in the other slots;
 - belady: the offline optimum (evict the expert used furthest in the future): a bound.
@@ -89,6 +91,48 @@ def w_tinylfu(lids: list[int], slots: int, first: int, window: float = 0.05,
     return misses / (len(lids) - first)
 
 
+def popular_pins(
+    lids: list[int], slots: int, first: int, lids_per_layer: int, layers: int, top_k: int,
+    fraction: float, every: int = 64, half_life: int = 512,
+) -> float:  # fmt: skip
+    """The engine's EngineConfig.popular_pins (engine/experts/popular_pins.py): every `every`
+    steps (a step: one token through every layer) each layer's int(fraction * slots / layers)
+    most used resident lids are pinned, the rest LRU; counts halve every `half_life` steps."""
+    per_step, per_layer = layers * top_k, int(fraction * slots / layers)
+    cache: OrderedDict[int, None] = OrderedDict()  # unpinned residents, least recent first
+    pinned: set[int] = set()
+    uses = np.zeros(layers * lids_per_layer, dtype=np.int64)
+    misses = 0
+    for i, lid in enumerate(lids):
+        step = i // per_step
+        if i % per_step == 0 and step:
+            if step % half_life == 0:
+                uses >>= 1
+            if step % every == 0:
+                score = np.full(uses.shape, -1)
+                resident = list(cache) + list(pinned)
+                score[resident] = uses[resident]
+                top = np.argsort(-score.reshape(layers, lids_per_layer), axis=1, kind="stable")
+                top = top[:, :per_layer] + np.arange(layers)[:, None] * lids_per_layer
+                chosen = {int(x) for x in top.reshape(-1) if score[x] > 0}
+                for old in pinned - chosen:  # back to the LRU as just used
+                    cache[old] = None
+                for new in chosen - pinned:
+                    del cache[new]
+                pinned = chosen
+        uses[lid] += 1
+        if lid in pinned:
+            continue
+        if lid in cache:
+            cache.move_to_end(lid)
+            continue
+        misses += i >= first
+        if len(cache) + len(pinned) >= slots:
+            cache.popitem(last=False)
+        cache[lid] = None
+    return misses / (len(lids) - first)
+
+
 def belady(lids: list[int], slots: int, first: int) -> float:
     n = len(lids)
     next_use, seen = [0] * n, {}
@@ -129,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="routing: uniform or zipf:S,loc:P (routing_traces.py)")  # fmt: skip
     parser.add_argument("--pinned", type=int, nargs="+", default=[48, 54],
                         help="oracle rows: each layer's N most popular experts pinned")  # fmt: skip
+    parser.add_argument("--popular-pins", type=float, nargs="*", default=[0.5, 0.8],
+                        help="rows for EngineConfig.popular_pins at these fractions")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="trace seed")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
@@ -137,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     first = args.warm * args.layers * args.top_k
     rows = {"lru": lru(lids, args.slots, first),
             "w-tinylfu": w_tinylfu(lids, args.slots, first)}  # fmt: skip
+    for fraction in args.popular_pins:
+        rows[f"popular-{fraction}"] = popular_pins(lids, args.slots, first, args.experts,
+                                                   args.layers, args.top_k, fraction)  # fmt: skip
     for n in args.pinned:
         popular = np.argwhere(rank < n)  # [layers * n, 2] (layer, expert)
         pinned = frozenset((popular[:, 0] * args.experts + popular[:, 1]).tolist())

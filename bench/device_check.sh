@@ -56,6 +56,8 @@
 #         PDL, skinny matmul, L2 prefetch, ~4 min)
 #         pdl-offload (48 layers / 32 GB, gpu-fill under each FREETOKEN_PDL value and
 #         EngineConfig.l2_prefetch off and on, ~6 min)
+#         popular-pins (48 layers / 32 GB, Zipf: adaptive and gpu-fill with
+#         EngineConfig.popular_pins 0, then 0.8; ~8 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -89,6 +91,14 @@ for stage in "$@"; do
         --pdl off on light prefetch --l2 off on --out "$OUT" 2>&1 \
         | tee "$OUT/pdl_offload_48.log" \
         | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
+    popular-pins)  # 48 layers / 32 GB, Zipf b=1 and 4: gpu-fill and adaptive, pins off then
+      # 0.8 of the slots (EngineConfig.popular_pins; two loads of the model, ~8 min)
+      for f in 0 0.8; do
+        timeout 280 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
+          --rounds 1 --regimes zipf:1.0,loc:0.7 --policies adaptive gpu-fill --decode 96 \
+          --popular-pins $f --out "$OUT/pins_$f" 2>&1 | tee "$OUT/popular_pins_$f.log" \
+          | grep "|b" | grep -v "round[0-9]" | grep " | " | cut -c1-200
+      done ;;
     tests-kernels)
       timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/kernels tests/bench \
         2>&1 | tee "$OUT/gpu_tests_kernels.log" | tail -30 ;;

@@ -37,6 +37,7 @@ from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import calibration, step_paths
 from freetoken_agent.engine.experts.offload import WHOLE_STEP_POLICIES, decode_graph_kind
+from freetoken_agent.engine.experts.popular_pins import PopularPins
 from freetoken_agent.engine.experts.split_trials import BLOCK, MODES, ROTATIONS
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -267,6 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         "when both; default: as loaded, off)",
     )
     parser.add_argument(
+        "--popular-pins",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="EngineConfig.popular_pins for the device paths (gpu-fill, adaptive): this "
+        "fraction of the slots pinned for each layer's most used experts (default 0: LRU)",
+    )
+    parser.add_argument(
         "--shared-gate",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -281,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank = engine.loaded.bank
     bank.fill_behind = args.fill_behind
+    if args.popular_pins:  # loaded under transfer: the device paths' pins are made here
+        bank.popular = PopularPins(bank.cache.on_device, engine.spec.n_experts, args.popular_pins)
     engine.overlap.enabled = args.overlap
     spec = engine.spec
     build_s = time.perf_counter() - t0
@@ -300,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": spec.n_layers,
         "budget_gb": args.budget_gb,
         "fill_behind": args.fill_behind,
+        "popular_pins": args.popular_pins,
         "overlap": args.overlap,
         "adaptive_path": args.adaptive_path,  # None: measured (step_paths.py)
         "shared_gate": args.shared_gate,

@@ -387,6 +387,8 @@ class OffloadedExpertBank(GraphDecode):
         self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers, tokens)
         self.adaptive.shared_ok = self.cpu_share is not None
         self.cache.kept_layers = frozenset()
+        if self.popular is not None:
+            self.popular.reset()
 
     # --- policy direct (direct.py) ---------------------------------------------------------
     def _direct(self, hidden: torch.Tensor, lids: torch.Tensor, weights: torch.Tensor):

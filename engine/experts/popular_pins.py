@@ -51,6 +51,11 @@ class PopularPins:
         self.uses = torch.zeros(n_lids, dtype=torch.int32, device=fills.cache.device)  # [N]
         self.steps = 0  # decode steps the device owned the cache
 
+    def reset(self) -> None:
+        """Forget the counts (the benchmark, between measurements from an empty cache)."""
+        self.uses.zero_()
+        self.steps = 0
+
     def after_step(self) -> None:
         """A step ended: count it if the device path ran it (it owns the cache), halve the
         counts every HALF_LIFE such steps and choose the pins every `every`."""

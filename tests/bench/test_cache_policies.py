@@ -42,7 +42,8 @@ def test_no_policy_beats_belady_and_all_agree_when_everything_fits(rng_seed):
     first = rng.randrange(0, 1000)
     for slots in (rng.randint(4, 40), 60):
         bound = cp.belady(lids, slots, first)
-        rates = [cp.lru(lids, slots, first), cp.w_tinylfu(lids, slots, first, halve_every=500)]
+        rates = [cp.lru(lids, slots, first), cp.w_tinylfu(lids, slots, first, halve_every=500),
+                 cp.popular_pins(lids, slots, first, 60, 1, 1, 0.5, every=50)]  # fmt: skip
         assert all(rate >= bound for rate in rates), (slots, bound, rates)
     compulsory = len({x for i, x in enumerate(lids) if i >= first and x not in lids[:i]})
     rate = compulsory / (len(lids) - first)
@@ -64,7 +65,7 @@ def test_the_bench_writes_its_rows(tmp_path, rng_seed):
             "--out", str(tmp_path)]  # fmt: skip
     assert cp.main(args) == 0
     rows = json.loads((tmp_path / "cache_policies_3l.json").read_text())["miss_rate"]
-    assert set(rows) == {"lru", "w-tinylfu", "pinned-4", "belady"}
+    assert set(rows) == {"lru", "w-tinylfu", "popular-0.5", "popular-0.8", "pinned-4", "belady"}
     assert all(rows["belady"] <= rate <= 1.0 for rate in rows.values())
 
 
@@ -84,3 +85,23 @@ def test_w_tinylfu_keeps_hot_experts_through_a_scan(rng_seed):
     once = sum(1 for x in lids[first:] if x >= 1000)
     assert cp.w_tinylfu(lids, slots, first) == once / (len(lids) - first)
     assert cp.lru(lids, slots, first) > once / (len(lids) - first)
+
+
+def test_popular_pins_keep_hot_experts_through_a_scan(rng_seed):
+    """The engine's popularity pins on the scan trace above: once the hot experts are pinned
+    (chosen every step, so each as soon as it is first used), only the once-used experts
+    miss; LRU loses the hot ones to every run."""
+    rng = random.Random(rng_seed)
+    hot, slots = rng.randint(2, 5), rng.randint(8, 12)
+    lids, fresh = [], 1000
+    for _ in range(300):
+        lids += [rng.randrange(hot)]
+        for _ in range(rng.randint(slots, 2 * slots)):
+            lids.append(fresh)
+            fresh += 1
+    first = len(lids) // 3
+    once = sum(1 for x in lids[first:] if x >= 1000)
+    n_lids = fresh  # one layer of every expert id used, one use a step
+    got = cp.popular_pins(lids, slots, first, n_lids, 1, 1, hot / slots + 0.01, every=1)
+    assert got == once / (len(lids) - first)
+    assert cp.lru(lids, slots, first) > got
