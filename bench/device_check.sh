@@ -92,10 +92,11 @@ for stage in "$@"; do
         | tee "$OUT/pdl_offload_48.log" \
         | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
     popular-pins)  # 48 layers / 32 GB, Zipf b=1 and 4: gpu-fill and adaptive, pins off then
-      # 0.8 of the slots (EngineConfig.popular_pins; two loads of the model, ~8 min)
+      # 0.8 of the slots (EngineConfig.popular_pins, chosen every 64 steps: 320 decoded
+      # tokens a row; two loads of the model, ~8 min)
       for f in 0 0.8; do
         timeout 280 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
-          --rounds 1 --regimes zipf:1.0,loc:0.7 --policies adaptive gpu-fill --decode 96 \
+          --rounds 1 --regimes zipf:1.0,loc:0.7 --policies adaptive gpu-fill --decode 320 \
           --popular-pins $f --out "$OUT/pins_$f" 2>&1 | tee "$OUT/popular_pins_$f.log" \
           | grep "|b" | grep -v "round[0-9]" | grep " | " | cut -c1-200
       done ;;
