@@ -43,21 +43,26 @@ def trace_lids(regime: Regime, layers: int, experts: int, k: int, tokens: int, s
     return lids.tolist(), np.argsort(gen.order, axis=1)
 
 
+def _lru_use(cache: OrderedDict[int, None], lid: int, room: int) -> bool:
+    """One use of `lid` in an LRU of `room` entries (least recent first): whether it missed
+    (it is then filled, the least recent one evicted when full)."""
+    if lid in cache:
+        cache.move_to_end(lid)
+        return False
+    if len(cache) >= room:
+        cache.popitem(last=False)
+    cache[lid] = None
+    return True
+
+
 def lru(lids: list[int], slots: int, first: int, pinned: frozenset = frozenset()) -> float:
     """Miss rate over uses `first`.. of an LRU cache of `slots` beside `pinned` lids."""
     cache: OrderedDict[int, None] = OrderedDict()
     room = slots - len(pinned)
     misses = 0
     for i, lid in enumerate(lids):
-        if lid in pinned:
-            continue
-        if lid in cache:
-            cache.move_to_end(lid)
-            continue
-        misses += i >= first
-        if len(cache) >= room:
-            cache.popitem(last=False)
-        cache[lid] = None
+        if lid not in pinned:
+            misses += _lru_use(cache, lid, room) and i >= first
     return misses / (len(lids) - first)
 
 
@@ -121,15 +126,8 @@ def popular_pins(
                     del cache[new]
                 pinned = chosen
         uses[lid] += 1
-        if lid in pinned:
-            continue
-        if lid in cache:
-            cache.move_to_end(lid)
-            continue
-        misses += i >= first
-        if len(cache) + len(pinned) >= slots:
-            cache.popitem(last=False)
-        cache[lid] = None
+        if lid not in pinned:
+            misses += _lru_use(cache, lid, slots - len(pinned)) and i >= first
     return misses / (len(lids) - first)
 
 
