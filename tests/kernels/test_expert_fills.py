@@ -2,7 +2,11 @@
 model of the plan's rule, the Triton kernels (interpreter here, compiled in the gpu test) against
 the twin, bit for bit, over random sequences of layer visits."""
 
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -199,3 +203,36 @@ def test_gpu_plan_and_copies_equal_the_twin(rng_seed):
     for lid, slot in kept:  # every fill still in its slot holds the pool's rows
         assert torch.equal(slot13[slot].cpu(), pool13[lid])
         assert torch.equal(slot2[slot].cpu(), pool2[lid])
+
+
+# Compiles the plan kernel for sm_90 (no GPU needed) with and without the use counts, in a
+# process of its own (this one imported the kernels under the interpreter).
+_COMPILE_PLAN = """
+import json, re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from freetoken_agent.kernels.triton.expert_fills import _plan_kernel
+types = dict(ids_ptr="*i32", rows_ptr="*i64", slot_of="*i32", lid_of="*i32", stamp="*i64",
+             state="*i64", moves="*i64", base="i64", box_ctrl="*i64", box_rows="*i64",
+             box_weights="*fp32", box_hidden="*bf16", hidden="*bf16", weights="*fp32",
+             uses="*i32")
+out = {}
+for count in (False, True):
+    consts = dict(LIMITED=True, BLOCK_P=16, BLOCK_S=1024, SHARE=False, SYS=True, BLOCK_H=1024,
+                  COUNT=count, PDL=0)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in _plan_kernel.arg_names}
+    ptx = compile(ASTSource(_plan_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                  options=dict(num_warps=4)).asm["ptx"]
+    out[str(count)] = [len(re.findall(r"ld\\.global", ptx)), len(re.findall(r"st\\.global", ptx))]
+print(json.dumps(out))
+"""
+
+
+def test_the_counting_plan_compiles_for_sm90_with_one_load_and_one_store_more():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_PLAN], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    (loads, stores), (loads_c, stores_c) = counts["False"], counts["True"]
+    assert (loads_c, stores_c) == (loads + 1, stores + 1), counts
