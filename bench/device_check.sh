@@ -94,6 +94,9 @@ for stage in "$@"; do
     popular-pins)  # 48 layers / 32 GB, Zipf b=1 and 4: gpu-fill and adaptive, pins off then
       # 0.8 of the slots (EngineConfig.popular_pins, chosen every 64 steps: 320 decoded
       # tokens a row; two loads of the model, ~8 min)
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/engine/experts/test_popular_pins.py tests/kernels/test_expert_fills.py 2>&1 \
+        | tee "$OUT/popular_pins_tests.log" | tail -3
       for f in 0 0.8; do
         timeout 280 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
           --rounds 1 --regimes zipf:1.0,loc:0.7 --policies adaptive gpu-fill --decode 320 \

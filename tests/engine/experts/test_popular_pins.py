@@ -162,3 +162,33 @@ def test_an_engine_with_pins_gives_the_resident_tokens(policy, tmp_path, rng_see
     assert int(bank.popular.uses.sum()) > 0 or policy == "adaptive"
     bank.reset_decisions()  # the benchmark, between measurements: the counts start again
     assert int(bank.popular.uses.sum()) == 0 and bank.popular.steps == 0
+
+
+@pytest.mark.gpu
+def test_pins_under_captured_graphs_give_the_resident_tokens(tmp_path, rng_seed):
+    """CUDA (device machine): gpu-fill decoding in its captured whole-step graphs, the Triton
+    plan counting uses, pins chosen every 2 steps: the resident engine's tokens and logits
+    (fp32), pins taken, the cache whole."""
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine, SamplingParams
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 40)]
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    opts = dict(device="cuda", progress=False, max_model_len=512, max_num_seqs=4)
+    resident = Engine.load(tmp_path, policy="resident", **opts)
+    want = [o.token_ids for o in resident.generate(prompts, sp)]
+    engine = Engine.load(tmp_path, policy="gpu-fill", expert_slots=rng.randint(14, 30),
+                         popular_pins=0.6, **opts)  # fmt: skip
+    bank = engine.loaded.bank
+    bank.popular.every = 2
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+    assert int(bank.popular.uses.sum()) > 0 and bank.popular.steps > 2
+    assert bool(bank.cache.on_device.popular.any()), "no step pinned anything"
+    ids = prompts[1] + want[1]
+    torch.testing.assert_close(engine.score(ids), resident.score(ids), atol=3e-5, rtol=3e-5)
+    engine.check_integrity()
+    engine.close()
+    resident.close()
