@@ -23,6 +23,7 @@ place a layer's misses on the device within one graph a step (device_path.py).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,8 @@ from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerSt
 from freetoken_agent.engine.l2_prefetcher import L2Prefetcher
 from freetoken_agent.kernels.cpu.experts import default_threads as cpu_kernel_threads
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
+
+log = logging.getLogger("freetoken.experts")
 
 # T tokens, K top-k, H hidden, E experts per layer, N = L * E lids
 
@@ -140,6 +143,9 @@ class OffloadedExpertBank(GraphDecode):
         device_paths = policy in ("gpu-fill", "adaptive")
         self.popular = (PopularPins(self.cache.on_device, spec.n_experts, popular_pins)
                         if popular_pins > 0 and device_paths else None)  # fmt: skip
+        if popular_pins > 0 and not device_paths:
+            log.warning("popular_pins=%s has no effect under policy %s: only the device paths "
+                        "(gpu-fill, adaptive) pin", popular_pins, policy)  # fmt: skip
         self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
         self.l2: L2Prefetcher | None = None  # EngineConfig.l2_prefetch (use_l2_prefetch)

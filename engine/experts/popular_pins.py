@@ -15,8 +15,10 @@ clock, as if just used. Replayed on the synthetic traces (`bench cache-policies`
 Pins never change results, only which slots hold which experts. They live in the device's
 stamps while the device owns the cache: `DeviceFills.own` rebuilds the stamps from the
 host's LRU (dropping them), and `release` hands the pinned slots back as the most recent.
-Slots pinned for other reasons (kept layers, slots out of service) are never touched.
-All of it runs as tensor ops on the compute stream between steps: no host sync.
+Slots pinned for other reasons (kept layers, slots out of service) are never touched, and
+count for none of the fraction. All of it runs as tensor ops on the compute stream between
+steps: no host sync. A hand-back drops the pins (`own` rebuilds the stamps from the host's
+LRU); the first owned step after it chooses them again from the counts, which survive.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class PopularPins:
         self.n_layers = n_lids // lids_per_layer
         self.uses = torch.zeros(n_lids, dtype=torch.int32, device=fills.cache.device)  # [N]
         self.steps = 0  # decode steps the device owned the cache
+        self._handed_back = fills.releases  # hand-backs seen: `own` after one drops the pins
 
     def reset(self) -> None:
         """Forget the counts (the benchmark, between measurements from an empty cache)."""
@@ -64,16 +67,24 @@ class PopularPins:
         self.steps += 1
         if self.steps % HALF_LIFE == 0:
             self.uses.bitwise_right_shift_(1)
-        if self.steps % self.every == 0:
+        # Again after a hand-back too (a prefill, adaptive's stops, the memory manager's look
+        # at the cache): `own` rebuilt the stamps without the pins, and the counts survived.
+        if self.steps % self.every == 0 or self.fills.releases != self._handed_back:
+            self._handed_back = self.fills.releases
             self.repin()
 
-    def per_layer(self) -> int:
-        """Pins a layer gets: the fraction of the slots in service, shared evenly."""
-        return int(self.fraction * self.fills.cache.n_slots / self.n_layers)
+    def per_layer(self) -> torch.Tensor:
+        """Pins a layer gets (a 0-d tensor: reading it would sync): the fraction of the slots
+        the plans may use, shared evenly; slots pinned for other reasons (kept layers, lent
+        or out of service) count for none, so the LRU keeps its share beside them."""
+        f = self.fills
+        usable = ((f.stamp != PINNED) | f.popular).sum()
+        return (usable * self.fraction).floor().long() // self.n_layers
 
     def repin(self) -> torch.Tensor:
         """Pin each layer's `per_layer()` most used resident experts (ties: the lower slot),
-        unpin the rest of the earlier pins. Returns the new pins [S] bool."""
+        unpin the rest of the earlier pins. Returns the new pins [S] bool. Tensor ops only,
+        no host sync (bincount would read its input's bounds back: searchsorted instead)."""
         f = self.fills
         lid = f.lid_of.long()  # [S]
         ours = f.popular  # [S] bool: the pins this chose last time
@@ -82,11 +93,12 @@ class PopularPins:
         layer = torch.where(movable, lid.clamp(min=0) // self.lids_per_layer, self.n_layers)
         order = torch.argsort(layer * (1 << 40) - score, stable=True)  # by layer, most used first
         in_order = layer[order]
-        counts = torch.bincount(in_order, minlength=self.n_layers + 1)
-        starts = torch.cumsum(counts, 0) - counts
+        layers = torch.arange(self.n_layers + 1, device=lid.device)
+        starts = torch.searchsorted(in_order, layers)  # [L + 1] each layer's first position
         rank = torch.arange(order.numel(), device=order.device) - starts[in_order]
         chosen = torch.zeros_like(ours)
-        chosen[order] = (rank < self.per_layer()) & (in_order < self.n_layers) & (score[order] > 0)
+        keep = (rank < self.per_layer()) & (in_order < self.n_layers) & (score[order] > 0)
+        chosen[order] = keep
         clock = f.state[CLOCK]
         pinned = torch.full_like(f.stamp, PINNED)
         f.stamp.copy_(torch.where(chosen, pinned, torch.where(ours, clock, f.stamp)))

@@ -61,7 +61,7 @@ def test_each_layer_pins_its_most_used_residents(rng_seed):
             mine = [s for s in range(cache.max_slots) if lid_of[s] >= 0
                     and lid_of[s] // experts == layer and s != kept]  # fmt: skip
             ranked = sorted(mine, key=lambda s: (-uses[lid_of[s]], s))
-            want = [s for s in ranked[: pins.per_layer()] if uses[lid_of[s]] > 0]
+            want = [s for s in ranked[: int(pins.per_layer())] if uses[lid_of[s]] > 0]
             got = [s for s in mine if chosen[s]]
             assert sorted(got) == sorted(want), layer
             for s in mine:
@@ -82,16 +82,19 @@ def test_each_layer_pins_its_most_used_residents(rng_seed):
 
 
 def test_a_pinned_slot_is_never_a_victim(rng_seed):
-    """Every slot pinned but one: each miss of another layer takes that one slot (or reads
-    from the host), never a pinned one."""
+    """0.99 of 6 slots over 2 layers: 2 pins a layer, 4 in all; each miss takes one of the 2
+    slots left (or reads from the host), never a pinned one."""
     rng = random.Random(rng_seed)
     layers, experts = 2, 8
     cache = _owned_cache(rng, layers, experts, 6)
     fills = cache.on_device
     pins = PopularPins(fills, experts, 0.99)
     pins.uses.fill_(5)
+    assert int(pins.per_layer()) == 2
     chosen = pins.repin()
+    assert int(chosen.sum()) <= 4
     free = [s for s in range(cache.max_slots) if not chosen[s]]
+    assert len(free) >= 2
     held = {s: int(fills.lid_of[s]) for s in range(cache.max_slots) if chosen[s]}
     for _ in range(10):
         layer = rng.randrange(layers)
@@ -121,6 +124,62 @@ def test_pins_count_only_steps_the_device_owned(rng_seed):
     cache.on_device.release()
     cache.on_device.own()  # the stamps rebuilt from the host's LRU: no pins
     assert not cache.on_device.popular.any()
+
+
+def test_kept_layers_count_for_none_of_the_fraction(rng_seed):
+    """Slots pinned as kept layers (adaptive's whole-layer layout) are not the plans' to use:
+    the pins take their fraction of the others only, so the LRU keeps its share."""
+    rng = random.Random(rng_seed)
+    layers, experts = 4, 8
+    pool = ExpertPool(torch.randn(layers * experts, 6, 4), torch.randn(layers * experts, 4, 3))
+    cache = ExpertCache(pool, 2 * experts + 4, torch.device("cpu"), lids_per_layer=experts)
+    cache.fill(list(range(2 * experts + 4)), set(range(2 * experts + 4)))  # layers 0, 1, 2
+    cache.kept_layers = frozenset({0, 1})
+    cache.on_device.own()
+    fills = cache.on_device
+    pins = PopularPins(fills, experts, 0.8)
+    pins.uses.fill_(rng.randint(1, 9))
+    usable = int((fills.stamp != PINNED).sum())
+    assert usable == 4  # layer 2's residents: the kept layers' 16 slots are PINNED
+    assert int(pins.per_layer()) == int(0.8 * usable) // layers
+    chosen = pins.repin()
+    assert int(chosen.sum()) <= int(0.8 * usable)
+    assert int((fills.stamp != PINNED).sum()) >= usable - int(0.8 * usable) > 0
+
+
+def test_a_hand_back_is_followed_by_a_new_choice(rng_seed):
+    """`own` after a hand-back drops the pins; the first owned step after it chooses them
+    again from the counts (which survive), not only at the next multiple of `every`."""
+    rng = random.Random(rng_seed)
+    cache = _owned_cache(rng, 2, 6, 8)
+    fills = cache.on_device
+    pins = PopularPins(fills, 6, 0.6, every=1000)
+    pins.uses.fill_(3)
+    pins.after_step()  # the first owned step after construction: no hand-back yet
+    assert not fills.popular.any()
+    pins.repin()
+    assert fills.popular.any()
+    fills.release()
+    fills.own()
+    assert not fills.popular.any()
+    pins.after_step()
+    assert fills.popular.any() and int(pins.uses[0]) == 3
+
+
+def test_counts_halve_every_half_life(rng_seed, monkeypatch):
+    from freetoken_agent.engine.experts import popular_pins
+
+    rng = random.Random(rng_seed)
+    monkeypatch.setattr(popular_pins, "HALF_LIFE", 3)
+    cache = _owned_cache(rng, 2, 6, 8)
+    pins = PopularPins(cache.on_device, 6, 0.5, every=1000)
+    start = torch.randint(0, 100, pins.uses.shape, dtype=torch.int32)
+    pins.uses.copy_(start)
+    for _ in range(2):
+        pins.after_step()
+    assert torch.equal(pins.uses, start)
+    pins.after_step()
+    assert torch.equal(pins.uses, start // 2)
 
 
 @pytest.mark.parametrize("fraction", [-0.1, 1.0, 1.5])
@@ -184,6 +243,16 @@ def test_pins_under_captured_graphs_give_the_resident_tokens(tmp_path, rng_seed)
                          popular_pins=0.6, **opts)  # fmt: skip
     bank = engine.loaded.bank
     bank.popular.every = 2
+    repin = bank.popular.repin
+
+    def repin_without_sync():  # between steps, under overlap scheduling: it must not sync
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return repin()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    bank.popular.repin = repin_without_sync
     assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     assert int(bank.popular.uses.sum()) > 0 and bank.popular.steps > 2
     assert bool(bank.cache.on_device.popular.any()), "no step pinned anything"
