@@ -151,9 +151,15 @@ def test_hybrid_checkpoints_at_decode(tmp_path, rng_seed):
     prompt = _prompt(rng, rng.randint(20, 30))
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     free = _load(tmp_path, False).generate(prompt, sp)
-    at = rng.randint(3, 12)
-    anchor = free.token_ids[at]
-    first = free.token_ids.index(anchor)  # the first time it is generated
+    # The anchor: a token generated at 3..12 whose first appearance is past the first token
+    # (one the model also generated first would checkpoint at the prompt's end, not while
+    # decoding; a random tiny model repeats itself).
+    tokens = free.token_ids
+    later = [i for i in range(1, len(tokens)) if tokens.index(tokens[i]) >= 1]
+    assert later, f"the model generated one token only: {tokens}"
+    at = rng.choice([i for i in later if 3 <= i <= 12] or later)
+    anchor = tokens[at]
+    first = tokens.index(anchor)  # the first time it is generated
     every = rng.choice([5, 6, 7])
     cases = [
         # anchors: the follow-up keeps the answer up to the anchor, then diverges there
