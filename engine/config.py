@@ -294,6 +294,11 @@ class EngineConfig:
     # Replayed on skewed synthetic traces 0.8 cut the misses by 18-19%, uniform routing
     # unchanged. Off until measured on the device.
     popular_pins: float = 0.0
+    # The device path's misses cross the link inside the MoE kernels: a moved expert's pairs
+    # read it from the pinned pool and the kernels store each tile they read into its new
+    # slot, so no copy kernel runs before them and a layer's hits compute while its misses
+    # stream (engine/experts/device_path.py). Off until measured on the device.
+    fill_through: bool = False
     # Launch each decode step before the last one's tokens are read on the host, so the
     # step boundary's host work runs beside the device (engine/overlap.py). On: measured on
     # the H200 host, all resident 48 layers b=1 256.5 -> 273.9 tok/s greedy, 209.9 -> 241.6

@@ -47,6 +47,7 @@ def fused_moe(
     max_pairs: int | None = None,
     add: torch.Tensor | None = None,
     rows_settled: bool = False,
+    fill_slot_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]).
 
@@ -62,8 +63,15 @@ def fused_moe(
     then zeroed (`reference.check_add`), in the summing kernel of either path.
     rows_settled: topk_ids were written two or more kernels before this call (the in-graph fill
     plan's rows): the decode path may prefetch their weights early (kernels/triton/pdl.py).
+    fill_slot_of [Nh] int32 (fill-through, with host banks): what the kernels read of host row
+    r they also store into slot fill_slot_of[r] of w13 / w2 where that is >= 0, so a miss
+    crosses the link once, into the slot that keeps it, with no copy kernel before.
     """
     host = dict(host_w13=host_w13, host_w2=host_w2) if host_w13 is not None else {}
+    if fill_slot_of is not None:
+        if not host:
+            raise ValueError("fill_slot_of needs host banks (host_w13, host_w2)")
+        host["fill_slot_of"] = fill_slot_of
     pairs = topk_ids.shape[0] * topk_ids.shape[1]
     if host and pairs > PATH_LIMITS["decode_max_pairs"]:
         raise ValueError(

@@ -196,15 +196,25 @@ def fused_moe(
     host_w13: torch.Tensor | None = None,
     host_w2: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
+    fill_slot_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]); SwiGLU experts.
     With host banks, an id <= -2 names row -id - 2 of host_w13 / host_w2 (`host_ids`).
-    `add` [T, H]: added to the sum before its rounding to out's dtype, then zeroed (`check_add`)."""
+    `add` [T, H]: added to the sum before its rounding to out's dtype, then zeroed (`check_add`).
+    `fill_slot_of` [Nh] int32 (fill-through): host row r is also copied into slot
+    fill_slot_of[r] of w13 / w2 where that is >= 0 (the kernels store the tiles they read)."""
     t, h, i, k = check_moe_shapes(hidden, w13, w2, topk_ids, topk_weights, out)
     check_add(add, hidden)
     host = host_w13 is not None
     if host:
         check_host_banks(w13, host_w13, host_w2)
+    if fill_slot_of is not None:
+        assert host, "fill-through needs host banks"
+        for lid in torch.unique(-topk_ids[topk_ids < -1].long() - 2).tolist():
+            slot = int(fill_slot_of[lid])
+            if slot >= 0:
+                w13[slot].copy_(host_w13[lid])
+                w2[slot].copy_(host_w2[lid])
     if out is None:
         out = torch.empty_like(hidden)
     ids = topk_ids.reshape(-1).long()  # [P]

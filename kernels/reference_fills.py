@@ -80,12 +80,16 @@ def plan_fills(
     live_pairs: int | None = None,
     post: CpuPost | None = None,
     uses: Tensor | None = None,
+    through: bool = False,
 ) -> Tensor:
     """One layer's plan, in place on the state; returns rows [P] int64 for `fused_moe` with
     host banks: the slot of each pair's lid, its host id when it stayed absent, -1 for pairs
     at or past `live_pairs` (None: state[LIVE_PAIRS], a captured graph's padded rows) and for
     the CPU's share (posted to `post.box`). `uses` [N] int32: each distinct lid the layer
-    routes to counts one use (engine/experts/popular_pins.py reads them)."""
+    routes to counts one use (engine/experts/popular_pins.py reads them). `through`
+    (fill-through): a lid this plan moved keeps its host id in the rows, so the MoE kernels
+    read it from the host and store it into its new slot as they go (`copy_fills` then has
+    nothing to do for it)."""
     p = ids.numel()
     live = min(p, int(state[LIVE_PAIRS]) if live_pairs is None else live_pairs)
     lids = ids.reshape(-1)[:live].long() + base
@@ -130,6 +134,9 @@ def plan_fills(
     state[CPU_EXPERTS] += len(on_cpu)
     rows = torch.full((p,), -1, dtype=torch.int64, device=ids.device)
     slots = slot_of[lids].long()
+    if through and filled:
+        moved = torch.isin(lids, moves[:filled, 0].to(lids.device))
+        slots = torch.where(moved, -1, slots)
     rows[:live] = torch.where(slots >= 0, slots, -lids - 2)
     if on_cpu:
         cpu = torch.isin(lids, torch.tensor(on_cpu, dtype=torch.int64, device=lids.device))

@@ -79,21 +79,28 @@ class DevicePath:
         shared = share is not None and bank.policy == "adaptive"
         post = share.post(hidden, weights) if shared else None
         uses = bank.popular.uses if bank.popular is not None else None
+        # EngineConfig.fill_through: a moved expert's pairs read it from the pool and the MoE
+        # kernels store it into its slot as they go; no copy kernel (but the CPU's answer).
+        through = bank.fill_through
         rows = plan_fills(topk_ids, layer * bank.n_experts, cache.slot_of, fills.lid_of,
                           fills.stamp, fills.state, fills.moves, live_pairs, post,
-                          uses=uses)  # fmt: skip
+                          uses=uses, through=through)  # fmt: skip
         if bank.l2 is not None:  # the rows' gate/up lines into L2 beside the fill copy
             bank.l2.start(prefetch_rows, cache.w13, rows, MOE_ROW_FRACTION)
         box, add = (share.box, share.answer(hidden.shape[0])) if shared else (None, None)
-        copy_fills(fills.state, fills.moves, pool.w13, pool.w2, cache.w13, cache.w2, box, add,
-                   timeout_s=share.timeout_s if shared else 0.0)  # fmt: skip
+        if shared or not through:
+            copy_fills(fills.state, fills.moves, pool.w13, pool.w2, cache.w13, cache.w2, box,
+                       add, timeout_s=share.timeout_s if shared else 0.0,
+                       copy=not through)  # fmt: skip
         if bank.l2 is not None:
             bank.l2.join(hidden.device)
         # rows_settled: the plan wrote the rows, and the copy kernel runs between it and the
-        # MoE kernels (FREETOKEN_PDL's `prefetch` may then read them early).
+        # MoE kernels (FREETOKEN_PDL's `prefetch` may then read them early; not with
+        # fill-through, where the plan is the kernel just before).
         return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
                          host_w13=pool.w13, host_w2=pool.w2, add=add,
-                         rows_settled=True)  # fmt: skip
+                         rows_settled=shared or not through,
+                         fill_slot_of=cache.slot_of if through else None)  # fmt: skip
 
     def before_whole_step(self, n_tokens: int | None) -> None:
         """Before a whole-step graph replays `n_tokens` real tokens (None: before capture,

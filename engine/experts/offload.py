@@ -110,11 +110,13 @@ class OffloadedExpertBank(GraphDecode):
         arena: ElasticArena | None = None,
         fill_behind: bool = False,
         popular_pins: float = 0.0,
+        fill_through: bool = False,
     ) -> None:
         """`arena`: the slots are the arena's (engine/arena.py; `n_slots` then comes from its
         boundary), so the memory manager can resize the cache at runtime. `fill_behind`:
         EngineConfig.fill_behind (AdaptiveFetches.behind). `popular_pins`: EngineConfig's,
-        the fraction of slots the device path pins for their use (popular_pins.py)."""
+        the fraction of slots the device path pins for their use (popular_pins.py).
+        `fill_through`: EngineConfig's (device_path.py)."""
         self.spec = spec
         self.n_experts = spec.n_experts
         self.pool = pool
@@ -122,6 +124,7 @@ class OffloadedExpertBank(GraphDecode):
         self.device = device
         self.policy = policy
         self.fill_behind = fill_behind
+        self.fill_through = fill_through
         self.bandwidths = bandwidths or Bandwidths()
         # Policy adaptive's choice of fetches (adaptive.py).
         # Decode tokens a layer's device-side fills serve at most: the decode kernels read

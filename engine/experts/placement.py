@@ -173,6 +173,7 @@ def make_bank(
         arena=arena,
         fill_behind=config.fill_behind,
         popular_pins=config.popular_pins,
+        fill_through=config.fill_through,
     )
 
 

@@ -85,7 +85,7 @@ def _plan_kernel(
     ids_ptr, rows_ptr, slot_of, lid_of, stamp, state, moves, base, P, live_pairs, S,
     box_ctrl, box_rows, box_weights, box_hidden, hidden, weights, T, TH, uses,
     LIMITED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, SHARE: tl.constexpr,
-    SYS: tl.constexpr, BLOCK_H: tl.constexpr, COUNT: tl.constexpr,
+    SYS: tl.constexpr, BLOCK_H: tl.constexpr, COUNT: tl.constexpr, THROUGH: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)  # first: pdl.py
@@ -118,6 +118,7 @@ def _plan_kernel(
     filled = n_miss * 0
     n_cpu = n_miss * 0
     on_cpu = offs < 0  # [BLOCK_P] pairs whose lid the CPU computes
+    moved = offs < 0  # [BLOCK_P] pairs whose lid this plan filled (THROUGH: read from the host)
     share = clock * 0
     if SHARE:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
         share = tl.load(state + _CPU_SHARE)
@@ -137,6 +138,7 @@ def _plan_kernel(
         on_cpu = on_cpu | (live & (lid == new) & to_cpu)
         n_cpu += to_cpu.to(tl.int32)
         found = best_v < clock
+        moved = moved | (live & (lid == new) & found)
         old = tl.load(lid_of + best_i, mask=found, other=-1)
         tl.store(slot_of + old, -1, mask=found & (old >= 0))
         tl.store(lid_of + best_i, new.to(tl.int32), mask=found)
@@ -147,6 +149,8 @@ def _plan_kernel(
         filled += found.to(tl.int32)
         tl.debug_barrier()
     slot = tl.load(slot_of + lid, mask=live, other=-1).to(tl.int64)
+    if THROUGH:  # a moved lid's pairs read it from the host, storing it into its slot
+        slot = tl.where(moved, -1, slot)
     rows = tl.where(slot >= 0, slot, -lid - 2)
     tl.store(rows_ptr + offs, tl.where(live & ~on_cpu, rows, -1), mask=offs < P)
     n_hit = tl.sum(hit.to(tl.int64), axis=0)
@@ -184,13 +188,15 @@ def _copy_kernel(
     state, moves, src13, src2, dst13, dst2, s_stride13, s_stride2, d_stride13, d_stride2, n13, n2,
     box_ctrl, box_out, add, TH, timeout,
     PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr, SYS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, COPY: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)  # first: pdl.py
     c13 = tl.cdiv(n13, BLOCK)
     per = c13 + tl.cdiv(n2, BLOCK)  # chunks of one expert
     total = tl.load(state + _MOVES).to(tl.int32) * per
+    if not COPY:  # fill-through: the MoE kernels store the moved rows
+        total = 0
     offs = tl.arange(0, BLOCK)
     for w in range(tl.program_id(0), total, PROGRAMS):
         move = w // per
@@ -247,7 +253,7 @@ def _sys_ordering() -> bool:
 
 def plan_fills(
     ids, base, slot_of, lid_of, stamp, state, moves, live_pairs, post: CpuPost | None = None,
-    uses: torch.Tensor | None = None,
+    uses: torch.Tensor | None = None, through: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Twin of `reference_fills.plan_fills` (same contract); one launch, no host sync."""
     p = ids.numel()
@@ -266,14 +272,15 @@ def plan_fills(
         ids, rows, slot_of, lid_of, stamp, state, moves, base, p, live, stamp.numel(), *box, t,
         th, uses if uses is not None else slot_of, LIMITED=limited,
         BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=BLOCK_S, SHARE=post is not None,
-        SYS=_sys_ordering(), BLOCK_H=BLOCK_H, COUNT=uses is not None, num_warps=4,
+        SYS=_sys_ordering(), BLOCK_H=BLOCK_H, COUNT=uses is not None, THROUGH=through,
+        num_warps=4,
         **pdl_launch(ids.device),
     )  # fmt: skip
     return rows
 
 
 def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=None,
-               timeout_s: float = TIMEOUT_S) -> None:  # fmt: skip
+               timeout_s: float = TIMEOUT_S, copy: bool = True) -> None:  # fmt: skip
     """Twin of `reference_fills.copy_fills` (and its collection of the CPU's answer into `add`
     when `box` is given); a fixed grid, no host sync. The interpreter counts spins for the
     timeout, each some hundreds of microseconds there: 10,000 a second of `timeout_s`."""
@@ -287,6 +294,6 @@ def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=Non
         state, moves, src_w13, src_w2, dst_w13, dst_w2, src_w13.stride(0), src_w2.stride(0),
         dst_w13.stride(0), dst_w2.stride(0), src_w13[0].numel(), src_w2[0].numel(),
         ctrl, out, add, th, timeout,
-        PROGRAMS=grid, BLOCK=COPY_BLOCK, WAIT=wait, SYS=sys, BLOCK_H=BLOCK_H,
+        PROGRAMS=grid, BLOCK=COPY_BLOCK, WAIT=wait, SYS=sys, BLOCK_H=BLOCK_H, COPY=copy,
         **pdl_launch(state.device),
     )  # fmt: skip

@@ -64,6 +64,16 @@ def _row_ptr(bank_ptr, stride, host_ptr, host_stride, row, HOST: tl.constexpr):
 
 
 @triton.jit
+def _fill_row(bank_ptr, stride, slot_of_ptr, row):
+    """Fill-through: the slot row a host row's tiles are also stored into (the fill plan gave
+    its lid that slot, `slot_of`), and whether there is one (a miss left without a slot is
+    only read)."""
+    lid = tl.maximum(-row - 2, 0).to(tl.int64)
+    slot = tl.load(slot_of_ptr + lid)
+    return bank_ptr + tl.maximum(slot, 0).to(tl.int64) * stride, (row < -1) & (slot >= 0)
+
+
+@triton.jit
 def _prefetch_rows(ids_ptr, p, i0, w13_ptr, stride13, H, I, BLOCK_I: tl.constexpr,  # noqa: E741
                    PDL: tl.constexpr):  # fmt: skip
     """With PREFETCH (launched so only where the rows are the fill plan's, two kernels back:
@@ -92,6 +102,7 @@ def _decode_gate_up_kernel(
     stride13,  # elements between w13 rows (2I*H dense; larger for arena slots)
     hw13_ptr,  # [Nh, 2I, H] host bank (HOST), read over the link; else any bank
     hstride13,
+    slot_of_ptr,  # [Nh] int32 (FILL): the slot each host row's lid was given, or -1
     P,
     H,
     I,  # noqa: E741 (the shape legend's name)
@@ -103,6 +114,7 @@ def _decode_gate_up_kernel(
     PREC: tl.constexpr,
     SPLIT: tl.constexpr,
     HOST: tl.constexpr,
+    FILL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -122,6 +134,9 @@ def _decode_gate_up_kernel(
     # [BLOCK_H, BLOCK_I] tiles of the gate rows; the up rows sit I * H elements further.
     w_row = _row_ptr(w13_ptr, stride13, hw13_ptr, hstride13, row, HOST)
     w_ptrs = w_row + offs_i[None, :] * H + offs_h[:, None]
+    if FILL:  # a host row's tiles also go into its new slot, as they are read
+        f_row, f_ok = _fill_row(w13_ptr, stride13, slot_of_ptr, row)
+        f_ptrs = f_row + offs_i[None, :] * H + offs_h[:, None]
     for m0 in range(0, n_group, BLOCK_M):  # more than BLOCK_M members: rare, re-reads from L2
         pair = _members(same, rank, m0, BLOCK_M, BLOCK_P)
         valid = (m0 + offs_m) < n_group
@@ -134,6 +149,10 @@ def _decode_gate_up_kernel(
             w_mask = h_mask[:, None] & i_mask[None, :]
             wg = tl.load(w_ptrs + h0, mask=w_mask, other=0.0)
             wu = tl.load(w_ptrs + I * H + h0, mask=w_mask, other=0.0)
+            if FILL:  # noqa: SIM102 - a compile-time branch around a run-time one (Triton)
+                if f_ok:
+                    tl.store(f_ptrs + h0, wg, mask=w_mask)
+                    tl.store(f_ptrs + I * H + h0, wu, mask=w_mask)
             acc_g = tl.dot(x, wg, acc_g, input_precision=PREC)
             acc_u = tl.dot(x, wu, acc_u, input_precision=PREC)
         act = acc_g * tl.sigmoid(acc_g) * acc_u  # SwiGLU in fp32
@@ -158,6 +177,7 @@ def _decode_down_kernel(
     stride2,  # elements between w2 rows (H*I dense; larger for arena slots)
     hw2_ptr,  # [Nh, H, I] host bank (HOST); else any bank
     hstride2,
+    slot_of_ptr,  # [Nh] int32 (FILL), as gate/up's
     P,
     H,
     I,  # noqa: E741 (the shape legend's name)
@@ -168,6 +188,7 @@ def _decode_down_kernel(
     PREC: tl.constexpr,
     SPLIT: tl.constexpr,
     HOST: tl.constexpr,
+    FILL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     enter(PDL)  # first: pdl.py
@@ -184,6 +205,9 @@ def _decode_down_kernel(
     n_mask = offs_n < H
     w_row = _row_ptr(w2_ptr, stride2, hw2_ptr, hstride2, row, HOST)
     w_ptrs = w_row + offs_n[None, :] * I + offs_k[:, None]
+    if FILL:
+        f_row, f_ok = _fill_row(w2_ptr, stride2, slot_of_ptr, row)
+        f_ptrs = f_row + offs_n[None, :] * I + offs_k[:, None]
     for m0 in range(0, n_group, BLOCK_M):
         pair = _members(same, rank, m0, BLOCK_M, BLOCK_P)
         valid = (m0 + offs_m) < n_group
@@ -193,6 +217,9 @@ def _decode_down_kernel(
             k_mask = (k0 + offs_k) < I
             a_mask = valid[:, None] & k_mask[None, :]
             w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if FILL:  # noqa: SIM102 - a compile-time branch around a run-time one (Triton)
+                if f_ok:
+                    tl.store(f_ptrs + k0, w, mask=k_mask[:, None] & n_mask[None, :])
             acc = tl.dot(
                 tl.load(hi_ptr + a_off + k0, mask=a_mask, other=0.0), w, acc, input_precision=PREC
             )
@@ -215,10 +242,13 @@ def fused_moe_decode(
     host_w2: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
     rows_settled: bool = False,
+    fill_slot_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bandwidth-bound path for few pairs; no host sync, safe under CUDA-graph capture. With
     host banks (pinned host memory on CUDA), ids <= -2 name their rows (`reference.host_ids`):
-    the kernels read those experts over the link themselves, with no copy into a slot.
+    the kernels read those experts over the link themselves, with no copy into a slot; with
+    `fill_slot_of` [Nh] int32 (fill-through) they also store what they read of host row r into
+    slot fill_slot_of[r] of w13 / w2 where that is >= 0.
     `add` [T, H]: added before the rounding and zeroed, in the summing kernel.
     `rows_settled`: topk_ids were written two or more kernels before this call's first launch
     (the fill plan's rows): under FREETOKEN_PDL's `prefetch`, gate/up asks L2 for its rows
@@ -230,6 +260,11 @@ def fused_moe_decode(
         _check_host(hidden, w13, host_w13, host_w2)
     else:
         host_w13, host_w2 = w13, w2  # never read: HOST is off
+    fill = fill_slot_of is not None
+    if fill:
+        assert host and fill_slot_of.dtype == torch.int32, "fill-through needs host banks"
+        assert fill_slot_of.numel() == host_w13.shape[0], "fill_slot_of: one slot a host row"
+    slot_of = fill_slot_of if fill else topk_ids  # never read without FILL
     p = t * k
     assert p <= DECODE_MAX_PAIRS, f"decode path takes at most {DECODE_MAX_PAIRS} pairs, got {p}"
     if out is None:
@@ -243,15 +278,17 @@ def fused_moe_decode(
     y = torch.empty(p, h, dtype=torch.float32, device=hidden.device)  # [P, H]
     _decode_gate_up_kernel[(p * triton.cdiv(i, c["BLOCK_I"]),)](
         hidden, w13, topk_ids, act[0], act[-1], w13.stride(0), host_w13, host_w13.stride(0),
-        p, h, i,
+        slot_of, p, h, i,
         K=k, BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_I=c["BLOCK_I"], BLOCK_H=c["BLOCK_H"],
-        PREC=prec, SPLIT=split, HOST=host, num_warps=c["WARPS_UP"], num_stages=c["STAGES_UP"],
+        PREC=prec, SPLIT=split, HOST=host, FILL=fill, num_warps=c["WARPS_UP"],
+        num_stages=c["STAGES_UP"],
         **pdl_launch(hidden.device, heavy=True, prefetch=rows_settled),
     )  # fmt: skip
     _decode_down_kernel[(p * triton.cdiv(h, c["BLOCK_N"]),)](
-        act[0], act[-1], w2, topk_ids, y, w2.stride(0), host_w2, host_w2.stride(0), p, h, i,
+        act[0], act[-1], w2, topk_ids, y, w2.stride(0), host_w2, host_w2.stride(0), slot_of,
+        p, h, i,
         BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-        PREC=prec, SPLIT=split, HOST=host, num_warps=c["WARPS_DOWN"],
+        PREC=prec, SPLIT=split, HOST=host, FILL=fill, num_warps=c["WARPS_DOWN"],
         num_stages=c["STAGES_DOWN"],
         **pdl_launch(hidden.device, heavy=True),
     )  # fmt: skip

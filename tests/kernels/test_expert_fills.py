@@ -99,6 +99,7 @@ def _run_both(rng, n_lids_layers, n_slots, steps, live_from_state):
     # The popularity counts (popular_pins.py), from random starting values; every other run
     # counts none, as an engine without the pins.
     count = rng.random() < 0.5
+    through = rng.random() < 0.5  # fill-through: moved lids keep their host ids in the rows
     ua = torch.randint(0, 50, (n_layers * n_experts,), dtype=torch.int32) if count else None
     ub = ua.clone() if count else None
     want = ua.clone() if count else None
@@ -107,18 +108,23 @@ def _run_both(rng, n_lids_layers, n_slots, steps, live_from_state):
         if live_from_state:  # a captured graph: padded rows past the step's real pairs
             live = rng.randrange(1, ids.numel() + 1)
             a[3][ref.LIVE_PAIRS] = b[3][ref.LIVE_PAIRS] = live
-            ra = plan_fills(ids, base, *a, ma, uses=ua)
-            rb = plan_fills(ids, base, *b, mb, uses=ub, force_triton=True)
+            ra = plan_fills(ids, base, *a, ma, uses=ua, through=through)
+            rb = plan_fills(ids, base, *b, mb, uses=ub, through=through, force_triton=True)
             assert rb[live:].eq(-1).all()
         else:
             live = ids.numel()
-            ra = plan_fills(ids, base, *a, ma, live_pairs=live, uses=ua)
-            rb = plan_fills(ids, base, *b, mb, live_pairs=live, uses=ub, force_triton=True)
+            ra = plan_fills(ids, base, *a, ma, live_pairs=live, uses=ua, through=through)
+            rb = plan_fills(ids, base, *b, mb, live_pairs=live, uses=ub, through=through,
+                            force_triton=True)  # fmt: skip
         assert torch.equal(ra, rb)
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
         n = int(a[3][ref.MOVES])
         assert torch.equal(ma[:n], mb[:n])
+        lids = ids.reshape(-1)[:live].long() + base
+        for lid, slot in ma[:n].tolist():  # a moved lid: its slot now, or read from the host
+            row = -lid - 2 if through else slot
+            assert (ra[:live][lids == lid] == row).all(), (through, lid, slot)
         if count:  # each distinct lid of the live pairs: one use, in both
             want[torch.unique(ids.reshape(-1)[:live].long()) + base] += 1
             assert torch.equal(ua, want) and torch.equal(ub, want)
@@ -219,7 +225,7 @@ types = dict(ids_ptr="*i32", rows_ptr="*i64", slot_of="*i32", lid_of="*i32", sta
 out = {}
 for count in (False, True):
     consts = dict(LIMITED=True, BLOCK_P=16, BLOCK_S=1024, SHARE=False, SYS=True, BLOCK_H=1024,
-                  COUNT=count, PDL=0)
+                  COUNT=count, THROUGH=False, PDL=0)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in _plan_kernel.arg_names}
     ptx = compile(ASTSource(_plan_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                   options=dict(num_warps=4)).asm["ptx"]

@@ -429,6 +429,64 @@ def test_host_bank_pairs_equal_one_combined_bank(rng_seed, dtype, t):
     assert (got[skipped] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t", [1, 5])
+def test_fill_through_stores_the_host_rows_it_reads_into_their_slots(rng_seed, dtype, t):
+    """Fill-through (`fill_slot_of`): the pairs compute what they compute without it, bit for
+    bit, and afterwards each host row that was given a slot sits in that slot of both banks,
+    whole; a host row given none (-1) is only read; every other slot is untouched. The
+    reference does the same."""
+    hidden, s13, s2, h13, h2, ids, wts, *_ = split_banks(rng_seed, t, 4, dtype)
+    g = torch.Generator().manual_seed(rng_seed + 1)
+    used = sorted(set((-ids[ids < -1] - 2).tolist()))
+    spare = len(used) + 1  # victims: slots no pair reads (the plan's rule: not this layer's)
+    s13 = torch.cat([s13, torch.randn(spare, *s13.shape[1:], generator=g).to(dtype)])
+    s2 = torch.cat([s2, torch.randn(spare, *s2.shape[1:], generator=g).to(dtype)])
+    slot_of = torch.full((h13.shape[0],), -1, dtype=torch.int32)
+    victims = torch.randperm(spare, generator=g)[: len(used)] + (s13.shape[0] - spare)
+    given = {lid: int(v) for lid, v in zip(used, victims.tolist(), strict=False)}
+    if len(given) > 1:  # one used host row left without a slot: read only
+        given.pop(list(given)[int(torch.randint(len(given), (1,), generator=g))])
+    for lid, slot in given.items():
+        slot_of[lid] = slot
+    for impl in ("triton", "reference"):
+        b13, b2 = s13.clone(), s2.clone()
+        if impl == "triton":
+            plain = triton_moe.fused_moe_decode(
+                hidden,
+                s13.clone(),
+                s2.clone(),
+                ids,
+                wts,
+                tiles=SMALL_DECODE,
+                host_w13=h13,
+                host_w2=h2,
+            )
+            got = triton_moe.fused_moe_decode(
+                hidden,
+                b13,
+                b2,
+                ids,
+                wts,
+                tiles=SMALL_DECODE,
+                host_w13=h13,
+                host_w2=h2,
+                fill_slot_of=slot_of,
+            )
+        else:
+            plain = fused_moe_reference(
+                hidden, s13.clone(), s2.clone(), ids, wts, host_w13=h13, host_w2=h2
+            )
+            got = fused_moe_reference(hidden, b13, b2, ids, wts, host_w13=h13, host_w2=h2,
+                                      fill_slot_of=slot_of)  # fmt: skip
+        assert torch.equal(got, plain), impl
+        for slot in range(s13.shape[0]):
+            lid = next((lid for lid, v in given.items() if v == slot), None)
+            want13 = h13[lid] if lid is not None else s13[slot]
+            want2 = h2[lid] if lid is not None else s2[slot]
+            assert torch.equal(b13[slot], want13) and torch.equal(b2[slot], want2), (impl, slot)
+
+
 def test_host_banks_refused_beyond_decode_batches(rng_seed):
     hidden, s13, s2, h13, h2, ids, wts, *_ = split_banks(rng_seed, 40, 4, torch.float32)
     with pytest.raises(ValueError, match="host banks serve decode batches of at most 128"):

@@ -225,7 +225,7 @@ for flags in (3, 7):
 up_types = dict(x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64", hi_ptr="*bf16", lo_ptr="*bf16",
                 hw13_ptr="*bf16")
 consts = dict(K=8, BLOCK_P=16, BLOCK_M=16, BLOCK_I=32, BLOCK_H=128, PREC="tf32", SPLIT=True,
-              HOST=True, PDL=7)
+              HOST=True, FILL=False, PDL=7)
 out["up7"] = ptx(_decode_gate_up_kernel, consts, up_types)
 print(json.dumps(out))
 """
