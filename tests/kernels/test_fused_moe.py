@@ -4,7 +4,10 @@ Shape legend: T tokens, H hidden, I expert width, N bank rows, K top-k, P = T * 
 Interpreted tests use fp32/fp16 (the interpreter gets bf16 wrong); bf16 runs in the gpu tests.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -485,6 +488,42 @@ def test_fill_through_stores_the_host_rows_it_reads_into_their_slots(rng_seed, d
             want13 = h13[lid] if lid is not None else s13[slot]
             want2 = h2[lid] if lid is not None else s2[slot]
             assert torch.equal(b13[slot], want13) and torch.equal(b2[slot], want2), (impl, slot)
+
+
+# Compiles the decode kernels for sm_90 (no GPU needed) with and without fill-through, in a
+# process of its own (this one imported the kernels under the interpreter).
+_COMPILE_FILL = """
+import json, re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from freetoken_agent.kernels.triton.moe_decode import _decode_gate_up_kernel, _decode_down_kernel
+def ptx(fn, consts, types):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    return compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=4)).asm["ptx"]
+out = {}
+for fill in (False, True):
+    up = ptx(_decode_gate_up_kernel, dict(K=8, BLOCK_P=16, BLOCK_M=16, BLOCK_I=32, BLOCK_H=128,
+             PREC="tf32", SPLIT=True, HOST=True, FILL=fill, PDL=0),
+             dict(x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64", hi_ptr="*bf16", lo_ptr="*bf16",
+                  hw13_ptr="*bf16", slot_of_ptr="*i32"))
+    down = ptx(_decode_down_kernel, dict(BLOCK_P=16, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64,
+               PREC="tf32", SPLIT=True, HOST=True, FILL=fill, PDL=0),
+               dict(hi_ptr="*bf16", lo_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i64", y_ptr="*fp32",
+                    hw2_ptr="*bf16", slot_of_ptr="*i32"))
+    out[str(fill)] = [len(re.findall(r"st\\.global", up)), len(re.findall(r"st\\.global", down))]
+print(json.dumps(out))
+"""
+
+
+def test_fill_through_compiles_for_sm90_with_the_slot_stores():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FILL], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    stores = json.loads(done.stdout.strip().splitlines()[-1])
+    (up, down), (up_fill, down_fill) = stores["False"], stores["True"]
+    assert up_fill > up and down_fill > down, stores
 
 
 def test_host_banks_refused_beyond_decode_batches(rng_seed):
