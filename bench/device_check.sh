@@ -58,6 +58,8 @@
 #         EngineConfig.l2_prefetch off and on, ~6 min)
 #         popular-pins (48 layers / 32 GB, Zipf: adaptive and gpu-fill with
 #         EngineConfig.popular_pins 0, then 0.8; ~8 min)
+#         fill-through (its GPU tests, then 48 layers / 32 GB, native and Zipf, adaptive and
+#         gpu-fill with EngineConfig.fill_through off, then on; ~9 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -101,6 +103,17 @@ for stage in "$@"; do
         timeout 280 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
           --rounds 1 --regimes zipf:1.0,loc:0.7 --policies adaptive gpu-fill --decode 320 \
           --popular-pins $f --out "$OUT/pins_$f" 2>&1 | tee "$OUT/popular_pins_$f.log" \
+          | grep "|b" | grep -v "round[0-9]" | grep " | " | cut -c1-200
+      done ;;
+    fill-through)  # fill-through's GPU tests, then 48 layers / 32 GB, native and Zipf, b=1
+      # and 4, adaptive and gpu-fill, EngineConfig.fill_through off then on (~9 min)
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/engine/experts/test_fill_through.py 2>&1 | tee "$OUT/fill_through_tests.log" \
+        | tail -3
+      for f in no-fill-through fill-through; do
+        timeout 300 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
+          --rounds 1 --regimes native zipf:1.0,loc:0.7 --policies adaptive gpu-fill \
+          --$f --out "$OUT/$f" 2>&1 | tee "$OUT/$f.log" \
           | grep "|b" | grep -v "round[0-9]" | grep " | " | cut -c1-200
       done ;;
     tests-kernels)

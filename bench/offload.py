@@ -276,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         "fraction of the slots pinned for each layer's most used experts (default 0: LRU)",
     )
     parser.add_argument(
+        "--fill-through",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="EngineConfig.fill_through: the device paths' MoE kernels store each moved expert "
+        "into its slot as they read it from the pool, no copy kernel (default off)",
+    )
+    parser.add_argument(
         "--shared-gate",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -290,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     engine, b_p, b_h = offload_engine(args.layers, args.budget_gb, args.chunk)
     bank = engine.loaded.bank
     bank.fill_behind = args.fill_behind
+    bank.fill_through = args.fill_through  # before the graphs are captured (each regime's)
     if args.popular_pins:  # loaded under transfer: the device paths' pins are made here
         bank.popular = PopularPins(bank.cache.on_device, engine.spec.n_experts, args.popular_pins)
     engine.overlap.enabled = args.overlap
@@ -312,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget_gb": args.budget_gb,
         "fill_behind": args.fill_behind,
         "popular_pins": args.popular_pins,
+        "fill_through": args.fill_through,
         "overlap": args.overlap,
         "adaptive_path": args.adaptive_path,  # None: measured (step_paths.py)
         "shared_gate": args.shared_gate,
