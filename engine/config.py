@@ -297,7 +297,8 @@ class EngineConfig:
     # The device path's misses cross the link inside the MoE kernels: a moved expert's pairs
     # read it from the pinned pool and the kernels store each tile they read into its new
     # slot, so no copy kernel runs before them and a layer's hits compute while its misses
-    # stream (engine/experts/device_path.py). Off until measured on the device.
+    # stream (engine/experts/device_path.py). Not where the decode graph holds adaptive's
+    # CPU worker (its shared path): there the copy kernel stays. Off until measured.
     fill_through: bool = False
     # Launch each decode step before the last one's tokens are read on the host, so the
     # step boundary's host work runs beside the device (engine/overlap.py). On: measured on

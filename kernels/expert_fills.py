@@ -42,7 +42,7 @@ def plan_fills(
     posted to its mailbox (`copy_fills` collects the answer). `uses` [N] int32: one more for
     each distinct lid the layer routes to. `through` (fill-through): a moved lid keeps its
     host id in the rows; `fused_moe(fill_slot_of=slot_of)` stores it into its slot as it reads
-    it, and `copy_fills(copy=False)` moves nothing."""
+    it, and no `copy_fills` follows."""
     p = ids.numel()
     if moves.shape[0] < p:
         raise ValueError(f"moves holds {moves.shape[0]} fills, the layer has {p} pairs")
@@ -80,13 +80,11 @@ def copy_fills(
     add: Tensor | None = None,
     *,
     timeout_s: float = TIMEOUT_S,
-    copy: bool = True,
     force_triton: bool = False,
 ) -> None:
     """The last plan's moves, dst[slot] = src[lid] in both banks (rows dense inside); with
     `box`, then the CPU's answer to the last plan's post into `add` [T, H] (nothing when it
-    posted nothing; reference_fills.wait_cpu). `copy` False (fill-through: the MoE kernels
-    store the moved rows): only the CPU's answer."""
+    posted nothing; reference_fills.wait_cpu)."""
     if src_w13.shape[1:] != dst_w13.shape[1:] or src_w2.shape[1:] != dst_w2.shape[1:]:
         raise ValueError("pool and slot rows differ in shape")
     if not all(t[0].is_contiguous() for t in (src_w13, src_w2, dst_w13, dst_w2)):
@@ -95,12 +93,10 @@ def copy_fills(
                             add.shape[0] > box.max_tokens):  # fmt: skip
         raise ValueError(f"add must be contiguous with at most {box.max_tokens} rows")
     if not use_triton(dst_w13, force_triton, "copy_fills"):
-        if copy:
-            reference.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2)
+        reference.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2)
         if box is not None:
             reference.wait_cpu(state, box, add, timeout_s)
         return
     from freetoken_agent.kernels.triton import expert_fills as triton_impl
 
-    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box, add, timeout_s,
-                           copy)  # fmt: skip
+    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box, add, timeout_s)

@@ -88,8 +88,8 @@ def plan_fills(
     the CPU's share (posted to `post.box`). `uses` [N] int32: each distinct lid the layer
     routes to counts one use (engine/experts/popular_pins.py reads them). `through`
     (fill-through): a lid this plan moved keeps its host id in the rows, so the MoE kernels
-    read it from the host and store it into its new slot as they go (`copy_fills` then has
-    nothing to do for it)."""
+    read it from the host and store it into its new slot as they go (no `copy_fills`
+    follows: the moves stay listed for the counters and the tests)."""
     p = ids.numel()
     live = min(p, int(state[LIVE_PAIRS]) if live_pairs is None else live_pairs)
     lids = ids.reshape(-1)[:live].long() + base

@@ -5,7 +5,10 @@ Policy gpu-fill runs it for every decode step, adaptive for the steps its PathTr
 layer's lids up and gives each miss a victim slot, or, on the shared path, sends the CPU
 worker its share of them (cpu_share.py); the copy kernel moves the link's share from the
 pinned pool and collects the worker's answer; the MoE kernels compute from the slots and add
-it. The cache belongs to the device meanwhile (device_fills.py: `own`, `release`).
+it. With EngineConfig.fill_through and no CPU worker in the graph, there is no copy kernel:
+the MoE kernels read each moved expert from the pool and store it into its slot as they go
+(a group of more than 16 pairs on one moved expert reads it over the link once per 16). The
+cache belongs to the device meanwhile (device_fills.py: `own`, `release`).
 
 The bank keeps the state; this class is its device-path half (as GraphDecode is its half under
 segmented graphs), split out to keep each file to one concept.
@@ -80,26 +83,28 @@ class DevicePath:
         post = share.post(hidden, weights) if shared else None
         uses = bank.popular.uses if bank.popular is not None else None
         # EngineConfig.fill_through: a moved expert's pairs read it from the pool and the MoE
-        # kernels store it into its slot as they go; no copy kernel (but the CPU's answer).
-        through = bank.fill_through
+        # kernels store it into its slot as they go, with no copy kernel. Not where the graph
+        # holds the CPU worker's wait: the copy kernel's copies run beside the worker and its
+        # wait comes after them, where fills inside the MoE kernels would come after the wait,
+        # adding the two times the CPU's share balances as parallel.
+        through = bank.fill_through and not shared
         rows = plan_fills(topk_ids, layer * bank.n_experts, cache.slot_of, fills.lid_of,
                           fills.stamp, fills.state, fills.moves, live_pairs, post,
                           uses=uses, through=through)  # fmt: skip
-        if bank.l2 is not None:  # the rows' gate/up lines into L2 beside the fill copy
+        prefetch = bank.l2 is not None and not through  # (beside the fill copy: none here)
+        if prefetch:  # the rows' gate/up lines into L2 beside the fill copy
             bank.l2.start(prefetch_rows, cache.w13, rows, MOE_ROW_FRACTION)
         box, add = (share.box, share.answer(hidden.shape[0])) if shared else (None, None)
-        if shared or not through:
+        if not through:
             copy_fills(fills.state, fills.moves, pool.w13, pool.w2, cache.w13, cache.w2, box,
-                       add, timeout_s=share.timeout_s if shared else 0.0,
-                       copy=not through)  # fmt: skip
-        if bank.l2 is not None:
+                       add, timeout_s=share.timeout_s if shared else 0.0)  # fmt: skip
+        if prefetch:
             bank.l2.join(hidden.device)
         # rows_settled: the plan wrote the rows, and the copy kernel runs between it and the
         # MoE kernels (FREETOKEN_PDL's `prefetch` may then read them early; not with
         # fill-through, where the plan is the kernel just before).
         return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
-                         host_w13=pool.w13, host_w2=pool.w2, add=add,
-                         rows_settled=shared or not through,
+                         host_w13=pool.w13, host_w2=pool.w2, add=add, rows_settled=not through,
                          fill_slot_of=cache.slot_of if through else None)  # fmt: skip
 
     def before_whole_step(self, n_tokens: int | None) -> None:

@@ -146,6 +146,9 @@ class OffloadedExpertBank(GraphDecode):
         device_paths = policy in ("gpu-fill", "adaptive")
         self.popular = (PopularPins(self.cache.on_device, spec.n_experts, popular_pins)
                         if popular_pins > 0 and device_paths else None)  # fmt: skip
+        if fill_through and not device_paths:
+            log.warning("fill_through has no effect under policy %s: only the device paths "
+                        "(gpu-fill, adaptive) fill in the graph", policy)  # fmt: skip
         if popular_pins > 0 and not device_paths:
             log.warning("popular_pins=%s has no effect under policy %s: only the device paths "
                         "(gpu-fill, adaptive) pin", popular_pins, policy)  # fmt: skip

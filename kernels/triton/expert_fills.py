@@ -188,15 +188,13 @@ def _copy_kernel(
     state, moves, src13, src2, dst13, dst2, s_stride13, s_stride2, d_stride13, d_stride2, n13, n2,
     box_ctrl, box_out, add, TH, timeout,
     PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr, SYS: tl.constexpr,
-    BLOCK_H: tl.constexpr, COPY: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)  # first: pdl.py
     c13 = tl.cdiv(n13, BLOCK)
     per = c13 + tl.cdiv(n2, BLOCK)  # chunks of one expert
     total = tl.load(state + _MOVES).to(tl.int32) * per
-    if not COPY:  # fill-through: the MoE kernels store the moved rows
-        total = 0
     offs = tl.arange(0, BLOCK)
     for w in range(tl.program_id(0), total, PROGRAMS):
         move = w // per
@@ -280,7 +278,7 @@ def plan_fills(
 
 
 def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=None,
-               timeout_s: float = TIMEOUT_S, copy: bool = True) -> None:  # fmt: skip
+               timeout_s: float = TIMEOUT_S) -> None:  # fmt: skip
     """Twin of `reference_fills.copy_fills` (and its collection of the CPU's answer into `add`
     when `box` is given); a fixed grid, no host sync. The interpreter counts spins for the
     timeout, each some hundreds of microseconds there: 10,000 a second of `timeout_s`."""
@@ -294,6 +292,6 @@ def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=Non
         state, moves, src_w13, src_w2, dst_w13, dst_w2, src_w13.stride(0), src_w2.stride(0),
         dst_w13.stride(0), dst_w2.stride(0), src_w13[0].numel(), src_w2[0].numel(),
         ctrl, out, add, th, timeout,
-        PROGRAMS=grid, BLOCK=COPY_BLOCK, WAIT=wait, SYS=sys, BLOCK_H=BLOCK_H, COPY=copy,
+        PROGRAMS=grid, BLOCK=COPY_BLOCK, WAIT=wait, SYS=sys, BLOCK_H=BLOCK_H,
         **pdl_launch(state.device),
     )  # fmt: skip

@@ -125,6 +125,10 @@ def _run_both(rng, n_lids_layers, n_slots, steps, live_from_state):
         for lid, slot in ma[:n].tolist():  # a moved lid: its slot now, or read from the host
             row = -lid - 2 if through else slot
             assert (ra[:live][lids == lid] == row).all(), (through, lid, slot)
+        if through:  # every other pair's row is the plain plan's: hits read their slots
+            moved = torch.isin(lids, ma[:n, 0])
+            slots = a[0][lids].long()  # the table after the plan
+            assert torch.equal(ra[:live], torch.where(moved | (slots < 0), -lids - 2, slots))
         if count:  # each distinct lid of the live pairs: one use, in both
             want[torch.unique(ids.reshape(-1)[:live].long()) + base] += 1
             assert torch.equal(ua, want) and torch.equal(ub, want)

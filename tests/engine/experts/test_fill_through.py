@@ -10,6 +10,7 @@ import torch
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.experts import device_path
 
 
 def _slots_hold_their_experts(engine) -> int:
@@ -25,7 +26,7 @@ def _slots_hold_their_experts(engine) -> int:
     return n
 
 
-def _check(tmp_path, rng_seed, device: str, policy: str, dtype=torch.float32) -> None:
+def _check(tmp_path, rng_seed, monkeypatch, device: str, policy: str, dtype=torch.float32):
     make_tiny("qwen3_moe", tmp_path, rng_seed, dtype=dtype, num_experts=16,
               num_experts_per_tok=4)  # fmt: skip
     rng = random.Random(rng_seed)
@@ -36,7 +37,30 @@ def _check(tmp_path, rng_seed, device: str, policy: str, dtype=torch.float32) ->
     want = [o.token_ids for o in resident.generate(prompts, sp)]
     slots = rng.randint(8, 30)  # of 3 layers x 16 experts: misses every step
     engine = Engine.load(tmp_path, policy=policy, expert_slots=slots, fill_through=True, **opts)
+    bank = engine.loaded.bank
+    # Each device-path layer's MoE call: (filled through, the graph held adaptive's CPU
+    # worker then); each copy kernel: whether it did. Without the worker: fill-through and no
+    # copy kernel; with it, the copy kernel's copies beside the worker, as before.
+    moes: list[tuple[bool, bool]] = []
+    copies: list[bool] = []
+    copy, moe = device_path.copy_fills, device_path.fused_moe
+
+    def counted_copy(*args, **kw):
+        copies.append(bank.cpu_share is not None)
+        return copy(*args, **kw)
+
+    def counted_moe(*args, **kw):
+        moes.append((kw.get("fill_slot_of") is not None, bank.cpu_share is not None))
+        return moe(*args, **kw)
+
+    monkeypatch.setattr(device_path, "copy_fills", counted_copy)
+    monkeypatch.setattr(device_path, "fused_moe", counted_moe)
     assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+    assert moes, "no step took the device path"
+    assert all(through == (not worker) for through, worker in moes), moes
+    assert all(copies), "a copy kernel ran without the worker"
+    if policy == "gpu-fill":
+        assert not copies and all(through for through, _ in moes)
     assert engine.generate(prompts[:1], sp)[0].token_ids == want[0]
     ids = prompts[1] + want[1]
     torch.testing.assert_close(engine.score(ids), resident.score(ids), atol=3e-5, rtol=3e-5)
@@ -46,13 +70,14 @@ def _check(tmp_path, rng_seed, device: str, policy: str, dtype=torch.float32) ->
 
 
 @pytest.mark.parametrize("policy", ["gpu-fill", "adaptive"])
-def test_fill_through_gives_the_resident_tokens(policy, tmp_path, rng_seed):
-    _check(tmp_path, rng_seed, "cpu", policy)
+def test_fill_through_gives_the_resident_tokens(policy, tmp_path, rng_seed, monkeypatch):
+    _check(tmp_path, rng_seed, monkeypatch, "cpu", policy)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["gpu-fill", "adaptive"])
-def test_fill_through_on_cuda_under_graphs(policy, tmp_path, rng_seed):
+def test_fill_through_on_cuda_under_graphs(policy, tmp_path, rng_seed, monkeypatch):
     """CUDA (device machine): the Triton plan keeps moved lids' host ids and the decode
-    kernels store them into their slots, inside the captured whole-step graphs."""
-    _check(tmp_path, rng_seed, "cuda", policy)
+    kernels store them into their slots, inside the captured whole-step graphs (the spies see
+    the calls made while capturing and eagerly)."""
+    _check(tmp_path, rng_seed, monkeypatch, "cuda", policy)
