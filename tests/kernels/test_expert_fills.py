@@ -2,14 +2,11 @@
 model of the plan's rule, the Triton kernels (interpreter here, compiled in the gpu test) against
 the twin, bit for bit, over random sequences of layer visits."""
 
-import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
+from sm90_compile import compiled_json
 
 from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
@@ -239,10 +236,6 @@ print(json.dumps(out))
 
 
 def test_the_counting_plan_compiles_for_sm90_with_one_load_and_one_store_more():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_PLAN], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = compiled_json(_COMPILE_PLAN)
     (loads, stores), (loads_c, stores_c) = counts["False"], counts["True"]
     assert (loads_c, stores_c) == (loads + 1, stores + 1), counts

@@ -4,14 +4,12 @@ Shape legend: T tokens, H hidden, I expert width, N bank rows, K top-k, P = T * 
 Interpreted tests use fp32/fp16 (the interpreter gets bf16 wrong); bf16 runs in the gpu tests.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from sm90_compile import compiled_json
 
 from freetoken_agent.kernels import fused_moe as dispatcher
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
@@ -517,11 +515,7 @@ print(json.dumps(out))
 
 
 def test_fill_through_compiles_for_sm90_with_the_slot_stores():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FILL], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    stores = json.loads(done.stdout.strip().splitlines()[-1])
+    stores = compiled_json(_COMPILE_FILL)
     (up, down), (up_fill, down_fill) = stores["False"], stores["True"]
     assert up_fill > up and down_fill > down, stores
 

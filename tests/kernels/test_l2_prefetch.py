@@ -4,15 +4,12 @@ rows, no store). The GPU tests (tests/engine/test_pdl_gpu.py) check that it chan
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from sm90_compile import compiled_json
 
 from freetoken_agent.kernels import l2_prefetch
 from freetoken_agent.kernels.triton import l2_prefetch as triton_prefetch
@@ -99,11 +96,7 @@ print(json.dumps(out))
 
 
 def test_sm90_code_prefetches_and_stores_nothing():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    ptx = json.loads(done.stdout.strip().splitlines()[-1])
+    ptx = compiled_json(_COMPILE)
     for rows, code in ptx.items():
         assert "prefetch.global.L2 " in code
         assert "st.global" not in code
