@@ -66,7 +66,7 @@ def _gemv_kernel(
 def _prefetch_tile(w_ptr, offs_n, n_ok, k_lo, k_hi, stride_wn, PDL: tl.constexpr):
     """The L2 prefetch (l2_prefetch.prefetch_lines) of the lines of W a program reads (rows
     offs_n, columns [k_lo, k_hi)), eight lines a row a step; with PDL's PREFETCH only (also
-    kernels/triton/proj_norm.py's)."""
+    kernels/triton/proj_norm.py's, and moe_decode.py's for the gate and up rows of a slot)."""
     if PDL & 4:  # PREFETCH
         line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]

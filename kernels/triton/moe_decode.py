@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from freetoken_agent.kernels.reference import check_add
-from freetoken_agent.kernels.triton.l2_prefetch import prefetch_lines
+from freetoken_agent.kernels.triton.gemv import _prefetch_tile
 from freetoken_agent.kernels.triton.moe_common import (
     DECODE_MAX_PAIRS,
     DECODE_TILES,
@@ -77,19 +77,16 @@ def _fill_row(bank_ptr, stride, slot_of_ptr, row):
 def _prefetch_rows(ids_ptr, p, i0, w13_ptr, stride13, H, I, BLOCK_I: tl.constexpr,  # noqa: E741
                    PDL: tl.constexpr):  # fmt: skip
     """With PREFETCH (launched so only where the rows are the fill plan's, two kernels back:
-    pdl.py), l2_prefetch.prefetch_lines of the gate and up lines of pair p's slot row for outputs
-    i0 .. i0 + BLOCK_I - 1; eight lines an output row a step. A host row or a skip: nothing."""
+    pdl.py), the L2 prefetch of the gate and up lines of pair p's slot row for outputs
+    i0 .. i0 + BLOCK_I - 1 (the skinny matmul's `_prefetch_tile` over each [BLOCK_I, H] tile).
+    A host row or a skip: nothing."""
     if PDL & 4:  # PREFETCH
         row = tl.load(ids_ptr + p, cache_modifier=".cg")  # past L1: another kernel wrote it
         if row >= 0:
-            line = 1024 // w13_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
             offs_i = i0 + tl.arange(0, BLOCK_I)
-            gate = w13_ptr + row.to(tl.int64) * stride13 + offs_i.to(tl.int64)[:, None] * H
-            for h0 in range(0, H, 8 * line):
-                offs_h = h0 + tl.arange(0, 8) * line
-                ok = (offs_i < I)[:, None] & (offs_h < H)[None, :]
-                prefetch_lines(gate + offs_h[None, :], ok, w13_ptr)
-                prefetch_lines(gate + I * H + offs_h[None, :], ok, w13_ptr)  # the up rows
+            gate = w13_ptr + row.to(tl.int64) * stride13  # [2I, H]: gate rows, then up rows
+            _prefetch_tile(gate, offs_i, offs_i < I, 0, H, H, PDL)
+            _prefetch_tile(gate + I * H, offs_i, offs_i < I, 0, H, H, PDL)
 
 
 @triton.jit
