@@ -146,12 +146,11 @@ class OffloadedExpertBank(GraphDecode):
         device_paths = policy in ("gpu-fill", "adaptive")
         self.popular = (PopularPins(self.cache.on_device, spec.n_experts, popular_pins)
                         if popular_pins > 0 and device_paths else None)  # fmt: skip
-        if fill_through and not device_paths:
-            log.warning("fill_through has no effect under policy %s: only the device paths "
-                        "(gpu-fill, adaptive) fill in the graph", policy)  # fmt: skip
-        if popular_pins > 0 and not device_paths:
-            log.warning("popular_pins=%s has no effect under policy %s: only the device paths "
-                        "(gpu-fill, adaptive) pin", popular_pins, policy)  # fmt: skip
+        unused = [name for name, on in (("fill_through", fill_through),
+                                        ("popular_pins", popular_pins > 0)) if on]  # fmt: skip
+        if unused and not device_paths:
+            log.warning("%s: no effect under policy %s, only on the device paths (gpu-fill, "
+                        "adaptive)", " and ".join(unused), policy)  # fmt: skip
         self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
         self.l2: L2Prefetcher | None = None  # EngineConfig.l2_prefetch (use_l2_prefetch)
