@@ -36,25 +36,27 @@ def _check(tmp_path, rng_seed, monkeypatch, device: str, policy: str, dtype=torc
     resident = Engine.load(tmp_path, policy="resident", **opts)
     want = [o.token_ids for o in resident.generate(prompts, sp)]
     slots = rng.randint(8, 30)  # of 3 layers x 16 experts: misses every step
-    engine = Engine.load(tmp_path, policy=policy, expert_slots=slots, fill_through=True, **opts)
-    bank = engine.loaded.bank
     # Each device-path layer's MoE call: (filled through, the graph held adaptive's CPU
     # worker then); each copy kernel: whether it did. Without the worker: fill-through and no
     # copy kernel; with it, the copy kernel's copies beside the worker, as before.
     moes: list[tuple[bool, bool]] = []
     copies: list[bool] = []
+    # The spies go in before the engine loads: on CUDA it captures its decode graphs there,
+    # and a replay calls no Python (the spies see the calls made while capturing).
+    # The worker shows in the calls: the copy kernel's `box` and the MoE kernels' `add`.
     copy, moe = device_path.copy_fills, device_path.fused_moe
 
-    def counted_copy(*args, **kw):
-        copies.append(bank.cpu_share is not None)
-        return copy(*args, **kw)
+    def counted_copy(state, moves, pool_w13, pool_w2, w13, w2, box, *args, **kw):
+        copies.append(box is not None)
+        return copy(state, moves, pool_w13, pool_w2, w13, w2, box, *args, **kw)
 
     def counted_moe(*args, **kw):
-        moes.append((kw.get("fill_slot_of") is not None, bank.cpu_share is not None))
+        moes.append((kw.get("fill_slot_of") is not None, kw.get("add") is not None))
         return moe(*args, **kw)
 
     monkeypatch.setattr(device_path, "copy_fills", counted_copy)
     monkeypatch.setattr(device_path, "fused_moe", counted_moe)
+    engine = Engine.load(tmp_path, policy=policy, expert_slots=slots, fill_through=True, **opts)
     assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     assert moes, "no step took the device path"
     assert all(through == (not worker) for through, worker in moes), moes
