@@ -262,7 +262,8 @@ class EngineConfig:
     # (recurrent_shadow.py). Off until measured on the device.
     hybrid_run_ahead: bool = False
     # Decode-sized projections (<= 8 rows) on CUDA through the Triton skinny matmul instead of
-    # cuBLAS (kernels/gemv.py). Off until measured on the device.
+    # cuBLAS (kernels/gemv.py). Off: even with cuBLAS on the H200 host (48 layers all
+    # resident, tok/s b=1 / b=4: 296.1 / 664.2 -> 294.2 / 671.1; NOTES, twenty-third session).
     skinny_gemv: bool = False
     # Decode-sized steps on CUDA ask L2 for o_proj's weight beside RoPE and attention, and on
     # the offloaded device path for the MoE rows beside the fill copy: side-stream prefetches

@@ -1,4 +1,4 @@
-"""Popularity pins for the device path's cache (EngineConfig.popular_pins; off until measured).
+"""Popularity pins for the device path's cache (EngineConfig.popular_pins, 0.8 by default).
 
 Why: the device path evicts the least recently used slot (kernels/reference_fills.py). Under
 skewed routing with temporal locality (the Zipf traces; trained routers are skewed too) LRU
@@ -10,7 +10,9 @@ other slots stay LRU. A slot pinned before and no longer among the most used get
 clock, as if just used. Replayed on the synthetic traces (`bench cache-policies`, 48 layers,
 2686 slots), pinning 0.8 of the slots cuts LRU's misses by 18-19% (Zipf 1.0 / locality 0.7:
 0.0788 -> 0.0642; Zipf 0.8 / 0.5: 0.1734 -> 0.1412) and leaves uniform routing as it was
-(0.5915 -> 0.5778); the oracle that pins the trace's true favourites reaches 0.0579.
+(0.5915 -> 0.5778); the oracle that pins the trace's true favourites reaches 0.0579. On the
+H200 host (48 layers / 32 GB, Zipf 1.0 / 0.7) 0.8 took the misses from 0.070 to 0.063 a pair
+and gpu-fill from 113.8 to 118.2 tok/s at b=1, 159.1 to 176.6 at b=4; native routing as before.
 
 Pins never change results, only which slots hold which experts. They live in the device's
 stamps while the device owns the cache: `DeviceFills.own` rebuilds the stamps from the
