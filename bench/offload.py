@@ -35,7 +35,7 @@ from freetoken_agent.bench.limits import (
 from freetoken_agent.bench.offload_table import decode_table
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
-from freetoken_agent.engine.config import EngineConfig
+from freetoken_agent.engine.config import POPULAR_PINS
 from freetoken_agent.engine.experts import calibration, step_paths
 from freetoken_agent.engine.experts.offload import WHOLE_STEP_POLICIES, decode_graph_kind
 from freetoken_agent.engine.experts.popular_pins import PopularPins
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--popular-pins",
         type=float,
-        default=EngineConfig.popular_pins,
+        default=POPULAR_PINS,
         metavar="FRACTION",
         help="EngineConfig.popular_pins for the device paths (gpu-fill, adaptive): this "
         "fraction of the slots pinned for each layer's most used experts (default: "

@@ -230,6 +230,10 @@ def read_config(model_dir: str | Path) -> dict:
 POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "gpu-fill", "resident")
 
 
+# EngineConfig.popular_pins' default, named: a slots dataclass's class attribute is a descriptor.
+POPULAR_PINS = 0.8
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """How the engine runs a model: device, memory, batching. Set by `Engine.load`."""
@@ -297,7 +301,7 @@ class EngineConfig:
     # b=1 / b=4): gpu-fill 113.8 / 159.1 -> 118.2 / 176.6, adaptive 108.4 / 156.0 -> 117.9 /
     # 170.7 (misses 0.070 -> 0.063 a pair at b=1); native routing unchanged (262.0 / 538.0
     # -> 260.8 / 538.6). Half-lives and budget: popular_pins.py.
-    popular_pins: float = 0.8
+    popular_pins: float = POPULAR_PINS
     # The device path's misses cross the link inside the MoE kernels: a moved expert's pairs
     # read it from the pinned pool and the kernels store each tile they read into its new
     # slot, so no copy kernel runs before them and a layer's hits compute while its misses

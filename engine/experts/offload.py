@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken_agent.engine.arena import ElasticArena
-from freetoken_agent.engine.config import ConfigError, ModelSpec
+from freetoken_agent.engine.config import POPULAR_PINS, ConfigError, ModelSpec
 from freetoken_agent.engine.experts import layer_layout
 from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 from freetoken_agent.engine.experts.cache import ExpertCache
@@ -146,8 +146,10 @@ class OffloadedExpertBank(GraphDecode):
         device_paths = policy in ("gpu-fill", "adaptive")
         self.popular = (PopularPins(self.cache.on_device, spec.n_experts, popular_pins)
                         if popular_pins > 0 and device_paths else None)  # fmt: skip
+        # Only what the user asked for: popular_pins is on by default, for every policy.
+        chosen_pins = popular_pins not in (0.0, POPULAR_PINS)
         unused = [name for name, on in (("fill_through", fill_through),
-                                        ("popular_pins", popular_pins > 0)) if on]  # fmt: skip
+                                        ("popular_pins", chosen_pins)) if on]  # fmt: skip
         if unused and not device_paths:
             log.warning("%s: no effect under policy %s, only on the device paths (gpu-fill, "
                         "adaptive)", " and ".join(unused), policy)  # fmt: skip

@@ -136,6 +136,40 @@ def test_budget_cut_mid_generation_keeps_outputs(model, policy):
         engine.set_gpu_budget(st["fixed_bytes"] // 2)
 
 
+@pytest.mark.parametrize("policy", ["gpu-fill", "adaptive"])
+def test_budget_cut_under_the_device_path_with_popularity_pins(model, policy):
+    """The device path's cache (its tables owned by the device between hand-backs) with
+    popularity pins chosen every other step (EngineConfig.popular_pins, on by default): a
+    budget cut mid-generation evicts and moves slots under the pins, and the outputs stay the
+    resident engine's, with the cache consistent after every step."""
+    path, resident, rng = model
+    spec = resident.spec
+    engine = _elastic(path, resident, slots=rng.randint(36, 44), policy=policy)
+    pins = engine.loaded.bank.popular
+    assert pins is not None and engine.config.popular_pins > 0
+    pins.every = 2
+    fills = engine.loaded.bank.cache.on_device
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(20, 60))]
+    want = resident.generate(prompt, sp).token_ids
+    cut_at = rng.randint(4, 10)
+    cut = engine.memory.budget - rng.randint(8, 14) * spec.expert_bytes
+    pinned = []
+    rid = engine.submit(prompt, sp)
+    n = 0
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+        pinned.append(int(fills.popular.sum()))
+        n += 1
+        if n == cut_at:
+            engine.set_gpu_budget(cut)
+    assert engine._collect(rid).token_ids == want
+    assert max(pinned[:cut_at]) > 0 and max(pinned[cut_at:]) > 0, pinned  # pins before, after
+    assert engine.memory.stats()["budget"] == cut
+    assert engine.memory.stats()["slots"] < engine.loaded.bank.cache.max_slots
+
+
 def test_pressure_preempts_the_newest_never_fails(model):
     """Three requests decoding, then a budget that holds about one of them beside the fewest
     slots: the newest are preempted (re-prefilled later from the prefix cache), nothing fails,

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from freetoken_agent.engine.config import EngineConfig
+from freetoken_agent.engine.config import POPULAR_PINS, EngineConfig
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.popular_pins import PopularPins
@@ -186,6 +186,40 @@ def test_counts_halve_every_half_life(rng_seed, monkeypatch):
 def test_a_fraction_outside_0_1_is_refused(fraction):
     with pytest.raises(ValueError, match="popular_pins"):
         EngineConfig(popular_pins=fraction)
+
+
+def test_pins_warn_only_when_asked_for_under_a_policy_without_device_paths(
+    tmp_path, rng_seed, caplog
+):
+    """On by default for every policy: only a fraction the user chose warns that transfer,
+    cpu, static and direct ignore it; gpu-fill and adaptive never warn, and get pins."""
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    chosen = round(rng.uniform(0.1, 0.7), 3)
+    spec = Engine.load(tmp_path, device="cpu", policy="resident", progress=False).spec
+    slots = rng.randrange(spec.n_experts + 1, spec.n_moe_layers * spec.n_experts - 1)
+    for policy, fraction, warns in [
+        (rng.choice(["transfer", "cpu", "static"]), None, False),
+        (rng.choice(["transfer", "cpu", "static"]), chosen, True),
+        (rng.choice(["gpu-fill", "adaptive"]), None, False),
+        (rng.choice(["gpu-fill", "adaptive"]), chosen, False),
+    ]:
+        caplog.clear()
+        opts = {} if fraction is None else {"popular_pins": fraction}
+        engine = Engine.load(tmp_path, device="cpu", policy=policy, expert_slots=slots,
+                             progress=False, **opts)  # fmt: skip
+        said = [r.getMessage() for r in caplog.records if "popular_pins" in r.getMessage()]
+        assert bool(said) == warns, (policy, fraction, said)
+        pins = engine.loaded.bank.popular
+        if policy in ("gpu-fill", "adaptive"):
+            want = POPULAR_PINS if fraction is None else fraction
+            assert pins is not None and pins.fraction == want
+        else:
+            assert pins is None
 
 
 @pytest.mark.parametrize("policy", ["gpu-fill", "adaptive"])
