@@ -17,6 +17,7 @@ from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 from freetoken_agent.engine.loading import dense_nbytes
 from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.kernels.reference_fills import PINNED
 
 SP = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -158,10 +159,13 @@ def test_budget_cut_under_the_device_path_with_popularity_pins(model, policy):
     pinned = []
     rid = engine.submit(prompt, sp)
     n = 0
+    cache = engine.loaded.bank.cache
     while engine.has_unfinished():
         engine.step()
-        engine.check_integrity()
+        if fills.owned:  # no plan may take a slot out of service: they stay PINNED
+            assert bool((fills.stamp[: cache.first_slot] == PINNED).all()), n
         pinned.append(int(fills.popular.sum()))
+        engine.check_integrity()
         n += 1
         if n == cut_at:
             # every free page and some slots: the slots must shrink under the pins
