@@ -59,10 +59,12 @@ SPLIT_SWEEP = [
 ]
 SPLIT_SHAPES = ("qkv", "o")
 
-ROUTE_SWEEP = [
+ROUTE_SWEEP = [  # beside route.TILES (one expert's row a program)
     dict(BLOCK_E=4, BLOCK_H=512, WARPS=1),
     dict(BLOCK_E=8, BLOCK_H=256, WARPS=4),
-    dict(BLOCK_E=1, BLOCK_H=2048, WARPS=1),
+    dict(BLOCK_E=2, BLOCK_H=1024, WARPS=1),  # the default until the twenty-fourth session
+    dict(BLOCK_E=1, BLOCK_H=1024, WARPS=1),
+    dict(BLOCK_E=1, BLOCK_H=2048, WARPS=2),
 ]
 
 

@@ -31,9 +31,11 @@ from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 from freetoken_agent.kernels.triton.router import MAX_EXPERTS, MAX_TOP_K, _topk_row
 
 # Default tiles (`bench gemv` times others). One warp a program: the last program's k argmax
-# rounds then reduce with shuffles alone (router.py), and 64 programs at E = 128 keep enough
-# loads in flight for the 0.5 MB of weights. Not yet measured on the device.
-TILES = dict(BLOCK_E=2, BLOCK_H=1024, WARPS=1)
+# rounds then reduce with shuffles alone (router.py). One expert's whole row a program (128
+# programs at E = 128, one 4 KB load each at H = 2048): on the H200 host, one row, 5.54 us
+# against 6.52 for two experts in 1024-wide steps and 7.34 / 10.34 for the other candidates
+# (bench/results/gemv_router_s21.json, `route2`).
+TILES = dict(BLOCK_E=1, BLOCK_H=2048, WARPS=1)
 
 
 @triton.jit
