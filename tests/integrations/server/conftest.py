@@ -146,10 +146,23 @@ def assert_nothing_held(service: Any, timeout: float = 10.0) -> None:
             break
         time.sleep(0.01)
     with service.lock:
-        assert not engine.has_unfinished(), service.stats()["requests"]
+        assert not engine.has_unfinished(), _unfinished(service)
         engine.check_integrity()
         engine.radix.reset()
         assert engine.kv.allocator.n_free == engine.kv.allocator.capacity
+
+
+def _unfinished(service: Any) -> str:
+    """What a failure needs to tell a missed disconnect (the service still delivers to the
+    request, its output near max_tokens) from an abort the engine did not honour (no sink)."""
+    engine, now = service.engine, time.perf_counter()
+    sched = engine.scheduler
+    rows = [
+        f"{r.id}: {r.status.name}, {len(r.output_ids)} of {r.sampling.max_tokens} tokens, "
+        f"{now - r.arrival_time:.1f} s old, sink {'held' if r.id in service._sinks else 'gone'}"
+        for r in [*sched.running, *sched.waiting]
+    ]
+    return f"{service.stats()['requests']}; " + "; ".join(rows)
 
 
 def assert_api_error(response: Any, *statuses: int) -> dict[str, Any]:
