@@ -109,7 +109,7 @@ class OffloadedExpertBank(GraphDecode):
         double_buffer: bool = True,
         arena: ElasticArena | None = None,
         fill_behind: bool = False,
-        popular_pins: float = 0.0,
+        popular_pins: float = POPULAR_PINS,
         fill_through: bool = False,
     ) -> None:
         """`arena`: the slots are the arena's (engine/arena.py; `n_slots` then comes from its
