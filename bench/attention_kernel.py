@@ -67,24 +67,33 @@ class Batch:
         self.q_len, self.kv_len = q_len, kv_len
         self.kv_bytes = 2 * B * kv_len * HKV * D * self.q.element_size()  # K and V, read once
 
-    def run(self, tiles: Tiles | None = None, num_splits: int | None = None) -> None:
+    def run(self, tiles: Tiles | None = None, num_splits: int | None = None,
+            bound: int | None = None) -> None:  # fmt: skip
+        """`bound`: the max_kv_len the launch plans for (default: this batch's kv_len; a
+        decode graph plans for its max_pages x page size, engine/cuda_graphs.py)."""
         launch_paged_attention(
             self.q, self.k_cache, self.v_cache, self.page_table, self.cu_q_lens, self.kv_lens,
-            D**-0.5, self.q_len, 0, self.out, self.kv_len, tiles=tiles, num_splits=num_splits,
+            D**-0.5, self.q_len, 0, self.out, bound or self.kv_len, tiles=tiles,
+            num_splits=num_splits,
         )  # fmt: skip
 
-    def plan(self, tiles: Tiles | None, num_splits: int | None) -> LaunchPlan:
+    def plan(self, tiles: Tiles | None, num_splits: int | None,
+             bound: int | None = None) -> LaunchPlan:  # fmt: skip
         B = self.kv_lens.numel()
-        return plan_launch(self.q.device, self.q.shape[0], B, HQ, HKV, D, self.q_len, self.kv_len,
-                           tiles, num_splits)  # fmt: skip
+        return plan_launch(self.q.device, self.q.shape[0], B, HQ, HKV, D, self.q_len,
+                           bound or self.kv_len, tiles, num_splits)  # fmt: skip
 
 
-def graph_ms_per_layer(layers: list[Batch], tiles: Tiles | None, num_splits: int | None) -> float:
-    step = lambda: [b.run(tiles, num_splits) for b in layers]
+def graph_ms_per_layer(layers: list[Batch], tiles: Tiles | None, num_splits: int | None,
+                       bound: int | None = None) -> float:  # fmt: skip
+    step = lambda: [b.run(tiles, num_splits, bound) for b in layers]
     return do_bench(captured(step), return_mode="median") / len(layers)
 
 
-def bench_decode(B: int, kv_len: int, page: int, hbm: float, sweep: bool) -> None:
+def bench_decode(B: int, kv_len: int, page: int, hbm: float, sweep: bool,
+                 graph_bound: int = 0) -> None:  # fmt: skip
+    """`graph_bound` > kv_len adds a row planned as the engine's decode graphs plan: for a
+    max_kv_len of `graph_bound` (more splits, most of them empty at this length)."""
     probe = Batch(B, 1, kv_len, page, seed=0)
     layers = [probe] + [
         Batch(B, 1, kv_len, page, seed=i)
@@ -92,14 +101,22 @@ def bench_decode(B: int, kv_len: int, page: int, hbm: float, sweep: bool) -> Non
     ]
     default_splits = probe.plan(None, None).num_splits
     candidates = [(None, None)] + (DECODE_SWEEP if sweep else [])
+    if graph_bound > kv_len:
+        candidates.append((None, "graph"))
     for tiles, splits in candidates:
-        if isinstance(splits, str):  # a multiple of the default split count
+        bound = None
+        if splits == "graph":  # the engine's decode graph: planned for graph_bound tokens
+            bound, splits = graph_bound, None
+        elif isinstance(splits, str):  # a multiple of the default split count
             splits = max(1, round(default_splits * float(splits[1:])))
-        plan = probe.plan(tiles, splits)
+        plan = probe.plan(tiles, splits, bound)
         name = f"{'default tiles' if tiles is None else tiles}, NS {splits or 'default'}"
+        if bound:
+            name += f", planned for {bound} tokens (a decode graph's bound)"
         try:
-            eager = do_bench(lambda t=tiles, s=splits: probe.run(t, s), return_mode="median")
-            graph = graph_ms_per_layer(layers, tiles, splits)
+            eager = do_bench(lambda t=tiles, s=splits, b=bound: probe.run(t, s, b),
+                             return_mode="median")  # fmt: skip
+            graph = graph_ms_per_layer(layers, tiles, splits, bound)
         except Exception as e:  # a candidate may not compile (resources): report and go on
             print(f"  decode B={B} L={kv_len}: {name} failed: {type(e).__name__}: {e}"[:200])
             continue
@@ -145,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     parser.add_argument("--page", type=int, default=16, help="tokens per KV page")
+    parser.add_argument(
+        "--graph-bound", type=int, default=32768, metavar="TOKENS",
+        help="also time each decode planned as the engine's decode graphs plan it, for a "
+        "max_kv_len of this many tokens (max_model_len; 0: no such rows)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
@@ -152,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"HBM copy {hbm:.0f} GB/s (read + write)   Hq={HQ} Hkv={HKV} D={D} bf16 page={args.page}")
     for B in (1, 4):
         for kv_len in (1024, 4096, 16384, 32768):
-            bench_decode(B, kv_len, args.page, hbm, not args.no_sweep)
+            bench_decode(B, kv_len, args.page, hbm, not args.no_sweep, args.graph_bound)
     bench_prefill(4096, args.page, hbm, not args.no_sweep)
 
     return 0
