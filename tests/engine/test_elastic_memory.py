@@ -182,12 +182,15 @@ def test_budget_cut_under_the_device_path_with_popularity_pins(model, policy):
     assert used + st["slots"] * spec.expert_bytes <= cut  # the split fits the new budget
 
 
-def test_pressure_preempts_the_newest_never_fails(model):
+@pytest.mark.parametrize("policy", ["transfer", "gpu-fill", "adaptive"])
+def test_pressure_preempts_the_newest_never_fails(model, policy):
     """Three requests decoding, then a budget that holds about one of them beside the fewest
     slots: the newest are preempted (re-prefilled later from the prefix cache), nothing fails,
-    every output is the resident engine's."""
+    every output is the resident engine's. The device path's policies (popularity pins on by
+    default) with fewer slots, so that not every expert fits."""
     path, resident, rng = model
-    engine = _elastic(path, resident, slots=24, kv_tokens=1024)
+    slots = 24 if policy == "transfer" else 21
+    engine = _elastic(path, resident, slots=slots, kv_tokens=1024, policy=policy)
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = [[rng.randrange(3, 320) for _ in range(200)] for _ in range(3)]
     want = [resident.generate(p, sp).token_ids for p in prompts]
@@ -205,6 +208,9 @@ def test_pressure_preempts_the_newest_never_fails(model):
     assert all(g.finish_reason == "length" for g in got)
     assert m.preempted + engine.scheduler.preemptions > 0
     assert engine.kv.allocator.n_pages <= 20
+    if policy == "gpu-fill":  # its decode ran on the device path (the cache handed over)
+        assert engine.loaded.bank.cache.on_device.releases > 0
+        assert engine.loaded.bank.popular is not None
 
 
 @pytest.mark.gpu
