@@ -60,6 +60,9 @@
 #         EngineConfig.popular_pins 0, then 0.8; ~8 min)
 #         fill-through (its GPU tests, then 48 layers / 32 GB, native and Zipf, adaptive and
 #         gpu-fill with EngineConfig.fill_through off, then on; ~9 min)
+#         pins-uniform (the peer slice, uniform, adaptive and gpu-fill, pins 0 then 0.8; ~4 min)
+#         attention-graph (attention decode planned for the real length and for a decode
+#         graph's bound; ~2 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -105,6 +108,19 @@ for stage in "$@"; do
           --popular-pins $f --out "$OUT/pins_$f" 2>&1 | tee "$OUT/popular_pins_$f.log" \
           | grep "|b" | grep -v "round[0-9]" | grep " | " | cut -c1-200
       done ;;
+    pins-uniform)  # the peer slice, uniform routing, b=1 and 4, adaptive and gpu-fill, pins
+      # 0 then 0.8 (the default): whether pins cost the shared path (~4 min)
+      for f in 0 0.8; do
+        timeout 280 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+          --skip-prefill --batches 1 4 --rounds 2 --regimes uniform --policies adaptive \
+          gpu-fill --popular-pins $f --out "$OUT/pins_uniform_$f" 2>&1 \
+          | tee "$OUT/pins_uniform_$f.log" | grep "|b" | grep -v "round[0-9]" | grep " | " \
+          | cut -c1-200
+      done ;;
+    attention-graph)  # paged attention's decode as planned for the real length and as the
+      # engine's decode graphs plan it (max_kv_len = max_model_len), default tiles (~2 min)
+      timeout 300 python3 -m freetoken_agent.bench attention-kernel --no-sweep \
+        --graph-bound 32768 2>&1 | tee "$OUT/attention_graph.log" | grep -E "decode|HBM" ;;
     fill-through)  # fill-through's GPU tests, then 48 layers / 32 GB, native and Zipf, b=1
       # and 4, adaptive and gpu-fill, EngineConfig.fill_through off then on (~9 min)
       timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
