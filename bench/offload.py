@@ -65,6 +65,11 @@ def _use_policy(engine, bank, policy: str) -> None:
     bank.policy = policy
     if policy == "adaptive":
         bank.start_cpu_share()  # (loaded under another policy: its shared path's worker)
+    fraction = engine.config.popular_pins
+    if policy in ("gpu-fill", "adaptive") and bank.popular is None and fraction > 0:
+        # Loaded under transfer, which makes none: the device paths' pins, as an engine
+        # loaded under this policy has them (EngineConfig.popular_pins).
+        bank.popular = PopularPins(bank.cache.on_device, engine.spec.n_experts, fraction)
     kinds = {decode_graph_kind(p, bank.device_path_ok) for p in (was, policy)}
     if len(kinds) > 1 and engine.runner.graphs is not None:
         engine.capture_graphs()
@@ -300,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     bank = engine.loaded.bank
     bank.fill_behind = args.fill_behind
     bank.fill_through = args.fill_through  # before the graphs are captured (each regime's)
-    if args.popular_pins:  # loaded under transfer: the device paths' pins are made here
-        bank.popular = PopularPins(bank.cache.on_device, engine.spec.n_experts, args.popular_pins)
+    engine.config.popular_pins = args.popular_pins  # made when a device path runs (_use_policy)
     engine.overlap.enabled = args.overlap
     spec = engine.spec
     build_s = time.perf_counter() - t0

@@ -130,3 +130,28 @@ def test_choices_follow_successive_draws_without_replacement(rng_seed):
     for pos in range(k):
         seen = np.bincount(ranks[:, pos], minlength=e) / n
         assert np.abs(seen - exact[pos]).max() < 0.02, (pos, seen, exact[pos])
+
+
+def test_switching_to_a_device_path_makes_the_configured_pins(tmp_path, rng_seed):
+    """The benches load under transfer (no pins) and switch policies in place: a device-path
+    policy gets EngineConfig.popular_pins' pins, as an engine loaded under it would; a
+    fraction of 0 (bench offload --popular-pins 0) gets none."""
+    import random
+
+    from freetoken_agent.bench import offload
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    fraction = round(rng.uniform(0.2, 0.8), 3)
+    for chosen in (fraction, 0.0):
+        engine = Engine.load(tmp_path, device="cpu", policy="transfer", expert_slots=12,
+                             popular_pins=fraction, progress=False)  # fmt: skip
+        bank = engine.loaded.bank
+        assert bank.popular is None  # transfer makes none
+        engine.config.popular_pins = chosen
+        offload._use_policy(engine, bank, rng.choice(["gpu-fill", "adaptive"]))
+        if chosen:
+            assert bank.popular is not None and bank.popular.fraction == chosen
+            assert bank.popular.fills is bank.cache.on_device
+        else:
+            assert bank.popular is None
