@@ -10,7 +10,8 @@ a CUDA graph that runs the decode on `layers` distinct caches (at least 256 MB i
 SDPA on contiguous K/V (the fused-kernel bar, K/V repeated per query head beforehand).
 Shapes: Hq = 32, Hkv = 4, D = 128, bf16 (Qwen3-style GQA). Each row names its tiles and split
 count ("default" = the launcher's choice); sweep rows are candidates for the tables in
-kernels/triton/paged_attention.py.
+kernels/triton/paged_attention.py. Split launches combine in their last programs, as the
+engine's do (since the twenty-fourth session; before, the separate combine kernel ran).
 """
 
 # Shape legend: B sequences, L kv length, Hq / Hkv heads, D head dim, P pages of S tokens.
@@ -27,7 +28,7 @@ from triton.testing import do_bench
 from freetoken_agent.bench.cuda_graph import captured
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.kernels.triton.attention_plan import LaunchPlan, Tiles, plan_launch
-from freetoken_agent.kernels.triton.paged_attention import launch_paged_attention
+from freetoken_agent.kernels.triton.paged_attention import launch_paged_attention, new_counters
 
 HQ, HKV, D = 32, 4, 128
 DEV = "cuda"
@@ -64,6 +65,9 @@ class Batch:
         self.out = torch.empty_like(self.q)
         self.cu_q_lens = torch.arange(B + 1, dtype=torch.int32, device=DEV) * q_len
         self.kv_lens = torch.full((B,), kv_len, dtype=torch.int32, device=DEV)
+        # The engine's attention layers pass their own counters, so split launches combine
+        # in their last programs (engine/layers/attention.py); timed the same way here.
+        self.counters = new_counters(torch.device(DEV))
         self.q_len, self.kv_len = q_len, kv_len
         self.kv_bytes = 2 * B * kv_len * HKV * D * self.q.element_size()  # K and V, read once
 
@@ -74,7 +78,7 @@ class Batch:
         launch_paged_attention(
             self.q, self.k_cache, self.v_cache, self.page_table, self.cu_q_lens, self.kv_lens,
             D**-0.5, self.q_len, 0, self.out, bound or self.kv_len, tiles=tiles,
-            num_splits=num_splits,
+            num_splits=num_splits, counters=self.counters,
         )  # fmt: skip
 
     def plan(self, tiles: Tiles | None, num_splits: int | None,

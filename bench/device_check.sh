@@ -380,7 +380,7 @@ for stage in "$@"; do
       timeout 250 python3 -m freetoken_agent.bench decode --layers 12 --skinny-gemv --out "$OUT" \
         2>&1 | tail -3 ;;
     kernels)
-      timeout 200 python3 -m freetoken_agent.bench.attention_kernel 2>&1 | tee "$OUT/attn.log" | tail -25
+      timeout 200 python3 -m freetoken_agent.bench.attention_kernel --graph-bound 0 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;
   esac
 done
