@@ -5,7 +5,8 @@ three. The checkpoint still stores them apart, so the loader writes each shard i
 
 `skinny` (set by `use_skinny_gemv`, EngineConfig.skinny_gemv): decode-sized inputs on CUDA take
 the Triton skinny matmul (kernels/gemv.py) instead of torch's choice of cuBLAS kernel. Off by
-default until measured on the device (`bench gemv`, `bench decode --skinny-gemv`).
+default: no faster than cuBLAS on the H200 host (`bench gemv`, `bench fusions` variant
+`both+skinny`; NOTES, twenty-third session).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from freetoken_agent.kernels.triton.router import MAX_EXPERTS, MAX_TOP_K, _topk_
 # rounds then reduce with shuffles alone (router.py). One expert's whole row a program (128
 # programs at E = 128, one 4 KB load each at H = 2048): on the H200 host, one row, 5.54 us
 # against 6.52 for two experts in 1024-wide steps and 7.34 / 10.34 for the other candidates
-# (bench/results/gemv_router_s21.json, `route2`).
+# (bench/results/gemv_router_s21.json: these tiles were its row `route2`).
 TILES = dict(BLOCK_E=1, BLOCK_H=2048, WARPS=1)
 
 

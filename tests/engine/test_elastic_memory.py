@@ -186,8 +186,8 @@ def test_budget_cut_under_the_device_path_with_popularity_pins(model, policy):
 def test_pressure_preempts_the_newest_never_fails(model, policy):
     """Three requests decoding, then a budget that holds about one of them beside the fewest
     slots: the newest are preempted (re-prefilled later from the prefix cache), nothing fails,
-    every output is the resident engine's. The device path's policies (popularity pins on by
-    default) with fewer slots, so that not every expert fits."""
+    every output is the resident engine's. The device path's policies too, with fewer slots so
+    that not every expert fits (the pressure leaves them one slot: too few for any pin)."""
     path, resident, rng = model
     slots = 24 if policy == "transfer" else 21
     engine = _elastic(path, resident, slots=slots, kv_tokens=1024, policy=policy)
