@@ -153,6 +153,11 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
     row["kept_layers"] = len(bank.cache.kept_layers)
     row["b_p_online_gb_s"] = bank.bandwidths.pcie / 1e9
     row["b_h_online_gb_s"] = bank.bandwidths.cpu / 1e9
+    pins = bank.popular
+    if pins is not None and policy in ("gpu-fill", "adaptive"):  # EngineConfig.popular_pins
+        # (one sync: read after the timed steps) how many slots are pinned, how often chosen
+        row["pins"] = {"fraction": pins.fraction, "pinned": int(pins.fills.popular.sum()),
+                       "choices": pins.choices, "owned_steps": pins.steps}  # fmt: skip
     if policy == "adaptive":
         trials = bank.adaptive.trials(batch)
         row["split_mode"] = trials.chosen if trials.choices else None

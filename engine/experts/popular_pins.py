@@ -54,12 +54,14 @@ class PopularPins:
         self.n_layers = n_lids // lids_per_layer
         self.uses = torch.zeros(n_lids, dtype=torch.int32, device=fills.cache.device)  # [N]
         self.steps = 0  # decode steps the device owned the cache
+        self.choices = 0  # times `repin` chose the pins (the benchmark reports it)
         self._handed_back = fills.releases  # hand-backs seen: `own` after one drops the pins
 
     def reset(self) -> None:
         """Forget the counts (the benchmark, between measurements from an empty cache)."""
         self.uses.zero_()
         self.steps = 0
+        self.choices = 0
 
     def after_step(self) -> None:
         """A step ended: count it if the device path ran it (it owns the cache), halve the
@@ -88,6 +90,7 @@ class PopularPins:
         unpin the rest of the earlier pins. Returns the new pins [S] bool. Tensor ops only,
         no host sync (bincount would read its input's bounds back: searchsorted instead)."""
         f = self.fills
+        self.choices += 1
         lid = f.lid_of.long()  # [S]
         ours = f.popular  # [S] bool: the pins this chose last time
         movable = (lid >= 0) & (f.stamp >= 0) & ((f.stamp != PINNED) | ours)

@@ -253,8 +253,10 @@ def test_an_engine_with_pins_gives_the_resident_tokens(policy, tmp_path, rng_see
     torch.testing.assert_close(engine.score(ids), resident.score(ids), atol=3e-5, rtol=3e-5)
     engine.check_integrity()
     assert int(bank.popular.uses.sum()) > 0 or policy == "adaptive"
+    assert bank.popular.choices == len(chosen)  # what the benchmark reports
     bank.reset_decisions()  # the benchmark, between measurements: the counts start again
     assert int(bank.popular.uses.sum()) == 0 and bank.popular.steps == 0
+    assert bank.popular.choices == 0
 
 
 @pytest.mark.gpu
