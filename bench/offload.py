@@ -38,7 +38,7 @@ from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGen
 from freetoken_agent.engine.config import POPULAR_PINS
 from freetoken_agent.engine.experts import calibration, step_paths
 from freetoken_agent.engine.experts.offload import WHOLE_STEP_POLICIES, decode_graph_kind
-from freetoken_agent.engine.experts.popular_pins import PopularPins
+from freetoken_agent.engine.experts.policy import DEVICE_PATH_POLICIES
 from freetoken_agent.engine.experts.split_trials import BLOCK, MODES, ROTATIONS
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -65,11 +65,7 @@ def _use_policy(engine, bank, policy: str) -> None:
     bank.policy = policy
     if policy == "adaptive":
         bank.start_cpu_share()  # (loaded under another policy: its shared path's worker)
-    fraction = engine.config.popular_pins
-    if policy in ("gpu-fill", "adaptive") and bank.popular is None and fraction > 0:
-        # Loaded under transfer, which makes none: the device paths' pins, as an engine
-        # loaded under this policy has them (EngineConfig.popular_pins).
-        bank.popular = PopularPins(bank.cache.on_device, engine.spec.n_experts, fraction)
+    bank.use_popular_pins(engine.config.popular_pins)  # loaded under transfer: none yet
     kinds = {decode_graph_kind(p, bank.device_path_ok) for p in (was, policy)}
     if len(kinds) > 1 and engine.runner.graphs is not None:
         engine.capture_graphs()
@@ -154,7 +150,7 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
     row["b_p_online_gb_s"] = bank.bandwidths.pcie / 1e9
     row["b_h_online_gb_s"] = bank.bandwidths.cpu / 1e9
     pins = bank.popular
-    if pins is not None and policy in ("gpu-fill", "adaptive"):  # EngineConfig.popular_pins
+    if pins is not None and policy in DEVICE_PATH_POLICIES:  # EngineConfig.popular_pins
         # (one sync: read after the timed steps) how many slots are pinned, how often chosen
         row["pins"] = {"fraction": pins.fraction, "pinned": int(pins.fills.popular.sum()),
                        "choices": pins.choices, "owned_steps": pins.steps}  # fmt: skip

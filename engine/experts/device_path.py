@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from freetoken_agent.engine.experts.cpu_share import CpuShare
+from freetoken_agent.engine.experts.policy import DEVICE_PATH_POLICIES
 from freetoken_agent.engine.experts.step_paths import DEVICE_PATHS
 from freetoken_agent.engine.l2_prefetcher import MOE_ROW_FRACTION
 from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
@@ -112,7 +113,7 @@ class DevicePath:
         whose warm-up must fill nothing): the device owns the cache and the plans learn how
         many pairs are real, and adaptive's share for the step."""
         bank = self.bank
-        if bank.policy not in ("gpu-fill", "adaptive"):
+        if bank.policy not in DEVICE_PATH_POLICIES:
             return
         fills = bank.cache.on_device
         fills.own()

@@ -41,6 +41,7 @@ from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
 from freetoken_agent.engine.experts.graph_decode import GraphDecode
 from freetoken_agent.engine.experts.graph_io import GraphIO
 from freetoken_agent.engine.experts.policy import (
+    DEVICE_PATH_POLICIES,
     Bandwidths,
     fetch_count,
 )
@@ -143,14 +144,13 @@ class OffloadedExpertBank(GraphDecode):
         self.device_path_ok = device.type != "cuda"
         # Policy gpu-fill's and adaptive's device paths, with the CPU worker (`ready`).
         self.device_path = DevicePath(self)
-        device_paths = policy in ("gpu-fill", "adaptive")
-        self.popular = (PopularPins(self.cache.on_device, spec.n_experts, popular_pins)
-                        if popular_pins > 0 and device_paths else None)  # fmt: skip
+        self.popular: PopularPins | None = None
+        self.use_popular_pins(popular_pins)
         # Only what the user asked for: popular_pins is on by default, for every policy.
         chosen_pins = popular_pins not in (0.0, POPULAR_PINS)
         unused = [name for name, on in (("fill_through", fill_through),
                                         ("popular_pins", chosen_pins)) if on]  # fmt: skip
-        if unused and not device_paths:
+        if unused and policy not in DEVICE_PATH_POLICIES:
             log.warning("%s: no effect under policy %s, only on the device paths (gpu-fill, "
                         "adaptive)", " and ".join(unused), policy)  # fmt: skip
         self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
@@ -402,6 +402,12 @@ class OffloadedExpertBank(GraphDecode):
         self.cache.kept_layers = frozenset()
         if self.popular is not None:
             self.popular.reset()
+
+    def use_popular_pins(self, fraction: float) -> None:
+        """EngineConfig.popular_pins' pins for the device path, if this policy runs it and it
+        has none yet (the benchmarks switch `policy` in place after loading under transfer)."""
+        if self.popular is None and fraction > 0 and self.policy in DEVICE_PATH_POLICIES:
+            self.popular = PopularPins(self.cache.on_device, self.n_experts, fraction)
 
     # --- policy direct (direct.py) ---------------------------------------------------------
     def _direct(self, hidden: torch.Tensor, lids: torch.Tensor, weights: torch.Tensor):

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 # direct: direct.py; gpu-fill: device_fills.py
 OFFLOAD_POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "gpu-fill")
+# Policies whose decode may run the device path (device_path.py): its fills, its pins.
+DEVICE_PATH_POLICIES = ("gpu-fill", "adaptive")
 
 
 CPU_KNEE_TOKENS = 8  # tokens per expert where the CPU kernel turns compute-bound (H200 host)
