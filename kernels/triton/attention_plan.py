@@ -70,6 +70,11 @@ class LaunchPlan:
     direct: bool  # grid axis 0 is (sequence, q block) directly; else found by _find_seq
     q_blocks: int  # grid axis 0
     num_splits: int  # grid axis 2 (NS); 1 = no split, no combine kernel
+    # Fewest kv tiles a split takes of a sequence's real range (the policy's min_tiles; 1 for
+    # a forced split count). A decode graph plans NS for its bound (max_model_len): the
+    # kernel still cuts a short context into the splits the policy gives its real length, and
+    # the other programs exit empty, so a graph at 4k tokens runs 32 splits, not 66.
+    min_split_tiles: int
 
 
 def plan_launch(device: torch.device, T: int, B: int, Hq: int, Hkv: int, D: int, max_q_len: int,
@@ -89,9 +94,11 @@ def plan_launch(device: torch.device, T: int, B: int, Hq: int, Hkv: int, D: int,
     per_seq = triton.cdiv(max_q_len, block_q)
     direct = B * per_seq <= T // block_q + B
     q_blocks = B * per_seq if direct else T // block_q + B
+    min_split_tiles = 1 if num_splits is not None else _SPLIT_POLICY["min_tiles"]
     if num_splits is None:  # enough programs for programs_per_sm per SM, >= min_tiles each
         programs = max(q_blocks * Hkv * (g_pad // heads), 1)
         want = triton.cdiv(_SPLIT_POLICY["programs_per_sm"] * sms, programs)
         most = triton.cdiv(triton.cdiv(max_kv_len, tiles.block_n), _SPLIT_POLICY["min_tiles"])
         num_splits = max(1, min(want, most, _SPLIT_POLICY["max_splits"]))
-    return LaunchPlan(tiles, heads, block_q, g_pad // heads, per_seq, direct, q_blocks, num_splits)
+    return LaunchPlan(tiles, heads, block_q, g_pad // heads, per_seq, direct, q_blocks, num_splits,
+                      min_split_tiles)  # fmt: skip

@@ -131,14 +131,19 @@ def _attend_tiles(
 # specialised: Triton would compile a new variant whenever one of them first turns out
 # divisible by 16 (or equal to 1), which on the device put 1-2 s compiles inside agent turns
 # (a prefill chunk of a new length, a page table of a new width).
-@triton.jit(do_not_specialize=["window", "num_seqs", "q_blocks_per_seq", "num_splits", "stride_pt"])
+@triton.jit(
+    do_not_specialize=[
+        "window", "num_seqs", "q_blocks_per_seq", "num_splits", "min_split_tiles", "stride_pt"
+    ]
+)  # fmt: skip
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,  # q, out [T, Hq, D]; k, v [P, S, Hkv, D]
     part_acc_ptr, part_m_ptr, part_l_ptr,  # [T, Hq, NS, D], [T, Hq, NS], [T, Hq, NS] fp32
     count_ptr,  # [>= grid axis 0] int32, 0 between launches (COMBINE)
     page_table_ptr, cu_q_lens_ptr, kv_lens_ptr,  # [B, max_pages], [B + 1], [B]
-    qk_scale, window, num_seqs, q_blocks_per_seq, head_progs, num_splits, num_q_heads,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_ot, stride_oh, stride_pt,
+    qk_scale, window, num_seqs, q_blocks_per_seq, head_progs, num_splits, min_split_tiles,
+    num_q_heads, stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_ot, stride_oh,
+    stride_pt,
     GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -194,7 +199,9 @@ def _paged_attention_kernel(
     f_lo = tl.minimum(tl.maximum(f_lo, n_lo), n_hi)
     f_hi = tl.minimum(tl.maximum((p_first + 1) // BLOCK_N, f_lo), n_hi)
     if SPLIT:  # this program's share of the block's tiles; may be empty
-        per = (n_hi - n_lo + num_splits - 1) // num_splits
+        # At least min_split_tiles (LaunchPlan's): the splits the plan would give this real
+        # length, whatever bound it was planned for (the later splits then hold nothing).
+        per = tl.maximum((n_hi - n_lo + num_splits - 1) // num_splits, min_split_tiles)
         s_lo = n_lo + split * per
         s_hi = tl.minimum(s_lo + per, n_hi)
     else:
@@ -332,7 +339,7 @@ def launch_paged_attention(
         q, k_cache, v_cache, out, part_acc, part_m, part_l, counters if combine else out,
         page_table, cu_q_lens, kv_lens,
         scale * _LOG2E, window if 0 < window < _NO_WINDOW else _NO_WINDOW, B, plan.q_blocks_per_seq,
-        head_progs, ns, Hq,
+        head_progs, ns, plan.min_split_tiles, Hq,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), page_table.stride(0),
         GROUP=Hq // Hkv, HEADS=plan.heads, HEAD_CHUNKS=plan.head_chunks,

@@ -20,6 +20,7 @@ from torch import Tensor
 from freetoken_agent.kernels import reference
 from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
 from freetoken_agent.kernels.triton import paged_attention as triton_attention
+from freetoken_agent.kernels.triton.attention_plan import plan_launch
 from freetoken_agent.kernels.triton.paged_attention import (
     Tiles,
     launch_paged_attention,
@@ -250,6 +251,31 @@ def test_triton_splits_combined_by_their_last_program(
     out = run_triton(c, 0, tiles=SMALL, num_splits=3, counters=small)
     check_close(out, reference.paged_attention(*c.args()), TOL[torch.float32])
     assert int(small[0]) == 0
+
+
+@pytest.mark.parametrize("in_kernel", [False, True])
+def test_a_graph_bound_plan_splits_the_real_length_as_its_own_plan(
+    rng_seed: int, in_kernel: bool
+) -> None:
+    """A decode graph plans its splits for its bound (max_model_len), not the real context: the
+    launch planned for that bound must cut each sequence's real range as the plan for the real
+    length does (same split edges, so the same bits), its extra splits holding nothing."""
+    rng = random.Random(rng_seed)
+    device = torch.device(DEV)
+    for _ in range(4):  # a few batches: two cuts of a short range can round alike by chance
+        B = rng.randint(1, 2)  # two sequences fill the interpreter's pretend SMs sooner
+        kv_lens = [rng.randint(40, 120) if B == 1 else rng.randint(33, 48) for _ in range(B)]
+        print(f"kv_lens={kv_lens}")
+        c = make_case(rng.randrange(1 << 30), [1] * B, kv_lens, 8, 2, 16, 16, torch.float32)
+        bounds = (max(kv_lens), 4096)
+        plans = [plan_launch(device, B, B, 8, 2, 16, 1, n, SMALL) for n in bounds]
+        assert plans[1].num_splits > plans[0].num_splits > 1, plans  # the bound: more splits
+        outs = []
+        for n in bounds:
+            counters = new_counters(device) if in_kernel else None
+            outs.append(run_triton(c, 0, tiles=SMALL, max_kv_len=n, counters=counters))
+        torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+        check_close(outs[1], reference.paged_attention(*c.args()), TOL[torch.float32])
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
