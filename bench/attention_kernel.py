@@ -38,6 +38,8 @@ DECODE_SWEEP = [  # (tiles, num_splits); None = the launcher's choice
     (Tiles(16, 32, 4, 4), None),
     (Tiles(16, 128, 4, 2), None),
     (Tiles(16, 64, 8, 3), None),
+    (Tiles(16, 64, 4, 4), None),
+    (Tiles(16, 128, 8, 3), None),
     (None, "x0.5"),
     (None, "x2"),
 ]
