@@ -29,6 +29,10 @@ class Tiles:
 # add a device key beside "default" once tuned on another machine.
 _TILES: dict[str, dict[tuple[str, int], Tiles]] = {
     "default": {
+        # (16, 128, 4, 2) attends 9-12% faster from 4k tokens up on the H200 (b=1 32k: 35.3
+        # against 39.7 us a layer), but at a 300-token context the 48-layer b=1 step lost 2.6%
+        # with it (fewer, longer splits; twenty-fifth session): not taken while one graph
+        # serves every context length.
         **{("decode", d): Tiles(16, 64, 4, 3) for d in (16, 32, 64, 128)},
         ("decode", 256): Tiles(16, 32, 4, 3),
         **{("small", d): Tiles(64, 64, 4, 3) for d in (16, 32, 64, 128)},
@@ -40,9 +44,16 @@ _TILES: dict[str, dict[tuple[str, int], Tiles]] = {
 }
 _TILE_CLASS_ROWS = (("decode", 16), ("small", 64))  # rows per sequence -> class; else "prefill"
 
-# Split-KV policy: aim at this many programs per SM, never cut a sequence into pieces of fewer
-# tiles than min_tiles (every split adds a write and a read of D fp32 partials per row).
-_SPLIT_POLICY = {"programs_per_sm": 2, "min_tiles": 2, "max_splits": 128}
+# Split-KV policy: aim at this many programs per SM, never cut a sequence of more than
+# short_tiles tiles into pieces of fewer than min_tiles (every split adds a write and a read of
+# D fp32 partials per row, and the combine reads them all); a short one takes a tile a split,
+# where the chain of dependent loads in each program, not the combine, is the cost. On the
+# H200 (bench attention-kernel, b=1, 64-wide tiles, twenty-fifth session): 1k tokens, 16
+# splits of one tile 10.2 us a layer against 8 of two 10.5; 4k, 32 of two 15.5 against 64 of
+# one 20.9; 16k and 32k, ~66 splits of 4 and 8 tiles. A 300-token context at the 48-layer b=1
+# step: 300.2 tok/s with one tile a split against 295.8 with two.
+_SPLIT_POLICY = {"programs_per_sm": 2, "min_tiles": 2, "short_tiles": 16, "max_splits": 128}
+SHORT_TILES = _SPLIT_POLICY["short_tiles"]
 _SPLITS_PAD = triton.next_power_of_2(_SPLIT_POLICY["max_splits"])  # the reduce's split tile
 _INTERPRETER_SMS = 8  # pretend SM count on the CPU, so the split heuristic runs there too
 # A counter buffer's entries: one per (q block, kv head) program of a split launch. The split
@@ -70,10 +81,11 @@ class LaunchPlan:
     direct: bool  # grid axis 0 is (sequence, q block) directly; else found by _find_seq
     q_blocks: int  # grid axis 0
     num_splits: int  # grid axis 2 (NS); 1 = no split, no combine kernel
-    # Fewest kv tiles a split takes of a sequence's real range (the policy's min_tiles; 1 for
-    # a forced split count). A decode graph plans NS for its bound (max_model_len): the
-    # kernel still cuts a short context into the splits the policy gives its real length, and
-    # the other programs exit empty, so a graph at 4k tokens runs 32 splits, not 66.
+    # Fewest kv tiles a split takes of a sequence's real range of more than SHORT_TILES tiles
+    # (the policy's min_tiles; 1 for a forced split count). A decode graph plans NS for its
+    # bound (max_model_len): the kernel still cuts a context into the splits the policy gives
+    # its real length, and the other programs exit empty, so a graph at 4k tokens runs 32
+    # splits, not 66.
     min_split_tiles: int
 
 
@@ -98,7 +110,8 @@ def plan_launch(device: torch.device, T: int, B: int, Hq: int, Hkv: int, D: int,
     if num_splits is None:  # enough programs for programs_per_sm per SM, >= min_tiles each
         programs = max(q_blocks * Hkv * (g_pad // heads), 1)
         want = triton.cdiv(_SPLIT_POLICY["programs_per_sm"] * sms, programs)
-        most = triton.cdiv(triton.cdiv(max_kv_len, tiles.block_n), _SPLIT_POLICY["min_tiles"])
+        n_tiles = triton.cdiv(max_kv_len, tiles.block_n)
+        most = n_tiles if n_tiles <= SHORT_TILES else triton.cdiv(n_tiles, min_split_tiles)
         num_splits = max(1, min(want, most, _SPLIT_POLICY["max_splits"]))
     return LaunchPlan(tiles, heads, block_q, g_pad // heads, per_seq, direct, q_blocks, num_splits,
                       min_split_tiles)  # fmt: skip

@@ -33,6 +33,7 @@ from torch import Tensor
 from freetoken_agent.kernels.triton.attention_plan import (
     _SPLITS_PAD,
     COUNTERS,
+    SHORT_TILES,
     Tiles,
     plan_launch,
 )
@@ -149,7 +150,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DIRECT: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
+    SHORT_TILES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)  # first: pdl.py
     # grid: (q blocks x head_progs, NS), head_progs = Hkv * HEAD_CHUNKS. The head is the fast
@@ -199,9 +200,19 @@ def _paged_attention_kernel(
     f_lo = tl.minimum(tl.maximum(f_lo, n_lo), n_hi)
     f_hi = tl.minimum(tl.maximum((p_first + 1) // BLOCK_N, f_lo), n_hi)
     if SPLIT:  # this program's share of the block's tiles; may be empty
-        # At least min_split_tiles (LaunchPlan's): the splits the plan would give this real
-        # length, whatever bound it was planned for (the later splits then hold nothing).
-        per = tl.maximum((n_hi - n_lo + num_splits - 1) // num_splits, min_split_tiles)
+        # At least min_split_tiles past SHORT_TILES (attention_plan's policy): the splits the
+        # plan would give this real length, whatever bound it was planned for (the later
+        # splits then hold nothing).
+        least = tl.where(n_hi - n_lo > SHORT_TILES, min_split_tiles, 1)
+        per = tl.maximum((n_hi - n_lo + num_splits - 1) // num_splits, least)
+        used = tl.maximum((n_hi - n_lo + per - 1) // per, 1)  # splits holding a tile (>= 1)
+        # Nothing to attend and no partial anyone reads: the combine counts only the used
+        # splits. A decode graph planned for a long bound launches 66 splits a kv head on the
+        # H200 where a 1k context uses 8; the empty ones storing partials and joining the
+        # counter cost ~1.7 us a layer (twenty-fifth session).
+        if COMBINE:  # noqa: SIM102 - a compile-time branch around a run-time one (Triton)
+            if split >= used:
+                return
         s_lo = n_lo + split * per
         s_hi = tl.minimum(s_lo + per, n_hi)
     else:
@@ -243,13 +254,12 @@ def _paged_attention_kernel(
             # The partials are ordered before the add (release); the last program's loads
             # after it (acquire, past L1) see every split's.
             counter = count_ptr + tl.program_id(0)
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
                 tl.store(counter, 0)
-                used = (n_hi - n_lo + tl.maximum(per, 1) - 1) // tl.maximum(per, 1)
                 o_ptrs = out_ptr + row_t[:, None] * stride_ot + head[:, None] * stride_oh
                 _combine_rows(
                     part_acc_ptr, part_m_ptr, part_l_ptr, (row_t * num_q_heads + head) * num_splits,
-                    row_ok, tl.maximum(used, 1), o_ptrs + offs_d[None, :], io_mask,
+                    row_ok, used, o_ptrs + offs_d[None, :], io_mask,
                     BLOCK_M, HEAD_DIM, D_PAD, SPLITS_PAD, CHUNK,
                 )  # fmt: skip
     else:
@@ -349,7 +359,7 @@ def launch_paged_attention(
         # there. fp32 inputs on the GPU use full-precision dots instead of tf32.
         UPCAST=os.environ.get("TRITON_INTERPRET", "0") == "1",
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        COMBINE=combine, SPLITS_PAD=_SPLITS_PAD, CHUNK=COMBINE_CHUNK,
+        COMBINE=combine, SPLITS_PAD=_SPLITS_PAD, CHUNK=COMBINE_CHUNK, SHORT_TILES=SHORT_TILES,
         num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
         **pdl_launch(q.device),
     )  # fmt: skip

@@ -19,8 +19,9 @@ from torch import Tensor
 
 from freetoken_agent.kernels import reference
 from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
+from freetoken_agent.kernels.triton import attention_plan
 from freetoken_agent.kernels.triton import paged_attention as triton_attention
-from freetoken_agent.kernels.triton.attention_plan import plan_launch
+from freetoken_agent.kernels.triton.attention_plan import SHORT_TILES, plan_launch
 from freetoken_agent.kernels.triton.paged_attention import (
     Tiles,
     launch_paged_attention,
@@ -255,27 +256,40 @@ def test_triton_splits_combined_by_their_last_program(
 
 @pytest.mark.parametrize("in_kernel", [False, True])
 def test_a_graph_bound_plan_splits_the_real_length_as_its_own_plan(
-    rng_seed: int, in_kernel: bool
+    rng_seed: int, in_kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A decode graph plans its splits for its bound (max_model_len), not the real context: the
     launch planned for that bound must cut each sequence's real range as the plan for the real
-    length does (same split edges, so the same bits), its extra splits holding nothing."""
+    length does (same split edges, so the same bits), its extra splits holding nothing. Short
+    ranges (<= SHORT_TILES tiles) take a tile a split, longer ones at least min_tiles."""
+    # The interpreter's pretend SMs, raised so the bound's plan has more splits than a long
+    # range's own plan (on a GPU the real count does it).
+    monkeypatch.setattr(attention_plan, "_INTERPRETER_SMS", 64)
     rng = random.Random(rng_seed)
     device = torch.device(DEV)
-    for _ in range(4):  # a few batches: two cuts of a short range can round alike by chance
-        B = rng.randint(1, 2)  # two sequences fill the interpreter's pretend SMs sooner
-        kv_lens = [rng.randint(40, 120) if B == 1 else rng.randint(33, 48) for _ in range(B)]
+    short = SHORT_TILES * SMALL.block_n  # the longest short range, in tokens
+    for i in range(4):  # a few batches: two cuts of a range can round alike by chance
+        B = 1 if i % 2 else rng.randint(1, 2)
+        kv_lens = [rng.randint(40, short) if i % 2 else rng.randint(short + 1, 2 * short + 80)
+                   for _ in range(B)]  # fmt: skip
         print(f"kv_lens={kv_lens}")
         c = make_case(rng.randrange(1 << 30), [1] * B, kv_lens, 8, 2, 16, 16, torch.float32)
-        bounds = (max(kv_lens), 4096)
+        bounds = (max(kv_lens), 8192)
         plans = [plan_launch(device, B, B, 8, 2, 16, 1, n, SMALL) for n in bounds]
         assert plans[1].num_splits > plans[0].num_splits > 1, plans  # the bound: more splits
         outs = []
-        for n in bounds:
+        for bound in bounds:
             counters = new_counters(device) if in_kernel else None
-            outs.append(run_triton(c, 0, tiles=SMALL, max_kv_len=n, counters=counters))
+            outs.append(run_triton(c, 0, tiles=SMALL, max_kv_len=bound, counters=counters))
         torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
         check_close(outs[1], reference.paged_attention(*c.args()), TOL[torch.float32])
+        if B == 1:  # one range: its own plan cuts it in equal pieces, a tile each when short
+            counters = new_counters(device) if in_kernel else None  # the same combine
+            forced = run_triton(c, 0, tiles=SMALL, num_splits=plans[0].num_splits,
+                                counters=counters)  # fmt: skip
+            torch.testing.assert_close(outs[0], forced, atol=0, rtol=0)
+            n_tiles = -(-kv_lens[0] // SMALL.block_n)
+            assert plans[0].num_splits == (n_tiles if n_tiles <= SHORT_TILES else -(-n_tiles // 2))
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
