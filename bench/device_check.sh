@@ -215,14 +215,18 @@ for stage in "$@"; do
       timeout 570 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
         --skip-prefill --out "$OUT" 2>&1 | tee "$OUT/offload_peer.log" | grep -v "round[0-9]" \
         | cut -c1-240 ;;
-    acceptance-peer)  # peer slice, b=1 and 4, adaptive / transfer / gpu-fill, 2 rounds (~4 min)
+    acceptance-peer)  # peer slice, b=1 and 4, adaptive / transfer / gpu-fill, 2 rounds (~5 min)
+      # 256 timed tokens a row: at the default 48, adaptive's Zipf rows trailed gpu-fill's (48
+      # layers: 113.6 against 122.1, twenty-fifth session) where 320 tokens found them even
+      # (117.9 against 118.2, twenty-fourth): likely the cache its path trials left colder.
       timeout 560 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
-        --skip-prefill --batches 1 4 --rounds 2 --regimes uniform zipf:1.0,loc:0.7 native \
+        --skip-prefill --batches 1 4 --rounds 2 --decode 256 --regimes uniform zipf:1.0,loc:0.7 native \
         --policies adaptive transfer gpu-fill --out "$OUT" 2>&1 | tee "$OUT/acceptance_peer.log" \
         | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
-    acceptance-48)  # 48 layers / 32 GB, b=1 and 4, adaptive / transfer / gpu-fill, 1 round (~8 min)
+    acceptance-48)  # 48 layers / 32 GB, b=1 and 4, adaptive / transfer / gpu-fill, 1 round (~6 min)
+      # 128 timed tokens a row (see acceptance-peer); the run took 236 s at 48.
       timeout 570 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
-        --rounds 1 --regimes native zipf:1.0,loc:0.7 uniform --policies adaptive transfer \
+        --rounds 1 --decode 128 --regimes native zipf:1.0,loc:0.7 uniform --policies adaptive transfer \
         gpu-fill --out "$OUT" 2>&1 | tee "$OUT/acceptance_48.log" | grep "|b" \
         | grep -v "round[0-9]" | cut -c1-200 ;;
     offload-30b)  # 48 layers, 32 GB, b=1, the four policies of the acceptance, 3 rounds (~6 min)
