@@ -71,15 +71,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=128, help="decoded tokens per request")
     parser.add_argument("--rounds", type=int, default=2, help="turns of every variant")
+    parser.add_argument(
+        "--max-model-len", type=int, default=0, metavar="TOKENS",
+        help="the engine's max_model_len, the bound its decode graphs plan attention for "
+        "(0: 4096, or the prompt and the decoded tokens if longer)",
+    )  # fmt: skip
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         help="which fusions to measure")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
+    needed = args.prompt + args.tokens + 64
+    max_len = args.max_model_len or max(4096, needed)
+    if max_len < needed:
+        parser.error(f"--max-model-len {max_len} is shorter than --prompt plus --tokens")
     if not torch.cuda.is_available():
         parser.error("this benchmark needs CUDA")
     b_hbm = hbm_copy_bandwidth(torch.device("cuda"))
-    # A longer --prompt raises the bound (the decode graphs plan attention for it).
-    max_len = max(4096, args.prompt + args.tokens + 64)
     engine = random_engine(peer_slice(QWEN3_30B_A3B, args.layers), max_num_seqs=8,
                            max_model_len=max_len, max_batched_tokens=2048)  # fmt: skip
     rng = random.Random(0)
