@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,8 +147,9 @@ def assert_nothing_held(service: Any, timeout: float = 10.0) -> None:
         if not busy or time.monotonic() > deadline:
             break
         time.sleep(0.01)
+    stacks = _server_stacks() if busy else ""
     with service.lock:
-        assert not engine.has_unfinished(), _unfinished(service)
+        assert not engine.has_unfinished(), _unfinished(service) + stacks
         engine.check_integrity()
         engine.radix.reset()
         assert engine.kv.allocator.n_free == engine.kv.allocator.capacity
@@ -163,6 +166,23 @@ def _unfinished(service: Any) -> str:
         for r in [*sched.running, *sched.waiting]
     ]
     return f"{service.stats()['requests']}; " + "; ".join(rows)
+
+
+def _server_stacks() -> str:
+    """Where the server's threads are, innermost call first (taken while the test does not
+    hold the engine's lock): a uvicorn loop blocked in `service.abort` is an abort that could
+    not get the lock; one idle in `select` beside a held sink is a reset nobody saw."""
+    frames = sys._current_frames()
+    lines = []
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident)
+        if frame is None or not thread.name.startswith(("uvicorn-", "freetoken-")):
+            continue
+        calls = [
+            f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)
+        ]
+        lines.append(f"\n  {thread.name}: " + " < ".join(reversed(calls[-6:])))
+    return "".join(lines)
 
 
 def assert_api_error(response: Any, *statuses: int) -> dict[str, Any]:
