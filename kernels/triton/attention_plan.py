@@ -51,7 +51,8 @@ _TILE_CLASS_ROWS = (("decode", 16), ("small", 64))  # rows per sequence -> class
 # H200 (bench attention-kernel, b=1, 64-wide tiles, twenty-fifth session): 1k tokens, 16
 # splits of one tile 10.2 us a layer against 8 of two 10.5; 4k, 32 of two 15.5 against 64 of
 # one 20.9; 16k and 32k, ~66 splits of 4 and 8 tiles. A 300-token context at the 48-layer b=1
-# step: 300.2 tok/s with one tile a split against 295.8 with two.
+# step: 300.2 tok/s with one tile a split (empty splits then still stored partials) against
+# 295.8 with two (empty splits exiting). This rule itself is not yet measured on the device.
 _SPLIT_POLICY = {"programs_per_sm": 2, "min_tiles": 2, "short_tiles": 16, "max_splits": 128}
 SHORT_TILES = _SPLIT_POLICY["short_tiles"]
 _SPLITS_PAD = triton.next_power_of_2(_SPLIT_POLICY["max_splits"])  # the reduce's split tile
@@ -110,8 +111,13 @@ def plan_launch(device: torch.device, T: int, B: int, Hq: int, Hkv: int, D: int,
     if num_splits is None:  # enough programs for programs_per_sm per SM, >= min_tiles each
         programs = max(q_blocks * Hkv * (g_pad // heads), 1)
         want = triton.cdiv(_SPLIT_POLICY["programs_per_sm"] * sms, programs)
+        # Never below SHORT_TILES past it: a shorter range in the same launch (another
+        # sequence, a window, an earlier q block) takes a tile a split, as under any bound.
         n_tiles = triton.cdiv(max_kv_len, tiles.block_n)
-        most = n_tiles if n_tiles <= SHORT_TILES else triton.cdiv(n_tiles, min_split_tiles)
+        longer = max(SHORT_TILES, triton.cdiv(n_tiles, min_split_tiles))
+        most = n_tiles if n_tiles <= SHORT_TILES else longer
         num_splits = max(1, min(want, most, _SPLIT_POLICY["max_splits"]))
+    # The combine reduces the splits in one tile of _SPLITS_PAD (split_combine.py).
+    assert num_splits <= _SPLIT_POLICY["max_splits"], f"{num_splits} kv splits: at most 128"
     return LaunchPlan(tiles, heads, block_q, g_pad // heads, per_seq, direct, q_blocks, num_splits,
                       min_split_tiles)  # fmt: skip

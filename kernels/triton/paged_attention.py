@@ -182,14 +182,6 @@ def _paged_attention_kernel(
     lo_excl = pos - window  # [BLOCK_M] the row sees lo_excl < j <= pos
     row_t = (q_start + tok).to(tl.int64)  # [BLOCK_M] flat token index
     io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(
-        q_ptr + row_t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=io_mask,
-        other=0.0,
-    )  # [BLOCK_M, D_PAD]
-    if UPCAST:
-        q = q.to(tl.float32)
-
     # Tile ranges of this block, in units of BLOCK_N: [n_lo, n_hi) is everything some row sees;
     # [f_lo, f_hi) the tiles every row sees whole (no mask needed).
     p_first = kv_len - q_len + qb * BLOCK_Q
@@ -207,9 +199,10 @@ def _paged_attention_kernel(
         per = tl.maximum((n_hi - n_lo + num_splits - 1) // num_splits, least)
         used = tl.maximum((n_hi - n_lo + per - 1) // per, 1)  # splits holding a tile (>= 1)
         # Nothing to attend and no partial anyone reads: the combine counts only the used
-        # splits. A decode graph planned for a long bound launches 66 splits a kv head on the
-        # H200 where a 1k context uses 8; the empty ones storing partials and joining the
-        # counter cost ~1.7 us a layer (twenty-fifth session).
+        # splits. A decode graph planned for a 32k bound launches 66 splits a kv head on the
+        # H200 where a 1k context uses 8 to 16; with the empty ones storing partials and
+        # joining the counter it took 11.7-12.2 us a layer against 10.2-10.5 (twenty-fifth
+        # session).
         if COMBINE:  # noqa: SIM102 - a compile-time branch around a run-time one (Triton)
             if split >= used:
                 return
@@ -218,6 +211,15 @@ def _paged_attention_kernel(
     else:
         s_lo = n_lo
         s_hi = n_hi
+
+    # After the split's early exit: an empty split of a combining launch loads nothing.
+    q = tl.load(
+        q_ptr + row_t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )  # [BLOCK_M, D_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
 
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -268,28 +268,30 @@ def test_a_graph_bound_plan_splits_the_real_length_as_its_own_plan(
     rng = random.Random(rng_seed)
     device = torch.device(DEV)
     short = SHORT_TILES * SMALL.block_n  # the longest short range, in tokens
-    for i in range(4):  # a few batches: two cuts of a range can round alike by chance
-        B = 1 if i % 2 else rng.randint(1, 2)
-        kv_lens = [rng.randint(40, short) if i % 2 else rng.randint(short + 1, 2 * short + 80)
-                   for _ in range(B)]  # fmt: skip
-        print(f"kv_lens={kv_lens}")
+    least = attention_plan._SPLIT_POLICY["min_tiles"]
+    counters = new_counters(device) if in_kernel else None  # one buffer: every launch resets it
+    for i in range(6):  # short, long, and a short range beside a long one, twice each
+        kind = ("short", "long", "mixed")[i % 3]
+        B = 1 if kind == "short" else 2 if kind == "mixed" else rng.randint(1, 2)
+        kv_lens = [rng.randint(40, short) if kind == "short" or (kind == "mixed" and b == 0)
+                   else rng.randint(short + 1, 2 * short + 80) for b in range(B)]  # fmt: skip
+        print(f"{kind}: kv_lens={kv_lens}")
         c = make_case(rng.randrange(1 << 30), [1] * B, kv_lens, 8, 2, 16, 16, torch.float32)
         bounds = (max(kv_lens), 8192)
         plans = [plan_launch(device, B, B, 8, 2, 16, 1, n, SMALL) for n in bounds]
         assert plans[1].num_splits > plans[0].num_splits > 1, plans  # the bound: more splits
-        outs = []
-        for bound in bounds:
-            counters = new_counters(device) if in_kernel else None
-            outs.append(run_triton(c, 0, tiles=SMALL, max_kv_len=bound, counters=counters))
+        outs = [run_triton(c, 0, tiles=SMALL, max_kv_len=n, counters=counters) for n in bounds]
         torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
         check_close(outs[1], reference.paged_attention(*c.args()), TOL[torch.float32])
         if B == 1:  # one range: its own plan cuts it in equal pieces, a tile each when short
-            counters = new_counters(device) if in_kernel else None  # the same combine
             forced = run_triton(c, 0, tiles=SMALL, num_splits=plans[0].num_splits,
                                 counters=counters)  # fmt: skip
             torch.testing.assert_close(outs[0], forced, atol=0, rtol=0)
             n_tiles = -(-kv_lens[0] // SMALL.block_n)
-            assert plans[0].num_splits == (n_tiles if n_tiles <= SHORT_TILES else -(-n_tiles // 2))
+            longer = max(SHORT_TILES, -(-n_tiles // least))
+            assert plans[0].num_splits == (n_tiles if n_tiles <= SHORT_TILES else longer)
+        if counters is not None:
+            assert not counters.any(), "a counter left standing"
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
