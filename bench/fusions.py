@@ -11,7 +11,7 @@ each variant (none, router, proj_norm, both) the model's switches are set and th
 captured again, then decode tok/s at batch 1 and 4 (overlap scheduling on, as the engine runs).
 Variants take turns over `--rounds` rounds (the device host's speed drifts over seconds); the
 median round is reported beside the limit of `bench decode` (bytes a step must read / B_HBM).
-JSON: `fusions_{layers}l.json`.
+JSON: `fusions_{layers}l_p{prompt}_m{max_model_len}.json`.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     needed = args.prompt + args.tokens + 64
     max_len = args.max_model_len or max(4096, needed)
     if max_len < needed:
-        parser.error(f"--max-model-len {max_len} is shorter than --prompt plus --tokens")
+        parser.error(f"--max-model-len {max_len} is shorter than --prompt plus --tokens plus "
+                     "a 64-token margin")  # fmt: skip
     if not torch.cuda.is_available():
         parser.error("this benchmark needs CUDA")
     b_hbm = hbm_copy_bandwidth(torch.device("cuda"))
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                     rate = decode_rate(engine, batch, args.prompt, args.tokens, rng)
                     rates[name][batch].append(rate)
     report = {"bench": "fusions", "layers": args.layers, "hbm_copy_gb_s": b_hbm / 1e9,
-              "rounds": args.rounds, "rows": {}}  # fmt: skip
+              "rounds": args.rounds, "prompt": args.prompt, "tokens": args.tokens,
+              "max_model_len": max_len, "rows": {}}  # fmt: skip
     for name in args.variants:
         for batch in (1, 4):
             tok_s = statistics.median(rates[name][batch])
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             report["rows"][f"{name}|b{batch}"] = row
             print(f"{name}|b{batch}", json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"fusions_{args.layers}l.json"
+    # Runs at another prompt or bound do not overwrite each other.
+    path = args.out / f"fusions_{args.layers}l_p{args.prompt}_m{max_len}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
     return 0

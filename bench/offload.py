@@ -51,6 +51,7 @@ POLICIES = ("cpu", "transfer", "adaptive", "static", "direct", "gpu-fill")
 # fall outside the timed window.
 PATH_STEPS = len(step_paths.PATHS) * step_paths.BLOCK * step_paths.ROTATIONS
 WARM_UP = 8 + len(MODES) * BLOCK * ROTATIONS + PATH_STEPS + step_paths.WARM
+KV_TOKENS = 32768  # the engine's KV pool and max_model_len
 
 
 def _sync() -> None:
@@ -87,12 +88,14 @@ def start_policy(engine, bank, policy: str, b_p: float, b_h: float,
         bank.place_static()
 
 
-def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
-    """Aggregate decode tok/s of `batch` sequences (after their prefill) and cache counters."""
+def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[float, dict]:
+    """Aggregate decode tok/s of `batch` sequences (after their prefill of `context` tokens
+    each) and cache counters."""
     bank = engine.loaded.bank
     sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     vocab = engine.spec.vocab_size
-    rids = [engine.submit([rng.randrange(vocab) for _ in range(64)], sp) for _ in range(batch)]
+    rids = [engine.submit([rng.randrange(vocab) for _ in range(context)], sp)
+            for _ in range(batch)]  # fmt: skip
     while any(not engine._requests[r].output_ids for r in rids):
         engine.step()
     reserve = getattr(engine.loaded.model.expert_bank, "reserve", None)  # traced routing
@@ -136,12 +139,13 @@ def _decode(engine, n: int, rng, batch: int = 1) -> tuple[float, dict]:
 
 
 def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h: float,
-             path: str | None = None, shared_gate: bool = True) -> dict:  # fmt: skip
+             path: str | None = None, shared_gate: bool = True,
+             context: int = 64) -> dict:  # fmt: skip
     """One policy from an empty cache: WARM_UP decode steps (the cache fills; adaptive's
     first split trials run), then `n` timed. The row: tok/s, counters, online bandwidths."""
     start_policy(engine, bank, policy, b_p, b_h, path, shared_gate)
-    _decode(engine, WARM_UP, rng, batch)
-    rate, st = _decode(engine, n, rng, batch)
+    _decode(engine, WARM_UP, rng, batch, context)
+    rate, st = _decode(engine, n, rng, batch, context)
     # Elastic memory gives the KV pool's idle pages to slots while decoding: the count at the
     # end, beside the count at load in the report's header.
     row = {"tok_s": rate, **st, "slots": bank.cache.n_slots}
@@ -195,9 +199,9 @@ def offload_engine(layers: int, budget_gb: float, chunk: int):
         cfg,
         policy="transfer",
         gpu_budget=int(budget_gb * 1e9),
-        kv_tokens=32768,
+        kv_tokens=KV_TOKENS,
         max_num_seqs=4,
-        max_model_len=32768,
+        max_model_len=KV_TOKENS,
         max_batched_tokens=chunk,
         stream_min_tokens=512,
     )
@@ -213,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=48, help="model depth (12: peer slice)")
     parser.add_argument("--budget-gb", type=float, default=32.0, help="GPU budget (GB)")
     parser.add_argument("--decode", type=int, default=48, help="decoded tokens per policy")
+    parser.add_argument(
+        "--context", type=int, default=64, metavar="TOKENS",
+        help="prompt tokens of each decoded sequence (agent histories run to 4k-32k; the "
+        "limit counts their KV reads)",
+    )  # fmt: skip
     parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 8192, 16384],
                         help="prompt lengths prefilled, double buffer on and off")  # fmt: skip
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
@@ -298,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-shared-gate measures shared under temporal locality too)",
     )
     args = parser.parse_args(argv)
+    held = max(args.batches) * (args.context + max(args.decode, WARM_UP) + 16)
+    if args.context < 1 or held > KV_TOKENS:
+        parser.error(f"--context {args.context}: {max(args.batches)} sequences of it and "
+                     f"their decoded tokens need ~{held} KV tokens; the engine holds "
+                     f"{KV_TOKENS}")  # fmt: skip
     dev = torch.device("cuda")
     b_hbm = hbm_copy_bandwidth(dev)
     b_sum = host_read_bandwidth()
@@ -319,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         both = {"error": str(exc)[:300], "both_gb_s": 0.0}
     b_read = max(b_sum, 1e9 * both["both_gb_s"])
     dense_read = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.device_nbytes
+    # A step reads every held token's K and V in every layer (a 64-token context: ~0.4 MB).
+    itemsize = torch.tensor([], dtype=engine.loaded.dtype).element_size()
+    kv_bytes_per_token = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * itemsize
     rng = random.Random(0)
     report = {
         "bench": "offload",
@@ -327,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget_gb": args.budget_gb,
         "fill_behind": args.fill_behind,
         "popular_pins": args.popular_pins,
+        "context": args.context,
         "fill_through": args.fill_through,
         "overlap": args.overlap,
         "adaptive_path": args.adaptive_path,  # None: measured (step_paths.py)
@@ -373,14 +391,16 @@ def main(argv: list[str] | None = None) -> int:
                 for name, policy, word, l2 in order:
                     with kernel_variant(engine, word, l2):
                         row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h,
-                                       args.adaptive_path, args.shared_gate)  # fmt: skip
+                                       args.adaptive_path, args.shared_gate,
+                                       args.context)  # fmt: skip
                     miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
                     hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
                     # direct and gpu-fill have no CPU branch; the others' two host paths
                     # share host memory.
                     whole = policy in WHOLE_STEP_POLICIES
                     link = b_p if whole else host_paths(b_p, b_h, b_read)
-                    floor = (dense_read + hit_bytes) / b_hbm + miss_bytes / link
+                    kv_read = batch * (args.context + args.decode / 2) * kv_bytes_per_token
+                    floor = (dense_read + hit_bytes + kv_read) / b_hbm + miss_bytes / link
                     row.update(limit_tok_s=batch / floor, of_limit=row["tok_s"] * floor / batch)
                     rounds[name].append(row)
                     print(f"{regime_name}|b{batch}|{name}|round{r}", json.dumps(row), flush=True)

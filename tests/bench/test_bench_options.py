@@ -28,3 +28,17 @@ def test_every_option_has_help(name, monkeypatch):
     assert parser.prog == f"freetoken bench {name}"
     undocumented = [a.option_strings or a.dest for a in parser._actions if not a.help]
     assert not undocumented, f"{name}: options without help: {undocumented}"
+
+
+def test_offload_refuses_a_context_the_kv_pool_cannot_hold(rng_seed, capsys):
+    """`bench offload --context`: contexts whose sequences (and decoded tokens) overflow the
+    engine's KV pool are refused before anything loads, naming the option."""
+    from freetoken_agent.bench import offload
+
+    rng = __import__("random").Random(rng_seed)
+    batch = rng.choice([2, 4])
+    context = offload.KV_TOKENS // batch + rng.randint(0, 1000)  # batch x context > the pool
+    with pytest.raises(SystemExit) as exited:
+        offload.main(["--context", str(context), "--batches", "1", str(batch)])
+    assert exited.value.code == 2
+    assert f"--context {context}" in capsys.readouterr().err
