@@ -63,6 +63,9 @@
 #         pins-uniform (the peer slice, uniform, adaptive and gpu-fill, pins 0 then 0.8; ~4 min)
 #         attention-graph (attention decode planned for the real length and for a decode
 #         graph's bound; ~2 min)
+#         attention-rule (the split rule's GPU tests, then the 48-layer step at 256 and 4096
+#         prompt tokens under 4k and 32k bounds, ~5 min)
+#         long-context (48 layers / 32 GB, native and Zipf b=1 at an 8192-token context, ~4 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -121,6 +124,24 @@ for stage in "$@"; do
       # engine's decode graphs plan it (max_kv_len = max_model_len), default tiles (~2 min)
       timeout 300 python3 -m freetoken_agent.bench attention-kernel --no-sweep \
         --graph-bound 32768 2>&1 | tee "$OUT/attention_graph.log" | grep -E "decode|HBM" ;;
+    attention-rule)  # paged attention's split rule (twenty-fifth session, unmeasured): its GPU
+      # tests, then the 48-layer all-resident step at a 256-token prompt under a 4k and a 32k
+      # bound, and at 4096 tokens under 32k (~5 min; 300.2 / 270.6 b=1 before the rule)
+      timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/attention_rule_tests.log" | tail -2
+      for pm in "256 4096" "256 32768" "4096 32768"; do
+        read -r prompt bound <<<"$pm"
+        timeout 150 python3 -m freetoken_agent.bench fusions --layers 48 --variants both \
+          --rounds 2 --prompt "$prompt" --max-model-len "$bound" --out "$OUT" 2>&1 \
+          | grep "|b" | sed "s/^/prompt $prompt bound $bound /" | cut -c1-120
+      done ;;
+    long-context)  # 48 layers / 32 GB, b=1, native and Zipf, adaptive and gpu-fill, an 8192-token
+      # context (bench offload --context; the limit counts the KV reads, ~4 min)
+      timeout 400 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 \
+        --rounds 1 --regimes native zipf:1.0,loc:0.7 --policies adaptive gpu-fill \
+        --context 8192 --decode 128 --out "$OUT/long_context" 2>&1 \
+        | tee "$OUT/long_context.log" | grep "|b" | grep -v "round[0-9]" | grep " | " \
+        | cut -c1-200 ;;
     fill-through)  # fill-through's GPU tests, then 48 layers / 32 GB, native and Zipf, b=1
       # and 4, adaptive and gpu-fill, EngineConfig.fill_through off then on (~9 min)
       timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
