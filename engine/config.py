@@ -300,8 +300,10 @@ class EngineConfig:
     # unchanged. Measured on the H200 host, 48 layers / 32 GB, Zipf 1.0 / locality 0.7 (tok/s,
     # b=1 / b=4): gpu-fill 113.8 / 159.1 -> 118.2 / 176.6, adaptive 108.4 / 156.0 -> 117.9 /
     # 170.7 (misses 0.070 -> 0.063 a pair at b=1); native routing unchanged (262.0 / 538.0
-    # -> 260.8 / 538.6). Half-lives and budget: popular_pins.py.
-    popular_pins: float = POPULAR_PINS
+    # -> 260.8 / 538.6). Half-lives and budget: popular_pins.py. None: POPULAR_PINS on the
+    # device paths and silence elsewhere; a number is the user's choice, and a policy without
+    # a device path warns that it has no effect (`pins_fraction` resolves it).
+    popular_pins: float | None = None
     # The device path's misses cross the link inside the MoE kernels: a moved expert's pairs
     # read it from the pinned pool and the kernels store each tile they read into its new
     # slot, so no copy kernel runs before them and a layer's hits compute while its misses
@@ -349,6 +351,12 @@ class EngineConfig:
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def pins_fraction(self) -> float:
+        """popular_pins resolved: the fraction of slots the device paths pin (None: the
+        default, POPULAR_PINS)."""
+        return POPULAR_PINS if self.popular_pins is None else self.popular_pins
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
@@ -358,7 +366,7 @@ class EngineConfig:
             raise ValueError("max_batched_tokens and max_num_seqs must be positive")
         if self.stream_min_tokens is not None and self.stream_min_tokens < 1:
             raise ValueError(f"stream_min_tokens must be positive, got {self.stream_min_tokens}")
-        if not 0.0 <= self.popular_pins < 1.0:
+        if self.popular_pins is not None and not 0.0 <= self.popular_pins < 1.0:
             raise ValueError(f"popular_pins is a fraction of the slots in [0, 1), got "
                              f"{self.popular_pins}")  # fmt: skip
         from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode

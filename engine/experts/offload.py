@@ -110,13 +110,14 @@ class OffloadedExpertBank(GraphDecode):
         double_buffer: bool = True,
         arena: ElasticArena | None = None,
         fill_behind: bool = False,
-        popular_pins: float = POPULAR_PINS,
+        popular_pins: float | None = None,
         fill_through: bool = False,
     ) -> None:
         """`arena`: the slots are the arena's (engine/arena.py; `n_slots` then comes from its
         boundary), so the memory manager can resize the cache at runtime. `fill_behind`:
         EngineConfig.fill_behind (AdaptiveFetches.behind). `popular_pins`: EngineConfig's,
-        the fraction of slots the device path pins for their use (popular_pins.py).
+        the fraction of slots the device path pins for their use (popular_pins.py; None: the
+        default, POPULAR_PINS).
         `fill_through`: EngineConfig's (device_path.py)."""
         self.spec = spec
         self.n_experts = spec.n_experts
@@ -146,8 +147,8 @@ class OffloadedExpertBank(GraphDecode):
         self.device_path = DevicePath(self)
         self.popular: PopularPins | None = None
         self.use_popular_pins(popular_pins)
-        # Only what the user asked for: popular_pins is on by default, for every policy.
-        chosen_pins = popular_pins not in (0.0, POPULAR_PINS)
+        # Only what the user asked for (None: the default, on for every policy).
+        chosen_pins = popular_pins is not None and popular_pins > 0
         unused = [name for name, on in (("fill_through", fill_through),
                                         ("popular_pins", chosen_pins)) if on]  # fmt: skip
         if unused and policy not in DEVICE_PATH_POLICIES:
@@ -403,9 +404,11 @@ class OffloadedExpertBank(GraphDecode):
         if self.popular is not None:
             self.popular.reset()
 
-    def use_popular_pins(self, fraction: float) -> None:
+    def use_popular_pins(self, fraction: float | None) -> None:
         """EngineConfig.popular_pins' pins for the device path, if this policy runs it and it
-        has none yet (the benchmarks switch `policy` in place after loading under transfer)."""
+        has none yet (the benchmarks switch `policy` in place after loading under transfer).
+        None: the default fraction, POPULAR_PINS."""
+        fraction = POPULAR_PINS if fraction is None else fraction
         if self.popular is None and fraction > 0 and self.policy in DEVICE_PATH_POLICIES:
             self.popular = PopularPins(self.cache.on_device, self.n_experts, fraction)
 

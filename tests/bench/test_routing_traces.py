@@ -81,7 +81,7 @@ def test_offload_bench_measurements_run_on_a_tiny_engine(tmp_path, rng_seed):
     row = offload._measure(engine, bank, "adaptive", 2, 4, rng, 30e9, 10e9)
     assert row["tok_s"] > 0 and bank.policy == "adaptive" and "split_mode" in row
     pins = row["pins"]  # the default EngineConfig.popular_pins, as measured
-    assert pins["fraction"] == engine.config.popular_pins and pins["owned_steps"] >= 0
+    assert pins["fraction"] == engine.config.pins_fraction and pins["owned_steps"] >= 0
     assert 0 <= pins["pinned"] <= bank.cache.n_slots and pins["choices"] >= 0
     assert bank.stats.experts > 0
     rates = [rng.uniform(1, 100) for _ in range(rng.choice([3, 4, 5]))]

@@ -148,7 +148,7 @@ def test_budget_cut_under_the_device_path_with_popularity_pins(model, policy):
     # 3 layers of 8 experts: a budget of 20-22 slots keeps 16 as prefill staging of its own
     engine = _elastic(path, resident, slots=rng.randint(20, 22), policy=policy)
     pins = engine.loaded.bank.popular
-    assert pins is not None and engine.config.popular_pins > 0
+    assert pins is not None and engine.config.pins_fraction > 0
     pins.every = 2
     fills = engine.loaded.bank.cache.on_device
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -205,6 +205,8 @@ def test_pins_warn_only_when_asked_for_under_a_policy_without_device_paths(
     for policy, fraction, warns in [
         (rng.choice(["transfer", "cpu", "static"]), None, False),
         (rng.choice(["transfer", "cpu", "static"]), chosen, True),
+        # The default's value, chosen: still the user's choice, still without effect.
+        (rng.choice(["transfer", "cpu", "static"]), POPULAR_PINS, True),
         (rng.choice(["gpu-fill", "adaptive"]), None, False),
         (rng.choice(["gpu-fill", "adaptive"]), chosen, False),
     ]:
