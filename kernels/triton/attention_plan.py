@@ -29,7 +29,7 @@ class Tiles:
 # add a device key beside "default" once tuned on another machine.
 _TILES: dict[str, dict[tuple[str, int], Tiles]] = {
     "default": {
-        # (16, 128, 4, 2) attends 9-12% faster from 4k tokens up on the H200 (b=1 32k: 35.3
+        # (16, 128, 4, 2) attends 8-14% faster from 4k tokens up on the H200 (b=1 32k: 35.3
         # against 39.7 us a layer), but at a 300-token context the 48-layer b=1 step lost 2.6%
         # with it (fewer, longer splits; twenty-fifth session): not taken while one graph
         # serves every context length.
