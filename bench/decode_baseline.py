@@ -70,6 +70,13 @@ def prefill_rate(engine: Engine, n: int, rng) -> float:
     return n / (time.perf_counter() - start)
 
 
+def kv_bytes_per_token(engine: Engine) -> int:
+    """Bytes of K and V one held token has in every layer: what a decode step reads of it."""
+    spec = engine.spec
+    itemsize = torch.tensor([], dtype=engine.loaded.dtype).element_size()
+    return 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * itemsize
+
+
 def decode_bytes(engine: Engine, batch: int, context: int) -> int:
     """Bytes one decode step must read at least: dense weights (the embedding table is only
     gathered), the distinct experts of `batch` tokens under uniform routing, and the KV."""
@@ -78,9 +85,8 @@ def decode_bytes(engine: Engine, batch: int, context: int) -> int:
     dense = engine.loaded.dense_bytes - model.embed_tokens.device_nbytes
     e, k = spec.n_experts, spec.top_k
     expected_distinct = e * (1 - (1 - k / e) ** batch)  # per layer, uniform routing
-    itemsize = torch.tensor([], dtype=engine.loaded.dtype).element_size()
     experts = spec.n_moe_layers * expected_distinct * spec.expert_bytes
-    kv = batch * context * 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * itemsize
+    kv = batch * context * kv_bytes_per_token(engine)
     return int(dense + experts + kv)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
 from freetoken_agent.bench.limits import (
     hbm_copy_bandwidth,
@@ -335,8 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     dense_read = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.device_nbytes
     # A step reads every held token's K and V in every layer: ~0.1 MB a token at 48 layers, so
     # ~6 MB at the default 64-token context beside ~5 GB of weights; ~0.8 GB at 8k tokens.
-    itemsize = torch.tensor([], dtype=engine.loaded.dtype).element_size()
-    kv_bytes_per_token = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * itemsize
+    kv_per_token = kv_bytes_per_token(engine)
     rng = random.Random(0)
     report = {
         "bench": "offload",
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                     # share host memory.
                     whole = policy in WHOLE_STEP_POLICIES
                     link = b_p if whole else host_paths(b_p, b_h, b_read)
-                    kv_read = batch * (args.context + args.decode / 2) * kv_bytes_per_token
+                    kv_read = batch * (args.context + args.decode / 2) * kv_per_token
                     floor = (dense_read + hit_bytes + kv_read) / b_hbm + miss_bytes / link
                     row.update(limit_tok_s=batch / floor, of_limit=row["tok_s"] * floor / batch)
                     rounds[name].append(row)
