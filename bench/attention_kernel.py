@@ -19,6 +19,8 @@ engine's do (since the twenty-fourth session; before, the separate combine kerne
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ from freetoken_agent.kernels.triton.paged_attention import launch_paged_attentio
 HQ, HKV, D = 32, 4, 128
 DEV = "cuda"
 DTYPE = torch.bfloat16
+RESULTS = Path(__file__).resolve().parent / "results"
 GRAPH_BYTES = 256 << 20  # KV bytes per graph replay, 5x the H200's 50 MB L2
 # (tiles, num_splits); None = the launcher's choice, "xF" = F times its split count. The
 # twenty-fifth session's sweep: at b=1 from 4k tokens up, fewer and longer splits and 8 warps
@@ -102,9 +105,11 @@ def graph_ms_per_layer(layers: list[Batch], tiles: Tiles | None, num_splits: int
 
 
 def bench_decode(B: int, kv_len: int, page: int, hbm: float, sweep: bool,
-                 graph_bound: int = 0) -> None:  # fmt: skip
+                 graph_bound: int = 0) -> list[dict]:  # fmt: skip
     """`graph_bound` > kv_len adds a row planned as the engine's decode graphs plan: for a
-    max_kv_len of `graph_bound` (more splits, most of them empty at this length)."""
+    max_kv_len of `graph_bound` (more splits, most of them empty at this length). Returns
+    the rows printed, each beside its limit (HBM copy bandwidth)."""
+    rows = []
     probe = Batch(B, 1, kv_len, page, seed=0)
     layers = [probe] + [
         Batch(B, 1, kv_len, page, seed=i)
@@ -137,8 +142,12 @@ def bench_decode(B: int, kv_len: int, page: int, hbm: float, sweep: bool,
             f"graph {graph * 1e3:7.1f} us/layer  KV {probe.kv_bytes / 1e6:6.1f} MB  "
             f"{gbps:6.0f} GB/s = {100 * gbps / hbm:3.0f}% of copy  {name}"
         )
+        rows.append({"batch": B, "kv_len": kv_len, "candidate": name,
+                     "num_splits": plan.num_splits, "graph_us_per_layer": graph * 1e3,
+                     "kv_gb_s": gbps, "limit_gb_s": hbm, "of_limit": gbps / hbm})  # fmt: skip
     del layers
     torch.cuda.empty_cache()
+    return rows
 
 
 def bench_prefill(n: int, page: int, hbm: float, sweep: bool) -> None:
@@ -178,14 +187,22 @@ def main(argv: list[str] | None = None) -> int:
         help="also time each decode planned as the engine's decode graphs plan it, for a "
         "max_kv_len of this many tokens (max_model_len; 0: no such rows)",
     )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="folder of the JSON of the decode rows")  # fmt: skip
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     hbm = hbm_copy_bandwidth(torch.device(DEV)) / 1e9
     print(f"HBM copy {hbm:.0f} GB/s (read + write)   Hq={HQ} Hkv={HKV} D={D} bf16 page={args.page}")
-    for B in (1, 4):
-        for kv_len in (1024, 4096, 16384, 32768):
-            bench_decode(B, kv_len, args.page, hbm, not args.no_sweep, args.graph_bound)
+    decode = [row for B in (1, 4) for kv_len in (1024, 4096, 16384, 32768)
+              for row in bench_decode(B, kv_len, args.page, hbm, not args.no_sweep,
+                                      args.graph_bound)]  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "attention_kernel.json"
+    path.write_text(json.dumps({"bench": "attention-kernel", "device": torch.cuda.get_device_name(),
+                                "hbm_copy_gb_s": hbm, "page": args.page, "decode": decode},
+                               indent=1))  # fmt: skip
+    print(f"wrote {path}")
     bench_prefill(4096, args.page, hbm, not args.no_sweep)
 
     return 0
