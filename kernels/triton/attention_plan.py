@@ -29,11 +29,14 @@ class Tiles:
 # add a device key beside "default" once tuned on another machine.
 _TILES: dict[str, dict[tuple[str, int], Tiles]] = {
     "default": {
-        # (16, 128, 4, 2) attends 8-14% faster from 4k tokens up on the H200 (b=1 32k: 35.3
-        # against 39.7 us a layer), but at a 300-token context the 48-layer b=1 step lost 2.6%
-        # with it (fewer, longer splits; twenty-fifth session): not taken while one graph
-        # serves every context length.
-        **{("decode", d): Tiles(16, 64, 4, 3) for d in (16, 32, 64, 128)},
+        # 8 warps on 64-wide steps (same splits as 4 warps): the 48-layer b=1 step at 256 /
+        # 4096 / 8192 prompt tokens 302.9 / 277.6 / 258.9 tok/s against 300.3 / 269.9 / 246.9
+        # with 4 warps, b=4 within 0.4% (twenty-sixth session). (16, 128, 4, 2) attends
+        # faster still from 4k tokens up in the kernel bench (b=1 16k 23.9 against 29.3 us a
+        # layer), but at a 300-token context the 48-layer b=1 step lost 2.6% with it (fewer,
+        # longer splits; twenty-fifth session): not taken while one graph serves every
+        # context length.
+        **{("decode", d): Tiles(16, 64, 8, 3) for d in (16, 32, 64, 128)},
         ("decode", 256): Tiles(16, 32, 4, 3),
         **{("small", d): Tiles(64, 64, 4, 3) for d in (16, 32, 64, 128)},
         ("small", 256): Tiles(64, 32, 8, 2),
