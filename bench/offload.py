@@ -26,13 +26,9 @@ from pathlib import Path
 import torch
 
 from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
+from freetoken_agent.bench.host_caps import HostCaps
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
-from freetoken_agent.bench.limits import (
-    hbm_copy_bandwidth,
-    host_paths,
-    host_paths_bandwidth,
-    host_read_bandwidth,
-)
+from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_read_bandwidth
 from freetoken_agent.bench.offload_table import decode_table
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
@@ -170,6 +166,12 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
         row["cpu_share"] = None if share is None else share.stats(bank.cache.on_device.share)
         row["fill_gain"] = bank.cache.fill_gain  # the race adaptive's verdict reads
     return row
+
+
+def caps_report(caps: HostCaps) -> dict:
+    """The report's caps: the best of each (what every limit uses) and every probe."""
+    return {"b_p_gb_s": caps.b_p / 1e9, "b_h_gb_s": caps.b_h / 1e9,
+            "host_read_gb_s": caps.b_read / 1e9, "host_probes": caps.probes}  # fmt: skip
 
 
 def _median_round(rows: list[dict]) -> dict:
@@ -327,12 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     build_s = time.perf_counter() - t0
     expert_bytes = bank.pool.expert_bytes
     # The cap on the two miss paths together: the best of a plain read and both paths measured
-    # at once (the CPU kernel out-reads a torch sum on this host).
-    try:
-        both = host_paths_bandwidth(bank.pool.w13, bank.pool.w2, dev)
-    except RuntimeError as exc:  # a probe that fails leaves the plain read as the cap, said
-        both = {"error": str(exc)[:300], "both_gb_s": 0.0}
-    b_read = max(b_sum, 1e9 * both["both_gb_s"])
+    # at once (the CPU kernel out-reads a torch sum on this host), probed twice now and again
+    # after each regime (host_caps.py); a probe that fails leaves the other caps, said.
+    caps = HostCaps(b_p, b_h, b_sum)
+    caps.observe("before the engine", b_p, b_h, b_sum)
+    both = caps.probe("start", bank.pool.w13, bank.pool.w2, dev)
+    caps.probe("start, again", bank.pool.w13, bank.pool.w2, dev)
     dense_read = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.device_nbytes
     # A step reads every held token's K and V in every layer: ~0.1 MB a token at 48 layers, so
     # ~6 MB at the default 64-token context beside ~5 GB of weights; ~0.8 GB at 8k tokens.
@@ -357,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         "pool_pinned": bank.pool.pinned,
         "build_s": build_s,
         "hbm_copy_gb_s": b_hbm / 1e9,
-        "b_p_gb_s": b_p / 1e9,
-        "b_h_gb_s": b_h / 1e9,
-        "host_read_gb_s": b_read / 1e9,
+        **caps_report(caps),
         "host_read_sum_gb_s": b_sum / 1e9,
         "host_paths_measured": both,
         "routing": "per decode key: native (the random router), uniform or zipf:S,loc:P replay",
@@ -396,13 +396,13 @@ def main(argv: list[str] | None = None) -> int:
                                        args.context)  # fmt: skip
                     miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
                     hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
+                    kv_read = batch * (args.context + args.decode / 2) * kv_per_token
                     # direct and gpu-fill have no CPU branch; the others' two host paths
                     # share host memory.
-                    whole = policy in WHOLE_STEP_POLICIES
-                    link = b_p if whole else host_paths(b_p, b_h, b_read)
-                    kv_read = batch * (args.context + args.decode / 2) * kv_per_token
-                    floor = (dense_read + hit_bytes + kv_read) / b_hbm + miss_bytes / link
-                    row.update(limit_tok_s=batch / floor, of_limit=row["tok_s"] * floor / batch)
+                    row.update(batch=batch, step_device_bytes=dense_read + hit_bytes + kv_read,
+                               step_host_bytes=miss_bytes,
+                               whole_step=policy in WHOLE_STEP_POLICIES)  # fmt: skip
+                    caps.bound(row, b_hbm)
                     rounds[name].append(row)
                     print(f"{regime_name}|b{batch}|{name}|round{r}", json.dumps(row), flush=True)
             for name, rows in rounds.items():
@@ -410,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
                 report["decode"][key] = _median_round(rows)
                 print(key, json.dumps(report["decode"][key]), flush=True)
             save()
+        # The host's speed changes over seconds: probe again, and bound every row so far by
+        # the best caps seen (host_caps.py).
+        caps.probe(f"after {regime_name}", bank.pool.w13, bank.pool.w2, dev)
+        for row in report["decode"].values():
+            caps.bound(row, b_hbm)
+        report.update(caps_report(caps))
+        save()
     model.set_expert_bank(bank)
     _use_policy(engine, bank, "adaptive")
     engine.capture_graphs()
@@ -424,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                 timed_prefill(engine, n, rng)
         for n in args.prefill:
             rate = timed_prefill(engine, n, rng)
-            chunk_limit = bank.pool.nbytes / b_p  # every expert of every layer streams
+            chunk_limit = bank.pool.nbytes / caps.b_p  # every expert of every layer streams
             limit = min(n, args.chunk) / chunk_limit
             key = f"{n}_{'double' if double else 'single'}"
             report["prefill"][key] = {"tok_s": rate, "limit_tok_s": limit, "of_limit": rate / limit}

@@ -65,3 +65,52 @@ def test_the_decode_limit_uses_the_capped_host_paths(tmp_path, rng_seed):
     extra = moved / 60e9 - moved / 120e9
     assert capped < uncapped
     assert math.isclose(1 / capped - 1 / uncapped, extra, rel_tol=1e-9)
+
+
+def test_offload_limits_use_the_best_caps_any_probe_saw(rng_seed):
+    """bench offload's limits: each cap is the best of the run's probes (a slow moment of the
+    host never lowers a limit), and a row's limit is batch / (device bytes / B_HBM + host
+    bytes / the caps' miss bandwidth), the link alone for a policy without a CPU branch."""
+    from freetoken_agent.bench.host_caps import HostCaps
+
+    rng = random.Random(rng_seed)
+    probes = [tuple(rng.uniform(10e9, 150e9) for _ in range(3)) for _ in range(rng.randint(2, 6))]
+    caps = HostCaps(*probes[0])
+    for i, probe in enumerate(probes[1:]):
+        caps.observe(f"probe {i}", *probe)
+    best_p, best_h, best_read = (max(p[j] for p in probes) for j in range(3))
+    assert (caps.b_p, caps.b_h, caps.b_read) == (best_p, best_h, best_read)
+    assert len(caps.probes) == len(probes) - 1
+    b_hbm = rng.uniform(1e12, 5e12)
+    for whole in (False, True):
+        row = {"tok_s": rng.uniform(10, 500), "batch": rng.choice((1, 4)), "whole_step": whole,
+               "step_device_bytes": rng.uniform(1e9, 6e9),
+               "step_host_bytes": rng.uniform(0, 2e9)}  # fmt: skip
+        caps.bound(row, b_hbm)
+        link = best_p if whole else min(best_p + best_h, best_read)
+        floor = row["step_device_bytes"] / b_hbm + row["step_host_bytes"] / link
+        assert math.isclose(row["limit_tok_s"], row["batch"] / floor)
+        assert math.isclose(row["of_limit"], row["tok_s"] / row["limit_tok_s"])
+        before = row["limit_tok_s"]
+        caps.observe("slower", best_p / 2, best_h / 2, best_read / 2)
+        caps.bound(row, b_hbm)
+        assert row["limit_tok_s"] == before
+
+
+def test_an_offload_probe_measures_the_runs_own_pool(rng_seed):
+    """A probe reads the run's pool with both miss paths (on the CPU the link is a memcpy) and
+    the CPU kernel alone; each is recorded and raises the caps."""
+    import torch
+
+    from freetoken_agent.bench.host_caps import HostCaps
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    n, hidden, inter = 16, 64, 32
+    w13 = torch.randn(n, 2 * inter, hidden, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(n, hidden, inter, generator=gen).to(torch.bfloat16)
+    caps = HostCaps(0.0, 0.0, 0.0)
+    both = caps.probe("start", w13, w2, torch.device("cpu"))
+    assert both["both_gb_s"] > 0
+    assert caps.b_read == 1e9 * both["both_gb_s"] and caps.b_h > 0
+    assert [p["when"] for p in caps.probes] == ["start"]
+    assert caps.probes[0]["b_h_gb_s"] == caps.b_h / 1e9

@@ -1,0 +1,62 @@
+"""The host's bandwidth caps over a whole `bench offload` run, and the decode limit from them.
+
+A limit is the best the machine can do, so each cap is the best value any probe of the run
+saw. One probe of one second at the start is not enough on the device host: its memory speed
+changes over seconds, and the twenty-sixth session's acceptance run probed 88 GB/s for both
+miss paths at once where a later load probed 133; the uniform rows' limits then sat at 45 tok/s
+under a measured 48.4 (107% "of the limit"). So the run probes at its start and again after
+each routing regime, and every row's limit is recomputed from the best caps when it is saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from freetoken_agent.bench.limits import host_paths, host_paths_bandwidth
+from freetoken_agent.engine.experts import calibration
+
+
+@dataclass
+class HostCaps:
+    b_p: float  # pinned host-to-device bytes/s (B_P), best seen
+    b_h: float  # the CPU expert kernel's weight bytes/s (B_H), best seen
+    b_read: float  # host memory read bytes/s with both miss paths at once, best seen
+    probes: list[dict] = field(default_factory=list)  # every probe, in order, for the report
+
+    def observe(self, when: str, b_p: float, b_h: float, b_read: float) -> None:
+        self.b_p, self.b_h = max(self.b_p, b_p), max(self.b_h, b_h)
+        self.b_read = max(self.b_read, b_read)
+        self.probes.append({"when": when, "b_p_gb_s": b_p / 1e9, "b_h_gb_s": b_h / 1e9,
+                            "host_read_gb_s": b_read / 1e9})  # fmt: skip
+
+    def probe(self, when: str, w13: torch.Tensor, w2: torch.Tensor, device: torch.device) -> dict:
+        """Measure the three caps now, over the run's own pool (w13 [N, 2I, H], w2 [N, H, I]),
+        and keep the best of each. Returns what both paths read at once (its error, if the
+        probe failed: the other caps still count)."""
+        try:
+            both = host_paths_bandwidth(w13, w2, device)
+        except RuntimeError as exc:
+            both = {"error": str(exc)[:300], "both_gb_s": 0.0}
+        hidden, inter = w13.shape[2], w2.shape[2]
+        expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        b_p = calibration.measure_pcie(expert_bytes) if device.type == "cuda" else 0.0
+        b_h = calibration.measure_cpu(hidden, inter, w13.dtype, pool=(w13, w2))
+        self.observe(when, b_p, b_h, 1e9 * both["both_gb_s"])
+        return both
+
+    def miss_bandwidth(self, whole_step: bool) -> float:
+        """Bytes/s at which a step's misses leave host memory: the link alone for a policy
+        without a CPU branch (direct, gpu-fill, transfer), else both paths under the read cap."""
+        return self.b_p if whole_step else host_paths(self.b_p, self.b_h, self.b_read)
+
+    def bound(self, row: dict, b_hbm: float) -> None:
+        """Set a decode row's limit_tok_s and of_limit from the best caps and the row's own
+        bytes a step: step_device_bytes (dense weights, hit experts and KV read from HBM),
+        step_host_bytes (missed experts, read from host memory), with its batch and
+        whole_step (no CPU branch)."""
+        link = self.miss_bandwidth(row["whole_step"])
+        floor = row["step_device_bytes"] / b_hbm + row["step_host_bytes"] / link
+        row["limit_tok_s"] = row["batch"] / floor
+        row["of_limit"] = row["tok_s"] * floor / row["batch"]
