@@ -71,10 +71,11 @@ def prefill_rate(engine: Engine, n: int, rng) -> float:
 
 
 def kv_bytes_per_token(engine: Engine) -> int:
-    """Bytes of K and V one held token has in every layer: what a decode step reads of it."""
+    """Bytes of K and V one held token has in every attention layer: what a decode step reads
+    of it (a hybrid model's recurrent layers hold a state per sequence instead, no KV)."""
     spec = engine.spec
     itemsize = torch.tensor([], dtype=engine.loaded.dtype).element_size()
-    return 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * itemsize
+    return 2 * len(spec.attention_layers) * spec.n_kv_heads * spec.head_dim * itemsize
 
 
 def decode_bytes(engine: Engine, batch: int, context: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_paths, host_read_bandwidth
 from freetoken_agent.engine.engine import Engine
 
@@ -31,8 +32,7 @@ class Limits:
             return
         loaded = engine.loaded
         dense = loaded.dense_bytes - loaded.model.embed_tokens.device_nbytes
-        spec = engine.spec  # K and V of every attention layer, per token of context
-        kv = context * 2 * len(spec.attention_layers) * spec.n_kv_heads * spec.head_dim * 2
+        kv = context * kv_bytes_per_token(engine)
         moved = row["experts_per_token"] * bank.pool.expert_bytes
         floor = (dense + kv + moved * (1 - row["miss_rate"])) / self.hbm
         floor += moved * row["miss_rate"] / host_paths(self.pcie, self.cpu, self.host_read)

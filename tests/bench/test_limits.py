@@ -114,3 +114,21 @@ def test_an_offload_probe_measures_the_runs_own_pool(rng_seed):
     assert caps.b_read == 1e9 * both["both_gb_s"] and caps.b_h > 0
     assert [p["when"] for p in caps.probes] == ["start"]
     assert caps.probes[0]["b_h_gb_s"] == caps.b_h / 1e9
+
+
+def test_a_hybrid_models_kv_bytes_count_its_attention_layers_only(tmp_path, rng_seed):
+    """The KV a decode step reads per held token: K and V in each attention layer; a hybrid
+    model's recurrent layers have none (their limit once counted every layer's)."""
+    import torch
+
+    from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
+
+    make_tiny("qwen3_next", tmp_path, rng_seed)
+    engine = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
+    spec = engine.spec
+    attention = len(spec.attention_layers)
+    assert 0 < attention < spec.n_layers, "the tiny hybrid has both kinds of layer"
+    itemsize = torch.tensor([], dtype=engine.loaded.dtype).element_size()
+    assert kv_bytes_per_token(engine) == 2 * attention * spec.n_kv_heads * spec.head_dim * itemsize
+    kv = engine.loaded.kv  # the pool itself: one K and one V slice per attention layer
+    assert kv_bytes_per_token(engine) * kv.k.shape[1] * kv.page_size == kv.k.nbytes + kv.v.nbytes
