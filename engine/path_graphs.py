@@ -1,10 +1,14 @@
-"""Decode graphs of policy `adaptive`: both step paths captured, one replayed a step.
+"""Decode graphs of policy `adaptive`: its step paths captured, one replayed a step.
 
 `adaptive` chooses per decode step between the segmented graphs (the `stops` path: the host
 places each layer's misses; engine/segmented_graphs.py) and one graph a step whose layers fill
 their own misses (the `device` and `shared` paths: policy gpu-fill's kernels, the second with
-the CPU worker's share; engine/direct_graphs.py), by
-measured step time (engine/experts/step_paths.py). Both sets share the bank's GraphIO buffers.
+the CPU worker's share; engine/direct_graphs.py), by measured step time
+(engine/experts/step_paths.py). The two whole-step paths are two sets: the `shared` one holds
+every layer's post to the CPU worker, its wait in the copy kernel and the MoE kernels' add of
+its answer, which cost the `device` path 2.5% of its tok/s when one set held both (peer slice,
+native routing b=1, adaptive held on `device` 914.9 against gpu-fill's 937.4; twenty-sixth
+session). The sets share the bank's GraphIO buffers.
 A step on the stops path first gives the cache back to the host (a no-op when it has it); the
 device path's `before_whole_step` hands it to the device. Other attributes (the segmented
 graphs' counters: `reruns`, `missed_layers`, `wait_s`, ...) are the segmented set's.
@@ -25,10 +29,12 @@ from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
 
 
 class PathDecodeGraphs:
-    def __init__(self, stops: SegmentedDecodeGraphs, device: DirectDecodeGraphs) -> None:
-        self.stops, self.device = stops, device
+    def __init__(self, stops: SegmentedDecodeGraphs, device: DirectDecodeGraphs,
+                 shared: DirectDecodeGraphs | None) -> None:  # fmt: skip
+        """`shared`: None where no CPU worker runs (adaptive then never holds `shared`)."""
+        self.stops, self.device, self.shared = stops, device, shared
         self.bank = stops.bank
-        self.device_steps = 0  # steps replayed on the device path
+        self.device_steps = 0  # steps replayed on a whole-step path (device or shared)
 
     def __getattr__(self, name: str):
         return getattr(self.stops, name)  # only for names this class does not define
@@ -41,10 +47,10 @@ class PathDecodeGraphs:
         states [B, H] (valid until the next replay)."""
         b = inputs.cu_q_lens.shape[0] - 1
         # (a benchmark may switch the bank's policy without a new capture: others stop)
-        adaptive = self.bank.policy == "adaptive"
-        on_device = adaptive and self.bank.adaptive.path(b) in DEVICE_PATHS
-        if on_device and self.device.fits(inputs):
+        path = self.bank.adaptive.path(b) if self.bank.policy == "adaptive" else "stops"
+        whole = self.shared if path == "shared" and self.shared is not None else self.device
+        if path in DEVICE_PATHS and whole.fits(inputs):
             self.device_steps += 1
-            return self.device.replay(inputs, between)
+            return whole.replay(inputs, between)
         self.bank.cache.on_device.release()
         return self.stops.replay(inputs, between)

@@ -198,13 +198,12 @@ class ModelRunner:
             return
         kind = decode_graph_kind(offloaded.policy, offloaded.device_path_ok)
 
-        def whole_step() -> DirectDecodeGraphs:
+        def whole_step(cpu_share: bool = False) -> DirectDecodeGraphs:
             # Batches past `device_tokens` exceed the kernels' pool reads: a whole-step policy
             # steps them eagerly, adaptive takes its stops path (path_graphs.py).
             whole_batch = min(max_batch, offloaded.device_tokens)
-            return DirectDecodeGraphs(
-                self.model, offloaded, page_size, whole_batch, max_pages, self.device
-            )
+            return DirectDecodeGraphs(self.model, offloaded, page_size, whole_batch, max_pages,
+                                      self.device, cpu_share)  # fmt: skip
 
         if kind in WHOLE_STEP_POLICIES:  # no host decision: one graph a step
             self.graphs = whole_step()
@@ -220,8 +219,9 @@ class ModelRunner:
             self.model, offloaded, page_size, max_batch, max_pages, self.device, run_ahead,
             shadow,
         )  # fmt: skip
-        if kind == "paths":  # adaptive's device path (step_paths.py): a second set
-            self.graphs = PathDecodeGraphs(self.graphs, whole_step())
+        if kind == "paths":  # adaptive's device paths (step_paths.py): two more sets
+            shared = whole_step(cpu_share=True) if offloaded.cpu_share is not None else None
+            self.graphs = PathDecodeGraphs(self.graphs, whole_step(), shared)
 
     def _sampled_rows(
         self, hidden: torch.Tensor, inputs: StepInputs, sampling: list[int]

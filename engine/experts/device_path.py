@@ -40,11 +40,14 @@ class DevicePath:
         self.bank = bank
         # adaptive's `shared` path: the CPU worker's share of the device path (`start_share`).
         self.cpu_share: CpuShare | None = None
+        # Set by the whole-step graph set being captured: whether its layers hold the post
+        # and the answer (adaptive's `shared` set; direct_graphs.py).
+        self.capture_share = False
 
     def start_share(self) -> None:
         """adaptive's `shared` path: start the CPU worker, where the pool is pinned (or the
         device is the CPU) and the SIMD kernel is built. Decode graphs captured before it
-        hold no post: capture again after (the benchmark switching policies does)."""
+        have no shared set: capture again after (the benchmark switching policies does)."""
         bank = self.bank
         if self.cpu_share is None and bank.device_path_ok and CpuShare.possible():
             spec = bank.spec
@@ -78,9 +81,9 @@ class DevicePath:
             fills.own()  # eager: a captured step was owned before its replay
             if layer == 0:
                 self._set_share(hidden.shape[0])
-        # adaptive posts the CPU's share (CPU_SHARE, 0 off the `shared` path) and adds the
-        # worker's answer; a captured step holds both for any share.
-        shared = share is not None and bank.policy == "adaptive"
+        # On adaptive's `shared` path the layer posts the CPU's share (CPU_SHARE) and adds the
+        # worker's answer; a captured step holds both for any share, in the shared set only.
+        shared = self._posts(hidden.shape[0], live_pairs)
         post = share.post(hidden, weights) if shared else None
         uses = bank.popular.uses if bank.popular is not None else None
         # EngineConfig.fill_through: a moved expert's pairs read it from the pool and the MoE
@@ -107,6 +110,16 @@ class DevicePath:
         return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
                          host_w13=pool.w13, host_w2=pool.w2, add=add, rows_settled=not through,
                          fill_slot_of=cache.slot_of if through else None)  # fmt: skip
+
+    def _posts(self, n_tokens: int, live_pairs: int | None) -> bool:
+        """Whether a layer posts to the CPU worker: in a capture, as its graph set says; an
+        eager call of `n_tokens` tokens while adaptive holds `shared` for them."""
+        bank = self.bank
+        if self.cpu_share is None or bank.policy != "adaptive":
+            return False
+        if live_pairs is None:
+            return self.capture_share
+        return bank.adaptive.path(n_tokens) == "shared"
 
     def before_whole_step(self, n_tokens: int | None) -> None:
         """Before a whole-step graph replays `n_tokens` real tokens (None: before capture,
