@@ -184,6 +184,9 @@ def test_adaptive_shared_path_on_cuda_matches_resident(tmp_path, rng_seed, overl
         engine = Engine.load(tmp_path, policy="adaptive", expert_slots=slots, **opts)
         bank, graphs = engine.loaded.bank, engine.runner.graphs
         assert isinstance(graphs, PathDecodeGraphs) and bank.cpu_share is not None
+        # the post and the answer are in the shared set's graphs only (path_graphs.py)
+        assert graphs.shared is not None and graphs.shared.cpu_share
+        assert not graphs.device.cpu_share
         bank.adaptive.path_params = {"fixed": "shared"}
         bank.adaptive.shared_gate = False  # the path itself, not when adaptive allows it
         bank.bandwidths.cpu, bank.bandwidths.pcie = fraction, 1.0 - fraction + 1e-9
