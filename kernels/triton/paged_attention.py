@@ -152,7 +152,13 @@ def _paged_attention_kernel(
     COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
     SHORT_TILES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    enter(PDL)  # first: pdl.py
+    # Before the wait (pdl.py's rule, with its one exception here): index arithmetic and
+    # loads of the step's lengths only. cu_q_lens and kv_lens come from the step's input
+    # copies (or a graph's static arange), which completed before the step's first kernel
+    # started, so before any kernel still in flight; no kernel writes them. So the chain of
+    # dependent loads that starts every program (cu_q_lens -> the sequence -> kv_len -> its
+    # tile ranges) runs while the kernel before (qk-norm, RoPE and the K/V store) ends. q and
+    # K/V, which that kernel writes, and every return and store come after the wait.
     # grid: (q blocks x head_progs, NS), head_progs = Hkv * HEAD_CHUNKS. The head is the fast
     # index and q blocks run last to first: a sequence's last blocks see the most kv tiles
     # (causal), so the longest programs start first and the tail of the grid is short ones.
@@ -167,23 +173,11 @@ def _paged_attention_kernel(
         qb = pid_q - (tl.load(cu_q_lens_ptr + seq) // BLOCK_Q + seq)
     q_start = tl.load(cu_q_lens_ptr + seq)
     q_len = tl.load(cu_q_lens_ptr + seq + 1) - q_start
-    if qb * BLOCK_Q >= q_len:  # spare block of the grid bound (or an empty sequence)
-        return
     kv_len = tl.load(kv_lens_ptr + seq)
     kvh = pid_h // HEAD_CHUNKS
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    tok = qb * BLOCK_Q + offs_m // HEADS  # [BLOCK_M] token index within the sequence
-    g = (pid_h % HEAD_CHUNKS) * HEADS + offs_m % HEADS  # [BLOCK_M] head within the group
-    row_ok = (tok < q_len) & (g < GROUP)  # padding rows compute on zeros and are never stored
-    head = kvh * GROUP + g  # [BLOCK_M] query head
-    pos = kv_len - q_len + tok  # [BLOCK_M] absolute position of the row's token
-    lo_excl = pos - window  # [BLOCK_M] the row sees lo_excl < j <= pos
-    row_t = (q_start + tok).to(tl.int64)  # [BLOCK_M] flat token index
-    io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     # Tile ranges of this block, in units of BLOCK_N: [n_lo, n_hi) is everything some row sees;
-    # [f_lo, f_hi) the tiles every row sees whole (no mask needed).
+    # [f_lo, f_hi) the tiles every row sees whole (no mask needed). (Meaningless for a spare
+    # block, which returns after the wait.)
     p_first = kv_len - q_len + qb * BLOCK_Q
     p_last = tl.minimum(p_first + BLOCK_Q - 1, kv_len - 1)
     n_lo = tl.maximum(p_first - window + 1, 0) // BLOCK_N
@@ -198,19 +192,34 @@ def _paged_attention_kernel(
         least = tl.where(n_hi - n_lo > SHORT_TILES, min_split_tiles, 1)
         per = tl.maximum((n_hi - n_lo + num_splits - 1) // num_splits, least)
         used = tl.maximum((n_hi - n_lo + per - 1) // per, 1)  # splits holding a tile (>= 1)
-        # Nothing to attend and no partial anyone reads: the combine counts only the used
-        # splits. A decode graph planned for a 32k bound launches 66 splits a kv head on the
-        # H200 where a 1k context uses 8 to 16; with the empty ones storing partials and
-        # joining the counter it took 11.7-12.2 us a layer against 10.2-10.5 (twenty-fifth
-        # session).
-        if COMBINE:  # noqa: SIM102 - a compile-time branch around a run-time one (Triton)
-            if split >= used:
-                return
         s_lo = n_lo + split * per
         s_hi = tl.minimum(s_lo + per, n_hi)
     else:
         s_lo = n_lo
         s_hi = n_hi
+    enter(PDL)  # pdl.py: nothing above reads what a kernel in flight writes
+    if qb * BLOCK_Q >= q_len:  # spare block of the grid bound (or an empty sequence)
+        return
+    if SPLIT:  # noqa: SIM102 - compile-time branches around a run-time one (Triton)
+        # Nothing to attend and no partial anyone reads: the combine counts only the used
+        # splits. A decode graph planned for a 32k bound launches 66 splits a kv head on the
+        # H200 where a 1k context uses 8 to 16; with the empty ones storing partials and
+        # joining the counter it took 11.7-12.2 us a layer against 10.2-10.5 (twenty-fifth
+        # session).
+        if COMBINE:  # noqa: SIM102
+            if split >= used:
+                return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    tok = qb * BLOCK_Q + offs_m // HEADS  # [BLOCK_M] token index within the sequence
+    g = (pid_h % HEAD_CHUNKS) * HEADS + offs_m % HEADS  # [BLOCK_M] head within the group
+    row_ok = (tok < q_len) & (g < GROUP)  # padding rows compute on zeros and are never stored
+    head = kvh * GROUP + g  # [BLOCK_M] query head
+    pos = kv_len - q_len + tok  # [BLOCK_M] absolute position of the row's token
+    lo_excl = pos - window  # [BLOCK_M] the row sees lo_excl < j <= pos
+    row_t = (q_start + tok).to(tl.int64)  # [BLOCK_M] flat token index
+    io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
 
     # After the split's early exit: an empty split of a combining launch loads nothing.
     q = tl.load(
