@@ -66,6 +66,8 @@
 #         attention-rule (the split rule's GPU tests, then the 48-layer step at 256 and 4096
 #         prompt tokens under 4k and 32k bounds, ~5 min)
 #         long-context (48 layers / 32 GB, native and Zipf b=1 at an 8192-token context, ~4 min)
+#         s26-check (the twenty-sixth session's unmeasured changes: their GPU tests, the
+#         48-layer step, adaptive held on device against gpu-fill; ~7 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -135,6 +137,23 @@ for stage in "$@"; do
           --rounds 2 --prompt "$prompt" --max-model-len "$bound" --out "$OUT" 2>&1 \
           | grep "|b" | sed "s/^/prompt $prompt bound $bound /" | cut -c1-120
       done ;;
+    s26-check)  # the twenty-sixth session's unmeasured changes (~7 min): the GPU tests of
+      # adaptive's graph sets, PDL and attention; the 48-layer all-resident step (attention's
+      # prologue before its PDL wait; 302.9 / 277.6 tok/s b=1 at 256 / 4096 prompt tokens
+      # before); the peer slice, native b=1, adaptive held on device against gpu-fill (914.9
+      # against 937.4 when one graph set held the CPU worker's post for both paths)
+      timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/engine/experts/test_offload_gpu.py tests/engine/test_pdl_gpu.py \
+        tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/s26_tests.log" | tail -3
+      for prompt in 256 4096; do
+        timeout 120 python3 -m freetoken_agent.bench fusions --layers 48 --variants both \
+          --rounds 2 --prompt "$prompt" --out "$OUT" 2>&1 | grep "|b" \
+          | sed "s/^/prompt $prompt /" | cut -c1-120
+      done
+      timeout 150 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --batches 1 --rounds 2 --decode 256 --regimes native \
+        --policies adaptive gpu-fill --adaptive-path device --out "$OUT/held_device" 2>&1 \
+        | tee "$OUT/held_device.log" | grep "|b" | grep " | " | cut -c1-200 ;;
     long-context)  # 48 layers / 32 GB, b=1, native and Zipf, adaptive and gpu-fill, an 8192-token
       # context (bench offload --context; the limit counts the KV reads, ~4 min)
       timeout 400 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 \
