@@ -60,3 +60,12 @@ class HostCaps:
         floor = row["step_device_bytes"] / b_hbm + row["step_host_bytes"] / link
         row["limit_tok_s"] = row["batch"] / floor
         row["of_limit"] = row["tok_s"] * floor / row["batch"]
+
+
+def above_limits(rows: dict[str, dict]) -> list[str]:
+    """A line for each row measured faster than its limit: a limit is a bound, so such a row
+    means a cap was never probed at its best in the run (or the limit's model misses a path),
+    and its share of the limit must not be read as an efficiency."""
+    return [f"WARNING: {key} measured {row['tok_s']:.1f} tok/s, above its limit "
+            f"{row['limit_tok_s']:.1f}: the host caps this run probed are below what it did"
+            for key, row in rows.items() if row.get("of_limit", 0.0) > 1.0]  # fmt: skip

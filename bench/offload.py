@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
-from freetoken_agent.bench.host_caps import HostCaps
+from freetoken_agent.bench.host_caps import HostCaps, above_limits
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_read_bandwidth
 from freetoken_agent.bench.offload_table import decode_table
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             report["prefill"][key] = {"tok_s": rate, "limit_tok_s": limit, "of_limit": rate / limit}
             print(key, json.dumps(report["prefill"][key]), flush=True)
             save()
-    print("\n".join(decode_table(report["decode"])))
+    print("\n".join(decode_table(report["decode"]) + above_limits(report["decode"])))
     print(f"wrote {path}")
     return 0
 

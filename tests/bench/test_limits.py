@@ -71,7 +71,7 @@ def test_offload_limits_use_the_best_caps_any_probe_saw(rng_seed):
     """bench offload's limits: each cap is the best of the run's probes (a slow moment of the
     host never lowers a limit), and a row's limit is batch / (device bytes / B_HBM + host
     bytes / the caps' miss bandwidth), the link alone for a policy without a CPU branch."""
-    from freetoken_agent.bench.host_caps import HostCaps
+    from freetoken_agent.bench.host_caps import HostCaps, above_limits
 
     rng = random.Random(rng_seed)
     probes = [tuple(rng.uniform(10e9, 150e9) for _ in range(3)) for _ in range(rng.randint(2, 6))]
@@ -95,6 +95,11 @@ def test_offload_limits_use_the_best_caps_any_probe_saw(rng_seed):
         caps.observe("slower", best_p / 2, best_h / 2, best_read / 2)
         caps.bound(row, b_hbm)
         assert row["limit_tok_s"] == before
+    # A row faster than its limit is named (a cap probed below its best), the others are not.
+    rows = {"fast": {"tok_s": 60.0, "limit_tok_s": 45.0, "of_limit": 60 / 45},
+            "slow": {"tok_s": 40.0, "limit_tok_s": 45.0, "of_limit": 40 / 45}}  # fmt: skip
+    lines = above_limits(rows)
+    assert len(lines) == 1 and "fast" in lines[0] and "60.0" in lines[0]
 
 
 def test_an_offload_probe_measures_the_runs_own_pool(rng_seed):
