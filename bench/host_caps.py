@@ -33,16 +33,18 @@ class HostCaps:
 
     def probe(self, when: str, w13: torch.Tensor, w2: torch.Tensor, device: torch.device) -> dict:
         """Measure the three caps now, over the run's own pool (w13 [N, 2I, H], w2 [N, H, I]),
-        and keep the best of each. Returns what both paths read at once (its error, if the
-        probe failed: the other caps still count)."""
-        try:
-            both = host_paths_bandwidth(w13, w2, device)
-        except RuntimeError as exc:
-            both = {"error": str(exc)[:300], "both_gb_s": 0.0}
+        and keep the best of each. Returns what both paths read at once, or the error of a
+        probe that failed (recorded; the caps stay as they were)."""
         hidden, inter = w13.shape[2], w2.shape[2]
         expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-        b_p = calibration.measure_pcie(expert_bytes) if device.type == "cuda" else 0.0
-        b_h = calibration.measure_cpu(hidden, inter, w13.dtype, pool=(w13, w2))
+        try:  # beside a live engine: a probe that fails (out of memory) only goes unused
+            both = host_paths_bandwidth(w13, w2, device)
+            b_p = calibration.measure_pcie(expert_bytes) if device.type == "cuda" else 0.0
+            b_h = calibration.measure_cpu(hidden, inter, w13.dtype, pool=(w13, w2))
+        except RuntimeError as exc:
+            both = {"error": str(exc)[:300], "both_gb_s": 0.0}
+            self.probes.append({"when": when, "error": both["error"]})
+            return both
         self.observe(when, b_p, b_h, 1e9 * both["both_gb_s"])
         return both
 

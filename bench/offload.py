@@ -336,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     both = caps.probe("start", bank.pool.w13, bank.pool.w2, dev)
     caps.probe("start, again", bank.pool.w13, bank.pool.w2, dev)
     dense_read = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.device_nbytes
-    # A step reads every held token's K and V in every layer: ~0.1 MB a token at 48 layers, so
-    # ~6 MB at the default 64-token context beside ~5 GB of weights; ~0.8 GB at 8k tokens.
+    # A step reads every held token's K and V in every attention layer: ~0.1 MB a token at 48
+    # layers, so ~6 MB at the default 64-token context beside ~5 GB of weights; ~0.8 GB at 8k.
     kv_per_token = kv_bytes_per_token(engine)
     rng = random.Random(0)
     report = {

@@ -33,11 +33,11 @@ class DirectDecodeGraphs(OffloadedDecodeGraphs):
         super().__init__(model, bank, page_size, max_batch, max_pages, device)
 
     def _capture(self) -> None:
-        self.io.active = True  # the bank records the routing and reads misses from the pool
-        self.bank.whole_step_capture = True  # gpu-fill's layers (adaptive's device path)
-        self.bank.device_path.capture_share = self.cpu_share
-        self.bank.before_whole_step(None)  # gpu-fill: owned, and the warm-up fills nothing
         try:
+            self.io.active = True  # the bank records the routing and reads misses from the pool
+            self.bank.whole_step_capture = True  # gpu-fill's layers (adaptive's device path)
+            self.bank.device_path.capture_share = self.cpu_share
+            self.bank.before_whole_step(None)  # gpu-fill: owned, and the warm-up fills nothing
             super()._capture()
         finally:
             self.io.active = False

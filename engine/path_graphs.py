@@ -48,6 +48,8 @@ class PathDecodeGraphs:
         b = inputs.cu_q_lens.shape[0] - 1
         # (a benchmark may switch the bank's policy without a new capture: others stop)
         path = self.bank.adaptive.path(b) if self.bank.policy == "adaptive" else "stops"
+        # `shared` without a shared set (graphs captured before the CPU worker started; a
+        # test holding the path with no worker): the device set, exact, its share unused.
         whole = self.shared if path == "shared" and self.shared is not None else self.device
         if path in DEVICE_PATHS and whole.fits(inputs):
             self.device_steps += 1

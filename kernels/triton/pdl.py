@@ -37,7 +37,9 @@ Variants (FREETOKEN_PDL, a comma list; `light` by default, the one that won at b
   296.1 / 664.2 (`exit` 296.9 / 665.5, `prefetch` 282.9 / 685.3); the default.
 The rule in full, then: before `enter`, no store, no atomic, no return, and no load of anything
 a kernel still in flight may write (the kernel just before, or one it waits for); index
-arithmetic, `prefetch_lines` and gate/up's `.cg` read of rows settled two kernels back may.
+arithmetic, `prefetch_lines` and gate/up's `.cg` read of rows settled two kernels back may, and
+so may paged attention's loads of the step's lengths (cu_q_lens, kv_lens: written only by the
+step's input copies, before its first kernel), which cut its tile ranges before the wait.
 
 The switch (FREETOKEN_PDL's words, `override` for benches and tests) is kernels/pdl_switch.py,
 which needs no Triton: an engine checks the variable when it loads. A captured CUDA graph keeps

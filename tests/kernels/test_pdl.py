@@ -46,7 +46,7 @@ def _definition(fn) -> ast.FunctionDef:
 # What may come before a kernel's `enter(PDL)`: index arithmetic and the L2 prefetch of its own
 # weights (pdl.py's rule; `_prefetch_rows` reads the fill plan's rows, settled two kernels
 # back, and its launch asks for PREFETCH only where they are). Any other call (a load, a
-# helper that loads) or a return fails.
+# helper that loads), save the loads of SETTLED buffers below, or a return fails.
 BEFORE_ENTER = {"tl.program_id", "tl.arange", "tl.minimum", "tl.maximum", "tl.where",
                 "tl.num_programs", "tl.cdiv", "_prefetch_tile", "_prefetch_rows"}  # fmt: skip
 # Loads a kernel may issue before its wait, each of one of these buffers only: the step's
@@ -58,7 +58,7 @@ SETTLED_LOADS = {"tl.load", "_find_seq"}
 
 def _settled_load(kernel: str, call: ast.Call) -> bool:
     """Whether `call` loads (through its first argument) only buffers SETTLED for `kernel`."""
-    if ast.unparse(call.func) not in SETTLED_LOADS:
+    if ast.unparse(call.func) not in SETTLED_LOADS or not call.args:
         return False
     pointers = {n.id for n in ast.walk(call.args[0]) if isinstance(n, ast.Name)}
     pointers = {p for p in pointers if p.endswith("_ptr")}
@@ -79,6 +79,9 @@ def test_every_aware_kernel_waits_before_it_reads(module, name):
         body = body[1:]  # the docstring
     enters = [i for i, st in enumerate(body) if ast.unparse(st) == "enter(PDL)"]
     assert len(enters) == 1, name
+    bound = {t.id for n in ast.walk(definition) if isinstance(n, ast.Assign) for t in n.targets
+             if isinstance(t, ast.Name)}  # fmt: skip
+    assert not bound & SETTLED.get(name, set()), (name, "a settled pointer is rebound")
     for statement in body[: enters[0]]:
         for node in ast.walk(statement):
             assert not isinstance(node, ast.Return), name
@@ -279,6 +282,10 @@ def test_sm90_code_keeps_the_order():
     attn = ptx["attn3"]
     wait = attn.index("griddepcontrol.wait")
     before = attn[:wait]
-    assert len(re.findall(r"ld\.global", before)) >= 2
+    loads = re.findall(r"ld\.global[.\w]*", before)
+    assert len(loads) >= 2 and set(loads) == {"ld.global.b32"}  # scalar lengths, no q or K/V
     assert not re.findall(r"st\.global|atom\.|red\.|ret;", before)
+    # An early return compiles to a branch past the wait: every branch before it stays there.
+    labels = set(re.findall(r"^(\$L__\w+):", before, re.M))
+    assert set(re.findall(r"bra(?:\.uni)?\s+(\$L__\w+);", before)) <= labels
     assert wait < attn.index("griddepcontrol.launch_dependents")

@@ -71,17 +71,27 @@ def test_export_resolve_rerun_matches_resident(policy, slots, tmp_path, rng_seed
     assert hit_any or slots == 1 or policy == "cpu"  # `cpu` never fills a slot
 
 
-@pytest.mark.parametrize("whole", ["gpu-fill", "adaptive"])
+@pytest.mark.parametrize("whole", ["gpu-fill", "adaptive", "adaptive-shared"])
 def test_whole_step_layers_fill_only_the_real_rows(whole, tmp_path, rng_seed):
-    """A whole-step graph's layer (gpu-fill, or adaptive's device path while its whole set
-    captures): the plan reads the step's real pair count from the device state that
+    """A whole-step graph's layer (gpu-fill, or adaptive's device or shared path while its
+    whole set captures): the plan reads the step's real pair count from the device state that
     `before_whole_step` wrote, so padded rows plan nothing and add nothing; the real rows are
-    the pool's experts' sum; the mirror, released after, passes the integrity check."""
-    bank, spec, io = graph_bank(tmp_path, rng_seed, whole, rng_seed % 9 + 1)
+    the pool's experts' sum; the mirror, released after, passes the integrity check. The
+    shared set's layers post the CPU worker half of their misses and add its answer."""
+    policy = whole.removesuffix("-shared")
+    bank, spec, io = graph_bank(tmp_path, rng_seed, policy, rng_seed % 9 + 1)
     e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
     gen = torch.Generator().manual_seed(rng_seed)
     rng = random.Random(rng_seed)
     bank.whole_step_capture = True  # as DirectDecodeGraphs captures
+    if whole == "adaptive-shared":
+        if bank.cpu_share is None:
+            pytest.skip("no SIMD expert kernel here: no CPU worker, no shared set")
+        bank.device_path.capture_share = True  # as the shared set captures
+        bank.adaptive.path_params = {"fixed": "shared"}
+        bank.adaptive.shared_gate = False  # the path itself, not when adaptive allows it
+        bank.bandwidths.cpu = bank.bandwidths.pcie = 1.0  # a share of one half
+        bank.cpu_share.observe = lambda bandwidths: None  # keep it
     pairs = 0
     for _ in range(20):
         real, padded = rng.randint(1, 4), 4
@@ -96,6 +106,8 @@ def test_whole_step_layers_fill_only_the_real_rows(whole, tmp_path, rng_seed):
         assert not got[real:].any()  # padded rows: every pair skipped
         pairs += real * k
     assert bank.stats.pairs == pairs and bank.stats.fetched > 0
+    if whole == "adaptive-shared":
+        assert bank.stats.on_cpu > 0  # the worker computed some of the misses
     bank.check_integrity()
 
 
