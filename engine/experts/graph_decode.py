@@ -24,7 +24,7 @@ class GraphDecode:
 
     def attach_graph_io(self, max_tokens: int, dtype: torch.dtype) -> GraphIO:
         """Static buffers for graph-captured decode of up to `max_tokens` tokens per step;
-        the ones already attached when they fit (adaptive captures two sets of graphs over
+        the ones already attached when they fit (adaptive captures three sets of graphs over
         them: path_graphs.py)."""
         spec, io = self.spec, self.graph_io
         if io is not None and io.ids.shape[1] >= max_tokens and io.hidden.dtype == dtype:
