@@ -45,6 +45,9 @@ class HostCaps:
             both = {"error": str(exc)[:300], "both_gb_s": 0.0}
             self.probes.append({"when": when, "error": both["error"]})
             return both
+        finally:  # the probe's buffers back to the driver: the engine's memory reads free VRAM
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         self.observe(when, b_p, b_h, 1e9 * both["both_gb_s"])
         return both
 

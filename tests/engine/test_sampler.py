@@ -165,7 +165,9 @@ def test_sampling_without_waiting_draws_the_same_tokens(rng_seed):
 
 def test_top_p_keeps_the_ties_at_its_smallest_logit(rng_seed):
     """Top-p keeps the shortest descending prefix reaching top_p and every token tied with its
-    last: one threshold a row, as the CUDA kernel keeps (bf16 logits: many ties)."""
+    last: one threshold a row, as the CUDA kernel keeps (bf16 logits: many ties). Where the
+    prefix's mass lies within 1e-6 of top_p, float rounding may end it one token either way
+    (the fp32 sum against this float64 one): either prefix is right there."""
     from freetoken_agent.engine.layers.sampler import _top_p
 
     gen = torch.Generator().manual_seed(rng_seed)
@@ -180,9 +182,12 @@ def test_top_p_keeps_the_ties_at_its_smallest_logit(rng_seed):
         for row in range(b):
             ordered = logits[row].double().sort(descending=True).values
             mass = torch.softmax(ordered, 0).cumsum(0)
-            last = int((mass >= top_p[row].double() - 1e-6).nonzero()[0])
-            kept = logits[row] >= ordered[last]
-            assert torch.equal(torch.isfinite(got[row]), kept), (row, last)
+            p = top_p[row].double()
+            first = int((mass >= p - 1e-6).nonzero()[0])  # the prefixes that may reach top_p
+            last = int((mass >= min(p + 1e-6, mass[-1])).nonzero()[0])
+            allowed = [logits[row] >= ordered[j] for j in range(first, last + 1)]
+            kept = torch.isfinite(got[row])
+            assert any(torch.equal(kept, want) for want in allowed), (row, first, last)
 
 
 def test_kernel_rows_carry_each_request_and_fit_the_kernel(rng_seed):
