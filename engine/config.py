@@ -234,6 +234,12 @@ POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "gpu-fill", "resi
 POPULAR_PINS = 0.8
 
 
+def pins_fraction(popular_pins: float | None) -> float:
+    """EngineConfig.popular_pins resolved: the fraction of slots the device paths pin (None:
+    the default, POPULAR_PINS)."""
+    return POPULAR_PINS if popular_pins is None else popular_pins
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """How the engine runs a model: device, memory, batching. Set by `Engine.load`."""
@@ -353,9 +359,8 @@ class EngineConfig:
 
     @property
     def pins_fraction(self) -> float:
-        """popular_pins resolved: the fraction of slots the device paths pin (None: the
-        default, POPULAR_PINS)."""
-        return POPULAR_PINS if self.popular_pins is None else self.popular_pins
+        """popular_pins resolved (`pins_fraction`)."""
+        return pins_fraction(self.popular_pins)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken_agent.engine.arena import ElasticArena
-from freetoken_agent.engine.config import POPULAR_PINS, ConfigError, ModelSpec
+from freetoken_agent.engine.config import ConfigError, ModelSpec, pins_fraction
 from freetoken_agent.engine.experts import layer_layout
 from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 from freetoken_agent.engine.experts.cache import ExpertCache
@@ -408,7 +408,7 @@ class OffloadedExpertBank(GraphDecode):
         """EngineConfig.popular_pins' pins for the device path, if this policy runs it and it
         has none yet (the benchmarks switch `policy` in place after loading under transfer).
         None: the default fraction, POPULAR_PINS."""
-        fraction = POPULAR_PINS if fraction is None else fraction
+        fraction = pins_fraction(fraction)
         if self.popular is None and fraction > 0 and self.policy in DEVICE_PATH_POLICIES:
             self.popular = PopularPins(self.cache.on_device, self.n_experts, fraction)
 
