@@ -20,9 +20,9 @@ from freetoken_agent.engine.experts import calibration
 
 @dataclass
 class HostCaps:
-    b_p: float  # pinned host-to-device bytes/s (B_P), best seen
-    b_h: float  # the CPU expert kernel's weight bytes/s (B_H), best seen
-    b_read: float  # host memory read bytes/s with both miss paths at once, best seen
+    b_p: float = 0.0  # pinned host-to-device bytes/s (B_P), best seen
+    b_h: float = 0.0  # the CPU expert kernel's weight bytes/s (B_H), best seen
+    b_read: float = 0.0  # host memory read bytes/s with both miss paths at once, best seen
     probes: list[dict] = field(default_factory=list)  # every probe, in order, for the report
 
     def observe(self, when: str, b_p: float, b_h: float, b_read: float) -> None:

@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     # The cap on the two miss paths together: the best of a plain read and both paths measured
     # at once (the CPU kernel out-reads a torch sum on this host), probed twice now and again
     # after each regime (host_caps.py); a probe that fails leaves the other caps, said.
-    caps = HostCaps(b_p, b_h, b_sum)
+    caps = HostCaps()
     caps.observe("before the engine", b_p, b_h, b_sum)
     both = caps.probe("start", bank.pool.w13, bank.pool.w2, dev)
     caps.probe("start, again", bank.pool.w13, bank.pool.w2, dev)

@@ -113,7 +113,7 @@ def test_an_offload_probe_measures_the_runs_own_pool(rng_seed):
     n, hidden, inter = 16, 64, 32
     w13 = torch.randn(n, 2 * inter, hidden, generator=gen).to(torch.bfloat16)
     w2 = torch.randn(n, hidden, inter, generator=gen).to(torch.bfloat16)
-    caps = HostCaps(0.0, 0.0, 0.0)
+    caps = HostCaps()
     both = caps.probe("start", w13, w2, torch.device("cpu"))
     assert both["both_gb_s"] > 0
     assert caps.b_read == 1e9 * both["both_gb_s"] and caps.b_h > 0
