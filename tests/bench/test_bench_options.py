@@ -3,6 +3,7 @@
 
 import argparse
 import importlib
+import random
 
 import pytest
 
@@ -35,7 +36,7 @@ def test_offload_refuses_a_context_the_kv_pool_cannot_hold(rng_seed, capsys):
     engine's KV pool are refused before anything loads, naming the option."""
     from freetoken_agent.bench import offload
 
-    rng = __import__("random").Random(rng_seed)
+    rng = random.Random(rng_seed)
     batch = rng.choice([2, 4])
     context = offload.KV_TOKENS // batch + rng.randint(0, 1000)  # batch x context > the pool
     with pytest.raises(SystemExit) as exited:
