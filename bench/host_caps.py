@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from freetoken_agent.bench import cpu_load
 from freetoken_agent.bench.limits import host_paths, host_paths_bandwidth
 from freetoken_agent.engine.experts import calibration
+
+IDLE_SECONDS = 0.5  # the idle window sampled before each probe
 
 
 @dataclass
@@ -25,30 +28,37 @@ class HostCaps:
     b_read: float = 0.0  # host memory read bytes/s with both miss paths at once, best seen
     probes: list[dict] = field(default_factory=list)  # every probe, in order, for the report
 
-    def observe(self, when: str, b_p: float, b_h: float, b_read: float) -> None:
+    def observe(self, when: str, b_p: float, b_h: float, b_read: float, **loads) -> None:
+        """`loads`: the cores' use around the probe (cpu_load.py), kept in its record."""
         self.b_p, self.b_h = max(self.b_p, b_p), max(self.b_h, b_h)
         self.b_read = max(self.b_read, b_read)
         self.probes.append({"when": when, "b_p_gb_s": b_p / 1e9, "b_h_gb_s": b_h / 1e9,
-                            "host_read_gb_s": b_read / 1e9})  # fmt: skip
+                            "host_read_gb_s": b_read / 1e9, **loads})  # fmt: skip
 
     def probe(self, when: str, w13: torch.Tensor, w2: torch.Tensor, device: torch.device) -> dict:
         """Measure the three caps now, over the run's own pool (w13 [N, 2I, H], w2 [N, H, I]),
         and keep the best of each. Returns what both paths read at once, or the error of a
-        probe that failed (recorded; the caps stay as they were)."""
+        probe that failed (recorded; the caps stay as they were). Its record holds the cores'
+        use (cpu_load.py) for IDLE_SECONDS before it, while nothing should run (a thread of
+        this process busy then spins), and during it (other tenants, the hypervisor's steal)."""
         hidden, inter = w13.shape[2], w2.shape[2]
         expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        idle = cpu_load.sample(IDLE_SECONDS)
+        start = cpu_load.snapshot()
         try:  # beside a live engine: a probe that fails (out of memory) only goes unused
             both = host_paths_bandwidth(w13, w2, device)
             b_p = calibration.measure_pcie(expert_bytes) if device.type == "cuda" else 0.0
             b_h = calibration.measure_cpu(hidden, inter, w13.dtype, pool=(w13, w2))
         except RuntimeError as exc:
             both = {"error": str(exc)[:300], "both_gb_s": 0.0}
-            self.probes.append({"when": when, "error": both["error"]})
+            self.probes.append({"when": when, "error": both["error"], "idle_load": idle})
             return both
         finally:  # the probe's buffers back to the driver: the engine's memory reads free VRAM
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        self.observe(when, b_p, b_h, 1e9 * both["both_gb_s"])
+        during = cpu_load.between(start, cpu_load.snapshot())
+        self.observe(when, b_p, b_h, 1e9 * both["both_gb_s"], idle_load=idle,
+                     probe_load=None if during is None else during.report())  # fmt: skip
         return both
 
     def miss_bandwidth(self, whole_step: bool) -> float:

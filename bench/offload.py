@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench import cpu_load
 from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
 from freetoken_agent.bench.host_caps import HostCaps, above_limits
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
@@ -109,6 +110,7 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
     stops0, wait0 = getattr(graphs, "missed_layers", 0), getattr(graphs, "wait_s", 0.0)
     releases0 = bank.cache.on_device.releases  # gpu-fill: the cache handed back to the host
     _sync()
+    load_start = cpu_load.snapshot()
     start = time.perf_counter()
     steps = 0
     while engine.has_unfinished():
@@ -116,6 +118,7 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
         steps += 1
     _sync()
     seconds = time.perf_counter() - start
+    load = cpu_load.between(load_start, cpu_load.snapshot())
     for rid in rids:
         engine._collect(rid)
     st = bank.stats
@@ -132,6 +135,9 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
         "wait_ms_per_token": 1e3 * (getattr(graphs, "wait_s", 0.0) - wait0) / steps,
         # (per step: the rows before the twentieth session called it releases_per_token)
         "releases_per_step": (bank.cache.on_device.releases - releases0) / steps,
+        # The cores' use over the timed steps: the driver thread and a spinning worker team
+        # are this process; others' and steal are cores the worker could not have.
+        "cpu_load": None if load is None else load.report(),
     }
 
 
@@ -333,8 +339,14 @@ def main(argv: list[str] | None = None) -> int:
     # after each regime (host_caps.py); a probe that fails leaves the other caps, said.
     caps = HostCaps()
     caps.observe("before the engine", b_p, b_h, b_sum)
-    both = caps.probe("start", bank.pool.w13, bank.pool.w2, dev)
-    caps.probe("start, again", bank.pool.w13, bank.pool.w2, dev)
+
+    def probe(when: str) -> dict:  # the caps now, and the record printed (its cores' use)
+        both = caps.probe(when, bank.pool.w13, bank.pool.w2, dev)
+        print("host probe", json.dumps(caps.probes[-1]), flush=True)
+        return both
+
+    both = probe("start")
+    probe("start, again")
     dense_read = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.device_nbytes
     # A step reads every held token's K and V in every attention layer: ~0.1 MB a token at 48
     # layers, so ~6 MB at the default 64-token context beside ~5 GB of weights; ~0.8 GB at 8k.
@@ -412,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
         # The host's speed changes over seconds: probe again, and bound every row so far by
         # the best caps seen (host_caps.py).
-        caps.probe(f"after {regime_name}", bank.pool.w13, bank.pool.w2, dev)
+        probe(f"after {regime_name}")
         for row in report["decode"].values():
             caps.bound(row, b_hbm)
         report.update(caps_report(caps))

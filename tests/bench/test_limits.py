@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 
 from tiny_models import make_tiny
 
@@ -119,6 +120,9 @@ def test_an_offload_probe_measures_the_runs_own_pool(rng_seed):
     assert caps.b_read == 1e9 * both["both_gb_s"] and caps.b_h > 0
     assert [p["when"] for p in caps.probes] == ["start"]
     assert caps.probes[0]["b_h_gb_s"] == caps.b_h / 1e9
+    if sys.platform.startswith("linux"):  # the cores' use before and during it (cpu_load.py)
+        idle, during = caps.probes[0]["idle_load"], caps.probes[0]["probe_load"]
+        assert idle["seconds"] >= 0.5 and during["process_cores"] > 0.1, caps.probes[0]
 
 
 def test_a_hybrid_models_kv_bytes_count_its_attention_layers_only(tmp_path, rng_seed):
