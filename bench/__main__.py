@@ -31,6 +31,8 @@
                       one all-resident engine, beside the HBM limit (CUDA)
     cache-policies    expert cache replacement policies replayed on routing traces: LRU's
                       miss rate beside frequency-aware ones and the offline optimum (any CPU)
+    side-fill         copies behind a decode step on a second stream: what they cost the
+                      step's own copies and kernels, beside the link's limit (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -60,6 +62,7 @@ BENCHES = {
     "step-kernels": "freetoken_agent.bench.step_kernels",
     "fusions": "freetoken_agent.bench.fusions",
     "cache-policies": "freetoken_agent.bench.cache_policies",
+    "side-fill": "freetoken_agent.bench.side_fill",
 }
 
 

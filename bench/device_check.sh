@@ -68,6 +68,9 @@
 #         long-context (48 layers / 32 GB, native and Zipf b=1 at an 8192-token context, ~4 min)
 #         s26-check (the twenty-sixth session's unmeasured changes: their GPU tests, the
 #         48-layer step, adaptive held on device against gpu-fill; ~7 min)
+#         s27-check (bench side-fill: copies behind the step on a second stream, its GPU test
+#         first; then the peer slice native then uniform, adaptive and gpu-fill, with the
+#         cores' use beside every host probe and row; ~5 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -423,6 +426,19 @@ for stage in "$@"; do
       timeout 250 python3 -m freetoken_agent.bench decode --layers 12 --out "$OUT" 2>&1 | tail -3
       timeout 250 python3 -m freetoken_agent.bench decode --layers 12 --skinny-gemv --out "$OUT" \
         2>&1 | tail -3 ;;
+    s27-check)  # the split expert's first measurement and the CPU worker's lost cores
+      # (~5 min): bench side-fill (NOTES, twenty-sixth session: measure this before building
+      # it), then the peer slice native then uniform, whose probes after native fell to 45
+      # GB/s and whose uniform row's worker measured 58 GB/s online against 81 (twenty-seventh
+      # session): cpu_load says whose threads held the cores
+      timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/bench/test_side_fill.py \
+        2>&1 | tail -3
+      timeout 150 python3 -m freetoken_agent.bench side-fill --out "$OUT" 2>&1 \
+        | tee "$OUT/side_fill.log" | cut -c1-220
+      timeout 200 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --batches 1 --rounds 1 --decode 128 --regimes native uniform \
+        --policies adaptive gpu-fill --out "$OUT/cpu_load" 2>&1 | tee "$OUT/cpu_load.log" \
+        | grep -E "host probe|\|b1\|" | cut -c1-400 ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel --graph-bound 0 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;

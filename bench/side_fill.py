@@ -1,0 +1,294 @@
+"""Fills behind a decode step: how much a second stream's copies delay the step's own (CUDA).
+
+    python -m freetoken_agent.bench side-fill [--layers 48] [--miss-layers 25] [--layer-mb 75]
+        [--pieces 1 9] [--steps 40] [--out DIR]
+
+The split expert (bench/results/NOTES.md, twenty-sixth session) would copy half of a missing
+expert before its layer computes, the CPU worker computing the other half meanwhile, and copy
+the other half behind, on a second stream, while later layers compute. Whether that pays rests
+on one figure this measures: how much the copies behind delay the step's own copies and kernels
+(a copy on the link is not preempted, and both share it).
+
+The step is shaped like the 48-layer Qwen3-30B-A3B decode step and holds nothing of the engine:
+each layer one matmul reading `--layer-mb` of device weights (its HBM read), and in
+`--miss-layers` of them (Zipf b=1 at 48 layers fetched ~25 experts a token, twenty-seventh
+session) a copy of one expert (9.44 MB) from a pinned host pool into a device slot first. Each
+variant is one captured graph of a step, replayed `--steps` times, the misses' pool rows drawn
+anew before each replay (the copy engines' copies excepted: their addresses are fixed at
+capture). Variants:
+
+    hit             no copies: the step's compute alone
+    full            each miss copies its whole expert before its layer (gpu-fill today)
+    half            half of it: the split's critical path with the CPU's half and the copy
+                    behind left out, the floor the split could reach
+    half+side-sm    half, and the other half on a side stream by the same SM copy kernel, in
+                    `pieces` launches, forked after the layer's own copy, joined at step end
+    half+side-dma   the same by the copy engines (cudaMemcpyAsync a piece)
+
+The step's own copies are the row-copy kernel (kernels/triton/row_copy.py): SM loads of pinned
+host memory, as the engine's fill copy. Beside each variant: `serial_ms`, its compute plus its
+own copies' bytes at the link's measured rate (B_P), and `limit_ms`, the larger of the compute
+and all its bytes at B_P.
+
+Shape legend: H hidden, W (I) expert width, E = 3 H W elements of one expert, R columns a
+layer's matmul reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from freetoken_agent.engine.experts import calibration
+from freetoken_agent.kernels.row_copy import row_copy
+
+H, W = 2048, 768  # Qwen3-30B-A3B: hidden, expert width (I)
+VARIANTS = ("hit", "full", "half", "half+side-sm", "half+side-dma")
+POOL_EXPERTS = 64  # pinned pool rows (~600 MB at the real shape): beyond the host's caches
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where an expert's pieces lie when its E elements are viewed as rows of one piece each:
+    half 0 is pieces [0, pieces), half 1 [pieces, 2 pieces) of the expert's 2 * pieces."""
+
+    expert_elems: int  # E
+    pieces: int  # pieces a half is copied in
+
+    def __post_init__(self) -> None:
+        if self.pieces < 1 or self.expert_elems % (2 * self.pieces):
+            raise ValueError(f"an expert of {self.expert_elems} elements does not split into "
+                             f"2 x {self.pieces} equal pieces")  # fmt: skip
+
+    @property
+    def piece_elems(self) -> int:
+        return self.expert_elems // (2 * self.pieces)
+
+    def rows(self, expert: int, half: int) -> list[int]:
+        """Piece rows of `expert`'s `half` (0 or 1) in the [N * 2 * pieces, piece] view."""
+        first = (2 * expert + half) * self.pieces
+        return list(range(first, first + self.pieces))
+
+
+def miss_layers(layers: int, misses: int, rng: random.Random) -> list[int]:
+    """`misses` distinct layers of `layers`, in order."""
+    if not 0 <= misses <= layers:
+        raise ValueError(f"--miss-layers {misses}: between 0 and the {layers} layers")
+    return sorted(rng.sample(range(layers), misses))
+
+
+def copy_index(layout: Layout, whole: bool, rows: list[int]) -> list[int]:
+    """Miss m copies pool row rows[m] into slot m: per miss, its source piece rows then its
+    destination piece rows, half 0's pieces first and, where `whole` (both halves copied, on
+    the step's stream or behind it), half 1's after them."""
+    index = []
+    for m, row in enumerate(rows):
+        for expert in (row, m):
+            index += layout.rows(expert, 0) + (layout.rows(expert, 1) if whole else [])
+    return index
+
+
+class SideFillStep:
+    """One variant's step, captured: `replay(draw)` with new pool rows; the slots then hold
+    the drawn rows' copied parts (`check`)."""
+
+    def __init__(self, variant: str, weights: list[torch.Tensor], x: torch.Tensor,
+                 pool: torch.Tensor, slots: torch.Tensor, misses: list[int], layout: Layout,
+                 rng: random.Random) -> None:  # fmt: skip
+        """weights: per layer [H, R] on the device; x [B, H]; pool [N, E] pinned host; slots
+        [M, E] device, one per miss layer."""
+        if variant not in VARIANTS:
+            raise ValueError(f"variant {variant!r}: one of {VARIANTS}")
+        self.variant, self.pool, self.slots, self.layout = variant, pool, slots, layout
+        self.misses = [] if variant == "hit" else misses
+        p = layout.piece_elems
+        self.pool_pieces, self.slot_pieces = pool.view(-1, p), slots.view(-1, p)
+        own = 2 * layout.pieces if variant == "full" else layout.pieces  # pieces on the step
+        side = layout.pieces if "side" in variant else 0
+        dev = slots.device
+        # Per miss: its own pieces' (src, dst) rows, then the side's; one upload per replay.
+        self.index = torch.zeros(2 * len(self.misses) * (own + side), dtype=torch.int64,
+                                 device=dev)  # fmt: skip
+        self.own, self.side = own, side
+        self.rows = [rng.randrange(pool.shape[0]) for _ in self.misses]  # fixed for DMA
+        self.outs = [torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=dev)
+                     for w in weights]  # fmt: skip
+        self.graph = torch.cuda.CUDAGraph()
+        side_stream = torch.cuda.Stream(dev)
+        self._upload(self.rows)
+        torch.cuda.synchronize(dev)
+        with torch.cuda.graph(self.graph):
+            main = torch.cuda.current_stream(dev)
+            forked = False
+            miss_at = {layer: m for m, layer in enumerate(self.misses)}
+            for layer, w in enumerate(weights):
+                m = miss_at.get(layer)
+                if m is not None:
+                    n = self.own + self.side
+                    base = 2 * m * n
+                    src, dst = self.index[base : base + n], self.index[base + n : base + 2 * n]
+                    row_copy(self.slot_pieces, self.pool_pieces, dst[:own], src[:own])
+                    if side:
+                        fork = torch.cuda.Event()
+                        fork.record(main)
+                        side_stream.wait_event(fork)
+                        with torch.cuda.stream(side_stream):
+                            self._side_copies(m, src[own:], dst[own:])
+                        forked = True
+                torch.matmul(x, w, out=self.outs[layer])
+            if forked:  # the step ends when its copies behind have landed
+                join = torch.cuda.Event()
+                join.record(side_stream)
+                main.wait_event(join)
+
+    def _side_copies(self, m: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.variant == "half+side-sm":
+            for j in range(self.side):  # a launch a piece, as the copy engines' variant
+                row_copy(self.slot_pieces, self.pool_pieces, dst[j : j + 1], src[j : j + 1])
+            return
+        rows = self.layout.rows(self.rows[m], 1)  # the pool row drawn at capture
+        for s, d in zip(rows, self.layout.rows(m, 1), strict=True):
+            self.slot_pieces[d].copy_(self.pool_pieces[s], non_blocking=True)
+
+    def _upload(self, rows: list[int]) -> None:
+        """The index for misses reading pool `rows` (one per miss): own pieces, then side."""
+        index = copy_index(self.layout, self.variant == "full" or self.side > 0, rows)
+        if index:
+            self.index.copy_(torch.tensor(index, dtype=torch.int64))
+
+    def replay(self, rng: random.Random) -> float:
+        """One replay with new pool rows (not the copy engines', fixed at capture); its ms."""
+        if self.variant != "half+side-dma":
+            self.rows = [rng.randrange(self.pool.shape[0]) for _ in self.misses]
+        self._upload(self.rows)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        self.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def check(self) -> None:
+        """The slots hold what the last replay copied: each miss's whole expert (`full`), its
+        first half, and its second half too with copies behind."""
+        half = self.layout.expert_elems // 2
+        for m, row in enumerate(self.rows):
+            want, got = self.pool[row], self.slots[m].cpu()
+            copied = 2 * half if self.own + self.side == 2 * self.layout.pieces else half
+            if not torch.equal(got[:copied], want[:copied]):
+                raise AssertionError(f"{self.variant}: miss {m}'s slot is not pool row {row}")
+
+    def copied_bytes(self) -> tuple[int, int]:
+        """(bytes copied on the step's own stream, behind it) a step."""
+        piece = self.layout.piece_elems * self.pool.element_size()
+        return len(self.misses) * self.own * piece, len(self.misses) * self.side * piece
+
+
+def measure(args: argparse.Namespace, dev: torch.device) -> dict:
+    """Every variant at every piece count: step ms (median, p10, p90) beside its bounds."""
+    rng = random.Random(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    expert = 3 * args.hidden * args.inter
+    cols = max(1, int(args.layer_mb * 1e6) // (2 * args.hidden))  # R
+    weights = [torch.randn(args.hidden, cols, device=dev, dtype=torch.bfloat16) * 0.02
+               for _ in range(args.layers)]  # fmt: skip
+    x = torch.randn(args.batch, args.hidden, device=dev, dtype=torch.bfloat16)
+    pool = torch.randn(args.pool, expert, generator=gen).to(torch.bfloat16).pin_memory()
+    misses = miss_layers(args.layers, args.miss_layers, rng)
+    slots = torch.zeros(max(1, len(misses)), expert, dtype=torch.bfloat16, device=dev)
+    b_p = calibration.measure_pcie(expert * 2)
+    # Compile and load the copy kernel and the matmul before any capture.
+    piece = Layout(expert, args.pieces[0]).piece_elems
+    first = torch.zeros(1, dtype=torch.int64, device=dev)
+    row_copy(slots.view(-1, piece), pool.view(-1, piece), first, first)
+    torch.matmul(x, weights[0])
+    torch.cuda.synchronize(dev)
+    report = {"bench": "side-fill", "device": torch.cuda.get_device_name(dev),
+              "layers": args.layers, "miss_layers": misses, "layer_mb": args.layer_mb,
+              "batch": args.batch, "expert_mb": expert * 2 / 1e6, "b_p_gb_s": b_p / 1e9,
+              "steps": args.steps, "rows": {}}  # fmt: skip
+    hit_ms = None
+    for pieces in args.pieces:
+        layout = Layout(expert, pieces)
+        for variant in VARIANTS:
+            if variant in ("hit", "full", "half") and pieces != args.pieces[0]:
+                continue  # no copies behind: the piece count changes nothing
+            slots.zero_()
+            step = SideFillStep(variant, weights, x, pool, slots, misses, layout, rng)
+            for _ in range(3):
+                step.replay(rng)
+            times = sorted(step.replay(rng) for _ in range(args.steps))
+            step.check()
+            own, behind = step.copied_bytes()
+            ms = statistics.median(times)
+            hit_ms = ms if variant == "hit" else hit_ms
+            key = variant if "side" not in variant else f"{variant}|pieces{pieces}"
+            report["rows"][key] = {
+                "step_ms": ms, "p10_ms": times[len(times) // 10],
+                "p90_ms": times[(9 * len(times)) // 10],
+                "own_mb": own / 1e6, "behind_mb": behind / 1e6,
+                "serial_ms": hit_ms + 1e3 * own / b_p,
+                "limit_ms": max(hit_ms, 1e3 * (own + behind) / b_p),
+            }  # fmt: skip
+            print(key, json.dumps(report["rows"][key]), flush=True)
+            del step
+    rows = report["rows"]
+    half = rows.get("half", {}).get("step_ms")
+    for key, row in rows.items():  # what the copies behind cost the step over `half`
+        if "side" in key and half is not None:
+            row["delay_over_half_ms"] = row["step_ms"] - half
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench side-fill",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument(
+        "--miss-layers",
+        type=int,
+        default=25,
+        help="layers that copy one expert a step (default 25)",
+    )
+    parser.add_argument(
+        "--layer-mb",
+        type=float,
+        default=75.0,
+        help="device weights a layer's matmul reads (default 75: 8 experts)",
+    )
+    parser.add_argument(
+        "--pieces",
+        type=int,
+        nargs="+",
+        default=[1, 9],
+        help="launches (or copies) a half behind is split into",
+    )
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=40, help="timed replays a variant")
+    parser.add_argument("--hidden", type=int, default=H)
+    parser.add_argument("--inter", type=int, default=W)
+    parser.add_argument("--pool", type=int, default=POOL_EXPERTS, help="pinned pool experts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    for pieces in args.pieces:
+        Layout(3 * args.hidden * args.inter, pieces)  # refuses a split that does not divide
+    miss_layers(args.layers, args.miss_layers, random.Random(0))  # refuses a bad count
+    if not torch.cuda.is_available():
+        parser.error("side-fill needs CUDA")
+    report = measure(args, torch.device("cuda"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"side_fill_{args.layers}l.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    return 0
