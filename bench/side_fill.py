@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--layers", type=int, default=48, help="layers a step (default 48)")
     parser.add_argument(
         "--miss-layers",
         type=int,
@@ -273,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         default=[1, 9],
         help="launches (or copies) a half behind is split into",
     )
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=1, help="rows each layer's matmul reads for")
     parser.add_argument("--steps", type=int, default=40, help="timed replays a variant")
-    parser.add_argument("--hidden", type=int, default=H)
-    parser.add_argument("--inter", type=int, default=W)
+    parser.add_argument("--hidden", type=int, default=H, help="H (default Qwen3-30B-A3B's)")
+    parser.add_argument("--inter", type=int, default=W, help="expert width I (default 768)")
     parser.add_argument("--pool", type=int, default=POOL_EXPERTS, help="pinned pool experts")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--seed", type=int, default=0, help="miss layers and pool rows drawn")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="JSON's folder")
     args = parser.parse_args(argv)
     for pieces in args.pieces:
         Layout(3 * args.hidden * args.inter, pieces)  # refuses a split that does not divide
