@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 
 from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
-from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_paths, host_read_bandwidth
+from freetoken_agent.bench.limits import (
+    decode_floor_s,
+    hbm_copy_bandwidth,
+    host_paths,
+    host_read_bandwidth,
+)
 from freetoken_agent.engine.engine import Engine
 
 
@@ -34,8 +39,9 @@ class Limits:
         dense = loaded.dense_bytes - loaded.model.embed_tokens.device_nbytes
         kv = context * kv_bytes_per_token(engine)
         moved = row["experts_per_token"] * bank.pool.expert_bytes
-        floor = (dense + kv + moved * (1 - row["miss_rate"])) / self.hbm
-        floor += moved * row["miss_rate"] / host_paths(self.pcie, self.cpu, self.host_read)
+        link = host_paths(self.pcie, self.cpu, self.host_read)
+        hit, miss = moved * (1 - row["miss_rate"]), moved * row["miss_rate"]
+        floor = decode_floor_s(dense + kv + hit, miss, self.hbm, link)
         row["decode_limit_tok_s"] = 1 / floor
         row["ttft_limit_s"] = row["prefilled_tokens"] * bank.pool.nbytes / (chunk * self.pcie)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from freetoken_agent.bench import cpu_load
-from freetoken_agent.bench.limits import host_paths, host_paths_bandwidth
+from freetoken_agent.bench.limits import decode_floor_s, host_paths, host_paths_bandwidth
 from freetoken_agent.engine.experts import calibration
 
 IDLE_SECONDS = 0.5  # the idle window sampled before each probe
@@ -72,7 +72,7 @@ class HostCaps:
         step_host_bytes (missed experts, read from host memory), with its batch and
         whole_step (no CPU branch)."""
         link = self.miss_bandwidth(row["whole_step"])
-        floor = row["step_device_bytes"] / b_hbm + row["step_host_bytes"] / link
+        floor = decode_floor_s(row["step_device_bytes"], row["step_host_bytes"], b_hbm, link)
         row["limit_tok_s"] = row["batch"] / floor
         row["of_limit"] = row["tok_s"] * floor / row["batch"]
 
