@@ -24,6 +24,9 @@ capture). Variants:
     half+side-sm    half, and the other half on a side stream by the same SM copy kernel, in
                     `pieces` launches, forked after the layer's own copy, joined at step end
     half+side-dma   the same by the copy engines (cudaMemcpyAsync a piece)
+    half+early-dma  every miss's other half by the copy engines from the step's start: the
+                    host-driven variant, whose copies behind are issued after a step's sync
+                    and so run from the next step's start
 
 The step's own copies are the row-copy kernel (kernels/triton/row_copy.py): SM loads of pinned
 host memory, as the engine's fill copy. Beside each variant: `serial_ms`, its compute plus its
@@ -49,7 +52,9 @@ from freetoken_agent.engine.experts import calibration
 from freetoken_agent.kernels.row_copy import row_copy
 
 H, W = 2048, 768  # Qwen3-30B-A3B: hidden, expert width (I)
-VARIANTS = ("hit", "full", "half", "half+side-sm", "half+side-dma")
+VARIANTS = ("hit", "full", "half", "half+side-sm", "half+side-dma", "half+early-dma")
+BEHIND = VARIANTS[3:]  # the variants that copy each miss's other half behind the step
+DMA = ("half+side-dma", "half+early-dma")  # the copy engines' (pool rows fixed at capture)
 POOL_EXPERTS = 64  # pinned pool rows (~600 MB at the real shape): beyond the host's caches
 
 
@@ -110,7 +115,7 @@ class SideFillStep:
         p = layout.piece_elems
         self.pool_pieces, self.slot_pieces = pool.view(-1, p), slots.view(-1, p)
         own = 2 * layout.pieces if variant == "full" else layout.pieces  # pieces on the step
-        side = layout.pieces if "side" in variant else 0
+        side = layout.pieces if variant in BEHIND else 0
         dev = slots.device
         # Per miss: its own pieces' (src, dst) rows, then the side's; one upload per replay.
         self.index = torch.zeros(2 * len(self.misses) * (own + side), dtype=torch.int64,
@@ -125,7 +130,14 @@ class SideFillStep:
         torch.cuda.synchronize(dev)
         with torch.cuda.graph(self.graph):
             main = torch.cuda.current_stream(dev)
-            forked = False
+            forked = variant == "half+early-dma"
+            if forked:  # every copy behind from the step's start
+                fork = torch.cuda.Event()
+                fork.record(main)
+                side_stream.wait_event(fork)
+                with torch.cuda.stream(side_stream):
+                    for m in range(len(self.misses)):
+                        self._side_copies(m, None, None)
             miss_at = {layer: m for m, layer in enumerate(self.misses)}
             for layer, w in enumerate(weights):
                 m = miss_at.get(layer)
@@ -134,7 +146,7 @@ class SideFillStep:
                     base = 2 * m * n
                     src, dst = self.index[base : base + n], self.index[base + n : base + 2 * n]
                     row_copy(self.slot_pieces, self.pool_pieces, dst[:own], src[:own])
-                    if side:
+                    if side and variant != "half+early-dma":
                         fork = torch.cuda.Event()
                         fork.record(main)
                         side_stream.wait_event(fork)
@@ -147,7 +159,9 @@ class SideFillStep:
                 join.record(side_stream)
                 main.wait_event(join)
 
-    def _side_copies(self, m: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def _side_copies(self, m: int, src: torch.Tensor | None, dst: torch.Tensor | None) -> None:
+        """Miss m's other half, on the current (side) stream: by the SM kernel from the index
+        (src, dst: its side piece rows), or by the copy engines from the rows drawn at capture."""
         if self.variant == "half+side-sm":
             for j in range(self.side):  # a launch a piece, as the copy engines' variant
                 row_copy(self.slot_pieces, self.pool_pieces, dst[j : j + 1], src[j : j + 1])
@@ -164,7 +178,7 @@ class SideFillStep:
 
     def replay(self, rng: random.Random) -> float:
         """One replay with new pool rows (not the copy engines', fixed at capture); its ms."""
-        if self.variant != "half+side-dma":
+        if self.variant not in DMA:
             self.rows = [rng.randrange(self.pool.shape[0]) for _ in self.misses]
         self._upload(self.rows)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -229,7 +243,7 @@ def measure(args: argparse.Namespace, dev: torch.device) -> dict:
             own, behind = step.copied_bytes()
             ms = statistics.median(times)
             hit_ms = ms if variant == "hit" else hit_ms
-            key = variant if "side" not in variant else f"{variant}|pieces{pieces}"
+            key = variant if variant not in BEHIND else f"{variant}|pieces{pieces}"
             report["rows"][key] = {
                 "step_ms": ms, "p10_ms": times[len(times) // 10],
                 "p90_ms": times[(9 * len(times)) // 10],
@@ -242,7 +256,7 @@ def measure(args: argparse.Namespace, dev: torch.device) -> dict:
     rows = report["rows"]
     half = rows.get("half", {}).get("step_ms")
     for key, row in rows.items():  # what the copies behind cost the step over `half`
-        if "side" in key and half is not None:
+        if key.split("|")[0] in BEHIND and half is not None:
             row["delay_over_half_ms"] = row["step_ms"] - half
     return report
 

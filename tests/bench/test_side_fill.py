@@ -82,11 +82,12 @@ def test_every_variants_copies_land_in_the_slots(tmp_path, rng_seed):
     report = side_fill.measure(args, torch.device("cuda"))
     rows = report["rows"]
     assert sorted(rows) == sorted(["hit", "full", "half"] + [
-        f"half+side-{kind}|pieces{p}" for kind in ("sm", "dma") for p in (1, 3)])  # fmt: skip
+        f"half+{kind}|pieces{p}" for kind in ("side-sm", "side-dma", "early-dma")
+        for p in (1, 3)])  # fmt: skip
     expert_mb = 3 * 256 * 128 * 2 / 1e6
     assert rows["hit"]["own_mb"] == 0 and rows["full"]["own_mb"] == pytest.approx(2 * expert_mb)
     assert rows["half"]["own_mb"] == pytest.approx(expert_mb)
     for key, row in rows.items():
         assert row["step_ms"] > 0 and row["p10_ms"] <= row["step_ms"] <= row["p90_ms"]
-        if "side" in key:
+        if "|pieces" in key:  # the other half copied behind
             assert row["behind_mb"] == pytest.approx(expert_mb) and "delay_over_half_ms" in row
