@@ -438,7 +438,19 @@ for stage in "$@"; do
       timeout 200 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
         --skip-prefill --batches 1 --rounds 1 --decode 128 --regimes native uniform \
         --policies adaptive gpu-fill --out "$OUT/cpu_load" 2>&1 | tee "$OUT/cpu_load.log" \
-        | grep -E "host probe|\|b1\|" | cut -c1-400 ;;
+        | grep " | " | cut -c1-200
+      # The rows' and probes' cores (their lines in the log are too long to print whole)
+      python3 - "$OUT/cpu_load/offload_12l_8gb.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+for p in report["host_probes"]:
+    print("probe", p["when"], "b_h", round(p.get("b_h_gb_s", 0), 1), "idle",
+          json.dumps(p.get("idle_load")), "during", json.dumps(p.get("probe_load")))
+for key, row in report["decode"].items():
+    print(key, round(row["tok_s"], 1), "b_h online", round(row["b_h_online_gb_s"], 1),
+          json.dumps(row.get("cpu_load")))
+PY
+      ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel --graph-bound 0 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;

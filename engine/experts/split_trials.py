@@ -57,7 +57,10 @@ BACKOFF_CAP = 8  # the longest period, in PERIODs
 # against shared's 31.9 (its second block ~4 x 35 ms of a 128-token run of ~3.7 s), the peer
 # slice's native b=1 at 1.91 against 0.95 (adaptive 871 tok/s against gpu-fill's 937, two stops
 # blocks and their cache hand-overs in the timed 256 tokens). 1.75 stays above the noise seen
-# between two runs' blocks of one path (14.2 against 9.9 ms, 1.43x: step_paths.py).
+# between two runs' blocks of one path (14.2 against 9.9 ms, 1.43x: step_paths.py). The drop
+# reads one block's median (of 3 samples at the defaults): two of them must be 1.75x off to
+# drop a winner, and a candidate dropped wrongly costs one period; the schedule's first
+# candidate, whose second block is the one the drop saves, opens the next measurement again.
 DROP_FACTOR = 1.75
 
 
