@@ -49,10 +49,11 @@ class CpuShare:
         self.add = torch.zeros(max_tokens, hidden, dtype=torch.float32, device=device)
         self.worker = CpuWorker(self.box, pool.w13, pool.w2)
         self.expert_bytes = pool.expert_bytes
+        self.width = pool.w2.shape[2]  # I: a job's COLUMNS / I experts' bytes were read
         self.broken: str | None = None  # why the share is off for good
         self.timeout_s = worker.TIMEOUT_S  # a device wait's bound (the copy kernel's)
         self._lost = 0  # ctrl[LOST] last reported
-        self._seen = (0, 0)  # (experts, busy ns) already folded into B_H
+        self._seen = (0, 0)  # (columns, busy ns) already folded into B_H
 
     @staticmethod
     def possible() -> bool:
@@ -81,11 +82,11 @@ class CpuShare:
     def observe(self, bandwidths: Bandwidths) -> None:
         """Fold the worker's jobs since the last call into B_H (no sync: host memory)."""
         ctrl = self.box.ctrl
-        now = int(ctrl[EXPERTS]), int(ctrl[BUSY_NS])
-        experts, ns = now[0] - self._seen[0], now[1] - self._seen[1]
+        now = int(ctrl[worker.COLUMNS]), int(ctrl[BUSY_NS])
+        columns, ns = now[0] - self._seen[0], now[1] - self._seen[1]
         self._seen = now
-        if experts > 0:
-            nbytes = experts * self.expert_bytes
+        if columns > 0:
+            nbytes = columns * self.expert_bytes / self.width
             bandwidths.cpu = calibration.update(bandwidths.cpu, nbytes, ns / 1e9)
 
     def check(self) -> None:

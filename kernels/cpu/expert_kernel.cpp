@@ -163,16 +163,22 @@ static void dot_rows(const char* w, int64_t ld, int nr, int64_t n, const float* 
   if (rest == 1) dot_block<DT, 1>(w, ld, nr, n, xs + s, ys + s, j, next);
 }
 
-// One GEMV phase over the R picked pool rows, each `per` weight rows of n elements (w13: 2I rows
-// of H, w2: H rows of I): ys[i][j] = dot(weight row j, xs[i]) for the pairs i of that pool row.
-// The R * per weight rows are split evenly over the threads: each streams the same number of
-// bytes, contiguously within an expert.
+// One GEMV phase over the R picked pool rows: ys[i][out0 + j] = dot(weight row first + j of
+// the pool row, xs[i] from column col0) for j < per and the pairs i of that pool row; n elements
+// a dot, rows `ld` elements apart, `expert_rows` rows a pool row. Full width: w13's 2I rows of H
+// (per = expert_rows = 2I, ld = n = H), w2's H rows of I. A column range [c0, c1) of I (the
+// split expert's CPU half): gate rows [c0, c1) and up rows [I + c0, I + c1) of w13, and every w2
+// row's columns [c0, c1) (n = c1 - c0, ld = I, col0 = c0). The per * R weight rows are split
+// evenly over the threads: each streams the same number of bytes, contiguously within an expert.
 struct Gemv {
   const char* bank;
-  int64_t per, n;
+  int64_t per, n;          // output rows a pool row; elements a dot
+  int64_t expert_rows;     // weight rows from one pool row to the next
+  int64_t first, ld, col0; // first weight row in the pool row; row stride; first column read
+  int64_t out0;            // output index of row `first`
   const int64_t* row;      // [R] pool rows, ascending
   const int* start;        // [R + 1] pair ranges into xs / ys
-  const float* const* xs;  // [P'] inputs of the grouped pairs
+  const float* const* xs;  // [P'] inputs of the grouped pairs (from their column col0)
   float* const* ys;        // [P'] outputs of the grouped pairs
 };
 
@@ -181,13 +187,16 @@ static void run_gemv(const Gemv& g, int64_t R, int tid, int nth) {
   constexpr int64_t E = elem_bytes<DT>();
   const int64_t total = R * g.per;
   const int64_t lo = total * tid / nth, hi = total * (tid + 1) / nth;
-  auto addr = [&](int64_t f) { return g.bank + (g.row[f / g.per] * g.per + f % g.per) * g.n * E; };
+  auto addr = [&](int64_t f) {
+    const int64_t w = g.row[f / g.per] * g.expert_rows + g.first + f % g.per;
+    return g.bank + (w * g.ld + g.col0) * E;
+  };
   for (int64_t f = lo; f < hi;) {
     const int64_t e = f / g.per, j = f % g.per;
     const int nr = static_cast<int>(std::min<int64_t>({4, g.per - j, hi - f}));
     const char* next = f + nr < hi ? addr(f + nr) : addr(f);
     const int a = g.start[e], m = g.start[e + 1] - a;
-    dot_rows<DT>(addr(f), g.n, nr, g.n, g.xs + a, g.ys + a, m, j, next);
+    dot_rows<DT>(addr(f), g.ld, nr, g.n, g.xs + a, g.ys + a, m, g.out0 + j, next);
     f += nr;
   }
 }
@@ -295,16 +304,17 @@ class SpinTeam {
 };
 
 template <int DT, class Team>
-static void run(Team& team, const Gemv& up, const Gemv& down, int64_t R, const int* pair,
-                int64_t npairs, float* gu, float* y, const int64_t* rows, const float* topk_w,
-                float* out, int64_t T, int64_t K, int64_t H, int64_t I) {
+static void run(Team& team, const Gemv* up, int n_up, const Gemv& down, int64_t R,
+                const int* pair, int64_t npairs, float* gu, float* y, const int64_t* rows,
+                const float* topk_w, float* out, int64_t T, int64_t K, int64_t H, int64_t I,
+                int64_t c0, int64_t c1) {
   team.parallel([&](int tid, int nth) {
-    run_gemv<DT>(up, R, tid, nth);
+    for (int u = 0; u < n_up; ++u) run_gemv<DT>(up[u], R, tid, nth);
     team.sync();
-    const int64_t acts = npairs * I;  // phase 2: every pair's I activations, split evenly
+    const int64_t w = c1 - c0, acts = npairs * w;  // phase 2: the pairs' activations in range
     for (int64_t f = acts * tid / nth; f < acts * (tid + 1) / nth; ++f) {
-      float* g = gu + pair[f / I] * 2 * I;
-      const int64_t c = f % I;
+      float* g = gu + pair[f / w] * 2 * I;
+      const int64_t c = c0 + f % w;
       g[c] = silu(g[c]) * g[I + c];
     }
     team.sync();
@@ -325,12 +335,16 @@ static void run(Team& team, const Gemv& up, const Gemv& down, int64_t R, const i
   });
 }
 
-// Returns 0, or -1 when a row is >= n_rows (nothing written), -2 for an unknown dtype.
+// Returns 0, or -1 when a row is >= n_rows (nothing written), -2 for an unknown dtype, -4 for
+// a column range not inside [0, I). Columns [c0, c1) of I only: the experts' sum over that
+// slice of their width (SwiGLU is elementwise over I, so two complementary ranges add up to the
+// whole expert); [0, I) is the whole expert, computed as it always was.
 template <class Team>
 static int experts(Team& team, const void* hidden, const void* w13, const void* w2, int dtype,
                    const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
-                   int64_t n_rows, int64_t H, int64_t I) {
+                   int64_t n_rows, int64_t H, int64_t I, int64_t c0, int64_t c1) {
   if (dtype != F32 && dtype != BF16 && dtype != F16) return -2;
+  if (c0 < 0 || c1 > I || c0 >= c1) return -4;
   const int64_t P = T * K;
   std::vector<std::pair<int64_t, int>> picked;  // (row, pair) of the pairs that run
   for (int64_t p = 0; p < P; ++p) {
@@ -372,20 +386,32 @@ static int experts(Team& team, const void* hidden, const void* w13, const void* 
     const int64_t p = pair[i];
     xs_up[i] = x + (p / K) * H;
     ys_up[i] = gu.get() + p * 2 * I;
-    xs_down[i] = gu.get() + p * 2 * I;  // the activation, written over the gate half
+    xs_down[i] = gu.get() + p * 2 * I + c0;  // the activation, written over the gate half
     ys_down[i] = y.get() + p * H;
   }
-  const Gemv up{static_cast<const char*>(w13), 2 * I, H, row.data(), start.data(),
-                xs_up.data(), ys_up.data()};
-  const Gemv down{static_cast<const char*>(w2), H, I, row.data(), start.data(),
+  const char* b13 = static_cast<const char*>(w13);
+  const int* st = start.data();
+  // Full width: w13's 2I rows in one pass (gate and up contiguous); a range: its gate rows
+  // and its up rows, each contiguous.
+  const bool whole = c0 == 0 && c1 == I;
+  const Gemv up[2] = {
+      {b13, whole ? 2 * I : c1 - c0, H, 2 * I, c0, H, 0, c0, row.data(), st, xs_up.data(),
+       ys_up.data()},
+      {b13, c1 - c0, H, 2 * I, I + c0, H, 0, I + c0, row.data(), st, xs_up.data(),
+       ys_up.data()},
+  };
+  const int n_up = whole ? 1 : 2;
+  const Gemv down{static_cast<const char*>(w2), H, c1 - c0, H, 0, I, c0, 0, row.data(), st,
                   xs_down.data(), ys_down.data()};
   if (dtype == F32)
-    run<F32>(team, up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T, K, H, I);
+    run<F32>(team, up, n_up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T,
+             K, H, I, c0, c1);
   else if (dtype == BF16)
-    run<BF16>(team, up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T, K, H,
-              I);
+    run<BF16>(team, up, n_up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T,
+              K, H, I, c0, c1);
   else
-    run<F16>(team, up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T, K, H, I);
+    run<F16>(team, up, n_up, down, R, pair.data(), np, gu.get(), y.get(), rows, topk_w, out, T,
+             K, H, I, c0, c1);
   return 0;
 }
 
@@ -395,9 +421,9 @@ int ft_isa() { return FT_ISA; }
 
 int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtype,
                    const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
-                   int64_t n_rows, int64_t H, int64_t I, int threads) {
+                   int64_t n_rows, int64_t H, int64_t I, int64_t c0, int64_t c1, int threads) {
   OmpTeam team{std::max(1, threads)};
-  return experts(team, hidden, w13, w2, dtype, rows, topk_w, out, T, K, n_rows, H, I);
+  return experts(team, hidden, w13, w2, dtype, rows, topk_w, out, T, K, n_rows, H, I, c0, c1);
 }
 
 // The CPU worker's team (expert_worker.cpp): `threads` threads counting the caller, spinning
@@ -407,9 +433,9 @@ void ft_team_free(void* team) { delete static_cast<SpinTeam*>(team); }
 
 int ft_cpu_experts_on(void* team, const void* hidden, const void* w13, const void* w2, int dtype,
                       const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
-                      int64_t n_rows, int64_t H, int64_t I) {
+                      int64_t n_rows, int64_t H, int64_t I, int64_t c0, int64_t c1) {
   return experts(*static_cast<SpinTeam*>(team), hidden, w13, w2, dtype, rows, topk_w, out, T, K,
-                 n_rows, H, I);
+                 n_rows, H, I, c0, c1);
 }
 
 }  // extern "C"

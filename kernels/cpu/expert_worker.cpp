@@ -35,20 +35,20 @@
 extern "C" {
 int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtype,
                    const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
-                   int64_t n_rows, int64_t H, int64_t I, int threads);
+                   int64_t n_rows, int64_t H, int64_t I, int64_t c0, int64_t c1, int threads);
 void* ft_team_new(int threads, int64_t spin_ns);
 void ft_team_free(void* team);
 int ft_cpu_experts_on(void* team, const void* hidden, const void* w13, const void* w2, int dtype,
                       const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
-                      int64_t n_rows, int64_t H, int64_t I);
+                      int64_t n_rows, int64_t H, int64_t I, int64_t c0, int64_t c1);
 }
 
 namespace {
 
-// ctrl's entries (kernels/cpu/worker.py: POST, TOKENS, ANSWER, ERROR, JOBS, EXPERTS, BUSY_NS,
-// MAX_JOB_NS)
-constexpr int POST = 0, TOKENS = 1, ANSWER = 8, ERROR = 9, JOBS = 11, EXPERTS = 12,
-              BUSY_NS = 13, MAX_JOB_NS = 15;
+// ctrl's entries (kernels/cpu/worker.py: POST, TOKENS, COL_LO, COL_HI, COLUMNS, ANSWER, ERROR,
+// JOBS, EXPERTS, BUSY_NS, MAX_JOB_NS)
+constexpr int POST = 0, TOKENS = 1, COL_LO = 3, COL_HI = 4, COLUMNS = 5, ANSWER = 8, ERROR = 9,
+              JOBS = 11, EXPERTS = 12, BUSY_NS = 13, MAX_JOB_NS = 15;
 
 struct Args {
   int64_t* ctrl;
@@ -88,14 +88,18 @@ struct Worker {
   void answer(int64_t seq) {
     const int64_t t0 = now_ns();
     int64_t T = at(a.ctrl, TOKENS).load(std::memory_order_relaxed);
+    // The job's columns of I (the split expert's CPU half); COL_HI 0: the whole width.
+    const int64_t c0 = at(a.ctrl, COL_LO).load(std::memory_order_relaxed);
+    const int64_t c1_posted = at(a.ctrl, COL_HI).load(std::memory_order_relaxed);
+    const int64_t c1 = c1_posted == 0 ? a.I : c1_posted;
     int rc = 0;
     if (T < 0 || T > a.max_tokens) {
       rc = -3;  // a job larger than the mailbox: answered with an error, nothing computed
     } else {
       rc = team ? ft_cpu_experts_on(team, a.hidden, a.w13, a.w2, a.dtype, a.rows, a.weights,
-                                    a.out, T, a.K, a.n_rows, a.H, a.I)
+                                    a.out, T, a.K, a.n_rows, a.H, a.I, c0, c1)
                 : ft_cpu_experts(a.hidden, a.w13, a.w2, a.dtype, a.rows, a.weights, a.out, T, a.K,
-                                 a.n_rows, a.H, a.I, a.threads);
+                                 a.n_rows, a.H, a.I, c0, c1, a.threads);
     }
     int64_t experts = 0;  // distinct rows computed (the pool bytes read)
     if (rc == 0) {
@@ -109,6 +113,8 @@ struct Worker {
       at(a.ctrl, ERROR).store(rc, std::memory_order_relaxed);
     }
     at(a.ctrl, EXPERTS).fetch_add(experts, std::memory_order_relaxed);
+    // The pool bytes read are experts x columns / I of an expert's: a range reads its slice.
+    at(a.ctrl, COLUMNS).fetch_add(experts * (c1 - c0), std::memory_order_relaxed);
     const int64_t took = now_ns() - t0;
     at(a.ctrl, BUSY_NS).fetch_add(took, std::memory_order_relaxed);
     if (took > at(a.ctrl, MAX_JOB_NS).load(std::memory_order_relaxed))

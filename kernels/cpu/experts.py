@@ -136,7 +136,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
         fn = lib.ft_cpu_experts
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
-        fn.argtypes += [ctypes.c_int64] * 5 + [ctypes.c_int]
+        fn.argtypes += [ctypes.c_int64] * 7 + [ctypes.c_int]  # T K N H I c0 c1, threads
         if lib.ft_isa() != ISA_ID[isa]:
             raise RuntimeError(f"library reports ISA {lib.ft_isa()}, expected {ISA_ID[isa]}")
         return lib
@@ -175,14 +175,21 @@ def cpu_experts(
     threads: int | None = None,
     *,
     impl: str | None = None,
+    columns: tuple[int, int] | None = None,
 ) -> Tensor:
     """out [T, H] fp32 = sum_k topk_weights[t, k] * expert(rows[t, k], hidden[t]), k in order.
 
     rows [T, K] int64 pool rows, negative = skip the pair. threads: OpenMP threads of the SIMD
     kernel (default: `default_threads`; the torch path uses torch's own pool). impl forces
     "avx512" | "avx2" | "torch" (tests, benchmarks); default `backend()`. Runs without the GIL.
+    columns (c0, c1): only that slice of each expert's width I (gate and up rows [c0, c1), w2's
+    columns [c0, c1)); SwiGLU is elementwise over I, so complementary slices sum to the whole
+    expert (the split expert's CPU half). Default: the whole width.
     """
     t, h, i, k = check_moe_shapes(hidden, w13, w2, rows, topk_weights, None)
+    c0, c1 = columns if columns is not None else (0, i)
+    if not 0 <= c0 < c1 <= i:
+        raise ValueError(f"columns {columns}: a non-empty slice of the expert width [0, {i})")
     for name, x in (("hidden", hidden), ("w13", w13), ("w2", w2), ("rows", rows)):
         assert x.device.type == "cpu", f"{name} must be a CPU tensor, got {x.device}"
     assert hidden.dtype in DTYPE_ID, f"unsupported dtype {hidden.dtype}"
@@ -195,7 +202,7 @@ def cpu_experts(
     )
     impl = impl or backend()
     if impl == "torch":
-        return _experts_torch(hidden, w13, w2, rows.long(), topk_weights, out)
+        return _experts_torch(hidden, w13, w2, rows.long(), topk_weights, out, (c0, c1))
     lib = library(impl)
     if lib is None:
         raise RuntimeError(f"the {impl} CPU expert kernel is not available on this machine")
@@ -214,6 +221,8 @@ def cpu_experts(
         w13.shape[0],
         h,
         i,
+        c0,
+        c1,
         threads or default_threads(),
     )
     if rc == -1:
@@ -266,12 +275,19 @@ def _threads_from_env() -> int | None:
 
 
 def _experts_torch(
-    hidden: Tensor, w13: Tensor, w2: Tensor, rows: Tensor, topk_weights: Tensor, out: Tensor
+    hidden: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    rows: Tensor,
+    topk_weights: Tensor,
+    out: Tensor,
+    columns: tuple[int, int] | None = None,
 ) -> Tensor:
     """Plain-torch twin (no compiler, or forced): the reference's arithmetic, fp32 output. Each
     picked row is upcast once per call; torch's bf16 GEMV is slow, so this is a fallback only."""
     t, h = hidden.shape
     k, i = rows.shape[1], w2.shape[2]
+    c0, c1 = columns if columns is not None else (0, i)
     flat = rows.reshape(-1)  # [P]
     if bool((flat >= w13.shape[0]).any()):
         raise IndexError(f"rows out of range for a pool of {w13.shape[0]} rows: {rows.tolist()}")
@@ -279,8 +295,13 @@ def _experts_torch(
     for row in torch.unique(flat[flat >= 0]).tolist():
         pairs = (flat == row).nonzero().squeeze(1)  # [m] pairs that picked this row
         x = hidden[pairs // k].float()  # [m, H]
-        gate_up = x @ w13[row].float().t()  # [m, 2I]
-        y[pairs] = (F.silu(gate_up[:, :i]) * gate_up[:, i:]) @ w2[row].float().t()  # [m, H]
+        if (c0, c1) == (0, i):
+            gate_up = x @ w13[row].float().t()  # [m, 2I]
+            gate, up = gate_up[:, :i], gate_up[:, i:]
+        else:  # gate and up rows of the slice
+            gate = x @ w13[row, c0:c1].float().t()  # [m, c1 - c0]
+            up = x @ w13[row, i + c0 : i + c1].float().t()
+        y[pairs] = (F.silu(gate) * up) @ w2[row, :, c0:c1].float().t()  # [m, H]
     y = y.view(t, k, h)
     weights = topk_weights.masked_fill(rows < 0, 0.0)  # [T, K]
     out.zero_()

@@ -35,6 +35,10 @@ from freetoken_agent.kernels.cpu import experts
 # LOST and GAVE_UP_AT; the worker ANSWER, ERROR and the counters. POST and ANSWER sit on
 # different cache lines.
 POST, TOKENS, ANSWER, ERROR, TIMEOUT, JOBS, EXPERTS, BUSY_NS, LOST = 0, 1, 8, 9, 10, 11, 12, 13, 14
+# A job's columns of I, [COL_LO, COL_HI) (the split expert's CPU half; COL_HI 0: the whole
+# width), written by the device with the job; COLUMNS counts distinct experts x columns computed
+# (the pool bytes read are COLUMNS / I experts' worth).
+COL_LO, COL_HI, COLUMNS = 3, 4, 5
 # Diagnostics: the longest job (ns), and the answer a wait last read when it gave up.
 MAX_JOB_NS, GAVE_UP_AT = 15, 2
 CTRL = 16

@@ -248,3 +248,57 @@ def test_spin_team_leaves_a_quarter_of_the_cores(monkeypatch, rng_seed):
     n = random.Random(rng_seed + 1).randint(1, 64)
     monkeypatch.setenv(experts.ENV_THREADS, str(n))
     assert experts.spin_team_size() == n
+
+
+def _sliced_oracle(hidden, w13, w2, rows, weights, c0: int, c1: int) -> torch.Tensor:
+    """The experts cut to columns [c0, c1) of their width: gate and up rows, w2's columns."""
+    i = w2.shape[2]
+    w13_cut = torch.cat([w13[:, c0:c1], w13[:, i + c0 : i + c1]], dim=1)  # [N, 2 (c1 - c0), H]
+    return oracle(hidden, w13_cut, w2[:, :, c0:c1], rows, weights)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_column_slice_computes_that_slice_of_each_expert(rng_seed, impl, dtype):
+    """The split expert's CPU half: columns [c0, c1) of I, against the experts cut to them."""
+    need(impl)
+    rng = random.Random(rng_seed)
+    t, k = rng.randint(1, 6), rng.choice([1, 2, 8])
+    hidden, w13, w2, rows, weights = make_inputs(rng_seed, t, k, dtype, skip=0.2, dup=True)
+    c0 = rng.randrange(W)
+    c1 = rng.randint(c0 + 1, W)
+    out = torch.full((t, H), float("nan"))  # poisoned: every element must be written
+    res = cpu_experts(hidden, w13, w2, rows, weights, out=out, threads=3, impl=impl,
+                      columns=(c0, c1))  # fmt: skip
+    want = _sliced_oracle(hidden, w13, w2, rows, weights, c0, c1)
+    if (rows < 0).all():
+        assert (res == 0).all()
+    else:
+        assert rel_err(res, want) < TOL, (c0, c1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_complementary_slices_add_up_to_the_whole_expert(rng_seed, impl):
+    """SwiGLU is elementwise over I: [0, s) and [s, I) sum to the whole (within fp32's reorder),
+    and [0, I) given explicitly is the default call, bit for bit."""
+    need(impl)
+    rng = random.Random(rng_seed)
+    hidden, w13, w2, rows, weights = make_inputs(rng_seed, rng.randint(1, 4), 4, torch.bfloat16)
+    whole = cpu_experts(hidden, w13, w2, rows, weights, threads=2, impl=impl)
+    explicit = cpu_experts(hidden, w13, w2, rows, weights, threads=2, impl=impl, columns=(0, W))
+    assert torch.equal(explicit, whole)
+    s = rng.randint(1, W - 1)
+    low = cpu_experts(hidden, w13, w2, rows, weights, threads=2, impl=impl, columns=(0, s))
+    high = cpu_experts(hidden, w13, w2, rows, weights, threads=2, impl=impl, columns=(s, W))
+    assert rel_err(low + high, whole) < TOL
+    assert rel_err(low, whole) > 1e-3  # each half alone is not the whole
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_column_range_outside_the_width_is_refused_by_name(rng_seed, impl):
+    need(impl)
+    hidden, w13, w2, rows, weights = make_inputs(rng_seed, 1, 2, torch.float32)
+    c = random.Random(rng_seed).randrange(W)
+    for bad in ((c, c), (-1, c + 1), (c, W + 1), (c + 1, c)):
+        with pytest.raises(ValueError, match="columns"):
+            cpu_experts(hidden, w13, w2, rows, weights, impl=impl, columns=bad)

@@ -11,7 +11,18 @@ import pytest
 import torch
 
 from freetoken_agent.kernels.cpu import experts, worker
-from freetoken_agent.kernels.cpu.worker import ANSWER, BUSY_NS, ERROR, EXPERTS, JOBS, POST, TOKENS
+from freetoken_agent.kernels.cpu.worker import (
+    ANSWER,
+    BUSY_NS,
+    COL_HI,
+    COL_LO,
+    COLUMNS,
+    ERROR,
+    EXPERTS,
+    JOBS,
+    POST,
+    TOKENS,
+)
 
 H, W, N, K, T_MAX = 64, 24, 12, 4, 3  # W: the expert width I
 
@@ -147,5 +158,35 @@ def test_worker_reports_a_job_it_cannot_run_and_keeps_answering():
         wait(box, 3)
         assert torch.equal(box.out[:2], experts.cpu_experts(hidden, w13, w2, rows, weights))
         assert int(box.ctrl[ERROR]) == 0
+    finally:
+        cpu.stop()
+
+
+@pytest.mark.parametrize("team", worker.TEAMS)
+def test_a_job_with_a_column_range_computes_that_slice(team, rng_seed):
+    """The split expert's CPU half through the mailbox: COL_LO / COL_HI posted with the job;
+    COL_HI 0 is the whole width. COLUMNS counts distinct experts x columns (B_H's bytes)."""
+    rng = random.Random(rng_seed)
+    gen = torch.Generator().manual_seed(rng_seed)
+    w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
+    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
+    cpu = worker.CpuWorker(box, w13, w2, threads=2, spin_ns=1_000_000, team=team)
+    try:
+        columns = 0
+        for seq in range(1, 7):
+            t = rng.randint(1, T_MAX)
+            hidden, rows, weights = job(gen, t)
+            c0 = rng.randrange(W)
+            c1 = rng.randint(c0 + 1, W)
+            whole = seq % 3 == 0
+            box.ctrl[COL_LO], box.ctrl[COL_HI] = (0, 0) if whole else (c0, c1)
+            post(box, seq, hidden, rows, weights)
+            wait(box, seq)
+            cut = None if whole else (c0, c1)
+            want = experts.cpu_experts(hidden, w13, w2, rows, weights, columns=cut)
+            assert torch.equal(box.out[:t], want), (seq, cut)
+            columns += len(set(rows[rows >= 0].tolist())) * (W if whole else c1 - c0)
+        assert int(box.ctrl[COLUMNS]) == columns and int(box.ctrl[ERROR]) == 0
     finally:
         cpu.stop()
