@@ -82,3 +82,29 @@ def test_a_worker_that_stops_answering_fails_its_steps_once(tmp_path, rng_seed):
     assert again.finish_reason == "length" and again.token_ids == want
     st = engine.stats()["experts"]["cpu_share"]
     assert st["broken"] and st["share"] == 0.0
+
+
+def test_the_workers_columns_are_the_bytes_b_h_learns_from(tmp_path, rng_seed):
+    """observe folds the worker's counters into B_H: COLUMNS / I experts' bytes over BUSY_NS
+    since the last call (a job on a column slice read that slice of each expert)."""
+    from freetoken_agent.engine.experts import calibration
+    from freetoken_agent.engine.experts.policy import Bandwidths
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=6, **OPTS)
+    share = engine.loaded.bank.cpu_share
+    rng = random.Random(rng_seed)
+    width = engine.loaded.bank.pool.w2.shape[2]
+    bandwidths, ctrl = Bandwidths(), share.box.ctrl
+    for _ in range(3):
+        columns, ns = rng.randint(1, 50) * rng.randint(1, width), rng.randint(10**5, 10**8)
+        before = bandwidths.cpu
+        ctrl[worker.COLUMNS] += columns
+        ctrl[worker.BUSY_NS] += ns
+        share.observe(bandwidths)
+        nbytes = columns * share.expert_bytes / width
+        assert bandwidths.cpu == pytest.approx(calibration.update(before, nbytes, ns / 1e9))
+    before = bandwidths.cpu
+    share.observe(bandwidths)  # nothing new: unchanged
+    assert bandwidths.cpu == before
+    engine.close()
