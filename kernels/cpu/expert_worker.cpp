@@ -10,10 +10,11 @@
 // memory, so it runs beside a graph replay.
 //
 // Protocol (ctrl is int64; the indexes are kernels/cpu/worker.py's):
-//   device: writes tokens, rows, weights, hidden; then POST = seq with a release store (sys)
+//   device: writes tokens, rows, weights, hidden and the job's columns of I (COL_LO, COL_HI;
+//           0, 0: whole experts); then POST = seq with a release store (sys)
 //   worker: acquire-loads POST; when it differs from the last seq it answered, computes
-//           out [T, H] fp32 from rows [T, K] (pool rows, -1 = not the CPU's), then counts the
-//           job, and release-stores ANSWER = seq
+//           out [T, H] fp32 from rows [T, K] (pool rows, -1 = not the CPU's) over those
+//           columns, then counts the job, and release-stores ANSWER = seq
 //   device: acquire-loads ANSWER until it equals seq, then reads out.
 // One job is outstanding at a time: the device waits for each answer before its next post.
 //

@@ -6,9 +6,10 @@ A captured decode step cannot stop for the host, so the device posts a layer's C
 thread computes it from the pool while the link copies the rest. The protocol, one job
 outstanding at a time:
 
-    device: tokens, rows, weights, hidden written; then ctrl[POST] = seq (release, sys scope)
-    worker: sees POST change; out = ft_cpu_experts(...); JOBS, EXPERTS, BUSY_NS counted;
-            ctrl[ANSWER] = seq (release)
+    device: tokens, rows, weights, hidden (and the job's columns of I, COL_LO / COL_HI, 0 / 0
+            for whole experts) written; then ctrl[POST] = seq (release, sys scope)
+    worker: sees POST change; out = ft_cpu_experts(...) over those columns; JOBS, EXPERTS,
+            COLUMNS, BUSY_NS counted; ctrl[ANSWER] = seq (release)
     device: spins until ctrl[ANSWER] == seq (acquire, sys scope), then reads out.
 
 A device wait that outlives TIMEOUT_S writes its seq to ctrl[TIMEOUT] (the mailbox is dead
