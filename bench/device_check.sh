@@ -69,7 +69,7 @@
 #         s26-check (the twenty-sixth session's unmeasured changes: their GPU tests, the
 #         48-layer step, adaptive held on device against gpu-fill; ~7 min)
 #         s27-check (bench side-fill: copies behind the step on a second stream, its GPU test
-#         first; then the peer slice native then uniform, adaptive and gpu-fill, with the
+#         first; the CPU kernel's tests on AVX-512; then the peer slice native then uniform, adaptive and gpu-fill, with the
 #         cores' use beside every host probe and row; ~5 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
@@ -433,6 +433,9 @@ for stage in "$@"; do
       # session): cpu_load says whose threads held the cores
       timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/bench/test_side_fill.py \
         2>&1 | tail -3
+      # The CPU kernel's column slices on the host's AVX-512 (the dev machine has AVX2 only)
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cpu_experts.py \
+        tests/kernels/test_cpu_worker.py 2>&1 | tail -2
       timeout 150 python3 -m freetoken_agent.bench side-fill --out "$OUT" 2>&1 \
         | tee "$OUT/side_fill.log" | cut -c1-220
       timeout 200 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
