@@ -48,6 +48,7 @@ def fused_moe(
     add: torch.Tensor | None = None,
     rows_settled: bool = False,
     fill_slot_of: torch.Tensor | None = None,
+    slot_cols: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]).
 
@@ -66,6 +67,9 @@ def fused_moe(
     fill_slot_of [Nh] int32 (fill-through, with host banks): what the kernels read of host row
     r they also store into slot fill_slot_of[r] of w13 / w2 where that is >= 0, so a miss
     crosses the link once, into the slot that keeps it, with no copy kernel before.
+    slot_cols [N] int32 (the split expert's device half): bank row r holds only columns
+    [0, slot_cols[r]) of the expert width and computes those (`reference.fused_moe`); decode
+    batches only.
     """
     host = dict(host_w13=host_w13, host_w2=host_w2) if host_w13 is not None else {}
     if fill_slot_of is not None:
@@ -78,6 +82,13 @@ def fused_moe(
             f"host banks serve decode batches of at most {PATH_LIMITS['decode_max_pairs']} "
             f"(token, expert) pairs, got {pairs}"
         )
+    if slot_cols is not None:
+        if pairs > PATH_LIMITS["decode_max_pairs"]:
+            raise ValueError(
+                f"slot_cols (partly filled slots) serve decode batches of at most "
+                f"{PATH_LIMITS['decode_max_pairs']} (token, expert) pairs, got {pairs}"
+            )
+        host["slot_cols"] = slot_cols
     if not use_triton(hidden, force_triton, "fused_moe"):
         return fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, out, **host, add=add)
     # Imported here so the CPU fallback works on machines without triton (CPU builds of torch).

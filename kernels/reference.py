@@ -197,14 +197,19 @@ def fused_moe(
     host_w2: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
     fill_slot_of: torch.Tensor | None = None,
+    slot_cols: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]); SwiGLU experts.
     With host banks, an id <= -2 names row -id - 2 of host_w13 / host_w2 (`host_ids`).
     `add` [T, H]: added to the sum before its rounding to out's dtype, then zeroed (`check_add`).
     `fill_slot_of` [Nh] int32 (fill-through): host row r is also copied into slot
-    fill_slot_of[r] of w13 / w2 where that is >= 0 (the kernels store the tiles they read)."""
+    fill_slot_of[r] of w13 / w2 where that is >= 0 (the kernels store the tiles they read).
+    `slot_cols` [N] int32 (the split expert's device half): bank row r holds only columns
+    [0, slot_cols[r]) of its width (gate and up rows, w2's columns), and computes those; I is a
+    whole row. Host rows are always whole."""
     t, h, i, k = check_moe_shapes(hidden, w13, w2, topk_ids, topk_weights, out)
     check_add(add, hidden)
+    check_slot_cols(slot_cols, w13)
     host = host_w13 is not None
     if host:
         check_host_banks(w13, host_w13, host_w2)
@@ -226,9 +231,16 @@ def fused_moe(
         pairs = (ids == row).nonzero().squeeze(1)  # [m] pairs that picked this bank row
         bank13, bank2, r = (host_w13, host_w2, -row - 2) if row < 0 else (w13, w2, row)
         x = hidden[pairs // k].to(acc_dtype)  # [m, H]
-        gate_up = x @ bank13[r].to(device=hidden.device, dtype=acc_dtype).t()  # [m, 2I]
-        act = F.silu(gate_up[:, :i]) * gate_up[:, i:]  # [m, I]
-        y[pairs] = act @ bank2[r].to(device=hidden.device, dtype=acc_dtype).t()  # [m, H]
+        c = i if row < 0 or slot_cols is None else int(slot_cols[r])  # columns it holds
+        if c == i:
+            gate_up = x @ bank13[r].to(device=hidden.device, dtype=acc_dtype).t()  # [m, 2I]
+            gate, up, w_down = gate_up[:, :i], gate_up[:, i:], bank2[r]
+        else:
+            gate = x @ bank13[r, :c].to(device=hidden.device, dtype=acc_dtype).t()  # [m, c]
+            up = x @ bank13[r, i : i + c].to(device=hidden.device, dtype=acc_dtype).t()
+            w_down = bank2[r, :, :c]
+        act = F.silu(gate) * up  # [m, c]
+        y[pairs] = act @ w_down.to(device=hidden.device, dtype=acc_dtype).t()  # [m, H]
     y = y.view(t, k, h)
     weights = topk_weights.masked_fill(~live.view(t, k), 0.0)  # [T, K] a skipped pair adds 0
     acc = torch.zeros(t, h, dtype=acc_dtype, device=hidden.device)  # [T, H]
@@ -239,6 +251,19 @@ def fused_moe(
         add.zero_()
     out.copy_(acc)
     return out
+
+
+def check_slot_cols(slot_cols: torch.Tensor | None, w13: torch.Tensor) -> None:
+    """`fused_moe`'s `slot_cols`: [N] int32 on the bank's device. Its values (in [1, I]) are
+    not read here: that would be a device sync inside a decode graph."""
+    if slot_cols is None:
+        return
+    n = w13.shape[0]
+    if slot_cols.shape != (n,) or slot_cols.dtype != torch.int32:
+        raise ValueError(f"slot_cols must be [N={n}] int32, got {tuple(slot_cols.shape)} "
+                         f"{slot_cols.dtype}")  # fmt: skip
+    if slot_cols.device != w13.device:
+        raise ValueError(f"slot_cols must be on the bank's device {w13.device}")
 
 
 def check_add(add: torch.Tensor | None, hidden: torch.Tensor) -> None:

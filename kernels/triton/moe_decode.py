@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken_agent.kernels.reference import check_add
+from freetoken_agent.kernels.reference import check_add, check_slot_cols
 from freetoken_agent.kernels.triton.gemv import _prefetch_tile
 from freetoken_agent.kernels.triton.moe_common import (
     DECODE_MAX_PAIRS,
@@ -74,6 +74,13 @@ def _fill_row(bank_ptr, stride, slot_of_ptr, row):
 
 
 @triton.jit
+def _row_cols(cols_ptr, row, I):  # noqa: E741
+    """The columns [0, c) of I a pair's row holds: its bank row's c, I for a host row (whole
+    in the pool, id <= -2)."""
+    return tl.load(cols_ptr + tl.maximum(row, 0), mask=row >= 0, other=I)
+
+
+@triton.jit
 def _prefetch_rows(ids_ptr, p, i0, w13_ptr, stride13, H, I, BLOCK_I: tl.constexpr,  # noqa: E741
                    PDL: tl.constexpr):  # fmt: skip
     """With PREFETCH (launched so only where the rows are the fill plan's, two kernels back:
@@ -100,6 +107,7 @@ def _decode_gate_up_kernel(
     hw13_ptr,  # [Nh, 2I, H] host bank (HOST), read over the link; else any bank
     hstride13,
     slot_of_ptr,  # [Nh] int32 (FILL): the slot each host row's lid was given, or -1
+    cols_ptr,  # [N] int32 (PARTIAL): the columns [0, c) of I each bank row holds
     P,
     H,
     I,  # noqa: E741 (the shape legend's name)
@@ -112,6 +120,7 @@ def _decode_gate_up_kernel(
     SPLIT: tl.constexpr,
     HOST: tl.constexpr,
     FILL: tl.constexpr,
+    PARTIAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -128,6 +137,11 @@ def _decode_gate_up_kernel(
     offs_i = (pid % n_iblk) * BLOCK_I + tl.arange(0, BLOCK_I)
     offs_h = tl.arange(0, BLOCK_H)
     i_mask = offs_i < I
+    if PARTIAL:  # a bank row holding columns [0, c) only: the block's part below c
+        cols = _row_cols(cols_ptr, row, I)
+        if (pid % n_iblk) * BLOCK_I >= cols:
+            return  # its act entries stay unwritten: down reads none past c
+        i_mask = offs_i < cols
     # [BLOCK_H, BLOCK_I] tiles of the gate rows; the up rows sit I * H elements further.
     w_row = _row_ptr(w13_ptr, stride13, hw13_ptr, hstride13, row, HOST)
     w_ptrs = w_row + offs_i[None, :] * H + offs_h[:, None]
@@ -175,6 +189,7 @@ def _decode_down_kernel(
     hw2_ptr,  # [Nh, H, I] host bank (HOST); else any bank
     hstride2,
     slot_of_ptr,  # [Nh] int32 (FILL), as gate/up's
+    cols_ptr,  # [N] int32 (PARTIAL), as gate/up's
     P,
     H,
     I,  # noqa: E741 (the shape legend's name)
@@ -186,6 +201,7 @@ def _decode_down_kernel(
     SPLIT: tl.constexpr,
     HOST: tl.constexpr,
     FILL: tl.constexpr,
+    PARTIAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     enter(PDL)  # first: pdl.py
@@ -200,6 +216,9 @@ def _decode_down_kernel(
     offs_n = (pid % n_nblk) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < H
+    k_end = I  # the columns of I this row's dot runs over
+    if PARTIAL:
+        k_end = _row_cols(cols_ptr, row, I)
     w_row = _row_ptr(w2_ptr, stride2, hw2_ptr, hstride2, row, HOST)
     w_ptrs = w_row + offs_n[None, :] * I + offs_k[:, None]
     if FILL:
@@ -210,8 +229,8 @@ def _decode_down_kernel(
         valid = (m0 + offs_m) < n_group
         a_off = pair[:, None] * I + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_mask = (k0 + offs_k) < I
+        for k0 in range(0, k_end, BLOCK_K):
+            k_mask = (k0 + offs_k) < k_end  # both loads: past c the act and the slot are stale
             a_mask = valid[:, None] & k_mask[None, :]
             w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if FILL:  # noqa: SIM102 - a compile-time branch around a run-time one (Triton)
@@ -240,6 +259,7 @@ def fused_moe_decode(
     add: torch.Tensor | None = None,
     rows_settled: bool = False,
     fill_slot_of: torch.Tensor | None = None,
+    slot_cols: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bandwidth-bound path for few pairs; no host sync, safe under CUDA-graph capture. With
     host banks (pinned host memory on CUDA), ids <= -2 name their rows (`reference.host_ids`):
@@ -249,9 +269,15 @@ def fused_moe_decode(
     `add` [T, H]: added before the rounding and zeroed, in the summing kernel.
     `rows_settled`: topk_ids were written two or more kernels before this call's first launch
     (the fill plan's rows): under FREETOKEN_PDL's `prefetch`, gate/up asks L2 for its rows
-    before its wait (kernels/triton/pdl.py)."""
+    before its wait (kernels/triton/pdl.py).
+    `slot_cols` [N] int32: bank row r holds columns [0, slot_cols[r]) of I only (the split
+    expert's device half, `reference.fused_moe`); gate/up skips its blocks past them and down
+    masks its loads there."""
     t, h, i, k = _check(hidden, w13, w2, topk_ids, topk_weights, out)
     check_add(add, hidden)
+    check_slot_cols(slot_cols, w13)
+    partial = slot_cols is not None
+    cols = slot_cols if partial else topk_ids  # never read without PARTIAL
     host = host_w13 is not None
     if host:
         _check_host(hidden, w13, host_w13, host_w2)
@@ -275,17 +301,18 @@ def fused_moe_decode(
     y = torch.empty(p, h, dtype=torch.float32, device=hidden.device)  # [P, H]
     _decode_gate_up_kernel[(p * triton.cdiv(i, c["BLOCK_I"]),)](
         hidden, w13, topk_ids, act[0], act[-1], w13.stride(0), host_w13, host_w13.stride(0),
-        slot_of, p, h, i,
+        slot_of, cols, p, h, i,
         K=k, BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_I=c["BLOCK_I"], BLOCK_H=c["BLOCK_H"],
-        PREC=prec, SPLIT=split, HOST=host, FILL=fill, num_warps=c["WARPS_UP"],
+        PREC=prec, SPLIT=split, HOST=host, FILL=fill, PARTIAL=partial, num_warps=c["WARPS_UP"],
         num_stages=c["STAGES_UP"],
         **pdl_launch(hidden.device, heavy=True, prefetch=rows_settled),
     )  # fmt: skip
     _decode_down_kernel[(p * triton.cdiv(h, c["BLOCK_N"]),)](
         act[0], act[-1], w2, topk_ids, y, w2.stride(0), host_w2, host_w2.stride(0), slot_of,
-        p, h, i,
+        cols, p, h, i,
         BLOCK_P=block_p, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-        PREC=prec, SPLIT=split, HOST=host, FILL=fill, num_warps=c["WARPS_DOWN"],
+        PREC=prec, SPLIT=split, HOST=host, FILL=fill, PARTIAL=partial,
+        num_warps=c["WARPS_DOWN"],
         num_stages=c["STAGES_DOWN"],
         **pdl_launch(hidden.device, heavy=True),
     )  # fmt: skip

@@ -542,3 +542,59 @@ def test_gpu_host_bank_read_over_the_link(rng_seed, t):
     assert torch.equal(got, want)
     ref = fused_moe_reference(hidden.float(), c13.float(), c2.float(), c_ids, wts)
     assert rel_err(got, ref) < TOL[torch.bfloat16]
+
+
+def _partial_slots(seed: int, s13: torch.Tensor, s2: torch.Tensor):
+    """slot_cols for the slot bank (about half its rows whole, the others holding [0, c) for a
+    random c), the banks with every column past c set to NaN (what a partly filled slot holds
+    there is stale: no kernel may read it), and the banks with those columns' gate rows zeroed
+    (the same experts, computed whole: a zero gate adds nothing)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    n, i = s13.shape[0], s13.shape[1] // 2
+    cols = torch.randint(1, i, (n,), generator=g, dtype=torch.int32)
+    cols[torch.rand(n, generator=g) < 0.5] = i
+    stale13, stale2, zeroed13 = s13.clone(), s2.clone(), s13.clone()
+    for r, c in enumerate(cols.tolist()):
+        stale13[r, c:i] = stale13[r, i + c :] = float("nan")
+        stale2[r, :, c:] = float("nan")
+        zeroed13[r, c:i] = 0.0
+    return cols, stale13, stale2, zeroed13
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("host", [False, True])
+def test_partly_filled_slots_compute_their_columns_only(rng_seed, dtype, t, host):
+    """`slot_cols`: a slot row holding columns [0, c) of I computes those (the split expert's
+    device half): the same as the whole expert with its gate rows past c zeroed, whatever the
+    slot holds past c (NaN here: neither kernel reads there, act nor weights); host rows are
+    whole; the Triton path and the reference agree."""
+    hidden, s13, s2, h13, h2, ids, wts, *_ = split_banks(rng_seed, t, 4, dtype)
+    cols, stale13, stale2, zeroed13 = _partial_slots(rng_seed, s13, s2)
+    banks = dict(host_w13=h13, host_w2=h2) if host else {}
+    if not host:
+        ids = torch.where(ids < -1, -1, ids)  # no host bank: those pairs skipped
+    want = fused_moe_reference(hidden, zeroed13, s2, ids, wts, **banks)
+    ref = fused_moe_reference(hidden, stale13, stale2, ids, wts, **banks, slot_cols=cols)
+    assert torch.isfinite(ref).all() and rel_err(ref, want) < TOL[dtype]
+    got = triton_moe.fused_moe_decode(hidden, stale13, stale2, ids, wts, out=poisoned(hidden),
+                                      tiles=SMALL_DECODE, **banks, slot_cols=cols)  # fmt: skip
+    assert torch.isfinite(got).all(), "a kernel read a slot's stale columns"
+    assert rel_err(got, want) < TOL[dtype]
+    # The whole width given explicitly is the call without it, bit for bit.
+    whole = torch.full_like(cols, s13.shape[1] // 2)
+    plain = triton_moe.fused_moe_decode(hidden, s13, s2, ids, wts, tiles=SMALL_DECODE, **banks)
+    again = triton_moe.fused_moe_decode(hidden, s13, s2, ids, wts, tiles=SMALL_DECODE, **banks,
+                                        slot_cols=whole)  # fmt: skip
+    assert torch.equal(again, plain)
+
+
+def test_slot_cols_refused_by_name(rng_seed):
+    hidden, w13, w2, ids, wts = make_inputs(rng_seed, 2, 32, 16, 6, 2, torch.float32)
+    for bad in (torch.full((5,), 8, dtype=torch.int32), torch.full((6,), 8, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="slot_cols"):
+            fused_moe(hidden, w13, w2, ids, wts, slot_cols=bad)
+    many = PATH_LIMITS["decode_max_pairs"] + 1
+    big = make_inputs(rng_seed, many, 32, 16, 6, 1, torch.float32)
+    with pytest.raises(ValueError, match="slot_cols"):
+        fused_moe(*big, slot_cols=torch.full((6,), 8, dtype=torch.int32))
