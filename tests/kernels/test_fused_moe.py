@@ -500,24 +500,30 @@ def ptx(fn, consts, types):
     return compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=4)).asm["ptx"]
 out = {}
-for fill in (False, True):
+for fill, partial in ((False, False), (True, False), (False, True)):
     up = ptx(_decode_gate_up_kernel, dict(K=8, BLOCK_P=16, BLOCK_M=16, BLOCK_I=32, BLOCK_H=128,
-             PREC="tf32", SPLIT=True, HOST=True, FILL=fill, PDL=0),
+             PREC="tf32", SPLIT=True, HOST=True, FILL=fill, PARTIAL=partial, PDL=0),
              dict(x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64", hi_ptr="*bf16", lo_ptr="*bf16",
-                  hw13_ptr="*bf16", slot_of_ptr="*i32"))
+                  hw13_ptr="*bf16", slot_of_ptr="*i32", cols_ptr="*i32"))
     down = ptx(_decode_down_kernel, dict(BLOCK_P=16, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64,
-               PREC="tf32", SPLIT=True, HOST=True, FILL=fill, PDL=0),
+               PREC="tf32", SPLIT=True, HOST=True, FILL=fill, PARTIAL=partial, PDL=0),
                dict(hi_ptr="*bf16", lo_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i64", y_ptr="*fp32",
-                    hw2_ptr="*bf16", slot_of_ptr="*i32"))
-    out[str(fill)] = [len(re.findall(r"st\\.global", up)), len(re.findall(r"st\\.global", down))]
+                    hw2_ptr="*bf16", slot_of_ptr="*i32", cols_ptr="*i32"))
+    key = "fill" if fill else "partial" if partial else "plain"
+    out[key] = [len(re.findall(r"st\\.global", up)), len(re.findall(r"st\\.global", down)),
+                len(re.findall(r"ld\\.global", up)), len(re.findall(r"ld\\.global", down))]
 print(json.dumps(out))
 """
 
 
 def test_fill_through_compiles_for_sm90_with_the_slot_stores():
-    stores = compiled_json(_COMPILE_FILL)
-    (up, down), (up_fill, down_fill) = stores["False"], stores["True"]
-    assert up_fill > up and down_fill > down, stores
+    """Fill-through adds the slot stores; partly filled slots (`slot_cols`) add the loads of
+    their columns to both kernels and compile for sm_90 too."""
+    counts = compiled_json(_COMPILE_FILL)
+    (up, down, up_ld, down_ld), (up_fill, down_fill, *_) = counts["plain"], counts["fill"]
+    assert up_fill > up and down_fill > down, counts
+    _, _, up_ld_partial, down_ld_partial = counts["partial"]
+    assert up_ld_partial > up_ld and down_ld_partial > down_ld, counts
 
 
 def test_host_banks_refused_beyond_decode_batches(rng_seed):
