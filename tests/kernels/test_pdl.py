@@ -241,7 +241,7 @@ for flags in (3, 7):
 up_types = dict(x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64", hi_ptr="*bf16", lo_ptr="*bf16",
                 hw13_ptr="*bf16")
 consts = dict(K=8, BLOCK_P=16, BLOCK_M=16, BLOCK_I=32, BLOCK_H=128, PREC="tf32", SPLIT=True,
-              HOST=True, FILL=False, PDL=7)
+              HOST=True, FILL=False, PARTIAL=False, PDL=7)
 out["up7"] = ptx(_decode_gate_up_kernel, consts, up_types)
 from freetoken_agent.kernels.triton.paged_attention import _paged_attention_kernel
 attn_types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
