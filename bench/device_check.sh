@@ -433,6 +433,8 @@ for stage in "$@"; do
       # session): cpu_load says whose threads held the cores
       timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/bench/test_side_fill.py \
         2>&1 | tail -3
+      timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+        -k partly 2>&1 | tail -2  # partly filled slots in the decode MoE kernels, bf16
       # The CPU kernel's column slices on the host's AVX-512 (the dev machine has AVX2 only)
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cpu_experts.py \
         tests/kernels/test_cpu_worker.py 2>&1 | tail -2

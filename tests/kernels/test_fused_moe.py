@@ -595,6 +595,23 @@ def test_partly_filled_slots_compute_their_columns_only(rng_seed, dtype, t, host
     assert torch.equal(again, plain)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("host", [False, True])
+def test_gpu_partly_filled_slots_compute_their_columns_only(rng_seed, host):
+    """The same on the device in bf16, the host bank pinned and read over the link."""
+    hidden, s13, s2, h13, h2, ids, wts, *_ = split_banks(rng_seed, 4, 8, torch.bfloat16, "cuda")
+    cols, stale13, stale2, zeroed13 = _partial_slots(rng_seed, s13.cpu(), s2.cpu())
+    cols, stale13, stale2, zeroed13 = (x.cuda() for x in (cols, stale13, stale2, zeroed13))
+    banks = dict(host_w13=h13, host_w2=h2) if host else {}
+    if not host:
+        ids = torch.where(ids < -1, -1, ids)
+    want = fused_moe_reference(hidden, zeroed13, s2, ids, wts, **banks)
+    got = fused_moe(hidden, stale13, stale2, ids, wts, out=poisoned(hidden), **banks,
+                    slot_cols=cols)  # fmt: skip
+    assert torch.isfinite(got).all(), "a kernel read a slot's stale columns"
+    assert rel_err(got, want) < TOL[torch.bfloat16]
+
+
 def test_slot_cols_refused_by_name(rng_seed):
     hidden, w13, w2, ids, wts = make_inputs(rng_seed, 2, 32, 16, 6, 2, torch.float32)
     for bad in (torch.full((5,), 8, dtype=torch.int32), torch.full((6,), 8, dtype=torch.int64)):
