@@ -53,15 +53,21 @@ def job(gen: torch.Generator, t: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return hidden, rows, weights
 
 
+def _started(gen: torch.Generator, team: str):
+    """A random bf16 pool (w13 [N, 2W, H], w2 [N, H, W]), a mailbox and a worker of `team`
+    answering it (two threads, 1 ms of spin): (w13, w2, box, worker)."""
+    w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
+    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
+    return w13, w2, box, worker.CpuWorker(box, w13, w2, threads=2, spin_ns=1_000_000, team=team)
+
+
 @pytest.mark.parametrize("team", worker.TEAMS)
 def test_worker_answers_each_post_as_the_kernel_computes_it(team):
     """Its kernel threads either way: its OpenMP team, or a SpinTeam of its own (the same
     bits: both split the work by thread alike)."""
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
-    w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
-    w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
-    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
-    cpu = worker.CpuWorker(box, w13, w2, threads=2, spin_ns=1_000_000, team=team)
+    w13, w2, box, cpu = _started(gen, team)
     try:
         distinct = 0
         for seq in range(1, 9):
@@ -168,10 +174,7 @@ def test_a_job_with_a_column_range_computes_that_slice(team, rng_seed):
     COL_HI 0 is the whole width. COLUMNS counts distinct experts x columns (B_H's bytes)."""
     rng = random.Random(rng_seed)
     gen = torch.Generator().manual_seed(rng_seed)
-    w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
-    w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
-    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
-    cpu = worker.CpuWorker(box, w13, w2, threads=2, spin_ns=1_000_000, team=team)
+    w13, w2, box, cpu = _started(gen, team)
     try:
         columns = 0
         for seq in range(1, 7):
