@@ -76,26 +76,22 @@ def fused_moe(
         if not host:
             raise ValueError("fill_slot_of needs host banks (host_w13, host_w2)")
         host["fill_slot_of"] = fill_slot_of
+    # Host banks and partly filled slots are the decode path's only: its extra arguments.
+    decode_only = "host banks" if host else "slot_cols (partly filled slots)"
+    extra = {**host, "slot_cols": slot_cols} if slot_cols is not None else host
     pairs = topk_ids.shape[0] * topk_ids.shape[1]
-    if host and pairs > PATH_LIMITS["decode_max_pairs"]:
+    if extra and pairs > PATH_LIMITS["decode_max_pairs"]:
         raise ValueError(
-            f"host banks serve decode batches of at most {PATH_LIMITS['decode_max_pairs']} "
+            f"{decode_only} serve decode batches of at most {PATH_LIMITS['decode_max_pairs']} "
             f"(token, expert) pairs, got {pairs}"
         )
-    if slot_cols is not None:
-        if pairs > PATH_LIMITS["decode_max_pairs"]:
-            raise ValueError(
-                f"slot_cols (partly filled slots) serve decode batches of at most "
-                f"{PATH_LIMITS['decode_max_pairs']} (token, expert) pairs, got {pairs}"
-            )
-        host["slot_cols"] = slot_cols
     if not use_triton(hidden, force_triton, "fused_moe"):
-        return fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, out, **host, add=add)
+        return fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, out, **extra, add=add)
     # Imported here so the CPU fallback works on machines without triton (CPU builds of torch).
     from freetoken_agent.kernels.triton.fused_moe import fused_moe_decode, fused_moe_prefill
 
     if pairs <= PATH_LIMITS["decode_max_pairs"]:
-        return fused_moe_decode(hidden, w13, w2, topk_ids, topk_weights, out, **host, add=add,
+        return fused_moe_decode(hidden, w13, w2, topk_ids, topk_weights, out, **extra, add=add,
                                 rows_settled=rows_settled)  # fmt: skip
     chunk = {"CHUNK_PAIRS": max_pairs or PREFILL_CHUNK_PAIRS}
     return fused_moe_prefill(hidden, w13, w2, topk_ids, topk_weights, out, tiles=chunk, add=add)

@@ -232,15 +232,7 @@ def fused_moe(
         bank13, bank2, r = (host_w13, host_w2, -row - 2) if row < 0 else (w13, w2, row)
         x = hidden[pairs // k].to(acc_dtype)  # [m, H]
         c = i if row < 0 or slot_cols is None else int(slot_cols[r])  # columns it holds
-        if c == i:
-            gate_up = x @ bank13[r].to(device=hidden.device, dtype=acc_dtype).t()  # [m, 2I]
-            gate, up, w_down = gate_up[:, :i], gate_up[:, i:], bank2[r]
-        else:
-            gate = x @ bank13[r, :c].to(device=hidden.device, dtype=acc_dtype).t()  # [m, c]
-            up = x @ bank13[r, i : i + c].to(device=hidden.device, dtype=acc_dtype).t()
-            w_down = bank2[r, :, :c]
-        act = F.silu(gate) * up  # [m, c]
-        y[pairs] = act @ w_down.to(device=hidden.device, dtype=acc_dtype).t()  # [m, H]
+        y[pairs] = swiglu_columns(x, bank13[r], bank2[r], 0, c)  # [m, H]
     y = y.view(t, k, h)
     weights = topk_weights.masked_fill(~live.view(t, k), 0.0)  # [T, K] a skipped pair adds 0
     acc = torch.zeros(t, h, dtype=acc_dtype, device=hidden.device)  # [T, H]
@@ -251,6 +243,25 @@ def fused_moe(
         add.zero_()
     out.copy_(acc)
     return out
+
+
+def swiglu_columns(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, c0: int, c1: int
+) -> torch.Tensor:
+    """One expert's SwiGLU over columns [c0, c1) of its width I, in x's dtype and device:
+    x [m, H], w13 [2I, H], w2 [H, I] (cast and moved here) -> [m, H]. The whole width is one
+    matmul over w13 as it always was; a slice reads its gate rows [c0, c1), its up rows
+    [I + c0, I + c1) and w2's columns [c0, c1). SwiGLU is elementwise over I, so
+    complementary slices sum to the whole expert."""
+    i = w2.shape[1]
+    cast = lambda w: w.to(device=x.device, dtype=x.dtype)  # noqa: E731
+    if (c0, c1) == (0, i):
+        gate_up = x @ cast(w13).t()  # [m, 2I]
+        gate, up = gate_up[:, :i], gate_up[:, i:]
+    else:
+        gate = x @ cast(w13[c0:c1]).t()  # [m, c1 - c0]
+        up = x @ cast(w13[i + c0 : i + c1]).t()
+    return (F.silu(gate) * up) @ cast(w2[:, c0:c1]).t()
 
 
 def check_slot_cols(slot_cols: torch.Tensor | None, w13: torch.Tensor) -> None:

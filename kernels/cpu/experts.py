@@ -38,10 +38,9 @@ import threading
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from freetoken_agent.kernels.reference import check_moe_shapes
+from freetoken_agent.kernels.reference import check_moe_shapes, swiglu_columns
 
 log = logging.getLogger("freetoken.kernels")
 
@@ -295,13 +294,7 @@ def _experts_torch(
     for row in torch.unique(flat[flat >= 0]).tolist():
         pairs = (flat == row).nonzero().squeeze(1)  # [m] pairs that picked this row
         x = hidden[pairs // k].float()  # [m, H]
-        if (c0, c1) == (0, i):
-            gate_up = x @ w13[row].float().t()  # [m, 2I]
-            gate, up = gate_up[:, :i], gate_up[:, i:]
-        else:  # gate and up rows of the slice
-            gate = x @ w13[row, c0:c1].float().t()  # [m, c1 - c0]
-            up = x @ w13[row, i + c0 : i + c1].float().t()
-        y[pairs] = (F.silu(gate) * up) @ w2[row, :, c0:c1].float().t()  # [m, H]
+        y[pairs] = swiglu_columns(x, w13[row], w2[row], c0, c1)  # [m, H]
     y = y.view(t, k, h)
     weights = topk_weights.masked_fill(rows < 0, 0.0)  # [T, K]
     out.zero_()
