@@ -26,10 +26,12 @@ from freetoken_agent.engine.runner import StepInputs
 
 class DirectDecodeGraphs(OffloadedDecodeGraphs):
     def __init__(self, model, bank, page_size: int, max_batch: int, max_pages: int,
-                 device: torch.device, cpu_share: bool = False) -> None:  # fmt: skip
+                 device: torch.device, cpu_share: bool = False,
+                 split: bool = False) -> None:  # fmt: skip
         """`cpu_share`: the layers post the CPU worker its share of their misses and add its
-        answer (adaptive's `shared` path; path_graphs.py); else none of that is captured."""
-        self.cpu_share = cpu_share
+        answer (adaptive's `shared` path; path_graphs.py); else none of that is captured.
+        `split` (with `cpu_share`): the layers cut their fills (adaptive's `split` path)."""
+        self.cpu_share, self.split = cpu_share, split
         super().__init__(model, bank, page_size, max_batch, max_pages, device)
 
     def _capture(self) -> None:
@@ -37,12 +39,14 @@ class DirectDecodeGraphs(OffloadedDecodeGraphs):
             self.io.active = True  # the bank records the routing and reads misses from the pool
             self.bank.whole_step_capture = True  # gpu-fill's layers (adaptive's device path)
             self.bank.device_path.capture_share = self.cpu_share
+            self.bank.device_path.capture_split = self.split
             self.bank.before_whole_step(None)  # gpu-fill: owned, and the warm-up fills nothing
             super()._capture()
         finally:
             self.io.active = False
             self.bank.whole_step_capture = False
             self.bank.device_path.capture_share = False
+            self.bank.device_path.capture_split = False
 
     def replay(self, inputs: StepInputs, between: Callable[[], None] | None = None) -> torch.Tensor:
         """Run one decode step; returns hidden states [B, H] (valid until the next replay).

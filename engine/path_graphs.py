@@ -4,11 +4,12 @@
 places each layer's misses; engine/segmented_graphs.py) and one graph a step whose layers fill
 their own misses (the `device` and `shared` paths: policy gpu-fill's kernels, the second with
 the CPU worker's share; engine/direct_graphs.py), by measured step time
-(engine/experts/step_paths.py). The two whole-step paths are two sets: the `shared` one holds
+(engine/experts/step_paths.py). The whole-step paths are sets of their own: the `shared` one holds
 every layer's post to the CPU worker, its wait in the copy kernel and the MoE kernels' add of
 its answer, which cost the `device` path 2.5% of its tok/s when one set held both (peer slice,
 native routing b=1, adaptive held on `device` 914.9 against gpu-fill's 937.4; twenty-sixth
-session). The sets share the bank's GraphIO buffers.
+session); the `split` one also cuts its fills (its plans, copies and MoE kernels read the cut).
+The sets share the bank's GraphIO buffers.
 A step on the stops path first gives the cache back to the host (a no-op when it has it); the
 device path's `before_whole_step` hands it to the device. Other attributes (the segmented
 graphs' counters: `reruns`, `missed_layers`, `wait_s`, ...) are the segmented set's.
@@ -30,9 +31,11 @@ from freetoken_agent.engine.segmented_graphs import SegmentedDecodeGraphs
 
 class PathDecodeGraphs:
     def __init__(self, stops: SegmentedDecodeGraphs, device: DirectDecodeGraphs,
-                 shared: DirectDecodeGraphs | None) -> None:  # fmt: skip
-        """`shared`: None where no CPU worker runs (adaptive then never holds `shared`)."""
-        self.stops, self.device, self.shared = stops, device, shared
+                 shared: DirectDecodeGraphs | None,
+                 split: DirectDecodeGraphs | None = None) -> None:  # fmt: skip
+        """`shared`, `split`: None where no CPU worker runs (adaptive then never holds
+        them)."""
+        self.stops, self.device, self.shared, self.split = stops, device, shared, split
         self.bank = stops.bank
         self.device_steps = 0  # steps replayed on a whole-step path (device or shared)
 
@@ -48,9 +51,10 @@ class PathDecodeGraphs:
         b = inputs.cu_q_lens.shape[0] - 1
         # (a benchmark may switch the bank's policy without a new capture: others stop)
         path = self.bank.adaptive.path(b) if self.bank.policy == "adaptive" else "stops"
-        # `shared` without a shared set (graphs captured before the CPU worker started; a
-        # test holding the path with no worker): the device set, exact, its share unused.
-        whole = self.shared if path == "shared" and self.shared is not None else self.device
+        # `shared` or `split` without its set (graphs captured before the CPU worker started;
+        # a test holding the path with no worker): the device set, exact, its share unused.
+        whole = {"shared": self.shared, "split": self.split}.get(path)
+        whole = self.device if whole is None else whole
         if path in DEVICE_PATHS and whole.fits(inputs):
             self.device_steps += 1
             return whole.replay(inputs, between)

@@ -198,12 +198,12 @@ class ModelRunner:
             return
         kind = decode_graph_kind(offloaded.policy, offloaded.device_path_ok)
 
-        def whole_step(cpu_share: bool = False) -> DirectDecodeGraphs:
+        def whole_step(cpu_share: bool = False, split: bool = False) -> DirectDecodeGraphs:
             # Batches past `device_tokens` exceed the kernels' pool reads: a whole-step policy
             # steps them eagerly, adaptive takes its stops path (path_graphs.py).
             whole_batch = min(max_batch, offloaded.device_tokens)
             return DirectDecodeGraphs(self.model, offloaded, page_size, whole_batch, max_pages,
-                                      self.device, cpu_share)  # fmt: skip
+                                      self.device, cpu_share, split)  # fmt: skip
 
         if kind in WHOLE_STEP_POLICIES:  # no host decision: one graph a step
             self.graphs = whole_step()
@@ -221,7 +221,10 @@ class ModelRunner:
         )  # fmt: skip
         if kind == "paths":  # adaptive's device paths (step_paths.py): two more sets
             shared = whole_step(cpu_share=True) if offloaded.cpu_share is not None else None
-            self.graphs = PathDecodeGraphs(self.graphs, whole_step(), shared)
+            split = None
+            if offloaded.device_path.split is not None:
+                split = whole_step(cpu_share=True, split=True)
+            self.graphs = PathDecodeGraphs(self.graphs, whole_step(), shared, split)
 
     def _sampled_rows(
         self, hidden: torch.Tensor, inputs: StepInputs, sampling: list[int]

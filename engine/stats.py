@@ -27,6 +27,10 @@ def expert_stats(bank, policy: str) -> dict:
         "fetched": st.fetched,
         "on_cpu": st.on_cpu,
         "direct": st.direct,  # misses read from the pool (direct; gpu-fill's with no slot)
+        # adaptive's `split` path: fills cut between the link and the CPU worker, and hits on
+        # cut slots whose other part was still on its way (split_expert.py)
+        "split": st.split,
+        "split_hits": st.split_hits,
         "miss_rate": st.miss_rate,
         "bytes_filled": cache.bytes_filled,
         "layers_streamed": bank.streamer.layers_streamed,

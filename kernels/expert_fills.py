@@ -18,7 +18,7 @@ from torch import Tensor
 from freetoken_agent.kernels import reference_fills as reference
 from freetoken_agent.kernels.cpu.worker import TIMEOUT_S, Mailbox
 from freetoken_agent.kernels.dispatch import use_triton
-from freetoken_agent.kernels.reference_fills import CpuPost
+from freetoken_agent.kernels.reference_fills import CpuPost, SplitTables
 
 
 def plan_fills(
@@ -34,6 +34,7 @@ def plan_fills(
     *,
     uses: Tensor | None = None,
     through: bool = False,
+    split: SplitTables | None = None,
     force_triton: bool = False,
 ) -> Tensor:
     """One MoE layer's plan (reference_fills.plan_fills); returns the rows [P] int64 that
@@ -42,7 +43,8 @@ def plan_fills(
     posted to its mailbox (`copy_fills` collects the answer). `uses` [N] int32: one more for
     each distinct lid the layer routes to. `through` (fill-through): a moved lid keeps its
     host id in the rows; `fused_moe(fill_slot_of=slot_of)` stores it into its slot as it reads
-    it, and no `copy_fills` follows."""
+    it, and no `copy_fills` follows. `split` (with `post`, not `through`): the split expert
+    at state[SPLIT_COLS] (reference_fills' docstring)."""
     p = ids.numel()
     if moves.shape[0] < p:
         raise ValueError(f"moves holds {moves.shape[0]} fills, the layer has {p} pairs")
@@ -59,14 +61,26 @@ def plan_fills(
             raise ValueError("post needs contiguous hidden [T, H] and weights [T, K]")
     if uses is not None and (uses.dtype != torch.int32 or uses.shape != slot_of.shape):
         raise ValueError(f"uses must be int32 {tuple(slot_of.shape)}, like slot_of")
+    if split is not None:
+        _check_split(split, lid_of, post, through)
+    args = (base, slot_of, lid_of, stamp, state, moves, live_pairs, post, uses, through, split)
     if not use_triton(ids, force_triton, "plan_fills"):
-        args = (ids, base, slot_of, lid_of, stamp, state, moves, live_pairs, post, uses, through)
-        return reference.plan_fills(*args)
+        return reference.plan_fills(ids, *args)
     from freetoken_agent.kernels.triton import expert_fills as triton_impl
 
-    flat = ids.reshape(-1)
-    args = (flat, base, slot_of, lid_of, stamp, state, moves, live_pairs, post, uses, through)
-    return triton_impl.plan_fills(*args)
+    return triton_impl.plan_fills(ids.reshape(-1), *args)
+
+
+def _check_split(split: SplitTables, lid_of: Tensor, post: CpuPost | None, through: bool) -> None:
+    s = lid_of.shape[0]
+    if post is None or through:
+        raise ValueError("a split plan posts the CPU's columns: it needs `post`, not `through`")
+    if split.cols.shape != (s,) or split.cols.dtype != torch.int32:
+        raise ValueError(f"split.cols must be [S={s}] int32, got {tuple(split.cols.shape)} "
+                         f"{split.cols.dtype}")  # fmt: skip
+    if split.landed.shape != (s,) or split.landed.dtype != torch.int64:
+        raise ValueError(f"split.landed must be [S={s}] int64, got "
+                         f"{tuple(split.landed.shape)} {split.landed.dtype}")  # fmt: skip
 
 
 def copy_fills(
@@ -80,11 +94,13 @@ def copy_fills(
     add: Tensor | None = None,
     *,
     timeout_s: float = TIMEOUT_S,
+    split: bool = False,
     force_triton: bool = False,
 ) -> None:
     """The last plan's moves, dst[slot] = src[lid] in both banks (rows dense inside); with
     `box`, then the CPU's answer to the last plan's post into `add` [T, H] (nothing when it
-    posted nothing; reference_fills.wait_cpu)."""
+    posted nothing; reference_fills.wait_cpu). `split` (after a split plan): the moves'
+    columns [0, state[SPLIT_COLS]) only."""
     if src_w13.shape[1:] != dst_w13.shape[1:] or src_w2.shape[1:] != dst_w2.shape[1:]:
         raise ValueError("pool and slot rows differ in shape")
     if not all(t[0].is_contiguous() for t in (src_w13, src_w2, dst_w13, dst_w2)):
@@ -92,11 +108,14 @@ def copy_fills(
     if box is not None and (add is None or not add.is_contiguous() or
                             add.shape[0] > box.max_tokens):  # fmt: skip
         raise ValueError(f"add must be contiguous with at most {box.max_tokens} rows")
+    if split and box is None:
+        raise ValueError("a split plan's copies need the mailbox its columns were posted to")
     if not use_triton(dst_w13, force_triton, "copy_fills"):
-        reference.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2)
+        reference.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, split)
         if box is not None:
-            reference.wait_cpu(state, box, add, timeout_s)
+            reference.wait_cpu(state, box, add, timeout_s, behind=split)
         return
     from freetoken_agent.kernels.triton import expert_fills as triton_impl
 
-    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box, add, timeout_s)
+    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box, add, timeout_s,
+                           split)  # fmt: skip

@@ -26,8 +26,9 @@ Free slots cost no victim: misses always fill those (in `layers` mode, those of 
 
 All of the above is the `stops` path of a decode step: the host decides at each layer that
 misses. The `device` path (policy gpu-fill's: every miss filled by the layer itself, no host
-stop, no CPU branch) and the `shared` path (the same, with the CPU worker taking q*'s share of
-each layer's misses: cpu_share.py) are the others; PathTrials (step_paths.py) keeps whichever
+stop, no CPU branch), the `shared` path (the same, with the CPU worker taking q*'s share of
+each layer's misses: cpu_share.py) and the `split` path (every fill cut between the link and
+the CPU worker: split_expert.py) are the others; PathTrials (step_paths.py) keeps whichever
 measured the shorter steps, per decode batch size.
 """
 
@@ -66,6 +67,7 @@ class AdaptiveFetches:
         self.trial_params = trial_params
         self.path_params = path_params or {}
         self.shared_ok = False  # whether the `shared` path can run (the bank's CpuShare)
+        self.split_ok = False  # whether the `split` path can run (the bank's SplitExpert)
         # Whether `shared` gives way while fills pay (`_path_allowed`); off only to measure
         # shared under locality (`bench offload --no-shared-gate`).
         self.shared_gate = True
@@ -93,7 +95,8 @@ class AdaptiveFetches:
     def paths(self, n_tokens: int) -> PathTrials:
         """The step path's trials for decode steps of `n_tokens` tokens."""
         if n_tokens not in self._paths:
-            params = {"shared": self.shared_ok, "allowed": self._path_allowed, **self.path_params}
+            params = {"shared": self.shared_ok, "split": self.split_ok,
+                      "allowed": self._path_allowed, **self.path_params}  # fmt: skip
             self._paths[n_tokens] = PathTrials(**params)
         return self._paths[n_tokens]
 
@@ -112,13 +115,15 @@ class AdaptiveFetches:
         return {n: t.chosen for n, t in sorted(self._paths.items()) if t.choices}
 
     def path(self, n_tokens: int) -> str:
-        """`stops`, `device` or `shared` for a decode step of `n_tokens` tokens (longer
+        """`stops`, `device`, `shared` or `split` for a decode step of `n_tokens` tokens (longer
         calls, and steps past `device_tokens`: stops). `shared` kept from a measurement gives
-        way to `device` while fills pay (`_path_allowed`)."""
+        way to `device` while fills pay (`_path_allowed`), `split` once its worker failed."""
         if not self.path_measured(n_tokens):
             return "stops"
         path = self.paths(n_tokens).path
-        return "device" if path == "shared" and not self._path_allowed(path) else path
+        if path == "shared" and not self._path_allowed(path):
+            return "device"
+        return "device" if path == "split" and not self.split_ok else path  # (worker failed)
 
     def fills_pay(self) -> bool:
         """Whether the fill race says fills pay (the verdict `all`, with its hysteresis)."""

@@ -28,6 +28,7 @@ folded into the bank's and the cache's on `fold` (the bank's `stats` property) a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,6 +57,12 @@ class DeviceFills:
         self._clock_at_own = 0
         self._folded = [0] * layout.STATE  # counters already added to the host's
         self.share = 0  # CPU_SHARE the plans read (cpu_share.py; 0: every miss filled)
+        self.cut = 0  # SPLIT_COLS the plans read (split_expert.py; 0: no fill cut)
+        # The split expert's tables (`enable_split`): each slot's columns, the copies landed.
+        self.split: layout.SplitTables | None = None
+        # Called first by `release`: the split expert's copies behind must land before the
+        # host reads the tables (split_expert.py `drain`).
+        self.before_release: Callable[[], None] | None = None
         self._seq = 0  # the last SEQ posted to the CPU worker: it never goes back
 
     def own(self) -> None:
@@ -73,6 +80,10 @@ class DeviceFills:
         state = [0] * layout.STATE
         state[layout.CLOCK] = self._clock_at_own = len(c._lru)
         state[layout.CPU_SHARE], state[layout.SEQ] = self.share, self._seq
+        state[layout.SPLIT_COLS] = self.cut
+        if self.split is not None:  # every copy behind landed at the last release: all whole
+            self.split.cols.fill_(self.split.width)
+            self.split.landed.fill_(-1)
         self.lid_of.copy_(torch.tensor(c._lid_of, dtype=torch.int32))
         self.stamp.copy_(torch.tensor(stamp, dtype=torch.int64))
         self.popular.zero_()
@@ -88,6 +99,26 @@ class DeviceFills:
         self.share = value
         if self.owned:
             self.state[layout.CPU_SHARE : layout.CPU_SHARE + 1].fill_(value)
+
+    def enable_split(self, width: int) -> layout.SplitTables:
+        """The split expert's tables for experts of width I (once; kept afterwards)."""
+        if self.split is None:
+            s, dev = self.cache.max_slots, self.cache.device
+            self.split = layout.SplitTables(
+                torch.full((s,), width, dtype=torch.int32, device=dev),  # [S]
+                torch.full((s,), -1, dtype=torch.int64, device=dev),  # [S]
+                width,
+            )
+        return self.split
+
+    def set_cut(self, value: int) -> None:
+        """SPLIT_COLS for the next plans (in stream order while owned; `own` writes it). A
+        cut changes only with no slot in flight (split_expert.py)."""
+        if value == self.cut:
+            return
+        self.cut = value
+        if self.owned:
+            self.state[layout.SPLIT_COLS : layout.SPLIT_COLS + 1].fill_(value)
 
     def fold(self) -> None:
         """Add the device's counters since the last fold to the bank's and the cache's
@@ -109,11 +140,15 @@ class DeviceFills:
             st.fetched += d[layout.FILLS]
             st.direct += d[layout.HOST_READS]
             st.on_cpu += d[layout.CPU_EXPERTS]
+            st.split += d[layout.SPLITS]
+            st.split_hits += d[layout.PARTIAL_HITS]
 
     def release(self) -> None:
         """Give the cache back to the host: rebuild its mirror from the device tables."""
         if not self.owned:
             return
+        if self.before_release is not None:
+            self.before_release()
         self.fold()
         self.owned = False
         self.releases += 1

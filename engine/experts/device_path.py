@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from freetoken_agent.engine.experts.cpu_share import CpuShare
+from freetoken_agent.engine.experts.cpu_share import CpuShare, CpuShareFailed
 from freetoken_agent.engine.experts.policy import DEVICE_PATH_POLICIES
-from freetoken_agent.engine.experts.step_paths import DEVICE_PATHS
+from freetoken_agent.engine.experts.split_expert import SplitExpert
+from freetoken_agent.engine.experts.step_paths import CPU_PATHS, DEVICE_PATHS
 from freetoken_agent.engine.l2_prefetcher import MOE_ROW_FRACTION
 from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
 from freetoken_agent.kernels.fused_moe import fused_moe
@@ -43,6 +44,10 @@ class DevicePath:
         # Set by the whole-step graph set being captured: whether its layers hold the post
         # and the answer (adaptive's `shared` set; direct_graphs.py).
         self.capture_share = False
+        # adaptive's `split` path (`start_share`), and whether the set being captured cuts its
+        # fills (its own graph set).
+        self.split: SplitExpert | None = None
+        self.capture_split = False
 
     def start_share(self) -> None:
         """adaptive's `shared` path: start the CPU worker, where the pool is pinned (or the
@@ -53,7 +58,11 @@ class DevicePath:
             spec = bank.spec
             self.cpu_share = CpuShare(bank.pool, bank.device, bank.device_tokens, spec.top_k,
                                       spec.hidden_size)  # fmt: skip
+            cache = bank.cache
+            self.split = SplitExpert(cache.on_device, self.cpu_share, bank.pool, cache.w13,
+                                     cache.w2)  # fmt: skip
         bank.adaptive.shared_ok = self.cpu_share is not None
+        bank.adaptive.split_ok = self.split is not None
 
     def takes(self, n_tokens: int) -> bool:
         """Whether an eager call of `n_tokens` tokens takes the device path: always under
@@ -85,6 +94,9 @@ class DevicePath:
         # worker's answer; a captured step holds both for any share, in the shared set only.
         shared = self._posts(hidden.shape[0], live_pairs)
         post = share.post(hidden, weights) if shared else None
+        # The split path cuts each fill; its CPU part comes back through the same post.
+        split = self._splits(hidden.shape[0], live_pairs)
+        tables = cache.on_device.split if split else None
         uses = bank.popular.uses if bank.popular is not None else None
         # EngineConfig.fill_through: a moved expert's pairs read it from the pool and the MoE
         # kernels store it into its slot as they go, with no copy kernel. Not where the graph
@@ -94,14 +106,15 @@ class DevicePath:
         through = bank.fill_through and not shared
         rows = plan_fills(topk_ids, layer * bank.n_experts, cache.slot_of, fills.lid_of,
                           fills.stamp, fills.state, fills.moves, live_pairs, post,
-                          uses=uses, through=through)  # fmt: skip
+                          uses=uses, through=through, split=tables)  # fmt: skip
         prefetch = bank.l2 is not None and not through  # (beside the fill copy: none here)
         if prefetch:  # the rows' gate/up lines into L2 beside the fill copy
             bank.l2.start(prefetch_rows, cache.w13, rows, MOE_ROW_FRACTION)
         box, add = (share.box, share.answer(hidden.shape[0])) if shared else (None, None)
         if not through:
             copy_fills(fills.state, fills.moves, pool.w13, pool.w2, cache.w13, cache.w2, box,
-                       add, timeout_s=share.timeout_s if shared else 0.0)  # fmt: skip
+                       add, timeout_s=share.timeout_s if shared else 0.0,
+                       split=split)  # fmt: skip
         if prefetch:
             bank.l2.join(hidden.device)
         # rows_settled: the plan wrote the rows, and the copy kernel runs between it and the
@@ -109,7 +122,8 @@ class DevicePath:
         # fill-through, where the plan is the kernel just before).
         return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
                          host_w13=pool.w13, host_w2=pool.w2, add=add, rows_settled=not through,
-                         fill_slot_of=cache.slot_of if through else None)  # fmt: skip
+                         fill_slot_of=cache.slot_of if through else None,
+                         slot_cols=tables.cols if split else None)  # fmt: skip
 
     def _posts(self, n_tokens: int, live_pairs: int | None) -> bool:
         """Whether a layer posts to the CPU worker: in a capture, as its graph set says; an
@@ -119,7 +133,16 @@ class DevicePath:
             return False
         if live_pairs is None:
             return self.capture_share
-        return bank.adaptive.path(n_tokens) == "shared"
+        return bank.adaptive.path(n_tokens) in CPU_PATHS
+
+    def _splits(self, n_tokens: int, live_pairs: int | None) -> bool:
+        """Whether a layer cuts its fills (the `split` path): in a capture, as its graph set
+        says; an eager call while adaptive holds `split` for `n_tokens` tokens."""
+        if self.split is None or self.bank.policy != "adaptive":
+            return False
+        if live_pairs is None:
+            return self.capture_split
+        return self.bank.adaptive.path(n_tokens) == "split"
 
     def before_whole_step(self, n_tokens: int | None) -> None:
         """Before a whole-step graph replays `n_tokens` real tokens (None: before capture,
@@ -137,25 +160,37 @@ class DevicePath:
 
     def _set_share(self, n_tokens: int | None) -> None:
         """The CPU's share for the next step of `n_tokens` tokens (None: a capture's warm-up,
-        none): q*'s on adaptive's `shared` path, none on the others."""
+        none): q*'s on adaptive's `shared` path, none on the others; on the `split` path the
+        cut (split_expert.py), and on any other the split path's copies behind drained."""
         share, bank = self.cpu_share, self.bank
         if share is None:
             return
-        shared = n_tokens is not None and bank.adaptive.path(n_tokens) == "shared"
-        if shared:
+        path = bank.adaptive.path(n_tokens) if n_tokens is not None else None
+        if path == "shared":
             value = share.fixed_share(bank.bandwidths, bank.adaptive.share_offset(n_tokens))
         else:
             value = 0
         bank.cache.on_device.set_share(value)
-        if value:
+        if self.split is not None:
+            if path == "split" and share.broken is None:
+                self.split.enter(bank.bandwidths)
+            else:
+                self.split.drain()
+        if value or path == "split":
             share.wake()
 
     def after_step(self) -> None:
         """The CPU worker's timings into B_H; a worker that failed raises (cpu_share.py)."""
         if self.cpu_share is not None:
             self.cpu_share.observe(self.bank.bandwidths)
-            self.cpu_share.check()
+            try:
+                self.cpu_share.check()
+            except CpuShareFailed:
+                self.bank.adaptive.split_ok = False  # no more cut fills: nobody computes them
+                raise
 
     def close(self) -> None:
+        if self.split is not None:
+            self.split.close()
         if self.cpu_share is not None:
             self.cpu_share.close()

@@ -91,6 +91,8 @@ class OffloadStats:
     on_cpu: int = 0
     direct: int = 0  # misses the kernels read from the pool (direct; gpu-fill with no slot)
     behind: int = 0  # misses run on the CPU and filled behind the layer's compute
+    split: int = 0  # fills cut between the link and the CPU (adaptive's `split` path)
+    split_hits: int = 0  # hits on cut slots still in flight (their CPU part posted again)
 
     @property
     def miss_rate(self) -> float:

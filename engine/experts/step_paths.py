@@ -7,7 +7,9 @@ Three paths (engine/experts/device_fills.py and cpu_share.py have the why):
   no host decision, no CPU branch;
 - `shared`: the same graph, its layers sending the CPU worker B_H / (B_P + B_H) of their
   misses (cpu_share.py); offered where the worker runs (the SIMD kernel built) and while
-  fills do not pay (adaptive.py).
+  fills do not pay (adaptive.py);
+- `split`: the same graph, every fill cut between the link and the CPU worker, which copies
+  its part into the slot behind the step (split_expert.py); offered where the worker runs.
 
 Neither wins everywhere. On the H200 host (bench/results/NOTES.md, eighteenth session) the
 device path ran native routing at 721 against 543 tok/s on the peer slice and Zipf at 98.9
@@ -36,8 +38,9 @@ from collections.abc import Callable
 
 from freetoken_agent.engine.experts.split_trials import RotatedTrials
 
-PATHS = ("stops", "device", "shared")
-DEVICE_PATHS = ("device", "shared")  # the whole-step graph's paths
+PATHS = ("stops", "device", "shared", "split")
+DEVICE_PATHS = ("device", "shared", "split")  # the whole-step graph's paths
+CPU_PATHS = ("shared", "split")  # the paths whose layers post to the CPU worker
 BLOCK = 4  # decode steps per path per rotation; the first is not a sample
 ROTATIONS = 2
 PERIOD = 256  # decode steps on the chosen path before measuring again
@@ -56,11 +59,13 @@ class PathTrials(RotatedTrials):
         warm: int = WARM,
         shared: bool = True,
         allowed: Callable[[str], bool] = lambda path: True,
+        split: bool = False,
     ):
         """`fixed`: always that path, nothing measured (tests of one path's machinery);
-        `shared`: whether the `shared` path is among the candidates; `allowed`: RotatedTrials'
-        (adaptive.py refuses `shared` while fills pay)."""
-        self.candidates = PATHS if shared else PATHS[:2]
+        `shared` / `split`: whether those paths are among the candidates; `allowed`:
+        RotatedTrials' (adaptive.py refuses `shared` while fills pay)."""
+        offered = {"shared": shared, "split": split}
+        self.candidates = tuple(p for p in PATHS if offered.get(p, True))
         if block < 2 or rotations < 1 or period < 0 or warm < 0 or fixed not in (None, *PATHS):
             raise ValueError(f"path trials need block >= 2, rotations >= 1, period >= 0 and a "
                              f"fixed path of {PATHS} or none, got {block}, {rotations}, {period}, "

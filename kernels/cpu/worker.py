@@ -12,34 +12,53 @@ outstanding at a time:
             COLUMNS, BUSY_NS counted; ctrl[ANSWER] = seq (release)
     device: spins until ctrl[ANSWER] == seq (acquire, sys scope), then reads out.
 
+The split expert's copies behind (on after `CpuWorker.set_behind(BehindCopies)`; behind_copies.py):
+each pair p with fill_slots[p] >= 0 (and rows[p] >= 0) names the cache slot its expert's
+columns [COL_LO, COL_HI) go to. After ANSWER (the device's wait never waits for them) the worker
+queues those columns of pool row rows[p] into the slot, each slot once per job, then
+landed[slot] = rows[p] behind them (CUDA: on the side stream, so they land later;
+`drain_behind` waits for them), then release-stores ctrl[BEHIND] = seq and adds the slots to
+ctrl[BEHIND_EXPERTS]. BEHIND is stored for every answered job while copies behind are on: jobs
+without fills and failed jobs (which copy nothing) too.
+
 A device wait that outlives TIMEOUT_S writes its seq to ctrl[TIMEOUT] (the mailbox is dead
 from then on: later waits do not spin) and every wait that gives up writes its seq to
 ctrl[LOST] (that layer's CPU part is missing: the bank raises for the step and stops sharing,
-engine/experts/cpu_share.py). ctrl[ERROR] holds the kernel's nonzero return code.
+engine/experts/cpu_share.py). ctrl[ERROR] holds the kernel's nonzero return code (-1 a row past
+the pool, -2 a dtype, -4 a column range; -3 more tokens than the mailbox holds) or a copy
+behind's: -5 a fill slot outside the slot bank (that pair copies nothing), -6 one slot named for
+two rows in a job (the first pair's row is copied), -100 - r a CUDA driver call's CUresult r
+(the job's copies stop there). A failed job's copies are not made.
 
 Shapes: T_max tokens, K top-k, H hidden. rows [T_max * K] int64 (pool rows, -1: not the CPU's),
-weights [T_max * K] fp32, hidden [T_max, H] (the model's dtype), out [T_max, H] fp32.
+weights [T_max * K] fp32, hidden [T_max, H] (the model's dtype), out [T_max, H] fp32,
+fill_slots [T_max * K] int64 (cache slots, -1: no copy behind).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 
 from freetoken_agent.kernels.cpu import experts
+from freetoken_agent.kernels.cpu.behind_copies import BehindCopies
 
 # ctrl's entries (expert_worker.cpp has the same): the device writes POST, TOKENS, TIMEOUT,
-# LOST and GAVE_UP_AT; the worker ANSWER, ERROR and the counters. POST and ANSWER sit on
+# LOST and GAVE_UP_AT; the worker ANSWER, BEHIND, ERROR and the counters. POST and ANSWER sit on
 # different cache lines.
 POST, TOKENS, ANSWER, ERROR, TIMEOUT, JOBS, EXPERTS, BUSY_NS, LOST = 0, 1, 8, 9, 10, 11, 12, 13, 14
 # A job's columns of I, [COL_LO, COL_HI) (the split expert's CPU half; COL_HI 0: the whole
 # width), written by the device with the job; COLUMNS counts distinct experts x columns computed
 # (the pool bytes read are COLUMNS / I experts' worth).
 COL_LO, COL_HI, COLUMNS = 3, 4, 5
+# The copies behind (set_behind): the last job whose copies are all queued, and the slots
+# copied (each slot once per job).
+BEHIND, BEHIND_EXPERTS = 6, 7
 # Diagnostics: the longest job (ns), and the answer a wait last read when it gave up.
 MAX_JOB_NS, GAVE_UP_AT = 15, 2
 CTRL = 16
@@ -63,6 +82,7 @@ class Mailbox:
     weights: torch.Tensor  # [T_max * K] fp32
     hidden: torch.Tensor  # [T_max, H]
     out: torch.Tensor  # [T_max, H] fp32
+    fill_slots: torch.Tensor  # [T_max * K] int64, -1: none
 
     @classmethod
     def allocate(cls, max_tokens: int, top_k: int, hidden: int, dtype: torch.dtype,
@@ -79,6 +99,7 @@ class Mailbox:
             empty(p, dt=torch.float32),
             empty(max_tokens, hidden, dt=dtype),
             empty(max_tokens, hidden, dt=torch.float32),
+            torch.full((p,), -1, dtype=torch.int64, pin_memory=pin),
         )
 
     @property
@@ -121,17 +142,64 @@ class CpuWorker:
         self.threads = threads or default
         k = mailbox.top_k
         handle = lib.ft_worker_start(
-            mailbox.ctrl.data_ptr(), mailbox.rows.data_ptr(), mailbox.weights.data_ptr(),
-            mailbox.hidden.data_ptr(), mailbox.out.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+            mailbox.ctrl.data_ptr(), mailbox.rows.data_ptr(), mailbox.fill_slots.data_ptr(),
+            mailbox.weights.data_ptr(), mailbox.hidden.data_ptr(), mailbox.out.data_ptr(),
+            w13.data_ptr(), w2.data_ptr(),
             experts.DTYPE_ID[w13.dtype], w13.shape[0], w13.shape[2], w2.shape[2], k,
             mailbox.max_tokens, self.threads, spin_ns, int(team == "spin"),
         )  # fmt: skip
         if not handle:
             raise RuntimeError("ft_worker_start refused its arguments")
         self._lib, self._handle = lib, handle
+        # The copies behind's configuration, shared with the finalizer (which must not hold
+        # the worker): its tensors and stream live while the thread may use them.
+        self._behind: list[BehindCopies | None] = [None]
         # Stopped when the worker is dropped, whoever forgets to: a spinning thread must not
         # outlive the engine that fed it.
-        self._finalizer = weakref.finalize(self, lib.ft_worker_stop, ctypes.c_void_p(handle))
+        self._finalizer = weakref.finalize(self, _stop, lib, handle, self._behind)
+
+    @property
+    def behind(self) -> BehindCopies | None:
+        return self._behind[0]
+
+    def set_behind(self, behind: BehindCopies | None) -> None:
+        """Copies behind into `behind`'s slots after each answer (None: off). Between jobs only;
+        the previous configuration's copies land first. ValueError when it does not fit the
+        pool (behind_copies.BehindCopies.check)."""
+        if behind is not None:
+            behind.check(*self._pool)
+        if not self.running:
+            raise RuntimeError("set_behind on a stopped worker")
+        self.drain_behind()
+        slots: list[int | None] = [None, None, 0, 0, 0, None]  # off
+        cuda: list[int | None] = [None] * 6  # CPU slots
+        if behind is not None:
+            w13, w2 = behind.w13, behind.w2
+            slots = [w13.data_ptr(), w2.data_ptr(), w13.shape[0], w13.stride(0), w2.stride(0),
+                     behind.landed.data_ptr()]  # fmt: skip
+        if behind is not None and behind.on_cuda:
+            d = behind.driver
+            cuda = [behind.landed_src.data_ptr(), d.ctx, behind.stream.cuda_stream,
+                    d.set_current, d.htod_async, d.copy2d_async]  # fmt: skip
+        rc = self._lib.ft_worker_set_behind(self._handle, *slots, *cuda)
+        if rc != 0:
+            raise RuntimeError(f"ft_worker_set_behind refused its arguments ({rc})")
+        self._behind[0] = behind
+
+    def drain_behind(self, timeout_s: float = 2.0) -> None:
+        """Every job posted so far has its copies behind queued (ctrl[BEHIND] reaches the
+        POST read now) and landed (the side stream synchronized). No-op while they are off."""
+        behind = self._behind[0]
+        if behind is None:
+            return
+        ctrl = self.mailbox.ctrl
+        posted, end = int(ctrl[POST]), time.monotonic() + timeout_s
+        while self.running and int(ctrl[BEHIND]) != posted:
+            if time.monotonic() > end:
+                raise RuntimeError(f"copies behind: job {posted} posted, the last queued is job "
+                                   f"{int(ctrl[BEHIND])} after {timeout_s} s")  # fmt: skip
+            time.sleep(0)
+        behind.synchronize()
 
     def wake(self) -> None:
         """Before a replay that may post: the thread spins from now on (no-op while it spins,
@@ -156,10 +224,20 @@ def _declare(lib: ctypes.CDLL) -> None:
         return
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.ft_worker_start.restype = vp
-    lib.ft_worker_start.argtypes = [vp] * 7 + [ctypes.c_int] + [i64] * 5 + [ctypes.c_int, i64]
+    lib.ft_worker_start.argtypes = [vp] * 8 + [ctypes.c_int] + [i64] * 5 + [ctypes.c_int, i64]
     lib.ft_worker_start.argtypes += [ctypes.c_int]
+    lib.ft_worker_set_behind.restype = ctypes.c_int
+    lib.ft_worker_set_behind.argtypes = [vp] * 3 + [i64] * 3 + [vp] * 7
     lib.ft_worker_wake.argtypes = [vp]
     lib.ft_worker_wake.restype = None
     lib.ft_worker_stop.argtypes = [vp]
     lib.ft_worker_stop.restype = None
     _declared.add(id(lib))
+
+
+def _stop(lib: ctypes.CDLL, handle: int, behind: list[BehindCopies | None]) -> None:
+    """Join the thread, then let its last copies behind land: queued on the side stream, they
+    still read the pool and write the slots, which may be freed once the worker is gone."""
+    lib.ft_worker_stop(ctypes.c_void_p(handle))
+    if behind[0] is not None:
+        behind[0].synchronize()

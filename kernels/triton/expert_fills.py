@@ -30,6 +30,8 @@ import triton.language as tl
 
 from freetoken_agent.kernels.cpu.worker import (
     ANSWER,
+    COL_HI,
+    COL_LO,
     GAVE_UP_AT,
     LOST,
     POST,
@@ -49,10 +51,14 @@ from freetoken_agent.kernels.reference_fills import (
     LIVE_PAIRS,
     MOVES,
     PAIRS,
+    PARTIAL_HITS,
     PINNED,
     SEQ,
     SHARE_ONE,
+    SPLIT_COLS,
+    SPLITS,
     CpuPost,
+    SplitTables,
 )
 from freetoken_agent.kernels.triton.host_sync import (
     load_acquire_sys,
@@ -77,6 +83,9 @@ _LAYER_CPU, _CPU_EXPERTS = tl.constexpr(LAYER_CPU), tl.constexpr(CPU_EXPERTS)
 _HALF = tl.constexpr(SHARE_ONE // 2)
 _POST, _TOKENS, _ANSWER = tl.constexpr(POST), tl.constexpr(TOKENS), tl.constexpr(ANSWER)
 _TIMEOUT, _LOST, _GAVE_UP_AT = tl.constexpr(TIMEOUT), tl.constexpr(LOST), tl.constexpr(GAVE_UP_AT)
+_SPLIT_COLS, _SPLITS = tl.constexpr(SPLIT_COLS), tl.constexpr(SPLITS)
+_PARTIAL_HITS = tl.constexpr(PARTIAL_HITS)
+_COL_LO, _COL_HI = tl.constexpr(COL_LO), tl.constexpr(COL_HI)
 BLOCK_H = 1024  # hidden elements a post or a wait step moves
 
 
@@ -84,9 +93,10 @@ BLOCK_H = 1024  # hidden elements a post or a wait step moves
 def _plan_kernel(
     ids_ptr, rows_ptr, slot_of, lid_of, stamp, state, moves, base, P, live_pairs, S,
     box_ctrl, box_rows, box_weights, box_hidden, hidden, weights, T, TH, uses,
+    box_fills, cols, landed, width,
     LIMITED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, SHARE: tl.constexpr,
     SYS: tl.constexpr, BLOCK_H: tl.constexpr, COUNT: tl.constexpr, THROUGH: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)  # first: pdl.py
     offs = tl.arange(0, BLOCK_P)
@@ -112,6 +122,15 @@ def _plan_kernel(
     tl.store(state + _CLOCK, clock)
     old_stamp = tl.load(stamp + slot, mask=hit, other=_PINNED)
     tl.store(stamp + slot, tl.zeros_like(old_stamp) + clock, mask=hit & (old_stamp != _PINNED))
+    partial = offs < 0  # [BLOCK_P] first appearances hitting a slot in flight (SPLIT)
+    cut = clock * 0
+    if SPLIT:  # a hit on a cut slot: whole once its copies behind landed, else posted again
+        cut = tl.load(state + _SPLIT_COLS)
+        held = tl.load(cols + slot, mask=hit, other=width)
+        cut_hit = hit & (held < width)
+        arrived = tl.load(landed + slot, mask=cut_hit, other=-1)
+        tl.store(cols + slot, tl.zeros_like(held) + width, mask=cut_hit & (arrived == lid))
+        partial = cut_hit & (arrived != lid)
     tl.debug_barrier()
     rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1  # [BLOCK_P] a miss's order
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
@@ -120,7 +139,7 @@ def _plan_kernel(
     on_cpu = offs < 0  # [BLOCK_P] pairs whose lid the CPU computes
     moved = offs < 0  # [BLOCK_P] pairs whose lid this plan filled (THROUGH: read from the host)
     share = clock * 0
-    if SHARE:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
+    if SHARE and not SPLIT:  # a split plan posts columns, never whole experts
         share = tl.load(state + _CPU_SHARE)
     offs_s = tl.arange(0, BLOCK_S)
     for r in range(n_miss):
@@ -130,7 +149,13 @@ def _plan_kernel(
         best_i = clock * 0 - 1
         if not to_cpu:
             for s0 in range(0, S, BLOCK_S):
-                st = tl.load(stamp + s0 + offs_s, mask=s0 + offs_s < S, other=_PINNED)
+                in_s = s0 + offs_s < S
+                st = tl.load(stamp + s0 + offs_s, mask=in_s, other=_PINNED)
+                if SPLIT:  # a slot whose copies behind are on their way is no victim
+                    cut_s = tl.load(cols + s0 + offs_s, mask=in_s, other=width) < width
+                    came = tl.load(landed + s0 + offs_s, mask=in_s, other=-1)
+                    owner = tl.load(lid_of + s0 + offs_s, mask=in_s, other=-1).to(tl.int64)
+                    st = tl.where(cut_s & (came != owner), _PINNED, st)
                 v, i = tl.min(st, 0, return_indices=True, return_indices_tie_break_left=True)
                 take = v < best_v  # strict: an earlier chunk keeps a tie
                 best_i = tl.where(take, s0 + i.to(tl.int64), best_i)
@@ -144,6 +169,9 @@ def _plan_kernel(
         tl.store(lid_of + best_i, new.to(tl.int32), mask=found)
         tl.store(slot_of + new, best_i.to(tl.int32), mask=found)
         tl.store(stamp + best_i, clock, mask=found)
+        if SPLIT:  # the slot holds the columns [0, cut) until its copies behind land
+            tl.store(cols + best_i, cut.to(tl.int32), mask=found)
+            tl.store(landed + best_i, clock * 0 - 1, mask=found)
         tl.store(moves + 2 * filled, new, mask=found)
         tl.store(moves + 2 * filled + 1, best_i, mask=found)
         filled += found.to(tl.int32)
@@ -153,11 +181,21 @@ def _plan_kernel(
         slot = tl.where(moved, -1, slot)
     rows = tl.where(slot >= 0, slot, -lid - 2)
     tl.store(rows_ptr + offs, tl.where(live & ~on_cpu, rows, -1), mask=offs < P)
+    n_part = tl.sum(partial.to(tl.int32), axis=0)
+    n_post = n_cpu
+    posted = on_cpu
+    fill_slot = tl.zeros_like(slot) - 1  # [BLOCK_P] the slot a pair's columns go to behind
+    if SPLIT:  # the split fills' and the in-flight hits' pairs (every pair of their lids)
+        same = (lid[:, None] == lid[None, :]) & partial[None, :]
+        posted = moved | (live & (tl.sum(same.to(tl.int32), axis=1) > 0))
+        n_post = filled + n_part
+        fill_slot = tl.where(first & moved, slot, -1)
     n_hit = tl.sum(hit.to(tl.int64), axis=0)
     n_first = tl.sum(first.to(tl.int64), axis=0)
     hits, fills = tl.load(state + _HITS), tl.load(state + _FILLS)
     reads, experts = tl.load(state + _HOST_READS), tl.load(state + _EXPERTS)
     pairs, on_cpu_total = tl.load(state + _PAIRS), tl.load(state + _CPU_EXPERTS)
+    splits, partials = tl.load(state + _SPLITS), tl.load(state + _PARTIAL_HITS)
     tl.debug_barrier()  # the counters read by every thread before one adds to them
     tl.store(state + _MOVES, filled.to(tl.int64))
     tl.store(state + _HITS, hits + n_hit)
@@ -165,11 +203,21 @@ def _plan_kernel(
     tl.store(state + _HOST_READS, reads + n_miss - filled - n_cpu)
     tl.store(state + _EXPERTS, experts + n_first)
     tl.store(state + _PAIRS, pairs + limit)
-    tl.store(state + _LAYER_CPU, n_cpu.to(tl.int64))
+    tl.store(state + _LAYER_CPU, n_post.to(tl.int64))
     tl.store(state + _CPU_EXPERTS, on_cpu_total + n_cpu)
+    if SPLIT:
+        tl.store(state + _SPLITS, splits + filled)
+        tl.store(state + _PARTIAL_HITS, partials + n_part)
     if SHARE:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
-        if n_cpu > 0:  # the post: the job's data, a fence, then the doorbell
-            tl.store(box_rows + offs, tl.where(on_cpu, lid, -1), mask=offs < P)
+        if n_post > 0:  # the post: the job's data, a fence, then the doorbell
+            tl.store(box_rows + offs, tl.where(posted, lid, -1), mask=offs < P)
+            tl.store(box_fills + offs, fill_slot, mask=offs < P)
+            if SPLIT:  # the job's columns of I: past the cut (0, 0: whole experts)
+                tl.store(box_ctrl + _COL_LO, cut)
+                tl.store(box_ctrl + _COL_HI, cut * 0 + width)
+            else:
+                tl.store(box_ctrl + _COL_LO, cut * 0)
+                tl.store(box_ctrl + _COL_HI, cut * 0)
             w = tl.load(weights + offs, mask=offs < P, other=0.0)
             tl.store(box_weights + offs, w, mask=offs < P)
             offs_h = tl.arange(0, BLOCK_H)
@@ -186,16 +234,23 @@ def _plan_kernel(
 @triton.jit
 def _copy_kernel(
     state, moves, src13, src2, dst13, dst2, s_stride13, s_stride2, d_stride13, d_stride2, n13, n2,
-    box_ctrl, box_out, add, TH, timeout,
+    box_ctrl, box_out, add, TH, timeout, width,
     PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr, SYS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)  # first: pdl.py
-    c13 = tl.cdiv(n13, BLOCK)
-    per = c13 + tl.cdiv(n2, BLOCK)  # chunks of one expert
-    total = tl.load(state + _MOVES).to(tl.int32) * per
+    m13, m2 = n13, n2  # elements copied from an expert's rows
+    cut = tl.load(state + _MOVES) * 0 + width
+    if SPLIT:  # the columns [0, cut) only: gate rows, up rows, each w2 row's first cut
+        cut = tl.load(state + _SPLIT_COLS)
+        m13 = 2 * cut * (n2 // width)
+        m2 = cut * (n2 // width)
+    c13 = (m13 + BLOCK - 1) // BLOCK
+    per = c13 + (m2 + BLOCK - 1) // BLOCK  # chunks of one expert
+    total = (tl.load(state + _MOVES) * per).to(tl.int32)
     offs = tl.arange(0, BLOCK)
+    h = n2 // width
     for w in range(tl.program_id(0), total, PROGRAMS):
         move = w // per
         chunk = w % per
@@ -203,12 +258,16 @@ def _copy_kernel(
         slot = tl.load(moves + 2 * move + 1)
         if chunk < c13:
             at = chunk.to(tl.int64) * BLOCK + offs
-            ok = at < n13
+            ok = at < m13
+            if SPLIT:  # past the gate rows' part: the up rows', I rows on
+                at = tl.where(at < cut * h, at, at + (width - cut) * h)
             val = tl.load(src13 + lid * s_stride13 + at, mask=ok)
             tl.store(dst13 + slot * d_stride13 + at, val, mask=ok)
         else:
             at = (chunk - c13).to(tl.int64) * BLOCK + offs
-            ok = at < n2
+            ok = at < m2
+            if SPLIT:  # w2 [H, I]: element k of the part is row k // cut, column k % cut
+                at = (at // cut) * width + at % cut
             val = tl.load(src2 + lid * s_stride2 + at, mask=ok)
             tl.store(dst2 + slot * d_stride2 + at, val, mask=ok)
     if WAIT:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
@@ -251,7 +310,7 @@ def _sys_ordering() -> bool:
 
 def plan_fills(
     ids, base, slot_of, lid_of, stamp, state, moves, live_pairs, post: CpuPost | None = None,
-    uses: torch.Tensor | None = None, through: bool = False,
+    uses: torch.Tensor | None = None, through: bool = False, split: SplitTables | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Twin of `reference_fills.plan_fills` (same contract); one launch, no host sync."""
     p = ids.numel()
@@ -261,24 +320,25 @@ def plan_fills(
     limited = live_pairs is None
     live = p if limited else min(p, live_pairs)
     if post is None:
-        box, t, th = (state,) * 6, 0, 0  # unused pointers (SHARE is off)
+        box, t, th, fills = (state,) * 6, 0, 0, state  # unused pointers (SHARE is off)
     else:
         b = post.box
         box = (b.ctrl, b.rows, b.weights, b.hidden, post.hidden, post.weights)
-        t, th = post.hidden.shape[0], post.hidden.numel()
+        t, th, fills = post.hidden.shape[0], post.hidden.numel(), b.fill_slots
+    tables = (split.cols, split.landed, split.width) if split is not None else (slot_of, stamp, 0)
     _plan_kernel[(1,)](
         ids, rows, slot_of, lid_of, stamp, state, moves, base, p, live, stamp.numel(), *box, t,
-        th, uses if uses is not None else slot_of, LIMITED=limited,
+        th, uses if uses is not None else slot_of, fills, *tables, LIMITED=limited,
         BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=BLOCK_S, SHARE=post is not None,
         SYS=_sys_ordering(), BLOCK_H=BLOCK_H, COUNT=uses is not None, THROUGH=through,
-        num_warps=4,
+        SPLIT=split is not None, num_warps=4,
         **pdl_launch(ids.device),
     )  # fmt: skip
     return rows
 
 
 def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=None,
-               timeout_s: float = TIMEOUT_S) -> None:  # fmt: skip
+               timeout_s: float = TIMEOUT_S, split: bool = False) -> None:  # fmt: skip
     """Twin of `reference_fills.copy_fills` (and its collection of the CPU's answer into `add`
     when `box` is given); a fixed grid, no host sync. The interpreter counts spins for the
     timeout, each some hundreds of microseconds there: 10,000 a second of `timeout_s`."""
@@ -291,7 +351,7 @@ def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=Non
     _copy_kernel[(grid,)](
         state, moves, src_w13, src_w2, dst_w13, dst_w2, src_w13.stride(0), src_w2.stride(0),
         dst_w13.stride(0), dst_w2.stride(0), src_w13[0].numel(), src_w2[0].numel(),
-        ctrl, out, add, th, timeout,
-        PROGRAMS=grid, BLOCK=COPY_BLOCK, WAIT=wait, SYS=sys, BLOCK_H=BLOCK_H,
+        ctrl, out, add, th, timeout, src_w2.shape[2],
+        PROGRAMS=grid, BLOCK=COPY_BLOCK, WAIT=wait, SYS=sys, BLOCK_H=BLOCK_H, SPLIT=split,
         **pdl_launch(state.device),
     )  # fmt: skip

@@ -222,11 +222,11 @@ from freetoken_agent.kernels.triton.expert_fills import _plan_kernel
 types = dict(ids_ptr="*i32", rows_ptr="*i64", slot_of="*i32", lid_of="*i32", stamp="*i64",
              state="*i64", moves="*i64", base="i64", box_ctrl="*i64", box_rows="*i64",
              box_weights="*fp32", box_hidden="*bf16", hidden="*bf16", weights="*fp32",
-             uses="*i32")
+             uses="*i32", box_fills="*i64", cols="*i32", landed="*i64", width="i32")
 out = {}
 for count in (False, True):
     consts = dict(LIMITED=True, BLOCK_P=16, BLOCK_S=1024, SHARE=False, SYS=True, BLOCK_H=1024,
-                  COUNT=count, THROUGH=False, PDL=0)
+                  COUNT=count, THROUGH=False, SPLIT=False, PDL=0)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in _plan_kernel.arg_names}
     ptx = compile(ASTSource(_plan_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                   options=dict(num_warps=4)).asm["ptx"]

@@ -13,12 +13,14 @@ from freetoken_agent.engine.experts.fill_races import MIN_RACES
 from freetoken_agent.engine.experts.step_paths import PATHS, PathTrials
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_trials_time_the_paths_and_keep_the_fastest(rng_seed, shared):
+@pytest.mark.parametrize(("shared", "split"), [(False, False), (True, False), (False, True),
+                                               (True, True)])  # fmt: skip
+def test_trials_time_the_paths_and_keep_the_fastest(rng_seed, shared, split):
     rng = random.Random(rng_seed)
     block, rotations, period = rng.randrange(2, 5), rng.randrange(1, 3), rng.randrange(1, 9)
-    trials = PathTrials(block, rotations, period, warm=0, shared=shared)
-    paths = PATHS if shared else ("stops", "device")
+    trials = PathTrials(block, rotations, period, warm=0, shared=shared, split=split)
+    offered = {"shared": shared, "split": split}
+    paths = tuple(p for p in PATHS if offered.get(p, True))
     # Costs in random order, at least 5% apart: the 1% noise below never reorders them (two
     # paths 0.1% apart made the choice a coin toss once).
     cost = {
@@ -120,7 +122,7 @@ def test_the_stops_path_is_timed_at_its_best_mode(tmp_path, rng_seed):
         adaptive.choose([1, 2], [1, 1], {1, 2}, engine.loaded.bank.bandwidths, 1)
         modes.append(adaptive.mode)
         adaptive.step_timed(1, 0.02 if seen[-1] != "stops" else 0.01)
-    device_paths = ["device", "device", "shared", "shared"][: 2 * len(paths.candidates) - 2]
+    device_paths = [p for p in paths.candidates[1:] for _ in range(2)]  # blocks of 2
     assert seen == ["stops", "stops", *device_paths] and paths.chosen == "stops"
     assert set(modes) == {"none"} and split._at == 0  # the chosen mode; no split sample
     tried = []

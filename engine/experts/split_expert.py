@@ -1,0 +1,101 @@
+"""adaptive's `split` step path: every fill cut between the link and the CPU worker.
+
+Why: on the device path a layer that misses waits for its whole expert to cross the link
+(9.44 MB, ~185 us at 48 layers / 32 GB), and at b=1 under Zipf routing nearly every missing
+layer misses one expert, which the shared path cannot split: the CPU computes one expert no
+faster than the link fills it. SwiGLU is elementwise over the width I, so an expert's output
+is the sum of its column slices' outputs. Here each fill moves columns [0, c) over the link
+while the CPU worker computes columns [c, I) from the pool (kernels/reference_fills.py has the
+plan's rule), so the layer waits for about half an expert. The worker then copies its columns
+into the slot behind the step with the copy engines (kernels/cpu/worker.py's copies behind) so
+the cache keeps whole experts, and writes `landed`; until then the slot is in flight: no
+victim, and a hit on it posts its columns past the cut again.
+
+The copies behind are the copy engines', issued by the worker as soon as it has answered,
+because bench side-fill (twenty-eighth session, 48 layers, 25 misses a step) measured them
+nearly free beside the step (the half step 6.01 ms, with the other halves behind on the copy
+engines 6.17-6.25, the whole fills 8.34), where an SM copy kernel on a second stream cost
+almost all of the saving (7.09-8.13 ms): its programs take SMs and the link from the step.
+
+The cut balances the two halves: the link's c / I of an expert at B_P against the CPU's
+(I - c) / I at B_H, c / I = B_P / (B_P + B_H) (q*'s share, cpu_share.py), on a multiple of
+CUT_ALIGN. It changes only while no slot is in flight: a step on another path, and a hand-back
+to the host, first `drain` the copies behind (every slot whole again).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from freetoken_agent.engine.experts.policy import Bandwidths, cpu_fraction
+from freetoken_agent.kernels.cpu.behind_copies import BehindCopies
+
+if TYPE_CHECKING:
+    from freetoken_agent.engine.experts.cpu_share import CpuShare
+    from freetoken_agent.engine.experts.device_fills import DeviceFills
+    from freetoken_agent.engine.experts.pool import ExpertPool
+
+CUT_ALIGN = 16  # columns: the cut stays on whole 32-byte rows of bf16 for both halves
+
+# S slots, I expert width
+
+
+class SplitExpert:
+    def __init__(self, fills: DeviceFills, share: CpuShare, pool: ExpertPool,
+                 w13: torch.Tensor, w2: torch.Tensor) -> None:  # fmt: skip
+        """`w13` [S, 2I, H], `w2` [S, H, I]: the cache's slot banks (the copies' targets)."""
+        self.fills, self.share = fills, share
+        self.width = pool.w2.shape[2]  # I
+        self.tables = fills.enable_split(self.width)
+        self.behind = BehindCopies.to_slots(w13, w2, self.tables.landed)
+        share.worker.set_behind(self.behind)
+        fills.before_release = self.drain
+        self.dirty = False  # a split step ran since the last drain: slots may be in flight
+
+    def cut(self, bandwidths: Bandwidths) -> int:
+        """The column c for the link's part: I * B_P / (B_P + B_H) on a multiple of
+        CUT_ALIGN, within [CUT_ALIGN, I - CUT_ALIGN] (the middle where I is narrower)."""
+        i = self.width
+        if i < 2 * CUT_ALIGN:
+            return max(1, i // 2)
+        link = 1.0 - cpu_fraction(bandwidths)
+        c = round(i * link / CUT_ALIGN) * CUT_ALIGN
+        return min(i - CUT_ALIGN, max(CUT_ALIGN, c))
+
+    def enter(self, bandwidths: Bandwidths) -> None:
+        """Before a split step: the cut (chosen anew only with nothing in flight)."""
+        if not self.dirty:
+            self.fills.set_cut(self.cut(bandwidths))
+        self.dirty = True
+
+    def drain(self) -> None:
+        """Wait until every copy behind has landed, then call every slot whole (a no-op
+        when no split step ran since the last drain). A worker that failed copies nothing
+        more: its slots in flight lose their experts instead."""
+        if not self.dirty:
+            return
+        if self.share.broken is None:
+            self.share.worker.drain_behind(self.share.timeout_s)
+        else:
+            self._evict_in_flight()
+        self.tables.cols.fill_(self.width)  # in stream order, before the next step's plans
+        self.dirty = False
+
+    def _evict_in_flight(self) -> None:
+        """Empty the slots whose copies behind never came (the device tables are the truth
+        here: the cache is the device's until `release` reads them)."""
+        fills = self.fills
+        gone = self.tables.in_flight(fills.lid_of)  # [S] bool
+        lids = fills.lid_of[gone].long()
+        fills.cache.slot_of[lids] = -1
+        fills.lid_of[gone] = -1
+        fills.stamp[gone] = -1
+
+    def close(self) -> None:
+        """Stop the copies behind (after a drain: the worker is stopped next)."""
+        self.drain()
+        self.fills.before_release = None
+        if self.share.worker.running:  # (a stopped worker copies nothing more anyway)
+            self.share.worker.set_behind(None)
