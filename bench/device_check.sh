@@ -68,6 +68,7 @@
 #         long-context (48 layers / 32 GB, native and Zipf b=1 at an 8192-token context, ~4 min)
 #         s26-check (the twenty-sixth session's unmeasured changes: their GPU tests, the
 #         48-layer step, adaptive held on device against gpu-fill; ~7 min)
+#         s28-split (the split expert: its GPU tests, 48 layers Zipf held on split; ~8 min)
 #         s27-check (bench side-fill: copies behind the step on a second stream, its GPU test
 #         first; the CPU kernel's tests on AVX-512; then the peer slice native then uniform, adaptive and gpu-fill, with the
 #         cores' use beside every host probe and row; ~5 min)
@@ -426,6 +427,18 @@ for stage in "$@"; do
       timeout 250 python3 -m freetoken_agent.bench decode --layers 12 --out "$OUT" 2>&1 | tail -3
       timeout 250 python3 -m freetoken_agent.bench decode --layers 12 --skinny-gemv --out "$OUT" \
         2>&1 | tail -3 ;;
+    s28-split)  # the split expert's first device run (~8 min): its GPU tests (the worker's
+      # copies behind through libcuda, the split set held and alternating with the other paths
+      # against resident), then 48 layers / 32 GB under Zipf with adaptive held on `split`
+      # against gpu-fill (twenty-seventh session: adaptive 119.5 / 170.6, gpu-fill 122.3 /
+      # 169.7 at b=1 / 4)
+      timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -s \
+        tests/kernels/test_cpu_worker_behind.py tests/engine/experts/test_split_path_gpu.py \
+        2>&1 | grep -E "passed|failed|Error|error|slots|^E " | tail -25
+      timeout 330 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
+        --rounds 1 --decode 128 --regimes zipf:1.0,loc:0.7 --policies adaptive gpu-fill \
+        --adaptive-path split --out "$OUT/split48" 2>&1 | tee "$OUT/split_48.log" | grep "|b" \
+        | grep -v "round[0-9]" | cut -c1-220 ;;
     s27-check)  # the split expert's first measurement and the CPU worker's lost cores
       # (~5 min): bench side-fill (NOTES, twenty-sixth session: measure this before building
       # it), then the peer slice native then uniform, whose probes after native fell to 45

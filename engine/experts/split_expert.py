@@ -76,6 +76,10 @@ class SplitExpert:
         more: its slots in flight lose their experts instead."""
         if not self.dirty:
             return
+        if self.behind.on_cuda:
+            # A split step may still run (overlap scheduling queues the next step before the
+            # last one ends) and post more columns: every post must be in before the drain.
+            torch.cuda.synchronize(self.behind.w13.device)
         if self.share.broken is None:
             self.share.worker.drain_behind(self.share.timeout_s)
         else:
