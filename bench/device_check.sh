@@ -434,7 +434,7 @@ for stage in "$@"; do
       # 169.7 at b=1 / 4)
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -s \
         tests/kernels/test_cpu_worker_behind.py tests/engine/experts/test_split_path_gpu.py \
-        2>&1 | grep -E "passed|failed|Error|error|slots|^E " | tail -25
+        2>&1 | tee "$OUT/split_tests.log" | grep -E "passed|failed|Error|slots|^E " | tail -25
       timeout 330 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
         --rounds 1 --decode 128 --regimes zipf:1.0,loc:0.7 --policies adaptive gpu-fill \
         --adaptive-path split --out "$OUT/split48" 2>&1 | tee "$OUT/split_48.log" | grep "|b" \

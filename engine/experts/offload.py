@@ -402,6 +402,8 @@ class OffloadedExpertBank(GraphDecode):
         tokens = self.device_tokens if self.device_path_ok else 0
         self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers, tokens)
         self.adaptive.shared_ok = self.cpu_share is not None
+        split = self.device_path.split
+        self.adaptive.split_ok = split is not None and split.share.broken is None
         self.cache.kept_layers = frozenset()
         if self.popular is not None:
             self.popular.reset()
