@@ -309,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         "into its slot as they read it from the pool, no copy kernel (default off)",
     )
     parser.add_argument(
+        "--split-expert",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="EngineConfig.split_expert: adaptive's split path among its step paths (default "
+        "off; --adaptive-path split turns it on)",
+    )
+    parser.add_argument(
         "--shared-gate",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -329,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     bank = engine.loaded.bank
     bank.fill_behind = args.fill_behind
     bank.fill_through = args.fill_through  # before the graphs are captured (each regime's)
+    # before adaptive starts its CPU worker (_use_policy)
+    bank.split_expert = args.split_expert or args.adaptive_path == "split"
     engine.config.popular_pins = args.popular_pins  # made when a device path runs (_use_policy)
     engine.overlap.enabled = args.overlap
     spec = engine.spec

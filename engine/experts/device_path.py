@@ -58,9 +58,10 @@ class DevicePath:
             spec = bank.spec
             self.cpu_share = CpuShare(bank.pool, bank.device, bank.device_tokens, spec.top_k,
                                       spec.hidden_size)  # fmt: skip
-            cache = bank.cache
-            self.split = SplitExpert(cache.on_device, self.cpu_share, bank.pool, cache.w13,
-                                     cache.w2)  # fmt: skip
+            if bank.split_expert:  # EngineConfig.split_expert
+                cache = bank.cache
+                self.split = SplitExpert(cache.on_device, self.cpu_share, bank.pool, cache.w13,
+                                         cache.w2)  # fmt: skip
         bank.adaptive.shared_ok = self.cpu_share is not None
         bank.adaptive.split_ok = self.split is not None
 

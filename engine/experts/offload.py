@@ -114,13 +114,14 @@ class OffloadedExpertBank(GraphDecode):
         fill_behind: bool = False,
         popular_pins: float | None = None,
         fill_through: bool = False,
+        split_expert: bool = False,
     ) -> None:
         """`arena`: the slots are the arena's (engine/arena.py; `n_slots` then comes from its
         boundary), so the memory manager can resize the cache at runtime. `fill_behind`:
         EngineConfig.fill_behind (AdaptiveFetches.behind). `popular_pins`: EngineConfig's,
         the fraction of slots the device path pins for their use (popular_pins.py; None: the
         default, POPULAR_PINS).
-        `fill_through`: EngineConfig's (device_path.py)."""
+        `fill_through`, `split_expert`: EngineConfig's (device_path.py, split_expert.py)."""
         self.spec = spec
         self.n_experts = spec.n_experts
         self.pool = pool
@@ -129,6 +130,7 @@ class OffloadedExpertBank(GraphDecode):
         self.policy = policy
         self.fill_behind = fill_behind
         self.fill_through = fill_through
+        self.split_expert = split_expert  # read when the CPU worker starts (`ready`)
         self.bandwidths = bandwidths or Bandwidths()
         # Policy adaptive's choice of fetches (adaptive.py).
         # Decode tokens a layer's device-side fills serve at most: the decode kernels read
@@ -152,7 +154,8 @@ class OffloadedExpertBank(GraphDecode):
         # Only what the user asked for (None: the default, on for every policy).
         chosen_pins = popular_pins is not None and popular_pins > 0
         unused = [name for name, on in (("fill_through", fill_through),
-                                        ("popular_pins", chosen_pins)) if on]  # fmt: skip
+                                        ("popular_pins", chosen_pins),
+                                        ("split_expert", split_expert)) if on]  # fmt: skip
         if unused and policy not in DEVICE_PATH_POLICIES:
             log.warning("%s: no effect under policy %s, only on the device paths (gpu-fill, "
                         "adaptive)", " and ".join(unused), policy)  # fmt: skip

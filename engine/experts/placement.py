@@ -174,6 +174,7 @@ def make_bank(
         fill_behind=config.fill_behind,
         popular_pins=config.popular_pins,
         fill_through=config.fill_through,
+        split_expert=config.split_expert,
     )
 
 

@@ -18,7 +18,8 @@ OPTS = dict(device="cpu", progress=False, dtype="float32")
 
 
 def _split_engine(path, slots: int, link_fraction: float, **opts) -> Engine:
-    engine = Engine.load(path, policy="adaptive", expert_slots=slots, **OPTS, **opts)
+    engine = Engine.load(path, policy="adaptive", expert_slots=slots, split_expert=True, **OPTS,
+                         **opts)  # fmt: skip
     bank = engine.loaded.bank
     assert bank.device_path.split is not None and bank.adaptive.split_ok
     bank.adaptive.path_params = {"fixed": "split"}
@@ -111,4 +112,32 @@ def test_a_worker_that_stops_answering_turns_the_split_path_off(tmp_path, rng_se
     assert not bank.adaptive.split_ok and bank.adaptive.path(1) == "device"
     assert engine.generate(prompt, sp).token_ids == want  # the engine serves on, whole
     engine.check_integrity()
+    engine.close()
+
+
+def test_the_split_path_is_off_unless_asked_for(tmp_path, rng_seed):
+    """EngineConfig.split_expert off (the default): no split tables, no copies behind, and the
+    path trials never run it."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=6, **OPTS)
+    bank = engine.loaded.bank
+    assert bank.cpu_share is not None and bank.device_path.split is None
+    assert not bank.adaptive.split_ok and "split" not in bank.adaptive.paths(1).candidates
+    assert bank.cpu_share.worker.behind is None
+    bank.reset_decisions()  # (the benchmark's, between measurements)
+    assert not bank.adaptive.split_ok
+    engine.close()
+
+
+def test_forgetting_decisions_keeps_the_split_path(tmp_path, rng_seed):
+    """The benchmark's reset between measurements makes adaptive anew: the split path stays
+    offered while its worker runs, and not once the worker failed."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    engine = _split_engine(tmp_path, 6, 0.5)
+    bank = engine.loaded.bank
+    bank.reset_decisions()
+    assert bank.adaptive.split_ok and "split" in bank.adaptive.paths(1).candidates
+    bank.cpu_share.broken = "a test's"
+    bank.reset_decisions()
+    assert not bank.adaptive.split_ok
     engine.close()

@@ -18,6 +18,7 @@ from freetoken_agent.kernels.cpu import worker
 pytestmark = pytest.mark.gpu
 
 CUDA = dict(device="cuda", progress=False, max_model_len=512, max_num_seqs=4)
+SPLIT = dict(policy="adaptive", split_expert=True)
 
 
 def _resident_run(tmp_path, rng_seed: int, max_tokens: int):
@@ -40,7 +41,7 @@ def test_split_path_on_cuda_matches_resident(tmp_path, rng_seed, overlap):
     rows = resident.spec.n_moe_layers * resident.spec.n_experts
     opts = {**CUDA, "overlap_schedule": overlap}
     for slots in (1, rng.randint(5, rows // 2), rows - 1):
-        engine = Engine.load(tmp_path, policy="adaptive", expert_slots=slots, **opts)
+        engine = Engine.load(tmp_path, expert_slots=slots, **SPLIT, **opts)
         bank, graphs = engine.loaded.bank, engine.runner.graphs
         assert isinstance(graphs, PathDecodeGraphs) and graphs.split is not None
         assert graphs.split.split and not graphs.shared.split and not graphs.device.split
@@ -73,7 +74,7 @@ def test_adaptive_alternating_with_the_split_path_on_cuda_matches_resident(tmp_p
     rng = random.Random(rng_seed)
     prompts, sp, want, _ = _resident_run(tmp_path, rng_seed, max_tokens=32)
     opts = {**CUDA, "overlap_schedule": overlap}
-    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(5, 20), **opts)
+    engine = Engine.load(tmp_path, expert_slots=rng.randint(5, 20), **SPLIT, **opts)
     bank, graphs = engine.loaded.bank, engine.runner.graphs
     assert bank.adaptive.split_ok
     bank.adaptive.path_params = dict(block=2, rotations=1, period=0, warm=0)
