@@ -437,8 +437,17 @@ for stage in "$@"; do
         2>&1 | tee "$OUT/split_tests.log" | grep -E "passed|failed|Error|slots|^E " | tail -25
       timeout 330 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
         --rounds 1 --decode 128 --regimes zipf:1.0,loc:0.7 --policies adaptive gpu-fill \
-        --adaptive-path split --out "$OUT/split48" 2>&1 | tee "$OUT/split_48.log" | grep "|b" \
-        | grep -v "round[0-9]" | cut -c1-220 ;;
+        --adaptive-path split --out "$OUT/split48" 2>&1 | tee "$OUT/split_48.log" | grep " | " \
+        | cut -c1-200
+      python3 - "$OUT/split48/offload_48l_32gb.json" <<'PY'
+import json, sys
+for key, row in json.load(open(sys.argv[1]))["decode"].items():
+    share = row.get("cpu_share") or {}
+    print(key, round(row["tok_s"], 1), "split/tok", round(row.get("split_per_token", 0), 2),
+          "in-flight hits/tok", round(row.get("split_hits_per_token", 0), 2), "max job ms",
+          share.get("max_job_ms"), "B_H online", round(row["b_h_online_gb_s"], 1))
+PY
+      ;;
     s27-check)  # the split expert's first measurement and the CPU worker's lost cores
       # (~5 min): bench side-fill (NOTES, twenty-sixth session: measure this before building
       # it), then the peer slice native then uniform, whose probes after native fell to 45

@@ -100,7 +100,7 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
     if reserve is not None:  # the traces' draws happen before the clock starts
         reserve(n * batch)
     before = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu,
-              bank.stats.behind)  # fmt: skip
+              bank.stats.behind, bank.stats.split, bank.stats.split_hits)  # fmt: skip
     filled0 = bank.cache.bytes_filled
     graphs = engine.runner.graphs
     # Direct graphs never re-run a segment: misses are read in place, so they keep no counter.
@@ -128,6 +128,10 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
         "fetched_per_token": (st.fetched - before[2]) / steps,
         "on_cpu_per_token": (st.on_cpu - before[3]) / steps,
         "behind_per_token": (st.behind - before[4]) / steps,  # of those on the CPU, filled too
+        # adaptive's split path: fills cut with the CPU, and hits on cut slots still in flight
+        # (each posted to the CPU again: the copies behind had not landed)
+        "split_per_token": (st.split - before[5]) / steps,
+        "split_hits_per_token": (st.split_hits - before[6]) / steps,
         "pcie_bytes_per_token": (bank.cache.bytes_filled - filled0) / steps,
         "experts_per_token": experts / steps,
         "segment_reruns_per_token": (getattr(graphs, "reruns", 0) - reruns0) / steps,
