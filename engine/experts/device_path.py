@@ -156,8 +156,7 @@ class DevicePath:
         fills.own()
         pairs = 0 if n_tokens is None else n_tokens * bank.spec.top_k
         fills.state[LIVE_PAIRS : LIVE_PAIRS + 1].fill_(pairs)
-        if bank.policy == "adaptive":
-            self._set_share(n_tokens)
+        self._set_share(n_tokens)  # (gpu-fill: none, and the split path's copies drained)
 
     def _set_share(self, n_tokens: int | None) -> None:
         """The CPU's share for the next step of `n_tokens` tokens (None: a capture's warm-up,
@@ -166,7 +165,8 @@ class DevicePath:
         share, bank = self.cpu_share, self.bank
         if share is None:
             return
-        path = bank.adaptive.path(n_tokens) if n_tokens is not None else None
+        adaptive = n_tokens is not None and bank.policy == "adaptive"
+        path = bank.adaptive.path(n_tokens) if adaptive else None
         if path == "shared":
             value = share.fixed_share(bank.bandwidths, bank.adaptive.share_offset(n_tokens))
         else:

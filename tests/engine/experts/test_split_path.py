@@ -141,3 +141,23 @@ def test_forgetting_decisions_keeps_the_split_path(tmp_path, rng_seed):
     bank.reset_decisions()
     assert not bank.adaptive.split_ok
     engine.close()
+
+
+def test_gpu_fill_after_split_steps_drains_them_first(tmp_path, rng_seed):
+    """A policy switch to gpu-fill (the benchmark's) after split steps: its plans and MoE
+    kernels read whole slots, so the copies behind land first."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 2)
+    sp = SamplingParams(max_tokens=rng.randint(6, 12), temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **OPTS).generate(
+        prompts, sp)]  # fmt: skip
+    engine = _split_engine(tmp_path, rng.randint(3, 12), rng.uniform(0.2, 0.8))
+    bank = engine.loaded.bank
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+    assert bank.device_path.split.dirty  # split steps ran, nothing drained them since
+    bank.policy = "gpu-fill"
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+    assert not bank.device_path.split.dirty
+    engine.check_integrity()
+    engine.close()
