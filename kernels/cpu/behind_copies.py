@@ -1,12 +1,14 @@
-"""The split expert's copies behind: where the CPU worker (expert_worker.cpp) copies the CPU's
-columns of each split expert into its cache slot after answering the job, so the slot becomes
-whole without SM time in the step.
+"""The split expert's copies behind: where the CPU worker's copier (behind_copier.cpp, a second
+thread of expert_worker.cpp's worker) copies the CPU's columns of each split expert into its
+cache slot after the job is answered, so the slot becomes whole without SM time in the step.
 
 A split miss copies columns [0, c) of its expert into the slot and posts [c, I) to the CPU; the
-post names the slot (Mailbox.fill_slots). After the answer, the worker copies those columns from
+post names the slot (Mailbox.fill_slots). After the answer, the copier copies those columns from
 the pool into the slot and then marks landed[slot] = lid: on CPU slots with memcpy, on CUDA
 slots with the copy engines on a side stream, through libcuda's driver API (the thread has no
-Python and no torch; the library links no CUDA, so Python hands it the entry points).
+Python and no torch; the library links no CUDA, so Python hands it the entry points). The
+worker thread itself calls no CUDA: a driver call may wait on a lock another thread holds
+while the device spins on the worker's next answer.
 
 S slots, N pool rows, I expert width, H hidden. Slot banks w13 [S, 2I, H] and w2 [S, H, I] (each
 slot contiguous; slots may sit further apart), landed [S] int64 on the slots' device,
@@ -24,7 +26,7 @@ from torch import Tensor
 
 @dataclass(slots=True)
 class Driver:
-    """libcuda's entry points the worker thread calls (addresses) and the context it makes
+    """libcuda's entry points the copier thread calls (addresses) and the context it makes
     current before its first copy (the primary context of the slots' device)."""
 
     ctx: int

@@ -44,8 +44,12 @@ from freetoken_agent.kernels.reference import check_moe_shapes, swiglu_columns
 
 log = logging.getLogger("freetoken.kernels")
 
-# The kernel, and the thread that serves a decode graph's CPU branch with it (cpu_worker.py).
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("expert_kernel.cpp", "expert_worker.cpp"))
+# The kernel, the thread that serves a decode graph's CPU branch with it (worker.py) and that
+# thread's copier of the copies behind.
+SOURCES = tuple(
+    Path(__file__).with_name(n)
+    for n in ("expert_kernel.cpp", "expert_worker.cpp", "behind_copier.cpp")
+)
 ENV_BACKEND = "FREETOKEN_CPU_EXPERTS"
 ENV_THREADS = "FREETOKEN_CPU_THREADS"  # the kernel's threads (default: team_size())
 CFLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-pthread")

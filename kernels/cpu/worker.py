@@ -14,12 +14,18 @@ outstanding at a time:
 
 The split expert's copies behind (on after `CpuWorker.set_behind(BehindCopies)`; behind_copies.py):
 each pair p with fill_slots[p] >= 0 (and rows[p] >= 0) names the cache slot its expert's
-columns [COL_LO, COL_HI) go to. After ANSWER (the device's wait never waits for them) the worker
-queues those columns of pool row rows[p] into the slot, each slot once per job, then
-landed[slot] = rows[p] behind them (CUDA: on the side stream, so they land later;
-`drain_behind` waits for them), then release-stores ctrl[BEHIND] = seq and adds the slots to
-ctrl[BEHIND_EXPERTS]. BEHIND is stored for every answered job while copies behind are on: jobs
-without fills and failed jobs (which copy nothing) too.
+columns [COL_LO, COL_HI) go to. The worker thread calls no CUDA (a driver call can block on a
+lock another thread holds while the device spins on the next answer): before ANSWER it
+snapshots the job's (row, slot) pairs into a ring, after ANSWER it pushes the job there and
+goes back to the mailbox. A second thread of the worker, the copier (behind_copier.cpp),
+takes the jobs in order, copies those columns of pool row rows[p] into the slot, each slot once
+per job, then landed[slot] = rows[p] behind them (CUDA: queued on the side stream, they land
+later; `drain_behind` waits for them), then release-stores ctrl[BEHIND] = seq and adds the
+slots to ctrl[BEHIND_EXPERTS]. Every answered job is pushed while copies behind are on (jobs
+without fills and failed jobs, which copy nothing, too), so BEHIND advances in order. The ring
+holds RING jobs (`set_behind(ring=...)`); on a full ring the worker does not wait: it drops the
+job's copies (ERROR -7) and the copier stores BEHIND = that seq once the ring is empty, so a
+drain still ends. The copier sleeps when idle (1 ms slices; the worker wakes it after a push).
 
 A device wait that outlives TIMEOUT_S writes its seq to ctrl[TIMEOUT] (the mailbox is dead
 from then on: later waits do not spin) and every wait that gives up writes its seq to
@@ -27,8 +33,9 @@ ctrl[LOST] (that layer's CPU part is missing: the bank raises for the step and s
 engine/experts/cpu_share.py). ctrl[ERROR] holds the kernel's nonzero return code (-1 a row past
 the pool, -2 a dtype, -4 a column range; -3 more tokens than the mailbox holds) or a copy
 behind's: -5 a fill slot outside the slot bank (that pair copies nothing), -6 one slot named for
-two rows in a job (the first pair's row is copied), -100 - r a CUDA driver call's CUresult r
-(the job's copies stop there). A failed job's copies are not made.
+two rows in a job (the first pair's row is copied), -7 a job's copies dropped (the copier's
+ring was full: the copier far behind, e.g. blocked in the driver), -100 - r a CUDA driver
+call's CUresult r (the job's copies stop there). A failed job's copies are not made.
 
 Shapes: T_max tokens, K top-k, H hidden. rows [T_max * K] int64 (pool rows, -1: not the CPU's),
 weights [T_max * K] fp32, hidden [T_max, H] (the model's dtype), out [T_max, H] fp32,
@@ -56,9 +63,12 @@ POST, TOKENS, ANSWER, ERROR, TIMEOUT, JOBS, EXPERTS, BUSY_NS, LOST = 0, 1, 8, 9,
 # width), written by the device with the job; COLUMNS counts distinct experts x columns computed
 # (the pool bytes read are COLUMNS / I experts' worth).
 COL_LO, COL_HI, COLUMNS = 3, 4, 5
-# The copies behind (set_behind): the last job whose copies are all queued, and the slots
-# copied (each slot once per job).
+# The copies behind (set_behind): the last job whose copies are all queued (the copier's), and
+# the slots copied (each slot once per job).
 BEHIND, BEHIND_EXPERTS = 6, 7
+# The copier's ring in jobs: about five 48-layer steps of one job per layer before the worker
+# drops copies; each entry holds T_max * K pairs of 16 bytes, made once.
+RING = 256
 # Diagnostics: the longest job (ns), and the answer a wait last read when it gave up.
 MAX_JOB_NS, GAVE_UP_AT = 15, 2
 CTRL = 16
@@ -162,10 +172,11 @@ class CpuWorker:
     def behind(self) -> BehindCopies | None:
         return self._behind[0]
 
-    def set_behind(self, behind: BehindCopies | None) -> None:
+    def set_behind(self, behind: BehindCopies | None, ring: int = RING) -> None:
         """Copies behind into `behind`'s slots after each answer (None: off). Between jobs only;
-        the previous configuration's copies land first. ValueError when it does not fit the
-        pool (behind_copies.BehindCopies.check)."""
+        the previous configuration's copies land first. `ring`: the jobs the copier may be
+        behind before the worker drops copies (fixed by the first configuration). ValueError
+        when it does not fit the pool (behind_copies.BehindCopies.check)."""
         if behind is not None:
             behind.check(*self._pool)
         if not self.running:
@@ -181,7 +192,7 @@ class CpuWorker:
             d = behind.driver
             cuda = [behind.landed_src.data_ptr(), d.ctx, behind.stream.cuda_stream,
                     d.set_current, d.htod_async, d.copy2d_async]  # fmt: skip
-        rc = self._lib.ft_worker_set_behind(self._handle, *slots, *cuda)
+        rc = self._lib.ft_worker_set_behind(self._handle, *slots, *cuda, ring)
         if rc != 0:
             raise RuntimeError(f"ft_worker_set_behind refused its arguments ({rc})")
         self._behind[0] = behind
@@ -227,7 +238,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ft_worker_start.argtypes = [vp] * 8 + [ctypes.c_int] + [i64] * 5 + [ctypes.c_int, i64]
     lib.ft_worker_start.argtypes += [ctypes.c_int]
     lib.ft_worker_set_behind.restype = ctypes.c_int
-    lib.ft_worker_set_behind.argtypes = [vp] * 3 + [i64] * 3 + [vp] * 7
+    lib.ft_worker_set_behind.argtypes = [vp] * 3 + [i64] * 3 + [vp] * 7 + [i64]
     lib.ft_worker_wake.argtypes = [vp]
     lib.ft_worker_wake.restype = None
     lib.ft_worker_stop.argtypes = [vp]
@@ -236,8 +247,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def _stop(lib: ctypes.CDLL, handle: int, behind: list[BehindCopies | None]) -> None:
-    """Join the thread, then let its last copies behind land: queued on the side stream, they
-    still read the pool and write the slots, which may be freed once the worker is gone."""
+    """Join the thread and its copier (which makes the copies queued first), then let the last
+    copies behind land: queued on the side stream, they still read the pool and write the
+    slots, which may be freed once the worker is gone."""
     lib.ft_worker_stop(ctypes.c_void_p(handle))
     if behind[0] is not None:
         behind[0].synchronize()

@@ -1,15 +1,17 @@
 """The CPU worker's copies behind (the split expert; kernels/cpu/behind_copies.py,
-expert_worker.cpp): after answering a job, the worker copies the job's columns of each named
-pool row into its cache slot and marks landed[slot]. This test plays the device's side of the
-mailbox from Python and checks every slot bank element. T tokens, K top-k, H hidden, W expert
-width I, N pool rows, S slots."""
+expert_worker.cpp, behind_copier.cpp): after answering a job, the worker hands it to its copier
+thread, which copies the job's columns of each named pool row into its cache slot and marks
+landed[slot]. This test plays the device's side of the mailbox from Python and checks every
+slot bank element. T tokens, K top-k, H hidden, W expert width I, N pool rows, S slots."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,13 +291,16 @@ class FakeDriver:
 
     CTX, STREAM = 0x1234, 0x5678
 
-    def __init__(self, fail_at: int = -1, code: int = 0, hold: threading.Event | None = None):
-        """`hold`: set_current waits for it (a copy behind that takes long)."""
+    def __init__(self, fail_at: int = -1, code: int = 0, hold: threading.Event | None = None,
+                 watch: torch.Tensor | None = None):  # fmt: skip
+        """`hold`: set_current waits for it (a copy behind that takes long). `watch`: a
+        mailbox's ctrl, whose BEHIND each call records in `seen` (BEHIND during the copies)."""
         self.calls: list[tuple] = []
-        self.fail_at, self.code, self.hold = fail_at, code, hold
+        self.seen: list[int] = []
+        self.fail_at, self.code, self.hold, self.watch = fail_at, code, hold, watch
         vp, size = ctypes.c_void_p, ctypes.c_size_t
         fn = ctypes.CFUNCTYPE
-        self._fns = (  # kept: the worker thread calls them
+        self._fns = (  # kept: the copier thread calls them
             fn(ctypes.c_int, vp)(self.set_current),
             fn(ctypes.c_int, ctypes.c_uint64, vp, size, vp)(self.htod),
             fn(ctypes.c_int, ctypes.POINTER(Memcpy2D), vp)(self.copy2d),
@@ -306,6 +311,8 @@ class FakeDriver:
 
     def _record(self, *call) -> bool:
         self.calls.append(call)
+        if self.watch is not None:
+            self.seen.append(int(self.watch[BEHIND]))
         return len(self.calls) - 1 == self.fail_at
 
     def set_current(self, ctx):
@@ -313,14 +320,17 @@ class FakeDriver:
             self.hold.wait(10)
         return self.code if self._record("ctx", ctx) else 0
 
-    def configure(self, cpu: worker.CpuWorker, slots: Slots, staged: torch.Tensor) -> None:
-        """The worker's CUDA branch aimed at host `slots` through this driver."""
+    def configure(self, cpu: worker.CpuWorker, slots: Slots, staged: torch.Tensor,
+                  ring: int = worker.RING) -> None:  # fmt: skip
+        """The worker's CUDA branch aimed at host `slots` through this driver; drain_behind
+        sees them as CPU slots (no stream to synchronize)."""
         rc = cpu._lib.ft_worker_set_behind(
             cpu._handle, slots.w13.data_ptr(), slots.w2.data_ptr(), S, slots.w13.stride(0),
             slots.w2.stride(0), slots.landed.data_ptr(), staged.data_ptr(), self.CTX, self.STREAM,
-            *self.addresses(),
+            *self.addresses(), ring,
         )  # fmt: skip
         assert rc == 0
+        cpu._behind[0] = BehindCopies(slots.w13, slots.w2, slots.landed)
 
     def htod(self, dst, src, n, stream):
         if self._record("htod", dst, src, n, stream):
@@ -406,7 +416,6 @@ def test_the_answer_goes_first_and_a_drain_waits_for_the_copies(rng_seed):
     hold = threading.Event()
     fake, staged = FakeDriver(hold=hold), torch.full((S,), -1, dtype=torch.int64)
     fake.configure(cpu, slots, staged)
-    cpu._behind[0] = BehindCopies(slots.w13, slots.w2, slots.landed)  # drain_behind's view
     try:
         hidden, rows, weights, fill_slots, fills = split_job(gen, rng, [0, 1, 2])
         post(box, 1, hidden, rows, weights, fill_slots, (rng.randrange(W), 0))
@@ -420,3 +429,153 @@ def test_the_answer_goes_first_and_a_drain_waits_for_the_copies(rng_seed):
     finally:
         hold.set()
         cpu.stop()
+
+
+def test_the_worker_answers_while_the_copier_waits_for_the_driver(rng_seed):
+    """The stall of s28-split: a driver call of the copies behind that blocks (a driver lock
+    held by another thread) must not hold the next answers, which the device spins on. Jobs 2
+    and 3 are answered while job 1's copies still wait for the driver; BEHIND stays at 0; once
+    the driver returns, every job's copies land in order (job 1's from its snapshot, though the
+    mailbox has been posted over twice since)."""
+    rng = random.Random(rng_seed)
+    gen = torch.Generator().manual_seed(rng_seed)
+    w13, w2, box, cpu = started(gen)
+    slots = Slots(gen)
+    hold = threading.Event()
+    fake, staged = FakeDriver(hold=hold, watch=box.ctrl), torch.full((S,), -1, dtype=torch.int64)
+    fake.configure(cpu, slots, staged)
+    first, want, copies = slots.snapshot(), slots.snapshot(), 0
+    try:
+        for seq in (1, 2, 3):
+            hidden, rows, weights, fill_slots, fills = split_job(gen, rng, rng.sample(range(S), 3))
+            cols = (rng.randrange(W), W)
+            post(box, seq, hidden, rows, weights, fill_slots, cols)
+            wait(box, seq, timeout=1.0)
+            got = experts.cpu_experts(hidden, w13, w2, rows, weights, columns=cols)
+            assert torch.equal(box.out[:T_MAX], got), f"job {seq}"
+            want = expect(want, w13, w2, fills, *cols)
+            copies += len(fills)
+        assert int(box.ctrl[BEHIND]) == 0 and fake.calls == []  # job 1's copies: still held
+        assert all(torch.equal(x, y) for x, y in zip(slots.snapshot(), first, strict=True))
+        hold.set()
+        cpu.drain_behind()
+        assert int(box.ctrl[BEHIND]) == 3 and int(box.ctrl[ERROR]) == 0
+        assert int(box.ctrl[BEHIND_EXPERTS]) == copies
+        for name, x, y in zip(("w13", "w2", "landed"), slots.snapshot(), want, strict=True):
+            assert torch.equal(x, y), name
+        assert [c for c in fake.calls if c[0] == "ctx"] == [("ctx", fake.CTX)]  # once
+        # Each job's copies run with BEHIND at the job before: stored after them, in order.
+        assert fake.seen == sorted(fake.seen) and set(fake.seen) == {0, 1, 2}
+    finally:
+        hold.set()
+        cpu.stop()
+
+
+def test_a_full_ring_drops_copies_never_an_answer(rng_seed):
+    """A ring of 2 jobs (set by the first configuration: `set_behind(ring=2)`; the driver's
+    later one keeps it) and a held driver: job 1 stays in the copier's hands, job 2 queues,
+    jobs 3 to 5 find the ring full. Every job is answered, ERROR turns -7 at job 3, and after
+    the driver returns BEHIND reaches job 5 (a drain ends) with only jobs 1 and 2 copied."""
+    rng = random.Random(rng_seed)
+    gen = torch.Generator().manual_seed(rng_seed)
+    w13, w2, box, cpu = started(gen)
+    slots = Slots(gen)
+    hold = threading.Event()
+    fake, staged = FakeDriver(hold=hold, watch=box.ctrl), torch.full((S,), -1, dtype=torch.int64)
+    cpu.set_behind(slots.behind(), ring=2)
+    fake.configure(cpu, slots, staged)
+    want, copies = slots.snapshot(), 0
+    try:
+        for seq in range(1, 6):
+            hidden, rows, weights, fill_slots, fills = split_job(gen, rng, rng.sample(range(S), 3))
+            cols = (rng.randrange(W), W)
+            post(box, seq, hidden, rows, weights, fill_slots, cols)
+            wait(box, seq, timeout=1.0)
+            assert int(box.ctrl[ERROR]) == (0 if seq <= 2 else -7), f"job {seq}"
+            if seq <= 2:
+                want = expect(want, w13, w2, fills, *cols)
+                copies += len(fills)
+        assert int(box.ctrl[BEHIND]) == 0
+        hold.set()
+        cpu.drain_behind()
+        assert int(box.ctrl[BEHIND]) == 5 and int(box.ctrl[BEHIND_EXPERTS]) == copies
+        # The drops' BEHIND comes after the queued jobs: job 2's copies ran with BEHIND 1.
+        assert fake.seen == sorted(fake.seen) and set(fake.seen) == {0, 1}
+        for name, x, y in zip(("w13", "w2", "landed"), slots.snapshot(), want, strict=True):
+            assert torch.equal(x, y), name
+    finally:
+        hold.set()
+        cpu.stop()
+
+
+def test_stop_makes_the_queued_copies_first(rng_seed):
+    """ft_worker_stop joins the copier after the copies it was given: a stop while the driver
+    holds job 1's copies (job 2's queued behind them) waits for both, and they land."""
+    rng = random.Random(rng_seed)
+    gen = torch.Generator().manual_seed(rng_seed)
+    w13, w2, box, cpu = started(gen)
+    slots = Slots(gen)
+    hold = threading.Event()
+    fake, staged = FakeDriver(hold=hold), torch.full((S,), -1, dtype=torch.int64)
+    fake.configure(cpu, slots, staged)
+    stopper = threading.Thread(target=cpu.stop)
+    want = slots.snapshot()
+    try:
+        for seq in (1, 2):
+            hidden, rows, weights, fill_slots, fills = split_job(gen, rng, rng.sample(range(S), 3))
+            cols = (rng.randrange(W), W)
+            want = expect(want, w13, w2, fills, *cols)
+            post(box, seq, hidden, rows, weights, fill_slots, cols)
+            wait(box, seq, timeout=1.0)
+        stopper.start()
+        stopper.join(0.2)
+        assert stopper.is_alive()  # joining the copier, which waits for the driver
+        hold.set()
+        stopper.join(10)
+        assert not stopper.is_alive() and not cpu.running
+        assert int(box.ctrl[BEHIND]) == 2
+        for name, x, y in zip(("w13", "w2", "landed"), slots.snapshot(), want, strict=True):
+            assert torch.equal(x, y), name
+    finally:
+        hold.set()
+        if stopper.is_alive():
+            stopper.join(10)
+        cpu.stop()
+
+
+def _copiers() -> set[str]:
+    """This process's copier threads (ids), named ft-copier by behind_copier.cpp."""
+    found = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() == "ft-copier":
+                found.add(task.name)
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return found
+
+
+def _cpu_s(tid: str) -> float:
+    """The thread's time on a CPU in seconds (the scheduler's count in ns: clock ticks would
+    charge a thread waking each millisecond for the ticks it wakes on)."""
+    return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs /proc schedstat")
+def test_an_idle_copier_sleeps(rng_seed):
+    """The copier must leave the cores to the kernel's SpinTeam: configured and without jobs,
+    its thread runs for almost none of 0.3 s (about 4 ms here, its 1 ms wake-ups; a spinning one
+    takes all of it). It starts with the first configuration and ft_worker_stop joins it."""
+    gen = torch.Generator().manual_seed(rng_seed)
+    _, _, _, cpu = started(gen)
+    try:
+        before = _copiers()
+        cpu.set_behind(Slots(gen).behind())
+        (tid,) = _copiers() - before
+        time.sleep(0.05)
+        t0 = _cpu_s(tid)
+        time.sleep(0.3)
+        assert _cpu_s(tid) - t0 < 0.05
+    finally:
+        cpu.stop()
+    assert tid not in _copiers()
