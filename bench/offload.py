@@ -374,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "popular_pins": args.popular_pins,
         "context": args.context,
         "fill_through": args.fill_through,
+        "split_expert": bank.split_expert,  # adaptive's split path offered (or held)
         "overlap": args.overlap,
         "adaptive_path": args.adaptive_path,  # None: measured (step_paths.py)
         "shared_gate": args.shared_gate,

@@ -37,7 +37,7 @@ class PathDecodeGraphs:
         them)."""
         self.stops, self.device, self.shared, self.split = stops, device, shared, split
         self.bank = stops.bank
-        self.device_steps = 0  # steps replayed on a whole-step path (device or shared)
+        self.device_steps = 0  # steps replayed on a whole-step path (device, shared or split)
 
     def __getattr__(self, name: str):
         return getattr(self.stops, name)  # only for names this class does not define

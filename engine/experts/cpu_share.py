@@ -107,6 +107,8 @@ class CpuShare:
                     f"{int(ctrl[worker.MAX_JOB_NS]) / 1e6:.2f} ms)")  # fmt: skip
             self.broken = f"the CPU expert worker {what}"
             self.worker.stop()
+            if timeout == 0:  # the steps already queued (overlap) give up at once, not in 2 s
+                ctrl[TIMEOUT] = -1
         raise CpuShareFailed(
             f"{self.broken}: this step's outputs miss the CPU's part of some layers; the CPU "
             "share of the device path is off from now on"

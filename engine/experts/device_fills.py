@@ -57,7 +57,7 @@ class DeviceFills:
         self._clock_at_own = 0
         self._folded = [0] * layout.STATE  # counters already added to the host's
         self.share = 0  # CPU_SHARE the plans read (cpu_share.py; 0: every miss filled)
-        self.cut = 0  # SPLIT_COLS the plans read (split_expert.py; 0: no fill cut)
+        self.cut = 0  # SPLIT_COLS the split plans read (split_expert.py sets it before them)
         # The split expert's tables (`enable_split`): each slot's columns, the copies landed.
         self.split: layout.SplitTables | None = None
         # Called first by `release`: the split expert's copies behind must land before the
@@ -81,7 +81,7 @@ class DeviceFills:
         state[layout.CLOCK] = self._clock_at_own = len(c._lru)
         state[layout.CPU_SHARE], state[layout.SEQ] = self.share, self._seq
         state[layout.SPLIT_COLS] = self.cut
-        if self.split is not None:  # every copy behind landed at the last release: all whole
+        if self.split is not None:  # the last release drained: every slot whole, none in flight
             self.split.cols.fill_(self.split.width)
             self.split.landed.fill_(-1)
         self.lid_of.copy_(torch.tensor(c._lid_of, dtype=torch.int32))

@@ -1,14 +1,15 @@
 """The offloaded bank's device path: a MoE layer that places its own misses on the device.
 
 Policy gpu-fill runs it for every decode step, adaptive for the steps its PathTrials hold on
-`device` or `shared` (step_paths.py). Per layer: the plan (kernels/expert_fills.py) looks the
-layer's lids up and gives each miss a victim slot, or, on the shared path, sends the CPU
-worker its share of them (cpu_share.py); the copy kernel moves the link's share from the
-pinned pool and collects the worker's answer; the MoE kernels compute from the slots and add
-it. With EngineConfig.fill_through and no CPU worker in the graph, there is no copy kernel:
-the MoE kernels read each moved expert from the pool and store it into its slot as they go
-(a group of more than 16 pairs on one moved expert reads it over the link once per 16). The
-cache belongs to the device meanwhile (device_fills.py: `own`, `release`).
+`device`, `shared` or `split` (step_paths.py). Per layer: the plan (kernels/expert_fills.py)
+looks the layer's lids up and gives each miss a victim slot, or, on the shared path, sends the
+CPU worker its share of them (cpu_share.py), or, on the split path, cuts each fill between the
+link and the worker (split_expert.py); the copy kernel moves the link's share from the pinned
+pool and collects the worker's answer; the MoE kernels compute from the slots and add it.
+With EngineConfig.fill_through and no CPU worker in the graph, there is no copy kernel: the MoE
+kernels read each moved expert from the pool and store it into its slot as they go (a group
+of more than 16 pairs on one moved expert reads it over the link once per 16). The cache
+belongs to the device meanwhile (device_fills.py: `own`, `release`).
 
 The bank keeps the state; this class is its device-path half (as GraphDecode is its half under
 segmented graphs), split out to keep each file to one concept.
@@ -63,11 +64,11 @@ class DevicePath:
                 self.split = SplitExpert(cache.on_device, self.cpu_share, bank.pool, cache.w13,
                                          cache.w2)  # fmt: skip
         bank.adaptive.shared_ok = self.cpu_share is not None
-        bank.adaptive.split_ok = self.split is not None
+        bank.adaptive.split_ok = self.split is not None and self.split.check()
 
     def takes(self, n_tokens: int) -> bool:
         """Whether an eager call of `n_tokens` tokens takes the device path: always under
-        gpu-fill, when adaptive holds `device` or `shared` for this batch size."""
+        gpu-fill, when adaptive holds `device`, `shared` or `split` for this batch size."""
         bank = self.bank
         if bank.policy == "gpu-fill":
             return True
@@ -128,7 +129,7 @@ class DevicePath:
 
     def _posts(self, n_tokens: int, live_pairs: int | None) -> bool:
         """Whether a layer posts to the CPU worker: in a capture, as its graph set says; an
-        eager call of `n_tokens` tokens while adaptive holds `shared` for them."""
+        eager call of `n_tokens` tokens while adaptive holds `shared` or `split` for them."""
         bank = self.bank
         if self.cpu_share is None or bank.policy != "adaptive":
             return False
@@ -182,6 +183,8 @@ class DevicePath:
 
     def after_step(self) -> None:
         """The CPU worker's timings into B_H; a worker that failed raises (cpu_share.py)."""
+        if self.split is not None and not self.split.check():
+            self.bank.adaptive.split_ok = False  # (the next step's drain evicts its slots)
         if self.cpu_share is not None:
             self.cpu_share.observe(self.bank.bandwidths)
             try:

@@ -406,7 +406,7 @@ class OffloadedExpertBank(GraphDecode):
         self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers, tokens)
         self.adaptive.shared_ok = self.cpu_share is not None
         split = self.device_path.split
-        self.adaptive.split_ok = split is not None and split.share.broken is None
+        self.adaptive.split_ok = split is not None and split.check()
         self.cache.kept_layers = frozenset()
         if self.popular is not None:
             self.popular.reset()

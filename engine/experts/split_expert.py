@@ -6,16 +6,18 @@ layer misses one expert, which the shared path cannot split: the CPU computes on
 faster than the link fills it. SwiGLU is elementwise over the width I, so an expert's output
 is the sum of its column slices' outputs. Here each fill moves columns [0, c) over the link
 while the CPU worker computes columns [c, I) from the pool (kernels/reference_fills.py has the
-plan's rule), so the layer waits for about half an expert. The worker then copies its columns
-into the slot behind the step with the copy engines (kernels/cpu/worker.py's copies behind) so
-the cache keeps whole experts, and writes `landed`; until then the slot is in flight: no
-victim, and a hit on it posts its columns past the cut again.
+plan's rule), so the layer waits for about half an expert. Then a copier thread copies the
+CPU's columns into the slot behind the step with the copy engines (kernels/cpu/worker.py's
+copies behind; behind_copier.cpp) so the cache keeps whole experts, and writes `landed`; until
+then the slot is in flight: no victim, and a hit on it posts its columns past the cut again.
 
-The copies behind are the copy engines', issued by the worker as soon as it has answered,
-because bench side-fill (twenty-eighth session, 48 layers, 25 misses a step) measured them
-nearly free beside the step (the half step 6.01 ms, with the other halves behind on the copy
-engines 6.17-6.25, the whole fills 8.34), where an SM copy kernel on a second stream cost
-almost all of the saving (7.09-8.13 ms): its programs take SMs and the link from the step.
+Why the copy engines, issued by a CPU thread: bench side-fill (twenty-eighth session, 48
+layers, 25 misses a step) measured them nearly free beside the step (the half step 6.01 ms,
+with the other halves behind on the copy engines 6.17-6.25, the whole fills 8.34), where an SM
+copy kernel on a second stream cost almost all of the saving (7.09-8.13 ms): its programs take
+SMs and the link from the step. Only the host side knows the addresses. Not the worker itself:
+the device spins on its answers, and its own driver calls stalled them (up to 20 ms a job,
+once past the 2 s timeout, on the H200), so a thread of its own.
 
 The cut balances the two halves: the link's c / I of an expert at B_P against the CPU's
 (I - c) / I at B_H, c / I = B_P / (B_P + B_H) (q*'s share, cpu_share.py), on a multiple of
@@ -25,17 +27,21 @@ to the host, first `drain` the copies behind (every slot whole again).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from freetoken_agent.engine.experts.policy import Bandwidths, cpu_fraction
 from freetoken_agent.kernels.cpu.behind_copies import BehindCopies
+from freetoken_agent.kernels.cpu.worker import BEHIND_ERROR
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.experts.cpu_share import CpuShare
     from freetoken_agent.engine.experts.device_fills import DeviceFills
     from freetoken_agent.engine.experts.pool import ExpertPool
+
+log = logging.getLogger("freetoken.experts")
 
 CUT_ALIGN = 16  # columns: the cut stays on whole 32-byte rows of bf16 for both halves
 
@@ -53,6 +59,7 @@ class SplitExpert:
         share.worker.set_behind(self.behind)
         fills.before_release = self.drain
         self.dirty = False  # a split step ran since the last drain: slots may be in flight
+        self.failed: str | None = None  # why the path is off for good (`check`)
 
     def cut(self, bandwidths: Bandwidths) -> int:
         """The column c for the link's part: I * B_P / (B_P + B_H) on a multiple of
@@ -64,6 +71,17 @@ class SplitExpert:
         c = round(i * link / CUT_ALIGN) * CUT_ALIGN
         return min(i - CUT_ALIGN, max(CUT_ALIGN, c))
 
+    def check(self) -> bool:
+        """After a step: whether the path may still run. A copy behind that failed (the
+        copier's BEHIND_ERROR: the answers were right, only slots stay unfinished) turns it off
+        for good; the next drain evicts those slots. The CPU share goes on."""
+        if self.failed is None:
+            code = int(self.share.box.ctrl[BEHIND_ERROR])
+            if code != 0:
+                self.failed = f"a copy behind failed (code {code})"
+                log.warning("the split path is off: %s", self.failed)
+        return self.failed is None and self.share.broken is None
+
     def enter(self, bandwidths: Bandwidths) -> None:
         """Before a split step: the cut (chosen anew only with nothing in flight)."""
         if not self.dirty:
@@ -72,8 +90,10 @@ class SplitExpert:
 
     def drain(self) -> None:
         """Wait until every copy behind has landed, then call every slot whole (a no-op
-        when no split step ran since the last drain). A worker that failed copies nothing
-        more: its slots in flight lose their experts instead."""
+        when no split step ran since the last drain). A slot still in flight then never gets
+        its columns (a copy the copier refused or dropped, a driver error, a worker that
+        failed): it loses its expert instead, which misses again, rather than serve the last
+        expert's columns past the cut."""
         if not self.dirty:
             return
         if self.behind.on_cuda:
@@ -82,8 +102,8 @@ class SplitExpert:
             torch.cuda.synchronize(self.behind.w13.device)
         if self.share.broken is None:
             self.share.worker.drain_behind(self.share.timeout_s)
-        else:
-            self._evict_in_flight()
+        # (a failed worker's copier finished its queue when the worker stopped)
+        self._evict_in_flight()
         self.tables.cols.fill_(self.width)  # in stream order, before the next step's plans
         self.dirty = False
 
@@ -96,6 +116,7 @@ class SplitExpert:
         fills.cache.slot_of[lids] = -1
         fills.lid_of[gone] = -1
         fills.stamp[gone] = -1
+        fills.popular[gone] = False  # (an empty slot is pinned for nothing)
 
     def close(self) -> None:
         """Stop the copies behind (after a drain: the worker is stopped next)."""

@@ -1,6 +1,6 @@
 """`adaptive`'s choice of how a decode step reaches its missing experts, by measured step time.
 
-Three paths (engine/experts/device_fills.py and cpu_share.py have the why):
+Four paths (engine/experts/device_fills.py, cpu_share.py and split_expert.py have the why):
 - `stops`: the segmented graphs stop after each router that misses; the host places the misses
   (q*, fetch-all, the CPU branch, whole layers: adaptive.py) and the step resumes;
 - `device`: one graph a step whose layers fill their own misses (policy gpu-fill's kernels):
@@ -9,7 +9,8 @@ Three paths (engine/experts/device_fills.py and cpu_share.py have the why):
   misses (cpu_share.py); offered where the worker runs (the SIMD kernel built) and while
   fills do not pay (adaptive.py);
 - `split`: the same graph, every fill cut between the link and the CPU worker, which copies
-  its part into the slot behind the step (split_expert.py); offered where the worker runs.
+  its part into the slot behind the step (split_expert.py); offered where the worker runs and
+  EngineConfig.split_expert asks for it.
 
 Neither wins everywhere. On the H200 host (bench/results/NOTES.md, eighteenth session) the
 device path ran native routing at 721 against 543 tok/s on the peer slice and Zipf at 98.9

@@ -20,8 +20,8 @@
 // BEHIND in order: while copies behind are on, the worker pushes every answered job, those
 // without fills and failed ones too (n = 0), so BEHIND goes through every seq. Ring full (the
 // copier far behind, e.g. stuck in the driver): the worker does not wait. ft_copier_drop stores
-// ERROR = DROPPED when the job had fills (its copies are lost; the engine takes the worker for
-// failed and evicts its slots in flight) and `dropped` = seq (release). The copier, finding the
+// BEHIND_ERROR = DROPPED when the job had fills (its copies are lost; the engine turns the
+// split path off and evicts its slots in flight) and `dropped` = seq (release). The copier, finding the
 // ring empty after an acquire load of `dropped`, stores BEHIND = dropped when larger: the jobs
 // pushed before the drop are done then, and every job pushed after it has a larger seq, so
 // BEHIND only grows and a drain (waiting for the last POST) ends.
@@ -50,8 +50,9 @@
 namespace {
 
 // ctrl's entries (kernels/cpu/worker.py's indexes).
-constexpr int BEHIND = 6, BEHIND_EXPERTS = 7, ANSWER = 8, ERROR = 9;
-// ERROR's codes of the copies behind (the kernel's are -1, -2, -4; a job too large -3): a fill
+constexpr int BEHIND = 6, BEHIND_EXPERTS = 7, ANSWER = 8, BEHIND_ERROR = 16;
+// BEHIND_ERROR's codes (apart from ERROR, the answers': a copy behind failing leaves every
+// answer right, only the cache's slot unfinished, so the CPU share goes on): a fill
 // slot outside the slot bank, one slot named for two pool rows in a job, a job's copies dropped
 // (the ring full), and a CUDA driver call's nonzero CUresult r as CUDA_ERROR - r. The rest of
 // the job's fills still go (CUDA: the job's copies stop at the failing call); BEHIND is stored
@@ -130,8 +131,8 @@ struct Copier {
   std::vector<Fill> fills;  // a job's distinct (lid, slot), capacity max_pairs
   std::thread thread;
 
-  // The job's distinct fills, each slot checked against the slot bank. Returns 0 or an ERROR
-  // code.
+  // The job's distinct fills, each slot checked against the slot bank. Returns 0 or a
+  // BEHIND_ERROR code.
   int64_t collect(const int64_t* p, int64_t n) {
     int64_t rc = 0;
     fills.clear();
@@ -154,7 +155,7 @@ struct Copier {
   }
 
   // Columns [c0, c1) of each fill's pool row into its slot, then the slot's mark. Returns the
-  // slots done (CPU) or queued whole (CUDA); a failing driver call's code goes to ERROR.
+  // slots done (CPU) or queued whole (CUDA); a failing driver call's code goes to BEHIND_ERROR.
   int64_t copy_behind(int64_t c0, int64_t c1) {
     Behind& b = *behind;
     const int64_t e = elem;
@@ -202,7 +203,7 @@ struct Copier {
       if (r == 0) r = b.htod(mark, b.landed_src + f.slot, sizeof(int64_t), b.stream);
       queued += r == 0;
     }
-    if (r != 0) at(ctrl, ERROR).store(CUDA_ERROR - r, std::memory_order_relaxed);
+    if (r != 0) at(ctrl, BEHIND_ERROR).store(CUDA_ERROR - r, std::memory_order_relaxed);
     return queued;
   }
 
@@ -211,7 +212,7 @@ struct Copier {
     {
       std::lock_guard<std::mutex> lock(config_mu);
       if (behind && job.n > 0) {
-        if (const int64_t bad = collect(p, job.n)) at(ctrl, ERROR).store(bad);
+        if (const int64_t bad = collect(p, job.n)) at(ctrl, BEHIND_ERROR).store(bad);
         if (!fills.empty()) queued = copy_behind(job.c0, job.c1);
       }
     }
@@ -292,10 +293,10 @@ void ft_copier_push(void* handle, int64_t seq, int64_t c0, int64_t c1, int64_t n
 }
 
 // The worker, after ANSWER, when ft_copier_begin found the ring full: a job with n > 0 pairs
-// loses its copies (ERROR DROPPED); BEHIND reaches seq once the ring is empty.
+// loses its copies (BEHIND_ERROR DROPPED); BEHIND reaches seq once the ring is empty.
 void ft_copier_drop(void* handle, int64_t seq, int64_t n) {
   auto* c = static_cast<Copier*>(handle);
-  if (n > 0) at(c->ctrl, ERROR).store(DROPPED, std::memory_order_relaxed);
+  if (n > 0) at(c->ctrl, BEHIND_ERROR).store(DROPPED, std::memory_order_relaxed);
   c->dropped.store(seq, std::memory_order_release);
 }
 

@@ -27,7 +27,7 @@
 // fills and failed ones too, so BEHIND advances in order) and wakes the copier, a second thread
 // that makes the copies, CUDA ones through the driver, and stores BEHIND = seq
 // (behind_copier.cpp). The worker never waits for it: on a full ring it drops the job's copies
-// (ERROR -7) and goes on.
+// (BEHIND_ERROR -7) and goes on.
 //
 // Idle: the thread spins (pause) for spin_ns after its last job (a decode step posts every few
 // hundred microseconds), then sleeps on a condition variable in 1 ms slices until ft_worker_wake

@@ -23,19 +23,21 @@ per job, then landed[slot] = rows[p] behind them (CUDA: queued on the side strea
 later; `drain_behind` waits for them), then release-stores ctrl[BEHIND] = seq and adds the
 slots to ctrl[BEHIND_EXPERTS]. Every answered job is pushed while copies behind are on (jobs
 without fills and failed jobs, which copy nothing, too), so BEHIND advances in order. The ring
-holds RING jobs (`set_behind(ring=...)`); on a full ring the worker does not wait: it drops the
-job's copies (ERROR -7) and the copier stores BEHIND = that seq once the ring is empty, so a
-drain still ends. The copier sleeps when idle (1 ms slices; the worker wakes it after a push).
+holds RING jobs (`set_behind(ring=...)`); on a full ring the worker does not wait: it drops
+the job's copies (BEHIND_ERROR -7) and the copier stores BEHIND = that seq once the ring is
+empty, so a drain still ends. The copier sleeps when idle (1 ms slices; the worker wakes it
+after a push).
 
 A device wait that outlives TIMEOUT_S writes its seq to ctrl[TIMEOUT] (the mailbox is dead
 from then on: later waits do not spin) and every wait that gives up writes its seq to
 ctrl[LOST] (that layer's CPU part is missing: the bank raises for the step and stops sharing,
 engine/experts/cpu_share.py). ctrl[ERROR] holds the kernel's nonzero return code (-1 a row past
-the pool, -2 a dtype, -4 a column range; -3 more tokens than the mailbox holds) or a copy
-behind's: -5 a fill slot outside the slot bank (that pair copies nothing), -6 one slot named for
-two rows in a job (the first pair's row is copied), -7 a job's copies dropped (the copier's
-ring was full: the copier far behind, e.g. blocked in the driver), -100 - r a CUDA driver
-call's CUresult r (the job's copies stop there). A failed job's copies are not made.
+the pool, -2 a dtype, -4 a column range; -3 more tokens than the mailbox holds) and
+ctrl[BEHIND_ERROR] a copy behind's: -5 a fill slot outside the slot bank (that pair copies
+nothing), -6 one slot named for two rows in a job (the first pair's row is copied), -7 a job's
+copies dropped (the copier's ring was full: the copier far behind, e.g. blocked in the
+driver), -100 - r a CUDA driver call's CUresult r (the job's copies stop there). A failed
+job's copies are not made.
 
 Shapes: T_max tokens, K top-k, H hidden. rows [T_max * K] int64 (pool rows, -1: not the CPU's),
 weights [T_max * K] fp32, hidden [T_max, H] (the model's dtype), out [T_max, H] fp32,
@@ -64,14 +66,16 @@ POST, TOKENS, ANSWER, ERROR, TIMEOUT, JOBS, EXPERTS, BUSY_NS, LOST = 0, 1, 8, 9,
 # (the pool bytes read are COLUMNS / I experts' worth).
 COL_LO, COL_HI, COLUMNS = 3, 4, 5
 # The copies behind (set_behind): the last job whose copies are all queued (the copier's), and
-# the slots copied (each slot once per job).
-BEHIND, BEHIND_EXPERTS = 6, 7
+# the slots copied (each slot once per job); BEHIND_ERROR, a copy behind's failure, apart from
+# ERROR: every answer was right, only a cache slot stays unfinished (the engine then turns the
+# split path off and evicts its slots in flight; the CPU share goes on).
+BEHIND, BEHIND_EXPERTS, BEHIND_ERROR = 6, 7, 16
 # The copier's ring in jobs: about five 48-layer steps of one job per layer before the worker
 # drops copies; each entry holds T_max * K pairs of 16 bytes, made once.
 RING = 256
 # Diagnostics: the longest job (ns), and the answer a wait last read when it gave up.
 MAX_JOB_NS, GAVE_UP_AT = 15, 2
-CTRL = 16
+CTRL = 24
 TIMEOUT_S = 2.0  # a device wait's bound: jobs take well under a millisecond
 # The worker's kernel threads: "spin" (a team of its own that spins between jobs:
 # expert_kernel.cpp SpinTeam) or "omp" (its OpenMP team). On the H200 host (twentieth session,

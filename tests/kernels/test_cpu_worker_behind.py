@@ -21,6 +21,7 @@ from freetoken_agent.kernels.cpu.behind_copies import BehindCopies
 from freetoken_agent.kernels.cpu.worker import (
     ANSWER,
     BEHIND,
+    BEHIND_ERROR,
     BEHIND_EXPERTS,
     COL_HI,
     COL_LO,
@@ -258,14 +259,17 @@ def test_bad_fills_are_reported_and_the_worker_keeps_answering(rng_seed):
             post(box, seq, hidden, rows, weights, fill_slots, (c0, W))
             wait(box, seq)
             cpu.drain_behind()
-            assert int(box.ctrl[ERROR]) == code, case
+            # the answer's failure in ERROR, a copy behind's in BEHIND_ERROR
+            want_error, want_behind = (code, 0) if case == "failed" else (0, code)
+            assert int(box.ctrl[ERROR]) == want_error, case
+            assert int(box.ctrl[BEHIND_ERROR]) == want_behind, case
             assert int(box.ctrl[BEHIND]) == seq, case
             for x, y in zip(slots.snapshot(), expect(before, w13, w2, fills, c0, W), strict=True):
                 assert torch.equal(x, y), (case, fills)
             if case != "failed":
                 want = experts.cpu_experts(hidden, w13, w2, rows, weights, columns=(c0, W))
                 assert torch.equal(box.out[:T_MAX], want), case
-            box.ctrl[ERROR] = 0
+            box.ctrl[ERROR] = box.ctrl[BEHIND_ERROR] = 0
     finally:
         cpu.stop()
 
@@ -354,8 +358,9 @@ class FakeDriver:
 def test_the_cuda_copies_call_the_driver_as_documented(rng_seed):
     """The CUDA branch's calls without a GPU (libcuda played on host memory): the context made
     current once, then per slot gate rows, up rows, w2's columns (a 2D copy) and the mark
-    staged in landed_src, all on the side stream; a failing call's CUresult r becomes ERROR
-    -100 - r, the job's copies stop there, and BEHIND is still stored."""
+    staged in landed_src, all on the side stream; a failing call's CUresult r becomes
+    BEHIND_ERROR -100 - r (ERROR stays 0: the answer was right), the job's copies stop there,
+    and BEHIND is still stored."""
     assert ctypes.sizeof(Memcpy2D) == 128
     rng = random.Random(rng_seed)
     gen = torch.Generator().manual_seed(rng_seed)
@@ -369,7 +374,7 @@ def test_the_cuda_copies_call_the_driver_as_documented(rng_seed):
             if seq < 3:  # job 3: the same configuration, its context already current
                 fake.configure(cpu, slots, staged)
             before, made = slots.snapshot(), len(fake.calls)
-            box.ctrl[ERROR] = 0
+            box.ctrl[BEHIND_ERROR] = 0
             hidden, rows, weights, fill_slots, fills = split_job(gen, rng, rng.sample(range(S), 4))
             c0 = rng.randrange(W)
             post(box, seq, hidden, rows, weights, fill_slots, (c0, W))
@@ -394,13 +399,13 @@ def test_the_cuda_copies_call_the_driver_as_documented(rng_seed):
                 for x, y in zip(slots.snapshot(), expect(before, w13, w2, fills, c0, W),
                                 strict=True):  # fmt: skip
                     assert torch.equal(x, y)
-                assert int(box.ctrl[ERROR]) == 0
+                assert int(box.ctrl[BEHIND_ERROR]) == 0
                 copied += len(fills)
                 assert int(box.ctrl[BEHIND_EXPERTS]) == copied
             else:
                 assert fake.calls == want[:3]  # stopped at the failing call
                 assert torch.equal(slots.landed, before[2])  # no mark went
-                assert int(box.ctrl[ERROR]) == -800
+                assert int(box.ctrl[BEHIND_ERROR]) == -800 and int(box.ctrl[ERROR]) == 0
                 assert int(box.ctrl[BEHIND_EXPERTS]) == copied  # no slot queued whole
     finally:
         cpu.stop()
@@ -474,7 +479,7 @@ def test_the_worker_answers_while_the_copier_waits_for_the_driver(rng_seed):
 def test_a_full_ring_drops_copies_never_an_answer(rng_seed):
     """A ring of 2 jobs (set by the first configuration: `set_behind(ring=2)`; the driver's
     later one keeps it) and a held driver: job 1 stays in the copier's hands, job 2 queues,
-    jobs 3 to 5 find the ring full. Every job is answered, ERROR turns -7 at job 3, and after
+    jobs 3 to 5 find the ring full. Every job is answered, BEHIND_ERROR turns -7 at job 3, and after
     the driver returns BEHIND reaches job 5 (a drain ends) with only jobs 1 and 2 copied."""
     rng = random.Random(rng_seed)
     gen = torch.Generator().manual_seed(rng_seed)
@@ -491,7 +496,8 @@ def test_a_full_ring_drops_copies_never_an_answer(rng_seed):
             cols = (rng.randrange(W), W)
             post(box, seq, hidden, rows, weights, fill_slots, cols)
             wait(box, seq, timeout=1.0)
-            assert int(box.ctrl[ERROR]) == (0 if seq <= 2 else -7), f"job {seq}"
+            assert int(box.ctrl[BEHIND_ERROR]) == (0 if seq <= 2 else -7), f"job {seq}"
+            assert int(box.ctrl[ERROR]) == 0, f"job {seq}"  # every answer was right
             if seq <= 2:
                 want = expect(want, w13, w2, fills, *cols)
                 copies += len(fills)

@@ -10,6 +10,7 @@ import torch
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.experts.cpu_share import CpuShareFailed
 from freetoken_agent.kernels.cpu import worker
 
 pytestmark = pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
@@ -107,4 +108,19 @@ def test_the_workers_columns_are_the_bytes_b_h_learns_from(tmp_path, rng_seed):
     before = bandwidths.cpu
     share.observe(bandwidths)  # nothing new: unchanged
     assert bandwidths.cpu == before
+    engine.close()
+
+
+def test_a_failed_job_marks_the_mailbox_dead_for_the_steps_queued(tmp_path, rng_seed):
+    """A job the worker failed (ctrl[ERROR]) stops the worker; the steps overlap scheduling
+    already queued must give up at their first wait, not spin 2 s each: the mailbox is dead."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    engine = _shared_engine(tmp_path, 3, 1.0)
+    share = engine.loaded.bank.cpu_share
+    ctrl = share.box.ctrl
+    assert int(ctrl[worker.TIMEOUT]) == 0
+    ctrl[worker.ERROR] = -random.Random(rng_seed).randint(1, 4)
+    with pytest.raises(CpuShareFailed, match="failed a job"):
+        share.check()
+    assert int(ctrl[worker.TIMEOUT]) != 0 and not share.worker.running
     engine.close()

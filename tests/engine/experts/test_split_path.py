@@ -10,6 +10,7 @@ import torch
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.cpu import worker
 
 pytestmark = pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
@@ -159,5 +160,34 @@ def test_gpu_fill_after_split_steps_drains_them_first(tmp_path, rng_seed):
     bank.policy = "gpu-fill"
     assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     assert not bank.device_path.split.dirty
+    engine.check_integrity()
+    engine.close()
+
+
+def test_a_copy_behind_that_failed_loses_its_slot_and_turns_the_path_off(tmp_path, rng_seed):
+    """A cut slot whose copies behind never came (the copier's BEHIND_ERROR: refused, dropped,
+    a driver error): the drain evicts it rather than call it whole, its stale columns past the
+    cut never serve, and the split path is off from then on while the CPU share goes on."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 2)
+    sp = SamplingParams(max_tokens=rng.randint(6, 12), temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **OPTS).generate(
+        prompts, sp)]  # fmt: skip
+    engine = _split_engine(tmp_path, rng.randint(6, 20), rng.uniform(0.2, 0.8))
+    bank = engine.loaded.bank
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+    fills, split = bank.cache.on_device, bank.device_path.split
+    assert fills.owned and split.dirty
+    resident = (fills.lid_of >= 0).nonzero().flatten()  # [R] slots
+    cut = int(fills.state[ref.SPLIT_COLS])
+    # As if every resident's copies behind failed: cut, never landed, and the columns past the
+    # cut still the last expert's (NaN here: one read of them poisons the tokens).
+    split.tables.cols[resident], split.tables.landed[resident] = cut, -1
+    bank.cache.w13[resident, cut : split.width] = float("nan")
+    bank.cpu_share.box.ctrl[worker.BEHIND_ERROR] = -7
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+    assert split.failed is not None and not bank.adaptive.split_ok
+    assert bank.cpu_share.broken is None  # the share goes on
     engine.check_integrity()
     engine.close()
