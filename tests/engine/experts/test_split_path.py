@@ -144,21 +144,32 @@ def test_forgetting_decisions_keeps_the_split_path(tmp_path, rng_seed):
     engine.close()
 
 
-def test_gpu_fill_after_split_steps_drains_them_first(tmp_path, rng_seed):
-    """A policy switch to gpu-fill (the benchmark's) after split steps: its plans and MoE
-    kernels read whole slots, so the copies behind land first."""
+def _after_split_steps(tmp_path, rng_seed: int, min_slots: int, max_slots: int):
+    """An engine held on split after one generation that gave the resident tokens, and `run`:
+    the same generation again, asserting the resident tokens."""
     make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
     rng = random.Random(rng_seed)
     prompts = _prompts(rng, 2)
     sp = SamplingParams(max_tokens=rng.randint(6, 12), temperature=0, ignore_eos=True)
     want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **OPTS).generate(
         prompts, sp)]  # fmt: skip
-    engine = _split_engine(tmp_path, rng.randint(3, 12), rng.uniform(0.2, 0.8))
+    engine = _split_engine(tmp_path, rng.randint(min_slots, max_slots), rng.uniform(0.2, 0.8))
+
+    def run() -> None:
+        assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+
+    run()
+    return engine, run
+
+
+def test_gpu_fill_after_split_steps_drains_them_first(tmp_path, rng_seed):
+    """A policy switch to gpu-fill (the benchmark's) after split steps: its plans and MoE
+    kernels read whole slots, so the copies behind land first."""
+    engine, run = _after_split_steps(tmp_path, rng_seed, 3, 12)
     bank = engine.loaded.bank
-    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     assert bank.device_path.split.dirty  # split steps ran, nothing drained them since
     bank.policy = "gpu-fill"
-    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+    run()
     assert not bank.device_path.split.dirty
     engine.check_integrity()
     engine.close()
@@ -168,15 +179,8 @@ def test_a_copy_behind_that_failed_loses_its_slot_and_turns_the_path_off(tmp_pat
     """A cut slot whose copies behind never came (the copier's BEHIND_ERROR: refused, dropped,
     a driver error): the drain evicts it rather than call it whole, its stale columns past the
     cut never serve, and the split path is off from then on while the CPU share goes on."""
-    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
-    rng = random.Random(rng_seed)
-    prompts = _prompts(rng, 2)
-    sp = SamplingParams(max_tokens=rng.randint(6, 12), temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **OPTS).generate(
-        prompts, sp)]  # fmt: skip
-    engine = _split_engine(tmp_path, rng.randint(6, 20), rng.uniform(0.2, 0.8))
+    engine, run = _after_split_steps(tmp_path, rng_seed, 6, 20)
     bank = engine.loaded.bank
-    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     fills, split = bank.cache.on_device, bank.device_path.split
     assert fills.owned and split.dirty
     resident = (fills.lid_of >= 0).nonzero().flatten()  # [R] slots
@@ -186,7 +190,7 @@ def test_a_copy_behind_that_failed_loses_its_slot_and_turns_the_path_off(tmp_pat
     split.tables.cols[resident], split.tables.landed[resident] = cut, -1
     bank.cache.w13[resident, cut : split.width] = float("nan")
     bank.cpu_share.box.ctrl[worker.BEHIND_ERROR] = -7
-    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+    run()
     assert split.failed is not None and not bank.adaptive.split_ok
     assert bank.cpu_share.broken is None  # the share goes on
     engine.check_integrity()
