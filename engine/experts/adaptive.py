@@ -100,6 +100,13 @@ class AdaptiveFetches:
             self._paths[n_tokens] = PathTrials(**params)
         return self._paths[n_tokens]
 
+    def drop_split(self) -> None:
+        """The split path failed for good (its worker, or a copy behind): off, and the path
+        trials that had it as a candidate start anew without it (kept, they would time
+        `device` steps under its name)."""
+        self.split_ok = False
+        self._paths.clear()
+
     def shares(self, n_tokens: int) -> ShareTrials:
         """The shared path's share trials for decode steps of `n_tokens` tokens."""
         if n_tokens not in self._shares:

@@ -183,14 +183,15 @@ class DevicePath:
 
     def after_step(self) -> None:
         """The CPU worker's timings into B_H; a worker that failed raises (cpu_share.py)."""
-        if self.split is not None and not self.split.check():
-            self.bank.adaptive.split_ok = False  # (the next step's drain evicts its slots)
+        if self.split is not None and self.bank.adaptive.split_ok and not self.split.check():
+            self.bank.adaptive.drop_split()  # (the next step's drain evicts its slots)
         if self.cpu_share is not None:
             self.cpu_share.observe(self.bank.bandwidths)
             try:
                 self.cpu_share.check()
             except CpuShareFailed:
-                self.bank.adaptive.split_ok = False  # no more cut fills: nobody computes them
+                if self.bank.adaptive.split_ok:  # no more cut fills: nobody computes them
+                    self.bank.adaptive.drop_split()
                 raise
 
     def close(self) -> None:

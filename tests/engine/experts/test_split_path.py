@@ -111,6 +111,7 @@ def test_a_worker_that_stops_answering_turns_the_split_path_off(tmp_path, rng_se
     assert out.finish_reason == "error" and "CPU expert worker did not answer" in out.error
     bank = engine.loaded.bank
     assert not bank.adaptive.split_ok and bank.adaptive.path(1) == "device"
+    assert "split" not in bank.adaptive.paths(1).candidates
     assert engine.generate(prompt, sp).token_ids == want  # the engine serves on, whole
     engine.check_integrity()
     engine.close()
@@ -192,6 +193,7 @@ def test_a_copy_behind_that_failed_loses_its_slot_and_turns_the_path_off(tmp_pat
     bank.cpu_share.box.ctrl[worker.BEHIND_ERROR] = -7
     run()
     assert split.failed is not None and not bank.adaptive.split_ok
+    assert "split" not in bank.adaptive.paths(1).candidates  # the trials made anew without it
     assert bank.cpu_share.broken is None  # the share goes on
     engine.check_integrity()
     engine.close()
