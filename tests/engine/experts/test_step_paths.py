@@ -10,6 +10,7 @@ from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.experts.fill_races import MIN_RACES
+from freetoken_agent.engine.experts.split_trials import DROP_FACTOR
 from freetoken_agent.engine.experts.step_paths import PATHS, PathTrials
 
 
@@ -22,11 +23,14 @@ def test_trials_time_the_paths_and_keep_the_fastest(rng_seed, shared, split):
     offered = {"shared": shared, "split": split}
     paths = tuple(p for p in PATHS if offered.get(p, True))
     # Costs in random order, at least 5% apart: the 1% noise below never reorders them (two
-    # paths 0.1% apart made the choice a coin toss once).
+    # paths 0.1% apart made the choice a coin toss once); all within DROP_FACTOR of the
+    # fastest, so every path runs every rotation (four paths at 0.25 apart once put the
+    # slowest past it, and its later blocks were dropped).
     cost = {
-        p: 1.0 + 0.25 * i + rng.uniform(0.0, 0.2)
+        p: 1.0 + 0.15 * i + rng.uniform(0.0, 0.1)
         for i, p in enumerate(rng.sample(paths, len(paths)))
     }
+    assert max(cost.values()) < DROP_FACTOR * min(cost.values())
     ran = []
     for _ in range(len(paths) * block * rotations):
         assert trials.exploring
