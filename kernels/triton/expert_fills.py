@@ -72,6 +72,7 @@ from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 BLOCK_S = 1024  # stamps a scan step reads
 COPY_BLOCK = 8192  # elements a copy program moves a step
 COPY_PROGRAMS = 32
+COPY_COLUMNS = 128  # a split w2 tile's columns (its rows: COPY_BLOCK / COPY_COLUMNS)
 
 _PINNED = tl.constexpr(PINNED)
 _CLOCK, _MOVES = tl.constexpr(CLOCK), tl.constexpr(MOVES)
@@ -234,48 +235,85 @@ def _plan_kernel(
 @triton.jit
 def _copy_kernel(
     state, moves, src13, src2, dst13, dst2, s_stride13, s_stride2, d_stride13, d_stride2, n13, n2,
-    box_ctrl, box_out, add, TH, timeout, width,
+    box_ctrl, box_out, add, TH, timeout, width, hidden_size,
     PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr, SYS: tl.constexpr,
-    BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)  # first: pdl.py
-    m13, m2 = n13, n2  # elements copied from an expert's rows
-    cut = tl.load(state + _MOVES) * 0 + width
-    if SPLIT:  # the columns [0, cut) only: gate rows, up rows, each w2 row's first cut
-        cut = tl.load(state + _SPLIT_COLS)
-        m13 = 2 * cut * (n2 // width)
-        m2 = cut * (n2 // width)
-    c13 = (m13 + BLOCK - 1) // BLOCK
-    per = c13 + (m2 + BLOCK - 1) // BLOCK  # chunks of one expert
-    total = (tl.load(state + _MOVES) * per).to(tl.int32)
+    moved = tl.load(state + _MOVES)
     offs = tl.arange(0, BLOCK)
-    h = n2 // width
-    for w in range(tl.program_id(0), total, PROGRAMS):
-        move = w // per
-        chunk = w % per
-        lid = tl.load(moves + 2 * move)
-        slot = tl.load(moves + 2 * move + 1)
-        if chunk < c13:
-            at = chunk.to(tl.int64) * BLOCK + offs
-            ok = at < m13
-            if SPLIT:  # past the gate rows' part: the up rows', I rows on
-                at = tl.where(at < cut * h, at, at + (width - cut) * h)
-            val = tl.load(src13 + lid * s_stride13 + at, mask=ok)
-            tl.store(dst13 + slot * d_stride13 + at, val, mask=ok)
-        else:
-            at = (chunk - c13).to(tl.int64) * BLOCK + offs
-            ok = at < m2
-            if SPLIT:  # w2 [H, I]: element k of the part is row k // cut, column k % cut
-                at = (at // cut) * width + at % cut
-            val = tl.load(src2 + lid * s_stride2 + at, mask=ok)
-            tl.store(dst2 + slot * d_stride2 + at, val, mask=ok)
+    if SPLIT:
+        # The columns [0, cut) only, as contiguous runs the loads can vectorise (an element's
+        # address computed by division, as a gather, compiled to 2-byte loads: 8x the load
+        # instructions of a whole fill, and on the H200 a split layer's link half took about
+        # twice its bytes' time). w13: the gate rows [0, cut) and the up rows [I, I + cut),
+        # each cut * H contiguous elements; w2 [H, I]: tiles of BLOCK_R rows x BLOCK_C columns.
+        cut = tl.load(state + _SPLIT_COLS).to(tl.int32)
+        part = cut * hidden_size  # elements of each w13 half
+        c13 = (part + BLOCK - 1) // BLOCK  # chunks of each half
+        n_cb = (cut + BLOCK_C - 1) // BLOCK_C
+        per = 2 * c13 + n_cb * ((hidden_size + BLOCK // BLOCK_C - 1) // (BLOCK // BLOCK_C))
+        total = moved.to(tl.int32) * per
+        for w in range(tl.program_id(0), total, PROGRAMS):
+            move = w // per
+            chunk = w % per
+            lid = tl.load(moves + 2 * move)
+            slot = tl.load(moves + 2 * move + 1)
+            if chunk < 2 * c13:
+                half = chunk // c13  # 0: gate rows, 1: up rows (I rows on)
+                at = (chunk - half * c13).to(tl.int64) * BLOCK + offs
+                ok = at < part
+                at += half.to(tl.int64) * n2  # I * H: where the up rows start
+                val = tl.load(src13 + lid * s_stride13 + at, mask=ok)
+                tl.store(dst13 + slot * d_stride13 + at, val, mask=ok)
+            elif cut % 8 == 0:
+                # Whole 16-byte runs: (cut // 8) * 8 is cut here, and the compiler knows it a
+                # multiple of 8, so the masks vectorise (a tl.multiple_of hint on `cut` would
+                # mark the value itself, in the other branch too).
+                _copy_columns(src2 + lid * s_stride2, dst2 + slot * d_stride2, chunk - 2 * c13,
+                              n_cb, (cut // 8) * 8, width, hidden_size, BLOCK, BLOCK_C)
+            else:
+                _copy_columns(src2 + lid * s_stride2, dst2 + slot * d_stride2, chunk - 2 * c13,
+                              n_cb, cut, width, hidden_size, BLOCK, BLOCK_C)
+    else:
+        c13 = (n13 + BLOCK - 1) // BLOCK
+        per = c13 + (n2 + BLOCK - 1) // BLOCK  # chunks of one expert
+        total = (moved * per).to(tl.int32)
+        for w in range(tl.program_id(0), total, PROGRAMS):
+            move = w // per
+            chunk = w % per
+            lid = tl.load(moves + 2 * move)
+            slot = tl.load(moves + 2 * move + 1)
+            if chunk < c13:
+                at = chunk.to(tl.int64) * BLOCK + offs
+                ok = at < n13
+                val = tl.load(src13 + lid * s_stride13 + at, mask=ok)
+                tl.store(dst13 + slot * d_stride13 + at, val, mask=ok)
+            else:
+                at = (chunk - c13).to(tl.int64) * BLOCK + offs
+                ok = at < n2
+                val = tl.load(src2 + lid * s_stride2 + at, mask=ok)
+                tl.store(dst2 + slot * d_stride2 + at, val, mask=ok)
     if WAIT:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
         # The CPU's answer: the programs that hold a BLOCK_H of `add` spin on it once their
         # copies are issued, then move their part (no launch of its own: a decode step has
         # one of these a layer).
         if (tl.program_id(0) * BLOCK_H < TH) & (tl.load(state + _LAYER_CPU) > 0):
             _collect(state, box_ctrl, box_out, add, TH, timeout, SYS, BLOCK_H)
+
+
+@triton.jit
+def _copy_columns(src, dst, tile, n_cb, cut, width, hidden_size, BLOCK: tl.constexpr,
+                  BLOCK_C: tl.constexpr):  # fmt: skip
+    """Tile `tile` of an expert's w2 [H, I] columns [0, cut): BLOCK // BLOCK_C rows x BLOCK_C
+    columns, row-major over the tiles (src and dst at the expert's w2)."""
+    block_r: tl.constexpr = BLOCK // BLOCK_C
+    rows = (tile // n_cb) * block_r + tl.arange(0, block_r)  # [R]
+    cols = (tile % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)  # [C]
+    at = rows.to(tl.int64)[:, None] * width + cols[None, :]  # [R, C]
+    ok = (rows < hidden_size)[:, None] & (cols < cut)[None, :]
+    tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
 
 
 @triton.jit
@@ -351,7 +389,8 @@ def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=Non
     _copy_kernel[(grid,)](
         state, moves, src_w13, src_w2, dst_w13, dst_w2, src_w13.stride(0), src_w2.stride(0),
         dst_w13.stride(0), dst_w2.stride(0), src_w13[0].numel(), src_w2[0].numel(),
-        ctrl, out, add, th, timeout, src_w2.shape[2],
+        ctrl, out, add, th, timeout, src_w2.shape[2], src_w2.shape[1],
         PROGRAMS=grid, BLOCK=COPY_BLOCK, WAIT=wait, SYS=sys, BLOCK_H=BLOCK_H, SPLIT=split,
+        BLOCK_C=COPY_COLUMNS,
         **pdl_launch(state.device),
     )  # fmt: skip
