@@ -272,10 +272,11 @@ def _copy_kernel(
                 # multiple of 8, so the masks vectorise (a tl.multiple_of hint on `cut` would
                 # mark the value itself, in the other branch too).
                 _copy_columns(src2 + lid * s_stride2, dst2 + slot * d_stride2, chunk - 2 * c13,
-                              n_cb, (cut // 8) * 8, width, hidden_size, BLOCK, BLOCK_C)
+                              n_cb, (cut // 8) * 8, width, hidden_size, BLOCK,
+                              BLOCK_C)  # fmt: skip
             else:
                 _copy_columns(src2 + lid * s_stride2, dst2 + slot * d_stride2, chunk - 2 * c13,
-                              n_cb, cut, width, hidden_size, BLOCK, BLOCK_C)
+                              n_cb, cut, width, hidden_size, BLOCK, BLOCK_C)  # fmt: skip
     else:
         c13 = (n13 + BLOCK - 1) // BLOCK
         per = c13 + (n2 + BLOCK - 1) // BLOCK  # chunks of one expert
