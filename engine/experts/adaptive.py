@@ -35,6 +35,7 @@ measured the shorter steps, per decode batch size.
 from __future__ import annotations
 
 from freetoken_agent.engine.experts import layer_layout
+from freetoken_agent.engine.experts.cut_trials import CutTrials
 from freetoken_agent.engine.experts.fill_races import MIN_RACES, RACE_MAX_TOKENS
 from freetoken_agent.engine.experts.policy import (
     Bandwidths,
@@ -75,6 +76,8 @@ class AdaptiveFetches:
         self._paths: dict[int, PathTrials] = {}  # per decode batch size
         self._shares: dict[int, ShareTrials] = {}  # per decode batch size: the shared path's
         self.share_params: dict = {}  # ShareTrials' schedule (its defaults otherwise)
+        self._cuts: dict[int, CutTrials] = {}  # per decode batch size: the split path's cut
+        self.cut_params: dict = {}  # CutTrials' schedule (its defaults otherwise)
         # Per decode batch size: layers with a miss per step (each a stop for the host),
         # running average over steps outside `layers` mode; and the count of this step so far.
         self._stops: dict[int, float] = {}
@@ -116,6 +119,16 @@ class AdaptiveFetches:
     def share_offset(self, n_tokens: int) -> float:
         """The offset from q*'s CPU share for the next shared step (share_trials.py)."""
         return self.shares(n_tokens).offset
+
+    def cuts(self, n_tokens: int) -> CutTrials:
+        """The split path's cut trials for decode steps of `n_tokens` tokens."""
+        if n_tokens not in self._cuts:
+            self._cuts[n_tokens] = CutTrials(**self.cut_params)
+        return self._cuts[n_tokens]
+
+    def cut_offset(self, n_tokens: int) -> float:
+        """The offset from the rates' cut, in I, for the next split step (cut_trials.py)."""
+        return self.cuts(n_tokens).offset
 
     def chosen_paths(self) -> dict[int, str]:
         """The path each decode batch size's last measurement kept (for Engine.stats)."""
@@ -230,11 +243,13 @@ class AdaptiveFetches:
         was_exploring, on_stops = False, True
         if self.path_measured(n_tokens):
             paths = self.paths(n_tokens)
-            on_shared = self.path(n_tokens) == "shared"
+            path = self.path(n_tokens)
             was_exploring, on_stops = paths.exploring, paths.path == "stops"
             paths.step_done(seconds / n_tokens)
-            if on_shared and not was_exploring:  # the path kept: a sample for its share
+            if not was_exploring and path == "shared":  # the path kept: a sample for its share
                 self.shares(n_tokens).step_done(seconds / n_tokens)
+            elif not was_exploring and path == "split":  # ... or for its cut
+                self.cuts(n_tokens).step_done(seconds / n_tokens)
         if not on_stops:
             return
         stops, self._stops_now = self._stops_now, 0

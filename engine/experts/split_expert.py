@@ -21,8 +21,10 @@ once past the 2 s timeout, on the H200), so a thread of its own.
 
 The cut balances the two halves: the link's c / I of an expert at B_P against the CPU's
 (I - c) / I at B_H, c / I = B_P / (B_P + B_H) (q*'s share, cpu_share.py), on a multiple of
-CUT_ALIGN. It changes only while no slot is in flight: a step on another path, and a hand-back
-to the host, first `drain` the copies behind (every slot whole again).
+CUT_ALIGN, moved from there by adaptive's cut trials (cut_trials.py: on the H200 the link's
+part costs more than its bytes, and the best cut lay well below the rates'). It changes only
+while no slot is in flight: a new cut, a step on another path and a hand-back to the host first
+`drain` the copies behind (every slot whole again).
 """
 
 from __future__ import annotations
@@ -59,15 +61,19 @@ class SplitExpert:
         share.worker.set_behind(self.behind)
         fills.before_release = self.drain
         self.dirty = False  # a split step ran since the last drain: slots may be in flight
+        self._link = 0.5  # the rates' link fraction, read by `enter` with nothing in flight
         self.failed: str | None = None  # why the path is off for good (`check`)
 
-    def cut(self, bandwidths: Bandwidths) -> int:
-        """The column c for the link's part: I * B_P / (B_P + B_H) on a multiple of
-        CUT_ALIGN, within [CUT_ALIGN, I - CUT_ALIGN] (the middle where I is narrower)."""
+    def cut(self, bandwidths: Bandwidths, offset: float = 0.0) -> int:
+        """The column c for the link's part: I * B_P / (B_P + B_H), moved by `offset` of I
+        (adaptive's cut trials: cut_trials.py), on a multiple of CUT_ALIGN within
+        [CUT_ALIGN, I - CUT_ALIGN] (the middle where I is narrower)."""
+        return self._cut_at(1.0 - cpu_fraction(bandwidths) + offset)
+
+    def _cut_at(self, link: float) -> int:
         i = self.width
         if i < 2 * CUT_ALIGN:
             return max(1, i // 2)
-        link = 1.0 - cpu_fraction(bandwidths)
         c = round(i * link / CUT_ALIGN) * CUT_ALIGN
         return min(i - CUT_ALIGN, max(CUT_ALIGN, c))
 
@@ -82,10 +88,16 @@ class SplitExpert:
                 log.warning("the split path is off: %s", self.failed)
         return self.failed is None and self.share.broken is None
 
-    def enter(self, bandwidths: Bandwidths) -> None:
-        """Before a split step: the cut (chosen anew only with nothing in flight)."""
+    def enter(self, bandwidths: Bandwidths, offset: float = 0.0) -> None:
+        """Before a split step: the cut, the rates' (read again only with nothing in flight:
+        their estimates move a little every step, and each change of cut drains) moved by
+        `offset` of I. A new offset (the cut trials' next block) drains first."""
         if not self.dirty:
-            self.fills.set_cut(self.cut(bandwidths))
+            self._link = 1.0 - cpu_fraction(bandwidths)
+        cut = self._cut_at(self._link + offset)
+        if cut != self.fills.cut and self.dirty:
+            self.drain()  # the slots in flight hold the old cut's columns
+        self.fills.set_cut(cut)
         self.dirty = True
 
     def drain(self) -> None:

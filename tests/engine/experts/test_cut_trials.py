@@ -1,0 +1,91 @@
+"""The split path's cut, tuned around the rates' by measured step time (cut_trials.py on
+offset_trials.py): the climb reaches a far cut in a few quick measurements and then holds for
+its period; a new cut first drains the copies behind; cuts moved by the trials keep the
+resident engine's tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.experts.cut_trials import STEP, CutTrials
+from freetoken_agent.kernels.cpu import worker
+
+
+def _climb(trials: CutTrials, best: float, rng: random.Random, measurements: int) -> list:
+    """Feed steps whose time grows with the offset's distance from `best` (1% noise); returns
+    (steps fed so far, bias) after each measurement."""
+    ends, steps = [], 0
+    while len(ends) < measurements:
+        choices = trials.choices
+        trials.step_done((1.0 + 4 * abs(trials.offset - best)) * rng.uniform(0.995, 1.005))
+        steps += 1
+        if trials.choices > choices:
+            ends.append((steps, trials.bias))
+    return ends
+
+
+def test_the_cut_climbs_far_in_quick_measurements_then_holds(rng_seed):
+    rng = random.Random(rng_seed)
+    far = rng.choice([-4, -3, 3, 4])  # STEPs from the rates' cut
+    best = STEP * far + rng.uniform(-0.02, 0.02)
+    period, moving = rng.randrange(40, 80), rng.randrange(0, 5)
+    trials = CutTrials(block=2, rotations=1, period=period, moving_period=moving)
+    ends = _climb(trials, best, rng, abs(far) + 4)
+    measured = 3 * 2  # steps of one measurement: three offsets, one block of 2 each
+    biases = [bias for _, bias in ends]
+    arrived = next(k for k, bias in enumerate(biases) if abs(bias - best) <= STEP / 2 + 1e-9)
+    assert arrived == abs(far) - 1, (best, biases)  # one STEP a measurement, none wasted
+    assert biases[arrived:] == [biases[arrived]] * (len(biases) - arrived)  # holds there
+    gaps = [b - a for (a, _), (b, _) in zip(ends, ends[1:], strict=False)]
+    # While it moves the next measurement starts after `moving` steps (at least the one that
+    # ends the wait), once there after the period (or a backed-off multiple of it).
+    assert gaps[:arrived] == [max(moving, 1) + measured] * arrived, (gaps, arrived)
+    assert all(gap >= period + measured for gap in gaps[arrived + 1 :]), gaps
+
+
+def test_cut_trials_refuse_bad_schedules():
+    with pytest.raises(ValueError, match="cut trials need block >= 2"):
+        CutTrials(block=1)
+    with pytest.raises(ValueError, match="moving_period >= 0"):
+        CutTrials(moving_period=-1)
+
+
+@pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuts_moved_by_the_trials_keep_the_resident_tokens(tmp_path, rng_seed, overlap):
+    """The split path held, its cut trials measuring every few steps on experts of width 128
+    (cuts 16 columns apart a STEP): the plans ran several cuts, each change after a drain of
+    the copies behind, and the tokens are the resident engine's."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4,
+              moe_intermediate_size=128)  # fmt: skip
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(3, 30))] for _ in range(2)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    opts = dict(device="cpu", progress=False, dtype="float32", overlap_schedule=overlap)
+    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
+        prompts, sp)]  # fmt: skip
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(2, 20),
+                         split_expert=True, **opts)  # fmt: skip
+    bank = engine.loaded.bank
+    bank.adaptive.path_params = {"fixed": "split"}
+    bank.adaptive.cut_params = dict(block=2, rotations=1, period=0, moving_period=0)
+    bank.bandwidths.cpu, bank.bandwidths.pcie = 0.5, 0.5
+    bank.cpu_share.observe = lambda bandwidths: None  # keep the rates' cut at I / 2
+    split, fills = bank.device_path.split, bank.cache.on_device
+    # The cut of each split step, and whether it changed with slots in flight (not drained).
+    cuts, undrained = [], []
+    set_cut = fills.set_cut
+    fills.set_cut = lambda value: (cuts.append(value),
+                                   undrained.append(value != fills.cut and split.dirty),
+                                   set_cut(value))  # fmt: skip
+    got = [o.token_ids for o in (engine.generate(p, sp) for p in prompts)]
+    assert got == want
+    assert len(set(cuts)) >= 2 and all(16 <= c <= 112 and c % 16 == 0 for c in cuts), cuts
+    assert not any(undrained)  # every change of cut drained the copies behind first
+    assert engine.stats()["experts"]["split"] > 0
+    engine.check_integrity()
+    engine.close()
