@@ -33,7 +33,7 @@ def test_the_cut_climbs_far_in_quick_measurements_then_holds(rng_seed):
     far = rng.choice([-4, -3, 3, 4])  # STEPs from the rates' cut
     best = STEP * far + rng.uniform(-0.02, 0.02)
     period, moving = rng.randrange(40, 80), rng.randrange(0, 5)
-    trials = CutTrials(block=2, rotations=1, period=period, moving_period=moving)
+    trials = CutTrials(block=2, rotations=1, period=period, moving_period=moving, start=0.0)
     ends = _climb(trials, best, rng, abs(far) + 4)
     measured = 3 * 2  # steps of one measurement: three offsets, one block of 2 each
     biases = [bias for _, bias in ends]
