@@ -268,10 +268,11 @@ for stage in "$@"; do
         --policies adaptive transfer gpu-fill --out "$OUT" 2>&1 | tee "$OUT/acceptance_peer.log" \
         | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
     acceptance-48)  # 48 layers / 32 GB, b=1 and 4, adaptive / transfer / gpu-fill, 1 round (~6 min)
+      # (SPLIT_EXPERT=1: adaptive's split path offered)
       # 128 timed tokens a row (see acceptance-peer); the run took 236 s at 48.
       timeout 570 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
         --rounds 1 --decode 128 --regimes native zipf:1.0,loc:0.7 uniform --policies adaptive transfer \
-        gpu-fill --out "$OUT" 2>&1 | tee "$OUT/acceptance_48.log" | grep "|b" \
+        gpu-fill ${SPLIT_EXPERT:+--split-expert} --out "$OUT" 2>&1 | tee "$OUT/acceptance_48.log" | grep "|b" \
         | grep -v "round[0-9]" | cut -c1-200 ;;
     offload-30b)  # 48 layers, 32 GB, b=1, the four policies of the acceptance, 3 rounds (~6 min)
       timeout 580 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 \
