@@ -21,7 +21,7 @@ class OffsetTrials(RotatedTrials):
     what = "offset"  # for errors: the number the subclass tunes
 
     def __init__(self, step: float, max_bias: float, block: int, rotations: int, period: int,
-                 moving_period: int | None = None, start: float = 0.0) -> None:  # fmt: skip
+                 moving_period: int | None = None) -> None:  # fmt: skip
         moving = period if moving_period is None else moving_period
         if block < 2 or rotations < 1 or period < 0 or moving < 0:
             raise ValueError(f"{self.what} trials need block >= 2, rotations >= 1, period >= 0 "
@@ -32,7 +32,7 @@ class OffsetTrials(RotatedTrials):
                              f"{max_bias}")  # fmt: skip
         super().__init__(block, rotations, period, chosen="same")
         self.step, self.max_bias, self.moving_period = step, max_bias, moving
-        self.bias = self._clamp(start)  # the kept offset
+        self.bias = 0.0  # the kept offset
 
     @property
     def offset(self) -> float:

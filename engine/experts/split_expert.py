@@ -19,12 +19,17 @@ SMs and the link from the step. Only the host side knows the addresses. Not the 
 the device spins on its answers, and its own driver calls stalled them (up to 20 ms a job,
 once past the 2 s timeout, on the H200), so a thread of its own.
 
-The cut balances the two halves: the link's c / I of an expert at B_P against the CPU's
-(I - c) / I at B_H, c / I = B_P / (B_P + B_H) (q*'s share, cpu_share.py), on a multiple of
-CUT_ALIGN, moved from there by adaptive's cut trials (cut_trials.py: on the H200 the link's
-part costs more than its bytes, and the best cut lay well below the rates'). It changes only
-while no slot is in flight: a new cut, a step on another path and a hand-back to the host first
-`drain` the copies behind (every slot whole again).
+The cut balances the two halves: the link's c / I of an expert against the CPU's (I - c) / I
+at B_H. Not at the link's whole rate B_P: every split expert crosses the link whole, its
+columns past the cut behind the step, so in a step of splits the link carries a layer's front
+columns beside the copies behind of the layers before, and the front gets about half of it
+(FRONT_SHARE). Hence c / I = s B_P / (s B_P + B_H), on a multiple of CUT_ALIGN. On the H200
+(twenty-ninth session, 48 layers / 32 GB, Zipf b=1, I = 768) cuts 576 / 400 (the whole rate's
+at B_H ~ 52 GB/s) / 192 / 96 ran 109 / 118 / 132 / 108 tok/s: the half share's cut there is
+~250, and ~185 at the B_H of 82 GB/s another probe measured. Adaptive's cut trials
+(cut_trials.py) move the cut from there by step time. It changes only while no slot is in
+flight: a new cut, a step on another path and a hand-back to the host first `drain` the
+copies behind (every slot whole again).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from freetoken_agent.engine.experts.policy import Bandwidths, cpu_fraction
+from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.kernels.cpu.behind_copies import BehindCopies
 from freetoken_agent.kernels.cpu.worker import BEHIND_ERROR
 
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("freetoken.experts")
 
 CUT_ALIGN = 16  # columns: the cut stays on whole 32-byte rows of bf16 for both halves
+FRONT_SHARE = 0.5  # of B_P: the link's rate for a split's front columns (the copies behind)
 
 # S slots, I expert width
 
@@ -65,10 +71,10 @@ class SplitExpert:
         self.failed: str | None = None  # why the path is off for good (`check`)
 
     def cut(self, bandwidths: Bandwidths, offset: float = 0.0) -> int:
-        """The column c for the link's part: I * B_P / (B_P + B_H), moved by `offset` of I
-        (adaptive's cut trials: cut_trials.py), on a multiple of CUT_ALIGN within
-        [CUT_ALIGN, I - CUT_ALIGN] (the middle where I is narrower)."""
-        return self._cut_at(1.0 - cpu_fraction(bandwidths) + offset)
+        """The column c for the link's part: I * s B_P / (s B_P + B_H) (s = FRONT_SHARE),
+        moved by `offset` of I (adaptive's cut trials: cut_trials.py), on a multiple of
+        CUT_ALIGN within [CUT_ALIGN, I - CUT_ALIGN] (the middle where I is narrower)."""
+        return self._cut_at(_link_fraction(bandwidths) + offset)
 
     def _cut_at(self, link: float) -> int:
         i = self.width
@@ -93,7 +99,7 @@ class SplitExpert:
         their estimates move a little every step, and each change of cut drains) moved by
         `offset` of I. A new offset (the cut trials' next block) drains first."""
         if not self.dirty:
-            self._link = 1.0 - cpu_fraction(bandwidths)
+            self._link = _link_fraction(bandwidths)
         cut = self._cut_at(self._link + offset)
         if cut != self.fills.cut and self.dirty:
             self.drain()  # the slots in flight hold the old cut's columns
@@ -136,3 +142,9 @@ class SplitExpert:
         self.fills.before_release = None
         if self.share.worker.running:  # (a stopped worker copies nothing more anyway)
             self.share.worker.set_behind(None)
+
+
+def _link_fraction(bandwidths: Bandwidths) -> float:
+    """c / I at the rates: the front columns at FRONT_SHARE of B_P against the CPU's at B_H."""
+    front = FRONT_SHARE * bandwidths.pcie
+    return front / (front + bandwidths.cpu)

@@ -12,6 +12,7 @@ from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.experts.cut_trials import STEP, CutTrials
+from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.kernels.cpu import worker
 
 
@@ -33,7 +34,7 @@ def test_the_cut_climbs_far_in_quick_measurements_then_holds(rng_seed):
     far = rng.choice([-4, -3, 3, 4])  # STEPs from the rates' cut
     best = STEP * far + rng.uniform(-0.02, 0.02)
     period, moving = rng.randrange(40, 80), rng.randrange(0, 5)
-    trials = CutTrials(block=2, rotations=1, period=period, moving_period=moving, start=0.0)
+    trials = CutTrials(block=2, rotations=1, period=period, moving_period=moving)
     ends = _climb(trials, best, rng, abs(far) + 4)
     measured = 3 * 2  # steps of one measurement: three offsets, one block of 2 each
     biases = [bias for _, bias in ends]
@@ -76,6 +77,12 @@ def test_cuts_moved_by_the_trials_keep_the_resident_tokens(tmp_path, rng_seed, o
     bank.bandwidths.cpu, bank.bandwidths.pcie = 0.5, 0.5
     bank.cpu_share.observe = lambda bandwidths: None  # keep the rates' cut at I / 2
     split, fills = bank.device_path.split, bank.cache.on_device
+    # The rates' cut: the front columns at half the link's rate (split_expert.py FRONT_SHARE)
+    # against the CPU's, I * 0.25 / 0.75 on 16s; I / 2 where half the link matches the CPU.
+    assert split.cut(bank.bandwidths) == 48
+    assert split.cut(Bandwidths(pcie=2e9 * rng.uniform(2, 9), cpu=1e9)) > 64
+    assert split.cut(Bandwidths(pcie=2e9, cpu=1e9)) == 64
+    assert split.cut(Bandwidths(pcie=1e9, cpu=1e12)) == 16  # never less than CUT_ALIGN
     # The cut of each split step, and whether it changed with slots in flight (not drained).
     cuts, undrained = [], []
     set_cut = fills.set_cut
