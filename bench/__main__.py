@@ -33,6 +33,8 @@
                       miss rate beside frequency-aware ones and the offline optimum (any CPU)
     side-fill         copies behind a decode step on a second stream: what they cost the
                       step's own copies and kernels, beside the link's limit (CUDA)
+    split-cuts        adaptive's split path at held cuts, its trials' cut and other worker
+                      teams, against gpu-fill, beside each row's limit (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -63,6 +65,7 @@ BENCHES = {
     "fusions": "freetoken_agent.bench.fusions",
     "cache-policies": "freetoken_agent.bench.cache_policies",
     "side-fill": "freetoken_agent.bench.side_fill",
+    "split-cuts": "freetoken_agent.bench.split_cuts",
 }
 
 

@@ -69,6 +69,7 @@
 #         s26-check (the twenty-sixth session's unmeasured changes: their GPU tests, the
 #         48-layer step, adaptive held on device against gpu-fill; ~7 min)
 #         s28-split (the split expert: its GPU tests, 48 layers Zipf held on split; ~8 min)
+#         split-cuts (bench split-cuts: held cuts, the cut trials', worker teams; ~6 min)
 #         s27-check (bench side-fill: copies behind the step on a second stream, its GPU test
 #         first; the CPU kernel's tests on AVX-512; then the peer slice native then uniform, adaptive and gpu-fill, with the
 #         cores' use beside every host probe and row; ~5 min)
@@ -449,6 +450,10 @@ for key, row in json.load(open(sys.argv[1]))["decode"].items():
           share.get("max_job_ms"), "B_H online", round(row["b_h_online_gb_s"], 1))
 PY
       ;;
+    split-cuts)  # the split path's cuts and the trials' against gpu-fill, 48 layers / 32 GB,
+      # Zipf, b=1 and 4, then the trials' cut at 8 and 10 worker threads (~6 min)
+      timeout 500 python3 -m freetoken_agent.bench split-cuts --batches 1 4 --threads 8 10 \
+        --out "$OUT" 2>&1 | tee "$OUT/split_cuts.log" | grep " | " ;;
     s27-check)  # the split expert's first measurement and the CPU worker's lost cores
       # (~5 min): bench side-fill (NOTES, twenty-sixth session: measure this before building
       # it), then the peer slice native then uniform, whose probes after native fell to 45

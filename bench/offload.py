@@ -182,6 +182,18 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
     return row
 
 
+def add_limits(row: dict, policy: str, batch: int, expert_bytes: float, device_read: float,
+               caps: HostCaps, b_hbm: float) -> None:  # fmt: skip
+    """A decode row's bytes a step and its limits beside them (host_caps.py): the hits' and
+    `device_read` (dense weights, KV) from HBM, the misses from the host."""
+    miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
+    hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
+    # direct and gpu-fill have no CPU branch; the others' two host paths share host memory.
+    row.update(batch=batch, step_device_bytes=device_read + hit_bytes,
+               step_host_bytes=miss_bytes, whole_step=policy in WHOLE_STEP_POLICIES)  # fmt: skip
+    caps.bound(row, b_hbm)
+
+
 def caps_report(caps: HostCaps) -> dict:
     """The report's caps: the best of each (what every limit uses) and every probe."""
     return {"b_p_gb_s": caps.b_p / 1e9, "b_h_gb_s": caps.b_h / 1e9,
@@ -424,15 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                         row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h,
                                        args.adaptive_path, args.shared_gate,
                                        args.context)  # fmt: skip
-                    miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
-                    hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
                     kv_read = batch * (args.context + args.decode / 2) * kv_per_token
-                    # direct and gpu-fill have no CPU branch; the others' two host paths
-                    # share host memory.
-                    row.update(batch=batch, step_device_bytes=dense_read + hit_bytes + kv_read,
-                               step_host_bytes=miss_bytes,
-                               whole_step=policy in WHOLE_STEP_POLICIES)  # fmt: skip
-                    caps.bound(row, b_hbm)
+                    add_limits(row, policy, batch, expert_bytes, dense_read + kv_read, caps,
+                               b_hbm)  # fmt: skip
                     rounds[name].append(row)
                     print(f"{regime_name}|b{batch}|{name}|round{r}", json.dumps(row), flush=True)
             for name, rows in rounds.items():
