@@ -24,7 +24,7 @@ def _split_engine(path, slots: int, link_fraction: float, **opts) -> Engine:
     bank = engine.loaded.bank
     assert bank.device_path.split is not None and bank.adaptive.split_ok
     bank.adaptive.path_params = {"fixed": "split"}
-    # The cut is I * B_P / (B_P + B_H) of the estimates.
+    # The cut is I * s B_P / (s B_P + B_H) of the estimates (split_expert.py FRONT_SHARE).
     bank.bandwidths.pcie, bank.bandwidths.cpu = link_fraction, 1.0 - link_fraction
     bank.cpu_share.observe = lambda bandwidths: None  # keep the cut this test set
     return engine
@@ -36,7 +36,10 @@ def _prompts(rng: random.Random, n: int = 3) -> list[list[int]]:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_split_path_gives_the_resident_tokens_and_logits(tmp_path, rng_seed, overlap):
-    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    # Experts of width 64: the cuts land on 16, 32 or 48 (CUT_ALIGN), from each engine's random
+    # link fraction and its cut trials (width 32, the tiny default, always cuts at 16).
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4,
+              moe_intermediate_size=64)  # fmt: skip
     rng = random.Random(rng_seed)
     prompts = _prompts(rng)
     sp = SamplingParams(max_tokens=rng.randint(8, 16), temperature=0, ignore_eos=True)
@@ -45,8 +48,12 @@ def test_split_path_gives_the_resident_tokens_and_logits(tmp_path, rng_seed, ove
     scored = prompts[0][:20]
     want_logits = resident.score(scored)
     n_lids = resident.loaded.spec.n_moe_layers * 16
+    cuts = set()  # the cuts the engines ran
     for slots in (1, rng.randint(2, n_lids // 2), n_lids - 1):
         engine = _split_engine(tmp_path, slots, rng.uniform(0.1, 0.9), overlap_schedule=overlap)
+        fills = engine.loaded.bank.cache.on_device
+        set_cut = fills.set_cut
+        fills.set_cut = lambda value, set_cut=set_cut: (cuts.add(value), set_cut(value))
         got = [o.token_ids for o in engine.generate(prompts, sp)]
         assert got == want, slots
         torch.testing.assert_close(engine.score(scored), want_logits, rtol=1e-4, atol=1e-4)
@@ -60,6 +67,7 @@ def test_split_path_gives_the_resident_tokens_and_logits(tmp_path, rng_seed, ove
         assert int(ctrl[worker.BEHIND_EXPERTS]) == st["split"]  # each cut fill copied behind
         engine.check_integrity()
         engine.close()
+    assert len(cuts) >= 2 and cuts <= {16, 32, 48}, cuts
 
 
 def test_switching_paths_drains_the_copies_behind(tmp_path, rng_seed):
