@@ -322,11 +322,12 @@ class EngineConfig:
     fill_through: bool = False
     # adaptive's `split` step path (engine/experts/split_expert.py): every fill of the device
     # path cut between the link and the CPU worker, which copies its columns into the slot
-    # behind the step. Off by default: on the H200 host (twenty-eighth session, 48 layers /
-    # 32 GB, Zipf) adaptive held on it ran 87.6 / 119.4 tok/s at b=1 / 4 against gpu-fill's
-    # 128.3 / 174.1, the worker's own driver calls stalling its answers (up to 20 ms a job,
-    # once 2 s: a failed step), so the copies behind now run on a thread of their own; not yet
-    # measured since. On: adaptive's path trials measure it against the other paths.
+    # behind the step. Off by default: on the H200 host (twenty-ninth session, 48 layers /
+    # 32 GB, bench/results/NOTES.md) adaptive offered it kept it under Zipf routing and beat
+    # gpu-fill by 3-4% (124.9 / 182.0 against 120.7 / 175.4 tok/s at b=1 / 4), but another run
+    # timed it at too low a cut and kept `device`, and trying it cost native b=4 7% (532.6
+    # against 572.0); the cut's model changed after, unmeasured. On: adaptive's path trials
+    # measure it against the other paths.
     split_expert: bool = False
     # Launch each decode step before the last one's tokens are read on the host, so the
     # step boundary's host work runs beside the device (engine/overlap.py). On: measured on

@@ -29,7 +29,9 @@ misses. The `device` path (policy gpu-fill's: every miss filled by the layer its
 stop, no CPU branch), the `shared` path (the same, with the CPU worker taking q*'s share of
 each layer's misses: cpu_share.py) and the `split` path (every fill cut between the link and
 the CPU worker: split_expert.py) are the others; PathTrials (step_paths.py) keeps whichever
-measured the shorter steps, per decode batch size.
+measured the shorter steps, per decode batch size. While one of the last two is kept, its own
+trials tune it by step time: the CPU's share (ShareTrials, share_trials.py) and the cut
+(CutTrials, cut_trials.py); while the paths are measured they hold their kept values.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 from freetoken_agent.engine.experts import layer_layout
 from freetoken_agent.engine.experts.cut_trials import CutTrials
 from freetoken_agent.engine.experts.fill_races import MIN_RACES, RACE_MAX_TOKENS
+from freetoken_agent.engine.experts.offset_trials import OffsetTrials
 from freetoken_agent.engine.experts.policy import (
     Bandwidths,
     FillVerdict,
@@ -118,7 +121,7 @@ class AdaptiveFetches:
 
     def share_offset(self, n_tokens: int) -> float:
         """The offset from q*'s CPU share for the next shared step (share_trials.py)."""
-        return self.shares(n_tokens).offset
+        return self._offset(n_tokens, self.shares(n_tokens))
 
     def cuts(self, n_tokens: int) -> CutTrials:
         """The split path's cut trials for decode steps of `n_tokens` tokens."""
@@ -126,9 +129,20 @@ class AdaptiveFetches:
             self._cuts[n_tokens] = CutTrials(**self.cut_params)
         return self._cuts[n_tokens]
 
-    def cut_offset(self, n_tokens: int) -> float:
-        """The offset from the rates' cut, in I, for the next split step (cut_trials.py)."""
-        return self.cuts(n_tokens).offset
+    def cut_offset(self, n_tokens: int, span: tuple[float, float] | None = None) -> float:
+        """The offset from the rates' cut, in I, for the next split step (cut_trials.py);
+        `span`: the offsets within which the cut still moves (SplitExpert.offset_span)."""
+        trials = self.cuts(n_tokens)
+        if span is not None:
+            trials.bounds = span
+        return self._offset(n_tokens, trials)
+
+    def _offset(self, n_tokens: int, trials: OffsetTrials) -> float:
+        """The trials' offset while their path is kept; their kept bias while the path trials
+        measure (they time the path as it would be kept, not at a candidate being tried)."""
+        if self.path_measured(n_tokens) and not self.paths(n_tokens).exploring:
+            return trials.offset
+        return trials.bias
 
     def chosen_paths(self) -> dict[int, str]:
         """The path each decode batch size's last measurement kept (for Engine.stats)."""

@@ -175,7 +175,8 @@ class DevicePath:
         bank.cache.on_device.set_share(value)
         if self.split is not None:
             if path == "split" and share.broken is None:
-                self.split.enter(bank.bandwidths, bank.adaptive.cut_offset(n_tokens))
+                span = self.split.offset_span(bank.bandwidths)
+                self.split.enter(bank.bandwidths, bank.adaptive.cut_offset(n_tokens, span))
             else:
                 self.split.drain()
         if value or path == "split":

@@ -5,9 +5,10 @@ split path's cut (cut_trials.py).
 OffsetTrials measures three offsets from the kept bias, the current one and one `step` either
 side (RotatedTrials: `block` steps each, interleaved, medians; the period and its back-off),
 then moves the bias to the fastest, within +-`max_bias`: it holds still once the current
-offset wins. A measurement that moved measures again after `moving_period` steps (the climb
-towards a far optimum then takes a few measurements, not a few periods); one that held waits
-the period. Which offset runs never changes results, only where the work goes.
+offset wins. A measurement that moved the bias measures again after `moving_period` steps (at
+least the one that ends the wait: the climb towards a far optimum then takes a few
+measurements, not a few periods); one that held it, or found it at its bounds, waits the
+period. Which offset runs never changes results, only where the work goes.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class OffsetTrials(RotatedTrials):
                              f"{max_bias}")  # fmt: skip
         super().__init__(block, rotations, period, chosen="same")
         self.step, self.max_bias, self.moving_period = step, max_bias, moving
+        # Where the offset still changes anything, within +-max_bias: the caller narrows it
+        # (a cut pinned at its bounds by a larger offset would leave candidates that tie).
+        self.bounds = (-max_bias, max_bias)
         self.bias = 0.0  # the kept offset
 
     @property
@@ -44,14 +48,15 @@ class OffsetTrials(RotatedTrials):
         choices = self.choices
         super().step_done(seconds_per_token)
         if self.choices > choices:  # a measurement ended: move to the fastest offset
-            moved = self.chosen != "same"
+            was = self.bias
             self.bias = self._clamp(self.bias + self._move(self.chosen))
             self.chosen = "same"  # the kept offset is now the bias itself
-            if moved:
+            if self.bias != was:
                 self._left = min(self._left, self.moving_period)
 
     def _move(self, candidate: str) -> float:
         return {"lower": -self.step, "same": 0.0, "higher": self.step}[candidate]
 
     def _clamp(self, bias: float) -> float:
-        return max(-self.max_bias, min(self.max_bias, bias))
+        low, high = max(-self.max_bias, self.bounds[0]), min(self.max_bias, self.bounds[1])
+        return max(low, min(high, bias)) if low <= high else 0.0

@@ -69,8 +69,9 @@ class RotatedTrials:
     (rotation r starts at candidate r, so none always runs first, right after the last one of
     the previous rotation, whose cache state it inherits), keeps the lowest median seconds per
     token for `period` steps, then measures again. SplitTrials' modes here, PathTrials' step
-    paths in step_paths.py, ShareTrials' offsets in share_trials.py; subclasses say whether a
-    block's first step is a sample and which blocks run."""
+    paths in step_paths.py, OffsetTrials' hill-climbs in offset_trials.py (ShareTrials'
+    shares, CutTrials' cuts); subclasses say whether a block's first step is a sample and
+    which blocks run."""
 
     candidates: tuple[str, ...] = ()
     # Whether a block's first step is a sample (False where it pays for the switch to it).

@@ -6,11 +6,13 @@ resident engine's tokens."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 from freetoken_agent.engine.experts.cut_trials import STEP, CutTrials
 from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.kernels.cpu import worker
@@ -48,6 +50,22 @@ def test_the_cut_climbs_far_in_quick_measurements_then_holds(rng_seed):
     assert all(gap >= period + measured for gap in gaps[arrived + 1 :]), gaps
 
 
+def test_a_climb_held_at_its_bounds_waits_the_period(rng_seed):
+    """Past the offsets where the cut still moves (SplitExpert.offset_span) the candidates
+    tie: a measurement that finds the bias at its bound holds, and waits the period."""
+    rng = random.Random(rng_seed)
+    period = rng.randrange(40, 80)
+    trials = CutTrials(block=2, rotations=1, period=period, moving_period=0)
+    low = -STEP * rng.randint(1, 2)
+    trials.bounds = (low, STEP * rng.randint(1, 3))
+    ends = _climb(trials, -0.9, rng, 8)  # the fastest cut lies far below the bound
+    biases = [bias for _, bias in ends]
+    assert biases[-1] == pytest.approx(low) and min(biases) >= low - 1e-9, biases
+    held = next(k for k, bias in enumerate(biases) if bias == pytest.approx(low))
+    gaps = [b - a for (a, _), (b, _) in zip(ends, ends[1:], strict=False)]
+    assert all(gap >= period + 6 for gap in gaps[held + 1 :]), (gaps, held)  # after the move
+
+
 def test_cut_trials_refuse_bad_schedules():
     with pytest.raises(ValueError, match="cut trials need block >= 2"):
         CutTrials(block=1)
@@ -75,7 +93,7 @@ def test_cuts_moved_by_the_trials_keep_the_resident_tokens(tmp_path, rng_seed, o
     bank.adaptive.path_params = {"fixed": "split"}
     bank.adaptive.cut_params = dict(block=2, rotations=1, period=0, moving_period=0)
     bank.bandwidths.cpu, bank.bandwidths.pcie = 0.5, 0.5
-    bank.cpu_share.observe = lambda bandwidths: None  # keep the rates' cut at I / 2
+    bank.cpu_share.observe = lambda bandwidths: None  # keep the rates' cut at 48 (B_H)
     split, fills = bank.device_path.split, bank.cache.on_device
     # The rates' cut: the front columns at half the link's rate (split_expert.py FRONT_SHARE)
     # against the CPU's, I * 0.25 / 0.75 on 16s; I / 2 where half the link matches the CPU.
@@ -96,3 +114,29 @@ def test_cuts_moved_by_the_trials_keep_the_resident_tokens(tmp_path, rng_seed, o
     assert engine.stats()["experts"]["split"] > 0
     engine.check_integrity()
     engine.close()
+
+
+def test_the_path_trials_time_split_at_its_kept_cut(rng_seed):
+    """While adaptive's path trials measure, a split step runs the cut trials' kept bias, not
+    the candidate they were trying (the split path is timed as it would be kept); once split
+    is kept the cut trials' candidates run."""
+    rng = random.Random(rng_seed)
+    cache = SimpleNamespace(fill_gain=0.0, kept_layers=frozenset())
+    adaptive = AdaptiveFetches(cache, n_layers=4, device_tokens=4,
+                               path_params=dict(block=2, rotations=1, period=rng.randint(9, 20),
+                                                warm=0))  # fmt: skip
+    adaptive.split_ok = True
+    adaptive.cut_params = dict(block=2, rotations=1, period=0, moving_period=0)
+    runs = []  # (path trials measuring, the cut trials' bias, the offset a split step ran)
+    for _ in range(rng.randint(80, 120)):
+        path, exploring = adaptive.path(1), adaptive.paths(1).exploring
+        if path == "split":
+            runs.append((exploring, adaptive.cuts(1).bias, adaptive.cut_offset(1)))
+        # split the fastest path, its cuts' times apart (their offsets' distance from -0.25)
+        cost = 1.0 + abs(adaptive.cuts(1).offset + 0.25) if path == "split" else 3.0
+        adaptive.step_timed(1, cost * rng.uniform(0.99, 1.01))
+    measuring = [(bias, offset) for exploring, bias, offset in runs if exploring]
+    kept = [(bias, offset) for exploring, bias, offset in runs if not exploring]
+    assert measuring and kept, runs
+    assert all(offset == bias for bias, offset in measuring), measuring
+    assert any(offset != bias for bias, offset in kept), kept  # the cut trials' candidates
