@@ -101,6 +101,11 @@ def test_cuts_moved_by_the_trials_keep_the_resident_tokens(tmp_path, rng_seed, o
     assert split.cut(Bandwidths(pcie=2e9 * rng.uniform(2, 9), cpu=1e9)) > 64
     assert split.cut(Bandwidths(pcie=2e9, cpu=1e9)) == 64
     assert split.cut(Bandwidths(pcie=1e9, cpu=1e12)) == 16  # never less than CUT_ALIGN
+    # The offsets within which the cut moves: CUT_ALIGN at the low end, I - CUT_ALIGN at the
+    # high one, a column step inside each.
+    low, high = split.offset_span(bank.bandwidths)
+    assert [split.cut(bank.bandwidths, x) for x in (low, low + 1 / 8, high - 1 / 8, high)] == [
+        16, 32, 96, 112]  # fmt: skip
     # The cut of each split step, and whether it changed with slots in flight (not drained).
     cuts, undrained = [], []
     set_cut = fills.set_cut
@@ -112,6 +117,7 @@ def test_cuts_moved_by_the_trials_keep_the_resident_tokens(tmp_path, rng_seed, o
     assert len(set(cuts)) >= 2 and all(16 <= c <= 112 and c % 16 == 0 for c in cuts), cuts
     assert not any(undrained)  # every change of cut drained the copies behind first
     assert engine.stats()["experts"]["split"] > 0
+    assert bank.adaptive.cuts(1).bounds == pytest.approx(split.offset_span(bank.bandwidths))
     engine.check_integrity()
     engine.close()
 
