@@ -176,8 +176,8 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
         row["cpu_share"] = None if share is None else share.stats(bank.cache.on_device.share)
         row["fill_gain"] = bank.cache.fill_gain  # the race adaptive's verdict reads
         split = bank.device_path.split
-        if split is not None:  # the cut the split path ran last, and its trials' bias of I
-            row["split_cut"] = split.fills.cut
+        if split is not None and row["split_per_token"] > 0:  # the cut it ran last, and the
+            row["split_cut"] = split.fills.cut  # cut trials' bias of I
             row["cut_bias"] = bank.adaptive.cuts(batch).bias
     return row
 

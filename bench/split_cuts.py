@@ -75,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
+    width = offload.QWEN3_30B_A3B["moe_intermediate_size"]
+    bad = [c for c in args.cuts if not 0 <= c < width]
+    if bad:
+        parser.error(f"--cuts {bad}: a cut is a column of I = {width} in [1, {width}), or 0")
+
     dev = torch.device("cuda")
     b_hbm, b_read = hbm_copy_bandwidth(dev), host_read_bandwidth()
     engine, b_p, b_h = offload.offload_engine(args.layers, args.budget_gb, 8192)
@@ -88,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         gen = TraceGenerator(spec.n_moe_layers, spec.n_experts, spec.top_k,
                              Regime.parse(args.regime), seed=0)  # fmt: skip
         engine.loaded.model.set_expert_bank(TracedRouting(bank, gen))
+    # adaptive's worker from the start, so every split row counts its own jobs (they include
+    # the row's warm-up steps)
+    offload._use_policy(engine, bank, "adaptive")
     engine.capture_graphs()
     dense = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.device_nbytes
     kv_per_token = kv_bytes_per_token(engine)

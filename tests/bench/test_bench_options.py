@@ -43,3 +43,16 @@ def test_offload_refuses_a_context_the_kv_pool_cannot_hold(rng_seed, capsys):
         offload.main(["--context", str(context), "--batches", "1", str(batch)])
     assert exited.value.code == 2
     assert f"--context {context}" in capsys.readouterr().err
+
+
+def test_split_cuts_refuses_a_cut_outside_the_expert(rng_seed, capsys):
+    """`bench split-cuts --cuts`: a column past the expert's width is refused before anything
+    loads, naming the option."""
+    from freetoken_agent.bench import split_cuts
+
+    width = split_cuts.offload.QWEN3_30B_A3B["moe_intermediate_size"]
+    bad = random.Random(rng_seed).choice([width, width + 64, -16])
+    with pytest.raises(SystemExit) as exited:
+        split_cuts.main(["--cuts", "0", str(bad)])
+    assert exited.value.code == 2
+    assert f"--cuts [{bad}]" in capsys.readouterr().err
