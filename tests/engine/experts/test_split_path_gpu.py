@@ -22,7 +22,10 @@ SPLIT = dict(policy="adaptive", split_expert=True)
 
 
 def _resident_run(tmp_path, rng_seed: int, max_tokens: int):
-    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    # Experts of width 64: cuts at 16, 32 or 48 (width 32, the tiny default, always cuts at 16),
+    # so the cut trials change the cut on the device, each change after a drain.
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4,
+              moe_intermediate_size=64)  # fmt: skip
     rng = random.Random(rng_seed)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9, 40)]
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -40,15 +43,19 @@ def test_split_path_on_cuda_matches_resident(tmp_path, rng_seed, overlap):
     want_logits = resident.score(ids)
     rows = resident.spec.n_moe_layers * resident.spec.n_experts
     opts = {**CUDA, "overlap_schedule": overlap}
+    cuts = set()  # the cuts the engines ran
     for slots in (1, rng.randint(5, rows // 2), rows - 1):
         engine = Engine.load(tmp_path, expert_slots=slots, **SPLIT, **opts)
+        fills = engine.loaded.bank.cache.on_device
+        set_cut = fills.set_cut
+        fills.set_cut = lambda value, set_cut=set_cut: (cuts.add(value), set_cut(value))
         bank, graphs = engine.loaded.bank, engine.runner.graphs
         assert isinstance(graphs, PathDecodeGraphs) and graphs.split is not None
         assert graphs.split.split and not graphs.shared.split and not graphs.device.split
         bank.adaptive.path_params = {"fixed": "split"}
         link = rng.uniform(0.2, 0.8)
         bank.bandwidths.pcie, bank.bandwidths.cpu = link, 1.0 - link
-        bank.cpu_share.observe = lambda bandwidths: None  # keep the cut set here
+        bank.cpu_share.observe = lambda bandwidths: None  # keep the rates' cut set here
         assert [o.token_ids for o in engine.generate(prompts, sp)] == want, slots
         assert graphs.device_steps > 0
         st = engine.stats()["experts"]
@@ -64,6 +71,8 @@ def test_split_path_on_cuda_matches_resident(tmp_path, rng_seed, overlap):
               f"fetched {st['fetched']}")  # fmt: skip
         engine.check_integrity()
         engine.close()
+    print(f"cuts {sorted(cuts)}")
+    assert len(cuts) >= 2, cuts
 
 
 @pytest.mark.parametrize("overlap", [False, True])
