@@ -9,6 +9,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+from offset_climb import climb
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
@@ -18,26 +19,13 @@ from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.kernels.cpu import worker
 
 
-def _climb(trials: CutTrials, best: float, rng: random.Random, measurements: int) -> list:
-    """Feed steps whose time grows with the offset's distance from `best` (1% noise); returns
-    (steps fed so far, bias) after each measurement."""
-    ends, steps = [], 0
-    while len(ends) < measurements:
-        choices = trials.choices
-        trials.step_done((1.0 + 4 * abs(trials.offset - best)) * rng.uniform(0.995, 1.005))
-        steps += 1
-        if trials.choices > choices:
-            ends.append((steps, trials.bias))
-    return ends
-
-
 def test_the_cut_climbs_far_in_quick_measurements_then_holds(rng_seed):
     rng = random.Random(rng_seed)
     far = rng.choice([-4, -3, 3, 4])  # STEPs from the rates' cut
     best = STEP * far + rng.uniform(-0.02, 0.02)
     period, moving = rng.randrange(40, 80), rng.randrange(0, 5)
     trials = CutTrials(block=2, rotations=1, period=period, moving_period=moving)
-    ends = _climb(trials, best, rng, abs(far) + 4)
+    ends = climb(trials, best, rng, abs(far) + 4)
     measured = 3 * 2  # steps of one measurement: three offsets, one block of 2 each
     biases = [bias for _, bias in ends]
     arrived = next(k for k, bias in enumerate(biases) if abs(bias - best) <= STEP / 2 + 1e-9)
@@ -58,7 +46,7 @@ def test_a_climb_held_at_its_bounds_waits_the_period(rng_seed):
     trials = CutTrials(block=2, rotations=1, period=period, moving_period=0)
     low = -STEP * rng.randint(1, 2)
     trials.bounds = (low, STEP * rng.randint(1, 3))
-    ends = _climb(trials, -0.9, rng, 8)  # the fastest cut lies far below the bound
+    ends = climb(trials, -0.9, rng, 8)  # the fastest cut lies far below the bound
     biases = [bias for _, bias in ends]
     assert biases[-1] == pytest.approx(low) and min(biases) >= low - 1e-9, biases
     held = next(k for k, bias in enumerate(biases) if bias == pytest.approx(low))

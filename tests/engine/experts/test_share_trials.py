@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from offset_climb import climb
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
@@ -14,24 +15,12 @@ from freetoken_agent.engine.experts.share_trials import MAX_BIAS, STEP, ShareTri
 from freetoken_agent.kernels.cpu import worker
 
 
-def _climb(trials: ShareTrials, best: float, rng: random.Random, measurements: int) -> list:
-    """Feed steps whose time grows with the distance of the offset from `best` (1% noise);
-    returns the bias after each measurement."""
-    biases = []
-    while len(biases) < measurements:
-        choices = trials.choices
-        trials.step_done((1.0 + 4 * abs(trials.offset - best)) * rng.uniform(0.995, 1.005))
-        if trials.choices > choices:
-            biases.append(trials.bias)
-    return biases
-
-
 def test_the_share_climbs_to_the_fastest_and_holds_there(rng_seed):
     rng = random.Random(rng_seed)
     # Near one of the offsets the climb can reach (a best midway between two would tie them)
     best = STEP * rng.randint(-4, 4) + rng.uniform(-0.02, 0.02)
     trials = ShareTrials(block=2, rotations=2, period=rng.randrange(0, 5))
-    biases = _climb(trials, best, rng, 20)
+    biases = [bias for _, bias in climb(trials, best, rng, 20)]
     assert abs(biases[-1] - best) <= STEP / 2 + 1e-9, (best, biases)
     assert biases[-4:] == [biases[-1]] * 4  # it holds still once there
     steps = [abs(b - a) for a, b in zip([0.0, *biases[:-1]], biases, strict=True)]
@@ -41,7 +30,8 @@ def test_the_share_climbs_to_the_fastest_and_holds_there(rng_seed):
 def test_the_share_stays_within_max_bias(rng_seed):
     rng = random.Random(rng_seed)
     far = rng.choice([-1, 1]) * rng.uniform(MAX_BIAS + 0.1, 1.0)
-    biases = _climb(ShareTrials(block=2, rotations=1, period=0), far, rng, 12)
+    ends = climb(ShareTrials(block=2, rotations=1, period=0), far, rng, 12)
+    biases = [bias for _, bias in ends]
     assert biases[-1] == pytest.approx(MAX_BIAS if far > 0 else -MAX_BIAS)
     assert all(abs(b) <= MAX_BIAS + 1e-9 for b in biases)
 
