@@ -81,6 +81,7 @@ class AdaptiveFetches:
         self.share_params: dict = {}  # ShareTrials' schedule (its defaults otherwise)
         self._cuts: dict[int, CutTrials] = {}  # per decode batch size: the split path's cut
         self.cut_params: dict = {}  # CutTrials' schedule (its defaults otherwise)
+        self._measuring: dict[int, bool] = {}  # per batch size: the last step's paths measured
         # Per decode batch size: layers with a miss per step (each a stop for the host),
         # running average over steps outside `layers` mode; and the count of this step so far.
         self._stops: dict[int, float] = {}
@@ -260,9 +261,15 @@ class AdaptiveFetches:
             path = self.path(n_tokens)
             was_exploring, on_stops = paths.exploring, paths.path == "stops"
             paths.step_done(seconds / n_tokens)
-            if not was_exploring and path == "shared":  # the path kept: a sample for its share
+            # The first step after the paths were measured is no sample for the kept path's
+            # own trials: it pays the hand-over, and under overlap it was launched while they
+            # were still measured (at the kept value, not the candidate its trials now try).
+            first_kept = self._measuring.get(n_tokens, False) and not was_exploring
+            self._measuring[n_tokens] = was_exploring
+            kept = not was_exploring and not first_kept
+            if kept and path == "shared":  # the path kept: a sample for its share
                 self.shares(n_tokens).step_done(seconds / n_tokens)
-            elif not was_exploring and path == "split":  # ... or for its cut
+            elif kept and path == "split":  # ... or for its cut
                 self.cuts(n_tokens).step_done(seconds / n_tokens)
         if not on_stops:
             return

@@ -122,15 +122,25 @@ def test_the_path_trials_time_split_at_its_kept_cut(rng_seed):
     adaptive.split_ok = True
     adaptive.cut_params = dict(block=2, rotations=1, period=0, moving_period=0)
     runs = []  # (path trials measuring, the cut trials' bias, the offset a split step ran)
+    cuts, fed = adaptive.cuts(1), []  # whether each step was a sample for the cut trials
+    cut_step = cuts.step_done
+    cuts.step_done = lambda seconds: (fed.__setitem__(-1, True), cut_step(seconds))
+    measured = []  # whether the path trials measured during each step
     for _ in range(rng.randint(80, 120)):
         path, exploring = adaptive.path(1), adaptive.paths(1).exploring
+        measured.append(exploring)
         if path == "split":
-            runs.append((exploring, adaptive.cuts(1).bias, adaptive.cut_offset(1)))
+            runs.append((exploring, cuts.bias, adaptive.cut_offset(1)))
         # split the fastest path, its cuts' times apart (their offsets' distance from -0.25)
-        cost = 1.0 + abs(adaptive.cuts(1).offset + 0.25) if path == "split" else 3.0
+        cost = 1.0 + abs(cuts.offset + 0.25) if path == "split" else 3.0
+        fed.append(False)
         adaptive.step_timed(1, cost * rng.uniform(0.99, 1.01))
     measuring = [(bias, offset) for exploring, bias, offset in runs if exploring]
     kept = [(bias, offset) for exploring, bias, offset in runs if not exploring]
     assert measuring and kept, runs
     assert all(offset == bias for bias, offset in measuring), measuring
     assert any(offset != bias for bias, offset in kept), kept  # the cut trials' candidates
+    # No step the path trials measured, nor the first after them, is a sample for the cuts.
+    firsts = [k for k in range(1, len(measured)) if measured[k - 1] and not measured[k]]
+    assert firsts and not any(fed[k] for k in firsts), (firsts, fed)
+    assert not any(f for f, m in zip(fed, measured, strict=True) if m) and any(fed)
