@@ -334,6 +334,7 @@ class FakeDriver:
             *self.addresses(), ring,
         )  # fmt: skip
         assert rc == 0
+        self.staged = staged  # the copier writes the marks there: it lives as long as this
         cpu._behind[0] = BehindCopies(slots.w13, slots.w2, slots.landed)
 
     def htod(self, dst, src, n, stream):
@@ -353,6 +354,22 @@ class FakeDriver:
             ctypes.memmove(dst, c.srcHost + c.srcXInBytes + (c.srcY + y) * c.srcPitch,
                            c.WidthInBytes)  # fmt: skip
         return 0
+
+
+def held_driver(rng_seed: int, ring: int | None = None):
+    """A started worker whose copies behind go to host slots through a FakeDriver that holds
+    every call until `hold` is set (and records BEHIND at each); `ring`: the copier's ring, set
+    by a first configuration. Returns rng, gen, w13, w2, box, cpu, slots, hold, fake."""
+    rng = random.Random(rng_seed)
+    gen = torch.Generator().manual_seed(rng_seed)
+    w13, w2, box, cpu = started(gen)
+    slots = Slots(gen)
+    hold = threading.Event()
+    fake, staged = FakeDriver(hold=hold, watch=box.ctrl), torch.full((S,), -1, dtype=torch.int64)
+    if ring is not None:
+        cpu.set_behind(slots.behind(), ring=ring)
+    fake.configure(cpu, slots, staged)
+    return rng, gen, w13, w2, box, cpu, slots, hold, fake
 
 
 def test_the_cuda_copies_call_the_driver_as_documented(rng_seed):
@@ -414,13 +431,7 @@ def test_the_cuda_copies_call_the_driver_as_documented(rng_seed):
 def test_the_answer_goes_first_and_a_drain_waits_for_the_copies(rng_seed):
     """A copy behind that takes long (the driver held) neither delays the answer nor escapes
     drain_behind: it raises naming the jobs, and returns once the copies are queued."""
-    rng = random.Random(rng_seed)
-    gen = torch.Generator().manual_seed(rng_seed)
-    w13, w2, box, cpu = started(gen)
-    slots = Slots(gen)
-    hold = threading.Event()
-    fake, staged = FakeDriver(hold=hold), torch.full((S,), -1, dtype=torch.int64)
-    fake.configure(cpu, slots, staged)
+    rng, gen, w13, w2, box, cpu, slots, hold, fake = held_driver(rng_seed)
     try:
         hidden, rows, weights, fill_slots, fills = split_job(gen, rng, [0, 1, 2])
         post(box, 1, hidden, rows, weights, fill_slots, (rng.randrange(W), 0))
@@ -442,13 +453,7 @@ def test_the_worker_answers_while_the_copier_waits_for_the_driver(rng_seed):
     and 3 are answered while job 1's copies still wait for the driver; BEHIND stays at 0; once
     the driver returns, every job's copies land in order (job 1's from its snapshot, though the
     mailbox has been posted over twice since)."""
-    rng = random.Random(rng_seed)
-    gen = torch.Generator().manual_seed(rng_seed)
-    w13, w2, box, cpu = started(gen)
-    slots = Slots(gen)
-    hold = threading.Event()
-    fake, staged = FakeDriver(hold=hold, watch=box.ctrl), torch.full((S,), -1, dtype=torch.int64)
-    fake.configure(cpu, slots, staged)
+    rng, gen, w13, w2, box, cpu, slots, hold, fake = held_driver(rng_seed)
     first, want, copies = slots.snapshot(), slots.snapshot(), 0
     try:
         for seq in (1, 2, 3):
@@ -481,14 +486,7 @@ def test_a_full_ring_drops_copies_never_an_answer(rng_seed):
     later one keeps it) and a held driver: job 1 stays in the copier's hands, job 2 queues,
     jobs 3 to 5 find the ring full. Every job is answered, BEHIND_ERROR turns -7 at job 3, and after
     the driver returns BEHIND reaches job 5 (a drain ends) with only jobs 1 and 2 copied."""
-    rng = random.Random(rng_seed)
-    gen = torch.Generator().manual_seed(rng_seed)
-    w13, w2, box, cpu = started(gen)
-    slots = Slots(gen)
-    hold = threading.Event()
-    fake, staged = FakeDriver(hold=hold, watch=box.ctrl), torch.full((S,), -1, dtype=torch.int64)
-    cpu.set_behind(slots.behind(), ring=2)
-    fake.configure(cpu, slots, staged)
+    rng, gen, w13, w2, box, cpu, slots, hold, fake = held_driver(rng_seed, ring=2)
     want, copies = slots.snapshot(), 0
     try:
         for seq in range(1, 6):
@@ -517,13 +515,7 @@ def test_a_full_ring_drops_copies_never_an_answer(rng_seed):
 def test_stop_makes_the_queued_copies_first(rng_seed):
     """ft_worker_stop joins the copier after the copies it was given: a stop while the driver
     holds job 1's copies (job 2's queued behind them) waits for both, and they land."""
-    rng = random.Random(rng_seed)
-    gen = torch.Generator().manual_seed(rng_seed)
-    w13, w2, box, cpu = started(gen)
-    slots = Slots(gen)
-    hold = threading.Event()
-    fake, staged = FakeDriver(hold=hold), torch.full((S,), -1, dtype=torch.int64)
-    fake.configure(cpu, slots, staged)
+    rng, gen, w13, w2, box, cpu, slots, hold, fake = held_driver(rng_seed)
     stopper = threading.Thread(target=cpu.stop)
     want = slots.snapshot()
     try:
