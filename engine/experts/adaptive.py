@@ -264,9 +264,8 @@ class AdaptiveFetches:
             # The first step after the paths were measured is no sample for the kept path's
             # own trials: it pays the hand-over, and under overlap it was launched while they
             # were still measured (at the kept value, not the candidate its trials now try).
-            first_kept = self._measuring.get(n_tokens, False) and not was_exploring
+            kept = not was_exploring and not self._measuring.get(n_tokens, False)
             self._measuring[n_tokens] = was_exploring
-            kept = not was_exploring and not first_kept
             if kept and path == "shared":  # the path kept: a sample for its share
                 self.shares(n_tokens).step_done(seconds / n_tokens)
             elif kept and path == "split":  # ... or for its cut

@@ -32,6 +32,7 @@ from freetoken_agent.kernels.l2_prefetch import prefetch_rows
 from freetoken_agent.kernels.reference_fills import LIVE_PAIRS
 
 if TYPE_CHECKING:
+    from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
     from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 
 # T tokens, K top-k, H hidden
@@ -63,8 +64,13 @@ class DevicePath:
                 cache = bank.cache
                 self.split = SplitExpert(cache.on_device, self.cpu_share, bank.pool, cache.w13,
                                          cache.w2)  # fmt: skip
-        bank.adaptive.shared_ok = self.cpu_share is not None
-        bank.adaptive.split_ok = self.split is not None and self.split.check()
+        self.offer_paths(bank.adaptive)
+
+    def offer_paths(self, adaptive: AdaptiveFetches) -> None:
+        """Which of its paths adaptive may take: `shared` with a worker, `split` while its
+        copies behind and worker hold (SplitExpert.check)."""
+        adaptive.shared_ok = self.cpu_share is not None
+        adaptive.split_ok = self.split is not None and self.split.check()
 
     def takes(self, n_tokens: int) -> bool:
         """Whether an eager call of `n_tokens` tokens takes the device path: always under

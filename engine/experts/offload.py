@@ -404,9 +404,7 @@ class OffloadedExpertBank(GraphDecode):
         # (no device path, no path trials: a pool that could not be pinned takes the stops)
         tokens = self.device_tokens if self.device_path_ok else 0
         self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers, tokens)
-        self.adaptive.shared_ok = self.cpu_share is not None
-        split = self.device_path.split
-        self.adaptive.split_ok = split is not None and split.check()
+        self.device_path.offer_paths(self.adaptive)
         self.cache.kept_layers = frozenset()
         if self.popular is not None:
             self.popular.reset()

@@ -97,17 +97,21 @@ class SplitExpert:
     def offset_span(self, bandwidths: Bandwidths) -> tuple[float, float]:
         """The offsets of I within which the cut still moves, from the rates' link fraction as
         `enter` holds it (past them it stays at CUT_ALIGN or I - CUT_ALIGN)."""
-        link = self._link if self.dirty else _link_fraction(bandwidths)
+        link = self._rates_link(bandwidths)
         edge = CUT_ALIGN / self.width
         return edge - link, 1.0 - edge - link
+
+    def _rates_link(self, bandwidths: Bandwidths) -> float:
+        """The rates' link fraction a split step uses: the one held while slots are in flight,
+        else the bandwidths' now."""
+        return self._link if self.dirty else _link_fraction(bandwidths)
 
     def enter(self, bandwidths: Bandwidths, offset: float = 0.0) -> None:
         """Before a split step: the cut, the rates' (read again only with nothing in flight:
         their estimates move a little every step, and each change of cut drains; not after
         the drain a new offset makes either, so the cut trials' candidates stay comparable)
         moved by `offset` of I. A new offset (the cut trials' next block) drains first."""
-        if not self.dirty:
-            self._link = _link_fraction(bandwidths)
+        self._link = self._rates_link(bandwidths)
         cut = self._cut_at(self._link + offset)
         if cut != self.fills.cut and self.dirty:
             self.drain()  # the slots in flight hold the old cut's columns
