@@ -57,16 +57,18 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _use_policy(engine, bank, policy: str) -> None:
+def _use_policy(engine, bank, policy: str, recapture: bool = False) -> None:
     """Switch the offload policy between measurements, recapturing the decode graphs when the
-    new policy decodes with another kind (`decode_graph_kind`)."""
+    new policy decodes with another kind (`decode_graph_kind`), or always with `recapture`
+    (the model's expert bank was replaced: graphs call the bank object they were captured
+    with)."""
     was = bank.policy
     bank.policy = policy
     if policy == "adaptive":
         bank.start_cpu_share()  # (loaded under another policy: its shared path's worker)
     bank.use_popular_pins(engine.config.popular_pins)  # loaded under transfer: none yet
     kinds = {decode_graph_kind(p, bank.device_path_ok) for p in (was, policy)}
-    if len(kinds) > 1 and engine.runner.graphs is not None:
+    if recapture or (len(kinds) > 1 and engine.runner.graphs is not None):
         engine.capture_graphs()
 
 
@@ -454,8 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         report.update(caps_report(caps))
         save()
     model.set_expert_bank(bank)
-    _use_policy(engine, bank, "adaptive")
-    engine.capture_graphs()
+    _use_policy(engine, bank, "adaptive", recapture=True)
     bank.cache.reset()
     for double in () if args.skip_prefill else (True, False):
         if not double:

@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.loaded.model.set_expert_bank(TracedRouting(bank, gen))
     # adaptive's worker from the start, so every split row counts its own jobs (they include
     # the row's warm-up steps)
-    offload._use_policy(engine, bank, "adaptive")
-    engine.capture_graphs()
+    offload._use_policy(engine, bank, "adaptive", recapture=True)
     dense = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.device_nbytes
     kv_per_token = kv_bytes_per_token(engine)
     rng = random.Random(0)
