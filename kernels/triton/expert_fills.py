@@ -255,11 +255,16 @@ def _copy_kernel(
         n_cb = (cut + BLOCK_C - 1) // BLOCK_C
         per = 2 * c13 + n_cb * ((hidden_size + BLOCK // BLOCK_C - 1) // (BLOCK // BLOCK_C))
         total = moved.to(tl.int32) * per
-        for w in range(tl.program_id(0), total, PROGRAMS):
-            move = w // per
-            chunk = w % per
-            lid = tl.load(moves + 2 * move)
-            slot = tl.load(moves + 2 * move + 1)
+    else:
+        c13 = (n13 + BLOCK - 1) // BLOCK
+        per = c13 + (n2 + BLOCK - 1) // BLOCK  # chunks of one expert
+        total = (moved * per).to(tl.int32)
+    for w in range(tl.program_id(0), total, PROGRAMS):  # chunk `chunk` of move `move`
+        move = w // per
+        chunk = w % per
+        lid = tl.load(moves + 2 * move)
+        slot = tl.load(moves + 2 * move + 1)
+        if SPLIT:
             if chunk < 2 * c13:
                 half = chunk // c13  # 0: gate rows, 1: up rows (I rows on)
                 at = (chunk - half * c13).to(tl.int64) * BLOCK + offs
@@ -277,25 +282,16 @@ def _copy_kernel(
             else:
                 _copy_columns(src2 + lid * s_stride2, dst2 + slot * d_stride2, chunk - 2 * c13,
                               n_cb, cut, width, hidden_size, BLOCK, BLOCK_C)  # fmt: skip
-    else:
-        c13 = (n13 + BLOCK - 1) // BLOCK
-        per = c13 + (n2 + BLOCK - 1) // BLOCK  # chunks of one expert
-        total = (moved * per).to(tl.int32)
-        for w in range(tl.program_id(0), total, PROGRAMS):
-            move = w // per
-            chunk = w % per
-            lid = tl.load(moves + 2 * move)
-            slot = tl.load(moves + 2 * move + 1)
-            if chunk < c13:
-                at = chunk.to(tl.int64) * BLOCK + offs
-                ok = at < n13
-                val = tl.load(src13 + lid * s_stride13 + at, mask=ok)
-                tl.store(dst13 + slot * d_stride13 + at, val, mask=ok)
-            else:
-                at = (chunk - c13).to(tl.int64) * BLOCK + offs
-                ok = at < n2
-                val = tl.load(src2 + lid * s_stride2 + at, mask=ok)
-                tl.store(dst2 + slot * d_stride2 + at, val, mask=ok)
+        elif chunk < c13:
+            at = chunk.to(tl.int64) * BLOCK + offs
+            ok = at < n13
+            val = tl.load(src13 + lid * s_stride13 + at, mask=ok)
+            tl.store(dst13 + slot * d_stride13 + at, val, mask=ok)
+        else:
+            at = (chunk - c13).to(tl.int64) * BLOCK + offs
+            ok = at < n2
+            val = tl.load(src2 + lid * s_stride2 + at, mask=ok)
+            tl.store(dst2 + slot * d_stride2 + at, val, mask=ok)
     if WAIT:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
         # The CPU's answer: the programs that hold a BLOCK_H of `add` spin on it once their
         # copies are issued, then move their part (no launch of its own: a decode step has
