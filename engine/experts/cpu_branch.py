@@ -10,13 +10,15 @@ B_P estimates (calibration.update), so q* follows what the link and the CPU deli
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.cache import ExpertCache
-from freetoken_agent.engine.experts.policy import Bandwidths
+from freetoken_agent.engine.experts.policy import Bandwidths, cpu_cost
 from freetoken_agent.engine.experts.pool import ExpertPool
 
 # T tokens, K choices, H hidden
@@ -59,15 +61,30 @@ def run_on_cpu(
         keep = set(on_cpu)
         flat = [lid if lid in keep else -1 for lid in lids.reshape(-1).tolist()]
         rows = torch.tensor(flat, dtype=torch.int64).view(lids.shape)
+        served = Counter(lid for lid in flat if lid >= 0).values() if timed else ()
     else:
         ids = lids.numpy() if lids.dtype == torch.int64 else lids.long().numpy()
-        rows = torch.from_numpy(np.where(np.isin(ids, on_cpu), ids, -1))
+        kept = np.isin(ids, on_cpu)
+        rows = torch.from_numpy(np.where(kept, ids, -1))
+        served = np.unique(ids[kept], return_counts=True)[1].tolist() if timed else ()
     start = time.perf_counter()
     part = calibration.cpu_experts(hidden, pool.w13, pool.w2, rows, topk_weights, into=into)
     if timed:
-        nbytes = len(on_cpu) * pool.expert_bytes
-        bandwidths.cpu = calibration.update(bandwidths.cpu, nbytes, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        bandwidths.cpu = calibration.update(bandwidths.cpu, read_bytes(pool, served, bandwidths),
+                                            seconds)  # fmt: skip
     return part
+
+
+def read_bytes(pool: ExpertPool, served: Iterable[int], bandwidths: Bandwidths) -> float:
+    """The bytes a CPU run counts for B_H: each expert's weights once per `cpu_cost` read of
+    them (`served`: the tokens each expert of the run served). Past the knee the kernel is
+    bound by arithmetic and q* (policy.split_count) prices such an expert at tokens / knee
+    reads, so its observation counts the same. Counted as one read, a prompt chunk's CPU runs
+    (tens of tokens an expert) read as 8-25 GB/s on the H200 host against ~90 at decode
+    (bench/results/cpu_runs_probe_summary_s31.json), so every prompt left decode's q* with a
+    B_H several times too low, and a low B_H sends the CPU too little work to be corrected."""
+    return pool.expert_bytes * sum(cpu_cost(t, bandwidths.knee) for t in served)
 
 
 def observe_fills(cache: ExpertCache, bandwidths: Bandwidths) -> None:
