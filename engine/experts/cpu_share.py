@@ -117,9 +117,14 @@ class CpuShare:
     def stats(self, share: int) -> dict:
         """For Engine.stats: the worker's jobs and experts, the share the plans read now."""
         ctrl = self.box.ctrl
-        return {"jobs": int(ctrl[worker.JOBS]), "experts": int(ctrl[EXPERTS]),
+        jobs = int(ctrl[worker.JOBS])
+        return {"jobs": jobs, "experts": int(ctrl[EXPERTS]),
                 "share": share / SHARE_ONE, "broken": self.broken,
-                "max_job_ms": int(ctrl[worker.MAX_JOB_NS]) / 1e6}  # fmt: skip
+                "mean_job_ms": int(ctrl[BUSY_NS]) / max(jobs, 1) / 1e6,
+                "max_job_ms": int(ctrl[worker.MAX_JOB_NS]) / 1e6,
+                # the tail (worker.py): jobs over 1 ms, and over 4 ms (a lost time slice)
+                "jobs_over_1ms": int(ctrl[worker.SLOW_JOBS]),
+                "jobs_over_4ms": int(ctrl[worker.STALLED_JOBS])}  # fmt: skip
 
     def close(self) -> None:
         self.worker.stop()

@@ -68,9 +68,12 @@ void ft_copier_stop(void* copier);
 namespace {
 
 // ctrl's entries (kernels/cpu/worker.py: POST, TOKENS, COL_LO, COL_HI, COLUMNS, ANSWER, ERROR,
-// JOBS, EXPERTS, BUSY_NS, MAX_JOB_NS; BEHIND and BEHIND_EXPERTS are the copier's)
+// JOBS, EXPERTS, BUSY_NS, MAX_JOB_NS, SLOW_JOBS, STALLED_JOBS; BEHIND and BEHIND_EXPERTS are the
+// copier's)
 constexpr int POST = 0, TOKENS = 1, COL_LO = 3, COL_HI = 4, COLUMNS = 5, ANSWER = 8, ERROR = 9,
-              JOBS = 11, EXPERTS = 12, BUSY_NS = 13, MAX_JOB_NS = 15;
+              JOBS = 11, EXPERTS = 12, BUSY_NS = 13, MAX_JOB_NS = 15, SLOW_JOBS = 17,
+              STALLED_JOBS = 18;
+constexpr int64_t SLOW_JOB_NS = 1000000, STALL_NS = 4000000;  // worker.py's
 
 struct Args {
   int64_t* ctrl;
@@ -158,6 +161,8 @@ struct Worker {
     at(a.ctrl, BUSY_NS).fetch_add(took, std::memory_order_relaxed);
     if (took > at(a.ctrl, MAX_JOB_NS).load(std::memory_order_relaxed))
       at(a.ctrl, MAX_JOB_NS).store(took, std::memory_order_relaxed);
+    if (took > SLOW_JOB_NS) at(a.ctrl, SLOW_JOBS).fetch_add(1, std::memory_order_relaxed);
+    if (took > STALL_NS) at(a.ctrl, STALLED_JOBS).fetch_add(1, std::memory_order_relaxed);
     at(a.ctrl, JOBS).fetch_add(1, std::memory_order_relaxed);
     at(a.ctrl, ANSWER).store(seq, std::memory_order_release);
     if (!behind) return;

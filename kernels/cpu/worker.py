@@ -75,6 +75,12 @@ BEHIND, BEHIND_EXPERTS, BEHIND_ERROR = 6, 7, 16
 RING = 256
 # Diagnostics: the longest job (ns), and the answer a wait last read when it gave up.
 MAX_JOB_NS, GAVE_UP_AT = 15, 2
+# The jobs' tail: how many took over SLOW_JOB_NS and over STALL_NS. A decode layer waits for
+# its job, so a job of ~0.2 ms that takes 4 ms (a scheduler's time slice: a thread of the team
+# lost its core) stalls the whole step; the peer slice's uniform b=1 rows ran 15-26% slower than
+# their trials' median step (thirty-first session) with a longest job of 31 ms.
+SLOW_JOBS, STALLED_JOBS = 17, 18
+SLOW_JOB_NS, STALL_NS = 1_000_000, 4_000_000
 CTRL = 24
 TIMEOUT_S = 2.0  # a device wait's bound: jobs take well under a millisecond
 # The worker's kernel threads: "spin" (a team of its own that spins between jobs:
