@@ -197,8 +197,9 @@ def test_a_job_with_a_column_range_computes_that_slice(team, rng_seed):
 
 def test_the_jobs_tail_counts_each_job_past_one_and_four_ms(rng_seed):
     """SLOW_JOBS / STALLED_JOBS count the jobs whose time (each job's BUSY_NS) passed 1 and
-    4 ms: small jobs, and jobs of 24 experts of the 30B shape (226 MB of pool on two threads:
-    past 4 ms on any host we run on), in a random order."""
+    4 ms. Jobs of one expert, of all 24 experts of the 30B shape (226 MB of pool on two
+    threads: past 4 ms on any host we run on; the first job, which times an expert), and of
+    as many experts as should take ~2.5 ms here, in a random order."""
     rng = random.Random(rng_seed)
     gen = torch.Generator().manual_seed(rng_seed)
     h, w, n, k, t_max = 2048, 768, 24, 8, 3
@@ -206,25 +207,26 @@ def test_the_jobs_tail_counts_each_job_past_one_and_four_ms(rng_seed):
     w2 = torch.randn(n, h, w, generator=gen).to(torch.bfloat16)
     box = worker.Mailbox.allocate(t_max, k, h, torch.bfloat16, pin=False)
     cpu = worker.CpuWorker(box, w13, w2, threads=2, spin_ns=1_000_000)
-    big = [rng.random() < 0.5 for _ in range(5)] + [True]
-    rng.shuffle(big)
+    sizes = [n]  # experts a job; the rest drawn once the first has timed an expert
     slow = stalled = 0
     try:
-        for seq, whole in enumerate(big, start=1):
-            lids = torch.randperm(n, generator=gen)
-            rows = lids.view(t_max, k) if whole else torch.full((t_max, k), -1, dtype=torch.long)
-            if not whole:
-                rows[0, 0] = int(lids[0])  # one expert for one token
+        for seq in range(1, 9):
+            lids = torch.randperm(n, generator=gen)[: sizes[-1]]
+            rows = torch.full((t_max * k,), -1, dtype=torch.long)
+            rows[: lids.numel()] = lids
             hidden = torch.randn(t_max, h, generator=gen).to(torch.bfloat16)
             busy = int(box.ctrl[BUSY_NS])
-            post(box, seq, hidden, rows, torch.rand(t_max, k, generator=gen))
+            post(box, seq, hidden, rows.view(t_max, k), torch.rand(t_max, k, generator=gen))
             wait(box, seq, timeout=60.0)
             took = int(box.ctrl[BUSY_NS]) - busy
             slow += took > worker.SLOW_JOB_NS
             stalled += took > worker.STALL_NS
             assert int(box.ctrl[worker.SLOW_JOBS]) == slow, f"job {seq} took {took} ns"
             assert int(box.ctrl[worker.STALLED_JOBS]) == stalled, f"job {seq} took {took} ns"
-        assert stalled >= 1  # the whole-pool jobs reached the stall counter
+            if seq == 1:
+                medium = max(1, min(n, round(2_500_000 * n / took)))
+            sizes.append(rng.choice([1, medium, n]))
+        assert stalled >= 1  # the whole-pool job reached the stall counter
         assert int(box.ctrl[ERROR]) == 0
     finally:
         cpu.stop()
