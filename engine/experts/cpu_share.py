@@ -114,6 +114,13 @@ class CpuShare:
             "share of the device path is off from now on"
         )
 
+    def counters(self) -> dict[str, int]:
+        """The worker's running totals (a benchmark's window is the difference of two)."""
+        ctrl = self.box.ctrl
+        return {"jobs": int(ctrl[worker.JOBS]), "busy_ns": int(ctrl[BUSY_NS]),
+                "jobs_over_1ms": int(ctrl[worker.SLOW_JOBS]),
+                "jobs_over_4ms": int(ctrl[worker.STALLED_JOBS])}  # fmt: skip
+
     def stats(self, share: int) -> dict:
         """For Engine.stats: the worker's jobs and experts, the share the plans read now."""
         ctrl = self.box.ctrl
