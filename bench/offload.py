@@ -113,6 +113,8 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
     # waiting on segments (the device-bound share of the step).
     stops0, wait0 = getattr(graphs, "missed_layers", 0), getattr(graphs, "wait_s", 0.0)
     releases0 = bank.cache.on_device.releases  # gpu-fill: the cache handed back to the host
+    share = getattr(bank, "cpu_share", None)
+    worker0 = None if share is None else share.counters()
     _sync()
     load_start = cpu_load.snapshot()
     start = time.perf_counter()
@@ -146,7 +148,16 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
         # The cores' use over the timed steps: the driver thread and a spinning worker team
         # are this process; others' and steal are cores the worker could not have.
         "cpu_load": None if load is None else load.report(),
+        "worker_jobs": None if share is None else _worker_window(worker0, share.counters()),
     }
+
+
+def _worker_window(before: dict[str, int], after: dict[str, int]) -> dict:
+    """The CPU worker's jobs over the timed steps: how many, their mean, and the tail that
+    stalls a step (cpu_share.py's counters, kernels/cpu/worker.py's thresholds)."""
+    d = {name: after[name] - before[name] for name in after}
+    return {"jobs": d["jobs"], "mean_job_ms": d["busy_ns"] / max(d["jobs"], 1) / 1e6,
+            "jobs_over_1ms": d["jobs_over_1ms"], "jobs_over_4ms": d["jobs_over_4ms"]}  # fmt: skip
 
 
 def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h: float,
