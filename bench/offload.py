@@ -35,6 +35,7 @@ from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.config import POPULAR_PINS
 from freetoken_agent.engine.experts import calibration, step_paths
+from freetoken_agent.engine.experts.cpu_share import job_summary
 from freetoken_agent.engine.experts.offload import WHOLE_STEP_POLICIES, decode_graph_kind
 from freetoken_agent.engine.experts.policy import DEVICE_PATH_POLICIES
 from freetoken_agent.engine.experts.split_trials import BLOCK, MODES, ROTATIONS
@@ -153,11 +154,8 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
 
 
 def _worker_window(before: dict[str, int], after: dict[str, int]) -> dict:
-    """The CPU worker's jobs over the timed steps: how many, their mean, and the tail that
-    stalls a step (cpu_share.py's counters, kernels/cpu/worker.py's thresholds)."""
-    d = {name: after[name] - before[name] for name in after}
-    return {"jobs": d["jobs"], "mean_job_ms": d["busy_ns"] / max(d["jobs"], 1) / 1e6,
-            "jobs_over_1ms": d["jobs_over_1ms"], "jobs_over_4ms": d["jobs_over_4ms"]}  # fmt: skip
+    """The CPU worker's jobs over the timed steps (cpu_share.py's counters)."""
+    return job_summary({name: after[name] - before[name] for name in after})
 
 
 def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h: float,

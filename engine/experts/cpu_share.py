@@ -124,14 +124,18 @@ class CpuShare:
     def stats(self, share: int) -> dict:
         """For Engine.stats: the worker's jobs and experts, the share the plans read now."""
         ctrl = self.box.ctrl
-        jobs = int(ctrl[worker.JOBS])
-        return {"jobs": jobs, "experts": int(ctrl[EXPERTS]),
+        return {**job_summary(self.counters()), "experts": int(ctrl[EXPERTS]),
                 "share": share / SHARE_ONE, "broken": self.broken,
-                "mean_job_ms": int(ctrl[BUSY_NS]) / max(jobs, 1) / 1e6,
-                "max_job_ms": int(ctrl[worker.MAX_JOB_NS]) / 1e6,
-                # the tail (worker.py): jobs over 1 ms, and over 4 ms (a lost time slice)
-                "jobs_over_1ms": int(ctrl[worker.SLOW_JOBS]),
-                "jobs_over_4ms": int(ctrl[worker.STALLED_JOBS])}  # fmt: skip
+                "max_job_ms": int(ctrl[worker.MAX_JOB_NS]) / 1e6}  # fmt: skip
 
     def close(self) -> None:
         self.worker.stop()
+
+
+def job_summary(counters: dict[str, int]) -> dict:
+    """`counters` (totals, or the difference of two) as jobs, their mean time and the tail:
+    jobs past 1 ms, and past 4 ms (a lost time slice: kernels/cpu/worker.py)."""
+    jobs = counters["jobs"]
+    return {"jobs": jobs, "mean_job_ms": counters["busy_ns"] / max(jobs, 1) / 1e6,
+            "jobs_over_1ms": counters["jobs_over_1ms"],
+            "jobs_over_4ms": counters["jobs_over_4ms"]}  # fmt: skip
