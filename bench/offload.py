@@ -115,8 +115,9 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
     stops0, wait0 = getattr(graphs, "missed_layers", 0), getattr(graphs, "wait_s", 0.0)
     releases0 = bank.cache.on_device.releases  # gpu-fill: the cache handed back to the host
     share = getattr(bank, "cpu_share", None)
-    worker0 = None if share is None else share.counters()
     _sync()
+    # (after the sync: a step still in flight posts its layers' jobs before it ends)
+    worker0 = None if share is None else share.counters()
     load_start = cpu_load.snapshot()
     start = time.perf_counter()
     steps = 0

@@ -77,8 +77,9 @@ RING = 256
 MAX_JOB_NS, GAVE_UP_AT = 15, 2
 # The jobs' tail: how many took over SLOW_JOB_NS and over STALL_NS. A decode layer waits for
 # its job, so a job of ~0.2 ms that takes 4 ms (a scheduler's time slice: a thread of the team
-# lost its core) stalls the whole step; the peer slice's uniform b=1 rows ran 15-26% slower than
-# their trials' median step (thirty-first session) with a longest job of 31 ms.
+# lost its core) stalls the whole step. The peer slice's uniform b=1 rows ran 15-26% slower than
+# their trials' median step (thirty-first session) and the worker's longest job since it started
+# was 31 ms; these counts, taken per row by bench offload, say whether the two are related.
 SLOW_JOBS, STALLED_JOBS = 17, 18
 SLOW_JOB_NS, STALL_NS = 1_000_000, 4_000_000
 CTRL = 24

@@ -207,11 +207,11 @@ def test_the_jobs_tail_counts_each_job_past_one_and_four_ms(rng_seed):
     w2 = torch.randn(n, h, w, generator=gen).to(torch.bfloat16)
     box = worker.Mailbox.allocate(t_max, k, h, torch.bfloat16, pin=False)
     cpu = worker.CpuWorker(box, w13, w2, threads=2, spin_ns=1_000_000)
-    sizes = [n]  # experts a job; the rest drawn once the first has timed an expert
+    size = n  # experts in the next job; drawn once the first job has timed an expert
     slow = stalled = 0
     try:
         for seq in range(1, 9):
-            lids = torch.randperm(n, generator=gen)[: sizes[-1]]
+            lids = torch.randperm(n, generator=gen)[:size]
             rows = torch.full((t_max * k,), -1, dtype=torch.long)
             rows[: lids.numel()] = lids
             hidden = torch.randn(t_max, h, generator=gen).to(torch.bfloat16)
@@ -225,7 +225,7 @@ def test_the_jobs_tail_counts_each_job_past_one_and_four_ms(rng_seed):
             assert int(box.ctrl[worker.STALLED_JOBS]) == stalled, f"job {seq} took {took} ns"
             if seq == 1:
                 medium = max(1, min(n, round(2_500_000 * n / took)))
-            sizes.append(rng.choice([1, medium, n]))
+            size = rng.choice([1, medium, n])
         assert stalled >= 1  # the whole-pool job reached the stall counter
         assert int(box.ctrl[ERROR]) == 0
     finally:
