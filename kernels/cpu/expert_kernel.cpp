@@ -22,9 +22,12 @@
 
 #include <immintrin.h>
 #include <omp.h>
+#include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -203,6 +206,16 @@ static void run_gemv(const Gemv& g, int64_t R, int tid, int nth) {
 
 static inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
+// Pins the calling thread to core `cpu` (the CPU worker's FREETOKEN_WORKER_CPUS,
+// kernels/cpu/worker.py has the why): 0, else pthread_setaffinity_np's error.
+extern "C" int ft_pin_to(int cpu) {
+  if (cpu < 0 || cpu >= CPU_SETSIZE) return EINVAL;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  return pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
 // Who runs the phases. OmpTeam: an OpenMP team of the calling thread (calls from Python: the
 // team torch's CPU ops share and keep warm). SpinTeam: threads of the decode graph's CPU worker
 // (expert_worker.cpp), which spin between its jobs: with the caller's OpenMP team beside it,
@@ -224,9 +237,17 @@ struct OmpTeam {
 
 class SpinTeam {
  public:
-  SpinTeam(int n, int64_t spin_ns) : n_(std::max(1, n)), spin_ns_(spin_ns) {
+  // cpus [n_cpus] (n_cpus 0: none): thread tid runs on core cpus[tid % n_cpus] only (the
+  // caller, tid 0, pins itself).
+  SpinTeam(int n, int64_t spin_ns, const int* cpus = nullptr, int n_cpus = 0)
+      : n_(std::max(1, n)), spin_ns_(spin_ns), cpus_(cpus, cpus + std::max(0, n_cpus)) {
     for (int tid = 1; tid < n_; ++tid) threads_.emplace_back([this, tid] { loop(tid); });
   }
+  // Threads of the team (the caller aside) started, and of those pinned (each pins itself
+  // as it starts, before it counts as started).
+  int started() const { return started_.load(std::memory_order_acquire); }
+  int pinned() const { return pinned_.load(std::memory_order_acquire); }
+  int size() const { return n_; }
   ~SpinTeam() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -269,6 +290,9 @@ class SpinTeam {
         .count();
   }
   void loop(int tid) {
+    if (!cpus_.empty() && ft_pin_to(cpus_[tid % cpus_.size()]) == 0)
+      pinned_.fetch_add(1, std::memory_order_release);
+    started_.fetch_add(1, std::memory_order_release);
     uint64_t seen = 0;
     for (;;) {
       while (gen_.load(std::memory_order_acquire) == seen && !stop_.load()) {
@@ -297,6 +321,8 @@ class SpinTeam {
   std::atomic<uint64_t> gen_{0}, bar_gen_{0};
   std::atomic<int> done_{0}, bar_count_{0};
   std::atomic<int64_t> hot_until_{0};
+  const std::vector<int> cpus_;
+  std::atomic<int> started_{0}, pinned_{0};
   std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::condition_variable cv_;
@@ -429,6 +455,16 @@ int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtyp
 // The CPU worker's team (expert_worker.cpp): `threads` threads counting the caller, spinning
 // for spin_ns after each job's start, then sleeping in 1 ms slices.
 void* ft_team_new(int threads, int64_t spin_ns) { return new SpinTeam(threads, spin_ns); }
+// The same, thread tid pinned to cpus[tid % n_cpus] (tid 0, the caller, pins itself).
+void* ft_team_new_on(int threads, int64_t spin_ns, const int* cpus, int n_cpus) {
+  return new SpinTeam(threads, spin_ns, cpus, n_cpus);
+}
+// The team's threads pinned, once every one has started (it waits for them).
+int ft_team_pinned(void* team) {
+  auto* t = static_cast<SpinTeam*>(team);
+  while (t->started() < t->size() - 1) std::this_thread::yield();
+  return t->pinned();
+}
 void ft_team_free(void* team) { delete static_cast<SpinTeam*>(team); }
 
 int ft_cpu_experts_on(void* team, const void* hidden, const void* w13, const void* w2, int dtype,

@@ -37,18 +37,23 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 extern "C" {
 int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtype,
                    const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
                    int64_t n_rows, int64_t H, int64_t I, int64_t c0, int64_t c1, int threads);
 void* ft_team_new(int threads, int64_t spin_ns);
+void* ft_team_new_on(int threads, int64_t spin_ns, const int* cpus, int n_cpus);
+int ft_team_pinned(void* team);
+int ft_pin_to(int cpu);
 void ft_team_free(void* team);
 int ft_cpu_experts_on(void* team, const void* hidden, const void* w13, const void* w2, int dtype,
                       const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
@@ -72,7 +77,7 @@ namespace {
 // copier's)
 constexpr int POST = 0, TOKENS = 1, COL_LO = 3, COL_HI = 4, COLUMNS = 5, ANSWER = 8, ERROR = 9,
               JOBS = 11, EXPERTS = 12, BUSY_NS = 13, MAX_JOB_NS = 15, SLOW_JOBS = 17,
-              STALLED_JOBS = 18;
+              STALLED_JOBS = 18, PINNED = 19, PINS_KNOWN = 20;
 constexpr int64_t SLOW_JOB_NS = 1000000, STALL_NS = 4000000;  // worker.py's
 
 struct Args {
@@ -90,6 +95,7 @@ struct Args {
   int threads;
   int64_t spin_ns;
   int spin_team;  // 1: the kernel on a SpinTeam of this thread's; 0: on its OpenMP team
+  std::vector<int> cpus;  // the cores the thread and its SpinTeam are pinned to (empty: none)
 };
 
 int64_t now_ns() {
@@ -178,12 +184,20 @@ struct Worker {
     // sleep almost at once when the process has more of them than cores, as it does beside
     // the caller's team); or this thread's OpenMP team, as measured on the H200 (nineteenth
     // session; the SpinTeam is not measured there yet).
+    // Pinned (FREETOKEN_WORKER_CPUS): this thread to cpus[0], its team's thread t to
+    // cpus[t % n]; ctrl[PINNED] counts the threads pinned, then PINS_KNOWN = 1.
+    int pinned = !a.cpus.empty() && ft_pin_to(a.cpus[0]) == 0;
     if (a.spin_team) {
-      team = ft_team_new(a.threads, a.spin_ns);
+      team = a.cpus.empty() ? ft_team_new(a.threads, a.spin_ns)
+                            : ft_team_new_on(a.threads, a.spin_ns, a.cpus.data(),
+                                             static_cast<int>(a.cpus.size()));
+      if (!a.cpus.empty()) pinned += ft_team_pinned(team);
     } else {
 #pragma omp parallel num_threads(a.threads)
       { (void)0; }
     }
+    at(a.ctrl, PINNED).store(pinned, std::memory_order_relaxed);
+    at(a.ctrl, PINS_KNOWN).store(1, std::memory_order_release);
     int64_t last = at(a.ctrl, ANSWER).load(std::memory_order_relaxed);
     int64_t active = now_ns();
     while (!stop.load(std::memory_order_relaxed)) {
@@ -215,14 +229,16 @@ extern "C" {
 void* ft_worker_start(int64_t* ctrl, const int64_t* rows, const int64_t* fill_slots,
                       const float* weights, const void* hidden, float* out, const void* w13,
                       const void* w2, int dtype, int64_t n_rows, int64_t H, int64_t I, int64_t K,
-                      int64_t max_tokens, int threads, int64_t spin_ns, int spin_team) {
+                      int64_t max_tokens, int threads, int64_t spin_ns, int spin_team,
+                      const int* cpus, int n_cpus) {
   if (!ctrl || !rows || !fill_slots || !weights || !hidden || !out || !w13 || !w2 || K < 1 ||
-      max_tokens < 1)
+      max_tokens < 1 || (n_cpus > 0 && !cpus))
     return nullptr;
   auto* w = new Worker();
   const int64_t elem = dtype == 0 ? 4 : 2;  // fp32, else bf16 / fp16 (experts.py's DTYPE_ID)
   w->a = Args{ctrl, rows, fill_slots, weights, hidden,  out,     w13,      w2, dtype, n_rows,
-              H,    I,    K,          max_tokens, elem, threads, spin_ns, spin_team};
+              H,    I,    K,          max_tokens, elem, threads, spin_ns, spin_team,
+              std::vector<int>(cpus, cpus + std::max(0, n_cpus))};
   w->thread = std::thread([w] { w->loop(); });
   return w;
 }

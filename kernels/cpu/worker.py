@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import time
 import weakref
 from dataclasses import dataclass
@@ -82,6 +83,14 @@ MAX_JOB_NS, GAVE_UP_AT = 15, 2
 # was 31 ms; these counts, taken per row by bench offload, say whether the two are related.
 SLOW_JOBS, STALLED_JOBS = 17, 18
 SLOW_JOB_NS, STALL_NS = 1_000_000, 4_000_000
+# Pinning the worker (ENV_CPUS, as llama.cpp's --cpu-mask with --cpu-strict): the thread runs on
+# cpus[0] and its SpinTeam's thread t on cpus[t % len(cpus)]. Why it is offered: a team that
+# spins on cores the scheduler may hand to another runnable thread (CUDA's, Python's, the
+# copier) or migrate its threads between loses a time slice now and then, and a decode layer
+# waits for the job (the tail above). Off unless set: not yet measured to help on the H200.
+# PINNED: the threads whose pinning the kernel took, written once PINS_KNOWN is 1.
+PINNED, PINS_KNOWN = 19, 20
+ENV_CPUS = "FREETOKEN_WORKER_CPUS"
 CTRL = 24
 TIMEOUT_S = 2.0  # a device wait's bound: jobs take well under a millisecond
 # The worker's kernel threads: "spin" (a team of its own that spins between jobs:
@@ -149,6 +158,9 @@ class CpuWorker:
         if team not in TEAMS:
             raise ValueError(f"{ENV_TEAM}={team!r}; choose one of {', '.join(TEAMS)}")
         self.team = team
+        self.cpus = cpus_from_env()
+        if self.cpus and team != "spin":  # OpenMP's threads would inherit the worker's core
+            raise ValueError(f"{ENV_CPUS} pins the spin team only; {ENV_TEAM}={team!r}")
         if not available():
             raise RuntimeError("the CPU branch of decode graphs needs the SIMD expert kernel")
         assert w13.is_contiguous() and w2.is_contiguous(), "the pool must be contiguous"
@@ -168,6 +180,7 @@ class CpuWorker:
             w13.data_ptr(), w2.data_ptr(),
             experts.DTYPE_ID[w13.dtype], w13.shape[0], w13.shape[2], w2.shape[2], k,
             mailbox.max_tokens, self.threads, spin_ns, int(team == "spin"),
+            (ctypes.c_int * len(self.cpus))(*self.cpus), len(self.cpus),
         )  # fmt: skip
         if not handle:
             raise RuntimeError("ft_worker_start refused its arguments")
@@ -178,6 +191,16 @@ class CpuWorker:
         # Stopped when the worker is dropped, whoever forgets to: a spinning thread must not
         # outlive the engine that fed it.
         self._finalizer = weakref.finalize(self, _stop, lib, handle, self._behind)
+
+    def pinned(self, timeout_s: float = 2.0) -> int:
+        """The worker's threads pinned to their cores (0 without ENV_CPUS), once it knows
+        (its team's threads pin themselves as they start)."""
+        end = time.monotonic() + timeout_s
+        while int(self.mailbox.ctrl[PINS_KNOWN]) != 1:
+            if time.monotonic() > end:
+                raise RuntimeError(f"the CPU worker's threads did not start in {timeout_s} s")
+            time.sleep(0.001)
+        return int(self.mailbox.ctrl[PINNED])
 
     @property
     def behind(self) -> BehindCopies | None:
@@ -247,7 +270,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.ft_worker_start.restype = vp
     lib.ft_worker_start.argtypes = [vp] * 8 + [ctypes.c_int] + [i64] * 5 + [ctypes.c_int, i64]
-    lib.ft_worker_start.argtypes += [ctypes.c_int]
+    lib.ft_worker_start.argtypes += [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.ft_worker_set_behind.restype = ctypes.c_int
     lib.ft_worker_set_behind.argtypes = [vp] * 3 + [i64] * 3 + [vp] * 7 + [i64]
     lib.ft_worker_wake.argtypes = [vp]
@@ -264,3 +287,24 @@ def _stop(lib: ctypes.CDLL, handle: int, behind: list[BehindCopies | None]) -> N
     lib.ft_worker_stop(ctypes.c_void_p(handle))
     if behind[0] is not None:
         behind[0].synchronize()
+
+
+def cpus_from_env() -> list[int]:
+    """ENV_CPUS as a list of cores ("0-11", "0,2,4-7"; unset or empty: []); ValueError naming
+    the problem for a malformed list or a core this process may not run on."""
+    value = os.environ.get(ENV_CPUS, "").strip()
+    if not value:
+        return []
+    cpus: list[int] = []
+    for part in value.split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        lo, hi = (int(match[1]), int(match[2] or match[1])) if match else (0, -1)
+        if hi < lo:
+            raise ValueError(f"{ENV_CPUS}={value!r}: {part!r} is not a core or a range lo-hi")
+        cpus.extend(range(lo, hi + 1))
+    allowed = os.sched_getaffinity(0)
+    outside = sorted(set(cpus) - allowed)
+    if outside:
+        raise ValueError(f"{ENV_CPUS}={value!r}: cores {outside} are not among this process's "
+                         f"{sorted(allowed)}")  # fmt: skip
+    return cpus

@@ -230,3 +230,73 @@ def test_the_jobs_tail_counts_each_job_past_one_and_four_ms(rng_seed):
         assert int(box.ctrl[ERROR]) == 0
     finally:
         cpu.stop()
+
+
+def _tasks() -> set[int]:
+    import os
+
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _allowed_cores(tid: int) -> set[int]:
+    """The cores /proc says thread `tid` may run on."""
+    with open(f"/proc/self/task/{tid}/status") as f:
+        line = next(row for row in f if row.startswith("Cpus_allowed_list:"))
+    cores: set[int] = set()
+    for part in line.split(":", 1)[1].strip().split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_the_worker_pins_its_threads_to_the_cores_asked(pin, monkeypatch):
+    """FREETOKEN_WORKER_CPUS: the worker's thread on the list's first core and its SpinTeam's
+    thread t on core t % n, each allowed that core only (read back from /proc); unset, they
+    keep the process's cores. The answers are the kernel's either way."""
+    import os
+
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = [random.choice(allowed) for _ in range(random.randint(1, 3))]
+    threads = random.randint(2, 4)
+    if pin:
+        monkeypatch.setenv(worker.ENV_CPUS, ",".join(map(str, cores)))
+    else:
+        monkeypatch.delenv(worker.ENV_CPUS, raising=False)
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
+    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
+    before = _tasks()
+    cpu = worker.CpuWorker(box, w13, w2, threads=threads, spin_ns=1_000_000, team="spin")
+    try:
+        assert cpu.pinned() == (threads if pin else 0)
+        new = _tasks() - before
+        assert len(new) == threads  # the worker's thread and its team's threads - 1
+        masks = sorted(sorted(_allowed_cores(tid)) for tid in new)
+        want = [[cores[t % len(cores)]] for t in range(threads)] if pin else [allowed] * threads
+        assert masks == sorted(want)
+        hidden, rows, weights = job(gen, T_MAX)
+        post(box, 1, hidden, rows, weights)
+        wait(box, 1)
+        assert torch.equal(box.out[:T_MAX], experts.cpu_experts(hidden, w13, w2, rows, weights))
+    finally:
+        cpu.stop()
+
+
+@pytest.mark.parametrize(
+    "value, problem",
+    [("0-", "not a core"), ("a", "not a core"), ("3-1", "not a core"), ("4096", "not among")],
+)
+def test_a_bad_core_list_is_refused_by_name(value, problem, monkeypatch):
+    monkeypatch.setenv(worker.ENV_CPUS, value)
+    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
+    w13, w2 = (
+        torch.zeros(N, 2 * W, H, dtype=torch.bfloat16),
+        torch.zeros(N, H, W, dtype=torch.bfloat16),
+    )
+    with pytest.raises(ValueError, match=f"{worker.ENV_CPUS}.*{problem}"):
+        worker.CpuWorker(box, w13, w2, threads=2, team="spin")
+    monkeypatch.setenv(worker.ENV_CPUS, "0")
+    with pytest.raises(ValueError, match="spin team only"):
+        worker.CpuWorker(box, w13, w2, threads=2, team="omp")
