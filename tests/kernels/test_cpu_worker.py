@@ -257,8 +257,9 @@ def test_the_worker_pins_its_threads_to_the_cores_asked(pin, monkeypatch):
     import os
 
     allowed = sorted(os.sched_getaffinity(0))
-    cores = [random.choice(allowed) for _ in range(random.randint(1, 3))]
-    threads = random.randint(2, 4)
+    n = random.randint(min(2, len(allowed)), min(3, len(allowed)))  # distinct where it can
+    cores = random.sample(allowed, n)
+    threads = random.randint(max(2, n), 4)
     if pin:
         monkeypatch.setenv(worker.ENV_CPUS, ",".join(map(str, cores)))
     else:
