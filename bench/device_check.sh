@@ -70,6 +70,8 @@
 #         48-layer step, adaptive held on device against gpu-fill; ~7 min)
 #         s28-split (the split expert: its GPU tests, 48 layers Zipf held on split; ~8 min)
 #         split-cuts (bench split-cuts: held cuts, the cut trials', worker teams; ~6 min)
+#         worker-pins (the peer slice's uniform rows, the CPU worker unpinned, then pinned to
+#         cores 0-11: FREETOKEN_WORKER_CPUS; ~4 min)
 #         s27-check (bench side-fill: copies behind the step on a second stream, its GPU test
 #         first; the CPU kernel's tests on AVX-512; then the peer slice native then uniform, adaptive and gpu-fill, with the
 #         cores' use beside every host probe and row; ~5 min)
@@ -484,6 +486,20 @@ for key, row in report["decode"].items():
           json.dumps(row.get("cpu_load")))
 PY
       ;;
+    worker-pins)  # the peer slice's uniform rows, adaptive, the CPU worker unpinned and then
+      # pinned to cores 0-11 (FREETOKEN_WORKER_CPUS): does pinning cut the jobs' tail (~4 min)
+      for cpus in "" 0-11; do
+        FREETOKEN_WORKER_CPUS=$cpus timeout 270 python3 -m freetoken_agent.bench offload \
+          --layers 12 --budget-gb 8.59 --skip-prefill --batches 1 4 --rounds 2 --decode 256 \
+          --regimes uniform --policies adaptive --out "$OUT/pins_${cpus:-none}" 2>&1 \
+          | tee "$OUT/pins_${cpus:-none}.log" | grep "|b" | grep -v "round[0-9]" | cut -c1-160
+        python3 - "$OUT/pins_${cpus:-none}/offload_12l_8gb.json" "${cpus:-none}" <<'PY'
+import json, sys
+for key, row in json.load(open(sys.argv[1]))["decode"].items():
+    print(sys.argv[2], key, [round(t, 1) for t in row["tok_s_rounds"]], "jobs",
+          json.dumps(row.get("worker_jobs")), "paths", json.dumps(row.get("path_ms_per_token")))
+PY
+      done ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel --graph-bound 0 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;
