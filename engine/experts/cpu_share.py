@@ -126,7 +126,8 @@ class CpuShare:
         ctrl = self.box.ctrl
         return {**job_summary(self.counters()), "experts": int(ctrl[EXPERTS]),
                 "share": share / SHARE_ONE, "broken": self.broken,
-                "max_job_ms": int(ctrl[worker.MAX_JOB_NS]) / 1e6}  # fmt: skip
+                "max_job_ms": int(ctrl[worker.MAX_JOB_NS]) / 1e6,
+                "cores": self.worker.cpus, "pinned": self.worker.pinned()}  # fmt: skip
 
     def close(self) -> None:
         self.worker.stop()

@@ -124,3 +124,26 @@ def test_a_failed_job_marks_the_mailbox_dead_for_the_steps_queued(tmp_path, rng_
         share.check()
     assert int(ctrl[worker.TIMEOUT]) != 0 and not share.worker.running
     engine.close()
+
+
+def test_stats_say_where_the_worker_is_pinned(tmp_path, rng_seed, monkeypatch):
+    """FREETOKEN_WORKER_CPUS reaches the engine's worker: its cores and the threads pinned
+    (every thread of its team) in Engine.stats, and the shared path's tokens are the
+    resident engine's."""
+    import os
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    core = rng.choice(sorted(os.sched_getaffinity(0)))
+    monkeypatch.setenv(worker.ENV_CPUS, str(core))
+    prompt = [rng.randrange(3, 320) for _ in range(10)]
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = Engine.load(tmp_path, policy="resident", **OPTS).generate(prompt, sp).token_ids
+    engine = _shared_engine(tmp_path, 4, 0.5)
+    try:
+        assert engine.generate(prompt, sp).token_ids == want
+        st = engine.stats()["experts"]["cpu_share"]
+        assert st["cores"] == [core] and st["jobs"] > 0
+        assert st["pinned"] == engine.loaded.bank.cpu_share.worker.threads
+    finally:
+        engine.close()
