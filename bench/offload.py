@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -83,6 +84,7 @@ def start_policy(engine, bank, policy: str, b_p: float, b_h: float,
     bank.cache.reset()
     _use_policy(engine, bank, policy)
     bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
+    bank.bandwidths.cpu_seen.clear()  # the row's own B_H observations (`cpu_seen_summary`)
     bank.reset_decisions()
     bank.adaptive.shared_gate = shared_gate
     if path is not None:
@@ -154,6 +156,20 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
     }
 
 
+def cpu_seen_summary(seen) -> dict:
+    """The row's B_H observations (Bandwidths.cpu_seen) per source: how many, their median
+    and lowest GB/s, how many fell below 10 GB/s, and the median run's MB (one expert of the
+    30B shape is 9.4): where an online B_H far below the host's bandwidth came from."""
+    by_source: dict[str, list[tuple[float, float]]] = {}
+    for source, nbytes, seconds in seen:
+        by_source.setdefault(source, []).append((nbytes / seconds / 1e9, nbytes / 1e6))
+    return {source: {"n": len(obs), "median_gb_s": statistics.median(g for g, _ in obs),
+                     "min_gb_s": min(g for g, _ in obs),
+                     "below_10_gb_s": sum(g < 10 for g, _ in obs),
+                     "median_mb": statistics.median(mb for _, mb in obs)}
+            for source, obs in by_source.items()}  # fmt: skip
+
+
 def _worker_window(before: dict[str, int], after: dict[str, int]) -> dict:
     """The CPU worker's jobs over the timed steps (cpu_share.py's counters)."""
     return job_summary({name: after[name] - before[name] for name in after})
@@ -174,6 +190,7 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
     row["kept_layers"] = len(bank.cache.kept_layers)
     row["b_p_online_gb_s"] = bank.bandwidths.pcie / 1e9
     row["b_h_online_gb_s"] = bank.bandwidths.cpu / 1e9
+    row["b_h_seen"] = cpu_seen_summary(bank.bandwidths.cpu_seen)
     pins = bank.popular
     if pins is not None and policy in DEVICE_PATH_POLICIES:  # EngineConfig.popular_pins
         # (one sync: read after the timed steps) how many slots are pinned, how often chosen

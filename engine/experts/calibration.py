@@ -166,3 +166,11 @@ def update(estimate: float, bytes_moved: int, seconds: float) -> float:
     if seconds <= 1e-6 or bytes_moved <= 0:
         return estimate
     return (1 - EMA) * estimate + EMA * (bytes_moved / seconds)
+
+
+def observe_cpu(bandwidths: Bandwidths, source: str, nbytes: float, seconds: float) -> None:
+    """One CPU observation into B_H (`update`), and into `bandwidths.cpu_seen` as (source,
+    bytes, seconds) when it counts."""
+    bandwidths.cpu = update(bandwidths.cpu, nbytes, seconds)
+    if seconds > 1e-6 and nbytes > 0:
+        bandwidths.cpu_seen.append((source, nbytes, seconds))

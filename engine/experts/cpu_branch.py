@@ -47,12 +47,14 @@ def run_on_cpu(
     on_cpu: list[int],
     timed: bool,
     into: torch.Tensor | None = None,
+    source: str = "decode",
 ) -> torch.Tensor:
     """The pairs whose expert stays in the pool, computed from the pool on the CPU (on the
     calling thread: its OpenMP team is the one torch's CPU ops share and keep warm; from a
     fresh thread the same kernel ran 3x slower on the H200 host). `timed`: fold the run into
-    B_H (on CUDA; a CPU "device" has no second branch to balance). Returns [T, H] on the host:
-    `into` when given (calibration.cpu_experts)."""
+    B_H (on CUDA; a CPU "device" has no second branch to balance), as `source` ("decode" or
+    "prompt": Bandwidths.cpu_seen). Returns [T, H] on the host: `into` when given
+    (calibration.cpu_experts)."""
     # [T, K] pool rows, -1 where the expert is not this branch's. A set lookup per pair: on a
     # decode step's 8-32 pairs np.isin + np.where took 20-40 us, this 5-10 (dev box); a
     # prefill chunk placed expert by expert has thousands of pairs: at 4096 the list took
@@ -71,8 +73,8 @@ def run_on_cpu(
     part = calibration.cpu_experts(hidden, pool.w13, pool.w2, rows, topk_weights, into=into)
     if timed:
         seconds = time.perf_counter() - start
-        bandwidths.cpu = calibration.update(bandwidths.cpu, read_bytes(pool, served, bandwidths),
-                                            seconds)  # fmt: skip
+        calibration.observe_cpu(bandwidths, source, read_bytes(pool, served, bandwidths),
+                                seconds)  # fmt: skip
     return part
 
 

@@ -87,7 +87,7 @@ class CpuShare:
         self._seen = now
         if columns > 0:
             nbytes = columns * self.expert_bytes / self.width
-            bandwidths.cpu = calibration.update(bandwidths.cpu, nbytes, ns / 1e9)
+            calibration.observe_cpu(bandwidths, "worker", nbytes, ns / 1e9)
 
     def check(self) -> None:
         """After a step: raise CpuShareFailed when a layer's CPU part went missing since the

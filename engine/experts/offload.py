@@ -372,7 +372,7 @@ class OffloadedExpertBank(GraphDecode):
         part = None
         if on_cpu:
             part = run_on_cpu(self.pool, self.bandwidths, *cpu_inputs(), on_cpu, timed=cuda,
-                              into=into)  # fmt: skip
+                              into=into, source="decode" if race else "prompt")  # fmt: skip
         self.stats.on_cpu += len(on_cpu)
         return part, fetched
 

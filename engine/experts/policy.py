@@ -33,7 +33,8 @@ q*, fetch-all, fetch-none or whole layers, whichever measured the shortest decod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 # direct: direct.py; gpu-fill: device_fills.py
 OFFLOAD_POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "gpu-fill")
@@ -42,6 +43,9 @@ DEVICE_PATH_POLICIES = ("gpu-fill", "adaptive")
 
 
 CPU_KNEE_TOKENS = 8  # tokens per expert where the CPU kernel turns compute-bound (H200 host)
+
+
+CPU_SEEN = 512  # B_H observations Bandwidths keeps for diagnosis
 
 
 @dataclass(slots=True)
@@ -54,6 +58,12 @@ class Bandwidths:
     # Tokens per expert past which the CPU kernel is bound by arithmetic, not by reading the
     # weights (`freetoken calibrate` measures it: fewer cores or narrower vectors lower it).
     knee: float = CPU_KNEE_TOKENS
+    # The latest B_H observations as (source, bytes, seconds), newest last; sources "decode"
+    # and "prompt" (the stops path's CPU runs of decode-sized and longer calls:
+    # cpu_branch.py), "worker" (the device path's CPU share: cpu_share.py). A diagnosis, not
+    # an input: bench offload's rows summarise them, to say where an estimate that fell far
+    # below the host's bandwidth came from (calibration.observe_cpu appends).
+    cpu_seen: deque = field(default_factory=lambda: deque(maxlen=CPU_SEEN), compare=False)
 
 
 def cpu_cost(tokens: int, knee: float = CPU_KNEE_TOKENS) -> float:

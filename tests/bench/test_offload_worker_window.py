@@ -41,3 +41,26 @@ def test_a_decode_window_counts_only_its_own_worker_jobs(tmp_path, rng_seed):
         engine.check_integrity()
     finally:
         engine.close()
+
+
+def test_the_rows_b_h_observations_are_summarised_per_source(rng_seed):
+    """cpu_seen_summary: per source, the count, median and lowest GB/s, how many fell below
+    10 GB/s and the median run's MB, from random (source, bytes, seconds) observations."""
+    import statistics
+    from collections import deque
+
+    rng = random.Random(rng_seed)
+    seen = deque()
+    for _ in range(rng.randint(5, 40)):
+        source = rng.choice(["decode", "prompt", "worker"])
+        seen.append((source, rng.uniform(1e6, 1e8), rng.uniform(1e-4, 1e-1)))
+    summary = offload.cpu_seen_summary(seen)
+    assert set(summary) == {s for s, _, _ in seen}
+    for source, got in summary.items():
+        rates = [b / t / 1e9 for s, b, t in seen if s == source]
+        sizes = [b / 1e6 for s, b, _ in seen if s == source]
+        assert got["n"] == len(rates)
+        assert got["median_gb_s"] == pytest.approx(statistics.median(rates))
+        assert got["min_gb_s"] == pytest.approx(min(rates))
+        assert got["below_10_gb_s"] == sum(r < 10 for r in rates)
+        assert got["median_mb"] == pytest.approx(statistics.median(sizes))

@@ -44,13 +44,20 @@ def test_a_timed_run_counts_reads_past_the_knee(rng_seed, monkeypatch, tokens):
     hidden = torch.randn(tokens, H, generator=g)
     weights = torch.rand(tokens, K, generator=g)
 
-    part = cpu_branch.run_on_cpu(pool, bandwidths, hidden, lids, weights, on_cpu, timed=True)
+    source = rng.choice(["decode", "prompt"])
+    part = cpu_branch.run_on_cpu(pool, bandwidths, hidden, lids, weights, on_cpu, timed=True,
+                                 source=source)  # fmt: skip
 
     served = [int((lids == lid).sum()) for lid in on_cpu]
     reads = sum(max(1.0, t / knee) for t in served)
     assert max(served) > knee  # the hot expert is past the knee: bytes alone would differ
     want = calibration.update(before, reads * pool.expert_bytes, seconds)
     assert bandwidths.cpu == pytest.approx(want, rel=1e-9)
+    # The observation, kept for diagnosis under its source.
+    assert len(bandwidths.cpu_seen) == 1
+    seen_source, seen_bytes, seen_seconds = bandwidths.cpu_seen[0]
+    assert seen_source == source and seen_seconds == seconds
+    assert seen_bytes == pytest.approx(reads * pool.expert_bytes, rel=1e-9)
     # The run itself: the CPU pairs of a plain SwiGLU over the pool, the rest left out.
     ref = torch.zeros(tokens, H)
     for t in range(tokens):
@@ -70,4 +77,4 @@ def test_an_untimed_run_leaves_the_estimate(rng_seed):
     before = bandwidths.cpu
     cpu_branch.run_on_cpu(pool, bandwidths, torch.randn(5, H), lids, torch.rand(5, K),
                           sorted(set(lids.reshape(-1).tolist())), timed=False)  # fmt: skip
-    assert bandwidths.cpu == before
+    assert bandwidths.cpu == before and not bandwidths.cpu_seen

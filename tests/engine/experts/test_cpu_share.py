@@ -105,9 +105,10 @@ def test_the_workers_columns_are_the_bytes_b_h_learns_from(tmp_path, rng_seed):
         share.observe(bandwidths)
         nbytes = columns * share.expert_bytes / width
         assert bandwidths.cpu == pytest.approx(calibration.update(before, nbytes, ns / 1e9))
+        assert bandwidths.cpu_seen[-1] == ("worker", pytest.approx(nbytes), ns / 1e9)
     before = bandwidths.cpu
     share.observe(bandwidths)  # nothing new: unchanged
-    assert bandwidths.cpu == before
+    assert bandwidths.cpu == before and len(bandwidths.cpu_seen) == 3
     engine.close()
 
 
