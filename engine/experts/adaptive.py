@@ -103,7 +103,8 @@ class AdaptiveFetches:
         """The step path's trials for decode steps of `n_tokens` tokens."""
         if n_tokens not in self._paths:
             params = {"shared": self.shared_ok, "split": self.split_ok,
-                      "allowed": self._path_allowed, **self.path_params}  # fmt: skip
+                      "allowed": self._path_allowed, "keepable": self._path_keepable,
+                      **self.path_params}  # fmt: skip
             self._paths[n_tokens] = PathTrials(**params)
         return self._paths[n_tokens]
 
@@ -183,6 +184,20 @@ class AdaptiveFetches:
         if path != "shared" or not self.shared_gate:
             return True
         return self.fills_judged() and not self.fills_pay()
+
+    def _path_keepable(self, path: str) -> bool:
+        """`stops` is measured but not kept once the race has judged that fills pay. Then the
+        stops path fetches every miss, as the device path does, and adds a host stop at each
+        layer that misses, so it can only measure faster on borrowed time: its blocks inherit
+        the cache the device blocks filled, and its misses run on the CPU while the verdict
+        sits in its band leave the cache colder for the device blocks after them. On the H200
+        every row that kept `stops` under Zipf routing lost to gpu-fill (peer slice b=1,
+        thirty-second session: trials 2.48 against 2.73 ms a token, the row 346.5 against
+        435.3 tok/s; b=4 591.5 against 633.9 in the twenty-sixth; 12 layers b=4 487.3 against
+        513.7 in the twentieth), where rows that kept `device` came within 0-7% of it. Its
+        blocks still run: its steps are the fill races' only source (the device path's fills
+        race nothing, device_fills.py), so a change of routing still turns the verdict."""
+        return path != "stops" or not (self.fills_pay() and self.fills_judged())
 
     def _paths_exploring(self, n_tokens: int) -> bool:
         """Whether the path trials measure now: the stops path then runs its split trials'

@@ -78,12 +78,16 @@ class RotatedTrials:
     first_step_sampled = True
 
     def __init__(self, block: int, rotations: int, period: int, chosen: str,
-                 allowed: Callable[[str], bool] = lambda candidate: True) -> None:  # fmt: skip
+                 allowed: Callable[[str], bool] = lambda candidate: True,
+                 keepable: Callable[[str], bool] = lambda candidate: True) -> None:  # fmt: skip
         """`allowed(candidate)`: asked as each block of it is due; a block it refuses is
         skipped (a candidate that cannot win where it stands is not paid for). The schedule's
-        first block is always run, so every measurement has a candidate to choose."""
+        first block is always run, so every measurement has a candidate to choose.
+        `keepable(candidate)`: asked as a measurement ends; the fastest candidate it accepts is
+        kept (the fastest of all when it accepts none), for a candidate whose blocks are run
+        for what they do beside their time (PathTrials' `stops`: step_paths.py)."""
         self.block, self.rotations, self.period = block, rotations, period
-        self.allowed = allowed
+        self.allowed, self.keepable = allowed, keepable
         self.chosen = chosen  # the candidate kept between measurements
         self.choices = 0  # measurements completed
         self.period_now = period  # the period after the latest measurement (backed off)
@@ -111,7 +115,9 @@ class RotatedTrials:
         self._skip_blocks()
         if self._at == len(self._schedule):
             measured = self.medians()
-            best = min(measured, key=measured.__getitem__)
+            keep = {c: t for c, t in measured.items() if self.keepable(c)} or measured
+            best = min(keep, key=keep.__getitem__)
+            # (a faster candidate that may not be kept is no clear win: no back-off)
             others = [t for c, t in measured.items() if c != best]
             clear = bool(others) and min(others) >= (1 + CLEAR_MARGIN) * measured[best]
             if clear and self.choices and best == self.chosen:

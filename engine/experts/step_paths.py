@@ -61,10 +61,12 @@ class PathTrials(RotatedTrials):
         shared: bool = True,
         allowed: Callable[[str], bool] = lambda path: True,
         split: bool = False,
+        keepable: Callable[[str], bool] = lambda path: True,
     ):
         """`fixed`: always that path, nothing measured (tests of one path's machinery);
-        `shared` / `split`: whether those paths are among the candidates; `allowed`:
-        RotatedTrials' (adaptive.py refuses `shared` while fills pay)."""
+        `shared` / `split`: whether those paths are among the candidates; `allowed` and
+        `keepable`: RotatedTrials' (adaptive.py refuses `shared` while fills pay, and keeps
+        `stops` only while they do not)."""
         offered = {"shared": shared, "split": split}
         self.candidates = tuple(p for p in PATHS if offered.get(p, True))
         if block < 2 or rotations < 1 or period < 0 or warm < 0 or fixed not in (None, *PATHS):
@@ -72,7 +74,8 @@ class PathTrials(RotatedTrials):
                              f"fixed path of {PATHS} or none, got {block}, {rotations}, {period}, "
                              f"{fixed!r}")  # fmt: skip
         self.fixed = fixed is not None
-        super().__init__(block, rotations, period, chosen=fixed or "device", allowed=allowed)
+        super().__init__(block, rotations, period, chosen=fixed or "device", allowed=allowed,
+                         keepable=keepable)  # fmt: skip
         if warm:  # the first measurement waits
             self._exploring, self._left = False, warm
 

@@ -264,3 +264,39 @@ def test_a_path_far_behind_runs_no_more_blocks(rng_seed):
         # the stops path leads the first rotation, so it is measured before the device path
         # and its next block comes after the device path's first
         assert ran.count("stops") == (block if dropped else block * rotations), factor
+
+
+def test_stops_is_measured_but_not_kept_while_fills_pay(rng_seed):
+    """Once the race has judged that fills pay, the stops path's blocks still run (its steps
+    are the races' only source) but a measurement keeps the fastest other path, even where
+    stops measured faster; with fills not paying, or the race not yet judged, the fastest
+    path is kept, stops included. A faster stops path that may not be kept is no clear win:
+    the period does not back off."""
+    from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
+
+    rng = random.Random(rng_seed)
+    block, rotations = rng.randrange(2, 5), rng.randrange(1, 3)
+    for pay, judged in ((True, True), (False, True), (True, False)):
+        settled = MIN_RACES + rng.randrange(100) if judged else rng.randrange(MIN_RACES)
+        cache = fake_cache(settled)
+        # no whole layer fits: the stops path's split trials never try `layers`
+        cache.n_slots, cache.lent, cache.lids_per_layer = 0, 0, 16
+        adaptive = AdaptiveFetches(cache, 4, 8, path_params=dict(
+            block=block, rotations=rotations, period=9, warm=0))  # fmt: skip
+        adaptive.verdict = lambda gain, pay=pay: "all" if pay else "band"
+        # stops the fastest, well within DROP_FACTOR: every block of every path runs
+        cost = {"stops": rng.uniform(1.0, 1.2), "device": rng.uniform(1.3, 1.5)}
+        for _ in range(3):  # three measurements: a clear win twice running would back off
+            ran = []
+            while adaptive.paths(1).exploring:
+                ran.append(adaptive.path(1))
+                adaptive.step_timed(1, 1e-3 * cost[ran[-1]] * rng.uniform(0.99, 1.01))
+            assert ran.count("stops") == ran.count("device") == block * rotations
+            trials = adaptive.paths(1)
+            kept_stops = not (pay and judged)
+            assert trials.chosen == ("stops" if kept_stops else "device")
+            assert adaptive.path(1) == trials.chosen
+            for _ in range(trials.period_now):
+                adaptive.step_timed(1, 1e-3 * cost[adaptive.path(1)])
+        if not kept_stops:
+            assert trials.period_now == 9  # never backed off
