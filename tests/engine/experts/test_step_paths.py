@@ -284,14 +284,16 @@ def test_stops_is_measured_but_not_kept_while_fills_pay(rng_seed):
         adaptive = AdaptiveFetches(cache, 4, 8, path_params=dict(
             block=block, rotations=rotations, period=9, warm=0))  # fmt: skip
         adaptive.verdict = lambda gain, pay=pay: "all" if pay else "band"
-        # stops the fastest, well within DROP_FACTOR: every block of every path runs
-        cost = {"stops": rng.uniform(1.0, 1.2), "device": rng.uniform(1.3, 1.5)}
+        adaptive.split_ok = True  # a third path, clearly behind device (past CLEAR_MARGIN)
+        # stops the fastest, all within DROP_FACTOR: every block of every path runs
+        cost = {"stops": rng.uniform(1.1, 1.2), "device": rng.uniform(1.3, 1.4)}
+        cost["split"] = 1.3 * cost["device"]
         for _ in range(3):  # three measurements: a clear win twice running would back off
             ran = []
             while adaptive.paths(1).exploring:
                 ran.append(adaptive.path(1))
                 adaptive.step_timed(1, 1e-3 * cost[ran[-1]] * rng.uniform(0.99, 1.01))
-            assert ran.count("stops") == ran.count("device") == block * rotations
+            assert {p: ran.count(p) for p in cost} == dict.fromkeys(cost, block * rotations)
             trials = adaptive.paths(1)
             kept_stops = not (pay and judged)
             assert trials.chosen == ("stops" if kept_stops else "device")
