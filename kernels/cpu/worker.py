@@ -47,6 +47,7 @@ fill_slots [T_max * K] int64 (cache slots, -1: no copy behind).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import time
@@ -57,6 +58,8 @@ import torch
 
 from freetoken_agent.kernels.cpu import experts
 from freetoken_agent.kernels.cpu.behind_copies import BehindCopies
+
+log = logging.getLogger("freetoken.experts")
 
 # ctrl's entries (expert_worker.cpp has the same): the device writes POST, TOKENS, TIMEOUT,
 # LOST and GAVE_UP_AT; the worker ANSWER, BEHIND, ERROR and the counters. POST and ANSWER sit on
@@ -191,6 +194,10 @@ class CpuWorker:
         # Stopped when the worker is dropped, whoever forgets to: a spinning thread must not
         # outlive the engine that fed it.
         self._finalizer = weakref.finalize(self, _stop, lib, handle, self._behind)
+        if self.cpus and (pinned := self.pinned()) < self.threads:  # runs unpinned, once said
+            log.warning("%s=%s: %d of the CPU worker's %d threads could be pinned; the rest "
+                        "run where the scheduler puts them", ENV_CPUS,
+                        os.environ.get(ENV_CPUS), pinned, self.threads)  # fmt: skip
 
     def pinned(self, timeout_s: float = 2.0) -> int:
         """The worker's threads pinned to their cores (0 without ENV_CPUS), once it knows

@@ -301,3 +301,27 @@ def test_a_bad_core_list_is_refused_by_name(value, problem, monkeypatch):
     monkeypatch.setenv(worker.ENV_CPUS, "0")
     with pytest.raises(ValueError, match="spin team only"):
         worker.CpuWorker(box, w13, w2, threads=2, team="omp")
+
+
+def test_a_core_the_kernel_refuses_leaves_its_threads_unpinned_with_a_warning(monkeypatch, caplog):
+    """A core that passes the list's check but that the kernel refuses (offline, taken away
+    since): the worker still runs and answers, and says once how many threads it pinned."""
+    monkeypatch.setattr(worker, "cpus_from_env", lambda: [1000 + random.randrange(3000)])
+    monkeypatch.setenv(worker.ENV_CPUS, "(patched)")
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
+    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
+    threads = random.randint(2, 3)
+    with caplog.at_level("WARNING", logger="freetoken.experts"):
+        cpu = worker.CpuWorker(box, w13, w2, threads=threads, spin_ns=1_000_000, team="spin")
+    try:
+        assert cpu.pinned() == 0
+        warnings = [r.getMessage() for r in caplog.records if worker.ENV_CPUS in r.getMessage()]
+        assert len(warnings) == 1 and f"0 of the CPU worker's {threads} threads" in warnings[0]
+        hidden, rows, weights = job(gen, T_MAX)
+        post(box, 1, hidden, rows, weights)
+        wait(box, 1)
+        assert torch.equal(box.out[:T_MAX], experts.cpu_experts(hidden, w13, w2, rows, weights))
+    finally:
+        cpu.stop()
