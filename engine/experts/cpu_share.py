@@ -122,12 +122,14 @@ class CpuShare:
                 "jobs_over_4ms": int(ctrl[worker.STALLED_JOBS])}  # fmt: skip
 
     def stats(self, share: int) -> dict:
-        """For Engine.stats: the worker's jobs and experts, the share the plans read now."""
+        """For Engine.stats: the worker's jobs and experts, the share the plans read now, its
+        cores and the threads pinned there (None until the worker knows)."""
         ctrl = self.box.ctrl
+        pinned = int(ctrl[worker.PINNED]) if int(ctrl[worker.PINS_KNOWN]) else None
         return {**job_summary(self.counters()), "experts": int(ctrl[EXPERTS]),
                 "share": share / SHARE_ONE, "broken": self.broken,
                 "max_job_ms": int(ctrl[worker.MAX_JOB_NS]) / 1e6,
-                "cores": self.worker.cpus, "pinned": self.worker.pinned()}  # fmt: skip
+                "cores": self.worker.cpus, "pinned": pinned}  # fmt: skip
 
     def close(self) -> None:
         self.worker.stop()
