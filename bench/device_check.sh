@@ -70,6 +70,8 @@
 #         48-layer step, adaptive held on device against gpu-fill; ~7 min)
 #         s28-split (the split expert: its GPU tests, 48 layers Zipf held on split; ~8 min)
 #         split-cuts (bench split-cuts: held cuts, the cut trials', worker teams; ~6 min)
+#         stops-rule (the peer slice under Zipf: adaptive, whose stops path is not kept while
+#         fills pay, against gpu-fill and transfer; ~2.5 min)
 #         worker-pins (the peer slice's uniform rows, the CPU worker unpinned, then pinned to
 #         cores 0-11: FREETOKEN_WORKER_CPUS; ~4 min)
 #         s27-check (bench side-fill: copies behind the step on a second stream, its GPU test
@@ -486,6 +488,12 @@ for key, row in report["decode"].items():
           json.dumps(row.get("cpu_load")))
 PY
       ;;
+    stops-rule)  # the peer slice under Zipf, adaptive (stops measured, not kept while fills
+      # pay) against gpu-fill and transfer, b=1 and 4, 2 rounds (~2.5 min)
+      timeout 280 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --batches 1 4 --rounds 2 --decode 256 --regimes zipf:1.0,loc:0.7 \
+        --policies adaptive gpu-fill transfer --out "$OUT/stops_rule" 2>&1 \
+        | tee "$OUT/stops_rule.log" | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
     worker-pins)  # the peer slice's uniform rows, adaptive, the CPU worker unpinned and then
       # pinned to cores 0-11 (FREETOKEN_WORKER_CPUS): does pinning cut the jobs' tail (~4 min)
       for cpus in "" 0-11; do
