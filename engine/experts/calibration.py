@@ -162,15 +162,20 @@ def cached(hidden: int, inter: int, dtype: torch.dtype) -> Calibration | None:
 
 
 def update(estimate: float, bytes_moved: int, seconds: float) -> float:
-    """One online observation folded into an estimate (ignored when too short to time)."""
-    if seconds <= 1e-6 or bytes_moved <= 0:
+    """One online observation folded into an estimate (ignored unless it `counts`)."""
+    if not counts(bytes_moved, seconds):
         return estimate
     return (1 - EMA) * estimate + EMA * (bytes_moved / seconds)
 
 
+def counts(bytes_moved: float, seconds: float) -> bool:
+    """Whether an observation is long enough to time and moved anything."""
+    return seconds > 1e-6 and bytes_moved > 0
+
+
 def observe_cpu(bandwidths: Bandwidths, source: str, nbytes: float, seconds: float) -> None:
     """One CPU observation into B_H (`update`), and into `bandwidths.cpu_seen` as (source,
-    bytes, seconds) when it counts."""
+    bytes, seconds) when it `counts`."""
     bandwidths.cpu = update(bandwidths.cpu, nbytes, seconds)
-    if seconds > 1e-6 and nbytes > 0:
+    if counts(nbytes, seconds):
         bandwidths.cpu_seen.append((source, nbytes, seconds))
