@@ -239,7 +239,7 @@ class SpinTeam {
  public:
   // cpus [n_cpus] (n_cpus 0: none): thread tid runs on core cpus[tid % n_cpus] only (the
   // caller, tid 0, pins itself).
-  SpinTeam(int n, int64_t spin_ns, const int* cpus = nullptr, int n_cpus = 0)
+  SpinTeam(int n, int64_t spin_ns, const int* cpus, int n_cpus)
       : n_(std::max(1, n)), spin_ns_(spin_ns), cpus_(cpus, cpus + std::max(0, n_cpus)) {
     for (int tid = 1; tid < n_; ++tid) threads_.emplace_back([this, tid] { loop(tid); });
   }
@@ -453,13 +453,12 @@ int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtyp
 }
 
 // The CPU worker's team (expert_worker.cpp): `threads` threads counting the caller, spinning
-// for spin_ns after each job's start, then sleeping in 1 ms slices.
-void* ft_team_new(int threads, int64_t spin_ns) { return new SpinTeam(threads, spin_ns); }
-// The same, thread tid pinned to cpus[tid % n_cpus] (tid 0, the caller, pins itself).
-void* ft_team_new_on(int threads, int64_t spin_ns, const int* cpus, int n_cpus) {
+// for spin_ns after each job's start, then sleeping in 1 ms slices; thread tid pinned to
+// cpus[tid % n_cpus] (n_cpus 0: none; tid 0, the caller, pins itself).
+void* ft_team_new(int threads, int64_t spin_ns, const int* cpus, int n_cpus) {
   return new SpinTeam(threads, spin_ns, cpus, n_cpus);
 }
-// The team's threads pinned, once every one has started (it waits for them).
+// The team's threads pinned (0 without cpus), once every one has started (it waits for them).
 int ft_team_pinned(void* team) {
   auto* t = static_cast<SpinTeam*>(team);
   while (t->started() < t->size() - 1) std::this_thread::yield();

@@ -50,8 +50,7 @@ extern "C" {
 int ft_cpu_experts(const void* hidden, const void* w13, const void* w2, int dtype,
                    const int64_t* rows, const float* topk_w, float* out, int64_t T, int64_t K,
                    int64_t n_rows, int64_t H, int64_t I, int64_t c0, int64_t c1, int threads);
-void* ft_team_new(int threads, int64_t spin_ns);
-void* ft_team_new_on(int threads, int64_t spin_ns, const int* cpus, int n_cpus);
+void* ft_team_new(int threads, int64_t spin_ns, const int* cpus, int n_cpus);
 int ft_team_pinned(void* team);
 int ft_pin_to(int cpu);
 void ft_team_free(void* team);
@@ -188,10 +187,8 @@ struct Worker {
     // cpus[t % n]; ctrl[PINNED] counts the threads pinned, then PINS_KNOWN = 1.
     int pinned = !a.cpus.empty() && ft_pin_to(a.cpus[0]) == 0;
     if (a.spin_team) {
-      team = a.cpus.empty() ? ft_team_new(a.threads, a.spin_ns)
-                            : ft_team_new_on(a.threads, a.spin_ns, a.cpus.data(),
-                                             static_cast<int>(a.cpus.size()));
-      if (!a.cpus.empty()) pinned += ft_team_pinned(team);
+      team = ft_team_new(a.threads, a.spin_ns, a.cpus.data(), static_cast<int>(a.cpus.size()));
+      pinned += ft_team_pinned(team);
     } else {
 #pragma omp parallel num_threads(a.threads)
       { (void)0; }
