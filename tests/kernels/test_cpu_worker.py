@@ -53,13 +53,27 @@ def job(gen: torch.Generator, t: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return hidden, rows, weights
 
 
-def _started(gen: torch.Generator, team: str):
-    """A random bf16 pool (w13 [N, 2W, H], w2 [N, H, W]), a mailbox and a worker of `team`
-    answering it (two threads, 1 ms of spin): (w13, w2, box, worker)."""
+def _pool_and_box(gen: torch.Generator):
+    """A random bf16 pool (w13 [N, 2W, H], w2 [N, H, W]) and a mailbox: (w13, w2, box)."""
     w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
     w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
-    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
-    return w13, w2, box, worker.CpuWorker(box, w13, w2, threads=2, spin_ns=1_000_000, team=team)
+    return w13, w2, worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
+
+
+def _started(gen: torch.Generator, team: str, threads: int = 2):
+    """`_pool_and_box` and a worker of `team` answering it (`threads` threads, 1 ms of spin):
+    (w13, w2, box, worker)."""
+    w13, w2, box = _pool_and_box(gen)
+    cpu = worker.CpuWorker(box, w13, w2, threads=threads, spin_ns=1_000_000, team=team)
+    return w13, w2, box, cpu
+
+
+def _answers_a_job(gen: torch.Generator, w13, w2, box: worker.Mailbox) -> None:
+    """One job of T_MAX tokens posted and answered as the kernel computes it."""
+    hidden, rows, weights = job(gen, T_MAX)
+    post(box, 1, hidden, rows, weights)
+    wait(box, 1)
+    assert torch.equal(box.out[:T_MAX], experts.cpu_experts(hidden, w13, w2, rows, weights))
 
 
 @pytest.mark.parametrize("team", worker.TEAMS)
@@ -265,9 +279,7 @@ def test_the_worker_pins_its_threads_to_the_cores_asked(pin, monkeypatch):
     else:
         monkeypatch.delenv(worker.ENV_CPUS, raising=False)
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
-    w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
-    w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
-    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
+    w13, w2, box = _pool_and_box(gen)  # (torch may start its own threads here)
     before = _tasks()
     cpu = worker.CpuWorker(box, w13, w2, threads=threads, spin_ns=1_000_000, team="spin")
     try:
@@ -277,10 +289,7 @@ def test_the_worker_pins_its_threads_to_the_cores_asked(pin, monkeypatch):
         masks = sorted(sorted(_allowed_cores(tid)) for tid in new)
         want = [[cores[t % len(cores)]] for t in range(threads)] if pin else [allowed] * threads
         assert masks == sorted(want)
-        hidden, rows, weights = job(gen, T_MAX)
-        post(box, 1, hidden, rows, weights)
-        wait(box, 1)
-        assert torch.equal(box.out[:T_MAX], experts.cpu_experts(hidden, w13, w2, rows, weights))
+        _answers_a_job(gen, w13, w2, box)
     finally:
         cpu.stop()
 
@@ -309,19 +318,13 @@ def test_a_core_the_kernel_refuses_leaves_its_threads_unpinned_with_a_warning(mo
     monkeypatch.setattr(worker, "cpus_from_env", lambda: [1000 + random.randrange(3000)])
     monkeypatch.setenv(worker.ENV_CPUS, "(patched)")
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
-    w13 = torch.randn(N, 2 * W, H, generator=gen).to(torch.bfloat16)
-    w2 = torch.randn(N, H, W, generator=gen).to(torch.bfloat16)
-    box = worker.Mailbox.allocate(T_MAX, K, H, torch.bfloat16, pin=False)
     threads = random.randint(2, 3)
     with caplog.at_level("WARNING", logger="freetoken.experts"):
-        cpu = worker.CpuWorker(box, w13, w2, threads=threads, spin_ns=1_000_000, team="spin")
+        w13, w2, box, cpu = _started(gen, "spin", threads)
     try:
         assert cpu.pinned() == 0
         warnings = [r.getMessage() for r in caplog.records if worker.ENV_CPUS in r.getMessage()]
         assert len(warnings) == 1 and f"0 of the CPU worker's {threads} threads" in warnings[0]
-        hidden, rows, weights = job(gen, T_MAX)
-        post(box, 1, hidden, rows, weights)
-        wait(box, 1)
-        assert torch.equal(box.out[:T_MAX], experts.cpu_experts(hidden, w13, w2, rows, weights))
+        _answers_a_job(gen, w13, w2, box)
     finally:
         cpu.stop()
