@@ -121,10 +121,14 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
     # (after the sync: a step still in flight posts its layers' jobs before it ends)
     worker0 = None if share is None else share.counters()
     load_start = cpu_load.snapshot()
+    label = _step_labeller(bank, batch)
+    labels, ends = [], []
     start = time.perf_counter()
     steps = 0
     while engine.has_unfinished():
+        labels.append(label())
         engine.step()
+        ends.append(time.perf_counter())
         steps += 1
     _sync()
     seconds = time.perf_counter() - start
@@ -153,7 +157,43 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
         # are this process; others' and steal are cores the worker could not have.
         "cpu_load": None if load is None else load.report(),
         "worker_jobs": None if share is None else _worker_window(worker0, share.counters()),
+        "step_ms": step_times_summary(labels, _intervals(start, ends)),
     }
+
+
+def _step_labeller(bank, batch: int):
+    """() -> the label of the step about to run: adaptive's step path, with `~` while its
+    trials measure (the steps a row pays for measuring), or `step` for other policies."""
+    adaptive = getattr(bank, "adaptive", None)
+    if adaptive is None:
+        return lambda: "step"
+    paths = adaptive.paths(batch)
+    return lambda: paths.current + ("~" if paths.exploring else "")
+
+
+def _intervals(start: float, ends: list[float]) -> list[float]:
+    """Each step's seconds: from the previous step's return (the first: from `start`). Under
+    overlap scheduling a call returns once the next step is queued, so in a steady run this
+    is the device's step; the last step's wait for the device is outside it."""
+    return [end - before for before, end in zip([start, *ends[:-1]], ends, strict=True)]
+
+
+def step_times_summary(labels: list[str], seconds: list[float]) -> dict:
+    """Per label, the steps' count, mean, median, 90th percentile and longest ms, and the
+    label's share of the window's time: whether a row's mean step sits at its trials' median
+    (a steady path) or above it (the trials' own blocks, or a tail of slow steps)."""
+    total = sum(seconds) or 1.0
+    by_label: dict[str, list[float]] = {}
+    for label, s in zip(labels, seconds, strict=True):
+        by_label.setdefault(label, []).append(1e3 * s)
+    out = {}
+    for label, ms in by_label.items():
+        ranked = sorted(ms)
+        out[label] = {"n": len(ms), "mean_ms": statistics.fmean(ms),
+                      "median_ms": statistics.median(ms),
+                      "p90_ms": ranked[min(len(ms) - 1, int(0.9 * len(ms)))],
+                      "max_ms": ranked[-1], "time_share": sum(ms) / 1e3 / total}  # fmt: skip
+    return out
 
 
 def cpu_seen_summary(seen) -> dict:

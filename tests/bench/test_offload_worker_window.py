@@ -64,3 +64,47 @@ def test_the_rows_b_h_observations_are_summarised_per_source(rng_seed):
         assert got["min_gb_s"] == pytest.approx(min(rates))
         assert got["below_10_gb_s"] == sum(r < 10 for r in rates)
         assert got["median_mb"] == pytest.approx(statistics.median(sizes))
+
+
+def test_the_rows_step_times_are_summarised_per_label(rng_seed):
+    """step_times_summary: per label, the count, mean, median, 90th percentile and longest
+    step in ms, and the label's share of the window, from random labelled step times."""
+    import statistics
+
+    rng = random.Random(rng_seed)
+    labels = [rng.choice(["shared", "device~", "stops~"]) for _ in range(rng.randint(5, 60))]
+    seconds = [rng.uniform(1e-4, 2e-2) for _ in labels]
+    summary = offload.step_times_summary(labels, seconds)
+    assert set(summary) == set(labels)
+    assert sum(got["n"] for got in summary.values()) == len(labels)
+    assert sum(got["time_share"] for got in summary.values()) == pytest.approx(1.0)
+    for label, got in summary.items():
+        ms = sorted(1e3 * s for lab, s in zip(labels, seconds, strict=True) if lab == label)
+        assert got["n"] == len(ms)
+        assert got["mean_ms"] == pytest.approx(statistics.fmean(ms))
+        assert got["median_ms"] == pytest.approx(statistics.median(ms))
+        assert got["max_ms"] == pytest.approx(ms[-1])
+        assert ms[0] <= got["p90_ms"] <= ms[-1]
+        assert sum(m <= got["p90_ms"] for m in ms) >= 0.9 * len(ms)
+        assert got["time_share"] == pytest.approx(sum(ms) / 1e3 / sum(seconds))
+
+
+def test_a_decode_window_labels_each_step_with_adaptives_path(tmp_path, rng_seed):
+    """The row's steps carry the path adaptive ran them on: held on one path, every step is
+    that path's, none a trial's; the intervals add up to the window."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    engine = Engine.load(tmp_path, device="cpu", policy="adaptive", expert_slots=6,
+                         progress=False, dtype="float32")  # fmt: skip
+    rng = random.Random(rng_seed)
+    path = rng.choice(["device", "stops"])
+    engine.loaded.bank.adaptive.path_params = {"fixed": path}
+    try:
+        n, batch = rng.randint(4, 9), rng.randint(1, 2)
+        rate, st = offload._decode(engine, n, rng, batch=batch)
+        steps = st["step_ms"]
+        assert set(steps) == {path}
+        assert steps[path]["n"] == n  # (one step a token of each sequence)
+        window_ms = 1e3 * batch * n / rate
+        assert steps[path]["mean_ms"] * n == pytest.approx(window_ms, rel=0.05)
+    finally:
+        engine.close()
