@@ -70,6 +70,7 @@
 #         48-layer step, adaptive held on device against gpu-fill; ~7 min)
 #         s28-split (the split expert: its GPU tests, 48 layers Zipf held on split; ~8 min)
 #         split-cuts (bench split-cuts: held cuts, the cut trials', worker teams; ~6 min)
+#         cpu-static-48 (the host's NUMA layout; 48 layers, b=1 and 4, policies cpu and static)
 #         stops-rule (the peer slice under Zipf: adaptive, whose stops path is not kept while
 #         fills pay, against gpu-fill and transfer; ~2.5 min)
 #         worker-pins (the peer slice's uniform rows, the CPU worker unpinned, then pinned to
@@ -272,6 +273,15 @@ for stage in "$@"; do
         --skip-prefill --batches 1 4 --rounds 2 --decode 256 --regimes uniform zipf:1.0,loc:0.7 native \
         --policies adaptive transfer gpu-fill --out "$OUT" 2>&1 | tee "$OUT/acceptance_peer.log" \
         | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
+    cpu-static-48)  # the host's NUMA layout, then 48 layers / 32 GB, b=1 and 4, policies cpu and
+      # static (the acceptance's other two baselines; adaptive's rows: acceptance-48), ~6 min
+      { lscpu | grep -i -E 'numa|socket|model name|^cpu\(s\)'; for n in /sys/devices/system/node/node*; do
+          echo "$n cpus $(cat "$n/cpulist")"; grep MemTotal "$n/meminfo"; done; } 2>&1 \
+        | tee "$OUT/numa.log"
+      timeout 480 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
+        --rounds 1 --decode 64 --regimes native zipf:1.0,loc:0.7 uniform --policies cpu static \
+        --out "$OUT" 2>&1 | tee "$OUT/cpu_static_48.log" | grep "|b" | grep -v "round[0-9]" \
+        | cut -c1-200 ;;
     acceptance-48)  # 48 layers / 32 GB, b=1 and 4, adaptive / transfer / gpu-fill, 1 round (~6 min)
       # (SPLIT_EXPERT=1: adaptive's split path offered)
       # 128 timed tokens a row (see acceptance-peer); the run took 236 s at 48.
