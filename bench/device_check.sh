@@ -106,7 +106,7 @@ for stage in "$@"; do
         --rounds 2 \
         --out "$OUT" 2>&1 | tee "$OUT/pdl_fusions.log" | grep "|b" | cut -c1-200 ;;
     pdl-offload)  # 48 layers / 32 GB native, gpu-fill under PDL variants x L2 prefetch (~5 min)
-      timeout 480 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
+      timeout 300 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
         --rounds 1 --regimes native --policies gpu-fill \
         --pdl off on light prefetch --l2 off on --out "$OUT" 2>&1 \
         | tee "$OUT/pdl_offload_48.log" \
@@ -278,8 +278,8 @@ for stage in "$@"; do
       { lscpu | grep -i -E 'numa|socket|model name|^cpu\(s\)'; for n in /sys/devices/system/node/node*; do
           echo "$n cpus $(cat "$n/cpulist")"; grep MemTotal "$n/meminfo"; done; } 2>&1 \
         | tee "$OUT/numa.log"
-      timeout 480 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
-        --rounds 1 --decode 64 --regimes native zipf:1.0,loc:0.7 uniform --policies cpu static \
+      timeout 300 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
+        --rounds 1 --decode 48 --regimes native zipf:1.0,loc:0.7 uniform --policies cpu static \
         --out "$OUT" 2>&1 | tee "$OUT/cpu_static_48.log" | grep "|b" | grep -v "round[0-9]" \
         | cut -c1-200 ;;
     acceptance-48)  # 48 layers / 32 GB, b=1 and 4, adaptive / transfer / gpu-fill, 1 round (~6 min)
