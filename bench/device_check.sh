@@ -279,7 +279,7 @@ for stage in "$@"; do
           echo "$n cpus $(cat "$n/cpulist")"; grep MemTotal "$n/meminfo"; done; } 2>&1 \
         | tee "$OUT/numa.log"
       timeout 300 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
-        --rounds 1 --decode 48 --regimes native zipf:1.0,loc:0.7 uniform --policies cpu static \
+        --rounds 1 --decode 48 --regimes uniform zipf:1.0,loc:0.7 native --policies static cpu \
         --out "$OUT" 2>&1 | tee "$OUT/cpu_static_48.log" | grep "|b" | grep -v "round[0-9]" \
         | cut -c1-200 ;;
     acceptance-48)  # 48 layers / 32 GB, b=1 and 4, adaptive / transfer / gpu-fill, 1 round (~6 min)
