@@ -194,9 +194,12 @@ class AdaptiveFetches:
         every row that kept `stops` under Zipf routing lost to gpu-fill (peer slice b=1,
         thirty-second session: trials 2.48 against 2.73 ms a token, the row 346.5 against
         435.3 tok/s; b=4 591.5 against 633.9 in the twenty-sixth; 12 layers b=4 487.3 against
-        513.7 in the twentieth), where rows that kept `device` came within 0-7% of it. Its
-        blocks still run: its steps are the fill races' only source (the device path's fills
-        race nothing, device_fills.py), so a change of routing still turns the verdict."""
+        513.7 in the twentieth), where rows that kept `device` came within 0-7% of it (the
+        rule measured: 408.1 against 434.6, thirty-third session). One block of it still runs
+        each measurement (RotatedTrials `_spent`): its steps are the fill races' only source
+        (the device path's fills race nothing, device_fills.py), so a change of routing still
+        turns the verdict; its later blocks only cost (the peer slice's native b=1 stops steps
+        ran 2.05 ms against 0.98 on the device path)."""
         return path != "stops" or not (self.fills_pay() and self.fills_judged())
 
     def _paths_exploring(self, n_tokens: int) -> bool:

@@ -85,7 +85,9 @@ class RotatedTrials:
         first block is always run, so every measurement has a candidate to choose.
         `keepable(candidate)`: asked as a measurement ends; the fastest candidate it accepts is
         kept (the fastest of all when it accepts none), for a candidate whose blocks are run
-        for what they do beside their time (PathTrials' `stops`: step_paths.py)."""
+        for what they do beside their time (PathTrials' `stops`: step_paths.py). Asked too
+        at each block of a candidate that already ran one in the measurement: one it refuses
+        runs one block a measurement (`_spent`)."""
         self.block, self.rotations, self.period = block, rotations, period
         self.allowed, self.keepable = allowed, keepable
         self.chosen = chosen  # the candidate kept between measurements
@@ -136,13 +138,20 @@ class RotatedTrials:
         return self.first_step_sampled or self._at % self.block != 0
 
     def _skip_blocks(self) -> None:
-        """At a block's start, pass over the blocks `allowed` refuses now, and those of a
-        candidate already DROP_FACTOR times slower than another (`_lost`)."""
+        """At a block's start, pass over the blocks `allowed` refuses now, those of a
+        candidate already DROP_FACTOR times slower than another (`_lost`), and the later blocks
+        of one that may not be kept (`_spent`)."""
         while 0 < self._at < len(self._schedule) and self._at % self.block == 0:
             candidate = self._schedule[self._at]
-            if self.allowed(candidate) and not self._lost(candidate):
+            if self.allowed(candidate) and not self._lost(candidate) and not self._spent(candidate):
                 break
             self._at += self.block
+
+    def _spent(self, candidate: str) -> bool:
+        """Whether `candidate` may not be kept and already ran a block in this measurement:
+        its time cannot win, so its later blocks only cost (PathTrials' `stops` while fills
+        pay: one block a measurement still feeds the fill races, step_paths.py)."""
+        return not self.keepable(candidate) and bool(self._samples[candidate])
 
     def _lost(self, candidate: str) -> bool:
         """Whether `candidate`'s median so far is DROP_FACTOR times another's."""
