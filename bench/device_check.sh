@@ -274,7 +274,8 @@ for stage in "$@"; do
         --policies adaptive transfer gpu-fill --out "$OUT" 2>&1 | tee "$OUT/acceptance_peer.log" \
         | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
     cpu-static-48)  # the host's NUMA layout, then 48 layers / 32 GB, b=1 and 4, policies cpu and
-      # static (the acceptance's other two baselines; adaptive's rows: acceptance-48), ~6 min
+      # static (the acceptance's other two baselines; adaptive's rows: acceptance-48), ~5.5 min; the
+      # last row (native b=4, cpu) does not fit in 300 s
       { lscpu | grep -i -E 'numa|socket|model name|^cpu\(s\)'; for n in /sys/devices/system/node/node*; do
           echo "$n cpus $(cat "$n/cpulist")"; grep MemTotal "$n/meminfo"; done; } 2>&1 \
         | tee "$OUT/numa.log"
