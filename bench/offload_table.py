@@ -3,7 +3,10 @@ output tail holds them whole: the JSON lines before it run to several hundred ch
 
 from __future__ import annotations
 
-HEADER = "decode key | tok/s | limit | of limit | miss | on CPU/tok | path (ms/tok of each)"
+HEADER = (
+    "decode key | tok/s | limit | of limit | miss | on CPU/tok | path (ms/tok of each) | "
+    "step ms outside trials (trials' share)"
+)
 
 
 def decode_table(decode: dict[str, dict]) -> list[str]:
@@ -18,5 +21,19 @@ def decode_table(decode: dict[str, dict]) -> list[str]:
             f"{key} | {row['tok_s']:.1f} | {row.get('limit_tok_s', float('nan')):.1f} | "
             f"{row.get('of_limit', float('nan')):.0%} | {row['miss_rate']:.3f} | "
             f"{row.get('on_cpu_per_token', 0.0):.2f} | {path}{f' ({measured})' if measured else ''}"
+            f" | {_steps(row.get('step_ms') or {})}"
         )
     return lines
+
+
+def _steps(step_ms: dict[str, dict]) -> str:
+    """The mean step outside adaptive's trials (labels without `~`: offload.py
+    step_times_summary) and the trials' share of the window: whether a row sits at its kept
+    path's pace or pays for measuring."""
+    steady = [s for label, s in step_ms.items() if not label.endswith("~")]
+    n = sum(s["n"] for s in steady)
+    if not n:
+        return "-"
+    mean = sum(s["mean_ms"] * s["n"] for s in steady) / n
+    trials = sum(s["time_share"] for label, s in step_ms.items() if label.endswith("~"))
+    return f"{mean:.2f} ({trials:.0%})"

@@ -16,6 +16,15 @@ def test_every_key_gets_its_figures(rng_seed):
             if policy == "adaptive":
                 row["step_path"] = "shared"
                 row["path_ms_per_token"] = {"stops": rng.uniform(1, 20), "device": 1.5}
+                n, n_trial = rng.randint(50, 250), rng.randint(4, 24)
+                trial_share = rng.uniform(0.02, 0.2)
+                row["step_ms"] = {
+                    "shared": {"n": n, "mean_ms": rng.uniform(2, 9), "time_share": 1 - trial_share},
+                    "stops~": {"n": n_trial, "mean_ms": 20.0, "time_share": trial_share},
+                }
+            elif regime == "native":  # a row without trials
+                row["step_ms"] = {"step": {"n": 256, "mean_ms": rng.uniform(1, 9),
+                                           "time_share": 1.0}}  # fmt: skip
             decode[f"{regime}|b1|{policy}"] = row
     lines = decode_table(decode)
     assert lines[0] == HEADER and len(lines) == 1 + len(decode)
@@ -30,3 +39,10 @@ def test_every_key_gets_its_figures(rng_seed):
             assert cells[6] == f"shared (stops {stops:.2f} device 1.50)"
         else:
             assert cells[6] == "-"
+        steps = row.get("step_ms", {})
+        steady = [s for label, s in steps.items() if not label.endswith("~")]
+        if not steady:
+            assert cells[7] == "-"
+        else:
+            trials = sum(s["time_share"] for label, s in steps.items() if label.endswith("~"))
+            assert cells[7] == f"{steady[0]['mean_ms']:.2f} ({trials:.0%})"
