@@ -174,7 +174,9 @@ def _step_labeller(bank, batch: int):
 def _intervals(start: float, ends: list[float]) -> list[float]:
     """Each step's seconds: from the previous step's return (the first: from `start`). Under
     overlap scheduling a call returns once the next step is queued, so in a steady run this
-    is the device's step; the last step's wait for the device is outside it."""
+    is the device's step; the last step's wait for the device is outside it. (The interval a
+    call measures is then mostly the step the call before launched: at a change of path one
+    step can carry its neighbour's label.)"""
     return [end - before for before, end in zip([start, *ends[:-1]], ends, strict=True)]
 
 
