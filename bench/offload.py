@@ -164,10 +164,9 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
 def _step_labeller(bank, batch: int):
     """() -> the label of the step about to run: adaptive's step path, with `~` while its
     trials measure (the steps a row pays for measuring), or `step` for other policies."""
-    adaptive = getattr(bank, "adaptive", None)
-    if adaptive is None:
+    if bank.policy != "adaptive":  # (every offloaded bank has `adaptive`, idle elsewhere)
         return lambda: "step"
-    paths = adaptive.paths(batch)
+    paths = bank.adaptive.paths(batch)
     return lambda: paths.current + ("~" if paths.exploring else "")
 
 

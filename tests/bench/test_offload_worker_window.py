@@ -106,5 +106,9 @@ def test_a_decode_window_labels_each_step_with_adaptives_path(tmp_path, rng_seed
         assert steps[path]["n"] == n  # (one step a token of each sequence)
         window_ms = 1e3 * batch * n / rate
         assert steps[path]["mean_ms"] * n == pytest.approx(window_ms, rel=0.05)
+        # another policy on the same bank: plain steps, not adaptive's idle path
+        offload._use_policy(engine, engine.loaded.bank, rng.choice(["transfer", "cpu"]))
+        _, st = offload._decode(engine, n, rng, batch=batch)
+        assert set(st["step_ms"]) == {"step"} and st["step_ms"]["step"]["n"] == n
     finally:
         engine.close()
