@@ -31,8 +31,9 @@ Cost: of every EXPLORE + PERIOD steps, at most 3 * BLOCK * ROTATIONS run a mode 
 the best (24 of 288 at the defaults, ~8%), each slower by the margin it loses by; a candidate
 already DROP_FACTOR times slower than another runs no more blocks in that measurement. Where
 one candidate keeps winning clearly that cost buys nothing, so the period backs off: a
-measurement that keeps the same candidate, ahead of every other by CLEAR_MARGIN, doubles the
-next period (up to BACKOFF_CAP periods); any other outcome restores it. On the H200 host the
+measurement that keeps the same candidate (or the first measurement), ahead of every other by
+CLEAR_MARGIN, doubles the next period (up to BACKOFF_CAP periods); any other outcome restores
+it. On the H200 host the
 peer slice's uniform routing measured its three step paths at 13.3 / 12.2 / 6.1 ms a token
 (twentieth session): re-measured every 256 steps that is ~6% of its decode time, every 2048
 under 1%.
@@ -122,7 +123,11 @@ class RotatedTrials:
             # (a faster candidate that may not be kept is no clear win: no back-off)
             others = [t for c, t in measured.items() if c != best]
             clear = bool(others) and min(others) >= (1 + CLEAR_MARGIN) * measured[best]
-            if clear and self.choices and best == self.chosen:
+            # The first measurement has no kept candidate to confirm; a clear first win backs
+            # off too. A reply's first few hundred tokens run in the first period, and a second
+            # measurement inside them cost the H200 peer slice's uniform b=1 row 13% of its
+            # 256 timed tokens (thirty-fourth session); a wrong first choice costs one period.
+            if clear and (not self.choices or best == self.chosen):
                 self.period_now = min(2 * self.period_now, BACKOFF_CAP * self.period)
             else:
                 self.period_now = self.period

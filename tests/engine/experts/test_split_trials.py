@@ -45,7 +45,7 @@ def test_trials_keep_the_fastest_mode_and_measure_again(rng_seed):
     explore = n * 3 * 2
     best = None
     for _ in range(4):  # the best mode changes between measurements; each one finds it
-        best = rng.choice([m for m in MODES if m != best])  # (a repeated clear win backs off)
+        best = rng.choice([m for m in MODES if m != best])  # (no repeat: no back-off after)
         # (the losers stay under DROP_FACTOR with the noise, so that every block runs)
         cost = {m: rng.uniform(1.3, DROP_FACTOR / 1.12) * 1e-2 for m in MODES}
         cost[best] = 1e-2
@@ -55,7 +55,9 @@ def test_trials_keep_the_fastest_mode_and_measure_again(rng_seed):
         blocks = [ran[i] for i in range(0, explore, 3)]
         assert all(ran[i : i + 3] == [blocks[i // 3]] * 3 for i in range(0, explore, 3))
         assert sorted(blocks) == sorted(MODES * 2) and blocks[:n] != blocks[n:]
-        assert _run(trials, cost, rng, 40) == [best] * 40  # the period runs the chosen mode
+        period = trials.period_now  # (a clear first win backs off: 80)
+        assert period == (80 if trials.choices == 1 else 40)
+        assert _run(trials, cost, rng, period) == [best] * period  # the chosen mode's period
         assert trials.exploring  # then it measures again
     assert trials.choices == 4
 
@@ -72,16 +74,16 @@ def _measure(trials: SplitTrials, cost: dict[str, float], rng: random.Random) ->
 
 
 def test_a_repeated_clear_win_backs_the_period_off_and_anything_else_restores_it(rng_seed):
-    """The same mode ahead of every other by CLEAR_MARGIN: the period doubles from the second
-    such measurement on, up to BACKOFF_CAP periods. A close win, or another winner, restores
-    the period."""
+    """The same mode ahead of every other by CLEAR_MARGIN: the period doubles from the first
+    such measurement on (it has nothing to confirm), up to BACKOFF_CAP periods. A close win, or
+    another winner, restores the period."""
     rng = random.Random(rng_seed)
     period = rng.randrange(3, 20)
     trials = SplitTrials(block=2, rotations=1, period=period)
     best = rng.choice(MODES)
     clear = {m: rng.uniform(1.05, 2.0) * (1 + CLEAR_MARGIN) for m in MODES}
     clear[best] = 1.0
-    doubled = [period * min(2**i, BACKOFF_CAP) for i in range(6)]
+    doubled = [period * min(2 ** (i + 1), BACKOFF_CAP) for i in range(6)]
     assert [_measure(trials, clear, rng) for _ in range(6)] == doubled
     close = dict(clear)
     close[rng.choice([m for m in MODES if m != best])] = rng.uniform(1.03, 1 + CLEAR_MARGIN - 0.03)
