@@ -49,6 +49,7 @@
 #         shared-zipf-48 (the same at 48 layers / 32 GB, b=1: the acceptance's Zipf row, ~4 min)
 #         step-kernels (an offloaded decode step's kernels in its replayed graphs: gpu-fill and
 #         transfer at 12 layers, gpu-fill at 48 layers / 32 GB, ~5 min)
+#         shared-kernels (the same for adaptive held on shared, uniform routing, b=1 and 4, ~3 min)
 #         acceptance-peer acceptance-48 (issue 3's tables: adaptive, transfer and gpu-fill at b=1
 #         and 4 under native, Zipf and uniform routing; the peer slice ~4 min, 48 layers ~8 min)
 #         tests-kernels tests-engine (every GPU test in two runs of under 10 minutes)
@@ -432,6 +433,13 @@ for stage in "$@"; do
       timeout 330 python3 -m freetoken_agent.bench step-kernels --layers 48 --budget-gb 32 \
         --policies gpu-fill --rows 24 --out "$OUT/step_kernels_48l.jsonl" 2>&1 \
         | cut -c1-150 | tail -28 ;;
+    shared-kernels)  # peer slice, uniform: the shared path's kernels (the copy kernel holds
+      # the wait for the CPU worker) against gpu-fill's, b=1 then b=4, and the worker's jobs (~3 min)
+      for b in 1 4; do
+        timeout 140 python3 -m freetoken_agent.bench step-kernels --layers 12 --budget-gb 8.59 \
+          --regime uniform --batch $b --policies adaptive gpu-fill --adaptive-path shared \
+          --rows 16 --out "$OUT/shared_kernels_b$b.jsonl" 2>&1 | cut -c1-400 | tail -36
+      done ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;

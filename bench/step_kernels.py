@@ -2,7 +2,8 @@
 replays (not eager steps: `bench profile` times those, all-resident).
 
     python -m freetoken_agent.bench step-kernels [--layers 12] [--budget-gb 8.59]
-        [--policies gpu-fill transfer] [--regime native] [--batch 1] [--steps 16]
+        [--policies gpu-fill transfer] [--adaptive-path device] [--regime native] [--batch 1]
+        [--steps 16]
 
 Why: at 48 layers and 32 GB, native routing decodes at ~4.0 ms a token on the device path
 against a ~1.5 ms limit (bench/results/NOTES.md, twentieth session): the step's own kernels,
@@ -31,6 +32,7 @@ from freetoken_agent.bench.offload import offload_engine, start_policy
 from freetoken_agent.bench.profile_step import decode_steps
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts.device_fills import DeviceFills
+from freetoken_agent.engine.experts.step_paths import CPU_PATHS, DEVICE_PATHS
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 _CACHE_FILES = ("device_fills.py", "cache.py")
@@ -76,6 +78,13 @@ def kernel_rows(events, steps: int, layers: int) -> tuple[float, list[dict]]:
     ]
 
 
+def _worker_jobs(bank) -> dict | None:
+    """The CPU worker's jobs since the engine loaded (the warm, timed and profiled steps): count,
+    mean job ms, experts (bank.cpu_share's stats; None without a worker)."""
+    share = bank.cpu_share
+    return None if share is None else share.stats(bank.cache.on_device.share)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench step-kernels",
@@ -88,8 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         "--policies",
         nargs="+",
         default=["gpu-fill", "transfer"],
-        help="offload policies, one row each (adaptive: its device path held)",
+        help="offload policies, one row each (adaptive: the path --adaptive-path held)",
     )
+    parser.add_argument(
+        "--adaptive-path", default="device", choices=DEVICE_PATHS,
+        help="the whole-step path adaptive's rows hold (shared: the CPU worker's wait is inside "
+        "the copy kernel's time, and the row reports the worker's jobs)",
+    )  # fmt: skip
     parser.add_argument(
         "--regime", default="native", help="routing: native, uniform or zipf:S,loc:P"
     )
@@ -111,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     lines = []
     for policy in args.policies:
-        path = "device" if policy == "adaptive" else None
+        path = args.adaptive_path if policy == "adaptive" else None
         start_policy(engine, bank, policy, b_p, b_h, path=path)
         n = args.warm + 2 * args.steps + 8
         sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -139,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             "launches_per_step": round(sum(r["launches_per_step"] for r in rows), 1),
             "releases_per_step": round(sum(callers.values()) / args.steps, 3),
             "release_callers": dict(callers.most_common()),
+            "path": path,
+            "worker": _worker_jobs(bank) if path in CPU_PATHS else None,
             "kernels": rows,
         }  # fmt: skip
         lines.append(line)
