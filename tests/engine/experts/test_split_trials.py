@@ -411,3 +411,30 @@ def test_layers_is_tried_only_where_steps_stop_at_more_layers_than_it_leaves(rng
                     kept |= bool(cache.kept_layers)
             adaptive.step_timed(1, rng.uniform(0.9, 1.1) * 1e-2)
         assert ("layers" in modes) == tried == kept, (stopping, modes)
+
+
+def test_a_candidate_refused_at_its_turns_but_allowed_at_the_end_runs_late_blocks(rng_seed):
+    """PathTrials' `shared` waits for the fill race, which only the stops blocks settle: a
+    candidate `allowed` refused at each of its turns and allows once the schedule ends runs
+    `rotations` blocks then, and can win; one still refused runs none."""
+    rng = random.Random(rng_seed)
+    for opens in (True, False):
+        late = rng.choice(MODES[1:])  # (the schedule's first block always runs)
+        flag = {"open": False}
+        trials = SplitTrials(block=2, rotations=2, period=50,
+                             allowed=lambda m, late=late: m != late or flag["open"])  # fmt: skip
+        cost = {m: rng.uniform(1.3, 1.5) * 1e-2 for m in MODES}
+        cost[late] = 1e-2
+        ran = []
+        while trials.exploring:
+            if opens and len(ran) == 2 * 2 * (len(MODES) - 1) - 2:  # the last regular block
+                flag["open"] = True
+            ran.append(trials.mode)
+            trials.step_done(cost[trials.mode] * rng.uniform(0.99, 1.01))
+        blocks = [ran[i] for i in range(0, len(ran), 2)]
+        if opens:
+            assert blocks[-2:] == [late, late] and blocks.count(late) == 2
+            assert trials.chosen == late
+        else:
+            assert late not in blocks and trials.chosen != late
+        assert sorted(b for b in blocks if b != late) == sorted([m for m in MODES if m != late] * 2)
