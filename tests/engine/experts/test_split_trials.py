@@ -421,8 +421,11 @@ def test_a_candidate_refused_at_its_turns_but_allowed_at_the_end_runs_late_block
     for opens in (True, False):
         late = rng.choice(MODES[1:])  # (the schedule's first block always runs)
         flag = {"open": False}
-        trials = SplitTrials(block=2, rotations=2, period=50,
-                             allowed=lambda m, late=late: m != late or flag["open"])  # fmt: skip
+
+        def allowed(mode: str, late=late, flag=flag) -> bool:
+            return mode != late or flag["open"]
+
+        trials = SplitTrials(block=2, rotations=2, period=50, allowed=allowed)
         cost = {m: rng.uniform(1.3, 1.5) * 1e-2 for m in MODES}
         cost[late] = 1e-2
         ran = []
