@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = []
     for policy in args.policies:
         path = args.adaptive_path if policy == "adaptive" else None
-        start_policy(engine, bank, policy, b_p, b_h, path=path)
+        # (a held CPU path runs ungated: its gate waits for fill races only the stops path makes)
+        start_policy(engine, bank, policy, b_p, b_h, path=path, shared_gate=path not in CPU_PATHS)
         n = args.warm + 2 * args.steps + 8
         sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         for _ in range(args.batch):
