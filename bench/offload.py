@@ -48,9 +48,9 @@ POLICIES = ("cpu", "transfer", "adaptive", "static", "direct", "gpu-fill")
 # Decode steps before the timed ones: the cache fills, and adaptive measures its step paths
 # (step_paths.py) and its split modes once (every mode for BLOCK steps, ROTATIONS times:
 # split_trials.py; on the stops path's steps only). The next measurement comes PERIOD steps
-# after the first choice (~50 steps in): inside a timed window of more than ~200 tokens (the
-# peer slice's 256), as it would in use; its slower paths' blocks cost the uniform peer row
-# ~4% (two 4-step blocks at 2-2.6x the kept path's step, once in 256 steps).
+# after the first choice (~50 steps in), twice that when the first choice won clearly: then
+# outside the peer slice's 256 timed tokens, as outside a user's first reply (a measurement
+# inside them cost the uniform peer row 13%, thirty-fourth session).
 PATH_STEPS = len(step_paths.PATHS) * step_paths.BLOCK * step_paths.ROTATIONS
 WARM_UP = 8 + len(MODES) * BLOCK * ROTATIONS + PATH_STEPS + step_paths.WARM
 KV_TOKENS = 32768  # the engine's KV pool and max_model_len

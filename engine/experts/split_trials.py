@@ -48,7 +48,7 @@ MODES = ("split", "all", "none", "layers")
 BLOCK = 4  # decode steps per mode per rotation
 ROTATIONS = 2
 PERIOD = 256  # decode steps on the chosen mode before measuring again
-CLEAR_MARGIN = 0.25  # a win this far ahead of every other candidate, twice running, backs off
+CLEAR_MARGIN = 0.25  # a win this far ahead of every other candidate (kept again) backs off
 BACKOFF_CAP = 8  # the longest period, in PERIODs
 # A candidate whose median so far is this many times another's runs no more blocks in the
 # measurement: on the H200 host the peer slice's Zipf b=1 stops path measured 21.3 ms a token
