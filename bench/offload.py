@@ -244,14 +244,20 @@ def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h
         paths = bank.adaptive.paths(batch)
         row["step_path"] = paths.chosen if paths.choices else None
         row["path_ms_per_token"] = {p: 1e3 * v for p, v in paths.medians().items()}
-        share = bank.cpu_share
-        row["cpu_share"] = None if share is None else share.stats(bank.cache.on_device.share)
+        row["cpu_share"] = cpu_share_stats(bank)
         row["fill_gain"] = bank.cache.fill_gain  # the race adaptive's verdict reads
         split = bank.device_path.split
         if split is not None and row["split_per_token"] > 0:  # the cut it ran last, and the
             row["split_cut"] = split.fills.cut  # cut trials' bias of I
             row["cut_bias"] = bank.adaptive.cuts(batch).bias
     return row
+
+
+def cpu_share_stats(bank) -> dict | None:
+    """The CPU worker's jobs since the engine loaded, the share the plans read now, its cores
+    (bank.cpu_share's stats; None without a worker)."""
+    share = bank.cpu_share
+    return None if share is None else share.stats(bank.cache.on_device.share)
 
 
 def add_limits(row: dict, policy: str, batch: int, expert_bytes: float, device_read: float,

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from freetoken_agent.bench.offload import offload_engine, start_policy
+from freetoken_agent.bench.offload import cpu_share_stats, offload_engine, start_policy
 from freetoken_agent.bench.profile_step import decode_steps
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts.device_fills import DeviceFills
@@ -76,13 +76,6 @@ def kernel_rows(events, steps: int, layers: int) -> tuple[float, list[dict]]:
         }
         for e in rows
     ]
-
-
-def _worker_jobs(bank) -> dict | None:
-    """The CPU worker's jobs since the engine loaded (the warm, timed and profiled steps): count,
-    mean job ms, experts (bank.cpu_share's stats; None without a worker)."""
-    share = bank.cpu_share
-    return None if share is None else share.stats(bank.cache.on_device.share)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             "releases_per_step": round(sum(callers.values()) / args.steps, 3),
             "release_callers": dict(callers.most_common()),
             "path": path,
-            "worker": _worker_jobs(bank) if path in CPU_PATHS else None,
+            "worker": cpu_share_stats(bank) if path in CPU_PATHS else None,
             "kernels": rows,
         }  # fmt: skip
         lines.append(line)

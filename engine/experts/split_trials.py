@@ -33,10 +33,9 @@ already DROP_FACTOR times slower than another runs no more blocks in that measur
 one candidate keeps winning clearly that cost buys nothing, so the period backs off: a
 measurement that keeps the same candidate (or the first measurement), ahead of every other by
 CLEAR_MARGIN, doubles the next period (up to BACKOFF_CAP periods); any other outcome restores
-it. On the H200 host the
-peer slice's uniform routing measured its three step paths at 13.3 / 12.2 / 6.1 ms a token
-(twentieth session): re-measured every 256 steps that is ~6% of its decode time, every 2048
-under 1%.
+it. On the H200 host the peer slice's uniform routing measured its three step paths at 13.3 /
+12.2 / 6.1 ms a token (twentieth session): re-measured every 256 steps that is ~6% of its
+decode time, every 2048 under 1%.
 """
 
 from __future__ import annotations
