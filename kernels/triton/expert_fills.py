@@ -2,15 +2,21 @@
 programs reading pinned host memory). Twin and state layout: `kernels/reference_fills.py`.
 
 Plan. One program holds the layer's P <= 128 pairs: the first appearance of each lid (an
-all-pairs compare), its slot, the hits' stamps, then per miss one scan of the stamps for the
-smallest (chunks of BLOCK_S, ties to the lowest slot). The scans are serial in the misses: m
-misses read the S stamps m times (4 K int64 at 32 GB of 9.4 MB experts: ~32 KB from L2 a
-scan), which is small beside the 9.4 MB each miss then moves. A layer that hits scans nothing.
+all-pairs compare), its slot, the hits' stamps, then the victims of all the layer's fills at
+once. A victim's key is (stamp + 1) * S + slot, so the smallest key is the rule's smallest stamp
+with ties to the lowest slot, and the f fills of a layer take the f smallest keys in order. The
+stamps are read once, in chunks of up to SCAN_BLOCK_MAX held in registers: the first chunk gives
+its f smallest (f min-reductions), a later chunk only its keys below the worst kept one (a cache
+scanned in random stamp order replaces few). The keys' ranks then pair the r-th fill with the
+r-th smallest, and the tables are written in one vector pass. A layer that fills nothing scans
+nothing. (The plan before this scanned all S stamps once per miss, serially: about 9 us a miss
+on the H200 under uniform routing, bench/results/NOTES.md, thirty-fifth session.)
 Writes by some threads are read by others after `tl.debug_barrier` (one CTA). A scalar is
 loaded by every thread and stored by one, so a state entry the plan updates (CLOCK, SEQ, the
 counters) is read by all threads before the barrier that precedes its store: on the device a
 warp that read SEQ after the store rang the worker's doorbell with the next number, and the
-layer's wait never saw its answer.
+layer's wait never saw its answer. A [BLOCK_P] vector may be held by several threads at once,
+so the fills' old owners are all read before the barrier that precedes the tables' stores.
 
 Copies. A fixed grid (a captured graph cannot size it by the plan) walks the moves' chunks:
 program g takes chunks g, g + PROGRAMS, ...; with no move every program exits at once. The
@@ -69,7 +75,7 @@ from freetoken_agent.kernels.triton.host_sync import (
 from freetoken_agent.kernels.triton.pdl import enter
 from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
-BLOCK_S = 1024  # stamps a scan step reads
+SCAN_BLOCK_MAX = 4096  # most stamps a scan chunk holds in registers (32 a thread at 4 warps)
 COPY_BLOCK = 8192  # elements a copy program moves a step
 COPY_PROGRAMS = 32
 COPY_COLUMNS = 128  # a split w2 tile's columns (its rows: COPY_BLOCK / COPY_COLUMNS)
@@ -87,6 +93,7 @@ _TIMEOUT, _LOST, _GAVE_UP_AT = tl.constexpr(TIMEOUT), tl.constexpr(LOST), tl.con
 _SPLIT_COLS, _SPLITS = tl.constexpr(SPLIT_COLS), tl.constexpr(SPLITS)
 _PARTIAL_HITS = tl.constexpr(PARTIAL_HITS)
 _COL_LO, _COL_HI = tl.constexpr(COL_LO), tl.constexpr(COL_HI)
+_NO_KEY = tl.constexpr(2**63 - 1)  # a slot no fill may take (keys: _smallest_keys)
 BLOCK_H = 1024  # hidden elements a post or a wait step moves
 
 
@@ -106,7 +113,8 @@ def _plan_kernel(
         limit = tl.minimum(tl.load(state + _LIVE_PAIRS), P).to(tl.int32)
     live = offs < limit
     lid = tl.load(ids_ptr + offs, mask=live, other=0).to(tl.int64) + base  # [BLOCK_P]
-    earlier = (lid[:, None] == lid[None, :]) & (offs[None, :] < offs[:, None]) & live[None, :]
+    same = (lid[:, None] == lid[None, :]) & live[None, :]  # [BLOCK_P, BLOCK_P] pairs of a lid
+    earlier = same & (offs[None, :] < offs[:, None])
     first = live & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
     if COUNT:  # one use for each distinct lid (first appearances: no two threads share one)
         used = tl.load(uses + lid, mask=first, other=0)
@@ -135,48 +143,40 @@ def _plan_kernel(
     tl.debug_barrier()
     rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1  # [BLOCK_P] a miss's order
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
-    filled = n_miss * 0
-    n_cpu = n_miss * 0
-    on_cpu = offs < 0  # [BLOCK_P] pairs whose lid the CPU computes
-    moved = offs < 0  # [BLOCK_P] pairs whose lid this plan filled (THROUGH: read from the host)
     share = clock * 0
     if SHARE and not SPLIT:  # a split plan posts columns, never whole experts
         share = tl.load(state + _CPU_SHARE)
-    offs_s = tl.arange(0, BLOCK_S)
-    for r in range(n_miss):
-        new = tl.sum(tl.where(miss & (rank == r), lid, 0), axis=0)  # the r-th miss's lid
-        to_cpu = ((r + 1) * share + _HALF) >> 16 > (r * share + _HALF) >> 16
-        best_v = clock * 0 + _PINNED
-        best_i = clock * 0 - 1
-        if not to_cpu:
-            for s0 in range(0, S, BLOCK_S):
-                in_s = s0 + offs_s < S
-                st = tl.load(stamp + s0 + offs_s, mask=in_s, other=_PINNED)
-                if SPLIT:  # a slot whose copies behind are on their way is no victim
-                    cut_s = tl.load(cols + s0 + offs_s, mask=in_s, other=width) < width
-                    came = tl.load(landed + s0 + offs_s, mask=in_s, other=-1)
-                    owner = tl.load(lid_of + s0 + offs_s, mask=in_s, other=-1).to(tl.int64)
-                    st = tl.where(cut_s & (came != owner), _PINNED, st)
-                v, i = tl.min(st, 0, return_indices=True, return_indices_tie_break_left=True)
-                take = v < best_v  # strict: an earlier chunk keeps a tie
-                best_i = tl.where(take, s0 + i.to(tl.int64), best_i)
-                best_v = tl.where(take, v, best_v)
-        on_cpu = on_cpu | (live & (lid == new) & to_cpu)
-        n_cpu += to_cpu.to(tl.int32)
-        found = best_v < clock
-        moved = moved | (live & (lid == new) & found)
-        old = tl.load(lid_of + best_i, mask=found, other=-1)
-        tl.store(slot_of + old, -1, mask=found & (old >= 0))
-        tl.store(lid_of + best_i, new.to(tl.int32), mask=found)
-        tl.store(slot_of + new, best_i.to(tl.int32), mask=found)
-        tl.store(stamp + best_i, clock, mask=found)
-        if SPLIT:  # the slot holds the columns [0, cut) until its copies behind land
-            tl.store(cols + best_i, cut.to(tl.int32), mask=found)
-            tl.store(landed + best_i, clock * 0 - 1, mask=found)
-        tl.store(moves + 2 * filled, new, mask=found)
-        tl.store(moves + 2 * filled + 1, best_i, mask=found)
-        filled += found.to(tl.int32)
-        tl.debug_barrier()
+    # Miss r goes to the CPU when round((r + 1) * share) > round(r * share); round(r * share)
+    # misses before it went, so the others fill in order: fill q = r - round(r * share).
+    cpu_before = (rank * share + _HALF) >> 16  # [BLOCK_P]
+    cpu_first = miss & (((rank + 1) * share + _HALF) >> 16 > cpu_before)
+    fill_first = miss & ~cpu_first
+    q = (rank - cpu_before).to(tl.int32)  # [BLOCK_P] a filling miss's order among the fills
+    n_cpu = ((n_miss * share + _HALF) >> 16).to(tl.int32)
+    best, filled = _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_miss - n_cpu,
+                                  BLOCK_S, BLOCK_P, SPLIT)  # fmt: skip
+    # The fill of order q takes the key of rank q (keys are distinct: the slot is in them).
+    offs_b = tl.arange(0, BLOCK_P)
+    kept = offs_b < filled
+    order = tl.sum(((best[None, :] < best[:, None]) & kept[None, :]).to(tl.int32), axis=1)
+    match = fill_first[:, None] & (q[:, None] == order[None, :]) & kept[None, :]
+    got = tl.sum(match.to(tl.int32), axis=1) > 0  # [BLOCK_P] first appearances that fill
+    victim = tl.sum(tl.where(match, best[None, :], 0), axis=1) % S  # [BLOCK_P] their slots
+    old = tl.load(lid_of + victim, mask=got, other=-1)
+    tl.debug_barrier()  # every holder of a fill read its slot's old lid before any store
+    tl.store(slot_of + old, -1, mask=got & (old >= 0))
+    tl.store(lid_of + victim, lid.to(tl.int32), mask=got)
+    tl.store(slot_of + lid, victim.to(tl.int32), mask=got)
+    tl.store(stamp + victim, clock + victim * 0, mask=got)
+    if SPLIT:  # the slot holds the columns [0, cut) until its copies behind land
+        tl.store(cols + victim, cut.to(tl.int32) + victim.to(tl.int32) * 0, mask=got)
+        tl.store(landed + victim, victim * 0 - 1, mask=got)
+    tl.store(moves + 2 * q, lid, mask=got)
+    tl.store(moves + 2 * q + 1, victim, mask=got)
+    # Every pair of a lid the CPU takes or this plan moved (its first appearance decided)
+    on_cpu = live & (tl.sum((same & cpu_first[None, :]).to(tl.int32), axis=1) > 0)
+    moved = live & (tl.sum((same & got[None, :]).to(tl.int32), axis=1) > 0)
+    tl.debug_barrier()
     slot = tl.load(slot_of + lid, mask=live, other=-1).to(tl.int64)
     if THROUGH:  # a moved lid's pairs read it from the host, storing it into its slot
         slot = tl.where(moved, -1, slot)
@@ -187,8 +187,7 @@ def _plan_kernel(
     posted = on_cpu
     fill_slot = tl.zeros_like(slot) - 1  # [BLOCK_P] the slot a pair's columns go to behind
     if SPLIT:  # the split fills' and the in-flight hits' pairs (every pair of their lids)
-        same = (lid[:, None] == lid[None, :]) & partial[None, :]
-        posted = moved | (live & (tl.sum(same.to(tl.int32), axis=1) > 0))
+        posted = moved | (live & (tl.sum((same & partial[None, :]).to(tl.int32), axis=1) > 0))
         n_post = filled + n_part
         fill_slot = tl.where(first & moved, slot, -1)
     n_hit = tl.sum(hit.to(tl.int64), axis=0)
@@ -230,6 +229,42 @@ def _plan_kernel(
             release_fence_sys(SYS)
             tl.debug_barrier()
             store_release_sys(box_ctrl + _POST, seq, SYS)
+
+
+@triton.jit
+def _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_fill, BLOCK_S: tl.constexpr,
+                   BLOCK_P: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """The n_fill smallest keys (stamp + 1) * S + slot among the slots a fill may take (a
+    stamp below the clock; SPLIT: no copies behind on their way), [BLOCK_P] unordered, and
+    how many there are (fewer when too few slots may be taken). Keys fit in int64 while
+    clock * S < 2**63: 10**12 plans at a million slots."""
+    offs_b = tl.arange(0, BLOCK_P)
+    offs_s = tl.arange(0, BLOCK_S)
+    best = tl.full([BLOCK_P], _NO_KEY, tl.int64)
+    n_in = n_fill * 0
+    worst = tl.where(n_fill > 0, clock * 0 + _NO_KEY, -1)  # what a key must be below to enter
+    at = n_fill * 0  # where the worst kept key is, once n_fill are kept
+    for s0 in range(0, tl.where(n_fill > 0, S, 0), BLOCK_S):
+        slot = s0 + offs_s
+        in_s = slot < S
+        st = tl.load(stamp + slot, mask=in_s, other=_PINNED)
+        free = st < clock
+        if SPLIT:  # a slot whose copies behind are on their way is no victim
+            cut_s = tl.load(cols + slot, mask=in_s, other=width) < width
+            came = tl.load(landed + slot, mask=in_s, other=-1)
+            owner = tl.load(lid_of + slot, mask=in_s, other=-1).to(tl.int64)
+            free = free & ~(cut_s & (came != owner))
+        keys = tl.where(free, (st + 1) * S + slot, _NO_KEY)  # [BLOCK_S]
+        v = tl.min(keys, axis=0)
+        while v < worst:
+            best = tl.where(offs_b == tl.where(n_in < n_fill, n_in, at), v, best)
+            n_in = tl.minimum(n_in + 1, n_fill)
+            keys = tl.where(keys == v, _NO_KEY, keys)
+            v = tl.min(keys, axis=0)
+            if n_in == n_fill:  # full: a key enters in place of the worst kept one
+                worst, at = tl.max(tl.where(offs_b < n_fill, best, -1), axis=0,
+                                   return_indices=True)  # fmt: skip
+    return best, n_in
 
 
 @triton.jit
@@ -364,7 +399,8 @@ def plan_fills(
     _plan_kernel[(1,)](
         ids, rows, slot_of, lid_of, stamp, state, moves, base, p, live, stamp.numel(), *box, t,
         th, uses if uses is not None else slot_of, fills, *tables, LIMITED=limited,
-        BLOCK_P=max(16, triton.next_power_of_2(p)), BLOCK_S=BLOCK_S, SHARE=post is not None,
+        BLOCK_P=max(16, triton.next_power_of_2(p)),
+        BLOCK_S=min(SCAN_BLOCK_MAX, triton.next_power_of_2(stamp.numel())), SHARE=post is not None,
         SYS=_sys_ordering(), BLOCK_H=BLOCK_H, COUNT=uses is not None, THROUGH=through,
         SPLIT=split is not None, num_warps=4,
         **pdl_launch(ids.device),

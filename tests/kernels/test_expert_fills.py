@@ -10,6 +10,7 @@ from sm90_compile import compiled_json
 
 from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
+from freetoken_agent.kernels.triton import expert_fills as triton_fills
 
 
 def _state(rng: random.Random, n_lids: int, n_slots: int, device="cpu"):
@@ -141,10 +142,23 @@ def test_triton_plan_equals_the_twin(rng_seed, live_from_state):
 
 
 def test_triton_plan_scans_past_one_block(rng_seed):
-    """More slots than one scan step reads: the smallest stamp may sit in a later chunk."""
+    """More slots than one scan chunk holds (4096): the smallest stamps may sit in a later
+    chunk."""
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
-    _run_both(rng, (3, 400), 1500, 6, False)
+    _run_both(rng, (3, 2000), 5000, 4, False)
+
+
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_triton_plan_in_small_chunks_equals_the_twin(rng_seed, chunk, monkeypatch):
+    """The scan in many chunks: a later chunk's keys replace the worst kept ones (the
+    victims' order then comes from their ranks, not from the scan)."""
+    monkeypatch.setattr(triton_fills, "SCAN_BLOCK_MAX", chunk)
+    rng = random.Random(rng_seed)
+    torch.manual_seed(rng_seed)
+    for _ in range(2):
+        _run_both(rng, (rng.randrange(2, 4), rng.randrange(8, 17)), rng.randrange(9, 300), 8,
+                  rng.random() < 0.5)  # fmt: skip
 
 
 @pytest.mark.parametrize("force_triton", [False, True])

@@ -14,6 +14,7 @@ from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.cpu import experts, worker
 from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
 from freetoken_agent.kernels.reference_fills import CpuPost, cpu_count
+from freetoken_agent.kernels.triton import expert_fills as triton_fills
 
 H, W = 48, 16  # hidden, expert width
 
@@ -112,7 +113,10 @@ def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
         assert all(int(resident_before[lid]) < 0 for lid in on_cpu)
 
 
-def test_triton_plan_with_a_share_equals_the_twin(rng_seed):
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_triton_plan_with_a_share_equals_the_twin(rng_seed, chunk, monkeypatch):
+    if chunk:  # the scan in chunks of two slots: later chunks replace kept keys
+        monkeypatch.setattr(triton_fills, "SCAN_BLOCK_MAX", chunk)
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
     for _ in range(12):

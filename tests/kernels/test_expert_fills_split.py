@@ -13,6 +13,7 @@ from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.cpu import worker
 from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
 from freetoken_agent.kernels.reference_fills import CpuPost, SplitTables
+from freetoken_agent.kernels.triton import expert_fills as triton_fills
 
 H, W = 48, 16
 K = 4
@@ -134,7 +135,10 @@ def test_a_slot_in_flight_is_never_a_victim():
             assert moves[0].tolist() == [2, victim] and int(rows[0]) == victim
 
 
-def test_triton_split_plan_equals_the_twin(rng_seed):
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_triton_split_plan_equals_the_twin(rng_seed, chunk, monkeypatch):
+    if chunk:  # the scan in chunks of two slots: later chunks replace kept keys
+        monkeypatch.setattr(triton_fills, "SCAN_BLOCK_MAX", chunk)
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
     for _ in range(8):
