@@ -35,6 +35,8 @@
                       step's own copies and kernels, beside the link's limit (CUDA)
     split-cuts        adaptive's split path at held cuts, its trials' cut and other worker
                       teams, against gpu-fill, beside each row's limit (CUDA)
+    plan-kernel       the in-graph fill's plan kernel alone: device time per plan against its
+                      misses and the slots it scans, beside the launch floor (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -66,6 +68,7 @@ BENCHES = {
     "cache-policies": "freetoken_agent.bench.cache_policies",
     "side-fill": "freetoken_agent.bench.side_fill",
     "split-cuts": "freetoken_agent.bench.split_cuts",
+    "plan-kernel": "freetoken_agent.bench.plan_kernel",
 }
 
 

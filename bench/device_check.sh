@@ -50,6 +50,8 @@
 #         step-kernels (an offloaded decode step's kernels in its replayed graphs: gpu-fill and
 #         transfer at 12 layers, gpu-fill at 48 layers / 32 GB, ~5 min)
 #         shared-kernels (the same for adaptive held on shared, uniform routing, b=1 and 4, ~3 min)
+#         plan-kernel (the fills' GPU tests, then bench plan-kernel: the plan alone per slots and
+#         misses; PLAN_BEFORE=FILE times that version of its module beside it, ~3 min)
 #         acceptance-peer acceptance-48 (issue 3's tables: adaptive, transfer and gpu-fill at b=1
 #         and 4 under native, Zipf and uniform routing; the peer slice ~4 min, 48 layers ~8 min)
 #         tests-kernels tests-engine (every GPU test in two runs of under 10 minutes)
@@ -440,6 +442,13 @@ for stage in "$@"; do
           --regime uniform --batch $b --policies adaptive gpu-fill --adaptive-path shared \
           --rows 16 --out "$OUT/shared_kernels_b$b.jsonl" 2>&1 | cut -c1-400 | tail -36
       done ;;
+    plan-kernel)  # the fills' GPU tests, then the plan kernel alone per slots and misses, the
+      # kernels' module before a change beside it when PLAN_BEFORE names its file (~3 min)
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_expert_fills.py \
+        tests/kernels/test_expert_fills_cpu_share.py tests/kernels/test_expert_fills_split.py \
+        tests/engine/experts/test_device_fills.py 2>&1 | tee "$OUT/plan_tests.log" | tail -4
+      timeout 300 python3 -m freetoken_agent.bench plan-kernel ${PLAN_BEFORE:+--kernel-file "$PLAN_BEFORE"} \
+        --out "$OUT" 2>&1 | tee "$OUT/plan_kernel.log" | cut -c1-300 | tail -60 ;;
     profile)
       timeout 200 python3 -m freetoken_agent.bench profile --layers 12 --rows 30 \
         >"$OUT/profile_12l.txt" 2>&1; tail -c 6000 "$OUT/profile_12l.txt" ;;

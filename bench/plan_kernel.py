@@ -1,0 +1,192 @@
+"""The in-graph fill's plan kernel alone (kernels/triton/expert_fills.py): device time per
+layer's plan against the misses it fills and the slots it scans, beside the launch floor.
+
+    freetoken bench plan-kernel [--slots 687 3022 18000] [--misses 0 1 2 4 8 16]
+        [--tokens 1 4] [--share 0 0.25] [--kernel-file OLD.py] [--out DIR]
+
+Each row captures L plans (one a layer, each with its own routing) in a CUDA graph, the way a
+decode step replays them, and times replays of it from the same saved cache state: every plan
+hits P - m resident experts and misses m, which it fills (or, with a CPU share, posts that
+share to a mailbox no worker reads: the plan does not wait). Residents that no layer routes to
+get random stamps, older than the hits', so the victims are spread over the slots as uniform
+routing leaves them. The floor is the same graph of L empty Triton kernels: what a plan cannot
+go below. `--kernel-file` times another version of the kernels' module (its `plan_fills`) in
+the same rows, e.g. the one before a change (`git show REV:kernels/triton/expert_fills.py`).
+Shapes: L layers of E experts, T tokens, K top-k, P = T * K pairs, H hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import statistics
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import triton
+
+from freetoken_agent.kernels import reference_fills as ref
+from freetoken_agent.kernels.cpu.worker import Mailbox
+from freetoken_agent.kernels.triton import expert_fills
+
+E, K, H = 128, 8, 2048  # Qwen3-30B-A3B's experts a layer, top-k, hidden
+
+
+@triton.jit
+def _empty(x):
+    pass
+
+
+def _load(path: Path | None) -> ModuleType:
+    if path is None:
+        return expert_fills
+    spec = importlib.util.spec_from_file_location("plan_variant", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cache(rng: random.Random, layers: int, slots: int, tokens: int, misses: int):
+    """The saved state and each of the first `layers` layers' ids [T, K]: P - m lids resident
+    with the newest stamps, m absent; the other slots hold lids no plan routes to (of these
+    layers or of the model's later ones), with older stamps."""
+    p = tokens * K
+    if misses > p:
+        raise ValueError(f"{misses} misses of {p} pairs")
+    n = max(layers, -(-2 * slots // E)) * E  # the model's lids: twice the slots at least
+    routed = [rng.sample(range(layer * E, (layer + 1) * E), p) for layer in range(layers)]
+    hits = [lid for lids in routed for lid in lids[misses:]]
+    if len(hits) + layers * misses > slots:
+        raise ValueError(f"{slots} slots: the layers' hits and fills need more")
+    routed_set = {lid for lids in routed for lid in lids}
+    others = rng.sample([lid for lid in range(n) if lid not in routed_set], slots - len(hits))
+    slot_of = torch.full((n,), -1, dtype=torch.int32)
+    lid_of = torch.empty(slots, dtype=torch.int32)
+    stamp = torch.empty(slots, dtype=torch.int64)
+    order = rng.sample(range(slots), slots)
+    ages = rng.sample(range(len(others)), len(others))  # older than every hit's stamp
+    for i, lid in enumerate(others + hits):
+        slot = order[i]
+        slot_of[lid], lid_of[slot] = slot, lid
+        stamp[slot] = ages[i] if i < len(others) else len(others) + i
+    state = torch.zeros(ref.STATE, dtype=torch.int64)
+    state[ref.CLOCK] = 2 * slots
+    state[ref.LIVE_PAIRS] = p
+    ids = [torch.tensor(lids, dtype=torch.int32).view(tokens, K) - layer * E
+           for layer, lids in enumerate(routed)]  # fmt: skip
+    return (slot_of, lid_of, stamp, state), ids
+
+
+def _graph_us(step, restore, reps: int) -> float:
+    """Median device time of one replay of `step` captured, the state restored before each."""
+    step()  # compiles outside the capture
+    torch.cuda.synchronize()
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    times = []
+    for _ in range(reps):
+        restore()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def measure_row(module: ModuleType, slots: int, tokens: int, misses: int, share: float,
+                layers: int, reps: int, seed: int) -> dict:  # fmt: skip
+    dev = torch.device("cuda")
+    saved, ids = _cache(random.Random(seed), layers, slots, tokens, misses)
+    saved[3][ref.CPU_SHARE] = round(share * ref.SHARE_ONE)
+    live = tuple(t.to(dev) for t in saved)
+    ids = [x.to(dev) for x in ids]
+    moves = torch.zeros(tokens * K, 2, dtype=torch.int64, device=dev)
+    post = None
+    if share > 0:
+        box = Mailbox.allocate(tokens, K, H, torch.bfloat16, pin=True)
+        hidden = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
+        weights = torch.rand(tokens, K, device=dev)
+        post = ref.CpuPost(box, hidden, weights)
+    host = tuple(t.to(dev) for t in saved)
+
+    def restore() -> None:
+        for x, y in zip(live, host, strict=True):
+            x.copy_(y)
+
+    def step() -> None:
+        for layer, x in enumerate(ids):
+            module.plan_fills(x.view(-1), layer * E, *live, moves, None, post)
+
+    us = _graph_us(step, restore, reps)
+    restore()
+    step()  # once more from the saved state: the counters say what each plan did
+    state = live[3].cpu()
+    fills, hits = int(state[ref.FILLS]), int(state[ref.HITS])
+    on_cpu = int(state[ref.CPU_EXPERTS])
+    p = tokens * K
+    if hits != layers * (p - misses) or fills + on_cpu != layers * misses:
+        raise RuntimeError(f"plans hit {hits} and filled {fills} (+{on_cpu} on the CPU), not "
+                           f"{layers * (p - misses)} and {layers * misses}")  # fmt: skip
+    return dict(slots=slots, tokens=tokens, misses=misses, share=share, us_per_plan=us / layers,
+                fills_per_plan=fills / layers, cpu_per_plan=on_cpu / layers)  # fmt: skip
+
+
+def floor_us(layers: int, reps: int) -> float:
+    """A graph of `layers` empty Triton kernels, per kernel."""
+    x = torch.zeros(1, device="cuda")
+    return _graph_us(lambda: [_empty[(1,)](x) for _ in range(layers)], lambda: None, reps) / layers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench plan-kernel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--slots", type=int, nargs="+", default=[687, 3022, 18000])
+    parser.add_argument("--misses", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--share", type=float, nargs="+", default=[0.0, 0.25],
+                        help="the CPU's share of the misses (posted, never answered)")  # fmt: skip
+    parser.add_argument("--layers", type=int, default=16, help="plans a graph (default 16)")
+    parser.add_argument("--reps", type=int, default=30, help="timed replays a row")
+    parser.add_argument("--kernel-file", type=Path, default=None,
+                        help="another version of the kernels' module to time too")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="JSON's folder")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("plan-kernel needs CUDA")
+    kernels = {"current": _load(None)}
+    if args.kernel_file is not None:
+        kernels[args.kernel_file.stem] = _load(args.kernel_file)
+    floor = floor_us(args.layers, args.reps)
+    rows = []
+    for slots in args.slots:
+        for tokens in args.tokens:
+            for misses in [m for m in args.misses if m <= tokens * K]:
+                for share in args.share:
+                    row = dict(floor_us=round(floor, 2))
+                    for name, module in kernels.items():
+                        r = measure_row(module, slots, tokens, misses, share, args.layers,
+                                        args.reps, args.seed)  # fmt: skip
+                        row.update({k: v for k, v in r.items() if k != "us_per_plan"})
+                        row[f"us_{name}"] = round(r["us_per_plan"], 2)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "plan_kernel.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
