@@ -155,29 +155,31 @@ def _plan_kernel(
     n_cpu = ((n_miss * share + _HALF) >> 16).to(tl.int32)
     best, filled = _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_miss - n_cpu,
                                   BLOCK_S, BLOCK_P, SPLIT)  # fmt: skip
-    # The fill of order q takes the key of rank q (keys are distinct: the slot is in them).
-    offs_b = tl.arange(0, BLOCK_P)
-    kept = offs_b < filled
-    order = tl.sum(((best[None, :] < best[:, None]) & kept[None, :]).to(tl.int32), axis=1)
-    match = fill_first[:, None] & (q[:, None] == order[None, :]) & kept[None, :]
-    got = tl.sum(match.to(tl.int32), axis=1) > 0  # [BLOCK_P] first appearances that fill
-    victim = tl.sum(tl.where(match, best[None, :], 0), axis=1) % S  # [BLOCK_P] their slots
-    old = tl.load(lid_of + victim, mask=got, other=-1)
-    tl.debug_barrier()  # every holder of a fill read its slot's old lid before any store
-    tl.store(slot_of + old, -1, mask=got & (old >= 0))
-    tl.store(lid_of + victim, lid.to(tl.int32), mask=got)
-    tl.store(slot_of + lid, victim.to(tl.int32), mask=got)
-    tl.store(stamp + victim, clock + victim * 0, mask=got)
-    if SPLIT:  # the slot holds the columns [0, cut) until its copies behind land
-        tl.store(cols + victim, cut.to(tl.int32) + victim.to(tl.int32) * 0, mask=got)
-        tl.store(landed + victim, victim * 0 - 1, mask=got)
-    tl.store(moves + 2 * q, lid, mask=got)
-    tl.store(moves + 2 * q + 1, victim, mask=got)
-    # Every pair of a lid the CPU takes or this plan moved (its first appearance decided)
-    on_cpu = live & (tl.sum((same & cpu_first[None, :]).to(tl.int32), axis=1) > 0)
-    moved = live & (tl.sum((same & got[None, :]).to(tl.int32), axis=1) > 0)
-    tl.debug_barrier()
+    if filled > 0:  # the fill of order q takes the key of rank q (distinct: slots in them)
+        offs_b = tl.arange(0, BLOCK_P)
+        kept = offs_b < filled
+        order = tl.sum(((best[None, :] < best[:, None]) & kept[None, :]).to(tl.int32), axis=1)
+        match = fill_first[:, None] & (q[:, None] == order[None, :]) & kept[None, :]
+        got = tl.sum(match.to(tl.int32), axis=1) > 0  # [BLOCK_P] first appearances that fill
+        victim = tl.sum(tl.where(match, best[None, :], 0), axis=1) % S  # [BLOCK_P] their slots
+        old = tl.load(lid_of + victim, mask=got, other=-1)
+        tl.debug_barrier()  # every holder of a fill read its slot's old lid before any store
+        tl.store(slot_of + old, -1, mask=got & (old >= 0))
+        tl.store(lid_of + victim, lid.to(tl.int32), mask=got)
+        tl.store(slot_of + lid, victim.to(tl.int32), mask=got)
+        tl.store(stamp + victim, clock + victim * 0, mask=got)
+        if SPLIT:  # the slot holds the columns [0, cut) until its copies behind land
+            tl.store(cols + victim, cut.to(tl.int32) + victim.to(tl.int32) * 0, mask=got)
+            tl.store(landed + victim, victim * 0 - 1, mask=got)
+        tl.store(moves + 2 * q, lid, mask=got)
+        tl.store(moves + 2 * q + 1, victim, mask=got)
+        tl.debug_barrier()
+    on_cpu = offs < 0  # [BLOCK_P] every pair of a lid the CPU takes (its first appearance's)
+    if n_cpu > 0:
+        on_cpu = live & (tl.sum((same & cpu_first[None, :]).to(tl.int32), axis=1) > 0)
+    before = slot  # a lid without a slot before the plan and with one after: moved
     slot = tl.load(slot_of + lid, mask=live, other=-1).to(tl.int64)
+    moved = live & (before < 0) & (slot >= 0)
     if THROUGH:  # a moved lid's pairs read it from the host, storing it into its slot
         slot = tl.where(moved, -1, slot)
     rows = tl.where(slot >= 0, slot, -lid - 2)
@@ -244,10 +246,15 @@ def _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_fill, BLOCK_S
     n_in = n_fill * 0
     worst = tl.where(n_fill > 0, clock * 0 + _NO_KEY, -1)  # what a key must be below to enter
     at = n_fill * 0  # where the worst kept key is, once n_fill are kept
-    for s0 in range(0, tl.where(n_fill > 0, S, 0), BLOCK_S):
+    top, top_at = clock * 0 - 1, n_fill * 0  # the largest kept key and where, while filling
+    end = tl.where(n_fill > 0, S, 0)  # a plan that fills nothing reads no stamp
+    ahead = tl.load(stamp + offs_s, mask=offs_s < end, other=_PINNED)
+    for s0 in range(0, end, BLOCK_S):
         slot = s0 + offs_s
         in_s = slot < S
-        st = tl.load(stamp + slot, mask=in_s, other=_PINNED)
+        st = ahead
+        # The next chunk's loads are issued before this one's reductions wait on them
+        ahead = tl.load(stamp + BLOCK_S + slot, mask=BLOCK_S + slot < S, other=_PINNED)
         free = st < clock
         if SPLIT:  # a slot whose copies behind are on their way is no victim
             cut_s = tl.load(cols + slot, mask=in_s, other=width) < width
@@ -256,14 +263,23 @@ def _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_fill, BLOCK_S
             free = free & ~(cut_s & (came != owner))
         keys = tl.where(free, (st + 1) * S + slot, _NO_KEY)  # [BLOCK_S]
         v = tl.min(keys, axis=0)
-        while v < worst:
-            best = tl.where(offs_b == tl.where(n_in < n_fill, n_in, at), v, best)
-            n_in = tl.minimum(n_in + 1, n_fill)
-            keys = tl.where(keys == v, _NO_KEY, keys)
-            v = tl.min(keys, axis=0)
-            if n_in == n_fill:  # full: a key enters in place of the worst kept one
+        while v < worst:  # v enters: into the next free place, else the worst kept one's
+            place = tl.where(n_in < n_fill, n_in, at)
+            best = tl.where(offs_b == place, v, best)
+            if n_in < n_fill:
+                n_in += 1
+                top_at = tl.where(v > top, place, top_at)
+                top = tl.maximum(top, v)
+                if n_in == n_fill:
+                    worst, at = top, top_at
+            else:
                 worst, at = tl.max(tl.where(offs_b < n_fill, best, -1), axis=0,
                                    return_indices=True)  # fmt: skip
+            if v == worst:  # v the largest kept: the chunk's other keys (larger) stay out
+                v = worst
+            else:
+                keys = tl.where(keys == v, _NO_KEY, keys)
+                v = tl.min(keys, axis=0)
     return best, n_in
 
 
