@@ -5,7 +5,8 @@ layer's plan against the misses it fills and the slots it scans, beside the laun
         [--tokens 1 4] [--share 0 0.25] [--kernel-file OLD.py] [--out DIR]
 
 Each row captures L plans (one a layer, each with its own routing) in a CUDA graph, the way a
-decode step replays them, and times replays of it from the same saved cache state: every plan
+decode step replays them, and times replays of it from the same saved cache state (with
+`--kernel-file`, the versions' replays alternate, and their states and rows must agree): every plan
 hits P - m resident experts and misses m, which it fills (or, with a CPU share, posts that
 share to a mailbox no worker reads: the plan does not wait). Residents that no layer routes to
 get random stamps, older than the hits', so the victims are spread over the slots as uniform
@@ -80,68 +81,101 @@ def _cache(rng: random.Random, layers: int, slots: int, tokens: int, misses: int
     return (slot_of, lid_of, stamp, state), ids
 
 
-def _graph_us(step, restore, reps: int) -> float:
-    """Median device time of one replay of `step` captured, the state restored before each."""
+def _replay_us(graph: torch.cuda.CUDAGraph, restore) -> float:
+    """Device time of one replay, from the restored state."""
+    restore()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def _captured(step) -> torch.cuda.CUDAGraph:
     step()  # compiles outside the capture
     torch.cuda.synchronize()
-    restore()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    times = []
-    for _ in range(reps):
-        restore()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return graph
 
 
-def measure_row(module: ModuleType, slots: int, tokens: int, misses: int, share: float,
-                layers: int, reps: int, seed: int) -> dict:  # fmt: skip
+class _Plans:
+    """One kernel module's graph of L plans over its own copy of the saved state."""
+
+    def __init__(self, module: ModuleType, saved, ids, post) -> None:
+        dev = torch.device("cuda")
+        self.saved = tuple(t.to(dev) for t in saved)
+        self.live = tuple(t.clone() for t in self.saved)
+        self.moves = torch.zeros(ids[0].numel(), 2, dtype=torch.int64, device=dev)
+        self.rows = []
+
+        def step() -> None:
+            self.rows = [module.plan_fills(x.view(-1), layer * E, *self.live, self.moves, None,
+                                           post) for layer, x in enumerate(ids)]  # fmt: skip
+
+        self.step = step
+        self.graph = _captured(step)
+        self.restore()
+
+    def restore(self) -> None:
+        for x, y in zip(self.live, self.saved, strict=True):
+            x.copy_(y)
+
+    def replay_us(self) -> float:
+        return _replay_us(self.graph, self.restore)
+
+    def once(self) -> tuple:
+        """The state and rows after one pass from the saved state (on the host)."""
+        self.restore()
+        self.step()
+        return tuple(t.cpu() for t in (*self.live, *self.rows))
+
+
+def measure_row(modules: dict[str, ModuleType], slots: int, tokens: int, misses: int,
+                share: float, layers: int, reps: int, seed: int) -> dict:  # fmt: skip
+    """Every module's plans from the same state, their replays alternated (a clock or a
+    neighbour that drifts meets them all); their states and rows must agree after."""
     dev = torch.device("cuda")
     saved, ids = _cache(random.Random(seed), layers, slots, tokens, misses)
     saved[3][ref.CPU_SHARE] = round(share * ref.SHARE_ONE)
-    live = tuple(t.to(dev) for t in saved)
     ids = [x.to(dev) for x in ids]
-    moves = torch.zeros(tokens * K, 2, dtype=torch.int64, device=dev)
     post = None
     if share > 0:
         box = Mailbox.allocate(tokens, K, H, torch.bfloat16, pin=True)
         hidden = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
         weights = torch.rand(tokens, K, device=dev)
         post = ref.CpuPost(box, hidden, weights)
-    host = tuple(t.to(dev) for t in saved)
-
-    def restore() -> None:
-        for x, y in zip(live, host, strict=True):
-            x.copy_(y)
-
-    def step() -> None:
-        for layer, x in enumerate(ids):
-            module.plan_fills(x.view(-1), layer * E, *live, moves, None, post)
-
-    us = _graph_us(step, restore, reps)
-    restore()
-    step()  # once more from the saved state: the counters say what each plan did
-    state = live[3].cpu()
+    plans = {name: _Plans(module, saved, ids, post) for name, module in modules.items()}
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    for _ in range(reps):
+        for name, plan in plans.items():
+            times[name].append(plan.replay_us())
+    after = {name: plan.once() for name, plan in plans.items()}
+    first = next(iter(after.values()))
+    for name, got in after.items():
+        if not all(torch.equal(x, y) for x, y in zip(first, got, strict=True)):
+            raise RuntimeError(f"{name}'s plans left another state than {next(iter(after))}'s")
+    state = first[3]
     fills, hits = int(state[ref.FILLS]), int(state[ref.HITS])
     on_cpu = int(state[ref.CPU_EXPERTS])
     p = tokens * K
     if hits != layers * (p - misses) or fills + on_cpu != layers * misses:
         raise RuntimeError(f"plans hit {hits} and filled {fills} (+{on_cpu} on the CPU), not "
                            f"{layers * (p - misses)} and {layers * misses}")  # fmt: skip
-    return dict(slots=slots, tokens=tokens, misses=misses, share=share, us_per_plan=us / layers,
-                fills_per_plan=fills / layers, cpu_per_plan=on_cpu / layers)  # fmt: skip
+    row = dict(slots=slots, tokens=tokens, misses=misses, share=share,
+               fills_per_plan=fills / layers, cpu_per_plan=on_cpu / layers)  # fmt: skip
+    for name, ts in times.items():
+        row[f"us_{name}"] = round(statistics.median(ts) / layers, 2)
+    return row
 
 
 def floor_us(layers: int, reps: int) -> float:
     """A graph of `layers` empty Triton kernels, per kernel."""
     x = torch.zeros(1, device="cuda")
-    return _graph_us(lambda: [_empty[(1,)](x) for _ in range(layers)], lambda: None, reps) / layers
+    graph = _captured(lambda: [_empty[(1,)](x) for _ in range(layers)])
+    return statistics.median(_replay_us(graph, lambda: None) for _ in range(reps)) / layers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,12 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             for misses in [m for m in args.misses if m <= tokens * K]:
                 for share in args.share:
-                    row = dict(floor_us=round(floor, 2))
-                    for name, module in kernels.items():
-                        r = measure_row(module, slots, tokens, misses, share, args.layers,
-                                        args.reps, args.seed)  # fmt: skip
-                        row.update({k: v for k, v in r.items() if k != "us_per_plan"})
-                        row[f"us_{name}"] = round(r["us_per_plan"], 2)
+                    row = measure_row(kernels, slots, tokens, misses, share, args.layers,
+                                      args.reps, args.seed)  # fmt: skip
+                    row["floor_us"] = round(floor, 2)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
