@@ -19,6 +19,7 @@ Shapes: L layers of E experts, T tokens, K top-k, P = T * K pairs, H hidden.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import random
@@ -95,9 +96,16 @@ def _replay_us(graph: torch.cuda.CUDAGraph, restore) -> float:
 def _captured(step) -> torch.cuda.CUDAGraph:
     step()  # compiles outside the capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    # No collection inside the capture: an earlier row's graph destroyed there invalidates it
+    # (cudaGraphExecDestroy is not allowed while a stream captures; seen on the H200).
+    gc.collect()
+    gc.disable()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    finally:
+        gc.enable()
     return graph
 
 
@@ -109,15 +117,15 @@ class _Plans:
         self.saved = tuple(t.to(dev) for t in saved)
         self.live = tuple(t.clone() for t in self.saved)
         self.moves = torch.zeros(ids[0].numel(), 2, dtype=torch.int64, device=dev)
+        self.module, self.ids, self.post = module, ids, post
         self.rows = []
-
-        def step() -> None:
-            self.rows = [module.plan_fills(x.view(-1), layer * E, *self.live, self.moves, None,
-                                           post) for layer, x in enumerate(ids)]  # fmt: skip
-
-        self.step = step
-        self.graph = _captured(step)
+        self.graph = _captured(self.step)
         self.restore()
+
+    def step(self) -> None:
+        plan = self.module.plan_fills
+        self.rows = [plan(x.view(-1), layer * E, *self.live, self.moves, None, self.post)
+                     for layer, x in enumerate(self.ids)]  # fmt: skip
 
     def restore(self) -> None:
         for x, y in zip(self.live, self.saved, strict=True):

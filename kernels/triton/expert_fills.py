@@ -155,13 +155,9 @@ def _plan_kernel(
     n_cpu = ((n_miss * share + _HALF) >> 16).to(tl.int32)
     best, filled = _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_miss - n_cpu,
                                   BLOCK_S, BLOCK_P, SPLIT)  # fmt: skip
-    if filled > 0:  # the fill of order q takes the key of rank q (distinct: slots in them)
-        offs_b = tl.arange(0, BLOCK_P)
-        kept = offs_b < filled
-        order = tl.sum(((best[None, :] < best[:, None]) & kept[None, :]).to(tl.int32), axis=1)
-        match = fill_first[:, None] & (q[:, None] == order[None, :]) & kept[None, :]
-        got = tl.sum(match.to(tl.int32), axis=1) > 0  # [BLOCK_P] first appearances that fill
-        victim = tl.sum(tl.where(match, best[None, :], 0), axis=1) % S  # [BLOCK_P] their slots
+    if filled > 0:  # the fill of order q takes the q-th smallest key
+        got = fill_first & (q < filled)  # [BLOCK_P] first appearances that fill
+        victim = tl.gather(best, tl.where(got, q, 0), 0) % S  # [BLOCK_P] their slots
         old = tl.load(lid_of + victim, mask=got, other=-1)
         tl.debug_barrier()  # every holder of a fill read its slot's old lid before any store
         tl.store(slot_of + old, -1, mask=got & (old >= 0))
@@ -237,9 +233,9 @@ def _plan_kernel(
 def _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_fill, BLOCK_S: tl.constexpr,
                    BLOCK_P: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
     """The n_fill smallest keys (stamp + 1) * S + slot among the slots a fill may take (a
-    stamp below the clock; SPLIT: no copies behind on their way), [BLOCK_P] unordered, and
-    how many there are (fewer when too few slots may be taken). Keys fit in int64 while
-    clock * S < 2**63: 10**12 plans at a million slots."""
+    stamp below the clock; SPLIT: no copies behind on their way), [BLOCK_P] ascending (then
+    _NO_KEY), and how many there are (fewer when too few slots may be taken). Keys fit in
+    int64 while clock * S < 2**63: 10**12 plans at a million slots."""
     offs_b = tl.arange(0, BLOCK_P)
     offs_s = tl.arange(0, BLOCK_S)
     best = tl.full([BLOCK_P], _NO_KEY, tl.int64)
@@ -247,6 +243,7 @@ def _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_fill, BLOCK_S
     worst = tl.where(n_fill > 0, clock * 0 + _NO_KEY, -1)  # what a key must be below to enter
     at = n_fill * 0  # where the worst kept key is, once n_fill are kept
     top, top_at = clock * 0 - 1, n_fill * 0  # the largest kept key and where, while filling
+    shuffled = n_fill * 0  # the kept keys are out of order (in place of another, or smaller)
     end = tl.where(n_fill > 0, S, 0)  # a plan that fills nothing reads no stamp
     ahead = tl.load(stamp + offs_s, mask=offs_s < end, other=_PINNED)
     for s0 in range(0, end, BLOCK_S):
@@ -268,6 +265,7 @@ def _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_fill, BLOCK_S
             best = tl.where(offs_b == place, v, best)
             if n_in < n_fill:
                 n_in += 1
+                shuffled = shuffled | (v < top).to(tl.int32)  # a later chunk's smaller key
                 top_at = tl.where(v > top, place, top_at)
                 top = tl.maximum(top, v)
                 if n_in == n_fill:
@@ -275,11 +273,14 @@ def _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_fill, BLOCK_S
             else:
                 worst, at = tl.max(tl.where(offs_b < n_fill, best, -1), axis=0,
                                    return_indices=True)  # fmt: skip
+                shuffled = shuffled | 1
             if v == worst:  # v the largest kept: the chunk's other keys (larger) stay out
                 v = worst
             else:
                 keys = tl.where(keys == v, _NO_KEY, keys)
                 v = tl.min(keys, axis=0)
+    if shuffled != 0:  # else they entered in ascending order, each chunk's smallest first
+        best = tl.sort(best)
     return best, n_in
 
 
