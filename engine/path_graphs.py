@@ -5,14 +5,13 @@ places each layer's misses; engine/segmented_graphs.py) and one graph a step who
 their own misses (the `device` and `shared` paths: policy gpu-fill's kernels, the second with
 the CPU worker's share; engine/direct_graphs.py), by measured step time
 (engine/experts/step_paths.py). The whole-step paths are sets of their own: the `shared` one holds
-every layer's post to the CPU worker, its wait in the copy kernel and the MoE kernels' add of
-its answer, which cost the `device` path 2.5% of its tok/s when one set held both (peer slice,
-native routing b=1, adaptive held on `device` 914.9 against gpu-fill's 937.4; twenty-sixth
-session); the `split` one also cuts its fills (its plans, copies and MoE kernels read the cut).
-The sets share the bank's GraphIO buffers.
-A step on the stops path first gives the cache back to the host (a no-op when it has it); the
-device path's `before_whole_step` hands it to the device. Other attributes (the segmented
-graphs' counters: `reruns`, `missed_layers`, `wait_s`, ...) are the segmented set's.
+every layer's post to the CPU worker and the MoE sum's wait for its answer and add of it, which
+cost the `device` path 2.5% of its tok/s when one set held both (peer slice, native routing b=1,
+adaptive held on `device` 914.9 against gpu-fill's 937.4; twenty-sixth session); the `split` one
+also cuts its fills (its plans, copies and MoE kernels read the cut). The sets share the bank's
+GraphIO buffers. A step on the stops path first gives the cache back to the host (a no-op when
+it has it); the device path's `before_whole_step` hands it to the device. Other attributes (the
+segmented graphs' counters: `reruns`, `missed_layers`, `wait_s`, ...) are the segmented set's.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ which documents the state tensors and the plan's rule).
 Shapes: ids [P] (a layer's [T, K] routing, flattened), slot_of [N] int32, lid_of [S] int32,
 stamp [S] int64, state [STATE] int64, moves [M >= P, 2] int64; banks [N, 2I, H] / [N, H, I]
 (the pool: pinned host memory on CUDA) and [S, 2I, H] / [S, H, I] (the slots, any row stride).
-The CPU's share (the plan's CpuPost; the copy's box and add [T, H]): kernels/cpu/worker.py.
+The CPU's share (the plan's CpuPost; the MoE sum's CpuAnswer): kernels/cpu/worker.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from freetoken_agent.kernels import reference_fills as reference
-from freetoken_agent.kernels.cpu.worker import TIMEOUT_S, Mailbox
 from freetoken_agent.kernels.dispatch import use_triton
 from freetoken_agent.kernels.reference_fills import CpuPost, SplitTables
 
@@ -90,32 +89,20 @@ def copy_fills(
     src_w2: Tensor,
     dst_w13: Tensor,
     dst_w2: Tensor,
-    box: Mailbox | None = None,
-    add: Tensor | None = None,
     *,
-    timeout_s: float = TIMEOUT_S,
     split: bool = False,
     force_triton: bool = False,
 ) -> None:
-    """The last plan's moves, dst[slot] = src[lid] in both banks (rows dense inside); with
-    `box`, then the CPU's answer to the last plan's post into `add` [T, H] (nothing when it
-    posted nothing; reference_fills.wait_cpu). `split` (after a split plan): the moves'
-    columns [0, state[SPLIT_COLS]) only."""
+    """The last plan's moves, dst[slot] = src[lid] in both banks (rows dense inside); `split`
+    (after a split plan): the moves' columns [0, state[SPLIT_COLS]) only. The CPU's answer to a
+    plan's post is collected by the MoE sum over k (`fused_moe(collect=CpuAnswer(...))`)."""
     if src_w13.shape[1:] != dst_w13.shape[1:] or src_w2.shape[1:] != dst_w2.shape[1:]:
         raise ValueError("pool and slot rows differ in shape")
     if not all(t[0].is_contiguous() for t in (src_w13, src_w2, dst_w13, dst_w2)):
         raise ValueError("copy_fills needs rows contiguous inside")
-    if box is not None and (add is None or not add.is_contiguous() or
-                            add.shape[0] > box.max_tokens):  # fmt: skip
-        raise ValueError(f"add must be contiguous with at most {box.max_tokens} rows")
-    if split and box is None:
-        raise ValueError("a split plan's copies need the mailbox its columns were posted to")
     if not use_triton(dst_w13, force_triton, "copy_fills"):
         reference.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, split)
-        if box is not None:
-            reference.wait_cpu(state, box, add, timeout_s, behind=split)
         return
     from freetoken_agent.kernels.triton import expert_fills as triton_impl
 
-    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box, add, timeout_s,
-                           split)  # fmt: skip
+    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, split)

@@ -6,8 +6,10 @@ topk_ids [T, K] (negative = skip), topk_weights [T, K] fp32, out [T, H].
 
 import torch
 
+from freetoken_agent.kernels import reference_fills
 from freetoken_agent.kernels.dispatch import use_triton
 from freetoken_agent.kernels.reference import fused_moe as fused_moe_reference
+from freetoken_agent.kernels.reference_fills import CpuAnswer
 
 # Which Triton path serves a call, by its number of (token, choice) pairs P = T * K.
 # Up to this many pairs the weight bytes dominate: the decode path (one program per pair and
@@ -49,6 +51,7 @@ def fused_moe(
     rows_settled: bool = False,
     fill_slot_of: torch.Tensor | None = None,
     slot_cols: torch.Tensor | None = None,
+    collect: CpuAnswer | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden[t]).
 
@@ -70,6 +73,9 @@ def fused_moe(
     slot_cols [N] int32 (the split expert's device half): bank row r holds only columns
     [0, slot_cols[r]) of the expert width and computes those (`reference.fused_moe`); decode
     batches only.
+    collect (decode batches, not with `add`): the CPU worker's answer to the last fill plan's
+    post, waited for by the summing kernel after the other kernels and added as `add` would be
+    (kernels/triton/cpu_answer.py; the twin: `reference_fills.wait_cpu`, then `add`).
     """
     host = dict(host_w13=host_w13, host_w2=host_w2) if host_w13 is not None else {}
     if fill_slot_of is not None:
@@ -85,13 +91,32 @@ def fused_moe(
             f"{decode_only} serve decode batches of at most {PATH_LIMITS['decode_max_pairs']} "
             f"(token, expert) pairs, got {pairs}"
         )
+    if collect is not None:
+        _check_collect(collect, add, hidden, pairs)
     if not use_triton(hidden, force_triton, "fused_moe"):
+        if collect is not None:  # the answer into a fresh `add` (zero when none came)
+            add = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+            reference_fills.wait_cpu(collect.state, collect.box, add, collect.timeout_s,
+                                     behind=collect.behind)  # fmt: skip
         return fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights, out, **extra, add=add)
     # Imported here so the CPU fallback works on machines without triton (CPU builds of torch).
     from freetoken_agent.kernels.triton.fused_moe import fused_moe_decode, fused_moe_prefill
 
     if pairs <= PATH_LIMITS["decode_max_pairs"]:
         return fused_moe_decode(hidden, w13, w2, topk_ids, topk_weights, out, **extra, add=add,
-                                rows_settled=rows_settled)  # fmt: skip
+                                rows_settled=rows_settled, collect=collect)  # fmt: skip
     chunk = {"CHUNK_PAIRS": max_pairs or PREFILL_CHUNK_PAIRS}
     return fused_moe_prefill(hidden, w13, w2, topk_ids, topk_weights, out, tiles=chunk, add=add)
+
+
+def _check_collect(collect: CpuAnswer, add: torch.Tensor | None, hidden: torch.Tensor,
+                   pairs: int) -> None:  # fmt: skip
+    if add is not None:
+        raise ValueError("collect adds the CPU worker's answer: pass it or add, not both")
+    if pairs > PATH_LIMITS["decode_max_pairs"]:
+        raise ValueError(f"collect serves decode batches of at most "
+                         f"{PATH_LIMITS['decode_max_pairs']} pairs, got {pairs}")  # fmt: skip
+    t, h = hidden.shape
+    if t > collect.box.max_tokens or collect.box.hidden.shape[1] != h:
+        raise ValueError(f"collect's mailbox answers {collect.box.max_tokens} tokens of "
+                         f"{collect.box.hidden.shape[1]}, the layer has {t} of {h}")  # fmt: skip

@@ -20,9 +20,9 @@ The CPU's share (`post` given, state[CPU_SHARE] > 0): miss r (in that order) goe
 instead when round((r + 1) * share) > round(r * share), share in 1/SHARE_ONE: of m misses the
 CPU takes round(m * share), spread evenly. Its pairs get row -1 (the MoE kernels skip them);
 the plan posts them to the CPU worker's mailbox (kernels/cpu/worker.py: the hidden rows, the
-pairs' pool rows and weights, then POST = the next SEQ) and `wait_cpu` (after the copies) puts
-the answer in
-the MoE kernels' `add` buffer. They take no slot: the link keeps its share's worth of fills.
+pairs' pool rows and weights, then POST = the next SEQ), and the MoE sum over k waits for the
+answer (`wait_cpu`, after the copies and the MoE kernels: CpuAnswer) and adds it. They take no
+slot: the link keeps its share's worth of fills.
 
 The split expert (`split` given, state[SPLIT_COLS] = c in (0, I)): every fill is cut at column
 c of the width I (SwiGLU is elementwise over I, so the two parts' outputs add). The copy moves
@@ -100,6 +100,19 @@ class CpuPost:
     box: Mailbox
     hidden: Tensor  # [T, H]
     weights: Tensor  # [T, K] fp32
+
+
+@dataclass(slots=True)
+class CpuAnswer:
+    """Where a layer collects the CPU worker's answer to its plan's post: the MoE sum over k
+    (`fused_moe(collect=...)`) waits for it and adds it before its one rounding, after the
+    fill copies and the MoE kernels of the slots' experts (kernels/triton/cpu_answer.py).
+    `behind` (a split plan): the twin also waits for the worker's copies behind (`wait_cpu`)."""
+
+    state: Tensor  # [STATE] int64
+    box: Mailbox
+    timeout_s: float = TIMEOUT_S
+    behind: bool = False
 
 
 def plan_fills(

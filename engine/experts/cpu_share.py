@@ -6,8 +6,9 @@ while the host's memory can feed the CPU's SIMD kernel about as fast again (DESI
 path uses both, but stops the step at every layer that misses for a host decision (~120 us).
 Here the decision stays on the device: each layer's plan sends the CPU share of its misses
 (CPU_SHARE, spread evenly: kernels/reference_fills.py) to a worker thread through a pinned
-mailbox (kernels/cpu/worker.py) and copies the rest; the copy kernel then waits for the
-worker's answer and puts it in the MoE kernels' `add` buffer. No step stops for Python.
+mailbox (kernels/cpu/worker.py) and copies the rest; the MoE sum over k then waits for the
+worker's answer and adds it (kernels/triton/cpu_answer.py), after the copies and the MoE
+kernels of the slots' experts. No step stops for Python.
 
 The share balances the two branches as q* does (policy.py): the CPU takes
 B_H / (B_P + B_H) of a layer's misses, from the bank's bandwidth estimates, which the worker's
@@ -18,8 +19,8 @@ measures it against the other two. Measured on the H200 (nineteenth session): ne
 routing on the peer slice at b=1 ran 129-139 tok/s against 85 on the device path and 100 for
 `static`.
 
-Shapes: T_max = the bank's device_tokens, K top-k, H hidden. add [T_max, H] fp32 on the
-device: the CPU's part enters the MoE kernels' fp32 sum before its one rounding.
+Shapes: T_max = the bank's device_tokens, K top-k, H hidden. The answer (the mailbox's out
+[T_max, H] fp32, pinned) enters the MoE kernels' fp32 sum before its one rounding.
 """
 
 from __future__ import annotations
@@ -46,12 +47,11 @@ class CpuShare:
         dtype = pool.w13.dtype
         self.box = worker.Mailbox.allocate(max_tokens, top_k, hidden, dtype,
                                            pin=device.type == "cuda")  # fmt: skip
-        self.add = torch.zeros(max_tokens, hidden, dtype=torch.float32, device=device)
         self.worker = CpuWorker(self.box, pool.w13, pool.w2)
         self.expert_bytes = pool.expert_bytes
         self.width = pool.w2.shape[2]  # I: a job's COLUMNS / I experts' bytes were read
         self.broken: str | None = None  # why the share is off for good
-        self.timeout_s = worker.TIMEOUT_S  # a device wait's bound (the copy kernel's)
+        self.timeout_s = worker.TIMEOUT_S  # a device wait's bound (the MoE sum's)
         self._lost = 0  # ctrl[LOST] last reported
         self._seen = (0, 0)  # (columns, busy ns) already folded into B_H
 
@@ -62,11 +62,6 @@ class CpuShare:
     def post(self, hidden: torch.Tensor, weights: torch.Tensor) -> CpuPost:
         """A layer's post for the plan: hidden [T, H], weights [T, K] fp32."""
         return CpuPost(self.box, hidden.contiguous(), weights)
-
-    def answer(self, n_tokens: int) -> torch.Tensor:
-        """The MoE kernels' `add` [T, H] for a layer of `n_tokens` tokens (zero unless the
-        copy kernel put the worker's answer there; the kernels zero it after use)."""
-        return self.add[:n_tokens]
 
     def fixed_share(self, bandwidths: Bandwidths, offset: float = 0.0) -> int:
         """CPU_SHARE (1/SHARE_ONE) for the estimates: B_H / (B_P + B_H), moved by `offset`

@@ -5,7 +5,8 @@ Policy gpu-fill runs it for every decode step, adaptive for the steps its PathTr
 looks the layer's lids up and gives each miss a victim slot, or, on the shared path, sends the
 CPU worker its share of them (cpu_share.py), or, on the split path, cuts each fill between the
 link and the worker (split_expert.py); the copy kernel moves the link's share from the pinned
-pool and collects the worker's answer; the MoE kernels compute from the slots and add it.
+pool; the MoE kernels compute from the slots, and their sum over k waits for the worker's
+answer and adds it.
 With EngineConfig.fill_through and no CPU worker in the graph, there is no copy kernel: the MoE
 kernels read each moved expert from the pool and store it into its slot as they go (a group
 of more than 16 pairs on one moved expert reads it over the link once per 16). The cache
@@ -29,7 +30,7 @@ from freetoken_agent.engine.l2_prefetcher import MOE_ROW_FRACTION
 from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
 from freetoken_agent.kernels.fused_moe import fused_moe
 from freetoken_agent.kernels.l2_prefetch import prefetch_rows
-from freetoken_agent.kernels.reference_fills import LIVE_PAIRS
+from freetoken_agent.kernels.reference_fills import LIVE_PAIRS, CpuAnswer
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
@@ -107,10 +108,9 @@ class DevicePath:
         tables = cache.on_device.split if split else None
         uses = bank.popular.uses if bank.popular is not None else None
         # EngineConfig.fill_through: a moved expert's pairs read it from the pool and the MoE
-        # kernels store it into its slot as they go, with no copy kernel. Not where the graph
-        # holds the CPU worker's wait: the copy kernel's copies run beside the worker and its
-        # wait comes after them, where fills inside the MoE kernels would come after the wait,
-        # adding the two times the CPU's share balances as parallel.
+        # kernels store it into its slot as they go, with no copy kernel. Not with the CPU's
+        # share: not measured there (the summing kernel's wait would come after fills made
+        # inside the MoE kernels, as it comes after the copy kernel's).
         through = bank.fill_through and not shared
         rows = plan_fills(topk_ids, layer * bank.n_experts, cache.slot_of, fills.lid_of,
                           fills.stamp, fills.state, fills.moves, live_pairs, post,
@@ -118,19 +118,20 @@ class DevicePath:
         prefetch = bank.l2 is not None and not through  # (beside the fill copy: none here)
         if prefetch:  # the rows' gate/up lines into L2 beside the fill copy
             bank.l2.start(prefetch_rows, cache.w13, rows, MOE_ROW_FRACTION)
-        box, add = (share.box, share.answer(hidden.shape[0])) if shared else (None, None)
         if not through:
-            copy_fills(fills.state, fills.moves, pool.w13, pool.w2, cache.w13, cache.w2, box,
-                       add, timeout_s=share.timeout_s if shared else 0.0,
+            copy_fills(fills.state, fills.moves, pool.w13, pool.w2, cache.w13, cache.w2,
                        split=split)  # fmt: skip
         if prefetch:
             bank.l2.join(hidden.device)
+        # The worker's answer is waited for by the MoE sum over k, after the copies and the
+        # MoE kernels of the slots' experts, which run while the worker computes.
+        collect = CpuAnswer(fills.state, share.box, share.timeout_s, split) if shared else None
         # rows_settled: the plan wrote the rows, and the copy kernel runs between it and the
         # MoE kernels (FREETOKEN_PDL's `prefetch` may then read them early; not with
         # fill-through, where the plan is the kernel just before).
         return fused_moe(hidden, cache.w13, cache.w2, rows.view(topk_ids.shape), weights,
-                         host_w13=pool.w13, host_w2=pool.w2, add=add, rows_settled=not through,
-                         fill_slot_of=cache.slot_of if through else None,
+                         host_w13=pool.w13, host_w2=pool.w2, collect=collect,
+                         rows_settled=not through, fill_slot_of=cache.slot_of if through else None,
                          slot_cols=tables.cols if split else None)  # fmt: skip
 
     def _posts(self, n_tokens: int, live_pairs: int | None) -> bool:

@@ -2,7 +2,7 @@
 
 q* (policy.py `cpu_fraction`) gives the CPU B_H / (B_P + B_H) of a layer's misses, from the
 bandwidths each branch showed online. The step has costs the two rates leave out: the worker's
-handshake at every layer, the copy kernel's wait for the answer, and the two branches reading
+handshake at every layer, the MoE sum's wait for the answer, and the two branches reading
 the same host memory (the peer slice's uniform routing moved 489 MB a token at 146.9 tok/s on
 the H200, ~72 GB/s averaged over whole steps, against ~85 GB/s for both paths at once). So
 ShareTrials hill-climbs the share by step time (offset_trials.py), one STEP at a time, within

@@ -2,8 +2,8 @@
 that answers it (expert_worker.cpp, built into the CPU kernel's library).
 
 A captured decode step cannot stop for the host, so the device posts a layer's CPU share here
-(kernels/expert_fills.py: the plan's post, then the copy kernel's wait) and this
-thread computes it from the pool while the link copies the rest. The protocol, one job
+(kernels/expert_fills.py: the plan's post; kernels/triton/cpu_answer.py: the MoE sum's wait)
+and this thread computes it from the pool while the link copies the rest. The protocol, one job
 outstanding at a time:
 
     device: tokens, rows, weights, hidden (and the job's columns of I, COL_LO / COL_HI, 0 / 0

@@ -7,10 +7,11 @@ once. A victim's key is (stamp + 1) * S + slot, so the smallest key is the rule'
 with ties to the lowest slot, and the f fills of a layer take the f smallest keys in order. The
 stamps are read once, in chunks of up to SCAN_BLOCK_MAX held in registers: the first chunk gives
 its f smallest (f min-reductions), a later chunk only its keys below the worst kept one (a cache
-scanned in random stamp order replaces few). The keys' ranks then pair the r-th fill with the
-r-th smallest, and the tables are written in one vector pass. A layer that fills nothing scans
-nothing. (The plan before this scanned all S stamps once per miss, serially: about 9 us a miss
-on the H200 under uniform routing, bench/results/NOTES.md, thirty-fifth session.)
+scanned in random stamp order replaces few). The kept keys, sorted when a later chunk broke
+their order, give the fill of order q the q-th smallest (`tl.gather`), and the tables are
+written in one vector pass. A layer that fills nothing scans nothing. (The plan before scanned
+all S stamps once per miss, serially: on the H200, 1.4-1.7x slower from four misses at 687 and
+3,022 slots, 2.4-4.2x at 18,000; `bench plan-kernel`, bench/results/NOTES.md, 35th session.)
 Writes by some threads are read by others after `tl.debug_barrier` (one CTA). A scalar is
 loaded by every thread and stored by one, so a state entry the plan updates (CLOCK, SEQ, the
 counters) is read by all threads before the barrier that precedes its store: on the device a
@@ -21,30 +22,20 @@ so the fills' old owners are all read before the barrier that precedes the table
 Copies. A fixed grid (a captured graph cannot size it by the plan) walks the moves' chunks:
 program g takes chunks g, g + PROGRAMS, ...; with no move every program exits at once. The
 zero-copy probe (bench/zero_copy_probe.py) read pinned memory at 51 GB/s from 16 programs of
-8192 elements, against 55 GB/s for cudaMemcpy.
+8192 elements, against 55 GB/s for cudaMemcpy. The CPU worker's answer to the plan's post is
+waited for later, in the MoE sum over k (cpu_answer.py), so the copies and the MoE kernels of
+the slots' experts run while the worker computes.
 """
 
 # P pairs, S slots, M most moves; a bank row is n13 = 2I*H (w13) or n2 = H*I (w2) elements
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from freetoken_agent.kernels.cpu.worker import (
-    ANSWER,
-    COL_HI,
-    COL_LO,
-    GAVE_UP_AT,
-    LOST,
-    POST,
-    TIMEOUT,
-    TIMEOUT_S,
-    TOKENS,
-)
+from freetoken_agent.kernels.cpu.worker import COL_HI, COL_LO, POST, TOKENS
 from freetoken_agent.kernels.reference_fills import (
     CLOCK,
     CPU_EXPERTS,
@@ -66,12 +57,8 @@ from freetoken_agent.kernels.reference_fills import (
     CpuPost,
     SplitTables,
 )
-from freetoken_agent.kernels.triton.host_sync import (
-    load_acquire_sys,
-    release_fence_sys,
-    store_release_sys,
-    timer,
-)
+from freetoken_agent.kernels.triton.cpu_answer import sys_ordering
+from freetoken_agent.kernels.triton.host_sync import release_fence_sys, store_release_sys
 from freetoken_agent.kernels.triton.pdl import enter
 from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
@@ -88,8 +75,7 @@ _PAIRS, _LIVE_PAIRS = tl.constexpr(PAIRS), tl.constexpr(LIVE_PAIRS)
 _CPU_SHARE, _SEQ = tl.constexpr(CPU_SHARE), tl.constexpr(SEQ)
 _LAYER_CPU, _CPU_EXPERTS = tl.constexpr(LAYER_CPU), tl.constexpr(CPU_EXPERTS)
 _HALF = tl.constexpr(SHARE_ONE // 2)
-_POST, _TOKENS, _ANSWER = tl.constexpr(POST), tl.constexpr(TOKENS), tl.constexpr(ANSWER)
-_TIMEOUT, _LOST, _GAVE_UP_AT = tl.constexpr(TIMEOUT), tl.constexpr(LOST), tl.constexpr(GAVE_UP_AT)
+_POST, _TOKENS = tl.constexpr(POST), tl.constexpr(TOKENS)
 _SPLIT_COLS, _SPLITS = tl.constexpr(SPLIT_COLS), tl.constexpr(SPLITS)
 _PARTIAL_HITS = tl.constexpr(PARTIAL_HITS)
 _COL_LO, _COL_HI = tl.constexpr(COL_LO), tl.constexpr(COL_HI)
@@ -287,9 +273,8 @@ def _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_fill, BLOCK_S
 @triton.jit
 def _copy_kernel(
     state, moves, src13, src2, dst13, dst2, s_stride13, s_stride2, d_stride13, d_stride2, n13, n2,
-    box_ctrl, box_out, add, TH, timeout, width, hidden_size,
-    PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr, SYS: tl.constexpr,
-    BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
+    width, hidden_size,
+    PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     enter(PDL)  # first: pdl.py
@@ -344,12 +329,6 @@ def _copy_kernel(
             ok = at < n2
             val = tl.load(src2 + lid * s_stride2 + at, mask=ok)
             tl.store(dst2 + slot * d_stride2 + at, val, mask=ok)
-    if WAIT:  # noqa: SIM102 - a constexpr gate, then a runtime branch (Triton)
-        # The CPU's answer: the programs that hold a BLOCK_H of `add` spin on it once their
-        # copies are issued, then move their part (no launch of its own: a decode step has
-        # one of these a layer).
-        if (tl.program_id(0) * BLOCK_H < TH) & (tl.load(state + _LAYER_CPU) > 0):
-            _collect(state, box_ctrl, box_out, add, TH, timeout, SYS, BLOCK_H)
 
 
 @triton.jit
@@ -363,36 +342,6 @@ def _copy_columns(src, dst, tile, n_cb, cut, width, hidden_size, BLOCK: tl.const
     at = rows.to(tl.int64)[:, None] * width + cols[None, :]  # [R, C]
     ok = (rows < hidden_size)[:, None] & (cols < cut)[None, :]
     tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
-
-
-@triton.jit
-def _collect(state, box_ctrl, box_out, add, TH, timeout, SYS: tl.constexpr,
-             BLOCK_H: tl.constexpr):  # fmt: skip
-    """Spin until the worker answers the last post (or the mailbox is marked dead, or the
-    timeout marks it), then this program's BLOCK_H of the answer into `add`."""
-    seq = tl.load(state + _SEQ)
-    dead = tl.load(box_ctrl + _TIMEOUT, volatile=True)
-    answer = load_acquire_sys(box_ctrl + _ANSWER, SYS)
-    start = timer(SYS, seq * 0)
-    now = start
-    while (answer != seq) & (dead == 0):
-        answer = load_acquire_sys(box_ctrl + _ANSWER, SYS)
-        now = timer(SYS, now)
-        if now - start > timeout:  # the worker is gone: mark the mailbox, add nothing
-            tl.store(box_ctrl + _TIMEOUT, seq)
-            dead = seq
-    if dead != 0:
-        tl.store(box_ctrl + _LOST, seq)
-        tl.store(box_ctrl + _GAVE_UP_AT, answer)
-    else:
-        offs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-        part = tl.load(box_out + offs, mask=offs < TH, volatile=True)
-        tl.store(add + offs, part.to(add.dtype.element_ty), mask=offs < TH)
-
-
-def _sys_ordering() -> bool:
-    """PTX ordering on a GPU; the interpreter's plain loads and stores on the CPU tests."""
-    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def plan_fills(
@@ -418,29 +367,19 @@ def plan_fills(
         th, uses if uses is not None else slot_of, fills, *tables, LIMITED=limited,
         BLOCK_P=max(16, triton.next_power_of_2(p)),
         BLOCK_S=min(SCAN_BLOCK_MAX, triton.next_power_of_2(stamp.numel())), SHARE=post is not None,
-        SYS=_sys_ordering(), BLOCK_H=BLOCK_H, COUNT=uses is not None, THROUGH=through,
+        SYS=sys_ordering(), BLOCK_H=BLOCK_H, COUNT=uses is not None, THROUGH=through,
         SPLIT=split is not None, num_warps=4,
         **pdl_launch(ids.device),
     )  # fmt: skip
     return rows
 
 
-def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, box=None, add=None,
-               timeout_s: float = TIMEOUT_S, split: bool = False) -> None:  # fmt: skip
-    """Twin of `reference_fills.copy_fills` (and its collection of the CPU's answer into `add`
-    when `box` is given); a fixed grid, no host sync. The interpreter counts spins for the
-    timeout, each some hundreds of microseconds there: 10,000 a second of `timeout_s`."""
-    sys = _sys_ordering()
-    wait = box is not None
-    th = add.numel() if wait else 0
-    timeout = int(timeout_s * (1e9 if sys else 1e4))
-    ctrl, out, add = (box.ctrl, box.out, add) if wait else (state, state, state)
-    grid = max(COPY_PROGRAMS, triton.cdiv(th, BLOCK_H))
-    _copy_kernel[(grid,)](
+def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, split: bool = False) -> None:
+    """Twin of `reference_fills.copy_fills`; a fixed grid, no host sync."""
+    _copy_kernel[(COPY_PROGRAMS,)](
         state, moves, src_w13, src_w2, dst_w13, dst_w2, src_w13.stride(0), src_w2.stride(0),
         dst_w13.stride(0), dst_w2.stride(0), src_w13[0].numel(), src_w2[0].numel(),
-        ctrl, out, add, th, timeout, src_w2.shape[2], src_w2.shape[1],
-        PROGRAMS=grid, BLOCK=COPY_BLOCK, WAIT=wait, SYS=sys, BLOCK_H=BLOCK_H, SPLIT=split,
-        BLOCK_C=COPY_COLUMNS,
+        src_w2.shape[2], src_w2.shape[1],
+        PROGRAMS=COPY_PROGRAMS, BLOCK=COPY_BLOCK, SPLIT=split, BLOCK_C=COPY_COLUMNS,
         **pdl_launch(state.device),
     )  # fmt: skip

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from freetoken_agent.kernels.fused_moe import PREFILL_CHUNK_PAIRS
 from freetoken_agent.kernels.reference import check_host_banks, check_moe_shapes
+from freetoken_agent.kernels.triton.cpu_answer import posted, wait_answer
 from freetoken_agent.kernels.triton.pdl import enter
 
 # fmt: off
@@ -72,11 +73,17 @@ def _sum_over_k_kernel(
     wts_ptr,  # [P] fp32
     out_ptr,  # [T, H]
     add_ptr,  # [T, H] (ADD): added before the rounding, then zeroed
+    state_ptr,  # [STATE] int64 (COLLECT): the fill plan's state (reference_fills.py)
+    ctrl_ptr,  # [CTRL] int64 (COLLECT): the CPU worker's mailbox (kernels/cpu/worker.py)
+    answer_ptr,  # [T_max, H] fp32 (COLLECT): the mailbox's answer
+    timeout,  # (COLLECT) the wait's bound (cpu_answer.timeout_ticks)
     H,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     HOST: tl.constexpr,
     ADD: tl.constexpr,
+    COLLECT: tl.constexpr,
+    SYS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     enter(PDL)  # first: pdl.py
@@ -100,6 +107,10 @@ def _sum_over_k_kernel(
         acc += tl.load(add_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(add_ptr + t * H + offs, tl.zeros((BLOCK,), dtype=add_ptr.dtype.element_ty),
                  mask=mask)  # fmt: skip
+    if COLLECT:  # noqa: SIM102 - the CPU worker's answer to the layer's post, if it posted
+        if posted(state_ptr):  # noqa: SIM102 - a plain `and` would wait with no post (Triton)
+            if wait_answer(state_ptr, ctrl_ptr, timeout, SYS):
+                acc += tl.load(answer_ptr + t * H + offs, mask=mask, other=0.0, volatile=True)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 
 from freetoken_agent.kernels.reference import check_add, check_slot_cols
+from freetoken_agent.kernels.reference_fills import CpuAnswer
+from freetoken_agent.kernels.triton.cpu_answer import sys_ordering, timeout_ticks
 from freetoken_agent.kernels.triton.gemv import _prefetch_tile
 from freetoken_agent.kernels.triton.moe_common import (
     DECODE_MAX_PAIRS,
@@ -260,6 +262,7 @@ def fused_moe_decode(
     rows_settled: bool = False,
     fill_slot_of: torch.Tensor | None = None,
     slot_cols: torch.Tensor | None = None,
+    collect: CpuAnswer | None = None,
 ) -> torch.Tensor:
     """Bandwidth-bound path for few pairs; no host sync, safe under CUDA-graph capture. With
     host banks (pinned host memory on CUDA), ids <= -2 name their rows (`reference.host_ids`):
@@ -267,6 +270,8 @@ def fused_moe_decode(
     `fill_slot_of` [Nh] int32 (fill-through) they also store what they read of host row r into
     slot fill_slot_of[r] of w13 / w2 where that is >= 0.
     `add` [T, H]: added before the rounding and zeroed, in the summing kernel.
+    `collect`: the summing kernel waits for the CPU worker's answer to the last fill plan's post
+    (if it posted) and adds it before the rounding (cpu_answer.py).
     `rows_settled`: topk_ids were written two or more kernels before this call's first launch
     (the fill plan's rows): under FREETOKEN_PDL's `prefetch`, gate/up asks L2 for its rows
     before its wait (kernels/triton/pdl.py).
@@ -316,9 +321,16 @@ def fused_moe_decode(
         num_stages=c["STAGES_DOWN"],
         **pdl_launch(hidden.device, heavy=True),
     )  # fmt: skip
+    if collect is None:  # unused pointers (COLLECT is off)
+        state, ctrl, answer, timeout = topk_ids, topk_ids, y, 0
+    else:
+        state, ctrl, answer = collect.state, collect.box.ctrl, collect.box.out
+        timeout = timeout_ticks(collect.timeout_s)
     _sum_over_k_kernel[(t, triton.cdiv(h, c["SUM_BLOCK"]))](
-        y, topk_ids, topk_weights, out, out if add is None else add, h,
-        K=k, BLOCK=c["SUM_BLOCK"], HOST=host, ADD=add is not None,
+        y, topk_ids, topk_weights, out, out if add is None else add, state, ctrl, answer,
+        timeout, h,
+        K=k, BLOCK=c["SUM_BLOCK"], HOST=host, ADD=add is not None, COLLECT=collect is not None,
+        SYS=sys_ordering(),
         **pdl_launch(hidden.device),
     )  # fmt: skip
     return out

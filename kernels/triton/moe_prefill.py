@@ -189,7 +189,7 @@ def _prefill_chunk(
         num_warps=c["WARPS_DOWN"], num_stages=c["STAGES_DOWN"],
     )  # fmt: skip
     _sum_over_k_kernel[(t, triton.cdiv(h, c["SUM_BLOCK"]))](
-        y, topk_ids, topk_weights, out, out if add is None else add, h,
-        K=k, BLOCK=c["SUM_BLOCK"], HOST=False, ADD=add is not None,
+        y, topk_ids, topk_weights, out, out if add is None else add, topk_ids, topk_ids, y, 0, h,
+        K=k, BLOCK=c["SUM_BLOCK"], HOST=False, ADD=add is not None, COLLECT=False, SYS=False,
         **pdl_launch(hidden.device),
     )  # fmt: skip

@@ -1,7 +1,8 @@
 """The CPU's share of a layer's misses in the in-graph plan (kernels/expert_fills.py: the
-plan's `post`, the copy's collection of the answer): the twin against the rule, the Triton
-kernels (interpreter here, compiled in the gpu tests) against the twin, and the answer of a
-real CPU worker (kernels/cpu/worker.py) collected into the MoE kernels' `add`.
+plan's `post`; the MoE sum's collection of the answer, `fused_moe(collect=...)`): the twin
+against the rule, the Triton kernels (interpreter here, compiled in the gpu tests) against the
+twin, and the answer of a real CPU worker (kernels/cpu/worker.py) added by the MoE sum over k
+exactly as the same sum adds it given as `add`.
 T tokens, K top-k, H hidden, I expert width."""
 
 import random
@@ -13,7 +14,8 @@ import torch
 from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.cpu import experts, worker
 from freetoken_agent.kernels.expert_fills import copy_fills, plan_fills
-from freetoken_agent.kernels.reference_fills import CpuPost, cpu_count
+from freetoken_agent.kernels.fused_moe import fused_moe
+from freetoken_agent.kernels.reference_fills import CpuAnswer, CpuPost, cpu_count
 from freetoken_agent.kernels.triton import expert_fills as triton_fills
 
 H, W = 48, 16  # hidden, expert width
@@ -36,35 +38,50 @@ def _cache(rng: random.Random, n_lids: int, n_slots: int):
     return slot_of, lid_of, stamp, state
 
 
-def _layer(rng: random.Random, n_experts: int, max_tokens: int, k: int = 4):
+def _layer(rng: random.Random, n_experts: int, max_tokens: int, k: int = 4,
+           dtype: torch.dtype = torch.bfloat16):  # fmt: skip
     """A layer's routing [T, K] (K: the mailbox's top-k), input [T, H] and weights [T, K]."""
     t = rng.randrange(1, max_tokens + 1)
     ids = torch.stack([torch.randperm(n_experts)[:k] for _ in range(t)]).to(torch.int32)
-    hidden = torch.randn(t, H).to(torch.bfloat16)
+    hidden = torch.randn(t, H).to(dtype)
     weights = torch.rand(t, k)
     return ids, hidden, weights
 
 
-def _collect(state, moves, pool, n_slots, box, add, **kw) -> None:
-    """The layer's copies into fresh slots, then the CPU's answer into `add`."""
+def _slots(state, moves, pool, n_slots, device="cpu", force_triton=False):
+    """Fresh slots [n_slots] with the layer's copies made (and checked)."""
     w13, w2 = pool
-    slots13 = torch.zeros((n_slots, *w13.shape[1:]), dtype=w13.dtype, device=add.device)
-    slots2 = torch.zeros((n_slots, *w2.shape[1:]), dtype=w2.dtype, device=add.device)
-    copy_fills(state, moves, w13, w2, slots13, slots2, box, add, **kw)
+    slots13 = torch.zeros((n_slots, *w13.shape[1:]), dtype=w13.dtype, device=device)
+    slots2 = torch.zeros((n_slots, *w2.shape[1:]), dtype=w2.dtype, device=device)
+    copy_fills(state, moves, w13, w2, slots13, slots2, force_triton=force_triton)
     for lid, slot in moves[: int(state[ref.MOVES])].tolist():
         assert torch.equal(slots13[slot].cpu(), w13[lid]) and torch.equal(
             slots2[slot].cpu(), w2[lid]
         )
+    return slots13, slots2
 
 
-def _pool(n_rows: int, pin: bool = False):
-    w13 = torch.randn(n_rows, 2 * W, H).to(torch.bfloat16)
-    w2 = torch.randn(n_rows, H, W).to(torch.bfloat16)
+def _moe(hidden, slots, pool, rows, weights, force_triton=False, **kw):
+    """The layer's MoE over the plan's rows: slots, misses read from the pool, the CPU's
+    pairs (-1) skipped; `kw`: its `collect` or an `add`."""
+    return fused_moe(hidden, *slots, rows.view(weights.shape), weights, host_w13=pool[0],
+                     host_w2=pool[1], force_triton=force_triton, **kw)  # fmt: skip
+
+
+def _pool(n_rows: int, pin: bool = False, dtype: torch.dtype = torch.bfloat16):
+    w13 = torch.randn(n_rows, 2 * W, H).to(dtype)
+    w2 = torch.randn(n_rows, H, W).to(dtype)
     return (w13.pin_memory(), w2.pin_memory()) if pin else (w13, w2)
 
 
-def _box(max_tokens: int = 4, k: int = 4) -> worker.Mailbox:
-    return worker.Mailbox.allocate(max_tokens, k, H, torch.bfloat16, pin=False)
+def _box(max_tokens: int = 4, k: int = 4, dtype: torch.dtype = torch.bfloat16) -> worker.Mailbox:
+    return worker.Mailbox.allocate(max_tokens, k, H, dtype, pin=False)
+
+
+def _dtype(force_triton: bool) -> torch.dtype:
+    """The MoE's dtype: bf16, but fp16 under the interpreter (which gets bf16 wrong:
+    tests/kernels/test_fused_moe.py)."""
+    return torch.float16 if force_triton else torch.bfloat16
 
 
 def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
@@ -145,32 +162,41 @@ def test_triton_plan_with_a_share_equals_the_twin(rng_seed, chunk, monkeypatch):
 @pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
 @pytest.mark.parametrize("force_triton", [False, True])
 def test_wait_collects_the_workers_answer(rng_seed, force_triton):
+    """The MoE sum over k waits for the worker's answer to the layer's post and adds it: the
+    same bits as the same MoE given the answer as `add`; a layer that posted nothing adds
+    nothing."""
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
     n_experts = 6
-    w13, w2 = _pool(2 * n_experts)
-    box = _box()
-    cpu = worker.CpuWorker(box, w13, w2, threads=1)
+    dt = _dtype(force_triton)
+    pool = _pool(2 * n_experts, dtype=dt)
+    box = _box(dtype=dt)
+    cpu = worker.CpuWorker(box, *pool, threads=1)
     try:
         slot_of, lid_of, stamp, state = _cache(rng, 2 * n_experts, 3)
         state[ref.CPU_SHARE] = ref.SHARE_ONE // 2
         moves = torch.zeros(16, 2, dtype=torch.int64)
         posted = 0
         for _ in range(6):
-            ids, hidden, weights = _layer(rng, n_experts, 4)
+            ids, hidden, weights = _layer(rng, n_experts, 4, dtype=dt)
             base = n_experts * rng.randrange(2)
-            plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, ids.numel(),
-                       CpuPost(box, hidden, weights), force_triton=force_triton)  # fmt: skip
-            add = torch.zeros(hidden.shape)  # fp32, as the bank's: the part is not rounded
-            _collect(state, moves, (w13, w2), 3, box, add, force_triton=force_triton)
+            rows = plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, ids.numel(),
+                              CpuPost(box, hidden, weights), force_triton=force_triton)  # fmt: skip
+            slots = _slots(state, moves, pool, 3, force_triton=force_triton)
+            out = _moe(hidden, slots, pool, rows, weights, force_triton,
+                       collect=CpuAnswer(state, box))  # fmt: skip
+            alone = _moe(hidden, slots, pool, rows, weights, force_triton)
             t, k = ids.shape
-            cpu_rows = box.rows[: t * k].view(t, k)
-            want = experts.cpu_experts(hidden, w13, w2, cpu_rows, weights)
             if int(state[ref.LAYER_CPU]):
                 posted += 1
-                assert torch.equal(add, want)
+                cpu_rows = box.rows[: t * k].view(t, k)
+                want = experts.cpu_experts(hidden, *pool, cpu_rows, weights)  # fp32
+                assert want.abs().sum() > 0
+                assert torch.equal(out, _moe(hidden, slots, pool, rows, weights, force_triton,
+                                             add=want))  # fmt: skip
+                assert not torch.equal(out, alone)
             else:
-                assert not add.any()  # nothing posted, nothing added
+                assert torch.equal(out, alone)  # nothing posted, nothing added
         assert int(box.ctrl[worker.JOBS]) == posted == int(state[ref.SEQ])
     finally:
         cpu.stop()
@@ -178,29 +204,46 @@ def test_wait_collects_the_workers_answer(rng_seed, force_triton):
 
 @pytest.mark.parametrize("force_triton", [False, True])
 def test_a_wait_with_no_worker_gives_up_once(rng_seed, force_triton):
-    """No thread answers: the first wait marks the mailbox after its timeout and adds nothing;
-    the next layer's wait does not wait again."""
+    """No thread answers: the first layer's sum marks the mailbox after its timeout and adds
+    nothing; the next layer's does not wait again."""
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
-    box = _box()
+    dt = _dtype(force_triton)
+    box = _box(dtype=dt)
+    pool = _pool(8, dtype=dt)
     slot_of, lid_of, stamp, state = _cache(rng, 8, 2)
     slot_of.fill_(-1)
     lid_of.fill_(-1)  # every lid misses
     state[ref.CPU_SHARE] = ref.SHARE_ONE
     moves = torch.zeros(16, 2, dtype=torch.int64)
     for layer in range(2):
-        ids, hidden, weights = _layer(rng, 4, 2)
-        plan_fills(ids, 0, slot_of, lid_of, stamp, state, moves, ids.numel(),
-                   CpuPost(box, hidden, weights), force_triton=force_triton)  # fmt: skip
-        add = torch.zeros(hidden.shape, dtype=torch.bfloat16)
+        ids, hidden, weights = _layer(rng, 4, 2, dtype=dt)
+        rows = plan_fills(ids, 0, slot_of, lid_of, stamp, state, moves, ids.numel(),
+                          CpuPost(box, hidden, weights), force_triton=force_triton)  # fmt: skip
+        slots = _slots(state, moves, pool, 2, force_triton=force_triton)
         start = time.monotonic()
-        _collect(state, moves, _pool(8), 2, box, add, timeout_s=0.2, force_triton=force_triton)
+        out = _moe(hidden, slots, pool, rows, weights, force_triton,
+                   collect=CpuAnswer(state, box, timeout_s=0.2))  # fmt: skip
         took = time.monotonic() - start
         assert int(box.ctrl[worker.TIMEOUT]) == 1  # the first post's sequence number
         assert int(box.ctrl[worker.LOST]) == layer + 1  # each lost answer's
-        assert not add.any()
+        assert torch.equal(out, _moe(hidden, slots, pool, rows, weights, force_triton))
         if layer == 1:
             assert took < 0.2, "a marked mailbox was waited on again"
+
+
+def test_collect_refuses_an_add_beside_it_and_a_mailbox_too_small():
+    box = _box(max_tokens=2, k=4)
+    state = torch.zeros(ref.STATE, dtype=torch.int64)
+    w13, w2 = _pool(4)
+    ids = torch.zeros(3, 4, dtype=torch.int64)
+    weights = torch.rand(3, 4)
+    with pytest.raises(ValueError, match="mailbox answers 2 tokens"):
+        fused_moe(torch.zeros(3, H), w13.float(), w2.float(), ids, weights,
+                  collect=CpuAnswer(state, box))  # fmt: skip
+    with pytest.raises(ValueError, match="pass it or add, not both"):
+        fused_moe(torch.zeros(2, H), w13.float(), w2.float(), ids[:2], weights[:2],
+                  collect=CpuAnswer(state, box), add=torch.zeros(2, H))  # fmt: skip
 
 
 def test_post_refuses_a_layer_larger_than_the_mailbox():
@@ -228,7 +271,8 @@ def _cuda_setup(rng: random.Random, n_experts: int, n_slots: int):
 @pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
 def test_gpu_plan_posts_and_the_wait_collects_the_answer(rng_seed):
     """Compiled on CUDA with a pinned mailbox: the same plans as the twin, and every layer's
-    `add` is the worker's answer for the pairs the plan posted."""
+    MoE adds the worker's answer for the pairs the plan posted, as the same MoE given it as
+    `add` does."""
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
     n_experts = 8
@@ -243,18 +287,17 @@ def test_gpu_plan_posts_and_the_wait_collects_the_answer(rng_seed):
             rc = plan_fills(ids, base, *cpu, mc, ids.numel(), CpuPost(twin_box, hidden, weights))
             hg, wg = hidden.cuda(), weights.cuda()
             rg = plan_fills(ids.cuda(), base, *gpu, mg, ids.numel(), CpuPost(box, hg, wg))
-            add = torch.zeros(hidden.shape, device="cuda")
-            _collect(gpu[3], mg, (w13, w2), 5, box, add)
+            slots = _slots(gpu[3], mg, (w13, w2), 5, device="cuda")
+            out = _moe(hg, slots, (w13, w2), rg, wg, collect=CpuAnswer(gpu[3], box))
             assert torch.equal(rc, rg.cpu())
             for x, y in zip(cpu, gpu, strict=True):
                 assert torch.equal(x, y.cpu())
             t, k = ids.shape
             rows = twin_box.rows[: t * k].view(t, k)
+            add = None
             if int(cpu[3][ref.LAYER_CPU]):
-                want = experts.cpu_experts(hidden, w13, w2, rows, weights)
-                assert torch.equal(add.cpu(), want)
-            else:
-                assert not add.any()
+                add = experts.cpu_experts(hidden, w13, w2, rows, weights).cuda()
+            assert torch.equal(out, _moe(hg, slots, (w13, w2), rg, wg, add=add))
         assert int(box.ctrl[worker.TIMEOUT]) == 0
         assert int(box.ctrl[worker.JOBS]) == int(cpu[3][ref.SEQ]) > 0
     finally:
@@ -264,8 +307,9 @@ def test_gpu_plan_posts_and_the_wait_collects_the_answer(rng_seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
 def test_gpu_cpu_share_replays_in_a_captured_graph(rng_seed):
-    """Plan and wait captured once, replayed over fresh routings: each replay's `add` is the
-    worker's answer to that replay's post (the graph holds no host decision)."""
+    """Plan, copies and MoE (its sum waiting for the worker) captured once, replayed over fresh
+    routings: each replay's output adds the worker's answer to that replay's post, as the
+    same MoE given it as `add` does (the graph holds no host decision)."""
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
     n_experts, t, k = 8, 2, 4
@@ -275,7 +319,6 @@ def test_gpu_cpu_share_replays_in_a_captured_graph(rng_seed):
     ids_in = torch.zeros(t, k, dtype=torch.int32, device="cuda")
     hidden_in = torch.zeros(t, H, dtype=torch.bfloat16, device="cuda")
     weights_in = torch.zeros(t, k, device="cuda")
-    add = torch.zeros(t, H, device="cuda")
     slots13 = torch.zeros((5, *w13.shape[1:]), dtype=w13.dtype, device="cuda")
     slots2 = torch.zeros((5, *w2.shape[1:]), dtype=w2.dtype, device="cuda")
     answer = worker.CpuWorker(box, w13, w2)
@@ -288,8 +331,10 @@ def test_gpu_cpu_share_replays_in_a_captured_graph(rng_seed):
                 if capture:
                     graph.capture_begin()
                 post = CpuPost(box, hidden_in, weights_in)
-                plan_fills(ids_in, n_experts, *gpu, mg, None, post)
-                copy_fills(gpu[3], mg, w13, w2, slots13, slots2, box, add)
+                rows_g = plan_fills(ids_in, n_experts, *gpu, mg, None, post)
+                copy_fills(gpu[3], mg, w13, w2, slots13, slots2)
+                out_g = _moe(hidden_in, (slots13, slots2), (w13, w2), rows_g, weights_in,
+                             collect=CpuAnswer(gpu[3], box))  # fmt: skip
                 if capture:
                     graph.capture_end()
         torch.cuda.synchronize()
@@ -305,7 +350,6 @@ def test_gpu_cpu_share_replays_in_a_captured_graph(rng_seed):
             ids_in.copy_(ids)
             hidden_in.copy_(hidden)
             weights_in.copy_(weights)
-            add.zero_()
             graph.replay()
             torch.cuda.synchronize()
             plan_fills(ids, n_experts, *cpu, mc, None, CpuPost(twin_box, hidden, weights))
@@ -313,11 +357,13 @@ def test_gpu_cpu_share_replays_in_a_captured_graph(rng_seed):
                 assert torch.equal(x, y.cpu())
             for lid, slot in mc[: int(cpu[3][ref.MOVES])].tolist():
                 assert torch.equal(slots13[slot].cpu(), w13[lid])
+            add = None
             if int(cpu[3][ref.LAYER_CPU]):
                 rows = twin_box.rows[: t * k].view(t, k)
-                want = experts.cpu_experts(hidden, w13, w2, rows, weights)
-                assert torch.equal(add.cpu(), want)
+                add = experts.cpu_experts(hidden, w13, w2, rows, weights).cuda()
                 answered += 1
+            want = _moe(hidden_in, (slots13, slots2), (w13, w2), rows_g, weights_in, add=add)
+            assert torch.equal(out_g, want)
         assert answered > 0 and int(box.ctrl[worker.TIMEOUT]) == 0
     finally:
         answer.stop()

@@ -194,17 +194,8 @@ def test_split_copies_move_only_the_columns_before_the_cut(rng_seed, force_trito
         want13[slot, :cut] = w13[lid, :cut]
         want13[slot, width : width + cut] = w13[lid, width : width + cut]
         want2[slot, :, :cut] = w2[lid, :, :cut]
-    copy_fills(state, moves, w13, w2, slots13, slots2, _box(), torch.zeros(1, hidden),
-               split=True, force_triton=force_triton)  # fmt: skip
+    copy_fills(state, moves, w13, w2, slots13, slots2, split=True, force_triton=force_triton)
     assert torch.equal(slots13, want13) and torch.equal(slots2, want2)
-
-
-def test_split_copies_refuse_a_plan_with_no_mailbox():
-    state = torch.zeros(ref.STATE, dtype=torch.int64)
-    w13, w2 = torch.randn(2, 2 * W, H), torch.randn(2, H, W)
-    with pytest.raises(ValueError, match="mailbox"):
-        copy_fills(state, torch.zeros(1, 2, dtype=torch.int64), w13, w2, w13.clone(),
-                   w2.clone(), split=True)  # fmt: skip
 
 
 def test_split_plan_refuses_bad_tables():
@@ -241,8 +232,7 @@ out = {}
 for split in (False, True):
     plan = dict(LIMITED=True, BLOCK_P=16, BLOCK_S=1024, SHARE=True, SYS=True, BLOCK_H=1024,
                 COUNT=False, THROUGH=False, SPLIT=split, PDL=0)
-    copy = dict(PROGRAMS=32, BLOCK=8192, WAIT=True, SYS=True, BLOCK_H=1024, SPLIT=split,
-                BLOCK_C=128, PDL=0)
+    copy = dict(PROGRAMS=32, BLOCK=8192, SPLIT=split, BLOCK_C=128, PDL=0)
     for kernel, consts in ((_plan_kernel, plan), (_copy_kernel, copy)):
         names = kernel.arg_names
         sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in names}
