@@ -19,10 +19,16 @@ MAX_BIAS = 0.3
 BLOCK = 4  # shared steps per offset per rotation; the first is not a sample
 ROTATIONS = 2
 PERIOD = 256  # shared steps on the kept offset before measuring again (backed off if clear)
+# After a measurement that moved the share (as the cut's, cut_trials.py): on the H200 the peer
+# slice's uniform b=1 rows ran 179.3 tok/s at a share of 0.70 and 132.6 at 0.49, both on
+# `shared` for all their 256 steps, q* near 0.55 (thirty-fifth session): a period a STEP, the
+# climb to the faster share took longer than a row, and longer than a user's reply.
+MOVING_PERIOD = 8
 
 
 class ShareTrials(OffsetTrials):
     what = "share"
 
-    def __init__(self, block: int = BLOCK, rotations: int = ROTATIONS, period: int = PERIOD):
-        super().__init__(STEP, MAX_BIAS, block, rotations, period)
+    def __init__(self, block: int = BLOCK, rotations: int = ROTATIONS, period: int = PERIOD,
+                 moving_period: int = MOVING_PERIOD) -> None:  # fmt: skip
+        super().__init__(STEP, MAX_BIAS, block, rotations, period, moving_period)

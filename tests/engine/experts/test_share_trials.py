@@ -11,7 +11,14 @@ from offset_climb import climb
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
-from freetoken_agent.engine.experts.share_trials import MAX_BIAS, STEP, ShareTrials
+from freetoken_agent.engine.experts.share_trials import (
+    BLOCK,
+    MAX_BIAS,
+    PERIOD,
+    ROTATIONS,
+    STEP,
+    ShareTrials,
+)
 from freetoken_agent.kernels.cpu import worker
 
 
@@ -25,6 +32,21 @@ def test_the_share_climbs_to_the_fastest_and_holds_there(rng_seed):
     assert biases[-4:] == [biases[-1]] * 4  # it holds still once there
     steps = [abs(b - a) for a, b in zip([0.0, *biases[:-1]], biases, strict=True)]
     assert all(s <= STEP + 1e-9 for s in steps)  # one STEP a measurement at most
+
+
+def test_the_default_trials_climb_three_steps_within_a_rows_first_tokens(rng_seed):
+    """With the defaults, a share three STEPs from q*'s is reached in quick measurements
+    (each moving one STEP), well inside a row's 256 tokens, then held for the period."""
+    rng = random.Random(rng_seed)
+    far = rng.choice([-3, 3])
+    best = STEP * far + rng.uniform(-0.02, 0.02)
+    ends = climb(ShareTrials(), best, rng, abs(far) + 2)
+    biases = [bias for _, bias in ends]
+    arrived = next(k for k, bias in enumerate(biases) if abs(bias - best) <= STEP / 2 + 1e-9)
+    assert arrived == abs(far) - 1, (best, biases)
+    assert ends[arrived][0] <= abs(far) * (3 * BLOCK * ROTATIONS + 16), ends  # < 100 steps
+    gaps = [b - a for (a, _), (b, _) in zip(ends, ends[1:], strict=False)]
+    assert all(gap >= PERIOD for gap in gaps[arrived + 1 :]), gaps  # then the period
 
 
 def test_the_share_stays_within_max_bias(rng_seed):
