@@ -435,7 +435,7 @@ for stage in "$@"; do
       timeout 330 python3 -m freetoken_agent.bench step-kernels --layers 48 --budget-gb 32 \
         --policies gpu-fill --rows 24 --out "$OUT/step_kernels_48l.jsonl" 2>&1 \
         | cut -c1-150 | tail -28 ;;
-    shared-kernels)  # peer slice, uniform: the shared path's kernels (the copy kernel holds
+    shared-kernels)  # peer slice, uniform: the shared path's kernels (the MoE sum over k holds
       # the wait for the CPU worker) against gpu-fill's, b=1 then b=4, and the worker's jobs (~3 min)
       for b in 1 4; do
         timeout 140 python3 -m freetoken_agent.bench step-kernels --layers 12 --budget-gb 8.59 \
