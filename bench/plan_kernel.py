@@ -192,16 +192,19 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--slots", type=int, nargs="+", default=[687, 3022, 18000])
-    parser.add_argument("--misses", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--slots", type=int, nargs="+", default=[687, 3022, 18000],
+                        help="cache slots (S) a row's plans scan")  # fmt: skip
+    parser.add_argument("--misses", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16],
+                        help="misses a plan fills (at most T * K)")  # fmt: skip
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4],
+                        help="tokens (T) a plan routes, K = 8 each")  # fmt: skip
     parser.add_argument("--share", type=float, nargs="+", default=[0.0, 0.25],
                         help="the CPU's share of the misses (posted, never answered)")  # fmt: skip
     parser.add_argument("--layers", type=int, default=16, help="plans a graph (default 16)")
     parser.add_argument("--reps", type=int, default=30, help="timed replays a row")
     parser.add_argument("--kernel-file", type=Path, default=None,
                         help="another version of the kernels' module to time too")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the cache and routings drawn")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="JSON's folder")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
