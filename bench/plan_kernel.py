@@ -4,15 +4,16 @@ layer's plan against the misses it fills and the slots it scans, beside the laun
     freetoken bench plan-kernel [--slots 687 3022 18000] [--misses 0 1 2 4 8 16]
         [--tokens 1 4] [--share 0 0.25] [--kernel-file OLD.py] [--out DIR]
 
-Each row captures L plans (one a layer, each with its own routing) in a CUDA graph, the way a
-decode step replays them, and times replays of it from the same saved cache state (with
-`--kernel-file`, the versions' replays alternate, and their states and rows must agree): every plan
-hits P - m resident experts and misses m, which it fills (or, with a CPU share, posts that
-share to a mailbox no worker reads: the plan does not wait). Residents that no layer routes to
-get random stamps, older than the hits', so the victims are spread over the slots as uniform
-routing leaves them. The floor is the same graph of L empty Triton kernels: what a plan cannot
-go below. `--kernel-file` times another version of the kernels' module (its `plan_fills`) in
-the same rows, e.g. the one before a change (`git show REV:kernels/triton/expert_fills.py`).
+Each row captures L plans (one a layer, each with its own routing of P distinct experts) in a
+CUDA graph, the way a decode step replays them, and times replays of it from the same saved
+cache state: every plan hits P - m resident experts and misses m, which it fills (or, with a CPU
+share, posts that share to a mailbox no worker reads: the plan does not wait). Residents that
+no layer routes to get random stamps, older than the hits', so the victims are spread over the
+slots as uniform routing leaves them. The floor is the same graph of L empty Triton kernels:
+what a plan cannot go below. `--kernel-file` times another version of the kernels' module (its
+`plan_fills`) in the same rows, e.g. the one before a change (`git show
+REV:kernels/triton/expert_fills.py`): the versions' replays alternate, and their states and
+rows must agree after each row.
 Shapes: L layers of E experts, T tokens, K top-k, P = T * K pairs, H hidden.
 """
 
