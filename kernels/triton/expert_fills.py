@@ -260,8 +260,8 @@ def _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_fill, BLOCK_S
                 worst, at = tl.max(tl.where(offs_b < n_fill, best, -1), axis=0,
                                    return_indices=True)  # fmt: skip
                 shuffled = shuffled | 1
-            if v == worst:  # v the largest kept: the chunk's other keys (larger) stay out
-                v = worst
+            if v == worst:  # v is the largest kept and this chunk's others are larger (taken in
+                v = worst  # order): none enters, so the loop ends here without another min
             else:
                 keys = tl.where(keys == v, _NO_KEY, keys)
                 v = tl.min(keys, axis=0)
