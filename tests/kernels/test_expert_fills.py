@@ -151,8 +151,8 @@ def test_triton_plan_scans_past_one_block(rng_seed):
 
 @pytest.mark.parametrize("chunk", [4, 64])
 def test_triton_plan_in_small_chunks_equals_the_twin(rng_seed, chunk, monkeypatch):
-    """The scan in many chunks: a later chunk's keys replace the worst kept ones (the
-    victims' order then comes from their ranks, not from the scan)."""
+    """The scan in many chunks: a later chunk's keys replace the worst kept ones or come in
+    below them, and the kept keys are sorted before the fills take them in order."""
     monkeypatch.setattr(triton_fills, "SCAN_BLOCK_MAX", chunk)
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
