@@ -77,20 +77,37 @@ def _use_policy(engine, bank, policy: str, recapture: bool = False) -> None:
 
 
 def start_policy(engine, bank, policy: str, b_p: float, b_h: float,
-                 path: str | None = None, shared_gate: bool = True) -> None:  # fmt: skip
+                 path: str | None = None, shared_gate: bool = True,
+                 held_share: float | None = None) -> None:  # fmt: skip
     """Before a measurement: an empty cache, `policy`, the bandwidths measured alone, nothing
     learnt by adaptive (`path`: its step path held, not measured; `shared_gate`: whether
-    `shared` gives way while fills pay), static's layers placed."""
+    `shared` gives way while fills pay; `held_share`: the shared path's CPU share held, not
+    tuned), static's layers placed."""
     bank.cache.reset()
     _use_policy(engine, bank, policy)
     bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
     bank.bandwidths.cpu_seen.clear()  # the row's own B_H observations (`cpu_seen_summary`)
     bank.reset_decisions()
     bank.adaptive.shared_gate = shared_gate
+    bank.adaptive.held_share = held_share
     if path is not None:
         bank.adaptive.path_params = {"fixed": path}
     if policy == "static":
         bank.place_static()
+
+
+def held_shares(variants: list[tuple], shares: list[float] | None) -> list[tuple]:
+    """The rows (name, policy, PDL word, l2, held share): adaptive's once per held share,
+    named adaptive~FRACTION; the others, and all without shares, with None."""
+    if not shares:
+        return [(*v, None) for v in variants]
+    rows = []
+    for name, policy, word, l2 in variants:
+        if policy == "adaptive":
+            rows += [(f"{name}~{x:g}", policy, word, l2, x) for x in shares]
+        else:
+            rows.append((name, policy, word, l2, None))
+    return rows
 
 
 def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[float, dict]:
@@ -217,11 +234,11 @@ def _worker_window(before: dict[str, int], after: dict[str, int]) -> dict:
 
 
 def _measure(engine, bank, policy: str, batch: int, n: int, rng, b_p: float, b_h: float,
-             path: str | None = None, shared_gate: bool = True,
-             context: int = 64) -> dict:  # fmt: skip
+             path: str | None = None, shared_gate: bool = True, context: int = 64,
+             held_share: float | None = None) -> dict:  # fmt: skip
     """One policy from an empty cache: WARM_UP decode steps (the cache fills; adaptive's
     first split trials run), then `n` timed. The row: tok/s, counters, online bandwidths."""
-    start_policy(engine, bank, policy, b_p, b_h, path, shared_gate)
+    start_policy(engine, bank, policy, b_p, b_h, path, shared_gate, held_share)
     _decode(engine, WARM_UP, rng, batch, context)
     rate, st = _decode(engine, n, rng, batch, context)
     # Elastic memory gives the KV pool's idle pages to slots while decoding: the count at the
@@ -420,7 +437,22 @@ def main(argv: list[str] | None = None) -> int:
         help="adaptive's shared path gives way to the device path while fills pay (default; "
         "--no-shared-gate measures shared under temporal locality too)",
     )
+    parser.add_argument(
+        "--hold-share",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="FRACTION",
+        help="with --adaptive-path shared: one adaptive row per CPU share held (a fraction of "
+        "each layer's misses), named adaptive~FRACTION, in place of q*'s share tuned by its "
+        "trials: step time against the share",
+    )
     args = parser.parse_args(argv)
+    if args.hold_share is not None:
+        if args.adaptive_path != "shared":
+            parser.error("--hold-share holds the shared path's share: give --adaptive-path shared")
+        if not all(0.0 <= x <= 1.0 for x in args.hold_share):
+            parser.error(f"--hold-share takes fractions in [0, 1], got {args.hold_share}")
     held = max(args.batches) * (args.context + max(args.decode, WARM_UP) + 16)
     if args.context < 1 or held > KV_TOKENS:
         parser.error(f"--context {args.context}: {max(args.batches)} sequences of it and "
@@ -472,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "overlap": args.overlap,
         "adaptive_path": args.adaptive_path,  # None: measured (step_paths.py)
         "shared_gate": args.shared_gate,
+        "hold_share": args.hold_share,  # None: q*'s share, tuned by ShareTrials
         "slots": bank.cache.n_slots,
         "pool_rows": bank.pool.n_rows,
         "cached_fraction": bank.cache.n_slots / bank.pool.n_rows,
@@ -494,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(report, indent=1))
 
     model = engine.loaded.model
-    variants = measured_variants(args.policies, args.pdl, args.l2)
+    variants = held_shares(measured_variants(args.policies, args.pdl, args.l2), args.hold_share)
     for regime_name in () if args.skip_decode else args.regimes:
         if regime_name == "native":
             model.set_expert_bank(bank)
@@ -509,11 +542,11 @@ def main(argv: list[str] | None = None) -> int:
                 # Each round starts at another policy: the device host's speed changes over
                 # seconds, so a policy always measured first (or last) would carry a bias.
                 order = variants[r % len(variants) :] + variants[: r % len(variants)]
-                for name, policy, word, l2 in order:
+                for name, policy, word, l2, held in order:
                     with kernel_variant(engine, word, l2):
                         row = _measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h,
-                                       args.adaptive_path, args.shared_gate,
-                                       args.context)  # fmt: skip
+                                       args.adaptive_path, args.shared_gate, args.context,
+                                       held)  # fmt: skip
                     kv_read = batch * (args.context + args.decode / 2) * kv_per_token
                     add_limits(row, policy, batch, expert_bytes, dense_read + kv_read, caps,
                                b_hbm)  # fmt: skip

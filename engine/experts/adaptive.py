@@ -79,6 +79,10 @@ class AdaptiveFetches:
         self._paths: dict[int, PathTrials] = {}  # per decode batch size
         self._shares: dict[int, ShareTrials] = {}  # per decode batch size: the shared path's
         self.share_params: dict = {}  # ShareTrials' schedule (its defaults otherwise)
+        # A CPU share (a fraction of a layer's misses) every shared step runs, in place of
+        # q*'s tuned by ShareTrials: benches map step time against the share with it
+        # (`bench offload --hold-share`). None: q*'s and the trials'.
+        self.held_share: float | None = None
         self._cuts: dict[int, CutTrials] = {}  # per decode batch size: the split path's cut
         self.cut_params: dict = {}  # CutTrials' schedule (its defaults otherwise)
         self._measuring: dict[int, bool] = {}  # per batch size: the last step's paths measured

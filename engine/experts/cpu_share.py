@@ -63,12 +63,15 @@ class CpuShare:
         """A layer's post for the plan: hidden [T, H], weights [T, K] fp32."""
         return CpuPost(self.box, hidden.contiguous(), weights)
 
-    def fixed_share(self, bandwidths: Bandwidths, offset: float = 0.0) -> int:
+    def fixed_share(self, bandwidths: Bandwidths, offset: float = 0.0,
+                    held: float | None = None) -> int:  # fmt: skip
         """CPU_SHARE (1/SHARE_ONE) for the estimates: B_H / (B_P + B_H), moved by `offset`
-        (adaptive's share trials) within [0, 1]; 0 once broken."""
+        (adaptive's share trials), or `held` (a fraction, adaptive.held_share) where given;
+        within [0, 1]; 0 once broken."""
         if self.broken is not None:
             return 0
-        return round(min(1.0, max(0.0, cpu_fraction(bandwidths) + offset)) * SHARE_ONE)
+        fraction = cpu_fraction(bandwidths) + offset if held is None else held
+        return round(min(1.0, max(0.0, fraction)) * SHARE_ONE)
 
     def wake(self) -> None:
         if self.broken is None:

@@ -176,7 +176,8 @@ class DevicePath:
         adaptive = n_tokens is not None and bank.policy == "adaptive"
         path = bank.adaptive.path(n_tokens) if adaptive else None
         if path == "shared":
-            value = share.fixed_share(bank.bandwidths, bank.adaptive.share_offset(n_tokens))
+            value = share.fixed_share(bank.bandwidths, bank.adaptive.share_offset(n_tokens),
+                                      bank.adaptive.held_share)  # fmt: skip
         else:
             value = 0
         bank.cache.on_device.set_share(value)

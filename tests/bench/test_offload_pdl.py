@@ -1,14 +1,16 @@
 """bench offload's --pdl and --l2: each measurement runs under its FREETOKEN_PDL value and
 l2_prefetch setting, with the decode graphs captured again under them (a graph keeps the
-launches it was captured with)."""
+launches it was captured with); and its --hold-share rows, one adaptive row per share."""
 
 from __future__ import annotations
 
 import random
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from freetoken_agent.bench import offload
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
 from freetoken_agent.kernels import pdl_switch
 from freetoken_agent.kernels.triton import pdl
@@ -66,3 +68,26 @@ def test_rows_are_named_by_what_varies(rng_seed):
     assert measured_variants(policies, ["prefetch"], ["on"]) == [
         (p, p, "prefetch", True) for p in policies
     ]
+
+
+def test_held_shares_make_one_adaptive_row_each(rng_seed):
+    rng = random.Random(rng_seed)
+    policies = rng.sample(["adaptive", "transfer", "gpu-fill"], 3)
+    variants = measured_variants(policies, None, None)
+    assert offload.held_shares(variants, None) == [(*v, None) for v in variants]
+    shares = sorted(rng.sample([0.3, 0.45, 0.6, 0.75, 0.9], rng.randint(1, 4)))
+    rows = offload.held_shares(variants, shares)
+    assert len(rows) == len(policies) - 1 + len(shares)
+    held = [(name, x) for name, policy, _, _, x in rows if policy == "adaptive"]
+    assert held == [(f"adaptive~{x:g}", x) for x in shares]
+    assert all(x is None for _, policy, _, _, x in rows if policy != "adaptive")
+
+
+def test_hold_share_needs_the_shared_path_and_fractions(capsys):
+    for argv, why in (
+        (["--hold-share", "0.5"], "give --adaptive-path shared"),
+        (["--adaptive-path", "shared", "--hold-share", "1.5"], "fractions in"),
+    ):
+        with pytest.raises(SystemExit):
+            offload.main(argv)
+        assert why in capsys.readouterr().err

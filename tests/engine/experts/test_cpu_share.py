@@ -12,6 +12,7 @@ from tiny_models import make_tiny
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.experts.cpu_share import CpuShareFailed
 from freetoken_agent.kernels.cpu import worker
+from freetoken_agent.kernels.reference_fills import CPU_SHARE, SHARE_ONE
 
 pytestmark = pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
 
@@ -146,5 +147,28 @@ def test_stats_say_where_the_worker_is_pinned(tmp_path, rng_seed, monkeypatch):
         st = engine.stats()["experts"]["cpu_share"]
         assert st["cores"] == [core] and st["jobs"] > 0
         assert st["pinned"] == engine.loaded.bank.cpu_share.worker.threads
+    finally:
+        engine.close()
+
+
+def test_a_held_share_is_what_the_plans_run_and_keeps_the_tokens(tmp_path, rng_seed):
+    """adaptive.held_share (benches map the share's curve with it): the plans run that share
+    whatever q*'s would be, and the tokens are the resident engine's."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(3, 30))] for _ in range(2)]
+    sp = SamplingParams(max_tokens=rng.randint(6, 12), temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **OPTS).generate(
+        prompts, sp)]  # fmt: skip
+    q_star = rng.uniform(0.1, 0.3)
+    held = rng.uniform(0.6, 0.95)  # far from q*'s: the held one must be the one run
+    engine = _shared_engine(tmp_path, rng.randint(2, 8), q_star)
+    engine.loaded.bank.adaptive.held_share = held
+    try:
+        assert [o.token_ids for o in engine.generate(prompts, sp)] == want
+        fills = engine.loaded.bank.cache.on_device
+        assert fills.share == round(held * SHARE_ONE)
+        assert int(fills.state[CPU_SHARE]) == round(held * SHARE_ONE)
+        assert engine.stats()["experts"]["on_cpu"] > 0
     finally:
         engine.close()
