@@ -50,6 +50,8 @@
 #         step-kernels (an offloaded decode step's kernels in its replayed graphs: gpu-fill and
 #         transfer at 12 layers, gpu-fill at 48 layers / 32 GB, ~5 min)
 #         shared-kernels (the same for adaptive held on shared, uniform routing, b=1 and 4, ~3 min)
+#         share-curve (peer slice, uniform, b=1 and 4: adaptive held on shared at CPU shares
+#         0.45-0.85, bench offload --hold-share: step time against the share, ~4 min)
 #         plan-kernel (the fills' GPU tests, then bench plan-kernel: the plan alone per slots and
 #         misses; PLAN_BEFORE=FILE times that version of its module beside it, ~3 min)
 #         acceptance-peer acceptance-48 (issue 3's tables: adaptive, transfer and gpu-fill at b=1
@@ -442,6 +444,13 @@ for stage in "$@"; do
           --regime uniform --batch $b --policies adaptive gpu-fill --adaptive-path shared \
           --rows 16 --out "$OUT/shared_kernels_b$b.jsonl" 2>&1 | cut -c1-400 | tail -36
       done ;;
+    share-curve)  # peer slice, uniform, b=1 and 4: adaptive held on shared (ungated: a held
+      # path never passes the gate's stops) at CPU shares 0.45-0.85, one round each (~4 min)
+      timeout 500 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --batches 1 4 --rounds 1 --decode 256 --regimes uniform --policies adaptive \
+        --adaptive-path shared --no-shared-gate --hold-share 0.45 0.55 0.65 0.75 0.85 \
+        --out "$OUT/share_curve" 2>&1 | tee "$OUT/share_curve.log" | grep "|b" \
+        | grep -v "round[0-9]" | cut -c1-200 ;;
     plan-kernel)  # the fills' GPU tests, then the plan kernel alone per slots and misses, the
       # kernels' module before a change beside it when PLAN_BEFORE names its file (~3 min)
       timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_expert_fills.py \
