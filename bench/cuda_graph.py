@@ -1,11 +1,14 @@
 """Capturing a benchmark step in a CUDA graph, the way the engine's decode runs.
 
 The step runs once on a side stream first (Triton compiles and autotunes outside the capture),
-then is captured; the returned callable replays it.
+then is captured with Python's collector off: a collection inside the capture that destroys an
+earlier graph (cudaGraphExecDestroy, not allowed while a stream captures) invalidates it (seen
+on the H200, bench plan-kernel). The returned callable replays it.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -18,6 +21,11 @@ def captured(step: Callable[[], object]) -> Callable[[], None]:
         step()  # compile and warm up off the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    finally:
+        gc.enable()
     return graph.replay

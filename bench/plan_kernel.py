@@ -20,7 +20,6 @@ Shapes: L layers of E experts, T tokens, K top-k, P = T * K pairs, H hidden.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
 import random
@@ -31,6 +30,7 @@ from types import ModuleType
 import torch
 import triton
 
+from freetoken_agent.bench.cuda_graph import captured
 from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.cpu.worker import Mailbox
 from freetoken_agent.kernels.triton import expert_fills
@@ -83,31 +83,15 @@ def _cache(rng: random.Random, layers: int, slots: int, tokens: int, misses: int
     return (slot_of, lid_of, stamp, state), ids
 
 
-def _replay_us(graph: torch.cuda.CUDAGraph, restore) -> float:
+def _replay_us(replay, restore) -> float:
     """Device time of one replay, from the restored state."""
     restore()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    graph.replay()
+    replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3
-
-
-def _captured(step) -> torch.cuda.CUDAGraph:
-    step()  # compiles outside the capture
-    torch.cuda.synchronize()
-    # No collection inside the capture: an earlier row's graph destroyed there invalidates it
-    # (cudaGraphExecDestroy is not allowed while a stream captures; seen on the H200).
-    gc.collect()
-    gc.disable()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-    finally:
-        gc.enable()
-    return graph
 
 
 class _Plans:
@@ -120,7 +104,7 @@ class _Plans:
         self.moves = torch.zeros(ids[0].numel(), 2, dtype=torch.int64, device=dev)
         self.module, self.ids, self.post = module, ids, post
         self.rows = []
-        self.graph = _captured(self.step)
+        self.replay = captured(self.step)
         self.restore()
 
     def step(self) -> None:
@@ -133,7 +117,7 @@ class _Plans:
             x.copy_(y)
 
     def replay_us(self) -> float:
-        return _replay_us(self.graph, self.restore)
+        return _replay_us(self.replay, self.restore)
 
     def once(self) -> tuple:
         """The state and rows after one pass from the saved state (on the host)."""
@@ -183,8 +167,8 @@ def measure_row(modules: dict[str, ModuleType], slots: int, tokens: int, misses:
 def floor_us(layers: int, reps: int) -> float:
     """A graph of `layers` empty Triton kernels, per kernel."""
     x = torch.zeros(1, device="cuda")
-    graph = _captured(lambda: [_empty[(1,)](x) for _ in range(layers)])
-    return statistics.median(_replay_us(graph, lambda: None) for _ in range(reps)) / layers
+    replay = captured(lambda: [_empty[(1,)](x) for _ in range(layers)])
+    return statistics.median(_replay_us(replay, lambda: None) for _ in range(reps)) / layers
 
 
 def main(argv: list[str] | None = None) -> int:
