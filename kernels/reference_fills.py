@@ -16,9 +16,15 @@ miss, in order of first appearance, takes the slot of smallest stamp below the n
 (ties: the lowest slot), evicting its lid. A miss left with no such slot (every slot is used
 by this layer or pinned) is read from the host bank by the MoE kernels (`host_ids`).
 
-The CPU's share (`post` given, state[CPU_SHARE] > 0): miss r (in that order) goes to the CPU
-instead when round((r + 1) * share) > round(r * share), share in 1/SHARE_ONE: of m misses the
-CPU takes round(m * share), spread evenly. Its pairs get row -1 (the MoE kernels skip them);
+The CPU's share (`post` given, state[CPU_SHARE] > 0): of a layer's m misses the CPU takes
+round(m * share), share in 1/SHARE_ONE, when m >= MIN_SHARED_MISSES, else none. Which ones: with
+`uses` (the popularity counts), the least used (ties: the earlier); without, miss r (in order)
+when round((r + 1) * share) > round(r * share), spread evenly. A miss the CPU computes is not
+cached, so a lone miss is always filled and the CPU takes the coldest: under skewed routing
+the cache keeps learning its popular experts while the CPU shortens the layers that miss
+several (replayed at 48 layers, Zipf 1.0 / locality 0.7 at 32 GB: b=4 steps modelled ~25%
+shorter than filling every miss; bench/results/NOTES.md, thirty-sixth session). Its pairs get
+row -1 (the MoE kernels skip them);
 the plan posts them to the CPU worker's mailbox (kernels/cpu/worker.py: the hidden rows, the
 pairs' pool rows and weights, then POST = the next SEQ), and the MoE sum over k waits for the
 answer (`wait_cpu`, after the copies and the MoE kernels: CpuAnswer) and adds it. They take no
@@ -69,6 +75,7 @@ CPU_SHARE, SEQ, LAYER_CPU, CPU_EXPERTS = range(8, 12)
 SPLIT_COLS, SPLITS, PARTIAL_HITS = range(12, 15)
 STATE = 15
 SHARE_ONE = 1 << 16  # CPU_SHARE's fixed point: SHARE_ONE sends every miss to the CPU
+MIN_SHARED_MISSES = 2  # a layer's misses below this all fill: the CPU share takes none of them
 
 
 @dataclass(slots=True)
@@ -90,6 +97,21 @@ class SplitTables:
 def cpu_count(n: int, share: int) -> int:
     """Of n misses, how many the CPU takes at `share` (round(n * share / SHARE_ONE))."""
     return (n * share + SHARE_ONE // 2) >> 16
+
+
+def cpu_misses(misses: list[int], share: int, uses: Tensor | None) -> list[int]:
+    """The misses (lids, in order of first appearance) the CPU takes at `share`: none below
+    MIN_SHARED_MISSES; else cpu_count of them, the least used by `uses` (ties: the earlier),
+    or without `uses` spread evenly by order (module docstring)."""
+    m = len(misses)
+    n = cpu_count(m, share) if m >= MIN_SHARED_MISSES else 0
+    if n == 0:
+        return []
+    if uses is None:
+        return [lid for r, lid in enumerate(misses)
+                if cpu_count(r + 1, share) > cpu_count(r, share)]  # fmt: skip
+    coldest = sorted(range(m), key=lambda r: (int(uses[misses[r]]), r))[:n]
+    return [misses[r] for r in sorted(coldest)]
 
 
 @dataclass(slots=True)
@@ -163,7 +185,7 @@ def plan_fills(
             else:
                 partial.append(lid)
     share = int(state[CPU_SHARE]) if post is not None and not cut else 0
-    on_cpu = [lid for r, lid in enumerate(misses) if cpu_count(r + 1, share) > cpu_count(r, share)]
+    on_cpu = cpu_misses(misses, share, uses)
     # Slots whose copies behind are still on their way are never victims (they would land on
     # the new expert's rows).
     busy = split.in_flight(lid_of) if cut else None

@@ -84,10 +84,31 @@ def _dtype(force_triton: bool) -> torch.dtype:
     return torch.float16 if force_triton else torch.bfloat16
 
 
+def _uses(rng: random.Random, n_lids: int) -> torch.Tensor | None:
+    """Popularity counts (few values: ties between misses are common), or none."""
+    if rng.random() < 0.3:
+        return None
+    return torch.tensor([rng.randrange(3) for _ in range(n_lids)], dtype=torch.int32)
+
+
+def _expected_cpu(misses: list[int], share: int, uses: torch.Tensor | None) -> set[int]:
+    """The rule, written apart from the twin: none below two misses; else round(m * share)
+    of them, the least used (ties: the earlier; uses after this plan's count), or without
+    counts miss r when round((r + 1) * share) > round(r * share)."""
+    m = len(misses)
+    n = int(m * share / ref.SHARE_ONE + 0.5) if m >= 2 else 0
+    if uses is None:
+        return {lid for r, lid in enumerate(misses)
+                if n and cpu_count(r + 1, share) > cpu_count(r, share)}  # fmt: skip
+    by_use = sorted(misses, key=lambda lid: (int(uses[lid]), misses.index(lid)))
+    return set(by_use[:n])
+
+
 def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
-    for _ in range(30):
+    singles = coldest = 0
+    for _ in range(60):
         n_experts = rng.randrange(4, 9)
         slot_of, lid_of, stamp, state = _cache(rng, 2 * n_experts, rng.randrange(1, 10))
         ids, hidden, weights = _layer(rng, n_experts, 4)
@@ -99,14 +120,16 @@ def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
             int(state[ref.SEQ]),
             slot_of.clone(),
         )
+        uses = _uses(rng, 2 * n_experts)
         box = _box()
         moves = torch.zeros(16, 2, dtype=torch.int64)
         rows = plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, ids.numel(),
-                          CpuPost(box, hidden, weights))  # fmt: skip
-        on_cpu = {
-            lid for r, lid in enumerate(misses) if cpu_count(r + 1, share) > cpu_count(r, share)
-        }
-        assert len(on_cpu) == round(len(misses) * share / ref.SHARE_ONE + 1e-9)
+                          CpuPost(box, hidden, weights), uses=uses)  # fmt: skip
+        on_cpu = _expected_cpu(misses, share, uses)
+        singles += len(misses) == 1 and share > 0
+        coldest += uses is not None and 0 < len(on_cpu) < len(misses)
+        if len(misses) >= 2:
+            assert len(on_cpu) == round(len(misses) * share / ref.SHARE_ONE + 1e-9)
         assert int(state[ref.LAYER_CPU]) == len(on_cpu) == int(state[ref.CPU_EXPERTS])
         for p, lid in enumerate(lids):
             if lid in on_cpu:  # skipped by the MoE kernels, posted to the CPU, given no slot
@@ -128,6 +151,7 @@ def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
         reads = int(state[ref.HOST_READS])
         assert fills + reads + len(on_cpu) == len(misses)
         assert all(int(resident_before[lid]) < 0 for lid in on_cpu)
+    assert singles and coldest  # both rules were met (a lone miss, a choice by counts)
 
 
 @pytest.mark.parametrize("chunk", [None, 2])
@@ -142,15 +166,19 @@ def test_triton_plan_with_a_share_equals_the_twin(rng_seed, chunk, monkeypatch):
         b = tuple(x.clone() for x in a)
         box_a, box_b = _box(), _box()
         ma, mb = (torch.zeros(16, 2, dtype=torch.int64) for _ in range(2))
+        ua = _uses(rng, 2 * n_experts)  # the popularity counts (or none), counted by both
+        ub = None if ua is None else ua.clone()
         for _ in range(3):  # successive layers: the sequence numbers advance alike
             ids, hidden, weights = _layer(rng, n_experts, 4)
             base = n_experts * rng.randrange(2)
             live = rng.randrange(1, ids.numel() + 1)
             a[3][ref.LIVE_PAIRS] = b[3][ref.LIVE_PAIRS] = live
-            ra = plan_fills(ids, base, *a, ma, None, CpuPost(box_a, hidden, weights))
-            rb = plan_fills(ids, base, *b, mb, None, CpuPost(box_b, hidden, weights),
+            ra = plan_fills(ids, base, *a, ma, None, CpuPost(box_a, hidden, weights), uses=ua)
+            rb = plan_fills(ids, base, *b, mb, None, CpuPost(box_b, hidden, weights), uses=ub,
                             force_triton=True)  # fmt: skip
             assert torch.equal(ra, rb)
+            if ua is not None:
+                assert torch.equal(ua, ub)
             for x, y in zip(a, b, strict=True):
                 assert torch.equal(x, y)
             n = int(a[3][ref.MOVES])
