@@ -50,6 +50,8 @@
 #         step-kernels (an offloaded decode step's kernels in its replayed graphs: gpu-fill and
 #         transfer at 12 layers, gpu-fill at 48 layers / 32 GB, ~5 min)
 #         shared-kernels (the same for adaptive held on shared, uniform routing, b=1 and 4, ~3 min)
+#         cold-share (the CPU share's rule at 48 layers / 32 GB under Zipf: adaptive held on
+#         shared against gpu-fill, b=1 and 4, ~5 min)
 #         share-curve (peer slice, uniform, b=1 and 4: adaptive held on shared at CPU shares
 #         0.45-0.85, bench offload --hold-share: step time against the share, ~4 min)
 #         plan-kernel (the fills' GPU tests, then bench plan-kernel: the plan alone per slots and
@@ -444,6 +446,15 @@ for stage in "$@"; do
           --regime uniform --batch $b --policies adaptive gpu-fill --adaptive-path shared \
           --rows 16 --out "$OUT/shared_kernels_b$b.jsonl" 2>&1 | cut -c1-400 | tail -36
       done ;;
+    cold-share)  # the CPU share's new rule (no lone miss, the least used to the CPU): its GPU
+      # tests, then 48 layers / 32 GB, Zipf b=1 and 4, adaptive held on shared (ungated)
+      # against gpu-fill, one round (~5 min; the old rule ran 77.8 against 111.3 at b=1)
+      timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/kernels/test_expert_fills_cpu_share.py 2>&1 | tee "$OUT/cold_share_tests.log" | tail -3
+      timeout 420 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
+        --rounds 1 --decode 128 --regimes zipf:1.0,loc:0.7 --policies adaptive gpu-fill \
+        --adaptive-path shared --no-shared-gate --out "$OUT/cold_share" 2>&1 \
+        | tee "$OUT/cold_share_48.log" | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
     share-curve)  # peer slice, uniform, b=1 and 4: adaptive held on shared (ungated: a held
       # path never passes the gate's stops) at CPU shares 0.45-0.85, one round each (~4 min)
       timeout 500 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
