@@ -72,8 +72,8 @@ class AdaptiveFetches:
         self.path_params = path_params or {}
         self.shared_ok = False  # whether the `shared` path can run (the bank's CpuShare)
         self.split_ok = False  # whether the `split` path can run (the bank's SplitExpert)
-        # Whether `shared` gives way while fills pay (`_path_allowed`); off only to measure
-        # shared under locality (`bench offload --no-shared-gate`).
+        # Whether `shared` waits for the fill race to judge (`_path_allowed`); off only to
+        # hold shared from the first step (`bench offload --no-shared-gate`).
         self.shared_gate = True
         self._trials: dict[int, SplitTrials] = {}  # per decode batch size
         self._paths: dict[int, PathTrials] = {}  # per decode batch size
@@ -157,7 +157,8 @@ class AdaptiveFetches:
     def path(self, n_tokens: int) -> str:
         """`stops`, `device`, `shared` or `split` for a decode step of `n_tokens` tokens (longer
         calls, and steps past `device_tokens`: stops). `shared` kept from a measurement gives
-        way to `device` while fills pay (`_path_allowed`), `split` once its worker failed."""
+        way to `device` until the fill race has judged (`_path_allowed`), `split` once its
+        worker failed."""
         if not self.path_measured(n_tokens):
             return "stops"
         path = self.paths(n_tokens).path
@@ -175,19 +176,21 @@ class AdaptiveFetches:
         return self.cache.races.settled >= MIN_RACES
 
     def _path_allowed(self, path: str) -> bool:
-        """`shared` only once the race has shown that fills do not pay. With temporal locality
-        every miss is worth a slot, and the CPU's share takes none; filling it too, behind the
-        CPU on a side stream, was built and measured on the H200 (peer slice, Zipf 1.0 / loc
-        0.7): 289-304 against gpu-fill's 324-366 tok/s at b=1, 395-412 against 508-524 at b=4.
-        Few misses a layer cost the worker's handshake more than they save, and the copies
-        behind shared the link with the next layers'. Short trials did not see it (they kept
-        `shared`). Before the race has judged, shared waits too: its CPU share starts no race,
-        so where misses are rare (native routing, ~0.4 fills a token) the gain stayed at its
+        """`shared` once the fill race has judged. Before, its CPU share starts no race, so
+        where misses are rare (native routing, ~0.4 fills a token) the gain stayed at its
         unjudged 0 and the cache stopped learning: 578 tok/s against gpu-fill's 824 (twenty-
-        first session, peer slice b=1, 4.75 experts a token on the CPU)."""
+        first session, peer slice b=1, 4.75 experts a token on the CPU). Whether fills pay no
+        longer matters: the share takes no lone miss of a layer and, of several, the least
+        used (kernels/reference_fills.py `cpu_misses`), so under temporal locality the cache
+        keeps learning while the CPU shortens the layers that miss several. Until the
+        thirty-sixth session the share took q*'s of every layer's misses in order, and
+        `shared` waited while fills paid (48 layers / 32 GB, Zipf 1.0 / loc 0.7, b=1: 77.8
+        tok/s against gpu-fill's 111.3); with the rule, held on `shared`: b=1 124.4 against
+        130.7, **b=4 227.9 against 179.1** (bench/results/NOTES.md), so the path trials
+        choose."""
         if path != "shared" or not self.shared_gate:
             return True
-        return self.fills_judged() and not self.fills_pay()
+        return self.fills_judged()
 
     def _path_keepable(self, path: str) -> bool:
         """`stops` is measured but not kept once the race has judged that fills pay. Then the
