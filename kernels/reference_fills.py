@@ -22,9 +22,11 @@ round(m * share), share in 1/SHARE_ONE, when m >= MIN_SHARED_MISSES, else none. 
 when round((r + 1) * share) > round(r * share), spread evenly. A miss the CPU computes is not
 cached, so a lone miss is always filled and the CPU takes the coldest: under skewed routing
 the cache keeps learning its popular experts while the CPU shortens the layers that miss
-several (replayed at 48 layers, Zipf 1.0 / locality 0.7 at 32 GB: b=4 steps modelled ~25%
-shorter than filling every miss; bench/results/NOTES.md, thirty-sixth session). Its pairs get
-row -1 (the MoE kernels skip them);
+several. On the H200 (48 layers / 32 GB, Zipf 1.0 / locality 0.7, the share held on adaptive's
+shared path): b=4 227.9 tok/s against 179.1 filling every miss, b=1 124.4 against 130.7; the
+old rule (q*'s share of every layer's misses, in order) ran b=1 at 77.8 against 111.3
+(bench/results/NOTES.md, twenty-third and thirty-sixth sessions). Its pairs get row -1 (the
+MoE kernels skip them);
 the plan posts them to the CPU worker's mailbox (kernels/cpu/worker.py: the hidden rows, the
 pairs' pool rows and weights, then POST = the next SEQ), and the MoE sum over k waits for the
 answer (`wait_cpu`, after the copies and the MoE kernels: CpuAnswer) and adds it. They take no
