@@ -27,9 +27,10 @@ Free slots cost no victim: misses always fill those (in `layers` mode, those of 
 All of the above is the `stops` path of a decode step: the host decides at each layer that
 misses. The `device` path (policy gpu-fill's: every miss filled by the layer itself, no host
 stop, no CPU branch), the `shared` path (the same, with the CPU worker taking q*'s share of
-each layer's misses: cpu_share.py) and the `split` path (every fill cut between the link and
-the CPU worker: split_expert.py) are the others; PathTrials (step_paths.py) keeps whichever
-measured the shorter steps, per decode batch size. While one of the last two is kept, its own
+each layer's misses, never a lone one and the least used of several: cpu_share.py) and the
+`split` path (every fill cut between the link and the CPU worker: split_expert.py) are the
+others; PathTrials (step_paths.py) keeps whichever measured the shorter steps, per decode
+batch size. While one of the last two is kept, its own
 trials tune it by step time: the CPU's share (ShareTrials, share_trials.py) and the cut
 (CutTrials, cut_trials.py); while the paths are measured they hold their kept values.
 """
