@@ -37,6 +37,8 @@
                       teams, against gpu-fill, beside each row's limit (CUDA)
     plan-kernel       the in-graph fill's plan kernel alone: device time per plan against its
                       misses and the slots it scans, beside the launch floor (CUDA)
+    share-rule        the shared path's CPU share rules replayed on routing traces with a
+                      per-layer time model: fills, CPU experts and modelled steps (any CPU)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -69,6 +71,7 @@ BENCHES = {
     "side-fill": "freetoken_agent.bench.side_fill",
     "split-cuts": "freetoken_agent.bench.split_cuts",
     "plan-kernel": "freetoken_agent.bench.plan_kernel",
+    "share-rule": "freetoken_agent.bench.share_rule",
 }
 
 
