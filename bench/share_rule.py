@@ -7,8 +7,8 @@ Rules (the cache is one LRU over (layer, expert) slots, as the device path's pla
 - fill-all: every miss filled (policy gpu-fill's device path);
 - by-order: the CPU takes round(m x share) of a layer's m misses spread by order, a lone miss
   included (the shared path's rule before the thirty-sixth session);
-- rule: kernels/reference_fills.py `cpu_misses` itself, with the popularity counts: no lone
-  miss, and of several the least used.
+- rule: kernels/reference_fills.py `cpu_misses` itself, with the popularity counts: never
+  all of a layer's misses (a lone miss fills), and the least used.
 A miss the CPU takes is not cached. A layer's cost beyond the native step is the slower of
 its two branches: fills x --fill-us on the link, and the CPU's experts x --cpu-us plus
 --handshake-us when it has any. The defaults are H200 figures (a fill at the copy kernel's

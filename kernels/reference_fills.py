@@ -17,16 +17,19 @@ miss, in order of first appearance, takes the slot of smallest stamp below the n
 by this layer or pinned) is read from the host bank by the MoE kernels (`host_ids`).
 
 The CPU's share (`post` given, state[CPU_SHARE] > 0): of a layer's m misses the CPU takes
-round(m * share), share in 1/SHARE_ONE, when m >= MIN_SHARED_MISSES, else none. Which ones: with
-`uses` (the popularity counts), the least used (ties: the earlier); without, miss r (in order)
-when round((r + 1) * share) > round(r * share), spread evenly. A miss the CPU computes is not
-cached, so a lone miss is always filled and the CPU takes the coldest: under skewed routing
-the cache keeps learning its popular experts while the CPU shortens the layers that miss
-several. On the H200 (48 layers / 32 GB, Zipf 1.0 / locality 0.7, the share held on adaptive's
-shared path): b=4 227.9 tok/s against 179.1 filling every miss, b=1 124.4 against 130.7; the
-old rule (q*'s share of every layer's misses, in order) ran b=1 at 77.8 against 111.3
-(bench/results/NOTES.md, twenty-third and thirty-sixth sessions). Its pairs get row -1 (the
-MoE kernels skip them);
+round(m * share), share in 1/SHARE_ONE, but at most m - 1: at least one fills (a lone miss
+always does). Which ones: with `uses` (the popularity counts), the least used (ties: the
+earlier); without, miss r (in order) when round((r + 1) * share) > round(r * share), spread
+evenly, the first m - 1 of those at most. A miss the CPU computes is not cached, so the layer
+keeps a fill and the CPU takes the coldest: under skewed routing the cache keeps learning its
+popular experts while the CPU shortens the layers that miss several. Without the bound, a
+replay at shares of 0.8-0.9 (the share trials can reach them) sent both misses of two-miss
+layers to the CPU and ran 32-44% slower at b=1 (`bench share-rule`, 48 layers, Zipf). On the
+H200 (48 layers / 32 GB, Zipf 1.0 / locality 0.7, the share held on adaptive's shared path,
+at shares below 0.75, where the bound changes nothing): b=4 227.9 tok/s against 179.1
+filling every miss, b=1 124.4 against 130.7; the old rule (q*'s share of every layer's
+misses, in order) ran b=1 at 77.8 against 111.3 (bench/results/NOTES.md, twenty-third and
+thirty-sixth sessions). Its pairs get row -1 (the MoE kernels skip them);
 the plan posts them to the CPU worker's mailbox (kernels/cpu/worker.py: the hidden rows, the
 pairs' pool rows and weights, then POST = the next SEQ), and the MoE sum over k waits for the
 answer (`wait_cpu`, after the copies and the MoE kernels: CpuAnswer) and adds it. They take no
@@ -77,7 +80,6 @@ CPU_SHARE, SEQ, LAYER_CPU, CPU_EXPERTS = range(8, 12)
 SPLIT_COLS, SPLITS, PARTIAL_HITS = range(12, 15)
 STATE = 15
 SHARE_ONE = 1 << 16  # CPU_SHARE's fixed point: SHARE_ONE sends every miss to the CPU
-MIN_SHARED_MISSES = 2  # a layer's misses below this all fill: the CPU share takes none of them
 
 
 @dataclass(slots=True)
@@ -102,16 +104,16 @@ def cpu_count(n: int, share: int) -> int:
 
 
 def cpu_misses(misses: list[int], share: int, uses: Tensor | None) -> list[int]:
-    """The misses (lids, in order of first appearance) the CPU takes at `share`: none below
-    MIN_SHARED_MISSES; else cpu_count of them, the least used by `uses` (ties: the earlier),
-    or without `uses` spread evenly by order (module docstring)."""
+    """The misses (lids, in order of first appearance) the CPU takes at `share`: cpu_count of
+    them but at most all but one, the least used by `uses` (ties: the earlier), or without
+    `uses` spread evenly by order, the first of those (module docstring)."""
     m = len(misses)
-    n = cpu_count(m, share) if m >= MIN_SHARED_MISSES else 0
-    if n == 0:
+    n = min(cpu_count(m, share), m - 1)
+    if n <= 0:
         return []
     if uses is None:
         return [lid for r, lid in enumerate(misses)
-                if cpu_count(r + 1, share) > cpu_count(r, share)]  # fmt: skip
+                if cpu_count(r + 1, share) > cpu_count(r, share)][:n]  # fmt: skip
     coldest = sorted(range(m), key=lambda r: (int(uses[misses[r]]), r))[:n]
     return [misses[r] for r in sorted(coldest)]
 

@@ -46,7 +46,6 @@ from freetoken_agent.kernels.reference_fills import (
     HOST_READS,
     LAYER_CPU,
     LIVE_PAIRS,
-    MIN_SHARED_MISSES,
     MOVES,
     PAIRS,
     PARTIAL_HITS,
@@ -80,7 +79,6 @@ _POST, _TOKENS = tl.constexpr(POST), tl.constexpr(TOKENS)
 _SPLIT_COLS, _SPLITS = tl.constexpr(SPLIT_COLS), tl.constexpr(SPLITS)
 _PARTIAL_HITS = tl.constexpr(PARTIAL_HITS)
 _COL_LO, _COL_HI = tl.constexpr(COL_LO), tl.constexpr(COL_HI)
-_MIN_SHARED = tl.constexpr(MIN_SHARED_MISSES)
 _NO_KEY = tl.constexpr(2**63 - 1)  # a slot no fill may take (keys: _smallest_keys)
 BLOCK_H = 1024  # hidden elements a post or a wait step moves
 
@@ -135,15 +133,17 @@ def _plan_kernel(
     share = clock * 0
     if SHARE and not SPLIT:  # a split plan posts columns, never whole experts
         share = tl.load(state + _CPU_SHARE)
-    share = tl.where(n_miss >= _MIN_SHARED, share, 0)  # a lone miss fills (reference_fills.py)
-    n_cpu = ((n_miss * share + _HALF) >> 16).to(tl.int32)
+    # At most all misses but one: the layer keeps a fill (reference_fills.py `cpu_misses`).
+    n_cpu = tl.minimum(((n_miss * share + _HALF) >> 16).to(tl.int32), n_miss - 1)
+    n_cpu = tl.maximum(n_cpu, 0)
     if COUNT and SHARE and not SPLIT:  # the n_cpu least used misses (ties: the earlier)
         key = used.to(tl.int64) * BLOCK_P + offs  # [BLOCK_P] distinct among the misses
         colder = miss[None, :] & (key[None, :] < key[:, None])  # [BLOCK_P, BLOCK_P]
         cpu_first = miss & (tl.sum(colder.to(tl.int32), axis=1) < n_cpu)
-    else:  # miss r when round((r + 1) * share) > round(r * share): spread evenly
+    else:  # miss r when round((r + 1) * share) > round(r * share), the first n_cpu of those
         cpu_before = (rank * share + _HALF) >> 16  # [BLOCK_P]
         cpu_first = miss & (((rank + 1) * share + _HALF) >> 16 > cpu_before)
+        cpu_first = cpu_first & (cpu_before < n_cpu)
     fill_first = miss & ~cpu_first
     q = tl.cumsum(fill_first.to(tl.int32), axis=0) - 1  # [BLOCK_P] a fill's order among fills
     best, filled = _smallest_keys(stamp, lid_of, cols, landed, S, clock, width, n_miss - n_cpu,
