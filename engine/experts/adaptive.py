@@ -27,12 +27,12 @@ Free slots cost no victim: misses always fill those (in `layers` mode, those of 
 All of the above is the `stops` path of a decode step: the host decides at each layer that
 misses. The `device` path (policy gpu-fill's: every miss filled by the layer itself, no host
 stop, no CPU branch), the `shared` path (the same, with the CPU worker taking q*'s share of
-each layer's misses, never all of them and the least used: cpu_share.py) and the
-`split` path (every fill cut between the link and the CPU worker: split_expert.py) are the
-others; PathTrials (step_paths.py) keeps whichever measured the shorter steps, per decode
-batch size. While one of the last two is kept, its own
-trials tune it by step time: the CPU's share (ShareTrials, share_trials.py) and the cut
-(CutTrials, cut_trials.py); while the paths are measured they hold their kept values.
+each layer's misses, never all of them and the least used: cpu_share.py) and the `split`
+path (every fill cut between the link and the CPU worker: split_expert.py) are the others;
+PathTrials (step_paths.py) keeps whichever measured the shorter steps, per decode batch
+size. While one of the last two is kept, its own trials tune it by step time: the CPU's
+share (ShareTrials, share_trials.py) and the cut (CutTrials, cut_trials.py); while the paths
+are measured they hold their kept values.
 """
 
 from __future__ import annotations
@@ -181,9 +181,10 @@ class AdaptiveFetches:
         where misses are rare (native routing, ~0.4 fills a token) the gain stayed at its
         unjudged 0 and the cache stopped learning: 578 tok/s against gpu-fill's 824 (twenty-
         first session, peer slice b=1, 4.75 experts a token on the CPU). Whether fills pay no
-        longer matters: the share never takes all of a layer's misses (a lone miss fills) and
-        takes the least used (kernels/reference_fills.py `cpu_misses`), so under locality the cache
-        keeps learning while the CPU shortens the layers that miss several. Until the
+        longer matters: the share never takes all of a layer's misses (a lone miss fills)
+        and takes the least used (kernels/reference_fills.py `cpu_misses`), so under
+        locality the cache keeps learning while the CPU shortens the layers that miss
+        several. Until the
         thirty-sixth session the share took q*'s of every layer's misses in order, and
         `shared` waited while fills paid (48 layers / 32 GB, Zipf 1.0 / loc 0.7, b=1: 77.8
         tok/s against gpu-fill's 111.3); with the rule, held on `shared`: b=1 124.4 against
