@@ -154,27 +154,32 @@ def belady(lids: list[int], slots: int, first: int) -> float:
     return misses / (len(lids) - first)
 
 
+def add_trace_options(parser: argparse.ArgumentParser, slots: int) -> None:
+    """The traces' shape and routing, and the cache's `slots` (the replay benches')."""
+    parser.add_argument("--layers", type=int, default=48, help="MoE layers (12: peer slice)")
+    parser.add_argument("--experts", type=int, default=128, help="experts a layer")
+    parser.add_argument("--top-k", type=int, default=8, help="experts a token uses a layer")
+    parser.add_argument("--slots", type=int, default=slots,
+                        help=f"cache slots ({slots}: 48 layers, the 32 GB budget)")  # fmt: skip
+    parser.add_argument("--regime", default="zipf:1.0,loc:0.7",
+                        help="routing: uniform or zipf:S,loc:P (routing_traces.py)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="trace seed")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench cache-policies",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--layers", type=int, default=48, help="MoE layers (12: peer slice)")
-    parser.add_argument("--experts", type=int, default=128, help="experts a layer")
-    parser.add_argument("--top-k", type=int, default=8, help="experts a token uses a layer")
-    parser.add_argument("--slots", type=int, default=2686,
-                        help="cache slots (2686: 48 layers under the 32 GB budget)")  # fmt: skip
+    add_trace_options(parser, slots=2686)
     parser.add_argument("--tokens", type=int, default=1500, help="decode steps replayed")
     parser.add_argument("--warm", type=int, default=300, help="steps before misses count")
-    parser.add_argument("--regime", default="zipf:1.0,loc:0.7",
-                        help="routing: uniform or zipf:S,loc:P (routing_traces.py)")  # fmt: skip
     parser.add_argument("--pinned", type=int, nargs="+", default=[48, 54],
                         help="oracle rows: each layer's N most popular experts pinned")  # fmt: skip
     parser.add_argument("--popular-pins", type=float, nargs="*", default=[0.5, 0.8],
                         help="rows for EngineConfig.popular_pins at these fractions")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="trace seed")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
     regime = Regime.parse(args.regime)
     lids, rank = trace_lids(regime, args.layers, args.experts, args.top_k, args.tokens, args.seed)

@@ -29,12 +29,11 @@ import argparse
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from freetoken_agent.bench.cache_policies import RESULTS, trace_lids
+from freetoken_agent.bench.cache_policies import add_trace_options, trace_lids
 from freetoken_agent.bench.routing_traces import Regime
 from freetoken_agent.kernels.reference_fills import SHARE_ONE, cpu_count, cpu_misses
 
@@ -108,16 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--layers", type=int, default=48, help="MoE layers (12: peer slice)")
-    parser.add_argument("--experts", type=int, default=128, help="experts a layer")
-    parser.add_argument("--top-k", type=int, default=8, help="experts a token uses a layer")
-    parser.add_argument("--slots", type=int, default=3019,
-                        help="cache slots (3019: 48 layers under the 32 GB budget)")  # fmt: skip
+    add_trace_options(parser, slots=3019)
     parser.add_argument("--batch", type=int, default=4, help="tokens a decode step")
     parser.add_argument("--steps", type=int, default=1500, help="decode steps replayed")
     parser.add_argument("--warm", type=int, default=300, help="steps before costs count")
-    parser.add_argument("--regime", default="zipf:1.0,loc:0.7",
-                        help="routing: uniform or zipf:S,loc:P (routing_traces.py)")  # fmt: skip
     parser.add_argument(
         "--share",
         type=float,
@@ -136,8 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the step with no miss, ms (default 3.52 at b=1, 6.94 above)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="trace seed")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.warm >= args.steps or not 0 <= args.share <= 1:
         parser.error("need --batch >= 1, --warm < --steps and --share in [0, 1]")
