@@ -65,8 +65,8 @@ class PathTrials(RotatedTrials):
     ):
         """`fixed`: always that path, nothing measured (tests of one path's machinery);
         `shared` / `split`: whether those paths are among the candidates; `allowed` and
-        `keepable`: RotatedTrials' (adaptive.py refuses `shared` while fills pay, and keeps
-        `stops` only while they do not)."""
+        `keepable`: RotatedTrials' (adaptive.py refuses `shared` until the fill race has
+        judged, and keeps `stops` only while fills do not pay)."""
         offered = {"shared": shared, "split": split}
         self.candidates = tuple(p for p in PATHS if offered.get(p, True))
         if block < 2 or rotations < 1 or period < 0 or warm < 0 or fixed not in (None, *PATHS):
