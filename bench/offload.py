@@ -81,8 +81,8 @@ def start_policy(engine, bank, policy: str, b_p: float, b_h: float,
                  held_share: float | None = None) -> None:  # fmt: skip
     """Before a measurement: an empty cache, `policy`, the bandwidths measured alone, nothing
     learnt by adaptive (`path`: its step path held, not measured; `shared_gate`: whether
-    `shared` gives way while fills pay; `held_share`: the shared path's CPU share held, not
-    tuned), static's layers placed."""
+    `shared` waits for the fill race to judge; `held_share`: the shared path's CPU share
+    held, not tuned), static's layers placed."""
     bank.cache.reset()
     _use_policy(engine, bank, policy)
     bank.bandwidths.pcie, bank.bandwidths.cpu = b_p, b_h
@@ -434,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         "--shared-gate",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="adaptive's shared path gives way to the device path while fills pay (default; "
-        "--no-shared-gate measures shared under temporal locality too)",
+        help="adaptive's shared path waits for the fill race to judge (default; "
+        "--no-shared-gate runs a held shared path from the first step)",
     )
     parser.add_argument(
         "--hold-share",
