@@ -108,10 +108,12 @@ def _expected_cpu(misses: list[int], share: int, uses: torch.Tensor | None) -> s
 def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
-    singles = coldest = capped = 0
-    for _ in range(60):
+    coldest = capped = 0
+    for i in range(60):
         n_experts = rng.randrange(4, 9)
         slot_of, lid_of, stamp, state = _cache(rng, 2 * n_experts, rng.randrange(1, 10))
+        if i % 4 == 0:  # every share in turn; a share of 1 is where the bound acts
+            state[ref.CPU_SHARE] = ref.SHARE_ONE
         ids, hidden, weights = _layer(rng, n_experts, 4)
         base = n_experts * rng.randrange(2)
         lids = (ids.reshape(-1).long() + base).tolist()
@@ -127,7 +129,6 @@ def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
         rows = plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, ids.numel(),
                           CpuPost(box, hidden, weights), uses=uses)  # fmt: skip
         on_cpu = _expected_cpu(misses, share, uses)
-        singles += len(misses) == 1 and share > 0
         coldest += uses is not None and 0 < len(on_cpu) < len(misses)
         capped += share == ref.SHARE_ONE and len(misses) > 1
         want = round(len(misses) * share / ref.SHARE_ONE + 1e-9)
@@ -153,7 +154,42 @@ def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
         reads = int(state[ref.HOST_READS])
         assert fills + reads + len(on_cpu) == len(misses)
         assert all(int(resident_before[lid]) < 0 for lid in on_cpu)
-    assert singles and coldest and capped  # a lone miss, a choice by counts, a share of 1
+    assert coldest and capped  # a choice by counts, a share of 1 with misses to spare
+
+
+@pytest.mark.parametrize("force_triton", [False, True])
+def test_a_lone_miss_fills_whatever_the_share(rng_seed, force_triton):
+    """A layer with one miss gives it a slot and posts nothing, even at a share of 1; with
+    two misses at a share of 1 the CPU takes one, the less used (counts given)."""
+    rng = random.Random(rng_seed)
+    torch.manual_seed(rng_seed)
+    n_experts, n_slots = 8, 12
+    ids = torch.randperm(n_experts)[:4].view(1, 4).to(torch.int32)
+    lids = ids.reshape(-1).long().tolist()
+    for n_miss in (1, 2):
+        slot_of, lid_of, stamp, state = _cache(rng, n_experts, n_slots)
+        slot_of.fill_(-1)
+        lid_of.fill_(-1)
+        stamp.fill_(-1)  # every slot free
+        resident = lids[n_miss:]  # the others hold slots
+        for slot, lid in enumerate(resident):
+            slot_of[lid], lid_of[slot], stamp[slot] = slot, lid, 3
+        state[ref.CPU_SHARE] = ref.SHARE_ONE
+        uses = torch.zeros(n_experts, dtype=torch.int32)
+        if n_miss == 2:
+            uses[lids[0]] = rng.randrange(2, 9)  # the first miss is the more used
+        box = _box(dtype=_dtype(force_triton))
+        moves = torch.zeros(16, 2, dtype=torch.int64)
+        hidden = torch.randn(1, H).to(_dtype(force_triton))
+        rows = plan_fills(ids, 0, slot_of, lid_of, stamp, state, moves, 4,
+                          CpuPost(box, hidden, torch.rand(1, 4)), uses=uses,
+                          force_triton=force_triton)  # fmt: skip
+        assert int(slot_of[lids[0]]) >= 0 and int(rows[0]) >= 0  # the (more used) miss filled
+        if n_miss == 1:
+            assert int(state[ref.CPU_EXPERTS]) == 0 and int(box.ctrl[worker.POST]) == 0
+        else:  # the less used one to the CPU
+            assert int(state[ref.CPU_EXPERTS]) == 1 and int(rows[1]) == -1
+            assert int(box.rows[1]) == lids[1] and int(slot_of[lids[1]]) < 0
 
 
 @pytest.mark.parametrize("chunk", [None, 2])
