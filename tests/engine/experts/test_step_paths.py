@@ -156,9 +156,9 @@ def test_steps_past_the_device_paths_tokens_stop(rng_seed):
 
 def test_shared_is_measured_and_kept_whether_fills_pay_or_not(rng_seed):
     """Once the race has judged, the shared path is measured and kept when fastest whatever
-    the verdict (adaptive.py `_path_allowed`: its CPU share takes no lone miss and the least
-    used of several, so the cache keeps learning under locality); it loses to a faster
-    path as any path does."""
+    the verdict (adaptive.py `_path_allowed`: its CPU share never takes all of a layer's
+    misses and takes the least used, so the cache keeps learning under locality); it loses
+    to a faster path as any path does."""
     from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 
     rng = random.Random(rng_seed)
