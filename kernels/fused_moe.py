@@ -82,17 +82,19 @@ def fused_moe(
         if not host:
             raise ValueError("fill_slot_of needs host banks (host_w13, host_w2)")
         host["fill_slot_of"] = fill_slot_of
-    # Host banks and partly filled slots are the decode path's only: its extra arguments.
-    decode_only = "host banks" if host else "slot_cols (partly filled slots)"
+    # Host banks, partly filled slots and the CPU worker's answer are the decode path's only.
     extra = {**host, "slot_cols": slot_cols} if slot_cols is not None else host
+    given = {"host banks": bool(host), "slot_cols (partly filled slots)": slot_cols is not None,
+             "the CPU worker's answers (collect)": collect is not None}  # fmt: skip
+    decode_only = [name for name, on in given.items() if on]
     pairs = topk_ids.shape[0] * topk_ids.shape[1]
-    if extra and pairs > PATH_LIMITS["decode_max_pairs"]:
+    if decode_only and pairs > PATH_LIMITS["decode_max_pairs"]:
         raise ValueError(
-            f"{decode_only} serve decode batches of at most {PATH_LIMITS['decode_max_pairs']} "
-            f"(token, expert) pairs, got {pairs}"
+            f"{decode_only[0]} serve decode batches of at most "
+            f"{PATH_LIMITS['decode_max_pairs']} (token, expert) pairs, got {pairs}"
         )
     if collect is not None:
-        _check_collect(collect, add, hidden, pairs)
+        _check_collect(collect, add, hidden)
     if not use_triton(hidden, force_triton, "fused_moe"):
         if collect is not None:  # the answer into a fresh `add` (zero when none came)
             add = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -109,13 +111,9 @@ def fused_moe(
     return fused_moe_prefill(hidden, w13, w2, topk_ids, topk_weights, out, tiles=chunk, add=add)
 
 
-def _check_collect(collect: CpuAnswer, add: torch.Tensor | None, hidden: torch.Tensor,
-                   pairs: int) -> None:  # fmt: skip
+def _check_collect(collect: CpuAnswer, add: torch.Tensor | None, hidden: torch.Tensor) -> None:
     if add is not None:
         raise ValueError("collect adds the CPU worker's answer: pass it or add, not both")
-    if pairs > PATH_LIMITS["decode_max_pairs"]:
-        raise ValueError(f"collect serves decode batches of at most "
-                         f"{PATH_LIMITS['decode_max_pairs']} pairs, got {pairs}")  # fmt: skip
     t, h = hidden.shape
     if t > collect.box.max_tokens or collect.box.hidden.shape[1] != h:
         raise ValueError(f"collect's mailbox answers {collect.box.max_tokens} tokens of "

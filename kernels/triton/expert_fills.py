@@ -80,7 +80,7 @@ _SPLIT_COLS, _SPLITS = tl.constexpr(SPLIT_COLS), tl.constexpr(SPLITS)
 _PARTIAL_HITS = tl.constexpr(PARTIAL_HITS)
 _COL_LO, _COL_HI = tl.constexpr(COL_LO), tl.constexpr(COL_HI)
 _NO_KEY = tl.constexpr(2**63 - 1)  # a slot no fill may take (keys: _smallest_keys)
-BLOCK_H = 1024  # hidden elements a post or a wait step moves
+BLOCK_H = 1024  # hidden elements a post step moves
 
 
 @triton.jit
