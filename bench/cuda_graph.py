@@ -3,7 +3,7 @@
 The step runs once on a side stream first (Triton compiles and autotunes outside the capture),
 then is captured with Python's collector off: a collection inside the capture that destroys an
 earlier graph (cudaGraphExecDestroy, not allowed while a stream captures) invalidates it (seen
-on the H200, bench plan-kernel). The returned callable replays it.
+on the H200, bench plan-kernel). The returned callable replays it; `device_ms` times a replay.
 """
 
 from __future__ import annotations
@@ -29,3 +29,14 @@ def captured(step: Callable[[], object]) -> Callable[[], None]:
     finally:
         gc.enable()
     return graph.replay
+
+
+def device_ms(run: Callable[[], object]) -> float:
+    """Device time of the work `run` queues on the current stream, in ms (CUDA events around
+    it; waits for the end)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)

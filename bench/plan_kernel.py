@@ -30,7 +30,7 @@ from types import ModuleType
 import torch
 import triton
 
-from freetoken_agent.bench.cuda_graph import captured
+from freetoken_agent.bench.cuda_graph import captured, device_ms
 from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.cpu.worker import Mailbox
 from freetoken_agent.kernels.triton import expert_fills
@@ -86,12 +86,7 @@ def _cache(rng: random.Random, layers: int, slots: int, tokens: int, misses: int
 def _replay_us(replay, restore) -> float:
     """Device time of one replay, from the restored state."""
     restore()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3
+    return device_ms(replay) * 1e3
 
 
 class _Plans:

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.cuda_graph import device_ms
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.kernels.row_copy import row_copy
 
@@ -197,13 +198,8 @@ class SideFillStep:
         """One replay with new pool rows for the step's own copies; its ms."""
         self.rows = [rng.randrange(self.pool.shape[0]) for _ in self.misses]
         self._upload()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        start.record()
-        self.graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        return device_ms(self.graph.replay)
 
     def check(self) -> None:
         """The slots hold what the last replay copied: each miss's whole expert (`full`), its
