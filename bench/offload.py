@@ -175,6 +175,7 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
         "cpu_load": None if load is None else load.report(),
         "worker_jobs": None if share is None else _worker_window(worker0, share.counters()),
         "step_ms": step_times_summary(labels, _intervals(start, ends)),
+        "trial_positions_ms": trial_positions(labels, _intervals(start, ends)),
     }
 
 
@@ -212,6 +213,23 @@ def step_times_summary(labels: list[str], seconds: list[float]) -> dict:
                       "p90_ms": ranked[min(len(ms) - 1, int(0.9 * len(ms)))],
                       "max_ms": ranked[-1], "time_share": sum(ms) / 1e3 / total}  # fmt: skip
     return out
+
+
+def trial_positions(labels: list[str], seconds: list[float]) -> dict:
+    """Per trial label (`~`), the median ms of the steps at each position of its blocks (runs
+    of one label): whether a block's later steps still pay for the path before it (the cache
+    it inherits) or only its first does. Under overlap scheduling the interval at a block's
+    position 0 is mostly the last step of the block before (`_intervals`)."""
+    by_position: dict[str, list[list[float]]] = {}
+    run = 0
+    for i, (label, s) in enumerate(zip(labels, seconds, strict=True)):
+        run = run + 1 if i and labels[i - 1] == label else 0
+        if label.endswith("~"):
+            at = by_position.setdefault(label, [])
+            if run == len(at):  # (a run reaches each position after the ones before it)
+                at.append([])
+            at[run].append(1e3 * s)
+    return {label: [statistics.median(ms) for ms in at] for label, at in by_position.items()}
 
 
 def cpu_seen_summary(seen) -> dict:

@@ -112,3 +112,30 @@ def test_a_decode_window_labels_each_step_with_adaptives_path(tmp_path, rng_seed
         assert set(st["step_ms"]) == {"step"} and st["step_ms"]["step"]["n"] == n
     finally:
         engine.close()
+
+
+def test_trial_steps_are_summarised_by_their_place_in_a_block(rng_seed):
+    """trial_positions: for each trial label, the median ms at each place of its blocks (runs
+    of one label), from random blocks of random lengths; steps off trial add nothing."""
+    import statistics
+
+    rng = random.Random(rng_seed)
+    labels, places = [], []
+    for _ in range(rng.randint(3, 12)):
+        label = rng.choice(["shared~", "device~", "stops~", "device"])
+        if labels and labels[-1] == label:  # (two blocks of one label would be one run)
+            continue
+        for place in range(rng.randint(1, 6)):
+            labels.append(label)
+            places.append(place)
+    seconds = [rng.uniform(1e-4, 2e-2) for _ in labels]
+    got = offload.trial_positions(labels, seconds)
+    assert set(got) == {label for label in labels if label.endswith("~")}
+    for label, medians in got.items():
+        for place, median in enumerate(medians):
+            ms = [1e3 * s for lab, p, s in zip(labels, places, seconds, strict=True)
+                  if lab == label and p == place]  # fmt: skip
+            assert median == pytest.approx(statistics.median(ms))
+        assert len(medians) == 1 + max(
+            p for lab, p in zip(labels, places, strict=True) if lab == label
+        )
