@@ -52,6 +52,8 @@
 #         shared-kernels (the same for adaptive held on shared, uniform routing, b=1 and 4, ~3 min)
 #         cold-share (the CPU share's rule at 48 layers / 32 GB under Zipf: adaptive held on
 #         shared against gpu-fill, b=1 and 4, ~5 min)
+#         s37-check (the plan's GPU tests with its m - 1 bound, bench plan-kernel and side-fill
+#         on device_ms, then the peer slice's Zipf rows with the trials' steps by place, ~6 min)
 #         share-curve (peer slice, uniform, b=1 and 4: adaptive held on shared at CPU shares
 #         0.45-0.85, bench offload --hold-share: step time against the share, ~4 min)
 #         plan-kernel (the fills' GPU tests, then bench plan-kernel: the plan alone per slots and
@@ -456,6 +458,27 @@ for stage in "$@"; do
         --rounds 1 --decode 128 --regimes zipf:1.0,loc:0.7 --policies adaptive gpu-fill \
         --adaptive-path shared --no-shared-gate --out "$OUT/cold_share" 2>&1 \
         | tee "$OUT/cold_share_48.log" | grep "|b" | grep -v "round[0-9]" | cut -c1-200 ;;
+    s37-check)  # the thirty-sixth session's unrun GPU code, then the path trials' blocks by
+      # place (~6 min): the plan's GPU tests with the m - 1 bound, bench plan-kernel and bench
+      # side-fill on bench/cuda_graph.device_ms, the peer slice's Zipf rows (adaptive, gpu-fill)
+      timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_expert_fills.py \
+        tests/kernels/test_expert_fills_cpu_share.py 2>&1 | tee "$OUT/s37_plan_tests.log" | tail -3
+      timeout 100 python3 -m freetoken_agent.bench plan-kernel --slots 687 3022 --misses 0 4 8 \
+        --tokens 1 --share 0 --out "$OUT" 2>&1 | tee "$OUT/s37_plan_kernel.log" | cut -c1-200 | tail -8
+      timeout 100 python3 -m freetoken_agent.bench side-fill --steps 40 --out "$OUT" 2>&1 \
+        | tee "$OUT/s37_side_fill.log" | cut -c1-200 | tail -8
+      timeout 200 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --batches 1 4 --rounds 2 --decode 256 --regimes zipf:1.0,loc:0.7 \
+        --policies adaptive gpu-fill --out "$OUT/s37_zipf" 2>&1 | tee "$OUT/s37_zipf.log" \
+        | grep "|b" | grep -v "round[0-9]" | cut -c1-200
+      grep "adaptive|round" "$OUT/s37_zipf.log" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    key, row = line.split(' ', 1)
+    row = json.loads(row)
+    print(key, 'paths', {p: round(v, 2) for p, v in row['path_ms_per_token'].items()},
+          'places', {k: [round(v, 2) for v in m] for k, m in row['trial_positions_ms'].items()})
+" ;;
     share-curve)  # peer slice, uniform, b=1 and 4: adaptive held on shared (ungated: a held
       # path never passes the gate's stops) at CPU shares 0.45-0.85, one round each (~4 min)
       timeout 500 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
