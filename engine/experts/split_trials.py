@@ -66,11 +66,11 @@ DROP_FACTOR = 1.75
 
 class RotatedTrials:
     """Measures `candidates` by step time: `block` steps of each in turn, `rotations` times
-    (rotation r starts at candidate r, so none always runs first, right after the last one of
-    the previous rotation, whose cache state it inherits), keeps the lowest median seconds per
-    token for `period` steps, then measures again. SplitTrials' modes here, PathTrials' step
-    paths in step_paths.py, OffsetTrials' hill-climbs in offset_trials.py (ShareTrials'
-    shares, CutTrials' cuts); subclasses say whether a block's first step is a sample and
+    (the schedule a palindrome of blocks, so that a trend over the measurement favours no
+    candidate: `_explore`), keeps the lowest median seconds per token for `period` steps, then
+    measures again. SplitTrials' modes here, PathTrials' step paths in step_paths.py,
+    OffsetTrials' hill-climbs in offset_trials.py (ShareTrials' shares, CutTrials' cuts);
+    subclasses say whether a block's first step is a sample and
     which blocks run."""
 
     candidates: tuple[str, ...] = ()
@@ -186,8 +186,22 @@ class RotatedTrials:
         return measured[candidate] > DROP_FACTOR * best_other
 
     def _explore(self) -> None:
-        n = len(self.candidates)
-        order = [self.candidates[(r + i) % n] for r in range(self.rotations) for i in range(n)]
+        # The schedule is a palindrome of blocks: the first half's rotations start at
+        # candidates 0, 1, ... in turn, and the second half is the first reversed (A B C, C B A;
+        # A B C, B C A, A C B, C B A), so each candidate's blocks sit in mirrored pairs about
+        # the middle and a trend over the measurement moves every median alike. Rotated
+        # throughout (A B C, B C A), C ran a block later than B on average: PathTrials' first
+        # measurement comes WARM steps after a cold start, with the cache still warming, and
+        # measured `shared` (C) after `device` (B) in both rotations (on the H200 the peer
+        # slice's Zipf b=1 trials read shared at 2.08 ms a token and device at 3.18, where
+        # both run ~2.3 warm: thirty-seventh session; part of that is shared's real lead on a
+        # cold cache, where its CPU takes misses the link would fill one by one). An odd
+        # rotation count puts its extra rotation in the middle.
+        n, half = len(self.candidates), self.rotations // 2
+        rotated = [[self.candidates[(r + i) % n] for i in range(n)] for r in range(half + 1)]
+        first = [c for rotation in rotated[:half] for c in rotation]
+        middle = rotated[half] if self.rotations % 2 else []
+        order = first + middle + first[::-1]
         self._schedule = [c for c in order for _ in range(self.block)]
         self._samples: dict[str, list[float]] = {c: [] for c in self.candidates}
         self._refused: set[str] = set()  # candidates `allowed` refused a block of
