@@ -70,8 +70,7 @@ class RotatedTrials:
     candidate: `_explore`), keeps the lowest median seconds per token for `period` steps, then
     measures again. SplitTrials' modes here, PathTrials' step paths in step_paths.py,
     OffsetTrials' hill-climbs in offset_trials.py (ShareTrials' shares, CutTrials' cuts);
-    subclasses say whether a block's first step is a sample and
-    which blocks run."""
+    subclasses say whether a block's first step is a sample and which blocks run."""
 
     candidates: tuple[str, ...] = ()
     # Whether a block's first step is a sample (False where it pays for the switch to it).
