@@ -92,7 +92,6 @@ set -uo pipefail
 OUT=${OUT:-.out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-export PYTHONSAFEPATH=1  # the root off sys.path: our kernels/ would shadow the hub `kernels` (tools/test.sh)
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
   || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, \

@@ -35,7 +35,12 @@ def rng_seed() -> int:
 
 # Shared builders live in tests/helpers/. Only that folder goes on sys.path: putting tests/
 # itself there would let tests/kernels or tests/engine shadow real packages (transformers probes
-# for a `kernels` package).
+# for a `kernels` package). For the same reason the repository root comes off it, where
+# `python -m pytest` puts it: our `kernels/` folder would shadow the hub's `kernels`, which
+# transformers 5.25 requires and imports (ImportError: cannot import name 'CUDAProperties').
+# The package itself is imported from its editable install, whose finder needs no path entry.
+_ROOT = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != _ROOT]
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 
 
