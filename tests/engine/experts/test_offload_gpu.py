@@ -168,7 +168,7 @@ def test_adaptive_with_more_sequences_than_the_device_path_holds(tmp_path, rng_s
 def test_adaptive_shared_path_on_cuda_matches_resident(tmp_path, rng_seed, overlap):
     """adaptive's `shared` path held: the whole-step graph's layers post the CPU worker its
     share of their misses (pinned mailbox, system-scope ordering) and collect its answer in
-    the copy kernel; at one slot (every miss to the CPU), a random budget and share, and all
+    the MoE sum over k; at one slot (every miss to the CPU), a random budget and share, and all
     but one slot: the resident engine's tokens and logits."""
     from freetoken_agent.kernels.cpu import worker
 
