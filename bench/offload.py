@@ -149,6 +149,7 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
         steps += 1
     _sync()
     seconds = time.perf_counter() - start
+    intervals = _intervals(start, ends)
     load = cpu_load.between(load_start, cpu_load.snapshot())
     for rid in rids:
         engine._collect(rid)
@@ -174,8 +175,8 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
         # are this process; others' and steal are cores the worker could not have.
         "cpu_load": None if load is None else load.report(),
         "worker_jobs": None if share is None else _worker_window(worker0, share.counters()),
-        "step_ms": step_times_summary(labels, _intervals(start, ends)),
-        "trial_positions_ms": trial_positions(labels, _intervals(start, ends)),
+        "step_ms": step_times_summary(labels, intervals),
+        "trial_positions_ms": trial_positions(labels, intervals),
     }
 
 
