@@ -39,23 +39,25 @@ _NUM_WARPS = 4
 
 
 @triton.jit
-def _norm_rope_heads(
-    src, dst, w_ptr, cos_row, sin_row, head0, n_heads, dst_head_stride, eps, inv_d,
-    HB: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
-    HAS_NORM: tl.constexpr, MODE: tl.constexpr,
-):  # fmt: skip
-    # src: this token's first head of the kind (contiguous [n_heads, D]); dst: its output.
-    offs_h = head0 + tl.arange(0, HB)  # [HB]
-    offs_d = tl.arange(0, D_PAD)  # [D_PAD]
-    d_ok = offs_d < HEAD_DIM
+def _rotary_dims(HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr):
+    """Per dim of a padded head [D_PAD]: its offset, whether it is a real dim, whether RoPE
+    turns it, whether it is in the first rotary half, and its rotate-half partner."""
+    offs_d = tl.arange(0, D_PAD)
     in_rot = offs_d < ROT
     first_half = offs_d < ROT // 2
     partner = tl.where(first_half, offs_d + ROT // 2, offs_d - ROT // 2)
-    partner = tl.where(in_rot, partner, offs_d)  # [D_PAD] rotate-half partner of each dim
-    mask = (offs_h < n_heads)[:, None] & d_ok[None, :]  # [HB, D_PAD]
-    head_off = offs_h[:, None] * HEAD_DIM
-    x = tl.load(src + head_off + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(src + head_off + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.where(in_rot, partner, offs_d)
+    return offs_d, offs_d < HEAD_DIM, in_rot, first_half, partner
+
+
+@triton.jit
+def _norm_rope_values(
+    x, xp, w_ptr, cos_row, sin_row, offs_d, d_ok, in_rot, first_half, partner, eps, inv_d,
+    HAS_NORM: tl.constexpr, MODE: tl.constexpr,
+):  # fmt: skip
+    """Heads [HB, D_PAD] (fp32, masked dims 0) and their rotate-half partners' values xp:
+    normed (HAS_NORM) and rotated, rounded as the twin rounds (also kernels/triton/
+    norm_qkv.py's, whose heads come out of a projection instead of memory)."""
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(x * x, 1) * inv_d + eps)[:, None]  # [HB, 1]
         w = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -66,7 +68,24 @@ def _norm_rope_heads(
     s = tl.load(sin_row + offs_d, mask=in_rot, other=0.0).to(tl.float32)[None, :]
     rotated = tl.where(first_half[None, :], -xp, xp)  # negation is exact
     out = round_to(round_to(x * c, MODE) + round_to(rotated * s, MODE), MODE)
-    out = tl.where(in_rot[None, :], out, x)  # dims R..D-1 pass through (normed)
+    return tl.where(in_rot[None, :], out, x)  # dims R..D-1 pass through (normed)
+
+
+@triton.jit
+def _norm_rope_heads(
+    src, dst, w_ptr, cos_row, sin_row, head0, n_heads, dst_head_stride, eps, inv_d,
+    HB: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
+    HAS_NORM: tl.constexpr, MODE: tl.constexpr,
+):  # fmt: skip
+    # src: this token's first head of the kind (contiguous [n_heads, D]); dst: its output.
+    offs_h = head0 + tl.arange(0, HB)  # [HB]
+    offs_d, d_ok, in_rot, first_half, partner = _rotary_dims(HEAD_DIM, D_PAD, ROT)
+    mask = (offs_h < n_heads)[:, None] & d_ok[None, :]  # [HB, D_PAD]
+    head_off = offs_h[:, None] * HEAD_DIM
+    x = tl.load(src + head_off + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(src + head_off + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = _norm_rope_values(x, xp, w_ptr, cos_row, sin_row, offs_d, d_ok, in_rot, first_half,
+                            partner, eps, inv_d, HAS_NORM, MODE)  # fmt: skip
     ptrs = dst + offs_h[:, None] * dst_head_stride + offs_d[None, :]
     tl.store(ptrs, out.to(dst.dtype.element_ty), mask=mask)
 
