@@ -293,6 +293,11 @@ class EngineConfig:
     # FUSED_PROJ_NORM_ROWS). Measured as fused_router: b=1 274.4 -> 281.7 tok/s, both 289.4;
     # b=4 624.2 -> 609.3, so wider steps keep cuBLAS.
     fused_proj_norm: bool = True
+    # One-row decode steps on CUDA run each attention layer's input RMSNorm (with the residual
+    # add), the q/k/v projection, the per-head q/k norms, RoPE and the KV store in one launch
+    # (kernels/triton/norm_qkv.py) instead of the norm kernel, cuBLAS's GEMV and the rope
+    # kernel (engine/models/base.py FUSED_NORM_QKV_ROWS). Off until measured on the device.
+    fused_norm_qkv: bool = False
     # Offloaded decode under adaptive, while fills pay (temporal locality, as Zipf traces): a
     # stopping layer waits for q* of its misses' fills and runs the rest on the CPU while they
     # too are filled, behind its compute, for the steps after (AdaptiveFetches.behind).

@@ -35,7 +35,11 @@ from freetoken_agent.engine.kv.recurrence import build_recurrence, recurrent_dev
 from freetoken_agent.engine.l2_prefetcher import use_l2_prefetch
 from freetoken_agent.engine.layers.linear import use_skinny_gemv
 from freetoken_agent.engine.layers.moe import ExpertBank, use_fused_router
-from freetoken_agent.engine.models.base import MoeCausalLM, use_fused_proj_norm
+from freetoken_agent.engine.models.base import (
+    MoeCausalLM,
+    use_fused_norm_qkv,
+    use_fused_proj_norm,
+)
 from freetoken_agent.engine.models.registry import family, spec_from_config
 from freetoken_agent.engine.request import Recurrence
 from freetoken_agent.engine.text.tokenizer import Tokenizer
@@ -222,6 +226,8 @@ def assemble(
         use_fused_router(model)
     if config.fused_proj_norm:
         use_fused_proj_norm(model)
+    if config.fused_norm_qkv:
+        use_fused_norm_qkv(model)
     if config.l2_prefetch:
         use_l2_prefetch(model, bank, device)
     dense = dense_nbytes(model)

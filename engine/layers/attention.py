@@ -20,6 +20,7 @@ from freetoken_agent.engine.layers.norm import RMSNorm
 from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.layers.rope import RotaryEmbedding
 from freetoken_agent.kernels.l2_prefetch import prefetch_tensor
+from freetoken_agent.kernels.norm_qkv import norm_qkv_rope
 from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
 from freetoken_agent.kernels.rope import qk_norm_rope_store
 
@@ -96,6 +97,10 @@ class SelfAttention(nn.Module):
         self._counters: torch.Tensor | None = None
         # EngineConfig.l2_prefetch (use_l2_prefetch): the model's prefetcher, or None.
         self.l2: L2Prefetcher | None = None
+        # attend_unnormed's scratch (kernels/triton/norm_qkv.py new_scratch, made at its first
+        # CUDA call) for steps of up to front_rows rows (the decoder layer sets it).
+        self._front_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.front_rows = 1
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(x, meta))
@@ -103,11 +108,8 @@ class SelfAttention(nn.Module):
     def attend(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Everything before o_proj: [T, Hq * D] (the decoder layer may fuse o_proj with the
         norm after it: kernels/proj_norm.py)."""
-        t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D], or [T, (2 Hq + 2 Hkv) * D] with a gate
-        prefetch = self.l2 is not None and t <= PREFETCH_ROWS
-        if prefetch:  # o_proj's weight into L2 beside RoPE and attention (EngineConfig.l2_prefetch)
-            self.l2.start(prefetch_tensor, self.o_proj.weight)
+        prefetch = self._start_prefetch(x.shape[0])
         gate = None
         if self.fused_qk:
             q = qk_norm_rope_store(
@@ -127,7 +129,69 @@ class SelfAttention(nn.Module):
             )  # [T, Hq, D]; k and v are in the cache
         else:
             q, gate = self._project_unfused(qkv, meta)
-        out = self._attend(q, meta).reshape(t, -1)  # [T, Hq * D]
+        return self._attend_queries(q, gate, meta, prefetch)
+
+    def attend_unnormed(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attend(h), s) with h, s = norm(x, residual) (s = x without a residual): the norm,
+        the q/k/v projection, the q/k norms, RoPE and the KV store in one launch for
+        decode-sized CUDA steps (kernels/norm_qkv.py; the decoder layer calls it where
+        `fusable_front` holds)."""
+        if self._front_scratch is None and x.is_cuda:
+            from freetoken_agent.kernels.triton.norm_qkv import head_tiles, new_scratch
+
+            heads, h = self.n_heads + 2 * self.n_kv_heads, x.shape[1]
+            if head_tiles(self.head_dim, heads * self.head_dim, h) is not None:
+                self._front_scratch = new_scratch(heads, self.head_dim, h, self.front_rows,
+                                                  x.device)  # fmt: skip
+        qk = self.options.qk_norm == "head"
+        q, s = norm_qkv_rope(
+            x,
+            residual,
+            norm.weight,
+            norm.eps,
+            norm.zero_centred,
+            self.qkv_proj.weight,
+            meta.positions,
+            self.rope.cos,
+            self.rope.sin,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.q_norm.weight if qk else None,
+            self.k_norm.weight if qk else None,
+            self.q_norm.eps if qk else 0.0,
+            self.k_cache,
+            self.v_cache,
+            meta.slot_mapping,
+            scratch=self._front_scratch if x.shape[0] <= self.front_rows else None,
+        )  # q [T, Hq, D]; k and v are in the cache
+        return self._attend_queries(q, None, meta, self._start_prefetch(x.shape[0])), s
+
+    def fusable_front(self) -> bool:
+        """Whether `attend_unnormed` can serve this layer: per-head q/k norms or none (the
+        fused rope kernel's cases) and no q/k/v bias."""
+        return self.fused_qk and self.qkv_proj.bias is None
+
+    def _start_prefetch(self, t: int) -> bool:
+        """o_proj's weight into L2 beside RoPE and attention (EngineConfig.l2_prefetch), for
+        steps of few rows; whether it started."""
+        prefetch = self.l2 is not None and t <= PREFETCH_ROWS
+        if prefetch:
+            self.l2.start(prefetch_tensor, self.o_proj.weight)
+        return prefetch
+
+    def _attend_queries(
+        self, q: torch.Tensor, gate: torch.Tensor | None, meta: AttentionMetadata, prefetch: bool
+    ) -> torch.Tensor:
+        """q [T, Hq, D] over the cache (k and v stored), times the output gate if any:
+        [T, Hq * D]."""
+        out = self._attend(q, meta).reshape(q.shape[0], -1)  # [T, Hq * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
         if prefetch:

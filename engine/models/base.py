@@ -53,6 +53,9 @@ class Blueprint:
 # The fused o_proj + add + norm (EngineConfig.fused_proj_norm) runs steps of at most this many
 # rows: on the H200 host, 48 layers all resident, b=1 decode gained 2.6% with it, b=4 lost 2.4%.
 FUSED_PROJ_NORM_ROWS = 1
+# The fused input norm + q/k/v projection + q/k norms + RoPE + KV store
+# (EngineConfig.fused_norm_qkv) runs steps of at most this many rows.
+FUSED_NORM_QKV_ROWS = 1
 
 
 class DecoderLayer(nn.Module):
@@ -85,6 +88,9 @@ class DecoderLayer(nn.Module):
         # launch at decode; its partials' scratch is made at the first CUDA step.
         self.fused_proj_norm = False
         self._proj_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        # EngineConfig.fused_norm_qkv (use_fused_norm_qkv): this norm inside attention's
+        # first launch at decode (SelfAttention.attend_unnormed).
+        self.fused_norm_qkv = False
         if layer in spec.moe_layers:
             self.mlp: nn.Module = SparseMoeBlock(
                 spec.hidden_size,
@@ -102,15 +108,23 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (the add is
         fused into this layer's first norm). Returns (this layer's output, residual stream)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
+        rows = x.shape[0]
+        if self.fused_norm_qkv and rows <= FUSED_NORM_QKV_ROWS:  # the norm inside attention
+            out, residual = self.self_attn.attend_unnormed(x, residual, self.input_layernorm,
+                                                           meta)  # fmt: skip
         else:
-            h, residual = self.input_layernorm(x, residual)
-        if self.fused_proj_norm and h.shape[0] <= FUSED_PROJ_NORM_ROWS:  # o_proj, add, norm
-            h, residual = self._proj_norm(self.self_attn.attend(h, meta), residual)
+            if residual is None:
+                residual, h = x, self.input_layernorm(x)
+            else:
+                h, residual = self.input_layernorm(x, residual)
+            if self.recurrent:
+                h, residual = self.post_attention_layernorm(self.linear_attn(h, meta), residual)
+                return self.mlp(h), residual
+            out = self.self_attn.attend(h, meta)  # [T, Hq * D], before o_proj
+        if self.fused_proj_norm and rows <= FUSED_PROJ_NORM_ROWS:  # o_proj, add, norm
+            h, residual = self._proj_norm(out, residual)
         else:
-            mixer = self.linear_attn if self.recurrent else self.self_attn
-            h, residual = self.post_attention_layernorm(mixer(h, meta), residual)
+            h, residual = self.post_attention_layernorm(self.self_attn.o_proj(out), residual)
         return self.mlp(h), residual
 
     def _proj_norm(
@@ -136,6 +150,19 @@ def use_fused_proj_norm(model: nn.Module, on: bool = True) -> None:
             attn, norm = layer.self_attn, layer.post_attention_layernorm
             fusable = attn.o_proj.bias is None and isinstance(norm, RMSNorm)
             layer.fused_proj_norm = on and fusable
+
+
+def use_fused_norm_qkv(model: nn.Module, on: bool = True) -> None:
+    """EngineConfig.fused_norm_qkv: every attention layer whose input norm is an RMSNorm and
+    whose front the fused kernel serves (SelfAttention.fusable_front) runs its input norm,
+    q/k/v projection, q/k norms, RoPE and KV store in one launch at decode
+    (kernels/norm_qkv.py); `on` False switches them back (captured graphs keep the kernels they
+    were captured with)."""
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer) and not layer.recurrent:
+            fusable = isinstance(layer.input_layernorm, RMSNorm) and layer.self_attn.fusable_front()
+            layer.fused_norm_qkv = on and fusable
+            layer.self_attn.front_rows = FUSED_NORM_QKV_ROWS
 
 
 class MoeCausalLM(nn.Module):

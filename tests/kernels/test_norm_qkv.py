@@ -194,3 +194,82 @@ def test_norm_qkv_replays_in_a_cuda_graph(rng_seed):
         k, _ = written(case, k_cache, v_cache)
         k_ref, _ = written(case, k_want, v_want)
         torch.testing.assert_close(k, k_ref, atol=0.05, rtol=2**-6)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_config_switches_every_attention_layer(tmp_path, rng_seed, family):
+    """EngineConfig.fused_norm_qkv reaches every attention layer whose front the kernel serves
+    (Qwen3's per-head q/k norms, Mixtral's none); off, none. On the CPU the fused layer
+    computes what the plain one does: the same tokens and logits."""
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine, SamplingParams
+    from freetoken_agent.engine.models.base import DecoderLayer
+
+    make_tiny(family, tmp_path, rng_seed)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(rng_seed)
+    prompt = [int(t) for t in torch.randint(3, 300, (12,), generator=gen)]
+    tokens, logits = [], []
+    for on in (False, True):
+        engine = Engine.load(tmp_path, device="cpu", progress=False, fused_norm_qkv=on)
+        layers = [m for m in engine.loaded.model.modules() if isinstance(m, DecoderLayer)]
+        assert len(layers) > 1 and all(m.fused_norm_qkv == on for m in layers)
+        tokens.append(engine.generate(prompt, sp).token_ids)
+        logits.append(engine.score(prompt + tokens[-1]))
+    assert tokens[0] == tokens[1]
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "qwen3_next"])
+def test_layers_the_kernel_cannot_serve_stay_apart(tmp_path, rng_seed, family):
+    """OLMoE's norms over whole projections, Qwen2-MoE's q/k/v bias and Qwen3-Next's gated,
+    zero-centred attention are not the kernel's cases: the switch leaves those layers alone."""
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine
+    from freetoken_agent.engine.models.base import DecoderLayer
+
+    make_tiny(family, tmp_path, rng_seed)
+    engine = Engine.load(tmp_path, device="cpu", progress=False, fused_norm_qkv=True)
+    layers = [m for m in engine.loaded.model.modules() if isinstance(m, DecoderLayer)]
+    assert layers and not any(m.fused_norm_qkv for m in layers)
+
+
+def test_a_fused_layer_fuses_only_steps_of_few_rows(tmp_path, rng_seed, monkeypatch):
+    """A layer with fused_norm_qkv sends steps of at most FUSED_NORM_QKV_ROWS rows to
+    norm_qkv_rope, wider ones (prefill, two sequences) to the norm and the plain projection: a
+    one-sequence decode calls it, and the tokens are the plain layer's."""
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine, SamplingParams
+    from freetoken_agent.engine.layers import attention
+    from freetoken_agent.engine.models import base
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    rows = []
+
+    def counted(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return norm_qkv_rope(x, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "norm_qkv_rope", counted)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(rng_seed)
+    prompts = [[int(t) for t in torch.randint(3, 300, (n,), generator=gen)] for n in (9, 14)]
+    out = {}
+    for on in (False, True):
+        engine = Engine.load(tmp_path, device="cpu", progress=False, fused_norm_qkv=on)
+        out[on] = [o.token_ids for o in engine.generate(prompts, sp)]
+        out[on].append(engine.generate(prompts[0], sp).token_ids)
+    assert out[True] == out[False]
+    assert rows and max(rows) <= base.FUSED_NORM_QKV_ROWS
+
+
+@pytest.mark.gpu
+def test_engine_with_norm_qkv_matches_the_default_on_cuda(tmp_path, rng_seed):
+    """The attention front in one launch gives the plain layers' tokens and logits (fp32,
+    decode under graphs)."""
+    from option_parity import assert_option_keeps_results_on_cuda
+
+    assert_option_keeps_results_on_cuda(tmp_path, rng_seed, fused_norm_qkv=True)
