@@ -1,8 +1,10 @@
 """The decode step's fused kernels, each on and off, in one all-resident engine beside the HBM
 limit: EngineConfig.fused_router (kernels/triton/route.py) and fused_proj_norm
-(kernels/triton/proj_norm.py); with both, programmatic dependent launch (kernels/triton/pdl.py,
-FREETOKEN_PDL: on, exit, prefetch, light), the skinny matmul for the other projections
-(EngineConfig.skinny_gemv) and o_proj's L2 prefetch (EngineConfig.l2_prefetch).
+(kernels/triton/proj_norm.py); with both, the attention front in one launch
+(EngineConfig.fused_norm_qkv, kernels/triton/norm_qkv.py: the `all+...` variants),
+programmatic dependent launch (kernels/triton/pdl.py, FREETOKEN_PDL: on, exit, prefetch,
+light), the skinny matmul for the other projections (EngineConfig.skinny_gemv) and o_proj's L2
+prefetch (EngineConfig.l2_prefetch).
 
     python -m freetoken_agent.bench fusions [--layers 48] [--tokens 128] [--rounds 2]
 
@@ -30,32 +32,36 @@ from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random
 from freetoken_agent.engine.l2_prefetcher import use_l2_prefetch
 from freetoken_agent.engine.layers.linear import use_skinny_gemv
 from freetoken_agent.engine.layers.moe import use_fused_router
-from freetoken_agent.engine.models.base import use_fused_proj_norm
+from freetoken_agent.engine.models.base import use_fused_norm_qkv, use_fused_proj_norm
 from freetoken_agent.kernels.triton import pdl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = {
-    "none": (False, False, "off", False, False),
-    "router": (True, False, "off", False, False),
-    "proj_norm": (False, True, "off", False, False),
-    "both": (True, True, "off", False, False),
-    "both+pdl": (True, True, "on", False, False),
-    "both+pdl-exit": (True, True, "exit", False, False),
-    "both+pdl-light": (True, True, "light", False, False),
-    "both+pdl-prefetch": (True, True, "on,prefetch", False, False),
-    "both+skinny": (True, True, "off", True, False),
-    "both+skinny+pdl-prefetch": (True, True, "on,prefetch", True, False),
-    "both+l2": (True, True, "off", False, True),
-}  # name -> (fused_router, fused_proj_norm, FREETOKEN_PDL, skinny_gemv, l2_prefetch)
+    "none": (False, False, "off", False, False, False),
+    "router": (True, False, "off", False, False, False),
+    "proj_norm": (False, True, "off", False, False, False),
+    "both": (True, True, "off", False, False, False),
+    "both+pdl": (True, True, "on", False, False, False),
+    "both+pdl-exit": (True, True, "exit", False, False, False),
+    "both+pdl-light": (True, True, "light", False, False, False),
+    "both+pdl-prefetch": (True, True, "on,prefetch", False, False, False),
+    "both+skinny": (True, True, "off", True, False, False),
+    "both+skinny+pdl-prefetch": (True, True, "on,prefetch", True, False, False),
+    "both+l2": (True, True, "off", False, True, False),
+    "all+pdl-light": (True, True, "light", False, False, True),
+    "all+pdl": (True, True, "on", False, False, True),
+}  # name -> (fused_router, fused_proj_norm, FREETOKEN_PDL, skinny_gemv, l2_prefetch,
+#             fused_norm_qkv)
 
 
 def set_variant(engine, name: str) -> None:
     """Switch the model's fusions, skinny matmuls and L2 prefetch to `name`'s and capture the
     decode graphs with them (call it inside `pdl.override(VARIANTS[name][2])`, which decoding
     needs too)."""
-    router, proj_norm, _, skinny, l2 = VARIANTS[name]
+    router, proj_norm, _, skinny, l2, norm_qkv = VARIANTS[name]
     use_fused_router(engine.loaded.model, router)
     use_fused_proj_norm(engine.loaded.model, proj_norm)
+    use_fused_norm_qkv(engine.loaded.model, norm_qkv)
     use_skinny_gemv(engine.loaded.model, skinny)
     use_l2_prefetch(engine.loaded.model, engine.loaded.bank, engine.loaded.device, l2)
     engine.capture_graphs()

@@ -8,10 +8,13 @@ runs in the interpreter on the CPU and compiled on CUDA; fresh random inputs eve
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 from rope_cases import make_case, written
+from sm90_compile import compiled_json
 
 from freetoken_agent.kernels import reference
 from freetoken_agent.kernels.gemv import MAX_M
@@ -162,6 +165,39 @@ def test_what_one_launch_cannot_take_runs_the_three_steps(rng_seed, shape, monke
     assert torch.equal(s, s_ref)
     torch.testing.assert_close(q, q_want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(k_cache, k_want, atol=1e-6, rtol=1e-6, equal_nan=True)
+
+
+# The kernel at the 30B-A3B shape compiled for sm_90 (no GPU needed), under PDL `on` with the
+# weights' prefetch, in a process of its own (this one imported the kernels under the
+# interpreter).
+_COMPILE = """
+import json, re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from freetoken_agent.kernels.triton.norm_qkv import _norm_qkv_kernel as fn
+consts = dict(M=1, S=1, BLOCK_N=32, BLOCK_K=256, ROW=2048, PREC="tf32", MODE=3, HAS_RES=True,
+              ZERO_CENTRED=False, HEAD_DIM=128, D_PAD=128, ROT=128, Q_NORM=True, K_NORM=True,
+              PDL=7)
+types = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+types.update(part_ptr="*fp32", done_ptr="*i32", pos_ptr="*i64", slot_ptr="*i64", inv_h="fp32",
+             eps="fp32", qk_eps="fp32", inv_d="fp32")
+sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+ptx = compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+              options=dict(num_warps=4)).asm["ptx"]
+print(json.dumps(ptx))
+"""
+
+
+def test_sm90_code_prefetches_waits_then_counts_each_head_once():
+    """Compiled for the H200: no local memory (nothing spilled: the rows' statistics and the
+    tiles stay in registers); the weights' L2 prefetch before PDL's wait and every load after
+    it; one acquire-release add on a head's counter at GPU scope."""
+    ptx = compiled_json(_COMPILE)
+    assert ".local" not in ptx, "registers spilled"
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("prefetch.global.L2 ") < wait < ptx.index("ld.global")
+    assert len(re.findall(r"atom\.[.\w]*acq_rel[.\w]*", ptx)) == 1, "one counter add"
+    assert re.search(r"atom\.[.\w]*gpu", ptx), "the counter at GPU scope"
 
 
 @pytest.mark.gpu

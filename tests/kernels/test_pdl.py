@@ -29,6 +29,7 @@ AWARE = {
     "moe_decode": ["_decode_gate_up_kernel", "_decode_down_kernel"],
     "split_combine": ["_combine_splits_kernel"],
     "proj_norm": ["_proj_norm_kernel"],
+    "norm_qkv": ["_norm_qkv_kernel"],
     "paged_attention": ["_paged_attention_kernel"],
     "expert_fills": ["_plan_kernel", "_copy_kernel"],
 }
@@ -204,12 +205,14 @@ def _launch_sites() -> dict[str, tuple[bool, str | None]]:
 def test_every_aware_kernel_launches_with_the_switch_and_the_heavy_ones_say_so():
     sites = _launch_sites()
     assert set(sites) == {n for ns in AWARE.values() for n in ns}
-    heavy = {"_decode_gate_up_kernel", "_decode_down_kernel", "_gemv_kernel", "_proj_norm_kernel"}
+    heavy = {"_decode_gate_up_kernel", "_decode_down_kernel", "_gemv_kernel", "_proj_norm_kernel",
+             "_norm_qkv_kernel"}  # fmt: skip
     assert {name for name, is_heavy in sites.items() if is_heavy[0]} == heavy
     # PREFETCH goes to the kernels that prefetch before their wait: always for the model's
     # weights, where the caller says the rows are settled for gate/up.
     prefetch = {name: is_heavy[1] for name, is_heavy in sites.items() if is_heavy[1]}
     assert prefetch == {"_gemv_kernel": "True", "_proj_norm_kernel": "True",
+                        "_norm_qkv_kernel": "True",
                         "_decode_gate_up_kernel": "rows_settled"}  # fmt: skip
 
 
