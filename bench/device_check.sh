@@ -87,6 +87,8 @@
 #         s27-check (bench side-fill: copies behind the step on a second stream, its GPU test
 #         first; the CPU kernel's tests on AVX-512; then the peer slice native then uniform, adaptive and gpu-fill, with the
 #         cores' use beside every host probe and row; ~5 min)
+#         s38-front (the attention front in one launch, EngineConfig.fused_norm_qkv: its GPU
+#         tests, then bench fusions at 48 layers with and without it, 3 rounds; ~7 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -105,6 +107,13 @@ for stage in "$@"; do
       timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/integrations \
         tests/ 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    s38-front)  # the attention front in one launch: its GPU tests and the 48-layer step (~7 min)
+      timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
+        tests/kernels/test_rope.py tests/kernels/test_pdl.py 2>&1 \
+        | tee "$OUT/norm_qkv_tests_s38.log" | tail -4
+      timeout 420 python3 -m freetoken_agent.bench fusions --layers 48 --variants both+pdl-light \
+        all+pdl-light all+pdl --rounds 3 --out "$OUT" 2>&1 | tee "$OUT/front_fusions_s38.log" \
+        | grep "|b" | cut -c1-160 ;;
     pdl-tests)  # PDL's and L2 prefetch's GPU tests: each variant against off, bit for bit (~5 min)
       timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_pdl_gpu.py \
         2>&1 | tee "$OUT/pdl_tests.log" | tail -15 ;;
