@@ -68,20 +68,23 @@ def _normed_gemv_tile(x_ptr, r_ptr, nw_ptr, w_ptr, rstd, offs_n, n_ok, k_lo, k_h
                       BLOCK_K: tl.constexpr, PREC: tl.constexpr, HAS_RES: tl.constexpr,
                       MODE: tl.constexpr, ZERO_CENTRED: tl.constexpr):  # fmt: skip
     """gemv.py's _gemv_tile with x replaced by the normalised rows h = norm(round(x + r)), made
-    tile by tile from x, r and rstd [16]: [16, BLOCK_N] fp32, rows past M zero."""
+    tile by tile from x, r and rstd [16]: [16, BLOCK_N] fp32, rows past M zero. Only the M real
+    rows are normalised (the dot's padding rows stay 0): normalising all 16 made the kernel
+    compute-bound (the first device run: 8 us a layer slower than the three launches)."""
     offs_m = tl.arange(0, 16)
-    m_ok = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [16, 1]
-    r_rows = r_ptr + offs_m[:, None] * stride_r
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_hi
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        ok = m_ok[:, None] & k_ok[None, :]
-        s = _load_sum(x_rows, r_rows, offs_k[None, :], ok, HAS_RES, MODE)  # [16, BLOCK_K]
-        h = _scale(s, rstd[:, None], nw_ptr, offs_k, k_ok, ZERO_CENTRED, MODE)
+        h = tl.zeros([16, BLOCK_K], tl.float32)
+        for m in tl.static_range(M):
+            rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), 0)  # this row's 1 / rms
+            s_m = _load_sum(x_ptr + m * stride_xm, r_ptr + m * stride_r, offs_k, k_ok, HAS_RES,
+                            MODE)  # [BLOCK_K]  # fmt: skip
+            h_m = _scale(s_m, rstd_m, nw_ptr, offs_k, k_ok, ZERO_CENTRED, MODE)
+            h = tl.where(offs_m[:, None] == m, h_m[None, :], h)
         acc = tl.dot(h.to(w.dtype), tl.trans(w), acc, input_precision=PREC)  # [16, BLOCK_N]
     return acc
 
