@@ -268,6 +268,6 @@ def norm_qkv_rope(
         HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), ROT=r,
         Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None,
         num_warps=tiles["WARPS"],
-        **pdl_launch(x.device, heavy=True, prefetch=True),
+        **pdl_launch(x.device, heavy=True, prefetch=True, lead=True),
     )  # fmt: skip
     return q, out_s

@@ -30,9 +30,11 @@ Variants (FREETOKEN_PDL, a comma list; `light` by default, the one that won at b
   to a filled slot reach the lines in L2 after the prefetch as before it). A prefetch moves no
   data into the kernel: correctness never depends on it.
 - `light`: `on` for the small kernels only; the weight-streaming ones (MoE gate/up and down, the
-  skinny matmul, o_proj + norm) launch as without PDL. An early launch places a grid's programs
-  on the SMs that have room while the kernel before it still runs, which for a one-wave kernel
-  can mean fewer SMs streaming its weights: one explanation of `on`'s loss at b=1. Measured in
+  skinny matmul, o_proj + norm) launch as without PDL, save the attention front (norm_qkv.py),
+  which always follows a small kernel (the MoE sum over k, or the embedding): it launches early
+  and prefetches its weights. An early launch places a grid's programs on the SMs that have
+  room while the kernel before it still runs, which for a one-wave kernel can mean fewer SMs
+  streaming its weights: one explanation of `on`'s loss at b=1. Measured in
   the twenty-third session (48 layers): all resident b=1 299.5 and b=4 675.2 tok/s against off's
   296.1 / 664.2 (`exit` 296.9 / 665.5, `prefetch` 282.9 / 685.3); the default.
 The rule in full, then: before `enter`, no store, no atomic, no return, and no load of anything
@@ -81,15 +83,24 @@ def _sm90_with_gdc(index: int) -> bool:
     return hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
 
 
-def launch(device: torch.device, heavy: bool = False, prefetch: bool = False) -> dict:
+def launch(
+    device: torch.device, heavy: bool = False, prefetch: bool = False, lead: bool = False
+) -> dict:
     """Keyword arguments for a PDL-aware kernel's launch: its `PDL` flags, and `launch_pdl`
     when PDL is on for `device` (and, with LIGHT, the kernel is not `heavy`: one that streams
     weights). PREFETCH only where the caller says `prefetch`: the kernel has a prefetch before
     its wait and what it prefetches is settled (other kernels compile no variant for it).
+    `lead` (with heavy and prefetch): the kernel always follows a small one (the attention
+    front after the MoE sum over k), so an early launch takes no SMs from a streaming grid;
+    with LIGHT it launches early and prefetches its weights before its wait.
     Spread into the launch: `kernel[grid](..., **pdl.launch(dev))`."""
     bits = requested()
-    if not bits or not supported(device) or (heavy and bits & LIGHT):
+    if not bits or not supported(device):
         return {"PDL": 0}
+    if heavy and bits & LIGHT:
+        if not (lead and prefetch):
+            return {"PDL": 0}
+        bits |= PREFETCH
     return {"PDL": bits & (WAIT | RELEASE | (PREFETCH if prefetch else 0)), "launch_pdl": True}
 
 
