@@ -50,6 +50,7 @@ VARIANTS = {
     "both+l2": (True, True, "off", False, True, False),
     "all+pdl-light": (True, True, "light", False, False, True),
     "all+pdl": (True, True, "on", False, False, True),
+    "all+pdl-prefetch": (True, True, "on,prefetch", False, False, True),
 }  # name -> (fused_router, fused_proj_norm, FREETOKEN_PDL, skinny_gemv, l2_prefetch,
 #             fused_norm_qkv)
 
