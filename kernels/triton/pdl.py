@@ -31,8 +31,10 @@ Variants (FREETOKEN_PDL, a comma list; `light` by default, the one that won at b
   data into the kernel: correctness never depends on it.
 - `light`: `on` for the small kernels only; the weight-streaming ones (MoE gate/up and down, the
   skinny matmul, o_proj + norm) launch as without PDL, save the attention front (norm_qkv.py),
-  which always follows a small kernel (the MoE sum over k, or the embedding): it launches early
-  and prefetches its weights. An early launch places a grid's programs on the SMs that have
+  which always follows a small kernel (the MoE sum over k, or the embedding): it launches
+  early. Its weights' L2 prefetch before the wait cost 4% at 48 layers b=1 (thirty-eighth
+  session: 301.7 against 314.1 tok/s under `on`), so it asks for it only under `prefetch`. An
+  early launch places a grid's programs on the SMs that have
   room while the kernel before it still runs, which for a one-wave kernel can mean fewer SMs
   streaming its weights: one explanation of `on`'s loss at b=1. Measured in
   the twenty-third session (48 layers): all resident b=1 299.5 and b=4 675.2 tok/s against off's
@@ -88,19 +90,14 @@ def launch(
 ) -> dict:
     """Keyword arguments for a PDL-aware kernel's launch: its `PDL` flags, and `launch_pdl`
     when PDL is on for `device` (and, with LIGHT, the kernel is not `heavy`: one that streams
-    weights). PREFETCH only where the caller says `prefetch`: the kernel has a prefetch before
-    its wait and what it prefetches is settled (other kernels compile no variant for it).
-    `lead` (with heavy and prefetch): the kernel always follows a small one (the attention
-    front after the MoE sum over k), so an early launch takes no SMs from a streaming grid;
-    with LIGHT it launches early and prefetches its weights before its wait.
-    Spread into the launch: `kernel[grid](..., **pdl.launch(dev))`."""
+    weights, unless it `lead`s). PREFETCH only where the caller says `prefetch`: the kernel has
+    a prefetch before its wait and what it prefetches is settled (other kernels compile no
+    variant for it). `lead` (a heavy kernel that always follows a small one: the attention
+    front after the MoE sum over k) launches early under LIGHT too: it takes no SMs from a
+    streaming grid. Spread into the launch: `kernel[grid](..., **pdl.launch(dev))`."""
     bits = requested()
-    if not bits or not supported(device):
+    if not bits or not supported(device) or (heavy and not lead and bits & LIGHT):
         return {"PDL": 0}
-    if heavy and bits & LIGHT:
-        if not (lead and prefetch):
-            return {"PDL": 0}
-        bits |= PREFETCH
     return {"PDL": bits & (WAIT | RELEASE | (PREFETCH if prefetch else 0)), "launch_pdl": True}
 
 
