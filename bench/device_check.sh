@@ -87,6 +87,9 @@
 #         s27-check (bench side-fill: copies behind the step on a second stream, its GPU test
 #         first; the CPU kernel's tests on AVX-512; then the peer slice native then uniform, adaptive and gpu-fill, with the
 #         cores' use beside every host probe and row; ~5 min)
+#         pdl-on-48 pdl-on-peer (adaptive under FREETOKEN_PDL light, the default, against on:
+#         48 layers / 32 GB native and Zipf, b=1 and 4, ~6 min; the peer slice's three
+#         regimes, ~4 min)
 #         s38-front (the attention front in one launch, EngineConfig.fused_norm_qkv: its GPU
 #         tests, then bench fusions at 48 layers with and without it, 3 rounds; ~7 min)
 # Logs and JSON land in $OUT (or ./.out).
@@ -107,6 +110,17 @@ for stage in "$@"; do
       timeout 560 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/integrations \
         tests/ 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    pdl-on-48)  # adaptive under PDL light against on, 48 layers / 32 GB (~6 min)
+      timeout 570 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 4 \
+        --rounds 1 --decode 128 --regimes native zipf:1.0,loc:0.7 --policies adaptive \
+        --pdl light on --out "$OUT/pdl_on_48" 2>&1 | tee "$OUT/pdl_on_48.log" | grep "|b" \
+        | grep -v "round[0-9]" | cut -c1-200 ;;
+    pdl-on-peer)  # the same on the peer slice, its three regimes, 2 rounds (~4 min)
+      timeout 570 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+        --skip-prefill --batches 1 4 --rounds 2 --decode 256 \
+        --regimes uniform zipf:1.0,loc:0.7 native --policies adaptive --pdl light on \
+        --out "$OUT/pdl_on_peer" 2>&1 | tee "$OUT/pdl_on_peer.log" | grep "|b" \
+        | grep -v "round[0-9]" | cut -c1-200 ;;
     s38-front)  # the attention front in one launch: its GPU tests and the 48-layer step (~7 min)
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
         tests/kernels/test_rope.py tests/kernels/test_pdl.py 2>&1 \
