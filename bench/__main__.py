@@ -39,6 +39,8 @@
                       misses and the slots it scans, beside the launch floor (CUDA)
     share-rule        the shared path's CPU share rules replayed on routing traces with a
                       per-layer time model: fills, CPU experts and modelled steps (any CPU)
+    expert-mlp        a probe: one token's routed experts in one launch against the decode
+                      path's three, graph-replayed at the 30B shape, beside HBM (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -71,6 +73,7 @@ BENCHES = {
     "side-fill": "freetoken_agent.bench.side_fill",
     "split-cuts": "freetoken_agent.bench.split_cuts",
     "plan-kernel": "freetoken_agent.bench.plan_kernel",
+    "expert-mlp": "freetoken_agent.bench.expert_mlp",
     "share-rule": "freetoken_agent.bench.share_rule",
 }
 

@@ -1,0 +1,208 @@
+"""A measurement probe: one decode token's routed experts as ONE launch (gate/up, SwiGLU and
+down in each program), against the engine's decode path (kernels/triton/moe_decode.py: gate/up,
+down and the sum over k, three launches), each in a CUDA graph of 8 layers' rows at the
+Qwen3-30B-A3B shape.
+
+    python -m freetoken_agent.bench expert-mlp [--slices 16 32 64] [--rounds 3]
+
+Why: at 48 layers, b=1, a resident layer spends ~67 us of kernels for ~30 us of HBM time, and
+fusing small kernels of the chain no longer pays under PDL (NOTES, thirty-eighth session). The
+MoE is 75.5 MB a layer in two weight-streaming launches (16.1 + 10.2 us in the twenty-second
+session's table, 2.9 TB/s together). If the whole expert MLP in one grid streams faster, that
+is the first part of a persistent layer kernel worth building; if not, that plan loses its
+cheapest part. Nothing here is engine code: the kernel takes one token, resident rows only.
+
+The probe's program (pair p, slice s of BI expert columns) computes act = silu(x W1^T) * (x
+W3^T) for its columns over the whole hidden size, then that slice's down product act_s W2[:,
+s]^T: an fp32 partial [H] of pair p. A second launch sums each pair's slices in order, weights
+them and sums over k, rounding once: the engine's numbers up to the fp32 sum's order (act in
+fp32, split into two 16-bit parts for the tensor cores, as moe_decode.py does).
+
+JSON: `expert_mlp.json` (us a layer, GB/s and share of the copy bandwidth, per variant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Shape legend: H hidden, I expert width, K top-k (pairs of the one token), S = I / BI slices.
+
+
+@triton.jit
+def _expert_mlp_kernel(
+    x_ptr,  # [H] the token
+    w13_ptr,  # [N, 2I, H]
+    w2_ptr,  # [N, H, I]
+    ids_ptr,  # [K] bank rows
+    part_ptr,  # [K, S, H] fp32
+    stride13,
+    stride2,
+    H,
+    I,  # noqa: E741 (the shape legend's name)
+    BI: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    p, s = tl.program_id(0), tl.program_id(1)
+    row = tl.load(ids_ptr + p).to(tl.int64)
+    offs_i = s * BI + tl.arange(0, BI)
+    i_ok = offs_i < I
+    offs_m = tl.arange(0, 16)
+    first = offs_m[:, None] == 0  # the token is the dot's row 0; rows 1-15 pad it to 16
+    gate = w13_ptr + row * stride13 + offs_i[:, None] * H  # [BI, 1]
+    up = gate + I * H
+    g = tl.zeros([16, BI], tl.float32)
+    u = tl.zeros([16, BI], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        x = tl.load(x_ptr + offs_m[:, None] * 0 + offs_h[None, :], mask=first & h_ok[None, :],
+                    other=0.0)  # [16, BLOCK_H]  # fmt: skip
+        ok = i_ok[:, None] & h_ok[None, :]
+        g = tl.dot(x, tl.trans(tl.load(gate + offs_h[None, :], mask=ok, other=0.0)), g,
+                   input_precision=PREC)  # fmt: skip
+        u = tl.dot(x, tl.trans(tl.load(up + offs_h[None, :], mask=ok, other=0.0)), u,
+                   input_precision=PREC)  # fmt: skip
+    act = g * tl.sigmoid(g) * u  # SwiGLU in fp32, [16, BI]
+    hi = act.to(x_ptr.dtype.element_ty)
+    lo = (act - hi.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the rest, for 16-bit dots
+    down = w2_ptr + row * stride2 + offs_i[None, :]  # [1, BI]
+    part = part_ptr + (p * tl.num_programs(1) + s) * H
+    for n0 in range(0, H, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        w = tl.load(down + offs_n[:, None] * I, mask=n_ok[:, None] & i_ok[None, :], other=0.0)
+        y = tl.dot(hi, tl.trans(w), input_precision=PREC)
+        y = tl.dot(lo, tl.trans(w), y, input_precision=PREC)  # [16, BLOCK_N]
+        tl.store(part + offs_m[:, None] * 0 + offs_n[None, :], y, mask=first & n_ok[None, :])
+
+
+@triton.jit
+def _sum_slices_kernel(part_ptr, wts_ptr, out_ptr, H, K: tl.constexpr, S: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    """out[n] = sum over k of w_k * (sum over s of part[k, s, n]), in that order, rounded once."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(K):
+        y = tl.zeros([BLOCK], tl.float32)
+        for s in range(S):
+            y += tl.load(part_ptr + (k * S + s) * H + offs, mask=ok, other=0.0)
+        acc += tl.load(wts_ptr + k) * y
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor | None = None,
+    part: torch.Tensor | None = None,
+    slice_width: int = 32,
+    block_h: int = 128,
+    block_n: int = 128,
+    warps: int = 4,
+) -> torch.Tensor:
+    """sum_k weights[k] * expert(ids[k], x) for one token: x [1, H], w13 [N, 2I, H], w2 [N, H,
+    I] (rows dense, any row stride), ids [K] distinct rows, weights [K] fp32; out [1, H] in x's
+    dtype. `part`: a [K, S, H] fp32 scratch (a graph keeps its address)."""
+    k, h, i = ids.numel(), x.shape[1], w2.shape[2]
+    slices = triton.cdiv(i, slice_width)
+    assert x.shape[0] == 1 and w13.shape[1:] == (2 * i, h) and w2.shape[1:] == (h, i)
+    assert w13.stride()[1:] == (h, 1) and w2.stride()[1:] == (i, 1), "dense rows"
+    if part is None:
+        part = torch.empty(k, slices, h, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty_like(x)
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    _expert_mlp_kernel[(k, slices)](
+        x, w13, w2, ids, part, w13.stride(0), w2.stride(0), h, i,
+        BI=slice_width, BLOCK_H=block_h, BLOCK_N=block_n, PREC=prec, num_warps=warps,
+    )  # fmt: skip
+    block = 128
+    _sum_slices_kernel[(triton.cdiv(h, block),)](part, weights, out, h, K=k, S=slices,
+                                                 BLOCK=block)  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench expert-mlp",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--slices", type=int, nargs="+", default=[16, 32, 64],
+                        help="expert columns a program computes (BI)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="turns of every variant")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs CUDA")
+    from triton.testing import do_bench
+
+    from freetoken_agent.bench.cuda_graph import captured
+    from freetoken_agent.bench.limits import hbm_copy_bandwidth
+    from freetoken_agent.bench.moe_kernel import (
+        GRAPH_LAYERS,
+        SHAPES,
+        make_banks,
+        make_tokens,
+        row_bytes,
+    )
+    from freetoken_agent.kernels.triton.fused_moe import fused_moe_decode
+
+    s = SHAPES["qwen3-30b-a3b"]
+    hbm = hbm_copy_bandwidth(torch.device("cuda"))
+    w13, w2 = make_banks(s, GRAPH_LAYERS)
+    hidden, ids, wts = make_tokens(s, 1, seed=1)
+    nbytes = row_bytes(ids, s)
+    layer_ids = [(ids[0] + layer * s["n"]).contiguous() for layer in range(GRAPH_LAYERS)]
+    outs = [torch.empty_like(hidden) for _ in layer_ids]
+    want = fused_moe_decode(hidden, w13, w2, ids, wts)
+    steps = {"engine (3 launches)": lambda: [
+        fused_moe_decode(hidden, w13, w2, lid[None], wts, out)
+        for lid, out in zip(layer_ids, outs, strict=True)
+    ]}  # fmt: skip
+    for bi in args.slices:
+        parts = [torch.empty(s["k"], triton.cdiv(s["i"], bi), s["h"], dtype=torch.float32,
+                             device="cuda") for _ in layer_ids]  # fmt: skip
+        got = expert_mlp(hidden, w13, w2, ids[0], wts[0], slice_width=bi)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        print(f"BI={bi}: max error against the engine's {err:.2e} of its largest output")
+        steps[f"one launch, BI={bi}"] = lambda bi=bi, parts=parts: [
+            expert_mlp(hidden, w13, w2, lid, wts[0], out, part, slice_width=bi)
+            for lid, out, part in zip(layer_ids, outs, parts, strict=True)
+        ]
+    replays = {name: captured(step) for name, step in steps.items()}
+    times: dict[str, list[float]] = {name: [] for name in replays}
+    for r in range(args.rounds):
+        for name in list(replays)[r % len(replays) :] + list(replays)[: r % len(replays)]:
+            times[name].append(do_bench(replays[name], return_mode="median") / GRAPH_LAYERS)
+    report = {"bench": "expert-mlp", "hbm_copy_gb_s": hbm / 1e9, "layer_mb": nbytes / 1e6,
+              "rows": {}}  # fmt: skip
+    for name, ms in times.items():
+        best = sorted(ms)[len(ms) // 2]
+        gbps = nbytes / best / 1e6
+        report["rows"][name] = {"us_per_layer": 1e3 * best, "gb_s": gbps,
+                                "of_copy": gbps / (hbm / 1e9),
+                                "rounds_us": [1e3 * t for t in ms]}  # fmt: skip
+        print(f"{name:24s} {1e3 * best:7.1f} us a layer  {gbps:6.0f} GB/s  "
+              f"{100 * gbps / (hbm / 1e9):3.0f}% of copy", flush=True)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "expert_mlp.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

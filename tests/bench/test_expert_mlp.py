@@ -1,0 +1,35 @@
+"""bench expert-mlp's probe computes what the engine's MoE does for one token: the reference's
+sum over the routed experts, within the fp32 sums' order (Triton's interpreter on the CPU, fresh
+random inputs; widths that the slices do not divide)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken_agent.bench.expert_mlp import expert_mlp
+from freetoken_agent.kernels import reference
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("slice_width", [16, 32])
+def test_one_launch_is_the_experts_sum(rng_seed, slice_width, dtype):
+    """fp16 runs the act's split into two 16-bit parts (fp32 has nothing left for the second);
+    bf16 is CUDA's only (the interpreter mangles bf16 into a dot)."""
+    gen = torch.Generator().manual_seed(rng_seed)
+    h = int(torch.randint(40, 300, (1,), generator=gen))
+    i = int(torch.randint(20, 100, (1,), generator=gen))
+    n, k = 12, int(torch.randint(1, 6, (1,), generator=gen))
+    x = torch.randn(1, h, generator=gen)
+    w13 = torch.randn(n, 2 * i, h, generator=gen) / h**0.5
+    w2 = torch.randn(n, h, i, generator=gen) / i**0.5
+    ids = torch.randperm(n, generator=gen)[:k]
+    weights = torch.softmax(torch.randn(k, generator=gen), 0)
+    x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+    got = expert_mlp(x, w13, w2, ids, weights, slice_width=slice_width, block_h=64, block_n=64)
+    want = reference.fused_moe(x, w13, w2, ids[None].int(), weights[None])
+    # fp32: the sums' order; fp16: that and one rounding of the output either side.
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
