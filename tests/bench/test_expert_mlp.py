@@ -33,3 +33,24 @@ def test_one_launch_is_the_experts_sum(rng_seed, slice_width, dtype):
     # fp32: the sums' order; fp16: that and one rounding of the output either side.
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_the_act_keeps_fp32_precision_through_16_bit_dots(rng_seed):
+    """fp16 weights: each pair's partials summed over its slices are its expert's output from
+    an fp32 act (split into two 16-bit parts), within the fp32 sums' error; an act rounded to
+    fp16 would be ~1e-3 off."""
+    gen = torch.Generator().manual_seed(rng_seed)
+    h, i, n, k = 96, 64, 6, 3
+    x = torch.randn(1, h, generator=gen).half()
+    w13 = (torch.randn(n, 2 * i, h, generator=gen) / h**0.5).half()
+    w2 = (torch.randn(n, h, i, generator=gen) / i**0.5).half()
+    ids = torch.randperm(n, generator=gen)[:k]
+    weights = torch.softmax(torch.randn(k, generator=gen), 0)
+    part = torch.empty(k, i // 16, h)
+    expert_mlp(x, w13, w2, ids, weights, part=part, slice_width=16, block_h=32, block_n=32)
+    xd = x.double()[0]
+    for j, row in enumerate(ids.tolist()):
+        g, u = w13[row, :i].double() @ xd, w13[row, i:].double() @ xd
+        want = w2[row].double() @ (g * torch.sigmoid(g) * u)  # [H]
+        got = part[j].double().sum(0)
+        assert ((got - want).abs() <= 1e-5 * want.abs().max() + 1e-6).all(), j
