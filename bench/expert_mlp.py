@@ -87,6 +87,39 @@ def _expert_mlp_kernel(
 
 
 @triton.jit
+def _expert_mlp_fma_kernel(
+    x_ptr, w13_ptr, w2_ptr, ids_ptr, part_ptr, stride13, stride2, H,
+    I,  # noqa: E741 (the shape legend's name)
+    BI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """_expert_mlp_kernel without tensor cores: one token needs no dot, so each tile is
+    multiplied and reduced in fp32 registers (no 16-row padding, no act split)."""
+    p, s = tl.program_id(0), tl.program_id(1)
+    row = tl.load(ids_ptr + p).to(tl.int64)
+    offs_i = s * BI + tl.arange(0, BI)
+    i_ok = offs_i < I
+    gate = w13_ptr + row * stride13 + offs_i[:, None] * H  # [BI, 1]
+    up = gate + I * H
+    g = tl.zeros([BI], tl.float32)
+    u = tl.zeros([BI], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        x = tl.load(x_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+        ok = i_ok[:, None] & h_ok[None, :]
+        g += tl.sum(tl.load(gate + offs_h[None, :], mask=ok, other=0.0).to(tl.float32) * x, 1)
+        u += tl.sum(tl.load(up + offs_h[None, :], mask=ok, other=0.0).to(tl.float32) * x, 1)
+    act = (g * tl.sigmoid(g) * u)[None, :]  # SwiGLU in fp32, [1, BI]
+    down = w2_ptr + row * stride2 + offs_i[None, :]  # [1, BI]
+    part = part_ptr + (p * tl.num_programs(1) + s) * H
+    for n0 in range(0, H, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        w = tl.load(down + offs_n[:, None] * I, mask=n_ok[:, None] & i_ok[None, :], other=0.0)
+        tl.store(part + offs_n, tl.sum(w.to(tl.float32) * act, 1), mask=n_ok)
+
+
+@triton.jit
 def _sum_slices_kernel(part_ptr, wts_ptr, out_ptr, H, K: tl.constexpr, S: tl.constexpr,
                        BLOCK: tl.constexpr):  # fmt: skip
     """out[n] = sum over k of w_k * (sum over s of part[k, s, n]), in that order, rounded once."""
@@ -113,10 +146,12 @@ def expert_mlp(
     block_h: int = 128,
     block_n: int = 128,
     warps: int = 4,
+    fma: bool = False,
 ) -> torch.Tensor:
     """sum_k weights[k] * expert(ids[k], x) for one token: x [1, H], w13 [N, 2I, H], w2 [N, H,
     I] (rows dense, any row stride), ids [K] distinct rows, weights [K] fp32; out [1, H] in x's
-    dtype. `part`: a [K, S, H] fp32 scratch (a graph keeps its address)."""
+    dtype. `part`: a [K, S, H] fp32 scratch (a graph keeps its address). `fma`: the kernel
+    without tensor cores."""
     k, h, i = ids.numel(), x.shape[1], w2.shape[2]
     slices = triton.cdiv(i, slice_width)
     assert x.shape[0] == 1 and w13.shape[1:] == (2 * i, h) and w2.shape[1:] == (h, i)
@@ -126,10 +161,16 @@ def expert_mlp(
     if out is None:
         out = torch.empty_like(x)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    _expert_mlp_kernel[(k, slices)](
-        x, w13, w2, ids, part, w13.stride(0), w2.stride(0), h, i,
-        BI=slice_width, BLOCK_H=block_h, BLOCK_N=block_n, PREC=prec, num_warps=warps,
-    )  # fmt: skip
+    if fma:
+        _expert_mlp_fma_kernel[(k, slices)](
+            x, w13, w2, ids, part, w13.stride(0), w2.stride(0), h, i,
+            BI=slice_width, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps,
+        )  # fmt: skip
+    else:
+        _expert_mlp_kernel[(k, slices)](
+            x, w13, w2, ids, part, w13.stride(0), w2.stride(0), h, i,
+            BI=slice_width, BLOCK_H=block_h, BLOCK_N=block_n, PREC=prec, num_warps=warps,
+        )  # fmt: skip
     block = 128
     _sum_slices_kernel[(triton.cdiv(h, block),)](part, weights, out, h, K=k, S=slices,
                                                  BLOCK=block)  # fmt: skip
@@ -144,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--slices", type=int, nargs="+", default=[16, 32, 64],
                         help="expert columns a program computes (BI)")  # fmt: skip
+    parser.add_argument("--fma-slices", type=int, nargs="*", default=[16, 32, 64],
+                        help="BI of the variants without tensor cores")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="turns of every variant")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
@@ -174,14 +217,16 @@ def main(argv: list[str] | None = None) -> int:
         fused_moe_decode(hidden, w13, w2, lid[None], wts, out)
         for lid, out in zip(layer_ids, outs, strict=True)
     ]}  # fmt: skip
-    for bi in args.slices:
+    variants = [(bi, False) for bi in args.slices] + [(bi, True) for bi in args.fma_slices]
+    for bi, fma in variants:
+        name = f"one launch{', fma' * fma}, BI={bi}"
         parts = [torch.empty(s["k"], triton.cdiv(s["i"], bi), s["h"], dtype=torch.float32,
                              device="cuda") for _ in layer_ids]  # fmt: skip
-        got = expert_mlp(hidden, w13, w2, ids[0], wts[0], slice_width=bi)
+        got = expert_mlp(hidden, w13, w2, ids[0], wts[0], slice_width=bi, fma=fma)
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-        print(f"BI={bi}: max error against the engine's {err:.2e} of its largest output")
-        steps[f"one launch, BI={bi}"] = lambda bi=bi, parts=parts: [
-            expert_mlp(hidden, w13, w2, lid, wts[0], out, part, slice_width=bi)
+        print(f"{name}: max error against the engine's {err:.2e} of its largest output")
+        steps[name] = lambda bi=bi, fma=fma, parts=parts: [
+            expert_mlp(hidden, w13, w2, lid, wts[0], out, part, slice_width=bi, fma=fma)
             for lid, out, part in zip(layer_ids, outs, parts, strict=True)
         ]
     replays = {name: captured(step) for name, step in steps.items()}
@@ -197,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         report["rows"][name] = {"us_per_layer": 1e3 * best, "gb_s": gbps,
                                 "of_copy": gbps / (hbm / 1e9),
                                 "rounds_us": [1e3 * t for t in ms]}  # fmt: skip
-        print(f"{name:24s} {1e3 * best:7.1f} us a layer  {gbps:6.0f} GB/s  "
+        print(f"{name:30s} {1e3 * best:7.1f} us a layer  {gbps:6.0f} GB/s  "
               f"{100 * gbps / (hbm / 1e9):3.0f}% of copy", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "expert_mlp.json").write_text(json.dumps(report, indent=1))

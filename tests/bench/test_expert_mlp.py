@@ -12,10 +12,13 @@ from freetoken_agent.kernels import reference
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on CUDA, interpreted on the CPU
 
+
+@pytest.mark.parametrize("fma", [False, True], ids=["dot", "fma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("slice_width", [16, 32])
-def test_one_launch_is_the_experts_sum(rng_seed, slice_width, dtype):
+def test_one_launch_is_the_experts_sum(rng_seed, slice_width, dtype, fma):
     """fp16 runs the act's split into two 16-bit parts (fp32 has nothing left for the second);
     bf16 is CUDA's only (the interpreter mangles bf16 into a dot)."""
     gen = torch.Generator().manual_seed(rng_seed)
@@ -28,14 +31,16 @@ def test_one_launch_is_the_experts_sum(rng_seed, slice_width, dtype):
     ids = torch.randperm(n, generator=gen)[:k]
     weights = torch.softmax(torch.randn(k, generator=gen), 0)
     x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
-    got = expert_mlp(x, w13, w2, ids, weights, slice_width=slice_width, block_h=64, block_n=64)
+    got = expert_mlp(x.to(DEV), w13.to(DEV), w2.to(DEV), ids.to(DEV), weights.to(DEV),
+                     slice_width=slice_width, block_h=64, block_n=64, fma=fma).cpu()  # fmt: skip
     want = reference.fused_moe(x, w13, w2, ids[None].int(), weights[None])
     # fp32: the sums' order; fp16: that and one rounding of the output either side.
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-def test_the_act_keeps_fp32_precision_through_16_bit_dots(rng_seed):
+@pytest.mark.parametrize("fma", [False, True], ids=["dot", "fma"])
+def test_the_act_keeps_fp32_precision_through_16_bit_dots(rng_seed, fma):
     """fp16 weights: each pair's partials summed over its slices are its expert's output from
     an fp32 act (split into two 16-bit parts), within the fp32 sums' error; an act rounded to
     fp16 would be ~1e-3 off."""
@@ -46,8 +51,10 @@ def test_the_act_keeps_fp32_precision_through_16_bit_dots(rng_seed):
     w2 = (torch.randn(n, h, i, generator=gen) / i**0.5).half()
     ids = torch.randperm(n, generator=gen)[:k]
     weights = torch.softmax(torch.randn(k, generator=gen), 0)
-    part = torch.empty(k, i // 16, h)
-    expert_mlp(x, w13, w2, ids, weights, part=part, slice_width=16, block_h=32, block_n=32)
+    part = torch.empty(k, i // 16, h, device=DEV)
+    expert_mlp(x.to(DEV), w13.to(DEV), w2.to(DEV), ids.to(DEV), weights.to(DEV), part=part,
+               slice_width=16, block_h=32, block_n=32, fma=fma)  # fmt: skip
+    part = part.cpu()
     xd = x.double()[0]
     for j, row in enumerate(ids.tolist()):
         g, u = w13[row, :i].double() @ xd, w13[row, i:].double() @ xd
