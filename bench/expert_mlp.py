@@ -120,6 +120,43 @@ def _expert_mlp_fma_kernel(
 
 
 @triton.jit
+def _expert_mlp_tma_kernel(
+    x_ptr, w13_desc, w2_desc, ids_ptr, part_ptr, H,
+    I,  # noqa: E741 (the shape legend's name)
+    BI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """_expert_mlp_kernel with its weight tiles loaded through tensor descriptors (Hopper's TMA:
+    the copy engine of each SM moves a whole tile into shared memory, asynchronously), the
+    banks seen as [N, 2I, H] and [N, H, I]."""
+    p, s = tl.program_id(0), tl.program_id(1)
+    row = tl.load(ids_ptr + p).to(tl.int32)  # descriptor offsets are 32-bit
+    i0 = s * BI
+    offs_m = tl.arange(0, 16)
+    first = offs_m[:, None] == 0
+    g = tl.zeros([16, BI], tl.float32)
+    u = tl.zeros([16, BI], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + offs_m[:, None] * 0 + offs_h[None, :],
+                    mask=first & (offs_h < H)[None, :], other=0.0)  # fmt: skip
+        wg = w13_desc.load([row, i0, h0]).reshape(BI, BLOCK_H)
+        wu = w13_desc.load([row, I + i0, h0]).reshape(BI, BLOCK_H)
+        g = tl.dot(x, tl.trans(wg), g, input_precision=PREC)
+        u = tl.dot(x, tl.trans(wu), u, input_precision=PREC)
+    act = g * tl.sigmoid(g) * u
+    hi = act.to(x_ptr.dtype.element_ty)
+    lo = (act - hi.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    part = part_ptr + (p * tl.num_programs(1) + s) * H
+    for n0 in range(0, H, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        w = w2_desc.load([row, n0, i0]).reshape(BLOCK_N, BI)
+        y = tl.dot(hi, tl.trans(w), input_precision=PREC)
+        y = tl.dot(lo, tl.trans(w), y, input_precision=PREC)
+        tl.store(part + offs_m[:, None] * 0 + offs_n[None, :], y,
+                 mask=first & (offs_n < H)[None, :])  # fmt: skip
+
+
+@triton.jit
 def _sum_slices_kernel(part_ptr, wts_ptr, out_ptr, H, K: tl.constexpr, S: tl.constexpr,
                        BLOCK: tl.constexpr):  # fmt: skip
     """out[n] = sum over k of w_k * (sum over s of part[k, s, n]), in that order, rounded once."""
@@ -147,11 +184,13 @@ def expert_mlp(
     block_n: int = 128,
     warps: int = 4,
     fma: bool = False,
+    tma: bool = False,
 ) -> torch.Tensor:
     """sum_k weights[k] * expert(ids[k], x) for one token: x [1, H], w13 [N, 2I, H], w2 [N, H,
     I] (rows dense, any row stride), ids [K] distinct rows, weights [K] fp32; out [1, H] in x's
     dtype. `part`: a [K, S, H] fp32 scratch (a graph keeps its address). `fma`: the kernel
-    without tensor cores."""
+    without tensor cores; `tma`: the kernel loading its weight tiles through tensor descriptors
+    (the slice width must divide I: a descriptor's tile would read the next gate row)."""
     k, h, i = ids.numel(), x.shape[1], w2.shape[2]
     slices = triton.cdiv(i, slice_width)
     assert x.shape[0] == 1 and w13.shape[1:] == (2 * i, h) and w2.shape[1:] == (h, i)
@@ -161,7 +200,17 @@ def expert_mlp(
     if out is None:
         out = torch.empty_like(x)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    if fma:
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        assert i % slice_width == 0, "a tile past I would read the up rows"
+        d13 = TensorDescriptor(w13, list(w13.shape), list(w13.stride()), [1, slice_width, block_h])
+        d2 = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [1, block_n, slice_width])
+        _expert_mlp_tma_kernel[(k, slices)](
+            x, d13, d2, ids, part, h, i,
+            BI=slice_width, BLOCK_H=block_h, BLOCK_N=block_n, PREC=prec, num_warps=warps,
+        )  # fmt: skip
+    elif fma:
         _expert_mlp_fma_kernel[(k, slices)](
             x, w13, w2, ids, part, w13.stride(0), w2.stride(0), h, i,
             BI=slice_width, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps,
@@ -185,8 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--slices", type=int, nargs="+", default=[16, 32, 64],
                         help="expert columns a program computes (BI)")  # fmt: skip
-    parser.add_argument("--fma-slices", type=int, nargs="*", default=[16, 32, 64],
-                        help="BI of the variants without tensor cores")  # fmt: skip
+    parser.add_argument("--fma-slices", type=int, nargs="*", default=[],
+                        help="BI of the variants without tensor cores (68-105 us a layer on "
+                        "the H200: far slower)")  # fmt: skip
+    parser.add_argument("--tma-slices", type=int, nargs="*", default=[32, 64],
+                        help="BI of the variants loading through tensor descriptors")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="turns of every variant")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
@@ -217,16 +269,22 @@ def main(argv: list[str] | None = None) -> int:
         fused_moe_decode(hidden, w13, w2, lid[None], wts, out)
         for lid, out in zip(layer_ids, outs, strict=True)
     ]}  # fmt: skip
-    variants = [(bi, False) for bi in args.slices] + [(bi, True) for bi in args.fma_slices]
-    for bi, fma in variants:
-        name = f"one launch{', fma' * fma}, BI={bi}"
+    variants = [(bi, "") for bi in args.slices] + [(bi, "fma") for bi in args.fma_slices]
+    variants += [(bi, "tma") for bi in args.tma_slices]
+    for bi, kind in variants:
+        name = f"one launch{', ' + kind if kind else ''}, BI={bi}"
+        fma, tma = kind == "fma", kind == "tma"
         parts = [torch.empty(s["k"], triton.cdiv(s["i"], bi), s["h"], dtype=torch.float32,
                              device="cuda") for _ in layer_ids]  # fmt: skip
-        got = expert_mlp(hidden, w13, w2, ids[0], wts[0], slice_width=bi, fma=fma)
+        try:
+            got = expert_mlp(hidden, w13, w2, ids[0], wts[0], slice_width=bi, fma=fma, tma=tma)
+        except Exception as e:  # a variant may not compile on this Triton: report, go on
+            print(f"{name}: failed: {type(e).__name__}: {e}"[:300], flush=True)
+            continue
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         print(f"{name}: max error against the engine's {err:.2e} of its largest output")
-        steps[name] = lambda bi=bi, fma=fma, parts=parts: [
-            expert_mlp(hidden, w13, w2, lid, wts[0], out, part, slice_width=bi, fma=fma)
+        steps[name] = lambda bi=bi, fma=fma, tma=tma, parts=parts: [
+            expert_mlp(hidden, w13, w2, lid, wts[0], out, part, slice_width=bi, fma=fma, tma=tma)
             for lid, out, part in zip(layer_ids, outs, parts, strict=True)
         ]
     replays = {name: captured(step) for name, step in steps.items()}
