@@ -157,6 +157,26 @@ def _expert_mlp_tma_kernel(
 
 
 @triton.jit
+def _read_rows_kernel(w13_ptr, w2_ptr, ids_ptr, sink_ptr, stride13, stride2, ROW13, ROW2,
+                      CHUNKS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """The read alone: program (p, c) streams chunk c of pair p's w13 and w2 rows (CHUNKS
+    chunks a row) and keeps one fp32 sum (stored, so the loads stay): the rows' bytes at this
+    grid's read rate, with nothing computed."""
+    p, c = tl.program_id(0), tl.program_id(1)
+    row = tl.load(ids_ptr + p).to(tl.int64)
+    acc = tl.zeros([BLOCK], tl.float32)
+    per13, per2 = tl.cdiv(ROW13, CHUNKS), tl.cdiv(ROW2, CHUNKS)
+    end13, end2 = tl.minimum((c + 1) * per13, ROW13), tl.minimum((c + 1) * per2, ROW2)
+    for o in range(c * per13, end13, BLOCK):
+        offs = o + tl.arange(0, BLOCK)
+        acc += tl.load(w13_ptr + row * stride13 + offs, mask=offs < end13, other=0.0).to(tl.float32)
+    for o in range(c * per2, end2, BLOCK):
+        offs = o + tl.arange(0, BLOCK)
+        acc += tl.load(w2_ptr + row * stride2 + offs, mask=offs < end2, other=0.0).to(tl.float32)
+    tl.store(sink_ptr + p * CHUNKS + c, tl.sum(acc, 0))
+
+
+@triton.jit
 def _sum_slices_kernel(part_ptr, wts_ptr, out_ptr, H, K: tl.constexpr, S: tl.constexpr,
                        BLOCK: tl.constexpr):  # fmt: skip
     """out[n] = sum over k of w_k * (sum over s of part[k, s, n]), in that order, rounded once."""
@@ -239,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the H200: far slower)")  # fmt: skip
     parser.add_argument("--tma-slices", type=int, nargs="*", default=[32, 64],
                         help="BI of the variants loading through tensor descriptors")  # fmt: skip
+    parser.add_argument("--read-chunks", type=int, nargs="*", default=[12, 24, 48, 96],
+                        help="chunks a pair's rows are read in by the read-only rows (8 pairs: "
+                        "8 x this many programs)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="turns of every variant")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
     args = parser.parse_args(argv)
@@ -287,6 +310,16 @@ def main(argv: list[str] | None = None) -> int:
             expert_mlp(hidden, w13, w2, lid, wts[0], out, part, slice_width=bi, fma=fma, tma=tma)
             for lid, out, part in zip(layer_ids, outs, parts, strict=True)
         ]
+    rows13, rows2 = w13[0].numel(), w2[0].numel()
+    for chunks in args.read_chunks:  # the read alone: this grid's rate for the same bytes
+        sink = torch.empty(s["k"] * chunks, dtype=torch.float32, device="cuda")
+        steps[f"read only, {s['k'] * chunks} programs"] = lambda chunks=chunks, sink=sink: [
+            _read_rows_kernel[(s["k"], chunks)](
+                w13, w2, lid, sink, w13.stride(0), w2.stride(0), rows13, rows2,
+                CHUNKS=chunks, BLOCK=2048, num_warps=4,
+            )
+            for lid in layer_ids
+        ]  # fmt: skip
     replays = {name: captured(step) for name, step in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in replays}
     for r in range(args.rounds):

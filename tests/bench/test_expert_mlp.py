@@ -68,7 +68,7 @@ def test_the_tensor_descriptor_variant_is_the_experts_sum(rng_seed, dtype):
     """Weight tiles through tensor descriptors (TMA on Hopper): the same sum; the hidden size
     need not be a multiple of the tile (the descriptor pads with zeros), the width must be."""
     gen = torch.Generator().manual_seed(rng_seed)
-    h = int(torch.randint(40, 300, (1,), generator=gen))
+    h = 8 * int(torch.randint(5, 38, (1,), generator=gen))  # rows 16-byte aligned (TMA)
     i = 32 * int(torch.randint(1, 4, (1,), generator=gen))
     n, k = 10, int(torch.randint(1, 6, (1,), generator=gen))
     x = torch.randn(1, h, generator=gen).to(dtype)
@@ -81,3 +81,21 @@ def test_the_tensor_descriptor_variant_is_the_experts_sum(rng_seed, dtype):
     want = reference.fused_moe(x, w13, w2, ids[None].int(), weights[None])
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_the_read_only_rows_read_each_pair_once(rng_seed):
+    """The read-only rows' kernel sums every element of each pair's w13 and w2 rows exactly
+    once, whatever the chunks (a chunk reading into the next would count some twice)."""
+    from freetoken_agent.bench.expert_mlp import _read_rows_kernel
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    n, a, b = 7, int(torch.randint(5, 40, (1,), generator=gen)), 9
+    w13 = torch.randn(n, 2 * a, b, generator=gen).to(DEV)
+    w2 = torch.randn(n, b, a, generator=gen).to(DEV)
+    ids = torch.randperm(n, generator=gen)[:3].to(DEV)
+    chunks = int(torch.randint(1, 6, (1,), generator=gen))
+    sink = torch.empty(3 * chunks, device=DEV)
+    sizes = (w13.stride(0), w2.stride(0), w13[0].numel(), w2[0].numel())
+    _read_rows_kernel[(3, chunks)](w13, w2, ids, sink, *sizes, CHUNKS=chunks, BLOCK=16)
+    want = w13[ids].sum((1, 2)) + w2[ids].sum((1, 2))
+    torch.testing.assert_close(sink.view(3, chunks).sum(1), want, atol=1e-4, rtol=1e-4)
