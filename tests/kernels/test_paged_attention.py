@@ -456,3 +456,74 @@ def test_gpu_no_recompile_for_new_batch_chunk_or_table_sizes(rng_seed: int) -> N
         check_close(out, naive_attention(c, 0), 2e-2)
         counts.append(compiled())
     assert counts[-1] == counts[0], counts  # one kernel for every shape, one combine
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_gpu_asking_l2_ahead_changes_no_bit(rng_seed: int, scenario: str) -> None:
+    """`ahead` (EngineConfig.attention_ahead: the next projection's weight asked of L2 by the
+    kernel's programs) is a hint: the same bits as without it, eager and in a replayed graph
+    with new q."""
+    q_lens, kv_lens = GPU_BATCHES[scenario]
+    c = make_case(rng_seed, q_lens, kv_lens, 32, 4, 128, 16, torch.bfloat16)
+    weight = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)  # o_proj's shape
+    counters = new_counters(torch.device("cuda"))
+    plain = paged_attention(*c.args(), 0, counters=counters)
+    ahead = paged_attention(*c.args(), 0, counters=counters, ahead=weight)
+    assert torch.equal(plain, ahead)
+    out = torch.empty_like(c.q)
+    paged_attention(*c.args(), 0, out, counters=counters, ahead=weight)  # compile outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(*c.args(), 0, out, counters=counters, ahead=weight)
+    c.q.copy_(torch.randn_like(c.q))
+    graph.replay()
+    assert torch.equal(out, paged_attention(*c.args(), 0, counters=counters))
+
+
+def test_attention_ahead_asks_for_o_proj_on_one_row_steps(tmp_path, rng_seed, monkeypatch):
+    """EngineConfig.attention_ahead: every attention layer hands its own o_proj weight to the
+    attention kernel on one-row decode steps, nothing on wider steps or with the option off;
+    the tokens are the same (on the CPU the twin ignores the hint)."""
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine, SamplingParams
+    from freetoken_agent.engine.layers import attention
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    calls = []
+    plain = attention.paged_attention
+
+    def spy(q, *args, ahead=None, **kwargs):
+        calls.append((q.shape[0], ahead))
+        return plain(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_attention", spy)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (9, 14)]
+    tokens = {}
+    for on in (False, True):
+        calls.clear()
+        engine = Engine.load(tmp_path, device="cpu", progress=False, attention_ahead=on)
+        weights = {id(m.o_proj.weight) for m in engine.loaded.model.modules()
+                   if isinstance(m, attention.SelfAttention)}  # fmt: skip
+        tokens[on] = [o.token_ids for o in engine.generate(prompts, sp)]
+        tokens[on].append(engine.generate(prompts[0], sp).token_ids)
+        asked = [(rows, a) for rows, a in calls if a is not None]
+        if on:
+            assert asked and all(rows <= attention.AHEAD_ROWS for rows, _ in asked)
+            assert {id(a) for _, a in asked} == weights, "each layer's own o_proj"
+            assert any(rows > attention.AHEAD_ROWS for rows, a in calls if a is None)
+        else:
+            assert not asked
+    assert tokens[True] == tokens[False]
+
+
+@pytest.mark.gpu
+def test_engine_with_attention_ahead_matches_the_default_on_cuda(tmp_path, rng_seed):
+    """The hint under the decode graphs changes no token and no logit (fp32)."""
+    from option_parity import assert_option_keeps_results_on_cuda
+
+    assert_option_keeps_results_on_cuda(tmp_path, rng_seed, attention_ahead=True)
