@@ -1,11 +1,10 @@
 """The decode step's fused kernels, each on and off, in one all-resident engine beside the HBM
 limit: EngineConfig.fused_router (kernels/triton/route.py) and fused_proj_norm
 (kernels/triton/proj_norm.py); with both, the attention front in one launch
-(EngineConfig.fused_norm_qkv, kernels/triton/norm_qkv.py: the `all+...` variants), o_proj's
-weight asked of L2 by the attention kernel (EngineConfig.attention_ahead: `+ahead`),
+(EngineConfig.fused_norm_qkv, kernels/triton/norm_qkv.py: the `all+...` variants),
 programmatic dependent launch (kernels/triton/pdl.py, FREETOKEN_PDL: on, exit, prefetch,
 light), the skinny matmul for the other projections (EngineConfig.skinny_gemv) and o_proj's L2
-prefetch from a side stream (EngineConfig.l2_prefetch).
+prefetch (EngineConfig.l2_prefetch).
 
     python -m freetoken_agent.bench fusions [--layers 48] [--tokens 128] [--rounds 2]
 
@@ -31,7 +30,6 @@ from freetoken_agent.bench.decode_baseline import decode_bytes, decode_rate
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.engine.l2_prefetcher import use_l2_prefetch
-from freetoken_agent.engine.layers.attention import use_attention_ahead
 from freetoken_agent.engine.layers.linear import use_skinny_gemv
 from freetoken_agent.engine.layers.moe import use_fused_router
 from freetoken_agent.engine.models.base import use_fused_norm_qkv, use_fused_proj_norm
@@ -53,18 +51,15 @@ VARIANTS = {
     "all+pdl-light": (True, True, "light", False, False, True),
     "all+pdl": (True, True, "on", False, False, True),
     "all+pdl-prefetch": (True, True, "on,prefetch", False, False, True),
-    "both+pdl-light+ahead": (True, True, "light", False, False, False, True),
-    "both+pdl+ahead": (True, True, "on", False, False, False, True),
 }  # name -> (fused_router, fused_proj_norm, FREETOKEN_PDL, skinny_gemv, l2_prefetch,
-#             fused_norm_qkv[, attention_ahead])
+#             fused_norm_qkv)
 
 
 def set_variant(engine, name: str) -> None:
     """Switch the model's fusions, skinny matmuls and L2 prefetch to `name`'s and capture the
     decode graphs with them (call it inside `pdl.override(VARIANTS[name][2])`, which decoding
     needs too)."""
-    router, proj_norm, _, skinny, l2, norm_qkv, *ahead = VARIANTS[name]
-    use_attention_ahead(engine.loaded.model, bool(ahead and ahead[0]))
+    router, proj_norm, _, skinny, l2, norm_qkv = VARIANTS[name]
     use_fused_router(engine.loaded.model, router)
     use_fused_proj_norm(engine.loaded.model, proj_norm)
     use_fused_norm_qkv(engine.loaded.model, norm_qkv)

@@ -302,11 +302,6 @@ class EngineConfig:
     # most of the two small launches it saves, and its Triton projection is a little slower
     # than cuBLAS's.
     fused_norm_qkv: bool = False
-    # One-row decode steps on CUDA have each attention kernel's programs ask L2 for the layer's
-    # o_proj weight before their work (kernels/triton/paged_attention.py `ahead`), so o_proj
-    # reads it from L2: the attention kernel is latency-bound and HBM idles while it runs.
-    # Unlike l2_prefetch (a side stream, lost), no fork or join. Off until measured.
-    attention_ahead: bool = False
     # Offloaded decode under adaptive, while fills pay (temporal locality, as Zipf traces): a
     # stopping layer waits for q* of its misses' fills and runs the rest on the CPU while they
     # too are filled, behind its compute, for the steps after (AdaptiveFetches.behind).

@@ -33,7 +33,6 @@ from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.radix import RadixCache
 from freetoken_agent.engine.kv.recurrence import build_recurrence, recurrent_device_bytes
 from freetoken_agent.engine.l2_prefetcher import use_l2_prefetch
-from freetoken_agent.engine.layers.attention import use_attention_ahead
 from freetoken_agent.engine.layers.linear import use_skinny_gemv
 from freetoken_agent.engine.layers.moe import ExpertBank, use_fused_router
 from freetoken_agent.engine.models.base import (
@@ -229,8 +228,6 @@ def assemble(
         use_fused_proj_norm(model)
     if config.fused_norm_qkv:
         use_fused_norm_qkv(model)
-    if config.attention_ahead:
-        use_attention_ahead(model)
     if config.l2_prefetch:
         use_l2_prefetch(model, bank, device)
     dense = dense_nbytes(model)

@@ -29,7 +29,6 @@ def paged_attention(
     max_kv_len: int | None = None,
     force_triton: bool = False,
     counters: Tensor | None = None,
-    ahead: Tensor | None = None,
 ) -> Tensor:
     """Causal (window > 0: sliding-window) attention of a varlen batch over a paged KV cache.
 
@@ -37,9 +36,7 @@ def paged_attention(
     host synchronisation, CUDA-graph safe); CPU tensors run the reference, or, with
     force_triton, the Triton kernel under TRITON_INTERPRET=1 (tests). counters: the caller's
     own kernels/triton/paged_attention.py `new_counters` buffer for the Triton kernel (split
-    launches then combine in their last programs, without a second launch). ahead: a tensor
-    no kernel writes (the next projection's weight), asked of L2 by the Triton kernel's
-    programs before their work (EngineConfig.attention_ahead); a hint, nothing else.
+    launches then combine in their last programs, without a second launch).
     """
     args = (q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale, max_q_len, window, out)
     if not use_triton(q, force_triton, "paged_attention"):
@@ -47,4 +44,4 @@ def paged_attention(
     # Imported here so the CPU fallback works on machines without triton.
     from freetoken_agent.kernels.triton.paged_attention import paged_attention as triton_impl
 
-    return triton_impl(*args, max_kv_len, counters, ahead)
+    return triton_impl(*args, max_kv_len, counters)

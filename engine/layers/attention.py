@@ -24,10 +24,6 @@ from freetoken_agent.kernels.norm_qkv import norm_qkv_rope
 from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
 from freetoken_agent.kernels.rope import qk_norm_rope_store
 
-# EngineConfig.attention_ahead: steps of at most this many rows (decode at b=1) ask L2 for
-# o_proj's weight from the attention kernel's programs, while it runs latency-bound.
-AHEAD_ROWS = 1
-
 # T tokens in the step (all sequences, flattened), B sequences, P pages, S page size,
 # Hq / Hkv query / key-value heads, D head_dim, H hidden
 
@@ -105,9 +101,6 @@ class SelfAttention(nn.Module):
         # CUDA call) for steps of up to front_rows rows (the decoder layer sets it).
         self._front_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.front_rows = 1
-        # EngineConfig.attention_ahead (use_attention_ahead): decode steps of at most
-        # AHEAD_ROWS rows have the attention kernel ask L2 for o_proj's weight first.
-        self.ahead = False
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(x, meta))
@@ -247,14 +240,4 @@ class SelfAttention(nn.Module):
             window=self.window,
             max_kv_len=meta.max_kv_len,
             counters=self._counters,
-            ahead=self.o_proj.weight if self.ahead and q.shape[0] <= AHEAD_ROWS else None,
         )  # [T, Hq, D]
-
-
-def use_attention_ahead(model: nn.Module, on: bool = True) -> None:
-    """EngineConfig.attention_ahead: every attention layer's kernel asks L2 for its o_proj
-    weight at decode steps of at most AHEAD_ROWS rows; `on` False switches it back (captured
-    graphs keep the kernels they were captured with)."""
-    for m in model.modules():
-        if isinstance(m, SelfAttention):
-            m.ahead = on

@@ -37,7 +37,6 @@ from freetoken_agent.kernels.triton.attention_plan import (
     Tiles,
     plan_launch,
 )
-from freetoken_agent.kernels.triton.l2_prefetch import prefetch_lines
 from freetoken_agent.kernels.triton.pdl import enter
 from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 from freetoken_agent.kernels.triton.split_combine import (
@@ -129,20 +128,6 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
-def _prefetch_share(base, nbytes):
-    """This program's share of the L2 prefetch of `nbytes` bytes at `base` (a uint8 pointer):
-    the lines are cut evenly among the grid's programs, 256 at a time."""
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    me = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    lines = tl.cdiv(nbytes, 128)
-    per = tl.cdiv(lines, programs)
-    end = tl.minimum((me + 1) * per, lines)
-    for first in range(me * per, end, 256):
-        line = first + tl.arange(0, 256)
-        prefetch_lines(base + line.to(tl.int64) * 128, line < end, base)
-
-
 # Arguments that change from call to call (batch size, chunk length, context length) are not
 # specialised: Triton would compile a new variant whenever one of them first turns out
 # divisible by 16 (or equal to 1), which on the device put 1-2 s compiles inside agent turns
@@ -165,15 +150,8 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     DIRECT: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     COMBINE: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    SHORT_TILES: tl.constexpr,
-    ahead_ptr, ahead_bytes, AHEAD: tl.constexpr,  # uint8 [ahead_bytes] (AHEAD)
-    PDL: tl.constexpr,
+    SHORT_TILES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # AHEAD: every program first asks L2 for its share of `ahead_bytes` at `ahead_ptr`, the
-    # weight of the projection after attention (o_proj), which no kernel writes: those bytes
-    # stream in while this latency-bound kernel runs and HBM would idle (_prefetch_share).
-    if AHEAD:
-        _prefetch_share(ahead_ptr, ahead_bytes)
     # Before the wait (pdl.py's rule, with its one exception here): index arithmetic and
     # loads of the step's lengths only. cu_q_lens and kv_lens come from the step's input
     # copies (or a graph's static arange), which completed before the step's first kernel
@@ -314,19 +292,17 @@ def paged_attention(
     out: Tensor | None = None,
     max_kv_len: int | None = None,
     counters: Tensor | None = None,
-    ahead: Tensor | None = None,
 ) -> Tensor:
     """Triton twin of `reference.paged_attention` (same contract); no host synchronisation.
 
     max_q_len must be >= every q_len (a smaller value leaves rows unwritten); max_kv_len bounds
     every kv_len for the split heuristic (default: page_table.shape[1] * S). counters:
     `new_counters`' buffer, the caller's own (launches that may run at once on other streams
-    never share one): split launches then combine in their last programs. ahead: a tensor no
-    kernel writes (the next projection's weight) that the launch's programs ask L2 for first.
+    never share one): split launches then combine in their last programs.
     """
     return launch_paged_attention(
         q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, scale, max_q_len, window, out,
-        max_kv_len, counters=counters, ahead=ahead,
+        max_kv_len, counters=counters,
     )  # fmt: skip
 
 
@@ -352,7 +328,6 @@ def launch_paged_attention(
     tiles: Tiles | None = None,
     num_splits: int | None = None,
     counters: Tensor | None = None,
-    ahead: Tensor | None = None,
 ) -> Tensor:
     """`paged_attention` with the tile shape and the split count exposed (tests, tuning)."""
     T, Hq, D = q.shape
@@ -378,8 +353,6 @@ def launch_paged_attention(
     part_m = torch.empty((T, Hq, ns), **f32) if split else out
     part_l = torch.empty((T, Hq, ns), **f32) if split else out
     head_progs = Hkv * plan.head_chunks
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        ahead = None  # the interpreter runs no inline PTX, and a hint changes no result
     combine = split and counters is not None and counters.numel() >= plan.q_blocks * head_progs
     if combine:
         assert counters.dtype == torch.int32 and counters.device == q.device, counters
@@ -399,9 +372,6 @@ def launch_paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         COMBINE=combine, SPLITS_PAD=_SPLITS_PAD, CHUNK=COMBINE_CHUNK, SHORT_TILES=SHORT_TILES,
         num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
-        ahead_ptr=out if ahead is None else ahead.view(-1).view(torch.uint8),  # unread if off
-        ahead_bytes=0 if ahead is None else ahead.numel() * ahead.element_size(),
-        AHEAD=ahead is not None,
         **pdl_launch(q.device),
     )  # fmt: skip
     if split and not combine:

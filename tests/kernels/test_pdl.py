@@ -49,8 +49,7 @@ def _definition(fn) -> ast.FunctionDef:
 # back, and its launch asks for PREFETCH only where they are). Any other call (a load, a
 # helper that loads), save the loads of SETTLED buffers below, or a return fails.
 BEFORE_ENTER = {"tl.program_id", "tl.arange", "tl.minimum", "tl.maximum", "tl.where",
-                "tl.num_programs", "tl.cdiv", "_prefetch_tile", "_prefetch_rows",
-                "_prefetch_share"}  # fmt: skip
+                "tl.num_programs", "tl.cdiv", "_prefetch_tile", "_prefetch_rows"}  # fmt: skip
 # Loads a kernel may issue before its wait, each of one of these buffers only: the step's
 # lengths, which its input copies wrote before its first kernel and no kernel writes (paged
 # attention's prologue: pdl.py's rule). `_find_seq` loads its first argument.
@@ -260,13 +259,11 @@ attn_types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
 attn_types.update({n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
 attn_types.update({n: "*i32" for n in ("count_ptr", "page_table_ptr", "cu_q_lens_ptr",
                                        "kv_lens_ptr")})
-attn_types.update(qk_scale="fp32", ahead_ptr="*u8", ahead_bytes="i64")
-for ahead in (False, True):
-    consts = dict(GROUP=8, HEADS=8, HEAD_CHUNKS=1, BLOCK_M=16, BLOCK_Q=2, BLOCK_N=64, PAGE=64,
-                  HEAD_DIM=128, D_PAD=128, DIRECT=False, SPLIT=True, UPCAST=False,
-                  DOT_PRECISION="tf32", COMBINE=True, SPLITS_PAD=128, CHUNK=4, SHORT_TILES=16,
-                  AHEAD=ahead, PDL=3)
-    out["attn3" + "a" * ahead] = ptx(_paged_attention_kernel, consts, attn_types)
+attn_types.update(qk_scale="fp32")
+consts = dict(GROUP=8, HEADS=8, HEAD_CHUNKS=1, BLOCK_M=16, BLOCK_Q=2, BLOCK_N=64, PAGE=64,
+              HEAD_DIM=128, D_PAD=128, DIRECT=False, SPLIT=True, UPCAST=False,
+              DOT_PRECISION="tf32", COMBINE=True, SPLITS_PAD=128, CHUNK=4, SHORT_TILES=16, PDL=3)
+out["attn3"] = ptx(_paged_attention_kernel, consts, attn_types)
 print(json.dumps(out))
 """
 
@@ -291,18 +288,9 @@ def test_sm90_code_keeps_the_order():
     before = up[: up.index("griddepcontrol.wait")]
     assert re.findall(r"ld\.global[.\w]*", before) == ["ld.global.cg.b64"]
     assert before.index("ld.global.cg") < before.index("prefetch.global.L2 ")
-    assert "prefetch" not in ptx["attn3"]
-    # With AHEAD (EngineConfig.attention_ahead) the next projection's lines are asked of L2
-    # first, then the same prologue.
-    ahead = ptx["attn3a"]
-    assert ahead.index("prefetch.global.L2 ") < ahead.index("griddepcontrol.wait")
-    for attn in (ptx["attn3"], ahead):
-        _check_attention_prologue(attn)
-
-
-def _check_attention_prologue(attn: str) -> None:
-    """Paged attention: the step's lengths load before its wait (its prologue), and no store,
-    atomic or return comes before it; the release right after it."""
+    # paged attention: the step's lengths load before its wait (its prologue), and no store,
+    # atomic or return comes before it; the release right after it.
+    attn = ptx["attn3"]
     wait = attn.index("griddepcontrol.wait")
     before = attn[:wait]
     loads = re.findall(r"ld\.global[.\w]*", before)
