@@ -3,7 +3,8 @@ down in each program), against the engine's decode path (kernels/triton/moe_deco
 down and the sum over k, three launches), each in a CUDA graph of 8 layers' rows at the
 Qwen3-30B-A3B shape.
 
-    python -m freetoken_agent.bench expert-mlp [--slices 16 32 64] [--rounds 3]
+    python -m freetoken_agent.bench expert-mlp [--slices 16 32 64] [--tma-slices 32 64]
+        [--fma-slices ...] [--read-chunks 12 24 48 96] [--rounds 3]
 
 Why: at 48 layers, b=1, a resident layer spends ~67 us of kernels for ~30 us of HBM time, and
 fusing small kernels of the chain no longer pays under PDL (NOTES, thirty-eighth session). The
@@ -17,6 +18,15 @@ W3^T) for its columns over the whole hidden size, then that slice's down product
 s]^T: an fp32 partial [H] of pair p. A second launch sums each pair's slices in order, weights
 them and sums over k, rounding once: the engine's numbers up to the fp32 sum's order (act in
 fp32, split into two 16-bit parts for the tensor cores, as moe_decode.py does).
+
+Variants: the one launch with tensor cores (`--slices`), with its weight tiles loaded through
+tensor descriptors (Hopper's TMA, `--tma-slices`), without tensor cores (`--fma-slices`), and
+the same rows read with nothing computed (`--read-chunks`: the grid's read rate for these
+bytes, the floor any MoE kernel of one launch stands on).
+
+Found on the H200 (thirty-eighth session, NOTES): the engine 29.0-29.3 us a layer, one launch
+29.4 (BI=64), through TMA 28.8, without tensor cores 68-105, the read alone 26.1 at best (768
+programs): the MoE is within ~3 us a layer of one kernel's read, and one launch gains nothing.
 
 JSON: `expert_mlp.json` (us a layer, GB/s and share of the copy bandwidth, per variant).
 """
