@@ -111,22 +111,8 @@ class SelfAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D], or [T, (2 Hq + 2 Hkv) * D] with a gate
         prefetch = self._start_prefetch(x.shape[0])
         gate = None
-        if self.fused_qk:
-            q = qk_norm_rope_store(
-                qkv,
-                meta.positions,
-                self.rope.cos,
-                self.rope.sin,
-                self.n_heads,
-                self.n_kv_heads,
-                self.head_dim,
-                self.q_norm.weight if self.options.qk_norm else None,
-                self.k_norm.weight if self.options.qk_norm else None,
-                self.q_norm.eps if self.options.qk_norm else 0.0,
-                self.k_cache,
-                self.v_cache,
-                meta.slot_mapping,
-            )  # [T, Hq, D]; k and v are in the cache
+        if self.fused_qk:  # q [T, Hq, D]; k and v are in the cache
+            q = qk_norm_rope_store(qkv, *self._rope_args(meta))
         else:
             q, gate = self._project_unfused(qkv, meta)
         return self._attend_queries(q, gate, meta, prefetch)
@@ -149,29 +135,21 @@ class SelfAttention(nn.Module):
             if head_tiles(self.head_dim, heads * self.head_dim, h) is not None:
                 self._front_scratch = new_scratch(heads, self.head_dim, h, self.front_rows,
                                                   x.device)  # fmt: skip
-        qk = self.options.qk_norm == "head"
-        q, s = norm_qkv_rope(
-            x,
-            residual,
-            norm.weight,
-            norm.eps,
-            norm.zero_centred,
-            self.qkv_proj.weight,
-            meta.positions,
-            self.rope.cos,
-            self.rope.sin,
-            self.n_heads,
-            self.n_kv_heads,
-            self.head_dim,
-            self.q_norm.weight if qk else None,
-            self.k_norm.weight if qk else None,
-            self.q_norm.eps if qk else 0.0,
-            self.k_cache,
-            self.v_cache,
-            meta.slot_mapping,
-            scratch=self._front_scratch if x.shape[0] <= self.front_rows else None,
-        )  # q [T, Hq, D]; k and v are in the cache
+        scratch = self._front_scratch if x.shape[0] <= self.front_rows else None
+        q, s = norm_qkv_rope(x, residual, norm.weight, norm.eps, norm.zero_centred,
+                             self.qkv_proj.weight, *self._rope_args(meta),
+                             scratch=scratch)  # fmt: skip
+        # q [T, Hq, D]; k and v are in the cache
         return self._attend_queries(q, None, meta, self._start_prefetch(x.shape[0])), s
+
+    def _rope_args(self, meta: AttentionMetadata) -> tuple:
+        """What the fused q/k norm + RoPE + KV store takes after the projection
+        (kernels/rope.py qk_norm_rope_store; kernels/norm_qkv.py after its own)."""
+        qk = self.options.qk_norm == "head"  # else none (the fused kernel's two cases)
+        return (meta.positions, self.rope.cos, self.rope.sin, self.n_heads, self.n_kv_heads,
+                self.head_dim, self.q_norm.weight if qk else None,
+                self.k_norm.weight if qk else None, self.q_norm.eps if qk else 0.0,
+                self.k_cache, self.v_cache, meta.slot_mapping)  # fmt: skip
 
     def fusable_front(self) -> bool:
         """Whether `attend_unnormed` can serve this layer: per-head q/k norms or none (the
