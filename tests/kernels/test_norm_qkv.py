@@ -27,8 +27,10 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 # bf16 on CUDA only: Triton's CPU interpreter mangles bf16 loads into the dot (test_gemv.py).
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
-DTYPE_IDS = ["fp32", "fp16"] + (["bf16"] if CUDA else [])
+# bf16 compiled only (the interpreter mangles bf16 loads into the dot, test_gemv.py), and marked
+# gpu so the device's `-m gpu` runs take it.
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
 EPS = 1e-6
 # (Hq, Hkv, D, R, q/k norm): Qwen3's GQA with q/k norms; no norms (Mixtral); partial rotary with
 # a head dim of 80 (16-column tiles); one kv head of 32 dims (the q norm alone).
@@ -50,6 +52,21 @@ def _front(gen, seed: int, m: int, hidden: int, layout, dtype, residual: bool):
 def _rope_args(case, k_cache, v_cache) -> tuple:
     return (case.positions, case.cos, case.sin, case.hq, case.hkv, case.d, case.q_w, case.k_w,
             EPS, k_cache, v_cache, case.slots)  # fmt: skip
+
+
+def _same_but_rare_flips(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bit for bit in the interpreter (both kernels sum a head's squares alike there). Compiled,
+    the rope kernel reduces several heads a program and this kernel one, so a head's fp32 sum
+    of squares may differ in its last bit and flip a rounding of the normed value (as
+    test_rope.py allows against the twin): a few elements, each within a few ulps."""
+    if not CUDA:
+        assert torch.equal(out, ref), f"{int((out != ref).sum())} elements differ"
+        return
+    diff = (out.double() - ref.double()).abs()
+    allowed = 4 * torch.finfo(ref.dtype).eps * ref.double().abs().amax(-1, keepdim=True)
+    assert (diff <= allowed).all(), f"max excess {(diff - allowed).max().item():.3g}"
+    flips = int((diff > 0).sum())
+    assert flips <= 4 + diff.numel() // 1000, f"{flips} elements differ: a systematic error"
 
 
 def _projection(part: torch.Tensor, slices: int, m: int, n: int, dtype) -> torch.Tensor:
@@ -92,13 +109,14 @@ def test_one_launch_is_the_norm_the_projection_and_rope(rng_seed, dtype, layout,
     scale = F.linear(h_ref.double().abs().cpu(), w.double().abs().cpu())
     ulp = want.abs() * torch.finfo(dtype).eps
     assert ((y.double().cpu() - want).abs() <= ulp + 1e-5 * scale).all(), "projection off"
-    # q, k and v: the rope kernel's of that projection, bit for bit.
+    # q, k and v: the rope kernel's of that projection (v raw, bit for bit).
     k_want, v_want = case.fresh_caches()
-    q_want = qk_norm_rope_store(y, *_rope_args(case, k_want, v_want), force_triton=True)
-    assert torch.equal(q, q_want), f"{int((q != q_want).sum())} q elements differ"
+    q_want = qk_norm_rope_store(y.to(DEV), *_rope_args(case, k_want, v_want), force_triton=True)
+    _same_but_rare_flips(q, q_want)
     k, v = written(case, k_cache, v_cache)  # and every other slot untouched
     k_ref, v_ref = written(case, k_want, v_want)
-    assert torch.equal(k, k_ref) and torch.equal(v, v_ref), "the stored k / v differ"
+    _same_but_rare_flips(k, k_ref)
+    assert torch.equal(v, v_ref), "the stored v differs"
     assert int(scratch[1].abs().sum()) == 0, "every head's counter is back to 0"
 
 
