@@ -20,8 +20,10 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 # bf16 on CUDA only: Triton's CPU interpreter mangles bf16 loads into the dot (as test_gemv.py
 # says); the norm's bf16 rounding is checked bit for bit in test_norm.py.
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
-DTYPE_IDS = ["fp32", "fp16"] + (["bf16"] if CUDA else [])
+# (marked gpu so the device's `-m gpu` runs take it: unmarked, only a full run on a CUDA
+# machine collected it, and the device's stages run `-m gpu`.)
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
 
 
 def _inputs(gen, m: int, k: int, n: int, dtype, zero_centred: bool = False):
