@@ -296,7 +296,7 @@ class EngineConfig:
     # One-row decode steps on CUDA run each attention layer's input RMSNorm (with the residual
     # add), the q/k/v projection, the per-head q/k norms, RoPE and the KV store in one launch
     # (kernels/triton/norm_qkv.py) instead of the norm kernel, cuBLAS's GEMV and the rope
-    # kernel (engine/models/base.py FUSED_NORM_QKV_ROWS). Off: no faster on the H200 host
+    # kernel (engine/layers/attention.py FUSED_NORM_QKV_ROWS). Off: no faster on the H200 host
     # (thirty-eighth session, `bench fusions` at 48 layers, all resident, 4 rounds: b=1 308.7
     # against 310.3 tok/s under PDL `light`, 312.6 against 312.7 under `on`): PDL already hides
     # most of the two small launches it saves, and its Triton projection is a little slower

@@ -24,6 +24,11 @@ from freetoken_agent.kernels.norm_qkv import norm_qkv_rope
 from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
 from freetoken_agent.kernels.rope import qk_norm_rope_store
 
+# The fused input norm + q/k/v projection + q/k norms + RoPE + KV store
+# (EngineConfig.fused_norm_qkv, SelfAttention.attend_unnormed) runs steps of at most this many
+# rows (the decoder layer sends it no others).
+FUSED_NORM_QKV_ROWS = 1
+
 # T tokens in the step (all sequences, flattened), B sequences, P pages, S page size,
 # Hq / Hkv query / key-value heads, D head_dim, H hidden
 
@@ -98,9 +103,8 @@ class SelfAttention(nn.Module):
         # EngineConfig.l2_prefetch (use_l2_prefetch): the model's prefetcher, or None.
         self.l2: L2Prefetcher | None = None
         # attend_unnormed's scratch (kernels/triton/norm_qkv.py new_scratch, made at its first
-        # CUDA call) for steps of up to front_rows rows (the decoder layer sets it).
+        # CUDA call) for steps of up to FUSED_NORM_QKV_ROWS rows.
         self._front_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.front_rows = 1
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(x, meta))
@@ -133,9 +137,9 @@ class SelfAttention(nn.Module):
 
             heads, h = self.n_heads + 2 * self.n_kv_heads, x.shape[1]
             if head_tiles(self.head_dim, heads * self.head_dim, h) is not None:
-                self._front_scratch = new_scratch(heads, self.head_dim, h, self.front_rows,
-                                                  x.device)  # fmt: skip
-        scratch = self._front_scratch if x.shape[0] <= self.front_rows else None
+                self._front_scratch = new_scratch(heads, self.head_dim, h,
+                                                  FUSED_NORM_QKV_ROWS, x.device)  # fmt: skip
+        scratch = self._front_scratch if x.shape[0] <= FUSED_NORM_QKV_ROWS else None
         q, s = norm_qkv_rope(x, residual, norm.weight, norm.eps, norm.zero_centred,
                              self.qkv_proj.weight, *self._rope_args(meta),
                              scratch=scratch)  # fmt: skip

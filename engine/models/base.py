@@ -17,6 +17,7 @@ from torch import nn
 
 from freetoken_agent.engine.config import ModelSpec
 from freetoken_agent.engine.layers.attention import (
+    FUSED_NORM_QKV_ROWS,
     AttentionMetadata,
     AttentionOptions,
     SelfAttention,
@@ -53,9 +54,6 @@ class Blueprint:
 # The fused o_proj + add + norm (EngineConfig.fused_proj_norm) runs steps of at most this many
 # rows: on the H200 host, 48 layers all resident, b=1 decode gained 2.6% with it, b=4 lost 2.4%.
 FUSED_PROJ_NORM_ROWS = 1
-# The fused input norm + q/k/v projection + q/k norms + RoPE + KV store
-# (EngineConfig.fused_norm_qkv) runs steps of at most this many rows.
-FUSED_NORM_QKV_ROWS = 1
 
 
 class DecoderLayer(nn.Module):
@@ -162,7 +160,6 @@ def use_fused_norm_qkv(model: nn.Module, on: bool = True) -> None:
         if isinstance(layer, DecoderLayer) and not layer.recurrent:
             fusable = isinstance(layer.input_layernorm, RMSNorm) and layer.self_attn.fusable_front()
             layer.fused_norm_qkv = on and fusable
-            layer.self_attn.front_rows = FUSED_NORM_QKV_ROWS
 
 
 class MoeCausalLM(nn.Module):
