@@ -97,6 +97,13 @@ def _scale(x, rstd, w_ptr, offs, mask, ZERO_CENTRED: tl.constexpr, MODE: tl.cons
 
 
 @triton.jit
+def _row_rstd(x, inv_h, eps):
+    """1 / rms of a row held whole (fp32, masked lanes 0): the mean as torch's CUDA reduction
+    computes it, the sum times the fp32 reciprocal of H (also kernels/triton/norm_qkv.py's)."""
+    return tl.rsqrt(tl.sum(x * x, 0) * inv_h + eps)
+
+
+@triton.jit
 def _normalise_row(x, offs, mask, w_ptr, y_row, s_row, inv_h, eps, HAS_RES: tl.constexpr,
                    MODE: tl.constexpr, ZERO_CENTRED: tl.constexpr):  # fmt: skip
     """A row held whole: x the values the norm sees (fp32, masked lanes 0), stored as s with
@@ -104,9 +111,7 @@ def _normalise_row(x, offs, mask, w_ptr, y_row, s_row, inv_h, eps, HAS_RES: tl.c
     proj_norm.py's last program)."""
     if HAS_RES:
         tl.store(s_row + offs, x.to(s_row.dtype.element_ty), mask=mask)
-    # mean as torch's CUDA reduction computes it: sum times the fp32 reciprocal of H.
-    rstd = tl.rsqrt(tl.sum(x * x, 0) * inv_h + eps)
-    y = _scale(x, rstd, w_ptr, offs, mask, ZERO_CENTRED, MODE)
+    y = _scale(x, _row_rstd(x, inv_h, eps), w_ptr, offs, mask, ZERO_CENTRED, MODE)
     tl.store(y_row + offs, y.to(y_row.dtype.element_ty), mask=mask)
 
 

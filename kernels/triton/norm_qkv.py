@@ -37,7 +37,13 @@ from torch import Tensor
 from freetoken_agent.kernels.gemv import MAX_M
 from freetoken_agent.kernels.norm_qkv import MAX_H
 from freetoken_agent.kernels.triton.gemv import _prefetch_tile, choose_tiles, splits
-from freetoken_agent.kernels.triton.norm import _load_sum, _scale, round_mode, round_to
+from freetoken_agent.kernels.triton.norm import (
+    _load_sum,
+    _row_rstd,
+    _scale,
+    round_mode,
+    round_to,
+)
 from freetoken_agent.kernels.triton.pdl import enter
 from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 from freetoken_agent.kernels.triton.rope import _norm_rope_values, _rotary_dims
@@ -57,8 +63,7 @@ def _rstd_rows(x_ptr, r_ptr, stride_xm, stride_r, inv_h, eps, H, s_ptr, WRITE_S,
         row = _load_sum(x_ptr + m * stride_xm, r_ptr + m * stride_r, offs, ok, HAS_RES, MODE)
         if HAS_RES & WRITE_S:
             tl.store(s_ptr + m * H + offs, row.to(s_ptr.dtype.element_ty), mask=ok)
-        # as norm.py's _normalise_row: the sum times the fp32 reciprocal of H
-        rstd = tl.where(offs_m == m, tl.rsqrt(tl.sum(row * row, 0) * inv_h + eps), rstd)
+        rstd = tl.where(offs_m == m, _row_rstd(row, inv_h, eps), rstd)
     return rstd
 
 
