@@ -34,11 +34,11 @@ Variants (FREETOKEN_PDL, a comma list; `light` by default, the one that won at b
   which always follows a small kernel (the MoE sum over k, or the embedding): it launches
   early. Its weights' L2 prefetch before the wait cost 4% at 48 layers b=1 (thirty-eighth
   session: 301.7 against 314.1 tok/s under `on`), so it asks for it only under `prefetch`. An
-  early launch places a grid's programs on the SMs that have
-  room while the kernel before it still runs, which for a one-wave kernel can mean fewer SMs
-  streaming its weights: one explanation of `on`'s loss at b=1. Measured in
-  the twenty-third session (48 layers): all resident b=1 299.5 and b=4 675.2 tok/s against off's
-  296.1 / 664.2 (`exit` 296.9 / 665.5, `prefetch` 282.9 / 685.3); the default.
+  early launch places a grid's programs on the SMs that have room while the kernel before it
+  still runs, which for a one-wave kernel can mean fewer SMs streaming its weights: one
+  explanation of `on`'s loss at b=1. Measured in the twenty-third session (48 layers): all
+  resident b=1 299.5 and b=4 675.2 tok/s against off's 296.1 / 664.2 (`exit` 296.9 / 665.5,
+  `prefetch` 282.9 / 685.3); the default.
 The rule in full, then: before `enter`, no store, no atomic, no return, and no load of anything
 a kernel still in flight may write (the kernel just before, or one it waits for); index
 arithmetic, `prefetch_lines` and gate/up's `.cg` read of rows settled two kernels back may, and
