@@ -41,6 +41,8 @@
                       per-layer time model: fills, CPU experts and modelled steps (any CPU)
     expert-mlp        a probe: one token's routed experts in one launch against the decode
                       path's three, graph-replayed at the 30B shape, beside HBM (CUDA)
+    attention-half    a probe: a token's attention half of a layer as one persistent grid
+                      against the engine's five launches, at the 30B shape (CUDA)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -74,6 +76,7 @@ BENCHES = {
     "split-cuts": "freetoken_agent.bench.split_cuts",
     "plan-kernel": "freetoken_agent.bench.plan_kernel",
     "expert-mlp": "freetoken_agent.bench.expert_mlp",
+    "attention-half": "freetoken_agent.bench.attention_half",
     "share-rule": "freetoken_agent.bench.share_rule",
 }
 

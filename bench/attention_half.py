@@ -103,9 +103,19 @@ def rope_tables(d: int, capacity: int, dtype: torch.dtype, device: torch.device 
     return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
 
 
-def engine_steps(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Tensor,
-                 cache: Cache, heads: int, *, max_kv_len: int | None = None,
-                 counters: Tensor | None = None, proj_scratch=None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def engine_steps(
+    x: Tensor,
+    r: Tensor,
+    layer: HalfLayer,
+    cos: Tensor,
+    sin: Tensor,
+    cache: Cache,
+    heads: int,
+    *,
+    max_kv_len: int | None = None,
+    counters: Tensor | None = None,
+    proj_scratch: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """(h, s) of the decoder layer's attention half at b=1, through the engine's kernels as
     engine/models/base.py calls them (Triton on CUDA, the plain-torch twins on the CPU):
     x, r [1, H]."""
@@ -181,7 +191,8 @@ def attention_half(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Ten
     sc = scratch
     args = (x, r, layer.w_in, layer.w_post, layer.wqkv, layer.wo, layer.qn, layer.kn, cos, sin,
             cache.pos, cache.k, cache.v, sc.xn, sc.qkv_part, sc.att_acc, sc.att_ml, sc.attn,
-            sc.o_part, h, s, sc.count, EPS, EPS, 1.0 / hid, 1.0 / d, d**-0.5, cos.stride(0))  # fmt: skip
+            sc.o_part, h, s, sc.count, EPS, EPS, 1.0 / hid, 1.0 / d, d**-0.5,
+            cos.stride(0))  # fmt: skip
     consts = dict(H=hid, ROW=triton.next_power_of_2(hid), D=d, NQ=heads, NKV=kv_heads,
                   NS=splits, MODE=round_mode(x.dtype),
                   PREC="ieee" if x.dtype == torch.float32 else "tf32",
@@ -193,3 +204,126 @@ def attention_half(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Ten
             grid = kv_heads * splits if phase == 2 else programs
             _attention_half_kernel[(grid,)](*args, AHEAD=0, PHASE=phase, **consts)
     return h, s
+
+
+def _variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """(row name, attention_half's keywords) per probe row."""
+    rows = []
+    for tiles in args.tiles:
+        label = ",".join(f"{k}={v}" for k, v in tiles.items())
+        for warps in args.warps:
+            tag = f"w{warps}" + (f", {label}" if label else "")
+            rows.append((f"phases, {tag}", dict(persistent=False, warps=warps, tiles=tiles)))
+            for ahead in args.ahead:
+                kw = dict(persistent=True, ahead=ahead, warps=warps, tiles=tiles)
+                rows.append((f"persistent, ahead={ahead}, {tag}", kw))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench attention-half",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--context", type=int, nargs="+", default=[256, 1024],
+                        help="tokens cached before the new one")  # fmt: skip
+    parser.add_argument("--ahead", type=int, nargs="+", default=[0, 1, 2],
+                        help="o_proj tiles a program reads before its waits (0-2)")  # fmt: skip
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="warps a program")
+    parser.add_argument("--splits", type=int, default=8, help="attention splits a kv head")
+    parser.add_argument("--tiles", type=json.loads, nargs="+", default=[{}],
+                        help=f"JSON overrides of the tiles {DEFAULT_TILES}, a row set "
+                        "each")  # fmt: skip
+    parser.add_argument("--graph-bound", type=int, default=4096,
+                        help="the engine row's attention plan bound (a decode graph plans for "
+                        "max_model_len; bench fusions runs 4096)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="turns of every row")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs CUDA")
+    if not all(0 <= a <= 2 for a in args.ahead):
+        parser.error("--ahead takes 0, 1 or 2")
+    from triton.testing import do_bench
+
+    from freetoken_agent.bench.cuda_graph import captured
+    from freetoken_agent.bench.limits import hbm_copy_bandwidth
+    from freetoken_agent.bench.moe_kernel import GRAPH_LAYERS
+    from freetoken_agent.kernels.pdl_switch import requested
+    from freetoken_agent.kernels.triton.paged_attention import new_counters
+    from freetoken_agent.kernels.triton.proj_norm import new_scratch as proj_scratch
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    h, heads, kv_heads, d = SHAPE["h"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
+    programs = torch.cuda.get_device_properties(dev).multi_processor_count
+    hbm = hbm_copy_bandwidth(dev)
+    gen = torch.Generator().manual_seed(0)
+    layers = [make_layer(h, heads, kv_heads, d, dt, dev, gen) for _ in range(GRAPH_LAYERS)]
+    weight_bytes = sum(t.nbytes for t in (layers[0].wqkv, layers[0].wo))
+    x = torch.randn(1, h, generator=gen).to(dt).to(dev)
+    r = torch.randn(1, h, generator=gen).to(dt).to(dev)
+    report = {"bench": "attention-half", "hbm_copy_gb_s": hbm / 1e9, "programs": programs,
+              "weights_mb_per_layer": weight_bytes / 1e6, "pdl_flags": requested(),
+              "layers_per_graph": GRAPH_LAYERS, "contexts": {}}  # fmt: skip
+    for context in args.context:
+        cos, sin = rope_tables(d, context + 1, dt, dev)
+        caches = [make_cache(context, context + 1, kv_heads, d, dt, dev, gen) for _ in layers]
+        counters = [new_counters(dev) for _ in layers]
+        proj = [proj_scratch(h, heads * d, dev) for _ in layers]
+
+        def engine(caches=caches, counters=counters, proj=proj, cos=cos, sin=sin):
+            a, b = x, r
+            for layer, cache, cnt, ps in zip(layers, caches, counters, proj, strict=True):
+                a, b = engine_steps(a, b, layer, cos, sin, cache, heads,
+                                    max_kv_len=args.graph_bound, counters=cnt,
+                                    proj_scratch=ps)  # fmt: skip
+            return a, b
+
+        steps = {"engine (5 launches)": engine}
+        want = engine_steps(x, r, layers[0], cos, sin, caches[0], heads, counters=counters[0],
+                            proj_scratch=proj[0])  # fmt: skip
+        for name, kw in _variants(args):
+            tiles = {**DEFAULT_TILES, **kw["tiles"]}
+            scratch = new_scratch(h, heads, kv_heads, d, programs, args.splits, tiles, dt, dev)
+            outs = [(torch.empty_like(x), torch.empty_like(x)) for _ in layers]
+            try:
+                got = attention_half(x, r, layers[0], cos, sin, caches[0], heads, scratch, **kw)
+                torch.cuda.synchronize()
+            except Exception as e:  # a variant may not compile (registers): report, go on
+                print(f"{context} {name}: failed: {type(e).__name__}: {e}"[:300], flush=True)
+                continue
+            err = max((g.float() - w.float()).abs().max().item() / w.float().abs().max().item()
+                      for g, w in zip(got, want, strict=True))  # fmt: skip
+            print(f"{context} {name}: max error against the engine's {err:.2e}", flush=True)
+
+            def probe(caches=caches, scratch=scratch, outs=outs, kw=kw, cos=cos, sin=sin):
+                a, b = x, r
+                for layer, cache, out in zip(layers, caches, outs, strict=True):
+                    a, b = attention_half(a, b, layer, cos, sin, cache, heads, scratch,
+                                          out=out, **kw)  # fmt: skip
+                return a, b
+
+            steps[name] = probe
+        replays = {name: captured(step) for name, step in steps.items()}
+        times: dict[str, list[float]] = {name: [] for name in replays}
+        for rnd in range(args.rounds):
+            order = list(replays)[rnd % len(replays) :] + list(replays)[: rnd % len(replays)]
+            for name in order:
+                times[name].append(do_bench(replays[name], return_mode="median") / GRAPH_LAYERS)
+        rows = report["contexts"][str(context)] = {}
+        kv_bytes = 2 * context * kv_heads * d * 2
+        for name, ms in times.items():
+            best = sorted(ms)[len(ms) // 2]
+            gbps = (weight_bytes + kv_bytes) / best / 1e6
+            rows[name] = {"us_per_layer": 1e3 * best, "gb_s": gbps, "of_copy": gbps / (hbm / 1e9),
+                          "rounds_us": [1e3 * t for t in ms]}  # fmt: skip
+            print(f"{context:6d} {name:44s} {1e3 * best:7.2f} us a layer  {gbps:6.0f} GB/s  "
+                  f"{100 * gbps / (hbm / 1e9):3.0f}% of copy", flush=True)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "attention_half.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

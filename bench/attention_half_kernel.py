@@ -45,8 +45,13 @@ import triton
 import triton.language as tl
 
 from freetoken_agent.kernels.triton.gemv import _gemv_tile
-from freetoken_agent.kernels.triton.norm import _load_sum, _normalise_row, _row_rstd, _scale
-from freetoken_agent.kernels.triton.norm import round_to
+from freetoken_agent.kernels.triton.norm import (
+    _load_sum,
+    _normalise_row,
+    _row_rstd,
+    _scale,
+    round_to,
+)
 from freetoken_agent.kernels.triton.rope import _norm_rope_values, _rotary_dims
 
 # count_ptr's words: [0] phase-1 arrivals, [1] kv heads combined, [2] phase-3 arrivals,
@@ -170,8 +175,8 @@ def _attention_half_kernel(
         _arrive(count_ptr)
         _wait_for(count_ptr, n_programs)
 
-    if PHASE == 0 or PHASE == 2:  # q/k norms, RoPE, the K/V store, attention, the combine
-        if pid < NKV * NS:
+    if PHASE == 0 or PHASE == 2:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if pid < NKV * NS:  # q/k norms, RoPE, the K/V store, attention, the combine
             g = pid // NS
             j = pid % NS
             pos = tl.load(pos_ptr)

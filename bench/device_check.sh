@@ -92,6 +92,9 @@
 #         regimes, ~4 min)
 #         s38-front (the attention front in one launch, EngineConfig.fused_norm_qkv: its GPU
 #         tests, then bench fusions at 48 layers with and without it, 3 rounds; ~7 min)
+#         s39-half (the thirty-eighth session's unrun bf16 GPU tests, then bench attention-half:
+#         its GPU tests and the attention half as one persistent grid against the engine's
+#         five launches at 256 and 1024 cached tokens, ~6 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -121,6 +124,12 @@ for stage in "$@"; do
         --regimes uniform zipf:1.0,loc:0.7 native --policies adaptive --pdl light on \
         --out "$OUT/pdl_on_peer" 2>&1 | tee "$OUT/pdl_on_peer.log" | grep "|b" \
         | grep -v "round[0-9]" | cut -c1-200 ;;
+    s39-half)  # the unrun bf16 GPU tests, then the attention half as one grid (~6 min)
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
+        tests/kernels/test_proj_norm.py tests/bench/test_attention_half.py 2>&1 \
+        | tee "$OUT/half_tests_s39.log" | tail -6
+      timeout 360 python3 -m freetoken_agent.bench attention-half --out "$OUT" 2>&1 \
+        | tee "$OUT/attention_half_s39.log" | tail -40 ;;
     s38-front)  # the attention front in one launch: its GPU tests and the 48-layer step (~7 min)
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
         tests/kernels/test_rope.py tests/kernels/test_pdl.py 2>&1 \

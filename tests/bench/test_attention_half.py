@@ -106,8 +106,8 @@ def test_the_persistent_launch_is_the_phases_on_cuda(rng_seed, ahead):
     scratch = new_scratch(s["h"], s["heads"], s["kv_heads"], s["d"], programs, 8, {}, dt, "cuda")
     ref = make_cache(0, 1, 1, 1, dt, "cuda", gen)
     ref.k, ref.v = cache.k.clone(), cache.v.clone()
-    ref.pos, ref.page_table, ref.cu_q_lens, ref.kv_lens = (cache.pos, cache.page_table,
-                                                            cache.cu_q_lens, cache.kv_lens)  # fmt: skip
+    for name in ("pos", "page_table", "cu_q_lens", "kv_lens"):
+        setattr(ref, name, getattr(cache, name))
     want = engine_steps(x, r, layer, cos, sin, ref, s["heads"])
     phases = attention_half(x, r, layer, cos, sin, cache, s["heads"], scratch, persistent=False)
     for _ in range(2):
