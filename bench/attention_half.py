@@ -146,13 +146,13 @@ class Scratch:
     att_ml: Tensor  # [NKV, NS, 2, 16] fp32
     attn: Tensor  # [NQ D]
     o_part: Tensor  # [KS3, H] fp32
-    count: Tensor  # [COUNT_HEADS + NKV] int32
+    count: Tensor  # [COUNT_WORDS + NKV] int32
 
 
 def new_scratch(h: int, heads: int, kv_heads: int, d: int, programs: int, splits: int,
                 tiles: dict[str, int], dtype: torch.dtype,
                 device: torch.device | str) -> Scratch:  # fmt: skip
-    from freetoken_agent.bench.attention_half_kernel import COUNT_HEADS
+    from freetoken_agent.bench.attention_half_kernel import COUNT_WORDS
 
     f32 = dict(dtype=torch.float32, device=device)
     return Scratch(
@@ -162,7 +162,7 @@ def new_scratch(h: int, heads: int, kv_heads: int, d: int, programs: int, splits
         torch.empty(kv_heads, splits, 2, 16, **f32),
         torch.empty(heads * d, dtype=dtype, device=device),
         torch.empty(tiles["KS3"], h, **f32),
-        torch.zeros(COUNT_HEADS + kv_heads, dtype=torch.int32, device=device),
+        torch.zeros(COUNT_WORDS + kv_heads, dtype=torch.int32, device=device),
     )
 
 
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, nargs="+", default=[256, 1024],
                         help="tokens cached before the new one")  # fmt: skip
     parser.add_argument("--ahead", type=int, nargs="+", default=[0, 1, 2],
-                        help="o_proj tiles a program reads before its waits (0-2)")  # fmt: skip
+                        help="o_proj tiles a program reads before its waits (0-4)")  # fmt: skip
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="warps a program")
     parser.add_argument("--splits", type=int, default=8, help="attention splits a kv head")
     parser.add_argument("--tiles", type=json.loads, nargs="+", default=[{}],
@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs CUDA")
-    if not all(0 <= a <= 2 for a in args.ahead):
-        parser.error("--ahead takes 0, 1 or 2")
+    if not all(0 <= a <= 4 for a in args.ahead):
+        parser.error("--ahead takes 0 to 4")
     from triton.testing import do_bench
 
     from freetoken_agent.bench.cuda_graph import captured
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 got = attention_half(x, r, layers[0], cos, sin, caches[0], heads, scratch, **kw)
                 torch.cuda.synchronize()
             except Exception as e:  # a variant may not compile (registers): report, go on
-                print(f"{context} {name}: failed: {type(e).__name__}: {e}"[:300], flush=True)
+                print(f"{context} {name}: failed: {type(e).__name__}: {str(e)[-600:]}", flush=True)
                 continue
             err = max((g.float() - w.float()).abs().max().item() / w.float().abs().max().item()
                       for g, w in zip(got, want, strict=True))  # fmt: skip

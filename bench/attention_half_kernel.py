@@ -9,7 +9,7 @@ MoE half is within ~3 us of what one kernel can read (`bench expert-mlp`, thirty
 session), so what is left is the attention half: five launches (norm, qkv, rope, attention,
 o_proj + norm), ~30 us for ~38 MB of weights. Three ways of reading o_proj's weight into L2
 ahead of its kernel lost. Here every program loads its first o_proj tiles into registers
-(AHEAD of them) before it waits for the attention phase, so HBM streams through the latency-
+(AHEAD of them, 0-4) before it waits for the attention phase, so HBM streams through the latency-
 bound middle of the layer, and no kernel boundary drains the grid between phases.
 
 The grid: P programs, at most one wave (the SM count), all resident at once: a program that
@@ -56,7 +56,8 @@ from freetoken_agent.kernels.triton.rope import _norm_rope_values, _rotary_dims
 
 # count_ptr's words: [0] phase-1 arrivals, [1] kv heads combined, [2] phase-3 arrivals,
 # [COUNT_HEADS + g] kv head g's finished splits.
-COUNT_HEADS = 4
+COUNT_WORDS = 4  # the host's int of COUNT_HEADS
+COUNT_HEADS = tl.constexpr(COUNT_WORDS)
 
 
 @triton.jit
@@ -172,6 +173,10 @@ def _attention_half_kernel(
             w_a = _load_o_tile(wo_ptr, pid, H, NQD, BN3, BK3)
         if AHEAD >= 2:
             w_b = _load_o_tile(wo_ptr, pid + n_programs, H, NQD, BN3, BK3)
+        if AHEAD >= 3:
+            w_c = _load_o_tile(wo_ptr, pid + 2 * n_programs, H, NQD, BN3, BK3)
+        if AHEAD >= 4:
+            w_d = _load_o_tile(wo_ptr, pid + 3 * n_programs, H, NQD, BN3, BK3)
         _arrive(count_ptr)
         _wait_for(count_ptr, n_programs)
 
@@ -270,6 +275,12 @@ def _attention_half_kernel(
                 tile += n_programs
             if AHEAD >= 2:
                 _o_tile(w_b, tile, attn_ptr, o_part_ptr, offs_m, H, NQD, BN3, BK3, PREC)
+                tile += n_programs
+            if AHEAD >= 3:
+                _o_tile(w_c, tile, attn_ptr, o_part_ptr, offs_m, H, NQD, BN3, BK3, PREC)
+                tile += n_programs
+            if AHEAD >= 4:
+                _o_tile(w_d, tile, attn_ptr, o_part_ptr, offs_m, H, NQD, BN3, BK3, PREC)
                 tile += n_programs
         for t in range(tile, (H // BN3) * KS3, n_programs):
             w = _load_o_tile(wo_ptr, t, H, NQD, BN3, BK3)

@@ -128,8 +128,12 @@ for stage in "$@"; do
       timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
         tests/kernels/test_proj_norm.py tests/bench/test_attention_half.py 2>&1 \
         | tee "$OUT/half_tests_s39.log" | tail -6
-      timeout 360 python3 -m freetoken_agent.bench attention-half --out "$OUT" 2>&1 \
-        | tee "$OUT/attention_half_s39.log" | tail -40 ;;
+      timeout 300 python3 -m freetoken_agent.bench attention-half --out "$OUT" 2>&1 \
+        | tee "$OUT/attention_half_s39.log" | tail -40
+      mv "$OUT/attention_half.json" "$OUT/attention_half_s39.json"
+      timeout 200 python3 -m freetoken_agent.bench attention-half --warps 8 --ahead 1 2 4 \
+        --tiles '{"KS3": 8}' --out "$OUT" 2>&1 | tee "$OUT/attention_half_ks8_s39.log" | tail -20
+      mv "$OUT/attention_half.json" "$OUT/attention_half_ks8_s39.json" ;;
     s38-front)  # the attention front in one launch: its GPU tests and the 48-layer step (~7 min)
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
         tests/kernels/test_rope.py tests/kernels/test_pdl.py 2>&1 \

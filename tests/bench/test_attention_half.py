@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from freetoken_agent.bench.attention_half import (
+    DEFAULT_TILES,
     attention_half,
     engine_steps,
     make_cache,
@@ -103,7 +104,8 @@ def test_the_persistent_launch_is_the_phases_on_cuda(rng_seed, ahead):
     dt = torch.bfloat16
     layer, cache, cos, sin, x, r = _case(gen, dt, "cuda", pos, s)
     programs = torch.cuda.get_device_properties(0).multi_processor_count
-    scratch = new_scratch(s["h"], s["heads"], s["kv_heads"], s["d"], programs, 8, {}, dt, "cuda")
+    scratch = new_scratch(s["h"], s["heads"], s["kv_heads"], s["d"], programs, 8, DEFAULT_TILES,
+                          dt, "cuda")  # fmt: skip
     ref = make_cache(0, 1, 1, 1, dt, "cuda", gen)
     ref.k, ref.v = cache.k.clone(), cache.v.clone()
     for name in ("pos", "page_table", "cu_q_lens", "kv_lens"):
