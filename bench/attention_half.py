@@ -17,7 +17,8 @@ rate): `engine` (the five launches as the decoder runs them at b=1: the norm ker
 qkv, the rope kernel, paged attention with its in-kernel combine, o_proj + add + norm; PDL as
 FREETOKEN_PDL says, `light` by default), `phases` (the probe's kernel as three launches: its
 code with kernel boundaries), `persistent, ahead=A` (one launch; A o_proj tiles a program held
-in registers through the waits). Each row's outputs are checked against the engine's first.
+in registers through the waits), `phase N alone` (--phase-rows: one phase's launches, its
+share of `phases`). Each row's outputs are checked against the engine's first.
 
 JSON: `attention_half.json`.
 """
@@ -169,15 +170,19 @@ def new_scratch(h: int, heads: int, kv_heads: int, d: int, programs: int, splits
 def attention_half(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Tensor,
                    cache: Cache, heads: int, scratch: Scratch, *, persistent: bool,
                    ahead: int = 0, warps: int = 4, tiles: dict[str, int] | None = None,
-                   out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+                   out: tuple[Tensor, Tensor] | None = None,
+                   phases: tuple[int, ...] = (1, 2, 3)) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The probe's (h, s) for x, r [1, H] (engine_steps' contract): one persistent launch
-    (CUDA only), or the same kernel as three launches. The cache gets the new K/V at pos."""
+    (CUDA only), or the same kernel as three launches (`phases`: fewer, for a phase's time
+    alone). The cache gets the new K/V at pos. `tiles`: DEFAULT_TILES' overrides, and STAGES
+    (Triton's num_stages)."""
     import triton
 
     from freetoken_agent.bench.attention_half_kernel import _attention_half_kernel, split_tiles
     from freetoken_agent.kernels.triton.norm import round_mode
 
     tiles = {**DEFAULT_TILES, **(tiles or {})}
+    stages = tiles.pop("STAGES", None)
     hid = x.shape[1]
     kv_heads, d = cache.k.shape[2], cache.k.shape[3]
     programs, splits = scratch.xn.shape[0], scratch.att_acc.shape[1]
@@ -197,10 +202,12 @@ def attention_half(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Ten
                   NS=splits, MODE=round_mode(x.dtype),
                   PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=warps, **tiles)  # fmt: skip
+    if stages is not None:
+        consts["num_stages"] = stages
     if persistent:
         _attention_half_kernel[(programs,)](*args, AHEAD=ahead, PHASE=0, **consts)
     else:
-        for phase in (1, 2, 3):
+        for phase in phases:
             grid = kv_heads * splits if phase == 2 else programs
             _attention_half_kernel[(grid,)](*args, AHEAD=0, PHASE=phase, **consts)
     return h, s
@@ -214,6 +221,9 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
         for warps in args.warps:
             tag = f"w{warps}" + (f", {label}" if label else "")
             rows.append((f"phases, {tag}", dict(persistent=False, warps=warps, tiles=tiles)))
+            for phase in (1, 2, 3) if args.phase_rows else ():
+                kw = dict(persistent=False, warps=warps, tiles=tiles, phases=(phase,))
+                rows.append((f"phase {phase} alone, {tag}", kw))
             for ahead in args.ahead:
                 kw = dict(persistent=True, ahead=ahead, warps=warps, tiles=tiles)
                 rows.append((f"persistent, ahead={ahead}, {tag}", kw))
@@ -235,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiles", type=json.loads, nargs="+", default=[{}],
                         help=f"JSON overrides of the tiles {DEFAULT_TILES}, a row set "
                         "each")  # fmt: skip
+    parser.add_argument(
+        "--phase-rows",
+        action="store_true",
+        help="rows of each phase launched alone (its time without the others)",
+    )
     parser.add_argument("--graph-bound", type=int, default=4096,
                         help="the engine row's attention plan bound (a decode graph plans for "
                         "max_model_len; bench fusions runs 4096)")  # fmt: skip
@@ -284,11 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         want = engine_steps(x, r, layers[0], cos, sin, caches[0], heads, counters=counters[0],
                             proj_scratch=proj[0])  # fmt: skip
         for name, kw in _variants(args):
-            tiles = {**DEFAULT_TILES, **kw["tiles"]}
+            tiles = {**DEFAULT_TILES, **kw["tiles"]}  # new_scratch reads KS1 and KS3
             scratch = new_scratch(h, heads, kv_heads, d, programs, args.splits, tiles, dt, dev)
             outs = [(torch.empty_like(x), torch.empty_like(x)) for _ in layers]
             try:
-                got = attention_half(x, r, layers[0], cos, sin, caches[0], heads, scratch, **kw)
+                whole = {k: v for k, v in kw.items() if k != "phases"}  # the check: all three
+                got = attention_half(x, r, layers[0], cos, sin, caches[0], heads, scratch,
+                                     **whole)  # fmt: skip
                 torch.cuda.synchronize()
             except Exception as e:  # a variant may not compile (registers): report, go on
                 print(f"{context} {name}: failed: {type(e).__name__}: {str(e)[-600:]}", flush=True)

@@ -94,7 +94,8 @@
 #         tests, then bench fusions at 48 layers with and without it, 3 rounds; ~7 min)
 #         s39-half (the thirty-eighth session's unrun bf16 GPU tests, then bench attention-half:
 #         its GPU tests and the attention half as one persistent grid against the engine's
-#         five launches at 256 and 1024 cached tokens, ~6 min)
+#         five launches at 256 and 1024 cached tokens, ~6 min), s39-phases (its phases alone
+#         and tile variants, ~4 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -134,6 +135,12 @@ for stage in "$@"; do
       timeout 200 python3 -m freetoken_agent.bench attention-half --warps 8 --ahead 1 2 4 \
         --tiles '{"KS3": 8}' --out "$OUT" 2>&1 | tee "$OUT/attention_half_ks8_s39.log" | tail -20
       mv "$OUT/attention_half.json" "$OUT/attention_half_ks8_s39.json" ;;
+    s39-phases)  # bench attention-half's phases alone and tile variants at 1024 tokens (~4 min)
+      timeout 400 python3 -m freetoken_agent.bench attention-half --context 1024 --warps 4 \
+        --ahead 0 --phase-rows --tiles '{}' '{"BK": 512}' '{"STAGES": 4}' \
+        '{"BN1": 32, "KS1": 4}' --out "$OUT" 2>&1 | grep -v "max error" \
+        | tee "$OUT/attention_half_phases_s39.log" | tail -30
+      mv "$OUT/attention_half.json" "$OUT/attention_half_phases_s39.json" ;;
     s38-front)  # the attention front in one launch: its GPU tests and the 48-layer step (~7 min)
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
         tests/kernels/test_rope.py tests/kernels/test_pdl.py 2>&1 \
