@@ -171,11 +171,12 @@ def attention_half(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Ten
                    cache: Cache, heads: int, scratch: Scratch, *, persistent: bool,
                    ahead: int = 0, warps: int = 4, tiles: dict[str, int] | None = None,
                    out: tuple[Tensor, Tensor] | None = None,
-                   phases: tuple[int, ...] = (1, 2, 3)) -> tuple[Tensor, Tensor]:  # fmt: skip
+                   phases: tuple[int, ...] = (1, 2, 3),
+                   l2: int = 0) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The probe's (h, s) for x, r [1, H] (engine_steps' contract): one persistent launch
     (CUDA only), or the same kernel as three launches (`phases`: fewer, for a phase's time
     alone). The cache gets the new K/V at pos. `tiles`: DEFAULT_TILES' overrides, and STAGES
-    (Triton's num_stages)."""
+    (Triton's num_stages). `l2`: the kernel's L2 read-ahead bits (its L2)."""
     import triton
 
     from freetoken_agent.bench.attention_half_kernel import _attention_half_kernel, split_tiles
@@ -205,11 +206,11 @@ def attention_half(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Ten
     if stages is not None:
         consts["num_stages"] = stages
     if persistent:
-        _attention_half_kernel[(programs,)](*args, AHEAD=ahead, PHASE=0, **consts)
+        _attention_half_kernel[(programs,)](*args, AHEAD=ahead, PHASE=0, L2=l2, **consts)
     else:
         for phase in phases:
             grid = kv_heads * splits if phase == 2 else programs
-            _attention_half_kernel[(grid,)](*args, AHEAD=0, PHASE=phase, **consts)
+            _attention_half_kernel[(grid,)](*args, AHEAD=0, PHASE=phase, L2=l2 & 1, **consts)
     return h, s
 
 
@@ -225,8 +226,9 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
                 kw = dict(persistent=False, warps=warps, tiles=tiles, phases=(phase,))
                 rows.append((f"phase {phase} alone, {tag}", kw))
             for ahead in args.ahead:
-                kw = dict(persistent=True, ahead=ahead, warps=warps, tiles=tiles)
-                rows.append((f"persistent, ahead={ahead}, {tag}", kw))
+                for l2 in args.l2:
+                    kw = dict(persistent=True, ahead=ahead, warps=warps, tiles=tiles, l2=l2)
+                    rows.append((f"persistent, ahead={ahead}, l2={l2}, {tag}", kw))
     return rows
 
 
@@ -245,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiles", type=json.loads, nargs="+", default=[{}],
                         help=f"JSON overrides of the tiles {DEFAULT_TILES}, a row set "
                         "each")  # fmt: skip
+    parser.add_argument("--l2", type=int, nargs="+", default=[0],
+                        help="the persistent rows' L2 read-ahead bits: 1 its qkv rows before "
+                        "the norm, 2 its o_proj rows before the waits")  # fmt: skip
     parser.add_argument(
         "--phase-rows",
         action="store_true",

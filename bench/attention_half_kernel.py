@@ -10,7 +10,9 @@ session), so what is left is the attention half: five launches (norm, qkv, rope,
 o_proj + norm), ~30 us for ~38 MB of weights. Three ways of reading o_proj's weight into L2
 ahead of its kernel lost. Here every program loads its first o_proj tiles into registers
 (AHEAD of them, 0-4) before it waits for the attention phase, so HBM streams through the latency-
-bound middle of the layer, and no kernel boundary drains the grid between phases.
+bound middle of the layer, and no kernel boundary drains the grid between phases. L2 (bits):
+1 asks L2 for the program's qkv rows before the norm, 2 for its other o_proj rows before the
+waits (`prefetch.global.L2`: no registers held).
 
 The grid: P programs, at most one wave (the SM count), all resident at once: a program that
 spins at a counter never keeps another from running, so the waits cannot deadlock. Phases:
@@ -44,7 +46,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from freetoken_agent.kernels.triton.gemv import _gemv_tile
+from freetoken_agent.kernels.triton.gemv import _gemv_tile, _prefetch_tile
 from freetoken_agent.kernels.triton.norm import (
     _load_sum,
     _normalise_row,
@@ -139,7 +141,7 @@ def _attention_half_kernel(
     H: tl.constexpr, ROW: tl.constexpr, D: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr,
     BN1: tl.constexpr, KS1: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr,
     BL: tl.constexpr, BN3: tl.constexpr, KS3: tl.constexpr, AHEAD: tl.constexpr,
-    PHASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr,
+    PHASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, L2: tl.constexpr = 0,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -151,6 +153,12 @@ def _attention_half_kernel(
     offs = tl.arange(0, ROW)
     row_ok = offs < H
 
+    n_blocks1 = NQKV // BN1
+    if L2 & 1 and (PHASE == 0 or PHASE == 1):  # this program's qkv rows, asked of L2 first
+        for t in range(pid, n_blocks1 * KS1, n_programs):
+            offs_n = (t % n_blocks1) * BN1 + tl.arange(0, BN1)
+            k_lo = (t // n_blocks1) * (H // KS1)
+            _prefetch_tile(wqkv_ptr, offs_n, offs_n < NQKV, k_lo, k_lo + H // KS1, H, 4)
     if PHASE == 0 or PHASE == 1:  # the input norm and the q/k/v projection
         s = _load_sum(x_ptr, r_ptr, offs, row_ok, True, MODE)  # round(x + r)
         xn = _scale(s, _row_rstd(s, inv_h, eps), w_in_ptr, offs, row_ok, False, MODE)
@@ -159,7 +167,6 @@ def _attention_half_kernel(
         if pid == 0:
             tl.store(s_ptr + offs, s.to(s_ptr.dtype.element_ty), mask=row_ok)
         tl.debug_barrier()  # the row's stores before any thread's loads of it
-        n_blocks1 = NQKV // BN1
         for t in range(pid, n_blocks1 * KS1, n_programs):
             offs_n = (t % n_blocks1) * BN1 + tl.arange(0, BN1)
             k_lo = (t // n_blocks1) * (H // KS1)
@@ -177,6 +184,11 @@ def _attention_half_kernel(
             w_c = _load_o_tile(wo_ptr, pid + 2 * n_programs, H, NQD, BN3, BK3)
         if AHEAD >= 4:
             w_d = _load_o_tile(wo_ptr, pid + 3 * n_programs, H, NQD, BN3, BK3)
+        if L2 & 2:  # the rest of this program's o_proj rows, asked of L2 before the waits
+            for t in range(pid + AHEAD * n_programs, (H // BN3) * KS3, n_programs):
+                offs_n3 = (t % (H // BN3)) * BN3 + tl.arange(0, BN3)
+                k3 = (t // (H // BN3)) * BK3
+                _prefetch_tile(wo_ptr, offs_n3, offs_n3 < H, k3, k3 + BK3, NQD, 4)
         _arrive(count_ptr)
         _wait_for(count_ptr, n_programs)
 
