@@ -167,6 +167,23 @@ def new_scratch(h: int, heads: int, kv_heads: int, d: int, programs: int, splits
     )
 
 
+_RESIDENT_CHECKED: set[tuple] = set()  # launches checked to fit the device at once
+
+
+def resident_programs(compiled, device: torch.device) -> int:
+    """How many programs of a compiled kernel the device holds at once: its SMs times the
+    programs an SM fits by registers (allocated 256 a warp at a time), shared memory and
+    threads."""
+    props = torch.cuda.get_device_properties(device)
+    warps = compiled.metadata.num_warps
+    per_warp = -(-compiled.n_regs * 32 // 256) * 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    by_smem = smem // (compiled.metadata.shared + 1024)  # 1 KB a block reserved
+    by_threads = props.max_threads_per_multi_processor // (32 * warps)
+    return min(by_regs, by_smem, by_threads) * props.multi_processor_count
+
+
 def attention_half(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Tensor,
                    cache: Cache, heads: int, scratch: Scratch, *, persistent: bool,
                    ahead: int = 0, warps: int = 4, tiles: dict[str, int] | None = None,
@@ -206,7 +223,18 @@ def attention_half(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Ten
     if stages is not None:
         consts["num_stages"] = stages
     if persistent:
-        _attention_half_kernel[(programs,)](*args, AHEAD=ahead, PHASE=0, L2=l2, **consts)
+        consts.update(AHEAD=ahead, PHASE=0, L2=l2)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        key = (programs, warps, tuple(sorted((k, str(v)) for k, v in consts.items())))
+        if programs > sms and key not in _RESIDENT_CHECKED:
+            # More programs than SMs wait for each other only if all are resident at once:
+            # a first launch of one wave (always resident) compiles the kernel, whose
+            # registers and shared memory then tell how many fit.
+            compiled = _attention_half_kernel[(sms,)](*args, **consts)
+            fit = resident_programs(compiled, x.device)
+            assert programs <= fit, f"{programs} programs but only {fit} fit at once"
+            _RESIDENT_CHECKED.add(key)
+        _attention_half_kernel[(programs,)](*args, **consts)
     else:
         for phase in phases:
             grid = kv_heads * splits if phase == 2 else programs
@@ -215,7 +243,16 @@ def attention_half(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Ten
 
 
 def _variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
-    """(row name, attention_half's keywords) per probe row."""
+    """(row name, attention_half's keywords and per_sm: programs an SM) per probe row."""
+    rows = []
+    for per_sm in args.programs_per_sm:
+        for name, kw in _variants_per_sm(args):
+            label = f", P={per_sm}/SM" if per_sm > 1 else ""
+            rows.append((name + label, {**kw, "per_sm": per_sm}))
+    return rows
+
+
+def _variants_per_sm(args: argparse.Namespace) -> list[tuple[str, dict]]:
     rows = []
     for tiles in args.tiles:
         label = ",".join(f"{k}={v}" for k, v in tiles.items())
@@ -250,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--l2", type=int, nargs="+", default=[0],
                         help="the persistent rows' L2 read-ahead bits: 1 its qkv rows before "
                         "the norm, 2 its o_proj rows before the waits")  # fmt: skip
+    parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[1],
+                        help="programs a row launches per SM (more than one: the persistent "
+                        "rows check that all fit at once)")  # fmt: skip
     parser.add_argument(
         "--phase-rows",
         action="store_true",
@@ -276,14 +316,14 @@ def main(argv: list[str] | None = None) -> int:
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     h, heads, kv_heads, d = SHAPE["h"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
-    programs = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     hbm = hbm_copy_bandwidth(dev)
     gen = torch.Generator().manual_seed(0)
     layers = [make_layer(h, heads, kv_heads, d, dt, dev, gen) for _ in range(GRAPH_LAYERS)]
     weight_bytes = sum(t.nbytes for t in (layers[0].wqkv, layers[0].wo))
     x = torch.randn(1, h, generator=gen).to(dt).to(dev)
     r = torch.randn(1, h, generator=gen).to(dt).to(dev)
-    report = {"bench": "attention-half", "hbm_copy_gb_s": hbm / 1e9, "programs": programs,
+    report = {"bench": "attention-half", "hbm_copy_gb_s": hbm / 1e9, "sms": sms,
               "weights_mb_per_layer": weight_bytes / 1e6, "pdl_flags": requested(),
               "layers_per_graph": GRAPH_LAYERS, "contexts": {}}  # fmt: skip
     for context in args.context:
@@ -305,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                             proj_scratch=proj[0])  # fmt: skip
         for name, kw in _variants(args):
             tiles = {**DEFAULT_TILES, **kw["tiles"]}  # new_scratch reads KS1 and KS3
+            programs = sms * kw.pop("per_sm")
             scratch = new_scratch(h, heads, kv_heads, d, programs, args.splits, tiles, dt, dev)
             outs = [(torch.empty_like(x), torch.empty_like(x)) for _ in layers]
             try:

@@ -95,7 +95,8 @@
 #         s39-half (the thirty-eighth session's unrun bf16 GPU tests, then bench attention-half:
 #         its GPU tests and the attention half as one persistent grid against the engine's
 #         five launches at 256 and 1024 cached tokens, ~6 min), s39-phases (its phases alone
-#         and tile variants, ~4 min), s39-l2 (its L2 read-ahead rows, ~3 min)
+#         and tile variants, ~4 min), s39-l2 (its L2 read-ahead rows, ~3 min), s39-two
+#         (one and two programs an SM, ~3 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -146,6 +147,12 @@ for stage in "$@"; do
         --ahead 0 1 --l2 0 1 2 3 --tiles '{"BN1": 32, "KS1": 4}' --out "$OUT" 2>&1 \
         | grep -v "max error" | tee "$OUT/attention_half_l2_s39.log" | tail -30
       mv "$OUT/attention_half.json" "$OUT/attention_half_l2_s39.json" ;;
+    s39-two)  # bench attention-half at one and two programs an SM, 1024 tokens (~3 min)
+      timeout 400 python3 -m freetoken_agent.bench attention-half --context 1024 --warps 4 \
+        --ahead 0 --programs-per-sm 1 2 --phase-rows \
+        --tiles '{"BN1": 32, "KS1": 4}' '{"BN1": 16, "KS1": 4, "KS3": 8}' --out "$OUT" 2>&1 \
+        | grep -v "max error" | tee "$OUT/attention_half_two_s39.log" | tail -30
+      mv "$OUT/attention_half.json" "$OUT/attention_half_two_s39.json" ;;
     s38-front)  # the attention front in one launch: its GPU tests and the 48-layer step (~7 min)
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
         tests/kernels/test_rope.py tests/kernels/test_pdl.py 2>&1 \
