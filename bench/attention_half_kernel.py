@@ -12,7 +12,8 @@ ahead of its kernel lost. Here every program loads its first o_proj tiles into r
 (AHEAD of them, 0-4) before it waits for the attention phase, so HBM streams through the latency-
 bound middle of the layer, and no kernel boundary drains the grid between phases. L2 (bits):
 1 asks L2 for the program's qkv rows before the norm, 2 for its other o_proj rows before the
-waits (`prefetch.global.L2`: no registers held).
+waits (`prefetch.global.L2`: no registers held). STREAM runs each program's projection tiles
+as one pipelined loop (`_stream_tiles`) instead of a loop per tile.
 
 The grid: P programs, at most one wave (the SM count), all resident at once: a program that
 spins at a counter never keeps another from running, so the waits cannot deadlock. Phases:
@@ -109,6 +110,35 @@ def _o_tile(w, tile, a_ptr, part_ptr, offs_m,
 
 
 @triton.jit
+def _stream_tiles(x_ptr, w_ptr, part_ptr, first, step, offs_m,
+                  N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+                  BK: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """Tiles first, first + step, ... of an [N, K] weight (BN rows x one of KS slices of K
+    each) as ONE loop of BK-wide steps (the persistent matmul's flattening), so Triton's
+    pipeliner keeps loads in flight across tile boundaries where a loop per tile drains at
+    each: each tile's fp32 partial of x . W rows over its slice lands in part [KS, N]. x: a
+    row [K] (written by other programs: read past L1)."""
+    n_blocks: tl.constexpr = N // BN
+    steps: tl.constexpr = K // KS // BK
+    mine = tl.maximum((n_blocks * KS - first + step - 1) // step, 0)
+    offs_k = tl.arange(0, BK)
+    first_row = offs_m[:, None] == 0  # the token is the dot's row 0; rows 1-15 pad it to 16
+    acc = tl.zeros([16, BN], tl.float32)
+    for i in range(0, mine * steps):
+        t = first + (i // steps) * step
+        kk = i % steps
+        offs_n = (t % n_blocks) * BN + tl.arange(0, BN)
+        k0 = (t // n_blocks) * (K // KS) + kk * BK
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K + k0 + offs_k[None, :])
+        x = tl.load(x_ptr + offs_m[:, None] * 0 + k0 + offs_k[None, :], mask=first_row,
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)  # [16, BN], rows 1-15 zero
+        if kk == steps - 1:
+            tl.store(part_ptr + (t // n_blocks) * N + offs_n, tl.sum(acc, 0))
+            acc = tl.zeros([16, BN], tl.float32)
+
+
+@triton.jit
 def _load_o_tile(wo_ptr, tile, H: tl.constexpr, NQD: tl.constexpr, BN3: tl.constexpr,
                  BK3: tl.constexpr):  # fmt: skip
     """o_proj's weights of tile `tile` [BN3, BK3] (zeros past the last tile)."""
@@ -142,6 +172,7 @@ def _attention_half_kernel(
     BN1: tl.constexpr, KS1: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr,
     BL: tl.constexpr, BN3: tl.constexpr, KS3: tl.constexpr, AHEAD: tl.constexpr,
     PHASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, L2: tl.constexpr = 0,
+    STREAM: tl.constexpr = 0,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -167,12 +198,16 @@ def _attention_half_kernel(
         if pid == 0:
             tl.store(s_ptr + offs, s.to(s_ptr.dtype.element_ty), mask=row_ok)
         tl.debug_barrier()  # the row's stores before any thread's loads of it
-        for t in range(pid, n_blocks1 * KS1, n_programs):
-            offs_n = (t % n_blocks1) * BN1 + tl.arange(0, BN1)
-            k_lo = (t // n_blocks1) * (H // KS1)
-            acc = _gemv_tile(xn_row, wqkv_ptr, offs_n, offs_n < NQKV, offs_m, k_lo,
-                             k_lo + H // KS1, H, H, 1, BN1, BK, PREC)  # fmt: skip
-            tl.store(qkv_part_ptr + (t // n_blocks1) * NQKV + offs_n, tl.sum(acc, 0))
+        if STREAM:
+            _stream_tiles(xn_row, wqkv_ptr, qkv_part_ptr, pid, n_programs, offs_m, NQKV, H,
+                          BN1, KS1, BK, PREC)  # fmt: skip
+        else:
+            for t in range(pid, n_blocks1 * KS1, n_programs):
+                offs_n = (t % n_blocks1) * BN1 + tl.arange(0, BN1)
+                k_lo = (t // n_blocks1) * (H // KS1)
+                acc = _gemv_tile(xn_row, wqkv_ptr, offs_n, offs_n < NQKV, offs_m, k_lo,
+                                 k_lo + H // KS1, H, H, 1, BN1, BK, PREC)  # fmt: skip
+                tl.store(qkv_part_ptr + (t // n_blocks1) * NQKV + offs_n, tl.sum(acc, 0))
     if PHASE == 0:
         # o_proj's first tiles of this program, read now: they stream from HBM while the
         # grid waits for the projection and then attends.
@@ -294,9 +329,13 @@ def _attention_half_kernel(
             if AHEAD >= 4:
                 _o_tile(w_d, tile, attn_ptr, o_part_ptr, offs_m, H, NQD, BN3, BK3, PREC)
                 tile += n_programs
-        for t in range(tile, (H // BN3) * KS3, n_programs):
-            w = _load_o_tile(wo_ptr, t, H, NQD, BN3, BK3)
-            _o_tile(w, t, attn_ptr, o_part_ptr, offs_m, H, NQD, BN3, BK3, PREC)
+        if STREAM:
+            _stream_tiles(attn_ptr, wo_ptr, o_part_ptr, tile, n_programs, offs_m, H, NQD, BN3,
+                          KS3, BK, PREC)  # fmt: skip
+        else:
+            for t in range(tile, (H // BN3) * KS3, n_programs):
+                w = _load_o_tile(wo_ptr, t, H, NQD, BN3, BK3)
+                _o_tile(w, t, attn_ptr, o_part_ptr, offs_m, H, NQD, BN3, BK3, PREC)
         tl.debug_barrier()
         if tl.atomic_add(count_ptr + 2, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
             tl.store(count_ptr, 0)  # every program is past every wait: the counters reset
@@ -317,3 +356,4 @@ def split_tiles(h: int, nqkv: int, nqd: int, bn1: int, ks1: int, bk: int, bn3: i
     assert nqkv % bn1 == 0 and h % ks1 == 0 and (h // ks1) % bk == 0, (nqkv, bn1, h, ks1, bk)
     assert h % bn3 == 0 and nqd % ks3 == 0, (h, bn3, nqd, ks3)
     assert triton.next_power_of_2(nqd // ks3) == nqd // ks3, "o_proj's slice is one load"
+    assert (nqd // ks3) % bk == 0, "o_proj's slice in whole steps (STREAM)"

@@ -22,9 +22,9 @@ from freetoken_agent.bench.attention_half import (
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 # A small shape whose tiles still take several rounds of the programs' loops: NQKV = 128 rows
-# in 8 blocks x 2 slices over 7 programs, o_proj 4 blocks x 2 slices.
+# in 8 blocks x 2 slices over 7 programs, o_proj 4 blocks x 2 slices, two K steps a tile.
 SMALL = dict(h=64, heads=4, kv_heads=2, d=16)
-SMALL_TILES = dict(BN1=16, KS1=2, BK=32, BL=16, BN3=16, KS3=2)
+SMALL_TILES = dict(BN1=16, KS1=2, BK=16, BL=16, BN3=16, KS3=2)
 
 
 def _case(gen: torch.Generator, dtype: torch.dtype, device: str, pos: int, shape: dict):
@@ -47,8 +47,9 @@ def _check(got, want, got_cache, want_cache, pos, tol):
         assert g[pos + 1 :].isnan().all(), "a slot past the new token was written"
 
 
+@pytest.mark.parametrize("stream", [0, 1], ids=["tile-loops", "stream"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_phases_are_the_engines_attention_half(rng_seed, dtype):
+def test_phases_are_the_engines_attention_half(rng_seed, dtype, stream):
     """Random positions from 0 (only the new token) to several splits' tiles, splits that
     outnumber the cached tokens now and then; fp16 rounds where the engine rounds, with sums
     in other orders (an ulp of fp16 at a rounding point, carried through the norm)."""
@@ -62,9 +63,9 @@ def test_phases_are_the_engines_attention_half(rng_seed, dtype):
         setattr(ref_cache, name, getattr(cache, name))
     want = engine_steps(x, r, layer, cos, sin, ref_cache, SMALL["heads"])
     scratch = new_scratch(SMALL["h"], SMALL["heads"], SMALL["kv_heads"], SMALL["d"], 7, splits,
-                          {**SMALL_TILES}, dtype, "cpu")  # fmt: skip
+                          SMALL_TILES, dtype, "cpu")  # fmt: skip
     got = attention_half(x, r, layer, cos, sin, cache, SMALL["heads"], scratch,
-                         persistent=False, tiles=SMALL_TILES)  # fmt: skip
+                         persistent=False, tiles={**SMALL_TILES, "STREAM": stream})  # fmt: skip
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     _check(got, want, cache, ref_cache, pos, tol)
     assert (scratch.count == 0).all(), scratch.count
