@@ -96,7 +96,8 @@
 #         its GPU tests and the attention half as one persistent grid against the engine's
 #         five launches at 256 and 1024 cached tokens, ~6 min), s39-phases (its phases alone
 #         and tile variants, ~4 min), s39-l2 (its L2 read-ahead rows, ~3 min), s39-two
-#         (one and two programs an SM, ~3 min), s39-stream (STREAM tiles, ~3 min)
+#         (one and two programs an SM, ~3 min), s39-stream (STREAM tiles, ~3 min),
+#         s39-stream2 (wider steps, 16 splits, ~3 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -159,6 +160,13 @@ for stage in "$@"; do
         '{"BN1": 16, "KS1": 4, "STREAM": 1, "BK": 128}' --out "$OUT" 2>&1 \
         | grep -v "max error" | tee "$OUT/attention_half_stream_s39.log" | tail -30
       mv "$OUT/attention_half.json" "$OUT/attention_half_stream_s39.json" ;;
+    s39-stream2)  # STREAM with wider steps, o_proj tiles of 32 rows, 16 splits (~3 min)
+      timeout 400 python3 -m freetoken_agent.bench attention-half --context 1024 --warps 4 \
+        --ahead 0 --phase-rows --splits 16 --tiles '{"BN1": 32, "KS1": 4, "STREAM": 1}' \
+        '{"BN1": 32, "KS1": 4, "STREAM": 1, "BK": 512, "BN3": 32}' \
+        '{"BN1": 32, "KS1": 2, "STREAM": 1, "BN3": 32, "KS3": 2}' --out "$OUT" 2>&1 \
+        | grep -v "max error" | tee "$OUT/attention_half_stream2_s39.log" | tail -30
+      mv "$OUT/attention_half.json" "$OUT/attention_half_stream2_s39.json" ;;
     s38-front)  # the attention front in one launch: its GPU tests and the 48-layer step (~7 min)
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
         tests/kernels/test_rope.py tests/kernels/test_pdl.py 2>&1 \
