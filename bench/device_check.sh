@@ -97,7 +97,7 @@
 #         five launches at 256 and 1024 cached tokens, ~6 min), s39-phases (its phases alone
 #         and tile variants, ~4 min), s39-l2 (its L2 read-ahead rows, ~3 min), s39-two
 #         (one and two programs an SM, ~3 min), s39-stream (STREAM tiles, ~3 min),
-#         s39-stream2 (wider steps, 16 splits, ~3 min)
+#         s39-stream2 (wider steps, 16 splits, ~3 min), s39-stream3 (the widest, ~3 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -167,6 +167,15 @@ for stage in "$@"; do
         '{"BN1": 32, "KS1": 2, "STREAM": 1, "BN3": 32, "KS3": 2}' --out "$OUT" 2>&1 \
         | grep -v "max error" | tee "$OUT/attention_half_stream2_s39.log" | tail -30
       mv "$OUT/attention_half.json" "$OUT/attention_half_stream2_s39.json" ;;
+    s39-stream3)  # STREAM's widest steps at 256 and 1024 tokens, 8 splits (~3 min)
+      timeout 400 python3 -m freetoken_agent.bench attention-half --context 256 1024 \
+        --warps 4 --ahead 0 --splits 8 \
+        --tiles '{"BN1": 32, "KS1": 4, "STREAM": 1, "BK": 512, "BN3": 32}' \
+        '{"BN1": 64, "KS1": 4, "STREAM": 1, "BK": 512, "BN3": 32}' \
+        '{"BN1": 32, "KS1": 4, "STREAM": 1, "BK": 512, "BN3": 32, "KS3": 8}' \
+        '{"BN1": 32, "KS1": 2, "STREAM": 1, "BK": 1024, "BN3": 32}' --out "$OUT" 2>&1 \
+        | grep -v "max error" | tee "$OUT/attention_half_stream3_s39.log" | tail -30
+      mv "$OUT/attention_half.json" "$OUT/attention_half_stream3_s39.json" ;;
     s38-front)  # the attention front in one launch: its GPU tests and the 48-layer step (~7 min)
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
         tests/kernels/test_rope.py tests/kernels/test_pdl.py 2>&1 \
