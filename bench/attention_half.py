@@ -1,24 +1,23 @@
-"""A measurement probe: a decode token's attention half of a layer (norm, q/k/v projection,
-q/k norms + RoPE + K/V store, attention, o_proj + add + norm) as ONE persistent grid whose
-programs read o_proj's weights into registers before they wait for attention, against the
-engine's five launches, each in a CUDA graph of 8 layers at the Qwen3-30B-A3B shape.
+"""A decode token's attention block (the input norm, q/k/v projection, q/k norms + RoPE + K/V
+store, attention, o_proj + add + norm) as ONE persistent launch (kernels/triton/
+attention_block.py, EngineConfig.attention_block) against the engine's five launches, each in
+a CUDA graph of 8 layers at the Qwen3-30B-A3B shape.
 
-    python -m freetoken_agent.bench attention-half [--context 256 1024] [--ahead 0 1 2]
-        [--warps 4 8] [--splits 8] [--rounds 3]
+    python -m freetoken_agent.bench attention-half [--context 256 1024] [--tiles '{"BK": 256}']
+        [--rounds 3]
 
-Why (bench/attention_half_kernel.py has the kernel and its phases): at 48 layers, b=1, a
-resident layer is ~67 us of kernels for ~30 us of HBM time, the MoE half is within ~3 us of a
-one-kernel read (`bench expert-mlp`), and the attention half's five launches take ~30 us for
-~38 MB. A persistent layer kernel is worth building into the engine only if its attention half
-beats those launches by a margin; this measures that before any engine code.
+Why: at 48 layers, b=1, a resident layer is ~67 us of kernels for ~30 us of HBM time, the MoE
+half is within ~3 us of a one-kernel read (`bench expert-mlp`), and the attention half's five
+launches take ~32-34 us for ~38 MB of weights.
 
-Rows (us a layer; GB/s of its weights, 37.7 MB at this shape, and their share of the copy
-rate): `engine` (the five launches as the decoder runs them at b=1: the norm kernel, cuBLAS
-qkv, the rope kernel, paged attention with its in-kernel combine, o_proj + add + norm; PDL as
-FREETOKEN_PDL says, `light` by default), `phases` (the probe's kernel as three launches: its
-code with kernel boundaries), `persistent, ahead=A` (one launch; A o_proj tiles a program held
-in registers through the waits), `phase N alone` (--phase-rows: one phase's launches, its
-share of `phases`). Each row's outputs are checked against the engine's first.
+Rows (us a layer; GB/s of its weights and KV, 37.7 MB + the context's, and their share of the
+copy rate): `engine (5 launches)` as the decoder runs them at b=1 (the norm kernel, cuBLAS qkv,
+the rope kernel, paged attention with its in-kernel combine, o_proj + add + norm; PDL as
+FREETOKEN_PDL says, `light` by default), `block as 3 launches` (the kernel's phases with kernel
+boundaries), `block, one launch` (the engine's). Each row is checked against the engine's
+first. The probe's first versions (o_proj read ahead into registers or L2, a loop per tile,
+two programs an SM) measured slower and are in git history (45cf176; NOTES, thirty-ninth
+session).
 
 JSON: `attention_half.json`.
 """
@@ -39,7 +38,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = dict(h=2048, heads=32, kv_heads=4, head_dim=128)  # Qwen3-30B-A3B's attention
 PAGE = 16  # the engine's page size (tokens)
 EPS = 1e-6
-DEFAULT_TILES = dict(BN1=16, KS1=2, BK=256, BL=64, BN3=16, KS3=4)
 
 
 @dataclass
@@ -136,137 +134,29 @@ def engine_steps(
                          scratch=proj_scratch)  # fmt: skip
 
 
-@dataclass
-class Scratch:
-    """The probe's buffers (one set serves every layer of a step: a launch leaves its counters
-    at 0 and reads nothing of the launch before)."""
-
-    xn: Tensor  # [P, H]
-    qkv_part: Tensor  # [KS1, NQKV] fp32
-    att_acc: Tensor  # [NKV, NS, 16, D] fp32
-    att_ml: Tensor  # [NKV, NS, 2, 16] fp32
-    attn: Tensor  # [NQ D]
-    o_part: Tensor  # [KS3, H] fp32
-    count: Tensor  # [COUNT_WORDS + NKV] int32
-
-
-def new_scratch(h: int, heads: int, kv_heads: int, d: int, programs: int, splits: int,
-                tiles: dict[str, int], dtype: torch.dtype,
-                device: torch.device | str) -> Scratch:  # fmt: skip
-    from freetoken_agent.bench.attention_half_kernel import COUNT_WORDS
-
-    f32 = dict(dtype=torch.float32, device=device)
-    return Scratch(
-        torch.empty(programs, h, dtype=dtype, device=device),
-        torch.empty(tiles["KS1"], (heads + 2 * kv_heads) * d, **f32),
-        torch.empty(kv_heads, splits, 16, d, **f32),
-        torch.empty(kv_heads, splits, 2, 16, **f32),
-        torch.empty(heads * d, dtype=dtype, device=device),
-        torch.empty(tiles["KS3"], h, **f32),
-        torch.zeros(COUNT_WORDS + kv_heads, dtype=torch.int32, device=device),
-    )
-
-
-_RESIDENT_CHECKED: set[tuple] = set()  # launches checked to fit the device at once
-
-
-def resident_programs(compiled, device: torch.device) -> int:
-    """How many programs of a compiled kernel the device holds at once: its SMs times the
-    programs an SM fits by registers (allocated 256 a warp at a time), shared memory and
-    threads."""
-    props = torch.cuda.get_device_properties(device)
-    warps = compiled.metadata.num_warps
-    per_warp = -(-compiled.n_regs * 32 // 256) * 256
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)
-    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
-    by_smem = smem // (compiled.metadata.shared + 1024)  # 1 KB a block reserved
-    by_threads = props.max_threads_per_multi_processor // (32 * warps)
-    return min(by_regs, by_smem, by_threads) * props.multi_processor_count
-
-
-def attention_half(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Tensor,
-                   cache: Cache, heads: int, scratch: Scratch, *, persistent: bool,
-                   ahead: int = 0, warps: int = 4, tiles: dict[str, int] | None = None,
-                   out: tuple[Tensor, Tensor] | None = None,
-                   phases: tuple[int, ...] = (1, 2, 3),
-                   l2: int = 0) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The probe's (h, s) for x, r [1, H] (engine_steps' contract): one persistent launch
-    (CUDA only), or the same kernel as three launches (`phases`: fewer, for a phase's time
-    alone). The cache gets the new K/V at pos. `tiles`: DEFAULT_TILES' overrides, and STAGES
-    (Triton's num_stages). `l2`: the kernel's L2 read-ahead bits (its L2)."""
-    import triton
-
-    from freetoken_agent.bench.attention_half_kernel import _attention_half_kernel, split_tiles
-    from freetoken_agent.kernels.triton.norm import round_mode
-
-    tiles = {**DEFAULT_TILES, **(tiles or {})}
-    stages = tiles.pop("STAGES", None)
-    hid = x.shape[1]
-    kv_heads, d = cache.k.shape[2], cache.k.shape[3]
-    programs, splits = scratch.xn.shape[0], scratch.att_acc.shape[1]
-    assert heads % kv_heads == 0 and heads // kv_heads <= 16, (heads, kv_heads)
-    assert triton.next_power_of_2(d) == d, "whole heads in one load"
-    assert kv_heads * splits <= programs, "a program per (kv head, split)"
-    split_tiles(hid, (heads + 2 * kv_heads) * d, heads * d, tiles["BN1"], tiles["KS1"],
-                tiles["BK"], tiles["BN3"], tiles["KS3"])  # fmt: skip
-    assert not persistent or x.is_cuda, "the grid's waits cannot run in the interpreter"
-    h, s = out if out is not None else (torch.empty_like(x), torch.empty_like(x))
-    sc = scratch
-    args = (x, r, layer.w_in, layer.w_post, layer.wqkv, layer.wo, layer.qn, layer.kn, cos, sin,
-            cache.pos, cache.k, cache.v, sc.xn, sc.qkv_part, sc.att_acc, sc.att_ml, sc.attn,
-            sc.o_part, h, s, sc.count, EPS, EPS, 1.0 / hid, 1.0 / d, d**-0.5,
-            cos.stride(0))  # fmt: skip
-    consts = dict(H=hid, ROW=triton.next_power_of_2(hid), D=d, NQ=heads, NKV=kv_heads,
-                  NS=splits, MODE=round_mode(x.dtype),
-                  PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                  num_warps=warps, **tiles)  # fmt: skip
-    if stages is not None:
-        consts["num_stages"] = stages
-    if persistent:
-        consts.update(AHEAD=ahead, PHASE=0, L2=l2)
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        key = (programs, warps, tuple(sorted((k, str(v)) for k, v in consts.items())))
-        if programs > sms and key not in _RESIDENT_CHECKED:
-            # More programs than SMs wait for each other only if all are resident at once:
-            # a first launch of one wave (always resident) compiles the kernel, whose
-            # registers and shared memory then tell how many fit.
-            compiled = _attention_half_kernel[(sms,)](*args, **consts)
-            fit = resident_programs(compiled, x.device)
-            assert programs <= fit, f"{programs} programs but only {fit} fit at once"
-            _RESIDENT_CHECKED.add(key)
-        _attention_half_kernel[(programs,)](*args, **consts)
-    else:
-        for phase in phases:
-            grid = kv_heads * splits if phase == 2 else programs
-            _attention_half_kernel[(grid,)](*args, AHEAD=0, PHASE=phase, L2=l2 & 1, **consts)
-    return h, s
-
-
-def _variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
-    """(row name, attention_half's keywords and per_sm: programs an SM) per probe row."""
-    rows = []
-    for per_sm in args.programs_per_sm:
-        for name, kw in _variants_per_sm(args):
-            label = f", P={per_sm}/SM" if per_sm > 1 else ""
-            rows.append((name + label, {**kw, "per_sm": per_sm}))
-    return rows
-
-
-def _variants_per_sm(args: argparse.Namespace) -> list[tuple[str, dict]]:
+def block_rows(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """(row name, the kernel's keywords) per attention-block row."""
     rows = []
     for tiles in args.tiles:
         label = ",".join(f"{k}={v}" for k, v in tiles.items())
-        for warps in args.warps:
-            tag = f"w{warps}" + (f", {label}" if label else "")
-            rows.append((f"phases, {tag}", dict(persistent=False, warps=warps, tiles=tiles)))
-            for phase in (1, 2, 3) if args.phase_rows else ():
-                kw = dict(persistent=False, warps=warps, tiles=tiles, phases=(phase,))
-                rows.append((f"phase {phase} alone, {tag}", kw))
-            for ahead in args.ahead:
-                for l2 in args.l2:
-                    kw = dict(persistent=True, ahead=ahead, warps=warps, tiles=tiles, l2=l2)
-                    rows.append((f"persistent, ahead={ahead}, l2={l2}, {tag}", kw))
+        tag = f" ({label})" if label else ""
+        rows.append((f"block as 3 launches{tag}", dict(persistent=False, tiles=tiles)))
+        rows.append((f"block, one launch{tag}", dict(persistent=True, tiles=tiles)))
     return rows
+
+
+def block(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Tensor, cache: Cache,
+          heads: int, scratch: tuple[Tensor, ...], tiles: dict[str, int], *,
+          persistent: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The attention block kernel's (h, s) for x, r [1, H] (engine_steps' contract; the
+    identity page table's slot of position pos is pos)."""
+    from freetoken_agent.kernels.triton.attention_block import attention_block
+
+    d = cache.k.shape[3]
+    return attention_block(x, r, layer.w_in, EPS, layer.wqkv, layer.qn, layer.kn, EPS, cos, sin,
+                           cache.pos, cache.kv_lens, cache.pos, cache.page_table[0], cache.k,
+                           cache.v, layer.wo, layer.w_post, heads, d**-0.5, scratch, tiles,
+                           persistent=persistent)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,24 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--context", type=int, nargs="+", default=[256, 1024],
                         help="tokens cached before the new one")  # fmt: skip
-    parser.add_argument("--ahead", type=int, nargs="+", default=[0, 1, 2],
-                        help="o_proj tiles a program reads before its waits (0-4)")  # fmt: skip
-    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="warps a program")
-    parser.add_argument("--splits", type=int, default=8, help="attention splits a kv head")
     parser.add_argument("--tiles", type=json.loads, nargs="+", default=[{}],
-                        help=f"JSON overrides of the tiles {DEFAULT_TILES}, a row set "
-                        "each")  # fmt: skip
-    parser.add_argument("--l2", type=int, nargs="+", default=[0],
-                        help="the persistent rows' L2 read-ahead bits: 1 its qkv rows before "
-                        "the norm, 2 its o_proj rows before the waits")  # fmt: skip
-    parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[1],
-                        help="programs a row launches per SM (more than one: the persistent "
-                        "rows check that all fit at once)")  # fmt: skip
-    parser.add_argument(
-        "--phase-rows",
-        action="store_true",
-        help="rows of each phase launched alone (its time without the others)",
-    )
+                        help="JSON overrides of kernels/triton/attention_block.py TILES, a "
+                        "row pair each")  # fmt: skip
     parser.add_argument("--graph-bound", type=int, default=4096,
                         help="the engine row's attention plan bound (a decode graph plans for "
                         "max_model_len; bench fusions runs 4096)")  # fmt: skip
@@ -303,14 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs CUDA")
-    if not all(0 <= a <= 4 for a in args.ahead):
-        parser.error("--ahead takes 0 to 4")
     from triton.testing import do_bench
 
     from freetoken_agent.bench.cuda_graph import captured
     from freetoken_agent.bench.limits import hbm_copy_bandwidth
     from freetoken_agent.bench.moe_kernel import GRAPH_LAYERS
     from freetoken_agent.kernels.pdl_switch import requested
+    from freetoken_agent.kernels.triton.attention_block import block_tiles, new_scratch
     from freetoken_agent.kernels.triton.paged_attention import new_counters
     from freetoken_agent.kernels.triton.proj_norm import new_scratch as proj_scratch
 
@@ -343,15 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         steps = {"engine (5 launches)": engine}
         want = engine_steps(x, r, layers[0], cos, sin, caches[0], heads, counters=counters[0],
                             proj_scratch=proj[0])  # fmt: skip
-        for name, kw in _variants(args):
-            tiles = {**DEFAULT_TILES, **kw["tiles"]}  # new_scratch reads KS1 and KS3
-            programs = sms * kw.pop("per_sm")
-            scratch = new_scratch(h, heads, kv_heads, d, programs, args.splits, tiles, dt, dev)
-            outs = [(torch.empty_like(x), torch.empty_like(x)) for _ in layers]
+        for name, kw in block_rows(args):
+            tiles = block_tiles(h, heads, kv_heads, d, kw["tiles"])
+            if tiles is None:
+                print(f"{context} {name}: the tiles do not fit the shape", flush=True)
+                continue
+            scratches = [new_scratch(h, heads, kv_heads, d, sms, tiles, dt, dev) for _ in layers]
             try:
-                whole = {k: v for k, v in kw.items() if k != "phases"}  # the check: all three
-                got = attention_half(x, r, layers[0], cos, sin, caches[0], heads, scratch,
-                                     **whole)  # fmt: skip
+                got = block(x, r, layers[0], cos, sin, caches[0], heads, scratches[0], tiles,
+                            persistent=kw["persistent"])  # fmt: skip
                 torch.cuda.synchronize()
             except Exception as e:  # a variant may not compile (registers): report, go on
                 print(f"{context} {name}: failed: {type(e).__name__}: {str(e)[-600:]}", flush=True)
@@ -360,14 +234,14 @@ def main(argv: list[str] | None = None) -> int:
                       for g, w in zip(got, want, strict=True))  # fmt: skip
             print(f"{context} {name}: max error against the engine's {err:.2e}", flush=True)
 
-            def probe(caches=caches, scratch=scratch, outs=outs, kw=kw, cos=cos, sin=sin):
+            def run(caches=caches, scratches=scratches, tiles=tiles, kw=kw, cos=cos, sin=sin):
                 a, b = x, r
-                for layer, cache, out in zip(layers, caches, outs, strict=True):
-                    a, b = attention_half(a, b, layer, cos, sin, cache, heads, scratch,
-                                          out=out, **kw)  # fmt: skip
+                for layer, cache, sc in zip(layers, caches, scratches, strict=True):
+                    a, b = block(a, b, layer, cos, sin, cache, heads, sc, tiles,
+                                 persistent=kw["persistent"])  # fmt: skip
                 return a, b
 
-            steps[name] = probe
+            steps[name] = run
         replays = {name: captured(step) for name, step in steps.items()}
         times: dict[str, list[float]] = {name: [] for name in replays}
         for rnd in range(args.rounds):
