@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     from freetoken_agent.bench.cuda_graph import captured
     from freetoken_agent.bench.limits import hbm_copy_bandwidth
     from freetoken_agent.bench.moe_kernel import GRAPH_LAYERS
+    from freetoken_agent.kernels.attention_block import block_tiles
     from freetoken_agent.kernels.pdl_switch import requested
-    from freetoken_agent.kernels.triton.attention_block import block_tiles, new_scratch
+    from freetoken_agent.kernels.triton.attention_block import new_scratch
     from freetoken_agent.kernels.triton.paged_attention import new_counters
     from freetoken_agent.kernels.triton.proj_norm import new_scratch as proj_scratch
 

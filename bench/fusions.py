@@ -1,7 +1,9 @@
 """The decode step's fused kernels, each on and off, in one all-resident engine beside the HBM
 limit: EngineConfig.fused_router (kernels/triton/route.py) and fused_proj_norm
 (kernels/triton/proj_norm.py); with both, the attention front in one launch
-(EngineConfig.fused_norm_qkv, kernels/triton/norm_qkv.py: the `all+...` variants),
+(EngineConfig.fused_norm_qkv, kernels/triton/norm_qkv.py: the `all+...` variants), the whole
+attention block in one launch (EngineConfig.attention_block, kernels/triton/
+attention_block.py: the `block+...` variants),
 programmatic dependent launch (kernels/triton/pdl.py, FREETOKEN_PDL: on, exit, prefetch,
 light), the skinny matmul for the other projections (EngineConfig.skinny_gemv) and o_proj's L2
 prefetch (EngineConfig.l2_prefetch).
@@ -32,7 +34,11 @@ from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random
 from freetoken_agent.engine.l2_prefetcher import use_l2_prefetch
 from freetoken_agent.engine.layers.linear import use_skinny_gemv
 from freetoken_agent.engine.layers.moe import use_fused_router
-from freetoken_agent.engine.models.base import use_fused_norm_qkv, use_fused_proj_norm
+from freetoken_agent.engine.models.base import (
+    use_attention_block,
+    use_fused_norm_qkv,
+    use_fused_proj_norm,
+)
 from freetoken_agent.kernels.triton import pdl
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -51,8 +57,10 @@ VARIANTS = {
     "all+pdl-light": (True, True, "light", False, False, True),
     "all+pdl": (True, True, "on", False, False, True),
     "all+pdl-prefetch": (True, True, "on,prefetch", False, False, True),
+    "block+pdl-light": (True, True, "light", False, False, "block"),
+    "block+pdl": (True, True, "on", False, False, "block"),
 }  # name -> (fused_router, fused_proj_norm, FREETOKEN_PDL, skinny_gemv, l2_prefetch,
-#             fused_norm_qkv)
+#             fused_norm_qkv, or "block": the attention block in one launch instead)
 
 
 def set_variant(engine, name: str) -> None:
@@ -62,7 +70,8 @@ def set_variant(engine, name: str) -> None:
     router, proj_norm, _, skinny, l2, norm_qkv = VARIANTS[name]
     use_fused_router(engine.loaded.model, router)
     use_fused_proj_norm(engine.loaded.model, proj_norm)
-    use_fused_norm_qkv(engine.loaded.model, norm_qkv)
+    use_fused_norm_qkv(engine.loaded.model, norm_qkv is True)
+    use_attention_block(engine.loaded.model, norm_qkv == "block")
     use_skinny_gemv(engine.loaded.model, skinny)
     use_l2_prefetch(engine.loaded.model, engine.loaded.bank, engine.loaded.device, l2)
     engine.capture_graphs()

@@ -302,6 +302,14 @@ class EngineConfig:
     # most of the two small launches it saves, and its Triton projection is a little slower
     # than cuBLAS's.
     fused_norm_qkv: bool = False
+    # One-row decode steps on CUDA run each attention layer's whole block (input RMSNorm with
+    # the residual add, q/k/v projection, per-head q/k norms, RoPE, the KV store, attention,
+    # o_proj, the residual add, the post-attention RMSNorm) as ONE persistent launch of one
+    # program per SM, its phases separated by grid-wide counters
+    # (kernels/triton/attention_block.py) instead of five launches. `bench attention-half`
+    # (thirty-ninth session, H200, 8 layers graph-replayed at the 30B shape): 28.6 against 31.8
+    # us a layer at 256 cached tokens, 30.0 against 34.4 at 1024.
+    attention_block: bool = False
     # Offloaded decode under adaptive, while fills pay (temporal locality, as Zipf traces): a
     # stopping layer waits for q* of its misses' fills and runs the rest on the CPU while they
     # too are filled, behind its compute, for the steps after (AdaptiveFetches.behind).

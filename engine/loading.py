@@ -37,6 +37,7 @@ from freetoken_agent.engine.layers.linear import use_skinny_gemv
 from freetoken_agent.engine.layers.moe import ExpertBank, use_fused_router
 from freetoken_agent.engine.models.base import (
     MoeCausalLM,
+    use_attention_block,
     use_fused_norm_qkv,
     use_fused_proj_norm,
 )
@@ -228,6 +229,8 @@ def assemble(
         use_fused_proj_norm(model)
     if config.fused_norm_qkv:
         use_fused_norm_qkv(model)
+    if config.attention_block:
+        use_attention_block(model)
     if config.l2_prefetch:
         use_l2_prefetch(model, bank, device)
     dense = dense_nbytes(model)

@@ -19,6 +19,7 @@ from freetoken_agent.engine.layers.linear import Linear, ShardedLinear
 from freetoken_agent.engine.layers.norm import RMSNorm
 from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.layers.rope import RotaryEmbedding
+from freetoken_agent.kernels.attention_block import attention_block, block_tiles
 from freetoken_agent.kernels.l2_prefetch import prefetch_tensor
 from freetoken_agent.kernels.norm_qkv import norm_qkv_rope
 from freetoken_agent.kernels.paged_attention import paged_attention, store_kv
@@ -28,6 +29,9 @@ from freetoken_agent.kernels.rope import qk_norm_rope_store
 # (EngineConfig.fused_norm_qkv, SelfAttention.attend_unnormed) runs steps of at most this many
 # rows (the decoder layer sends it no others).
 FUSED_NORM_QKV_ROWS = 1
+# The attention block in one launch (EngineConfig.attention_block, SelfAttention.block) runs
+# steps of exactly this many rows (one sequence's decode token).
+ATTENTION_BLOCK_ROWS = 1
 
 # T tokens in the step (all sequences, flattened), B sequences, P pages, S page size,
 # Hq / Hkv query / key-value heads, D head_dim, H hidden
@@ -105,6 +109,9 @@ class SelfAttention(nn.Module):
         # attend_unnormed's scratch (kernels/triton/norm_qkv.py new_scratch, made at its first
         # CUDA call) for steps of up to FUSED_NORM_QKV_ROWS rows.
         self._front_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        # block's scratch and tiles (kernels/triton/attention_block.py new_scratch,
+        # block_tiles), made at its first CUDA call.
+        self._block: tuple[tuple[torch.Tensor, ...], dict[str, int]] | None = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(x, meta))
@@ -145,6 +152,46 @@ class SelfAttention(nn.Module):
                              scratch=scratch)  # fmt: skip
         # q [T, Hq, D]; k and v are in the cache
         return self._attend_queries(q, None, meta, self._start_prefetch(x.shape[0])), s
+
+    def block(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        in_norm: RMSNorm,
+        post_norm: RMSNorm,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """post_norm(o_proj(attend(h)), s) with h, s = in_norm(x, residual): (the MoE block's
+        input, the residual stream), for one-row steps (the decoder layer calls it where
+        `block_fits` holds): one persistent launch on CUDA (kernels/attention_block.py), the
+        five steps elsewhere."""
+        assert x.shape[0] == ATTENTION_BLOCK_ROWS, x.shape
+        if self._block is None and x.is_cuda:
+            from freetoken_agent.kernels.triton.attention_block import new_scratch
+
+            tiles = block_tiles(x.shape[1], self.n_heads, self.n_kv_heads, self.head_dim)
+            assert tiles is not None, "block_fits let a layer through that the kernel cannot take"
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            scratch = new_scratch(x.shape[1], self.n_heads, self.n_kv_heads, self.head_dim, sms,
+                                  tiles, x.dtype, x.device)  # fmt: skip
+            self._block = (scratch, tiles)
+        qk = self.options.qk_norm == "head"
+        scratch, tiles = self._block if self._block is not None else (None, None)
+        return attention_block(
+            x, residual, in_norm.weight, in_norm.eps, self.qkv_proj.weight,
+            self.q_norm.weight if qk else None, self.k_norm.weight if qk else None,
+            self.q_norm.eps if qk else 0.0, self.rope.cos, self.rope.sin, meta.positions,
+            meta.kv_lens, meta.slot_mapping, meta.page_table, self.k_cache, self.v_cache,
+            self.o_proj.weight, post_norm.weight, self.n_heads, self.scale,
+            scratch=scratch, tiles=tiles,
+        )  # fmt: skip
+
+    def block_fits(self) -> bool:
+        """Whether `block` can serve this layer: `fusable_front`'s cases, no o_proj bias, full
+        attention (no window), and a shape the kernel takes (block_tiles)."""
+        fits = block_tiles(self.qkv_proj.in_features, self.n_heads, self.n_kv_heads,
+                           self.head_dim) is not None  # fmt: skip
+        return self.fusable_front() and self.o_proj.bias is None and not self.window and fits
 
     def _rope_args(self, meta: AttentionMetadata) -> tuple:
         """What the fused q/k norm + RoPE + KV store takes after the projection

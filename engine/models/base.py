@@ -17,6 +17,7 @@ from torch import nn
 
 from freetoken_agent.engine.config import ModelSpec
 from freetoken_agent.engine.layers.attention import (
+    ATTENTION_BLOCK_ROWS,
     FUSED_NORM_QKV_ROWS,
     AttentionMetadata,
     AttentionOptions,
@@ -89,6 +90,9 @@ class DecoderLayer(nn.Module):
         # EngineConfig.fused_norm_qkv (use_fused_norm_qkv): this norm inside attention's
         # first launch at decode (SelfAttention.attend_unnormed).
         self.fused_norm_qkv = False
+        # EngineConfig.attention_block (use_attention_block): both norms and everything
+        # between them in one launch at decode (SelfAttention.block).
+        self.attention_block = False
         if layer in spec.moe_layers:
             self.mlp: nn.Module = SparseMoeBlock(
                 spec.hidden_size,
@@ -107,6 +111,10 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output, not yet added to the residual stream (the add is
         fused into this layer's first norm). Returns (this layer's output, residual stream)."""
         rows = x.shape[0]
+        if self.attention_block and rows == ATTENTION_BLOCK_ROWS:  # norm to norm, one launch
+            h, residual = self.self_attn.block(x, residual, self.input_layernorm,
+                                               self.post_attention_layernorm, meta)  # fmt: skip
+            return self.mlp(h), residual
         if self.fused_norm_qkv and rows <= FUSED_NORM_QKV_ROWS:  # the norm inside attention
             out, residual = self.self_attn.attend_unnormed(x, residual, self.input_layernorm,
                                                            meta)  # fmt: skip
@@ -160,6 +168,19 @@ def use_fused_norm_qkv(model: nn.Module, on: bool = True) -> None:
         if isinstance(layer, DecoderLayer) and not layer.recurrent:
             fusable = isinstance(layer.input_layernorm, RMSNorm) and layer.self_attn.fusable_front()
             layer.fused_norm_qkv = on and fusable
+
+
+def use_attention_block(model: nn.Module, on: bool = True) -> None:
+    """EngineConfig.attention_block: every attention layer whose norms are RMSNorms (not
+    zero-centred) and whose block the kernel serves (SelfAttention.block_fits) runs its
+    one-row decode steps from the input norm to the post-attention norm in one launch
+    (kernels/attention_block.py); `on` False switches them back (captured graphs keep the
+    kernels they were captured with)."""
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer) and not layer.recurrent:
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            plain = all(isinstance(n, RMSNorm) and not n.zero_centred for n in norms)
+            layer.attention_block = on and plain and layer.self_attn.block_fits()
 
 
 class MoeCausalLM(nn.Module):

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from freetoken_agent.kernels.attention_block import COUNT_WORDS, MIN_SPLIT, splits_for
 from freetoken_agent.kernels.triton.norm import (
     _load_sum,
     _normalise_row,
@@ -58,15 +59,9 @@ from freetoken_agent.kernels.triton.norm import (
 )
 from freetoken_agent.kernels.triton.rope import _norm_rope_values, _rotary_dims
 
-# count's words: [0] phase-1 arrivals, [1] kv heads combined, [2] phase-3 arrivals,
-# [COUNT_WORDS + g] kv head g's finished splits.
-COUNT_WORDS = 4
+# count's words (COUNT_WORDS + NKV): [0] phase-1 arrivals, [1] kv heads combined, [2] phase-3
+# arrivals, [COUNT_WORDS + g] kv head g's finished splits.
 _COUNT_HEADS = tl.constexpr(COUNT_WORDS)
-MIN_SPLIT = 128  # cached positions a split takes at least (1024 tokens: 8 splits a kv head)
-MAX_SPLITS = 32  # splits a kv head at most (NKV x this <= P)
-# The tiles measured best on the H200 (bench attention-half, thirty-ninth session): qkv 32
-# rows x a quarter of H, o_proj 32 rows x a quarter of NQ D, 512-wide steps, 4 warps.
-TILES = dict(BN1=32, KS1=4, BK=512, BL=64, BN3=32, KS3=4, WARPS=4)
 
 
 @triton.jit
@@ -302,36 +297,6 @@ def _attend_split(
         tl.store(attn_ptr + q_at + offs_d[None, :], out.to(attn_ptr.dtype.element_ty), mask=q_ok)
         if PHASE == 0:
             _arrive(count_ptr + 1)
-
-
-def block_tiles(h: int, heads: int, kv_heads: int, head_dim: int,
-                tiles: dict[str, int] | None = None) -> dict[str, int] | None:  # fmt: skip
-    """TILES (with `tiles`' overrides) for this shape, each halved until it fits: row blocks
-    dividing their dimension (down to 16, the dot's least), K slices of whole 16-wide steps,
-    the step dividing both slices. None where the kernel cannot take the shape: a head dim not
-    a power of two, more than 16 q heads a kv head, no fit."""
-    if triton.next_power_of_2(head_dim) != head_dim or heads % kv_heads or heads > 16 * kv_heads:
-        return None
-    t = {**TILES, **(tiles or {})}
-    nqkv, nqd = (heads + 2 * kv_heads) * head_dim, heads * head_dim
-    for key, n in (("BN1", nqkv), ("BN3", h)):
-        while t[key] > 16 and n % t[key]:
-            t[key] //= 2
-        if n % t[key]:
-            return None
-    for ks, k in (("KS1", h), ("KS3", nqd)):  # slices of whole 16-wide steps
-        while t[ks] > 1 and (k % t[ks] or (k // t[ks]) % 16):
-            t[ks] //= 2
-        if k % t[ks] or (k // t[ks]) % 16:
-            return None
-    while (h // t["KS1"]) % t["BK"] or (nqd // t["KS3"]) % t["BK"]:
-        t["BK"] //= 2  # stops at 16 at the latest
-    return t
-
-
-def splits_for(kv_heads: int, programs: int) -> int:
-    """Splits a kv head at most: every attention program one of the grid's (NKV x NS <= P)."""
-    return max(1, min(MAX_SPLITS, programs // kv_heads))
 
 
 def new_scratch(h: int, heads: int, kv_heads: int, head_dim: int, programs: int,

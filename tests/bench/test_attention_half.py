@@ -15,7 +15,8 @@ from freetoken_agent.bench.attention_half import (
     make_layer,
     rope_tables,
 )
-from freetoken_agent.kernels.triton.attention_block import block_tiles, new_scratch
+from freetoken_agent.kernels.attention_block import block_tiles
+from freetoken_agent.kernels.triton.attention_block import new_scratch
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

@@ -31,7 +31,8 @@ def test_each_variant_sets_its_fusions_and_recaptures(tmp_path, rng_seed, monkey
         router, proj_norm, pdl_word, skinny, l2, norm_qkv = VARIANTS[name]
         assert all(m.fused == router for m in routers), name
         assert all(m.fused_proj_norm == proj_norm for m in layers), name
-        assert all(m.fused_norm_qkv == norm_qkv for m in layers), name
+        assert all(m.fused_norm_qkv == (norm_qkv is True) for m in layers), name
+        assert all(m.attention_block == (norm_qkv == "block") for m in layers), name
         assert all(m.skinny == skinny for m in projections), name
         assert all((m.l2 is not None) == l2 for m in attention), name
         pdl.flags(pdl_word)  # a word the switch takes

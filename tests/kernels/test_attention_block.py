@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken_agent.kernels.attention_block import attention_block
+from freetoken_agent.kernels.attention_block import attention_block, block_tiles, splits_for
 from freetoken_agent.kernels.triton.attention_block import attention_block as triton_block
-from freetoken_agent.kernels.triton.attention_block import block_tiles, new_scratch, splits_for
+from freetoken_agent.kernels.triton.attention_block import new_scratch
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -212,3 +212,90 @@ def test_the_persistent_launch_is_the_phases_on_cuda(rng_seed, pos_range):
         torch.cuda.synchronize()
         assert torch.equal(out[0], h) and torch.equal(out[1], s)
     assert (scratch[-1] == 0).all(), scratch[-1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"])
+def test_the_config_switches_every_attention_layer(tmp_path, rng_seed, family):
+    """EngineConfig.attention_block reaches every attention layer the kernel serves (Qwen3's);
+    off, none. On the CPU a switched layer runs the five steps: the same tokens and logits.
+    (q/k without norms, Mixtral's case, is test_the_phases_are_the_five_steps[no-qk-norm]: the
+    tiny Mixtral has a sliding window.)"""
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine, SamplingParams
+    from freetoken_agent.engine.models.base import DecoderLayer
+
+    make_tiny(family, tmp_path, rng_seed)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(rng_seed)
+    prompt = [int(t) for t in torch.randint(3, 300, (12,), generator=gen)]
+    tokens, logits = [], []
+    for on in (False, True):
+        engine = Engine.load(tmp_path, device="cpu", progress=False, attention_block=on)
+        layers = [m for m in engine.loaded.model.modules() if isinstance(m, DecoderLayer)]
+        assert len(layers) > 1 and all(m.attention_block == on for m in layers)
+        tokens.append(engine.generate(prompt, sp).token_ids)
+        logits.append(engine.score(prompt + tokens[-1]))
+    assert tokens[0] == tokens[1]
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "qwen3_next", "mixtral"])
+def test_layers_the_kernel_cannot_serve_stay_apart(tmp_path, rng_seed, family):
+    """OLMoE's norms over whole projections, Qwen2-MoE's q/k/v bias, Qwen3-Next's gated,
+    zero-centred attention and the tiny Mixtral's sliding window are not the kernel's cases:
+    the switch leaves those layers alone."""
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine
+    from freetoken_agent.engine.models.base import DecoderLayer
+
+    make_tiny(family, tmp_path, rng_seed)
+    engine = Engine.load(tmp_path, device="cpu", progress=False, attention_block=True)
+    layers = [m for m in engine.loaded.model.modules() if isinstance(m, DecoderLayer)]
+    assert layers and not any(m.attention_block for m in layers)
+
+
+def test_a_switched_layer_takes_only_one_row_steps(tmp_path, rng_seed, monkeypatch):
+    """A layer with attention_block sends steps of one row (a single sequence's decode) to the
+    block, wider ones (prefill, two sequences) to its usual path: the block is called, and the
+    tokens are the plain layer's. The block runs its kernel's phases here (Triton's
+    interpreter, with a scratch of 5 programs), so the CPU engine exercises the kernel too."""
+    from tiny_models import make_tiny
+
+    from freetoken_agent import Engine, SamplingParams
+    from freetoken_agent.engine.layers import attention
+    from freetoken_agent.kernels.triton.attention_block import new_scratch as scratch_for
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    rows = []
+
+    def interpreted(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        h, heads, w_qkv = x.shape[1], args[17], args[3]
+        kv_heads, d = args[13].shape[2], args[13].shape[3]
+        tiles = block_tiles(h, heads, kv_heads, d)
+        assert tiles is not None and w_qkv.shape == ((heads + 2 * kv_heads) * d, h)
+        scratch = scratch_for(h, heads, kv_heads, d, 5, tiles, x.dtype, x.device)
+        return attention_block(x, *args, scratch=scratch, tiles=tiles, force_triton=True)
+
+    monkeypatch.setattr(attention, "attention_block", interpreted)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(rng_seed)
+    prompts = [[int(t) for t in torch.randint(3, 300, (n,), generator=gen)] for n in (9, 14)]
+    out = {}
+    for on in (False, True):
+        engine = Engine.load(tmp_path, device="cpu", progress=False, attention_block=on)
+        out[on] = [o.token_ids for o in engine.generate(prompts, sp)]
+        out[on].append(engine.generate(prompts[0], sp).token_ids)
+    assert out[True] == out[False]
+    assert rows and set(rows) == {1}
+
+
+@pytest.mark.gpu
+def test_engine_with_the_attention_block_matches_the_default_on_cuda(tmp_path, rng_seed):
+    """The attention block in one launch gives the plain layers' tokens and logits (fp32,
+    decode under graphs)."""
+    from option_parity import assert_option_keeps_results_on_cuda
+
+    assert_option_keeps_results_on_cuda(tmp_path, rng_seed, attention_block=True)
