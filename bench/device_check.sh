@@ -98,6 +98,8 @@
 #         and tile variants, ~4 min), s39-l2 (its L2 read-ahead rows, ~3 min), s39-two
 #         (one and two programs an SM, ~3 min), s39-stream (STREAM tiles, ~3 min),
 #         s39-stream2 (wider steps, 16 splits, ~3 min), s39-stream3 (the widest, ~3 min)
+#         s39-block (EngineConfig.attention_block: its GPU tests, bench attention-half, then
+#         bench fusions at 48 layers with and without it, ~8 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -176,6 +178,15 @@ for stage in "$@"; do
         '{"BN1": 32, "KS1": 2, "STREAM": 1, "BK": 1024, "BN3": 32}' --out "$OUT" 2>&1 \
         | grep -v "max error" | tee "$OUT/attention_half_stream3_s39.log" | tail -30
       mv "$OUT/attention_half.json" "$OUT/attention_half_stream3_s39.json" ;;
+    s39-block)  # the attention block in one launch: its GPU tests, bench attention-half,
+      # then bench fusions at 48 layers with and without it, 3 rounds (~8 min)
+      timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/kernels/test_attention_block.py 2>&1 | tee "$OUT/block_tests_s39.log" | tail -4
+      timeout 150 python3 -m freetoken_agent.bench attention-half --out "$OUT" 2>&1 \
+        | grep -v "max error" | tee "$OUT/attention_block_s39.log" | tail -8
+      timeout 420 python3 -m freetoken_agent.bench fusions --layers 48 --variants both+pdl-light \
+        block+pdl-light block+pdl --rounds 3 --out "$OUT" 2>&1 \
+        | tee "$OUT/block_fusions_s39.log" | grep "|b" | cut -c1-160 ;;
     s38-front)  # the attention front in one launch: its GPU tests and the 48-layer step (~7 min)
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
         tests/kernels/test_rope.py tests/kernels/test_pdl.py 2>&1 \
