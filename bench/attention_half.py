@@ -178,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs CUDA")
-    from triton.testing import do_bench
-
-    from freetoken_agent.bench.cuda_graph import captured
+    from freetoken_agent.bench.cuda_graph import captured, rotated_times
     from freetoken_agent.bench.limits import hbm_copy_bandwidth
     from freetoken_agent.bench.moe_kernel import GRAPH_LAYERS
     from freetoken_agent.kernels.attention_block import block_tiles
@@ -244,11 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
             steps[name] = run
         replays = {name: captured(step) for name, step in steps.items()}
-        times: dict[str, list[float]] = {name: [] for name in replays}
-        for rnd in range(args.rounds):
-            order = list(replays)[rnd % len(replays) :] + list(replays)[: rnd % len(replays)]
-            for name in order:
-                times[name].append(do_bench(replays[name], return_mode="median") / GRAPH_LAYERS)
+        times = rotated_times(replays, args.rounds, GRAPH_LAYERS)
         rows = report["contexts"][str(context)] = {}
         kv_bytes = 2 * context * kv_heads * d * 2
         for name, ms in times.items():

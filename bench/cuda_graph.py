@@ -40,3 +40,18 @@ def device_ms(run: Callable[[], object]) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
+
+
+def rotated_times(replays: dict[str, Callable[[], None]], rounds: int,
+                  per: int = 1) -> dict[str, list[float]]:  # fmt: skip
+    """Each replay's median device time (triton's do_bench, ms) divided by `per` (the layers a
+    replay holds), once a round; the rows take turns in a rotated order each round, since the
+    device host's speed drifts over seconds."""
+    from triton.testing import do_bench
+
+    names = list(replays)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(do_bench(replays[name], return_mode="median") / per)
+    return times

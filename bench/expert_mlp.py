@@ -277,9 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs CUDA")
-    from triton.testing import do_bench
-
-    from freetoken_agent.bench.cuda_graph import captured
+    from freetoken_agent.bench.cuda_graph import captured, rotated_times
     from freetoken_agent.bench.limits import hbm_copy_bandwidth
     from freetoken_agent.bench.moe_kernel import (
         GRAPH_LAYERS,
@@ -331,10 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             for lid in layer_ids
         ]  # fmt: skip
     replays = {name: captured(step) for name, step in steps.items()}
-    times: dict[str, list[float]] = {name: [] for name in replays}
-    for r in range(args.rounds):
-        for name in list(replays)[r % len(replays) :] + list(replays)[: r % len(replays)]:
-            times[name].append(do_bench(replays[name], return_mode="median") / GRAPH_LAYERS)
+    times = rotated_times(replays, args.rounds, GRAPH_LAYERS)
     report = {"bench": "expert-mlp", "hbm_copy_gb_s": hbm / 1e9, "layer_mb": nbytes / 1e6,
               "rows": {}}  # fmt: skip
     for name, ms in times.items():

@@ -1,5 +1,6 @@
-"""An engine option that only changes kernels must not change results: the check the decode
-kernels' switches share (EngineConfig.skinny_gemv, fused_router, fused_proj_norm)."""
+"""An engine option that only changes kernels must not change results: the checks the decode
+kernels' switches share (EngineConfig.skinny_gemv, fused_router, fused_proj_norm,
+fused_norm_qkv, attention_block)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,27 @@ def assert_option_keeps_results_on_cuda(tmp_path, rng_seed: int, **option: bool)
         assert changed.generate([prompt], sp)[0].token_ids == alone, option
     ids = prompts[1] + want[1]
     assert max_rel_err(changed.score(ids), base.score(ids)) <= 1e-4, option
+
+
+def assert_switch_reaches_layers_on_cpu(tmp_path, rng_seed: int, family: str, option: str) -> None:
+    """A decoder-layer switch (`option`, an EngineConfig field and the DecoderLayer attribute
+    of the same name) reaches every layer of a tiny `family` model on, none off; on the CPU
+    the switched layers compute what the plain ones do: the same tokens and logits."""
+    import torch
+
+    from freetoken_agent import Engine, SamplingParams
+    from freetoken_agent.engine.models.base import DecoderLayer
+
+    make_tiny(family, tmp_path, rng_seed)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(rng_seed)
+    prompt = [int(t) for t in torch.randint(3, 300, (12,), generator=gen)]
+    tokens, logits = [], []
+    for on in (False, True):
+        engine = Engine.load(tmp_path, device="cpu", progress=False, **{option: on})
+        layers = [m for m in engine.loaded.model.modules() if isinstance(m, DecoderLayer)]
+        assert len(layers) > 1 and all(getattr(m, option) == on for m in layers)
+        tokens.append(engine.generate(prompt, sp).token_ids)
+        logits.append(engine.score(prompt + tokens[-1]))
+    assert tokens[0] == tokens[1]
+    assert torch.equal(logits[0], logits[1])

@@ -214,30 +214,14 @@ def test_the_persistent_launch_is_the_phases_on_cuda(rng_seed, pos_range):
     assert (scratch[-1] == 0).all(), scratch[-1]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe"])
-def test_the_config_switches_every_attention_layer(tmp_path, rng_seed, family):
+def test_the_config_switches_every_attention_layer(tmp_path, rng_seed):
     """EngineConfig.attention_block reaches every attention layer the kernel serves (Qwen3's);
     off, none. On the CPU a switched layer runs the five steps: the same tokens and logits.
     (q/k without norms, Mixtral's case, is test_the_phases_are_the_five_steps[no-qk-norm]: the
     tiny Mixtral has a sliding window.)"""
-    from tiny_models import make_tiny
+    from option_parity import assert_switch_reaches_layers_on_cpu
 
-    from freetoken_agent import Engine, SamplingParams
-    from freetoken_agent.engine.models.base import DecoderLayer
-
-    make_tiny(family, tmp_path, rng_seed)
-    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(rng_seed)
-    prompt = [int(t) for t in torch.randint(3, 300, (12,), generator=gen)]
-    tokens, logits = [], []
-    for on in (False, True):
-        engine = Engine.load(tmp_path, device="cpu", progress=False, attention_block=on)
-        layers = [m for m in engine.loaded.model.modules() if isinstance(m, DecoderLayer)]
-        assert len(layers) > 1 and all(m.attention_block == on for m in layers)
-        tokens.append(engine.generate(prompt, sp).token_ids)
-        logits.append(engine.score(prompt + tokens[-1]))
-    assert tokens[0] == tokens[1]
-    assert torch.equal(logits[0], logits[1])
+    assert_switch_reaches_layers_on_cpu(tmp_path, rng_seed, "qwen3_moe", "attention_block")
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "qwen3_next", "mixtral"])

@@ -255,24 +255,9 @@ def test_the_config_switches_every_attention_layer(tmp_path, rng_seed, family):
     """EngineConfig.fused_norm_qkv reaches every attention layer whose front the kernel serves
     (Qwen3's per-head q/k norms, Mixtral's none); off, none. On the CPU the fused layer
     computes what the plain one does: the same tokens and logits."""
-    from tiny_models import make_tiny
+    from option_parity import assert_switch_reaches_layers_on_cpu
 
-    from freetoken_agent import Engine, SamplingParams
-    from freetoken_agent.engine.models.base import DecoderLayer
-
-    make_tiny(family, tmp_path, rng_seed)
-    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(rng_seed)
-    prompt = [int(t) for t in torch.randint(3, 300, (12,), generator=gen)]
-    tokens, logits = [], []
-    for on in (False, True):
-        engine = Engine.load(tmp_path, device="cpu", progress=False, fused_norm_qkv=on)
-        layers = [m for m in engine.loaded.model.modules() if isinstance(m, DecoderLayer)]
-        assert len(layers) > 1 and all(m.fused_norm_qkv == on for m in layers)
-        tokens.append(engine.generate(prompt, sp).token_ids)
-        logits.append(engine.score(prompt + tokens[-1]))
-    assert tokens[0] == tokens[1]
-    assert torch.equal(logits[0], logits[1])
+    assert_switch_reaches_layers_on_cpu(tmp_path, rng_seed, family, "fused_norm_qkv")
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "qwen3_next"])
