@@ -57,6 +57,8 @@ from freetoken_agent.kernels.triton.norm import (
     round_mode,
     round_to,
 )
+from freetoken_agent.kernels.triton.pdl import enter
+from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 from freetoken_agent.kernels.triton.rope import _norm_rope_values, _rotary_dims
 
 # count's words (COUNT_WORDS + NKV): [0] phase-1 arrivals, [1] kv heads combined, [2] phase-3
@@ -146,7 +148,12 @@ def _attention_block_kernel(
     BK: tl.constexpr, NS: tl.constexpr, SPLIT_MIN: tl.constexpr, BL: tl.constexpr,
     BN3: tl.constexpr, KS3: tl.constexpr, HAS_RES: tl.constexpr, QK_NORM: tl.constexpr,
     PHASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
+    # First: pdl.py. Its release lets the next kernel launch only once every program of this
+    # grid has started, so an early-launched dependent never keeps one of ours off the SMs
+    # (the waits below need all of them resident).
+    enter(PDL)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offs_m = tl.arange(0, 16)
@@ -369,8 +376,9 @@ def attention_block(
                   QK_NORM=q_norm is not None, MODE=round_mode(x.dtype),
                   PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=tiles["WARPS"])  # fmt: skip
-    if persistent:
-        _attention_block_kernel[(programs,)](*args, PHASE=0, **consts)
+    if persistent:  # launched early under PDL `light` too: it always follows the MoE sum
+        _attention_block_kernel[(programs,)](*args, PHASE=0, **consts,
+                                             **pdl_launch(x.device, heavy=True, lead=True))  # fmt: skip
     else:
         for phase in (1, 2, 3):
             grid = kv_heads * ns if phase == 2 else programs
