@@ -306,9 +306,12 @@ class EngineConfig:
     # the residual add, q/k/v projection, per-head q/k norms, RoPE, the KV store, attention,
     # o_proj, the residual add, the post-attention RMSNorm) as ONE persistent launch of one
     # program per SM, its phases separated by grid-wide counters
-    # (kernels/triton/attention_block.py) instead of five launches. `bench attention-half`
-    # (thirty-ninth session, H200, 8 layers graph-replayed at the 30B shape): 28.6 against 31.8
-    # us a layer at 256 cached tokens, 30.0 against 34.4 at 1024.
+    # (kernels/triton/attention_block.py) instead of five launches. Off: faster alone, slower
+    # in the step on the H200 host (thirty-ninth session): `bench attention-half` 30.4 against
+    # 31.6 us a layer at 256 cached tokens, 32.3 against 34.1 at 1024, but `bench fusions` at
+    # 48 layers, all resident, b=1 299.0 against 310.3 tok/s (the default path's kernels
+    # overlap their neighbours under PDL; the block was not PDL-aware then, and is now,
+    # unmeasured).
     attention_block: bool = False
     # Offloaded decode under adaptive, while fills pay (temporal locality, as Zipf traces): a
     # stopping layer waits for q* of its misses' fills and runs the rest on the CPU while they

@@ -5,10 +5,12 @@ attention over the paged cache, o_proj, the residual add and the post-attention 
 
 Why: at b=1 the decoder runs these as five launches (the norm kernel, cuBLAS's qkv GEMV, the
 rope kernel, paged attention, o_proj + norm), ~32-34 us a layer at the Qwen3-30B-A3B shape on
-the H200 for ~38 MB of weights. One grid of one program per SM, its phases separated by
-grid-wide counters, took 28.6 / 30.0 us at 256 / 1024 cached tokens (`bench attention-half`,
-thirty-ninth session: -10% / -13%); reading o_proj ahead (into registers or L2) lost there,
-and so is not done here.
+the H200 for ~38 MB of weights. The probe of one grid of one program per SM, its phases
+separated by grid-wide counters, took 28.6 / 30.0 us at 256 / 1024 cached tokens with a
+contiguous cache (`bench attention-half`, thirty-ninth session: -10% / -13%), this kernel
+30.4 / 32.3; reading o_proj ahead (into registers or L2) lost there, and so is not done here.
+In the 48-layer step it lost 3.7% at b=1 before it was PDL-aware (NOTES): EngineConfig.
+attention_block is off.
 
 The grid: P = the SM count, so every program is resident at once and a program spinning at a
 counter never keeps another from running (the waits cannot deadlock; a kernel sharing the
