@@ -311,8 +311,9 @@ class Engine:
                 reason = "stop"
                 text += state.release(final=True)
             elif req.at_length(self.max_model_len):
-                reason = "length"
                 text += state.release(final=True)
+                # The last characters, flushed, may complete a stop string (then cut there).
+                reason = "stop" if state.stopped else "length"
         event = TokenEvent(req.id, token, text, len(req.output_ids) - 1)
         if reason is not None:
             self._finish(req, reason)

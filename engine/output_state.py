@@ -27,19 +27,31 @@ class OutputState:
             return ""
         before = len(self.text)
         self.text += self.detok.push(token_id)
-        if self.stop:
-            # A stop string can start up to len(stop) - 1 characters before the new text.
-            start = max(0, before - self.hold)
-            cut = min((i for s in self.stop if (i := self.text.find(s, start)) >= 0), default=-1)
-            if cut >= 0:
-                self.text = self.text[:cut]
-                self.stopped = True
-                return self.release(final=True)
+        if self._cut_at_stop(before):
+            return self.release(final=True)
         return self.release(final=False)
 
+    def _cut_at_stop(self, before: int) -> bool:
+        """Cut the text before the first stop string that ends past `before` (the text's
+        length before what was just added) and set `stopped`; whether one did."""
+        if not self.stop:
+            return False
+        # A stop string can start up to len(stop) - 1 characters before the new text.
+        start = max(0, before - self.hold)
+        cut = min((i for s in self.stop if (i := self.text.find(s, start)) >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.stopped = True
+        return cut >= 0
+
     def release(self, final: bool) -> str:
+        """The text now final. With `final` (the sequence ends) the detokenizer's held
+        characters come out too (an incomplete one as U+FFFD, as a whole decode gives it),
+        and a stop string they complete still cuts the text and sets `stopped`."""
         if final and self.detok is not None and not self.stopped:
+            before = len(self.text)
             self.text += self.detok.flush()
+            self._cut_at_stop(before)
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
         delta = self.text[self.emitted : end]
         self.emitted = end

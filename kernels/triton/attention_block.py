@@ -379,8 +379,9 @@ def attention_block(
                   PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=tiles["WARPS"])  # fmt: skip
     if persistent:  # launched early under PDL `light` too: it always follows the MoE sum
-        pdl = pdl_launch(x.device, heavy=True, lead=True)
-        _attention_block_kernel[(programs,)](*args, PHASE=0, **consts, **pdl)
+        _attention_block_kernel[(programs,)](
+            *args, PHASE=0, **consts, **pdl_launch(x.device, heavy=True, lead=True)
+        )
     else:
         for phase in (1, 2, 3):
             grid = kv_heads * ns if phase == 2 else programs

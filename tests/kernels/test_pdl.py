@@ -32,6 +32,7 @@ AWARE = {
     "norm_qkv": ["_norm_qkv_kernel"],
     "paged_attention": ["_paged_attention_kernel"],
     "expert_fills": ["_plan_kernel", "_copy_kernel"],
+    "attention_block": ["_attention_block_kernel"],
 }
 
 
@@ -214,7 +215,7 @@ def test_every_aware_kernel_launches_with_the_switch_and_the_heavy_ones_say_so()
     sites = _launch_sites()
     assert set(sites) == {n for ns in AWARE.values() for n in ns}
     heavy = {"_decode_gate_up_kernel", "_decode_down_kernel", "_gemv_kernel", "_proj_norm_kernel",
-             "_norm_qkv_kernel"}  # fmt: skip
+             "_norm_qkv_kernel", "_attention_block_kernel"}  # fmt: skip
     assert {name for name, is_heavy in sites.items() if is_heavy[0]} == heavy
     # PREFETCH goes to the kernels that prefetch before their wait: always for the model's
     # weights, where the caller says the rows are settled for gate/up.
