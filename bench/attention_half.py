@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, nargs="+", default=[256, 1024],
                         help="tokens cached before the new one")  # fmt: skip
     parser.add_argument("--tiles", type=json.loads, nargs="+", default=[{}],
-                        help="JSON overrides of kernels/triton/attention_block.py TILES, a "
+                        help="JSON overrides of kernels/attention_block.py TILES, a "
                         "row pair each")  # fmt: skip
     parser.add_argument("--graph-bound", type=int, default=4096,
                         help="the engine row's attention plan bound (a decode graph plans for "
