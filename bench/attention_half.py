@@ -136,27 +136,34 @@ def engine_steps(
 
 def block_rows(args: argparse.Namespace) -> list[tuple[str, dict]]:
     """(row name, the kernel's keywords) per attention-block row."""
+    from freetoken_agent.kernels.attention_block import MIN_SPLIT
+
     rows = []
     for tiles in args.tiles:
-        label = ",".join(f"{k}={v}" for k, v in tiles.items())
-        tag = f" ({label})" if label else ""
-        rows.append((f"block as 3 launches{tag}", dict(persistent=False, tiles=tiles)))
-        rows.append((f"block, one launch{tag}", dict(persistent=True, tiles=tiles)))
+        for min_split in args.min_split:
+            label = ",".join(f"{k}={v}" for k, v in tiles.items())
+            if min_split != MIN_SPLIT:
+                label += ("," if label else "") + f"min_split={min_split}"
+            tag = f" ({label})" if label else ""
+            kw = dict(tiles=tiles, min_split=min_split)
+            rows.append((f"block as 3 launches{tag}", dict(persistent=False, **kw)))
+            rows.append((f"block, one launch{tag}", dict(persistent=True, **kw)))
     return rows
 
 
 def block(x: Tensor, r: Tensor, layer: HalfLayer, cos: Tensor, sin: Tensor, cache: Cache,
           heads: int, scratch: tuple[Tensor, ...], tiles: dict[str, int], *,
-          persistent: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+          persistent: bool, min_split: int | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The attention block kernel's (h, s) for x, r [1, H] (engine_steps' contract; the
     identity page table's slot of position pos is pos)."""
+    from freetoken_agent.kernels.attention_block import MIN_SPLIT
     from freetoken_agent.kernels.triton.attention_block import attention_block
 
     d = cache.k.shape[3]
     return attention_block(x, r, layer.w_in, EPS, layer.wqkv, layer.qn, layer.kn, EPS, cos, sin,
                            cache.pos, cache.kv_lens, cache.pos, cache.page_table[0], cache.k,
                            cache.v, layer.wo, layer.w_post, heads, d**-0.5, scratch, tiles,
-                           persistent=persistent)  # fmt: skip
+                           persistent=persistent, min_split=min_split or MIN_SPLIT)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiles", type=json.loads, nargs="+", default=[{}],
                         help="JSON overrides of kernels/attention_block.py TILES, a "
                         "row pair each")  # fmt: skip
+    parser.add_argument("--min-split", type=int, nargs="+", default=[128],
+                        help="positions an attention split takes at least (the engine's "
+                        "MIN_SPLIT, 128: 2 splits at 256 tokens; 32: 8), a row pair "
+                        "each")  # fmt: skip
     parser.add_argument("--graph-bound", type=int, default=4096,
                         help="the engine row's attention plan bound (a decode graph plans for "
                         "max_model_len; bench fusions runs 4096)")  # fmt: skip
@@ -224,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             scratches = [new_scratch(h, heads, kv_heads, d, sms, tiles, dt, dev) for _ in layers]
             try:
                 got = block(x, r, layers[0], cos, sin, caches[0], heads, scratches[0], tiles,
-                            persistent=kw["persistent"])  # fmt: skip
+                            persistent=kw["persistent"], min_split=kw["min_split"])  # fmt: skip
                 torch.cuda.synchronize()
             except Exception as e:  # a variant may not compile (registers): report, go on
                 print(f"{context} {name}: failed: {type(e).__name__}: {str(e)[-600:]}", flush=True)
@@ -237,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                 a, b = x, r
                 for layer, cache, sc in zip(layers, caches, scratches, strict=True):
                     a, b = block(a, b, layer, cos, sin, cache, heads, sc, tiles,
-                                 persistent=kw["persistent"])  # fmt: skip
+                                 persistent=kw["persistent"],
+                                 min_split=kw["min_split"])  # fmt: skip
                 return a, b
 
             steps[name] = run

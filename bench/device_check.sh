@@ -99,7 +99,8 @@
 #         (one and two programs an SM, ~3 min), s39-stream (STREAM tiles, ~3 min),
 #         s39-stream2 (wider steps, 16 splits, ~3 min), s39-stream3 (the widest, ~3 min)
 #         s39-block (EngineConfig.attention_block: its GPU tests, bench attention-half, then
-#         bench fusions at 48 layers with and without it, ~8 min)
+#         bench fusions at 48 layers with and without it, ~8 min), s39-block-pdl (the same,
+#         the block PDL-aware, with its split rule at 128 and 32 positions, ~6 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -187,6 +188,14 @@ for stage in "$@"; do
       timeout 420 python3 -m freetoken_agent.bench fusions --layers 48 --variants both+pdl-light \
         block+pdl-light block+pdl --rounds 3 --out "$OUT" 2>&1 \
         | tee "$OUT/block_fusions_s39.log" | grep "|b" | cut -c1-160 ;;
+    s39-block-pdl)  # the PDL-aware block: GPU tests, its split rule, the 48-layer step (~6 min)
+      timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/kernels/test_attention_block.py 2>&1 | tee "$OUT/block_pdl_tests_s39.log" | tail -3
+      timeout 150 python3 -m freetoken_agent.bench attention-half --min-split 128 32 \
+        --out "$OUT" 2>&1 | grep -v "max error" | tee "$OUT/block_splits_s39.log" | tail -10
+      timeout 200 python3 -m freetoken_agent.bench fusions --layers 48 --variants both+pdl-light \
+        block+pdl-light --rounds 2 --out "$OUT" 2>&1 | tee "$OUT/block_pdl_fusions_s39.log" \
+        | grep "|b" | cut -c1-120 ;;
     s38-front)  # the attention front in one launch: its GPU tests and the 48-layer step (~7 min)
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_norm_qkv.py \
         tests/kernels/test_rope.py tests/kernels/test_pdl.py 2>&1 \
