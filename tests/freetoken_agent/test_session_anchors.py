@@ -63,7 +63,9 @@ class Tracker:
     def record(self, prompt, out_ids: list[int]) -> None:
         n = len(prompt.token_ids)
         taken = {a.offset for a in prompt.anchors if 0 < a.offset <= n} | {n}
-        taken |= {n + i for i, t in enumerate(out_ids[:-1]) if i and t in self.markers}
+        # A checkpoint before a generated marker covers the tokens before it, so the last
+        # generated token's counts too (scheduler.checkpoint_decode, at its sampling).
+        taken |= {n + i for i, t in enumerate(out_ids) if i and t in self.markers}
         # The KV of the last generated token is never computed.
         self.sent.append((prompt.token_ids + out_ids[:-1], taken))
 
