@@ -54,3 +54,23 @@ def assert_switch_reaches_layers_on_cpu(tmp_path, rng_seed: int, family: str, op
         logits.append(engine.score(prompt + tokens[-1]))
     assert tokens[0] == tokens[1]
     assert torch.equal(logits[0], logits[1])
+
+
+def assert_switch_keeps_tokens_on_cpu(tmp_path, rng_seed: int, option: str) -> None:
+    """A tiny Qwen3 model on the CPU with the boolean EngineConfig `option` off, then on: the
+    same greedy tokens for two prompts decoded together (wider steps) and the first alone
+    (one-row steps), so a switch serving only one-row steps is run both ways."""
+    import torch
+
+    from freetoken_agent import Engine, SamplingParams
+
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(rng_seed)
+    prompts = [[int(t) for t in torch.randint(3, 300, (n,), generator=gen)] for n in (9, 14)]
+    out = {}
+    for on in (False, True):
+        engine = Engine.load(tmp_path, device="cpu", progress=False, **{option: on})
+        out[on] = [o.token_ids for o in engine.generate(prompts, sp)]
+        out[on].append(engine.generate(prompts[0], sp).token_ids)
+    assert out[True] == out[False], option

@@ -245,13 +245,11 @@ def test_a_switched_layer_takes_only_one_row_steps(tmp_path, rng_seed, monkeypat
     block, wider ones (prefill, two sequences) to its usual path: the block is called, and the
     tokens are the plain layer's. The block runs its kernel's phases here (Triton's
     interpreter, with a scratch of 5 programs), so the CPU engine exercises the kernel too."""
-    from tiny_models import make_tiny
+    from option_parity import assert_switch_keeps_tokens_on_cpu
 
-    from freetoken_agent import Engine, SamplingParams
     from freetoken_agent.engine.layers import attention
     from freetoken_agent.kernels.triton.attention_block import new_scratch as scratch_for
 
-    make_tiny("qwen3_moe", tmp_path, rng_seed)
     rows = []
 
     def interpreted(x, *args, **kwargs):
@@ -264,15 +262,7 @@ def test_a_switched_layer_takes_only_one_row_steps(tmp_path, rng_seed, monkeypat
         return attention_block(x, *args, scratch=scratch, tiles=tiles, force_triton=True)
 
     monkeypatch.setattr(attention, "attention_block", interpreted)
-    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(rng_seed)
-    prompts = [[int(t) for t in torch.randint(3, 300, (n,), generator=gen)] for n in (9, 14)]
-    out = {}
-    for on in (False, True):
-        engine = Engine.load(tmp_path, device="cpu", progress=False, attention_block=on)
-        out[on] = [o.token_ids for o in engine.generate(prompts, sp)]
-        out[on].append(engine.generate(prompts[0], sp).token_ids)
-    assert out[True] == out[False]
+    assert_switch_keeps_tokens_on_cpu(tmp_path, rng_seed, "attention_block")
     assert rows and set(rows) == {1}
 
 

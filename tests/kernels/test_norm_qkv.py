@@ -279,13 +279,11 @@ def test_a_fused_layer_fuses_only_steps_of_few_rows(tmp_path, rng_seed, monkeypa
     """A layer with fused_norm_qkv sends steps of at most FUSED_NORM_QKV_ROWS rows to
     norm_qkv_rope, wider ones (prefill, two sequences) to the norm and the plain projection: a
     one-sequence decode calls it, and the tokens are the plain layer's."""
-    from tiny_models import make_tiny
+    from option_parity import assert_switch_keeps_tokens_on_cpu
 
-    from freetoken_agent import Engine, SamplingParams
     from freetoken_agent.engine.layers import attention
     from freetoken_agent.engine.models import base
 
-    make_tiny("qwen3_moe", tmp_path, rng_seed)
     rows = []
 
     def counted(x, *args, **kwargs):
@@ -293,15 +291,7 @@ def test_a_fused_layer_fuses_only_steps_of_few_rows(tmp_path, rng_seed, monkeypa
         return norm_qkv_rope(x, *args, **kwargs)
 
     monkeypatch.setattr(attention, "norm_qkv_rope", counted)
-    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(rng_seed)
-    prompts = [[int(t) for t in torch.randint(3, 300, (n,), generator=gen)] for n in (9, 14)]
-    out = {}
-    for on in (False, True):
-        engine = Engine.load(tmp_path, device="cpu", progress=False, fused_norm_qkv=on)
-        out[on] = [o.token_ids for o in engine.generate(prompts, sp)]
-        out[on].append(engine.generate(prompts[0], sp).token_ids)
-    assert out[True] == out[False]
+    assert_switch_keeps_tokens_on_cpu(tmp_path, rng_seed, "fused_norm_qkv")
     assert rows and max(rows) <= base.FUSED_NORM_QKV_ROWS
 
 
