@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs CUDA")
-    from freetoken_agent.bench.cuda_graph import captured, rotated_times
+    from freetoken_agent.bench.cuda_graph import captured, rotated_times, rows_beside_copy
     from freetoken_agent.bench.limits import hbm_copy_bandwidth
     from freetoken_agent.bench.moe_kernel import GRAPH_LAYERS
     from freetoken_agent.kernels.attention_block import block_tiles
@@ -255,15 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             steps[name] = run
         replays = {name: captured(step) for name, step in steps.items()}
         times = rotated_times(replays, args.rounds, GRAPH_LAYERS)
-        rows = report["contexts"][str(context)] = {}
         kv_bytes = 2 * context * kv_heads * d * 2
-        for name, ms in times.items():
-            best = sorted(ms)[len(ms) // 2]
-            gbps = (weight_bytes + kv_bytes) / best / 1e6
-            rows[name] = {"us_per_layer": 1e3 * best, "gb_s": gbps, "of_copy": gbps / (hbm / 1e9),
-                          "rounds_us": [1e3 * t for t in ms]}  # fmt: skip
-            print(f"{context:6d} {name:44s} {1e3 * best:7.2f} us a layer  {gbps:6.0f} GB/s  "
-                  f"{100 * gbps / (hbm / 1e9):3.0f}% of copy", flush=True)  # fmt: skip
+        report["contexts"][str(context)] = rows_beside_copy(
+            times, weight_bytes + kv_bytes, hbm, label=f"{context:6d} "
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention_half.json").write_text(json.dumps(report, indent=1))
     return 0

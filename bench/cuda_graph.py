@@ -55,3 +55,19 @@ def rotated_times(replays: dict[str, Callable[[], None]], rounds: int,
         for name in names[r % len(names) :] + names[: r % len(names)]:
             times[name].append(do_bench(replays[name], return_mode="median") / per)
     return times
+
+
+def rows_beside_copy(times: dict[str, list[float]], nbytes: int, hbm: float,
+                     label: str = "") -> dict[str, dict]:  # fmt: skip
+    """Each row's median of `times` (ms a layer, rotated_times'), as us a layer, the GB/s of
+    the `nbytes` a layer reads and their share of the copy bandwidth `hbm` (bytes/s), printed
+    after `label`; the JSON rows."""
+    rows = {}
+    for name, ms in times.items():
+        best = sorted(ms)[len(ms) // 2]
+        gbps = nbytes / best / 1e6
+        rows[name] = {"us_per_layer": 1e3 * best, "gb_s": gbps, "of_copy": gbps / (hbm / 1e9),
+                      "rounds_us": [1e3 * t for t in ms]}  # fmt: skip
+        print(f"{label}{name:44s} {1e3 * best:7.2f} us a layer  {gbps:6.0f} GB/s  "
+              f"{100 * gbps / (hbm / 1e9):3.0f}% of copy", flush=True)  # fmt: skip
+    return rows

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this benchmark needs CUDA")
-    from freetoken_agent.bench.cuda_graph import captured, rotated_times
+    from freetoken_agent.bench.cuda_graph import captured, rotated_times, rows_beside_copy
     from freetoken_agent.bench.limits import hbm_copy_bandwidth
     from freetoken_agent.bench.moe_kernel import (
         GRAPH_LAYERS,
@@ -331,15 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     replays = {name: captured(step) for name, step in steps.items()}
     times = rotated_times(replays, args.rounds, GRAPH_LAYERS)
     report = {"bench": "expert-mlp", "hbm_copy_gb_s": hbm / 1e9, "layer_mb": nbytes / 1e6,
-              "rows": {}}  # fmt: skip
-    for name, ms in times.items():
-        best = sorted(ms)[len(ms) // 2]
-        gbps = nbytes / best / 1e6
-        report["rows"][name] = {"us_per_layer": 1e3 * best, "gb_s": gbps,
-                                "of_copy": gbps / (hbm / 1e9),
-                                "rounds_us": [1e3 * t for t in ms]}  # fmt: skip
-        print(f"{name:30s} {1e3 * best:7.1f} us a layer  {gbps:6.0f} GB/s  "
-              f"{100 * gbps / (hbm / 1e9):3.0f}% of copy", flush=True)  # fmt: skip
+              "rows": rows_beside_copy(times, nbytes, hbm)}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "expert_mlp.json").write_text(json.dumps(report, indent=1))
     return 0

@@ -40,3 +40,20 @@ def test_the_bench_rows_compute_the_same_block(rng_seed):
     for c, w in ((cache.k, ref.k), (cache.v, ref.v)):
         c, w = c.view(-1, kv_heads, d), w.view(-1, kv_heads, d)
         torch.testing.assert_close(c[: pos + 1], w[: pos + 1], atol=1e-4, rtol=1e-4)
+
+
+def test_rows_beside_copy_take_the_median_round(rng_seed, capsys):
+    """The probes' rows (bench/cuda_graph.rows_beside_copy): the median of a row's rounds, its
+    bytes over that time, and their share of the copy rate."""
+    from freetoken_agent.bench.cuda_graph import rows_beside_copy
+
+    gen = torch.Generator().manual_seed(rng_seed)
+    ms = (torch.rand(5, generator=gen) * 0.05 + 0.01).tolist()  # ms a layer, five rounds
+    nbytes, hbm = int(torch.randint(10**6, 10**8, (1,), generator=gen)), 4.0e12
+    row = rows_beside_copy({"r": ms}, nbytes, hbm, label="x ")["r"]
+    median = sorted(ms)[2]
+    assert row["us_per_layer"] == pytest.approx(1e3 * median)
+    assert row["gb_s"] == pytest.approx(nbytes / (median * 1e-3) / 1e9)
+    assert row["of_copy"] == pytest.approx(row["gb_s"] * 1e9 / hbm)
+    assert row["rounds_us"] == pytest.approx([1e3 * t for t in ms])
+    assert capsys.readouterr().out.startswith("x r")
