@@ -62,6 +62,7 @@ from freetoken_agent.kernels.triton.norm import (
 from freetoken_agent.kernels.triton.pdl import enter
 from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 from freetoken_agent.kernels.triton.rope import _norm_rope_values, _rotary_dims
+from freetoken_agent.kernels.triton.split_combine import COMBINE_CHUNK, _combine_rows
 
 # count's words (COUNT_WORDS + NKV): [0] phase-1 arrivals, [1] kv heads combined, [2] phase-3
 # arrivals, [COUNT_WORDS + g] kv head g's finished splits.
@@ -139,7 +140,7 @@ def _attention_block_kernel(
     k_cache_ptr, v_cache_ptr,  # [pages, S, NKV, D]
     xn_ptr,  # [P, H] each program's normalised row
     qkv_part_ptr,  # [KS1, NQKV] fp32
-    att_acc_ptr, att_ml_ptr,  # [NKV, NS, 16, D], [NKV, NS, 2, 16] fp32
+    att_acc_ptr, att_ml_ptr,  # [NQ, NS, D], [2, NQ, NS] fp32: split partials, their m and l
     attn_ptr,  # [NQD] the attention output (model dtype)
     o_part_ptr,  # [KS3, H] fp32
     h_ptr, s_ptr,  # [H] out: the normalised row, the residual stream
@@ -149,7 +150,8 @@ def _attention_block_kernel(
     NKV: tl.constexpr, S: tl.constexpr, BN1: tl.constexpr, KS1: tl.constexpr,
     BK: tl.constexpr, NS: tl.constexpr, SPLIT_MIN: tl.constexpr, BL: tl.constexpr,
     BN3: tl.constexpr, KS3: tl.constexpr, HAS_RES: tl.constexpr, QK_NORM: tl.constexpr,
-    PHASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, PHASE: tl.constexpr, MODE: tl.constexpr,
+    PREC: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):  # fmt: skip
     # First: pdl.py. Its release lets the next kernel launch only once every program of this
@@ -190,7 +192,8 @@ def _attention_block_kernel(
                               page_table_ptr, k_cache_ptr, v_cache_ptr, att_acc_ptr, att_ml_ptr,
                               attn_ptr, count_ptr, g, j, used, cached, per, qk_eps, inv_d,
                               scale, stride_cos, stride_kp, stride_ks, D, ROT, NQ, NKV, S, KS1,
-                              NS, BL, QK_NORM, PHASE, MODE, PREC)  # fmt: skip
+                              NS, SPLITS_PAD, CHUNK, BL, QK_NORM, PHASE, MODE,
+                              PREC)  # fmt: skip
 
     if PHASE == 0 or PHASE == 3:  # o_proj, the residual add, the post-attention norm
         if PHASE == 0:
@@ -218,12 +221,14 @@ def _attend_split(
     k_cache_ptr, v_cache_ptr, att_acc_ptr, att_ml_ptr, attn_ptr, count_ptr, g, j, used, cached,
     per, qk_eps, inv_d, scale, stride_cos, stride_kp, stride_ks,
     D: tl.constexpr, ROT: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, S: tl.constexpr,
-    KS1: tl.constexpr, NS: tl.constexpr, BL: tl.constexpr, QK_NORM: tl.constexpr,
-    PHASE: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr,
+    KS1: tl.constexpr, NS: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    BL: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr, MODE: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     """Split j of kv head g: its q heads and the new k, v (normed, rotated, rounded), attention
     over positions [j per, min((j + 1) per, cached)) (plus the new token in the last used
-    split) as partials; the last split of the head to finish combines them."""
+    split) as partials in the paged attention kernel's layout (scores in the log2 domain);
+    the last split of the head to finish combines them with its `_combine_rows`."""
     NQKV: tl.constexpr = (NQ + 2 * NKV) * D
     NQD: tl.constexpr = NQ * D
     G: tl.constexpr = NQ // NKV
@@ -252,6 +257,7 @@ def _attend_split(
         tl.store(k_cache_ptr + at, k_new.to(k_cache_ptr.dtype.element_ty))
         tl.store(v_cache_ptr + at, v_new.to(v_cache_ptr.dtype.element_ty))
     q_in = q.to(k_cache_ptr.dtype.element_ty)
+    qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below, as the combine takes them
     acc = tl.zeros([16, D], tl.float32)
     l_i = tl.zeros([16], tl.float32)
     m_i = tl.full([16], -1.0e30, tl.float32)
@@ -263,11 +269,11 @@ def _attend_split(
         page = tl.load(page_table_ptr + offs_t // S, mask=t_ok, other=0).to(tl.int64)
         at = (page * stride_kp + (offs_t % S) * stride_ks + g * D)[:, None] + offs_d[None, :]
         kt = tl.load(k_cache_ptr + at, mask=t_ok[:, None], other=0.0)  # [BL, D]
-        sc = tl.dot(q_in, tl.trans(kt), input_precision=PREC) * scale  # [16, BL]
+        sc = tl.dot(q_in, tl.trans(kt), input_precision=PREC) * qk_scale  # [16, BL]
         sc = tl.where(t_ok[None, :], sc, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(v_cache_ptr + at, mask=t_ok[:, None], other=0.0)  # [BL, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
@@ -275,35 +281,24 @@ def _attend_split(
     if j == used - 1:  # the new token, from registers, as stored
         k_r = k_new.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
         v_r = v_new.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
-        sn = tl.sum(q_in.to(tl.float32) * k_r, 1) * scale  # [16]
+        sn = tl.sum(q_in.to(tl.float32) * k_r, 1) * qk_scale  # [16]
         m_new = tl.maximum(m_i, sn)
-        alpha = tl.exp(m_i - m_new)
-        pn = tl.exp(sn - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        pn = tl.exp2(sn - m_new)
         l_i = l_i * alpha + pn
         acc = acc * alpha[:, None] + pn[:, None] * v_r
         m_i = m_new
-    split = g * NS + j
-    tl.store(att_acc_ptr + (split * 16 + rows)[:, None] * D + offs_d[None, :], acc)
-    tl.store(att_ml_ptr + split * 32 + rows, m_i)
-    tl.store(att_ml_ptr + split * 32 + 16 + rows, l_i)
+    row_ok = rows < G
+    part = (g * G + rows) * NS  # [16] each head's first partial (padding rows: never stored)
+    tl.store(att_acc_ptr + (part + j)[:, None] * D + offs_d[None, :], acc, mask=q_ok)
+    tl.store(att_ml_ptr + part + j, m_i, mask=row_ok)
+    tl.store(att_ml_ptr + NQ * NS + part + j, l_i, mask=row_ok)
     tl.debug_barrier()
     if tl.atomic_add(count_ptr + _COUNT_HEADS + g, 1, sem="acq_rel", scope="gpu") == used - 1:
         tl.store(count_ptr + _COUNT_HEADS + g, 0)
-        m_all = tl.full([16], -1.0e30, tl.float32)
-        for jj in range(used):
-            m_j = tl.load(att_ml_ptr + (g * NS + jj) * 32 + rows, cache_modifier=".cg")
-            m_all = tl.maximum(m_all, m_j)
-        num = tl.zeros([16, D], tl.float32)
-        den = tl.zeros([16], tl.float32)
-        for jj in range(used):  # split order: the same sum every launch
-            at_j = (g * NS + jj) * 32
-            wj = tl.exp(tl.load(att_ml_ptr + at_j + rows, cache_modifier=".cg") - m_all)
-            den += wj * tl.load(att_ml_ptr + at_j + 16 + rows, cache_modifier=".cg")
-            a_j = tl.load(att_acc_ptr + ((g * NS + jj) * 16 + rows)[:, None] * D
-                          + offs_d[None, :], cache_modifier=".cg")  # fmt: skip
-            num += wj[:, None] * a_j
-        out = num / den[:, None]
-        tl.store(attn_ptr + q_at + offs_d[None, :], out.to(attn_ptr.dtype.element_ty), mask=q_ok)
+        _combine_rows(att_acc_ptr, att_ml_ptr, att_ml_ptr + NQ * NS, part, row_ok, used,
+                      attn_ptr + q_at + offs_d[None, :], q_ok, 16, D, D, SPLITS_PAD,
+                      CHUNK)  # fmt: skip
         if PHASE == 0:
             _arrive(count_ptr + 1)
 
@@ -313,15 +308,15 @@ def new_scratch(h: int, heads: int, kv_heads: int, head_dim: int, programs: int,
                 device: torch.device | str) -> tuple[Tensor, ...]:  # fmt: skip
     """A layer's buffers for `programs` programs (its own: full size at once, so a captured
     graph keeps their addresses): xn [P, H], qkv partials [KS1, NQKV], attention partials
-    [NKV, NS, 16, D] and [NKV, NS, 2, 16], the attention output [NQD], o_proj partials [KS3,
-    H] (fp32 but xn and the output) and the counters [COUNT_WORDS + NKV] (int32, 0)."""
+    [NQ, NS, D] with their m and l [2, NQ, NS], the attention output [NQD], o_proj partials
+    [KS3, H] (fp32 but xn and the output) and the counters [COUNT_WORDS + NKV] (int32, 0)."""
     ns = splits_for(kv_heads, programs)
     f32 = dict(dtype=torch.float32, device=device)
     return (
         torch.empty(programs, h, dtype=dtype, device=device),
         torch.empty(tiles["KS1"], (heads + 2 * kv_heads) * head_dim, **f32),
-        torch.empty(kv_heads, ns, 16, head_dim, **f32),
-        torch.empty(kv_heads, ns, 2, 16, **f32),
+        torch.empty(heads, ns, head_dim, **f32),
+        torch.empty(2, heads, ns, **f32),
         torch.empty(heads * head_dim, dtype=dtype, device=device),
         torch.empty(tiles["KS3"], h, **f32),
         torch.zeros(COUNT_WORDS + kv_heads, dtype=torch.int32, device=device),
@@ -373,6 +368,7 @@ def attention_block(
             1.0 / head_dim, scale, cos.stride(0), k_cache.stride(0), k_cache.stride(1))  # fmt: skip
     consts = dict(H=hid, ROW=triton.next_power_of_2(hid), D=head_dim, ROT=cos.shape[1],
                   NQ=heads, NKV=kv_heads, S=k_cache.shape[1], NS=ns, SPLIT_MIN=min_split,
+                  SPLITS_PAD=triton.next_power_of_2(ns), CHUNK=COMBINE_CHUNK,
                   BN1=tiles["BN1"], KS1=tiles["KS1"], BK=tiles["BK"], BL=tiles["BL"],
                   BN3=tiles["BN3"], KS3=tiles["KS3"], HAS_RES=residual is not None,
                   QK_NORM=q_norm is not None, MODE=round_mode(x.dtype),

@@ -7,8 +7,11 @@ wait cannot run there); the one persistent launch on CUDA must give the phases' 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from sm90_compile import compiled_json
 
 from freetoken_agent.kernels.attention_block import attention_block, block_tiles, splits_for
 from freetoken_agent.kernels.triton.attention_block import attention_block as triton_block
@@ -273,3 +276,35 @@ def test_engine_with_the_attention_block_matches_the_default_on_cuda(tmp_path, r
     from option_parity import assert_option_keeps_results_on_cuda
 
     assert_option_keeps_results_on_cuda(tmp_path, rng_seed, attention_block=True)
+
+
+_COMPILE = """
+import json
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from freetoken_agent.kernels.triton.attention_block import _attention_block_kernel as fn
+consts = dict(H=2048, ROW=2048, D=128, ROT=128, NQ=32, NKV=4, S=16, BN1=32, KS1=4, BK=512,
+              NS=32, SPLIT_MIN=128, BL=64, BN3=32, KS3=4, HAS_RES=True, QK_NORM=True,
+              SPLITS_PAD=32, CHUNK=4, PHASE=0, MODE=3, PREC="tf32", PDL=3)
+types = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+types.update(pos_ptr="*i64", slot_ptr="*i64", kv_len_ptr="*i32", page_table_ptr="*i32",
+             count_ptr="*i32", qkv_part_ptr="*fp32", att_acc_ptr="*fp32", att_ml_ptr="*fp32",
+             o_part_ptr="*fp32", eps="fp32", qk_eps="fp32", inv_h="fp32", inv_d="fp32",
+             scale="fp32")
+sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+ptx = compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+              options=dict(num_warps=4)).asm["ptx"]
+print(json.dumps(ptx))
+"""
+
+
+def test_sm90_code_waits_first_and_spills_nothing():
+    """The persistent launch compiled for the H200 at the 30B shape (the interpreter runs
+    neither its waits nor a compiled kernel's rules, such as reading only constexpr globals):
+    no local memory, PDL's wait before any global load, and acquire-release counters at GPU
+    scope."""
+    ptx = compiled_json(_COMPILE)
+    assert ".local" not in ptx, "registers spilled"
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    assert re.search(r"atom\.[.\w]*acq_rel", ptx), "the combine's acquire-release counter"
+    assert re.search(r"atom\.[.\w]*gpu", ptx), "the counters at GPU scope"
