@@ -43,6 +43,8 @@
                       path's three, graph-replayed at the 30B shape, beside HBM (CUDA)
     attention-half    a probe: a token's attention half of a layer as one persistent grid
                       against the engine's five launches, at the 30B shape (CUDA)
+    routing-prediction  how well the next layer's router on this layer's state predicts the
+                      next layer's experts (and its misses) in a random model (any CPU)
 
 `freetoken bench NAME --help` lists that benchmark's options.
 """
@@ -77,6 +79,7 @@ BENCHES = {
     "plan-kernel": "freetoken_agent.bench.plan_kernel",
     "expert-mlp": "freetoken_agent.bench.expert_mlp",
     "attention-half": "freetoken_agent.bench.attention_half",
+    "routing-prediction": "freetoken_agent.bench.routing_prediction",
     "share-rule": "freetoken_agent.bench.share_rule",
 }
 
