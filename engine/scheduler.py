@@ -193,11 +193,16 @@ class Scheduler(AheadScheduling):
         while not self._grow(req, req.num_computed + n):
             victims = [r for r in self.running if r is not req and id(r) not in scheduled]
             victim = victims[-1] if victims else req
-            if not victims and req.num_computed <= req.preempted_at:
-                req.fruitless_preemptions += 1  # alone, and nothing computed since the last
+            # No victim is not "alone": the others may all be scheduled in this step ahead of
+            # it. Then it waits for them to finish and free their pages, which they will, so
+            # only a request truly alone counts toward failing (counting the other case failed
+            # requests that fit the engine on their own while two others decoded).
+            alone = len(self.running) == 1
+            if alone and req.num_computed <= req.preempted_at:
+                req.fruitless_preemptions += 1  # and nothing computed since the last
             self._preempt(victim)
-            if victim is req:  # alone: no other victim
-                if req.fruitless_preemptions >= MAX_FRUITLESS_PREEMPTIONS:
+            if victim is req:  # no other victim
+                if alone and req.fruitless_preemptions >= MAX_FRUITLESS_PREEMPTIONS:
                     self.waiting.remove(req)  # not readmitted: the engine fails it
                     self.unservable.append((req, (
                         f"the request cannot progress: alone in the engine, it was preempted "

@@ -169,6 +169,46 @@ def test_preemptions_by_others_do_not_count_toward_failing():
     assert sched.take_unservable() == [] and req.fruitless_preemptions == 1
 
 
+def test_a_request_preempted_beside_scheduled_others_waits_for_them(rng_seed):
+    """Six pages (20 tokens, the engine's max_model_len), four requests. Each newcomer is
+    admitted while another decodes with the last free page, computes its first 3 tokens, and
+    finds no victim but itself (the decoding one was scheduled first): it preempts itself at
+    token 3, step after step, with nothing computed in between. It is not alone, so it waits
+    for the other to finish and then runs; counted as alone, it was failed after four such
+    steps though it fits the engine."""
+    rng = random.Random(rng_seed)
+    alloc = PageAllocator(6)
+    sched = Scheduler(alloc, RadixCache(PAGE, alloc), PAGE, max_num_seqs=3, max_batched_tokens=4)
+    shapes = [(1, 20), (13, 3), (12, 19), (14, 15)]  # (prompt tokens, max_tokens)
+    max_model_len = 20
+    # Disjoint token ranges: no prefix shared between requests changes the pages they take.
+    reqs = [Request(f"r{i}", [rng.randrange(100 * i + 3, 100 * i + 100) for _ in range(n)],
+                    SamplingParams(max_tokens=most, temperature=0))
+            for i, (n, most) in enumerate(shapes)]  # fmt: skip
+    for r in reqs:
+        sched.add(r)
+    alone_failures = []
+    for _ in range(400):
+        if not sched.has_work():
+            break
+        batch = sched.schedule()
+        failed = sched.take_unservable()
+        alone_failures += [(r.id, [o.id for o in sched.running]) for r, _ in failed]
+        for c in batch.chunks:
+            sched.advance(c)
+            if c.sample:
+                c.request.output_ids.append(rng.randrange(3, 100))
+                if c.request.at_length(max_model_len):
+                    sched.finish(c.request, "length")
+        sched.check_integrity()
+    assert alone_failures == []
+    assert not sched.has_work() and all(r.status is Status.FINISHED for r in reqs)
+    for r, (n, most) in zip(reqs, shapes, strict=True):
+        assert len(r.output_ids) == min(most, max_model_len - n)
+    assert max(r.fruitless_preemptions for r in reqs) == 0
+    assert sched.preemptions >= 4  # the newcomers did preempt themselves beside the others
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 def test_random_budget_walk_always_ends_and_matches_resident(tmp_path, rng_seed, family):
     """Several requests of random lengths (anchored, as agent turns are) while the budget
