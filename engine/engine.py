@@ -286,8 +286,20 @@ class Engine:
                     self._finish(req, "scored")
                 continue
             if chunk.sample:
-                events.append(self._accept(req, out.sampled[req.id]))
+                events.append(self.accept(req, out.sampled[req.id]))
         return events
+
+    def accept(self, req: Request, token: int) -> TokenEvent:
+        """`_accept`, guarded: an error in one request's bookkeeping fails that request only.
+        (Raised out of `step`, it failed every request of an overlapped pair, or, in the plain
+        loop, left the engine raising at every step with the request never finished.)"""
+        try:
+            return self._accept(req, token)
+        except Exception as e:  # noqa: BLE001 - one request must not take the engine down
+            if req.status is Status.FINISHED:
+                raise  # it failed while finishing: not something to finish twice
+            log.exception("accepting a token of request %s failed; failing it", req.id)
+            return self._fail_request(req, f"{type(e).__name__}: {e}")
 
     def _accept(self, req: Request, token: int) -> TokenEvent:
         problem = self.grammars.problem(req.id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from freetoken_agent.engine.outputs import GenerationOutput, InvalidRequestError, TokenEvent
@@ -26,6 +27,23 @@ if TYPE_CHECKING:
 # T tokens
 
 
+def _one_prompt(prompts) -> bool:
+    """Whether `generate` was given one prompt: a string, a flat list of ints (or an empty
+    list, refused as an empty prompt), or a tensor or array of at most one dimension. (A 1-D
+    tensor's items are 0-d tensors: taken for a list of prompts, it ran each id as a prompt
+    of its own.)"""
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        return prompts.ndim <= 1
+    if not len(prompts):
+        return True
+    first = prompts[0]
+    if isinstance(first, (torch.Tensor, np.ndarray)):
+        return first.ndim == 0
+    return not isinstance(first, (str, list, tuple))
+
+
 def generate(
     engine: Engine,
     prompts: Prompt | Sequence[Prompt],
@@ -34,10 +52,7 @@ def generate(
 ) -> GenerationOutput | list[GenerationOutput]:
     """Submit every prompt, step until all are finished, collect their outputs in order; a
     refused prompt aborts the ones already submitted (nothing is left queued)."""
-    # A list of ints (or an empty list, refused as an empty prompt) is one prompt.
-    single = isinstance(prompts, str) or not (
-        len(prompts) and isinstance(prompts[0], (str, list, tuple, torch.Tensor))
-    )
+    single = _one_prompt(prompts)
     batch = [prompts] if single else list(prompts)
     if sampling is None or isinstance(sampling, SamplingParams):
         params = [sampling or SamplingParams()] * len(batch)

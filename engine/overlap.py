@@ -232,7 +232,7 @@ class Overlap:
         for c, tok in zip(prev.batch.chunks, tokens, strict=True):
             if c.request.status is Status.RUNNING:
                 e.scheduler.settle_ahead(c.request, tok)  # before the accept may checkpoint
-                events.append(e._accept(c.request, tok))
+                events.append(e.accept(c.request, tok))
         hook = e.runner.on_decode_step
         if hook is not None and live:
             # Lagged steps follow each other without a gap: the time between two completions

@@ -4,6 +4,7 @@ disturb other requests."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +15,25 @@ from freetoken_agent.engine.request import Recurrence
 Prompt = str | Sequence[int]
 
 
+def _integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def token_ids(values, what: str) -> list[int]:
+    """`values` as a list of ints, each an integer already: a float or a bool (which int() would
+    turn into 5 or 1) is refused, naming it, rather than silently truncated."""
+    try:
+        items = list(values)
+    except TypeError as e:
+        raise InvalidRequestError(f"{what}: {e}") from e
+    for i, v in enumerate(items):
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and _integer_dtype(v.dtype):
+            items[i] = v = v.item()  # one id as a 0-d tensor (a 1-D tensor's items)
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+            raise InvalidRequestError(f"{what}: item {i} is {v!r:.40} ({type(v).__name__})")
+    return [int(v) for v in items]
+
+
 def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
     """Token ids of `prompt` (a string, a list of ids or a tensor of ids)."""
     if isinstance(prompt, str):
@@ -21,12 +41,15 @@ def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, max_model_len: int
             raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, torch.Tensor):
-        ids = [int(t) for t in prompt.reshape(-1).tolist()]
+        if not _integer_dtype(prompt.dtype):
+            raise InvalidRequestError(f"token ids are integers: got a {prompt.dtype} tensor")
+        if prompt.dim() > 1:  # flattening [B, T] would run B prompts as one
+            raise InvalidRequestError(
+                f"a prompt tensor holds one prompt's ids (1-D), got shape {tuple(prompt.shape)}"
+            )
+        ids = prompt.tolist() if prompt.dim() else [prompt.item()]
     else:
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError) as e:
-            raise InvalidRequestError(f"a prompt is a string or a list of token ids: {e}") from e
+        ids = token_ids(prompt, "a prompt is a string or a list of token ids")
     if not ids:
         raise InvalidRequestError("the prompt is empty: give at least one token")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -49,10 +72,7 @@ def snapshot_plan(
 ) -> list[int]:
     """The prompt boundaries where a hybrid model's prefill checkpoints its recurrent state
     (the anchors, as the checkpoint mode places them); none for attention-only models."""
-    try:
-        marks = [int(a) for a in anchors]
-    except (TypeError, ValueError) as e:
-        raise InvalidRequestError(f"anchors are token offsets (ints): {e}") from e
+    marks = token_ids(anchors, "anchors are token offsets (ints)")
     bad = [a for a in marks if not 0 <= a <= len(ids)]
     if bad:
         raise InvalidRequestError(

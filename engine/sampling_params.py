@@ -10,6 +10,8 @@ engine takes the request.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,17 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multip
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it decode greedily
+SEED_MIN, SEED_END = -(2**63), 2**64  # what torch.Generator.manual_seed accepts
+
+
+def _is_int(value: Any) -> bool:
+    """An integer that is not a bool (numpy's integers count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """A real number that is not a bool (NaN passes here; the range checks refuse it)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(slots=True)
@@ -43,19 +56,42 @@ class SamplingParams:
     response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        # One stop string or one stop id may be given bare, as OpenAI's `stop` may.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if _is_int(self.stop_token_ids):
+            self.stop_token_ids = [self.stop_token_ids]
         problems = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        # bool is an int to Python: max_tokens=True must not mean 1.
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             problems.append(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
             problems.append(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            problems.append("stop strings must be non-empty strings")
+        # The range torch.Generator.manual_seed takes: anything else failed inside the step,
+        # and with it every request batched beside this one.
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed < SEED_END):
+            problems.append(
+                f"seed must be an integer in [{SEED_MIN}, {SEED_END}) or None, got {self.seed!r}"
+            )
+        if not isinstance(self.stop, (list, tuple)) or any(
+            not isinstance(s, str) or not s for s in self.stop
+        ):
+            problems.append(
+                f"stop must be a string or a list of non-empty strings, got {self.stop!r:.80}"
+            )
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+            not _is_int(t) or t < 0 for t in self.stop_token_ids
+        ):
+            problems.append(
+                f"stop_token_ids must be a list of token ids (integers >= 0), "
+                f"got {self.stop_token_ids!r:.80}"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            problems.append(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         problems += self._structured_output_problems()
         if problems:
             raise ValueError("; ".join(problems))

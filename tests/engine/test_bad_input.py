@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -117,3 +118,98 @@ def test_bad_policy_and_slot_count_are_explained(model_dir):
         Engine.load(model_dir, device="cpu", policy="fastest", progress=False)
     with pytest.raises(ValueError, match="at least one slot"):
         Engine.load(model_dir, device="cpu", policy="transfer", expert_slots=0, progress=False)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("seed", 2**64),  # past what torch's generator takes: it failed inside the step
+        ("seed", 1.5),
+        ("seed", "7"),
+        ("seed", True),
+        ("stop_token_ids", "x"),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", ["x"]),
+        ("stop_token_ids", [True]),
+        ("max_tokens", True),  # bool is an int to Python: it meant 1
+        ("top_k", True),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+        ("temperature", "0.5"),
+        ("top_p", "0.9"),
+        ("ignore_eos", "yes"),
+        ("stop", 5),
+    ],
+)
+def test_bad_sampling_values_are_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_bare_stop_values_and_wide_seeds_are_taken(rng_seed):
+    rng = random.Random(rng_seed)
+    token = rng.randrange(3, 320)
+    assert SamplingParams(stop_token_ids=token).stop_token_ids == [token]
+    assert SamplingParams(stop_token_ids=np.int64(token)).stop_token_ids == [token]
+    for seed in (-(2**63), -1, 2**64 - 1, np.int32(rng.randrange(2**31))):
+        assert SamplingParams(seed=seed).seed == seed
+    assert SamplingParams(top_k=np.int64(3), temperature=np.float32(0.5)).top_k == 3
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[5.9, 6.7, 7.2], [True, 7], [5, None], torch.tensor([5.0, 6.0]), 7, torch.ones(2, 3).long()],
+)
+def test_token_ids_that_are_not_integers_are_refused(engine, prompt):
+    """int() would have turned 5.9 into 5 and True into 1: a silent change of the prompt."""
+    with pytest.raises(InvalidRequestError, match="integers|token ids|one prompt"):
+        engine.submit(prompt)
+    assert not engine.has_unfinished()
+
+
+def test_integer_token_ids_of_any_kind_are_the_same_prompt(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    ids = [rng.randrange(3, 320) for _ in range(12)]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want = engine.generate(ids, sp).token_ids
+    forms = (np.array(ids), torch.tensor(ids, dtype=torch.int32), [np.int64(t) for t in ids],
+             [torch.tensor(t) for t in ids])  # fmt: skip
+    for form in forms:  # each one prompt (a 1-D tensor was taken for a list of 1-id prompts)
+        assert engine.generate(form, sp).token_ids == want
+    with pytest.raises(InvalidRequestError, match="anchors"):
+        engine.submit(ids, anchors=[2.5])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_failing_at_its_token_fails_alone(model_dir, rng_seed, overlap):
+    """An error while one request takes its token (here its text state breaking) fails that
+    request only: the one beside it gets its tokens alone, and the engine serves on. It used
+    to raise out of `step`: in the plain loop at every step, the request never ending; under
+    overlap it failed the healthy request too."""
+    engine = Engine.load(model_dir, device="cpu", progress=False, kv_tokens=2048,
+                         max_model_len=256, overlap_schedule=overlap)  # fmt: skip
+    rng = random.Random(rng_seed)
+    good_prompt, bad_prompt = ([rng.randrange(3, 320) for _ in range(20)] for _ in range(2))
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    alone = engine.generate(good_prompt, sp).token_ids
+    good, bad = engine.submit(good_prompt, sp), engine.submit(bad_prompt, sp)
+    breaks_at = rng.randrange(1, 4)
+    state = engine._outputs[bad]
+    push = state.push
+
+    def broken_push(token):
+        if len(engine._requests[bad].output_ids) > breaks_at:
+            raise RuntimeError("the text state broke")
+        return push(token)
+
+    state.push = broken_push
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+    failed = engine._collect(bad)
+    assert failed.finish_reason == "error" and "the text state broke" in failed.error
+    assert engine._collect(good).token_ids == alone
+    assert engine.generate(good_prompt, sp).token_ids == alone
+    engine.check_integrity()
