@@ -38,7 +38,7 @@ from freetoken_agent.engine.outputs import (
     TokenEvent,
 )
 from freetoken_agent.engine.overlap import Overlap
-from freetoken_agent.engine.prompt_input import Prompt, encode_prompt, snapshot_plan
+from freetoken_agent.engine.prompt_input import Prompt, encode_prompt, snapshot_plan, token_ids
 from freetoken_agent.engine.request import Batch, Request, Status
 from freetoken_agent.engine.runner import ModelRunner, StepOutput
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -166,9 +166,9 @@ class Engine:
         req.score_only = _score
         if self.scheduler.recurrence is not None and req.use_prefix_cache:
             req.snapshot_plan = plan
-            req.anchor_tokens = frozenset(int(t) for t in anchor_tokens)
+            req.anchor_tokens = frozenset(token_ids(anchor_tokens, "anchor_tokens are token ids"))
         self._requests[request_id] = req
-        self._outputs[request_id] = OutputState(self.tokenizer, sampling.stop)
+        self._outputs[request_id] = OutputState(self.tokenizer, sampling.stop, context=ids)
         self._events[request_id] = deque()
         if _score:
             self._scores[request_id] = []

@@ -7,13 +7,22 @@ since they could be the start of a stop string that the next token completes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
 from freetoken_agent.engine.text.tokenizer import Tokenizer
 
 
 class OutputState:
-    def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+    def __init__(
+        self, tokenizer: Tokenizer | None, stop: list[str], context: Sequence[int] = ()
+    ) -> None:
+        """`context`: the prompt's ids, so that the first generated token decodes as it does
+        after them (SentencePiece decoders drop a word's leading space at the start of a
+        decode: without it "is" + " Paris" streamed as "isParis")."""
+        self.detok = (
+            IncrementalDetokenizer(tokenizer, context=context) if tokenizer is not None else None
+        )
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # all decoded text so far (truncated at a stop string once found)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import random
 
+import tokenizers
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.output_state import OutputState
 
 
@@ -55,3 +59,51 @@ def test_a_stop_string_completed_by_the_flushed_tail_cuts_too(rng_seed):
     assert stopped and out == whole[: whole.find(stop)]
     out, stopped = _run(data, ["\u2603"])  # a stop that never appears: all of it, no stop
     assert not stopped and out == whole
+
+
+def _word_tokenizer(folder=None):
+    """Words `w3`..`w319` as single tokens behind a Metaspace pre-tokenizer and decoder, the
+    SentencePiece style Llama, Mistral and Mixtral ship: a decode drops the leading space of
+    its first word. Saved as `folder`/tokenizer.json when given."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"\u2581w{i}": i for i in range(3, 320)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = tokenizers.decoders.Metaspace(prepend_scheme="first")
+    if folder is not None:
+        tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+class _Words:
+    special_token_ids: frozenset[int] = frozenset({1, 2})
+
+    def __init__(self):
+        self.backend = _word_tokenizer()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_the_first_token_decodes_as_it_does_after_the_prompt(rng_seed):
+    """With the prompt as context, prompt text + streamed text = the whole sequence decoded;
+    without it the first word lost its space ("w10 w11w306 ...")."""
+    rng = random.Random(rng_seed)
+    tok = _Words()
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(1, 30))]
+    out = [rng.randrange(3, 320) for _ in range(rng.randint(1, 20))]
+    state = OutputState(tok, [], context=prompt)
+    text = "".join(state.push(t) for t in out) + state.release(final=True)
+    assert tok.decode(prompt) + text == tok.decode(prompt + out)
+    assert text.startswith(" ")
+
+
+def test_the_engine_streams_the_first_word_with_its_space(tmp_path, rng_seed):
+    make_tiny("mixtral", tmp_path, rng_seed)
+    _word_tokenizer(tmp_path)
+    engine = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=1024)
+    rng = random.Random(rng_seed)
+    prompt = " ".join(f"w{rng.randrange(3, 320)}" for _ in range(rng.randint(2, 12)))
+    ids = engine.tokenizer.encode(prompt)
+    out = engine.generate(ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    whole = engine.tokenizer.decode(ids + out.token_ids)
+    assert out.text == whole[len(engine.tokenizer.decode(ids)) :] and out.text.startswith(" ")
