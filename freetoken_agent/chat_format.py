@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -211,8 +210,8 @@ class ChatFormat:
         # Cache entries are valid for one template, tool list and set of variables. (A template
         # printing strftime_now() changes text without changing these; the stability check below
         # compares digests of real text, so it only costs cache misses there.)
-        salt = json.dumps([template.source, tools, variables], default=str, sort_keys=True)
-        salt = salt.encode("utf-8", "surrogatepass")
+        # Variables are keywords, whose order the template cannot see: sorted by name.
+        salt = _key_bytes([template.source, tools, sorted(variables.items())])
         locator = _Locator(render, dicts, full, add_generation_prompt, self._cache, salt)
         marks, gen_text = locator.locate()
         encoding = self.tokenizer.backend.encode(full, add_special_tokens=False)
@@ -240,6 +239,14 @@ def _digest(data: bytes | memoryview) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
+def _key_bytes(data: Any) -> bytes:
+    """Cache-key bytes of JSON-like template input: its repr, the same for the same input in
+    this process. Not json.dumps(sort_keys=True), which raised TypeError on dicts mixing int and
+    str keys (nested tool arguments, tool schemas), which templates render. repr also keeps what
+    the template sees and sort_keys lost: key order (`tojson` does not sort) and key types."""
+    return repr(data).encode("utf-8", "surrogatepass")
+
+
 _MISSING = object()
 
 
@@ -264,8 +271,7 @@ class _Locator:
         self.cache = cache
         self.keys = [_digest(salt)]  # keys[i] identifies dicts[:i] (with template and tools)
         for d in dicts:
-            blob = json.dumps(d, sort_keys=True, ensure_ascii=False, default=str)
-            self.keys.append(_digest(self.keys[-1] + blob.encode("utf-8", "surrogatepass")))
+            self.keys.append(_digest(self.keys[-1] + _key_bytes(d)))
         self._texts: dict[int, str | None] = {}
 
     def render(self, dicts: list[dict], gen: bool) -> str | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -97,12 +97,23 @@ def as_result(call: ToolCall, value: Any) -> ToolResult:
         if value.tool_call_id != call.id:
             raise TypeError(f"tool {call.name} returned a ToolResult for another call")
         return value
-    if not isinstance(value, (str, list)):
+    if not isinstance(value, str) and not _content_parts(value):
         try:
             value = json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError):
             value = str(value)
     return ToolResult(call.id, value, name=call.name)
+
+
+def _content_parts(value: Any) -> bool:
+    # Only a list of parts is content: a plain list ([2, 3, 5], ["a", "b"]) is data, whose JSON
+    # the model reads (it was passed on as content and refused as malformed parts). An empty
+    # list is data too: "[]" tells the model more than an empty result.
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(p, Mapping) and isinstance(p.get("type"), str) for p in value)
+    )
 
 
 def _failed(call: ToolCall, error: Exception) -> ToolResult:

@@ -26,12 +26,36 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.parsers.json_scan import LONE_SURROGATE, loads_strict
 
 Content = str | list[dict[str, Any]]
 
 
+def _check_text(text: str, where: str, what: str) -> None:
+    # A Python str may hold a lone UTF-16 surrogate (JSON's "\ud83d" decodes to one). It is no
+    # Unicode text: the tokenizer fails on it with an unrelated TypeError, so refuse it here.
+    if (m := LONE_SURROGATE.search(text)) is not None:
+        raise InvalidRequestError(
+            f"{where}: {what} holds a lone UTF-16 surrogate {m.group()!r} at character {m.start()}"
+        )
+
+
+def _check_json_texts(value: Any, where: str, what: str) -> None:
+    """_check_text on every string (keys too) of JSON-like data; iterative, as arguments built
+    in code may nest deeper than the recursion limit, and each container visited once (cycles)."""
+    stack, seen = [value], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            _check_text(item, where, what)
+        elif isinstance(item, Mapping | list | tuple) and id(item) not in seen:
+            seen.add(id(item))
+            stack += [*item, *item.values()] if isinstance(item, Mapping) else item
+
+
 def _check_content(content: Any, where: str) -> None:
     if isinstance(content, str):
+        _check_text(content, where, "content")
         return
     if not isinstance(content, list):
         raise InvalidRequestError(
@@ -43,14 +67,21 @@ def _check_content(content: Any, where: str) -> None:
             raise InvalidRequestError(
                 f"{where}: content part {j} must be a dict with a 'type' key, got {part!r:.80}"
             )
-        if part["type"] == "text" and not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"{where}: text content part {j} has no string 'text'")
+        if part["type"] == "text":
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"{where}: text content part {j} has no string 'text'")
+            _check_text(part["text"], where, f"text content part {j}")
 
 
 def content_text(content: Content, where: str = "message") -> str:
     """A content value as one string: text parts joined with newlines (as vLLM does for
     templates that expect strings). The engine is text-only: other part types are refused
-    rather than silently dropped."""
+    rather than silently dropped.
+
+    The same for assistant turns (messages_from_openai once joined theirs with "", so a history
+    rendered differently as records and after an OpenAI round trip): OpenAI names no joiner,
+    vLLM's server uses "\\n" for every role, and a client re-sending our history should get the
+    prompt vLLM would render; "" could also glue two parts' words together."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list | tuple):
@@ -103,6 +134,11 @@ class ToolCall:
             raise InvalidRequestError(
                 f"{where} {self.id!r} ({self.name}): argument names must be strings, got {bad[0]!r}"
             )
+        _check_text(self.id, where, "id")
+        _check_text(self.name, where, "name")
+        _check_json_texts(
+            self.arguments, f"{where} {self.id!r} ({self.name})", "an argument string"
+        )
 
 
 @dataclass(slots=True)
@@ -152,6 +188,8 @@ class AssistantMessage:
             raise InvalidRequestError(
                 f"{where}: reasoning must be a string or None, got {type(self.reasoning).__name__}"
             )
+        if self.reasoning is not None:
+            _check_text(self.reasoning, where, "reasoning")
         if not isinstance(self.tool_calls, list):
             raise InvalidRequestError(f"{where}: tool_calls must be a list of ToolCall")
         ids = set()
@@ -185,11 +223,16 @@ class ToolResult:
             raise InvalidRequestError(
                 f"{where}: tool_call_id must be a non-empty string, got {self.tool_call_id!r}"
             )
+        _check_text(self.tool_call_id, where, "tool_call_id")
         _check_content(self.content, where)
         if not isinstance(self.is_error, bool):
-            raise InvalidRequestError(f"{where}: is_error must be a bool")
+            raise InvalidRequestError(
+                f"{where}: is_error must be a bool, got {self.is_error!r:.40}"
+            )
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidRequestError(f"{where}: name must be a string or None")
+        if self.name is not None:
+            _check_text(self.name, where, "name")
 
 
 Message = SystemMessage | UserMessage | AssistantMessage | ToolResult
@@ -290,9 +333,11 @@ def _calls_from_openai(raw: Any, where: str) -> list[ToolCall]:
         if args is None or args == "":
             args = {}
         elif isinstance(args, str):
+            # Strict, as for the model's own calls: json.loads would take NaN, lone surrogates,
+            # and raise RecursionError on deep nesting (a client's bug must not crash us).
             try:
-                args = json.loads(args)
-            except json.JSONDecodeError as e:
+                args = loads_strict(args)
+            except ValueError as e:
                 raise InvalidRequestError(
                     f"{w} ({fn.get('name')}): arguments are not JSON: {e}"
                 ) from e
@@ -340,14 +385,17 @@ def _record_from_openai(item: Any, i: int) -> Message:
         reasoning = next((item[k] for k in _REASONING_KEYS if item.get(k) is not None), None)
         calls = _calls_from_openai(item.get("tool_calls"), where)
         if isinstance(content, list):
-            # Assistant text parts are one reply split up: join them without separators.
-            content = "".join(content_text([p], where) for p in content)
+            content_text(content, where)  # text parts only: refused here, naming the message
+        # Parts are kept, as for every role: content_text joins them for the template, so the
+        # record and its OpenAI form render the same prompt.
         return AssistantMessage(content or "", reasoning, calls)
     if role == "tool":
+        is_error = item.get("is_error")
         return ToolResult(
             tool_call_id=item.get("tool_call_id"),
             content=content if content is not None else "",
-            is_error=bool(item.get("is_error", False)),
+            # A real bool only (the record checks): bool("false") was True. null means absent.
+            is_error=False if is_error is None else is_error,
             name=item.get("name"),
         )
     raise InvalidRequestError(

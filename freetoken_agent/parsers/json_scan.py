@@ -19,6 +19,8 @@ _STRING_STOP = re.compile(r'["\\\x00-\x1f]')
 _ESCAPES = '"\\/bfnrtu'  # what may follow a backslash in a JSON string
 _SPACE = " \t\n\r"
 MAX_DEPTH = 100  # deeper than any tool's arguments, far within Python's recursion limit
+# Any surrogate code point left in a decoded str is unpaired: json.loads joins escaped pairs.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def loads_strict(text: str) -> Any:
@@ -29,7 +31,10 @@ def loads_strict(text: str) -> Any:
     to the arguments". Nesting is capped at MAX_DEPTH: past Python's recursion limit the decoder
     raises RecursionError, which a parser must never let out (a model can loop on `[`), and
     where that limit falls depends on the caller's stack, so without a cap the same text was a
-    call in one place and not in another. (Found by tests/.../parsers/test_fuzz.py.)
+    call in one place and not in another. (Found by tests/.../parsers/test_fuzz.py.) Strings
+    (keys too) holding a lone UTF-16 surrogate are refused: JSON's escapes can write one
+    ("\\ud83d"), but it is no Unicode text, so it cannot be encoded as UTF-8 and the tokenizer
+    fails on the history holding it.
     """
     try:
         value = json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
@@ -38,10 +43,13 @@ def loads_strict(text: str) -> Any:
     stack = [(value, 1)]  # depth-first, without recursion
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
+        if isinstance(item, str):
+            if (m := LONE_SURROGATE.search(item)) is not None:
+                raise ValueError(f"JSON string holds a lone surrogate {m.group()!r}")
+        elif isinstance(item, (dict, list)):
             if depth > MAX_DEPTH:
                 raise ValueError(f"JSON nested deeper than {MAX_DEPTH}")
-            children = item.values() if isinstance(item, dict) else item
+            children = [*item, *item.values()] if isinstance(item, dict) else item
             stack += [(child, depth + 1) for child in children]
     return value
 

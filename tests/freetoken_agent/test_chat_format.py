@@ -414,3 +414,37 @@ def test_cache_gives_the_same_anchors_as_a_cold_render(tok: Tokenizer, rng_seed:
             more = [m for m in rand_history(rng) if not isinstance(m, SystemMessage)]
             # Fresh call ids: the new turns' ids must not repeat the pending ones.
             history = history + more
+
+
+def rand_mixed_keys(rng: random.Random, depth: int = 0) -> dict:
+    """A nested dict whose keys mix ints and strings (json.dumps cannot sort them)."""
+    out: dict = {}
+    for _ in range(rng.randint(2, 4)):
+        key = rng.choice([rng.randint(-99, 99), f"k{rng.randrange(100)}"])
+        out[key] = rand_mixed_keys(rng, depth + 1) if depth < 2 and rng.random() < 0.4 else 1
+    out[rng.randint(-99, 99)], out[f"s{rng.randrange(100)}"] = rand_text(rng, 1), 2  # both kinds
+    return out
+
+
+def test_mixed_key_types_render_and_keep_the_cache(tok: Tokenizer, rng_seed: int) -> None:
+    """Regression: nested tool-call arguments and tool schemas mixing int and str keys render
+    fine in the template, but the cache keys' json.dumps(sort_keys=True) raised TypeError."""
+    rng = random.Random(rng_seed)
+    for source in (None, QWEN3_THINKING):
+        history = rand_history(rng, end_with_user=False)
+        history.insert(-1, AssistantMessage("", None, [ToolCall("mixed", "f", {})]))
+        history.insert(-1, ToolResult("mixed", rand_text(rng)))
+        history[-3].tool_calls[0].arguments["nested"] = rand_mixed_keys(rng)
+        history.append(UserMessage(rand_text(rng)))
+        tools = [*TOOLS, {"name": "f", "parameters": rand_mixed_keys(rng)}]
+        warm = ChatFormat(tok, chat_template=source)
+        got = warm.render(history, tools=tools)
+        template = warm.template(normalize_tools(tools))
+        dicts = to_template_messages(history)
+        assert got.text == template.render(dicts, tools=normalize_tools(tools))
+        cold = ChatFormat(tok, chat_template=source).render(history, tools=tools)
+        assert got.anchors == cold.anchors and got.token_ids == cold.token_ids
+        # Keys are stable: the same history again finds everything in the cache.
+        entries = dict(warm._cache)
+        assert warm.render(history, tools=tools).anchors == got.anchors
+        assert warm._cache == entries

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.hooks import ToolHooks, run_tool
 from freetoken_agent.messages import AssistantMessage, ToolCall, ToolResult, UserMessage
 from freetoken_agent.session import Session
 
@@ -146,3 +148,25 @@ def test_anchor_for_an_edited_result(session: Session, rng_seed: int) -> None:
         assert prompt.text[anchor.char_offset :].startswith(long_text[call.id][:limit] + "\n")
         assert session.tool_runs[call.id].result_edited
     assert session.anchor_for("unknown") is None
+
+
+def test_plain_lists_become_json(rng_seed: int) -> None:
+    """Regression: a tool's plain list result ([2, 3, 5], ["a", "b"]) was passed on as content
+    parts and so reported to the model as a failed call; only content-part lists pass as they
+    are ("anything else as JSON")."""
+    rng = random.Random(rng_seed)
+    call = ToolCall("c1", "items", {})
+    for _ in range(20):
+        value = rng.choice(
+            [
+                [rng.randint(-99, 99) for _ in range(rng.randint(1, 5))],
+                [f"s{rng.randrange(10**6)}" for _ in range(rng.randint(1, 5))],
+                [rand_args(rng) for _ in range(rng.randint(1, 3))],  # dicts without "type"
+                [{"type": "text", "text": "x"}, rng.randint(0, 9)],  # not all parts
+                [],
+            ]
+        )
+        run = run_tool(call, lambda v=value: v, ToolHooks(), None)
+        assert not run.result.is_error and run.result.content == json.dumps(value)
+    parts = [{"type": "text", "text": f"t{rng.randrange(10**6)}"} for _ in range(rng.randint(1, 3))]
+    assert run_tool(call, lambda: parts, ToolHooks(), None).result.content == parts

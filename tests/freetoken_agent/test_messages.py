@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -123,11 +124,12 @@ def test_text_parts_are_joined_for_templates() -> None:
     assert to_openai_messages([UserMessage(parts)])[0]["content"] == parts
     with pytest.raises(InvalidRequestError, match="part 1 has type 'image_url'.*text only"):
         content_text([parts[0], {"type": "image_url", "image_url": {"url": "x"}}])
-    # Assistant text parts are one reply split up.
+    # Assistant parts too: kept by messages_from_openai, joined with "\n" for templates.
     assistant = messages_from_openai(
         [{"role": "user", "content": "q"}, {"role": "assistant", "content": parts}]
     )[1]
-    assert assistant.content == "onetwo"
+    assert assistant.content == parts
+    assert to_template_messages([assistant])[0]["content"] == "one\ntwo"
 
 
 @pytest.mark.parametrize(
@@ -234,3 +236,95 @@ def test_malformed_content_parts_are_clear_errors(content):
 
     with pytest.raises(InvalidRequestError, match="content"):
         content_text(content, "messages[0]")
+
+
+def test_text_parts_render_the_same_after_an_openai_round_trip(rng_seed: int) -> None:
+    """Regression: assistant text parts were joined with "\\n" for templates as records but with
+    "" by messages_from_openai, so a history and its OpenAI form rendered different prompts."""
+    rng = random.Random(rng_seed)
+    history = rand_history(rng)
+    for i, msg in enumerate(history):
+        if isinstance(msg, AssistantMessage) or rng.random() < 0.5:
+            parts = [{"type": "text", "text": rand_text(rng)} for _ in range(rng.randint(2, 4))]
+            history[i] = dataclasses.replace(msg, content=parts)
+    back = messages_from_openai(json.loads(json.dumps(to_openai_messages(history))))
+    assert to_template_messages(back) == to_template_messages(history)
+
+
+def _rand_lone_surrogate(rng: random.Random) -> str:
+    text = rand_text(rng)
+    cut = rng.randint(0, len(text))
+    return text[:cut] + chr(rng.randint(0xD800, 0xDFFF)) + text[cut:]
+
+
+def test_lone_surrogates_are_refused_naming_the_message(rng_seed: int) -> None:
+    """Regression: a lone UTF-16 surrogate (JSON's "\\ud83d" decodes to one) passed the checks,
+    then rendering failed inside the tokenizer with an unrelated TypeError."""
+    rng = random.Random(rng_seed)
+    for _ in range(10):
+        history = rand_history(rng)
+        wire = json.loads(json.dumps(to_openai_messages(history)))
+        i = rng.randrange(len(wire))
+        msg, bad = wire[i], _rand_lone_surrogate(rng)
+        places = ["content"]
+        if msg["role"] != "tool":
+            msg["content"] = [{"type": "text", "text": msg["content"]}]
+            places.append("part")
+        if msg.get("reasoning_content"):
+            places.append("reasoning")
+        if msg.get("tool_calls"):
+            places += ["arguments", "argument name"]
+        place = rng.choice(places)
+        if place == "content":
+            msg["content"] = bad
+        elif place == "part":
+            msg["content"].insert(rng.randint(0, 1), {"type": "text", "text": bad})
+        elif place == "reasoning":
+            msg["reasoning_content"] = bad
+        else:
+            fn = rng.choice(msg["tool_calls"])["function"]
+            args = {"k": {bad: 1}} if place == "argument name" else {"k": [bad]}
+            # As a JSON string (the wire form: its escape decodes to the surrogate) or a dict.
+            fn["arguments"] = json.dumps(args) if rng.random() < 0.5 else args
+        with pytest.raises(InvalidRequestError, match=rf"^message {i} \({msg['role']}\): "):
+            messages_from_openai(wire)
+    with pytest.raises(InvalidRequestError, match="user message: content holds a lone UTF-16"):
+        UserMessage(_rand_lone_surrogate(rng))
+    # A surrogate pair written as two escapes is one character: fine.
+    assert messages_from_openai([{"role": "user", "content": json.loads('"\\ud83d\\ude00"')}])
+
+
+def test_deep_or_non_json_arguments_are_invalid_requests(rng_seed: int) -> None:
+    """Regression: deeply nested arguments escaped as RecursionError (json.loads); NaN passed."""
+    rng = random.Random(rng_seed)
+    depth = rng.choice([rng.randint(101, 1000), 100_000])  # past the parsers' cap (100)
+    for args in ["[" * depth + "]" * depth, "NaN", "-Infinity"]:
+        wire = [
+            {"role": "user", "content": rand_text(rng)},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "function": {"name": "f", "arguments": f'{{"a": {args}}}'}}
+                ],
+            },
+        ]
+        with pytest.raises(
+            InvalidRequestError, match=r"message 1 \(assistant\): tool call 0 \(f\): arguments"
+        ):
+            messages_from_openai(wire)
+
+
+@pytest.mark.parametrize("value", ["false", "true", "", 0, 1, [], "False"])
+def test_is_error_must_be_a_bool(value) -> None:
+    """Regression: bool(item["is_error"]) turned the string "false" into True."""
+    wire = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "x", "is_error": value},
+    ]
+    with pytest.raises(InvalidRequestError, match=r"message 2 \(tool\): is_error must be a bool"):
+        messages_from_openai(wire)
+    for ok, expected in [(True, True), (False, False), (None, False)]:
+        wire[2]["is_error"] = ok
+        assert messages_from_openai(wire)[2].is_error is expected

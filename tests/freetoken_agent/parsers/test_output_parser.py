@@ -141,12 +141,14 @@ def test_tool_format_for(model_type, template, fmt):
     assert tool_format_for(model_type, template) == fmt
 
 
-# Values Python's json.loads takes but a tool call must not: not JSON, or nested so deep that
-# the decoder raises RecursionError (100000 is past any recursion limit).
-NOT_JSON = ["NaN", "-Infinity", "1e999", "[" * 100_000 + "]" * 100_000]
+# Values Python's json.loads takes but a tool call must not: not JSON, nested so deep that the
+# decoder raises RecursionError (100000 is past any recursion limit), or a string holding a lone
+# UTF-16 surrogate (no Unicode text: the tokenizer failed on the history holding it).
+NOT_JSON = ["NaN", "-Infinity", "1e999", "[" * 100_000 + "]" * 100_000, '"a\\ud83d"']
+NOT_JSON_IDS = ["nan", "-inf", "overflow", "deep", "lone-surrogate"]
 
 
-@pytest.mark.parametrize("value", NOT_JSON, ids=["nan", "-inf", "overflow", "deep"])
+@pytest.mark.parametrize("value", NOT_JSON, ids=NOT_JSON_IDS)
 @pytest.mark.parametrize("fmt", ["hermes", "mistral"])
 def test_arguments_that_are_not_plain_json_void_the_call(fmt, value):
     # Regression (fuzzing): NaN became a call whose arguments differ from their own deltas
@@ -165,7 +167,7 @@ def test_arguments_that_are_not_plain_json_void_the_call(fmt, value):
         assert [e.raw_text for e in merged if isinstance(e, ParseWarning)] == [call]
 
 
-@pytest.mark.parametrize("value", NOT_JSON, ids=["nan", "-inf", "overflow", "deep"])
+@pytest.mark.parametrize("value", NOT_JSON, ids=NOT_JSON_IDS)
 def test_schema_typed_values_that_are_not_plain_json_stay_text(value):
     tools = [{"name": "f", "parameters": {"properties": {"x": {"type": ["array", "number"]}}}}]
     text = f"<tool_call>\n<function=f>\n<parameter=x>\n[{value}]\n</parameter>\n</function>\n"
@@ -179,3 +181,22 @@ def test_loads_strict_caps_nesting():
     with pytest.raises(ValueError):
         loads_strict("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1))
     assert loads_strict('{"a": "NaN", "b": 1e300}') == {"a": "NaN", "b": 1e300}
+
+
+def test_loads_strict_refuses_lone_surrogates(rng):
+    def escape(code: int) -> str:
+        return f"\\u{code:04x}" if rng.random() < 0.5 else f"\\u{code:04X}"
+
+    for _ in range(50):
+        high, low = rng.randint(0xD800, 0xDBFF), rng.randint(0xDC00, 0xDFFF)
+        text = "".join(rng.choice("ab 中😀") for _ in range(rng.randint(0, 6)))
+        cut = rng.randint(0, len(text))
+        # A pair decodes to one character; alone, or in the wrong order, each is refused.
+        pair = json.loads(f'"{escape(high)}{escape(low)}"')
+        good = f'{{"k": ["{text[:cut]}{escape(high)}{escape(low)}{text[cut:]}"]}}'
+        assert loads_strict(good) == {"k": [text[:cut] + pair + text[cut:]]}
+        lone = rng.choice([escape(high), escape(low), escape(low) + escape(high)])
+        bad = f"{text[:cut]}{lone}{text[cut:]}"
+        for doc in (f'{{"k": ["{bad}"]}}', f'{{"{bad}": 1}}', f'[{{"x": {{"{bad}": null}}}}]'):
+            with pytest.raises(ValueError, match="lone surrogate"):
+                loads_strict(doc)
