@@ -241,9 +241,9 @@ class ChatFreeToken(BaseChatModel):
         params["ls_provider"] = PROVIDER
         model = kwargs.get("model")
         params["ls_model_name"] = model if isinstance(model, str) else self.model_name
-        stops = stop if stop is not None else self.stop
+        stops = _stops(stop if stop is not None else self.stop)
         if stops:
-            params["ls_stop"] = list(stops)
+            params["ls_stop"] = stops
         return params
 
     # --- one call -------------------------------------------------------------------------
@@ -266,7 +266,7 @@ class ChatFreeToken(BaseChatModel):
             kwargs.pop(key, None)
         if kwargs:
             raise ValueError(f"unknown option(s) for ChatFreeToken: {', '.join(sorted(kwargs))}")
-        stops = list(stop) if stop is not None else list(self.stop or [])
+        stops = _stops(stop if stop is not None else self.stop)
         shown = tuple(specs) if specs and mode != "none" else None
         by_name = {t["function"]["name"]: t for t in specs}
         constraint = output_schema(mode, [by_name[n] for n in allowed] or specs, schema)
@@ -376,6 +376,14 @@ class ChatFreeToken(BaseChatModel):
 
 
 # ------------------------------------------------------------------------------- helpers
+
+
+def _stops(stop: str | Sequence[str] | None) -> list[str]:
+    """Stop sequences as a list. A str is one sequence (as OpenAI and SamplingParams read it),
+    not its characters: LangChain's `stop: list[str]` is not enforced, and callers pass one."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
 
 
 def _failed(usage: Usage) -> bool:

@@ -20,7 +20,7 @@ from langchain_core.utils.json_schema import dereference_refs
 
 from freetoken_agent.chat_format import ChatFormat, Prompt
 from freetoken_agent.engine.constrained import tool_call_schema
-from freetoken_agent.parsers import ContentDelta, OutputParser
+from freetoken_agent.parsers import ContentDelta, OutputParser, ParseWarning, ToolCallEnd
 from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
 from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
 
@@ -60,24 +60,48 @@ class PrefedParser:
     """An OutputParser that first reads `head` (what the prompt, not the model, wrote: the think
     closer, the call opener) and at the end `tail` (the call closer the grammar stops before),
     the tail only when the body is complete JSON: a body cut by max_tokens stays unterminated,
-    and the parser says so, rather than closing it into a misleading JSON error."""
+    and the parser says so, rather than closing it into a misleading JSON error. When the parser
+    voids the call block the head opened, its content and the invalid call's text are only
+    what the model wrote: the opener and the closer are not the model's."""
 
     def __init__(self, inner: Any, head: str, tail: str) -> None:
         self.inner = inner
         self.head = head
         self.tail = tail
         self.body: list[str] = []
+        self.opener = HERMES_OPEN if head.endswith(HERMES_OPEN) else ""
+        self.wrapped = bool(self.opener)  # the block the head opened has not ended yet
 
     def feed(self, text: str) -> list:
         head, self.head = self.head, ""
         if self.tail:
             self.body.append(text)
-        return self.inner.feed(head + text)
+        return self._as_written(self.inner.feed(head + text), "")
 
     def finish(self) -> list:
         head, self.head = self.head, ""
         tail = self.tail if self.tail and _is_json("".join(self.body)) else ""
-        return self.inner.feed(head + tail) + self.inner.finish()
+        closed = self._as_written(self.inner.feed(head + tail), tail)
+        return closed + self._as_written(self.inner.finish(), "")
+
+    def _as_written(self, events: list, tail: str) -> list:
+        """`events` with the opener (and `tail`, when that was fed) taken out of the voided
+        block's text. The parser re-emits a voided block as a ContentDelta of its raw text right
+        before the ParseWarning."""
+        out: list = []
+        for event in events:
+            if self.wrapped and isinstance(event, ToolCallEnd):
+                self.wrapped = False
+            elif self.wrapped and isinstance(event, ParseWarning):
+                self.wrapped = False
+                raw = event.raw_text.removeprefix(self.opener)
+                raw = raw.removesuffix(tail) if tail else raw
+                if out and out[-1] == ContentDelta(event.raw_text):
+                    out.pop()
+                    out += [ContentDelta(raw)] if raw else []
+                event = ParseWarning(event.message, raw, event.index)
+            out.append(event)
+        return out
 
 
 def _is_json(text: str) -> bool:

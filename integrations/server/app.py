@@ -4,7 +4,9 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)       # or `freetoken serve`
 
 Routes: POST /v1/chat/completions, GET /v1/models, GET /health, WebSocket
-/v1/sessions/{id}/ws, and the web page at / (also /ui).
+/v1/sessions/{id}/ws, and the web page at / (also /ui). Any other path (404) or method (405)
+gets an OpenAI error object too, as OpenAI answers an unknown URL: clients read the message
+from it (the SDKs show it in their NotFoundError), not from a plain-text body.
 
 One model is served, under `model_id` (default `freetoken/<arch>`; `freetoken serve` passes the
 model folder's name, or `freetoken-demo`). A request's `model` must name it or one of its
@@ -28,15 +30,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.integrations.server import memory_routes, openai_routes, sessions_ws, ui
 from freetoken_agent.integrations.server.auth import BearerAuth
 from freetoken_agent.integrations.server.browser_guard import BrowserGuard
+from freetoken_agent.integrations.server.errors import error_response
 from freetoken_agent.integrations.server.hub import SessionHub
 from freetoken_agent.integrations.server.limits import DEFAULT_MAX_BODY, BodyLimit
 from freetoken_agent.service import EngineService
@@ -55,6 +59,18 @@ class ServerState:
     max_body_bytes: int
     created: int
     owns_service: bool
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such route, a method the route does not take)."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message = f"Invalid URL ({where}): this server has no such route"
+    elif exc.status_code == 405:
+        message = f"Invalid method ({where}): this route takes {exc.headers.get('Allow', '')}"
+    else:
+        message = f"{exc.detail} ({where})"
+    return error_response(exc.status_code, message, headers=exc.headers)
 
 
 async def health(request: Request) -> JSONResponse:
@@ -131,6 +147,11 @@ def create_app(
         Route("/health", health, methods=["GET"]),
         *ui.routes,
     ]
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error},
+    )
     app.state.server = state
     return app

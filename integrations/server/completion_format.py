@@ -2,10 +2,16 @@
 
 Streaming deltas follow OpenAI's shapes exactly, since clients accumulate them by field:
 `role` in the first chunk, `content` and `reasoning_content` text pieces, and `tool_calls`
-entries keyed by a stable `index`, whose first delta carries the call's `id`, `type` and
-`function.name` and whose later deltas carry `function.arguments` pieces that concatenate to
-the arguments JSON. A final chunk has an empty delta and the `finish_reason`; the usage chunk
-(`choices: []`) follows when the client asked for it with `stream_options.include_usage`.
+entries keyed by `index`. A final chunk has an empty delta and the `finish_reason`; the usage
+chunk (`choices: []`) follows when the client asked for it with `stream_options.include_usage`.
+
+A tool call goes out whole, in one delta (`id`, `type`, `function.name` and the complete
+`function.arguments`, as the non-streamed reply writes them), once the parser has closed it
+(ToolCallEnd). Its start and argument pieces are not streamed: the parser may still void the
+block (never closed, cut by max_tokens, bad JSON), and a delta cannot be taken back; an agent
+would run a call the non-streamed reply says was not made. A voided block's text arrives as
+content instead, as in that reply. Calls are numbered 0, 1... in the order they complete, as
+the reply lists them (the parser's own numbers skip voided calls).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import uuid
 from typing import Any
 
 from freetoken_agent.integrations.server.reply import Reply
-from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
+from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Usage
 
 
@@ -42,6 +48,7 @@ class CompletionFormat:
         self.model = model
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
+        self._calls = 0  # tool calls streamed so far: the next one's index
 
     def _envelope(self, kind: str, choices: list) -> dict[str, Any]:
         return {
@@ -60,24 +67,25 @@ class CompletionFormat:
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage_json(usage)}
 
-    @staticmethod
-    def delta(event: Any) -> dict[str, Any] | None:
+    def delta(self, event: Any) -> dict[str, Any] | None:
         """The delta carrying one parser event (None: nothing to send for it)."""
         if isinstance(event, ContentDelta) and event.text:
             return {"content": event.text}
         if isinstance(event, ReasoningDelta) and event.text:
             return {"reasoning_content": event.text}
-        if isinstance(event, ToolCallStart):
+        if isinstance(event, ToolCallEnd):
             call = {
-                "index": event.index,
+                "index": self._calls,
                 "id": event.id,
                 "type": "function",
-                "function": {"name": event.name, "arguments": ""},
+                "function": {
+                    "name": event.name,
+                    "arguments": json.dumps(event.arguments, ensure_ascii=False),
+                },
             }
+            self._calls += 1
             return {"tool_calls": [call]}
-        if isinstance(event, ToolCallArgsDelta) and event.text:
-            return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
-        return None  # ToolCallEnd (its arguments were streamed), warnings, Usage
+        return None  # ToolCallStart, ToolCallArgsDelta (held: see above), warnings, Usage
 
     def completion(self, reply: Reply, usage: Usage | None, finish_reason: str | None):
         choice = {

@@ -57,8 +57,23 @@ SAMPLING_KEYS = frozenset(
 )
 
 
+# The fields of a `send` message. Any other is refused, as a misspelt sampling option is: an
+# OpenAI-minded client puts max_tokens or temperature at the top, and a turn that ignored them
+# (generating to the whole context) would look like a server that does not listen.
+SEND_KEYS = frozenset(
+    {"type", "messages", "tools", "tool_choice", "sampling", "response_format", "append", "model"}
+)
+
+
 def turn_request(msg: dict[str, Any], live: LiveSession, state: Any) -> TurnRequest:
     """The turn a `send` message asks for; `model`, when given, must name the served one."""
+    unknown = sorted(set(msg) - SEND_KEYS)
+    if unknown:
+        raise BadParam(
+            f"unknown field(s) {unknown} in a 'send' message; known: {sorted(SEND_KEYS)}. "
+            'Sampling options (max_tokens, temperature, ...) go under "sampling"',
+            unknown[0],
+        )
     check_model(msg.get("model"), state.model_id, state.model_names)
     sampling = msg.get("sampling") or {}
     if not isinstance(sampling, dict):

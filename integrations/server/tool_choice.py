@@ -22,7 +22,14 @@ from typing import Any
 from freetoken_agent.engine.constrained import tool_call_schema
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.errors import BadParam
-from freetoken_agent.parsers import OutputParser, prompt_opens_reasoning, tool_format_for
+from freetoken_agent.parsers import (
+    ContentDelta,
+    OutputParser,
+    ParseWarning,
+    ToolCallEnd,
+    prompt_opens_reasoning,
+    tool_format_for,
+)
 from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
@@ -114,18 +121,44 @@ def forced_schema(choice: ToolChoice, tools: Sequence[Mapping[str, Any]]) -> dic
 
 
 class ForcedCallParser:
-    """The model's output of a forced call (the JSON alone) read as a whole Hermes block."""
+    """The model's output of a forced call (the JSON alone) read as a whole Hermes block.
+
+    The opener and the closer are the server's text, not the model's: when the parser voids the
+    block they wrap (the JSON cut by max_tokens), the content it gives back, and the warning's
+    text, are only what the model wrote, as the client would otherwise see markup nobody wrote."""
 
     def __init__(self, inner: OutputParser, lead: str) -> None:
         self._inner = inner
-        self._lead = lead  # fed before the first generated text
+        self._lead = lead  # fed before the first generated text; ends with CALL_OPEN
+        self._wrapped = True  # the block the lead opened has not ended yet
 
     def feed(self, text: str) -> list:
         lead, self._lead = self._lead, ""
-        return self._inner.feed(lead + text)
+        return self._as_written(self._inner.feed(lead + text), "")
 
     def finish(self) -> list:
-        return self.feed(CALL_CLOSE) + self._inner.finish()
+        lead, self._lead = self._lead, ""
+        closed = self._as_written(self._inner.feed(lead + CALL_CLOSE), CALL_CLOSE)
+        return closed + self._as_written(self._inner.finish(), "")
+
+    def _as_written(self, events: list, closer: str) -> list:
+        """`events` with the server's opener (and `closer`, when that was fed) taken out of the
+        voided block's text. The parser re-emits a voided block as a ContentDelta of its raw
+        text right before the ParseWarning."""
+        out: list = []
+        for event in events:
+            if self._wrapped and isinstance(event, ToolCallEnd):
+                self._wrapped = False
+            elif self._wrapped and isinstance(event, ParseWarning):
+                self._wrapped = False
+                raw = event.raw_text.removeprefix(CALL_OPEN)
+                raw = raw.removesuffix(closer) if closer else raw
+                if out and out[-1] == ContentDelta(event.raw_text):
+                    out.pop()
+                    out += [ContentDelta(raw)] if raw else []
+                event = ParseWarning(event.message, raw, event.index)
+            out.append(event)
+        return out
 
 
 ParserFactory = Callable[[Any], Any]

@@ -9,7 +9,10 @@
 own; events cross to the loop through an asyncio queue. `start` returns as soon as the engine
 has accepted the request, so every refusal (malformed history, context too long, a schema the
 grammar cannot compile) surfaces before a response starts streaming. Every event is also
-published, as JSON, to the session's watchers, followed by `memory` and `done`.
+published, as JSON, to the session's watchers, followed by `memory` and `done`. A task of the
+run's own does that (and gathers the reply), not the reader of `events()`: the reader is the
+client's task, cancelled when the client leaves, and the watchers must still see the aborted
+turn's usage and `done`.
 
 A session runs one turn at a time: the worker holds the session's `turn_lock` for the whole
 turn, so a turn queued behind another (two OpenAI requests with one X-Session-Id) waits.
@@ -25,8 +28,10 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.chat_request import TurnRequest
+from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.integrations.server.hub import LiveSession
 from freetoken_agent.integrations.server.reply import Reply
 from freetoken_agent.integrations.server.session_events import (
@@ -53,6 +58,7 @@ class _Memory:
 
 
 _END = object()
+_GRAMMAR_REFUSAL = "json_schema cannot be used"  # how engine/constrained.py refuses a schema
 
 
 class TurnRun:
@@ -66,8 +72,10 @@ class TurnRun:
         self.finished = False
         self.index = -1  # the session's turn number, once started
         self.divergence: dict[str, Any] = {}  # where the prompt left the last one (Session)
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue = asyncio.Queue()  # from the worker, to `_publish`
+        self._out: asyncio.Queue = asyncio.Queue()  # from `_publish`, to `events()`
         self._thread: threading.Thread | None = None
+        self._publisher: asyncio.Task | None = None  # held: the loop keeps tasks weakly
 
     # --- the worker thread ----------------------------------------------------------------
     def _work(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -144,6 +152,12 @@ class TurnRun:
             raise
         if isinstance(item, BaseException):
             self.finished = True
+            if isinstance(item, InvalidRequestError) and str(item).startswith(_GRAMMAR_REFUSAL):
+                # The grammar compiler (engine) refuses a schema without knowing which field
+                # of the request it came from: a forced call's is the tools', else it is the
+                # response_format's.
+                param = "tools" if self.request.tool_choice.forced else "response_format"
+                raise BadParam(str(item), param) from item
             raise item
         if not isinstance(item, _Started):  # the worker always announces the submission first
             self.cancel()
@@ -152,6 +166,7 @@ class TurnRun:
         self.index = self.live.turns
         self.live.turns += 1
         self._announce()
+        self._publisher = asyncio.create_task(self._publish())
         return item.prompt_tokens
 
     def _announce(self) -> None:
@@ -176,22 +191,30 @@ class TurnRun:
         for result in reversed(trailing):
             live.publish(tool_result_json(result))
 
-    async def events(self) -> AsyncIterator[Any]:
-        """Parser events, then Usage. Raises what the worker raised."""
+    async def _publish(self) -> None:
+        """Gather and publish the worker's items to the end, and pass them on to `events()`."""
         while not self.finished:
             item = await self._queue.get()
-            if item is _END:
-                self.finished = True
-                self._done()
-                return
-            if isinstance(item, BaseException):
-                self.finished = True
-                self.live.publish(error_json(f"{type(item).__name__}: {item}"))
-                self.live.publish({"type": "done", "turn": self.index, "finish_reason": "error"})
-                raise item
-            if isinstance(item, _Memory):
-                self.live.publish(memory_json(item.stats))
-                continue
+            try:
+                self._record(item)
+            except Exception as e:  # noqa: BLE001 - a bug here must not leave the reader waiting
+                log.exception("could not publish a turn's event")
+                self.cancel()
+                self.finished, item = True, e
+            if not isinstance(item, _Memory):
+                self._out.put_nowait(item)
+
+    def _record(self, item: Any) -> None:
+        if item is _END:
+            self.finished = True
+            self._done()
+        elif isinstance(item, BaseException):
+            self.finished = True
+            self.live.publish(error_json(f"{type(item).__name__}: {item}"))
+            self.live.publish({"type": "done", "turn": self.index, "finish_reason": "error"})
+        elif isinstance(item, _Memory):
+            self.live.publish(memory_json(item.stats))
+        else:
             if isinstance(item, Usage):
                 self.usage = item
                 if item.error:
@@ -203,6 +226,15 @@ class TurnRun:
                 if isinstance(item, Usage):
                     published.update(self.divergence)
                 self.live.publish(published)
+
+    async def events(self) -> AsyncIterator[Any]:
+        """Parser events, then Usage. Raises what the worker raised."""
+        while True:
+            item = await self._out.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
             yield item
 
     def finish_reason(self) -> str | None:

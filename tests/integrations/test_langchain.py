@@ -199,6 +199,26 @@ def test_stop_strings_cut_the_greedy_answer(engine, rng_seed):
     assert cut.response_metadata["finish_reason"] == "stop"
 
 
+def test_a_string_stop_is_one_sequence(engine, rng_seed):
+    """LangChain types `stop` as a list, but callers pass a str (OpenAI takes either): that is
+    one stop sequence, not one per character."""
+    rng = random.Random(rng_seed)
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=24)
+    for _ in range(10):  # an answer with a piece whose characters also occur before it
+        question = text(rng)
+        full = llm.invoke(question).content
+        pieces = {full[i : i + n] for n in (2, 3) for i in range(1, len(full) - n)}
+        stops = sorted(
+            p for p in pieces if "\ufffd" not in p and set(p) & set(full[: full.find(p)])
+        )
+        if stops:
+            break
+    stop = rng.choice(stops)
+    cut = llm.invoke(question, stop=stop)
+    assert cut.content == full[: full.find(stop)]
+    assert cut.response_metadata["finish_reason"] == "stop"
+
+
 def test_reasoning_switch_reaches_the_template(engine, rng_seed):
     rng = random.Random(rng_seed)
     quiet = ChatFreeToken(engine=engine, max_tokens=2, reasoning=False)
@@ -256,6 +276,27 @@ def test_forced_tool_call_streams_valid_arguments(engine, rng_seed, choice):
     message = bound.invoke(question)
     assert [(c["name"], c["args"]) for c in message.tool_calls] == [(call["name"], call["args"])]
     assert message.tool_calls[0]["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("choice", ["name", "any"])
+def test_forced_tool_call_cut_by_max_tokens_is_the_model_s_text_alone(engine, rng_seed, choice):
+    """The call's opener (in the prompt) and closer (fed to the parser) are not the model's
+    text: a forced call cut short is content, and an invalid call, holding only what the model
+    wrote."""
+    rng = random.Random(rng_seed)
+    models = [random_model(rng, f"t_{word(rng)}_{i}") for i in range(rng.randint(1, 3))]
+    tool_choice = rng.choice(models).__name__ if choice == "name" else "any"
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=rng.randint(1, 8))
+    bound = llm.bind_tools(models, tool_choice=tool_choice)
+    question = [HumanMessage(text(rng))]
+    message = bound.invoke(question)
+    streamed = aggregate(list(bound.stream(question)))
+    openings = [f'{{"name": "{m.__name__}", "arguments": {{' for m in models]
+    for m in (message, streamed):
+        assert m.response_metadata["finish_reason"] == "length" and not m.tool_calls
+        assert any(o.startswith(m.content) or m.content.startswith(o) for o in openings), m
+    assert streamed.content == message.content
+    assert all(c["args"] == message.content for c in message.invalid_tool_calls)
 
 
 @pytest.mark.parametrize("form", ["pydantic", "json_schema", "function_calling"])

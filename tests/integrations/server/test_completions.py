@@ -91,6 +91,63 @@ def test_without_include_usage_there_is_no_usage_chunk(client, read_sse, rng_see
     assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def _block(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>\n'
+
+
+def test_streamed_tool_calls_are_the_reply_s_and_voided_ones_stream_as_content(
+    scripted_client, read_sse, rng_seed
+):
+    """Call blocks the parser voids (bad JSON; at the end never closed or cut by max_tokens)
+    are content in the non-streamed reply, so the stream must not announce them as calls (an
+    agent would run them); the calls it does stream are the reply's, numbered as it lists them."""
+    rng = random.Random(rng_seed)
+    fake, client = scripted_client
+    names = sorted({_words(rng, 1) for _ in range(3)})
+    tools = [{"type": "function", "function": {"name": n}} for n in names]
+
+    def bad_json() -> str:  # a bare word where a JSON value must be
+        return _block(rng.choice(names), f'{{"{_words(rng, 1)}": {_words(rng, 1)}}}')
+
+    blocks, calls = [], []
+    for _ in range(rng.randint(0, 3)):
+        name, args = rng.choice(names), {_words(rng, 1): rng.randint(-99, 99)}
+        if rng.random() < 0.3:
+            blocks.append(bad_json())
+        else:
+            blocks.append(_block(name, json.dumps(args)))
+            calls.append((name, args))
+    whole = _block(rng.choice(names), json.dumps({_words(rng, 1): _words(rng, 2)}))
+    start = whole.index('"arguments": {') + len('"arguments": {')
+    ending, reason = rng.choice(
+        [
+            (whole[: -len("\n</tool_call>\n")], "stop"),  # the close tag never came
+            (whole[: rng.randint(start, len(whole) - len("}\n</tool_call>\n"))], "length"),
+            (bad_json(), "stop"),
+        ]
+    )
+    text = _words(rng, rng.randint(0, 4)) + "\n" + "".join(blocks) + ending
+    fake.replies = [(text, reason)] * 2
+    body = {"messages": [{"role": "user", "content": _words(rng, 3)}], "tools": tools}
+
+    reply = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    message = reply["message"]
+    listed = [c["function"] for c in message.get("tool_calls") or []]
+    assert [(c["name"], json.loads(c["arguments"])) for c in listed] == calls
+    events = _stream(client, body, read_sse)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == reply["finish_reason"]
+    deltas = [e["choices"][0]["delta"] for e in events[:-2]]
+    streamed: dict[int, dict] = {}  # as OpenAI clients accumulate: by index
+    for piece in (p for d in deltas for p in d.get("tool_calls") or []):
+        call = streamed.setdefault(piece["index"], {"name": "", "arguments": ""})
+        call["name"] += piece.get("function", {}).get("name") or ""
+        call["arguments"] += piece.get("function", {}).get("arguments") or ""
+    assert sorted(streamed) == list(range(len(calls)))
+    assert [(streamed[i]["name"], json.loads(streamed[i]["arguments"])) for i in streamed] == calls
+    assert "".join(d.get("content") or "" for d in deltas) == (message["content"] or "")
+
+
 def test_history_with_tool_calls_and_reasoning_is_accepted(client, rng_seed):
     """An agent's full history: reasoning sent back, an assistant tool call (arguments as a
     JSON string), the tool's result, and the next turn."""

@@ -83,6 +83,45 @@ def test_invalid_parameters_are_400_naming_the_field(client, field, value):
     assert error["param"] is not None and error["param"].split("[")[0] == field, error
 
 
+@pytest.mark.parametrize("field", ["response_format", "tools"])
+def test_a_schema_the_grammar_refuses_names_its_field(client, rng_seed, field):
+    """The grammar compiler (in the engine) refuses these when the turn is submitted; the 400
+    still names the field the schema came from (a forced call's schema is its tool's)."""
+    rng = random.Random(rng_seed)
+    key = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8)))
+    low = rng.randint(3, 9)
+    value = rng.choice(
+        [
+            {"type": "string", "pattern": f"(?<={key}){key}"},  # look-behind
+            {"type": "string", "format": f"{key}-format"},
+            {"$ref": f"#/$defs/{key}"},
+            {"type": "integer", "minimum": low, "maximum": low - rng.randint(1, 3)},
+        ]
+    )
+    schema = {"type": "object", "properties": {key: value}, "required": [key]}
+    body: dict = {"messages": [{"role": "user", "content": _text(rng, 5)}], "max_tokens": 3}
+    if field == "response_format":
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": key, "schema": schema}}  # fmt: skip
+    else:
+        body["tools"] = [{"type": "function", "function": {"name": key, "parameters": schema}}]
+        body["tool_choice"] = "required"
+    error = _error(client.post(URL, json=body), 400)
+    assert error["param"] == field and "json_schema cannot be used" in error["message"], error
+
+
+def test_unknown_routes_and_methods_get_openai_errors(client, rng_seed):
+    rng = random.Random(rng_seed)
+    name = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 9)))
+    path = rng.choice(["/v1/embeddings", "/v1/completions", f"/v1/{name}", f"/{name}/x"])
+    method = rng.choice(["GET", "POST", "DELETE"])
+    error = _error(client.request(method, path), 404)
+    assert error["type"] == "invalid_request_error" and path in error["message"]
+    r = client.request(rng.choice(["GET", "PUT", "DELETE"]), URL)
+    error = _error(r, 405)
+    assert "POST" in r.headers["allow"] and "POST" in error["message"]
+
+
 def test_context_too_long_names_the_lengths(client, rng_seed):
     rng = random.Random(rng_seed)
     words = " ".join(_text(rng, 6) for _ in range(700))  # well over 1024 tokens

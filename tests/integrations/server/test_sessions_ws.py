@@ -162,6 +162,49 @@ def test_cancel_and_a_closing_sender_abort_the_turn(client, engine, rng_seed):
         assert engine.kv.allocator.n_free == engine.kv.allocator.capacity
 
 
+@pytest.mark.parametrize("sender", ["socket", "openai_stream"])
+def test_a_turn_whose_sender_leaves_still_ends_for_its_watchers(client, rng_seed, sender):
+    """The sender's task read the turn's events; it is cancelled when the sender leaves, and
+    the watchers must still get the aborted turn's usage and done (every turn ends with one)."""
+    rng = random.Random(rng_seed)
+    sid = f"left-{rng_seed}"
+    service = client.app.state.server.service
+    user = [{"role": "user", "content": _text(rng)}]
+    with client.websocket_connect(URL.format(sid)) as watcher:
+        _join(watcher)
+        if sender == "socket":
+            with client.websocket_connect(URL.format(sid)) as ws:
+                _join(ws)
+                long = {"max_tokens": 900, "ignore_eos": True, "temperature": 0.8}
+                ws.send_json({"type": "send", "messages": user, "sampling": long})
+                assert ws.receive_json()["type"] == "start"
+                for _ in range(rng.randint(0, 3)):
+                    ws.receive_json()
+        else:
+            body = {"messages": user, "max_tokens": 900, "ignore_eos": True, "stream": True}
+            with client.stream("POST", "/v1/chat/completions", json=body,
+                               headers={"X-Session-Id": sid}) as r:  # fmt: skip
+                chunks, leave = 0, rng.randint(1, 4)
+                for line in r.iter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks == leave:
+                        break
+        deadline = time.monotonic() + 10
+        while service.stats()["requests"]["running"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # A turn of the watcher's own, so this test ends (with a done) also when the left
+        # turn's never comes.
+        _send(watcher, rng, max_tokens=2)
+        events = []
+        while not events or events[-1] != {**events[-1], "type": "done", "turn": 1}:
+            events.append(watcher.receive_json())
+    assert events[0]["type"] == "start" and events[0]["turn"] == 0
+    dones = [(e["turn"], e["finish_reason"]) for e in events if e["type"] == "done"]
+    assert dones[0] == (0, "abort") and len(dones) == 2, dones
+    usage = [e for e in events if e["type"] == "usage"]
+    assert usage[0]["finish_reason"] == "abort" and usage[0]["completion_tokens"] < 900
+
+
 def test_bad_messages_get_an_error_and_the_socket_stays(client, rng_seed):
     rng = random.Random(rng_seed)
     with client.websocket_connect(URL.format("bad")) as ws:
@@ -184,6 +227,26 @@ def test_bad_messages_get_an_error_and_the_socket_stays(client, rng_seed):
         ws.send_json({"type": "cancel"})
         assert "no turn is running" in ws.receive_json()["message"]
         _send(ws, rng)  # still works
+        assert _until_done(ws)[-1]["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+def test_unknown_send_fields_are_refused_naming_them(client, rng_seed):
+    """OpenAI's sampling fields at the top of a `send` (they go under "sampling") and unknown
+    ones are refused like a misspelt sampling option, not ignored."""
+    rng = random.Random(rng_seed)
+    sampling = {"max_tokens": 3, "temperature": 0, "top_p": 0.5, "seed": 1, "ignore_eos": True}
+    keys = rng.sample(sorted(sampling), rng.randint(1, 3))
+    bogus = ["n", "logprobs", "".join(rng.choice(string.ascii_lowercase) for _ in range(7))]
+    keys += rng.sample(bogus, rng.randint(0, 2))
+    user = [{"role": "user", "content": _text(rng)}]
+    with client.websocket_connect(URL.format("fields")) as ws:
+        _join(ws)
+        ws.send_json({"type": "send", "messages": user, **{k: sampling.get(k, 1) for k in keys}})
+        error = ws.receive_json()
+        assert error["type"] == "error" and error["param"] == min(keys), error
+        assert all(repr(k) in error["message"] for k in keys) and '"sampling"' in error["message"]
+        assert ws.receive_json() == {"type": "done", "turn": None, "finish_reason": "error"}
+        _send(ws, rng)  # the socket goes on
         assert _until_done(ws)[-1]["finish_reason"] in ("stop", "length", "tool_calls")
 
 

@@ -111,6 +111,39 @@ def test_required_tool_choice_streams_a_call_of_one_of_the_tools(client, read_ss
     jsonschema.validate(json.loads(arguments), by_name[first["function"]["name"]])
 
 
+@pytest.mark.parametrize("mode", ["named", "required"])
+def test_a_forced_call_cut_by_max_tokens_is_the_model_s_text_alone(
+    client, read_sse, rng_seed, mode
+):
+    """The server writes the call's opener into the prompt and closes the block for the parser;
+    a call cut short is content, and that content is only what the model wrote (no markup),
+    streamed or not."""
+    rng = random.Random(rng_seed)
+    tools = random_tools(rng, rng.randint(1, 3))
+    names = [t["function"]["name"] for t in tools]
+    name = rng.choice(names)
+    choice = {"type": "function", "function": {"name": name}} if mode == "named" else "required"
+    body = {
+        "messages": _user(rng),
+        "tools": tools,
+        "tool_choice": choice,
+        "max_tokens": rng.randint(1, 8),  # far from a whole call
+        "temperature": 0,
+    }
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    reply = r.json()["choices"][0]
+    assert reply["finish_reason"] == "length" and "tool_calls" not in reply["message"]
+    content = reply["message"]["content"]
+    openings = [f'{{"name": "{n}", "arguments": {{' for n in names]
+    assert any(o.startswith(content) or content.startswith(o) for o in openings), content
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = read_sse(list(r.iter_lines()))
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert "".join(d.get("content") or "" for d in deltas) == content
+    assert not any("tool_calls" in d for d in deltas)
+
+
 def test_tool_choice_none_parses_no_calls(client, rng_seed):
     rng = random.Random(rng_seed)
     r = client.post(
