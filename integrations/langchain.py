@@ -47,8 +47,8 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, model_validator
 
 from freetoken_agent.engine.sampling_params import SamplingParams, schema_of_response_format
+from freetoken_agent.integrations.constrained_output import output_schema
 from freetoken_agent.integrations.langchain_chunks import PROVIDER, ChunkBuilder
-from freetoken_agent.integrations.langchain_constrained import output_schema
 from freetoken_agent.integrations.langchain_messages import (
     parse_tool_choice,
     to_history,

@@ -9,7 +9,7 @@
 - `Gateway` is what a Session sees as its engine: the service, plus the current call's deadline
   (`timeout`) and cancellation (a cancelled asyncio task). Both abort the engine request at once.
 - Constrained turns (a forced tool call, JSON-schema output) are assembled from the parts in
-  langchain_constrained.py.
+  langchain_constrained.py and constrained_output.py.
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ from typing import Any
 
 from freetoken_agent.chat_format import ChatFormat, Prompt
 from freetoken_agent.engine.sampling_params import SamplingParams
-from freetoken_agent.integrations.langchain_constrained import (
+from freetoken_agent.integrations.constrained_output import (
     HERMES_CLOSE,
     HERMES_OPEN,
+    JsonOrCallParser,
+)
+from freetoken_agent.integrations.langchain_constrained import (
     THINK_END,
     ForcedFormat,
-    JsonOrCallParser,
     PrefedParser,
 )
 from freetoken_agent.parsers import OutputParser, parser_factory_for, tool_format_for

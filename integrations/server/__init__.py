@@ -8,8 +8,9 @@ Module map: app (create_app, /health), openai_routes (/v1/chat/completions, /v1/
 sessions_ws (/v1/sessions/{id}/ws), ui + ui_page (the page at /), hub (live Sessions by id and
 their watchers), turn_run (one turn in a worker thread, read on the event loop), bridge (the
 Session's engine: a cancellable request per turn), chat_request (body -> checked request),
-tool_choice (tools, forced calls), reply / completion_format / session_events (wire shapes),
-auth, browser_guard, limits (the safety middleware), errors, serve (uvicorn, binding rules).
+tool_choice (tools, forced calls, a call or the answer), reply / completion_format /
+session_events (wire shapes), auth, browser_guard, limits (the safety middleware), errors, serve
+(uvicorn, binding rules).
 """
 
 from freetoken_agent.integrations.server.app import create_app

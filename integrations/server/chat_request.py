@@ -21,6 +21,7 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.errors import BadParam, ModelNotFound
 from freetoken_agent.integrations.server.tool_choice import (
     ToolChoice,
+    call_or_answer_schema,
     forced_schema,
     parse_tool_choice,
     parse_tools,
@@ -60,6 +61,16 @@ class TurnRequest:
     tool_choice: ToolChoice
     sampling: SamplingParams
 
+    @property
+    def call_or_answer(self) -> bool:
+        """Tools, tool_choice "auto" and a JSON response_format: the output is one call of a
+        tool or the answer (tool_choice.py). Only then does such a turn carry a schema."""
+        return (
+            self.tool_choice.mode == "auto"
+            and bool(self.tools)
+            and self.sampling.json_schema is not None
+        )
+
 
 @dataclass(slots=True)
 class ChatRequest:
@@ -98,8 +109,8 @@ def _integer(body: Mapping, key: str, lo: int | None = None):
 def sampling_from(
     body: Mapping[str, Any], tools: list[dict] | None, choice: ToolChoice, default_max: int
 ) -> SamplingParams:
-    """SamplingParams from OpenAI fields (plus vLLM's top_k and ignore_eos); a forced call
-    adds its schema."""
+    """SamplingParams from OpenAI fields (plus vLLM's top_k and ignore_eos); a forced call, or
+    tools with a JSON response_format (a call or the answer), add their schema."""
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
@@ -124,6 +135,9 @@ def sampling_from(
             "response_format and a forced tool_choice both constrain the output; give one",
             "response_format",
         )
+    either = None  # "a call or the answer": the response_format alone would rule out the tools
+    if fmt is not None and choice.mode == "auto" and tools:
+        either = call_or_answer_schema(tools, fmt)
     options: dict[str, Any] = {
         "max_tokens": max_tokens or default_max,
         "temperature": _number(body, "temperature", 0, 2),
@@ -132,8 +146,8 @@ def sampling_from(
         "seed": _integer(body, "seed"),
         "stop": stop,
         "ignore_eos": ignore_eos,
-        "response_format": fmt,
-        "json_schema": forced_schema(choice, tools or []) if choice.forced else None,
+        "response_format": None if either else fmt,
+        "json_schema": forced_schema(choice, tools or []) if choice.forced else either,
     }
     try:
         return SamplingParams(**{k: v for k, v in options.items() if v is not None})
@@ -141,7 +155,8 @@ def sampling_from(
         text = str(e)
         param = None
         if "schema" in text or "response_format" in text:  # a forced call's schema is a tool's
-            param = "tools" if choice.forced else "response_format"
+            # (and so is the fault in a call-or-answer schema: its answer was checked alone)
+            param = "tools" if choice.forced or either else "response_format"
         raise BadParam(text, param or (max_key if "max_tokens" in text else None)) from None
 
 

@@ -11,7 +11,8 @@ A tool call goes out whole, in one delta (`id`, `type`, `function.name` and the 
 block (never closed, cut by max_tokens, bad JSON), and a delta cannot be taken back; an agent
 would run a call the non-streamed reply says was not made. A voided block's text arrives as
 content instead, as in that reply. Calls are numbered 0, 1... in the order they complete, as
-the reply lists them (the parser's own numbers skip voided calls).
+the reply lists them (the parser's own numbers skip voided calls). With tools and a JSON
+response_format, the answer too comes in one delta at the end (tool_choice.py says why).
 """
 
 from __future__ import annotations

@@ -11,6 +11,13 @@
   writes the call where and how it was trained to. Models of other formats get the same JSON
   without an opener (vLLM's way for named calls). Either way the parser sees the call wrapped
   as a Hermes block, so forced calls stream as the same tool-call events as free ones.
+- "auto" with a response_format of JSON (json_schema or json_object), as the OpenAI Agents SDK
+  sends on every turn: the output is constrained to one call of one of the tools or the answer
+  (`call_or_answer_schema`, ChatFreeToken's json_or_call schema), read by JsonOrCallParser
+  (integrations/constrained_output.py). The answer is sent whole, as one content delta, once
+  the output has ended, not streamed: only the whole text tells a call from an answer (a
+  json_object answer may be call-shaped), and content sent cannot be taken back.
+  With "none" the response_format alone constrains the output; with a forced call it is refused.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken_agent.engine.constrained import tool_call_schema
+from freetoken_agent.engine.constrained import tool_arguments_schema, tool_call_schema
+from freetoken_agent.engine.sampling_params import schema_of_response_format, schema_problems
+from freetoken_agent.integrations.constrained_output import JsonOrCallParser, inline, output_schema
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.parsers import (
@@ -120,6 +129,31 @@ def forced_schema(choice: ToolChoice, tools: Sequence[Mapping[str, Any]]) -> dic
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
+def call_or_answer_schema(tools: Sequence[Mapping[str, Any]], fmt: Any) -> dict[str, Any] | None:
+    """The schema of "one call of one of `tools`, or the answer `fmt` asks for" (None: `fmt` is
+    plain text, which leaves the turn free). The answer's schema and each tool's parameters are
+    checked on their own first, so a refusal names the field at fault: the grammar and the
+    $ref inlining would otherwise only see the combined schema."""
+    try:
+        answer = schema_of_response_format(fmt)
+    except ValueError as e:
+        raise BadParam(str(e), "response_format") from None
+    if answer is None:
+        return None
+    parts = [("response_format", answer)]
+    parts += [(f"tools[{i}]", tool_arguments_schema(t)) for i, t in enumerate(tools)]
+    for field, schema in parts:
+        problems = schema_problems(schema)
+        if not problems:
+            try:
+                inline(schema)  # the combined schema nests it, so its $refs must resolve
+                continue
+            except (KeyError, ValueError, TypeError, AttributeError) as e:
+                problems = [f"a $ref in it cannot be resolved ({type(e).__name__}: {e})"]
+        raise BadParam(f"{field}: " + "; ".join(problems), field)
+    return output_schema("json_or_call", [dict(t) for t in tools], answer)
+
+
 class ForcedCallParser:
     """The model's output of a forced call (the JSON alone) read as a whole Hermes block.
 
@@ -165,11 +199,15 @@ ParserFactory = Callable[[Any], Any]
 
 
 def parser_factory(
-    choice: ToolChoice, tools: list[dict] | None, engine: Any, turn: Turn
+    choice: ToolChoice,
+    tools: list[dict] | None,
+    engine: Any,
+    turn: Turn,
+    call_or_answer: bool = False,
 ) -> ParserFactory:
-    """The Session's parser factory for one turn. For a forced call it also sets the Turn's
-    prompt suffix: Session.send calls the factory with the rendered prompt just before it
-    streams, and the bridge appends `turn.suffix_ids` to that prompt."""
+    """The Session's parser factory for one turn. For a forced call, or a call or the answer,
+    it also sets the Turn's prompt suffix: Session.send calls the factory with the rendered
+    prompt just before it streams, and the bridge appends `turn.suffix_ids` to that prompt."""
     tokenizer = engine.tokenizer
     sources = getattr(tokenizer, "chat_template_sources", {}) or {}
     template = sources.get("tool_use") or sources.get("default")
@@ -177,6 +215,11 @@ def parser_factory(
 
     def factory(prompt: Any) -> Any:
         thinking = prompt_opens_reasoning(prompt.text)
+        if call_or_answer:
+            # The grammar starts at the first token, which must be the JSON's: a think block
+            # the template left open is closed in the prompt, and the parser starts past it.
+            turn.suffix_ids = tokenizer.encode(THINK_CLOSE + "\n\n") if thinking else []
+            return JsonOrCallParser(False, tools or [])
         if not choice.forced:
             fmt = tool_format if choice.mode == "auto" else None
             return OutputParser(fmt, thinking, tools)

@@ -89,7 +89,9 @@ class TurnRun:
                 live.session.tools = request.tools
                 live.bridge.current = turn
                 turn.on_submit = lambda n: put(_Started(n))
-                factory = parser_factory(request.tool_choice, request.tools, live.bridge, turn)
+                factory = parser_factory(
+                    request.tool_choice, request.tools, live.bridge, turn, request.call_or_answer
+                )
                 try:
                     for event in live.session.send(
                         request.messages, request.sampling, parser_factory=factory
@@ -154,9 +156,11 @@ class TurnRun:
             self.finished = True
             if isinstance(item, InvalidRequestError) and str(item).startswith(_GRAMMAR_REFUSAL):
                 # The grammar compiler (engine) refuses a schema without knowing which field
-                # of the request it came from: a forced call's is the tools', else it is the
-                # response_format's.
-                param = "tools" if self.request.tool_choice.forced else "response_format"
+                # of the request it came from: a forced call's is the tools', a call-or-answer
+                # schema may be either's (none is named), else it is the response_format's.
+                request = self.request
+                param = "tools" if request.tool_choice.forced else "response_format"
+                param = None if request.call_or_answer else param
                 raise BadParam(str(item), param) from item
             raise item
         if not isinstance(item, _Started):  # the worker always announces the submission first

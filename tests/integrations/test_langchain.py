@@ -38,13 +38,13 @@ from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.engine.outputs import TokenEvent
 from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
+from freetoken_agent.integrations.constrained_output import closed
 from freetoken_agent.integrations.langchain import (
     ChatFreeToken,
     GenerationError,
     GenerationTimeout,
 )
 from freetoken_agent.integrations.langchain_chunks import _spoil
-from freetoken_agent.integrations.langchain_constrained import _closed
 from freetoken_agent.integrations.langchain_runtime import service_for
 from freetoken_agent.service import EngineService
 
@@ -733,7 +733,7 @@ def test_constrained_schemas_are_closed_but_keep_their_own_choice():
             "many": {"type": "array", "items": {"anyOf": [{"properties": {}}, {"type": "null"}]}},
         },
     }
-    out = _closed(schema)
+    out = closed(schema)
     props = out["properties"]
     assert out["additionalProperties"] is False
     assert set(props) == {"properties", "open", "many"}  # a property named "properties" stays

@@ -79,10 +79,12 @@ class ScriptedEngine:
         self.replies: list[tuple[str, str]] = []
         self.running: dict[str, list] = {}
         self.submitted = 0
+        self.samplings: list = []  # each request's SamplingParams, in order
 
     def submit(self, prompt, sampling) -> str:
         rid = f"s{self.submitted}"
         self.submitted += 1
+        self.samplings.append(sampling)
         reply, reason = self.replies.pop(0)
         detok = IncrementalDetokenizer(self.tokenizer)
         self.running[rid] = [self.tokenizer.encode(reply), 0, detok, reason]

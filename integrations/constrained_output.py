@@ -1,0 +1,127 @@
+"""Constrained output shared by ChatFreeToken (langchain_*.py) and the OpenAI server (server/):
+the JSON schemas that constrain a turn, and the parser of "a tool call or the answer's JSON".
+
+Schemas are made self-contained ($refs inlined) so they can be nested, and closed
+(additionalProperties false unless they say otherwise). Tools plus a response format, as
+LangChain agents bind them and the OpenAI Agents SDK sends them, give "one call of one of the
+tools, or the answer": an anyOf of each tool's {"name", "arguments"} object and the answer's
+schema. One call, not a list: the model writes a call where it would otherwise answer, and the
+agent loop comes back for the next one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from langchain_core.utils.json_schema import dereference_refs
+
+from freetoken_agent.engine.constrained import tool_call_schema
+from freetoken_agent.parsers import ContentDelta, OutputParser
+
+HERMES_OPEN = "<tool_call>\n"
+HERMES_CLOSE = "\n</tool_call>"
+
+
+class JsonOrCallParser:
+    """Output constrained to "the answer's JSON or a {"name", "arguments"} call of a tool": only
+    the whole text tells which, so content is held until the end, then read as a Hermes call
+    body or released as the answer. (Held, not streamed: an answer may begin exactly as a call
+    does, a json_object answer may even be one, and content sent cannot be taken back.)"""
+
+    def __init__(self, opened: bool, tools: list[dict]) -> None:
+        self.inner = OutputParser(None, opened, None)
+        self.tools = tools
+        self.names = {t["function"]["name"] for t in tools}
+        self.held: list[str] = []
+
+    def feed(self, text: str) -> list:
+        return self._hold(self.inner.feed(text))
+
+    def finish(self) -> list:
+        out = self._hold(self.inner.finish())
+        text = "".join(self.held)
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            obj = None
+        is_call = (
+            isinstance(obj, dict)
+            and set(obj) == {"name", "arguments"}
+            and obj["name"] in self.names
+            # the call branch always writes an object; an answer shaped like a call with other
+            # arguments stays the answer rather than a call the parser would void as markup
+            and isinstance(obj["arguments"], dict)
+        )
+        if is_call:
+            calls = OutputParser("hermes", False, self.tools)
+            return out + calls.feed(HERMES_OPEN + text + HERMES_CLOSE) + calls.finish()
+        return out + ([ContentDelta(text)] if text else [])
+
+    def _hold(self, events: list) -> list:
+        out = []
+        for event in events:
+            if isinstance(event, ContentDelta):
+                self.held.append(event.text)
+            else:
+                out.append(event)
+        return out
+
+
+def inline(schema: dict) -> dict:
+    """`schema` with its $refs inlined, so it can sit inside a larger schema (anyOf, a call's
+    arguments) where "#/$defs/..." would no longer resolve. A $ref that resolves nowhere raises
+    KeyError (ValueError when it is not a "#/..." pointer)."""
+    out = dereference_refs(schema)
+    if "$ref" not in json.dumps(out):
+        out = {k: v for k, v in out.items() if k not in ("$defs", "definitions")}
+    return out
+
+
+def inline_tool(tool: dict) -> dict:
+    """An OpenAI tool with its parameters' $refs inlined (no parameters: an empty object)."""
+    fn = dict(tool["function"])
+    fn["parameters"] = inline(fn.get("parameters") or {"type": "object", "properties": {}})
+    return {"type": "function", "function": fn}
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+
+
+def closed(schema: Any) -> Any:
+    """Objects that list their properties get additionalProperties false unless they say
+    otherwise (OpenAI's strict mode does the same): otherwise the grammar lets a model append
+    keys nobody asked for, and a weak one rambles there until max_tokens. Walks subschemas by
+    keyword, so a property that happens to be named "properties" is left alone."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if key in out:
+            sub = out[key]
+            out[key] = [closed(s) for s in sub] if isinstance(sub, list) else closed(sub)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def output_schema(mode: str, tools: list[dict], schema: dict | None) -> dict | None:
+    """The json_schema that constrains a turn of `mode` (None: unconstrained). mode: auto | none
+    (unconstrained) | json (the answer's `schema`) | required (a call of one of `tools`) |
+    json_or_call (that or the answer)."""
+    if mode in ("auto", "none"):
+        return None
+    if mode == "json":
+        return closed(schema)
+    calls = [tool_call_schema(inline_tool(t)) for t in tools]
+    if mode == "json_or_call":
+        calls.append(inline(schema))
+    return closed(calls[0] if len(calls) == 1 else {"anyOf": calls})

@@ -1,0 +1,321 @@
+"""Tools with tool_choice "auto" and a JSON response_format (what the OpenAI Agents SDK sends on
+every turn): the output is one call of a tool or the answer, and the reply says which.
+
+The scripted engine answers with chosen texts (a valid call, or a valid answer), so the reading
+of each is checked exactly; the demo model (random weights, greedy) shows that whatever the
+grammar lets out reads as one of the two. Tools and schemas are drawn fresh each run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from types import SimpleNamespace
+from typing import Any
+
+import jsonschema
+import pytest
+
+from freetoken_agent.integrations.server.tool_choice import ToolChoice, parser_factory
+from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
+
+URL = "/v1/chat/completions"
+
+
+def _name(rng: random.Random) -> str:
+    while True:
+        name = rng.choice(string.ascii_lowercase) + "".join(
+            rng.choice(string.ascii_lowercase + "_") for _ in range(rng.randint(2, 8))
+        )
+        if name not in ("name", "arguments"):  # an answer with a call's keys is a call
+            return name
+
+
+def _scalar(rng: random.Random) -> dict[str, Any]:
+    kind = rng.choice(["string", "integer", "boolean", "enum"])
+    if kind == "string":
+        return {"type": "string", "maxLength": rng.randint(1, 6)}
+    if kind == "integer":
+        lo = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 99)}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", "cyan", "amber"], rng.randint(1, 4))}
+    return {"type": "boolean"}
+
+
+def _object(rng: random.Random, props: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": props,
+        "required": rng.sample(list(props), rng.randint(1, len(props))),
+        "additionalProperties": False,
+    }
+
+
+def _object_schema(rng: random.Random) -> dict[str, Any]:
+    names = list(dict.fromkeys(_name(rng) for _ in range(rng.randint(1, 4))))
+    return _object(rng, {n: _scalar(rng) for n in names})
+
+
+def _answer_schema(rng: random.Random) -> dict[str, Any]:
+    """An object schema; at times with a nested one behind a $ref, as pydantic writes them."""
+    schema = _object_schema(rng)
+    if rng.random() < 0.5:
+        key, item = _name(rng), _name(rng).capitalize()
+        while key in schema["properties"]:
+            key = _name(rng)
+        ref = {"$ref": f"#/$defs/{item}"}
+        nested = rng.choice([ref, {"type": "array", "items": ref, "maxItems": rng.randint(1, 2)}])
+        schema["properties"][key] = nested
+        schema["required"].append(key)
+        schema["$defs"] = {item: _object_schema(rng)}
+    return schema
+
+
+def _value(rng: random.Random, schema: dict[str, Any], root: dict[str, Any]) -> Any:
+    """A random instance of `schema` (the shapes drawn above)."""
+    if "$ref" in schema:
+        return _value(rng, root["$defs"][schema["$ref"].rsplit("/", 1)[1]], root)
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    kind = schema["type"]
+    if kind == "object":
+        props = schema["properties"]
+        keys = [k for k in props if k in schema["required"] or rng.random() < 0.5]
+        return {k: _value(rng, props[k], root) for k in keys}
+    if kind == "array":
+        return [_value(rng, schema["items"], root) for _ in range(rng.randint(0, 2))]
+    if kind == "string":
+        return "".join(
+            rng.choice(string.ascii_letters + ' "\\') for _ in range(schema["maxLength"])
+        )
+    if kind == "integer":
+        return rng.randint(schema["minimum"], schema["maximum"])
+    return rng.choice([True, False])
+
+
+def _tools(rng: random.Random) -> list[dict]:
+    names: set[str] = set()
+    count = rng.randint(1, 3)
+    while len(names) < count:
+        names.add(_name(rng))
+    tools = []
+    for name in sorted(names):
+        fn: dict[str, Any] = {"name": name, "description": " ".join(_name(rng) for _ in "ab")}
+        if rng.random() < 0.8:  # else a tool without parameters: it takes {}
+            fn["parameters"] = _object_schema(rng)
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+def _call(rng: random.Random, tools: list[dict]) -> dict[str, Any]:
+    fn = rng.choice(tools)["function"]
+    params = fn.get("parameters")
+    return {"name": fn["name"], "arguments": _value(rng, params, params) if params else {}}
+
+
+def _format(rng: random.Random, kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the answer's schema, the response_format asking for it)."""
+    if kind == "json_object":
+        return {"type": "object"}, {"type": "json_object"}
+    schema = _answer_schema(rng)
+    return schema, {"type": "json_schema", "json_schema": {"name": _name(rng), "schema": schema}}
+
+
+def _answer(rng: random.Random, schema: dict[str, Any]) -> Any:
+    """A random answer valid against `schema` (json_object's: some object of scalars)."""
+    return _value(rng, schema if "properties" in schema else _object_schema(rng), schema)
+
+
+def _body(rng: random.Random, tools: list[dict], fmt: dict[str, Any]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": " ".join(_name(rng) for _ in range(4))}],
+        "tools": tools,
+        "response_format": fmt,
+        "max_tokens": 300,
+        "temperature": 0,
+    }
+    if rng.random() < 0.5:
+        body["tool_choice"] = "auto"  # the default with tools
+    return body
+
+
+def _outcome(finish: str, content: str | None, calls: list[dict]) -> tuple:
+    """(finish_reason, content, [(name, arguments)]): what a reply says, ids aside."""
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls), calls
+    pairs = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    return finish, content or None, pairs
+
+
+def _ask(client, read_sse, body: dict[str, Any]) -> tuple:
+    """The outcome of `body` non-streamed, checked equal to the streamed one's."""
+    r = client.post(URL, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    message = choice["message"]
+    whole = _outcome(choice["finish_reason"], message["content"], message.get("tool_calls", []))
+    assert whole[2] or message["content"] is not None, message
+    with client.stream("POST", URL, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = read_sse(list(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    deltas = [e["choices"][0]["delta"] for e in events[:-2]]
+    calls = [c for d in deltas for c in d.get("tool_calls") or []]
+    # A call goes out whole, in one delta: id, name and all of its arguments.
+    assert [c["index"] for c in calls] == list(range(len(calls)))
+    content = "".join(d.get("content") or "" for d in deltas)
+    streamed = _outcome(events[-2]["choices"][0]["finish_reason"], content, calls)
+    assert streamed == whole
+    return whole
+
+
+def _is_call_of(value: Any, tools: list[dict]) -> bool:
+    names = {t["function"]["name"] for t in tools}
+    return (
+        isinstance(value, dict)
+        and set(value) == {"name", "arguments"}
+        and value["name"] in names
+        and isinstance(value["arguments"], dict)
+    )
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "json_object"])
+def test_a_call_or_the_answer_comes_back_as_such(scripted_client, read_sse, rng_seed, kind):
+    """The engine is asked for "a call of a tool or the answer", and what it writes is read as
+    what it is: the call as tool_calls (finish "tool_calls"), the answer as content ("stop")."""
+    fake, client = scripted_client
+    rng = random.Random(rng_seed)
+    tools = _tools(rng)
+    schema, fmt = _format(rng, kind)
+    call = _call(rng, tools)
+    answer = _answer(rng, schema)
+    body = _body(rng, tools, fmt)
+    for value in rng.sample([call, answer], 2):
+        text = json.dumps(value, ensure_ascii=False)
+        fake.replies = [(text, "stop"), (text, "stop")]
+        finish, content, calls = _ask(client, read_sse, body)
+        if value is call:
+            assert (finish, content, calls) == ("tool_calls", None, [tuple(call.values())])
+        else:
+            assert (finish, content, calls) == ("stop", text, [])
+    assert len(fake.samplings) == 4
+    for sampling in fake.samplings:
+        assert sampling.response_format is None
+        jsonschema.validate(call, sampling.json_schema)
+        jsonschema.validate(answer, sampling.json_schema)
+
+
+def test_the_grammar_lets_out_a_call_or_the_answer(engine, client, read_sse, rng_seed, monkeypatch):
+    """Greedy, on the demo model, with each kind of response_format: whatever the output, it
+    reads as a valid call of one of the tools or a valid answer, the same streamed or not."""
+    rng = random.Random(rng_seed)
+    samplings = []
+    submit = engine.submit
+
+    def recording(prompt, sampling, **options):
+        samplings.append(sampling)
+        return submit(prompt, sampling, **options)
+
+    monkeypatch.setattr(engine, "submit", recording)
+    for kind in rng.sample(["json_schema", "json_object"], 2):
+        samplings.clear()
+        tools = _tools(rng)
+        schema, fmt = _format(rng, kind)
+        finish, content, calls = _ask(client, read_sse, _body(rng, tools, fmt))
+        if finish == "tool_calls":
+            assert content is None and len(calls) == 1
+            name, arguments = calls[0]
+            fn = next(t["function"] for t in tools if t["function"]["name"] == name)
+            jsonschema.validate(arguments, fn.get("parameters") or {"maxProperties": 0})
+        elif finish == "length":  # any object is an answer: a random model may add keys forever
+            assert kind == "json_object" and content.startswith("{") and not calls
+        else:
+            assert finish == "stop" and not calls
+            value = json.loads(content)
+            jsonschema.validate(value, schema)
+            assert not _is_call_of(value, tools), "a call of a tool came back as the answer"
+        # The grammar was given both: each tool's calls and the answer are among what it
+        # allows. (json_object's answer allows every object, calls too: there only the
+        # reading tells them apart, which the scripted test above checks.)
+        assert len(samplings) == 2
+        for sampling in samplings:
+            for tool in tools:
+                jsonschema.validate(_call(rng, [tool]), sampling.json_schema)
+            jsonschema.validate(_answer(rng, schema), sampling.json_schema)
+
+
+def test_tool_choice_none_leaves_the_answer_schema_alone(scripted_client, read_sse, rng_seed):
+    """With tool_choice "none" the response_format's schema is the only constraint, and a
+    call-shaped answer is the answer."""
+    fake, client = scripted_client
+    rng = random.Random(rng_seed)
+    tools = _tools(rng)
+    schema, fmt = _format(rng, "json_schema")
+    text = json.dumps(_call(rng, tools))
+    fake.replies = [(text, "stop"), (text, "stop")]
+    body = {**_body(rng, tools, fmt), "tool_choice": "none"}
+    assert _ask(client, read_sse, body) == ("stop", text, [])
+    assert [s.json_schema for s in fake.samplings] == [schema, schema]
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "json_object"])
+def test_a_forced_call_with_a_response_format_is_still_refused(client, api_error, rng_seed, kind):
+    rng = random.Random(rng_seed)
+    tools = _tools(rng)
+    forced = rng.choice(
+        ["required", {"type": "function", "function": {"name": _call(rng, tools)["name"]}}]
+    )
+    body = {**_body(rng, tools, _format(rng, kind)[1]), "tool_choice": forced}
+    body["stream"] = rng.choice([True, False])
+    error = api_error(client.post(URL, json=body), 400)
+    assert error["param"] == "response_format", error
+
+
+def test_an_unresolvable_ref_names_its_field(client, api_error, rng_seed):
+    """The answer and the tools' parameters are nested in one schema, so each one's $refs are
+    inlined first; one that points nowhere is a 400 naming where it is."""
+    rng = random.Random(rng_seed)
+    for field in rng.sample(["response_format", "tools"], 2):
+        tools = _tools(rng)
+        schema, fmt = _format(rng, "json_schema")
+        broken = {"type": "object", "properties": {"x": {"$ref": f"#/$defs/{_name(rng)}"}}}
+        at = rng.randrange(len(tools))
+        if field == "tools":
+            tools[at]["function"]["parameters"] = broken
+        else:
+            fmt["json_schema"]["schema"] = broken
+        error = api_error(client.post(URL, json=_body(rng, tools, fmt)), 400)
+        assert error["param"] == (f"tools[{at}]" if field == "tools" else field), error
+
+
+def test_a_call_or_answer_turn_closes_an_open_think_block(engine, rng_seed):
+    """The grammar starts at the first token: a prompt that leaves `<think>` open gets its
+    closer as a suffix, and the parser, starting past it, reads a call or the answer (never
+    reasoning), however the output is chunked."""
+    rng = random.Random(rng_seed)
+    tools = _tools(rng)
+    call = _call(rng, tools)
+    schema = _answer_schema(rng)
+    answer = _answer(rng, schema)
+    for value, thinking in [(call, True), (answer, True), (call, False)]:
+        turn = SimpleNamespace(suffix_ids=None)
+        factory = parser_factory(ToolChoice("auto"), tools, engine, turn, True)
+        end = "<|im_start|>assistant\n" + ("<think>\n" if thinking else "")
+        parser = factory(SimpleNamespace(text="<|im_start|>user\nhi<|im_end|>\n" + end))
+        closer = engine.tokenizer.encode("</think>\n\n") if thinking else []
+        assert turn.suffix_ids == closer
+        text = json.dumps(value)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 5))))
+        events = []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            events += parser.feed(text[a:b])
+        events += parser.finish()
+        assert not any(isinstance(e, ReasoningDelta) and e.text for e in events)
+        ends = [e for e in events if isinstance(e, ToolCallEnd)]
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        if value is call:
+            assert [(e.name, dict(e.arguments)) for e in ends] == [tuple(call.values())]
+            assert content == ""
+        else:
+            assert not ends and content == text
