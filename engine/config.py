@@ -255,6 +255,14 @@ class EngineConfig:
     max_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     cuda_graphs: bool = True  # capture batched decode in CUDA graphs (CUDA only)
+    # FTW checkpoints: check every expert row against the manifest's CRC32 as the load copies
+    # it (a CheckpointError names the bank and the rows). Off: zlib.crc32 hashes 4.2 GB/s on
+    # one thread (measured on the dev box's AMD EPYC, zlib 1.2.13), slower than a PCIe 4/5 NVMe
+    # disk reads (7-14 GB/s) and far slower than the page cache, and a load is meant to be
+    # bound by the disk. Every load checks what costs nothing (manifest fields, shapes, dtype,
+    # file sizes); `freetoken convert` reads its banks back, `freetoken verify DIR` checks a
+    # copied checkpoint once.
+    verify_checksums: bool = False
     expert_slots: int | None = None  # offloading: GPU expert slots (None: sized from budget)
     # Offloading: chunks of at least this many tokens stream whole layers instead of placing
     # their misses expert by expert. Measured on the H200 host (`bench stream-threshold`, peer

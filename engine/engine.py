@@ -179,7 +179,9 @@ class Engine:
         """Change the GPU budget while running; applied at the next safe point (KV pages and
         expert slots re-split, requests preempted rather than failing if even the fewest slots
         leave too few pages). At most the ceiling the arena reserved addresses for
-        (EngineConfig.gpu_ceiling); higher values are capped there."""
+        (EngineConfig.gpu_ceiling); higher values are capped there. A budget below the floor
+        (dense weights, workspace, recurrent memory, 2 KV pages and the fewest expert slots:
+        `engine.memory.floor`) is an InvalidRequestError that names it."""
         self._open()
         if self.memory is None:
             raise InvalidRequestError(

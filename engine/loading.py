@@ -26,6 +26,7 @@ from freetoken_agent.engine.experts.placement import (
     gpu_ceiling,
     make_bank,
     offloads,
+    size,
     workspace_bytes,
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
@@ -171,9 +172,9 @@ def size_kv_pool(
     left = budget - resident_bytes - workspace - recurrent
     if left < 2 * page_bytes:
         raise BudgetError(
-            f"GPU budget of {budget / GiB:.2f} GiB cannot hold the resident weights "
-            f"({resident_bytes / GiB:.2f} GiB), a {workspace / GiB:.2f} GiB workspace, "
-            f"{recurrent / GiB:.2f} GiB of recurrent state and checkpoints and a KV pool"
+            f"GPU budget of {size(budget)} cannot hold the resident weights "
+            f"({size(resident_bytes)}), a {size(workspace)} workspace, "
+            f"{size(recurrent)} of recurrent state and checkpoints and a KV pool"
         )
     return int(min(left // page_bytes, -(-wanted_tokens // s) + 1))
 
@@ -198,9 +199,12 @@ def load_model(
     model, bank, max_len = build_model(spec, config, dev, run_dtype)
     table = family(spec.arch).CHECKPOINT_NAMES
     if ftw.is_ftw(path):
-        dense = [path / ftw.read_manifest(path, spec)["dense"]]
+        manifest = ftw.read_manifest(path, spec)
+        dense = [path / manifest["dense"]]
         load_safetensors(path, spec, model, bank, table, progress, dense, experts_elsewhere=True)
-        copy_banks(ftw.open_banks(path, spec), bank, progress)
+        crcs = {b: manifest["banks"][b]["crc32"] for b in ftw.BANKS}
+        copy_banks(ftw.open_banks(path, spec), bank, progress,
+                   crcs if config.verify_checksums else None, path)  # fmt: skip
     else:
         load_safetensors(path, spec, model, bank, table, progress)
     if isinstance(bank, OffloadedExpertBank):
@@ -285,20 +289,34 @@ def assemble(
     )  # fmt: skip
 
 
-def copy_banks(banks: dict[str, torch.Tensor], bank: ExpertBank, progress: bool) -> None:
+def copy_banks(
+    banks: dict[str, torch.Tensor],
+    bank: ExpertBank,
+    progress: bool,
+    crcs: dict[str, list[int]] | None = None,
+    folder: Path | None = None,
+) -> None:
     """Copy memory-mapped FTW banks into the resident bank, a few experts per copy (disk-bound:
-    pages are read once, no per-tensor work)."""
+    pages are read once, no per-tensor work). With `crcs` (the manifest's, per bank and row:
+    EngineConfig.verify_checksums) each copied chunk's rows are checked while its pages are
+    still cached; rows that fail are a CheckpointError naming them and `folder`."""
     total = sum(b.nbytes for b in banks.values())
     bar = tqdm(
         total=total, unit="B", unit_scale=True, desc="experts", delay=1.0, disable=not progress
     )
+    bad: dict[str, list[int]] = {}
     with bar:
         for name, src in banks.items():
             dst = getattr(bank, name)
             step = max(1, (256 << 20) // max(1, src[0].nbytes))  # ~256 MB per copy
+            bad[name] = []
             for lo in range(0, src.shape[0], step):
                 dst[lo : lo + step].copy_(src[lo : lo + step])
+                if crcs is not None:
+                    bad[name] += ftw.mismatched(src[lo : lo + step], crcs[name], lo)
                 bar.update(src[lo : lo + step].nbytes)
+    if any(bad.values()):
+        raise ftw.checksum_error(folder or "the FTW checkpoint", bad)
 
 
 def _tokenizer(path: Path) -> Tokenizer | None:

@@ -144,12 +144,18 @@ class MemoryManager(CheckpointTier):
 
     def set_budget(self, nbytes: int) -> None:
         """Applied at the next safe point. At most the ceiling (`max_budget`: the addresses
-        the arena reserved, EngineConfig.gpu_ceiling)."""
+        the arena reserved, EngineConfig.gpu_ceiling); a budget below the floor is refused
+        (raised to it, the engine would hold more than the user allowed)."""
         nbytes = int(nbytes)
-        if nbytes <= self.fixed:
+        if nbytes < self.floor:
+            a, rows = self.arena, self._row_bytes
             raise ValueError(
-                f"a GPU budget of {nbytes} bytes does not cover the {self.fixed} bytes of dense "
-                "weights, workspace and recurrent memory"
+                f"a GPU budget of {nbytes} bytes does not cover this engine's floor of "
+                f"{self.floor}: {self.fixed} bytes of dense weights, workspace and recurrent "
+                f"memory, 2 KV pages ({2 * a.kv_unit.nbytes})"
+                + (f", a checkpoint row ({rows})" if rows else "")
+                + f" and the {self.bank.min_slots} expert slots offloading runs with "
+                f"({self.bank.min_slots * a.slot_unit.nbytes})"
             )
         self.user_budget = min(nbytes, self.max_budget)
         self.explicit = True

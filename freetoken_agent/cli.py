@@ -1,10 +1,11 @@
-"""The `freetoken` command: demo, generate, chat, serve, convert, calibrate, bench.
+"""The `freetoken` command: demo, generate, chat, serve, convert, verify, calibrate, bench.
 
     freetoken demo                         build (once) and run the tiny random demo model
     freetoken generate --model DIR "text"  one completion, streamed to stdout
     freetoken chat --model DIR             an interactive chat that keeps its KV across turns
     freetoken serve [--model DIR]          OpenAI-compatible API, session WebSocket, web page
     freetoken convert HF_DIR OUT_DIR       write a checkpoint as FTW expert banks
+    freetoken verify FTW_DIR               check every expert row against its checksum
     freetoken calibrate [--model DIR]      measure the bandwidths the q* split uses
     freetoken bench ...                    benchmarks (see `freetoken bench --help`)
 
@@ -210,7 +211,32 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from freetoken_agent.engine.weights.ftw import convert
 
     out = convert(args.src, args.dst)
-    print(f"[freetoken] wrote FTW checkpoint {out}", file=sys.stderr)
+    print(f"[freetoken] wrote FTW checkpoint {out} (banks read back, checksums match)",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from freetoken_agent.engine.config import read_config
+    from freetoken_agent.engine.models.registry import spec_from_config
+    from freetoken_agent.engine.weights import ftw
+
+    folder = Path(args.dir)
+    if not ftw.is_ftw(folder):
+        raise FileNotFoundError(f"no {ftw.MANIFEST} in {folder}: not an FTW checkpoint")
+    spec = spec_from_config(read_config(folder))
+    files = {b: e["file"] for b, e in ftw.read_manifest(folder, spec)["banks"].items()}
+    bad = ftw.bad_rows(folder, spec, progress=True)
+    for bank, rows in bad.items():
+        for lid in rows:  # lid = moe layer * n_experts + expert
+            layer, expert = spec.moe_layers[lid // spec.n_experts], lid % spec.n_experts
+            print(f"{files[bank]} row {lid} (layer {layer}, expert {expert}): bad checksum")
+    n_bad, n_rows = sum(map(len, bad.values())), len(bad) * spec.n_moe_layers * spec.n_experts
+    if n_bad:
+        print(f"freetoken: error: {n_bad} of {n_rows} expert rows in {folder} fail their "
+              "checksum: the checkpoint is damaged, convert it again", file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"[freetoken] {folder}: all {n_rows} expert rows match their checksums", file=sys.stderr)
     return 0
 
 
@@ -287,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="HF model folder (safetensors)")
     conv.add_argument("dst", help="new folder for the FTW checkpoint")
     conv.set_defaults(func=cmd_convert)
+
+    ver = sub.add_parser("verify", help="check an FTW folder's expert rows against their CRC32s")
+    ver.add_argument("dir", help="FTW checkpoint folder (`freetoken convert` wrote it)")
+    ver.set_defaults(func=cmd_verify)
 
     cal = sub.add_parser(
         "calibrate", help="measure B_P, B_H and the CPU's knee for the q* split (cached)"

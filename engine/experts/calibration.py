@@ -3,18 +3,23 @@
 which it computes more than it reads), cached per machine and expert shape.
 
 `freetoken calibrate` measures both and writes them to `$FREETOKEN_CACHE/calibration.json`
-(default `~/.cache/freetoken`), keyed by GPU, CPU, expert shape and dtype; `Engine.load` reads
-the entry for its model, and the offloaded bank keeps re-estimating both online from the copies
-and CPU runs it times (an exponential moving average), so a stale calibration corrects itself.
+(default `~/.cache/freetoken`), keyed by the cache's format, GPU, CPU model, expert shape and
+dtype; `Engine.load` reads the entry for its model, and the offloaded bank keeps re-estimating
+both online from the copies and CPU runs it times (an exponential moving average), so a stale
+calibration corrects itself. An entry that is not a valid calibration (a field missing or
+unknown, a bandwidth that is not a positive number, another expert size) is ignored with a
+warning: the engine starts from the defaults, and the next `freetoken calibrate` replaces it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -22,7 +27,13 @@ import torch
 from freetoken_agent.engine.experts.policy import CPU_KNEE_TOKENS, Bandwidths
 from freetoken_agent.kernels.cpu.experts import cpu_experts as kernel_cpu_experts
 
+log = logging.getLogger("freetoken.experts")
+
 EMA = 0.2  # weight of a new observation in the online estimates
+# The cache's format, in every key: bump it when what is measured, or how, changes, so that
+# entries another version wrote are measured again rather than trusted.
+FORMAT = 2
+CPUINFO = Path("/proc/cpuinfo")
 
 
 def cache_file() -> Path:
@@ -30,9 +41,22 @@ def cache_file() -> Path:
     return root / "calibration.json"
 
 
+def cpu_model() -> str:
+    """The CPU's model name: /proc/cpuinfo's on Linux, where platform.processor() is only the
+    architecture ("x86_64" for every x86 machine); elsewhere platform.processor() or machine()."""
+    try:
+        for line in CPUINFO.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass  # not Linux
+    return platform.processor() or platform.machine()
+
+
 def machine_key(hidden: int, inter: int, dtype: torch.dtype) -> str:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return f"{gpu}|{platform.processor() or platform.machine()}|{hidden}x{inter}|{dtype}"
+    return f"v{FORMAT}|{gpu}|{cpu_model()}|{hidden}x{inter}|{dtype}"
 
 
 @dataclass(slots=True)
@@ -143,22 +167,75 @@ def calibrate(hidden: int, inter: int, dtype: torch.dtype) -> Calibration:
         measure_knee(hidden, inter, dtype, pool),
     )  # fmt: skip
     path = cache_file()
-    table = json.loads(path.read_text()) if path.is_file() else {}
+    table = _read_table(path)
+    if not isinstance(table, dict):  # unreadable: measured again from here
+        table = {}
     table[machine_key(hidden, inter, dtype)] = asdict(cal)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1))
     return cal
 
 
-def cached(hidden: int, inter: int, dtype: torch.dtype) -> Calibration | None:
-    path = cache_file()
+def _read_table(path: Path) -> object:
+    """The cache file's JSON ({} when there is none), or the error that kept it from parsing."""
     if not path.is_file():
-        return None
+        return {}
     try:
-        entry = json.loads(path.read_text()).get(machine_key(hidden, inter, dtype))
-    except json.JSONDecodeError:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return e
+
+
+def _json_kind(value: object) -> str:
+    kinds = {list: "a list", str: "a string", int: "a number", float: "a number"}
+    return kinds.get(type(value), "null" if value is None else type(value).__name__)
+
+
+def parse(entry: object, expert_bytes: int) -> Calibration:
+    """A cache entry as a Calibration, or a ValueError that says what is wrong with it. Every
+    field must be known (an entry another version wrote may mean something else by them),
+    bandwidths and the knee positive and finite (the policy divides by them), the expert size
+    the model's (bandwidths are measured in copies of one expert)."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"the entry is {_json_kind(entry)}, not an object")
+    unknown = sorted(set(entry) - {f.name for f in fields(Calibration)})
+    missing = sorted({"pcie", "cpu", "expert_bytes", "measured_at"} - set(entry))
+    if unknown or missing:
+        said = [
+            f"{what} field(s) {', '.join(names)}"
+            for what, names in (("unknown", unknown), ("missing", missing))
+            if names
+        ]
+        raise ValueError(f"the entry has {' and '.join(said)}")
+    for name in ("pcie", "cpu", "knee", "measured_at"):
+        value = entry.get(name, 1.0)  # the knee may be absent: cached before it was measured
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} is {value!r}, not a positive number")
+    if entry["expert_bytes"] != expert_bytes:
+        raise ValueError(f"measured on {entry['expert_bytes']!r}-byte experts, not "
+                         f"{expert_bytes}")  # fmt: skip
+    return Calibration(**entry)
+
+
+def cached(hidden: int, inter: int, dtype: torch.dtype) -> Calibration | None:
+    """This machine's calibration for the expert shape, or None: not measured, or an entry
+    that is not a valid calibration (`parse`), ignored with one warning (the engine starts
+    from the defaults and corrects them online; `freetoken calibrate` measures again)."""
+    path, key = cache_file(), machine_key(hidden, inter, dtype)
+    table = _read_table(path)
+    try:
+        if isinstance(table, Exception):
+            raise ValueError(f"the file does not parse ({table})")
+        if not isinstance(table, dict):
+            raise ValueError(f"the file holds {_json_kind(table)}, not an object")
+        if key not in table:
+            return None
+        return parse(table[key], 3 * hidden * inter * dtype.itemsize)
+    except ValueError as e:
+        log.warning("ignoring the bandwidth calibration for %s in %s: %s; run `freetoken "
+                    "calibrate` to measure again", key, path, e)  # fmt: skip
         return None
-    return Calibration(**entry) if entry else None
 
 
 def update(estimate: float, bytes_moved: int, seconds: float) -> float:

@@ -37,6 +37,12 @@ class BudgetError(ValueError):
     """The GPU budget cannot hold what must be resident."""
 
 
+def size(nbytes: int) -> str:
+    """Bytes for an error message: GiB from one GiB, MiB below (a tiny model's dense weights
+    or a mistyped budget would read 0.00 GiB)."""
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.2f} MiB"
+
+
 def workspace_bytes(spec: ModelSpec, config: EngineConfig, *, offloaded: bool) -> int:
     """Activations of one step: per token the residual stream and projections (bf16), the
     fused MoE's prefill buffers (a chunk's pairs at a time: `offloaded` banks run it in
@@ -79,26 +85,48 @@ def slot_count(
     """Slots that fit beside dense weights, workspace and a `kv_tokens` KV pool. `offloaded`:
     the workspace of an offloaded bank (False: of a resident one, to ask whether all fit)."""
     n_rows = spec.n_moe_layers * spec.n_experts
-    if config.expert_slots is not None:
-        return config.expert_slots
+    expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
     if device.type != "cuda" and config.gpu_budget is None:
-        return n_rows  # no budget on a CPU device unless one is given (a simulated GPU)
+        # No budget on a CPU device unless one is given (a simulated GPU): nothing to check.
+        return n_rows if config.expert_slots is None else config.expert_slots
+    budget = gpu_budget(config, device, dense)
+    if config.expert_slots is not None:  # the user's count: the budget must hold it
+        slots = config.expert_slots * expert
+        if budget < dense + slots:
+            raise BudgetError(
+                f"a GPU budget of {size(budget)} cannot hold the dense weights ({size(dense)}) "
+                f"and the {config.expert_slots} expert slots asked for ({size(slots)})"
+            )
+        return config.expert_slots
     kv = -(-config.kv_tokens // config.page_size) * KVPool.page_bytes(
         len(spec.attention_layers), config.page_size, spec.n_kv_heads, spec.head_dim, dtype
     )
-    expert = 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
     buffers = 2 if config.double_buffer else 1
-    budget = gpu_budget(config, device, dense)
     recurrent = recurrent_device_bytes(spec, config, device, dtype, budget)
-    left = budget - dense - kv - recurrent - workspace_bytes(spec, config, offloaded=offloaded)
+    workspace = workspace_bytes(spec, config, offloaded=offloaded)
+    left = budget - dense - kv - recurrent - workspace
     if lends_staging(left // expert, spec.n_experts, buffers, n_rows):
         return min(n_rows, left // expert)  # prefill staging borrows slots (streaming.py)
     left -= buffers * spec.n_experts * expert  # staging buffers of their own
     if left < expert:
+        # The least that runs: one slot beside staging buffers of their own (lending them
+        # takes a layer of slots more).
+        staging = buffers * spec.n_experts * expert
+        least = dense + kv + recurrent + workspace + staging + expert
+        rec = f", {size(recurrent)} of recurrent state" if recurrent else ""
+        rest = (
+            f"a {config.kv_tokens}-token KV pool ({size(kv)}), the workspace ({size(workspace)})"
+            f"{rec}, prefill staging ({size(staging)}) and one expert slot ({size(expert)})"
+        )
+        if budget < dense:
+            raise BudgetError(
+                f"a GPU budget of {size(budget)} does not even hold the dense weights "
+                f"({size(dense)}); offloading the experts also needs {rest}: at least "
+                f"{size(least)} in all"
+            )
         raise BudgetError(
-            f"a GPU budget of {gpu_budget(config, device, dense) / GiB:.2f} GiB holds the dense "
-            f"weights ({dense / GiB:.2f} GiB), a {config.kv_tokens}-token KV pool and the "
-            f"workspace, but not one expert slot ({expert / 2**20:.1f} MiB)"
+            f"a GPU budget of {size(budget)} holds the dense weights ({size(dense)}) but not "
+            f"{rest} beside them: at least {size(least)} in all"
         )
     return min(n_rows, left // expert)
 

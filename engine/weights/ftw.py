@@ -12,6 +12,10 @@ banks, flattened by logical id `lid = moe_layer * n_experts + expert`, each expe
 This is the layout of the expert pool and of the GPU slots, so loading is one memory map per
 bank (no per-tensor Python work) and a slot fill is one contiguous copy per bank. Conversion
 streams one tensor at a time: peak memory is one tensor, not the checkpoint.
+
+Integrity: every load checks what costs nothing (the manifest's fields, shapes and dtype, the
+file sizes). The rows' CRC32s are read back by `convert`, by `freetoken verify DIR` (`bad_rows`)
+and, when asked (EngineConfig.verify_checksums), by the load as it copies the rows.
 """
 
 from __future__ import annotations
@@ -93,7 +97,8 @@ def _where(spec: ModelSpec, target, layer: int, expert: int | None) -> list[tupl
 
 
 def convert(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
-    """Write the FTW form of HF folder `src` into `dst` (created; must not exist)."""
+    """Write the FTW form of HF folder `src` into `dst` (created; must not exist). The banks
+    are read back from the disk and checked against their CRC32s before `dst` appears."""
     src, dst = Path(src), Path(dst)
     spec = spec_from_config(read_config(src))
     if not spec.moe_layers:
@@ -164,13 +169,28 @@ def convert(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
         },
         "dense": "dense.safetensors",
     }
-    del banks
+    del banks, view  # the last views too: unmapped, so the pages can leave the cache
     (tmp / MANIFEST).write_text(json.dumps(manifest))
+    for b in BANKS:
+        _sync(tmp / f"experts.{b}.bin")
+    verify(tmp, spec)  # read back: a damaged write fails here, not at the first load
     for name in COPIED:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
     os.replace(tmp, dst)
     return dst
+
+
+def _sync(path: Path) -> None:
+    """Write a file to the disk and drop it from the page cache (where the OS allows), so a
+    read-back reads the disk rather than the pages just written."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -181,32 +201,98 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _row_crcs(bank: torch.Tensor) -> list[int]:
-    raw = bank.view(bank.shape[0], -1).view(torch.uint8)
-    return [zlib.crc32(raw[r].numpy().tobytes()) for r in range(bank.shape[0])]
+    """CRC32 of each row of a contiguous bank (slice): zlib reads the rows in place, no copy."""
+    raw = bank.reshape(bank.shape[0], -1).view(torch.uint8).numpy()
+    return [zlib.crc32(row) for row in raw]
+
+
+def mismatched(rows: torch.Tensor, crcs: list[int], first: int = 0) -> list[int]:
+    """Row indices (counted from `first`, the slice's first row) whose CRC32 is not crcs[i]."""
+    return [first + r for r, crc in enumerate(_row_crcs(rows)) if crc != crcs[first + r]]
+
+
+def checksum_error(folder: str | Path, bad: dict[str, list[int]]) -> CheckpointError:
+    """The error naming each bank's rows that fail their checksum (lids)."""
+    parts = [
+        f"FTW bank {b}: {len(rows)} expert rows fail their checksum: {rows[:8]}"
+        + (f" and {len(rows) - 8} more" if len(rows) > 8 else "")
+        for b, rows in bad.items()
+        if rows
+    ]
+    return CheckpointError(
+        "; ".join(parts) + f" (in {folder}: damaged on disk or in transit; convert it again, "
+        "`freetoken verify` lists every bad row)"
+    )
+
+
+_JSON = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
+
+
+def _field(where: Path, obj: object, key: str, kind: type, prefix: str = "") -> object:
+    """obj[key] when obj is a dict and the value a `kind`, else a CheckpointError naming the
+    manifest and the field (a damaged manifest must not crash with a KeyError)."""
+    if not isinstance(obj, dict) or key not in obj:
+        raise CheckpointError(f"{where}: field '{prefix}{key}' is missing")
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        found = _JSON.get(type(value), "null" if value is None else type(value).__name__)
+        raise CheckpointError(
+            f"{where}: field '{prefix}{key}' should be {_JSON[kind]}, found {found}"
+        )
+    return value
 
 
 def read_manifest(folder: str | Path, spec: ModelSpec) -> dict:
+    """The manifest, checked against the model and the files beside it: every field, the bank
+    shapes, the dtype, the file sizes (cheap: at every load). The rows' CRC32s are checked by
+    `verify` (a full read of the banks)."""
     folder = Path(folder)
+    where = folder / MANIFEST
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest = json.loads(where.read_text())
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{folder / MANIFEST} is not valid JSON: {e}") from e
+        raise CheckpointError(f"{where} is not valid JSON: {e}") from e
+    if not isinstance(manifest, dict):
+        found = _JSON.get(type(manifest), type(manifest).__name__)
+        raise CheckpointError(f"{where} should hold a JSON object, found {found}")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(
-            f"{folder / MANIFEST}: format {manifest.get('format')!r} version "
+            f"{where}: format {manifest.get('format')!r} version "
             f"{manifest.get('version')!r}; this FreeToken reads {FORMAT!r} version {VERSION}"
         )
+    # The banks are read as config.json's dtype: banks of another dtype would be
+    # reinterpreted bit by bit (NaN logits), or mapped past their end.
+    dtype = _field(where, manifest, "dtype", str)
+    itemsize = _field(where, manifest, "itemsize", int)
+    named = str(spec.dtype).removeprefix("torch.")
+    if (dtype, itemsize) != (named, spec.dtype.itemsize):
+        raise CheckpointError(
+            f"{where}: the banks hold {dtype} ({itemsize}-byte items), config.json says {named} "
+            f"({spec.dtype.itemsize}-byte): convert the HF folder again"
+        )
+    banks = _field(where, manifest, "banks", dict)
     for b, shape in bank_shapes(spec).items():
-        entry = manifest["banks"][b]
-        if tuple(entry["shape"]) != shape:
+        entry = _field(where, banks, b, dict, "banks.")
+        file = _field(where, entry, "file", str, f"banks.{b}.")
+        if tuple(_field(where, entry, "shape", list, f"banks.{b}.")) != shape:
             raise CheckpointError(
                 f"FTW bank {b} has shape {entry['shape']}; config.json implies {shape}"
             )
-        path = folder / entry["file"]
-        want = _numel(shape) * manifest["itemsize"]
+        crcs = _field(where, entry, "crc32", list, f"banks.{b}.")
+        ints = all(type(c) is int for c in crcs)
+        if len(crcs) != shape[0] or not ints:
+            raise CheckpointError(
+                f"{where}: field 'banks.{b}.crc32' should hold {shape[0]} integers (one per "
+                f"expert row), found {len(crcs)} entries" + ("" if ints else ", not all integers")
+            )
+        path = folder / file
+        want = _numel(shape) * itemsize
         if not path.is_file() or path.stat().st_size != want:
             size = path.stat().st_size if path.is_file() else "no file"
             raise CheckpointError(f"FTW bank {path} should hold {want} bytes, found {size}")
+    dense = folder / _field(where, manifest, "dense", str)
+    if not dense.is_file():
+        raise CheckpointError(f"{dense} (the dense weights, named in {where}) does not exist")
     return manifest
 
 
@@ -226,14 +312,27 @@ def open_banks(folder: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
     }
 
 
-def verify(folder: str | Path, spec: ModelSpec) -> None:
-    """Check every expert row against its CRC32 (a full read of the banks)."""
+def bad_rows(folder: str | Path, spec: ModelSpec, progress: bool = False) -> dict[str, list[int]]:
+    """The rows (lids) of each bank that fail their CRC32: a full read of the banks, on one
+    thread at zlib's speed (EngineConfig.verify_checksums)."""
     manifest = read_manifest(folder, spec)
-    for b, bank in open_banks(folder, spec).items():
-        bad = [
-            r for r, crc in enumerate(_row_crcs(bank)) if crc != manifest["banks"][b]["crc32"][r]
-        ]
-        if bad:
-            raise CheckpointError(
-                f"FTW bank {b}: {len(bad)} expert rows fail their checksum: {bad[:8]}"
-            )
+    banks = open_banks(folder, spec)
+    total = sum(b.nbytes for b in banks.values())
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="verifying", disable=not progress)
+    bad: dict[str, list[int]] = {}
+    with bar:
+        for b, bank in banks.items():
+            crcs, bad[b] = manifest["banks"][b]["crc32"], []
+            step = max(1, (256 << 20) // max(1, bank[0].nbytes))  # ~256 MB at a time
+            for lo in range(0, bank.shape[0], step):
+                bad[b] += mismatched(bank[lo : lo + step], crcs, lo)
+                bar.update(bank[lo : lo + step].nbytes)
+    return bad
+
+
+def verify(folder: str | Path, spec: ModelSpec) -> None:
+    """Check every expert row against its CRC32 (a full read of the banks); a CheckpointError
+    names the rows that fail."""
+    bad = bad_rows(folder, spec)
+    if any(bad.values()):
+        raise checksum_error(folder, bad)

@@ -13,6 +13,8 @@ from tiny_models import make_tiny
 
 from freetoken_agent import ContextLengthError, Engine, InvalidRequestError, SamplingParams
 from freetoken_agent.engine.config import ConfigError
+from freetoken_agent.engine.experts.placement import BudgetError
+from freetoken_agent.engine.loading import dense_nbytes
 from freetoken_agent.engine.weights.loader import CheckpointError
 
 
@@ -118,6 +120,46 @@ def test_bad_policy_and_slot_count_are_explained(model_dir):
         Engine.load(model_dir, device="cpu", policy="fastest", progress=False)
     with pytest.raises(ValueError, match="at least one slot"):
         Engine.load(model_dir, device="cpu", policy="transfer", expert_slots=0, progress=False)
+
+
+OFFLOADING = ("transfer", "cpu", "static", "adaptive", "direct", "gpu-fill")
+MIB = r"\d+\.\d\d MiB"  # sizes under a GiB: a tiny model's would read 0.00 GiB
+
+
+def test_a_budget_short_of_the_dense_weights_says_so(model_dir, rng_seed):
+    """It used to say the budget held the dense weights (0.00 GiB) but not one slot."""
+    rng = random.Random(rng_seed)
+    resident = Engine.load(model_dir, device="cpu", progress=False, policy="resident")
+    dense = dense_nbytes(resident.loaded.model)
+    for policy in OFFLOADING:
+        budget = rng.choice([1, dense // 2, rng.randrange(1, dense)])
+        with pytest.raises(BudgetError, match=rf"budget of {MIB} does not even hold the dense "
+                           rf"weights \({MIB}\).*at least {MIB} in all"):  # fmt: skip
+            Engine.load(model_dir, device="cpu", progress=False, policy=policy,
+                        gpu_budget=budget, kv_tokens=256)  # fmt: skip
+        budget = dense + rng.randrange(1, 64 << 20)  # the dense weights, not the workspace
+        with pytest.raises(BudgetError, match=rf"budget of {MIB} holds the dense weights "
+                           rf"\({MIB}\) but not a 256-token KV pool"):  # fmt: skip
+            Engine.load(model_dir, device="cpu", progress=False, policy=policy,
+                        gpu_budget=budget, kv_tokens=256)  # fmt: skip
+
+
+def test_a_budget_short_of_the_slots_asked_for_is_refused(model_dir, rng_seed):
+    """expert_slots used to skip the budget: a budget short of the dense weights loaded."""
+    rng = random.Random(rng_seed)
+    resident = Engine.load(model_dir, device="cpu", progress=False, policy="resident")
+    spec, dense = resident.spec, dense_nbytes(resident.loaded.model)
+    slots = rng.randint(1, spec.n_moe_layers * spec.n_experts - 1)
+    need = dense + slots * spec.expert_bytes
+    for policy in OFFLOADING:
+        budget = rng.randrange(1, need)
+        with pytest.raises(BudgetError, match=rf"budget of {MIB} cannot hold the dense weights "
+                           rf"\({MIB}\) and the {slots} expert slots asked for"):  # fmt: skip
+            Engine.load(model_dir, device="cpu", progress=False, policy=policy,
+                        gpu_budget=budget, expert_slots=slots, kv_tokens=256)  # fmt: skip
+    engine = Engine.load(model_dir, device="cpu", progress=False, policy=rng.choice(OFFLOADING),
+                         gpu_budget=need, expert_slots=slots, kv_tokens=256)  # fmt: skip
+    assert engine.stats()["experts"]["slots"] == slots
 
 
 @pytest.mark.parametrize(

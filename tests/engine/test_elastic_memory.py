@@ -271,6 +271,27 @@ def test_request_that_cannot_fit_the_cut_budget_fails_clearly(model):
     engine.check_integrity()
 
 
+def test_a_budget_below_the_floor_is_refused_and_names_the_floor(model):
+    """Between the fixed bytes and the floor a budget used to be raised to the floor in
+    silence: the engine then held more than it was allowed."""
+    path, resident, rng = model
+    engine = _elastic(path, resident, slots=40)
+    m = engine.memory
+    before, ask = m.budget, rng.randrange(m.fixed + 1, m.floor)
+    slots = engine.loaded.bank.min_slots
+    with pytest.raises(InvalidRequestError, match=(
+        rf"budget of {ask} bytes does not cover this engine's floor of {m.floor}: {m.fixed} "
+        rf"bytes of dense weights, workspace and recurrent memory, 2 KV pages "
+        rf"\({2 * m.arena.kv_unit.nbytes}\) and the {slots} expert slots offloading runs with "
+        rf"\({slots * m.arena.slot_unit.nbytes}\)"
+    )):  # fmt: skip
+        engine.set_gpu_budget(ask)
+    assert (m.budget, m.user_budget) == (before, before)
+    engine.set_gpu_budget(m.floor)  # the floor itself: taken, and held to
+    assert m.budget == m.floor and m.held_bytes() <= m.floor
+    engine.check_integrity()
+
+
 def test_budget_follows_free_memory_as_another_program_takes_and_releases(model):
     """Another program takes more than the free headroom: at the next safe point the engine
     drops its budget by the shortfall and unmaps arena chunks until the reserve is free again,

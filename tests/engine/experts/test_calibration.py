@@ -4,6 +4,10 @@ and corrected online."""
 from __future__ import annotations
 
 import json
+import logging
+import platform
+import random
+import time
 
 import pytest
 import torch
@@ -11,7 +15,7 @@ from tiny_models import make_tiny
 
 from freetoken_agent import Engine
 from freetoken_agent.engine.experts import calibration
-from freetoken_agent.engine.experts.policy import CPU_KNEE_TOKENS
+from freetoken_agent.engine.experts.policy import CPU_KNEE_TOKENS, Bandwidths
 
 
 @pytest.fixture
@@ -66,3 +70,91 @@ def test_online_update_moves_toward_observations():
         est = calibration.update(est, bytes_moved=40_000_000, seconds=1e-3)  # 40 GB/s seen
     assert abs(est - 40e9) / 40e9 < 1e-3
     assert calibration.update(est, 0, 1.0) == est  # nothing measured, nothing changes
+
+
+def _entry(rng: random.Random) -> dict:
+    """A valid entry for 64x32 fp32 experts, with random bandwidths."""
+    bandwidths = dict(pcie=rng.uniform(1e9, 6e10), cpu=rng.uniform(1e9, 6e10))
+    return dict(**bandwidths, expert_bytes=3 * 64 * 32 * 4, measured_at=time.time(),
+                knee=rng.uniform(1.0, 64.0))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (lambda e: {**e, "h2d_streams": 2}, "unknown field"),  # another version's entry
+        (lambda e: {k: v for k, v in e.items() if k != "cpu"}, "missing field"),
+        (lambda e: {**e, "pcie": 0.0}, "pcie is 0.0"),  # a failed measurement
+        (lambda e: {**e, "cpu": -e["cpu"]}, "cpu is -"),
+        (lambda e: {**e, "knee": float("nan")}, "knee is nan"),
+        (lambda e: {**e, "cpu": "fast"}, "cpu is 'fast'"),
+        (lambda e: {**e, "expert_bytes": e["expert_bytes"] // 2}, "-byte experts"),
+        (lambda e: "stale", "the entry is a string"),
+        (lambda e: None, "the entry is null"),
+    ],
+)
+def test_a_bad_cache_entry_is_ignored_with_one_warning(
+    cache_dir, tmp_path, rng_seed, caplog, damage, says
+):
+    """Engine.load runs on the defaults (never a crash, nor a division by a zero bandwidth
+    where the stream threshold is derived), and says once why."""
+    make_tiny("qwen3_moe", tmp_path / "m", rng_seed)
+    path = calibration.cache_file()
+    path.parent.mkdir(parents=True)
+    key = calibration.machine_key(64, 32, torch.float32)
+    path.write_text(json.dumps({key: damage(_entry(random.Random(rng_seed)))}))
+    with caplog.at_level(logging.WARNING, logger="freetoken"):
+        engine = Engine.load(tmp_path / "m", device="cpu", policy="adaptive", expert_slots=3,
+                             stream_min_tokens=None, progress=False)  # fmt: skip
+    warned = [r.getMessage() for r in caplog.records if "bandwidth calibration" in r.getMessage()]
+    assert len(warned) == 1 and says in warned[0] and str(path) in warned[0], warned
+    bw = engine.loaded.bank.bandwidths
+    assert (bw.pcie, bw.cpu, bw.knee) == (Bandwidths().pcie, Bandwidths().cpu, CPU_KNEE_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [("[1, 2]", "holds a list"), ("{not json", "does not parse"), ('"x"', "holds a string")],
+)
+def test_a_cache_file_that_is_no_table_is_ignored_and_measured_again(
+    cache_dir, text, says, caplog, monkeypatch
+):
+    path = calibration.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with caplog.at_level(logging.WARNING, logger="freetoken"):
+        assert calibration.cached(64, 32, torch.float32) is None
+    assert len(caplog.records) == 1 and says in caplog.text, caplog.text
+    # `freetoken calibrate` replaces it (a small probe pool: the measurement is not the point)
+    small = calibration.probe_pool
+    monkeypatch.setattr(calibration, "probe_pool", lambda h, i, d: small(h, i, d, 8 << 20))
+    cal = calibration.calibrate(64, 32, torch.float32)
+    assert calibration.cached(64, 32, torch.float32) == cal
+
+
+def test_the_machine_key_names_the_cpu_model_and_the_cache_format(
+    cache_dir, tmp_path, monkeypatch, rng_seed
+):
+    """platform.processor() is "x86_64" on every x86 Linux machine: the key takes the model
+    name from /proc/cpuinfo, and the cache format, so another version's entries are not
+    trusted."""
+    rng = random.Random(rng_seed)
+    old_key = f"cpu|{platform.processor() or platform.machine()}|64x32|torch.float32"
+    path = calibration.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({old_key: _entry(rng)}))  # written by the format before
+    assert calibration.cached(64, 32, torch.float32) is None
+    keys = []
+    for _ in range(2):
+        model = f"Vendor(R) Chip {rng.randrange(10**9)} @ {rng.uniform(1, 5):.2f}GHz"
+        info = tmp_path / "cpuinfo"
+        cpu = f"vendor_id\t: Vendor\nmodel name\t: {model}\nflags\t\t: fpu sse2\n"
+        info.write_text(f"processor\t: 0\n{cpu}\nprocessor\t: 1\n{cpu}")
+        monkeypatch.setattr(calibration, "CPUINFO", info, raising=False)
+        keys.append(calibration.machine_key(64, 32, torch.float32))
+        assert model in keys[-1] and f"v{calibration.FORMAT}|" in keys[-1]
+    assert keys[0] != keys[1]
+    monkeypatch.setattr(calibration, "CPUINFO", tmp_path / "absent")  # not Linux
+    assert (platform.processor() or platform.machine()) in calibration.machine_key(
+        64, 32, torch.float32
+    )

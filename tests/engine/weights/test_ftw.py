@@ -59,3 +59,136 @@ def test_damaged_ftw_is_refused(tmp_path, rng_seed):
         Engine.load(ftw_dir, device="cpu", progress=False)
     with pytest.raises(FileExistsError):
         ftw.convert(hf_dir, ftw_dir, progress=False)
+
+
+@pytest.fixture
+def converted(tmp_path, rng_seed):
+    """(HF folder, FTW folder, spec, rng) of a tiny qwen3_moe."""
+    hf_dir, ftw_dir = tmp_path / "hf", tmp_path / "ftw"
+    make_tiny("qwen3_moe", hf_dir, rng_seed)
+    ftw.convert(hf_dir, ftw_dir, progress=False)
+    return hf_dir, ftw_dir, spec_from_config(read_config(ftw_dir)), random.Random(rng_seed)
+
+
+def _flip_rows(folder, spec, bank: str, rows: list[int], rng: random.Random) -> None:
+    """Flip one random bit in each of `rows` of `bank` (a disk's damage: sizes unchanged)."""
+    path = folder / f"experts.{bank}.bin"
+    raw = bytearray(path.read_bytes())
+    row_bytes = len(raw) // ftw.bank_shapes(spec)[bank][0]
+    for r in rows:
+        raw[r * row_bytes + rng.randrange(row_bytes)] ^= 1 << rng.randrange(8)
+    path.write_bytes(bytes(raw))
+
+
+def _damage(spec, rng: random.Random) -> tuple[str, list[int]]:
+    bank = rng.choice(ftw.BANKS)
+    return bank, sorted(rng.sample(range(spec.n_moe_layers * spec.n_experts), rng.randint(1, 5)))
+
+
+def test_convert_reads_back_what_it_wrote(tmp_path, rng_seed, monkeypatch):
+    """A bank that reads back other bytes than convert hashed (a failing disk) is refused
+    before the checkpoint appears."""
+    hf_dir, dst = tmp_path / "hf", tmp_path / "ftw"
+    make_tiny("qwen3_moe", hf_dir, rng_seed)
+    spec = spec_from_config(read_config(hf_dir))
+    bank, rows = _damage(spec, random.Random(rng_seed))
+    sync = getattr(ftw, "_sync", lambda path: None)
+
+    def damaging_sync(path):
+        if path.name == f"experts.{bank}.bin":
+            _flip_rows(path.parent, spec, bank, rows, random.Random(rng_seed))
+        sync(path)
+
+    monkeypatch.setattr(ftw, "_sync", damaging_sync, raising=False)
+    with pytest.raises(CheckpointError, match=rf"{bank}: {len(rows)} expert rows fail"):
+        ftw.convert(hf_dir, dst, progress=False)
+    assert not dst.exists()
+
+
+def test_verify_command_names_every_bad_row(converted, capsys):
+    from freetoken_agent import cli
+
+    _, ftw_dir, spec, rng = converted
+    assert cli.main(["verify", str(ftw_dir)]) == 0
+    bank, rows = _damage(spec, rng)
+    _flip_rows(ftw_dir, spec, bank, rows, rng)
+    capsys.readouterr()
+    assert cli.main(["verify", str(ftw_dir)]) == 1
+    out, err = capsys.readouterr()
+    named = [line.split()[:3] for line in out.splitlines()]
+    assert named == [[f"experts.{bank}.bin", "row", str(r)] for r in rows], out
+    assert f"{len(rows)} of {2 * spec.n_moe_layers * spec.n_experts} expert rows" in err
+    assert cli.main(["verify", str(ftw_dir.parent / "hf")]) == 2  # not FTW: said, not a crash
+
+
+@pytest.mark.parametrize("policy", ["resident", "transfer"])
+def test_verify_checksums_at_load_names_the_bank_and_rows(converted, policy):
+    _, ftw_dir, spec, rng = converted
+    bank, rows = _damage(spec, rng)
+    _flip_rows(ftw_dir, spec, bank, rows, rng)
+    opts = dict(device="cpu", progress=False, policy=policy, kv_tokens=256)
+    if policy != "resident":
+        opts["expert_slots"] = rng.randint(1, spec.n_experts)
+    with pytest.raises(CheckpointError, match=rf"{bank}: {len(rows)} expert rows fail their "
+                       rf"checksum: \[{', '.join(map(str, rows))}\]"):  # fmt: skip
+        Engine.load(ftw_dir, verify_checksums=True, **opts)
+    Engine.load(ftw_dir, **opts)  # off by default: a load reads at the disk's speed
+
+
+def _manifest_damage(folder, field: str):
+    manifest = json.loads((folder / "ftw.json").read_text())
+    parent = manifest
+    *path, last = field.split(".")
+    for key in path:
+        parent = parent[key]
+    return manifest, parent, last
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("banks.w2", None, "field 'banks.w2' is missing"),
+        ("banks.w13.file", None, "field 'banks.w13.file' is missing"),
+        ("itemsize", None, "field 'itemsize' is missing"),
+        ("itemsize", "4", "field 'itemsize' should be an integer, found a string"),
+        ("dense", None, "field 'dense' is missing"),
+        ("banks", [], "field 'banks' should be an object, found a list"),
+        ("banks.w2.shape", "oops", "field 'banks.w2.shape' should be a list, found a string"),
+        ("banks.w13.crc32", "short", "field 'banks.w13.crc32' should hold"),
+        ("dtype", "bfloat16", "the banks hold bfloat16 .2-byte items., config.json says float32"),
+        ("", [1, 2], "should hold a JSON object, found a list"),
+    ],
+)
+def test_a_damaged_manifest_is_a_checkpoint_error_naming_the_field(converted, field, value, says):
+    _, ftw_dir, spec, rng = converted
+    manifest, parent, last = _manifest_damage(ftw_dir, field)
+    if not field:
+        manifest = value
+    elif value is None:
+        del parent[last]
+    elif value == "short":  # a checksum lost: one fewer than the bank's rows
+        parent[last].pop(rng.randrange(len(parent[last])))
+    else:
+        parent[last] = value
+    if field == "dtype":  # as a manifest would say of bf16 banks: half the bytes
+        manifest["itemsize"] = 2
+    (ftw_dir / "ftw.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=says) as raised:
+        Engine.load(ftw_dir, device="cpu", progress=False, kv_tokens=256)
+    assert "ftw.json" in str(raised.value)
+
+
+def test_banks_of_another_dtype_or_no_dense_file_are_refused(converted):
+    """config.json says bf16, the banks are fp32: the banks would be read as bf16 (NaN
+    logits); a missing dense file is named."""
+    _, ftw_dir, _, _ = converted
+    config = json.loads((ftw_dir / "config.json").read_text())
+    (ftw_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16",
+                                                     "torch_dtype": "bfloat16"}))  # fmt: skip
+    with pytest.raises(CheckpointError, match="hold float32 .4-byte items., config.json says "
+                       "bfloat16"):  # fmt: skip
+        Engine.load(ftw_dir, device="cpu", progress=False, kv_tokens=256)
+    (ftw_dir / "config.json").write_text(json.dumps(config))
+    (ftw_dir / "dense.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="dense.safetensors .the dense weights"):
+        Engine.load(ftw_dir, device="cpu", progress=False, kv_tokens=256)
