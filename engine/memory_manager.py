@@ -62,6 +62,7 @@ from freetoken_agent.engine.memory_demand import DemandMeter, pages_wanted
 from freetoken_agent.engine.memory_tier import CheckpointTier
 from freetoken_agent.engine.scheduler import Scheduler
 
+MIN_PAGES = 2  # the scratch page and one for a request to run in: the least a split keeps
 FULL_EVERY = 32  # steps between full decisions while nothing but the cold tail can move
 # (every 8, decisions took ~0.15 ms of the safe point's ~0.2 ms a step, on the dev box's CPU at
 # 40 layers x 256 experts; the cold tail's hits are judged over 64 steps anyway)
@@ -120,9 +121,10 @@ class MemoryManager(CheckpointTier):
     # --- the budget -------------------------------------------------------------------------
     @property
     def floor(self) -> int:
-        """The least budget the engine can run in: fixed bytes, 2 KV pages, min_slots slots."""
+        """The least budget the engine can run in: fixed bytes, MIN_PAGES KV pages, min_slots
+        slots."""
         a = self.arena
-        least = self.fixed + 2 * a.kv_unit.nbytes + self.bank.min_slots * a.slot_unit.nbytes
+        least = self.fixed + MIN_PAGES * a.kv_unit.nbytes + self.bank.min_slots * a.slot_unit.nbytes
         return least + self._row_bytes  # and one checkpoint row, when they are in the split
 
     @property
@@ -322,13 +324,14 @@ class MemoryManager(CheckpointTier):
         slots = split.slots
         # The policy counts bytes; the arena also loses a partial unit where pages meet slots
         # and at its top. Pages (the policy's priority) win: give up slots until they fit.
-        pb = arena.kv_unit.nbytes
-        while slots > self.bank.min_slots and arena.boundary_for(n_slots=slots) // pb < split.pages:
+        # Pages count the scratch page (its bytes are spent too), and never fall below the
+        # floor's MIN_PAGES: the slots give way for those too (taking the policy's pages, 1 on
+        # an idle engine, then raising them to 2, held a slot more than the budget allowed).
+        pb, want = arena.kv_unit.nbytes, max(MIN_PAGES, split.pages)
+        while slots > self.bank.min_slots and arena.boundary_for(n_slots=slots) // pb < want:
             slots -= 1
-        # Pages count the scratch page (its bytes are spent too); at most what lies below the
-        # slots.
-        below = arena.boundary_for(n_slots=slots) // pb
-        pages = max(2, min(split.pages, below))
+        below = arena.boundary_for(n_slots=slots) // pb  # at most what lies below the slots
+        pages = max(MIN_PAGES, min(want, below))
         if slots < cache.n_slots:  # experts give bytes up first
             cache.resize(arena.max_slots - slots)
             arena.set_boundary(arena.boundary_for(n_slots=slots))

@@ -568,3 +568,23 @@ def test_steady_decode_decides_every_few_steps_and_a_cut_at_once(model):
     assert len(calls) <= steps // FULL_EVERY + 4, (calls, steps)
     gaps = [b - a for a, b in itertools.pairwise(calls)]
     assert max(gaps) <= FULL_EVERY, gaps  # the cold tail is never left unread for longer
+
+
+def test_a_cut_to_just_above_the_floor_holds_within_the_budget(model):
+    """Cut in one step to the floor plus a fraction of a few pages, the idle engine's split
+    stays within the budget. The policy gave the bytes of its one hard page (the scratch
+    page) and the rest to slots, then the split was raised to the floor's two pages: a slot
+    more than the budget held. Requests then run as before."""
+    path, resident, rng = model
+    engine = _elastic(path, resident, slots=40)
+    m = engine.memory
+    for whole in range(6):  # a cut within each of the first 6 pages past the floor
+        budget = m.floor + int((whole + rng.uniform(0.05, 0.95)) * m.arena.kv_unit.nbytes)
+        engine.set_gpu_budget(budget)
+        engine.step()
+        assert m.held_bytes() <= budget, (m.held_bytes() - budget, m.cache.n_slots)
+        engine.check_integrity()
+        engine.set_gpu_budget(m.max_budget)
+        engine.step()
+    prompt = [rng.randrange(3, 320) for _ in range(20)]
+    assert _run(engine, prompt) == resident.generate(prompt, SP).token_ids
