@@ -52,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 GIB = 1 << 30
+MIN_PAGES = 2  # the fewest KV pages a split keeps: the scratch page and one to run in
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,6 +73,7 @@ class MemoryDemand:
     min_slots: int  # the fewest slots offloading can run with (prefill staging)
     max_slots: int  # slots that would hold every expert (no gain beyond)
     slot_tail_hits: Callable[[int], float]  # hits/step lost if the k coldest slots went
+    min_pages: int = MIN_PAGES
 
 
 @dataclass(slots=True, frozen=True)
@@ -123,7 +125,10 @@ class MemoryPolicy:
         pb, sb = d.page_bytes, d.slot_bytes
         avail = d.budget - d.fixed
         min_slots = d.min_slots if sb else d.slots_now  # resident experts: slots cost nothing
-        running = d.pages_held + d.pages_growth
+        # An idle engine holds only the scratch page, but the engine keeps min_pages whatever
+        # the split says: counted here, or the slots took their bytes and the split held up to
+        # a slot more than the budget.
+        running = max(d.pages_held + d.pages_growth, d.min_pages)
         if avail < running * pb + min_slots * sb:
             return self._over_budget(d, avail, min_slots)
         hard = running + d.pages_waiting

@@ -51,6 +51,7 @@ from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.vacate import vacate_pages
 from freetoken_agent.engine.memory import (
+    MIN_PAGES,
     BudgetWatcher,
     MemoryDemand,
     MemoryPolicy,
@@ -62,7 +63,6 @@ from freetoken_agent.engine.memory_demand import DemandMeter, pages_wanted
 from freetoken_agent.engine.memory_tier import CheckpointTier
 from freetoken_agent.engine.scheduler import Scheduler
 
-MIN_PAGES = 2  # the scratch page and one for a request to run in: the least a split keeps
 FULL_EVERY = 32  # steps between full decisions while nothing but the cold tail can move
 # (every 8, decisions took ~0.15 ms of the safe point's ~0.2 ms a step, on the dev box's CPU at
 # 40 layers x 256 experts; the cold tail's hits are judged over 64 steps anyway)

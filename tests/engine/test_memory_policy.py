@@ -452,3 +452,24 @@ def test_plot_split_writes_png(rng_seed, tmp_path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert 10_000 < len(data) < 5_000_000
+
+
+def test_an_idle_engine_keeps_min_pages_within_the_budget(rng_seed):
+    """An idle engine holds the scratch page alone (pages_held 1), but the engine never keeps
+    fewer than min_pages: the policy counts them, so the split it answers (min_pages or more
+    pages) fits the budget. It used to give every byte past one page to slots, and the split
+    raised to two pages held up to a slot more than the budget."""
+    rng = random.Random(rng_seed)
+    for _ in range(200):
+        d = demand(rng, pages_held=1, pages_growth=0, pages_waiting=0, cached_recent=0,
+                   slot_bytes=rng.choice([3 * MIB, 25 * MIB]),
+                   pages_now=rng.randint(2, 64))  # fmt: skip
+        fixed = d.fixed
+        # Just above the floor: min_pages and min_slots, plus a fraction of a few pages.
+        floor = fixed + d.min_pages * d.page_bytes + d.min_slots * d.slot_bytes
+        d = replace(d, budget=floor + int(rng.uniform(0, 6) * d.page_bytes))
+        s = MemoryPolicy(group_bytes=rng.choice([16, 64]) * MIB).decide(d)
+        pages, slots = (s.pages, s.slots) if s is not None else (d.pages_now, d.slots_now)
+        if s is not None:
+            assert pages >= d.min_pages
+            assert fixed + pages * d.page_bytes + slots * d.slot_bytes <= d.budget
