@@ -338,7 +338,9 @@ class Scheduler(AheadScheduling):
             self._cache(req, full_pages_only=False)
         if self.recurrence is not None:
             if req.ahead_checkpoint is not None:  # its token was never accepted
-                self.recurrence.checkpoints.release(req.ahead_checkpoint[1])
+                ahead = req.ahead_checkpoint[1]
+                if ahead.tier != "dropped":  # (the pool may have dropped it for space)
+                    self.recurrence.checkpoints.release(ahead)
                 req.ahead_checkpoint = None
             if cache:
                 self._hang_checkpoints(req, final=True)

@@ -55,6 +55,11 @@ class AheadScheduling:
             return
         (boundary, ckpt), req.ahead_checkpoint = req.ahead_checkpoint, None
         rec = self.recurrence
+        if ckpt.tier == "dropped":
+            # Unlocked once saved, it is the pool's to spill or drop like any other: another
+            # request's checkpoint ahead took its row. Forgotten, as pending ones are (releasing
+            # it failed both requests of the overlapped pair).
+            return
         if boundary == req.num_computed and rec.mode.at_decode(boundary, token, req.anchor_tokens):
             req.pending_checkpoints.append((boundary, ckpt))
         else:

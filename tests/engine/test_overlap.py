@@ -339,3 +339,26 @@ def test_hybrid_elastic_session_overlaps(tmp_path, rng_seed):
     hits = sum(t in anchor_tokens for t in runs[1][0][:-1])
     st = engine.stats()["overlap"]
     assert st["lagged_steps"] >= sp.max_tokens - 3 - 2 * hits and st["drains"] <= hits + 2
+
+
+@pytest.mark.parametrize("requests, host_rows", [(2, 0), (3, 1)])
+def test_hybrid_checkpoints_taken_ahead_may_be_dropped_for_space(tmp_path, rng_seed, requests,
+                                                                 host_rows):  # fmt: skip
+    """One device checkpoint row (a budget cut can leave that), no host row or one: each
+    request's checkpoint taken ahead evicts the one before, dropping it. A dropped one is
+    forgotten, as a dropped pending one is: every request ends with its cold tokens. Its
+    release raised (the checkpoint 'was dropped or released') and failed the requests."""
+    make_tiny("qwen3_5_moe", tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    per = _load(tmp_path, True).stats()["checkpoints"]["bytes_per_checkpoint"]
+    engine = _load(tmp_path, True, checkpoints="anchors", checkpoint_device_bytes=per,
+                   checkpoint_host_bytes=host_rows * per)  # fmt: skip
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [_prompt(rng, rng.randint(20, 40)) for _ in range(requests)]
+    anchors = [rng.randrange(3, 320) for _ in range(3)]
+    outs = engine.generate(prompts, sp, anchor_tokens=anchors)
+    cold = _load(tmp_path, False, checkpoints="none")
+    assert [o.error for o in outs] == [None] * requests
+    assert [o.token_ids for o in outs] == [cold.generate(p, sp).token_ids for p in prompts]
+    assert engine.stats()["checkpoints"]["dropped"] > 0  # the case this test is about
+    engine.check_integrity()
