@@ -38,8 +38,12 @@ class AheadScheduling:
         row is free of locks: the caller steps without overlap."""
         rec, boundary = self.recurrence, req.num_computed
         if rec.mode.kind != "anchors":
-            self._save_checkpoint(req, boundary)  # skipped like the accept's when rows run out
-            return True
+            if any(b == boundary for b, _ in req.pending_checkpoints):
+                return True
+            self._save_checkpoint(req, boundary)
+            # No row free now: not overlapped, so the accept's own checkpoint comes before the
+            # next step (overlapped, a row freed by then took the state a token past boundary).
+            return any(b == boundary for b, _ in req.pending_checkpoints)
         ckpt = rec.checkpoints.reserve(boundary)
         if ckpt is None:
             return False

@@ -362,3 +362,41 @@ def test_hybrid_checkpoints_taken_ahead_may_be_dropped_for_space(tmp_path, rng_s
     assert [o.token_ids for o in outs] == [cold.generate(p, sp).token_ids for p in prompts]
     assert engine.stats()["checkpoints"]["dropped"] > 0  # the case this test is about
     engine.check_integrity()
+
+
+def test_a_positional_checkpoint_not_taken_ahead_is_taken_before_the_next_step(
+    tmp_path, rng_seed, monkeypatch
+):
+    """Positional mode: when no checkpoint row is free as the next step is scheduled (here
+    every reserve made while taking checkpoints ahead fails), the step is not overlapped, so
+    the accept's own checkpoint holds the state at its boundary. Overlapped, the accept took
+    it after the next step had run: a checkpoint one token ahead of its boundary, and the
+    follow-up resumed from it decoded wrong tokens."""
+    make_tiny("qwen3_next", tmp_path, rng_seed)
+    rng = random.Random(rng_seed)
+    every = rng.choice([5, 6, 7])
+    engine = _load(tmp_path, True, checkpoints=f"positional:{every}")
+    sched, pool = engine.scheduler, engine.loaded.recurrence.checkpoints
+    ahead, reserve = sched.checkpoint_ahead, pool.reserve
+    taking_ahead = []
+
+    def checkpoint_ahead(req):
+        taking_ahead.append(True)
+        try:
+            return ahead(req)
+        finally:
+            taking_ahead.pop()
+
+    monkeypatch.setattr(sched, "checkpoint_ahead", checkpoint_ahead)
+    monkeypatch.setattr(pool, "reserve", lambda *a, **k: None if taking_ahead else reserve(*a, **k))
+    prompt = _prompt(rng, rng.randint(20, 30))
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    out = engine.generate(prompt, sp)
+    follow = prompt + out.token_ids + _prompt(rng, 7)
+    again = engine.generate(follow, sp)
+    deepest = (len(prompt) + sp.max_tokens - 1) // every * every
+    assert again.stats["resumed_tokens"] == deepest > len(prompt)
+    cold = _load(tmp_path, False, checkpoints="none")
+    assert out.token_ids == cold.generate(prompt, sp).token_ids
+    assert again.token_ids == cold.generate(follow, sp).token_ids
+    engine.check_integrity()
