@@ -213,8 +213,12 @@ class RadixCache:
 
     def deepest_checkpoint(self, tokens: list[int], match: PrefixMatch) -> CheckpointMatch | None:
         """The checkpoint at the largest boundary b such that tokens[:b] is cached (b at most
-        the matched length): along the matched full pages, and among the children below the
-        last of them (each matching the query for its own number of tokens)."""
+        the matched length): at every level of the matched path, among the children of the
+        node above (the matched node itself, and its siblings, each matching the query for its
+        own number of tokens), and among the children below the last matched node. Siblings
+        count because `attach_checkpoint` hangs a checkpoint on one node of the branches
+        sharing its tokens (often the request's own partial page): a later query whose path
+        runs through another full page of the same tokens missed it and re-prefilled more."""
         s = self.page_size
         best: CheckpointMatch | None = None
 
@@ -224,12 +228,12 @@ class RadixCache:
                 if b <= limit and (best is None or b > best.boundary):
                     best = CheckpointMatch(b, ckpt, node)
 
-        for node in match.nodes:
-            consider(node, (node.depth + 1) * s)
-        parent = match.nodes[-1] if match.nodes else self.root
-        pos = len(match.nodes) * s
-        rest = tokens[pos : pos + s]
-        if rest:
+        parents = [self.root, *match.nodes]  # the node above each level, and the last one
+        for level, parent in enumerate(parents):
+            pos = level * s
+            rest = tokens[pos : pos + s]
+            if not rest:
+                break
             for child in parent.children.values():
                 if child.checkpoints:
                     consider(child, pos + _common_prefix(child.tokens, rest))

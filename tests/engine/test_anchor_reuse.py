@@ -177,3 +177,25 @@ def test_recomputed_prefix_dedupes_into_the_tree(tmp_path, rng_seed):
         assert out.stats["preempted"] == 0
         assert out.stats["prefilled_tokens"] == len(history)
         engine.check_integrity()
+
+
+def test_a_checkpoint_on_a_sibling_page_is_found(hybrid):
+    """A checkpoint inside a page hangs on the request's own partial page. A second request
+    sharing the prefix caches the full page of the same tokens beside it; a third, whose
+    path runs through that full page, still resumes from the checkpoint (it used to look only
+    at the nodes of its own path, and re-prefilled from the start)."""
+    path, rng = hybrid
+    engine = _load(path)
+    page = engine.config.page_size
+    n = rng.randint(2, 3) * page + rng.randint(1, page - 2)  # a boundary inside a page
+    first, more = _tokens(rng, n), _tokens(rng, page + 4)
+    engine.generate(first, GREEDY, anchors=[n])
+    engine.generate(first + more, GREEDY, anchors=[])
+    # Past the end of the checkpoint's page: the third's path runs through the full page.
+    third = first + more[: rng.randint(page - n % page, page)] + _tokens(rng, 5)
+    out = engine.generate(third, GREEDY)
+    assert out.stats["resumed_tokens"] == n
+    assert out.stats["prefilled_tokens"] == len(third) - n
+    cold = _load(path, checkpoints="none").generate(third, GREEDY)
+    assert out.token_ids == cold.token_ids
+    engine.check_integrity()
