@@ -147,7 +147,8 @@ class Engine:
         _score: bool = False,
     ) -> str:
         """Queue a request; returns its id. Bad input raises InvalidRequestError here, before
-        anything runs, so it can never disturb other requests.
+        anything runs (and before the request takes anything: a grammar, a place in the
+        tables), so it can never disturb other requests.
 
         Hybrid models: `anchors` are token boundaries of the prompt (the Session's semantic
         anchors: the state after prompt[:a]) where prefilling checkpoints the recurrent state,
@@ -157,6 +158,7 @@ class Engine:
         sampling = sampling or SamplingParams()
         ids = encode_prompt(prompt, self.tokenizer, self.spec.vocab_size, self.max_model_len)
         plan = snapshot_plan(ids, anchors, self.scheduler.recurrence)
+        markers = frozenset(token_ids(anchor_tokens, "anchor_tokens are token ids"))
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -166,7 +168,7 @@ class Engine:
         req.score_only = _score
         if self.scheduler.recurrence is not None and req.use_prefix_cache:
             req.snapshot_plan = plan
-            req.anchor_tokens = frozenset(token_ids(anchor_tokens, "anchor_tokens are token ids"))
+            req.anchor_tokens = markers
         self._requests[request_id] = req
         self._outputs[request_id] = OutputState(self.tokenizer, sampling.stop, context=ids)
         self._events[request_id] = deque()

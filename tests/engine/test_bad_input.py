@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny
 
 from freetoken_agent import ContextLengthError, Engine, InvalidRequestError, SamplingParams
+from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.engine.config import ConfigError
 from freetoken_agent.engine.experts.placement import BudgetError
 from freetoken_agent.engine.loading import dense_nbytes
@@ -255,3 +256,19 @@ def test_a_request_failing_at_its_token_fails_alone(model_dir, rng_seed, overlap
     assert engine._collect(good).token_ids == alone
     assert engine.generate(good_prompt, sp).token_ids == alone
     engine.check_integrity()
+
+
+def test_a_refused_request_leaves_no_grammar_behind(tmp_path, rng_seed):
+    """Bad anchor_tokens are refused before the request's grammar is compiled and kept (it
+    stayed registered under the refused id), on any model (an attention-only one ignored
+    them unchecked). The demo model: grammars need a tokenizer."""
+    engine = Engine.load(ensure_demo_model(tmp_path), device="cpu", progress=False)
+    rng = random.Random(rng_seed)
+    prompt = [rng.randrange(3, 320) for _ in range(10)]
+    sp = SamplingParams(max_tokens=8, json_schema={"type": "object"})
+    bad = rng.choice([[2.5], [True], ["x"], [None]])
+    with pytest.raises(InvalidRequestError, match="anchor_tokens"):
+        engine.submit(prompt, sp, request_id="r", anchor_tokens=bad)
+    assert len(engine.grammars) == 0 and not engine.has_unfinished()
+    engine.submit(prompt, sp, request_id="r")  # the id was never taken
+    assert len(engine.grammars) == 1
