@@ -10,18 +10,26 @@
     freetoken bench ...                    benchmarks (see `freetoken bench --help`)
 
 `--model demo` (the default) means the embedded demo checkpoint. Statistics go to stderr so
-that stdout carries only the generated text.
+that stdout carries only the generated text. Ctrl-C stops a reply: `generate` then exits with
+130, `chat` returns to its prompt (where Ctrl-C or Ctrl-D leaves), as llama.cpp and Ollama do.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
+import re
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from freetoken_agent.engine.config import POLICIES
+from freetoken_agent.engine.outputs import ContextLengthError
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 
@@ -34,13 +42,42 @@ def _model_path(name: str) -> Path:
     return Path(name)
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo", help="HF model folder, or 'demo' (default)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+# Flag values are checked as they are parsed: argparse names the flag, where a bad value would
+# otherwise end in a traceback from deep in the engine, or a 0 be taken for "not set".
+def _positive(kind: Callable[[str], float], zero: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>= 0' if zero else '> 0'}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" names it
+    return parse
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (1-65535)")
+    return port
+
+
+def _device(text: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of auto, cpu, cuda, cuda:N")
+    return text
+
+
+def _add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
+    if model:  # demo runs its own model
+        p.add_argument("--model", default="demo", help="HF model folder, or 'demo' (default)")
+    p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: model's)")
     p.add_argument("--policy", default="adaptive", choices=POLICIES)
-    p.add_argument("--gpu-budget-gb", type=float, default=None, help="GPU memory budget (GB)")
-    p.add_argument("--memory-reserve-gb", type=float, default=None,
+    p.add_argument(
+        "--gpu-budget-gb", type=_positive(float), default=None, help="GPU memory budget (GB)"
+    )
+    p.add_argument("--memory-reserve-gb", type=_positive(float, zero=True), default=None,
                    help="GPU memory kept free for other programs (GB, default 1 GiB); the "
                    "elastic budget shrinks when they take more and grows back after")  # fmt: skip
     p.add_argument(
@@ -48,7 +85,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not follow free GPU memory (the budget moves only on request)",
     )
-    p.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    p.add_argument(
+        "--max-model-len", type=_positive(int), default=None, help="cap the context length"
+    )
     p.add_argument(
         "--overlap-schedule",
         action=argparse.BooleanOptionalAction,
@@ -80,36 +119,64 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 def _load(args: argparse.Namespace):
     from freetoken_agent.engine.engine import Engine
 
-    budget = int(args.gpu_budget_gb * 1e9) if args.gpu_budget_gb else None
-    options = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    budget = int(args.gpu_budget_gb * 1e9) if args.gpu_budget_gb is not None else None
+    options = {"max_model_len": args.max_model_len} if args.max_model_len is not None else {}
     if args.memory_reserve_gb is not None:
         options["memory_reserve"] = int(args.memory_reserve_gb * 1e9)
     if args.fixed_memory:
         options["follow_free_memory"] = False
     if args.overlap_schedule is not None:
         options["overlap_schedule"] = args.overlap_schedule
-    return Engine.load(
-        _model_path(args.model),
-        device=args.device,
-        dtype=args.dtype,
-        gpu_budget=budget,
-        policy=args.policy,
-        **options,
-    )
+    path = _model_path(args.model)
+    try:
+        return Engine.load(
+            path,
+            device=args.device,
+            dtype=args.dtype,
+            gpu_budget=budget,
+            policy=args.policy,
+            **options,
+        )
+    except RuntimeError as e:  # torch's (out of memory, no such device): the user's to fix
+        raise SystemExit(f"freetoken: error: could not load {path}: {e}") from None
+
+
+@contextlib.contextmanager
+def _ctrl_c() -> Iterator[threading.Event]:
+    """Ctrl-C sets the event instead of raising: the stream reads it between tokens and aborts
+    the request there, where a KeyboardInterrupt inside a step would leave the engine half-way
+    through it. A second Ctrl-C raises (a step that takes too long)."""
+    pressed = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        if pressed.is_set():
+            raise KeyboardInterrupt
+        pressed.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _stream(engine, prompt, sampling: SamplingParams) -> tuple[str, dict]:
-    """Print a completion as it streams; returns its text and statistics."""
+    """Print a completion as it streams; returns its text and statistics (finish
+    "interrupted" when Ctrl-C stopped it)."""
     start = time.perf_counter()
     first, n, reason, parts = None, 0, None, []
-    for event in engine.stream(prompt, sampling):
-        if event.token_id is not None:
-            n += 1
-            first = first or time.perf_counter()
-        print(event.text, end="", flush=True)
-        parts.append(event.text)
-        if event.finished:
-            reason = event.error or event.finish_reason
+    with _ctrl_c() as pressed, contextlib.closing(engine.stream(prompt, sampling)) as stream:
+        for event in stream:
+            if event.token_id is not None:
+                n += 1
+                first = first or time.perf_counter()
+            print(event.text, end="", flush=True)
+            parts.append(event.text)
+            if event.finished:
+                reason = event.error or event.finish_reason
+            elif pressed.is_set():
+                reason = "interrupted"
+                break  # closing the stream aborts the request
     end = time.perf_counter()
     print()
     ttft = (first - start) if first else float("nan")
@@ -134,14 +201,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if engine.tokenizer is None:
             raise SystemExit("--chat needs a tokenizer in the model folder")
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    _report(_stream(engine, prompt, _sampling(args))[1], engine)
+    stats = _stream(engine, prompt, _sampling(args))[1]
+    if stats["finish"] == "interrupted":
+        return 130  # the shell's code for Ctrl-C
+    _report(stats, engine)
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     engine = _load(args)
-    if engine.tokenizer is None:
-        raise SystemExit("chat needs a tokenizer with a chat template in the model folder")
+    if engine.tokenizer is None or not engine.tokenizer.has_chat_template:
+        # Said now, not after the first message.
+        raise SystemExit(
+            f"freetoken: error: chat needs a chat template and {args.model} has none (no "
+            "chat_template in tokenizer_config.json, no chat_template.jinja): add one, or "
+            f"complete plain text with `freetoken generate --model {args.model} TEXT`"
+        )
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("[freetoken] chat: /reset clears the history, /exit or Ctrl-D leaves", file=sys.stderr)
     while True:
@@ -160,7 +235,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": line})
         prompt = engine.tokenizer.apply_chat_template(history)
         print("model> ", end="", flush=True)
-        text, stats = _stream(engine, prompt, _sampling(args))
+        try:
+            text, stats = _stream(engine, prompt, _sampling(args))
+        except ContextLengthError as e:
+            history.pop()  # the message that did not fit; the chat goes on
+            print(
+                f"\nfreetoken: the conversation no longer fits the context: {e}; /reset "
+                "clears the history",
+                file=sys.stderr,
+            )
+            continue
+        # An interrupted reply stays, as far as it went: the history is what the user saw.
         history.append({"role": "assistant", "content": text})
         _report(stats, engine)
 
@@ -250,13 +335,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.model:
         spec = spec_from_config(read_config(_model_path(args.model)))
         hidden, inter = spec.hidden_size, spec.moe_intermediate_size
+        # The entry loading the model looks up is keyed by the dtype it runs in: its own
+        # unless --dtype (Engine.load's `parse_dtype(dtype) or spec.dtype`).
+        dtype = parse_dtype(args.dtype) or spec.dtype
     else:
         hidden, inter = args.hidden, args.inter
-    dtype = parse_dtype(args.dtype)
+        dtype = parse_dtype(args.dtype) or torch.bfloat16
     cal = calibration.calibrate(hidden, inter, dtype)
     pcie_note = "" if torch.cuda.is_available() else " (no CUDA device: a default, not measured)"
+    name = str(dtype).removeprefix("torch.")
     print(
-        f"[freetoken] expert {hidden}x{inter} {args.dtype} ({cal.expert_bytes / 2**20:.1f} MiB): "
+        f"[freetoken] expert {hidden}x{inter} {name} ({cal.expert_bytes / 2**20:.1f} MiB): "
         f"B_P (pinned host-to-device) {cal.pcie / 1e9:.1f} GB/s{pcie_note}, "
         f"B_H (CPU experts, 1 token) {cal.cpu / 1e9:.1f} GB/s, "
         f"CPU knee {cal.knee:.1f} tokens an expert; saved to {calibration.cache_file()}",
@@ -277,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the tiny random demo model (built once, cached)")
     demo.add_argument("--prompt", default="Write a haiku about GPUs.")
-    _add_engine_args(demo)
+    _add_engine_args(demo, model=False)
     _add_sampling_args(demo, max_tokens=48)
     demo.set_defaults(func=cmd_demo)
 
@@ -298,13 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="OpenAI-compatible API, WebSocket session stream and a web page"
     )
     srv.add_argument("--host", default="127.0.0.1", help="bind address (others need --api-key)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=_port, default=8000)
     srv.add_argument(
         "--api-key",
         default=os.environ.get("FREETOKEN_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' (default: $FREETOKEN_API_KEY)",
     )
-    srv.add_argument("--max-body-mb", type=float, default=4.0, help="request size limit (MiB)")
+    srv.add_argument(
+        "--max-body-mb", type=_positive(float), default=4.0, help="request size limit (MiB)"
+    )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
@@ -322,9 +413,14 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="measure B_P, B_H and the CPU's knee for the q* split (cached)"
     )
     cal.add_argument("--model", default=None, help="take the expert shape from this model")
-    cal.add_argument("--hidden", type=int, default=2048, help="expert input width (no --model)")
-    cal.add_argument("--inter", type=int, default=768, help="expert width (no --model)")
-    cal.add_argument("--dtype", default="bfloat16")
+    positive = _positive(int)
+    cal.add_argument(
+        "--hidden", type=positive, default=2048, help="expert input width (no --model)"
+    )
+    cal.add_argument("--inter", type=positive, default=768, help="expert width (no --model)")
+    cal.add_argument(
+        "--dtype", default=None, help="default: the model's as it loads, else bfloat16"
+    )
     cal.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser(
@@ -344,7 +440,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
+    except KeyboardInterrupt:  # Ctrl-C outside a reply (loading, at the chat prompt)
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader left (`| head`). As CPython's docs advise: stdout to devnull, so that the
+        # interpreter's flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (ValueError, OSError, NotImplementedError) as e:  # OSError: a folder not writable
         print(f"freetoken: error: {e}", file=sys.stderr)
         return 2
 

@@ -12,7 +12,9 @@ Failures never raise out of `call`: a server that exits mid-call (the SDK report
 closed"), a call past its timeout, a protocol error or a broken server all come back as an
 error `CallOutcome` whose text says what happened (with the tail of the server's stderr when it
 exited), because the agent loop feeds them to the model as error tool results. A server that
-exited is restarted on its next call, at most `MAX_RESTARTS` times.
+exited is restarted on its next call, at most `MAX_RESTARTS` times. A JSON-RPC error the server
+answers itself is the tool's failure, passed on with its message and no restart, even when its
+code is one the SDK uses for its own timeout or lost connection.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import json
 import logging
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -40,6 +43,7 @@ log = logging.getLogger("freetoken.mcp")
 MAX_RESTARTS = 3
 STDERR_TAIL = 1500  # characters of a failed server's stderr quoted in error messages
 _GRACE = 5.0  # our own deadline past the SDK's per-call timeout, in case that one never fires
+_PROBE_TIMEOUT = 5.0  # a live server answers tools/list at once; one that cannot is gone
 
 SamplingCallback = Callable[[Any, types.CreateMessageRequestParams], Awaitable[Any]]
 
@@ -175,6 +179,7 @@ class ServerConnection:
         client = self._client
         assert client is not None
         timeout = self.config.timeout
+        start = time.monotonic()
         try:
             result = await asyncio.wait_for(
                 client.call_tool(tool, arguments, read_timeout_seconds=timeout), timeout + _GRACE
@@ -182,9 +187,14 @@ class ServerConnection:
         except asyncio.TimeoutError:
             return CallOutcome(self._timed_out(tool), True)
         except MCPError as e:
-            if e.code == types.REQUEST_TIMEOUT:
+            # The SDK raises its own timeout and lost connection as MCPError with the codes
+            # REQUEST_TIMEOUT (-32001) and CONNECTION_CLOSED (-32000), the very codes a server
+            # may answer with itself (-32000 is JSON-RPC's generic "server error", "record 42
+            # not found"). Its timeout cannot fire before `timeout`; its connection error
+            # leaves a session that answers nothing more. Anything else is the server's.
+            if e.code == types.REQUEST_TIMEOUT and time.monotonic() - start >= timeout:
                 return CallOutcome(self._timed_out(tool), True)
-            if e.code == types.CONNECTION_CLOSED:
+            if e.code == types.CONNECTION_CLOSED and not await _answers(client):
                 self._broken = "it exited during a call"
                 return CallOutcome(
                     f"MCP server {self.name!r} exited while running tool {tool!r}"
@@ -259,6 +269,19 @@ def _content_text(block: Any) -> str:
         return f"[resource link: {block.uri}{' ' + block.name if block.name else ''}]"
     mime = getattr(block, "mime_type", None)
     return f"[{kind} content{' (' + mime + ')' if mime else ''} omitted: this model reads text]"
+
+
+async def _answers(client: Client) -> bool:
+    """Whether the server still answers a request; any reply counts, an error one too. A closed
+    session fails at once, without a round trip. tools/list rather than ping: ping is gone
+    from the 2026 protocol, and the cache must be bypassed to reach the server."""
+    try:
+        await asyncio.wait_for(client.list_tools(cache_mode="bypass"), _PROBE_TIMEOUT)
+    except MCPError as e:
+        return e.code != types.CONNECTION_CLOSED
+    except Exception:  # noqa: BLE001 - a broken transport or no answer: it is gone
+        return False
+    return True
 
 
 async def _list_tools(client: Client) -> list[types.Tool]:

@@ -8,7 +8,8 @@
 Entering the host starts every configured server at once (`mcp_connection.py`: one owner task
 each). A server that fails to start is logged, listed in `host.failures` and skipped; the host
 runs with the others. Tools are offered to the model as OpenAI-style function dicts under their
-own names, or as `server__tool` where two servers offer the same name.
+own names, or as `server__tool` where two servers offer the same name (`server__tool_2`, ...
+where that name is taken too), so every tool has a name of its own.
 
 A run is the agent loop: one Session turn with the tools; each tool call the model makes is
 executed on its server through `session.arun_tool`, so the session's tool hooks apply, and its
@@ -16,7 +17,11 @@ result (errors flagged `is_error`) is appended as a tool message; then the next 
 model answers without calling a tool or `max_steps` turns were taken. Calls of one turn run one
 after another, in the order the model wrote them: a model that writes a file and then reads it
 back in one turn means that order. Unknown tools, servers that crash or time out, and invalid
-arguments all come back to the model as error results; none of them ends the run.
+arguments all come back to the model as error results; none of them ends the run. A tool
+result (or error) longer than `max_result_tokens` is cut to that, the cut marked in its text,
+so one result cannot overflow the context. Should the history still outgrow the context (many
+results, a long run), the engine refuses the next turn: the run ends with stop_reason "error"
+and an error that says so, with the history as it stands (trim it, then run on).
 
 `tool_choice` (first turn only, as in OpenAI's Agents SDK: forcing every turn would loop until
 `max_steps`): "auto" (the default), "required" (some tool), a tool name or OpenAI's
@@ -45,7 +50,7 @@ from typing import Any, TextIO
 import mcp_types as types
 
 from freetoken_agent.chat_format import ChatFormat
-from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestError
 from freetoken_agent.hooks import ToolHooks
 from freetoken_agent.integrations.mcp_config import ServerConfig, load_config
 from freetoken_agent.integrations.mcp_connection import MCPServerError, ServerConnection
@@ -91,15 +96,20 @@ class MCPHost:
         errlog: TextIO | None = None,
         model_name: str | None = None,
         sampling_max_tokens: int = 1024,
+        max_result_tokens: int | None = None,
         **sampling_defaults: Any,
     ) -> None:
         """`engine`: an Engine (wrapped in an EngineService owned by the host) or a shared
         EngineService. `sampling_defaults` (max_tokens, temperature, ...) apply to the host's
         turns and, where a server's request leaves them open, to sampling. `errlog`: where
-        stdio servers' stderr goes (default: captured, quoted in error messages)."""
+        stdio servers' stderr goes (default: captured, quoted in error messages).
+        `max_result_tokens`: the most a tool result puts into the history (default: a quarter
+        of the context, at most 25,000)."""
         names = [s.name for s in servers]
         if len(set(names)) != len(names):
             raise ValueError(f"MCP server names must be unique, got {names}")
+        if max_result_tokens is not None and max_result_tokens < 1:
+            raise ValueError(f"max_result_tokens must be positive, got {max_result_tokens}")
         self.configs = list(servers)
         self.engine = engine
         self.system = system
@@ -107,6 +117,7 @@ class MCPHost:
         self.errlog = errlog
         self.model_name = model_name or f"freetoken/{engine.spec.arch}"
         self.sampling_max_tokens = sampling_max_tokens
+        self.max_result_tokens = max_result_tokens
         self.sampling_defaults = dict(sampling_defaults)
         self.connections: dict[str, ServerConnection] = {}
         self.failures: dict[str, str] = {}  # server name -> why it did not start
@@ -136,6 +147,12 @@ class MCPHost:
 
     async def _start(self) -> None:
         self._service, self._owns_service = as_service(self.engine)
+        if self.max_result_tokens is None:
+            # A quarter of the context: one result leaves room for the system prompt, the tool
+            # list, the conversation and the answer, and a few of one turn still fit. 25,000
+            # tokens (Claude Code's cap on MCP output) is more than a model can use at once.
+            context = getattr(self._service.engine, "max_model_len", None) or 100_000
+            self.max_result_tokens = max(1, min(25_000, context // 4))
         chat_format = ChatFormat(self._service.tokenizer)
         self.sampler = SamplingResponder(
             self._service,
@@ -183,15 +200,26 @@ class MCPHost:
         self._service = None
 
     def _index_tools(self) -> None:
-        """Expose each tool under its own name, or `server__tool` when names collide."""
+        """Expose each tool under its own name, or `server__tool` when names collide. A
+        renamed tool may meet a real one (server "b"'s "c" and another server's "b__c"), or a
+        server may list a name twice: a numeric suffix then makes the name free, so every tool
+        stays reachable. Names offered once keep theirs."""
         offers: dict[str, int] = {}
         for conn in self.connections.values():
             for tool in conn.tools:
                 offers[tool.name] = offers.get(tool.name, 0) + 1
+        taken = {name for name, n in offers.items() if n == 1}
         self.tools, self.routes = [], {}
         for conn in self.connections.values():
             for tool in conn.tools:
-                name = tool.name if offers[tool.name] == 1 else conn.name + SEPARATOR + tool.name
+                name = tool.name
+                if offers[name] > 1:
+                    base = name = conn.name + SEPARATOR + tool.name
+                    suffix = 1
+                    while name in taken:
+                        suffix += 1
+                        name = f"{base}_{suffix}"
+                    taken.add(name)
                 self.routes[name] = _Route(conn, tool.name)
                 self.tools.append(openai_tool(name, tool))
 
@@ -256,7 +284,15 @@ class MCPHost:
                 async with aclosing(self._turn(history, sampling, forced, turn)) as events:
                     async for event in events:
                         yield event
-            except InvalidRequestError as e:  # the history outgrew the context, say
+            except ContextLengthError as e:  # say what outgrew it, not just the engine's no
+                error = (
+                    f"the conversation no longer fits the model's context ({e}); tool results "
+                    f"are cut to {self.max_result_tokens} tokens each (max_result_tokens): "
+                    "shorten the history or start a new run"
+                )
+                yield RunResult(history, "", step, "error", usages, error)
+                return
+            except InvalidRequestError as e:
                 yield RunResult(history, "", step, "error", usages, str(e))
                 return
             forced = None
@@ -343,13 +379,34 @@ class MCPHost:
             if route is None:
                 available = ", ".join(self.routes) or "none"
                 text = f"unknown tool {call.name!r}; the available tools are: {available}"
-                return ToolResult(call.id, text, is_error=True, name=call.name)
+                return ToolResult(call.id, self._cap(text), is_error=True, name=call.name)
             outcome = await route.connection.call(route.tool, arguments)
-            return ToolResult(call.id, outcome.text, is_error=outcome.is_error, name=call.name)
+            text = self._cap(outcome.text)
+            return ToolResult(call.id, text, is_error=outcome.is_error, name=call.name)
 
         result = await session.arun_tool(call, fn)
         server = route.connection.name if route else None
         return ToolExecuted(call, server, result, time.perf_counter() - start)
+
+    def _cap(self, text: str) -> str:
+        """`text` cut to `max_result_tokens` tokens, the cut marked so the model knows it read
+        a part."""
+        limit = self.max_result_tokens
+        assert limit is not None and self._service is not None
+        encode = self._service.tokenizer.encode
+        # No token is 32 characters long in practice: encoding that much bounds the cost of a
+        # huge result and still tells whether it fits.
+        head = text[: limit * 32]
+        n = len(encode(head))
+        if n <= limit and len(head) == len(text):
+            return text
+        keep = len(head) * limit // max(n, limit)
+        while keep and len(encode(head[:keep])) > limit:
+            keep = keep * 9 // 10
+        return (
+            f"{text[:keep]}\n[... {len(text) - keep} characters cut: the host passes at most "
+            f"{limit} tokens of a tool result]"
+        )
 
 
 def _as_history(messages: Any) -> list[Any]:

@@ -42,6 +42,7 @@ from freetoken_agent.engine.weights.names import Expert, FusedExperts
 FORMAT = "freetoken-ftw"
 VERSION = 1
 MANIFEST = "ftw.json"
+PARTIAL_MARK = ".freetoken-convert"  # in DST.partial while convert writes it: the folder is ours
 BANKS = ("w13", "w2")
 COPIED = (
     "config.json",
@@ -98,16 +99,40 @@ def _where(spec: ModelSpec, target, layer: int, expert: int | None) -> list[tupl
 
 def convert(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
     """Write the FTW form of HF folder `src` into `dst` (created; must not exist). The banks
-    are read back from the disk and checked against their CRC32s before `dst` appears."""
+    are read back from the disk and checked against their CRC32s before `dst` appears. The
+    work goes to `DST.partial`, removed again when the conversion fails."""
     src, dst = Path(src), Path(dst)
+    if is_ftw(src):
+        raise CheckpointError(f"{src} is already an FTW checkpoint ({MANIFEST}): load it as it is")
     spec = spec_from_config(read_config(src))
     if not spec.moe_layers:
         raise CheckpointError(f"{src} has no MoE layers: nothing to put in expert banks")
     if dst.exists():
         raise FileExistsError(f"{dst} exists; choose a new folder for the FTW checkpoint")
     tmp = dst.with_name(dst.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists():
+        # Only a folder this function made (its mark inside: one a crash or a kill left) is
+        # ours to delete; anything else under that name may be someone's data.
+        if not (tmp / PARTIAL_MARK).is_file():
+            raise FileExistsError(
+                f"{tmp} exists and is not a conversion's leftover; move it away or choose "
+                "another destination"
+            )
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    try:
+        (tmp / PARTIAL_MARK).write_text(f"freetoken convert {src} -> {dst}\n")
+        _write(src, tmp, spec, progress)
+        (tmp / PARTIAL_MARK).unlink()
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
+    """Convert's work: the banks, dense tensors, manifest and copied files, into `tmp`."""
     itemsize = torch.tensor([], dtype=spec.dtype).element_size()
     shapes = bank_shapes(spec)
     banks = {b: torch.from_file(str(tmp / f"experts.{b}.bin"), shared=True,
@@ -177,8 +202,6 @@ def convert(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
     for name in COPIED:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
-    os.replace(tmp, dst)
-    return dst
 
 
 def _sync(path: Path) -> None:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
+import signal
+import string
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +123,158 @@ def test_bench_help_lists_every_benchmark_and_each_has_its_options(env, rng_seed
     assert done.returncode == 0, done.stderr
     assert f"usage: freetoken bench {name}" in done.stdout
     assert _run(["bench", "no-such-bench"], env).returncode == 2
+
+
+class _Live:
+    """A `freetoken` subprocess whose stdout is read as it comes (a thread gathers it), for
+    tests that act mid-run: Ctrl-C (SIGINT, as a terminal sends it), a reader that leaves."""
+
+    def __init__(self, args: list[str], env: dict) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "freetoken_agent.cli", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            # A terminal's child takes Ctrl-C; one started from a shell in the background
+            # ignores it, which the child would inherit.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        self.out = bytearray()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while chunk := self.proc.stdout.read1(4096):
+            self.out += chunk
+
+    def wait_for(self, text: bytes, after: int = 0, timeout: float = 120) -> int:
+        """Wait until `text` appears in stdout past offset `after`; where it ends."""
+        deadline = time.monotonic() + timeout
+        while (at := self.out.find(text, after)) < 0:
+            assert self.proc.poll() is None, (self.out, self.proc.stderr.read())
+            assert time.monotonic() < deadline, f"no {text!r} in {bytes(self.out)!r}"
+            time.sleep(0.02)
+        return at + len(text)
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text.encode())
+        self.proc.stdin.flush()
+
+    def finish(self) -> tuple[int, str]:
+        """(exit code, stderr) once it exits."""
+        err = self.proc.communicate(timeout=120)[1]
+        self._reader.join(10)
+        return self.proc.returncode, err.decode(errors="replace")
+
+
+# Greedy from this prompt, the demo model writes on for thousands of tokens: still running
+# when the test acts.
+_LONG = ["Hi", "--device", "cpu", "--temperature", "0", "--max-tokens", "100000"]
+
+
+def test_ctrl_c_stops_generate_quietly_with_130(env, rng_seed):
+    live = _Live(["generate", *_LONG], env)
+    live.wait_for(b"", after=random.Random(rng_seed).randint(1, 400))  # some text is out
+    live.proc.send_signal(signal.SIGINT)
+    rc, err = live.finish()
+    assert rc == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_ctrl_c_in_chat_stops_the_reply_and_a_second_one_at_the_prompt_leaves(env, rng_seed):
+    rng = random.Random(rng_seed)
+    live = _Live(["chat", *_LONG[1:]], env)
+    live.send("Hi\n")
+    at = live.wait_for(b"model> ")
+    live.wait_for(b"", after=at + rng.randint(1, 400))
+    live.proc.send_signal(signal.SIGINT)
+    live.wait_for(b"you> ", after=at)  # the reply stopped; the chat is back at its prompt
+    time.sleep(rng.uniform(0, 0.5))
+    live.proc.send_signal(signal.SIGINT)
+    rc, err = live.finish()
+    assert rc == 130, err
+    assert "finish: interrupted" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_chat_goes_on_when_its_history_outgrows_the_context(env, rng_seed):
+    rng = random.Random(rng_seed)
+    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(6)) for _ in range(40)]
+    lines = [words[0], " ".join(words), "/reset", words[1], "/exit"]
+    args = ["chat", "--device", "cpu", "--max-tokens", "8", "--max-model-len", "64"]
+    done = _run(args, env, stdin="\n".join(lines) + "\n")
+    assert done.returncode == 0, done.stderr
+    assert "no longer fits the context" in done.stderr and "/reset clears" in done.stderr
+    reports = [line for line in done.stderr.splitlines() if "tokens, first after" in line]
+    assert len(reports) == 2  # the first message and the one after /reset were answered
+
+
+def _random_flags(rng: random.Random) -> list[tuple[list[str], str]]:
+    """(command line, what the error names) for flag values out of range."""
+    negative = str(-rng.randint(1, 10**4))
+    zero = rng.choice(["0", "-0", "0.0"])
+    return [
+        (["generate", "x", "--device", rng.choice(["foo", "cuda:x", "gpu"])], "--device"),
+        (["generate", "x", "--max-model-len", rng.choice([negative, "0"])], "--max-model-len"),
+        (["chat", "--gpu-budget-gb", zero], "--gpu-budget-gb"),
+        (["serve", "--port", str(rng.randint(65536, 10**6))], "--port"),
+        (["serve", "--max-body-mb", rng.choice([negative, zero])], "--max-body-mb"),
+        (["calibrate", "--hidden", rng.choice([negative, "0"])], "--hidden"),
+        (["calibrate", "--inter", negative], "--inter"),
+        (["demo", "--model", "x"], "--model"),  # demo runs its own model
+    ]
+
+
+def test_bad_flag_values_are_refused_before_anything_runs(env, rng_seed):
+    for args, flag in _random_flags(random.Random(rng_seed)):
+        done = _run(args, env)
+        assert done.returncode == 2, (args, done.stderr)
+        assert flag in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+
+
+def test_os_errors_and_a_closed_pipe_are_one_line_not_a_traceback(env, tmp_path):
+    from freetoken_agent.demo_model import ensure_demo_model
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    src = ensure_demo_model(tmp_path / "cache")
+    done = _run(["convert", str(src), str(blocker / "out")], env)  # NotADirectoryError
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("freetoken: error: ")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "freetoken_agent.cli", "generate", *_LONG[:-1], "2000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    proc.stdout.read(8)
+    proc.stdout.close()  # the reader leaves, as `| head` does
+    err = proc.communicate(timeout=120)[1].decode(errors="replace")
+    assert proc.returncode == 1 and "Traceback" not in err, err
+
+
+def test_calibrate_with_a_model_records_the_dtype_it_loads_in(env, monkeypatch):
+    from freetoken_agent.engine.config import read_config
+    from freetoken_agent.engine.experts import calibration
+    from freetoken_agent.engine.models.registry import spec_from_config
+
+    done = _run(["calibrate", "--model", "demo"], env)
+    assert done.returncode == 0, done.stderr
+    monkeypatch.setenv("FREETOKEN_CACHE", env["FREETOKEN_CACHE"])
+    spec = spec_from_config(read_config(next(Path(env["FREETOKEN_CACHE"]).glob("demo-*"))))
+    assert calibration.cached(spec.hidden_size, spec.moe_intermediate_size, spec.dtype)
+
+
+def test_chat_without_a_chat_template_says_so_before_the_first_message(env, tmp_path):
+    from freetoken_agent.demo_model import ensure_demo_model
+
+    model = tmp_path / "plain"
+    shutil.copytree(ensure_demo_model(tmp_path / "cache"), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    done = _run(["chat", "--model", str(model), "--device", "cpu"], env, stdin="hello\n")
+    assert done.returncode != 0 and "you> " not in done.stdout
+    assert "needs a chat template" in done.stderr and "freetoken generate" in done.stderr

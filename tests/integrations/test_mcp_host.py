@@ -121,6 +121,64 @@ app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
 """
 
 
+# A bare JSON-RPC server whose `lookup` answers with the error code and message it is given,
+# the codes the SDK also uses for its own timeout and lost connection. It logs each start.
+RAW_ERROR_SERVER = """
+import json, sys
+code, message, log = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+open(log, "a").write("start\\n")
+schema = {"type": "object", "properties": {}}
+tools = [{"name": n, "inputSchema": schema} for n in ("lookup", "ping")]
+def send(obj):
+    sys.stdout.write(json.dumps(obj) + "\\n"); sys.stdout.flush()
+for line in sys.stdin:
+    msg = json.loads(line)
+    mid, method = msg.get("id"), msg.get("method")
+    if mid is None:
+        continue
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"capabilities": {"tools": {}},
+              "protocolVersion": msg["params"]["protocolVersion"],
+              "serverInfo": {"name": "raw", "version": "0"}}})
+    elif method == "tools/list":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": tools}})
+    elif method == "tools/call" and msg["params"]["name"] == "lookup":
+        send({"jsonrpc": "2.0", "id": mid, "error": {"code": code, "message": message}})
+    elif method == "tools/call":
+        pong = {"content": [{"type": "text", "text": "pong"}]}
+        send({"jsonrpc": "2.0", "id": mid, "result": pong})
+    else:
+        send({"jsonrpc": "2.0", "id": mid, "result": {}})
+"""
+
+# `dump` returns n random characters drawn from `seed` (the test draws the same).
+DUMP_SERVER = """
+import random, string
+from mcp.server import MCPServer
+
+app = MCPServer("dump", log_level="WARNING")
+
+@app.tool()
+def dump(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice(string.ascii_letters + " ") for _ in range(n))
+
+app.run("stdio")
+"""
+
+# Offers the tools named on its command line; each answers with its server's and its own name.
+NAMED_TOOLS_SERVER = """
+import sys
+from mcp.server import MCPServer
+
+server, names = sys.argv[1], sys.argv[2:]
+app = MCPServer(server, log_level="WARNING")
+for name in names:
+    app.tool(name=name)(lambda name=name: f"{server}:{name}")
+app.run("stdio")
+"""
+
+
 # --- fixtures and helpers ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
@@ -333,6 +391,92 @@ def test_crash_timeout_and_unknown_tool_are_error_results(engine, tmp_path, rng_
     assert unknown.is_error and f"no_{word}" in unknown.content
     for tool in ("read_file", "crash", "sleepy", "echo"):
         assert tool in unknown.content
+
+
+def test_names_made_for_collisions_never_meet_real_ones(engine, tmp_path, rng_seed):
+    rng = random.Random(rng_seed)
+    script = tmp_path / "named.py"
+    script.write_text(NAMED_TOOLS_SERVER)
+    a, b, x = (f"s{i}{_word(rng, 4)}" for i in range(3))
+    tool = _word(rng, 5)
+    # a's real names are exactly what b's `tool` would be renamed to, and its first suffix.
+    offers = {a: [f"{b}__{tool}", f"{b}__{tool}_2"], b: [tool], x: [tool]}
+    config = {server: _stdio(script, server, *names) for server, names in offers.items()}
+
+    async def main() -> tuple[list[str], dict[str, str]]:
+        async with _host(config, engine) as host:
+            names = [t["function"]["name"] for t in host.tools]
+            answers = {}
+            for name in names:
+                done = await host.execute(ToolCall("c", name, {}))
+                assert not done.result.is_error, done.result.content
+                answers[name] = done.result.content
+            return names, answers
+
+    names, answers = asyncio.run(main())
+    assert len(names) == len(set(names)) == 4
+    # Every tool of every server is reachable, each under a name of its own.
+    expected = {f"{server}:{name}" for server, names in offers.items() for name in names}
+    assert set(answers.values()) == expected
+    assert answers[f"{b}__{tool}"] == f"{a}:{b}__{tool}"  # real names keep theirs
+    assert answers[f"{x}__{tool}"] == f"{x}:{tool}"
+
+
+def test_server_errors_with_the_sdks_own_codes_are_tool_errors(engine, tmp_path, rng_seed):
+    """-32000 (JSON-RPC's "server error", the SDK's CONNECTION_CLOSED) and -32001 (the SDK's
+    REQUEST_TIMEOUT) answered by a healthy server: its message, no restart, no timeout."""
+    rng = random.Random(rng_seed)
+    script = tmp_path / "raw.py"
+    script.write_text(RAW_ERROR_SERVER)
+    codes = {"closed": -32000, "late": -32001}
+    messages = {name: f"record {rng.randrange(10**6)} {_word(rng, 8)}" for name in codes}
+    logs = {name: tmp_path / f"{name}.log" for name in codes}
+    config = {
+        name: _stdio(script, str(code), messages[name], str(logs[name]), timeout=30)
+        for name, code in codes.items()
+    }
+
+    async def main() -> dict[str, list[ToolExecuted]]:
+        out: dict[str, list[ToolExecuted]] = {name: [] for name in codes}
+        async with _host(config, engine) as host:
+            for name in codes:  # more errors than MAX_RESTARTS, then a good call
+                for tool in ["lookup"] * 5 + ["ping"]:
+                    out[name].append(await host.execute(ToolCall("c", f"{name}__{tool}", {})))
+        return out
+
+    for name, calls in asyncio.run(main()).items():
+        for done in calls[:-1]:
+            assert done.result.is_error and done.seconds < 10
+            assert done.result.content == f"tool 'lookup' failed: {messages[name]}"
+        assert not calls[-1].result.is_error and calls[-1].result.content == "pong"
+        assert logs[name].read_text() == "start\n"  # never restarted
+
+
+def test_long_tool_results_are_cut_to_fit_the_context(engine, tmp_path, rng_seed):
+    rng = random.Random(rng_seed)
+    script = tmp_path / "dump.py"
+    script.write_text(DUMP_SERVER)
+    n, seed = rng.randint(20_000, 80_000), rng.randrange(2**31)
+    pick = random.Random(seed).choice
+    full = "".join(pick(string.ascii_letters + " ") for _ in range(n))
+    choice = _forced("dump", n=n, seed=seed)
+
+    async def main(**options: Any) -> RunResult:
+        async with _host({"dump": _stdio(script)}, engine, **options) as host:
+            return await host.run("go", max_steps=2, tool_choice=choice)
+
+    cut = asyncio.run(main())
+    assert cut.stop_reason in ("answer", "max_steps") and cut.steps == 2, cut.error
+    (result,) = _results(cut)
+    text, marker = result.content.rsplit("\n", 1)
+    limit = engine.max_model_len // 4  # the default
+    assert full.startswith(text) and limit // 2 < len(engine.tokenizer.encode(text)) <= limit
+    assert marker.startswith(f"[... {n - len(text)} characters cut")
+    # Past the cap's protection: a result the context cannot hold ends the run, said so.
+    whole = asyncio.run(main(max_result_tokens=10**6))
+    assert whole.stop_reason == "error" and whole.steps == 1
+    assert "no longer fits the model's context" in whole.error
+    assert _results(whole)[0].content == full  # the history as it stands
 
 
 def test_server_sampling_is_answered_by_the_local_model(engine, tmp_path, rng_seed):

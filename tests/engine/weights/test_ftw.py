@@ -102,7 +102,32 @@ def test_convert_reads_back_what_it_wrote(tmp_path, rng_seed, monkeypatch):
     monkeypatch.setattr(ftw, "_sync", damaging_sync, raising=False)
     with pytest.raises(CheckpointError, match=rf"{bank}: {len(rows)} expert rows fail"):
         ftw.convert(hf_dir, dst, progress=False)
-    assert not dst.exists()
+    assert not dst.exists() and not (tmp_path / "ftw.partial").exists()  # its work removed
+
+
+def test_convert_deletes_only_its_own_partial_folder(tmp_path, rng_seed):
+    """`DST.partial` that convert did not make (someone's data) is refused and kept; one a
+    killed convert left is replaced; an FTW source is named as such."""
+    rng = random.Random(rng_seed)
+    hf_dir, dst = tmp_path / "hf", tmp_path / f"out{rng.randrange(1000)}"
+    make_tiny("qwen3_moe", hf_dir, rng_seed)
+    partial = dst.with_name(dst.name + ".partial")
+    partial.mkdir()
+    precious = partial / f"notes{rng.randrange(1000)}.txt"
+    precious.write_bytes(rng.randbytes(rng.randint(1, 4096)))
+    kept = precious.read_bytes()
+    with pytest.raises(FileExistsError, match="is not a conversion's leftover"):
+        ftw.convert(hf_dir, dst, progress=False)
+    assert precious.read_bytes() == kept and not dst.exists()
+    precious.unlink()
+    (partial / ftw.PARTIAL_MARK).write_text("a convert that was killed\n")
+    (partial / "experts.w13.bin").write_bytes(rng.randbytes(64))
+    ftw.convert(hf_dir, dst, progress=False)
+    assert ftw.is_ftw(dst) and not partial.exists()
+    assert not (dst / ftw.PARTIAL_MARK).exists()
+    with pytest.raises(CheckpointError, match="already an FTW checkpoint"):
+        ftw.convert(dst, tmp_path / "again", progress=False)
+    assert not (tmp_path / "again").exists() and not (tmp_path / "again.partial").exists()
 
 
 def test_verify_command_names_every_bad_row(converted, capsys):
