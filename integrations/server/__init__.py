@@ -4,11 +4,12 @@
     app = create_app(engine, api_key=None)        # any ASGI server runs it
     serve(engine, host="127.0.0.1", port=8000)    # or `freetoken serve`
 
-Module map: app (create_app, /health), openai_routes (/v1/chat/completions, /v1/models),
-sessions_ws (/v1/sessions/{id}/ws), ui + ui_page (the page at /), hub (live Sessions by id and
-their watchers), turn_run (one turn in a worker thread, read on the event loop), bridge (the
-Session's engine: a cancellable request per turn), chat_request (body -> checked request),
-tool_choice (tools, forced calls, a call or the answer), reply / completion_format /
+Module map: app (create_app, /health), openai_routes (/v1/chat/completions, /v1/completions,
+/v1/models), sessions_ws (/v1/sessions/{id}/ws), ui + ui_page (the page at /), hub (live
+Sessions by id and their watchers), turn_run (one turn in a worker thread, read on the event
+loop), text_run (one text completion: a raw prompt straight to the engine), bridge (the
+Session's engine: a cancellable request per turn), chat_request / text_request (body -> checked
+request), tool_choice (tools, forced calls, a call or the answer), reply / completion_format /
 session_events (wire shapes), auth, browser_guard, limits (the safety middleware), errors, serve
 (uvicorn, binding rules).
 """

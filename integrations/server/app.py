@@ -3,10 +3,11 @@
     app = create_app(engine_or_service, api_key=None)
     uvicorn.run(app, host="127.0.0.1", port=8000)       # or `freetoken serve`
 
-Routes: POST /v1/chat/completions, GET /v1/models, GET /health, WebSocket
-/v1/sessions/{id}/ws, and the web page at / (also /ui). Any other path (404) or method (405)
-gets an OpenAI error object too, as OpenAI answers an unknown URL: clients read the message
-from it (the SDKs show it in their NotFoundError), not from a plain-text body.
+Routes: POST /v1/chat/completions, POST /v1/completions (legacy text completions), GET
+/v1/models, GET /health, WebSocket /v1/sessions/{id}/ws, and the web page at / (also /ui). Any
+other path (404) or method (405) gets an OpenAI error object too, as OpenAI answers an unknown
+URL: clients read the message from it (the SDKs show it in their NotFoundError), not from a
+plain-text body.
 
 One model is served, under `model_id` (default `freetoken/<arch>`; `freetoken serve` passes the
 model folder's name, or `freetoken-demo`). A request's `model` must name it or one of its

@@ -6,7 +6,8 @@ ignored; fields that change nothing here (user, metadata, store, parallel_tool_c
 accepted when they have the right type. `model` must name the served model or an alias
 (`check_model`; 404 otherwise). Unknown fields are ignored, as vLLM does, since SDKs add new
 ones faster than servers learn them. The WebSocket `send` message shares the sampling and tool
-fields (`sampling_from`).
+fields (`sampling_from`); text completions (text_request.py) share the sampling fields and
+`check_envelope`.
 """
 
 from __future__ import annotations
@@ -248,11 +249,12 @@ def _flag(options: Mapping[str, Any], key: str, where: str) -> bool:
     return bool(value)
 
 
-def parse_chat_request(
-    body: Any, default_max: int, served: str | None = None, names: Collection[str] = ()
-) -> ChatRequest:
-    """The checked request. With `served`, `model` is checked first (a request meant for
-    another model is refused as such, whatever else is wrong with it)."""
+def check_envelope(
+    body: Any, served: str | None = None, names: Collection[str] = ()
+) -> tuple[bool, bool]:
+    """What every generation body shares (chat and text completions), checked: a JSON object,
+    `model` (with `served`; first, so a request meant for another model is refused as such,
+    whatever else is wrong with it), the ignored fields' types. Returns (stream, include_usage)."""
     if not isinstance(body, Mapping):
         raise BadParam(f"the request body must be a JSON object, got {type(body).__name__}")
     if served is not None:
@@ -265,5 +267,12 @@ def parse_chat_request(
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):
         raise BadParam("stream_options must be an object", "stream_options")
-    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    return stream, _flag(options or {}, "include_usage", "stream_options.include_usage")
+
+
+def parse_chat_request(
+    body: Any, default_max: int, served: str | None = None, names: Collection[str] = ()
+) -> ChatRequest:
+    """The checked request (`check_envelope`, then the turn)."""
+    stream, include_usage = check_envelope(body, served, names)
     return ChatRequest(turn_from(body, default_max), stream, include_usage)

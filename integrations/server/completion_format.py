@@ -1,6 +1,11 @@
-"""OpenAI chat-completion objects from a turn's events: chunks while streaming, or one whole.
+"""OpenAI completion objects from a run's events: chunks while streaming, or one whole.
 
-Streaming deltas follow OpenAI's shapes exactly, since clients accumulate them by field:
+`CompletionFormat` writes chat completions (from a TurnRun's parser events), and
+`TextCompletionFormat` legacy text completions (from a TextRun's text pieces): `object`
+"text_completion", `choices[0].text`, whole or as streamed deltas, under a `cmpl-` id. Both
+end a stream alike: a chunk with the finish_reason, then the usage chunk if asked for.
+
+Chat deltas follow OpenAI's shapes exactly, since clients accumulate them by field:
 `role` in the first chunk, `content` and `reasoning_content` text pieces, and `tool_calls`
 entries keyed by `index`. A final chunk has an empty delta and the `finish_reason`; the usage
 chunk (`choices: []`) follows when the client asked for it with `stream_options.include_usage`.
@@ -22,6 +27,7 @@ import time
 import uuid
 from typing import Any
 
+from freetoken_agent.engine.outputs import TokenEvent
 from freetoken_agent.integrations.server.reply import Reply
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Usage
@@ -65,6 +71,12 @@ class CompletionFormat:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return self._envelope("chat.completion.chunk", [choice])
 
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return [self.chunk({"role": "assistant", "content": ""})]
+
+    def last_chunk(self, finish_reason: str | None) -> dict[str, Any]:
+        return self.chunk({}, finish_reason)
+
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage_json(usage)}
 
@@ -96,3 +108,43 @@ class CompletionFormat:
             "finish_reason": finish_reason,
         }
         return {**self._envelope("chat.completion", [choice]), "usage": usage_json(usage)}
+
+
+class TextCompletionFormat:
+    """The legacy `text_completion` object, whole or in chunks (one choice, index 0)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.id = "cmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+
+    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope([choice])
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return []  # no role to announce: the first chunk carries text
+
+    def last_chunk(self, finish_reason: str | None) -> dict[str, Any]:
+        return self.chunk("", finish_reason)
+
+    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
+        return {**self._envelope([]), "usage": usage_json(usage)}
+
+    def delta(self, event: Any) -> str | None:
+        """The text a TextRun event carries (None: nothing to send for it)."""
+        return event.text if isinstance(event, TokenEvent) and event.text else None
+
+    def completion(self, text: str, usage: Usage | None, finish_reason: str | None):
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._envelope([choice]), "usage": usage_json(usage)}

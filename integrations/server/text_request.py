@@ -1,0 +1,81 @@
+"""A legacy OpenAI text-completions body (POST /v1/completions), checked into one TextRequest.
+
+The prompt goes to the engine as it is, with no chat template: a string (tokenized by the
+model's tokenizer when the run starts: text_run.py) or a list of token ids. A list holding one
+prompt (`["text"]`, `[[ids]]`) is that prompt. Several prompts in one request are refused with
+a 400 naming `prompt`: serving them as several choices means several engine requests whose
+streams interleave and whose failures and disconnects must end all of them, for a form that
+autocomplete and scripts do not send (they send one prompt per request, as they can here).
+
+The sampling fields and their refusals are the chat route's (`sampling_from`, `check_envelope`);
+on top, what only this endpoint has and this server cannot do is refused by name: `suffix`
+(fill-in-the-middle), `echo`, `logprobs` (any value: even 0 asks for a logprobs object),
+`best_of` > 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.integrations.server.chat_request import check_envelope, sampling_from
+from freetoken_agent.integrations.server.errors import BadParam
+from freetoken_agent.integrations.server.tool_choice import ToolChoice
+
+# Unsupported fields of this endpoint and the values that mean "not used".
+_UNSUPPORTED = {
+    "suffix": (None, ""),
+    "echo": (None, False),
+    "logprobs": (None,),
+    "best_of": (None, 1),
+}
+_NO_TOOLS = ToolChoice("none")
+
+
+@dataclass(slots=True)
+class TextRequest:
+    prompt: str | list[int]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def prompt_from(raw: Any) -> str | list[int]:
+    """One prompt: a string or token ids, bare or alone in a list. Emptiness, the vocabulary
+    and the context are the engine's checks (when the run starts)."""
+    if isinstance(raw, str) or (_is_ids(raw) and raw):
+        return raw
+    if isinstance(raw, list) and raw and all(isinstance(p, str) or _is_ids(p) for p in raw):
+        if len(raw) == 1:
+            return raw[0]
+        raise BadParam(
+            f"prompt holds {len(raw)} prompts; this server completes one prompt per request "
+            "(send them as separate requests)",
+            "prompt",
+        )
+    raise BadParam(
+        f"prompt must be a string or a list of token ids (integers), got {raw!r:.60}", "prompt"
+    )
+
+
+def parse_text_request(
+    body: Any, default_max: int, served: str | None = None, names: Collection[str] = ()
+) -> TextRequest:
+    """The checked request; `model` first, as for chat."""
+    stream, include_usage = check_envelope(body, served, names)
+    if "prompt" not in body:
+        raise BadParam("prompt is required: a string or a list of token ids", "prompt")
+    prompt = prompt_from(body["prompt"])
+    for key, neutral in _UNSUPPORTED.items():
+        if key in body and body[key] not in neutral:
+            raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
+    sampling = sampling_from(body, None, _NO_TOOLS, default_max)
+    return TextRequest(prompt, sampling, stream, include_usage)

@@ -1,0 +1,133 @@
+"""TextRun: one text completion, its prompt submitted straight to the EngineService.
+
+    run = TextRun(service, prompt, sampling)
+    await run.start()              # tokenized and submitted; bad input raises here (-> 400)
+    async for event in run.events(): ...   # TokenEvents that carry text, then a Usage
+    run.cancel()                   # any time: aborts the request, frees its pages
+
+No Session and no chat template: the prompt's ids are the engine's prompt, so the text is what
+`Engine.generate` gives for them. A TextRun reads like a TurnRun (`events`, `usage`, `reply`,
+`finish_reason`, `cancel`), so the routes stream it, collect it and abort it when the client
+leaves the same way (openai_routes.py). Tokenizing and submitting run in a worker thread: a
+long prompt's tokenization, or the engine lock held through a step, must not stall the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+
+from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestError, TokenEvent
+from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.integrations.server.bridge import request_figures
+from freetoken_agent.integrations.server.errors import GRAMMAR_REFUSAL, BadParam
+from freetoken_agent.service import EngineService
+from freetoken_agent.session import Usage
+
+
+def _named(error: InvalidRequestError) -> BadParam:
+    """The engine's refusal of a request, naming the field at fault: the prompt (empty, ids
+    outside the vocabulary, too long for the context), or a response_format's schema."""
+    text = str(error)
+    if text.startswith(GRAMMAR_REFUSAL):
+        return BadParam(text, "response_format")
+    code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
+    return BadParam(text, "prompt", code)
+
+
+class TextRun:
+    def __init__(
+        self, service: EngineService, prompt: str | list[int], sampling: SamplingParams
+    ) -> None:
+        self.service = service
+        self.prompt = prompt
+        self.sampling = sampling
+        self.prompt_tokens = 0
+        self.usage: Usage | None = None  # set when the request has ended
+        self._pieces: list[str] = []
+        self._generated = 0
+        self._figures: dict[str, int] | None = None  # the engine's reuse figures, at the end
+        self._request_id: str | None = None
+        self._cancelled = False
+        self._lock = threading.Lock()  # cancel() either sees the request id or stops the submit
+        self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    def _ids(self) -> list[int]:
+        if isinstance(self.prompt, list):
+            return self.prompt
+        tokenizer = self.service.tokenizer
+        if tokenizer is None:
+            raise BadParam(
+                "this model has no tokenizer: send prompt as a list of token ids", "prompt"
+            )
+        return tokenizer.encode(self.prompt)  # as Engine.submit encodes a string
+
+    def _submit(self, loop: asyncio.AbstractEventLoop) -> None:  # in a worker thread
+        def deliver(event: TokenEvent) -> None:  # on the engine thread, under service.lock
+            if event.finished:
+                self._figures = request_figures(self.service.engine, event.request_id)
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads any more
+                loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+        ids = self._ids()
+        self.prompt_tokens = len(ids)
+        with self._lock:
+            if self._cancelled:
+                return
+            try:
+                self._request_id = self.service.submit(ids, self.sampling, deliver)
+            except InvalidRequestError as e:
+                raise _named(e) from None
+
+    async def start(self) -> int:
+        """Tokenize and submit; returns the prompt's token count. Refusals raise here."""
+        try:
+            await asyncio.to_thread(self._submit, asyncio.get_running_loop())
+        except BaseException:
+            self.cancel()  # a cancelled start: the thread may still have submitted
+            raise
+        return self.prompt_tokens
+
+    async def events(self) -> AsyncIterator[TokenEvent | Usage]:
+        """The events that carry text, then the Usage (finish_reason "error", with the engine's
+        message, when the request failed)."""
+        while self.usage is None:
+            event = await self._events.get()
+            if event.token_id is not None:
+                self._generated += 1
+            if event.text:
+                self._pieces.append(event.text)
+                yield event
+            if event.finished:
+                figures = self._figures or {"reused": 0, "prefilled": self.prompt_tokens}
+                self.usage = Usage(
+                    self.prompt_tokens,
+                    self._generated,
+                    figures["reused"],
+                    figures["prefilled"],
+                    event.finish_reason,
+                    event.error,
+                    exact=self._figures is not None,
+                )
+                yield self.usage
+
+    @property
+    def reply(self) -> str:
+        """The text so far (all of it once the run has ended)."""
+        return "".join(self._pieces)
+
+    def finish_reason(self) -> str | None:
+        return self.usage.finish_reason if self.usage is not None else None
+
+    def cancel(self) -> None:
+        """Abort the request and wake a reader (a no-op once it has ended). On the loop."""
+        with self._lock:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            rid = self._request_id
+        if rid is not None and self.usage is None:
+            self.service.abort(rid)  # a no-op if the engine finished it meanwhile
+            self._events.put_nowait(TokenEvent(rid, None, "", self._generated, True, "abort"))
