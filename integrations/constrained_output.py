@@ -1,5 +1,6 @@
 """Constrained output shared by ChatFreeToken (langchain_*.py) and the OpenAI server (server/):
-the JSON schemas that constrain a turn, and the parser of "a tool call or the answer's JSON".
+the JSON schemas that constrain a turn, the parser of "a tool call or the answer's JSON", and
+the call block a forced call's prompt opens (`WrappedBlock`).
 
 Schemas are made self-contained ($refs inlined) so they can be nested, and closed
 (additionalProperties false unless they say otherwise). Tools plus a response format, as
@@ -17,7 +18,7 @@ from typing import Any
 from langchain_core.utils.json_schema import dereference_refs
 
 from freetoken_agent.engine.constrained import tool_call_schema
-from freetoken_agent.parsers import ContentDelta, OutputParser
+from freetoken_agent.parsers import ContentDelta, OutputParser, ParseWarning, ToolCallEnd
 
 HERMES_OPEN = "<tool_call>\n"
 HERMES_CLOSE = "\n</tool_call>"
@@ -65,6 +66,37 @@ class JsonOrCallParser:
                 self.held.append(event.text)
             else:
                 out.append(event)
+        return out
+
+
+class WrappedBlock:
+    """A call block the host opened (the prompt ends with `opener`), and may close by feeding
+    the parser a closer, around what the model writes under the grammar. When the parser voids
+    the block, the content it gives back and the warning's text are only what the model wrote:
+    the opener and the closer are not the model's. Used by ChatFreeToken's PrefedParser and the
+    server's ForcedCallParser."""
+
+    def __init__(self, opener: str) -> None:
+        self.opener = opener
+        self.open = bool(opener)  # the block the opener began has not ended yet
+
+    def as_written(self, events: list, closer: str) -> list:
+        """`events` with the opener (and `closer`, when that was fed) taken out of the voided
+        block's text. The parser re-emits a voided block as a ContentDelta of its raw text right
+        before the ParseWarning."""
+        out: list = []
+        for event in events:
+            if self.open and isinstance(event, ToolCallEnd):
+                self.open = False
+            elif self.open and isinstance(event, ParseWarning):
+                self.open = False
+                raw = event.raw_text.removeprefix(self.opener)
+                raw = raw.removesuffix(closer) if closer else raw
+                if out and out[-1] == ContentDelta(event.raw_text):
+                    out.pop()
+                    out += [ContentDelta(raw)] if raw else []
+                event = ParseWarning(event.message, raw, event.index)
+            out.append(event)
         return out
 
 

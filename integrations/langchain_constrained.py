@@ -17,8 +17,7 @@ import json
 from typing import Any
 
 from freetoken_agent.chat_format import ChatFormat, Prompt
-from freetoken_agent.integrations.constrained_output import HERMES_OPEN
-from freetoken_agent.parsers import ContentDelta, ParseWarning, ToolCallEnd
+from freetoken_agent.integrations.constrained_output import HERMES_OPEN, WrappedBlock
 from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
 from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
 
@@ -65,39 +64,19 @@ class PrefedParser:
         self.head = head
         self.tail = tail
         self.body: list[str] = []
-        self.opener = HERMES_OPEN if head.endswith(HERMES_OPEN) else ""
-        self.wrapped = bool(self.opener)  # the block the head opened has not ended yet
+        self.block = WrappedBlock(HERMES_OPEN if head.endswith(HERMES_OPEN) else "")
 
     def feed(self, text: str) -> list:
         head, self.head = self.head, ""
         if self.tail:
             self.body.append(text)
-        return self._as_written(self.inner.feed(head + text), "")
+        return self.block.as_written(self.inner.feed(head + text), "")
 
     def finish(self) -> list:
         head, self.head = self.head, ""
         tail = self.tail if self.tail and _is_json("".join(self.body)) else ""
-        closed = self._as_written(self.inner.feed(head + tail), tail)
-        return closed + self._as_written(self.inner.finish(), "")
-
-    def _as_written(self, events: list, tail: str) -> list:
-        """`events` with the opener (and `tail`, when that was fed) taken out of the voided
-        block's text. The parser re-emits a voided block as a ContentDelta of its raw text right
-        before the ParseWarning."""
-        out: list = []
-        for event in events:
-            if self.wrapped and isinstance(event, ToolCallEnd):
-                self.wrapped = False
-            elif self.wrapped and isinstance(event, ParseWarning):
-                self.wrapped = False
-                raw = event.raw_text.removeprefix(self.opener)
-                raw = raw.removesuffix(tail) if tail else raw
-                if out and out[-1] == ContentDelta(event.raw_text):
-                    out.pop()
-                    out += [ContentDelta(raw)] if raw else []
-                event = ParseWarning(event.message, raw, event.index)
-            out.append(event)
-        return out
+        closed = self.block.as_written(self.inner.feed(head + tail), tail)
+        return closed + self.block.as_written(self.inner.finish(), "")
 
 
 def _is_json(text: str) -> bool:

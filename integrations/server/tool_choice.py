@@ -28,14 +28,16 @@ from typing import Any
 
 from freetoken_agent.engine.constrained import tool_arguments_schema, tool_call_schema
 from freetoken_agent.engine.sampling_params import schema_of_response_format, schema_problems
-from freetoken_agent.integrations.constrained_output import JsonOrCallParser, inline, output_schema
+from freetoken_agent.integrations.constrained_output import (
+    JsonOrCallParser,
+    WrappedBlock,
+    inline,
+    output_schema,
+)
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.parsers import (
-    ContentDelta,
     OutputParser,
-    ParseWarning,
-    ToolCallEnd,
     prompt_opens_reasoning,
     tool_format_for,
 )
@@ -164,35 +166,16 @@ class ForcedCallParser:
     def __init__(self, inner: OutputParser, lead: str) -> None:
         self._inner = inner
         self._lead = lead  # fed before the first generated text; ends with CALL_OPEN
-        self._wrapped = True  # the block the lead opened has not ended yet
+        self._block = WrappedBlock(CALL_OPEN)  # the block the lead opened
 
     def feed(self, text: str) -> list:
         lead, self._lead = self._lead, ""
-        return self._as_written(self._inner.feed(lead + text), "")
+        return self._block.as_written(self._inner.feed(lead + text), "")
 
     def finish(self) -> list:
         lead, self._lead = self._lead, ""
-        closed = self._as_written(self._inner.feed(lead + CALL_CLOSE), CALL_CLOSE)
-        return closed + self._as_written(self._inner.finish(), "")
-
-    def _as_written(self, events: list, closer: str) -> list:
-        """`events` with the server's opener (and `closer`, when that was fed) taken out of the
-        voided block's text. The parser re-emits a voided block as a ContentDelta of its raw
-        text right before the ParseWarning."""
-        out: list = []
-        for event in events:
-            if self._wrapped and isinstance(event, ToolCallEnd):
-                self._wrapped = False
-            elif self._wrapped and isinstance(event, ParseWarning):
-                self._wrapped = False
-                raw = event.raw_text.removeprefix(CALL_OPEN)
-                raw = raw.removesuffix(closer) if closer else raw
-                if out and out[-1] == ContentDelta(event.raw_text):
-                    out.pop()
-                    out += [ContentDelta(raw)] if raw else []
-                event = ParseWarning(event.message, raw, event.index)
-            out.append(event)
-        return out
+        closed = self._block.as_written(self._inner.feed(lead + CALL_CLOSE), CALL_CLOSE)
+        return closed + self._block.as_written(self._inner.finish(), "")
 
 
 ParserFactory = Callable[[Any], Any]

@@ -4,7 +4,7 @@ The demo model has random weights, so what it writes is gibberish: tests on it c
 hold whatever the text is (stream == invoke under greedy decoding, usage once and consistent
 with the engine's counters, forced calls and structured output valid for random schemas thanks
 to the grammar, KV reuse, aborts). Reasoning, free-form tool calls and malformed calls never
-come out of it, so `ScriptedEngine` answers with chosen random texts through a real
+come out of it, so `ScriptedEngine` (tests/helpers/) answers with chosen random texts through a real
 EngineService and the real parsers.
 """
 
@@ -33,11 +33,10 @@ from langchain_core.messages import (
 )
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from pydantic import BaseModel, ConfigDict, Field, create_model
+from scripted_engine import ScriptedEngine
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
-from freetoken_agent.engine.outputs import TokenEvent
-from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
 from freetoken_agent.integrations.constrained_output import closed
 from freetoken_agent.integrations.langchain import (
     ChatFreeToken,
@@ -476,62 +475,6 @@ def test_the_example_agent_calls_a_tool(capsys):
 
 
 # ---------------------------------------------------------------------- scripted replies
-
-
-class ScriptedEngine:
-    """What an EngineService drives (submit / step / abort), answering each request with a queued
-    reply: (text, finish_reason, error). One token per step, canonical tokenization."""
-
-    def __init__(self, real: Engine) -> None:
-        self.tokenizer, self.spec, self.max_model_len = (
-            real.tokenizer,
-            real.spec,
-            real.max_model_len,
-        )
-        self.replies: list[tuple[str, str, str | None]] = []
-        self.prompts: list[list[int]] = []
-        self.samplings: list = []
-        self.running: dict[str, list] = {}
-        self.finished = 0
-
-    def submit(self, prompt, sampling) -> str:
-        rid = f"s{len(self.prompts)}"
-        self.prompts.append(list(prompt))
-        self.samplings.append(sampling)
-        reply, reason, error = self.replies.pop(0)
-        self.running[rid] = [
-            self.tokenizer.encode(reply),
-            0,
-            IncrementalDetokenizer(self.tokenizer),
-            reason,
-            error,
-        ]
-        return rid
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running)
-
-    def step(self) -> list[TokenEvent]:
-        events = []
-        for rid, state in list(self.running.items()):
-            ids, i, detok, reason, error = state
-            if reason == "error" or i == len(ids):
-                events.append(TokenEvent(rid, None, "", i, True, reason, error))
-                del self.running[rid]
-                self.finished += 1
-                continue
-            state[1] += 1
-            events.append(TokenEvent(rid, ids[i], detok.push(ids[i]), i))
-        return events
-
-    def abort(self, rid: str) -> None:
-        self.running.pop(rid, None)
-
-    def _pop(self, rid: str) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {"tokens": {"reused": 0, "prefilled": 0}, "requests": {"finished": self.finished}}
 
 
 @pytest.fixture

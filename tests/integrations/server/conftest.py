@@ -5,7 +5,8 @@ cached pages or unfinished requests can never leak into another's checks. Tests 
 (SDKs, a browser, raw sockets) run a real uvicorn server on a free loopback port instead, one
 per module (`start_server`), and check after each test that nothing was left behind
 (`assert_nothing_held`). The demo model never writes a free-form or malformed tool call, so
-`scripted_client` serves a `ScriptedEngine` that answers with chosen texts instead.
+`scripted_client` serves a `ScriptedEngine` (tests/helpers/) that answers with chosen texts
+instead.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from typing import Any
 
 import pytest
 import uvicorn
+from scripted_engine import ScriptedEngine
 from starlette.testclient import TestClient
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
-from freetoken_agent.engine.outputs import TokenEvent
-from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
 from freetoken_agent.integrations.server import create_app, make_server
 from freetoken_agent.service import EngineService
 
@@ -63,56 +63,6 @@ def make_client(engine: Engine) -> Iterator[Callable[..., TestClient]]:
 @pytest.fixture
 def client(make_client) -> TestClient:
     return make_client()
-
-
-class ScriptedEngine:
-    """What an EngineService drives (submit / step / abort), answering each request with a queued
-    reply: (text, finish_reason). One token per step, canonical tokenization. (The same as
-    tests/integrations/test_langchain.py's, which test modules cannot import.)"""
-
-    def __init__(self, real: Engine) -> None:
-        self.tokenizer, self.spec, self.max_model_len = (
-            real.tokenizer,
-            real.spec,
-            real.max_model_len,
-        )
-        self.replies: list[tuple[str, str]] = []
-        self.running: dict[str, list] = {}
-        self.submitted = 0
-        self.samplings: list = []  # each request's SamplingParams, in order
-
-    def submit(self, prompt, sampling) -> str:
-        rid = f"s{self.submitted}"
-        self.submitted += 1
-        self.samplings.append(sampling)
-        reply, reason = self.replies.pop(0)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        self.running[rid] = [self.tokenizer.encode(reply), 0, detok, reason]
-        return rid
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running)
-
-    def step(self) -> list[TokenEvent]:
-        events = []
-        for rid, state in list(self.running.items()):
-            ids, i, detok, reason = state
-            if i == len(ids):
-                events.append(TokenEvent(rid, None, "", i, True, reason, None))
-                del self.running[rid]
-                continue
-            state[1] += 1
-            events.append(TokenEvent(rid, ids[i], detok.push(ids[i]), i))
-        return events
-
-    def abort(self, rid: str) -> None:
-        self.running.pop(rid, None)
-
-    def _pop(self, rid: str) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {"tokens": {"reused": 0, "prefilled": 0}, "requests": {}}
 
 
 @pytest.fixture

@@ -16,46 +16,21 @@ from typing import Any
 
 import jsonschema
 import pytest
+from random_schemas import random_name, random_object_schema
 
 from freetoken_agent.integrations.server.tool_choice import ToolChoice, parser_factory
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 
 URL = "/v1/chat/completions"
+CALL_KEYS = ("name", "arguments")  # an answer with a call's keys is a call
 
 
 def _name(rng: random.Random) -> str:
-    while True:
-        name = rng.choice(string.ascii_lowercase) + "".join(
-            rng.choice(string.ascii_lowercase + "_") for _ in range(rng.randint(2, 8))
-        )
-        if name not in ("name", "arguments"):  # an answer with a call's keys is a call
-            return name
-
-
-def _scalar(rng: random.Random) -> dict[str, Any]:
-    kind = rng.choice(["string", "integer", "boolean", "enum"])
-    if kind == "string":
-        return {"type": "string", "maxLength": rng.randint(1, 6)}
-    if kind == "integer":
-        lo = rng.randint(-50, 50)
-        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 99)}
-    if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", "cyan", "amber"], rng.randint(1, 4))}
-    return {"type": "boolean"}
-
-
-def _object(rng: random.Random, props: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": props,
-        "required": rng.sample(list(props), rng.randint(1, len(props))),
-        "additionalProperties": False,
-    }
+    return random_name(rng, CALL_KEYS)
 
 
 def _object_schema(rng: random.Random) -> dict[str, Any]:
-    names = list(dict.fromkeys(_name(rng) for _ in range(rng.randint(1, 4))))
-    return _object(rng, {n: _scalar(rng) for n in names})
+    return random_object_schema(rng, CALL_KEYS)
 
 
 def _answer_schema(rng: random.Random) -> dict[str, Any]:

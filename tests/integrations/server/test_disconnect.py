@@ -6,10 +6,11 @@ test passes only if the disconnect really aborted it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import string
+
+from asgi_disconnect import post_and_leave
 
 from freetoken_agent.integrations.server import create_app
 
@@ -56,55 +57,14 @@ def test_a_streaming_client_that_leaves_aborts_its_request(client, engine, rng_s
     assert_nothing_held(service, engine)
 
 
-def _scope(body: bytes) -> dict:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"testserver"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ],
-        "client": ("127.0.0.1", 50000),
-        "server": ("testserver", 80),
-    }
-
-
 def test_a_waiting_non_streaming_client_that_leaves_aborts_its_request(engine, rng_seed):
     """Driven as raw ASGI: the server sees the disconnect while it collects the reply."""
     rng = random.Random(rng_seed)
     app = create_app(engine)
     service = app.state.server.service
     body = json.dumps(_body(rng, False)).encode()
-    sent: list[dict] = []
-
-    async def main() -> None:
-        delivered = False
-
-        async def receive() -> dict:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            while service.stats()["requests"]["running"] == 0:  # until it generates
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        await asyncio.wait_for(app(_scope(body), receive, send), timeout=60)
-
     try:
-        asyncio.run(main())
+        sent = post_and_leave(app, "/v1/chat/completions", body)
         stats = service.stats()
         assert stats["requests"]["finished"] == 1
         assert 0 < stats["tokens"]["generated"] < MAX_TOKENS

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from asgi_disconnect import post_and_leave
 
 from freetoken_agent import Engine
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -274,42 +275,8 @@ def test_a_waiting_client_that_leaves_aborts_its_request(engine, rng_seed):
     app = create_app(engine)
     service = app.state.server.service
     body = json.dumps({"prompt": _words(rng, 5), "max_tokens": 900, "ignore_eos": True}).encode()
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": URL,
-        "raw_path": URL.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"testserver"), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 50000),
-        "server": ("testserver", 80),
-    }
-    sent: list[dict] = []
-
-    async def main() -> None:
-        delivered = False
-
-        async def receive() -> dict:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            while service.stats()["requests"]["running"] == 0:  # until it generates
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        await asyncio.wait_for(app(scope, receive, send), timeout=60)
-
     try:
-        asyncio.run(main())
+        sent = post_and_leave(app, URL, body)
         stats = service.stats()
         assert stats["requests"]["finished"] == 1
         assert 0 < stats["tokens"]["generated"] < 900

@@ -8,45 +8,16 @@ from __future__ import annotations
 
 import json
 import random
-import string
-from typing import Any
 
 import jsonschema
 import pytest
-
-
-def _name(rng: random.Random) -> str:
-    return rng.choice(string.ascii_lowercase) + "".join(
-        rng.choice(string.ascii_lowercase + "_") for _ in range(rng.randint(2, 8))
-    )
-
-
-def _scalar(rng: random.Random) -> dict[str, Any]:
-    kind = rng.choice(["string", "integer", "boolean", "enum"])
-    if kind == "string":
-        return {"type": "string", "maxLength": rng.randint(1, 6)}
-    if kind == "integer":
-        lo = rng.randint(-50, 50)
-        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 99)}
-    if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", "cyan", "amber"], rng.randint(1, 4))}
-    return {"type": "boolean"}
-
-
-def random_object_schema(rng: random.Random) -> dict[str, Any]:
-    names = list(dict.fromkeys(_name(rng) for _ in range(rng.randint(1, 4))))
-    return {
-        "type": "object",
-        "properties": {n: _scalar(rng) for n in names},
-        "required": rng.sample(names, rng.randint(1, len(names))),
-        "additionalProperties": False,
-    }
+from random_schemas import random_name, random_object_schema
 
 
 def random_tools(rng: random.Random, n: int) -> list[dict]:
     names = set()
     while len(names) < n:
-        names.add(_name(rng))
+        names.add(random_name(rng))
     return [
         {
             "type": "function",
@@ -57,7 +28,7 @@ def random_tools(rng: random.Random, n: int) -> list[dict]:
 
 
 def _user(rng: random.Random) -> list[dict]:
-    text = " ".join(_name(rng) for _ in range(rng.randint(2, 6)))
+    text = " ".join(random_name(rng) for _ in range(rng.randint(2, 6)))
     return [{"role": "user", "content": text}]
 
 
@@ -215,7 +186,7 @@ def test_forced_call_parser_closes_an_open_think_block(rng_seed):
     from freetoken_agent.parsers import OutputParser, ToolCallEnd, coalesce
 
     rng = random.Random(rng_seed)
-    args = {_name(rng): rng.randint(-9, 99) for _ in range(rng.randint(1, 3))}
+    args = {random_name(rng): rng.randint(-9, 99) for _ in range(rng.randint(1, 3))}
     text = json.dumps({"name": "f", "arguments": args})
     cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 5)))
     parser = ForcedCallParser(OutputParser("hermes", True, None), "</think>\n\n<tool_call>\n")

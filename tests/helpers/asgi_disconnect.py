@@ -1,0 +1,54 @@
+"""A non-streaming client that leaves mid-generation, driven as raw ASGI: an HTTP client
+cannot time its disconnect to the engine's state, so the server's view is played directly."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+def post_and_leave(app: Any, path: str, body: bytes) -> list[dict]:
+    """POSTs `body` to the server `app` at `path`, then disconnects once the engine runs the
+    request (the server sees it while it collects the reply). Returns the ASGI messages the app
+    sent; the caller closes the app's service."""
+    service = app.state.server.service
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"testserver"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("testserver", 80),
+    }
+    sent: list[dict] = []
+
+    async def main() -> None:
+        delivered = False
+
+        async def receive() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            while service.stats()["requests"]["running"] == 0:  # until it generates
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(app(scope, receive, send), timeout=60)
+
+    asyncio.run(main())
+    return sent

@@ -1,0 +1,64 @@
+"""An engine that answers with chosen texts, for the output paths a random-weight demo model
+never takes (free-form or malformed tool calls, engine errors). What an EngineService drives:
+submit / step / abort. Used by the LangChain tests and the server tests."""
+
+from __future__ import annotations
+
+from freetoken_agent import Engine
+from freetoken_agent.engine.outputs import TokenEvent
+from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
+
+
+class ScriptedEngine:
+    """Answers each request with a queued reply: (text, finish_reason) or (text, finish_reason,
+    error). One token per step, canonical tokenization; a reply with an error ends at once, as
+    an engine failure does, with no more tokens."""
+
+    def __init__(self, real: Engine) -> None:
+        self.tokenizer, self.spec, self.max_model_len = (
+            real.tokenizer,
+            real.spec,
+            real.max_model_len,
+        )
+        self.replies: list[tuple] = []  # (text, reason) or (text, reason, error)
+        self.prompts: list[list[int]] = []
+        self.samplings: list = []  # each request's SamplingParams, in order
+        self.running: dict[str, list] = {}
+        self.submitted = 0
+        self.finished = 0
+
+    def submit(self, prompt, sampling) -> str:
+        rid = f"s{self.submitted}"
+        self.submitted += 1
+        self.prompts.append(list(prompt))
+        self.samplings.append(sampling)
+        reply, reason, *rest = self.replies.pop(0)
+        error = rest[0] if rest else None
+        detok = IncrementalDetokenizer(self.tokenizer)
+        self.running[rid] = [self.tokenizer.encode(reply), 0, detok, reason, error]
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[TokenEvent]:
+        events = []
+        for rid, state in list(self.running.items()):
+            ids, i, detok, reason, error = state
+            if error is not None or i == len(ids):
+                events.append(TokenEvent(rid, None, "", i, True, reason, error))
+                del self.running[rid]
+                self.finished += 1
+                continue
+            state[1] += 1
+            events.append(TokenEvent(rid, ids[i], detok.push(ids[i]), i))
+        return events
+
+    def abort(self, rid: str) -> None:
+        self.running.pop(rid, None)
+
+    def _pop(self, rid: str) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"tokens": {"reused": 0, "prefilled": 0}, "requests": {"finished": self.finished}}
