@@ -164,26 +164,86 @@ def require(cfg: dict, *names: str) -> Any:
     raise ConfigError(f"config.json lacks {' / '.join(repr(n) for n in names)}")
 
 
-def rope_from_config(cfg: dict, head_dim: int) -> RopeSpec:
-    params = dict(cfg.get("rope_parameters") or {})
-    if not params and cfg.get("rope_scaling"):
-        params = dict(cfg["rope_scaling"])
+@dataclass(slots=True, frozen=True)
+class ConfigDefaults:
+    """What a family's transformers config class assumes for a field config.json leaves out.
+    They differ by family (MixtralConfig.default_theta is 1e6, OlmoeConfig's rms_norm_eps 1e-5,
+    Qwen3NextConfig's partial_rotary_factor 0.25), so each family module states all of them."""
+
+    rope_theta: float
+    rms_norm_eps: float
+    partial_rotary_factor: float
+
+
+# Per supported rope_type, the parameters its table reads (layers/rope.py): (required, optional).
+# All are numbers: a missing one failed there as a bare TypeError, and a string could pass.
+_ROPE_NUMBERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "yarn": (
+        ("original_max_position_embeddings",),
+        ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+    ),
+    "llama3": (
+        ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        (),
+    ),
+}
+
+
+def _check_number(value: Any, field: str, required: bool) -> None:
+    if value is None and not required:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        what = "is missing" if value is None else f"must be a number, got {value!r}"
+        raise ConfigError(f"config.json {field} {what}")
+
+
+def rope_from_config(cfg: dict, head_dim: int, defaults: ConfigDefaults) -> RopeSpec:
+    # transformers takes rope_scaling over rope_parameters when a config has both
+    # (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict).
+    where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    given = cfg.get(where) or {}
+    if not isinstance(given, dict):
+        raise ConfigError(f"config.json {where} must be an object, got {given!r}")
+    params = dict(given)
     if any(isinstance(v, dict) for v in params.values()):
         raise ConfigError("per-layer-type rope_parameters are not supported for this family")
-    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    partial = params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0
-    if rope_type in ("yarn", "llama3"):
-        params.setdefault(
-            "original_max_position_embeddings",
-            cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")),
-        )
-    if rope_type not in ("default", "linear", "yarn", "llama3"):
+    if rope_type not in _ROPE_NUMBERS:
         raise ConfigError(
             f"rope_type {rope_type!r} is not supported (supported: default, linear, yarn, llama3)"
         )
+    required, optional = _ROPE_NUMBERS[rope_type]
+    for name in (*required, *optional, "rope_theta", "partial_rotary_factor"):
+        # original_max_position_embeddings may come from outside the dict (below).
+        needed = name in required and name != "original_max_position_embeddings"
+        _check_number(params.get(name), f"{where}.{name}", needed)
+    for name in ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings"):
+        _check_number(cfg.get(name), name, required=False)
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or defaults.rope_theta
+    partial = (
+        params.pop("partial_rotary_factor", None)
+        or cfg.get("partial_rotary_factor")
+        or defaults.partial_rotary_factor
+    )
+    if rope_type in ("yarn", "llama3"):
+        # transformers standardises the rope parameters again as it builds the table
+        # (standardize_rope_params, called by _compute_yarn_parameters and
+        # _compute_llama3_parameters): a top-level original_max_position_embeddings (Phi-3's
+        # layout) replaces the one inside; without either, the model length stands in.
+        orig = "original_max_position_embeddings"
+        if cfg.get(orig) is not None:
+            params[orig] = cfg[orig]
+        else:
+            params.setdefault(orig, cfg.get("max_position_embeddings"))
+        _check_number(params[orig], f"{where}.{orig}", required=True)
     rotary_dim = int(head_dim * float(partial))
     return RopeSpec(float(theta), rope_type, rotary_dim, tuple(sorted(params.items())))
+
+
+# Activations the MLPs and experts run (layers/mlp.py, the expert kernels): SwiGLU only.
+SUPPORTED_ACTS = ("silu", "swish")
 
 
 def eos_ids_from_config(cfg: dict) -> tuple[int, ...]:
@@ -193,8 +253,16 @@ def eos_ids_from_config(cfg: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def base_spec_fields(cfg: dict) -> dict[str, Any]:
-    """Fields every family reads the same way. A family module adds the rest."""
+def base_spec_fields(cfg: dict, defaults: ConfigDefaults) -> dict[str, Any]:
+    """Fields every family reads the same way (`defaults`: the family's for absent fields). A
+    family module adds the rest."""
+    # Every family's MLPs and experts apply hidden_act (transformers' ACT2FN); we run SiLU only,
+    # so another activation is refused rather than computed wrongly.
+    act = cfg.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTS:
+        raise ConfigError(
+            f"config.json hidden_act {act!r} is not supported (supported: silu, swish)"
+        )
     hidden = int(require(cfg, "hidden_size"))
     n_heads = int(require(cfg, "num_attention_heads"))
     head_dim = int(cfg.get("head_dim") or hidden // n_heads)
@@ -207,9 +275,9 @@ def base_spec_fields(cfg: dict) -> dict[str, Any]:
         n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps") or defaults.rms_norm_eps),
         max_position_embeddings=int(require(cfg, "max_position_embeddings")),
-        rope=rope_from_config(cfg, head_dim),
+        rope=rope_from_config(cfg, head_dim, defaults),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         eos_token_ids=eos_ids_from_config(cfg),

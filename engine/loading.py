@@ -10,15 +10,23 @@ too small for the weights is an error that says how much is needed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from freetoken_agent.engine.config import EngineConfig, ModelSpec, parse_dtype, read_config
+from freetoken_agent.engine.config import (
+    ConfigError,
+    EngineConfig,
+    ModelSpec,
+    parse_dtype,
+    read_config,
+)
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.experts.placement import (
     BudgetError,
@@ -46,7 +54,11 @@ from freetoken_agent.engine.models.registry import family, spec_from_config
 from freetoken_agent.engine.request import Recurrence
 from freetoken_agent.engine.text.tokenizer import Tokenizer
 from freetoken_agent.engine.weights import ftw
-from freetoken_agent.engine.weights.loader import load_safetensors
+from freetoken_agent.engine.weights.loader import (
+    load_safetensors,
+    safetensors_files,
+    untie_differing_head,
+)
 from freetoken_agent.kernels import pdl_switch
 
 log = logging.getLogger("freetoken.load")
@@ -191,25 +203,27 @@ def load_model(
     path = Path(path)
     cfg = read_config(path)
     spec = spec_from_config(cfg)
+    end_ids = end_token_ids(path)  # a bad generation_config.json fails before the weights load
     dev = resolve_device(device)
     run_dtype = parse_dtype(dtype) or spec.dtype
     config = EngineConfig(
         device=str(dev), dtype=run_dtype, gpu_budget=gpu_budget, policy=policy, **options
     )
-    model, bank, max_len = build_model(spec, config, dev, run_dtype)
     table = family(spec.arch).CHECKPOINT_NAMES
-    if ftw.is_ftw(path):
-        manifest = ftw.read_manifest(path, spec)
-        dense = [path / manifest["dense"]]
-        load_safetensors(path, spec, model, bank, table, progress, dense, experts_elsewhere=True)
+    manifest = ftw.read_manifest(path, spec) if ftw.is_ftw(path) else None
+    files = [path / manifest["dense"]] if manifest else safetensors_files(path)
+    spec = untie_differing_head(spec, files, table)  # before the model and its budget
+    model, bank, max_len = build_model(spec, config, dev, run_dtype)
+    if manifest is not None:
+        load_safetensors(path, spec, model, bank, table, progress, files, experts_elsewhere=True)
         crcs = {b: manifest["banks"][b]["crc32"] for b in ftw.BANKS}
         copy_banks(ftw.open_banks(path, spec), bank, progress,
                    crcs if config.verify_checksums else None, path)  # fmt: skip
     else:
-        load_safetensors(path, spec, model, bank, table, progress)
+        load_safetensors(path, spec, model, bank, table, progress, files)
     if isinstance(bank, OffloadedExpertBank):
         bank.ready()
-    return assemble(spec, config, model, bank, dev, run_dtype, max_len, _tokenizer(path))
+    return assemble(spec, config, model, bank, dev, run_dtype, max_len, _tokenizer(path), end_ids)
 
 
 def assemble(
@@ -221,9 +235,11 @@ def assemble(
     dtype: torch.dtype,
     max_len: int,
     tokenizer: Tokenizer | None,
+    end_ids: Iterable[int] = (),
 ) -> LoadedModel:
     """Size the KV pool around loaded weights and bundle the parts (also used by benchmarks
-    that fill the weights themselves)."""
+    that fill the weights themselves). `end_ids`: the folder's end_token_ids, which end
+    generation with the spec's and the tokenizer's eos."""
     pdl_switch.requested()  # a misspelt FREETOKEN_PDL fails here, not at the first CUDA step
     if config.skinny_gemv:
         use_skinny_gemv(model)
@@ -273,7 +289,7 @@ def assemble(
         recurrence.checkpoints.on_drop = radix.forget_checkpoint
     if arena is None:  # one sequence can never hold more than the whole pool
         max_len = min(max_len, kv.allocator.capacity * config.page_size)
-    eos = set(spec.eos_token_ids)
+    eos = set(spec.eos_token_ids) | set(end_ids)
     if tokenizer is not None:
         eos |= set(tokenizer.eos_token_ids)
     host = model.embed_tokens.host_nbytes
@@ -317,6 +333,38 @@ def copy_banks(
                 bar.update(src[lo : lo + step].nbytes)
     if any(bad.values()):
         raise ftw.checksum_error(folder or "the FTW checkpoint", bad)
+
+
+def end_token_ids(path: Path) -> set[int]:
+    """The ids that end generation by the folder's configs: generation_config.json's (what
+    transformers' generate stops on) and config.json's, a multimodal one's text_config too.
+    Read here, the one place, so that a folder without tokenizer.json ends on them as well."""
+    ids: set[int] = set()
+    gen_file, model_file = path / "generation_config.json", path / "config.json"
+    for file in (gen_file, model_file):
+        if not file.is_file():
+            continue
+        try:
+            cfg = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{file} is not valid JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{file} must hold a JSON object, got {type(cfg).__name__}")
+        ids |= _eos_ids(cfg.get("eos_token_id"), f"{file}: eos_token_id")
+        text_cfg = cfg.get("text_config")
+        if isinstance(text_cfg, dict):  # multimodal checkpoints nest the language model's
+            ids |= _eos_ids(text_cfg.get("eos_token_id"), f"{file}: text_config.eos_token_id")
+    return ids
+
+
+def _eos_ids(value: object, where: str) -> set[int]:
+    """`eos_token_id` as written in configs: absent, an int or a list of ints."""
+    if value is None:
+        return set()
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        raise ConfigError(f"{where} must be an int or a list of ints, got {value!r}")
+    return set(items)
 
 
 def _tokenizer(path: Path) -> Tokenizer | None:

@@ -8,7 +8,7 @@ w2 (down). Every layer is MoE.
 
 from __future__ import annotations
 
-from freetoken_agent.engine.config import ModelSpec, base_spec_fields, require
+from freetoken_agent.engine.config import ConfigDefaults, ModelSpec, base_spec_fields, require
 from freetoken_agent.engine.layers.attention import AttentionOptions
 from freetoken_agent.engine.layers.moe import RouterOptions
 from freetoken_agent.engine.models.base import Blueprint
@@ -19,9 +19,12 @@ CHECKPOINT_NAMES = (
     *routed_expert_names("block_sparse_moe", gate="w1", up="w3", down="w2"),
 )
 
+# MixtralConfig's values for absent fields (default_theta, rms_norm_eps).
+DEFAULTS = ConfigDefaults(rope_theta=1e6, rms_norm_eps=1e-5, partial_rotary_factor=1.0)
+
 
 def spec_from_config(cfg: dict) -> ModelSpec:
-    base = base_spec_fields(cfg)
+    base = base_spec_fields(cfg, DEFAULTS)
     window = int(cfg.get("sliding_window") or 0)
     return ModelSpec(
         **base,

@@ -7,7 +7,7 @@ renormalised when `norm_topk_prob`, weights rounded to the model dtype. Every la
 
 from __future__ import annotations
 
-from freetoken_agent.engine.config import ModelSpec, base_spec_fields, require
+from freetoken_agent.engine.config import ConfigDefaults, ModelSpec, base_spec_fields, require
 from freetoken_agent.engine.layers.attention import AttentionOptions
 from freetoken_agent.engine.layers.moe import RouterOptions
 from freetoken_agent.engine.models.base import Blueprint
@@ -18,9 +18,12 @@ CHECKPOINT_NAMES = (
     *routed_expert_names("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
 )
 
+# OlmoeConfig's values for absent fields.
+DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, partial_rotary_factor=1.0)
+
 
 def spec_from_config(cfg: dict) -> ModelSpec:
-    base = base_spec_fields(cfg)
+    base = base_spec_fields(cfg, DEFAULTS)
     clip = cfg.get("clip_qkv")
     return ModelSpec(
         **base,

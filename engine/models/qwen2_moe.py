@@ -7,7 +7,7 @@ Sliding-window layers follow `layer_types` (or Qwen2's rule when it is absent).
 
 from __future__ import annotations
 
-from freetoken_agent.engine.config import ModelSpec, base_spec_fields, require
+from freetoken_agent.engine.config import ConfigDefaults, ModelSpec, base_spec_fields, require
 from freetoken_agent.engine.layers.attention import AttentionOptions
 from freetoken_agent.engine.layers.moe import RouterOptions
 from freetoken_agent.engine.models.base import Blueprint
@@ -30,14 +30,17 @@ CHECKPOINT_NAMES = (
     *dense_mlp_names("mlp"),
 )
 
+# Qwen2MoeConfig's values for absent fields (and below: sliding_window 4096, max_window_layers 28).
+DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=1.0)
+
 
 def sliding_windows(cfg: dict, n_layers: int) -> tuple[int, ...]:
     if not cfg.get("use_sliding_window"):
         return (0,) * n_layers
-    window = int(cfg.get("sliding_window") or 0)
+    window = int(cfg.get("sliding_window", 4096) or 0)
     types = cfg.get("layer_types") or [
         "sliding_attention"
-        if (i + 1) % 2 and i < int(cfg.get("max_window_layers", n_layers))
+        if (i + 1) % 2 and i < int(cfg.get("max_window_layers", 28))
         else "full_attention"
         for i in range(n_layers)
     ]
@@ -45,7 +48,7 @@ def sliding_windows(cfg: dict, n_layers: int) -> tuple[int, ...]:
 
 
 def spec_from_config(cfg: dict) -> ModelSpec:
-    base = base_spec_fields(cfg)
+    base = base_spec_fields(cfg, DEFAULTS)
     n_experts = int(require(cfg, "num_experts", "num_local_experts"))
     return ModelSpec(
         **base,

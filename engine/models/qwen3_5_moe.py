@@ -19,7 +19,7 @@ plus a sigmoid-gated shared expert on every layer. Differences:
 
 from __future__ import annotations
 
-from freetoken_agent.engine.config import ModelSpec, base_spec_fields, require
+from freetoken_agent.engine.config import ConfigDefaults, ModelSpec, base_spec_fields, require
 from freetoken_agent.engine.layers.gated_delta_net import DeltaNetOptions
 from freetoken_agent.engine.models.base import Blueprint
 from freetoken_agent.engine.models.qwen3_next import hybrid_blueprint, layer_types, linear_spec
@@ -50,6 +50,10 @@ CHECKPOINT_NAMES = (
 _WRAPPER_KEYS = ("tie_word_embeddings", "dtype", "torch_dtype")
 _MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
+# Qwen3_5MoeTextConfig's values for absent fields (its __post_init__ sets partial_rotary_factor
+# 0.25).
+DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=0.25)
+
 
 def text_config(cfg: dict) -> dict:
     """The text model's config: `text_config` of a multimodal config, else cfg itself, with
@@ -68,7 +72,7 @@ def text_config(cfg: dict) -> dict:
 
 def spec_from_config(cfg: dict) -> ModelSpec:
     cfg = text_config(cfg)
-    base = base_spec_fields(cfg)
+    base = base_spec_fields(cfg, DEFAULTS)
     n_layers, n_experts = base["n_layers"], int(require(cfg, "num_experts"))
     return ModelSpec(
         **base,

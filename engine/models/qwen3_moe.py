@@ -8,7 +8,7 @@ MoE; the rest are dense SwiGLU.
 
 from __future__ import annotations
 
-from freetoken_agent.engine.config import ModelSpec, base_spec_fields, require
+from freetoken_agent.engine.config import ConfigDefaults, ModelSpec, base_spec_fields, require
 from freetoken_agent.engine.layers.attention import AttentionOptions
 from freetoken_agent.engine.layers.moe import RouterOptions
 from freetoken_agent.engine.models.base import Blueprint
@@ -19,6 +19,9 @@ CHECKPOINT_NAMES = (
     *routed_expert_names("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
     *dense_mlp_names("mlp"),
 )
+
+# Qwen3MoeConfig's values for absent fields (and below: sliding_window 4096).
+DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=1.0)
 
 
 def moe_layers(cfg: dict, n_layers: int, n_experts: int) -> tuple[int, ...]:
@@ -32,9 +35,9 @@ def moe_layers(cfg: dict, n_layers: int, n_experts: int) -> tuple[int, ...]:
 
 
 def spec_from_config(cfg: dict) -> ModelSpec:
-    base = base_spec_fields(cfg)
+    base = base_spec_fields(cfg, DEFAULTS)
     n_experts = int(require(cfg, "num_experts", "num_local_experts"))
-    window = int(cfg.get("sliding_window") or 0) if cfg.get("use_sliding_window") else 0
+    window = int(cfg.get("sliding_window", 4096) or 0) if cfg.get("use_sliding_window") else 0
     return ModelSpec(
         **base,
         n_experts=n_experts,

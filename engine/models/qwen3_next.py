@@ -18,6 +18,7 @@ from functools import partial
 from torch import nn
 
 from freetoken_agent.engine.config import (
+    ConfigDefaults,
     ConfigError,
     LinearAttentionSpec,
     ModelSpec,
@@ -51,6 +52,9 @@ CHECKPOINT_NAMES = (
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
+# Qwen3NextConfig's values for absent fields (its __post_init__ sets partial_rotary_factor 0.25).
+DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=0.25)
+
 
 def layer_types(cfg: dict, n_layers: int) -> tuple[str, ...]:
     """`layer_types` as given, or transformers' rule from `full_attention_interval`."""
@@ -83,7 +87,7 @@ def linear_spec(cfg: dict) -> LinearAttentionSpec:
 
 
 def spec_from_config(cfg: dict) -> ModelSpec:
-    base = base_spec_fields(cfg)
+    base = base_spec_fields(cfg, DEFAULTS)
     n_experts = int(require(cfg, "num_experts"))
     return ModelSpec(
         **base,

@@ -6,8 +6,10 @@ Reads, from a Hugging Face model folder:
 - `tokenizer_config.json`: named special tokens (strings or {"content": ...} dicts),
   `added_tokens_decoder`, `add_bos_token`, `chat_template`;
 - `chat_template.jinja` (wins over the config's template, as in transformers 5) and
-  `additional_chat_templates/*.jinja` (named templates);
-- `generation_config.json` and `config.json`: the ids that end generation.
+  `additional_chat_templates/*.jinja` (named templates).
+
+The ids that end generation beyond the tokenizer's own eos_token (generation_config.json's and
+config.json's) are read by engine/loading.py (end_token_ids), whether or not a tokenizer exists.
 
 Encoding runs the tokenizer.json pipeline as is; transformers rebuilds some tokenizer classes
 from vocab and merges instead, so a checkpoint whose tokenizer.json disagrees with its class
@@ -62,16 +64,6 @@ def _token_content(value: Any, where: str) -> str | None:
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return value["content"]
     raise TokenizerConfigError(f"{where}: expected a string or a {{'content': ...}} dict")
-
-
-def _eos_ids(value: Any, where: str) -> set[int]:
-    """`eos_token_id` as written in configs: absent, an int or a list of ints."""
-    if value is None:
-        return set()
-    items = value if isinstance(value, list) else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
-        raise TokenizerConfigError(f"{where}: eos_token_id must be an int or a list of ints")
-    return set(items)
 
 
 def _load_templates(path: Path, config: Mapping[str, Any], where: Path) -> dict[str, str]:
@@ -176,21 +168,11 @@ class Tokenizer:
         if not isinstance(add_bos, bool):
             raise TokenizerConfigError(f"{cfg_file}: add_bos_token must be true or false")
 
-        eos: set[int] = set()
-        gen_file, model_file = path / "generation_config.json", path / "config.json"
-        eos |= _eos_ids(_read_json(gen_file).get("eos_token_id"), str(gen_file))
-        model_cfg = _read_json(model_file)
-        eos |= _eos_ids(model_cfg.get("eos_token_id"), str(model_file))
-        text_cfg = model_cfg.get("text_config")
-        if isinstance(text_cfg, Mapping):  # multimodal checkpoints nest the language model's
-            eos |= _eos_ids(text_cfg.get("eos_token_id"), f"{model_file}: text_config")
-
         return cls(
             backend,
             special_tokens=special,
             add_bos_token=add_bos,
             chat_templates=_load_templates(path, config, cfg_file),
-            extra_eos_ids=sorted(eos),
         )
 
     def _ensure_tokens_exist(self) -> None:

@@ -9,7 +9,9 @@ unmet at the end is a `CheckpointError` that names the tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,7 +25,9 @@ from tqdm.auto import tqdm
 from freetoken_agent.engine.config import ModelSpec
 from freetoken_agent.engine.weights.names import Dense, Expert, FusedExperts, Ignore, NameTable
 
-# E experts per layer, I expert width, H hidden
+# E experts per layer, I expert width, H hidden, V vocab
+
+log = logging.getLogger("freetoken.load")
 
 
 class CheckpointError(ValueError):
@@ -174,7 +178,7 @@ def load_safetensors(
             target = plan.targets.get(name)
             if target is None:
                 if spec.tie_word_embeddings and name == "lm_head.weight":
-                    continue  # tied checkpoints sometimes still carry the head
+                    continue  # a copy of the embeddings (untie_differing_head unties others)
                 if not any(p.match(name) for p in plan.ignore):
                     unexpected.append(name)
                 continue
@@ -196,6 +200,55 @@ def load_safetensors(
     missing = [name for req, name in plan.requirements.items() if req not in met]
     if missing:
         raise CheckpointError(f"{len(missing)} missing tensor(s) in {model_dir}: {_names(missing)}")
+
+
+def untie_differing_head(spec: ModelSpec, files: list[Path], table: NameTable) -> ModelSpec:
+    """`spec`, untied when config.json ties the head to the embeddings but the checkpoint
+    carries an lm_head.weight that differs from its embedding table.
+
+    transformers 5 ties the two only when both are present and equal, and otherwise keeps the
+    checkpoint's head (PreTrainedModel.tie_weights, with a warning). We do the same rather
+    than refuse: MoeCausalLM builds a separate head whenever the spec is untied, so it costs
+    only the head's memory. Decided before the model is built, so that the budget and the
+    host-embedding choice count that head. An equal copy stays tied (the loader skips it)."""
+    if not spec.tie_word_embeddings:
+        return spec
+    embed = Dense("embed_tokens.weight")
+    embed_names = {t for t, target in table if target == embed}
+    found: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name == "lm_head.weight" or name in embed_names:
+                    found[name] = path
+    table_name = next((n for n in found if n in embed_names), None)
+    if "lm_head.weight" not in found or table_name is None:
+        return spec
+    if _equal("lm_head.weight", found["lm_head.weight"], table_name, found[table_name]):
+        return spec
+    log.warning(
+        "config.json ties lm_head to the embeddings, but the checkpoint's lm_head.weight differs "
+        "from its %s: using the checkpoint's head, untied (as transformers does)",
+        table_name,
+    )
+    return dataclasses.replace(spec, tie_word_embeddings=False)
+
+
+def _equal(name_a: str, file_a: Path, name_b: str, file_b: Path, rows: int = 4096) -> bool:
+    """torch.equal of two checkpoint tensors, compared a few thousand rows at a time so that
+    host memory stays far below a table's."""
+    with (
+        safe_open(str(file_a), framework="pt", device="cpu") as fa,
+        safe_open(str(file_b), framework="pt", device="cpu") as fb,
+    ):
+        sa, sb = fa.get_slice(name_a), fb.get_slice(name_b)
+        if sa.get_shape() != sb.get_shape():
+            return False
+        for lo in range(0, sa.get_shape()[0], rows):
+            x, y = sa[lo : lo + rows], sb[lo : lo + rows]  # [<= rows, H]
+            if not torch.equal(x, y.to(x.dtype)):
+                return False
+    return True
 
 
 def _load_fused(

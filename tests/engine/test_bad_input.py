@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import make_tiny
+from tiny_models import FAMILIES, HYBRID_FAMILIES, make_tiny, tiny_config
 
 from freetoken_agent import ContextLengthError, Engine, InvalidRequestError, SamplingParams
 from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.engine.config import ConfigError
 from freetoken_agent.engine.experts.placement import BudgetError
 from freetoken_agent.engine.loading import dense_nbytes
+from freetoken_agent.engine.models.registry import spec_from_config
 from freetoken_agent.engine.weights.loader import CheckpointError
 
 
@@ -272,3 +274,56 @@ def test_a_refused_request_leaves_no_grammar_behind(tmp_path, rng_seed):
     assert len(engine.grammars) == 0 and not engine.has_unfinished()
     engine.submit(prompt, sp, request_id="r")  # the id was never taken
     assert len(engine.grammars) == 1
+
+
+@pytest.mark.parametrize("family", (*FAMILIES, *HYBRID_FAMILIES, "qwen3_5_moe_vl"))
+def test_an_activation_other_than_silu_is_refused(tmp_path, rng_seed, family):
+    """Every family's MLPs and experts apply hidden_act; the engine ran SiLU whatever it said,
+    so a GELU or ReLU model gave wrong logits silently. (The vl variant: in text_config.)"""
+    act = random.Random(rng_seed).choice(["gelu", "relu", "gelu_pytorch_tanh", "silu_x"])
+    tiny_config(family, hidden_act=act).save_pretrained(tmp_path)  # refused before any weights
+    with pytest.raises(ConfigError, match=rf"hidden_act '{act}' is not supported"):
+        Engine.load(tmp_path, device="cpu", progress=False)
+    assert spec_from_config(tiny_config(family, hidden_act="swish").to_dict())  # SiLU by name
+
+
+@pytest.mark.parametrize(
+    "rope, top, field",
+    [
+        ({"rope_type": "linear"}, {}, "rope_scaling.factor is missing"),
+        ({"rope_type": "llama3", "factor": 8.0}, {}, "rope_scaling.low_freq_factor is missing"),
+        (
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": "4"},
+            {},
+            "rope_scaling.high_freq_factor must be a number",
+        ),
+        ({"rope_type": "yarn", "factor": "4.0"}, {}, "rope_scaling.factor must be a number"),
+        ({"rope_type": "yarn", "factor": True}, {}, "rope_scaling.factor must be a number"),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": None},
+            {},
+            "rope_scaling.original_max_position_embeddings is missing",
+        ),
+        (
+            {"rope_type": "yarn", "factor": 4.0},
+            {"original_max_position_embeddings": "128"},
+            "config.json original_max_position_embeddings must be a number",
+        ),
+        (
+            {"rope_type": "linear", "factor": 2.0, "rope_theta": "1e4"},
+            {},
+            "rope_scaling.rope_theta must be a number",
+        ),
+        ({}, {"rope_theta": [1e4]}, "config.json rope_theta must be a number"),
+    ],
+)
+def test_malformed_rope_parameters_are_named(tmp_path, rng_seed, rope, top, field):
+    """They used to fail as a bare TypeError while the rope table was built (or a string
+    factor passed through float())."""
+    family = random.Random(rng_seed).choice(FAMILIES)
+    cfg = tiny_config(family).to_dict()
+    cfg.pop("rope_parameters", None)
+    cfg.update({"rope_theta": 10000.0, "rope_scaling": rope, **top})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        Engine.load(tmp_path, device="cpu", progress=False)

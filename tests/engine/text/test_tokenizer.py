@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import tokenizers
 
+from freetoken_agent import Engine
+from freetoken_agent.engine.config import ConfigError
+from freetoken_agent.engine.loading import end_token_ids
 from freetoken_agent.engine.text.chat_template import ChatTemplateError
 from freetoken_agent.engine.text.tokenizer import Tokenizer, TokenizerConfigError
 
@@ -75,8 +78,8 @@ def test_properties_match_transformers(ours: Tokenizer, hf_tok) -> None:
     assert ours.vocab_size == len(hf_tok) == 1024
     assert ours.bos_token_id is None and hf_tok.bos_token_id is None
     assert ours.pad_token_id == hf_tok.pad_token_id == ours.token_to_id("<|endoftext|>")
-    im_end, eot = ours.token_to_id("<|im_end|>"), ours.token_to_id("<|endoftext|>")
-    assert ours.eos_token_ids == frozenset({im_end, eot})
+    # Its own eos_token only: the configs' end ids are the loader's (loading.end_token_ids).
+    assert ours.eos_token_ids == {hf_tok.eos_token_id} == {ours.token_to_id("<|im_end|>")}
     hf_special = {i for i, t in hf_tok.added_tokens_decoder.items() if t.special}
     assert ours.special_token_ids == hf_special
     assert ours.token_to_id("<think>") not in ours.special_token_ids  # parsers must see it
@@ -146,15 +149,23 @@ def test_bad_config_fields_name_the_problem(
 
 
 def test_eos_ids_are_the_union_of_all_configs(demo: Path, tmp_path: Path) -> None:
+    """The tokenizer knows its eos_token; generation_config.json's and config.json's ids are
+    read in one place, by the loader, tokenizer.json or not. The engine ends on all of them."""
     folder = copy_demo(demo, tmp_path / "m")
     edit_json(folder / "generation_config.json", eos_token_id=[3, 5])
     edit_json(folder / "config.json", eos_token_id=9)
     edit_json(folder / "tokenizer_config.json", eos_token={"content": "<think>", "special": True})
     tok = Tokenizer.from_dir(folder)
-    assert tok.eos_token_ids == frozenset({3, 5, 9, tok.token_to_id("<think>")})
+    think = tok.token_to_id("<think>")
+    assert tok.eos_token_ids == frozenset({think})
+    assert end_token_ids(folder) == {3, 5, 9}
+    engine = Engine.load(folder, device="cpu", progress=False, kv_tokens=256)
+    assert engine.eos_token_ids == frozenset({3, 5, 9, think})
     edit_json(folder / "generation_config.json", eos_token_id="x")
-    with pytest.raises(TokenizerConfigError, match="generation_config.json: eos_token_id"):
-        Tokenizer.from_dir(folder)
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id"):
+        end_token_ids(folder)
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id"):
+        Engine.load(folder, device="cpu", progress=False, kv_tokens=256)
 
 
 def test_tokenizer_only_folder_works(demo: Path, tmp_path: Path) -> None:
