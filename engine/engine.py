@@ -48,6 +48,7 @@ from freetoken_agent.engine.teardown import release
 
 log = logging.getLogger("freetoken.engine")
 CAPTURE_ATTEMPTS = 2  # decode-graph captures tried before decoding without graphs
+CLOSED = "the engine was closed (Engine.close) while this request ran"
 
 
 class Engine:
@@ -159,7 +160,7 @@ class Engine:
         ids = encode_prompt(prompt, self.tokenizer, self.spec.vocab_size, self.max_model_len)
         plan = snapshot_plan(ids, anchors, self.scheduler.recurrence)
         markers = frozenset(token_ids(anchor_tokens, "anchor_tokens are token ids"))
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or self._new_id()
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if sampling.json_schema is not None and not _score:
@@ -175,6 +176,12 @@ class Engine:
         if _score:
             self._scores[request_id] = []
         self.scheduler.add(req)
+        return request_id
+
+    def _new_id(self) -> str:
+        """The next free `req-N`: a client may have named its own request so."""
+        while (request_id := f"req-{next(self._ids)}") in self._requests:
+            pass
         return request_id
 
     def set_gpu_budget(self, nbytes: int) -> None:
@@ -218,11 +225,30 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_work()
 
+    def take_events(self, request_id: str) -> list[TokenEvent]:
+        """The request's events not taken yet, oldest first. Whoever steps the engine, each
+        event waits here for the request's owner (an EngineService, `stream`), so a caller
+        stepping for its own requests never swallows another's."""
+        queue = self._events.get(request_id)
+        if not queue:
+            return []
+        events = list(queue)
+        queue.clear()
+        return events
+
+    @property
+    def closed(self) -> bool:
+        return self.loaded is None
+
     def close(self) -> None:
         """Give back now what the engine holds on the device and the host pool's page-locked
-        memory (teardown.py); unfinished requests end with "abort". Every later call raises
-        EngineClosedError; closing twice does nothing. Close an EngineService over it first."""
+        memory (teardown.py); unfinished requests end with "abort", their error naming the
+        close (an EngineService driving the engine passes it to its readers and stops). Every
+        later call raises EngineClosedError; closing twice does nothing."""
         if self.loaded is not None:
+            for req in self._requests.values():
+                if req.status is not Status.FINISHED:
+                    req.error = CLOSED
             release(self)
 
     def _open(self) -> None:

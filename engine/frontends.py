@@ -50,8 +50,9 @@ def generate(
     sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     **options,
 ) -> GenerationOutput | list[GenerationOutput]:
-    """Submit every prompt, step until all are finished, collect their outputs in order; a
-    refused prompt aborts the ones already submitted (nothing is left queued)."""
+    """Submit every prompt, step until all are finished, collect their outputs in order.
+    However it ends early (a refused prompt, a failed step, Ctrl-C out of a step), what it
+    submitted and did not collect is aborted and dropped: nothing is left queued."""
     single = _one_prompt(prompts)
     batch = [prompts] if single else list(prompts)
     if sampling is None or isinstance(sampling, SamplingParams):
@@ -64,15 +65,20 @@ def generate(
     try:
         for p, sp in zip(batch, params, strict=True):
             ids.append(engine.submit(p, sp, **options))
-    except Exception:
-        for rid in ids:
+        while any(engine._requests[r].status is not Status.FINISHED for r in ids):
+            engine.step()
+        outputs = [engine._collect(r) for r in ids]
+    finally:
+        _drop(engine, ids)
+    return outputs[0] if single else outputs
+
+
+def _drop(engine: Engine, ids: Sequence[str]) -> None:
+    """Abort and forget the requests of `ids` still in the tables (collected ones are not)."""
+    for rid in ids:
+        if rid in engine._requests:
             engine.abort(rid)
             engine._pop(rid)
-        raise
-    while any(engine._requests[r].status is not Status.FINISHED for r in ids):
-        engine.step()
-    outputs = [engine._collect(r) for r in ids]
-    return outputs[0] if single else outputs
 
 
 def stream(
@@ -103,10 +109,12 @@ def score(engine: Engine, token_ids: Sequence[int]) -> torch.Tensor:
     finished and concatenate the logits chunks `Engine._update` kept for it: [T, vocab]."""
     rid = engine.submit(token_ids, SamplingParams(max_tokens=1), _score=True)
     req = engine._requests[rid]
-    while req.status is not Status.FINISHED:
-        engine.step()
-    chunks = engine._scores.pop(rid)
-    engine._pop(rid)
+    try:
+        while req.status is not Status.FINISHED:
+            engine.step()
+        chunks = engine._scores.pop(rid)
+    finally:
+        _drop(engine, [rid])
     if req.finish_reason == "error":
         raise RuntimeError(f"scoring failed: {req.error}")
     return torch.cat(chunks).cpu()

@@ -3,10 +3,26 @@
 `Engine.stream` drives the engine from the caller's thread: fine for one caller, wrong for a
 server with several sessions or for LangChain's async methods. The service owns the engine: a
 single background thread steps it while any request is unfinished, and hands each request's
-events to that request's own queue. Callers submit from any thread (under one lock) and read
+events to that request's sink. Callers submit from any thread (under one lock) and read
 their events synchronously (`stream`) or from an asyncio loop (`astream`). Closing a stream
 early, or cancelling the task reading it, aborts the request and frees its pages at the next
 step; a request that fails ends with an error event and never stops the thread.
+
+Events: the engine keeps every request's events until its owner takes them
+(`Engine.take_events`), whoever stepped it. The service takes its requests' events after each
+step and whenever it gets the lock back, never from step()'s return value: a caller that steps
+the engine under `service.lock` (`engine.generate`, `score`, `Engine.stream`) then leaves the
+service's events where the service finds them, and takes only its own. Each event reaches its
+owner once; every way a request ends (finished, failed, aborted, the service or the engine
+closed) ends its sink with exactly one final event, after which the sink is dropped.
+
+Aborts never wait for the lock (the event loop must not stall for a whole step): `abort`
+queues the request and applies the queue at once if the lock is free, else the engine thread
+applies it right after the step it is running, before it lets the lock go. A stream aborts
+only its own submission (the sink it registered), never a later request reusing its id.
+
+One engine has at most one live service (two would each step the other's requests and drop
+their events): integrations share it through `service_for`.
 
 It quacks like the engine where sessions need it (`tokenizer`, `spec`, `stats`, `stream`), so
 `Session(service)` works unchanged. Everything else is on `service.engine`, to be touched only
@@ -21,7 +37,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from freetoken_agent.engine.outputs import TokenEvent
@@ -29,15 +47,45 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("freetoken.service")
 IDLE_POLL_S = 0.5  # an idle engine's memory safe point (elastic memory follows free VRAM)
+Sink = Callable[[TokenEvent], Any]
+
+_services_lock = threading.RLock()
+_services: weakref.WeakKeyDictionary[Any, EngineService] = weakref.WeakKeyDictionary()
+
+
+def shared_service(engine: Any) -> tuple[EngineService, bool]:
+    """The engine's live EngineService, made now if it has none (a service is returned as is),
+    and whether this call made it (its maker closes it)."""
+    if isinstance(engine, EngineService):
+        return engine, False
+    with _services_lock:
+        live = _services.get(engine)
+        if live is not None:
+            return live, False
+        return EngineService(engine), True
+
+
+def service_for(engine: Any) -> EngineService:
+    """The one EngineService of `engine` (made on first use); a service is returned as is."""
+    return shared_service(engine)[0]
 
 
 class EngineService:
     def __init__(self, engine: Any) -> None:
+        with _services_lock:
+            if engine in _services:
+                raise RuntimeError(
+                    "this engine already has a live EngineService: a second one would step the "
+                    "first one's requests and drop their events. Share it (service_for(engine)) "
+                    "or close it first"
+                )
+            _services[engine] = self
         self.engine = engine
         self.lock = threading.RLock()  # guards every call into the engine
-        self._sinks: dict[str, Any] = {}  # request id -> callable(event) delivering it
+        self._sinks: dict[str, Sink] = {}  # request id -> callable(event) delivering it
+        self._aborts: deque[tuple[str, Sink | None]] = deque()  # applied under the lock
         self._work = threading.Condition(self.lock)
-        self._closed = False
+        self._closed: str | None = None  # why submit is refused
         self._thread = threading.Thread(target=self._loop, name="freetoken-engine", daemon=True)
         self._thread.start()
 
@@ -52,6 +100,7 @@ class EngineService:
 
     def stats(self) -> dict:
         with self.lock:
+            self._apply_aborts()  # what the caller asked before is done in what it reads
             return self.engine.stats()
 
     def set_gpu_budget(self, nbytes: int) -> dict:
@@ -72,29 +121,37 @@ class EngineService:
             return trace
 
     # --- requests -------------------------------------------------------------------------
-    def submit(self, prompt, sampling: SamplingParams | None, sink, **options) -> str:
-        """Queue a request whose events go to `sink(event)` (called on the engine thread).
-        Bad input raises here, in the caller's thread. `options` go to Engine.submit."""
+    def submit(self, prompt, sampling: SamplingParams | None, sink: Sink, **options) -> str:
+        """Queue a request whose events go to `sink(event)` (called under the lock, on the
+        engine thread or an aborting one; a sink that raises aborts its request). Bad input
+        raises here, in the caller's thread. `options` go to Engine.submit."""
         with self.lock:
-            if self._closed:
-                raise RuntimeError("the engine service is closed")
+            if self._closed is not None:
+                raise RuntimeError(self._closed)
+            self._apply_aborts()  # an aborted request still holding the id makes room
             rid = self.engine.submit(prompt, sampling, **options)
             self._sinks[rid] = sink
             self._work.notify()
         return rid
 
-    def abort(self, request_id: str) -> None:
-        with self.lock:
-            if self._sinks.pop(request_id, None) is not None:
-                self.engine.abort(request_id)
-                self.engine._pop(request_id)  # the service reads events from step(), not here
+    def abort(self, request_id: str, sink: Sink | None = None) -> None:
+        """End the request: its sink gets the abort event (or its real last one if it had
+        finished). Never waits for the lock (see the module's docstring). With `sink`, only
+        the submission that registered that sink is aborted."""
+        self._aborts.append((request_id, sink))
+        if self.lock.acquire(blocking=False):
+            try:
+                self._apply_aborts()
+            finally:
+                self.lock.release()
 
     def stream(
         self, prompt, sampling: SamplingParams | None = None, **options
     ) -> Iterator[TokenEvent]:
         """This request's events, read in the calling thread. Closing early aborts it."""
         events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-        rid = self.submit(prompt, sampling, events.put, **options)
+        sink = events.put
+        rid = self.submit(prompt, sampling, sink, **options)
         try:
             while True:
                 event = events.get()
@@ -102,13 +159,14 @@ class EngineService:
                 if event.finished:
                     return
         finally:
-            self.abort(rid)
+            self.abort(rid, sink)  # a no-op once it finished (its sink is gone)
 
     async def astream(
         self, prompt, sampling: SamplingParams | None = None, **options
     ) -> AsyncIterator[TokenEvent]:
         """This request's events on the running asyncio loop. Cancelling the reader (a client
-        that went away) aborts the request."""
+        that went away) aborts the request. The submission waits for the lock in a worker
+        thread, so the loop never stalls behind a step."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -116,7 +174,14 @@ class EngineService:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads this any more
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
-        rid = self.submit(prompt, sampling, deliver, **options)
+        submitting = asyncio.ensure_future(
+            asyncio.to_thread(self.submit, prompt, sampling, deliver, **options)
+        )
+        try:
+            rid = await asyncio.shield(submitting)
+        except asyncio.CancelledError:  # the thread submits anyway: abort what it submits
+            submitting.add_done_callback(lambda done: self._abort_submitted(done, deliver))
+            raise
         try:
             while True:
                 event = await events.get()
@@ -124,59 +189,131 @@ class EngineService:
                 if event.finished:
                     return
         finally:
-            self.abort(rid)
+            self.abort(rid, deliver)
+
+    def _abort_submitted(self, submitting: asyncio.Future, sink: Sink) -> None:
+        if not submitting.cancelled() and submitting.exception() is None:
+            self.abort(submitting.result(), sink)
+
+    # --- under the lock -------------------------------------------------------------------
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            rid, sink = self._aborts.popleft()
+            registered = self._sinks.get(rid)
+            if registered is None or (sink is not None and registered is not sink):
+                continue  # finished already, or the id is another submission's now
+            self.engine.abort(rid)  # a no-op if it finished in a step nobody delivered yet
+            self._deliver(rid)
+            if rid in self._sinks:  # an engine that ends an abort without an event
+                self._end(rid, TokenEvent(rid, None, "", 0, True, "abort", None))
+
+    def _deliver_all(self) -> None:
+        for rid in list(self._sinks):
+            self._deliver(rid)
+
+    def _deliver(self, rid: str) -> None:
+        """Hand the request's waiting events to its sink; drop it after the final one."""
+        for event in self.engine.take_events(rid):
+            sink = self._sinks.get(rid)
+            if sink is None:
+                return
+            if event.finished:
+                self._end(rid, event)
+                return
+            if not self._call(sink, event):
+                self._drop(rid)
+                return
+
+    def _end(self, rid: str, event: TokenEvent) -> None:
+        """End the request with `event`, whatever the engine still had for it. The sink goes
+        first (one that aborts its own request meanwhile gets no second end), the tables
+        after (a sink may read the request's figures)."""
+        sink = self._sinks.pop(rid, None)
+        if sink is not None:
+            self._call(sink, event)
+        self._drop(rid)
+
+    def _drop(self, rid: str) -> None:
+        self._sinks.pop(rid, None)
+        self.engine.abort(rid)  # a no-op once finished; a failed sink's request stops
+        self.engine._pop(rid)
+
+    def _call(self, sink: Sink, event: TokenEvent) -> bool:
+        """Deliver one event; False if the sink raised (logged: it fails its request only)."""
+        try:
+            sink(event)
+        except Exception:  # noqa: BLE001 - one reader's bug must not stop the engine thread
+            log.exception("the sink of request %s failed; aborting it", event.request_id)
+            return False
+        return True
 
     # --- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self.lock:
-                while not self._closed and not self.engine.has_unfinished():
+                self._deliver_all()  # what a caller stepping under the lock left for us
+                self._apply_aborts()
+                while self._running() and not self.engine.has_unfinished():
                     # Idle: wake now and then so elastic memory follows other programs.
                     if not self._work.wait(timeout=IDLE_POLL_S):
                         self._poll_memory()
-                if self._closed:
+                    self._deliver_all()
+                    self._apply_aborts()
+                if not self._running():
                     return
                 try:
-                    events = self.engine.step()
+                    self.engine.step()
                 except Exception as e:  # noqa: BLE001 - the engine survives; its requests end
-                    log.exception("engine step failed")
-                    events = self._fail_all(f"{type(e).__name__}: {e}")
-                for event in events:
-                    sink = self._sinks.get(event.request_id)
-                    if sink is None:
-                        continue
-                    sink(event)
-                    if event.finished:
-                        del self._sinks[event.request_id]
-                        self.engine._pop(event.request_id)
+                    if not getattr(self.engine, "closed", False):
+                        log.exception("engine step failed")
+                        self._fail_all(f"{type(e).__name__}: {e}")
+                self._deliver_all()
+                self._apply_aborts()  # last: an abort asked during the step is done on release
             time.sleep(0)  # let a thread waiting for the lock (a new request) take it
+
+    def _running(self) -> bool:
+        """False once the service is closed; a closed engine (Engine.close under the lock)
+        closes the service here: every reader ends, naming the close."""
+        if self._closed is None and getattr(self.engine, "closed", False):
+            log.warning("the engine is closed: its EngineService ends every request and stops")
+            self._shut("the engine was closed (Engine.close); load the model again to use it")
+        return self._closed is None
 
     def _poll_memory(self) -> None:
         poll = getattr(self.engine, "poll_memory", None)
-        if poll is None:
+        if poll is None or getattr(self.engine, "closed", False):  # the loop stops next
             return
         try:
             poll()
         except Exception:  # noqa: BLE001 - a failed poll must not stop the engine thread
             log.exception("memory poll failed")
 
-    def _fail_all(self, message: str) -> list[TokenEvent]:
-        events = []
+    def _fail_all(self, message: str) -> None:
+        self._deliver_all()  # what the step finished before it failed
         for rid in list(self._sinks):
-            self.engine.abort(rid)
-            events.append(TokenEvent(rid, None, "", 0, True, "error", message))
-        return events
+            self._end(rid, TokenEvent(rid, None, "", 0, True, "error", message))
+
+    def _shut(self, why: str) -> None:
+        """Refuse new requests and end every reader: with its own last events where the
+        engine has them (a closed engine's aborts carry the close), else an abort."""
+        self._closed = why
+        with _services_lock:
+            if _services.get(self.engine) is self:
+                del _services[self.engine]
+        self._deliver_all()
+        error = why if getattr(self.engine, "closed", False) else None
+        for rid in list(self._sinks):
+            self._end(rid, TokenEvent(rid, None, "", 0, True, "abort", error))
+        self._work.notify()
 
     def close(self) -> None:
         """Abort every request and stop the thread."""
         with self.lock:
-            for rid in list(self._sinks):
-                self._sinks.pop(rid)(TokenEvent(rid, None, "", 0, True, "abort", None))
-                self.engine.abort(rid)
-                self.engine._pop(rid)
-            self._closed = True
-            self._work.notify()
-        self._thread.join(timeout=10)
+            if self._closed is None:
+                self._apply_aborts()
+                self._shut("the engine service is closed")
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
 
     def __enter__(self) -> EngineService:
         return self

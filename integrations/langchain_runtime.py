@@ -1,7 +1,8 @@
 """The plumbing under ChatFreeToken: shared engines, warm Sessions, deadlines and cancellation.
 
-- One EngineService per engine (`service_for`, `load_service`): several ChatFreeToken
-  instances, threads and event loops share an engine, and only a service may step it.
+- One EngineService per engine (`service_for`, from service.py, and `load_service`): several
+  ChatFreeToken instances, threads and event loops share an engine, and only a service may
+  step it.
 - A `SessionPool` per ChatFreeToken keeps one Session per binding (tools + tool_choice, or a
   structured-output schema) warm between the calls of an agent loop, so each call only renders
   and diffs its new messages. A call borrows a Session for its duration (Sessions are not
@@ -41,12 +42,12 @@ from freetoken_agent.integrations.langchain_constrained import (
 from freetoken_agent.parsers import OutputParser, parser_factory_for, tool_format_for
 from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
 from freetoken_agent.service import EngineService, ServiceView
+from freetoken_agent.service import service_for as service_for  # re-exported (langchain.py)
 from freetoken_agent.session import Session
 
 _STOP = object()  # queued by a cancel: the reader stops waiting for engine events
 
 _lock = threading.Lock()
-_services: weakref.WeakKeyDictionary[Any, EngineService] = weakref.WeakKeyDictionary()
 _loaded: dict[tuple, EngineService] = {}  # engines loaded from a path live for the process
 _formats: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
@@ -57,18 +58,6 @@ class GenerationError(RuntimeError):
 
 class GenerationTimeout(TimeoutError):
     """`timeout` seconds passed before the generation finished; the request was aborted."""
-
-
-def service_for(engine: Any) -> EngineService:
-    """The one EngineService of `engine` (made on first use); a service is returned as is.
-    A program that already made a service for an engine must pass that service instead."""
-    if isinstance(engine, EngineService):
-        return engine
-    with _lock:
-        service = _services.get(engine)
-        if service is None:
-            service = _services[engine] = EngineService(engine)
-        return service
 
 
 def load_service(
@@ -126,6 +115,7 @@ class Call:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.lock = threading.Lock()
+        self.sink = self.events.put  # what the service knows this call's request by
         self.request_id: str | None = None
         self.cancelled = False
 
@@ -136,15 +126,18 @@ class Call:
             return not self.cancelled
 
     def cancel(self) -> None:
-        """Abort the engine request now (from any thread) and wake the reader."""
+        """Abort the engine request (from any thread, the event loop's included: it never
+        waits for the engine's lock) and wake the reader: with the request's final event,
+        which the service delivers, or before the request exists with _STOP."""
         with self.lock:
             if self.cancelled:
                 return
             self.cancelled = True
             rid = self.request_id
         if rid is not None:
-            self.service.abort(rid)
-        self.events.put(_STOP)
+            self.service.abort(rid, self.sink)
+        else:
+            self.events.put(_STOP)
 
     def next_event(self) -> Any:
         if self.deadline is None:
@@ -168,7 +161,7 @@ class Gateway(ServiceView):
         self, prompt: Sequence[int], sampling: SamplingParams | None = None, **options
     ) -> Iterator:
         call = self.call or Call(self.service, None)
-        rid = self.service.submit(prompt, sampling, call.events.put, **options)
+        rid = self.service.submit(prompt, sampling, call.sink, **options)
         try:
             if not call.started(rid):
                 return
@@ -180,7 +173,9 @@ class Gateway(ServiceView):
                 if event.finished:
                     return
         finally:
-            self.service.abort(rid)  # a no-op once finished; frees the request otherwise
+            # A no-op once finished (a later request given the same id is not this one's);
+            # frees the request otherwise.
+            self.service.abort(rid, call.sink)
 
 
 @dataclass(frozen=True, slots=True)

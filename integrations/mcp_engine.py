@@ -17,22 +17,22 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
-from freetoken_agent.service import EngineService
+from freetoken_agent.service import EngineService, shared_service
 
 T = TypeVar("T")
 _DONE: Any = object()
 
 
 def as_service(engine: Any) -> tuple[EngineService, bool]:
-    """The engine behind a service (created here when given a bare Engine) and whether the
-    caller now owns that service (and must close it)."""
+    """The engine's one service (`shared_service`: made here when a bare Engine has none yet)
+    and whether the caller now owns that service (and must close it)."""
     if isinstance(engine, EngineService):
         return engine, False
     if not hasattr(engine, "step") or not hasattr(engine, "tokenizer"):
         raise TypeError(
             f"engine must be a freetoken Engine or EngineService, got {type(engine).__name__}"
         )
-    return EngineService(engine), True
+    return shared_service(engine)
 
 
 async def iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:

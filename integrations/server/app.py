@@ -17,8 +17,9 @@ with 404 `model_not_found`, as OpenAI does: a client pointed at the wrong server
 a model this one does not have, learns it at once instead of getting another model's answers.
 A request without `model` (or with null) gets the served one. Middleware, outermost first:
 BrowserGuard (foreign pages and DNS rebinding), BearerAuth (when `api_key` is set), BodyLimit
-(413 past `max_body_bytes`). Given an Engine, the app wraps it in an EngineService of its own
-and closes it at shutdown; given a service, the caller owns it.
+(413 past `max_body_bytes`). Given an Engine, the app uses the engine's one EngineService
+(`shared_service`), made here and closed at shutdown when the engine has none yet; given a
+service, or an engine whose service another part of the program made, the caller owns it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from freetoken_agent.integrations.server.browser_guard import BrowserGuard
 from freetoken_agent.integrations.server.errors import error_response
 from freetoken_agent.integrations.server.hub import SessionHub
 from freetoken_agent.integrations.server.limits import DEFAULT_MAX_BODY, BodyLimit
-from freetoken_agent.service import EngineService
+from freetoken_agent.service import EngineService, shared_service
 
 
 @dataclass(slots=True)
@@ -106,8 +107,7 @@ def create_app(
     `model_aliases`: other names a request's `model` may use for the served model.
     `allowed_hosts`: accepted Host header names (None: any; `serve` restricts a keyless local
     server to the local names)."""
-    owns = not isinstance(engine, EngineService)
-    service = EngineService(engine) if owns else engine
+    service, owns = shared_service(engine)
     try:
         if service.tokenizer is None:
             raise ValueError("the server needs a model folder with a tokenizer and chat template")

@@ -5,7 +5,8 @@ so the server runs it in a worker thread. The event loop must still be able to e
 once when its client goes away (the request aborted, its KV pages freed) even while the worker
 is blocked waiting for the next token. Each turn therefore gets a `Turn`: it submits through
 `EngineService.submit` with its own queue, remembers the request id, and `Turn.cancel()` (from
-any thread) aborts the request and wakes the worker with a final "abort" event, which the
+any thread, the event loop's included: it never waits for the engine's lock) aborts the
+request; the service wakes the worker with the request's final "abort" event, which the
 Session handles like any early end.
 
 A Turn also carries what the server adds to a Session's prompt (the opener of a forced tool
@@ -57,6 +58,7 @@ class Turn:
         self.cancelled = False
         self._lock = threading.Lock()
         self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self._sink = self._deliver  # what the service knows this submission by
 
     def _deliver(self, event: TokenEvent) -> None:  # on the engine thread, under service.lock
         if event.finished:
@@ -70,7 +72,7 @@ class Turn:
         with self._lock:  # cancel() either sees the request id or stops the submission
             if self.cancelled:
                 raise TurnCancelled("the turn was cancelled before it started")
-            self.request_id = self.service.submit(ids, sampling, self._deliver, **options)
+            self.request_id = self.service.submit(ids, sampling, self._sink, **options)
         if self.on_submit is not None:
             self.on_submit(len(ids))
         try:
@@ -80,18 +82,19 @@ class Turn:
                 if event.finished:
                     return
         finally:
-            self.service.abort(self.request_id)  # a no-op once the request has finished
+            # A no-op once it finished: a later request given the same id is not ours.
+            self.service.abort(self.request_id, self._sink)
 
     def cancel(self) -> None:
-        """Abort the request (its pages are freed at once) and wake the reader."""
+        """Abort the request (its pages are freed by the next step at the latest); the
+        service ends the reader with the request's final event, its only end."""
         with self._lock:
             if self.cancelled:
                 return
             self.cancelled = True
             rid = self.request_id
         if rid is not None:
-            self.service.abort(rid)
-            self._events.put(TokenEvent(rid, None, "", 0, True, "abort", None))
+            self.service.abort(rid, self._sink)
 
 
 class EngineBridge(ServiceView):

@@ -23,7 +23,7 @@ from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestErr
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.bridge import request_figures
 from freetoken_agent.integrations.server.errors import GRAMMAR_REFUSAL, BadParam
-from freetoken_agent.service import EngineService
+from freetoken_agent.service import EngineService, Sink
 from freetoken_agent.session import Usage
 
 
@@ -53,6 +53,7 @@ class TextRun:
         self._cancelled = False
         self._lock = threading.Lock()  # cancel() either sees the request id or stops the submit
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._sink: Sink | None = None  # what the service knows this submission by
 
     def _ids(self) -> list[int]:
         if isinstance(self.prompt, list):
@@ -76,6 +77,7 @@ class TextRun:
         with self._lock:
             if self._cancelled:
                 return
+            self._sink = deliver
             try:
                 self._request_id = self.service.submit(ids, self.sampling, deliver)
             except InvalidRequestError as e:
@@ -122,12 +124,13 @@ class TextRun:
         return self.usage.finish_reason if self.usage is not None else None
 
     def cancel(self) -> None:
-        """Abort the request and wake a reader (a no-op once it has ended). On the loop."""
+        """Abort the request (a no-op once it has ended). On the loop: the abort never waits
+        for the engine's lock, and the service wakes the reader with the request's final
+        event (its only end)."""
         with self._lock:
             if self._cancelled:
                 return
             self._cancelled = True
             rid = self._request_id
         if rid is not None and self.usage is None:
-            self.service.abort(rid)  # a no-op if the engine finished it meanwhile
-            self._events.put_nowait(TokenEvent(rid, None, "", self._generated, True, "abort"))
+            self.service.abort(rid, self._sink)  # a no-op if the engine finished it meanwhile

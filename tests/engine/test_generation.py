@@ -108,3 +108,44 @@ def test_score_is_placement_of_tokens_not_of_batching(model_dir, rng_seed):
     logits = engine.score(ids)
     out = engine.generate(ids, SamplingParams(max_tokens=1, temperature=0))
     assert out.token_ids[0] == int(torch.argmax(logits[-1]))
+
+
+def test_auto_ids_skip_ids_a_client_chose(model_dir, rng_seed):
+    """A client may name its requests `req-N`, the form of the engine's own ids: an id-less
+    submit then takes the next free one instead of failing."""
+    rng = random.Random(rng_seed)
+    engine = _load(model_dir)
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    chosen = {f"req-{n}" for n in rng.sample(range(8), rng.randint(2, 5))}
+    for rid in chosen:
+        engine.submit(_prompt(rng, 5), sp, request_id=rid)
+    auto = [engine.submit(_prompt(rng, 5), sp) for _ in range(8)]
+    assert len(set(auto)) == len(auto) and not chosen & set(auto)
+    while engine.has_unfinished():
+        engine.step()
+
+
+@pytest.mark.parametrize("call", ["generate", "score"])
+def test_an_interrupted_generate_or_score_leaves_nothing_running(model_dir, rng_seed, call):
+    """Ctrl-C out of a step (a KeyboardInterrupt raised by step) inside generate or score:
+    what it submitted is aborted and dropped, and the next call runs alone."""
+    rng = random.Random(rng_seed)
+    engine = _load(model_dir, max_batched_tokens=16)  # a prompt takes several steps
+    real, steps, stop_at = engine.step, [], rng.randint(1, 3)
+
+    def step():
+        steps.append(1)
+        if len(steps) == stop_at:
+            raise KeyboardInterrupt
+        return real()
+
+    engine.step = step
+    prompts = [_prompt(rng, rng.randint(60, 100)) for _ in range(3)]
+    with pytest.raises(KeyboardInterrupt):
+        if call == "generate":
+            engine.generate(prompts[:2], SamplingParams(max_tokens=50, ignore_eos=True))
+        else:
+            engine.score(prompts[2])
+    assert not engine.has_unfinished()
+    assert engine._requests == {} and engine._events == {} and engine._scores == {}
+    engine.check_integrity()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,283 @@ def test_idle_service_polls_memory_and_a_failed_poll_keeps_it_alive(engine, rng_
         assert len(polls) > fail_at + 2  # went on polling after the failure
         out = [e.token_id for e in service.stream([5, 6, 7], sp) if e.token_id is not None]
         assert len(out) == 4  # and still serves requests
+
+
+def _long(rng: random.Random) -> SamplingParams:
+    return SamplingParams(max_tokens=rng.randint(300, 400), temperature=0, ignore_eos=True)
+
+
+def _drain(events, timeout: float = 60) -> list:
+    """The rest of a blocking iterator, read in a thread: a reader that never ends fails the
+    test instead of hanging it."""
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(events), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert not reader.is_alive(), f"the reader did not end within {timeout} s"
+    return got
+
+
+def _settled(service: EngineService) -> None:
+    """Wait (bounded) until the service holds no request and the engine runs none."""
+    for _ in range(500):
+        with service.lock:
+            if not service._sinks and not service.engine.has_unfinished():
+                return
+        time.sleep(0.01)
+    raise AssertionError("the service still holds requests")
+
+
+def test_abort_by_id_ends_the_reader_with_one_end_event(engine, rng_seed):
+    """`service.abort(rid)` from another thread ends the reader of `stream` with the abort
+    event; a Turn cancelled from outside ends its reader once (the service's event, not a
+    second one of the Turn's own)."""
+    from freetoken_agent.integrations.server.bridge import Turn
+
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 2)
+    with EngineService(engine) as service:
+        got: list = []
+        started, ended = threading.Event(), threading.Event()
+
+        def read() -> None:
+            for event in service.stream(prompts[0], _long(rng)):
+                got.append(event)
+                started.set()
+            ended.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        assert started.wait(60)
+        service.abort(got[0].request_id)
+        assert ended.wait(30), "the reader of an aborted request never got its end"
+        assert got[-1].finished and got[-1].finish_reason == "abort"
+        assert [e.finished for e in got].count(True) == 1
+
+        turn = Turn(service)
+        events = turn.stream(prompts[1], _long(rng))
+        seen = [next(events) for _ in range(rng.randint(1, 3))]
+        turn.cancel()
+        seen += _drain(events)
+        assert seen[-1].finish_reason == "abort" and [e.finished for e in seen].count(True) == 1
+        _settled(service)
+        assert turn._events.empty()  # no second end queued behind the first
+
+
+def test_stepping_under_the_lock_leaves_the_services_events(engine, rng_seed):
+    """engine.generate / score / Engine.stream under service.lock step the service's requests
+    too; their events still reach the service's readers, each once and in order."""
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 4)
+    sp = SamplingParams(max_tokens=rng.randint(20, 30), temperature=0, ignore_eos=True)
+    other = SamplingParams(max_tokens=rng.randint(10, 20), temperature=0, ignore_eos=True)
+    alone = engine.generate(prompts[0], sp).token_ids
+    with EngineService(engine) as service:
+        got: list = []
+        started, ended = threading.Event(), threading.Event()
+
+        def read() -> None:
+            for event in service.stream(prompts[0], sp):
+                got.append(event)
+                started.set()
+            ended.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        assert started.wait(60)
+        with service.lock:
+            engine.generate(prompts[1], other)
+            engine.score(prompts[2])
+            list(engine.stream(prompts[3], other))
+        assert ended.wait(60), "the service's reader lost its events"
+        assert [e.token_id for e in got] == alone
+        assert [e.index for e in got] == list(range(len(alone)))
+
+
+def test_one_live_service_per_engine_shared_by_the_integrations(engine, rng_seed):
+    """A second EngineService on an engine with a live one is refused by name; service_for,
+    create_app and the MCP host all use the live one; once closed, a new one may be made."""
+    from freetoken_agent.integrations.langchain_runtime import service_for
+    from freetoken_agent.integrations.mcp_engine import as_service
+    from freetoken_agent.integrations.server.app import create_app
+
+    rng = random.Random(rng_seed)
+    sp = SamplingParams(max_tokens=rng.randint(3, 8), temperature=0, ignore_eos=True)
+    with EngineService(engine) as service:
+        with pytest.raises(RuntimeError, match="already has a live EngineService"):
+            EngineService(engine)
+        assert service_for(engine) is service
+        assert as_service(engine) == (service, False)
+        state = create_app(engine).state.server
+        assert state.service is service and not state.owns_service
+        out = [e.token_id for e in _drain(service.stream(_prompts(rng, 1)[0], sp))]
+        assert len(out) == sp.max_tokens
+    again = service_for(engine)
+    try:
+        assert again is not service
+        out = [e.token_id for e in _drain(again.stream(_prompts(rng, 1)[0], sp))]
+        assert len(out) == sp.max_tokens
+    finally:
+        again.close()
+
+
+def test_a_raising_sink_fails_only_its_own_request(engine, rng_seed, caplog):
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 2)
+    sp = SamplingParams(max_tokens=rng.randint(4, 8), temperature=0, ignore_eos=True)
+    alone = engine.generate(prompts[1], sp).token_ids
+    fail_at = rng.randint(0, 2)
+    calls: list = []
+
+    def bad_sink(event) -> None:
+        calls.append(event)
+        if len(calls) > fail_at:
+            raise ValueError("a reader's bug")
+
+    with EngineService(engine) as service:
+        service.submit(prompts[0], _long(rng), bad_sink)
+        got: list = []
+        reader = threading.Thread(
+            target=lambda: got.extend(service.stream(prompts[1], sp)), daemon=True
+        )
+        reader.start()
+        reader.join(60)
+        assert not reader.is_alive(), "a raising sink stopped the engine thread"
+        assert [e.token_id for e in got] == alone
+        _settled(service)  # the failed sink's request was aborted, not left running
+        assert len(calls) == fail_at + 1 and service._thread.is_alive()
+    assert "the sink of request" in caplog.text
+
+
+def test_a_late_close_of_a_finished_stream_aborts_nothing_else(engine, rng_seed):
+    """A stream whose request finished, closed after a new request took the same id (a
+    client's own id), does not abort the new one: service.stream and the server's Turn."""
+    from freetoken_agent.integrations.server.bridge import Turn
+
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 2)
+    short = SamplingParams(max_tokens=rng.randint(2, 4), temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=rng.randint(40, 60), temperature=0, ignore_eos=True)
+    alone = engine.generate(prompts[1], sp).token_ids
+    with EngineService(engine) as service:
+        for kind in ("service", "turn"):
+            rid = f"job-{kind}-{rng.randrange(10**6)}"
+            if kind == "service":
+                first = service.stream(prompts[0], short, request_id=rid)
+            else:
+                first = Turn(service).stream(prompts[0], short, request_id=rid)
+            while not next(first).finished:
+                pass
+            got: list = []
+            started = threading.Event()
+
+            def read(rid: str = rid, got: list = got, started: threading.Event = started) -> None:
+                for event in service.stream(prompts[1], sp, request_id=rid):
+                    got.append(event)
+                    started.set()
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            assert started.wait(60)
+            first.close()  # the finished stream's owner lets it go only now
+            reader.join(60)
+            assert not reader.is_alive()
+            assert got[-1].finish_reason == "length" and [e.token_id for e in got] == alone
+
+
+def test_async_paths_never_stall_the_event_loop(engine, rng_seed, monkeypatch):
+    """With a slow engine step running, astream's submission and cancellation, and the
+    integrations' cancels (TextRun, Turn, Call), leave the asyncio loop free."""
+    from freetoken_agent.integrations.langchain_runtime import Call, Gateway
+    from freetoken_agent.integrations.server.bridge import Turn
+    from freetoken_agent.integrations.server.text_run import TextRun
+
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 5)
+    step_s = 1.5
+    run = engine.runner.run
+
+    def slow(*args, **kwargs):
+        time.sleep(step_s)  # a long prefill, an expert upload
+        return run(*args, **kwargs)
+
+    async def main(service: EngineService) -> float:
+        gaps: list[float] = []
+
+        async def heartbeat() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        async def read(prompt) -> None:
+            async for _ in service.astream(prompt, _long(rng)):
+                pass
+
+        first = asyncio.create_task(read(prompts[0]))
+        await asyncio.sleep(0.3)
+        monkeypatch.setattr(engine.runner, "run", slow)
+        beat = asyncio.create_task(heartbeat())
+        text = TextRun(service, prompts[1], _long(rng))
+        await text.start()
+        turn, call = Turn(service), Call(service, None)
+        gateway = Gateway(service)
+        gateway.call = call
+        streams = [turn.stream(prompts[2], _long(rng)), gateway.stream(prompts[3], _long(rng))]
+        for stream in streams:  # submitted in worker threads, as the integrations do
+            await asyncio.wait_for(asyncio.to_thread(next, stream), 60)
+        second = asyncio.create_task(read(prompts[4]))  # submitted while a step runs
+        await asyncio.sleep(step_s / 3)
+        first.cancel()
+        second.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+        text.cancel()
+        turn.cancel()
+        call.cancel()
+        await asyncio.sleep(step_s / 3)
+        beat.cancel()
+        for stream in streams:
+            await asyncio.to_thread(_drain, stream)  # each ends with the abort
+        return max(gaps)
+
+    with EngineService(engine) as service:
+        stall = asyncio.run(main(service))
+        monkeypatch.setattr(engine.runner, "run", run)
+        _settled(service)
+    assert stall < step_s / 3, f"the event loop stalled {stall:.2f} s"
+
+
+def test_engine_closed_under_the_service_ends_its_readers(engine, rng_seed, monkeypatch):
+    """Engine.close() under service.lock: every reader ends with an error naming the close,
+    the service's thread stops (no memory poll of a closed engine) and refuses new requests."""
+    import freetoken_agent.service as service_mod
+
+    monkeypatch.setattr(service_mod, "IDLE_POLL_S", 0.01)
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 3)
+    service = EngineService(engine)
+    ends: dict[int, object] = {}
+    started = threading.Barrier(3)
+
+    def read(i: int) -> None:
+        for k, event in enumerate(service.stream(prompts[i], _long(rng))):
+            if k == 0:
+                started.wait(60)
+            ends[i] = event
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+    for t in readers:
+        t.start()
+    started.wait(60)
+    with service.lock:
+        engine.close()
+    for t in readers:
+        t.join(30)
+    assert not any(t.is_alive() for t in readers), "a reader never heard of the close"
+    for event in ends.values():
+        assert event.finished and "closed" in event.error
+    service._thread.join(10)
+    assert not service._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        service.submit(prompts[2], None, print)
+    service.close()  # after the fact: nothing more to do

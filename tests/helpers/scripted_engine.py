@@ -24,6 +24,7 @@ class ScriptedEngine:
         self.prompts: list[list[int]] = []
         self.samplings: list = []  # each request's SamplingParams, in order
         self.running: dict[str, list] = {}
+        self.events: dict[str, list[TokenEvent]] = {}  # not taken yet, as Engine keeps them
         self.submitted = 0
         self.finished = 0
 
@@ -52,13 +53,18 @@ class ScriptedEngine:
                 continue
             state[1] += 1
             events.append(TokenEvent(rid, ids[i], detok.push(ids[i]), i))
+        for event in events:
+            self.events.setdefault(event.request_id, []).append(event)
         return events
+
+    def take_events(self, rid: str) -> list[TokenEvent]:
+        return self.events.pop(rid, [])
 
     def abort(self, rid: str) -> None:
         self.running.pop(rid, None)
 
     def _pop(self, rid: str) -> None:
-        pass
+        self.events.pop(rid, None)
 
     def stats(self) -> dict:
         return {"tokens": {"reused": 0, "prefilled": 0}, "requests": {"finished": self.finished}}
