@@ -68,6 +68,15 @@ def _device(text: str) -> str:
     return text
 
 
+def _origin(text: str) -> str:
+    from freetoken_agent.integrations.server.browser_guard import normal_origin
+
+    try:
+        return normal_origin(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     if model:  # demo runs its own model
         p.add_argument("--model", default="demo", help="HF model folder, or 'demo' (default)")
@@ -288,6 +297,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_id=model_id,
         max_body_bytes=int(args.max_body_mb * 2**20),
         log_level=args.log_level,
+        allowed_origins=args.allowed_origin,
     )
     return 0
 
@@ -395,6 +405,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--max-body-mb", type=_positive(float), default=4.0, help="request size limit (MiB)"
+    )
+    srv.add_argument(
+        "--allowed-origin",
+        action="append",
+        type=_origin,
+        default=[],
+        metavar="ORIGIN",
+        help="a web page on another origin that may call the server from a browser, as "
+        "scheme://host[:port] (an agent UI on its dev server); repeat for several",
     )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_engine_args(srv)

@@ -34,6 +34,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -41,7 +42,7 @@ from starlette.routing import Route
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.integrations.server import memory_routes, openai_routes, sessions_ws, ui
 from freetoken_agent.integrations.server.auth import BearerAuth
-from freetoken_agent.integrations.server.browser_guard import BrowserGuard
+from freetoken_agent.integrations.server.browser_guard import BrowserGuard, normal_origin
 from freetoken_agent.integrations.server.errors import error_response
 from freetoken_agent.integrations.server.hub import SessionHub
 from freetoken_agent.integrations.server.limits import DEFAULT_MAX_BODY, BodyLimit
@@ -101,12 +102,15 @@ def create_app(
     max_sessions: int = 256,
     default_max_tokens: int | None = None,
     allowed_hosts: Sequence[str] | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> Starlette:
     """`engine`: an Engine or an EngineService. `default_max_tokens` applies when a request
     gives none (default: the engine's whole context, which then ends the generation).
     `model_aliases`: other names a request's `model` may use for the served model.
     `allowed_hosts`: accepted Host header names (None: any; `serve` restricts a keyless local
-    server to the local names)."""
+    server to the local names). `allowed_origins`: web pages on other origins that may call
+    the server from a browser (scheme://host[:port]; CORS preflights answered for them)."""
+    origins = [normal_origin(o) for o in allowed_origins]  # ValueError: not an origin
     service, owns = shared_service(engine)
     try:
         if service.tokenizer is None:
@@ -137,7 +141,15 @@ def create_app(
         if state.owns_service:
             await asyncio.to_thread(service.close)
 
-    middleware = [Middleware(BrowserGuard, allowed_hosts=allowed_hosts)]
+    middleware = []
+    if origins:
+        # Outermost: a preflight (OPTIONS, no credentials) is answered before the guard and
+        # the key check; the allowed pages' real requests then pass both as any client's do.
+        middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
+                                     allow_headers=["*"]))  # fmt: skip
+    middleware.append(
+        Middleware(BrowserGuard, allowed_hosts=allowed_hosts, allowed_origins=origins)
+    )
     if api_key is not None:
         middleware.append(Middleware(BearerAuth, api_key=api_key, public_paths=ui.PATHS))
     middleware.append(Middleware(BodyLimit, max_bytes=max_body_bytes))

@@ -10,6 +10,10 @@ JSON) and open WebSockets to any origin (no CORS applies to them). Two checks cl
 - Host (optional, `allowed_hosts`): DNS rebinding makes a foreign name resolve to 127.0.0.1,
   so its page becomes "same-origin"; the Host header then carries that foreign name. `serve`
   turns this check on, with the local names, when it binds locally without a key.
+
+`allowed_origins` names pages the user trusts on other origins (an agent UI on its own dev
+server, `serve --allowed-origin http://localhost:5173`): they pass the Origin check, and the
+app answers their CORS preflights (Starlette's CORSMiddleware, see app.py).
 """
 
 from __future__ import annotations
@@ -37,10 +41,25 @@ def _hostname(netloc: str) -> str:
     return (urlsplit("//" + netloc).hostname or "").lower()
 
 
+def normal_origin(origin: str) -> str:
+    """An Origin as browsers send it: scheme://host[:port], lower case, no trailing slash.
+    Raises ValueError for anything else (a path, no scheme)."""
+    parts = urlsplit(origin.strip().rstrip("/"))
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.path:
+        raise ValueError(f"{origin!r} is not an origin (scheme://host[:port])")
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
 class BrowserGuard:
-    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        allowed_hosts: Iterable[str] | None = None,
+        allowed_origins: Iterable[str] = (),
+    ) -> None:
         self.app = app
         self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
+        self.allowed_origins = {normal_origin(o) for o in allowed_origins}
 
     def problem(self, scope: Scope) -> tuple[str, str] | None:
         """(code, message) of what is wrong with the request, or None."""
@@ -55,9 +74,11 @@ class BrowserGuard:
             origin is not None
             and origin != "null"
             and urlsplit(origin).netloc.lower() != host.lower()
+            and origin.lower().rstrip("/") not in self.allowed_origins
         ):
             return "forbidden_origin", (
-                f"cross-origin request from {origin!r} refused: only same-origin pages may call"
+                f"cross-origin request from {origin!r} refused: only same-origin pages, and "
+                f"origins the server was started with (--allowed-origin), may call"
             )
         if origin == "null":
             return "forbidden_origin", (

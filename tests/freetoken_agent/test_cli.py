@@ -223,6 +223,10 @@ def _random_flags(rng: random.Random) -> list[tuple[list[str], str]]:
         (["calibrate", "--hidden", rng.choice([negative, "0"])], "--hidden"),
         (["calibrate", "--inter", negative], "--inter"),
         (["demo", "--model", "x"], "--model"),  # demo runs its own model
+        (
+            ["serve", "--allowed-origin", rng.choice(["localhost:5173", "http://h/app"])],
+            "--allowed-origin",
+        ),  # fmt: skip
     ]
 
 

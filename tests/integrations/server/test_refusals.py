@@ -227,3 +227,32 @@ def test_foreign_origins_and_hosts_are_refused(make_client):
     assert client.post(URL, json=body, headers=same).status_code == 200
     rebound = {"Host": "attacker.example"}
     assert "DNS rebinding" in _error(client.get("/health", headers=rebound), 403)["message"]
+
+
+def test_an_allowed_origin_may_call_and_gets_its_preflight(make_client, rng_seed):
+    """An agent UI on its own dev server (another origin): refused by default, served when the
+    server was started with it (its CORS preflight answered, its requests and sockets let
+    through), while any other foreign origin is still refused."""
+    port = random.Random(rng_seed).randrange(1024, 65536)
+    ui, other = f"http://localhost:{port}", f"http://localhost:{port + 1 if port < 65535 else 1}"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    plain = make_client(allowed_hosts=["testserver"])
+    assert _error(plain.post(URL, json=body, headers={"Origin": ui}), 403)["code"] == (
+        "forbidden_origin"
+    )
+    client = make_client(allowed_hosts=["testserver"], allowed_origins=[ui.upper() + "/"])
+    preflight = client.options(URL, headers={
+        "Origin": ui, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type, authorization",
+    })  # fmt: skip
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ui
+    answer = client.post(URL, json=body, headers={"Origin": ui})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == ui
+    with client.websocket_connect(SOCKET, headers={"Origin": ui}) as ws:
+        assert ws.receive_json()["type"] == "session"
+    assert _error(client.post(URL, json=body, headers={"Origin": other}), 403)["code"] == (
+        "forbidden_origin"
+    )
+    with pytest.raises(ValueError, match="not an origin"):
+        make_client(allowed_origins=[f"{ui}/app"])
