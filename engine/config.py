@@ -246,11 +246,19 @@ def rope_from_config(cfg: dict, head_dim: int, defaults: ConfigDefaults) -> Rope
 SUPPORTED_ACTS = ("silu", "swish")
 
 
-def eos_ids_from_config(cfg: dict) -> tuple[int, ...]:
-    eos = cfg.get("eos_token_id")
-    if eos is None:
+def eos_ids(value: object, where: str) -> tuple[int, ...]:
+    """`eos_token_id` as configs write it: absent, an int or a list of ints (the one parser
+    of config.json's and generation_config.json's, loading.end_token_ids)."""
+    if value is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        raise ConfigError(f"{where} must be an int or a list of ints, got {value!r}")
+    return tuple(items)
+
+
+def eos_ids_from_config(cfg: dict) -> tuple[int, ...]:
+    return eos_ids(cfg.get("eos_token_id"), "config.json eos_token_id")
 
 
 def base_spec_fields(cfg: dict, defaults: ConfigDefaults) -> dict[str, Any]:

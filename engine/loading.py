@@ -24,6 +24,7 @@ from freetoken_agent.engine.config import (
     ConfigError,
     EngineConfig,
     ModelSpec,
+    eos_ids,
     parse_dtype,
     read_config,
 )
@@ -350,21 +351,11 @@ def end_token_ids(path: Path) -> set[int]:
             raise ConfigError(f"{file} is not valid JSON: {e}") from e
         if not isinstance(cfg, dict):
             raise ConfigError(f"{file} must hold a JSON object, got {type(cfg).__name__}")
-        ids |= _eos_ids(cfg.get("eos_token_id"), f"{file}: eos_token_id")
+        ids |= set(eos_ids(cfg.get("eos_token_id"), f"{file}: eos_token_id"))
         text_cfg = cfg.get("text_config")
         if isinstance(text_cfg, dict):  # multimodal checkpoints nest the language model's
-            ids |= _eos_ids(text_cfg.get("eos_token_id"), f"{file}: text_config.eos_token_id")
+            ids |= set(eos_ids(text_cfg.get("eos_token_id"), f"{file}: text_config.eos_token_id"))
     return ids
-
-
-def _eos_ids(value: object, where: str) -> set[int]:
-    """`eos_token_id` as written in configs: absent, an int or a list of ints."""
-    if value is None:
-        return set()
-    items = value if isinstance(value, list) else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
-        raise ConfigError(f"{where} must be an int or a list of ints, got {value!r}")
-    return set(items)
 
 
 def _tokenizer(path: Path) -> Tokenizer | None:
