@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.outputs import InvalidRequestError, SchemaError
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.text.tokenizer import Tokenizer
@@ -123,13 +123,13 @@ class GrammarCompiler:
         try:
             grammar = matcher_cls.grammar_from_json_schema(dict(schema), defaults=JSON_OPTIONS)
         except ValueError as e:
-            raise InvalidRequestError(f"json_schema cannot be used: {e}") from e
+            raise SchemaError(f"json_schema cannot be used: {e}") from e
         failed, messages = matcher_cls.validate_grammar_with_warnings(grammar, self.lltokenizer)
         if failed:
-            raise InvalidRequestError(f"json_schema cannot be used: {'; '.join(messages)}")
+            raise SchemaError(f"json_schema cannot be used: {'; '.join(messages)}")
         matcher = matcher_cls(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"json_schema cannot be used: {matcher.get_error()}")
+            raise SchemaError(f"json_schema cannot be used: {matcher.get_error()}")
         return matcher
 
 

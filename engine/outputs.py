@@ -13,6 +13,11 @@ class ContextLengthError(InvalidRequestError):
     """The prompt does not fit the model's context (or the KV pool)."""
 
 
+class SchemaError(InvalidRequestError):
+    """The request's json_schema cannot be compiled into a grammar (engine/constrained.py):
+    a type of its own, so a front-end can name the field the schema came from."""
+
+
 class EngineClosedError(RuntimeError):
     """A call to an engine after `Engine.close()` gave its memory back."""
 

@@ -16,8 +16,6 @@ from starlette.responses import JSONResponse
 
 from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestError
 
-GRAMMAR_REFUSAL = "json_schema cannot be used"  # how engine/constrained.py refuses a schema
-
 
 class BadParam(InvalidRequestError):
     """An invalid request whose fault lies in one named field. `status` is the HTTP status it

@@ -19,10 +19,15 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator
 
-from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestError, TokenEvent
+from freetoken_agent.engine.outputs import (
+    ContextLengthError,
+    InvalidRequestError,
+    SchemaError,
+    TokenEvent,
+)
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.bridge import request_figures
-from freetoken_agent.integrations.server.errors import GRAMMAR_REFUSAL, BadParam
+from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.service import EngineService, Sink
 from freetoken_agent.session import Usage
 
@@ -31,7 +36,7 @@ def _named(error: InvalidRequestError) -> BadParam:
     """The engine's refusal of a request, naming the field at fault: the prompt (empty, ids
     outside the vocabulary, too long for the context), or a response_format's schema."""
     text = str(error)
-    if text.startswith(GRAMMAR_REFUSAL):
+    if isinstance(error, SchemaError):
         return BadParam(text, "response_format")
     code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
     return BadParam(text, "prompt", code)

@@ -28,10 +28,10 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.outputs import SchemaError
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.chat_request import TurnRequest
-from freetoken_agent.integrations.server.errors import GRAMMAR_REFUSAL, BadParam
+from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.integrations.server.hub import LiveSession
 from freetoken_agent.integrations.server.reply import Reply
 from freetoken_agent.integrations.server.session_events import (
@@ -153,7 +153,7 @@ class TurnRun:
             raise
         if isinstance(item, BaseException):
             self.finished = True
-            if isinstance(item, InvalidRequestError) and str(item).startswith(GRAMMAR_REFUSAL):
+            if isinstance(item, SchemaError):
                 # The grammar compiler (engine) refuses a schema without knowing which field
                 # of the request it came from: a forced call's is the tools', a call-or-answer
                 # schema may be either's (none is named), else it is the response_format's.
