@@ -56,9 +56,12 @@ def test_cpu_smoke_moves_memory_and_never_fails(tmp_path, capsys, rng_seed):
     st = report["engines"]["elastic"]["stats"]["elastic"]
     assert st["user_budget"] == min(report["args"]["budget"], st["max_budget"])  # as loaded
     assert st["released_bytes"] > 0
-    # Free memory dropped under the take and came back (not to the byte: the arena backs
-    # what the split uses, and turn 4's split holds more pages than turn 2's).
-    assert el[2]["free_gb"] < min(el[1]["free_gb"], el[3]["free_gb"])
+    # Free memory dropped under the take (read as the take landed: by the pressure turn's own
+    # start the engine has yielded, and now that a split never holds a slot beyond its budget,
+    # the free memory it leaves there can match the calm turns'), and came back.
+    calm_free = min(el[1]["free_gb"], el[3]["free_gb"]) * 1e9
+    assert p["free"] < calm_free and p["recovery"]["back"] is True
+    assert el[3]["free_gb"] * 1e9 >= p["free"]
     assert el[2]["budget_gb"] < el[1]["budget_gb"] == el[3]["budget_gb"]
     unmapped = round((el[1]["mapped_gb"] - el[2]["mapped_gb"]) * 1e9)
     assert unmapped >= p["asked"] - p["leave"]
