@@ -60,7 +60,8 @@ def _value(rng: random.Random, schema: dict[str, Any], root: dict[str, Any]) -> 
         keys = [k for k in props if k in schema["required"] or rng.random() < 0.5]
         return {k: _value(rng, props[k], root) for k in keys}
     if kind == "array":
-        return [_value(rng, schema["items"], root) for _ in range(rng.randint(0, 2))]
+        count = rng.randint(0, schema.get("maxItems", 2))  # never past the schema's own cap
+        return [_value(rng, schema["items"], root) for _ in range(count)]
     if kind == "string":
         return "".join(
             rng.choice(string.ascii_letters + ' "\\') for _ in range(schema["maxLength"])
