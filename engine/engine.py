@@ -28,6 +28,7 @@ from freetoken_agent.engine import frontends
 from freetoken_agent.engine.constrained import Grammars
 from freetoken_agent.engine.cuda_graphs import collection_paused
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
+from freetoken_agent.engine.layers.sampler import NOT_FINITE, not_finite_message
 from freetoken_agent.engine.loading import LoadedModel, load_model
 from freetoken_agent.engine.memory_setup import elastic_memory
 from freetoken_agent.engine.output_state import OutputState
@@ -335,6 +336,9 @@ class Engine:
         problem = self.grammars.problem(req.id)
         if problem is not None:  # its grammar allowed no token: end this request only
             return self._fail_request(req, problem)
+        if token == NOT_FINITE:  # nothing to sample from (layers/sampler.py): this request only
+            message = not_finite_message(len(req.output_ids), self.loaded.dtype)
+            return self._fail_request(req, message)
         now = time.perf_counter()
         req.first_token_time = req.first_token_time or now
         req.output_ids.append(token)

@@ -201,14 +201,15 @@ class Overlap:
     def _sample(self, step: LaunchedStep) -> None:
         """Enqueue `step`'s sampling and the copy of its tokens to the host; it is in flight."""
         runner = self.engine.runner
-        _, tokens = runner.sample_tokens(step)
+        _, sampled = runner.sample_tokens(step)
+        tokens = sampled.tokens  # the next step's input ids, on the device
         host, ready = self._host[self._flip][: tokens.shape[0]], self._ready[self._flip]
         self._flip ^= 1
         if ready is not None:
-            host.copy_(tokens, non_blocking=True)
+            host.copy_(sampled.reported, non_blocking=True)  # NOT_FINITE rows: failed at accept
             ready.record()
         else:
-            host = tokens
+            host = sampled.reported
         self.inflight = InFlight(step.batch, tokens, host, ready, step.start)
         runner.step_done(step)
 

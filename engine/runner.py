@@ -18,7 +18,7 @@ from freetoken_agent.engine.constrained import allowed_tokens
 from freetoken_agent.engine.kv.pool import SCRATCH_PAGE, KVPool
 from freetoken_agent.engine.layers.attention import AttentionMetadata
 from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
-from freetoken_agent.engine.layers.sampler import sample
+from freetoken_agent.engine.layers.sampler import Sampled, sample
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.request import Batch, Request, ScheduledChunk
 
@@ -260,10 +260,11 @@ class ModelRunner:
         """`masks`: packed allowed-id rows of constrained requests (see constrained.py), applied
         to their logits here, after the model (and any CUDA graph) and before sampling."""
         step = self.launch(batch)
-        reqs, tokens = self.sample_tokens(step, masks)
+        reqs, sampled = self.sample_tokens(step, masks)
         out = StepOutput()
-        if tokens is not None:
-            out.sampled = {r.id: t for r, t in zip(reqs, tokens.tolist(), strict=True)}
+        if sampled is not None:
+            reported = sampled.reported.tolist()  # NOT_FINITE rows: the engine fails them
+            out.sampled = {r.id: t for r, t in zip(reqs, reported, strict=True)}
         chunks, inputs = batch.chunks, step.inputs
         for i, c in enumerate(chunks):
             if c.request.score_only:
@@ -306,9 +307,10 @@ class ModelRunner:
         self,
         step: LaunchedStep,
         masks: Mapping[str, np.ndarray] | None = None,
-    ) -> tuple[list[Request], torch.Tensor | None]:
+    ) -> tuple[list[Request], Sampled | None]:
         """The requests whose chunks sample, in order, and their tokens [B'] int64 on the
-        device (None when no chunk samples). Waits for nothing (layers/sampler.py)."""
+        device, with the reported ones (None when no chunk samples). Waits for nothing
+        (layers/sampler.py)."""
         chunks = step.batch.chunks
         sampling = [i for i, c in enumerate(chunks) if c.sample and not c.request.score_only]
         if not sampling:

@@ -12,9 +12,19 @@ row and step from the request's generator; on the CPU torch's ops below, the sam
 
 `allowed` (constrained decoding, see engine/constrained.py) bans tokens per row before anything
 else, so greedy and sampled rows alike pick only allowed ids; rows left all True are untouched.
+
+A row whose logits are not finite where it may pick (a NaN or +inf among its allowed logits, or
+no finite allowed logit at all: fp16 overflow, broken weights, a kernel fault) has no token to
+draw. Its token is still some valid id, because under overlap scheduling the device feeds it to
+the next step before the host reads it; beside it the row is reported as NOT_FINITE, which the
+engine turns into an error for that request alone. The check reads the row's largest allowed
+logit, which NaN and +inf reach, so it costs the greedy path one small launch over [B] values
+(`max` gives the argmax and that value in one pass) and the kernel path nothing extra.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -22,8 +32,14 @@ from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 F32 = torch.float32
+NOT_FINITE = -1  # a reported token: the row's logits were not finite (see the module docstring)
 
 # B sequences that sample this step, V vocab
+
+
+class Sampled(NamedTuple):
+    tokens: torch.Tensor  # [B] int64, valid ids: what the next step may be fed
+    reported: torch.Tensor  # [B] int64: tokens, NOT_FINITE where a row could not be sampled
 
 
 def sample(
@@ -31,13 +47,32 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     allowed: torch.Tensor | None = None,  # [B, V] bool; None = no constraint on any row
-) -> torch.Tensor:  # [B] int64
+) -> Sampled:
     """`generators` are CPU generators (None: torch's default). Never waits for the device."""
     if allowed is None and all(p.greedy for p in params):
-        return logits.argmax(dim=-1)
+        largest, tokens = logits.max(dim=-1)  # NaN and +inf propagate to the row's max
+        return Sampled(tokens, _reported(tokens, largest))
     if logits.is_cuda:
         return _sample_on_device(logits, params, generators, allowed)
-    return sample_with_torch(logits, params, generators, allowed)
+    tokens = sample_with_torch(logits, params, generators, allowed)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    return Sampled(tokens, _reported(tokens, logits.amax(dim=-1)))
+
+
+def not_finite_message(position: int, dtype: torch.dtype) -> str:
+    """The error of a request whose row was reported NOT_FINITE at output `position`."""
+    hint = "float16 overflows where bfloat16 does not; " if dtype == torch.float16 else ""
+    return (
+        f"the model's logits were not finite (NaN or inf) at output token {position}, so no "
+        f"token could be sampled: a numerical fault of the model in {str(dtype)[6:]} "
+        f"({hint}broken weights or a kernel fault)"
+    )
+
+
+def _reported(tokens: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
+    """`tokens`, NOT_FINITE where the row's largest pickable logit is not finite."""
+    return torch.where(torch.isfinite(largest), tokens, NOT_FINITE)
 
 
 def _sample_on_device(
@@ -45,12 +80,13 @@ def _sample_on_device(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     allowed: torch.Tensor | None,
-) -> torch.Tensor:  # [B] int64
+) -> Sampled:
     from freetoken_agent.kernels.triton.sampling import sample_rows
 
     rows = kernel_rows(params, generators, logits.shape[-1])
     table = on_device(rows, torch.float64, logits.device)  # [B, 4]
-    return sample_rows(logits.float().contiguous(), table, allowed)[0]
+    drawn = sample_rows(logits.float().contiguous(), table, allowed)
+    return Sampled(drawn.tokens, drawn.reported)
 
 
 def kernel_rows(

@@ -24,12 +24,19 @@ the row's order-preserving keys by one program, 32 passes: exact but slow, ~1.8 
 ~2x slower on flat rows (3945 vs 1979 us at b=1, 4075 vs 2107 at b=4); a bitonic merged top-64,
 not faster than the whole sort (Qwen3 b=1 287 vs 267 us, CLI 231 vs 244, b=4 321 vs 383).
 
+A row whose allowed logits hold a NaN or +inf, or no finite value (engine/layers/sampler.py's
+NOT_FINITE rows), is flagged by its slices (a negative sum in `stats`, where sums are >= 0) and
+the drawing program: its token is 0, a valid id for the next step to be fed, and its reported
+token -1.
+
 Shapes: logits [B, V] fp32 (rows `stride` apart, unit stride inside); allowed [B, V] bool or
 None; table [B, 4] float64 (temperature, top_p, top_k (0: off), seed); returns tokens [B]
-int64 and tau [B] fp32 (-inf: nothing cut).
+int64, reported [B] int64 (tokens, -1 at flagged rows) and tau [B] fp32 (-inf: nothing cut).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -42,6 +49,7 @@ MAX_VOCAB = 2147483647
 # A packed key's low half holds LOW - token id: among ties the lower id sorts first.
 LOW = tl.constexpr(MAX_VOCAB)
 NEG_INF = tl.constexpr(float("-inf"))
+POS_INF = tl.constexpr(float("inf"))
 
 
 @triton.jit
@@ -78,9 +86,9 @@ def _row_temperature(table, row):
 
 
 @triton.jit
-def _slice_candidates(logits, allowed, table, cand, stats, tokens, taus, done, V, S, stride,
-                      a_stride, SLICE: tl.constexpr, CAND: tl.constexpr, S_PAD: tl.constexpr,
-                      CAND_PAD: tl.constexpr, BLOCK: tl.constexpr,
+def _slice_candidates(logits, allowed, table, cand, stats, tokens, reported, taus, done, V, S,
+                      stride, a_stride, SLICE: tl.constexpr, CAND: tl.constexpr,
+                      S_PAD: tl.constexpr, CAND_PAD: tl.constexpr, BLOCK: tl.constexpr,
                       HAS_ALLOWED: tl.constexpr):  # fmt: skip
     """A program a row and slice. The row's last slice to finish (a counter in `done`,
     acquire-release at GPU scope, so the others' candidates are visible to it) then draws the
@@ -92,6 +100,8 @@ def _slice_candidates(logits, allowed, table, cand, stats, tokens, taus, done, V
     x = _scaled(logits, allowed, row, stride, a_stride, offs, V, t, HAS_ALLOWED)
     m = tl.max(x, 0)
     z = tl.sum(tl.where(x > NEG_INF, tl.exp(x - m), 0.0), 0)
+    not_finite = tl.sum(((x != x) | (x == POS_INF)).to(tl.int32), 0)  # NaN or +inf, allowed
+    z = tl.where(not_finite > 0, -1.0, z)  # the slice's flag (a sum is never negative)
     packed = (_key(x).to(tl.int64) << 32) | (LOW - offs.to(tl.int64))
     top = tl.sort(packed, descending=True)  # all SLICE keys; the CAND largest are kept
     i = tl.arange(0, SLICE)
@@ -100,8 +110,8 @@ def _slice_candidates(logits, allowed, table, cand, stats, tokens, taus, done, V
     tl.store(stats + (row * S + s) * 2 + 1, z)
     if tl.atomic_add(done + row, 1, sem="acq_rel", scope="gpu") == S - 1:
         tl.store(done + row, 0)
-        _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a_stride,
-              CAND, S_PAD, CAND_PAD, BLOCK, HAS_ALLOWED)  # fmt: skip
+        _draw(row, logits, allowed, table, cand, stats, tokens, reported, taus, V, S, stride,
+              a_stride, CAND, S_PAD, CAND_PAD, BLOCK, HAS_ALLOWED)  # fmt: skip
 
 
 @triton.jit
@@ -154,7 +164,7 @@ def _gumbel(seed, ids):
 
 
 @triton.jit
-def _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, a_stride,
+def _draw(row, logits, allowed, table, cand, stats, tokens, reported, taus, V, S, stride, a_stride,
           CAND: tl.constexpr, S_PAD: tl.constexpr, CAND_PAD: tl.constexpr,
           BLOCK: tl.constexpr, HAS_ALLOWED: tl.constexpr):  # fmt: skip
     """A row's threshold and token from its slices' candidates and sums."""
@@ -181,6 +191,8 @@ def _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, 
     ms = tl.load(stats + (row * S + j) * 2, mask=j < S, other=NEG_INF)
     zs = tl.load(stats + (row * S + j) * 2 + 1, mask=j < S, other=0.0)
     Z = tl.sum(tl.where(ms > NEG_INF, zs * tl.exp(ms - M), 0.0), 0)
+    # A slice saw NaN or +inf, or no slice holds a finite allowed logit: nothing to draw from.
+    flagged = (tl.sum((zs < 0).to(tl.int32), 0) > 0) | (tl.max(ms, 0) == NEG_INF)
     # L: a token that is not a candidate is <= its slice's CAND-th largest, so <= L.
     lows = tl.load(cand + (row * S + j) * CAND + CAND - 1, mask=j < S, other=0)
     lows = tl.where(j < S, _value((lows >> 32).to(tl.int32)), NEG_INF)
@@ -225,7 +237,9 @@ def _draw(row, logits, allowed, table, cand, stats, tokens, taus, V, S, stride, 
                 blk = tl.max(score, 0)
                 token = tl.where(blk > best, start + tl.argmax(score, 0), token)
                 best = tl.maximum(blk, best)
+    token = tl.where(flagged, 0, token)  # whatever the draw made of NaNs: a valid id
     tl.store(tokens + row, token.to(tl.int64))
+    tl.store(reported + row, tl.where(flagged, -1, token).to(tl.int64))
     tl.store(taus + row, tau)
 
 
@@ -244,13 +258,19 @@ def _buffers(device: torch.device, n_cand: int, n_stats: int, rows: int) -> dict
     return held
 
 
+class Drawn(NamedTuple):
+    tokens: torch.Tensor  # [B] int64, valid ids
+    reported: torch.Tensor  # [B] int64: tokens, -1 at rows whose logits are not finite
+    taus: torch.Tensor  # [B] fp32, the threshold each row kept above (-inf: nothing cut)
+
+
 def sample_rows(
     logits: torch.Tensor,  # [B, V] fp32, unit stride inside a row
     table: torch.Tensor,  # [B, 4] float64: temperature (0: greedy), top_p, top_k, seed
     allowed: torch.Tensor | None = None,  # [B, V] bool
     slice_size: int = SLICE,
     cand: int = CAND,
-) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B] int64, tau [B] fp32
+) -> Drawn:
     """Each row's token (see the module docstring) with the threshold it kept above.
     `slice_size` and `cand` (powers of two, cand < slice_size) are the tests' to shrink, so
     that the fallbacks run on small rows."""
@@ -261,13 +281,14 @@ def sample_rows(
     device = logits.device
     held = _buffers(device, B * S * cand, B * S * 2, B)
     tokens = torch.empty(B, dtype=torch.int64, device=device)
+    reported = torch.empty(B, dtype=torch.int64, device=device)
     taus = torch.empty(B, dtype=torch.float32, device=device)
     has_allowed = allowed is not None
     a = allowed if has_allowed else logits  # unread when HAS_ALLOWED is False
     a_stride = allowed.stride(0) if has_allowed else 0
     pad = triton.next_power_of_2
-    _slice_candidates[(B, S)](logits, a, table, held["cand"], held["stats"], tokens, taus,
-                              held["done"], V, S, logits.stride(0), a_stride, SLICE=slice_size,
-                              CAND=cand, S_PAD=pad(S), CAND_PAD=pad(S * cand), BLOCK=BLOCK,
-                              HAS_ALLOWED=has_allowed, num_warps=8)  # fmt: skip
-    return tokens, taus
+    _slice_candidates[(B, S)](logits, a, table, held["cand"], held["stats"], tokens, reported,
+                              taus, held["done"], V, S, logits.stride(0), a_stride,
+                              SLICE=slice_size, CAND=cand, S_PAD=pad(S), CAND_PAD=pad(S * cand),
+                              BLOCK=BLOCK, HAS_ALLOWED=has_allowed, num_warps=8)  # fmt: skip
+    return Drawn(tokens, reported, taus)

@@ -470,12 +470,12 @@ def test_sampler_picks_only_allowed_ids_and_keeps_free_rows_bitwise(rng_seed):
     for temp in (0.0, 0.8):
         params = [SamplingParams(temperature=temp, top_k=rng_seed % 3 * 5)] * n
         gens = [torch.Generator().manual_seed(rng_seed + i) for i in range(n)]
-        got = sample(logits, params, gens, allowed)
+        got = sample(logits, params, gens, allowed).tokens
         assert allowed[torch.arange(n), got].all()
         gens = [torch.Generator().manual_seed(rng_seed + i) for i in range(n)]
-        free = sample(logits, params, gens)
+        free = sample(logits, params, gens).tokens
         assert torch.equal(got[::2], free[::2])
-    greedy = sample(logits, [SamplingParams(temperature=0)] * n, [None] * n, allowed)
+    greedy = sample(logits, [SamplingParams(temperature=0)] * n, [None] * n, allowed).tokens
     assert torch.equal(greedy, logits.masked_fill(~allowed, float("-inf")).argmax(-1))
 
 

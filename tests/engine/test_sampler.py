@@ -22,7 +22,7 @@ def test_greedy_is_argmax(rng_seed):
     torch.manual_seed(rng_seed)
     logits = torch.randn(6, 50)
     params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(top_k=1)] * 3
-    assert torch.equal(sample(logits, params, [None] * 6), logits.argmax(-1))
+    assert torch.equal(sample(logits, params, [None] * 6).tokens, logits.argmax(-1))
 
 
 def test_temperature_sampling_follows_softmax(rng_seed):
@@ -31,7 +31,7 @@ def test_temperature_sampling_follows_softmax(rng_seed):
     n = 6000
     rows = logits.expand(n, 6).contiguous()
     params = [SamplingParams(temperature=0.8)] * n
-    tokens = sample(rows, params, _gens(range(rng_seed, rng_seed + n)))
+    tokens = sample(rows, params, _gens(range(rng_seed, rng_seed + n))).tokens
     freq = torch.bincount(tokens, minlength=6).float() / n
     expected = torch.softmax(logits[0] / 0.8, -1)
     assert (freq - expected).abs().max() < 0.03, (freq, expected)
@@ -43,12 +43,12 @@ def test_top_k_and_top_p_limit_the_support(rng_seed):
     n = 2000
     rows = logits.expand(n, 40).contiguous()
     top5 = set(logits[0].topk(5).indices.tolist())
-    tokens = sample(rows, [SamplingParams(top_k=5)] * n, _gens(range(n)))
+    tokens = sample(rows, [SamplingParams(top_k=5)] * n, _gens(range(n))).tokens
     assert set(tokens.tolist()) <= top5
     probs = torch.softmax(logits[0], -1)
     order = probs.argsort(descending=True)
     nucleus = set(order[: int((probs[order].cumsum(0) < 0.6).sum()) + 1].tolist())
-    tokens = sample(rows, [SamplingParams(top_p=0.6)] * n, _gens(range(n)))
+    tokens = sample(rows, [SamplingParams(top_p=0.6)] * n, _gens(range(n))).tokens
     assert set(tokens.tolist()) <= nucleus and len(set(tokens.tolist())) > 1
 
 
@@ -59,10 +59,10 @@ def test_seeded_rows_do_not_depend_on_the_batch(rng_seed):
     draws = []
     for _ in range(2):
         gens = _gens([7]) + [None] * 3
-        seq = [sample(logits, params, gens)[0].item() for _ in range(20)]
+        seq = [sample(logits, params, gens).tokens[0].item() for _ in range(20)]
         draws.append(seq)
     alone = _gens([7])
-    seq_alone = [sample(logits[:1], params[:1], alone)[0].item() for _ in range(20)]
+    seq_alone = [sample(logits[:1], params[:1], alone).tokens[0].item() for _ in range(20)]
     assert draws[0] == draws[1] == seq_alone
 
 
@@ -128,7 +128,7 @@ def test_top_k_with_top_p_draws_within_both(rng_seed):
     n_draws = 1500
     rows = logits.expand(n_draws, 300).contiguous()
     params = [SamplingParams(top_k=12, top_p=0.7)] * n_draws
-    tokens = set(sample(rows, params, _gens(range(n_draws))).tolist())
+    tokens = set(sample(rows, params, _gens(range(n_draws))).tokens.tolist())
     top12 = logits[0].topk(12)
     probs = torch.softmax(top12.values, -1)
     n = int((probs.cumsum(0) - probs < 0.7).sum())
@@ -225,5 +225,5 @@ def test_a_tiny_temperature_decodes_greedily(rng_seed):
     params = [SamplingParams(temperature=t, top_p=0.9), SamplingParams(temperature=1e-40),
               SamplingParams(temperature=t, top_k=5)]  # fmt: skip
     assert all(p.greedy for p in params)
-    assert torch.equal(sample(logits, params, _gens([1, 2, 3])), logits.argmax(-1))
+    assert torch.equal(sample(logits, params, _gens([1, 2, 3])).tokens, logits.argmax(-1))
     assert not SamplingParams(temperature=2e-5).greedy

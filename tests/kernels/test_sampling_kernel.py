@@ -79,7 +79,7 @@ def test_thresholds_and_tokens_match_the_reference(rng_seed, small_slices):
             allowed = torch.rand(b, v, generator=gen) < 0.7
             allowed[:, int(torch.randint(0, v, (1,), generator=gen))] = True
         table = torch.tensor(rows, dtype=torch.float64, device=CUDA)
-        tokens, taus = sample_rows(logits.to(CUDA), table, None if allowed is None
+        tokens, _, taus = sample_rows(logits.to(CUDA), table, None if allowed is None
                                    else allowed.to(CUDA), **sizes)  # fmt: skip
         tokens, taus = tokens.cpu(), taus.cpu()
         masked = logits if allowed is None else logits.masked_fill(~allowed, -INF)
@@ -117,7 +117,7 @@ def test_draws_follow_the_kept_distribution(rng_seed):
     for _ in range(4):
         seeds = torch.randint(0, 2**31 - 1, (b,), generator=gen).tolist()
         table = torch.tensor([[t, top_p, k, s] for s in seeds], dtype=torch.float64, device=CUDA)
-        tokens, _ = sample_rows(logits, table)
+        tokens, _, _ = sample_rows(logits, table)
         counts += torch.bincount(tokens.cpu(), minlength=v).float()
     x = (row / t).double()
     kept = x >= _reference_tau(row, t, top_p, k)
@@ -135,14 +135,15 @@ def test_a_seeded_row_does_not_depend_on_its_batch(rng_seed):
     v = 151936
     logits, rows = _rows(gen, 8, v)
     rows = [[max(r[0], 0.3), r[1], r[2], r[3]] for r in rows]
-    tokens, _ = sample_rows(logits.to(CUDA), torch.tensor(rows, dtype=torch.float64, device=CUDA))
+    table = torch.tensor(rows, dtype=torch.float64, device=CUDA)
+    tokens = sample_rows(logits.to(CUDA), table).tokens
     order = torch.randperm(8, generator=gen)
     table = torch.tensor([rows[i] for i in order], dtype=torch.float64, device=CUDA)
-    shuffled, _ = sample_rows(logits[order].contiguous().to(CUDA), table)
+    shuffled, _, _ = sample_rows(logits[order].contiguous().to(CUDA), table)
     assert torch.equal(shuffled.cpu(), tokens.cpu()[order])
     for r in range(8):
         table = torch.tensor([rows[r]], dtype=torch.float64, device=CUDA)
-        alone, _ = sample_rows(logits[r : r + 1].to(CUDA), table)
+        alone, _, _ = sample_rows(logits[r : r + 1].to(CUDA), table)
         assert int(alone) == int(tokens[r])
 
 
@@ -160,10 +161,11 @@ def test_sample_on_cuda_seeds_from_cpu_generators(rng_seed):
     runs = []
     for _ in range(2):
         seeded = torch.Generator().manual_seed(rng_seed)
-        runs.append([sample(logits, params, [seeded, None, None])[0].item() for _ in range(12)])
+        draws = [sample(logits, params, [seeded, None, None]).tokens for _ in range(12)]
+        runs.append([d[0].item() for d in draws])
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
     allowed = torch.zeros(3, v, dtype=torch.bool, device=CUDA)
     pick = torch.randint(0, v, (3, 5), generator=gen).to(CUDA)
     allowed.scatter_(1, pick, True)
-    tokens = sample(logits, params, [None] * 3, allowed)
+    tokens = sample(logits, params, [None] * 3, allowed).tokens
     assert all(int(tokens[r]) in pick[r].tolist() for r in range(3))
