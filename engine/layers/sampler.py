@@ -18,7 +18,7 @@ no finite allowed logit at all: fp16 overflow, broken weights, a kernel fault) h
 draw. Its token is still some valid id, because under overlap scheduling the device feeds it to
 the next step before the host reads it; beside it the row is reported as NOT_FINITE, which the
 engine turns into an error for that request alone. The check reads the row's largest allowed
-logit, which NaN and +inf reach, so it costs the greedy path one small launch over [B] values
+logit, which NaN and +inf reach, so it costs the greedy path two small launches over [B] values
 (`max` gives the argmax and that value in one pass) and the kernel path nothing extra.
 """
 
