@@ -1,4 +1,5 @@
-"""Constrained decoding: a JSON-schema grammar masks a request's logits before each sample.
+"""Constrained decoding: a grammar (a JSON schema's, or one in llguidance's Lark syntax) masks a
+request's logits before each sample.
 
 Used for structured output (`SamplingParams.json_schema`, or `response_format` json_schema /
 json_object) and for forced tool calls: `tool_call_schema(tool)` gives the schema of a
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 
 from freetoken_agent.engine.outputs import InvalidRequestError, SchemaError
+from freetoken_agent.engine.sampling_params import Constraint
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.text.tokenizer import Tokenizer
@@ -104,13 +106,13 @@ class GrammarCompiler:
         )
         self._cache: OrderedDict[str, Any] = OrderedDict()  # canonical schema -> LLMatcher
 
-    def matcher(self, schema: Mapping[str, Any]) -> Any:
-        """A fresh matcher (llguidance LLMatcher) at the start of `schema`'s grammar."""
+    def matcher(self, constraint: Constraint) -> Any:
+        """A fresh matcher (llguidance LLMatcher) at the start of the constraint's grammar."""
         # Key order is kept: properties are written in the order the schema lists them.
-        key = json.dumps(schema, separators=(",", ":"))
+        key = constraint.kind + ":" + json.dumps(constraint.spec, separators=(",", ":"))
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._compile(schema)
+            compiled = self._compile(constraint)
             self._cache[key] = compiled
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -118,18 +120,24 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
         return compiled.deep_copy()  # shares the compiled grammar, owns its parse state
 
-    def _compile(self, schema: Mapping[str, Any]) -> Any:
+    def _compile(self, constraint: Constraint) -> Any:
         matcher_cls = self.llg.LLMatcher
+        what = constraint.kind if constraint.kind == "json_schema" else "grammar"
         try:
-            grammar = matcher_cls.grammar_from_json_schema(dict(schema), defaults=JSON_OPTIONS)
+            if constraint.kind == "lark":
+                grammar = matcher_cls.grammar_from_lark(constraint.spec)
+            else:
+                grammar = matcher_cls.grammar_from_json_schema(
+                    dict(constraint.spec), defaults=JSON_OPTIONS
+                )
         except ValueError as e:
-            raise SchemaError(f"json_schema cannot be used: {e}") from e
+            raise SchemaError(f"{what} cannot be used: {e}") from e
         failed, messages = matcher_cls.validate_grammar_with_warnings(grammar, self.lltokenizer)
         if failed:
-            raise SchemaError(f"json_schema cannot be used: {'; '.join(messages)}")
+            raise SchemaError(f"{what} cannot be used: {'; '.join(messages)}")
         matcher = matcher_cls(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise SchemaError(f"json_schema cannot be used: {matcher.get_error()}")
+            raise SchemaError(f"{what} cannot be used: {matcher.get_error()}")
         return matcher
 
 
@@ -152,13 +160,13 @@ class GrammarMatcher:
             self.problem = f"constrained output failed: {self._m.get_error()}"
         elif not row.any():
             self.problem = (
-                "constrained output failed: no token of the vocabulary can continue the JSON "
-                f"(grammar state: {self._m.stop_reason()})"
+                "constrained output failed: no token of the vocabulary can continue the "
+                f"grammar (its state: {self._m.stop_reason()})"
             )
         return self.problem is None
 
     def advance(self, token: int) -> bool:
-        """Consume a sampled token; True when the JSON is complete (nothing may follow)."""
+        """Consume a sampled token; True when the grammar is complete (nothing may follow)."""
         if not self._m.consume_token(token):
             self.problem = f"constrained output failed at token {token}: {self._m.get_error()}"
             return False
@@ -181,7 +189,7 @@ class Grammars:
         self._compiler: GrammarCompiler | None = None  # built by the first constrained request
         self._matchers: dict[str, GrammarMatcher] = {}
 
-    def add(self, request_id: str, schema: Mapping[str, Any]) -> None:
+    def add(self, request_id: str, constraint: Constraint) -> None:
         """Register a request's grammar; raises before the request exists if it cannot run."""
         if self.tokenizer is None:
             raise InvalidRequestError(
@@ -190,7 +198,7 @@ class Grammars:
             )
         if self._compiler is None:
             self._compiler = GrammarCompiler(self.tokenizer, self.eos_ids)
-        self._matchers[request_id] = GrammarMatcher(self._compiler.matcher(schema), self._valid)
+        self._matchers[request_id] = GrammarMatcher(self._compiler.matcher(constraint), self._valid)
 
     def masks(self, request_ids: Iterable[str]) -> dict[str, np.ndarray]:
         """Packed allowed-id rows ([W] int32) of the constrained requests among `request_ids`.

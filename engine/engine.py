@@ -164,8 +164,8 @@ class Engine:
         request_id = request_id or self._new_id()
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if sampling.json_schema is not None and not _score:
-            self.grammars.add(request_id, sampling.json_schema)
+        if sampling.constraint is not None and not _score:
+            self.grammars.add(request_id, sampling.constraint)
         req = Request(request_id, ids, sampling, use_prefix_cache=use_prefix_cache and not _score)
         req.score_only = _score
         if self.scheduler.recurrence is not None and req.use_prefix_cache:

@@ -100,7 +100,7 @@ class Overlap:
         return self.enabled and getattr(self.engine.loaded.bank, "policy", None) != "direct"
 
     def _plain(self, req: Request) -> bool:
-        return not req.score_only and req.sampling.json_schema is None
+        return not req.score_only and req.sampling.constraint is None
 
     def launch(self, batch: Batch) -> None:
         """Launch and sample `batch`; its tokens are read by the next `step` or `drain`."""

@@ -2,9 +2,10 @@
 
 Structured output: `json_schema` constrains the output to one JSON value matching the schema
 (see `constrained.py`); `response_format` takes the OpenAI form and is turned into `json_schema`
-here. Only a library-free structural check runs here (SamplingParams is built everywhere,
-clients included); the grammar itself is compiled, and its deeper errors reported, when the
-engine takes the request.
+here; `grammar` constrains it to a grammar in llguidance's Lark syntax (free text with strict
+tool calls, integrations/strict_tools.py). Only a library-free structural check runs here
+(SamplingParams is built everywhere, clients included); the grammar itself is compiled, and its
+deeper errors reported, when the engine takes the request.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 JSON_TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
 # Keywords whose value is a schema, a list of schemas, or a map of name -> schema.
@@ -22,6 +23,11 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+class Constraint(NamedTuple):
+    kind: str  # "json_schema" | "lark"
+    spec: Any  # the schema (a dict) or the grammar's text
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it decode greedily
@@ -54,6 +60,9 @@ class SamplingParams:
     # OpenAI's form: {"type": "text"} | {"type": "json_object"} |
     # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
     response_format: dict[str, Any] | None = None
+    # A grammar in llguidance's Lark syntax that the whole output follows (its docs/syntax.md);
+    # the request ends when the grammar can take nothing more. Exclusive with json_schema.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # One stop string or one stop id may be given bare, as OpenAI's `stop` may.
@@ -106,9 +115,24 @@ class SamplingParams:
                 return ["json_schema and response_format disagree: give one of them"]
             if schema is not None:
                 self.json_schema = schema
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                got = f"{self.grammar!r:.60}"
+                return [f"grammar must be a non-empty string (Lark syntax), got {got}"]
+            if self.json_schema is not None:
+                return ["grammar and json_schema (or response_format) both given: give one"]
         if self.json_schema is None:
             return []
         return schema_problems(self.json_schema)
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """What constrains the output, if anything (engine/constrained.py compiles it)."""
+        if self.grammar is not None:
+            return Constraint("lark", self.grammar)
+        if self.json_schema is not None:
+            return Constraint("json_schema", self.json_schema)
+        return None
 
     @property
     def greedy(self) -> bool:

@@ -240,7 +240,8 @@ def test_grammars_are_compiled_once_per_schema_and_keep_property_order(
     for js in (schema, flipped, schema, flipped):
         out = engine.generate(_prompt(rng), _sampling(rng, False, json_schema=js))
         assert list(parse(out.text)) == list(js["properties"])
-    assert compiled == [flipped]  # `schema` was compiled by the first request, before the spy
+    # `schema` was compiled by the first request, before the spy
+    assert compiled == [("json_schema", flipped)]
 
 
 def test_batch_with_a_constrained_request_leaves_the_others_alone(engine, rng_seed):

@@ -40,3 +40,21 @@ def random_object_schema(rng: random.Random, avoid: Collection[str] = ()) -> dic
         "required": rng.sample(names, rng.randint(1, len(names))),
         "additionalProperties": False,
     }
+
+
+def random_instance(rng: random.Random, schema: dict[str, Any]) -> Any:
+    """A random value valid against `schema` (the shapes drawn above: closed objects of
+    scalars; arrays and $refs are not among them)."""
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    kind = schema["type"]
+    if kind == "object":
+        props = schema["properties"]
+        keys = [k for k in props if k in schema["required"] or rng.random() < 0.5]
+        return {k: random_instance(rng, props[k]) for k in keys}
+    if kind == "string":
+        alphabet = string.ascii_letters + ' "\\<>/_'
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, schema["maxLength"])))
+    if kind == "integer":
+        return rng.randint(schema["minimum"], schema["maximum"])
+    return rng.choice([True, False])

@@ -1,0 +1,96 @@
+"""Strict tools under tool_choice "auto": free text, and calls that keep to the tools' schemas.
+
+OpenAI's `strict: true` on a function promises arguments valid against its parameters' schema,
+whether the model is forced to call or decides to (the OpenAI Agents SDK makes its function
+tools strict by default, and the SDK's `parse()` validates the arguments). A forced call is
+constrained already (tool_choice.py); under "auto" the model may write text, so the grammar
+here lets text through and constrains only what follows a call's opener: text, then any number
+of `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` blocks with text between, as
+llguidance's Lark syntax writes it (vLLM and SGLang do the same with xgrammar's structural tags,
+llama.cpp with its lazy grammars):
+
+    start: free (call free)*
+    free: TEXT? (<[other added tokens]> TEXT?)*
+    TEXT: /(?s:.+)/ & ~/(?s:.*)<tool_call>(?s:.*)/
+    call: <[opener id]> "\\n" %json {anyOf: one schema a tool} "\\n" <[closer id]>
+
+- llguidance reads a tokenizer's added tokens (Qwen's <tool_call>, <think>, <|im_end|>, even
+  those not marked special) as special tokens, which a regex cannot match: the opener and the
+  closer are named by id, and free text may hold every other added token (the think tags
+  above all). A tokenizer without them as tokens gets the same grammar with string literals.
+- TEXT is one lexeme that never holds the opener's text: a model could otherwise spell
+  `<tool_call>` out of plain tokens, which the Hermes parser reads as a call all the same, and
+  write an unconstrained call. Two TEXTs are never adjacent, or the lexer could split the
+  opener across them.
+- Strict tools' calls keep to their schemas (closed, as in strict mode); other tools' calls
+  must still name the tool and give an object (OpenAI does not check them either).
+
+Hermes-format models only (Qwen2.5/Qwen3 and the templates that write these blocks); the XML
+calls of Qwen3-Coder/Qwen3.5 and Mistral's [TOOL_CALLS] lists are not constrained here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from freetoken_agent.engine.constrained import JSON_OPTIONS, tool_call_schema
+from freetoken_agent.integrations.constrained_output import closed, inline_tool
+
+OPENER, CLOSER = "<tool_call>", "</tool_call>"
+
+
+def is_strict(tool: Mapping[str, Any]) -> bool:
+    fn = tool.get("function", tool)
+    return isinstance(fn, Mapping) and fn.get("strict") is True
+
+
+def any_strict(tools: Sequence[Mapping[str, Any]] | None) -> bool:
+    return bool(tools) and any(is_strict(t) for t in tools)
+
+
+def call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """What one call of `tool` must be: its schema when strict, else its name and an object."""
+    if is_strict(tool):
+        return closed(tool_call_schema(inline_tool(dict(tool))))
+    name = tool["function"]["name"]
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": {"type": "object"}},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def strict_calls_grammar(tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> str:
+    """The Lark grammar of free text with calls of `tools` (OpenAI tools, names checked);
+    `tokenizer`: the engine's (engine/text/tokenizer.py)."""
+    schemas = [call_schema(t) for t in tools]
+    calls = dict(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    calls["x-guidance"] = JSON_OPTIONS  # the separators json.dumps writes, as elsewhere
+    added = sorted(tokenizer.backend.get_added_tokens_decoder())  # ids of the added tokens
+    opener, closer = tokenizer.token_to_id(OPENER), tokenizer.token_to_id(CLOSER)
+    if opener is not None and opener in added and closer is not None:
+        open_mark, close_mark = f"<[{opener}]>", f"<[{closer}]>"
+    else:
+        open_mark, close_mark = json.dumps(OPENER), json.dumps(CLOSER)
+    others = [i for i in added if i != opener]
+    free = f"TEXT? (<[{','.join(map(str, others))}]> TEXT?)*" if others else "TEXT?"
+    return "\n".join(
+        [
+            "start: free (call free)*",
+            f"free: {free}",
+            f"TEXT: /(?s:.+)/ & ~/(?s:.*){_regex_literal(OPENER)}(?s:.*)/",
+            f'call: {open_mark} "\\n" %json {json.dumps(calls)} "\\n" {close_mark}',
+        ]
+    )
+
+
+REGEX_META = set("\\.+*?()|[]{}^$#&-~/")  # escaped in a /.../ regex (the slash ends it)
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching itself, inside /.../. Only metacharacters are escaped:
+    Rust's regex (llguidance's) reads some escaped signs as assertions (\\< is a word start)."""
+    return "".join("\\" + c if c in REGEX_META else c for c in text)
