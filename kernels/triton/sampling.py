@@ -76,6 +76,9 @@ def _scaled(logits, allowed, row, stride, a_stride, offs, V, t, HAS_ALLOWED: tl.
     if HAS_ALLOWED:
         ok = tl.load(allowed + row * a_stride + offs, mask=inside, other=0)
         x = tl.where(ok != 0, x, NEG_INF)
+    # -0.0 as +0.0: the packed keys order by bits, where -0.0 sorts below +0.0, and ties must
+    # go to the lower id as torch's argmax gives them (a `where`, which no compiler folds).
+    x = tl.where(x == 0.0, 0.0, x)
     return tl.where(inside, x, NEG_INF)
 
 
