@@ -271,6 +271,11 @@ class EngineService:
                 self._apply_aborts()  # last: an abort asked during the step is done on release
             time.sleep(0)  # let a thread waiting for the lock (a new request) take it
 
+    @property
+    def closed(self) -> bool:
+        """Whether the service takes no more requests (it, or its engine, was closed)."""
+        return self._closed is not None or bool(getattr(self.engine, "closed", False))
+
     def _running(self) -> bool:
         """False once the service is closed; a closed engine (Engine.close under the lock)
         closes the service here: every reader ends, naming the close."""

@@ -78,7 +78,7 @@ def load_service(
     key = (str(path.resolve()), device, policy, gpu_budget, tuple(sorted(options.items())))
     with _lock:
         service = _loaded.get(key)
-        if service is None:
+        if service is None or service.closed:  # a closed one would refuse every request
             engine = Engine.load(
                 path, device=device, gpu_budget=gpu_budget, policy=policy, progress=False,
                 **options,
