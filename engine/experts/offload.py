@@ -349,6 +349,28 @@ class OffloadedExpertBank(GraphDecode):
         fetched = self.cache.fill(
             want, protect, after_compute=after_compute, publish=False, race=race, ahead_from=ahead
         )
+        try:
+            return self._place_rest(misses, uniq, cpu_inputs, race, protect, behind, fetched, into)
+        except BaseException:
+            # The host maps hold the fills already: left unpublished, the device table would
+            # disagree with them for every later step (a lid counted resident that the kernels
+            # skip, an evicted one read from its new tenant's weights): wrong tokens for other
+            # requests, where a failed step must fail only its own.
+            self.cache.publish(fetched)
+            raise
+
+    def _place_rest(
+        self,
+        misses: list[tuple[int, int]],
+        uniq: list[int],
+        cpu_inputs,
+        race: bool,
+        protect: set[int],
+        behind: list[int],
+        fetched: list[int],
+        into: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """`_place` once the fills are issued: the fills behind, then the CPU's share."""
         self.stats.fetched += len(fetched)
         # The finished fills' timings into B_P once this stop's copies are on their way: at a
         # decode stop the device waits from the routing's arrival to the first copy (on the

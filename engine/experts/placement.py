@@ -14,7 +14,7 @@ import logging
 import torch
 
 from freetoken_agent.engine.arena import ElasticArena, KVUnit, SlotUnit
-from freetoken_agent.engine.config import EngineConfig, ModelSpec
+from freetoken_agent.engine.config import ConfigError, EngineConfig, ModelSpec
 from freetoken_agent.engine.device_memory import CHUNK_BYTES, virtual_memory_works
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank, lends_staging
@@ -26,7 +26,10 @@ from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 from freetoken_agent.engine.kv.recurrent_state import state_bytes
+from freetoken_agent.kernels.cpu.experts import DTYPE_ID as CPU_KERNEL_DTYPES
 from freetoken_agent.kernels.fused_moe import PREFILL_CHUNK_PAIRS, prefill_workspace_bytes
+
+CPU_EXPERT_DTYPES = tuple(CPU_KERNEL_DTYPES)  # what an offloaded bank's CPU branch can run
 
 log = logging.getLogger("freetoken.experts")
 
@@ -167,6 +170,12 @@ def make_bank(
     n_rows = spec.n_moe_layers * spec.n_experts
     if not offloads(spec, config, device, dtype, dense):
         return ResidentExpertBank(spec, dtype, device)
+    if dtype not in CPU_EXPERT_DTYPES:  # the first miss on the CPU would fail the step
+        raise ConfigError(
+            f"dtype {str(dtype)[6:]} runs only with every expert resident (policy 'resident', "
+            f"or a budget that holds them all): offloaded experts run on the CPU kernel, which "
+            f"reads {', '.join(str(d)[6:] for d in CPU_EXPERT_DTYPES)}"
+        )
     slots = slot_count(spec, config, device, dtype, dense)
     if pool is None:
         pool = ExpertPool.empty(spec, dtype)

@@ -327,3 +327,18 @@ def test_malformed_rope_parameters_are_named(tmp_path, rng_seed, rope, top, fiel
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=re.escape(field)):
         Engine.load(tmp_path, device="cpu", progress=False)
+
+
+def test_float64_with_offloaded_experts_is_refused_at_load(tmp_path, rng_seed):
+    """The CPU expert kernel reads fp32/bf16/fp16: a float64 run that offloads would fail at
+    its first miss on the CPU (after filling slots), so the load refuses it by name."""
+    rng = random.Random(rng_seed)
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    policy = rng.choice(["transfer", "cpu", "static", "adaptive"])
+    with pytest.raises(ConfigError, match="float64 runs only with every expert resident"):
+        Engine.load(tmp_path, device="cpu", dtype="float64", policy=policy, expert_slots=1,
+                    progress=False)  # fmt: skip
+    engine = Engine.load(tmp_path, device="cpu", dtype="float64", policy="resident",
+                         progress=False)  # fmt: skip
+    out = engine.generate([rng.randrange(3, 320) for _ in range(6)], SamplingParams(max_tokens=3))
+    assert out.finish_reason in ("length", "stop")
