@@ -20,7 +20,7 @@ from freetoken_agent.engine.layers.attention import AttentionMetadata
 from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.layers.sampler import Sampled, sample
 from freetoken_agent.engine.models.base import MoeCausalLM
-from freetoken_agent.engine.request import Batch, Request, ScheduledChunk
+from freetoken_agent.engine.request import Batch, Request, ScheduledChunk, Status
 
 # T tokens in the step, B chunks (sequences), S page size, V vocab
 
@@ -318,7 +318,13 @@ class ModelRunner:
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, step.inputs, sampling))
         reqs = [chunks[i].request for i in sampling]
         params = [r.sampling for r in reqs]
-        gens = [self.generator_for(r.id, r.sampling.seed) for r in reqs]
+        # Under overlap a row may belong to a request its previous step just finished (the
+        # row is dropped at accept): a generator made for it now would outlive the request,
+        # and a later request reusing its id would draw from it (not seeded afresh).
+        gens = [
+            None if r.status is Status.FINISHED else self.generator_for(r.id, r.sampling.seed)
+            for r in reqs
+        ]
         allowed = allowed_tokens([r.id for r in reqs], masks or {}, logits.shape[-1], self.device)
         return reqs, sample(logits, params, gens, allowed)
 
