@@ -15,6 +15,14 @@ exited), because the agent loop feeds them to the model as error tool results. A
 exited is restarted on its next call, at most `MAX_RESTARTS` times. A JSON-RPC error the server
 answers itself is the tool's failure, passed on with its message and no restart, even when its
 code is one the SDK uses for its own timeout or lost connection.
+
+The owner also watches its server between calls (`mcp_transport.py`): a server that exits while
+idle is marked broken at once, so its next call restarts it and then runs; a call the server
+never received (the connection closed before the request was written) is sent once more on the
+restarted server. A server that exits during a call is reported as such and the call is not
+repeated: the tool may have done part of its work. When the server announces a new tool list
+(notifications/tools/list_changed), the owner lists the tools again; every listing (a restart's
+too) bumps `tools_generation`, which the host's tool index compares.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from freetoken_agent.integrations.mcp_config import ServerConfig
+from freetoken_agent.integrations.mcp_transport import tracking, watched
 
 log = logging.getLogger("freetoken.mcp")
 
@@ -72,6 +81,7 @@ class ServerConnection:
         self.config = config
         self.name = config.name
         self.tools: list[types.Tool] = []
+        self.tools_generation = 0  # bumped by every listing of `tools`
         self.restarts = 0
         self._sampling = sampling_callback
         self._errlog = errlog  # None: capture each process's stderr to quote it in errors
@@ -80,6 +90,10 @@ class ServerConnection:
         self._client: Client | None = None
         self._owner: asyncio.Task | None = None
         self._stop: asyncio.Event | None = None
+        self._wake = asyncio.Event()  # the owner has something to do: stop, closed, relist
+        self._relist = False  # the server said its tool list changed; not yet listed again
+        self._listed = asyncio.Event()  # set while no relist is pending
+        self._listed.set()
         self._broken: str | None = None  # why the running connection stopped working
 
     # --- life cycle -----------------------------------------------------------------------
@@ -92,6 +106,7 @@ class ServerConnection:
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = loop.create_future()
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
         self._broken = None
         self._owner = asyncio.create_task(self._own(ready), name=f"mcp-server-{self.name}")
         try:
@@ -109,20 +124,27 @@ class ServerConnection:
             ) from None
 
     async def _own(self, ready: asyncio.Future[None]) -> None:
-        """The owner task: open the client, publish it, wait for `close`, close it."""
+        """The owner task: open the client, publish it, serve until `close` or the server's
+        exit, close it."""
+        stop, wake = self._stop, self._wake  # this owner's: a restart makes new ones
+        assert stop is not None
         try:
             async with AsyncExitStack() as stack:
                 client = Client(
-                    await self._target(stack),
+                    watched(await self._target(stack), lambda: self._transport_closed(stop)),
                     sampling_callback=self._sampling,
+                    message_handler=self._on_message,
                     mode=self.config.protocol,
                     client_info=self._client_info,
+                    # No response cache: the host lists tools only when they may have changed,
+                    # and then it needs the server's answer, not a remembered one.
+                    cache=None,
                 )
                 await stack.enter_async_context(client)
-                self.tools = await _list_tools(client)
+                self._set_tools(await _list_tools(client))
                 self._client = client
                 ready.set_result(None)
-                await self._stop.wait()
+                await self._serve(client, stop, wake)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - a transport fault ends this server only
@@ -132,6 +154,59 @@ class ServerConnection:
                 log.debug("MCP server %r closed with %s", self.name, _describe(e))
         finally:
             self._client = None
+            self._relist = False
+            self._listed.set()  # nobody waits for a listing this owner will not make
+
+    async def _serve(self, client: Client, stop: asyncio.Event, wake: asyncio.Event) -> None:
+        """Until told to stop or the server is gone: list the tools again when it says they
+        changed (several notifications in a row give one listing)."""
+        while True:
+            await wake.wait()
+            wake.clear()
+            if stop.is_set() or self._broken is not None:
+                return  # closing the client reaps an exited server's process now
+            if self._relist:
+                self._relist = False
+                try:
+                    tools = await asyncio.wait_for(_list_tools(client), self.config.timeout)
+                except Exception as e:  # noqa: BLE001 - keep the old list; a call will tell
+                    log.warning(
+                        "MCP server %r: listing its changed tools failed: %s",
+                        self.name,
+                        _describe(e),
+                    )
+                else:
+                    self._set_tools(tools)
+                if not self._relist:
+                    self._listed.set()
+
+    def _set_tools(self, tools: list[types.Tool]) -> None:
+        self.tools = tools
+        self.tools_generation += 1
+
+    async def _on_message(self, message: Any) -> None:
+        """The client's message handler: server notifications and transport faults."""
+        if getattr(message, "method", None) == "notifications/tools/list_changed":
+            self._relist = True
+            self._listed.clear()
+            self._wake.set()
+
+    def _transport_closed(self, stop: asyncio.Event) -> None:
+        """The read stream ended: the server is gone (a stdio server exited). Called from the
+        SDK's receive loop before it fails pending requests, so no call finds the connection
+        closed while `running` still says True."""
+        if stop is not self._stop or stop.is_set():
+            return  # a connection being closed (or an old one) ends as it should
+        self._broken = self._broken or "it exited"
+        self._wake.set()
+
+    async def tools_settled(self) -> None:
+        """Return once a tool list the server announced as changed has been listed (or the
+        listing failed, or the server is gone)."""
+        try:
+            await asyncio.wait_for(self._listed.wait(), self.config.timeout + _GRACE)
+        except asyncio.TimeoutError:
+            log.warning("MCP server %r: its changed tool list was not listed in time", self.name)
 
     async def _target(self, stack: AsyncExitStack) -> Any:
         c = self.config
@@ -158,6 +233,7 @@ class ServerConnection:
             return
         if self._stop is not None:
             self._stop.set()
+        self._wake.set()
         # A connected client closes cleanly (the SDK closes stdin, waits for the process, then
         # terminates it: seconds at worst); one still starting is cancelled at once.
         done = set()
@@ -171,8 +247,24 @@ class ServerConnection:
 
     # --- calls ----------------------------------------------------------------------------
     async def call(self, tool: str, arguments: dict[str, Any]) -> CallOutcome:
-        """Call `tool` on this server; every failure becomes an error outcome."""
-        if not self.running:
+        """Call `tool` on this server; every failure becomes an error outcome. A call that meets
+        a closed connection before its request was written restarts the server and is sent
+        once more: the server never saw it, so it cannot run twice."""
+        outcome = await self._attempt(tool, arguments)
+        if outcome is None:
+            outcome = await self._attempt(tool, arguments)
+        if outcome is None:  # the restarted server was gone again before the call went out
+            return CallOutcome(
+                f"MCP server {self.name!r} exited before tool {tool!r} could be sent"
+                f"{self._stderr_note()}",
+                True,
+            )
+        return outcome
+
+    async def _attempt(self, tool: str, arguments: dict[str, Any]) -> CallOutcome | None:
+        """One try of `call`; None when the connection had closed before the request went
+        out."""
+        if not self.running:  # exited while idle (see `_transport_closed`), or never restarted
             problem = await self._restart()
             if problem is not None:
                 return CallOutcome(problem, True)
@@ -181,9 +273,11 @@ class ServerConnection:
         timeout = self.config.timeout
         start = time.monotonic()
         try:
-            result = await asyncio.wait_for(
-                client.call_tool(tool, arguments, read_timeout_seconds=timeout), timeout + _GRACE
-            )
+            with tracking() as attempt:
+                result = await asyncio.wait_for(
+                    client.call_tool(tool, arguments, read_timeout_seconds=timeout),
+                    timeout + _GRACE,
+                )
         except asyncio.TimeoutError:
             return CallOutcome(self._timed_out(tool), True)
         except MCPError as e:
@@ -194,6 +288,10 @@ class ServerConnection:
             # leaves a session that answers nothing more. Anything else is the server's.
             if e.code == types.REQUEST_TIMEOUT and time.monotonic() - start >= timeout:
                 return CallOutcome(self._timed_out(tool), True)
+            if e.code == types.CONNECTION_CLOSED and not attempt.sent:
+                # The SDK refused to write it: the server had gone before the call.
+                self._broken = self._broken or "it exited"
+                return None
             if e.code == types.CONNECTION_CLOSED and not await _answers(client):
                 self._broken = "it exited during a call"
                 return CallOutcome(
@@ -288,7 +386,7 @@ async def _list_tools(client: Client) -> list[types.Tool]:
     tools: list[types.Tool] = []
     cursor = None
     for _ in range(100):  # a server whose cursor never ends must not hang the start
-        page = await client.list_tools(cursor=cursor)
+        page = await client.list_tools(cursor=cursor, cache_mode="bypass")
         tools += page.tools
         cursor = page.next_cursor
         if not cursor:

@@ -8,8 +8,9 @@
 Entering the host starts every configured server at once (`mcp_connection.py`: one owner task
 each). A server that fails to start is logged, listed in `host.failures` and skipped; the host
 runs with the others. Tools are offered to the model as OpenAI-style function dicts under their
-own names, or as `server__tool` where two servers offer the same name (`server__tool_2`, ...
-where that name is taken too), so every tool has a name of its own.
+own names, or as `server__tool` where two servers offer the same name (`mcp_tools.py`). A
+server's tool list may change while the host runs (it announces a change, or it was restarted):
+the host takes the new lists at the next turn boundary, never in the middle of a turn.
 
 A run is the agent loop: one Session turn with the tools; each tool call the model makes is
 executed on its server through `session.arun_tool`, so the session's tool hooks apply, and its
@@ -43,7 +44,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -56,12 +56,14 @@ from freetoken_agent.integrations.mcp_config import ServerConfig, load_config
 from freetoken_agent.integrations.mcp_connection import MCPServerError, ServerConnection
 from freetoken_agent.integrations.mcp_engine import as_service, iterate_in_thread
 from freetoken_agent.integrations.mcp_sampling import SamplingResponder
+from freetoken_agent.integrations.mcp_tools import Route, ToolIndex
 from freetoken_agent.integrations.mcp_turn import (
     RunResult,
     StepStart,
     ToolExecuted,
     Turn,
     call_schema,
+    cap_result,
     openai_tool,
 )
 from freetoken_agent.messages import (
@@ -76,13 +78,6 @@ from freetoken_agent.parsers import parser_factory_for
 from freetoken_agent.session import Session, TextDelta, Usage
 
 log = logging.getLogger("freetoken.mcp")
-SEPARATOR = "__"  # server__tool for names offered by more than one server
-
-
-@dataclass(slots=True)
-class _Route:
-    connection: ServerConnection
-    tool: str  # the server's own name for it
 
 
 class MCPHost:
@@ -122,7 +117,8 @@ class MCPHost:
         self.connections: dict[str, ServerConnection] = {}
         self.failures: dict[str, str] = {}  # server name -> why it did not start
         self.tools: list[dict[str, Any]] = []  # OpenAI-style, as the prompt shows them
-        self.routes: dict[str, _Route] = {}
+        self.routes: dict[str, Route] = {}
+        self._index = ToolIndex()
         self.session: Session | None = None
         self.sampler: SamplingResponder | None = None
         self._service: Any = None
@@ -178,16 +174,15 @@ class MCPHost:
                 self.failures[conn.name] = why
                 log.warning("skipping MCP server %r: %s", conn.name, why)
                 await self.connections.pop(conn.name).close()
-        self._index_tools()
         self.session = Session(
             self._service,
             system=self.system,
-            tools=self.tools or None,
             chat_format=chat_format,
-            parser_factory=parser_factory_for(self._service, self.tools or None),
+            parser_factory=parser_factory_for(self._service),
             hooks=self.hooks,
             **self.sampling_defaults,
         )
+        self._reindex()  # the servers' tools, when there are any
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
@@ -199,29 +194,26 @@ class MCPHost:
             self._service.close()
         self._service = None
 
-    def _index_tools(self) -> None:
-        """Expose each tool under its own name, or `server__tool` when names collide. A
-        renamed tool may meet a real one (server "b"'s "c" and another server's "b__c"), or a
-        server may list a name twice: a numeric suffix then makes the name free, so every tool
-        stays reachable. Names offered once keep theirs."""
-        offers: dict[str, int] = {}
-        for conn in self.connections.values():
-            for tool in conn.tools:
-                offers[tool.name] = offers.get(tool.name, 0) + 1
-        taken = {name for name, n in offers.items() if n == 1}
-        self.tools, self.routes = [], {}
-        for conn in self.connections.values():
-            for tool in conn.tools:
-                name = tool.name
-                if offers[name] > 1:
-                    base = name = conn.name + SEPARATOR + tool.name
-                    suffix = 1
-                    while name in taken:
-                        suffix += 1
-                        name = f"{base}_{suffix}"
-                    taken.add(name)
-                self.routes[name] = _Route(conn, tool.name)
-                self.tools.append(openai_tool(name, tool))
+    # --- the tool index -------------------------------------------------------------------
+    async def _refresh_tools(self) -> None:
+        """At a turn boundary: take the servers' current tool lists, once the listings they
+        announced have arrived."""
+        await asyncio.gather(*(c.tools_settled() for c in self.connections.values()))
+        self._reindex()
+
+    def _reindex(self) -> None:
+        """Rebuild routes, tools and the session's tool list and parser when a server's list
+        changed since the last build. The tool list is part of the rendered prompt (in the
+        system turn), so a change makes the next prompt diverge from the last one there: the
+        KV after that point is prefilled again, once. That is the price of the model seeing
+        the tools it can call (and not the ones it cannot)."""
+        if not self._index.stale(self.connections):
+            return
+        self._index.build(self.connections.values())
+        self.tools, self.routes = self._index.tools, self._index.routes
+        if self.session is not None:
+            self.session.tools = list(self.tools) or None
+            self.session.parser_factory = parser_factory_for(self._service, self.tools or None)
 
     # --- the agent loop -------------------------------------------------------------------
     async def run(
@@ -259,14 +251,14 @@ class MCPHost:
             raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
         # Bad arguments raise here, before anything runs.
         history = coerce_messages(_as_history(messages))
-        forced = self._forced_schema(tool_choice)
         self.session.sampling(dict(sampling or {}))
-        async with (
-            self._lock,
-            aclosing(self._loop(history, max_steps, forced, dict(sampling or {}))) as events,
-        ):
-            async for event in events:
-                yield event
+        async with self._lock:  # a run in progress keeps its tool index to the turn's end
+            await self._refresh_tools()
+            forced = self._forced_schema(tool_choice)  # against the tools the model will see
+            loop = self._loop(history, max_steps, forced, dict(sampling or {}))
+            async with aclosing(loop) as events:
+                async for event in events:
+                    yield event
 
     async def _loop(
         self,
@@ -278,6 +270,8 @@ class MCPHost:
         usages: list[Usage] = []
         step = 0
         while step < max_steps:
+            if step:  # a turn boundary: tool lists that changed during the last calls apply
+                await self._refresh_tools()
             yield StepStart(step, forced[0] if forced else None)
             turn = Turn()
             try:
@@ -306,8 +300,8 @@ class MCPHost:
             if not turn.calls:
                 yield RunResult(history, turn.content, step, "answer", usages)
                 return
-            for call in turn.calls:
-                executed = await self.execute(call)
+            for call in turn.calls:  # routed by the names the model saw in this turn
+                executed = await self._execute(call)
                 history.append(executed.result)
                 yield executed
         yield RunResult(history, "", step, "max_steps", usages)
@@ -368,10 +362,17 @@ class MCPHost:
     async def execute(self, call: ToolCall) -> ToolExecuted:
         """Run one call as the loop does: routed by name, through the session's hooks, every
         failure (unknown tool, server crash, timeout) an error result. For callers that run
-        tools themselves (a UI, a test)."""
-        session = self.session
-        if session is None:
+        tools themselves (a UI, a test). Outside a run it is a turn boundary: tool lists that
+        changed apply first."""
+        if self.session is None:
             raise RuntimeError("enter the host first: `async with MCPHost(...) as host`")
+        if not self._lock.locked():
+            await self._refresh_tools()
+        return await self._execute(call)
+
+    async def _execute(self, call: ToolCall) -> ToolExecuted:
+        session = self.session
+        assert session is not None
         start = time.perf_counter()
         route = self.routes.get(call.name)
 
@@ -389,24 +390,9 @@ class MCPHost:
         return ToolExecuted(call, server, result, time.perf_counter() - start)
 
     def _cap(self, text: str) -> str:
-        """`text` cut to `max_result_tokens` tokens, the cut marked so the model knows it read
-        a part."""
         limit = self.max_result_tokens
         assert limit is not None and self._service is not None
-        encode = self._service.tokenizer.encode
-        # No token is 32 characters long in practice: encoding that much bounds the cost of a
-        # huge result and still tells whether it fits.
-        head = text[: limit * 32]
-        n = len(encode(head))
-        if n <= limit and len(head) == len(text):
-            return text
-        keep = len(head) * limit // max(n, limit)
-        while keep and len(encode(head[:keep])) > limit:
-            keep = keep * 9 // 10
-        return (
-            f"{text[:keep]}\n[... {len(text) - keep} characters cut: the host passes at most "
-            f"{limit} tokens of a tool result]"
-        )
+        return cap_result(text, limit, self._service.tokenizer.encode)
 
 
 def _as_history(messages: Any) -> list[Any]:

@@ -4,13 +4,13 @@
 events and the Session's `Usage`). `Turn` gathers a turn's events; a forced turn (tool_choice)
 is generated without the tool-call parser, as bare `{"name", "arguments"}` JSON under a grammar,
 and parsed here. `openai_tool` and `call_schema` turn MCP tools into what the prompt and the
-grammar need.
+grammar need; `cap_result` cuts a tool result to what one result may put into the history.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,3 +127,20 @@ def openai_tool(name: str, tool: types.Tool) -> dict[str, Any]:
     description = tool.description or tool.title or ""
     fn = {"name": name, "description": description, "parameters": schema}
     return {"type": "function", "function": fn}
+
+
+def cap_result(text: str, limit: int, encode: Callable[[str], list[int]]) -> str:
+    """`text` cut to `limit` tokens, the cut marked so the model knows it read a part."""
+    # No token is 32 characters long in practice: encoding that much bounds the cost of a huge
+    # result and still tells whether it fits.
+    head = text[: limit * 32]
+    n = len(encode(head))
+    if n <= limit and len(head) == len(text):
+        return text
+    keep = len(head) * limit // max(n, limit)
+    while keep and len(encode(head[:keep])) > limit:
+        keep = keep * 9 // 10
+    return (
+        f"{text[:keep]}\n[... {len(text) - keep} characters cut: the host passes at most "
+        f"{limit} tokens of a tool result]"
+    )
