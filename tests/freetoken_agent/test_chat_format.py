@@ -247,12 +247,9 @@ def test_turn_starts_are_message_boundaries(fmt: ChatFormat, tok: Tokenizer, rng
         dicts = to_template_messages(history)
         for i in range(len(history)):
             anchor = prompt.find("turn_start", i)
-            if anchor is None:
-                # Only where the template refuses the truncated history ([system] alone has no
-                # user query for the Qwen3 template): nothing to compare with, no anchor.
-                with pytest.raises(ChatTemplateError):
-                    template.render(dicts[:i], tools=None, add_generation_prompt=False)
-                continue
+            # Also where the template refuses the truncated history ([system] alone has no user
+            # query for the Qwen3 template): every session shares that prefix.
+            assert anchor is not None, i
             assert anchor.char_offset == expected[i], (i, prompt.text[expected[i] - 20 :][:60])
             assert anchor.exact  # ChatML boundaries sit next to special tokens
         # Where the truncated history renders as a prefix of the whole (the template did not

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from tiny_models import make_tiny
@@ -50,6 +51,8 @@ TOOLS = [
     }
 ]
 SP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+# The Qwen3.5 template, which refuses a history without a user query ([system] alone).
+QWEN3_5 = (Path(__file__).parent / "qwen3_5_chat_template.jinja").read_text()
 
 
 class Tracker:
@@ -82,7 +85,7 @@ def _text(rng: random.Random, n: int) -> str:
 
 
 @pytest.fixture
-def chat(tmp_path, rng_seed):
+def chat(tmp_path, rng_seed, request):
     tok = build_tokenizer()
     ids = {content: tok.token_to_id(content) for content, _ in ADDED_TOKENS}
     make_tiny(
@@ -94,7 +97,10 @@ def chat(tmp_path, rng_seed):
         eos_token_id=ids["<|im_end|>"],
     )
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(ids)))
+    config = tokenizer_config(ids)
+    if getattr(request, "param", "demo") == "qwen3_5":
+        config["chat_template"] = QWEN3_5
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     engine = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=8192)
     cold = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=8192, checkpoints="none")
     markers = {ids[m] for m in ("<tool_call>", "</think>", "<|im_end|>")}
@@ -166,7 +172,10 @@ def test_interrupted_turn_then_steering(chat):
     assert resume >= diff.prompt.find("turn_start", 1).offset
 
 
+@pytest.mark.parametrize("chat", ["demo", "qwen3_5"], indirect=True)
 def test_two_sessions_branch_from_one_prefix(chat):
+    """Two sessions sharing system prompt and tools resume after them. Also under the Qwen3.5
+    template, which refuses [system] alone: the first user turn's anchor is found another way."""
     engine, cold, tracker, rng = chat
     system = _text(rng, 80)
     a = Session(engine, system=system, tools=TOOLS)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from freetoken_agent import chat_format as chat_format_module
+from freetoken_agent import anchor_locator as anchor_locator_module
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.integrations.server.hub import SessionHub
@@ -114,7 +114,7 @@ def test_the_shared_chat_format_renders_right_from_many_threads(client, monkeypa
          for i, h in enumerate(histories)]
         for histories in work
     ]  # fmt: skip
-    monkeypatch.setattr(chat_format_module, "_CACHE_ENTRIES", 3)  # cleared all the time
+    monkeypatch.setattr(anchor_locator_module, "_CACHE_ENTRIES", 3)  # cleared all the time
     # Under the GIL a dict access is one step, so a check-then-read race almost never shows;
     # this cache lets other threads run inside every access, as a free-threaded build would.
     monkeypatch.setattr(shared, "_cache", YieldingDict())

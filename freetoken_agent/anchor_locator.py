@@ -1,0 +1,364 @@
+"""AnchorLocator: where a history's semantic units begin and end in its rendered text.
+
+    # C characters of the rendered text
+    marks, gen_text = AnchorLocator(render, dicts, full, gen, cache, salt).locate()
+    # marks: (character of `full`, anchor kind, message index)
+
+Anchors are found by rendering variants of the history, never by searching marker strings, so
+they hold for any template:
+
+- turn starts: the history truncated before message i, rendered without generation prompt, is
+  normally a prefix of the full text; message i starts where it ends. Templates that look ahead
+  (Qwen3 drops the reasoning of turns followed by a newer user message; tool results grouped in
+  one turn close it only after the last) render the truncated history differently. Then a point
+  of message i-1 that both renderings share (the start of its last tool call, else the end of
+  its content, each located as below) is aligned, and message i-1's tail is followed from there
+  in the full text as far as it agrees; without such a point, the common prefix is used.
+- turn starts the template refuses to render truncated: Qwen3.5 raises "No user query found" on
+  [system] alone, exactly the prefix every session shares (system prompt and tools). The history
+  before message i followed by sentinel user messages is accepted instead; the length of a user
+  turn's header, measured on it, places message i's start (see `probe_start`).
+- field spans (reasoning, tool output): the history is rendered with that field replaced by a
+  sentinel whose first and last characters no text has; the common prefix and suffix with the
+  real rendering bound the field. An empty field might change the template's structure
+  (`if content`), so then two sentinels are compared with each other and the result must agree
+  with the real text. A field the template leaves out (stripped reasoning) renders like the
+  real text and gets no anchor.
+- tool calls: the history with message i's calls cut before call j diverges where call j begins.
+- generation prefix: where the rendering without add_generation_prompt ends.
+
+The same probes show a template that does not render tool calls or tool results at all (Tulu /
+OLMoE, plain ChatML): cutting the calls or replacing the result changes nothing. The model would
+never see them, so that is refused (InvalidRequestError), not rendered silently.
+
+Cost: about one render per message plus one or two per reasoning span, tool call and tool
+result, each of a history prefix (O(n^2) template work for n messages). Results are cached per
+message prefix, so a Session's next turn renders only its new messages. Measured on the 2-core CI
+machine: a cold render of 100 messages takes ~0.9 s (200: ~3.3 s); the next turn of such a
+session ~0.1 s. A server should keep one ChatFormat per model to share the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.text.chat_template import ChatTemplateError
+
+# Sentinels for field probes: private-use characters no template tests for, differing in their
+# first and last characters so the common prefix/suffix of two renderings stops exactly at them.
+_SENTINELS = ("\U000f0001\U000f0101\U000f0003", "\U000f0002\U000f0102\U000f0004")
+_CACHE_ENTRIES = 16384  # per ChatFormat; an entry is a few ints, cleared whole when full
+_MISSING = object()
+
+# render(dicts, add_generation_prompt, with_tools=True) -> text; raises ChatTemplateError
+Render = Callable[..., str]
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix (strings or lists), by halving slices (C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def common_suffix(a: str, b: str) -> int:
+    return common_prefix(a[::-1], b[::-1])
+
+
+def unrendered(what: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the model's chat template does not render {what}, so the model would never see them; "
+        "give a chat template that renders them (chat_template=...) or leave them out"
+    )
+
+
+def _digest(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def key_bytes(data: Any) -> bytes:
+    """Cache-key bytes of JSON-like template input: its repr, the same for the same input in
+    this process. Not json.dumps(sort_keys=True), which raised TypeError on dicts mixing int and
+    str keys (nested tool arguments, tool schemas), which templates render. repr also keeps what
+    the template sees and sort_keys lost: key order (`tojson` does not sort) and key types."""
+    return repr(data).encode("utf-8", "surrogatepass")
+
+
+def _user(content: str) -> dict:
+    return {"role": "user", "content": content}
+
+
+class AnchorLocator:
+    """Finds anchor positions (characters of `full`) by rendering variants of `dicts`.
+
+    Contexts: R_j = the history truncated to its first j messages, rendered without generation
+    prompt, is "stable" when it is a prefix of the full text. A message's fields are probed in
+    the smallest stable context that holds it (the full text when there is none), where the text
+    up to R_j's end is the full text's own. What is found in a context depends only on the
+    messages it holds, so it is cached under their digest: a Session's next turn, which mostly
+    extends the history, renders only the new messages' contexts (agent histories grow to
+    hundreds of messages; rendering every truncation each turn would cost O(n^2) renders).
+    """
+
+    def __init__(
+        self, render: Render, dicts: list[dict], full: str, gen: bool, cache: dict, salt: bytes
+    ):
+        self._render = render
+        self.dicts = dicts
+        self.full = full
+        self.full_bytes = full.encode("utf-8", "surrogatepass")
+        self.gen = gen
+        self.cache = cache
+        self.keys = [_digest(salt)]  # keys[i] identifies dicts[:i] (with template and tools)
+        for d in dicts:
+            self.keys.append(_digest(self.keys[-1] + key_bytes(d)))
+        self._texts: dict[int, str | None] = {}
+
+    def render(self, dicts: list[dict], gen: bool, with_tools: bool = True) -> str | None:
+        """A variant's text, or None when the template refuses it (some templates raise on a
+        history without a user query, as a truncated one can be)."""
+        try:
+            return self._render(dicts, gen, with_tools)
+        except ChatTemplateError:
+            return None
+
+    def cached(self, key: tuple, compute):
+        # One lookup, then a local value: another thread may clear the shared cache between
+        # a membership test and a read (servers render concurrently).
+        value = self.cache.get(key, _MISSING)
+        if value is _MISSING:
+            value = compute()
+            if len(self.cache) >= _CACHE_ENTRIES:
+                self.cache.clear()
+            self.cache[key] = value
+        return value
+
+    def tools_rendered(self) -> bool:
+        """Whether the tool list changes the rendering. Probed on the history up to its first
+        user message (every template seen renders tools there or before), so it is cached for
+        all of a Session's turns; on the whole history when the template refuses that."""
+        k = next((i + 1 for i, d in enumerate(self.dicts) if d["role"] == "user"), len(self.dicts))
+
+        def compute():
+            for dicts, gen in ((self.dicts[:k], False), (self.dicts, self.gen)):
+                bare = self.render(dicts, gen, with_tools=False)
+                if bare is not None:
+                    return bare != self.render(dicts, gen)
+            return True  # refused without tools: it needs them, so it renders them
+
+        return self.cached(("tools", self.keys[k]), compute)
+
+    # --- contexts: j in 1..n is R_j; n + 1 is the full text -----------------------------
+    def text(self, j: int) -> str | None:
+        if j > len(self.dicts):
+            return self.full
+        if j not in self._texts:
+            self._texts[j] = self.render(self.dicts[:j], False)
+        return self._texts[j]
+
+    def ctx_key(self, j: int) -> tuple:
+        n = len(self.dicts)
+        return (self.keys[n], self.gen) if j > n else (self.keys[j],)
+
+    def head(self, j: int) -> tuple[int, int, bytes] | None:
+        """(characters, UTF-8 bytes, digest) of R_j, or None when the template refuses it."""
+
+        def compute():
+            text = self.text(j)
+            if text is None:
+                return None
+            data = text.encode("utf-8", "surrogatepass")
+            return len(text), len(data), _digest(data)
+
+        return self.cached(("head", *self.ctx_key(j)), compute)
+
+    def stable(self, j: int) -> bool:
+        head = self.head(j)
+        if head is None or head[1] > len(self.full_bytes):
+            return False
+        return _digest(memoryview(self.full_bytes)[: head[1]]) == head[2]
+
+    def ctx_dicts(self, j: int) -> list[dict]:
+        return self.dicts[:j] if j <= len(self.dicts) else self.dicts
+
+    def ctx_gen(self, j: int) -> bool:
+        return self.gen if j > len(self.dicts) else False
+
+    # --- the anchors --------------------------------------------------------------------
+    def locate(self) -> tuple[list[tuple[int, str, int]], str]:
+        n = len(self.dicts)
+        stable = [True] + [self.stable(j) for j in range(1, n + 1)]
+        ctx = [n + 1] * n  # smallest stable context holding message m
+        best = n + 1
+        for m in range(n - 1, -1, -1):
+            if stable[m + 1]:
+                best = m + 1
+            ctx[m] = best
+        end = len(self.full)
+        gen_text = ""
+        if self.gen:
+            if stable[n]:
+                end = self.head(n)[0]
+            elif self.text(n) is not None:
+                end = common_prefix(self.text(n), self.full)
+            gen_text = self.full[end:]
+        starts: list[int | None] = [0]
+        for m in range(1, n):
+            if stable[m]:
+                starts.append(self.head(m)[0])
+            else:
+                key = ("start", *self.ctx_key(ctx[m]), m)
+                starts.append(self.cached(key, lambda m=m: self.turn_start(m, ctx[m])))
+        marks: list[tuple[int, str, int]] = []
+        last = 0
+        for m in range(n):
+            start = starts[m]
+            if start is not None:
+                start = last = max(start, last)  # boundaries never go backwards
+                marks.append((start, "turn_start", m))
+            stop = next((s for s in starts[m + 1 :] if s is not None), end)
+            key = ("inner", *self.ctx_key(ctx[m]), m)
+            for char, kind in self.cached(key, lambda m=m: self.inner_marks(m, ctx[m])):
+                if last <= char <= stop:  # anything else did not resolve: no anchor
+                    marks.append((char, kind, m))
+        if self.gen:
+            marks.append((end, "generation_prefix", n))
+        return marks, gen_text
+
+    def inner_marks(self, m: int, j: int) -> list[tuple[int, str]]:
+        """Reasoning, tool-call and tool-output marks of message m, found in context j.
+        Raises InvalidRequestError when the template ignores m's tool calls or tool result."""
+        msg = self.dicts[m]
+        dicts, ref, gen = self.ctx_dicts(j), self.text(j), self.ctx_gen(j)
+        out = []
+        if ref is None:
+            return out
+        if msg["role"] == "assistant":
+            if msg.get("reasoning_content"):
+                span = self.field_span(dicts, m, "reasoning_content", ref, gen)
+                if span is not None:
+                    out += [(span[0], "reasoning_start"), (span[1], "reasoning_end")]
+            for c in range(len(msg.get("tool_calls", []))):
+                start = self.call_start(dicts, m, c, ref, gen)
+                if start is not None:
+                    out.append((start, "tool_call"))
+        elif msg["role"] == "tool":
+            span = self.field_span(dicts, m, "content", ref, gen, required="tool results")
+            if span is not None:
+                out.append((span[0], "tool_output"))
+        return out
+
+    def turn_start(self, m: int, j: int) -> int | None:
+        """Where message m begins in context j when R_m is not a prefix of it: the template
+        rendered message m-1 (or earlier ones) differently once it saw later messages. Align a
+        point of message m-1 known in both renderings, then follow m-1's tail from there."""
+        head, ref = self.text(m), self.text(j)
+        if ref is None:
+            return None
+        if head is None:
+            return self.probe_start(m, ref)
+        dicts, gen, k = self.ctx_dicts(j), self.ctx_gen(j), m - 1
+        if self.dicts[k].get("tool_calls"):
+            last_call = len(self.dicts[k]["tool_calls"]) - 1
+            here = self.call_start(self.dicts[:m], k, last_call, head, False)
+            there = self.call_start(dicts, k, last_call, ref, gen)
+        else:
+            span_here = self.field_span(self.dicts[:m], k, "content", head, False)
+            span_there = self.field_span(dicts, k, "content", ref, gen)
+            here = span_here[1] if span_here else None
+            there = span_there[1] if span_there else None
+        if here is None or there is None:
+            return common_prefix(head, ref)
+        return there + common_prefix(head[here:], ref[there:])
+
+    def probe_start(self, m: int, ref: str) -> int | None:
+        """Where message m begins in `ref` when the template refuses the history before it.
+
+        That history followed by sentinel user messages is accepted (they are the user query it
+        wanted): one = X + H + s0 + F and two = X + H + s1 + F + H + s0 + F, where X renders
+        messages 0..m-1, H is a user turn's header (`<|im_start|>user\\n`) and F what follows
+        the last user's content. F is one's tail after s0; H lies between F and s0 in two; X
+        ends |H| before s0 in one. Taking the common prefix with `ref` as well keeps the start
+        at or before the true one should the template render X differently there.
+        None when the template refuses this too (e.g. it requires alternating roles)."""
+        s0, s1 = _SENTINELS
+        one = self.render([*self.dicts[:m], _user(s0)], False)
+        two = self.render([*self.dicts[:m], _user(s1), _user(s0)], False)
+        if one is None or two is None or one.count(s0) != 1 or two.count(s0) != 1:
+            return None
+        if two.count(s1) != 1:
+            return None
+        footer = one[one.index(s0) + len(s0) :]
+        after_s1 = two.index(s1) + len(s1)
+        if not two.startswith(footer, after_s1) or after_s1 + len(footer) > two.index(s0):
+            return None
+        header = two[after_s1 + len(footer) : two.index(s0)]
+        start = one.index(s0) - len(header)
+        if start < 0 or one[start : one.index(s0)] != header:
+            return None
+        return min(start, common_prefix(one, ref))
+
+    def field_span(
+        self,
+        dicts: list[dict],
+        i: int,
+        key: str,
+        reference: str,
+        gen: bool,
+        required: str | None = None,
+    ) -> tuple[int, int] | None:
+        """[start, end) of message i's `key` in `reference` (= the rendering of `dicts`).
+
+        A non-empty value is compared with one sentinel rendering: the sentinel's first and
+        last characters differ from the value's, so the common prefix and suffix stop exactly
+        at the field. An empty value might change the template's structure (`if content`), so
+        two sentinels are compared with each other and the result checked against the text.
+        A field the template does not render is no error (stripped reasoning) unless `required`
+        names what the model would then miss."""
+        value = dicts[i].get(key)
+        single = (
+            isinstance(value, str)
+            and value != ""
+            and value[0] not in (_SENTINELS[0][0], _SENTINELS[1][0])
+            and value[-1] not in (_SENTINELS[0][-1], _SENTINELS[1][-1])
+        )
+        variants = []
+        for sentinel in _SENTINELS[:1] if single else _SENTINELS:
+            probe = [*dicts]
+            probe[i] = {**dicts[i], key: sentinel}
+            variants.append(self.render(probe, gen))
+        a, b = variants[0], variants[-1] if not single else reference
+        if a is not None and a == b and required:
+            raise unrendered(required)
+        if a is None or b is None or a == b:
+            return None  # refused, or the template does not render the field
+        pre = common_prefix(a, b)
+        post = min(common_suffix(a, b), len(a) - pre, len(b) - pre)
+        start, end = pre, len(reference) - post
+        ok = reference.startswith(a[:pre]) and reference.endswith(a[len(a) - post :])
+        return (start, end) if ok and start <= end else None
+
+    def call_start(
+        self, dicts: list[dict], i: int, j: int, reference: str, gen: bool
+    ) -> int | None:
+        """Where call j of message i begins in `reference`: cut the calls before it. Cutting
+        them all (j = 0) must change the text, else the template ignores tool calls."""
+        probe = [*dicts]
+        probe[i] = {**dicts[i], "tool_calls": dicts[i]["tool_calls"][:j]}
+        if not probe[i]["tool_calls"]:
+            del probe[i]["tool_calls"]
+        text = self.render(probe, gen)
+        if j == 0 and text == reference:
+            raise unrendered("tool calls")
+        return None if text is None else common_prefix(text, reference)
