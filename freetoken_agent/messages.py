@@ -4,7 +4,8 @@ Records, one per message kind, each a `@dataclass(slots=True)`:
 
     SystemMessage(content)
     UserMessage(content)
-    AssistantMessage(content, reasoning, tool_calls)     tool_calls: list[ToolCall]
+    AssistantMessage(content, reasoning, tool_calls, invalid_call_ids)
+                                                         tool_calls: list[ToolCall]
     ToolCall(id, name, arguments)                        arguments: a dict, never a JSON string
     ToolResult(tool_call_id, content, is_error, name)    the answer to one ToolCall
 
@@ -12,6 +13,9 @@ Records, one per message kind, each a `@dataclass(slots=True)`:
 Records check their own fields when built; `validate_history` checks the conversation as a whole
 (every ToolResult answers an earlier, still unanswered ToolCall). Both raise
 `InvalidRequestError` (a ValueError) with a message naming the message index and the problem.
+`in_call_order` validates and puts tool results into the order of their calls: chat templates
+render results by position, without ids (see there); `coerce_messages` and
+`messages_from_openai` return histories in that order, so every renderer gets it.
 
 Conversions: `to_template_messages` gives the plain dicts chat templates expect (OpenAI roles,
 `reasoning_content`, tool-call arguments as dicts, text parts joined); `to_openai_messages`
@@ -168,11 +172,20 @@ class UserMessage:
 @dataclass(slots=True)
 class AssistantMessage:
     """A model turn: optional reasoning (the thinking text, without its <think> markers),
-    visible content and any tool calls, in the order templates render them."""
+    visible content and any tool calls, in the order templates render them.
+
+    `invalid_call_ids`: the ids given to calls the model wrote but that could not be parsed
+    (LangChain's `invalid_tool_calls`). They are not rendered as calls: the parser leaves such a
+    block in `content`, as the model wrote it, which is where the model should see it again.
+    Their ids are kept so that a ToolResult may answer one (agents tell the model its call
+    failed: langchain's create_agent does so for every one); that result renders as a tool
+    response like any other, before the results of the parsed calls, since templates render
+    content (where the broken block is) before the calls. No answer is needed."""
 
     content: Content = ""
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    invalid_call_ids: list[str] = field(default_factory=list)
     role: ClassVar[str] = "assistant"
 
     def __post_init__(self) -> None:
@@ -180,6 +193,8 @@ class AssistantMessage:
             self.content = ""
         if isinstance(self.tool_calls, tuple):
             self.tool_calls = list(self.tool_calls)
+        if isinstance(self.invalid_call_ids, tuple):
+            self.invalid_call_ids = list(self.invalid_call_ids)
         self.check("assistant message")
 
     def check(self, where: str) -> None:
@@ -202,6 +217,17 @@ class AssistantMessage:
             if call.id in ids:
                 raise InvalidRequestError(f"{where}: tool call id {call.id!r} appears twice")
             ids.add(call.id)
+        if not isinstance(self.invalid_call_ids, list):
+            raise InvalidRequestError(f"{where}: invalid_call_ids must be a list of strings")
+        for j, cid in enumerate(self.invalid_call_ids):
+            if not isinstance(cid, str) or not cid:
+                raise InvalidRequestError(
+                    f"{where}: invalid call id {j} must be a non-empty string, got {cid!r:.40}"
+                )
+            _check_text(cid, where, f"invalid call id {j}")
+            if cid in ids:
+                raise InvalidRequestError(f"{where}: tool call id {cid!r} appears twice")
+            ids.add(cid)
 
 
 @dataclass(slots=True)
@@ -242,13 +268,24 @@ MESSAGE_TYPES = (SystemMessage, UserMessage, AssistantMessage, ToolResult)
 def validate_history(messages: Sequence[Message]) -> None:
     """Check every record and the pairing of tool calls with results.
 
-    A ToolResult must answer a call made earlier and not answered yet. Ids may be reused once
-    answered (some models number calls from 0 every turn): a result pairs with the latest
-    pending call of its id."""
+    A ToolResult must answer a call made earlier and not answered yet (a parsed call, or one
+    of an assistant message's `invalid_call_ids`). Ids may be reused once answered (some models
+    number calls from 0 every turn): a result pairs with the latest pending call of its id."""
+    _pair_results(messages)
+
+
+def _pair_results(messages: Sequence[Message]) -> dict[int, tuple[int, int]]:
+    """validate_history's checks; for each ToolResult (by index) the call it answers, as
+    (index of the assistant message, place of the call in its rendering): the invalid calls
+    first (their text is in the content, which templates render before the calls), then the
+    parsed calls in their order."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InvalidRequestError("messages must be a list of message records")
-    pending: dict[str, str] = {}  # call id -> tool name, for calls not answered yet
+    # call id -> (assistant index, place, parsed?) for calls not answered yet. An invalid call
+    # needs no answer: a later call may take its id.
+    pending: dict[str, tuple[int, int, bool]] = {}
     answered: set[str] = set()
+    pairs: dict[int, tuple[int, int]] = {}
     for i, msg in enumerate(messages):
         if not isinstance(msg, MESSAGE_TYPES):
             role = msg.get("role") if isinstance(msg, Mapping) else None
@@ -260,20 +297,48 @@ def validate_history(messages: Sequence[Message]) -> None:
         where = f"message {i} ({msg.role})"
         msg.check(where)
         if isinstance(msg, AssistantMessage):
-            for call in msg.tool_calls:
-                if call.id in pending:
+            ids = [*msg.invalid_call_ids, *(call.id for call in msg.tool_calls)]
+            n_invalid = len(msg.invalid_call_ids)
+            for place, cid in enumerate(ids):
+                if cid in pending and pending[cid][2]:
                     raise InvalidRequestError(
-                        f"{where}: tool call id {call.id!r} is still waiting for its result "
+                        f"{where}: tool call id {cid!r} is still waiting for its result "
                         "from an earlier turn"
                     )
-                pending[call.id] = call.name
+                pending[cid] = (i, place, place >= n_invalid)
         elif isinstance(msg, ToolResult):
             cid = msg.tool_call_id
             if cid not in pending:
                 state = "was already answered" if cid in answered else "matches no earlier call"
                 raise InvalidRequestError(f"{where}: tool result for id {cid!r} {state}")
-            del pending[cid]
+            pairs[i] = pending.pop(cid)[:2]
             answered.add(cid)
+    return pairs
+
+
+def in_call_order(messages: Sequence[Message]) -> list[Message]:
+    """The history validated, each run of consecutive ToolResults put into the order of the
+    calls they answer (the rest as given).
+
+    Chat templates (Hermes/Qwen: `<tool_response>` blocks) render results by position, without
+    their ids: the model reads the first result as the answer to its first call. Frameworks do
+    not always send results in call order (LangChain's HumanInTheLoopMiddleware puts a rejected
+    call's message before the results of the calls that ran). The order depends only on the
+    history, so a history renders the same every time (prefix/KV reuse is kept)."""
+    pairs = _pair_results(messages)
+    out = list(messages)
+    i = 0
+    while i < len(out):
+        if not isinstance(out[i], ToolResult):
+            i += 1
+            continue
+        j = i
+        while j < len(out) and isinstance(out[j], ToolResult):
+            j += 1
+        # Keys are distinct (a call is answered once), so the order is a function of the calls.
+        out[i:j] = [messages[k] for k in sorted(range(i, j), key=pairs.__getitem__)]
+        i = j
+    return out
 
 
 # --------------------------------------------------------------------------- conversions
@@ -294,6 +359,10 @@ def _to_dict(msg: Message, index: int, template: bool) -> dict[str, Any]:
             out["reasoning_content"] = msg.reasoning
         if msg.tool_calls:
             out["tool_calls"] = [_call_dict(c, json_arguments=not template) for c in msg.tool_calls]
+        if msg.invalid_call_ids and not template:
+            # No OpenAI field: kept (non-standard) so that the wire form reads back as the same
+            # history, the results that answer these ids included. Templates render content.
+            out["invalid_call_ids"] = list(msg.invalid_call_ids)
     elif isinstance(msg, ToolResult):
         out["tool_call_id"] = msg.tool_call_id
         if msg.name is not None:
@@ -388,7 +457,8 @@ def _record_from_openai(item: Any, i: int) -> Message:
             content_text(content, where)  # text parts only: refused here, naming the message
         # Parts are kept, as for every role: content_text joins them for the template, so the
         # record and its OpenAI form render the same prompt.
-        return AssistantMessage(content or "", reasoning, calls)
+        invalid = item.get("invalid_call_ids")
+        return AssistantMessage(content or "", reasoning, calls, [] if invalid is None else invalid)
     if role == "tool":
         is_error = item.get("is_error")
         return ToolResult(
@@ -405,21 +475,22 @@ def _record_from_openai(item: Any, i: int) -> Message:
 
 def messages_from_openai(items: Iterable[Mapping[str, Any]]) -> list[Message]:
     """Records from OpenAI-style dicts (role/content/tool_calls/tool_call_id; reasoning under
-    `reasoning_content`, `reasoning` or `thinking`), validated as a history."""
+    `reasoning_content`, `reasoning` or `thinking`), validated as a history; tool results in
+    the order of their calls (`in_call_order`)."""
     if isinstance(items, (str, bytes, Mapping)):
         raise InvalidRequestError("messages must be a list of message dicts")
     messages = [_message_from_openai(item, i) for i, item in enumerate(items)]
-    validate_history(messages)
-    return messages
+    return in_call_order(messages)
 
 
 def coerce_messages(items: Iterable[Message | Mapping[str, Any]]) -> list[Message]:
-    """Records as given, dicts converted; then the whole history is validated."""
+    """Records as given, dicts converted; then the whole history is validated and its tool
+    results put in the order of their calls (`in_call_order`): ChatFormat.render and
+    Session.render come through here."""
     if isinstance(items, (str, bytes, Mapping)):
         raise InvalidRequestError("messages must be a list of messages")
     out = [
         m if isinstance(m, MESSAGE_TYPES) else _message_from_openai(m, i)
         for i, m in enumerate(items)
     ]
-    validate_history(out)
-    return out
+    return in_call_order(out)

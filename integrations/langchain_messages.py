@@ -33,7 +33,7 @@ from freetoken_agent.messages import (
     ToolCall,
     ToolResult,
     UserMessage,
-    validate_history,
+    in_call_order,
 )
 
 # Content blocks that are not text but are carried elsewhere on an AIMessage (tool_calls) or
@@ -89,9 +89,13 @@ def _assistant(msg: AIMessage, where: str) -> AssistantMessage:
                 "answer a call by its id"
             )
         calls.append(ToolCall(call["id"], call["name"], dict(call.get("args") or {})))
-    # invalid_tool_calls are not rendered: their text already is in the content (the parser
-    # re-emits a malformed call block as content), which is what the model wrote.
-    return AssistantMessage(text, reasoning, calls)
+    # invalid_tool_calls are not rendered as calls: their text already is in the content (the
+    # parser re-emits a malformed call block as content), as the model wrote it. Their ids are
+    # kept: agents answer them with an error ToolMessage (create_agent does, for every one, on
+    # every model call), which then renders as the tool response the model was given. A call
+    # without an id cannot be answered, so it has nothing to keep.
+    invalid = [c["id"] for c in msg.invalid_tool_calls if c.get("id")]
+    return AssistantMessage(text, reasoning, calls, invalid)
 
 
 def _convert(msg: BaseMessage, where: str) -> Message:
@@ -125,7 +129,7 @@ def _convert(msg: BaseMessage, where: str) -> Message:
 
 def to_history(messages: Sequence[BaseMessage]) -> list[Message]:
     """FreeToken records for a LangChain conversation, validated as a whole (every tool result
-    answers an earlier call)."""
+    answers an earlier call), tool results in the order of their calls (`in_call_order`)."""
     if not messages:
         raise InvalidRequestError("no messages: give at least one message")
     out = []
@@ -138,8 +142,7 @@ def to_history(messages: Sequence[BaseMessage]) -> list[Message]:
             raise InvalidRequestError(
                 text if text.startswith(where) else f"{where}: {text}"
             ) from None
-    validate_history(out)
-    return out
+    return in_call_order(out)
 
 
 # ------------------------------------------------------------------------------ tool_choice

@@ -90,11 +90,25 @@ def test_openai_round_trip(rng_seed: int) -> None:
         for m in wire:
             for call in m.get("tool_calls", []):
                 assert isinstance(call["function"]["arguments"], str)
-        # is_error has no OpenAI field: it does not survive the wire form.
+        # is_error has no OpenAI field: it does not survive the wire form. Results come back in
+        # the order of their calls (templates render them by position).
         expected = [
             ToolResult(m.tool_call_id, m.content, False, m.name) if isinstance(m, ToolResult) else m
             for m in history
         ]
+        place = {
+            c.id: k
+            for m in history
+            if isinstance(m, AssistantMessage)
+            for k, c in enumerate(m.tool_calls)
+        }
+        i = 0
+        while i < len(expected):
+            j = i
+            while j < len(expected) and isinstance(expected[j], ToolResult):
+                j += 1
+            expected[i:j] = sorted(expected[i:j], key=lambda r: place[r.tool_call_id])
+            i = j + 1
         assert messages_from_openai(wire) == expected
         assert coerce_messages(wire) == expected
 
@@ -248,7 +262,8 @@ def test_text_parts_render_the_same_after_an_openai_round_trip(rng_seed: int) ->
             parts = [{"type": "text", "text": rand_text(rng)} for _ in range(rng.randint(2, 4))]
             history[i] = dataclasses.replace(msg, content=parts)
     back = messages_from_openai(json.loads(json.dumps(to_openai_messages(history))))
-    assert to_template_messages(back) == to_template_messages(history)
+    # (back has the tool results in call order, as coerce_messages gives them to templates)
+    assert to_template_messages(back) == to_template_messages(coerce_messages(history))
 
 
 def _rand_lone_surrogate(rng: random.Random) -> str:
