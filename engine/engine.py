@@ -46,6 +46,7 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.engine.scheduler import Scheduler
 from freetoken_agent.engine.stats import engine_stats, request_stats
 from freetoken_agent.engine.teardown import release
+from freetoken_agent.engine.text.markers import marker_ids
 
 log = logging.getLogger("freetoken.engine")
 CAPTURE_ATTEMPTS = 2  # decode-graph captures tried before decoding without graphs
@@ -172,7 +173,11 @@ class Engine:
             req.snapshot_plan = plan
             req.anchor_tokens = markers
         self._requests[request_id] = req
-        self._outputs[request_id] = OutputState(self.tokenizer, sampling.stop, context=ids)
+        # Special tokens that are a tool-call or reasoning tag stay in the text for the
+        # parsers (Mixtral's [TOOL_CALLS]); every other one is skipped (text/markers.py).
+        self._outputs[request_id] = OutputState(
+            self.tokenizer, sampling.stop, context=ids, keep_special=marker_ids(self.tokenizer)
+        )
         self._events[request_id] = deque()
         if _score:
             self._scores[request_id] = []

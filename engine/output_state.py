@@ -15,13 +15,21 @@ from freetoken_agent.engine.text.tokenizer import Tokenizer
 
 class OutputState:
     def __init__(
-        self, tokenizer: Tokenizer | None, stop: list[str], context: Sequence[int] = ()
+        self,
+        tokenizer: Tokenizer | None,
+        stop: list[str],
+        context: Sequence[int] = (),
+        keep_special: frozenset[int] = frozenset(),
     ) -> None:
         """`context`: the prompt's ids, so that the first generated token decodes as it does
         after them (SentencePiece decoders drop a word's leading space at the start of a
-        decode: without it "is" + " Paris" streamed as "isParis")."""
+        decode: without it "is" + " Paris" streamed as "isParis"). `keep_special`: special
+        tokens kept in the text, the others being skipped (the parsers' markers, which the
+        engine picks: engine/text/markers.py)."""
         self.detok = (
-            IncrementalDetokenizer(tokenizer, context=context) if tokenizer is not None else None
+            IncrementalDetokenizer(tokenizer, context=context, keep_special=keep_special)
+            if tokenizer is not None
+            else None
         )
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1

@@ -12,11 +12,20 @@ decode. The prefix/read-offset method of vLLM and TGI fixes both with a small wi
 Once new_text ends on a whole character, the decoder state is reset there (UTF-8 is
 self-synchronising), so decode(all) == emitted + decode(rest) and the window can move on.
 
+Skipped special tokens never enter the window. Skipping drops them before the decoder runs, so
+they change no decode; but a window that opened on one (it was the last token emitted) decoded
+the next word as the start of a text, and SentencePiece decoders then stripped its leading
+space: "is" + "</s>" + "▁the" streamed as "isthe". `keep_special` names special tokens that
+are not skipped (the output parsers' markers, engine/text/markers.py): the backend skips all
+special tokens or none, so with some kept the others are dropped here and decoding keeps the
+rest. Either way what is skipped is `tokenizer.special_token_ids` less the kept ones (the
+tokens the config names included, which the bounded path below always took as empty).
+
 One addition: a stream of invalid bytes (a broken model emitting continuation bytes) ends in
 U+FFFD forever, which would grow the window without bound. An incomplete character is at most
-3 bytes and every non-skipped token carries at least one byte, so once more than
-`_MAX_PENDING` tokens are pending, text that stops 3 byte-carrying tokens before the end and is
-already a prefix of new_text cannot change any more, and is emitted.
+3 bytes and every token in the window carries at least one byte, so once more than
+`_MAX_PENDING` tokens are pending, text that stops 3 tokens before the end and is already a
+prefix of new_text cannot change any more, and is emitted.
 
 Limit: byte-fallback decoders (SentencePiece `<0xNN>` tokens) turn a whole run of byte tokens
 into U+FFFD when any byte of it is invalid, so invalid bytes arriving later can change text
@@ -46,16 +55,25 @@ class _Decoder(Protocol):
 
 class IncrementalDetokenizer:
     """Streams text for one sequence. `context` seeds the window with the last few prompt
-    tokens (not emitted) so the first generated token decodes as it would mid-sequence."""
+    tokens (not emitted) so the first generated token decodes as it would mid-sequence.
+    `keep_special`: special tokens left in the text although the others are skipped."""
 
     def __init__(
-        self, tokenizer: _Decoder, skip_special_tokens: bool = True, context: Iterable[int] = ()
+        self,
+        tokenizer: _Decoder,
+        skip_special_tokens: bool = True,
+        context: Iterable[int] = (),
+        keep_special: frozenset[int] = frozenset(),
     ) -> None:
         self._tok = tokenizer
-        self._skip = skip_special_tokens
-        # Tokens that decode to nothing; they do not count as byte-carrying.
-        self._empty_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
-        self._ids = self._context_window(list(context))
+        # Tokens that decode to nothing: dropped on arrival, so the window never holds one.
+        self._empty_ids = (
+            tokenizer.special_token_ids - keep_special if skip_special_tokens else frozenset()
+        )
+        # With specials kept the backend must not skip (it would skip those too); the others
+        # are already out of the window.
+        self._skip = skip_special_tokens and not keep_special
+        self._ids = self._context_window([i for i in context if i not in self._empty_ids])
         # The window ids[0:] starts with context that is already emitted (or was never meant
         # to be); ids[:read] have been emitted, ids[read:] are pending.
         self._read = len(self._ids)
@@ -91,6 +109,8 @@ class IncrementalDetokenizer:
         """Add one token; returns the text it completes (often "", never half a character)."""
         if self._finished:
             raise RuntimeError("push() after flush(): this detokenizer's sequence has ended")
+        if token_id in self._empty_ids:
+            return ""  # skipped: no text, and no place in the window (module doc)
         self._ids.append(int(token_id))
         new_text = self._decode(self._ids)
         if not new_text.endswith(REPLACEMENT) and len(new_text) >= len(self._prefix_text):
@@ -113,13 +133,9 @@ class IncrementalDetokenizer:
 
     def _emit_settled(self, new_text: str) -> str:
         """The bounded path: emit text that no future token can change (see module doc)."""
-        carrying = 0
-        cut = len(self._ids)
-        while cut > self._read and carrying < _MAX_PARTIAL_BYTES:
-            cut -= 1
-            if self._ids[cut] not in self._empty_ids:
-                carrying += 1
-        if carrying < _MAX_PARTIAL_BYTES or cut <= self._read:
+        # Every token in the window carries a byte, so the last 3 hold any incomplete character.
+        cut = len(self._ids) - _MAX_PARTIAL_BYTES
+        if cut <= self._read:
             return ""
         settled = self._decode(self._ids[:cut])
         if len(settled) < len(self._prefix_text) or not new_text.startswith(settled):

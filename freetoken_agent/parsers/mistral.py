@@ -9,7 +9,8 @@ name comes first, so `ToolCallStart` goes out at `[ARGS]` and the arguments obje
 verbatim. An optional `[CALL_ID]id` before `[ARGS]` is skipped (ids are ours). There is no close
 tag: a call ends where its JSON ends, so JSON that breaks (say, a raw newline inside a string)
 leaves the block open until the output ends, when it becomes content with a ParseWarning.
-`[TOOL_CALLS]` must survive detokenization: decode with special tokens kept.
+`[TOOL_CALLS]` must survive detokenization although it is a special token in v3 tokenizers:
+the engine keeps the special tokens that are parser tags (engine/text/markers.py).
 """
 
 from __future__ import annotations
