@@ -159,6 +159,11 @@ class Engine:
         sharing a prefix resume from the deepest checkpoint in it (EngineConfig.checkpoints)."""
         self._open()
         sampling = sampling or SamplingParams()
+        if sampling.stop and self.tokenizer is None:  # they are matched in the decoded text
+            raise InvalidRequestError(
+                "stop strings need the model's tokenizer (tokenizer.json) to read the output, "
+                "which this model folder lacks; give stop_token_ids instead"
+            )
         ids = encode_prompt(prompt, self.tokenizer, self.spec.vocab_size, self.max_model_len)
         plan = snapshot_plan(ids, anchors, self.scheduler.recurrence)
         markers = frozenset(token_ids(anchor_tokens, "anchor_tokens are token ids"))
@@ -381,8 +386,23 @@ class Engine:
         self._totals["generated"] += len(req.output_ids)
         self._totals["finished"] += 1
         if reason in ("abort", "error"):
-            event = TokenEvent(req.id, None, "", len(req.output_ids), True, reason, req.error)
+            # The text held back (a possible stop string's start, a partial character) is
+            # final now: streamed here, the events add up to the output's text.
+            text = self._held_text(req.id)
+            event = TokenEvent(req.id, None, text, len(req.output_ids), True, reason, req.error)
             self._events[req.id].append(event)
+
+    def _held_text(self, rid: str) -> str:
+        """The text a request's state still holds back, released as final; "" when the state
+        is gone or itself broken (the request may be failing for that very reason)."""
+        state = self._outputs.get(rid)
+        if state is None:
+            return ""
+        try:
+            return state.release(final=True)
+        except Exception:  # noqa: BLE001 - the request ends either way
+            log.exception("the text state of request %s failed at its end", rid)
+            return ""
 
     def _fail(self, batch: Batch, error: Exception) -> list[TokenEvent]:
         message = f"{type(error).__name__}: {error}"

@@ -1,0 +1,46 @@
+"""How a request's stream ends when it does not end by itself: an aborted request's events add
+up to its output's text (text held back for a possible stop string is released at the end), and
+stop strings on a model without a tokenizer are refused, not ignored."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine, InvalidRequestError, SamplingParams
+from freetoken_agent.demo_model import ensure_demo_model
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_aborted_requests_events_add_up_to_its_text(tmp_path, rng_seed, overlap):
+    rng = random.Random(rng_seed)
+    engine = Engine.load(ensure_demo_model(tmp_path), device="cpu", progress=False,
+                         kv_tokens=2048, max_model_len=512, overlap_schedule=overlap)  # fmt: skip
+    stop = "".join(rng.choice("qxz") for _ in range(rng.randint(4, 9)))  # long: holds text back
+    sp = SamplingParams(max_tokens=40, temperature=rng.choice([0, 0.8]), stop=[stop],
+                        ignore_eos=True)  # fmt: skip
+    rid = engine.submit([rng.randrange(3, 1000) for _ in range(rng.randint(4, 20))], sp)
+    for _ in range(rng.randint(3, 8)):
+        engine.step()
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    events = engine.take_events(rid)
+    assert events[-1].finish_reason == "abort" and events[-1].finished
+    out = engine._collect(rid)
+    assert out.text and "".join(e.text for e in events) == out.text
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(tmp_path, rng_seed):
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    assert not (tmp_path / "tokenizer.json").exists()
+    engine = Engine.load(tmp_path, device="cpu", progress=False)
+    rng = random.Random(rng_seed)
+    prompt = [rng.randrange(3, 320) for _ in range(6)]
+    with pytest.raises(InvalidRequestError, match="stop strings need the model's tokenizer"):
+        engine.submit(prompt, SamplingParams(stop=[json.dumps(rng.random())]))
+    out = engine.generate(prompt, SamplingParams(max_tokens=3, stop_token_ids=[5]))
+    assert out.finish_reason in ("length", "stop")
