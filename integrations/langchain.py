@@ -17,6 +17,8 @@ Why it is built this way:
   method="json_schema")` use constrained decoding: the output is valid JSON for the schema even
   from a weak model. Such turns do not think (the grammar starts at the first token).
   `method="json_mode"` constrains the answer to some JSON object (the prompt names the keys).
+- `bind_tools(..., parallel_tool_calls=False)` keeps OpenAI's promise of at most one call: the
+  generation stops at the first complete call (FirstCallOnly, shared with the server).
 - Reasoning streams in `additional_kwargs["reasoning_content"]` (and, with
   `output_version="v1"`, as reasoning content blocks) and goes back to the model in later
   turns, where the chat template keeps it.
@@ -66,13 +68,14 @@ from freetoken_agent.integrations.langchain_runtime import (
     service_for,
 )
 from freetoken_agent.integrations.langchain_structured import structured_runnable
+from freetoken_agent.integrations.one_call import FirstCallOnly
 from freetoken_agent.session import Usage
 
 __all__ = ["ChatFreeToken", "GenerationError", "GenerationTimeout"]
 
 _SAMPLING_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
 # Options LangChain (or an OpenAI-minded caller) may pass that mean nothing here.
-_IGNORED_OPTIONS = ("stream", "parallel_tool_calls", "strict")
+_IGNORED_OPTIONS = ("stream", "strict")
 
 
 class ChatFreeToken(BaseChatModel):
@@ -249,8 +252,9 @@ class ChatFreeToken(BaseChatModel):
     # --- one call -------------------------------------------------------------------------
     def _prepare(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[Binding, list, SamplingParams, float | None]:
-        """Binding, history, sampling and timeout of a call; every input problem raises here."""
+    ) -> tuple[Binding, list, SamplingParams, float | None, bool]:
+        """Binding, history, sampling, timeout and whether one call at most may be made (not
+        parallel_tool_calls) of a call; every input problem raises here."""
         kwargs = dict(kwargs)
         tools = kwargs.pop("tools", None)
         specs = [convert_to_openai_tool(t) for t in tools] if tools else []
@@ -262,6 +266,9 @@ class ChatFreeToken(BaseChatModel):
         options = {k: kwargs.pop(k, getattr(self, k, None)) for k in _SAMPLING_OPTIONS}
         options = {k: v for k, v in options.items() if v is not None}
         timeout = kwargs.pop("timeout", self.timeout)
+        parallel = kwargs.pop("parallel_tool_calls", None)
+        if parallel is not None and not isinstance(parallel, bool):
+            raise ValueError(f"parallel_tool_calls must be True or False, got {parallel!r:.40}")
         for key in _IGNORED_OPTIONS:
             kwargs.pop(key, None)
         if kwargs:
@@ -273,16 +280,20 @@ class ChatFreeToken(BaseChatModel):
         key = json.dumps([shown, mode, allowed, schema], sort_keys=True, default=str)
         binding = Binding(key, shown, mode, allowed, schema)
         sampling = SamplingParams(**options, stop=stops, json_schema=constraint)
-        return binding, to_history(messages), sampling, timeout
+        return binding, to_history(messages), sampling, timeout, parallel is False
 
     def _turn(self, messages, stop, kwargs) -> Iterator[Any]:
         """Session events of one call, retried while the engine fails before any output."""
-        binding, history, sampling, timeout = self._prepare(messages, stop, kwargs)
+        binding, history, sampling, timeout, one_call = self._prepare(messages, stop, kwargs)
         pool = self._ensure_engine()
         for attempt in itertools.count():
             produced = False
-            with contextlib.closing(run_turn(pool, binding, history, sampling, timeout)) as turn:
+            lender = _Lender(pool)
+            one = FirstCallOnly(lender.stop) if one_call else None
+            with contextlib.closing(run_turn(lender, binding, history, sampling, timeout)) as turn:
                 for event in turn:
+                    if one is not None and (event := one(event)) is None:
+                        continue
                     if isinstance(event, Usage) and _failed(event):
                         if not produced and attempt < self.max_retries:
                             break
@@ -293,13 +304,17 @@ class ChatFreeToken(BaseChatModel):
                     return
 
     async def _aturn(self, messages, stop, kwargs) -> AsyncIterator[Any]:
-        binding, history, sampling, timeout = self._prepare(messages, stop, kwargs)
+        binding, history, sampling, timeout, one_call = self._prepare(messages, stop, kwargs)
         pool = self._ensure_engine()
         for attempt in itertools.count():
             produced = False
-            turn = arun_turn(pool, binding, history, sampling, timeout)
+            lender = _Lender(pool)
+            one = FirstCallOnly(lender.stop) if one_call else None
+            turn = arun_turn(lender, binding, history, sampling, timeout)
             try:
                 async for event in turn:
+                    if one is not None and (event := one(event)) is None:
+                        continue
                     if isinstance(event, Usage) and _failed(event):
                         if not produced and attempt < self.max_retries:
                             break
@@ -376,6 +391,31 @@ class ChatFreeToken(BaseChatModel):
 
 
 # ------------------------------------------------------------------------------- helpers
+
+
+class _Lender:
+    """The SessionPool as run_turn / arun_turn use it (acquire, release, service), remembering
+    the Session it lends: parallel_tool_calls=False stops that Session's engine request once
+    the first call is complete, through its Gateway's current Call, which the runners keep to
+    themselves."""
+
+    def __init__(self, pool: SessionPool) -> None:
+        self.pool = pool
+        self.service = pool.service
+        self.session: Any = None
+
+    def acquire(self, binding: Binding) -> Any:
+        self.session = self.pool.acquire(binding)
+        return self.session
+
+    def release(self, binding: Binding, session: Any) -> None:
+        self.pool.release(binding, session)
+
+    def stop(self) -> None:
+        """Abort the lent Session's request (never blocks; a no-op once the call ended)."""
+        call = getattr(getattr(self.session, "engine", None), "call", None)
+        if call is not None:
+            call.cancel()
 
 
 def _stops(stop: str | Sequence[str] | None) -> list[str]:

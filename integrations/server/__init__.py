@@ -9,7 +9,9 @@ Module map: app (create_app, /health), openai_routes (/v1/chat/completions, /v1/
 Sessions by id and their watchers), turn_run (one turn in a worker thread, read on the event
 loop), text_run (one text completion: a raw prompt straight to the engine), bridge (the
 Session's engine: a cancellable request per turn), chat_request / text_request (body -> checked
-request), tool_choice (tools, forced calls, a call or the answer), reply / completion_format /
+request), foreign_fields (other APIs' fields: legacy functions, vLLM's extensions), tool_choice
+(tools, forced calls, a call or the answer; parallel_tool_calls false stops a run at its first
+call through integrations/one_call.py, shared with ChatFreeToken), reply / completion_format /
 session_events (wire shapes), auth, browser_guard, limits (the safety middleware), errors, serve
 (uvicorn, binding rules).
 """

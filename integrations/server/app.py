@@ -46,6 +46,9 @@ from freetoken_agent.integrations.server.browser_guard import BrowserGuard, norm
 from freetoken_agent.integrations.server.errors import error_response
 from freetoken_agent.integrations.server.hub import SessionHub
 from freetoken_agent.integrations.server.limits import DEFAULT_MAX_BODY, BodyLimit
+from freetoken_agent.integrations.server.text_request import (
+    DEFAULT_MAX_TOKENS as TEXT_DEFAULT_MAX_TOKENS,
+)
 from freetoken_agent.service import EngineService, shared_service
 
 
@@ -59,6 +62,7 @@ class ServerState:
     model_names: frozenset[str]  # model_id and its aliases: what a request may name
     max_model_len: int
     default_max_tokens: int
+    text_max_tokens: int  # the same for text completions (16 unless the server was given one)
     max_body_bytes: int
     created: int
     owns_service: bool
@@ -105,7 +109,8 @@ def create_app(
     allowed_origins: Sequence[str] = (),
 ) -> Starlette:
     """`engine`: an Engine or an EngineService. `default_max_tokens` applies when a request
-    gives none (default: the engine's whole context, which then ends the generation).
+    gives none (default: the engine's whole context, which then ends the generation; for text
+    completions 16, that endpoint's default at OpenAI and vLLM).
     `model_aliases`: other names a request's `model` may use for the served model.
     `allowed_hosts`: accepted Host header names (None: any; `serve` restricts a keyless local
     server to the local names). `allowed_origins`: web pages on other origins that may call
@@ -130,6 +135,7 @@ def create_app(
         model_names=frozenset([model_id, default_id, *model_aliases]),
         max_model_len=max_len,
         default_max_tokens=default_max_tokens or max_len,
+        text_max_tokens=default_max_tokens or TEXT_DEFAULT_MAX_TOKENS,
         max_body_bytes=max_body_bytes,
         created=int(time.time()),
         owns_service=owns,

@@ -2,12 +2,14 @@
 
 Every refusal is a BadParam naming the field, so the client learns what to fix. Fields this
 engine cannot honour (n > 1, logprobs, penalties, logit_bias) are refused rather than silently
-ignored; fields that change nothing here (user, metadata, store, parallel_tool_calls) are
-accepted when they have the right type. `model` must name the served model or an alias
+ignored; fields that change nothing here (user, metadata, store, service_tier) are accepted
+when they have the right type. `parallel_tool_calls: false` is honoured: the turn stops at its
+first complete call (one_call.py). `model` must name the served model or an alias
 (`check_model`; 404 otherwise). Unknown fields are ignored, as vLLM does, since SDKs add new
-ones faster than servers learn them. The WebSocket `send` message shares the sampling and tool
-fields (`sampling_from`); text completions (text_request.py) share the sampling fields and
-`check_envelope`.
+ones faster than servers learn them; but other APIs' fields known to change the output (the
+legacy `functions`, vLLM's extensions) are honoured or refused by name (foreign_fields.py).
+The WebSocket `send` message shares the sampling and tool fields (`sampling_from`); text
+completions (text_request.py) share the sampling fields and `check_envelope`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from typing import Any
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.errors import BadParam, ModelNotFound
+from freetoken_agent.integrations.server.foreign_fields import (
+    check_chat_fields,
+    check_sampling_fields,
+    enable_thinking,
+    stop_token_ids,
+)
 from freetoken_agent.integrations.server.tool_choice import (
     ToolChoice,
     call_or_answer_schema,
@@ -43,7 +51,8 @@ _UNSUPPORTED = {
     "audio": (None,),
 }
 
-# Accepted and ignored, but only with the type OpenAI documents: a wrong type is a client bug.
+# Accepted (and, but for parallel_tool_calls, ignored) only with the type OpenAI documents:
+# a wrong type is a client bug.
 _IGNORED_TYPES: dict[str, tuple[type, str]] = {
     "user": (str, "a string"),
     "metadata": (dict, "an object"),
@@ -55,12 +64,15 @@ _IGNORED_TYPES: dict[str, tuple[type, str]] = {
 
 @dataclass(slots=True)
 class TurnRequest:
-    """What one turn asks for, checked: history, tools, tool choice, sampling."""
+    """What one turn asks for, checked: history, tools, tool choice, sampling, and how the
+    prompt is rendered (`enable_thinking`: chat_template_kwargs; None, the template's default)."""
 
     messages: list[Message]
     tools: list[dict] | None
     tool_choice: ToolChoice
     sampling: SamplingParams
+    parallel_tool_calls: bool = True  # False: at most one call (the turn stops at the first)
+    enable_thinking: bool | None = None
 
     @property
     def call_or_answer(self) -> bool:
@@ -110,11 +122,12 @@ def _integer(body: Mapping, key: str, lo: int | None = None):
 def sampling_from(
     body: Mapping[str, Any], tools: list[dict] | None, choice: ToolChoice, default_max: int
 ) -> SamplingParams:
-    """SamplingParams from OpenAI fields (plus vLLM's top_k and ignore_eos); a forced call, or
-    tools with a JSON response_format (a call or the answer), add their schema."""
+    """SamplingParams from OpenAI fields (plus vLLM's top_k, ignore_eos and stop_token_ids); a
+    forced call, or tools with a JSON response_format (a call or the answer), add their schema."""
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
+    check_sampling_fields(body)
     # Both are checked; the newer name wins when a client sends both.
     max_tokens, max_key = _integer(body, "max_completion_tokens", 1), "max_completion_tokens"
     legacy = _integer(body, "max_tokens", 1)
@@ -146,6 +159,7 @@ def sampling_from(
         "top_k": _integer(body, "top_k", 0),
         "seed": _integer(body, "seed"),
         "stop": stop,
+        "stop_token_ids": stop_token_ids(body),
         "ignore_eos": ignore_eos,
         "response_format": None if either else fmt,
         "json_schema": forced_schema(choice, tools or []) if choice.forced else either,
@@ -209,6 +223,7 @@ def check_message_shapes(raw: list) -> None:
 
 def turn_from(body: Mapping[str, Any], default_max: int) -> TurnRequest:
     """The turn part of a chat body (messages, tools, tool_choice, sampling fields)."""
+    check_chat_fields(body)  # first: `functions` is refused as such, not as "no tools"
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise BadParam("messages must be a non-empty list of messages", "messages")
@@ -229,7 +244,9 @@ def turn_from(body: Mapping[str, Any], default_max: int) -> TurnRequest:
         raise
     except InvalidRequestError as e:  # tool_call_schema on a malformed tool
         raise BadParam(str(e), "tools") from None
-    return TurnRequest(messages, tools, choice, sampling)
+    _flag(body, "parallel_tool_calls", "parallel_tool_calls")  # absent or null: true
+    parallel = body.get("parallel_tool_calls") is not False
+    return TurnRequest(messages, tools, choice, sampling, parallel, enable_thinking(body))
 
 
 def check_model(name: Any, served: str, names: Collection[str]) -> None:

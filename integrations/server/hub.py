@@ -15,7 +15,10 @@ share system prompts and tool lists) and render concurrently, each in its turn's
 ChatFormat is safe for that: its cache does one lookup per step and never re-reads an entry
 another thread may have cleared (test_hub.py hammers it with a cache small enough to be
 cleared all the time). No lock, then: a long cold render (a hundred messages, about a second
-on two cores) would otherwise hold back every other session's first token.
+on two cores) would otherwise hold back every other session's first token. A request's
+chat_template_kwargs.enable_thinking picks another shared ChatFormat (`ThinkingFormats`), made
+with that template variable as ChatFreeToken's `reasoning` makes its own; the turn sets it as
+its Session's format (turn_run.py).
 """
 
 from __future__ import annotations
@@ -58,13 +61,36 @@ class Watcher:
         self.queue.put_nowait(event)
 
 
+class ThinkingFormats:
+    """The server's ChatFormat for each enable_thinking value (None: the template's default),
+    each made on first use and then shared by every session."""
+
+    def __init__(self, default: ChatFormat) -> None:
+        self._formats: dict[bool | None, ChatFormat] = {None: default}
+        self._lock = threading.Lock()  # turns of several sessions may ask at once
+
+    def get(self, thinking: bool | None) -> ChatFormat:
+        with self._lock:
+            fmt = self._formats.get(thinking)
+            if fmt is None:
+                default = self._formats[None]
+                fmt = ChatFormat(
+                    default.tokenizer,
+                    default.template_name,
+                    **{**default.template_kwargs, "enable_thinking": thinking},
+                )
+                self._formats[thinking] = fmt
+            return fmt
+
+
 class LiveSession:
     def __init__(
-        self, session_id: str | None, service: EngineService, chat_format: ChatFormat
+        self, session_id: str | None, service: EngineService, formats: ThinkingFormats
     ) -> None:
         self.id = session_id
         self.bridge = EngineBridge(service)
-        self.session = Session(self.bridge, chat_format=chat_format)
+        self.formats = formats
+        self.session = Session(self.bridge, chat_format=formats.get(None))
         self.turn_lock = threading.Lock()  # held by the worker thread for a whole turn
         self.watchers: set[Watcher] = set()
         self.history: list[Message] = []  # the last finished turn's messages and reply
@@ -95,6 +121,7 @@ class SessionHub:
     ) -> None:
         self.service = service
         self.chat_format = chat_format
+        self.formats = ThinkingFormats(chat_format)
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, LiveSession] = OrderedDict()
 
@@ -108,7 +135,7 @@ class SessionHub:
             )
         live = self._sessions.get(session_id)
         if live is None:
-            live = LiveSession(session_id, self.service, self.chat_format)
+            live = LiveSession(session_id, self.service, self.formats)
             self._sessions[session_id] = live
             self._evict()
         self._sessions.move_to_end(session_id)
@@ -118,7 +145,7 @@ class SessionHub:
     def lookup(self, session_id: str | None) -> LiveSession:
         """A kept session for an id, or a fresh unkept one without."""
         if session_id is None:
-            return LiveSession(None, self.service, self.chat_format)
+            return LiveSession(None, self.service, self.formats)
         return self.get(session_id)
 
     def _evict(self) -> None:

@@ -167,7 +167,7 @@ async def text_completions(request: Request) -> Response:
     state = request.app.state.server
     try:
         body = parse_json_body(await request.body())
-        text = parse_text_request(body, state.default_max_tokens, state.model_id, state.model_names)
+        text = parse_text_request(body, state.text_max_tokens, state.model_id, state.model_names)
     except InvalidRequestError as e:
         return invalid_response(e)
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object

@@ -10,7 +10,12 @@ autocomplete and scripts do not send (they send one prompt per request, as they 
 The sampling fields and their refusals are the chat route's (`sampling_from`, `check_envelope`);
 on top, what only this endpoint has and this server cannot do is refused by name: `suffix`
 (fill-in-the-middle), `echo`, `logprobs` (any value: even 0 asks for a logprobs object),
-`best_of` > 1.
+`best_of` > 1; and so are the chat-only fields of other APIs (foreign_fields.py), since the
+prompt is not templated.
+
+Without max_tokens a completion is 16 tokens long: OpenAI's default for this endpoint, and
+vLLM's, which clients of it rely on (an autocomplete that sends none must not generate to the
+end of the context). A server started with a default_max_tokens uses that one instead.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.chat_request import check_envelope, sampling_from
 from freetoken_agent.integrations.server.errors import BadParam
+from freetoken_agent.integrations.server.foreign_fields import check_text_fields
 from freetoken_agent.integrations.server.tool_choice import ToolChoice
 
 # Unsupported fields of this endpoint and the values that mean "not used".
@@ -32,6 +38,7 @@ _UNSUPPORTED = {
     "best_of": (None, 1),
 }
 _NO_TOOLS = ToolChoice("none")
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's, for this endpoint only
 
 
 @dataclass(slots=True)
@@ -67,9 +74,13 @@ def prompt_from(raw: Any) -> str | list[int]:
 
 
 def parse_text_request(
-    body: Any, default_max: int, served: str | None = None, names: Collection[str] = ()
+    body: Any,
+    default_max: int = DEFAULT_MAX_TOKENS,
+    served: str | None = None,
+    names: Collection[str] = (),
 ) -> TextRequest:
-    """The checked request; `model` first, as for chat."""
+    """The checked request; `model` first, as for chat. `default_max`: max_tokens when the
+    body gives none."""
     stream, include_usage = check_envelope(body, served, names)
     if "prompt" not in body:
         raise BadParam("prompt is required: a string or a list of token ids", "prompt")
@@ -77,5 +88,6 @@ def parse_text_request(
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
+    check_text_fields(body)
     sampling = sampling_from(body, None, _NO_TOOLS, default_max)
     return TextRequest(prompt, sampling, stream, include_usage)

@@ -16,6 +16,9 @@ turn's usage and `done`.
 
 A session runs one turn at a time: the worker holds the session's `turn_lock` for the whole
 turn, so a turn queued behind another (two OpenAI requests with one X-Session-Id) waits.
+The turn sets what its request says of the session's rendering (tools, enable_thinking) under
+that lock. With `parallel_tool_calls: false` its events go through FirstCallOnly (one_call.py),
+which cancels the Turn once the first call is complete.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from freetoken_agent.engine.outputs import SchemaError
+from freetoken_agent.integrations.one_call import FirstCallOnly
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.chat_request import TurnRequest
 from freetoken_agent.integrations.server.errors import BadParam
@@ -86,15 +90,19 @@ class TurnRun:
         try:
             with live.turn_lock:
                 live.session.tools = request.tools
+                live.session.chat_format = live.formats.get(request.enable_thinking)
                 live.bridge.current = turn
                 turn.on_submit = lambda n: put(_Started(n))
                 factory = parser_factory(
                     request.tool_choice, request.tools, live.bridge, turn, request.call_or_answer
                 )
+                one = None if request.parallel_tool_calls else FirstCallOnly(turn.cancel)
                 try:
                     for event in live.session.send(
                         request.messages, request.sampling, parser_factory=factory
                     ):
+                        if one is not None and (event := one(event)) is None:
+                            continue
                         put(self._exact(event) if isinstance(event, Usage) else event)
                 finally:
                     live.bridge.current = None

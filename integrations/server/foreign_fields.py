@@ -1,0 +1,125 @@
+"""Fields of other OpenAI-style APIs, and what this server does with each: honour, or refuse
+by name. Unknown fields are ignored (chat_request.py), but these are known to change what the
+client gets, so ignoring them would answer another request than the one sent (a `functions`
+request answered as if no tool existed, a grammar never applied) without telling anyone.
+
+OpenAI's legacy function calling: `functions` and `function_call` are refused, pointing at
+`tools` and `tool_choice`, which say the same thing in the current form.
+
+vLLM's extensions:
+- `stop_token_ids` are honoured (SamplingParams has them).
+- `chat_template_kwargs`: `enable_thinking` (true or false) renders the prompt with that
+  template variable, as ChatFreeToken's `reasoning` does (a ChatFormat per value, hub.py).
+  Other keys are refused by name: the template would take them, but what they change (a
+  parser that no longer matches the output, say) is nothing this server has checked.
+- `guided_json`, `guided_choice`, `guided_regex`, `guided_grammar`, `structured_outputs`:
+  refused. `response_format` json_schema is the way to constrain output here; guided_choice's
+  output is the bare string, not JSON, so it is not a JSON-schema enum, and there is no regex
+  or grammar constraint to map the others onto.
+- `repetition_penalty`, `min_p`, `min_tokens`: refused unless they are the neutral value
+  (1, 0, 0), which asks for nothing: the sampler has none of them.
+- `reasoning_effort` (OpenAI's, for its reasoning models) is refused: enable_thinking is the
+  one switch the chat templates have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from freetoken_agent.integrations.server.errors import BadParam
+
+_CONSTRAIN = "constrain the output with response_format {'type': 'json_schema', ...}"
+
+# field: (its neutral values besides null, why it is refused / what to send instead)
+_SAMPLING: dict[str, tuple[tuple, str]] = {
+    "repetition_penalty": ((1,), "the sampler has no repetition penalty"),
+    "min_p": ((0,), "the sampler has no min_p filter"),
+    "min_tokens": ((0,), "the engine cannot hold back the end of a generation"),
+    "guided_json": ((), _CONSTRAIN),
+    "guided_choice": ((), _CONSTRAIN + " (an enum schema; the answer is then JSON text)"),
+    "guided_regex": ((), "there is no regex constraint; " + _CONSTRAIN),
+    "guided_grammar": ((), "there is no grammar constraint; " + _CONSTRAIN),
+    "structured_outputs": ((), _CONSTRAIN),
+}
+_CHAT: dict[str, tuple[tuple, str]] = {
+    "functions": ((), "it is the legacy form of tools: send tools=[{'type': 'function', "
+                      "'function': {'name': ..., 'parameters': ...}}]"),
+    "function_call": ((), "it is the legacy form of tool_choice: send tool_choice 'auto', "
+                          "'none' or {'type': 'function', 'function': {'name': ...}}"),
+    "reasoning_effort": ((), "thinking is switched with chat_template_kwargs "
+                             "{'enable_thinking': true or false}"),
+}  # fmt: skip
+_TEXT: dict[str, tuple[tuple, str]] = {
+    "chat_template_kwargs": ((), "a text completion's prompt goes to the model as it is"),
+    "reasoning_effort": ((), "a text completion's prompt goes to the model as it is"),
+}
+_INT64_MAX = 2**63 - 1
+
+
+def _neutral(value: Any, neutral: tuple) -> bool:
+    # `True == 1` in Python: a flag where a number belongs is not the neutral number.
+    return value is None or (not isinstance(value, bool) and value in neutral)
+
+
+def _refuse(body: Mapping[str, Any], fields: Mapping[str, tuple[tuple, str]]) -> None:
+    for key, (neutral, why) in fields.items():
+        if key in body and not _neutral(body[key], neutral):
+            # The value matters only where another one would have been accepted.
+            named = f"{key}={body[key]!r:.40}" if neutral else key
+            raise BadParam(f"{named} is not supported by this server: {why}", key)
+
+
+def check_sampling_fields(body: Mapping[str, Any]) -> None:
+    """vLLM's sampling and guided-decoding fields this server cannot honour (both endpoints)."""
+    _refuse(body, _SAMPLING)
+
+
+def check_chat_fields(body: Mapping[str, Any]) -> None:
+    """The legacy function-calling fields and reasoning_effort (chat completions)."""
+    _refuse(body, _CHAT)
+
+
+def check_text_fields(body: Mapping[str, Any]) -> None:
+    """Chat-only fields sent to the text completions endpoint, which renders no template."""
+    _refuse(body, _TEXT)
+
+
+def stop_token_ids(body: Mapping[str, Any]) -> list[int] | None:
+    """vLLM's stop_token_ids: token ids that end the generation (as EOS does)."""
+    value = body.get("stop_token_ids")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _INT64_MAX for t in value
+    ):
+        raise BadParam(
+            f"stop_token_ids must be a list of token ids (integers >= 0), got {value!r:.40}",
+            "stop_token_ids",
+        )
+    return value
+
+
+def enable_thinking(body: Mapping[str, Any]) -> bool | None:
+    """chat_template_kwargs.enable_thinking (None: the template's default)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, Mapping):
+        raise BadParam(
+            f"chat_template_kwargs must be an object, got {kwargs!r:.40}", "chat_template_kwargs"
+        )
+    others = sorted(str(k) for k in kwargs if k != "enable_thinking")
+    if others:
+        raise BadParam(
+            f"chat_template_kwargs {others!r:.60} are not supported by this server; it takes "
+            "only enable_thinking (true or false)",
+            "chat_template_kwargs",
+        )
+    value = kwargs.get("enable_thinking")
+    if value is not None and not isinstance(value, bool):
+        raise BadParam(
+            f"chat_template_kwargs.enable_thinking must be true or false, got {value!r:.40}",
+            "chat_template_kwargs",
+        )
+    return value
