@@ -69,6 +69,7 @@ from freetoken_agent.integrations.langchain_runtime import (
 )
 from freetoken_agent.integrations.langchain_structured import structured_runnable
 from freetoken_agent.integrations.one_call import FirstCallOnly
+from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
 from freetoken_agent.session import Usage
 
 __all__ = ["ChatFreeToken", "GenerationError", "GenerationTimeout"]
@@ -206,12 +207,18 @@ class ChatFreeToken(BaseChatModel):
         tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
         *,
         tool_choice: str | dict | bool | None = None,
+        strict: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
         """Tools in OpenAI form, rendered by the chat template. tool_choice: None/"auto",
         "none", "any"/"required"/True (one call of some tool) or a tool name / dict (a call of
-        that tool); forced calls are constrained to the tool's argument schema."""
-        specs = [convert_to_openai_tool(t) for t in tools]
+        that tool); forced calls are constrained to the tool's argument schema. `strict=True`
+        (as ChatOpenAI takes it) marks the tools strict: under "auto" the calls the model
+        writes keep to their schemas too (integrations/strict_tools.py; Hermes-format
+        models)."""
+        specs = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        if strict is not None:  # a tool already in OpenAI form comes back unmarked
+            specs = [{**t, "function": {**t["function"], "strict": strict}} for t in specs]
         parse_tool_choice(tool_choice, tool_names(specs))  # a bad choice fails here
         return self.bind(tools=specs, tool_choice=tool_choice, **kwargs)
 
@@ -279,7 +286,10 @@ class ChatFreeToken(BaseChatModel):
         constraint = output_schema(mode, [by_name[n] for n in allowed] or specs, schema)
         key = json.dumps([shown, mode, allowed, schema], sort_keys=True, default=str)
         binding = Binding(key, shown, mode, allowed, schema)
-        sampling = SamplingParams(**options, stop=stops, json_schema=constraint)
+        grammar = None
+        if mode == "auto" and constraint is None and any_strict(specs):
+            grammar = strict_grammar(self.service, specs)
+        sampling = SamplingParams(**options, stop=stops, json_schema=constraint, grammar=grammar)
         return binding, to_history(messages), sampling, timeout, parallel is False
 
     def _turn(self, messages, stop, kwargs) -> Iterator[Any]:

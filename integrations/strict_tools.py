@@ -37,6 +37,7 @@ from typing import Any
 
 from freetoken_agent.engine.constrained import JSON_OPTIONS, tool_call_schema
 from freetoken_agent.integrations.constrained_output import closed, inline_tool
+from freetoken_agent.parsers import tool_format_for
 
 OPENER, CLOSER = "<tool_call>", "</tool_call>"
 
@@ -61,6 +62,18 @@ def call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def strict_grammar(engine: Any, tools: Sequence[Mapping[str, Any]]) -> str | None:
+    """The grammar of `tools` for `engine` (an Engine, EngineService or the server's bridge:
+    its tokenizer, spec and chat template), or None when its model does not write Hermes
+    calls (their calls stay unconstrained)."""
+    tokenizer = engine.tokenizer
+    sources = getattr(tokenizer, "chat_template_sources", {}) or {}
+    template = sources.get("tool_use") or sources.get("default")
+    if tokenizer is None or tool_format_for(engine.spec.arch, template) != "hermes":
+        return None
+    return strict_calls_grammar(tools, tokenizer)
 
 
 def strict_calls_grammar(tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> str:

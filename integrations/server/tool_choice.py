@@ -18,16 +18,25 @@
   the output has ended, not streamed: only the whole text tells a call from an answer (a
   json_object answer may be call-shaped), and content sent cannot be taken back.
   With "none" the response_format alone constrains the output; with a forced call it is refused.
+- "auto" with a tool marked `strict: true` (the OpenAI Agents SDK's function tools are), no
+  response_format: text stays free, and every call the model writes keeps to a known tool and
+  a strict tool's arguments to its schema (integrations/strict_tools.py). Hermes-format models
+  only; others' calls are read unconstrained, as vLLM reads them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.engine.constrained import tool_arguments_schema, tool_call_schema
-from freetoken_agent.engine.sampling_params import schema_of_response_format, schema_problems
+from freetoken_agent.engine.sampling_params import (
+    SamplingParams,
+    schema_of_response_format,
+    schema_problems,
+)
 from freetoken_agent.integrations.constrained_output import (
     JsonOrCallParser,
     WrappedBlock,
@@ -36,6 +45,7 @@ from freetoken_agent.integrations.constrained_output import (
 )
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.errors import BadParam
+from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
 from freetoken_agent.parsers import (
     OutputParser,
     prompt_opens_reasoning,
@@ -181,6 +191,22 @@ class ForcedCallParser:
 ParserFactory = Callable[[Any], Any]
 
 
+def turn_sampling(
+    choice: ToolChoice, tools: list[dict] | None, engine: Any, sampling: SamplingParams
+) -> SamplingParams:
+    """`sampling` with the strict tools' grammar when this turn takes one: tool_choice auto, a
+    strict tool among `tools`, no other constraint, and a Hermes-format model."""
+    if choice.mode != "auto" or not any_strict(tools) or sampling.constraint is not None:
+        return sampling
+    grammar = strict_grammar(engine, tools or [])
+    return sampling if grammar is None else dataclasses.replace(sampling, grammar=grammar)
+
+
+def _tool_format(engine: Any) -> str | None:
+    sources = getattr(engine.tokenizer, "chat_template_sources", {}) or {}
+    return tool_format_for(engine.spec.arch, sources.get("tool_use") or sources.get("default"))
+
+
 def parser_factory(
     choice: ToolChoice,
     tools: list[dict] | None,
@@ -192,9 +218,7 @@ def parser_factory(
     it also sets the Turn's prompt suffix: Session.send calls the factory with the rendered
     prompt just before it streams, and the bridge appends `turn.suffix_ids` to that prompt."""
     tokenizer = engine.tokenizer
-    sources = getattr(tokenizer, "chat_template_sources", {}) or {}
-    template = sources.get("tool_use") or sources.get("default")
-    tool_format = tool_format_for(engine.spec.arch, template)
+    tool_format = _tool_format(engine)
 
     def factory(prompt: Any) -> Any:
         thinking = prompt_opens_reasoning(prompt.text)

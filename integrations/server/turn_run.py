@@ -44,7 +44,7 @@ from freetoken_agent.integrations.server.session_events import (
     memory_json,
     tool_result_json,
 )
-from freetoken_agent.integrations.server.tool_choice import parser_factory
+from freetoken_agent.integrations.server.tool_choice import parser_factory, turn_sampling
 from freetoken_agent.messages import ToolResult, UserMessage, content_text
 from freetoken_agent.session import Usage
 
@@ -97,9 +97,12 @@ class TurnRun:
                     request.tool_choice, request.tools, live.bridge, turn, request.call_or_answer
                 )
                 one = None if request.parallel_tool_calls else FirstCallOnly(turn.cancel)
+                sampling = turn_sampling(
+                    request.tool_choice, request.tools, live.bridge, request.sampling
+                )
                 try:
                     for event in live.session.send(
-                        request.messages, request.sampling, parser_factory=factory
+                        request.messages, sampling, parser_factory=factory
                     ):
                         if one is not None and (event := one(event)) is None:
                             continue
@@ -168,6 +171,8 @@ class TurnRun:
                 request = self.request
                 param = "tools" if request.tool_choice.forced else "response_format"
                 param = None if request.call_or_answer else param
+                if request.sampling.constraint is None:  # only the strict tools' grammar
+                    param = "tools"
                 raise BadParam(str(item), param) from item
             raise item
         if not isinstance(item, _Started):  # the worker always announces the submission first
