@@ -100,7 +100,9 @@
 #         s39-stream2 (wider steps, 16 splits, ~3 min), s39-stream3 (the widest, ~3 min)
 #         s39-block (EngineConfig.attention_block: its GPU tests, bench attention-half, then
 #         bench fusions at 48 layers with and without it, ~8 min), s39-block-pdl (the same,
-#         the block PDL-aware, with its split rule at 128 and 32 positions, ~6 min)
+#         the block PDL-aware, with its split rule at 128 and 32 positions, ~6 min),
+#         s41-sampling (the forty-first session's sampler changes: non-finite rows flagged,
+#         signed zeros, their GPU tests; bench sampler for the greedy check's cost, ~4 min)
 # Logs and JSON land in $OUT (or ./.out).
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -188,6 +190,13 @@ for stage in "$@"; do
       timeout 420 python3 -m freetoken_agent.bench fusions --layers 48 --variants both+pdl-light \
         block+pdl-light block+pdl --rounds 3 --out "$OUT" 2>&1 \
         | tee "$OUT/block_fusions_s39.log" | grep "|b" | cut -c1-160 ;;
+    s41-sampling)  # non-finite rows and signed zeros on CUDA; the greedy check's cost (~4 min)
+      timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/engine/test_not_finite_logits.py tests/kernels/test_sampling_kernel_ties.py \
+        tests/kernels/test_sampling_kernel.py tests/engine/test_sampler.py 2>&1 \
+        | tee "$OUT/sampling_tests_s41.log" | tail -4
+      timeout 200 python3 -m freetoken_agent.bench sampler --out "$OUT" 2>&1 \
+        | tee "$OUT/sampler_s41.log" | grep '"path": "kernel"' | cut -c1-160 ;;
     s39-block-pdl)  # the PDL-aware block: GPU tests, its split rule, the 48-layer step (~6 min)
       timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/kernels/test_attention_block.py 2>&1 | tee "$OUT/block_pdl_tests_s39.log" | tail -3
