@@ -112,6 +112,9 @@ class Session:
         self.tool_runs: dict[str, ToolRun] = {}
         self.last_prompt: Prompt | None = None  # the last prompt sent, as rendered
         self.last_output_ids: list[int] = []  # tokens generated after it
+        # Tokens the engine adapter put between them (the server's forced-call opener: its
+        # `prompt_suffix`): the engine saw them, so they are part of what was sent.
+        self.last_suffix_ids: list[int] = []
         self.last_output_text = ""
         self._kv_tokens = 0  # leading tokens of the last sent sequence whose KV the engine has
         self._marker_ids: list[int] | None = None  # see _anchor_options
@@ -150,14 +153,19 @@ class Session:
         """The token sequence the engine last saw: prompt + generated tokens."""
         if self.last_prompt is None:
             return []
-        return self.last_prompt.token_ids + self.last_output_ids
+        return self.last_prompt.token_ids + self.last_suffix_ids + self.last_output_ids
 
     def diff(self, messages: Sequence[Message | Mapping[str, Any]]) -> HistoryDiff:
         prompt = self.render(messages)
         shared = common_prefix(self.last_sent, prompt.token_ids)
         # The engine computes the logits of a prompt's last token itself, and it never has the
-        # KV of the last generated token, hence the two caps.
+        # KV of the last generated token, hence the two caps. A hybrid model resumes from its
+        # deepest checkpoint, which the engine places at anchors (the Session's guess when the
+        # engine's own figures are not to be had: usage of overlapping turns).
         reused = max(0, min(shared, self._kv_tokens, len(prompt) - 1))
+        if getattr(getattr(self.engine, "spec", None), "is_hybrid", False):
+            anchor = prompt.deepest_anchor(reused)
+            reused = anchor.offset if anchor is not None else 0
         return HistoryDiff(
             shared, prompt.deepest_anchor(shared), reused, len(prompt) - reused, prompt
         )
@@ -177,6 +185,7 @@ class Session:
         params = self.sampling(sampling)
         factory = self.parser_factory if parser_factory is _UNSET else parser_factory
         parser = factory(diff.prompt) if factory is not None else None
+        suffix = list(getattr(self.engine, "prompt_suffix", ()))  # set by the factory, if any
         before = _totals(self.engine)
         out_ids: list[int] = []
         out_text: list[str] = []
@@ -197,7 +206,7 @@ class Session:
         finally:
             stream.close()  # aborts the request if we were closed early
             if end["started"]:
-                self._record(diff, out_ids, "".join(out_text), end["reason"] or "abort")
+                self._record(diff, suffix, out_ids, "".join(out_text), end["reason"] or "abort")
         usage = self._usage(diff, out_ids, end, before)
         if not end["started"]:  # the engine yielded nothing at all: nothing was sent
             raise RuntimeError("the engine's stream ended without a single event")
@@ -224,13 +233,16 @@ class Session:
             "anchor_tokens": self._marker_ids,
         }
 
-    def _record(self, diff: HistoryDiff, out_ids: list[int], text: str, reason: str) -> None:
+    def _record(
+        self, diff: HistoryDiff, suffix: list[int], out_ids: list[int], text: str, reason: str
+    ) -> None:
         self.last_prompt = diff.prompt
+        self.last_suffix_ids = suffix
         self.last_output_ids = list(out_ids)
         self.last_output_text = text
         # After a clean or aborted finish the engine caches every token it computed: the prompt
         # and all generated tokens but the last. After an error it caches nothing.
-        n = len(diff.prompt) + len(out_ids) - 1
+        n = len(diff.prompt) + len(suffix) + len(out_ids) - 1
         self._kv_tokens = n if out_ids and reason != "error" else 0
         anchor = diff.anchor
         self.turn_stats.append(

@@ -105,6 +105,12 @@ class EngineBridge(ServiceView):
         super().__init__(service)
         self.current: Turn | None = None
 
+    @property
+    def prompt_suffix(self) -> list[int]:
+        """What the current turn appends to the Session's prompt (the Session counts it as
+        sent: the next turn's divergence and reuse are measured against what the engine saw)."""
+        return list(self.current.suffix_ids) if self.current is not None else []
+
     def stream(
         self, prompt: Sequence[int], sampling: SamplingParams, **options
     ) -> Iterator[TokenEvent]:

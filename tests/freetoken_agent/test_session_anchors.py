@@ -184,3 +184,43 @@ def test_two_sessions_branch_from_one_prefix(chat):
     diff, resume, _ = _turn(b, tracker, cold, [UserMessage("other " + _text(rng, 9))])
     user_turn = diff.prompt.find("turn_start", 1)
     assert resume == user_turn.offset > 0  # the shared system prompt and tools, not re-run
+
+
+def test_overlapping_turns_predict_a_hybrids_resume_not_the_divergence(chat):
+    """Two sessions' turns advanced in turn: the engine's own figures cannot be told apart, so
+    Usage is the Session's prediction (exact False). For a hybrid model that is the deepest
+    anchor at or before the divergence (where the engine resumes), not the divergence."""
+    engine, _, _, rng = chat
+    system = _text(rng, 50)
+    sessions = [Session(engine, system=system, tools=TOOLS) for _ in range(2)]
+    histories = [[UserMessage(_text(rng, 30))] for _ in sessions]
+    for s, h in zip(sessions, histories, strict=True):
+        list(s.send(h, SP))
+    requests = []
+    submit = engine.submit
+
+    def recording(*args, **kwargs):
+        rid = submit(*args, **kwargs)
+        requests.append(engine._requests[rid])
+        return rid
+
+    engine.submit = recording
+    for h in histories:  # each edits the end of its only message
+        h[0] = UserMessage(h[0].content + " " + _text(rng, rng.randint(1, 3)))
+    diffs = [s.diff(h) for s, h in zip(sessions, histories, strict=True)]
+    turns = [s.send(h, SP) for s, h in zip(sessions, histories, strict=True)]
+    events: list[list] = [[], []]
+    live = [True, True]
+    while any(live):
+        for j, turn in enumerate(turns):
+            if live[j]:
+                try:
+                    events[j].append(next(turn))
+                except StopIteration:
+                    live[j] = False
+    for j, diff in enumerate(diffs):
+        usage = [e for e in events[j] if isinstance(e, Usage)][-1]
+        assert not usage.exact  # both finished within each other's turn
+        assert diff.resume_offset < diff.first_divergence  # the edit is past the anchor
+        assert usage.reused_tokens == diff.resume_offset == requests[j].num_reused
+        assert usage.prefilled_tokens == len(diff.prompt) - diff.resume_offset
