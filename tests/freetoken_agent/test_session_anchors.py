@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
+from scripted_engine import record_requests
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams, Session
@@ -196,15 +197,7 @@ def test_overlapping_turns_predict_a_hybrids_resume_not_the_divergence(chat):
     histories = [[UserMessage(_text(rng, 30))] for _ in sessions]
     for s, h in zip(sessions, histories, strict=True):
         list(s.send(h, SP))
-    requests = []
-    submit = engine.submit
-
-    def recording(*args, **kwargs):
-        rid = submit(*args, **kwargs)
-        requests.append(engine._requests[rid])
-        return rid
-
-    engine.submit = recording
+    requests = record_requests(engine)
     for h in histories:  # each edits the end of its only message
         h[0] = UserMessage(h[0].content + " " + _text(rng, rng.randint(1, 3)))
     diffs = [s.diff(h) for s, h in zip(sessions, histories, strict=True)]

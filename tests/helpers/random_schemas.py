@@ -42,16 +42,24 @@ def random_object_schema(rng: random.Random, avoid: Collection[str] = ()) -> dic
     }
 
 
-def random_instance(rng: random.Random, schema: dict[str, Any]) -> Any:
-    """A random value valid against `schema` (the shapes drawn above: closed objects of
-    scalars; arrays and $refs are not among them)."""
+def random_instance(
+    rng: random.Random, schema: dict[str, Any], root: dict[str, Any] | None = None
+) -> Any:
+    """A random value valid against `schema` (the shapes drawn above, and arrays of them with
+    a maxItems, and "#/$defs/..." $refs into `root`, the whole schema)."""
+    root = schema if root is None else root
+    if "$ref" in schema:
+        return random_instance(rng, root["$defs"][schema["$ref"].rsplit("/", 1)[1]], root)
     if "enum" in schema:
         return rng.choice(schema["enum"])
     kind = schema["type"]
     if kind == "object":
         props = schema["properties"]
         keys = [k for k in props if k in schema["required"] or rng.random() < 0.5]
-        return {k: random_instance(rng, props[k]) for k in keys}
+        return {k: random_instance(rng, props[k], root) for k in keys}
+    if kind == "array":  # never past the schema's own cap
+        count = rng.randint(0, schema.get("maxItems", 2))
+        return [random_instance(rng, schema["items"], root) for _ in range(count)]
     if kind == "string":
         alphabet = string.ascii_letters + ' "\\<>/_'
         return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, schema["maxLength"])))

@@ -4,6 +4,8 @@ submit / step / abort. Used by the LangChain tests and the server tests."""
 
 from __future__ import annotations
 
+import time
+
 from freetoken_agent import Engine
 from freetoken_agent.engine.outputs import TokenEvent
 from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
@@ -68,3 +70,30 @@ class ScriptedEngine:
 
     def stats(self) -> dict:
         return {"tokens": {"reused": 0, "prefilled": 0}, "requests": {"finished": self.finished}}
+
+
+class PacedEngine(ScriptedEngine):
+    """A ScriptedEngine that sleeps `delay` before each step once a request has written
+    `slow_after` tokens: a generation stopped early ends long before its reply would have."""
+
+    slow_after = 10**9
+    delay = 0.02
+
+    def step(self):
+        if any(state[1] >= self.slow_after for state in self.running.values()):
+            time.sleep(self.delay)
+        return super().step()
+
+
+def record_requests(engine: Engine) -> list:
+    """Every Request the (real) engine is given from now on, in order, kept as they run."""
+    requests: list = []
+    submit = engine.submit
+
+    def recording(*args, **kwargs):
+        rid = submit(*args, **kwargs)
+        requests.append(engine._requests[rid])
+        return rid
+
+    engine.submit = recording
+    return requests

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import pytest
 from langchain_core.messages import AIMessageChunk
-from scripted_engine import ScriptedEngine
+from scripted_engine import PacedEngine
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
@@ -22,18 +21,6 @@ from freetoken_agent.integrations.langchain import ChatFreeToken
 from freetoken_agent.service import EngineService
 
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "pe", "xi", "qu"]
-
-
-class PacedEngine(ScriptedEngine):
-    """Sleeps `delay` before each step once a request has written `slow_after` tokens."""
-
-    slow_after = 10**9
-    delay = 0.02
-
-    def step(self):
-        if any(state[1] >= self.slow_after for state in self.running.values()):
-            time.sleep(self.delay)
-        return super().step()
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import random
-import string
 from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
 import pytest
-from random_schemas import random_name, random_object_schema
+from random_schemas import random_instance, random_name, random_object_schema
 
 from freetoken_agent.integrations.server.tool_choice import ToolChoice, parser_factory
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
@@ -48,29 +47,6 @@ def _answer_schema(rng: random.Random) -> dict[str, Any]:
     return schema
 
 
-def _value(rng: random.Random, schema: dict[str, Any], root: dict[str, Any]) -> Any:
-    """A random instance of `schema` (the shapes drawn above)."""
-    if "$ref" in schema:
-        return _value(rng, root["$defs"][schema["$ref"].rsplit("/", 1)[1]], root)
-    if "enum" in schema:
-        return rng.choice(schema["enum"])
-    kind = schema["type"]
-    if kind == "object":
-        props = schema["properties"]
-        keys = [k for k in props if k in schema["required"] or rng.random() < 0.5]
-        return {k: _value(rng, props[k], root) for k in keys}
-    if kind == "array":
-        count = rng.randint(0, schema.get("maxItems", 2))  # never past the schema's own cap
-        return [_value(rng, schema["items"], root) for _ in range(count)]
-    if kind == "string":
-        return "".join(
-            rng.choice(string.ascii_letters + ' "\\') for _ in range(schema["maxLength"])
-        )
-    if kind == "integer":
-        return rng.randint(schema["minimum"], schema["maximum"])
-    return rng.choice([True, False])
-
-
 def _tools(rng: random.Random) -> list[dict]:
     names: set[str] = set()
     count = rng.randint(1, 3)
@@ -88,7 +64,7 @@ def _tools(rng: random.Random) -> list[dict]:
 def _call(rng: random.Random, tools: list[dict]) -> dict[str, Any]:
     fn = rng.choice(tools)["function"]
     params = fn.get("parameters")
-    return {"name": fn["name"], "arguments": _value(rng, params, params) if params else {}}
+    return {"name": fn["name"], "arguments": random_instance(rng, params, params) if params else {}}
 
 
 def _format(rng: random.Random, kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -101,7 +77,7 @@ def _format(rng: random.Random, kind: str) -> tuple[dict[str, Any], dict[str, An
 
 def _answer(rng: random.Random, schema: dict[str, Any]) -> Any:
     """A random answer valid against `schema` (json_object's: some object of scalars)."""
-    return _value(rng, schema if "properties" in schema else _object_schema(rng), schema)
+    return random_instance(rng, schema if "properties" in schema else _object_schema(rng), schema)
 
 
 def _body(rng: random.Random, tools: list[dict], fmt: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 from random_schemas import random_name, random_object_schema
+from scripted_engine import record_requests
 
 from freetoken_agent.chat_format import common_prefix
 
@@ -23,15 +24,7 @@ def _until_done(ws) -> list[dict]:
 
 def test_the_turn_after_a_forced_call_diverges_where_the_engine_did(client, engine, rng_seed):
     rng = random.Random(rng_seed)
-    requests = []
-    submit = engine.submit
-
-    def recording(*args, **kwargs):
-        rid = submit(*args, **kwargs)
-        requests.append(engine._requests[rid])
-        return rid
-
-    engine.submit = recording
+    requests = record_requests(engine)
     name = random_name(rng)
     tools = [
         {"type": "function", "function": {"name": name, "parameters": random_object_schema(rng)}}
@@ -45,7 +38,7 @@ def test_the_turn_after_a_forced_call_diverges_where_the_engine_did(client, engi
                       "tool_choice": choice,
                       "messages": [{"role": "system", "content": words(12)},
                                    {"role": "user", "content": words(8)}],
-                      "sampling": {"max_tokens": 60, "temperature": 0}})  # fmt: skip
+                      "sampling": {"max_tokens": 300, "temperature": 0}})  # fmt: skip
         first = _until_done(ws)
         call = first[-1]["message"]["tool_calls"][0]
         ws.send_json({"type": "send", "append": True, "tools": tools,

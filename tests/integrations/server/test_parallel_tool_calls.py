@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from collections.abc import Iterator
 
 import pytest
-from scripted_engine import ScriptedEngine
+from scripted_engine import PacedEngine
 from starlette.testclient import TestClient
 
 from freetoken_agent.integrations.server import create_app
@@ -22,19 +21,6 @@ from freetoken_agent.service import EngineService
 
 WORDS = ["alpha", "beta", "café", "ka", "lo", "mi", "ru", "line\nbreak", "x,", "{a:"]
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "pe", "xi", "qu"]
-
-
-class PacedEngine(ScriptedEngine):
-    """A ScriptedEngine that sleeps `delay` before each step once a request has written
-    `slow_after` tokens."""
-
-    slow_after = 10**9
-    delay = 0.02
-
-    def step(self):
-        if any(state[1] >= self.slow_after for state in self.running.values()):
-            time.sleep(self.delay)
-        return super().step()
 
 
 @pytest.fixture
