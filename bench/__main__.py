@@ -46,13 +46,16 @@
     routing-prediction  how well the next layer's router on this layer's state predicts the
                       next layer's experts (and its misses) in a random model (any CPU)
 
-`freetoken bench NAME --help` lists that benchmark's options.
+`freetoken bench NAME --help` lists that benchmark's options and their defaults; the
+environment variables below change what every offloaded engine does.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from freetoken_agent.bench.environment import ENVIRONMENT
 
 BENCHES = {
     "decode": "freetoken_agent.bench.decode_baseline",
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     if not argv or argv[0] not in BENCHES:
         asked = not argv or argv[0] in ("-h", "--help")
-        print(__doc__.strip(), file=sys.stdout if asked else sys.stderr)
+        print(__doc__.strip() + "\n\n" + ENVIRONMENT.rstrip(),
+              file=sys.stdout if asked else sys.stderr)  # fmt: skip
         if not asked:
             print(f"\nunknown benchmark {argv[0]!r}; choose one of {', '.join(BENCHES)}",
                   file=sys.stderr)  # fmt: skip

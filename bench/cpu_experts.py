@@ -3,7 +3,8 @@
     python -m freetoken_agent.bench.cpu_experts [--threads N] [--pool-gb 2.5] [--gap-us 0 300]
         [--out [PATH]]
 
-Limit: host read bandwidth, a torch sum over a 2 GiB fp32 buffer on all threads (median of 7).
+Limit: host read bandwidth, a torch sum over a 2 GiB fp32 buffer on all threads: the fastest
+of 7 repeats (limits.host_read_bandwidth), measured before and after the kernel, the higher kept.
 Kernel: the Qwen3-30B-A3B expert (H 2048, I 768, K 8), bf16, from a pool of at least 2 GiB and
 4x the L3 cache. Each call's rows continue a sweep through a random permutation of the pool, so
 a row is read again only after the whole pool has been: no cache helps, as in decode, where every

@@ -61,20 +61,29 @@ class HostCaps:
                      probe_load=None if during is None else during.report())  # fmt: skip
         return both
 
-    def miss_bandwidth(self, whole_step: bool) -> float:
-        """Bytes/s at which a step's misses leave host memory: the link alone for a policy
-        without a CPU branch (direct, gpu-fill, transfer), else both paths under the read cap."""
-        return self.b_p if whole_step else host_paths(self.b_p, self.b_h, self.b_read)
+    def miss_bandwidth(self) -> float:
+        """Bytes/s at which a step's misses can leave host memory: the link and the CPU's reads
+        together, under the read cap (`host_paths`, DESIGN section 7), for every policy.
+
+        One rule for all: a limit is what the machine allows at the row's own miss rate, not
+        what the policy's design can reach. A policy that leaves the CPU branch unused (direct
+        and gpu-fill read every miss over the link; transfer fetches every miss; cpu computes
+        every one on the host) forgoes bandwidth the machine had, and its share of the limit
+        should show that; limits taken from its own paths (the link alone) would rate it
+        against a lower bar than adaptive at the same bytes, and rows of two policies could
+        not be read against each other."""
+        return host_paths(self.b_p, self.b_h, self.b_read)
 
     def bound(self, row: dict, b_hbm: float) -> None:
         """Set a decode row's limit_tok_s and of_limit from the best caps and the row's own
         bytes a step: step_device_bytes (dense weights, hit experts and KV read from HBM),
-        step_host_bytes (missed experts, read from host memory), with its batch and
-        whole_step (no CPU branch)."""
-        link = self.miss_bandwidth(row["whole_step"])
-        floor = decode_floor_s(row["step_device_bytes"], row["step_host_bytes"], b_hbm, link)
-        row["limit_tok_s"] = row["batch"] / floor
-        row["of_limit"] = row["tok_s"] * floor / row["batch"]
+        step_host_bytes (missed experts, read from host memory), with the tokens a step
+        makes (tokens_per_step, else its batch)."""
+        floor = decode_floor_s(row["step_device_bytes"], row["step_host_bytes"], b_hbm,
+                               self.miss_bandwidth())  # fmt: skip
+        tokens = row.get("tokens_per_step", row["batch"])
+        row["limit_tok_s"] = tokens / floor
+        row["of_limit"] = row["tok_s"] * floor / tokens
 
 
 def above_limits(rows: dict[str, dict]) -> list[str]:

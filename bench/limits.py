@@ -69,7 +69,8 @@ def host_paths(b_p: float, b_h: float, b_read: float) -> float:
 def decode_floor_s(device_bytes: float, host_bytes: float, b_hbm: float, b_miss: float) -> float:
     """The shortest a decode step can take (DESIGN section 7): the bytes it reads from HBM
     (dense weights, hit experts, KV) at B_HBM, then its missed experts' bytes at `b_miss`, the
-    rate they can leave host memory (`host_paths`, or B_P alone without a CPU branch)."""
+    rate they can leave host memory (`host_paths`: the link and the CPU together, whichever
+    policy ran the step; host_caps.py says why)."""
     return device_bytes / b_hbm + host_bytes / b_miss
 
 

@@ -6,13 +6,18 @@ Builds a Qwen3-30B-A3B-shaped model (random bf16 weights; experts in a pinned ho
 a GPU budget, then: decode at batch 1 and 4 for each policy (cpu, transfer, adaptive, static,
 direct, gpu-fill) and routing regime (routing_traces.py), each from an empty cache after the
 same warm-up, with miss rate and bytes over PCIe per token (adaptive: its step path and split
-mode), in `--rounds` rounds (the median reported); and
+mode), in `--rounds` rounds (the median reported; with an even count the lower middle
+round); and
 prefill of 4k/8k/16k-token prompts streamed in 8k chunks with two staging buffers and with one.
-Limits, from bandwidths measured in the same run: decode >= (resident bytes read) / B_HBM +
-(miss bytes) / min(B_P + B_H, host read bandwidth) (direct and gpu-fill, with no CPU branch:
-/ B_P); a prefill chunk >= (non-resident pool bytes)
-/ B_P. Routing is the random router on random weights ("native": it routes consecutive tokens
-alike) or replayed synthetic routing (uniform, or Zipf skew with temporal locality).
+Limits, from bandwidths measured in the same run (DESIGN section 7): a decode step >=
+(resident bytes read) / B_HBM + (miss bytes) / min(B_P + B_H, host read with both paths at
+once), the same for every policy (the machine's limit at the row's miss rate: a policy that
+leaves the link or the CPU idle is below it by as much); a prompt of n tokens >= its
+ceil(n / chunk) chunks' bytes streamed over the link (the streamer's count of the experts not
+already resident) / B_P. A figure above its limit is named in a WARNING line. Counters are per
+decoded token (a step of batch 4 makes 4). Routing is the random router on random weights
+("native": it routes consecutive tokens alike) or replayed synthetic routing (uniform, or Zipf
+skew with temporal locality: routing_traces.py).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 from freetoken_agent.bench import cpu_load
 from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
+from freetoken_agent.bench.environment import ENVIRONMENT
 from freetoken_agent.bench.host_caps import HostCaps, above_limits
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_read_bandwidth
@@ -112,7 +118,14 @@ def held_shares(variants: list[tuple], shares: list[float] | None) -> list[tuple
 
 def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[float, dict]:
     """Aggregate decode tok/s of `batch` sequences (after their prefill of `context` tokens
-    each) and cache counters."""
+    each) and cache counters, each `*_per_token` per token produced (a step of batch 4 makes
+    4; `releases_per_step` per forward pass).
+
+    What the window counts is what it produced: the tokens the requests' outputs grew by and
+    the forward passes the runner launched, not `engine.step()` calls. Under overlap
+    scheduling (engine/overlap.py) the window's first call only launches a pass and its last
+    only reads the pass before: n calls for n - 1 passes, so a rate or a counter per call was
+    off by n / (n - 1) (2% at 48 tokens)."""
     bank = engine.loaded.bank
     sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     vocab = engine.spec.vocab_size
@@ -140,37 +153,48 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
     load_start = cpu_load.snapshot()
     label = _step_labeller(bank, batch)
     labels, ends = [], []
+    produced0 = _produced(engine, rids)
+    passes0 = engine.runner.launched
     start = time.perf_counter()
-    steps = 0
+    calls = 0
     while engine.has_unfinished():
         labels.append(label())
         engine.step()
         ends.append(time.perf_counter())
-        steps += 1
+        calls += 1
     _sync()
     seconds = time.perf_counter() - start
     intervals = _intervals(start, ends)
     load = cpu_load.between(load_start, cpu_load.snapshot())
+    tokens = _produced(engine, rids) - produced0  # (before the requests are collected)
+    passes = engine.runner.launched - passes0
     for rid in rids:
         engine._collect(rid)
     st = bank.stats
     experts, hits = st.experts - before[0], st.hits - before[1]
-    return batch * steps / seconds, {
+    per_token = 1 / max(tokens, 1)
+    return tokens / seconds, {
+        "tokens": tokens,  # the window's decoded tokens, all sequences
+        "forward_passes": passes,  # decode steps the runner launched in the window
+        "engine_calls": calls,  # engine.step() calls (one more than passes under overlap)
         "miss_rate": 1 - hits / experts,
-        "fetched_per_token": (st.fetched - before[2]) / steps,
-        "on_cpu_per_token": (st.on_cpu - before[3]) / steps,
-        "behind_per_token": (st.behind - before[4]) / steps,  # of those on the CPU, filled too
+        "fetched_per_token": (st.fetched - before[2]) * per_token,
+        "on_cpu_per_token": (st.on_cpu - before[3]) * per_token,
+        # of those on the CPU, filled too
+        "behind_per_token": (st.behind - before[4]) * per_token,
         # adaptive's split path: fills cut with the CPU, and hits on cut slots still in flight
         # (each posted to the CPU again: the copies behind had not landed)
-        "split_per_token": (st.split - before[5]) / steps,
-        "split_hits_per_token": (st.split_hits - before[6]) / steps,
-        "pcie_bytes_per_token": (bank.cache.bytes_filled - filled0) / steps,
-        "experts_per_token": experts / steps,
-        "segment_reruns_per_token": (getattr(graphs, "reruns", 0) - reruns0) / steps,
-        "stops_per_token": (getattr(graphs, "missed_layers", 0) - stops0) / steps,
-        "wait_ms_per_token": 1e3 * (getattr(graphs, "wait_s", 0.0) - wait0) / steps,
+        "split_per_token": (st.split - before[5]) * per_token,
+        "split_hits_per_token": (st.split_hits - before[6]) * per_token,
+        "pcie_bytes_per_token": (bank.cache.bytes_filled - filled0) * per_token,
+        # A layer's distinct experts count once however many of the step's tokens chose them:
+        # at batch B a token's share of them, at most n_moe_layers * top_k.
+        "experts_per_token": experts * per_token,
+        "segment_reruns_per_token": (getattr(graphs, "reruns", 0) - reruns0) * per_token,
+        "stops_per_token": (getattr(graphs, "missed_layers", 0) - stops0) * per_token,
+        "wait_ms_per_token": 1e3 * (getattr(graphs, "wait_s", 0.0) - wait0) * per_token,
         # (per step: the rows before the twentieth session called it releases_per_token)
-        "releases_per_step": (bank.cache.on_device.releases - releases0) / steps,
+        "releases_per_step": (bank.cache.on_device.releases - releases0) / max(passes, 1),
         # The cores' use over the timed steps: the driver thread and a spinning worker team
         # are this process; others' and steal are cores the worker could not have.
         "cpu_load": None if load is None else load.report(),
@@ -178,6 +202,11 @@ def _decode(engine, n: int, rng, batch: int = 1, context: int = 64) -> tuple[flo
         "step_ms": step_times_summary(labels, intervals),
         "trial_positions_ms": trial_positions(labels, intervals),
     }
+
+
+def _produced(engine, rids: list[str]) -> int:
+    """Tokens the requests `rids` have produced so far (their outputs' lengths together)."""
+    return sum(len(engine._requests[rid].output_ids) for rid in rids)
 
 
 def _step_labeller(bank, batch: int):
@@ -299,11 +328,18 @@ def cpu_share_stats(bank) -> dict | None:
 def add_limits(row: dict, policy: str, batch: int, expert_bytes: float, device_read: float,
                caps: HostCaps, b_hbm: float) -> None:  # fmt: skip
     """A decode row's bytes a step and its limits beside them (host_caps.py): the hits' and
-    `device_read` (dense weights, KV) from HBM, the misses from the host."""
-    miss_bytes = row["experts_per_token"] * row["miss_rate"] * expert_bytes
-    hit_bytes = row["experts_per_token"] * (1 - row["miss_rate"]) * expert_bytes
-    # direct and gpu-fill have no CPU branch; the others' two host paths share host memory.
-    row.update(batch=batch, step_device_bytes=device_read + hit_bytes,
+    `device_read` (dense weights, KV) from HBM, the misses from the host. The row's counters
+    are per token; a step carries the window's tokens / forward passes of them (`batch` in a
+    steady window), so its bytes are a token's times that, and its limit batch / the step's
+    floor (HostCaps.bound)."""
+    passes = row.get("forward_passes")
+    per_step = row["tokens"] / passes if passes else batch
+    experts = row["experts_per_token"] * per_step  # a step's distinct (layer, expert) pairs
+    miss_bytes = experts * row["miss_rate"] * expert_bytes
+    hit_bytes = experts * (1 - row["miss_rate"]) * expert_bytes
+    # whole_step (direct, gpu-fill: no CPU branch) is for reading the row; the limit is the
+    # machine's and the same for every policy (HostCaps.miss_bandwidth).
+    row.update(batch=batch, tokens_per_step=per_step, step_device_bytes=device_read + hit_bytes,
                step_host_bytes=miss_bytes, whole_step=policy in WHOLE_STEP_POLICIES)  # fmt: skip
     caps.bound(row, b_hbm)
 
@@ -315,7 +351,8 @@ def caps_report(caps: HostCaps) -> dict:
 
 
 def _median_round(rows: list[dict]) -> dict:
-    """The round with the median tok/s (its counters with it), and every round's tok/s."""
+    """The round with the median tok/s (its counters with it), and every round's tok/s. With
+    an even count, the lower of the two middle rounds: of 2 rounds, the slower."""
     ranked = sorted(rows, key=lambda row: row["tok_s"])
     return {**ranked[(len(ranked) - 1) // 2], "tok_s_rounds": [row["tok_s"] for row in rows]}
 
@@ -329,6 +366,46 @@ def timed_prefill(engine, n: int, rng) -> float:
     if out.finish_reason == "error":
         raise RuntimeError(f"prefill of {n} tokens failed: {out.error}")
     return n / (time.perf_counter() - start)
+
+
+def prefill_limit(n: int, chunk: int, b_p: float, chunk_bytes: float) -> float:
+    """The streaming limit of an n-token prompt in tok/s (DESIGN section 7): each of its
+    ceil(n / chunk) chunks streams every layer, so it moves `chunk_bytes` (the experts not
+    already resident) over the link at B_P; the last, partial chunk pays as much as a full
+    one."""
+    return n / (-(-n // chunk) * chunk_bytes / b_p)
+
+
+def prefill_row(engine, n: int, chunk: int, b_p: float, rng) -> dict:
+    """A timed prefill of n tokens (`timed_prefill`) beside its streaming limit, from the
+    bytes that crossed the link while it ran: the streamer's host-to-device copies (resident
+    experts it copies device to device are not counted) and the cache's fills (a chunk below
+    the streaming threshold fills slots instead). With no streamer, or nothing counted, every
+    chunk is taken to move the whole pool (`link_bytes_counted` false)."""
+    bank = engine.loaded.bank
+    streamer = getattr(bank, "streamer", None)
+
+    def moved() -> int:
+        _ = bank.stats  # (folds the device path's fills into the cache's count: one sync)
+        return getattr(streamer, "bytes_h2d", 0) + bank.cache.bytes_filled
+
+    before = moved()
+    rate = timed_prefill(engine, n, rng)
+    link_bytes = moved() - before
+    chunks = -(-n // chunk)
+    counted = streamer is not None and link_bytes > 0
+    chunk_bytes = link_bytes / chunks if counted else bank.pool.nbytes
+    limit = prefill_limit(n, chunk, b_p, chunk_bytes)
+    return {"tok_s": rate, "limit_tok_s": limit, "of_limit": rate / limit, "chunks": chunks,
+            "link_bytes": chunks * chunk_bytes, "link_bytes_counted": counted}  # fmt: skip
+
+
+def closing_lines(report: dict) -> list[str]:
+    """The run's last lines: the decode table, then a WARNING for every decode or prefill
+    figure above its limit (host_caps.above_limits)."""
+    prefill = {f"prefill {key}": row for key, row in report["prefill"].items()}
+    warnings = above_limits(report["decode"]) + above_limits(prefill)
+    return decode_table(report["decode"]) + warnings
 
 
 def offload_engine(layers: int, budget_gb: float, chunk: int):
@@ -355,44 +432,69 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench offload",
         description=__doc__,
+        epilog=ENVIRONMENT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--layers", type=int, default=48, help="model depth (12: peer slice)")
-    parser.add_argument("--budget-gb", type=float, default=32.0, help="GPU budget (GB)")
-    parser.add_argument("--decode", type=int, default=48, help="decoded tokens per policy")
+    parser.add_argument("--layers", type=int, default=48,
+                        help="model depth (12: peer slice; default: %(default)s)")  # fmt: skip
+    parser.add_argument("--budget-gb", type=float, default=32.0,
+                        help="GPU budget (GB; default: %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--decode", type=int, default=48,
+        help="tokens each sequence of a row decodes, the first before the clock starts (its "
+        f"prefill's), after WARM_UP ({WARM_UP}) untimed ones (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--context", type=int, default=64, metavar="TOKENS",
         help="prompt tokens of each decoded sequence (agent histories run to 4k-32k; the "
-        "limit counts their KV reads)",
+        "limit counts their KV reads; default: %(default)s)",
     )  # fmt: skip
-    parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 8192, 16384],
-                        help="prompt lengths prefilled, double buffer on and off")  # fmt: skip
-    parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")
+    parser.add_argument(
+        "--prefill", type=int, nargs="+", default=[4096, 8192, 16384], metavar="TOKENS",
+        help="prompt lengths prefilled, double buffer on and off (default: 4096 8192 16384)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chunk", type=int, default=8192, metavar="TOKENS",
+        help="prefill chunk, the engine's max_batched_tokens: a prompt streams the pool once "
+        "per chunk (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="JSON results folder (default: bench/results)")  # fmt: skip
     parser.add_argument("--skip-decode", action="store_true", help="prefill figures only")
     parser.add_argument("--skip-prefill", action="store_true", help="decode figures only")
     parser.add_argument(
         "--regimes",
         nargs="+",
         default=["native", "uniform", "zipf:1.0,loc:0.7"],
-        help="routing: native (the random router as is), uniform, or zipf:S,loc:P (skew S, "
-        "probability P that a token repeats the previous token's experts); see routing_traces",
+        help="routing: native (the random router as is), uniform, or zipf:S,loc:P (replayed "
+        "traces, routing_traces.py: with probability P each of a token's k experts in a layer "
+        "repeats one of the previous token's there, else they are drawn without replacement "
+        "with P(rank r) ~ 1/r^S over a fixed random ranking per layer; uniform is S = 0, "
+        "P = 0; traces seeded 0). Default: native uniform zipf:1.0,loc:0.7 (skew 1.0, "
+        "locality 0.7)",
     )
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="decode batches")
     parser.add_argument(
-        "--policies", nargs="+", choices=POLICIES, default=list(POLICIES), help="decode policies"
-    )
+        "--batches", type=int, nargs="+", default=[1, 4],
+        help="decode batches (sequences decoded together; default: 1 4)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+        help=f"decode policies (default: all: {' '.join(POLICIES)})",
+    )  # fmt: skip
     parser.add_argument(
         "--rounds",
         type=int,
         default=3,
         help="decode measurements per policy, each round starting at another policy; the "
-        "median round is reported (the device host's speed changes over seconds)",
+        "median round is reported (the device host's speed changes over seconds), with an "
+        "even count the lower of the two middle ones: at 2 rounds the slower round "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--fill-behind",
         action="store_true",
-        help="adaptive fills some misses behind the layer's compute (EngineConfig.fill_behind)",
+        help="adaptive fills some misses behind the layer's compute (EngineConfig.fill_behind; "
+        "default off)",
     )
     parser.add_argument(
         "--overlap",
@@ -405,9 +507,12 @@ def main(argv: list[str] | None = None) -> int:
         "--adaptive-path",
         choices=step_paths.PATHS,
         default=None,
-        help="hold adaptive's decode step path (stops: the host's stops; device: the layers "
-        "fill their misses; shared: and the CPU worker computes B_H/(B_P+B_H) of them) "
-        "instead of measuring the three (default)",
+        help="hold adaptive's decode step path instead of measuring them (default: measured, "
+        "step_paths.py): stops (the segmented graphs stop after each router that misses and "
+        "the host places the misses: q*'s fills and CPU branch), device (one graph a step, "
+        "its layers filling their own misses: no CPU branch), shared (that graph, each layer "
+        "sending the CPU worker B_H/(B_P+B_H) of its misses), or split (that graph, every "
+        "fill cut between the link and the CPU worker; turns --split-expert on)",
     )
     parser.add_argument(
         "--pdl",
@@ -433,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FRACTION",
         help="EngineConfig.popular_pins for the device paths (gpu-fill, adaptive): this "
         "fraction of the slots pinned for each layer's most used experts (default: "
-        "EngineConfig's; 0: LRU)",
+        "EngineConfig's, %(default)s; 0: LRU)",
     )
     parser.add_argument(
         "--fill-through",
@@ -535,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         "host_read_sum_gb_s": b_sum / 1e9,
         "host_paths_measured": both,
         "routing": "per decode key: native (the random router), uniform or zipf:S,loc:P replay",
+        "rounds": args.rounds,
+        "round_kept": "median tok/s; with an even count the lower middle round (2: the slower)",
         "decode": {},
         "prefill": {},
     }
@@ -595,14 +702,11 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.prefill:
                 timed_prefill(engine, n, rng)
         for n in args.prefill:
-            rate = timed_prefill(engine, n, rng)
-            chunk_limit = bank.pool.nbytes / caps.b_p  # every expert of every layer streams
-            limit = min(n, args.chunk) / chunk_limit
             key = f"{n}_{'double' if double else 'single'}"
-            report["prefill"][key] = {"tok_s": rate, "limit_tok_s": limit, "of_limit": rate / limit}
+            report["prefill"][key] = prefill_row(engine, n, args.chunk, caps.b_p, rng)
             print(key, json.dumps(report["prefill"][key]), flush=True)
             save()
-    print("\n".join(decode_table(report["decode"]) + above_limits(report["decode"])))
+    print("\n".join(closing_lines(report)))
     print(f"wrote {path}")
     return 0
 

@@ -4,14 +4,17 @@ output tail holds them whole: the JSON lines before it run to several hundred ch
 from __future__ import annotations
 
 HEADER = (
-    "decode key | tok/s | limit | of limit | miss | on CPU/tok | path (ms/tok of each) | "
-    "step ms outside trials (trials' share)"
+    "decode key | tok/s (all sequences) | limit tok/s | of limit | miss rate | "
+    "experts on CPU per token | step path (ms per token each path's trials took) | "
+    "mean ms per step outside trials (trials' share of the time)"
 )
 
 
 def decode_table(decode: dict[str, dict]) -> list[str]:
-    """One line per decode key ("regime|bN|policy"): tok/s, the limit beside it, the miss rate,
-    experts a token on the CPU, and adaptive's kept step path with what each path measured."""
+    """One line per decode key ("regime|bN|policy"): tok/s of the batch's sequences together,
+    the limit beside it, the miss rate, experts run on the CPU per decoded token (a step of
+    batch N makes N tokens: offload._decode), and adaptive's kept step path with the ms per
+    token each path measured; then the mean step (all N tokens) outside the trials."""
     lines = [HEADER]
     for key, row in decode.items():
         paths = row.get("path_ms_per_token") or {}

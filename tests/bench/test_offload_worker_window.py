@@ -104,7 +104,7 @@ def test_a_decode_window_labels_each_step_with_adaptives_path(tmp_path, rng_seed
         steps = st["step_ms"]
         assert set(steps) == {path}
         assert steps[path]["n"] == n  # (one step a token of each sequence)
-        window_ms = 1e3 * batch * n / rate
+        window_ms = 1e3 * st["tokens"] / rate  # (n - 1 tokens each: the first is the prefill's)
         assert steps[path]["mean_ms"] * n == pytest.approx(window_ms, rel=0.05)
         # another policy on the same bank: plain steps, not adaptive's idle path
         offload._use_policy(engine, engine.loaded.bank, rng.choice(["transfer", "cpu"]))
