@@ -32,6 +32,7 @@ under `service.lock`.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import queue
@@ -63,6 +64,18 @@ def shared_service(engine: Any) -> tuple[EngineService, bool]:
         if live is not None:
             return live, False
         return EngineService(engine), True
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """At interpreter exit, stop every live service between two steps. Its thread is a daemon
+    (it must not keep a finished program alive), and a daemon thread still inside a torch op
+    when the interpreter tears down aborts the process: "terminate called without an active
+    exception", exit code 134, for any script that ends while a request is generating."""
+    with _services_lock:
+        live = list(_services.values())
+    for service in live:
+        service.close()
 
 
 def service_for(engine: Any) -> EngineService:
