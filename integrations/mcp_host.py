@@ -29,7 +29,8 @@ and an error that says so, with the history as it stands (trim it, then run on).
 `{"type": "function", "function": {"name": ...}}`, to which FreeToken adds an optional
 `"arguments": {...}` that pins those argument values. A forced turn is generated under a
 JSON-schema grammar (`engine/constrained.py`) of `{"name", "arguments"}` objects, so even a weak
-model makes a well-formed call; the JSON is parsed here instead of by the model's tool-call
+model makes a well-formed call if it ends within max_tokens (one cut short ends the run with
+stop_reason "error", saying so); the JSON is parsed here instead of by the model's tool-call
 parser, as vLLM does for a named tool_choice.
 
 Servers' sampling requests are answered by the same model (`mcp_sampling.py`). Runs are
@@ -289,12 +290,16 @@ class MCPHost:
             except InvalidRequestError as e:
                 yield RunResult(history, "", step, "error", usages, str(e))
                 return
-            forced = None
+            was_forced, forced = forced is not None, None
             step += 1
             usages.append(turn.usage)
             history.append(turn.message())
             if turn.usage.finish_reason == "error":
                 error = turn.usage.error or "the generation failed"
+                yield RunResult(history, turn.content, step, "error", usages, error)
+                return
+            if was_forced and not turn.calls:  # its JSON was cut: not an answer
+                error = turn.void or "the forced tool call is void"
                 yield RunResult(history, turn.content, step, "error", usages, error)
                 return
             if not turn.calls:

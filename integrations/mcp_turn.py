@@ -66,6 +66,7 @@ class Turn:
         self.reasoning: list[str] = []
         self.calls: list[ToolCall] = []
         self.raw: list[str] = []  # a forced turn's JSON text
+        self.void: str | None = None  # why a forced turn's call is void, when it is
         self.usage = Usage(0, 0, 0, 0, "error", "the turn produced no usage")
 
     @property
@@ -89,8 +90,13 @@ class Turn:
         except (ValueError, KeyError, TypeError) as e:
             self.contents.append(text)
             reason = self.usage.finish_reason
-            why = "max_tokens cut it" if reason == "length" else f"{type(e).__name__}: {e}"
-            return [ContentDelta(text), ParseWarning(f"the forced tool call is void: {why}", text)]
+            why = (
+                f"max_tokens ({self.usage.completion_tokens}) cut it: raise max_tokens"
+                if reason == "length"
+                else f"{type(e).__name__}: {e}"
+            )
+            self.void = f"the forced tool call is void: {why}"
+            return [ContentDelta(text), ParseWarning(self.void, text)]
         self.calls.append(call)
         return [ToolCallEnd(0, call.id, call.name, call.arguments)]
 

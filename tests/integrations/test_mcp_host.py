@@ -644,3 +644,25 @@ def test_coding_assistant_example_runs(monkeypatch, capsys):
     assert not listing.is_error and listing.content.split("\n") == sorted(example.PROJECT)
     out = capsys.readouterr().out
     assert "[tool call] list_files" in out and "model turn(s), stopped:" in out
+
+
+def test_a_forced_call_cut_by_max_tokens_ends_the_run_as_an_error(engine, tmp_path, rng_seed):
+    """A forced call's JSON cut short is no answer: the run ends with stop_reason "error" and
+    says max_tokens cut it (it was reported as the model's answer, its half-written JSON as
+    the text); no tool ran."""
+    rng = random.Random(rng_seed)
+    root = tmp_path / "project"
+    root.mkdir()
+    name = next(iter(_project(root, rng)))
+    max_tokens = rng.randint(4, 10)  # the pinned path alone is longer
+
+    async def main() -> RunResult:
+        async with _host({"files": _stdio(FILE_SERVER, str(root))}, engine) as host:
+            choice = _forced("read_file", path=name + "/" + _word(rng, 40))
+            return await host.run("go", max_steps=2, tool_choice=choice,
+                                  sampling={"max_tokens": max_tokens})  # fmt: skip
+
+    result = asyncio.run(main())
+    assert result.stop_reason == "error", (result.stop_reason, result.answer)
+    assert f"max_tokens ({max_tokens}) cut it" in result.error
+    assert not _results(result)
