@@ -1,5 +1,6 @@
 """A LangChain agent (`langchain.agents.create_agent`) on a local FreeToken engine.
 
+    pip install -e ".[examples]"                             # once: langchain and the rest
     python examples/langchain_agent.py                       # the demo model (random weights)
     python examples/langchain_agent.py --model PATH --max-tokens 256 --question "..."
 

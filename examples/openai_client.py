@@ -1,6 +1,7 @@
 """Talk to `freetoken serve` with the official `openai` client: a streamed answer, then a
 streamed tool call, its result sent back, and the model's streamed reply to it.
 
+    pip install -e ".[examples]"             # once: the server's packages and `openai`
     freetoken serve                          # another terminal; --model DIR for a real model
     python examples/openai_client.py         # --base-url URL --api-key KEY --model NAME
 

@@ -195,9 +195,12 @@ def _stream(engine, prompt, sampling: SamplingParams) -> tuple[str, dict]:
 
 def _report(stats: dict, engine) -> None:
     s = engine.stats()["tokens"]
+    rate = stats["decode_tok_s"]  # NaN with one token or none: no decode step to time
+    decode = "no decode steps" if math.isnan(rate) else f"{rate:.1f} tok/s decode"
+    first = stats["ttft_s"]
+    first = "no token" if math.isnan(first) else f"first after {first * 1e3:.0f} ms"
     print(
-        f"[freetoken] {stats['tokens']} tokens, first after {stats['ttft_s'] * 1e3:.0f} ms, "
-        f"{stats['decode_tok_s']:.1f} tok/s decode, finish: {stats['finish']}; "
+        f"[freetoken] {stats['tokens']} tokens, {first}, {decode}, finish: {stats['finish']}; "
         f"prefilled {s['prefilled']} / reused {s['reused']} prompt tokens so far",
         file=sys.stderr,
     )
@@ -279,7 +282,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     # The server lives in integrations/ (Starlette, uvicorn): imported here only, so the other
     # commands run without those packages.
-    from freetoken_agent.integrations.server.serve import check_bind, serve
+    try:
+        from freetoken_agent.integrations.server.serve import check_bind, serve
+    except ImportError as e:
+        raise SystemExit(
+            f"freetoken serve needs the server's packages ({e.name} is missing): "
+            'pip install -e ".[integrations]" (or freetoken-agent[integrations])'
+        ) from None
 
     check_bind(args.host, args.api_key)  # before loading: a refused bind costs nothing
     engine = _load(args)

@@ -282,3 +282,23 @@ def test_chat_without_a_chat_template_says_so_before_the_first_message(env, tmp_
     done = _run(["chat", "--model", str(model), "--device", "cpu"], env, stdin="hello\n")
     assert done.returncode != 0 and "you> " not in done.stdout
     assert "needs a chat template" in done.stderr and "freetoken generate" in done.stderr
+
+
+def test_serve_without_the_server_packages_names_the_install(env):
+    """`freetoken serve` where starlette is not installed (a plain `pip install -e .`): one
+    line naming the extra to install, not a traceback."""
+    code = (
+        "import sys; sys.modules['starlette'] = None; sys.argv = ['freetoken', 'serve']; "
+        "from freetoken_agent.cli import main; sys.exit(main())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120)  # fmt: skip
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert 'pip install -e ".[integrations]"' in done.stderr and "starlette" in done.stderr
+
+
+def test_a_one_token_answer_reports_no_decode_rate(env, rng_seed):
+    done = _run(["generate", "Hi", "--device", "cpu", "--max-tokens", "1",
+                 "--seed", str(rng_seed % 1000)], env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "1 tokens" in done.stderr and "nan" not in done.stderr, done.stderr
