@@ -19,13 +19,28 @@ def _integer_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def token_ids(values, what: str) -> list[int]:
+def context_length_error(n: int, max_model_len: int) -> ContextLengthError:
+    """The refusal of a prompt of `n` tokens that does not fit a context of `max_model_len`
+    (prompt + output: at least one output token must fit). One wording for every layer that
+    checks it: the engine, and a chat rendering checked before its anchors are located."""
+    return ContextLengthError(
+        f"the prompt has {n} tokens; this engine's context holds "
+        f"{max_model_len} tokens (prompt + output), so at most "
+        f"{max_model_len - 1} prompt tokens fit"
+    )
+
+
+def token_ids(values, what: str, max_len: int | None = None) -> list[int]:
     """`values` as a list of ints, each an integer already: a float or a bool (which int() would
-    turn into 5 or 1) is refused, naming it, rather than silently truncated."""
+    turn into 5 or 1) is refused, naming it, rather than silently truncated. With `max_len` (a
+    context length), a list that cannot fit it is refused before any per-item work: Engine.submit
+    runs this under the service's lock, where scanning a million items stalls every stream."""
     try:
         items = list(values)
     except TypeError as e:
         raise InvalidRequestError(f"{what}: {e}") from e
+    if max_len is not None and len(items) >= max_len:
+        raise context_length_error(len(items), max_len)
     for i, v in enumerate(items):
         if isinstance(v, torch.Tensor) and v.dim() == 0 and _integer_dtype(v.dtype):
             items[i] = v = v.item()  # one id as a 0-d tensor (a 1-D tensor's items)
@@ -35,7 +50,11 @@ def token_ids(values, what: str) -> list[int]:
 
 
 def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
-    """Token ids of `prompt` (a string, a list of ids or a tensor of ids)."""
+    """Token ids of `prompt` (a string, a list of ids or a tensor of ids).
+
+    The length is checked before anything that costs per token (the vocabulary scan, a list's
+    type checks, a tensor's conversion): Engine.submit runs under the service's lock, so an
+    over-long prompt must be refused in time proportional to the context, not to its size."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
@@ -47,9 +66,13 @@ def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, max_model_len: int
             raise InvalidRequestError(
                 f"a prompt tensor holds one prompt's ids (1-D), got shape {tuple(prompt.shape)}"
             )
+        if prompt.numel() >= max_model_len:
+            raise context_length_error(prompt.numel(), max_model_len)
         ids = prompt.tolist() if prompt.dim() else [prompt.item()]
     else:
-        ids = token_ids(prompt, "a prompt is a string or a list of token ids")
+        ids = token_ids(prompt, "a prompt is a string or a list of token ids", max_model_len)
+    if len(ids) >= max_model_len:
+        raise context_length_error(len(ids), max_model_len)
     if not ids:
         raise InvalidRequestError("the prompt is empty: give at least one token")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -57,12 +80,6 @@ def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, max_model_len: int
         raise InvalidRequestError(
             f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
             + (f" ({len(bad)} such ids)" if len(bad) > 1 else "")
-        )
-    if len(ids) >= max_model_len:
-        raise ContextLengthError(
-            f"the prompt has {len(ids)} tokens; this engine's context holds "
-            f"{max_model_len} tokens (prompt + output), so at most "
-            f"{max_model_len - 1} prompt tokens fit"
         )
     return ids
 

@@ -30,6 +30,11 @@ class Constraint(NamedTuple):
     spec: Any  # the schema (a dict) or the grammar's text
 
 
+# Stop strings are searched for in the new text of every generated token, on the engine thread
+# (output_state.py): their number and length bound that work, which every other request waits
+# for. OpenAI allows 4 stop strings; we allow more, but not without limit.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it decode greedily
 SEED_MIN, SEED_END = -(2**63), 2**64  # what torch.Generator.manual_seed accepts
 
@@ -91,6 +96,17 @@ class SamplingParams:
         ):
             problems.append(
                 f"stop must be a string or a list of non-empty strings, got {self.stop!r:.80}"
+            )
+        elif len(self.stop) > MAX_STOP_STRINGS:
+            problems.append(
+                f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed "
+                "(OpenAI allows 4)"
+            )
+        elif any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            i, long = next((i, s) for i, s in enumerate(self.stop) if len(s) > MAX_STOP_CHARS)
+            problems.append(
+                f"stop[{i}] has {len(long)} characters; a stop string may have at most "
+                f"{MAX_STOP_CHARS}"
             )
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
             not _is_int(t) or t < 0 for t in self.stop_token_ids

@@ -35,7 +35,11 @@ Cost: about one render per message plus one or two per reasoning span, tool call
 result, each of a history prefix (O(n^2) template work for n messages). Results are cached per
 message prefix, so a Session's next turn renders only its new messages. Measured on the 2-core CI
 machine: a cold render of 100 messages takes ~0.9 s (200: ~3.3 s); the next turn of such a
-session ~0.1 s. A server should keep one ChatFormat per model to share the cache.
+session ~0.1 s. A server should keep one ChatFormat per model to share the cache. That work
+grows with the square of the history while the context bounds what can be sent, so
+ChatFormat.render refuses a rendering that does not fit the engine's context (its
+`max_model_len`, which a Session passes) before locating anything: a history of thousands of
+tiny messages costs one render and one tokenization, not thousands of renders.
 """
 
 from __future__ import annotations

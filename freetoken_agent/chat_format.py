@@ -34,8 +34,9 @@ from typing import Any
 
 from freetoken_agent.anchor_locator import AnchorLocator, common_prefix, key_bytes, unrendered
 from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.prompt_input import context_length_error
 from freetoken_agent.engine.text.chat_template import ChatTemplate, ChatTemplateError
-from freetoken_agent.engine.text.tokenizer import Tokenizer
+from freetoken_agent.engine.text.tokenizer import Tokenizer, encode_text
 from freetoken_agent.messages import Message, coerce_messages, to_template_messages
 
 ANCHOR_KINDS = (
@@ -151,8 +152,17 @@ class ChatFormat:
         messages: Sequence[Message | Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        max_model_len: int | None = None,
         **kwargs: Any,
     ) -> Prompt:
+        """The Prompt of `messages`; `kwargs` are template variables.
+
+        `max_model_len` (the engine's context, prompt + output): a rendering of that many
+        tokens or more is refused (ContextLengthError, the engine's wording) before anchors are
+        located. Locating them renders a history prefix per message (anchor_locator.py), work
+        that grows with the square of the history's length: an over-long history must not pay
+        for it only to be refused by the engine afterwards."""
         records = coerce_messages(messages)
         if not records:
             raise InvalidRequestError("cannot render an empty history: give at least one message")
@@ -169,6 +179,9 @@ class ChatFormat:
             full = render(dicts, add_generation_prompt)
         except ChatTemplateError as e:
             raise InvalidRequestError(f"the chat template rejected this history: {e}") from e
+        encoding = encode_text(self.tokenizer.backend, full)
+        if max_model_len is not None and len(encoding.ids) >= max_model_len:
+            raise context_length_error(len(encoding.ids), max_model_len)
         # Cache entries are valid for one template, tool list and set of variables. (A template
         # printing strftime_now() changes text without changing these; the stability check below
         # compares digests of real text, so it only costs cache misses there.)
@@ -178,7 +191,6 @@ class ChatFormat:
         if tools and not locator.tools_rendered():
             raise unrendered("tool definitions")
         marks, gen_text = locator.locate()  # raises when tool calls or results go unrendered
-        encoding = self.tokenizer.backend.encode(full, add_special_tokens=False)
         ids = list(encoding.ids)  # [T]
         ends = [end for _, end in encoding.offsets]  # [T] character end of each token
         starts = [start for start, _ in encoding.offsets]

@@ -88,6 +88,23 @@ ParserFactory = Callable[[Prompt], StreamParser]
 _UNSET: Any = object()
 
 
+def context_limit(engine: Any) -> int | None:
+    """The engine's context (`max_model_len`), read through what a Session may get for its
+    engine: the Engine, an EngineService (`.engine`) or a view of one (`.service.engine`,
+    unless the view says it itself). None when there is none (a duck-typed engine): the
+    rendering is then not checked against it, and the engine refuses what does not fit."""
+    holders = (
+        engine,
+        getattr(engine, "engine", None),
+        getattr(getattr(engine, "service", None), "engine", None),
+    )
+    for holder in holders:
+        value = getattr(holder, "max_model_len", None)  # None too once an Engine is closed
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 class Session:
     def __init__(
         self,
@@ -137,7 +154,8 @@ class Session:
 
     def render(self, messages: Sequence[Message | Mapping[str, Any]]) -> Prompt:
         """The prompt for `messages`, behind the session's system message and with its tools.
-        Anchor message indices count the system message."""
+        Anchor message indices count the system message. A prompt that does not fit the
+        engine's context raises ContextLengthError here, before its anchors are located."""
         records = coerce_messages(messages)
         if self.system is not None:
             if records and isinstance(records[0], SystemMessage):
@@ -146,7 +164,8 @@ class Session:
                     "system=...; give one or the other"
                 )
             records = [SystemMessage(self.system), *records]
-        return self.chat_format.render(records, tools=self.tools)
+        limit = context_limit(self.engine)
+        return self.chat_format.render(records, tools=self.tools, max_model_len=limit)
 
     @property
     def last_sent(self) -> list[int]:

@@ -12,7 +12,7 @@ Why it is built this way:
   .cache_read` says how much).
 - The engine is shared: all calls go through one EngineService per engine (one stepping
   thread), so threads, asyncio tasks and several ChatFreeToken instances can run at once.
-  Cancelling an async call or hitting `timeout` aborts the engine request (at the engine's next step).
+  Cancelling an async call or hitting `timeout` aborts the engine request (at its next step).
 - A forced tool call (`tool_choice` "any"/"required"/a name) and `with_structured_output(
   method="json_schema")` use constrained decoding: the output is valid JSON for the schema even
   from a weak model. Such turns do not think (the grammar starts at the first token).

@@ -35,6 +35,8 @@ import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from freetoken_agent.engine.outputs import InvalidRequestError
+
 # The names a message's reasoning travels under; templates read the first (Qwen, DeepSeek),
 # gpt-oss templates read `thinking`.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -135,7 +137,21 @@ def plain_data(value: Any) -> Any:
     Str/int/float subclasses (enums, numpy scalars) lose their extra methods, dataclasses and
     pydantic models become dicts, and anything else becomes a "<TypeName>" placeholder: the
     sandbox cannot know which methods of an arbitrary object are dangerous.
+
+    Input nested deeper than Python's recursion limit (tool arguments or a schema of hundreds
+    of levels) is refused with InvalidRequestError: the last guard, front-ends check the depth
+    of what they accept, naming the field, before it gets here.
     """
+    try:
+        return _plain(value)
+    except RecursionError:
+        raise InvalidRequestError(
+            "the chat history or tools are nested too deeply to render (more levels of lists "
+            "and objects than Python's recursion limit allows); flatten them"
+        ) from None
+
+
+def _plain(value: Any) -> Any:
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, str):
@@ -145,19 +161,19 @@ def plain_data(value: Any) -> Any:
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
-        return {plain_data(k): plain_data(v) for k, v in value.items()}
+        return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [plain_data(v) for v in value]
+        return [_plain(v) for v in value]
     if isinstance(value, tuple):
-        return tuple(plain_data(v) for v in value)
+        return tuple(_plain(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     item = getattr(value, "item", None)
     if callable(item) and type(value).__module__ == "numpy":
-        return plain_data(item())
+        return _plain(item())
     dump = getattr(value, "model_dump", None)
     if callable(dump):
-        return plain_data(dump())
+        return _plain(dump())
     return f"<{type(value).__name__}>"
 
 
@@ -217,11 +233,15 @@ class ChatTemplate:
                         f"tool {i} must be a JSON-schema dict, got {type(tool).__name__}"
                     )
         variables = {**self.special_tokens, **plain_data(extra)}
+        # Converted outside the `try`: input too deep to convert is the caller's error
+        # (InvalidRequestError), not the template's.
+        tools = plain_data(list(tools)) if tools is not None else None
+        documents = plain_data(list(documents)) if documents is not None else None
         try:
             return self._template.render(
                 messages=chat,
-                tools=plain_data(list(tools)) if tools is not None else None,
-                documents=plain_data(list(documents)) if documents is not None else None,
+                tools=tools,
+                documents=documents,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )

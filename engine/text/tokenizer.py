@@ -39,6 +39,22 @@ NAMED_SPECIAL_TOKENS = (
 )
 
 
+# Texts longer than this (characters) are encoded through `encode_batch`: tokenizers' `encode`
+# holds the GIL for its whole run (seconds for a few MB, stalling the server's event loop and
+# the engine thread), `encode_batch` releases it. Same ids and offsets; shorter texts keep the
+# plain call, whose overhead is lower.
+LONG_TEXT_CHARS = 20_000
+
+
+def encode_text(
+    backend: tokenizers.Tokenizer, text: str, add_special_tokens: bool = False
+) -> tokenizers.Encoding:
+    """`backend.encode(text)`, releasing the GIL while a long text is encoded."""
+    if len(text) > LONG_TEXT_CHARS:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    return backend.encode(text, add_special_tokens=add_special_tokens)
+
+
 class TokenizerConfigError(ValueError):
     """A tokenizer or config file exists but cannot be used; the message names file and field."""
 
@@ -192,7 +208,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds bos (etc.) when the model wants it."""
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = encode_text(self.backend, text, add_special_tokens).ids
         if add_special_tokens and self._prepend_bos:
             ids = [self.bos_token_id, *ids]
         return ids

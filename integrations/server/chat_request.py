@@ -15,13 +15,14 @@ completions (text_request.py) share the sampling fields and `check_envelope`.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.sampling_params import SamplingParams
-from freetoken_agent.integrations.server.errors import BadParam, ModelNotFound
+from freetoken_agent.integrations.server.errors import BadParam, ModelNotFound, check_nesting
 from freetoken_agent.integrations.server.foreign_fields import (
     check_chat_fields,
     check_sampling_fields,
@@ -172,7 +173,13 @@ def sampling_from(
         if "schema" in text or "response_format" in text:  # a forced call's schema is a tool's
             # (and so is the fault in a call-or-answer schema: its answer was checked alone)
             param = "tools" if choice.forced or either else "response_format"
+        if param is None and _STOP_PROBLEM.search(text):  # too many or too long (the caps)
+            param = "stop"
         raise BadParam(text, param or (max_key if "max_tokens" in text else None)) from None
+
+
+# SamplingParams' problems are joined by "; ", each starting with the field it is about.
+_STOP_PROBLEM = re.compile(r"(?:^|; )stop(?:\[\d+\])? ")
 
 
 _TEXT_FIELDS = ("role", "name", "tool_call_id", "reasoning_content", "reasoning", "thinking")
@@ -186,6 +193,9 @@ def check_message_shapes(raw: list) -> None:
         where = f"messages[{i}]"
         if not isinstance(msg, Mapping):
             raise BadParam(f"{where} must be an object with a role, got {msg!r:.40}", where)
+        # Before anything reads it: tool-call arguments given as an object are walked
+        # recursively (rendering, cache keys), where hundreds of levels raised RecursionError.
+        check_nesting(msg, where)
         for key in _TEXT_FIELDS:
             if msg.get(key) is not None and not isinstance(msg[key], str):
                 raise BadParam(f"{where}.{key} must be a string, got {msg[key]!r:.40}", where)

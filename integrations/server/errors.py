@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -104,6 +106,8 @@ def parse_json_body(raw: bytes | str, what: str = "the request body") -> Any:
             ) from None
     try:
         value = json.loads(raw, parse_constant=_no_constant)
+        if _SURROGATE_ESCAPE.search(raw):
+            _check_text(value, what)  # json.dumps: recursive too
     except json.JSONDecodeError as e:
         raise BadParam(
             f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} "
@@ -112,9 +116,49 @@ def parse_json_body(raw: bytes | str, what: str = "the request body") -> Any:
         ) from None
     except _NotJSON as e:
         raise BadParam(f"{what} is not valid JSON: {e}", code="invalid_json") from None
-    if _SURROGATE_ESCAPE.search(raw):
-        _check_text(value, what)
+    except RecursionError:  # json.loads recurses per level: "[[[[..." deeper than the stack
+        raise BadParam(
+            f"{what} is nested deeper than this server reads (Python's recursion limit, "
+            f"about {sys.getrecursionlimit()} levels of arrays and objects)",
+            code="invalid_json",
+        ) from None
     return value
+
+
+# Levels of arrays and objects one field may nest (a tool's parameters schema, a message with
+# its tool calls' arguments). Real ones use a handful; code that walks them recursively (the
+# chat template's input conversion, its `tojson`, schema checks) must never meet a depth that
+# reaches Python's recursion limit, which raised RecursionError there: a 500, not a 400.
+MAX_NESTING = 64
+
+
+def nesting_depth(value: Any, limit: int = MAX_NESTING) -> int:
+    """Levels of arrays and objects in `value` (parsed JSON: 0 for a scalar, 1 for [] or {}),
+    measured without recursion; it stops counting once past `limit` (returns limit + 1)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, Mapping):
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (Mapping, list, tuple)))
+    return deepest
+
+
+def check_nesting(value: Any, where: str, limit: int = MAX_NESTING) -> None:
+    """BadParam naming `where` when `value` nests more than `limit` levels."""
+    if nesting_depth(value, limit) > limit:
+        raise BadParam(
+            f"{where} is nested more than {limit} levels deep (arrays and objects); flatten it",
+            where,
+        )
 
 
 class _NotJSON(ValueError):

@@ -44,7 +44,7 @@ from freetoken_agent.integrations.constrained_output import (
     output_schema,
 )
 from freetoken_agent.integrations.server.bridge import Turn
-from freetoken_agent.integrations.server.errors import BadParam
+from freetoken_agent.integrations.server.errors import BadParam, check_nesting
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
 from freetoken_agent.parsers import (
     OutputParser,
@@ -77,6 +77,7 @@ def parse_tools(raw: Any, param: str = "tools") -> list[dict] | None:
     tools = []
     for i, tool in enumerate(raw):
         where = f"{param}[{i}]"
+        check_nesting(tool, where)  # first: rendering walks the schema recursively
         if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
             raise BadParam(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
         fn = tool.get("function")

@@ -187,10 +187,11 @@ def test_two_sessions_branch_from_one_prefix(chat):
     assert resume == user_turn.offset > 0  # the shared system prompt and tools, not re-run
 
 
-def test_overlapping_turns_predict_a_hybrids_resume_not_the_divergence(chat):
-    """Two sessions' turns advanced in turn: the engine's own figures cannot be told apart, so
-    Usage is the Session's prediction (exact False). For a hybrid model that is the deepest
-    anchor at or before the divergence (where the engine resumes), not the divergence."""
+def test_the_predicted_reuse_of_a_hybrid_is_where_the_engine_resumes(chat):
+    """What the Session predicts a turn reuses (its Usage when the engine's own figures cannot
+    be told apart from another session's: overlapping turns, exact False) is, for a hybrid
+    model, the deepest anchor at or before the divergence, where the engine resumes: not the
+    divergence itself."""
     engine, _, _, rng = chat
     system = _text(rng, 50)
     sessions = [Session(engine, system=system, tools=TOOLS) for _ in range(2)]
@@ -198,22 +199,10 @@ def test_overlapping_turns_predict_a_hybrids_resume_not_the_divergence(chat):
     for s, h in zip(sessions, histories, strict=True):
         list(s.send(h, SP))
     requests = record_requests(engine)
-    for h in histories:  # each edits the end of its only message
-        h[0] = UserMessage(h[0].content + " " + _text(rng, rng.randint(1, 3)))
-    diffs = [s.diff(h) for s, h in zip(sessions, histories, strict=True)]
-    turns = [s.send(h, SP) for s, h in zip(sessions, histories, strict=True)]
-    events: list[list] = [[], []]
-    live = [True, True]
-    while any(live):
-        for j, turn in enumerate(turns):
-            if live[j]:
-                try:
-                    events[j].append(next(turn))
-                except StopIteration:
-                    live[j] = False
-    for j, diff in enumerate(diffs):
-        usage = [e for e in events[j] if isinstance(e, Usage)][-1]
-        assert not usage.exact  # both finished within each other's turn
+    for s, h in zip(sessions, histories, strict=True):
+        h[0] = UserMessage(h[0].content + " " + _text(rng, rng.randint(1, 3)))  # edit its end
+        diff = s.diff(h)
         assert diff.resume_offset < diff.first_divergence  # the edit is past the anchor
-        assert usage.reused_tokens == diff.resume_offset == requests[j].num_reused
-        assert usage.prefilled_tokens == len(diff.prompt) - diff.resume_offset
+        list(s.send(h, SP))
+        assert diff.reused_tokens == diff.resume_offset == requests[-1].num_reused
+        assert diff.prefill_tokens == len(diff.prompt) - diff.resume_offset
