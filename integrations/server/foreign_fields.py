@@ -14,8 +14,9 @@ vLLM's extensions:
   parser that no longer matches the output, say) is nothing this server has checked.
 - `guided_json`, `guided_choice`, `guided_regex`, `guided_grammar`, `structured_outputs`:
   refused. `response_format` json_schema is the way to constrain output here; guided_choice's
-  output is the bare string, not JSON, so it is not a JSON-schema enum, and there is no regex
-  or grammar constraint to map the others onto.
+  output is the bare string, not JSON, so it is not a JSON-schema enum; the API takes no regex
+  or grammar (the engine's `SamplingParams.grammar` is llguidance's Lark syntax, which vLLM's
+  grammars are not written in).
 - `repetition_penalty`, `min_p`, `min_tokens`: refused unless they are the neutral value
   (1, 0, 0), which asks for nothing: the sampler has none of them.
 - `reasoning_effort` (OpenAI's, for its reasoning models) is refused: enable_thinking is the
@@ -38,8 +39,12 @@ _SAMPLING: dict[str, tuple[tuple, str]] = {
     "min_tokens": ((0,), "the engine cannot hold back the end of a generation"),
     "guided_json": ((), _CONSTRAIN),
     "guided_choice": ((), _CONSTRAIN + " (an enum schema; the answer is then JSON text)"),
-    "guided_regex": ((), "there is no regex constraint; " + _CONSTRAIN),
-    "guided_grammar": ((), "there is no grammar constraint; " + _CONSTRAIN),
+    "guided_regex": ((), "this API takes no regex constraint; " + _CONSTRAIN),
+    "guided_grammar": (
+        (),
+        "this API takes no grammar (the engine's SamplingParams.grammar "
+        "is llguidance's Lark syntax, not vLLM's); " + _CONSTRAIN,
+    ),
     "structured_outputs": ((), _CONSTRAIN),
 }
 _CHAT: dict[str, tuple[tuple, str]] = {
