@@ -58,7 +58,9 @@ def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, max_model_len: int
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
-        ids = tokenizer.encode(prompt)
+        # With the model's own specials (a Llama/Mistral bos), as transformers, vLLM and
+        # llama.cpp encode a raw prompt: those models were trained with it at the start.
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
     elif isinstance(prompt, torch.Tensor):
         if not _integer_dtype(prompt.dtype):
             raise InvalidRequestError(f"token ids are integers: got a {prompt.dtype} tensor")

@@ -68,7 +68,8 @@ class TextRun:
             raise BadParam(
                 "this model has no tokenizer: send prompt as a list of token ids", "prompt"
             )
-        return tokenizer.encode(self.prompt)  # as Engine.submit encodes a string
+        # As Engine.submit encodes a string: with the model's bos, if it has one.
+        return tokenizer.encode(self.prompt, add_special_tokens=True)
 
     def _submit(self, loop: asyncio.AbstractEventLoop) -> None:  # in a worker thread
         def deliver(event: TokenEvent) -> None:  # on the engine thread, under service.lock
