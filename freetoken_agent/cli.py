@@ -206,13 +206,20 @@ def _report(stats: dict, engine) -> None:
     )
 
 
+def _chat_ids(engine, messages: list[dict], **variables) -> list[int]:
+    """The rendered chat as token ids, encoded without the tokenizer's own specials: the
+    template writes its bos itself, and a string prompt would get a second one."""
+    text = engine.tokenizer.apply_chat_template(messages, **variables)
+    return engine.tokenizer.encode(text)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     engine = _load(args)
     prompt = args.prompt
     if args.chat:
         if engine.tokenizer is None:
             raise SystemExit("--chat needs a tokenizer in the model folder")
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = _chat_ids(engine, [{"role": "user", "content": prompt}])
     stats = _stream(engine, prompt, _sampling(args))[1]
     if stats["finish"] == "interrupted":
         return 130  # the shell's code for Ctrl-C
@@ -245,7 +252,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        prompt = engine.tokenizer.apply_chat_template(history)
+        prompt = _chat_ids(engine, history)
         print("model> ", end="", flush=True)
         try:
             text, stats = _stream(engine, prompt, _sampling(args))
@@ -266,7 +273,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.model = "demo"
     engine = _load(args)
     messages = [{"role": "user", "content": args.prompt}]
-    prompt = engine.tokenizer.apply_chat_template(messages, enable_thinking=False)
+    prompt = _chat_ids(engine, messages, enable_thinking=False)
     print(f"[freetoken] prompt: {args.prompt!r}", file=sys.stderr)
     _report(_stream(engine, prompt, _sampling(args))[1], engine)
     mem = engine.stats()["memory"]

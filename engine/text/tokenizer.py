@@ -273,7 +273,9 @@ class Tokenizer:
         template_name: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """The prompt text for a conversation (render only; `encode` it to get ids)."""
+        """The prompt text for a conversation (render only; `encode` it to get ids, without
+        special tokens: a template writes its own bos, and `Engine.generate(str)` encodes a
+        string with them, as a raw prompt, so the text given there would get two)."""
         template = self.get_chat_template(template_name, tools)
         return template.render(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs

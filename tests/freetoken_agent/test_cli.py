@@ -302,3 +302,27 @@ def test_a_one_token_answer_reports_no_decode_rate(env, rng_seed):
                  "--seed", str(rng_seed % 1000)], env)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "1 tokens" in done.stderr and "nan" not in done.stderr, done.stderr
+
+
+def test_chat_prompts_carry_one_bos(env, tmp_path, rng_seed):
+    """`generate --chat` on a model whose template writes its bos and whose tokenizer adds one
+    to a raw prompt (Llama/Mistral): the prompt has that bos once (rendered text sent as a
+    string got a second)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+    from mistral_tokenizer import CONFIG, mistral_v3_backend
+    from tiny_models import make_tiny
+
+    rng = random.Random(rng_seed)
+    tok = mistral_v3_backend()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    config = {**CONFIG, "add_bos_token": True, "chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    make_tiny("mixtral", tmp_path, rng_seed, vocab_size=tok.get_vocab_size())
+    words = " ".join(rng.choice(["hello", "there", "quick", "answer"]) for _ in range(4))
+    done = _run(["generate", words, "--model", str(tmp_path), "--device", "cpu", "--chat",
+                 "--max-tokens", "1"], env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    want = tok.encode(f"<s>[INST] {words} [/INST]", add_special_tokens=False).ids
+    assert want.count(tok.token_to_id("<s>")) == 1
+    assert f"prefilled {len(want)} " in done.stderr, done.stderr
