@@ -192,12 +192,16 @@ class Tokenizer:
         )
 
     def _ensure_tokens_exist(self) -> None:
-        # A special token named in the config but absent from the vocabulary is added as a
-        # special token, as transformers does, so that it encodes to one id.
-        missing = [t for t in self.special_tokens.values() if self.backend.token_to_id(t) is None]
-        if missing:
+        # Every special token named in the config is a special added token, as transformers
+        # makes it: one absent from the vocabulary is added; one that is an ordinary piece of
+        # the model's vocabulary (an export that lists only some control tokens as added) is
+        # registered at its id, so that "</s>" in text encodes to it, not to "<", "/s", ">",
+        # and decoding skips it as the streaming detokenizer does.
+        added = {t.content for t in self.backend.get_added_tokens_decoder().values()}
+        named = [t for t in dict.fromkeys(self.special_tokens.values()) if t not in added]
+        if named:
             self.backend.add_special_tokens(
-                [tokenizers.AddedToken(t, special=True, normalized=False) for t in missing]
+                [tokenizers.AddedToken(t, special=True, normalized=False) for t in named]
             )
 
     def _named_id(self, name: str) -> int | None:
