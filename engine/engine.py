@@ -181,7 +181,7 @@ class Engine:
         # Special tokens that are a tool-call or reasoning tag stay in the text for the
         # parsers (Mixtral's [TOOL_CALLS]); every other one is skipped (text/markers.py).
         self._outputs[request_id] = OutputState(
-            self.tokenizer, sampling.stop, context=ids, keep_special=marker_ids(self.tokenizer)
+            self.tokenizer, _stops(sampling), context=ids, keep_special=marker_ids(self.tokenizer)
         )
         self._events[request_id] = deque()
         if _score:
@@ -356,7 +356,9 @@ class Engine:
         state = self._outputs[req.id]
         sp = req.sampling
         reason = None
-        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+        if (token in sp.stop_token_ids and sp.json_schema is None) or (
+            not sp.ignore_eos and token in self.eos_token_ids
+        ):
             reason = "stop"
             text = state.release(final=True)
         else:
@@ -477,3 +479,10 @@ class Engine:
         check = getattr(self.loaded.bank, "check_integrity", None)
         if check is not None:
             check()
+
+
+def _stops(sampling: SamplingParams) -> list[str]:
+    """The stop strings that apply: none while a JSON schema holds the output, whose grammar
+    decides where it ends (a stop string or id met inside the JSON cut it short, and the
+    request ended "stop" with text that does not parse); `_accept` skips stop ids the same."""
+    return [] if sampling.json_schema is not None else sampling.stop

@@ -61,6 +61,7 @@ class SamplingParams:
     ignore_eos: bool = False
     # The output is exactly one JSON value valid against this schema; the request ends with
     # finish_reason "stop" right after its last character (or "length" if max_tokens cut it).
+    # Stop strings and stop ids do not apply meanwhile: the grammar decides where it ends.
     json_schema: dict[str, Any] | None = None
     # OpenAI's form: {"type": "text"} | {"type": "json_object"} |
     # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.

@@ -214,10 +214,14 @@ def parser_factory(
     engine: Any,
     turn: Turn,
     call_or_answer: bool = False,
+    json_answer: bool = False,
 ) -> ParserFactory:
     """The Session's parser factory for one turn. For a forced call, or a call or the answer,
     it also sets the Turn's prompt suffix: Session.send calls the factory with the rendered
-    prompt just before it streams, and the bridge appends `turn.suffix_ids` to that prompt."""
+    prompt just before it streams, and the bridge appends `turn.suffix_ids` to that prompt.
+    `json_answer`: the output is held to a JSON schema from its first token (a response_format
+    without tools to call): a think block the template left open is closed in the prompt
+    too, or the JSON would be read as reasoning and the answer's content left empty."""
     tokenizer = engine.tokenizer
     tool_format = _tool_format(engine)
 
@@ -230,6 +234,9 @@ def parser_factory(
             return JsonOrCallParser(False, tools or [])
         if not choice.forced:
             fmt = tool_format if choice.mode == "auto" else None
+            if json_answer and thinking:
+                turn.suffix_ids = tokenizer.encode(THINK_CLOSE + "\n\n")
+                return OutputParser(fmt, False, tools)
             return OutputParser(fmt, thinking, tools)
         close = THINK_CLOSE + "\n\n" if thinking else ""
         native = tool_format == "hermes"

@@ -94,7 +94,12 @@ class TurnRun:
                 live.bridge.current = turn
                 turn.on_submit = lambda n: put(_Started(n))
                 factory = parser_factory(
-                    request.tool_choice, request.tools, live.bridge, turn, request.call_or_answer
+                    request.tool_choice,
+                    request.tools,
+                    live.bridge,
+                    turn,
+                    request.call_or_answer,
+                    json_answer=request.sampling.json_schema is not None,
                 )
                 one = None if request.parallel_tool_calls else FirstCallOnly(turn.cancel)
                 sampling = turn_sampling(

@@ -130,3 +130,38 @@ def test_chat_deepseek_forced_tool_call_under_thinking(server, rng_seed, nothing
         merged = chunk if merged is None else merged + chunk
     assert merged.tool_calls[0]["args"] == called.tool_calls[0]["args"]
     nothing_held(server.state.service)
+
+
+def test_a_json_answer_under_thinking_comes_as_content(server, rng_seed):
+    """A response_format on a model whose template opens a think block: the grammar holds the
+    output to the JSON from its first token, so the block is closed in the prompt and the JSON
+    is the answer's content (it was read as reasoning, the content left empty), streamed or
+    not; with tool_choice "none" too."""
+    rng = random.Random(rng_seed)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": rng.randint(1, 99)}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": _text(rng)}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        "max_tokens": 64,
+        "temperature": 1.0,
+        "seed": rng_seed,
+    }
+    if rng.random() < 0.5:
+        body["tools"] = [{"type": "function", "function": {"name": "noop"}}]
+        body["tool_choice"] = "none"
+    with httpx.Client(base_url=server.base, timeout=60) as http:
+        whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        lines = []
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert whole["finish_reason"] == "stop", whole
+    assert not whole["message"].get("reasoning_content"), whole
+    jsonschema.validate(json.loads(whole["message"]["content"]), schema)
+    deltas = [json.loads(x)["choices"][0]["delta"] for x in lines[:-1] if json.loads(x)["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == whole["message"]["content"]
