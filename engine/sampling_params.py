@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -23,6 +24,9 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+# Regex constructs a grammar cannot hold a token stream to (llguidance refuses them, naming no
+# property): look-around and backreferences. Pydantic writes a look-ahead for Decimal fields.
+_UNENFORCEABLE_REGEX = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
 
 
 class Constraint(NamedTuple):
@@ -215,6 +219,14 @@ def _walk(node: Any, where: str, out: list[tuple[str, str]]) -> None:
         v = node.get(key)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             out.append((where, f"'{key}' must be an integer >= 0, got {v!r}"))
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and _UNENFORCEABLE_REGEX.search(pattern):
+        why = (
+            f"'pattern' {pattern!r:.60} uses look-around or a backreference, which constrained "
+            "decoding cannot enforce: drop it or rewrite it without them (a pydantic Decimal "
+            "field writes one: use float)"
+        )
+        out.append((where, why))
     for key in _BOUNDS:
         v = node.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):

@@ -371,6 +371,22 @@ def test_ids_the_tokenizer_lacks_are_banned_even_if_the_matcher_allows_them(rng_
         ({"anyOf": {}}, ["'anyOf'"]),
         ({"type": "string", "default": {1, 2}}, ["not plain JSON"]),
         ("{}", ["must be a dict"]),
+        # pydantic's Decimal: a look-ahead, which llguidance refused naming no property
+        (
+            {
+                "type": "object",
+                "properties": {
+                    "total": {
+                        "anyOf": [
+                            {"type": "number"},
+                            {"type": "string", "pattern": "^(?!^[-+.]*$)[+-]?0*\\d*\\.?\\d*$"},
+                        ]
+                    }
+                },
+            },
+            ["/properties/total/anyOf/1", "look-around"],
+        ),  # fmt: skip
+        ({"type": "string", "pattern": "^(a|b)\\1$"}, ["'pattern'", "backreference"]),
     ],
 )
 def test_invalid_schema_is_refused_by_sampling_params(schema, words):
