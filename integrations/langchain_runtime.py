@@ -39,7 +39,7 @@ from freetoken_agent.integrations.langchain_constrained import (
     ForcedFormat,
     PrefedParser,
 )
-from freetoken_agent.parsers import OutputParser, parser_factory_for, tool_format_for
+from freetoken_agent.parsers import OutputParser, engine_tool_format, parser_factory_for
 from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
 from freetoken_agent.service import EngineService, ServiceView
 from freetoken_agent.service import service_for as service_for  # re-exported (langchain.py)
@@ -96,11 +96,6 @@ def chat_format(service: EngineService, thinking: bool | None) -> ChatFormat:
             extra = {} if thinking is None else {"enable_thinking": thinking}
             per[thinking] = ChatFormat(service.tokenizer, **extra)
         return per[thinking]
-
-
-def tool_format(service: EngineService) -> str | None:
-    sources = getattr(service.tokenizer, "chat_template_sources", {}) or {}
-    return tool_format_for(service.spec.arch, sources.get("tool_use") or sources.get("default"))
 
 
 # ------------------------------------------------------------------------ calls and gateway
@@ -205,7 +200,7 @@ def build_session(service: EngineService, binding: Binding, thinking: bool | Non
         return Session(gateway, tools=tools, chat_format=fmt, parser_factory=factory)
     # Constrained: the grammar starts at the first generated token, so no thinking.
     forced_call = binding.mode == "required"
-    native = forced_call and tool_format(service) == "hermes"
+    native = forced_call and engine_tool_format(service) == "hermes"
     forced = ForcedFormat(chat_format(service, False), HERMES_OPEN if native else "")
 
     def constrained(prompt: Prompt) -> PrefedParser:

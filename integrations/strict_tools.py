@@ -37,7 +37,7 @@ from typing import Any
 
 from freetoken_agent.engine.constrained import JSON_OPTIONS, tool_call_schema
 from freetoken_agent.integrations.constrained_output import closed, inline_tool
-from freetoken_agent.parsers import tool_format_for
+from freetoken_agent.parsers import engine_tool_format
 
 OPENER, CLOSER = "<tool_call>", "</tool_call>"
 
@@ -68,12 +68,9 @@ def strict_grammar(engine: Any, tools: Sequence[Mapping[str, Any]]) -> str | Non
     """The grammar of `tools` for `engine` (an Engine, EngineService or the server's bridge:
     its tokenizer, spec and chat template), or None when its model does not write Hermes
     calls (their calls stay unconstrained)."""
-    tokenizer = engine.tokenizer
-    sources = getattr(tokenizer, "chat_template_sources", {}) or {}
-    template = sources.get("tool_use") or sources.get("default")
-    if tokenizer is None or tool_format_for(engine.spec.arch, template) != "hermes":
+    if engine.tokenizer is None or engine_tool_format(engine) != "hermes":
         return None
-    return strict_calls_grammar(tools, tokenizer)
+    return strict_calls_grammar(tools, engine.tokenizer)
 
 
 def strict_calls_grammar(tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> str:

@@ -20,7 +20,7 @@ from freetoken_agent.parsers.events import (
     coalesce,
     new_call_id,
 )
-from freetoken_agent.parsers.for_engine import parser_factory_for
+from freetoken_agent.parsers.for_engine import engine_tool_format, parser_factory_for
 from freetoken_agent.parsers.hermes import HermesParser
 from freetoken_agent.parsers.mistral import MistralParser
 from freetoken_agent.parsers.output_parser import OutputParser
@@ -31,6 +31,7 @@ from freetoken_agent.parsers.schema import convert_value, parameter_schemas
 from freetoken_agent.parsers.tool_parser import ToolCallParser
 
 __all__ = [
+    "engine_tool_format",
     "parser_factory_for",
     "TOOL_FORMATS",
     "ContentDelta",

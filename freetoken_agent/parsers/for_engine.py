@@ -11,15 +11,20 @@ from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
 from freetoken_agent.parsers.registry import tool_format_for
 
 
+def engine_tool_format(engine: Any) -> str | None:
+    """The tool-call format of `engine`'s model (an Engine, an EngineService or a view of one:
+    its tokenizer and spec): from its tool-use (else default) chat template, or its type."""
+    tokenizer = engine.tokenizer
+    sources = getattr(tokenizer, "chat_template_sources", {}) if tokenizer else {}
+    return tool_format_for(engine.spec.arch, sources.get("tool_use") or sources.get("default"))
+
+
 def parser_factory_for(
     engine: Any, tools: Sequence[Mapping[str, Any]] | None = None
 ) -> Callable[[Any], OutputParser]:
     """`Session(engine, parser_factory=parser_factory_for(engine, tools))`: each turn's
     parser starts inside reasoning when the rendered prompt left `<think>` open."""
-    tokenizer = engine.tokenizer
-    sources = getattr(tokenizer, "chat_template_sources", {}) if tokenizer else {}
-    template = sources.get("tool_use") or sources.get("default")
-    tool_format = tool_format_for(engine.spec.arch, template)
+    tool_format = engine_tool_format(engine)
     tool_list = [dict(t) for t in tools] if tools else None
 
     def factory(prompt: Any) -> OutputParser:

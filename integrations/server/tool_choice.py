@@ -48,8 +48,8 @@ from freetoken_agent.integrations.server.errors import BadParam, check_nesting
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
 from freetoken_agent.parsers import (
     OutputParser,
+    engine_tool_format,
     prompt_opens_reasoning,
-    tool_format_for,
 )
 from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
 
@@ -203,11 +203,6 @@ def turn_sampling(
     return sampling if grammar is None else dataclasses.replace(sampling, grammar=grammar)
 
 
-def _tool_format(engine: Any) -> str | None:
-    sources = getattr(engine.tokenizer, "chat_template_sources", {}) or {}
-    return tool_format_for(engine.spec.arch, sources.get("tool_use") or sources.get("default"))
-
-
 def parser_factory(
     choice: ToolChoice,
     tools: list[dict] | None,
@@ -223,7 +218,7 @@ def parser_factory(
     without tools to call): a think block the template left open is closed in the prompt
     too, or the JSON would be read as reasoning and the answer's content left empty."""
     tokenizer = engine.tokenizer
-    tool_format = _tool_format(engine)
+    tool_format = engine_tool_format(engine)
 
     def factory(prompt: Any) -> Any:
         thinking = prompt_opens_reasoning(prompt.text)
