@@ -85,6 +85,9 @@ class Engine:
         self._ids = itertools.count()
         # Constrained requests' grammars (json_schema); the library loads on the first one.
         self.grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+        # Special tokens that are a tool-call or reasoning tag stay in the output text for the
+        # parsers (Mixtral's [TOOL_CALLS]); every other one is skipped (text/markers.py).
+        self._kept_specials = marker_ids(self.tokenizer)
         self._totals = {"prefilled": 0, "reused": 0, "generated": 0, "finished": 0, "errors": 0}
         self._stalled: Request | None = None  # a waiting request no step could admit
 
@@ -178,10 +181,8 @@ class Engine:
             req.snapshot_plan = plan
             req.anchor_tokens = markers
         self._requests[request_id] = req
-        # Special tokens that are a tool-call or reasoning tag stay in the text for the
-        # parsers (Mixtral's [TOOL_CALLS]); every other one is skipped (text/markers.py).
         self._outputs[request_id] = OutputState(
-            self.tokenizer, _stops(sampling), context=ids, keep_special=marker_ids(self.tokenizer)
+            self.tokenizer, _stops(sampling), context=ids, keep_special=self._kept_specials
         )
         self._events[request_id] = deque()
         if _score:
