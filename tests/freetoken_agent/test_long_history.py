@@ -10,11 +10,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from render_count import count_renders
 
 from freetoken_agent import ContextLengthError, Engine
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.demo_model import ensure_demo_model
-from freetoken_agent.engine.text.chat_template import ChatTemplate
 from freetoken_agent.engine.text.tokenizer import Tokenizer
 from freetoken_agent.messages import AssistantMessage, ToolCall, ToolResult, UserMessage
 from freetoken_agent.service import EngineService, ServiceView
@@ -37,15 +37,7 @@ def tok(model_dir) -> Tokenizer:
 @pytest.fixture
 def renders(monkeypatch) -> list[int]:
     """Counts the chat template renders (one per call of ChatTemplate.render)."""
-    calls: list[int] = []
-    real = ChatTemplate.render
-
-    def counting(self, *args, **kwargs):
-        calls.append(1)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(ChatTemplate, "render", counting)
-    return calls
+    return count_renders(monkeypatch)
 
 
 def _history(rng: random.Random, n: int) -> list:

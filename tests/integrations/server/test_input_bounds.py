@@ -9,9 +9,9 @@ import json
 import random
 
 import pytest
+from render_count import count_renders
 
 from freetoken_agent.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from freetoken_agent.engine.text.chat_template import ChatTemplate
 from freetoken_agent.integrations.server.errors import MAX_NESTING
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
@@ -134,14 +134,7 @@ def test_a_history_over_the_context_is_refused_without_locating_anchors(
     client, monkeypatch, rng_seed
 ):
     rng = random.Random(rng_seed)
-    calls: list[int] = []
-    real = ChatTemplate.render
-
-    def counting(self, *args, **kwargs):
-        calls.append(1)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(ChatTemplate, "render", counting)
+    calls = count_renders(monkeypatch)
     n = rng.randint(400, 800) | 1  # tiny messages, well over the 1024-token context
     messages = [{"role": ("user", "assistant")[i % 2], "content": "hi"} for i in range(n)]
     error = _error(client.post(CHAT, json={"messages": messages, "max_tokens": 2}))
