@@ -75,6 +75,23 @@ def test_nothing_imports_root_folders_bare():
     )
 
 
+def test_every_package_folder_is_installed():
+    """A regular (non-editable) install takes only the packages pyproject names: a folder left
+    out is missing from the wheel, and its importers fail there while editable installs, which
+    map whole folders, hide it (engine/experts was left out until the forty-second session)."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    found = set()
+    for package, folder in setuptools["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *parts)))
+    assert found <= listed, f"package folders pyproject does not install: {sorted(found - listed)}"
+    assert listed <= found, f"packages pyproject names without a folder: {sorted(listed - found)}"
+
+
 def test_ruff_clean():
     """ruff is a test dependency: a missing ruff fails here rather than skipping."""
     lint = subprocess.run(["ruff", "check", "."], cwd=ROOT, capture_output=True, text=True)
