@@ -1,7 +1,7 @@
 """Session: one agent conversation against an Engine, rendered and diffed turn by turn.
 
     session = Session(engine, system="...", tools=[...], temperature=0, max_tokens=256)
-    for event in session.send(messages): ...         # TextDelta... then Usage
+    for event in session.send(messages): ...         # reasoning / content / tool-call events, Usage
     session.diff(messages)                           # what the next send would reuse
 
 Agents resend their whole history every turn (OpenAI style). The Session renders it (ChatFormat:
@@ -11,10 +11,12 @@ the common prefix on its own; the diff says beforehand how much that will be and
 is the deepest at or before the divergence (where recurrent layers would resume), and per-turn
 stats record what the engine then reported.
 
-Streaming: without a parser, `send` yields `TextDelta`s of the raw text. `parser_factory(prompt)`
-returns an object with `feed(text) -> iterable of events` and `finish() -> iterable of events`
-(the reasoning / tool-call parsers of `freetoken_agent.parsers`); it gets the Prompt so it can see
-what the generation prefix opened (`prompt.generation_prefix`, e.g. "...<think>\\n").
+Streaming: by default (`parser_factory="auto"`) `send` yields the events of the model's own
+reasoning and tool-call parsers (`parsers.parser_factory_for(engine, session.tools)`: reasoning,
+content, tool-call deltas); `parser_factory=None` yields `TextDelta`s of the raw text. Any other
+`parser_factory(prompt)` returns an object with `feed(text) -> iterable of events` and
+`finish() -> iterable of events`; it gets the Prompt so it can see what the generation prefix
+opened (`prompt.generation_prefix`, e.g. "...<think>\\n").
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt, common_prefix
 from freetoken_agent.engine.outputs import InvalidRequestError
@@ -35,6 +37,7 @@ from freetoken_agent.messages import (
     ToolResult,
     coerce_messages,
 )
+from freetoken_agent.parsers import parser_factory_for
 
 # Generated tokens before which a hybrid model's decoding checkpoints its recurrent state: the
 # boundaries the next turn's rendering also marks (tool call, end of reasoning, end of turn).
@@ -113,7 +116,7 @@ class Session:
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_format: ChatFormat | None = None,
         *,
-        parser_factory: ParserFactory | None = None,
+        parser_factory: ParserFactory | Literal["auto"] | None = "auto",
         hooks: ToolHooks | None = None,
         **sampling_defaults: Any,
     ) -> None:
@@ -121,7 +124,7 @@ class Session:
         self.system = system
         self.tools = list(tools) if tools is not None else None
         self.chat_format = chat_format or ChatFormat(engine.tokenizer)
-        self.parser_factory = parser_factory
+        self.parser_factory = self._model_parser if parser_factory == "auto" else parser_factory
         self.hooks = hooks or ToolHooks()
         self.sampling_defaults = dict(sampling_defaults)
         self.sampling()  # unknown or invalid options fail here, not at the first turn
@@ -188,6 +191,10 @@ class Session:
         return HistoryDiff(
             shared, prompt.deepest_anchor(shared), reused, len(prompt) - reused, prompt
         )
+
+    def _model_parser(self, prompt: Prompt) -> StreamParser:
+        """The default parser: the model's own formats, for the session's tools of the moment."""
+        return parser_factory_for(self.engine, self.tools)(prompt)
 
     # --- a turn ---------------------------------------------------------------------------
     def send(

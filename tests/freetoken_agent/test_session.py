@@ -10,9 +10,11 @@ tokenizer and the raw chat template.
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -31,6 +33,7 @@ from freetoken_agent.messages import (
     UserMessage,
     to_template_messages,
 )
+from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Session, TextDelta, Usage
 
 WORDS = ["alpha", "beta", "gamma", "café", "你好", "🙂", "x,", "{a:", "1}", "!?"]
@@ -58,6 +61,7 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.spec = SimpleNamespace(arch="qwen3_moe", is_hybrid=False)  # the demo's
         self.replies: list[list[int]] = []
         self.cached: list[int] = []  # what the radix tree would hold
         self.totals = {"reused": 0, "prefilled": 0, "finished": 0}
@@ -111,7 +115,7 @@ def independent_ids(tok: Tokenizer, history: list, system: str | None = None) ->
 
 def test_diff_after_appending_a_turn(tok: Tokenizer, rng_seed: int) -> None:
     rng = random.Random(rng_seed)
-    session = Session(ScriptedEngine(tok), system=rand_text(rng))
+    session = Session(ScriptedEngine(tok), system=rand_text(rng), parser_factory=None)
     history: list = [UserMessage(rand_text(rng))]
     for _ in range(rng.randint(2, 4)):
         if rng.random() < 0.5:
@@ -140,7 +144,9 @@ def test_generation_prefix_dropped_by_the_template(tok: Tokenizer, rng_seed: int
     \n\n", but past assistant turns render without the empty block: the next prompt keeps the
     old generation prefix only up to "<|im_start|>assistant\n"."""
     rng = random.Random(rng_seed)
-    session = Session(ScriptedEngine(tok), chat_format=ChatFormat(tok, enable_thinking=False))
+    session = Session(
+        ScriptedEngine(tok), chat_format=ChatFormat(tok, enable_thinking=False), parser_factory=None
+    )
     history: list = [UserMessage(rand_text(rng))]
     reply = scripted_turn(session, history, rng)
     sent = session.last_prompt
@@ -156,7 +162,7 @@ def test_generation_prefix_dropped_by_the_template(tok: Tokenizer, rng_seed: int
 
 def test_diff_after_editing_a_tool_output(tok: Tokenizer, rng_seed: int) -> None:
     rng = random.Random(rng_seed)
-    session = Session(ScriptedEngine(tok))
+    session = Session(ScriptedEngine(tok), parser_factory=None)
     history: list = [UserMessage(rand_text(rng))]
     for _ in range(rng.randint(2, 3)):
         history += tool_round(rng, reasoning=rng.random() < 0.5)
@@ -191,7 +197,7 @@ def test_reasoning_stripped_by_the_next_user_message(tok: Tokenizer, rng_seed: i
     """Reasoning of a tool round after the last user query is sent; once a new user message
     arrives the template drops it: re-prefill starts at that assistant turn."""
     rng = random.Random(rng_seed)
-    session = Session(ScriptedEngine(tok))
+    session = Session(ScriptedEngine(tok), parser_factory=None)
     history: list = [UserMessage(rand_text(rng))]
     rounds = tool_round(rng, reasoning=True)
     history += rounds
@@ -212,7 +218,7 @@ def test_reasoning_stripped_by_the_next_user_message(tok: Tokenizer, rng_seed: i
 def test_usage_and_turn_stats_come_from_the_engine(tok: Tokenizer, rng_seed: int) -> None:
     rng = random.Random(rng_seed)
     engine = ScriptedEngine(tok)
-    session = Session(engine, max_tokens=5)
+    session = Session(engine, max_tokens=5, parser_factory=None)
     history: list = [UserMessage(rand_text(rng))]
     reply = scripted_turn(session, history, rng)
     history += [reply, UserMessage(rand_text(rng))]
@@ -237,7 +243,7 @@ def test_session_errors(tok: Tokenizer) -> None:
         Session(ScriptedEngine(tok), temprature=0)
     with pytest.raises(InvalidRequestError, match="max_tokens must be a positive"):
         Session(ScriptedEngine(tok), max_tokens=0)
-    session = Session(ScriptedEngine(tok), system="s")
+    session = Session(ScriptedEngine(tok), system="s", parser_factory=None)
     with pytest.raises(InvalidRequestError, match="already has system"):
         session.diff([SystemMessage("t"), UserMessage("u")])
     with pytest.raises(InvalidRequestError, match="matches no earlier call"):
@@ -257,7 +263,9 @@ def test_send_on_the_demo_engine(engine: Engine, tok: Tokenizer, rng_seed: int) 
     tokens as far as the re-rendered history keeps them, as the engine itself reports."""
     rng = random.Random(rng_seed)
     system = rand_text(rng)
-    session = Session(engine, system=system, temperature=0, max_tokens=rng.randint(3, 8))
+    session = Session(
+        engine, system=system, temperature=0, max_tokens=rng.randint(3, 8), parser_factory=None
+    )
     history: list = [UserMessage(rand_text(rng))]
     events = list(session.send(history))
     usage = events[-1]
@@ -296,7 +304,7 @@ def test_usage_falls_back_to_the_prediction_under_concurrency(engine: Engine, rn
     """When another request finishes during the turn the engine's counters mix both requests:
     the Session reports its own prediction and says so."""
     rng = random.Random(rng_seed)
-    session = Session(engine, temperature=0, max_tokens=2, ignore_eos=True)
+    session = Session(engine, temperature=0, max_tokens=2, ignore_eos=True, parser_factory=None)
     history: list = [UserMessage(rand_text(rng))]
     list(session.send(history))
     history += [AssistantMessage(session.last_output_text), UserMessage(rand_text(rng))]
@@ -313,7 +321,7 @@ def test_usage_falls_back_to_the_prediction_under_concurrency(engine: Engine, rn
 
 def test_closing_early_aborts_and_keeps_what_was_sent(engine: Engine, rng_seed: int) -> None:
     rng = random.Random(rng_seed)
-    session = Session(engine, temperature=0, max_tokens=50, ignore_eos=True)
+    session = Session(engine, temperature=0, max_tokens=50, ignore_eos=True, parser_factory=None)
     history: list = [UserMessage(rand_text(rng))]
     stream = session.send(history)
     first = next(e for e in stream if isinstance(e, TextDelta))
@@ -354,3 +362,28 @@ def test_parser_factory_gets_the_prompt(engine: Engine, rng_seed: int) -> None:
     # parser_factory=None on one call gives raw deltas again.
     raw = list(session.send(history, parser_factory=None))
     assert all(isinstance(e, TextDelta) for e in raw[:-1])
+
+
+def test_the_default_parser_is_the_models_own(tok: Tokenizer, rng_seed: int) -> None:
+    """DESIGN section 9's `Session(engine, system=..., tools=[...])` yields reasoning, content
+    and tool-call events without a parser named (it yielded raw text until the forty-second
+    session); `parser_factory=None` still gives the raw text."""
+    rng = random.Random(rng_seed)
+    thought, answer, n = rand_text(rng), rand_text(rng), rng.randint(0, 999)
+    call = json.dumps({"name": "search", "arguments": {"n": n}})
+    reply = f"<think>{thought}</think>{answer}<tool_call>\n{call}\n</tool_call>"
+    end = tok.token_to_id("<|im_end|>")
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    history = [UserMessage(rand_text(rng))]
+    session = Session(ScriptedEngine(tok), system=rand_text(rng), tools=tools)
+    session.engine.replies.append(tok.encode(reply) + [end])
+    events = list(session.send(history))
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    calls = [(e.name, e.arguments) for e in events if isinstance(e, ToolCallEnd)]
+    assert reasoning.strip() == thought and content.strip() == answer
+    assert calls == [("search", {"n": n})]
+    raw = Session(ScriptedEngine(tok), tools=tools, parser_factory=None)
+    raw.engine.replies.append(tok.encode(reply) + [end])
+    text = "".join(e.text for e in raw.send(history) if isinstance(e, TextDelta))
+    assert text == reply
