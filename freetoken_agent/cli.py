@@ -20,39 +20,16 @@ import argparse
 import contextlib
 import math
 import os
-import re
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-from freetoken_agent.engine.config import POLICIES
+from freetoken_agent.cli_engine import add_engine_args, load_engine, model_path, positive
 from freetoken_agent.engine.outputs import ContextLengthError
 from freetoken_agent.engine.sampling_params import SamplingParams
-
-
-def _model_path(name: str) -> Path:
-    if name == "demo":
-        from freetoken_agent.demo_model import DEMO_NOTICE, ensure_demo_model
-
-        print(f"[freetoken] {DEMO_NOTICE}", file=sys.stderr)
-        return ensure_demo_model()
-    return Path(name)
-
-
-# Flag values are checked as they are parsed: argparse names the flag, where a bad value would
-# otherwise end in a traceback from deep in the engine, or a 0 be taken for "not set".
-def _positive(kind: Callable[[str], float], zero: bool = False) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        value = kind(text)
-        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-            raise argparse.ArgumentTypeError(f"{text} must be {'>= 0' if zero else '> 0'}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse's "invalid int value" names it
-    return parse
 
 
 def _port(text: str) -> int:
@@ -62,12 +39,6 @@ def _port(text: str) -> int:
     return port
 
 
-def _device(text: str) -> str:
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not one of auto, cpu, cuda, cuda:N")
-    return text
-
-
 def _origin(text: str) -> str:
     from freetoken_agent.integrations.server.browser_guard import normal_origin
 
@@ -75,34 +46,6 @@ def _origin(text: str) -> str:
         return normal_origin(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
-    if model:  # demo runs its own model
-        p.add_argument("--model", default="demo", help="HF model folder, or 'demo' (default)")
-    p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: model's)")
-    p.add_argument("--policy", default="adaptive", choices=POLICIES)
-    p.add_argument(
-        "--gpu-budget-gb", type=_positive(float), default=None, help="GPU memory budget (GB)"
-    )
-    p.add_argument("--memory-reserve-gb", type=_positive(float, zero=True), default=None,
-                   help="GPU memory kept free for other programs (GB, default 1 GiB); the "
-                   "elastic budget shrinks when they take more and grows back after")  # fmt: skip
-    p.add_argument(
-        "--fixed-memory",
-        action="store_true",
-        help="do not follow free GPU memory (the budget moves only on request)",
-    )
-    p.add_argument(
-        "--max-model-len", type=_positive(int), default=None, help="cap the context length"
-    )
-    p.add_argument(
-        "--overlap-schedule",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="launch each decode step before the last one's tokens are read (default: on)",
-    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -123,31 +66,6 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         stop=args.stop,
     )
-
-
-def _load(args: argparse.Namespace):
-    from freetoken_agent.engine.engine import Engine
-
-    budget = int(args.gpu_budget_gb * 1e9) if args.gpu_budget_gb is not None else None
-    options = {"max_model_len": args.max_model_len} if args.max_model_len is not None else {}
-    if args.memory_reserve_gb is not None:
-        options["memory_reserve"] = int(args.memory_reserve_gb * 1e9)
-    if args.fixed_memory:
-        options["follow_free_memory"] = False
-    if args.overlap_schedule is not None:
-        options["overlap_schedule"] = args.overlap_schedule
-    path = _model_path(args.model)
-    try:
-        return Engine.load(
-            path,
-            device=args.device,
-            dtype=args.dtype,
-            gpu_budget=budget,
-            policy=args.policy,
-            **options,
-        )
-    except RuntimeError as e:  # torch's (out of memory, no such device): the user's to fix
-        raise SystemExit(f"freetoken: error: could not load {path}: {e}") from None
 
 
 @contextlib.contextmanager
@@ -214,7 +132,7 @@ def _chat_ids(engine, messages: list[dict], **variables) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine = _load(args)
+    engine = load_engine(args)
     prompt = args.prompt
     if args.chat:
         if engine.tokenizer is None:
@@ -228,7 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = _load(args)
+    engine = load_engine(args)
     if engine.tokenizer is None or not engine.tokenizer.has_chat_template:
         # Said now, not after the first message.
         raise SystemExit(
@@ -271,7 +189,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     args.model = "demo"
-    engine = _load(args)
+    engine = load_engine(args)
     messages = [{"role": "user", "content": args.prompt}]
     prompt = _chat_ids(engine, messages, enable_thinking=False)
     print(f"[freetoken] prompt: {args.prompt!r}", file=sys.stderr)
@@ -298,7 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ) from None
 
     check_bind(args.host, args.api_key)  # before loading: a refused bind costs nothing
-    engine = _load(args)
+    engine = load_engine(args)
     model_id = "freetoken-demo" if args.model == "demo" else Path(args.model).resolve().name
     print(
         f"[freetoken] serving {model_id} on http://{args.host}:{args.port} "
@@ -359,7 +277,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from freetoken_agent.engine.models.registry import spec_from_config
 
     if args.model:
-        spec = spec_from_config(read_config(_model_path(args.model)))
+        spec = spec_from_config(read_config(model_path(args.model)))
         hidden, inter = spec.hidden_size, spec.moe_intermediate_size
         # The entry loading the model looks up is keyed by the dtype it runs in: its own
         # unless --dtype (Engine.load's `parse_dtype(dtype) or spec.dtype`).
@@ -392,20 +310,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the tiny random demo model (built once, cached)")
     demo.add_argument("--prompt", default="Write a haiku about GPUs.")
-    _add_engine_args(demo, model=False)
+    add_engine_args(demo, model=False)
     _add_sampling_args(demo, max_tokens=48)
     demo.set_defaults(func=cmd_demo)
 
     gen = sub.add_parser("generate", help="one completion, streamed to stdout")
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     _add_sampling_args(gen, max_tokens=256)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat; KV is reused across turns")
     chat.add_argument("--system", default=None, help="system prompt")
-    _add_engine_args(chat)
+    add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
 
@@ -420,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' (default: $FREETOKEN_API_KEY)",
     )
     srv.add_argument(
-        "--max-body-mb", type=_positive(float), default=4.0, help="request size limit (MiB)"
+        "--max-body-mb", type=positive(float), default=4.0, help="request size limit (MiB)"
     )
     srv.add_argument(
         "--allowed-origin",
@@ -432,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         "scheme://host[:port] (an agent UI on its dev server); repeat for several",
     )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    _add_engine_args(srv)
+    add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     conv = sub.add_parser("convert", help="write an HF folder as FTW (expert banks by lid)")
@@ -448,11 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="measure B_P, B_H and the CPU's knee for the q* split (cached)"
     )
     cal.add_argument("--model", default=None, help="take the expert shape from this model")
-    positive = _positive(int)
+    positive_int = positive(int)
     cal.add_argument(
-        "--hidden", type=positive, default=2048, help="expert input width (no --model)"
+        "--hidden", type=positive_int, default=2048, help="expert input width (no --model)"
     )
-    cal.add_argument("--inter", type=positive, default=768, help="expert width (no --model)")
+    cal.add_argument("--inter", type=positive_int, default=768, help="expert width (no --model)")
     cal.add_argument(
         "--dtype", default=None, help="default: the model's as it loads, else bfloat16"
     )

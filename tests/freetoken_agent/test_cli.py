@@ -88,26 +88,39 @@ def test_bad_model_path_is_a_clear_error(env, tmp_path):
     assert "no config.json" in done.stderr
 
 
-def test_memory_flags_reach_the_engine_config(monkeypatch, rng_seed):
-    """--memory-reserve-gb, --fixed-memory and --overlap-schedule become EngineConfig options
-    at load."""
+def test_engine_flags_reach_the_engine_config(monkeypatch, rng_seed):
+    """--memory-reserve-gb, --fixed-memory, --overlap-schedule, --no-double-buffer and
+    --checkpoints become EngineConfig options at load; left out, none is set."""
     import argparse
 
-    from freetoken_agent import cli
+    from freetoken_agent import cli_engine
     from freetoken_agent.engine.engine import Engine
 
+    rng = random.Random(rng_seed)
     seen = {}
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, path, **kw: seen.update(kw)))
     parser = argparse.ArgumentParser()
-    cli._add_engine_args(parser)
+    cli_engine.add_engine_args(parser)
     gb = 0.5 + (rng_seed % 100) / 10
-    cli._load(parser.parse_args(["--model", ".", "--memory-reserve-gb", str(gb), "--fixed-memory",
-                                 "--overlap-schedule"]))  # fmt: skip
+    mode = rng.choice(["anchors", "none", f"positional:{rng.randint(1, 4096)}"])
+    cli_engine.load_engine(parser.parse_args(["--model", ".", "--memory-reserve-gb", str(gb),
+                           "--fixed-memory", "--overlap-schedule", "--no-double-buffer",
+                           "--checkpoints", mode]))  # fmt: skip
     assert seen["memory_reserve"] == int(gb * 1e9) and seen["follow_free_memory"] is False
-    assert seen["overlap_schedule"] is True
+    assert seen["overlap_schedule"] is True and seen["double_buffer"] is False
+    assert seen["checkpoints"] == mode
     seen.clear()
-    cli._load(parser.parse_args(["--model", "."]))
-    assert not {"memory_reserve", "follow_free_memory", "overlap_schedule"} & set(seen)
+    cli_engine.load_engine(parser.parse_args(["--model", "."]))
+    options = {"memory_reserve", "follow_free_memory", "overlap_schedule", "double_buffer"}
+    assert not (options | {"checkpoints"}) & set(seen)
+
+
+def test_the_ablation_and_checkpoint_flags_load_an_engine(env, rng_seed):
+    """The options the flags set are ones Engine.load takes: a demo run with both."""
+    mode = random.Random(rng_seed).choice(["none", "positional:64"])
+    args = ["generate", "hi", "--device", "cpu", "--max-tokens", "2", "--no-double-buffer"]
+    done = _run([*args, "--checkpoints", mode], env)
+    assert done.returncode == 0, done.stderr
 
 
 def test_bench_help_lists_every_benchmark_and_each_has_its_options(env, rng_seed):
@@ -223,6 +236,10 @@ def _random_flags(rng: random.Random) -> list[tuple[list[str], str]]:
         (["calibrate", "--hidden", rng.choice([negative, "0"])], "--hidden"),
         (["calibrate", "--inter", negative], "--inter"),
         (["demo", "--model", "x"], "--model"),  # demo runs its own model
+        (
+            ["generate", "x", "--checkpoints", rng.choice(["positional", "positional:0", "all"])],
+            "--checkpoints",
+        ),  # fmt: skip
         (
             ["serve", "--allowed-origin", rng.choice(["localhost:5173", "http://h/app"])],
             "--allowed-origin",

@@ -1,0 +1,125 @@
+"""The `freetoken` commands' engine flags (demo, generate, chat, serve) and the load they
+configure: model, device, dtype, placement policy, memory, context, scheduling, prefill
+streaming and the hybrid models' checkpoints.
+
+Flag values are checked as they are parsed: argparse names the flag, where a bad value would
+otherwise end in a traceback from deep in the engine, or a 0 be taken for "not set".
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from freetoken_agent.engine.config import POLICIES
+from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
+
+
+def model_path(name: str) -> Path:
+    """`demo` is the embedded demo checkpoint (built once); anything else a folder."""
+    if name == "demo":
+        from freetoken_agent.demo_model import DEMO_NOTICE, ensure_demo_model
+
+        print(f"[freetoken] {DEMO_NOTICE}", file=sys.stderr)
+        return ensure_demo_model()
+    return Path(name)
+
+
+def positive(kind: Callable[[str], float], zero: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>= 0' if zero else '> 0'}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" names it
+    return parse
+
+
+def _device(text: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of auto, cpu, cuda, cuda:N")
+    return text
+
+
+def _checkpoints(text: str) -> str:
+    try:
+        CheckpointMode.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
+    if model:  # demo runs its own model
+        p.add_argument("--model", default="demo", help="HF model folder, or 'demo' (default)")
+    p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: model's)")
+    p.add_argument("--policy", default="adaptive", choices=POLICIES)
+    p.add_argument(
+        "--gpu-budget-gb", type=positive(float), default=None, help="GPU memory budget (GB)"
+    )
+    p.add_argument("--memory-reserve-gb", type=positive(float, zero=True), default=None,
+                   help="GPU memory kept free for other programs (GB, default 1 GiB); the "
+                   "elastic budget shrinks when they take more and grows back after")  # fmt: skip
+    p.add_argument(
+        "--fixed-memory",
+        action="store_true",
+        help="do not follow free GPU memory (the budget moves only on request)",
+    )
+    p.add_argument(
+        "--max-model-len", type=positive(int), default=None, help="cap the context length"
+    )
+    p.add_argument(
+        "--overlap-schedule",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each decode step before the last one's tokens are read (default: on)",
+    )
+    p.add_argument(
+        "--no-double-buffer",
+        action="store_true",
+        help="prefill streams offloaded experts through one staging buffer instead of two, so "
+        "a layer's copy no longer runs behind the previous layer's compute (the ablation)",
+    )
+    p.add_argument(
+        "--checkpoints",
+        type=_checkpoints,
+        default=None,
+        help="hybrid models: where recurrent state is checkpointed for reuse: 'anchors' (the "
+        "history's turn, reasoning and tool boundaries; default), 'positional:N' (every N "
+        "tokens) or 'none' (no reuse across requests)",
+    )
+
+
+def load_engine(args: argparse.Namespace):
+    from freetoken_agent.engine.engine import Engine
+
+    budget = int(args.gpu_budget_gb * 1e9) if args.gpu_budget_gb is not None else None
+    options = {"max_model_len": args.max_model_len} if args.max_model_len is not None else {}
+    if args.memory_reserve_gb is not None:
+        options["memory_reserve"] = int(args.memory_reserve_gb * 1e9)
+    if args.fixed_memory:
+        options["follow_free_memory"] = False
+    if args.overlap_schedule is not None:
+        options["overlap_schedule"] = args.overlap_schedule
+    if args.no_double_buffer:
+        options["double_buffer"] = False
+    if args.checkpoints is not None:
+        options["checkpoints"] = args.checkpoints
+    path = model_path(args.model)
+    try:
+        return Engine.load(
+            path,
+            device=args.device,
+            dtype=args.dtype,
+            gpu_budget=budget,
+            policy=args.policy,
+            **options,
+        )
+    except RuntimeError as e:  # torch's (out of memory, no such device): the user's to fix
+        raise SystemExit(f"freetoken: error: could not load {path}: {e}") from None
