@@ -64,7 +64,15 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as e:  # the integrations extra is not installed
+            raise ModuleNotFoundError(
+                f"{name} needs the integrations' packages ({e.name} is missing): "
+                'pip install -e ".[integrations]"',
+                name=e.name,
+            ) from e
+        return getattr(module, name)
     raise AttributeError(f"module 'freetoken_agent' has no attribute {name!r}")
 
 

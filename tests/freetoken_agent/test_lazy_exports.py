@@ -1,0 +1,24 @@
+"""`freetoken_agent.ChatFreeToken` is imported lazily; without the integrations extra it says
+which install is missing instead of a bare ModuleNotFoundError from deep in the import."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import freetoken_agent
+
+
+def test_a_missing_integration_package_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "langchain_core", None)  # its import fails: not installed
+    for name in [m for m in sys.modules if m.startswith("freetoken_agent.integrations")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ModuleNotFoundError, match=r"ChatFreeToken needs .*\[integrations\]"):
+        freetoken_agent.ChatFreeToken  # noqa: B018
+
+
+def test_chat_free_token_loads_when_installed():
+    from freetoken_agent.integrations.langchain import ChatFreeToken
+
+    assert freetoken_agent.ChatFreeToken is ChatFreeToken
