@@ -28,7 +28,7 @@ first and the engine steps as without overlap:
 - a device row for every checkpoint taken ahead. A hybrid request's accept may checkpoint
   its state (a positional boundary, or its token is an anchor: the Session passes
   `<tool_call>`, `</think>`, `<|im_end|>`), and that checkpoint must hold the state before N
-  updates it: so it is taken before N is launched (`Scheduler.checkpoint_ahead`) and, under
+  updates it: so it is taken before N is launched (`Scheduler.ahead.checkpoint_ahead`) and, under
   anchors, kept at the accept only if the token is one (`settle_ahead`);
 - the elastic memory's safe point is quiet (`MemoryManager.quiet_point`): a split moves only
   with nothing in flight;
@@ -193,7 +193,7 @@ class Overlap:
         # left unsettled by a drain are settled by its `_complete` as here.
         for c in picked:
             req = c.request
-            if sched.may_checkpoint_at_accept(req) and not sched.checkpoint_ahead(req):
+            if sched.ahead.may_checkpoint_at_accept(req) and not sched.ahead.checkpoint_ahead(req):
                 return None
         return Batch(picked), [row[id(c.request)] for c in picked]
 
@@ -232,7 +232,7 @@ class Overlap:
         events = []
         for c, tok in zip(prev.batch.chunks, tokens, strict=True):
             if c.request.status is Status.RUNNING:
-                e.scheduler.settle_ahead(c.request, tok)  # before the accept may checkpoint
+                e.scheduler.ahead.settle_ahead(c.request, tok)  # before the accept may checkpoint
                 events.append(e.accept(c.request, tok))
         hook = e.runner.on_decode_step
         if hook is not None and live:

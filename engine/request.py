@@ -52,7 +52,7 @@ class Request:
     state_slot: int = 0
     pending_checkpoints: list[tuple[int, Any]] = field(default_factory=list)
     # Overlap scheduling: a decode checkpoint taken before the next step, kept at the accept
-    # only if the token in flight is an anchor token (Scheduler.checkpoint_ahead).
+    # only if the token in flight is an anchor token (AheadCheckpoints.checkpoint_ahead).
     ahead_checkpoint: tuple[int, Any] | None = None
     num_resumed: int = 0  # tokens covered by restored checkpoints (summed over admissions)
     resume_boundary: int = 0  # the checkpoint the admission being tried restored (0: none)

@@ -31,15 +31,15 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from freetoken_agent.engine.checkpoints_ahead import AheadCheckpoints
 from freetoken_agent.engine.kv.pool import PageAllocator
 from freetoken_agent.engine.kv.radix import RadixCache
 from freetoken_agent.engine.request import Batch, Recurrence, Request, ScheduledChunk, Status
-from freetoken_agent.engine.scheduler_ahead import AheadScheduling
 
 MAX_FRUITLESS_PREEMPTIONS = 3
 
 
-class Scheduler(AheadScheduling):
+class Scheduler:
     def __init__(
         self,
         allocator: PageAllocator,
@@ -59,6 +59,7 @@ class Scheduler(AheadScheduling):
         self.preemptions = 0
         self.pending_copies: list[tuple[int, int, int]] = []  # (src page, dst page, n tokens)
         self.recurrence = recurrence
+        self.ahead = AheadCheckpoints(recurrence, self._save_checkpoint)  # overlap scheduling
         # Requests that cannot progress, with why: the engine fails them after `schedule`.
         self.unservable: list[tuple[Request, str]] = []
 
@@ -172,6 +173,12 @@ class Scheduler(AheadScheduling):
     def take_copies(self) -> list[tuple[int, int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+    def grow_one(self, req: Request) -> bool:
+        """Pages for the next token of a decoding request, evicting cached pages if needed
+        but preempting no one (under overlap a step in flight holds the others): False when
+        the pool is dry."""
+        return self._grow(req, req.num_computed + 1)
 
     def _grow(self, req: Request, n_tokens: int) -> bool:
         """Give `req` pages for its first n_tokens, evicting cached pages if needed."""

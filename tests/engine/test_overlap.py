@@ -377,7 +377,7 @@ def test_a_positional_checkpoint_not_taken_ahead_is_taken_before_the_next_step(
     every = rng.choice([5, 6, 7])
     engine = _load(tmp_path, True, checkpoints=f"positional:{every}")
     sched, pool = engine.scheduler, engine.loaded.recurrence.checkpoints
-    ahead, reserve = sched.checkpoint_ahead, pool.reserve
+    ahead, reserve = sched.ahead.checkpoint_ahead, pool.reserve
     taking_ahead = []
 
     def checkpoint_ahead(req):
@@ -387,7 +387,7 @@ def test_a_positional_checkpoint_not_taken_ahead_is_taken_before_the_next_step(
         finally:
             taking_ahead.pop()
 
-    monkeypatch.setattr(sched, "checkpoint_ahead", checkpoint_ahead)
+    monkeypatch.setattr(sched.ahead, "checkpoint_ahead", checkpoint_ahead)
     monkeypatch.setattr(pool, "reserve", lambda *a, **k: None if taking_ahead else reserve(*a, **k))
     prompt = _prompt(rng, rng.randint(20, 30))
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

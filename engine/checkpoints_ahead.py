@@ -1,21 +1,24 @@
-"""The scheduler's side of overlap scheduling (engine/overlap.py): decode step N is scheduled
-before step N-1's tokens are read, so a request's next page is taken without preempting
-anyone, and the checkpoint a hybrid request's accept may take is taken before N updates its
-state. A mixin of `Scheduler` (scheduler.py), whose pages and checkpoints it uses."""
+"""Hybrid models' checkpoints under overlap scheduling (engine/overlap.py): decode step N is
+scheduled before step N-1's tokens are read, so the checkpoint a request's accept of N-1's
+token may take is taken before N updates its state, then kept or given back once the token is
+known. The scheduler (`Scheduler.ahead`) holds one; it reads the recurrence's pool and takes a
+positional checkpoint through the scheduler's own `save_checkpoint`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from freetoken_agent.engine.request import Request
+    from freetoken_agent.engine.request import Recurrence, Request
 
 
-class AheadScheduling:
-    def grow_one(self, req: Request) -> bool:
-        """Pages for the next token of a decoding request, evicting cached pages if needed
-        but preempting no one (a step in flight holds the others): False when the pool is dry."""
-        return self._grow(req, req.num_computed + 1)
+class AheadCheckpoints:
+    def __init__(
+        self, recurrence: Recurrence | None, save_checkpoint: Callable[[Request, int], None]
+    ) -> None:
+        self.recurrence = recurrence  # None: a model without recurrent layers
+        self._save_checkpoint = save_checkpoint  # (request, boundary): the accept's own kind
 
     def may_checkpoint_at_accept(self, req: Request) -> bool:
         """Whether accepting the token the request's last step sampled may checkpoint its
