@@ -34,7 +34,7 @@ re-prefills later from there): never an out-of-memory.
 
 Hybrid models: the checkpoints' device tier is on the KV side too (kv/checkpoints.py, a
 resizable tier in lanes of reserved addresses). Before the policy runs, the manager sizes it
-(`_checkpoint_rows`: the checkpoints it holds plus a row per sequence that may run, at most a
+(`CheckpointTier.rows_for`: the checkpoints it holds plus a row per sequence that may run, at most a
 16th of the budget and at most what running, waiting and recently used pages and the fewest
 slots leave); the policy then splits what is left between pages and slots. A shrinking tier
 spills its least recently used checkpoints to the host tier first; a growing one maps rows last.
@@ -68,7 +68,7 @@ FULL_EVERY = 32  # steps between full decisions while nothing but the cold tail 
 # 40 layers x 256 experts; the cold tail's hits are judged over 64 steps anyway)
 
 
-class MemoryManager(CheckpointTier):
+class MemoryManager:
     def __init__(
         self,
         arena: ElasticArena,
@@ -87,12 +87,12 @@ class MemoryManager(CheckpointTier):
         for); `explicit`: the user gave it (a cap the watcher keeps), else the watcher may grow
         it up to the ceiling; `checkpoint_cap(budget)`: the most checkpoint device rows at a
         budget, when the scheduler's checkpoint tier is resizable (then it is on the KV side of
-        the split, see `_checkpoint_rows`)."""
+        the split, see `CheckpointTier.rows_for`)."""
         self.arena, self.kv, self.bank, self.scheduler = arena, kv, bank, scheduler
         rec = scheduler.recurrence
         resizable = rec is not None and rec.checkpoints.resizable and checkpoint_cap is not None
         self.checkpoints = rec.checkpoints if resizable else None
-        self._checkpoint_cap = checkpoint_cap
+        self.tier = CheckpointTier(self.checkpoints, scheduler.max_num_seqs, checkpoint_cap)
         self._checkpoint_target = self.checkpoints.device_rows if resizable else 0
         self.cache = bank.cache
         self.fixed = fixed
@@ -125,7 +125,7 @@ class MemoryManager(CheckpointTier):
         slots."""
         a = self.arena
         least = self.fixed + MIN_PAGES * a.kv_unit.nbytes + self.bank.min_slots * a.slot_unit.nbytes
-        return least + self._row_bytes  # and one checkpoint row, when they are in the split
+        return least + self.tier.row_bytes  # and one checkpoint row, when they are in the split
 
     @property
     def mapped_bytes(self) -> int:
@@ -134,7 +134,7 @@ class MemoryManager(CheckpointTier):
 
     def used_bytes(self) -> int:
         """What the engine holds on the device: fixed bytes and the arena's backed chunks."""
-        return self.fixed + self._tier_bytes() + self.mapped_bytes
+        return self.fixed + self.tier.nbytes() + self.mapped_bytes
 
     def held_bytes(self) -> int:
         """What the budget counts: fixed bytes, the pages and the slots of the split. The
@@ -142,7 +142,7 @@ class MemoryManager(CheckpointTier):
         slot): that slack shows in free memory, so the watcher subtracts it by itself."""
         a = self.arena
         pages = self.kv.allocator.n_pages * a.kv_unit.nbytes
-        return self.fixed + self._tier_bytes() + pages + self.cache.n_slots * a.slot_unit.nbytes
+        return self.fixed + self.tier.nbytes() + pages + self.cache.n_slots * a.slot_unit.nbytes
 
     def set_budget(self, nbytes: int) -> None:
         """Applied at the next safe point. At most the ceiling (`max_budget`: the addresses
@@ -150,7 +150,7 @@ class MemoryManager(CheckpointTier):
         (raised to it, the engine would hold more than the user allowed)."""
         nbytes = int(nbytes)
         if nbytes < self.floor:
-            a, rows = self.arena, self._row_bytes
+            a, rows = self.arena, self.tier.row_bytes
             raise ValueError(
                 f"a GPU budget of {nbytes} bytes does not cover this engine's floor of "
                 f"{self.floor}: {self.fixed} bytes of dense weights, workspace and recurrent "
@@ -215,11 +215,11 @@ class MemoryManager(CheckpointTier):
                 return True
             demand = self.demand()
             if self.checkpoints is not None:
-                rows = self._checkpoint_rows(demand)
+                rows = self.tier.rows_for(demand)
                 if rows != self.checkpoints.device_rows:
                     self._counted = True  # `safe_point` decides without counting again
                     return False
-                demand = self._beside_tier(demand, rows)
+                demand = self.tier.beside(demand, rows, self.arena.nbytes)
             self._decided_at = self.steps
             split = self.policy.decide(demand)
             if split is None:
@@ -291,17 +291,21 @@ class MemoryManager(CheckpointTier):
         settled = True
         demand = self.demand()
         if self.checkpoints is not None:
-            rows = self._checkpoint_rows(demand)
+            rows = self.tier.rows_for(demand)
             if rows < self.checkpoints.device_rows:  # shrink first: its bytes may go elsewhere
                 self._resize_checkpoints(rows)
             self._checkpoint_target = rows
-            demand = self._beside_tier(demand, rows)
+            demand = self.tier.beside(demand, rows, self.arena.nbytes)
         split = self.policy.decide(demand)
         if split is not None:
             settled = self._carry_out(split)
         if self.checkpoints is not None and self._checkpoint_target > self.checkpoints.device_rows:
             self._resize_checkpoints(self._checkpoint_target)  # grow last: the split made room
         return split, settled
+
+    def _resize_checkpoints(self, rows: int) -> None:
+        if self.tier.resize(rows, self._backed):
+            self._record("checkpoints")
 
     def _carry_out(self, split: Split) -> bool:
         """Apply `split`; pages in use that cannot move below the new top preempt the newest

@@ -22,7 +22,7 @@ def test_checkpoint_rows_follow_the_session_and_the_budget(tmp_path, rng_seed):
     m, pool = engine.memory, engine.loaded.recurrence.checkpoints
     top = m.user_budget
     assert m.checkpoints is pool and pool.resizable
-    per = m._row_bytes
+    per = m.tier.row_bytes
     seqs = engine.config.max_num_seqs
     rows_seen, history = [], []
     for _ in range(rng.randint(4, 6)):  # agent turns: history + new tokens, anchored twice

@@ -465,7 +465,7 @@ def _check_counts_what_the_recurrence_holds(elastic: Engine, fixed: Engine) -> N
     )
     # What the budget counts of the recurrence is what it holds: the state slots in the fixed
     # bytes, the checkpoints' device tier too or (resizable) in the split.
-    assert mem.fixed + mem._tier_bytes() == outside + loaded.recurrence.device_bytes
+    assert mem.fixed + mem.tier.nbytes() == outside + loaded.recurrence.device_bytes
     assert mem.fixed == outside + loaded.recurrence.fixed_device_bytes
     # The split fills what the fixed bytes leave: never fewer slots than the fixed split that
     # holds the same KV (the policy may only trade slots for pages beyond it).
