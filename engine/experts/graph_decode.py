@@ -5,6 +5,13 @@ the layer's routing and activations to pinned memory (`_captured`, first half); 
 segments the host places the layer's misses (`resolve`); the segment after the cut sums the
 experts from slots plus the CPU's part (`_captured`, second half). A mixin of
 OffloadedExpertBank (offload.py), which holds the cache, the policy and `_misses`/`_place`.
+
+A departure from DESIGN section 8 ("no mixins"), kept on purpose: this is not a second concept
+but the graph-captured half of the bank's one decode state machine (a hit here waits in the
+bank's `_hits` for the same `_visited` bookkeeping the eager path does, and a miss goes through
+the same `_misses`/`_place`), split off by file size. As a component it would hold a reference
+back to the bank and call eight of its private members; the Scheduler's and the MemoryManager's
+former mixins, which each used a few of their host's fields, became components.
 """
 
 from __future__ import annotations
