@@ -285,6 +285,7 @@ class Engine:
         failed = done + failed
         if not batch.chunks:
             return failed + self._unschedulable()
+        self._stalled = None  # a step ran: a later stall gets its one more try again
         self.runner.apply_copies(self.scheduler.take_copies())
         try:
             if self.overlap.eligible(batch):
