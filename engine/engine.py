@@ -81,7 +81,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._outputs: dict[str, OutputState] = {}
         self._events: dict[str, deque[TokenEvent]] = {}
-        self._scores: dict[str, list[torch.Tensor]] = {}
+        self._scores: dict[str, list[torch.Tensor]] = {}  # a score request's rows, in order
         self._ids = itertools.count()
         # Constrained requests' grammars (json_schema); the library loads on the first one.
         self.grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
@@ -324,7 +324,7 @@ class Engine:
             req = chunk.request
             self.scheduler.advance(chunk)
             if req.score_only:
-                self._scores[req.id].append(out.logits[req.id])
+                _keep_rows(self._scores[req.id], chunk.start, out.logits[req.id])
                 if chunk.sample:
                     self._finish(req, "scored")
                 continue
@@ -488,3 +488,17 @@ def _stops(sampling: SamplingParams) -> list[str]:
     decides where it ends (a stop string or id met inside the JSON cut it short, and the
     request ended "stop" with text that does not parse); `_accept` skips stop ids the same."""
     return [] if sampling.json_schema is not None else sampling.stop
+
+
+def _keep_rows(kept: list[torch.Tensor], start: int, rows: torch.Tensor) -> None:
+    """Add a score request's logits rows for positions [start, start + len(rows)) to `kept`
+    (its rows from 0 so far, chunk by chunk). A preempted request computes again from an
+    earlier position (a score request, reusing no prefix, from 0): the rows kept at or past
+    `start` are dropped first, or the result would hold them twice."""
+    held = 0
+    for i, chunk in enumerate(kept):
+        if held + len(chunk) > start:
+            kept[i:] = [chunk[: start - held]] if start > held else []
+            break
+        held += len(chunk)
+    kept.append(rows)
