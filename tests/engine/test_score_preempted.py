@@ -30,3 +30,26 @@ def test_a_preempted_score_keeps_each_row_once(tmp_path, rng_seed):
     assert engine.scheduler.preemptions > before  # the score request was preempted
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_kept_from_a_restart_position_replace_the_old_ones(rng_seed):
+    """`_keep_rows` at random chunk cuts and a restart at a random position (mid-chunk too):
+    the kept rows are each position's latest, once, in order."""
+    from freetoken_agent.engine.engine import _keep_rows
+
+    rng = random.Random(rng_seed)
+    n = rng.randint(5, 60)
+    rows = torch.randn(n, 3)
+    kept, done = [], 0
+    while done < n:  # a first pass, cut short
+        step = rng.randint(1, 9)
+        _keep_rows(kept, done, rows[done : done + step] + 100)  # values to be replaced
+        done = min(n, done + step)
+    restart = rng.randint(0, n - 1)
+    done = restart
+    while done < n:  # computed again from `restart`
+        step = rng.randint(1, 9)
+        _keep_rows(kept, done, rows[done : done + step])
+        done = min(n, done + step)
+    want = torch.cat([rows[:restart] + 100, rows[restart:]])
+    assert torch.equal(torch.cat(kept), want)
