@@ -39,8 +39,11 @@ class CheckpointTier:
         rows back."""
         pool, per = self.pool, self.row_bytes
         # Recently used cached pages come first too: a checkpoint is worth nothing without
-        # the KV of the tokens before it (evicting those pages releases it).
-        pages = d.pages_held + d.pages_growth + d.pages_waiting + d.cached_recent
+        # the KV of the tokens before it (evicting those pages releases it). The running pages
+        # are counted as the split counts them (MemoryPolicy.decide: at least the pages the
+        # engine always keeps), or an idle engine's tier took a row from a waiting request's.
+        running = max(d.pages_held + d.pages_growth, d.min_pages)
+        pages = running + d.pages_waiting + d.cached_recent
         hard = pages * d.page_bytes + d.min_slots * d.slot_bytes
         room = (d.budget - d.fixed - hard) // per
         want = pool.device_used + self.max_num_seqs
