@@ -11,7 +11,10 @@ import freetoken_agent
 
 
 def test_a_missing_integration_package_names_the_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "langchain_core", None)  # its import fails: not installed
+    # Every import of it fails, as if not installed (submodules imported before by other tests
+    # would be found in sys.modules without their package).
+    for name in ["langchain_core", *[m for m in sys.modules if m.startswith("langchain_core.")]]:
+        monkeypatch.setitem(sys.modules, name, None)
     for name in [m for m in sys.modules if m.startswith("freetoken_agent.integrations")]:
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(ModuleNotFoundError, match=r"ChatFreeToken needs .*\[integrations\]"):

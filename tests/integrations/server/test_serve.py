@@ -26,7 +26,7 @@ def test_serve_refuses_a_public_host_without_a_key(host, monkeypatch, capsys):
     def no_load(args):
         raise AssertionError("the engine must not load for a refused bind")
 
-    monkeypatch.setattr(cli, "_load", no_load)
+    monkeypatch.setattr(cli, "load_engine", no_load)
     monkeypatch.delenv("FREETOKEN_API_KEY", raising=False)
     assert cli.main(["serve", "--host", host]) == 2
     err = capsys.readouterr().err
