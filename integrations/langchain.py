@@ -68,7 +68,6 @@ from freetoken_agent.integrations.langchain_runtime import (
     service_for,
 )
 from freetoken_agent.integrations.langchain_structured import structured_runnable
-from freetoken_agent.integrations.one_call import FirstCallOnly
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
 from freetoken_agent.session import Usage
 
@@ -298,12 +297,9 @@ class ChatFreeToken(BaseChatModel):
         pool = self._ensure_engine()
         for attempt in itertools.count():
             produced = False
-            lender = _Lender(pool)
-            one = FirstCallOnly(lender.stop) if one_call else None
-            with contextlib.closing(run_turn(lender, binding, history, sampling, timeout)) as turn:
+            turn = run_turn(pool, binding, history, sampling, timeout, one_call)
+            with contextlib.closing(turn):
                 for event in turn:
-                    if one is not None and (event := one(event)) is None:
-                        continue
                     if isinstance(event, Usage) and _failed(event):
                         if not produced and attempt < self.max_retries:
                             break
@@ -318,13 +314,9 @@ class ChatFreeToken(BaseChatModel):
         pool = self._ensure_engine()
         for attempt in itertools.count():
             produced = False
-            lender = _Lender(pool)
-            one = FirstCallOnly(lender.stop) if one_call else None
-            turn = arun_turn(lender, binding, history, sampling, timeout)
+            turn = arun_turn(pool, binding, history, sampling, timeout, one_call)
             try:
                 async for event in turn:
-                    if one is not None and (event := one(event)) is None:
-                        continue
                     if isinstance(event, Usage) and _failed(event):
                         if not produced and attempt < self.max_retries:
                             break
@@ -401,31 +393,6 @@ class ChatFreeToken(BaseChatModel):
 
 
 # ------------------------------------------------------------------------------- helpers
-
-
-class _Lender:
-    """The SessionPool as run_turn / arun_turn use it (acquire, release, service), remembering
-    the Session it lends: parallel_tool_calls=False stops that Session's engine request once
-    the first call is complete, through its Gateway's current Call, which the runners keep to
-    themselves."""
-
-    def __init__(self, pool: SessionPool) -> None:
-        self.pool = pool
-        self.service = pool.service
-        self.session: Any = None
-
-    def acquire(self, binding: Binding) -> Any:
-        self.session = self.pool.acquire(binding)
-        return self.session
-
-    def release(self, binding: Binding, session: Any) -> None:
-        self.pool.release(binding, session)
-
-    def stop(self) -> None:
-        """Abort the lent Session's request (never blocks; a no-op once the call ended)."""
-        call = getattr(getattr(self.session, "engine", None), "call", None)
-        if call is not None:
-            call.cancel()
 
 
 def _stops(stop: str | Sequence[str] | None) -> list[str]:

@@ -39,6 +39,7 @@ from freetoken_agent.integrations.langchain_constrained import (
     ForcedFormat,
     PrefedParser,
 )
+from freetoken_agent.integrations.one_call import FirstCallOnly
 from freetoken_agent.parsers import OutputParser, engine_tool_format, parser_factory_for
 from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
 from freetoken_agent.service import EngineService, ServiceView
@@ -254,15 +255,25 @@ class SessionPool:
 
 
 def run_turn(
-    pool: SessionPool, binding: Binding, history: list, sampling: SamplingParams, timeout
+    pool: SessionPool,
+    binding: Binding,
+    history: list,
+    sampling: SamplingParams,
+    timeout,
+    one_call: bool = False,
 ) -> Iterator[Any]:
-    """Session events of one turn, read in the calling thread. Closing early aborts."""
+    """Session events of one turn, read in the calling thread. Closing early aborts.
+    `one_call` (parallel_tool_calls=False): the engine request stops at the first complete
+    tool call, and nothing after it is passed on (FirstCallOnly)."""
     session = pool.acquire(binding)
     gateway: Gateway = session.engine
-    gateway.call = Call(pool.service, timeout)
+    call = gateway.call = Call(pool.service, timeout)
+    first = FirstCallOnly(call.cancel) if one_call else None
     events = session.send(history, sampling)
     try:
-        yield from events
+        for event in events:
+            if first is None or (event := first(event)) is not None:
+                yield event
     finally:
         events.close()
         gateway.call = None
@@ -270,7 +281,12 @@ def run_turn(
 
 
 async def arun_turn(
-    pool: SessionPool, binding: Binding, history: list, sampling: SamplingParams, timeout
+    pool: SessionPool,
+    binding: Binding,
+    history: list,
+    sampling: SamplingParams,
+    timeout,
+    one_call: bool = False,
 ) -> AsyncIterator[Any]:
     """The same on an asyncio loop. The Session is synchronous, so it runs in a thread whose
     events come through a queue; cancelling the reading task aborts the engine request at once
@@ -280,6 +296,7 @@ async def arun_turn(
     session = pool.acquire(binding)
     gateway: Gateway = session.engine
     call = gateway.call = Call(pool.service, timeout)
+    first = FirstCallOnly(call.cancel) if one_call else None
 
     def post(kind: str, item: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads any more
@@ -307,7 +324,8 @@ async def arun_turn(
             if kind == "error":
                 done = True
                 raise item
-            yield item
+            if first is None or (item := first(item)) is not None:
+                yield item
     finally:
         if not done:
             call.cancel()
