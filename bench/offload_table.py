@@ -13,8 +13,9 @@ HEADER = (
 def decode_table(decode: dict[str, dict]) -> list[str]:
     """One line per decode key ("regime|bN|policy"): tok/s of the batch's sequences together,
     the limit beside it, the miss rate, experts run on the CPU per decoded token (a step of
-    batch N makes N tokens: offload._decode), and adaptive's kept step path with the ms per
-    token each path measured; then the mean step (all N tokens) outside the trials."""
+    batch N makes N tokens: offload_decode.decode_window), and adaptive's kept step path with
+    the ms per token each path measured; then the mean step (all N tokens) outside the
+    trials."""
     lines = [HEADER]
     for key, row in decode.items():
         paths = row.get("path_ms_per_token") or {}
@@ -30,9 +31,9 @@ def decode_table(decode: dict[str, dict]) -> list[str]:
 
 
 def _steps(step_ms: dict[str, dict]) -> str:
-    """The mean step outside adaptive's trials (labels without `~`: offload.py
-    step_times_summary) and the trials' share of the window: whether a row sits at its kept
-    path's pace or pays for measuring."""
+    """The mean step outside adaptive's trials (labels without `~`:
+    offload_summaries.step_times_summary) and the trials' share of the window: whether a row
+    sits at its kept path's pace or pays for measuring."""
     steady = [s for label, s in step_ms.items() if not label.endswith("~")]
     n = sum(s["n"] for s in steady)
     if not n:

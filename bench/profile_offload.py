@@ -28,7 +28,8 @@ from collections import defaultdict
 
 import torch
 
-from freetoken_agent.bench.offload import offload_engine, start_policy
+from freetoken_agent.bench.offload import offload_engine
+from freetoken_agent.bench.offload_decode import start_policy
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.bench.stop_clock import StopClock
 from freetoken_agent.engine import segmented_graphs

@@ -23,6 +23,8 @@ from freetoken_agent.bench import offload
 from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
 from freetoken_agent.bench.host_caps import HostCaps
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_read_bandwidth
+from freetoken_agent.bench.offload_decode import measure_policy, use_policy
+from freetoken_agent.bench.offload_limits import add_limits
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import split_expert
 from freetoken_agent.kernels.cpu import experts, worker
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.loaded.model.set_expert_bank(TracedRouting(bank, gen))
     # adaptive's worker from the start, so every split row counts its own jobs (they include
     # the row's warm-up steps)
-    offload._use_policy(engine, bank, "adaptive", recapture=True)
+    use_policy(engine, bank, "adaptive", recapture=True)
     dense = engine.loaded.dense_bytes - engine.loaded.model.embed_tokens.device_nbytes
     kv_per_token = kv_bytes_per_token(engine)
     rng = random.Random(0)
@@ -111,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         before = share.box.ctrl.clone() if share is not None else None
         path = "split" if policy == "adaptive" else None
         try:
-            row = offload._measure(engine, bank, policy, batch, args.decode, rng, b_p, b_h,
-                                   path, True, args.context)  # fmt: skip
+            row = measure_policy(engine, bank, policy, batch, args.decode, rng, b_p, b_h,
+                                 path, True, args.context)  # fmt: skip
         finally:
             split_expert.SplitExpert._cut_at = cut_at
         share = bank.device_path.cpu_share
@@ -123,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             row.update(jobs=jobs, mean_job_us=busy / max(jobs, 1) / 1e3,
                        worker_threads=share.worker.threads)  # fmt: skip
         kv_read = batch * (args.context + args.decode / 2) * kv_per_token
-        offload.add_limits(row, policy, batch, bank.pool.expert_bytes, dense + kv_read, caps,
-                           b_hbm)  # fmt: skip
+        add_limits(row, policy, batch, bank.pool.expert_bytes, dense + kv_read, caps,
+                   b_hbm)  # fmt: skip
         report["rows"][key] = row
         cut, job_us = row.get("split_cut"), row.get("mean_job_us", 0)
         print(f"{key} | {row['tok_s']:.1f} | {row['limit_tok_s']:.1f} | cut {cut} | job us "

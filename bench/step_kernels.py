@@ -28,7 +28,9 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from freetoken_agent.bench.offload import cpu_share_stats, offload_engine, start_policy
+from freetoken_agent.bench.offload import offload_engine
+from freetoken_agent.bench.offload_decode import start_policy
+from freetoken_agent.bench.offload_summaries import cpu_share_stats
 from freetoken_agent.bench.profile_step import decode_steps
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts.device_fills import DeviceFills

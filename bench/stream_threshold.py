@@ -35,7 +35,9 @@ from pathlib import Path
 import torch
 
 from freetoken_agent.bench.limits import host_read_bandwidth
-from freetoken_agent.bench.offload import _decode, offload_engine, start_policy, timed_prefill
+from freetoken_agent.bench.offload import offload_engine
+from freetoken_agent.bench.offload_decode import decode_window, start_policy
+from freetoken_agent.bench.offload_limits import timed_prefill
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.config import EngineConfig
 from freetoken_agent.engine.experts import calibration
@@ -49,7 +51,7 @@ WARM_DECODE = 24  # tokens decoded before each prefill: the cache full, as mid-s
 def _prefill_seconds(engine, bank, tokens: int, stream: bool, rng, placed: dict) -> float:
     """One prefill of a fresh `tokens`-token prompt, every chunk streamed or placed; a placed
     one adds its cache counters (per layer) to `placed`."""
-    _decode(engine, WARM_DECODE, rng)
+    decode_window(engine, WARM_DECODE, rng)
     reserve = getattr(engine.loaded.model.expert_bank, "reserve", None)  # traced routing
     if reserve is not None:  # the prompt's draws before the clock starts
         reserve(tokens)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from freetoken_agent.bench.offload import offload_engine, timed_prefill
+from freetoken_agent.bench.offload import offload_engine
+from freetoken_agent.bench.offload_limits import timed_prefill
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.engine.experts.placement import workspace_bytes
 

@@ -13,6 +13,13 @@ import pytest
 from freetoken_agent.bench import offload
 from freetoken_agent.bench.elastic_engines import TINY_QWEN3_MOE
 from freetoken_agent.bench.host_caps import HostCaps
+from freetoken_agent.bench.offload_decode import decode_window
+from freetoken_agent.bench.offload_limits import (
+    add_limits,
+    closing_lines,
+    prefill_limit,
+    prefill_row,
+)
 from freetoken_agent.bench.random_model import random_engine
 
 
@@ -23,7 +30,7 @@ def _engine(seed: int, slots: int, **options):
 
 
 def _window(engine, n: int, batch: int, seed: int) -> tuple[float, dict, list]:
-    """offload._decode's timed window, with the requests' outputs kept as it collects them."""
+    """decode_window's timed window, with the requests' outputs kept as it collects them."""
     outputs = []
     collect = engine._collect
 
@@ -33,7 +40,7 @@ def _window(engine, n: int, batch: int, seed: int) -> tuple[float, dict, list]:
         return out
 
     engine._collect = keep
-    rate, st = offload._decode(engine, n, random.Random(seed), batch=batch, context=16)
+    rate, st = decode_window(engine, n, random.Random(seed), batch=batch, context=16)
     return rate, st, outputs
 
 
@@ -85,7 +92,7 @@ def test_batch_4_counts_experts_per_decoded_token(rng_seed):
     row = {"tok_s": rng.uniform(10, 1000), **st}
     caps = HostCaps(*(rng.uniform(10e9, 150e9) for _ in range(3)))
     b_hbm, dense = rng.uniform(1e12, 5e12), rng.uniform(1e6, 1e9)
-    offload.add_limits(row, "transfer", batch, expert_bytes, dense, caps, b_hbm)
+    add_limits(row, "transfer", batch, expert_bytes, dense, caps, b_hbm)
     step_experts = st["experts_per_token"] * batch  # a step's distinct (layer, expert) pairs
     miss = step_experts * st["miss_rate"] * expert_bytes
     hit = step_experts * (1 - st["miss_rate"]) * expert_bytes
@@ -108,7 +115,7 @@ def test_every_policy_gets_the_machines_limit(rng_seed):
     limits = {}
     for policy in offload.POLICIES:
         row = dict(st)
-        offload.add_limits(row, policy, 4, expert_bytes, dense, caps, b_hbm)
+        add_limits(row, policy, 4, expert_bytes, dense, caps, b_hbm)
         limits[policy] = row["limit_tok_s"]
     link = min(caps.b_p + caps.b_h, caps.b_read)
     floor = row["step_device_bytes"] / b_hbm + row["step_host_bytes"] / link
@@ -129,11 +136,11 @@ def test_the_prefill_limit_counts_every_chunks_streamed_bytes(rng_seed):
                      stream_min_tokens=stream_min, max_model_len=4096)  # fmt: skip
     bank = engine.loaded.bank
     try:
-        offload._decode(engine, rng.randint(3, 6), rng, batch=2, context=16)  # slots filled
+        decode_window(engine, rng.randint(3, 6), rng, batch=2, context=16)  # slots filled
         resident = sum(slot >= 0 for slot in bank.cache.host_slot_of)
         h2d0 = bank.streamer.bytes_h2d
         b_p = rng.uniform(1e9, 60e9)
-        row = offload.prefill_row(engine, n, chunk, b_p, rng)
+        row = prefill_row(engine, n, chunk, b_p, rng)
         moved = bank.streamer.bytes_h2d - h2d0
         pool = bank.pool
     finally:
@@ -146,7 +153,7 @@ def test_the_prefill_limit_counts_every_chunks_streamed_bytes(rng_seed):
     assert row["link_bytes_counted"] and row["chunks"] == chunks
     assert row["link_bytes"] == moved
     assert row["limit_tok_s"] == pytest.approx(n / (chunks * not_resident / b_p))
-    assert row["limit_tok_s"] == pytest.approx(offload.prefill_limit(n, chunk, b_p, not_resident))
+    assert row["limit_tok_s"] == pytest.approx(prefill_limit(n, chunk, b_p, not_resident))
     assert row["of_limit"] == pytest.approx(row["tok_s"] / row["limit_tok_s"])
 
 
@@ -160,7 +167,7 @@ def test_a_prefill_figure_above_its_limit_is_flagged(rng_seed):
     }}  # fmt: skip
     for row in report["prefill"].values():
         row["of_limit"] = row["tok_s"] / row["limit_tok_s"]
-    warnings = [line for line in offload.closing_lines(report) if line.startswith("WARNING")]
+    warnings = [line for line in closing_lines(report) if line.startswith("WARNING")]
     assert len(warnings) == 1 and "8192_double" in warnings[0]
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from freetoken_agent.bench import offload
+from freetoken_agent.bench import offload, offload_decode
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
 from freetoken_agent.kernels import pdl_switch
 from freetoken_agent.kernels.triton import pdl
@@ -74,9 +74,9 @@ def test_held_shares_make_one_adaptive_row_each(rng_seed):
     rng = random.Random(rng_seed)
     policies = rng.sample(["adaptive", "transfer", "gpu-fill"], 3)
     variants = measured_variants(policies, None, None)
-    assert offload.held_shares(variants, None) == [(*v, None) for v in variants]
+    assert offload_decode.held_shares(variants, None) == [(*v, None) for v in variants]
     shares = sorted(rng.sample([0.3, 0.45, 0.6, 0.75, 0.9], rng.randint(1, 4)))
-    rows = offload.held_shares(variants, shares)
+    rows = offload_decode.held_shares(variants, shares)
     assert len(rows) == len(policies) - 1 + len(shares)
     held = [(name, x) for name, policy, _, _, x in rows if policy == "adaptive"]
     assert held == [(f"adaptive~{x:g}", x) for x in shares]

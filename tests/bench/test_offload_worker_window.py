@@ -9,7 +9,12 @@ import pytest
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine
-from freetoken_agent.bench import offload
+from freetoken_agent.bench.offload_decode import decode_window, use_policy
+from freetoken_agent.bench.offload_summaries import (
+    cpu_seen_summary,
+    step_times_summary,
+    trial_positions,
+)
 from freetoken_agent.kernels.cpu import worker
 
 pytestmark = pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
@@ -26,10 +31,10 @@ def test_a_decode_window_counts_only_its_own_worker_jobs(tmp_path, rng_seed):
     bank.cpu_share.observe = lambda bandwidths: None  # keep that share
     rng = random.Random(rng_seed)
     try:
-        offload._decode(engine, rng.randint(3, 6), rng, batch=1)  # jobs before the window
+        decode_window(engine, rng.randint(3, 6), rng, batch=1)  # jobs before the window
         before = bank.cpu_share.counters()
         assert before["jobs"] > 0
-        _, st = offload._decode(engine, rng.randint(4, 8), rng, batch=rng.randint(1, 2))
+        _, st = decode_window(engine, rng.randint(4, 8), rng, batch=rng.randint(1, 2))
         after = bank.cpu_share.counters()
         window = st["worker_jobs"]
         # Only the timed steps' jobs (the prompt's prefill posts none: the share is decode's).
@@ -54,7 +59,7 @@ def test_the_rows_b_h_observations_are_summarised_per_source(rng_seed):
     for _ in range(rng.randint(5, 40)):
         source = rng.choice(["decode", "prompt", "worker"])
         seen.append((source, rng.uniform(1e6, 1e8), rng.uniform(1e-4, 1e-1)))
-    summary = offload.cpu_seen_summary(seen)
+    summary = cpu_seen_summary(seen)
     assert set(summary) == {s for s, _, _ in seen}
     for source, got in summary.items():
         rates = [b / t / 1e9 for s, b, t in seen if s == source]
@@ -74,7 +79,7 @@ def test_the_rows_step_times_are_summarised_per_label(rng_seed):
     rng = random.Random(rng_seed)
     labels = [rng.choice(["shared", "device~", "stops~"]) for _ in range(rng.randint(5, 60))]
     seconds = [rng.uniform(1e-4, 2e-2) for _ in labels]
-    summary = offload.step_times_summary(labels, seconds)
+    summary = step_times_summary(labels, seconds)
     assert set(summary) == set(labels)
     assert sum(got["n"] for got in summary.values()) == len(labels)
     assert sum(got["time_share"] for got in summary.values()) == pytest.approx(1.0)
@@ -100,15 +105,15 @@ def test_a_decode_window_labels_each_step_with_adaptives_path(tmp_path, rng_seed
     engine.loaded.bank.adaptive.path_params = {"fixed": path}
     try:
         n, batch = rng.randint(4, 9), rng.randint(1, 2)
-        rate, st = offload._decode(engine, n, rng, batch=batch)
+        rate, st = decode_window(engine, n, rng, batch=batch)
         steps = st["step_ms"]
         assert set(steps) == {path}
         assert steps[path]["n"] == n  # (one step a token of each sequence)
         window_ms = 1e3 * st["tokens"] / rate  # (n - 1 tokens each: the first is the prefill's)
         assert steps[path]["mean_ms"] * n == pytest.approx(window_ms, rel=0.05)
         # another policy on the same bank: plain steps, not adaptive's idle path
-        offload._use_policy(engine, engine.loaded.bank, rng.choice(["transfer", "cpu"]))
-        _, st = offload._decode(engine, n, rng, batch=batch)
+        use_policy(engine, engine.loaded.bank, rng.choice(["transfer", "cpu"]))
+        _, st = decode_window(engine, n, rng, batch=batch)
         assert set(st["step_ms"]) == {"step"} and st["step_ms"]["step"]["n"] == n
     finally:
         engine.close()
@@ -129,7 +134,7 @@ def test_trial_steps_are_summarised_by_their_place_in_a_block(rng_seed):
             labels.append(label)
             places.append(place)
     seconds = [rng.uniform(1e-4, 2e-2) for _ in labels]
-    got = offload.trial_positions(labels, seconds)
+    got = trial_positions(labels, seconds)
     assert set(got) == {label for label in labels if label.endswith("~")}
     for label, medians in got.items():
         for place, median in enumerate(medians):

@@ -50,7 +50,7 @@ def test_offload_bench_measurements_run_on_a_tiny_engine(tmp_path, rng_seed):
     """The benchmark's decode and prefill measurements, on the CPU, with replayed routing."""
     import random
 
-    from freetoken_agent.bench import offload
+    from freetoken_agent.bench import offload_decode, offload_limits
 
     make_tiny("qwen3_moe", tmp_path, rng_seed)
     engine = Engine.load(
@@ -61,31 +61,31 @@ def test_offload_bench_measurements_run_on_a_tiny_engine(tmp_path, rng_seed):
     gen = TraceGenerator(spec.n_moe_layers, spec.n_experts, spec.top_k, Regime(1.0, 0.5), 1)
     engine.loaded.model.set_expert_bank(TracedRouting(engine.loaded.bank, gen))
     rng = random.Random(rng_seed)
-    rate, st = offload._decode(engine, 6, rng, batch=2)
+    rate, st = offload_decode.decode_window(engine, 6, rng, batch=2)
     assert rate > 0 and 0 < st["miss_rate"] <= 1 and st["experts_per_token"] > 0
-    assert offload.timed_prefill(engine, 100, rng) > 0  # streamed (100 >= 64 tokens)
+    assert offload_limits.timed_prefill(engine, 100, rng) > 0  # streamed (100 >= 64 tokens)
     assert engine.loaded.bank.streamer.layers_streamed > 0
     engine.check_integrity()
     # The bench switches policies in place; direct learns after each step, the others not.
     bank = engine.loaded.bank
-    offload._use_policy(engine, bank, "direct")
+    offload_decode.use_policy(engine, bank, "direct")
     assert engine.runner.after_step == bank.after_step
-    rate, st = offload._decode(engine, 6, rng, batch=2)
+    rate, st = offload_decode.decode_window(engine, 6, rng, batch=2)
     assert rate > 0 and bank.stats.direct > 0 and st["miss_rate"] > 0
-    offload._use_policy(engine, bank, "adaptive")
+    offload_decode.use_policy(engine, bank, "adaptive")
     direct = bank.stats.direct
-    offload._decode(engine, 4, rng, batch=2)
+    offload_decode.decode_window(engine, 4, rng, batch=2)
     assert bank.policy == "adaptive" and bank.stats.direct == direct
     engine.check_integrity()
     # One round's measurement of a policy, and the median of the rounds.
-    row = offload._measure(engine, bank, "adaptive", 2, 4, rng, 30e9, 10e9)
+    row = offload_decode.measure_policy(engine, bank, "adaptive", 2, 4, rng, 30e9, 10e9)
     assert row["tok_s"] > 0 and bank.policy == "adaptive" and "split_mode" in row
     pins = row["pins"]  # the default EngineConfig.popular_pins, as measured
     assert pins["fraction"] == engine.config.pins_fraction and pins["owned_steps"] >= 0
     assert 0 <= pins["pinned"] <= bank.cache.n_slots and pins["choices"] >= 0
     assert bank.stats.experts > 0
     rates = [rng.uniform(1, 100) for _ in range(rng.choice([3, 4, 5]))]
-    median = offload._median_round([{"tok_s": r, "round": i} for i, r in enumerate(rates)])
+    median = offload_decode.median_round([{"tok_s": r, "round": i} for i, r in enumerate(rates)])
     assert median["tok_s"] == sorted(rates)[(len(rates) - 1) // 2]
     assert median["tok_s_rounds"] == rates and rates[median["round"]] == median["tok_s"]
 
@@ -141,7 +141,7 @@ def test_switching_to_a_device_path_makes_the_configured_pins(tmp_path, rng_seed
     fraction of 0 (bench offload --popular-pins 0) gets none."""
     import random
 
-    from freetoken_agent.bench import offload
+    from freetoken_agent.bench import offload_decode
 
     make_tiny("qwen3_moe", tmp_path, rng_seed)
     rng = random.Random(rng_seed)
@@ -152,7 +152,7 @@ def test_switching_to_a_device_path_makes_the_configured_pins(tmp_path, rng_seed
         bank = engine.loaded.bank
         assert bank.popular is None  # transfer makes none
         engine.config.popular_pins = chosen
-        offload._use_policy(engine, bank, rng.choice(["gpu-fill", "adaptive"]))
+        offload_decode.use_policy(engine, bank, rng.choice(["gpu-fill", "adaptive"]))
         if chosen:
             assert bank.popular is not None and bank.popular.fraction == chosen
             assert bank.popular.fills is bank.cache.on_device
