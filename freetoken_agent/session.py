@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt, common_prefix
+from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.hooks import ToolHooks, ToolRun, arun_tool, run_tool
@@ -182,12 +183,17 @@ class Session:
         shared = common_prefix(self.last_sent, prompt.token_ids)
         # The engine computes the logits of a prompt's last token itself, and it never has the
         # KV of the last generated token, hence the two caps. A hybrid model resumes from its
-        # deepest checkpoint, which the engine places at anchors (the Session's guess when the
-        # engine's own figures are not to be had: usage of overlapping turns).
+        # deepest checkpoint, which the engine places by its checkpoint mode: at anchors, every
+        # N tokens, or nowhere (the Session's guess when the engine's own figures are not to
+        # be had: usage of overlapping turns).
         reused = max(0, min(shared, self._kv_tokens, len(prompt) - 1))
         if getattr(getattr(self.engine, "spec", None), "is_hybrid", False):
-            anchor = prompt.deepest_anchor(reused)
-            reused = anchor.offset if anchor is not None else 0
+            mode = _checkpoint_mode(self.engine)
+            if mode.kind == "anchors":
+                anchor = prompt.deepest_anchor(reused)
+                reused = anchor.offset if anchor is not None else 0
+            else:  # positional: the last multiple of N; none: no reuse
+                reused = reused // mode.interval * mode.interval if mode.reuses else 0
         return HistoryDiff(
             shared, prompt.deepest_anchor(shared), reused, len(prompt) - reused, prompt
         )
@@ -333,3 +339,11 @@ def _totals(engine: Any) -> tuple[int, int, int] | None:
         return int(tokens["reused"]), int(tokens["prefilled"]), int(requests["finished"])
     except (AttributeError, KeyError, TypeError):
         return None
+
+
+def _checkpoint_mode(engine: Any) -> CheckpointMode:
+    """An Engine's checkpoint mode (its config's), or the one a service or a view of one
+    relays (`checkpoints`); the engine's default where neither is there."""
+    config = getattr(engine, "config", None)
+    text = getattr(config, "checkpoints", None) or getattr(engine, "checkpoints", "anchors")
+    return CheckpointMode.parse(text)

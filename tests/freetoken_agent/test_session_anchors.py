@@ -20,6 +20,7 @@ from freetoken_agent import Engine, SamplingParams, Session
 from freetoken_agent.chat_format import common_prefix
 from freetoken_agent.demo_model import ADDED_TOKENS, build_tokenizer, tokenizer_config
 from freetoken_agent.messages import AssistantMessage, ToolCall, ToolResult, UserMessage
+from freetoken_agent.service import EngineService
 from freetoken_agent.session import Usage
 
 WORDS = [
@@ -206,3 +207,26 @@ def test_the_predicted_reuse_of_a_hybrid_is_where_the_engine_resumes(chat):
         list(s.send(h, SP))
         assert diff.reused_tokens == diff.resume_offset == requests[-1].num_reused
         assert diff.prefill_tokens == len(diff.prompt) - diff.resume_offset
+
+
+def test_the_predicted_reuse_follows_the_engines_checkpoint_mode(chat, tmp_path):
+    """The same prediction under the other checkpoint modes: positional:N resumes at the last
+    multiple of N, none reuses nothing (the Session predicted the anchor's offset for both,
+    through an EngineService too)."""
+    _, _, _, rng = chat
+    mode = rng.choice(["none", f"positional:{rng.randint(8, 64)}"])
+    engine = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=8192, checkpoints=mode)
+    target = rng.choice([engine, EngineService(engine)])
+    system = _text(rng, 50)
+    sessions = [Session(target, system=system, tools=TOOLS) for _ in range(2)]
+    histories = [[UserMessage(_text(rng, 30))] for _ in sessions]
+    for s, h in zip(sessions, histories, strict=True):
+        list(s.send(h, SP))
+    requests = record_requests(engine)
+    for s, h in zip(sessions, histories, strict=True):
+        h[0] = UserMessage(h[0].content + " " + _text(rng, rng.randint(1, 3)))
+        diff = s.diff(h)
+        list(s.send(h, SP))
+        assert diff.reused_tokens == requests[-1].num_reused, mode
+    if target is not engine:
+        target.close()
