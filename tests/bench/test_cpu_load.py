@@ -86,7 +86,11 @@ def test_a_spinning_thread_of_this_process_shows_while_the_caller_sleeps():
         stop.set()
         thread.join()
     busiest = {t: cores for _, t, cores in load["busiest_threads"]}
-    assert busiest.get(tid[0], 0.0) > 0.5, load
+    # About a core, or on a machine other processes load (a shared CI box: load averages of
+    # 7-10 on 2 cores failed a fixed 0.5) at least half of what they leave of one core.
+    free = min(1.0, (os.cpu_count() or 1) - load["others_cores"] - load["steal_cores"])
+    assert busiest.get(tid[0], 0.0) > 0.5 * max(free, 0.1), load
+    assert max(busiest, key=busiest.get) == tid[0], load  # and it is this process's busiest
     # (the process's, the threads' and the machine's counters are read one after another, in
     # 10 ms ticks: over 0.5 s they agree to a few ticks)
     assert load["process_cores"] >= busiest[tid[0]] - 0.25
