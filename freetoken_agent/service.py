@@ -111,11 +111,6 @@ class EngineService:
     def spec(self):
         return self.engine.spec
 
-    @property
-    def checkpoints(self) -> str:
-        """The engine's checkpoint mode (a Session predicts a hybrid's reuse by it)."""
-        return self.engine.config.checkpoints
-
     def stats(self) -> dict:
         with self.lock:
             self._apply_aborts()  # what the caller asked before is done in what it reads
@@ -360,10 +355,6 @@ class ServiceView:
     @property
     def spec(self):
         return self.service.spec
-
-    @property
-    def checkpoints(self) -> str:
-        return self.service.checkpoints
 
     def stats(self) -> dict:
         return self.service.stats()

@@ -92,17 +92,22 @@ ParserFactory = Callable[[Prompt], StreamParser]
 _UNSET: Any = object()
 
 
+def _holders(engine: Any) -> tuple[Any, Any, Any]:
+    """What a Session may get for its engine and the Engine behind it: the Engine itself, an
+    EngineService (`.engine`) or a view of one (`.service.engine`)."""
+    return (
+        engine,
+        getattr(engine, "engine", None),
+        getattr(getattr(engine, "service", None), "engine", None),
+    )
+
+
 def context_limit(engine: Any) -> int | None:
     """The engine's context (`max_model_len`), read through what a Session may get for its
     engine: the Engine, an EngineService (`.engine`) or a view of one (`.service.engine`,
     unless the view says it itself). None when there is none (a duck-typed engine): the
     rendering is then not checked against it, and the engine refuses what does not fit."""
-    holders = (
-        engine,
-        getattr(engine, "engine", None),
-        getattr(getattr(engine, "service", None), "engine", None),
-    )
-    for holder in holders:
+    for holder in _holders(engine):
         value = getattr(holder, "max_model_len", None)  # None too once an Engine is closed
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
@@ -342,8 +347,10 @@ def _totals(engine: Any) -> tuple[int, int, int] | None:
 
 
 def _checkpoint_mode(engine: Any) -> CheckpointMode:
-    """An Engine's checkpoint mode (its config's), or the one a service or a view of one
-    relays (`checkpoints`); the engine's default where neither is there."""
-    config = getattr(engine, "config", None)
-    text = getattr(config, "checkpoints", None) or getattr(engine, "checkpoints", "anchors")
-    return CheckpointMode.parse(text)
+    """The checkpoint mode of the Engine behind `engine` (`_holders`); the engine's default
+    where none is found (a duck-typed engine)."""
+    for holder in _holders(engine):
+        text = getattr(getattr(holder, "config", None), "checkpoints", None)
+        if isinstance(text, str):
+            return CheckpointMode.parse(text)
+    return CheckpointMode.parse("anchors")

@@ -188,24 +188,34 @@ def test_two_sessions_branch_from_one_prefix(chat):
     assert resume == user_turn.offset > 0  # the shared system prompt and tools, not re-run
 
 
+def _edited_turns(target, engine: Engine, rng: random.Random) -> list:
+    """Two sessions on `target` (`engine` or a service of it) send a turn each, then each the
+    same turn with its end edited: (the diff predicted before the edited turn, its engine
+    request) per session."""
+    system = _text(rng, 50)
+    sessions = [Session(target, system=system, tools=TOOLS) for _ in range(2)]
+    histories = [[UserMessage(_text(rng, 30))] for _ in sessions]
+    for s, h in zip(sessions, histories, strict=True):
+        list(s.send(h, SP))
+    requests = record_requests(engine)
+    turns = []
+    for s, h in zip(sessions, histories, strict=True):
+        h[0] = UserMessage(h[0].content + " " + _text(rng, rng.randint(1, 3)))  # edit its end
+        diff = s.diff(h)
+        list(s.send(h, SP))
+        turns.append((diff, requests[-1]))
+    return turns
+
+
 def test_the_predicted_reuse_of_a_hybrid_is_where_the_engine_resumes(chat):
     """What the Session predicts a turn reuses (its Usage when the engine's own figures cannot
     be told apart from another session's: overlapping turns, exact False) is, for a hybrid
     model, the deepest anchor at or before the divergence, where the engine resumes: not the
     divergence itself."""
     engine, _, _, rng = chat
-    system = _text(rng, 50)
-    sessions = [Session(engine, system=system, tools=TOOLS) for _ in range(2)]
-    histories = [[UserMessage(_text(rng, 30))] for _ in sessions]
-    for s, h in zip(sessions, histories, strict=True):
-        list(s.send(h, SP))
-    requests = record_requests(engine)
-    for s, h in zip(sessions, histories, strict=True):
-        h[0] = UserMessage(h[0].content + " " + _text(rng, rng.randint(1, 3)))  # edit its end
-        diff = s.diff(h)
+    for diff, request in _edited_turns(engine, engine, rng):
         assert diff.resume_offset < diff.first_divergence  # the edit is past the anchor
-        list(s.send(h, SP))
-        assert diff.reused_tokens == diff.resume_offset == requests[-1].num_reused
+        assert diff.reused_tokens == diff.resume_offset == request.num_reused
         assert diff.prefill_tokens == len(diff.prompt) - diff.resume_offset
 
 
@@ -217,16 +227,7 @@ def test_the_predicted_reuse_follows_the_engines_checkpoint_mode(chat, tmp_path)
     mode = rng.choice(["none", f"positional:{rng.randint(8, 64)}"])
     engine = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=8192, checkpoints=mode)
     target = rng.choice([engine, EngineService(engine)])
-    system = _text(rng, 50)
-    sessions = [Session(target, system=system, tools=TOOLS) for _ in range(2)]
-    histories = [[UserMessage(_text(rng, 30))] for _ in sessions]
-    for s, h in zip(sessions, histories, strict=True):
-        list(s.send(h, SP))
-    requests = record_requests(engine)
-    for s, h in zip(sessions, histories, strict=True):
-        h[0] = UserMessage(h[0].content + " " + _text(rng, rng.randint(1, 3)))
-        diff = s.diff(h)
-        list(s.send(h, SP))
-        assert diff.reused_tokens == requests[-1].num_reused, mode
+    for diff, request in _edited_turns(target, engine, rng):
+        assert diff.reused_tokens == request.num_reused, mode
     if target is not engine:
         target.close()
