@@ -150,13 +150,16 @@ def cpu_experts(
     hidden, w13, w2, rows, weights, threads: int | None = None, into: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The CPU executor: the SIMD kernel of kernels/cpu (AVX-512 or AVX2, built on first use;
-    it falls back to plain torch by itself where no compiler exists). [T, H] in hidden.dtype:
-    a new tensor, or `into` (a decode graph's pinned staging rows: the kernel's fp32 sum is
-    rounded straight into them, one op fewer at every stopping layer)."""
-    out = kernel_cpu_experts(hidden, w13, w2, rows, weights.to(torch.float32), threads=threads)
-    if into is None:
-        return out.to(hidden.dtype)
-    return into.copy_(out)
+    it falls back to plain torch by itself where no compiler exists). [T, H] fp32: a new
+    tensor, or `into` (a decode graph's pinned fp32 staging rows, written by the kernel).
+
+    The sum stays fp32: the MoE sum it joins adds it before its one rounding to the model
+    dtype (`fused_moe`'s `add`), as it adds the worker's fp32 answer. Rounded here first, a
+    bf16 layer was rounded twice wherever a layer's experts split between the two sides:
+    transfer with one slot gave bf16 logits 5-18% (of the largest) from resident's on the
+    tiny CPU models, where every other placement matched them bit for bit."""
+    return kernel_cpu_experts(hidden, w13, w2, rows, weights.to(torch.float32), into,
+                              threads=threads)  # fmt: skip
 
 
 def calibrate(hidden: int, inter: int, dtype: torch.dtype) -> Calibration:

@@ -38,8 +38,10 @@ class GraphIO:
         self.ids_np = self.ids.numpy()
         self.weights = torch.zeros(shape_k, dtype=torch.float32, pin_memory=pinned)  # [L, T, K]
         self.hidden = torch.zeros(shape_h, dtype=dtype, pin_memory=pinned)  # [L, T, H]
-        self.cpu_stage = torch.zeros(shape_h, dtype=dtype, pin_memory=pinned)  # [L, T, H]
-        self.cpu_part = torch.zeros(shape_h, dtype=dtype, device=device)  # [L, T, H]
+        # The CPU's partial sums stay fp32 up to the MoE sum's one rounding
+        # (calibration.cpu_experts says why).
+        self.cpu_stage = torch.zeros(shape_h, dtype=torch.float32, pin_memory=pinned)  # [L, T, H]
+        self.cpu_part = torch.zeros(shape_h, dtype=torch.float32, device=device)  # [L, T, H]
         self.active = False
         self.split: Callable[[], None] = lambda: None
         self._views: dict[tuple[int, int], LayerViews] = {}
@@ -64,8 +66,8 @@ class LayerViews(NamedTuple):
 
     hidden: torch.Tensor  # [T, H] pinned: the activations the graph exported
     weights: torch.Tensor  # [T, K] pinned: the routing weights
-    cpu_stage: torch.Tensor  # [T, H] pinned: the CPU's partial sum, in the model dtype
-    cpu_part: torch.Tensor  # [T, H] on the device: what the next segment adds
+    cpu_stage: torch.Tensor  # [T, H] fp32 pinned: the CPU's partial sum
+    cpu_part: torch.Tensor  # [T, H] fp32 on the device: what the next segment adds
 
 
 def distinct_lids(ids: np.ndarray) -> tuple[list[int], list[int]]:
