@@ -53,6 +53,21 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+class SamplingParamsError(ValueError):
+    """SamplingParams' refusal: every problem found, joined by "; " (a problem's own text may
+    hold one too), with the field each is about (`problems`: (field, text) pairs; `fields`),
+    so a caller names its own parameter for it (the server's `param`) without reading the
+    wording."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        super().__init__("; ".join(text for _, text in problems))
+        self.problems = tuple(problems)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.problems)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -80,71 +95,79 @@ class SamplingParams:
             self.stop = [self.stop]
         if _is_int(self.stop_token_ids):
             self.stop_token_ids = [self.stop_token_ids]
-        problems = []
+        problems: list[tuple[str, str]] = []  # (field, what is wrong with it)
         # bool is an int to Python: max_tokens=True must not mean 1.
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            problems.append(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            problems.append(
+                ("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            )
         if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
-            problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            problems.append(("temperature", "temperature must be a finite number >= 0, got "
+                             f"{self.temperature!r}"))  # fmt: skip
         if not _is_int(self.top_k) or self.top_k < 0:
-            problems.append(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            problems.append(
+                ("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            )
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+            problems.append(("top_p", f"top_p must be in (0, 1], got {self.top_p!r}"))
         # The range torch.Generator.manual_seed takes: anything else failed inside the step,
         # and with it every request batched beside this one.
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed < SEED_END):
-            problems.append(
-                f"seed must be an integer in [{SEED_MIN}, {SEED_END}) or None, got {self.seed!r}"
-            )
+            seed = f"seed must be an integer in [{SEED_MIN}, {SEED_END}) or None"
+            problems.append(("seed", f"{seed}, got {self.seed!r}"))
         if not isinstance(self.stop, (list, tuple)) or any(
             not isinstance(s, str) or not s for s in self.stop
         ):
             problems.append(
-                f"stop must be a string or a list of non-empty strings, got {self.stop!r:.80}"
+                (
+                    "stop",
+                    f"stop must be a string or a list of non-empty strings, got {self.stop!r:.80}",
+                )
             )
         elif len(self.stop) > MAX_STOP_STRINGS:
-            problems.append(
-                f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed "
-                "(OpenAI allows 4)"
-            )
+            problems.append(("stop", f"stop holds {len(self.stop)} strings; at most "
+                             f"{MAX_STOP_STRINGS} are allowed (OpenAI allows 4)"))  # fmt: skip
         elif any(len(s) > MAX_STOP_CHARS for s in self.stop):
             i, long = next((i, s) for i, s in enumerate(self.stop) if len(s) > MAX_STOP_CHARS)
-            problems.append(
-                f"stop[{i}] has {len(long)} characters; a stop string may have at most "
-                f"{MAX_STOP_CHARS}"
-            )
+            problems.append(("stop", f"stop[{i}] has {len(long)} characters; a stop string may "
+                             f"have at most {MAX_STOP_CHARS}"))  # fmt: skip
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
             not _is_int(t) or t < 0 for t in self.stop_token_ids
         ):
-            problems.append(
-                f"stop_token_ids must be a list of token ids (integers >= 0), "
-                f"got {self.stop_token_ids!r:.80}"
-            )
+            problems.append(("stop_token_ids", "stop_token_ids must be a list of token ids "
+                             f"(integers >= 0), got {self.stop_token_ids!r:.80}"))  # fmt: skip
         if not isinstance(self.ignore_eos, bool):
-            problems.append(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            problems.append(("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}"))
         problems += self._structured_output_problems()
         if problems:
-            raise ValueError("; ".join(problems))
+            raise SamplingParamsError(problems)
 
-    def _structured_output_problems(self) -> list[str]:
+    def _structured_output_problems(self) -> list[tuple[str, str]]:
         if self.response_format is not None:
             try:
                 schema = schema_of_response_format(self.response_format)
             except ValueError as e:
-                return [str(e)]
+                return [("response_format", str(e))]
             if schema is not None and self.json_schema is not None and schema != self.json_schema:
-                return ["json_schema and response_format disagree: give one of them"]
+                return [
+                    (
+                        "response_format",
+                        "json_schema and response_format disagree: give one of them",
+                    )
+                ]
             if schema is not None:
                 self.json_schema = schema
         if self.grammar is not None:
             if not isinstance(self.grammar, str) or not self.grammar.strip():
                 got = f"{self.grammar!r:.60}"
-                return [f"grammar must be a non-empty string (Lark syntax), got {got}"]
+                return [("grammar", f"grammar must be a non-empty string (Lark syntax), got {got}")]
             if self.json_schema is not None:
-                return ["grammar and json_schema (or response_format) both given: give one"]
+                return [
+                    ("grammar", "grammar and json_schema (or response_format) both given: give one")
+                ]
         if self.json_schema is None:
             return []
-        return schema_problems(self.json_schema)
+        return [("json_schema", problem) for problem in schema_problems(self.json_schema)]
 
     @property
     def constraint(self) -> Constraint | None:

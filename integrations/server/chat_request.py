@@ -15,13 +15,12 @@ completions (text_request.py) share the sampling fields and `check_envelope`.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.engine.outputs import InvalidRequestError
-from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.engine.sampling_params import SamplingParams, SamplingParamsError
 from freetoken_agent.integrations.server.errors import BadParam, ModelNotFound, check_nesting
 from freetoken_agent.integrations.server.foreign_fields import (
     check_chat_fields,
@@ -167,19 +166,14 @@ def sampling_from(
     }
     try:
         return SamplingParams(**{k: v for k, v in options.items() if v is not None})
-    except ValueError as e:
-        text = str(e)
-        param = None
-        if "schema" in text or "response_format" in text:  # a forced call's schema is a tool's
+    except SamplingParamsError as e:
+        field = e.fields[0]  # the first problem names the parameter, as a client reads one
+        if field in ("json_schema", "response_format"):  # a forced call's schema is a tool's
             # (and so is the fault in a call-or-answer schema: its answer was checked alone)
             param = "tools" if choice.forced or either else "response_format"
-        if param is None and _STOP_PROBLEM.search(text):  # too many or too long (the caps)
-            param = "stop"
-        raise BadParam(text, param or (max_key if "max_tokens" in text else None)) from None
-
-
-# SamplingParams' problems are joined by "; ", each starting with the field it is about.
-_STOP_PROBLEM = re.compile(r"(?:^|; )stop(?:\[\d+\])? ")
+        else:
+            param = max_key if field == "max_tokens" else field
+        raise BadParam(str(e), param) from None
 
 
 _TEXT_FIELDS = ("role", "name", "tool_call_id", "reasoning_content", "reasoning", "thinking")
