@@ -28,9 +28,6 @@ Why it is built this way:
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -48,8 +45,14 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, model_validator
 
-from freetoken_agent.engine.sampling_params import SamplingParams, schema_of_response_format
-from freetoken_agent.integrations.constrained_output import output_schema
+from freetoken_agent.integrations.langchain_call import (
+    SAMPLING_OPTIONS,
+    PreparedCall,
+    aretried_turn,
+    prepare_call,
+    retried_turn,
+    stop_list,
+)
 from freetoken_agent.integrations.langchain_chunks import PROVIDER, ChunkBuilder
 from freetoken_agent.integrations.langchain_messages import (
     parse_tool_choice,
@@ -57,25 +60,16 @@ from freetoken_agent.integrations.langchain_messages import (
     tool_names,
 )
 from freetoken_agent.integrations.langchain_runtime import (
-    Binding,
     GenerationError,
     GenerationTimeout,
     SessionPool,
-    arun_turn,
     chat_format,
     load_service,
-    run_turn,
     service_for,
 )
 from freetoken_agent.integrations.langchain_structured import structured_runnable
-from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
-from freetoken_agent.session import Usage
 
 __all__ = ["ChatFreeToken", "GenerationError", "GenerationTimeout"]
-
-_SAMPLING_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
-# Options LangChain (or an OpenAI-minded caller) may pass that mean nothing here.
-_IGNORED_OPTIONS = ("stream", "strict")
 
 
 class ChatFreeToken(BaseChatModel):
@@ -250,7 +244,7 @@ class ChatFreeToken(BaseChatModel):
         params["ls_provider"] = PROVIDER
         model = kwargs.get("model")
         params["ls_model_name"] = model if isinstance(model, str) else self.model_name
-        stops = _stops(stop if stop is not None else self.stop)
+        stops = stop_list(stop if stop is not None else self.stop)
         if stops:
             params["ls_stop"] = stops
         return params
@@ -258,75 +252,25 @@ class ChatFreeToken(BaseChatModel):
     # --- one call -------------------------------------------------------------------------
     def _prepare(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[Binding, list, SamplingParams, float | None, bool]:
-        """Binding, history, sampling, timeout and whether one call at most may be made (not
-        parallel_tool_calls) of a call; every input problem raises here."""
-        kwargs = dict(kwargs)
-        tools = kwargs.pop("tools", None)
-        specs = [convert_to_openai_tool(t) for t in tools] if tools else []
-        mode, allowed = parse_tool_choice(kwargs.pop("tool_choice", None), tool_names(specs))
-        fmt = kwargs.pop("response_format", None)
-        schema = schema_of_response_format(fmt) if fmt is not None else None
-        if schema is not None and mode != "required":
-            mode = "json_or_call" if mode == "auto" and specs else "json"
-        options = {k: kwargs.pop(k, getattr(self, k, None)) for k in _SAMPLING_OPTIONS}
-        options = {k: v for k, v in options.items() if v is not None}
-        timeout = kwargs.pop("timeout", self.timeout)
-        parallel = kwargs.pop("parallel_tool_calls", None)
-        if parallel is not None and not isinstance(parallel, bool):
-            raise ValueError(f"parallel_tool_calls must be True or False, got {parallel!r:.40}")
-        for key in _IGNORED_OPTIONS:
-            kwargs.pop(key, None)
-        if kwargs:
-            raise ValueError(f"unknown option(s) for ChatFreeToken: {', '.join(sorted(kwargs))}")
-        stops = _stops(stop if stop is not None else self.stop)
-        shown = tuple(specs) if specs and mode != "none" else None
-        by_name = {t["function"]["name"]: t for t in specs}
-        constraint = output_schema(mode, [by_name[n] for n in allowed] or specs, schema)
-        key = json.dumps([shown, mode, allowed, schema], sort_keys=True, default=str)
-        binding = Binding(key, shown, mode, allowed, schema)
-        grammar = None
-        if mode == "auto" and constraint is None and any_strict(specs):
-            grammar = strict_grammar(self.service, specs)
-        sampling = SamplingParams(**options, stop=stops, json_schema=constraint, grammar=grammar)
-        return binding, to_history(messages), sampling, timeout, parallel is False
+    ) -> PreparedCall:
+        """The call's parts (langchain_call.prepare_call), over this model's own options."""
+        return prepare_call(
+            messages,
+            stop if stop is not None else self.stop,
+            kwargs,
+            defaults={k: getattr(self, k, None) for k in SAMPLING_OPTIONS},
+            timeout=self.timeout,
+            service=lambda: self.service,
+        )
 
     def _turn(self, messages, stop, kwargs) -> Iterator[Any]:
         """Session events of one call, retried while the engine fails before any output."""
-        binding, history, sampling, timeout, one_call = self._prepare(messages, stop, kwargs)
-        pool = self._ensure_engine()
-        for attempt in itertools.count():
-            produced = False
-            turn = run_turn(pool, binding, history, sampling, timeout, one_call)
-            with contextlib.closing(turn):
-                for event in turn:
-                    if isinstance(event, Usage) and _failed(event):
-                        if not produced and attempt < self.max_retries:
-                            break
-                        raise _failure(event)
-                    produced = True
-                    yield event
-                else:
-                    return
+        call = self._prepare(messages, stop, kwargs)
+        return retried_turn(self._ensure_engine(), call, self.max_retries)
 
-    async def _aturn(self, messages, stop, kwargs) -> AsyncIterator[Any]:
-        binding, history, sampling, timeout, one_call = self._prepare(messages, stop, kwargs)
-        pool = self._ensure_engine()
-        for attempt in itertools.count():
-            produced = False
-            turn = arun_turn(pool, binding, history, sampling, timeout, one_call)
-            try:
-                async for event in turn:
-                    if isinstance(event, Usage) and _failed(event):
-                        if not produced and attempt < self.max_retries:
-                            break
-                        raise _failure(event)
-                    produced = True
-                    yield event
-                else:
-                    return
-            finally:
-                await turn.aclose()  # cancels (aborts) the engine request if still running
+    def _aturn(self, messages, stop, kwargs) -> AsyncIterator[Any]:
+        call = self._prepare(messages, stop, kwargs)
+        return aretried_turn(self._ensure_engine(), call, self.max_retries)
 
     # --- LangChain's four entry points ----------------------------------------------------
     def _generate(
@@ -393,24 +337,6 @@ class ChatFreeToken(BaseChatModel):
 
 
 # ------------------------------------------------------------------------------- helpers
-
-
-def _stops(stop: str | Sequence[str] | None) -> list[str]:
-    """Stop sequences as a list. A str is one sequence (as OpenAI and SamplingParams read it),
-    not its characters: LangChain's `stop: list[str]` is not enforced, and callers pass one."""
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
-
-
-def _failed(usage: Usage) -> bool:
-    return usage.finish_reason in ("error", "abort")
-
-
-def _failure(usage: Usage) -> GenerationError:
-    if usage.finish_reason == "abort":
-        return GenerationError("the engine aborted the generation (was the service closed?)")
-    return GenerationError(f"the generation failed in the engine: {usage.error}")
 
 
 def _text(chunk: Any) -> str:

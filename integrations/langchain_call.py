@@ -1,0 +1,145 @@
+"""One call of ChatFreeToken, from LangChain's options to the Session's events.
+
+`prepare_call` reads a call's options (bound tools, tool_choice, response_format, the sampling
+options, stop, timeout, parallel_tool_calls) over the model's own, and refuses a bad one before
+anything runs; `retried_turn` and `aretried_turn` run the turn, again while the engine fails
+before producing any output (ChatFreeToken.max_retries). ChatFreeToken (langchain.py) is the
+LangChain side: its fields, binding, and the four entry points that come here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+from langchain_core.messages import BaseMessage
+from langchain_core.utils.function_calling import convert_to_openai_tool
+
+from freetoken_agent.engine.sampling_params import SamplingParams, schema_of_response_format
+from freetoken_agent.integrations.constrained_output import output_schema
+from freetoken_agent.integrations.langchain_messages import (
+    parse_tool_choice,
+    to_history,
+    tool_names,
+)
+from freetoken_agent.integrations.langchain_runtime import (
+    Binding,
+    GenerationError,
+    SessionPool,
+    arun_turn,
+    run_turn,
+)
+from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
+from freetoken_agent.session import Usage
+
+SAMPLING_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
+# Options LangChain (or an OpenAI-minded caller) may pass that mean nothing here.
+_IGNORED_OPTIONS = ("stream", "strict")
+
+# What a call is read into: its binding, history, sampling, timeout and one_call.
+PreparedCall = tuple[Binding, list, SamplingParams, float | None, bool]
+
+
+def prepare_call(
+    messages: list[BaseMessage],
+    stop: str | Sequence[str] | None,
+    kwargs: dict[str, Any],
+    *,
+    defaults: dict[str, Any],
+    timeout: float | None,
+    service: Callable[[], Any],
+) -> PreparedCall:
+    """Binding, history, sampling, timeout and whether one call at most may be made (not
+    parallel_tool_calls) of a call; every input problem raises here.
+
+    `stop` is the call's, else the model's; `defaults` (by SAMPLING_OPTIONS) and `timeout` are
+    the model's, which the call's options override; `service` gives the model's EngineService,
+    asked for only to compile strict tools' grammar."""
+    kwargs = dict(kwargs)
+    tools = kwargs.pop("tools", None)
+    specs = [convert_to_openai_tool(t) for t in tools] if tools else []
+    mode, allowed = parse_tool_choice(kwargs.pop("tool_choice", None), tool_names(specs))
+    fmt = kwargs.pop("response_format", None)
+    schema = schema_of_response_format(fmt) if fmt is not None else None
+    if schema is not None and mode != "required":
+        mode = "json_or_call" if mode == "auto" and specs else "json"
+    options = {k: kwargs.pop(k, defaults.get(k)) for k in SAMPLING_OPTIONS}
+    options = {k: v for k, v in options.items() if v is not None}
+    timeout = kwargs.pop("timeout", timeout)
+    parallel = kwargs.pop("parallel_tool_calls", None)
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ValueError(f"parallel_tool_calls must be True or False, got {parallel!r:.40}")
+    for key in _IGNORED_OPTIONS:
+        kwargs.pop(key, None)
+    if kwargs:
+        raise ValueError(f"unknown option(s) for ChatFreeToken: {', '.join(sorted(kwargs))}")
+    stops = stop_list(stop)
+    shown = tuple(specs) if specs and mode != "none" else None
+    by_name = {t["function"]["name"]: t for t in specs}
+    constraint = output_schema(mode, [by_name[n] for n in allowed] or specs, schema)
+    key = json.dumps([shown, mode, allowed, schema], sort_keys=True, default=str)
+    binding = Binding(key, shown, mode, allowed, schema)
+    grammar = None
+    if mode == "auto" and constraint is None and any_strict(specs):
+        grammar = strict_grammar(service(), specs)
+    sampling = SamplingParams(**options, stop=stops, json_schema=constraint, grammar=grammar)
+    return binding, to_history(messages), sampling, timeout, parallel is False
+
+
+def retried_turn(pool: SessionPool, call: PreparedCall, max_retries: int) -> Iterator[Any]:
+    """Session events of one call, retried while the engine fails before any output."""
+    for attempt in itertools.count():
+        produced = False
+        turn = run_turn(pool, *call)
+        with contextlib.closing(turn):
+            for event in turn:
+                if isinstance(event, Usage) and _failed(event):
+                    if not produced and attempt < max_retries:
+                        break
+                    raise _failure(event)
+                produced = True
+                yield event
+            else:
+                return
+
+
+async def aretried_turn(
+    pool: SessionPool, call: PreparedCall, max_retries: int
+) -> AsyncIterator[Any]:
+    """The same on an asyncio loop; closing it aborts the engine request if still running."""
+    for attempt in itertools.count():
+        produced = False
+        turn = arun_turn(pool, *call)
+        try:
+            async for event in turn:
+                if isinstance(event, Usage) and _failed(event):
+                    if not produced and attempt < max_retries:
+                        break
+                    raise _failure(event)
+                produced = True
+                yield event
+            else:
+                return
+        finally:
+            await turn.aclose()  # cancels (aborts) the engine request if still running
+
+
+def stop_list(stop: str | Sequence[str] | None) -> list[str]:
+    """Stop sequences as a list. A str is one sequence (as OpenAI and SamplingParams read it),
+    not its characters: LangChain's `stop: list[str]` is not enforced, and callers pass one."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _failed(usage: Usage) -> bool:
+    return usage.finish_reason in ("error", "abort")
+
+
+def _failure(usage: Usage) -> GenerationError:
+    if usage.finish_reason == "abort":
+        return GenerationError("the engine aborted the generation (was the service closed?)")
+    return GenerationError(f"the generation failed in the engine: {usage.error}")
