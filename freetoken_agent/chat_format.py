@@ -17,6 +17,9 @@ they hold for any template; anchor_locator.py says how, and what it costs. A tem
 not render the tools, tool calls or tool results given is refused (InvalidRequestError) rather
 than silently showing the model a history without them.
 
+Control-token text inside messages (a tool result quoting "<|im_end|>") is encoded as text, not
+as the control token: only the template makes control tokens (literal_specials.py).
+
 Tokens: the text is tokenized once, as a whole (what the model sees); character positions map to
 tokens by the tokenizer's offsets. A position inside a token moves back to the start of that token
 (`ids[:offset]` then lies entirely before the boundary: resuming there recomputes a little, never
@@ -37,6 +40,7 @@ from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.prompt_input import context_length_error
 from freetoken_agent.engine.text.chat_template import ChatTemplate, ChatTemplateError
 from freetoken_agent.engine.text.tokenizer import Tokenizer, encode_text
+from freetoken_agent.literal_specials import LiteralSpecials
 from freetoken_agent.messages import Message, coerce_messages, to_template_messages
 
 ANCHOR_KINDS = (
@@ -140,6 +144,7 @@ class ChatFormat:
             ChatTemplate(chat_template, tokenizer.special_tokens) if chat_template else None
         )
         self._added_ids = frozenset(tokenizer.backend.get_added_tokens_decoder())
+        self._literal = LiteralSpecials(tokenizer.backend)
         self._cache: dict[tuple, Any] = {}  # what renders found, by message-prefix digest
 
     def template(self, tools: list[dict] | None) -> ChatTemplate:
@@ -180,8 +185,12 @@ class ChatFormat:
         except ChatTemplateError as e:
             raise InvalidRequestError(f"the chat template rejected this history: {e}") from e
         encoding = encode_text(self.tokenizer.backend, full)
-        if max_model_len is not None and len(encoding.ids) >= max_model_len:
-            raise context_length_error(len(encoding.ids), max_model_len)
+        ids, offsets = list(encoding.ids), list(encoding.offsets)  # [T]
+        if self._literal.held_by(dicts):  # control-token text in messages: encoded as text
+            spans = self._literal.spans(lambda ds: render(ds, add_generation_prompt), dicts, full)
+            ids, offsets = self._literal.encode(full, ids, offsets, spans)
+        if max_model_len is not None and len(ids) >= max_model_len:
+            raise context_length_error(len(ids), max_model_len)
         # Cache entries are valid for one template, tool list and set of variables. (A template
         # printing strftime_now() changes text without changing these; the stability check below
         # compares digests of real text, so it only costs cache misses there.)
@@ -191,9 +200,8 @@ class ChatFormat:
         if tools and not locator.tools_rendered():
             raise unrendered("tool definitions")
         marks, gen_text = locator.locate()  # raises when tool calls or results go unrendered
-        ids = list(encoding.ids)  # [T]
-        ends = [end for _, end in encoding.offsets]  # [T] character end of each token
-        starts = [start for start, _ in encoding.offsets]
+        ends = [end for _, end in offsets]  # [T] character end of each token
+        starts = [start for start, _ in offsets]
         anchors = []
         for char, kind, index in marks:
             tok = bisect.bisect_right(ends, char)  # tokens lying wholly before `char`
