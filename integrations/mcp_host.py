@@ -55,7 +55,8 @@ from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestErr
 from freetoken_agent.hooks import ToolHooks
 from freetoken_agent.integrations.mcp_config import ServerConfig, load_config
 from freetoken_agent.integrations.mcp_connection import MCPServerError, ServerConnection
-from freetoken_agent.integrations.mcp_engine import as_service, iterate_in_thread
+from freetoken_agent.integrations.mcp_engine import as_service
+from freetoken_agent.integrations.mcp_model_turn import forced_schema, stream_turn
 from freetoken_agent.integrations.mcp_sampling import SamplingResponder
 from freetoken_agent.integrations.mcp_tools import Route, ToolIndex
 from freetoken_agent.integrations.mcp_turn import (
@@ -63,7 +64,6 @@ from freetoken_agent.integrations.mcp_turn import (
     StepStart,
     ToolExecuted,
     Turn,
-    call_schema,
     cap_result,
     openai_tool,
 )
@@ -76,7 +76,7 @@ from freetoken_agent.messages import (
     coerce_messages,
 )
 from freetoken_agent.parsers import parser_factory_for
-from freetoken_agent.session import Session, TextDelta, Usage
+from freetoken_agent.session import Session, Usage
 
 log = logging.getLogger("freetoken.mcp")
 
@@ -255,7 +255,7 @@ class MCPHost:
         self.session.sampling(dict(sampling or {}))
         async with self._lock:  # a run in progress keeps its tool index to the turn's end
             await self._refresh_tools()
-            forced = self._forced_schema(tool_choice)  # against the tools the model will see
+            forced = forced_schema(tool_choice, self.tools, self.routes)  # the tools the model sees
             loop = self._loop(history, max_steps, forced, dict(sampling or {}))
             async with aclosing(loop) as events:
                 async for event in events:
@@ -276,7 +276,8 @@ class MCPHost:
             yield StepStart(step, forced[0] if forced else None)
             turn = Turn()
             try:
-                async with aclosing(self._turn(history, sampling, forced, turn)) as events:
+                turn_events = stream_turn(self.session, history, sampling, forced, turn)
+                async with aclosing(turn_events) as events:
                     async for event in events:
                         yield event
             except ContextLengthError as e:  # say what outgrew it, not just the engine's no
@@ -310,59 +311,6 @@ class MCPHost:
                 history.append(executed.result)
                 yield executed
         yield RunResult(history, "", step, "max_steps", usages)
-
-    async def _turn(
-        self,
-        history: list[Message],
-        sampling: dict[str, Any],
-        forced: tuple[str, dict[str, Any]] | None,
-        turn: Turn,
-    ) -> AsyncIterator[Any]:
-        session = self.session
-        assert session is not None
-        options = dict(sampling)
-        parser: Any = session.parser_factory
-        if forced is not None:
-            options["json_schema"], parser = forced[1], None
-        params = session.sampling(options)
-        send = lambda: session.send(history, params, parser_factory=parser)  # noqa: E731
-        async with aclosing(iterate_in_thread(send)) as stream:  # closing it aborts the request
-            async for event in stream:
-                if isinstance(event, Usage):
-                    turn.usage = event
-                elif isinstance(event, TextDelta):  # forced: the JSON of the call
-                    turn.raw.append(event.text)
-                else:
-                    turn.take(event)
-                    yield event
-        if forced is not None and turn.usage.finish_reason != "error":
-            for event in turn.forced_call():
-                yield event
-        yield turn.usage
-
-    def _forced_schema(self, choice: str | Mapping[str, Any]) -> tuple[str, dict] | None:
-        """(label, JSON schema of the allowed calls) for a forcing tool_choice, else None."""
-        pinned: Mapping[str, Any] = {}
-        if isinstance(choice, Mapping):  # OpenAI's {"type": "function", "function": {...}}
-            fn = choice.get("function", choice)
-            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-                raise ValueError(f"tool_choice {choice!r} names no function")
-            choice, pinned = fn["name"], fn.get("arguments") or {}
-        if choice in ("auto", "none"):
-            # "none" cannot stop a model from writing a call; it only skips forcing here.
-            return None
-        if not self.tools:
-            raise ValueError(f"tool_choice {choice!r} needs tools, and no server offers any")
-        if choice == "required":
-            schemas = [call_schema(t, {}) for t in self.tools]
-            return "required", schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        tool = next((t for t in self.tools if t["function"]["name"] == choice), None)
-        if tool is None:
-            raise ValueError(
-                f"tool_choice {choice!r} is not a tool of the connected servers; available: "
-                f"{', '.join(self.routes)}"
-            )
-        return choice, call_schema(tool, pinned)
 
     async def execute(self, call: ToolCall) -> ToolExecuted:
         """Run one call as the loop does: routed by name, through the session's hooks, every

@@ -1,6 +1,6 @@
 """Fused MoE dispatcher: the Triton kernels on CUDA tensors, the plain-torch twin otherwise.
 
-Shapes (legend in `kernels/reference.py`): hidden [T, H], w13 [N, 2I, H], w2 [N, H, I],
+Shapes (legend in `kernels/reference_moe.py`): hidden [T, H], w13 [N, 2I, H], w2 [N, H, I],
 topk_ids [T, K] (negative = skip), topk_weights [T, K] fp32, out [T, H].
 """
 

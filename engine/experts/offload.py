@@ -24,26 +24,25 @@ place a layer's misses on the device within one graph a step (device_path.py).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from freetoken_agent.engine.arena import ElasticArena
 from freetoken_agent.engine.config import ConfigError, ModelSpec, pins_fraction
-from freetoken_agent.engine.experts import layer_layout
 from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 from freetoken_agent.engine.experts.cache import ExpertCache
-from freetoken_agent.engine.experts.cpu_branch import observe_fills, run_on_cpu, stage_hidden
+from freetoken_agent.engine.experts.cpu_branch import stage_hidden
 from freetoken_agent.engine.experts.cpu_share import CpuShare
 from freetoken_agent.engine.experts.device_path import DevicePath
 from freetoken_agent.engine.experts.direct import RoutedLog, direct_ids, learn_after_step
-from freetoken_agent.engine.experts.fill_races import RACE_MAX_TOKENS
 from freetoken_agent.engine.experts.graph_decode import GraphDecode
 from freetoken_agent.engine.experts.graph_io import GraphIO
+from freetoken_agent.engine.experts.miss_placement import MissPlacement
+from freetoken_agent.engine.experts.offload_stats import OffloadStats
 from freetoken_agent.engine.experts.policy import (
     DEVICE_PATH_POLICIES,
+    WHOLE_STEP_POLICIES,
     Bandwidths,
-    fetch_count,
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.popular_pins import PopularPins
@@ -60,8 +59,6 @@ log = logging.getLogger("freetoken.experts")
 # this many (token, expert) pairs at most; longer eager chunks (below stream_min_tokens) fill
 # instead, as transfer does.
 DIRECT_MAX_PAIRS = PATH_LIMITS["decode_max_pairs"]
-# Policies whose decode step is one graph: nothing in it waits for the host.
-WHOLE_STEP_POLICIES = ("direct", "gpu-fill")
 
 
 def decode_graph_kind(policy: str, device_path_ok: bool = True) -> str:
@@ -78,25 +75,6 @@ def lends_staging(n_slots: int, n_experts: int, n_buffers: int, n_rows: int) -> 
     buffers, at least one layer's worth of slots stays in service, and the cache does not hold
     every expert anyway (then lending would only evict experts that never need to move)."""
     return (n_buffers + 1) * n_experts <= n_slots < n_rows
-
-
-@dataclass(slots=True)
-class OffloadStats:
-    """Counters since the last reset, read by `engine.stats()` and the benchmarks."""
-
-    pairs: int = 0  # (token, choice) pairs routed
-    experts: int = 0  # distinct (layer, expert) per step, summed
-    hits: int = 0
-    fetched: int = 0
-    on_cpu: int = 0
-    direct: int = 0  # misses the kernels read from the pool (direct; gpu-fill with no slot)
-    behind: int = 0  # misses run on the CPU and filled behind the layer's compute
-    split: int = 0  # fills cut between the link and the CPU (adaptive's `split` path)
-    split_hits: int = 0  # hits on cut slots still in flight (their CPU part posted again)
-
-    @property
-    def miss_rate(self) -> float:
-        return 1.0 - self.hits / self.experts if self.experts else 0.0
 
 
 class OffloadedExpertBank(GraphDecode):
@@ -149,6 +127,8 @@ class OffloadedExpertBank(GraphDecode):
         self.device_path_ok = device.type != "cuda"
         # Policy gpu-fill's and adaptive's device paths, with the CPU worker (`ready`).
         self.device_path = DevicePath(self)
+        # Where the host's decisions place a layer's misses (`_place`), static's layout too.
+        self.placement = MissPlacement(self)
         self.popular: PopularPins | None = None
         self.use_popular_pins(popular_pins)
         # Only what the user asked for (None: the default, on for every policy).
@@ -162,7 +142,6 @@ class OffloadedExpertBank(GraphDecode):
         self._hits: list[list[int]] = []  # graph decode: hits awaiting bookkeeping (flush_hits)
         self.routed = RoutedLog()  # direct: the eager step's routing, for after_step
         self.l2: L2Prefetcher | None = None  # EngineConfig.l2_prefetch (use_l2_prefetch)
-        self._placed_after = -1  # static: cache.vacates when its layers were last made whole
         self.stream_min_tokens = stream_min_tokens
         buffers = 2 if double_buffer else 1
         self.streamer = LayerStreamer(
@@ -235,22 +214,9 @@ class OffloadedExpertBank(GraphDecode):
         self.cache.clear_counters()
 
     def place_static(self, protect: frozenset[int] | set[int] = frozenset()) -> None:
-        """`static`: the last layers whole, as many as the slots in service hold, as llama.cpp's
-        `--n-cpu-moe` keeps the first layers' experts on the CPU; every other layer's misses run
-        on the CPU. The layers follow the slots: a prefill chunk's staging borrows slots (its
-        lend evicts the coldest experts, kept ones too) and the elastic split moves their
-        count, so each call with misses (`_fetches`) places again and fetches the kept layers'
-        missing experts back (victims from other layers, never in `protect`). Pinning the
-        layers once at load had to leave the staging's slots (two layers' worth) out of them
-        for good: at 8.59 GB on the peer slice, 2 whole layers where 4 fit while decoding."""
-        cache = self.cache
-        n_layers = self.spec.n_moe_layers
-        n = min(layer_layout.whole_layers(cache), n_layers)
-        layers = frozenset(range(n_layers - n, n_layers))
-        if layers != cache.kept_layers or cache.vacates != self._placed_after:
-            cache.kept_layers = layers
-            layer_layout.complete(cache, layers, set(protect))
-            self._placed_after = cache.vacates  # a later lend or shrink may evict kept ones
+        """`static`: the last layers whole, as many as the slots in service hold
+        (MissPlacement.place_static)."""
+        self.placement.place_static(protect)
 
     # --- one MoE layer ----------------------------------------------------------------------
     def __call__(
@@ -322,97 +288,8 @@ class OffloadedExpertBank(GraphDecode):
         after_compute: bool = True,
         into: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, list[int]]:
-        """Place the misses: the policy's share is filled into slots (the layer's own experts
-        are never evicted for them), the rest runs on the CPU while the copies cross the link.
-        `cpu_inputs()` returns (hidden [T, H], lids [T, K], weights [T, K]) on the host;
-        `n_tokens` is T (only decode-sized calls start fill races: fill_races.py).
-        Returns (the CPU's partial sum [T, H] on the host, in `into` when given, or None; the
-        lids filled); the caller publishes the filled slots (`cache.publish`) once it no longer
-        needs to overlap them."""
-        if not misses:
-            return None, []
-        # The copies are asynchronous: issued first, they cross the link while the CPU works.
-        # Not from a second thread: torch ops hold the GIL, and handing it back and forth
-        # with the thread driving the kernel cost milliseconds a step on the H200 host.
-        protect = set(uniq)  # the layer's own experts: never victims of its fills
-        want = self._fetches(misses, protect, n_tokens)
-        race = n_tokens <= RACE_MAX_TOKENS  # decode's fills measure whether fills pay
-        behind: list[int] = []  # filled behind the layer's compute (EngineConfig.fill_behind)
-        if self.fill_behind and race and self.policy == "adaptive":
-            n = self.adaptive.behind([count for count, _ in misses[: len(want)]], self.bandwidths)
-            want, behind = want[: len(want) - n], want[len(want) - n :]
-        # A prefill chunk's fills take their victims from the layers it has passed first
-        # (cache._victims): the LRU's oldest are the layers it is about to use. Not static's:
-        # its kept layers are the layout it is measured by, and only they fill.
-        prefill = not race and self.policy != "static"
-        ahead = (uniq[0] // self.n_experts + 1) * self.n_experts if prefill else None
-        fetched = self.cache.fill(
-            want, protect, after_compute=after_compute, publish=False, race=race, ahead_from=ahead
-        )
-        try:
-            return self._place_rest(misses, uniq, cpu_inputs, race, protect, behind, fetched, into)
-        except BaseException:
-            # The host maps hold the fills already: left unpublished, the device table would
-            # disagree with them for every later step (a lid counted resident that the kernels
-            # skip, an evicted one read from its new tenant's weights): wrong tokens for other
-            # requests, where a failed step must fail only its own.
-            self.cache.publish(fetched)
-            raise
-
-    def _place_rest(
-        self,
-        misses: list[tuple[int, int]],
-        uniq: list[int],
-        cpu_inputs,
-        race: bool,
-        protect: set[int],
-        behind: list[int],
-        fetched: list[int],
-        into: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, list[int]]:
-        """`_place` once the fills are issued: the fills behind, then the CPU's share."""
-        self.stats.fetched += len(fetched)
-        # The finished fills' timings into B_P once this stop's copies are on their way: at a
-        # decode stop the device waits from the routing's arrival to the first copy (on the
-        # H200 host 83-127 us of host work a stop, `bench profile-offload`'s stop clock), and
-        # the event queries here need not be part of it; the estimate lags by one stop.
-        observe_fills(self.cache, self.bandwidths)
-        # The policy's rest, and any fill that found every slot protected.
-        on_cpu = [lid for _, lid in misses if not self.cache.resident(lid)]
-        if behind:
-            # The layer waits only for `fetched`: published now (the caller gets none to
-            # publish), before the fills behind queue on the copy stream (publishing makes
-            # compute wait for what is queued there). Those start before the CPU's work, so
-            # the link moves them meanwhile; their table entries wait for the copies
-            # (cache.inflight), and the CPU computes them this time.
-            self.cache.publish(fetched)
-            fetched = []
-            started = self.cache.inflight.start(behind, protect)
-            self.stats.behind += len(started)
-            self.stats.fetched += len(started)
-        cuda = self.device.type == "cuda"
-        part = None
-        if on_cpu:
-            part = run_on_cpu(self.pool, self.bandwidths, *cpu_inputs(), on_cpu, timed=cuda,
-                              into=into, source="decode" if race else "prompt")  # fmt: skip
-        self.stats.on_cpu += len(on_cpu)
-        return part, fetched
-
-    def _fetches(
-        self, misses: list[tuple[int, int]], protect: set[int], n_tokens: int
-    ) -> list[int]:
-        """Which misses the policy fills into slots, in order (direct: a chunk too long for
-        the kernels' host reads fills them all, as transfer does)."""
-        lids = [lid for _, lid in misses]
-        if self.policy in WHOLE_STEP_POLICIES:
-            return lids
-        if self.policy == "adaptive":
-            tokens = [c for c, _ in misses]
-            return self.adaptive.choose(lids, tokens, protect, self.bandwidths, n_tokens)
-        if self.policy == "static":
-            self.place_static(protect)
-            return lids if self.cache.kept(lids[0]) else []  # one layer's misses
-        return lids[: fetch_count(self.policy, len(lids), self.bandwidths)]
+        """Place a layer's misses (MissPlacement.place): the eager path's and `resolve`'s."""
+        return self.placement.place(misses, uniq, cpu_inputs, n_tokens, after_compute, into)
 
     def decode_step_timed(self, n_tokens: int, seconds: float) -> None:
         """The runner's wall time of a decode-only step of `n_tokens` tokens (its sampled

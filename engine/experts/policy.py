@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 OFFLOAD_POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "gpu-fill")
 # Policies whose decode may run the device path (device_path.py): its fills, its pins.
 DEVICE_PATH_POLICIES = ("gpu-fill", "adaptive")
+# Policies whose decode step is one graph: nothing in it waits for the host.
+WHOLE_STEP_POLICIES = ("direct", "gpu-fill")
 
 
 CPU_KNEE_TOKENS = 8  # tokens per expert where the CPU kernel turns compute-bound (H200 host)

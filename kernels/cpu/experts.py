@@ -3,7 +3,7 @@
     out[t] = sum_k w[t, k] * (w2[r] @ (silu(w13[r][:I] @ x_t) * (w13[r][I:] @ x_t))),
     r = rows[t, k]
 
-computed in fp32 from upcast weights, like `kernels/reference.py`'s `fused_moe`, but returning the
+computed in fp32 from upcast weights, like `reference_moe.py`'s `fused_moe`, but returning the
 fp32 partial sum (the offloaded bank adds it to the device branch's). Decode is bound by the
 bytes of weights read, so the kernel reads each expert row once for all tokens that picked it,
 converts bf16/fp16 to fp32 in registers and spreads the rows over the physical cores (`team_size`).
@@ -22,7 +22,7 @@ cache key holds the ISA, the flags, the compiler's version and the source's hash
 ever run on a CPU it was not built for. No compiler, or a failed build, leaves the plain-torch
 path with one warning. `FREETOKEN_CPU_EXPERTS=avx512|avx2|torch` overrides the choice.
 
-Shapes (legend of `kernels/reference.py`): T tokens, H hidden, I expert width, K top-k, N pool
+Shapes (legend of `kernels/reference_moe.py`): T tokens, H hidden, I expert width, K top-k, N pool
 rows. hidden [T, H]; w13 [N, 2I, H]; w2 [N, H, I]; rows [T, K] int64; topk_weights [T, K] fp32.
 """
 

@@ -1,6 +1,6 @@
 """Fused MoE expert computation over rows of weight banks: Triton kernels and launchers.
 
-Shape legend (the twin is `kernels/reference.py`):
+Shape legend (the twin is `kernels/reference_moe.py`):
   T tokens, H hidden, I expert intermediate width, K top-k, N rows in a weight bank,
   P = T * K (token, choice) pairs; pair p = t * K + k. S sorted positions (pairs grouped by row).
   hidden [T, H]; w13 [N, 2I, H] (gate rows 0..I-1, up rows I..2I-1); w2 [N, H, I];

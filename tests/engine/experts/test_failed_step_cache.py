@@ -10,7 +10,7 @@ import pytest
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
-from freetoken_agent.engine.experts import offload
+from freetoken_agent.engine.experts import miss_placement
 
 
 @pytest.mark.parametrize("policy", ["transfer", "adaptive"])
@@ -25,7 +25,7 @@ def test_a_failed_cpu_branch_after_fills_leaves_the_cache_whole(
     engine = Engine.load(tmp_path, device="cpu", policy=policy, expert_slots=slots,
                          progress=False)  # fmt: skip
     cache = engine.loaded.bank.cache
-    fill, real_run = cache.fill, offload.run_on_cpu
+    fill, real_run = cache.fill, miss_placement.run_on_cpu
     state = {"filled": False, "failed": 0}
 
     def recording_fill(*args, **kwargs):
@@ -40,7 +40,7 @@ def test_a_failed_cpu_branch_after_fills_leaves_the_cache_whole(
         return real_run(*args, **kwargs)
 
     monkeypatch.setattr(cache, "fill", recording_fill)
-    monkeypatch.setattr(offload, "run_on_cpu", failing_run)
+    monkeypatch.setattr(miss_placement, "run_on_cpu", failing_run)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for _ in range(20):  # until a step fails where the fault was put
         out = engine.generate([rng.randrange(3, 320) for _ in range(rng.randint(8, 60))], sp)

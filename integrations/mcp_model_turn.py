@@ -1,0 +1,81 @@
+"""One model turn of an MCPHost run, and the tool_choice that may force it.
+
+`forced_schema` reads a forcing tool_choice ("required", a tool's name, or OpenAI's
+`{"type": "function", "function": {...}}` with FreeToken's pinned `"arguments"`) into the JSON
+schema of the calls it allows, against the tools the model will see. `stream_turn` generates a
+turn from the Session in a worker thread and gathers its events into a `Turn` (mcp_turn.py):
+a forced turn under that schema's grammar, without the tool-call parser, its JSON parsed when
+it ends. The host (mcp_host.py) runs the loop of turns and tool calls around them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
+from typing import Any
+
+from freetoken_agent.integrations.mcp_engine import iterate_in_thread
+from freetoken_agent.integrations.mcp_tools import Route
+from freetoken_agent.integrations.mcp_turn import Turn, call_schema
+from freetoken_agent.messages import Message
+from freetoken_agent.session import Session, TextDelta, Usage
+
+
+def forced_schema(
+    choice: str | Mapping[str, Any], tools: list[dict[str, Any]], routes: Mapping[str, Route]
+) -> tuple[str, dict] | None:
+    """(label, JSON schema of the allowed calls) for a forcing tool_choice, else None; `tools`
+    and `routes` are the host's index (mcp_tools.py), the tools the model will see."""
+    pinned: Mapping[str, Any] = {}
+    if isinstance(choice, Mapping):  # OpenAI's {"type": "function", "function": {...}}
+        fn = choice.get("function", choice)
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tool_choice {choice!r} names no function")
+        choice, pinned = fn["name"], fn.get("arguments") or {}
+    if choice in ("auto", "none"):
+        # "none" cannot stop a model from writing a call; it only skips forcing here.
+        return None
+    if not tools:
+        raise ValueError(f"tool_choice {choice!r} needs tools, and no server offers any")
+    if choice == "required":
+        schemas = [call_schema(t, {}) for t in tools]
+        return "required", schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    tool = next((t for t in tools if t["function"]["name"] == choice), None)
+    if tool is None:
+        raise ValueError(
+            f"tool_choice {choice!r} is not a tool of the connected servers; available: "
+            f"{', '.join(routes)}"
+        )
+    return choice, call_schema(tool, pinned)
+
+
+async def stream_turn(
+    session: Session | None,
+    history: list[Message],
+    sampling: dict[str, Any],
+    forced: tuple[str, dict[str, Any]] | None,
+    turn: Turn,
+) -> AsyncIterator[Any]:
+    """Generate one turn of `session` on `history` into `turn`, yielding the parser's events
+    (for a forced turn, the call's once its JSON is parsed) and last the turn's Usage.
+    `forced`: `forced_schema`'s (label, schema) when this turn is forced, else None."""
+    assert session is not None
+    options = dict(sampling)
+    parser: Any = session.parser_factory
+    if forced is not None:
+        options["json_schema"], parser = forced[1], None
+    params = session.sampling(options)
+    send = lambda: session.send(history, params, parser_factory=parser)  # noqa: E731
+    async with aclosing(iterate_in_thread(send)) as stream:  # closing it aborts the request
+        async for event in stream:
+            if isinstance(event, Usage):
+                turn.usage = event
+            elif isinstance(event, TextDelta):  # forced: the JSON of the call
+                turn.raw.append(event.text)
+            else:
+                turn.take(event)
+                yield event
+    if forced is not None and turn.usage.finish_reason != "error":
+        for event in turn.forced_call():
+            yield event
+    yield turn.usage
