@@ -26,9 +26,9 @@ Flow (host-driven, outside CUDA graphs): `Engine.submit` -> `Grammars.add` (gram
 once per schema and tokenizer, each request gets a copy of the compiled matcher) -> per step,
 `Grammars.masks` packs each constrained sampling row's allowed ids into int32 words ->
 `ModelRunner` turns them into a [B, V] bool mask on the device (`allowed_tokens`) and the sampler
-sets the other logits to -inf -> `Engine._accept` advances the matcher by the sampled token;
-when the grammar is complete the request ends with finish reason "stop", before any token past
-the end of the JSON.
+sets the other logits to -inf -> `RequestOutcomes._accept` (request_outcomes.py) advances the
+matcher by the sampled token; when the grammar is complete the request ends with finish reason
+"stop", before any token past the end of the JSON.
 """
 
 from __future__ import annotations

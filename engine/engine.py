@@ -6,18 +6,17 @@
 
 `step()` is one iteration of the loop: the Scheduler decides the batch (a safe point: nothing is
 in flight), the ModelRunner executes it, and the Engine turns sampled tokens into events, checks
-stop conditions and hands finished requests' pages back. With overlap scheduling
-(EngineConfig.overlap_schedule, overlap.py) a decode step is launched before the previous
-step's tokens are turned into events, so its events come from the next call. The engine is not
-thread-safe: one thread drives it (servers run it in a loop thread and talk to it through
-queues).
+stop conditions and hands finished requests' pages back (that bookkeeping: request_outcomes.py).
+With overlap scheduling (EngineConfig.overlap_schedule, overlap.py) a decode step is launched
+before the previous step's tokens are turned into events, so its events come from the next
+call. The engine is not thread-safe: one thread drives it (servers run it in a loop thread and
+talk to it through queues).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,9 +25,8 @@ import torch
 
 from freetoken_agent.engine import frontends
 from freetoken_agent.engine.constrained import Grammars
-from freetoken_agent.engine.cuda_graphs import collection_paused
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
-from freetoken_agent.engine.layers.sampler import NOT_FINITE, not_finite_message
+from freetoken_agent.engine.graph_capture import capture_decode_graphs
 from freetoken_agent.engine.loading import LoadedModel, load_model
 from freetoken_agent.engine.memory_setup import elastic_memory
 from freetoken_agent.engine.output_state import OutputState
@@ -40,8 +38,9 @@ from freetoken_agent.engine.outputs import (
 )
 from freetoken_agent.engine.overlap import Overlap
 from freetoken_agent.engine.prompt_input import Prompt, encode_prompt, snapshot_plan, token_ids
-from freetoken_agent.engine.request import Batch, Request, Status
-from freetoken_agent.engine.runner import ModelRunner, StepOutput
+from freetoken_agent.engine.request import Request, Status
+from freetoken_agent.engine.request_outcomes import RequestOutcomes, stop_strings
+from freetoken_agent.engine.runner import ModelRunner
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.engine.scheduler import Scheduler
 from freetoken_agent.engine.stats import engine_stats, request_stats
@@ -49,7 +48,6 @@ from freetoken_agent.engine.teardown import release
 from freetoken_agent.engine.text.markers import marker_ids
 
 log = logging.getLogger("freetoken.engine")
-CAPTURE_ATTEMPTS = 2  # decode-graph captures tried before decoding without graphs
 CLOSED = "the engine was closed (Engine.close) while this request ran"
 
 
@@ -88,35 +86,31 @@ class Engine:
         # Special tokens that are a tool-call or reasoning tag stay in the output text for the
         # parsers (Mixtral's [TOOL_CALLS]); every other one is skipped (text/markers.py).
         self._kept_specials = marker_ids(self.tokenizer)
-        self._totals = {"prefilled": 0, "reused": 0, "generated": 0, "finished": 0, "errors": 0}
+        self.outcomes = RequestOutcomes(
+            self.scheduler,
+            self.runner,
+            self.grammars,
+            self._outputs,
+            self._events,
+            self._scores,
+            self.eos_token_ids,
+            self.max_model_len,
+            loaded.dtype,
+        )
         self._stalled: Request | None = None  # a waiting request no step could admit
 
     def capture_graphs(self) -> None:
         """(Re)capture the decode graphs: after the model's expert bank object changes. A
-        capture the driver invalidates is tried once more (on the device one failed on a
-        machine just started and passed on the next run: the first launch of a kernel may do
-        work a capture forbids, and it is done by then); if that fails too, decode runs
-        without graphs, slower but correct, and the engine says so rather than failing to
-        load."""
+        capture the driver invalidates is tried once more; if that fails too, decode runs
+        without graphs, slower but correct, and `graph_error` says why (graph_capture.py)."""
         bank = self.loaded.bank
         offloaded = bank if isinstance(bank, OffloadedExpertBank) else None
         max_pages = -(-self.max_model_len // self.loaded.kv.page_size)
-        for attempt in range(1, CAPTURE_ATTEMPTS + 1):
-            try:
-                rec = self.scheduler.recurrence
-                states = rec.states if rec is not None and self.config.hybrid_run_ahead else None
-                with collection_paused():
-                    self.runner.enable_cuda_graphs(
-                        self.config.max_num_seqs, max_pages, offloaded, states
-                    )
-                self.graph_error = None
-                return
-            except RuntimeError as e:  # torch.AcceleratorError is one
-                self.runner.graphs = None
-                self.graph_error = f"{type(e).__name__}: {e}".splitlines()[0]
-                log.warning("decode-graph capture failed (attempt %d of %d): %s", attempt,
-                            CAPTURE_ATTEMPTS, self.graph_error)  # fmt: skip
-        log.warning("decoding without CUDA graphs (slower): %s", self.graph_error)
+        rec = self.scheduler.recurrence
+        states = rec.states if rec is not None and self.config.hybrid_run_ahead else None
+        self.graph_error = capture_decode_graphs(
+            self.runner, self.config.max_num_seqs, max_pages, offloaded, states
+        )
 
     @classmethod
     def load(
@@ -182,7 +176,7 @@ class Engine:
             req.anchor_tokens = markers
         self._requests[request_id] = req
         self._outputs[request_id] = OutputState(
-            self.tokenizer, _stops(sampling), context=ids, keep_special=self._kept_specials
+            self.tokenizer, stop_strings(sampling), context=ids, keep_special=self._kept_specials
         )
         self._events[request_id] = deque()
         if _score:
@@ -232,7 +226,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)
         if req is not None and req.status is not Status.FINISHED:
-            self._finish(req, "abort")
+            self.outcomes.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_work()
@@ -281,7 +275,7 @@ class Engine:
         if self.memory is not None:  # the safe point: the split moves before scheduling
             self.memory.safe_point()
         batch = self.scheduler.schedule()
-        failed = [self._fail_request(r, why) for r, why in self.scheduler.take_unservable()]
+        failed = [self.outcomes.fail_request(r, why) for r, why in self.scheduler.take_unservable()]
         failed = done + failed
         if not batch.chunks:
             return failed + self._unschedulable()
@@ -295,8 +289,8 @@ class Engine:
             out = self.runner.run(batch, masks)
         except Exception as e:  # noqa: BLE001 - one failing batch must not take the engine down
             log.exception("step failed; failing the %d request(s) in it", len(batch.chunks))
-            return failed + self._fail(batch, e)
-        return failed + self._update(batch, out)
+            return failed + self.outcomes.fail(batch, e)
+        return failed + self.outcomes.update(batch, out)
 
     def _unschedulable(self) -> list[TokenEvent]:
         """Nothing ran although requests wait and none runs: the first cannot get its pages
@@ -311,112 +305,17 @@ class Engine:
         self._stalled = None
         pages = self.kv.allocator.capacity
         return [
-            self._fail_request(
+            self.outcomes.fail_request(
                 req,
                 f"the request needs KV for {req.n_tokens} tokens but the GPU budget now holds "
                 f"{pages * self.kv.page_size} ({pages} pages); raise the budget or shorten it",
             )
         ]
 
-    def _update(self, batch: Batch, out: StepOutput) -> list[TokenEvent]:
-        events: list[TokenEvent] = []
-        for chunk in batch.chunks:
-            req = chunk.request
-            self.scheduler.advance(chunk)
-            if req.score_only:
-                _keep_rows(self._scores[req.id], chunk.start, out.logits[req.id])
-                if chunk.sample:
-                    self._finish(req, "scored")
-                continue
-            if chunk.sample:
-                events.append(self.accept(req, out.sampled[req.id]))
-        return events
-
     def accept(self, req: Request, token: int) -> TokenEvent:
-        """`_accept`, guarded: an error in one request's bookkeeping fails that request only.
-        (Raised out of `step`, it failed every request of an overlapped pair, or, in the plain
-        loop, left the engine raising at every step with the request never finished.)"""
-        try:
-            return self._accept(req, token)
-        except Exception as e:  # noqa: BLE001 - one request must not take the engine down
-            if req.status is Status.FINISHED:
-                raise  # it failed while finishing: not something to finish twice
-            log.exception("accepting a token of request %s failed; failing it", req.id)
-            return self._fail_request(req, f"{type(e).__name__}: {e}")
-
-    def _accept(self, req: Request, token: int) -> TokenEvent:
-        problem = self.grammars.problem(req.id)
-        if problem is not None:  # its grammar allowed no token: end this request only
-            return self._fail_request(req, problem)
-        if token == NOT_FINITE:  # nothing to sample from (layers/sampler.py): this request only
-            message = not_finite_message(len(req.output_ids), self.loaded.dtype)
-            return self._fail_request(req, message)
-        now = time.perf_counter()
-        req.first_token_time = req.first_token_time or now
-        req.output_ids.append(token)
-        self.scheduler.checkpoint_decode(req, token)
-        state = self._outputs[req.id]
-        sp = req.sampling
-        reason = None
-        if (token in sp.stop_token_ids and sp.json_schema is None) or (
-            not sp.ignore_eos and token in self.eos_token_ids
-        ):
-            reason = "stop"
-            text = state.release(final=True)
-        else:
-            text = state.push(token)
-            if state.stopped:
-                reason = "stop"
-            elif self.grammars.advance(req.id, token):  # the JSON is complete: nothing follows
-                reason = "stop"
-                text += state.release(final=True)
-            elif req.at_length(self.max_model_len):
-                text += state.release(final=True)
-                # The last characters, flushed, may complete a stop string (then cut there).
-                reason = "stop" if state.stopped else "length"
-        event = TokenEvent(req.id, token, text, len(req.output_ids) - 1)
-        if reason is not None:
-            self._finish(req, reason)
-            event.finished, event.finish_reason = True, reason
-        self._events[req.id].append(event)
-        return event
-
-    def _finish(self, req: Request, reason: str) -> None:
-        self.scheduler.finish(req, reason)
-        self.runner.forget(req.id)
-        self.grammars.forget(req.id)
-        self._totals["prefilled"] += req.num_prefilled
-        self._totals["reused"] += req.num_reused
-        self._totals["generated"] += len(req.output_ids)
-        self._totals["finished"] += 1
-        if reason in ("abort", "error"):
-            # The text held back (a possible stop string's start, a partial character) is
-            # final now: streamed here, the events add up to the output's text.
-            text = self._held_text(req.id)
-            event = TokenEvent(req.id, None, text, len(req.output_ids), True, reason, req.error)
-            self._events[req.id].append(event)
-
-    def _held_text(self, rid: str) -> str:
-        """The text a request's state still holds back, released as final; "" when the state
-        is gone or itself broken (the request may be failing for that very reason)."""
-        state = self._outputs.get(rid)
-        if state is None:
-            return ""
-        try:
-            return state.release(final=True)
-        except Exception:  # noqa: BLE001 - the request ends either way
-            log.exception("the text state of request %s failed at its end", rid)
-            return ""
-
-    def _fail(self, batch: Batch, error: Exception) -> list[TokenEvent]:
-        message = f"{type(error).__name__}: {error}"
-        return [self._fail_request(chunk.request, message) for chunk in batch.chunks]
-
-    def _fail_request(self, req: Request, message: str) -> TokenEvent:
-        req.error = message
-        self._totals["errors"] += 1
-        self._finish(req, "error")
-        return self._events[req.id][-1]
+        """One sampled token of `req` turned into its event; an error in one request's
+        bookkeeping fails that request only (RequestOutcomes.accept)."""
+        return self.outcomes.accept(req, token)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -481,24 +380,3 @@ class Engine:
         check = getattr(self.loaded.bank, "check_integrity", None)
         if check is not None:
             check()
-
-
-def _stops(sampling: SamplingParams) -> list[str]:
-    """The stop strings that apply: none while a JSON schema holds the output, whose grammar
-    decides where it ends (a stop string or id met inside the JSON cut it short, and the
-    request ended "stop" with text that does not parse); `_accept` skips stop ids the same."""
-    return [] if sampling.json_schema is not None else sampling.stop
-
-
-def _keep_rows(kept: list[torch.Tensor], start: int, rows: torch.Tensor) -> None:
-    """Add a score request's logits rows for positions [start, start + len(rows)) to `kept`
-    (its rows from 0 so far, chunk by chunk). A preempted request computes again from an
-    earlier position (a score request, reusing no prefix, from 0): the rows kept at or past
-    `start` are dropped first, or the result would hold them twice."""
-    held = 0
-    for i, chunk in enumerate(kept):
-        if held + len(chunk) > start:
-            kept[i:] = [chunk[: start - held]] if start > held else []
-            break
-        held += len(chunk)
-    kept.append(rows)

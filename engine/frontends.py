@@ -106,7 +106,8 @@ def stream(
 @torch.inference_mode()
 def score(engine: Engine, token_ids: Sequence[int]) -> torch.Tensor:
     """Submit a score-only request (one sampled token, no prefix reuse), step until it is
-    finished and concatenate the logits chunks `Engine._update` kept for it: [T, vocab]."""
+    finished and concatenate the logits chunks `RequestOutcomes.update` kept for it:
+    [T, vocab]."""
     rid = engine.submit(token_ids, SamplingParams(max_tokens=1), _score=True)
     req = engine._requests[rid]
     try:

@@ -1,10 +1,10 @@
 """MemoryManager: applies the elastic split (engine/memory.py decides) at the safe points.
 
-Before each `schedule()` nothing is in flight on the host side, so the split may move: the
-manager measures demand (`MemoryDemand`, engine/memory_demand.py: the pages running requests
-hold and will need, the first waiting request, the radix cache's recently used pages, the
-expert cache's cold tail),
-asks `MemoryPolicy.decide`, and carries the answer out on the shared arena (engine/arena.py):
+Before each `schedule()` nothing is in flight on the host side, so the split may move: where a
+full decision is due (engine/memory_cadence.py), the manager measures demand (`MemoryDemand`,
+engine/memory_demand.py: the pages running requests hold and will need, the first waiting
+request, the radix cache's recently used pages, the expert cache's cold tail), asks
+`MemoryPolicy.decide`, and carries the answer out on the shared arena (engine/arena.py):
 
 - slots shrink: the cache evicts its coldest experts (`ExpertCache.resize`), the boundary
   moves up, the page allocator grows into the freed bytes;
@@ -59,13 +59,10 @@ from freetoken_agent.engine.memory import (
     Split,
 )
 from freetoken_agent.engine.memory_audit import check_manager_integrity, manager_stats
-from freetoken_agent.engine.memory_demand import DemandMeter, pages_wanted
+from freetoken_agent.engine.memory_cadence import DecisionCadence
+from freetoken_agent.engine.memory_demand import DemandMeter
 from freetoken_agent.engine.memory_tier import CheckpointTier
 from freetoken_agent.engine.scheduler import Scheduler
-
-FULL_EVERY = 32  # steps between full decisions while nothing but the cold tail can move
-# (every 8, decisions took ~0.15 ms of the safe point's ~0.2 ms a step, on the dev box's CPU at
-# 40 layers x 256 experts; the cold tail's hits are judged over 64 steps anyway)
 
 
 class MemoryManager:
@@ -112,8 +109,7 @@ class MemoryManager:
         self.released_bytes = 0  # arena bytes given back to the driver, over the run
         self.map_failures = 0  # grows refused because the device had no memory
         self.meter = DemandMeter(arena, kv, bank, scheduler)
-        self._decided_on: tuple | None = None  # _steady_key after the last full decision
-        self._decided_at = 0  # its step
+        self.cadence = DecisionCadence(scheduler, kv, self.cache, self.checkpoints)
         self._decided: Split | None = None  # a split `quiet_point` decided, to carry out
         self._counted = False  # `quiet_point` counted this step, and left the decision
         self._record("load")
@@ -210,7 +206,7 @@ class MemoryManager:
         t0 = time.perf_counter()
         try:
             key = self._count()
-            if not self._due(key):
+            if not self.cadence.due(key, self.steps):
                 self.policy.skip()
                 return True
             demand = self.demand()
@@ -220,12 +216,12 @@ class MemoryManager:
                     self._counted = True  # `safe_point` decides without counting again
                     return False
                 demand = self.tier.beside(demand, rows, self.arena.nbytes)
-            self._decided_at = self.steps
+            self.cadence.decided_at = self.steps
             split = self.policy.decide(demand)
             if split is None:
-                self._decided_on = key
+                self.cadence.decided_on = key
                 return True
-            self._decided, self._decided_on = split, None
+            self._decided, self.cadence.decided_on = split, None
             return False
         finally:
             self.safe_point_s += time.perf_counter() - t0
@@ -234,20 +230,20 @@ class MemoryManager:
         if self._decided is not None:  # decided by `quiet_point`, counted there
             split, self._decided = self._decided, None
             if self._carry_out(split):
-                self._decided_on = self._steady_key()
+                self.cadence.decided_on = self.cadence.key(self.budget)
             return split
         if self._counted:  # by `quiet_point`, which found the checkpoint tier moving
             self._counted = False
-            key = self._steady_key()
+            key = self.cadence.key(self.budget)
         else:
             key = self._count()
-        if not self._due(key):
+        if not self.cadence.due(key, self.steps):
             self.policy.skip()
             return None  # nothing a decision rests on moved but the cold tail's slow drift
         split, settled = self._decide_and_apply()
         # A split that could not be carried out yet is tried again at the next safe point.
-        self._decided_on = self._steady_key() if settled else None
-        self._decided_at = self.steps
+        self.cadence.decided_on = self.cadence.key(self.budget) if settled else None
+        self.cadence.decided_at = self.steps
         return split
 
     def _count(self) -> tuple:
@@ -257,34 +253,7 @@ class MemoryManager:
         self.cache.tick()
         if self.watcher is not None:
             self.budget = self._effective_budget(poll=True)
-        return self._steady_key()
-
-    def _due(self, key: tuple) -> bool:
-        """Whether a full decision is due: something it rests on moved, or FULL_EVERY steps
-        passed since the last."""
-        return key != self._decided_on or self.steps - self._decided_at >= FULL_EVERY
-
-    def _steady_key(self) -> tuple:
-        """What the split rests on that can change from one step to the next: the budget, the
-        split itself, which requests run and the pages they hold or want, the first waiting
-        request, the prefix cache (its version) and the checkpoints held. While none of these
-        moves (a decode step within its lookahead), the demand is the same but for the cold
-        tail's hits, which drift over tens of steps: the full decision then runs every
-        FULL_EVERY steps. Run every step, it cost 0.3-0.5 ms of a ~15 ms offloaded decode
-        step on the device: about half of what elastic lagged fixed-last by on average."""
-        sched, page_size = self.scheduler, self.kv.page_size
-        first = sched.waiting[0] if sched.waiting else None
-        return (
-            self.budget,
-            self.kv.allocator.n_pages,
-            self.cache.n_slots,
-            # Pages held or soon wanted, not held: a decode step that fills a page within its
-            # lookahead changes neither the demand nor the decision.
-            tuple((id(r), r.status, pages_wanted(r, page_size)) for r in sched.running),
-            (id(first), first.n_tokens, len(sched.waiting)) if first is not None else None,
-            sched.radix.version,
-            self.checkpoints.device_used if self.checkpoints is not None else 0,
-        )
+        return self.cadence.key(self.budget)
 
     def _decide_and_apply(self) -> tuple[Split | None, bool]:
         """Measure, decide and apply; returns the split and whether it was carried out."""

@@ -244,7 +244,7 @@ class Overlap:
     def _fail(self, batch: Batch, err: Exception) -> list[TokenEvent]:
         message = f"{type(err).__name__}: {err}"
         return [
-            self.engine._fail_request(c.request, message)
+            self.engine.outcomes.fail_request(c.request, message)
             for c in batch.chunks
             if c.request.status is not Status.FINISHED
         ]

@@ -80,7 +80,7 @@ def request_stats(req: Request) -> dict:
 def engine_stats(engine) -> dict:
     """What `Engine.stats()` returns."""
     kv, radix = engine.kv, engine.radix
-    t = engine._totals
+    t = engine.outcomes.totals
     seen = t["prefilled"] + t["reused"]
     return {
         "model": engine.spec.arch,

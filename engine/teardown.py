@@ -14,7 +14,17 @@ import gc
 import torch
 
 # What the engine holds that leads to device or page-locked memory.
-HOLDERS = ("loaded", "kv", "radix", "scheduler", "runner", "memory", "grammars", "overlap")
+HOLDERS = (
+    "loaded",
+    "kv",
+    "radix",
+    "scheduler",
+    "runner",
+    "memory",
+    "grammars",
+    "overlap",
+    "outcomes",
+)
 
 
 def release(engine) -> None:

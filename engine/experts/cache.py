@@ -19,7 +19,6 @@ stride, so no pointer changes. `lend` always lends the top of the arena.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -27,20 +26,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.experts.device_fills import DeviceFills
 from freetoken_agent.engine.experts.fill_races import FillRaces
+from freetoken_agent.engine.experts.hit_clock import HitClock
 from freetoken_agent.engine.experts.inflight import InflightFills
 from freetoken_agent.engine.experts.pool import ExpertPool
+from freetoken_agent.engine.experts.slot_banks import scratch_banks, slot_banks
+from freetoken_agent.engine.experts.slot_table import SlotTable
 from freetoken_agent.engine.experts.vacate import vacate_slots
+from freetoken_agent.engine.experts.victims import coldest, lru_victim, prefill_victims
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.arena import ElasticArena
 
 # S slots, N = L * E lids, H hidden, I expert width
-
-NEVER = -(1 << 62)  # the last-hit step of a lid never hit
 
 
 class ExpertCache:
@@ -57,35 +57,24 @@ class ExpertCache:
         self.pool = pool
         self.device = device
         self.arena = arena
-        if arena is not None:
-            assert arena.w13 is not None, "the arena has no slot unit"
-            assert arena.w13.shape[1:] == pool.w13.shape[1:] and arena.w13.dtype == pool.w13.dtype
-            self.w13, self.w2 = arena.w13, arena.w2  # [S_max, 2I, H], [S_max, H, I] strided
-            self.first_slot = arena.first_slot
-            n_slots = arena.n_slots
-        else:
-            n_slots = min(n_slots, pool.n_rows)
-            w13_shape, w2_shape = (n_slots, *pool.w13.shape[1:]), (n_slots, *pool.w2.shape[1:])
-            self.w13 = torch.empty(w13_shape, dtype=pool.w13.dtype, device=device)
-            self.w2 = torch.empty(w2_shape, dtype=pool.w2.dtype, device=device)
-            self.first_slot = 0
-        if n_slots < 1:
-            raise ValueError(f"the expert cache needs at least one slot, got {n_slots}")
+        # [S, 2I, H], [S, H, I]: the cache's own, or the arena's strided views (slot_banks.py)
+        self.w13, self.w2, self.first_slot = slot_banks(pool, n_slots, device, arena)
         self.max_slots = self.w13.shape[0]
-        self.slot_of = torch.full((pool.n_rows,), -1, dtype=torch.int32, device=device)  # [N]
         self._slot_of: list[int] = [-1] * pool.n_rows  # host mirror
         self._lid_of: list[int] = [-1] * self.max_slots
         self._lru: OrderedDict[int, None] = OrderedDict()  # resident lids, least recent first
         self._free = list(range(self.max_slots - 1, self.first_slot - 1, -1))  # pop: lowest
-        # For the memory manager: the step of each lid's last hit (`tick` counts steps).
-        self.step = 0
-        self._last_hit: list[int] = [NEVER] * pool.n_rows
+        # For the memory manager: the step of each lid's last hit (hit_clock.py).
+        self.clock = HitClock(pool.n_rows)
         # Layers whose experts fills never evict (adaptive's `layers` mode and `static`,
         # layer_layout.py); a lend or a shrink may (`vacates` counts those).
         self.kept_layers: frozenset[int] = frozenset()
         self.vacates = 0
         self._lent = 0  # the last `_lent` slots are lent out as staging (lend / take_back)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # The device's lid -> slot table, written from the host mirror (slot_table.py).
+        self.table = SlotTable(self._slot_of, device, self.copy_stream)
+        self.slot_of = self.table.slot_of  # [N], what the kernels read
         self.hits = 0
         self.misses = 0
         self.fills = 0
@@ -94,18 +83,12 @@ class ExpertCache:
         # Do fills pay? (fill_races.py; `touch` is one layer's visit)
         self.lids_per_layer = lids_per_layer or pool.n_rows
         self.races = FillRaces(self.lids_per_layer)
-        # Table entries of evicted lids not yet on the device: `publish` writes them with the
-        # fills that replace them, on the copy stream, so compute sees both at once.
-        self._unpublished: list[int] = []
         # Fills that land while later steps run (policy direct; inflight.py).
         self.inflight = InflightFills(self)
         # Fills the decode graph makes itself (policy gpu-fill; device_fills.py). While the
         # device owns the cache the host mirror is stale: every method that reads or changes
         # it calls `_host` first.
         self.on_device = DeviceFills(self, PATH_LIMITS["decode_max_pairs"])
-        # The step the host's mirror was last the truth at: the device's last `own` or
-        # hand-back (tail_profile reads a stale mirror as of then).
-        self.mirror_step = 0
 
     def _host(self) -> None:
         """The host mirror made the truth again (a no-op unless policy gpu-fill's decode
@@ -151,11 +134,12 @@ class ExpertCache:
         self._host()
         if lids:
             self.races.visit(lids[0] // self.lids_per_layer, lids, self._slot_of)
+        last_hit, step = self.clock.last_hit, self.clock.step
         for lid in lids:
             if self._slot_of[lid] >= 0:
                 self.hits += 1
                 self._lru.move_to_end(lid)
-                self._last_hit[lid] = self.step
+                last_hit[lid] = step
             else:
                 self.misses += 1
 
@@ -177,7 +161,7 @@ class ExpertCache:
         overlap with them does that work first. `race=False`: the fills race nothing
         (fill_races.py; the bank's prefill chunks). `ahead_from`: for a prefill chunk, the
         first lid of the layers after the filling one; victims come from below it first
-        (`_victims`)."""
+        (victims.py `prefill_victims`)."""
         self._host()
         self.inflight.settle()
         filled = []
@@ -186,7 +170,8 @@ class ExpertCache:
             return filled
         victims = None
         if ahead_from is not None:
-            victims = self._victims(protect, len(lids) - len(self._free), ahead_from)
+            n, per, kept = len(lids) - len(self._free), self.lids_per_layer, self.kept_layers
+            victims = prefill_victims(self._lru, protect, n, ahead_from, per, kept)
         if self.copy_stream is None:
             for lid in lids:
                 if not self._fill_one(lid, protect, race, victims):
@@ -258,52 +243,14 @@ class ExpertCache:
             if not victims:
                 return None, -1
             return self._evict_for_fill(victims.popleft())
-        for victim in self._lru:
-            if self._may_evict(victim, protect):
-                return self._evict_for_fill(victim)
-        return None, -1
-
-    def _may_evict(self, lid: int, protect: set[int]) -> bool:
-        kept = self.kept_layers
-        return lid not in protect and (not kept or lid // self.lids_per_layer not in kept)
+        victim = lru_victim(self._lru, protect, self.kept_layers, self.lids_per_layer)
+        return (None, -1) if victim is None else self._evict_for_fill(victim)
 
     def _evict_for_fill(self, victim: int) -> tuple[int, int]:
         slot = self._slot_of[victim]
         self._evict(victim)
-        self._unpublished.append(victim)
+        self.table.unpublished.append(victim)
         return slot, victim
-
-    def _victims(self, protect: set[int], n: int, ahead_from: int) -> deque[int]:
-        """Up to `n` lids for a prefill chunk's fills to evict, in this order: those below
-        `ahead_from` (the layers it has passed, and the filling layer's experts it does not
-        use), then those of kept layers it has passed, then any other, least recently used
-        first within each. A chunk of more than a few dozen tokens touches nearly every expert
-        of every layer, so the LRU's oldest lids are the layers ahead (last touched a chunk
-        ago), which this chunk is about to use: evicting them trades each fill for a miss a
-        few layers on, while the layers passed are needed again only by the next step. Kept
-        layers (`kept_layers`: decode's whole-layer layout) are victims too, after the others
-        passed: a chunk confined to the slots outside them ran most of every other layer's
-        misses on the CPU at dozens of tokens each (on the H200 host's peer slice, 18 of 73
-        a layer took 247 ms at 768 tokens, where streaming took 190); decode fetches a kept
-        layer's evicted experts back as routing asks for them. One walk of the LRU a call."""
-        per, kept = self.lids_per_layer, self.kept_layers
-        buckets: tuple[deque[int], deque[int], deque[int]] = (deque(), deque(), deque())
-        passed, passed_kept, ahead = buckets
-        for lid in self._lru:
-            if len(passed) >= n:
-                break
-            if lid in protect:
-                continue
-            if lid >= ahead_from:
-                bucket = ahead
-            else:
-                bucket = passed_kept if kept and lid // per in kept else passed
-            if len(bucket) < n:
-                bucket.append(lid)
-        for more in (passed_kept, ahead):
-            while len(passed) < n and more:
-                passed.append(more.popleft())
-        return passed
 
     def _evict(self, lid: int) -> None:
         """Drop `lid` from the host-side maps; the device table is the caller's to update."""
@@ -313,36 +260,9 @@ class ExpertCache:
         self._lid_of[slot] = -1
 
     def publish(self, lids: list[int]) -> None:
-        """Write filled slots, and the evictions they replaced, into the device table; compute
-        queued from now on waits for the copies. On CUDA the entries travel from pinned memory
-        on the copy stream behind the fills, so the host does not wait for the copies (torch's
-        pinned allocator keeps each buffer until its copy is done)."""
-        evicted, self._unpublished = self._unpublished, []
-        if not lids and not evicted:
-            return
-        keys = evicted + lids  # an evicted lid filled again gets its new slot: keys in order
-        if self.copy_stream is None:
-            self._write_table_now(keys)
-            return
-        with torch.cuda.stream(self.copy_stream):
-            self._write_table_now(keys)
-        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-
-    def _write_table_now(self, lids: list[int]) -> None:
-        """Table entries written on the current stream (the compute stream for direct's
-        fills, the copy stream inside `publish`), in one indexed write (a lend evicts up to
-        two layers' experts: hundreds of single-element writes, each a copy and a launch, had
-        been milliseconds of every streamed chunk). index_put_ with duplicate keys
-        has no defined winner; the host mirror is the truth, so every duplicate carries the
-        same (final) value."""
-        if not lids:
-            return
-        # Keys and slots in one int32 buffer: one pinned staging tensor and one copy, not two
-        # (each `aten::copy_` cost ~14 us of host time with its dispatch in the H200 host's
-        # 48-layer profile, and a publish ends every stop). torch indexes with int32 since 2.0.
-        n, slot_of = len(lids), self._slot_of
-        both = on_device(lids + [slot_of[lid] for lid in lids], torch.int32, self.device)
-        self.slot_of.index_put_((both[:n],), both[n:])
+        """Write filled slots, and the evictions they replaced, into the device table
+        (SlotTable.publish); compute queued from now on waits for the copies."""
+        self.table.publish(lids)
 
     def lend(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the last `n` slots out of service and return them as scratch banks
@@ -367,9 +287,7 @@ class ExpertCache:
         _, moved = vacate_slots(self, first, self.max_slots, room)
         self._lent = n
         self.publish(moved)
-        if self.arena is not None:  # its slot views are strided: staging wants plain DMA
-            return self.arena.scratch_banks(first, n)
-        return self.w13[first:], self.w2[first:]
+        return scratch_banks(self.w13, self.w2, self.arena, first, n)
 
     def take_back(self) -> None:
         """The lent slots return to the free list (their content is scratch)."""
@@ -415,54 +333,46 @@ class ExpertCache:
         say nothing about whether fills pay. The device table learns of them with the next
         `publish`. Returns the evicted lids."""
         self._host()
-        victims = (lid for lid in self._lru if spare is None or not spare(lid))
-        evicted = list(itertools.islice(victims, max(n, 0)))  # coldest first
+        evicted = coldest(self._lru, n, spare)
         for lid in evicted:
             self._free.append(self._slot_of[lid])
             self._evict(lid)
         self.races.drop(set(evicted))
-        self._unpublished += evicted
+        self.table.unpublished += evicted
         return evicted
 
     def tick(self) -> None:
-        """One engine step begins: hits from now on count for this step."""
-        self.step += 1
+        """One engine step begins: hits from now on count for this step (HitClock.tick)."""
+        self.clock.tick()
 
     def tail_profile(self, window: int, max_stale: int = 0) -> np.ndarray:
         """hot[k]: how many of the k least recently used resident lids were hit within
-        the last `window` steps (hot[0] = 0), for every k at once: [resident + 1] int64. One
-        O(slots) pass, the counting in numpy (~0.12 ms for 4,000 slots on the CPU here against
-        ~0.2 ms for the Python walk it replaced). The MemoryManager reads hot[k] / window as
-        the hits per step that giving up k slots would lose.
+        the last `window` steps, for every k at once (HitClock.tail_profile).
 
         While the device owns the cache (policy gpu-fill, adaptive's device paths) the host's
-        mirror is as the last hand-back left it at step `mirror_step`. Up to `max_stale` steps
+        mirror is as the last hand-back left it at step `clock.mirror_step`. Up to `max_stale` steps
         after that, the profile is the mirror's as of then (the window ending at mirror_step,
         so it does not decay as the mirror ages); later, the cache is handed back first: a
         sync and a rebuild (~3.4 ms of host time at 3,000 slots on the dev box), which the
         elastic policy's refresh asked for about once every 16 decode steps at 48 layers."""
-        now = self.step
-        if self.on_device.owned and self.step - self.mirror_step <= max_stale:
-            now = self.mirror_step
+        clock = self.clock
+        now = clock.step
+        if self.on_device.owned and clock.step - clock.mirror_step <= max_stale:
+            now = clock.mirror_step
         else:
             self._host()
-        lids = self._lru
-        last = np.fromiter(map(self._last_hit.__getitem__, lids), np.int64, len(lids))
-        hot = np.zeros(len(lids) + 1, np.int64)
-        np.cumsum(last > now - window, out=hot[1:])
-        return hot
+        return clock.tail_profile(self._lru, window, now)
 
     def reset(self) -> None:
         """Empty every slot (benchmarks start each policy from the same state)."""
         self._host()
         self.inflight.settle()
         self.races.clear()
-        self._unpublished.clear()
         for lid in list(self._lru):
             slot = self._slot_of[lid]
             self._evict(lid)
             self._free.append(slot)
-        self.slot_of.fill_(-1)
+        self.table.clear()
         self.kept_layers = frozenset()
 
     def clear_counters(self) -> None:
@@ -470,11 +380,7 @@ class ExpertCache:
 
     def check_integrity(self) -> None:
         self._host()
-        host = torch.tensor(self._slot_of, dtype=torch.int32)
-        inflight = sorted(self.inflight.lids)
-        if inflight:  # claimed, copies in flight: the device sends them to the pool
-            host[torch.tensor(inflight, dtype=torch.long)] = -1
-        assert torch.equal(self.slot_of.cpu(), host), "device lid->slot table out of sync"
+        self.table.check(self.inflight.lids)
         seen = set()
         for lid, slot in enumerate(self._slot_of):
             if slot >= 0:

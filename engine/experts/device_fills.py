@@ -90,7 +90,7 @@ class DeviceFills:
         self.state.copy_(torch.tensor(state, dtype=torch.int64))
         self._folded = [0] * layout.STATE
         self.owned = True
-        c.mirror_step = c.step  # the mirror is the truth up to here
+        c.clock.mirror_step = c.clock.step  # the mirror is the truth up to here
 
     def set_share(self, value: int) -> None:
         """CPU_SHARE for the next plans (in stream order while owned; `own` writes it)."""
@@ -168,8 +168,8 @@ class DeviceFills:
             c._lru[lid] = None
             # Used while the device owned it: a stamp since `own`, or pinned for its uses.
             if self._clock_at_own < st < layout.PINNED or popular[slot]:
-                c._last_hit[lid] = c.step
-        c.mirror_step = c.step
+                c.clock.last_hit[lid] = c.clock.step
+        c.clock.mirror_step = c.clock.step
         used = {slot for _, slot, _ in residents}
         c._free = [s for s in range(lent_from - 1, c.first_slot - 1, -1) if s not in used]
         # The device's fills raced nothing; the host's pending races are moot. The mean stays:

@@ -45,8 +45,8 @@ class InflightFills:
             claimed.append((lid, slot))
         if not claimed:
             return []
-        victims, c._unpublished = c._unpublished, []
-        c._write_table_now(victims)  # compute stream: the next step reads them from the pool
+        victims, c.table.unpublished = c.table.unpublished, []
+        c.table.write_now(victims)  # compute stream: the next step reads them from the pool
         event = None
         if c.copy_stream is None:
             for lid, slot in claimed:
@@ -70,7 +70,7 @@ class InflightFills:
         done: list[int] = []
         while self._batches and (self._batches[0][0] is None or self._batches[0][0].query()):
             done += self._batches.pop(0)[1]
-        self.cache._write_table_now(done)
+        self.cache.table.write_now(done)
 
     def settle(self) -> None:
         """Wait for every batch and publish it: the table then matches the host mirror."""

@@ -82,7 +82,7 @@ class MissPlacement:
             n = bank.adaptive.behind([count for count, _ in misses[: len(want)]], bank.bandwidths)
             want, behind = want[: len(want) - n], want[len(want) - n :]
         # A prefill chunk's fills take their victims from the layers it has passed first
-        # (cache._victims): the LRU's oldest are the layers it is about to use. Not static's:
+        # (victims.py): the LRU's oldest are the layers it is about to use. Not static's:
         # its kept layers are the layout it is measured by, and only they fill.
         prefill = not race and bank.policy != "static"
         ahead = (uniq[0] // bank.n_experts + 1) * bank.n_experts if prefill else None

@@ -536,7 +536,7 @@ def test_steady_decode_decides_every_few_steps_and_a_cut_at_once(model):
     """A decode step that moves nothing the split rests on (no new page, same requests, same
     budget) skips the decision but every FULL_EVERY steps; a budget cut is decided at the
     very next safe point; the outputs stay the resident engine's."""
-    from freetoken_agent.engine.memory_manager import FULL_EVERY
+    from freetoken_agent.engine.memory_cadence import FULL_EVERY
 
     path, resident, rng = model
     engine = _elastic(path, resident, slots=40, kv_tokens=512)

@@ -11,7 +11,7 @@ import pytest
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
-from freetoken_agent.engine import engine as engine_mod
+from freetoken_agent.engine.graph_capture import CAPTURE_ATTEMPTS
 
 
 @pytest.fixture
@@ -41,11 +41,11 @@ def test_capture_retried_once_then_decode_without_graphs(engine, rng_seed, caplo
     prompt = [rng.randrange(3, 300) for _ in range(rng.randint(5, 40))]
     sp = SamplingParams(max_tokens=rng.randint(4, 12), temperature=0, ignore_eos=True)
     want = engine.generate(prompt, sp).token_ids
-    flaky = FlakyCapture(engine.runner, fails=engine_mod.CAPTURE_ATTEMPTS)
+    flaky = FlakyCapture(engine.runner, fails=CAPTURE_ATTEMPTS)
     engine.runner.enable_cuda_graphs = flaky
     with caplog.at_level(logging.WARNING, logger="freetoken.engine"):
         engine.capture_graphs()
-    assert flaky.calls == engine_mod.CAPTURE_ATTEMPTS
+    assert flaky.calls == CAPTURE_ATTEMPTS
     assert engine.runner.graphs is None  # no half-built graphs left to replay
     stats = engine.stats()
     assert stats["cuda_graphs"] is False

@@ -33,9 +33,9 @@ def test_a_preempted_score_keeps_each_row_once(tmp_path, rng_seed):
 
 
 def test_rows_kept_from_a_restart_position_replace_the_old_ones(rng_seed):
-    """`_keep_rows` at random chunk cuts and a restart at a random position (mid-chunk too):
+    """`keep_rows` at random chunk cuts and a restart at a random position (mid-chunk too):
     the kept rows are each position's latest, once, in order."""
-    from freetoken_agent.engine.engine import _keep_rows
+    from freetoken_agent.engine.request_outcomes import keep_rows
 
     rng = random.Random(rng_seed)
     n = rng.randint(5, 60)
@@ -43,13 +43,13 @@ def test_rows_kept_from_a_restart_position_replace_the_old_ones(rng_seed):
     kept, done = [], 0
     while done < n:  # a first pass, cut short
         step = rng.randint(1, 9)
-        _keep_rows(kept, done, rows[done : done + step] + 100)  # values to be replaced
+        keep_rows(kept, done, rows[done : done + step] + 100)  # values to be replaced
         done = min(n, done + step)
     restart = rng.randint(0, n - 1)
     done = restart
     while done < n:  # computed again from `restart`
         step = rng.randint(1, 9)
-        _keep_rows(kept, done, rows[done : done + step])
+        keep_rows(kept, done, rows[done : done + step])
         done = min(n, done + step)
     want = torch.cat([rows[:restart] + 100, rows[restart:]])
     assert torch.equal(torch.cat(kept), want)

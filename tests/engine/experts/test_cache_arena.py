@@ -148,7 +148,9 @@ def test_tail_profile_counts_recent_hits_of_the_coldest(rng_seed):
     assert len(hot) == len(cache._lru) + 1 and hot[0] == 0
     coldest_first = list(cache._lru)
     for k in range(len(hot)):  # counted here from the LRU order and the last hits directly
-        recent = sum(cache._last_hit[lid] > cache.step - window for lid in coldest_first[:k])
+        recent = sum(
+            cache.clock.last_hit[lid] > cache.clock.step - window for lid in coldest_first[:k]
+        )
         assert hot[k] == recent
 
 
@@ -253,5 +255,5 @@ def test_an_owned_cache_profiles_its_mirror_until_it_is_too_old(rng_seed):
     assert fills.owned and fills.releases == 0 and (got == want).all()
     cache.tick()
     later = cache.tail_profile(window, max_stale=stale)  # too old: handed back first
-    assert not fills.owned and fills.releases == 1 and cache.mirror_step == cache.step
+    assert not fills.owned and fills.releases == 1 and cache.clock.mirror_step == cache.clock.step
     assert later.sum() <= want.sum()  # profiled now: the window moved past older hits

@@ -78,7 +78,7 @@ def test_each_layer_pins_its_most_used_residents(rng_seed):
         for s in range(cache.max_slots):
             if again[s]:
                 assert cache._slot_of[lid_of[s]] == s
-                assert cache._last_hit[lid_of[s]] == cache.step
+                assert cache.clock.last_hit[lid_of[s]] == cache.clock.step
 
 
 def test_a_pinned_slot_is_never_a_victim(rng_seed):

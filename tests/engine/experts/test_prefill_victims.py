@@ -1,6 +1,6 @@
 """A prefill chunk's fills evict the layers it has passed before the layers ahead
-(ExpertCache._victims): a chunk touches nearly every expert of every layer, so plain LRU would
-evict the experts it is about to use."""
+(victims.py `prefill_victims`): a chunk touches nearly every expert of every layer, so plain
+LRU would evict the experts it is about to use."""
 
 import random
 

@@ -298,7 +298,7 @@ def test_layers_mode_keeps_whole_layers(tmp_path, rng_seed):
                 break
         assert len(resident(kept)) == e
         # A short prefill chunk: experts serving many tokens are fetched, the kept layer's
-        # among the victims once the layers passed are taken (cache._victims); decode steps
+        # among the victims once the layers passed are taken (victims.py); decode steps
         # in `layers` fetch what it evicted back as routing asks for it.
         other = rng.choice([x for x in range(n_layers) if x != kept])
         call(other, "layers", tokens=48)

@@ -1,0 +1,180 @@
+"""RequestOutcomes: what a step's results make of its requests.
+
+The Engine loops (schedule -> run -> update); this is the update's bookkeeping. It turns a
+step's output into each request's events: a sampled token's text, with the stop conditions
+checked (stop ids and strings, EOS, a complete JSON value, the length), and a score request's
+logits rows kept. And it ends requests (finished, aborted, failed): their pages go back to the
+scheduler, an abort's or a failure's last event is queued, and the totals `Engine.stats()`
+reports are counted. It lives apart from engine.py because both loops end here alike: the
+plain step (`Engine.step`) and the overlapped one (overlap.py, which accepts a step's tokens
+one call later and fails the requests of a step in flight that failed).
+
+It shares the Engine's per-request tables (`_outputs`, `_events`, `_scores`): the Engine adds
+and drops requests, this fills their events and score rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from freetoken_agent.engine.layers.sampler import NOT_FINITE, not_finite_message
+from freetoken_agent.engine.outputs import TokenEvent
+from freetoken_agent.engine.request import Batch, Request, Status
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from freetoken_agent.engine.constrained import Grammars
+    from freetoken_agent.engine.output_state import OutputState
+    from freetoken_agent.engine.runner import ModelRunner, StepOutput
+    from freetoken_agent.engine.scheduler import Scheduler
+
+log = logging.getLogger("freetoken.engine")
+
+
+class RequestOutcomes:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        grammars: Grammars,
+        outputs: dict[str, OutputState],
+        events: dict[str, deque[TokenEvent]],
+        scores: dict[str, list[torch.Tensor]],
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        dtype: torch.dtype,
+    ) -> None:
+        """`outputs`, `events`, `scores`: the Engine's tables (request id -> its text state,
+        its events not taken yet, a score request's rows in order), shared, not copied."""
+        self.scheduler, self.runner, self.grammars = scheduler, runner, grammars
+        self.outputs, self.events, self.scores = outputs, events, scores
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.totals = {"prefilled": 0, "reused": 0, "generated": 0, "finished": 0, "errors": 0}
+
+    def update(self, batch: Batch, out: StepOutput) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        for chunk in batch.chunks:
+            req = chunk.request
+            self.scheduler.advance(chunk)
+            if req.score_only:
+                keep_rows(self.scores[req.id], chunk.start, out.logits[req.id])
+                if chunk.sample:
+                    self.finish(req, "scored")
+                continue
+            if chunk.sample:
+                events.append(self.accept(req, out.sampled[req.id]))
+        return events
+
+    def accept(self, req: Request, token: int) -> TokenEvent:
+        """`_accept`, guarded: an error in one request's bookkeeping fails that request only.
+        (Raised out of `step`, it failed every request of an overlapped pair, or, in the plain
+        loop, left the engine raising at every step with the request never finished.)"""
+        try:
+            return self._accept(req, token)
+        except Exception as e:  # noqa: BLE001 - one request must not take the engine down
+            if req.status is Status.FINISHED:
+                raise  # it failed while finishing: not something to finish twice
+            log.exception("accepting a token of request %s failed; failing it", req.id)
+            return self.fail_request(req, f"{type(e).__name__}: {e}")
+
+    def _accept(self, req: Request, token: int) -> TokenEvent:
+        problem = self.grammars.problem(req.id)
+        if problem is not None:  # its grammar allowed no token: end this request only
+            return self.fail_request(req, problem)
+        if token == NOT_FINITE:  # nothing to sample from (layers/sampler.py): this request only
+            message = not_finite_message(len(req.output_ids), self.dtype)
+            return self.fail_request(req, message)
+        now = time.perf_counter()
+        req.first_token_time = req.first_token_time or now
+        req.output_ids.append(token)
+        self.scheduler.checkpoint_decode(req, token)
+        state = self.outputs[req.id]
+        sp = req.sampling
+        reason = None
+        if (token in sp.stop_token_ids and sp.json_schema is None) or (
+            not sp.ignore_eos and token in self.eos_token_ids
+        ):
+            reason = "stop"
+            text = state.release(final=True)
+        else:
+            text = state.push(token)
+            if state.stopped:
+                reason = "stop"
+            elif self.grammars.advance(req.id, token):  # the JSON is complete: nothing follows
+                reason = "stop"
+                text += state.release(final=True)
+            elif req.at_length(self.max_model_len):
+                text += state.release(final=True)
+                # The last characters, flushed, may complete a stop string (then cut there).
+                reason = "stop" if state.stopped else "length"
+        event = TokenEvent(req.id, token, text, len(req.output_ids) - 1)
+        if reason is not None:
+            self.finish(req, reason)
+            event.finished, event.finish_reason = True, reason
+        self.events[req.id].append(event)
+        return event
+
+    def finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        self.runner.forget(req.id)
+        self.grammars.forget(req.id)
+        self.totals["prefilled"] += req.num_prefilled
+        self.totals["reused"] += req.num_reused
+        self.totals["generated"] += len(req.output_ids)
+        self.totals["finished"] += 1
+        if reason in ("abort", "error"):
+            # The text held back (a possible stop string's start, a partial character) is
+            # final now: streamed here, the events add up to the output's text.
+            text = self._held_text(req.id)
+            event = TokenEvent(req.id, None, text, len(req.output_ids), True, reason, req.error)
+            self.events[req.id].append(event)
+
+    def _held_text(self, rid: str) -> str:
+        """The text a request's state still holds back, released as final; "" when the state
+        is gone or itself broken (the request may be failing for that very reason)."""
+        state = self.outputs.get(rid)
+        if state is None:
+            return ""
+        try:
+            return state.release(final=True)
+        except Exception:  # noqa: BLE001 - the request ends either way
+            log.exception("the text state of request %s failed at its end", rid)
+            return ""
+
+    def fail(self, batch: Batch, error: Exception) -> list[TokenEvent]:
+        message = f"{type(error).__name__}: {error}"
+        return [self.fail_request(chunk.request, message) for chunk in batch.chunks]
+
+    def fail_request(self, req: Request, message: str) -> TokenEvent:
+        req.error = message
+        self.totals["errors"] += 1
+        self.finish(req, "error")
+        return self.events[req.id][-1]
+
+
+def stop_strings(sampling: SamplingParams) -> list[str]:
+    """The stop strings that apply: none while a JSON schema holds the output, whose grammar
+    decides where it ends (a stop string or id met inside the JSON cut it short, and the
+    request ended "stop" with text that does not parse); `_accept` skips stop ids the same."""
+    return [] if sampling.json_schema is not None else sampling.stop
+
+
+def keep_rows(kept: list[torch.Tensor], start: int, rows: torch.Tensor) -> None:
+    """Add a score request's logits rows for positions [start, start + len(rows)) to `kept`
+    (its rows from 0 so far, chunk by chunk). A preempted request computes again from an
+    earlier position (a score request, reusing no prefix, from 0): the rows kept at or past
+    `start` are dropped first, or the result would hold them twice."""
+    held = 0
+    for i, chunk in enumerate(kept):
+        if held + len(chunk) > start:
+            kept[i:] = [chunk[: start - held]] if start > held else []
+            break
+        held += len(chunk)
+    kept.append(rows)
