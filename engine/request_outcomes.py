@@ -98,7 +98,7 @@ class RequestOutcomes:
         state = self.outputs[req.id]
         sp = req.sampling
         reason = None
-        if (token in sp.stop_token_ids and sp.json_schema is None) or (
+        if (sp.stops_apply and token in sp.stop_token_ids) or (
             not sp.ignore_eos and token in self.eos_token_ids
         ):
             reason = "stop"
@@ -160,10 +160,9 @@ class RequestOutcomes:
 
 
 def stop_strings(sampling: SamplingParams) -> list[str]:
-    """The stop strings that apply: none while a JSON schema holds the output, whose grammar
-    decides where it ends (a stop string or id met inside the JSON cut it short, and the
-    request ended "stop" with text that does not parse); `_accept` skips stop ids the same."""
-    return [] if sampling.json_schema is not None else sampling.stop
+    """The stop strings the request's output is searched for (`SamplingParams.stops_apply`;
+    `accept` tests stop ids by the same rule)."""
+    return sampling.stop if sampling.stops_apply else []
 
 
 def keep_rows(kept: list[torch.Tensor], start: int, rows: torch.Tensor) -> None:

@@ -179,6 +179,13 @@ class SamplingParams:
         return None
 
     @property
+    def stops_apply(self) -> bool:
+        """Whether stop strings and stop ids end the request: not while a JSON schema holds
+        the output, whose grammar decides where it ends (a stop string or id met inside the
+        JSON cut it short, and the request ended "stop" with text that does not parse)."""
+        return self.json_schema is None
+
+    @property
     def greedy(self) -> bool:
         # Below GREEDY_TEMPERATURE logits / T overflow fp32 (vLLM's _SAMPLING_EPS is the same):
         # such a row is all but greedy anyway.
