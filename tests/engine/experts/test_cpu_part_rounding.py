@@ -27,6 +27,19 @@ def _differing(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got != want).float().mean().item()
 
 
+def _layer_call(engine: Engine, rng: random.Random, gen: torch.Generator, t: int):
+    """A random MoE layer call of `t` bf16 tokens: (layer, (hidden [T, H], ids [T, K],
+    weights [T, K])) and the resident sum of the pool's experts for it [T, H]."""
+    spec, pool = engine.spec, engine.loaded.bank.pool
+    e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
+    layer = rng.randrange(spec.n_moe_layers)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
+    hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(t, k, generator=gen)
+    want = fused_moe(hidden, pool.w13, pool.w2, ids + layer * e, weights)
+    return layer, (hidden, ids, weights), want
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("policy", ["transfer", "adaptive"])
 def test_a_split_prompt_layer_matches_resident_in_bf16(family, policy, tmp_path, rng_seed):
@@ -36,18 +49,14 @@ def test_a_split_prompt_layer_matches_resident_in_bf16(family, policy, tmp_path,
     after it (policy `cpu` shows it too), which would say nothing about the split."""
     make_tiny(family, tmp_path, rng_seed, dtype=torch.bfloat16)
     engine = Engine.load(tmp_path, device="cpu", policy=policy, expert_slots=1, progress=False)
-    bank, spec = engine.loaded.bank, engine.spec
-    e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
-    gen = torch.Generator().manual_seed(rng_seed)
+    bank = engine.loaded.bank
     rng = random.Random(rng_seed)
+    gen = torch.Generator().manual_seed(rng_seed)
     outs, wants = [], []
     for _ in range(8):
-        layer, t = rng.randrange(spec.n_moe_layers), rng.randint(8, 48)
-        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
-        hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
-        weights = torch.rand(t, k, generator=gen)
-        outs.append(bank(layer, hidden, ids, weights))
-        wants.append(fused_moe(hidden, bank.pool.w13, bank.pool.w2, ids + layer * e, weights))
+        layer, call, want = _layer_call(engine, rng, gen, rng.randint(8, 48))
+        outs.append(bank(layer, *call))
+        wants.append(want)
     assert bank.stats.on_cpu > 0 and bank.stats.fetched > 0  # both sides computed
     assert _differing(torch.cat(outs), torch.cat(wants)) <= DIFFERING_AT_MOST
 
@@ -58,23 +67,19 @@ def test_a_graph_decode_layer_adds_the_cpu_part_unrounded(policy, tmp_path, rng_
     tensors: the CPU's part is staged and added in fp32."""
     make_tiny("qwen3_moe", tmp_path, rng_seed, dtype=torch.bfloat16)
     engine = Engine.load(tmp_path, device="cpu", policy=policy, expert_slots=1, progress=False)
-    bank, spec = engine.loaded.bank, engine.spec
+    bank = engine.loaded.bank
     io = bank.attach_graph_io(max_tokens=4, dtype=torch.bfloat16)
     io.active = True
     assert io.cpu_stage.dtype == io.cpu_part.dtype == torch.float32
-    e, k, h = spec.n_experts, spec.top_k, spec.hidden_size
-    gen = torch.Generator().manual_seed(rng_seed)
     rng = random.Random(rng_seed)
+    gen = torch.Generator().manual_seed(rng_seed)
     outs, wants = [], []
     for _ in range(24):
-        layer, t = rng.randrange(spec.n_moe_layers), rng.randint(2, 4)
-        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
-        hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
-        weights = torch.rand(t, k, generator=gen)
-        bank(layer, hidden, ids, weights)  # the speculative segment: exports the routing
-        bank.resolve(layer, t)
-        outs.append(bank(layer, hidden, ids, weights))  # the segment after resolve
-        wants.append(fused_moe(hidden, bank.pool.w13, bank.pool.w2, ids + layer * e, weights))
+        layer, call, want = _layer_call(engine, rng, gen, rng.randint(2, 4))
+        bank(layer, *call)  # the speculative segment: exports the routing
+        bank.resolve(layer, len(want))
+        outs.append(bank(layer, *call))  # the segment after resolve
+        wants.append(want)
         assert not io.cpu_part.any()  # consumed by the sum
     assert bank.stats.on_cpu > 0 and bank.stats.fetched > 0
     assert _differing(torch.cat(outs), torch.cat(wants)) <= DIFFERING_AT_MOST
