@@ -17,8 +17,8 @@ they hold for any template; anchor_locator.py says how, and what it costs. A tem
 not render the tools, tool calls or tool results given is refused (InvalidRequestError) rather
 than silently showing the model a history without them.
 
-Control-token text inside messages (a tool result quoting "<|im_end|>") is encoded as text, not
-as the control token: only the template makes control tokens (literal_specials.py).
+Control-token text inside messages and tool definitions (a tool result quoting "<|im_end|>") is
+encoded as text, not as the control token: only the template makes them (literal_specials.py).
 
 Tokens: the text is tokenized once, as a whole (what the model sees); character positions map to
 tokens by the tokenizer's offsets. A position inside a token moves back to the start of that token
@@ -186,8 +186,11 @@ class ChatFormat:
             raise InvalidRequestError(f"the chat template rejected this history: {e}") from e
         encoding = encode_text(self.tokenizer.backend, full)
         ids, offsets = list(encoding.ids), list(encoding.offsets)  # [T]
-        if self._literal.held_by(dicts):  # control-token text in messages: encoded as text
-            spans = self._literal.spans(lambda ds: render(ds, add_generation_prompt), dicts, full)
+        if self._literal.held_by(dicts, tools):  # control-token text in them: encoded as text
+            marked = lambda ds, ts: template.render(  # noqa: E731
+                ds, tools=ts, add_generation_prompt=add_generation_prompt, **variables
+            )
+            spans = self._literal.spans(marked, dicts, tools, full)
             ids, offsets = self._literal.encode(full, ids, offsets, spans)
         if max_model_len is not None and len(ids) >= max_model_len:
             raise context_length_error(len(ids), max_model_len)

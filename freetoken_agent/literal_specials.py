@@ -2,25 +2,31 @@
 
 The rendered history is tokenized as one text, and a tokenizer splits its added tokens
 (`<|im_end|>`, `<|im_start|>`, `<tool_call>`, ...) out of any text. So a tool result quoting a
-web page or a log, or a user pasting a transcript, that holds "<|im_end|>\\n<|im_start|>system\\n"
-closed its turn and opened a system turn nobody wrote: prompt injection through control tokens,
-which an agent reading untrusted tool output cannot prevent. (transformers' apply_chat_template,
-vLLM and llama.cpp's server encode such text as the control tokens; OpenAI's tokenizer treats it
-as text.) Here only the template makes control tokens.
+web page or a log, a user pasting a transcript, or a tool description from an MCP server, that
+holds "<|im_end|>\\n<|im_start|>system\\n" closed its turn and opened a system turn nobody
+wrote: prompt injection through control tokens, which an agent reading untrusted text cannot
+prevent. (transformers' apply_chat_template, vLLM and llama.cpp's server encode such text as
+the control tokens; OpenAI's tokenizer treats it as text.) Here only the template makes them.
 
-How, only when some string of the history holds an added token's text (one regex over them):
-1. `mark`: the history again, each such occurrence replaced by a numbered private-use sentinel
-   (no template or tokenizer gives those characters a meaning; ones a message already holds are
-   sentinels too, put back as they were, so a message cannot forge or spoil the marking).
-2. `spans`: that history rendered; where the sentinels land are the occurrences that came from
-   messages. With the occurrences put back, the rendering must equal the real one. A template
-   that reads or rewrites content at those strings (Qwen3's splits an assistant's content at
-   "</think>") renders differently: then only the other roles' messages are marked (the model's
-   own turns are the ones templates take apart, untrusted text comes as user and tool turns),
-   and if that differs too nothing is changed for that history, with a warning.
-3. `encode`: in the whole text's encoding, each such occurrence is one added token. It becomes
-   the tokens of its text under the same tokenizer without added tokens (`_plain`). The tokens
-   around it stay as they were: an added token splits the text there anyway.
+How, only when some string of the history or the tools (keys too) holds an added token's text,
+or ends with the start of one or begins with the end of one (two characters or more: the
+template's text beside it could complete the token, as `<function=` + name + `>` does):
+1. `_marked`: the history and tools again, each such text replaced by a numbered private-use
+   sentinel (no template or tokenizer gives those characters a meaning; equal texts share a
+   number, so strings a template compares stay equal). Sentinel characters a string already
+   holds are sentinels too, in every string, put back as they were: text cannot forge or
+   spoil the marking.
+2. `spans`: that rendered; where the sentinels land are the texts that came from messages.
+   With them put back, the rendering must equal the real one. A template that reads or
+   rewrites text at those strings (Qwen3's splits an assistant's content at "</think>", its
+   multi-step check looks for a user turn starting with "<tool_response>") renders the marked
+   history otherwise: then the messages (and the tools) are marked one at a time, each kept
+   where the rendering still matches, and what cannot be marked stays as the template renders
+   it, with a warning (once).
+3. `encode`: in the whole text's encoding, each added token overlapping such a text becomes
+   the tokens of its text under the same tokenizer without added tokens (`_plain`, which also
+   adds no word-start prefix: a span is mid-text). The tokens around it stay as they were: an
+   added token splits the text there anyway.
 
 The offsets stay character offsets into the real rendering, so anchors map as before.
 """
@@ -30,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tokenizers
@@ -39,95 +45,65 @@ log = logging.getLogger("freetoken.chat")
 
 # Private use area: characters no template filter escapes (tojson keeps non-ASCII) or strips.
 _OPEN, _CLOSE = "\ue000", "\ue001"
-_SENTINEL = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
-# Fields that name, not say: a role or a content part's type is never message text.
-_NOT_TEXT = frozenset({"role", "type"})
-# The turns a template takes apart at control-token texts (module docstring, step 2).
-_OWN_TURNS = frozenset({"assistant"})
+_SENTINEL = re.compile(f"{_OPEN}(\\d{{1,7}}){_CLOSE}")
+_SENTINEL_CHARS = re.compile(f"[{_OPEN}{_CLOSE}]")
+_TOOLS = -1  # the tool definitions' unit, beside the messages' indexes
+# Units marked one at a time when marking all of them renders otherwise: each is a render.
+MAX_UNITS_ONE_BY_ONE = 32
+# Render = (template messages, tools) -> the text; may raise on what the marking changed.
+Render = Callable[[list[dict], Any], str]
 
 
 class LiteralSpecials:
-    """Added-token texts inside a history's messages, encoded as text (module docstring)."""
+    """Added-token texts inside a history's messages and tools, encoded as text (module
+    docstring)."""
 
     def __init__(self, backend: tokenizers.Tokenizer) -> None:
         self._backend = backend
         added = backend.get_added_tokens_decoder()  # {id: AddedToken}
         self._added_ids = frozenset(added)
         texts = sorted({t.content for t in added.values() if t.content}, key=len, reverse=True)
-        self._pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
-        # What `mark` replaces: those texts, and the sentinel characters themselves.
-        self._marked = re.compile("|".join(map(re.escape, [*texts, _OPEN, _CLOSE])))
+        self._texts = re.compile("|".join(map(re.escape, texts))) if texts else None
+        # What a marked string has replaced: those texts, and the sentinel characters.
+        self._in_marked = re.compile("|".join(map(re.escape, [*texts, _OPEN, _CLOSE])))
+        # A token's start ending a string, or its end beginning one (two characters or more).
+        self._starts = {t[:i] for t in texts for i in range(2, len(t))}
+        self._ends = {t[i:] for t in texts for i in range(1, len(t) - 1)}
+        self._longest = max(map(len, texts), default=0)
         self._plain_backend: tokenizers.Tokenizer | None = None
         self._warned = False
 
-    def held_by(self, messages: list[dict]) -> bool:
-        """Whether any string of the template messages holds an added token's text."""
-        if self._pattern is None:
-            return False
-        return any(self._pattern.search(s) for s in _strings(messages))
-
-    def mark(
-        self, messages: list[dict], skip_roles: frozenset[str] = frozenset()
-    ) -> tuple[list[dict], list[str]]:
-        """The messages (but those of `skip_roles`) with each added-token text, and each
-        sentinel character already there, replaced by a numbered sentinel; the texts, by the
-        sentinels' numbers."""
-        texts: list[str] = []
-
-        def sentinel(m: re.Match) -> str:
-            texts.append(m.group())
-            return f"{_OPEN}{len(texts) - 1}{_CLOSE}"
-
-        def marked(message: dict) -> dict:
-            if message.get("role") in skip_roles:
-                return message
-            return _map_strings(message, lambda s: self._marked.sub(sentinel, s))
-
-        return [marked(m) for m in messages], texts
+    def held_by(self, messages: list[dict], tools: Any = None) -> bool:
+        """Whether any string of the template messages or the tools holds control-token
+        text (a whole one, or a part at its start or end)."""
+        return self._texts is not None and any(map(self._holds, _strings([messages, tools])))
 
     def spans(
-        self, render: Callable[[list[dict]], str], messages: list[dict], full: str
+        self, render: Render, messages: list[dict], tools: Any, full: str
     ) -> list[tuple[int, int]]:
-        """[(start, end)] character spans of `full` (the real rendering of `messages`) that are
-        added-token texts written in messages; [] when the template renders the marked history
-        differently whichever turns are marked (then none can be told apart: a warning, once)."""
-        for skip in (frozenset(), _OWN_TURNS):
-            found = self._spans_when_marked(render, messages, full, skip)
-            if found is not None:
-                return found
+        """[(start, end)] character spans of `full` (the real rendering of `messages` and
+        `tools`) that are control-token text written in them; the units the template renders
+        otherwise when marked are left out (a warning, once)."""
+        units = [i for i, m in enumerate(messages) if self.held_by([m])]
+        if tools is not None and self.held_by([], tools):
+            units.append(_TOOLS)
+        found = self._spans_marking(render, messages, tools, full, set(units))
+        if found is not None:
+            return found
+        kept: set[int] = set()
+        for unit in units[:MAX_UNITS_ONE_BY_ONE]:
+            spans = self._spans_marking(render, messages, tools, full, kept | {unit})
+            if spans is not None:
+                kept.add(unit)
+                found = spans
         if not self._warned:
             self._warned = True
             log.warning(
-                "the chat template renders message text holding control-token strings "
-                "differently from other text: those strings stay control tokens in this history"
-            )
-        return []
-
-    def _spans_when_marked(
-        self,
-        render: Callable[[list[dict]], str],
-        messages: list[dict],
-        full: str,
-        skip_roles: frozenset[str],
-    ) -> list[tuple[int, int]] | None:
-        """`spans` with the messages of `skip_roles` left unmarked; None when the rendering
-        with the texts put back is not `full`."""
-        marked, texts = self.mark(messages, skip_roles)
-        rendered = render(marked)
-        pieces, spans, at, cursor = [], [], 0, 0
-        for m in _SENTINEL.finditer(rendered):
-            k = int(m.group(1))
-            if k >= len(texts):  # a template cannot invent one; never index past the list
-                return None
-            pieces.append(rendered[cursor : m.start()])
-            at += m.start() - cursor
-            if texts[k] not in (_OPEN, _CLOSE):  # a sentinel character put back is no span
-                spans.append((at, at + len(texts[k])))
-            pieces.append(texts[k])
-            at += len(texts[k])
-            cursor = m.end()
-        pieces.append(rendered[cursor:])
-        return spans if "".join(pieces) == full else None
+                "the chat template renders text holding control-token strings differently "
+                "from other text: in %d of %d messages or tool lists they stay control tokens",
+                len(units) - len(kept), len(units),
+            )  # fmt: skip
+        return found or []
 
     def encode(
         self,
@@ -137,55 +113,147 @@ class LiteralSpecials:
         spans: list[tuple[int, int]],
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """`ids` [T] and `offsets` [T] (the whole text's encoding) with each added token that
-        covers a span replaced by the text tokens of what it covers."""
+        overlaps a span replaced by the text tokens of its characters."""
         if not spans:
             return ids, offsets
         out_ids: list[int] = []
         out_offsets: list[tuple[int, int]] = []
-        spans_left = sorted(spans)
+        spans = sorted(spans)
         i = 0
         for token, (start, end) in zip(ids, offsets, strict=True):
-            while i < len(spans_left) and spans_left[i][1] <= start:
+            while i < len(spans) and spans[i][1] <= start:
                 i += 1  # spans behind this token
-            covers = i < len(spans_left) and start <= spans_left[i][0] < end
-            if not (covers and token in self._added_ids):
+            overlaps = i < len(spans) and spans[i][0] < end
+            if not (overlaps and token in self._added_ids):
                 out_ids.append(token)
                 out_offsets.append((start, end))
                 continue
-            # The added token's whole span: one with lstrip/rstrip also holds the spaces it ate.
+            # The added token's whole span: the template's characters it took (the `>` after a
+            # name ending "<|im_end|"), and the spaces an lstrip/rstrip token ate, are text too.
             plain = self._plain().encode(text[start:end], add_special_tokens=False)
             out_ids += plain.ids
             out_offsets += [(start + a, start + b) for a, b in plain.offsets]
         return out_ids, out_offsets
 
+    def _holds(self, s: str) -> bool:
+        assert self._texts is not None
+        if self._texts.search(s):
+            return True
+        reach = min(len(s), self._longest - 1)
+        return any(s[-i:] in self._starts or s[:i] in self._ends for i in range(2, reach + 1))
+
+    def _spans_marking(
+        self, render: Render, messages: list[dict], tools: Any, full: str, units: set[int]
+    ) -> list[tuple[int, int]] | None:
+        """`spans` with the control-token text of `units` marked; None when the rendering,
+        texts put back, is not `full` (or the template refused the marked text)."""
+        numbers: dict[tuple[str, bool], int] = {}  # (text, literal) -> its sentinel's number
+
+        def sentinel(text: str, literal: bool) -> str:
+            return f"{_OPEN}{numbers.setdefault((text, literal), len(numbers))}{_CLOSE}"
+
+        def marked(value: Any, literal: bool) -> Any:
+            change = self._literal_string if literal else _escaped_string
+            return _map_strings(value, lambda s: change(s, sentinel))
+
+        marked_messages = [marked(m, i in units) for i, m in enumerate(messages)]
+        marked_tools = marked(tools, _TOOLS in units)
+        try:
+            rendered = render(marked_messages, marked_tools)
+        except Exception:  # noqa: BLE001 - the real text rendered: the marking changed it
+            return None
+        texts = {k: key for key, k in numbers.items()}
+        pieces, spans, at, cursor = [], [], 0, 0
+        for m in _SENTINEL.finditer(rendered):
+            text, literal = texts.get(int(m.group(1)), (None, False))
+            if text is None:  # a template cannot invent one; never look past the table
+                return None
+            pieces.append(rendered[cursor : m.start()])
+            at += m.start() - cursor
+            if literal:  # not a sentinel character put back
+                spans.append((at, at + len(text)))
+            pieces.append(text)
+            at += len(text)
+            cursor = m.end()
+        pieces.append(rendered[cursor:])
+        return spans if "".join(pieces) == full else None
+
+    def _literal_string(self, s: str, sentinel: Callable[[str, bool], str]) -> str:
+        """`s` with its control-token text (whole tokens, a token's start ending it, a token's
+        end beginning it) and its sentinel characters replaced by sentinels."""
+        s = self._in_marked.sub(lambda m: sentinel(m.group(), m.group() not in (_OPEN, _CLOSE)), s)
+        for i in range(min(len(s), self._longest - 1), 1, -1):  # the longest part first
+            if s[:i] in self._ends:
+                s = sentinel(s[:i], True) + s[i:]
+                break
+        for i in range(min(len(s), self._longest - 1), 1, -1):
+            if s[-i:] in self._starts:
+                s = s[:-i] + sentinel(s[-i:], True)
+                break
+        return s
+
     def _plain(self) -> tokenizers.Tokenizer:
-        """The tokenizer without its added tokens: text in, text tokens out (built once)."""
+        """The tokenizer without its added tokens and without a word-start prefix: text in,
+        text tokens out (built once)."""
         if self._plain_backend is None:
             spec = json.loads(self._backend.to_str())
             spec["added_tokens"] = []
+            spec["normalizer"] = _without_prepend(spec.get("normalizer"))
+            _no_prefix_space(spec.get("pre_tokenizer"))
             self._plain_backend = tokenizers.Tokenizer.from_str(json.dumps(spec))
         return self._plain_backend
 
 
-def _strings(value: Any):
-    """Every string value of JSON-like data (keys and _NOT_TEXT fields aside), iteratively."""
+def _escaped_string(s: str, sentinel: Callable[[str, bool], str]) -> str:
+    """`s` with only its sentinel characters replaced (a unit left unmarked)."""
+    return _SENTINEL_CHARS.sub(lambda m: sentinel(m.group(), False), s)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string of JSON-like data, dict keys included, iteratively."""
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
             yield item
         elif isinstance(item, dict):
-            stack += [v for k, v in item.items() if k not in _NOT_TEXT]
+            stack += [*item.keys(), *item.values()]
         elif isinstance(item, (list, tuple)):
             stack += item
 
 
 def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
-    """A copy of JSON-like data with `change` applied to each string value (as `_strings`)."""
+    """A copy of JSON-like data with `change` applied to each string (dict keys too)."""
     if isinstance(value, str):
         return change(value)
     if isinstance(value, dict):
-        return {k: v if k in _NOT_TEXT else _map_strings(v, change) for k, v in value.items()}
+        return {
+            (change(k) if isinstance(k, str) else k): _map_strings(v, change)
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         return type(value)(_map_strings(v, change) for v in value)
     return value
+
+
+def _without_prepend(normalizer: dict | None) -> dict | None:
+    """A normalizer spec without its Prepend steps (older SentencePiece tokenizers prepend
+    the word-start mark to every text they are given)."""
+    if normalizer is None or normalizer.get("type") == "Prepend":
+        return None
+    if normalizer.get("type") == "Sequence":
+        steps = [n for n in normalizer["normalizers"] if n.get("type") != "Prepend"]
+        return {**normalizer, "normalizers": steps}
+    return normalizer
+
+
+def _no_prefix_space(pre_tokenizer: dict | None) -> None:
+    """No word-start prefix from a Metaspace or ByteLevel pre-tokenizer (in a Sequence too)."""
+    if pre_tokenizer is None:
+        return
+    for step in pre_tokenizer.get("pretokenizers", [pre_tokenizer]):
+        if step.get("type") == "Metaspace":
+            step["prepend_scheme"] = "never"
+            step.pop("add_prefix_space", None)
+        elif step.get("type") == "ByteLevel":
+            step["add_prefix_space"] = False
