@@ -96,48 +96,58 @@ class SamplingParams:
         if _is_int(self.stop_token_ids):
             self.stop_token_ids = [self.stop_token_ids]
         problems: list[tuple[str, str]] = []  # (field, what is wrong with it)
+
+        def refuse(field: str, text: str) -> None:
+            problems.append((field, text))
+
         # bool is an int to Python: max_tokens=True must not mean 1.
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            problems.append(
-                ("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-            )
+            refuse("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
-            problems.append(("temperature", "temperature must be a finite number >= 0, got "
-                             f"{self.temperature!r}"))  # fmt: skip
-        if not _is_int(self.top_k) or self.top_k < 0:
-            problems.append(
-                ("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            refuse(
+                "temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}"
             )
+        if not _is_int(self.top_k) or self.top_k < 0:
+            refuse("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            problems.append(("top_p", f"top_p must be in (0, 1], got {self.top_p!r}"))
+            refuse("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         # The range torch.Generator.manual_seed takes: anything else failed inside the step,
         # and with it every request batched beside this one.
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed < SEED_END):
-            seed = f"seed must be an integer in [{SEED_MIN}, {SEED_END}) or None"
-            problems.append(("seed", f"{seed}, got {self.seed!r}"))
+            refuse(
+                "seed",
+                f"seed must be an integer in [{SEED_MIN}, {SEED_END}) or None, got {self.seed!r}",
+            )
         if not isinstance(self.stop, (list, tuple)) or any(
             not isinstance(s, str) or not s for s in self.stop
         ):
-            problems.append(
-                (
-                    "stop",
-                    f"stop must be a string or a list of non-empty strings, got {self.stop!r:.80}",
-                )
+            refuse(
+                "stop",
+                f"stop must be a string or a list of non-empty strings, got {self.stop!r:.80}",
             )
         elif len(self.stop) > MAX_STOP_STRINGS:
-            problems.append(("stop", f"stop holds {len(self.stop)} strings; at most "
-                             f"{MAX_STOP_STRINGS} are allowed (OpenAI allows 4)"))  # fmt: skip
+            refuse(
+                "stop",
+                f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed "
+                "(OpenAI allows 4)",
+            )
         elif any(len(s) > MAX_STOP_CHARS for s in self.stop):
             i, long = next((i, s) for i, s in enumerate(self.stop) if len(s) > MAX_STOP_CHARS)
-            problems.append(("stop", f"stop[{i}] has {len(long)} characters; a stop string may "
-                             f"have at most {MAX_STOP_CHARS}"))  # fmt: skip
+            refuse(
+                "stop",
+                f"stop[{i}] has {len(long)} characters; a stop string may have at most "
+                f"{MAX_STOP_CHARS}",
+            )
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
             not _is_int(t) or t < 0 for t in self.stop_token_ids
         ):
-            problems.append(("stop_token_ids", "stop_token_ids must be a list of token ids "
-                             f"(integers >= 0), got {self.stop_token_ids!r:.80}"))  # fmt: skip
+            refuse(
+                "stop_token_ids",
+                "stop_token_ids must be a list of token ids (integers >= 0), "
+                f"got {self.stop_token_ids!r:.80}",
+            )
         if not isinstance(self.ignore_eos, bool):
-            problems.append(("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}"))
+            refuse("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         problems += self._structured_output_problems()
         if problems:
             raise SamplingParamsError(problems)
@@ -149,12 +159,8 @@ class SamplingParams:
             except ValueError as e:
                 return [("response_format", str(e))]
             if schema is not None and self.json_schema is not None and schema != self.json_schema:
-                return [
-                    (
-                        "response_format",
-                        "json_schema and response_format disagree: give one of them",
-                    )
-                ]
+                disagree = "json_schema and response_format disagree: give one of them"
+                return [("response_format", disagree)]
             if schema is not None:
                 self.json_schema = schema
         if self.grammar is not None:
