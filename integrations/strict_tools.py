@@ -25,8 +25,10 @@ llama.cpp with its lazy grammars):
 - Strict tools' calls keep to their schemas (closed, as in strict mode); other tools' calls
   must still name the tool and give an object (OpenAI does not check them either).
 
-Hermes-format models only (Qwen2.5/Qwen3 and the templates that write these blocks); the XML
-calls of Qwen3-Coder/Qwen3.5 and Mistral's [TOOL_CALLS] lists are not constrained here.
+Hermes-format models (Qwen2.5/Qwen3 and the templates that write these blocks) get this
+grammar; models that write the XML calls of Qwen3-Coder/Qwen3.5 get the same free text around
+calls written as their template writes them (strict_tools_xml.py). Mistral's [TOOL_CALLS]
+lists are not constrained.
 """
 
 from __future__ import annotations
@@ -66,11 +68,17 @@ def call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
 
 def strict_grammar(engine: Any, tools: Sequence[Mapping[str, Any]]) -> str | None:
     """The grammar of `tools` for `engine` (an Engine, EngineService or the server's bridge:
-    its tokenizer, spec and chat template), or None when its model does not write Hermes
-    calls (their calls stay unconstrained)."""
-    if engine.tokenizer is None or engine_tool_format(engine) != "hermes":
-        return None
-    return strict_calls_grammar(tools, engine.tokenizer)
+    its tokenizer, spec and chat template), or None when its model writes neither Hermes nor
+    XML calls (their calls stay unconstrained)."""
+    # Imported here: strict_tools_xml builds on this module (call_frame, is_strict).
+    from freetoken_agent.integrations.strict_tools_xml import xml_calls_grammar
+
+    tool_format = engine_tool_format(engine) if engine.tokenizer is not None else None
+    if tool_format == "hermes":
+        return strict_calls_grammar(tools, engine.tokenizer)
+    if tool_format == "qwen3_coder":
+        return xml_calls_grammar(tools, engine.tokenizer)
+    return None
 
 
 def strict_calls_grammar(tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> str:
@@ -79,6 +87,14 @@ def strict_calls_grammar(tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> 
     schemas = [call_schema(t) for t in tools]
     calls = dict(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
     calls["x-guidance"] = JSON_OPTIONS  # the separators json.dumps writes, as elsewhere
+    head, open_mark, close_mark = call_frame(tokenizer)
+    call = f'call: {open_mark} "\\n" %json {json.dumps(calls)} "\\n" {close_mark}'
+    return "\n".join([*head, call])
+
+
+def call_frame(tokenizer: Any) -> tuple[list[str], str, str]:
+    """What every call format shares: the grammar's first rules (`start`, `free`, `TEXT`; a
+    `call` rule must follow) and the marks of the opener and the closer."""
     added = sorted(tokenizer.backend.get_added_tokens_decoder())  # ids of the added tokens
     opener, closer = tokenizer.token_to_id(OPENER), tokenizer.token_to_id(CLOSER)
     if opener is not None and opener in added and closer is not None:
@@ -87,20 +103,18 @@ def strict_calls_grammar(tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> 
         open_mark, close_mark = json.dumps(OPENER), json.dumps(CLOSER)
     others = [i for i in added if i != opener]
     free = f"TEXT? (<[{','.join(map(str, others))}]> TEXT?)*" if others else "TEXT?"
-    return "\n".join(
-        [
-            "start: free (call free)*",
-            f"free: {free}",
-            f"TEXT: /(?s:.+)/ & ~/(?s:.*){_regex_literal(OPENER)}(?s:.*)/",
-            f'call: {open_mark} "\\n" %json {json.dumps(calls)} "\\n" {close_mark}',
-        ]
-    )
+    head = [
+        "start: free (call free)*",
+        f"free: {free}",
+        f"TEXT: /(?s:.+)/ & ~/(?s:.*){regex_literal(OPENER)}(?s:.*)/",
+    ]
+    return head, open_mark, close_mark
 
 
 REGEX_META = set("\\.+*?()|[]{}^$#&-~/")  # escaped in a /.../ regex (the slash ends it)
 
 
-def _regex_literal(text: str) -> str:
+def regex_literal(text: str) -> str:
     """`text` as a regex matching itself, inside /.../. Only metacharacters are escaped:
     Rust's regex (llguidance's) reads some escaped signs as assertions (\\< is a word start)."""
     return "".join("\\" + c if c in REGEX_META else c for c in text)

@@ -44,7 +44,7 @@ FUNCTION = "<function="
 FUNCTION_END = "</function>"
 PARAMETER = "<parameter="
 PARAMETER_END = "</parameter>"
-_VALUE_ENDS = (PARAMETER_END, "\n" + PARAMETER, "\n" + FUNCTION_END, "\n" + CLOSE)
+VALUE_ENDS = (PARAMETER_END, "\n" + PARAMETER, "\n" + FUNCTION_END, "\n" + CLOSE)
 _MAX_NAME = 256  # a longer "name" is prose, not a tag
 
 _PRE_FUNCTION = 0
@@ -166,9 +166,9 @@ class _CoderCall:
 
     def _read_value(self, out: list[Event]) -> int | None:
         body = self._body
-        q, tag = find_first(body, _VALUE_ENDS, self._search_from)
+        q, tag = find_first(body, VALUE_ENDS, self._search_from)
         if q < 0:
-            longest = max(len(t) for t in _VALUE_ENDS)
+            longest = max(len(t) for t in VALUE_ENDS)
             self._search_from = max(self._search_from, len(body) - longest + 1)
             return None
         text = body[self._p : q]

@@ -33,7 +33,8 @@ def parameter_schemas(tools: list[dict] | None) -> dict[str, dict[str, dict]]:
     return schemas
 
 
-def _declared_types(schema: dict) -> list[str]:
+def declared_types(schema: dict) -> list[str]:
+    """The JSON types `schema` declares: its `type`, else its anyOf/oneOf options' types."""
     kind = schema.get("type")
     if isinstance(kind, str):
         return [kind]
@@ -43,13 +44,13 @@ def _declared_types(schema: dict) -> list[str]:
     for key in ("anyOf", "oneOf"):
         for option in schema.get(key) or []:
             if isinstance(option, dict):
-                types += _declared_types(option)
+                types += declared_types(option)
     return types
 
 
 def convert_value(text: str, schema: dict | None) -> Any:
     """The value of a parameter written as `text`, typed by its schema (a string without one)."""
-    types = _declared_types(schema) if schema else []
+    types = declared_types(schema) if schema else []
     stripped = text.strip()
     if "null" in types and stripped == "null":
         return None

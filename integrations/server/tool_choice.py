@@ -20,8 +20,9 @@
   With "none" the response_format alone constrains the output; with a forced call it is refused.
 - "auto" with a tool marked `strict: true` (the OpenAI Agents SDK's function tools are), no
   response_format: text stays free, and every call the model writes keeps to a known tool and
-  a strict tool's arguments to its schema (integrations/strict_tools.py). Hermes-format models
-  only; others' calls are read unconstrained, as vLLM reads them.
+  a strict tool's arguments to its schema (integrations/strict_tools.py). Models that write
+  Hermes or XML (Qwen3-Coder, Qwen3.5) calls only; others' calls are read unconstrained, as
+  vLLM reads them.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def turn_sampling(
     choice: ToolChoice, tools: list[dict] | None, engine: Any, sampling: SamplingParams
 ) -> SamplingParams:
     """`sampling` with the strict tools' grammar when this turn takes one: tool_choice auto, a
-    strict tool among `tools`, no other constraint, and a Hermes-format model."""
+    strict tool among `tools`, no other constraint, and a model writing Hermes or XML calls."""
     if choice.mode != "auto" or not any_strict(tools) or sampling.constraint is not None:
         return sampling
     grammar = strict_grammar(engine, tools or [])
