@@ -207,8 +207,8 @@ class ChatFreeToken(BaseChatModel):
         "none", "any"/"required"/True (one call of some tool) or a tool name / dict (a call of
         that tool); forced calls are constrained to the tool's argument schema. `strict=True`
         (as ChatOpenAI takes it) marks the tools strict: under "auto" the calls the model
-        writes keep to their schemas too (integrations/strict_tools.py; Hermes- and
-        XML-format models)."""
+        writes keep to their schemas too (integrations/strict_tools.py; Hermes-, XML- and
+        Mistral-format models)."""
         specs = [convert_to_openai_tool(t, strict=strict) for t in tools]
         if strict is not None:  # a tool already in OpenAI form comes back unmarked
             specs = [{**t, "function": {**t["function"], "strict": strict}} for t in specs]

@@ -27,8 +27,10 @@ llama.cpp with its lazy grammars):
 
 Hermes-format models (Qwen2.5/Qwen3 and the templates that write these blocks) get this
 grammar; models that write the XML calls of Qwen3-Coder/Qwen3.5 get the same free text around
-calls written as their template writes them (strict_tools_xml.py). Mistral's [TOOL_CALLS]
-lists are not constrained.
+calls written as their template writes them (strict_tools_xml.py), and so do Mistral-format
+models (Mixtral, Mistral; strict_tools_mistral.py): one `[TOOL_CALLS] [...]` list of calls
+(v3 tokenizers), or `[TOOL_CALLS]name[ARGS]{...}` calls where the tokenizer has `[ARGS]` or
+the template writes it (v11 and later).
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ def call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
 
 def strict_grammar(engine: Any, tools: Sequence[Mapping[str, Any]]) -> str | None:
     """The grammar of `tools` for `engine` (an Engine, EngineService or the server's bridge:
-    its tokenizer, spec and chat template), or None when its model writes neither Hermes nor
-    XML calls (their calls stay unconstrained)."""
-    # Imported here: strict_tools_xml builds on this module (call_frame, is_strict).
+    its tokenizer, spec and chat template), or None when its model writes none of the Hermes,
+    XML and Mistral calls (or has no tokenizer): its calls stay unconstrained."""
+    # Imported here: strict_tools_xml and strict_tools_mistral build on this module.
+    from freetoken_agent.integrations.strict_tools_mistral import mistral_calls_grammar
     from freetoken_agent.integrations.strict_tools_xml import xml_calls_grammar
 
     tool_format = engine_tool_format(engine) if engine.tokenizer is not None else None
@@ -78,6 +81,8 @@ def strict_grammar(engine: Any, tools: Sequence[Mapping[str, Any]]) -> str | Non
         return strict_calls_grammar(tools, engine.tokenizer)
     if tool_format == "qwen3_coder":
         return xml_calls_grammar(tools, engine.tokenizer)
+    if tool_format == "mistral":
+        return mistral_calls_grammar(tools, engine.tokenizer)
     return None
 
 
@@ -92,21 +97,26 @@ def strict_calls_grammar(tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> 
     return "\n".join([*head, call])
 
 
-def call_frame(tokenizer: Any) -> tuple[list[str], str, str]:
+def call_frame(
+    tokenizer: Any, opener: str = OPENER, closer: str | None = CLOSER, calls: str = "(call free)*"
+) -> tuple[list[str], str, str]:
     """What every call format shares: the grammar's first rules (`start`, `free`, `TEXT`; a
-    `call` rule must follow) and the marks of the opener and the closer."""
+    `call` rule must follow where `calls` names it) and the marks of the opener and the closer
+    ("" where a format has none). `calls`: what follows the first free text (by default, any
+    number of calls, each followed by free text)."""
     added = sorted(tokenizer.backend.get_added_tokens_decoder())  # ids of the added tokens
-    opener, closer = tokenizer.token_to_id(OPENER), tokenizer.token_to_id(CLOSER)
-    if opener is not None and opener in added and closer is not None:
-        open_mark, close_mark = f"<[{opener}]>", f"<[{closer}]>"
+    open_id = tokenizer.token_to_id(opener)
+    close_id = tokenizer.token_to_id(closer) if closer else None
+    if open_id is not None and open_id in added and (close_id is not None or not closer):
+        open_mark, close_mark = f"<[{open_id}]>", f"<[{close_id}]>" if closer else ""
     else:
-        open_mark, close_mark = json.dumps(OPENER), json.dumps(CLOSER)
-    others = [i for i in added if i != opener]
+        open_mark, close_mark = json.dumps(opener), json.dumps(closer) if closer else ""
+    others = [i for i in added if i != open_id]
     free = f"TEXT? (<[{','.join(map(str, others))}]> TEXT?)*" if others else "TEXT?"
     head = [
-        "start: free (call free)*",
+        "start: free" + (f" {calls}" if calls else ""),
         f"free: {free}",
-        f"TEXT: /(?s:.+)/ & ~/(?s:.*){regex_literal(OPENER)}(?s:.*)/",
+        f"TEXT: /(?s:.+)/ & ~/(?s:.*){regex_literal(opener)}(?s:.*)/",
     ]
     return head, open_mark, close_mark
 

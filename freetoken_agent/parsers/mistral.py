@@ -34,9 +34,9 @@ from freetoken_agent.parsers.tool_parser import CallNumbering, ToolCallParser
 OPEN = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
-_NAME = re.compile(r"[\w.\-:/]*")
+NAME = re.compile(r"[\w.\-:/]*")
 _ID = re.compile(r"[A-Za-z0-9_\-]*")
-_MAX_NAME = 256  # a longer "name" is prose, not a call
+MAX_NAME = 256  # a longer "name" is prose, not a call
 
 _PRE = 0  # after [TOOL_CALLS]: a JSON list/object or a name follows
 _LIST = 1
@@ -122,11 +122,11 @@ class _MistralCalls:
 
     def _read_name(self, out: list[Event]) -> int | None:
         body, p = self._body, self._p
-        q = (_NAME if self._state == _FN_NAME else _ID).match(body, p).end()
-        if q - p > _MAX_NAME:
+        q = (NAME if self._state == _FN_NAME else _ID).match(body, p).end()
+        if q - p > MAX_NAME:
             # Cut at a fixed length: cutting at q, the end of the text so far, made the raw text
             # depend on where the chunks ended (found by fuzzing).
-            return self._reject("tool call name is too long", p + _MAX_NAME + 1, out)
+            return self._reject("tool call name is too long", p + MAX_NAME + 1, out)
         if q == len(body):
             return None
         for tag in (ARGS, CALL_ID):

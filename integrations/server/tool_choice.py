@@ -21,8 +21,8 @@
 - "auto" with a tool marked `strict: true` (the OpenAI Agents SDK's function tools are), no
   response_format: text stays free, and every call the model writes keeps to a known tool and
   a strict tool's arguments to its schema (integrations/strict_tools.py). Models that write
-  Hermes or XML (Qwen3-Coder, Qwen3.5) calls only; others' calls are read unconstrained, as
-  vLLM reads them.
+  Hermes, XML (Qwen3-Coder, Qwen3.5) or Mistral (`[TOOL_CALLS]`: the list, or name and
+  `[ARGS]` for v11+ tokenizers) calls; a model of no known format is read unconstrained.
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ def turn_sampling(
     choice: ToolChoice, tools: list[dict] | None, engine: Any, sampling: SamplingParams
 ) -> SamplingParams:
     """`sampling` with the strict tools' grammar when this turn takes one: tool_choice auto, a
-    strict tool among `tools`, no other constraint, and a model writing Hermes or XML calls."""
+    strict tool among `tools`, no other constraint, and a model writing Hermes, XML or Mistral
+    calls."""
     if choice.mode != "auto" or not any_strict(tools) or sampling.constraint is not None:
         return sampling
     grammar = strict_grammar(engine, tools or [])

@@ -27,6 +27,7 @@ from freetoken_agent.engine.sampling_params import Constraint
 from freetoken_agent.engine.text.chat_template import ChatTemplate
 from freetoken_agent.integrations.constrained_output import closed
 from freetoken_agent.integrations.strict_tools import strict_calls_grammar, strict_grammar
+from freetoken_agent.integrations.strict_tools_mistral import mistral_calls_grammar
 from freetoken_agent.integrations.strict_tools_xml import xml_calls_grammar
 from freetoken_agent.parsers import OutputParser, ToolCallEnd
 from freetoken_agent.parsers.qwen3_coder import VALUE_ENDS
@@ -296,7 +297,8 @@ class _Sources:
 
 def test_strict_grammar_follows_the_models_tool_format(engine, rng_seed):
     """XML-format models (a Qwen3.5 template, whatever the architecture says) get the XML
-    grammar, Hermes-format ones the Hermes grammar as before, Mistral-format ones none."""
+    grammar, Hermes-format ones the Hermes grammar as before, Mistral-format ones the Mistral
+    grammar (test_strict_tools_mistral.py)."""
     rng = random.Random(rng_seed)
     tools = _tools(rng)
 
@@ -311,7 +313,8 @@ def test_strict_grammar_follows_the_models_tool_format(engine, rng_seed):
     hermes = strict_calls_grammar(tools, engine.tokenizer)
     assert strict_grammar(model("qwen3_moe", {}), tools) == hermes != xml
     assert strict_grammar(engine, tools) == hermes  # the demo model's Hermes template
-    assert strict_grammar(model("mixtral", {}), tools) is None
+    mistral = mistral_calls_grammar(tools, engine.tokenizer)
+    assert strict_grammar(model("mixtral", {}), tools) == mistral != hermes
     assert strict_grammar(model("qwen3_5_moe", {}, None), tools) is None
 
 
