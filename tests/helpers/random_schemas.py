@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import string
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 
@@ -66,3 +66,23 @@ def random_instance(
     if kind == "integer":
         return rng.randint(schema["minimum"], schema["maximum"])
     return rng.choice([True, False])
+
+
+def random_tools(rng: random.Random, parameters: Callable[[random.Random], dict]) -> list[dict]:
+    """1-3 OpenAI function tools with distinct random names and `parameters(rng)` each; at least
+    one strict, the others strict half the time."""
+    names: list[str] = []
+    while len(names) < rng.randint(1, 3):
+        names.append(random_name(rng, names))
+    strict = rng.randrange(len(names))
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "parameters": parameters(rng),
+                "strict": i == strict or rng.random() < 0.5,
+            },
+        }
+        for i, name in enumerate(names)
+    ]

@@ -11,7 +11,7 @@ import string
 
 import jsonschema
 import pytest
-from random_schemas import random_instance, random_name, random_object_schema
+from random_schemas import random_instance, random_name, random_object_schema, random_tools
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.demo_model import ensure_demo_model
@@ -30,21 +30,7 @@ def engine(tmp_path_factory):
 
 
 def _tools(rng: random.Random) -> list[dict]:
-    names: list[str] = []
-    while len(names) < rng.randint(1, 3):
-        names.append(random_name(rng, names))
-    strict = rng.randrange(len(names))  # at least one strict tool
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": name,
-                "parameters": random_object_schema(rng, ("name", "arguments")),
-                "strict": i == strict or rng.random() < 0.5,
-            },
-        }
-        for i, name in enumerate(names)
-    ]
+    return random_tools(rng, lambda r: random_object_schema(r, ("name", "arguments")))
 
 
 def _call(rng: random.Random, tool: dict) -> str:

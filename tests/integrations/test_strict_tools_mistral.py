@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from mistral_tokenizer import CONFIG, mistral_v3_backend
-from random_schemas import random_instance, random_name, random_object_schema
+from random_schemas import random_instance, random_name, random_object_schema, random_tools
 from tokenizers import AddedToken
 
 from freetoken_agent.demo_model import ensure_demo_model
@@ -98,21 +98,7 @@ def _parameters(rng: random.Random) -> dict:
 
 
 def _tools(rng: random.Random) -> list[dict]:
-    names: list[str] = []
-    while len(names) < rng.randint(1, 3):
-        names.append(random_name(rng, names))
-    strict = rng.randrange(len(names))  # at least one strict tool
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": name,
-                "parameters": _parameters(rng),
-                "strict": i == strict or rng.random() < 0.5,
-            },
-        }
-        for i, name in enumerate(names)
-    ]
+    return random_tools(rng, _parameters)
 
 
 def _call_id(rng: random.Random) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from random_schemas import random_name
+from random_schemas import random_name, random_tools
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.demo_model import ensure_demo_model
@@ -129,21 +129,7 @@ def _value(rng: random.Random, schema: dict, specials: list[str]) -> Any:
 
 
 def _tools(rng: random.Random, bounded: bool = False) -> list[dict]:
-    names: list[str] = []
-    while len(names) < rng.randint(1, 3):
-        names.append(random_name(rng, names))
-    strict = rng.randrange(len(names))  # at least one strict tool
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": name,
-                "parameters": _object(rng, 0, bounded),
-                "strict": i == strict or rng.random() < 0.5,
-            },
-        }
-        for i, name in enumerate(names)
-    ]
+    return random_tools(rng, lambda r: _object(r, 0, bounded))
 
 
 def _tool_call(name: str, args: dict) -> dict:
