@@ -11,6 +11,7 @@ import string
 
 import jsonschema
 import pytest
+from opener_push import OpenerPush
 from random_schemas import random_instance, random_name, random_object_schema, random_tools
 
 from freetoken_agent import Engine, SamplingParams
@@ -107,17 +108,7 @@ def test_the_engine_writes_a_valid_call_once_the_opener_comes(engine, rng_seed, 
     for t in tools:
         t["function"]["strict"] = True
     opener = engine.tokenizer.token_to_id("<tool_call>")
-    push_at = rng.randrange(0, 4)
-    real_sample = runner_module.sample
-    count = {"step": 0}
-
-    def pushed(logits, params, generators, allowed=None):
-        if count["step"] == push_at:
-            logits[:, opener] += 1e4
-        count["step"] += 1
-        return real_sample(logits, params, generators, allowed)
-
-    monkeypatch.setattr(runner_module, "sample", pushed)
+    push = OpenerPush(monkeypatch, runner_module, opener, rng.randrange(0, 4))
     grammar = strict_calls_grammar(tools, engine.tokenizer)
     seed = rng.getrandbits(31)
     prompt = engine.tokenizer.encode(" ".join(random_name(rng) for _ in range(6)))
@@ -130,7 +121,7 @@ def test_the_engine_writes_a_valid_call_once_the_opener_comes(engine, rng_seed, 
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     for end in ends:
         jsonschema.validate(end.arguments, by_name[end.name])
-    count["step"] = 0
+    push.reset()
     free = engine.generate(prompt, SamplingParams(max_tokens=400, temperature=1.0, seed=seed))
     parser = HermesParser()
     assert not [e for e in parser.feed(free.text) + parser.finish() if isinstance(e, ToolCallEnd)]

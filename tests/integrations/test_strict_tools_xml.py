@@ -17,6 +17,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from opener_push import OpenerPush
 from random_schemas import random_name, random_tools
 
 from freetoken_agent import Engine, SamplingParams
@@ -315,21 +316,7 @@ def test_the_engine_writes_valid_xml_calls_once_the_opener_comes(engine, rng_see
     for t in tools:
         t["function"]["strict"] = True
     opener = engine.tokenizer.token_to_id("<tool_call>")
-    push_at = rng.randrange(0, 4)
-    real_sample = runner_module.sample
-    count = {"step": 0, "opened": False}
-
-    def pushed(logits, params, generators, allowed=None):
-        # From the drawn step on until the opener comes: the grammar refuses it inside a
-        # character (a byte-level token may end halfway through one).
-        if count["step"] >= push_at and not count["opened"]:
-            logits[:, opener] += 1e4
-        count["step"] += 1
-        sampled = real_sample(logits, params, generators, allowed)
-        count["opened"] |= opener in sampled.tokens.tolist()
-        return sampled
-
-    monkeypatch.setattr(runner_module, "sample", pushed)
+    push = OpenerPush(monkeypatch, runner_module, opener, rng.randrange(0, 4))
     grammar = xml_calls_grammar(tools, engine.tokenizer)
     seed = rng.getrandbits(31)
     prompt = engine.tokenizer.encode(" ".join(random_name(rng) for _ in range(6)))
@@ -340,6 +327,6 @@ def test_the_engine_writes_valid_xml_calls_once_the_opener_comes(engine, rng_see
     schemas = {t["function"]["name"]: closed(t["function"]["parameters"]) for t in tools}
     for name, arguments in calls:
         jsonschema.validate(arguments, schemas[name])
-    count.update(step=0, opened=False)
+    push.reset()
     free = engine.generate(prompt, SamplingParams(max_tokens=400, temperature=1.0, seed=seed))
     assert not _parsed(tools, free.text, False), free.text
