@@ -15,7 +15,7 @@ from freetoken_agent.engine.outputs import (
     InvalidRequestError,
     TokenEvent,
 )
-from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.engine.sampling_params import SamplingParams, SamplingParamsError
 from freetoken_agent.hooks import ToolHooks, ToolRun
 from freetoken_agent.messages import (
     AssistantMessage,
@@ -42,6 +42,7 @@ __all__ = [
     "Message",
     "Prompt",
     "SamplingParams",
+    "SamplingParamsError",
     "Session",
     "SystemMessage",
     "TextDelta",

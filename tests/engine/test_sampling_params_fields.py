@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+import freetoken_agent
 from freetoken_agent.engine.sampling_params import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -53,6 +54,7 @@ def test_each_problem_names_its_field(rng_seed):
         for field, text in error.problems:
             assert field in text, (field, text)  # each text is about its field
         assert isinstance(error, ValueError)  # callers catching ValueError still catch it
+        assert isinstance(error, freetoken_agent.SamplingParamsError)  # the public name
 
 
 def test_a_valid_request_is_not_refused(rng_seed):
