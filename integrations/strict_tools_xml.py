@@ -64,9 +64,14 @@ from freetoken_agent.parsers.schema import convert_value, declared_types
 
 CLOSE_VALUE = "\n" + PARAMETER_END + "\n"
 MAX_KEY = 256  # qwen3_coder._MAX_NAME: a longer name is read as prose
-# Keywords that say nothing about which values are valid.
-NOTES = {"title", "description", "default", "examples", "$comment", "deprecated"}
-OBJECT_KEYS = NOTES | {"type", "properties", "required", "additionalProperties", "$schema"}
+# Keywords that constrain an object beyond its listed properties, which a fixed list of
+# parameters cannot hold (any other key, an annotation such as $id or x-order, says nothing
+# about which values are valid).
+UNHELD_OBJECT_KEYS = {
+    "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "$ref", "patternProperties",
+    "propertyNames", "minProperties", "maxProperties", "dependentRequired", "dependentSchemas",
+    "dependencies", "unevaluatedProperties",
+}  # fmt: skip
 
 
 def xml_calls_grammar(tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> str:
@@ -105,7 +110,7 @@ def strict_parameters(tool: Mapping[str, Any]) -> list[tuple[str, bool, Any]] | 
     params = closed(inline_tool(dict(tool))["function"]["parameters"])
     props, required = params.get("properties"), params.get("required", [])
     if (
-        set(params) - OBJECT_KEYS
+        set(params) & UNHELD_OBJECT_KEYS
         or params.get("type", "object") != "object"
         or params.get("additionalProperties") is not False
         or not isinstance(props, dict)
