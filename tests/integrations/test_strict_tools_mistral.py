@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from mistral_tokenizer import CONFIG, mistral_v3_backend
 from random_schemas import random_instance, random_name, random_object_schema, random_tools
+from template_sources import TemplateSources
 from tokenizers import AddedToken
 
 from freetoken_agent.demo_model import ensure_demo_model
@@ -237,17 +238,6 @@ def test_calls_outside_the_schemas_are_refused(tokenizers, form, rng_seed):
     assert not all(matcher.consume_token(t) for t in spelled)
 
 
-class _Sources:
-    """A tokenizer with other chat templates (what engine_tool_format reads)."""
-
-    def __init__(self, tokenizer: Any, sources: dict[str, str]) -> None:
-        self._tokenizer = tokenizer
-        self.chat_template_sources = sources
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
-
 def test_strict_grammar_gives_mistral_models_their_form(tokenizers, rng_seed, tmp_path_factory):
     """Mistral-format models (by architecture or template) get the Mistral grammar: the list
     for a v3 tokenizer, named calls for one with `[ARGS]` or a template that writes it; Hermes
@@ -258,7 +248,7 @@ def test_strict_grammar_gives_mistral_models_their_form(tokenizers, rng_seed, tm
     demo = Tokenizer.from_dir(ensure_demo_model(tmp_path_factory.mktemp("cache")))
 
     def model(arch: str, tokenizer: Any, sources: dict[str, str] | None = None) -> Any:
-        wrapped = _Sources(tokenizer, sources) if sources is not None else tokenizer
+        wrapped = TemplateSources(tokenizer, sources) if sources is not None else tokenizer
         return SimpleNamespace(tokenizer=wrapped, spec=SimpleNamespace(arch=arch))
 
     listed = strict_grammar(model("mixtral", v3), tools)

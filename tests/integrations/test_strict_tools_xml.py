@@ -19,6 +19,7 @@ import jsonschema
 import pytest
 from opener_push import OpenerPush
 from random_schemas import random_name, random_tools
+from template_sources import TemplateSources
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.demo_model import ensure_demo_model
@@ -271,17 +272,6 @@ def test_calls_outside_the_schemas_are_refused(engine, rng_seed):
     assert passes(loose["function"]["name"], anything)
 
 
-class _Sources:
-    """The engine's tokenizer with other chat templates (what engine_tool_format reads)."""
-
-    def __init__(self, tokenizer: Any, sources: dict[str, str]) -> None:
-        self._tokenizer = tokenizer
-        self.chat_template_sources = sources
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
-
 def test_strict_grammar_follows_the_models_tool_format(engine, rng_seed):
     """XML-format models (a Qwen3.5 template, whatever the architecture says) get the XML
     grammar, Hermes-format ones the Hermes grammar as before, Mistral-format ones the Mistral
@@ -290,7 +280,7 @@ def test_strict_grammar_follows_the_models_tool_format(engine, rng_seed):
     tools = _tools(rng)
 
     def model(arch: str, sources: dict[str, str], tokenizer: Any = engine.tokenizer) -> Any:
-        wrapped = _Sources(tokenizer, sources) if tokenizer is not None else None
+        wrapped = TemplateSources(tokenizer, sources) if tokenizer is not None else None
         return SimpleNamespace(tokenizer=wrapped, spec=SimpleNamespace(arch=arch))
 
     xml = strict_grammar(model("qwen3_moe", {"default": QWEN3_5.source}), tools)
