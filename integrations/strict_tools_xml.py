@@ -47,6 +47,7 @@ written exactly as the chat template writes one:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -154,7 +155,15 @@ def _regex(text: str) -> str:
 
 
 def _literal(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+    """`text` as a Lark string literal. json.dumps escapes the C0 controls; DEL and the C1
+    controls, which it writes raw, llguidance's lexer refuses raw (a grammar that fails to
+    compile fails the request), so they are escaped too."""
+    return _RAW_CONTROLS.sub(
+        lambda m: f"\\u{ord(m.group()):04x}", json.dumps(text, ensure_ascii=False)
+    )
+
+
+_RAW_CONTROLS = re.compile("[\x7f-\x9f]")
 
 
 # A bare value with its close tag, nothing ending it earlier. Its length is not held: counted

@@ -1,6 +1,7 @@
 """Strict tools' schemas as clients send them: annotation keys beside the parameters (`$id`,
-`x-order`, `propertyOrdering`, `readOnly`) keep an XML-call tool strict, and a property named
-like a keyword ("$ref", "$defs") builds every format's grammar."""
+`x-order`, `propertyOrdering`, `readOnly`) keep an XML-call tool strict, a property named like
+a keyword ("$ref", "$defs") builds every format's grammar, and an enum member holding a control
+character (DEL, C1) compiles in the XML grammar."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import random
 import pytest
 
 from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.engine.constrained import GrammarCompiler
+from freetoken_agent.engine.sampling_params import Constraint
 from freetoken_agent.engine.text.tokenizer import Tokenizer
 from freetoken_agent.integrations.strict_tools import strict_calls_grammar
 from freetoken_agent.integrations.strict_tools_mistral import mistral_calls_grammar
@@ -56,3 +59,26 @@ def test_a_property_named_like_a_keyword_builds(tok, name):
     }
     for build in (strict_calls_grammar, xml_calls_grammar, mistral_calls_grammar):
         assert "start:" in build([_tool(params)], tok)
+
+
+def test_a_control_character_in_an_enum_member_compiles(tok, rng_seed):
+    rng = random.Random(rng_seed)
+    odd = f"a{chr(rng.choice([0x7F, *range(0x80, 0xA0)]))}b"
+    params = {
+        "type": "object",
+        "properties": {"k": {"type": "string", "enum": [odd, "z"]}},
+        "required": ["k"],
+        "additionalProperties": False,
+    }
+    grammar = xml_calls_grammar([_tool(params)], tok)
+    compiler = GrammarCompiler(tok, frozenset({tok.token_to_id("<|im_end|>")}))
+
+    def accepts(value: str) -> bool:
+        matcher = compiler.matcher(Constraint("lark", grammar))
+        call = (
+            f"<tool_call>\n<function=f>\n<parameter=k>\n{value}\n</parameter>\n"
+            "</function>\n</tool_call>"
+        )
+        return all(matcher.consume_token(t) for t in tok.encode(call))
+
+    assert accepts(odd) and accepts("z") and not accepts("q")
