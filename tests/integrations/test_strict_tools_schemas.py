@@ -63,7 +63,7 @@ def test_a_property_named_like_a_keyword_builds(tok, name):
 
 def test_a_control_character_in_an_enum_member_compiles(tok, rng_seed):
     rng = random.Random(rng_seed)
-    odd = f"a{chr(rng.choice([0x7F, *range(0x80, 0xA0)]))}b"
+    odd = f"a\x7f{chr(rng.choice(range(0x80, 0xA0)))}b"  # DEL (raw, the lexer refused it)
     params = {
         "type": "object",
         "properties": {"k": {"type": "string", "enum": [odd, "z"]}},
