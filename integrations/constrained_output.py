@@ -104,19 +104,19 @@ def inline(schema: dict) -> dict:
     """`schema` with its $refs inlined, so it can sit inside a larger schema (anyOf, a call's
     arguments) where "#/$defs/..." would no longer resolve. A $ref that resolves nowhere raises
     KeyError (ValueError when it is not a "#/..." pointer)."""
-    if not _refers(schema):  # nothing to inline (a property may be *named* "$ref")
+    if not refers(schema):  # nothing to inline (a property may be *named* "$ref")
         return schema
     try:
         out = dereference_refs(schema)
     except TypeError as e:  # langchain's walk takes a property named "$ref" for a pointer
         raise ValueError(f"the schema's $refs cannot be inlined ({e}); is a property named "
                          "'$ref'?") from e  # fmt: skip
-    if "$ref" not in json.dumps(out):
+    if not refers(out):
         out = {k: v for k, v in out.items() if k not in ("$defs", "definitions")}
     return out
 
 
-def _refers(schema: Any) -> bool:
+def refers(schema: Any) -> bool:
     """Whether `schema` holds a $ref pointer (a "$ref" key with a string value) anywhere."""
     stack = [schema]
     while stack:

@@ -52,11 +52,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freetoken_agent.engine.constrained import JSON_OPTIONS
-from freetoken_agent.integrations.constrained_output import closed, inline_tool
+from freetoken_agent.integrations.constrained_output import closed, inline_tool, refers
 from freetoken_agent.integrations.strict_tools import call_frame, is_strict, regex_literal
 from freetoken_agent.parsers.qwen3_coder import (
     FUNCTION,
     FUNCTION_END,
+    MAX_NAME,
     PARAMETER,
     PARAMETER_END,
     VALUE_ENDS,
@@ -64,7 +65,6 @@ from freetoken_agent.parsers.qwen3_coder import (
 from freetoken_agent.parsers.schema import convert_value, declared_types
 
 CLOSE_VALUE = "\n" + PARAMETER_END + "\n"
-MAX_KEY = 256  # qwen3_coder._MAX_NAME: a longer name is read as prose
 # Keywords that constrain an object beyond its listed properties, which a fixed list of
 # parameters cannot hold (any other key, an annotation such as $id or x-order, says nothing
 # about which values are valid).
@@ -124,7 +124,7 @@ def strict_parameters(tool: Mapping[str, Any]) -> list[tuple[str, bool, Any]] | 
 
 def _nameable(key: str) -> bool:
     """Whether the parser reads `<parameter=key>` back as `key`."""
-    return bool(key) and key == key.strip() and len(key) <= MAX_KEY and not set("<>\n") & set(key)
+    return bool(key) and key == key.strip() and len(key) <= MAX_NAME and not set("<>\n") & set(key)
 
 
 def _value(schema: Any) -> str:
@@ -136,7 +136,7 @@ def _value(schema: Any) -> str:
         if written:  # members the parser cannot read back are left out
             return "(" + " | ".join(_literal(f"\n{w}{CLOSE_VALUE}") for w in written) + ")"
     types = declared_types(schema)
-    if types and "string" not in types and "$ref" not in json.dumps(schema):
+    if types and "string" not in types and not refers(schema):
         subschema = {**schema, "x-guidance": JSON_OPTIONS}  # the template's tojson spacing
         return f"{_literal(chr(10))} %json {json.dumps(subschema)} {_literal(CLOSE_VALUE)}"
     return "VALUE"  # any bare text: a string's length, pattern or format is not held
@@ -175,5 +175,5 @@ VALUE_LEXEME = rf"VALUE: /\n(?s:.*){_CLOSE}/ & ~/(?s:.*)({_ENDS})(?s:.*){_CLOSE}
 # A parameter of a tool that is not strict: any name the parser reads as one, any value.
 ANY_PARAMETER = [
     f'any_parameter: {_literal(PARAMETER)} KEY ">" VALUE',
-    rf"KEY: /[^<>\n]{{1,{MAX_KEY}}}/ & ~/\s*/",
+    rf"KEY: /[^<>\n]{{1,{MAX_NAME}}}/ & ~/\s*/",
 ]

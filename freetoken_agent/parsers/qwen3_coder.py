@@ -45,7 +45,7 @@ FUNCTION_END = "</function>"
 PARAMETER = "<parameter="
 PARAMETER_END = "</parameter>"
 VALUE_ENDS = (PARAMETER_END, "\n" + PARAMETER, "\n" + FUNCTION_END, "\n" + CLOSE)
-_MAX_NAME = 256  # a longer "name" is prose, not a tag
+MAX_NAME = 256  # a longer "name" is prose, not a tag
 
 _PRE_FUNCTION = 0
 _FUNCTION_NAME = 1
@@ -143,14 +143,14 @@ class _CoderCall:
         gt = body.find(">", p)
         if gt < 0:
             tail = body[p:]
-            if "\n" in tail or "<" in tail or len(tail) > _MAX_NAME:
+            if "\n" in tail or "<" in tail or len(tail) > MAX_NAME:
                 return self._break(p)
             return None
         # Judged on the raw text, as above while `>` has not come: judging the stripped name
         # accepted `<function=f\n>` in one chunk and broke it in several (found by fuzzing).
         raw = body[p:gt]
         name = raw.strip()
-        if not name or "\n" in raw or "<" in raw or len(raw) > _MAX_NAME:
+        if not name or "\n" in raw or "<" in raw or len(raw) > MAX_NAME:
             return self._break(p)
         self._p = gt + 1
         if self._state == _FUNCTION_NAME:
