@@ -143,7 +143,6 @@ class ChatFormat:
         self._override = (
             ChatTemplate(chat_template, tokenizer.special_tokens) if chat_template else None
         )
-        self._added_ids = frozenset(tokenizer.backend.get_added_tokens_decoder())
         self._literal = LiteralSpecials(tokenizer.backend)
         self._cache: dict[tuple, Any] = {}  # what renders found, by message-prefix digest
 
@@ -209,7 +208,7 @@ class ChatFormat:
         for char, kind, index in marks:
             tok = bisect.bisect_right(ends, char)  # tokens lying wholly before `char`
             next_start = starts[tok] if tok < len(starts) else len(full)
-            if next_start < char and ids[tok] in self._added_ids:
+            if next_start < char and ids[tok] in self._literal.added_ids:
                 # Added tokens (<|im_end|>, <tool_call>) are indivisible markers: a boundary
                 # inside one only means two compared renderings continued with markers that
                 # share leading characters ("<|im_end|>" vs "<tool_call>"). It is its start.

@@ -61,7 +61,7 @@ class LiteralSpecials:
     def __init__(self, backend: tokenizers.Tokenizer) -> None:
         self._backend = backend
         added = backend.get_added_tokens_decoder()  # {id: AddedToken}
-        self._added_ids = frozenset(added)
+        self.added_ids = frozenset(added)  # ChatFormat reads them too
         texts = sorted({t.content for t in added.values() if t.content}, key=len, reverse=True)
         self._texts = re.compile("|".join(map(re.escape, texts))) if texts else None
         # What a marked string has replaced: those texts, and the sentinel characters.
@@ -124,7 +124,7 @@ class LiteralSpecials:
             while i < len(spans) and spans[i][1] <= start:
                 i += 1  # spans behind this token
             overlaps = i < len(spans) and spans[i][0] < end
-            if not (overlaps and token in self._added_ids):
+            if not (overlaps and token in self.added_ids):
                 out_ids.append(token)
                 out_offsets.append((start, end))
                 continue
