@@ -28,6 +28,7 @@ from freetoken_agent.engine.constrained import Grammars
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.graph_capture import capture_decode_graphs
 from freetoken_agent.engine.loading import LoadedModel, load_model
+from freetoken_agent.engine.logits_processors import check_logit_bias
 from freetoken_agent.engine.memory_setup import elastic_memory
 from freetoken_agent.engine.output_state import OutputState
 from freetoken_agent.engine.outputs import (
@@ -162,6 +163,7 @@ class Engine:
                 "which this model folder lacks; give stop_token_ids instead"
             )
         ids = encode_prompt(prompt, self.tokenizer, self.spec.vocab_size, self.max_model_len)
+        check_logit_bias(sampling, self.spec.vocab_size)
         plan = snapshot_plan(ids, anchors, self.scheduler.recurrence)
         markers = frozenset(token_ids(anchor_tokens, "anchor_tokens are token ids"))
         request_id = request_id or self._new_id()

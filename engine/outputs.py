@@ -18,6 +18,13 @@ class SchemaError(InvalidRequestError):
     a type of its own, so a front-end can name the field the schema came from."""
 
 
+class LogitBiasError(InvalidRequestError):
+    """A logit_bias token id outside the model's vocabulary, which only the engine knows:
+    `param` names the field for a front-end (the server's 400)."""
+
+    param = "logit_bias"
+
+
 class EngineClosedError(RuntimeError):
     """A call to an engine after `Engine.close()` gave its memory back."""
 

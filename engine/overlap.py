@@ -23,7 +23,9 @@ faster. Step N is scheduled before N-1's tokens are known, so:
 Steps overlap only while each is a plain decode step; otherwise the step in flight is completed
 first and the engine steps as without overlap:
 - every running request decodes and none waits for admission (a new request drains);
-- no grammar (its mask needs N-1's token on the host) and no score-only request;
+- no grammar (its mask needs N-1's token on the host) and no score-only request (penalties
+  and logit_bias do overlap: their counts take each sampled token on the device,
+  logits_processors.py);
 - not policy direct (its `after_step` reads a step's exported routing, which N overwrites);
 - a device row for every checkpoint taken ahead. A hybrid request's accept may checkpoint
   its state (a positional boundary, or its token is an anchor: the Session passes

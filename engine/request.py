@@ -1,18 +1,23 @@
 """What the scheduler schedules: requests, a step's chunks and batch, and a hybrid model's
-recurrent state (engine/scheduler.py decides; these carry ids and tokens, never tensors)."""
+recurrent state (engine/scheduler.py decides; these carry ids and tokens, never tensors, but
+for one: a penalised or biased request's TokenHistory, its counts on the device, which must
+follow it through overlapped steps the host has not read yet: logits_processors.py)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 from freetoken_agent.engine.kv.radix import Node
 from freetoken_agent.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from freetoken_agent.engine.logits_processors import TokenHistory
 
 
 class Status(Enum):
@@ -61,6 +66,9 @@ class Request:
     # cannot progress: it is failed, not retried).
     preempted_at: int = -1
     fruitless_preemptions: int = 0
+    # Logit bias and penalties: the request's state on the device, built at its first sampling
+    # and kept until it finishes, preemptions included (logits_processors.py says why).
+    token_history: TokenHistory | None = field(default=None, repr=False)
     # `pages` as an int64 array for the step's page table (`page_array`): (the list it mirrors,
     # the array of its first entries).
     _page_mirror: tuple[list[int], np.ndarray] | None = field(default=None, repr=False)

@@ -124,6 +124,7 @@ class RequestOutcomes:
     def finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
         self.runner.forget(req.id)
+        req.token_history = None  # its device tensors; a step in flight holds its own reference
         self.grammars.forget(req.id)
         self.totals["prefilled"] += req.num_prefilled
         self.totals["reused"] += req.num_reused

@@ -19,6 +19,7 @@ from freetoken_agent.engine.kv.pool import SCRATCH_PAGE, KVPool
 from freetoken_agent.engine.layers.attention import AttentionMetadata
 from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.layers.sampler import Sampled, sample
+from freetoken_agent.engine.logits_processors import apply_processors, count_sampled
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.request import Batch, Request, ScheduledChunk, Status
 
@@ -310,7 +311,9 @@ class ModelRunner:
     ) -> tuple[list[Request], Sampled | None]:
         """The requests whose chunks sample, in order, and their tokens [B'] int64 on the
         device, with the reported ones (None when no chunk samples). Waits for nothing
-        (layers/sampler.py)."""
+        (layers/sampler.py). Logit bias and penalties apply before the constraint mask, and
+        the penalised requests' counts take the sampled tokens on the device right after the
+        draw (logits_processors.py)."""
         chunks = step.batch.chunks
         sampling = [i for i, c in enumerate(chunks) if c.sample and not c.request.score_only]
         if not sampling:
@@ -325,8 +328,11 @@ class ModelRunner:
             None if r.status is Status.FINISHED else self.generator_for(r.id, r.sampling.seed)
             for r in reqs
         ]
+        penalised = apply_processors(logits, reqs)  # in place; nothing if no row asks
         allowed = allowed_tokens([r.id for r in reqs], masks or {}, logits.shape[-1], self.device)
-        return reqs, sample(logits, params, gens, allowed)
+        sampled = sample(logits, params, gens, allowed)
+        count_sampled(penalised, sampled.tokens)
+        return reqs, sampled
 
     def step_done(self, step: LaunchedStep) -> None:
         """After a step's sampling is enqueued: the offloaded bank's between-steps work."""

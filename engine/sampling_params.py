@@ -6,6 +6,12 @@ here; `grammar` constrains it to a grammar in llguidance's Lark syntax (free tex
 tool calls, integrations/strict_tools.py). Only a library-free structural check runs here
 (SamplingParams is built everywhere, clients included); the grammar itself is compiled, and its
 deeper errors reported, when the engine takes the request.
+
+Logits processors (engine/logits_processors.py, the sampler's min_p): `logit_bias` (OpenAI),
+`presence_penalty` and `frequency_penalty` (OpenAI: over the generated tokens),
+`repetition_penalty` (HF and vLLM: over the prompt and the generated tokens) and `min_p`
+(vLLM). Their defaults ask for nothing; a logit_bias id outside the model's vocabulary is
+refused when the engine takes the request (only the engine knows the vocabulary).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it decode greedily
 SEED_MIN, SEED_END = -(2**63), 2**64  # what torch.Generator.manual_seed accepts
+PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 def _is_int(value: Any) -> bool:
@@ -88,6 +96,18 @@ class SamplingParams:
     # A grammar in llguidance's Lark syntax that the whole output follows (its docs/syntax.md);
     # the request ends when the grammar can take nothing more. Exclusive with json_schema.
     grammar: str | None = None
+    # OpenAI's, over the tokens this request generated (not its prompt), count[t] times each:
+    # logits[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF's and vLLM's, over the prompt's tokens and the generated ones: such a token's logit is
+    # divided by it where positive, multiplied where negative. > 0; 1 = off.
+    repetition_penalty: float = 1.0
+    # vLLM's: after temperature, keep the tokens whose probability is at least min_p times the
+    # row's largest. [0, 1]; 0 = off; no effect on greedy rows.
+    min_p: float = 0.0
+    # OpenAI's: token id -> bias in [-100, 100], added to its logit before anything else.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # One stop string or one stop id may be given bare, as OpenAI's `stop` may.
@@ -148,9 +168,29 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             refuse("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        problems += self._processor_problems()
         problems += self._structured_output_problems()
         if problems:
             raise SamplingParamsError(problems)
+
+    def _processor_problems(self) -> list[tuple[str, str]]:
+        """The logits processors' fields: each in its documented range (NaN in none)."""
+        problems = []
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                got = f"{value!r:.40}"
+                problems.append((name, f"{name} must be in [-2, 2] (0: off), got {got}"))
+        rep = self.repetition_penalty
+        if not _is_real(rep) or not 0 < rep < math.inf:
+            text = f"repetition_penalty must be a finite number > 0 (1: off), got {rep!r:.40}"
+            problems.append(("repetition_penalty", text))
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            problems.append(("min_p", f"min_p must be in [0, 1] (0: off), got {self.min_p!r:.40}"))
+        problem = _logit_bias_problem(self.logit_bias)
+        if problem is not None:
+            problems.append(("logit_bias", problem))
+        return problems
 
     def _structured_output_problems(self) -> list[tuple[str, str]]:
         if self.response_format is not None:
@@ -192,10 +232,39 @@ class SamplingParams:
         return self.json_schema is None
 
     @property
+    def penalised(self) -> bool:
+        """Whether a penalty applies: the request's token counts are kept on the device."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether logits_processors.py touches this request's logits (bias or penalties)."""
+        return bool(self.logit_bias) or self.penalised
+
+    @property
     def greedy(self) -> bool:
         # Below GREEDY_TEMPERATURE logits / T overflow fp32 (vLLM's _SAMPLING_EPS is the same):
         # such a row is all but greedy anyway.
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _logit_bias_problem(bias: Any) -> str | None:
+    """What is wrong with a logit_bias (None: nothing). Its keys are token ids as integers (a
+    JSON body's string keys are converted by the server); the vocabulary is the engine's check."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        return f"logit_bias must map token ids to biases, got {bias!r:.60}"
+    for token, value in bias.items():
+        if not _is_int(token) or token < 0:
+            return f"logit_bias keys must be token ids (integers >= 0), got {token!r:.40}"
+        if not _is_real(value) or not -BIAS_LIMIT <= value <= BIAS_LIMIT:
+            return f"logit_bias[{token}] must be a number in [-100, 100], got {value!r:.40}"
+    return None
 
 
 def schema_of_response_format(fmt: Any) -> dict[str, Any] | None:

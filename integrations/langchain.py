@@ -22,6 +22,8 @@ Why it is built this way:
 - Reasoning streams in `additional_kwargs["reasoning_content"]` (and, with
   `output_version="v1"`, as reasoning content blocks) and goes back to the model in later
   turns, where the chat template keeps it.
+- The sampling options are SamplingParams' (temperature, max_tokens, top_p, top_k, seed, the
+  presence, frequency and repetition penalties, min_p, logit_bias), as fields and per call.
 - LangChain's standard test suites (langchain-tests) run on it: tests/integrations/
   test_langchain_standard.py declares what it supports.
 """
@@ -88,6 +90,17 @@ class ChatFreeToken(BaseChatModel):
     max_tokens: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    """OpenAI's, in [-2, 2]: subtracted once from the logit of each token generated so far."""
+    frequency_penalty: float | None = None
+    """OpenAI's, in [-2, 2]: subtracted from a token's logit once per time it was generated."""
+    repetition_penalty: float | None = None
+    """vLLM's (> 0, 1 = off): divides the positive logits of tokens in the prompt or output so
+    far, multiplies their negative ones."""
+    min_p: float | None = None
+    """vLLM's, in [0, 1]: keep the tokens at least min_p times as likely as the likeliest."""
+    logit_bias: dict[int, float] | None = None
+    """OpenAI's: token id -> bias in [-100, 100] added to its logit."""
     stop: list[str] | None = None
     timeout: float | None = None
     """Seconds a generation may take; past it the request is aborted (GenerationTimeout)."""
@@ -180,6 +193,11 @@ class ChatFreeToken(BaseChatModel):
             "max_tokens": self.max_tokens,
             "top_p": self.top_p,
             "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_p": self.min_p,
+            "logit_bias": self.logit_bias,
             "reasoning": self.reasoning,
         }
 

@@ -35,7 +35,19 @@ from freetoken_agent.integrations.langchain_runtime import (
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
 from freetoken_agent.session import Usage
 
-SAMPLING_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
+# ChatFreeToken's fields (top_k a call's option only) that are SamplingParams' own, by name.
+SAMPLING_OPTIONS = (
+    "temperature",
+    "max_tokens",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+)
 # Options LangChain (or an OpenAI-minded caller) may pass that mean nothing here.
 _IGNORED_OPTIONS = ("stream", "strict")
 

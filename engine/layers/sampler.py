@@ -12,6 +12,12 @@ row and step from the request's generator; on the CPU torch's ops below, the sam
 
 `allowed` (constrained decoding, see engine/constrained.py) bans tokens per row before anything
 else, so greedy and sampled rows alike pick only allowed ids; rows left all True are untouched.
+The logits come here already processed (logit_bias and penalties: engine/logits_processors.py).
+
+`min_p` (vLLM's) keeps, after temperature, the tokens whose probability is at least min_p times
+the row's largest: logit >= rowmax + T * ln(min_p), rowmax over the row's allowed tokens. It is a
+mask over the logits in torch, before the draw on both devices (the kernel is left as it is);
+greedy rows skip it (their argmax always passes), and a batch without it pays nothing.
 
 A row whose logits are not finite where it may pick (a NaN or +inf among its allowed logits, or
 no finite allowed logit at all: fp16 overflow, broken weights, a kernel fault) has no token to
@@ -25,6 +31,7 @@ and the kernel path nothing extra.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -53,12 +60,34 @@ def sample(
     if allowed is None and all(p.greedy for p in params):
         largest, tokens = logits.max(dim=-1)  # NaN and +inf propagate to the row's max
         return Sampled(tokens, _reported(tokens, largest))
+    if not logits.is_cuda and allowed is not None:  # masked once, for the draw and the check
+        logits, allowed = logits.masked_fill(~allowed, float("-inf")), None
+    logits = cut_below_min_p(logits, params, allowed)
     if logits.is_cuda:
         return _sample_on_device(logits, params, generators, allowed)
-    if allowed is not None:  # masked once, for the draw and the check alike
-        logits = logits.masked_fill(~allowed, float("-inf"))
     tokens = sample_with_torch(logits, params, generators)
     return Sampled(tokens, _reported(tokens, logits.amax(dim=-1)))
+
+
+def cut_below_min_p(
+    logits: torch.Tensor,  # [B, V]
+    params: list[SamplingParams],
+    allowed: torch.Tensor | None = None,  # [B, V] bool
+) -> torch.Tensor:
+    """`logits` with -inf where a sampled row's min_p drops the token: below rowmax +
+    T * ln(min_p), which is p < min_p * p_max after temperature T. The same tensor when no row
+    asks. A row whose largest allowed logit is NaN or +inf gets a NaN or +inf floor and keeps
+    what the not-finite check must see."""
+    offsets = [
+        p.temperature * math.log(p.min_p) if p.min_p > 0 and not p.greedy else -math.inf
+        for p in params
+    ]
+    if all(o == -math.inf for o in offsets):
+        return logits
+    pickable = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    floor = pickable.amax(dim=-1, keepdim=True)  # [B, 1]
+    floor = floor + on_device(offsets, logits.dtype, logits.device)[:, None]  # -inf: no cut
+    return logits.masked_fill(logits < floor, float("-inf"))
 
 
 def not_finite_message(position: int, dtype: torch.dtype) -> str:

@@ -1,9 +1,10 @@
 """An OpenAI chat-completions body, checked field by field into one `ChatRequest`.
 
 Every refusal is a BadParam naming the field, so the client learns what to fix. Fields this
-engine cannot honour (n > 1, logprobs, penalties, logit_bias) are refused rather than silently
-ignored; fields that change nothing here (user, metadata, store, service_tier) are accepted
-when they have the right type. `parallel_tool_calls: false` is honoured: the turn stops at its
+engine cannot honour (n > 1, logprobs) are refused rather than silently ignored (the penalties
+and `logit_bias`, whose JSON keys are token ids written as strings, are honoured); fields that
+change nothing here (user, metadata, store, service_tier) are accepted when they have the right
+type. `parallel_tool_calls: false` is honoured: the turn stops at its
 first complete call (one_call.py). `model` must name the served model or an alias
 (`check_model`; 404 otherwise). Unknown fields are ignored, as vLLM does, since SDKs add new
 ones faster than servers learn them; but other APIs' fields known to change the output (the
@@ -44,9 +45,6 @@ _UNSUPPORTED = {
     "n": (None, 1),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "prediction": (None,),
     "audio": (None,),
 }
@@ -122,8 +120,9 @@ def _integer(body: Mapping, key: str, lo: int | None = None):
 def sampling_from(
     body: Mapping[str, Any], tools: list[dict] | None, choice: ToolChoice, default_max: int
 ) -> SamplingParams:
-    """SamplingParams from OpenAI fields (plus vLLM's top_k, ignore_eos and stop_token_ids); a
-    forced call, or tools with a JSON response_format (a call or the answer), add their schema."""
+    """SamplingParams from OpenAI fields (plus vLLM's top_k, min_p, repetition_penalty,
+    ignore_eos and stop_token_ids); a forced call, or tools with a JSON response_format (a call
+    or the answer), add their schema."""
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
@@ -161,6 +160,11 @@ def sampling_from(
         "stop": stop,
         "stop_token_ids": stop_token_ids(body),
         "ignore_eos": ignore_eos,
+        "presence_penalty": _number(body, "presence_penalty", -2, 2),
+        "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
+        "repetition_penalty": _number(body, "repetition_penalty", 0, math.inf, lo_open=True),
+        "min_p": _number(body, "min_p", 0, 1),
+        "logit_bias": _logit_bias(body),
         "response_format": None if either else fmt,
         "json_schema": forced_schema(choice, tools or []) if choice.forced else either,
     }
@@ -174,6 +178,28 @@ def sampling_from(
         else:
             param = max_key if field == "max_tokens" else field
         raise BadParam(str(e), param) from None
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, Any] | None:
+    """OpenAI's logit_bias: a JSON object whose keys are token ids written as strings of digits;
+    the values (numbers in [-100, 100]) are SamplingParams' check, the vocabulary the engine's."""
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise BadParam(
+            f"logit_bias must be an object mapping token ids to biases, got {value!r:.40}",
+            "logit_bias",
+        )
+    bias = {}
+    for key, number in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise BadParam(
+                f"logit_bias keys must be token ids (strings of digits), got {key!r:.40}",
+                "logit_bias",
+            )
+        bias[int(key)] = number
+    return bias or None
 
 
 _TEXT_FIELDS = ("role", "name", "tool_call_id", "reasoning_content", "reasoning", "thinking")

@@ -7,7 +7,8 @@ OpenAI's legacy function calling: `functions` and `function_call` are refused, p
 `tools` and `tool_choice`, which say the same thing in the current form.
 
 vLLM's extensions:
-- `stop_token_ids` are honoured (SamplingParams has them).
+- `stop_token_ids`, `repetition_penalty` and `min_p` are honoured (SamplingParams has them;
+  chat_request.sampling_from reads them).
 - `chat_template_kwargs`: `enable_thinking` (true or false) renders the prompt with that
   template variable, as ChatFreeToken's `reasoning` does (a ChatFormat per value, hub.py).
   Other keys are refused by name: the template would take them, but what they change (a
@@ -17,8 +18,8 @@ vLLM's extensions:
   output is the bare string, not JSON, so it is not a JSON-schema enum; the API takes no regex
   or grammar (the engine's `SamplingParams.grammar` is llguidance's Lark syntax, which vLLM's
   grammars are not written in).
-- `repetition_penalty`, `min_p`, `min_tokens`: refused unless they are the neutral value
-  (1, 0, 0), which asks for nothing: the sampler has none of them.
+- `min_tokens`: refused unless it is the neutral value 0, which asks for nothing: the engine
+  cannot hold back the end of a generation.
 - `reasoning_effort` (OpenAI's, for its reasoning models) is refused: enable_thinking is the
   one switch the chat templates have.
 """
@@ -34,8 +35,6 @@ _CONSTRAIN = "constrain the output with response_format {'type': 'json_schema', 
 
 # field: (its neutral values besides null, why it is refused / what to send instead)
 _SAMPLING: dict[str, tuple[tuple, str]] = {
-    "repetition_penalty": ((1,), "the sampler has no repetition penalty"),
-    "min_p": ((0,), "the sampler has no min_p filter"),
     "min_tokens": ((0,), "the engine cannot hold back the end of a generation"),
     "guided_json": ((), _CONSTRAIN),
     "guided_choice": ((), _CONSTRAIN + " (an enum schema; the answer is then JSON text)"),

@@ -3,7 +3,9 @@
 The client sends JSON messages:
 
     {"type": "send", "messages": [...], "tools": [...], "tool_choice": ...,
-     "sampling": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"},
+     "sampling": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                  "logit_bias"},
      "response_format": {...}, "append": false, "model": "..."}
     {"type": "cancel"}                     interrupt the running turn (any watcher may)
 
@@ -53,6 +55,11 @@ SAMPLING_KEYS = frozenset(
         "seed",
         "stop",
         "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "logit_bias",
     }
 )
 

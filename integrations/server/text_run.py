@@ -34,10 +34,13 @@ from freetoken_agent.session import Usage
 
 def _named(error: InvalidRequestError) -> BadParam:
     """The engine's refusal of a request, naming the field at fault: the prompt (empty, ids
-    outside the vocabulary, too long for the context), or a response_format's schema."""
+    outside the vocabulary, too long for the context), a response_format's schema, or the
+    field the error names itself (`param`: a logit_bias id outside the vocabulary)."""
     text = str(error)
     if isinstance(error, SchemaError):
         return BadParam(text, "response_format")
+    if getattr(error, "param", None):
+        return BadParam(text, error.param)
     code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
     return BadParam(text, "prompt", code)
 

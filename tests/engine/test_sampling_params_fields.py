@@ -34,7 +34,30 @@ BAD = {
     "response_format": lambda r: r.choice([{"type": "xml"}, "json", {}]),
     "json_schema": lambda r: r.choice([{"type": "thing"}, {"properties": 3}]),
     "grammar": lambda r: r.choice(["", "   ", 5]),
+    "presence_penalty": lambda r: _bad_penalty(r),
+    "frequency_penalty": lambda r: _bad_penalty(r),
+    "repetition_penalty": lambda r: r.choice(
+        [0, -r.uniform(0.01, 5), float("inf"), float("nan"), "2", True]
+    ),
+    "min_p": lambda r: r.choice(
+        [-r.uniform(0.001, 1), 1 + r.uniform(0.001, 1), float("nan"), True]
+    ),
+    "logit_bias": lambda r: r.choice(
+        [
+            {r.randrange(999): r.choice([-1, 1]) * (100 + r.uniform(0.001, 50))},
+            {-r.randint(1, 9): 1.0},
+            {str(r.randrange(999)): 1.0},  # a JSON key: the server converts it, not here
+            {True: 1.0},
+            {r.randrange(999): float("nan")},
+            {r.randrange(999): "5"},
+            [(r.randrange(999), 1.0)],
+        ]
+    ),
 }
+
+
+def _bad_penalty(r: random.Random):
+    return r.choice([r.choice([-1, 1]) * (2 + r.uniform(0.001, 5)), float("nan"), "1", None])
 
 
 def test_each_problem_names_its_field(rng_seed):
@@ -67,4 +90,40 @@ def test_a_valid_request_is_not_refused(rng_seed):
         seed=rng.randint(0, 2**63),
         stop=["x" * rng.randint(1, MAX_STOP_CHARS)],
         stop_token_ids=[rng.randint(0, 999)],
+        presence_penalty=rng.uniform(-2, 2),
+        frequency_penalty=rng.choice([-2, 2, rng.uniform(-2, 2)]),
+        repetition_penalty=rng.uniform(0.01, 10),
+        min_p=rng.choice([0, 1, rng.random()]),
+        logit_bias={rng.randrange(10**6): rng.uniform(-100, 100) for _ in range(rng.randint(0, 9))},
     )
+
+
+def test_the_processors_neutral_values_ask_for_nothing(rng_seed):
+    """The defaults (existing callers) and the same values given explicitly process nothing;
+    any one processor field off its neutral value does."""
+    rng = random.Random(rng_seed)
+    assert not SamplingParams().processes_logits and not SamplingParams().penalised
+    neutral = dict(presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1, min_p=0.0,
+                   logit_bias=rng.choice([None, {}]))  # fmt: skip
+    assert not SamplingParams(**neutral).processes_logits
+    field, value = rng.choice([
+        ("presence_penalty", rng.uniform(0.01, 2)),
+        ("frequency_penalty", -rng.uniform(0.01, 2)),
+        ("repetition_penalty", rng.uniform(1.01, 3)),
+        ("logit_bias", {rng.randrange(99): rng.uniform(-1, 1)}),
+    ])  # fmt: skip
+    sp = SamplingParams(**{**neutral, field: value})
+    assert sp.processes_logits and sp.penalised == (field != "logit_bias"), (field, value)
+    assert not SamplingParams(min_p=rng.uniform(0.01, 1)).processes_logits  # the sampler's
+
+
+@pytest.mark.parametrize(
+    "field", ["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias"]
+)
+def test_each_processor_field_refuses_its_bad_values(rng_seed, field):
+    rng = random.Random(rng_seed)
+    for _ in range(8):
+        value = BAD[field](rng)
+        with pytest.raises(SamplingParamsError) as caught:
+            SamplingParams(**{field: value})
+        assert caught.value.fields == (field,), (value, caught.value.problems)

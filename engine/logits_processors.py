@@ -1,0 +1,148 @@
+"""Logits processors: what a request's own bias and history do to its logits before sampling.
+
+Per row, in this order (as vLLM applies them): `logit_bias` is added; the repetition penalty
+(HF, vLLM) divides the positive logits of the tokens in the prompt or generated so far by it and
+multiplies their negative ones; the frequency and presence penalties (OpenAI) subtract
+frequency * count[t] + presence * (count[t] > 0), counting the generated tokens only. The
+constraint mask and the sampler (temperature, min_p, top-k, top-p) come after
+(runner.sample_tokens, layers/sampler.py).
+
+Why the counts live on the device. A penalised request holds a `TokenHistory` (on its
+Request), built when it first samples, from its prompt and output ids; each step's sampled
+tokens are added to it on the device right after the draw (`count_sampled`), from the sampled
+tensor itself, with no wait for the host and no per-step copy of counts built on the host
+(O(V) per row). Nor does it depend on when the host reads a token: under overlap scheduling
+(overlap.py) step N's token is accepted on the host only after step N+1 is launched (today just
+before N+1 samples), and counts taken from the host's output ids would silently go wrong if
+sampling ever ran ahead of that accept (as it would inside a captured graph). Invariant: it
+counts the request's output ids plus its token in flight, if one is. It holds at the build (a
+request samples for the first time with nothing of it in flight) and through preemption, which
+it survives: a request is preempted only with no step in flight (the overlapped loop drains
+before any step that may preempt), and its re-prefill samples the next token, not again the
+ones it recomputes. A token sampled for a request that its previous token just finished
+(overlap's dropped row) is neither processed nor counted: its history is gone
+(`RequestOutcomes.finish`) and the token is never used.
+
+Cost. Rows asking for nothing are untouched, and a batch where none asks costs one Python pass
+over its requests, no launch. A penalised batch adds about ten launches over its P rows ([P, V]
+each), one more per biased row and one count update per penalised row; each penalised request
+holds 4V bytes of counts (and V more with a repetition penalty) until it finishes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freetoken_agent.engine.device_index import on_device
+from freetoken_agent.engine.outputs import LogitBiasError
+from freetoken_agent.engine.request import Request, Status
+from freetoken_agent.engine.sampling_params import SamplingParams
+
+# B rows that sample this step, P of them penalised, V vocab, n biased ids of one request
+
+
+@dataclass(slots=True)
+class TokenHistory:
+    """One request's processor state on the device, in the logits' dtype."""
+
+    generated: torch.Tensor | None  # [V] counts of the generated tokens (None: no penalty)
+    in_prompt: torch.Tensor | None  # [V] bool, the prompt's tokens (None: no repetition penalty)
+    bias_ids: torch.Tensor | None  # [n] int64 (None: no logit_bias)
+    bias_values: torch.Tensor | None  # [n]
+    one: torch.Tensor  # [1] 1, what a sampled token adds to its count
+
+
+def check_logit_bias(sampling: SamplingParams, vocab: int) -> None:
+    """Refuse a logit_bias naming an id outside the vocabulary when the engine takes the
+    request: inside a step, its index_add would fail the whole batch."""
+    outside = sorted(t for t in sampling.logit_bias or () if t >= vocab)
+    if outside:
+        raise LogitBiasError(
+            f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})"
+        )
+
+
+def history_of(req: Request, vocab: int, dtype: torch.dtype, device: torch.device) -> TokenHistory:
+    """`req`'s history, built on its first call from its prompt and output ids (see the module
+    docstring for why those hold every token it sampled)."""
+    if req.token_history is not None:
+        return req.token_history
+    sp = req.sampling
+    one = torch.ones(1, dtype=dtype, device=device)
+    generated = in_prompt = bias_ids = bias_values = None
+    if sp.penalised:
+        generated = torch.zeros(vocab, dtype=dtype, device=device)
+        if req.output_ids:
+            out = on_device(req.output_ids, torch.int64, device)
+            generated.index_add_(0, out, one.expand(len(req.output_ids)))
+    if sp.repetition_penalty != 1:
+        in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+        in_prompt.index_fill_(0, on_device(req.prompt_ids, torch.int64, device), True)
+    if sp.logit_bias:
+        bias_ids = on_device(list(sp.logit_bias), torch.int64, device)
+        bias_values = on_device([float(v) for v in sp.logit_bias.values()], dtype, device)
+    req.token_history = TokenHistory(generated, in_prompt, bias_ids, bias_values, one)
+    return req.token_history
+
+
+def apply_processors(
+    logits: torch.Tensor,  # [B, V], changed in place
+    reqs: list[Request],
+) -> list[tuple[int, TokenHistory]]:
+    """Apply each row's bias and penalties to `logits`; returns the penalised rows and their
+    histories, whose counts `count_sampled` updates after the draw. Nothing happens (no launch)
+    when no row asks."""
+    # A finished request's row (overlap's dropped row) is never used: left as it is.
+    rows = [
+        i
+        for i, r in enumerate(reqs)
+        if r.sampling.processes_logits and r.status is not Status.FINISHED
+    ]
+    if not rows:
+        return []
+    vocab, dtype, device = logits.shape[-1], logits.dtype, logits.device
+    histories = [history_of(reqs[i], vocab, dtype, device) for i in rows]
+    for i, h in zip(rows, histories, strict=True):
+        if h.bias_ids is not None:
+            logits[i].index_add_(0, h.bias_ids, h.bias_values)
+    penalised = [(i, h) for i, h in zip(rows, histories, strict=True) if h.generated is not None]
+    if penalised:
+        _penalise(logits, [reqs[i].sampling for i, _ in penalised], penalised)
+    return penalised
+
+
+def _penalise(logits: torch.Tensor, params: list, rows: list[tuple[int, TokenHistory]]) -> None:
+    """The penalties of the P penalised rows, as one [P, V] block. A row's penalty it does not
+    ask for is an exact no-op (x / 1, x * 1, x - 0 * count)."""
+    device, dtype = logits.device, logits.dtype
+    index = on_device([i for i, _ in rows], torch.int64, device)  # [P]
+    counts = torch.stack([h.generated for _, h in rows])  # [P, V]
+    generated = counts > 0  # [P, V]
+    block = logits.index_select(0, index)  # [P, V]
+    if any(p.repetition_penalty != 1 for p in params):
+        no_prompt = None  # rows without a repetition penalty: no prompt tokens to mark
+        prompts = []
+        for _, h in rows:
+            if h.in_prompt is None and no_prompt is None:
+                no_prompt = torch.zeros_like(generated[0])
+            prompts.append(h.in_prompt if h.in_prompt is not None else no_prompt)
+        seen = generated | torch.stack(prompts)  # [P, V]
+        rep = on_device([p.repetition_penalty for p in params], dtype, device)[:, None]  # [P, 1]
+        repeated = torch.where(block > 0, block / rep, block * rep)
+        block = torch.where(seen, repeated, block)
+    freq_pres = [[p.frequency_penalty, p.presence_penalty] for p in params]
+    coef = on_device(freq_pres, dtype, device)  # [P, 2]
+    block = block - coef[:, 0:1] * counts - coef[:, 1:2] * generated
+    logits.index_copy_(0, index, block)
+
+
+def count_sampled(
+    penalised: list[tuple[int, TokenHistory]],
+    tokens: torch.Tensor,  # [B] int64 on the device, the rows' sampled tokens
+) -> None:
+    """Add each penalised row's sampled token to its request's counts, on the device, from the
+    sampled tensor (no host wait, no copy)."""
+    for i, h in penalised:
+        h.generated.index_add_(0, tokens[i : i + 1], h.one)

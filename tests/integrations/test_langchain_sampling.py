@@ -1,0 +1,69 @@
+"""ChatFreeToken's sampling options reach SamplingParams: the logits processors' fields
+(presence_penalty, frequency_penalty and logit_bias as ChatOpenAI names them, vLLM's
+repetition_penalty and min_p) as the model's fields and per call, the call's winning; a bad
+value is a ValueError naming the field before anything runs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scripted_engine import ScriptedEngine
+
+from freetoken_agent import Engine
+from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.integrations.langchain import ChatFreeToken
+from freetoken_agent.service import EngineService
+
+FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    path = ensure_demo_model(tmp_path_factory.mktemp("cache"))
+    return Engine.load(path, device="cpu", progress=False, kv_tokens=4096, max_model_len=1024)
+
+
+@pytest.fixture
+def scripted(engine):
+    fake = ScriptedEngine(engine)
+    service = EngineService(fake)
+    yield fake, service
+    service.close()
+
+
+def _values(rng: random.Random) -> dict:
+    return {
+        "presence_penalty": rng.uniform(-2, 2),
+        "frequency_penalty": rng.uniform(-2, 2),
+        "repetition_penalty": rng.uniform(0.1, 4),
+        "min_p": rng.random(),
+        "logit_bias": {rng.randrange(300): rng.uniform(-100, 100) for _ in range(3)},
+    }
+
+
+def test_fields_and_call_options_reach_sampling_params(scripted, rng_seed):
+    rng = random.Random(rng_seed)
+    fake, service = scripted
+    fields, calls = _values(rng), _values(rng)
+    fake.replies = [("ok", "stop")] * 3
+    llm = ChatFreeToken(engine=service, max_tokens=4, **fields)
+    llm.invoke("ka lo")
+    assert {f: getattr(fake.samplings[-1], f) for f in FIELDS} == fields
+    overridden = rng.sample(FIELDS, rng.randint(1, len(FIELDS)))
+    llm.invoke("ka lo", **{f: calls[f] for f in overridden})
+    want = {f: calls[f] if f in overridden else fields[f] for f in FIELDS}
+    assert {f: getattr(fake.samplings[-1], f) for f in FIELDS} == want, overridden
+    ChatFreeToken(engine=service, max_tokens=4).invoke("ka lo")  # none given: nothing asked
+    assert not fake.samplings[-1].processes_logits and fake.samplings[-1].min_p == 0
+
+
+def test_a_bad_value_is_a_value_error_naming_it(scripted, rng_seed):
+    rng = random.Random(rng_seed)
+    fake, service = scripted
+    bad = {"presence_penalty": 3.0, "frequency_penalty": -2.5, "repetition_penalty": 0.0,
+           "min_p": 1.5, "logit_bias": {-1: 5.0}}  # fmt: skip
+    field = rng.choice(FIELDS)
+    with pytest.raises(ValueError, match=field):
+        ChatFreeToken(engine=service, max_tokens=4).invoke("ka", **{field: bad[field]})
+    assert fake.submitted == 0
