@@ -36,6 +36,7 @@ from freetoken_agent.engine.outputs import (
     GenerationOutput,
     InvalidRequestError,
     TokenEvent,
+    TokenLogprob,
 )
 from freetoken_agent.engine.overlap import Overlap
 from freetoken_agent.engine.prompt_input import Prompt, encode_prompt, snapshot_plan, token_ids
@@ -314,10 +315,11 @@ class Engine:
             )
         ]
 
-    def accept(self, req: Request, token: int) -> TokenEvent:
-        """One sampled token of `req` turned into its event; an error in one request's
-        bookkeeping fails that request only (RequestOutcomes.accept)."""
-        return self.outcomes.accept(req, token)
+    def accept(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> TokenEvent:
+        """One sampled token of `req` (and its log-probabilities, if asked) turned into its
+        event; an error in one request's bookkeeping fails that request only
+        (RequestOutcomes.accept)."""
+        return self.outcomes.accept(req, token, logprob)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -357,6 +359,7 @@ class Engine:
             finish_reason=req.finish_reason,
             stats=request_stats(req),
             error=req.error,
+            logprobs=list(req.output_logprobs) if req.sampling.logprobs is not None else None,
         )
         self._pop(rid)
         return out

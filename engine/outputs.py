@@ -29,6 +29,23 @@ class EngineClosedError(RuntimeError):
     """A call to an engine after `Engine.close()` gave its memory back."""
 
 
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model's raw distribution (log_softmax
+    of the step's logits before temperature, top-k/top-p, a grammar's mask or any other
+    processing: engine/token_logprobs.py), for a request with `SamplingParams.logprobs` set.
+
+    Every token the request accepted has one, text or not: one whose text is held back (a
+    partial UTF-8 character, a possible stop string's start), an EOS or stop id, the tokens
+    of a stop string cut from the text. So they line up with `token_ids`, not with the text."""
+
+    token_id: int
+    logprob: float
+    # The `logprobs` most likely tokens as (id, logprob), most likely first (ties in any
+    # order); () when logprobs is 0. The sampled token is among them only if it is that likely.
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class TokenEvent:
     """One sampled token of one request, with the text it completes (possibly "", when the token
@@ -41,6 +58,16 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
+    # With SamplingParams.logprobs set, on every event that carries a token: its raw
+    # log-probability and the top alternatives (TokenLogprob says what they are); else None.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+    def token_logprob(self) -> TokenLogprob | None:
+        """This event's token and log-probabilities as one record (None: none carried)."""
+        if self.token_id is None or self.logprob is None:
+            return None
+        return TokenLogprob(self.token_id, self.logprob, self.top_logprobs or ())
 
 
 @dataclass(slots=True)
@@ -52,3 +79,5 @@ class GenerationOutput:
     finish_reason: str | None
     stats: dict = field(default_factory=dict)  # prompt/completion/reused/prefilled tokens, times
     error: str | None = None
+    # One per entry of `token_ids` when SamplingParams.logprobs was set, else None.
+    logprobs: list[TokenLogprob] | None = None

@@ -9,7 +9,8 @@ overlap scheduler and vLLM's async scheduling do the same):
 
     call k:  schedule N (advance N-1, a page each) -> launch N, and once its first kernels are
              queued: wait for N-1's tokens (done by then), accept them (events, stops,
-             finishes) -> sample N, its tokens copied out behind an event -> return N-1's events
+             finishes) -> sample N, its tokens (and the log-probabilities of rows that ask:
+             token_logprobs.py) copied out behind an event -> return N-1's events
 
 The token of step N-1 reaches the caller one launch later than without overlap; the steps come
 faster. Step N is scheduled before N-1's tokens are known, so:
@@ -53,6 +54,7 @@ from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.outputs import TokenEvent
 from freetoken_agent.engine.request import Batch, Request, ScheduledChunk, Status
 from freetoken_agent.engine.runner import LaunchedStep
+from freetoken_agent.engine.token_logprobs import HostStaging, StepLogprobs, entries
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.engine import Engine
@@ -71,6 +73,9 @@ class InFlight:
     ready: torch.cuda.Event | None  # recorded after the copy (None on a CPU device)
     launched_at: float
     advanced: bool = False  # its chunks advanced already (the next step was scheduled)
+    # The asking rows' log-probabilities, staged on the host behind `ready` like `host`
+    # (token_logprobs.py); None when no row asked.
+    logprobs: StepLogprobs | None = None
 
 
 class Overlap:
@@ -88,6 +93,7 @@ class Overlap:
         self._host = [torch.empty(n, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._ready = [torch.cuda.Event() for _ in range(2)] if pinned else [None, None]
         self._flip = 0
+        self._logprobs = HostStaging(n, pinned)  # their pinned buffers, paired with these
 
     # --- the plain loop's side --------------------------------------------------------------
     def eligible(self, batch: Batch) -> bool:
@@ -205,14 +211,17 @@ class Overlap:
         runner = self.engine.runner
         _, sampled = runner.sample_tokens(step)
         tokens = sampled.tokens  # the next step's input ids, on the device
-        host, ready = self._host[self._flip][: tokens.shape[0]], self._ready[self._flip]
+        slot = self._flip
+        host, ready = self._host[slot][: tokens.shape[0]], self._ready[slot]
         self._flip ^= 1
+        # Copied before the event is recorded, so the event covers them too (None: no row asked).
+        logprobs = self._logprobs.stage(sampled.logprobs, slot)
         if ready is not None:
             host.copy_(sampled.reported, non_blocking=True)  # NOT_FINITE rows: failed at accept
             ready.record()
         else:
             host = sampled.reported
-        self.inflight = InFlight(step.batch, tokens, host, ready, step.start)
+        self.inflight = InFlight(step.batch, tokens, host, ready, step.start, logprobs=logprobs)
         runner.step_done(step)
 
     def _complete(self, prev: InFlight, since: float) -> list[TokenEvent]:
@@ -223,6 +232,7 @@ class Overlap:
             if prev.ready is not None:
                 prev.ready.synchronize()
             tokens = prev.host.tolist()
+            found = entries(prev.logprobs, tokens)
         except Exception as err:  # noqa: BLE001
             log.exception("a step in flight failed; failing its requests")
             return self._fail(prev.batch, err)
@@ -232,10 +242,10 @@ class Overlap:
             for c in live:
                 e.scheduler.advance(c)
         events = []
-        for c, tok in zip(prev.batch.chunks, tokens, strict=True):
+        for c, tok, logprob in zip(prev.batch.chunks, tokens, found, strict=True):
             if c.request.status is Status.RUNNING:
                 e.scheduler.ahead.settle_ahead(c.request, tok)  # before the accept may checkpoint
-                events.append(e.accept(c.request, tok))
+                events.append(e.accept(c.request, tok, logprob))
         hook = e.runner.on_decode_step
         if hook is not None and live:
             # Lagged steps follow each other without a gap: the time between two completions

@@ -14,6 +14,7 @@ import numpy as np
 
 from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 from freetoken_agent.engine.kv.radix import Node
+from freetoken_agent.engine.outputs import TokenLogprob
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     output_ids: list[int] = field(default_factory=list)
+    # With sampling.logprobs set: one per entry of output_ids.
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     status: Status = Status.WAITING
     pages: list[int] = field(default_factory=list)
     nodes: list[Node | None] = field(default_factory=list)  # locked tree node per page, or None

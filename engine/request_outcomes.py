@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from freetoken_agent.engine.layers.sampler import NOT_FINITE, not_finite_message
-from freetoken_agent.engine.outputs import TokenEvent
+from freetoken_agent.engine.outputs import TokenEvent, TokenLogprob
 from freetoken_agent.engine.request import Batch, Request, Status
 from freetoken_agent.engine.sampling_params import SamplingParams
 
@@ -69,22 +69,24 @@ class RequestOutcomes:
                     self.finish(req, "scored")
                 continue
             if chunk.sample:
-                events.append(self.accept(req, out.sampled[req.id]))
+                events.append(self.accept(req, out.sampled[req.id], out.logprobs.get(req.id)))
         return events
 
-    def accept(self, req: Request, token: int) -> TokenEvent:
+    def accept(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> TokenEvent:
         """`_accept`, guarded: an error in one request's bookkeeping fails that request only.
         (Raised out of `step`, it failed every request of an overlapped pair, or, in the plain
-        loop, left the engine raising at every step with the request never finished.)"""
+        loop, left the engine raising at every step with the request never finished.)
+        `logprob`: the token's, when the request asked (token_logprobs.py); it goes on the
+        token's event and the output, whatever text the token makes (none, held back, cut)."""
         try:
-            return self._accept(req, token)
+            return self._accept(req, token, logprob)
         except Exception as e:  # noqa: BLE001 - one request must not take the engine down
             if req.status is Status.FINISHED:
                 raise  # it failed while finishing: not something to finish twice
             log.exception("accepting a token of request %s failed; failing it", req.id)
             return self.fail_request(req, f"{type(e).__name__}: {e}")
 
-    def _accept(self, req: Request, token: int) -> TokenEvent:
+    def _accept(self, req: Request, token: int, logprob: TokenLogprob | None) -> TokenEvent:
         problem = self.grammars.problem(req.id)
         if problem is not None:  # its grammar allowed no token: end this request only
             return self.fail_request(req, problem)
@@ -94,6 +96,8 @@ class RequestOutcomes:
         now = time.perf_counter()
         req.first_token_time = req.first_token_time or now
         req.output_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
         self.scheduler.checkpoint_decode(req, token)
         state = self.outputs[req.id]
         sp = req.sampling
@@ -115,6 +119,8 @@ class RequestOutcomes:
                 # The last characters, flushed, may complete a stop string (then cut there).
                 reason = "stop" if state.stopped else "length"
         event = TokenEvent(req.id, token, text, len(req.output_ids) - 1)
+        if logprob is not None:
+            event.logprob, event.top_logprobs = logprob.logprob, logprob.top
         if reason is not None:
             self.finish(req, reason)
             event.finished, event.finish_reason = True, reason

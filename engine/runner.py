@@ -21,7 +21,9 @@ from freetoken_agent.engine.layers.recurrent import RecurrentMetadata
 from freetoken_agent.engine.layers.sampler import Sampled, sample
 from freetoken_agent.engine.logits_processors import apply_processors, count_sampled
 from freetoken_agent.engine.models.base import MoeCausalLM
+from freetoken_agent.engine.outputs import TokenLogprob
 from freetoken_agent.engine.request import Batch, Request, ScheduledChunk, Status
+from freetoken_agent.engine.token_logprobs import attach, entries, raw_logprobs
 
 # T tokens in the step, B chunks (sequences), S page size, V vocab
 
@@ -31,6 +33,7 @@ class StepOutput:
     """What a step produced. Read by the Engine to update requests."""
 
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # the asking ones' tokens
     logits: dict[str, torch.Tensor] = field(default_factory=dict)  # score requests: [n, V]
 
 
@@ -266,6 +269,8 @@ class ModelRunner:
         if sampled is not None:
             reported = sampled.reported.tolist()  # NOT_FINITE rows: the engine fails them
             out.sampled = {r.id: t for r, t in zip(reqs, reported, strict=True)}
+            found = entries(sampled.logprobs, reported)  # the device is done with them too
+            out.logprobs = {r.id: e for r, e in zip(reqs, found, strict=True) if e is not None}
         chunks, inputs = batch.chunks, step.inputs
         for i, c in enumerate(chunks):
             if c.request.score_only:
@@ -310,10 +315,12 @@ class ModelRunner:
         masks: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[list[Request], Sampled | None]:
         """The requests whose chunks sample, in order, and their tokens [B'] int64 on the
-        device, with the reported ones (None when no chunk samples). Waits for nothing
-        (layers/sampler.py). Logit bias and penalties apply before the constraint mask, and
-        the penalised requests' counts take the sampled tokens on the device right after the
-        draw (logits_processors.py)."""
+        device, with the reported ones and the log-probabilities of the rows that ask for
+        them (token_logprobs.py); None when no chunk samples. Waits for nothing
+        (layers/sampler.py). The log-probabilities are the raw logits'; logit bias and
+        penalties apply after them and before the constraint mask, and the penalised requests'
+        counts take the sampled tokens on the device right after the draw
+        (logits_processors.py)."""
         chunks = step.batch.chunks
         sampling = [i for i, c in enumerate(chunks) if c.sample and not c.request.score_only]
         if not sampling:
@@ -321,6 +328,7 @@ class ModelRunner:
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, step.inputs, sampling))
         reqs = [chunks[i].request for i in sampling]
         params = [r.sampling for r in reqs]
+        raw = raw_logprobs(logits, params)  # the model's own logits; None unless a row asks
         # Under overlap a row may belong to a request its previous step just finished (the
         # row is dropped at accept): a generator made for it now would outlive the request,
         # and a later request reusing its id would draw from it (not seeded afresh).
@@ -332,7 +340,7 @@ class ModelRunner:
         allowed = allowed_tokens([r.id for r in reqs], masks or {}, logits.shape[-1], self.device)
         sampled = sample(logits, params, gens, allowed)
         count_sampled(penalised, sampled.tokens)
-        return reqs, sampled
+        return reqs, attach(sampled, raw)
 
     def step_done(self, step: LaunchedStep) -> None:
         """After a step's sampling is enqueued: the offloaded bank's between-steps work."""

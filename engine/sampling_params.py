@@ -46,6 +46,7 @@ class Constraint(NamedTuple):
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it decode greedily
+MAX_LOGPROBS = 20  # top alternatives a token may report: OpenAI's top_logprobs limit
 SEED_MIN, SEED_END = -(2**63), 2**64  # what torch.Generator.manual_seed accepts
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
 BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
@@ -108,6 +109,11 @@ class SamplingParams:
     min_p: float = 0.0
     # OpenAI's: token id -> bias in [-100, 100], added to its logit before anything else.
     logit_bias: dict[int, float] | None = None
+    # Each generated token's log-probability under the model's raw distribution (log_softmax
+    # of its logits before temperature, top-k/top-p, a grammar's mask or any other processing:
+    # the model's view, not the sampler's; engine/token_logprobs.py). None: off; 0: the
+    # sampled token's only; k in 1..MAX_LOGPROBS: also the k most likely tokens with theirs.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # One stop string or one stop id may be given bare, as OpenAI's `stop` may.
@@ -169,6 +175,14 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             refuse("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         problems += self._processor_problems()
+        if self.logprobs is not None and not (
+            _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            refuse(
+                "logprobs",
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
+                f"{self.logprobs!r:.40}",
+            )
         problems += self._structured_output_problems()
         if problems:
             raise SamplingParamsError(problems)

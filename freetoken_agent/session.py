@@ -17,6 +17,11 @@ content, tool-call deltas); `parser_factory=None` yields `TextDelta`s of the raw
 `parser_factory(prompt)` returns an object with `feed(text) -> iterable of events` and
 `finish() -> iterable of events`; it gets the Prompt so it can see what the generation prefix
 opened (`prompt.generation_prefix`, e.g. "...<think>\\n").
+
+With `SamplingParams.logprobs` set, `send` also yields each generated token's TokenLogprob
+(engine/outputs.py), ahead of the events its text makes (whose text may come later: held back
+by the parser or the stop strings): one per token, thinking and tool-call tokens included, in
+order. Without it none come, so consumers that never ask need not know them.
 """
 
 from __future__ import annotations
@@ -215,7 +220,8 @@ class Session:
         *,
         parser_factory: ParserFactory | None = _UNSET,
     ) -> Iterator[Any]:
-        """Render, diff, generate. Yields TextDelta (or the parser's events), then Usage.
+        """Render, diff, generate. Yields TextDelta (or the parser's events), then Usage; with
+        logprobs asked, each token's TokenLogprob ahead of its text's events.
         Closing the iterator early aborts the request; what was generated so far is kept as
         sent (the engine caches it too)."""
         diff = self.diff(messages)
@@ -233,6 +239,8 @@ class Session:
                 end["started"] = True
                 if event.token_id is not None:
                     out_ids.append(event.token_id)
+                    if event.logprob is not None:  # asked for: ahead of the text it makes
+                        yield event.token_logprob()
                 if event.finished:
                     end["reason"], end["error"] = event.finish_reason, event.error
                 if event.text:

@@ -19,6 +19,9 @@ Why it is built this way:
   `method="json_mode"` constrains the answer to some JSON object (the prompt names the keys).
 - `bind_tools(..., parallel_tool_calls=False)` keeps OpenAI's promise of at most one call: the
   generation stops at the first complete call (FirstCallOnly, shared with the server).
+- `logprobs=True` (and `top_logprobs`, as ChatOpenAI names them) puts each token's raw
+  log-probability in `response_metadata["logprobs"]`, ChatOpenAI's shape; every generated
+  token has one, thinking and tool-call tokens included (integrations/openai_logprobs.py).
 - Reasoning streams in `additional_kwargs["reasoning_content"]` (and, with
   `output_version="v1"`, as reasoning content blocks) and goes back to the model in later
   turns, where the chat template keeps it.
@@ -48,6 +51,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, model_validator
 
 from freetoken_agent.integrations.langchain_call import (
+    LOGPROB_OPTIONS,
     SAMPLING_OPTIONS,
     PreparedCall,
     aretried_turn,
@@ -70,6 +74,7 @@ from freetoken_agent.integrations.langchain_runtime import (
     service_for,
 )
 from freetoken_agent.integrations.langchain_structured import structured_runnable
+from freetoken_agent.integrations.openai_logprobs import TokenStrings
 
 __all__ = ["ChatFreeToken", "GenerationError", "GenerationTimeout"]
 
@@ -110,6 +115,13 @@ class ChatFreeToken(BaseChatModel):
     """enable_thinking for templates that have it; None keeps the template's default."""
     streaming: bool = False
     """invoke() streams under the hood (LangChain's convention), so callbacks see each delta."""
+    logprobs: bool | None = None
+    """Each generated token's log-probability (the model's raw distribution, before temperature
+    or any other processing) in `response_metadata["logprobs"]`, in ChatOpenAI's shape:
+    {"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}; a streamed chunk holds
+    the tokens since the chunk before, so the chunks add up to the whole list."""
+    top_logprobs: int | None = None
+    """With logprobs=True: the most likely alternatives (0..20) listed for each token."""
 
     _service: Any = PrivateAttr(default=None)
     _pool: SessionPool | None = PrivateAttr(default=None)
@@ -276,10 +288,14 @@ class ChatFreeToken(BaseChatModel):
             messages,
             stop if stop is not None else self.stop,
             kwargs,
-            defaults={k: getattr(self, k, None) for k in SAMPLING_OPTIONS},
+            defaults={k: getattr(self, k, None) for k in (*SAMPLING_OPTIONS, *LOGPROB_OPTIONS)},
             timeout=self.timeout,
             service=lambda: self.service,
         )
+
+    def _builder(self) -> ChunkBuilder:
+        strings = TokenStrings(self.service.tokenizer)  # decodes only if logprobs come
+        return ChunkBuilder(self.model_name, self.output_version == "v1", strings)
 
     def _turn(self, messages, stop, kwargs) -> Iterator[Any]:
         """Session events of one call, retried while the engine fails before any output."""
@@ -298,7 +314,7 @@ class ChatFreeToken(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        builder = ChunkBuilder(self.model_name, self.output_version == "v1")
+        builder = self._builder()
         for event in self._turn(messages, stop, kwargs):
             builder.chunk(event)
         return _result(builder)
@@ -310,7 +326,7 @@ class ChatFreeToken(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        builder = ChunkBuilder(self.model_name, self.output_version == "v1")
+        builder = self._builder()
         for event in self._turn(messages, stop, kwargs):
             chunk = builder.chunk(event)
             if chunk is not None:
@@ -327,7 +343,7 @@ class ChatFreeToken(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        builder = ChunkBuilder(self.model_name, self.output_version == "v1")
+        builder = self._builder()
         async for event in self._aturn(messages, stop, kwargs):
             builder.chunk(event)
         return _result(builder)
@@ -339,7 +355,7 @@ class ChatFreeToken(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        builder = ChunkBuilder(self.model_name, self.output_version == "v1")
+        builder = self._builder()
         turn = self._aturn(messages, stop, kwargs)
         try:
             async for event in turn:

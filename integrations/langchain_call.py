@@ -18,7 +18,11 @@ from typing import Any
 from langchain_core.messages import BaseMessage
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from freetoken_agent.engine.sampling_params import SamplingParams, schema_of_response_format
+from freetoken_agent.engine.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    schema_of_response_format,
+)
 from freetoken_agent.integrations.constrained_output import output_schema
 from freetoken_agent.integrations.langchain_messages import (
     parse_tool_choice,
@@ -48,6 +52,7 @@ SAMPLING_OPTIONS = (
     "min_p",
     "logit_bias",
 )
+LOGPROB_OPTIONS = ("logprobs", "top_logprobs")  # ChatOpenAI's names; see `logprobs_option`
 # Options LangChain (or an OpenAI-minded caller) may pass that mean nothing here.
 _IGNORED_OPTIONS = ("stream", "strict")
 
@@ -67,9 +72,10 @@ def prepare_call(
     """Binding, history, sampling, timeout and whether one call at most may be made (not
     parallel_tool_calls) of a call; every input problem raises here.
 
-    `stop` is the call's, else the model's; `defaults` (by SAMPLING_OPTIONS) and `timeout` are
-    the model's, which the call's options override; `service` gives the model's EngineService,
-    asked for only to compile strict tools' grammar."""
+    `stop` is the call's, else the model's; `defaults` (by SAMPLING_OPTIONS and
+    LOGPROB_OPTIONS) and `timeout` are the model's, which the call's options override;
+    `service` gives the model's EngineService, asked for only to compile strict tools'
+    grammar."""
     kwargs = dict(kwargs)
     tools = kwargs.pop("tools", None)
     specs = [convert_to_openai_tool(t) for t in tools] if tools else []
@@ -80,6 +86,8 @@ def prepare_call(
         mode = "json_or_call" if mode == "auto" and specs else "json"
     options = {k: kwargs.pop(k, defaults.get(k)) for k in SAMPLING_OPTIONS}
     options = {k: v for k, v in options.items() if v is not None}
+    asked, top = (kwargs.pop(k, defaults.get(k)) for k in LOGPROB_OPTIONS)
+    options["logprobs"] = logprobs_option(asked, top)
     timeout = kwargs.pop("timeout", timeout)
     parallel = kwargs.pop("parallel_tool_calls", None)
     if parallel is not None and not isinstance(parallel, bool):
@@ -137,6 +145,20 @@ async def aretried_turn(
                 return
         finally:
             await turn.aclose()  # cancels (aborts) the engine request if still running
+
+
+def logprobs_option(asked: Any, top: Any) -> int | None:
+    """SamplingParams.logprobs from ChatOpenAI's `logprobs` (bool) and `top_logprobs` (0..20
+    alternatives a token; only with logprobs=True, as OpenAI takes them)."""
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError(f"logprobs must be True or False, got {asked!r:.40}")
+    if top is not None and (
+        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS
+    ):
+        raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r:.40}")
+    if top and not asked:
+        raise ValueError(f"top_logprobs={top} needs logprobs=True")
+    return (top or 0) if asked else None
 
 
 def stop_list(stop: str | Sequence[str] | None) -> list[str]:

@@ -7,7 +7,10 @@ Chunk conventions (what LangChain's `+` and agents expect):
   `name` (they would concatenate if repeated), later ones only `args` text, which adds up to
   the call's JSON arguments;
 - `usage_metadata`, `response_metadata` (finish_reason, model_name) and `chunk_position="last"`
-  are on the last chunk only, so they are counted once.
+  are on the last chunk only, so they are counted once;
+- with logprobs asked, a chunk's `response_metadata["logprobs"]` holds ChatOpenAI's
+  `{"content": [...], "refusal": None}` for the tokens since the chunk before (LangChain
+  concatenates the lists as it adds chunks); `invoke`'s message holds them all.
 
 With `output_version="v1"` LangChain turns each chunk's content into content blocks and merges
 blocks by their `index`. It numbers blocks that carry no index itself (one more per change of
@@ -34,6 +37,8 @@ from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 
+from freetoken_agent.engine.outputs import TokenLogprob
+from freetoken_agent.integrations.openai_logprobs import Pending, TokenStrings, chat_logprobs
 from freetoken_agent.parsers import (
     ContentDelta,
     ParseWarning,
@@ -85,9 +90,15 @@ class ChunkBuilder:
     """Turns one turn's events into chunks and keeps what the final message needs.
     `blocks`: emit v1 content blocks with explicit indices (see the module docstring)."""
 
-    def __init__(self, model_name: str, blocks: bool = False) -> None:
+    def __init__(
+        self, model_name: str, blocks: bool = False, strings: TokenStrings | None = None
+    ) -> None:
+        """`strings`: token strings for log-probabilities, when a turn brings them."""
         self.model_name = model_name
         self.blocks = blocks
+        self.strings = strings or TokenStrings(None)
+        self.logprobs: list[TokenLogprob] = []  # every token's, when the turn asked
+        self._pending = Pending()  # those not on a chunk yet
         self._block = -1  # index of the current content block (v1)
         self._kind: Any = None  # its kind: "text", "reasoning" or ("call", index)
         self._call_blocks: dict[int, int] = {}  # call index -> its block index (v1)
@@ -98,7 +109,26 @@ class ChunkBuilder:
         self.usage: Usage | None = None
 
     def chunk(self, event: Any) -> AIMessageChunk | None:
-        """The chunk for one event (None for events that add nothing to the stream)."""
+        """The chunk for one event (None for events that add nothing to the stream). A chunk
+        carries the log-probabilities of the tokens since the chunk before, if asked."""
+        if isinstance(event, TokenLogprob):
+            self.logprobs.append(event)
+            self._pending.add(event)
+            return None
+        piece = self._chunk(event)
+        if piece is not None:
+            self._attach_logprobs(piece)
+        return piece
+
+    def _attach_logprobs(self, piece: AIMessageChunk) -> None:
+        """Put the pending log-probabilities on `piece`: ChatOpenAI's response_metadata entry,
+        whose `content` lists LangChain concatenates as it adds chunks."""
+        entries = self._pending.take()
+        if entries:
+            logprobs = chat_logprobs(entries, self.strings)
+            piece.response_metadata = {**piece.response_metadata, "logprobs": logprobs}
+
+    def _chunk(self, event: Any) -> AIMessageChunk | None:
         if isinstance(event, (ContentDelta, TextDelta)):
             if not event.text:
                 return None
@@ -189,12 +219,14 @@ class ChunkBuilder:
         return meta
 
     def last_chunk(self) -> AIMessageChunk:
-        return AIMessageChunk(
+        piece = AIMessageChunk(
             content=self._empty(),
             usage_metadata=self.usage_metadata(),
             response_metadata=self.response_metadata(),
             chunk_position="last",
         )
+        self._attach_logprobs(piece)  # the tokens after the last text (an EOS, held text)
+        return piece
 
     def message(self) -> AIMessage:
         """The whole turn as one AIMessage (what `invoke` returns)."""
@@ -214,5 +246,11 @@ class ChunkBuilder:
                 if c.arguments is None
             ],
             usage_metadata=self.usage_metadata(),
-            response_metadata=self.response_metadata(),
+            response_metadata=self._whole_metadata(),
         )
+
+    def _whole_metadata(self) -> dict[str, Any]:
+        meta = self.response_metadata()
+        if self.logprobs:  # only when asked: each generated token has one
+            meta["logprobs"] = chat_logprobs(self.logprobs, self.strings)
+        return meta

@@ -32,12 +32,15 @@ and the kernel path nothing extra.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from freetoken_agent.engine.token_logprobs import StepLogprobs
 
 F32 = torch.float32
 NOT_FINITE = -1  # a reported token: the row's logits were not finite (see the module docstring)
@@ -48,6 +51,9 @@ NOT_FINITE = -1  # a reported token: the row's logits were not finite (see the m
 class Sampled(NamedTuple):
     tokens: torch.Tensor  # [B] int64, valid ids: what the next step may be fed
     reported: torch.Tensor  # [B] int64: tokens, NOT_FINITE where a row could not be sampled
+    # The asking rows' log-probabilities (engine/token_logprobs.py: the runner attaches them);
+    # None when no row asks.
+    logprobs: StepLogprobs | None = None
 
 
 def sample(

@@ -1,16 +1,17 @@
 """An OpenAI chat-completions body, checked field by field into one `ChatRequest`.
 
 Every refusal is a BadParam naming the field, so the client learns what to fix. Fields this
-engine cannot honour (n > 1, logprobs) are refused rather than silently ignored (the penalties
-and `logit_bias`, whose JSON keys are token ids written as strings, are honoured); fields that
-change nothing here (user, metadata, store, service_tier) are accepted when they have the right
-type. `parallel_tool_calls: false` is honoured: the turn stops at its
+engine cannot honour (n > 1, prediction, audio) are refused rather than silently ignored;
+the penalties, `logit_bias` (its JSON keys are token ids written as strings) and logprobs are
+honoured. Fields that change nothing here (user, metadata, store, service_tier) are accepted
+when they have the right type. `parallel_tool_calls: false` is honoured: the turn stops at its
 first complete call (one_call.py). `model` must name the served model or an alias
 (`check_model`; 404 otherwise). Unknown fields are ignored, as vLLM does, since SDKs add new
 ones faster than servers learn them; but other APIs' fields known to change the output (the
 legacy `functions`, vLLM's extensions) are honoured or refused by name (foreign_fields.py).
 The WebSocket `send` message shares the sampling and tool fields (`sampling_from`); text
-completions (text_request.py) share the sampling fields and `check_envelope`.
+completions (text_request.py) share the sampling fields and `check_envelope`. `logprobs` and
+`top_logprobs` are served: logprobs_request.py checks them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from freetoken_agent.integrations.server.foreign_fields import (
     enable_thinking,
     stop_token_ids,
 )
+from freetoken_agent.integrations.server.logprobs_request import chat_logprobs
 from freetoken_agent.integrations.server.tool_choice import (
     ToolChoice,
     call_or_answer_schema,
@@ -43,8 +45,6 @@ _INT64 = (-(2**63), 2**63 - 1)
 # Unsupported fields and the value that means "not used".
 _UNSUPPORTED = {
     "n": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "prediction": (None,),
     "audio": (None,),
 }
@@ -268,12 +268,14 @@ def turn_from(body: Mapping[str, Any], default_max: int) -> TurnRequest:
         raise BadParam(f"messages could not be read: {type(e).__name__}: {e}", "messages") from e
     tools = parse_tools(body.get("tools"))
     choice = parse_tool_choice(body.get("tool_choice"), tools)
+    logprobs = chat_logprobs(body)
     try:
         sampling = sampling_from(body, tools, choice, default_max)
     except BadParam:
         raise
     except InvalidRequestError as e:  # tool_call_schema on a malformed tool
         raise BadParam(str(e), "tools") from None
+    sampling.logprobs = logprobs  # checked against the same limit SamplingParams holds
     _flag(body, "parallel_tool_calls", "parallel_tool_calls")  # absent or null: true
     parallel = body.get("parallel_tool_calls") is not False
     return TurnRequest(messages, tools, choice, sampling, parallel, enable_thinking(body))

@@ -18,6 +18,12 @@ would run a call the non-streamed reply says was not made. A voided block's text
 content instead, as in that reply. Calls are numbered 0, 1... in the order they complete, as
 the reply lists them (the parser's own numbers skip voided calls). With tools and a JSON
 response_format, the answer too comes in one delta at the end (tool_choice.py says why).
+
+Log-probabilities, when the request asked (openai_logprobs.py has the shapes): a whole
+completion's choice holds every generated token's, reasoning and tool-call tokens included
+(vLLM puts them all in `content` too); while streaming, each chunk carries the tokens accepted
+since the chunk before, so a token whose text is held back, or a tool call that goes out
+whole, has its entries in the chunk that carries its text (or in the last chunk).
 """
 
 from __future__ import annotations
@@ -25,9 +31,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
-from freetoken_agent.engine.outputs import TokenEvent
+from freetoken_agent.engine.outputs import TokenEvent, TokenLogprob
+from freetoken_agent.integrations.openai_logprobs import (
+    Pending,
+    TextLogprobs,
+    TokenStrings,
+    chat_logprobs,
+)
 from freetoken_agent.integrations.server.reply import Reply
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Usage
@@ -51,11 +64,14 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 class CompletionFormat:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, strings: TokenStrings | None = None) -> None:
+        """`strings`: the token strings of a request that asked for logprobs (None: not)."""
         self.model = model
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self._calls = 0  # tool calls streamed so far: the next one's index
+        self._strings = strings
+        self._pending = Pending()  # entries for the next chunk (openai_logprobs.py)
 
     def _envelope(self, kind: str, choices: list) -> dict[str, Any]:
         return {
@@ -68,7 +84,11 @@ class CompletionFormat:
         }
 
     def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        """A chunk; asked for, its `logprobs` are the tokens' since the chunk before."""
+        logprobs = None
+        if self._strings is not None:
+            logprobs = chat_logprobs(self._pending.take(), self._strings)
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("chat.completion.chunk", [choice])
 
     def first_chunks(self) -> list[dict[str, Any]]:
@@ -81,7 +101,11 @@ class CompletionFormat:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage_json(usage)}
 
     def delta(self, event: Any) -> dict[str, Any] | None:
-        """The delta carrying one parser event (None: nothing to send for it)."""
+        """The delta carrying one parser event (None: nothing to send for it). A token's
+        log-probabilities wait for the next chunk."""
+        if isinstance(event, TokenLogprob):
+            self._pending.add(event)
+            return None
         if isinstance(event, ContentDelta) and event.text:
             return {"content": event.text}
         if isinstance(event, ReasoningDelta) and event.text:
@@ -100,11 +124,19 @@ class CompletionFormat:
             return {"tool_calls": [call]}
         return None  # ToolCallStart, ToolCallArgsDelta (held: see above), warnings, Usage
 
-    def completion(self, reply: Reply, usage: Usage | None, finish_reason: str | None):
+    def completion(
+        self,
+        reply: Reply,
+        usage: Usage | None,
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprob] = (),
+    ):
+        """The whole completion; `logprobs`: every token's, when asked."""
+        written = None if self._strings is None else chat_logprobs(logprobs, self._strings)
         choice = {
             "index": 0,
             "message": reply.openai_message(),
-            "logprobs": None,
+            "logprobs": written,
             "finish_reason": finish_reason,
         }
         return {**self._envelope("chat.completion", [choice]), "usage": usage_json(usage)}
@@ -113,10 +145,13 @@ class CompletionFormat:
 class TextCompletionFormat:
     """The legacy `text_completion` object, whole or in chunks (one choice, index 0)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, logprobs: TextLogprobs | None = None) -> None:
+        """`logprobs`: the writer of a request that asked for them (None: not)."""
         self.model = model
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
+        self._logprobs = logprobs
+        self._pending = Pending()  # entries for the next chunk (openai_logprobs.py)
 
     def _envelope(self, choices: list) -> dict[str, Any]:
         return {
@@ -129,7 +164,11 @@ class TextCompletionFormat:
         }
 
     def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        """A chunk; asked for, its `logprobs` are the tokens' since the chunk before."""
+        logprobs = None
+        if self._logprobs is not None:
+            logprobs = self._logprobs.block(self._pending.take())
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope([choice])
 
     def first_chunks(self) -> list[dict[str, Any]]:
@@ -142,9 +181,23 @@ class TextCompletionFormat:
         return {**self._envelope([]), "usage": usage_json(usage)}
 
     def delta(self, event: Any) -> str | None:
-        """The text a TextRun event carries (None: nothing to send for it)."""
-        return event.text if isinstance(event, TokenEvent) and event.text else None
+        """The text a TextRun event carries (None: nothing to send for it). Its token's
+        log-probabilities, asked for, wait for the next chunk."""
+        if not isinstance(event, TokenEvent):
+            return None
+        entry = event.token_logprob()
+        if entry is not None:
+            self._pending.add(entry)
+        return event.text or None
 
-    def completion(self, text: str, usage: Usage | None, finish_reason: str | None):
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def completion(
+        self,
+        text: str,
+        usage: Usage | None,
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprob] = (),
+    ):
+        """The whole completion; `logprobs`: every token's, when asked."""
+        written = None if self._logprobs is None else self._logprobs.block(logprobs)
+        choice = {"index": 0, "text": text, "logprobs": written, "finish_reason": finish_reason}
         return {**self._envelope([choice]), "usage": usage_json(usage)}

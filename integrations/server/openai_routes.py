@@ -23,6 +23,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.integrations.openai_logprobs import TextLogprobs, TokenStrings
 from freetoken_agent.integrations.server.chat_request import check_model, parse_chat_request
 from freetoken_agent.integrations.server.completion_format import (
     CompletionFormat,
@@ -121,7 +122,7 @@ async def _complete(request: Request, run: Run, fmt: Format) -> Response:
     usage = run.usage
     if usage is not None and usage.finish_reason == "error":
         return error_response(500, usage.error or "the engine failed this request", "server_error")
-    return JSONResponse(fmt.completion(run.reply, usage, run.finish_reason()))
+    return JSONResponse(fmt.completion(run.reply, usage, run.finish_reason(), run.logprobs))
 
 
 async def _serve(
@@ -159,7 +160,8 @@ async def chat_completions(request: Request) -> Response:
         log.exception("could not read a request")
         return error_response(500, f"{type(e).__name__}: {e}", "server_error")
     run = TurnRun(live, chat.turn)
-    fmt = CompletionFormat(state.model_id)
+    asked = chat.turn.sampling.logprobs is not None
+    fmt = CompletionFormat(state.model_id, TokenStrings(state.service.tokenizer) if asked else None)
     return await _serve(request, run, fmt, chat.stream, chat.include_usage)
 
 
@@ -174,7 +176,9 @@ async def text_completions(request: Request) -> Response:
         log.exception("could not read a request")
         return error_response(500, f"{type(e).__name__}: {e}", "server_error")
     run = TextRun(state.service, text.prompt, text.sampling)
-    fmt = TextCompletionFormat(state.model_id)
+    k = text.sampling.logprobs
+    writer = None if k is None else TextLogprobs(TokenStrings(state.service.tokenizer), k > 0)
+    fmt = TextCompletionFormat(state.model_id, writer)
     return await _serve(request, run, fmt, text.stream, text.include_usage)
 
 

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from freetoken_agent.engine.outputs import TokenLogprob
 from freetoken_agent.messages import AssistantMessage, ToolCall
 from freetoken_agent.parsers import (
     ContentDelta,
@@ -29,9 +30,14 @@ class Reply:
     calls: dict[int, ToolCallEnd] = field(default_factory=dict)  # by index, complete calls
     started: dict[int, ToolCallStart] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # Every generated token's log-probabilities, in order, when the turn asked for them (the
+    # Session's TokenLogprob events); they belong to the tokens, not to any one part.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, event: Any) -> None:
-        if isinstance(event, ReasoningDelta):
+        if isinstance(event, TokenLogprob):
+            self.logprobs.append(event)
+        elif isinstance(event, ReasoningDelta):
             self.reasoning.append(event.text)
         elif isinstance(event, ContentDelta):
             self.content.append(event.text)

@@ -9,9 +9,9 @@ autocomplete and scripts do not send (they send one prompt per request, as they 
 
 The sampling fields and their refusals are the chat route's (`sampling_from`, `check_envelope`);
 on top, what only this endpoint has and this server cannot do is refused by name: `suffix`
-(fill-in-the-middle), `echo`, `logprobs` (any value: even 0 asks for a logprobs object),
-`best_of` > 1; and so are the chat-only fields of other APIs (foreign_fields.py), since the
-prompt is not templated.
+(fill-in-the-middle), `echo` (with `logprobs` too: logprobs_request.py), `best_of` > 1; and so
+are the chat-only fields of other APIs (foreign_fields.py), since the prompt is not templated.
+`logprobs` (0..20, OpenAI's legacy form) is served.
 
 Without max_tokens a completion is 16 tokens long: OpenAI's default for this endpoint, and
 vLLM's, which clients of it rely on (an autocomplete that sends none must not generate to the
@@ -28,13 +28,13 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.chat_request import check_envelope, sampling_from
 from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.integrations.server.foreign_fields import check_text_fields
+from freetoken_agent.integrations.server.logprobs_request import text_logprobs
 from freetoken_agent.integrations.server.tool_choice import ToolChoice
 
 # Unsupported fields of this endpoint and the values that mean "not used".
 _UNSUPPORTED = {
     "suffix": (None, ""),
     "echo": (None, False),
-    "logprobs": (None,),
     "best_of": (None, 1),
 }
 _NO_TOOLS = ToolChoice("none")
@@ -85,9 +85,11 @@ def parse_text_request(
     if "prompt" not in body:
         raise BadParam("prompt is required: a string or a list of token ids", "prompt")
     prompt = prompt_from(body["prompt"])
+    logprobs = text_logprobs(body)  # first: echo with logprobs is refused as such
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
     check_text_fields(body)
     sampling = sampling_from(body, None, _NO_TOOLS, default_max)
+    sampling.logprobs = logprobs  # checked against the same limit SamplingParams holds
     return TextRequest(prompt, sampling, stream, include_usage)

@@ -2,7 +2,7 @@
 
     run = TextRun(service, prompt, sampling)
     await run.start()              # tokenized and submitted; bad input raises here (-> 400)
-    async for event in run.events(): ...   # TokenEvents that carry text, then a Usage
+    async for event in run.events(): ...   # TokenEvents that carry text (or logprobs), Usage
     run.cancel()                   # any time: aborts the request, frees its pages
 
 No Session and no chat template: the prompt's ids are the engine's prompt, so the text is what
@@ -24,6 +24,7 @@ from freetoken_agent.engine.outputs import (
     InvalidRequestError,
     SchemaError,
     TokenEvent,
+    TokenLogprob,
 )
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.bridge import request_figures
@@ -55,6 +56,8 @@ class TextRun:
         self.prompt_tokens = 0
         self.usage: Usage | None = None  # set when the request has ended
         self._pieces: list[str] = []
+        # Every generated token's log-probabilities, in order, when the request asked for them.
+        self.logprobs: list[TokenLogprob] = []
         self._generated = 0
         self._figures: dict[str, int] | None = None  # the engine's reuse figures, at the end
         self._request_id: str | None = None
@@ -102,14 +105,19 @@ class TextRun:
         return self.prompt_tokens
 
     async def events(self) -> AsyncIterator[TokenEvent | Usage]:
-        """The events that carry text, then the Usage (finish_reason "error", with the engine's
-        message, when the request failed)."""
+        """The events that carry text or, asked for, a token's log-probabilities (a token
+        whose text is held back still has them), then the Usage (finish_reason "error", with
+        the engine's message, when the request failed)."""
         while self.usage is None:
             event = await self._events.get()
             if event.token_id is not None:
                 self._generated += 1
+            entry = event.token_logprob()
+            if entry is not None:
+                self.logprobs.append(entry)
             if event.text:
                 self._pieces.append(event.text)
+            if event.text or entry is not None:
                 yield event
             if event.finished:
                 figures = self._figures or {"reused": 0, "prefilled": self.prompt_tokens}

@@ -31,7 +31,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from freetoken_agent.engine.outputs import SchemaError
+from freetoken_agent.engine.outputs import SchemaError, TokenLogprob
 from freetoken_agent.integrations.one_call import FirstCallOnly
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.chat_request import TurnRequest
@@ -257,6 +257,11 @@ class TurnRun:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """Every generated token's log-probabilities so far, when the turn asked for them."""
+        return self.reply.logprobs
 
     def finish_reason(self) -> str | None:
         reason = self.usage.finish_reason if self.usage is not None else None

@@ -14,7 +14,8 @@ from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
 class ScriptedEngine:
     """Answers each request with a queued reply: (text, finish_reason) or (text, finish_reason,
     error). One token per step, canonical tokenization; a reply with an error ends at once, as
-    an engine failure does, with no more tokens."""
+    an engine failure does, with no more tokens. A request asking for logprobs gets made-up
+    ones: -0.5 * (its position + 1), and its own token as its one top alternative."""
 
     def __init__(self, real: Engine) -> None:
         self.tokenizer, self.spec, self.max_model_len = (
@@ -54,7 +55,12 @@ class ScriptedEngine:
                 self.finished += 1
                 continue
             state[1] += 1
-            events.append(TokenEvent(rid, ids[i], detok.push(ids[i]), i))
+            event = TokenEvent(rid, ids[i], detok.push(ids[i]), i)
+            k = self.samplings[int(rid[1:])].logprobs
+            if k is not None:  # made-up values, distinct per position: -0.5, -1.0, ...
+                event.logprob = -0.5 * (i + 1)
+                event.top_logprobs = ((ids[i], event.logprob),)[:k]
+            events.append(event)
         for event in events:
             self.events.setdefault(event.request_id, []).append(event)
         return events

@@ -67,7 +67,8 @@ def test_bad_messages_name_the_message(client, rng_seed):
         ("max_tokens", 0),
         ("max_completion_tokens", -3),
         ("n", 2),
-        ("logprobs", True),
+        ("logprobs", "yes"),  # served when true (tests/integrations/server/test_logprobs.py)
+        ("top_logprobs", 3),  # without logprobs: true
         ("stop", [""]),
         ("stream", "yes"),
         ("tool_choice", {"type": "function", "function": {"name": "nope"}}),

@@ -178,8 +178,8 @@ def test_openai_sdk_parses_plain_and_streamed(start_server, model_dir, rng_seed,
     [
         ("suffix", "\n    return x\n"),
         ("echo", True),
-        ("logprobs", 0),
-        ("logprobs", 3),
+        ("logprobs", 21),  # served in 0..20 (tests/integrations/server/test_logprobs.py)
+        ("logprobs", True),
         ("best_of", 2),
         ("logit_bias", {"50": 101}),
         ("logit_bias", {"999999": 1}),  # outside the vocabulary: the engine's refusal

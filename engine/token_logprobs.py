@@ -1,0 +1,139 @@
+"""Token log-probabilities: what a request with `SamplingParams.logprobs` set gets per token.
+
+What they are: log_softmax of the step's logits as the model produced them (fp32, or the
+model's float64 in tests), before temperature, top-k/top-p, a grammar's mask or any other
+processing: the "raw" log-probabilities (vLLM's default, `logprobs_mode="raw_logprobs"`). They
+describe the model, not the sampler: a token a grammar forced may have a low one, and a token
+the mask banned may be among the top ones. The top entries are the k largest, sorted, most
+likely first (`torch.topk`; ties in whatever order it gives).
+
+Where they are computed: on the device, in `ModelRunner.sample_tokens`, from the logits it
+built, for the rows that ask only: `raw_logprobs` before sampling (a gather of those rows, one
+log_softmax, one topk), `attach` after it (a gather of the sampled ids). A step where no row
+asks does none of it: no launch, no allocation, only a scan of the rows' params on the host
+(the greedy decode step is latency-critical).
+
+How they reach the host: never by a wait at sample time. The plain loop reads them where it
+reads the tokens (`ModelRunner.run`, which waits for those anyway). Under overlap scheduling
+`Overlap._sample` copies them into pinned host buffers (`HostStaging`, alternating like the
+token buffers) before it records the event the tokens' copy is behind, and `Overlap._complete`
+reads them once it has waited for that event. `entries` turns them into TokenLogprobs, which
+`RequestOutcomes.accept` puts on the token's event and the request's output.
+
+Shapes: B rows sampled in the step, R of them asking, V vocab, K the largest k asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from freetoken_agent.engine.device_index import on_device
+from freetoken_agent.engine.outputs import TokenLogprob
+from freetoken_agent.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from freetoken_agent.engine.layers.sampler import Sampled
+
+
+@dataclass(slots=True)
+class RawLogprobs:
+    """The asking rows' log-probabilities, computed before sampling (on the device)."""
+
+    rows: list[int]  # the asking rows among the B, ascending
+    ks: list[int]  # each asking row's k (0: its token's logprob only)
+    index: torch.Tensor | None  # [R] int64 on the device: `rows`; None when every row asks
+    logp: torch.Tensor  # [R, V]
+    top: tuple[torch.Tensor, torch.Tensor] | None  # ([R, K] values, [R, K] int64 ids); K = 0: None
+
+
+@dataclass(slots=True)
+class StepLogprobs:
+    """One step's log-probabilities, on the device or (staged) on the host."""
+
+    rows: list[int]  # the asking rows among the B, ascending
+    ks: list[int]  # each asking row's k
+    chosen: torch.Tensor  # [R]: the sampled token's
+    top_values: torch.Tensor | None  # [R, K], descending
+    top_ids: torch.Tensor | None  # [R, K] int64
+
+
+def raw_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> RawLogprobs | None:
+    """`logits` [B, V] as the model gave them; None (and nothing done) when no row asks. Run
+    it before anything processes the logits: they must be the model's own."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    index = None
+    if len(rows) < len(params):  # the row indices through pinned memory (device_index.py)
+        index = on_device(rows, torch.int64, logits.device)
+        logits = logits.index_select(0, index)
+    logp = torch.log_softmax(logits, dim=-1)  # [R, V]
+    ks = [params[i].logprobs for i in rows]
+    k = min(max(ks), logits.shape[-1])
+    top = logp.topk(k, dim=-1, sorted=True) if k else None
+    return RawLogprobs(rows, ks, index, logp, None if top is None else (top.values, top.indices))
+
+
+def attach(sampled: Sampled, raw: RawLogprobs | None) -> Sampled:
+    """`sampled` with the log-probabilities of its tokens (itself when no row asked)."""
+    if raw is None:
+        return sampled
+    tokens = sampled.tokens if raw.index is None else sampled.tokens.index_select(0, raw.index)
+    chosen = raw.logp.gather(1, tokens[:, None]).squeeze(1)  # [R]
+    values, ids = raw.top if raw.top is not None else (None, None)
+    return sampled._replace(logprobs=StepLogprobs(raw.rows, raw.ks, chosen, values, ids))
+
+
+class HostStaging:
+    """Pinned host buffers for the overlapped loop's copies, two sets alternating as its token
+    buffers do (a set is read before the step after next takes it back). Made on first use:
+    an engine whose requests never ask allocates nothing. Off a CUDA device nothing is copied
+    (`stage` returns the step's tensors: the CPU computed them in order already)."""
+
+    def __init__(self, max_rows: int, pinned: bool) -> None:
+        self.max_rows = max_rows
+        self.pinned = pinned
+        self._sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None, None]
+
+    def stage(self, step: StepLogprobs | None, slot: int) -> StepLogprobs | None:
+        """Enqueue the copy of `step` into set `slot` (non_blocking: valid once the caller's
+        event, recorded after this, has completed); what `entries` reads then."""
+        if step is None or not self.pinned:
+            return step
+        if self._sets[slot] is None:
+            n = self.max_rows
+
+            def pinned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+            values = (pinned(n, dtype=torch.float32), pinned(n, MAX_LOGPROBS, dtype=torch.float32))
+            self._sets[slot] = (*values, pinned(n, MAX_LOGPROBS, dtype=torch.int64))
+        chosen_h, values_h, ids_h = self._sets[slot]
+        r = len(step.rows)
+        # float32 on the host whatever the logits' dtype (a float64 model's: a no-op otherwise).
+        chosen_h[:r].copy_(step.chosen, non_blocking=True)
+        if step.top_values is None:
+            return StepLogprobs(step.rows, step.ks, chosen_h[:r], None, None)
+        k = step.top_values.shape[1]
+        values_h[:r, :k].copy_(step.top_values, non_blocking=True)
+        ids_h[:r, :k].copy_(step.top_ids, non_blocking=True)
+        return StepLogprobs(step.rows, step.ks, chosen_h[:r], values_h[:r, :k], ids_h[:r, :k])
+
+
+def entries(step: StepLogprobs | None, tokens: list[int]) -> list[TokenLogprob | None]:
+    """Each of the B rows' TokenLogprob (None for a row that did not ask), `tokens` [B] being
+    the step's reported tokens. Reads `step` on the host: a wait for the device unless the
+    caller waited already (the plain loop's tokens, the overlapped loop's event)."""
+    out: list[TokenLogprob | None] = [None] * len(tokens)
+    if step is None:
+        return out
+    chosen = step.chosen.tolist()
+    values = step.top_values.tolist() if step.top_values is not None else None
+    ids = step.top_ids.tolist() if step.top_ids is not None else None
+    for j, (row, k) in enumerate(zip(step.rows, step.ks, strict=True)):
+        top = () if not k else tuple(zip(ids[j][:k], values[j][:k], strict=True))
+        out[row] = TokenLogprob(tokens[row], chosen[j], top)
+    return out

@@ -1,0 +1,111 @@
+"""Token log-probabilities in OpenAI's shapes, for the server's routes and ChatFreeToken.
+
+The engine reports one TokenLogprob per generated token (engine/outputs.py: the model's raw
+log-probabilities, before temperature or any other processing). Written out here:
+
+chat      {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+          "bytes"}, ...]}, ...], "refusal": None}: `choices[0].logprobs` of a chat completion,
+          and ChatFreeToken's `response_metadata["logprobs"]` (where ChatOpenAI puts it)
+text      {"tokens", "token_logprobs", "top_logprobs": [{token: logprob, ...} | None, ...],
+          "text_offset"}: the legacy completions' form (`top_logprobs` None for a token when
+          none were asked; ids that decode alike share one key there, holding the larger)
+
+A token's string is that token decoded alone by the model's tokenizer, special tokens kept
+(an EOS shows as "<|im_end|>"); `bytes` are that string's UTF-8 bytes. As in vLLM, a token
+holding part of a multi-byte character decodes alone to U+FFFD, so its string and bytes are
+those of U+FFFD, not the raw byte. Without a tokenizer a token's string is "token_id:N"
+(vLLM's spelling of the same).
+
+Lining up: one entry per token the engine accepted, in order, whatever text it made: a token
+whose text was held back (a partial character, a possible stop string's start) has its entry
+where it came; an EOS or a stop id has one though it adds no text; so do the tokens a stop
+string cut from the text. A stream sends each token's entry with the first chunk that goes
+out at or after it (`Pending`), so a chunk's entries are the tokens accepted since the chunk
+before: text held back, a tool call that goes out whole, the tokens after the last text go
+with the chunk that carries their text or with the last chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from freetoken_agent.engine.outputs import TokenLogprob
+
+
+class TokenStrings:
+    """token id -> its string (see the module docstring), cached: the same ids come back."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            if self.tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+
+def _chat_item(strings: TokenStrings, token_id: int, logprob: float) -> dict[str, Any]:
+    token = strings(token_id)
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_entry(entry: TokenLogprob, strings: TokenStrings) -> dict[str, Any]:
+    """One token's entry of a chat `logprobs.content`."""
+    item = _chat_item(strings, entry.token_id, entry.logprob)
+    item["top_logprobs"] = [_chat_item(strings, t, lp) for t, lp in entry.top]
+    return item
+
+
+def chat_logprobs(entries: Iterable[TokenLogprob], strings: TokenStrings) -> dict[str, Any]:
+    """A chat choice's (or chunk's) `logprobs` object."""
+    return {"content": [chat_entry(e, strings) for e in entries], "refusal": None}
+
+
+class TextLogprobs:
+    """The legacy completions' `logprobs` objects of one completion, whole or chunk by chunk:
+    `text_offset` counts on across the chunks (each token's offset in the completion's text,
+    as the sum of the strings before it, vLLM's reckoning). `top`: whether alternatives were
+    asked (logprobs > 0); without, each token's `top_logprobs` is None."""
+
+    def __init__(self, strings: TokenStrings, top: bool) -> None:
+        self.strings = strings
+        self.top = top
+        self.offset = 0
+
+    def block(self, entries: Iterable[TokenLogprob]) -> dict[str, Any]:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": []}  # fmt: skip
+        for e in entries:
+            token = self.strings(e.token_id)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(e.logprob)
+            tops = None
+            if self.top:
+                tops = {}
+                for t, lp in e.top:  # most likely first: a string met again keeps its first
+                    tops.setdefault(self.strings(t), lp)
+            out["top_logprobs"].append(tops)
+            out["text_offset"].append(self.offset)
+            self.offset += len(token)
+        return out
+
+
+class Pending:
+    """A stream's entries not sent yet: `add` as they come, `take` for the next chunk."""
+
+    def __init__(self) -> None:
+        self._held: list[TokenLogprob] = []
+
+    def add(self, entry: TokenLogprob) -> None:
+        self._held.append(entry)
+
+    def take(self) -> list[TokenLogprob]:
+        held, self._held = self._held, []
+        return held
