@@ -84,10 +84,12 @@ class CompletionFormat:
         }
 
     def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        """A chunk; asked for, its `logprobs` are the tokens' since the chunk before."""
+        """A chunk; asked for, its `logprobs` are the tokens' since the chunk before (null
+        when it carries none, as OpenAI's role chunk and vLLM's chunks without tokens do)."""
         logprobs = None
-        if self._strings is not None:
-            logprobs = chat_logprobs(self._pending.take(), self._strings)
+        taken = self._pending.take() if self._strings is not None else []
+        if taken:
+            logprobs = chat_logprobs(taken, self._strings)
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("chat.completion.chunk", [choice])
 

@@ -95,8 +95,10 @@ def test_chat_logprobs_are_the_engine_s_whole_and_streamed(client, model_dir, re
 
     chunks = _stream(client, CHAT, body, read_sse)
     pieces = [c["choices"][0]["logprobs"] for c in chunks]
-    assert all(p is not None and p["refusal"] is None for p in pieces), rng_seed
-    streamed = [e for p in pieces for e in p["content"]]
+    # A chunk without tokens (the role chunk, say) has null logprobs, as OpenAI's and vLLM's.
+    assert pieces[0] is None and all(p is None or p["content"] for p in pieces), rng_seed
+    assert all(p is None or p["refusal"] is None for p in pieces), rng_seed
+    streamed = [e for p in pieces if p is not None for e in p["content"]]
     assert [e["token"] for e in streamed] == strings, rng_seed
     for a, b in zip(streamed, content, strict=True):
         _check_chat_entry(a, k or 0, rng_seed)
@@ -104,7 +106,7 @@ def test_chat_logprobs_are_the_engine_s_whole_and_streamed(client, model_dir, re
     if _clean(tokenizer, out_ids, strings):  # each chunk: the tokens whose text it carries
         for c, p in zip(chunks, pieces, strict=True):
             text = c["choices"][0]["delta"].get("content") or ""
-            assert "".join(e["token"] for e in p["content"]) == text, rng_seed
+            assert "".join(e["token"] for e in (p or {"content": []})["content"]) == text, rng_seed
 
 
 def _text_block_ok(lp: dict, k: int, seed: int) -> None:
@@ -215,10 +217,12 @@ def test_thinking_and_tool_call_tokens_have_entries(scripted_client, read_sse, r
     assert [(e["token"], e["logprob"]) for e in whole["logprobs"]["content"]] == expected
     assert all(len(e["top_logprobs"]) == k for e in whole["logprobs"]["content"])
     chunks = _stream(client, CHAT, body, read_sse)
-    streamed = [e for c in chunks for e in c["choices"][0]["logprobs"]["content"]]
+    pieces = [c["choices"][0]["logprobs"] for c in chunks]
+    assert pieces[0] is None and all(p is None or p["content"] for p in pieces), rng_seed
+    streamed = [e for p in pieces if p is not None for e in p["content"]]
     assert [(e["token"], e["logprob"]) for e in streamed] == expected, rng_seed
-    for c in chunks:
-        delta, entries = c["choices"][0]["delta"], c["choices"][0]["logprobs"]["content"]
+    for c, p in zip(chunks, pieces, strict=True):
+        delta, entries = c["choices"][0]["delta"], (p or {"content": []})["content"]
         if delta.get("tool_calls"):
             assert entries and entries[-1]["token"] == "</tool_call>", (rng_seed, delta)
         text = delta.get("reasoning_content") or delta.get("content")
