@@ -49,6 +49,10 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below it decode greedily
 MAX_LOGPROBS = 20  # top alternatives a token may report: OpenAI's top_logprobs limit
 SEED_MIN, SEED_END = -(2**63), 2**64  # what torch.Generator.manual_seed accepts
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+# The repetition penalty's range: a logit is divided or multiplied by it in the logits' fp32,
+# where a factor near 0 or 1e38 turns a finite logit into inf or NaN, which the sampler then
+# reports as the model's fault. Useful values are ~0.8-1.5; these bounds are far outside them.
+REPETITION_RANGE = (0.01, 100.0)
 BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
@@ -196,8 +200,9 @@ class SamplingParams:
                 got = f"{value!r:.40}"
                 problems.append((name, f"{name} must be in [-2, 2] (0: off), got {got}"))
         rep = self.repetition_penalty
-        if not _is_real(rep) or not 0 < rep < math.inf:
-            text = f"repetition_penalty must be a finite number > 0 (1: off), got {rep!r:.40}"
+        low, high = REPETITION_RANGE
+        if not _is_real(rep) or not low <= rep <= high:
+            text = f"repetition_penalty must be in [{low}, {high:g}] (1: off), got {rep!r:.40}"
             problems.append(("repetition_penalty", text))
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             problems.append(("min_p", f"min_p must be in [0, 1] (0: off), got {self.min_p!r:.40}"))

@@ -210,6 +210,9 @@ class ChatFreeToken(BaseChatModel):
             "repetition_penalty": self.repetition_penalty,
             "min_p": self.min_p,
             "logit_bias": self.logit_bias,
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs,
+            "stop": self.stop,
             "reasoning": self.reasoning,
         }
 

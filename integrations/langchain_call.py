@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from langchain_core.messages import BaseMessage
@@ -86,6 +86,8 @@ def prepare_call(
         mode = "json_or_call" if mode == "auto" and specs else "json"
     options = {k: kwargs.pop(k, defaults.get(k)) for k in SAMPLING_OPTIONS}
     options = {k: v for k, v in options.items() if v is not None}
+    if "logit_bias" in options:
+        options["logit_bias"] = bias_by_id(options["logit_bias"])
     asked, top = (kwargs.pop(k, defaults.get(k)) for k in LOGPROB_OPTIONS)
     options["logprobs"] = logprobs_option(asked, top)
     timeout = kwargs.pop("timeout", timeout)
@@ -107,6 +109,18 @@ def prepare_call(
         grammar = strict_grammar(service(), specs)
     sampling = SamplingParams(**options, stop=stops, json_schema=constraint, grammar=grammar)
     return binding, to_history(messages), sampling, timeout, parallel is False
+
+
+def bias_by_id(bias: Any) -> Any:
+    """A logit_bias with its token ids as ints: the OpenAI SDK types its keys as strings of
+    digits (as they come in JSON), which the model's field converts (pydantic) and a call's
+    option must too. Anything else is left for SamplingParams to refuse by name."""
+    if not isinstance(bias, Mapping):
+        return bias
+    return {
+        int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19 else k: v
+        for k, v in bias.items()
+    }
 
 
 def retried_turn(pool: SessionPool, call: PreparedCall, max_retries: int) -> Iterator[Any]:

@@ -69,20 +69,23 @@ def chat_logprobs(entries: Iterable[TokenLogprob], strings: TokenStrings) -> dic
 
 
 class TextLogprobs:
-    """The legacy completions' `logprobs` objects of one completion, whole or chunk by chunk:
-    `text_offset` counts on across the chunks (each token's offset in the completion's text,
-    as the sum of the strings before it, vLLM's reckoning). `top`: whether alternatives were
-    asked (logprobs > 0); without, each token's `top_logprobs` is None."""
+    """The legacy completions' `logprobs` objects of one completion, whole or chunk by chunk.
+    `text_offset`: each token's offset in the completion's text, the characters the tokens
+    before it released (a token whose text is held back, a character split across tokens or
+    a stop string's prefix, points where its text begins; vLLM sums the tokens' lone decodes,
+    which drift from the text at the first such token). `top`: whether alternatives were asked
+    (logprobs > 0); then each token's `top_logprobs` holds the k most likely and the sampled
+    token, as OpenAI's "up to logprobs + 1" entries; without, it is None."""
 
     def __init__(self, strings: TokenStrings, top: bool) -> None:
         self.strings = strings
         self.top = top
-        self.offset = 0
 
-    def block(self, entries: Iterable[TokenLogprob]) -> dict[str, Any]:
+    def block(self, entries: Iterable[tuple[TokenLogprob, int]]) -> dict[str, Any]:
+        """`entries`: each token's (TokenLogprob, text offset)."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                 "text_offset": []}  # fmt: skip
-        for e in entries:
+        for e, offset in entries:
             token = self.strings(e.token_id)
             out["tokens"].append(token)
             out["token_logprobs"].append(e.logprob)
@@ -91,9 +94,9 @@ class TextLogprobs:
                 tops = {}
                 for t, lp in e.top:  # most likely first: a string met again keeps its first
                     tops.setdefault(self.strings(t), lp)
+                tops.setdefault(token, e.logprob)
             out["top_logprobs"].append(tops)
-            out["text_offset"].append(self.offset)
-            self.offset += len(token)
+            out["text_offset"].append(offset)
         return out
 
 

@@ -22,7 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.engine.outputs import InvalidRequestError
-from freetoken_agent.engine.sampling_params import SamplingParams, SamplingParamsError
+from freetoken_agent.engine.sampling_params import (
+    REPETITION_RANGE,
+    SamplingParams,
+    SamplingParamsError,
+)
 from freetoken_agent.integrations.server.errors import BadParam, ModelNotFound, check_nesting
 from freetoken_agent.integrations.server.foreign_fields import (
     check_chat_fields,
@@ -162,7 +166,7 @@ def sampling_from(
         "ignore_eos": ignore_eos,
         "presence_penalty": _number(body, "presence_penalty", -2, 2),
         "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
-        "repetition_penalty": _number(body, "repetition_penalty", 0, math.inf, lo_open=True),
+        "repetition_penalty": _number(body, "repetition_penalty", *REPETITION_RANGE),
         "min_p": _number(body, "min_p", 0, 1),
         "logit_bias": _logit_bias(body),
         "response_format": None if either else fmt,
@@ -193,9 +197,11 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, Any] | None:
         )
     bias = {}
     for key, number in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+        # Digits only, and few enough for int() (Python refuses over 4300 digits, a 500 here);
+        # 19 digits pass every vocabulary, the engine's check names an id outside its own.
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19):
             raise BadParam(
-                f"logit_bias keys must be token ids (strings of digits), got {key!r:.40}",
+                f"logit_bias keys must be token ids (strings of up to 19 digits), got {key!r:.40}",
                 "logit_bias",
             )
         bias[int(key)] = number

@@ -153,7 +153,8 @@ class TextCompletionFormat:
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self._logprobs = logprobs
-        self._pending = Pending()  # entries for the next chunk (openai_logprobs.py)
+        self._pending: list[tuple[TokenLogprob, int]] = []  # (entry, offset) for the next chunk
+        self._released = 0  # characters of text released so far: the next token's offset
 
     def _envelope(self, choices: list) -> dict[str, Any]:
         return {
@@ -169,7 +170,7 @@ class TextCompletionFormat:
         """A chunk; asked for, its `logprobs` are the tokens' since the chunk before."""
         logprobs = None
         if self._logprobs is not None:
-            logprobs = self._logprobs.block(self._pending.take())
+            logprobs, self._pending = self._logprobs.block(self._pending), []
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope([choice])
 
@@ -189,7 +190,8 @@ class TextCompletionFormat:
             return None
         entry = event.token_logprob()
         if entry is not None:
-            self._pending.add(entry)
+            self._pending.append((entry, self._released))
+        self._released += len(event.text)
         return event.text or None
 
     def completion(
@@ -197,9 +199,9 @@ class TextCompletionFormat:
         text: str,
         usage: Usage | None,
         finish_reason: str | None,
-        logprobs: Sequence[TokenLogprob] = (),
+        logprobs: Sequence[tuple[TokenLogprob, int]] = (),
     ):
-        """The whole completion; `logprobs`: every token's, when asked."""
+        """The whole completion; `logprobs`: every token's (entry, text offset), when asked."""
         written = None if self._logprobs is None else self._logprobs.block(logprobs)
         choice = {"index": 0, "text": text, "logprobs": written, "finish_reason": finish_reason}
         return {**self._envelope([choice]), "usage": usage_json(usage)}

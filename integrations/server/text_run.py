@@ -57,8 +57,10 @@ class TextRun:
         self.usage: Usage | None = None  # set when the request has ended
         self._pieces: list[str] = []
         # Every generated token's log-probabilities, in order, when the request asked for them.
-        self.logprobs: list[TokenLogprob] = []
+        # Each token's log-probabilities and the offset of its text in the reply, when asked.
+        self.logprobs: list[tuple[TokenLogprob, int]] = []
         self._generated = 0
+        self._released = 0  # characters of the reply so far
         self._figures: dict[str, int] | None = None  # the engine's reuse figures, at the end
         self._request_id: str | None = None
         self._cancelled = False
@@ -114,9 +116,10 @@ class TextRun:
                 self._generated += 1
             entry = event.token_logprob()
             if entry is not None:
-                self.logprobs.append(entry)
+                self.logprobs.append((entry, self._released))
             if event.text:
                 self._pieces.append(event.text)
+                self._released += len(event.text)
             if event.text or entry is not None:
                 yield event
             if event.finished:

@@ -37,7 +37,16 @@ BAD = {
     "presence_penalty": lambda r: _bad_penalty(r),
     "frequency_penalty": lambda r: _bad_penalty(r),
     "repetition_penalty": lambda r: r.choice(
-        [0, -r.uniform(0.01, 5), float("inf"), float("nan"), "2", True]
+        [
+            0,
+            -r.uniform(0.01, 5),
+            float("inf"),
+            float("nan"),
+            "2",
+            True,
+            r.uniform(1e-45, 0.0099),
+            r.uniform(100.01, 1e38),
+        ]  # fp32 makes a logit inf or NaN
     ),
     "min_p": lambda r: r.choice(
         [-r.uniform(0.001, 1), 1 + r.uniform(0.001, 1), float("nan"), True]

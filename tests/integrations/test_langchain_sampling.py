@@ -67,3 +67,33 @@ def test_a_bad_value_is_a_value_error_naming_it(scripted, rng_seed):
     with pytest.raises(ValueError, match=field):
         ChatFreeToken(engine=service, max_tokens=4).invoke("ka", **{field: bad[field]})
     assert fake.submitted == 0
+
+
+def test_string_token_ids_in_logit_bias_work_per_call_as_in_the_field(scripted, rng_seed):
+    """The OpenAI SDK types logit_bias keys as strings of digits: the model's field converts
+    them (pydantic), and a call's option or a bind must take them alike."""
+    rng = random.Random(rng_seed)
+    fake, service = scripted
+    fake.replies = [("ok", "stop")] * 2
+    bias = {str(rng.randrange(300)): rng.uniform(-100, 100) for _ in range(rng.randint(1, 4))}
+    want = {int(k): v for k, v in bias.items()}
+    llm = ChatFreeToken(engine=service, max_tokens=4)
+    llm.invoke("ka lo", logit_bias=bias)
+    assert fake.samplings[-1].logit_bias == want, bias
+    llm.bind(logit_bias=bias).invoke("ka lo")
+    assert fake.samplings[-1].logit_bias == want, bias
+
+
+def test_the_cache_key_tells_logprobs_stop_and_the_processors_apart(scripted, rng_seed):
+    """LangChain caches by the model's identifying params (ChatFreeToken is not serialisable):
+    two models differing only in one sampling field must not share a cached reply (one asked
+    for logprobs would get the other's reply without them)."""
+    rng = random.Random(rng_seed)
+    _, service = scripted
+    base = ChatFreeToken(engine=service, max_tokens=4)
+    field, value = rng.choice(
+        [("logprobs", True), ("top_logprobs", rng.randint(1, 20)), ("stop", ["zz"]),
+         ("logit_bias", {rng.randrange(300): 5.0}), ("min_p", rng.random())]
+    )  # fmt: skip
+    other = ChatFreeToken(engine=service, max_tokens=4, **{field: value})
+    assert base._get_llm_string() != other._get_llm_string(), field

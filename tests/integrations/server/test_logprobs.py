@@ -113,17 +113,21 @@ def _text_block_ok(lp: dict, k: int, seed: int) -> None:
     n = len(lp["tokens"])
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}, seed
     assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
-    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+    for token, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                                  strict=True):  # fmt: skip
         if k == 0:
             assert top is None, seed
-        else:  # ids decoding alike share a key: at most k
-            assert 1 <= len(top) <= k and abs(max(top.values()) - chosen) <= TOL, seed
+        else:  # the k most likely and the sampled token ("up to logprobs + 1"); ids decoding
+            # alike share a key, which keeps the likelier one's value
+            assert 1 <= len(top) <= k + 1 and top[token] >= chosen - TOL, seed
 
 
 def test_text_logprobs_line_up_with_the_text(client, model_dir, read_sse, rng_seed):
-    """Greedy completions: one entry per token, the engine's values, offsets that add up, the
-    strings concatenating to the text where each token is its own text (some prompt's output
-    is: a test that never met one fails), chunk by chunk when streamed."""
+    """Greedy completions: one entry per token, the engine's values, each offset where its
+    token's text begins in the reply (the characters the tokens before it released, as the
+    engine's events release them), the strings concatenating to the text where each token is
+    its own text (some prompt's output is: a test that never met one fails), chunk by chunk
+    when streamed."""
     rng = random.Random(rng_seed)
     tokenizer = client.app.state.server.service.tokenizer
     reference = _load(model_dir)
@@ -140,28 +144,45 @@ def test_text_logprobs_line_up_with_the_text(client, model_dir, read_sse, rng_se
         ids = tokenizer.encode(prompt, add_special_tokens=True)
         sp = SamplingParams(max_tokens=body["max_tokens"], temperature=0, ignore_eos=True,
                             logprobs=k)  # fmt: skip
-        out = reference.generate(ids, sp)
-        assert len(lp["tokens"]) == usage["completion_tokens"] == len(out.token_ids), rng_seed
-        want = [tokenizer.decode([t], skip_special_tokens=False) for t in out.token_ids]
+        events = [e for e in reference.stream(ids, sp) if e.token_id is not None]
+        out_ids = [e.token_id for e in events]
+        assert len(lp["tokens"]) == usage["completion_tokens"] == len(out_ids), rng_seed
+        want = [tokenizer.decode([t], skip_special_tokens=False) for t in out_ids]
         assert lp["tokens"] == want, rng_seed
-        for got, entry in zip(lp["token_logprobs"], out.logprobs, strict=True):
-            assert abs(got - entry.logprob) <= TOL, rng_seed
-        offsets = [sum(len(t) for t in want[:i]) for i in range(len(want))]
-        assert lp["text_offset"] == offsets, rng_seed
-        if not _clean(tokenizer, out.token_ids, want):
+        for got, event in zip(lp["token_logprobs"], events, strict=True):
+            assert abs(got - event.logprob) <= TOL, rng_seed
+        released = [e.text for e in events]
+        offsets = [sum(len(t) for t in released[:i]) for i in range(len(released))]
+        assert lp["text_offset"] == offsets and "".join(released) == choice["text"], rng_seed
+        chunks = _stream(client, TEXT, body, read_sse)
+        blocks = [c["choices"][0]["logprobs"] for c in chunks]
+        assert [o for b in blocks for o in b["text_offset"]] == offsets, rng_seed
+        assert [t for b in blocks for t in b["tokens"]] == lp["tokens"], rng_seed
+        if not _clean(tokenizer, out_ids, want):
             continue
         clean += 1
         assert "".join(lp["tokens"]) == choice["text"], rng_seed
-        chunks = _stream(client, TEXT, body, read_sse)
-        blocks = [c["choices"][0]["logprobs"] for c in chunks]
         for c, block in zip(chunks, blocks, strict=True):
             _text_block_ok(block, k, rng_seed)
             assert "".join(block["tokens"]) == c["choices"][0]["text"], rng_seed
-        assert [t for b in blocks for t in b["tokens"]] == lp["tokens"], rng_seed
-        assert [o for b in blocks for o in b["text_offset"]] == offsets, rng_seed
         if clean >= 2:
             break
     assert clean, f"seed {rng_seed}: no prompt gave an output of whole-character tokens"
+
+
+def test_legacy_top_logprobs_hold_the_sampled_token(client, rng_seed):
+    """OpenAI's "up to logprobs + 1" entries: the sampled token is among a token's
+    top_logprobs even when it is not among the k most likely (forced here by logit_bias)."""
+    rng = random.Random(rng_seed)
+    vocab = client.app.state.server.service.spec.vocab_size
+    forced = rng.randrange(3, vocab)
+    k = rng.randint(1, 5)
+    body = {"prompt": _words(rng, rng.randint(1, 6)), "max_tokens": rng.randint(2, 8),
+            "temperature": rng.choice([0, 1.0]), "seed": rng_seed, "ignore_eos": True,
+            "logprobs": k, "logit_bias": {str(forced): 100}}  # fmt: skip
+    lp = client.post(TEXT, json=body).json()["choices"][0]["logprobs"]
+    _text_block_ok(lp, k, rng_seed)
+    assert len(set(lp["tokens"])) == 1, (lp["tokens"], rng_seed)
 
 
 def test_tokens_a_stop_string_cut_keep_their_entries(client, read_sse, rng_seed):

@@ -114,3 +114,23 @@ def test_a_large_bias_forces_the_token_through_the_server(engine, make_client, r
             "ignore_eos": True, "logit_bias": {str(forced): 100}}  # fmt: skip
     r = client.post("/v1/completions", json=body).json()
     assert r["choices"][0]["text"] == alone.text and r["usage"]["completion_tokens"] == 5, r
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_refusals_at_the_edges_are_400s_naming_the_field(scripted_client, api_error, rng_seed,
+                                                        route):  # fmt: skip
+    """A logit_bias key too long for int() (over 4,300 digits: a ValueError, a 500 once) and
+    a repetition penalty so small or large that fp32 turns a logit into inf or NaN (which
+    then failed the request as the model's fault)."""
+    rng = random.Random(rng_seed)
+    fake, client = scripted_client
+    key = str(rng.randint(1, 9)) + "".join(
+        rng.choice("0123456789") for _ in range(rng.randint(19, 6000))
+    )
+    error = api_error(client.post(route, json=_body(route, rng, logit_bias={key: 1})), 400)
+    assert error["param"] == "logit_bias", error
+    for value in (rng.uniform(1e-45, 0.0099), rng.uniform(100.01, 1e38)):
+        body = _body(route, rng, repetition_penalty=value)
+        error = api_error(client.post(route, json=body), 400)
+        assert error["param"] == "repetition_penalty", (value, error)
+    assert fake.submitted == 0
