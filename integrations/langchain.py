@@ -212,7 +212,9 @@ class ChatFreeToken(BaseChatModel):
             "logit_bias": self.logit_bias,
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs,
-            "stop": self.stop,
+            # Not "stop": LangChain's cache key sets that to the call's stop, None without one,
+            # and two models with different stops would share cached replies.
+            "model_stop": self.stop,
             "reasoning": self.reasoning,
         }
 

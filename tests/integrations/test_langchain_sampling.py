@@ -91,9 +91,8 @@ def test_the_cache_key_tells_logprobs_stop_and_the_processors_apart(scripted, rn
     rng = random.Random(rng_seed)
     _, service = scripted
     base = ChatFreeToken(engine=service, max_tokens=4)
-    field, value = rng.choice(
-        [("logprobs", True), ("top_logprobs", rng.randint(1, 20)), ("stop", ["zz"]),
-         ("logit_bias", {rng.randrange(300): 5.0}), ("min_p", rng.random())]
-    )  # fmt: skip
-    other = ChatFreeToken(engine=service, max_tokens=4, **{field: value})
-    assert base._get_llm_string() != other._get_llm_string(), field
+    fields = [("logprobs", True), ("top_logprobs", rng.randint(1, 20)), ("stop", ["zz"]),
+              ("logit_bias", {rng.randrange(300): 5.0}), ("min_p", rng.random())]  # fmt: skip
+    for field, value in fields:
+        other = ChatFreeToken(engine=service, max_tokens=4, **{field: value})
+        assert base._get_llm_string() != other._get_llm_string(), field
