@@ -240,7 +240,10 @@ def allowed_tokens(
     for i, rid in enumerate(request_ids):
         if rid in masks:
             packed[i] = masks[rid]
-    bits = torch.from_numpy(packed).to(device, non_blocking=True)
+    host = torch.from_numpy(packed)
+    if device.type == "cuda":  # a pageable copy waits for everything queued: under overlap
+        host = host.pin_memory()  # scheduling, the decode step just launched (device_index.py)
+    bits = host.to(device, non_blocking=True)
     shifts = torch.arange(32, device=device, dtype=torch.int32)
     allowed = (bits[:, :, None] >> shifts) & 1  # [B, W, 32]: bit i of word w is id 32 w + i
     return allowed.reshape(len(request_ids), words * 32)[:, :vocab].bool()

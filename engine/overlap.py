@@ -24,9 +24,10 @@ faster. Step N is scheduled before N-1's tokens are known, so:
 Steps overlap only while each is a plain decode step; otherwise the step in flight is completed
 first and the engine steps as without overlap:
 - every running request decodes and none waits for admission (a new request drains);
-- no grammar (its mask needs N-1's token on the host) and no score-only request (penalties
-  and logit_bias do overlap: their counts take each sampled token on the device,
-  logits_processors.py);
+- no score-only request. Penalties and logit_bias overlap (their counts take each sampled
+  token on the device, logits_processors.py), and so do grammars (json_schema, strict tools):
+  N's masks are built when N samples, after N-1's tokens were accepted and advanced them,
+  while N's forward runs on the device (SGLang overlaps its grammar masks so too);
 - not policy direct (its `after_step` reads a step's exported routing, which N overwrites);
 - a device row for every checkpoint taken ahead. A hybrid request's accept may checkpoint
   its state (a positional boundary, or its token is an anchor: the Session passes
@@ -48,6 +49,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from freetoken_agent.engine.device_index import on_device
@@ -108,7 +110,7 @@ class Overlap:
         return self.enabled and getattr(self.engine.loaded.bank, "policy", None) != "direct"
 
     def _plain(self, req: Request) -> bool:
-        return not req.score_only and req.sampling.constraint is None
+        return not req.score_only
 
     def launch(self, batch: Batch) -> None:
         """Launch and sample `batch`; its tokens are read by the next `step` or `drain`."""
@@ -209,7 +211,7 @@ class Overlap:
     def _sample(self, step: LaunchedStep) -> None:
         """Enqueue `step`'s sampling and the copy of its tokens to the host; it is in flight."""
         runner = self.engine.runner
-        _, sampled = runner.sample_tokens(step)
+        _, sampled = runner.sample_tokens(step, self._masks(step.batch))
         tokens = sampled.tokens  # the next step's input ids, on the device
         slot = self._flip
         host, ready = self._host[slot][: tokens.shape[0]], self._ready[slot]
@@ -223,6 +225,18 @@ class Overlap:
             host = sampled.reported
         self.inflight = InFlight(step.batch, tokens, host, ready, step.start, logprobs=logprobs)
         runner.step_done(step)
+
+    def _masks(self, batch: Batch) -> dict[str, np.ndarray] | None:
+        """The grammar masks of `batch`'s constrained rows, from their grammars as the accepts
+        so far left them: `step` completes N-1 (its accepts advance the grammars) before it
+        samples N, so each mask holds every token before N's (a request N-1 finished is left
+        out: its row is dropped at accept)."""
+        ids = [
+            c.request.id
+            for c in batch.chunks
+            if c.request.sampling.constraint is not None and c.request.status is Status.RUNNING
+        ]
+        return self.engine.grammars.masks(ids) if ids else None
 
     def _complete(self, prev: InFlight, since: float) -> list[TokenEvent]:
         """Read `prev`'s tokens and accept them (rows of finished requests are dropped); the
