@@ -9,6 +9,10 @@ tool_call    {"phase": "start", "index", "id", "name"}
              {"phase": "end", "index", "id", "name", "arguments": {...}}
 tool_result  {"tool_call_id", "name", "content", "is_error"}: a tool result this turn sent
 warning      {"message", "index"}: text that looked like a call but was not one
+logprob      {"token_id", "token", "logprob", "bytes", "top_logprobs"}: one generated token's
+             log-probabilities (the chat API's entry), when the turn's sampling asked for
+             them ("logprobs": true, "top_logprobs": k); each comes before the events its
+             token's text makes, thinking and tool-call tokens included
 usage        {"prompt_tokens", "completion_tokens", "reused_tokens", "prefilled_tokens",
               "finish_reason", "exact", "first_divergence", "anchor"}: `first_divergence`
              counts the tokens this prompt shares with what the session last sent, and
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from freetoken_agent.engine.outputs import TokenLogprob
+from freetoken_agent.integrations.openai_logprobs import TokenStrings, chat_entry
 from freetoken_agent.messages import ToolResult, content_text
 from freetoken_agent.parsers import (
     ContentDelta,
@@ -74,6 +80,11 @@ def event_json(event: Any) -> dict[str, Any] | None:
             "exact": event.exact,
         }
     return None
+
+
+def logprob_json(entry: TokenLogprob, strings: TokenStrings) -> dict[str, Any]:
+    """A token's `logprob` event: its id and the chat API's entry for it."""
+    return {"type": "logprob", "token_id": entry.token_id, **chat_entry(entry, strings)}
 
 
 def tool_result_json(result: ToolResult) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from typing import Any
 
 from freetoken_agent.engine.outputs import SchemaError, TokenLogprob
 from freetoken_agent.integrations.one_call import FirstCallOnly
+from freetoken_agent.integrations.openai_logprobs import TokenStrings
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.chat_request import TurnRequest
 from freetoken_agent.integrations.server.errors import BadParam
@@ -41,6 +42,7 @@ from freetoken_agent.integrations.server.reply import Reply
 from freetoken_agent.integrations.server.session_events import (
     error_json,
     event_json,
+    logprob_json,
     memory_json,
     tool_result_json,
 )
@@ -75,6 +77,7 @@ class TurnRun:
         self.finished = False
         self.index = -1  # the session's turn number, once started
         self.divergence: dict[str, Any] = {}  # where the prompt left the last one (Session)
+        self._strings: TokenStrings | None = None  # token strings of `logprob` events
         self._queue: asyncio.Queue = asyncio.Queue()  # from the worker, to `_publish`
         self._out: asyncio.Queue = asyncio.Queue()  # from `_publish`, to `events()`
         self._thread: threading.Thread | None = None
@@ -242,11 +245,20 @@ class TurnRun:
                     self.live.publish(error_json(item.error))
             else:
                 self.reply.add(item)
-            published = event_json(item)
+            published = (
+                logprob_json(item, self._token_strings())
+                if isinstance(item, TokenLogprob)
+                else event_json(item)
+            )
             if published is not None:
                 if isinstance(item, Usage):
                     published.update(self.divergence)
                 self.live.publish(published)
+
+    def _token_strings(self) -> TokenStrings:
+        if self._strings is None:
+            self._strings = TokenStrings(self.live.bridge.service.tokenizer)
+        return self._strings
 
     async def events(self) -> AsyncIterator[Any]:
         """Parser events, then Usage. Raises what the worker raised."""

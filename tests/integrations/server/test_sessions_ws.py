@@ -8,6 +8,7 @@ import string
 import time
 
 import pytest
+import torch
 from starlette.websockets import WebSocketDisconnect
 
 URL = "/v1/sessions/{}/ws"
@@ -269,3 +270,39 @@ def test_an_openai_request_with_a_session_id_is_watched(client, rng_seed):
     content = "".join(e["text"] for e in events if e["type"] == "content")
     assert content == (r.json()["choices"][0]["message"]["content"] or "")
     assert events[-3]["completion_tokens"] == r.json()["usage"]["completion_tokens"]
+
+
+def test_logprob_events_come_one_a_token_when_asked(client, rng_seed):
+    """`"logprobs": true` in a send's sampling: one `logprob` event per generated token (the
+    chat API's entry and the token id), with the engine's values (the score path's
+    log_softmax over the prompt and the reply); none when not asked."""
+    rng = random.Random(rng_seed)
+    sid = f"lp-{rng_seed}"
+    k = rng.randint(0, 5)
+    with client.websocket_connect(URL.format(sid)) as ws:
+        _join(ws)
+        n = rng.randint(2, 8)
+        ws.send_json(
+            {"type": "send", "messages": [{"role": "user", "content": _text(rng)}],
+             "sampling": {"max_tokens": n, "temperature": 0, "ignore_eos": True,
+                          "logprobs": True, "top_logprobs": k}}
+        )  # fmt: skip
+        events = _until_done(ws)
+        entries = [e for e in events if e["type"] == "logprob"]
+        usage = next(e for e in events if e["type"] == "usage")
+        assert len(entries) == usage["completion_tokens"] == n, (len(entries), rng_seed)
+        state = client.app.state.server
+        session = state.hub.lookup(sid).session
+        prompt = session.last_prompt.token_ids + session.last_suffix_ids
+        out = session.last_output_ids
+        assert [e["token_id"] for e in entries] == out, rng_seed
+        engine = state.service.engine
+        ref = torch.log_softmax(engine.score(prompt + out).double(), dim=-1)
+        tokenizer = state.service.tokenizer
+        for i, (e, token) in enumerate(zip(entries, out, strict=True)):
+            row = ref[len(prompt) - 1 + i]
+            assert abs(e["logprob"] - row[token].item()) <= 1e-4, (i, rng_seed)
+            assert e["token"] == tokenizer.decode([token], skip_special_tokens=False)
+            assert len(e["top_logprobs"]) == k, rng_seed
+        _send(ws, rng)  # not asked: no logprob event
+        assert not [e for e in _until_done(ws) if e["type"] == "logprob"]
