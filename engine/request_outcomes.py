@@ -130,7 +130,9 @@ class RequestOutcomes:
     def finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
         self.runner.forget(req.id)
-        req.token_history = None  # its device tensors; a step in flight holds its own reference
+        # Its device tensors. A step in flight may still read or add to them: their memory is
+        # only reused by later work on the same stream, which runs after that step's.
+        req.token_history = None
         self.grammars.forget(req.id)
         self.totals["prefilled"] += req.num_prefilled
         self.totals["reused"] += req.num_reused

@@ -106,7 +106,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # HF's and vLLM's, over the prompt's tokens and the generated ones: such a token's logit is
-    # divided by it where positive, multiplied where negative. > 0; 1 = off.
+    # divided by it where positive, multiplied where negative. In REPETITION_RANGE; 1 = off.
     repetition_penalty: float = 1.0
     # vLLM's: after temperature, keep the tokens whose probability is at least min_p times the
     # row's largest. [0, 1]; 0 = off; no effect on greedy rows.
@@ -269,6 +269,15 @@ class SamplingParams:
         # Below GREEDY_TEMPERATURE logits / T overflow fp32 (vLLM's _SAMPLING_EPS is the same):
         # such a row is all but greedy anyway.
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def token_id_key(key: Any) -> int | None:
+    """A logit_bias key written as a string of digits (JSON's, the OpenAI SDK's) as its token
+    id; None when it is not one. At most 19 digits: int() refuses over 4,300 (an error no
+    caller expects), and no vocabulary reaches 19."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:
+        return int(key)
+    return None
 
 
 def _logit_bias_problem(bias: Any) -> str | None:

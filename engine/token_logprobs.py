@@ -106,21 +106,30 @@ class HostStaging:
         if self._sets[slot] is None:
             n = self.max_rows
 
-            def pinned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            def pinned(size: int, dtype: torch.dtype) -> torch.Tensor:
+                return torch.empty(size, dtype=dtype, pin_memory=True)
 
-            values = (pinned(n, dtype=torch.float32), pinned(n, MAX_LOGPROBS, dtype=torch.float32))
-            self._sets[slot] = (*values, pinned(n, MAX_LOGPROBS, dtype=torch.int64))
-        chosen_h, values_h, ids_h = self._sets[slot]
+            top = n * MAX_LOGPROBS
+            self._sets[slot] = (
+                pinned(n, torch.float32),
+                pinned(top, torch.float32),
+                pinned(top, torch.int64),
+            )
+        chosen_h, values_flat, ids_flat = self._sets[slot]
         r = len(step.rows)
         # float32 on the host whatever the logits' dtype (a float64 model's: a no-op otherwise).
         chosen_h[:r].copy_(step.chosen, non_blocking=True)
         if step.top_values is None:
             return StepLogprobs(step.rows, step.ks, chosen_h[:r], None, None)
         k = step.top_values.shape[1]
-        values_h[:r, :k].copy_(step.top_values, non_blocking=True)
-        ids_h[:r, :k].copy_(step.top_ids, non_blocking=True)
-        return StepLogprobs(step.rows, step.ks, chosen_h[:r], values_h[:r, :k], ids_h[:r, :k])
+        # Contiguous [r, k] views of flat buffers: a strided destination (a [:r, :k] slice of
+        # an [n, 20] buffer) is copied through an unpinned temporary, a copy that waits for
+        # the device (the queued step), which would undo the overlap.
+        values_h = values_flat[: r * k].view(r, k)
+        ids_h = ids_flat[: r * k].view(r, k)
+        values_h.copy_(step.top_values, non_blocking=True)
+        ids_h.copy_(step.top_ids, non_blocking=True)
+        return StepLogprobs(step.rows, step.ks, chosen_h[:r], values_h, ids_h)
 
 
 def entries(step: StepLogprobs | None, tokens: list[int]) -> list[TokenLogprob | None]:

@@ -100,8 +100,8 @@ class ChatFreeToken(BaseChatModel):
     frequency_penalty: float | None = None
     """OpenAI's, in [-2, 2]: subtracted from a token's logit once per time it was generated."""
     repetition_penalty: float | None = None
-    """vLLM's (> 0, 1 = off): divides the positive logits of tokens in the prompt or output so
-    far, multiplies their negative ones."""
+    """vLLM's (in [0.01, 100], 1 = off): divides the positive logits of tokens in the prompt
+    or output so far, multiplies their negative ones."""
     min_p: float | None = None
     """vLLM's, in [0, 1]: keep the tokens at least min_p times as likely as the likeliest."""
     logit_bias: dict[int, float] | None = None

@@ -22,6 +22,7 @@ from freetoken_agent.engine.sampling_params import (
     MAX_LOGPROBS,
     SamplingParams,
     schema_of_response_format,
+    token_id_key,
 )
 from freetoken_agent.integrations.constrained_output import output_schema
 from freetoken_agent.integrations.langchain_messages import (
@@ -117,10 +118,7 @@ def bias_by_id(bias: Any) -> Any:
     option must too. Anything else is left for SamplingParams to refuse by name."""
     if not isinstance(bias, Mapping):
         return bias
-    return {
-        int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19 else k: v
-        for k, v in bias.items()
-    }
+    return {k if token_id_key(k) is None else token_id_key(k): v for k, v in bias.items()}
 
 
 def retried_turn(pool: SessionPool, call: PreparedCall, max_retries: int) -> Iterator[Any]:

@@ -23,9 +23,11 @@ from typing import Any
 
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.sampling_params import (
+    PENALTY_LIMIT,
     REPETITION_RANGE,
     SamplingParams,
     SamplingParamsError,
+    token_id_key,
 )
 from freetoken_agent.integrations.server.errors import BadParam, ModelNotFound, check_nesting
 from freetoken_agent.integrations.server.foreign_fields import (
@@ -34,7 +36,7 @@ from freetoken_agent.integrations.server.foreign_fields import (
     enable_thinking,
     stop_token_ids,
 )
-from freetoken_agent.integrations.server.logprobs_request import chat_logprobs
+from freetoken_agent.integrations.server.logprobs_request import chat_body_logprobs
 from freetoken_agent.integrations.server.tool_choice import (
     ToolChoice,
     call_or_answer_schema,
@@ -122,11 +124,16 @@ def _integer(body: Mapping, key: str, lo: int | None = None):
 
 
 def sampling_from(
-    body: Mapping[str, Any], tools: list[dict] | None, choice: ToolChoice, default_max: int
+    body: Mapping[str, Any],
+    tools: list[dict] | None,
+    choice: ToolChoice,
+    default_max: int,
+    logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from OpenAI fields (plus vLLM's top_k, min_p, repetition_penalty,
     ignore_eos and stop_token_ids); a forced call, or tools with a JSON response_format (a call
-    or the answer), add their schema."""
+    or the answer), add their schema. `logprobs`: SamplingParams' value, which chat and text
+    completions read from their bodies each in its own way (logprobs_request.py)."""
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
@@ -164,11 +171,12 @@ def sampling_from(
         "stop": stop,
         "stop_token_ids": stop_token_ids(body),
         "ignore_eos": ignore_eos,
-        "presence_penalty": _number(body, "presence_penalty", -2, 2),
-        "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
+        "presence_penalty": _number(body, "presence_penalty", -PENALTY_LIMIT, PENALTY_LIMIT),
+        "frequency_penalty": _number(body, "frequency_penalty", -PENALTY_LIMIT, PENALTY_LIMIT),
         "repetition_penalty": _number(body, "repetition_penalty", *REPETITION_RANGE),
         "min_p": _number(body, "min_p", 0, 1),
         "logit_bias": _logit_bias(body),
+        "logprobs": logprobs,
         "response_format": None if either else fmt,
         "json_schema": forced_schema(choice, tools or []) if choice.forced else either,
     }
@@ -197,14 +205,13 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, Any] | None:
         )
     bias = {}
     for key, number in value.items():
-        # Digits only, and few enough for int() (Python refuses over 4300 digits, a 500 here);
-        # 19 digits pass every vocabulary, the engine's check names an id outside its own.
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19):
+        token = token_id_key(key)  # the engine's check names an id outside its vocabulary
+        if token is None:
             raise BadParam(
                 f"logit_bias keys must be token ids (strings of up to 19 digits), got {key!r:.40}",
                 "logit_bias",
             )
-        bias[int(key)] = number
+        bias[token] = number
     return bias or None
 
 
@@ -274,14 +281,13 @@ def turn_from(body: Mapping[str, Any], default_max: int) -> TurnRequest:
         raise BadParam(f"messages could not be read: {type(e).__name__}: {e}", "messages") from e
     tools = parse_tools(body.get("tools"))
     choice = parse_tool_choice(body.get("tool_choice"), tools)
-    logprobs = chat_logprobs(body)
+    logprobs = chat_body_logprobs(body)
     try:
-        sampling = sampling_from(body, tools, choice, default_max)
+        sampling = sampling_from(body, tools, choice, default_max, logprobs)
     except BadParam:
         raise
     except InvalidRequestError as e:  # tool_call_schema on a malformed tool
         raise BadParam(str(e), "tools") from None
-    sampling.logprobs = logprobs  # checked against the same limit SamplingParams holds
     _flag(body, "parallel_tool_calls", "parallel_tool_calls")  # absent or null: true
     parallel = body.get("parallel_tool_calls") is not False
     return TurnRequest(messages, tools, choice, sampling, parallel, enable_thinking(body))

@@ -169,7 +169,7 @@ class TextCompletionFormat:
     def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
         """A chunk; asked for, its `logprobs` are the tokens' since the chunk before."""
         logprobs = None
-        if self._logprobs is not None:
+        if self._logprobs is not None and self._pending:  # no tokens in it: null, as chat's
             logprobs, self._pending = self._logprobs.block(self._pending), []
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope([choice])

@@ -28,7 +28,7 @@ def _count(body: Mapping[str, Any], key: str) -> int | None:
     return value
 
 
-def chat_logprobs(body: Mapping[str, Any]) -> int | None:
+def chat_body_logprobs(body: Mapping[str, Any]) -> int | None:
     """SamplingParams.logprobs for a chat body: None (not asked), else top_logprobs or 0."""
     asked = body.get("logprobs")
     if asked is not None and not isinstance(asked, bool):
@@ -43,7 +43,7 @@ def chat_logprobs(body: Mapping[str, Any]) -> int | None:
     return (top or 0) if asked else None
 
 
-def text_logprobs(body: Mapping[str, Any]) -> int | None:
+def text_body_logprobs(body: Mapping[str, Any]) -> int | None:
     """SamplingParams.logprobs for a text-completions body (None: not asked)."""
     count = _count(body, "logprobs")
     if count is not None and body.get("echo") not in (None, False):

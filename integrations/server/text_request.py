@@ -28,7 +28,7 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.chat_request import check_envelope, sampling_from
 from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.integrations.server.foreign_fields import check_text_fields
-from freetoken_agent.integrations.server.logprobs_request import text_logprobs
+from freetoken_agent.integrations.server.logprobs_request import text_body_logprobs
 from freetoken_agent.integrations.server.tool_choice import ToolChoice
 
 # Unsupported fields of this endpoint and the values that mean "not used".
@@ -85,11 +85,10 @@ def parse_text_request(
     if "prompt" not in body:
         raise BadParam("prompt is required: a string or a list of token ids", "prompt")
     prompt = prompt_from(body["prompt"])
-    logprobs = text_logprobs(body)  # first: echo with logprobs is refused as such
+    logprobs = text_body_logprobs(body)  # first: echo with logprobs is refused as such
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
     check_text_fields(body)
-    sampling = sampling_from(body, None, _NO_TOOLS, default_max)
-    sampling.logprobs = logprobs  # checked against the same limit SamplingParams holds
+    sampling = sampling_from(body, None, _NO_TOOLS, default_max, logprobs)
     return TextRequest(prompt, sampling, stream, include_usage)

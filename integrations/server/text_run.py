@@ -56,8 +56,8 @@ class TextRun:
         self.prompt_tokens = 0
         self.usage: Usage | None = None  # set when the request has ended
         self._pieces: list[str] = []
-        # Every generated token's log-probabilities, in order, when the request asked for them.
-        # Each token's log-probabilities and the offset of its text in the reply, when asked.
+        # Each token's log-probabilities and the offset of its text in the reply, in order,
+        # when asked (the whole response's; a stream's chunks are written by the format).
         self.logprobs: list[tuple[TokenLogprob, int]] = []
         self._generated = 0
         self._released = 0  # characters of the reply so far

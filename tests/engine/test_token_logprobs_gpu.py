@@ -10,6 +10,7 @@ minus a logsumexp) may be off by twice that."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -84,3 +85,34 @@ def test_logprobs_with_graph_decode(tmp_path, rng_seed, overlap, monkeypatch):
         worst = max(worst, *errs)
         check_against_reference(out, sp.logprobs, ref, tol, rng_seed)
     print(f"overlap={overlap}: largest |logprob - transformers'| {worst:.2e}")
+
+
+def test_staging_never_waits_for_the_device(rng_seed):
+    """HostStaging's copies are queued, not waited for: behind a ~0.1 s device sleep, `stage`
+    returns at once for every k (a strided pinned destination, a [:r, :k] slice of an [n, 20]
+    buffer, was copied through an unpinned temporary: a copy that waits for the device), and
+    once the event has completed the staged values are the device's."""
+    from freetoken_agent.engine.token_logprobs import HostStaging, StepLogprobs
+
+    rng = random.Random(rng_seed)
+    n = 8
+    staging = HostStaging(n, pinned=True)
+    for k in (0, rng.randint(1, 19), 20):
+        r = rng.randint(2, n)
+        chosen = torch.randn(r, device="cuda")
+        values = torch.randn(r, k, device="cuda") if k else None
+        ids = torch.randint(0, 1000, (r, k), device="cuda") if k else None
+        step = StepLogprobs(list(range(r)), [k] * r, chosen, values, ids)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time queued ahead of the copies
+        start = torch.cuda.Event(enable_timing=False)
+        start.record()
+        t0 = time.perf_counter()
+        staged = staging.stage(step, rng.randint(0, 1))
+        waited = time.perf_counter() - t0
+        assert not start.query() and waited < 0.05, (k, waited, rng_seed)
+        torch.cuda.synchronize()
+        assert torch.equal(staged.chosen, chosen.cpu()), k
+        if k:
+            assert torch.equal(staged.top_values, values.cpu()), k
+            assert torch.equal(staged.top_ids, ids.cpu()), k
