@@ -33,7 +33,6 @@ from langchain_core.messages import (
 )
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from pydantic import BaseModel, ConfigDict, Field, create_model
-from scripted_engine import ScriptedEngine
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
@@ -45,7 +44,6 @@ from freetoken_agent.integrations.langchain import (
 )
 from freetoken_agent.integrations.langchain_chunks import _spoil
 from freetoken_agent.integrations.langchain_runtime import service_for
-from freetoken_agent.service import EngineService
 
 ROOT = Path(__file__).resolve().parents[2]
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "zo", "pe", "xi", "qu"]
@@ -475,14 +473,6 @@ def test_the_example_agent_calls_a_tool(capsys):
 
 
 # ---------------------------------------------------------------------- scripted replies
-
-
-@pytest.fixture
-def scripted(engine):
-    fake = ScriptedEngine(engine)
-    service = EngineService(fake)
-    yield fake, service
-    service.close()
 
 
 def test_scripted_reasoning_and_tool_calls_stream_like_invoke(scripted, rng_seed):

@@ -8,12 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from scripted_engine import ScriptedEngine
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.integrations.langchain import ChatFreeToken
-from freetoken_agent.service import EngineService
 
 FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
 
@@ -22,14 +20,6 @@ FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     path = ensure_demo_model(tmp_path_factory.mktemp("cache"))
     return Engine.load(path, device="cpu", progress=False, kv_tokens=4096, max_model_len=1024)
-
-
-@pytest.fixture
-def scripted(engine):
-    fake = ScriptedEngine(engine)
-    service = EngineService(fake)
-    yield fake, service
-    service.close()
 
 
 def _values(rng: random.Random) -> dict:

@@ -34,7 +34,6 @@ from freetoken_agent.integrations.langchain import ChatFreeToken
 from freetoken_agent.integrations.langchain_messages import to_history
 from freetoken_agent.integrations.langchain_runtime import service_for
 from freetoken_agent.messages import AssistantMessage, ToolResult
-from freetoken_agent.service import EngineService
 
 WORDS = ["alpha", "beta", "café", "你好", "🙂", "x,", "!?"]
 
@@ -76,14 +75,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
     engine = Engine.load(path, device="cpu", progress=False, kv_tokens=8192, max_model_len=2048)
     yield engine
     service_for(engine).close()
-
-
-@pytest.fixture
-def scripted(engine):
-    fake = ScriptedEngine(engine)
-    service = EngineService(fake)
-    yield fake, service
-    service.close()
 
 
 def last_prompt(fake: ScriptedEngine) -> str:
