@@ -130,7 +130,10 @@ def test_an_interrupted_generate_or_score_leaves_nothing_running(model_dir, rng_
     """Ctrl-C out of a step (a KeyboardInterrupt raised by step) inside generate or score:
     what it submitted is aborted and dropped, and the next call runs alone."""
     rng = random.Random(rng_seed)
-    engine = _load(model_dir, max_batched_tokens=16)  # a prompt takes several steps
+    # A prompt takes several steps: the engine raises a 16-token step budget to 32 (a page),
+    # and 100+ tokens take at least 4 of them, more than the 1-3 steps before the interrupt
+    # (60-token prompts took 2: score finished before the interrupt on some seeds).
+    engine = _load(model_dir, max_batched_tokens=16)
     real, steps, stop_at = engine.step, [], rng.randint(1, 3)
 
     def step():
@@ -140,7 +143,7 @@ def test_an_interrupted_generate_or_score_leaves_nothing_running(model_dir, rng_
         return real()
 
     engine.step = step
-    prompts = [_prompt(rng, rng.randint(60, 100)) for _ in range(3)]
+    prompts = [_prompt(rng, rng.randint(100, 160)) for _ in range(3)]
     with pytest.raises(KeyboardInterrupt):
         if call == "generate":
             engine.generate(prompts[:2], SamplingParams(max_tokens=50, ignore_eos=True))
