@@ -19,7 +19,6 @@ from langchain_core.messages import BaseMessage
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from freetoken_agent.engine.sampling_params import (
-    MAX_LOGPROBS,
     SamplingParams,
     schema_of_response_format,
     token_id_key,
@@ -37,6 +36,7 @@ from freetoken_agent.integrations.langchain_runtime import (
     arun_turn,
     run_turn,
 )
+from freetoken_agent.integrations.openai_logprobs import chat_logprobs_setting
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
 from freetoken_agent.session import Usage
 
@@ -53,7 +53,7 @@ SAMPLING_OPTIONS = (
     "min_p",
     "logit_bias",
 )
-LOGPROB_OPTIONS = ("logprobs", "top_logprobs")  # ChatOpenAI's names; see `logprobs_option`
+LOGPROB_OPTIONS = ("logprobs", "top_logprobs")  # ChatOpenAI's names (openai_logprobs.py)
 # Options LangChain (or an OpenAI-minded caller) may pass that mean nothing here.
 _IGNORED_OPTIONS = ("stream", "strict")
 
@@ -90,7 +90,7 @@ def prepare_call(
     if "logit_bias" in options:
         options["logit_bias"] = bias_by_id(options["logit_bias"])
     asked, top = (kwargs.pop(k, defaults.get(k)) for k in LOGPROB_OPTIONS)
-    options["logprobs"] = logprobs_option(asked, top)
+    options["logprobs"] = chat_logprobs_setting(asked, top)
     timeout = kwargs.pop("timeout", timeout)
     parallel = kwargs.pop("parallel_tool_calls", None)
     if parallel is not None and not isinstance(parallel, bool):
@@ -157,20 +157,6 @@ async def aretried_turn(
                 return
         finally:
             await turn.aclose()  # cancels (aborts) the engine request if still running
-
-
-def logprobs_option(asked: Any, top: Any) -> int | None:
-    """SamplingParams.logprobs from ChatOpenAI's `logprobs` (bool) and `top_logprobs` (0..20
-    alternatives a token; only with logprobs=True, as OpenAI takes them)."""
-    if asked is not None and not isinstance(asked, bool):
-        raise ValueError(f"logprobs must be True or False, got {asked!r:.40}")
-    if top is not None and (
-        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS
-    ):
-        raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r:.40}")
-    if top and not asked:
-        raise ValueError(f"top_logprobs={top} needs logprobs=True")
-    return (top or 0) if asked else None
 
 
 def stop_list(stop: str | Sequence[str] | None) -> list[str]:

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from freetoken_agent.engine.outputs import TokenLogprob
+from freetoken_agent.engine.sampling_params import MAX_LOGPROBS, SamplingParamsError
 
 
 class TokenStrings:
@@ -112,3 +113,33 @@ class Pending:
     def take(self) -> list[TokenLogprob]:
         held, self._held = self._held, []
         return held
+
+
+def logprob_count(value: Any, field: str) -> int | None:
+    """A count of alternatives (`top_logprobs`, the legacy completions' `logprobs`): None or
+    an integer in [0, MAX_LOGPROBS]; SamplingParamsError naming `field` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        text = f"{field} must be an integer in [0, {MAX_LOGPROBS}], got {value!r:.40}"
+        raise SamplingParamsError([(field, text)])
+    return value
+
+
+def chat_logprobs_setting(asked: Any, top: Any) -> int | None:
+    """SamplingParams.logprobs from the chat API's `logprobs` (a bool) and `top_logprobs`
+    (alternatives a token; above 0 only with logprobs true, as OpenAI takes them; 0 or null
+    alone ask for nothing): None when not asked. The server's bodies and ChatFreeToken's
+    options alike; SamplingParamsError naming the field at fault."""
+    if asked is not None and not isinstance(asked, bool):
+        raise SamplingParamsError(
+            [("logprobs", f"logprobs must be true or false, got {asked!r:.40}")]
+        )
+    count = logprob_count(top, "top_logprobs")
+    if count and not asked:
+        text = (
+            f"top_logprobs={count} needs logprobs: true (it asks for the alternatives of each "
+            "token's log-probability)"
+        )
+        raise SamplingParamsError([("top_logprobs", text)])
+    return (count or 0) if asked else None

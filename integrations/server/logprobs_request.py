@@ -12,40 +12,30 @@ generation takes, and without prefix reuse.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from freetoken_agent.engine.sampling_params import MAX_LOGPROBS
+from freetoken_agent.engine.sampling_params import SamplingParamsError
+from freetoken_agent.integrations.openai_logprobs import chat_logprobs_setting, logprob_count
 from freetoken_agent.integrations.server.errors import BadParam
 
 
-def _count(body: Mapping[str, Any], key: str) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
-        raise BadParam(f"{key} must be an integer in [0, {MAX_LOGPROBS}], got {value!r:.40}", key)
-    return value
+def _checked(read: Callable[..., int | None], *args: Any) -> int | None:
+    """`read(*args)`, its refusal a BadParam naming the field (openai_logprobs.py checks)."""
+    try:
+        return read(*args)
+    except SamplingParamsError as e:
+        raise BadParam(str(e), e.fields[0]) from None
 
 
 def chat_body_logprobs(body: Mapping[str, Any]) -> int | None:
     """SamplingParams.logprobs for a chat body: None (not asked), else top_logprobs or 0."""
-    asked = body.get("logprobs")
-    if asked is not None and not isinstance(asked, bool):
-        raise BadParam(f"logprobs must be true or false, got {asked!r:.40}", "logprobs")
-    top = _count(body, "top_logprobs")
-    if top and not asked:
-        raise BadParam(
-            f"top_logprobs={top} needs logprobs: true (it asks for the alternatives of each "
-            "token's log-probability)",
-            "top_logprobs",
-        )
-    return (top or 0) if asked else None
+    return _checked(chat_logprobs_setting, body.get("logprobs"), body.get("top_logprobs"))
 
 
 def text_body_logprobs(body: Mapping[str, Any]) -> int | None:
     """SamplingParams.logprobs for a text-completions body (None: not asked)."""
-    count = _count(body, "logprobs")
+    count = _checked(logprob_count, body.get("logprobs"), "logprobs")
     if count is not None and body.get("echo") not in (None, False):
         raise BadParam(
             "echo with logprobs (the prompt's log-probabilities) is not supported by this "
