@@ -49,6 +49,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_admit_time: float | None = None  # its first admission (queue time's end)
     first_token_time: float | None = None
     finish_time: float | None = None
     admissions: int = 0

@@ -25,6 +25,7 @@ import torch
 from freetoken_agent.engine.layers.sampler import NOT_FINITE, not_finite_message
 from freetoken_agent.engine.outputs import TokenEvent, TokenLogprob
 from freetoken_agent.engine.request import Batch, Request, Status
+from freetoken_agent.engine.request_metrics import RequestMetrics
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class RequestOutcomes:
         self.max_model_len = max_model_len
         self.dtype = dtype
         self.totals = {"prefilled": 0, "reused": 0, "generated": 0, "finished": 0, "errors": 0}
+        self.metrics = RequestMetrics()  # finished requests' latencies and finish reasons
 
     def update(self, batch: Batch, out: StepOutput) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -138,6 +140,7 @@ class RequestOutcomes:
         self.totals["reused"] += req.num_reused
         self.totals["generated"] += len(req.output_ids)
         self.totals["finished"] += 1
+        self.metrics.observe(req)
         if reason in ("abort", "error"):
             # The text held back (a possible stop string's start, a partial character) is
             # final now: streamed here, the events add up to the output's text.

@@ -99,6 +99,8 @@ class Scheduler:
             req.status = Status.RUNNING
             req.prefilling = True
             req.admissions += 1
+            if req.first_admit_time is None:
+                req.first_admit_time = time.perf_counter()
             req.num_reused += req.num_computed
             req.num_resumed += req.resume_boundary
             self.running.append(req)

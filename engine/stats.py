@@ -127,4 +127,7 @@ def engine_stats(engine) -> dict:
             "errors": t["errors"],
             "preemptions": engine.scheduler.preemptions,
         },
+        # Finished requests: queue, first-token, per-token and end-to-end latency histograms,
+        # prompt and output sizes, finish reasons (request_metrics.py).
+        "latency": engine.outcomes.metrics.to_json(),
     }

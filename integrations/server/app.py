@@ -4,10 +4,10 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)       # or `freetoken serve`
 
 Routes: POST /v1/chat/completions, POST /v1/completions (legacy text completions), GET
-/v1/models, GET /health, WebSocket /v1/sessions/{id}/ws, and the web page at / (also /ui). Any
-other path (404) or method (405) gets an OpenAI error object too, as OpenAI answers an unknown
-URL: clients read the message from it (the SDKs show it in their NotFoundError), not from a
-plain-text body.
+/v1/models, GET /health, GET /metrics (Prometheus), WebSocket /v1/sessions/{id}/ws, and the
+web page at / (also /ui). Any other path (404) or method (405) gets an OpenAI error object
+too, as OpenAI answers an unknown URL: clients read the message from it (the SDKs show it in
+their NotFoundError), not from a plain-text body.
 
 One model is served, under `model_id` (default `freetoken/<arch>`; `freetoken serve` passes the
 model folder's name, or `freetoken-demo`). A request's `model` must name it or one of its
@@ -40,7 +40,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from freetoken_agent.chat_format import ChatFormat
-from freetoken_agent.integrations.server import memory_routes, openai_routes, sessions_ws, ui
+from freetoken_agent.integrations.server import (
+    memory_routes,
+    metrics_route,
+    openai_routes,
+    sessions_ws,
+    ui,
+)
 from freetoken_agent.integrations.server.auth import BearerAuth
 from freetoken_agent.integrations.server.browser_guard import BrowserGuard, normal_origin
 from freetoken_agent.integrations.server.errors import error_response
@@ -163,6 +169,7 @@ def create_app(
         *openai_routes.routes,
         *sessions_ws.routes,
         *memory_routes.routes,
+        *metrics_route.routes,
         Route("/health", health, methods=["GET"]),
         *ui.routes,
     ]
