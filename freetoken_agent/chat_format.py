@@ -158,9 +158,14 @@ class ChatFormat:
         add_generation_prompt: bool = True,
         *,
         max_model_len: int | None = None,
+        anchors: bool = True,
         **kwargs: Any,
     ) -> Prompt:
         """The Prompt of `messages`; `kwargs` are template variables.
+
+        `anchors=False`: the tokens and text only (no anchors, no generation prefix), for a
+        count (POST /tokenize, ChatFreeToken's token counts): locating anchors renders a
+        history prefix per message, work a count does not need.
 
         `max_model_len` (the engine's context, prompt + output): a rendering of that many
         tokens or more is refused (ContextLengthError, the engine's wording) before anchors are
@@ -193,6 +198,8 @@ class ChatFormat:
             ids, offsets = self._literal.encode(full, ids, offsets, spans)
         if max_model_len is not None and len(ids) >= max_model_len:
             raise context_length_error(len(ids), max_model_len)
+        if not anchors:
+            return Prompt(ids, full, [], records)
         # Cache entries are valid for one template, tool list and set of variables. (A template
         # printing strftime_now() changes text without changing these; the stability check below
         # compares digests of real text, so it only costs cache misses there.)

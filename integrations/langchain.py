@@ -227,7 +227,7 @@ class ChatFreeToken(BaseChatModel):
         """Exact: the length of the rendered prompt (chat template included)."""
         specs = [convert_to_openai_tool(t) for t in tools] if tools else None
         fmt = chat_format(self.service, self.reasoning)
-        return len(fmt.render(to_history(messages), tools=specs))
+        return len(fmt.render(to_history(messages), tools=specs, anchors=False))
 
     # --- binding --------------------------------------------------------------------------
     def bind_tools(

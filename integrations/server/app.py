@@ -4,10 +4,10 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)       # or `freetoken serve`
 
 Routes: POST /v1/chat/completions, POST /v1/completions (legacy text completions), GET
-/v1/models, GET /health, GET /metrics (Prometheus), WebSocket /v1/sessions/{id}/ws, and the
-web page at / (also /ui). Any other path (404) or method (405) gets an OpenAI error object
-too, as OpenAI answers an unknown URL: clients read the message from it (the SDKs show it in
-their NotFoundError), not from a plain-text body.
+/v1/models, GET /health, GET /metrics (Prometheus), POST /tokenize and /detokenize (vLLM's),
+WebSocket /v1/sessions/{id}/ws, and the web page at / (also /ui). Any other path (404) or
+method (405) gets an OpenAI error object too, as OpenAI answers an unknown URL: clients read
+the message from it (the SDKs show it in their NotFoundError), not from a plain-text body.
 
 One model is served, under `model_id` (default `freetoken/<arch>`; `freetoken serve` passes the
 model folder's name, or `freetoken-demo`). A request's `model` must name it or one of its
@@ -45,6 +45,7 @@ from freetoken_agent.integrations.server import (
     metrics_route,
     openai_routes,
     sessions_ws,
+    tokenize_routes,
     ui,
 )
 from freetoken_agent.integrations.server.auth import BearerAuth
@@ -170,6 +171,7 @@ def create_app(
         *sessions_ws.routes,
         *memory_routes.routes,
         *metrics_route.routes,
+        *tokenize_routes.routes,
         Route("/health", health, methods=["GET"]),
         *ui.routes,
     ]

@@ -267,18 +267,7 @@ def check_message_shapes(raw: list) -> None:
 def turn_from(body: Mapping[str, Any], default_max: int) -> TurnRequest:
     """The turn part of a chat body (messages, tools, tool_choice, sampling fields)."""
     check_chat_fields(body)  # first: `functions` is refused as such, not as "no tools"
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise BadParam("messages must be a non-empty list of messages", "messages")
-    check_message_shapes(raw)
-    try:
-        messages = messages_from_openai(raw)  # InvalidRequestError naming "message i"
-    except InvalidRequestError:
-        raise
-    except (TypeError, AttributeError, KeyError, ValueError) as e:
-        # A shape the check above let through and the agent layer cannot read: still the
-        # client's input, so still a 400 rather than a server error.
-        raise BadParam(f"messages could not be read: {type(e).__name__}: {e}", "messages") from e
+    messages = parse_messages(body.get("messages"))
     tools = parse_tools(body.get("tools"))
     choice = parse_tool_choice(body.get("tool_choice"), tools)
     logprobs = chat_body_logprobs(body)
@@ -291,6 +280,21 @@ def turn_from(body: Mapping[str, Any], default_max: int) -> TurnRequest:
     _flag(body, "parallel_tool_calls", "parallel_tool_calls")  # absent or null: true
     parallel = body.get("parallel_tool_calls") is not False
     return TurnRequest(messages, tools, choice, sampling, parallel, enable_thinking(body))
+
+
+def parse_messages(raw: Any) -> list[Message]:
+    """A body's `messages`, checked (a non-empty list, each message's shape) and read."""
+    if not isinstance(raw, list) or not raw:
+        raise BadParam("messages must be a non-empty list of messages", "messages")
+    check_message_shapes(raw)
+    try:
+        return messages_from_openai(raw)  # InvalidRequestError naming "message i"
+    except InvalidRequestError:
+        raise
+    except (TypeError, AttributeError, KeyError, ValueError) as e:
+        # A shape the check above let through and the agent layer cannot read: still the
+        # client's input, so still a 400 rather than a server error.
+        raise BadParam(f"messages could not be read: {type(e).__name__}: {e}", "messages") from e
 
 
 def check_model(name: Any, served: str, names: Collection[str]) -> None:
