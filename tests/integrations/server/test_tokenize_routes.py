@@ -3,9 +3,16 @@ client trims its history by them), and bad bodies are refused naming the field."
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
+from mistral_tokenizer import CONFIG, mistral_v3_backend
+from starlette.testclient import TestClient
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine
+from freetoken_agent.integrations.server import create_app
 
 WEATHER = {
     "type": "function",
@@ -101,3 +108,22 @@ def test_bad_bodies_are_refused_naming_the_field(client, api_error, path, body, 
 def test_a_body_that_is_not_json_is_refused(client, api_error):
     reply = client.post("/tokenize", content=b"{nope", headers={"content-type": "application/json"})
     api_error(reply, 400)
+
+
+def test_a_bos_models_prompt_count_has_its_bos(tmp_path, rng_seed):
+    """As /v1/completions encodes a string: the model's BOS first, unless asked without."""
+    tok = mistral_v3_backend()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = "{% for m in messages %}[INST]{{ m['content'] }}[/INST]{% endfor %}"
+    config = {**CONFIG, "add_bos_token": True, "chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    make_tiny("mixtral", tmp_path, rng_seed, vocab_size=tok.get_vocab_size())
+    engine = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=1024)
+    rng = random.Random(rng_seed)
+    prompt = " ".join(rng.choice(["the", "answer", "café", "x"]) for _ in range(rng.randint(2, 9)))
+    with TestClient(create_app(engine)) as client:
+        body = client.post("/tokenize", json={"prompt": prompt}).json()
+        raw = client.post("/tokenize", json={"prompt": prompt, "add_special_tokens": False})
+        reply = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()
+    assert body["tokens"] == [tok.token_to_id("<s>"), *raw.json()["tokens"]]
+    assert reply["usage"]["prompt_tokens"] == body["count"]
