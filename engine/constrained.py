@@ -229,6 +229,16 @@ class Grammars:
         return len(self._matchers)
 
 
+def allows_only(row: np.ndarray, ids: Iterable[int]) -> bool:
+    """Whether a packed mask row ([W] int32, bit i of word w: id 32 w + i) allows no id
+    outside `ids` (ids past the row are ignored)."""
+    rest = row.view(np.uint32).copy()  # unsigned: bit 31 is a plain bit
+    for t in ids:
+        if t < 32 * len(rest):
+            rest[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+    return not rest.any()
+
+
 def allowed_tokens(
     request_ids: Sequence[str], masks: Mapping[str, np.ndarray], vocab: int, device: torch.device
 ) -> torch.Tensor | None:  # [B, V] bool, or None when no row is constrained

@@ -69,7 +69,9 @@ class Engine:
             self.config.max_batched_tokens,
             loaded.recurrence,
         )
-        self.runner = ModelRunner(loaded.model, loaded.kv, loaded.device, self.config.seed)
+        self.runner = ModelRunner(
+            loaded.model, loaded.kv, loaded.device, self.config.seed, loaded.eos_token_ids
+        )
         if isinstance(loaded.bank, OffloadedExpertBank):  # policy direct learns between steps
             self.runner.after_step = loaded.bank.after_step
             self.runner.on_decode_step = loaded.bank.decode_step_timed
@@ -179,7 +181,11 @@ class Engine:
             req.anchor_tokens = markers
         self._requests[request_id] = req
         self._outputs[request_id] = OutputState(
-            self.tokenizer, stop_strings(sampling), context=ids, keep_special=self._kept_specials
+            self.tokenizer,
+            stop_strings(sampling),
+            context=ids,
+            keep_special=self._kept_specials,
+            min_tokens=sampling.min_tokens,
         )
         self._events[request_id] = deque()
         if _score:

@@ -3,9 +3,20 @@
 Per row, in this order (as vLLM applies them): `logit_bias` is added; the repetition penalty
 (HF, vLLM) divides the positive logits of the tokens in the prompt or generated so far by it and
 multiplies their negative ones; the frequency and presence penalties (OpenAI) subtract
-frequency * count[t] + presence * (count[t] > 0), counting the generated tokens only. The
-constraint mask and the sampler (temperature, min_p, top-k, top-p) come after
+frequency * count[t] + presence * (count[t] > 0), counting the generated tokens only; last,
+while fewer than `min_tokens` tokens were sampled (vLLM's), the ids that would end the request
+(EOS unless ignore_eos, stop_token_ids while stops apply: `SamplingParams.end_ids`) are set to
+-inf. The constraint mask and the sampler (temperature, min_p, top-k, top-p) come after
 (runner.sample_tokens, layers/sampler.py).
+
+min_tokens counts the tokens sampled before this one (`Request.num_sampled`, counted at the
+draw), not the host's accepted ones, for the reason the penalties count on the device: under
+overlap a drawn token may not be accepted yet. A grammar that allows nothing but an end id
+(its output is complete but it did not stop by itself) wins over min_tokens: the end is not held
+back for that row, and the request ends short of min_tokens. Holding it would leave the row
+nothing to sample (reported as non-finite logits, a failure of a valid request), and breaking
+the grammar would give output it does not accept. The check reads the row's packed mask on the
+host (O(W)), only for constrained rows still short of min_tokens.
 
 Why the counts live on the device. A penalised request holds a `TokenHistory` (on its
 Request), built when it first samples, from its prompt and output ids; each step's sampled
@@ -26,21 +37,26 @@ ones it recomputes. A token sampled for a request that its previous token just f
 Cost. Rows asking for nothing are untouched, and a batch where none asks costs one Python pass
 over its requests, no launch. A penalised batch adds about ten launches over its P rows ([P, V]
 each), one more per biased row and one count update per penalised row; each penalised request
-holds 4V bytes of counts (and V more with a repetition penalty) until it finishes.
+holds 4V bytes of counts (and V more with a repetition penalty) until it finishes. A row whose
+end is held back adds one launch, until its min_tokens-th token is drawn.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from freetoken_agent.engine.constrained import allows_only
 from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.outputs import LogitBiasError
 from freetoken_agent.engine.request import Request, Status
 from freetoken_agent.engine.sampling_params import SamplingParams
 
-# B rows that sample this step, P of them penalised, V vocab, n biased ids of one request
+# B rows that sample this step, P of them penalised, V vocab, n biased ids of one request,
+# e ids that end it, W = ceil(V / 32) words of a packed grammar mask
 
 
 @dataclass(slots=True)
@@ -52,6 +68,10 @@ class TokenHistory:
     bias_ids: torch.Tensor | None  # [n] int64 (None: no logit_bias)
     bias_values: torch.Tensor | None  # [n]
     one: torch.Tensor  # [1] 1, what a sampled token adds to its count
+    # [e] int64: the ids min_tokens holds back (None: no min_tokens, or no such id in the
+    # vocabulary), and the same ids on the host for the grammar's check.
+    end_ids: torch.Tensor | None = None
+    end_list: tuple[int, ...] = ()
 
 
 def check_logit_bias(sampling: SamplingParams, vocab: int) -> None:
@@ -64,7 +84,13 @@ def check_logit_bias(sampling: SamplingParams, vocab: int) -> None:
         )
 
 
-def history_of(req: Request, vocab: int, dtype: torch.dtype, device: torch.device) -> TokenHistory:
+def history_of(
+    req: Request,
+    vocab: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    eos_token_ids: frozenset[int] = frozenset(),
+) -> TokenHistory:
     """`req`'s history, built on its first call from its prompt and output ids (see the module
     docstring for why those hold every token it sampled)."""
     if req.token_history is not None:
@@ -83,17 +109,27 @@ def history_of(req: Request, vocab: int, dtype: torch.dtype, device: torch.devic
     if sp.logit_bias:
         bias_ids = on_device(list(sp.logit_bias), torch.int64, device)
         bias_values = on_device([float(v) for v in sp.logit_bias.values()], dtype, device)
-    req.token_history = TokenHistory(generated, in_prompt, bias_ids, bias_values, one)
-    return req.token_history
+    history = TokenHistory(generated, in_prompt, bias_ids, bias_values, one)
+    if sp.min_tokens > 0:
+        # A stop id past the vocabulary is never sampled, and its index would fail the step.
+        history.end_list = tuple(t for t in sp.end_ids(eos_token_ids) if t < vocab)
+        if history.end_list:
+            history.end_ids = on_device(list(history.end_list), torch.int64, device)
+    req.token_history = history
+    return history
 
 
 def apply_processors(
     logits: torch.Tensor,  # [B, V], changed in place
     reqs: list[Request],
+    eos_token_ids: frozenset[int] = frozenset(),
+    masks: Mapping[str, np.ndarray] | None = None,
 ) -> list[tuple[int, TokenHistory]]:
-    """Apply each row's bias and penalties to `logits`; returns the penalised rows and their
-    histories, whose counts `count_sampled` updates after the draw. Nothing happens (no launch)
-    when no row asks."""
+    """Apply each row's bias and penalties to `logits`, and hold back the end of the rows short
+    of their min_tokens (the model's `eos_token_ids`; `masks`: the constrained rows' packed
+    grammar masks, [W] int32 by request id, which win over min_tokens); returns the penalised
+    rows and their histories, whose counts `count_sampled` updates after the draw. Nothing
+    happens (no launch) when no row asks."""
     # A finished request's row (overlap's dropped row) is never used: left as it is.
     rows = [
         i
@@ -103,14 +139,26 @@ def apply_processors(
     if not rows:
         return []
     vocab, dtype, device = logits.shape[-1], logits.dtype, logits.device
-    histories = [history_of(reqs[i], vocab, dtype, device) for i in rows]
+    histories = [history_of(reqs[i], vocab, dtype, device, eos_token_ids) for i in rows]
     for i, h in zip(rows, histories, strict=True):
         if h.bias_ids is not None:
             logits[i].index_add_(0, h.bias_ids, h.bias_values)
     penalised = [(i, h) for i, h in zip(rows, histories, strict=True) if h.generated is not None]
     if penalised:
         _penalise(logits, [reqs[i].sampling for i, _ in penalised], penalised)
+    for i, h in zip(rows, histories, strict=True):
+        if h.end_ids is not None and _holds_end(reqs[i], h, masks or {}):
+            logits[i].index_fill_(0, h.end_ids, float("-inf"))
     return penalised
+
+
+def _holds_end(req: Request, h: TokenHistory, masks: Mapping[str, np.ndarray]) -> bool:
+    """Whether `req`'s end is held back this step: fewer than min_tokens tokens were sampled
+    before this one, and its grammar, if any, allows some id besides the end ones."""
+    if req.num_sampled >= req.sampling.min_tokens:
+        return False
+    mask = masks.get(req.id)
+    return mask is None or not allows_only(mask, h.end_list)
 
 
 def _penalise(logits: torch.Tensor, params: list, rows: list[tuple[int, TokenHistory]]) -> None:

@@ -3,6 +3,12 @@
 Text is released only when it can no longer change: the detokenizer holds back incomplete UTF-8
 characters, and while stop strings are set the last (longest stop - 1) characters are held too,
 since they could be the start of a stop string that the next token completes.
+
+With min_tokens (vLLM's), a stop string is searched for only once more than min_tokens tokens
+were pushed, and only where it ends in the text those later tokens added: one that ends within
+the first min_tokens tokens' text never stops the request, later neither; one that starts there
+and ends after does (vLLM's detokenizer moves its search offset past the min_tokens-th token's
+text and looks back len(stop) - 1 characters from it, as here).
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ class OutputState:
         stop: list[str],
         context: Sequence[int] = (),
         keep_special: frozenset[int] = frozenset(),
+        min_tokens: int = 0,
     ) -> None:
         """`context`: the prompt's ids, so that the first generated token decodes as it does
         after them (SentencePiece decoders drop a word's leading space at the start of a
         decode: without it "is" + " Paris" streamed as "isParis"). `keep_special`: special
         tokens kept in the text, the others being skipped (the parsers' markers, which the
-        engine picks: engine/text/markers.py)."""
+        engine picks: engine/text/markers.py). `min_tokens`: the tokens pushed before stop
+        strings count (SamplingParams.min_tokens)."""
         self.detok = (
             IncrementalDetokenizer(tokenizer, context=context, keep_special=keep_special)
             if tokenizer is not None
@@ -33,6 +41,8 @@ class OutputState:
         )
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.min_tokens = min_tokens
+        self.pushed = 0  # tokens pushed (the ones that end the request by id are not)
         self.text = ""  # all decoded text so far (truncated at a stop string once found)
         self.emitted = 0  # characters of `text` already handed out
         self.stopped = False
@@ -44,18 +54,20 @@ class OutputState:
             return ""
         before = len(self.text)
         self.text += self.detok.push(token_id)
+        self.pushed += 1
         if self._cut_at_stop(before):
             return self.release(final=True)
         return self.release(final=False)
 
     def _cut_at_stop(self, before: int) -> bool:
         """Cut the text before the first stop string that ends past `before` (the text's
-        length before what was just added) and set `stopped`; whether one did."""
-        if not self.stop:
+        length before what was just added) and set `stopped`; whether one did. Not while no
+        more than min_tokens tokens were pushed (the text they added is never searched again)."""
+        if not self.stop or self.pushed <= self.min_tokens:
             return False
-        # A stop string can start up to len(stop) - 1 characters before the new text.
-        start = max(0, before - self.hold)
-        cut = min((i for s in self.stop if (i := self.text.find(s, start)) >= 0), default=-1)
+        # A stop string s can start up to len(s) - 1 characters before the new text.
+        found = (self.text.find(s, max(0, before - len(s) + 1)) for s in self.stop)
+        cut = min((i for i in found if i >= 0), default=-1)
         if cut >= 0:
             self.text = self.text[:cut]
             self.stopped = True

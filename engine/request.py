@@ -43,6 +43,10 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in `pages`
     num_reused: int = 0  # tokens taken from the prefix cache (summed over admissions)
     num_prefilled: int = 0  # tokens computed while prefilling (re-prefills after preemption too)
+    # Tokens sampled for it, counted when drawn (ModelRunner.sample_tokens), not when the host
+    # accepts them: min_tokens asks how many came before the one being sampled, and under
+    # overlap a drawn token may not be accepted yet (logits_processors.py).
+    num_sampled: int = 0
     prefilling: bool = True  # from admission until the first token sampled after it
     use_prefix_cache: bool = True
     score_only: bool = False  # compute logits at every position, sample nothing
@@ -70,8 +74,8 @@ class Request:
     # cannot progress: it is failed, not retried).
     preempted_at: int = -1
     fruitless_preemptions: int = 0
-    # Logit bias and penalties: the request's state on the device, built at its first sampling
-    # and kept until it finishes, preemptions included (logits_processors.py says why).
+    # Logit bias, penalties and min_tokens: the request's state on the device, built at its
+    # first sampling and kept until it finishes, preemptions included (logits_processors.py).
     token_history: TokenHistory | None = field(default=None, repr=False)
     # `pages` as an int64 array for the step's page table (`page_array`): (the list it mirrors,
     # the array of its first entries).

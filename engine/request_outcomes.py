@@ -104,9 +104,7 @@ class RequestOutcomes:
         state = self.outputs[req.id]
         sp = req.sampling
         reason = None
-        if (sp.stops_apply and token in sp.stop_token_ids) or (
-            not sp.ignore_eos and token in self.eos_token_ids
-        ):
+        if sp.ends_with(token, self.eos_token_ids):
             reason = "stop"
             text = state.release(final=True)
         else:

@@ -165,10 +165,18 @@ def to_device(
 
 
 class ModelRunner:
-    def __init__(self, model: MoeCausalLM, kv: KVPool, device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        model: MoeCausalLM,
+        kv: KVPool,
+        device: torch.device,
+        seed: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
+        self.eos_token_ids = eos_token_ids  # what min_tokens holds back (logits_processors.py)
         model.bind_kv_cache(kv.k, kv.v)
         # CPU generators: a CUDA step draws each row's noise seed from them on the host.
         self._default_generator = torch.Generator()
@@ -317,9 +325,9 @@ class ModelRunner:
         """The requests whose chunks sample, in order, and their tokens [B'] int64 on the
         device, with the reported ones and the log-probabilities of the rows that ask for
         them (token_logprobs.py); None when no chunk samples. Waits for nothing
-        (layers/sampler.py). The log-probabilities are the raw logits'; logit bias and
-        penalties apply after them and before the constraint mask, and the penalised requests'
-        counts take the sampled tokens on the device right after the draw
+        (layers/sampler.py). The log-probabilities are the raw logits'; logit bias, penalties
+        and min_tokens apply after them and before the constraint mask, and the penalised
+        requests' counts take the sampled tokens on the device right after the draw
         (logits_processors.py)."""
         chunks = step.batch.chunks
         sampling = [i for i, c in enumerate(chunks) if c.sample and not c.request.score_only]
@@ -336,10 +344,14 @@ class ModelRunner:
             None if r.status is Status.FINISHED else self.generator_for(r.id, r.sampling.seed)
             for r in reqs
         ]
-        penalised = apply_processors(logits, reqs)  # in place; nothing if no row asks
-        allowed = allowed_tokens([r.id for r in reqs], masks or {}, logits.shape[-1], self.device)
+        masks = masks or {}
+        # In place; nothing if no row asks.
+        penalised = apply_processors(logits, reqs, self.eos_token_ids, masks)
+        allowed = allowed_tokens([r.id for r in reqs], masks, logits.shape[-1], self.device)
         sampled = sample(logits, params, gens, allowed)
         count_sampled(penalised, sampled.tokens)
+        for r in reqs:  # counted at the draw (Request.num_sampled says why)
+            r.num_sampled += 1
         return reqs, attach(sampled, raw)
 
     def step_done(self, step: LaunchedStep) -> None:

@@ -9,9 +9,10 @@ deeper errors reported, when the engine takes the request.
 
 Logits processors (engine/logits_processors.py, the sampler's min_p): `logit_bias` (OpenAI),
 `presence_penalty` and `frequency_penalty` (OpenAI: over the generated tokens),
-`repetition_penalty` (HF and vLLM: over the prompt and the generated tokens) and `min_p`
-(vLLM). Their defaults ask for nothing; a logit_bias id outside the model's vocabulary is
-refused when the engine takes the request (only the engine knows the vocabulary).
+`repetition_penalty` (HF and vLLM: over the prompt and the generated tokens), `min_p` (vLLM)
+and `min_tokens` (vLLM: the end of the generation held back). Their defaults ask for nothing; a
+logit_bias id outside the model's vocabulary is refused when the engine takes the request (only
+the engine knows the vocabulary).
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ class SamplingParams:
     # the model's view, not the sampler's; engine/token_logprobs.py). None: off; 0: the
     # sampled token's only; k in 1..MAX_LOGPROBS: also the k most likely tokens with theirs.
     logprobs: int | None = None
+    # vLLM's: until this many tokens are generated, EOS and stop_token_ids cannot be sampled
+    # (held back: engine/logits_processors.py) and stop strings do not end the request
+    # (output_state.py). At most max_tokens; a grammar that can only end still ends it.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # One stop string or one stop id may be given bare, as OpenAI's `stop` may.
@@ -133,6 +138,13 @@ class SamplingParams:
         # bool is an int to Python: max_tokens=True must not mean 1.
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             refuse("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            refuse("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r:.40}")
+        elif _is_int(self.max_tokens) and 1 <= self.max_tokens < self.min_tokens:
+            refuse(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
+            )
         if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
             refuse(
                 "temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}"
@@ -250,6 +262,18 @@ class SamplingParams:
         JSON cut it short, and the request ended "stop" with text that does not parse)."""
         return self.json_schema is None
 
+    def ends_with(self, token: int, eos_token_ids: frozenset[int]) -> bool:
+        """Whether `token` ends the request by its id: a stop id (while stops apply) or EOS
+        (unless ignore_eos). The ids min_tokens holds back are these (`end_ids`)."""
+        return (self.stops_apply and token in self.stop_token_ids) or (
+            not self.ignore_eos and token in eos_token_ids
+        )
+
+    def end_ids(self, eos_token_ids: frozenset[int]) -> list[int]:
+        """Every id `ends_with` is true of, sorted."""
+        ids = set(self.stop_token_ids) if self.stops_apply else set()
+        return sorted(ids if self.ignore_eos else ids | eos_token_ids)
+
     @property
     def penalised(self) -> bool:
         """Whether a penalty applies: the request's token counts are kept on the device."""
@@ -261,8 +285,9 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether logits_processors.py touches this request's logits (bias or penalties)."""
-        return bool(self.logit_bias) or self.penalised
+        """Whether logits_processors.py touches this request's logits (bias, penalties, or its
+        end held back for min_tokens)."""
+        return bool(self.logit_bias) or self.penalised or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

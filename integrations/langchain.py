@@ -22,11 +22,14 @@ Why it is built this way:
 - `logprobs=True` (and `top_logprobs`, as ChatOpenAI names them) puts each token's raw
   log-probability in `response_metadata["logprobs"]`, ChatOpenAI's shape; every generated
   token has one, thinking and tool-call tokens included (integrations/openai_logprobs.py).
+- `n` (ChatOpenAI's) makes a call return n generations, each its own engine request sharing
+  the prompt's KV (langchain_choices.py); streaming takes one, as ChatOpenAI's does.
 - Reasoning streams in `additional_kwargs["reasoning_content"]` (and, with
   `output_version="v1"`, as reasoning content blocks) and goes back to the model in later
   turns, where the chat template keeps it.
 - The sampling options are SamplingParams' (temperature, max_tokens, top_p, top_k, seed, the
-  presence, frequency and repetition penalties, min_p, logit_bias), as fields and per call.
+  presence, frequency and repetition penalties, min_p, min_tokens, logit_bias), as fields and
+  per call.
 - LangChain's standard test suites (langchain-tests) run on it: tests/integrations/
   test_langchain_standard.py declares what it supports.
 """
@@ -44,7 +47,7 @@ from langchain_core.language_models import (
     ModelProfile,
 )
 from langchain_core.messages import AIMessage, BaseMessage
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -58,6 +61,14 @@ from freetoken_agent.integrations.langchain_call import (
     prepare_call,
     retried_turn,
     stop_list,
+)
+from freetoken_agent.integrations.langchain_choices import (
+    arun_choices,
+    chat_result,
+    choice_calls,
+    one_choice,
+    run_choices,
+    split_n,
 )
 from freetoken_agent.integrations.langchain_chunks import PROVIDER, ChunkBuilder
 from freetoken_agent.integrations.langchain_messages import (
@@ -104,6 +115,9 @@ class ChatFreeToken(BaseChatModel):
     or output so far, multiplies their negative ones."""
     min_p: float | None = None
     """vLLM's, in [0, 1]: keep the tokens at least min_p times as likely as the likeliest."""
+    min_tokens: int | None = None
+    """vLLM's, at most max_tokens: EOS and stop ids are held back and stop sequences ignored
+    until this many tokens are generated."""
     logit_bias: dict[int, float] | None = None
     """OpenAI's: token id -> bias in [-100, 100] added to its logit."""
     stop: list[str] | None = None
@@ -122,6 +136,8 @@ class ChatFreeToken(BaseChatModel):
     the tokens since the chunk before, so the chunks add up to the whole list."""
     top_logprobs: int | None = None
     """With logprobs=True: the most likely alternatives (0..20) listed for each token."""
+    n: int | None = None
+    """Generations per call (ChatOpenAI's; None: 1), seeded seed + i; not when streaming."""
 
     _service: Any = PrivateAttr(default=None)
     _pool: SessionPool | None = PrivateAttr(default=None)
@@ -138,6 +154,15 @@ class ChatFreeToken(BaseChatModel):
             self._service = service
             self._pool = SessionPool(service, self.reasoning)
         return self._pool
+
+    @model_validator(mode="after")
+    def _check_n(self) -> ChatFreeToken:
+        """ChatOpenAI's rules for n (its messages): a stream carries one generation."""
+        if self.streaming:
+            one_choice({}, self.n)  # a stream carries one: past 1 raises
+        else:
+            split_n({}, self.n)  # a bad n raises
+        return self
 
     @model_validator(mode="after")
     def _start_freetoken_engine(self) -> ChatFreeToken:
@@ -209,9 +234,11 @@ class ChatFreeToken(BaseChatModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "min_p": self.min_p,
+            "min_tokens": self.min_tokens,
             "logit_bias": self.logit_bias,
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs,
+            "n": self.n,
             # Not "stop": LangChain's cache key sets that to the call's stop, None without one,
             # and two models with different stops would share cached replies.
             "model_stop": self.stop,
@@ -303,13 +330,20 @@ class ChatFreeToken(BaseChatModel):
         return ChunkBuilder(self.model_name, self.output_version == "v1", strings)
 
     def _turn(self, messages, stop, kwargs) -> Iterator[Any]:
-        """Session events of one call, retried while the engine fails before any output."""
-        call = self._prepare(messages, stop, kwargs)
+        """Session events of one streamed call, retried while the engine fails before any
+        output."""
+        call = self._prepare(messages, stop, one_choice(kwargs, self.n))
         return retried_turn(self._ensure_engine(), call, self.max_retries)
 
     def _aturn(self, messages, stop, kwargs) -> AsyncIterator[Any]:
-        call = self._prepare(messages, stop, kwargs)
+        call = self._prepare(messages, stop, one_choice(kwargs, self.n))
         return aretried_turn(self._ensure_engine(), call, self.max_retries)
+
+    def _choices(self, messages, stop, kwargs) -> tuple[list, list[ChunkBuilder]]:
+        """Each choice's call (the call's n, else the model's) and its builder."""
+        n, kwargs = split_n(kwargs, self.n)
+        calls = choice_calls(self._prepare(messages, stop, kwargs), n)
+        return calls, [self._builder() for _ in calls]
 
     # --- LangChain's four entry points ----------------------------------------------------
     def _generate(
@@ -319,10 +353,9 @@ class ChatFreeToken(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        builder = self._builder()
-        for event in self._turn(messages, stop, kwargs):
-            builder.chunk(event)
-        return _result(builder)
+        calls, builders = self._choices(messages, stop, kwargs)
+        run_choices(self._ensure_engine(), calls, self.max_retries, builders)
+        return chat_result(builders)
 
     def _stream(
         self,
@@ -348,10 +381,9 @@ class ChatFreeToken(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        builder = self._builder()
-        async for event in self._aturn(messages, stop, kwargs):
-            builder.chunk(event)
-        return _result(builder)
+        calls, builders = self._choices(messages, stop, kwargs)
+        await arun_choices(self._ensure_engine(), calls, self.max_retries, builders)
+        return chat_result(builders)
 
     async def _astream(
         self,
@@ -383,17 +415,7 @@ def _text(chunk: Any) -> str:
     return chunk.text
 
 
-def _info(builder: ChunkBuilder) -> dict[str, Any]:
-    return {"finish_reason": builder.finish_reason, "model_name": builder.model_name}
-
-
 def _last(builder: ChunkBuilder) -> ChatGenerationChunk:
-    return ChatGenerationChunk(message=builder.last_chunk(), generation_info=_info(builder))
-
-
-def _result(builder: ChunkBuilder) -> ChatResult:
-    message = builder.message()
-    return ChatResult(
-        generations=[ChatGeneration(message=message, generation_info=_info(builder))],
-        llm_output={"model_name": builder.model_name},
+    return ChatGenerationChunk(
+        message=builder.last_chunk(), generation_info=builder.generation_info()
     )

@@ -31,6 +31,7 @@ from freetoken_agent.integrations.langchain_messages import (
 )
 from freetoken_agent.integrations.langchain_runtime import (
     Binding,
+    ChoiceGroup,
     GenerationError,
     SessionPool,
     arun_turn,
@@ -51,6 +52,7 @@ SAMPLING_OPTIONS = (
     "frequency_penalty",
     "repetition_penalty",
     "min_p",
+    "min_tokens",
     "logit_bias",
 )
 LOGPROB_OPTIONS = ("logprobs", "top_logprobs")  # ChatOpenAI's names (openai_logprobs.py)
@@ -121,11 +123,14 @@ def bias_by_id(bias: Any) -> Any:
     return {k if token_id_key(k) is None else token_id_key(k): v for k, v in bias.items()}
 
 
-def retried_turn(pool: SessionPool, call: PreparedCall, max_retries: int) -> Iterator[Any]:
-    """Session events of one call, retried while the engine fails before any output."""
+def retried_turn(
+    pool: SessionPool, call: PreparedCall, max_retries: int, group: ChoiceGroup | None = None
+) -> Iterator[Any]:
+    """Session events of one call, retried while the engine fails before any output; `group`:
+    the choices' group the call belongs to (langchain_choices.py)."""
     for attempt in itertools.count():
         produced = False
-        turn = run_turn(pool, *call)
+        turn = run_turn(pool, *call, group=group)
         with contextlib.closing(turn):
             for event in turn:
                 if isinstance(event, Usage) and _failed(event):
@@ -139,12 +144,12 @@ def retried_turn(pool: SessionPool, call: PreparedCall, max_retries: int) -> Ite
 
 
 async def aretried_turn(
-    pool: SessionPool, call: PreparedCall, max_retries: int
+    pool: SessionPool, call: PreparedCall, max_retries: int, group: ChoiceGroup | None = None
 ) -> AsyncIterator[Any]:
     """The same on an asyncio loop; closing it aborts the engine request if still running."""
     for attempt in itertools.count():
         produced = False
-        turn = arun_turn(pool, *call)
+        turn = arun_turn(pool, *call, group=group)
         try:
             async for event in turn:
                 if isinstance(event, Usage) and _failed(event):

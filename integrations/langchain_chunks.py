@@ -249,6 +249,10 @@ class ChunkBuilder:
             response_metadata=self._whole_metadata(),
         )
 
+    def generation_info(self) -> dict[str, Any]:
+        """The `generation_info` of the turn's (last) ChatGeneration."""
+        return {"finish_reason": self.finish_reason, "model_name": self.model_name}
+
     def _whole_metadata(self) -> dict[str, Any]:
         meta = self.response_metadata()
         if self.logprobs:  # only when asked: each generated token has one

@@ -9,6 +9,8 @@
   thread-safe); a concurrent call on the same binding gets another one.
 - `Gateway` is what a Session sees as its engine: the service, plus the current call's deadline
   (`timeout`) and cancellation (a cancelled asyncio task). Both abort the engine request at once.
+- A `ChoiceGroup` ties the calls of one generation's choices (`n`, langchain_choices.py): it
+  tells when the first one's prompt is cached, and cancels them all together.
 - Constrained turns (a forced tool call, JSON-schema output) are assembled from the parts in
   langchain_constrained.py and constrained_output.py.
 """
@@ -102,10 +104,47 @@ def chat_format(service: EngineService, thinking: bool | None) -> ChatFormat:
 # ------------------------------------------------------------------------ calls and gateway
 
 
+class ChoiceGroup:
+    """The calls of one generation's choices: `first` is set at the first engine event any of
+    them reads (the prompt is cached by then), or by `cancel`, which cancels every call of the
+    group, made already or later, and keeps the first error that ended a choice."""
+
+    def __init__(self) -> None:
+        self.first = threading.Event()
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self._calls: list[Call] = []
+        self._lock = threading.Lock()
+
+    def track(self, call: Call) -> None:
+        with self._lock:
+            self._calls.append(call)
+            cancelled = self.cancelled
+        if cancelled:
+            call.cancel()
+
+    def fail(self, error: BaseException) -> None:
+        """A choice ended with `error`: keep it (unless an earlier one is kept) and cancel."""
+        with self._lock:
+            if self.error is None and not self.cancelled:
+                self.error = error
+        self.cancel()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        self.first.set()  # nobody waits for a first event that may not come
+
+
 class Call:
     """One generation's deadline and cancellation, shared by its reader and its canceller."""
 
-    def __init__(self, service: EngineService, timeout: float | None) -> None:
+    def __init__(
+        self, service: EngineService, timeout: float | None, group: ChoiceGroup | None = None
+    ) -> None:
         self.service = service
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -114,6 +153,9 @@ class Call:
         self.sink = self.events.put  # what the service knows this call's request by
         self.request_id: str | None = None
         self.cancelled = False
+        self.group = group
+        if group is not None:
+            group.track(self)
 
     def started(self, request_id: str) -> bool:
         """Record the engine request; False if the call was cancelled before it existed."""
@@ -137,13 +179,17 @@ class Call:
 
     def next_event(self) -> Any:
         if self.deadline is None:
-            return self.events.get()
-        try:
-            return self.events.get(timeout=max(0.0, self.deadline - time.monotonic()))
-        except queue.Empty:
-            raise GenerationTimeout(
-                f"the generation did not finish within timeout={self.timeout}s; it was aborted"
-            ) from None
+            event = self.events.get()
+        else:
+            try:
+                event = self.events.get(timeout=max(0.0, self.deadline - time.monotonic()))
+            except queue.Empty:
+                raise GenerationTimeout(
+                    f"the generation did not finish within timeout={self.timeout}s; it was aborted"
+                ) from None
+        if self.group is not None:
+            self.group.first.set()
+        return event
 
 
 class Gateway(ServiceView):
@@ -261,13 +307,15 @@ def run_turn(
     sampling: SamplingParams,
     timeout,
     one_call: bool = False,
+    group: ChoiceGroup | None = None,
 ) -> Iterator[Any]:
     """Session events of one turn, read in the calling thread. Closing early aborts.
     `one_call` (parallel_tool_calls=False): the engine request stops at the first complete
-    tool call, and nothing after it is passed on (FirstCallOnly)."""
+    tool call, and nothing after it is passed on (FirstCallOnly). `group`: the choices' group
+    the turn's call belongs to."""
     session = pool.acquire(binding)
     gateway: Gateway = session.engine
-    call = gateway.call = Call(pool.service, timeout)
+    call = gateway.call = Call(pool.service, timeout, group)
     first = FirstCallOnly(call.cancel) if one_call else None
     events = session.send(history, sampling)
     try:
@@ -287,6 +335,7 @@ async def arun_turn(
     sampling: SamplingParams,
     timeout,
     one_call: bool = False,
+    group: ChoiceGroup | None = None,
 ) -> AsyncIterator[Any]:
     """The same on an asyncio loop. The Session is synchronous, so it runs in a thread whose
     events come through a queue; cancelling the reading task aborts the engine request at once
@@ -295,7 +344,7 @@ async def arun_turn(
     inbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     session = pool.acquire(binding)
     gateway: Gateway = session.engine
-    call = gateway.call = Call(pool.service, timeout)
+    call = gateway.call = Call(pool.service, timeout, group)
     first = FirstCallOnly(call.cancel) if one_call else None
 
     def post(kind: str, item: Any) -> None:

@@ -53,6 +53,9 @@ class Turn:
         self.service = service
         self.suffix_ids: list[int] = []  # appended to the Session's prompt (forced tool calls)
         self.on_submit: Callable[[int], None] | None = None  # called with the prompt length
+        # Called once, on the engine thread, with the request's first event: its prompt is
+        # computed and cached by then (choices.py starts the other choices at it).
+        self.on_first_event: Callable[[], None] | None = None
         self.figures: dict[str, int] | None = None  # set when the request finishes
         self.request_id: str | None = None
         self.cancelled = False
@@ -61,6 +64,9 @@ class Turn:
         self._sink = self._deliver  # what the service knows this submission by
 
     def _deliver(self, event: TokenEvent) -> None:  # on the engine thread, under service.lock
+        first, self.on_first_event = self.on_first_event, None
+        if first is not None:
+            first()
         if event.finished:
             self.figures = request_figures(self.service.engine, event.request_id)
         self._events.put(event)

@@ -1,7 +1,8 @@
 """An OpenAI chat-completions body, checked field by field into one `ChatRequest`.
 
 Every refusal is a BadParam naming the field, so the client learns what to fix. Fields this
-engine cannot honour (n > 1, prediction, audio) are refused rather than silently ignored;
+engine cannot honour (prediction, audio) are refused rather than silently ignored; `n` choices
+(1..MAX_CHOICES) are served, each its own engine request (choices.py);
 the penalties, `logit_bias` (its JSON keys are token ids written as strings) and logprobs are
 honoured. Fields that change nothing here (user, metadata, store, service_tier) are accepted
 when they have the right type. `parallel_tool_calls: false` is honoured: the turn stops at its
@@ -47,10 +48,13 @@ from freetoken_agent.integrations.server.tool_choice import (
 from freetoken_agent.messages import Message, messages_from_openai
 
 _INT64 = (-(2**63), 2**63 - 1)
+# The most choices (`n`) one request may ask for. Each is an engine request of its own, running
+# beside the others (vLLM sets no limit): a cap keeps one body from filling the engine's batch
+# (max_num_seqs, 16 by default) and its KV pool on its own.
+MAX_CHOICES = 16
 
 # Unsupported fields and the value that means "not used".
 _UNSUPPORTED = {
-    "n": (None, 1),
     "prediction": (None,),
     "audio": (None,),
 }
@@ -94,6 +98,17 @@ class ChatRequest:
     turn: TurnRequest
     stream: bool
     include_usage: bool
+    n: int = 1  # choices: each a run of `turn` (choices.py)
+
+
+def choice_count(body: Mapping[str, Any]) -> int:
+    """OpenAI's `n`: how many choices to generate (absent or null: 1)."""
+    value = body.get("n")
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+        raise BadParam(f"n must be an integer in [1, {MAX_CHOICES}], got {value!r:.40}", "n")
+    return value
 
 
 def _number(body: Mapping, key: str, lo: float, hi: float, *, lo_open: bool = False):
@@ -130,10 +145,11 @@ def sampling_from(
     default_max: int,
     logprobs: int | None = None,
 ) -> SamplingParams:
-    """SamplingParams from OpenAI fields (plus vLLM's top_k, min_p, repetition_penalty,
-    ignore_eos and stop_token_ids); a forced call, or tools with a JSON response_format (a call
-    or the answer), add their schema. `logprobs`: SamplingParams' value, which chat and text
-    completions read from their bodies each in its own way (logprobs_request.py)."""
+    """SamplingParams from OpenAI fields (plus vLLM's top_k, min_p, min_tokens,
+    repetition_penalty, ignore_eos and stop_token_ids); a forced call, or tools with a JSON
+    response_format (a call or the answer), add their schema. `logprobs`: SamplingParams'
+    value, which chat and text completions read from their bodies each in its own way
+    (logprobs_request.py)."""
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
@@ -175,6 +191,7 @@ def sampling_from(
         "frequency_penalty": _number(body, "frequency_penalty", -PENALTY_LIMIT, PENALTY_LIMIT),
         "repetition_penalty": _number(body, "repetition_penalty", *REPETITION_RANGE),
         "min_p": _number(body, "min_p", 0, 1),
+        "min_tokens": _integer(body, "min_tokens", 0),  # <= max_tokens: SamplingParams' check
         "logit_bias": _logit_bias(body),
         "logprobs": logprobs,
         "response_format": None if either else fmt,
@@ -340,4 +357,4 @@ def parse_chat_request(
 ) -> ChatRequest:
     """The checked request (`check_envelope`, then the turn)."""
     stream, include_usage = check_envelope(body, served, names)
-    return ChatRequest(turn_from(body, default_max), stream, include_usage)
+    return ChatRequest(turn_from(body, default_max), stream, include_usage, choice_count(body))

@@ -2,8 +2,14 @@
 
 `CompletionFormat` writes chat completions (from a TurnRun's parser events), and
 `TextCompletionFormat` legacy text completions (from a TextRun's text pieces): `object`
-"text_completion", `choices[0].text`, whole or as streamed deltas, under a `cmpl-` id. Both
-end a stream alike: a chunk with the finish_reason, then the usage chunk if asked for.
+"text_completion", `choices[i].text`, whole or as streamed deltas, under a `cmpl-` id. Both
+end a stream alike: each choice's chunk with its finish_reason, then the usage chunk if asked
+for.
+
+A request with n > 1 has n choices (choices.py), indexed 0..n-1: a whole completion lists
+them in order; streamed, each chunk holds one choice's delta under its `index`, chunks of
+different choices interleave, and every choice has a state of its own here (its tool calls'
+numbers, its log-probabilities waiting for a chunk, its text offset), as if it were alone.
 
 Chat deltas follow OpenAI's shapes exactly, since clients accumulate them by field:
 `role` in the first chunk, `content` and `reasoning_content` text pieces, and `tool_calls`
@@ -32,7 +38,8 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from freetoken_agent.engine.outputs import TokenEvent, TokenLogprob
 from freetoken_agent.integrations.openai_logprobs import (
@@ -44,6 +51,16 @@ from freetoken_agent.integrations.openai_logprobs import (
 from freetoken_agent.integrations.server.reply import Reply
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Usage
+
+
+class Choice(NamedTuple):
+    """One choice of a whole completion: its reply (a Reply for chat, the text for a text
+    completion), finish_reason and log-probabilities (chat: TokenLogprobs; text: (entry,
+    text offset) pairs; empty when not asked)."""
+
+    reply: Reply | str
+    finish_reason: str | None
+    logprobs: Sequence[Any] = ()
 
 
 def usage_json(usage: Usage | None) -> dict[str, Any]:
@@ -63,15 +80,25 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {text}\n\n"
 
 
+@dataclass(slots=True)
+class _ChatChoice:
+    """What a streamed chat choice carries from one chunk to the next."""
+
+    calls: int = 0  # tool calls streamed so far: the next one's index
+    pending: Pending = field(default_factory=Pending)  # entries for its next chunk
+
+
 class CompletionFormat:
     def __init__(self, model: str, strings: TokenStrings | None = None) -> None:
         """`strings`: the token strings of a request that asked for logprobs (None: not)."""
         self.model = model
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
-        self._calls = 0  # tool calls streamed so far: the next one's index
         self._strings = strings
-        self._pending = Pending()  # entries for the next chunk (openai_logprobs.py)
+        self._choices: dict[int, _ChatChoice] = {}  # by index, made on first use
+
+    def _choice(self, index: int) -> _ChatChoice:
+        return self._choices.setdefault(index, _ChatChoice())
 
     def _envelope(self, kind: str, choices: list) -> dict[str, Any]:
         return {
@@ -83,30 +110,40 @@ class CompletionFormat:
             "choices": choices,
         }
 
-    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        """A chunk; asked for, its `logprobs` are the tokens' since the chunk before (null
-        when it carries none, as OpenAI's role chunk and vLLM's chunks without tokens do)."""
+    def chunk(
+        self, delta: dict[str, Any], finish_reason: str | None = None, index: int = 0
+    ) -> dict[str, Any]:
+        """A chunk of choice `index`; asked for, its `logprobs` are that choice's tokens'
+        since its chunk before (null when it carries none, as OpenAI's role chunk and vLLM's
+        chunks without tokens do)."""
         logprobs = None
-        taken = self._pending.take() if self._strings is not None else []
+        taken = self._choice(index).pending.take() if self._strings is not None else []
         if taken:
             logprobs = chat_logprobs(taken, self._strings)
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         return self._envelope("chat.completion.chunk", [choice])
 
-    def first_chunks(self) -> list[dict[str, Any]]:
-        return [self.chunk({"role": "assistant", "content": ""})]
+    def first_chunks(self, n: int = 1) -> list[dict[str, Any]]:
+        """Each choice's role chunk."""
+        return [self.chunk({"role": "assistant", "content": ""}, index=i) for i in range(n)]
 
-    def last_chunk(self, finish_reason: str | None) -> dict[str, Any]:
-        return self.chunk({}, finish_reason)
+    def last_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+        return self.chunk({}, finish_reason, index)
 
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage_json(usage)}
 
-    def delta(self, event: Any) -> dict[str, Any] | None:
-        """The delta carrying one parser event (None: nothing to send for it). A token's
-        log-probabilities wait for the next chunk."""
+    def delta(self, event: Any, index: int = 0) -> dict[str, Any] | None:
+        """The delta carrying one parser event of choice `index` (None: nothing to send for
+        it). A token's log-probabilities wait for that choice's next chunk."""
+        state = self._choice(index)
         if isinstance(event, TokenLogprob):
-            self._pending.add(event)
+            state.pending.add(event)
             return None
         if isinstance(event, ContentDelta) and event.text:
             return {"content": event.text}
@@ -114,7 +151,7 @@ class CompletionFormat:
             return {"reasoning_content": event.text}
         if isinstance(event, ToolCallEnd):
             call = {
-                "index": self._calls,
+                "index": state.calls,
                 "id": event.id,
                 "type": "function",
                 "function": {
@@ -122,30 +159,38 @@ class CompletionFormat:
                     "arguments": json.dumps(event.arguments, ensure_ascii=False),
                 },
             }
-            self._calls += 1
+            state.calls += 1
             return {"tool_calls": [call]}
         return None  # ToolCallStart, ToolCallArgsDelta (held: see above), warnings, Usage
 
-    def completion(
-        self,
-        reply: Reply,
-        usage: Usage | None,
-        finish_reason: str | None,
-        logprobs: Sequence[TokenLogprob] = (),
-    ):
-        """The whole completion; `logprobs`: every token's, when asked."""
-        written = None if self._strings is None else chat_logprobs(logprobs, self._strings)
-        choice = {
-            "index": 0,
-            "message": reply.openai_message(),
-            "logprobs": written,
-            "finish_reason": finish_reason,
-        }
-        return {**self._envelope("chat.completion", [choice]), "usage": usage_json(usage)}
+    def completion(self, choices: Sequence[Choice], usage: Usage | None) -> dict[str, Any]:
+        """The whole completion: each choice's message (its `reply` a Reply) and, when asked,
+        every token's log-probabilities."""
+        written = [
+            {
+                "index": i,
+                "message": choice.reply.openai_message(),
+                "logprobs": self._written(choice.logprobs),
+                "finish_reason": choice.finish_reason,
+            }
+            for i, choice in enumerate(choices)
+        ]
+        return {**self._envelope("chat.completion", written), "usage": usage_json(usage)}
+
+    def _written(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        return None if self._strings is None else chat_logprobs(logprobs, self._strings)
+
+
+@dataclass(slots=True)
+class _TextChoice:
+    """What a streamed text choice carries from one chunk to the next."""
+
+    pending: list[tuple[TokenLogprob, int]] = field(default_factory=list)  # (entry, offset)
+    released: int = 0  # characters of text released so far: the next token's offset
 
 
 class TextCompletionFormat:
-    """The legacy `text_completion` object, whole or in chunks (one choice, index 0)."""
+    """The legacy `text_completion` object, whole or in chunks."""
 
     def __init__(self, model: str, logprobs: TextLogprobs | None = None) -> None:
         """`logprobs`: the writer of a request that asked for them (None: not)."""
@@ -153,8 +198,10 @@ class TextCompletionFormat:
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self._logprobs = logprobs
-        self._pending: list[tuple[TokenLogprob, int]] = []  # (entry, offset) for the next chunk
-        self._released = 0  # characters of text released so far: the next token's offset
+        self._choices: dict[int, _TextChoice] = {}  # by index, made on first use
+
+    def _choice(self, index: int) -> _TextChoice:
+        return self._choices.setdefault(index, _TextChoice())
 
     def _envelope(self, choices: list) -> dict[str, Any]:
         return {
@@ -166,42 +213,54 @@ class TextCompletionFormat:
             "choices": choices,
         }
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-        """A chunk; asked for, its `logprobs` are the tokens' since the chunk before."""
+    def chunk(self, text: str, finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
+        """A chunk of choice `index`; asked for, its `logprobs` are that choice's tokens'
+        since its chunk before."""
         logprobs = None
-        if self._logprobs is not None and self._pending:  # no tokens in it: null, as chat's
-            logprobs, self._pending = self._logprobs.block(self._pending), []
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        state = self._choice(index)
+        if self._logprobs is not None and state.pending:  # no tokens in it: null, as chat's
+            logprobs, state.pending = self._logprobs.block(state.pending), []
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         return self._envelope([choice])
 
-    def first_chunks(self) -> list[dict[str, Any]]:
-        return []  # no role to announce: the first chunk carries text
+    def first_chunks(self, n: int = 1) -> list[dict[str, Any]]:
+        return []  # no role to announce: a choice's first chunk carries text
 
-    def last_chunk(self, finish_reason: str | None) -> dict[str, Any]:
-        return self.chunk("", finish_reason)
+    def last_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+        return self.chunk("", finish_reason, index)
 
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
         return {**self._envelope([]), "usage": usage_json(usage)}
 
-    def delta(self, event: Any) -> str | None:
-        """The text a TextRun event carries (None: nothing to send for it). Its token's
-        log-probabilities, asked for, wait for the next chunk."""
+    def delta(self, event: Any, index: int = 0) -> str | None:
+        """The text a TextRun event of choice `index` carries (None: nothing to send for it).
+        Its token's log-probabilities, asked for, wait for that choice's next chunk."""
         if not isinstance(event, TokenEvent):
             return None
+        state = self._choice(index)
         entry = event.token_logprob()
         if entry is not None:
-            self._pending.append((entry, self._released))
-        self._released += len(event.text)
+            state.pending.append((entry, state.released))
+        state.released += len(event.text)
         return event.text or None
 
-    def completion(
-        self,
-        text: str,
-        usage: Usage | None,
-        finish_reason: str | None,
-        logprobs: Sequence[tuple[TokenLogprob, int]] = (),
-    ):
-        """The whole completion; `logprobs`: every token's (entry, text offset), when asked."""
-        written = None if self._logprobs is None else self._logprobs.block(logprobs)
-        choice = {"index": 0, "text": text, "logprobs": written, "finish_reason": finish_reason}
-        return {**self._envelope([choice]), "usage": usage_json(usage)}
+    def completion(self, choices: Sequence[Choice], usage: Usage | None) -> dict[str, Any]:
+        """The whole completion: each choice's text (its `reply`) and, when asked, every
+        token's (entry, text offset)."""
+        written = [
+            {
+                "index": i,
+                "text": choice.reply,
+                "logprobs": None
+                if self._logprobs is None
+                else self._logprobs.block(choice.logprobs),
+                "finish_reason": choice.finish_reason,
+            }
+            for i, choice in enumerate(choices)
+        ]
+        return {**self._envelope(written), "usage": usage_json(usage)}

@@ -7,8 +7,8 @@ OpenAI's legacy function calling: `functions` and `function_call` are refused, p
 `tools` and `tool_choice`, which say the same thing in the current form.
 
 vLLM's extensions:
-- `stop_token_ids`, `repetition_penalty` and `min_p` are honoured (SamplingParams has them;
-  chat_request.sampling_from reads them).
+- `stop_token_ids`, `repetition_penalty`, `min_p` and `min_tokens` are honoured
+  (SamplingParams has them; chat_request.sampling_from reads them).
 - `chat_template_kwargs`: `enable_thinking` (true or false) renders the prompt with that
   template variable, as ChatFreeToken's `reasoning` does (a ChatFormat per value, hub.py).
   Other keys are refused by name: the template would take them, but what they change (a
@@ -18,8 +18,6 @@ vLLM's extensions:
   output is the bare string, not JSON, so it is not a JSON-schema enum; the API takes no regex
   or grammar (the engine's `SamplingParams.grammar` is llguidance's Lark syntax, which vLLM's
   grammars are not written in).
-- `min_tokens`: refused unless it is the neutral value 0, which asks for nothing: the engine
-  cannot hold back the end of a generation.
 - `reasoning_effort` (OpenAI's, for its reasoning models) is refused: enable_thinking is the
   one switch the chat templates have.
 - `prompt_logprobs` is refused: the output's log-probabilities are served (`logprobs`), the
@@ -37,7 +35,6 @@ _CONSTRAIN = "constrain the output with response_format {'type': 'json_schema', 
 
 # field: (its neutral values besides null, why it is refused / what to send instead)
 _SAMPLING: dict[str, tuple[tuple, str]] = {
-    "min_tokens": ((0,), "the engine cannot hold back the end of a generation"),
     "guided_json": ((), _CONSTRAIN),
     "guided_choice": ((), _CONSTRAIN + " (an enum schema; the answer is then JSON text)"),
     "guided_regex": ((), "this API takes no regex constraint; " + _CONSTRAIN),

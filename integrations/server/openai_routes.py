@@ -1,13 +1,14 @@
 """OpenAI-compatible routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
 
-A chat completion is one TurnRun: on the Session of `X-Session-Id` when the client sends one
-(turns then queue one behind the other, and the session's watchers see them), else on a fresh
-Session. A text completion (the legacy endpoint: autocomplete, scripts) is one TextRun: its
-prompt goes to the engine as is, with no Session or chat template. Both are served alike.
-Everything the engine could refuse is refused before the response starts, with 400 and an
-OpenAI error object. A client that goes away ends its generation at once: a streamed response
-cancels the run when Starlette sees the disconnect, a non-streamed one watches for it while it
-collects the reply.
+A chat completion is a TurnRun per choice (`n`, 1 by default: choices.py): the first on the
+Session of `X-Session-Id` when the client sends one (turns then queue one behind the other, the
+session's watchers see them, and its history keeps the first choice's reply), the others on
+fresh Sessions. A text completion (the legacy endpoint: autocomplete, scripts) is a TextRun per
+choice: its prompt goes to the engine as is, with no Session or chat template. Both are served
+alike. Everything the engine could refuse is refused before the response starts, with 400 and
+an OpenAI error object. A client that goes away ends its generation at once: a streamed
+response cancels every choice when Starlette sees the disconnect, a non-streamed one watches
+for it while it collects the replies.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -23,8 +25,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.integrations.choice_sampling import choice_sampling
 from freetoken_agent.integrations.openai_logprobs import TextLogprobs, TokenStrings
 from freetoken_agent.integrations.server.chat_request import check_model, parse_chat_request
+from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.completion_format import (
     CompletionFormat,
     TextCompletionFormat,
@@ -44,52 +48,57 @@ from freetoken_agent.session import Usage
 log = logging.getLogger("freetoken.server")
 
 
-Run = TurnRun | TextRun  # what the routes serve: `start`, `events`, `cancel`, the outcome
 Format = CompletionFormat | TextCompletionFormat
 
 
 class TurnStreamResponse(StreamingResponse):
-    """An SSE response that cancels its run however it ends: finished, failed, or cut off
+    """An SSE response that cancels its choices however it ends: finished, failed, or cut off
     by a client that left (also before the first chunk, when the body generator never ran)."""
 
-    def __init__(self, run: Run, content: AsyncIterator[str]) -> None:
+    def __init__(self, choices: Choices, content: AsyncIterator[str]) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-        self.run = run
+        self.choices = choices
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.run.cancel()
+            self.choices.cancel()
 
 
-async def _sse_chunks(run: Run, fmt: Format, include_usage: bool):
-    for chunk in fmt.first_chunks():
+async def _sse_chunks(choices: Choices, fmt: Format, include_usage: bool):
+    """Each choice's chunks as they come, its finish chunk when it ends; then the usage chunk
+    (asked for) and [DONE]. A failed choice (the others cancelled) ends the stream with an
+    error object instead of the chunks still to come."""
+    for chunk in fmt.first_chunks(choices.n):
         yield sse(chunk)
-    usage: Usage | None = None
+    ended: set[int] = set()
     try:
-        async for event in run.events():
+        async for index, event in choices.events():
             if isinstance(event, Usage):
-                usage = event
+                ended.add(index)
+                if choices.error is None:
+                    yield sse(fmt.last_chunk(choices.finish_reason(index), index))
                 continue
-            delta = fmt.delta(event)
+            delta = fmt.delta(event, index)
             if delta is not None:
-                yield sse(fmt.chunk(delta))
+                yield sse(fmt.chunk(delta, index=index))
     except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
         log.exception("run failed while streaming")
         yield sse(error_body(f"{type(e).__name__}: {e}", "server_error"))
         yield sse("[DONE]")
         return
-    if usage is not None and usage.finish_reason == "error":
-        yield sse(error_body(usage.error or "the engine failed this request", "server_error"))
+    if choices.error is not None:
+        yield sse(error_body(choices.error, "server_error"))
     else:
-        yield sse(fmt.last_chunk(run.finish_reason()))
+        for index in sorted(set(range(choices.n)) - ended):  # one that ended without its Usage
+            yield sse(fmt.last_chunk(choices.finish_reason(index), index))
         if include_usage:
-            yield sse(fmt.usage_chunk(usage))
+            yield sse(fmt.usage_chunk(choices.usage))
     yield sse("[DONE]")
 
 
@@ -99,9 +108,9 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _complete(request: Request, run: Run, fmt: Format) -> Response:
+async def _complete(request: Request, choices: Choices, fmt: Format) -> Response:
     async def collect() -> None:
-        async for _ in run.events():
+        async for _ in choices.events():
             pass
 
     collector = asyncio.ensure_future(collect())
@@ -112,28 +121,27 @@ async def _complete(request: Request, run: Run, fmt: Format) -> Response:
         watcher.cancel()
         if not collector.done():
             collector.cancel()
-        run.cancel()
+        choices.cancel()
     if not collector.done() or collector.cancelled():
         return Response(status_code=499)  # the client left; nobody reads this
     if collector.exception() is not None:
         e = collector.exception()
         log.error("run failed: %s: %s", type(e).__name__, e)
         return error_response(500, f"{type(e).__name__}: {e}", "server_error")
-    usage = run.usage
-    if usage is not None and usage.finish_reason == "error":
-        return error_response(500, usage.error or "the engine failed this request", "server_error")
-    return JSONResponse(fmt.completion(run.reply, usage, run.finish_reason(), run.logprobs))
+    if choices.error is not None:
+        return error_response(500, choices.error, "server_error")
+    return JSONResponse(fmt.completion(choices.results(), choices.usage))
 
 
 async def _serve(
-    request: Request, run: Run, fmt: Format, stream: bool, include_usage: bool
+    request: Request, choices: Choices, fmt: Format, stream: bool, include_usage: bool
 ) -> Response:
-    """Start the run (refusals: 400), then stream it or collect it; it is cancelled however
-    this ends, by the stream once that has taken it over."""
+    """Start the choices (refusals: 400), then stream them or collect them; they are
+    cancelled however this ends, by the stream once that has taken them over."""
     handed_over = False
     try:
         try:
-            await run.start()
+            await choices.start()
         except InvalidRequestError as e:
             return invalid_response(e)
         except Exception as e:  # noqa: BLE001 - e.g. the grammar library is missing
@@ -141,11 +149,11 @@ async def _serve(
             return error_response(500, f"{type(e).__name__}: {e}", "server_error")
         if stream:
             handed_over = True
-            return TurnStreamResponse(run, _sse_chunks(run, fmt, include_usage))
-        return await _complete(request, run, fmt)
+            return TurnStreamResponse(choices, _sse_chunks(choices, fmt, include_usage))
+        return await _complete(request, choices, fmt)
     finally:
         if not handed_over:
-            run.cancel()
+            choices.cancel()
 
 
 async def chat_completions(request: Request) -> Response:
@@ -159,10 +167,14 @@ async def chat_completions(request: Request) -> Response:
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
         log.exception("could not read a request")
         return error_response(500, f"{type(e).__name__}: {e}", "server_error")
-    run = TurnRun(live, chat.turn)
+    turns = [
+        replace(chat.turn, sampling=choice_sampling(chat.turn.sampling, i)) for i in range(chat.n)
+    ]
+    lives = [live, *(state.hub.lookup(None) for _ in turns[1:])]
+    choices = Choices([TurnRun(on, turn) for on, turn in zip(lives, turns, strict=True)])
     asked = chat.turn.sampling.logprobs is not None
     fmt = CompletionFormat(state.model_id, TokenStrings(state.service.tokenizer) if asked else None)
-    return await _serve(request, run, fmt, chat.stream, chat.include_usage)
+    return await _serve(request, choices, fmt, chat.stream, chat.include_usage)
 
 
 async def text_completions(request: Request) -> Response:
@@ -175,11 +187,12 @@ async def text_completions(request: Request) -> Response:
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
         log.exception("could not read a request")
         return error_response(500, f"{type(e).__name__}: {e}", "server_error")
-    run = TextRun(state.service, text.prompt, text.sampling)
+    samplings = [choice_sampling(text.sampling, i) for i in range(text.n)]
+    choices = Choices([TextRun(state.service, text.prompt, sp) for sp in samplings])
     k = text.sampling.logprobs
     writer = None if k is None else TextLogprobs(TokenStrings(state.service.tokenizer), k > 0)
     fmt = TextCompletionFormat(state.model_id, writer)
-    return await _serve(request, run, fmt, text.stream, text.include_usage)
+    return await _serve(request, choices, fmt, text.stream, text.include_usage)
 
 
 def model_card(state: Any) -> dict[str, Any]:

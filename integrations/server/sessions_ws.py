@@ -5,7 +5,7 @@ The client sends JSON messages:
     {"type": "send", "messages": [...], "tools": [...], "tool_choice": ...,
      "sampling": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                  "logit_bias", "logprobs", "top_logprobs"},
+                  "min_tokens", "logit_bias", "logprobs", "top_logprobs"},
      "response_format": {...}, "append": false, "model": "..."}
     {"type": "cancel"}                     interrupt the running turn (any watcher may)
 
@@ -59,6 +59,7 @@ SAMPLING_KEYS = frozenset(
         "frequency_penalty",
         "repetition_penalty",
         "min_p",
+        "min_tokens",
         "logit_bias",
         "logprobs",  # the chat API's: true, with top_logprobs k (a `logprob` event a token)
         "top_logprobs",

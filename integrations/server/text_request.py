@@ -7,6 +7,11 @@ a 400 naming `prompt`: serving them as several choices means several engine requ
 streams interleave and whose failures and disconnects must end all of them, for a form that
 autocomplete and scripts do not send (they send one prompt per request, as they can here).
 
+`n` completions of the one prompt are served (choices.py), as chat's. `best_of` > 1 stays
+refused: it asks the server to generate best_of and return the n with the highest
+log-probability, a choice this server does not make; best_of == n would pick nothing, and `n`
+says that already.
+
 The sampling fields and their refusals are the chat route's (`sampling_from`, `check_envelope`);
 on top, what only this endpoint has and this server cannot do is refused by name: `suffix`
 (fill-in-the-middle), `echo` (with `logprobs` too: logprobs_request.py), `best_of` > 1; and so
@@ -25,7 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.engine.sampling_params import SamplingParams
-from freetoken_agent.integrations.server.chat_request import check_envelope, sampling_from
+from freetoken_agent.integrations.server.chat_request import (
+    check_envelope,
+    choice_count,
+    sampling_from,
+)
 from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.integrations.server.foreign_fields import check_text_fields
 from freetoken_agent.integrations.server.logprobs_request import text_body_logprobs
@@ -47,6 +56,7 @@ class TextRequest:
     sampling: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1  # choices: each a run of the prompt (choices.py)
 
 
 def _is_ids(value: Any) -> bool:
@@ -91,4 +101,4 @@ def parse_text_request(
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
     check_text_fields(body)
     sampling = sampling_from(body, None, _NO_TOOLS, default_max, logprobs)
-    return TextRequest(prompt, sampling, stream, include_usage)
+    return TextRequest(prompt, sampling, stream, include_usage, choice_count(body))

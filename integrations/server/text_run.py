@@ -67,6 +67,9 @@ class TextRun:
         self._lock = threading.Lock()  # cancel() either sees the request id or stops the submit
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._sink: Sink | None = None  # what the service knows this submission by
+        # Set at the request's first engine event: its prompt is cached by then (choices.py
+        # starts the other choices at it). Every request has one (its final event at least).
+        self.first_event = asyncio.Event()
 
     def _ids(self) -> list[int]:
         if isinstance(self.prompt, list):
@@ -80,10 +83,16 @@ class TextRun:
         return tokenizer.encode(self.prompt, add_special_tokens=True)
 
     def _submit(self, loop: asyncio.AbstractEventLoop) -> None:  # in a worker thread
+        first = True
+
         def deliver(event: TokenEvent) -> None:  # on the engine thread, under service.lock
+            nonlocal first
             if event.finished:
                 self._figures = request_figures(self.service.engine, event.request_id)
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads any more
+                if first:
+                    first = False
+                    loop.call_soon_threadsafe(self.first_event.set)
                 loop.call_soon_threadsafe(self._events.put_nowait, event)
 
         ids = self._ids()

@@ -66,6 +66,12 @@ class _Memory:
 _END = object()
 
 
+def put_first_event(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    """Set `event` on its loop, from the engine thread (a closed loop: nobody waits)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(event.set)
+
+
 class TurnRun:
     def __init__(self, live: LiveSession, request: TurnRequest) -> None:
         self.live = live
@@ -82,6 +88,9 @@ class TurnRun:
         self._out: asyncio.Queue = asyncio.Queue()  # from `_publish`, to `events()`
         self._thread: threading.Thread | None = None
         self._publisher: asyncio.Task | None = None  # held: the loop keeps tasks weakly
+        # Set at the request's first engine event (its prompt is cached by then), or when the
+        # run ends without one: choices.py waits for it before starting the other choices.
+        self.first_event = asyncio.Event()
 
     # --- the worker thread ----------------------------------------------------------------
     def _work(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -96,6 +105,7 @@ class TurnRun:
                 live.session.chat_format = live.formats.get(request.enable_thinking)
                 live.bridge.current = turn
                 turn.on_submit = lambda n: put(_Started(n))
+                turn.on_first_event = lambda: put_first_event(loop, self.first_event)
                 factory = parser_factory(
                     request.tool_choice,
                     request.tools,
@@ -229,6 +239,8 @@ class TurnRun:
                 self._out.put_nowait(item)
 
     def _record(self, item: Any) -> None:
+        if item is _END or isinstance(item, BaseException):
+            self.first_event.set()  # ended: nothing waits for an event that will not come
         if item is _END:
             self.finished = True
             self._done()

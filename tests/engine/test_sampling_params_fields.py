@@ -18,6 +18,8 @@ from freetoken_agent.engine.sampling_params import (
 # One wrong value of each field, as a draw from the kinds of wrong it can be.
 BAD = {
     "max_tokens": lambda r: r.choice([0, -r.randint(1, 9), True, 2.5]),
+    # Past max_tokens is refused too (a test of its own: a bad max_tokens has no bound).
+    "min_tokens": lambda r: r.choice([-r.randint(1, 9), True, 2.5, "3", None]),
     "temperature": lambda r: r.choice([-r.uniform(0.1, 3), float("inf"), float("nan"), "hot"]),
     "top_k": lambda r: r.choice([-r.randint(1, 9), 1.5, None]),
     "top_p": lambda r: r.choice([0, 1 + r.uniform(0.01, 2), -0.5]),
@@ -136,3 +138,30 @@ def test_each_processor_field_refuses_its_bad_values(rng_seed, field):
         with pytest.raises(SamplingParamsError) as caught:
             SamplingParams(**{field: value})
         assert caught.value.fields == (field,), (value, caught.value.problems)
+
+
+def test_min_tokens_is_bounded_by_max_tokens(rng_seed):
+    """vLLM's rule: 0 <= min_tokens <= max_tokens; any min_tokens > 0 processes logits (its
+    end is held back), 0 asks for nothing."""
+    rng = random.Random(rng_seed)
+    n = rng.randint(1, 999)
+    assert SamplingParams(max_tokens=n, min_tokens=n).processes_logits
+    assert SamplingParams(max_tokens=n, min_tokens=rng.randint(1, n)).processes_logits
+    assert not SamplingParams(max_tokens=n, min_tokens=0).processes_logits
+    over = n + rng.randint(1, 99)
+    with pytest.raises(SamplingParamsError, match=f"min_tokens \\({over}\\)") as caught:
+        SamplingParams(max_tokens=n, min_tokens=over)
+    assert caught.value.fields == ("min_tokens",)
+
+
+def test_the_end_ids_are_the_ids_that_end_a_request(rng_seed):
+    """`end_ids` (what min_tokens holds back) is what `ends_with` (the accept's rule) says."""
+    rng = random.Random(rng_seed)
+    eos = frozenset(rng.sample(range(50), rng.randint(0, 3)))
+    for _ in range(20):
+        sp = SamplingParams(
+            stop_token_ids=rng.sample(range(50), rng.randint(0, 4)),
+            ignore_eos=rng.random() < 0.5,
+            json_schema=rng.choice([None, {"type": "object"}]),
+        )
+        assert sp.end_ids(eos) == [t for t in range(60) if sp.ends_with(t, eos)], (sp, eos)

@@ -1,7 +1,7 @@
 """ChatFreeToken's sampling options reach SamplingParams: the logits processors' fields
 (presence_penalty, frequency_penalty and logit_bias as ChatOpenAI names them, vLLM's
-repetition_penalty and min_p) as the model's fields and per call, the call's winning; a bad
-value is a ValueError naming the field before anything runs."""
+repetition_penalty, min_p and min_tokens) as the model's fields and per call, the call's
+winning; a bad value is a ValueError naming the field before anything runs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.integrations.langchain import ChatFreeToken
 
-FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
+FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+          "logit_bias")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,7 @@ def _values(rng: random.Random) -> dict:
         "frequency_penalty": rng.uniform(-2, 2),
         "repetition_penalty": rng.uniform(0.1, 4),
         "min_p": rng.random(),
+        "min_tokens": rng.randint(1, 4),  # the calls' max_tokens is 4
         "logit_bias": {rng.randrange(300): rng.uniform(-100, 100) for _ in range(3)},
     }
 
@@ -52,7 +54,7 @@ def test_a_bad_value_is_a_value_error_naming_it(scripted, rng_seed):
     rng = random.Random(rng_seed)
     fake, service = scripted
     bad = {"presence_penalty": 3.0, "frequency_penalty": -2.5, "repetition_penalty": 0.0,
-           "min_p": 1.5, "logit_bias": {-1: 5.0}}  # fmt: skip
+           "min_p": 1.5, "min_tokens": rng.choice([-1, 5]), "logit_bias": {-1: 5.0}}  # fmt: skip
     field = rng.choice(FIELDS)
     with pytest.raises(ValueError, match=field):
         ChatFreeToken(engine=service, max_tokens=4).invoke("ka", **{field: bad[field]})
@@ -82,7 +84,8 @@ def test_the_cache_key_tells_logprobs_stop_and_the_processors_apart(scripted, rn
     _, service = scripted
     base = ChatFreeToken(engine=service, max_tokens=4)
     fields = [("logprobs", True), ("top_logprobs", rng.randint(1, 20)), ("stop", ["zz"]),
-              ("logit_bias", {rng.randrange(300): 5.0}), ("min_p", rng.random())]  # fmt: skip
+              ("logit_bias", {rng.randrange(300): 5.0}), ("min_p", rng.random()),
+              ("min_tokens", rng.randint(1, 4))]  # fmt: skip
     for field, value in fields:
         other = ChatFreeToken(engine=service, max_tokens=4, **{field: value})
         assert base._get_llm_string() != other._get_llm_string(), field

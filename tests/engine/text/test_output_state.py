@@ -114,3 +114,36 @@ def test_the_engine_streams_the_first_word_with_its_space(tmp_path, rng_seed):
         assert f" w{words[0]}" in out.text, out.text
     if out.token_ids[0] >= 3:
         assert out.text.startswith(" "), out.text
+
+
+def _occurrences(text: str, s: str) -> list[int]:
+    return [i for i in range(len(text) - len(s) + 1) if text.startswith(s, i)]
+
+
+def test_min_tokens_ignores_the_stop_strings_that_end_within_its_tokens(rng_seed):
+    """vLLM's rule: after min_tokens tokens, a stop string stops the text where it first ends
+    past them (the earliest start among those ending there), straddling the boundary or not;
+    one that ends within their text never stops it. One byte is one token and one character
+    here, so the boundary is character min_tokens."""
+    rng = random.Random(rng_seed)
+    text = "".join(rng.choice("abc ") for _ in range(rng.randint(8, 40)))
+    for _ in range(30):
+        m = rng.randint(1, len(text) - 1)
+        stops = []
+        for _ in range(rng.randint(1, 3)):  # taken inside, across or past the boundary
+            start = rng.randrange(len(text) - 1)
+            stops.append(text[start : start + rng.randint(1, 5)])
+        ends = [(i + len(s), i) for s in stops for i in _occurrences(text, s) if i + len(s) > m]
+        want = (text, False)
+        if ends:
+            end = min(e for e, _ in ends)
+            want = (text[: min(i for e, i in ends if e == end)], True)
+        state = OutputState(ByteTokens(), stops, min_tokens=m)
+        out = ""
+        for b in text.encode():
+            out += state.push(b)
+            if state.stopped:
+                break
+        else:
+            out += state.release(final=True)
+        assert (out, state.stopped) == want, (text, stops, m)

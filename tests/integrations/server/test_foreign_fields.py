@@ -1,8 +1,8 @@
 """Other APIs' fields (foreign_fields.py): honoured, or refused by name, never dropped.
 
-The legacy `functions` / `function_call`, vLLM's min_tokens and guided-decoding extensions and
+The legacy `functions` / `function_call`, vLLM's guided-decoding extensions and
 `reasoning_effort` are refused with a 400 naming the field (their neutral values pass);
-`stop_token_ids` ends the generation (repetition_penalty and min_p are honoured:
+`stop_token_ids` ends the generation (repetition_penalty, min_p and min_tokens are honoured:
 test_sampling_processors_server.py); `chat_template_kwargs.enable_thinking` renders the
 prompt as ChatFreeToken's `reasoning` does. And /v1/completions without max_tokens writes 16
 tokens, as at OpenAI and vLLM.
@@ -59,7 +59,6 @@ def test_legacy_functions_are_refused_pointing_at_tools(scripted_client, api_err
 
 # field: (values refused, neutral values served); None: no neutral value but null
 REFUSED = {
-    "min_tokens": ([3, 1], [0]),
     "guided_json": ([{"type": "object"}, '{"type": "string"}'], []),
     "guided_choice": ([["yes", "no"]], []),
     "guided_regex": (["[a-z]+"], []),

@@ -66,7 +66,10 @@ def test_bad_messages_name_the_message(client, rng_seed):
         ("top_p", 0),
         ("max_tokens", 0),
         ("max_completion_tokens", -3),
-        ("n", 2),
+        ("n", 0),  # 1..16 are served (test_choices.py)
+        ("n", 17),
+        ("n", True),
+        ("n", 2.0),
         ("logprobs", "yes"),  # served when true (tests/integrations/server/test_logprobs.py)
         ("top_logprobs", 3),  # without logprobs: true
         ("stop", [""]),

@@ -1,7 +1,8 @@
 """The logits processors' fields on the wire: presence_penalty, frequency_penalty and
-logit_bias (OpenAI's), repetition_penalty and min_p (vLLM's) reach SamplingParams from chat
-and text completions and the WebSocket `send`; a bad value is a 400 naming the field; a
-logit_bias id outside the model's vocabulary is refused by the engine, naming logit_bias too."""
+logit_bias (OpenAI's), repetition_penalty, min_p and min_tokens (vLLM's) reach SamplingParams
+from chat and text completions and the WebSocket `send`; a bad value is a 400 naming the field
+(min_tokens past max_tokens too); a logit_bias id outside the model's vocabulary is refused by
+the engine, naming logit_bias too; min_tokens holds back a likely end through the server."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def _fields(rng: random.Random) -> dict:
         "frequency_penalty": rng.choice([-2, 2, rng.uniform(-2, 2)]),
         "repetition_penalty": rng.uniform(0.05, 5),
         "min_p": rng.choice([0, 1, rng.random()]),
+        "min_tokens": rng.randint(1, 3),  # the bodies' max_tokens is 3 or 4
         "logit_bias": {str(rng.randrange(300)): rng.uniform(-100, 100) for _ in range(3)},
     }
 
@@ -39,7 +41,13 @@ def test_the_fields_reach_sampling_params(scripted_client, rng_seed, route):
     r = client.post(route, json=_body(route, rng, **fields))
     assert r.status_code == 200, r.text
     sp = fake.samplings[-1]
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+    for key in (
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "min_tokens",
+    ):
         assert getattr(sp, key) == fields[key], (key, sp)
     assert sp.logit_bias == {int(k): v for k, v in fields["logit_bias"].items()}
     # Left out, or null, they ask for nothing.
@@ -53,6 +61,7 @@ BAD = {
     "frequency_penalty": [-2.01, 7, [1]],
     "repetition_penalty": [0, -1, "x", False],
     "min_p": [1.5, -0.1, "0.1"],
+    "min_tokens": [-1, 1.5, "2", True, 5],  # 5: past the bodies' max_tokens
     "logit_bias": [{"x": 1}, {"-5": 1}, {"1.5": 2}, {"7": 101}, {"7": "5"}, {"7": None}, [1, 2],
                    "7:1", {"٣": 1}],
 }  # fmt: skip
@@ -82,6 +91,7 @@ def test_the_websocket_send_takes_them(scripted_client, rng_seed):
             assert event["type"] != "error", event
         sp = fake.samplings[-1]
         assert (sp.presence_penalty, sp.min_p) == (fields["presence_penalty"], fields["min_p"])
+        assert sp.min_tokens == fields["min_tokens"]
         assert sp.logit_bias == {int(k): v for k, v in fields["logit_bias"].items()}
         bad = rng.choice(sorted(BAD))
         sampling = {"max_tokens": 3, bad: rng.choice(BAD[bad])}
@@ -134,3 +144,19 @@ def test_refusals_at_the_edges_are_400s_naming_the_field(scripted_client, api_er
         error = api_error(client.post(route, json=body), 400)
         assert error["param"] == "repetition_penalty", (value, error)
     assert fake.submitted == 0
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_min_tokens_holds_back_a_likely_end(engine, make_client, rng_seed, route):
+    """EOS made the likeliest token: without min_tokens the completion is that one token,
+    with min_tokens m it is m + 1 tokens, the last EOS (not shown: its text is empty)."""
+    rng = random.Random(rng_seed)
+    eos = rng.choice(sorted(engine.eos_token_ids))
+    client = make_client()
+    m = rng.randint(1, 9)
+    body = _body(route, rng, max_tokens=m + rng.randint(1, 5), logit_bias={str(eos): 100},
+                 temperature=rng.choice([0, 1]))  # fmt: skip
+    for min_tokens, want in ((None, 1), (m, m + 1)):
+        r = client.post(route, json={**body, "min_tokens": min_tokens}).json()
+        assert r["usage"]["completion_tokens"] == want, (min_tokens, r)
+        assert r["choices"][0]["finish_reason"] == "stop", r

@@ -128,7 +128,7 @@ def valid_requests(draw: st.DrawFn) -> dict[str, Any]:
         "ignore_eos": st.booleans(),
         "user": words,
         "parallel_tool_calls": st.booleans(),
-        "n": st.just(1),
+        "n": st.integers(1, 2),
     }
     for key in draw(st.lists(st.sampled_from(sorted(optional)), unique=True, max_size=5)):
         body[key] = draw(optional[key])

@@ -185,7 +185,9 @@ def test_openai_sdk_parses_plain_and_streamed(start_server, model_dir, rng_seed,
         ("best_of", 2),
         ("logit_bias", {"50": 101}),
         ("logit_bias", {"999999": 1}),  # outside the vocabulary: the engine's refusal
-        ("n", 2),
+        ("n", 0),  # 1..16 are served (test_choices.py)
+        ("n", 17),
+        ("n", "2"),
         ("presence_penalty", 2.5),
         ("min_p", 1.5),
         ("temperature", 2.5),
