@@ -46,6 +46,7 @@ class OutputState:
         self.text = ""  # all decoded text so far (truncated at a stop string once found)
         self.emitted = 0  # characters of `text` already handed out
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that cut the text, once one did
 
     def push(self, token_id: int) -> str:
         """Add a token; returns the text that is now final. Sets `stopped` when a stop string
@@ -69,6 +70,9 @@ class OutputState:
         found = (self.text.find(s, max(0, before - len(s) + 1)) for s in self.stop)
         cut = min((i for i in found if i >= 0), default=-1)
         if cut >= 0:
+            # Which one (the Anthropic API's stop_sequence): of two a token completes at one
+            # place, the first listed.
+            self.stop_string = next(s for s in self.stop if self.text.startswith(s, cut))
             self.text = self.text[:cut]
             self.stopped = True
         return cut >= 0

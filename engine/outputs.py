@@ -62,6 +62,8 @@ class TokenEvent:
     # log-probability and the top alternatives (TokenLogprob says what they are); else None.
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    # On a final event whose finish_reason "stop" came from a stop string: that string.
+    stop_string: str | None = None
 
     def token_logprob(self) -> TokenLogprob | None:
         """This event's token and log-probabilities as one record (None: none carried)."""

@@ -124,6 +124,7 @@ class RequestOutcomes:
         if reason is not None:
             self.finish(req, reason)
             event.finished, event.finish_reason = True, reason
+            event.stop_string = state.stop_string
         self.events[req.id].append(event)
         return event
 

@@ -69,6 +69,7 @@ class Usage:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     exact: bool = True
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
 
 
 @dataclass(slots=True)
@@ -232,7 +233,7 @@ class Session:
         before = _totals(self.engine)
         out_ids: list[int] = []
         out_text: list[str] = []
-        end: dict[str, Any] = {"reason": None, "error": None, "started": False}
+        end: dict[str, Any] = {"reason": None, "error": None, "started": False, "stop_string": None}
         stream = self.engine.stream(diff.prompt.token_ids, params, **self._anchor_options(diff))
         try:
             for event in stream:
@@ -243,6 +244,8 @@ class Session:
                         yield event.token_logprob()
                 if event.finished:
                     end["reason"], end["error"] = event.finish_reason, event.error
+                    # getattr: duck-typed engines (tests, wrappers) may send older events
+                    end["stop_string"] = getattr(event, "stop_string", None)
                 if event.text:
                     out_text.append(event.text)
                     yield from parser.feed(event.text) if parser else [TextDelta(event.text)]
@@ -313,7 +316,14 @@ class Session:
             # counters moved by our request's figures alone.
             reused, prefilled, exact = after[0] - before[0], after[1] - before[1], True
         return Usage(
-            len(diff.prompt), len(out_ids), reused, prefilled, end["reason"], end["error"], exact
+            len(diff.prompt),
+            len(out_ids),
+            reused,
+            prefilled,
+            end["reason"],
+            end["error"],
+            exact,
+            end["stop_string"],
         )
 
     # --- tools ----------------------------------------------------------------------------

@@ -1,11 +1,15 @@
-"""The Starlette server: OpenAI-compatible routes, the WebSocket session stream, a web page.
+"""The Starlette server: OpenAI-compatible routes, Anthropic's Messages API, the WebSocket
+session stream, a web page.
 
     from freetoken_agent.integrations.server import create_app, serve
     app = create_app(engine, api_key=None)        # any ASGI server runs it
     serve(engine, host="127.0.0.1", port=8000)    # or `freetoken serve`
 
 Module map: app (create_app, /health), openai_routes (/v1/chat/completions, /v1/completions,
-/v1/models), sessions_ws (/v1/sessions/{id}/ws), ui + ui_page (the page at /), hub (live
+/v1/models), anthropic_routes (/v1/messages, /v1/messages/count_tokens; anthropic_request and
+anthropic_messages translate a body into a chat body, anthropic_format and anthropic_errors
+write the replies), run_responses (a run served as a streamed or whole response, for both
+APIs), sessions_ws (/v1/sessions/{id}/ws), ui + ui_page (the page at /), hub (live
 Sessions by id and their watchers), turn_run (one turn in a worker thread, read on the event
 loop), text_run (one text completion: a raw prompt straight to the engine), bridge (the
 Session's engine: a cancellable request per turn), chat_request / text_request (body -> checked

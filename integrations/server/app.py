@@ -4,10 +4,12 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)       # or `freetoken serve`
 
 Routes: POST /v1/chat/completions, POST /v1/completions (legacy text completions), GET
-/v1/models, GET /health, GET /metrics (Prometheus), POST /tokenize and /detokenize (vLLM's),
-WebSocket /v1/sessions/{id}/ws, and the web page at / (also /ui). Any other path (404) or
-method (405) gets an OpenAI error object too, as OpenAI answers an unknown URL: clients read
-the message from it (the SDKs show it in their NotFoundError), not from a plain-text body.
+/v1/models, POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API), GET
+/health, GET /metrics (Prometheus), POST /tokenize and /detokenize (vLLM's), WebSocket
+/v1/sessions/{id}/ws, and the web page at / (also /ui). Any other path (404) or method (405)
+gets an OpenAI error object too (Anthropic's under /v1/messages), as OpenAI answers an unknown
+URL: clients read the message from it (the SDKs show it in their NotFoundError), not from a
+plain-text body.
 
 One model is served, under `model_id` (default `freetoken/<arch>`; `freetoken serve` passes the
 model folder's name, or `freetoken-demo`). A request's `model` must name it or one of its
@@ -41,6 +43,7 @@ from starlette.routing import Route
 
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.integrations.server import (
+    anthropic_routes,
     memory_routes,
     metrics_route,
     openai_routes,
@@ -48,9 +51,9 @@ from freetoken_agent.integrations.server import (
     tokenize_routes,
     ui,
 )
+from freetoken_agent.integrations.server.anthropic_errors import api_error_response
 from freetoken_agent.integrations.server.auth import BearerAuth
 from freetoken_agent.integrations.server.browser_guard import BrowserGuard, normal_origin
-from freetoken_agent.integrations.server.errors import error_response
 from freetoken_agent.integrations.server.hub import SessionHub
 from freetoken_agent.integrations.server.limits import DEFAULT_MAX_BODY, BodyLimit
 from freetoken_agent.integrations.server.text_request import (
@@ -84,7 +87,7 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
         message = f"Invalid method ({where}): this route takes {exc.headers.get('Allow', '')}"
     else:
         message = f"{exc.detail} ({where})"
-    return error_response(exc.status_code, message, headers=exc.headers)
+    return api_error_response(request.url.path, exc.status_code, message, headers=exc.headers)
 
 
 async def health(request: Request) -> JSONResponse:
@@ -168,6 +171,7 @@ def create_app(
     middleware.append(Middleware(BodyLimit, max_bytes=max_body_bytes))
     routes = [
         *openai_routes.routes,
+        *anthropic_routes.routes,
         *sessions_ws.routes,
         *memory_routes.routes,
         *metrics_route.routes,

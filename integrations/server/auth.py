@@ -1,10 +1,12 @@
-"""Bearer-key authentication for HTTP and WebSocket, as one ASGI middleware.
+"""API-key authentication for HTTP and WebSocket, as one ASGI middleware.
 
 A server with `api_key` refuses every request that does not carry it, with 401 and an OpenAI
-error object (`invalid_api_key`), before the body is read. Browsers cannot set headers on a
-WebSocket, so a socket may instead offer the subprotocol `bearer.<key>` (the web page does);
-the endpoint then answers with the `freetoken` subprotocol, never echoing the key. The web
-page itself is public: it holds no data and asks for the key.
+error object (`invalid_api_key`; under /v1/messages Anthropic's `authentication_error`), before
+the body is read. The key comes as `Authorization: Bearer KEY` (OpenAI's SDKs, and Claude Code
+given ANTHROPIC_AUTH_TOKEN) or as `x-api-key: KEY` (Anthropic's SDKs). Browsers cannot set
+headers on a WebSocket, so a socket may instead offer the subprotocol `bearer.<key>` (the web
+page does); the endpoint then answers with the `freetoken` subprotocol, never echoing the key.
+The web page itself is public: it holds no data and asks for the key.
 
 Keys are compared in constant time (hmac.compare_digest), so timing reveals nothing about them.
 """
@@ -17,19 +19,24 @@ from collections.abc import Iterable
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from freetoken_agent.integrations.server.errors import error_response
+from freetoken_agent.integrations.server.anthropic_errors import api_error_response
 
 BEARER_PROTOCOL = "bearer."
 
 
 def offered_key(scope: Scope) -> str | None:
-    """The key a request presents: `Authorization: Bearer KEY`, or for a WebSocket the
-    subprotocol `bearer.KEY`."""
+    """The key a request presents: `Authorization: Bearer KEY`, else `x-api-key: KEY`, or for
+    a WebSocket the subprotocol `bearer.KEY`."""
+    api_key = None
     for name, value in scope.get("headers", []):
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer" and token.strip():
                 return token.strip()
+        elif name == b"x-api-key" and value.strip():
+            api_key = value.decode("latin-1").strip()
+    if api_key is not None:
+        return api_key
     if scope["type"] == "websocket":
         for protocol in scope.get("subprotocols", []):
             if protocol.startswith(BEARER_PROTOCOL):
@@ -54,11 +61,12 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         message = (
-            "missing API key: send 'Authorization: Bearer <key>'"
+            "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
             if key is None
             else "wrong API key"
         )
-        response = error_response(
+        response = api_error_response(
+            scope["path"],
             401,
             message,
             code="invalid_api_key",

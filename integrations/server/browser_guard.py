@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from freetoken_agent.integrations.server.errors import error_response
+from freetoken_agent.integrations.server.anthropic_errors import api_error_response
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
@@ -95,7 +95,7 @@ class BrowserGuard:
             await self.app(scope, receive, send)
             return
         code, message = problem
-        response = error_response(403, message, code=code)
+        response = api_error_response(scope["path"], 403, message, code=code)
         if scope["type"] == "http":
             await response(scope, receive, send)
             return

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from freetoken_agent.integrations.server.errors import error_response
+from freetoken_agent.integrations.server.anthropic_errors import api_error_response
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024  # 4 MiB: about a million tokens of chat history
 
 
-def too_large(limit: int):
-    return error_response(
+def too_large(path: str, limit: int):
+    return api_error_response(
+        path,
         413,
         f"the request body is larger than this server's limit of {limit} bytes "
         f"({limit / 2**20:.1f} MiB); shorten the history or raise --max-body-mb",
@@ -36,7 +37,7 @@ class BodyLimit:
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await too_large(self.max_bytes)(scope, receive, send)
+                await too_large(scope["path"], self.max_bytes)(scope, receive, send)
                 return
         chunks: list[bytes] = []
         size = 0
@@ -47,7 +48,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await too_large(self.max_bytes)(scope, receive, send)
+                await too_large(scope["path"], self.max_bytes)(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -8,21 +8,20 @@ choice: its prompt goes to the engine as is, with no Session or chat template. B
 alike. Everything the engine could refuse is refused before the response starts, with 400 and
 an OpenAI error object. A client that goes away ends its generation at once: a streamed
 response cancels every choice when Starlette sees the disconnect, a non-streamed one watches
-for it while it collects the replies.
+for it while it collects the replies (run_responses.py, which the Anthropic route shares;
+`OpenAIWire` writes this API's side of it).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.integrations.choice_sampling import choice_sampling
@@ -40,6 +39,7 @@ from freetoken_agent.integrations.server.errors import (
     invalid_response,
     parse_json_body,
 )
+from freetoken_agent.integrations.server.run_responses import serve_choices
 from freetoken_agent.integrations.server.text_request import parse_text_request
 from freetoken_agent.integrations.server.text_run import TextRun
 from freetoken_agent.integrations.server.turn_run import TurnRun
@@ -51,23 +51,28 @@ log = logging.getLogger("freetoken.server")
 Format = CompletionFormat | TextCompletionFormat
 
 
-class TurnStreamResponse(StreamingResponse):
-    """An SSE response that cancels its choices however it ends: finished, failed, or cut off
-    by a client that left (also before the first chunk, when the body generator never ran)."""
+class OpenAIWire:
+    """The OpenAI wire (run_responses.py): OpenAI error objects, `data:` chunks ending with
+    `[DONE]`, the completion object."""
 
-    def __init__(self, choices: Choices, content: AsyncIterator[str]) -> None:
-        super().__init__(
-            content,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self.choices = choices
+    def __init__(self, fmt: Format, include_usage: bool) -> None:
+        self.fmt = fmt
+        self.include_usage = include_usage
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.choices.cancel()
+    def refused(self, error: InvalidRequestError) -> Response:
+        return invalid_response(error)
+
+    def failed(self, message: str) -> Response:
+        return error_response(500, message, "server_error")
+
+    def stream(self, choices: Choices) -> AsyncIterator[str]:
+        return _sse_chunks(choices, self.fmt, self.include_usage)
+
+    def take(self, index: int, event: Any) -> None:
+        pass  # the runs keep all a completion needs (their replies, usage and logprobs)
+
+    def whole(self, choices: Choices) -> dict[str, Any]:
+        return self.fmt.completion(choices.results(), choices.usage)
 
 
 async def _sse_chunks(choices: Choices, fmt: Format, include_usage: bool):
@@ -102,60 +107,6 @@ async def _sse_chunks(choices: Choices, fmt: Format, include_usage: bool):
     yield sse("[DONE]")
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body was read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _complete(request: Request, choices: Choices, fmt: Format) -> Response:
-    async def collect() -> None:
-        async for _ in choices.events():
-            pass
-
-    collector = asyncio.ensure_future(collect())
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not collector.done():
-            collector.cancel()
-        choices.cancel()
-    if not collector.done() or collector.cancelled():
-        return Response(status_code=499)  # the client left; nobody reads this
-    if collector.exception() is not None:
-        e = collector.exception()
-        log.error("run failed: %s: %s", type(e).__name__, e)
-        return error_response(500, f"{type(e).__name__}: {e}", "server_error")
-    if choices.error is not None:
-        return error_response(500, choices.error, "server_error")
-    return JSONResponse(fmt.completion(choices.results(), choices.usage))
-
-
-async def _serve(
-    request: Request, choices: Choices, fmt: Format, stream: bool, include_usage: bool
-) -> Response:
-    """Start the choices (refusals: 400), then stream them or collect them; they are
-    cancelled however this ends, by the stream once that has taken them over."""
-    handed_over = False
-    try:
-        try:
-            await choices.start()
-        except InvalidRequestError as e:
-            return invalid_response(e)
-        except Exception as e:  # noqa: BLE001 - e.g. the grammar library is missing
-            log.exception("could not start a run")
-            return error_response(500, f"{type(e).__name__}: {e}", "server_error")
-        if stream:
-            handed_over = True
-            return TurnStreamResponse(choices, _sse_chunks(choices, fmt, include_usage))
-        return await _complete(request, choices, fmt)
-    finally:
-        if not handed_over:
-            choices.cancel()
-
-
 async def chat_completions(request: Request) -> Response:
     state = request.app.state.server
     try:
@@ -174,7 +125,7 @@ async def chat_completions(request: Request) -> Response:
     choices = Choices([TurnRun(on, turn) for on, turn in zip(lives, turns, strict=True)])
     asked = chat.turn.sampling.logprobs is not None
     fmt = CompletionFormat(state.model_id, TokenStrings(state.service.tokenizer) if asked else None)
-    return await _serve(request, choices, fmt, chat.stream, chat.include_usage)
+    return await serve_choices(request, choices, OpenAIWire(fmt, chat.include_usage), chat.stream)
 
 
 async def text_completions(request: Request) -> Response:
@@ -192,7 +143,7 @@ async def text_completions(request: Request) -> Response:
     k = text.sampling.logprobs
     writer = None if k is None else TextLogprobs(TokenStrings(state.service.tokenizer), k > 0)
     fmt = TextCompletionFormat(state.model_id, writer)
-    return await _serve(request, choices, fmt, text.stream, text.include_usage)
+    return await serve_choices(request, choices, OpenAIWire(fmt, text.include_usage), text.stream)
 
 
 def model_card(state: Any) -> dict[str, Any]:

@@ -1,0 +1,144 @@
+"""Anthropic's Messages API: POST /v1/messages and POST /v1/messages/count_tokens.
+
+Coding assistants (Claude Code, pointed here with ANTHROPIC_BASE_URL) and other agent tools
+speak it. A message is a chat turn like any other: the body is translated into an OpenAI chat
+body and checked by the chat route's code (anthropic_request.py), run as a TurnRun (on the
+Session of `X-Session-Id` when one is sent, else a fresh one), and served by the same
+machinery (run_responses.py: refusals before anything is sent, a disconnect cancels the run).
+Only the wire is Anthropic's (`AnthropicWire`): named SSE events or one message
+(anthropic_format.py), and Anthropic's error objects (anthropic_errors.py); an error after a
+stream started is an `error` event, which ends it.
+
+count_tokens answers {"input_tokens": n} for the same body without max_tokens: the history
+rendered with its tools as a message's prompt is, so n is what that message's usage counts as
+input (input_tokens plus cache_read_input_tokens). A forced tool_choice's few opener tokens
+(tool_choice.py), which the turn appends to its prompt, are not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.integrations.server.anthropic_errors import (
+    anthropic_error_body,
+    anthropic_error_response,
+    anthropic_invalid_response,
+)
+from freetoken_agent.integrations.server.anthropic_format import MessageFormat, named_sse
+from freetoken_agent.integrations.server.anthropic_request import (
+    anthropic_refusal,
+    parse_messages_request,
+)
+from freetoken_agent.integrations.server.choices import Choices
+from freetoken_agent.integrations.server.errors import parse_json_body
+from freetoken_agent.integrations.server.run_responses import serve_choices
+from freetoken_agent.integrations.server.turn_run import TurnRun
+from freetoken_agent.session import Usage
+
+log = logging.getLogger("freetoken.server")
+
+
+class AnthropicWire:
+    """The Anthropic wire (run_responses.py) of one message."""
+
+    def __init__(self, fmt: MessageFormat, origins: list[str]) -> None:
+        self.fmt = fmt
+        self.origins = origins  # the translated history's origins, to name a refused message
+
+    def refused(self, error: InvalidRequestError) -> Response:
+        return anthropic_invalid_response(anthropic_refusal(error, self.origins))
+
+    def failed(self, message: str) -> Response:
+        return anthropic_error_response(500, message)
+
+    def stream(self, choices: Choices) -> AsyncIterator[str]:
+        return _message_events(choices, self.fmt)
+
+    def take(self, index: int, event: Any) -> None:
+        self.fmt.add(event)  # the blocks in the order they came, as a stream opens them
+
+    def whole(self, choices: Choices) -> dict[str, Any]:
+        (run,) = choices.runs
+        return self.fmt.message(run.finish_reason(), run.usage)
+
+
+async def _message_events(choices: Choices, fmt: MessageFormat):
+    """The named events of a message (one choice: Anthropic's API has no `n`)."""
+    (run,) = choices.runs
+    yield named_sse(*fmt.start(run.prompt_tokens or 0))
+    usage: Usage | None = None
+    try:
+        async for _, event in choices.events():
+            if isinstance(event, Usage):
+                usage = event
+                continue
+            for name, data in fmt.add(event):
+                yield named_sse(name, data)
+    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+        log.exception("run failed while streaming")
+        yield named_sse("error", anthropic_error_body(f"{type(e).__name__}: {e}", "api_error"))
+        return
+    if usage is not None and usage.finish_reason == "error":
+        message = usage.error or "the engine failed this request"
+        yield named_sse("error", anthropic_error_body(message, "api_error"))
+        return
+    for name, data in fmt.end(run.finish_reason(), usage):
+        yield named_sse(name, data)
+
+
+async def create_message(request: Request) -> Response:
+    state = request.app.state.server
+    try:
+        body = parse_json_body(await request.body())
+        parsed = parse_messages_request(
+            body, state.default_max_tokens, state.model_id, state.model_names
+        )
+        live = state.hub.lookup(request.headers.get("x-session-id"))
+    except InvalidRequestError as e:
+        return anthropic_invalid_response(e)
+    except Exception as e:  # noqa: BLE001 - a checker's bug: still an Anthropic error object
+        log.exception("could not read a request")
+        return anthropic_error_response(500, f"{type(e).__name__}: {e}")
+    choices = Choices([TurnRun(live, parsed.chat.turn)])
+    wire = AnthropicWire(MessageFormat(state.model_id), parsed.origins)
+    return await serve_choices(request, choices, wire, parsed.chat.stream)
+
+
+def _input_tokens(body: Any, state: Any) -> int:
+    parsed = parse_messages_request(
+        body, state.default_max_tokens, state.model_id, state.model_names, counting=True
+    )
+    turn = parsed.chat.turn
+    chat_format = state.hub.formats.get(turn.enable_thinking)
+    try:
+        prompt = chat_format.render(turn.messages, tools=turn.tools, anchors=False)
+    except InvalidRequestError as e:  # the template's refusal, naming a translated message
+        raise anthropic_refusal(e, parsed.origins) from None
+    return len(prompt.token_ids)
+
+
+async def count_tokens(request: Request) -> Response:
+    state = request.app.state.server
+    try:
+        body = parse_json_body(await request.body())
+        # A long history's render is CPU work: off the event loop.
+        return JSONResponse({"input_tokens": await asyncio.to_thread(_input_tokens, body, state)})
+    except InvalidRequestError as e:
+        return anthropic_invalid_response(e)
+    except Exception as e:  # noqa: BLE001 - a checker's bug: still an Anthropic error object
+        log.exception("could not count tokens")
+        return anthropic_error_response(500, f"{type(e).__name__}: {e}")
+
+
+routes = [
+    Route("/v1/messages", create_message, methods=["POST"]),
+    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+]

@@ -1,0 +1,118 @@
+"""A run served as an HTTP response, whichever API asked for it: started (refusals answered
+before anything is sent), then streamed as server-sent events or collected into one JSON body.
+
+The OpenAI routes (chat and text completions) and the Anthropic Messages route serve their runs
+alike, as `Choices` (choices.py: one run per choice; a message or a one-choice completion is
+one): only the wire differs (error objects, the events of a stream, the whole reply), which
+each API writes through a `Wire`. What they share is the runs' lifetime: they are cancelled
+however the response ends (finished, failed, or a client that left), by the stream once that
+has taken them over, else here. A non-streamed response watches for the client's disconnect while it
+collects, so a client that gives up stops its generation at once, as a streamed one does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.integrations.server.choices import Choices
+
+log = logging.getLogger("freetoken.server")
+
+
+class Wire(Protocol):
+    """How one API writes a run."""
+
+    def refused(self, error: InvalidRequestError) -> Response:
+        """The client's error (400, or the status the error carries)."""
+
+    def failed(self, message: str) -> Response:
+        """A server-side failure before anything was sent (500)."""
+
+    def stream(self, choices: Choices) -> AsyncIterator[str]:
+        """The SSE body of started choices: their events, their end, an error in-band."""
+
+    def take(self, index: int, event: Any) -> None:
+        """One event of choice `index` being collected (what the whole reply needs beyond
+        the run's own record of it)."""
+
+    def whole(self, choices: Choices) -> dict[str, Any]:
+        """The body of collected choices that ended without an engine error."""
+
+
+class TurnStreamResponse(StreamingResponse):
+    """An SSE response that cancels its choices however it ends: finished, failed, or cut off
+    by a client that left (also before the first chunk, when the body generator never ran)."""
+
+    def __init__(self, choices: Choices, content: AsyncIterator[str]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.choices = choices
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.choices.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _complete(request: Request, choices: Choices, wire: Wire) -> Response:
+    async def collect() -> None:
+        async for index, event in choices.events():
+            wire.take(index, event)
+
+    collector = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not collector.done():
+            collector.cancel()
+        choices.cancel()
+    if not collector.done() or collector.cancelled():
+        return Response(status_code=499)  # the client left; nobody reads this
+    if collector.exception() is not None:
+        e = collector.exception()
+        log.error("run failed: %s: %s", type(e).__name__, e)
+        return wire.failed(f"{type(e).__name__}: {e}")
+    if choices.error is not None:  # an engine error ended a choice (the others cancelled)
+        return wire.failed(choices.error)
+    return JSONResponse(wire.whole(choices))
+
+
+async def serve_choices(request: Request, choices: Choices, wire: Wire, stream: bool) -> Response:
+    """Start the choices (refusals: the wire's 400), then stream them or collect them; they
+    are cancelled however this ends, by the stream once that has taken them over."""
+    handed_over = False
+    try:
+        try:
+            await choices.start()
+        except InvalidRequestError as e:
+            return wire.refused(e)
+        except Exception as e:  # noqa: BLE001 - e.g. the grammar library is missing
+            log.exception("could not start a run")
+            return wire.failed(f"{type(e).__name__}: {e}")
+        if stream:
+            handed_over = True
+            return TurnStreamResponse(choices, wire.stream(choices))
+        return await _complete(request, choices, wire)
+    finally:
+        if not handed_over:
+            choices.cancel()
