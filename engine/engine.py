@@ -174,8 +174,13 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if sampling.constraint is not None and not _score:
             self.grammars.add(request_id, sampling.constraint)
-        req = Request(request_id, ids, sampling, use_prefix_cache=use_prefix_cache and not _score)
+        # Score and prompt_logprobs requests need the logits of every prompt position, which
+        # a cached prefix never computes (prompt_logprobs.py).
+        reuse = use_prefix_cache and not _score and sampling.prompt_logprobs is None
+        req = Request(request_id, ids, sampling, use_prefix_cache=reuse)
         req.score_only = _score
+        if sampling.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         if self.scheduler.recurrence is not None and req.use_prefix_cache:
             req.snapshot_plan = plan
             req.anchor_tokens = markers
@@ -366,6 +371,7 @@ class Engine:
             stats=request_stats(req),
             error=req.error,
             logprobs=list(req.output_logprobs) if req.sampling.logprobs is not None else None,
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         )
         self._pop(rid)
         return out

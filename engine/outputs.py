@@ -31,9 +31,10 @@ class EngineClosedError(RuntimeError):
 
 @dataclass(slots=True, frozen=True)
 class TokenLogprob:
-    """One generated token's log-probability under the model's raw distribution (log_softmax
-    of the step's logits before temperature, top-k/top-p, a grammar's mask or any other
-    processing: engine/token_logprobs.py), for a request with `SamplingParams.logprobs` set.
+    """One token's log-probability under the model's raw distribution (log_softmax of the
+    step's logits before temperature, top-k/top-p, a grammar's mask or any other processing:
+    engine/token_logprobs.py): a generated token's, for a request with `SamplingParams.logprobs`
+    set, or a prompt token's (at the position before it), with `prompt_logprobs` set.
 
     Every token the request accepted has one, text or not: one whose text is held back (a
     partial UTF-8 character, a possible stop string's start), an EOS or stop id, the tokens
@@ -44,6 +45,10 @@ class TokenLogprob:
     # The `logprobs` most likely tokens as (id, logprob), most likely first (ties in any
     # order); () when logprobs is 0. The sampled token is among them only if it is that likely.
     top: tuple[tuple[int, float], ...] = ()
+    # A prompt token's rank in that distribution (1: the most likely; tokens as likely count
+    # ahead of it, as vLLM counts), which vLLM's prompt_logprobs report; None for a generated
+    # token (the OpenAI shapes have no rank).
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -64,6 +69,10 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     # On a final event whose finish_reason "stop" came from a stop string: that string.
     stop_string: str | None = None
+    # With SamplingParams.prompt_logprobs set, on the request's first event (its first token's,
+    # or a prompt-only request's only one): one entry per prompt token, the first None (nothing
+    # precedes it); else None (engine/prompt_logprobs.py).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def token_logprob(self) -> TokenLogprob | None:
         """This event's token and log-probabilities as one record (None: none carried)."""
@@ -83,3 +92,6 @@ class GenerationOutput:
     error: str | None = None
     # One per entry of `token_ids` when SamplingParams.logprobs was set, else None.
     logprobs: list[TokenLogprob] | None = None
+    # One per entry of `prompt_ids` when SamplingParams.prompt_logprobs was set (the first
+    # None), else None: the first event's (TokenEvent.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

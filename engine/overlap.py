@@ -24,10 +24,11 @@ faster. Step N is scheduled before N-1's tokens are known, so:
 Steps overlap only while each is a plain decode step; otherwise the step in flight is completed
 first and the engine steps as without overlap:
 - every running request decodes and none waits for admission (a new request drains);
-- no score-only request. Penalties and logit_bias overlap (their counts take each sampled
-  token on the device, logits_processors.py), and so do grammars (json_schema, strict tools):
-  N's masks are built when N samples, after N-1's tokens were accepted and advanced them,
-  while N's forward runs on the device (SGLang overlaps its grammar masks so too);
+- no score-only or prompt-only request (they sample nothing). Penalties and logit_bias
+  overlap (their counts take each sampled token on the device, logits_processors.py), and so
+  do grammars (json_schema, strict tools): N's masks are built when N samples, after N-1's
+  tokens were accepted and advanced them, while N's forward runs on the device (SGLang
+  overlaps its grammar masks so too);
 - not policy direct (its `after_step` reads a step's exported routing, which N overwrites);
 - a device row for every checkpoint taken ahead. A hybrid request's accept may checkpoint
   its state (a positional boundary, or its token is an anchor: the Session passes
@@ -110,7 +111,9 @@ class Overlap:
         return self.enabled and getattr(self.engine.loaded.bank, "policy", None) != "direct"
 
     def _plain(self, req: Request) -> bool:
-        return not req.score_only
+        # A score or prompt-only request samples nothing: its last chunk (one token, a
+        # decode-shaped row) ends it in the plain loop's update.
+        return req.samples
 
     def launch(self, batch: Batch) -> None:
         """Launch and sample `batch`; its tokens are read by the next `step` or `drain`."""

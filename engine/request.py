@@ -37,6 +37,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     # With sampling.logprobs set: one per entry of output_ids.
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With sampling.prompt_logprobs set: one slot per prompt token, filled by position as the
+    # prefill computes them (the first stays None: engine/prompt_logprobs.py); else None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     status: Status = Status.WAITING
     pages: list[int] = field(default_factory=list)
     nodes: list[Node | None] = field(default_factory=list)  # locked tree node per page, or None
@@ -80,6 +83,12 @@ class Request:
     # `pages` as an int64 array for the step's page table (`page_array`): (the list it mirrors,
     # the array of its first entries).
     _page_mirror: tuple[list[int], np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk that reaches its last known token samples one: not for a score
+        request, nor a prompt-only one (max_tokens 0: it ends there, sampling_params.py)."""
+        return not self.score_only and self.sampling.max_tokens > 0
 
     @property
     def tokens(self) -> list[int]:

@@ -2,8 +2,10 @@
 
 The Engine loops (schedule -> run -> update); this is the update's bookkeeping. It turns a
 step's output into each request's events: a sampled token's text, with the stop conditions
-checked (stop ids and strings, EOS, a complete JSON value, the length), and a score request's
-logits rows kept. And it ends requests (finished, aborted, failed): their pages go back to the
+checked (stop ids and strings, EOS, a complete JSON value, the length), a score request's
+logits rows kept, and a request's prompt log-probabilities kept by position
+(prompt_logprobs.py) and handed out on its first event. And it ends requests (finished,
+aborted, failed, a prompt-only one once its prompt is computed): their pages go back to the
 scheduler, an abort's or a failure's last event is queued, and the totals `Engine.stats()`
 reports are counted. It lives apart from engine.py because both loops end here alike: the
 plain step (`Engine.step`) and the overlapped one (overlap.py, which accepts a step's tokens
@@ -24,6 +26,7 @@ import torch
 
 from freetoken_agent.engine.layers.sampler import NOT_FINITE, not_finite_message
 from freetoken_agent.engine.outputs import TokenEvent, TokenLogprob
+from freetoken_agent.engine.prompt_logprobs import keep
 from freetoken_agent.engine.request import Batch, Request, Status
 from freetoken_agent.engine.request_metrics import RequestMetrics
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -70,9 +73,23 @@ class RequestOutcomes:
                 if chunk.sample:
                     self.finish(req, "scored")
                 continue
-            if chunk.sample:
+            if req.id in out.prompt_logprobs:
+                keep(req, out.prompt_logprobs[req.id])
+            if chunk.sample and not req.samples:
+                events.append(self.prompt_only_end(req))
+            elif chunk.sample:
                 events.append(self.accept(req, out.sampled[req.id], out.logprobs.get(req.id)))
         return events
+
+    def prompt_only_end(self, req: Request) -> TokenEvent:
+        """A prompt-only request (max_tokens 0) has computed its prompt: it ends "length",
+        its one event carrying the prompt's entries, with no token (as vLLM's finish reason
+        for an echo of max_tokens 0)."""
+        self.finish(req, "length")
+        event = TokenEvent(req.id, None, "", 0, True, "length")
+        event.prompt_logprobs = list(req.prompt_logprobs)
+        self.events[req.id].append(event)
+        return event
 
     def accept(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> TokenEvent:
         """`_accept`, guarded: an error in one request's bookkeeping fails that request only.
@@ -121,6 +138,8 @@ class RequestOutcomes:
         event = TokenEvent(req.id, token, text, len(req.output_ids) - 1)
         if logprob is not None:
             event.logprob, event.top_logprobs = logprob.logprob, logprob.top
+        if req.prompt_logprobs is not None and len(req.output_ids) == 1:  # final from now on
+            event.prompt_logprobs = list(req.prompt_logprobs)
         if reason is not None:
             self.finish(req, reason)
             event.finished, event.finish_reason = True, reason

@@ -22,6 +22,7 @@ from freetoken_agent.engine.layers.sampler import Sampled, sample
 from freetoken_agent.engine.logits_processors import apply_processors, count_sampled
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.outputs import TokenLogprob
+from freetoken_agent.engine.prompt_logprobs import PromptEntries, chunk_entries, scored_rows
 from freetoken_agent.engine.request import Batch, Request, ScheduledChunk, Status
 from freetoken_agent.engine.token_logprobs import attach, entries, raw_logprobs
 
@@ -35,6 +36,8 @@ class StepOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # the asking ones' tokens
     logits: dict[str, torch.Tensor] = field(default_factory=dict)  # score requests: [n, V]
+    # Requests asking for prompt_logprobs: their chunk's entries (prompt_logprobs.py).
+    prompt_logprobs: dict[str, PromptEntries] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -281,9 +284,13 @@ class ModelRunner:
             out.logprobs = {r.id: e for r, e in zip(reqs, found, strict=True) if e is not None}
         chunks, inputs = batch.chunks, step.inputs
         for i, c in enumerate(chunks):
+            lo, hi = int(inputs.cu_q_lens[i]), int(inputs.cu_q_lens[i + 1])
             if c.request.score_only:
-                lo, hi = int(inputs.cu_q_lens[i]), int(inputs.cu_q_lens[i + 1])
                 out.logits[c.request.id] = self.model.compute_logits(step.hidden[lo:hi])
+            elif n := scored_rows(c):  # a prefill chunk: never a graph's [B, H] rows
+                out.prompt_logprobs[c.request.id] = chunk_entries(
+                    self.model, step.hidden[lo : lo + n], c
+                )
         self.step_done(step)
         if self.on_decode_step is not None and batch.is_decode_only and reqs:
             # .tolist() above waited for the sampled tokens: the step's device work is done.
@@ -330,7 +337,7 @@ class ModelRunner:
         requests' counts take the sampled tokens on the device right after the draw
         (logits_processors.py)."""
         chunks = step.batch.chunks
-        sampling = [i for i, c in enumerate(chunks) if c.sample and not c.request.score_only]
+        sampling = [i for i, c in enumerate(chunks) if c.sample and c.request.samples]
         if not sampling:
             return [], None
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, step.inputs, sampling))

@@ -13,6 +13,14 @@ Logits processors (engine/logits_processors.py, the sampler's min_p): `logit_bia
 and `min_tokens` (vLLM: the end of the generation held back). Their defaults ask for nothing; a
 logit_bias id outside the model's vocabulary is refused when the engine takes the request (only
 the engine knows the vocabulary).
+
+Log-probabilities: `logprobs` for the generated tokens (engine/token_logprobs.py),
+`prompt_logprobs` for the prompt's (vLLM's; engine/prompt_logprobs.py). With the latter,
+`max_tokens=0` is a prompt-only request (the legacy echo of max_tokens 0, which evaluation
+harnesses send to score a text): it prefills, reports the entries and ends "length", no token
+sampled. The engine takes it, rather than the server running max_tokens=1 and dropping the
+token (vLLM's way): nothing is drawn to be thrown away or counted as generated. Without
+prompt_logprobs, 0 would compute nothing for anyone: refused.
 """
 
 from __future__ import annotations
@@ -123,6 +131,9 @@ class SamplingParams:
     # (held back: engine/logits_processors.py) and stop strings do not end the request
     # (output_state.py). At most max_tokens; a grammar that can only end still ends it.
     min_tokens: int = 0
+    # vLLM's: as `logprobs`, for each prompt token at the position before it (the first has
+    # none); such a request reuses no cached prefix (engine/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # One stop string or one stop id may be given bare, as OpenAI's `stop` may.
@@ -135,9 +146,14 @@ class SamplingParams:
         def refuse(field: str, text: str) -> None:
             problems.append((field, text))
 
-        # bool is an int to Python: max_tokens=True must not mean 1.
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            refuse("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        # bool is an int to Python: max_tokens=True must not mean 1. 0: prompt-only (above).
+        fewest = 1 if self.prompt_logprobs is None else 0
+        if not _is_int(self.max_tokens) or self.max_tokens < fewest:
+            refuse(
+                "max_tokens",
+                "max_tokens must be a positive integer (0 only with prompt_logprobs), got "
+                f"{self.max_tokens!r}",
+            )
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             refuse("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r:.40}")
         elif _is_int(self.max_tokens) and 1 <= self.max_tokens < self.min_tokens:
@@ -191,14 +207,13 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             refuse("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         problems += self._processor_problems()
-        if self.logprobs is not None and not (
-            _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            refuse(
-                "logprobs",
-                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
-                f"{self.logprobs!r:.40}",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                refuse(
+                    name,
+                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r:.40}",
+                )
         problems += self._structured_output_problems()
         if problems:
             raise SamplingParamsError(problems)

@@ -20,6 +20,9 @@ token buffers) before it records the event the tokens' copy is behind, and `Over
 reads them once it has waited for that event. `entries` turns them into TokenLogprobs, which
 `RequestOutcomes.accept` puts on the token's event and the request's output.
 
+The prompt's log-probabilities (prompt_logprobs.py) use the same functions on the rows of a
+prefill chunk (`asked_rows`, `gather_tokens` with ranks, `entries`).
+
 Shapes: B rows sampled in the step, R of them asking, V vocab, K the largest k asked.
 """
 
@@ -55,36 +58,52 @@ class StepLogprobs:
 
     rows: list[int]  # the asking rows among the B, ascending
     ks: list[int]  # each asking row's k
-    chosen: torch.Tensor  # [R]: the sampled token's
+    chosen: torch.Tensor  # [R]: the sampled token's (a prompt's: the token scored)
     top_values: torch.Tensor | None  # [R, K], descending
     top_ids: torch.Tensor | None  # [R, K] int64
+    ranks: torch.Tensor | None = None  # [R] int64: the chosen tokens' ranks, when asked
 
 
 def raw_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> RawLogprobs | None:
     """`logits` [B, V] as the model gave them; None (and nothing done) when no row asks. Run
     it before anything processes the logits: they must be the model's own."""
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    return asked_rows([p.logprobs for p in params], logits)
+
+
+def asked_rows(ks: list[int | None], logits: torch.Tensor) -> RawLogprobs | None:
+    """`raw_logprobs` of the rows whose k is not None (`ks` [B]: each row's k); the prompt's
+    log-probabilities (prompt_logprobs.py) ask with every row."""
+    rows = [i for i, k in enumerate(ks) if k is not None]
     if not rows:
         return None
     index = None
-    if len(rows) < len(params):  # the row indices through pinned memory (device_index.py)
+    if len(rows) < len(ks):  # the row indices through pinned memory (device_index.py)
         index = on_device(rows, torch.int64, logits.device)
         logits = logits.index_select(0, index)
     logp = torch.log_softmax(logits, dim=-1)  # [R, V]
-    ks = [params[i].logprobs for i in rows]
-    k = min(max(ks), logits.shape[-1])
+    asked = [ks[i] for i in rows]
+    k = min(max(asked), logits.shape[-1])
     top = logp.topk(k, dim=-1, sorted=True) if k else None
-    return RawLogprobs(rows, ks, index, logp, None if top is None else (top.values, top.indices))
+    return RawLogprobs(rows, asked, index, logp, None if top is None else (top.values, top.indices))
+
+
+def gather_tokens(raw: RawLogprobs, tokens: torch.Tensor, ranked: bool = False) -> StepLogprobs:
+    """The log-probabilities of `tokens` [B] (one a row, on the device) in `raw`; `ranked`:
+    with each one's rank too, the count of tokens at least as likely ([R, V] compared: only
+    the prompt's entries ask)."""
+    if raw.index is not None:
+        tokens = tokens.index_select(0, raw.index)
+    picked = raw.logp.gather(1, tokens[:, None]).squeeze(1)  # [R]
+    ranks = (raw.logp >= picked[:, None]).sum(-1) if ranked else None  # [R]
+    values, ids = raw.top if raw.top is not None else (None, None)
+    return StepLogprobs(raw.rows, raw.ks, picked, values, ids, ranks)
 
 
 def attach(sampled: Sampled, raw: RawLogprobs | None) -> Sampled:
     """`sampled` with the log-probabilities of its tokens (itself when no row asked)."""
     if raw is None:
         return sampled
-    tokens = sampled.tokens if raw.index is None else sampled.tokens.index_select(0, raw.index)
-    chosen = raw.logp.gather(1, tokens[:, None]).squeeze(1)  # [R]
-    values, ids = raw.top if raw.top is not None else (None, None)
-    return sampled._replace(logprobs=StepLogprobs(raw.rows, raw.ks, chosen, values, ids))
+    return sampled._replace(logprobs=gather_tokens(raw, sampled.tokens))
 
 
 class HostStaging:
@@ -139,10 +158,11 @@ def entries(step: StepLogprobs | None, tokens: list[int]) -> list[TokenLogprob |
     out: list[TokenLogprob | None] = [None] * len(tokens)
     if step is None:
         return out
-    chosen = step.chosen.tolist()
+    picked = step.chosen.tolist()
     values = step.top_values.tolist() if step.top_values is not None else None
     ids = step.top_ids.tolist() if step.top_ids is not None else None
+    ranks = step.ranks.tolist() if step.ranks is not None else [None] * len(picked)
     for j, (row, k) in enumerate(zip(step.rows, step.ks, strict=True)):
         top = () if not k else tuple(zip(ids[j][:k], values[j][:k], strict=True))
-        out[row] = TokenLogprob(tokens[row], chosen[j], top)
+        out[row] = TokenLogprob(tokens[row], picked[j], top, ranks[j])
     return out

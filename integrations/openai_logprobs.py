@@ -8,7 +8,12 @@ chat      {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", 
           and ChatFreeToken's `response_metadata["logprobs"]` (where ChatOpenAI puts it)
 text      {"tokens", "token_logprobs", "top_logprobs": [{token: logprob, ...} | None, ...],
           "text_offset"}: the legacy completions' form (`top_logprobs` None for a token when
-          none were asked; ids that decode alike share one key there, holding the larger)
+          none were asked; ids that decode alike share one key there, holding the larger).
+          With `echo` the prompt's tokens come first, the first of them with null
+          token_logprobs and top_logprobs (nothing precedes it: an `UnscoredToken`)
+prompt    vLLM's `prompt_logprobs`: [None, {"<token id>": {"logprob", "rank",
+          "decoded_token"}, ...}, ...], one per prompt token, each holding the prompt token
+          and the k most likely at its position (`PromptLogprobs`)
 
 A token's string is that token decoded alone by the model's tokenizer, special tokens kept
 (an EOS shows as "<|im_end|>"); `bytes` are that string's UTF-8 bytes. As in vLLM, a token
@@ -27,7 +32,8 @@ with the chunk that carries their text or with the last chunk.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from freetoken_agent.engine.outputs import TokenLogprob
@@ -69,6 +75,48 @@ def chat_logprobs(entries: Iterable[TokenLogprob], strings: TokenStrings) -> dic
     return {"content": [chat_entry(e, strings) for e in entries], "refusal": None}
 
 
+@dataclasses.dataclass(slots=True, frozen=True)
+class UnscoredToken:
+    """A token without a log-probability: an echoed prompt's first (no position precedes it)."""
+
+    token_id: int
+
+
+def with_top(entry: TokenLogprob, k: int) -> TokenLogprob:
+    """`entry` with its k most likely only (the engine computed them for the largest k that
+    one request's fields ask: echo's logprobs and vLLM's prompt_logprobs may differ)."""
+    return entry if len(entry.top) <= k else dataclasses.replace(entry, top=entry.top[:k])
+
+
+class PromptLogprobs:
+    """vLLM's `prompt_logprobs` of one request (k alternatives a token), from the engine's
+    prompt entries (TokenEvent.prompt_logprobs). Each position's dict holds the prompt token
+    first, with its rank, then the k most likely with theirs (1..k): a token among both keeps
+    its place and takes its top-k entry, as vLLM's dict is built. Keys are token ids written
+    as strings (JSON's object keys)."""
+
+    def __init__(self, strings: TokenStrings, k: int) -> None:
+        self.strings = strings
+        self.k = k
+
+    def _item(self, logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.strings(token_id)}
+
+    def write(self, entries: Sequence[TokenLogprob | None] | None) -> list[dict | None] | None:
+        if entries is None:  # the request ended before its prompt was computed
+            return None
+        out: list[dict | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            position = {str(e.token_id): self._item(e.logprob, e.rank, e.token_id)}
+            for rank, (t, lp) in enumerate(e.top[: self.k], start=1):
+                position[str(t)] = self._item(lp, rank, t)
+            out.append(position)
+        return out
+
+
 class TextLogprobs:
     """The legacy completions' `logprobs` objects of one completion, whole or chunk by chunk.
     `text_offset`: each token's offset in the completion's text, the characters the tokens
@@ -82,22 +130,24 @@ class TextLogprobs:
         self.strings = strings
         self.top = top
 
-    def block(self, entries: Iterable[tuple[TokenLogprob, int]]) -> dict[str, Any]:
-        """`entries`: each token's (TokenLogprob, text offset)."""
+    def block(self, entries: Iterable[tuple[TokenLogprob | UnscoredToken, int]]) -> dict[str, Any]:
+        """`entries`: each token's (TokenLogprob, text offset); an UnscoredToken's values are
+        null (OpenAI's first echoed prompt token)."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                 "text_offset": []}  # fmt: skip
         for e, offset in entries:
             token = self.strings(e.token_id)
             out["tokens"].append(token)
-            out["token_logprobs"].append(e.logprob)
+            out["text_offset"].append(offset)
+            scored = not isinstance(e, UnscoredToken)
+            out["token_logprobs"].append(e.logprob if scored else None)
             tops = None
-            if self.top:
+            if self.top and scored:
                 tops = {}
                 for t, lp in e.top:  # most likely first: a string met again keeps its first
                     tops.setdefault(self.strings(t), lp)
                 tops.setdefault(token, e.logprob)
             out["top_logprobs"].append(tops)
-            out["text_offset"].append(offset)
         return out
 
 

@@ -217,6 +217,21 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_with_offsets(
+        self, text: str, add_special_tokens: bool = False
+    ) -> tuple[list[int], list[int]]:
+        """`encode(text)` and where each token's text starts in `text` (characters; the
+        legacy completions' text_offset of an echoed prompt). A token the tokenizer added
+        (bos) spans nothing of the text: it starts where the text before it ends."""
+        encoding = encode_text(self.backend, text, add_special_tokens)
+        ids, offsets, reach = list(encoding.ids), [], 0
+        for start, end in encoding.offsets:
+            offsets.append(start if end > start else reach)
+            reach = max(reach, end)
+        if add_special_tokens and self._prepend_bos:
+            ids, offsets = [self.bos_token_id, *ids], [0, *offsets]
+        return ids, offsets
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -10,8 +10,10 @@ request; the service wakes the worker with the request's final "abort" event, wh
 Session handles like any early end.
 
 A Turn also carries what the server adds to a Session's prompt (the opener of a forced tool
-call, `suffix_ids`) and the engine's own figures for its request (reused and prefilled tokens),
-which stay exact however many requests run at once.
+call, `suffix_ids`), the engine's own figures for its request (reused and prefilled tokens),
+which stay exact however many requests run at once, and the prompt's log-probabilities its
+first event brings when the request asked (vLLM's prompt_logprobs: the Session passes on the
+generated tokens' only).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from freetoken_agent.engine.outputs import TokenEvent
+from freetoken_agent.engine.outputs import TokenEvent, TokenLogprob
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.service import EngineService, ServiceView
 
@@ -57,6 +59,8 @@ class Turn:
         # computed and cached by then (choices.py starts the other choices at it).
         self.on_first_event: Callable[[], None] | None = None
         self.figures: dict[str, int] | None = None  # set when the request finishes
+        # The engine's prompt entries (TokenEvent.prompt_logprobs), when asked and computed.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.request_id: str | None = None
         self.cancelled = False
         self._lock = threading.Lock()
@@ -67,6 +71,8 @@ class Turn:
         first, self.on_first_event = self.on_first_event, None
         if first is not None:
             first()
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if event.finished:
             self.figures = request_figures(self.service.engine, event.request_id)
         self._events.put(event)

@@ -12,7 +12,7 @@ ones faster than servers learn them; but other APIs' fields known to change the 
 legacy `functions`, vLLM's extensions) are honoured or refused by name (foreign_fields.py).
 The WebSocket `send` message shares the sampling and tool fields (`sampling_from`); text
 completions (text_request.py) share the sampling fields and `check_envelope`. `logprobs` and
-`top_logprobs` are served: logprobs_request.py checks them.
+`top_logprobs` are served, and so is vLLM's `prompt_logprobs`: logprobs_request.py checks them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ from freetoken_agent.integrations.server.foreign_fields import (
     enable_thinking,
     stop_token_ids,
 )
-from freetoken_agent.integrations.server.logprobs_request import chat_body_logprobs
+from freetoken_agent.integrations.server.logprobs_request import (
+    body_prompt_logprobs,
+    chat_body_logprobs,
+)
 from freetoken_agent.integrations.server.tool_choice import (
     ToolChoice,
     call_or_answer_schema,
@@ -144,19 +147,23 @@ def sampling_from(
     choice: ToolChoice,
     default_max: int,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    fewest_tokens: int = 1,
 ) -> SamplingParams:
     """SamplingParams from OpenAI fields (plus vLLM's top_k, min_p, min_tokens,
     repetition_penalty, ignore_eos and stop_token_ids); a forced call, or tools with a JSON
-    response_format (a call or the answer), add their schema. `logprobs`: SamplingParams'
-    value, which chat and text completions read from their bodies each in its own way
-    (logprobs_request.py)."""
+    response_format (a call or the answer), add their schema. `logprobs`, `prompt_logprobs`:
+    SamplingParams' values, which chat and text completions read from their bodies each in its
+    own way (logprobs_request.py). `fewest_tokens`: the smallest max_tokens taken (0: the legacy
+    completions' echo, a prompt-only request)."""
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
     check_sampling_fields(body)
     # Both are checked; the newer name wins when a client sends both.
-    max_tokens, max_key = _integer(body, "max_completion_tokens", 1), "max_completion_tokens"
-    legacy = _integer(body, "max_tokens", 1)
+    max_tokens = _integer(body, "max_completion_tokens", fewest_tokens)
+    max_key = "max_completion_tokens"
+    legacy = _integer(body, "max_tokens", fewest_tokens)
     if max_tokens is None:
         max_tokens, max_key = legacy, "max_tokens"
     stop = body.get("stop")
@@ -179,7 +186,7 @@ def sampling_from(
     if fmt is not None and choice.mode == "auto" and tools:
         either = call_or_answer_schema(tools, fmt)
     options: dict[str, Any] = {
-        "max_tokens": max_tokens or default_max,
+        "max_tokens": default_max if max_tokens is None else max_tokens,
         "temperature": _number(body, "temperature", 0, 2),
         "top_p": _number(body, "top_p", 0, 1, lo_open=True),
         "top_k": _integer(body, "top_k", 0),
@@ -194,6 +201,7 @@ def sampling_from(
         "min_tokens": _integer(body, "min_tokens", 0),  # <= max_tokens: SamplingParams' check
         "logit_bias": _logit_bias(body),
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "response_format": None if either else fmt,
         "json_schema": forced_schema(choice, tools or []) if choice.forced else either,
     }
@@ -281,15 +289,18 @@ def check_message_shapes(raw: list) -> None:
                 )
 
 
-def turn_from(body: Mapping[str, Any], default_max: int) -> TurnRequest:
-    """The turn part of a chat body (messages, tools, tool_choice, sampling fields)."""
+def turn_from(
+    body: Mapping[str, Any], default_max: int, prompt_logprobs: int | None = None
+) -> TurnRequest:
+    """The turn part of a chat body (messages, tools, tool_choice, sampling fields);
+    `prompt_logprobs`: vLLM's field, read with the envelope (logprobs_request.py)."""
     check_chat_fields(body)  # first: `functions` is refused as such, not as "no tools"
     messages = parse_messages(body.get("messages"))
     tools = parse_tools(body.get("tools"))
     choice = parse_tool_choice(body.get("tool_choice"), tools)
     logprobs = chat_body_logprobs(body)
     try:
-        sampling = sampling_from(body, tools, choice, default_max, logprobs)
+        sampling = sampling_from(body, tools, choice, default_max, logprobs, prompt_logprobs)
     except BadParam:
         raise
     except InvalidRequestError as e:  # tool_call_schema on a malformed tool
@@ -357,4 +368,7 @@ def parse_chat_request(
 ) -> ChatRequest:
     """The checked request (`check_envelope`, then the turn)."""
     stream, include_usage = check_envelope(body, served, names)
-    return ChatRequest(turn_from(body, default_max), stream, include_usage, choice_count(body))
+    prompt_logprobs = body_prompt_logprobs(body, stream)
+    return ChatRequest(
+        turn_from(body, default_max, prompt_logprobs), stream, include_usage, choice_count(body)
+    )

@@ -111,8 +111,11 @@ class Choices:
         return self.runs[index].finish_reason()
 
     def results(self) -> list[Choice]:
-        """Each choice's reply, finish reason and log-probabilities, in order."""
-        return [Choice(run.reply, run.finish_reason(), run.logprobs) for run in self.runs]
+        """Each choice's reply, finish reason, log-probabilities and prompt entries, in order."""
+        return [
+            Choice(run.reply, run.finish_reason(), run.logprobs, run.prompt_logprobs)
+            for run in self.runs
+        ]
 
     @property
     def usage(self) -> Usage | None:

@@ -30,6 +30,11 @@ completion's choice holds every generated token's, reasoning and tool-call token
 (vLLM puts them all in `content` too); while streaming, each chunk carries the tokens accepted
 since the chunk before, so a token whose text is held back, or a tool call that goes out
 whole, has its entries in the chunk that carries its text (or in the last chunk).
+
+vLLM's `prompt_logprobs` (openai_logprobs.PromptLogprobs), asked for, go on the whole text
+completion's choice and on the whole chat completion's top level, where vLLM puts them (a
+stream cannot ask for them: logprobs_request.py). A text completion's `echo` is its run's first
+piece (echo.py): the prompt's text and entries, in the first chunk of a stream.
 """
 
 from __future__ import annotations
@@ -44,10 +49,12 @@ from typing import Any, NamedTuple
 from freetoken_agent.engine.outputs import TokenEvent, TokenLogprob
 from freetoken_agent.integrations.openai_logprobs import (
     Pending,
+    PromptLogprobs,
     TextLogprobs,
     TokenStrings,
     chat_logprobs,
 )
+from freetoken_agent.integrations.server.echo import Echo, Entry
 from freetoken_agent.integrations.server.reply import Reply
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Usage
@@ -56,11 +63,13 @@ from freetoken_agent.session import Usage
 class Choice(NamedTuple):
     """One choice of a whole completion: its reply (a Reply for chat, the text for a text
     completion), finish_reason and log-probabilities (chat: TokenLogprobs; text: (entry,
-    text offset) pairs; empty when not asked)."""
+    text offset) pairs; empty when not asked), and its prompt's entries."""
 
     reply: Reply | str
     finish_reason: str | None
     logprobs: Sequence[Any] = ()
+    # vLLM's prompt_logprobs: the engine's prompt entries (None: not asked, or none came)
+    prompt_logprobs: Sequence[TokenLogprob | None] | None = None
 
 
 def usage_json(usage: Usage | None) -> dict[str, Any]:
@@ -89,9 +98,16 @@ class _ChatChoice:
 
 
 class CompletionFormat:
-    def __init__(self, model: str, strings: TokenStrings | None = None) -> None:
-        """`strings`: the token strings of a request that asked for logprobs (None: not)."""
+    def __init__(
+        self,
+        model: str,
+        strings: TokenStrings | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> None:
+        """`strings`: the token strings of a request that asked for logprobs (None: not);
+        `prompt_logprobs`: the writer of a request that asked for vLLM's (None: not)."""
         self.model = model
+        self._prompt_logprobs = prompt_logprobs
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self._strings = strings
@@ -165,7 +181,8 @@ class CompletionFormat:
 
     def completion(self, choices: Sequence[Choice], usage: Usage | None) -> dict[str, Any]:
         """The whole completion: each choice's message (its `reply` a Reply) and, when asked,
-        every token's log-probabilities."""
+        every token's log-probabilities; vLLM's `prompt_logprobs`, asked for, at the top level
+        (the choices share the prompt: the first choice's entries)."""
         written = [
             {
                 "index": i,
@@ -175,7 +192,10 @@ class CompletionFormat:
             }
             for i, choice in enumerate(choices)
         ]
-        return {**self._envelope("chat.completion", written), "usage": usage_json(usage)}
+        whole = {**self._envelope("chat.completion", written), "usage": usage_json(usage)}
+        if self._prompt_logprobs is not None:
+            whole["prompt_logprobs"] = self._prompt_logprobs.write(choices[0].prompt_logprobs)
+        return whole
 
     def _written(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         return None if self._strings is None else chat_logprobs(logprobs, self._strings)
@@ -185,19 +205,26 @@ class CompletionFormat:
 class _TextChoice:
     """What a streamed text choice carries from one chunk to the next."""
 
-    pending: list[tuple[TokenLogprob, int]] = field(default_factory=list)  # (entry, offset)
+    pending: list[Entry] = field(default_factory=list)  # (entry, offset)
     released: int = 0  # characters of text released so far: the next token's offset
 
 
 class TextCompletionFormat:
     """The legacy `text_completion` object, whole or in chunks."""
 
-    def __init__(self, model: str, logprobs: TextLogprobs | None = None) -> None:
-        """`logprobs`: the writer of a request that asked for them (None: not)."""
+    def __init__(
+        self,
+        model: str,
+        logprobs: TextLogprobs | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> None:
+        """`logprobs`, `prompt_logprobs`: the writers of a request that asked for them (None:
+        not)."""
         self.model = model
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self._logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs
         self._choices: dict[int, _TextChoice] = {}  # by index, made on first use
 
     def _choice(self, index: int) -> _TextChoice:
@@ -239,7 +266,13 @@ class TextCompletionFormat:
 
     def delta(self, event: Any, index: int = 0) -> str | None:
         """The text a TextRun event of choice `index` carries (None: nothing to send for it).
-        Its token's log-probabilities, asked for, wait for that choice's next chunk."""
+        Its token's log-probabilities, asked for, wait for that choice's next chunk; an Echo's
+        too (the prompt's: with its text, they make the choice's first chunk)."""
+        if isinstance(event, Echo):
+            state = self._choice(index)
+            state.pending.extend(event.logprobs)
+            state.released += len(event.text)
+            return event.text or None
         if not isinstance(event, TokenEvent):
             return None
         state = self._choice(index)
@@ -251,16 +284,13 @@ class TextCompletionFormat:
 
     def completion(self, choices: Sequence[Choice], usage: Usage | None) -> dict[str, Any]:
         """The whole completion: each choice's text (its `reply`) and, when asked, every
-        token's (entry, text offset)."""
-        written = [
-            {
-                "index": i,
-                "text": choice.reply,
-                "logprobs": None
-                if self._logprobs is None
-                else self._logprobs.block(choice.logprobs),
-                "finish_reason": choice.finish_reason,
-            }
-            for i, choice in enumerate(choices)
-        ]
+        token's (entry, text offset), an echo's prompt first, and vLLM's `prompt_logprobs`."""
+        written = []
+        for i, choice in enumerate(choices):
+            logprobs = None if self._logprobs is None else self._logprobs.block(choice.logprobs)
+            one = {"index": i, "text": choice.reply, "logprobs": logprobs,
+                   "finish_reason": choice.finish_reason}  # fmt: skip
+            if self._prompt_logprobs is not None:
+                one["prompt_logprobs"] = self._prompt_logprobs.write(choice.prompt_logprobs)
+            written.append(one)
         return {**self._envelope(written), "usage": usage_json(usage)}

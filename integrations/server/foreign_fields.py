@@ -20,8 +20,8 @@ vLLM's extensions:
   grammars are not written in).
 - `reasoning_effort` (OpenAI's, for its reasoning models) is refused: enable_thinking is the
   one switch the chat templates have.
-- `prompt_logprobs` is refused: the output's log-probabilities are served (`logprobs`), the
-  prompt's are not (logprobs_request.py says why).
+- `prompt_logprobs` is honoured (0..20; not with a stream: logprobs_request.py), on the
+  text completion's choice and on the chat completion's top level, where vLLM puts it.
 """
 
 from __future__ import annotations
@@ -44,10 +44,6 @@ _SAMPLING: dict[str, tuple[tuple, str]] = {
         "is llguidance's Lark syntax, not vLLM's); " + _CONSTRAIN,
     ),
     "structured_outputs": ((), _CONSTRAIN),
-    "prompt_logprobs": (
-        (),
-        "the prompt's log-probabilities are not served (logprobs: the output's)",
-    ),
 }
 _CHAT: dict[str, tuple[tuple, str]] = {
     "functions": ((), "it is the legacy form of tools: send tools=[{'type': 'function', "

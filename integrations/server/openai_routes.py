@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.integrations.choice_sampling import choice_sampling
-from freetoken_agent.integrations.openai_logprobs import TextLogprobs, TokenStrings
+from freetoken_agent.integrations.openai_logprobs import PromptLogprobs, TextLogprobs, TokenStrings
 from freetoken_agent.integrations.server.chat_request import check_model, parse_chat_request
 from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.completion_format import (
@@ -123,8 +123,13 @@ async def chat_completions(request: Request) -> Response:
     ]
     lives = [live, *(state.hub.lookup(None) for _ in turns[1:])]
     choices = Choices([TurnRun(on, turn) for on, turn in zip(lives, turns, strict=True)])
-    asked = chat.turn.sampling.logprobs is not None
-    fmt = CompletionFormat(state.model_id, TokenStrings(state.service.tokenizer) if asked else None)
+    sampling, strings = chat.turn.sampling, TokenStrings(state.service.tokenizer)
+    k = sampling.prompt_logprobs  # as asked: echo, which would add to it, is not chat's
+    fmt = CompletionFormat(
+        state.model_id,
+        strings if sampling.logprobs is not None else None,
+        None if k is None else PromptLogprobs(strings, k),
+    )
     return await serve_choices(request, choices, OpenAIWire(fmt, chat.include_usage), chat.stream)
 
 
@@ -138,11 +143,17 @@ async def text_completions(request: Request) -> Response:
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
         log.exception("could not read a request")
         return error_response(500, f"{type(e).__name__}: {e}", "server_error")
+    # Each choice asks for what the request asks: with prompt entries (prompt_logprobs, echo's
+    # logprobs) every choice computes them, as such a request reuses no cached prefix.
     samplings = [choice_sampling(text.sampling, i) for i in range(text.n)]
-    choices = Choices([TextRun(state.service, text.prompt, sp) for sp in samplings])
-    k = text.sampling.logprobs
-    writer = None if k is None else TextLogprobs(TokenStrings(state.service.tokenizer), k > 0)
-    fmt = TextCompletionFormat(state.model_id, writer)
+    choices = Choices([TextRun(state.service, text.prompt, sp, text.echo) for sp in samplings])
+    k, asked = text.sampling.logprobs, text.prompt_logprobs
+    strings = TokenStrings(state.service.tokenizer)
+    fmt = TextCompletionFormat(
+        state.model_id,
+        None if k is None else TextLogprobs(strings, k > 0),
+        None if asked is None else PromptLogprobs(strings, asked),
+    )
     return await serve_choices(request, choices, OpenAIWire(fmt, text.include_usage), text.stream)
 
 

@@ -14,9 +14,15 @@ says that already.
 
 The sampling fields and their refusals are the chat route's (`sampling_from`, `check_envelope`);
 on top, what only this endpoint has and this server cannot do is refused by name: `suffix`
-(fill-in-the-middle), `echo` (with `logprobs` too: logprobs_request.py), `best_of` > 1; and so
-are the chat-only fields of other APIs (foreign_fields.py), since the prompt is not templated.
-`logprobs` (0..20, OpenAI's legacy form) is served.
+(fill-in-the-middle), `best_of` > 1; and so are the chat-only fields of other APIs
+(foreign_fields.py), since the prompt is not templated. `logprobs` (0..20, OpenAI's legacy
+form) and vLLM's `prompt_logprobs` are served (logprobs_request.py).
+
+`echo: true` puts the prompt first in the choice's text and, with `logprobs`, its tokens first
+in the choice's logprobs (echo.py). With echo, `max_tokens: 0` asks for the prompt alone (the
+engine's prompt-only request: finish_reason "length", no token), the form evaluation harnesses
+send to score a text (lm-evaluation-harness's local-completions); without echo it would ask for
+nothing and is refused naming max_tokens.
 
 Without max_tokens a completion is 16 tokens long: OpenAI's default for this endpoint, and
 vLLM's, which clients of it rely on (an autocomplete that sends none must not generate to the
@@ -37,13 +43,16 @@ from freetoken_agent.integrations.server.chat_request import (
 )
 from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.integrations.server.foreign_fields import check_text_fields
-from freetoken_agent.integrations.server.logprobs_request import text_body_logprobs
+from freetoken_agent.integrations.server.logprobs_request import (
+    body_prompt_logprobs,
+    text_body_logprobs,
+    text_prompt_logprobs,
+)
 from freetoken_agent.integrations.server.tool_choice import ToolChoice
 
 # Unsupported fields of this endpoint and the values that mean "not used".
 _UNSUPPORTED = {
     "suffix": (None, ""),
-    "echo": (None, False),
     "best_of": (None, 1),
 }
 _NO_TOOLS = ToolChoice("none")
@@ -57,6 +66,10 @@ class TextRequest:
     stream: bool
     include_usage: bool
     n: int = 1  # choices: each a run of the prompt (choices.py)
+    echo: bool = False  # the prompt goes first in the choice's text (and logprobs)
+    # vLLM's `prompt_logprobs` as asked: the choice's `prompt_logprobs` (None: not written).
+    # `sampling.prompt_logprobs` may be larger: echo's logprobs ask for the prompt's too.
+    prompt_logprobs: int | None = None
 
 
 def _is_ids(value: Any) -> bool:
@@ -95,10 +108,30 @@ def parse_text_request(
     if "prompt" not in body:
         raise BadParam("prompt is required: a string or a list of token ids", "prompt")
     prompt = prompt_from(body["prompt"])
-    logprobs = text_body_logprobs(body)  # first: echo with logprobs is refused as such
+    logprobs = text_body_logprobs(body)
+    asked = body_prompt_logprobs(body, stream)
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
     check_text_fields(body)
-    sampling = sampling_from(body, None, _NO_TOOLS, default_max, logprobs)
-    return TextRequest(prompt, sampling, stream, include_usage, choice_count(body))
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise BadParam(f"echo must be true or false, got {echo!r:.40}", "echo")
+    prompt_only = _asks_no_token(body)
+    if prompt_only and not echo:
+        key = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
+        raise BadParam(
+            f"{key} must be >= 1, got 0 (0, the prompt alone, only with echo: true)", key
+        )
+    plp = text_prompt_logprobs(asked, logprobs, bool(echo), prompt_only)
+    sampling = sampling_from(body, None, _NO_TOOLS, default_max, logprobs, plp, fewest_tokens=0)
+    return TextRequest(prompt, sampling, stream, include_usage, choice_count(body), bool(echo),
+                       asked)  # fmt: skip
+
+
+def _asks_no_token(body: Any) -> bool:
+    """max_completion_tokens (which wins, as in `sampling_from`) or max_tokens is 0."""
+    value = body.get("max_completion_tokens")
+    if value is None:
+        value = body.get("max_tokens")
+    return type(value) is int and value == 0  # not False, not 0.0: sampling_from refuses them

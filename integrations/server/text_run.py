@@ -6,7 +6,10 @@
     run.cancel()                   # any time: aborts the request, frees its pages
 
 No Session and no chat template: the prompt's ids are the engine's prompt, so the text is what
-`Engine.generate` gives for them. A TextRun reads like a TurnRun (`events`, `usage`, `reply`,
+`Engine.generate` gives for them. With `echo` the prompt's text comes first, as an Echo piece
+ahead of the first token's event (echo.py), and the reply and logprobs start with the prompt's.
+The engine's prompt entries (SamplingParams.prompt_logprobs) come on the request's first event:
+`prompt_logprobs` keeps them. A TextRun reads like a TurnRun (`events`, `usage`, `reply`,
 `finish_reason`, `cancel`), so the routes stream it, collect it and abort it when the client
 leaves the same way (openai_routes.py). Tokenizing and submitting run in a worker thread: a
 long prompt's tokenization, or the engine lock held through a step, must not stall the loop.
@@ -28,6 +31,7 @@ from freetoken_agent.engine.outputs import (
 )
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.bridge import request_figures
+from freetoken_agent.integrations.server.echo import Echo, EchoedPrompt, Entry, echoed_prompt
 from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.service import EngineService, Sink
 from freetoken_agent.session import Usage
@@ -48,17 +52,26 @@ def _named(error: InvalidRequestError) -> BadParam:
 
 class TextRun:
     def __init__(
-        self, service: EngineService, prompt: str | list[int], sampling: SamplingParams
+        self,
+        service: EngineService,
+        prompt: str | list[int],
+        sampling: SamplingParams,
+        echo: bool = False,
     ) -> None:
         self.service = service
         self.prompt = prompt
         self.sampling = sampling
+        self.echo = echo
         self.prompt_tokens = 0
         self.usage: Usage | None = None  # set when the request has ended
         self._pieces: list[str] = []
         # Each token's log-probabilities and the offset of its text in the reply, in order,
-        # when asked (the whole response's; a stream's chunks are written by the format).
-        self.logprobs: list[tuple[TokenLogprob, int]] = []
+        # when asked (the whole response's; a stream's chunks are written by the format):
+        # with echo, the prompt's tokens first.
+        self.logprobs: list[Entry] = []
+        # The engine's prompt entries, from the first event (None: not asked, or none came).
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self._echoed: EchoedPrompt | None = None  # with echo: the prompt as echoed
         self._generated = 0
         self._released = 0  # characters of the reply so far
         self._figures: dict[str, int] | None = None  # the engine's reuse figures, at the end
@@ -72,13 +85,16 @@ class TextRun:
         self.first_event = asyncio.Event()
 
     def _ids(self) -> list[int]:
-        if isinstance(self.prompt, list):
-            return self.prompt
         tokenizer = self.service.tokenizer
-        if tokenizer is None:
+        if isinstance(self.prompt, str) and tokenizer is None:
             raise BadParam(
                 "this model has no tokenizer: send prompt as a list of token ids", "prompt"
             )
+        if self.echo:  # the same ids, and the text and offsets to echo
+            self._echoed = echoed_prompt(self.prompt, tokenizer)
+            return self._echoed.ids
+        if isinstance(self.prompt, list):
+            return self.prompt
         # As Engine.submit encodes a string: with the model's bos, if it has one.
         return tokenizer.encode(self.prompt, add_special_tokens=True)
 
@@ -115,12 +131,18 @@ class TextRun:
             raise
         return self.prompt_tokens
 
-    async def events(self) -> AsyncIterator[TokenEvent | Usage]:
-        """The events that carry text or, asked for, a token's log-probabilities (a token
-        whose text is held back still has them), then the Usage (finish_reason "error", with
-        the engine's message, when the request failed)."""
+    async def events(self) -> AsyncIterator[TokenEvent | Echo | Usage]:
+        """With echo, the Echo first; the events that carry text or, asked for, a token's
+        log-probabilities (a token whose text is held back still has them), then the Usage
+        (finish_reason "error", with the engine's message, when the request failed)."""
+        first = True
         while self.usage is None:
             event = await self._events.get()
+            if first:
+                first = False
+                self.prompt_logprobs = event.prompt_logprobs
+                if self._echoed is not None:
+                    yield self._echo(event.prompt_logprobs)
             if event.token_id is not None:
                 self._generated += 1
             entry = event.token_logprob()
@@ -143,6 +165,14 @@ class TextRun:
                     exact=self._figures is not None,
                 )
                 yield self.usage
+
+    def _echo(self, entries: list[TokenLogprob | None] | None) -> Echo:
+        """The echoed prompt, its text and entries counted as the reply's first."""
+        echo = self._echoed.piece(entries, self.sampling.logprobs)
+        self._pieces.append(echo.text)
+        self._released += len(echo.text)
+        self.logprobs.extend(echo.logprobs)
+        return echo
 
     @property
     def reply(self) -> str:

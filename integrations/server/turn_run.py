@@ -287,6 +287,11 @@ class TurnRun:
         """Every generated token's log-probabilities so far, when the turn asked for them."""
         return self.reply.logprobs
 
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt's log-probabilities (vLLM's prompt_logprobs), when the turn asked."""
+        return self.turn.prompt_logprobs
+
     def finish_reason(self) -> str | None:
         reason = self.usage.finish_reason if self.usage is not None else None
         if reason == "stop" and self.reply.calls:

@@ -99,3 +99,39 @@ def check_against_reference(
         others = row.clone()
         others[ids] = -torch.inf
         assert others.max().item() <= values[-1] + tol, (where, "a larger one left out")
+
+
+def scored_logprobs(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """[P, V] float64: log_softmax of `Engine.score`'s logits of `ids` (a fresh engine's: the
+    reference prompt entries are held to; row p scores token p + 1)."""
+    return torch.log_softmax(engine.score(ids).double(), dim=-1)
+
+
+def check_prompt_entries(entries, ids: list[int], ref: torch.Tensor, k: int, tol: float,
+                         seed: int) -> None:  # fmt: skip
+    """A prompt's entries (engine/prompt_logprobs.py) against `ref` = `scored_logprobs(ids)`:
+    one per prompt token, the first None; entry p is token p's value in row p - 1, its rank
+    there (counted up to ties within `tol`), and the k largest of that row, sorted."""
+    assert entries is not None and len(entries) == len(ids), (seed, len(entries or []))
+    assert entries[0] is None, seed
+    vocab = ref.shape[-1]
+    for p in range(1, len(ids)):
+        where = f"seed {seed}, prompt token {p}"
+        entry, row, token = entries[p], ref[p - 1], ids[p]
+        assert entry is not None and entry.token_id == token, (where, entry)
+        value = row[token].item()
+        assert abs(entry.logprob - value) <= tol, (where, entry.logprob, value)
+        surely_ahead = int((row > value + tol).sum())
+        maybe_ahead = int((row >= value - tol).sum())
+        assert surely_ahead + 1 <= entry.rank <= maybe_ahead, (where, entry.rank)
+        assert len(entry.top) == min(k, vocab), (where, k, entry.top)
+        if not k:
+            continue
+        top_ids = [t for t, _ in entry.top]
+        values = [v for _, v in entry.top]
+        assert len(set(top_ids)) == len(top_ids) and values == sorted(values, reverse=True), where
+        for t, v in entry.top:
+            assert abs(v - row[t].item()) <= tol, (where, t, v, row[t])
+        others = row.clone()
+        others[top_ids] = -torch.inf
+        assert others.max().item() <= values[-1] + tol, (where, "a larger one left out")

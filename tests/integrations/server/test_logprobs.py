@@ -281,16 +281,19 @@ def test_not_asked_is_null_everywhere(client, read_sse, rng_seed):
         (TEXT, {"logprobs": -1}, "logprobs"),
         (TEXT, {"logprobs": True}, "logprobs"),
         (TEXT, {"logprobs": "3"}, "logprobs"),
-        (TEXT, {"logprobs": 2, "echo": True}, "echo"),  # the prompt's logprobs: not served
-        (TEXT, {"prompt_logprobs": 1}, "prompt_logprobs"),  # vLLM's form of the same
-        (CHAT, {"prompt_logprobs": 0}, "prompt_logprobs"),
+        (TEXT, {"logprobs": 2, "echo": "yes"}, "echo"),
+        (TEXT, {"prompt_logprobs": 21}, "prompt_logprobs"),  # vLLM's: served in 0..20
+        (TEXT, {"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's whole vocabulary: not
+        (CHAT, {"prompt_logprobs": True}, "prompt_logprobs"),
+        (CHAT, {"prompt_logprobs": 1.0}, "prompt_logprobs"),
+        (CHAT, {"prompt_logprobs": "2"}, "prompt_logprobs"),
+        (CHAT, {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),  # as in vLLM
     ],
 )
 def test_bad_values_are_400_naming_the_param(client, api_error, url, fields, param):
     base = {"prompt": "hello"} if url == TEXT else {"messages": [{"role": "user", "content": "hi"}]}
     error = api_error(client.post(url, json={**base, "max_tokens": 2, **fields}), 400)
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
-    if param == "echo":
-        assert "logprobs" in error["message"]
+    assert param in error["message"], error
     asked = {"logprobs": 2} if url == TEXT else {"logprobs": True, "top_logprobs": 2}
     assert client.post(url, json={**base, "max_tokens": 2, **asked}).status_code == 200

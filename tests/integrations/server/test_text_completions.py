@@ -169,9 +169,16 @@ def test_openai_sdk_parses_plain_and_streamed(start_server, model_dir, rng_seed,
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+    # echo (lm-evaluation-harness's log-likelihood form: the prompt's logprobs, no token)
+    echoed = sdk.completions.create(**{**request, "max_tokens": 0}, echo=True, logprobs=1)
+    (choice,) = echoed.choices
+    assert choice.text == request["prompt"] and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) > 0
+    assert all(isinstance(v, float) for v in choice.logprobs.token_logprobs[1:])
+    assert echoed.usage.completion_tokens == 0
     with pytest.raises(openai.BadRequestError) as refused:
-        sdk.completions.create(**request, echo=True)
-    assert refused.value.body["param"] == "echo"
+        sdk.completions.create(**{**request, "max_tokens": 0})
+    assert refused.value.body["param"] == "max_tokens"
     nothing_held(server.state.service)
 
 
@@ -179,7 +186,8 @@ def test_openai_sdk_parses_plain_and_streamed(start_server, model_dir, rng_seed,
     ("field", "value"),
     [
         ("suffix", "\n    return x\n"),
-        ("echo", True),
+        ("echo", "yes"),
+        ("echo", 1),
         ("logprobs", 21),  # served in 0..20 (tests/integrations/server/test_logprobs.py)
         ("logprobs", True),
         ("best_of", 2),
@@ -194,7 +202,8 @@ def test_openai_sdk_parses_plain_and_streamed(start_server, model_dir, rng_seed,
         ("top_p", 0),
         ("top_k", -1),
         ("seed", 1.5),
-        ("max_tokens", 0),
+        ("max_tokens", 0),  # without echo: nothing asked (tests/.../test_echo.py)
+        ("prompt_logprobs", 21),
         ("stop", [""]),
         ("ignore_eos", "yes"),
         ("stream", "yes"),

@@ -1,0 +1,72 @@
+"""The legacy completions' `echo`: the prompt goes first in the choice's text and, with
+`logprobs`, its tokens' entries first in the choice's logprobs (OpenAI's legacy behaviour and
+vLLM's), in the whole response or in the first chunk of a stream.
+
+The echoed text: a string prompt as it was sent; a token-id prompt decoded, special tokens kept
+(they are part of what was sent, and HF's decode keeps them too). Each prompt token's
+text_offset is where its text starts in the echoed text, so the generated tokens' offsets
+follow from its length: for a string, the tokenizer's own offsets (a tokenizer-added bos sits
+at 0); for ids, the characters the tokens before it decode to, counted as the generated
+tokens' offsets are (the streaming detokenizer's releases). The first prompt token has no
+log-probability (no position precedes it): null in token_logprobs and top_logprobs, as OpenAI
+wrote it (`UnscoredToken`).
+
+Shapes: P prompt tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from freetoken_agent.engine.outputs import TokenLogprob
+from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
+from freetoken_agent.integrations.openai_logprobs import UnscoredToken, with_top
+
+Entry = tuple[TokenLogprob | UnscoredToken, int]  # a token's entry and its text offset
+
+
+@dataclass(slots=True)
+class Echo:
+    """The echoed prompt as a run's first piece: its text and, when logprobs were asked, each
+    prompt token's entry and offset (a stream sends both in its first chunk)."""
+
+    text: str
+    logprobs: list[Entry]
+
+
+@dataclass(slots=True)
+class EchoedPrompt:
+    ids: list[int]  # [P] the prompt's tokens, as submitted
+    text: str
+    offsets: list[int]  # [P] each token's offset in `text`
+
+    def piece(self, entries: Sequence[TokenLogprob | None] | None, k: int | None) -> Echo:
+        """The Echo of this prompt; `entries`: the engine's prompt entries (None: the request
+        ended before its prompt was computed, so there are none to give), written with the
+        completion's `k` alternatives (None: logprobs not asked)."""
+        if k is None or entries is None:
+            return Echo(self.text, [])
+        written: list[Entry] = []
+        for token, entry, offset in zip(self.ids, entries, self.offsets, strict=True):
+            written.append((UnscoredToken(token) if entry is None else with_top(entry, k), offset))
+        return Echo(self.text, written)
+
+
+def echoed_prompt(prompt: str | list[int], tokenizer: Any | None) -> EchoedPrompt:
+    """The prompt's ids (as TextRun submits them), echoed text and offsets. A string needs the
+    tokenizer (the caller has refused it without one); ids without one echo as "" (the engine
+    gives no text then either)."""
+    if isinstance(prompt, str):
+        ids, offsets = tokenizer.encode_with_offsets(prompt, add_special_tokens=True)
+        return EchoedPrompt(ids, prompt, offsets)
+    if tokenizer is None:
+        return EchoedPrompt(list(prompt), "", [0] * len(prompt))
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    offsets, released = [], 0
+    for token in prompt:
+        offsets.append(released)
+        released += len(detok.push(token))
+    detok.flush()
+    return EchoedPrompt(list(prompt), detok.text, offsets)

@@ -1,0 +1,183 @@
+"""POST /v1/completions with `echo` (integrations/server/echo.py): the prompt's text first in
+the choice's text and, with `logprobs`, the prompt's tokens first in its logprobs (the first
+with nulls, the rest the engine's prompt entries), whole and in the first chunk of a stream;
+`max_tokens: 0` with echo answers the prompt alone (lm-evaluation-harness's form), and without
+echo is refused naming max_tokens.
+
+Values are held to a second engine's Engine.generate of the same ids with the same settings
+(prompt_logprobs asked: no prefix reuse, so the server's computation is the same, alone)."""
+
+from __future__ import annotations
+
+import random
+import string
+from types import SimpleNamespace
+
+import pytest
+
+from freetoken_agent import Engine, SamplingParams
+
+URL = "/v1/completions"
+TOL = 1e-5  # the same computation as the reference's, in the same shapes
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(
+        "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 7)))
+        for _ in range(n)
+    )
+
+
+def _prompt(rng: random.Random, kind: str, tokenizer, vocab: int) -> str | list[int]:
+    """Words; the ids of words with a special token among them (each token its own text);
+    or ids drawn from the whole vocabulary (partial characters, specials)."""
+    if kind == "words":
+        return _words(rng, rng.randint(1, 10))
+    if kind == "ids":
+        ids = tokenizer.encode(_words(rng, rng.randint(1, 8)))
+        special = rng.choice(sorted(tokenizer.special_token_ids))
+        return [*ids[: (cut := rng.randint(0, len(ids)))], special, *ids[cut:]]
+    return [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+
+
+def _reference(model_dir, ids: list[int], sp: SamplingParams) -> SimpleNamespace:
+    """The request on a fresh engine: its tokens, text, entries, and each generated token's
+    offset in the generated text (the characters the events before it released)."""
+    engine = Engine.load(
+        model_dir, device="cpu", progress=False, kv_tokens=4096, max_model_len=1024
+    )
+    try:
+        events = list(engine.stream(ids, sp))
+    finally:
+        engine.close()
+    tokens = [e for e in events if e.token_id is not None]
+    texts = [e.text for e in events]
+    return SimpleNamespace(
+        token_ids=[e.token_id for e in tokens],
+        logprobs=[e.token_logprob() for e in tokens],
+        text="".join(texts),
+        finish_reason=events[-1].finish_reason,
+        prompt_logprobs=events[0].prompt_logprobs,
+        offsets=[sum(len(t) for t in texts[:i]) for i in range(len(tokens))],
+    )
+
+
+def _stream(client, body: dict, read_sse) -> list[dict]:
+    """The stream's choices, in order (its finish chunk included)."""
+    with client.stream("POST", URL, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        events = read_sse(list(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    return [e["choices"][0] for e in events[:-1] if e["choices"]]
+
+
+def _ids_and_text(tokenizer, prompt: str | list[int]) -> tuple[list[int], str]:
+    """What the prompt is submitted as, and its echoed text (a string as sent, ids decoded
+    with their special tokens)."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=True), prompt
+    return prompt, tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("kind", ["words", "ids", "random ids"])
+@pytest.mark.parametrize("logprobs", [None, "k"])
+def test_echo_puts_the_prompt_first_whole_and_streamed(
+    client, model_dir, read_sse, rng_seed, logprobs, kind
+):
+    """The choice's text is the prompt's then the generated text; its logprobs (asked) the
+    prompt's tokens then the generated ones: the first null, the others the engine's prompt
+    entries, offsets where each token's text starts in the echoed text; a stream's first chunk
+    carries the prompt's text and entries, the rest the completion (the reference's)."""
+    rng = random.Random(rng_seed)
+    tokenizer = client.app.state.server.service.tokenizer
+    vocab = client.app.state.server.service.spec.vocab_size
+    prompt = _prompt(rng, kind, tokenizer, vocab)
+    ids, echoed = _ids_and_text(tokenizer, prompt)
+    k = None if logprobs is None else rng.randint(0, 5)
+    max_tokens = rng.randint(0, 6)
+    body = {"prompt": rng.choice([prompt, [prompt]]), "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "echo": True,
+            **({} if k is None else {"logprobs": k})}  # fmt: skip
+    r = client.post(URL, json=body)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    asks_prompt = k is not None or max_tokens == 0  # what the server asks the engine for
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=k,
+                        prompt_logprobs=(k or 0) if asks_prompt else None)  # fmt: skip
+    ref = _reference(model_dir, ids, sp)
+    assert choice["text"] == echoed + ref.text, rng_seed
+    assert choice["finish_reason"] == ref.finish_reason == "length", rng_seed
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), max_tokens)
+    assert "prompt_logprobs" not in choice  # vLLM's field: not asked
+    whole = choice["logprobs"]
+    if k is None:
+        assert whole is None, rng_seed
+    else:
+        _check_block(whole, ids, echoed, ref, k, tokenizer, rng_seed)
+
+    chunks = _stream(client, body, read_sse)
+    assert chunks[0]["text"] == echoed or not echoed, rng_seed  # the prompt, first
+    assert "".join(c["text"] for c in chunks) == choice["text"], rng_seed
+    assert chunks[-1]["finish_reason"] == choice["finish_reason"], rng_seed
+    if k is None:
+        assert all(c["logprobs"] is None for c in chunks), rng_seed
+        return
+    first = chunks[0]["logprobs"]
+    assert first["tokens"] == whole["tokens"][: len(ids)], rng_seed  # the prompt's, first
+    assert first["text_offset"] == whole["text_offset"][: len(ids)], rng_seed
+    streamed = [c["logprobs"] for c in chunks if c["logprobs"] is not None]
+    for key in ("tokens", "text_offset", "token_logprobs"):
+        values = [v for block in streamed for v in block[key]]
+        if key == "token_logprobs":
+            assert values[0] is None and all(
+                abs(a - b) <= TOL for a, b in zip(values[1:], whole[key][1:], strict=True)
+            ), rng_seed
+        else:
+            assert values == whole[key], (rng_seed, key)
+
+
+def _check_block(lp: dict, ids, echoed: str, ref, k: int, tokenizer, seed: int) -> None:
+    """An echo's logprobs: the prompt's tokens then the generated ones, values the reference's,
+    offsets counted from the start of the echoed text."""
+    n = len(ids)
+    all_ids = ids + ref.token_ids
+    assert lp["tokens"] == [tokenizer.decode([t], skip_special_tokens=False) for t in all_ids]
+    values = lp["token_logprobs"]
+    assert values[0] is None and lp["top_logprobs"][0] is None, seed  # nothing precedes it
+    want = [e.logprob for e in ref.prompt_logprobs[1:]] + [e.logprob for e in ref.logprobs]
+    assert len(values) == len(all_ids) and all(
+        abs(a - b) <= TOL for a, b in zip(values[1:], want, strict=True)
+    ), seed
+    for token, value, top in zip(lp["tokens"][1:], values[1:], lp["top_logprobs"][1:],
+                                 strict=True):  # fmt: skip
+        if k == 0:
+            assert top is None, seed
+        else:  # the k most likely and the token itself (OpenAI's "up to logprobs + 1")
+            assert 1 <= len(top) <= k + 1 and top[token] >= value - TOL, seed
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets), seed
+    assert all(o <= len(echoed) for o in offsets[:n]), seed
+    # The generated tokens' offsets start where the echoed prompt ends.
+    assert offsets[n:] == [len(echoed) + o for o in ref.offsets], seed
+    pieces = lp["tokens"][:n]
+    if not any("\ufffd" in p for p in pieces) and "".join(pieces) == echoed:
+        # Each prompt token is its own text: its offset is the length of those before it.
+        assert offsets[:n] == [sum(map(len, pieces[:i])) for i in range(n)], seed
+
+
+def test_max_tokens_0_needs_echo(client, read_sse, rng_seed, api_error):
+    """Without echo, max_tokens 0 asks for nothing: a 400 naming the field sent. With echo it
+    is the prompt alone, whole or streamed: its text, finish_reason "length", no tokens."""
+    rng = random.Random(rng_seed)
+    prompt = _words(rng, rng.randint(1, 8))
+    for key in ("max_tokens", "max_completion_tokens"):
+        error = api_error(client.post(URL, json={"prompt": prompt, key: 0}), 400)
+        assert error["param"] == key and "echo" in error["message"], error
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True}
+    answer = client.post(URL, json=body).json()
+    choice = answer["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["logprobs"]) == (prompt, "length", None)
+    assert answer["usage"]["completion_tokens"] == 0 and answer["usage"]["prompt_tokens"] > 0
+    chunks = _stream(client, body, read_sse)
+    assert [c["text"] for c in chunks] == [prompt, ""], chunks
+    assert [c["finish_reason"] for c in chunks] == [None, "length"], chunks
