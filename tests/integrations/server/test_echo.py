@@ -181,3 +181,31 @@ def test_max_tokens_0_needs_echo(client, read_sse, rng_seed, api_error):
     chunks = _stream(client, body, read_sse)
     assert [c["text"] for c in chunks] == [prompt, ""], chunks
     assert [c["finish_reason"] for c in chunks] == [None, "length"], chunks
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_choice_echoes_its_prompt(client, read_sse, rng_seed, stream):
+    """n choices with echo and logprobs: each choice's text and entries start with the
+    prompt's, then its own generation (choices seeded apart)."""
+    rng = random.Random(rng_seed)
+    prompt, n = _words(rng, rng.randint(2, 8)), rng.randint(2, 3)
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "n": n, "max_tokens": 4,
+            "temperature": 1.0, "seed": rng.randrange(1 << 30), "stream": stream}  # fmt: skip
+    reply = client.post(URL, json=body)
+    assert reply.status_code == 200, reply.text
+    texts, tokens = {i: "" for i in range(n)}, {i: [] for i in range(n)}
+    nulls = {i: [] for i in range(n)}
+    chunks = read_sse(reply.text.splitlines()) if stream else [reply.json()]
+    for chunk in chunks:
+        if not isinstance(chunk, dict):
+            continue
+        for choice in chunk.get("choices", []):
+            i = choice["index"]
+            texts[i] += choice["text"]
+            if choice["logprobs"] is not None:
+                tokens[i] += choice["logprobs"]["tokens"]
+                nulls[i] += [v is None for v in choice["logprobs"]["token_logprobs"]]
+    n_prompt = len(client.app.state.server.service.tokenizer.encode(prompt))
+    for i in range(n):
+        assert texts[i].startswith(prompt), (i, texts[i])
+        assert len(tokens[i]) > n_prompt and nulls[i][:1] == [True] and not any(nulls[i][1:])
