@@ -156,7 +156,7 @@ class SamplingParams:
             )
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             refuse("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r:.40}")
-        elif _is_int(self.max_tokens) and 1 <= self.max_tokens < self.min_tokens:
+        elif _is_int(self.max_tokens) and 0 <= self.max_tokens < self.min_tokens:
             refuse(
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",

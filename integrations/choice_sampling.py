@@ -10,8 +10,23 @@ draw from the engine's generator, greedy ones are identical.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from freetoken_agent.engine.sampling_params import SEED_END, SamplingParams
+
+# The most choices (`n`) one request may ask for. Each is an engine request of its own, running
+# beside the others (vLLM sets no limit): a cap keeps one request from taking half the engine's
+# batch (max_num_seqs, 32 by default) and its KV pool on its own.
+MAX_CHOICES = 16
+
+
+def choice_count(value: Any) -> int:
+    """OpenAI's `n` (None: 1): an integer in [1, MAX_CHOICES]; ValueError otherwise."""
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+        raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {value!r:.40}")
+    return value
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

@@ -20,7 +20,7 @@ from typing import Any
 
 from langchain_core.outputs import ChatGeneration, ChatResult
 
-from freetoken_agent.integrations.choice_sampling import choice_sampling
+from freetoken_agent.integrations.choice_sampling import choice_count, choice_sampling
 from freetoken_agent.integrations.langchain_call import (
     PreparedCall,
     aretried_turn,
@@ -30,15 +30,6 @@ from freetoken_agent.integrations.langchain_chunks import ChunkBuilder
 from freetoken_agent.integrations.langchain_runtime import ChoiceGroup, SessionPool
 
 STREAM_ONE = "n must be 1 when streaming."  # ChatOpenAI's rule, in its words
-
-
-def choice_count(value: Any) -> int:
-    """ChatOpenAI's `n` (None: 1), a positive integer."""
-    if value is None:
-        return 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"n must be an integer >= 1, got {value!r:.40}")
-    return value
 
 
 def split_n(options: dict[str, Any], default: int | None) -> tuple[int, dict[str, Any]]:

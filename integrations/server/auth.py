@@ -24,24 +24,23 @@ from freetoken_agent.integrations.server.anthropic_errors import api_error_respo
 BEARER_PROTOCOL = "bearer."
 
 
-def offered_key(scope: Scope) -> str | None:
-    """The key a request presents: `Authorization: Bearer KEY`, else `x-api-key: KEY`, or for
-    a WebSocket the subprotocol `bearer.KEY`."""
-    api_key = None
+def offered_keys(scope: Scope) -> list[str]:
+    """The keys a request presents: `Authorization: Bearer KEY`, `x-api-key: KEY`, and for a
+    WebSocket the subprotocol `bearer.KEY`. Any of them may be the right one: the Anthropic
+    SDK sends both headers when given both an api_key and an auth_token."""
+    keys = []
     for name, value in scope.get("headers", []):
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
+                keys.append(token.strip())
         elif name == b"x-api-key" and value.strip():
-            api_key = value.decode("latin-1").strip()
-    if api_key is not None:
-        return api_key
+            keys.append(value.decode("latin-1").strip())
     if scope["type"] == "websocket":
         for protocol in scope.get("subprotocols", []):
             if protocol.startswith(BEARER_PROTOCOL):
-                return protocol[len(BEARER_PROTOCOL) :]
-    return None
+                keys.append(protocol[len(BEARER_PROTOCOL) :])
+    return keys
 
 
 class BearerAuth:
@@ -56,13 +55,14 @@ class BearerAuth:
         if scope["type"] not in ("http", "websocket") or scope["path"] in self.public_paths:
             await self.app(scope, receive, send)
             return
-        key = offered_key(scope)
-        if key is not None and hmac.compare_digest(key.encode("utf-8"), self._key):
+        keys = offered_keys(scope)
+        # Every key is compared (constant time each), not only until one matches.
+        if sum(hmac.compare_digest(k.encode("utf-8"), self._key) for k in keys):
             await self.app(scope, receive, send)
             return
         message = (
             "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
-            if key is None
+            if not keys
             else "wrong API key"
         )
         response = api_error_response(

@@ -30,6 +30,7 @@ from freetoken_agent.engine.sampling_params import (
     SamplingParamsError,
     token_id_key,
 )
+from freetoken_agent.integrations.choice_sampling import choice_count
 from freetoken_agent.integrations.server.errors import BadParam, ModelNotFound, check_nesting
 from freetoken_agent.integrations.server.foreign_fields import (
     check_chat_fields,
@@ -51,10 +52,6 @@ from freetoken_agent.integrations.server.tool_choice import (
 from freetoken_agent.messages import Message, messages_from_openai
 
 _INT64 = (-(2**63), 2**63 - 1)
-# The most choices (`n`) one request may ask for. Each is an engine request of its own, running
-# beside the others (vLLM sets no limit): a cap keeps one body from filling the engine's batch
-# (max_num_seqs, 16 by default) and its KV pool on its own.
-MAX_CHOICES = 16
 
 # Unsupported fields and the value that means "not used".
 _UNSUPPORTED = {
@@ -104,14 +101,12 @@ class ChatRequest:
     n: int = 1  # choices: each a run of `turn` (choices.py)
 
 
-def choice_count(body: Mapping[str, Any]) -> int:
-    """OpenAI's `n`: how many choices to generate (absent or null: 1)."""
-    value = body.get("n")
-    if value is None:
-        return 1
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
-        raise BadParam(f"n must be an integer in [1, {MAX_CHOICES}], got {value!r:.40}", "n")
-    return value
+def body_choice_count(body: Mapping[str, Any]) -> int:
+    """OpenAI's `n`: how many choices to generate (absent or null: 1; choice_sampling.py)."""
+    try:
+        return choice_count(body.get("n"))
+    except ValueError as e:
+        raise BadParam(str(e), "n") from None
 
 
 def _number(body: Mapping, key: str, lo: float, hi: float, *, lo_open: bool = False):
@@ -370,5 +365,8 @@ def parse_chat_request(
     stream, include_usage = check_envelope(body, served, names)
     prompt_logprobs = body_prompt_logprobs(body, stream)
     return ChatRequest(
-        turn_from(body, default_max, prompt_logprobs), stream, include_usage, choice_count(body)
+        turn_from(body, default_max, prompt_logprobs),
+        stream,
+        include_usage,
+        body_choice_count(body),
     )

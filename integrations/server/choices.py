@@ -16,7 +16,10 @@ cached and each prefill the whole prompt (measured on the CPU demo model: three 
 first token, the later two reused 192 and prefilled 8, the rest of the last page). So `start`
 submits the first choice, waits for its first engine event (its prompt is cached by then), then
 submits the others, which reuse it: the prompt is prefilled once, for the price of the other
-choices' first tokens coming one prefill later. Forking the first choice's KV into n sequences
+choices' first tokens coming one prefill later. A request that asks for the prompt's entries
+(prompt_logprobs, echo's logprobs) reuses no cached prefix: each choice prefills it, and all
+start at once (`shares_prompt`); copying the first choice's entries to the others would save
+those prefills, not done. Forking the first choice's KV into n sequences
 at its first token would save that wait, but needs pages shared copy-on-write between running
 requests, which the KV pool does not do.
 
@@ -45,8 +48,11 @@ _ENDED = object()  # a run's events are over
 class Choices:
     """A request's runs, choice i's at index i (see the module docstring)."""
 
-    def __init__(self, runs: Sequence[Run]) -> None:
+    def __init__(self, runs: Sequence[Run], shares_prompt: bool = True) -> None:
+        """`shares_prompt`: the later choices can reuse the first one's cached prompt (not
+        when the request asks for the prompt's entries: such requests reuse no prefix)."""
         self.runs = list(runs)
+        self.shares_prompt = shares_prompt
         self.error: str | None = None  # set when a choice failed (the others are cancelled)
 
     @property
@@ -54,14 +60,15 @@ class Choices:
         return len(self.runs)
 
     async def start(self) -> None:
-        """Submit every choice, the first alone until its prompt is cached (see the module
-        docstring); a refusal of any raises here, with every run cancelled."""
+        """Submit every choice, the first alone until its prompt is cached when the others can
+        reuse it (see the module docstring); a refusal of any raises here, with every run
+        cancelled."""
         first, rest = self.runs[0], self.runs[1:]
         try:
             await first.start()
-            if rest:
+            if rest and self.shares_prompt:
                 await first.first_event.wait()
-                await asyncio.gather(*(run.start() for run in rest))
+            await asyncio.gather(*(run.start() for run in rest))
         except BaseException:
             self.cancel()
             raise

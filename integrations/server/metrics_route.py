@@ -6,7 +6,7 @@ kept twice: a collector turns that dict into metric families, so the page always
 engine holds now. Names are prefixed `freetoken_`; counters end in `_total`.
 
 - requests: running and waiting (gauges), finished by reason, preemptions (counters), the
-  server's open WebSocket sessions;
+  server's sessions (WebSocket and X-Session-Id);
 - tokens of finished requests: prompt tokens prefilled and reused from the prefix cache,
   generated tokens;
 - memory: device bytes by part, KV pages (capacity, free, held by the prefix cache), the KV
@@ -102,7 +102,9 @@ def families(stats: dict[str, Any], sessions: int, model_id: str) -> Iterator[Me
     requests, tokens, memory = stats["requests"], stats["tokens"], stats["memory"]
     yield from _gauge("requests_running", "Requests being computed", requests["running"])
     yield from _gauge("requests_waiting", "Requests queued for admission", requests["waiting"])
-    yield from _gauge("sessions", "Open WebSocket sessions", sessions)
+    yield from _gauge(
+        "sessions", "Sessions the server keeps (WebSocket and X-Session-Id)", sessions
+    )
     yield from _counter("preemptions", "Requests preempted for memory", requests["preemptions"])
     latency = stats["latency"]
     finished = CounterMetricFamily(

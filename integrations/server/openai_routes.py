@@ -122,8 +122,9 @@ async def chat_completions(request: Request) -> Response:
         replace(chat.turn, sampling=choice_sampling(chat.turn.sampling, i)) for i in range(chat.n)
     ]
     lives = [live, *(state.hub.lookup(None) for _ in turns[1:])]
-    choices = Choices([TurnRun(on, turn) for on, turn in zip(lives, turns, strict=True)])
     sampling, strings = chat.turn.sampling, TokenStrings(state.service.tokenizer)
+    runs = [TurnRun(on, turn) for on, turn in zip(lives, turns, strict=True)]
+    choices = Choices(runs, shares_prompt=sampling.prompt_logprobs is None)
     k = sampling.prompt_logprobs  # as asked: echo, which would add to it, is not chat's
     fmt = CompletionFormat(
         state.model_id,
@@ -146,7 +147,8 @@ async def text_completions(request: Request) -> Response:
     # Each choice asks for what the request asks: with prompt entries (prompt_logprobs, echo's
     # logprobs) every choice computes them, as such a request reuses no cached prefix.
     samplings = [choice_sampling(text.sampling, i) for i in range(text.n)]
-    choices = Choices([TextRun(state.service, text.prompt, sp, text.echo) for sp in samplings])
+    runs = [TextRun(state.service, text.prompt, sp, text.echo) for sp in samplings]
+    choices = Choices(runs, shares_prompt=text.sampling.prompt_logprobs is None)
     k, asked = text.sampling.logprobs, text.prompt_logprobs
     strings = TokenStrings(state.service.tokenizer)
     fmt = TextCompletionFormat(

@@ -37,8 +37,8 @@ from typing import Any
 
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.chat_request import (
+    body_choice_count,
     check_envelope,
-    choice_count,
     sampling_from,
 )
 from freetoken_agent.integrations.server.errors import BadParam
@@ -125,7 +125,7 @@ def parse_text_request(
         )
     plp = text_prompt_logprobs(asked, logprobs, bool(echo), prompt_only)
     sampling = sampling_from(body, None, _NO_TOOLS, default_max, logprobs, plp, fewest_tokens=0)
-    return TextRequest(prompt, sampling, stream, include_usage, choice_count(body), bool(echo),
+    return TextRequest(prompt, sampling, stream, include_usage, body_choice_count(body), bool(echo),
                        asked)  # fmt: skip
 
 

@@ -33,6 +33,7 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.bridge import request_figures
 from freetoken_agent.integrations.server.echo import Echo, EchoedPrompt, Entry, echoed_prompt
 from freetoken_agent.integrations.server.errors import BadParam
+from freetoken_agent.integrations.server.turn_run import put_first_event
 from freetoken_agent.service import EngineService, Sink
 from freetoken_agent.session import Usage
 
@@ -91,6 +92,15 @@ class TextRun:
                 "this model has no tokenizer: send prompt as a list of token ids", "prompt"
             )
         if self.echo:  # the same ids, and the text and offsets to echo
+            if isinstance(self.prompt, list):
+                # Before the echo decodes them (the engine checks them too, later, after the
+                # length: a decode of an id out of range raises inside the tokenizer).
+                vocab = self.service.spec.vocab_size
+                bad = next((t for t in self.prompt if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise BadParam(
+                        f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
+                    )
             self._echoed = echoed_prompt(self.prompt, tokenizer)
             return self._echoed.ids
         if isinstance(self.prompt, list):
@@ -106,10 +116,10 @@ class TextRun:
             if event.finished:
                 self._figures = request_figures(self.service.engine, event.request_id)
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads any more
-                if first:
-                    first = False
-                    loop.call_soon_threadsafe(self.first_event.set)
                 loop.call_soon_threadsafe(self._events.put_nowait, event)
+            if first:
+                first = False
+                put_first_event(loop, self.first_event)
 
         ids = self._ids()
         self.prompt_tokens = len(ids)

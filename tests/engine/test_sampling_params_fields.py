@@ -165,3 +165,13 @@ def test_the_end_ids_are_the_ids_that_end_a_request(rng_seed):
             json_schema=rng.choice([None, {"type": "object"}]),
         )
         assert sp.end_ids(eos) == [t for t in range(60) if sp.ends_with(t, eos)], (sp, eos)
+
+
+def test_min_tokens_refused_with_a_prompt_only_request(rng_seed):
+    """max_tokens 0 (a prompt-only request) generates nothing: any min_tokens > 0 asks for
+    what it cannot give."""
+    rng = random.Random(rng_seed)
+    with pytest.raises(SamplingParamsError, match="min_tokens") as caught:
+        SamplingParams(max_tokens=0, prompt_logprobs=rng.randint(0, 5),
+                       min_tokens=rng.randint(1, 9))  # fmt: skip
+    assert caught.value.fields == ("min_tokens",)

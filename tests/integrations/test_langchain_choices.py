@@ -17,6 +17,7 @@ from scripted_engine import PacedEngine
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.integrations.choice_sampling import MAX_CHOICES
 from freetoken_agent.integrations.langchain import ChatFreeToken, GenerationError
 from freetoken_agent.service import EngineService, service_for
 
@@ -155,3 +156,11 @@ def test_n_is_in_the_cache_key(engine, rng_seed):
     base = ChatFreeToken(engine=engine, max_tokens=4)
     other = ChatFreeToken(engine=engine, max_tokens=4, n=rng.randint(2, 9))
     assert base._get_llm_string() != other._get_llm_string()
+
+
+@pytest.mark.parametrize("n", [0, MAX_CHOICES + 1])
+def test_a_choice_count_outside_the_servers_range_is_refused(engine, n):
+    """The server's cap (choice_sampling.MAX_CHOICES), for the same reason: each choice is an
+    engine request of its own."""
+    with pytest.raises(ValueError, match=r"n must be an integer in \[1, 16\]"):
+        ChatFreeToken(engine=engine, n=n)

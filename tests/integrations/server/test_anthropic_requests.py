@@ -244,6 +244,10 @@ def test_keys_come_as_x_api_key_or_bearer(make_client, rng_seed):
         assert client.post(COUNT, json=body, headers=headers).status_code == 200, headers
         chat = client.post(CHAT, json=body, headers=headers)
         assert chat.status_code == 200, headers
+    # The SDK sends both headers when it has both an api_key and an auth_token: either counts.
+    for headers in ({"x-api-key": key, "Authorization": "Bearer other"},
+                    {"x-api-key": "other", "Authorization": f"Bearer {key}"}):  # fmt: skip
+        assert client.post(URL, json=body, headers=headers).status_code == 200, headers
     for headers in ({}, {"x-api-key": key + "x"}, {"Authorization": f"Bearer {key[:-1]}"}):
         message = anthropic_error(client.post(URL, json=body, headers=headers), 401,
                                   "authentication_error")  # fmt: skip

@@ -209,3 +209,15 @@ def test_every_choice_echoes_its_prompt(client, read_sse, rng_seed, stream):
     for i in range(n):
         assert texts[i].startswith(prompt), (i, texts[i])
         assert len(tokens[i]) > n_prompt and nulls[i][:1] == [True] and not any(nulls[i][1:])
+
+
+@pytest.mark.parametrize("bad", [-1, 2**40, None])
+def test_an_echoed_id_outside_the_vocabulary_is_refused(client, api_error, rng_seed, bad):
+    rng = random.Random(rng_seed)
+    vocab = client.app.state.server.service.spec.vocab_size
+    bad = vocab + rng.randint(0, 9) if bad is None else bad
+    ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+    ids.insert(rng.randint(0, len(ids)), bad)
+    body = {"prompt": ids, "echo": True, "max_tokens": rng.choice([0, 2]), "logprobs": 1}
+    error = api_error(client.post(URL, json=body), 400)
+    assert error["param"] == "prompt" and str(bad) in error["message"]
