@@ -90,12 +90,15 @@ def run_choices(
 async def arun_choices(
     pool: SessionPool, calls: Sequence[PreparedCall], max_retries: int, builders: Sequence[Any]
 ) -> None:
-    """The same on an asyncio loop: choice i in a task of its own."""
+    """The same on an asyncio loop: choice i in a task of its own. One executor thread waits for
+    the first event for all the later choices (a thread each would take n - 1 of the loop's
+    default executor, which every `to_thread` of the process shares)."""
     group = ChoiceGroup()
+    first = asyncio.ensure_future(asyncio.to_thread(group.first.wait)) if len(calls) > 1 else None
 
     async def run(i: int) -> None:
         if i:
-            await asyncio.to_thread(group.first.wait)
+            await asyncio.shield(first)  # a cancelled choice leaves the wait to the others
             if group.cancelled:
                 return
         try:
@@ -114,6 +117,10 @@ async def arun_choices(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise group.error from None
+    finally:
+        if first is not None:
+            group.first.set()  # the waiting thread returns (cancel set it already on a failure)
+            await asyncio.gather(first, return_exceptions=True)
 
 
 def chat_result(builders: Sequence[ChunkBuilder]) -> ChatResult:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import string
+import threading
 
 import pytest
 from langchain_core.messages import HumanMessage
@@ -164,3 +165,25 @@ def test_a_choice_count_outside_the_servers_range_is_refused(engine, n):
     engine request of its own."""
     with pytest.raises(ValueError, match=r"n must be an integer in \[1, 16\]"):
         ChatFreeToken(engine=engine, n=n)
+
+
+def test_async_choices_wait_for_the_first_in_one_thread(engine, rng_seed, monkeypatch):
+    """The later choices of an async call wait for the first one's prompt in one executor
+    thread between them, not one each (the loop's default executor is the process's)."""
+    rng = random.Random(rng_seed)
+    n = rng.randint(3, 6)
+    waits = []
+    to_thread = asyncio.to_thread
+
+    def counted(fn, *args, **kwargs):
+        if getattr(fn, "__name__", "") == "wait" and isinstance(
+            getattr(fn, "__self__", None), threading.Event
+        ):
+            waits.append(fn)
+        return to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    llm = ChatFreeToken(engine=engine, max_tokens=4, temperature=1.0, n=n)
+    result = asyncio.run(llm.agenerate([[HumanMessage(_text(rng))]]))
+    assert len(result.generations[0]) == n
+    assert len(waits) == 1, len(waits)
