@@ -232,6 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=int(args.max_body_mb * 2**20),
         log_level=args.log_level,
         allowed_origins=args.allowed_origin,
+        model_aliases=args.model_alias,
     )
     return 0
 
@@ -348,6 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ORIGIN",
         help="a web page on another origin that may call the server from a browser, as "
         "scheme://host[:port] (an agent UI on its dev server); repeat for several",
+    )
+    srv.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name a request's `model` may use for the served model (a client that "
+        "cannot be told this one: Claude Code's claude-... names); repeat for several",
     )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(srv)

@@ -3,6 +3,7 @@ example script; the binding rules without binding anything."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import random
 import socket
@@ -130,3 +131,18 @@ def test_a_real_client_that_disconnects_aborts_its_request(live_server, engine):
         assert not engine.has_unfinished()
         assert engine.stats()["tokens"]["generated"] < 900
         engine.check_integrity()
+
+
+def test_serve_passes_its_model_aliases(monkeypatch, rng_seed):
+    """`--model-alias` (repeatable) reaches the app: a client that sends another model name
+    (Claude Code's claude-... names) is served by the one model."""
+    # The package exports the function `serve` under the module's name: the module itself.
+    serve_module = importlib.import_module("freetoken_agent.integrations.server.serve")
+    rng = random.Random(rng_seed)
+    aliases = [f"claude-{rng.getrandbits(32):x}" for _ in range(rng.randint(1, 3))]
+    seen = {}
+    monkeypatch.setattr(cli, "load_engine", lambda args: "engine")
+    monkeypatch.setattr(serve_module, "serve", lambda engine, host, port, **kw: seen.update(kw))
+    argv = ["serve"] + [a for alias in aliases for a in ("--model-alias", alias)]
+    assert cli.main(argv) == 0
+    assert seen["model_aliases"] == aliases
