@@ -309,7 +309,20 @@ class EngineService:
     def _fail_all(self, message: str) -> None:
         self._deliver_all()  # what the step finished before it failed
         for rid in list(self._sinks):
+            self._fail_in_engine(rid, message)
             self._end(rid, TokenEvent(rid, None, "", 0, True, "error", message))
+
+    def _fail_in_engine(self, rid: str, message: str) -> None:
+        """The engine's own record of a request a failed step ended: an error, as its stats
+        and /metrics count it (the abort `_drop` would make of it counts it as the client's)."""
+        req = getattr(self.engine, "_requests", {}).get(rid)
+        outcomes = getattr(self.engine, "outcomes", None)
+        if req is None or outcomes is None or req.finish_reason is not None:
+            return
+        try:
+            outcomes.fail_request(req, message)
+        except Exception:  # noqa: BLE001 - the abort after it still ends the request
+            log.exception("recording the failure of request %s failed", rid)
 
     def _shut(self, why: str) -> None:
         """Refuse new requests and end every reader: with its own last events where the

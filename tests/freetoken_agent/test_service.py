@@ -474,3 +474,39 @@ def test_engine_closed_under_the_service_ends_its_readers(engine, rng_seed, monk
     with pytest.raises(RuntimeError, match="closed"):
         service.submit(prompts[2], None, print)
     service.close()  # after the fact: nothing more to do
+
+
+def test_requests_a_failed_step_ends_count_as_errors(engine, rng_seed, monkeypatch):
+    """An engine step that raises ends every request with an error event, and the engine
+    counts them as errors (stats, /metrics), not as aborts by their clients."""
+    rng = random.Random(rng_seed)
+    n = rng.randint(1, 3)
+    step = engine.step
+    failed = []
+
+    def failing_step():
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("simulated step failure")
+        return step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with EngineService(engine) as service:
+        ends = []
+
+        def read(prompt) -> None:
+            ends.append([e for e in service.stream(prompt, _long(rng)) if e.finished])
+
+        threads = [threading.Thread(target=read, args=(p,)) for p in _prompts(rng, n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert all(not t.is_alive() for t in threads)
+        stats = service.stats()
+    reasons = [end[-1].finish_reason for end in ends]
+    assert failed and "error" in reasons, reasons
+    errors = reasons.count("error")
+    assert stats["requests"]["errors"] == errors
+    assert stats["latency"]["finish_reasons"].get("error", 0) == errors
+    assert "abort" not in stats["latency"]["finish_reasons"]
