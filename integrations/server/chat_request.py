@@ -109,6 +109,15 @@ def body_choice_count(body: Mapping[str, Any]) -> int:
         raise BadParam(str(e), "n") from None
 
 
+_MAX_TOKENS_KEYS = ("max_completion_tokens", "max_tokens")
+
+
+def max_tokens_key(body: Mapping[str, Any]) -> str:
+    """The field that sets the output's length: max_completion_tokens, the newer name, when
+    a client sends it (null counts as not sent), else max_tokens."""
+    return "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
+
+
 def _number(body: Mapping, key: str, lo: float, hi: float, *, lo_open: bool = False):
     value = body.get(key)
     if value is None:
@@ -156,11 +165,9 @@ def sampling_from(
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
     check_sampling_fields(body)
     # Both are checked; the newer name wins when a client sends both.
-    max_tokens = _integer(body, "max_completion_tokens", fewest_tokens)
-    max_key = "max_completion_tokens"
-    legacy = _integer(body, "max_tokens", fewest_tokens)
-    if max_tokens is None:
-        max_tokens, max_key = legacy, "max_tokens"
+    checked = {key: _integer(body, key, fewest_tokens) for key in _MAX_TOKENS_KEYS}
+    max_key = max_tokens_key(body)
+    max_tokens = checked[max_key]
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

@@ -39,6 +39,7 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.chat_request import (
     body_choice_count,
     check_envelope,
+    max_tokens_key,
     sampling_from,
 )
 from freetoken_agent.integrations.server.errors import BadParam
@@ -117,9 +118,10 @@ def parse_text_request(
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise BadParam(f"echo must be true or false, got {echo!r:.40}", "echo")
-    prompt_only = _asks_no_token(body)
+    key = max_tokens_key(body)  # the one sampling_from reads
+    # Not False, not 0.0: sampling_from refuses them.
+    prompt_only = type(body.get(key)) is int and body[key] == 0
     if prompt_only and not echo:
-        key = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
         raise BadParam(
             f"{key} must be >= 1, got 0 (0, the prompt alone, only with echo: true)", key
         )
@@ -127,11 +129,3 @@ def parse_text_request(
     sampling = sampling_from(body, None, _NO_TOOLS, default_max, logprobs, plp, fewest_tokens=0)
     return TextRequest(prompt, sampling, stream, include_usage, body_choice_count(body), bool(echo),
                        asked)  # fmt: skip
-
-
-def _asks_no_token(body: Any) -> bool:
-    """max_completion_tokens (which wins, as in `sampling_from`) or max_tokens is 0."""
-    value = body.get("max_completion_tokens")
-    if value is None:
-        value = body.get("max_tokens")
-    return type(value) is int and value == 0  # not False, not 0.0: sampling_from refuses them
