@@ -14,6 +14,7 @@ import threading
 
 import pytest
 from langchain_core.messages import HumanMessage
+from lookup_tool import LOOKUP_TOOL
 from scripted_engine import PacedEngine
 
 from freetoken_agent import Engine
@@ -22,18 +23,7 @@ from freetoken_agent.integrations.choice_sampling import MAX_CHOICES
 from freetoken_agent.integrations.langchain import ChatFreeToken, GenerationError
 from freetoken_agent.service import EngineService, service_for
 
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "parameters": {
-            "type": "object",
-            "properties": {"q": {"type": "string", "maxLength": 6}},
-            "required": ["q"],
-            "additionalProperties": False,
-        },
-    },
-}
+TOOL = LOOKUP_TOOL
 
 
 @pytest.fixture(scope="module")

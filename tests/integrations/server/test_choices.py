@@ -13,6 +13,7 @@ import random
 import string
 
 import pytest
+from lookup_tool import LOOKUP_TOOL
 from scripted_engine import PacedEngine
 from starlette.testclient import TestClient
 
@@ -21,18 +22,7 @@ from freetoken_agent.integrations.server import create_app
 from freetoken_agent.service import EngineService
 
 ROUTES = ["/v1/chat/completions", "/v1/completions"]
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "parameters": {
-            "type": "object",
-            "properties": {"q": {"type": "string", "maxLength": 6}},
-            "required": ["q"],
-            "additionalProperties": False,  # the call must end within max_tokens
-        },
-    },
-}
+TOOL = LOOKUP_TOOL
 
 
 def _words(rng: random.Random, lo: int = 3, hi: int = 12) -> str:
