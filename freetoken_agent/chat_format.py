@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from freetoken_agent.anchor_locator import AnchorLocator, common_prefix, key_bytes, unrendered
+from freetoken_agent.continuation import continuation_end, continuation_probe
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.prompt_input import context_length_error
 from freetoken_agent.engine.text.chat_template import ChatTemplate, ChatTemplateError
@@ -159,9 +160,14 @@ class ChatFormat:
         *,
         max_model_len: int | None = None,
         anchors: bool = True,
+        continue_final: bool = False,
         **kwargs: Any,
     ) -> Prompt:
         """The Prompt of `messages`; `kwargs` are template variables.
+
+        `continue_final`: the final message, the assistant's, is left open after its text for
+        the model to go on from (no generation prompt then; continuation.py says how the end
+        of its text is found). Anchors inside what the cut leaves out are dropped.
 
         `anchors=False`: the tokens and text only (no anchors, no generation prefix), for a
         count (POST /tokenize, ChatFreeToken's token counts): locating anchors renders a
@@ -176,6 +182,8 @@ class ChatFormat:
         if not records:
             raise InvalidRequestError("cannot render an empty history: give at least one message")
         dicts = to_template_messages(records)
+        if continue_final:  # rendered with a mark after the last text: cut there below
+            dicts, add_generation_prompt = continuation_probe(dicts), False
         tools = normalize_tools(tools)
         template = self.template(tools)
         variables = {**self.template_kwargs, **kwargs}
@@ -188,18 +196,20 @@ class ChatFormat:
             full = render(dicts, add_generation_prompt)
         except ChatTemplateError as e:
             raise InvalidRequestError(f"the chat template rejected this history: {e}") from e
-        encoding = encode_text(self.tokenizer.backend, full)
+        cut = continuation_end(full) if continue_final else len(full)
+        text = full[:cut]  # what the model sees; `full` is what anchors are located in
+        encoding = encode_text(self.tokenizer.backend, text)
         ids, offsets = list(encoding.ids), list(encoding.offsets)  # [T]
         if self._literal.held_by(dicts, tools):  # control-token text in them: encoded as text
             marked = lambda ds, ts: template.render(  # noqa: E731
                 ds, tools=ts, add_generation_prompt=add_generation_prompt, **variables
             )
-            spans = self._literal.spans(marked, dicts, tools, full)
-            ids, offsets = self._literal.encode(full, ids, offsets, spans)
+            spans = [s for s in self._literal.spans(marked, dicts, tools, full) if s[1] <= cut]
+            ids, offsets = self._literal.encode(text, ids, offsets, spans)
         if max_model_len is not None and len(ids) >= max_model_len:
             raise context_length_error(len(ids), max_model_len)
         if not anchors:
-            return Prompt(ids, full, [], records)
+            return Prompt(ids, text, [], records)
         # Cache entries are valid for one template, tool list and set of variables. (A template
         # printing strftime_now() changes text without changing these; the stability check below
         # compares digests of real text, so it only costs cache misses there.)
@@ -213,8 +223,10 @@ class ChatFormat:
         starts = [start for start, _ in offsets]
         anchors = []
         for char, kind, index in marks:
+            if char > cut:  # in what a continued message's cut left out
+                continue
             tok = bisect.bisect_right(ends, char)  # tokens lying wholly before `char`
-            next_start = starts[tok] if tok < len(starts) else len(full)
+            next_start = starts[tok] if tok < len(starts) else len(text)
             if next_start < char and ids[tok] in self._literal.added_ids:
                 # Added tokens (<|im_end|>, <tool_call>) are indivisible markers: a boundary
                 # inside one only means two compared renderings continued with markers that
@@ -222,4 +234,4 @@ class ChatFormat:
                 char = next_start
             anchors.append(Anchor(tok, kind, index, char, exact=next_start >= char))
         anchors.sort(key=lambda a: (a.offset, a.char_offset, _KIND_ORDER[a.kind]))
-        return Prompt(ids, full, anchors, records, gen_text)
+        return Prompt(ids, text, anchors, records, gen_text)

@@ -167,10 +167,14 @@ class Session:
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
 
-    def render(self, messages: Sequence[Message | Mapping[str, Any]]) -> Prompt:
+    def render(
+        self, messages: Sequence[Message | Mapping[str, Any]], *, continue_final: bool = False
+    ) -> Prompt:
         """The prompt for `messages`, behind the session's system message and with its tools.
         Anchor message indices count the system message. A prompt that does not fit the
-        engine's context raises ContextLengthError here, before its anchors are located."""
+        engine's context raises ContextLengthError here, before its anchors are located.
+        `continue_final`: the last message, the assistant's, is left open for the model to go
+        on from (ChatFormat.render)."""
         records = coerce_messages(messages)
         if self.system is not None:
             if records and isinstance(records[0], SystemMessage):
@@ -180,7 +184,9 @@ class Session:
                 )
             records = [SystemMessage(self.system), *records]
         limit = context_limit(self.engine)
-        return self.chat_format.render(records, tools=self.tools, max_model_len=limit)
+        return self.chat_format.render(
+            records, tools=self.tools, max_model_len=limit, continue_final=continue_final
+        )
 
     @property
     def last_sent(self) -> list[int]:
@@ -189,8 +195,10 @@ class Session:
             return []
         return self.last_prompt.token_ids + self.last_suffix_ids + self.last_output_ids
 
-    def diff(self, messages: Sequence[Message | Mapping[str, Any]]) -> HistoryDiff:
-        prompt = self.render(messages)
+    def diff(
+        self, messages: Sequence[Message | Mapping[str, Any]], *, continue_final: bool = False
+    ) -> HistoryDiff:
+        prompt = self.render(messages, continue_final=continue_final)
         shared = common_prefix(self.last_sent, prompt.token_ids)
         # The engine computes the logits of a prompt's last token itself, and it never has the
         # KV of the last generated token, hence the two caps. A hybrid model resumes from its
@@ -220,12 +228,15 @@ class Session:
         sampling: SamplingParams | Mapping[str, Any] | None = None,
         *,
         parser_factory: ParserFactory | None = _UNSET,
+        continue_final: bool = False,
     ) -> Iterator[Any]:
         """Render, diff, generate. Yields TextDelta (or the parser's events), then Usage; with
         logprobs asked, each token's TokenLogprob ahead of its text's events.
+        `continue_final`: the model goes on from the last message, the assistant's (a
+        "prefill"); the events are the continuation's alone.
         Closing the iterator early aborts the request; what was generated so far is kept as
         sent (the engine caches it too)."""
-        diff = self.diff(messages)
+        diff = self.diff(messages, continue_final=continue_final)
         params = self.sampling(sampling)
         factory = self.parser_factory if parser_factory is _UNSET else parser_factory
         parser = factory(diff.prompt) if factory is not None else None

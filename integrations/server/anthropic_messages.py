@@ -14,8 +14,8 @@ Blocks and what they become:
   nothing); `redacted_thinking` is dropped (its text is encrypted for another model).
 - anything else (`image`, `document`, `search_result`, server tools' blocks): refused by name.
 An assistant message renders its text before its calls (the OpenAI form has no other order).
-A last message of the assistant's is refused: Anthropic continues such a prefilled reply, and
-this server would answer it as a finished turn instead.
+A last message of the assistant's is continued, as Anthropic continues such a prefilled reply
+(anthropic_request.py asks the chat route for `continue_final_message`).
 
 `origins` says where each OpenAI message came from ("system", "messages[2]"), so a refusal of
 the shared checks, which index the OpenAI messages, can name the Anthropic one.
@@ -181,10 +181,4 @@ def openai_history(system: Any, messages: Any) -> OpenAIHistory:
                 "prompt goes in `system`)",
                 where,
             )
-    if messages[-1].get("role") == "assistant":
-        raise BadParam(
-            f"messages[{len(messages) - 1}]: the last message is the assistant's; this server "
-            "does not continue a prefilled reply, so end with a user message",
-            f"messages[{len(messages) - 1}]",
-        )
     return history

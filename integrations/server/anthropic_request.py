@@ -5,7 +5,9 @@ sampling field is the same for both APIs, and only the translation is Anthropic'
 Fields:
 - `model`: checked first, as the chat route checks it (404 when another model is named).
 - `max_tokens`: required, as Anthropic requires it (count_tokens takes none).
-- `messages`, `system`: anthropic_messages.py.
+- `messages`, `system`: anthropic_messages.py. A last message of the assistant's is continued
+  (the chat route's `continue_final_message`): the reply is the continuation alone, as
+  Anthropic answers a prefilled reply.
 - `stop_sequences` -> stop; `temperature`, `top_p`, `top_k`, `stream`: the same fields.
 - `metadata`: ignored, but its type is checked (an object).
 - `tools`: custom tools `{name, description, input_schema, strict}` -> OpenAI function tools.
@@ -145,6 +147,12 @@ def _enable_thinking(raw: Any) -> bool | None:
     return kind != "disabled"
 
 
+def _continues(messages: list) -> bool | None:
+    """True when the last message is the assistant's: Anthropic continues it (checked lists
+    only: openai_history has read `messages` by then)."""
+    return True if messages[-1].get("role") == "assistant" else None
+
+
 def _refuse_unserved(body: Mapping[str, Any]) -> None:
     config = body.get("output_config")
     for field, value in (
@@ -176,6 +184,7 @@ def openai_body(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "tool_choice": choice,
         "parallel_tool_calls": parallel,
         "chat_template_kwargs": None if thinking is None else {"enable_thinking": thinking},
+        "continue_final_message": _continues(body.get("messages")),
     }
     out.update((key, value) for key, value in extra.items() if value is not None)
     return out, history.origins

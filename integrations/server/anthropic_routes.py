@@ -119,7 +119,9 @@ def _input_tokens(body: Any, state: Any) -> int:
     turn = parsed.chat.turn
     chat_format = state.hub.formats.get(turn.enable_thinking)
     try:
-        prompt = chat_format.render(turn.messages, tools=turn.tools, anchors=False)
+        prompt = chat_format.render(
+            turn.messages, tools=turn.tools, anchors=False, continue_final=turn.continue_final
+        )
     except InvalidRequestError as e:  # the template's refusal, naming a translated message
         raise anthropic_refusal(e, parsed.origins) from None
     return len(prompt.token_ids)

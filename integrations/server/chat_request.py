@@ -31,10 +31,16 @@ from freetoken_agent.engine.sampling_params import (
     token_id_key,
 )
 from freetoken_agent.integrations.choice_sampling import choice_count
-from freetoken_agent.integrations.server.errors import BadParam, ModelNotFound, check_nesting
+from freetoken_agent.integrations.server.errors import (
+    BadParam,
+    ModelNotFound,
+    body_flag,
+    check_nesting,
+)
 from freetoken_agent.integrations.server.foreign_fields import (
     check_chat_fields,
     check_sampling_fields,
+    continue_final_message,
     enable_thinking,
     stop_token_ids,
 )
@@ -49,7 +55,7 @@ from freetoken_agent.integrations.server.tool_choice import (
     parse_tool_choice,
     parse_tools,
 )
-from freetoken_agent.messages import Message, messages_from_openai
+from freetoken_agent.messages import AssistantMessage, Message, messages_from_openai
 
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -81,6 +87,7 @@ class TurnRequest:
     sampling: SamplingParams
     parallel_tool_calls: bool = True  # False: at most one call (the turn stops at the first)
     enable_thinking: bool | None = None
+    continue_final: bool = False  # the model goes on from the last message (continuation.py)
 
     @property
     def call_or_answer(self) -> bool:
@@ -307,9 +314,40 @@ def turn_from(
         raise
     except InvalidRequestError as e:  # tool_call_schema on a malformed tool
         raise BadParam(str(e), "tools") from None
-    _flag(body, "parallel_tool_calls", "parallel_tool_calls")  # absent or null: true
-    parallel = body.get("parallel_tool_calls") is not False
-    return TurnRequest(messages, tools, choice, sampling, parallel, enable_thinking(body))
+    parallel = body_flag(body, "parallel_tool_calls", True)
+    turn = TurnRequest(messages, tools, choice, sampling, parallel, enable_thinking(body))
+    turn.continue_final = continue_final_message(body)
+    if turn.continue_final:
+        check_continuable(turn)
+    return turn
+
+
+def check_continuable(turn: TurnRequest) -> None:
+    """A continued turn (`continue_final`) ends with an assistant message of text, and carries
+    no constraint on the reply's whole text: a JSON schema or a forced call is matched from
+    the reply's first character, which a prefill has already written."""
+    # Worded for both APIs: Anthropic's continues a last assistant message without a flag.
+    i, last = len(turn.messages) - 1, turn.messages[-1]
+    if not isinstance(last, AssistantMessage):
+        raise BadParam(
+            f"messages[{i}] ({last.role}): continue_final_message is true but the last message "
+            "is not the assistant's; only an assistant message can be continued",
+            f"messages[{i}]",
+        )
+    if last.tool_calls:
+        raise BadParam(
+            f"messages[{i}] (assistant): the last message has tool calls; only an assistant "
+            "message of text can be continued",
+            f"messages[{i}]",
+        )
+    if turn.sampling.json_schema is not None or turn.tool_choice.forced:
+        field = "tool_choice" if turn.tool_choice.forced else "response_format"
+        raise BadParam(
+            f"a reply that goes on from the last (assistant) message cannot be constrained by "
+            f"a forced tool call or a JSON response_format ({field}): the constraint is "
+            "matched from the reply's start, which the continued message has already written",
+            field,
+        )
 
 
 def parse_messages(raw: Any) -> list[Message]:
@@ -337,13 +375,6 @@ def check_model(name: Any, served: str, names: Collection[str]) -> None:
         raise ModelNotFound(name, served)
 
 
-def _flag(options: Mapping[str, Any], key: str, where: str) -> bool:
-    value = options.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise BadParam(f"{where} must be true or false, got {value!r:.40}", where)
-    return bool(value)
-
-
 def check_envelope(
     body: Any, served: str | None = None, names: Collection[str] = ()
 ) -> tuple[bool, bool]:
@@ -358,11 +389,11 @@ def check_envelope(
         value = body.get(key)
         if value is not None and not isinstance(value, kind):
             raise BadParam(f"{key} must be {what}, got {value!r:.40}", key)
-    stream = _flag(body, "stream", "stream")
+    stream = body_flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):
         raise BadParam("stream_options must be an object", "stream_options")
-    return stream, _flag(options or {}, "include_usage", "stream_options.include_usage")
+    return stream, body_flag(options or {}, "include_usage", where="stream_options.include_usage")
 
 
 def parse_chat_request(

@@ -92,6 +92,20 @@ def invalid_response(error: InvalidRequestError) -> JSONResponse:
     return error_response(getattr(error, "status", 400), message, param=param, code=code)
 
 
+def body_flag(
+    body: Mapping[str, Any], key: str, default: bool | None = False, where: str | None = None
+) -> bool | None:
+    """A true-or-false field of a request (absent or null: `default`, None for a caller that
+    tells absent from false); anything else is refused, naming `where` (default: `key`)."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        where = where or key
+        raise BadParam(f"{where} must be true or false, got {value!r:.40}", where)
+    return value
+
+
 def parse_json_body(raw: bytes | str, what: str = "the request body") -> Any:
     """A body (or WebSocket message) as JSON, or a BadParam saying where it stops being JSON."""
     if not raw:

@@ -22,6 +22,11 @@ vLLM's extensions:
   one switch the chat templates have.
 - `prompt_logprobs` is honoured (0..20; not with a stream: logprobs_request.py), on the
   text completion's choice and on the chat completion's top level, where vLLM puts it.
+- `continue_final_message: true` is honoured: the model goes on from the last message, the
+  assistant's (a "prefill", continuation.py), and the reply is the continuation alone, as
+  vLLM answers. `add_generation_prompt` may be false beside it (vLLM's form, which refuses
+  both true); false alone, a prompt that ends after the last message with no turn opened, is
+  refused: what the model writes then is no assistant reply the parsers can read.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from freetoken_agent.integrations.server.errors import BadParam
+from freetoken_agent.integrations.server.errors import BadParam, body_flag
 
 _CONSTRAIN = "constrain the output with response_format {'type': 'json_schema', ...}"
 
@@ -126,3 +131,22 @@ def enable_thinking(body: Mapping[str, Any]) -> bool | None:
             "chat_template_kwargs",
         )
     return value
+
+
+def continue_final_message(body: Mapping[str, Any]) -> bool:
+    """vLLM's continue_final_message (with add_generation_prompt, see the module docstring)."""
+    continuing = body_flag(body, "continue_final_message")
+    generation = body_flag(body, "add_generation_prompt", None)  # absent: neither way
+    if continuing and generation:
+        raise BadParam(
+            "continue_final_message and add_generation_prompt cannot both be true: the first "
+            "goes on with the last message, the second opens a new turn after it",
+            "add_generation_prompt",
+        )
+    if generation is False and not continuing:
+        raise BadParam(
+            "add_generation_prompt=false is supported only with continue_final_message=true "
+            "(the model goes on from the last message, the assistant's)",
+            "add_generation_prompt",
+        )
+    return bool(continuing)

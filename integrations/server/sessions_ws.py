@@ -6,7 +6,7 @@ The client sends JSON messages:
      "sampling": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                   "min_tokens", "logit_bias", "logprobs", "top_logprobs"},
-     "response_format": {...}, "append": false, "model": "..."}
+     "response_format": {...}, "append": false, "continue_final_message": false, "model": "..."}
     {"type": "cancel"}                     interrupt the running turn (any watcher may)
 
 `messages` is the whole history (OpenAI form), as agents resend it every turn; with
@@ -15,7 +15,9 @@ finished turn (its messages and the reply). `model` is optional; given, it must 
 model or an alias (else an `error` with code `model_not_found`). The server answers with the
 events of `session_events` (start, reasoning, content, tool_call, tool_result, usage, memory,
 done, ...), published to every socket open on the same id, so a second socket watches the
-session live.
+session live. `"continue_final_message": true` has the model go on from the last message, the
+assistant's (a prefill, as on the chat route); the history then keeps that message with the
+reply appended to it.
 Problems with one message (bad JSON, a bad history, a busy session) go back to its sender as an
 `error` and a `done`; the socket stays open. A socket that closes cancels the turn it started.
 """
@@ -71,7 +73,17 @@ SAMPLING_KEYS = frozenset(
 # OpenAI-minded client puts max_tokens or temperature at the top, and a turn that ignored them
 # (generating to the whole context) would look like a server that does not listen.
 SEND_KEYS = frozenset(
-    {"type", "messages", "tools", "tool_choice", "sampling", "response_format", "append", "model"}
+    {
+        "type",
+        "messages",
+        "tools",
+        "tool_choice",
+        "sampling",
+        "response_format",
+        "append",
+        "continue_final_message",
+        "model",
+    }
 )
 
 
@@ -99,7 +111,7 @@ def turn_request(msg: dict[str, Any], live: LiveSession, state: Any) -> TurnRequ
             raise BadParam("messages must be a list of messages", "messages")
         messages = to_openai_messages(live.history) + messages
     body = {**sampling, "messages": messages}
-    for key in ("tools", "tool_choice", "response_format"):
+    for key in ("tools", "tool_choice", "response_format", "continue_final_message"):
         if key in msg:
             body[key] = msg[key]
     return turn_from(body, state.default_max_tokens)

@@ -9,7 +9,8 @@ full the context is), with the server's own tokenizer and chat template.
   `chat_template_kwargs.enable_thinking`: rendered by the chat template as a chat completion's
   prompt is (`add_generation_prompt`, default true, adds the assistant's opening). The template
   writes its special tokens itself, so `add_special_tokens: true` is refused here (vLLM's
-  default for messages is false too).
+  default for messages is false too). `continue_final_message: true` counts the prompt that
+  goes on from the last message, the assistant's, as the chat route renders it.
 It answers {"count", "max_model_len", "tokens", "token_strs"} (`token_strs`, the tokens'
 strings, when `return_token_strs` is true, else null). A count at or past max_model_len is
 answered, not refused: the caller asked in order to know.
@@ -33,6 +34,7 @@ from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.integrations.server.chat_request import check_model, parse_messages
 from freetoken_agent.integrations.server.errors import (
     BadParam,
+    body_flag,
     error_response,
     invalid_response,
     parse_json_body,
@@ -41,15 +43,6 @@ from freetoken_agent.integrations.server.foreign_fields import enable_thinking
 from freetoken_agent.integrations.server.tool_choice import parse_tools
 
 log = logging.getLogger("freetoken.server")
-
-
-def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadParam(f"{key} must be true or false, got {value!r:.40}", key)
-    return value
 
 
 def _checked_body(body: Any, state: Any) -> Mapping[str, Any]:
@@ -69,9 +62,9 @@ def tokenize_ids(body: Any, state: Any) -> list[int]:
     if prompt is not None:
         if not isinstance(prompt, str):
             raise BadParam(f"prompt must be a string, got {prompt!r:.40}", "prompt")
-        special = _flag(body, "add_special_tokens", True)
+        special = body_flag(body, "add_special_tokens", True)
         return list(tokenizer.encode(prompt, add_special_tokens=special))
-    if _flag(body, "add_special_tokens", False):
+    if body_flag(body, "add_special_tokens", False):
         raise BadParam(
             "add_special_tokens must be false with messages: the chat template writes the "
             "special tokens itself",
@@ -80,8 +73,20 @@ def tokenize_ids(body: Any, state: Any) -> list[int]:
     history = parse_messages(messages)
     tools = parse_tools(body.get("tools"))
     fmt = state.hub.formats.get(enable_thinking(body))
-    generation = _flag(body, "add_generation_prompt", True)
-    rendered = fmt.render(history, tools=tools, add_generation_prompt=generation, anchors=False)
+    generation = body_flag(body, "add_generation_prompt", None)
+    continuing = body_flag(body, "continue_final_message")
+    if continuing and generation:
+        raise BadParam(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            "add_generation_prompt",
+        )
+    rendered = fmt.render(
+        history,
+        tools=tools,
+        add_generation_prompt=generation is not False,
+        anchors=False,
+        continue_final=continuing,
+    )
     return rendered.token_ids
 
 
@@ -116,7 +121,7 @@ async def _answer(request: Request, work) -> Response:
 def _tokenized(body: Any, state: Any) -> dict[str, Any]:
     ids = tokenize_ids(body, state)
     strs = None
-    if _flag(body, "return_token_strs", False):
+    if body_flag(body, "return_token_strs", False):
         strs = [state.service.tokenizer.id_to_token(t) for t in ids]
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
             "token_strs": strs}  # fmt: skip

@@ -31,6 +31,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+from freetoken_agent.continuation import continued_message
 from freetoken_agent.engine.outputs import SchemaError, TokenLogprob
 from freetoken_agent.integrations.one_call import FirstCallOnly
 from freetoken_agent.integrations.openai_logprobs import TokenStrings
@@ -120,7 +121,10 @@ class TurnRun:
                 )
                 try:
                     for event in live.session.send(
-                        request.messages, sampling, parser_factory=factory
+                        request.messages,
+                        sampling,
+                        parser_factory=factory,
+                        continue_final=request.continue_final,
                     ):
                         if one is not None and (event := one(event)) is None:
                             continue
@@ -205,9 +209,10 @@ class TurnRun:
 
     def _announce(self) -> None:
         live = self.live
-        user = next(
-            (m for m in reversed(self.request.messages) if not isinstance(m, ToolResult)), None
-        )
+        messages = self.request.messages
+        if self.request.continue_final:  # the question came before the message it goes on with
+            messages = messages[:-1]
+        user = next((m for m in reversed(messages) if not isinstance(m, ToolResult)), None)
         live.publish(
             {
                 "type": "start",
@@ -301,7 +306,12 @@ class TurnRun:
     def _done(self) -> None:
         reason = self.finish_reason()
         if reason in ("stop", "length", "tool_calls"):
-            self.live.history = [*self.request.messages, self.reply.message()]
+            *before, last = self.request.messages
+            reply = self.reply.message()
+            if self.request.continue_final:  # the last message goes on with the reply
+                self.live.history = [*before, continued_message(last, reply)]
+            else:
+                self.live.history = [*self.request.messages, reply]
         message = self.reply.openai_message()
         self.live.publish(
             {"type": "done", "turn": self.index, "finish_reason": reason, "message": message}

@@ -204,8 +204,13 @@ def _refusals(rng: random.Random) -> list[tuple[dict, int, str, list[str]]]:
         ({"temperature": 3}, 400, "invalid_request_error", ["temperature"]),
         ({"thinking": {"type": "on"}}, 400, "invalid_request_error", ["thinking must be"]),
         ({"metadata": "me"}, 400, "invalid_request_error", ["metadata must be an object"]),
-        ({"messages": [user, {"role": "assistant", "content": "Sure, "}]}, 400,
-         "invalid_request_error", ["messages[1]", "prefilled"]),
+        # A prefilled reply is continued, but only from text (not from a call).
+        ({"tools": [tool], "messages": [user, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_" + name, "name": name, "input": {}}]}]}, 400,
+         "invalid_request_error", ["messages[1] (assistant)", "has tool calls"]),
+        ({"tools": [tool], "tool_choice": {"type": "any"},
+          "messages": [user, {"role": "assistant", "content": "Sure, "}]}, 400,
+         "invalid_request_error", ["forced tool call", "tool_choice"]),
         # The shared check names the translated history's message 3 (after the system
         # prompt and the user's text): the refusal names the Anthropic message it came from.
         ({"system": "s", "messages": [user, {"role": "user", "content": [
