@@ -18,11 +18,8 @@ from typing import Any
 from langchain_core.messages import BaseMessage
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from freetoken_agent.engine.sampling_params import (
-    SamplingParams,
-    schema_of_response_format,
-    token_id_key,
-)
+from freetoken_agent.engine.sampling_params import SamplingParams, token_id_key
+from freetoken_agent.engine.schema_checks import schema_of_response_format
 from freetoken_agent.integrations.constrained_output import output_schema
 from freetoken_agent.integrations.langchain_messages import (
     parse_tool_choice,

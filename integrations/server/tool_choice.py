@@ -33,11 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.engine.constrained import tool_arguments_schema, tool_call_schema
-from freetoken_agent.engine.sampling_params import (
-    SamplingParams,
-    schema_of_response_format,
-    schema_problems,
-)
+from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.engine.schema_checks import schema_of_response_format, schema_problems
 from freetoken_agent.integrations.constrained_output import (
     JsonOrCallParser,
     WrappedBlock,
