@@ -229,6 +229,11 @@ class Grammars:
         return len(self._matchers)
 
 
+def allows(row: np.ndarray, token: int) -> bool:
+    """Whether a packed mask row ([W] int32, bit i of word w: id 32 w + i) allows `token`."""
+    return token < 32 * len(row) and bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
 def allows_only(row: np.ndarray, ids: Iterable[int]) -> bool:
     """Whether a packed mask row ([W] int32, bit i of word w: id 32 w + i) allows no id
     outside `ids` (ids past the row are ignored)."""

@@ -48,6 +48,7 @@ from freetoken_agent.engine.scheduler import Scheduler
 from freetoken_agent.engine.stats import engine_stats, request_stats
 from freetoken_agent.engine.teardown import release
 from freetoken_agent.engine.text.markers import marker_ids
+from freetoken_agent.engine.thinking_budget import thinking_markers
 
 log = logging.getLogger("freetoken.engine")
 CLOSED = "the engine was closed (Engine.close) while this request ran"
@@ -69,8 +70,14 @@ class Engine:
             self.config.max_batched_tokens,
             loaded.recurrence,
         )
+        self.thinking = thinking_markers(self.tokenizer)  # None: no thinking budget here
         self.runner = ModelRunner(
-            loaded.model, loaded.kv, loaded.device, self.config.seed, loaded.eos_token_ids
+            loaded.model,
+            loaded.kv,
+            loaded.device,
+            self.config.seed,
+            loaded.eos_token_ids,
+            self.thinking,
         )
         if isinstance(loaded.bank, OffloadedExpertBank):  # policy direct learns between steps
             self.runner.after_step = loaded.bank.after_step
@@ -167,6 +174,11 @@ class Engine:
             )
         ids = encode_prompt(prompt, self.tokenizer, self.spec.vocab_size, self.max_model_len)
         check_logit_bias(sampling, self.spec.vocab_size)
+        if sampling.thinking_token_budget is not None and self.thinking is None:
+            raise InvalidRequestError(
+                "thinking_token_budget: this model's vocabulary has no <think> and </think> "
+                "tokens, so it writes no think block a budget could end"
+            )
         plan = snapshot_plan(ids, anchors, self.scheduler.recurrence)
         markers = frozenset(token_ids(anchor_tokens, "anchor_tokens are token ids"))
         request_id = request_id or self._new_id()

@@ -49,11 +49,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from freetoken_agent.engine.constrained import allows_only
+from freetoken_agent.engine.constrained import allows, allows_only
 from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.outputs import LogitBiasError
 from freetoken_agent.engine.request import Request, Status
 from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.engine.thinking_budget import (
+    DONE,
+    BudgetState,
+    ThinkingMarkers,
+    budget_state,
+    forced_token,
+)
 
 # B rows that sample this step, P of them penalised, V vocab, n biased ids of one request,
 # e ids that end it, W = ceil(V / 32) words of a packed grammar mask
@@ -72,6 +79,7 @@ class TokenHistory:
     # vocabulary), and the same ids on the host for the grammar's check.
     end_ids: torch.Tensor | None = None
     end_list: tuple[int, ...] = ()
+    budget: BudgetState | None = None  # the thinking budget's state (thinking_budget.py)
 
 
 def check_logit_bias(sampling: SamplingParams, vocab: int) -> None:
@@ -90,6 +98,7 @@ def history_of(
     dtype: torch.dtype,
     device: torch.device,
     eos_token_ids: frozenset[int] = frozenset(),
+    thinking: ThinkingMarkers | None = None,
 ) -> TokenHistory:
     """`req`'s history, built on its first call from its prompt and output ids (see the module
     docstring for why those hold every token it sampled)."""
@@ -115,6 +124,8 @@ def history_of(
         history.end_list = tuple(t for t in sp.end_ids(eos_token_ids) if t < vocab)
         if history.end_list:
             history.end_ids = on_device(list(history.end_list), torch.int64, device)
+    if sp.thinking_token_budget is not None and thinking is not None:
+        history.budget = budget_state(req, thinking)
     req.token_history = history
     return history
 
@@ -124,12 +135,14 @@ def apply_processors(
     reqs: list[Request],
     eos_token_ids: frozenset[int] = frozenset(),
     masks: Mapping[str, np.ndarray] | None = None,
+    thinking: ThinkingMarkers | None = None,
 ) -> list[tuple[int, TokenHistory]]:
-    """Apply each row's bias and penalties to `logits`, and hold back the end of the rows short
+    """Apply each row's bias and penalties to `logits`, hold back the end of the rows short
     of their min_tokens (the model's `eos_token_ids`; `masks`: the constrained rows' packed
-    grammar masks, [W] int32 by request id, which win over min_tokens); returns the penalised
-    rows and their histories, whose counts `count_sampled` updates after the draw. Nothing
-    happens (no launch) when no row asks."""
+    grammar masks, [W] int32 by request id, which win over min_tokens), and force the close of
+    the think blocks whose budget is spent (`thinking`: the model's markers); returns the
+    penalised rows and their histories, whose counts `count_sampled` updates after the draw.
+    Nothing happens (no launch) when no row asks."""
     # A finished request's row (overlap's dropped row) is never used: left as it is.
     rows = [
         i
@@ -139,7 +152,7 @@ def apply_processors(
     if not rows:
         return []
     vocab, dtype, device = logits.shape[-1], logits.dtype, logits.device
-    histories = [history_of(reqs[i], vocab, dtype, device, eos_token_ids) for i in rows]
+    histories = [history_of(reqs[i], vocab, dtype, device, eos_token_ids, thinking) for i in rows]
     for i, h in zip(rows, histories, strict=True):
         if h.bias_ids is not None:
             logits[i].index_add_(0, h.bias_ids, h.bias_values)
@@ -149,7 +162,28 @@ def apply_processors(
     for i, h in zip(rows, histories, strict=True):
         if h.end_ids is not None and _holds_end(reqs[i], h, masks or {}):
             logits[i].index_fill_(0, h.end_ids, float("-inf"))
+        if h.budget is not None and h.budget.state != DONE:
+            _force_close(logits[i], reqs[i], h.budget, thinking, (masks or {}).get(reqs[i].id))
     return penalised
+
+
+def _force_close(
+    row: torch.Tensor,  # [V]
+    req: Request,
+    state: BudgetState,
+    thinking: ThinkingMarkers,
+    mask: np.ndarray | None,
+) -> None:
+    """The budget's forced token, if this step has one: every other logit -inf. A grammar
+    that does not allow it wins, and the budget is dropped (thinking_budget.py)."""
+    token = forced_token(req, state, thinking)
+    if token is None:
+        return
+    if mask is not None and not allows(mask, token):
+        state.state = DONE
+        return
+    row.fill_(float("-inf"))  # the sampled log-probabilities are the raw logits': unchanged
+    row[token] = 0.0
 
 
 def _holds_end(req: Request, h: TokenHistory, masks: Mapping[str, np.ndarray]) -> bool:

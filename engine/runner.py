@@ -24,6 +24,7 @@ from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.outputs import TokenLogprob
 from freetoken_agent.engine.prompt_logprobs import PromptEntries, chunk_entries, scored_rows
 from freetoken_agent.engine.request import Batch, Request, ScheduledChunk, Status
+from freetoken_agent.engine.thinking_budget import ThinkingMarkers
 from freetoken_agent.engine.token_logprobs import attach, entries, raw_logprobs
 
 # T tokens in the step, B chunks (sequences), S page size, V vocab
@@ -175,11 +176,13 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        thinking: ThinkingMarkers | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
         self.eos_token_ids = eos_token_ids  # what min_tokens holds back (logits_processors.py)
+        self.thinking = thinking  # what a thinking budget forces (thinking_budget.py)
         model.bind_kv_cache(kv.k, kv.v)
         # CPU generators: a CUDA step draws each row's noise seed from them on the host.
         self._default_generator = torch.Generator()
@@ -353,7 +356,7 @@ class ModelRunner:
         ]
         masks = masks or {}
         # In place; nothing if no row asks.
-        penalised = apply_processors(logits, reqs, self.eos_token_ids, masks)
+        penalised = apply_processors(logits, reqs, self.eos_token_ids, masks, self.thinking)
         allowed = allowed_tokens([r.id for r in reqs], masks, logits.shape[-1], self.device)
         sampled = sample(logits, params, gens, allowed)
         count_sampled(penalised, sampled.tokens)

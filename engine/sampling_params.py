@@ -15,7 +15,8 @@ logit_bias id outside the model's vocabulary is refused when the engine takes th
 the engine knows the vocabulary).
 
 Log-probabilities: `logprobs` for the generated tokens (engine/token_logprobs.py),
-`prompt_logprobs` for the prompt's (vLLM's; engine/prompt_logprobs.py). With the latter,
+`prompt_logprobs` for the prompt's (vLLM's; engine/prompt_logprobs.py). `thinking_token_budget`
+(vLLM's) ends a think block after that many tokens (engine/thinking_budget.py). With the latter,
 `max_tokens=0` is a prompt-only request (the legacy echo of max_tokens 0, which evaluation
 harnesses send to score a text): it prefills, reports the entries and ends "length", no token
 sampled. The engine takes it, rather than the server running max_tokens=1 and dropping the
@@ -123,6 +124,10 @@ class SamplingParams:
     # vLLM's: as `logprobs`, for each prompt token at the position before it (the first has
     # none); such a request reuses no cached prefix (engine/prompt_logprobs.py).
     prompt_logprobs: int | None = None
+    # vLLM's: the most tokens a think block may take; then "\n</think>\n\n" is forced and the
+    # model answers (engine/thinking_budget.py). None: no limit; 0: no thinking. Only for
+    # models whose vocabulary has <think> and </think> (the engine refuses it otherwise).
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         # One stop string or one stop id may be given bare, as OpenAI's `stop` may.
@@ -225,6 +230,10 @@ class SamplingParams:
         problem = _logit_bias_problem(self.logit_bias)
         if problem is not None:
             problems.append(("logit_bias", problem))
+        budget = self.thinking_token_budget
+        if budget is not None and (not _is_int(budget) or budget < 0):
+            text = f"thinking_token_budget must be an integer >= 0 or None, got {budget!r:.40}"
+            problems.append(("thinking_token_budget", text))
         return problems
 
     def _structured_output_problems(self) -> list[tuple[str, str]]:
@@ -289,9 +298,14 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether logits_processors.py touches this request's logits (bias, penalties, or its
-        end held back for min_tokens)."""
-        return bool(self.logit_bias) or self.penalised or self.min_tokens > 0
+        """Whether logits_processors.py touches this request's logits (bias, penalties, its
+        end held back for min_tokens, or a thinking budget)."""
+        return (
+            bool(self.logit_bias)
+            or self.penalised
+            or self.min_tokens > 0
+            or self.thinking_token_budget is not None
+        )
 
     @property
     def greedy(self) -> bool:

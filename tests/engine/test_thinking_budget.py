@@ -1,0 +1,165 @@
+"""The thinking budget (engine/thinking_budget.py): once a think block has taken its budget of
+tokens, the forced close ("\\n</think>\\n\\n") goes out token by token; a block the model closes
+itself, or never opens, is left alone, and so is every row and every step the rule does not
+force (bit-identical logits). End to end on the CPU demo model, in the plain and the overlapped
+loop alike; refused for a model without think tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from overlap_runs import both_loops
+from tiny_models import make_tiny
+
+from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.engine.logits_processors import apply_processors
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.request import Request, Status
+from freetoken_agent.engine.sampling_params import SamplingParamsError
+from freetoken_agent.engine.thinking_budget import ThinkingMarkers
+
+
+def _markers(rng: random.Random, vocab: int) -> ThinkingMarkers:
+    open_id, close_id, newline = rng.sample(range(vocab), 3)
+    return ThinkingMarkers(open_id, close_id, (newline, close_id, newline, newline))
+
+
+def _expected(out: list[int], m: ThinkingMarkers, opened: bool, budget: int) -> list[bool]:
+    """Oracle: per output position, whether it was forced (written from the rule's text)."""
+    forced = [False] * len(out)
+    if opened:
+        start = 0
+    elif out and out[0] == m.open_id:
+        start = 1
+    else:
+        return forced
+    block = out[start : start + budget]
+    if m.close_id in block:  # closed by the model within its budget
+        return forced
+    for j in range(len(m.forced)):
+        if start + budget + j < len(out):
+            forced[start + budget + j] = True
+    return forced
+
+
+@pytest.mark.parametrize("opening", ["prompt", "first_token", "none"])
+def test_the_forced_close_comes_after_the_budget_and_nowhere_else(rng_seed, opening):
+    rng = random.Random(rng_seed)
+    vocab = rng.randint(30, 200)
+    m = _markers(rng, vocab)
+    for _ in range(20):
+        budget = rng.randint(0, 8)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+        prompt = [t for t in prompt if t not in (m.open_id, m.close_id)] or [0]
+        if opening == "prompt":  # opened, maybe after an earlier closed block
+            prompt += rng.choice([[], [m.open_id, 1, m.close_id]]) + [m.open_id, 1]
+        elif rng.random() < 0.5:  # a closed block in the prompt opens nothing
+            prompt += [m.open_id, 1, m.close_id]
+        sp = SamplingParams(max_tokens=50, thinking_token_budget=budget)
+        req = Request("r0", prompt, sp)
+        req.status = Status.RUNNING
+        p_close = rng.choice([0.0, 0.1, 0.3])  # how often the model closes the block itself
+        forced_at = []
+        for step in range(budget + 12):
+            logits = torch.randn(1, vocab)
+            if step == 0 and opening == "first_token":
+                logits[0, m.open_id] = 50.0
+            elif rng.random() < p_close:
+                logits[0, m.close_id] = 50.0
+            before = logits.clone()
+            apply_processors(logits, [req], thinking=m)
+            finite = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+            if torch.equal(logits, before):
+                forced_at.append(False)
+            else:
+                assert len(finite) == 1, (step, finite)
+                forced_at.append(True)
+            token = int(logits[0].argmax())
+            req.output_ids.append(token)
+            req.num_sampled += 1
+        expected = _expected(req.output_ids, m, opening == "prompt", budget)
+        assert forced_at == expected, (req.output_ids, budget, opening, rng_seed)
+        if any(expected):
+            i = expected.index(True)
+            assert tuple(req.output_ids[i : i + len(m.forced)]) == m.forced
+
+
+def test_a_grammar_that_forbids_the_close_drops_the_budget(rng_seed):
+    rng = random.Random(rng_seed)
+    vocab = rng.randint(40, 120)
+    m = _markers(rng, vocab)
+    allowed = [t for t in range(vocab) if t not in m.forced]
+    bits = torch.zeros(-(-vocab // 32) * 32, dtype=torch.uint8)
+    bits[allowed] = 1
+    import numpy as np
+
+    mask = np.packbits(bits.numpy(), bitorder="little").view(np.int32)
+    req = Request("g", [m.open_id], SamplingParams(max_tokens=9, thinking_token_budget=0))
+    req.status = Status.RUNNING
+    for _ in range(4):
+        logits = torch.randn(1, vocab)
+        before = logits.clone()
+        apply_processors(logits, [req], masks={"g": mask}, thinking=m)
+        assert torch.equal(logits, before)  # nothing forced: the grammar's row is the model's
+        req.output_ids.append(rng.choice(allowed))
+        req.num_sampled += 1
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return ensure_demo_model(tmp_path_factory.mktemp("demo"))
+
+
+def _load(path, overlap: bool) -> Engine:
+    return Engine.load(path, device="cpu", progress=False, kv_tokens=4096, max_model_len=512,
+                       overlap_schedule=overlap)  # fmt: skip
+
+
+def test_on_the_demo_model_in_both_loops(model_dir, rng_seed):
+    """A prompt that opens a think block: the budgeted request's first `budget` tokens are
+    the unbudgeted one's (same seed), then the forced close, then its answer; a request
+    beside it without a budget gives its tokens as alone."""
+    rng = random.Random(rng_seed)
+    engine = _load(model_dir, False)
+    m = engine.thinking
+    assert m is not None and m.forced == tuple(engine.tokenizer.encode("\n</think>\n\n"))
+    tail = engine.tokenizer.encode("<|im_start|>assistant\n<think>\n")
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(3, 20))] + tail
+               for _ in range(2)]  # fmt: skip
+    budget = rng.randint(0, 10)
+    most = budget + len(m.forced) + rng.randint(1, 6)
+    options = {"temperature": rng.choice([0, 0.8]), "seed": rng.randrange(1 << 30),
+               "ignore_eos": True, "max_tokens": most}  # fmt: skip
+    budgeted = SamplingParams(thinking_token_budget=budget, **options)
+    free = SamplingParams(**options)
+    unbudgeted = engine.generate(prompts[0], free).token_ids
+    alone = engine.generate(prompts[1], free).token_ids
+    plan = {0: [(prompts[0], budgeted, {}), (prompts[1], free, {})]}
+    events, lagged = both_loops(lambda overlap: _load(model_dir, overlap), plan)
+    assert lagged.overlap.lagged_steps > 0
+    got = [events[rid] for rid in sorted(events, key=lambda r: int(r.split("-")[1]))]
+    tokens = [[t for _, t, *_ in e if t is not None] for e in got]
+    where = (budget, rng_seed, tokens[0], unbudgeted)
+    if m.close_id in unbudgeted[:budget]:  # the model closed it itself: nothing forced
+        assert tokens[0] == unbudgeted, where
+    else:
+        assert tokens[0][:budget] == unbudgeted[:budget], where
+        assert tuple(tokens[0][budget : budget + len(m.forced)]) == m.forced, where
+    assert tokens[1] == alone
+
+
+def test_refusals(tmp_path, rng_seed):
+    rng = random.Random(rng_seed)
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(SamplingParamsError) as e:
+            SamplingParams(thinking_token_budget=bad)
+        assert e.value.fields == ("thinking_token_budget",)
+    make_tiny("qwen3_moe", tmp_path, seed=rng.randrange(1 << 30))  # no tokenizer: no markers
+    engine = Engine.load(tmp_path, device="cpu", progress=False)
+    assert engine.thinking is None
+    with pytest.raises(InvalidRequestError, match="no <think> and </think>"):
+        engine.submit([1, 2, 3], SamplingParams(thinking_token_budget=rng.randint(0, 9)))
+    assert not engine.has_unfinished()
