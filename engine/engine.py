@@ -35,6 +35,7 @@ from freetoken_agent.engine.outputs import (
     EngineClosedError,
     GenerationOutput,
     InvalidRequestError,
+    ThinkingBudgetError,
     TokenEvent,
     TokenLogprob,
 )
@@ -175,7 +176,7 @@ class Engine:
         ids = encode_prompt(prompt, self.tokenizer, self.spec.vocab_size, self.max_model_len)
         check_logit_bias(sampling, self.spec.vocab_size)
         if sampling.thinking_token_budget is not None and self.thinking is None:
-            raise InvalidRequestError(
+            raise ThinkingBudgetError(
                 "thinking_token_budget: this model's vocabulary has no <think> and </think> "
                 "tokens, so it writes no think block a budget could end"
             )

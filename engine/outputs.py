@@ -25,6 +25,13 @@ class LogitBiasError(InvalidRequestError):
     param = "logit_bias"
 
 
+class ThinkingBudgetError(InvalidRequestError):
+    """A thinking budget asked of a model without think-block tokens: `param` names the field
+    for a front-end."""
+
+    param = "thinking_token_budget"
+
+
 class EngineClosedError(RuntimeError):
     """A call to an engine after `Engine.close()` gave its memory back."""
 

@@ -120,6 +120,9 @@ class ChatFreeToken(BaseChatModel):
     until this many tokens are generated."""
     logit_bias: dict[int, float] | None = None
     """OpenAI's: token id -> bias in [-100, 100] added to its logit."""
+    thinking_token_budget: int | None = None
+    """vLLM's: the most tokens the model's think block may take; then the block is closed
+    for it and the model answers (0: no thinking). Only for models with <think> tokens."""
     stop: list[str] | None = None
     timeout: float | None = None
     """Seconds a generation may take; past it the request is aborted (GenerationTimeout)."""

@@ -51,6 +51,7 @@ SAMPLING_OPTIONS = (
     "min_p",
     "min_tokens",
     "logit_bias",
+    "thinking_token_budget",
 )
 LOGPROB_OPTIONS = ("logprobs", "top_logprobs")  # ChatOpenAI's names (openai_logprobs.py)
 # Options LangChain (or an OpenAI-minded caller) may pass that mean nothing here.

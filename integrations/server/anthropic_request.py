@@ -18,9 +18,11 @@ Fields:
   function, "none"; `disable_parallel_tool_use: true` -> parallel_tool_calls false.
 - `thinking`: {type: "enabled" | "adaptive" | "between_tools"} -> chat_template_kwargs
   enable_thinking true, {type: "disabled"} -> false, absent -> the template's default.
-  `budget_tokens` is checked but not enforced: the model thinks until it closes its reasoning
-  (max_tokens still bounds the whole reply), as the chat templates have no budget to give it;
-  nor is `display` ("omitted" would hide the thinking text): the thinking is always shown.
+  `budget_tokens` -> thinking_token_budget: the think block is closed for the model after
+  that many tokens (engine/thinking_budget.py). Anthropic's own floor (1024) and its rule that
+  the budget stay under max_tokens are not imposed: a small local model may want less, and
+  max_tokens bounds the whole reply anyway. `display` ("omitted" would hide the thinking
+  text) is not honoured: the thinking is always shown.
 - `output_format` / `output_config.format` (structured outputs) are refused by name; the rest of
   `output_config` (effort) and unknown fields are ignored, as the chat route ignores them.
 
@@ -57,6 +59,7 @@ _PARAMS = {
     "max_completion_tokens": "max_tokens",
     "parallel_tool_calls": "tool_choice",
     "chat_template_kwargs": "thinking",
+    "thinking_token_budget": "thinking",
 }
 # How the shared checks' messages spell a tool's parts, and the Anthropic spelling.
 _TOOL_WORDS = ((".function.parameters", ".input_schema"), (".function.", "."))
@@ -131,9 +134,10 @@ def _tool_choice(raw: Any, tools: list | None) -> tuple[Any, bool | None]:
     return choice, (False if disable else None)
 
 
-def _enable_thinking(raw: Any) -> bool | None:
+def _thinking(raw: Any) -> tuple[bool | None, int | None]:
+    """(enable_thinking, thinking_token_budget) of Anthropic's `thinking`."""
     if raw is None:
-        return None
+        return None, None
     kind = raw.get("type") if isinstance(raw, Mapping) else None
     if kind not in ("enabled", "adaptive", "between_tools", "disabled"):
         raise BadParam(
@@ -144,7 +148,7 @@ def _enable_thinking(raw: Any) -> bool | None:
     budget = raw.get("budget_tokens")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
         raise BadParam(f"thinking.budget_tokens must be an integer, got {budget!r:.40}", "thinking")
-    return kind != "disabled"
+    return kind != "disabled", (budget if kind == "enabled" else None)
 
 
 def _continues(messages: list) -> bool | None:
@@ -176,7 +180,7 @@ def openai_body(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     out = {key: body[key] for key in _SAME if key in body}
     tools = _tools(body.get("tools"))
     choice, parallel = _tool_choice(body.get("tool_choice"), tools)
-    thinking = _enable_thinking(body.get("thinking"))
+    thinking, budget = _thinking(body.get("thinking"))
     extra = {
         "messages": history.messages,
         "stop": _stop(body.get("stop_sequences")),
@@ -185,6 +189,7 @@ def openai_body(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "parallel_tool_calls": parallel,
         "chat_template_kwargs": None if thinking is None else {"enable_thinking": thinking},
         "continue_final_message": _continues(body.get("messages")),
+        "thinking_token_budget": budget,
     }
     out.update((key, value) for key, value in extra.items() if value is not None)
     return out, history.origins

@@ -162,11 +162,11 @@ def sampling_from(
     fewest_tokens: int = 1,
 ) -> SamplingParams:
     """SamplingParams from OpenAI fields (plus vLLM's top_k, min_p, min_tokens,
-    repetition_penalty, ignore_eos and stop_token_ids); a forced call, or tools with a JSON
-    response_format (a call or the answer), add their schema. `logprobs`, `prompt_logprobs`:
-    SamplingParams' values, which chat and text completions read from their bodies each in its
-    own way (logprobs_request.py). `fewest_tokens`: the smallest max_tokens taken (0: the legacy
-    completions' echo, a prompt-only request)."""
+    repetition_penalty, ignore_eos, stop_token_ids and thinking_token_budget); a forced call,
+    or tools with a JSON response_format (a call or the answer), add their schema. `logprobs`,
+    `prompt_logprobs`: SamplingParams' values, which chat and text completions read from their
+    bodies each in its own way (logprobs_request.py). `fewest_tokens`: the smallest max_tokens
+    taken (0: the legacy completions' echo, a prompt-only request)."""
     for key, neutral in _UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
             raise BadParam(f"{key}={body[key]!r:.40} is not supported by this server", key)
@@ -208,6 +208,7 @@ def sampling_from(
         "repetition_penalty": _number(body, "repetition_penalty", *REPETITION_RANGE),
         "min_p": _number(body, "min_p", 0, 1),
         "min_tokens": _integer(body, "min_tokens", 0),  # <= max_tokens: SamplingParams' check
+        "thinking_token_budget": _integer(body, "thinking_token_budget", 0),
         "logit_bias": _logit_bias(body),
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,

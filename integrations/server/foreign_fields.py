@@ -7,8 +7,8 @@ OpenAI's legacy function calling: `functions` and `function_call` are refused, p
 `tools` and `tool_choice`, which say the same thing in the current form.
 
 vLLM's extensions:
-- `stop_token_ids`, `repetition_penalty`, `min_p` and `min_tokens` are honoured
-  (SamplingParams has them; chat_request.sampling_from reads them).
+- `stop_token_ids`, `repetition_penalty`, `min_p`, `min_tokens` and `thinking_token_budget`
+  are honoured (SamplingParams has them; chat_request.sampling_from reads them).
 - `chat_template_kwargs`: `enable_thinking` (true or false) renders the prompt with that
   template variable, as ChatFreeToken's `reasoning` does (a ChatFormat per value, hub.py).
   Other keys are refused by name: the template would take them, but what they change (a

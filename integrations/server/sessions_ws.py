@@ -62,6 +62,7 @@ SAMPLING_KEYS = frozenset(
         "repetition_penalty",
         "min_p",
         "min_tokens",
+        "thinking_token_budget",
         "logit_bias",
         "logprobs",  # the chat API's: true, with top_logprobs k (a `logprob` event a token)
         "top_logprobs",

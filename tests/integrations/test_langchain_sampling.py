@@ -1,7 +1,7 @@
 """ChatFreeToken's sampling options reach SamplingParams: the logits processors' fields
 (presence_penalty, frequency_penalty and logit_bias as ChatOpenAI names them, vLLM's
-repetition_penalty, min_p and min_tokens) as the model's fields and per call, the call's
-winning; a bad value is a ValueError naming the field before anything runs."""
+repetition_penalty, min_p, min_tokens and thinking_token_budget) as the model's fields and per
+call, the call's winning; a bad value is a ValueError naming the field before anything runs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.integrations.langchain import ChatFreeToken
 
 FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-          "logit_bias")  # fmt: skip
+          "logit_bias", "thinking_token_budget")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,7 @@ def _values(rng: random.Random) -> dict:
         "min_p": rng.random(),
         "min_tokens": rng.randint(1, 4),  # the calls' max_tokens is 4
         "logit_bias": {rng.randrange(300): rng.uniform(-100, 100) for _ in range(3)},
+        "thinking_token_budget": rng.randint(0, 64),
     }
 
 
@@ -54,7 +55,8 @@ def test_a_bad_value_is_a_value_error_naming_it(scripted, rng_seed):
     rng = random.Random(rng_seed)
     fake, service = scripted
     bad = {"presence_penalty": 3.0, "frequency_penalty": -2.5, "repetition_penalty": 0.0,
-           "min_p": 1.5, "min_tokens": rng.choice([-1, 5]), "logit_bias": {-1: 5.0}}  # fmt: skip
+           "min_p": 1.5, "min_tokens": rng.choice([-1, 5]), "logit_bias": {-1: 5.0},
+           "thinking_token_budget": rng.choice([-1, 2.5])}  # fmt: skip
     field = rng.choice(FIELDS)
     with pytest.raises(ValueError, match=field):
         ChatFreeToken(engine=service, max_tokens=4).invoke("ka", **{field: bad[field]})
