@@ -1,0 +1,52 @@
+"""The thinking budget on CUDA (device machine): decode steps replayed from captured graphs
+under overlap scheduling, on the demo model (its tokenizer has the think tokens), resident and
+offloaded. The budgeted request's first `budget` tokens are the unbudgeted one's, then the
+forced close; the plain and the overlapped loop give the same events."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from overlap_runs import both_loops
+
+from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.demo_model import ensure_demo_model
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("policy", ["resident", "adaptive"])
+def test_the_forced_close_on_cuda(tmp_path, rng_seed, policy):
+    rng = random.Random(rng_seed)
+    path = ensure_demo_model(tmp_path)
+    options = dict(device="cuda", progress=False, max_model_len=512, max_num_seqs=4,
+                   policy=policy)  # fmt: skip
+    if policy == "adaptive":
+        options["gpu_budget"] = 64 * 2**20  # a few layers' experts: misses every step
+
+    def load(overlap: bool) -> Engine:
+        return Engine.load(path, overlap_schedule=overlap, **options)
+
+    engine = load(False)
+    assert engine.runner.graphs is not None  # the decode steps replay graphs
+    m = engine.thinking
+    tail = engine.tokenizer.encode("<|im_start|>assistant\n<think>\n")
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(3, 20))] + tail
+               for _ in range(3)]  # fmt: skip
+    budgets = [rng.randint(0, 12) for _ in prompts]
+    most = max(budgets) + len(m.forced) + rng.randint(1, 6)
+    common = {"temperature": 0, "ignore_eos": True, "max_tokens": most}
+    free = [engine.generate(p, SamplingParams(**common)).token_ids for p in prompts]
+    plan = {0: [(p, SamplingParams(thinking_token_budget=b, **common), {})
+                for p, b in zip(prompts, budgets, strict=True)]}  # fmt: skip
+    events, lagged = both_loops(load, plan)
+    assert lagged.overlap.lagged_steps > 0
+    got = [events[rid] for rid in sorted(events, key=lambda r: int(r.split("-")[1]))]
+    for e, b, unbudgeted in zip(got, budgets, free, strict=True):
+        tokens = [t for _, t, *_ in e if t is not None]
+        if m.close_id in unbudgeted[:b]:
+            assert tokens == unbudgeted, (b, rng_seed)
+        else:
+            assert tokens[:b] == unbudgeted[:b], (b, rng_seed)
+            assert tuple(tokens[b : b + len(m.forced)]) == m.forced, (b, rng_seed)
