@@ -141,6 +141,9 @@ class ChatFreeToken(BaseChatModel):
     """With logprobs=True: the most likely alternatives (0..20) listed for each token."""
     n: int | None = None
     """Generations per call (ChatOpenAI's; None: 1), seeded seed + i; not when streaming."""
+    continue_final_message: bool | None = None
+    """vLLM's: the model goes on from the last message, an AIMessage of text (a prefill, as
+    ChatAnthropic continues a trailing AIMessage); the reply is the continuation alone."""
 
     _service: Any = PrivateAttr(default=None)
     _pool: SessionPool | None = PrivateAttr(default=None)
@@ -239,6 +242,8 @@ class ChatFreeToken(BaseChatModel):
             "min_p": self.min_p,
             "min_tokens": self.min_tokens,
             "logit_bias": self.logit_bias,
+            "thinking_token_budget": self.thinking_token_budget,
+            "continue_final_message": self.continue_final_message,
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs,
             "n": self.n,
@@ -323,7 +328,10 @@ class ChatFreeToken(BaseChatModel):
             messages,
             stop if stop is not None else self.stop,
             kwargs,
-            defaults={k: getattr(self, k, None) for k in (*SAMPLING_OPTIONS, *LOGPROB_OPTIONS)},
+            defaults={
+                k: getattr(self, k, None)
+                for k in (*SAMPLING_OPTIONS, *LOGPROB_OPTIONS, "continue_final_message")
+            },
             timeout=self.timeout,
             service=lambda: self.service,
         )

@@ -1,10 +1,11 @@
 """One call of ChatFreeToken, from LangChain's options to the Session's events.
 
 `prepare_call` reads a call's options (bound tools, tool_choice, response_format, the sampling
-options, stop, timeout, parallel_tool_calls) over the model's own, and refuses a bad one before
-anything runs; `retried_turn` and `aretried_turn` run the turn, again while the engine fails
-before producing any output (ChatFreeToken.max_retries). ChatFreeToken (langchain.py) is the
-LangChain side: its fields, binding, and the four entry points that come here.
+options, stop, timeout, parallel_tool_calls, continue_final_message) over the model's own, and
+refuses a bad one before anything runs; `retried_turn` and `aretried_turn` run the turn, again
+while the engine fails before producing any output (ChatFreeToken.max_retries). ChatFreeToken
+(langchain.py) is the LangChain side: its fields, binding, and the four entry points that come
+here.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import contextlib
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from langchain_core.messages import BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from freetoken_agent.engine.sampling_params import SamplingParams, token_id_key
@@ -57,8 +58,16 @@ LOGPROB_OPTIONS = ("logprobs", "top_logprobs")  # ChatOpenAI's names (openai_log
 # Options LangChain (or an OpenAI-minded caller) may pass that mean nothing here.
 _IGNORED_OPTIONS = ("stream", "strict")
 
-# What a call is read into: its binding, history, sampling, timeout and one_call.
-PreparedCall = tuple[Binding, list, SamplingParams, float | None, bool]
+
+class PreparedCall(NamedTuple):
+    """What a call is read into: run_turn's arguments, in its order."""
+
+    binding: Binding
+    history: list
+    sampling: SamplingParams
+    timeout: float | None
+    one_call: bool  # not parallel_tool_calls: the turn stops at its first call
+    continue_final: bool = False  # the model goes on from the last (assistant) message
 
 
 def prepare_call(
@@ -95,6 +104,9 @@ def prepare_call(
     parallel = kwargs.pop("parallel_tool_calls", None)
     if parallel is not None and not isinstance(parallel, bool):
         raise ValueError(f"parallel_tool_calls must be True or False, got {parallel!r:.40}")
+    continuing = kwargs.pop("continue_final_message", defaults.get("continue_final_message"))
+    if continuing is not None and not isinstance(continuing, bool):
+        raise ValueError(f"continue_final_message must be True or False, got {continuing!r:.40}")
     for key in _IGNORED_OPTIONS:
         kwargs.pop(key, None)
     if kwargs:
@@ -109,7 +121,28 @@ def prepare_call(
     if mode == "auto" and constraint is None and any_strict(specs):
         grammar = strict_grammar(service(), specs)
     sampling = SamplingParams(**options, stop=stops, json_schema=constraint, grammar=grammar)
-    return binding, to_history(messages), sampling, timeout, parallel is False
+    if continuing:
+        _check_continuable(messages, constraint is not None)
+    history = to_history(messages)
+    return PreparedCall(binding, history, sampling, timeout, parallel is False, bool(continuing))
+
+
+def _check_continuable(messages: list[BaseMessage], constrained: bool) -> None:
+    """continue_final_message: the last message is an AIMessage of text (the prefill), and no
+    schema holds the reply, which it would match from its start (the prefill's)."""
+    last = messages[-1] if messages else None
+    if not isinstance(last, AIMessage) or last.tool_calls:
+        what = "has tool calls" if isinstance(last, AIMessage) else "is not an AIMessage"
+        raise ValueError(
+            f"continue_final_message=True but the last message {what}: only an AIMessage of "
+            "text can be continued"
+        )
+    if constrained:
+        raise ValueError(
+            "continue_final_message=True cannot be used with a response_format, a structured "
+            "output or a forced tool call: their schema is matched from the reply's start, "
+            "which the continued message has already written"
+        )
 
 
 def bias_by_id(bias: Any) -> Any:

@@ -48,8 +48,7 @@ def one_choice(options: dict[str, Any], default: int | None) -> dict[str, Any]:
 
 def choice_calls(call: PreparedCall, n: int) -> list[PreparedCall]:
     """The call of each of n choices: the same but for the sampling (its seed)."""
-    binding, history, sampling, timeout, one_call = call
-    return [(binding, history, choice_sampling(sampling, i), timeout, one_call) for i in range(n)]
+    return [call._replace(sampling=choice_sampling(call.sampling, i)) for i in range(n)]
 
 
 def run_choices(

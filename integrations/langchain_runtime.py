@@ -307,17 +307,19 @@ def run_turn(
     sampling: SamplingParams,
     timeout,
     one_call: bool = False,
+    continue_final: bool = False,
     group: ChoiceGroup | None = None,
 ) -> Iterator[Any]:
     """Session events of one turn, read in the calling thread. Closing early aborts.
     `one_call` (parallel_tool_calls=False): the engine request stops at the first complete
-    tool call, and nothing after it is passed on (FirstCallOnly). `group`: the choices' group
-    the turn's call belongs to."""
+    tool call, and nothing after it is passed on (FirstCallOnly). `continue_final`: the model
+    goes on from the last message, the assistant's. `group`: the choices' group the turn's
+    call belongs to."""
     session = pool.acquire(binding)
     gateway: Gateway = session.engine
     call = gateway.call = Call(pool.service, timeout, group)
     first = FirstCallOnly(call.cancel) if one_call else None
-    events = session.send(history, sampling)
+    events = session.send(history, sampling, continue_final=continue_final)
     try:
         for event in events:
             if first is None or (event := first(event)) is not None:
@@ -335,6 +337,7 @@ async def arun_turn(
     sampling: SamplingParams,
     timeout,
     one_call: bool = False,
+    continue_final: bool = False,
     group: ChoiceGroup | None = None,
 ) -> AsyncIterator[Any]:
     """The same on an asyncio loop. The Session is synchronous, so it runs in a thread whose
@@ -353,7 +356,7 @@ async def arun_turn(
 
     def work() -> None:
         try:
-            for event in session.send(history, sampling):
+            for event in session.send(history, sampling, continue_final=continue_final):
                 post("event", event)
             post("done", None)
         except BaseException as e:  # noqa: BLE001 - handed to the reader, raised there
