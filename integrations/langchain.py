@@ -28,8 +28,9 @@ Why it is built this way:
   `output_version="v1"`, as reasoning content blocks) and goes back to the model in later
   turns, where the chat template keeps it.
 - The sampling options are SamplingParams' (temperature, max_tokens, top_p, top_k, seed, the
-  presence, frequency and repetition penalties, min_p, min_tokens, logit_bias), as fields and
-  per call.
+  presence, frequency and repetition penalties, min_p, min_tokens, logit_bias and
+  thinking_token_budget), as fields and per call; so is `continue_final_message` (the model
+  goes on from a trailing AIMessage: a prefill).
 - LangChain's standard test suites (langchain-tests) run on it: tests/integrations/
   test_langchain_standard.py declares what it supports.
 """
