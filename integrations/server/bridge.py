@@ -57,7 +57,7 @@ class Turn:
         self.on_submit: Callable[[int], None] | None = None  # called with the prompt length
         # Called once, on the engine thread, with the request's first event: its prompt is
         # computed and cached by then (choices.py starts the other choices at it).
-        self.on_first_event: Callable[[], None] | None = None
+        self.on_first_event: Callable[[TokenEvent], None] | None = None
         self.figures: dict[str, int] | None = None  # set when the request finishes
         # The engine's prompt entries (TokenEvent.prompt_logprobs), when asked and computed.
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -70,7 +70,7 @@ class Turn:
     def _deliver(self, event: TokenEvent) -> None:  # on the engine thread, under service.lock
         first, self.on_first_event = self.on_first_event, None
         if first is not None:
-            first()
+            first(event)
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
         if event.finished:

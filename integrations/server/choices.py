@@ -24,9 +24,10 @@ at its first token would save that wait, but needs pages shared copy-on-write be
 requests, which the KV pool does not do.
 
 One failing choice fails the request: a choice whose run raises, or ends with finish_reason
-"error" (an engine error), cancels every other choice, and `error` says what went wrong, which
-the routes report as they report a single choice's failure (openai_routes.py). A client that
-goes away cancels them all (`cancel`).
+"error" (an engine error), cancels every other choice (a first choice that fails before its
+first token leaves the others unstarted: `runs` is then that one alone), and `error` says what
+went wrong, which the routes report as they report a single choice's failure
+(openai_routes.py). A client that goes away cancels them all (`cancel`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class Choices:
             await first.start()
             if rest and self.shares_prompt:
                 await first.first_event.wait()
+                if first.failed_early:  # the request fails with it: start no other choice
+                    self.runs = [first]
+                    return
             await asyncio.gather(*(run.start() for run in rest))
         except BaseException:
             self.cancel()

@@ -33,7 +33,7 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.bridge import request_figures
 from freetoken_agent.integrations.server.echo import Echo, EchoedPrompt, Entry, echoed_prompt
 from freetoken_agent.integrations.server.errors import BadParam
-from freetoken_agent.integrations.server.turn_run import put_first_event
+from freetoken_agent.integrations.server.turn_run import failed_at_once, put_first_event
 from freetoken_agent.service import EngineService, Sink
 from freetoken_agent.session import Usage
 
@@ -84,6 +84,7 @@ class TextRun:
         # Set at the request's first engine event: its prompt is cached by then (choices.py
         # starts the other choices at it). Every request has one (its final event at least).
         self.first_event = asyncio.Event()
+        self.failed_early = False  # its first event was its failure (choices.py reads it)
 
     def _ids(self) -> list[int]:
         tokenizer = self.service.tokenizer
@@ -119,6 +120,7 @@ class TextRun:
                 loop.call_soon_threadsafe(self._events.put_nowait, event)
             if first:
                 first = False
+                self.failed_early = failed_at_once(event)
                 put_first_event(loop, self.first_event)
 
         ids = self._ids()

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from freetoken_agent.continuation import continued_message
-from freetoken_agent.engine.outputs import SchemaError, TokenLogprob
+from freetoken_agent.engine.outputs import SchemaError, TokenEvent, TokenLogprob
 from freetoken_agent.integrations.one_call import FirstCallOnly
 from freetoken_agent.integrations.openai_logprobs import TokenStrings
 from freetoken_agent.integrations.server.bridge import Turn
@@ -73,6 +73,11 @@ def put_first_event(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> No
         loop.call_soon_threadsafe(event.set)
 
 
+def failed_at_once(event: TokenEvent) -> bool:
+    """Whether a request's first event is its failure (an engine error before any token)."""
+    return event.finished and event.finish_reason == "error"
+
+
 class TurnRun:
     def __init__(self, live: LiveSession, request: TurnRequest) -> None:
         self.live = live
@@ -90,8 +95,10 @@ class TurnRun:
         self._thread: threading.Thread | None = None
         self._publisher: asyncio.Task | None = None  # held: the loop keeps tasks weakly
         # Set at the request's first engine event (its prompt is cached by then), or when the
-        # run ends without one: choices.py waits for it before starting the other choices.
+        # run ends without one: choices.py waits for it before starting the other choices,
+        # which it does not start when the run failed by then (`failed_early`).
         self.first_event = asyncio.Event()
+        self.failed_early = False
 
     # --- the worker thread ----------------------------------------------------------------
     def _work(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -106,7 +113,7 @@ class TurnRun:
                 live.session.chat_format = live.formats.get(request.enable_thinking)
                 live.bridge.current = turn
                 turn.on_submit = lambda n: put(_Started(n))
-                turn.on_first_event = lambda: put_first_event(loop, self.first_event)
+                turn.on_first_event = lambda event: self._first(loop, event)
                 factory = parser_factory(
                     request.tool_choice,
                     request.tools,
@@ -243,8 +250,15 @@ class TurnRun:
             if not isinstance(item, _Memory):
                 self._out.put_nowait(item)
 
+    def _first(self, loop: asyncio.AbstractEventLoop, event: TokenEvent) -> None:
+        """On the engine thread: the request's first event (set before the loop is told)."""
+        self.failed_early = failed_at_once(event)
+        put_first_event(loop, self.first_event)
+
     def _record(self, item: Any) -> None:
         if item is _END or isinstance(item, BaseException):
+            if not self.first_event.is_set():  # ended without a single engine event
+                self.failed_early = True
             self.first_event.set()  # ended: nothing waits for an event that will not come
         if item is _END:
             self.finished = True

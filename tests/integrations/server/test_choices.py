@@ -217,6 +217,27 @@ def test_a_failing_choice_fails_the_request_and_ends_the_others(paced, read_sse,
     assert fake.submitted == n and not fake.running and fake.finished == 1
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_first_choice_failing_at_once_starts_no_other(paced, read_sse, rng_seed, route,
+                                                        stream):  # fmt: skip
+    """Choice 0's request fails before its first token: the others wait for that first event
+    to start (the prompt's cache), and now never start; the response is the error."""
+    rng = random.Random(rng_seed)
+    fake, client = paced
+    n = rng.randint(2, 4)
+    message = _words(rng, 2, 4)
+    fake.replies = [("", "error", message)] + [(_words(rng, 300, 300), "stop")] * (n - 1)
+    body = _body(route, rng, n=n, max_tokens=2000)
+    if stream:
+        events = _stream(client, route, body, read_sse)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["message"] == message, events[-2:]
+    else:
+        r = client.post(route, json=body)
+        assert r.status_code == 500 and r.json()["error"]["message"] == message, r.text
+    assert fake.submitted == 1 and not fake.running
+
+
 def test_a_client_that_leaves_ends_every_choice(paced, rng_seed):
     rng = random.Random(rng_seed)
     fake, client = paced
