@@ -15,6 +15,7 @@ talk to it through queues).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import deque
@@ -72,6 +73,12 @@ class Engine:
             loaded.recurrence,
         )
         self.thinking = thinking_markers(self.tokenizer)  # None: no thinking budget here
+        if self.config.thinking_budget is not None and self.thinking is None:
+            log.warning(
+                "thinking_budget=%d is ignored: this model's vocabulary has no <think> and "
+                "</think> tokens",
+                self.config.thinking_budget,
+            )
         self.runner = ModelRunner(
             loaded.model,
             loaded.kv,
@@ -175,6 +182,7 @@ class Engine:
             )
         ids = encode_prompt(prompt, self.tokenizer, self.spec.vocab_size, self.max_model_len)
         check_logit_bias(sampling, self.spec.vocab_size)
+        sampling = self._with_default_budget(sampling)
         if sampling.thinking_token_budget is not None and self.thinking is None:
             raise ThinkingBudgetError(
                 "thinking_token_budget: this model's vocabulary has no <think> and </think> "
@@ -210,6 +218,14 @@ class Engine:
             self._scores[request_id] = []
         self.scheduler.add(req)
         return request_id
+
+    def _with_default_budget(self, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with EngineConfig.thinking_budget when it sets no budget of its own and
+        the model thinks in blocks (the caller's object is left as it is)."""
+        default = self.config.thinking_budget
+        if default is None or sampling.thinking_token_budget is not None or self.thinking is None:
+            return sampling
+        return dataclasses.replace(sampling, thinking_token_budget=default)
 
     def _new_id(self) -> str:
         """The next free `req-N`: a client may have named its own request so."""

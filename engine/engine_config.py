@@ -177,6 +177,11 @@ class EngineConfig:
     # CUDA the device's total memory less memory_reserve; on the CPU the budget itself.
     gpu_ceiling: int | None = None
     memory_poll_s: float = 0.5
+    # The thinking budget of requests that set none (SamplingParams.thinking_token_budget;
+    # engine/thinking_budget.py), as llama.cpp's --reasoning-budget: on a laptop a reasoning
+    # model's thinking is minutes before the answer. None: no limit. Ignored, with one warning
+    # at load, for a model without think tokens.
+    thinking_budget: int | None = None
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -200,3 +205,7 @@ class EngineConfig:
         from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 
         CheckpointMode.parse(self.checkpoints)  # a bad mode is refused at load, by name
+        budget = self.thinking_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 0):  # fmt: skip
+            raise ValueError(f"thinking_budget must be an integer >= 0 or None, got {budget!r}")

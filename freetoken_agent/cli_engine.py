@@ -87,6 +87,14 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         "a layer's copy no longer runs behind the previous layer's compute (the ablation)",
     )
     p.add_argument(
+        "--thinking-budget",
+        type=positive(int, zero=True),
+        default=None,
+        metavar="N",
+        help="reasoning models: close the think block after N tokens and answer (requests "
+        "may set their own thinking_token_budget; 0: no thinking; default: no limit)",
+    )
+    p.add_argument(
         "--checkpoints",
         type=_checkpoints,
         default=None,
@@ -111,6 +119,8 @@ def load_engine(args: argparse.Namespace):
         options["double_buffer"] = False
     if args.checkpoints is not None:
         options["checkpoints"] = args.checkpoints
+    if args.thinking_budget is not None:
+        options["thinking_budget"] = args.thinking_budget
     path = model_path(args.model)
     try:
         return Engine.load(

@@ -6,6 +6,7 @@ loop alike; refused for a model without think tokens."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -163,3 +164,40 @@ def test_refusals(tmp_path, rng_seed):
     with pytest.raises(InvalidRequestError, match="no <think> and </think>"):
         engine.submit([1, 2, 3], SamplingParams(thinking_token_budget=rng.randint(0, 9)))
     assert not engine.has_unfinished()
+
+
+def test_the_engine_default_applies_where_a_request_sets_none(model_dir, tmp_path, rng_seed):
+    """EngineConfig.thinking_budget: a request without its own budget gets it (the caller's
+    SamplingParams left as they were), one with its own keeps that; a model without think
+    tokens ignores the default, with a warning, and serves requests as before."""
+    rng = random.Random(rng_seed)
+    default, own = rng.sample(range(0, 10), 2)
+    engine = Engine.load(model_dir, device="cpu", progress=False, kv_tokens=4096,
+                         max_model_len=512, thinking_budget=default)  # fmt: skip
+    m = engine.thinking
+    prompt = [rng.randrange(3, 1000) for _ in range(5)]
+    prompt += engine.tokenizer.encode("<|im_start|>assistant\n<think>\n")
+    common = {"temperature": 0, "ignore_eos": True, "max_tokens": 10 + len(m.forced) + 2}
+    free = SamplingParams(**common)
+    unbudgeted = Engine.load(model_dir, device="cpu", progress=False, kv_tokens=4096,
+                             max_model_len=512).generate(prompt, free).token_ids  # fmt: skip
+    for sp, budget in ((free, default), (SamplingParams(thinking_token_budget=own, **common), own)):
+        tokens = engine.generate(prompt, sp).token_ids
+        if m.close_id not in unbudgeted[:budget]:
+            assert tokens[:budget] == unbudgeted[:budget]
+            assert tuple(tokens[budget : budget + len(m.forced)]) == m.forced, (budget, tokens)
+    assert free.thinking_token_budget is None
+    with pytest.raises(ValueError, match="thinking_budget"):
+        Engine.load(model_dir, device="cpu", progress=False, thinking_budget=-1)
+
+    make_tiny("qwen3_moe", tmp_path, seed=rng.randrange(1 << 30))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("freetoken.engine").addHandler(handler)
+    try:
+        plain = Engine.load(tmp_path, device="cpu", progress=False, thinking_budget=default)
+    finally:
+        logging.getLogger("freetoken.engine").removeHandler(handler)
+    assert any("thinking_budget" in r.getMessage() for r in records)
+    assert len(plain.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3

@@ -89,8 +89,9 @@ def test_bad_model_path_is_a_clear_error(env, tmp_path):
 
 
 def test_engine_flags_reach_the_engine_config(monkeypatch, rng_seed):
-    """--memory-reserve-gb, --fixed-memory, --overlap-schedule, --no-double-buffer and
-    --checkpoints become EngineConfig options at load; left out, none is set."""
+    """--memory-reserve-gb, --fixed-memory, --overlap-schedule, --no-double-buffer,
+    --checkpoints and --thinking-budget become EngineConfig options at load; left out, none is
+    set."""
     import argparse
 
     from freetoken_agent import cli_engine
@@ -103,16 +104,17 @@ def test_engine_flags_reach_the_engine_config(monkeypatch, rng_seed):
     cli_engine.add_engine_args(parser)
     gb = 0.5 + (rng_seed % 100) / 10
     mode = rng.choice(["anchors", "none", f"positional:{rng.randint(1, 4096)}"])
+    budget = rng.randint(0, 4096)
     cli_engine.load_engine(parser.parse_args(["--model", ".", "--memory-reserve-gb", str(gb),
                            "--fixed-memory", "--overlap-schedule", "--no-double-buffer",
-                           "--checkpoints", mode]))  # fmt: skip
+                           "--checkpoints", mode, "--thinking-budget", str(budget)]))  # fmt: skip
     assert seen["memory_reserve"] == int(gb * 1e9) and seen["follow_free_memory"] is False
     assert seen["overlap_schedule"] is True and seen["double_buffer"] is False
-    assert seen["checkpoints"] == mode
+    assert seen["checkpoints"] == mode and seen["thinking_budget"] == budget
     seen.clear()
     cli_engine.load_engine(parser.parse_args(["--model", "."]))
     options = {"memory_reserve", "follow_free_memory", "overlap_schedule", "double_buffer"}
-    assert not (options | {"checkpoints"}) & set(seen)
+    assert not (options | {"checkpoints", "thinking_budget"}) & set(seen)
 
 
 def test_the_ablation_and_checkpoint_flags_load_an_engine(env, rng_seed):
@@ -236,6 +238,7 @@ def _random_flags(rng: random.Random) -> list[tuple[list[str], str]]:
         (["calibrate", "--hidden", rng.choice([negative, "0"])], "--hidden"),
         (["calibrate", "--inter", negative], "--inter"),
         (["demo", "--model", "x"], "--model"),  # demo runs its own model
+        (["chat", "--thinking-budget", rng.choice([negative, "1.5", "x"])], "--thinking-budget"),
         (
             ["generate", "x", "--checkpoints", rng.choice(["positional", "positional:0", "all"])],
             "--checkpoints",
