@@ -200,4 +200,5 @@ def test_the_engine_default_applies_where_a_request_sets_none(model_dir, tmp_pat
     finally:
         logging.getLogger("freetoken.engine").removeHandler(handler)
     assert any("thinking_budget" in r.getMessage() for r in records)
-    assert len(plain.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3
+    out = plain.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out.token_ids) == 3
