@@ -43,6 +43,7 @@ from freetoken_agent.engine.text.chat_template import ChatTemplate, ChatTemplate
 from freetoken_agent.engine.text.tokenizer import Tokenizer, encode_text
 from freetoken_agent.literal_specials import LiteralSpecials
 from freetoken_agent.messages import Message, coerce_messages, to_template_messages
+from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
 
 ANCHOR_KINDS = (
     "turn_start",
@@ -146,11 +147,30 @@ class ChatFormat:
         )
         self._literal = LiteralSpecials(tokenizer.backend)
         self._cache: dict[tuple, Any] = {}  # what renders found, by message-prefix digest
+        self._opens: dict[bool, bool] = {}  # opens_reasoning, by whether tools are shown
 
     def template(self, tools: list[dict] | None) -> ChatTemplate:
         if self._override is not None:
             return self._override
         return self.tokenizer.get_chat_template(self.template_name, tools)
+
+    def opens_reasoning(self, tools: Sequence[Mapping[str, Any]] | None = None) -> bool:
+        """Whether this format's generation prompt leaves a think block open (Qwen3's thinking
+        mode ends it with `<think>\n`): the output then starts inside reasoning. Read once
+        from a probe history of one user message (the generation prompt does not depend on
+        the history in the templates seen); a template that refuses the probe: False."""
+        key = bool(tools)
+        if key not in self._opens:
+            probe = [{"role": "user", "content": "?"}]
+            try:
+                text = self.template(normalize_tools(tools)).render(
+                    probe, tools=normalize_tools(tools), add_generation_prompt=True,
+                    **self.template_kwargs,
+                )  # fmt: skip
+            except ChatTemplateError:
+                text = ""
+            self._opens[key] = prompt_opens_reasoning(text)
+        return self._opens[key]
 
     def render(
         self,

@@ -18,6 +18,11 @@
   the output has ended, not streamed: only the whole text tells a call from an answer (a
   json_object answer may be call-shaped), and content sent cannot be taken back.
   With "none" the response_format alone constrains the output; with a forced call it is refused.
+- A response_format of JSON without tools to call, where the template opens a think block
+  (Qwen3's thinking mode): the model reasons, then answers JSON valid against the schema
+  (`reasoned_answer`, integrations/reasoned_json.py), as vLLM and SGLang apply structured
+  output only after the reasoning. Elsewhere the schema holds from the first token and an open
+  think block is closed in the prompt.
 - "auto" with a tool marked `strict: true` (the OpenAI Agents SDK's function tools are), no
   response_format: text stays free, and every call the model writes keeps to a known tool and
   a strict tool's arguments to its schema (integrations/strict_tools.py). Models that write
@@ -41,6 +46,7 @@ from freetoken_agent.integrations.constrained_output import (
     inline,
     output_schema,
 )
+from freetoken_agent.integrations.reasoned_json import reasoned_json_grammar
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.errors import BadParam, check_nesting
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
@@ -50,6 +56,7 @@ from freetoken_agent.parsers import (
     prompt_opens_reasoning,
 )
 from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
+from freetoken_agent.parsers.reasoning import OPEN as THINK_OPEN
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 
@@ -202,6 +209,25 @@ def turn_sampling(
     return sampling if grammar is None else dataclasses.replace(sampling, grammar=grammar)
 
 
+def reasoned_answer(
+    choice: ToolChoice,
+    tools: list[dict] | None,
+    sampling: SamplingParams,
+    call_or_answer: bool,
+    chat_format: Any,
+    engine: Any,
+) -> str | None:
+    """The grammar of reasoning, then the JSON answer (reasoned_json.py), for a turn whose
+    answer is held to a schema with no tool to call, where `chat_format` opens a think block
+    (the tools are rendered as the turn renders them); None otherwise. `engine`: the bridge."""
+    if sampling.json_schema is None or choice.forced or call_or_answer:
+        return None
+    if not chat_format.opens_reasoning(tools):
+        return None
+    ends = getattr(getattr(engine.service, "engine", None), "eos_token_ids", ())
+    return reasoned_json_grammar(engine.tokenizer, sampling.json_schema, ends)
+
+
 def parser_factory(
     choice: ToolChoice,
     tools: list[dict] | None,
@@ -209,13 +235,16 @@ def parser_factory(
     turn: Turn,
     call_or_answer: bool = False,
     json_answer: bool = False,
+    reasoned: bool = False,
 ) -> ParserFactory:
     """The Session's parser factory for one turn. For a forced call, or a call or the answer,
     it also sets the Turn's prompt suffix: Session.send calls the factory with the rendered
     prompt just before it streams, and the bridge appends `turn.suffix_ids` to that prompt.
     `json_answer`: the output is held to a JSON schema from its first token (a response_format
     without tools to call): a think block the template left open is closed in the prompt
-    too, or the JSON would be read as reasoning and the answer's content left empty."""
+    too, or the JSON would be read as reasoning and the answer's content left empty; unless
+    `reasoned`: the grammar lets the model reason first (`reasoned_answer`), so the block stays
+    open (and is opened, should this prompt not have opened it where the format does)."""
     tokenizer = engine.tokenizer
     tool_format = engine_tool_format(engine)
 
@@ -228,6 +257,9 @@ def parser_factory(
             return JsonOrCallParser(False, tools or [])
         if not choice.forced:
             fmt = tool_format if choice.mode == "auto" else None
+            if json_answer and reasoned:
+                turn.suffix_ids = [] if thinking else tokenizer.encode(THINK_OPEN + "\n")
+                return OutputParser(fmt, True, tools)
             if json_answer and thinking:
                 turn.suffix_ids = tokenizer.encode(THINK_CLOSE + "\n\n")
                 return OutputParser(fmt, False, tools)

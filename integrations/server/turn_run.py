@@ -47,7 +47,11 @@ from freetoken_agent.integrations.server.session_events import (
     memory_json,
     tool_result_json,
 )
-from freetoken_agent.integrations.server.tool_choice import parser_factory, turn_sampling
+from freetoken_agent.integrations.server.tool_choice import (
+    parser_factory,
+    reasoned_answer,
+    turn_sampling,
+)
 from freetoken_agent.messages import ToolResult, UserMessage, content_text
 from freetoken_agent.session import Usage
 
@@ -114,6 +118,21 @@ class TurnRun:
                 live.bridge.current = turn
                 turn.on_submit = lambda n: put(_Started(n))
                 turn.on_first_event = lambda event: self._first(loop, event)
+                sampling = turn_sampling(
+                    request.tool_choice, request.tools, live.bridge, request.sampling
+                )
+                reasoned = reasoned_answer(
+                    request.tool_choice,
+                    request.tools,
+                    sampling,
+                    request.call_or_answer,
+                    live.session.chat_format,
+                    live.bridge,
+                )
+                if reasoned is not None:  # the schema after the reasoning, in one grammar
+                    sampling = dataclasses.replace(
+                        sampling, json_schema=None, response_format=None, grammar=reasoned
+                    )
                 factory = parser_factory(
                     request.tool_choice,
                     request.tools,
@@ -121,11 +140,9 @@ class TurnRun:
                     turn,
                     request.call_or_answer,
                     json_answer=request.sampling.json_schema is not None,
+                    reasoned=reasoned is not None,
                 )
                 one = None if request.parallel_tool_calls else FirstCallOnly(turn.cancel)
-                sampling = turn_sampling(
-                    request.tool_choice, request.tools, live.bridge, request.sampling
-                )
                 try:
                     for event in live.session.send(
                         request.messages,

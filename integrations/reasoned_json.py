@@ -1,0 +1,64 @@
+"""A JSON answer after the model's reasoning: the grammar of a think block, then the JSON.
+
+A JSON-schema answer (response_format, ChatFreeToken's structured output) used to be held to
+its schema from the first generated token, so a reasoning model could not think first: the
+think block its template opened was closed in the prompt. Reasoning models answer better after
+thinking, and vLLM and SGLang apply structured output only after the reasoning ends. So where
+the rendered prompt opens a think block (Qwen3's thinking-mode `<think>\\n`), the turn's
+constraint is this Lark grammar (llguidance's syntax), not the bare schema:
+
+    start: free <[</think>]> WS? %json {schema}
+    free: TEXT? (<[other added tokens]> TEXT?)*
+    TEXT: /(?s:.+)/ & ~/(?s:.*)<\\/think>(?s:.*)/
+    WS: /[ \\t\\r\\n]+/
+
+- reasoning is free text up to `</think>` (named by id, as strict_tools.py names a call's
+  opener; TEXT can never spell it out of plain tokens), and may hold the model's other added
+  tokens, but not its end-of-sequence ones: an end inside the reasoning would end the request
+  with no answer at all;
+- the JSON follows the block's end and optional whitespace, with the separators json.dumps
+  writes (constrained.JSON_OPTIONS, as every schema here), and the request ends with it;
+- the thinking budget (engine/thinking_budget.py) forces `\\n</think>\\n\\n`, which the grammar
+  takes: a budget caps the reasoning before the answer.
+
+Only where the prompt opens the block: a template whose model opens it itself (Qwen3's hybrid
+template in thinking mode writes no `<think>` in the prompt) keeps the schema from the first
+token, as a model that may or may not think would otherwise be free to start a block it never
+closes. A tokenizer without `<think>` / `</think>` as added tokens gets None: the bare schema.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from typing import Any
+
+from freetoken_agent.engine.constrained import JSON_OPTIONS
+from freetoken_agent.integrations.constrained_output import inline
+from freetoken_agent.integrations.strict_tools import regex_literal
+from freetoken_agent.parsers.reasoning import CLOSE, OPEN
+
+
+def reasoned_json_grammar(
+    tokenizer: Any, schema: dict[str, Any], end_ids: Collection[int] = ()
+) -> str | None:
+    """The grammar of reasoning, then JSON valid against `schema` (see the module docstring);
+    `end_ids`: the model's end-of-sequence ids, left out of the reasoning. None when the
+    tokenizer (the engine's: engine/text/tokenizer.py) has no think tokens of its own."""
+    if tokenizer is None:
+        return None
+    added = sorted(tokenizer.backend.get_added_tokens_decoder())  # ids of the added tokens
+    open_id, close_id = tokenizer.token_to_id(OPEN), tokenizer.token_to_id(CLOSE)
+    if open_id not in added or close_id not in added:
+        return None
+    others = [i for i in added if i != close_id and i not in end_ids]
+    free = f"TEXT? (<[{','.join(map(str, others))}]> TEXT?)*" if others else "TEXT?"
+    answer = {**inline(schema), "x-guidance": JSON_OPTIONS}
+    return "\n".join(
+        [
+            f"start: free <[{close_id}]> WS? %json {json.dumps(answer)}",
+            f"free: {free}",
+            f"TEXT: /(?s:.+)/ & ~/(?s:.*){regex_literal(CLOSE)}(?s:.*)/",
+            "WS: /[ \\t\\r\\n]+/",
+        ]
+    )

@@ -1,0 +1,103 @@
+"""A JSON answer after the reasoning: where the chat template opens a think block (Qwen3's
+thinking mode), a response_format json_schema lets the model reason first and holds only the
+answer to the schema (integrations/reasoned_json.py); the thinking budget caps the reasoning.
+On the demo model with a template that opens the block; with thinking off the template closes
+it, and the schema holds from the first token as before."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import jsonschema
+import pytest
+from starlette.testclient import TestClient
+
+from freetoken_agent import Engine
+from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.integrations.server import create_app
+
+CLOSED = "{%- if enable_thinking is defined and enable_thinking is false %}\n{{- '<think>\\n\\n</think>\\n\\n' }}\n{%- endif %}"  # noqa: E501
+OPENS = "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}"  # noqa: E501
+
+
+@pytest.fixture(scope="module")
+def thinking_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The demo model with a template whose generation prompt opens `<think>\\n`."""
+    src = ensure_demo_model(tmp_path_factory.mktemp("demo"))
+    dst = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(src, dst)
+    config_path = dst / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    assert CLOSED in config["chat_template"]
+    config["chat_template"] = config["chat_template"].replace(CLOSED, OPENS)
+    config_path.write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture
+def thinking_client(thinking_dir):
+    engine = Engine.load(thinking_dir, device="cpu", progress=False, kv_tokens=4096,
+                         max_model_len=1024)  # fmt: skip
+    with TestClient(create_app(engine)) as client:
+        yield client
+
+
+def _schema(rng: random.Random) -> dict:
+    props = {f"k{i}": rng.choice([{"type": "integer", "minimum": 0, "maximum": 99},
+                                  {"type": "boolean"}, {"enum": ["ka", "lo", "mi"]}])
+             for i in range(rng.randint(1, 3))}  # fmt: skip
+    return {"type": "object", "properties": props, "required": sorted(props),
+            "additionalProperties": False}  # fmt: skip
+
+
+def _body(rng: random.Random, schema: dict, budget: int, **extra) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "ka lo mi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        "thinking_token_budget": budget, "max_tokens": budget + 80, "temperature": 0.8,
+        "seed": rng.randrange(1 << 30), "logprobs": True, **extra,
+    }  # fmt: skip
+
+
+def test_the_model_reasons_then_answers_the_schema(thinking_client, rng_seed):
+    rng = random.Random(rng_seed)
+    for _ in range(3):
+        schema, budget = _schema(rng), rng.randint(0, 6)
+        r = thinking_client.post("/v1/chat/completions", json=_body(rng, schema, budget))
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+        tokens = [e["token"] for e in choice["logprobs"]["content"]]
+        # The block's `budget` tokens, then its forced end, then the answer.
+        assert tokens[budget : budget + 2] == ["\n", "</think>"], (budget, tokens)
+        if budget > 1:
+            assert choice["message"].get("reasoning_content"), choice["message"]
+
+
+def test_thinking_off_answers_from_the_first_token(thinking_client, rng_seed):
+    rng = random.Random(rng_seed)
+    schema = _schema(rng)
+    body = _body(rng, schema, 4, chat_template_kwargs={"enable_thinking": False})
+    r = thinking_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    assert "</think>" not in [e["token"] for e in choice["logprobs"]["content"]]
+    assert not choice["message"].get("reasoning_content")
+
+
+def test_streamed_the_reasoning_comes_before_the_answer(thinking_client, read_sse, rng_seed):
+    rng = random.Random(rng_seed)
+    schema, budget = _schema(rng), rng.randint(2, 6)
+    body = _body(rng, schema, budget, stream=True)
+    r = thinking_client.post("/v1/chat/completions", json=body)
+    chunks = [c for c in read_sse(r.text.splitlines()) if isinstance(c, dict) and c["choices"]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    kinds = [k for d in deltas for k in ("reasoning_content", "content") if d.get(k)]
+    assert kinds and kinds[0] == "reasoning_content" and kinds[-1] == "content", kinds
+    assert kinds.index("content") > max(i for i, k in enumerate(kinds) if k == "reasoning_content")
+    answer = "".join(d.get("content") or "" for d in deltas)
+    jsonschema.validate(json.loads(answer), schema)
