@@ -335,6 +335,7 @@ class ChatFreeToken(BaseChatModel):
             },
             timeout=self.timeout,
             service=lambda: self.service,
+            thinking=self.reasoning,
         )
 
     def _builder(self) -> ChunkBuilder:

@@ -33,9 +33,11 @@ from freetoken_agent.integrations.langchain_runtime import (
     GenerationError,
     SessionPool,
     arun_turn,
+    chat_format,
     run_turn,
 )
 from freetoken_agent.integrations.openai_logprobs import chat_logprobs_setting
+from freetoken_agent.integrations.reasoned_json import reasoned_json_grammar
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
 from freetoken_agent.session import Usage
 
@@ -78,6 +80,7 @@ def prepare_call(
     defaults: dict[str, Any],
     timeout: float | None,
     service: Callable[[], Any],
+    thinking: bool | None = None,
 ) -> PreparedCall:
     """Binding, history, sampling, timeout and whether one call at most may be made (not
     parallel_tool_calls) of a call; every input problem raises here.
@@ -85,7 +88,9 @@ def prepare_call(
     `stop` is the call's, else the model's; `defaults` (by SAMPLING_OPTIONS and
     LOGPROB_OPTIONS) and `timeout` are the model's, which the call's options override;
     `service` gives the model's EngineService, asked for only to compile strict tools'
-    grammar."""
+    grammar and for a JSON answer's format; `thinking`: the model's `reasoning` (the
+    template's enable_thinking), which says whether that format opens a think block, where
+    the answer comes after the reasoning (reasoned_json.py)."""
     kwargs = dict(kwargs)
     tools = kwargs.pop("tools", None)
     specs = [convert_to_openai_tool(t) for t in tools] if tools else []
@@ -115,11 +120,16 @@ def prepare_call(
     shown = tuple(specs) if specs and mode != "none" else None
     by_name = {t["function"]["name"]: t for t in specs}
     constraint = output_schema(mode, [by_name[n] for n in allowed] or specs, schema)
-    key = json.dumps([shown, mode, allowed, schema], sort_keys=True, default=str)
-    binding = Binding(key, shown, mode, allowed, schema)
     grammar = None
     if mode == "auto" and constraint is None and any_strict(specs):
         grammar = strict_grammar(service(), specs)
+    if mode == "json" and not continuing:
+        grammar = reasoned_grammar(service(), thinking, shown, constraint)
+    if grammar is not None and mode == "json":
+        constraint = None  # held by the grammar, after the reasoning
+    reasoned = mode == "json" and grammar is not None
+    key = json.dumps([shown, mode, allowed, schema, reasoned], sort_keys=True, default=str)
+    binding = Binding(key, shown, mode, allowed, schema, reasoned)
     sampling = SamplingParams(**options, stop=stops, json_schema=constraint, grammar=grammar)
     if continuing:
         _check_continuable(messages, constraint is not None)
@@ -143,6 +153,17 @@ def _check_continuable(messages: list[BaseMessage], constrained: bool) -> None:
             "output or a forced tool call: their schema is matched from the reply's start, "
             "which the continued message has already written"
         )
+
+
+def reasoned_grammar(
+    service: Any, thinking: bool | None, tools: Sequence[dict] | None, schema: dict
+) -> str | None:
+    """The grammar of reasoning then the JSON answer, where the model's format (for `thinking`)
+    opens a think block; None elsewhere (the schema holds from the first token)."""
+    if not chat_format(service, thinking).opens_reasoning(tools):
+        return None
+    ends = getattr(service.engine, "eos_token_ids", ())
+    return reasoned_json_grammar(service.tokenizer, schema, ends)
 
 
 def bias_by_id(bias: Any) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 from freetoken_agent.chat_format import ChatFormat, Prompt
 from freetoken_agent.integrations.constrained_output import HERMES_OPEN, WrappedBlock
 from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
+from freetoken_agent.parsers.reasoning import OPEN as THINK_OPEN
 from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
 
 THINK_END = THINK_CLOSE + "\n\n"
@@ -41,6 +42,31 @@ class ForcedFormat:
         suffix = (THINK_END if self.opened else "") + self.opener
         if not suffix:
             return prompt
+        ids = self.tokenizer.backend.encode(suffix, add_special_tokens=False).ids
+        return Prompt(
+            prompt.token_ids + list(ids),
+            prompt.text + suffix,
+            prompt.anchors,
+            prompt.messages,
+            prompt.generation_prefix + suffix,
+        )
+
+
+class OpenedReasoning:
+    """A ChatFormat whose prompts leave a think block open: a JSON answer after the reasoning
+    (integrations/reasoned_json.py) has its grammar start inside the block. The format was
+    chosen because its generation prompt opens one (ChatFormat.opens_reasoning); a prompt that
+    does not is given `<think>\n`, so the grammar and the prompt always agree."""
+
+    def __init__(self, inner: ChatFormat) -> None:
+        self.inner = inner
+        self.tokenizer = inner.tokenizer
+
+    def render(self, messages, tools=None, add_generation_prompt: bool = True, **kw) -> Prompt:
+        prompt = self.inner.render(messages, tools, add_generation_prompt, **kw)
+        if prompt_opens_reasoning(prompt.text):
+            return prompt
+        suffix = THINK_OPEN + "\n"
         ids = self.tokenizer.backend.encode(suffix, add_special_tokens=False).ids
         return Prompt(
             prompt.token_ids + list(ids),

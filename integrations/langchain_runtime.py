@@ -39,6 +39,7 @@ from freetoken_agent.integrations.constrained_output import (
 from freetoken_agent.integrations.langchain_constrained import (
     THINK_END,
     ForcedFormat,
+    OpenedReasoning,
     PrefedParser,
 )
 from freetoken_agent.integrations.one_call import FirstCallOnly
@@ -230,6 +231,9 @@ class Binding:
     mode: str
     allowed: tuple[str, ...] = ()
     schema: dict | None = None
+    # mode json where the format opens a think block: the model reasons, then the grammar
+    # holds the answer to the schema (integrations/reasoned_json.py)
+    reasoned: bool = False
 
 
 def build_session(service: EngineService, binding: Binding, thinking: bool | None) -> Session:
@@ -245,6 +249,13 @@ def build_session(service: EngineService, binding: Binding, thinking: bool | Non
                 return OutputParser(None, prompt_opens_reasoning(prompt.text), None)
 
         return Session(gateway, tools=tools, chat_format=fmt, parser_factory=factory)
+    if binding.reasoned:  # reasoning, then the JSON answer: the think block stays open
+        opened = OpenedReasoning(chat_format(service, thinking))
+
+        def reasoned(prompt: Prompt) -> OutputParser:
+            return OutputParser(None, True, None)
+
+        return Session(gateway, tools=tools, chat_format=opened, parser_factory=reasoned)
     # Constrained: the grammar starts at the first generated token, so no thinking.
     forced_call = binding.mode == "required"
     native = forced_call and engine_tool_format(service) == "hermes"

@@ -8,32 +8,21 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import jsonschema
 import pytest
 from starlette.testclient import TestClient
+from thinking_model import thinking_demo
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.integrations.server import create_app
 
-CLOSED = "{%- if enable_thinking is defined and enable_thinking is false %}\n{{- '<think>\\n\\n</think>\\n\\n' }}\n{%- endif %}"  # noqa: E501
-OPENS = "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}"  # noqa: E501
-
 
 @pytest.fixture(scope="module")
 def thinking_dir(tmp_path_factory: pytest.TempPathFactory):
-    """The demo model with a template whose generation prompt opens `<think>\\n`."""
-    src = ensure_demo_model(tmp_path_factory.mktemp("demo"))
-    dst = tmp_path_factory.mktemp("thinking") / "model"
-    shutil.copytree(src, dst)
-    config_path = dst / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    assert CLOSED in config["chat_template"]
-    config["chat_template"] = config["chat_template"].replace(CLOSED, OPENS)
-    config_path.write_text(json.dumps(config))
-    return dst
+    demo = ensure_demo_model(tmp_path_factory.mktemp("demo"))
+    return thinking_demo(demo, tmp_path_factory.mktemp("thinking") / "model")
 
 
 @pytest.fixture

@@ -1,0 +1,23 @@
+"""The demo model with a chat template whose generation prompt opens `<think>\\n` (Qwen3's
+thinking-mode form; `enable_thinking=False` still closes the block), for the tests of what a
+turn does when the template opens a think block."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+CLOSED = "{%- if enable_thinking is defined and enable_thinking is false %}\n{{- '<think>\\n\\n</think>\\n\\n' }}\n{%- endif %}"  # noqa: E501
+OPENS = "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}"  # noqa: E501
+
+
+def thinking_demo(demo: Path, folder: Path) -> Path:
+    """A copy of the demo model folder `demo` at `folder`, its template opening the block."""
+    shutil.copytree(demo, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    assert CLOSED in config["chat_template"], "the demo template changed: update this helper"
+    config["chat_template"] = config["chat_template"].replace(CLOSED, OPENS)
+    config_path.write_text(json.dumps(config))
+    return folder

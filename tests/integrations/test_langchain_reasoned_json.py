@@ -1,0 +1,54 @@
+"""ChatFreeToken's structured output after the reasoning: where the template opens a think
+block, with_structured_output (json_schema, json_mode) lets the model reason, then holds
+the answer to the schema; the thinking budget caps the reasoning. With `reasoning=False` the
+template closes the block and the schema holds from the first token, as before."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from pydantic import BaseModel, Field
+from thinking_model import thinking_demo
+
+from freetoken_agent import Engine
+from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.integrations.langchain import ChatFreeToken
+
+
+class Pick(BaseModel):
+    count: int = Field(ge=0, le=99)
+    flag: bool
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    demo = ensure_demo_model(tmp_path_factory.mktemp("demo"))
+    path = thinking_demo(demo, tmp_path_factory.mktemp("thinking") / "model")
+    return Engine.load(path, device="cpu", progress=False, kv_tokens=4096, max_model_len=1024)
+
+
+def test_structured_output_after_the_reasoning(engine, rng_seed):
+    """json_schema (json_mode takes the same path: an open object, which a random model
+    writes keys into until max_tokens, so it is not the one tested here)."""
+    rng = random.Random(rng_seed)
+    budget = rng.randint(2, 8)
+    llm = ChatFreeToken(engine=engine, temperature=0.8, seed=rng.randrange(1 << 30),
+                        max_tokens=budget + 60, thinking_token_budget=budget,
+                        logprobs=True)  # fmt: skip
+    out = llm.with_structured_output(Pick, include_raw=True).invoke("ka lo mi")
+    assert isinstance(out["parsed"], Pick), out
+    raw = out["raw"]
+    assert raw.additional_kwargs.get("reasoning_content"), raw
+    tokens = [e["token"] for e in raw.response_metadata["logprobs"]["content"]]
+    assert tokens[budget : budget + 2] == ["\n", "</think>"], tokens
+
+
+def test_with_reasoning_off_the_schema_holds_from_the_first_token(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    llm = ChatFreeToken(engine=engine, temperature=0.8, seed=rng.randrange(1 << 30),
+                        max_tokens=60, reasoning=False, logprobs=True)  # fmt: skip
+    out = llm.with_structured_output(Pick, include_raw=True).invoke("ka lo mi")
+    assert isinstance(out["parsed"], Pick), out
+    tokens = [e["token"] for e in out["raw"].response_metadata["logprobs"]["content"]]
+    assert "</think>" not in tokens and not out["raw"].additional_kwargs.get("reasoning_content")
