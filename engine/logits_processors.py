@@ -175,12 +175,12 @@ def _force_close(
     mask: np.ndarray | None,
 ) -> None:
     """The budget's forced token, if this step has one: every other logit -inf. A grammar
-    that does not allow it wins, and the budget is dropped (thinking_budget.py)."""
+    that does not allow it wins: the close waits, or the budget is dropped (thinking_budget.py)."""
     token = forced_token(req, state, thinking)
     if token is None:
         return
     if mask is not None and not allows(mask, token):
-        state.state = DONE
+        state.refused(len(req.output_ids))
         return
     row.fill_(float("-inf"))  # the sampled log-probabilities are the raw logits': unchanged
     row[token] = 0.0

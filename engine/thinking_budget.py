@@ -24,13 +24,16 @@ Where it runs: logits_processors.apply_processors, after the penalties and min_t
 before the constraint mask. It reads the request's accepted output ids, which hold every token
 sampled before this one: a step samples only after the previous step's tokens were accepted,
 overlap scheduling included (overlap.py: launch N, accept N-1, sample N), the same order the
-grammars' masks rely on. A grammar wins, as it does over min_tokens: when a constrained row's
-mask does not allow the forced token, nothing is forced and the budget is dropped (forcing
-would leave the row no token, or break the grammar).
+grammars' masks rely on. A grammar wins, as it does over min_tokens: forcing a token its mask
+does not allow would leave the row no token, or break the grammar. Before the first forced
+token the close waits, a step at a time (at most MAX_WAIT), for the grammar to allow it: a
+grammar over text (integrations/reasoned_json.py) allows no newline in the middle of a
+multi-byte character, whose bytes come in several tokens; after that, or once the close has
+begun, a refusal drops the budget.
 
-Weak point: a budget that ends inside a multi-byte character (a token that carries part of
-one) closes the block there, and the reasoning text ends in a replacement character;
-llama.cpp waits for the character to complete first.
+Weak point: without a grammar nothing tells the middle of a character, so a budget that ends
+there closes the block inside it and the reasoning text ends in a replacement character
+(llama.cpp waits for the character to complete first).
 
 Cost: host work only, O(1) a step per budgeted row (each output token is looked at once);
 two launches a forced token.
@@ -48,6 +51,7 @@ CLOSE = "</think>"
 FORCED_TEXT = "\n" + CLOSE + "\n\n"  # as the chat templates end a think block
 
 FIRST, COUNTING, FORCING, DONE = "first", "counting", "forcing", "done"
+MAX_WAIT = 3  # steps the close may wait for a grammar to allow it: a character's last bytes
 
 
 class _Vocab(Protocol):
@@ -87,6 +91,16 @@ class BudgetState:
     start: int = 0  # output index of the first counted token
     seen: int = 0  # output tokens looked at for a close
     forced_from: int = 0  # output index of the first forced token
+    waited: int = 0  # steps the close waited for a grammar to allow it
+
+    def refused(self, n: int) -> None:
+        """The row's grammar does not allow this step's forced token (`n`: the output's
+        length): the close waits a step if it has not begun and may wait longer, else the
+        budget is dropped."""
+        if self.forced_from == n and self.waited < MAX_WAIT:
+            self.forced_from, self.waited = n + 1, self.waited + 1
+        else:
+            self.state = DONE
 
 
 def budget_state(req: Request, markers: ThinkingMarkers) -> BudgetState:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 
+import numpy as np
 import pytest
 import torch
 from overlap_runs import both_loops
@@ -20,7 +21,7 @@ from freetoken_agent.engine.logits_processors import apply_processors
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.request import Request, Status
 from freetoken_agent.engine.sampling_params import SamplingParamsError
-from freetoken_agent.engine.thinking_budget import ThinkingMarkers
+from freetoken_agent.engine.thinking_budget import MAX_WAIT, ThinkingMarkers
 
 
 def _markers(rng: random.Random, vocab: int) -> ThinkingMarkers:
@@ -93,11 +94,7 @@ def test_a_grammar_that_forbids_the_close_drops_the_budget(rng_seed):
     vocab = rng.randint(40, 120)
     m = _markers(rng, vocab)
     allowed = [t for t in range(vocab) if t not in m.forced]
-    bits = torch.zeros(-(-vocab // 32) * 32, dtype=torch.uint8)
-    bits[allowed] = 1
-    import numpy as np
-
-    mask = np.packbits(bits.numpy(), bitorder="little").view(np.int32)
+    mask = _packed(vocab, allowed)
     req = Request("g", [m.open_id], SamplingParams(max_tokens=9, thinking_token_budget=0))
     req.status = Status.RUNNING
     for _ in range(4):
@@ -107,6 +104,44 @@ def test_a_grammar_that_forbids_the_close_drops_the_budget(rng_seed):
         assert torch.equal(logits, before)  # nothing forced: the grammar's row is the model's
         req.output_ids.append(rng.choice(allowed))
         req.num_sampled += 1
+
+
+def test_the_close_waits_for_a_grammar_to_allow_it(rng_seed):
+    """A grammar refusing the close for k steps (the middle of a multi-byte character): the
+    close begins at the first step it is allowed, up to MAX_WAIT steps late; later, dropped."""
+    rng = random.Random(rng_seed)
+    vocab = rng.randint(40, 120)
+    m = _markers(rng, vocab)
+    every = _packed(vocab, list(range(vocab)))
+    no_close = _packed(vocab, [t for t in range(vocab) if t not in m.forced])
+    for k in range(MAX_WAIT + 2):
+        budget = rng.randint(0, 4)
+        req = Request("g", [m.open_id], SamplingParams(max_tokens=30, thinking_token_budget=budget))
+        req.status = Status.RUNNING
+        forced_at = []
+        for step in range(budget + k + len(m.forced) + 2):
+            refusing = budget <= step < budget + k
+            mask = no_close if refusing else every
+            logits = torch.randn(1, vocab)
+            before = logits.clone()
+            apply_processors(logits, [req], masks={"g": mask}, thinking=m)
+            forced_at.append(not torch.equal(logits, before))
+            allowed = [t for t in range(vocab) if t not in m.forced and t != m.close_id]
+            token = int(logits[0].argmax()) if forced_at[-1] else rng.choice(allowed)
+            req.output_ids.append(token)
+            req.num_sampled += 1
+        if k <= MAX_WAIT:
+            start = budget + k
+            assert forced_at == [start <= i < start + len(m.forced) for i in range(len(forced_at))]
+            assert tuple(req.output_ids[start : start + len(m.forced)]) == m.forced
+        else:
+            assert not any(forced_at), (k, forced_at)
+
+
+def _packed(vocab: int, ids: list[int]) -> np.ndarray:
+    bits = np.zeros(-(-vocab // 32) * 32, dtype=np.uint8)
+    bits[ids] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 @pytest.fixture(scope="module")
