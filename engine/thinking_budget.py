@@ -29,7 +29,7 @@ does not allow would leave the row no token, or break the grammar. Before the fi
 token the close waits, a step at a time (at most MAX_WAIT), for the grammar to allow it: a
 grammar over text (integrations/reasoned_json.py) allows no newline in the middle of a
 multi-byte character, whose bytes come in several tokens; after that, or once the close has
-begun, a refusal drops the budget.
+begun, a refusal drops the budget (a grammar that never allows the close).
 
 Weak point: without a grammar nothing tells the middle of a character, so a budget that ends
 there closes the block inside it and the reasoning text ends in a replacement character
@@ -51,7 +51,9 @@ CLOSE = "</think>"
 FORCED_TEXT = "\n" + CLOSE + "\n\n"  # as the chat templates end a think block
 
 FIRST, COUNTING, FORCING, DONE = "first", "counting", "forcing", "done"
-MAX_WAIT = 3  # steps the close may wait for a grammar to allow it: a character's last bytes
+# Steps the close may wait for a grammar to allow it: a character's last bytes, which may
+# run into the next character's (byte-fallback text: a rare script, a random model's output).
+MAX_WAIT = 16
 
 
 class _Vocab(Protocol):

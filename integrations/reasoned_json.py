@@ -10,16 +10,18 @@ constraint is this Lark grammar (llguidance's syntax), not the bare schema:
     start: free <[</think>]> WS? %json {schema}
     free: TEXT? (<[other added tokens]> TEXT?)*
     TEXT: /(?s:.+)/ & ~/(?s:.*)<\\/think>(?s:.*)/
-    WS: /[ \\t\\r\\n]+/
+    WS: /[ \\t\\r\\n]{1,4}/
 
 - reasoning is free text up to `</think>` (named by id, as strict_tools.py names a call's
   opener; TEXT can never spell it out of plain tokens), and may hold the model's other added
   tokens, but not its end-of-sequence ones: an end inside the reasoning would end the request
   with no answer at all;
-- the JSON follows the block's end and optional whitespace, with the separators json.dumps
+- the JSON follows the block's end and a little whitespace (the templates write two
+  newlines; more would only let a weak model ramble in it), with the separators json.dumps
   writes (constrained.JSON_OPTIONS, as every schema here), and the request ends with it;
 - the thinking budget (engine/thinking_budget.py) forces `\\n</think>\\n\\n`, which the grammar
-  takes: a budget caps the reasoning before the answer.
+  takes: a budget caps the reasoning before the answer (in the middle of a multi-byte
+  character the grammar takes no newline: the close waits for the character to end).
 
 Only where the prompt opens the block: a template whose model opens it itself (Qwen3's hybrid
 template in thinking mode writes no `<think>` in the prompt) keeps the schema from the first
@@ -59,6 +61,6 @@ def reasoned_json_grammar(
             f"start: free <[{close_id}]> WS? %json {json.dumps(answer)}",
             f"free: {free}",
             f"TEXT: /(?s:.+)/ & ~/(?s:.*){regex_literal(CLOSE)}(?s:.*)/",
-            "WS: /[ \\t\\r\\n]+/",
+            "WS: /[ \\t\\r\\n]{1,4}/",
         ]
     )

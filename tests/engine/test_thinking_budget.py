@@ -54,12 +54,13 @@ def test_the_forced_close_comes_after_the_budget_and_nowhere_else(rng_seed, open
     m = _markers(rng, vocab)
     for _ in range(20):
         budget = rng.randint(0, 8)
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
-        prompt = [t for t in prompt if t not in (m.open_id, m.close_id)] or [0]
+        text = [t for t in range(vocab) if t not in (m.open_id, m.close_id)]  # no marker
+        prompt = [rng.choice(text) for _ in range(rng.randint(1, 6))]
+        word = rng.choice(text)
         if opening == "prompt":  # opened, maybe after an earlier closed block
-            prompt += rng.choice([[], [m.open_id, 1, m.close_id]]) + [m.open_id, 1]
+            prompt += rng.choice([[], [m.open_id, word, m.close_id]]) + [m.open_id, word]
         elif rng.random() < 0.5:  # a closed block in the prompt opens nothing
-            prompt += [m.open_id, 1, m.close_id]
+            prompt += [m.open_id, word, m.close_id]
         sp = SamplingParams(max_tokens=50, thinking_token_budget=budget)
         req = Request("r0", prompt, sp)
         req.status = Status.RUNNING

@@ -21,3 +21,15 @@ def thinking_demo(demo: Path, folder: Path) -> Path:
     config["chat_template"] = config["chat_template"].replace(CLOSED, OPENS)
     config_path.write_text(json.dumps(config))
     return folder
+
+
+def check_close(tokens: list[str], budget: int, max_wait: int) -> int:
+    """The index of the block's `</think>` in a reasoned answer's token strings, checked: the
+    model's own close within its budget, or the forced one (`\\n</think>`) at the budget, or up
+    to `max_wait` steps later (a multi-byte character the grammar would not break)."""
+    assert "</think>" in tokens, tokens
+    close = tokens.index("</think>")
+    if close < budget:  # the model closed the block itself
+        return close
+    assert tokens[close - 1] == "\n" and budget <= close - 1 <= budget + max_wait, (budget, tokens)
+    return close

@@ -12,10 +12,11 @@ import random
 import jsonschema
 import pytest
 from starlette.testclient import TestClient
-from thinking_model import thinking_demo
+from thinking_model import check_close, thinking_demo
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.engine.thinking_budget import MAX_WAIT
 from freetoken_agent.integrations.server import create_app
 
 
@@ -61,8 +62,7 @@ def test_the_model_reasons_then_answers_the_schema(thinking_client, rng_seed):
         jsonschema.validate(json.loads(choice["message"]["content"]), schema)
         tokens = [e["token"] for e in choice["logprobs"]["content"]]
         # The block's `budget` tokens, then its forced end, then the answer.
-        assert tokens[budget : budget + 2] == ["\n", "</think>"], (budget, tokens)
-        if budget > 1:
+        if check_close(tokens, budget, MAX_WAIT) > 1:
             assert choice["message"].get("reasoning_content"), choice["message"]
 
 
