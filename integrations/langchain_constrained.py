@@ -40,23 +40,14 @@ class ForcedFormat:
         prompt = self.inner.render(messages, tools, add_generation_prompt, **kw)
         self.opened = prompt_opens_reasoning(prompt.text)
         suffix = (THINK_END if self.opened else "") + self.opener
-        if not suffix:
-            return prompt
-        ids = self.tokenizer.backend.encode(suffix, add_special_tokens=False).ids
-        return Prompt(
-            prompt.token_ids + list(ids),
-            prompt.text + suffix,
-            prompt.anchors,
-            prompt.messages,
-            prompt.generation_prefix + suffix,
-        )
+        return with_suffix(prompt, suffix, self.tokenizer)
 
 
 class OpenedReasoning:
     """A ChatFormat whose prompts leave a think block open: a JSON answer after the reasoning
     (integrations/reasoned_json.py) has its grammar start inside the block. The format was
     chosen because its generation prompt opens one (ChatFormat.opens_reasoning); a prompt that
-    does not is given `<think>\n`, so the grammar and the prompt always agree."""
+    does not is given `<think>\\n`, so the grammar and the prompt always agree."""
 
     def __init__(self, inner: ChatFormat) -> None:
         self.inner = inner
@@ -64,17 +55,23 @@ class OpenedReasoning:
 
     def render(self, messages, tools=None, add_generation_prompt: bool = True, **kw) -> Prompt:
         prompt = self.inner.render(messages, tools, add_generation_prompt, **kw)
-        if prompt_opens_reasoning(prompt.text):
-            return prompt
-        suffix = THINK_OPEN + "\n"
-        ids = self.tokenizer.backend.encode(suffix, add_special_tokens=False).ids
-        return Prompt(
-            prompt.token_ids + list(ids),
-            prompt.text + suffix,
-            prompt.anchors,
-            prompt.messages,
-            prompt.generation_prefix + suffix,
-        )
+        opened = prompt_opens_reasoning(prompt.text)
+        return with_suffix(prompt, "" if opened else THINK_OPEN + "\n", self.tokenizer)
+
+
+def with_suffix(prompt: Prompt, suffix: str, tokenizer: Any) -> Prompt:
+    """`prompt` with `suffix` after it, as part of the generation prefix (which the Session
+    counts as sent); `prompt` itself when there is none."""
+    if not suffix:
+        return prompt
+    ids = tokenizer.backend.encode(suffix, add_special_tokens=False).ids
+    return Prompt(
+        prompt.token_ids + list(ids),
+        prompt.text + suffix,
+        prompt.anchors,
+        prompt.messages,
+        prompt.generation_prefix + suffix,
+    )
 
 
 class PrefedParser:
