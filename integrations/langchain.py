@@ -15,7 +15,9 @@ Why it is built this way:
   Cancelling an async call or hitting `timeout` aborts the engine request (at its next step).
 - A forced tool call (`tool_choice` "any"/"required"/a name) and `with_structured_output(
   method="json_schema")` use constrained decoding: the output is valid JSON for the schema even
-  from a weak model. Such turns do not think (the grammar starts at the first token).
+  from a weak model. A forced call does not think (the grammar starts at the first token); a
+  structured answer does where the template opens a think block (reasoning, then the JSON:
+  integrations/reasoned_json.py; `thinking_token_budget` caps it).
   `method="json_mode"` constrains the answer to some JSON object (the prompt names the keys).
 - `bind_tools(..., parallel_tool_calls=False)` keeps OpenAI's promise of at most one call: the
   generation stops at the first complete call (FirstCallOnly, shared with the server).
