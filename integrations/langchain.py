@@ -79,6 +79,7 @@ from freetoken_agent.integrations.langchain_messages import (
     to_history,
     tool_names,
 )
+from freetoken_agent.integrations.langchain_profile import model_profile
 from freetoken_agent.integrations.langchain_runtime import (
     GenerationError,
     GenerationTimeout,
@@ -91,6 +92,18 @@ from freetoken_agent.integrations.langchain_structured import structured_runnabl
 from freetoken_agent.integrations.openai_logprobs import TokenStrings
 
 __all__ = ["ChatFreeToken", "GenerationError", "GenerationTimeout"]
+
+# The fields that tell two models' replies apart: LangChain's cache key (_identifying_params).
+_KEYED = (
+    "device",
+    "policy",
+    *(k for k in SAMPLING_OPTIONS if k != "top_k"),  # top_k: a call's option only
+    "continue_final_message",
+    "logprobs",
+    "top_logprobs",
+    "n",
+    "reasoning",
+)
 
 
 class ChatFreeToken(BaseChatModel):
@@ -198,26 +211,7 @@ class ChatFreeToken(BaseChatModel):
         return None if session is None else session.last_prompt
 
     def _resolve_model_profile(self) -> ModelProfile | None:
-        service = self.service
-        sources = getattr(service.tokenizer, "chat_template_sources", {}) or {}
-        thinks = any("<think>" in s or "enable_thinking" in s for s in sources.values())
-        limit = int(service.engine.max_model_len)
-        return ModelProfile(
-            max_input_tokens=limit - 1,  # at least one token must be generated
-            max_output_tokens=limit - 1,
-            text_inputs=True,
-            text_outputs=True,
-            image_inputs=False,
-            audio_inputs=False,
-            video_inputs=False,
-            pdf_inputs=False,
-            reasoning_output=thinks,
-            tool_calling=True,
-            tool_choice=True,
-            tool_call_streaming=True,
-            structured_output=True,
-            temperature=True,
-        )
+        return model_profile(self.service)
 
     @classmethod
     def is_lc_serializable(cls) -> bool:
@@ -231,30 +225,11 @@ class ChatFreeToken(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self.model_name,
-            "device": self.device,
-            "policy": self.policy,
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "min_p": self.min_p,
-            "min_tokens": self.min_tokens,
-            "logit_bias": self.logit_bias,
-            "thinking_token_budget": self.thinking_token_budget,
-            "continue_final_message": self.continue_final_message,
-            "logprobs": self.logprobs,
-            "top_logprobs": self.top_logprobs,
-            "n": self.n,
-            # Not "stop": LangChain's cache key sets that to the call's stop, None without one,
-            # and two models with different stops would share cached replies.
-            "model_stop": self.stop,
-            "reasoning": self.reasoning,
-        }
+        params = {"model_name": self.model_name, **{k: getattr(self, k) for k in _KEYED}}
+        # Not "stop": LangChain's cache key sets that to the call's stop, None without one,
+        # and two models with different stops would share cached replies.
+        params["model_stop"] = self.stop
+        return params
 
     def get_token_ids(self, text: str) -> list[int]:
         return self.service.tokenizer.encode(text)
