@@ -48,6 +48,11 @@ class OutputState:
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that cut the text, once one did
 
+    @property
+    def mid_character(self) -> bool:
+        """Whether the output so far ends inside a character (its detokenizer holds tokens)."""
+        return self.detok is not None and self.detok.pending
+
     def push(self, token_id: int) -> str:
         """Add a token; returns the text that is now final. Sets `stopped` when a stop string
         appears (the text is cut just before it)."""

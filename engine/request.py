@@ -51,6 +51,9 @@ class Request:
     # overlap a drawn token may not be accepted yet (logits_processors.py).
     num_sampled: int = 0
     prefilling: bool = True  # from admission until the first token sampled after it
+    # Its output ends inside a character (a multi-byte one whose bytes come in several
+    # tokens): set at each accept; the thinking budget's close waits for the character.
+    mid_character: bool = False
     use_prefix_cache: bool = True
     score_only: bool = False  # compute logits at every position, sample nothing
     finish_reason: str | None = None

@@ -126,6 +126,7 @@ class RequestOutcomes:
             text = state.release(final=True)
         else:
             text = state.push(token)
+            req.mid_character = state.mid_character  # the thinking budget's close waits
             if state.stopped:
                 reason = "stop"
             elif self.grammars.advance(req.id, token):  # the JSON is complete: nothing follows

@@ -31,9 +31,10 @@ grammar over text (integrations/reasoned_json.py) allows no newline in the middl
 multi-byte character, whose bytes come in several tokens; after that, or once the close has
 begun, a refusal drops the budget (a grammar that never allows the close).
 
-Weak point: without a grammar nothing tells the middle of a character, so a budget that ends
-there closes the block inside it and the reasoning text ends in a replacement character
-(llama.cpp waits for the character to complete first).
+The close does not split a character either: while the output ends inside one (its bytes come
+in several tokens; `Request.mid_character`, which the detokenizer tells at each accept), the
+close waits a step, as llama.cpp's budget waits for UTF-8 to complete (at most MAX_WAIT steps
+in all, shared with a grammar's waits).
 
 Cost: host work only, O(1) a step per budgeted row (each output token is looked at once);
 two launches a forced token.
@@ -135,6 +136,9 @@ def forced_token(req: Request, state: BudgetState, markers: ThinkingMarkers) -> 
         state.state, state.forced_from = FORCING, n
     if state.state == FORCING:
         j = n - state.forced_from
+        if j == 0 and req.mid_character and state.waited < MAX_WAIT:
+            state.forced_from, state.waited = n + 1, state.waited + 1  # the character first
+            return None
         if j < len(markers.forced):
             return markers.forced[j]
         state.state = DONE

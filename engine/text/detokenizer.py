@@ -87,6 +87,12 @@ class IncrementalDetokenizer:
         return "".join(self._parts)
 
     @property
+    def pending(self) -> bool:
+        """Whether tokens are held back: the text ends inside a character (or a decoder's
+        leading-space quirk), which a later token completes."""
+        return len(self._ids) > self._read
+
+    @property
     def window(self) -> int:
         """Tokens currently kept for decoding (bounded; exposed for tests)."""
         return len(self._ids)

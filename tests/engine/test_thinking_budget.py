@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from overlap_runs import both_loops
+from thinking_model import forced_close_at
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
@@ -139,6 +140,32 @@ def test_the_close_waits_for_a_grammar_to_allow_it(rng_seed):
             assert not any(forced_at), (k, forced_at)
 
 
+def test_the_close_waits_for_a_character_to_end(rng_seed):
+    """An output that ends inside a character for k steps at the budget (Request.mid_character,
+    the detokenizer's word): the close begins when the character is whole, at most MAX_WAIT
+    steps late; past that it begins anyway."""
+    rng = random.Random(rng_seed)
+    vocab = rng.randint(40, 120)
+    m = _markers(rng, vocab)
+    text = [t for t in range(vocab) if t not in m.forced and t != m.open_id]
+    for k in (0, rng.randint(1, MAX_WAIT), MAX_WAIT + rng.randint(1, 3)):
+        budget = rng.randint(0, 4)
+        req = Request("c", [m.open_id], SamplingParams(max_tokens=60, thinking_token_budget=budget))
+        req.status = Status.RUNNING
+        forced_at = []
+        for step in range(budget + k + len(m.forced) + 2):
+            req.mid_character = budget <= step < budget + k
+            logits = torch.randn(1, vocab)
+            before = logits.clone()
+            apply_processors(logits, [req], thinking=m)
+            forced_at.append(not torch.equal(logits, before))
+            token = int(logits[0].argmax()) if forced_at[-1] else rng.choice(text)
+            req.output_ids.append(token)
+            req.num_sampled += 1
+        start = budget + min(k, MAX_WAIT)
+        assert forced_at == [start <= i < start + len(m.forced) for i in range(len(forced_at))]
+
+
 def _packed(vocab: int, ids: list[int]) -> np.ndarray:
     bits = np.zeros(-(-vocab // 32) * 32, dtype=np.uint8)
     bits[ids] = 1
@@ -169,7 +196,7 @@ def test_on_the_demo_model_in_both_loops(model_dir, rng_seed):
     budget = rng.randint(0, 10)
     most = budget + len(m.forced) + rng.randint(1, 6)
     options = {"temperature": rng.choice([0, 0.8]), "seed": rng.randrange(1 << 30),
-               "ignore_eos": True, "max_tokens": most}  # fmt: skip
+               "ignore_eos": True, "max_tokens": most + MAX_WAIT}  # fmt: skip
     budgeted = SamplingParams(thinking_token_budget=budget, **options)
     free = SamplingParams(**options)
     unbudgeted = engine.generate(prompts[0], free).token_ids
@@ -183,8 +210,9 @@ def test_on_the_demo_model_in_both_loops(model_dir, rng_seed):
     if m.close_id in unbudgeted[:budget]:  # the model closed it itself: nothing forced
         assert tokens[0] == unbudgeted, where
     else:
-        assert tokens[0][:budget] == unbudgeted[:budget], where
-        assert tuple(tokens[0][budget : budget + len(m.forced)]) == m.forced, where
+        decode = engine.tokenizer.decode
+        start = forced_close_at(tokens[0], m.forced, budget, MAX_WAIT, decode)
+        assert tokens[0][:start] == unbudgeted[:start], where  # a wait's tokens: the model's
     assert tokens[1] == alone
 
 
@@ -213,15 +241,16 @@ def test_the_engine_default_applies_where_a_request_sets_none(model_dir, tmp_pat
     m = engine.thinking
     prompt = [rng.randrange(3, 1000) for _ in range(5)]
     prompt += engine.tokenizer.encode("<|im_start|>assistant\n<think>\n")
-    common = {"temperature": 0, "ignore_eos": True, "max_tokens": 10 + len(m.forced) + 2}
+    common = {"temperature": 0, "ignore_eos": True,
+              "max_tokens": 10 + MAX_WAIT + len(m.forced) + 2}  # fmt: skip
     free = SamplingParams(**common)
     unbudgeted = Engine.load(model_dir, device="cpu", progress=False, kv_tokens=4096,
                              max_model_len=512).generate(prompt, free).token_ids  # fmt: skip
     for sp, budget in ((free, default), (SamplingParams(thinking_token_budget=own, **common), own)):
         tokens = engine.generate(prompt, sp).token_ids
         if m.close_id not in unbudgeted[:budget]:
-            assert tokens[:budget] == unbudgeted[:budget]
-            assert tuple(tokens[budget : budget + len(m.forced)]) == m.forced, (budget, tokens)
+            start = forced_close_at(tokens, m.forced, budget, MAX_WAIT, engine.tokenizer.decode)
+            assert tokens[:start] == unbudgeted[:start]
     assert free.thinking_token_budget is None
     with pytest.raises(ValueError, match="thinking_budget"):
         Engine.load(model_dir, device="cpu", progress=False, thinking_budget=-1)

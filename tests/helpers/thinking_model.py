@@ -33,3 +33,20 @@ def check_close(tokens: list[str], budget: int, max_wait: int) -> int:
         return close
     assert tokens[close - 1] == "\n" and budget <= close - 1 <= budget + max_wait, (budget, tokens)
     return close
+
+
+def forced_close_at(tokens: list[int], forced: tuple[int, ...], budget: int, max_wait: int,
+                    decode) -> int:  # fmt: skip
+    """Where the forced close begins in a budgeted request's output `tokens`: at the budget,
+    or later while the text ended inside a character (never past `max_wait` steps), checked
+    with `decode` (ids -> text) on the output alone."""
+    for start in range(budget, budget + max_wait + 1):
+        if tuple(tokens[start : start + len(forced)]) == forced:
+            break
+    else:
+        raise AssertionError(f"no forced close within {max_wait} steps of {budget}: {tokens}")
+    if start > budget:  # it waited: the text at the budget ended inside a character
+        assert decode(tokens[:budget]).endswith("\ufffd"), (budget, start, tokens)
+    if start < budget + max_wait:  # and it stopped waiting when the character was whole
+        assert not decode(tokens[:start]).endswith("\ufffd"), (budget, start, tokens)
+    return start
