@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import string
 from pathlib import Path
 from typing import Any
@@ -21,24 +20,16 @@ import jsonschema
 import pytest
 from langchain_core.messages import AIMessageChunk, HumanMessage
 from langchain_deepseek import ChatDeepSeek
+from thinking_model import thinking_demo
+
+from freetoken_agent.engine.thinking_budget import MAX_WAIT
 
 MODEL = "demo-thinking"
-# The demo template's generation prompt, and the same opening a think block unless the caller
-# turned thinking off (the Qwen3 convention, which the demo template already follows for off).
-_PLAIN_TAIL = "{%- if enable_thinking is defined and enable_thinking is false %}\n{{- '<think>\\n\\n</think>\\n\\n' }}\n{%- endif %}"  # noqa: E501
-_THINKING_TAIL = "{%- if enable_thinking is defined and enable_thinking is false %}\n{{- '<think>\\n\\n</think>\\n\\n' }}\n{%- else %}\n{{- '<think>\\n' }}\n{%- endif %}"  # noqa: E501
 
 
 @pytest.fixture(scope="module")
 def thinking_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("thinking") / MODEL
-    shutil.copytree(model_dir, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    assert config["chat_template"].count(_PLAIN_TAIL) == 1, "the demo template changed"
-    config["chat_template"] = config["chat_template"].replace(_PLAIN_TAIL, _THINKING_TAIL)
-    config_path.write_text(json.dumps(config))
-    return folder
+    return thinking_demo(model_dir, tmp_path_factory.mktemp("thinking") / MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +123,12 @@ def test_chat_deepseek_forced_tool_call_under_thinking(server, rng_seed, nothing
     nothing_held(server.state.service)
 
 
-def test_a_json_answer_under_thinking_comes_as_content(server, rng_seed):
-    """A response_format on a model whose template opens a think block: the grammar holds the
-    output to the JSON from its first token, so the block is closed in the prompt and the JSON
-    is the answer's content (it was read as reasoning, the content left empty), streamed or
-    not; with tool_choice "none" too."""
+def test_a_json_answer_under_thinking_follows_the_reasoning(server, rng_seed):
+    """A response_format on a model whose template opens a think block: the model reasons (a
+    thinking budget caps it: the random weights never close the block themselves), then the
+    grammar holds the answer to the schema, and the JSON is the answer's content, streamed or
+    not; with tool_choice "none" too. With thinking off the block is closed in the prompt and
+    the JSON comes from the first token."""
     rng = random.Random(rng_seed)
     schema = {
         "type": "object",
@@ -144,14 +136,19 @@ def test_a_json_answer_under_thinking_comes_as_content(server, rng_seed):
         "required": ["n"],
         "additionalProperties": False,
     }
+    thinking = rng.random() < 0.7
+    budget = rng.randint(3, 8)
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": _text(rng)}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
-        "max_tokens": 64,
+        "max_tokens": 64 + budget + MAX_WAIT,
         "temperature": 1.0,
         "seed": rng_seed,
+        "thinking_token_budget": budget,
     }
+    if not thinking:
+        body["chat_template_kwargs"] = {"enable_thinking": False}
     if rng.random() < 0.5:
         body["tools"] = [{"type": "function", "function": {"name": "noop"}}]
         body["tool_choice"] = "none"
@@ -161,7 +158,7 @@ def test_a_json_answer_under_thinking_comes_as_content(server, rng_seed):
         with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
             lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert whole["finish_reason"] == "stop", whole
-    assert not whole["message"].get("reasoning_content"), whole
+    assert bool(whole["message"].get("reasoning_content")) == thinking, whole
     jsonschema.validate(json.loads(whole["message"]["content"]), schema)
     deltas = [json.loads(x)["choices"][0]["delta"] for x in lines[:-1] if json.loads(x)["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == whole["message"]["content"]
