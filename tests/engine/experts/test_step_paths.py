@@ -10,7 +10,7 @@ from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.experts.fill_races import MIN_RACES
-from freetoken_agent.engine.experts.split_trials import DROP_FACTOR
+from freetoken_agent.engine.experts.split_trials import CLEAR_MARGIN, DROP_FACTOR
 from freetoken_agent.engine.experts.step_paths import PATHS, PathTrials
 
 
@@ -43,7 +43,12 @@ def test_trials_time_the_paths_and_keep_the_fastest(rng_seed, shared, split):
     }
     # a block's first step is not a sample: block - 1 a block
     assert all(len(s) == (block - 1) * rotations for s in trials._samples.values())
-    for _ in range(period):
+    # The period, twice as long after a clear first win (the back-off: split_trials.py).
+    measured = trials.medians()
+    best = measured[trials.chosen]
+    clear = min(t for p, t in measured.items() if p != trials.chosen) >= (1 + CLEAR_MARGIN) * best
+    assert trials.period_now == (2 * period if clear else period), (measured, period)
+    for _ in range(trials.period_now):
         assert trials.path == trials.chosen
         trials.step_done(1.0)
     assert trials.exploring  # measured again after the period
