@@ -124,6 +124,10 @@ class SamplingParams:
     # vLLM's: as `logprobs`, for each prompt token at the position before it (the first has
     # none); such a request reuses no cached prefix (engine/prompt_logprobs.py).
     prompt_logprobs: int | None = None
+    # The grammar ends the output with an answer it holds (a JSON answer after the reasoning:
+    # integrations/reasoned_json.py): stop strings and stop ids do not apply, as under
+    # json_schema. Only with `grammar`.
+    grammar_holds_answer: bool = False
     # vLLM's: the most tokens a think block may take; then "\n</think>\n\n" is forced and the
     # model answers (engine/thinking_budget.py). None: no limit; 0: no thinking. Only for
     # models whose vocabulary has <think> and </think> (the engine refuses it otherwise).
@@ -247,6 +251,12 @@ class SamplingParams:
                 return [("response_format", disagree)]
             if schema is not None:
                 self.json_schema = schema
+        if not isinstance(self.grammar_holds_answer, bool) or (
+            self.grammar_holds_answer and self.grammar is None
+        ):
+            got = f"{self.grammar_holds_answer!r:.40}"
+            return [("grammar_holds_answer", f"grammar_holds_answer is true or false, and true "
+                                             f"only with a grammar; got {got}")]  # fmt: skip
         if self.grammar is not None:
             if not isinstance(self.grammar, str) or not self.grammar.strip():
                 got = f"{self.grammar!r:.60}"
@@ -273,7 +283,7 @@ class SamplingParams:
         """Whether stop strings and stop ids end the request: not while a JSON schema holds
         the output, whose grammar decides where it ends (a stop string or id met inside the
         JSON cut it short, and the request ended "stop" with text that does not parse)."""
-        return self.json_schema is None
+        return self.json_schema is None and not self.grammar_holds_answer
 
     def ends_with(self, token: int, eos_token_ids: frozenset[int]) -> bool:
         """Whether `token` ends the request by its id: a stop id (while stops apply) or EOS

@@ -136,6 +136,10 @@ def forced_token(req: Request, state: BudgetState, markers: ThinkingMarkers) -> 
         state.state, state.forced_from = FORCING, n
     if state.state == FORCING:
         j = n - state.forced_from
+        if j == 0 and markers.close_id in out[state.seen :]:  # closed by the model meanwhile
+            state.state = DONE
+            return None
+        state.seen = max(state.seen, n)
         if j == 0 and req.mid_character and state.waited < MAX_WAIT:
             state.forced_from, state.waited = n + 1, state.waited + 1  # the character first
             return None

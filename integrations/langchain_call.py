@@ -130,7 +130,13 @@ def prepare_call(
     reasoned = mode == "json" and grammar is not None
     key = json.dumps([shown, mode, allowed, schema, reasoned], sort_keys=True, default=str)
     binding = Binding(key, shown, mode, allowed, schema, reasoned)
-    sampling = SamplingParams(**options, stop=stops, json_schema=constraint, grammar=grammar)
+    sampling = SamplingParams(
+        **options,
+        stop=stops,
+        json_schema=constraint,
+        grammar=grammar,
+        grammar_holds_answer=reasoned,
+    )
     if continuing:
         _check_continuable(messages, constraint is not None)
     history = to_history(messages)

@@ -16,6 +16,8 @@ constraint is this Lark grammar (llguidance's syntax), not the bare schema:
   opener; TEXT can never spell it out of plain tokens), and may hold the model's other added
   tokens, but not its end-of-sequence ones: an end inside the reasoning would end the request
   with no answer at all;
+- stop strings and stop ids do not apply (`SamplingParams.grammar_holds_answer`), as under a
+  bare schema: a stop met inside the JSON would cut it;
 - the JSON follows the block's end and a little whitespace (the templates write two
   newlines; more would only let a weak model ramble in it), with the separators json.dumps
   writes (constrained.JSON_OPTIONS, as every schema here), and the request ends with it;
@@ -36,6 +38,7 @@ from collections.abc import Collection
 from typing import Any
 
 from freetoken_agent.engine.constrained import JSON_OPTIONS
+from freetoken_agent.engine.outputs import SchemaError
 from freetoken_agent.integrations.constrained_output import inline
 from freetoken_agent.integrations.strict_tools import regex_literal
 from freetoken_agent.parsers.reasoning import CLOSE, OPEN
@@ -55,7 +58,14 @@ def reasoned_json_grammar(
         return None
     others = [i for i in added if i != close_id and i not in end_ids]
     free = f"TEXT? (<[{','.join(map(str, others))}]> TEXT?)*" if others else "TEXT?"
-    answer = {**inline(schema), "x-guidance": JSON_OPTIONS}
+    try:
+        inlined = inline(schema)  # nested in the grammar, its $refs must resolve
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        # As the grammar compiler refuses a schema: the front-ends name the field for it.
+        raise SchemaError(
+            f"a $ref in the schema cannot be resolved ({type(e).__name__}: {e})"
+        ) from None
+    answer = {**inlined, "x-guidance": JSON_OPTIONS}
     return "\n".join(
         [
             f"start: free <[{close_id}]> WS? %json {json.dumps(answer)}",

@@ -19,10 +19,13 @@ Fields:
 - `thinking`: {type: "enabled" | "adaptive" | "between_tools"} -> chat_template_kwargs
   enable_thinking true, {type: "disabled"} -> false, absent -> the template's default.
   `budget_tokens` -> thinking_token_budget: the think block is closed for the model after
-  that many tokens (engine/thinking_budget.py). Anthropic's own floor (1024) and its rule that
-  the budget stay under max_tokens are not imposed: a small local model may want less, and
-  max_tokens bounds the whole reply anyway. `display` ("omitted" would hide the thinking
-  text) is not honoured: the thinking is always shown.
+  that many tokens (engine/thinking_budget.py); for a model without think tokens it is dropped
+  (`budgets=False`), as Anthropic clients send one whenever thinking is on, and such a model
+  has no block to end (the chat route's explicit thinking_token_budget is refused there).
+  Anthropic's own floor (1024) and its rule that the budget stay under max_tokens are not
+  imposed: a small local model may want less, and max_tokens bounds the whole reply anyway.
+  `display` ("omitted" would hide the thinking text) is not honoured: the thinking is always
+  shown.
 - `output_format` / `output_config.format` (structured outputs) are refused by name; the rest of
   `output_config` (effort) and unknown fields are ignored, as the chat route ignores them.
 
@@ -173,8 +176,9 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
         raise BadParam(f"mcp_servers is not supported: {_NO_SERVER_TOOLS}", "mcp_servers")
 
 
-def openai_body(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The OpenAI chat body of an Anthropic one, and its messages' origins."""
+def openai_body(body: Mapping[str, Any], budgets: bool = True) -> tuple[dict[str, Any], list[str]]:
+    """The OpenAI chat body of an Anthropic one, and its messages' origins; `budgets`: the
+    model has think tokens, so `thinking.budget_tokens` is passed on."""
     _refuse_unserved(body)
     history = openai_history(body.get("system"), body.get("messages"))
     out = {key: body[key] for key in _SAME if key in body}
@@ -189,7 +193,7 @@ def openai_body(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "parallel_tool_calls": parallel,
         "chat_template_kwargs": None if thinking is None else {"enable_thinking": thinking},
         "continue_final_message": _continues(body.get("messages")),
-        "thinking_token_budget": budget,
+        "thinking_token_budget": budget if budgets else None,
     }
     out.update((key, value) for key, value in extra.items() if value is not None)
     return out, history.origins
@@ -226,14 +230,16 @@ def parse_messages_request(
     names: Collection[str],
     *,
     counting: bool = False,
+    budgets: bool = True,
 ) -> MessagesRequest:
-    """The checked request; `counting` (count_tokens): max_tokens is not required."""
+    """The checked request; `counting` (count_tokens): max_tokens is not required; `budgets`:
+    as `openai_body`'s."""
     if not isinstance(body, Mapping):
         raise BadParam(f"the request body must be a JSON object, got {type(body).__name__}")
     check_model(body.get("model"), served, names)  # first, as the chat route does
     if not counting and body.get("max_tokens") is None:
         raise BadParam("max_tokens is required: the most tokens to generate", "max_tokens")
-    chat_body, origins = openai_body(body)
+    chat_body, origins = openai_body(body, budgets)
     try:
         chat = parse_chat_request(chat_body, default_max)
     except InvalidRequestError as e:

@@ -99,7 +99,11 @@ async def create_message(request: Request) -> Response:
     try:
         body = parse_json_body(await request.body())
         parsed = parse_messages_request(
-            body, state.default_max_tokens, state.model_id, state.model_names
+            body,
+            state.default_max_tokens,
+            state.model_id,
+            state.model_names,
+            budgets=getattr(state.service.engine, "thinking", None) is not None,
         )
         live = state.hub.lookup(request.headers.get("x-session-id"))
     except InvalidRequestError as e:

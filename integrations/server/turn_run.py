@@ -131,7 +131,11 @@ class TurnRun:
                 )
                 if reasoned is not None:  # the schema after the reasoning, in one grammar
                     sampling = dataclasses.replace(
-                        sampling, json_schema=None, response_format=None, grammar=reasoned
+                        sampling,
+                        json_schema=None,
+                        response_format=None,
+                        grammar=reasoned,
+                        grammar_holds_answer=True,
                     )
                 factory = parser_factory(
                     request.tool_choice,

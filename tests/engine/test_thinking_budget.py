@@ -166,6 +166,30 @@ def test_the_close_waits_for_a_character_to_end(rng_seed):
         assert forced_at == [start <= i < start + len(m.forced) for i in range(len(forced_at))]
 
 
+def test_the_model_closing_the_block_during_the_wait_ends_the_budget(rng_seed):
+    """The close waits for a character, and meanwhile the model writes `</think>` itself:
+    nothing is forced after it (a second close would land in the answer)."""
+    rng = random.Random(rng_seed)
+    vocab = rng.randint(40, 120)
+    m = _markers(rng, vocab)
+    text = [t for t in range(vocab) if t not in m.forced and t != m.open_id]
+    budget, wait = rng.randint(0, 4), rng.randint(1, 3)
+    req = Request("w", [m.open_id], SamplingParams(max_tokens=40, thinking_token_budget=budget))
+    req.status = Status.RUNNING
+    for step in range(budget + wait + 8):
+        req.mid_character = budget <= step < budget + wait
+        logits = torch.randn(1, vocab)
+        if step == budget + wait - 1:  # the model's own close, while the wait lasts
+            logits[0, m.close_id] = 50.0
+        before = logits.clone()
+        apply_processors(logits, [req], thinking=m)
+        assert torch.equal(logits, before), step  # nothing forced, ever
+        token = int(logits[0].argmax()) if step == budget + wait - 1 else rng.choice(text)
+        req.output_ids.append(token)
+        req.num_sampled += 1
+    assert req.output_ids.count(m.close_id) == 1
+
+
 def _packed(vocab: int, ids: list[int]) -> np.ndarray:
     bits = np.zeros(-(-vocab // 32) * 32, dtype=np.uint8)
     bits[ids] = 1

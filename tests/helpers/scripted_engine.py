@@ -23,6 +23,7 @@ class ScriptedEngine:
             real.spec,
             real.max_model_len,
         )
+        self.thinking = real.thinking  # the think-block markers (what a budget needs)
         self.replies: list[tuple] = []  # (text, reason) or (text, reason, error)
         self.prompts: list[list[int]] = []
         self.samplings: list = []  # each request's SamplingParams, in order

@@ -13,6 +13,7 @@ from thinking_model import check_close, thinking_demo
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.thinking_budget import MAX_WAIT
 from freetoken_agent.integrations.langchain import ChatFreeToken
 
@@ -43,6 +44,17 @@ def test_structured_output_after_the_reasoning(engine, rng_seed):
     tokens = [e["token"] for e in raw.response_metadata["logprobs"]["content"]]
     if check_close(tokens, budget, MAX_WAIT) > 1:
         assert raw.additional_kwargs.get("reasoning_content"), raw
+
+
+def test_a_bad_ref_is_refused_and_stops_do_not_cut_the_answer(engine, rng_seed):
+    rng = random.Random(rng_seed)
+    llm = ChatFreeToken(engine=engine, temperature=0.8, seed=rng.randrange(1 << 30),
+                        max_tokens=80, thinking_token_budget=rng.randint(0, 4),
+                        stop=[": ", '"'])  # fmt: skip
+    bad = {"title": "Bad", "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+    with pytest.raises(InvalidRequestError, match=r"\$ref"):
+        llm.with_structured_output(bad).invoke("ka")
+    assert isinstance(llm.with_structured_output(Pick).invoke("ka lo mi"), Pick)
 
 
 def test_with_reasoning_off_the_schema_holds_from_the_first_token(engine, rng_seed):

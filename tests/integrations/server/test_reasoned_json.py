@@ -90,3 +90,21 @@ def test_streamed_the_reasoning_comes_before_the_answer(thinking_client, read_ss
     assert kinds.index("content") > max(i for i, k in enumerate(kinds) if k == "reasoning_content")
     answer = "".join(d.get("content") or "" for d in deltas)
     jsonschema.validate(json.loads(answer), schema)
+
+
+def test_refusals_and_stops_under_reasoning(thinking_client, api_error, rng_seed):
+    """A $ref that resolves nowhere is a 400 naming response_format (not a server error);
+    stop strings and stop ids do not cut the answer, as under the bare schema."""
+    rng = random.Random(rng_seed)
+    bad = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+    error = api_error(thinking_client.post("/v1/chat/completions", json=_body(rng, bad, 2)), 400)
+    assert error["param"] == "response_format" and "$ref" in error["message"], error
+    schema = _schema(rng)
+    ids = [thinking_client.post("/tokenize", json={"prompt": s, "add_special_tokens": False})
+           .json()["tokens"] for s in ('"', ":")]  # fmt: skip
+    quote, colon = ids
+    body = _body(rng, schema, rng.randint(0, 4), stop=[": ", '"', "{"],
+                 stop_token_ids=quote + colon)  # fmt: skip
+    choice = thinking_client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)

@@ -63,6 +63,13 @@ def test_anthropic_budget_tokens(scripted_client, rng_seed):
         r = client.post("/v1/messages", json=body)
         assert r.status_code == 200, r.text
         assert fake.samplings[-1].thinking_token_budget == want, thinking
+    # A model without think tokens: the budget Anthropic clients always send is dropped (the
+    # engine would refuse it), not a failure of every thinking request.
+    fake.thinking = None
+    fake.replies = [("ok", "stop")]
+    body["thinking"] = {"type": "enabled", "budget_tokens": budget}
+    assert client.post("/v1/messages", json=body).status_code == 200
+    assert fake.samplings[-1].thinking_token_budget is None
 
 
 def test_the_close_is_forced_after_the_budget(client, engine, rng_seed):
