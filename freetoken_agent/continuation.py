@@ -13,8 +13,9 @@ template's markers or the content itself: a mark that no text holds is appended 
 and the rendering is cut where the mark appears. transformers cuts at the last occurrence of
 the content instead, which a template that trims or rewrites the content (Qwen3's `lstrip`, a
 `trim`) defeats; the mark sits after the content's last character, so whitespace the caller
-wrote at its end is kept, which they asked for. A template that drops the content, renders it
-twice or escapes it leaves no single mark: refused, naming it.
+wrote at its end is kept, which they asked for (a content of whitespace alone is lost where
+the template strips the content's start, as Qwen's `lstrip('\\n')` does). A template that
+drops the content, renders it twice or escapes it leaves no single mark: refused, naming it.
 
 Only text can be continued: a final message with tool calls is refused (its calls are rendered
 after the content, and the model would have to go on from inside a call's JSON). Reasoning given
