@@ -149,6 +149,23 @@ def forced_token(req: Request, state: BudgetState, markers: ThinkingMarkers) -> 
     return None
 
 
+def reasoning_tokens(prompt: list[int], output: list[int], markers: ThinkingMarkers) -> int:
+    """How many of `output`'s tokens are its think block, the tags included (OpenAI's
+    `reasoning_tokens`), by the budget's rule of where a block starts: open at the output's
+    start when the prompt left it open, or opened by the first output token; up to and with
+    its `</think>`, or all of the output when it never closed. 0 when no block opened."""
+    if _last_index(prompt, markers.open_id) > _last_index(prompt, markers.close_id):
+        start = 0
+    elif output and output[0] == markers.open_id:
+        start = 1
+    else:
+        return 0
+    try:
+        return output.index(markers.close_id, start) + 1
+    except ValueError:
+        return len(output)
+
+
 def _last_index(ids: list[int], token: int) -> int:
     """The index of the last `token` in `ids`, -1 if none (a scan from the end, which the
     generation prompt's open tag is near)."""

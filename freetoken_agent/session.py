@@ -35,6 +35,7 @@ from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt, common_prefi
 from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.engine.thinking_budget import ThinkingMarkers, reasoning_tokens
 from freetoken_agent.hooks import ToolHooks, ToolRun, arun_tool, run_tool
 from freetoken_agent.messages import (
     Message,
@@ -70,6 +71,9 @@ class Usage:
     error: str | None = None
     exact: bool = True
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
+    # Of completion_tokens, those of the think block (OpenAI's reasoning_tokens); None for a
+    # model without think tokens (or an engine that does not say).
+    reasoning_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -106,6 +110,15 @@ def _holders(engine: Any) -> tuple[Any, Any, Any]:
         getattr(engine, "engine", None),
         getattr(getattr(engine, "service", None), "engine", None),
     )
+
+
+def _thinking_markers(engine: Any) -> ThinkingMarkers | None:
+    """The think-block markers of the Engine behind what a Session got (None: none known)."""
+    for holder in _holders(engine):
+        markers = getattr(holder, "thinking", None)
+        if isinstance(markers, ThinkingMarkers):
+            return markers
+    return None
 
 
 def context_limit(engine: Any) -> int | None:
@@ -266,7 +279,7 @@ class Session:
             stream.close()  # aborts the request if we were closed early
             if end["started"]:
                 self._record(diff, suffix, out_ids, "".join(out_text), end["reason"] or "abort")
-        usage = self._usage(diff, out_ids, end, before)
+        usage = self._usage(diff, suffix, out_ids, end, before)
         if not end["started"]:  # the engine yielded nothing at all: nothing was sent
             raise RuntimeError("the engine's stream ended without a single event")
         self.turn_stats[-1].update(
@@ -319,13 +332,17 @@ class Session:
             }
         )
 
-    def _usage(self, diff: HistoryDiff, out_ids: list[int], end: dict, before) -> Usage:
+    def _usage(
+        self, diff: HistoryDiff, suffix: list[int], out_ids: list[int], end: dict, before
+    ) -> Usage:
         after = _totals(self.engine)
         reused, prefilled, exact = diff.reused_tokens, diff.prefill_tokens, False
         if before is not None and after is not None and after[2] - before[2] == 1:
             # Exactly one request finished during the turn, so it was ours: the engine's
             # counters moved by our request's figures alone.
             reused, prefilled, exact = after[0] - before[0], after[1] - before[1], True
+        markers = _thinking_markers(self.engine)
+        sent = diff.prompt.token_ids + suffix
         return Usage(
             len(diff.prompt),
             len(out_ids),
@@ -335,6 +352,7 @@ class Session:
             end["error"],
             exact,
             end["stop_string"],
+            None if markers is None else reasoning_tokens(sent, out_ids, markers),
         )
 
     # --- tools ----------------------------------------------------------------------------

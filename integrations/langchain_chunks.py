@@ -201,12 +201,15 @@ class ChunkBuilder:
         u = self.usage
         if u is None:
             return None
-        return UsageMetadata(
+        usage = UsageMetadata(
             input_tokens=u.prompt_tokens,
             output_tokens=u.completion_tokens,
             total_tokens=u.prompt_tokens + u.completion_tokens,
             input_token_details={"cache_read": u.reused_tokens},
         )
+        if u.reasoning_tokens is not None:  # of output_tokens, the think block's (ChatOpenAI's)
+            usage["output_token_details"] = {"reasoning": u.reasoning_tokens}
+        return usage
 
     def response_metadata(self) -> dict[str, Any]:
         meta: dict[str, Any] = {

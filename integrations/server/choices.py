@@ -131,10 +131,12 @@ class Choices:
     @property
     def usage(self) -> Usage | None:
         """The request's usage, as OpenAI counts it over choices: the prompt once (the first
-        choice's figures: its length and what it reused), the completion tokens of all; None
-        until every choice has ended."""
+        choice's figures: its length and what it reused), the completion (and reasoning)
+        tokens of all; None until every choice has ended."""
         usages = [run.usage for run in self.runs]
         if any(u is None for u in usages):
             return None
         total = sum(u.completion_tokens for u in usages)
-        return dataclasses.replace(usages[0], completion_tokens=total)
+        counted = [u.reasoning_tokens for u in usages]
+        reasoning = None if None in counted else sum(counted)
+        return dataclasses.replace(usages[0], completion_tokens=total, reasoning_tokens=reasoning)

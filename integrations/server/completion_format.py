@@ -75,12 +75,15 @@ class Choice(NamedTuple):
 def usage_json(usage: Usage | None) -> dict[str, Any]:
     if usage is None:
         return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    return {
+    out = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.reused_tokens},
     }
+    if usage.reasoning_tokens is not None:  # OpenAI's: of completion_tokens, the reasoning's
+        out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    return out
 
 
 def sse(data: dict[str, Any] | str) -> str:

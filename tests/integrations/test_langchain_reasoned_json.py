@@ -65,3 +65,15 @@ def test_with_reasoning_off_the_schema_holds_from_the_first_token(engine, rng_se
     assert isinstance(out["parsed"], Pick), out
     tokens = [e["token"] for e in out["raw"].response_metadata["logprobs"]["content"]]
     assert "</think>" not in tokens and not out["raw"].additional_kwargs.get("reasoning_content")
+
+
+def test_usage_metadata_counts_the_reasoning(engine, rng_seed):
+    """output_token_details.reasoning (ChatOpenAI's): the think block's tokens, tags included."""
+    rng = random.Random(rng_seed)
+    llm = ChatFreeToken(engine=engine, temperature=0.8, seed=rng.randrange(1 << 30),
+                        max_tokens=30, thinking_token_budget=rng.randint(0, 6),
+                        logprobs=True)  # fmt: skip
+    reply = llm.invoke("ka lo mi")
+    tokens = [e["token"] for e in reply.response_metadata["logprobs"]["content"]]
+    expected = tokens.index("</think>") + 1 if "</think>" in tokens else len(tokens)
+    assert reply.usage_metadata["output_token_details"] == {"reasoning": expected}, tokens

@@ -108,3 +108,24 @@ def test_refusals_and_stops_under_reasoning(thinking_client, api_error, rng_seed
     choice = thinking_client.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def test_usage_counts_the_reasoning_tokens(thinking_client, rng_seed):
+    """completion_tokens_details.reasoning_tokens: the think block's tokens, its tags included
+    (up to and with `</think>`), summed over choices; 0 where no block opened (thinking off)."""
+    rng = random.Random(rng_seed)
+    for thinking in (True, False):
+        n = rng.randint(1, 3)
+        body = {"messages": [{"role": "user", "content": "ka lo mi"}], "n": n, "logprobs": True,
+                "thinking_token_budget": rng.randint(0, 6), "max_tokens": 40,
+                "temperature": 0.8, "seed": rng.randrange(1 << 30)}  # fmt: skip
+        if not thinking:
+            body["chat_template_kwargs"] = {"enable_thinking": False}
+        r = thinking_client.post("/v1/chat/completions", json=body).json()
+        expected = 0
+        for choice in r["choices"]:
+            tokens = [e["token"] for e in choice["logprobs"]["content"]]
+            if thinking:
+                expected += tokens.index("</think>") + 1 if "</think>" in tokens else len(tokens)
+        details = r["usage"]["completion_tokens_details"]
+        assert details == {"reasoning_tokens": expected}, (thinking, r["usage"])
