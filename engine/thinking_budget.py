@@ -94,7 +94,7 @@ class BudgetState:
     start: int = 0  # output index of the first counted token
     seen: int = 0  # output tokens looked at for a close
     forced_from: int = 0  # output index of the first forced token
-    waited: int = 0  # steps the close waited for a grammar to allow it
+    waited: int = 0  # steps the close waited (for a character to end, a grammar to allow it)
 
     def refused(self, n: int) -> None:
         """The row's grammar does not allow this step's forced token (`n`: the output's
@@ -106,12 +106,15 @@ class BudgetState:
             self.state = DONE
 
 
+def prompt_opens(prompt: list[int], markers: ThinkingMarkers) -> bool:
+    """Whether `prompt` leaves a think block open: its last `<think>` comes after its last
+    `</think>` (the template's `<think>\\n` generation prompt)."""
+    return _last_index(prompt, markers.open_id) > _last_index(prompt, markers.close_id)
+
+
 def budget_state(req: Request, markers: ThinkingMarkers) -> BudgetState:
     """The state of a request about to sample its first token (its prompt read once)."""
-    prompt = req.prompt_ids
-    last_open = _last_index(prompt, markers.open_id)
-    opened = last_open > _last_index(prompt, markers.close_id)
-    return BudgetState(COUNTING if opened else FIRST)
+    return BudgetState(COUNTING if prompt_opens(req.prompt_ids, markers) else FIRST)
 
 
 def forced_token(req: Request, state: BudgetState, markers: ThinkingMarkers) -> int | None:
@@ -154,7 +157,7 @@ def reasoning_tokens(prompt: list[int], output: list[int], markers: ThinkingMark
     `reasoning_tokens`), by the budget's rule of where a block starts: open at the output's
     start when the prompt left it open, or opened by the first output token; up to and with
     its `</think>`, or all of the output when it never closed. 0 when no block opened."""
-    if _last_index(prompt, markers.open_id) > _last_index(prompt, markers.close_id):
+    if prompt_opens(prompt, markers):
         start = 0
     elif output and output[0] == markers.open_id:
         start = 1
