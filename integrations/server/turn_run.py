@@ -115,7 +115,6 @@ class TurnRun:
             with live.turn_lock:
                 live.session.tools = request.tools
                 live.session.chat_format = live.formats.get(request.enable_thinking)
-                live.bridge.current = turn
                 turn.on_submit = lambda n: put(_Started(n))
                 turn.on_first_event = lambda event: self._first(loop, event)
                 sampling = turn_sampling(
@@ -147,6 +146,7 @@ class TurnRun:
                     reasoned=reasoned is not None,
                 )
                 one = None if request.parallel_tool_calls else FirstCallOnly(turn.cancel)
+                live.bridge.current = turn  # from here to the `finally` that clears it
                 try:
                     for event in live.session.send(
                         request.messages,
