@@ -133,8 +133,9 @@ def enable_thinking(body: Mapping[str, Any]) -> bool | None:
     return value
 
 
-def continue_final_message(body: Mapping[str, Any]) -> bool:
-    """vLLM's continue_final_message (with add_generation_prompt, see the module docstring)."""
+def generation_flags(body: Mapping[str, Any]) -> tuple[bool, bool | None]:
+    """(continue_final_message, add_generation_prompt), read and checked together (vLLM
+    refuses both true); add_generation_prompt None when absent. /tokenize takes these too."""
     continuing = body_flag(body, "continue_final_message")
     generation = body_flag(body, "add_generation_prompt", None)  # absent: neither way
     if continuing and generation:
@@ -143,6 +144,12 @@ def continue_final_message(body: Mapping[str, Any]) -> bool:
             "goes on with the last message, the second opens a new turn after it",
             "add_generation_prompt",
         )
+    return continuing, generation
+
+
+def continue_final_message(body: Mapping[str, Any]) -> bool:
+    """vLLM's continue_final_message (with add_generation_prompt, see the module docstring)."""
+    continuing, generation = generation_flags(body)
     if generation is False and not continuing:
         raise BadParam(
             "add_generation_prompt=false is supported only with continue_final_message=true "

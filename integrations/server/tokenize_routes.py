@@ -39,7 +39,7 @@ from freetoken_agent.integrations.server.errors import (
     invalid_response,
     parse_json_body,
 )
-from freetoken_agent.integrations.server.foreign_fields import enable_thinking
+from freetoken_agent.integrations.server.foreign_fields import enable_thinking, generation_flags
 from freetoken_agent.integrations.server.tool_choice import parse_tools
 
 log = logging.getLogger("freetoken.server")
@@ -73,13 +73,7 @@ def tokenize_ids(body: Any, state: Any) -> list[int]:
     history = parse_messages(messages)
     tools = parse_tools(body.get("tools"))
     fmt = state.hub.formats.get(enable_thinking(body))
-    generation = body_flag(body, "add_generation_prompt", None)
-    continuing = body_flag(body, "continue_final_message")
-    if continuing and generation:
-        raise BadParam(
-            "continue_final_message and add_generation_prompt cannot both be true",
-            "add_generation_prompt",
-        )
+    continuing, generation = generation_flags(body)  # add_generation_prompt false alone: a count
     rendered = fmt.render(
         history,
         tools=tools,
