@@ -161,12 +161,11 @@ class ChatFormat:
         the history in the templates seen); a template that refuses the probe: False."""
         key = bool(tools)
         if key not in self._opens:
-            probe = [{"role": "user", "content": "?"}]
+            probe, shown = [{"role": "user", "content": "?"}], normalize_tools(tools)
             try:
-                text = self.template(normalize_tools(tools)).render(
-                    probe, tools=normalize_tools(tools), add_generation_prompt=True,
-                    **self.template_kwargs,
-                )  # fmt: skip
+                text = self.template(shown).render(
+                    probe, tools=shown, add_generation_prompt=True, **self.template_kwargs
+                )
             except ChatTemplateError:
                 text = ""
             self._opens[key] = prompt_opens_reasoning(text)

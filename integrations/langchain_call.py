@@ -37,7 +37,7 @@ from freetoken_agent.integrations.langchain_runtime import (
     run_turn,
 )
 from freetoken_agent.integrations.openai_logprobs import chat_logprobs_setting
-from freetoken_agent.integrations.reasoned_json import reasoned_json_grammar
+from freetoken_agent.integrations.reasoned_json import answer_grammar
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
 from freetoken_agent.session import Usage
 
@@ -166,10 +166,7 @@ def reasoned_grammar(
 ) -> str | None:
     """The grammar of reasoning then the JSON answer, where the model's format (for `thinking`)
     opens a think block; None elsewhere (the schema holds from the first token)."""
-    if not chat_format(service, thinking).opens_reasoning(tools):
-        return None
-    ends = getattr(service.engine, "eos_token_ids", ())
-    return reasoned_json_grammar(service.tokenizer, schema, ends)
+    return answer_grammar(chat_format(service, thinking), tools, service, schema)
 
 
 def bias_by_id(bias: Any) -> Any:

@@ -34,7 +34,7 @@ closes. A tokenizer without `<think>` / `</think>` as added tokens gets None: th
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from freetoken_agent.engine.constrained import JSON_OPTIONS
@@ -42,6 +42,18 @@ from freetoken_agent.engine.outputs import SchemaError
 from freetoken_agent.integrations.constrained_output import inline
 from freetoken_agent.integrations.strict_tools import regex_literal
 from freetoken_agent.parsers.reasoning import CLOSE, OPEN
+
+
+def answer_grammar(
+    chat_format: Any, tools: Sequence[Mapping[str, Any]] | None, service: Any, schema: dict
+) -> str | None:
+    """The grammar for a JSON answer to `schema` where `chat_format` (rendering `tools`) opens
+    a think block, for the model behind `service` (an EngineService); None where it opens none
+    (the schema then holds from the first token). The server and ChatFreeToken both ask here."""
+    if not chat_format.opens_reasoning(tools):
+        return None
+    ends = getattr(service.engine, "eos_token_ids", ())
+    return reasoned_json_grammar(service.tokenizer, schema, ends)
 
 
 def reasoned_json_grammar(

@@ -46,7 +46,7 @@ from freetoken_agent.integrations.constrained_output import (
     inline,
     output_schema,
 )
-from freetoken_agent.integrations.reasoned_json import reasoned_json_grammar
+from freetoken_agent.integrations.reasoned_json import answer_grammar
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.errors import BadParam, check_nesting
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
@@ -222,10 +222,7 @@ def reasoned_answer(
     (the tools are rendered as the turn renders them); None otherwise. `engine`: the bridge."""
     if sampling.json_schema is None or choice.forced or call_or_answer:
         return None
-    if not chat_format.opens_reasoning(tools):
-        return None
-    ends = getattr(getattr(engine.service, "engine", None), "eos_token_ids", ())
-    return reasoned_json_grammar(engine.tokenizer, sampling.json_schema, ends)
+    return answer_grammar(chat_format, tools, engine.service, sampling.json_schema)
 
 
 def parser_factory(
