@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import torch
+from packed_masks import packed_mask
 
 from freetoken_agent.engine.logits_processors import apply_processors
 from freetoken_agent.engine.request import Request, Status
@@ -29,13 +29,6 @@ def _running(
     req = Request(f"r{i}", [rng.randrange(3, 50)], sampling, output_ids=output)
     req.status, req.num_sampled = Status.RUNNING, drawn
     return req
-
-
-def _packed(vocab: int, ids: list[int]) -> np.ndarray:
-    """A grammar's packed mask row [W] int32 allowing `ids`."""
-    bits = np.zeros(-(-vocab // 32) * 32, dtype=np.uint8)
-    bits[ids] = 1
-    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 def test_the_end_is_held_back_while_fewer_than_min_tokens_were_drawn(rng_seed):
@@ -81,8 +74,8 @@ def test_a_grammar_that_allows_only_the_end_wins(rng_seed):
     other = rng.choice([t for t in range(vocab) if t not in eos])
     ends = rng.sample(sorted(eos), rng.randint(1, len(eos)))
     masks = {
-        "r0": _packed(vocab, ends),  # the grammar can only end: it wins
-        "r1": _packed(vocab, [*ends, other]),  # it can go on: the end is held back
+        "r0": packed_mask(vocab, ends),  # the grammar can only end: it wins
+        "r1": packed_mask(vocab, [*ends, other]),  # it can go on: the end is held back
     }  # r2: no grammar, held back
     logits = torch.randn(3, vocab)
     before = logits.clone()

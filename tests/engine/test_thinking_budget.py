@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 import random
 
-import numpy as np
 import pytest
 import torch
 from overlap_runs import both_loops
+from packed_masks import packed_mask
 from thinking_model import forced_close_at
 from tiny_models import make_tiny
 
@@ -96,7 +96,7 @@ def test_a_grammar_that_forbids_the_close_drops_the_budget(rng_seed):
     vocab = rng.randint(40, 120)
     m = _markers(rng, vocab)
     allowed = [t for t in range(vocab) if t not in m.forced]
-    mask = _packed(vocab, allowed)
+    mask = packed_mask(vocab, allowed)
     req = Request("g", [m.open_id], SamplingParams(max_tokens=9, thinking_token_budget=0))
     req.status = Status.RUNNING
     for _ in range(4):
@@ -114,8 +114,8 @@ def test_the_close_waits_for_a_grammar_to_allow_it(rng_seed):
     rng = random.Random(rng_seed)
     vocab = rng.randint(40, 120)
     m = _markers(rng, vocab)
-    every = _packed(vocab, list(range(vocab)))
-    no_close = _packed(vocab, [t for t in range(vocab) if t not in m.forced])
+    every = packed_mask(vocab, list(range(vocab)))
+    no_close = packed_mask(vocab, [t for t in range(vocab) if t not in m.forced])
     for k in range(MAX_WAIT + 2):
         budget = rng.randint(0, 4)
         req = Request("g", [m.open_id], SamplingParams(max_tokens=30, thinking_token_budget=budget))
@@ -188,12 +188,6 @@ def test_the_model_closing_the_block_during_the_wait_ends_the_budget(rng_seed):
         req.output_ids.append(token)
         req.num_sampled += 1
     assert req.output_ids.count(m.close_id) == 1
-
-
-def _packed(vocab: int, ids: list[int]) -> np.ndarray:
-    bits = np.zeros(-(-vocab // 32) * 32, dtype=np.uint8)
-    bits[ids] = 1
-    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 @pytest.fixture(scope="module")
