@@ -123,11 +123,12 @@ def prepare_call(
     grammar = None
     if mode == "auto" and constraint is None and any_strict(specs):
         grammar = strict_grammar(service(), specs)
-    if mode == "json" and not continuing:
-        grammar = reasoned_grammar(service(), thinking, shown, constraint)
-    if grammar is not None and mode == "json":
+    reasoned = False
+    if mode == "json" and not continuing:  # after the reasoning, where the format opens it
+        grammar = answer_grammar(chat_format(service(), thinking), shown, service(), constraint)
+        reasoned = grammar is not None
+    if reasoned:
         constraint = None  # held by the grammar, after the reasoning
-    reasoned = mode == "json" and grammar is not None
     key = json.dumps([shown, mode, allowed, schema, reasoned], sort_keys=True, default=str)
     binding = Binding(key, shown, mode, allowed, schema, reasoned)
     sampling = SamplingParams(
@@ -159,14 +160,6 @@ def _check_continuable(messages: list[BaseMessage], constrained: bool) -> None:
             "output or a forced tool call: their schema is matched from the reply's start, "
             "which the continued message has already written"
         )
-
-
-def reasoned_grammar(
-    service: Any, thinking: bool | None, tools: Sequence[dict] | None, schema: dict
-) -> str | None:
-    """The grammar of reasoning then the JSON answer, where the model's format (for `thinking`)
-    opens a think block; None elsewhere (the schema holds from the first token)."""
-    return answer_grammar(chat_format(service, thinking), tools, service, schema)
 
 
 def bias_by_id(bias: Any) -> Any:
