@@ -1,6 +1,6 @@
 """Continuing the final assistant message ("prefill"): where its written text ends in a rendering.
 
-    dicts, at = continuation_probe(dicts)   # the last message's content with a mark at its end
+    dicts = continuation_probe(dicts)       # the last message's content with a mark at its end
     full = template.render(dicts, add_generation_prompt=False)
     text = full[:continuation_end(full)]    # the history, the last message open after its text
 
