@@ -62,6 +62,7 @@ BACKEND_REQUIREMENT = f"{BACKEND}>={MIN_VERSION[0]}.{MIN_VERSION[1]}"
 # for other options through llguidance's "x-guidance" key, which overrides these defaults.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 64  # compiled schemas kept per engine
+_GRAMMAR_PLACE = re.compile(r"\bat \d+\(\d+\): ")  # llguidance's "at LINE(COLUMN): " in errors
 
 
 class GrammarBackendMissing(ImportError):
@@ -122,7 +123,15 @@ class GrammarCompiler:
 
     def _compile(self, constraint: Constraint) -> Any:
         matcher_cls = self.llg.LLMatcher
-        what = constraint.kind if constraint.kind == "json_schema" else "grammar"
+        what = constraint.name or ("json_schema" if constraint.kind == "json_schema" else "grammar")
+
+        def refused(said: str) -> SchemaError:
+            if constraint.kind == "lark" and what == "json_schema":
+                # A schema inside a grammar (integrations/reasoned_json.py): the grammar's
+                # line and column are not the caller's.
+                said = _GRAMMAR_PLACE.sub("", said)
+            return SchemaError(f"{what} cannot be used: {said}")
+
         try:
             if constraint.kind == "lark":
                 grammar = matcher_cls.grammar_from_lark(constraint.spec)
@@ -131,13 +140,13 @@ class GrammarCompiler:
                     dict(constraint.spec), defaults=JSON_OPTIONS
                 )
         except ValueError as e:
-            raise SchemaError(f"{what} cannot be used: {e}") from e
+            raise refused(str(e)) from e
         failed, messages = matcher_cls.validate_grammar_with_warnings(grammar, self.lltokenizer)
         if failed:
-            raise SchemaError(f"{what} cannot be used: {'; '.join(messages)}")
+            raise refused("; ".join(messages))
         matcher = matcher_cls(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise SchemaError(f"{what} cannot be used: {matcher.get_error()}")
+            raise refused(matcher.get_error())
         return matcher
 
 

@@ -37,6 +37,9 @@ from freetoken_agent.engine.schema_checks import schema_of_response_format, sche
 class Constraint(NamedTuple):
     kind: str  # "json_schema" | "lark"
     spec: Any  # the schema (a dict) or the grammar's text
+    # What its errors call it, where not its kind's name: "json_schema" for a grammar that
+    # holds a JSON answer after the reasoning (the schema is the only part the caller wrote).
+    name: str | None = None
 
 
 # Stop strings are searched for in the new text of every generated token, on the engine thread
@@ -273,7 +276,8 @@ class SamplingParams:
     def constraint(self) -> Constraint | None:
         """What constrains the output, if anything (engine/constrained.py compiles it)."""
         if self.grammar is not None:
-            return Constraint("lark", self.grammar)
+            name = "json_schema" if self.grammar_holds_answer else None
+            return Constraint("lark", self.grammar, name)
         if self.json_schema is not None:
             return Constraint("json_schema", self.json_schema)
         return None

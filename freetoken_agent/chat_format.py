@@ -43,7 +43,7 @@ from freetoken_agent.engine.text.chat_template import ChatTemplate, ChatTemplate
 from freetoken_agent.engine.text.tokenizer import Tokenizer, encode_text
 from freetoken_agent.literal_specials import LiteralSpecials
 from freetoken_agent.messages import Message, coerce_messages, to_template_messages
-from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
+from freetoken_agent.parsers.reasoning import CLOSE, prompt_opens_reasoning
 
 ANCHOR_KINDS = (
     "turn_start",
@@ -147,7 +147,7 @@ class ChatFormat:
         )
         self._literal = LiteralSpecials(tokenizer.backend)
         self._cache: dict[tuple, Any] = {}  # what renders found, by message-prefix digest
-        self._opens: dict[bool, bool] = {}  # opens_reasoning, by whether tools are shown
+        self._probes: dict[tuple[bool, bool], str] = {}  # _generation_probe's renders
 
     def template(self, tools: list[dict] | None) -> ChatTemplate:
         if self._override is not None:
@@ -159,17 +159,43 @@ class ChatFormat:
         mode ends it with `<think>\n`): the output then starts inside reasoning. Read once
         from a probe history of one user message (the generation prompt does not depend on
         the history in the templates seen); a template that refuses the probe: False."""
-        key = bool(tools)
-        if key not in self._opens:
+        return prompt_opens_reasoning(self._generation_probe(tools))
+
+    def reasons_first(self, tools: Sequence[Mapping[str, Any]] | None = None) -> bool:
+        """Whether an answer under this format begins with reasoning: its generation prompt
+        opens a think block (`opens_reasoning`), or the template is a hybrid one left in
+        thinking mode, whose model opens the block itself. Qwen3's hybrid template is the
+        known case: with `enable_thinking=False` its generation prompt closes an empty block
+        (`<think>\n\n</think>\n\n`), otherwise it writes nothing and the model starts with
+        `<think>\n`. So: this format's prompt neither opens nor closes a block, and the same
+        template's with thinking off closes one. A template that never names a block (a
+        model that does not think) reads False either way."""
+        text = self._generation_probe(tools)
+        if prompt_opens_reasoning(text):
+            return True
+        if _closes_reasoning(text):
+            return False
+        return _closes_reasoning(self._generation_probe(tools, thinking_off=True))
+
+    def _generation_probe(
+        self, tools: Sequence[Mapping[str, Any]] | None, thinking_off: bool = False
+    ) -> str:
+        """The rendered prompt of one user message, generation prompt included (cached by
+        whether tools are shown and `thinking_off`); "" where the template refuses it."""
+        key = (bool(tools), thinking_off)
+        if key not in self._probes:
             probe, shown = [{"role": "user", "content": "?"}], normalize_tools(tools)
+            extra = {"enable_thinking": False} if thinking_off else {}
             try:
-                text = self.template(shown).render(
-                    probe, tools=shown, add_generation_prompt=True, **self.template_kwargs
+                self._probes[key] = self.template(shown).render(
+                    probe,
+                    tools=shown,
+                    add_generation_prompt=True,
+                    **{**self.template_kwargs, **extra},
                 )
             except ChatTemplateError:
-                text = ""
-            self._opens[key] = prompt_opens_reasoning(text)
-        return self._opens[key]
+                self._probes[key] = ""
+        return self._probes[key]
 
     def render(
         self,
@@ -254,3 +280,9 @@ class ChatFormat:
             anchors.append(Anchor(tok, kind, index, char, exact=next_start >= char))
         anchors.sort(key=lambda a: (a.offset, a.char_offset, _KIND_ORDER[a.kind]))
         return Prompt(ids, text, anchors, records, gen_text)
+
+
+def _closes_reasoning(prompt_text: str) -> bool:
+    """Whether a rendered generation prompt ends with a closed think block (a hybrid template
+    with thinking off: `<think>\n\n</think>\n\n`)."""
+    return prompt_text.rstrip().endswith(CLOSE)

@@ -16,7 +16,8 @@ Why it is built this way:
 - A forced tool call (`tool_choice` "any"/"required"/a name) and `with_structured_output(
   method="json_schema")` use constrained decoding: the output is valid JSON for the schema even
   from a weak model. A forced call does not think (the grammar starts at the first token); a
-  structured answer does where the template opens a think block (reasoning, then the JSON:
+  structured answer does where the answer begins with reasoning (the template opens a think
+  block, or a hybrid template is in thinking mode: reasoning, then the JSON,
   integrations/reasoned_json.py; `thinking_token_budget` caps it).
   `method="json_mode"` constrains the answer to some JSON object (the prompt names the keys).
 - `bind_tools(..., parallel_tool_calls=False)` keeps OpenAI's promise of at most one call: the

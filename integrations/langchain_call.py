@@ -89,8 +89,8 @@ def prepare_call(
     LOGPROB_OPTIONS) and `timeout` are the model's, which the call's options override;
     `service` gives the model's EngineService, asked for only to compile strict tools'
     grammar and for a JSON answer's format; `thinking`: the model's `reasoning` (the
-    template's enable_thinking), which says whether that format opens a think block, where
-    the answer comes after the reasoning (reasoned_json.py)."""
+    template's enable_thinking), which says whether an answer under that format begins with
+    reasoning, where the JSON answer comes after it (reasoned_json.py)."""
     kwargs = dict(kwargs)
     tools = kwargs.pop("tools", None)
     specs = [convert_to_openai_tool(t) for t in tools] if tools else []

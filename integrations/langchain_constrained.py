@@ -46,8 +46,9 @@ class ForcedFormat:
 class OpenedReasoning:
     """A ChatFormat whose prompts leave a think block open: a JSON answer after the reasoning
     (integrations/reasoned_json.py) has its grammar start inside the block. The format was
-    chosen because its generation prompt opens one (ChatFormat.opens_reasoning); a prompt that
-    does not is given `<think>\\n`, so the grammar and the prompt always agree."""
+    chosen because an answer under it begins with reasoning (ChatFormat.reasons_first); a
+    prompt that does not open the block (a hybrid template in thinking mode, whose model
+    writes `<think>\\n` itself) is given `<think>\\n`, so the grammar and the prompt agree."""
 
     def __init__(self, inner: ChatFormat) -> None:
         self.inner = inner

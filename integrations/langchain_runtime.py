@@ -231,7 +231,7 @@ class Binding:
     mode: str
     allowed: tuple[str, ...] = ()
     schema: dict | None = None
-    # mode json where the format opens a think block: the model reasons, then the grammar
+    # mode json where the answer begins with reasoning: the model reasons, then the grammar
     # holds the answer to the schema (integrations/reasoned_json.py)
     reasoned: bool = False
 

@@ -4,8 +4,8 @@ A JSON-schema answer (response_format, ChatFreeToken's structured output) used t
 its schema from the first generated token, so a reasoning model could not think first: the
 think block its template opened was closed in the prompt. Reasoning models answer better after
 thinking, and vLLM and SGLang apply structured output only after the reasoning ends. So where
-the rendered prompt opens a think block (Qwen3's thinking-mode `<think>\\n`), the turn's
-constraint is this Lark grammar (llguidance's syntax), not the bare schema:
+the answer begins with reasoning (below), the turn's constraint is this Lark grammar
+(llguidance's syntax), not the bare schema:
 
     start: free <[</think>]> WS? %json {schema}
     free: TEXT? (<[other added tokens]> TEXT?)*
@@ -25,10 +25,15 @@ constraint is this Lark grammar (llguidance's syntax), not the bare schema:
   takes: a budget caps the reasoning before the answer (in the middle of a multi-byte
   character the grammar takes no newline: the close waits for the character to end).
 
-Only where the prompt opens the block: a template whose model opens it itself (Qwen3's hybrid
-template in thinking mode writes no `<think>` in the prompt) keeps the schema from the first
-token, as a model that may or may not think would otherwise be free to start a block it never
-closes. A tokenizer without `<think>` / `</think>` as added tokens gets None: the bare schema.
+Where the answer begins with reasoning (`ChatFormat.reasons_first`): the prompt opens the block,
+or a hybrid template is in thinking mode and its model opens the block itself (Qwen3's hybrid
+template writes no `<think>` in the prompt, and the model starts with `<think>\n`). There the
+turn's prompt is given the `<think>\n` the model would have written (the server's
+parser_factory, ChatFreeToken's OpenedReasoning), so the grammar always starts inside the
+block. A grammar with the block optional would leave the choice to a model trained to think
+first, and a model whose template has thinking off, or no thinking mode, answers JSON from the
+first token as before. A tokenizer without `<think>` / `</think>` as added tokens gets None:
+the bare schema.
 """
 
 from __future__ import annotations
@@ -47,10 +52,11 @@ from freetoken_agent.parsers.reasoning import CLOSE, OPEN
 def answer_grammar(
     chat_format: Any, tools: Sequence[Mapping[str, Any]] | None, service: Any, schema: dict
 ) -> str | None:
-    """The grammar for a JSON answer to `schema` where `chat_format` (rendering `tools`) opens
-    a think block, for the model behind `service` (an EngineService); None where it opens none
-    (the schema then holds from the first token). The server and ChatFreeToken both ask here."""
-    if not chat_format.opens_reasoning(tools):
+    """The grammar for a JSON answer to `schema` where an answer under `chat_format`
+    (rendering `tools`) begins with reasoning (ChatFormat.reasons_first), for the model behind
+    `service` (an EngineService); None where it does not (the schema then holds from the first
+    token). The server and ChatFreeToken both ask here."""
+    if not chat_format.reasons_first(tools):
         return None
     ends = getattr(service.engine, "eos_token_ids", ())
     return reasoned_json_grammar(service.tokenizer, schema, ends)
@@ -75,7 +81,7 @@ def reasoned_json_grammar(
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         # As the grammar compiler refuses a schema: the front-ends name the field for it.
         raise SchemaError(
-            f"a $ref in the schema cannot be resolved ({type(e).__name__}: {e})"
+            f"json_schema cannot be used: a $ref in it cannot be resolved ({type(e).__name__}: {e})"
         ) from None
     answer = {**inlined, "x-guidance": JSON_OPTIONS}
     return "\n".join(

@@ -18,11 +18,12 @@
   the output has ended, not streamed: only the whole text tells a call from an answer (a
   json_object answer may be call-shaped), and content sent cannot be taken back.
   With "none" the response_format alone constrains the output; with a forced call it is refused.
-- A response_format of JSON without tools to call, where the template opens a think block
-  (Qwen3's thinking mode): the model reasons, then answers JSON valid against the schema
-  (`reasoned_answer`, integrations/reasoned_json.py), as vLLM and SGLang apply structured
-  output only after the reasoning. Elsewhere the schema holds from the first token and an open
-  think block is closed in the prompt.
+- A response_format of JSON without tools to call, where the answer begins with reasoning (the
+  template opens a think block, or a hybrid one like Qwen3's is in thinking mode and the
+  prompt is given the `<think>\\n` its model would write): the model reasons, then answers
+  JSON valid against the schema (`reasoned_answer`, integrations/reasoned_json.py), as vLLM
+  and SGLang apply structured output only after the reasoning. Elsewhere the schema holds from
+  the first token and an open think block is closed in the prompt.
 - "auto" with a tool marked `strict: true` (the OpenAI Agents SDK's function tools are), no
   response_format: text stays free, and every call the model writes keeps to a known tool and
   a strict tool's arguments to its schema (integrations/strict_tools.py). Models that write
@@ -218,8 +219,9 @@ def reasoned_answer(
     engine: Any,
 ) -> str | None:
     """The grammar of reasoning, then the JSON answer (reasoned_json.py), for a turn whose
-    answer is held to a schema with no tool to call, where `chat_format` opens a think block
-    (the tools are rendered as the turn renders them); None otherwise. `engine`: the bridge."""
+    answer is held to a schema with no tool to call, where an answer under `chat_format` begins
+    with reasoning (the tools are rendered as the turn renders them); None otherwise.
+    `engine`: the bridge."""
     if sampling.json_schema is None or choice.forced or call_or_answer:
         return None
     return answer_grammar(chat_format, tools, engine.service, sampling.json_schema)
@@ -241,7 +243,8 @@ def parser_factory(
     without tools to call): a think block the template left open is closed in the prompt
     too, or the JSON would be read as reasoning and the answer's content left empty; unless
     `reasoned`: the grammar lets the model reason first (`reasoned_answer`), so the block stays
-    open (and is opened, should this prompt not have opened it where the format does)."""
+    open, or is opened where the model would open it itself (a hybrid template in thinking
+    mode)."""
     tokenizer = engine.tokenizer
     tool_format = engine_tool_format(engine)
 

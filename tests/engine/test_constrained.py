@@ -36,6 +36,7 @@ from freetoken_agent.engine.constrained import (
 )
 from freetoken_agent.engine.layers.sampler import sample
 from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.sampling_params import Constraint
 
 pytest.importorskip("llguidance")
 # Tiny shapes: torch's intra-op threads only add contention on the 2-core CI machine.
@@ -241,7 +242,7 @@ def test_grammars_are_compiled_once_per_schema_and_keep_property_order(
         out = engine.generate(_prompt(rng), _sampling(rng, False, json_schema=js))
         assert list(parse(out.text)) == list(js["properties"])
     # `schema` was compiled by the first request, before the spy
-    assert compiled == [("json_schema", flipped)]
+    assert compiled == [Constraint("json_schema", flipped)]
 
 
 def test_batch_with_a_constrained_request_leaves_the_others_alone(engine, rng_seed):

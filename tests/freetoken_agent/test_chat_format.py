@@ -288,3 +288,34 @@ def test_mixed_key_types_render_and_keep_the_cache(tok: Tokenizer, rng_seed: int
         entries = dict(warm._cache)
         assert warm.render(history, tools=tools).anchors == got.anchors
         assert warm._cache == entries
+
+
+def test_reasons_first_reads_the_generation_prompt(tok: Tokenizer, rng_seed: int) -> None:
+    """An answer begins with reasoning where the prompt opens a think block, or where a hybrid
+    template (thinking off closes an empty block) is left in thinking mode and its model opens
+    the block itself; not with thinking off, nor under a template with no thinking mode."""
+    from freetoken_agent.demo_text import CHAT_TEMPLATE as HYBRID
+
+    rng = random.Random(rng_seed)
+    tools = TOOLS if rng.random() < 0.5 else None
+    off_branch = HYBRID[HYBRID.index("{%- if enable_thinking is defined") :]
+    off_branch = off_branch[: off_branch.index("{%- endif %}") + len("{%- endif %}")]
+    plain = HYBRID.replace(off_branch, "")  # no thinking mode at all
+    # Thinking off unless asked for (DeepSeek-V3.1's default): the block is closed by default.
+    off_by_default = HYBRID.replace("enable_thinking is defined and enable_thinking is false",
+                                    "not enable_thinking")  # fmt: skip
+    assert plain != HYBRID and off_by_default != HYBRID, "the demo template changed"
+    cases = [
+        (ChatFormat(tok), True),  # the demo's hybrid template: the model opens the block
+        (ChatFormat(tok, enable_thinking=True), True),
+        (ChatFormat(tok, enable_thinking=False), False),
+        (ChatFormat(tok, chat_template=QWEN3_THINKING), True),  # the prompt opens it
+        (ChatFormat(tok, chat_template=plain), False),
+        (ChatFormat(tok, chat_template=plain, enable_thinking=True), False),
+        (ChatFormat(tok, chat_template=off_by_default), False),
+        (ChatFormat(tok, chat_template=off_by_default, enable_thinking=True), True),
+    ]
+    for fmt, expected in cases:
+        assert fmt.reasons_first(tools) is expected, (fmt.template_kwargs, expected)
+    assert ChatFormat(tok).opens_reasoning(tools) is False  # the hybrid's prompt opens nothing
+    assert ChatFormat(tok, chat_template=QWEN3_THINKING).opens_reasoning(tools) is True

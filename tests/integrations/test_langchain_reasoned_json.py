@@ -1,7 +1,8 @@
 """ChatFreeToken's structured output after the reasoning: where the template opens a think
-block, with_structured_output (json_schema, json_mode) lets the model reason, then holds
-the answer to the schema; the thinking budget caps the reasoning. With `reasoning=False` the
-template closes the block and the schema holds from the first token, as before."""
+block (or is a hybrid one in thinking mode), with_structured_output (json_schema, json_mode)
+lets the model reason, then holds the answer to the schema; the thinking budget caps the
+reasoning. With `reasoning=False` the template closes the block and the schema holds from the
+first token, as before."""
 
 from __future__ import annotations
 
@@ -24,10 +25,37 @@ class Pick(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    demo = ensure_demo_model(tmp_path_factory.mktemp("demo"))
-    path = thinking_demo(demo, tmp_path_factory.mktemp("thinking") / "model")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory):
+    return ensure_demo_model(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="module")
+def engine(demo_dir, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    path = thinking_demo(demo_dir, tmp_path_factory.mktemp("thinking") / "model")
     return Engine.load(path, device="cpu", progress=False, kv_tokens=4096, max_model_len=1024)
+
+
+def test_under_a_hybrid_template_the_model_reasons_first(demo_dir, rng_seed):
+    """The demo model as made: Qwen3's hybrid template, whose prompt opens no block in thinking
+    mode. The prompt is given the `<think>\\n` the model would write, then the model reasons
+    and answers the schema; with `reasoning=False` the JSON comes from the first token."""
+    rng = random.Random(rng_seed)
+    engine = Engine.load(demo_dir, device="cpu", progress=False, kv_tokens=4096,
+                         max_model_len=1024)  # fmt: skip
+    budget = rng.randint(2, 8)
+    for reasoning in (None, False):
+        llm = ChatFreeToken(engine=engine, temperature=0.8, seed=rng.randrange(1 << 30),
+                            max_tokens=budget + 60, thinking_token_budget=budget,
+                            logprobs=True, reasoning=reasoning)  # fmt: skip
+        out = llm.with_structured_output(Pick, include_raw=True).invoke("ka lo mi")
+        assert isinstance(out["parsed"], Pick), out
+        raw = out["raw"]
+        tokens = [e["token"] for e in raw.response_metadata["logprobs"]["content"]]
+        assert "<think>" not in tokens, tokens  # the prompt wrote it, or thinking is off
+        if reasoning is False:
+            assert "</think>" not in tokens and not raw.additional_kwargs.get("reasoning_content")
+        elif check_close(tokens, budget, MAX_WAIT) > 1:
+            assert raw.additional_kwargs.get("reasoning_content"), raw
 
 
 def test_structured_output_after_the_reasoning(engine, rng_seed):

@@ -199,14 +199,16 @@ def test_the_grammar_lets_out_a_call_or_the_answer(engine, client, read_sse, rng
 
 def test_tool_choice_none_leaves_the_answer_schema_alone(scripted_client, read_sse, rng_seed):
     """With tool_choice "none" the response_format's schema is the only constraint, and a
-    call-shaped answer is the answer."""
+    call-shaped answer is the answer (thinking off: the schema alone, from the first token;
+    with thinking on it follows the reasoning, test_reasoning_clients.py)."""
     fake, client = scripted_client
     rng = random.Random(rng_seed)
     tools = _tools(rng)
     schema, fmt = _format(rng, "json_schema")
     text = json.dumps(_call(rng, tools))
     fake.replies = [(text, "stop"), (text, "stop")]
-    body = {**_body(rng, tools, fmt), "tool_choice": "none"}
+    body = {**_body(rng, tools, fmt), "tool_choice": "none",
+            "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
     assert _ask(client, read_sse, body) == ("stop", text, [])
     assert [s.json_schema for s in fake.samplings] == [schema, schema]
 

@@ -21,14 +21,28 @@ from freetoken_agent.integrations.server import create_app
 
 
 @pytest.fixture(scope="module")
-def thinking_dir(tmp_path_factory: pytest.TempPathFactory):
-    demo = ensure_demo_model(tmp_path_factory.mktemp("demo"))
-    return thinking_demo(demo, tmp_path_factory.mktemp("thinking") / "model")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory):
+    return ensure_demo_model(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="module")
+def thinking_dir(demo_dir, tmp_path_factory: pytest.TempPathFactory):
+    return thinking_demo(demo_dir, tmp_path_factory.mktemp("thinking") / "model")
 
 
 @pytest.fixture
 def thinking_client(thinking_dir):
     engine = Engine.load(thinking_dir, device="cpu", progress=False, kv_tokens=4096,
+                         max_model_len=1024)  # fmt: skip
+    with TestClient(create_app(engine)) as client:
+        yield client
+
+
+@pytest.fixture
+def hybrid_client(demo_dir):
+    """The demo model as made: its template is a hybrid one (Qwen3's), whose prompt opens no
+    block in thinking mode, and whose model writes `<think>\\n` itself."""
+    engine = Engine.load(demo_dir, device="cpu", progress=False, kv_tokens=4096,
                          max_model_len=1024)  # fmt: skip
     with TestClient(create_app(engine)) as client:
         yield client
@@ -62,6 +76,37 @@ def test_the_model_reasons_then_answers_the_schema(thinking_client, rng_seed):
         jsonschema.validate(json.loads(choice["message"]["content"]), schema)
         tokens = [e["token"] for e in choice["logprobs"]["content"]]
         # The block's `budget` tokens, then its forced end, then the answer.
+        if check_close(tokens, budget, MAX_WAIT) > 1:
+            assert choice["message"].get("reasoning_content"), choice["message"]
+
+
+def test_under_a_hybrid_template_the_prompt_opens_the_block_its_model_would(
+    hybrid_client, rng_seed
+):
+    """Qwen3's hybrid template in thinking mode: the prompt is given the `<think>\\n` the
+    model would write first, then the model reasons and answers the schema as under a template
+    that opens the block; with thinking off the template closes it and the JSON comes from
+    the first token."""
+    rng = random.Random(rng_seed)
+    messages = [{"role": "user", "content": "ka lo mi"}]
+    plain = hybrid_client.post("/tokenize", json={"messages": messages}).json()["count"]
+    opener = hybrid_client.post(
+        "/tokenize", json={"prompt": "<think>\n", "add_special_tokens": False}
+    ).json()["count"]
+    for thinking in (True, True, False):
+        schema, budget = _schema(rng), rng.randint(0, 6)
+        extra = {} if thinking else {"chat_template_kwargs": {"enable_thinking": False}}
+        r = hybrid_client.post("/v1/chat/completions", json=_body(rng, schema, budget, **extra))
+        assert r.status_code == 200, r.text
+        choice, usage = r.json()["choices"][0], r.json()["usage"]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+        tokens = [e["token"] for e in choice["logprobs"]["content"]]
+        if not thinking:
+            assert "</think>" not in tokens and not choice["message"].get("reasoning_content")
+            continue
+        assert usage["prompt_tokens"] == plain + opener, (usage, plain, opener)
+        assert "<think>" not in tokens  # the prompt wrote it
         if check_close(tokens, budget, MAX_WAIT) > 1:
             assert choice["message"].get("reasoning_content"), choice["message"]
 
