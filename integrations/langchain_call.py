@@ -124,7 +124,9 @@ def prepare_call(
     if mode == "auto" and constraint is None and any_strict(specs):
         grammar = strict_grammar(service(), specs)
     reasoned = False
-    if mode == "json" and not continuing:  # after the reasoning, where the format opens it
+    # After the reasoning where the model thinks first (the answer's JSON, or a call's or the
+    # answer's); a forced call's grammar starts at the first token (its prompt opens the call).
+    if mode in ("json", "json_or_call") and not continuing:
         grammar = answer_grammar(chat_format(service(), thinking), shown, service(), constraint)
         reasoned = grammar is not None
     if reasoned:

@@ -231,8 +231,8 @@ class Binding:
     mode: str
     allowed: tuple[str, ...] = ()
     schema: dict | None = None
-    # mode json where the answer begins with reasoning: the model reasons, then the grammar
-    # holds the answer to the schema (integrations/reasoned_json.py)
+    # modes json and json_or_call where the answer begins with reasoning: the model reasons,
+    # then the grammar holds the JSON to the schema (integrations/reasoned_json.py)
     reasoned: bool = False
 
 
@@ -249,10 +249,12 @@ def build_session(service: EngineService, binding: Binding, thinking: bool | Non
                 return OutputParser(None, prompt_opens_reasoning(prompt.text), None)
 
         return Session(gateway, tools=tools, chat_format=fmt, parser_factory=factory)
-    if binding.reasoned:  # reasoning, then the JSON answer: the think block stays open
+    if binding.reasoned:  # reasoning, then the JSON: the think block stays open
         opened = OpenedReasoning(chat_format(service, thinking))
 
-        def reasoned(prompt: Prompt) -> OutputParser:
+        def reasoned(prompt: Prompt) -> OutputParser | JsonOrCallParser:
+            if binding.mode == "json_or_call":
+                return JsonOrCallParser(True, tools or [])
             return OutputParser(None, True, None)
 
         return Session(gateway, tools=tools, chat_format=opened, parser_factory=reasoned)

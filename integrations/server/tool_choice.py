@@ -14,16 +14,18 @@
 - "auto" with a response_format of JSON (json_schema or json_object), as the OpenAI Agents SDK
   sends on every turn: the output is constrained to one call of one of the tools or the answer
   (`call_or_answer_schema`, ChatFreeToken's json_or_call schema), read by JsonOrCallParser
-  (integrations/constrained_output.py). The answer is sent whole, as one content delta, once
-  the output has ended, not streamed: only the whole text tells a call from an answer (a
-  json_object answer may be call-shaped), and content sent cannot be taken back.
+  (integrations/constrained_output.py), after the reasoning where the model thinks first (as
+  below). The answer is sent whole, as one content delta, once the output has ended, not
+  streamed: only the whole text tells a call from an answer (a json_object answer may be
+  call-shaped), and content sent cannot be taken back. The reasoning streams.
   With "none" the response_format alone constrains the output; with a forced call it is refused.
-- A response_format of JSON without tools to call, where the answer begins with reasoning (the
-  template opens a think block, or a hybrid one like Qwen3's is in thinking mode and the
-  prompt is given the `<think>\\n` its model would write): the model reasons, then answers
-  JSON valid against the schema (`reasoned_answer`, integrations/reasoned_json.py), as vLLM
-  and SGLang apply structured output only after the reasoning. Elsewhere the schema holds from
-  the first token and an open think block is closed in the prompt.
+- A response_format of JSON (a call or the answer, or the answer alone), where the answer
+  begins with reasoning (the template opens a think block, or a hybrid one like Qwen3's is in
+  thinking mode and the prompt is given the `<think>\\n` its model would write): the model
+  reasons, then writes JSON valid against the schema (`reasoned_answer`,
+  integrations/reasoned_json.py), as vLLM and SGLang apply structured output only after the
+  reasoning. Elsewhere, and for a forced call, the schema holds from the first token and an
+  open think block is closed in the prompt.
 - "auto" with a tool marked `strict: true` (the OpenAI Agents SDK's function tools are), no
   response_format: text stays free, and every call the model writes keeps to a known tool and
   a strict tool's arguments to its schema (integrations/strict_tools.py). Models that write
@@ -218,11 +220,12 @@ def reasoned_answer(
     chat_format: Any,
     engine: Any,
 ) -> str | None:
-    """The grammar of reasoning, then the JSON answer (reasoned_json.py), for a turn whose
-    answer is held to a schema with no tool to call, where an answer under `chat_format` begins
-    with reasoning (the tools are rendered as the turn renders them); None otherwise.
+    """The grammar of reasoning, then the JSON (reasoned_json.py), for a turn whose output is
+    held to a schema (the answer's, or `call_or_answer`'s "a call or the answer"), where an
+    answer under `chat_format` begins with reasoning (the tools are rendered as the turn renders
+    them); None otherwise, and for a forced call (whose prompt ends inside the call block).
     `engine`: the bridge."""
-    if sampling.json_schema is None or choice.forced or call_or_answer:
+    if sampling.json_schema is None or choice.forced:
         return None
     return answer_grammar(chat_format, tools, engine.service, sampling.json_schema)
 
@@ -250,6 +253,9 @@ def parser_factory(
 
     def factory(prompt: Any) -> Any:
         thinking = prompt_opens_reasoning(prompt.text)
+        if call_or_answer and reasoned:  # reasoning, then the call's or the answer's JSON
+            turn.suffix_ids = [] if thinking else tokenizer.encode(THINK_OPEN + "\n")
+            return JsonOrCallParser(True, tools or [])
         if call_or_answer:
             # The grammar starts at the first token, which must be the JSON's: a think block
             # the template left open is closed in the prompt, and the parser starts past it.

@@ -15,6 +15,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from held_schema import held_schema
 from random_schemas import random_instance, random_name, random_object_schema
 
 from freetoken_agent.integrations.server.tool_choice import ToolChoice, parser_factory
@@ -80,7 +81,11 @@ def _answer(rng: random.Random, schema: dict[str, Any]) -> Any:
     return random_instance(rng, schema if "properties" in schema else _object_schema(rng), schema)
 
 
-def _body(rng: random.Random, tools: list[dict], fmt: dict[str, Any]) -> dict[str, Any]:
+def _body(
+    rng: random.Random, tools: list[dict], fmt: dict[str, Any], thinking: bool = False
+) -> dict[str, Any]:
+    """A request for a call or the answer; `thinking`: in the demo template's thinking mode,
+    where the JSON follows the reasoning (integrations/reasoned_json.py), else with it off."""
     body: dict[str, Any] = {
         "messages": [{"role": "user", "content": " ".join(_name(rng) for _ in range(4))}],
         "tools": tools,
@@ -90,6 +95,8 @@ def _body(rng: random.Random, tools: list[dict], fmt: dict[str, Any]) -> dict[st
     }
     if rng.random() < 0.5:
         body["tool_choice"] = "auto"  # the default with tools
+    if not thinking:
+        body["chat_template_kwargs"] = {"enable_thinking": False}
     return body
 
 
@@ -100,8 +107,9 @@ def _outcome(finish: str, content: str | None, calls: list[dict]) -> tuple:
     return finish, content or None, pairs
 
 
-def _ask(client, read_sse, body: dict[str, Any]) -> tuple:
-    """The outcome of `body` non-streamed, checked equal to the streamed one's."""
+def _ask(client, read_sse, body: dict[str, Any], reasoning: str | None = None) -> tuple:
+    """The outcome of `body` non-streamed, checked equal to the streamed one's; the reasoning,
+    streamed or not, checked equal to `reasoning` where given."""
     r = client.post(URL, json=body)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -119,6 +127,9 @@ def _ask(client, read_sse, body: dict[str, Any]) -> tuple:
     content = "".join(d.get("content") or "" for d in deltas)
     streamed = _outcome(events[-2]["choices"][0]["finish_reason"], content, calls)
     assert streamed == whole
+    if reasoning is not None:
+        assert (message.get("reasoning_content") or "") == reasoning, message
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == reasoning
     return whole
 
 
@@ -135,18 +146,22 @@ def _is_call_of(value: Any, tools: list[dict]) -> bool:
 @pytest.mark.parametrize("kind", ["json_schema", "json_object"])
 def test_a_call_or_the_answer_comes_back_as_such(scripted_client, read_sse, rng_seed, kind):
     """The engine is asked for "a call of a tool or the answer", and what it writes is read as
-    what it is: the call as tool_calls (finish "tool_calls"), the answer as content ("stop")."""
+    what it is: the call as tool_calls (finish "tool_calls"), the answer as content ("stop").
+    With thinking on, the JSON follows the reasoning, which comes back as reasoning_content."""
     fake, client = scripted_client
     rng = random.Random(rng_seed)
     tools = _tools(rng)
     schema, fmt = _format(rng, kind)
     call = _call(rng, tools)
     answer = _answer(rng, schema)
-    body = _body(rng, tools, fmt)
+    thinking = rng.random() < 0.5
+    body = _body(rng, tools, fmt, thinking)
+    thought = " ".join(_name(rng) for _ in range(3)) if thinking else ""
     for value in rng.sample([call, answer], 2):
         text = json.dumps(value, ensure_ascii=False)
-        fake.replies = [(text, "stop"), (text, "stop")]
-        finish, content, calls = _ask(client, read_sse, body)
+        written = thought + "\n</think>\n\n" + text if thinking else text
+        fake.replies = [(written, "stop"), (written, "stop")]
+        finish, content, calls = _ask(client, read_sse, body, reasoning=thought)
         if value is call:
             assert (finish, content, calls) == ("tool_calls", None, [tuple(call.values())])
         else:
@@ -154,13 +169,15 @@ def test_a_call_or_the_answer_comes_back_as_such(scripted_client, read_sse, rng_
     assert len(fake.samplings) == 4
     for sampling in fake.samplings:
         assert sampling.response_format is None
-        jsonschema.validate(call, sampling.json_schema)
-        jsonschema.validate(answer, sampling.json_schema)
+        assert (sampling.grammar is not None) == thinking  # the schema after the reasoning
+        jsonschema.validate(call, held_schema(sampling))
+        jsonschema.validate(answer, held_schema(sampling))
 
 
 def test_the_grammar_lets_out_a_call_or_the_answer(engine, client, read_sse, rng_seed, monkeypatch):
-    """Greedy, on the demo model, with each kind of response_format: whatever the output, it
-    reads as a valid call of one of the tools or a valid answer, the same streamed or not."""
+    """Greedy, on the demo model, with each kind of response_format, thinking on (a budget
+    ends the random model's reasoning) or off: whatever the output, it reads as a valid call
+    of one of the tools or a valid answer, the same streamed or not."""
     rng = random.Random(rng_seed)
     samplings = []
     submit = engine.submit
@@ -174,7 +191,11 @@ def test_the_grammar_lets_out_a_call_or_the_answer(engine, client, read_sse, rng
         samplings.clear()
         tools = _tools(rng)
         schema, fmt = _format(rng, kind)
-        finish, content, calls = _ask(client, read_sse, _body(rng, tools, fmt))
+        thinking = rng.random() < 0.5
+        body = _body(rng, tools, fmt, thinking)
+        if thinking:
+            body["thinking_token_budget"] = rng.randint(0, 8)
+        finish, content, calls = _ask(client, read_sse, body)
         if finish == "tool_calls":
             assert content is None and len(calls) == 1
             name, arguments = calls[0]
@@ -193,8 +214,8 @@ def test_the_grammar_lets_out_a_call_or_the_answer(engine, client, read_sse, rng
         assert len(samplings) == 2
         for sampling in samplings:
             for tool in tools:
-                jsonschema.validate(_call(rng, [tool]), sampling.json_schema)
-            jsonschema.validate(_answer(rng, schema), sampling.json_schema)
+                jsonschema.validate(_call(rng, [tool]), held_schema(sampling))
+            jsonschema.validate(_answer(rng, schema), held_schema(sampling))
 
 
 def test_tool_choice_none_leaves_the_answer_schema_alone(scripted_client, read_sse, rng_seed):
@@ -207,8 +228,7 @@ def test_tool_choice_none_leaves_the_answer_schema_alone(scripted_client, read_s
     schema, fmt = _format(rng, "json_schema")
     text = json.dumps(_call(rng, tools))
     fake.replies = [(text, "stop"), (text, "stop")]
-    body = {**_body(rng, tools, fmt), "tool_choice": "none",
-            "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    body = {**_body(rng, tools, fmt), "tool_choice": "none"}  # (thinking off)
     assert _ask(client, read_sse, body) == ("stop", text, [])
     assert [s.json_schema for s in fake.samplings] == [schema, schema]
 
