@@ -30,11 +30,16 @@ class JsonOrCallParser:
     body or released as the answer. (Held, not streamed: an answer may begin exactly as a call
     does, a json_object answer may even be one, and content sent cannot be taken back.)"""
 
-    def __init__(self, opened: bool, tools: list[dict]) -> None:
+    def __init__(self, opened: bool, tools: list[dict], in_block: bool = False) -> None:
+        """`opened`: the output starts inside a think block; `in_block`: the JSON comes inside
+        a Hermes call block the grammar writes (a forced call after the reasoning:
+        reasoned_json.py), whose markup is read off it, and off a call cut short by max_tokens
+        (the content then is what the JSON got to, as where no block is written)."""
         self.inner = OutputParser(None, opened, None)
         self.tools = tools
         self.names = {t["function"]["name"] for t in tools}
         self.held: list[str] = []
+        self.in_block = in_block
 
     def feed(self, text: str) -> list:
         return self._hold(self.inner.feed(text))
@@ -42,6 +47,8 @@ class JsonOrCallParser:
     def finish(self) -> list:
         out = self._hold(self.inner.finish())
         text = "".join(self.held)
+        if self.in_block:
+            text = _block_body(text)
         try:
             obj = json.loads(text)
         except ValueError:
@@ -67,6 +74,17 @@ class JsonOrCallParser:
             else:
                 out.append(event)
         return out
+
+
+def _block_body(text: str) -> str:
+    """The JSON of a Hermes call block as the grammar writes it (`<tool_call>\\n{...}\\n
+    </tool_call>`), whole or cut anywhere: the JSON is written compact (no newline), so the
+    first newline after the opener starts the closer."""
+    if HERMES_OPEN.startswith(text):
+        return ""  # cut inside the opener: no JSON yet
+    if not text.startswith(HERMES_OPEN):
+        return text  # not a block (no grammar wrote it): as written
+    return text[len(HERMES_OPEN) :].split("\n", 1)[0]
 
 
 class WrappedBlock:

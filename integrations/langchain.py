@@ -15,10 +15,10 @@ Why it is built this way:
   Cancelling an async call or hitting `timeout` aborts the engine request (at its next step).
 - A forced tool call (`tool_choice` "any"/"required"/a name) and `with_structured_output(
   method="json_schema")` use constrained decoding: the output is valid JSON for the schema even
-  from a weak model. A forced call does not think (the grammar starts at the first token); a
-  structured answer does where the answer begins with reasoning (the template opens a think
-  block, or a hybrid template is in thinking mode: reasoning, then the JSON,
-  integrations/reasoned_json.py; `thinking_token_budget` caps it).
+  from a weak model. Both follow the reasoning where the model thinks first (the template
+  opens a think block, or a hybrid template is in thinking mode: reasoning, then the JSON,
+  integrations/reasoned_json.py; `thinking_token_budget` caps it), a forced call only where a
+  thinking budget bounds the reasoning (else it does not think: the call must come).
   `method="json_mode"` constrains the answer to some JSON object (the prompt names the keys).
 - `bind_tools(..., parallel_tool_calls=False)` keeps OpenAI's promise of at most one call: the
   generation stops at the first complete call (FirstCallOnly, shared with the server).

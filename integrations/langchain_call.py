@@ -37,8 +37,9 @@ from freetoken_agent.integrations.langchain_runtime import (
     run_turn,
 )
 from freetoken_agent.integrations.openai_logprobs import chat_logprobs_setting
-from freetoken_agent.integrations.reasoned_json import answer_grammar
+from freetoken_agent.integrations.reasoned_json import answer_grammar, bounded_reasoning
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
+from freetoken_agent.parsers import engine_tool_format
 from freetoken_agent.session import Usage
 
 # ChatFreeToken's fields (top_k a call's option only) that are SamplingParams' own, by name.
@@ -124,10 +125,18 @@ def prepare_call(
     if mode == "auto" and constraint is None and any_strict(specs):
         grammar = strict_grammar(service(), specs)
     reasoned = False
-    # After the reasoning where the model thinks first (the answer's JSON, or a call's or the
-    # answer's); a forced call's grammar starts at the first token (its prompt opens the call).
-    if mode in ("json", "json_or_call") and not continuing:
-        grammar = answer_grammar(chat_format(service(), thinking), shown, service(), constraint)
+    # After the reasoning where the model thinks first: the answer's JSON, a call's or the
+    # answer's, or a forced call (in the call block a Hermes-format model writes) where a
+    # thinking budget bounds the reasoning (reasoned_json.bounded_reasoning).
+    budget = options.get("thinking_token_budget")
+    if (
+        constraint is not None
+        and not continuing
+        and (mode != "required" or bounded_reasoning(budget, service()))
+    ):
+        block = mode == "required" and engine_tool_format(service()) == "hermes"
+        fmt = chat_format(service(), thinking)
+        grammar = answer_grammar(fmt, shown, service(), constraint, block)
         reasoned = grammar is not None
     if reasoned:
         constraint = None  # held by the grammar, after the reasoning

@@ -231,8 +231,8 @@ class Binding:
     mode: str
     allowed: tuple[str, ...] = ()
     schema: dict | None = None
-    # modes json and json_or_call where the answer begins with reasoning: the model reasons,
-    # then the grammar holds the JSON to the schema (integrations/reasoned_json.py)
+    # where the answer begins with reasoning (modes json, json_or_call and required): the
+    # model reasons, then the grammar holds the JSON to the schema (reasoned_json.py)
     reasoned: bool = False
 
 
@@ -253,8 +253,10 @@ def build_session(service: EngineService, binding: Binding, thinking: bool | Non
         opened = OpenedReasoning(chat_format(service, thinking))
 
         def reasoned(prompt: Prompt) -> OutputParser | JsonOrCallParser:
-            if binding.mode == "json_or_call":
-                return JsonOrCallParser(True, tools or [])
+            if binding.mode in ("json_or_call", "required"):  # the call's (or answer's) JSON
+                # (a forced call's in the Hermes block the grammar writes, for such models)
+                block = binding.mode == "required" and engine_tool_format(service) == "hermes"
+                return JsonOrCallParser(True, tools or [], in_block=block)
             return OutputParser(None, True, None)
 
         return Session(gateway, tools=tools, chat_format=opened, parser_factory=reasoned)

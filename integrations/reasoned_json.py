@@ -45,28 +45,55 @@ from typing import Any
 from freetoken_agent.engine.constrained import JSON_OPTIONS
 from freetoken_agent.engine.outputs import SchemaError
 from freetoken_agent.integrations.constrained_output import inline
-from freetoken_agent.integrations.strict_tools import regex_literal
+from freetoken_agent.integrations.strict_tools import call_marks, regex_literal
 from freetoken_agent.parsers.reasoning import CLOSE, OPEN
 
 
 def answer_grammar(
-    chat_format: Any, tools: Sequence[Mapping[str, Any]] | None, service: Any, schema: dict
+    chat_format: Any,
+    tools: Sequence[Mapping[str, Any]] | None,
+    service: Any,
+    schema: dict,
+    call_block: bool = False,
 ) -> str | None:
     """The grammar for a JSON answer to `schema` where an answer under `chat_format`
     (rendering `tools`) begins with reasoning (ChatFormat.reasons_first), for the model behind
     `service` (an EngineService); None where it does not (the schema then holds from the first
-    token). The server and ChatFreeToken both ask here."""
+    token). `call_block`: the JSON is a forced call's body, which a Hermes-format model writes
+    inside its `<tool_call>\\n ... \\n</tool_call>` block (the grammar writes the block too,
+    so the model's own parser reads the call). The server and ChatFreeToken both ask here."""
     if not chat_format.reasons_first(tools):
         return None
     ends = getattr(service.engine, "eos_token_ids", ())
-    return reasoned_json_grammar(service.tokenizer, schema, ends)
+    frame = ("", "")
+    if call_block:
+        opener, closer = call_marks(service.tokenizer)
+        frame = (f'{opener} "\\n"', f'"\\n" {closer}')
+    return reasoned_json_grammar(service.tokenizer, schema, ends, frame)
+
+
+def bounded_reasoning(budget: int | None, service: Any) -> bool:
+    """Whether a thinking budget bounds a request's reasoning: its own (`budget`) or the
+    engine's default (EngineConfig.thinking_budget) for the model behind `service`. A forced
+    call follows the reasoning only then: the caller forces a call because it needs one, and
+    reasoning that runs to max_tokens would end the turn without it (a JSON answer takes that
+    risk, as under vLLM's reasoning parsers: there the schema is what is asked for, not a call
+    that must come)."""
+    if budget is not None:
+        return True
+    config = getattr(getattr(service, "engine", None), "config", None)
+    return getattr(config, "thinking_budget", None) is not None
 
 
 def reasoned_json_grammar(
-    tokenizer: Any, schema: dict[str, Any], end_ids: Collection[int] = ()
+    tokenizer: Any,
+    schema: dict[str, Any],
+    end_ids: Collection[int] = (),
+    frame: tuple[str, str] = ("", ""),
 ) -> str | None:
     """The grammar of reasoning, then JSON valid against `schema` (see the module docstring);
-    `end_ids`: the model's end-of-sequence ids, left out of the reasoning. None when the
+    `end_ids`: the model's end-of-sequence ids, left out of the reasoning; `frame`: Lark
+    written right before and after the JSON (a call block's opener and closer). None when the
     tokenizer (the engine's: engine/text/tokenizer.py) has no think tokens of its own."""
     if tokenizer is None:
         return None
@@ -84,9 +111,10 @@ def reasoned_json_grammar(
             f"json_schema cannot be used: a $ref in it cannot be resolved ({type(e).__name__}: {e})"
         ) from None
     answer = {**inlined, "x-guidance": JSON_OPTIONS}
+    start = [f"start: free <[{close_id}]> WS?", frame[0], "%json", json.dumps(answer), frame[1]]
     return "\n".join(
         [
-            f"start: free <[{close_id}]> WS? %json {json.dumps(answer)}",
+            " ".join(part for part in start if part),
             f"free: {free}",
             f"TEXT: /(?s:.+)/ & ~/(?s:.*){regex_literal(CLOSE)}(?s:.*)/",
             "WS: /[ \\t\\r\\n]{1,4}/",

@@ -106,11 +106,7 @@ def call_frame(
     number of calls, each followed by free text)."""
     added = sorted(tokenizer.backend.get_added_tokens_decoder())  # ids of the added tokens
     open_id = tokenizer.token_to_id(opener)
-    close_id = tokenizer.token_to_id(closer) if closer else None
-    if open_id is not None and open_id in added and (close_id is not None or not closer):
-        open_mark, close_mark = f"<[{open_id}]>", f"<[{close_id}]>" if closer else ""
-    else:
-        open_mark, close_mark = json.dumps(opener), json.dumps(closer) if closer else ""
+    open_mark, close_mark = call_marks(tokenizer, opener, closer)
     others = [i for i in added if i != open_id]
     free = f"TEXT? (<[{','.join(map(str, others))}]> TEXT?)*" if others else "TEXT?"
     head = [
@@ -119,6 +115,19 @@ def call_frame(
         f"TEXT: /(?s:.+)/ & ~/(?s:.*){regex_literal(opener)}(?s:.*)/",
     ]
     return head, open_mark, close_mark
+
+
+def call_marks(
+    tokenizer: Any, opener: str = OPENER, closer: str | None = CLOSER
+) -> tuple[str, str]:
+    """The Lark marks of a call's opener and closer: by id where the tokenizer has them as added
+    tokens (which a grammar's string cannot match), else as string literals; "" for no closer."""
+    added = set(tokenizer.backend.get_added_tokens_decoder())
+    open_id = tokenizer.token_to_id(opener)
+    close_id = tokenizer.token_to_id(closer) if closer else None
+    if open_id is not None and open_id in added and (close_id is not None or not closer):
+        return f"<[{open_id}]>", f"<[{close_id}]>" if closer else ""
+    return json.dumps(opener), json.dumps(closer) if closer else ""
 
 
 REGEX_META = set("\\.+*?()|[]{}^$#&-~/")  # escaped in a /.../ regex (the slash ends it)

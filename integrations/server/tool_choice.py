@@ -11,6 +11,13 @@
   writes the call where and how it was trained to. Models of other formats get the same JSON
   without an opener (vLLM's way for named calls). Either way the parser sees the call wrapped
   as a Hermes block, so forced calls stream as the same tool-call events as free ones.
+  Where the model thinks first (below: `reasoned_answer`) and a thinking budget bounds the
+  reasoning (a forced call must come: unbounded reasoning could reach max_tokens first), the
+  call follows the reasoning instead, as vLLM applies a forced call's structured output after
+  it: the prompt keeps the block open, and the grammar is the reasoning, `</think>`, then the
+  call, inside the
+  `<tool_call>` block the grammar writes for Hermes-format models (their own parser reads it),
+  the JSON alone for others (read by JsonOrCallParser).
 - "auto" with a response_format of JSON (json_schema or json_object), as the OpenAI Agents SDK
   sends on every turn: the output is constrained to one call of one of the tools or the answer
   (`call_or_answer_schema`, ChatFreeToken's json_or_call schema), read by JsonOrCallParser
@@ -19,13 +26,13 @@
   streamed: only the whole text tells a call from an answer (a json_object answer may be
   call-shaped), and content sent cannot be taken back. The reasoning streams.
   With "none" the response_format alone constrains the output; with a forced call it is refused.
-- A response_format of JSON (a call or the answer, or the answer alone), where the answer
-  begins with reasoning (the template opens a think block, or a hybrid one like Qwen3's is in
-  thinking mode and the prompt is given the `<think>\\n` its model would write): the model
-  reasons, then writes JSON valid against the schema (`reasoned_answer`,
+- A response_format of JSON (a call or the answer, or the answer alone), or a forced call,
+  where the answer begins with reasoning (the template opens a think block, or a hybrid one
+  like Qwen3's is in thinking mode and the prompt is given the `<think>\\n` its model would
+  write): the model reasons, then writes JSON valid against the schema (`reasoned_answer`,
   integrations/reasoned_json.py), as vLLM and SGLang apply structured output only after the
-  reasoning. Elsewhere, and for a forced call, the schema holds from the first token and an
-  open think block is closed in the prompt.
+  reasoning. Elsewhere the schema holds from the first token and an open think block is
+  closed in the prompt.
 - "auto" with a tool marked `strict: true` (the OpenAI Agents SDK's function tools are), no
   response_format: text stays free, and every call the model writes keeps to a known tool and
   a strict tool's arguments to its schema (integrations/strict_tools.py). Models that write
@@ -49,7 +56,7 @@ from freetoken_agent.integrations.constrained_output import (
     inline,
     output_schema,
 )
-from freetoken_agent.integrations.reasoned_json import answer_grammar
+from freetoken_agent.integrations.reasoned_json import answer_grammar, bounded_reasoning
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.errors import BadParam, check_nesting
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
@@ -221,13 +228,17 @@ def reasoned_answer(
     engine: Any,
 ) -> str | None:
     """The grammar of reasoning, then the JSON (reasoned_json.py), for a turn whose output is
-    held to a schema (the answer's, or `call_or_answer`'s "a call or the answer"), where an
-    answer under `chat_format` begins with reasoning (the tools are rendered as the turn renders
-    them); None otherwise, and for a forced call (whose prompt ends inside the call block).
-    `engine`: the bridge."""
-    if sampling.json_schema is None or choice.forced:
+    held to a schema (the answer's, `call_or_answer`'s "a call or the answer", or a forced
+    call's, inside the call block of a Hermes-format model), where an answer under
+    `chat_format` begins with reasoning (the tools are rendered as the turn renders them); None
+    otherwise, and for a forced call whose reasoning no thinking budget bounds
+    (reasoned_json.bounded_reasoning). `engine`: the bridge."""
+    if sampling.json_schema is None:
         return None
-    return answer_grammar(chat_format, tools, engine.service, sampling.json_schema)
+    if choice.forced and not bounded_reasoning(sampling.thinking_token_budget, engine.service):
+        return None
+    block = choice.forced and engine_tool_format(engine) == "hermes"
+    return answer_grammar(chat_format, tools, engine.service, sampling.json_schema, block)
 
 
 def parser_factory(
@@ -253,9 +264,12 @@ def parser_factory(
 
     def factory(prompt: Any) -> Any:
         thinking = prompt_opens_reasoning(prompt.text)
-        if call_or_answer and reasoned:  # reasoning, then the call's or the answer's JSON
+        if reasoned:  # the block stays open (or is opened, as the model would): then JSON
             turn.suffix_ids = [] if thinking else tokenizer.encode(THINK_OPEN + "\n")
-            return JsonOrCallParser(True, tools or [])
+            if choice.forced or call_or_answer:  # the call's JSON (or the answer's)
+                block = choice.forced and tool_format == "hermes"  # the grammar writes it
+                return JsonOrCallParser(True, tools or [], in_block=block)
+            return OutputParser(tool_format if choice.mode == "auto" else None, True, tools)
         if call_or_answer:
             # The grammar starts at the first token, which must be the JSON's: a think block
             # the template left open is closed in the prompt, and the parser starts past it.
@@ -263,9 +277,6 @@ def parser_factory(
             return JsonOrCallParser(False, tools or [])
         if not choice.forced:
             fmt = tool_format if choice.mode == "auto" else None
-            if json_answer and reasoned:
-                turn.suffix_ids = [] if thinking else tokenizer.encode(THINK_OPEN + "\n")
-                return OutputParser(fmt, True, tools)
             if json_answer and thinking:
                 turn.suffix_ids = tokenizer.encode(THINK_CLOSE + "\n\n")
                 return OutputParser(fmt, False, tools)

@@ -105,3 +105,30 @@ def test_usage_metadata_counts_the_reasoning(engine, rng_seed):
     tokens = [e["token"] for e in reply.response_metadata["logprobs"]["content"]]
     expected = tokens.index("</think>") + 1 if "</think>" in tokens else len(tokens)
     assert reply.usage_metadata["output_token_details"] == {"reasoning": expected}, tokens
+
+
+def test_a_forced_call_follows_a_bounded_reasoning(demo_dir, rng_seed):
+    """bind_tools(tool_choice=...) or with_structured_output(method="function_calling") under
+    the demo's hybrid template: with a thinking budget the model reasons, then the grammar
+    writes the call; without one the call comes from the first token (it must come)."""
+    rng = random.Random(rng_seed)
+    engine = Engine.load(demo_dir, device="cpu", progress=False, kv_tokens=4096,
+                         max_model_len=1024)  # fmt: skip
+    for budget in rng.sample([None, rng.randint(2, 6)], 2):
+        llm = ChatFreeToken(engine=engine, temperature=0.8, seed=rng.randrange(1 << 30),
+                            max_tokens=120, thinking_token_budget=budget,
+                            logprobs=True)  # fmt: skip
+        if rng.random() < 0.5:
+            out = llm.bind_tools([Pick], tool_choice="Pick").invoke("ka lo mi")
+            Pick.model_validate(out.tool_calls[0]["args"])
+        else:
+            got = llm.with_structured_output(Pick, method="function_calling", include_raw=True)
+            result = got.invoke("ka lo mi")
+            assert isinstance(result["parsed"], Pick), result
+            out = result["raw"]
+        tokens = [e["token"] for e in out.response_metadata["logprobs"]["content"]]
+        assert ("</think>" in tokens) == (budget is not None), (budget, tokens)
+        if budget is not None:
+            close = check_close(tokens, budget, MAX_WAIT)
+            assert "<tool_call>" in tokens[close:] and tokens[-1] == "</tool_call>", tokens
+            assert bool(out.additional_kwargs.get("reasoning_content")) == (close > 1), out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import jsonschema
 import pytest
@@ -174,3 +175,105 @@ def test_usage_counts_the_reasoning_tokens(thinking_client, rng_seed):
                 expected += tokens.index("</think>") + 1 if "</think>" in tokens else len(tokens)
         details = r["usage"]["completion_tokens_details"]
         assert details == {"reasoning_tokens": expected}, (thinking, r["usage"])
+
+
+def _forced_body(rng: random.Random, tools: list[dict], choice: Any, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": "ka lo mi"}], "tools": tools,
+            "tool_choice": choice, "max_tokens": 120, "temperature": 0.8,
+            "seed": rng.randrange(1 << 30), "logprobs": True, **extra}  # fmt: skip
+
+
+def _call_tools(rng: random.Random) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"t{i}", "parameters": _schema(rng)}}
+            for i in range(rng.randint(1, 3))]  # fmt: skip
+
+
+def test_a_forced_call_follows_a_bounded_reasoning(hybrid_client, read_sse, rng_seed):
+    """A forced call (required or named) where the model thinks first and a thinking budget
+    bounds the reasoning: the model reasons, then the grammar writes the call in its Hermes
+    block; streamed the same. Without a budget, or with thinking off, the call comes from the
+    first token as before (the call must come: unbounded reasoning could reach max_tokens)."""
+    rng = random.Random(rng_seed)
+    tools = _call_tools(rng)
+    for budget, thinking in rng.sample([(rng.randint(0, 6), True), (None, True),
+                                        (rng.randint(0, 6), False)], 3):  # fmt: skip
+        name = rng.choice(tools)["function"]["name"]
+        choice = rng.choice(["required", {"type": "function", "function": {"name": name}}])
+        extra = {} if budget is None else {"thinking_token_budget": budget}
+        if not thinking:
+            extra["chat_template_kwargs"] = {"enable_thinking": False}
+        body = _forced_body(rng, tools, choice, **extra)
+        r = hybrid_client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()["choices"][0]
+        assert out["finish_reason"] == "tool_calls", out
+        (call,) = out["message"]["tool_calls"]
+        schema = next(t["function"]["parameters"] for t in tools
+                      if t["function"]["name"] == call["function"]["name"])  # fmt: skip
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+        if choice != "required":
+            assert call["function"]["name"] == name
+        tokens = [e["token"] for e in out["logprobs"]["content"]]
+        reasoned = budget is not None and thinking
+        assert ("</think>" in tokens) == reasoned, (budget, thinking, tokens)
+        if reasoned:  # the reasoning, its close, then the call block the grammar wrote
+            close = check_close(tokens, budget, MAX_WAIT)
+            assert tokens[-1] == "</tool_call>" and "<tool_call>" in tokens[close:], tokens
+            assert bool(out["message"].get("reasoning_content")) == (close > 1), out
+        streamed = read_sse(
+            hybrid_client.post(
+                "/v1/chat/completions", json={**body, "stream": True}
+            ).text.splitlines()
+        )
+        deltas = [c["choices"][0]["delta"] for c in streamed
+                  if isinstance(c, dict) and c["choices"]]  # fmt: skip
+        calls = [c for d in deltas for c in d.get("tool_calls") or []]
+        assert [c["function"]["arguments"] for c in calls] == [call["function"]["arguments"]]
+        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+        assert reasoning == (out["message"].get("reasoning_content") or "")
+
+
+def test_the_engine_default_budget_bounds_a_forced_call(demo_dir, rng_seed):
+    """EngineConfig.thinking_budget (`--thinking-budget`) bounds every request's reasoning:
+    a forced call then follows the reasoning without a budget of its own."""
+    rng = random.Random(rng_seed)
+    budget = rng.randint(1, 6)
+    engine = Engine.load(demo_dir, device="cpu", progress=False, kv_tokens=4096,
+                         max_model_len=1024, thinking_budget=budget)  # fmt: skip
+    tools = _call_tools(rng)
+    with TestClient(create_app(engine)) as client:
+        body = _forced_body(rng, tools, "required")
+        out = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert out["finish_reason"] == "tool_calls", out
+    tokens = [e["token"] for e in out["logprobs"]["content"]]
+    close = check_close(tokens, budget, MAX_WAIT)
+    assert "<tool_call>" in tokens[close:] and tokens[-1] == "</tool_call>", tokens
+
+
+def test_a_forced_call_cut_by_max_tokens_keeps_what_it_wrote(hybrid_client, rng_seed):
+    """The reasoned forced call's block is the grammar's (a Hermes model's `<tool_call>`
+    markup): cut after the JSON the call still comes; cut inside it, the content is the JSON
+    written so far, without the markup (as where the prompt opened the block)."""
+    rng = random.Random(rng_seed)
+    tools = _call_tools(rng)
+    body = _forced_body(rng, tools, "required", thinking_token_budget=rng.randint(0, 4),
+                        temperature=0)  # fmt: skip
+    whole = hybrid_client.post("/v1/chat/completions", json=body).json()
+    (call,) = whole["choices"][0]["message"]["tool_calls"]
+    tokens = [e["token"] for e in whole["choices"][0]["logprobs"]["content"]]
+    closer, opener = tokens.index("</tool_call>"), tokens.index("<tool_call>")
+    # Greedy: the same tokens up to the cut. All but the closer, then a few of the JSON's
+    # (its first tokens are `{"name": "`: more than five).
+    for cut in (closer, rng.randint(opener + 3, opener + 5)):
+        out = hybrid_client.post("/v1/chat/completions", json={**body, "max_tokens": cut})
+        choice = out.json()["choices"][0]
+        assert choice["finish_reason"] == "length", choice
+        if cut == closer:  # the JSON is whole
+            (again,) = choice["message"]["tool_calls"]
+            assert again["function"] == call["function"], choice
+            continue
+        assert not choice["message"].get("tool_calls"), choice
+        content = choice["message"]["content"]
+        written = json.dumps({"name": call["function"]["name"],
+                              "arguments": json.loads(call["function"]["arguments"])})  # fmt: skip
+        assert content and "<tool_call>" not in content and written.startswith(content), content
