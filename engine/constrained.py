@@ -128,8 +128,9 @@ class GrammarCompiler:
         def refused(said: str) -> SchemaError:
             if constraint.kind == "lark" and what == "json_schema":
                 # A schema inside a grammar (integrations/reasoned_json.py): the grammar's
-                # line and column are not the caller's.
-                said = _GRAMMAR_PLACE.sub("", said)
+                # line and column, and the listing of its text after the first line, are not
+                # the caller's.
+                said = _GRAMMAR_PLACE.sub("", said).split("\n", 1)[0]
             return SchemaError(f"{what} cannot be used: {said}")
 
         try:

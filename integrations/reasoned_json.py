@@ -43,8 +43,6 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from freetoken_agent.engine.constrained import JSON_OPTIONS
-from freetoken_agent.engine.outputs import SchemaError
-from freetoken_agent.integrations.constrained_output import inline
 from freetoken_agent.integrations.strict_tools import call_marks, regex_literal
 from freetoken_agent.parsers.reasoning import CLOSE, OPEN
 
@@ -103,14 +101,9 @@ def reasoned_json_grammar(
         return None
     others = [i for i in added if i != close_id and i not in end_ids]
     free = f"TEXT? (<[{','.join(map(str, others))}]> TEXT?)*" if others else "TEXT?"
-    try:
-        inlined = inline(schema)  # nested in the grammar, its $refs must resolve
-    except (KeyError, ValueError, TypeError, AttributeError) as e:
-        # As the grammar compiler refuses a schema: the front-ends name the field for it.
-        raise SchemaError(
-            f"json_schema cannot be used: a $ref in it cannot be resolved ({type(e).__name__}: {e})"
-        ) from None
-    answer = {**inlined, "x-guidance": JSON_OPTIONS}
+    # The schema whole, its $defs with it: llguidance resolves its $refs (recursive ones too,
+    # which inlining them would cut) and refuses one that points nowhere, as for a bare schema.
+    answer = {**schema, "x-guidance": JSON_OPTIONS}
     start = [f"start: free <[{close_id}]> WS?", frame[0], "%json", json.dumps(answer), frame[1]]
     return "\n".join(
         [

@@ -120,6 +120,7 @@ def test_a_schema_the_grammar_refuses_names_its_field(client, rng_seed, field):
     # A look-around is refused before the compiler, by where it is (sampling_params.py).
     said = ("json_schema cannot be used", f"properties/{key}: 'pattern'")
     assert error["param"] == field and any(s in error["message"] for s in said), error
+    assert "start:" not in error["message"], error  # no listing of a grammar the caller never wrote
 
 
 def test_unknown_routes_and_methods_get_openai_errors(client, rng_seed):
