@@ -123,6 +123,9 @@ def test_a_failing_choice_raises_and_ends_the_others(engine, rng_seed, way):
                 llm.generate([[HumanMessage("ka lo")]])
             else:
                 asyncio.run(llm.agenerate([[HumanMessage("ka lo")]]))
+        # An abort never waits for the engine's lock (service.py): one asked while the engine
+        # stepped is applied under the lock's next holder, which stats() is.
+        service.stats()
         with service.lock:  # the long one was aborted, not run to its end (a choice may not
             # have started at all: a sibling's error cancelled the group first)
             assert not fake.running and 1 <= fake.finished < fake.submitted <= n
