@@ -151,10 +151,18 @@ def parse_tool_choice(raw: Any, tools: Sequence[Mapping[str, Any]] | None) -> To
 
 
 def forced_schema(choice: ToolChoice, tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The JSON schema of the call a forced turn must write."""
+    """The JSON schema of the call a forced turn must write: closed, as ChatFreeToken's and a
+    call-or-answer's (constrained_output.output_schema): an object schema that does not say
+    whether other keys may come gets none, so the arguments hold only the tool's parameters (a
+    model could otherwise add keys until max_tokens, which the random demo model does)."""
     chosen = [t for t in tools if choice.mode == "required" or t["function"]["name"] == choice.name]
-    schemas = [tool_call_schema(t) for t in chosen]
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    try:
+        return output_schema("required", [dict(t) for t in chosen], None)
+    except (KeyError, ValueError, TypeError, AttributeError):
+        # A $ref that resolves nowhere (closing inlines them): as given, for the grammar
+        # compiler to refuse by name, the 400 naming `tools` (turn_run.py).
+        schemas = [tool_call_schema(t) for t in chosen]
+        return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
 def call_or_answer_schema(tools: Sequence[Mapping[str, Any]], fmt: Any) -> dict[str, Any] | None:

@@ -203,3 +203,24 @@ def test_forced_call_parser_closes_an_open_think_block(rng_seed):
     ]
     assert isinstance(events[-1], ToolCallEnd) and events[-1].arguments == args
     assert json.loads(events[1].text) == args
+
+
+def test_a_forced_call_holds_only_the_tools_parameters(client, rng_seed):
+    """A tool's parameters that do not say whether other keys may come: the forced call's
+    schema is closed (as ChatFreeToken's and a call-or-answer's), so the arguments hold the
+    declared keys only (the random model would otherwise add keys until max_tokens)."""
+    rng = random.Random(rng_seed)
+    keys = [f"k{i}" for i in range(rng.randint(1, 3))]
+    params = {
+        "type": "object",
+        "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in keys},
+    }
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": params}}]
+    for _ in range(3):
+        body = {"messages": _user(rng), "tools": tools, "tool_choice": "required",
+                "max_tokens": 60, "temperature": 1.0, "seed": rng.randrange(2**31),
+                "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+        choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        arguments = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
+        assert set(arguments) <= set(keys), arguments
