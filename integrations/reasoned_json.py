@@ -10,7 +10,7 @@ the answer begins with reasoning (below), the turn's constraint is this Lark gra
     start: free <[</think>]> WS? %json {schema}
     free: TEXT? (<[other added tokens]> TEXT?)*
     TEXT: /(?s:.+)/ & ~/(?s:.*)<\\/think>(?s:.*)/
-    WS: /[ \\t\\r\\n]{1,4}/
+    WS: /[ \\t\\r\\n]{1,2}/
 
 - reasoning is free text up to `</think>` (named by id, as strict_tools.py names a call's
   opener; TEXT can never spell it out of plain tokens), and may hold the model's other added
@@ -18,8 +18,9 @@ the answer begins with reasoning (below), the turn's constraint is this Lark gra
   with no answer at all;
 - stop strings and stop ids do not apply (`SamplingParams.grammar_holds_answer`), as under a
   bare schema: a stop met inside the JSON would cut it;
-- the JSON follows the block's end and a little whitespace (the templates write two
-  newlines; more would only let a weak model ramble in it), with the separators json.dumps
+- the JSON follows the block's end and at most the two newlines the templates write there
+  (more would let a weak model ramble in it, and the next turn's prompt, rendered with two,
+  would part from the KV there), with the separators json.dumps
   writes (constrained.JSON_OPTIONS, as every schema here), and the request ends with it;
 - the thinking budget (engine/thinking_budget.py) forces `\\n</think>\\n\\n`, which the grammar
   takes: a budget caps the reasoning before the answer (in the middle of a multi-byte
@@ -110,6 +111,6 @@ def reasoned_json_grammar(
             " ".join(part for part in start if part),
             f"free: {free}",
             f"TEXT: /(?s:.+)/ & ~/(?s:.*){regex_literal(CLOSE)}(?s:.*)/",
-            "WS: /[ \\t\\r\\n]{1,4}/",
+            "WS: /[ \\t\\r\\n]{1,2}/",
         ]
     )

@@ -82,3 +82,16 @@ def test_the_frame_writes_a_call_block_around_the_json(engine, rng_seed):
     assert _accepts(engine, grammar, f"a\n</think>\n\n<tool_call>\n{body}\n</tool_call>")
     assert not _accepts(engine, grammar, f"a\n</think>\n\n{body}")  # the block is the grammar's
     assert not _accepts(engine, grammar, f"a\n</think>\n\n<tool_call>\n{body}")  # and its end
+
+
+def test_at_most_two_whitespace_characters_come_between_the_block_and_the_json(engine, rng_seed):
+    """The templates write `</think>\\n\\n`: the grammar takes at most that much, so a weak
+    model does not ramble there and the next turn's prompt meets the KV."""
+    rng = random.Random(rng_seed)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    grammar = reasoned_json_grammar(engine.tokenizer, schema, engine.eos_token_ids)
+    body = json.dumps({"n": rng.randint(0, 999)})
+    for count in range(5):
+        gap = "".join(rng.choice(" \n") for _ in range(count))
+        assert _accepts(engine, grammar, f"so\n</think>{gap}{body}") == (count <= 2), repr(gap)
