@@ -23,7 +23,7 @@ from langchain_core.messages import AIMessage
 from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.v1 import BaseModel as BaseModelV1
 from pydantic.v1 import ValidationError as ValidationErrorV1
 
@@ -60,11 +60,21 @@ def structured_runnable(
     return RunnableMap(raw=bound) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
 
+# Keywords of a JSON schema at its root: a dict with one is a schema already (title optional).
+_SCHEMA_ROOT_KEYS = {"type", "properties", "anyOf", "oneOf", "allOf", "$ref", "enum", "const"}
+
+
 def _json_schema(schema: dict[str, Any] | type) -> dict[str, Any]:
-    """A JSON schema from a pydantic model, TypedDict, OpenAI tool or plain JSON schema."""
+    """A JSON schema from a pydantic model, TypedDict, OpenAI tool or plain JSON schema.
+    A pydantic (v2) model gives its own schema, its $defs and $refs kept: LangChain's
+    conversion inlines them and cuts a recursive one to {} (a tree's children would be
+    anything); the grammar compiler resolves them (engine/constrained.py). So does a plain
+    schema whose root is a $ref into its $defs, as pydantic writes a recursive model's."""
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        return schema.model_json_schema()
     plain = isinstance(schema, dict) and not {"function", "parameters"} & schema.keys()
-    if plain and {"type", "properties", "anyOf"} & schema.keys():
-        return schema  # already a JSON schema (title optional)
+    if plain and _SCHEMA_ROOT_KEYS & schema.keys():
+        return schema
     return convert_to_json_schema(schema)
 
 

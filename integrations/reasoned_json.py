@@ -14,8 +14,9 @@ the answer begins with reasoning (below), the turn's constraint is this Lark gra
 
 - reasoning is free text up to `</think>` (named by id, as strict_tools.py names a call's
   opener; TEXT can never spell it out of plain tokens), and may hold the model's other added
-  tokens, but not its end-of-sequence ones: an end inside the reasoning would end the request
-  with no answer at all;
+  tokens, but not its end-of-sequence ones (an end inside the reasoning would end the request
+  with no answer at all) nor `<think>` (a block does not nest; the output parsers would read
+  a second opener as reasoning text);
 - stop strings and stop ids do not apply (`SamplingParams.grammar_holds_answer`), as under a
   bare schema: a stop met inside the JSON would cut it;
 - the JSON follows the block's end and at most the two newlines the templates write there
@@ -100,7 +101,7 @@ def reasoned_json_grammar(
     open_id, close_id = tokenizer.token_to_id(OPEN), tokenizer.token_to_id(CLOSE)
     if open_id not in added or close_id not in added:
         return None
-    others = [i for i in added if i != close_id and i not in end_ids]
+    others = [i for i in added if i not in (open_id, close_id) and i not in end_ids]
     free = f"TEXT? (<[{','.join(map(str, others))}]> TEXT?)*" if others else "TEXT?"
     # The schema whole, its $defs with it: llguidance resolves its $refs (recursive ones too,
     # which inlining them would cut) and refuses one that points nowhere, as for a bare schema.

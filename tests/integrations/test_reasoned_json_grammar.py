@@ -95,3 +95,15 @@ def test_at_most_two_whitespace_characters_come_between_the_block_and_the_json(e
     for count in range(5):
         gap = "".join(rng.choice(" \n") for _ in range(count))
         assert _accepts(engine, grammar, f"so\n</think>{gap}{body}") == (count <= 2), repr(gap)
+
+
+def test_the_reasoning_opens_no_second_block(engine, rng_seed):
+    """Other added tokens may come in the reasoning, but not `<think>`: a block does not nest
+    (and the output parsers would read the opener as reasoning text)."""
+    rng = random.Random(rng_seed)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    grammar = reasoned_json_grammar(engine.tokenizer, schema, engine.eos_token_ids)
+    body = json.dumps({"n": rng.randint(0, 999)})
+    assert _accepts(engine, grammar, f"a <tool_call> b\n</think>\n\n{body}")
+    assert not _accepts(engine, grammar, f"a <think> b\n</think>\n\n{body}")
