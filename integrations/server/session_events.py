@@ -14,7 +14,9 @@ logprob      {"token_id", "token", "logprob", "bytes", "top_logprobs"}: one gene
              them ("logprobs": true, "top_logprobs": k); each comes before the events its
              token's text makes, thinking and tool-call tokens included
 usage        {"prompt_tokens", "completion_tokens", "reused_tokens", "prefilled_tokens",
-              "finish_reason", "exact", "first_divergence", "anchor"}: `first_divergence`
+              "finish_reason", "exact", "reasoning_tokens", "first_divergence", "anchor"}:
+             `reasoning_tokens` counts the think block's tokens of completion_tokens (null
+             for a model without think tokens), as the chat API's usage; `first_divergence`
              counts the tokens this prompt shares with what the session last sent, and
              `anchor` ({"offset", "kind", "message_index", ...} or null) is the deepest
              semantic anchor at or before it, where recurrent layers resume
@@ -78,6 +80,7 @@ def event_json(event: Any) -> dict[str, Any] | None:
             "prefilled_tokens": event.prefilled_tokens,
             "finish_reason": event.finish_reason,
             "exact": event.exact,
+            "reasoning_tokens": event.reasoning_tokens,
         }
     return None
 

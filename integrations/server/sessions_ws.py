@@ -5,8 +5,10 @@ The client sends JSON messages:
     {"type": "send", "messages": [...], "tools": [...], "tool_choice": ...,
      "sampling": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                  "min_tokens", "logit_bias", "logprobs", "top_logprobs"},
-     "response_format": {...}, "append": false, "continue_final_message": false, "model": "..."}
+                  "min_tokens", "thinking_token_budget", "logit_bias", "logprobs",
+                  "top_logprobs"},
+     "response_format": {...}, "append": false, "continue_final_message": false,
+     "chat_template_kwargs": {"enable_thinking": false}, "model": "..."}
     {"type": "cancel"}                     interrupt the running turn (any watcher may)
 
 `messages` is the whole history (OpenAI form), as agents resend it every turn; with
@@ -17,7 +19,8 @@ events of `session_events` (start, reasoning, content, tool_call, tool_result, u
 done, ...), published to every socket open on the same id, so a second socket watches the
 session live. `"continue_final_message": true` has the model go on from the last message, the
 assistant's (a prefill, as on the chat route); the history then keeps that message with the
-reply appended to it.
+reply appended to it. `chat_template_kwargs.enable_thinking` switches the template's thinking
+mode for the turn, as on the chat route (absent: the template's default).
 Problems with one message (bad JSON, a bad history, a busy session) go back to its sender as an
 `error` and a `done`; the socket stays open. A socket that closes cancels the turn it started.
 """
@@ -83,6 +86,7 @@ SEND_KEYS = frozenset(
         "response_format",
         "append",
         "continue_final_message",
+        "chat_template_kwargs",  # {"enable_thinking": true or false}, as on the chat route
         "model",
     }
 )
@@ -112,7 +116,13 @@ def turn_request(msg: dict[str, Any], live: LiveSession, state: Any) -> TurnRequ
             raise BadParam("messages must be a list of messages", "messages")
         messages = to_openai_messages(live.history) + messages
     body = {**sampling, "messages": messages}
-    for key in ("tools", "tool_choice", "response_format", "continue_final_message"):
+    for key in (
+        "tools",
+        "tool_choice",
+        "response_format",
+        "continue_final_message",
+        "chat_template_kwargs",
+    ):
         if key in msg:
             body[key] = msg[key]
     return turn_from(body, state.default_max_tokens)

@@ -306,3 +306,32 @@ def test_logprob_events_come_one_a_token_when_asked(client, rng_seed):
             assert len(e["top_logprobs"]) == k, rng_seed
         _send(ws, rng)  # not asked: no logprob event
         assert not [e for e in _until_done(ws) if e["type"] == "logprob"]
+
+
+def test_usage_counts_the_reasoning_tokens(client, rng_seed):
+    """The usage event's reasoning_tokens, as the chat API's: the think block's tokens of the
+    turn (tags included, up to and with `</think>`: a JSON answer follows the reasoning, its
+    block opened by the prompt), 0 with thinking off, which a send's chat_template_kwargs
+    switches as on the chat route."""
+    rng = random.Random(rng_seed)
+    with client.websocket_connect(URL.format(f"r{rng.randrange(1 << 30)}")) as ws:
+        _join(ws)
+        for thinking in rng.sample([True, False], 2):
+            sampling = {"max_tokens": 30, "temperature": 0.8, "seed": rng.randrange(1 << 30),
+                        "logprobs": True, "thinking_token_budget": rng.randint(0, 6)}  # fmt: skip
+            send = {"type": "send", "messages": [{"role": "user", "content": _text(rng)}],
+                    "sampling": sampling,
+                    "chat_template_kwargs": {"enable_thinking": thinking}}  # fmt: skip
+            if thinking:  # a JSON answer after the reasoning: the prompt opens the block
+                schema = {"type": "object", "properties": {"n": {"type": "integer"}},
+                          "required": ["n"], "additionalProperties": False}  # fmt: skip
+                asked = {"name": "n", "schema": schema}
+                send["response_format"] = {"type": "json_schema", "json_schema": asked}
+                sampling["max_tokens"] = 60
+            ws.send_json(send)
+            events = _until_done(ws)
+            assert not [e for e in events if e["type"] == "error"], events
+            tokens = [e["token"] for e in events if e["type"] == "logprob"]
+            expected = tokens.index("</think>") + 1 if thinking else 0
+            usage = next(e for e in events if e["type"] == "usage")
+            assert usage["reasoning_tokens"] == expected, (thinking, tokens, usage)
