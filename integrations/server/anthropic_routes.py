@@ -37,10 +37,11 @@ from freetoken_agent.integrations.server.anthropic_request import (
     anthropic_refusal,
     parse_messages_request,
 )
+from freetoken_agent.integrations.server.bridge import EngineBridge, Turn
 from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.errors import parse_json_body
 from freetoken_agent.integrations.server.run_responses import serve_choices
-from freetoken_agent.integrations.server.turn_run import TurnRun
+from freetoken_agent.integrations.server.turn_run import TurnRun, turn_plan
 from freetoken_agent.session import Usage
 
 log = logging.getLogger("freetoken.server")
@@ -128,7 +129,12 @@ def _input_tokens(body: Any, state: Any) -> int:
         )
     except InvalidRequestError as e:  # the template's refusal, naming a translated message
         raise anthropic_refusal(e, parsed.origins) from None
-    return len(prompt.token_ids)
+    # What the turn appends to the rendered prompt (a forced call's opener, or the `<think>\n`
+    # of a call after the reasoning: turn_run.turn_plan) is input too.
+    counted = Turn(state.service)
+    _, factory = turn_plan(turn, chat_format, EngineBridge(state.service), counted)
+    factory(prompt)
+    return len(prompt.token_ids) + len(counted.suffix_ids)
 
 
 async def count_tokens(request: Request) -> Response:

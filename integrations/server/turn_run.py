@@ -33,6 +33,7 @@ from typing import Any
 
 from freetoken_agent.continuation import continued_message
 from freetoken_agent.engine.outputs import SchemaError, TokenEvent, TokenLogprob
+from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.one_call import FirstCallOnly
 from freetoken_agent.integrations.openai_logprobs import TokenStrings
 from freetoken_agent.integrations.server.bridge import Turn
@@ -48,6 +49,7 @@ from freetoken_agent.integrations.server.session_events import (
     tool_result_json,
 )
 from freetoken_agent.integrations.server.tool_choice import (
+    ParserFactory,
     parser_factory,
     reasoned_answer,
     turn_sampling,
@@ -80,6 +82,42 @@ def put_first_event(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> No
 def failed_at_once(event: TokenEvent) -> bool:
     """Whether a request's first event is its failure (an engine error before any token)."""
     return event.finished and event.finish_reason == "error"
+
+
+def turn_plan(
+    request: TurnRequest, chat_format: Any, bridge: Any, turn: Turn
+) -> tuple[SamplingParams, ParserFactory]:
+    """The sampling a turn submits (the strict tools' grammar, or the reasoned one holding
+    a JSON answer or call after the reasoning) and the Session's parser factory for it, which
+    also sets the prompt suffix the turn appends (`turn.suffix_ids`) when called with the
+    rendered prompt. Anthropic's count_tokens asks here too, to count that suffix."""
+    sampling = turn_sampling(request.tool_choice, request.tools, bridge, request.sampling)
+    reasoned = reasoned_answer(
+        request.tool_choice,
+        request.tools,
+        sampling,
+        request.call_or_answer,
+        chat_format,
+        bridge,
+    )
+    if reasoned is not None:  # the schema after the reasoning, in one grammar
+        sampling = dataclasses.replace(
+            sampling,
+            json_schema=None,
+            response_format=None,
+            grammar=reasoned,
+            grammar_holds_answer=True,
+        )
+    factory = parser_factory(
+        request.tool_choice,
+        request.tools,
+        bridge,
+        turn,
+        request.call_or_answer,
+        json_answer=request.sampling.json_schema is not None,
+        reasoned=reasoned is not None,
+    )
+    return sampling, factory
 
 
 class TurnRun:
@@ -117,34 +155,7 @@ class TurnRun:
                 live.session.chat_format = live.formats.get(request.enable_thinking)
                 turn.on_submit = lambda n: put(_Started(n))
                 turn.on_first_event = lambda event: self._first(loop, event)
-                sampling = turn_sampling(
-                    request.tool_choice, request.tools, live.bridge, request.sampling
-                )
-                reasoned = reasoned_answer(
-                    request.tool_choice,
-                    request.tools,
-                    sampling,
-                    request.call_or_answer,
-                    live.session.chat_format,
-                    live.bridge,
-                )
-                if reasoned is not None:  # the schema after the reasoning, in one grammar
-                    sampling = dataclasses.replace(
-                        sampling,
-                        json_schema=None,
-                        response_format=None,
-                        grammar=reasoned,
-                        grammar_holds_answer=True,
-                    )
-                factory = parser_factory(
-                    request.tool_choice,
-                    request.tools,
-                    live.bridge,
-                    turn,
-                    request.call_or_answer,
-                    json_answer=request.sampling.json_schema is not None,
-                    reasoned=reasoned is not None,
-                )
+                sampling, factory = turn_plan(request, live.session.chat_format, live.bridge, turn)
                 one = None if request.parallel_tool_calls else FirstCallOnly(turn.cancel)
                 live.bridge.current = turn  # from here to the `finally` that clears it
                 try:

@@ -256,6 +256,27 @@ def test_usage_counts_reused_prompt_tokens_as_cache_reads(client, rng_seed):
     assert again["output_tokens"] == 2
 
 
+def test_count_tokens_counts_what_the_turn_appends(client, rng_seed):
+    """A forced call's opener, or the `<think>\\n` of a call after a bounded reasoning, is
+    prompt the turn submits: count_tokens counts it, so its figure is the turn's input."""
+    rng = random.Random(rng_seed)
+    schema = {"type": "object", "properties": {"q": {"type": "integer", "minimum": 0,
+              "maximum": 9}}, "required": ["q"]}  # fmt: skip
+    tools = [{"name": random_name(rng), "description": "d", "input_schema": schema}]
+    cases = [({"type": "any"}, {"type": "enabled", "budget_tokens": rng.randint(1, 4)}),
+             ({"type": "any"}, {"type": "disabled"}), ({"type": "auto"}, None),
+             ({"type": "tool", "name": tools[0]["name"]}, None)]  # fmt: skip
+    for choice, thinking in rng.sample(cases, len(cases)):
+        body = {"max_tokens": 60, "tools": tools, "tool_choice": choice,
+                "messages": [{"role": "user", "content": _words(rng, 4)}]}  # fmt: skip
+        if thinking is not None:
+            body["thinking"] = thinking
+        counted = client.post(URL + "/count_tokens", json=body).json()["input_tokens"]
+        usage = client.post(URL, json=body).json()["usage"]
+        used = usage["input_tokens"] + usage["cache_read_input_tokens"]
+        assert counted == used + usage["cache_creation_input_tokens"], (choice, thinking, usage)
+
+
 class _Running(PacedEngine):
     """A paced scripted engine that reports its running requests, as post_and_leave waits
     for one to run before it leaves."""
