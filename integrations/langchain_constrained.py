@@ -20,7 +20,7 @@ from freetoken_agent.chat_format import ChatFormat, Prompt
 from freetoken_agent.integrations.constrained_output import HERMES_OPEN, WrappedBlock
 from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
 from freetoken_agent.parsers.reasoning import OPEN as THINK_OPEN
-from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
+from freetoken_agent.parsers.reasoning import opens_think_block
 
 THINK_END = THINK_CLOSE + "\n\n"
 
@@ -38,7 +38,7 @@ class ForcedFormat:
 
     def render(self, messages, tools=None, add_generation_prompt: bool = True, **kw) -> Prompt:
         prompt = self.inner.render(messages, tools, add_generation_prompt, **kw)
-        self.opened = prompt_opens_reasoning(prompt.text)
+        self.opened = opens_think_block(prompt, self.tokenizer)
         suffix = (THINK_END if self.opened else "") + self.opener
         return with_suffix(prompt, suffix, self.tokenizer)
 
@@ -56,7 +56,7 @@ class OpenedReasoning:
 
     def render(self, messages, tools=None, add_generation_prompt: bool = True, **kw) -> Prompt:
         prompt = self.inner.render(messages, tools, add_generation_prompt, **kw)
-        opened = prompt_opens_reasoning(prompt.text)
+        opened = opens_think_block(prompt, self.tokenizer)
         return with_suffix(prompt, "" if opened else THINK_OPEN + "\n", self.tokenizer)
 
 

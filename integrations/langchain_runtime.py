@@ -43,8 +43,12 @@ from freetoken_agent.integrations.langchain_constrained import (
     PrefedParser,
 )
 from freetoken_agent.integrations.one_call import FirstCallOnly
-from freetoken_agent.parsers import OutputParser, engine_tool_format, parser_factory_for
-from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
+from freetoken_agent.parsers import (
+    OutputParser,
+    engine_tool_format,
+    opens_think_block,
+    parser_factory_for,
+)
 from freetoken_agent.service import EngineService, ServiceView
 from freetoken_agent.service import service_for as service_for  # re-exported (langchain.py)
 from freetoken_agent.session import Session
@@ -246,7 +250,7 @@ def build_session(service: EngineService, binding: Binding, thinking: bool | Non
         else:
 
             def factory(prompt: Prompt) -> OutputParser:
-                return OutputParser(None, prompt_opens_reasoning(prompt.text), None)
+                return OutputParser(None, opens_think_block(prompt, service.tokenizer), None)
 
         return Session(gateway, tools=tools, chat_format=fmt, parser_factory=factory)
     if binding.reasoned:  # reasoning, then the JSON: the think block stays open

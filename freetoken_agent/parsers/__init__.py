@@ -25,7 +25,11 @@ from freetoken_agent.parsers.hermes import HermesParser
 from freetoken_agent.parsers.mistral import MistralParser
 from freetoken_agent.parsers.output_parser import OutputParser
 from freetoken_agent.parsers.qwen3_coder import Qwen3CoderParser
-from freetoken_agent.parsers.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from freetoken_agent.parsers.reasoning import (
+    ReasoningSplitter,
+    opens_think_block,
+    prompt_opens_reasoning,
+)
 from freetoken_agent.parsers.registry import TOOL_FORMATS, make_tool_parser, tool_format_for
 from freetoken_agent.parsers.schema import convert_value, parameter_schemas
 from freetoken_agent.parsers.tool_parser import ToolCallParser
@@ -52,6 +56,7 @@ __all__ = [
     "make_tool_parser",
     "new_call_id",
     "parameter_schemas",
+    "opens_think_block",
     "prompt_opens_reasoning",
     "tool_format_for",
 ]

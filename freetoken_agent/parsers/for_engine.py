@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from freetoken_agent.parsers.output_parser import OutputParser
-from freetoken_agent.parsers.reasoning import prompt_opens_reasoning
+from freetoken_agent.parsers.reasoning import opens_think_block
 from freetoken_agent.parsers.registry import tool_format_for
 
 
@@ -25,9 +25,10 @@ def parser_factory_for(
     """`Session(engine, parser_factory=parser_factory_for(engine, tools))`: each turn's
     parser starts inside reasoning when the rendered prompt left `<think>` open."""
     tool_format = engine_tool_format(engine)
+    tokenizer = getattr(engine, "tokenizer", None)
     tool_list = [dict(t) for t in tools] if tools else None
 
     def factory(prompt: Any) -> OutputParser:
-        return OutputParser(tool_format, prompt_opens_reasoning(prompt.text), tool_list)
+        return OutputParser(tool_format, opens_think_block(prompt, tokenizer), tool_list)
 
     return factory

@@ -11,6 +11,8 @@ and the answer. Every other character, newlines included, is kept.
 
 from __future__ import annotations
 
+from typing import Any
+
 from freetoken_agent.parsers.events import ContentDelta, ReasoningDelta
 from freetoken_agent.parsers.tags import partial_tag_len
 
@@ -29,6 +31,23 @@ def prompt_opens_reasoning(prompt_text: str) -> bool:
     ends the prompt with `<think>\\n`), so the output starts inside reasoning."""
     tail = prompt_text.rstrip()
     return tail.endswith(OPEN)
+
+
+def opens_think_block(prompt: Any, tokenizer: Any) -> bool:
+    """`prompt_opens_reasoning` for a rendered Prompt (its `text` and `token_ids`), where the
+    `<think>` its text ends with is the model's think token. A continued assistant message
+    whose content ends with the text `<think>` is encoded as characters (literal_specials.py:
+    content never becomes control tokens), which the model does not read as its block, nor
+    does the engine's thinking budget (by ids): the output then starts as content. A tokenizer
+    without a `<think>` token (or none given): the text alone tells."""
+    if not prompt_opens_reasoning(prompt.text):
+        return False
+    open_id = tokenizer.token_to_id(OPEN) if tokenizer is not None else None
+    if open_id is None:
+        return True
+    ids = list(prompt.token_ids)
+    last = len(ids) - 1 - ids[::-1].index(open_id) if open_id in ids else -1
+    return last >= 0 and not tokenizer.decode(ids[last + 1 :]).strip()
 
 
 class ReasoningSplitter:

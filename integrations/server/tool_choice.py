@@ -60,11 +60,7 @@ from freetoken_agent.integrations.reasoned_json import answer_grammar, bounded_r
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.errors import BadParam, check_nesting
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
-from freetoken_agent.parsers import (
-    OutputParser,
-    engine_tool_format,
-    prompt_opens_reasoning,
-)
+from freetoken_agent.parsers import OutputParser, engine_tool_format, opens_think_block
 from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
 from freetoken_agent.parsers.reasoning import OPEN as THINK_OPEN
 
@@ -271,7 +267,7 @@ def parser_factory(
     tool_format = engine_tool_format(engine)
 
     def factory(prompt: Any) -> Any:
-        thinking = prompt_opens_reasoning(prompt.text)
+        thinking = opens_think_block(prompt, tokenizer)
         if reasoned:  # the block stays open (or is opened, as the model would): then JSON
             turn.suffix_ids = [] if thinking else tokenizer.encode(THINK_OPEN + "\n")
             if choice.forced or call_or_answer:  # the call's JSON (or the answer's)

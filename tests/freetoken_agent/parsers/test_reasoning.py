@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import random
+
+from chat_histories import QWEN3_THINKING
+
+from freetoken_agent.chat_format import ChatFormat
+from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.engine.text.tokenizer import Tokenizer
 from freetoken_agent.parsers import (
     ContentDelta,
     ReasoningDelta,
     ReasoningSplitter,
+    opens_think_block,
     prompt_opens_reasoning,
 )
 
@@ -89,3 +97,20 @@ def test_prompt_opens_reasoning():
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+
+
+def test_a_think_block_opens_only_with_the_think_token(tmp_path, rng_seed):
+    """`opens_think_block`: the template's `<think>` (the token) opens the block; the same
+    text at the end of a continued assistant message (encoded as characters) does not; with
+    no tokenizer the text alone tells."""
+    rng = random.Random(rng_seed)
+    tok = Tokenizer.from_dir(ensure_demo_model(tmp_path))
+    user = {"role": "user", "content": rng.choice(["hi", "ka lo", "x"])}
+    opened = ChatFormat(tok, chat_template=QWEN3_THINKING).render([user])
+    assert opens_think_block(opened, tok)
+    tail = "<think>" + rng.choice(["", "\n", "\n\n"])
+    prefill = {"role": "assistant", "content": rng.choice(["so ", ""]) + tail}
+    continued = ChatFormat(tok).render([user, prefill], continue_final=True)
+    assert prompt_opens_reasoning(continued.text)  # the text alone would say it opens
+    assert not opens_think_block(continued, tok)
+    assert opens_think_block(continued, None)

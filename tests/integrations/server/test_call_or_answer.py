@@ -276,7 +276,9 @@ def test_a_call_or_answer_turn_closes_an_open_think_block(engine, rng_seed):
         turn = SimpleNamespace(suffix_ids=None)
         factory = parser_factory(ToolChoice("auto"), tools, engine, turn, True)
         end = "<|im_start|>assistant\n" + ("<think>\n" if thinking else "")
-        parser = factory(SimpleNamespace(text="<|im_start|>user\nhi<|im_end|>\n" + end))
+        rendered = "<|im_start|>user\nhi<|im_end|>\n" + end  # its `<think>`: the token
+        ids = engine.tokenizer.encode(rendered)
+        parser = factory(SimpleNamespace(text=rendered, token_ids=ids))
         closer = engine.tokenizer.encode("</think>\n\n") if thinking else []
         assert turn.suffix_ids == closer
         text = json.dumps(value)

@@ -139,3 +139,20 @@ def test_the_websocket_keeps_the_continued_message_whole(scripted_client, rng_se
         ("user", messages[0]["content"]),
         ("assistant", prefill + reply),
     ]
+
+
+def test_a_prefill_ending_in_think_text_opens_no_block(client, rng_seed):
+    """A prefill whose text ends with `<think>` is content, encoded as characters (never the
+    model's think token): the reply is content, as the thinking budget (by ids) reads it, not
+    reasoning the budget never counts."""
+    rng = random.Random(rng_seed)
+    prefill = _words(rng, 2) + " <think>" + rng.choice(["", "\n"])
+    messages = [{"role": "user", "content": _words(rng, 3)},
+                {"role": "assistant", "content": prefill}]  # fmt: skip
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False,
+            "max_tokens": 12, "temperature": 0.8, "seed": rng.randrange(1 << 30),
+            "thinking_token_budget": rng.randint(0, 3)}  # fmt: skip
+    out = client.post(CHAT, json=body).json()
+    message = out["choices"][0]["message"]
+    assert not message.get("reasoning_content") and message["content"], message
+    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0, out["usage"]
