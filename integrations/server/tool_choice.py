@@ -254,15 +254,16 @@ def parser_factory(
     json_answer: bool = False,
     reasoned: bool = False,
 ) -> ParserFactory:
-    """The Session's parser factory for one turn. For a forced call, or a call or the answer,
-    it also sets the Turn's prompt suffix: Session.send calls the factory with the rendered
-    prompt just before it streams, and the bridge appends `turn.suffix_ids` to that prompt.
+    """The Session's parser factory for one turn. For a constrained turn (a forced call, a call
+    or the answer, a JSON answer) it also sets the Turn's prompt suffix: Session.send calls the
+    factory with the rendered prompt just before it streams, and the bridge appends
+    `turn.suffix_ids` to that prompt.
     `json_answer`: the output is held to a JSON schema from its first token (a response_format
     without tools to call): a think block the template left open is closed in the prompt
     too, or the JSON would be read as reasoning and the answer's content left empty; unless
-    `reasoned`: the grammar lets the model reason first (`reasoned_answer`), so the block stays
-    open, or is opened where the model would open it itself (a hybrid template in thinking
-    mode)."""
+    `reasoned`: the grammar lets the model reason first (`reasoned_answer`: a JSON answer, a
+    call or the answer, or a forced call under a thinking budget), so the block stays open, or
+    is opened where the model would open it itself (a hybrid template in thinking mode)."""
     tokenizer = engine.tokenizer
     tool_format = engine_tool_format(engine)
 
