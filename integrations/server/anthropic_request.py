@@ -22,6 +22,8 @@ Fields:
   that many tokens (engine/thinking_budget.py); for a model without think tokens it is dropped
   (`budgets=False`), as Anthropic clients send one whenever thinking is on, and such a model
   has no block to end (the chat route's explicit thinking_token_budget is refused there).
+  Thinking with a prefilled last assistant message is refused, as Anthropic refuses it (the
+  template would close that turn's empty think block before the prefill).
   Anthropic's own floor (1024) and its rule that the budget stay under max_tokens are not
   imposed: a small local model may want less, and max_tokens bounds the whole reply anyway.
   `display` ("omitted" would hide the thinking text) is not honoured: the thinking is always
@@ -185,6 +187,16 @@ def openai_body(body: Mapping[str, Any], budgets: bool = True) -> tuple[dict[str
     tools = _tools(body.get("tools"))
     choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     thinking, budget = _thinking(body.get("thinking"))
+    continuing = _continues(body.get("messages"))
+    if thinking and continuing:
+        # As Anthropic refuses it: the template renders the prefilled turn's think block
+        # closed (empty) before the prefill, so the thinking would silently not happen.
+        raise BadParam(
+            "thinking cannot be enabled with a prefilled last assistant message: the "
+            "continuation comes after that turn's (empty) thinking; disable thinking or end "
+            "the messages with the user's turn",
+            "thinking",
+        )
     extra = {
         "messages": history.messages,
         "stop": _stop(body.get("stop_sequences")),
@@ -192,7 +204,7 @@ def openai_body(body: Mapping[str, Any], budgets: bool = True) -> tuple[dict[str
         "tool_choice": choice,
         "parallel_tool_calls": parallel,
         "chat_template_kwargs": None if thinking is None else {"enable_thinking": thinking},
-        "continue_final_message": _continues(body.get("messages")),
+        "continue_final_message": continuing,
         "thinking_token_budget": budget if budgets else None,
     }
     out.update((key, value) for key, value in extra.items() if value is not None)

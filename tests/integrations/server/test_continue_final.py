@@ -93,6 +93,15 @@ def test_anthropic_continues_a_last_assistant_message(scripted_client, rng_seed)
     streamed = reassemble(events)
     assert streamed["content"] == whole["content"]
     assert fake.prompts[1] == fake.prompts[0]
+    # With thinking on it is refused, as Anthropic refuses it: the template would close the
+    # prefilled turn's (empty) think block before the prefill, and no thinking would happen.
+    thinking = rng.choice([{"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}])
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = client.post(route, json={**body, "thinking": thinking})
+        assert r.status_code == 400, r.text
+        assert "prefilled" in r.json()["error"]["message"], r.json()
+    r = client.post("/v1/messages", json={**body, "thinking": {"type": "disabled"}})
+    assert r.status_code == 200, r.text
 
 
 def test_what_cannot_be_continued_is_refused(client, api_error, rng_seed):
