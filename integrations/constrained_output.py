@@ -13,6 +13,7 @@ agent loop comes back for the next one.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from langchain_core.utils.json_schema import dereference_refs
@@ -158,13 +159,21 @@ def inline_tool(tool: dict) -> dict:
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+_COMBINATIONS = ("anyOf", "oneOf", "allOf")
 
 
-def closed(schema: Any) -> Any:
+def closed(schema: Any, partial: bool = False) -> Any:
     """Objects that list their properties get additionalProperties false unless they say
     otherwise (OpenAI's strict mode does the same): otherwise the grammar lets a model append
     keys nobody asked for, and a weak one rambles there until max_tokens. Walks subschemas by
-    keyword, so a property that happens to be named "properties" is left alone."""
+    keyword, so a property that happens to be named "properties" is left alone.
+
+    Not where the object is only part of one: additionalProperties sees its own `properties`
+    alone, so closing a part forbids what the other parts allow, and the whole may then admit
+    nothing. Those are an object combined with others (allOf, anyOf or oneOf beside it, or a
+    $ref), the branches of allOf (each lists some of the properties), and anyOf/oneOf
+    branches that constrain an object listing its own properties (`partial`). anyOf/oneOf
+    branches of a schema without properties are whole alternatives, closed as any object."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -173,12 +182,14 @@ def closed(schema: Any) -> Any:
             out[key] = {name: closed(sub) for name, sub in out[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [closed(sub) for sub in out[key]]
+            part = key == "allOf" or (key != "prefixItems" and "properties" in out)
+            out[key] = [closed(sub, part) for sub in out[key]]
     for key in _SCHEMA_ONE:
         if key in out:
             sub = out[key]
             out[key] = [closed(s) for s in sub] if isinstance(sub, list) else closed(sub)
-    if "properties" in out and "additionalProperties" not in out:
+    combined = "$ref" in out or any(isinstance(out.get(k), list) for k in _COMBINATIONS)
+    if "properties" in out and "additionalProperties" not in out and not partial and not combined:
         out["additionalProperties"] = False
     return out
 
@@ -186,12 +197,67 @@ def closed(schema: Any) -> Any:
 def output_schema(mode: str, tools: list[dict], schema: dict | None) -> dict | None:
     """The json_schema that constrains a turn of `mode` (None: unconstrained). mode: auto | none
     (unconstrained) | json (the answer's `schema`) | required (a call of one of `tools`) |
-    json_or_call (that or the answer)."""
+    json_or_call (that or the answer). Each part's $defs move to the root, renamed per part
+    (`hoisted`), where their $refs resolve, recursive ones too; a part whose refs point
+    elsewhere is inlined."""
     if mode in ("auto", "none"):
         return None
     if mode == "json":
         return closed(schema)
-    calls = [tool_call_schema(inline_tool(t)) for t in tools]
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, tool in enumerate(tools):
+        fn = dict(tool["function"])
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        fn["parameters"] = _placed(params, f"tool{i}.", defs)
+        calls.append(tool_call_schema({"type": "function", "function": fn}))
     if mode == "json_or_call":
-        calls.append(inline(schema))
-    return closed(calls[0] if len(calls) == 1 else {"anyOf": calls})
+        calls.append(_placed(schema, "answer.", defs))
+    out = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return closed({**out, "$defs": defs} if defs else out)
+
+
+def _placed(schema: dict, prefix: str, defs: dict[str, Any]) -> dict:
+    """`schema` to nest in a larger one: hoisted (its defs added to `defs`), else inlined."""
+    moved = hoisted(schema, prefix)
+    if moved is None:
+        return inline(schema)
+    body, own = moved
+    defs.update(own)
+    return body
+
+
+_LOCAL_REF = re.compile(r"#/(?:\$defs|definitions)/([^/~]+)")
+
+
+def hoisted(schema: dict, prefix: str) -> tuple[dict, dict[str, Any]] | None:
+    """`schema` without its $defs (or definitions) and those defs, each renamed `prefix` +
+    name, their $refs ("#/$defs/Name") renamed alike: to sit inside a larger schema whose root
+    holds the defs. llguidance resolves refs from the root, a cycle included, where inlining
+    cuts it to {} (a tree's children would then be anything). None where a ref points
+    elsewhere ("#", "#/properties/...", another document) or a def's name needs escaping."""
+    own = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+    if not isinstance(own, dict):
+        return None
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                found = _LOCAL_REF.fullmatch(value)
+                if found is None or found.group(1) not in own:
+                    raise LookupError(value)
+                out[key] = f"#/$defs/{prefix}{found.group(1)}"
+            else:
+                out[key] = walk(value)
+        return out
+
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    try:
+        return walk(body), {prefix + name: walk(sub) for name, sub in own.items()}
+    except LookupError:
+        return None

@@ -39,11 +39,14 @@ def opens_think_block(prompt: Any, tokenizer: Any) -> bool:
     whose content ends with the text `<think>` is encoded as characters (literal_specials.py:
     content never becomes control tokens), which the model does not read as its block, nor
     does the engine's thinking budget (by ids): the output then starts as content. A tokenizer
-    without a `<think>` token (or none given): the text alone tells."""
+    without `<think>` as an added token (one text always encodes to; or none given): the text
+    alone tells."""
     if not prompt_opens_reasoning(prompt.text):
         return False
     open_id = tokenizer.token_to_id(OPEN) if tokenizer is not None else None
-    if open_id is None:
+    backend = getattr(tokenizer, "backend", None)
+    added = backend.get_added_tokens_decoder() if backend is not None else {}
+    if open_id is None or open_id not in added:
         return True
     ids = list(prompt.token_ids)
     last = len(ids) - 1 - ids[::-1].index(open_id) if open_id in ids else -1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 from chat_histories import QWEN3_THINKING
 
@@ -114,3 +115,20 @@ def test_a_think_block_opens_only_with_the_think_token(tmp_path, rng_seed):
     assert prompt_opens_reasoning(continued.text)  # the text alone would say it opens
     assert not opens_think_block(continued, tok)
     assert opens_think_block(continued, None)
+
+
+def test_a_think_word_that_is_no_added_token_leaves_the_text_to_tell(rng_seed):
+    """Where `<think>` is in the vocabulary but not an added token, text never encodes to its
+    id (the template's `<think>` is characters too): the text alone tells, as before."""
+    rng = random.Random(rng_seed)
+    think_id = rng.randint(10, 99)
+    text = "<|im_start|>assistant\n<think>" + rng.choice(["", "\n"])
+    prompt = SimpleNamespace(text=text, token_ids=[rng.randint(100, 200) for _ in range(6)])
+
+    def tokenizer(added: dict) -> SimpleNamespace:
+        backend = SimpleNamespace(get_added_tokens_decoder=lambda: added)
+        return SimpleNamespace(token_to_id=lambda t: think_id, backend=backend,
+                               decode=lambda ids: "x")  # fmt: skip
+
+    assert opens_think_block(prompt, tokenizer({}))  # a vocabulary word: the text tells
+    assert not opens_think_block(prompt, tokenizer({think_id: "<think>"}))  # the token: absent

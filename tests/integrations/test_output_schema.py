@@ -1,0 +1,88 @@
+"""The schemas constrained turns are held to (integrations/constrained_output.py): objects
+closed where that keeps what the schema allows (`closed`), and each part's $defs hoisted to
+the root of a combined schema (`output_schema`), where recursive refs still hold."""
+
+from __future__ import annotations
+
+import random
+
+import jsonschema
+import pytest
+
+from freetoken_agent.integrations.constrained_output import closed, hoisted, output_schema
+
+NODE = {
+    "type": "object",
+    "properties": {"v": {"type": "integer"},
+                   "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+    "required": ["v", "kids"],
+}  # fmt: skip
+
+
+def _valid(schema: dict, value) -> bool:
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
+def test_closing_keeps_what_combined_objects_allow(rng_seed):
+    """An object's parts (allOf branches, anyOf branches constraining its own properties, an
+    object beside a combination) stay open: closed separately they would forbid each other's
+    keys, and the schema admit nothing. Whole alternatives and plain objects are closed."""
+    rng = random.Random(rng_seed)
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    tagged = {"type": "object", "required": ["kind"],
+              "properties": {"kind": {"enum": ["a", "b"]}, "x": {"type": "integer"},
+                             "y": {"type": "integer"}},
+              "anyOf": [{"properties": {"kind": {"const": "a"}}, "required": ["x"]},
+                        {"properties": {"kind": {"const": "b"}}, "required": ["y"]}]}  # fmt: skip
+    merged = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                        {"type": "object", "properties": {"b": {"type": "integer"}}}]}  # fmt: skip
+    for schema, value in [(tagged, {"kind": "a", "x": a}), (tagged, {"kind": "b", "y": b}),
+                          (merged, {"a": a, "b": b})]:  # fmt: skip
+        assert _valid(schema, value) and _valid(closed(schema), value), (schema, value)
+    either = {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                        {"type": "object", "properties": {"b": {"type": "integer"}}}]}  # fmt: skip
+    assert not _valid(closed(either), {"a": a, "z": b})  # whole alternatives: closed
+    assert _valid(either, {"a": a, "z": b})
+    plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert closed(plain)["additionalProperties"] is False
+
+
+def _tree(rng: random.Random, depth: int) -> dict:
+    kids = [_tree(rng, depth - 1) for _ in range(rng.randint(1, 2))] if depth else []
+    return {"v": rng.randint(-9, 9), "kids": kids}
+
+
+@pytest.mark.parametrize("mode", ["required", "json_or_call"])
+def test_recursive_refs_hold_in_a_combined_schema(rng_seed, mode):
+    """A tool's (or the answer's) recursive $defs move to the root under their part's name:
+    a tree's children are still nodes at every depth (inlining cut the cycle to {})."""
+    rng = random.Random(rng_seed)
+    params = {"type": "object", "properties": {"root": {"$ref": "#/$defs/Node"}},
+              "required": ["root"], "$defs": {"Node": NODE}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": n, "parameters": params}}
+             for n in ("grow", "prune")[: rng.randint(1, 2)]]  # fmt: skip
+    answer = {"type": "object", "properties": {"tree": {"$ref": "#/$defs/Node"}},
+              "required": ["tree"], "$defs": {"Node": NODE}}  # fmt: skip
+    schema = output_schema(mode, tools, answer if mode == "json_or_call" else None)
+    tree = _tree(rng, rng.randint(1, 3))
+    call = {"name": tools[-1]["function"]["name"], "arguments": {"root": tree}}
+    assert _valid(schema, call)
+    if mode == "json_or_call":
+        assert _valid(schema, {"tree": tree})
+    node = tree
+    while node["kids"]:
+        node = rng.choice(node["kids"])
+    node["kids"] = [rng.choice(["x", 3, None, {"v": 1}])]  # a leaf that is no node
+    assert not _valid(schema, call)
+
+
+def test_hoisting_renames_refs_or_declines():
+    body, defs = hoisted({"$ref": "#/$defs/Node", "$defs": {"Node": NODE}}, "p.")
+    assert body == {"$ref": "#/$defs/p.Node"} and set(defs) == {"p.Node"}
+    assert defs["p.Node"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/p.Node"}
+    for elsewhere in ("#", "#/properties/a", "https://x/y", "#/$defs/Missing"):
+        assert hoisted({"properties": {"a": {"$ref": elsewhere}}, "$defs": {}}, "p.") is None
