@@ -285,6 +285,10 @@ def tool_arguments_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
         return {"type": "object", "properties": {}, "additionalProperties": False}
     if not isinstance(params, Mapping):
         raise InvalidRequestError(f"tool {fn['name']!r}: parameters must be a JSON schema object")
+    if "properties" in params and "type" not in params:
+        # Arguments are an object (OpenAI's and MCP's rule); without the type a schema that
+        # lists properties still admits `true` or a number, which a forced call could write.
+        return {"type": "object", **params}
     return dict(params)
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -529,3 +530,17 @@ def test_on_cuda_with_decode_graphs(demo, rng_seed):
         torch.cuda.synchronize()
         ms = (time.perf_counter() - start) / len(out.token_ids) * 1e3
         print(f"{label}: {len(out.token_ids)} tokens, {ms:.3f} ms/token")
+
+
+def test_a_tools_arguments_are_an_object_even_untyped(rng_seed):
+    """Parameters that list properties without `"type": "object"` still take an object: the
+    call's schema says so (else `"arguments": true` would pass)."""
+    rng = random.Random(rng_seed)
+    props = {f"p{i}": {"type": "integer"} for i in range(rng.randint(1, 3))}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"properties": props}}}
+    schema = tool_call_schema(tool)
+    arguments = {k: rng.randint(0, 9) for k in props}
+    jsonschema.validate({"name": "f", "arguments": arguments}, schema)
+    for wrong in (True, rng.randint(0, 9), "x", [arguments]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"name": "f", "arguments": wrong}, schema)
