@@ -46,7 +46,7 @@ from typing import Any
 
 from freetoken_agent.engine.constrained import JSON_OPTIONS
 from freetoken_agent.integrations.strict_tools import call_marks, regex_literal
-from freetoken_agent.parsers.reasoning import CLOSE, OPEN
+from freetoken_agent.parsers.reasoning import CLOSE, added_think_ids
 
 
 def answer_grammar(
@@ -95,12 +95,11 @@ def reasoned_json_grammar(
     `end_ids`: the model's end-of-sequence ids, left out of the reasoning; `frame`: Lark
     written right before and after the JSON (a call block's opener and closer). None when the
     tokenizer (the engine's: engine/text/tokenizer.py) has no think tokens of its own."""
-    if tokenizer is None:
+    think = added_think_ids(tokenizer)
+    if think is None:
         return None
+    open_id, close_id = think
     added = sorted(tokenizer.backend.get_added_tokens_decoder())  # ids of the added tokens
-    open_id, close_id = tokenizer.token_to_id(OPEN), tokenizer.token_to_id(CLOSE)
-    if open_id not in added or close_id not in added:
-        return None
     others = [i for i in added if i not in (open_id, close_id) and i not in end_ids]
     free = f"TEXT? (<[{','.join(map(str, others))}]> TEXT?)*" if others else "TEXT?"
     # The schema whole, its $defs with it: llguidance resolves its $refs (recursive ones too,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from freetoken_agent.engine.thinking_budget import ThinkingMarkers, prompt_opens
 from freetoken_agent.parsers.events import ContentDelta, ReasoningDelta
 from freetoken_agent.parsers.tags import partial_tag_len
 
@@ -33,24 +34,31 @@ def prompt_opens_reasoning(prompt_text: str) -> bool:
     return tail.endswith(OPEN)
 
 
+def added_think_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` where the tokenizer (the engine's:
+    engine/text/tokenizer.py) has both as added tokens, which plain text never spells; else
+    None (no think tokens, vocabulary words only, or no tokenizer)."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:
+        return None
+    added = backend.get_added_tokens_decoder()
+    ids = tokenizer.token_to_id(OPEN), tokenizer.token_to_id(CLOSE)
+    return ids if all(i is not None and i in added for i in ids) else None
+
+
 def opens_think_block(prompt: Any, tokenizer: Any) -> bool:
     """`prompt_opens_reasoning` for a rendered Prompt (its `text` and `token_ids`), where the
-    `<think>` its text ends with is the model's think token. A continued assistant message
-    whose content ends with the text `<think>` is encoded as characters (literal_specials.py:
-    content never becomes control tokens), which the model does not read as its block, nor
-    does the engine's thinking budget (by ids): the output then starts as content. A tokenizer
-    without `<think>` as an added token (one text always encodes to; or none given): the text
-    alone tells."""
+    block is open by the engine's thinking budget's rule too (`prompt_opens`: by ids, the last
+    `<think>` token after the last `</think>`), so the parser and the budget agree. A continued
+    assistant message whose content ends with the text `<think>` is encoded as characters
+    (literal_specials.py: content never becomes control tokens), which opens nothing: the
+    output then starts as content. Without think tokens (`added_think_ids`) the text tells."""
     if not prompt_opens_reasoning(prompt.text):
         return False
-    open_id = tokenizer.token_to_id(OPEN) if tokenizer is not None else None
-    backend = getattr(tokenizer, "backend", None)
-    added = backend.get_added_tokens_decoder() if backend is not None else {}
-    if open_id is None or open_id not in added:
+    ids = added_think_ids(tokenizer)
+    if ids is None:
         return True
-    ids = list(prompt.token_ids)
-    last = len(ids) - 1 - ids[::-1].index(open_id) if open_id in ids else -1
-    return last >= 0 and not tokenizer.decode(ids[last + 1 :]).strip()
+    return prompt_opens(list(prompt.token_ids), ThinkingMarkers(*ids, forced=()))
 
 
 class ReasoningSplitter:
