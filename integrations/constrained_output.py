@@ -2,12 +2,13 @@
 the JSON schemas that constrain a turn, the parser of "a tool call or the answer's JSON", and
 the call block a forced call's prompt opens (`WrappedBlock`).
 
-Schemas are made self-contained ($refs inlined) so they can be nested, and closed
-(additionalProperties false unless they say otherwise). Tools plus a response format, as
-LangChain agents bind them and the OpenAI Agents SDK sends them, give "one call of one of the
-tools, or the answer": an anyOf of each tool's {"name", "arguments"} object and the answer's
-schema. One call, not a list: the model writes a call where it would otherwise answer, and the
-agent loop comes back for the next one.
+Schemas nest inside larger ones with their $defs moved to the root, renamed per part, where
+their $refs still resolve (recursive ones too; `hoisted`), or inlined where a ref points
+elsewhere; and they are closed (additionalProperties false unless they say otherwise).
+Tools plus a response format, as LangChain agents bind them and the OpenAI Agents SDK sends
+them, give "one call of one of the tools, or the answer": an anyOf of each tool's {"name",
+"arguments"} object and the answer's schema. One call, not a list: the model writes a call
+where it would otherwise answer, and the agent loop comes back for the next one.
 """
 
 from __future__ import annotations
@@ -149,13 +150,6 @@ def refers(schema: Any) -> bool:
     return False
 
 
-def inline_tool(tool: dict) -> dict:
-    """An OpenAI tool with its parameters' $refs inlined (no parameters: an empty object)."""
-    fn = dict(tool["function"])
-    fn["parameters"] = inline(fn.get("parameters") or {"type": "object", "properties": {}})
-    return {"type": "function", "function": fn}
-
-
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
@@ -205,19 +199,30 @@ def output_schema(mode: str, tools: list[dict], schema: dict | None) -> dict | N
     if mode == "json":
         return closed(schema)
     defs: dict[str, Any] = {}
-    calls = []
-    for i, tool in enumerate(tools):
-        fn = dict(tool["function"])
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        fn["parameters"] = _placed(params, f"tool{i}.", defs)
-        calls.append(tool_call_schema({"type": "function", "function": fn}))
+    calls = [call_part(tool, f"tool{i}.", defs) for i, tool in enumerate(tools)]
     if mode == "json_or_call":
-        calls.append(_placed(schema, "answer.", defs))
-    out = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return closed({**out, "$defs": defs} if defs else out)
+        calls.append(placed(schema, "answer.", defs))
+    return closed(rooted(calls, defs))
 
 
-def _placed(schema: dict, prefix: str, defs: dict[str, Any]) -> dict:
+def call_part(tool: Any, prefix: str, defs: dict[str, Any]) -> dict:
+    """The schema of one call of `tool` ({"name", "arguments"}: tool_call_schema) to nest in a
+    larger one, its parameters `placed` (their $defs added to `defs`, renamed with `prefix`).
+    No parameters: an empty object."""
+    fn = dict(tool["function"])
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    fn["parameters"] = placed(params, prefix, defs)
+    return tool_call_schema({"type": "function", "function": fn})
+
+
+def rooted(parts: list[dict], defs: dict[str, Any]) -> dict:
+    """One of `parts` (an anyOf of them where several), `defs` at the root where the parts'
+    $refs ("#/$defs/...") resolve."""
+    out = parts[0] if len(parts) == 1 else {"anyOf": parts}
+    return {**out, "$defs": defs} if defs else out
+
+
+def placed(schema: dict, prefix: str, defs: dict[str, Any]) -> dict:
     """`schema` to nest in a larger one: hoisted (its defs added to `defs`), else inlined."""
     moved = hoisted(schema, prefix)
     if moved is None:

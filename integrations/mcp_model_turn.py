@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any
 
+from freetoken_agent.integrations.constrained_output import closed, rooted
 from freetoken_agent.integrations.mcp_engine import iterate_in_thread
 from freetoken_agent.integrations.mcp_tools import Route
 from freetoken_agent.integrations.mcp_turn import Turn, call_schema
@@ -25,7 +26,10 @@ def forced_schema(
     choice: str | Mapping[str, Any], tools: list[dict[str, Any]], routes: Mapping[str, Route]
 ) -> tuple[str, dict] | None:
     """(label, JSON schema of the allowed calls) for a forcing tool_choice, else None; `tools`
-    and `routes` are the host's index (mcp_tools.py), the tools the model will see."""
+    and `routes` are the host's index (mcp_tools.py), the tools the model will see. Closed as
+    the server's and ChatFreeToken's forced calls are (constrained_output.closed): a nested
+    object (a pydantic parameter) takes only its own keys, or a weak model adds keys until
+    max_tokens voids the call."""
     pinned: Mapping[str, Any] = {}
     if isinstance(choice, Mapping):  # OpenAI's {"type": "function", "function": {...}}
         fn = choice.get("function", choice)
@@ -38,15 +42,17 @@ def forced_schema(
     if not tools:
         raise ValueError(f"tool_choice {choice!r} needs tools, and no server offers any")
     if choice == "required":
-        schemas = [call_schema(t, {}) for t in tools]
-        return "required", schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        defs: dict[str, Any] = {}
+        schemas = [call_schema(t, {}, defs, f"tool{i}.") for i, t in enumerate(tools)]
+        return "required", closed(rooted(schemas, defs))
     tool = next((t for t in tools if t["function"]["name"] == choice), None)
     if tool is None:
         raise ValueError(
             f"tool_choice {choice!r} is not a tool of the connected servers; available: "
             f"{', '.join(routes)}"
         )
-    return choice, call_schema(tool, pinned)
+    defs = {}
+    return choice, closed(rooted([call_schema(tool, pinned, defs)], defs))
 
 
 async def stream_turn(

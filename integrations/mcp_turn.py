@@ -16,7 +16,7 @@ from typing import Any
 
 import mcp_types as types
 
-from freetoken_agent.engine.constrained import tool_call_schema
+from freetoken_agent.integrations.constrained_output import call_part
 from freetoken_agent.messages import AssistantMessage, Message, ToolCall, ToolResult
 from freetoken_agent.parsers import (
     ContentDelta,
@@ -105,11 +105,16 @@ class Turn:
         return AssistantMessage(self.content, reasoning, list(self.calls))
 
 
-def call_schema(tool: dict[str, Any], pinned: Mapping[str, Any]) -> dict[str, Any]:
+def call_schema(
+    tool: dict[str, Any], pinned: Mapping[str, Any], defs: dict[str, Any], prefix: str = ""
+) -> dict[str, Any]:
     """The grammar of a forced call of `tool`. Unknown argument names are closed off (a weak
     model would otherwise invent keys until max_tokens) unless the tool's schema opens them;
-    `pinned` arguments are fixed to their values with `const`."""
-    schema = tool_call_schema(tool)
+    `pinned` arguments are fixed to their values with `const`. The input schema's $defs (what
+    FastMCP writes for a pydantic parameter) go to `defs`, renamed with `prefix`, for the root
+    of the schema the call sits in (constrained_output.rooted): nested under "arguments",
+    their "#/$defs/..." refs would resolve nowhere and the grammar fail to compile."""
+    schema = call_part(tool, prefix, defs)
     arguments = dict(schema["properties"]["arguments"])
     properties = dict(arguments.get("properties") or {})
     arguments.setdefault("additionalProperties", False)

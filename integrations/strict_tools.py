@@ -39,8 +39,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from freetoken_agent.engine.constrained import JSON_OPTIONS, tool_call_schema
-from freetoken_agent.integrations.constrained_output import closed, inline_tool
+from freetoken_agent.engine.constrained import JSON_OPTIONS
+from freetoken_agent.integrations.constrained_output import call_part, closed, rooted
 from freetoken_agent.parsers import engine_tool_format
 
 OPENER, CLOSER = "<tool_call>", "</tool_call>"
@@ -55,10 +55,16 @@ def any_strict(tools: Sequence[Mapping[str, Any]] | None) -> bool:
     return bool(tools) and any(is_strict(t) for t in tools)
 
 
-def call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
-    """What one call of `tool` must be: its schema when strict, else its name and an object."""
+def call_schema(tool: Mapping[str, Any], defs: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """What one call of `tool` must be: its schema when strict (closed, its parameters' $defs
+    added to `defs` closed and renamed with `prefix`: constrained_output.call_part), else its
+    name and an object. Each `%json` of a grammar is its own root: `defs` go to the root of
+    the schema this call sits in."""
     if is_strict(tool):
-        return closed(tool_call_schema(inline_tool(dict(tool))))
+        own: dict[str, Any] = {}
+        call = closed(call_part(tool, prefix, own))
+        defs.update((name, closed(sub)) for name, sub in own.items())
+        return call
     name = tool["function"]["name"]
     return {
         "type": "object",
@@ -89,8 +95,8 @@ def strict_grammar(engine: Any, tools: Sequence[Mapping[str, Any]]) -> str | Non
 def strict_calls_grammar(tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> str:
     """The Lark grammar of free text with calls of `tools` (OpenAI tools, names checked);
     `tokenizer`: the engine's (engine/text/tokenizer.py)."""
-    schemas = [call_schema(t) for t in tools]
-    calls = dict(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+    defs: dict[str, Any] = {}
+    calls = rooted([call_schema(t, defs, f"tool{i}.") for i, t in enumerate(tools)], defs)
     calls["x-guidance"] = JSON_OPTIONS  # the separators json.dumps writes, as elsewhere
     head, open_mark, close_mark = call_frame(tokenizer)
     call = f'call: {open_mark} "\\n" %json {json.dumps(calls)} "\\n" {close_mark}'

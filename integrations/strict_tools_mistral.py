@@ -66,15 +66,16 @@ def writes_named_calls(tokenizer: Any) -> bool:
 
 def list_calls_grammar(tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> str:
     """Free text, then at most one `[TOOL_CALLS] [...]` list of calls of `tools`."""
-    items = []
-    for tool in tools:
-        schema = call_schema(tool)
+    items, defs = [], {}
+    for i, tool in enumerate(tools):
+        schema = call_schema(tool, defs, f"tool{i}.")
         items.append({**schema, "properties": {**schema["properties"], "id": CALL_ID_SCHEMA}})
     calls = {
         "type": "array",
         "items": items[0] if len(items) == 1 else {"anyOf": items},
         "minItems": 1,  # the parser refuses an empty list
         "x-guidance": JSON_OPTIONS,  # the separators the templates' tojson writes
+        **({"$defs": defs} if defs else {}),  # the root, where the calls' $refs resolve
     }
     head, open_mark, _ = call_frame(tokenizer, OPEN, None, calls="call?")
     return "\n".join([*head, f'call: {open_mark} " "? %json {json.dumps(calls)}'])
@@ -91,8 +92,11 @@ def named_calls_grammar(tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> s
     id_part = f"(<[{call_id}]> CALL_ID)? " if call_id is not None else ""
     rules = []
     for i, tool in enumerate(readable):
-        arguments = dict(call_schema(tool)["properties"]["arguments"])
+        defs: dict[str, Any] = {}
+        arguments = dict(call_schema(tool, defs)["properties"]["arguments"])
         arguments["x-guidance"] = JSON_OPTIONS
+        if defs:  # this %json's own root, where the arguments' $refs resolve
+            arguments["$defs"] = defs
         name = json.dumps(tool["function"]["name"])
         rules.append(f"t{i}: {name} {id_part}{args_mark} %json {json.dumps(arguments)}")
     call = f"call: {open_mark} ({' | '.join(f't{i}' for i in range(len(readable)))})"

@@ -52,7 +52,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freetoken_agent.engine.constrained import JSON_OPTIONS
-from freetoken_agent.integrations.constrained_output import closed, inline_tool, refers
+from freetoken_agent.integrations.constrained_output import call_part, closed, refers
 from freetoken_agent.integrations.strict_tools import call_frame, is_strict, regex_literal
 from freetoken_agent.parsers.qwen3_coder import (
     FUNCTION,
@@ -105,10 +105,13 @@ def _function_rules(
 
 
 def strict_parameters(tool: Mapping[str, Any]) -> list[tuple[str, bool, Any]] | None:
-    """A strict tool's parameters in schema order, as (name, required, schema), its $refs
-    inlined and its objects closed; None when its parameters are not one closed object of
-    properties the parser can name (the tool is then held as a non-strict one)."""
-    params = closed(inline_tool(dict(tool))["function"]["parameters"])
+    """A strict tool's parameters in schema order, as (name, required, schema), its objects
+    closed; None when its parameters are not one closed object of properties the parser can
+    name (the tool is then held as a non-strict one). Each value is its own `%json` root: a
+    parameter's schema that refers to the tool's $defs carries them (`_rooted`)."""
+    defs: dict[str, Any] = {}
+    params = closed(call_part(tool, "", defs)["properties"]["arguments"])
+    defs = {name: closed(sub) for name, sub in defs.items()}
     props, required = params.get("properties"), params.get("required", [])
     if (
         set(params) & UNHELD_OBJECT_KEYS
@@ -119,7 +122,24 @@ def strict_parameters(tool: Mapping[str, Any]) -> list[tuple[str, bool, Any]] | 
         or not all(r in props and _nameable(r) for r in required)
     ):
         return None
-    return [(k, k in required, s) for k, s in props.items() if _nameable(k)]
+    return [(k, k in required, _rooted(s, defs)) for k, s in props.items() if _nameable(k)]
+
+
+ANNOTATIONS = {"description", "title", "default", "examples", "$comment"}
+
+
+def _rooted(schema: Any, defs: dict[str, Any]) -> Any:
+    """A parameter's schema as its value's own root: a $ref at its top followed (where nothing
+    but annotations sits beside it), so the value's type is seen (bare text or JSON), and the
+    tool's `defs` beside it where $refs remain (a tree's children)."""
+    seen = set()
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+        name = schema["$ref"].removeprefix("#/$defs/")
+        if name in seen or name not in defs or set(schema) - ANNOTATIONS - {"$ref"}:
+            break
+        seen.add(name)
+        schema = {**defs[name], **{k: v for k, v in schema.items() if k != "$ref"}}
+    return {**schema, "$defs": defs} if refers(schema) else schema
 
 
 def _nameable(key: str) -> bool:
@@ -136,7 +156,7 @@ def _value(schema: Any) -> str:
         if written:  # members the parser cannot read back are left out
             return "(" + " | ".join(_literal(f"\n{w}{CLOSE_VALUE}") for w in written) + ")"
     types = declared_types(schema)
-    if types and "string" not in types and not refers(schema):
+    if types and "string" not in types:
         subschema = {**schema, "x-guidance": JSON_OPTIONS}  # the template's tojson spacing
         return f"{_literal(chr(10))} %json {json.dumps(subschema)} {_literal(CLOSE_VALUE)}"
     return "VALUE"  # any bare text: a string's length, pattern or format is not held

@@ -166,6 +166,26 @@ def dump(n: int, seed: int) -> str:
 app.run("stdio")
 """
 
+# A tool taking a pydantic model: its input schema holds the model under "$defs" and refers to it
+# by "$ref", as FastMCP writes every structured parameter.
+BOX_SERVER = """
+from typing import Literal
+from pydantic import BaseModel
+from mcp.server import MCPServer
+
+app = MCPServer("boxes", log_level="WARNING")
+
+class Box(BaseModel):
+    color: Literal["red", "green", "blue"]
+    big: bool
+
+@app.tool()
+def paint(box: Box, label: str) -> str:
+    return f"{label}:{box.color}:{box.big}"
+
+app.run("stdio")
+"""
+
 # Offers the tools named on its command line; each answers with its server's and its own name.
 NAMED_TOOLS_SERVER = """
 import sys
@@ -315,6 +335,32 @@ def test_forced_read_file_result_reaches_the_next_prompt(engine, tmp_path, rng_s
     assert [(e.id, e.name) for e in ends[:1]] == [(call.id, "read_file")]
     assert kinds.index(ToolCallEnd) < kinds.index(Usage) < kinds.index(ToolExecuted)
     assert sum(isinstance(e, StepStart) for e in events) == 2
+
+
+def test_a_forced_call_of_a_tool_with_defs_keeps_to_them(engine, tmp_path, rng_seed):
+    """A tool whose parameter is a pydantic model (its schema under $defs, referred to by
+    $ref): the forced call's grammar holds the model's fields, and the server takes the call.
+    Nested under the call's "arguments", the refs resolved nowhere and the turn failed."""
+    rng = random.Random(rng_seed)
+    script = tmp_path / "boxes.py"
+    script.write_text(BOX_SERVER)
+    label = _word(rng, rng.randint(1, 8))
+
+    async def main() -> RunResult:
+        async with _host({"boxes": _stdio(script)}, engine, max_tokens=96) as host:
+            choice = _forced("paint", label=label)
+            return await host.run(_word(rng, 6), max_steps=1, tool_choice=choice)
+
+    result = asyncio.run(main())
+    assert result.stop_reason == "max_steps", result.error  # the grammar compiled
+    call_msg = result.messages[1]
+    assert isinstance(call_msg, AssistantMessage) and len(call_msg.tool_calls) == 1, result
+    box = call_msg.tool_calls[0].arguments["box"]
+    assert set(box) == {"color", "big"} and box["color"] in ("red", "green", "blue")
+    assert isinstance(box["big"], bool)
+    [tool_result] = _results(result)
+    assert not tool_result.is_error, tool_result.content
+    assert tool_result.content == f"{label}:{box['color']}:{box['big']}"
 
 
 def test_paths_escaping_the_root_are_refused(engine, tmp_path, rng_seed):
