@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -37,11 +38,16 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+import httpx2
 import mcp_types as types
 from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.client.streamable_http import MCP_SESSION_ID, streamable_http_client
+from mcp.shared._httpx_utils import (
+    MCP_DEFAULT_SSE_READ_TIMEOUT,
+    MCP_DEFAULT_TIMEOUT,
+    create_mcp_http_client,
+)
 from mcp.shared.exceptions import MCPError
 
 from freetoken_agent.integrations.mcp_config import ServerConfig
@@ -82,7 +88,8 @@ class ServerConnection:
         self.name = config.name
         self.tools: list[types.Tool] = []
         self.tools_generation = 0  # bumped by every listing of `tools`
-        self.restarts = 0
+        self.restarts = 0  # in all
+        self._restarts_in_a_row = 0  # since a call last came back: MAX_RESTARTS bounds it
         self._sampling = sampling_callback
         self._errlog = errlog  # None: capture each process's stderr to quote it in errors
         self._captured: TextIO | None = None
@@ -95,6 +102,10 @@ class ServerConnection:
         self._listed = asyncio.Event()  # set while no relist is pending
         self._listed.set()
         self._broken: str | None = None  # why the running connection stopped working
+        self._session_lost = False  # an HTTP server answered 404 to our session id
+        # One restart at a time: calls that find the server gone together restart it once
+        # (each would otherwise end the process the one before it had just started).
+        self._restarting = asyncio.Lock()
 
     # --- life cycle -----------------------------------------------------------------------
     @property
@@ -108,6 +119,7 @@ class ServerConnection:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._broken = None
+        self._session_lost = False
         self._owner = asyncio.create_task(self._own(ready), name=f"mcp-server-{self.name}")
         try:
             await asyncio.wait_for(asyncio.shield(ready), self.config.startup_timeout)
@@ -218,8 +230,22 @@ class ServerConnection:
                     self._captured = tempfile.TemporaryFile("w+")  # noqa: SIM115
                 errlog = self._captured
             return stdio_client(params, errlog=errlog)
-        http = await stack.enter_async_context(create_mcp_http_client(headers=c.headers or None))
+        # The read timeout covers one call's reply (the SDK's default, 300 s, would cut a
+        # longer `timeout` short); connecting and writing keep the SDK's 30 s.
+        read = max(MCP_DEFAULT_SSE_READ_TIMEOUT, c.timeout + _GRACE)
+        timeout = httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=read)
+        http = await stack.enter_async_context(
+            create_mcp_http_client(headers=c.headers or None, timeout=timeout)
+        )
+        http.event_hooks["response"].append(self._on_http_response)
         return streamable_http_client(c.url, http_client=http)
+
+    async def _on_http_response(self, response: httpx2.Response) -> None:
+        """A 404 to a request that carried our session id: the server no longer knows the
+        session (it restarted, or expired it). The spec has the client start a new one; the
+        SDK reports it only as the call's INVALID_REQUEST error, which a tool may answer too."""
+        if response.status_code == 404 and MCP_SESSION_ID in response.request.headers:
+            self._session_lost = True
 
     async def close(self) -> None:
         await self._end_owner()
@@ -265,7 +291,8 @@ class ServerConnection:
         """One try of `call`; None when the connection had closed before the request went
         out."""
         if not self.running:  # exited while idle (see `_transport_closed`), or never restarted
-            problem = await self._restart()
+            async with self._restarting:
+                problem = None if self.running else await self._restart()
             if problem is not None:
                 return CallOutcome(problem, True)
         client = self._client
@@ -281,6 +308,10 @@ class ServerConnection:
         except asyncio.TimeoutError:
             return CallOutcome(self._timed_out(tool), True)
         except MCPError as e:
+            if self._session_lost and e.code == types.INVALID_REQUEST:
+                # Refused before it ran (no session): sent again on a new session.
+                self._broken = self._broken or "its HTTP session was lost (404)"
+                return None
             # The SDK raises its own timeout and lost connection as MCPError with the codes
             # REQUEST_TIMEOUT (-32001) and CONNECTION_CLOSED (-32000), the very codes a server
             # may answer with itself (-32000 is JSON-RPC's generic "server error", "record 42
@@ -302,14 +333,21 @@ class ServerConnection:
             return CallOutcome(f"tool {tool!r} failed: {e.message or _describe(e)}", True)
         except Exception as e:  # noqa: BLE001 - a malformed reply must not end the agent loop
             return CallOutcome(f"tool {tool!r} failed: {_describe(e)}", True)
+        self._restarts_in_a_row = 0  # the server works: the budget is for restarts in a row
         return result_outcome(result)
 
     async def _restart(self) -> str | None:
-        """Reconnect a server that exited; the error text when that is impossible."""
+        """Reconnect a server that exited; the error text when that is impossible. At most
+        MAX_RESTARTS in a row: a call the server answers resets the count, so a long session
+        survives occasional crashes while a server that fails on every start is given up."""
         why = self._broken or "it is not connected"
-        if self.restarts >= MAX_RESTARTS:
-            return f"MCP server {self.name!r} is not running ({why}; restarted {MAX_RESTARTS}x)"
+        if self._restarts_in_a_row >= MAX_RESTARTS:
+            return (
+                f"MCP server {self.name!r} is not running ({why}; restarted {MAX_RESTARTS}x "
+                "in a row)"
+            )
         self.restarts += 1
+        self._restarts_in_a_row += 1
         log.warning("restarting MCP server %r (%s)", self.name, why)
         await self._end_owner()
         try:
@@ -337,10 +375,12 @@ class ServerConnection:
         try:
             f.flush()
             end = f.seek(0, 2)
-            f.seek(max(0, end - 4 * STDERR_TAIL))
-            return f.read()[-STDERR_TAIL:].strip()
+            # Bytes, decoded leniently: the offset may fall inside a multi-byte character.
+            start = max(0, end - 4 * STDERR_TAIL)
+            data = os.pread(f.fileno(), end - start, start)
         except (OSError, ValueError):
             return ""
+        return data.decode("utf-8", "replace")[-STDERR_TAIL:].strip()
 
 
 def result_outcome(result: types.CallToolResult) -> CallOutcome:

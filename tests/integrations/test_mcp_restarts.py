@@ -1,0 +1,213 @@
+"""How an MCP host's connections come back from their servers' failures
+(integrations/mcp_connection.py): an HTTP server that restarted (our session id unknown to
+it) gets a new session and the call is sent once; calls that find a crashed server together
+restart it once; the restart budget counts restarts in a row, so occasional crashes over a
+long session never exhaust it; the tail of a server's stderr is quoted whatever bytes it ends
+in. Words, counts and payloads are drawn fresh per run; each server logs what it did, so a
+test can tell what the server saw."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import string
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from freetoken_agent import Engine
+from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.integrations.mcp_connection import MAX_RESTARTS
+from freetoken_agent.integrations.mcp_host import MCPHost
+from freetoken_agent.messages import ToolCall, ToolResult
+
+# Logs its starts and calls (argv[1]); `crash` ends the process in the call. Over stdio, or
+# over streamable HTTP on the port argv[2].
+LOGGING_SERVER = """
+import os, sys
+from mcp.server import MCPServer
+
+log = sys.argv[1]
+def note(line):
+    with open(log, "a") as f:
+        f.write(line + "\\n")
+
+note("start")
+app = MCPServer("logged", log_level="WARNING")
+
+@app.tool()
+def echo(text: str) -> str:
+    note("echo " + text)
+    return "echo:" + text
+
+@app.tool()
+def pid() -> str:
+    return str(os.getpid())
+
+@app.tool()
+def crash(tail: str = "") -> str:
+    note("crash")
+    sys.stderr.write(tail)
+    sys.stderr.flush()
+    os._exit(7)
+
+if len(sys.argv) > 2:
+    app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+else:
+    app.run("stdio")
+"""
+
+# Starts once; every later start exits before it can answer.
+ONCE_SERVER = LOGGING_SERVER.replace(
+    'note("start")',
+    'note("start")\nif open(log).read().count("start") > 1:\n    sys.exit(3)',
+)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    path = ensure_demo_model(tmp_path_factory.mktemp("cache"))
+    return Engine.load(path, device="cpu", progress=False, kv_tokens=4096, max_model_len=2048)
+
+
+def _word(rng: random.Random) -> str:
+    return "w" + "".join(rng.choice(string.ascii_lowercase) for _ in range(8))
+
+
+def _script(tmp_path: Path, source: str = LOGGING_SERVER) -> Path:
+    script = tmp_path / "server.py"
+    script.write_text(source)
+    return script
+
+
+def _stdio(script: Path, log: Path) -> dict[str, Any]:
+    return {"command": sys.executable, "args": [str(script), str(log)]}
+
+
+async def _call(host: MCPHost, name: str, **arguments: Any) -> ToolResult:
+    return (await host.execute(ToolCall("c", name, arguments))).result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(script: Path, log: Path, port: int) -> subprocess.Popen:
+    """The server over HTTP, once it listens."""
+    server = subprocess.Popen(
+        [sys.executable, str(script), str(log), str(port)], stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return server
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, "no HTTP server"
+            time.sleep(0.05)
+
+
+def test_a_restarted_http_server_gets_a_new_session(engine, tmp_path, rng_seed):
+    """The restarted server answers 404 to the old session id: the host opens a new session
+    and sends the call there, once (before, every later call failed "Session not found")."""
+    rng = random.Random(rng_seed)
+    words = [_word(rng) for _ in range(rng.randint(2, 4))]
+    script, log, port = _script(tmp_path), tmp_path / "calls.log", _free_port()
+    server = _launch(script, log, port)
+    config = {"mcpServers": {"web": {"url": f"http://127.0.0.1:{port}/mcp", "timeout": 20}}}
+
+    async def main() -> list[ToolResult]:
+        nonlocal server
+        async with MCPHost.from_config(config, engine=engine) as host:
+            out = [await _call(host, "echo", text=words[0])]
+            server.kill()
+            server.wait(timeout=10)
+            server = _launch(script, log, port)
+            out += [await _call(host, "echo", text=w) for w in words[1:]]
+            return out
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+    for result, word in zip(results, words, strict=True):
+        assert result.content == f"echo:{word}" and not result.is_error, result.content
+    lines = ["start", f"echo {words[0]}", "start", *(f"echo {w}" for w in words[1:])]
+    assert log.read_text().splitlines() == lines
+
+
+def test_calls_that_find_a_crashed_server_together_restart_it_once(engine, tmp_path, rng_seed):
+    n = random.Random(rng_seed).randint(2, 5)
+    log = tmp_path / "calls.log"
+    config = {"mcpServers": {"s": _stdio(_script(tmp_path), log)}}
+
+    async def main() -> tuple[list[ToolResult], int]:
+        async with MCPHost.from_config(config, engine=engine) as host:
+            crashed = await _call(host, "crash")
+            assert crashed.is_error and "exited while running tool 'crash'" in crashed.content
+            results = await asyncio.gather(*(_call(host, "pid") for _ in range(n)))
+            return list(results), host.connections["s"].restarts
+
+    results, restarts = asyncio.run(main())
+    assert all(not r.is_error for r in results), [r.content for r in results]
+    assert len({r.content for r in results}) == 1  # one process answered them all
+    assert restarts == 1 and log.read_text().splitlines() == ["start", "crash", "start"]
+
+
+def test_the_restart_budget_counts_restarts_in_a_row(engine, tmp_path, rng_seed):
+    """More crashes than MAX_RESTARTS, each followed by a call that comes back, never exhaust
+    the budget; a server that cannot start again is given up after MAX_RESTARTS tries."""
+    rng = random.Random(rng_seed)
+    crashes = MAX_RESTARTS + rng.randint(1, 2)
+    log = tmp_path / "calls.log"
+    config = {"mcpServers": {"s": _stdio(_script(tmp_path), log)}}
+
+    async def main() -> list[ToolResult]:
+        async with MCPHost.from_config(config, engine=engine) as host:
+            out = []
+            for _ in range(crashes):
+                await _call(host, "crash")
+                out.append(await _call(host, "echo", text=_word(rng)))
+            return out
+
+    for result in asyncio.run(main()):
+        assert not result.is_error and result.content.startswith("echo:"), result.content
+
+    once_log = tmp_path / "once.log"
+    once = {"mcpServers": {"s": _stdio(_script(tmp_path, ONCE_SERVER), once_log)}}
+
+    async def given_up() -> list[ToolResult]:
+        async with MCPHost.from_config(once, engine=engine) as host:
+            await _call(host, "crash")
+            return [await _call(host, "pid") for _ in range(MAX_RESTARTS + 1)]
+
+    results = asyncio.run(given_up())
+    assert all(r.is_error for r in results)
+    assert f"restarted {MAX_RESTARTS}x in a row" in results[-1].content, results[-1].content
+    assert once_log.read_text().count("start") == 1 + MAX_RESTARTS
+
+
+def test_the_stderr_tail_is_quoted_whatever_bytes_it_ends_in(engine, tmp_path, rng_seed):
+    """A tail read from a byte offset inside a multi-byte character: quoted, not dropped
+    (the text file's read raised UnicodeDecodeError, and the error came without it)."""
+    rng = random.Random(rng_seed)
+    # 3-byte characters, then 1 or 2 ASCII bytes: the tail's first byte (6000 from the end,
+    # a multiple of 3) falls inside a character.
+    tail = "€" * rng.randint(2100, 3000) + "\n" + rng.choice(["", _word(rng)[1]])
+    config = {"mcpServers": {"s": _stdio(_script(tmp_path), tmp_path / "calls.log")}}
+
+    async def main() -> ToolResult:
+        async with MCPHost.from_config(config, engine=engine) as host:
+            return await _call(host, "crash", tail=tail)
+
+    result = asyncio.run(main())
+    assert result.is_error and "its stderr ended with:" in result.content, result.content
+    assert result.content.endswith(tail.split("\n")[-1]) and "€" * 100 in result.content
