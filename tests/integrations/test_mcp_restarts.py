@@ -204,10 +204,12 @@ def test_the_stderr_tail_is_quoted_whatever_bytes_it_ends_in(engine, tmp_path, r
     tail = "€" * rng.randint(2100, 3000) + "\n" + rng.choice(["", _word(rng)[1]])
     config = {"mcpServers": {"s": _stdio(_script(tmp_path), tmp_path / "calls.log")}}
 
-    async def main() -> ToolResult:
+    async def main() -> tuple[ToolResult, str]:
         async with MCPHost.from_config(config, engine=engine) as host:
-            return await _call(host, "crash", tail=tail)
+            result = await _call(host, "crash", tail=tail)
+            return result, host.connections["s"].stderr_tail()
 
-    result = asyncio.run(main())
-    assert result.is_error and "its stderr ended with:" in result.content, result.content
-    assert result.content.endswith(tail.split("\n")[-1]) and "€" * 100 in result.content
+    result, quoted = asyncio.run(main())
+    # (The host cuts the tool result to its token budget: the connection's tail is whole.)
+    assert result.is_error and "its stderr ended with:\n€€€" in result.content, result.content
+    assert quoted == tail.strip()[-len(quoted) :] and len(quoted) > 1000
