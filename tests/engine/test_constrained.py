@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -535,6 +534,8 @@ def test_on_cuda_with_decode_graphs(demo, rng_seed):
 def test_a_tools_arguments_are_an_object_even_untyped(rng_seed):
     """Parameters that list properties without `"type": "object"` still take an object: the
     call's schema says so (else `"arguments": true` would pass)."""
+    import jsonschema  # here: the device image has none, and its GPU tests live in this file
+
     rng = random.Random(rng_seed)
     props = {f"p{i}": {"type": "integer"} for i in range(rng.randint(1, 3))}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"properties": props}}}
