@@ -164,10 +164,12 @@ def closed(schema: Any, partial: bool = False) -> Any:
 
     Not where the object is only part of one: additionalProperties sees its own `properties`
     alone, so closing a part forbids what the other parts allow, and the whole may then admit
-    nothing. Those are an object combined with others (allOf, anyOf or oneOf beside it, or a
-    $ref), the branches of allOf (each lists some of the properties), and anyOf/oneOf
-    branches that constrain an object listing its own properties (`partial`). anyOf/oneOf
-    branches of a schema without properties are whole alternatives, closed as any object."""
+    nothing. The parts are the branches of allOf (each lists some of the properties), and
+    anyOf/oneOf branches that constrain an object listing its own properties (`partial`): they
+    stay open, and the object they combine into is closed over every name its parts list (a
+    name only a branch lists gets `{}` beside it; the branch still holds its value). Open
+    where a part cannot be read (a $ref) or opens the object itself. anyOf/oneOf branches of a
+    schema without properties are whole alternatives, closed as any object."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -183,9 +185,41 @@ def closed(schema: Any, partial: bool = False) -> Any:
             sub = out[key]
             out[key] = [closed(s) for s in sub] if isinstance(sub, list) else closed(sub)
     combined = "$ref" in out or any(isinstance(out.get(k), list) for k in _COMBINATIONS)
-    if "properties" in out and "additionalProperties" not in out and not partial and not combined:
+    if "additionalProperties" in out or partial:
+        return out
+    if not combined:
+        if "properties" in out:
+            out["additionalProperties"] = False
+        return out
+    # Parts (allOf branches, or branches beside the object's own properties; whole
+    # alternatives are closed each on its own, above) and no $ref beside them.
+    parts = "properties" in out or isinstance(out.get("allOf"), list)
+    names = _branch_names(out) if parts and "$ref" not in out else None
+    if names:  # closed over every name a part lists: each part still holds its own
+        own = out.get("properties") or {}
+        out["properties"] = {**{n: {} for n in names if n not in own}, **own}
         out["additionalProperties"] = False
     return out
+
+
+def _branch_names(schema: dict) -> set[str] | None:
+    """The property names `schema` and its allOf/anyOf/oneOf branches list (theirs too), or
+    None where a branch cannot be read or opens the object itself (a $ref, an explicit
+    additionalProperties or patternProperties): then the object stays open."""
+    names = set(schema.get("properties") or {})
+    for key in _COMBINATIONS:
+        for branch in schema.get(key) or []:
+            if not isinstance(branch, dict) or "$ref" in branch:
+                return None
+            if branch.get("additionalProperties", False) is not False:
+                return None
+            if "patternProperties" in branch:
+                return None
+            inner = _branch_names(branch)
+            if inner is None:
+                return None
+            names |= inner
+    return names
 
 
 def output_schema(mode: str, tools: list[dict], schema: dict | None) -> dict | None:

@@ -5,15 +5,17 @@
         "remote": {"url": "http://127.0.0.1:8000/mcp", "headers": {"Authorization": "Bearer x"}}
     }}
 
-A server entry is stdio (`command`, optional `args`, `env`, `cwd`) or streamable HTTP (`url`,
-optional `headers`); `type` may say which ("stdio", "http", "streamable-http"). As in Cursor,
-`${env:NAME}` in any of those strings is replaced by the host's environment variable (an unset
-one is an error), so secrets and paths stay out of the file. FreeToken's own optional keys:
-`timeout` (seconds per tool call, default 60; it covers any sampling the server asks of the
-local model during the call, so a slow model needs more), `startup_timeout` (seconds to connect
-and list tools, default 30), `protocol` ("legacy", the default, "auto" or a protocol version;
-see `ServerConfig.protocol`) and `disabled` (true: skip the entry). Keys other tools put
-in these files (`autoApprove`, `description`, ...) are ignored with a log line, not refused:
+A server entry is stdio (`command`, optional `args`, `env`, `cwd`), streamable HTTP (`url`,
+optional `headers`) or the older HTTP+SSE transport (`url` with `"type": "sse"`, or, as Cursor
+reads it, a url whose path ends in `/sse`); `type` may say which ("stdio", "http",
+"streamable-http", "sse"). In any of those strings `${env:NAME}` (Cursor's form) and `${NAME}`
+or `${NAME:-default}` (Claude Code's) are replaced by the host's environment variable (an unset
+one without a default is an error), so secrets and paths stay out of the file. FreeToken's own
+optional keys: `timeout` (seconds per tool call, default 60; it covers any sampling the server
+asks of the local model during the call, so a slow model needs more), `startup_timeout` (seconds
+to connect and list tools, default 30), `protocol` ("legacy", the default, "auto" or a protocol
+version; see `ServerConfig.protocol`) and `disabled` (true: skip the entry). Keys other tools
+put in these files (`autoApprove`, `description`, ...) are ignored with a log line, not refused:
 one shared config file serves several hosts. Every error names the server and the key.
 """
 
@@ -28,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 log = logging.getLogger("freetoken.mcp")
 
@@ -46,8 +49,15 @@ _KNOWN = {
     "protocol",
     "disabled",
 }
-_ENV_REF = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")
-_TYPES = {"stdio": "stdio", "http": "http", "streamable-http": "http", "streamableHttp": "http"}
+# ${env:NAME} (Cursor), ${NAME} and ${NAME:-default} (Claude Code)
+_ENV_REF = re.compile(r"\$\{(?:env:)?([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_TYPES = {
+    "stdio": "stdio",
+    "http": "http",
+    "streamable-http": "http",
+    "streamableHttp": "http",
+    "sse": "sse",
+}
 
 
 class MCPConfigError(ValueError):
@@ -63,7 +73,8 @@ class ServerConfig:
     args: list[str] = field(default_factory=list)
     env: dict[str, str] | None = None  # merged over the SDK's safe default environment
     cwd: str | None = None
-    url: str | None = None  # streamable HTTP
+    url: str | None = None  # streamable HTTP, or HTTP+SSE where `sse`
+    sse: bool = False  # the 2024-11-05 HTTP+SSE transport (Claude Code's "type": "sse")
     headers: dict[str, str] = field(default_factory=dict)
     timeout: float = DEFAULT_TIMEOUT
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
@@ -75,7 +86,10 @@ class ServerConfig:
 
     @property
     def transport(self) -> str:
-        return "stdio" if self.command is not None else "http"
+        """stdio, http (streamable HTTP) or sse."""
+        if self.command is not None:
+            return "stdio"
+        return "sse" if self.sse else "http"
 
 
 def load_config(source: str | Path | Mapping[str, Any]) -> list[ServerConfig]:
@@ -126,7 +140,7 @@ def parse_server(name: Any, entry: Any) -> ServerConfig | None:
             f"{where}: an entry needs exactly one of 'command' (a stdio server) or 'url' "
             f"(a streamable HTTP server); it has {what}"
         )
-    if kind is not None and _TYPES[kind] != ("stdio" if has_command else "http"):
+    if kind is not None and (_TYPES[kind] == "stdio") != has_command:
         raise MCPConfigError(f"{where}: type {kind!r} does not match the entry's command/url")
     config = ServerConfig(name=name)
     config.timeout = _seconds(entry, "timeout", DEFAULT_TIMEOUT, where)
@@ -148,14 +162,19 @@ def parse_server(name: Any, entry: Any) -> ServerConfig | None:
         if not config.url.startswith(("http://", "https://")):
             raise MCPConfigError(f"{where}: 'url' must start with http:// or https://")
         config.headers = _strings(entry, "headers", where) if "headers" in entry else {}
+        path = urlsplit(config.url).path.rstrip("/")
+        config.sse = _TYPES.get(kind) == "sse" or (kind is None and path.endswith("/sse"))
     return config
 
 
 def expand_env(text: str, where: str) -> str:
-    """`text` with each `${env:NAME}` replaced by that environment variable."""
+    """`text` with each `${env:NAME}`, `${NAME}` or `${NAME:-default}` replaced by that
+    environment variable (the default where it is unset or empty, as the shell's `:-`)."""
 
     def value(match: re.Match[str]) -> str:
-        name = match.group(1)
+        name, default = match.group(1), match.group(2)
+        if default is not None:
+            return os.environ.get(name) or default
         if name not in os.environ:
             raise MCPConfigError(f"{where}: environment variable {name} is not set")
         return os.environ[name]

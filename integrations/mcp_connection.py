@@ -41,6 +41,7 @@ from typing import Any, TextIO
 import httpx2
 import mcp_types as types
 from mcp import Client, StdioServerParameters
+from mcp.client.sse import sse_client
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import MCP_SESSION_ID, streamable_http_client
 from mcp.shared._httpx_utils import (
@@ -233,6 +234,11 @@ class ServerConnection:
         # The read timeout covers one call's reply (the SDK's default, 300 s, would cut a
         # longer `timeout` short); connecting and writing keep the SDK's 30 s.
         read = max(MCP_DEFAULT_SSE_READ_TIMEOUT, c.timeout + _GRACE)
+        if c.transport == "sse":
+            return sse_client(
+                c.url, headers=c.headers or None, timeout=MCP_DEFAULT_TIMEOUT,
+                sse_read_timeout=read,
+            )  # fmt: skip
         timeout = httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=read)
         http = await stack.enter_async_context(
             create_mcp_http_client(headers=c.headers or None, timeout=timeout)

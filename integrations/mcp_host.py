@@ -25,9 +25,10 @@ results, a long run), the engine refuses the next turn: the run ends with stop_r
 and an error that says so, with the history as it stands (trim it, then run on).
 
 `tool_choice` (first turn only, as in OpenAI's Agents SDK: forcing every turn would loop until
-`max_steps`): "auto" (the default), "required" (some tool), a tool name or OpenAI's
-`{"type": "function", "function": {"name": ...}}`, to which FreeToken adds an optional
-`"arguments": {...}` that pins those argument values. A forced turn is generated under a
+`max_steps`): "auto" (the default), "none" (the tools stay in the prompt, as the server's "none"
+keeps them, but nothing is read as a call: the turn is the answer), "required" (some tool), a
+tool name or OpenAI's `{"type": "function", "function": {"name": ...}}`, to which FreeToken adds
+an optional `"arguments": {...}` that pins those argument values. A forced turn is generated under a
 JSON-schema grammar (`engine/constrained.py`) of `{"name", "arguments"}` objects, so even a weak
 model makes a well-formed call if it ends within max_tokens (one cut short ends the run with
 stop_reason "error", saying so); the JSON is parsed here instead of by the model's tool-call
@@ -143,6 +144,10 @@ class MCPHost:
         return self
 
     async def _start(self) -> None:
+        # Entered again: a fresh index (the last one's listing counts would match the new
+        # connections', and route calls to the closed ones).
+        self._index = ToolIndex()
+        self.tools, self.routes, self.failures = [], {}, {}
         self._service, self._owns_service = as_service(self.engine)
         if self.max_result_tokens is None:
             # A quarter of the context: one result leaves room for the system prompt, the tool
@@ -184,6 +189,12 @@ class MCPHost:
             **self.sampling_defaults,
         )
         self._reindex()  # the servers' tools, when there are any
+
+    def _check_entered(self) -> None:
+        """Runs and calls need the host entered and not yet closed: after the exit its
+        connections are closed, and a call would start a server nothing stops."""
+        if self.session is None or self._service is None:
+            raise RuntimeError("enter the host first: `async with MCPHost(...) as host`")
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
@@ -246,8 +257,7 @@ class MCPHost:
         ToolCallStart/ArgsDelta/End, ParseWarning), Usage per turn, ToolExecuted per call,
         and last a RunResult. `messages`: a user message or a whole history; `tool_choice`
         applies to the first turn; `sampling` overrides the host's options for this run."""
-        if self.session is None:
-            raise RuntimeError("enter the host first: `async with MCPHost(...) as host`")
+        self._check_entered()
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
         # Bad arguments raise here, before anything runs.
@@ -256,7 +266,8 @@ class MCPHost:
         async with self._lock:  # a run in progress keeps its tool index to the turn's end
             await self._refresh_tools()
             forced = forced_schema(tool_choice, self.tools, self.routes)  # the tools the model sees
-            loop = self._loop(history, max_steps, forced, dict(sampling or {}))
+            first = self._first_turn_parser(tool_choice)
+            loop = self._loop(history, max_steps, forced, dict(sampling or {}), first)
             async with aclosing(loop) as events:
                 async for event in events:
                     yield event
@@ -267,7 +278,9 @@ class MCPHost:
         max_steps: int,
         forced: tuple[str, dict[str, Any]] | None,
         sampling: dict[str, Any],
+        first_parser: Any = None,
     ) -> AsyncIterator[Any]:
+        """`first_parser`: the first turn's parser factory where it is not the session's."""
         usages: list[Usage] = []
         step = 0
         while step < max_steps:
@@ -276,7 +289,8 @@ class MCPHost:
             yield StepStart(step, forced[0] if forced else None)
             turn = Turn()
             try:
-                turn_events = stream_turn(self.session, history, sampling, forced, turn)
+                parser = first_parser if step == 0 else None
+                turn_events = stream_turn(self.session, history, sampling, forced, turn, parser)
                 async with aclosing(turn_events) as events:
                     async for event in events:
                         yield event
@@ -312,13 +326,19 @@ class MCPHost:
                 yield executed
         yield RunResult(history, "", step, "max_steps", usages)
 
+    def _first_turn_parser(self, tool_choice: Any) -> Any:
+        """tool_choice "none": a parser that reads no calls (the model may still write one; it
+        stays text, and the turn is the answer). Else None: the session's own."""
+        if tool_choice == "none":
+            return parser_factory_for(self._service, calls=False)
+        return None
+
     async def execute(self, call: ToolCall) -> ToolExecuted:
         """Run one call as the loop does: routed by name, through the session's hooks, every
         failure (unknown tool, server crash, timeout) an error result. For callers that run
         tools themselves (a UI, a test). Outside a run it is a turn boundary: tool lists that
         changed apply first."""
-        if self.session is None:
-            raise RuntimeError("enter the host first: `async with MCPHost(...) as host`")
+        self._check_entered()
         if not self._lock.locked():
             await self._refresh_tools()
         return await self._execute(call)

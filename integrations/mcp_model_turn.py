@@ -36,8 +36,7 @@ def forced_schema(
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise ValueError(f"tool_choice {choice!r} names no function")
         choice, pinned = fn["name"], fn.get("arguments") or {}
-    if choice in ("auto", "none"):
-        # "none" cannot stop a model from writing a call; it only skips forcing here.
+    if choice in ("auto", "none"):  # "none": MCPHost reads the turn without calls
         return None
     if not tools:
         raise ValueError(f"tool_choice {choice!r} needs tools, and no server offers any")
@@ -61,13 +60,15 @@ async def stream_turn(
     sampling: dict[str, Any],
     forced: tuple[str, dict[str, Any]] | None,
     turn: Turn,
+    parser: Any = None,
 ) -> AsyncIterator[Any]:
     """Generate one turn of `session` on `history` into `turn`, yielding the parser's events
     (for a forced turn, the call's once its JSON is parsed) and last the turn's Usage.
-    `forced`: `forced_schema`'s (label, schema) when this turn is forced, else None."""
+    `forced`: `forced_schema`'s (label, schema) when this turn is forced, else None;
+    `parser`: this turn's parser factory (None: the session's)."""
     assert session is not None
     options = dict(sampling)
-    parser: Any = session.parser_factory
+    parser = parser or session.parser_factory
     if forced is not None:
         options["json_schema"], parser = forced[1], None
     params = session.sampling(options)

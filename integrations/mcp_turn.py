@@ -117,8 +117,10 @@ def call_schema(
     schema = call_part(tool, prefix, defs)
     arguments = dict(schema["properties"]["arguments"])
     properties = dict(arguments.get("properties") or {})
-    arguments.setdefault("additionalProperties", False)
-    unknown = sorted(set(pinned) - set(properties))
+    # Closing is forced_schema's (constrained_output.closed): it leaves an object combined
+    # with allOf/anyOf/oneOf open, whose branches name the keys (closed here, they forbade
+    # every key their branches require).
+    unknown = sorted(set(pinned) - _named_keys(arguments))
     if unknown:
         name = tool["function"]["name"]
         raise ValueError(f"tool_choice pins argument(s) {unknown} that {name!r} does not take")
@@ -128,6 +130,16 @@ def call_schema(
     arguments["required"] = list(dict.fromkeys([*(arguments.get("required") or []), *pinned]))
     schema["properties"] = {**schema["properties"], "arguments": arguments}
     return schema
+
+
+def _named_keys(schema: Mapping[str, Any]) -> set[str]:
+    """The property names `schema` lists, its own and its allOf/anyOf/oneOf branches'."""
+    keys = set(schema.get("properties") or {})
+    for combination in ("allOf", "anyOf", "oneOf"):
+        for branch in schema.get(combination) or []:
+            if isinstance(branch, Mapping):
+                keys |= set(branch.get("properties") or {})
+    return keys
 
 
 def openai_tool(name: str, tool: types.Tool) -> dict[str, Any]:

@@ -20,11 +20,13 @@ def engine_tool_format(engine: Any) -> str | None:
 
 
 def parser_factory_for(
-    engine: Any, tools: Sequence[Mapping[str, Any]] | None = None
+    engine: Any, tools: Sequence[Mapping[str, Any]] | None = None, *, calls: bool = True
 ) -> Callable[[Any], OutputParser]:
     """`Session(engine, parser_factory=parser_factory_for(engine, tools))`: each turn's
-    parser starts inside reasoning when the rendered prompt left `<think>` open."""
-    tool_format = engine_tool_format(engine)
+    parser starts inside reasoning when the rendered prompt left `<think>` open. `calls`
+    False: nothing is read as a tool call (tool_choice "none"), all non-reasoning text is
+    content."""
+    tool_format = engine_tool_format(engine) if calls else None
     tokenizer = getattr(engine, "tokenizer", None)
     tool_list = [dict(t) for t in tools] if tools else None
 

@@ -117,7 +117,7 @@ async def ask(question: str, ctx: Context) -> str:
     )
     return r.content.text
 
-app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+app.run(sys.argv[2], host="127.0.0.1", port=int(sys.argv[1]))
 """
 
 
@@ -569,13 +569,18 @@ def test_server_sampling_is_answered_by_the_local_model(engine, tmp_path, rng_se
     assert host.sampler.log[0].system == system and host.sampler.log[0].max_tokens == max_tokens
 
 
-def test_streamable_http_server_with_headers_and_sampling(engine, tmp_path, rng_seed):
+@pytest.mark.parametrize("transport", ["streamable-http", "sse"])
+def test_http_server_with_headers_and_sampling(engine, tmp_path, rng_seed, transport):
+    """Streamable HTTP, and the older HTTP+SSE transport (Claude Code's `"type": "sse"`, or a
+    url ending in /sse as Cursor reads it; the config refused it)."""
     rng = random.Random(rng_seed)
     script = tmp_path / "web.py"
     script.write_text(HTTP_SERVER)
     port, token, question = _free_port(), _word(rng, 16), _word(rng, 12)
     server = subprocess.Popen(
-        [sys.executable, str(script), str(port)], stderr=subprocess.DEVNULL, cwd=tmp_path
+        [sys.executable, str(script), str(port), transport],
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
     )
     try:
         deadline = time.monotonic() + 20
@@ -586,8 +591,10 @@ def test_streamable_http_server_with_headers_and_sampling(engine, tmp_path, rng_
             except OSError:
                 assert server.poll() is None and time.monotonic() < deadline, "no HTTP server"
                 time.sleep(0.05)
-        url = f"http://127.0.0.1:{port}/mcp"
+        url = f"http://127.0.0.1:{port}/{'sse' if transport == 'sse' else 'mcp'}"
         config = {"web": {"url": url, "headers": {"X-Token": token}, "timeout": 20}}
+        if transport == "sse" and rng.random() < 0.5:
+            config["web"]["type"] = "sse"  # else read from the path
 
         async def main() -> list[ToolResult]:
             async with _host(config, engine) as host:
@@ -642,9 +649,11 @@ def test_leaving_a_stream_early_aborts_the_turn(engine, rng_seed):
         ({"url": "ftp://h/mcp"}, "'url' must start with http"),
         ({"url": "http://h/mcp", "headers": ["x"]}, "'headers' must map"),
         ({"command": "x", "timeout": -1}, "'timeout' must be a positive number"),
-        ({"command": "x", "type": "sse"}, "type 'sse' is not supported"),
+        ({"command": "x", "type": "sse"}, "does not match"),
+        ({"url": "http://h/mcp", "type": "websocket"}, "type 'websocket' is not supported"),
         ({"url": "http://h/mcp", "type": "stdio"}, "does not match"),
         ({"command": "x", "args": ["${env:FREETOKEN_TEST_UNSET_VAR}"]}, "is not set"),
+        ({"url": "http://h/mcp", "headers": {"A": "${FREETOKEN_TEST_UNSET_VAR}"}}, "is not set"),
         ("python", "the entry must be an object"),
     ],
 )
@@ -659,15 +668,25 @@ def test_config_file_forms(tmp_path, monkeypatch, rng_seed):
     value = _word(random.Random(rng_seed), 12)
     monkeypatch.setenv("FREETOKEN_TEST_TOKEN", value)
     path = tmp_path / "servers.json"
+    monkeypatch.delenv("FREETOKEN_TEST_UNSET_VAR", raising=False)
+    fallback = _word(random.Random(rng_seed + 1), 8)
     servers = {
         "a": {"command": "run", "args": ["--k", "${env:FREETOKEN_TEST_TOKEN}"], "alwaysAllow": []},
         "b": {"url": "http://127.0.0.1:1/mcp", "headers": {"X": "t ${env:FREETOKEN_TEST_TOKEN}"}},
         "c": {"command": "off", "disabled": True},
-    }
+        # Claude Code's forms: ${NAME}, ${NAME:-default}, and "type": "sse"
+        "d": {"type": "sse", "url": "http://127.0.0.1:1/events",
+              "headers": {"A": "${FREETOKEN_TEST_TOKEN}",
+                          "B": f"${{FREETOKEN_TEST_UNSET_VAR:-{fallback}}}"}},
+        "e": {"url": "http://127.0.0.1:1/sse/"},  # an SSE endpoint by its path, as Cursor
+        "f": {"type": "http", "url": "http://127.0.0.1:1/sse"},  # said otherwise: as said
+    }  # fmt: skip
     path.write_text(json.dumps({"mcpServers": servers}))
-    a, b = load_config(path)
+    a, b, d, e, f = load_config(path)
     assert (a.name, a.transport, a.args) == ("a", "stdio", ["--k", value])
     assert (b.name, b.transport, b.headers) == ("b", "http", {"X": f"t {value}"})
+    assert (d.transport, d.headers) == ("sse", {"A": value, "B": fallback})
+    assert (e.transport, f.transport) == ("sse", "http")
     path.write_text("{not json")
     with pytest.raises(MCPConfigError, match="is not JSON"):
         load_config(path)

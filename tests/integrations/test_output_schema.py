@@ -86,3 +86,23 @@ def test_hoisting_renames_refs_or_declines():
     assert defs["p.Node"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/p.Node"}
     for elsewhere in ("#", "#/properties/a", "https://x/y", "#/$defs/Missing"):
         assert hoisted({"properties": {"a": {"$ref": elsewhere}}, "$defs": {}}, "p.") is None
+
+
+def test_combined_objects_are_closed_over_every_name_their_parts_list(rng_seed):
+    """An object whose properties sit in its parts (allOf branches, anyOf branches beside its
+    own): closed over the union, so a key no part names is refused (a weak model would add
+    keys until max_tokens) while every part still holds its own values."""
+    rng = random.Random(rng_seed)
+    a, b, z = rng.randint(0, 9), rng.choice(["x", "y"]), f"k{rng.randint(0, 99)}"
+    merged = {"type": "object", "allOf": [
+        {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"properties": {"b": {"enum": ["x", "y"]}}, "required": ["b"]}]}  # fmt: skip
+    schema = closed(merged)
+    assert _valid(schema, {"a": a, "b": b})
+    assert not _valid(schema, {"a": a, "b": b, z: 1})  # no part names it
+    assert not _valid(schema, {"a": str(a), "b": b})  # the part still holds its value
+    assert _valid(merged, {"a": a, "b": b, z: 1})  # (open as given)
+    # A part that opens the object itself, or one read through a $ref, leaves it open.
+    for opened in ({"additionalProperties": True}, {"$ref": "#/$defs/X"}):
+        part = {**merged, "allOf": [*merged["allOf"], opened], "$defs": {"X": {}}}
+        assert "additionalProperties" not in closed(part)
