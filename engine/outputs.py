@@ -10,7 +10,12 @@ class InvalidRequestError(ValueError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """The prompt does not fit the model's context (or the KV pool)."""
+    """The prompt does not fit the model's context (or the KV pool). `prompt_tokens` and
+    `max_prompt_tokens`, where known: what a front-end quotes (Anthropic's "N tokens > M
+    maximum")."""
+
+    prompt_tokens: int | None = None
+    max_prompt_tokens: int | None = None
 
 
 class SchemaError(InvalidRequestError):

@@ -23,11 +23,13 @@ def context_length_error(n: int, max_model_len: int) -> ContextLengthError:
     """The refusal of a prompt of `n` tokens that does not fit a context of `max_model_len`
     (prompt + output: at least one output token must fit). One wording for every layer that
     checks it: the engine, and a chat rendering checked before its anchors are located."""
-    return ContextLengthError(
+    error = ContextLengthError(
         f"the prompt has {n} tokens; this engine's context holds "
         f"{max_model_len} tokens (prompt + output), so at most "
         f"{max_model_len - 1} prompt tokens fit"
     )
+    error.prompt_tokens, error.max_prompt_tokens = n, max_model_len - 1
+    return error
 
 
 def token_ids(values, what: str, max_len: int | None = None) -> list[int]:

@@ -38,12 +38,20 @@ def named_sse(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def stop_reason(finish_reason: str | None, usage: Usage | None) -> tuple[str, str | None]:
+def stop_reason(
+    finish_reason: str | None, usage: Usage | None, max_tokens: int | None = None
+) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a run's finish reason (TurnRun.finish_reason: "stop",
-    "length", "tool_calls") and its Usage (the stop string that ended it, if one did)."""
+    "length", "tool_calls") and its Usage (the stop string that ended it, if one did). A
+    "length" short of the request's `max_tokens` is the context's end:
+    "model_context_window_exceeded", as Anthropic says it (Claude Code would otherwise advise
+    raising its output-token cap, which cannot help)."""
     if finish_reason == "tool_calls":
         return "tool_use", None
     if finish_reason == "length":
+        short = usage is not None and max_tokens is not None
+        if short and usage.completion_tokens < max_tokens:
+            return "model_context_window_exceeded", None
         return "max_tokens", None
     stop_string = usage.stop_string if usage is not None else None
     if stop_string is not None:
@@ -69,8 +77,10 @@ def usage_json(usage: Usage | None, prompt_tokens: int = 0) -> dict[str, int]:
 
 
 class MessageFormat:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, max_tokens: int | None = None) -> None:
+        """`max_tokens`: the request's, to tell its end from the context's (`stop_reason`)."""
         self.model = model
+        self.max_tokens = max_tokens
         self.id = "msg_" + uuid.uuid4().hex
         self.blocks: list[dict[str, Any]] = []  # the content so far, in order
         self._open: str | None = None  # the kind of the last block while it is open
@@ -147,7 +157,7 @@ class MessageFormat:
 
     def end(self, finish_reason: str | None, usage: Usage | None) -> list[Event]:
         """A stream's last events: the open block's stop, message_delta, message_stop."""
-        reason, sequence = stop_reason(finish_reason, usage)
+        reason, sequence = stop_reason(finish_reason, usage, self.max_tokens)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         return [
             *self._close(),
@@ -160,5 +170,5 @@ class MessageFormat:
 
     def message(self, finish_reason: str | None, usage: Usage | None) -> dict[str, Any]:
         """The whole message."""
-        reason, sequence = stop_reason(finish_reason, usage)
+        reason, sequence = stop_reason(finish_reason, usage, self.max_tokens)
         return self._message(self.blocks, usage_json(usage), reason, sequence)

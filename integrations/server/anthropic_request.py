@@ -153,6 +153,11 @@ def _thinking(raw: Any) -> tuple[bool | None, int | None]:
     budget = raw.get("budget_tokens")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
         raise BadParam(f"thinking.budget_tokens must be an integer, got {budget!r:.40}", "thinking")
+    if budget is not None and not 0 <= budget < 2**63:  # checked here to name Anthropic's field
+        raise BadParam(
+            f"thinking.budget_tokens must be a non-negative integer, got {budget!r:.40}",
+            "thinking",
+        )
     return kind != "disabled", (budget if kind == "enabled" else None)
 
 
@@ -225,11 +230,14 @@ def anthropic_refusal(error: InvalidRequestError, origins: list[str]) -> BadPara
         param = _PARAMS.get(param, param)
     if param is not None and param.startswith("tools"):
         for ours, theirs in _TOOL_WORDS:
-            message = message.replace(ours, theirs)
+            message, param = message.replace(ours, theirs), param.replace(ours, theirs)
     if isinstance(error, ContextLengthError):
-        # Anthropic's own wording leads: agents (Claude Code among them) recognise an
-        # over-long history by it, to compact the history and retry.
-        message, param = f"prompt is too long: {message}", None
+        # Anthropic's own wording leads ("prompt is too long: N tokens > M maximum"): agents
+        # (Claude Code among them) recognise an over-long history by it, and read the counts,
+        # to compact the history and retry.
+        n, most = error.prompt_tokens, error.max_prompt_tokens
+        counts = f"{n} tokens > {most} maximum; " if n is not None and most is not None else ""
+        message, param = f"prompt is too long: {counts}{message}", None
     renamed = BadParam(message, param, code)
     renamed.status = getattr(error, "status", 400)
     return renamed

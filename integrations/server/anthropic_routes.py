@@ -113,7 +113,8 @@ async def create_message(request: Request) -> Response:
         log.exception("could not read a request")
         return anthropic_error_response(500, f"{type(e).__name__}: {e}")
     choices = Choices([TurnRun(live, parsed.chat.turn)])
-    wire = AnthropicWire(MessageFormat(state.model_id), parsed.origins)
+    max_tokens = parsed.chat.turn.sampling.max_tokens
+    wire = AnthropicWire(MessageFormat(state.model_id, max_tokens), parsed.origins)
     return await serve_choices(request, choices, wire, parsed.chat.stream)
 
 
@@ -132,8 +133,11 @@ def _input_tokens(body: Any, state: Any) -> int:
     # What the turn appends to the rendered prompt (a forced call's opener, or the `<think>\n`
     # of a call after the reasoning: turn_run.turn_plan) is input too.
     counted = Turn(state.service)
-    _, factory = turn_plan(turn, chat_format, EngineBridge(state.service), counted)
-    factory(prompt)
+    try:
+        _, factory = turn_plan(turn, chat_format, EngineBridge(state.service), counted)
+        factory(prompt)
+    except InvalidRequestError as e:  # a tool's schema the turn cannot take
+        raise anthropic_refusal(e, parsed.origins) from None
     return len(prompt.token_ids) + len(counted.suffix_ids)
 
 

@@ -59,7 +59,12 @@ from freetoken_agent.integrations.constrained_output import (
 from freetoken_agent.integrations.reasoned_json import answer_grammar, bounded_reasoning
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.errors import BadParam, check_nesting
-from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
+from freetoken_agent.integrations.strict_tools import (
+    any_strict,
+    call_schema,
+    is_strict,
+    strict_grammar,
+)
 from freetoken_agent.parsers import OutputParser, engine_tool_format, opens_think_block
 from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
 from freetoken_agent.parsers.reasoning import OPEN as THINK_OPEN
@@ -219,6 +224,16 @@ def turn_sampling(
     calls."""
     if choice.mode != "auto" or not any_strict(tools) or sampling.constraint is not None:
         return sampling
+    for i, tool in enumerate(tools or []):  # a schema the grammar cannot take: the client's 400
+        if is_strict(tool):
+            try:
+                call_schema(tool, {})
+            except (KeyError, ValueError, TypeError, AttributeError) as e:
+                field = f"tools[{i}].function.parameters"
+                raise BadParam(
+                    f"{field}: a strict tool's schema cannot be used ({type(e).__name__}: {e})",
+                    field,
+                ) from None
     grammar = strict_grammar(engine, tools or [])
     return sampling if grammar is None else dataclasses.replace(sampling, grammar=grammar)
 

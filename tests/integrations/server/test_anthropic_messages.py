@@ -127,7 +127,9 @@ def test_stop_reasons_end_turn_and_max_tokens(scripted_client, rng_seed):
     rng = random.Random(rng_seed)
     fake, client = scripted_client
     text = _words(rng, rng.randint(2, 8))
-    body = {"max_tokens": 64, "messages": [{"role": "user", "content": _words(rng, 2)}]}
+    # The reply ends at max_tokens: as many tokens as the scripted text has.
+    n = len(fake.tokenizer.encode(text))
+    body = {"max_tokens": n, "messages": [{"role": "user", "content": _words(rng, 2)}]}
     for reason, expected in (("stop", "end_turn"), ("length", "max_tokens")):
         fake.replies = [(text, reason)] * 2
         whole = client.post(URL, json=body).json()
@@ -135,6 +137,26 @@ def test_stop_reasons_end_turn_and_max_tokens(scripted_client, rng_seed):
         assert whole["content"] == [{"type": "text", "text": text}]
         delta = _streamed(client, body)[-2][1]
         assert delta["delta"] == {"stop_reason": expected, "stop_sequence": None}
+
+
+def test_a_reply_cut_short_of_max_tokens_is_model_context_window_exceeded(
+    scripted_client, rng_seed
+):
+    """A reply that ends by length short of max_tokens ended at the context's end (the engine
+    stops there), and says so as Anthropic does: Claude Code asks for 32k tokens and would
+    otherwise advise raising its cap, which cannot help."""
+    rng = random.Random(rng_seed)
+    fake, client = scripted_client
+    text = _words(rng, rng.randint(2, 8))
+    n = len(fake.tokenizer.encode(text))
+    body = {"max_tokens": n + rng.randint(1, 32000),
+            "messages": [{"role": "user", "content": _words(rng, 2)}]}  # fmt: skip
+    fake.replies = [(text, "length")] * 2
+    whole = client.post(URL, json=body).json()
+    assert whole["stop_reason"] == "model_context_window_exceeded", whole
+    assert whole["usage"]["output_tokens"] == n
+    delta = _streamed(client, body)[-2][1]
+    assert delta["delta"]["stop_reason"] == "model_context_window_exceeded"
 
 
 def test_stop_sequence_names_the_string_that_ended_it(client, rng_seed):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from typing import Any
 
 import pytest
@@ -222,6 +223,13 @@ def _refusals(rng: random.Random) -> list[tuple[dict, int, str, list[str]]]:
          ["messages[0].role must be 'user' or 'assistant'"]),
         ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, 400,
          "invalid_request_error", ["output_config.format is not supported"]),
+        # A strict tool's schema the grammar cannot take: the client's 400 (it was a 500,
+        # which SDKs retry), naming Anthropic's field once.
+        ({"tools": [tool, {"name": name + "s", "strict": True, "input_schema": {
+            "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}]}, 400,
+         "invalid_request_error", ["tools[1].input_schema: a strict tool's schema"]),
+        ({"thinking": {"type": "enabled", "budget_tokens": -rng.randint(1, 99)}}, 400,
+         "invalid_request_error", ["thinking.budget_tokens must be a non-negative integer"]),
     ]  # fmt: skip
 
 
@@ -234,6 +242,11 @@ def test_refusals_are_anthropic_errors_naming_anthropic_fields(client, rng_seed)
         for stream in (False, True):  # refused before a stream starts: the same answer
             message = anthropic_error(client.post(URL, json={**body, "stream": stream}), status,
                                       kind)  # fmt: skip
+            assert all(s in message for s in says), (change, message)
+            assert "function.parameters" not in message, message  # OpenAI's name, left over
+        if "tools" in change and status == 400:  # count_tokens reads the tools alike
+            counted = {k: v for k, v in body.items() if k != "max_tokens"}
+            message = anthropic_error(client.post(COUNT, json=counted), status, kind)
             assert all(s in message for s in says), (change, message)
     bad_json = client.post(URL, content=b"{", headers={"content-type": "application/json"})
     assert "not valid JSON" in anthropic_error(bad_json, 400, "invalid_request_error")
@@ -296,4 +309,7 @@ def test_a_history_over_the_context_is_a_prompt_too_long(client, rng_seed):
         r = client.post(URL, json={**body, "stream": stream})
         message = anthropic_error(r, 400, "invalid_request_error")
         assert message.startswith("prompt is too long: "), message
+        # Anthropic's counts, which agents read to compact: "N tokens > M maximum"
+        counts = re.match(r"prompt is too long: (\d+) tokens > (\d+) maximum", message)
+        assert counts is not None and int(counts[1]) > int(counts[2]) == 1023, message
     assert client.post(COUNT, json=body).json()["input_tokens"] > 1024  # counted, not refused
