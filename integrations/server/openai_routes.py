@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from datetime import datetime, timezone
 from typing import Any
 
 from starlette.requests import Request
@@ -160,18 +161,28 @@ async def text_completions(request: Request) -> Response:
 
 
 def model_card(state: Any) -> dict[str, Any]:
+    """The served model as both APIs list one: OpenAI's fields (object, created, owned_by)
+    and Anthropic's (type, display_name, created_at), so either SDK's `models` reads it whole;
+    each ignores the other's."""
+    created_at = datetime.fromtimestamp(state.created, timezone.utc)
     return {
         "id": state.model_id,
         "object": "model",
         "created": state.created,
         "owned_by": "freetoken",
         "max_model_len": state.max_model_len,
+        "type": "model",
+        "display_name": state.model_id,
+        "created_at": created_at.isoformat().replace("+00:00", "Z"),
     }
 
 
 async def list_models(request: Request) -> Response:
     state = request.app.state.server
-    return JSONResponse({"object": "list", "data": [model_card(state)]})
+    card = model_card(state)
+    # OpenAI's list, with Anthropic's page fields (one page: no more to fetch).
+    page = {"has_more": False, "first_id": card["id"], "last_id": card["id"]}
+    return JSONResponse({"object": "list", "data": [card], **page})
 
 
 async def get_model(request: Request) -> Response:

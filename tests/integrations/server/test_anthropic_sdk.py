@@ -129,3 +129,12 @@ def test_sdk_keys_and_errors(server, rng_seed):
             **{**body, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}
         )
     assert "web_search_20250305" in bad.value.message
+
+
+def test_sdk_lists_the_served_model(server):
+    """`client.models` reads our /v1/models (shared with OpenAI's SDK) with its own fields."""
+    client = _client(server, api_key=KEY)
+    [model] = list(client.models.list())
+    assert (model.id, model.type, model.display_name) == (MODEL, "model", MODEL)
+    assert model.created_at.year >= 2025  # a datetime the SDK parsed
+    assert client.models.retrieve(MODEL).id == MODEL
