@@ -4,7 +4,8 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)       # or `freetoken serve`
 
 Routes: POST /v1/chat/completions, POST /v1/completions (legacy text completions), GET
-/v1/models, POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API), GET
+/v1/models, POST /v1/responses (OpenAI's Responses API), POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's Messages API), GET
 /health, GET /metrics (Prometheus), POST /tokenize and /detokenize (vLLM's), WebSocket
 /v1/sessions/{id}/ws, and the web page at / (also /ui). Any other path (404) or method (405)
 gets an OpenAI error object too (Anthropic's under /v1/messages), as OpenAI answers an unknown
@@ -47,6 +48,7 @@ from freetoken_agent.integrations.server import (
     memory_routes,
     metrics_route,
     openai_routes,
+    responses_routes,
     sessions_ws,
     tokenize_routes,
     ui,
@@ -172,6 +174,7 @@ def create_app(
     routes = [
         *openai_routes.routes,
         *anthropic_routes.routes,
+        *responses_routes.routes,
         *sessions_ws.routes,
         *memory_routes.routes,
         *metrics_route.routes,

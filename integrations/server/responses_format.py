@@ -1,0 +1,218 @@
+"""A run written as a Responses API response: its output items, the events of a stream, and the
+whole response object, from the parser's events (ReasoningDelta, ContentDelta, ToolCallEnd).
+
+Output items, in the order the model wrote them:
+- `reasoning` {id "rs_...", summary [], content [{type: "reasoning_text", text}]}: the think
+  block, as vLLM writes an open model's reasoning (no summary: nothing summarises it);
+- `message` {id "msg_...", role "assistant", content [{type: "output_text", text,
+  annotations [], logprobs []}]}: the text;
+- `function_call` {id "fc_...", call_id, name, arguments}: each call, whole (its arguments are
+  held until the call ends, as the Anthropic wire holds them: the parser may still void it).
+
+A stream's events carry `sequence_number` from 0: response.created, response.in_progress, then
+per item output_item.added; for text and reasoning content_part.added, their deltas
+(response.output_text.delta / response.reasoning_text.delta), their .done, content_part.done;
+for a call response.function_call_arguments.delta and .done; output_item.done; last
+response.completed, or response.incomplete (max_output_tokens reached: status "incomplete",
+incomplete_details.reason "max_output_tokens"), or response.failed on an engine error.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
+from freetoken_agent.session import Usage
+
+Event = tuple[str, dict[str, Any]]  # (SSE event name, its data)
+
+# Request fields the response object echoes, with their defaults when the request left them out.
+_ECHOED = {
+    "instructions": None,
+    "max_output_tokens": None,
+    "metadata": {},
+    "parallel_tool_calls": True,
+    "temperature": 1.0,
+    "text": {"format": {"type": "text"}},
+    "tool_choice": "auto",
+    "tools": [],
+    "top_p": 1.0,
+    "user": None,
+}
+_PARTS = {"message": "output_text", "reasoning": "reasoning_text"}  # an item's content part
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage_json(usage: Usage | None, prompt_tokens: int = 0) -> dict[str, Any]:
+    """The Responses API's usage; without a Usage (not ended yet), `prompt_tokens` as input."""
+    given = usage is not None
+    inputs = usage.prompt_tokens if given else prompt_tokens
+    outputs = usage.completion_tokens if given else 0
+    return {
+        "input_tokens": inputs,
+        "input_tokens_details": {"cached_tokens": usage.reused_tokens if given else 0},
+        "output_tokens": outputs,
+        "output_tokens_details": {
+            "reasoning_tokens": (usage.reasoning_tokens or 0) if given else 0
+        },
+        "total_tokens": inputs + outputs,
+    }
+
+
+class ResponseFormat:
+    def __init__(self, model: str, body: Mapping[str, Any]) -> None:
+        """`body`: the request as sent (the response echoes its settings)."""
+        self.model = model
+        self.body = body
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
+        self.output: list[dict[str, Any]] = []  # the items so far, in order
+        self._open: str | None = None  # the kind of the last item while it is open
+        self._sequence = 0
+
+    def response(
+        self, status: str, usage: dict[str, Any] | None, error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The response object as it stands."""
+        echoed = {k: self.body.get(k, default) for k, default in _ECHOED.items()}
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "model": self.model,
+            "output": [dict(item) for item in self.output],
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None, **(self.body.get("reasoning") or {})},
+            "store": False,  # nothing is stored: a later previous_response_id is refused
+            "truncation": "disabled",
+            "usage": usage,
+            **echoed,
+        }
+
+    def _event(self, kind: str, **data: Any) -> Event:
+        event = {"type": kind, "sequence_number": self._sequence, **data}
+        self._sequence += 1
+        return kind, event
+
+    def start(self) -> list[Event]:
+        opening = self.response("in_progress", None)
+        return [
+            self._event("response.created", response=opening),
+            self._event("response.in_progress", response=opening),
+        ]
+
+    def add(self, event: Any) -> list[Event]:
+        """The stream events of one parser event (the item is kept for the whole response)."""
+        if isinstance(event, ReasoningDelta) and event.text:
+            return self._text("reasoning", event.text)
+        if isinstance(event, ContentDelta) and event.text:
+            return self._text("message", event.text)
+        if isinstance(event, ToolCallEnd):
+            arguments = json.dumps(event.arguments, ensure_ascii=False)
+            call = {"type": "function_call", "id": _new_id("fc"), "call_id": event.id,
+                    "name": event.name, "arguments": "", "status": "in_progress"}  # fmt: skip
+            events = self._open_item(call)
+            where = {"item_id": call["id"], "output_index": len(self.output) - 1}
+            events.append(self._event("response.function_call_arguments.delta", **where,
+                                      delta=arguments))  # fmt: skip
+            call["arguments"] = arguments
+            events.append(self._event("response.function_call_arguments.done", **where,
+                                      name=event.name, arguments=arguments))  # fmt: skip
+            return events + self._close()
+        return []  # ToolCallStart, ToolCallArgsDelta (held: see above), warnings, logprobs
+
+    def _open_item(self, item: dict[str, Any]) -> list[Event]:
+        """Close the open item, open `item`."""
+        events = self._close()
+        self.output.append(item)
+        self._open = item["type"]
+        added = {"output_index": len(self.output) - 1, "item": _copy(item)}
+        return [*events, self._event("response.output_item.added", **added)]
+
+    def _where(self) -> dict[str, Any]:
+        index = len(self.output) - 1
+        return {"item_id": self.output[index]["id"], "output_index": index, "content_index": 0}
+
+    def _text(self, kind: str, text: str) -> list[Event]:
+        """A piece of a reasoning or message item (its one content part)."""
+        events = []
+        part = _PARTS[kind]
+        if self._open != kind:
+            item = {"type": kind, "id": _new_id("rs" if kind == "reasoning" else "msg")}
+            item |= {"summary": []} if kind == "reasoning" else {"role": "assistant"}
+            item |= {"status": "in_progress", "content": []}
+            events = self._open_item(item)
+            empty = _empty_part(part)
+            item["content"].append(empty)
+            events.append(
+                self._event("response.content_part.added", **self._where(), part=dict(empty))
+            )
+        self.output[-1]["content"][0]["text"] += text
+        extra = {"logprobs": []} if kind == "message" else {}
+        events.append(self._event(f"response.{part}.delta", **self._where(), delta=text, **extra))
+        return events
+
+    def _close(self) -> list[Event]:
+        """The open item's last events: its text's and part's .done, then output_item.done."""
+        if self._open is None:
+            return []
+        kind, self._open = self._open, None
+        item = self.output[-1]
+        events = []
+        if kind in _PARTS:
+            part = item["content"][0]
+            where = self._where()
+            extra = {"logprobs": []} if kind == "message" else {}
+            events.append(
+                self._event(f"response.{_PARTS[kind]}.done", **where, text=part["text"], **extra)
+            )
+            events.append(self._event("response.content_part.done", **where, part=dict(part)))
+        item["status"] = "completed"
+        done = {"output_index": len(self.output) - 1, "item": _copy(item)}
+        return [*events, self._event("response.output_item.done", **done)]
+
+    def end(self, finish_reason: str | None, usage: Usage | None) -> list[Event]:
+        """A stream's last events: the open item's end, then response.completed (or
+        .incomplete when max_output_tokens ended it)."""
+        events = self._close()
+        status = "incomplete" if finish_reason == "length" else "completed"
+        whole = self.response(status, usage_json(usage))
+        return [*events, self._event(f"response.{status}", response=whole)]
+
+    def failed(self, message: str) -> list[Event]:
+        """An engine error after the stream began: response.failed, its error the message."""
+        events = self._close()
+        error = {"code": "server_error", "message": message}
+        failed = self.response("failed", None, error)
+        return [*events, self._event("response.failed", response=failed)]
+
+    def whole(self, finish_reason: str | None, usage: Usage | None) -> dict[str, Any]:
+        """The whole response (the items taken by `add`)."""
+        self._close()
+        status = "incomplete" if finish_reason == "length" else "completed"
+        return self.response(status, usage_json(usage))
+
+
+def _empty_part(kind: str) -> dict[str, Any]:
+    if kind == "output_text":
+        return {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    return {"type": kind, "text": ""}
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as it stands (its content parts copied: the item goes on growing)."""
+    out = dict(item)
+    if "content" in out:
+        out["content"] = [dict(part) for part in out["content"]]
+    return out

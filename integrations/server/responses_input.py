@@ -1,0 +1,135 @@
+"""A Responses API `input` (and `instructions`) as OpenAI chat messages, the form the chat route
+checks and reads (chat_request.parse_messages), as anthropic_messages.py does for Anthropic's.
+
+Items and what they become:
+- `instructions`: a system message first.
+- a string `input`: one user message.
+- `message` items (with or without `"type": "message"`): role user, system, developer or
+  assistant; content a string or parts, `input_text` / `output_text` (annotations and logprobs
+  dropped) joined as text parts; `refusal` parts as text. `input_image`, `input_file` and
+  `input_audio` are refused by name (this server's models read text).
+- `function_call` {call_id, name, arguments}: a tool call of the assistant turn it belongs to:
+  calls that follow an assistant message (or each other) join that turn, as the chat form
+  writes one turn's text and calls.
+- `function_call_output` {call_id, output}: a `tool` message answering `call_id` (output a
+  string, or text parts joined).
+- `reasoning` {summary, content}: the reasoning of the assistant turn that follows it (its
+  `reasoning_text` content, else its summary texts); `encrypted_content` is ignored (nothing
+  here encrypts).
+- `item_reference` and every other type: refused by name (nothing is stored to refer to).
+
+`origins` says where each chat message came from ("instructions", "input[3]"), so a refusal of
+the shared checks, which index the chat messages, names the Responses item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from freetoken_agent.integrations.server.anthropic_messages import OpenAIHistory
+from freetoken_agent.integrations.server.errors import BadParam
+
+_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+
+
+def chat_history(instructions: Any, items: Any) -> OpenAIHistory:
+    """The chat messages of `instructions` and `input`, with their origins."""
+    history = OpenAIHistory()
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise BadParam(
+                f"instructions must be a string, got {instructions!r:.40}", "instructions"
+            )
+        history.add({"role": "system", "content": instructions}, "instructions")
+    if isinstance(items, str):
+        history.add({"role": "user", "content": items}, "input")
+        return history
+    if not isinstance(items, list) or not items:
+        raise BadParam("input must be a string or a non-empty list of items", "input")
+    reasoning: str | None = None  # a reasoning item's text, for the assistant turn it precedes
+    turn: dict[str, Any] | None = None  # the assistant turn calls may still join
+    for i, item in enumerate(items):
+        at = f"input[{i}]"
+        if not isinstance(item, Mapping):
+            raise BadParam(f"{at} must be an object, got {item!r:.40}", at)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "reasoning":
+            reasoning = (reasoning or "") + _reasoning_text(item, at)
+            continue
+        if kind == "function_call":
+            call = _call(item, at)
+            if turn is None:
+                turn = {"role": "assistant", "content": "", "tool_calls": []}
+                history.add(turn, at)
+            turn.setdefault("tool_calls", []).append(call)
+        elif kind == "message":
+            message = _message(item, at)
+            history.add(message, at)
+            turn = message if message["role"] == "assistant" else None
+        elif kind == "function_call_output":
+            history.add(_output(item, at), at)
+            turn = None
+        else:
+            raise BadParam(f"{at}: items of type {kind!r} are not supported by this server", at)
+        if turn is not None and reasoning is not None:
+            turn["reasoning_content"], reasoning = reasoning, None
+    return history
+
+
+def _message(item: Mapping[str, Any], at: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise BadParam(f"{at}.role must be one of {', '.join(_ROLES)}, got {role!r:.40}", at)
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    return {"role": role, "content": _text_parts(content, f"{at}.content", at)}
+
+
+def _text_parts(content: Any, where: str, param: str) -> list[dict[str, str]]:
+    if not isinstance(content, list):
+        raise BadParam(f"{where} must be a string or a list of parts, got {content!r:.40}", param)
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind not in _TEXT_PARTS:
+            raise BadParam(f"{where}[{j}]: {kind!r} parts are not supported by this server (it "
+                           "reads text)", param)  # fmt: skip
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise BadParam(f"{where}[{j}] has no text", param)
+        parts.append({"type": "text", "text": text})
+    return parts
+
+
+def _call(item: Mapping[str, Any], at: str) -> dict[str, Any]:
+    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+    for field, value in (("call_id", call_id), ("name", name), ("arguments", arguments)):
+        if not isinstance(value, str):
+            raise BadParam(f"{at}.{field} must be a string, got {value!r:.40}", at)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _output(item: Mapping[str, Any], at: str) -> dict[str, Any]:
+    call_id, output = item.get("call_id"), item.get("output")
+    if not isinstance(call_id, str):
+        raise BadParam(f"{at}.call_id must be a string, got {call_id!r:.40}", at)
+    if not isinstance(output, str):
+        output = _text_parts(output, f"{at}.output", at)
+    return {"role": "tool", "tool_call_id": call_id, "content": output}
+
+
+def _reasoning_text(item: Mapping[str, Any], at: str) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary texts."""
+    for field, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(field) or []
+        if not isinstance(parts, list):
+            raise BadParam(f"{at}.{field} must be a list, got {parts!r:.40}", at)
+        texts = [p.get("text") for p in parts if isinstance(p, Mapping) and p.get("type") == kind]
+        if any(not isinstance(t, str) for t in texts):
+            raise BadParam(f"{at}.{field}: a {kind} part has no text", at)
+        if texts:
+            return "\n\n".join(texts)
+    return ""

@@ -1,0 +1,172 @@
+"""A Responses API body (POST /v1/responses), translated into an OpenAI chat body and checked by
+the chat route's own code (chat_request.parse_chat_request), as anthropic_request.py does for
+Anthropic's: every check, tool and grammar rule and sampling field is the chat route's, only
+the translation is the Responses API's. The OpenAI Agents SDK (its default model class) and
+Codex speak it.
+
+Fields:
+- `model` (checked first), `input` and `instructions` (responses_input.py), `stream`,
+  `temperature`, `top_p`, `parallel_tool_calls`: as they are; `max_output_tokens` -> max_tokens.
+- `tools`: function tools `{type: "function", name, description, parameters, strict}` -> chat
+  function tools. Hosted tools (web_search, file_search, code_interpreter, computer_use, mcp,
+  image_generation, local_shell, custom) are refused by name: this server runs no tools and
+  the model knows none built in.
+- `tool_choice`: "auto" | "none" | "required" | {type: "function", name} -> the same choice.
+- `text.format`: {type: "text"} (free), {type: "json_object"}, {type: "json_schema", name,
+  schema, strict} -> the chat route's response_format.
+- `reasoning.effort`: "none" -> thinking off (the template's enable_thinking false); any other
+  effort keeps the template's default (a budget is the chat route's thinking_token_budget).
+- `previous_response_id` and `conversation`: refused (nothing is stored: send the whole input,
+  as Codex and the Agents SDK do by default); `background: true` refused; `top_logprobs`
+  refused. `store`, `metadata`, `include`, `truncation`, `user`, `service_tier`,
+  `prompt_cache_key`, `safety_identifier`, `stream_options` are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.integrations.server.chat_request import (
+    ChatRequest,
+    check_model,
+    parse_chat_request,
+)
+from freetoken_agent.integrations.server.errors import BadParam, describe_invalid
+from freetoken_agent.integrations.server.responses_input import chat_history
+
+_SAME = ("stream", "temperature", "top_p", "parallel_tool_calls")
+_NO_SERVER_TOOLS = "this server runs no tools itself and knows no built-in tool definitions"
+
+
+@dataclass(slots=True)
+class ResponsesRequest:
+    chat: ChatRequest  # the checked turn, and `stream`
+    body: Mapping[str, Any]  # as sent: the response echoes its settings
+    origins: list[str]  # per chat message: the Responses field it came from
+
+
+def _tools(raw: Any) -> list[dict[str, Any]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise BadParam(f"tools must be a list of tools, got {type(raw).__name__}", "tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        if kind != "function":
+            raise BadParam(
+                f"{where}: tools of type {kind!r:.60} are not supported: {_NO_SERVER_TOOLS}; "
+                "declare a function tool {type: 'function', name, description, parameters}",
+                where,
+            )
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                    if tool.get(k) is not None}  # fmt: skip
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(raw: Any) -> Any:
+    if raw is None or raw in ("auto", "none", "required"):
+        return raw
+    if isinstance(raw, Mapping) and raw.get("type") == "function":
+        return {"type": "function", "function": {"name": raw.get("name")}}
+    raise BadParam(
+        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}, "
+        f"got {raw!r:.80}",
+        "tool_choice",
+    )
+
+
+def _response_format(text: Any) -> dict[str, Any] | None:
+    """The chat route's response_format of `text.format`."""
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, Mapping) else None
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise BadParam(
+        f"text.format must be of type 'text', 'json_object' or 'json_schema', got {fmt!r:.80}",
+        "text",
+    )
+
+
+def _thinking(reasoning: Any) -> bool | None:
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, Mapping):
+        raise BadParam(f"reasoning must be an object, got {reasoning!r:.40}", "reasoning")
+    return False if reasoning.get("effort") == "none" else None
+
+
+def _refuse_unserved(body: Mapping[str, Any]) -> None:
+    for field, why in (
+        ("previous_response_id", "responses are not stored here: send the whole input"),
+        ("conversation", "conversations are not stored here: send the whole input"),
+        ("top_logprobs", "output logprobs are served by /v1/chat/completions"),
+    ):
+        if body.get(field) is not None:
+            raise BadParam(f"{field} is not supported: {why}", field)
+    if body.get("background") is True:
+        raise BadParam("background responses are not supported: this server answers at once",
+                       "background")  # fmt: skip
+
+
+def chat_body(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The OpenAI chat body of a Responses one, and its messages' origins."""
+    _refuse_unserved(body)
+    history = chat_history(body.get("instructions"), body.get("input"))
+    out = {key: body[key] for key in _SAME if key in body}
+    thinking = _thinking(body.get("reasoning"))
+    extra = {
+        "messages": history.messages,
+        "max_tokens": body.get("max_output_tokens"),
+        "tools": _tools(body.get("tools")),
+        "tool_choice": _tool_choice(body.get("tool_choice")),
+        "response_format": _response_format(body.get("text")),
+        "chat_template_kwargs": None if thinking is None else {"enable_thinking": thinking},
+    }
+    out.update((key, value) for key, value in extra.items() if value is not None)
+    return out, history.origins
+
+
+def parse_responses_request(
+    body: Any, default_max: int, served: str, names: Collection[str]
+) -> ResponsesRequest:
+    """The checked request."""
+    if not isinstance(body, Mapping):
+        raise BadParam(f"the request body must be a JSON object, got {type(body).__name__}")
+    check_model(body.get("model"), served, names)  # first, as the chat route does
+    chat, origins = chat_body(body)
+    try:
+        return ResponsesRequest(parse_chat_request(chat, default_max), body, origins)
+    except InvalidRequestError as e:
+        raise responses_refusal(e, origins) from None
+
+
+def responses_refusal(error: InvalidRequestError, origins: list[str]) -> BadParam:
+    """A refusal of the shared checks (or of the engine) naming the Responses fields: the chat
+    history's `messages[i]` is the input item it came from; `max_tokens` is
+    `max_output_tokens`; `response_format` is `text`."""
+    text, param, code = describe_invalid(error)
+    for i in range(len(origins) - 1, -1, -1):
+        text = text.replace(f"messages[{i}]", origins[i])
+        if param is not None:
+            param = param.replace(f"messages[{i}]", origins[i])
+    for ours, theirs in (("max_tokens", "max_output_tokens"), ("response_format", "text")):
+        text = text.replace(ours, theirs)
+        param = theirs if param == ours else param
+    renamed = BadParam(text, param, code)
+    renamed.status = getattr(error, "status", 400)
+    return renamed

@@ -1,0 +1,106 @@
+"""OpenAI's Responses API: POST /v1/responses, which the OpenAI Agents SDK (its default model
+class) and Codex speak. A response is a chat turn like any other: the body is translated into
+an OpenAI chat body and checked by the chat route's code (responses_request.py), run as a
+TurnRun (on the Session of `X-Session-Id` when one is sent, else a fresh one), and served by the
+same machinery as the other routes (run_responses.py: refusals before anything is sent, a
+disconnect cancels the run). Only the wire is the Responses API's (`ResponsesWire`): named SSE
+events or one response object (responses_format.py), with OpenAI's error objects. Nothing is
+stored: `previous_response_id` is refused, and the response says `store: false`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.integrations.server.anthropic_format import named_sse
+from freetoken_agent.integrations.server.choices import Choices
+from freetoken_agent.integrations.server.errors import (
+    error_response,
+    invalid_response,
+    parse_json_body,
+)
+from freetoken_agent.integrations.server.responses_format import ResponseFormat
+from freetoken_agent.integrations.server.responses_request import (
+    parse_responses_request,
+    responses_refusal,
+)
+from freetoken_agent.integrations.server.run_responses import serve_choices
+from freetoken_agent.integrations.server.turn_run import TurnRun
+from freetoken_agent.session import Usage
+
+log = logging.getLogger("freetoken.server")
+
+
+class ResponsesWire:
+    """The Responses wire (run_responses.py) of one response."""
+
+    def __init__(self, fmt: ResponseFormat, origins: list[str]) -> None:
+        self.fmt = fmt
+        self.origins = origins  # the translated history's origins, to name a refused item
+
+    def refused(self, error: InvalidRequestError) -> Response:
+        return invalid_response(responses_refusal(error, self.origins))
+
+    def failed(self, message: str) -> Response:
+        return error_response(500, message, "server_error")
+
+    def stream(self, choices: Choices) -> AsyncIterator[str]:
+        return _response_events(choices, self.fmt)
+
+    def take(self, index: int, event: Any) -> None:
+        self.fmt.add(event)  # the items in the order they came, as a stream opens them
+
+    def whole(self, choices: Choices) -> dict[str, Any]:
+        (run,) = choices.runs
+        return self.fmt.whole(run.finish_reason(), run.usage)
+
+
+async def _response_events(choices: Choices, fmt: ResponseFormat):
+    """The named events of a response (one choice: the Responses API has no `n`)."""
+    for name, data in fmt.start():
+        yield named_sse(name, data)
+    usage: Usage | None = None
+    (run,) = choices.runs
+    try:
+        async for _, event in choices.events():
+            if isinstance(event, Usage):
+                usage = event
+                continue
+            for name, data in fmt.add(event):
+                yield named_sse(name, data)
+    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+        log.exception("run failed while streaming")
+        for name, data in fmt.failed(f"{type(e).__name__}: {e}"):
+            yield named_sse(name, data)
+        return
+    if usage is not None and usage.finish_reason == "error":
+        for name, data in fmt.failed(usage.error or "the engine failed this request"):
+            yield named_sse(name, data)
+        return
+    for name, data in fmt.end(run.finish_reason(), usage):
+        yield named_sse(name, data)
+
+
+async def create_response(request: Request) -> Response:
+    state = request.app.state.server
+    try:
+        body = parse_json_body(await request.body())
+        parsed = parse_responses_request(
+            body, state.default_max_tokens, state.model_id, state.model_names
+        )
+        live = state.hub.lookup(request.headers.get("x-session-id"))
+    except InvalidRequestError as e:
+        return invalid_response(e)
+    choices = Choices([TurnRun(live, parsed.chat.turn)])
+    wire = ResponsesWire(ResponseFormat(state.model_id, body), parsed.origins)
+    return await serve_choices(request, choices, wire, parsed.chat.stream)
+
+
+routes = [Route("/v1/responses", create_response, methods=["POST"])]

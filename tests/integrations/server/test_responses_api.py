@@ -1,0 +1,280 @@
+"""POST /v1/responses (OpenAI's Responses API, responses_*.py): the same turn as the chat route,
+written as Responses items and events.
+
+- OpenAI's own SDK against a real server (the demo model): a forced call, its output sent back
+  as function_call / function_call_output items, the answer; whole and streamed the same reply
+  (greedy), the stream read by the SDK's own event models.
+- A scripted engine writes reasoning, text and calls (the demo model writes none of its own):
+  the items come in order, and the stream's events, folded back, give the whole response.
+- Items give the chat route's prompt: the same history sent both ways renders the same tokens.
+- Refusals name the Responses field (input[i], max_output_tokens, tools[i]).
+Texts, tools and schemas are drawn fresh each run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from anthropic_stream import named_events
+from random_schemas import random_instance, random_name, random_object_schema
+
+URL = "/v1/responses"
+MODEL = "freetoken-demo"
+KEY = "sk-local-test"
+WORDS = ["alpha", "beta", "café", "ka", "lo", "mi", "ru", "line\nbreak", "x,", "{a:", "日本"]
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def server(start_server, model_dir):
+    return start_server(model_dir, model_id=MODEL, api_key=KEY)
+
+
+def _sdk(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _both(client: openai.OpenAI, **request: Any):
+    """(the whole response, the streamed one as the SDK's stream gives it at the end)."""
+    whole = client.responses.create(**request)
+    with client.responses.stream(**request) as stream:
+        events = list(stream)
+        kinds = [event.type for event in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+        assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+        # (The SDK rebuilds a completed response only; an incomplete one is the event's.)
+        done = kinds[-1] == "response.completed"
+        streamed = stream.get_final_response() if done else events[-1].response
+    return whole, streamed
+
+
+def _same(whole, streamed) -> None:
+    """One reply both ways, but for the ids drawn per response, item and call."""
+
+    def plain(response) -> dict:
+        out = response.model_dump(exclude={"id", "created_at", "usage"})
+        for item in out["output"]:
+            item.pop("id", None)
+            item.pop("call_id", None)
+            item.pop("parsed_arguments", None)  # the stream's parsed form only
+        return out
+
+    assert plain(whole) == plain(streamed)
+    assert whole.usage.output_tokens == streamed.usage.output_tokens
+
+
+def test_sdk_forced_call_then_its_output_whole_and_streamed(server, rng_seed, nothing_held):
+    rng = random.Random(rng_seed)
+    client = _sdk(server)
+    schema = random_object_schema(rng)
+    tool = {"type": "function", "name": random_name(rng), "parameters": schema,
+            "description": _words(rng, 4)}  # fmt: skip
+    request: dict[str, Any] = {
+        "model": MODEL,
+        "instructions": random_name(rng),
+        "input": [{"role": "user", "content": _words(rng, 5)}],
+        "tools": [tool],
+        "tool_choice": {"type": "function", "name": tool["name"]},
+        "temperature": 0,
+        "max_output_tokens": 200,
+    }
+    whole, streamed = _both(client, **request)
+    _same(whole, streamed)
+    assert whole.status == "completed", whole
+    (call,) = [item for item in whole.output if item.type == "function_call"]
+    assert call.name == tool["name"] and call.call_id
+    jsonschema.validate(json.loads(call.arguments), schema)
+
+    result = _words(rng, 3)
+    request["input"] = [
+        *request["input"],
+        *[item.model_dump() for item in whole.output],  # the SDK's items, sent back as given
+        {"type": "function_call_output", "call_id": call.call_id, "output": result},
+    ]
+    request["tool_choice"] = "none"
+    request["max_output_tokens"] = n = rng.randint(4, 12)
+    answer, streamed_answer = _both(client, **request)
+    _same(answer, streamed_answer)
+    assert [item.type for item in answer.output] in (["message"], [])
+    assert answer.status in ("completed", "incomplete") and answer.usage.output_tokens <= n
+    if answer.status == "incomplete":
+        assert answer.incomplete_details.reason == "max_output_tokens"
+    assert answer.output_text == "".join(
+        part.text for item in answer.output for part in item.content
+    )
+    # The second prompt starts with the first's: the prefix cache served it.
+    assert answer.usage.input_tokens_details.cached_tokens > 0
+    nothing_held(server.state.service)
+
+
+def test_sdk_text_format_json_schema(server, rng_seed):
+    rng = random.Random(rng_seed)
+    schema = random_object_schema(rng)
+    response = _sdk(server).responses.create(
+        model=MODEL,
+        input=_words(rng, 4),
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}},
+        temperature=0,
+        max_output_tokens=300,
+        reasoning={"effort": "none"},
+    )
+    assert response.status == "completed", response
+    jsonschema.validate(json.loads(response.output_text), schema)
+
+
+def _fold(events: list[tuple[str, dict]]) -> dict:
+    """The response a stream describes, rebuilt from its item events alone (the last event's
+    response is checked against it), with the event order checked."""
+    numbers = [data["sequence_number"] for _, data in events]
+    assert numbers == list(range(len(events))), numbers
+    assert all(name == data["type"] for name, data in events)
+    items: list[dict] = []
+    for name, data in events:
+        if name == "response.output_item.added":
+            assert data["output_index"] == len(items)
+            items.append(data["item"])
+        elif name in ("response.output_text.delta", "response.reasoning_text.delta"):
+            item = items[data["output_index"]]
+            assert data["item_id"] == item["id"]
+            item["content"][data["content_index"]]["text"] += data["delta"]
+        elif name == "response.content_part.added":
+            items[data["output_index"]]["content"].append(data["part"])
+        elif name == "response.function_call_arguments.delta":
+            items[data["output_index"]]["arguments"] += data["delta"]
+        elif name == "response.output_item.done":
+            assert data["item"]["status"] == "completed"
+            items[data["output_index"]]["status"] = "completed"
+            assert items[data["output_index"]] == data["item"]
+    last = events[-1][1]["response"]
+    assert last["output"] == items
+    return last
+
+
+def _without_ids(response: dict) -> dict:
+    out = {k: v for k, v in response.items() if k not in ("id", "created_at")}
+    drawn = ("id", "call_id")  # per reply
+    out["output"] = [{k: v for k, v in item.items() if k not in drawn} for item in out["output"]]
+    return out
+
+
+def test_reasoning_text_and_calls_in_order_whole_and_streamed(scripted_client, rng_seed):
+    rng = random.Random(rng_seed)
+    fake, client = scripted_client
+    tools = [{"type": "function", "name": random_name(rng),
+              "parameters": random_object_schema(rng)} for _ in range(2)]  # fmt: skip
+    calls = [rng.choice(tools) for _ in range(rng.randint(0, 3))]
+    arguments = [random_instance(rng, t["parameters"]) for t in calls]
+    thought, text = _words(rng, rng.randint(1, 6)), _words(rng, rng.randint(1, 6))
+    reply = f"<think>\n{thought}\n</think>\n\n{text}"
+    for tool, args in zip(calls, arguments, strict=True):
+        call = json.dumps({"name": tool["name"], "arguments": args})
+        reply += f"\n<tool_call>\n{call}\n</tool_call>"
+    fake.replies = [(reply, "stop")] * 2
+    body = {"input": _words(rng, 3), "tools": tools, "max_output_tokens": 500}
+    whole = client.post(URL, json=body)
+    assert whole.status_code == 200, whole.text
+    whole = whole.json()
+    r = client.post(URL, json={**body, "stream": True})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    streamed = _fold(named_events(r.text))
+    assert _without_ids(whole) == _without_ids(streamed)
+    kinds = [item["type"] for item in whole["output"]]
+    assert kinds == ["reasoning", "message"] + ["function_call"] * len(calls), kinds
+    assert whole["output"][0]["content"][0]["text"].strip() == thought
+    assert whole["output"][1]["content"][0]["text"].strip() == text
+    for item, tool, args in zip(whole["output"][2:], calls, arguments, strict=True):
+        assert (item["name"], json.loads(item["arguments"])) == (tool["name"], args)
+        assert item["call_id"]
+    assert whole["status"] == "completed" and whole["store"] is False
+    assert whole["tools"] == tools  # the request's settings echoed
+
+
+def test_max_output_tokens_makes_it_incomplete(scripted_client, rng_seed):
+    rng = random.Random(rng_seed)
+    fake, client = scripted_client
+    text = _words(rng, rng.randint(2, 8))
+    fake.replies = [(text, "length")]
+    n = len(fake.tokenizer.encode(text))
+    response = client.post(URL, json={"input": _words(rng, 2), "max_output_tokens": n}).json()
+    assert response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert response["usage"]["output_tokens"] == n
+
+
+def test_items_give_the_chat_routes_prompt(scripted_client, rng_seed):
+    """A history of every item kind renders the tokens its chat form renders."""
+    rng = random.Random(rng_seed)
+    fake, client = scripted_client
+    tool = {"type": "function", "name": random_name(rng), "parameters": random_object_schema(rng)}
+    args = json.dumps(random_instance(rng, tool["parameters"]))
+    system, question, thought = random_name(rng), _words(rng, 4), _words(rng, 3)
+    said, result, follow = _words(rng, 3), _words(rng, 3), _words(rng, 2)
+    items = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": question}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": thought}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": said, "annotations": []}]},
+        {"type": "function_call", "call_id": "call_1", "name": tool["name"], "arguments": args},
+        {"type": "function_call_output", "call_id": "call_1", "output": result},
+        {"role": "user", "content": follow},
+    ]  # fmt: skip
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": said, "reasoning_content": thought,
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": tool["name"], "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": result},
+        {"role": "user", "content": follow},
+    ]  # fmt: skip
+    fake.replies = [("ok", "stop")] * 2
+    chat_tool = {"type": "function", "function": {"name": tool["name"],
+                                                  "parameters": tool["parameters"]}}  # fmt: skip
+    r = client.post(URL, json={"instructions": system, "input": items, "tools": [tool]})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={"messages": messages, "tools": [chat_tool]})
+    assert r.status_code == 200, r.text
+    assert fake.prompts[0] == fake.prompts[1]
+
+
+def _refusals(rng: random.Random) -> list[tuple[dict, str, list[str]]]:
+    """(body changes, param, what the message must say)."""
+    name = random_name(rng)
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AA=="}
+    return [
+        ({"previous_response_id": "resp_" + name}, "previous_response_id", ["not stored"]),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]", ["'web_search'", "runs no tools"]),
+        ({"input": [{"role": "user", "content": [image]}]}, "input[0]",
+         ["'input_image' parts are not supported"]),
+        ({"input": [{"type": "item_reference", "id": name}]}, "input[0]",
+         ["'item_reference' are not supported"]),
+        ({"input": []}, "input", ["non-empty list"]),
+        ({"max_output_tokens": 0}, "max_output_tokens", ["max_output_tokens"]),
+        ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice", ["tool_choice must be"]),
+        ({"text": {"format": {"type": "grammar"}}}, "text", ["text.format"]),
+        ({"input": [{"role": "user", "content": "a"},
+                    {"type": "function_call_output", "call_id": name, "output": "r"}]},
+         "input[1]", [repr(name)]),
+    ]  # fmt: skip
+
+
+def test_refusals_name_the_responses_fields(client, rng_seed, api_error):
+    rng = random.Random(rng_seed)
+    base = {"model": "freetoken/qwen3_moe", "input": _words(rng, 3), "max_output_tokens": 8}
+    for change, param, says in _refusals(rng):
+        body = {**base, **change}
+        for stream in (False, True):  # refused before a stream starts: the same answer
+            r = client.post(URL, json={**body, "stream": stream})
+            error = api_error(r, 400)
+            assert error["param"] == param, (change, error)
+            assert all(s in error["message"] for s in says), (change, error)
+            assert "messages[" not in error["message"], error  # the chat route's name
