@@ -27,15 +27,10 @@ import json
 import uuid
 from typing import Any
 
+from freetoken_agent.integrations.server.anthropic_errors import anthropic_error_body
+from freetoken_agent.integrations.server.named_stream import Event
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Usage
-
-Event = tuple[str, dict[str, Any]]  # (SSE event name, its data)
-
-
-def named_sse(name: str, data: dict[str, Any]) -> str:
-    """One server-sent event with a name, as Anthropic's streams carry them."""
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def stop_reason(
@@ -167,6 +162,10 @@ class MessageFormat:
             ),
             ("message_stop", {"type": "message_stop"}),
         ]
+
+    def failed(self, message: str) -> list[Event]:
+        """A failure after the stream began: an `error` event, which ends it."""
+        return [("error", anthropic_error_body(message, "api_error"))]
 
     def message(self, finish_reason: str | None, usage: Usage | None) -> dict[str, Any]:
         """The whole message."""

@@ -28,11 +28,10 @@ from starlette.routing import Route
 
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.integrations.server.anthropic_errors import (
-    anthropic_error_body,
     anthropic_error_response,
     anthropic_invalid_response,
 )
-from freetoken_agent.integrations.server.anthropic_format import MessageFormat, named_sse
+from freetoken_agent.integrations.server.anthropic_format import MessageFormat
 from freetoken_agent.integrations.server.anthropic_request import (
     anthropic_refusal,
     parse_messages_request,
@@ -40,9 +39,9 @@ from freetoken_agent.integrations.server.anthropic_request import (
 from freetoken_agent.integrations.server.bridge import EngineBridge, Turn
 from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.errors import parse_json_body
+from freetoken_agent.integrations.server.named_stream import named_events
 from freetoken_agent.integrations.server.run_responses import serve_choices
 from freetoken_agent.integrations.server.turn_run import TurnRun, turn_plan
-from freetoken_agent.session import Usage
 
 log = logging.getLogger("freetoken.server")
 
@@ -61,7 +60,8 @@ class AnthropicWire:
         return anthropic_error_response(500, message)
 
     def stream(self, choices: Choices) -> AsyncIterator[str]:
-        return _message_events(choices, self.fmt)
+        (run,) = choices.runs
+        return named_events(choices, self.fmt, [self.fmt.start(run.prompt_tokens or 0)])
 
     def take(self, index: int, event: Any) -> None:
         self.fmt.add(event)  # the blocks in the order they came, as a stream opens them
@@ -69,30 +69,6 @@ class AnthropicWire:
     def whole(self, choices: Choices) -> dict[str, Any]:
         (run,) = choices.runs
         return self.fmt.message(run.finish_reason(), run.usage)
-
-
-async def _message_events(choices: Choices, fmt: MessageFormat):
-    """The named events of a message (one choice: Anthropic's API has no `n`)."""
-    (run,) = choices.runs
-    yield named_sse(*fmt.start(run.prompt_tokens or 0))
-    usage: Usage | None = None
-    try:
-        async for _, event in choices.events():
-            if isinstance(event, Usage):
-                usage = event
-                continue
-            for name, data in fmt.add(event):
-                yield named_sse(name, data)
-    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-        log.exception("run failed while streaming")
-        yield named_sse("error", anthropic_error_body(f"{type(e).__name__}: {e}", "api_error"))
-        return
-    if usage is not None and usage.finish_reason == "error":
-        message = usage.error or "the engine failed this request"
-        yield named_sse("error", anthropic_error_body(message, "api_error"))
-        return
-    for name, data in fmt.end(run.finish_reason(), usage):
-        yield named_sse(name, data)
 
 
 async def create_message(request: Request) -> Response:

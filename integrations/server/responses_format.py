@@ -25,10 +25,9 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from freetoken_agent.integrations.server.named_stream import Event
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Usage
-
-Event = tuple[str, dict[str, Any]]  # (SSE event name, its data)
 
 # Request fields the response object echoes, with their defaults when the request left them out.
 _ECHOED = {

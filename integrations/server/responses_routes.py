@@ -19,13 +19,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from freetoken_agent.engine.outputs import InvalidRequestError
-from freetoken_agent.integrations.server.anthropic_format import named_sse
 from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.errors import (
     error_response,
     invalid_response,
     parse_json_body,
 )
+from freetoken_agent.integrations.server.named_stream import named_events
 from freetoken_agent.integrations.server.responses_format import ResponseFormat
 from freetoken_agent.integrations.server.responses_request import (
     parse_responses_request,
@@ -33,7 +33,6 @@ from freetoken_agent.integrations.server.responses_request import (
 )
 from freetoken_agent.integrations.server.run_responses import serve_choices
 from freetoken_agent.integrations.server.turn_run import TurnRun
-from freetoken_agent.session import Usage
 
 log = logging.getLogger("freetoken.server")
 
@@ -52,7 +51,7 @@ class ResponsesWire:
         return error_response(500, message, "server_error")
 
     def stream(self, choices: Choices) -> AsyncIterator[str]:
-        return _response_events(choices, self.fmt)
+        return named_events(choices, self.fmt, self.fmt.start())
 
     def take(self, index: int, event: Any) -> None:
         self.fmt.add(event)  # the items in the order they came, as a stream opens them
@@ -60,32 +59,6 @@ class ResponsesWire:
     def whole(self, choices: Choices) -> dict[str, Any]:
         (run,) = choices.runs
         return self.fmt.whole(run.finish_reason(), run.usage)
-
-
-async def _response_events(choices: Choices, fmt: ResponseFormat):
-    """The named events of a response (one choice: the Responses API has no `n`)."""
-    for name, data in fmt.start():
-        yield named_sse(name, data)
-    usage: Usage | None = None
-    (run,) = choices.runs
-    try:
-        async for _, event in choices.events():
-            if isinstance(event, Usage):
-                usage = event
-                continue
-            for name, data in fmt.add(event):
-                yield named_sse(name, data)
-    except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-        log.exception("run failed while streaming")
-        for name, data in fmt.failed(f"{type(e).__name__}: {e}"):
-            yield named_sse(name, data)
-        return
-    if usage is not None and usage.finish_reason == "error":
-        for name, data in fmt.failed(usage.error or "the engine failed this request"):
-            yield named_sse(name, data)
-        return
-    for name, data in fmt.end(run.finish_reason(), usage):
-        yield named_sse(name, data)
 
 
 async def create_response(request: Request) -> Response:

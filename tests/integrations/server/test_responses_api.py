@@ -278,3 +278,19 @@ def test_refusals_name_the_responses_fields(client, rng_seed, api_error):
             assert error["param"] == param, (change, error)
             assert all(s in error["message"] for s in says), (change, error)
             assert "messages[" not in error["message"], error  # the chat route's name
+
+
+def test_an_engine_error_is_an_error_object_or_response_failed(scripted_client, rng_seed):
+    rng = random.Random(rng_seed)
+    fake, client = scripted_client
+    message = "boom " + random_name(rng)
+    fake.replies = [(_words(rng, 3), "error", message)] * 2
+    body = {"input": _words(rng, 2), "max_output_tokens": 50}
+    r = client.post(URL, json=body)
+    assert r.status_code == 500 and r.json()["error"]["message"] == message
+    events = named_events(client.post(URL, json={**body, "stream": True}).text)
+    assert events[0][0] == "response.created"
+    name, data = events[-1]
+    assert name == "response.failed" and data["response"]["status"] == "failed"
+    assert data["response"]["error"] == {"code": "server_error", "message": message}
+    assert "response.completed" not in [n for n, _ in events]
