@@ -56,7 +56,11 @@ def usage_json(usage: Usage | None, prompt_tokens: int = 0) -> dict[str, Any]:
     outputs = usage.completion_tokens if given else 0
     return {
         "input_tokens": inputs,
-        "input_tokens_details": {"cached_tokens": usage.reused_tokens if given else 0},
+        # Nothing is written to a cache a client pays for (the SDK's type requires the field).
+        "input_tokens_details": {
+            "cached_tokens": usage.reused_tokens if given else 0,
+            "cache_write_tokens": 0,
+        },
         "output_tokens": outputs,
         "output_tokens_details": {
             "reasoning_tokens": (usage.reasoning_tokens or 0) if given else 0
@@ -80,7 +84,9 @@ class ResponseFormat:
         self, status: str, usage: dict[str, Any] | None, error: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """The response object as it stands."""
-        echoed = {k: self.body.get(k, default) for k, default in _ECHOED.items()}
+        # null is the default too (tools, tool_choice and parallel_tool_calls are not nullable)
+        echoed = {k: default if self.body.get(k) is None else self.body[k]
+                  for k, default in _ECHOED.items()}  # fmt: skip
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.id,
@@ -162,8 +168,9 @@ class ResponseFormat:
         events.append(self._event(f"response.{part}.delta", **self._where(), delta=text, **extra))
         return events
 
-    def _close(self) -> list[Event]:
-        """The open item's last events: its text's and part's .done, then output_item.done."""
+    def _close(self, status: str = "completed") -> list[Event]:
+        """The open item's last events: its text's and part's .done, then output_item.done;
+        `status` "incomplete" for an item the run's end cut (max_output_tokens, a failure)."""
         if self._open is None:
             return []
         kind, self._open = self._open, None
@@ -177,29 +184,29 @@ class ResponseFormat:
                 self._event(f"response.{_PARTS[kind]}.done", **where, text=part["text"], **extra)
             )
             events.append(self._event("response.content_part.done", **where, part=dict(part)))
-        item["status"] = "completed"
+        item["status"] = status
         done = {"output_index": len(self.output) - 1, "item": _copy(item)}
         return [*events, self._event("response.output_item.done", **done)]
 
     def end(self, finish_reason: str | None, usage: Usage | None) -> list[Event]:
         """A stream's last events: the open item's end, then response.completed (or
         .incomplete when max_output_tokens ended it)."""
-        events = self._close()
         status = "incomplete" if finish_reason == "length" else "completed"
+        events = self._close(status)
         whole = self.response(status, usage_json(usage))
         return [*events, self._event(f"response.{status}", response=whole)]
 
     def failed(self, message: str) -> list[Event]:
         """An engine error after the stream began: response.failed, its error the message."""
-        events = self._close()
+        events = self._close("incomplete")
         error = {"code": "server_error", "message": message}
         failed = self.response("failed", None, error)
         return [*events, self._event("response.failed", response=failed)]
 
     def whole(self, finish_reason: str | None, usage: Usage | None) -> dict[str, Any]:
         """The whole response (the items taken by `add`)."""
-        self._close()
         status = "incomplete" if finish_reason == "length" else "completed"
+        self._close(status)
         return self.response(status, usage_json(usage))
 
 

@@ -2,7 +2,9 @@
 checks and reads (chat_request.parse_messages), as anthropic_messages.py does for Anthropic's.
 
 Items and what they become:
-- `instructions`: a system message first.
+- `instructions`, and the system or developer messages that open `input`: one system message
+  first, their texts joined (Codex sends both every turn; templates such as Qwen3.5's refuse
+  a second system message).
 - a string `input`: one user message.
 - `message` items (with or without `"type": "message"`): role user, system, developer or
   assistant; content a string or parts, `input_text` / `output_text` (annotations and logprobs
@@ -14,8 +16,8 @@ Items and what they become:
 - `function_call_output` {call_id, output}: a `tool` message answering `call_id` (output a
   string, or text parts joined).
 - `reasoning` {summary, content}: the reasoning of the assistant turn that follows it (its
-  `reasoning_text` content, else its summary texts); `encrypted_content` is ignored (nothing
-  here encrypts).
+  `reasoning_text` content, else its summary texts; several in one turn joined); reasoning no
+  assistant item follows is dropped; `encrypted_content` is ignored (nothing here encrypts).
 - `item_reference` and every other type: refused by name (nothing is stored to refer to).
 
 `origins` says where each chat message came from ("instructions", "input[3]"), so a refusal of
@@ -37,26 +39,23 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 def chat_history(instructions: Any, items: Any) -> OpenAIHistory:
     """The chat messages of `instructions` and `input`, with their origins."""
     history = OpenAIHistory()
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise BadParam(
-                f"instructions must be a string, got {instructions!r:.40}", "instructions"
-            )
-        history.add({"role": "system", "content": instructions}, "instructions")
-    if isinstance(items, str):
-        history.add({"role": "user", "content": items}, "input")
-        return history
-    if not isinstance(items, list) or not items:
+    if instructions is not None and not isinstance(instructions, str):
+        raise BadParam(f"instructions must be a string, got {instructions!r:.40}", "instructions")
+    single = isinstance(items, str)  # one user message, named `input`
+    if single:
+        items = [{"role": "user", "content": items}]
+    elif not isinstance(items, list) or not items:
         raise BadParam("input must be a string or a non-empty list of items", "input")
+    first = _system_prompt(instructions, items, history)
     reasoning: str | None = None  # a reasoning item's text, for the assistant turn it precedes
     turn: dict[str, Any] | None = None  # the assistant turn calls may still join
-    for i, item in enumerate(items):
-        at = f"input[{i}]"
+    for i, item in enumerate(items[first:], start=first):
+        at = "input" if single else f"input[{i}]"
         if not isinstance(item, Mapping):
             raise BadParam(f"{at} must be an object, got {item!r:.40}", at)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "reasoning":
-            reasoning = (reasoning or "") + _reasoning_text(item, at)
+            reasoning = _joined(reasoning, _reasoning_text(item, at))
             continue
         if kind == "function_call":
             call = _call(item, at)
@@ -73,9 +72,34 @@ def chat_history(instructions: Any, items: Any) -> OpenAIHistory:
             turn = None
         else:
             raise BadParam(f"{at}: items of type {kind!r} are not supported by this server", at)
-        if turn is not None and reasoning is not None:
-            turn["reasoning_content"], reasoning = reasoning, None
+        if turn is not None and reasoning is not None:  # several join (interleaved thinking)
+            turn["reasoning_content"] = _joined(turn.get("reasoning_content"), reasoning)
+        reasoning = None  # reasoning no assistant item followed belongs to no later turn
     return history
+
+
+def _system_prompt(instructions: str | None, items: list, history: OpenAIHistory) -> int:
+    """One system message of `instructions` and the system or developer messages that lead
+    `input` (Codex sends both every turn; templates such as Qwen3.5's refuse a second system
+    message), added to `history`; the index of the first item after them."""
+    texts = [] if instructions is None else [instructions]
+    first = 0
+    for item in items:
+        if not isinstance(item, Mapping) or item.get("type", "message") != "message":
+            break
+        if item.get("role") not in ("system", "developer"):
+            break
+        content = _message(item, f"input[{first}]")["content"]
+        texts.append(content if isinstance(content, str) else "".join(p["text"] for p in content))
+        first += 1
+    if texts:
+        origin = "instructions" if instructions is not None else "input[0]"
+        history.add({"role": "system", "content": "\n\n".join(texts)}, origin)
+    return first
+
+
+def _joined(before: str | None, text: str) -> str:
+    return text if not before else f"{before}\n\n{text}"
 
 
 def _message(item: Mapping[str, Any], at: str) -> dict[str, Any]:

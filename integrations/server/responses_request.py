@@ -72,8 +72,9 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
 def _tool_choice(raw: Any) -> Any:
     if raw is None or raw in ("auto", "none", "required"):
         return raw
-    if isinstance(raw, Mapping) and raw.get("type") == "function":
-        return {"type": "function", "function": {"name": raw.get("name")}}
+    named = isinstance(raw, Mapping) and raw.get("type") == "function"
+    if named and isinstance(raw.get("name"), str) and raw["name"]:
+        return {"type": "function", "function": {"name": raw["name"]}}
     raise BadParam(
         "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}, "
         f"got {raw!r:.80}",
@@ -94,6 +95,8 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise BadParam("text.format.name is required for a json_schema format", "text")
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     raise BadParam(
@@ -167,6 +170,7 @@ def responses_refusal(error: InvalidRequestError, origins: list[str]) -> BadPara
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("response_format", "text")):
         text = text.replace(ours, theirs)
         param = theirs if param == ours else param
+    param = "input" if param == "messages" else param  # the whole history (its length)
     renamed = BadParam(text, param, code)
     renamed.status = getattr(error, "status", 400)
     return renamed

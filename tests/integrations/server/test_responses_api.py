@@ -21,9 +21,12 @@ import jsonschema
 import openai
 import pytest
 from anthropic_stream import named_events
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 from random_schemas import random_instance, random_name, random_object_schema
 
 URL = "/v1/responses"
+EVENT = TypeAdapter(ResponseStreamEvent)
 MODEL = "freetoken-demo"
 KEY = "sk-local-test"
 WORDS = ["alpha", "beta", "café", "ka", "lo", "mi", "ru", "line\nbreak", "x,", "{a:", "日本"]
@@ -184,8 +187,13 @@ def test_reasoning_text_and_calls_in_order_whole_and_streamed(scripted_client, r
     whole = whole.json()
     r = client.post(URL, json={**body, "stream": True})
     assert r.headers["content-type"].startswith("text/event-stream")
-    streamed = _fold(named_events(r.text))
+    events = named_events(r.text)
+    streamed = _fold(events)
     assert _without_ids(whole) == _without_ids(streamed)
+    # The SDK's own models take every event and the response, strictly.
+    for _, data in events:
+        EVENT.validate_python(data, strict=True)
+    Response.model_validate(whole, strict=True)
     kinds = [item["type"] for item in whole["output"]]
     assert kinds == ["reasoning", "message"] + ["function_call"] * len(calls), kinds
     assert whole["output"][0]["content"][0]["text"].strip() == thought
@@ -203,10 +211,15 @@ def test_max_output_tokens_makes_it_incomplete(scripted_client, rng_seed):
     text = _words(rng, rng.randint(2, 8))
     fake.replies = [(text, "length")]
     n = len(fake.tokenizer.encode(text))
-    response = client.post(URL, json={"input": _words(rng, 2), "max_output_tokens": n}).json()
+    # Settings sent as null are echoed as their defaults (the SDK's types refuse null there).
+    nulls = dict.fromkeys(["tools", "tool_choice", "parallel_tool_calls", "temperature"])
+    body = {"input": _words(rng, 2), "max_output_tokens": n, **nulls}
+    response = client.post(URL, json=body).json()
+    Response.model_validate(response, strict=True)
     assert response["status"] == "incomplete"
     assert response["incomplete_details"] == {"reason": "max_output_tokens"}
     assert response["usage"]["output_tokens"] == n
+    assert [item["status"] for item in response["output"]] == ["incomplete"]  # cut there
 
 
 def test_items_give_the_chat_routes_prompt(scripted_client, rng_seed):
@@ -236,6 +249,12 @@ def test_items_give_the_chat_routes_prompt(scripted_client, rng_seed):
         {"role": "tool", "tool_call_id": "call_1", "content": result},
         {"role": "user", "content": follow},
     ]  # fmt: skip
+    # Instructions and the developer message that opens the input are one system message
+    # (Codex sends both; Qwen3.5's template refuses a second system message).
+    rule = _words(rng, 3)
+    items.insert(0, {"type": "message", "role": "developer",
+                     "content": [{"type": "input_text", "text": rule}]})  # fmt: skip
+    messages[0]["content"] = f"{system}\n\n{rule}"
     fake.replies = [("ok", "stop")] * 2
     chat_tool = {"type": "function", "function": {"name": tool["name"],
                                                   "parameters": tool["parameters"]}}  # fmt: skip
@@ -264,6 +283,12 @@ def _refusals(rng: random.Random) -> list[tuple[dict, str, list[str]]]:
         ({"input": [{"role": "user", "content": "a"},
                     {"type": "function_call_output", "call_id": name, "output": "r"}]},
          "input[1]", [repr(name)]),
+        ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text",
+         ["text.format.name is required"]),
+        ({"tools": [{"type": "function", "name": name, "parameters": {"type": "object"}}],
+          "tool_choice": {"type": "function"}}, "tool_choice", ["{'type': 'function'}"]),
+        ({"input": " ".join(random_name(rng) for _ in range(1500))}, "input",
+         ["prompt tokens fit"]),  # past the test engine's 1024
     ]  # fmt: skip
 
 
@@ -278,6 +303,7 @@ def test_refusals_name_the_responses_fields(client, rng_seed, api_error):
             assert error["param"] == param, (change, error)
             assert all(s in error["message"] for s in says), (change, error)
             assert "messages[" not in error["message"], error  # the chat route's name
+            assert "'function': {" not in error["message"], error  # the chat form
 
 
 def test_an_engine_error_is_an_error_object_or_response_failed(scripted_client, rng_seed):
@@ -294,3 +320,34 @@ def test_an_engine_error_is_an_error_object_or_response_failed(scripted_client, 
     assert name == "response.failed" and data["response"]["status"] == "failed"
     assert data["response"]["error"] == {"code": "server_error", "message": message}
     assert "response.completed" not in [n for n, _ in events]
+
+
+def test_reasoning_items_join_their_own_turn_only(rng_seed):
+    """Interleaved reasoning (before each call of one turn) joins that turn's reasoning; a
+    reasoning item no assistant item follows (a turn cut short) is left out, not given to a
+    later turn."""
+    from freetoken_agent.integrations.server.responses_input import chat_history
+
+    rng = random.Random(rng_seed)
+    a, b, lost, said = (_words(rng, 2) for _ in range(4))
+
+    def reasoning(text: str) -> dict:
+        return {"type": "reasoning", "summary": [{"type": "summary_text", "text": text}]}
+
+    def call(i: int) -> dict:
+        return {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
+
+    items = [
+        {"role": "user", "content": _words(rng, 2)},
+        reasoning(a), call(1), reasoning(b), call(2),
+        {"type": "function_call_output", "call_id": "c1", "output": "x"},
+        {"type": "function_call_output", "call_id": "c2", "output": "y"},
+        reasoning(lost),
+        {"role": "user", "content": _words(rng, 2)},
+        {"role": "assistant", "content": said},
+    ]  # fmt: skip
+    messages = chat_history(None, items).messages
+    turns = [m for m in messages if m["role"] == "assistant"]
+    assert [len(t.get("tool_calls") or []) for t in turns] == [2, 0]
+    assert turns[0]["reasoning_content"] == f"{a}\n\n{b}"
+    assert "reasoning_content" not in turns[1] and turns[1]["content"] == said
