@@ -3,7 +3,9 @@ whole response object, from the parser's events (ReasoningDelta, ContentDelta, T
 
 Output items, in the order the model wrote them:
 - `reasoning` {id "rs_...", summary [], content [{type: "reasoning_text", text}]}: the think
-  block, as vLLM writes an open model's reasoning (no summary: nothing summarises it);
+  block, as vLLM writes an open model's reasoning (no summary: nothing summarises it); with
+  include ["reasoning.encrypted_content"] its text in `encrypted_content` too (unencrypted,
+  marked as this server's: responses_input.SEALED), which Codex sends back;
 - `message` {id "msg_...", role "assistant", content [{type: "output_text", text,
   annotations [], logprobs []}]}: the text;
 - `function_call` {id "fc_...", call_id, name, arguments}: each call, whole (its arguments are
@@ -26,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from freetoken_agent.integrations.server.named_stream import Event
+from freetoken_agent.integrations.server.responses_input import SEALED
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Usage
 
@@ -77,6 +80,10 @@ class ResponseFormat:
         self.id = _new_id("resp")
         self.created_at = int(time.time())
         self.output: list[dict[str, Any]] = []  # the items so far, in order
+        # include ["reasoning.encrypted_content"] (Codex, store false): the reasoning's text
+        # travels there too, for a client that sends reasoning back in that field alone.
+        include = body.get("include")
+        self._seal = isinstance(include, list) and "reasoning.encrypted_content" in include
         self._open: str | None = None  # the kind of the last item while it is open
         self._sequence = 0
 
@@ -185,6 +192,8 @@ class ResponseFormat:
             )
             events.append(self._event("response.content_part.done", **where, part=dict(part)))
         item["status"] = status
+        if kind == "reasoning" and self._seal:
+            item["encrypted_content"] = SEALED + item["content"][0]["text"]
         done = {"output_index": len(self.output) - 1, "item": _copy(item)}
         return [*events, self._event("response.output_item.done", **done)]
 

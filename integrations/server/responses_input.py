@@ -17,7 +17,8 @@ Items and what they become:
   string, or text parts joined).
 - `reasoning` {summary, content}: the reasoning of the assistant turn that follows it (its
   `reasoning_text` content, else its summary texts; several in one turn joined); reasoning no
-  assistant item follows is dropped; `encrypted_content` is ignored (nothing here encrypts).
+  assistant item follows is dropped; `encrypted_content` is read only where this server wrote
+  it (`SEALED`: the text itself, for clients that send reasoning back in that field alone).
 - `item_reference` and every other type: refused by name (nothing is stored to refer to).
 
 `origins` says where each chat message came from ("instructions", "input[3]"), so a refusal of
@@ -33,6 +34,9 @@ from freetoken_agent.integrations.server.anthropic_messages import OpenAIHistory
 from freetoken_agent.integrations.server.errors import BadParam
 
 _ROLES = ("user", "system", "developer", "assistant")
+# What opens the `encrypted_content` this server writes: the reasoning's own text, not
+# encrypted (it never leaves the user's machine); another server's is not read.
+SEALED = "freetoken-reasoning:"
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
@@ -146,7 +150,12 @@ def _output(item: Mapping[str, Any], at: str) -> dict[str, Any]:
 
 
 def _reasoning_text(item: Mapping[str, Any], at: str) -> str:
-    """A reasoning item's text: its reasoning_text content, else its summary texts."""
+    """A reasoning item's text: its reasoning_text content, else the text this server put in
+    its `encrypted_content` (clients such as Codex send reasoning back in that field alone),
+    else its summary texts."""
+    sealed = item.get("encrypted_content")
+    if not item.get("content") and isinstance(sealed, str) and sealed.startswith(SEALED):
+        return sealed[len(SEALED) :]
     for field, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
         parts = item.get(field) or []
         if not isinstance(parts, list):

@@ -351,3 +351,28 @@ def test_reasoning_items_join_their_own_turn_only(rng_seed):
     assert [len(t.get("tool_calls") or []) for t in turns] == [2, 0]
     assert turns[0]["reasoning_content"] == f"{a}\n\n{b}"
     assert "reasoning_content" not in turns[1] and turns[1]["content"] == said
+
+
+def test_reasoning_sent_back_in_encrypted_content_alone_keeps_the_prompt(scripted_client, rng_seed):
+    """With include ["reasoning.encrypted_content"] (Codex, store false) the reasoning's text
+    travels in encrypted_content too; a client that sends the item back with that field alone
+    (no content) renders the same history as one that sends the content."""
+    rng = random.Random(rng_seed)
+    fake, client = scripted_client
+    tool = {"type": "function", "name": random_name(rng), "parameters": {"type": "object"}}
+    thought = _words(rng, 4)
+    call = json.dumps({"name": tool["name"], "arguments": {}})
+    fake.replies = [(f"<think>\n{thought}\n</think>\n\n<tool_call>\n{call}\n</tool_call>",
+                     "stop")] + [("ok", "stop")] * 2  # fmt: skip
+    question = {"role": "user", "content": _words(rng, 3)}
+    body = {"input": [question], "tools": [tool], "include": ["reasoning.encrypted_content"]}
+    first = client.post(URL, json=body).json()
+    reasoning, call_item = first["output"]
+    assert reasoning["encrypted_content"].endswith(thought.strip())
+    result = {"type": "function_call_output", "call_id": call_item["call_id"], "output": "r"}
+    sealed_only = {k: v for k, v in reasoning.items() if k != "content"}
+    for sent in (reasoning, sealed_only):
+        inputs = [question, sent, call_item, result]
+        assert client.post(URL, json={**body, "input": inputs}).status_code == 200
+    assert fake.prompts[1] == fake.prompts[2]
+    assert thought.strip() in fake.tokenizer.decode(fake.prompts[2])
