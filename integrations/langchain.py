@@ -40,6 +40,7 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -54,7 +55,6 @@ from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, PrivateAttr, model_validator
 
 from freetoken_agent.integrations.langchain_call import (
@@ -76,6 +76,7 @@ from freetoken_agent.integrations.langchain_choices import (
 )
 from freetoken_agent.integrations.langchain_chunks import PROVIDER, ChunkBuilder
 from freetoken_agent.integrations.langchain_messages import (
+    function_tools,
     parse_tool_choice,
     to_history,
     tool_names,
@@ -88,6 +89,7 @@ from freetoken_agent.integrations.langchain_runtime import (
     chat_format,
     load_service,
     service_for,
+    typed_errors,
 )
 from freetoken_agent.integrations.langchain_structured import structured_runnable
 from freetoken_agent.integrations.openai_logprobs import TokenStrings
@@ -121,6 +123,7 @@ class ChatFreeToken(BaseChatModel):
     """More `Engine.load` options (kv_tokens, max_model_len, max_num_seqs, ...)."""
     temperature: float | None = None
     max_tokens: int | None = None
+    """The most tokens a reply may take; None: up to the end of the model's context."""
     top_p: float | None = None
     seed: int | None = None
     presence_penalty: float | None = None
@@ -177,6 +180,22 @@ class ChatFreeToken(BaseChatModel):
             self._service = service
             self._pool = SessionPool(service, self.reasoning)
         return self._pool
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown(cls, values: Any) -> Any:
+        """An argument this model does not take is ignored with a warning, as ChatOpenAI warns
+        of one (a typo such as `temprature`, or top_k, which only a call takes, otherwise did
+        nothing without a word); LangChain's own tooling passes api_key and the like."""
+        if isinstance(values, dict):
+            unknown = sorted(set(values) - set(cls.model_fields))
+            if unknown:
+                warnings.warn(
+                    f"ChatFreeToken ignores {', '.join(unknown)}: not an option of this model "
+                    "(a call's option such as top_k goes to invoke(), or bind())",
+                    stacklevel=2,
+                )
+        return values
 
     @model_validator(mode="after")
     def _check_n(self) -> ChatFreeToken:
@@ -239,7 +258,7 @@ class ChatFreeToken(BaseChatModel):
         self, messages: list[BaseMessage], tools: Sequence | None = None
     ) -> int:
         """Exact: the length of the rendered prompt (chat template included)."""
-        specs = [convert_to_openai_tool(t) for t in tools] if tools else None
+        specs = function_tools(tools) if tools else None
         fmt = chat_format(self.service, self.reasoning)
         return len(fmt.render(to_history(messages), tools=specs, anchors=False))
 
@@ -258,7 +277,7 @@ class ChatFreeToken(BaseChatModel):
         (as ChatOpenAI takes it) marks the tools strict: under "auto" the calls the model
         writes keep to their schemas too (integrations/strict_tools.py; Hermes-, XML- and
         Mistral-format models)."""
-        specs = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        specs = function_tools(tools, strict)
         if strict is not None:  # a tool already in OpenAI form comes back unmarked
             specs = [{**t, "function": {**t["function"], "strict": strict}} for t in specs]
         parse_tool_choice(tool_choice, tool_names(specs))  # a bad choice fails here
@@ -344,8 +363,9 @@ class ChatFreeToken(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        calls, builders = self._choices(messages, stop, kwargs)
-        run_choices(self._ensure_engine(), calls, self.max_retries, builders)
+        with typed_errors():
+            calls, builders = self._choices(messages, stop, kwargs)
+            run_choices(self._ensure_engine(), calls, self.max_retries, builders)
         return chat_result(builders)
 
     def _stream(
@@ -356,13 +376,14 @@ class ChatFreeToken(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         builder = self._builder()
-        for event in self._turn(messages, stop, kwargs):
-            chunk = builder.chunk(event)
-            if chunk is not None:
-                piece = ChatGenerationChunk(message=chunk)
-                if run_manager is not None:
-                    run_manager.on_llm_new_token(_text(chunk), chunk=piece)
-                yield piece
+        with typed_errors():
+            for event in self._turn(messages, stop, kwargs):
+                chunk = builder.chunk(event)
+                if chunk is not None:
+                    piece = ChatGenerationChunk(message=chunk)
+                    if run_manager is not None:
+                        run_manager.on_llm_new_token(_text(chunk), chunk=piece)
+                    yield piece
         yield _last(builder)
 
     async def _agenerate(
@@ -372,8 +393,9 @@ class ChatFreeToken(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        calls, builders = self._choices(messages, stop, kwargs)
-        await arun_choices(self._ensure_engine(), calls, self.max_retries, builders)
+        with typed_errors():
+            calls, builders = self._choices(messages, stop, kwargs)
+            await arun_choices(self._ensure_engine(), calls, self.max_retries, builders)
         return chat_result(builders)
 
     async def _astream(
@@ -384,17 +406,18 @@ class ChatFreeToken(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         builder = self._builder()
-        turn = self._aturn(messages, stop, kwargs)
-        try:
-            async for event in turn:
-                chunk = builder.chunk(event)
-                if chunk is not None:
-                    piece = ChatGenerationChunk(message=chunk)
-                    if run_manager is not None:
-                        await run_manager.on_llm_new_token(_text(chunk), chunk=piece)
-                    yield piece
-        finally:
-            await turn.aclose()
+        with typed_errors():
+            turn = self._aturn(messages, stop, kwargs)
+            try:
+                async for event in turn:
+                    chunk = builder.chunk(event)
+                    if chunk is not None:
+                        piece = ChatGenerationChunk(message=chunk)
+                        if run_manager is not None:
+                            await run_manager.on_llm_new_token(_text(chunk), chunk=piece)
+                        yield piece
+            finally:
+                await turn.aclose()
         yield _last(builder)
 
 

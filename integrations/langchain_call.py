@@ -17,12 +17,12 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from langchain_core.messages import AIMessage, BaseMessage
-from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from freetoken_agent.engine.sampling_params import SamplingParams, token_id_key
 from freetoken_agent.engine.schema_checks import schema_of_response_format
 from freetoken_agent.integrations.constrained_output import output_schema
 from freetoken_agent.integrations.langchain_messages import (
+    function_tools,
     parse_tool_choice,
     to_history,
     tool_names,
@@ -94,7 +94,7 @@ def prepare_call(
     reasoning, where the JSON answer comes after it (reasoned_json.py)."""
     kwargs = dict(kwargs)
     tools = kwargs.pop("tools", None)
-    specs = [convert_to_openai_tool(t) for t in tools] if tools else []
+    specs = function_tools(tools) if tools else []
     mode, allowed = parse_tool_choice(kwargs.pop("tool_choice", None), tool_names(specs))
     fmt = kwargs.pop("response_format", None)
     schema = schema_of_response_format(fmt) if fmt is not None else None
@@ -102,6 +102,10 @@ def prepare_call(
         mode = "json_or_call" if mode == "auto" and specs else "json"
     options = {k: kwargs.pop(k, defaults.get(k)) for k in SAMPLING_OPTIONS}
     options = {k: v for k, v in options.items() if v is not None}
+    if "max_tokens" not in options:
+        # None is ChatOpenAI's "no limit": the reply may run to the context's end, where the
+        # engine ends it (the server's default too); SamplingParams' own 256 cut replies short.
+        options["max_tokens"] = service().engine.max_model_len
     if "logit_bias" in options:
         options["logit_bias"] = bias_by_id(options["logit_bias"])
     asked, top = (kwargs.pop(k, defaults.get(k)) for k in LOGPROB_OPTIONS)

@@ -24,6 +24,7 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages import SystemMessage as LcSystemMessage
+from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.messages import (
@@ -146,6 +147,19 @@ def to_history(messages: Sequence[BaseMessage]) -> list[Message]:
 
 
 # ------------------------------------------------------------------------------ tool_choice
+
+
+def function_tools(tools: Sequence[Any], strict: bool | None = None) -> list[dict[str, Any]]:
+    """`tools` (dicts, pydantic models, functions, BaseTools) as OpenAI function tools; a
+    provider's built-in tool (`{"type": "web_search_preview"}`, ...) is refused by name."""
+    specs = [convert_to_openai_tool(t, strict=strict) for t in tools]
+    for i, spec in enumerate(specs):
+        if spec.get("type") != "function" or not isinstance(spec.get("function"), Mapping):
+            raise ValueError(
+                f"tool {i} ({spec.get('type')!r:.60}) is not a function tool: this engine runs "
+                "no provider-built tools; give a function, a schema or a BaseTool"
+            )
+    return specs
 
 
 def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:

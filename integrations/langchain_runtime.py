@@ -29,8 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from langchain_core.exceptions import (
+    ContextOverflowError,
+    ModelAPIError,
+    ModelInvalidRequestError,
+    ModelTimeoutError,
+)
+
 from freetoken_agent.chat_format import ChatFormat, Prompt
-from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestError
+from freetoken_agent.engine.sampling_params import SamplingParams, SamplingParamsError
 from freetoken_agent.integrations.constrained_output import (
     HERMES_CLOSE,
     HERMES_OPEN,
@@ -60,11 +68,43 @@ _loaded: dict[tuple, EngineService] = {}  # engines loaded from a path live for 
 _formats: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
-class GenerationError(RuntimeError):
-    """The engine ended a generation with finish reason "error"; the message is the engine's."""
+class ContextOverflow(ContextLengthError, ContextOverflowError):
+    """The history does not fit the model's context: langchain-core's ContextOverflowError
+    (SummarizationMiddleware trims the history on it; retry middleware does not retry it),
+    still the engine's ContextLengthError."""
 
 
-class GenerationTimeout(TimeoutError):
+class InvalidModelRequest(InvalidRequestError, ModelInvalidRequestError):
+    """A request the engine or the call's checks refuse: langchain-core's
+    ModelInvalidRequestError (not retried), still a ValueError."""
+
+
+@contextlib.contextmanager
+def typed_errors() -> Iterator[None]:
+    """Refusals re-raised as langchain-core's typed model errors (ContextOverflow,
+    InvalidModelRequest), keeping their message, attributes and original base classes."""
+    try:
+        yield
+    except (ContextOverflowError, ModelInvalidRequestError):
+        raise
+    except ContextLengthError as e:
+        raise _retyped(e, ContextOverflow) from e
+    except (InvalidRequestError, SamplingParamsError) as e:
+        raise _retyped(e, InvalidModelRequest) from e
+
+
+def _retyped(error: Exception, kind: type[Exception]) -> Exception:
+    out = kind(str(error))
+    out.__dict__.update(getattr(error, "__dict__", {}))
+    return out
+
+
+class GenerationError(RuntimeError, ModelAPIError):
+    """The engine ended a generation with finish reason "error"; the message is the engine's.
+    A langchain-core ModelAPIError, as agent middleware (ModelRetryMiddleware) expects."""
+
+
+class GenerationTimeout(TimeoutError, ModelTimeoutError):
     """`timeout` seconds passed before the generation finished; the request was aborted."""
 
 

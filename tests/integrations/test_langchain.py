@@ -24,7 +24,12 @@ from typing import Any, Literal
 import pytest
 from held_schema import held_schema
 from langchain_core.callbacks import BaseCallbackHandler
-from langchain_core.exceptions import OutputParserException
+from langchain_core.exceptions import (
+    ContextOverflowError,
+    ModelInvalidRequestError,
+    ModelTimeoutError,
+    OutputParserException,
+)
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -34,9 +39,11 @@ from langchain_core.messages import (
 )
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from pydantic import BaseModel, ConfigDict, Field, create_model
+from scripted_engine import ScriptedEngine
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.engine.outputs import ContextLengthError
 from freetoken_agent.integrations.constrained_output import closed
 from freetoken_agent.integrations.langchain import (
     ChatFreeToken,
@@ -45,6 +52,7 @@ from freetoken_agent.integrations.langchain import (
 )
 from freetoken_agent.integrations.langchain_chunks import _spoil
 from freetoken_agent.integrations.langchain_runtime import service_for
+from freetoken_agent.service import EngineService
 
 ROOT = Path(__file__).resolve().parents[2]
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "zo", "pe", "xi", "qu"]
@@ -417,8 +425,9 @@ def test_cancelling_astream_aborts_the_request(engine):
 
 def test_timeout_and_early_close_abort(engine):
     llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=900, timeout=0.3)
-    with pytest.raises(GenerationTimeout):
+    with pytest.raises(GenerationTimeout) as timed_out:
         llm.invoke("go on")
+    assert isinstance(timed_out.value, ModelTimeoutError)  # langchain-core's typed error
     assert not unfinished(llm)
     stream = llm.stream("go on", timeout=None)
     next(stream)
@@ -441,9 +450,36 @@ def test_bad_input_is_a_clear_value_error(engine, rng_seed):
         "no messages": lambda: llm.invoke([]),
         "not a model folder": lambda: ChatFreeToken(model=str(ROOT / "nope")),
     }
+    cases["not a function tool"] = lambda: llm.bind_tools([{"type": "web_search_preview"}])
     for expected, call in cases.items():
         with pytest.raises(ValueError, match=expected):
             call()
+    # Refusals of a call are langchain-core's typed errors too (agent middleware reads them:
+    # ModelRetryMiddleware does not retry them, SummarizationMiddleware trims on overflow).
+    with pytest.raises(ModelInvalidRequestError):
+        llm.invoke("a", temperature=-1)
+    long = " ".join(word(rng) for _ in range(3000))  # past the test engine's 2048
+    for stream in (False, True):
+        with pytest.raises(ContextOverflowError) as overflow:
+            list(llm.stream(long)) if stream else llm.invoke(long)
+        assert isinstance(overflow.value, ContextLengthError)  # still the engine's error
+        assert overflow.value.prompt_tokens > engine.max_model_len
+
+
+def test_no_max_tokens_means_up_to_the_context(engine, rng_seed):
+    """max_tokens None is ChatOpenAI's "no limit": the engine's 256 default cut replies."""
+    fake = ScriptedEngine(engine)
+    reply = text(random.Random(rng_seed), 40)
+    fake.replies = [(reply, "stop")]
+    with EngineService(fake) as service:
+        message = ChatFreeToken(engine=service).invoke("hi")
+    assert fake.samplings[-1].max_tokens == engine.max_model_len
+    assert message.content == reply
+
+
+def test_an_argument_the_model_does_not_take_warns(engine):
+    with pytest.warns(UserWarning, match="ignores temprature"):
+        ChatFreeToken(engine=engine, temprature=0)
 
 
 def test_profile_and_identity(engine):
