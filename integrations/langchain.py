@@ -178,7 +178,7 @@ class ChatFreeToken(BaseChatModel):
                     self.model, self.device, self.policy, self.gpu_budget, self.engine_options
                 )
             self._service = service
-            self._pool = SessionPool(service, self.reasoning)
+            self._pool = SessionPool(service)
         return self._pool
 
     @model_validator(mode="before")

@@ -144,8 +144,9 @@ def prepare_call(
         reasoned = grammar is not None
     if reasoned:
         constraint = None  # held by the grammar, after the reasoning
-    key = json.dumps([shown, mode, allowed, schema, reasoned], sort_keys=True, default=str)
-    binding = Binding(key, shown, mode, allowed, schema, reasoned)
+    key = json.dumps([shown, mode, allowed, schema, reasoned, thinking], sort_keys=True,
+                     default=str)  # fmt: skip
+    binding = Binding(key, shown, mode, allowed, schema, reasoned, thinking)
     sampling = SamplingParams(
         **options,
         stop=stops,

@@ -278,10 +278,14 @@ class Binding:
     # where the answer begins with reasoning (modes json, json_or_call and required): the
     # model reasons, then the grammar holds the JSON to the schema (reasoned_json.py)
     reasoned: bool = False
+    # the template's enable_thinking for this call (the model's `reasoning` as the call reads
+    # it: a pooled Session keeps the rendering it was built with, so it is part of the key)
+    thinking: bool | None = None
 
 
-def build_session(service: EngineService, binding: Binding, thinking: bool | None) -> Session:
+def build_session(service: EngineService, binding: Binding) -> Session:
     gateway = Gateway(service)
+    thinking = binding.thinking
     tools = list(binding.tools) if binding.tools and binding.mode != "none" else None
     if binding.mode in ("auto", "none"):
         fmt = chat_format(service, thinking)
@@ -331,9 +335,8 @@ class SessionPool:
     MAX_BINDINGS = 32  # a new structured-output schema per call would otherwise grow it
     MAX_IDLE = 4  # per binding
 
-    def __init__(self, service: EngineService, thinking: bool | None) -> None:
+    def __init__(self, service: EngineService) -> None:
         self.service = service
-        self.thinking = thinking
         self._idle: OrderedDict[str, list[Session]] = OrderedDict()
         self._lock = threading.Lock()
         self.last: Session | None = None  # the Session of the last finished call
@@ -343,7 +346,7 @@ class SessionPool:
             idle = self._idle.get(binding.key)
             if idle:
                 return idle.pop()
-        return build_session(self.service, binding, self.thinking)
+        return build_session(self.service, binding)
 
     def release(self, binding: Binding, session: Session) -> None:
         with self._lock:

@@ -231,8 +231,17 @@ def test_reasoning_switch_reaches_the_template(engine, rng_seed):
     quiet.invoke(text(rng))
     assert quiet.last_prompt.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     default = ChatFreeToken(engine=engine, max_tokens=2)
-    default.invoke(text(rng))
+    question = text(rng)
+    default.invoke(question)
     assert default.last_prompt.text.endswith("<|im_start|>assistant\n")
+    # Changed after construction (or on a copy, which shares the warm sessions): the next
+    # call renders with the new setting (the pooled session kept the first one).
+    default.reasoning = False
+    default.invoke(question)
+    assert default.last_prompt.text.endswith("<think>\n\n</think>\n\n")
+    copy = default.model_copy(update={"reasoning": None})
+    copy.invoke(question)
+    assert copy.last_prompt.text.endswith("<|im_start|>assistant\n")
 
 
 def test_threads_share_one_engine(engine, rng_seed):
