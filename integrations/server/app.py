@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -58,6 +58,7 @@ from freetoken_agent.integrations.server.auth import BearerAuth
 from freetoken_agent.integrations.server.browser_guard import BrowserGuard, normal_origin
 from freetoken_agent.integrations.server.hub import SessionHub
 from freetoken_agent.integrations.server.limits import DEFAULT_MAX_BODY, BodyLimit
+from freetoken_agent.integrations.server.responses_store import ResponseStore
 from freetoken_agent.integrations.server.text_request import (
     DEFAULT_MAX_TOKENS as TEXT_DEFAULT_MAX_TOKENS,
 )
@@ -78,6 +79,7 @@ class ServerState:
     max_body_bytes: int
     created: int
     owns_service: bool
+    responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:

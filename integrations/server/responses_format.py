@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from freetoken_agent.integrations.server.named_stream import Event
@@ -73,8 +73,16 @@ def usage_json(usage: Usage | None, prompt_tokens: int = 0) -> dict[str, Any]:
 
 
 class ResponseFormat:
-    def __init__(self, model: str, body: Mapping[str, Any]) -> None:
-        """`body`: the request as sent (the response echoes its settings)."""
+    def __init__(
+        self,
+        model: str,
+        body: Mapping[str, Any],
+        keep: Callable[[str, list[dict[str, Any]]], None] | None = None,
+    ) -> None:
+        """`body`: the request as sent (the response echoes its settings); `keep(id, output)`:
+        called with the output items once the response ends well (the route stores it for
+        a later previous_response_id), unless the request said store false."""
+        self.keep = keep if body.get("store") is not False else None
         self.model = model
         self.body = body
         self.id = _new_id("resp")
@@ -104,9 +112,9 @@ class ResponseFormat:
             "incomplete_details": incomplete,
             "model": self.model,
             "output": [dict(item) for item in self.output],
-            "previous_response_id": None,
+            "previous_response_id": self.body.get("previous_response_id"),
             "reasoning": {"effort": None, "summary": None, **(self.body.get("reasoning") or {})},
-            "store": False,  # nothing is stored: a later previous_response_id is refused
+            "store": self.keep is not None,
             "truncation": "disabled",
             "usage": usage,
             **echoed,
@@ -203,7 +211,12 @@ class ResponseFormat:
         status = "incomplete" if finish_reason == "length" else "completed"
         events = self._close(status)
         whole = self.response(status, usage_json(usage))
+        self._kept()
         return [*events, self._event(f"response.{status}", response=whole)]
+
+    def _kept(self) -> None:
+        if self.keep is not None:
+            self.keep(self.id, [_copy(item) for item in self.output])
 
     def failed(self, message: str) -> list[Event]:
         """An engine error after the stream began: response.failed, its error the message."""
@@ -216,6 +229,7 @@ class ResponseFormat:
         """The whole response (the items taken by `add`)."""
         status = "incomplete" if finish_reason == "length" else "completed"
         self._close(status)
+        self._kept()
         return self.response(status, usage_json(usage))
 
 

@@ -19,7 +19,8 @@ Items and what they become:
   `reasoning_text` content, else its summary texts; several in one turn joined); reasoning no
   assistant item follows is dropped; `encrypted_content` is read only where this server wrote
   it (`SEALED`: the text itself, for clients that send reasoning back in that field alone).
-- `item_reference` and every other type: refused by name (nothing is stored to refer to).
+- `item_reference` and every other type: refused by name (continue a stored response with
+  previous_response_id instead).
 
 `origins` says where each chat message came from ("instructions", "input[3]"), so a refusal of
 the shared checks, which index the chat messages, names the Responses item.
@@ -40,21 +41,30 @@ SEALED = "freetoken-reasoning:"
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
-def chat_history(instructions: Any, items: Any) -> OpenAIHistory:
-    """The chat messages of `instructions` and `input`, with their origins."""
+def input_items(items: Any) -> list[Any]:
+    """`input` as a list of items (a string is one user message)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise BadParam("input must be a string or a non-empty list of items", "input")
+    return items
+
+
+def chat_history(instructions: Any, items: Any, earlier: list[Any] | None = None) -> OpenAIHistory:
+    """The chat messages of `instructions`, the `earlier` items (a previous response's
+    conversation) and `input`, with their origins."""
     history = OpenAIHistory()
     if instructions is not None and not isinstance(instructions, str):
         raise BadParam(f"instructions must be a string, got {instructions!r:.40}", "instructions")
     single = isinstance(items, str)  # one user message, named `input`
-    if single:
-        items = [{"role": "user", "content": items}]
-    elif not isinstance(items, list) or not items:
-        raise BadParam("input must be a string or a non-empty list of items", "input")
+    earlier = earlier or []
+    items = [*earlier, *input_items(items)]
     first = _system_prompt(instructions, items, history)
     reasoning: str | None = None  # a reasoning item's text, for the assistant turn it precedes
     turn: dict[str, Any] | None = None  # the assistant turn calls may still join
     for i, item in enumerate(items[first:], start=first):
-        at = "input" if single else f"input[{i}]"
+        j = i - len(earlier)  # its place in `input`
+        at = "previous_response_id" if j < 0 else "input" if single else f"input[{j}]"
         if not isinstance(item, Mapping):
             raise BadParam(f"{at} must be an object, got {item!r:.40}", at)
         kind = item.get("type", "message" if "role" in item else None)

@@ -16,10 +16,14 @@ Fields:
   schema, strict} -> the chat route's response_format.
 - `reasoning.effort`: "none" -> thinking off (the template's enable_thinking false); any other
   effort keeps the template's default (a budget is the chat route's thinking_token_budget).
-- `previous_response_id` and `conversation`: refused (nothing is stored: send the whole input,
-  as Codex and the Agents SDK do by default); `background: true` refused; `top_logprobs`
-  refused. `store`, `metadata`, `include`, `truncation`, `user`, `service_tier`,
-  `prompt_cache_key`, `safety_identifier`, `stream_options` are accepted and ignored.
+- `previous_response_id`: the stored response's conversation (its input, then its output
+  items) goes before `input` (responses_store.py: kept in memory, the most recent ones; not
+  its instructions, as OpenAI does not carry them); an unknown id is refused.
+  `conversation` refused (send the whole input, or previous_response_id); `background: true`
+  refused; `top_logprobs` refused. `store: false` keeps the response out of the store;
+  `metadata`, `include` (but for reasoning.encrypted_content: responses_format.py),
+  `truncation`, `user`, `service_tier`, `prompt_cache_key`, `safety_identifier`,
+  `stream_options` are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from freetoken_agent.integrations.server.chat_request import (
     parse_chat_request,
 )
 from freetoken_agent.integrations.server.errors import BadParam, describe_invalid
-from freetoken_agent.integrations.server.responses_input import chat_history
+from freetoken_agent.integrations.server.responses_input import chat_history, input_items
+from freetoken_agent.integrations.server.responses_store import ResponseStore
 
 _SAME = ("stream", "temperature", "top_p", "parallel_tool_calls")
 _NO_SERVER_TOOLS = "this server runs no tools itself and knows no built-in tool definitions"
@@ -46,6 +51,7 @@ class ResponsesRequest:
     chat: ChatRequest  # the checked turn, and `stream`
     body: Mapping[str, Any]  # as sent: the response echoes its settings
     origins: list[str]  # per chat message: the Responses field it came from
+    items: list[Any]  # the conversation as input items (a previous response's first), to store
 
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
@@ -115,7 +121,6 @@ def _thinking(reasoning: Any) -> bool | None:
 
 def _refuse_unserved(body: Mapping[str, Any]) -> None:
     for field, why in (
-        ("previous_response_id", "responses are not stored here: send the whole input"),
         ("conversation", "conversations are not stored here: send the whole input"),
         ("top_logprobs", "output logprobs are served by /v1/chat/completions"),
     ):
@@ -126,10 +131,13 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
                        "background")  # fmt: skip
 
 
-def chat_body(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The OpenAI chat body of a Responses one, and its messages' origins."""
+def chat_body(
+    body: Mapping[str, Any], earlier: list[Any] | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """The OpenAI chat body of a Responses one, and its messages' origins; `earlier`: the
+    conversation of its previous_response_id, as input items."""
     _refuse_unserved(body)
-    history = chat_history(body.get("instructions"), body.get("input"))
+    history = chat_history(body.get("instructions"), body.get("input"), earlier)
     out = {key: body[key] for key in _SAME if key in body}
     thinking = _thinking(body.get("reasoning"))
     extra = {
@@ -145,17 +153,35 @@ def chat_body(body: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 
 def parse_responses_request(
-    body: Any, default_max: int, served: str, names: Collection[str]
+    body: Any, default_max: int, served: str, names: Collection[str], store: ResponseStore
 ) -> ResponsesRequest:
-    """The checked request."""
+    """The checked request; `store`: the kept responses a previous_response_id names."""
     if not isinstance(body, Mapping):
         raise BadParam(f"the request body must be a JSON object, got {type(body).__name__}")
     check_model(body.get("model"), served, names)  # first, as the chat route does
-    chat, origins = chat_body(body)
+    earlier = _earlier(body.get("previous_response_id"), store)
+    chat, origins = chat_body(body, earlier)
+    items = [*earlier, *input_items(body.get("input"))]
     try:
-        return ResponsesRequest(parse_chat_request(chat, default_max), body, origins)
+        return ResponsesRequest(parse_chat_request(chat, default_max), body, origins, items)
     except InvalidRequestError as e:
         raise responses_refusal(e, origins) from None
+
+
+def _earlier(previous: Any, store: ResponseStore) -> list[Any]:
+    """The conversation of `previous_response_id` as input items ([] without one). Its
+    instructions are not carried over, as OpenAI does not carry them."""
+    if previous is None:
+        return []
+    items = store.get(previous) if isinstance(previous, str) else None
+    if items is None:
+        raise BadParam(
+            f"previous_response_id {previous!r:.60} is not a response this server keeps (it "
+            f"keeps the last {store.max_kept} stored ones, in memory, for its life; a request "
+            "with store false is not kept): send the whole input",
+            "previous_response_id",
+        )
+    return items
 
 
 def responses_refusal(error: InvalidRequestError, origins: list[str]) -> BadParam:

@@ -4,8 +4,9 @@ an OpenAI chat body and checked by the chat route's code (responses_request.py),
 TurnRun (on the Session of `X-Session-Id` when one is sent, else a fresh one), and served by the
 same machinery as the other routes (run_responses.py: refusals before anything is sent, a
 disconnect cancels the run). Only the wire is the Responses API's (`ResponsesWire`): named SSE
-events or one response object (responses_format.py), with OpenAI's error objects. Nothing is
-stored: `previous_response_id` is refused, and the response says `store: false`.
+events or one response object (responses_format.py), with OpenAI's error objects. A response
+that ends well is kept (responses_store.py) unless the request said `store: false`, so a later
+request may continue it with `previous_response_id`.
 """
 
 from __future__ import annotations
@@ -66,13 +67,17 @@ async def create_response(request: Request) -> Response:
     try:
         body = parse_json_body(await request.body())
         parsed = parse_responses_request(
-            body, state.default_max_tokens, state.model_id, state.model_names
+            body, state.default_max_tokens, state.model_id, state.model_names, state.responses
         )
         live = state.hub.lookup(request.headers.get("x-session-id"))
     except InvalidRequestError as e:
         return invalid_response(e)
     choices = Choices([TurnRun(live, parsed.chat.turn)])
-    wire = ResponsesWire(ResponseFormat(state.model_id, body), parsed.origins)
+
+    def keep(response_id: str, output: list[dict[str, Any]]) -> None:
+        state.responses.put(response_id, [*parsed.items, *output])
+
+    wire = ResponsesWire(ResponseFormat(state.model_id, body, keep), parsed.origins)
     return await serve_choices(request, choices, wire, parsed.chat.stream)
 
 

@@ -201,7 +201,7 @@ def test_reasoning_text_and_calls_in_order_whole_and_streamed(scripted_client, r
     for item, tool, args in zip(whole["output"][2:], calls, arguments, strict=True):
         assert (item["name"], json.loads(item["arguments"])) == (tool["name"], args)
         assert item["call_id"]
-    assert whole["status"] == "completed" and whole["store"] is False
+    assert whole["status"] == "completed" and whole["store"] is True
     assert whole["tools"] == tools  # the request's settings echoed
 
 
@@ -270,7 +270,8 @@ def _refusals(rng: random.Random) -> list[tuple[dict, str, list[str]]]:
     name = random_name(rng)
     image = {"type": "input_image", "image_url": "data:image/png;base64,AA=="}
     return [
-        ({"previous_response_id": "resp_" + name}, "previous_response_id", ["not stored"]),
+        ({"previous_response_id": "resp_" + name}, "previous_response_id",
+         ["is not a response this server keeps"]),
         ({"tools": [{"type": "web_search"}]}, "tools[0]", ["'web_search'", "runs no tools"]),
         ({"input": [{"role": "user", "content": [image]}]}, "input[0]",
          ["'input_image' parts are not supported"]),
@@ -376,3 +377,32 @@ def test_reasoning_sent_back_in_encrypted_content_alone_keeps_the_prompt(scripte
         assert client.post(URL, json={**body, "input": inputs}).status_code == 200
     assert fake.prompts[1] == fake.prompts[2]
     assert thought.strip() in fake.tokenizer.decode(fake.prompts[2])
+
+
+def test_previous_response_id_continues_the_stored_conversation(scripted_client, rng_seed):
+    """A response continued by previous_response_id renders the prompt its whole input would
+    (its input, then its output items, then the new input); one asked with store false is
+    not kept."""
+    rng = random.Random(rng_seed)
+    fake, client = scripted_client
+    tool = {"type": "function", "name": random_name(rng), "parameters": {"type": "object"}}
+    call = json.dumps({"name": tool["name"], "arguments": {}})
+    thought = _words(rng, 3)
+    fake.replies = [(f"<think>\n{thought}\n</think>\n\n<tool_call>\n{call}\n</tool_call>",
+                     "stop")] + [("ok", "stop")] * 3  # fmt: skip
+    question = [{"role": "user", "content": _words(rng, 3)}]
+    body = {"instructions": random_name(rng), "tools": [tool]}
+    first = client.post(URL, json={**body, "input": question}).json()
+    assert first["store"] is True
+    call_id = next(i["call_id"] for i in first["output"] if i["type"] == "function_call")
+    result = [{"type": "function_call_output", "call_id": call_id, "output": _words(rng, 2)}]
+    later = {**body, "previous_response_id": first["id"], "input": result}
+    r = client.post(URL, json={**later, "stream": rng.random() < 0.5})
+    assert r.status_code == 200, r.text
+    whole = {**body, "input": [*question, *first["output"], *result]}
+    assert client.post(URL, json=whole).status_code == 200
+    assert fake.prompts[1] == fake.prompts[2]
+    unkept = client.post(URL, json={**body, "input": question, "store": False}).json()
+    assert unkept["store"] is False
+    again = client.post(URL, json={**later, "previous_response_id": unkept["id"]})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "previous_response_id"
