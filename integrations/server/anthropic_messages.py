@@ -24,6 +24,7 @@ the shared checks, which index the OpenAI messages, can name the Anthropic one.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,11 +35,26 @@ from freetoken_agent.integrations.server.errors import BadParam, check_nesting
 @dataclass(slots=True)
 class OpenAIHistory:
     messages: list[dict[str, Any]] = field(default_factory=list)
-    origins: list[str] = field(default_factory=list)  # per message: its Anthropic field
+    origins: list[str] = field(default_factory=list)  # per message: the field it came from
 
     def add(self, message: dict[str, Any], origin: str) -> None:
         self.messages.append(message)
         self.origins.append(origin)
+
+
+_CHAT_INDEX = re.compile(r"messages\[(\d+)\]")
+
+
+def with_origins(text: str, origins: list[str]) -> str:
+    """`text` (a refusal of the shared checks, or its param) with each `messages[i]` of the
+    translated chat history named as the field it came from, `origins[i]` (an index past them
+    is left as it is). The Anthropic and Responses routes' refusals name their own fields."""
+
+    def origin(found: re.Match) -> str:
+        i = int(found.group(1))
+        return origins[i] if i < len(origins) else found.group(0)
+
+    return _CHAT_INDEX.sub(origin, text)
 
 
 def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:

@@ -39,13 +39,12 @@ over the context is refused as Anthropic words it, "prompt is too long: ...".
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestError
-from freetoken_agent.integrations.server.anthropic_messages import openai_history
+from freetoken_agent.integrations.server.anthropic_messages import openai_history, with_origins
 from freetoken_agent.integrations.server.chat_request import (
     ChatRequest,
     check_model,
@@ -68,7 +67,6 @@ _PARAMS = {
 }
 # How the shared checks' messages spell a tool's parts, and the Anthropic spelling.
 _TOOL_WORDS = ((".function.parameters", ".input_schema"), (".function.", "."))
-_MESSAGE_INDEX = re.compile(r"messages\[(\d+)\]")
 
 
 @dataclass(slots=True)
@@ -219,14 +217,9 @@ def openai_body(body: Mapping[str, Any], budgets: bool = True) -> tuple[dict[str
 def anthropic_refusal(error: InvalidRequestError, origins: list[str]) -> BadParam:
     """A refusal of the shared checks (or of the engine) with the Anthropic body's names."""
     message, param, code = describe_invalid(error)
-
-    def origin(found: re.Match) -> str:
-        i = int(found.group(1))
-        return origins[i] if i < len(origins) else found.group(0)
-
-    message = _MESSAGE_INDEX.sub(origin, message).replace(" (tool)", " (tool_result)")
+    message = with_origins(message, origins).replace(" (tool)", " (tool_result)")
     if param is not None:
-        param = _MESSAGE_INDEX.sub(origin, param, count=1)
+        param = with_origins(param, origins)
         param = _PARAMS.get(param, param)
     if param is not None and param.startswith("tools"):
         for ours, theirs in _TOOL_WORDS:

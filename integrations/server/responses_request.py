@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.integrations.server.anthropic_messages import with_origins
 from freetoken_agent.integrations.server.chat_request import (
     ChatRequest,
     check_model,
@@ -189,10 +190,8 @@ def responses_refusal(error: InvalidRequestError, origins: list[str]) -> BadPara
     history's `messages[i]` is the input item it came from; `max_tokens` is
     `max_output_tokens`; `response_format` is `text`."""
     text, param, code = describe_invalid(error)
-    for i in range(len(origins) - 1, -1, -1):
-        text = text.replace(f"messages[{i}]", origins[i])
-        if param is not None:
-            param = param.replace(f"messages[{i}]", origins[i])
+    text = with_origins(text, origins)
+    param = None if param is None else with_origins(param, origins)
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("response_format", "text")):
         text = text.replace(ours, theirs)
         param = theirs if param == ours else param
