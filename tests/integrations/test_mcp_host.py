@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mcp_servers import free_port
 
 from freetoken_agent import Engine, Session, ToolHooks, UserMessage
 from freetoken_agent.demo_model import ensure_demo_model
@@ -247,12 +248,6 @@ def _local_answer(
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "stop": stop}
     events = session.send([UserMessage(question)], sampling)
     return "".join(e.text for e in events if isinstance(e, ContentDelta))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _host(config: dict, engine: Engine, **options: Any) -> MCPHost:
@@ -576,7 +571,7 @@ def test_http_server_with_headers_and_sampling(engine, tmp_path, rng_seed, trans
     rng = random.Random(rng_seed)
     script = tmp_path / "web.py"
     script.write_text(HTTP_SERVER)
-    port, token, question = _free_port(), _word(rng, 16), _word(rng, 12)
+    port, token, question = free_port(), _word(rng, 16), _word(rng, 12)
     server = subprocess.Popen(
         [sys.executable, str(script), str(port), transport],
         stderr=subprocess.DEVNULL,

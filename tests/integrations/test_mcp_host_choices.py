@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mcp_servers import LOGGING_SERVER
 from scripted_engine import ScriptedEngine
 
 from freetoken_agent import Engine
@@ -23,30 +24,6 @@ from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.integrations.mcp_host import MCPHost, RunResult
 from freetoken_agent.messages import AssistantMessage, ToolCall, ToolResult
 from freetoken_agent.service import EngineService
-
-# Logs each call.
-SERVER = """
-import os, sys
-from mcp.server import MCPServer
-
-log = sys.argv[1]
-def note(line):
-    with open(log, "a") as f:
-        f.write(line + "\\n")
-
-app = MCPServer("logged", log_level="WARNING")
-
-@app.tool(description="echo the text")
-def echo(text: str) -> str:
-    note("echo " + text)
-    return "echo:" + text
-
-@app.tool()
-def pid() -> str:
-    return str(os.getpid())
-
-app.run("stdio")
-"""
 
 # A bare JSON-RPC server offering `both`, its parameters in allOf branches as zod's
 # intersections write them; a call answers with its arguments.
@@ -89,7 +66,7 @@ def _word(rng: random.Random) -> str:
     return "w" + "".join(rng.choice(string.ascii_lowercase) for _ in range(8))
 
 
-def _config(tmp_path: Path, log: Path, source: str = SERVER) -> dict[str, Any]:
+def _config(tmp_path: Path, log: Path, source: str = LOGGING_SERVER) -> dict[str, Any]:
     script = tmp_path / "server.py"
     script.write_text(source)
     return {"mcpServers": {"s": {"command": sys.executable, "args": [str(script), str(log)]}}}
@@ -125,7 +102,7 @@ def test_tool_choice_none_keeps_the_tools_and_runs_no_call(engine, tmp_path, rng
     assert "echo the text" in prompt
     # "auto" (the next run) reads the same text as a call and runs it: once, in all.
     assert [m.content for m in auto.messages if isinstance(m, ToolResult)] == [f"echo:{word}"]
-    assert log.read_text().splitlines() == [f"echo {word}"]
+    assert log.read_text().splitlines() == ["start", f"echo {word}"]
 
 
 def test_a_forced_call_of_a_combined_schema_keeps_to_its_branches(engine, tmp_path, rng_seed):
@@ -172,4 +149,4 @@ def test_a_host_entered_again_routes_to_its_new_connections(engine, tmp_path, rn
 
     pids, restarts = asyncio.run(main())
     assert len(set(pids)) == 2 and restarts == 0  # each entry's own server, none restarted
-    assert log.read_text().splitlines() == [f"echo {w}" for w in words]
+    assert log.read_text().splitlines() == [x for w in words for x in ("start", f"echo {w}")]

@@ -19,48 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mcp_servers import LOGGING_SERVER, free_port
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.integrations.mcp_connection import MAX_RESTARTS
 from freetoken_agent.integrations.mcp_host import MCPHost
 from freetoken_agent.messages import ToolCall, ToolResult
-
-# Logs its starts and calls (argv[1]); `crash` ends the process in the call. Over stdio, or
-# over streamable HTTP on the port argv[2].
-LOGGING_SERVER = """
-import os, sys
-from mcp.server import MCPServer
-
-log = sys.argv[1]
-def note(line):
-    with open(log, "a") as f:
-        f.write(line + "\\n")
-
-note("start")
-app = MCPServer("logged", log_level="WARNING")
-
-@app.tool()
-def echo(text: str) -> str:
-    note("echo " + text)
-    return "echo:" + text
-
-@app.tool()
-def pid() -> str:
-    return str(os.getpid())
-
-@app.tool()
-def crash(tail: str = "") -> str:
-    note("crash")
-    sys.stderr.write(tail)
-    sys.stderr.flush()
-    os._exit(7)
-
-if len(sys.argv) > 2:
-    app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
-else:
-    app.run("stdio")
-"""
 
 # Starts once; every later start exits before it can answer.
 ONCE_SERVER = LOGGING_SERVER.replace(
@@ -93,12 +58,6 @@ async def _call(host: MCPHost, name: str, **arguments: Any) -> ToolResult:
     return (await host.execute(ToolCall("c", name, arguments))).result
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(script: Path, log: Path, port: int) -> subprocess.Popen:
     """The server over HTTP, once it listens."""
     server = subprocess.Popen(
@@ -119,7 +78,7 @@ def test_a_restarted_http_server_gets_a_new_session(engine, tmp_path, rng_seed):
     and sends the call there, once (before, every later call failed "Session not found")."""
     rng = random.Random(rng_seed)
     words = [_word(rng) for _ in range(rng.randint(2, 4))]
-    script, log, port = _script(tmp_path), tmp_path / "calls.log", _free_port()
+    script, log, port = _script(tmp_path), tmp_path / "calls.log", free_port()
     server = _launch(script, log, port)
     config = {"mcpServers": {"web": {"url": f"http://127.0.0.1:{port}/mcp", "timeout": 20}}}
 
