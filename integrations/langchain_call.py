@@ -37,9 +37,12 @@ from freetoken_agent.integrations.langchain_runtime import (
     run_turn,
 )
 from freetoken_agent.integrations.openai_logprobs import chat_logprobs_setting
-from freetoken_agent.integrations.reasoned_json import answer_grammar, bounded_reasoning
+from freetoken_agent.integrations.reasoned_json import (
+    answer_grammar,
+    bounded_reasoning,
+    writes_call_block,
+)
 from freetoken_agent.integrations.strict_tools import any_strict, strict_grammar
-from freetoken_agent.parsers import engine_tool_format
 from freetoken_agent.session import Usage
 
 # ChatFreeToken's fields (top_k a call's option only) that are SamplingParams' own, by name.
@@ -138,7 +141,7 @@ def prepare_call(
         and not continuing
         and (mode != "required" or bounded_reasoning(budget, service()))
     ):
-        block = mode == "required" and engine_tool_format(service()) == "hermes"
+        block = writes_call_block(mode == "required", service())
         fmt = chat_format(service(), thinking)
         grammar = answer_grammar(fmt, shown, service(), constraint, block)
         reasoned = grammar is not None

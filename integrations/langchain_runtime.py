@@ -51,6 +51,7 @@ from freetoken_agent.integrations.langchain_constrained import (
     PrefedParser,
 )
 from freetoken_agent.integrations.one_call import FirstCallOnly
+from freetoken_agent.integrations.reasoned_json import writes_call_block
 from freetoken_agent.parsers import (
     OutputParser,
     engine_tool_format,
@@ -303,7 +304,7 @@ def build_session(service: EngineService, binding: Binding) -> Session:
         def reasoned(prompt: Prompt) -> OutputParser | JsonOrCallParser:
             if binding.mode in ("json_or_call", "required"):  # the call's (or answer's) JSON
                 # (a forced call's in the Hermes block the grammar writes, for such models)
-                block = binding.mode == "required" and engine_tool_format(service) == "hermes"
+                block = writes_call_block(binding.mode == "required", service)
                 return JsonOrCallParser(True, tools or [], in_block=block)
             return OutputParser(None, True, None)
 

@@ -46,6 +46,7 @@ from typing import Any
 
 from freetoken_agent.engine.constrained import JSON_OPTIONS
 from freetoken_agent.integrations.strict_tools import call_marks, regex_literal
+from freetoken_agent.parsers import engine_tool_format
 from freetoken_agent.parsers.reasoning import CLOSE, added_think_ids
 
 
@@ -70,6 +71,15 @@ def answer_grammar(
         opener, closer = call_marks(service.tokenizer)
         frame = (f'{opener} "\\n"', f'"\\n" {closer}')
     return reasoned_json_grammar(service.tokenizer, schema, ends, frame)
+
+
+def writes_call_block(forced: bool, engine: Any) -> bool:
+    """Whether a forced call after the reasoning is written inside the model's call block
+    (`answer_grammar`'s `call_block`): for Hermes-format models, whose own parser then reads
+    it; others write the JSON alone. One rule for the grammar and the parser that reads its
+    output (JsonOrCallParser's `in_block`), the server's and ChatFreeToken's. `engine`: what
+    engine_tool_format reads (an EngineService, the server's bridge)."""
+    return forced and engine_tool_format(engine) == "hermes"
 
 
 def bounded_reasoning(budget: int | None, service: Any) -> bool:

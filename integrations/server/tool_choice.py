@@ -56,7 +56,11 @@ from freetoken_agent.integrations.constrained_output import (
     inline,
     output_schema,
 )
-from freetoken_agent.integrations.reasoned_json import answer_grammar, bounded_reasoning
+from freetoken_agent.integrations.reasoned_json import (
+    answer_grammar,
+    bounded_reasoning,
+    writes_call_block,
+)
 from freetoken_agent.integrations.server.bridge import Turn
 from freetoken_agent.integrations.server.errors import BadParam, check_nesting
 from freetoken_agent.integrations.strict_tools import (
@@ -256,7 +260,7 @@ def reasoned_answer(
         return None
     if choice.forced and not bounded_reasoning(sampling.thinking_token_budget, engine.service):
         return None
-    block = choice.forced and engine_tool_format(engine) == "hermes"
+    block = writes_call_block(choice.forced, engine)
     return answer_grammar(chat_format, tools, engine.service, sampling.json_schema, block)
 
 
@@ -287,7 +291,7 @@ def parser_factory(
         if reasoned:  # the block stays open (or is opened, as the model would): then JSON
             turn.suffix_ids = [] if thinking else tokenizer.encode(THINK_OPEN + "\n")
             if choice.forced or call_or_answer:  # the call's JSON (or the answer's)
-                block = choice.forced and tool_format == "hermes"  # the grammar writes it
+                block = writes_call_block(choice.forced, engine)  # the grammar writes it
                 return JsonOrCallParser(True, tools or [], in_block=block)
             return OutputParser(tool_format if choice.mode == "auto" else None, True, tools)
         if call_or_answer:
