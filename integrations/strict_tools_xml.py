@@ -62,7 +62,7 @@ from freetoken_agent.parsers.qwen3_coder import (
     PARAMETER_END,
     VALUE_ENDS,
 )
-from freetoken_agent.parsers.schema import convert_value, declared_types
+from freetoken_agent.parsers.schema import convert_value, declared_types, resolved
 
 CLOSE_VALUE = "\n" + PARAMETER_END + "\n"
 # Keywords that constrain an object beyond its listed properties, which a fixed list of
@@ -125,20 +125,13 @@ def strict_parameters(tool: Mapping[str, Any]) -> list[tuple[str, bool, Any]] | 
     return [(k, k in required, _rooted(s, defs)) for k, s in props.items() if _nameable(k)]
 
 
-ANNOTATIONS = {"description", "title", "default", "examples", "$comment"}
-
-
 def _rooted(schema: Any, defs: dict[str, Any]) -> Any:
-    """A parameter's schema as its value's own root: a $ref at its top followed (where nothing
-    but annotations sits beside it), so the value's type is seen (bare text or JSON), and the
-    tool's `defs` beside it where $refs remain (a tree's children)."""
-    seen = set()
-    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
-        name = schema["$ref"].removeprefix("#/$defs/")
-        if name in seen or name not in defs or set(schema) - ANNOTATIONS - {"$ref"}:
-            break
-        seen.add(name)
-        schema = {**defs[name], **{k: v for k, v in schema.items() if k != "$ref"}}
+    """A parameter's schema as its value's own root: its $refs at the top (and in its
+    anyOf/oneOf/allOf options) followed as the parser follows them (parsers/schema.resolved),
+    so the grammar and the parser see the same type (bare text or JSON); the tool's `defs`
+    beside it where $refs remain (a tree's children)."""
+    if isinstance(schema, dict):
+        schema = resolved(schema, {"$defs": defs})
     return {**schema, "$defs": defs} if refers(schema) else schema
 
 

@@ -28,7 +28,7 @@ def parameter_schemas(tools: list[dict] | None) -> dict[str, dict[str, dict]]:
         props = params.get("properties") if isinstance(params, dict) else None
         if isinstance(props, dict):
             schemas[fn["name"]] = {
-                k: _resolved(v, params) for k, v in props.items() if isinstance(v, dict)
+                k: resolved(v, params) for k, v in props.items() if isinstance(v, dict)
             }
         else:
             schemas[fn["name"]] = {}
@@ -38,7 +38,7 @@ def parameter_schemas(tools: list[dict] | None) -> dict[str, dict[str, dict]]:
 MAX_REF_DEPTH = 16  # $refs followed in a row (a recursive schema stops typing there)
 
 
-def _resolved(schema: dict, root: dict, depth: int = 0) -> dict:
+def resolved(schema: dict, root: dict, depth: int = 0) -> dict:
     """`schema` with a local `$ref` ("#/$defs/X", "#/definitions/X") at its top, and in its
     anyOf/oneOf/allOf options, followed into `root` (the tool's parameters), sibling keys
     kept: a value's type is read from the top (pydantic writes nested models, enums and
@@ -52,12 +52,12 @@ def _resolved(schema: dict, root: dict, depth: int = 0) -> dict:
             target = target.get(part) if isinstance(target, dict) else None
         if isinstance(target, dict):
             rest = {k: v for k, v in schema.items() if k != "$ref"}
-            schema = {**_resolved(target, root, depth + 1), **rest}
+            schema = {**resolved(target, root, depth + 1), **rest}
     for key in ("anyOf", "oneOf", "allOf"):
         options = schema.get(key)
         if isinstance(options, list):
             schema = {**schema, key: [
-                _resolved(o, root, depth + 1) if isinstance(o, dict) else o for o in options
+                resolved(o, root, depth + 1) if isinstance(o, dict) else o for o in options
             ]}  # fmt: skip
     return schema
 
