@@ -150,10 +150,11 @@ def test_the_websocket_keeps_the_continued_message_whole(scripted_client, rng_se
     ]
 
 
-def test_a_prefill_ending_in_think_text_opens_no_block(client, rng_seed):
+def test_a_prefill_ending_in_think_text_opens_no_block(client, engine, rng_seed):
     """A prefill whose text ends with `<think>` is content, encoded as characters (never the
     model's think token): the reply is content, as the thinking budget (by ids) reads it, not
-    reasoning the budget never counts."""
+    reasoning the budget never counts. The model's own `<think>` token is banned: a random
+    model may write it first, which would open a block of its own."""
     rng = random.Random(rng_seed)
     prefill = _words(rng, 2) + " <think>" + rng.choice(["", "\n"])
     messages = [{"role": "user", "content": _words(rng, 3)},
@@ -161,6 +162,8 @@ def test_a_prefill_ending_in_think_text_opens_no_block(client, rng_seed):
     body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False,
             "max_tokens": 12, "temperature": 0.8, "seed": rng.randrange(1 << 30),
             "thinking_token_budget": rng.randint(0, 3)}  # fmt: skip
+    think_id = engine.tokenizer.token_to_id("<think>")
+    body["logit_bias"] = {str(think_id): -100}
     out = client.post(CHAT, json=body).json()
     message = out["choices"][0]["message"]
     assert not message.get("reasoning_content") and message["content"], message

@@ -311,8 +311,9 @@ def test_logprob_events_come_one_a_token_when_asked(client, rng_seed):
 def test_usage_counts_the_reasoning_tokens(client, rng_seed):
     """The usage event's reasoning_tokens, as the chat API's: the think block's tokens of the
     turn (tags included, up to and with `</think>`: a JSON answer follows the reasoning, its
-    block opened by the prompt), 0 with thinking off, which a send's chat_template_kwargs
-    switches as on the chat route."""
+    block opened by the prompt), with thinking off 0 unless the model opens a block with its
+    first token (the budget's rule: a random model writes `<think>` now and then), which a
+    send's chat_template_kwargs switches as on the chat route."""
     rng = random.Random(rng_seed)
     with client.websocket_connect(URL.format(f"r{rng.randrange(1 << 30)}")) as ws:
         _join(ws)
@@ -332,6 +333,8 @@ def test_usage_counts_the_reasoning_tokens(client, rng_seed):
             events = _until_done(ws)
             assert not [e for e in events if e["type"] == "error"], events
             tokens = [e["token"] for e in events if e["type"] == "logprob"]
-            expected = tokens.index("</think>") + 1 if thinking else 0
+            opened = thinking or tokens[:1] == ["<think>"]
+            closed = "</think>" in tokens
+            expected = (tokens.index("</think>") + 1 if closed else len(tokens)) if opened else 0
             usage = next(e for e in events if e["type"] == "usage")
             assert usage["reasoning_tokens"] == expected, (thinking, tokens, usage)
