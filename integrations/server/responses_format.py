@@ -77,11 +77,11 @@ class ResponseFormat:
         self,
         model: str,
         body: Mapping[str, Any],
-        keep: Callable[[str, list[dict[str, Any]]], None] | None = None,
+        keep: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        """`body`: the request as sent (the response echoes its settings); `keep(id, output)`:
-        called with the output items once the response ends well (the route stores it for
-        a later previous_response_id), unless the request said store false."""
+        """`body`: the request as sent (the response echoes its settings); `keep(response)`:
+        called with the response object once it ends well (the route stores it, to be read
+        back or continued with previous_response_id), unless the request said store false."""
         self.keep = keep if body.get("store") is not False else None
         self.model = model
         self.body = body
@@ -211,12 +211,12 @@ class ResponseFormat:
         status = "incomplete" if finish_reason == "length" else "completed"
         events = self._close(status)
         whole = self.response(status, usage_json(usage))
-        self._kept()
+        self._kept(whole)
         return [*events, self._event(f"response.{status}", response=whole)]
 
-    def _kept(self) -> None:
-        if self.keep is not None:
-            self.keep(self.id, [_copy(item) for item in self.output])
+    def _kept(self, whole: dict[str, Any]) -> None:
+        if self.keep is not None:  # a copy: the stream's event holds `whole` too
+            self.keep({**whole, "output": [_copy(item) for item in whole["output"]]})
 
     def failed(self, message: str) -> list[Event]:
         """An engine error after the stream began: response.failed, its error the message."""
@@ -229,8 +229,9 @@ class ResponseFormat:
         """The whole response (the items taken by `add`)."""
         status = "incomplete" if finish_reason == "length" else "completed"
         self._close(status)
-        self._kept()
-        return self.response(status, usage_json(usage))
+        whole = self.response(status, usage_json(usage))
+        self._kept(whole)
+        return whole
 
 
 def _empty_part(kind: str) -> dict[str, Any]:

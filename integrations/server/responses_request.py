@@ -53,6 +53,7 @@ class ResponsesRequest:
     body: Mapping[str, Any]  # as sent: the response echoes its settings
     origins: list[str]  # per chat message: the Responses field it came from
     items: list[Any]  # the conversation as input items (a previous response's first), to store
+    own: list[Any]  # this request's input items (after the previous response's)
 
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
@@ -162,9 +163,10 @@ def parse_responses_request(
     check_model(body.get("model"), served, names)  # first, as the chat route does
     earlier = _earlier(body.get("previous_response_id"), store)
     chat, origins = chat_body(body, earlier)
-    items = [*earlier, *input_items(body.get("input"))]
+    own = input_items(body.get("input"))
     try:
-        return ResponsesRequest(parse_chat_request(chat, default_max), body, origins, items)
+        checked = parse_chat_request(chat, default_max)
+        return ResponsesRequest(checked, body, origins, [*earlier, *own], own)
     except InvalidRequestError as e:
         raise responses_refusal(e, origins) from None
 
@@ -174,7 +176,7 @@ def _earlier(previous: Any, store: ResponseStore) -> list[Any]:
     instructions are not carried over, as OpenAI does not carry them."""
     if previous is None:
         return []
-    items = store.get(previous) if isinstance(previous, str) else None
+    items = store.conversation(previous) if isinstance(previous, str) else None
     if items is None:
         raise BadParam(
             f"previous_response_id {previous!r:.60} is not a response this server keeps (it "

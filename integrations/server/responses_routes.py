@@ -6,7 +6,8 @@ same machinery as the other routes (run_responses.py: refusals before anything i
 disconnect cancels the run). Only the wire is the Responses API's (`ResponsesWire`): named SSE
 events or one response object (responses_format.py), with OpenAI's error objects. A response
 that ends well is kept (responses_store.py) unless the request said `store: false`, so a later
-request may continue it with `previous_response_id`.
+request may continue it with `previous_response_id`, read it back (GET /v1/responses/{id}), list
+its input items (GET /v1/responses/{id}/input_items) or delete it (DELETE /v1/responses/{id}).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from freetoken_agent.engine.outputs import InvalidRequestError
@@ -28,10 +29,12 @@ from freetoken_agent.integrations.server.errors import (
 )
 from freetoken_agent.integrations.server.named_stream import named_events
 from freetoken_agent.integrations.server.responses_format import ResponseFormat
+from freetoken_agent.integrations.server.responses_listing import listed_items, page
 from freetoken_agent.integrations.server.responses_request import (
     parse_responses_request,
     responses_refusal,
 )
+from freetoken_agent.integrations.server.responses_store import StoredResponse
 from freetoken_agent.integrations.server.run_responses import serve_choices
 from freetoken_agent.integrations.server.turn_run import TurnRun
 
@@ -74,11 +77,67 @@ async def create_response(request: Request) -> Response:
         return invalid_response(e)
     choices = Choices([TurnRun(live, parsed.chat.turn)])
 
-    def keep(response_id: str, output: list[dict[str, Any]]) -> None:
-        state.responses.put(response_id, [*parsed.items, *output])
+    own = listed_items(parsed.own)
+
+    def keep(response: dict[str, Any]) -> None:
+        conversation = [*parsed.items, *response["output"]]
+        state.responses.put(StoredResponse(response, own, conversation))
 
     wire = ResponsesWire(ResponseFormat(state.model_id, body, keep), parsed.origins)
     return await serve_choices(request, choices, wire, parsed.chat.stream)
 
 
-routes = [Route("/v1/responses", create_response, methods=["POST"])]
+def _stored(request: Request) -> StoredResponse:
+    """The kept response the path names; 404 (OpenAI's) when it is not kept."""
+    response_id = request.path_params["response_id"]
+    stored = request.app.state.server.responses.get(response_id)
+    if stored is None:
+        raise _NotKept(response_id)
+    return stored
+
+
+class _NotKept(InvalidRequestError):
+    def __init__(self, response_id: str) -> None:
+        super().__init__(
+            f"Response with id {response_id!r:.80} not found (this server keeps the responses "
+            "it served, but not those with store false, in memory for its life)"
+        )
+
+
+def _not_found(error: _NotKept) -> Response:
+    return error_response(404, str(error))
+
+
+async def retrieve_response(request: Request) -> Response:
+    try:
+        stored = _stored(request)
+    except _NotKept as e:
+        return _not_found(e)
+    if request.query_params.get("stream") in ("true", "1"):
+        return error_response(400, "stream is not supported when reading a response back: the "
+                              "response has ended; read it whole", param="stream")  # fmt: skip
+    return JSONResponse(stored.response)
+
+
+async def list_input_items(request: Request) -> Response:
+    try:
+        return JSONResponse(page(_stored(request).input, request.query_params))
+    except _NotKept as e:
+        return _not_found(e)
+    except InvalidRequestError as e:
+        return invalid_response(e)
+
+
+async def delete_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    if not request.app.state.server.responses.delete(response_id):
+        return _not_found(_NotKept(response_id))
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+routes = [
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
+]
