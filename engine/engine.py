@@ -212,6 +212,7 @@ class Engine:
             context=ids,
             keep_special=self._kept_specials,
             min_tokens=sampling.min_tokens,
+            include_stop=sampling.include_stop_str_in_output,
         )
         self._events[request_id] = deque()
         if _score:

@@ -9,6 +9,9 @@ were pushed, and only where it ends in the text those later tokens added: one th
 the first min_tokens tokens' text never stops the request, later neither; one that starts there
 and ends after does (vLLM's detokenizer moves its search offset past the min_tokens-th token's
 text and looks back len(stop) - 1 characters from it, as here).
+
+With include_stop_str_in_output (vLLM's) the text is cut after the stop string instead of
+before it: the client sees what ended its output.
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ class OutputState:
         context: Sequence[int] = (),
         keep_special: frozenset[int] = frozenset(),
         min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         """`context`: the prompt's ids, so that the first generated token decodes as it does
         after them (SentencePiece decoders drop a word's leading space at the start of a
         decode: without it "is" + " Paris" streamed as "isParis"). `keep_special`: special
         tokens kept in the text, the others being skipped (the parsers' markers, which the
         engine picks: engine/text/markers.py). `min_tokens`: the tokens pushed before stop
-        strings count (SamplingParams.min_tokens)."""
+        strings count (SamplingParams.min_tokens). `include_stop`: the stop string stays in the
+        text (SamplingParams.include_stop_str_in_output)."""
         self.detok = (
             IncrementalDetokenizer(tokenizer, context=context, keep_special=keep_special)
             if tokenizer is not None
@@ -42,8 +47,9 @@ class OutputState:
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.min_tokens = min_tokens
+        self.include_stop = include_stop
         self.pushed = 0  # tokens pushed (the ones that end the request by id are not)
-        self.text = ""  # all decoded text so far (truncated at a stop string once found)
+        self.text = ""  # all decoded text so far (cut at a stop string once found)
         self.emitted = 0  # characters of `text` already handed out
         self.stopped = False
         self.stop_string: str | None = None  # the stop string that cut the text, once one did
@@ -55,7 +61,7 @@ class OutputState:
 
     def push(self, token_id: int) -> str:
         """Add a token; returns the text that is now final. Sets `stopped` when a stop string
-        appears (the text is cut just before it)."""
+        appears (the text is cut just before it, or just after it with `include_stop`)."""
         if self.detok is None:
             return ""
         before = len(self.text)
@@ -78,7 +84,7 @@ class OutputState:
             # Which one (the Anthropic API's stop_sequence): of two a token completes at one
             # place, the first listed.
             self.stop_string = next(s for s in self.stop if self.text.startswith(s, cut))
-            self.text = self.text[:cut]
+            self.text = self.text[: cut + len(self.stop_string) if self.include_stop else cut]
             self.stopped = True
         return cut >= 0
 

@@ -87,10 +87,12 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = no top-k filter
+    top_k: int = 0  # 0 = no top-k filter (-1 too, as vLLM takes it: read as 0)
     top_p: float = 1.0
     seed: int | None = None  # a seeded request draws the same tokens whatever it is batched with
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
+    # vLLM's: the stop string that ended the output stays at the end of its text.
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     # The output is exactly one JSON value valid against this schema; the request ends with
@@ -142,6 +144,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if _is_int(self.stop_token_ids):
             self.stop_token_ids = [self.stop_token_ids]
+        if _is_int(self.top_k) and self.top_k == -1:  # vLLM's "no top-k", as 0 is
+            self.top_k = 0
         problems: list[tuple[str, str]] = []  # (field, what is wrong with it)
 
         def refuse(field: str, text: str) -> None:
@@ -167,7 +171,9 @@ class SamplingParams:
                 "temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}"
             )
         if not _is_int(self.top_k) or self.top_k < 0:
-            refuse("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            refuse(
+                "top_k", f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}"
+            )
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             refuse("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         # The range torch.Generator.manual_seed takes: anything else failed inside the step,
@@ -205,8 +211,9 @@ class SamplingParams:
                 "stop_token_ids must be a list of token ids (integers >= 0), "
                 f"got {self.stop_token_ids!r:.80}",
             )
-        if not isinstance(self.ignore_eos, bool):
-            refuse("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                refuse(name, f"{name} must be a bool, got {getattr(self, name)!r:.40}")
         problems += self._processor_problems()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -248,6 +248,15 @@ def _message_from_openai(item: Any, i: int) -> Message:
         ) from None
 
 
+def _refusal_as_text(part: Any) -> Any:
+    """An assistant's `refusal` part (OpenAI's, {"type": "refusal", "refusal": text}) as a
+    text part: what the model said, as the template renders any other text."""
+    refusal = isinstance(part, Mapping) and part.get("type") == "refusal"
+    if refusal and isinstance(part.get("refusal"), str):
+        return {"type": "text", "text": part["refusal"]}
+    return part
+
+
 def _record_from_openai(item: Any, i: int) -> Message:
     if not isinstance(item, Mapping):
         raise InvalidRequestError(f"message {i} must be a dict, got {type(item).__name__}")
@@ -264,6 +273,7 @@ def _record_from_openai(item: Any, i: int) -> Message:
         reasoning = next((item[k] for k in _REASONING_KEYS if item.get(k) is not None), None)
         calls = _calls_from_openai(item.get("tool_calls"), where)
         if isinstance(content, list):
+            content = [_refusal_as_text(part) for part in content]
             content_text(content, where)  # text parts only: refused here, naming the message
         # Parts are kept, as for every role: content_text joins them for the template, so the
         # record and its OpenAI form render the same prompt.

@@ -162,7 +162,8 @@ def sampling_from(
     fewest_tokens: int = 1,
 ) -> SamplingParams:
     """SamplingParams from OpenAI fields (plus vLLM's top_k, min_p, min_tokens,
-    repetition_penalty, ignore_eos, stop_token_ids and thinking_token_budget); a forced call,
+    repetition_penalty, ignore_eos, include_stop_str_in_output, stop_token_ids and
+    thinking_token_budget); a forced call,
     or tools with a JSON response_format (a call or the answer), add their schema. `logprobs`,
     `prompt_logprobs`: SamplingParams' values, which chat and text completions read from their
     bodies each in its own way (logprobs_request.py). `fewest_tokens`: the smallest max_tokens
@@ -198,11 +199,12 @@ def sampling_from(
         "max_tokens": default_max if max_tokens is None else max_tokens,
         "temperature": _number(body, "temperature", 0, 2),
         "top_p": _number(body, "top_p", 0, 1, lo_open=True),
-        "top_k": _integer(body, "top_k", 0),
+        "top_k": _integer(body, "top_k", -1),  # -1: vLLM's "no top-k" (SamplingParams reads 0)
         "seed": _integer(body, "seed"),
         "stop": stop,
         "stop_token_ids": stop_token_ids(body),
         "ignore_eos": ignore_eos,
+        "include_stop_str_in_output": body_flag(body, "include_stop_str_in_output"),
         "presence_penalty": _number(body, "presence_penalty", -PENALTY_LIMIT, PENALTY_LIMIT),
         "frequency_penalty": _number(body, "frequency_penalty", -PENALTY_LIMIT, PENALTY_LIMIT),
         "repetition_penalty": _number(body, "repetition_penalty", *REPETITION_RANGE),

@@ -13,13 +13,25 @@ vLLM's extensions:
   template variable, as ChatFreeToken's `reasoning` does (a ChatFormat per value, hub.py).
   Other keys are refused by name: the template would take them, but what they change (a
   parser that no longer matches the output, say) is nothing this server has checked.
+- `include_stop_str_in_output` is honoured (the stop string stays at the end of the text).
+- `top_k: -1` is vLLM's "no top-k", as 0 is: taken.
+- Refused unless at their neutral values, for what they would change is not built here:
+  `use_beam_search` (and `best_of` above 1 on the chat route; the text route refuses it
+  itself), `length_penalty`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens` (the
+  prompt is never cut here: a prompt too long is refused), `skip_special_tokens` false and
+  `spaces_between_special_tokens` false (the text keeps only the parsers' markers),
+  `return_tokens_as_token_ids`, `logits_processors`; on the chat route `chat_template` (a
+  template sent with the request: the model's own is the one its parsers read) and `echo`
+  true (the last message written before the reply).
 - `guided_json`, `guided_choice`, `guided_regex`, `guided_grammar`, `structured_outputs`:
   refused. `response_format` json_schema is the way to constrain output here; guided_choice's
   output is the bare string, not JSON, so it is not a JSON-schema enum; the API takes no regex
   or grammar (the engine's `SamplingParams.grammar` is llguidance's Lark syntax, which vLLM's
   grammars are not written in).
-- `reasoning_effort` (OpenAI's, for its reasoning models) is refused: enable_thinking is the
-  one switch the chat templates have.
+- `reasoning_effort` (OpenAI's, for its reasoning models; LangChain's ChatOpenAI and Open
+  WebUI send it) is read as the one switch the chat templates have: "none" turns thinking off,
+  any other effort on (how long the model thinks is thinking_token_budget's to cap). One that
+  contradicts chat_template_kwargs.enable_thinking is refused.
 - `prompt_logprobs` is honoured (0..20; not with a stream: logprobs_request.py), on the
   text completion's choice and on the chat completion's top level, where vLLM puts it.
 - `continue_final_message: true` is honoured: the model goes on from the last message, the
@@ -49,14 +61,30 @@ _SAMPLING: dict[str, tuple[tuple, str]] = {
         "is llguidance's Lark syntax, not vLLM's); " + _CONSTRAIN,
     ),
     "structured_outputs": ((), _CONSTRAIN),
+    "use_beam_search": ((False,), "beam search is not built; sample with n"),
+    "length_penalty": ((1, 1.0), "it weighs beam search, which is not built"),
+    "allowed_token_ids": (([],), "it is not built; bias tokens with logit_bias"),
+    "bad_words": (([],), "it is not built; bias tokens with logit_bias"),
+    "truncate_prompt_tokens": (
+        (),
+        "a prompt is never cut here (one too long is refused): send a shorter one",
+    ),  # fmt: skip
+    "skip_special_tokens": ((True,), "the text keeps only the markers the parsers read"),
+    "spaces_between_special_tokens": (
+        (True,),
+        "the text keeps only the markers the parsers read",
+    ),  # fmt: skip
+    "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text"),
+    "logits_processors": (([],), "custom logits processors are not loaded by this server"),
 }
 _CHAT: dict[str, tuple[tuple, str]] = {
     "functions": ((), "it is the legacy form of tools: send tools=[{'type': 'function', "
                       "'function': {'name': ..., 'parameters': ...}}]"),
     "function_call": ((), "it is the legacy form of tool_choice: send tool_choice 'auto', "
                           "'none' or {'type': 'function', 'function': {'name': ...}}"),
-    "reasoning_effort": ((), "thinking is switched with chat_template_kwargs "
-                             "{'enable_thinking': true or false}"),
+    "best_of": ((1,), "beam search is not built; sample several choices with n"),
+    "chat_template": ((), "the model's own template is the one its parsers read"),
+    "echo": ((False,), "the reply is the new text alone"),
 }  # fmt: skip
 _TEXT: dict[str, tuple[tuple, str]] = {
     "chat_template_kwargs": ((), "a text completion's prompt goes to the model as it is"),
@@ -66,8 +94,13 @@ _INT64_MAX = 2**63 - 1
 
 
 def _neutral(value: Any, neutral: tuple) -> bool:
-    # `True == 1` in Python: a flag where a number belongs is not the neutral number.
-    return value is None or (not isinstance(value, bool) and value in neutral)
+    # `True == 1` in Python: a flag where a number belongs is not the neutral number, and
+    # a number where a flag belongs is not the neutral flag.
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return any(n is value for n in neutral)
+    return any(not isinstance(n, bool) and n == value for n in neutral)
 
 
 def _refuse(body: Mapping[str, Any], fields: Mapping[str, tuple[tuple, str]]) -> None:
@@ -108,8 +141,36 @@ def stop_token_ids(body: Mapping[str, Any]) -> list[int] | None:
     return value
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning efforts
+
+
+def thinking_of_effort(effort: Any, field: str) -> bool | None:
+    """OpenAI's reasoning effort as enable_thinking: "none" off, any other effort on; None
+    (absent) the template's default. `field` names it in a refusal."""
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise BadParam(f"{field} must be one of {', '.join(EFFORTS)}, got {effort!r:.40}", field)
+    return effort != "none"
+
+
 def enable_thinking(body: Mapping[str, Any]) -> bool | None:
-    """chat_template_kwargs.enable_thinking (None: the template's default)."""
+    """chat_template_kwargs.enable_thinking, or what reasoning_effort says (None: the
+    template's default)."""
+    effort = thinking_of_effort(body.get("reasoning_effort"), "reasoning_effort")
+    switch = _template_switch(body)
+    if effort is not None and switch is not None and effort != switch:
+        raise BadParam(
+            f"reasoning_effort {body['reasoning_effort']!r} turns thinking "
+            f"{'on' if effort else 'off'}, but chat_template_kwargs.enable_thinking is "
+            f"{str(switch).lower()}: send one of them",
+            "reasoning_effort",
+        )
+    return effort if switch is None else switch
+
+
+def _template_switch(body: Mapping[str, Any]) -> bool | None:
+    """chat_template_kwargs.enable_thinking (None: not given)."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         return None

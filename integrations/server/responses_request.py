@@ -15,7 +15,8 @@ Fields:
 - `text.format`: {type: "text"} (free), {type: "json_object"}, {type: "json_schema", name,
   schema, strict} -> the chat route's response_format.
 - `reasoning.effort`: "none" -> thinking off (the template's enable_thinking false); any other
-  effort keeps the template's default (a budget is the chat route's thinking_token_budget).
+  effort on, as the chat route reads reasoning_effort (foreign_fields.thinking_of_effort; a
+  budget is the chat route's thinking_token_budget).
 - `previous_response_id`: the stored response's conversation (its input, then its output
   items) goes before `input` (responses_store.py: kept in memory, the most recent ones; not
   its instructions, as OpenAI does not carry them); an unknown id is refused.
@@ -40,6 +41,7 @@ from freetoken_agent.integrations.server.chat_request import (
     parse_chat_request,
 )
 from freetoken_agent.integrations.server.errors import BadParam, describe_invalid
+from freetoken_agent.integrations.server.foreign_fields import thinking_of_effort
 from freetoken_agent.integrations.server.responses_input import chat_history, input_items
 from freetoken_agent.integrations.server.responses_store import ResponseStore
 
@@ -118,7 +120,7 @@ def _thinking(reasoning: Any) -> bool | None:
         return None
     if not isinstance(reasoning, Mapping):
         raise BadParam(f"reasoning must be an object, got {reasoning!r:.40}", "reasoning")
-    return False if reasoning.get("effort") == "none" else None
+    return thinking_of_effort(reasoning.get("effort"), "reasoning")
 
 
 def _refuse_unserved(body: Mapping[str, Any]) -> None:

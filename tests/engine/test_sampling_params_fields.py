@@ -21,7 +21,7 @@ BAD = {
     # Past max_tokens is refused too (a test of its own: a bad max_tokens has no bound).
     "min_tokens": lambda r: r.choice([-r.randint(1, 9), True, 2.5, "3", None]),
     "temperature": lambda r: r.choice([-r.uniform(0.1, 3), float("inf"), float("nan"), "hot"]),
-    "top_k": lambda r: r.choice([-r.randint(1, 9), 1.5, None]),
+    "top_k": lambda r: r.choice([-r.randint(2, 9), 1.5, None]),  # -1 is vLLM's "off"
     "top_p": lambda r: r.choice([0, 1 + r.uniform(0.01, 2), -0.5]),
     "seed": lambda r: r.choice([2**64 + r.randint(0, 9), 1.5, "s"]),
     "stop": lambda r: r.choice(
@@ -33,6 +33,7 @@ BAD = {
     ),
     "stop_token_ids": lambda r: r.choice([[-r.randint(1, 9)], ["a"], 1.5]),
     "ignore_eos": lambda r: r.choice([1, "yes", None]),
+    "include_stop_str_in_output": lambda r: r.choice([1, "yes", None]),
     "response_format": lambda r: r.choice([{"type": "xml"}, "json", {}]),
     "json_schema": lambda r: r.choice([{"type": "thing"}, {"properties": 3}]),
     "grammar": lambda r: r.choice(["", "   ", 5]),
@@ -138,6 +139,13 @@ def test_each_processor_field_refuses_its_bad_values(rng_seed, field):
         with pytest.raises(SamplingParamsError) as caught:
             SamplingParams(**{field: value})
         assert caught.value.fields == (field,), (value, caught.value.problems)
+
+
+def test_top_k_minus_one_is_no_top_k(rng_seed):
+    """vLLM's -1 is read as 0 (no filter): the same draws as 0, not a refusal."""
+    rng = random.Random(rng_seed)
+    params = SamplingParams(top_k=-1, temperature=rng.uniform(0.1, 2))
+    assert params.top_k == 0 and not params.greedy
 
 
 def test_min_tokens_is_bounded_by_max_tokens(rng_seed):

@@ -266,6 +266,24 @@ def test_text_parts_render_the_same_after_an_openai_round_trip(rng_seed: int) ->
     assert to_template_messages(back) == to_template_messages(coerce_messages(history))
 
 
+def test_an_assistant_refusal_part_is_its_text(rng_seed: int) -> None:
+    """OpenAI's assistant `refusal` part (a history an OpenAI client replays) renders as the
+    text part with its words would; a user's refusal part is no part a user writes."""
+    rng = random.Random(rng_seed)
+    words = [rand_text(rng) for _ in range(rng.randint(1, 3))]
+    kinds = [rng.choice(["text", "refusal"]) for _ in words]
+    parts = [{"type": k, k: w} if k == "refusal" else {"type": k, "text": w}
+             for k, w in zip(kinds, words, strict=True)]  # fmt: skip
+    user = {"role": "user", "content": rand_text(rng)}
+    got = messages_from_openai([user, {"role": "assistant", "content": parts}])
+    texts = [{"type": "text", "text": w} for w in words]
+    plain = messages_from_openai([user, {"role": "assistant", "content": texts}])
+    assert to_template_messages(got) == to_template_messages(plain)
+    refusing = {"role": "user", "content": [{"type": "refusal", "refusal": rand_text(rng)}]}
+    with pytest.raises(InvalidRequestError, match="type 'refusal'"):
+        to_template_messages(messages_from_openai([refusing]))
+
+
 def _rand_lone_surrogate(rng: random.Random) -> str:
     text = rand_text(rng)
     cut = rng.randint(0, len(text))

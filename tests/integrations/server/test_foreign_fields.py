@@ -1,11 +1,12 @@
 """Other APIs' fields (foreign_fields.py): honoured, or refused by name, never dropped.
 
-The legacy `functions` / `function_call`, vLLM's guided-decoding extensions and
-`reasoning_effort` are refused with a 400 naming the field (their neutral values pass);
-`stop_token_ids` ends the generation (repetition_penalty, min_p and min_tokens are honoured:
+The legacy `functions` / `function_call`, vLLM's guided-decoding, beam-search and token-mask
+extensions, a request's own chat template, and `reasoning_effort` on the text route are
+refused with a 400 naming the field (their neutral values pass); `stop_token_ids` ends the
+generation (repetition_penalty, min_p and min_tokens are honoured:
 test_sampling_processors_server.py); `chat_template_kwargs.enable_thinking` renders the
-prompt as ChatFreeToken's `reasoning` does. And /v1/completions without max_tokens writes 16
-tokens, as at OpenAI and vLLM.
+prompt as ChatFreeToken's `reasoning` does, and `reasoning_effort` as the switch it names.
+And /v1/completions without max_tokens writes 16 tokens, as at OpenAI and vLLM.
 """
 
 from __future__ import annotations
@@ -64,6 +65,20 @@ REFUSED = {
     "guided_regex": (["[a-z]+"], []),
     "guided_grammar": (["root ::= 'a'"], []),
     "structured_outputs": ([{"choice": ["a", "b"]}, {"json": {"type": "object"}}], []),
+    "use_beam_search": ([True, 1], [False]),
+    "length_penalty": ([0.5, 2], [1, 1.0]),
+    "allowed_token_ids": ([[1, 2]], [[]]),
+    "bad_words": ([["ka"]], [[]]),
+    "truncate_prompt_tokens": ([8, -1], []),
+    "skip_special_tokens": ([False, 0], [True]),
+    "spaces_between_special_tokens": ([False], [True]),
+    "return_tokens_as_token_ids": ([True], [False]),
+    "logits_processors": ([["my.module:Proc"]], [[]]),
+}
+CHAT_REFUSED = {  # the text route honours echo and refuses best_of > 1 itself
+    "best_of": ([2, 4], [1]),
+    "chat_template": (["{{ messages }}"], []),
+    "echo": ([True], [False]),
 }
 
 
@@ -74,7 +89,10 @@ def test_vllm_fields_the_engine_cannot_honour_are_refused_by_name(
     rng = random.Random(rng_seed)
     fake, client = scripted_client
     build = _chat if route == "/v1/chat/completions" else _text
-    fields = {**REFUSED, "reasoning_effort": (["none", "low", "high"], [])}  # chat and text
+    if route == "/v1/chat/completions":
+        fields = {**REFUSED, **CHAT_REFUSED, "reasoning_effort": (["max", 1], [])}  # bad values
+    else:  # a text completion's prompt goes to the model as it is: no switch to turn
+        fields = {**REFUSED, "reasoning_effort": (["none", "low", "high"], [])}
     for field, (refused, neutral) in fields.items():
         error = api_error(client.post(route, json=build(rng, **{field: rng.choice(refused)})))
         assert error["param"] == field, error
@@ -112,10 +130,14 @@ def test_stop_token_ids_reach_the_engine_from_chat(scripted_client, rng_seed):
     rng = random.Random(rng_seed)
     fake, client = scripted_client
     ids = [rng.randrange(200) for _ in range(rng.randint(1, 4))]
+    include, top_k = rng.choice([True, False]), rng.choice([-1, 0, rng.randint(1, 50)])
     fake.replies = [("ok", "stop")]
-    r = client.post("/v1/chat/completions", json=_chat(rng, stop_token_ids=ids))
+    body = _chat(rng, stop_token_ids=ids, include_stop_str_in_output=include, top_k=top_k)
+    r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert list(fake.samplings[-1].stop_token_ids) == ids
+    assert fake.samplings[-1].include_stop_str_in_output is include
+    assert fake.samplings[-1].top_k == max(top_k, 0)  # vLLM's -1: no top-k
 
 
 @pytest.fixture
@@ -149,6 +171,37 @@ def test_enable_thinking_renders_as_chatfreetoken_does(scripted_service, api_err
         assert api_error(r, 400)["param"] == "chat_template_kwargs"  # no template there
     # The demo template has the switch: the test would not tell the renderings apart otherwise.
     assert prompts[False] != prompts[None] or prompts[True] != prompts[None]
+
+
+def test_reasoning_effort_switches_thinking(scripted_service, api_error, rng_seed):
+    """reasoning_effort "none" renders the prompt of enable_thinking false, any other effort
+    that of enable_thinking true; the two fields agreeing is served, contradicting refused
+    naming reasoning_effort."""
+    rng = random.Random(rng_seed)
+    fake, service = scripted_service
+    with TestClient(create_app(service)) as client:
+        text = _chat(rng)["messages"]
+        for effort in rng.sample(["none", "minimal", "low", "medium", "high"], 3):
+            thinking = effort != "none"
+            for extra in ({"chat_template_kwargs": {"enable_thinking": thinking}},
+                          {"reasoning_effort": effort},
+                          {"reasoning_effort": effort,
+                           "chat_template_kwargs": {"enable_thinking": thinking}}):  # fmt: skip
+                fake.replies = [("ok", "stop")]
+                r = client.post("/v1/chat/completions", json={"messages": text, **extra})
+                assert r.status_code == 200, r.text
+            assert fake.prompts[-1] == fake.prompts[-2] == fake.prompts[-3], effort
+            against = {"enable_thinking": not thinking}
+            body = {"messages": text, "reasoning_effort": effort, "chat_template_kwargs": against}
+            error = api_error(client.post("/v1/chat/completions", json=body), 400)
+            assert error["param"] == "reasoning_effort", error
+        prompts = set()
+        for thinking in (True, False):  # the demo template tells the two apart
+            fake.replies = [("ok", "stop")]
+            body = {"messages": text, "reasoning_effort": "high" if thinking else "none"}
+            client.post("/v1/chat/completions", json=body)
+            prompts.add(tuple(fake.prompts[-1]))
+        assert len(prompts) == 2
 
 
 def test_text_completions_default_to_16_tokens(engine, scripted_service, rng_seed):

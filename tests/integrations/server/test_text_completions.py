@@ -147,6 +147,12 @@ def test_stop_strings_cut_as_in_the_engine(client, model_dir, read_sse, rng_seed
         _stream(client, {**body, "stop": stop}, read_sse), False
     )
     assert (streamed, streamed_reason) == (text, "stop")
+    # vLLM's include_stop_str_in_output: cut after the stop string, whole and streamed.
+    kept = {**body, "stop": stops, "include_stop_str_in_output": True}
+    with_stop = full[: full.index(stop) + len(stop)]
+    cut = client.post(URL, json=kept).json()["choices"][0]
+    assert (cut["text"], cut["finish_reason"]) == (with_stop, "stop")
+    assert _streamed(_stream(client, kept, read_sse), False)[:2] == (with_stop, "stop")
 
 
 def test_openai_sdk_parses_plain_and_streamed(start_server, model_dir, rng_seed, nothing_held):
@@ -200,7 +206,7 @@ def test_openai_sdk_parses_plain_and_streamed(start_server, model_dir, rng_seed,
         ("min_p", 1.5),
         ("temperature", 2.5),
         ("top_p", 0),
-        ("top_k", -1),
+        ("top_k", -2),  # -1 is vLLM's "no top-k"
         ("seed", 1.5),
         ("max_tokens", 0),  # without echo: nothing asked (tests/.../test_echo.py)
         ("prompt_logprobs", 21),
