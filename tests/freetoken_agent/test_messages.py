@@ -272,6 +272,7 @@ def test_an_assistant_refusal_part_is_its_text(rng_seed: int) -> None:
     rng = random.Random(rng_seed)
     words = [rand_text(rng) for _ in range(rng.randint(1, 3))]
     kinds = [rng.choice(["text", "refusal"]) for _ in words]
+    kinds[rng.randrange(len(kinds))] = "refusal"  # one at least
     parts = [{"type": k, k: w} if k == "refusal" else {"type": k, "text": w}
              for k, w in zip(kinds, words, strict=True)]  # fmt: skip
     user = {"role": "user", "content": rand_text(rng)}
