@@ -30,8 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -52,12 +50,12 @@ from mcp.shared._httpx_utils import (
 from mcp.shared.exceptions import MCPError
 
 from freetoken_agent.integrations.mcp_config import ServerConfig
+from freetoken_agent.integrations.mcp_stderr import CapturedStderr
 from freetoken_agent.integrations.mcp_transport import tracking, watched
 
 log = logging.getLogger("freetoken.mcp")
 
 MAX_RESTARTS = 3
-STDERR_TAIL = 1500  # characters of a failed server's stderr quoted in error messages
 _GRACE = 5.0  # our own deadline past the SDK's per-call timeout, in case that one never fires
 _PROBE_TIMEOUT = 5.0  # a live server answers tools/list at once; one that cannot is gone
 
@@ -93,7 +91,7 @@ class ServerConnection:
         self._restarts_in_a_row = 0  # since a call last came back: MAX_RESTARTS bounds it
         self._sampling = sampling_callback
         self._errlog = errlog  # None: capture each process's stderr to quote it in errors
-        self._captured: TextIO | None = None
+        self._captured: CapturedStderr | None = None
         self._client_info = client_info
         self._client: Client | None = None
         self._owner: asyncio.Task | None = None
@@ -228,8 +226,8 @@ class ServerConnection:
             errlog = self._errlog
             if errlog is None:  # one file for the connection's life: restarts append to it
                 if self._captured is None:  # closed in close()
-                    self._captured = tempfile.TemporaryFile("w+")  # noqa: SIM115
-                errlog = self._captured
+                    self._captured = CapturedStderr()
+                errlog = self._captured.file
             return stdio_client(params, errlog=errlog)
         # The read timeout covers one call's reply (the SDK's default, 300 s, would cut a
         # longer `timeout` short); connecting and writing keep the SDK's 30 s.
@@ -282,6 +280,8 @@ class ServerConnection:
         """Call `tool` on this server; every failure becomes an error outcome. A call that meets
         a closed connection before its request was written restarts the server and is sent
         once more: the server never saw it, so it cannot run twice."""
+        if self._captured is not None:
+            self._captured.bound()
         outcome = await self._attempt(tool, arguments)
         if outcome is None:
             outcome = await self._attempt(tool, arguments)
@@ -375,18 +375,7 @@ class ServerConnection:
 
     def stderr_tail(self) -> str:
         """The last lines the server wrote to stderr (when the host captures it)."""
-        f = self._captured
-        if f is None or f.closed:
-            return ""
-        try:
-            f.flush()
-            end = f.seek(0, 2)
-            # Bytes, decoded leniently: the offset may fall inside a multi-byte character.
-            start = max(0, end - 4 * STDERR_TAIL)
-            data = os.pread(f.fileno(), end - start, start)
-        except (OSError, ValueError):
-            return ""
-        return data.decode("utf-8", "replace")[-STDERR_TAIL:].strip()
+        return "" if self._captured is None else self._captured.tail()
 
 
 def result_outcome(result: types.CallToolResult) -> CallOutcome:

@@ -29,6 +29,12 @@ def pid() -> str:
     return str(os.getpid())
 
 @app.tool()
+def shout(text: str, times: int) -> str:
+    sys.stderr.write(text * times)
+    sys.stderr.flush()
+    return "ok"
+
+@app.tool()
 def crash(tail: str = "") -> str:
     note("crash")
     sys.stderr.write(tail)

@@ -9,6 +9,7 @@ test can tell what the server saw."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import socket
 import string
@@ -23,6 +24,7 @@ from mcp_servers import LOGGING_SERVER, free_port
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import ensure_demo_model
+from freetoken_agent.integrations import mcp_stderr
 from freetoken_agent.integrations.mcp_connection import MAX_RESTARTS
 from freetoken_agent.integrations.mcp_host import MCPHost
 from freetoken_agent.messages import ToolCall, ToolResult
@@ -172,3 +174,31 @@ def test_the_stderr_tail_is_quoted_whatever_bytes_it_ends_in(engine, tmp_path, r
     # (The host cuts the tool result to its token budget: the connection's tail is whole.)
     assert result.is_error and "its stderr ended with:\n€€€" in result.content, result.content
     assert quoted == tail.strip()[-len(quoted) :] and len(quoted) > 1000
+
+
+def test_a_chatty_servers_stderr_is_cut_to_its_tail(engine, tmp_path, rng_seed):
+    """A server writing to stderr on every call: the captured file stays near its bound
+    (cut to its tail before each call) and the tail quoted in errors is still the latest."""
+    rng = random.Random(rng_seed)
+    config = {"mcpServers": {"s": _stdio(_script(tmp_path), tmp_path / "calls.log")}}
+    chunk = mcp_stderr.KEPT // rng.randint(2, 5)  # several calls pass the bound
+
+    async def main() -> tuple[list[int], str, str]:
+        sizes = []
+        async with MCPHost.from_config(config, engine=engine) as host:
+            captured = host.connections["s"]._captured.file
+            for i in range(rng.randint(8, 12)):
+                text = f"[{i}:{_word(rng)}]"
+                result = await _call(host, "shout", text=text, times=chunk // len(text) + 1)
+                assert not result.is_error, result.content
+                sizes.append(os.fstat(captured.fileno()).st_size)
+            last = text
+            crashed = await _call(host, "crash", tail=end)
+            return sizes, last, host.connections["s"].stderr_tail(), crashed.content
+
+    end = f"the end {_word(rng)}"
+    sizes, last, tail, crashed = asyncio.run(main())
+    assert max(sizes) <= mcp_stderr.KEPT + 2 * chunk + 4 * mcp_stderr.TAIL, sizes
+    assert min(sizes[2:]) < chunk * 2, sizes  # cut
+    # The latest text, whole: the last call's shouts, then the crash's words.
+    assert tail.endswith(last + end) and "its stderr ended with:" in crashed, (tail, crashed)
