@@ -177,8 +177,7 @@ class TurnRun:
         try:
             yield
         except Exception as e:  # noqa: BLE001
-            self.engine.abort(self.rid)
-            self.engine._pop(self.rid)
+            self.engine.release(self.rid)
             self.failed = f"{type(e).__name__}: {e}"
 
     def finish(self) -> dict:

@@ -172,7 +172,10 @@ class Engine:
         Hybrid models: `anchors` are token boundaries of the prompt (the Session's semantic
         anchors: the state after prompt[:a]) where prefilling checkpoints the recurrent state,
         and `anchor_tokens` generated tokens before which decoding does; later requests
-        sharing a prefix resume from the deepest checkpoint in it (EngineConfig.checkpoints)."""
+        sharing a prefix resume from the deepest checkpoint in it (EngineConfig.checkpoints).
+
+        Driven by hand (step, then take_events), the request stays in the engine's tables
+        once finished until `release(request_id)`."""
         self._open()
         sampling = sampling or SamplingParams()
         if sampling.stop and self.tokenizer is None:  # they are matched in the decoded text
@@ -266,6 +269,15 @@ class Engine:
             self.overlap.drain()  # idle: only finished requests' rows, no events
             self.memory.safe_point()
         return self.memory.budget
+
+    def release(self, request_id: str) -> None:
+        """Forget a request: abort it if it is unfinished, then drop what the engine keeps for
+        its owner (events not taken, its text, its figures). A caller driving the engine with
+        submit / step / take_events calls it once it has the final event (the engine keeps a
+        finished request until then, for the owner to read); its id may then be used again.
+        generate, stream and EngineService release their own. An unknown id does nothing."""
+        self.abort(request_id)
+        self._pop(request_id)
 
     def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)

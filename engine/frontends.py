@@ -77,8 +77,7 @@ def _drop(engine: Engine, ids: Sequence[str]) -> None:
     """Abort and forget the requests of `ids` still in the tables (collected ones are not)."""
     for rid in ids:
         if rid in engine._requests:
-            engine.abort(rid)
-            engine._pop(rid)
+            engine.release(rid)
 
 
 def stream(
@@ -99,8 +98,7 @@ def stream(
                 return
             engine.step()
     finally:
-        engine.abort(rid)
-        engine._pop(rid)
+        engine.release(rid)
 
 
 @torch.inference_mode()

@@ -225,6 +225,24 @@ class SamplingParams:
         problems += self._structured_output_problems()
         if problems:
             raise SamplingParamsError(problems)
+        self._as_python_numbers()
+
+    def _as_python_numbers(self) -> None:
+        """numpy's numbers (accepted above) as Python's: torch takes no numpy integer where it
+        wants an int (Generator.manual_seed(np.int64(7)) raised inside the step, failing
+        every request batched beside this one)."""
+        for name in ("max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs",
+                     "thinking_token_budget"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, int(value))
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_p"):  # fmt: skip
+            setattr(self, name, float(getattr(self, name)))
+        self.stop = list(self.stop)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
 
     def _processor_problems(self) -> list[tuple[str, str]]:
         """The logits processors' fields: each in its documented range (NaN in none)."""

@@ -248,8 +248,7 @@ class EngineService:
 
     def _drop(self, rid: str) -> None:
         self._sinks.pop(rid, None)
-        self.engine.abort(rid)  # a no-op once finished; a failed sink's request stops
-        self.engine._pop(rid)
+        self.engine.release(rid)  # a failed sink's request stops; a finished one is dropped
 
     def _call(self, sink: Sink, event: TokenEvent) -> bool:
         """Deliver one event; False if the sink raised (logged: it fails its request only)."""

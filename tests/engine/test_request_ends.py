@@ -44,3 +44,31 @@ def test_stop_strings_without_a_tokenizer_are_refused(tmp_path, rng_seed):
         engine.submit(prompt, SamplingParams(stop=[json.dumps(rng.random())]))
     out = engine.generate(prompt, SamplingParams(max_tokens=3, stop_token_ids=[5]))
     assert out.finish_reason in ("length", "stop")
+
+
+def test_a_hand_driven_engine_forgets_what_it_released(tmp_path, rng_seed):
+    """submit / step / take_events by hand: a finished request stays in the engine's tables
+    (its owner may still read it) until release(), which drops it and frees its id; releasing
+    an unfinished one aborts it; an unknown id does nothing."""
+    rng = random.Random(rng_seed)
+    engine = Engine.load(ensure_demo_model(tmp_path), device="cpu", progress=False,
+                         kv_tokens=2048, max_model_len=512)  # fmt: skip
+    sp = SamplingParams(max_tokens=rng.randint(2, 6), temperature=0.8, ignore_eos=True)
+    ids = [f"job-{i}" for i in range(rng.randint(3, 6))]
+    for round_ in range(2):  # the same ids again once released
+        for rid in ids:
+            engine.submit([rng.randrange(3, 1000) for _ in range(rng.randint(4, 12))], sp, rid)
+        while engine.has_unfinished():
+            engine.step()
+        for rid in ids:
+            assert engine.take_events(rid)[-1].finished
+            engine.release(rid)
+        assert not engine._requests and not engine._outputs and not engine._events, round_
+    rid = engine.submit([rng.randrange(3, 1000) for _ in range(8)], sp)
+    engine.step()
+    engine.release(rid)  # unfinished: aborted and dropped
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine._requests and not engine.has_unfinished()
+    engine.release(f"never-{rng.randrange(99)}")
+    engine.check_integrity()  # the aborted request's pages back with the pool or the tree

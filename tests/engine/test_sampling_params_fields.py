@@ -1,13 +1,17 @@
 """SamplingParams' refusal names the field of each problem (`SamplingParamsError.problems`):
-callers (the server's `param`) read the field, not the wording, which may hold "; " itself."""
+callers (the server's `param`) read the field, not the wording, which may hold "; " itself.
+numpy's numbers are taken and stored as Python's."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 import freetoken_agent
+from freetoken_agent import Engine
+from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.engine.sampling_params import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -183,3 +187,28 @@ def test_min_tokens_refused_with_a_prompt_only_request(rng_seed):
         SamplingParams(max_tokens=0, prompt_logprobs=rng.randint(0, 5),
                        min_tokens=rng.randint(1, 9))  # fmt: skip
     assert caught.value.fields == ("min_tokens",)
+
+
+def test_numpy_numbers_are_taken_as_pythons(tmp_path, rng_seed):
+    """numpy's integers pass the checks (numbers.Integral) and are stored as Python ints: a
+    numpy seed drew inside the step through torch, which refuses them, and failed every
+    request batched beside it. Here it draws what the same int seed draws, beside another."""
+    rng = random.Random(rng_seed)
+    engine = Engine.load(ensure_demo_model(tmp_path), device="cpu", progress=False,
+                         kv_tokens=2048, max_model_len=512)  # fmt: skip
+    seed = rng.randrange(1 << 40)
+    prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(4, 12))]
+
+    def params(seed):
+        return SamplingParams(max_tokens=np.int64(6), temperature=np.float32(0.9), seed=seed,
+                              top_k=np.int32(40), stop_token_ids=[np.int64(5)],
+                              logit_bias={np.int64(7): np.float32(1)}, ignore_eos=True)  # fmt: skip
+
+    numpy_params = params(np.int64(seed))
+    assert type(numpy_params.seed) is int and type(numpy_params.temperature) is float
+    assert type(numpy_params.stop_token_ids[0]) is int
+    assert {type(k) for k in numpy_params.logit_bias} == {int}
+    other = SamplingParams(max_tokens=6, temperature=0.8, ignore_eos=True)
+    outs = engine.generate([prompt, prompt[::-1]], [numpy_params, other])
+    assert [o.finish_reason for o in outs] == ["length", "length"], [o.error for o in outs]
+    assert outs[0].token_ids == engine.generate(prompt, params(seed)).token_ids
