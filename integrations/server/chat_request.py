@@ -88,6 +88,9 @@ class TurnRequest:
     parallel_tool_calls: bool = True  # False: at most one call (the turn stops at the first)
     enable_thinking: bool | None = None
     continue_final: bool = False  # the model goes on from the last message (continuation.py)
+    # A WebSocket `append` send's: the kept history its messages were put after. The turn
+    # puts them after the history kept when it runs, should another turn end in between.
+    based_on: list[Message] | None = None
 
     @property
     def call_or_answer(self) -> bool:

@@ -137,7 +137,7 @@ class SessionHub:
         if live is None:
             live = LiveSession(session_id, self.service, self.formats)
             self._sessions[session_id] = live
-            self._evict()
+            self._evict(keep=session_id)
         self._sessions.move_to_end(session_id)
         live.last_used = time.monotonic()
         return live
@@ -148,9 +148,12 @@ class SessionHub:
             return LiveSession(None, self.service, self.formats)
         return self.get(session_id)
 
-    def _evict(self) -> None:
+    def _evict(self, keep: str) -> None:
+        """The least recently used idle sessions out, down to max_sessions if they allow;
+        never `keep`, the one just made (idle too until its caller watches or runs it)."""
         over = len(self._sessions) - self.max_sessions
-        for sid in [sid for sid, live in self._sessions.items() if live.idle][: max(over, 0)]:
+        idle = [sid for sid, live in self._sessions.items() if live.idle and sid != keep]
+        for sid in idle[: max(over, 0)]:
             del self._sessions[sid]
 
     def __len__(self) -> int:

@@ -36,13 +36,19 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.integrations.server.anthropic_messages import with_origins
 from freetoken_agent.integrations.server.bridge import TurnCancelled
 from freetoken_agent.integrations.server.chat_request import (
     TurnRequest,
     check_model,
     turn_from,
 )
-from freetoken_agent.integrations.server.errors import BadParam, describe_invalid, parse_json_body
+from freetoken_agent.integrations.server.errors import (
+    BadParam,
+    body_flag,
+    describe_invalid,
+    parse_json_body,
+)
 from freetoken_agent.integrations.server.hub import LiveSession, Watcher
 from freetoken_agent.integrations.server.session_events import error_json, memory_json
 from freetoken_agent.integrations.server.turn_run import TurnRun
@@ -102,19 +108,25 @@ def turn_request(msg: dict[str, Any], live: LiveSession, state: Any) -> TurnRequ
             unknown[0],
         )
     check_model(msg.get("model"), state.model_id, state.model_names)
-    sampling = msg.get("sampling") or {}
+    sampling = msg.get("sampling")
+    sampling = {} if sampling is None else sampling  # false or 0 is no object: refused
     if not isinstance(sampling, dict):
-        raise BadParam("sampling must be an object", "sampling")
+        raise BadParam(f"sampling must be an object, got {sampling!r:.40}", "sampling")
     unknown = sorted(set(sampling) - SAMPLING_KEYS)
     if unknown:
         raise BadParam(
             f"unknown sampling option(s) {unknown}; known: {sorted(SAMPLING_KEYS)}", "sampling"
         )
     messages = msg.get("messages")
-    if msg.get("append"):
+    kept = live.history if body_flag(msg, "append") else None
+    origins: list[str] = []  # per message of the whole history: the field it came from
+    if kept is not None:
         if not isinstance(messages, list):
             raise BadParam("messages must be a list of messages", "messages")
-        messages = to_openai_messages(live.history) + messages
+        earlier = to_openai_messages(kept)
+        origins = [f"history[{i}]" for i in range(len(earlier))]
+        origins += [f"messages[{i}]" for i in range(len(messages))]
+        messages = earlier + messages
     body = {**sampling, "messages": messages}
     for key in (
         "tools",
@@ -125,7 +137,18 @@ def turn_request(msg: dict[str, Any], live: LiveSession, state: Any) -> TurnRequ
     ):
         if key in msg:
             body[key] = msg[key]
-    return turn_from(body, state.default_max_tokens)
+    try:
+        request = turn_from(body, state.default_max_tokens)
+    except InvalidRequestError as e:
+        if kept is None:
+            raise
+        # The checks index the whole history: name the sent messages as the client wrote
+        # them, and the kept ones as `history[i]` (the session event's `history`).
+        text, param, code = describe_invalid(e)
+        param = None if param is None else with_origins(param, origins)
+        raise BadParam(with_origins(text, origins), param, code) from None
+    request.based_on = kept
+    return request
 
 
 async def _drive(live: LiveSession, run: TurnRun, sender: Watcher) -> None:
@@ -175,6 +198,12 @@ async def session_socket(ws: WebSocket) -> None:
         return
     offered = ws.scope.get("subprotocols", [])
     await ws.accept(subprotocol=PROTOCOL if PROTOCOL in offered else None)
+    try:  # before watching: a turn's events must not come between the hello's two events
+        hello_memory = memory_json(await asyncio.to_thread(state.service.stats))
+    except Exception as e:  # noqa: BLE001 - the engine closed (server shutting down)
+        await ws.send_text(json.dumps(error_json(f"the engine is not serving: {e}")))
+        await ws.close(code=1011, reason="the engine is not serving")
+        return
     watcher = live.watch()
     writer = asyncio.create_task(_write(ws, watcher))
     own: asyncio.Task | None = None  # the turn this socket started
@@ -188,7 +217,7 @@ async def session_socket(ws: WebSocket) -> None:
                 "history": to_openai_messages(live.history),
             }
         )
-        watcher.put(memory_json(await asyncio.to_thread(state.service.stats)))
+        watcher.put(hello_memory)
         while not writer.done():
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
@@ -210,8 +239,12 @@ async def session_socket(ws: WebSocket) -> None:
 
 def _handle(text: str, live: LiveSession, sender: Watcher, state: Any) -> asyncio.Task | None:
     """One client message; returns the task of a turn it started."""
-    if len(text) > state.max_body_bytes:
-        sender.put(error_json(f"message larger than {state.max_body_bytes} bytes"))
+    limit = state.max_body_bytes
+    # Bytes, as the limit says (a character is 1 to 4 of them: count them only when it tells).
+    size = len(text) if 4 * len(text) <= limit else len(text.encode("utf-8", "replace"))
+    if size > limit:
+        sender.put(error_json(f"message larger than {limit} bytes", None, "message_too_large"))
+        sender.put({"type": "done", "turn": None, "finish_reason": "error"})  # the UI waits
         return None
     kind = None
     try:

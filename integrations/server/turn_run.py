@@ -54,7 +54,7 @@ from freetoken_agent.integrations.server.tool_choice import (
     reasoned_answer,
     turn_sampling,
 )
-from freetoken_agent.messages import ToolResult, UserMessage, content_text
+from freetoken_agent.messages import ToolResult, UserMessage, content_text, to_openai_messages
 from freetoken_agent.session import Usage
 
 log = logging.getLogger("freetoken.server")
@@ -148,9 +148,10 @@ class TurnRun:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads any more
                 loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
-        live, request, turn = self.live, self.request, self.turn
+        live, turn = self.live, self.turn
         try:
             with live.turn_lock:
+                request = self.request = self._rebased()
                 live.session.tools = request.tools
                 live.session.chat_format = live.formats.get(request.enable_thinking)
                 turn.on_submit = lambda n: put(_Started(n))
@@ -175,6 +176,15 @@ class TurnRun:
             put(e)
         else:
             put(_END)
+
+    def _rebased(self) -> TurnRequest:
+        """The request, an `append` send's messages put after the history kept now (under
+        the turn lock) rather than the one kept when it was sent, if a turn ended between."""
+        request, kept = self.request, self.live.history
+        if request.based_on is None or request.based_on is kept:
+            return request
+        new = request.messages[len(to_openai_messages(request.based_on)) :]
+        return dataclasses.replace(request, messages=[*kept, *new], based_on=kept)
 
     def _exact(self, usage: Usage) -> Usage:
         """The Session's Usage with the server's suffix counted and the engine's own figures
@@ -225,6 +235,7 @@ class TurnRun:
             raise
         if isinstance(item, BaseException):
             self.finished = True
+            self._stopped_running()
             if isinstance(item, SchemaError):
                 # The grammar compiler (engine) refuses a schema without knowing which field
                 # of the request it came from: a forced call's is the tools', a call-or-answer
@@ -240,6 +251,10 @@ class TurnRun:
             self.cancel()
             raise RuntimeError(f"turn worker sent {type(item).__name__} before starting")
         self.prompt_tokens = item.prompt_tokens
+        # The session's running turn from here to its end, whichever route started it: a
+        # socket watching the session sees it running, may cancel it, and an `append` send
+        # meanwhile is refused as busy (a WebSocket send is set running before it starts).
+        self.live.running = self
         self.index = self.live.turns
         self.live.turns += 1
         self._announce()
@@ -279,6 +294,7 @@ class TurnRun:
                 log.exception("could not publish a turn's event")
                 self.cancel()
                 self.finished, item = True, e
+                self._stopped_running()
             if not isinstance(item, _Memory):
                 self._out.put_nowait(item)
 
@@ -295,10 +311,12 @@ class TurnRun:
         if item is _END:
             self.finished = True
             self._done()
+            self._stopped_running()  # after the history is kept: an append sent now reads it
         elif isinstance(item, BaseException):
             self.finished = True
             self.live.publish(error_json(f"{type(item).__name__}: {item}"))
             self.live.publish({"type": "done", "turn": self.index, "finish_reason": "error"})
+            self._stopped_running()
         elif isinstance(item, _Memory):
             self.live.publish(memory_json(item.stats))
         else:
@@ -362,6 +380,10 @@ class TurnRun:
         self.live.publish(
             {"type": "done", "turn": self.index, "finish_reason": reason, "message": message}
         )
+
+    def _stopped_running(self) -> None:
+        if self.live.running is self:
+            self.live.running = None
 
     def cancel(self) -> None:
         """Abort the turn's request (a no-op once it has finished)."""

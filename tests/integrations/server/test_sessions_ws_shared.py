@@ -1,0 +1,122 @@
+"""A WebSocket session shared with the other routes, and the socket's own protocol edges:
+an OpenAI request on the session (X-Session-Id) runs as the session's turn, which a joining
+socket sees running, any socket may cancel, and an `append` send meanwhile is refused as
+busy; an `append` send's refusals name its own messages (`messages[i]`) and the kept ones
+(`history[i]`); a message over the size limit gets its `done` too; `sampling` and `append`
+take only their own types; a socket joining mid-turn gets its hello whole, first."""
+
+from __future__ import annotations
+
+import random
+import string
+import threading
+
+import pytest
+
+URL = "/v1/sessions/{}/ws"
+
+
+def _text(rng: random.Random) -> str:
+    return " ".join(
+        "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 6)))
+        for _ in range(rng.randint(2, 6))
+    )
+
+
+def _until(ws, kind: str) -> list[dict]:
+    events = []
+    while True:
+        events.append(ws.receive_json())
+        if events[-1]["type"] == kind:
+            return events
+
+
+def _hello(ws) -> tuple[dict, dict]:
+    session, memory = ws.receive_json(), ws.receive_json()
+    assert (session["type"], memory["type"]) == ("session", "memory"), (session, memory)
+    return session, memory
+
+
+def _long_chat(client, sid: str, rng: random.Random, out: dict) -> threading.Thread:
+    """A chat request on session `sid` that would write to the context's end, in a thread."""
+    body = {"messages": [{"role": "user", "content": _text(rng)}], "max_tokens": 900,
+            "ignore_eos": True, "temperature": 0.8, "seed": rng.randrange(1 << 30)}  # fmt: skip
+
+    def post() -> None:
+        out["response"] = client.post("/v1/chat/completions", json=body,
+                                      headers={"X-Session-Id": sid})  # fmt: skip
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_an_openai_turn_on_the_session_is_its_running_turn(client, rng_seed):
+    rng = random.Random(rng_seed)
+    sid = f"shared-{rng.randrange(1 << 30)}"
+    out: dict = {}
+    with client.websocket_connect(URL.format(sid)) as ws:
+        _hello(ws)
+        thread = _long_chat(client, sid, rng, out)
+        start = _until(ws, "start")[-1]
+        with client.websocket_connect(URL.format(sid)) as late:  # joins mid-turn
+            session, _ = _hello(late)
+            assert session["running"] is True, session
+            ws.send_json({"type": "send", "append": True,
+                          "messages": [{"role": "user", "content": _text(rng)}]})  # fmt: skip
+            refused = _until(ws, "error")[-1]
+            assert refused["param"] == "type" and "already running" in refused["message"]
+            late.send_json({"type": "cancel"})  # any watcher may
+            done = _until(late, "done")[-1]
+            assert done["turn"] == start["turn"] and done["finish_reason"] == "abort", done
+    thread.join(60)
+    assert not thread.is_alive()
+    r = out["response"]
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] < 900  # cut short by the cancel
+
+
+def test_append_refusals_name_the_sent_messages(client, rng_seed):
+    rng = random.Random(rng_seed)
+    with client.websocket_connect(URL.format(f"a-{rng.randrange(1 << 30)}")) as ws:
+        _hello(ws)
+        for _ in range(rng.randint(1, 2)):  # a kept history of 2 messages a turn
+            ws.send_json({"type": "send", "append": True, "sampling": {"max_tokens": 3},
+                          "messages": [{"role": "user", "content": _text(rng)}]})  # fmt: skip
+            assert _until(ws, "done")[-1]["finish_reason"] in ("stop", "length")
+        good = [{"role": "user", "content": _text(rng)} for _ in range(rng.randint(0, 3))]
+        bad = {"role": rng.choice(["robot", "wizard"]), "content": _text(rng)}
+        messages = [*good, bad]
+        ws.send_json({"type": "send", "append": True, "messages": messages})
+        events = _until(ws, "done")
+        error = next(e for e in events if e["type"] == "error")
+        assert error["param"] == f"messages[{len(good)}]", error
+        assert f"messages[{len(good)}]" in error["message"], error
+
+
+def test_an_oversized_message_gets_its_done(make_client, rng_seed):
+    rng = random.Random(rng_seed)
+    limit = rng.randint(2000, 4000)
+    client = make_client(max_body_bytes=limit)
+    with client.websocket_connect(URL.format(f"big-{rng.randrange(1 << 30)}")) as ws:
+        _hello(ws)
+        # Fewer characters than the limit, more bytes: three bytes a character.
+        text = "€" * (limit // 3 + rng.randint(10, 200))
+        assert len(text) < limit < len(text.encode())
+        ws.send_json({"type": "send", "messages": [{"role": "user", "content": text}]})
+        events = _until(ws, "done")
+        assert [e["type"] for e in events] == ["error", "done"], events
+        assert events[0]["code"] == "message_too_large" and events[1]["turn"] is None
+
+
+@pytest.mark.parametrize("field", ["sampling", "append"])
+def test_sampling_and_append_take_only_their_types(client, rng_seed, field):
+    rng = random.Random(rng_seed)
+    wrong = rng.choice([False, 0, ""] if field == "sampling" else ["false", 1, "yes", []])
+    with client.websocket_connect(URL.format(f"t-{rng.randrange(1 << 30)}")) as ws:
+        _hello(ws)
+        ws.send_json({"type": "send", "messages": [{"role": "user", "content": _text(rng)}],
+                      field: wrong})  # fmt: skip
+        events = _until(ws, "done")
+        assert [e["type"] for e in events] == ["error", "done"], events
+        assert events[0]["param"] == field, events[0]
