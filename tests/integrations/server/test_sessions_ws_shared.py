@@ -3,15 +3,22 @@ an OpenAI request on the session (X-Session-Id) runs as the session's turn, whic
 socket sees running, any socket may cancel, and an `append` send meanwhile is refused as
 busy; an `append` send's refusals name its own messages (`messages[i]`) and the kept ones
 (`history[i]`); a message over the size limit gets its `done` too; `sampling` and `append`
-take only their own types; a socket joining mid-turn gets its hello whole, first."""
+take only their own types; a socket joining mid-turn gets its hello whole, first, and one
+joining after the engine closed an error."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import string
 import threading
 
 import pytest
+from starlette.websockets import WebSocketDisconnect
+
+from freetoken_agent.integrations.server.sessions_ws import turn_request
+from freetoken_agent.integrations.server.turn_run import TurnRun
+from freetoken_agent.messages import messages_from_openai
 
 URL = "/v1/sessions/{}/ws"
 
@@ -120,3 +127,37 @@ def test_sampling_and_append_take_only_their_types(client, rng_seed, field):
         events = _until(ws, "done")
         assert [e["type"] for e in events] == ["error", "done"], events
         assert events[0]["param"] == field, events[0]
+
+
+def test_a_join_after_the_engine_closed_gets_an_error(client, rng_seed):
+    rng = random.Random(rng_seed)
+    client.app.state.server.service.engine.close()
+    with client.websocket_connect(URL.format(f"c-{rng.randrange(1 << 30)}")) as ws:
+        event = ws.receive_json()
+        assert event["type"] == "error" and "not serving" in event["message"], event
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_json()
+        assert closed.value.code == 1011
+
+
+def test_an_append_goes_after_the_history_kept_when_it_runs(client, rng_seed):
+    """A send built on one kept history, run after another turn ended: its new messages go
+    after the history kept then (the other turn's), not the one it was built on."""
+    rng = random.Random(rng_seed)
+    hub = client.app.state.server.hub
+    live = hub.get(f"r-{rng.randrange(1 << 30)}")
+    old = messages_from_openai([{"role": "user", "content": _text(rng)},
+                                {"role": "assistant", "content": _text(rng)}])  # fmt: skip
+    live.history = old
+    new = {"role": "user", "content": _text(rng)}
+    request = turn_request({"type": "send", "append": True, "messages": [new]}, live,
+                           client.app.state.server)  # fmt: skip
+    assert request.based_on is old and len(request.messages) == 3
+    other = [{"role": "user", "content": _text(rng)}] * 2
+    live.history = messages_from_openai([*other, {"role": "assistant", "content": _text(rng)}])
+    rebased = TurnRun(live, request)._rebased()
+    assert rebased.messages == [*live.history, request.messages[-1]]
+    assert rebased.based_on is live.history
+    live.history = rebased.messages  # unchanged since: as built
+    same = dataclasses.replace(request, based_on=live.history)
+    assert TurnRun(live, same)._rebased() is same
