@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol
 
 from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt, common_prefix
 from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
-from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.outputs import EngineClosedError, InvalidRequestError
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.engine.thinking_budget import ThinkingMarkers, reasoning_tokens
 from freetoken_agent.hooks import ToolHooks, ToolRun, arun_tool, run_tool
@@ -88,7 +88,9 @@ class HistoryDiff:
 
     @property
     def resume_offset(self) -> int:
-        """Where a model with recurrent layers resumes: the anchor (0 without one)."""
+        """The anchor's offset (0 without one): a model with recurrent layers resumes there
+        at the latest. Under anchor checkpoints it may resume later, from a deeper checkpoint
+        in the shared prefix (the last turn's end, or a decode marker): `reused_tokens`."""
         return self.anchor.offset if self.anchor is not None else 0
 
 
@@ -384,12 +386,13 @@ class Session:
 
 
 def _totals(engine: Any) -> tuple[int, int, int] | None:
-    """(reused, prefilled, finished requests) from engine.stats(), when it reports them."""
+    """(reused, prefilled, finished requests) from engine.stats(), when it reports them (not
+    once the engine has closed: the turn's usage is then the Session's own estimate)."""
     try:
         stats = engine.stats()
         tokens, requests = stats["tokens"], stats["requests"]
         return int(tokens["reused"]), int(tokens["prefilled"]), int(requests["finished"])
-    except (AttributeError, KeyError, TypeError):
+    except (AttributeError, KeyError, TypeError, EngineClosedError):
         return None
 
 

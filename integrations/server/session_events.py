@@ -19,7 +19,9 @@ usage        {"prompt_tokens", "completion_tokens", "reused_tokens", "prefilled_
              for a model without think tokens), as the chat API's usage; `first_divergence`
              counts the tokens this prompt shares with what the session last sent, and
              `anchor` ({"offset", "kind", "message_index", ...} or null) is the deepest
-             semantic anchor at or before it, where recurrent layers resume
+             semantic anchor at or before it: the nearest boundary before the edit. A
+             hybrid's recurrent layers resume there or later, from a deeper checkpoint in
+             the shared prefix (the last turn's end, say): `reused_tokens` says where
 memory       the engine's memory split (stats()["memory"]) and its expert placement
 error        {"message", "param", "code"?}
 done         {"turn", "finish_reason", "message"}: the assistant message, OpenAI form

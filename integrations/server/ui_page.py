@@ -163,7 +163,7 @@ function onEvent(e) {
         ["prefilled", e.prefilled_tokens], ["generated", e.completion_tokens],
         ["finish", e.finish_reason], ["exact", e.exact],
         ["shared prefix", e.first_divergence ?? "-"],
-        ["resume anchor", e.anchor ? e.anchor.kind + " @ " + e.anchor.offset : "-"]]);
+        ["anchor before the edit", e.anchor ? e.anchor.kind + " @ " + e.anchor.offset : "-"]]);
       break;
     case "memory":
       table("memory", [["KV pages", e.kv_pages], ["free", e.kv_pages_free],

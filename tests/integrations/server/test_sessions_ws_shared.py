@@ -161,3 +161,17 @@ def test_an_append_goes_after_the_history_kept_when_it_runs(client, rng_seed):
     live.history = rebased.messages  # unchanged since: as built
     same = dataclasses.replace(request, based_on=live.history)
     assert TurnRun(live, same)._rebased() is same
+
+
+def test_a_turn_the_engines_close_ends_still_reports_its_usage(client, rng_seed):
+    rng = random.Random(rng_seed)
+    with client.websocket_connect(URL.format(f"e-{rng.randrange(1 << 30)}")) as ws:
+        _hello(ws)
+        ws.send_json({"type": "send", "messages": [{"role": "user", "content": _text(rng)}],
+                      "sampling": {"max_tokens": 900, "ignore_eos": True}})  # fmt: skip
+        _until(ws, "start")
+        client.app.state.server.service.engine.close()  # as at a shutdown, mid-turn
+        events = _until(ws, "done")
+        usage = [e for e in events if e["type"] == "usage"]
+        assert len(usage) == 1 and usage[0]["completion_tokens"] < 900, events
+        assert events[-1]["finish_reason"] in ("abort", "error"), events[-1]
