@@ -108,15 +108,33 @@ class Prompt:
 
 
 def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict] | None:
-    """Tools as OpenAI JSON-schema dicts; a bare {"name", "parameters", ...} gets wrapped."""
+    """Tools as OpenAI JSON-schema dicts; a bare {"name", "parameters", ...} gets wrapped.
+    Each must be a function with a non-empty name and, if given, an object of parameters:
+    a template renders whatever it gets, so a malformed tool would reach the model as a
+    prompt it was never meant to read rather than as an error."""
     if tools is None:
         return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise InvalidRequestError(f"tools must be a list of tools, got {type(tools).__name__}")
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping):
             raise InvalidRequestError(f"tool {i} must be a dict, got {type(tool).__name__}")
         if "type" not in tool and "name" in tool:
             tool = {"type": "function", "function": dict(tool)}
+        fn = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(fn, Mapping):
+            raise InvalidRequestError(
+                f"tool {i} must be {{'type': 'function', 'function': {{'name': ...}}}} or "
+                f"{{'name': ..., 'parameters': ...}}, got {tool!r:.80}"
+            )
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequestError(f"tool {i}: its function needs a non-empty string name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
+            raise InvalidRequestError(
+                f"tool {i} ({fn['name']}): parameters must be a JSON schema object, got "
+                f"{fn['parameters']!r:.40}"
+            )
         out.append(dict(tool))
     return out
 

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt, common_prefix
+from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt, common_prefix, normalize_tools
 from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 from freetoken_agent.engine.outputs import EngineClosedError, InvalidRequestError
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -149,7 +149,7 @@ class Session:
     ) -> None:
         self.engine = engine
         self.system = system
-        self.tools = list(tools) if tools is not None else None
+        self.tools = tools  # checked (normalize_tools): a malformed tool fails here
         self.chat_format = chat_format or ChatFormat(engine.tokenizer)
         self.parser_factory = self._model_parser if parser_factory == "auto" else parser_factory
         self.hooks = hooks or ToolHooks()
@@ -166,6 +166,16 @@ class Session:
         self._kv_tokens = 0  # leading tokens of the last sent sequence whose KV the engine has
         self._marker_ids: list[int] | None = None  # see _anchor_options
 
+    @property
+    def tools(self) -> list[Mapping[str, Any]] | None:
+        """The tools the prompt offers (OpenAI form, or bare {"name", "parameters"})."""
+        return self._tools
+
+    @tools.setter
+    def tools(self, tools: Sequence[Mapping[str, Any]] | None) -> None:
+        normalize_tools(tools)  # refuses a malformed list now, not at the next render
+        self._tools = list(tools) if tools is not None else None
+
     # --- rendering and diffing ------------------------------------------------------------
     def sampling(
         self, overrides: SamplingParams | Mapping[str, Any] | None = None
@@ -173,6 +183,11 @@ class Session:
         """SamplingParams from the session's defaults; a mapping overrides some of them."""
         if isinstance(overrides, SamplingParams):
             return overrides
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise InvalidRequestError(
+                "sampling must be SamplingParams or a mapping of its fields, got "
+                f"{type(overrides).__name__}"
+            )
         options = {**self.sampling_defaults, **(overrides or {})}
         unknown = sorted(set(options) - {f.name for f in dataclasses.fields(SamplingParams)})
         if unknown:

@@ -250,6 +250,36 @@ def test_session_errors(tok: Tokenizer) -> None:
         session.diff([UserMessage("u"), ToolResult("x", "y")])
 
 
+@pytest.mark.parametrize(
+    ("tools", "pattern"),
+    [
+        ("get_weather", "tools must be a list"),
+        ({"name": "f"}, "tools must be a list"),
+        ([{"description": "no name"}], "tool 0 must be"),
+        ([{"type": "function", "function": {"name": ""}}], "tool 0: its function needs"),
+        ([{"name": "f", "parameters": "x"}], r"tool 0 \(f\): parameters must be"),
+        ([{"name": "f"}, {"type": "retrieval"}], "tool 1 must be"),
+    ],
+)
+def test_malformed_tools_are_refused_at_once(tok: Tokenizer, tools, pattern) -> None:
+    """At construction and when set, not at a later render (where a template rendered a
+    malformed tool as whatever it made of it)."""
+    with pytest.raises(InvalidRequestError, match=pattern):
+        Session(ScriptedEngine(tok), tools=tools)
+    session = Session(ScriptedEngine(tok), tools=[{"name": "ok", "parameters": {}}])
+    with pytest.raises(InvalidRequestError, match=pattern):
+        session.tools = tools
+    assert session.tools == [{"name": "ok", "parameters": {}}]  # unchanged by the refusal
+
+
+def test_sampling_must_be_params_or_a_mapping(tok: Tokenizer, rng_seed: int) -> None:
+    rng = random.Random(rng_seed)
+    session = Session(ScriptedEngine(tok), parser_factory=None)
+    wrong = rng.choice([5, [("max_tokens", 3)], "max_tokens=3", True])
+    with pytest.raises(InvalidRequestError, match="sampling must be SamplingParams or a mapping"):
+        list(session.send([UserMessage(rand_text(rng))], wrong))
+
+
 # --- the real engine --------------------------------------------------------------------------
 
 
