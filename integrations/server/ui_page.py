@@ -63,10 +63,13 @@ PAGE = """<!doctype html>
 "use strict";
 const $ = (id) => document.getElementById(id);
 let ws = null, turn = null, running = false;
-// URL parameters: ?session=ID joins that session; &send=TEXT sends TEXT once connected (a link
-// that starts a turn, as the browser test does); &max_tokens=N and &temperature=T preset those.
+// URL parameters: ?session=ID joins that session; &send=TEXT puts TEXT in the message box and
+// sends it once connected, but only on a session of the page's own (no ?session=): a link from
+// any site may open this page, and must not put words into a session it names (an agent's);
+// there the text waits for the user's Enter. &max_tokens=N and &temperature=T preset those.
 const params = new URLSearchParams(location.search);
 let pending = params.get("send");
+const named = params.has("session");
 $("sid").value = params.get("session") || sessionStorage.getItem("ft-sid") ||
   "ui-" + Math.random().toString(36).slice(2, 8);
 $("key").value = sessionStorage.getItem("ft-key") || "";
@@ -130,7 +133,8 @@ function onEvent(e) {
       // The server's hello says whether the session is free: the time to send a ?send= text
       // (once; it leaves the URL too, so a reload does not send it again).
       if (pending && !e.running) {
-        $("text").value = pending; pending = null; send();
+        $("text").value = pending; pending = null;
+        if (!named) send();
         params.delete("send"); history.replaceState(null, "", "?" + params.toString());
       }
       break;

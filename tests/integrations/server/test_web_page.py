@@ -250,14 +250,14 @@ def _words(rng: random.Random, n: int) -> str:
 
 def test_page_runs_two_turns_and_draws_them(server, browser, rng_seed, nothing_held):
     rng = random.Random(rng_seed)
-    sid = f"page-{rng_seed:x}"
     first, second = _words(rng, rng.randint(2, 5)), _words(rng, rng.randint(2, 5))
     max_tokens = rng.randint(4, 10)
-    query = urllib.parse.urlencode(
-        {"session": sid, "send": first, "max_tokens": max_tokens, "temperature": 0}
-    )
+    # No ?session=: the page's own, where ?send= starts the turn (test_page_watches... checks
+    # that it does not on a session the link names).
+    query = urllib.parse.urlencode({"send": first, "max_tokens": max_tokens, "temperature": 0})
     browser.page("Page.navigate", url=f"{server.base}/?{query}")
     browser.wait_for('document.body?.dataset.finished === "1"')
+    sid = browser.eval('document.getElementById("sid").value')
     # The autostart text left the URL, so a reload would not send it again.
     assert "send=" not in browser.eval("location.search")
     browser.type_and_enter(second)
@@ -280,7 +280,7 @@ def test_page_runs_two_turns_and_draws_them(server, browser, rng_seed, nothing_h
     assert int(usage["prompt"]) == int(usage["reused"]) + int(usage["prefilled"])
     assert int(usage["reused"]) == stats["reused_tokens"] > 0  # turn 2 reused turn 1
     assert 0 < int(usage["generated"]) <= max_tokens
-    assert usage["exact"] == "true" and usage["resume anchor"] != "-"
+    assert usage["exact"] == "true" and usage["anchor before the edit"] != "-"
     memory = shown["memory"]
     assert int(memory["KV pages"]) > 0 and 0 <= int(memory["free"]) <= int(memory["KV pages"])
 
@@ -302,11 +302,17 @@ def test_page_runs_two_turns_and_draws_them(server, browser, rng_seed, nothing_h
 
 
 def test_page_watches_a_session_an_api_client_drives(server, browser, rng_seed, nothing_held):
-    """The page open on an id; an OpenAI client sends `X-Session-Id: id`: the page shows it."""
+    """The page open on an id; an OpenAI client sends `X-Session-Id: id`: the page shows it.
+    The link's ?send= text waits in the message box: a link names a session (the agent's)
+    whose history it must not write into without the user's Enter."""
     rng = random.Random(rng_seed)
     sid = f"watch-{rng_seed:x}"
-    browser.page("Page.navigate", url=f"{server.base}/?{urllib.parse.urlencode({'session': sid})}")
+    bait = _words(rng, rng.randint(2, 4))
+    query = urllib.parse.urlencode({"session": sid, "send": bait})
+    browser.page("Page.navigate", url=f"{server.base}/?{query}")
     browser.wait_for('document.body?.dataset.state === "ready"')
+    assert browser.eval('document.getElementById("text").value') == bait
+    assert server.state.hub.get(sid).turns == 0  # not sent
     question = _words(rng, rng.randint(2, 6))
     r = httpx.post(
         server.base + "/v1/chat/completions",
