@@ -4,8 +4,10 @@ A server with `api_key` refuses every request that does not carry it, with 401 a
 error object (`invalid_api_key`; under /v1/messages Anthropic's `authentication_error`), before
 the body is read. The key comes as `Authorization: Bearer KEY` (OpenAI's SDKs, and Claude Code
 given ANTHROPIC_AUTH_TOKEN) or as `x-api-key: KEY` (Anthropic's SDKs). Browsers cannot set
-headers on a WebSocket, so a socket may instead offer the subprotocol `bearer.<key>` (the web
-page does); the endpoint then answers with the `freetoken` subprotocol, never echoing the key.
+headers on a WebSocket, so a socket may instead offer the subprotocol `bearer.<key>` beside
+`freetoken` (the web page offers ["freetoken", "bearer.<key>"]); the endpoint answers with
+`freetoken`, never echoing the key. A browser socket must offer both: one that offers
+`bearer.<key>` alone gets no subprotocol back, and browsers fail such a handshake.
 The web page itself is public: it holds no data and asks for the key.
 
 Keys are compared in constant time (hmac.compare_digest), so timing reveals nothing about them.
