@@ -248,7 +248,10 @@ class EngineService:
 
     def _drop(self, rid: str) -> None:
         self._sinks.pop(rid, None)
-        self.engine.release(rid)  # a failed sink's request stops; a finished one is dropped
+        try:
+            self.engine.release(rid)  # a failed sink's request stops; a finished one is dropped
+        except Exception:  # noqa: BLE001 - its reader has its end: the thread goes on
+            log.exception("releasing request %s failed", rid)
 
     def _call(self, sink: Sink, event: TokenEvent) -> bool:
         """Deliver one event; False if the sink raised (logged: it fails its request only)."""
@@ -262,26 +265,41 @@ class EngineService:
     # --- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self.lock:
-                self._deliver_all()  # what a caller stepping under the lock left for us
-                self._apply_aborts()
-                while self._running() and not self.engine.has_unfinished():
-                    # Idle: wake now and then so elastic memory follows other programs.
-                    if not self._work.wait(timeout=IDLE_POLL_S):
-                        self._poll_memory()
-                    self._deliver_all()
-                    self._apply_aborts()
-                if not self._running():
+            try:
+                if not self._turn():
                     return
+            except Exception as e:  # noqa: BLE001 - a dead thread would leave every reader hanging
+                log.exception("the engine thread's bookkeeping failed")
                 try:
-                    self.engine.step()
-                except Exception as e:  # noqa: BLE001 - the engine survives; its requests end
-                    if not getattr(self.engine, "closed", False):
-                        log.exception("engine step failed")
+                    with self.lock:
                         self._fail_all(f"{type(e).__name__}: {e}")
-                self._deliver_all()
-                self._apply_aborts()  # last: an abort asked during the step is done on release
+                except Exception:  # noqa: BLE001
+                    log.exception("ending the requests after that failed too")
+                time.sleep(0.1)  # no busy loop should the failure repeat
             time.sleep(0)  # let a thread waiting for the lock (a new request) take it
+
+    def _turn(self) -> bool:
+        """One round of the engine thread: wait for work, step, deliver; False once closed."""
+        with self.lock:
+            self._deliver_all()  # what a caller stepping under the lock left for us
+            self._apply_aborts()
+            while self._running() and not self.engine.has_unfinished():
+                # Idle: wake now and then so elastic memory follows other programs.
+                if not self._work.wait(timeout=IDLE_POLL_S):
+                    self._poll_memory()
+                self._deliver_all()
+                self._apply_aborts()
+            if not self._running():
+                return False
+            try:
+                self.engine.step()
+            except Exception as e:  # noqa: BLE001 - the engine survives; its requests end
+                if not getattr(self.engine, "closed", False):
+                    log.exception("engine step failed")
+                    self._fail_all(f"{type(e).__name__}: {e}")
+            self._deliver_all()
+            self._apply_aborts()  # last: an abort asked during the step is done on release
+        return True
 
     @property
     def closed(self) -> bool:

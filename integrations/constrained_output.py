@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from langchain_core.utils.json_schema import dereference_refs
@@ -194,7 +195,7 @@ def closed(schema: Any, partial: bool = False) -> Any:
     # Parts (allOf branches, or branches beside the object's own properties; whole
     # alternatives are closed each on its own, above) and no $ref beside them.
     parts = "properties" in out or isinstance(out.get("allOf"), list)
-    names = _branch_names(out) if parts and "$ref" not in out else None
+    names = named_properties(out) if parts and "$ref" not in out else None
     if names:  # closed over every name a part lists: each part still holds its own
         own = out.get("properties") or {}
         out["properties"] = {**{n: {} for n in names if n not in own}, **own}
@@ -202,20 +203,22 @@ def closed(schema: Any, partial: bool = False) -> Any:
     return out
 
 
-def _branch_names(schema: dict) -> set[str] | None:
+def named_properties(schema: Mapping[str, Any]) -> set[str] | None:
     """The property names `schema` and its allOf/anyOf/oneOf branches list (theirs too), or
     None where a branch cannot be read or opens the object itself (a $ref, an explicit
-    additionalProperties or patternProperties): then the object stays open."""
+    additionalProperties or patternProperties): then the object stays open, and any name
+    may be one of its keys. `closed` closes an object over them; the MCP host checks the
+    argument names a forced call pins against them."""
     names = set(schema.get("properties") or {})
     for key in _COMBINATIONS:
         for branch in schema.get(key) or []:
-            if not isinstance(branch, dict) or "$ref" in branch:
+            if not isinstance(branch, Mapping) or "$ref" in branch:
                 return None
             if branch.get("additionalProperties", False) is not False:
                 return None
             if "patternProperties" in branch:
                 return None
-            inner = _branch_names(branch)
+            inner = named_properties(branch)
             if inner is None:
                 return None
             names |= inner

@@ -16,7 +16,7 @@ from typing import Any
 
 import mcp_types as types
 
-from freetoken_agent.integrations.constrained_output import call_part
+from freetoken_agent.integrations.constrained_output import call_part, named_properties
 from freetoken_agent.messages import AssistantMessage, Message, ToolCall, ToolResult
 from freetoken_agent.parsers import (
     ContentDelta,
@@ -120,7 +120,8 @@ def call_schema(
     # Closing is forced_schema's (constrained_output.closed): it leaves an object combined
     # with allOf/anyOf/oneOf open, whose branches name the keys (closed here, they forbade
     # every key their branches require).
-    unknown = sorted(set(pinned) - _named_keys(arguments))
+    named = named_properties(arguments)  # None: an open object, which takes any name
+    unknown = [] if named is None else sorted(set(pinned) - named)
     if unknown:
         name = tool["function"]["name"]
         raise ValueError(f"tool_choice pins argument(s) {unknown} that {name!r} does not take")
@@ -130,16 +131,6 @@ def call_schema(
     arguments["required"] = list(dict.fromkeys([*(arguments.get("required") or []), *pinned]))
     schema["properties"] = {**schema["properties"], "arguments": arguments}
     return schema
-
-
-def _named_keys(schema: Mapping[str, Any]) -> set[str]:
-    """The property names `schema` lists, its own and its allOf/anyOf/oneOf branches'."""
-    keys = set(schema.get("properties") or {})
-    for combination in ("allOf", "anyOf", "oneOf"):
-        for branch in schema.get(combination) or []:
-            if isinstance(branch, Mapping):
-                keys |= set(branch.get("properties") or {})
-    return keys
 
 
 def openai_tool(name: str, tool: types.Tool) -> dict[str, Any]:

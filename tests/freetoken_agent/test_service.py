@@ -340,6 +340,41 @@ def test_a_raising_sink_fails_only_its_own_request(engine, rng_seed, caplog):
     assert "the sink of request" in caplog.text
 
 
+@pytest.mark.parametrize("broken", ["release", "take_events"])
+def test_the_engine_thread_outlives_a_failure_of_its_bookkeeping(
+    engine, rng_seed, monkeypatch, caplog, broken
+):
+    """An engine call outside the step that raises (a duck-typed engine without `release`
+    killed the thread once, and every reader after it hung): the readers of that moment end
+    (with their events or an error), and the thread serves the next request."""
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 2)
+    sp = SamplingParams(max_tokens=rng.randint(3, 6), temperature=0, ignore_eos=True)
+    alone = engine.generate(prompts[1], sp).token_ids
+    real = getattr(engine, broken)
+    fails = {"left": rng.randint(1, 3)}
+
+    def flaky(*args, **kwargs):
+        if fails["left"] > 0:
+            fails["left"] -= 1
+            raise AttributeError(f"{broken} is broken")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, broken, flaky)
+    with EngineService(engine) as service:
+        got: list = []
+        reader = threading.Thread(target=lambda: got.extend(service.stream(prompts[0], sp)),
+                                  daemon=True)  # fmt: skip
+        reader.start()
+        reader.join(60)
+        assert not reader.is_alive(), "the first reader hung"
+        assert got and got[-1].finished
+        assert service._thread.is_alive()
+        later = [e.token_id for e in service.stream(prompts[1], sp)]  # served after it
+        assert later == alone
+    assert f"{broken} is broken" in caplog.text
+
+
 def test_a_late_close_of_a_finished_stream_aborts_nothing_else(engine, rng_seed):
     """A stream whose request finished, closed after a new request took the same id (a
     client's own id), does not abort the new one: service.stream and the server's Turn."""

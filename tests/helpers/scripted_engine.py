@@ -72,7 +72,8 @@ class ScriptedEngine:
     def abort(self, rid: str) -> None:
         self.running.pop(rid, None)
 
-    def _pop(self, rid: str) -> None:
+    def release(self, rid: str) -> None:
+        self.abort(rid)
         self.events.pop(rid, None)
 
     def stats(self) -> dict:
