@@ -12,7 +12,6 @@ the raw message.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
@@ -26,6 +25,8 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ValidationError
 from pydantic.v1 import BaseModel as BaseModelV1
 from pydantic.v1 import ValidationError as ValidationErrorV1
+
+from freetoken_agent.parsers.json_scan import loads_strict
 
 
 def structured_runnable(
@@ -87,7 +88,9 @@ def _strict_json(model: type | None) -> Callable[[AIMessage], Any]:
         # .text, not .content: with output_version="v1" the content is a list of blocks.
         text = message.text
         try:
-            value = json.loads(text)
+            # JSON as a tool call's arguments are read: a number past a float's range the
+            # largest float (not inf), a lone surrogate refused (no text it could be).
+            value = loads_strict(text)
         except ValueError as e:
             reason = message.response_metadata.get("finish_reason")
             hint = " (the output hit max_tokens: raise it)" if reason == "length" else ""

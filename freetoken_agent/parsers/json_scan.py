@@ -11,7 +11,9 @@ The scan is linear over the whole text however it is chunked. It accepts every v
 from __future__ import annotations
 
 import json
+import math
 import re
+import sys
 from typing import Any
 
 # Inside a string only these characters matter; everything else is skipped in one search.
@@ -26,18 +28,21 @@ LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 def loads_strict(text: str) -> Any:
     """`json.loads` that raises ValueError for whatever is not plain JSON a tool can take.
 
-    Python's decoder also takes NaN and Infinity, and turns 1e999 into inf: not JSON, so the
-    arguments could not be sent on as JSON, and `nan != nan` breaks "the argument deltas parse
-    to the arguments". Nesting is capped at MAX_DEPTH: past Python's recursion limit the decoder
-    raises RecursionError, which a parser must never let out (a model can loop on `[`), and
-    where that limit falls depends on the caller's stack, so without a cap the same text was a
-    call in one place and not in another. (Found by tests/.../parsers/test_fuzz.py.) Strings
+    Python's decoder also takes NaN and Infinity: not JSON, so the arguments could not be sent
+    on as JSON, and `nan != nan` breaks "the argument deltas parse to the arguments". A number
+    past a float's range (1e999: JSON sets no limit, and a grammar-constrained call's exponent
+    is free, which a weak model fills with digits) is read as the largest float of its sign,
+    not inf: the call stands, its arguments still JSON. Nesting is capped at MAX_DEPTH: past
+    Python's recursion limit the decoder raises RecursionError, which a parser must never let
+    out (a model can loop on `[`), and where that limit falls depends on the caller's stack, so
+    without a cap the same text was a call in one place and not in another. (Found by
+    tests/.../parsers/test_fuzz.py.) Strings
     (keys too) holding a lone UTF-16 surrogate are refused: JSON's escapes can write one
     ("\\ud83d"), but it is no Unicode text, so it cannot be encoded as UTF-8 and the tokenizer
     fails on the history holding it.
     """
     try:
-        value = json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=_not_json, parse_float=_float_in_range)
     except RecursionError as exc:
         raise ValueError("JSON nested too deeply") from exc
     stack = [(value, 1)]  # depth-first, without recursion
@@ -58,10 +63,10 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _finite_float(text: str) -> float:
+def _float_in_range(text: str) -> float:
     value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"{text} overflows a float")
+    if math.isinf(value):  # past the range: the nearest float
+        return math.copysign(sys.float_info.max, value)
     return value
 
 

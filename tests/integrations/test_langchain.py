@@ -52,6 +52,7 @@ from freetoken_agent.integrations.langchain import (
 )
 from freetoken_agent.integrations.langchain_chunks import _spoil
 from freetoken_agent.integrations.langchain_runtime import service_for
+from freetoken_agent.parsers.json_scan import loads_strict
 from freetoken_agent.service import EngineService
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -329,7 +330,7 @@ def test_structured_output_is_valid_for_a_random_schema(engine, rng_seed, form):
         schema = model.model_json_schema()
         out = llm.with_structured_output(schema, include_raw=True).invoke(question)
         assert out["parsing_error"] is None and isinstance(out["raw"], AIMessage)
-        assert json.loads(out["raw"].content) == out["parsed"]
+        assert loads_strict(out["raw"].content) == out["parsed"]  # JSON as a call's arguments
         model.model_validate(out["parsed"])
     else:
         result = llm.with_structured_output(model, method="function_calling").invoke(question)

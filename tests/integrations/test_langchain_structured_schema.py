@@ -5,10 +5,13 @@ $ref included), a TypedDict or an OpenAI tool through LangChain's conversion."""
 from __future__ import annotations
 
 import json
+import math
 import random
+import sys
 
 import jsonschema
 import pytest
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import HumanMessage
 from pydantic import BaseModel
 from scripted_engine import ScriptedEngine
@@ -68,3 +71,19 @@ def test_a_typeddict_still_goes_through_the_conversion(scripted):
     llm = ChatFreeToken(engine=service, max_tokens=50, reasoning=False)
     assert llm.with_structured_output(Flat).invoke([HumanMessage("ka")]) == {"a": 3}
     assert fake.samplings[-1].json_schema["properties"] == {"a": {"type": "integer"}}
+
+
+def test_the_answer_is_read_as_strict_json(scripted, rng_seed):
+    """A number past a float's range is the largest float (json.loads made it inf, no JSON);
+    a lone surrogate escape is a parsing error, not a str no text can hold."""
+    rng = random.Random(rng_seed)
+    fake, service = scripted
+    exponent = rng.randint(309, 10**9)
+    fake.replies = [(f'{{"n": -7e{exponent}, "s": "ok"}}', "stop"),
+                    ('{"n": 1, "s": "a\\ud83d"}', "stop")]  # fmt: skip
+    schema = {"type": "object", "properties": {"n": {"type": "number"}, "s": {"type": "string"}}}
+    llm = ChatFreeToken(engine=service, max_tokens=50, reasoning=False)
+    out = llm.with_structured_output(schema).invoke([HumanMessage("ka")])
+    assert out == {"n": math.copysign(sys.float_info.max, -1.0), "s": "ok"}
+    with pytest.raises(OutputParserException, match="lone surrogate"):
+        llm.with_structured_output(schema).invoke([HumanMessage("ka")])

@@ -145,7 +145,7 @@ def hermes_bad(draw: st.DrawFn) -> tuple:
         f'{{"name": {n}, "arguments": "not json"}}',
         f'{{"name": {n}, "arguments": {{"a": "x\ny"}}}}',  # raw newline in a string
         f'{{"name": {n}, "arguments": {{"path": "C:\\',  # cut after a backslash
-        f'{{"name": {n}, "arguments": {{"x": {draw(st.sampled_from(["NaN", "1e999"]))}}}}}',
+        f'{{"name": {n}, "arguments": {{"x": {draw(st.sampled_from(["NaN", "-Infinity"]))}}}}}',
         f'{{"name": {n}, "arguments": {{"a": {DEEP}}}}}',
         f'{{"name": {n}, "name": {json.dumps(name + "2")}, "arguments": {a}}}',
         f'{{"name": {n}, "arguments": {a}, "arguments": {draw(st.sampled_from([a, "5"]))}}}',
@@ -247,7 +247,7 @@ def mistral_bad(draw: st.DrawFn) -> tuple:
         (f'[TOOL_CALLS][{{"name": "{n}", "arguments": [1]}}]', None),
         (f'[TOOL_CALLS] [{{"name": "{n}", "arguments": {{"x": NaN}}}}]', None),
         (named + '{"a": tru}', None),
-        (named + '{"x": 1e999}', None),
+        (named + '{"x": Infinity}', None),
         (named + f'{{"a": {DEEP}}}', None),
         (named + "[1, 2]", named),
         ("[TOOL_CALLS] is what I would call", "[TOOL_CALLS] is"),

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
+import random
+import sys
 
 import pytest
 
@@ -143,9 +146,10 @@ def test_tool_format_for(model_type, template, fmt):
 
 # Values Python's json.loads takes but a tool call must not: not JSON, nested so deep that the
 # decoder raises RecursionError (100000 is past any recursion limit), or a string holding a lone
-# UTF-16 surrogate (no Unicode text: the tokenizer failed on the history holding it).
-NOT_JSON = ["NaN", "-Infinity", "1e999", "[" * 100_000 + "]" * 100_000, '"a\\ud83d"']
-NOT_JSON_IDS = ["nan", "-inf", "overflow", "deep", "lone-surrogate"]
+# UTF-16 surrogate (no Unicode text: the tokenizer failed on the history holding it). A number
+# past a float's range is JSON: test_a_number_past_a_floats_range_is_the_largest_float.
+NOT_JSON = ["NaN", "-Infinity", "[" * 100_000 + "]" * 100_000, '"a\\ud83d"']
+NOT_JSON_IDS = ["nan", "-inf", "deep", "lone-surrogate"]
 
 
 @pytest.mark.parametrize("value", NOT_JSON, ids=NOT_JSON_IDS)
@@ -165,6 +169,29 @@ def test_arguments_that_are_not_plain_json_void_the_call(fmt, value):
         merged = coalesce(events)
         assert "".join(e.text for e in merged if isinstance(e, ContentDelta)) == text
         assert [e.raw_text for e in merged if isinstance(e, ParseWarning)] == [call]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral"])
+def test_a_number_past_a_floats_range_is_the_largest_float(fmt, rng_seed):
+    """JSON sets no range: a grammar-constrained call's exponent is free, and a weak model
+    writes 36E13696858390141301 (voiding the call failed a forced call). The call stands,
+    the number read as the largest float of its sign; one within range is read as it is."""
+    rng = random.Random(rng_seed)
+    sign = rng.choice(["", "-"])
+    big = f"{sign}{rng.randint(1, 9)}{rng.choice('eE')}{rng.randint(309, 10**12)}"
+    small = f"{rng.randint(1, 9)}e{rng.randint(-300, 300)}"
+    args = f'{{"x": {big}, "y": {small}, "z": [{big}]}}'
+    call = {
+        "hermes": f'<tool_call>\n{{"name": "f", "arguments": {args}}}\n</tool_call>',
+        "mistral": f"[TOOL_CALLS]f[ARGS]{args}",
+    }[fmt]
+    parser = OutputParser(fmt)
+    cut = rng.randrange(1, len(call))
+    events = parser.feed(call[:cut]) + parser.feed(call[cut:]) + parser.finish()
+    (end,) = [e for e in events if isinstance(e, ToolCallEnd)]
+    largest = math.copysign(sys.float_info.max, -1.0 if sign else 1.0)
+    assert end.arguments == {"x": largest, "y": float(small), "z": [largest]}
+    assert json.loads(json.dumps(end.arguments)) == end.arguments  # JSON still
 
 
 @pytest.mark.parametrize("value", NOT_JSON, ids=NOT_JSON_IDS)
