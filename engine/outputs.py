@@ -85,6 +85,10 @@ class TokenEvent:
     # or a prompt-only request's only one): one entry per prompt token, the first None (nothing
     # precedes it); else None (engine/prompt_logprobs.py).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # On the request's final event from the engine: its prompt tokens whose KV it reused (a
+    # cached prefix) and those it computed, exact whatever else ran beside it; else None.
+    reused_tokens: int | None = None
+    prefilled_tokens: int | None = None
 
     def token_logprob(self) -> TokenLogprob | None:
         """This event's token and log-probabilities as one record (None: none carried)."""

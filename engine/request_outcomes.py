@@ -88,6 +88,7 @@ class RequestOutcomes:
         self.finish(req, "length")
         event = TokenEvent(req.id, None, "", 0, True, "length")
         event.prompt_logprobs = list(req.prompt_logprobs)
+        _figures(event, req)
         self.events[req.id].append(event)
         return event
 
@@ -145,6 +146,7 @@ class RequestOutcomes:
             self.finish(req, reason)
             event.finished, event.finish_reason = True, reason
             event.stop_string = state.stop_string
+            _figures(event, req)
         self.events[req.id].append(event)
         return event
 
@@ -165,6 +167,7 @@ class RequestOutcomes:
             # final now: streamed here, the events add up to the output's text.
             text = self._held_text(req.id)
             event = TokenEvent(req.id, None, text, len(req.output_ids), True, reason, req.error)
+            _figures(event, req)
             self.events[req.id].append(event)
 
     def _held_text(self, rid: str) -> str:
@@ -208,3 +211,9 @@ def keep_rows(kept: list[torch.Tensor], start: int, rows: torch.Tensor) -> None:
             break
         held += len(chunk)
     kept.append(rows)
+
+
+def _figures(event: TokenEvent, req: Request) -> None:
+    """A final event's prompt figures: the request's own, exact under concurrency (the
+    engine's totals move by every request that finishes)."""
+    event.reused_tokens, event.prefilled_tokens = req.num_reused, req.num_prefilled

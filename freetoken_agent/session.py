@@ -274,7 +274,8 @@ class Session:
         before = _totals(self.engine)
         out_ids: list[int] = []
         out_text: list[str] = []
-        end: dict[str, Any] = {"reason": None, "error": None, "started": False, "stop_string": None}
+        end: dict[str, Any] = {"reason": None, "error": None, "started": False, "stop_string": None,
+                               "figures": None}  # fmt: skip
         stream = self.engine.stream(diff.prompt.token_ids, params, **self._anchor_options(diff))
         try:
             for event in stream:
@@ -287,6 +288,9 @@ class Session:
                     end["reason"], end["error"] = event.finish_reason, event.error
                     # getattr: duck-typed engines (tests, wrappers) may send older events
                     end["stop_string"] = getattr(event, "stop_string", None)
+                    figures = (getattr(event, "reused_tokens", None),
+                               getattr(event, "prefilled_tokens", None))  # fmt: skip
+                    end["figures"] = None if None in figures else figures
                 if event.text:
                     out_text.append(event.text)
                     yield from parser.feed(event.text) if parser else [TextDelta(event.text)]
@@ -354,7 +358,9 @@ class Session:
     ) -> Usage:
         after = _totals(self.engine)
         reused, prefilled, exact = diff.reused_tokens, diff.prefill_tokens, False
-        if before is not None and after is not None and after[2] - before[2] == 1:
+        if end["figures"] is not None:  # the engine's own, on the request's final event
+            (reused, prefilled), exact = end["figures"], True
+        elif before is not None and after is not None and after[2] - before[2] == 1:
             # Exactly one request finished during the turn, so it was ours: the engine's
             # counters moved by our request's figures alone.
             reused, prefilled, exact = after[0] - before[0], after[1] - before[1], True

@@ -21,7 +21,6 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 from freetoken_agent.engine.outputs import TokenEvent, TokenLogprob
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -32,20 +31,14 @@ class TurnCancelled(Exception):
     """The turn was cancelled before its request reached the engine."""
 
 
-def request_figures(engine: Any, request_id: str) -> dict[str, int] | None:
-    """The engine's reused/prefilled token counts for one request, read on the engine thread
-    while the request is still registered (the service drops it right after its last event).
-
-    The engine has no public per-request accessor yet, so this reads `engine._requests`; it
-    returns None when that is not there, and callers fall back to the Session's figures."""
-    table = getattr(engine, "_requests", None)
-    req = table.get(request_id) if isinstance(table, dict) else None
-    if req is None:
+def request_figures(event: TokenEvent) -> dict[str, int] | None:
+    """A final event's reused/prefilled token counts (TokenEvent.reused_tokens and
+    prefilled_tokens, the engine's own for that request); None on a final event the engine
+    did not write (the service's abort of a request it never stepped), where callers fall
+    back to the Session's figures."""
+    if event.reused_tokens is None or event.prefilled_tokens is None:
         return None
-    try:
-        return {"reused": int(req.num_reused), "prefilled": int(req.num_prefilled)}
-    except (AttributeError, TypeError, ValueError):
-        return None
+    return {"reused": event.reused_tokens, "prefilled": event.prefilled_tokens}
 
 
 class Turn:
@@ -74,7 +67,7 @@ class Turn:
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
         if event.finished:
-            self.figures = request_figures(self.service.engine, event.request_id)
+            self.figures = request_figures(event)
         self._events.put(event)
 
     def stream(

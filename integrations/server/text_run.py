@@ -115,7 +115,7 @@ class TextRun:
         def deliver(event: TokenEvent) -> None:  # on the engine thread, under service.lock
             nonlocal first
             if event.finished:
-                self._figures = request_figures(self.service.engine, event.request_id)
+                self._figures = request_figures(event)
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads any more
                 loop.call_soon_threadsafe(self._events.put_nowait, event)
             if first:

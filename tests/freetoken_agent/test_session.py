@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +35,7 @@ from freetoken_agent.messages import (
     to_template_messages,
 )
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
+from freetoken_agent.service import EngineService
 from freetoken_agent.session import Session, TextDelta, Usage
 
 WORDS = ["alpha", "beta", "gamma", "café", "你好", "🙂", "x,", "{a:", "1}", "!?"]
@@ -330,23 +332,58 @@ def test_send_on_the_demo_engine(engine: Engine, tok: Tokenizer, rng_seed: int) 
     engine.check_integrity()
 
 
-def test_usage_falls_back_to_the_prediction_under_concurrency(engine: Engine, rng_seed: int):
-    """When another request finishes during the turn the engine's counters mix both requests:
-    the Session reports its own prediction and says so."""
+def test_usage_stays_exact_under_concurrency(engine: Engine, rng_seed: int):
+    """Another request finishing during the turn moves the engine's counters too; the turn's
+    figures come from its own request's final event, exact all the same (the Session once fell
+    back to its prediction here, which misses what other sessions put in the prefix cache)."""
     rng = random.Random(rng_seed)
     session = Session(engine, temperature=0, max_tokens=2, ignore_eos=True, parser_factory=None)
     history: list = [UserMessage(rand_text(rng))]
     list(session.send(history))
     history += [AssistantMessage(session.last_output_text), UserMessage(rand_text(rng))]
     predicted = session.diff(history)
-    engine.submit([rng.randrange(1, 900) for _ in range(20)], SamplingParams(max_tokens=2))
+    for _ in range(rng.randint(1, 3)):  # finish beside it
+        engine.submit([rng.randrange(1, 900) for _ in range(20)], SamplingParams(max_tokens=2))
+    before = engine.stats()["tokens"]
     usage = list(session.send(history))[-1]
-    assert not usage.exact
+    assert usage.exact and session.turn_stats[-1]["source"] == "engine"
     assert (usage.reused_tokens, usage.prefilled_tokens) == (
         predicted.reused_tokens,
         predicted.prefill_tokens,
     )
-    assert session.turn_stats[-1]["source"] == "predicted"
+    after = engine.stats()["tokens"]
+    assert after["reused"] - before["reused"] > usage.reused_tokens or (
+        after["prefilled"] - before["prefilled"] > usage.prefilled_tokens
+    )  # the counters did mix the others in: the figures are not their difference
+
+
+def test_sessions_sharing_a_cached_prefix_report_it_when_concurrent(engine: Engine, rng_seed):
+    """Fresh Sessions (ChatFreeToken's pool lends one per call) run at once over a service,
+    their prompts sharing a long system message: each reports what the engine reused for its
+    own request, whatever finished beside it, and together they add up to the engine's."""
+    rng = random.Random(rng_seed)
+    system = " ".join(rand_text(rng) for _ in range(40))
+    with EngineService(engine) as service:
+        first = Session(service, system=system, temperature=0, max_tokens=2, parser_factory=None)
+        list(first.send([UserMessage(rand_text(rng))]))  # the prefix, cached
+        before = service.stats()["tokens"]
+        usages: list = []
+
+        def turn(i: int) -> None:
+            session = Session(service, system=system, temperature=0, max_tokens=3,
+                              ignore_eos=True, parser_factory=None)  # fmt: skip
+            usages.append(list(session.send([UserMessage(f"{i} {rand_text(rng)}")]))[-1])
+
+        threads = [threading.Thread(target=turn, args=(i,)) for i in range(rng.randint(3, 6))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        after = service.stats()["tokens"]
+    assert len(usages) == len(threads) and all(u.exact for u in usages)
+    assert all(u.reused_tokens > 0 for u in usages)  # the system prompt, cached
+    assert sum(u.reused_tokens for u in usages) == after["reused"] - before["reused"]
+    assert sum(u.prefilled_tokens for u in usages) == after["prefilled"] - before["prefilled"]
 
 
 def test_closing_early_aborts_and_keeps_what_was_sent(engine: Engine, rng_seed: int) -> None:
