@@ -127,6 +127,15 @@ class ModelSpec:
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionSpec | None = None  # the recurrent layers' shapes (hybrids only)
 
+    def __post_init__(self) -> None:
+        # What every family reads the same way, checked once: a config with more experts a
+        # token than a layer has loaded and then failed every request inside the router.
+        if self.moe_layers and not 1 <= self.top_k <= self.n_experts:
+            raise ConfigError(
+                f"config.json routes each token to {self.top_k} experts of {self.n_experts} "
+                "a layer: num_experts_per_tok must be from 1 to the number of experts"
+            )
+
     def get(self, name: str, default: Any = None) -> Any:
         return dict(self.extra).get(name, default)
 
@@ -308,6 +317,16 @@ def read_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}: not a model folder")
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
+    quant = cfg.get("quantization_config")
+    if quant is not None:  # its weights need scales this engine does not apply
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ConfigError(
+            f"{path}: a quantized checkpoint ({method}) is not supported; use the model's "
+            "bf16 or fp16 weights"
+        )
+    return cfg

@@ -5,12 +5,17 @@ disturb other requests."""
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Sequence
 
 import torch
 
 from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestError
 from freetoken_agent.engine.request import Recurrence
+
+# A surrogate code point in a str (surrogateescape'd bytes, a lone JSON escape) is no Unicode
+# text: the tokenizer cannot encode it (a TypeError deep inside, not a refusal naming it).
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 Prompt = str | Sequence[int]
 
@@ -60,6 +65,11 @@ def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, max_model_len: int
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
+        if (lone := LONE_SURROGATE.search(prompt)) is not None:  # no text: encoding fails
+            raise InvalidRequestError(
+                f"the prompt holds a lone UTF-16 surrogate {lone.group()!r} at character "
+                f"{lone.start()} (text decoded from bytes that were not UTF-8?)"
+            )
         # With the model's own specials (a Llama/Mistral bos), as transformers, vLLM and
         # llama.cpp encode a raw prompt: those models were trained with it at the start.
         ids = tokenizer.encode(prompt, add_special_tokens=True)

@@ -27,9 +27,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.cli_engine import add_engine_args, load_engine, model_path, positive
 from freetoken_agent.engine.outputs import ContextLengthError
-from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 def _port(text: str) -> int:
@@ -57,15 +58,27 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+          "top_k": "--top-k", "seed": "--seed", "stop": "--stop"}  # fmt: skip
+
+
 def _sampling(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-    )
+    """The sampling flags, checked before the model loads (minutes for a big one): a bad
+    value is an argparse error naming its flag."""
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+        )
+    except SamplingParamsError as e:
+        field, text = e.problems[0]
+        flag = _FLAGS.get(field, field)
+        print(f"freetoken: error: argument {flag}: {text}", file=sys.stderr)
+        raise SystemExit(2) from None  # as argparse refuses a flag
 
 
 @contextlib.contextmanager
@@ -91,7 +104,7 @@ def _stream(engine, prompt, sampling: SamplingParams) -> tuple[str, dict]:
     """Print a completion as it streams; returns its text and statistics (finish
     "interrupted" when Ctrl-C stopped it)."""
     start = time.perf_counter()
-    first, n, reason, parts = None, 0, None, []
+    first, n, reason, error, parts = None, 0, None, None, []
     with _ctrl_c() as pressed, contextlib.closing(engine.stream(prompt, sampling)) as stream:
         for event in stream:
             if event.token_id is not None:
@@ -100,7 +113,7 @@ def _stream(engine, prompt, sampling: SamplingParams) -> tuple[str, dict]:
             print(event.text, end="", flush=True)
             parts.append(event.text)
             if event.finished:
-                reason = event.error or event.finish_reason
+                reason, error = event.finish_reason, event.error
             elif pressed.is_set():
                 reason = "interrupted"
                 break  # closing the stream aborts the request
@@ -108,7 +121,8 @@ def _stream(engine, prompt, sampling: SamplingParams) -> tuple[str, dict]:
     print()
     ttft = (first - start) if first else float("nan")
     rate = (n - 1) / (end - first) if first and n > 1 else float("nan")
-    return "".join(parts), {"tokens": n, "ttft_s": ttft, "decode_tok_s": rate, "finish": reason}
+    stats = {"tokens": n, "ttft_s": ttft, "decode_tok_s": rate, "finish": reason, "error": error}
+    return "".join(parts), stats
 
 
 def _report(stats: dict, engine) -> None:
@@ -124,37 +138,62 @@ def _report(stats: dict, engine) -> None:
     )
 
 
-def _chat_ids(engine, messages: list[dict], **variables) -> list[int]:
-    """The rendered chat as token ids, encoded without the tokenizer's own specials: the
-    template writes its bos itself, and a string prompt would get a second one."""
-    text = engine.tokenizer.apply_chat_template(messages, **variables)
-    return engine.tokenizer.encode(text)
+def _chat_ids(fmt: ChatFormat, messages: list[dict]) -> list[int]:
+    """The rendered chat as token ids, as the server and Session render it (ChatFormat): the
+    template's own control tokens are control tokens, while text in a message that spells one
+    (a pasted transcript's `<|im_end|>`) stays text; the template writes its bos itself."""
+    return fmt.render(messages).token_ids
+
+
+def _text(arg: str) -> str:
+    """A command-line or typed text as Unicode: bytes that were not UTF-8 (Python keeps them
+    as lone surrogates) become U+FFFD, as a decoder replaces them, not a refusal mid-chat."""
+    return arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _failed(stats: dict) -> int | None:
+    """The exit code of a reply that failed (its error said on stderr), else None."""
+    if stats["error"] is None and stats["finish"] != "error":
+        return None
+    print(f"freetoken: error: the request failed: {stats['error']}", file=sys.stderr)
+    return 1
+
+
+def _tokenizer_needed(engine, args: argparse.Namespace, what: str) -> None:
+    if engine.tokenizer is None:
+        print(f"freetoken: error: {what} needs the model's tokenizer, and {args.model} has "
+              "no tokenizer.json", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    sampling = _sampling(args)
     engine = load_engine(args)
-    prompt = args.prompt
+    _tokenizer_needed(engine, args, "generate")
+    prompt = _text(args.prompt)
     if args.chat:
-        if engine.tokenizer is None:
-            raise SystemExit("--chat needs a tokenizer in the model folder")
-        prompt = _chat_ids(engine, [{"role": "user", "content": prompt}])
-    stats = _stream(engine, prompt, _sampling(args))[1]
+        prompt = _chat_ids(ChatFormat(engine.tokenizer), [{"role": "user", "content": prompt}])
+    stats = _stream(engine, prompt, sampling)[1]
     if stats["finish"] == "interrupted":
         return 130  # the shell's code for Ctrl-C
     _report(stats, engine)
-    return 0
+    return _failed(stats) or 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    sampling = _sampling(args)
     engine = load_engine(args)
-    if engine.tokenizer is None or not engine.tokenizer.has_chat_template:
+    _tokenizer_needed(engine, args, "chat")
+    if not engine.tokenizer.has_chat_template:
         # Said now, not after the first message.
         raise SystemExit(
             f"freetoken: error: chat needs a chat template and {args.model} has none (no "
             "chat_template in tokenizer_config.json, no chat_template.jinja): add one, or "
             f"complete plain text with `freetoken generate --model {args.model} TEXT`"
         )
-    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    fmt = ChatFormat(engine.tokenizer)
+    system = _text(args.system) if args.system else None
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
     print("[freetoken] chat: /reset clears the history, /exit or Ctrl-D leaves", file=sys.stderr)
     while True:
         try:
@@ -169,11 +208,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
-        prompt = _chat_ids(engine, history)
+        history.append({"role": "user", "content": _text(line)})
         print("model> ", end="", flush=True)
         try:
-            text, stats = _stream(engine, prompt, _sampling(args))
+            text, stats = _stream(engine, _chat_ids(fmt, history), sampling)
         except ContextLengthError as e:
             history.pop()  # the message that did not fit; the chat goes on
             print(
@@ -182,18 +220,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             continue
+        _report(stats, engine)
+        if _failed(stats):
+            history.pop()  # no reply to keep; the chat goes on
+            continue
         # An interrupted reply stays, as far as it went: the history is what the user saw.
         history.append({"role": "assistant", "content": text})
-        _report(stats, engine)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     args.model = "demo"
+    sampling = _sampling(args)
     engine = load_engine(args)
-    messages = [{"role": "user", "content": args.prompt}]
-    prompt = _chat_ids(engine, messages, enable_thinking=False)
+    messages = [{"role": "user", "content": _text(args.prompt)}]
+    prompt = _chat_ids(ChatFormat(engine.tokenizer, enable_thinking=False), messages)
     print(f"[freetoken] prompt: {args.prompt!r}", file=sys.stderr)
-    _report(_stream(engine, prompt, _sampling(args))[1], engine)
+    stats = _stream(engine, prompt, sampling)[1]
+    _report(stats, engine)
+    if (code := _failed(stats)) is not None:
+        return code
     mem = engine.stats()["memory"]
     print(
         f"[freetoken] {engine.spec.arch} on {engine.loaded.device}: "

@@ -20,6 +20,7 @@ and, when asked (EngineConfig.verify_checksums), by the load as it copies the ro
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -28,13 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from freetoken_agent.engine.config import ModelSpec, read_config
 from freetoken_agent.engine.models.registry import family, spec_from_config
-from freetoken_agent.engine.weights.loader import CheckpointError, name_pattern, safetensors_files
+from freetoken_agent.engine.weights.loader import (
+    CheckpointError,
+    name_pattern,
+    opened,
+    safetensors_files,
+)
 from freetoken_agent.engine.weights.names import Expert, FusedExperts
 
 # L MoE layers, E experts per layer, I expert width, H hidden
@@ -52,6 +57,7 @@ COPIED = (
     "chat_template.jinja",
     "special_tokens_map.json",
 )
+COPIED_FOLDERS = ("additional_chat_templates",)  # named templates (tool_use.jinja, ...)
 
 
 def is_ftw(folder: str | Path) -> bool:
@@ -135,6 +141,8 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     """Convert's work: the banks, dense tensors, manifest and copied files, into `tmp`."""
     itemsize = torch.tensor([], dtype=spec.dtype).element_size()
     shapes = bank_shapes(spec)
+    for b in BANKS:  # the disk's blocks first: a full disk is an OSError here, not a SIGBUS
+        _allocate(tmp / f"experts.{b}.bin", _numel(shapes[b]) * itemsize)  # in a mapped write
     banks = {b: torch.from_file(str(tmp / f"experts.{b}.bin"), shared=True,
                                 size=_numel(shapes[b]), dtype=spec.dtype).view(shapes[b])
              for b in BANKS}  # fmt: skip
@@ -146,7 +154,7 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress)
     with bar:
         for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with opened(path) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     tensor = f.get_tensor(name)
                     bar.update(tensor.numel() * tensor.element_size())
@@ -159,6 +167,12 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
                     expert = int(match.group("E")) if "E" in match.groupdict() else None
                     if layer not in spec.moe_layers:
                         raise CheckpointError(f"expert tensor {name} in non-MoE layer {layer}")
+                    if expert is not None and expert >= spec.n_experts:  # it would fill
+                        # another layer's rows (or run past the bank)
+                        raise CheckpointError(
+                            f"expert tensor {name}: expert {expert}, but config.json gives "
+                            f"{spec.n_experts} experts a layer"
+                        )
                     for slot, k in _where(spec, target, layer, expert):
                         part = tensor if expert is not None else tensor[k]
                         view = banks[slot.bank][slot.lid]
@@ -202,6 +216,28 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     for name in COPIED:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
+    for name in COPIED_FOLDERS:
+        if (src / name).is_dir():
+            shutil.copytree(src / name, tmp / name)
+
+
+def _allocate(path: Path, nbytes: int) -> None:
+    """Create `path` with `nbytes` of disk blocks reserved (posix_fallocate; elsewhere the
+    file is only sized, and a full disk shows up in the mapped write)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    why = f"{path}: no room for {nbytes} bytes ({e.strerror})"
+                    raise OSError(e.errno, why) from e
+                os.ftruncate(fd, nbytes)  # a file system without fallocate
+        else:
+            os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
 
 
 def _sync(path: Path) -> None:

@@ -9,6 +9,7 @@ unmet at the end is a `CheckpointError` that names the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -16,9 +17,10 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -34,11 +36,36 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model: missing, unexpected or mis-shaped tensors."""
 
 
+def unreadable(path: Path, error: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is not a readable safetensors file ({error}): it is damaged or cut short (an "
+        "interrupted download?); fetch or convert it again"
+    )
+
+
+@contextlib.contextmanager
+def opened(path: Path) -> Iterator[Any]:
+    """safe_open of a checkpoint file: what safetensors cannot read, while opening it or in
+    the `with` body, raises CheckpointError naming the file (not a bare SafetensorError)."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as e:
+        raise unreadable(path, e) from e
+
+
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()
+            ):
+                raise TypeError("weight_map must map tensor names to file names")
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index ({e!r:.120})") from e
         files = sorted({model_dir / f for f in weight_map.values()})
     else:
         files = sorted(model_dir.glob("*.safetensors"))
@@ -142,9 +169,17 @@ def _view(kind: str, payload: tuple, params: dict[str, _Param], bank: ExpertSink
 
 def _stream(files: list[Path]) -> Iterator[tuple[str, object, Path]]:
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with opened(path) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f, path
+
+
+def _tensor(handle: Any, name: str, path: Path) -> torch.Tensor:
+    """A tensor of `_stream`'s (read in the caller: outside the generator's `opened`)."""
+    try:
+        return handle.get_tensor(name)
+    except SafetensorError as e:
+        raise unreadable(path, e) from e
 
 
 def load_safetensors(
@@ -182,7 +217,7 @@ def load_safetensors(
                 if not any(p.match(name) for p in plan.ignore):
                     unexpected.append(name)
                 continue
-            tensor = handle.get_tensor(name)
+            tensor = _tensor(handle, name, path)
             kind, payload = target
             if kind == "fused":
                 met.update(_load_fused(name, tensor, payload, spec, bank))
@@ -217,7 +252,7 @@ def untie_differing_head(spec: ModelSpec, files: list[Path], table: NameTable) -
     embed_names = {t for t, target in table if target == embed}
     found: dict[str, Path] = {}
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with opened(path) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name == "lm_head.weight" or name in embed_names:
                     found[name] = path
@@ -238,8 +273,8 @@ def _equal(name_a: str, file_a: Path, name_b: str, file_b: Path, rows: int = 409
     """torch.equal of two checkpoint tensors, compared a few thousand rows at a time so that
     host memory stays far below a table's."""
     with (
-        safe_open(str(file_a), framework="pt", device="cpu") as fa,
-        safe_open(str(file_b), framework="pt", device="cpu") as fb,
+        opened(file_a) as fa,
+        opened(file_b) as fb,
     ):
         sa, sb = fa.get_slice(name_a), fb.get_slice(name_b)
         if sa.get_shape() != sb.get_shape():
