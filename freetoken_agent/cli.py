@@ -295,6 +295,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from freetoken_agent.engine.config import read_config
     from freetoken_agent.engine.models.registry import spec_from_config
     from freetoken_agent.engine.weights import ftw
+    from freetoken_agent.engine.weights.ftw_dense import dense_problem
 
     folder = Path(args.dir)
     if not ftw.is_ftw(folder):
@@ -311,7 +312,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"freetoken: error: {n_bad} of {n_rows} expert rows in {folder} fail their "
               "checksum: the checkpoint is damaged, convert it again", file=sys.stderr)  # fmt: skip
         return 1
-    print(f"[freetoken] {folder}: all {n_rows} expert rows match their checksums", file=sys.stderr)
+    problem = dense_problem(folder, ftw.read_manifest(folder, spec))
+    if problem is not None:
+        print(f"freetoken: error: {problem}; convert it again", file=sys.stderr)
+        return 1
+    print(f"[freetoken] {folder}: all {n_rows} expert rows and the dense weights match their "
+          "checksums", file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from freetoken_agent.engine.config import ModelSpec, read_config
 from freetoken_agent.engine.models.registry import family, spec_from_config
+from freetoken_agent.engine.weights import ftw_dense
 from freetoken_agent.engine.weights.loader import (
     CheckpointError,
     name_pattern,
@@ -190,6 +191,7 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     if missing:
         raise CheckpointError(f"{len(missing)} expert rows missing in {src}: {missing[:8]}")
     save_file(dense, str(tmp / "dense.safetensors"), metadata={"format": "pt"})
+    _sync(tmp / "dense.safetensors")
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -207,9 +209,11 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
             for b in BANKS
         },
         "dense": "dense.safetensors",
+        ftw_dense.FIELD: ftw_dense.file_crc32(tmp / "dense.safetensors"),
     }
     del banks, view  # the last views too: unmapped, so the pages can leave the cache
     (tmp / MANIFEST).write_text(json.dumps(manifest))
+    _sync(tmp / MANIFEST)
     for b in BANKS:
         _sync(tmp / f"experts.{b}.bin")
     verify(tmp, spec)  # read back: a damaged write fails here, not at the first load
@@ -390,8 +394,11 @@ def bad_rows(folder: str | Path, spec: ModelSpec, progress: bool = False) -> dic
 
 
 def verify(folder: str | Path, spec: ModelSpec) -> None:
-    """Check every expert row against its CRC32 (a full read of the banks); a CheckpointError
-    names the rows that fail."""
+    """Check every expert row against its CRC32 (a full read of the banks), and the dense file
+    (ftw_dense.py); a CheckpointError names the rows, or the file, that fail."""
     bad = bad_rows(folder, spec)
     if any(bad.values()):
         raise checksum_error(folder, bad)
+    problem = ftw_dense.dense_problem(Path(folder), read_manifest(folder, spec))
+    if problem is not None:
+        raise CheckpointError(problem)

@@ -146,6 +146,28 @@ def test_verify_command_names_every_bad_row(converted, capsys):
     assert cli.main(["verify", str(ftw_dir.parent / "hf")]) == 2  # not FTW: said, not a crash
 
 
+@pytest.mark.parametrize("damage", ["flip", "cut"])
+def test_verify_finds_damaged_dense_weights(converted, capsys, damage):
+    """A bit flipped in a weight (which loads as a wrong model) or the file cut short: the
+    manifest's dense_crc32 and a read of the file find both."""
+    from freetoken_agent import cli
+
+    _, ftw_dir, spec, rng = converted
+    path = ftw_dir / "dense.safetensors"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        i = rng.randrange(len(data) // 2, len(data))  # in the tensors, past the header
+        data[i] ^= 1 << rng.randrange(8)
+    else:
+        data = data[: rng.randrange(8, len(data))]
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli.main(["verify", str(ftw_dir)]) == 1
+    assert str(path) in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="dense.safetensors"):
+        ftw.verify(ftw_dir, spec)
+
+
 @pytest.mark.parametrize("policy", ["resident", "transfer"])
 def test_verify_checksums_at_load_names_the_bank_and_rows(converted, policy):
     _, ftw_dir, spec, rng = converted
