@@ -17,18 +17,13 @@ that stdout carries only the generated text. Ctrl-C stops a reply: `generate` th
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import os
-import signal
 import sys
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.cli_engine import add_engine_args, load_engine, model_path, positive
+from freetoken_agent.cli_reply import as_text, chat_ids, failed, report, stream_reply
 from freetoken_agent.engine.outputs import ContextLengthError
 from freetoken_agent.engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -81,84 +76,6 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         raise SystemExit(2) from None  # as argparse refuses a flag
 
 
-@contextlib.contextmanager
-def _ctrl_c() -> Iterator[threading.Event]:
-    """Ctrl-C sets the event instead of raising: the stream reads it between tokens and aborts
-    the request there, where a KeyboardInterrupt inside a step would leave the engine half-way
-    through it. A second Ctrl-C raises (a step that takes too long)."""
-    pressed = threading.Event()
-
-    def handler(signum: int, frame: object) -> None:
-        if pressed.is_set():
-            raise KeyboardInterrupt
-        pressed.set()
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield pressed
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _stream(engine, prompt, sampling: SamplingParams) -> tuple[str, dict]:
-    """Print a completion as it streams; returns its text and statistics (finish
-    "interrupted" when Ctrl-C stopped it)."""
-    start = time.perf_counter()
-    first, n, reason, error, parts = None, 0, None, None, []
-    with _ctrl_c() as pressed, contextlib.closing(engine.stream(prompt, sampling)) as stream:
-        for event in stream:
-            if event.token_id is not None:
-                n += 1
-                first = first or time.perf_counter()
-            print(event.text, end="", flush=True)
-            parts.append(event.text)
-            if event.finished:
-                reason, error = event.finish_reason, event.error
-            elif pressed.is_set():
-                reason = "interrupted"
-                break  # closing the stream aborts the request
-    end = time.perf_counter()
-    print()
-    ttft = (first - start) if first else float("nan")
-    rate = (n - 1) / (end - first) if first and n > 1 else float("nan")
-    stats = {"tokens": n, "ttft_s": ttft, "decode_tok_s": rate, "finish": reason, "error": error}
-    return "".join(parts), stats
-
-
-def _report(stats: dict, engine) -> None:
-    s = engine.stats()["tokens"]
-    rate = stats["decode_tok_s"]  # NaN with one token or none: no decode step to time
-    decode = "no decode steps" if math.isnan(rate) else f"{rate:.1f} tok/s decode"
-    first = stats["ttft_s"]
-    first = "no token" if math.isnan(first) else f"first after {first * 1e3:.0f} ms"
-    print(
-        f"[freetoken] {stats['tokens']} tokens, {first}, {decode}, finish: {stats['finish']}; "
-        f"prefilled {s['prefilled']} / reused {s['reused']} prompt tokens so far",
-        file=sys.stderr,
-    )
-
-
-def _chat_ids(fmt: ChatFormat, messages: list[dict]) -> list[int]:
-    """The rendered chat as token ids, as the server and Session render it (ChatFormat): the
-    template's own control tokens are control tokens, while text in a message that spells one
-    (a pasted transcript's `<|im_end|>`) stays text; the template writes its bos itself."""
-    return fmt.render(messages).token_ids
-
-
-def _text(arg: str) -> str:
-    """A command-line or typed text as Unicode: bytes that were not UTF-8 (Python keeps them
-    as lone surrogates) become U+FFFD, as a decoder replaces them, not a refusal mid-chat."""
-    return arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-
-
-def _failed(stats: dict) -> int | None:
-    """The exit code of a reply that failed (its error said on stderr), else None."""
-    if stats["error"] is None and stats["finish"] != "error":
-        return None
-    print(f"freetoken: error: the request failed: {stats['error']}", file=sys.stderr)
-    return 1
-
-
 def _tokenizer_needed(engine, args: argparse.Namespace, what: str) -> None:
     if engine.tokenizer is None:
         print(f"freetoken: error: {what} needs the model's tokenizer, and {args.model} has "
@@ -170,14 +87,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     engine = load_engine(args)
     _tokenizer_needed(engine, args, "generate")
-    prompt = _text(args.prompt)
+    prompt = as_text(args.prompt)
     if args.chat:
-        prompt = _chat_ids(ChatFormat(engine.tokenizer), [{"role": "user", "content": prompt}])
-    stats = _stream(engine, prompt, sampling)[1]
+        prompt = chat_ids(ChatFormat(engine.tokenizer), [{"role": "user", "content": prompt}])
+    stats = stream_reply(engine, prompt, sampling)[1]
     if stats["finish"] == "interrupted":
         return 130  # the shell's code for Ctrl-C
-    _report(stats, engine)
-    return _failed(stats) or 0
+    report(stats, engine)
+    return failed(stats) or 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -192,7 +109,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             f"complete plain text with `freetoken generate --model {args.model} TEXT`"
         )
     fmt = ChatFormat(engine.tokenizer)
-    system = _text(args.system) if args.system else None
+    system = as_text(args.system) if args.system else None
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     print("[freetoken] chat: /reset clears the history, /exit or Ctrl-D leaves", file=sys.stderr)
     while True:
@@ -208,10 +125,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": _text(line)})
+        history.append({"role": "user", "content": as_text(line)})
         print("model> ", end="", flush=True)
         try:
-            text, stats = _stream(engine, _chat_ids(fmt, history), sampling)
+            text, stats = stream_reply(engine, chat_ids(fmt, history), sampling)
         except ContextLengthError as e:
             history.pop()  # the message that did not fit; the chat goes on
             print(
@@ -220,8 +137,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             continue
-        _report(stats, engine)
-        if _failed(stats):
+        report(stats, engine)
+        if failed(stats):
             history.pop()  # no reply to keep; the chat goes on
             continue
         # An interrupted reply stays, as far as it went: the history is what the user saw.
@@ -232,12 +149,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.model = "demo"
     sampling = _sampling(args)
     engine = load_engine(args)
-    messages = [{"role": "user", "content": _text(args.prompt)}]
-    prompt = _chat_ids(ChatFormat(engine.tokenizer, enable_thinking=False), messages)
+    messages = [{"role": "user", "content": as_text(args.prompt)}]
+    prompt = chat_ids(ChatFormat(engine.tokenizer, enable_thinking=False), messages)
     print(f"[freetoken] prompt: {args.prompt!r}", file=sys.stderr)
-    stats = _stream(engine, prompt, sampling)[1]
-    _report(stats, engine)
-    if (code := _failed(stats)) is not None:
+    stats = stream_reply(engine, prompt, sampling)[1]
+    report(stats, engine)
+    if (code := failed(stats)) is not None:
         return code
     mem = engine.stats()["memory"]
     print(
