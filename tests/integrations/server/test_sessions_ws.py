@@ -193,11 +193,14 @@ def test_a_turn_whose_sender_leaves_still_ends_for_its_watchers(client, rng_seed
         deadline = time.monotonic() + 10
         while service.stats()["requests"]["running"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        # A turn of the watcher's own, so this test ends (with a done) also when the left
-        # turn's never comes.
-        _send(watcher, rng, max_tokens=2)
+        # The left turn's done, then a turn of the watcher's own. (The left turn runs until
+        # its done is published, a moment after its request ended: a send before that is
+        # refused as busy, as any send during another's turn is.)
         events = []
-        while not events or events[-1] != {**events[-1], "type": "done", "turn": 1}:
+        while not events or events[-1] != {**events[-1], "type": "done", "turn": 0}:
+            events.append(watcher.receive_json())
+        _send(watcher, rng, max_tokens=2)
+        while events[-1] != {**events[-1], "type": "done", "turn": 1}:
             events.append(watcher.receive_json())
     assert events[0]["type"] == "start" and events[0]["turn"] == 0
     dones = [(e["turn"], e["finish_reason"]) for e in events if e["type"] == "done"]
