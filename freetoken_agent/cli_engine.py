@@ -20,13 +20,14 @@ from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 
 
 def model_path(name: str) -> Path:
-    """`demo` is the embedded demo checkpoint (built once); anything else a folder."""
+    """`demo` is the embedded demo checkpoint (built once); anything else a folder (`~`
+    expanded here: the shell leaves `--model=~/m` as it is)."""
     if name == "demo":
         from freetoken_agent.demo_model import DEMO_NOTICE, ensure_demo_model
 
         print(f"[freetoken] {DEMO_NOTICE}", file=sys.stderr)
         return ensure_demo_model()
-    return Path(name)
+    return Path(name).expanduser()
 
 
 def positive(kind: Callable[[str], float], zero: bool = False) -> Callable[[str], float]:

@@ -11,15 +11,16 @@ The client sends JSON messages:
      "chat_template_kwargs": {"enable_thinking": false}, "model": "..."}
     {"type": "cancel"}                     interrupt the running turn (any watcher may)
 
-`messages` is the whole history (OpenAI form), as agents resend it every turn; with
-`"append": true` it is only what is new, added to the history the session kept from its last
-finished turn (its messages and the reply). `model` is optional; given, it must name the served
-model or an alias (else an `error` with code `model_not_found`). The server answers with the
-events of `session_events` (start, reasoning, content, tool_call, tool_result, usage, memory,
-done, ...), published to every socket open on the same id, so a second socket watches the
-session live. `"continue_final_message": true` has the model go on from the last message, the
-assistant's (a prefill, as on the chat route); the history then keeps that message with the
-reply appended to it. `chat_template_kwargs.enable_thinking` switches the template's thinking
+`messages` is the whole history (OpenAI form), as agents resend it every turn; with `"append":
+true` it is only what is new, added to the history the session kept from its last finished turn
+(its messages and the reply), and a send that names no `tools` keeps the tools of the session's
+last turn (`"tools": []` offers none). `model` is optional; given, it must name the served model
+or an alias (else an `error` with code `model_not_found`). The server answers with the events of
+`session_events` (start, reasoning, content, tool_call, tool_result, usage, memory, done, ...),
+published to every socket open on the same id, so a second socket watches the session live.
+`"continue_final_message": true` has the model go on from the last message, the assistant's (a
+prefill, as on the chat route); the history then keeps that message with the reply appended to
+it. `chat_template_kwargs.enable_thinking` switches the template's thinking
 mode for the turn, as on the chat route (absent: the template's default).
 Problems with one message (bad JSON, a bad history, a busy session) go back to its sender as an
 `error` and a `done`; the socket stays open. A socket that closes cancels the turn it started.
@@ -137,6 +138,8 @@ def turn_request(msg: dict[str, Any], live: LiveSession, state: Any) -> TurnRequ
     ):
         if key in msg:
             body[key] = msg[key]
+    if kept is not None and "tools" not in msg and live.session.tools:
+        body["tools"] = live.session.tools  # the session goes on as it was
     try:
         request = turn_from(body, state.default_max_tokens)
     except InvalidRequestError as e:

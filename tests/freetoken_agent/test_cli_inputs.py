@@ -81,3 +81,12 @@ def test_bytes_that_are_not_utf8_are_read_with_replacements(env, rng_seed):
     done = _run([b"generate", word, b"--device", b"cpu", b"--max-tokens", b"2"], env)
     assert done.returncode == 0, done.stderr.decode()
     assert b"Traceback" not in done.stderr
+
+
+def test_a_model_path_with_a_tilde_is_the_home_folders(monkeypatch, tmp_path, rng_seed):
+    """(`--model=~/m`: the shell expands no tilde after `=`.)"""
+    from freetoken_agent.cli_engine import model_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    name = f"m{random.Random(rng_seed).randrange(1 << 20)}"
+    assert model_path(f"~/{name}") == tmp_path / name

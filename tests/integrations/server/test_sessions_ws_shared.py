@@ -175,3 +175,21 @@ def test_a_turn_the_engines_close_ends_still_reports_its_usage(client, rng_seed)
         usage = [e for e in events if e["type"] == "usage"]
         assert len(usage) == 1 and usage[0]["completion_tokens"] < 900, events
         assert events[-1]["finish_reason"] in ("abort", "error"), events[-1]
+
+
+def test_an_append_without_tools_keeps_the_sessions_tools(client, rng_seed):
+    rng = random.Random(rng_seed)
+    name = "t_" + "".join(rng.choice(string.ascii_lowercase) for _ in range(6))
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+    live_id = f"k-{rng.randrange(1 << 30)}"
+    with client.websocket_connect(URL.format(live_id)) as ws:
+        _hello(ws)
+        prompts = []
+        for extra in ({"tools": tools}, {}, {"tools": []}):
+            said = [{"role": "user", "content": _text(rng)}]
+            ws.send_json({"type": "send", "append": True, "sampling": {"max_tokens": 2},
+                          "messages": said, **extra})  # fmt: skip
+            assert _until(ws, "done")[-1]["finish_reason"] in ("stop", "length")
+            prompts.append(client.app.state.server.hub.get(live_id).session.last_prompt.text)
+    assert name in prompts[0] and name in prompts[1]  # kept by the send that named none
+    assert name not in prompts[2]  # "tools": [] offers none
