@@ -64,12 +64,13 @@ PAGE = """<!doctype html>
 const $ = (id) => document.getElementById(id);
 let ws = null, turn = null, running = false;
 // URL parameters: ?session=ID joins that session; &send=TEXT puts TEXT in the message box and
-// sends it once connected, but only on a session of the page's own (no ?session=): a link from
-// any site may open this page, and must not put words into a session it names (an agent's);
-// there the text waits for the user's Enter. &max_tokens=N and &temperature=T preset those.
+// sends it once connected, but only on a session this page load made up (no ?session=, none
+// remembered by the tab): a link from any site may open this page, and must not put words into
+// a session it names or the tab last watched (an agent's, with the key the tab keeps); there
+// the text waits for the user's Enter. &max_tokens=N and &temperature=T preset those.
 const params = new URLSearchParams(location.search);
 let pending = params.get("send");
-const named = params.has("session");
+const named = params.has("session") || sessionStorage.getItem("ft-sid") !== null;
 $("sid").value = params.get("session") || sessionStorage.getItem("ft-sid") ||
   "ui-" + Math.random().toString(36).slice(2, 8);
 $("key").value = sessionStorage.getItem("ft-key") || "";

@@ -328,4 +328,13 @@ def test_page_watches_a_session_an_api_client_drives(server, browser, rng_seed, 
     [reply] = [b for b in shown["bubbles"] if b["kind"] == "assistant"]
     assert reply["content"] == (r.json()["choices"][0]["message"]["content"] or "")
     assert int(shown["usage"]["generated"]) == r.json()["usage"]["completion_tokens"]
+    # The tab remembers the session it watched: a link without ?session= lands there, and its
+    # text waits too (it would go into the agent's session, with the key the tab keeps).
+    bait = _words(rng, rng.randint(2, 4))
+    query = urllib.parse.urlencode({"send": bait})
+    browser.page("Page.navigate", url=f"{server.base}/?{query}")
+    browser.wait_for('document.body?.dataset.state === "ready"')
+    assert browser.eval('document.getElementById("sid").value') == sid
+    assert browser.eval('document.getElementById("text").value') == bait
+    assert server.state.hub.get(sid).turns == 1  # the API client's only
     nothing_held(server.state.service)
