@@ -94,6 +94,7 @@ class LiveSession:
         self.turn_lock = threading.Lock()  # held by the worker thread for a whole turn
         self.watchers: set[Watcher] = set()
         self.history: list[Message] = []  # the last finished turn's messages and reply
+        self.tools: list[dict] | None = None  # the tools that turn offered
         self.running: TurnRun | None = None
         self.turns = 0
         self.last_used = time.monotonic()

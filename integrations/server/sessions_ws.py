@@ -138,8 +138,8 @@ def turn_request(msg: dict[str, Any], live: LiveSession, state: Any) -> TurnRequ
     ):
         if key in msg:
             body[key] = msg[key]
-    if kept is not None and "tools" not in msg and live.session.tools:
-        body["tools"] = live.session.tools  # the session goes on as it was
+    if kept is not None and "tools" not in msg and live.tools:
+        body["tools"] = live.tools  # the session goes on as its last finished turn was
     try:
         request = turn_from(body, state.default_max_tokens)
     except InvalidRequestError as e:

@@ -71,6 +71,9 @@ class _Memory:
 
 
 _END = object()
+# The longest a worker holds the turn lock for the loop to keep its turn's history (it takes
+# a moment; a loop that has closed never does).
+KEEP_WAIT_S = 10.0
 
 
 def put_first_event(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
@@ -141,6 +144,9 @@ class TurnRun:
         # which it does not start when the run failed by then (`failed_early`).
         self.first_event = asyncio.Event()
         self.failed_early = False
+        # Set once the loop has recorded the run's end (its history kept), or once nobody
+        # will (start() failed or was cancelled): the worker holds the turn lock until then.
+        self._kept = threading.Event()
 
     # --- the worker thread ----------------------------------------------------------------
     def _work(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -172,10 +178,12 @@ class TurnRun:
                 finally:
                     live.bridge.current = None
                 put(_Memory(live.bridge.stats()))
+                put(_END)
+                # The lock is held until the loop has kept this turn's history (`_done`): a
+                # turn waiting for it reads that history as it starts (`_rebased`).
+                self._kept.wait(KEEP_WAIT_S)
         except Exception as e:  # noqa: BLE001 - handed to the loop, which answers the client
             put(e)
-        else:
-            put(_END)
 
     def _rebased(self) -> TurnRequest:
         """The request, an `append` send's messages put after the history kept now (under
@@ -232,10 +240,12 @@ class TurnRun:
             item = await self._queue.get()
         except BaseException:
             self.cancel()
+            self._kept.set()  # no publisher will record the end
             raise
         if isinstance(item, BaseException):
             self.finished = True
             self._stopped_running()
+            self._kept.set()
             if isinstance(item, SchemaError):
                 # The grammar compiler (engine) refuses a schema without knowing which field
                 # of the request it came from: a forced call's is the tools', a call-or-answer
@@ -249,6 +259,7 @@ class TurnRun:
             raise item
         if not isinstance(item, _Started):  # the worker always announces the submission first
             self.cancel()
+            self._kept.set()
             raise RuntimeError(f"turn worker sent {type(item).__name__} before starting")
         self.prompt_tokens = item.prompt_tokens
         # The session's running turn from here to its end, whichever route started it: a
@@ -295,6 +306,7 @@ class TurnRun:
                 self.cancel()
                 self.finished, item = True, e
                 self._stopped_running()
+                self._kept.set()
             if not isinstance(item, _Memory):
                 self._out.put_nowait(item)
 
@@ -312,11 +324,13 @@ class TurnRun:
             self.finished = True
             self._done()
             self._stopped_running()  # after the history is kept: an append sent now reads it
+            self._kept.set()
         elif isinstance(item, BaseException):
             self.finished = True
             self.live.publish(error_json(f"{type(item).__name__}: {item}"))
             self.live.publish({"type": "done", "turn": self.index, "finish_reason": "error"})
             self._stopped_running()
+            self._kept.set()
         elif isinstance(item, _Memory):
             self.live.publish(memory_json(item.stats))
         else:
@@ -376,6 +390,7 @@ class TurnRun:
                 self.live.history = [*before, continued_message(last, reply)]
             else:
                 self.live.history = [*self.request.messages, reply]
+            self.live.tools = self.request.tools  # what an `append` send naming none keeps
         message = self.reply.openai_message()
         self.live.publish(
             {"type": "done", "turn": self.index, "finish_reason": reason, "message": message}

@@ -193,3 +193,47 @@ def test_an_append_without_tools_keeps_the_sessions_tools(client, rng_seed):
             prompts.append(client.app.state.server.hub.get(live_id).session.last_prompt.text)
     assert name in prompts[0] and name in prompts[1]  # kept by the send that named none
     assert name not in prompts[2]  # "tools": [] offers none
+
+
+def test_a_queued_append_reads_the_history_the_turn_before_it_kept(client, rng_seed, monkeypatch):
+    """Turn A runs; an append B, built on the history before A, waits for the turn lock. A's
+    worker holds the lock until the loop has kept A's history, so B starts from it: B's prompt
+    holds A's exchange, and the history after B holds both. (The loop is made slow to keep
+    it here: a worker that let go of the lock first let B read the history without A.)"""
+    import asyncio
+    import time as clock
+
+    rng = random.Random(rng_seed)
+    state = client.app.state.server
+    live = state.hub.get(f"q-{rng.randrange(1 << 30)}")
+    first, second = _text(rng), _text(rng)
+    sampling = {"max_tokens": 3}
+    said_a, said_b = [{"role": "user", "content": first}], [{"role": "user", "content": second}]
+    request_a = turn_request({"type": "send", "messages": said_a, "sampling": sampling}, live,
+                             state)  # fmt: skip
+    request_b = turn_request({"type": "send", "append": True, "messages": said_b,
+                              "sampling": sampling}, live, state)  # fmt: skip
+    assert request_b.based_on == [] and len(request_b.messages) == 1
+    done = TurnRun._done
+
+    def slow_done(self):  # the loop busy elsewhere when A's end comes
+        clock.sleep(0.3)
+        done(self)
+
+    monkeypatch.setattr(TurnRun, "_done", slow_done)
+
+    async def both():
+        a, b = TurnRun(live, request_a), TurnRun(live, request_b)
+        await a.start()
+        b_started = asyncio.ensure_future(b.start())  # its worker waits for the lock
+        async for _ in a.events():
+            pass
+        await b_started
+        async for _ in b.events():
+            pass
+        return b
+
+    b = asyncio.run(both())
+    texts = [m.content for m in live.history if hasattr(m, "content")]
+    assert first in texts and second in texts, texts
+    assert first in live.session.last_prompt.text and b.request.based_on is not None
