@@ -48,6 +48,7 @@ from freetoken_agent.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("freetoken.service")
 IDLE_POLL_S = 0.5  # an idle engine's memory safe point (elastic memory follows free VRAM)
+MAX_FAILURES = 20  # failures in a row of the engine thread's own work before it gives up
 Sink = Callable[[TokenEvent], Any]
 
 _services_lock = threading.RLock()
@@ -264,19 +265,34 @@ class EngineService:
 
     # --- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
+        failures = 0  # in a row
         while True:
             try:
                 if not self._turn():
                     return
+                failures = 0
             except Exception as e:  # noqa: BLE001 - a dead thread would leave every reader hanging
+                failures += 1
                 log.exception("the engine thread's bookkeeping failed")
-                try:
-                    with self.lock:
-                        self._fail_all(f"{type(e).__name__}: {e}")
-                except Exception:  # noqa: BLE001
-                    log.exception("ending the requests after that failed too")
-                time.sleep(0.1)  # no busy loop should the failure repeat
+                why = f"{type(e).__name__}: {e}"
+                with self.lock:
+                    self._end_readers(why)
+                    if failures >= MAX_FAILURES:  # the engine is broken: say so and stop
+                        self._closed = f"the engine failed {failures} times in a row: {why}"
+                        return
+                time.sleep(0.1)  # no busy loop while the failure repeats
             time.sleep(0)  # let a thread waiting for the lock (a new request) take it
+
+    def _end_readers(self, why: str) -> None:
+        """End every reader with an error event, touching the engine only to release each
+        request, guarded: its bookkeeping has just failed and may fail again."""
+        for rid in list(self._sinks):
+            sink = self._sinks.pop(rid)
+            self._call(sink, TokenEvent(rid, None, "", 0, True, "error", why))
+            try:
+                self.engine.release(rid)
+            except Exception:  # noqa: BLE001
+                log.exception("releasing request %s failed", rid)
 
     def _turn(self) -> bool:
         """One round of the engine thread: wait for work, step, deliver; False once closed."""

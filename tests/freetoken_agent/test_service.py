@@ -352,7 +352,7 @@ def test_the_engine_thread_outlives_a_failure_of_its_bookkeeping(
     sp = SamplingParams(max_tokens=rng.randint(3, 6), temperature=0, ignore_eos=True)
     alone = engine.generate(prompts[1], sp).token_ids
     real = getattr(engine, broken)
-    fails = {"left": rng.randint(1, 3)}
+    fails = {"left": rng.randint(1, 3)}  # then it works again
 
     def flaky(*args, **kwargs):
         if fails["left"] > 0:
@@ -370,9 +370,36 @@ def test_the_engine_thread_outlives_a_failure_of_its_bookkeeping(
         assert not reader.is_alive(), "the first reader hung"
         assert got and got[-1].finished
         assert service._thread.is_alive()
+        fails["left"] = 0  # the failure was that moment's
         later = [e.token_id for e in service.stream(prompts[1], sp)]  # served after it
         assert later == alone
     assert f"{broken} is broken" in caplog.text
+
+
+@pytest.mark.parametrize("broken", ["take_events", "has_unfinished"])
+def test_an_engine_thread_that_keeps_failing_ends_its_readers(engine, monkeypatch, broken):
+    """A call failing every time: each reader still gets its end (an error naming the
+    failure), never a hang; failing at every round (has_unfinished), the thread gives up
+    after MAX_FAILURES in a row and the service refuses requests, saying why."""
+    from freetoken_agent import service as service_module
+
+    def failing(*args):
+        raise RuntimeError(f"{broken} is broken for good")
+
+    monkeypatch.setattr(engine, broken, failing)
+    monkeypatch.setattr(service_module, "MAX_FAILURES", 3)
+    with EngineService(engine) as service:
+        for _ in range(2 if broken == "take_events" else 1):  # each reader ends
+            events = list(service.stream([3, 4, 5], SamplingParams(max_tokens=3)))
+            assert events[-1].finished and events[-1].finish_reason == "error"
+            assert f"{broken} is broken for good" in events[-1].error
+        if broken == "take_events":  # a round without readers does not call it: alive
+            assert service._thread.is_alive()
+            return
+        service._thread.join(30)
+        assert not service._thread.is_alive()
+        with pytest.raises(RuntimeError, match="failed 3 times in a row"):
+            service.submit([3, 4], SamplingParams(max_tokens=2), lambda event: None)
 
 
 def test_a_late_close_of_a_finished_stream_aborts_nothing_else(engine, rng_seed):
