@@ -209,6 +209,8 @@ def named_properties(schema: Mapping[str, Any]) -> set[str] | None:
     additionalProperties or patternProperties): then the object stays open, and any name
     may be one of its keys. `closed` closes an object over them; the MCP host checks the
     argument names a forced call pins against them."""
+    if schema.get("additionalProperties", False) is not False or "patternProperties" in schema:
+        return None  # its own extra names are open
     names = set(schema.get("properties") or {})
     for key in _COMBINATIONS:
         for branch in schema.get(key) or []:

@@ -120,7 +120,8 @@ def call_schema(
     # Closing is forced_schema's (constrained_output.closed): it leaves an object combined
     # with allOf/anyOf/oneOf open, whose branches name the keys (closed here, they forbade
     # every key their branches require).
-    named = named_properties(arguments)  # None: an open object, which takes any name
+    # None: an open object (extra names allowed, or a $ref read elsewhere): any name goes
+    named = None if "$ref" in arguments else named_properties(arguments)
     unknown = [] if named is None else sorted(set(pinned) - named)
     if unknown:
         name = tool["function"]["name"]

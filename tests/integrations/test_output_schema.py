@@ -106,3 +106,35 @@ def test_combined_objects_are_closed_over_every_name_their_parts_list(rng_seed):
     for opened in ({"additionalProperties": True}, {"$ref": "#/$defs/X"}):
         part = {**merged, "allOf": [*merged["allOf"], opened], "$defs": {"X": {}}}
         assert "additionalProperties" not in closed(part)
+
+
+def test_an_object_with_pattern_properties_stays_open(rng_seed):
+    """Names its patterns allow are its keys too: closing it over its listed names would
+    refuse them (it did, when combined with branches)."""
+    rng = random.Random(rng_seed)
+    key = f"x_{rng.randint(0, 999)}"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "patternProperties": {"^x_": {"type": "integer"}},
+              "anyOf": [{"required": ["a"]}, {"properties": {"b": {}}}]}  # fmt: skip
+    assert _valid(closed(schema), {"a": 1, key: rng.randint(0, 9)})
+
+
+@pytest.mark.parametrize("opened", ["additionalProperties", "patternProperties", "$ref"])
+def test_an_mcp_forced_call_may_pin_a_name_an_open_object_takes(rng_seed, opened):
+    from freetoken_agent.integrations.mcp_turn import call_schema
+
+    rng = random.Random(rng_seed)
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    ways = {"additionalProperties": {"additionalProperties": True},
+            "patternProperties": {"patternProperties": {"^p": {}}},
+            "$ref": {"$ref": "#/$defs/P", "$defs": {"P": {"type": "object"}}}}  # fmt: skip
+    params |= ways[opened]
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    name = f"p{rng.randint(0, 99)}"
+    value = rng.randint(0, 9)
+    schema = call_schema(tool, {name: value}, {})
+    assert schema["properties"]["arguments"]["properties"][name] == {"const": value}
+    closed_params = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    closed_tool = {"type": "function", "function": {"name": "f", "parameters": closed_params}}
+    with pytest.raises(ValueError, match="does not take"):
+        call_schema(closed_tool, {name: value}, {})
