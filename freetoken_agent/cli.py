@@ -17,6 +17,7 @@ that stdout carries only the generated text. Ctrl-C stops a reply: `generate` th
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from pathlib import Path
@@ -109,6 +110,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
             f"complete plain text with `freetoken generate --model {args.model} TEXT`"
         )
     fmt = ChatFormat(engine.tokenizer)
+    # A typed line's bytes that are not UTF-8 reach as_text as lone surrogates, whatever the
+    # locale (a strict one raised UnicodeDecodeError in input(), ending the chat).
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="surrogateescape")
     system = as_text(args.system) if args.system else None
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     print("[freetoken] chat: /reset clears the history, /exit or Ctrl-D leaves", file=sys.stderr)

@@ -90,3 +90,20 @@ def test_a_model_path_with_a_tilde_is_the_home_folders(monkeypatch, tmp_path, rn
     monkeypatch.setenv("HOME", str(tmp_path))
     name = f"m{random.Random(rng_seed).randrange(1 << 20)}"
     assert model_path(f"~/{name}") == tmp_path / name
+
+
+def test_a_typed_line_that_is_not_utf8_does_not_end_the_chat(env, rng_seed):
+    """Under a strict stdin (a desktop UTF-8 locale; forced here), input() raised on such a
+    line and the chat exited 2; the line is read with U+FFFD and the next one is answered."""
+    rng = random.Random(rng_seed)
+    bad = b"caf" + bytes([rng.choice([0xE9, 0xFF, 0xC3])]) + b"\n"
+    lines = bad + b"ka lo\n/exit\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "freetoken_agent.cli", "chat", "--device", "cpu",
+         "--max-tokens", "2"],
+        input=lines, capture_output=True, env={**env, "PYTHONIOENCODING": "utf-8:strict"},
+        timeout=300,
+    )  # fmt: skip
+    stderr = done.stderr.decode()
+    assert done.returncode == 0, stderr
+    assert stderr.count("[freetoken] ") >= 3, stderr  # the notice and two answered lines
