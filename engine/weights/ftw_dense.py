@@ -27,8 +27,11 @@ def dense_problem(folder: Path, manifest: dict) -> str | None:
     """What is wrong with the folder's dense file (None: nothing found)."""
     path = folder / manifest["dense"]
     want = manifest.get(FIELD)
-    if want is not None and file_crc32(path) != want:
-        return f"{path} fails its checksum (the manifest's {FIELD}): the file is damaged"
+    try:
+        if want is not None and file_crc32(path) != want:
+            return f"{path} fails its checksum (the manifest's {FIELD}): the file is damaged"
+    except OSError as e:  # gone, or unreadable: said as the damage it is
+        return f"{path} cannot be read: {e.strerror or e}"
     try:
         with opened(path) as f:
             f.keys()

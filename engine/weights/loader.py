@@ -176,8 +176,13 @@ def _stream(files: list[Path]) -> Iterator[tuple[str, object, Path]]:
 
 def _tensor(handle: Any, name: str, path: Path) -> torch.Tensor:
     """A tensor of `_stream`'s (read in the caller: outside the generator's `opened`)."""
+    return _read(path, handle.get_tensor, name)
+
+
+def _read(path: Path, read: Any, key: Any) -> Any:
+    """`read(key)` from the file at `path`; what safetensors cannot read names that file."""
     try:
-        return handle.get_tensor(name)
+        return read(key)
     except SafetensorError as e:
         raise unreadable(path, e) from e
 
@@ -272,15 +277,15 @@ def untie_differing_head(spec: ModelSpec, files: list[Path], table: NameTable) -
 def _equal(name_a: str, file_a: Path, name_b: str, file_b: Path, rows: int = 4096) -> bool:
     """torch.equal of two checkpoint tensors, compared a few thousand rows at a time so that
     host memory stays far below a table's."""
-    with (
-        opened(file_a) as fa,
-        opened(file_b) as fb,
-    ):
-        sa, sb = fa.get_slice(name_a), fb.get_slice(name_b)
+    # Each read is blamed on its own file (nested `opened`s would name the inner one for a
+    # failure of the outer's).
+    with opened(file_a) as fa, opened(file_b) as fb:
+        sa, sb = _read(file_a, fa.get_slice, name_a), _read(file_b, fb.get_slice, name_b)
         if sa.get_shape() != sb.get_shape():
             return False
         for lo in range(0, sa.get_shape()[0], rows):
-            x, y = sa[lo : lo + rows], sb[lo : lo + rows]  # [<= rows, H]
+            x = _read(file_a, sa.__getitem__, slice(lo, lo + rows))  # [<= rows, H]
+            y = _read(file_b, sb.__getitem__, slice(lo, lo + rows))
             if not torch.equal(x, y.to(x.dtype)):
                 return False
     return True

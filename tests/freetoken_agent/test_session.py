@@ -368,13 +368,15 @@ def test_sessions_sharing_a_cached_prefix_report_it_when_concurrent(engine: Engi
         list(first.send([UserMessage(rand_text(rng))]))  # the prefix, cached
         before = service.stats()["tokens"]
         usages: list = []
+        # Drawn before the threads start: which thread runs which is the scheduler's.
+        questions = [f"{i} {rand_text(rng)}" for i in range(rng.randint(3, 6))]
 
-        def turn(i: int) -> None:
+        def turn(question: str) -> None:
             session = Session(service, system=system, temperature=0, max_tokens=3,
                               ignore_eos=True, parser_factory=None)  # fmt: skip
-            usages.append(list(session.send([UserMessage(f"{i} {rand_text(rng)}")]))[-1])
+            usages.append(list(session.send([UserMessage(question)]))[-1])
 
-        threads = [threading.Thread(target=turn, args=(i,)) for i in range(rng.randint(3, 6))]
+        threads = [threading.Thread(target=turn, args=(q,)) for q in questions]
         for t in threads:
             t.start()
         for t in threads:
