@@ -90,7 +90,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k filter (-1 too, as vLLM takes it: read as 0)
     top_p: float = 1.0
     seed: int | None = None  # a seeded request draws the same tokens whatever it is batched with
-    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
+    stop: list[str] = field(default_factory=list)  # stop strings (cut from the text, but:)
     # vLLM's: the stop string that ended the output stays at the end of its text.
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = field(default_factory=list)

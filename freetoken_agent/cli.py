@@ -5,7 +5,7 @@
     freetoken chat --model DIR             an interactive chat that keeps its KV across turns
     freetoken serve [--model DIR]          OpenAI-compatible API, session WebSocket, web page
     freetoken convert HF_DIR OUT_DIR       write a checkpoint as FTW expert banks
-    freetoken verify FTW_DIR               check every expert row against its checksum
+    freetoken verify FTW_DIR               check the expert rows and dense weights' checksums
     freetoken calibrate [--model DIR]      measure the bandwidths the q* split uses
     freetoken bench ...                    benchmarks (see `freetoken bench --help`)
 
@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst", help="new folder for the FTW checkpoint")
     conv.set_defaults(func=cmd_convert)
 
-    ver = sub.add_parser("verify", help="check an FTW folder's expert rows against their CRC32s")
+    ver = sub.add_parser("verify", help="check an FTW folder's expert rows and dense weights")
     ver.add_argument("dir", help="FTW checkpoint folder (`freetoken convert` wrote it)")
     ver.set_defaults(func=cmd_verify)
 

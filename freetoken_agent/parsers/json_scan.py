@@ -32,7 +32,9 @@ def loads_strict(text: str) -> Any:
     on as JSON, and `nan != nan` breaks "the argument deltas parse to the arguments". A number
     past a float's range (1e999: JSON sets no limit, and a grammar-constrained call's exponent
     is free, which a weak model fills with digits) is read as the largest float of its sign,
-    not inf: the call stands, its arguments still JSON. Nesting is capped at MAX_DEPTH: past
+    not inf: the call stands, its arguments still JSON. (The one place where a call's
+    streamed argument text, "1e999", and its arguments differ: any JSON reader makes that
+    text inf, which no JSON can carry on.) Nesting is capped at MAX_DEPTH: past
     Python's recursion limit the decoder raises RecursionError, which a parser must never let
     out (a model can loop on `[`), and where that limit falls depends on the caller's stack, so
     without a cap the same text was a call in one place and not in another. (Found by

@@ -4,7 +4,7 @@ server's life, the most recent MAX_KEPT. A request with `store: false` (Codex se
 kept. Each kept response holds:
 - `response`: the response object as it ended;
 - `input`: this request's own input items (those after the previous response's), each with an
-  id as OpenAI lists them (responses_input.listed_items);
+  id as OpenAI lists them (responses_listing.listed_items);
 - `conversation`: the whole conversation as input items (the previous ones', this input, then
   the output), which a request naming it as previous_response_id continues."""
 

@@ -8,7 +8,6 @@ imported in importlib mode and cannot import one another).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import re
@@ -28,6 +27,7 @@ from freetoken_agent.parsers import (
     ToolCallStart,
     coalesce,
 )
+from freetoken_agent.parsers.json_scan import loads_strict
 
 # Characters that stress the parsers: tag and JSON syntax, escapes, newlines, non-ASCII.
 HARD = '<>/[]{}"\\\n\t :,=_'
@@ -134,7 +134,8 @@ def normalize(events: list) -> list:
 
     Protocol: starts count 0, 1, 2, ...; ids are unique `call_<24 hex>`; argument deltas and the
     end refer to an open call; the end repeats its start's id and name; a call's argument deltas
-    concatenate to JSON equal to its end's arguments; a voided call (warning with its index)
+    concatenate to JSON equal to its end's arguments (as loads_strict reads both: a number past
+    a float's range is the largest float in each); a voided call (warning with its index)
     gets no end, and no event refers to it afterwards.
     """
     started: dict[int, ToolCallStart] = {}
@@ -157,7 +158,7 @@ def normalize(events: list) -> list:
             s = started[e.index]
             assert (e.id, e.name) == (s.id, s.name), (e, s)
             assert isinstance(e.arguments, dict)
-            assert json.loads(args_text[e.index]) == e.arguments, (args_text[e.index], e)
+            assert loads_strict(args_text[e.index]) == e.arguments, (args_text[e.index], e)
             closed.add(e.index)
         elif isinstance(e, ParseWarning) and e.index is not None:
             assert e.index in started and e.index not in closed, e
@@ -323,7 +324,7 @@ def check_stream(events: list[Event], text: str, verbatim: bool) -> None:
         elif isinstance(e, ToolCallEnd):
             assert e.index in open_calls, e
             assert (e.id, e.name) == (started[e.index].id, started[e.index].name), e
-            assert json.loads(args_text[e.index]) == e.arguments, (args_text[e.index], e)
+            assert loads_strict(args_text[e.index]) == e.arguments, (args_text[e.index], e)
             open_calls.remove(e.index)
         elif e.index is not None:
             assert e.index in open_calls, e

@@ -172,7 +172,7 @@ def test_arguments_that_are_not_plain_json_void_the_call(fmt, value):
 
 
 @pytest.mark.parametrize("fmt", ["hermes", "mistral"])
-def test_a_number_past_a_floats_range_is_the_largest_float(fmt, rng_seed):
+def test_a_number_past_a_floats_range_is_the_largest_float(fmt, rng_seed, kit):
     """JSON sets no range: a grammar-constrained call's exponent is free, and a weak model
     writes 36E13696858390141301 (voiding the call failed a forced call). The call stands,
     the number read as the largest float of its sign; one within range is read as it is."""
@@ -189,6 +189,7 @@ def test_a_number_past_a_floats_range_is_the_largest_float(fmt, rng_seed):
     cut = rng.randrange(1, len(call))
     events = parser.feed(call[:cut]) + parser.feed(call[cut:]) + parser.finish()
     (end,) = [e for e in events if isinstance(e, ToolCallEnd)]
+    kit.normalize(events)  # the call protocol holds (its deltas read as loads_strict reads them)
     largest = math.copysign(sys.float_info.max, -1.0 if sign else 1.0)
     assert end.arguments == {"x": largest, "y": float(small), "z": [largest]}
     assert json.loads(json.dumps(end.arguments)) == end.arguments  # JSON still
