@@ -20,7 +20,6 @@ and, when asked (EngineConfig.verify_checksums), by the load as it copies the ro
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ from tqdm.auto import tqdm
 from freetoken_agent.engine.config import ModelSpec, read_config
 from freetoken_agent.engine.models.registry import family, spec_from_config
 from freetoken_agent.engine.weights import ftw_dense
+from freetoken_agent.engine.weights.disk_files import allocate, synced
 from freetoken_agent.engine.weights.loader import (
     CheckpointError,
     name_pattern,
@@ -143,7 +143,7 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     itemsize = torch.tensor([], dtype=spec.dtype).element_size()
     shapes = bank_shapes(spec)
     for b in BANKS:  # the disk's blocks first: a full disk is an OSError here, not a SIGBUS
-        _allocate(tmp / f"experts.{b}.bin", _numel(shapes[b]) * itemsize)  # in a mapped write
+        allocate(tmp / f"experts.{b}.bin", _numel(shapes[b]) * itemsize)  # in a mapped write
     banks = {b: torch.from_file(str(tmp / f"experts.{b}.bin"), shared=True,
                                 size=_numel(shapes[b]), dtype=spec.dtype).view(shapes[b])
              for b in BANKS}  # fmt: skip
@@ -191,7 +191,7 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     if missing:
         raise CheckpointError(f"{len(missing)} expert rows missing in {src}: {missing[:8]}")
     save_file(dense, str(tmp / "dense.safetensors"), metadata={"format": "pt"})
-    _sync(tmp / "dense.safetensors")
+    synced(tmp / "dense.safetensors")
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -213,9 +213,9 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     }
     del banks, view  # the last views too: unmapped, so the pages can leave the cache
     (tmp / MANIFEST).write_text(json.dumps(manifest))
-    _sync(tmp / MANIFEST)
+    synced(tmp / MANIFEST)
     for b in BANKS:
-        _sync(tmp / f"experts.{b}.bin")
+        synced(tmp / f"experts.{b}.bin")
     verify(tmp, spec)  # read back: a damaged write fails here, not at the first load
     for name in COPIED:
         if (src / name).is_file():
@@ -223,37 +223,6 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     for name in COPIED_FOLDERS:
         if (src / name).is_dir():
             shutil.copytree(src / name, tmp / name)
-
-
-def _allocate(path: Path, nbytes: int) -> None:
-    """Create `path` with `nbytes` of disk blocks reserved (posix_fallocate; elsewhere the
-    file is only sized, and a full disk shows up in the mapped write)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        if hasattr(os, "posix_fallocate"):
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    why = f"{path}: no room for {nbytes} bytes ({e.strerror})"
-                    raise OSError(e.errno, why) from e
-                os.ftruncate(fd, nbytes)  # a file system without fallocate
-        else:
-            os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
-
-
-def _sync(path: Path) -> None:
-    """Write a file to the disk and drop it from the page cache (where the OS allows), so a
-    read-back reads the disk rather than the pages just written."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

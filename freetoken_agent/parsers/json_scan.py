@@ -16,13 +16,15 @@ import re
 import sys
 from typing import Any
 
+# A surrogate code point left in a decoded str is unpaired (json.loads joins escaped pairs):
+# the engine's pattern, which refuses such text in a prompt too.
+from freetoken_agent.engine.prompt_input import LONE_SURROGATE
+
 # Inside a string only these characters matter; everything else is skipped in one search.
 _STRING_STOP = re.compile(r'["\\\x00-\x1f]')
 _ESCAPES = '"\\/bfnrtu'  # what may follow a backslash in a JSON string
 _SPACE = " \t\n\r"
 MAX_DEPTH = 100  # deeper than any tool's arguments, far within Python's recursion limit
-# Any surrogate code point left in a decoded str is unpaired: json.loads joins escaped pairs.
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def loads_strict(text: str) -> Any:

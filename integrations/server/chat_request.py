@@ -41,13 +41,13 @@ from freetoken_agent.integrations.server.foreign_fields import (
     check_chat_fields,
     check_sampling_fields,
     continue_final_message,
-    enable_thinking,
     stop_token_ids,
 )
 from freetoken_agent.integrations.server.logprobs_request import (
     body_prompt_logprobs,
     chat_body_logprobs,
 )
+from freetoken_agent.integrations.server.thinking_switch import enable_thinking
 from freetoken_agent.integrations.server.tool_choice import (
     ToolChoice,
     call_or_answer_schema,

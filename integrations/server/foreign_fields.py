@@ -10,9 +10,8 @@ vLLM's extensions:
 - `stop_token_ids`, `repetition_penalty`, `min_p`, `min_tokens` and `thinking_token_budget`
   are honoured (SamplingParams has them; chat_request.sampling_from reads them).
 - `chat_template_kwargs`: `enable_thinking` (true or false) renders the prompt with that
-  template variable, as ChatFreeToken's `reasoning` does (a ChatFormat per value, hub.py).
-  Other keys are refused by name: the template would take them, but what they change (a
-  parser that no longer matches the output, say) is nothing this server has checked.
+  template variable, as ChatFreeToken's `reasoning` does (a ChatFormat per value, hub.py);
+  read, with `reasoning_effort`, by thinking_switch.py.
 - `include_stop_str_in_output` is honoured (the stop string stays at the end of the text).
 - `top_k: -1` is vLLM's "no top-k", as 0 is: taken.
 - Refused unless at their neutral values, for what they would change is not built here:
@@ -28,10 +27,8 @@ vLLM's extensions:
   output is the bare string, not JSON, so it is not a JSON-schema enum; the API takes no regex
   or grammar (the engine's `SamplingParams.grammar` is llguidance's Lark syntax, which vLLM's
   grammars are not written in).
-- `reasoning_effort` (OpenAI's, for its reasoning models; LangChain's ChatOpenAI and Open
-  WebUI send it) is read as the one switch the chat templates have: "none" turns thinking off,
-  any other effort on (how long the model thinks is thinking_token_budget's to cap). One that
-  contradicts chat_template_kwargs.enable_thinking is refused.
+- `reasoning_effort` (OpenAI's; LangChain's ChatOpenAI and Open WebUI send it): the thinking
+  switch, read by thinking_switch.py.
 - `prompt_logprobs` is honoured (0..20; not with a stream: logprobs_request.py), on the
   text completion's choice and on the chat completion's top level, where vLLM puts it.
 - `continue_final_message: true` is honoured: the model goes on from the last message, the
@@ -137,59 +134,6 @@ def stop_token_ids(body: Mapping[str, Any]) -> list[int] | None:
         raise BadParam(
             f"stop_token_ids must be a list of token ids (integers >= 0), got {value!r:.40}",
             "stop_token_ids",
-        )
-    return value
-
-
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning efforts
-
-
-def thinking_of_effort(effort: Any, field: str) -> bool | None:
-    """OpenAI's reasoning effort as enable_thinking: "none" off, any other effort on; None
-    (absent) the template's default. `field` names it in a refusal."""
-    if effort is None:
-        return None
-    if effort not in EFFORTS:
-        raise BadParam(f"{field} must be one of {', '.join(EFFORTS)}, got {effort!r:.40}", field)
-    return effort != "none"
-
-
-def enable_thinking(body: Mapping[str, Any]) -> bool | None:
-    """chat_template_kwargs.enable_thinking, or what reasoning_effort says (None: the
-    template's default)."""
-    effort = thinking_of_effort(body.get("reasoning_effort"), "reasoning_effort")
-    switch = _template_switch(body)
-    if effort is not None and switch is not None and effort != switch:
-        raise BadParam(
-            f"reasoning_effort {body['reasoning_effort']!r} turns thinking "
-            f"{'on' if effort else 'off'}, but chat_template_kwargs.enable_thinking is "
-            f"{str(switch).lower()}: send one of them",
-            "reasoning_effort",
-        )
-    return effort if switch is None else switch
-
-
-def _template_switch(body: Mapping[str, Any]) -> bool | None:
-    """chat_template_kwargs.enable_thinking (None: not given)."""
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        return None
-    if not isinstance(kwargs, Mapping):
-        raise BadParam(
-            f"chat_template_kwargs must be an object, got {kwargs!r:.40}", "chat_template_kwargs"
-        )
-    others = sorted(str(k) for k in kwargs if k != "enable_thinking")
-    if others:
-        raise BadParam(
-            f"chat_template_kwargs {others!r:.60} are not supported by this server; it takes "
-            "only enable_thinking (true or false)",
-            "chat_template_kwargs",
-        )
-    value = kwargs.get("enable_thinking")
-    if value is not None and not isinstance(value, bool):
-        raise BadParam(
-            f"chat_template_kwargs.enable_thinking must be true or false, got {value!r:.40}",
-            "chat_template_kwargs",
         )
     return value
 

@@ -15,7 +15,7 @@ Fields:
 - `text.format`: {type: "text"} (free), {type: "json_object"}, {type: "json_schema", name,
   schema, strict} -> the chat route's response_format.
 - `reasoning.effort`: "none" -> thinking off (the template's enable_thinking false); any other
-  effort on, as the chat route reads reasoning_effort (foreign_fields.thinking_of_effort; a
+  effort on, as the chat route reads reasoning_effort (thinking_switch.thinking_of_effort; a
   budget is the chat route's thinking_token_budget).
 - `previous_response_id`: the stored response's conversation (its input, then its output
   items) goes before `input` (responses_store.py: kept in memory, the most recent ones; not
@@ -41,9 +41,9 @@ from freetoken_agent.integrations.server.chat_request import (
     parse_chat_request,
 )
 from freetoken_agent.integrations.server.errors import BadParam, describe_invalid
-from freetoken_agent.integrations.server.foreign_fields import thinking_of_effort
 from freetoken_agent.integrations.server.responses_input import chat_history, input_items
 from freetoken_agent.integrations.server.responses_store import ResponseStore
+from freetoken_agent.integrations.server.thinking_switch import thinking_of_effort
 
 _SAME = ("stream", "temperature", "top_p", "parallel_tool_calls")
 _NO_SERVER_TOOLS = "this server runs no tools itself and knows no built-in tool definitions"

@@ -39,7 +39,8 @@ from freetoken_agent.integrations.server.errors import (
     invalid_response,
     parse_json_body,
 )
-from freetoken_agent.integrations.server.foreign_fields import enable_thinking, generation_flags
+from freetoken_agent.integrations.server.foreign_fields import generation_flags
+from freetoken_agent.integrations.server.thinking_switch import enable_thinking
 from freetoken_agent.integrations.server.tool_choice import parse_tools
 
 log = logging.getLogger("freetoken.server")

@@ -92,14 +92,14 @@ def test_convert_reads_back_what_it_wrote(tmp_path, rng_seed, monkeypatch):
     make_tiny("qwen3_moe", hf_dir, rng_seed)
     spec = spec_from_config(read_config(hf_dir))
     bank, rows = _damage(spec, random.Random(rng_seed))
-    sync = getattr(ftw, "_sync", lambda path: None)
+    sync = ftw.synced
 
     def damaging_sync(path):
         if path.name == f"experts.{bank}.bin":
             _flip_rows(path.parent, spec, bank, rows, random.Random(rng_seed))
         sync(path)
 
-    monkeypatch.setattr(ftw, "_sync", damaging_sync, raising=False)
+    monkeypatch.setattr(ftw, "synced", damaging_sync)
     with pytest.raises(CheckpointError, match=rf"{bank}: {len(rows)} expert rows fail"):
         ftw.convert(hf_dir, dst, progress=False)
     assert not dst.exists() and not (tmp_path / "ftw.partial").exists()  # its work removed
