@@ -285,14 +285,9 @@ class EngineService:
 
     def _end_readers(self, why: str) -> None:
         """End every reader with an error event, touching the engine only to release each
-        request, guarded: its bookkeeping has just failed and may fail again."""
+        request (`_drop`, guarded): its bookkeeping has just failed and may fail again."""
         for rid in list(self._sinks):
-            sink = self._sinks.pop(rid)
-            self._call(sink, TokenEvent(rid, None, "", 0, True, "error", why))
-            try:
-                self.engine.release(rid)
-            except Exception:  # noqa: BLE001
-                log.exception("releasing request %s failed", rid)
+            self._end(rid, TokenEvent(rid, None, "", 0, True, "error", why))
 
     def _turn(self) -> bool:
         """One round of the engine thread: wait for work, step, deliver; False once closed."""

@@ -356,9 +356,11 @@ class Session:
     def _usage(
         self, diff: HistoryDiff, suffix: list[int], out_ids: list[int], end: dict, before
     ) -> Usage:
-        after = _totals(self.engine)
         reused, prefilled, exact = diff.reused_tokens, diff.prefill_tokens, False
-        if end["figures"] is not None:  # the engine's own, on the request's final event
+        # The engine's own figures, on the request's final event; else (an engine that sends
+        # none) its counters, read again only then: stats() takes the service's lock.
+        after = None if end["figures"] is not None else _totals(self.engine)
+        if end["figures"] is not None:
             (reused, prefilled), exact = end["figures"], True
         elif before is not None and after is not None and after[2] - before[2] == 1:
             # Exactly one request finished during the turn, so it was ours: the engine's

@@ -174,11 +174,6 @@ def _stream(files: list[Path]) -> Iterator[tuple[str, object, Path]]:
                 yield name, f, path
 
 
-def _tensor(handle: Any, name: str, path: Path) -> torch.Tensor:
-    """A tensor of `_stream`'s (read in the caller: outside the generator's `opened`)."""
-    return _read(path, handle.get_tensor, name)
-
-
 def _read(path: Path, read: Any, key: Any) -> Any:
     """`read(key)` from the file at `path`; what safetensors cannot read names that file."""
     try:
@@ -222,7 +217,7 @@ def load_safetensors(
                 if not any(p.match(name) for p in plan.ignore):
                     unexpected.append(name)
                 continue
-            tensor = _tensor(handle, name, path)
+            tensor = _read(path, handle.get_tensor, name)  # outside `_stream`'s `opened`
             kind, payload = target
             if kind == "fused":
                 met.update(_load_fused(name, tensor, payload, spec, bank))

@@ -54,7 +54,7 @@ from freetoken_agent.integrations.server.tool_choice import (
     reasoned_answer,
     turn_sampling,
 )
-from freetoken_agent.messages import ToolResult, UserMessage, content_text, to_openai_messages
+from freetoken_agent.messages import ToolResult, UserMessage, content_text
 from freetoken_agent.session import Usage
 
 log = logging.getLogger("freetoken.server")
@@ -191,7 +191,7 @@ class TurnRun:
         request, kept = self.request, self.live.history
         if request.based_on is None or request.based_on is kept:
             return request
-        new = request.messages[len(to_openai_messages(request.based_on)) :]
+        new = request.messages[len(request.based_on) :]  # one record a message, kept first
         return dataclasses.replace(request, messages=[*kept, *new], based_on=kept)
 
     def _exact(self, usage: Usage) -> Usage:
