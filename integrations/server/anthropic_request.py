@@ -55,7 +55,8 @@ from freetoken_agent.integrations.server.errors import BadParam, describe_invali
 # Fields with the same name and meaning in both APIs: passed as they are.
 _SAME = ("max_tokens", "temperature", "top_p", "top_k", "stream", "metadata")
 
-_NO_SERVER_TOOLS = "this server runs no tools itself and knows no built-in tool definitions"
+# Said when a request names a tool the provider would run (web search, code execution, ...).
+NO_SERVER_TOOLS = "this server runs no tools itself and knows no built-in tool definitions"
 
 # OpenAI field -> the Anthropic field a refusal should name.
 _PARAMS = {
@@ -97,7 +98,7 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
         if kind not in (None, "custom"):
             raise BadParam(
                 f"{where}: the Anthropic-defined tool {kind!r:.60} is not supported: "
-                f"{_NO_SERVER_TOOLS}; declare a custom tool (name, description, input_schema)",
+                f"{NO_SERVER_TOOLS}; declare a custom tool (name, description, input_schema)",
                 where,
             )
         function = {"name": tool.get("name")}
@@ -178,7 +179,7 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
                 field.split(".")[0],
             )
     if body.get("mcp_servers"):
-        raise BadParam(f"mcp_servers is not supported: {_NO_SERVER_TOOLS}", "mcp_servers")
+        raise BadParam(f"mcp_servers is not supported: {NO_SERVER_TOOLS}", "mcp_servers")
 
 
 def openai_body(body: Mapping[str, Any], budgets: bool = True) -> tuple[dict[str, Any], list[str]]:

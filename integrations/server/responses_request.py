@@ -35,6 +35,7 @@ from typing import Any
 
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.integrations.server.anthropic_messages import with_origins
+from freetoken_agent.integrations.server.anthropic_request import NO_SERVER_TOOLS
 from freetoken_agent.integrations.server.chat_request import (
     ChatRequest,
     check_model,
@@ -46,7 +47,6 @@ from freetoken_agent.integrations.server.responses_store import ResponseStore
 from freetoken_agent.integrations.server.thinking_switch import thinking_of_effort
 
 _SAME = ("stream", "temperature", "top_p", "parallel_tool_calls")
-_NO_SERVER_TOOLS = "this server runs no tools itself and knows no built-in tool definitions"
 
 
 @dataclass(slots=True)
@@ -69,7 +69,7 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
         kind = tool.get("type") if isinstance(tool, Mapping) else None
         if kind != "function":
             raise BadParam(
-                f"{where}: tools of type {kind!r:.60} are not supported: {_NO_SERVER_TOOLS}; "
+                f"{where}: tools of type {kind!r:.60} are not supported: {NO_SERVER_TOOLS}; "
                 "declare a function tool {type: 'function', name, description, parameters}",
                 where,
             )

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import socket
 
-# Logs its starts and calls (argv[1]); `crash` ends the process in the call. Over stdio, or
-# over streamable HTTP on the port argv[2].
+# Logs its starts and calls (argv[1]); `crash` ends the process in the call; `quit_soon`
+# answers, then exits while the host is idle. Over stdio, or over streamable HTTP on the port
+# argv[2].
 LOGGING_SERVER = """
-import os, sys
+import os, sys, threading
 from mcp.server import MCPServer
 
 log = sys.argv[1]
@@ -33,6 +34,11 @@ def shout(text: str, times: int) -> str:
     sys.stderr.write(text * times)
     sys.stderr.flush()
     return "ok"
+
+@app.tool()
+def quit_soon() -> str:
+    threading.Timer(0.2, lambda: os._exit(0)).start()
+    return "bye"
 
 @app.tool()
 def crash(tail: str = "") -> str:

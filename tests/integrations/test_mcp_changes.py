@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from mcp.shared.exceptions import MCPError
+from mcp_servers import LOGGING_SERVER
 from scripted_engine import ScriptedEngine
 
 from freetoken_agent import Engine
@@ -74,37 +75,6 @@ app.tool(name=f"{word}_{n}")(lambda: f"life {n}")
 @app.tool()
 def crash() -> str:
     os._exit(5)
-
-app.run("stdio")
-"""
-
-# Logs its starts and calls; `quit_soon` answers, then exits while the host is idle.
-IDLE_EXIT_SERVER = """
-import os, sys, threading
-from mcp.server import MCPServer
-
-log = sys.argv[1]
-def note(line):
-    with open(log, "a") as f:
-        f.write(line + "\\n")
-
-note("start")
-app = MCPServer("idler", log_level="WARNING")
-
-@app.tool()
-def echo(text: str) -> str:
-    note("echo " + text)
-    return "echo:" + text
-
-@app.tool()
-def crash() -> str:
-    note("crash")
-    os._exit(7)
-
-@app.tool()
-def quit_soon() -> str:
-    threading.Timer(0.2, lambda: os._exit(0)).start()
-    return "bye"
 
 app.run("stdio")
 """
@@ -209,7 +179,7 @@ def test_a_server_that_exits_while_idle_is_restarted_by_the_next_call(
     rng = random.Random(rng_seed)
     words = [_word(rng) for _ in range(3)]
     log = tmp_path / "calls.log"
-    config = {"mcpServers": {"idler": _stdio(tmp_path, IDLE_EXIT_SERVER, str(log))}}
+    config = {"mcpServers": {"idler": _stdio(tmp_path, LOGGING_SERVER, str(log))}}
 
     async def main() -> dict[str, ToolResult]:
         async with MCPHost.from_config(config, engine=real_engine) as host:
@@ -250,7 +220,7 @@ def test_a_call_refused_by_a_closed_connection_is_sent_again(
     monkeypatch.setattr(ServerConnection, "_transport_closed", lambda *_: None, raising=False)
     words = [_word(random.Random(rng_seed)) for _ in range(2)]
     log = tmp_path / "calls.log"
-    config = {"mcpServers": {"idler": _stdio(tmp_path, IDLE_EXIT_SERVER, str(log))}}
+    config = {"mcpServers": {"idler": _stdio(tmp_path, LOGGING_SERVER, str(log))}}
 
     async def main() -> tuple[ToolResult, bool]:
         async with MCPHost.from_config(config, engine=real_engine) as host:
