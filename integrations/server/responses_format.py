@@ -7,7 +7,13 @@ Output items, in the order the model wrote them:
   include ["reasoning.encrypted_content"] its text in `encrypted_content` too (unencrypted,
   marked as this server's: responses_input.SEALED), which Codex sends back;
 - `message` {id "msg_...", role "assistant", content [{type: "output_text", text,
-  annotations [], logprobs []}]}: the text;
+  annotations [], logprobs []}]}: the text; when the request asked (include
+  "message.output_text.logprobs", or top_logprobs), `logprobs` holds the chat route's entries
+  ({token, logprob, bytes, top_logprobs}, openai_logprobs.py) of the tokens that went out with
+  the message's text, each delta event the entries of its own text: the tokens the chat route
+  sends with its content chunks. Tokens that made no message text (the reasoning, a call, an
+  EOS after the last text) have no place in a message and are not reported; the marker that
+  closes the reasoning (`</think>`, which no parser event reports) goes with the first text;
 - `function_call` {id "fc_...", call_id, name, arguments}: each call, whole (its arguments are
   held until the call ends, as the Anthropic wire holds them: the parser may still void it).
 
@@ -27,6 +33,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from freetoken_agent.engine.outputs import TokenLogprob
+from freetoken_agent.integrations.openai_logprobs import Pending, TokenStrings, chat_entry
 from freetoken_agent.integrations.server.named_stream import Event
 from freetoken_agent.integrations.server.responses_input import SEALED
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
@@ -78,10 +86,14 @@ class ResponseFormat:
         model: str,
         body: Mapping[str, Any],
         keep: Callable[[dict[str, Any]], None] | None = None,
+        strings: TokenStrings | None = None,
     ) -> None:
         """`body`: the request as sent (the response echoes its settings); `keep(response)`:
         called with the response object once it ends well (the route stores it, to be read
-        back or continued with previous_response_id), unless the request said store false."""
+        back or continued with previous_response_id), unless the request said store false;
+        `strings`: the token strings of a request that asked for logprobs (None: not)."""
+        self._strings = strings
+        self._pending = Pending()  # tokens' entries since the last text went out
         self.keep = keep if body.get("store") is not False else None
         self.model = model
         self.body = body
@@ -111,7 +123,7 @@ class ResponseFormat:
             "error": error,
             "incomplete_details": incomplete,
             "model": self.model,
-            "output": [dict(item) for item in self.output],
+            "output": [_copy(item) for item in self.output],
             "previous_response_id": self.body.get("previous_response_id"),
             "reasoning": {"effort": None, "summary": None, **(self.body.get("reasoning") or {})},
             "store": self.keep is not None,
@@ -134,11 +146,16 @@ class ResponseFormat:
 
     def add(self, event: Any) -> list[Event]:
         """The stream events of one parser event (the item is kept for the whole response)."""
+        if isinstance(event, TokenLogprob):
+            if self._strings is not None:
+                self._pending.add(event)
+            return []
         if isinstance(event, ReasoningDelta) and event.text:
             return self._text("reasoning", event.text)
         if isinstance(event, ContentDelta) and event.text:
             return self._text("message", event.text)
         if isinstance(event, ToolCallEnd):
+            self._pending.take()  # the call's tokens: no message holds them
             arguments = json.dumps(event.arguments, ensure_ascii=False)
             call = {"type": "function_call", "id": _new_id("fc"), "call_id": event.id,
                     "name": event.name, "arguments": "", "status": "in_progress"}  # fmt: skip
@@ -150,7 +167,7 @@ class ResponseFormat:
             events.append(self._event("response.function_call_arguments.done", **where,
                                       name=event.name, arguments=arguments))  # fmt: skip
             return events + self._close()
-        return []  # ToolCallStart, ToolCallArgsDelta (held: see above), warnings, logprobs
+        return []  # ToolCallStart, ToolCallArgsDelta (held: see above), warnings
 
     def _open_item(self, item: dict[str, Any]) -> list[Event]:
         """Close the open item, open `item`."""
@@ -176,10 +193,16 @@ class ResponseFormat:
             empty = _empty_part(part)
             item["content"].append(empty)
             events.append(
-                self._event("response.content_part.added", **self._where(), part=dict(empty))
+                self._event("response.content_part.added", **self._where(), part=_part(empty))
             )
-        self.output[-1]["content"][0]["text"] += text
-        extra = {"logprobs": []} if kind == "message" else {}
+        content = self.output[-1]["content"][0]
+        content["text"] += text
+        # The tokens since the last text went out with this text (the reasoning's: dropped).
+        taken = self._pending.take()
+        extra = {}
+        if kind == "message":
+            extra["logprobs"] = [chat_entry(e, self._strings) for e in taken]
+            content["logprobs"] += extra["logprobs"]  # (every copy that leaves copies it)
         events.append(self._event(f"response.{part}.delta", **self._where(), delta=text, **extra))
         return events
 
@@ -194,11 +217,11 @@ class ResponseFormat:
         if kind in _PARTS:
             part = item["content"][0]
             where = self._where()
-            extra = {"logprobs": []} if kind == "message" else {}
+            extra = {"logprobs": part["logprobs"]} if kind == "message" else {}
             events.append(
                 self._event(f"response.{_PARTS[kind]}.done", **where, text=part["text"], **extra)
             )
-            events.append(self._event("response.content_part.done", **where, part=dict(part)))
+            events.append(self._event("response.content_part.done", **where, part=_part(part)))
         item["status"] = status
         if kind == "reasoning" and self._seal:
             item["encrypted_content"] = SEALED + item["content"][0]["text"]
@@ -244,5 +267,13 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
     """An item as it stands (its content parts copied: the item goes on growing)."""
     out = dict(item)
     if "content" in out:
-        out["content"] = [dict(part) for part in out["content"]]
+        out["content"] = [_part(part) for part in out["content"]]
+    return out
+
+
+def _part(part: dict[str, Any]) -> dict[str, Any]:
+    """A content part as it stands (its logprobs list goes on growing)."""
+    out = dict(part)
+    if "logprobs" in out:
+        out["logprobs"] = list(out["logprobs"])
     return out

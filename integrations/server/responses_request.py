@@ -21,8 +21,11 @@ Fields:
   items) goes before `input` (responses_store.py: kept in memory, the most recent ones; not
   its instructions, as OpenAI does not carry them); an unknown id is refused.
   `conversation` refused (send the whole input, or previous_response_id); `background: true`
-  refused; `top_logprobs` refused. `store: false` keeps the response out of the store;
-  `metadata`, `include` (but for reasoning.encrypted_content: responses_format.py),
+  refused. `store: false` keeps the response out of the store.
+- Log-probabilities: `include: ["message.output_text.logprobs"]` asks for the message's
+  (`top_logprobs`, 0..20, alternatives a token; above 0 it asks too, as the user plainly wants
+  them) -> the chat route's logprobs / top_logprobs (responses_format.py writes them).
+  `metadata`, `include` (but for the two values above: responses_format.py),
   `truncation`, `user`, `service_tier`, `prompt_cache_key`, `safety_identifier`,
   `stream_options` are accepted and ignored.
 """
@@ -124,15 +127,26 @@ def _thinking(reasoning: Any) -> bool | None:
 
 
 def _refuse_unserved(body: Mapping[str, Any]) -> None:
-    for field, why in (
-        ("conversation", "conversations are not stored here: send the whole input"),
-        ("top_logprobs", "output logprobs are served by /v1/chat/completions"),
-    ):
-        if body.get(field) is not None:
-            raise BadParam(f"{field} is not supported: {why}", field)
+    if body.get("conversation") is not None:
+        raise BadParam("conversation is not supported: conversations are not stored here: "
+                       "send the whole input", "conversation")  # fmt: skip
     if body.get("background") is True:
         raise BadParam("background responses are not supported: this server answers at once",
                        "background")  # fmt: skip
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _logprobs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat body's logprobs fields: asked by `include` or by `top_logprobs` above 0; the
+    count is checked by the chat route's own rule (its param is `top_logprobs` in both APIs)."""
+    include, top = body.get("include"), body.get("top_logprobs")
+    listed = isinstance(include, list) and LOGPROBS_INCLUDE in include
+    wanted = isinstance(top, int) and not isinstance(top, bool) and top > 0
+    if listed or wanted:
+        return {"logprobs": True, "top_logprobs": top}
+    return {"top_logprobs": top}  # null or 0 ask for nothing; anything else is refused there
 
 
 def chat_body(
@@ -151,6 +165,7 @@ def chat_body(
         "tool_choice": _tool_choice(body.get("tool_choice")),
         "response_format": _response_format(body.get("text")),
         "chat_template_kwargs": None if thinking is None else {"enable_thinking": thinking},
+        **_logprobs(body),
     }
     out.update((key, value) for key, value in extra.items() if value is not None)
     return out, history.origins

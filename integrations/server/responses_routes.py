@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.integrations.openai_logprobs import TokenStrings
 from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.errors import (
     error_response,
@@ -83,7 +84,9 @@ async def create_response(request: Request) -> Response:
         conversation = [*parsed.items, *response["output"]]
         state.responses.put(StoredResponse(response, own, conversation))
 
-    wire = ResponsesWire(ResponseFormat(state.model_id, body, keep), parsed.origins)
+    asked = parsed.chat.turn.sampling.logprobs is not None
+    strings = TokenStrings(state.service.tokenizer) if asked else None
+    wire = ResponsesWire(ResponseFormat(state.model_id, body, keep, strings), parsed.origins)
     return await serve_choices(request, choices, wire, parsed.chat.stream)
 
 
