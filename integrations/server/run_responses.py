@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.integrations.server.choices import Choices
+from freetoken_agent.integrations.server.keepalive import with_keepalive
 
 log = logging.getLogger("freetoken.server")
 
@@ -49,11 +50,12 @@ class Wire(Protocol):
 
 class TurnStreamResponse(StreamingResponse):
     """An SSE response that cancels its choices however it ends: finished, failed, or cut off
-    by a client that left (also before the first chunk, when the body generator never ran)."""
+    by a client that left (also before the first chunk, when the body generator never ran).
+    A silent stretch (a long prefill, a queue) sends keep-alive comments (keepalive.py)."""
 
     def __init__(self, choices: Choices, content: AsyncIterator[str]) -> None:
         super().__init__(
-            content,
+            with_keepalive(content),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
