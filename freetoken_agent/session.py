@@ -27,6 +27,7 @@ order. Without it none come, so consumers that never ask need not know them.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -49,6 +50,8 @@ from freetoken_agent.parsers import parser_factory_for
 # Generated tokens before which a hybrid model's decoding checkpoints its recurrent state: the
 # boundaries the next turn's rendering also marks (tool call, end of reasoning, end of turn).
 DECODE_ANCHOR_MARKERS = ("<tool_call>", "</think>", "<|im_end|>")
+
+RECORDS_KEPT = 256  # turn_stats and tool_runs keep the most recent this many
 
 
 @dataclass(slots=True)
@@ -155,8 +158,11 @@ class Session:
         self.hooks = hooks or ToolHooks()
         self.sampling_defaults = dict(sampling_defaults)
         self.sampling()  # unknown or invalid options fail here, not at the first turn
-        self.turn_stats: list[dict[str, Any]] = []
-        self.tool_runs: dict[str, ToolRun] = {}
+        # The most recent turns' figures and tool calls (a pooled or long-lived Session, as
+        # ChatFreeToken's, the server's and the MCP host's are, must not grow for ever).
+        self.turn_stats: deque[dict[str, Any]] = deque(maxlen=RECORDS_KEPT)
+        self._turns = 0  # turns recorded so far (turn_stats' "turn")
+        self.tool_runs: dict[str, ToolRun] = {}  # by call id, the last RECORDS_KEPT calls
         self.last_prompt: Prompt | None = None  # the last prompt sent, as rendered
         self.last_output_ids: list[int] = []  # tokens generated after it
         # Tokens the engine adapter put between them (the server's forced-call opener: its
@@ -338,9 +344,10 @@ class Session:
         n = len(diff.prompt) + len(suffix) + len(out_ids) - 1
         self._kv_tokens = n if out_ids and reason != "error" else 0
         anchor = diff.anchor
+        self._turns += 1
         self.turn_stats.append(
             {
-                "turn": len(self.turn_stats),
+                "turn": self._turns - 1,
                 "prompt_tokens": len(diff.prompt),
                 "completion_tokens": len(out_ids),
                 "first_divergence": diff.first_divergence,
@@ -384,15 +391,21 @@ class Session:
     def run_tool(self, call: ToolCall, fn: Callable[..., Any]) -> ToolResult:
         """Run `fn(**call.arguments)` through the session's hooks; the ToolResult to append."""
         run = run_tool(call, fn, self.hooks, self)
-        self.tool_runs[call.id] = run
+        self._keep_run(call.id, run)
         return run.result
 
     async def arun_tool(
         self, call: ToolCall, fn: Callable[..., Awaitable[Any] | Any]
     ) -> ToolResult:
         run = await arun_tool(call, fn, self.hooks, self)
-        self.tool_runs[call.id] = run
+        self._keep_run(call.id, run)
         return run.result
+
+    def _keep_run(self, call_id: str, run: ToolRun) -> None:
+        self.tool_runs.pop(call_id, None)  # a reused id counts as the newest
+        self.tool_runs[call_id] = run
+        while len(self.tool_runs) > RECORDS_KEPT:
+            del self.tool_runs[next(iter(self.tool_runs))]
 
     def anchor_for(self, tool_call_id: str) -> Anchor | None:
         """The anchor a change to that call's result touches: the tool_output anchor of the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +33,13 @@ from freetoken_agent.session import Session, Usage
 
 log = logging.getLogger("freetoken.mcp")
 
+LOG_KEPT = 256  # the sampling records kept (the most recent)
+
 
 @dataclass(slots=True)
 class SamplingRecord:
-    """One answered (or refused) request, kept by the host in `sampling_log`."""
+    """One answered (or refused) request, kept by the host in `host.sampler.log` (the last
+    LOG_KEPT of them: a server sampling in a loop must not grow the host for ever)."""
 
     server: str
     messages: list[Message]
@@ -64,7 +68,7 @@ class SamplingResponder:
         self.model_name = model_name
         self.max_tokens_cap = max_tokens_cap  # a server cannot make the host generate forever
         self.defaults = dict(defaults or {})  # temperature etc. when the request names none
-        self.log: list[SamplingRecord] = []
+        self.log: deque[SamplingRecord] = deque(maxlen=LOG_KEPT)
 
     def callback_for(self, server: str):
         """The SDK's `sampling_callback` for one server (so records name who asked)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from freetoken_agent import Engine
+from freetoken_agent import session as session_module
 from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.hooks import ToolHooks, run_tool
 from freetoken_agent.messages import AssistantMessage, ToolCall, ToolResult, UserMessage
@@ -170,3 +171,19 @@ def test_plain_lists_become_json(rng_seed: int) -> None:
         assert not run.result.is_error and run.result.content == json.dumps(value)
     parts = [{"type": "text", "text": f"t{rng.randrange(10**6)}"} for _ in range(rng.randint(1, 3))]
     assert run_tool(call, lambda: parts, ToolHooks(), None).result.content == parts
+
+
+def test_tool_runs_keep_the_most_recent_calls(session: Session, rng_seed, monkeypatch) -> None:
+    """A long-lived Session (the MCP host's, a pooled ChatFreeToken one) keeps the records of
+    its last RECORDS_KEPT calls only; a call id run again counts as the newest."""
+    rng = random.Random(rng_seed)
+    kept = rng.randint(2, 5)
+    monkeypatch.setattr(session_module, "RECORDS_KEPT", kept)
+    ids = [f"c{i}" for i in range(kept + rng.randint(1, 8))]
+    for call_id in ids:
+        session.run_tool(ToolCall(call_id, "echo", rand_args(rng)), lambda **kw: kw)
+    assert list(session.tool_runs) == ids[-kept:]
+    again = ids[-kept]  # the oldest kept, run once more: now the newest
+    asyncio.run(session.arun_tool(ToolCall(again, "echo", {}), lambda: "again"))
+    assert list(session.tool_runs) == [*ids[-kept + 1 :], again]
+    assert session.tool_runs[again].result.content == "again"

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from freetoken_agent import Engine
+from freetoken_agent import session as session_module
 from freetoken_agent.chat_format import ChatFormat, common_prefix
 from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.engine.outputs import InvalidRequestError, TokenEvent
@@ -456,3 +457,17 @@ def test_the_default_parser_is_the_models_own(tok: Tokenizer, rng_seed: int) -> 
     raw.engine.replies.append(tok.encode(reply) + [end])
     text = "".join(e.text for e in raw.send(history) if isinstance(e, TextDelta))
     assert text == reply
+
+
+def test_turn_stats_keep_the_most_recent_turns(tok: Tokenizer, rng_seed: int, monkeypatch) -> None:
+    """A Session reused for many independent calls (ChatFreeToken's pool) keeps the figures
+    of its last RECORDS_KEPT turns, numbered from the Session's first."""
+    rng = random.Random(rng_seed)
+    kept = rng.randint(2, 4)
+    monkeypatch.setattr(session_module, "RECORDS_KEPT", kept)
+    session = Session(ScriptedEngine(tok), max_tokens=64, parser_factory=None)
+    turns = kept + rng.randint(1, 5)
+    for _ in range(turns):
+        scripted_turn(session, [UserMessage(rand_text(rng))], rng)
+    assert [t["turn"] for t in session.turn_stats] == list(range(turns - kept, turns))
+    assert session.turn_stats[-1]["source"] == "engine"
