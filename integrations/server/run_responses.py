@@ -99,13 +99,34 @@ async def _complete(request: Request, choices: Choices, wire: Wire) -> Response:
     return JSONResponse(wire.whole(choices))
 
 
+async def _started(request: Request, choices: Choices) -> bool:
+    """Start the choices, unless the client leaves first: a turn queued behind another turn of
+    its session (X-Session-Id) waits in start() until that one ends, and a client that gave
+    up meanwhile must not have its turn rendered, prefilled and run for nobody. False when
+    the client left (the choices cancelled); a refusal raises."""
+    starting = asyncio.ensure_future(choices.start())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({starting, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not starting.done():
+            starting.cancel()  # (start() cancels its runs as it stops)
+            await asyncio.wait({starting})
+    if starting.cancelled():
+        return False
+    starting.result()
+    return True
+
+
 async def serve_choices(request: Request, choices: Choices, wire: Wire, stream: bool) -> Response:
     """Start the choices (refusals: the wire's 400), then stream them or collect them; they
     are cancelled however this ends, by the stream once that has taken them over."""
     handed_over = False
     try:
         try:
-            await choices.start()
+            if not await _started(request, choices):
+                return Response(status_code=499)  # the client left; nobody reads this
         except InvalidRequestError as e:
             return wire.refused(e)
         except Exception as e:  # noqa: BLE001 - e.g. the grammar library is missing

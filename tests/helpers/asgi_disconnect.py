@@ -4,6 +4,7 @@ cannot time its disconnect to the engine's state, so the server's view is played
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 
@@ -51,4 +52,51 @@ def post_and_leave(app: Any, path: str, body: bytes) -> list[dict]:
         await asyncio.wait_for(app(scope, receive, send), timeout=60)
 
     asyncio.run(main())
+    return sent
+
+
+async def raw_post(
+    app: Any, path: str, body: dict, session: str | None = None, leave: bool = False
+) -> list[dict]:
+    """POSTs JSON `body` to `app` at `path` as raw ASGI (with X-Session-Id `session`); with
+    `leave` the client disconnects right after sending it, else it stays until the response
+    ends. Returns the ASGI messages the app sent."""
+    raw = json.dumps(body).encode()
+    headers = [
+        (b"host", b"testserver"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(raw)).encode()),
+    ]
+    if session is not None:
+        headers.append((b"x-session-id", session.encode()))
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers,
+        "client": ("127.0.0.1", 50001),
+        "server": ("testserver", 80),
+    }
+    sent: list[dict] = []
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        if not leave:
+            await asyncio.Event().wait()  # until the app stops listening
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
     return sent

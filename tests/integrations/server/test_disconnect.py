@@ -6,13 +6,18 @@ test passes only if the disconnect really aborted it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import string
+import threading
+import time
 
-from asgi_disconnect import post_and_leave
+from asgi_disconnect import post_and_leave, raw_post
+from scripted_engine import PacedEngine
 
 from freetoken_agent.integrations.server import create_app
+from freetoken_agent.service import EngineService
 
 MAX_TOKENS = 900
 
@@ -70,5 +75,49 @@ def test_a_waiting_non_streaming_client_that_leaves_aborts_its_request(engine, r
         assert 0 < stats["tokens"]["generated"] < MAX_TOKENS
         assert sent[0]["status"] == 499  # nobody reads it; the point is the abort
         assert_nothing_held(service, engine)
+    finally:
+        service.close()
+
+
+def test_clients_that_leave_while_queued_behind_their_session_run_nothing(engine, rng_seed):
+    """A long turn runs on session S; more clients post to S (streamed or not) and leave at
+    once, while their turns wait for S's turn lock. Their handlers return at once, and none of
+    their turns reaches the engine: once the long turn ends only it was ever submitted, and the
+    waiting turn threads have ended."""
+    rng = random.Random(rng_seed)
+    fake = PacedEngine(engine)
+    fake.slow_after, fake.delay = 0, 0.01
+    fake.replies = [(" ".join(["word"] * 150), "stop")]  # the long turn's: ~1.5 s
+    service = EngineService(fake)
+    app = create_app(service)
+    leaving = rng.randint(2, 6)
+
+    def threads() -> int:
+        return sum(t.name.startswith("freetoken-turn-") for t in threading.enumerate())
+
+    async def main() -> None:
+        body = _body(rng, stream=False)
+        long = asyncio.create_task(raw_post(app, "/v1/chat/completions", body, session="S"))
+        while not fake.running:
+            await asyncio.sleep(0.01)
+        quitters = [
+            raw_post(
+                app, "/v1/chat/completions", _body(rng, rng.random() < 0.5), session="S", leave=True
+            )  # fmt: skip
+            for _ in range(leaving)
+        ]
+        answers = await asyncio.wait_for(asyncio.gather(*quitters), timeout=1.0)
+        assert fake.running, "the long turn ended before the clients left: the test is void"
+        assert all(a[0]["status"] == 499 for a in answers), answers
+        await asyncio.wait_for(long, timeout=60)
+
+    baseline = threads()
+    try:
+        asyncio.run(main())
+        deadline = time.monotonic() + 10
+        while threads() > baseline and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert threads() == baseline, "turn threads left waiting"
+        assert fake.submitted == 1, (fake.submitted, rng_seed)  # the long turn alone
     finally:
         service.close()
