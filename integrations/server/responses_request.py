@@ -197,8 +197,9 @@ def _earlier(previous: Any, store: ResponseStore) -> list[Any]:
     if items is None:
         raise BadParam(
             f"previous_response_id {previous!r:.60} is not a response this server keeps (it "
-            f"keeps the last {store.max_kept} stored ones, in memory, for its life; a request "
-            "with store false is not kept): send the whole input",
+            f"keeps the last {store.max_kept} stored ones, fewer when they are large, in "
+            "memory, for its life; a request with store false is not kept): send the whole "
+            "input",
             "previous_response_id",
         )
     return items

@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from freetoken_agent.integrations.server.responses_store import ResponseStore, StoredResponse
+
 MODEL = "freetoken-demo"
 KEY = "sk-local-test"
 WORDS = ["alpha", "beta", "café", "ka", "lo", "mi", "ru", "x,", "日本"]
@@ -100,3 +102,35 @@ def test_bad_list_queries_are_refused_naming_the_field(server, rng_seed):
                       ("after", f"msg_{rng.randrange(1 << 30)}")])  # fmt: skip
     r = httpx.get(url, params=dict([bad]), headers=headers)
     assert r.status_code == 400 and r.json()["error"]["param"] == bad[0], r.text
+
+
+def test_the_store_keeps_the_newest_within_its_count_and_bytes(rng_seed):
+    """Responses of random sizes, put and deleted at random: after each put the store keeps
+    the newest ones whose own parts fit its bytes and count (the newest always), dropping the
+    oldest first; a deleted one gives its bytes back."""
+    rng = random.Random(rng_seed)
+
+    def stored(i: int) -> StoredResponse:
+        text = "x" * rng.choice([0, rng.randint(1, 400), rng.randint(400, 3000)])
+        own = [{"type": "message", "role": "user", "content": text}]
+        return StoredResponse({"id": f"resp_{i}", "output": []}, own, own)
+
+    max_kept, max_bytes = rng.randint(4, 8), rng.randint(1000, 4000)
+    bytes_bound = False  # whether the bytes, not the count, dropped one (the test's point)
+    store = ResponseStore(max_kept, max_bytes)
+    kept: list[StoredResponse] = []  # the expected store, oldest first
+    for i in range(rng.randint(20, 40)):
+        response = stored(i)
+        store.put(response)
+        kept.append(response)
+        while len(kept) > 1 and (len(kept) > max_kept or sum(r.size for r in kept) > max_bytes):
+            bytes_bound |= len(kept) <= max_kept
+            kept.pop(0)
+        if rng.random() < 0.25:
+            gone = f"resp_{rng.randint(0, i)}"
+            assert store.delete(gone) == any(r.response["id"] == gone for r in kept)
+            kept = [r for r in kept if r.response["id"] != gone]
+        held = [f"resp_{j}" for j in range(i + 1) if store.get(f"resp_{j}") is not None]
+        assert held == [r.response["id"] for r in kept], (rng_seed, i)
+        assert len(store) == len(kept)
+    assert bytes_bound, rng_seed
