@@ -293,6 +293,9 @@ class MemoryManager:
         """Move to `split` (pages, the scratch page included; slots). False when the pages
         in use cannot move below the new top yet (it is tried again at the next safe point)."""
         arena, cache, alloc = self.arena, self.cache, self.kv.allocator
+        # A streamed prefill chunk that failed midway still holds its staging slots (lent);
+        # no chunk runs at a safe point, so they go back before the split moves them.
+        self.bank.streamer.release()
         before = (alloc.n_pages, cache.n_slots)
         slots = split.slots
         # The policy counts bytes; the arena also loses a partial unit where pages meet slots

@@ -54,3 +54,66 @@ def test_a_failed_cpu_branch_after_fills_leaves_the_cache_whole(
         o.token_ids for o in resident.generate(prompts, sp)
     ]
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("cut", ["busy", "idle"])
+def test_a_streamed_chunk_failing_midway_gives_its_staging_slots_back(
+    tmp_path, rng_seed, monkeypatch, cut
+):
+    """Prefill staging lent from the cache's slots (an elastic budget of 3E+2 slots); one of a
+    streamed chunk's layers fails. Its request fails alone; the slots it borrowed go back at
+    the next safe point, so a budget cut there (with a request waiting, or on an idle engine)
+    moves the split, and a later request decodes the resident tokens (it asserted on the lent
+    cache at every step, so nothing ran again)."""
+    from freetoken_agent.engine.experts import offload
+    from freetoken_agent.engine.experts.placement import workspace_bytes
+    from freetoken_agent.engine.kv.pool import KVPool
+    from freetoken_agent.engine.loading import dense_nbytes
+
+    rng = random.Random(rng_seed)
+    make_tiny("qwen3_moe", tmp_path, rng_seed, max_position_embeddings=2048,
+              num_hidden_layers=rng.randint(4, 6), mlp_only_layers=[])  # fmt: skip
+    resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
+    spec, config = resident.spec, resident.config
+    page = KVPool.page_bytes(len(spec.attention_layers), config.page_size, spec.n_kv_heads,
+                             spec.head_dim, spec.dtype)  # fmt: skip
+    slots = 3 * spec.n_experts + 2
+    budget = (dense_nbytes(resident.loaded.model) + workspace_bytes(spec, config, offloaded=True)
+              + 33 * page + (slots + 1) * spec.expert_bytes)  # fmt: skip
+    engine = Engine.load(tmp_path, device="cpu", policy="transfer", progress=False,
+                         gpu_budget=budget, kv_tokens=512, stream_min_tokens=32)  # fmt: skip
+    bank, memory = engine.loaded.bank, engine.memory
+    assert bank.streamer.lend, "the staging is not lent from the cache: the test is void"
+    real = offload.fused_moe
+    failing_layer = rng.randint(1, spec.n_layers - 1)
+    calls = {"streamed": 0}
+
+    def failing(hidden, *args, **kwargs):
+        if hidden.shape[0] >= 32:
+            calls["streamed"] += 1
+            if calls["streamed"] == failing_layer + 1:
+                raise RuntimeError("injected: a streamed layer failed")
+        return real(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(offload, "fused_moe", failing)
+    sp = SamplingParams(max_tokens=rng.randint(4, 16), temperature=0, ignore_eos=True)
+    failed = engine.generate([rng.randrange(3, 320) for _ in range(rng.randint(40, 120))], sp)
+    assert failed.finish_reason == "error" and "injected" in failed.error
+    monkeypatch.setattr(offload, "fused_moe", real)
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(5, 20))]
+    slots_before = bank.cache.n_slots
+    need = -(-(len(prompt) + sp.max_tokens) // config.page_size) + 2  # pages, with room
+    cut_to = memory.floor + need * memory.arena.kv_unit.nbytes  # the request fits; slots go
+    if cut == "idle":
+        engine.set_gpu_budget(cut_to)
+        out = engine.generate(prompt, sp)
+    else:
+        rid = engine.submit(prompt, sp)
+        engine.set_gpu_budget(cut_to)
+        while engine.has_unfinished():
+            engine.step()
+        out = engine._collect(rid)
+    assert bank.cache.n_slots < slots_before and bank.cache.lent == 0
+    assert (out.finish_reason, out.error) == ("length", None), rng_seed
+    assert out.token_ids == resident.generate(prompt, sp).token_ids, rng_seed
+    engine.check_integrity()
