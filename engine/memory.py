@@ -19,7 +19,9 @@ request without a move.
 The policy is a priority list, each level served only from what the ones above leave:
 
 1. Hard. Pages of running requests (`pages_held + pages_growth`: their KV now and over the
-   lookahead), then, if they also fit, the first waiting request's (`pages_waiting`), and
+   lookahead), then, if they also fit, the first waiting request's (`pages_waiting`; else
+   its prompt's and first token's, `pages_waiting_least`: it runs, growing as pages free;
+   an idle engine's `min_pages` are its first pages, not counted twice), and
    `min_slots` slots (offloading cannot run with fewer). If running pages plus `min_slots`
    do not fit, the answer is the pages that fit with reason "over budget": the engine
    preempts the newest request or keeps requests waiting. Never an out-of-memory. This
@@ -74,6 +76,15 @@ class MemoryDemand:
     max_slots: int  # slots that would hold every expert (no gain beyond)
     slot_tail_hits: Callable[[int], float]  # hits/step lost if the k coldest slots went
     min_pages: int = MIN_PAGES
+    # Of pages_waiting, the fewest it can be admitted with: its prompt and first token (it
+    # grows as it decodes; without its lookahead it may have to wait for pages to free).
+    pages_waiting_least: int = 0
+
+    @property
+    def pages_admitting(self) -> int:
+        """Pages for the running requests and the first waiting one, at least min_pages (an
+        idle engine's scratch page and the page to run in are the waiting one's first)."""
+        return max(self.pages_held + self.pages_growth + self.pages_waiting, self.min_pages)
 
 
 @dataclass(slots=True, frozen=True)
@@ -131,7 +142,9 @@ class MemoryPolicy:
         running = max(d.pages_held + d.pages_growth, d.min_pages)
         if avail < running * pb + min_slots * sb:
             return self._over_budget(d, avail, min_slots)
-        hard = running + d.pages_waiting
+        hard = d.pages_admitting
+        if avail < hard * pb + min_slots * sb:  # not with its lookahead: with its prompt
+            hard = max(d.pages_held + d.pages_growth + d.pages_waiting_least, d.min_pages)
         if avail < hard * pb + min_slots * sb:
             hard = running  # the waiting request stays waiting: no room even at min_slots
         if sb == 0:  # nothing to trade: pages take everything

@@ -61,12 +61,14 @@ class DemandMeter:
         else:
             held = 1 + len({p for r in running for p in r.pages})
         growth = sum(pages_wanted(r, s) - len(r.pages) for r in running)
-        waiting = reused = 0
+        waiting = least = reused = 0
         if sched.waiting:  # its whole prompt, and its first answer tokens, as for growth
             w = sched.waiting[0]
             waiting = -(-(w.n_tokens + min(w.sampling.max_tokens, LOOKAHEAD_TOKENS)) // s)
+            least = -(-(w.n_tokens + 1) // s)  # its prompt and first token
             locked, reused = self._reusable_pages(w)
             waiting -= locked  # pages a running request holds: in pages_held already
+            least -= locked
         recent, stale = self._cached_pages()
         # The unreferenced cached pages the waiting request will reuse are in pages_waiting:
         # not counted again as cached (counting them twice took half the slots at the start
@@ -82,6 +84,7 @@ class DemandMeter:
             pages_held=held,
             pages_growth=growth,
             pages_waiting=waiting,
+            pages_waiting_least=least,
             cached_recent=recent,
             cached_stale=stale,
             min_slots=self.bank.min_slots,

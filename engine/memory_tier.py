@@ -42,8 +42,7 @@ class CheckpointTier:
         # the KV of the tokens before it (evicting those pages releases it). The running pages
         # are counted as the split counts them (MemoryPolicy.decide: at least the pages the
         # engine always keeps), or an idle engine's tier took a row from a waiting request's.
-        running = max(d.pages_held + d.pages_growth, d.min_pages)
-        pages = running + d.pages_waiting + d.cached_recent
+        pages = d.pages_admitting + d.cached_recent
         hard = pages * d.page_bytes + d.min_slots * d.slot_bytes
         room = (d.budget - d.fixed - hard) // per
         want = pool.device_used + self.max_num_seqs

@@ -588,3 +588,49 @@ def test_a_cut_to_just_above_the_floor_holds_within_the_budget(model):
         engine.step()
     prompt = [rng.randrange(3, 320) for _ in range(20)]
     assert _run(engine, prompt) == resident.generate(prompt, SP).token_ids
+
+
+@pytest.mark.parametrize("policy", ["transfer", "static"])
+def test_a_request_that_exactly_fits_the_budget_runs(model, policy):
+    """The budget holds the scratch page, the request's pages (its prompt and answer fill them
+    exactly) and the fewest slots, not a page more: the idle engine admits it and it decodes
+    the resident tokens. The policy counted one page twice there and failed it for want of
+    KV it had room for."""
+    path, resident, rng = model
+    engine = _elastic(path, resident, slots=40, policy=policy)
+    m = engine.memory
+    need = rng.randint(3, 6)  # pages (16 tokens each)
+    n_out = rng.randint(1, 12)
+    prompt = [rng.randrange(3, 320) for _ in range(16 * need - n_out)]
+    sp = SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True)
+    pages, slots = 1 + need, engine.loaded.bank.min_slots
+    engine.set_gpu_budget(
+        m.fixed + pages * m.arena.kv_unit.nbytes + slots * m.arena.slot_unit.nbytes
+    )
+    out = engine.generate(prompt, sp)
+    assert (out.finish_reason, out.error) == ("length", None)
+    assert out.token_ids == resident.generate(prompt, sp).token_ids
+    engine.check_integrity()
+
+
+def test_a_request_whose_lookahead_does_not_fit_runs_on_its_prompts_pages(model):
+    """Room for the request's prompt and a few tokens, not for its lookahead (up to 256 answer
+    tokens): it is admitted and ends at its stop token as the resident engine does (it was
+    left with no page at all, and failed)."""
+    path, resident, rng = model
+    engine = _elastic(path, resident, slots=40)
+    m = engine.memory
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(30, 60))]
+    free = resident.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    stop = free.token_ids[rng.randint(0, 3)]  # the model writes it within 4 tokens
+    sp = SamplingParams(max_tokens=300, temperature=0, stop_token_ids=[stop])
+    want = resident.generate(prompt, sp)
+    pages = 1 + -(-(len(prompt) + 8) // 16)  # the scratch page, the prompt and 8 more tokens
+    slots = engine.loaded.bank.min_slots
+    engine.set_gpu_budget(
+        m.fixed + pages * m.arena.kv_unit.nbytes + slots * m.arena.slot_unit.nbytes
+    )
+    out = engine.generate(prompt, sp)
+    assert (out.finish_reason, out.error) == (want.finish_reason, None) == ("stop", None)
+    assert out.token_ids == want.token_ids
+    engine.check_integrity()

@@ -473,3 +473,41 @@ def test_an_idle_engine_keeps_min_pages_within_the_budget(rng_seed):
         if s is not None:
             assert pages >= d.min_pages
             assert fixed + pages * d.page_bytes + slots * d.slot_bytes <= d.budget
+
+
+def test_a_waiting_request_that_fits_is_admitted_on_an_idle_engine(rng_seed):
+    """An idle engine (the scratch page alone) with a request waiting for W pages, under a
+    budget of exactly 1 + W pages and min_slots: its pages are the hard demand. The policy
+    used to count min_pages' page to run in, then the request's W on top (one page twice),
+    drop the request from the hard level, and give its pages to slots: it then failed for
+    want of KV it had room for."""
+    rng = random.Random(rng_seed)
+    for _ in range(200):
+        waiting = rng.randint(1, 40)
+        d = demand(rng, pages_held=1, pages_growth=0, pages_waiting=waiting,
+                   pages_waiting_least=rng.randint(1, waiting), cached_recent=0,
+                   slot_bytes=rng.choice([3 * MIB, 25 * MIB]))  # fmt: skip
+        budget = d.fixed + (1 + waiting) * d.page_bytes + d.min_slots * d.slot_bytes
+        d = replace(d, budget=budget + rng.randrange(d.page_bytes))  # not a page more
+        s = MemoryPolicy(group_bytes=rng.choice([16, 64]) * MIB).decide(d)
+        pages = d.pages_now if s is None else s.pages
+        assert pages >= 1 + waiting, (waiting, s)
+        check_split(d, s, MemoryPolicy())
+
+
+def test_without_room_for_its_lookahead_a_waiting_request_keeps_its_prompts_pages(rng_seed):
+    """The first waiting request's lookahead (its prompt and up to 256 answer tokens) does not
+    fit, its prompt and first token do: those are hard, so it is admitted and grows as it
+    decodes (it used to be left with no page at all, and failed though it fit)."""
+    rng = random.Random(rng_seed)
+    for _ in range(200):
+        held, least = rng.randint(1, 30), rng.randint(1, 30)
+        waiting = least + rng.randint(1, 20)
+        d = demand(rng, pages_held=held, pages_growth=0, pages_waiting=waiting,
+                   pages_waiting_least=least, cached_recent=0,
+                   slot_bytes=rng.choice([3 * MIB, 25 * MIB]))  # fmt: skip
+        room = max(held + least, d.min_pages) + rng.randint(0, waiting - least - 1)
+        d = replace(d, budget=d.fixed + room * d.page_bytes + d.min_slots * d.slot_bytes)
+        s = MemoryPolicy(group_bytes=rng.choice([16, 64]) * MIB).decide(d)
+        pages = d.pages_now if s is None else s.pages
+        assert pages >= held + least, (held, least, waiting, room, s)
