@@ -57,7 +57,10 @@ class DevicePath:
         device is the CPU) and the SIMD kernel is built. Decode graphs captured before it
         have no shared set: capture again after (the benchmark switching policies does)."""
         bank = self.bank
-        if self.cpu_share is None and bank.device_path_ok and CpuShare.possible():
+        # device_tokens is 0 past DIRECT_MAX_PAIRS experts a token (top-k > 128): no device
+        # path, so no share of its misses either.
+        served = bank.device_tokens > 0
+        if self.cpu_share is None and served and bank.device_path_ok and CpuShare.possible():
             spec = bank.spec
             self.cpu_share = CpuShare(bank.pool, bank.device, bank.device_tokens, spec.top_k,
                                       spec.hidden_size)  # fmt: skip

@@ -366,3 +366,23 @@ def test_static_keeps_as_many_whole_layers_as_the_slots_hold(tmp_path, rng_seed)
     cache.resize(0)  # and gives them back
     run_and_check(whole)
     assert bank.stats.on_cpu > 0  # the layers before the kept ones ran on the CPU
+
+
+def test_every_policy_loads_and_matches_resident_past_128_experts_a_token(tmp_path, rng_seed):
+    """top-k above the decode kernels' 128 (token, expert) pairs leaves the device path no
+    token to serve (device_tokens 0): adaptive loaded with a ZeroDivisionError in its CPU
+    share's set-up. Every policy now loads and gives the resident tokens."""
+    rng = random.Random(rng_seed)
+    top_k = rng.randint(129, 140)
+    n_experts = top_k + rng.randint(1, 30)
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=n_experts,
+              num_experts_per_tok=top_k, moe_intermediate_size=8)  # fmt: skip
+    resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
+    sp = SamplingParams(max_tokens=rng.randint(2, 5), temperature=0, ignore_eos=True)
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(3, 12))]
+    want = resident.generate(prompt, sp).token_ids
+    for policy in POLICIES:
+        slots = rng.randint(n_experts, 2 * n_experts)  # at least a layer's worth
+        engine = Engine.load(tmp_path, device="cpu", policy=policy, expert_slots=slots,
+                             progress=False)  # fmt: skip
+        assert engine.generate(prompt, sp).token_ids == want, policy
