@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -74,24 +74,34 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> asyncio.Future | None:
+    """Run `work` until it ends (its task, done: read its result) or the client leaves first
+    (None: `work` cancelled and ended)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    return None if task.cancelled() else task
+
+
 async def _complete(request: Request, choices: Choices, wire: Wire) -> Response:
     async def collect() -> None:
         async for index, event in choices.events():
             wire.take(index, event)
 
-    collector = asyncio.ensure_future(collect())
-    watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        collected = await _unless_disconnected(request, collect())
     finally:
-        watcher.cancel()
-        if not collector.done():
-            collector.cancel()
         choices.cancel()
-    if not collector.done() or collector.cancelled():
+    if collected is None:
         return Response(status_code=499)  # the client left; nobody reads this
-    if collector.exception() is not None:
-        e = collector.exception()
+    if collected.exception() is not None:
+        e = collected.exception()
         log.error("run failed: %s: %s", type(e).__name__, e)
         return wire.failed(f"{type(e).__name__}: {e}")
     if choices.error is not None:  # an engine error ended a choice (the others cancelled)
@@ -103,19 +113,11 @@ async def _started(request: Request, choices: Choices) -> bool:
     """Start the choices, unless the client leaves first: a turn queued behind another turn of
     its session (X-Session-Id) waits in start() until that one ends, and a client that gave
     up meanwhile must not have its turn rendered, prefilled and run for nobody. False when
-    the client left (the choices cancelled); a refusal raises."""
-    starting = asyncio.ensure_future(choices.start())
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({starting, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not starting.done():
-            starting.cancel()  # (start() cancels its runs as it stops)
-            await asyncio.wait({starting})
-    if starting.cancelled():
+    the client left (start() cancels its runs as it stops); a refusal raises."""
+    started = await _unless_disconnected(request, choices.start())
+    if started is None:
         return False
-    starting.result()
+    started.result()
     return True
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import uvicorn
-from scripted_engine import ScriptedEngine
+from scripted_engine import PacedEngine, ScriptedEngine
 from starlette.testclient import TestClient
 
 from freetoken_agent import Engine
@@ -65,16 +65,27 @@ def client(make_client) -> TestClient:
     return make_client()
 
 
-@pytest.fixture
-def scripted_client(engine: Engine) -> Iterator[tuple[ScriptedEngine, TestClient]]:
-    """(fake, client): a started TestClient whose engine answers with `fake.replies`."""
-    fake = ScriptedEngine(engine)
+def _served(fake: ScriptedEngine) -> Iterator[tuple[ScriptedEngine, TestClient]]:
+    """(fake, a started TestClient serving it), closed after."""
     service = EngineService(fake)
     client = TestClient(create_app(service))
     client.__enter__()
     yield fake, client
     client.__exit__(None, None, None)
     service.close()
+
+
+@pytest.fixture
+def scripted_client(engine: Engine) -> Iterator[tuple[ScriptedEngine, TestClient]]:
+    """(fake, client): a started TestClient whose engine answers with `fake.replies`."""
+    yield from _served(ScriptedEngine(engine))
+
+
+@pytest.fixture
+def paced_client(engine: Engine) -> Iterator[tuple[PacedEngine, TestClient]]:
+    """(fake, client) as scripted_client's, the engine a PacedEngine: it sleeps `fake.delay`
+    before each step once a request has written `fake.slow_after` tokens (set them)."""
+    yield from _served(PacedEngine(engine))
 
 
 def sse_payloads(lines: list[str]) -> list[Any]:

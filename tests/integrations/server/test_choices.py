@@ -14,12 +14,10 @@ import string
 
 import pytest
 from lookup_tool import LOOKUP_TOOL
-from scripted_engine import PacedEngine
 from starlette.testclient import TestClient
 
 from freetoken_agent import Engine
 from freetoken_agent.integrations.server import create_app
-from freetoken_agent.service import EngineService
 
 ROUTES = ["/v1/chat/completions", "/v1/completions"]
 TOOL = LOOKUP_TOOL
@@ -180,16 +178,10 @@ def test_bad_n_is_a_400_naming_n(client, api_error, rng_seed, route):
 
 
 @pytest.fixture
-def paced(engine):
+def paced(paced_client):
     """A PacedEngine behind a started client: long replies written slowly."""
-    fake = PacedEngine(engine)
-    fake.slow_after = 1
-    service = EngineService(fake)
-    client = TestClient(create_app(service))
-    client.__enter__()
-    yield fake, client
-    client.__exit__(None, None, None)
-    service.close()
+    paced_client[0].slow_after = 1
+    return paced_client
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -15,13 +15,9 @@ import random
 
 import pytest
 from anthropic_stream import named_events
-from scripted_engine import PacedEngine
-from starlette.testclient import TestClient
 
 from freetoken_agent.integrations.server import keepalive
-from freetoken_agent.integrations.server.app import create_app
 from freetoken_agent.integrations.server.keepalive import KEEPALIVE, with_keepalive
-from freetoken_agent.service import EngineService
 
 TICK = 0.02  # KEEPALIVE_S in these tests
 LONG = 0.3  # a gap that must get a comment (15 ticks)
@@ -98,16 +94,10 @@ def test_closing_early_stops_the_item_being_made(monkeypatch):
 
 
 @pytest.fixture
-def slow(engine):
+def slow(paced_client):
     """A client whose engine writes each token after a pause of several ticks."""
-    fake = PacedEngine(engine)
-    fake.slow_after, fake.delay = 0, 6 * TICK
-    service = EngineService(fake)
-    client = TestClient(create_app(service))
-    client.__enter__()
-    yield fake, client
-    client.__exit__(None, None, None)
-    service.close()
+    paced_client[0].slow_after, paced_client[0].delay = 0, 6 * TICK
+    return paced_client
 
 
 def _raw(client, url: str, body: dict) -> str:

@@ -10,28 +10,18 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 
 import pytest
 from scripted_engine import PacedEngine
 from starlette.testclient import TestClient
-
-from freetoken_agent.integrations.server import create_app
-from freetoken_agent.service import EngineService
 
 WORDS = ["alpha", "beta", "café", "ka", "lo", "mi", "ru", "line\nbreak", "x,", "{a:"]
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "pe", "xi", "qu"]
 
 
 @pytest.fixture
-def paced(engine) -> Iterator[tuple[PacedEngine, TestClient]]:
-    fake = PacedEngine(engine)
-    service = EngineService(fake)
-    client = TestClient(create_app(service))
-    client.__enter__()
-    yield fake, client
-    client.__exit__(None, None, None)
-    service.close()
+def paced(paced_client) -> tuple[PacedEngine, TestClient]:
+    return paced_client
 
 
 def _words(rng: random.Random, n: int) -> str:
