@@ -315,7 +315,14 @@ class EngineService:
     @property
     def closed(self) -> bool:
         """Whether the service takes no more requests (it, or its engine, was closed)."""
-        return self._closed is not None or bool(getattr(self.engine, "closed", False))
+        return self.why_closed is not None
+
+    @property
+    def why_closed(self) -> str | None:
+        """Why the service takes no more requests (None while it does)."""
+        if self._closed is None and getattr(self.engine, "closed", False):
+            return "the engine was closed (Engine.close)"
+        return self._closed
 
     def _running(self) -> bool:
         """False once the service is closed; a closed engine (Engine.close under the lock)
@@ -354,15 +361,15 @@ class EngineService:
 
     def _shut(self, why: str) -> None:
         """Refuse new requests and end every reader: with its own last events where the
-        engine has them (a closed engine's aborts carry the close), else an abort."""
+        engine has them (a closed engine's aborts carry the close), else an abort naming
+        `why` (a reader tells it from a cancel: the Anthropic and Responses routes fail it)."""
         self._closed = why
         with _services_lock:
             if _services.get(self.engine) is self:
                 del _services[self.engine]
         self._deliver_all()
-        error = why if getattr(self.engine, "closed", False) else None
         for rid in list(self._sinks):
-            self._end(rid, TokenEvent(rid, None, "", 0, True, "abort", error))
+            self._end(rid, TokenEvent(rid, None, "", 0, True, "abort", why))
         self._work.notify()
 
     def close(self) -> None:

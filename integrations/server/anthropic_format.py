@@ -28,7 +28,7 @@ import uuid
 from typing import Any
 
 from freetoken_agent.integrations.server.anthropic_errors import anthropic_error_body
-from freetoken_agent.integrations.server.named_stream import Event
+from freetoken_agent.integrations.server.named_stream import Event, cut_short
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Usage
 
@@ -151,7 +151,12 @@ class MessageFormat:
         return []  # ToolCallStart, ToolCallArgsDelta (held: see above), warnings, logprobs
 
     def end(self, finish_reason: str | None, usage: Usage | None) -> list[Event]:
-        """A stream's last events: the open block's stop, message_delta, message_stop."""
+        """A stream's last events: the open block's stop, message_delta, message_stop; for a
+        run cut short (a cancel by another client of its session, the engine's close), which
+        Anthropic has no stop_reason for, an `error` event naming why."""
+        why = cut_short(usage)
+        if why is not None:
+            return self.failed(why)
         reason, sequence = stop_reason(finish_reason, usage, self.max_tokens)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         return [

@@ -39,7 +39,7 @@ from freetoken_agent.integrations.server.anthropic_request import (
 from freetoken_agent.integrations.server.bridge import EngineBridge, Turn
 from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.errors import parse_json_body
-from freetoken_agent.integrations.server.named_stream import named_events
+from freetoken_agent.integrations.server.named_stream import cut_short, named_events
 from freetoken_agent.integrations.server.run_responses import serve_choices
 from freetoken_agent.integrations.server.turn_run import TurnRun, turn_plan
 
@@ -66,8 +66,13 @@ class AnthropicWire:
     def take(self, index: int, event: Any) -> None:
         self.fmt.add(event)  # the blocks in the order they came, as a stream opens them
 
-    def whole(self, choices: Choices) -> dict[str, Any]:
+    def whole(self, choices: Choices) -> dict[str, Any] | Response:
+        """The message; a run cut short (anthropic_format.MessageFormat.end) is an error: 500
+        when the engine was closed, 499 for a cancel (a 4xx: the SDKs do not send it again)."""
         (run,) = choices.runs
+        why = cut_short(run.usage)
+        if why is not None:
+            return anthropic_error_response(500 if run.usage.error else 499, why)
         return self.fmt.message(run.finish_reason(), run.usage)
 
 

@@ -44,6 +44,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from freetoken_agent.chat_format import ChatFormat
+from freetoken_agent.engine.outputs import EngineClosedError
 from freetoken_agent.integrations.server import (
     anthropic_routes,
     memory_routes,
@@ -96,8 +97,17 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
 
 
 async def health(request: Request) -> JSONResponse:
+    """200 and the server's figures while it serves; 503 naming why once its engine service
+    stopped (closed, or the engine failed MAX_FAILURES steps in a row), so a supervisor or a
+    load balancer sees it: every generation would fail."""
     state: ServerState = request.app.state.server
-    stats = await asyncio.to_thread(state.service.stats)
+    try:
+        why = state.service.why_closed
+        stats = None if why is not None else await asyncio.to_thread(state.service.stats)
+    except EngineClosedError as e:  # closed in between
+        why, stats = str(e), None
+    if stats is None:
+        return JSONResponse({"status": "closed", "reason": why, "model": state.model_id}, 503)
     return JSONResponse(
         {
             "status": "ok",

@@ -17,6 +17,20 @@ log = logging.getLogger("freetoken.server")
 
 Event = tuple[str, dict[str, Any]]  # (SSE event name, its data)
 
+CANCELLED = (
+    "the turn was cancelled before it ended: a client of its session (X-Session-Id) sent cancel"
+)
+
+
+def cut_short(usage: Usage | None) -> str | None:
+    """Why a run ended with "abort" although its own client stayed (a client that leaves reads
+    nothing): the engine's error (it was closed), else a cancel sent by another client of its
+    session. None for any other end. The chat routes say "abort" as vLLM does; the Anthropic
+    and Responses APIs have no such finish and say it their own way."""
+    if usage is None or usage.finish_reason != "abort":
+        return None
+    return usage.error or CANCELLED
+
 
 class EventFormat(Protocol):
     def add(self, event: Any) -> list[Event]:

@@ -35,7 +35,7 @@ from typing import Any
 
 from freetoken_agent.engine.outputs import TokenLogprob
 from freetoken_agent.integrations.openai_logprobs import Pending, TokenStrings, chat_entry
-from freetoken_agent.integrations.server.named_stream import Event
+from freetoken_agent.integrations.server.named_stream import Event, cut_short
 from freetoken_agent.integrations.server.responses_input import SEALED
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Usage
@@ -230,15 +230,21 @@ class ResponseFormat:
 
     def end(self, finish_reason: str | None, usage: Usage | None) -> list[Event]:
         """A stream's last events: the open item's end, then response.completed (or
-        .incomplete when max_output_tokens ended it)."""
-        status = "incomplete" if finish_reason == "length" else "completed"
-        events = self._close(status)
+        .incomplete when max_output_tokens ended it, or a cancel: status "cancelled"; a run
+        the engine's close cut short fails)."""
+        if cut_short(usage) is not None and usage.error:
+            return self.failed(usage.error)
+        status, item_status = _ending(finish_reason)
+        events = self._close(item_status)
         whole = self.response(status, usage_json(usage))
         self._kept(whole)
-        return [*events, self._event(f"response.{status}", response=whole)]
+        name = "completed" if status == "completed" else "incomplete"  # (no cancelled event)
+        return [*events, self._event(f"response.{name}", response=whole)]
 
     def _kept(self, whole: dict[str, Any]) -> None:
-        if self.keep is not None:  # a copy: the stream's event holds `whole` too
+        """Store a response that ended (a cancelled one did not: nothing to continue)."""
+        if self.keep is not None and whole["status"] != "cancelled":
+            # a copy: the stream's event holds `whole` too
             self.keep({**whole, "output": [_copy(item) for item in whole["output"]]})
 
     def failed(self, message: str) -> list[Event]:
@@ -249,12 +255,24 @@ class ResponseFormat:
         return [*events, self._event("response.failed", response=failed)]
 
     def whole(self, finish_reason: str | None, usage: Usage | None) -> dict[str, Any]:
-        """The whole response (the items taken by `add`)."""
-        status = "incomplete" if finish_reason == "length" else "completed"
-        self._close(status)
+        """The whole response (the items taken by `add`); a run the engine's close cut short
+        is the wire's failure, not this."""
+        status, item_status = _ending(finish_reason)
+        self._close(item_status)
         whole = self.response(status, usage_json(usage))
         self._kept(whole)
         return whole
+
+
+def _ending(finish_reason: str | None) -> tuple[str, str]:
+    """(the response's status, its open item's) for a run's finish reason: max_output_tokens
+    makes both incomplete; a cancel (another client of the session) cancels the response (an
+    item has no cancelled status: incomplete)."""
+    if finish_reason == "length":
+        return "incomplete", "incomplete"
+    if finish_reason == "abort":
+        return "cancelled", "incomplete"
+    return "completed", "completed"
 
 
 def _empty_part(kind: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from freetoken_agent.integrations.server.errors import (
     invalid_response,
     parse_json_body,
 )
-from freetoken_agent.integrations.server.named_stream import named_events
+from freetoken_agent.integrations.server.named_stream import cut_short, named_events
 from freetoken_agent.integrations.server.responses_format import ResponseFormat
 from freetoken_agent.integrations.server.responses_listing import listed_items, page
 from freetoken_agent.integrations.server.responses_request import (
@@ -61,8 +61,10 @@ class ResponsesWire:
     def take(self, index: int, event: Any) -> None:
         self.fmt.add(event)  # the items in the order they came, as a stream opens them
 
-    def whole(self, choices: Choices) -> dict[str, Any]:
+    def whole(self, choices: Choices) -> dict[str, Any] | Response:
         (run,) = choices.runs
+        if cut_short(run.usage) is not None and run.usage.error:  # the engine was closed
+            return self.failed(run.usage.error)
         return self.fmt.whole(run.finish_reason(), run.usage)
 
 

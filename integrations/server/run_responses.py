@@ -44,8 +44,9 @@ class Wire(Protocol):
         """One event of choice `index` being collected (what the whole reply needs beyond
         the run's own record of it)."""
 
-    def whole(self, choices: Choices) -> dict[str, Any]:
-        """The body of collected choices that ended without an engine error."""
+    def whole(self, choices: Choices) -> dict[str, Any] | Response:
+        """The body of collected choices that ended without an engine error (or the error
+        response of a run cut short, where the API has no body for it: named_stream.cut_short)."""
 
 
 class TurnStreamResponse(StreamingResponse):
@@ -106,7 +107,8 @@ async def _complete(request: Request, choices: Choices, wire: Wire) -> Response:
         return wire.failed(f"{type(e).__name__}: {e}")
     if choices.error is not None:  # an engine error ended a choice (the others cancelled)
         return wire.failed(choices.error)
-    return JSONResponse(wire.whole(choices))
+    whole = wire.whole(choices)
+    return whole if isinstance(whole, Response) else JSONResponse(whole)
 
 
 async def _started(request: Request, choices: Choices) -> bool:
