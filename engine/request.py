@@ -46,6 +46,10 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in `pages`
     num_reused: int = 0  # tokens taken from the prefix cache (summed over admissions)
     num_prefilled: int = 0  # tokens computed while prefilling (re-prefills after preemption too)
+    # Of its prompt, the tokens the prefix cache gave at its first admission: what its usage
+    # reports (a readmission after preemption may resume past the prompt, from its own
+    # generated tokens: work, counted in num_reused, not the prompt's reuse).
+    prompt_reused: int = 0
     # Tokens sampled for it, counted when drawn (ModelRunner.sample_tokens), not when the host
     # accepts them: min_tokens asks how many came before the one being sampled, and under
     # overlap a drawn token may not be accepted yet (logits_processors.py).

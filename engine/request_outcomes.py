@@ -215,5 +215,8 @@ def keep_rows(kept: list[torch.Tensor], start: int, rows: torch.Tensor) -> None:
 
 def _figures(event: TokenEvent, req: Request) -> None:
     """A final event's prompt figures: the request's own, exact under concurrency (the
-    engine's totals move by every request that finishes)."""
-    event.reused_tokens, event.prefilled_tokens = req.num_reused, req.num_prefilled
+    engine's totals move by every request that finishes), of its prompt: the tokens the cache
+    gave at its first admission and the rest (they add up to the prompt, as a usage's
+    must; re-prefills after a preemption are work, in the engine's totals)."""
+    event.reused_tokens = req.prompt_reused
+    event.prefilled_tokens = len(req.prompt_ids) - req.prompt_reused

@@ -102,6 +102,8 @@ class Scheduler:
             if req.first_admit_time is None:
                 req.first_admit_time = time.perf_counter()
             req.num_reused += req.num_computed
+            if req.admissions == 1:
+                req.prompt_reused = min(req.num_computed, len(req.prompt_ids))
             req.num_resumed += req.resume_boundary
             self.running.append(req)
             chunks.append(self._chunk(req, n))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.cli_engine import add_engine_args, load_engine, model_path, positive
-from freetoken_agent.cli_reply import as_text, chat_ids, failed, report, stream_reply
+from freetoken_agent.cli_reply import as_text, chat_ids, chat_turn, failed, report, stream_reply
 from freetoken_agent.engine.outputs import ContextLengthError
 from freetoken_agent.engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -133,7 +133,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": as_text(line)})
         print("model> ", end="", flush=True)
         try:
-            text, stats = stream_reply(engine, chat_ids(fmt, history), sampling)
+            prompt, options = chat_turn(engine, fmt, history)
+            text, stats = stream_reply(engine, prompt, sampling, **options)
         except ContextLengthError as e:
             history.pop()  # the message that did not fit; the chat goes on
             print(

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from freetoken_agent.anchor_options import anchor_options, decode_marker_ids
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.engine.sampling_params import SamplingParams
 
@@ -35,12 +36,14 @@ def ctrl_c() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def stream_reply(engine, prompt, sampling: SamplingParams) -> tuple[str, dict]:
+def stream_reply(engine, prompt, sampling: SamplingParams, **options) -> tuple[str, dict]:
     """Print a completion as it streams; returns its text and statistics (finish
-    "interrupted" when Ctrl-C stopped it)."""
+    "interrupted" when Ctrl-C stopped it). `options` go to the engine's submit (a chat's
+    anchor_options)."""
     start = time.perf_counter()
     first, n, reason, error, parts = None, 0, None, None, []
-    with ctrl_c() as pressed, contextlib.closing(engine.stream(prompt, sampling)) as stream:
+    request = engine.stream(prompt, sampling, **options)
+    with ctrl_c() as pressed, contextlib.closing(request) as stream:
         for event in stream:
             if event.token_id is not None:
                 n += 1
@@ -78,6 +81,14 @@ def chat_ids(fmt: ChatFormat, messages: list[dict]) -> list[int]:
     template's own control tokens are control tokens, while text in a message that spells one
     (a pasted transcript's `<|im_end|>`) stays text; the template writes its bos itself."""
     return fmt.render(messages).token_ids
+
+
+def chat_turn(engine, fmt: ChatFormat, messages: list[dict]) -> tuple[list[int], dict]:
+    """A chat turn's prompt ids (chat_ids') and the engine options that let the next turn reuse
+    it (anchor_options: a hybrid model checkpoints at its anchors; without them a template
+    that re-renders the last reply differently re-prefilled the whole history every turn)."""
+    prompt = fmt.render(messages)
+    return prompt.token_ids, anchor_options(engine, prompt, decode_marker_ids(fmt.tokenizer))
 
 
 def as_text(arg: str) -> str:

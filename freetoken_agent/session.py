@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from freetoken_agent.anchor_options import anchor_options, decode_marker_ids, is_hybrid
 from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt, common_prefix, normalize_tools
 from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 from freetoken_agent.engine.outputs import EngineClosedError, InvalidRequestError
@@ -46,10 +47,6 @@ from freetoken_agent.messages import (
     coerce_messages,
 )
 from freetoken_agent.parsers import parser_factory_for
-
-# Generated tokens before which a hybrid model's decoding checkpoints its recurrent state: the
-# boundaries the next turn's rendering also marks (tool call, end of reasoning, end of turn).
-DECODE_ANCHOR_MARKERS = ("<tool_call>", "</think>", "<|im_end|>")
 
 RECORDS_KEPT = 256  # turn_stats and tool_runs keep the most recent this many
 
@@ -317,20 +314,12 @@ class Session:
         yield usage
 
     def _anchor_options(self, diff: HistoryDiff) -> dict[str, Any]:
-        """For models with recurrent layers: the prompt's anchors (where the engine checkpoints
-        the recurrent state while prefilling) and the marker tokens before which it checkpoints
-        while decoding (a tool call, the end of reasoning, the end of the turn), so the next
-        turn resumes close to where it diverges. Other models reuse any cached prefix without
-        them, so nothing is passed (duck-typed engines need not know the options)."""
-        if not getattr(getattr(self.engine, "spec", None), "is_hybrid", False):
+        """anchor_options for this turn's prompt (the marker ids looked up once)."""
+        if not is_hybrid(self.engine):
             return {}
         if self._marker_ids is None:
-            vocab = self.chat_format.tokenizer.backend.get_vocab()
-            self._marker_ids = [vocab[m] for m in DECODE_ANCHOR_MARKERS if m in vocab]
-        return {
-            "anchors": sorted({a.offset for a in diff.prompt.anchors}),
-            "anchor_tokens": self._marker_ids,
-        }
+            self._marker_ids = decode_marker_ids(self.chat_format.tokenizer)
+        return anchor_options(self.engine, diff.prompt, self._marker_ids)
 
     def _record(
         self, diff: HistoryDiff, suffix: list[int], out_ids: list[int], text: str, reason: str

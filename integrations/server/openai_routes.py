@@ -148,7 +148,8 @@ async def text_completions(request: Request) -> Response:
     # Each choice asks for what the request asks: with prompt entries (prompt_logprobs, echo's
     # logprobs) every choice computes them, as such a request reuses no cached prefix.
     samplings = [choice_sampling(text.sampling, i) for i in range(text.n)]
-    runs = [TextRun(state.service, text.prompt, sp, text.echo) for sp in samplings]
+    shared = len(samplings) > 1
+    runs = [TextRun(state.service, text.prompt, sp, text.echo, shared) for sp in samplings]
     choices = Choices(runs, shares_prompt=text.sampling.prompt_logprobs is None)
     k, asked = text.sampling.logprobs, text.prompt_logprobs
     strings = TokenStrings(state.service.tokenizer)

@@ -58,11 +58,14 @@ class TextRun:
         prompt: str | list[int],
         sampling: SamplingParams,
         echo: bool = False,
+        shared: bool = False,
     ) -> None:
+        """`shared`: other runs send the same prompt beside it (the choices of `n`)."""
         self.service = service
         self.prompt = prompt
         self.sampling = sampling
         self.echo = echo
+        self.shared = shared
         self.prompt_tokens = 0
         self.usage: Usage | None = None  # set when the request has ended
         self._pieces: list[str] = []
@@ -130,9 +133,24 @@ class TextRun:
                 return
             self._sink = deliver
             try:
-                self._request_id = self.service.submit(ids, self.sampling, deliver)
+                self._request_id = self.service.submit(ids, self.sampling, deliver,
+                                                       **self._anchors(ids))  # fmt: skip
             except InvalidRequestError as e:
                 raise _named(e) from None
+
+    def _anchors(self, ids: list[int]) -> dict:
+        """For choices sharing the prompt on a hybrid model: anchors where the first one
+        checkpoints its recurrent state so that the others resume there. A request computes
+        its prompt's last token itself, so the prompt-end checkpoint never serves the others,
+        and each prefilled the whole prompt. One token before the end, and at the last full
+        page before that: the prompt's full pages are cached as its prefill ends, its last
+        partial page only when it finishes, so choices started beside it resume from the page
+        boundary. (A checkpoint holds a whole recurrent state: a lone request takes none.)
+        Attention-only models reuse any cached prefix as is."""
+        if not self.shared or len(ids) < 2 or not getattr(self.service.spec, "is_hybrid", False):
+            return {}
+        page = self.service.engine.config.page_size
+        return {"anchors": sorted({b for b in ((len(ids) - 1) // page * page, len(ids) - 1) if b})}
 
     async def start(self) -> int:
         """Tokenize and submit; returns the prompt's token count. Refusals raise here."""

@@ -205,3 +205,29 @@ def test_a_checkpoint_on_a_sibling_page_is_found(hybrid):
     cold = _load(path, checkpoints="none").generate(third, GREEDY)
     assert out.token_ids == cold.token_ids
     engine.check_integrity()
+
+
+def test_a_readmission_past_the_prompt_reports_the_prompts_own_figures(hybrid):
+    """Two requests in a KV pool too small for both: one is preempted while decoding and is
+    readmitted from a checkpoint its own decoding took (past its prompt). Its final event's
+    figures, what usage reports, are its prompt's: reused (at its first admission) and
+    prefilled add up to the prompt. They used to be the work summed over admissions (reused
+    48 of a 30-token prompt: Anthropic's input_tokens came out negative)."""
+    path, rng = hybrid
+    preempted = 0
+    for kv in (96, 112, 128):
+        engine = _load(path, kv_tokens=kv, page_size=8, overlap_schedule=False)
+        prompts = [_tokens(rng, rng.randint(20, 40)) for _ in range(2)]
+        sp = SamplingParams(max_tokens=45, temperature=0, ignore_eos=True)
+        ids = [engine.submit(p, sp, anchor_tokens=range(VOCAB)) for p in prompts]
+        finals = {}
+        while engine.has_unfinished():
+            finals.update((e.request_id, e) for e in engine.step() if e.finished)
+        for rid, prompt in zip(ids, prompts, strict=True):
+            event = finals[rid]
+            assert event.error is None, event.error
+            assert 0 <= event.reused_tokens <= len(prompt) - 1, (kv, event.reused_tokens)
+            assert event.reused_tokens + event.prefilled_tokens == len(prompt)
+            stats = engine._collect(rid).stats
+            preempted += stats["preempted"] > 0 and stats["reused_tokens"] > len(prompt)
+    assert preempted, "no request was readmitted past its prompt: the test is void"

@@ -346,3 +346,29 @@ def test_chat_prompts_carry_one_bos(env, tmp_path, rng_seed):
     want = tok.encode(f"<s>[INST] {words} [/INST]", add_special_tokens=False).ids
     assert want.count(tok.token_to_id("<s>")) == 1
     assert f"prefilled {len(want)} " in done.stderr, done.stderr
+
+
+def test_chat_on_a_hybrid_model_reuses_the_history_each_turn(env, tmp_path, rng_seed):
+    """`freetoken chat` on a hybrid model whose template re-renders the last reply differently
+    (Qwen3.5's drops the generation prompt's `<think>`): each turn diverges before the last
+    prompt's end, so without the chat's anchors every turn prefilled the whole history (the
+    engine's only checkpoints were prompt ends). Each later turn now reuses most of it."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+    from hybrid_chat import make_hybrid_chat
+
+    rng = random.Random(rng_seed)
+    make_hybrid_chat(tmp_path, rng_seed, qwen3_5=True)
+    lines = [" ".join(rng.choice(["alpha", "file", "read", "cache"]) for _ in range(12))
+             for _ in range(3)]  # fmt: skip
+    done = _run(["chat", "--model", str(tmp_path), "--device", "cpu", "--max-tokens", "6",
+                 "--system", "be brief"], env, stdin="\n".join(lines) + "\n/exit\n")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    totals = [
+        tuple(int(n) for n in line.split("prefilled ")[1].split(" prompt")[0].split(" / reused "))
+        for line in done.stderr.splitlines()
+        if "tokens, first after" in line or "no token" in line
+    ]  # (prefilled, reused) so far, after each turn
+    assert len(totals) == 3, done.stderr
+    (p1, r1), (p2, r2), (p3, r3) = totals
+    assert r1 == 0 and r2 > 0 and r3 > r2, totals
+    assert p3 - p2 < r3 - r2, totals  # the third turn prefilled less than it reused

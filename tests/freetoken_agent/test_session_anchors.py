@@ -8,17 +8,14 @@ and two sessions branching from one system prompt and tool list."""
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import pytest
+from hybrid_chat import make_hybrid_chat
 from scripted_engine import record_requests
-from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams, Session
 from freetoken_agent.chat_format import common_prefix
-from freetoken_agent.demo_model import ADDED_TOKENS, build_tokenizer, tokenizer_config
 from freetoken_agent.messages import AssistantMessage, ToolCall, ToolResult, UserMessage
 from freetoken_agent.service import EngineService
 from freetoken_agent.session import Usage
@@ -53,8 +50,6 @@ TOOLS = [
     }
 ]
 SP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-# The Qwen3.5 template, which refuses a history without a user query ([system] alone).
-QWEN3_5 = (Path(__file__).parent / "qwen3_5_chat_template.jinja").read_text()
 
 
 class Tracker:
@@ -88,21 +83,7 @@ def _text(rng: random.Random, n: int) -> str:
 
 @pytest.fixture
 def chat(tmp_path, rng_seed, request):
-    tok = build_tokenizer()
-    ids = {content: tok.token_to_id(content) for content, _ in ADDED_TOKENS}
-    make_tiny(
-        "qwen3_5_moe",
-        tmp_path,
-        rng_seed,
-        vocab_size=tok.get_vocab_size(with_added_tokens=True),
-        max_position_embeddings=8192,
-        eos_token_id=ids["<|im_end|>"],
-    )
-    tok.save(str(tmp_path / "tokenizer.json"))
-    config = tokenizer_config(ids)
-    if getattr(request, "param", "demo") == "qwen3_5":
-        config["chat_template"] = QWEN3_5
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ids = make_hybrid_chat(tmp_path, rng_seed, getattr(request, "param", "demo") == "qwen3_5")
     engine = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=8192)
     cold = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=8192, checkpoints="none")
     markers = {ids[m] for m in ("<tool_call>", "</think>", "<|im_end|>")}

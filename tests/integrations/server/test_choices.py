@@ -13,6 +13,7 @@ import random
 import string
 
 import pytest
+from hybrid_chat import make_hybrid_chat
 from lookup_tool import LOOKUP_TOOL
 from starlette.testclient import TestClient
 
@@ -143,14 +144,23 @@ def test_forced_tool_calls_are_made_by_every_choice(client, read_sse, rng_seed):
     assert got == calls
 
 
-@pytest.mark.parametrize("route", ROUTES)
-def test_the_other_choices_reuse_the_prompt(model_dir, rng_seed, route):
+@pytest.mark.parametrize(
+    ("route", "hybrid"), [(r, False) for r in ROUTES] + [("/v1/completions", True)]
+)
+def test_the_other_choices_reuse_the_prompt(model_dir, tmp_path, rng_seed, route, hybrid):
     """The first choice prefills the prompt, 64 tokens a step; the others find it cached (its
     full pages). Started beside it, they would prefill it too: the cache takes a prompt only
-    once its prefill ends."""
+    once its prefill ends. A hybrid model resumes from a recurrent checkpoint, which a text
+    completion's prompt had only at its end (the others prefilled it all). (The chat route's
+    choices on a hybrid model resume from the template's anchors, the deepest often in the
+    prompt's partial last page, which the cache takes only when the first choice ends.)"""
     rng = random.Random(rng_seed)
+    if hybrid:
+        make_hybrid_chat(tmp_path, rng_seed)
+        model_dir = tmp_path
     engine = Engine.load(model_dir, device="cpu", progress=False, kv_tokens=4096,
                          max_model_len=1024, max_batched_tokens=64)  # fmt: skip
+    assert engine.spec.is_hybrid == hybrid
     with TestClient(create_app(engine)) as client:
         n = rng.randint(2, 4)
         body = _body(route, rng, max_tokens=3, n=n, temperature=1.0)

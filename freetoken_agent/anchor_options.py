@@ -1,0 +1,38 @@
+"""What a hybrid engine (recurrent layers beside attention) needs with a rendered chat to
+checkpoint its recurrent state where the next turn will resume: the prompt's anchors and the
+generated marker tokens. The Session passes them with every turn, and so must every caller
+that renders a chat and submits it itself (the CLI's chat)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from freetoken_agent.chat_format import Prompt
+
+# Generated tokens before which a hybrid model's decoding checkpoints its recurrent state: the
+# boundaries the next turn's rendering also marks (tool call, end of reasoning, end of turn).
+DECODE_ANCHOR_MARKERS = ("<tool_call>", "</think>", "<|im_end|>")
+
+
+def is_hybrid(engine: Any) -> bool:
+    return bool(getattr(getattr(engine, "spec", None), "is_hybrid", False))
+
+
+def decode_marker_ids(tokenizer: Any) -> list[int]:
+    """The ids of DECODE_ANCHOR_MARKERS that the tokenizer has."""
+    vocab = tokenizer.backend.get_vocab()
+    return [vocab[m] for m in DECODE_ANCHOR_MARKERS if m in vocab]
+
+
+def anchor_options(engine: Any, prompt: Prompt, marker_ids: list[int]) -> dict[str, Any]:
+    """For models with recurrent layers: the prompt's anchors (where the engine checkpoints
+    the recurrent state while prefilling) and the marker tokens before which it checkpoints
+    while decoding (a tool call, the end of reasoning, the end of the turn), so the next turn
+    resumes close to where it diverges (a template that re-renders the last reply differently,
+    as Qwen3.5's drops the generation prompt's `<think>`, diverges before the last prompt's
+    end, where the only other checkpoint is). Other models reuse any cached prefix without
+    them, so nothing is passed (duck-typed engines need not know the options). The Session,
+    and every caller that renders a chat itself (the CLI's chat), pass these."""
+    if not is_hybrid(engine):
+        return {}
+    return {"anchors": sorted({a.offset for a in prompt.anchors}), "anchor_tokens": marker_ids}
