@@ -218,5 +218,8 @@ def _figures(event: TokenEvent, req: Request) -> None:
     engine's totals move by every request that finishes), of its prompt: the tokens the cache
     gave at its first admission and the rest (they add up to the prompt, as a usage's
     must; re-prefills after a preemption are work, in the engine's totals)."""
+    if req.admissions == 0:  # it ended before it ran (cancelled, or the service closed)
+        event.reused_tokens = event.prefilled_tokens = 0
+        return
     event.reused_tokens = req.prompt_reused
     event.prefilled_tokens = len(req.prompt_ids) - req.prompt_reused

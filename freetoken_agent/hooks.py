@@ -40,7 +40,8 @@ class ToolHooks:
 
 @dataclass(slots=True)
 class ToolRun:
-    """One call through the hooks. Owned by the Session (`session.tool_runs[call.id]`)."""
+    """One call through the hooks. Owned by the Session (`session.tool_runs[call.id]`, the last
+    RECORDS_KEPT calls)."""
 
     requested: ToolCall  # as the model made it
     executed: ToolCall | None  # as the tool received it; None when a hook vetoed it

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import anyio
+
 KEEPALIVE_S = 15.0
 KEEPALIVE = ": keep-alive\n\n"
 
@@ -38,11 +40,14 @@ async def with_keepalive(body: AsyncIterator[str]) -> AsyncIterator[str]:
                 return
             yield item
     finally:
-        if pending is not None:  # a client that left: stop the item being made
-            pending.cancel()
-            await asyncio.wait({pending})  # (a cancellation of this task still propagates)
-            if not pending.cancelled():
-                pending.exception()  # retrieved: nobody reads what it ended with
-        closing = getattr(body, "aclose", None)
-        if closing is not None:
-            await closing()
+        # Shielded: a client that left cancels the response's task group, whose cancel scope
+        # is delivered again at every await, and would cut this cleanup short.
+        with anyio.CancelScope(shield=True):
+            if pending is not None:  # a client that left: stop the item being made
+                pending.cancel()
+                await asyncio.wait({pending})
+                if not pending.cancelled():
+                    pending.exception()  # retrieved: nobody reads what it ended with
+            closing = getattr(body, "aclose", None)
+            if closing is not None:
+                await closing()

@@ -8,7 +8,8 @@ engine holds now. Names are prefixed `freetoken_`; counters end in `_total`.
 - requests: running and waiting (gauges), finished by reason, preemptions (counters), the
   server's sessions (WebSocket and X-Session-Id);
 - tokens of finished requests: prompt tokens prefilled and reused from the prefix cache,
-  generated tokens;
+  generated tokens (the work done: a request preempted and readmitted counts its re-prefill
+  here too, where its usage reports its prompt once);
 - memory: device bytes by part, KV pages (capacity, free, held by the prefix cache), the KV
   cache's use, and under elastic memory the budget and the slots the split gives experts;
 - experts, when offloaded: the GPU cache's slots, lookups, hits, fills, misses run on the CPU

@@ -126,7 +126,7 @@ class ResponseFormat:
             "output": [_copy(item) for item in self.output],
             "previous_response_id": self.body.get("previous_response_id"),
             "reasoning": {"effort": None, "summary": None, **(self.body.get("reasoning") or {})},
-            "store": self.keep is not None,
+            "store": self.keep is not None and status != "cancelled",  # (see _kept)
             "truncation": "disabled",
             "usage": usage,
             **echoed,

@@ -157,6 +157,8 @@ class TurnRun:
         live, turn = self.live, self.turn
         try:
             with live.turn_lock:
+                if turn.cancelled:  # its client left while it waited (serve_choices): nothing
+                    return  # to render for nobody; start() has let go of it
                 request = self.request = self._rebased()
                 live.session.tools = request.tools
                 live.session.chat_format = live.formats.get(request.enable_thinking)

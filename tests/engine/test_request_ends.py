@@ -72,3 +72,24 @@ def test_a_hand_driven_engine_forgets_what_it_released(tmp_path, rng_seed):
     assert not engine._requests and not engine.has_unfinished()
     engine.release(f"never-{rng.randrange(99)}")
     engine.check_integrity()  # the aborted request's pages back with the pool or the tree
+
+
+def test_a_request_aborted_before_it_ran_reports_no_prompt_work(tmp_path, rng_seed):
+    """One request runs (max_num_seqs 1), a second waits and is aborted before its admission:
+    its final event's figures (what its usage reports) are 0 reused and 0 prefilled, not its
+    whole prompt as prefilled; the running one's add up to its prompt."""
+    rng = random.Random(rng_seed)
+    engine = Engine.load(ensure_demo_model(tmp_path), device="cpu", progress=False,
+                         kv_tokens=2048, max_model_len=512, max_num_seqs=1)  # fmt: skip
+    sp = SamplingParams(max_tokens=rng.randint(4, 12), temperature=0, ignore_eos=True)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(5, 60))] for _ in range(2)]
+    first, waiting = (engine.submit(p, sp) for p in prompts)
+    engine.step()
+    engine.abort(waiting)
+    while engine.has_unfinished():
+        engine.step()
+    (ended,) = [e for e in engine.take_events(waiting) if e.finished]
+    assert ended.finish_reason == "abort"
+    assert (ended.reused_tokens, ended.prefilled_tokens) == (0, 0)
+    (done,) = [e for e in engine.take_events(first) if e.finished]
+    assert done.reused_tokens + done.prefilled_tokens == len(prompts[0])

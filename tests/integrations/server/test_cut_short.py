@@ -90,6 +90,7 @@ def test_a_cancel_by_another_client_of_the_session_is_not_a_complete_reply(
             response = json.loads(out["text"])
         Response.model_validate(response, strict=True)
         assert response["status"] == "cancelled" and response["incomplete_details"] is None
+        assert response["store"] is False  # it is not kept (store true would promise it)
         assert all(item["status"] != "completed" for item in response["output"][-1:])
         assert client.get(f"/v1/responses/{response['id']}").status_code == 404  # not kept
     else:

@@ -13,9 +13,11 @@ import string
 import threading
 import time
 
+import pytest
 from asgi_disconnect import post_and_leave, raw_post
 from scripted_engine import PacedEngine
 
+from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.integrations.server import create_app
 from freetoken_agent.service import EngineService
 
@@ -92,6 +94,8 @@ def test_clients_that_leave_while_queued_behind_their_session_run_nothing(engine
     app = create_app(service)
     leaving = rng.randint(2, 6)
 
+    quitter_texts: list[str] = []
+
     def threads() -> int:
         return sum(t.name.startswith("freetoken-turn-") for t in threading.enumerate())
 
@@ -100,24 +104,34 @@ def test_clients_that_leave_while_queued_behind_their_session_run_nothing(engine
         long = asyncio.create_task(raw_post(app, "/v1/chat/completions", body, session="S"))
         while not fake.running:
             await asyncio.sleep(0.01)
+        bodies = [_body(rng, rng.random() < 0.5) for _ in range(leaving)]
+        quitter_texts.extend(b["messages"][0]["content"] for b in bodies)
         quitters = [
-            raw_post(
-                app, "/v1/chat/completions", _body(rng, rng.random() < 0.5), session="S", leave=True
-            )  # fmt: skip
-            for _ in range(leaving)
+            raw_post(app, "/v1/chat/completions", body, session="S", leave=True) for body in bodies
         ]
         answers = await asyncio.wait_for(asyncio.gather(*quitters), timeout=1.0)
         assert fake.running, "the long turn ended before the clients left: the test is void"
         assert all(a[0]["status"] == 499 for a in answers), answers
         await asyncio.wait_for(long, timeout=60)
 
+    renders: list[str] = []  # the texts of the messages rendered
+    render = ChatFormat.render
+
+    def counting(self, messages, *args, **kwargs):
+        renders.extend(str(m["content"] if isinstance(m, dict) else m.content) for m in messages)
+        return render(self, messages, *args, **kwargs)
+
     baseline = threads()
     try:
-        asyncio.run(main())
-        deadline = time.monotonic() + 10
-        while threads() > baseline and time.monotonic() < deadline:
-            time.sleep(0.02)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ChatFormat, "render", counting)
+            asyncio.run(main())
+            deadline = time.monotonic() + 10  # the quitters' threads take the lock in turn
+            while threads() > baseline and time.monotonic() < deadline:
+                time.sleep(0.02)
         assert threads() == baseline, "turn threads left waiting"
         assert fake.submitted == 1, (fake.submitted, rng_seed)  # the long turn alone
+        # Nor rendered once the lock freed (on a long agent history a render is not free).
+        assert not set(renders) & set(quitter_texts), rng_seed
     finally:
         service.close()

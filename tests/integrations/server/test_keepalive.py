@@ -15,6 +15,7 @@ import random
 
 import pytest
 from anthropic_stream import named_events
+from starlette.responses import StreamingResponse
 
 from freetoken_agent.integrations.server import keepalive
 from freetoken_agent.integrations.server.keepalive import KEEPALIVE, with_keepalive
@@ -138,3 +139,45 @@ def _chat_texts(body: str) -> list[str]:
             for choice in json.loads(data)["choices"]:
                 texts.append(choice["delta"].get("content") or "")
     return [t for t in texts if t]
+
+
+def test_a_client_leaving_a_starlette_stream_lets_the_cleanup_finish(monkeypatch):
+    """Starlette (ASGI spec 2.3, as uvicorn speaks it) ends a stream whose client left by
+    cancelling its task group, whose cancel scope is delivered again at every await: the
+    wrapper's cleanup (wait for the item being made, whose own cleanup awaits, then close the
+    body) must still run to its end rather than stop at its first await."""
+    monkeypatch.setattr(keepalive, "KEEPALIVE_S", TICK)
+    log: list[str] = []
+
+    async def body():
+        try:
+            yield "data: 1\n\n"
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(TICK / 2)  # a cleanup that awaits (an abort handed to a thread)
+            log.append("body cleaned up")
+            raise
+
+    async def watched():
+        try:
+            async for item in with_keepalive(body()):
+                yield item
+        finally:
+            log.append("wrapper ended")
+
+    async def main() -> None:
+        response = StreamingResponse(watched(), media_type="text/event-stream")
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+                 "method": "GET", "path": "/", "headers": [], "query_string": b""}  # fmt: skip
+
+        async def receive() -> dict:
+            await asyncio.sleep(10 * TICK)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            pass
+
+        await response(scope, receive, send)
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert log == ["body cleaned up", "wrapper ended"], log
