@@ -44,7 +44,9 @@ tiny messages costs one render and one tokenization, not thousands of renders.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,7 +56,10 @@ from freetoken_agent.engine.text.chat_template import ChatTemplateError
 # Sentinels for field probes: private-use characters no template tests for, differing in their
 # first and last characters so the common prefix/suffix of two renderings stops exactly at them.
 _SENTINELS = ("\U000f0001\U000f0101\U000f0003", "\U000f0002\U000f0102\U000f0004")
-_CACHE_ENTRIES = 16384  # per ChatFormat; an entry is a few ints, cleared whole when full
+# Per ChatFormat (a server's sessions share one); an entry is a few ints. The least recently
+# used go first when it is full: clearing it whole made every live session's next turn a cold
+# O(n^2) render of its history (~28 s at 120k tokens) once every ~4,000 agent turns.
+_CACHE_ENTRIES = 16384
 _MISSING = object()
 
 # render(dicts, add_generation_prompt, with_tools=True) -> text; raises ChatTemplateError
@@ -116,7 +121,13 @@ class AnchorLocator:
     """
 
     def __init__(
-        self, render: Render, dicts: list[dict], full: str, gen: bool, cache: dict, salt: bytes
+        self,
+        render: Render,
+        dicts: list[dict],
+        full: str,
+        gen: bool,
+        cache: OrderedDict,
+        salt: bytes,
     ):
         self._render = render
         self.dicts = dicts
@@ -138,14 +149,22 @@ class AnchorLocator:
             return None
 
     def cached(self, key: tuple, compute):
-        # One lookup, then a local value: another thread may clear the shared cache between
-        # a membership test and a read (servers render concurrently).
-        value = self.cache.get(key, _MISSING)
-        if value is _MISSING:
-            value = compute()
-            if len(self.cache) >= _CACHE_ENTRIES:
-                self.cache.clear()
-            self.cache[key] = value
+        # One lookup, then a local value: another thread may evict from the shared cache
+        # between a membership test and a read (servers render concurrently), hence the
+        # KeyErrors let go of.
+        cache = self.cache
+        value = cache.get(key, _MISSING)
+        if value is not _MISSING:
+            with contextlib.suppress(KeyError):
+                cache.move_to_end(key)  # recently used
+            return value
+        value = compute()
+        while len(cache) >= _CACHE_ENTRIES:
+            try:
+                cache.popitem(last=False)
+            except KeyError:
+                break
+        cache[key] = value
         return value
 
     def tools_rendered(self) -> bool:

@@ -31,6 +31,7 @@ whole; `Anchor.exact` says whether the token prefix ends exactly at the boundary
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,7 +165,8 @@ class ChatFormat:
             ChatTemplate(chat_template, tokenizer.special_tokens) if chat_template else None
         )
         self._literal = LiteralSpecials(tokenizer.backend)
-        self._cache: dict[tuple, Any] = {}  # what renders found, by message-prefix digest
+        # What renders found, by message-prefix digest (least recently used evicted first).
+        self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._probes: dict[tuple[bool, bool], str] = {}  # _generation_probe's renders
 
     def template(self, tools: list[dict] | None) -> ChatTemplate:

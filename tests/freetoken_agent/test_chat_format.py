@@ -319,3 +319,50 @@ def test_reasons_first_reads_the_generation_prompt(tok: Tokenizer, rng_seed: int
         assert fmt.reasons_first(tools) is expected, (fmt.template_kwargs, expected)
     assert ChatFormat(tok).opens_reasoning(tools) is False  # the hybrid's prompt opens nothing
     assert ChatFormat(tok, chat_template=QWEN3_THINKING).opens_reasoning(tools) is True
+
+
+def test_a_full_render_cache_keeps_the_recently_used_sessions_warm(
+    tok: Tokenizer, rng_seed: int, monkeypatch
+) -> None:
+    """The render cache (shared by a server's sessions) evicts its least recently used entries
+    when full. It used to be cleared whole: every live session's next turn then rendered its
+    history cold (O(n^2) template renders, ~28 s at 120k tokens). Here session A's history is
+    rendered, then other histories fill the cache while A goes on being used: A's next turn
+    takes as few template renders as with a cache of its own."""
+    from freetoken_agent import anchor_locator
+
+    rng = random.Random(rng_seed)
+    renders = {"n": 0}
+    real = ChatTemplate.render
+
+    def counting(self, *args, **kwargs):
+        renders["n"] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChatTemplate, "render", counting)
+
+    def renders_of(fmt: ChatFormat, history: list) -> int:
+        before = renders["n"]
+        fmt.render(history)
+        return renders["n"] - before
+
+    session = [rand_history(rng, end_with_user=True)]
+    others = [rand_history(rng, end_with_user=True) for _ in range(rng.randint(4, 8))]
+    alone = ChatFormat(tok)
+    alone.render(session[0])
+    warm = renders_of(alone, session[0])  # A's turn again, from its own cache
+    sized = ChatFormat(tok)
+    sized.render(session[0])
+    entries = []  # what each other history's render adds
+    for other in others:
+        own = ChatFormat(tok)
+        own.render(other)
+        entries.append(len(own._cache))
+    # Room for A's and any one other's entries, not for all of them.
+    limit = len(sized._cache) + max(entries) + 1
+    assert len(sized._cache) + sum(entries) > limit, "the cache never fills: the test is void"
+    monkeypatch.setattr(anchor_locator, "_CACHE_ENTRIES", limit)
+    for other in others:  # other sessions fill the cache; A's turns come between them
+        sized.render(other)
+        assert renders_of(sized, session[0]) == warm, rng_seed
+    assert len(sized._cache) <= anchor_locator._CACHE_ENTRIES

@@ -8,6 +8,7 @@ import string
 import sys
 import threading
 import time
+from collections import OrderedDict
 
 import pytest
 
@@ -73,8 +74,9 @@ def _history(rng: random.Random, base: list[dict]) -> list[dict]:
     return messages
 
 
-class YieldingDict(dict):
-    """A dict that hands the GIL to other threads around each access."""
+class YieldingDict(OrderedDict):
+    """An OrderedDict (as ChatFormat's cache is) that hands the GIL to other threads around
+    each access."""
 
     def get(self, key, default=None):
         time.sleep(0)
@@ -93,14 +95,21 @@ class YieldingDict(dict):
         super().__setitem__(key, value)
         time.sleep(0)
 
-    def clear(self) -> None:
+    def move_to_end(self, key, last=True) -> None:
         time.sleep(0)
-        super().clear()
+        super().move_to_end(key, last)
+        time.sleep(0)
+
+    def popitem(self, last=True):
+        time.sleep(0)
+        item = super().popitem(last)
+        time.sleep(0)
+        return item
 
 
 def test_the_shared_chat_format_renders_right_from_many_threads(client, monkeypatch, rng_seed):
     """The server's one ChatFormat, used by four threads at once with a render cache so small
-    that it is cleared every few steps, gives exactly what a fresh one gives alone."""
+    that it evicts every few steps, gives exactly what a fresh one gives alone."""
     shared = client.app.state.server.hub.chat_format
     assert isinstance(shared, ChatFormat)  # no lock around it: this test is why that is fine
     tools = [{"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}]
@@ -114,7 +123,7 @@ def test_the_shared_chat_format_renders_right_from_many_threads(client, monkeypa
          for i, h in enumerate(histories)]
         for histories in work
     ]  # fmt: skip
-    monkeypatch.setattr(anchor_locator_module, "_CACHE_ENTRIES", 3)  # cleared all the time
+    monkeypatch.setattr(anchor_locator_module, "_CACHE_ENTRIES", 3)  # evicting all the time
     # Under the GIL a dict access is one step, so a check-then-read race almost never shows;
     # this cache lets other threads run inside every access, as a free-threaded build would.
     monkeypatch.setattr(shared, "_cache", YieldingDict())
