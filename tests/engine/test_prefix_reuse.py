@@ -91,3 +91,40 @@ def test_preempted_requests_match_unpressured_run(setup):
     assert got == ref
     assert tight.stats()["requests"]["preemptions"] > 0
     tight.check_integrity()
+
+
+def test_a_full_pool_evicts_a_batch_at_a_time(tmp_path, rng_seed):
+    """Once the pool is full of cached prefixes, a decoding request crossing into a new page
+    evicts: each eviction walks the whole tree, so a crossing frees a batch of the coldest
+    pages (1/EVICT_BATCH of the pool) and the next crossings take them without a walk (it
+    walked once per crossing). The tokens are a fresh engine's."""
+    from freetoken_agent.engine.scheduler import EVICT_BATCH
+
+    rng = random.Random(rng_seed)
+    make_tiny("qwen3_moe", tmp_path, rng_seed, max_position_embeddings=4096)
+    engine = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=8192,
+                         max_model_len=2048)  # fmt: skip
+    pool = engine.kv.allocator
+    batch = pool.capacity // EVICT_BATCH
+    assert batch >= 4, "the pool is too small to batch: the test is void"
+    fill = SamplingParams(max_tokens=1, temperature=0)
+    while pool.n_free > engine.kv.page_size:  # distinct prefixes until the pool is full
+        engine.generate([rng.randrange(3, 320) for _ in range(rng.randint(100, 300))], fill)
+    walks = []
+    evict = engine.scheduler.radix.evict
+
+    def counted(n_pages):
+        walks.append(n_pages)
+        return evict(n_pages)
+
+    engine.scheduler.radix.evict = counted
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(20, 60))]
+    sp = SamplingParams(max_tokens=rng.randint(8, 12) * engine.kv.page_size, temperature=0,
+                        ignore_eos=True)  # fmt: skip
+    out = engine.generate(prompt, sp)
+    crossings = sp.max_tokens // engine.kv.page_size
+    assert len(walks) <= 1 + crossings // batch, (walks, crossings, batch)
+    fresh = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=8192,
+                        max_model_len=2048)  # fmt: skip
+    assert out.token_ids == fresh.generate(prompt, sp).token_ids
+    engine.check_integrity()
