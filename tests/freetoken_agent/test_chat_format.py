@@ -366,3 +366,30 @@ def test_a_full_render_cache_keeps_the_recently_used_sessions_warm(
         sized.render(other)
         assert renders_of(sized, session[0]) == warm, rng_seed
     assert len(sized._cache) <= anchor_locator._CACHE_ENTRIES
+
+
+def test_stable_contexts_are_the_prefixes_of_the_full_text(
+    tok: Tokenizer, rng_seed: int, monkeypatch
+) -> None:
+    """AnchorLocator.stable (one pass of prefix digests over the full text) says of each
+    truncated rendering R_j exactly whether it is a prefix of the full text. Qwen3's template
+    drops the reasoning of turns a newer user message follows, so some R_j are not."""
+    from freetoken_agent.anchor_locator import AnchorLocator
+
+    rng = random.Random(rng_seed)
+    seen = {"stable": 0, "unstable": 0}
+    one_pass = AnchorLocator.stable
+
+    def checked(self):
+        got = one_pass(self)
+        for j in range(len(self.dicts) + 1):
+            text = "" if j == 0 else self.text(j)
+            assert got[j] == (text is not None and self.full.startswith(text)), (rng_seed, j)
+            seen["stable" if got[j] else "unstable"] += 1
+        return got
+
+    monkeypatch.setattr(AnchorLocator, "stable", checked)
+    for source in (None, QWEN3_THINKING):
+        for _ in range(4):
+            ChatFormat(tok, chat_template=source).render(rand_history(rng), tools=TOOLS)
+    assert seen["stable"] and seen["unstable"], seen
