@@ -28,6 +28,7 @@ the engine to fail (`take_unservable`) rather than retried forever.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 
@@ -120,12 +121,15 @@ class Scheduler:
         start = req.num_computed
         tokens = req.token_range(start, start + n)
         chunk = ScheduledChunk(req, start, tokens, sample=start + n == req.n_tokens)
-        if self.recurrence is not None and req.snapshot_plan:
+        plan = req.snapshot_plan  # sorted: the chunk's boundaries found by bisection (a
+        # decode step of an agent history with thousands of anchors scanned them all)
+        inside = plan[bisect.bisect_right(plan, start) : bisect.bisect_right(plan, start + n)]
+        if self.recurrence is not None and inside:
             taken = {b for b, _ in req.pending_checkpoints}
             # Deepest first: when the pool's rows run out within one chunk, the boundaries a
             # later edit is most likely to resume from are the ones kept.
-            for b in reversed(req.snapshot_plan):
-                if start < b <= start + n and b not in taken:
+            for b in reversed(inside):
+                if b not in taken:
                     ckpt = self.recurrence.checkpoints.reserve(b)
                     if ckpt is not None:  # every row locked: skip it (never an error)
                         chunk.snapshots.append((b, ckpt))
