@@ -96,19 +96,20 @@ def test_clients_that_leave_while_queued_behind_their_session_run_nothing(engine
 
     quitter_texts: list[str] = []
 
-    def threads() -> int:
-        return sum(t.name.startswith("freetoken-turn-") for t in threading.enumerate())
+    session = f"S{rng.randrange(10**9)}"  # its turn threads are named after it
+
+    def threads() -> int:  # (other tests' turn threads may still be ending)
+        return sum(t.name == f"freetoken-turn-{session}" for t in threading.enumerate())
 
     async def main() -> None:
         body = _body(rng, stream=False)
-        long = asyncio.create_task(raw_post(app, "/v1/chat/completions", body, session="S"))
+        long = asyncio.create_task(raw_post(app, "/v1/chat/completions", body, session=session))
         while not fake.running:
             await asyncio.sleep(0.01)
         bodies = [_body(rng, rng.random() < 0.5) for _ in range(leaving)]
         quitter_texts.extend(b["messages"][0]["content"] for b in bodies)
-        quitters = [
-            raw_post(app, "/v1/chat/completions", body, session="S", leave=True) for body in bodies
-        ]
+        url = "/v1/chat/completions"
+        quitters = [raw_post(app, url, body, session=session, leave=True) for body in bodies]
         answers = await asyncio.wait_for(asyncio.gather(*quitters), timeout=1.0)
         assert fake.running, "the long turn ended before the clients left: the test is void"
         assert all(a[0]["status"] == 499 for a in answers), answers
@@ -121,15 +122,15 @@ def test_clients_that_leave_while_queued_behind_their_session_run_nothing(engine
         renders.extend(str(m["content"] if isinstance(m, dict) else m.content) for m in messages)
         return render(self, messages, *args, **kwargs)
 
-    baseline = threads()
+    assert threads() == 0
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(ChatFormat, "render", counting)
             asyncio.run(main())
             deadline = time.monotonic() + 10  # the quitters' threads take the lock in turn
-            while threads() > baseline and time.monotonic() < deadline:
+            while threads() and time.monotonic() < deadline:
                 time.sleep(0.02)
-        assert threads() == baseline, "turn threads left waiting"
+        assert threads() == 0, "turn threads left waiting"
         assert fake.submitted == 1, (fake.submitted, rng_seed)  # the long turn alone
         # Nor rendered once the lock freed (on a long agent history a render is not free).
         assert not set(renders) & set(quitter_texts), rng_seed
