@@ -24,15 +24,27 @@ def decode_marker_ids(tokenizer: Any) -> list[int]:
     return [vocab[m] for m in DECODE_ANCHOR_MARKERS if m in vocab]
 
 
-def anchor_options(engine: Any, prompt: Prompt, marker_ids: list[int]) -> dict[str, Any]:
-    """For models with recurrent layers: the prompt's anchors (where the engine checkpoints
-    the recurrent state while prefilling) and the marker tokens before which it checkpoints
-    while decoding (a tool call, the end of reasoning, the end of the turn), so the next turn
-    resumes close to where it diverges (a template that re-renders the last reply differently,
-    as Qwen3.5's drops the generation prompt's `<think>`, diverges before the last prompt's
-    end, where the only other checkpoint is). Other models reuse any cached prefix without
-    them, so nothing is passed (duck-typed engines need not know the options). The Session,
-    and every caller that renders a chat itself (the CLI's chat), pass these."""
-    if not is_hybrid(engine):
-        return {}
-    return {"anchors": sorted({a.offset for a in prompt.anchors}), "anchor_tokens": marker_ids}
+class AnchorOptions:
+    """The engine options of a rendered chat's turns, for one engine and tokenizer.
+
+    For models with recurrent layers: the prompt's anchors (where the engine checkpoints the
+    recurrent state while prefilling) and the marker tokens before which it checkpoints while
+    decoding (a tool call, the end of reasoning, the end of the turn), so the next turn resumes
+    close to where it diverges (a template that re-renders the last reply differently, as
+    Qwen3.5's drops the generation prompt's `<think>`, diverges before the last prompt's end,
+    where the only other checkpoint is). Other models reuse any cached prefix without them, so
+    nothing is passed (duck-typed engines need not know the options). The marker ids are
+    looked up once (the whole vocabulary is read for them)."""
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._marker_ids: list[int] | None = None
+
+    def __call__(self, prompt: Prompt) -> dict[str, Any]:
+        if not is_hybrid(self.engine):
+            return {}
+        if self._marker_ids is None:
+            self._marker_ids = decode_marker_ids(self.tokenizer)
+        anchors = sorted({a.offset for a in prompt.anchors})
+        return {"anchors": anchors, "anchor_tokens": self._marker_ids}

@@ -22,6 +22,7 @@ import os
 import sys
 from pathlib import Path
 
+from freetoken_agent.anchor_options import AnchorOptions
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.cli_engine import add_engine_args, load_engine, model_path, positive
 from freetoken_agent.cli_reply import as_text, chat_ids, chat_turn, failed, report, stream_reply
@@ -110,6 +111,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             f"complete plain text with `freetoken generate --model {args.model} TEXT`"
         )
     fmt = ChatFormat(engine.tokenizer)
+    anchors = AnchorOptions(engine, fmt.tokenizer)  # (a hybrid model's checkpoints)
     # A typed line's bytes that are not UTF-8 reach as_text as lone surrogates, whatever the
     # locale (a strict one raised UnicodeDecodeError in input(), ending the chat).
     if isinstance(sys.stdin, io.TextIOWrapper):
@@ -133,7 +135,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": as_text(line)})
         print("model> ", end="", flush=True)
         try:
-            prompt, options = chat_turn(engine, fmt, history)
+            prompt, options = chat_turn(fmt, history, anchors)
             text, stats = stream_reply(engine, prompt, sampling, **options)
         except ContextLengthError as e:
             history.pop()  # the message that did not fit; the chat goes on

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from freetoken_agent.anchor_options import anchor_options, decode_marker_ids, is_hybrid
+from freetoken_agent.anchor_options import AnchorOptions
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.engine.sampling_params import SamplingParams
 
@@ -83,14 +83,14 @@ def chat_ids(fmt: ChatFormat, messages: list[dict]) -> list[int]:
     return fmt.render(messages).token_ids
 
 
-def chat_turn(engine, fmt: ChatFormat, messages: list[dict]) -> tuple[list[int], dict]:
+def chat_turn(
+    fmt: ChatFormat, messages: list[dict], options: AnchorOptions
+) -> tuple[list[int], dict]:
     """A chat turn's prompt ids (chat_ids') and the engine options that let the next turn reuse
-    it (anchor_options: a hybrid model checkpoints at its anchors; without them a template
-    that re-renders the last reply differently re-prefilled the whole history every turn)."""
+    it (AnchorOptions: a hybrid model checkpoints at its anchors; without them a template that
+    re-renders the last reply differently re-prefilled the whole history every turn)."""
     prompt = fmt.render(messages)
-    if not is_hybrid(engine):
-        return prompt.token_ids, {}
-    return prompt.token_ids, anchor_options(engine, prompt, decode_marker_ids(fmt.tokenizer))
+    return prompt.token_ids, options(prompt)
 
 
 def as_text(arg: str) -> str:

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from freetoken_agent.anchor_options import anchor_options, decode_marker_ids, is_hybrid
+from freetoken_agent.anchor_options import AnchorOptions, is_hybrid
 from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt, common_prefix, normalize_tools
 from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 from freetoken_agent.engine.outputs import EngineClosedError, InvalidRequestError
@@ -167,7 +167,7 @@ class Session:
         self.last_suffix_ids: list[int] = []
         self.last_output_text = ""
         self._kv_tokens = 0  # leading tokens of the last sent sequence whose KV the engine has
-        self._marker_ids: list[int] | None = None  # see _anchor_options
+        self._anchor_options = AnchorOptions(engine, self.chat_format.tokenizer)
 
     @property
     def tools(self) -> list[Mapping[str, Any]] | None:
@@ -239,7 +239,7 @@ class Session:
         # N tokens, or nowhere (the Session's guess when the engine's own figures are not to
         # be had: usage of overlapping turns).
         reused = max(0, min(shared, self._kv_tokens, len(prompt) - 1))
-        if getattr(getattr(self.engine, "spec", None), "is_hybrid", False):
+        if is_hybrid(self.engine):
             mode = _checkpoint_mode(self.engine)
             if mode.kind == "anchors":
                 anchor = prompt.deepest_anchor(reused)
@@ -279,7 +279,9 @@ class Session:
         out_text: list[str] = []
         end: dict[str, Any] = {"reason": None, "error": None, "started": False, "stop_string": None,
                                "figures": None}  # fmt: skip
-        stream = self.engine.stream(diff.prompt.token_ids, params, **self._anchor_options(diff))
+        stream = self.engine.stream(
+            diff.prompt.token_ids, params, **self._anchor_options(diff.prompt)
+        )
         try:
             for event in stream:
                 end["started"] = True
@@ -312,14 +314,6 @@ class Session:
             source="engine" if usage.exact else "predicted",
         )
         yield usage
-
-    def _anchor_options(self, diff: HistoryDiff) -> dict[str, Any]:
-        """anchor_options for this turn's prompt (the marker ids looked up once)."""
-        if not is_hybrid(self.engine):
-            return {}
-        if self._marker_ids is None:
-            self._marker_ids = decode_marker_ids(self.chat_format.tokenizer)
-        return anchor_options(self.engine, diff.prompt, self._marker_ids)
 
     def _record(
         self, diff: HistoryDiff, suffix: list[int], out_ids: list[int], text: str, reason: str

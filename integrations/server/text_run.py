@@ -22,6 +22,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator
 
+from freetoken_agent.anchor_options import is_hybrid
 from freetoken_agent.engine.outputs import (
     ContextLengthError,
     InvalidRequestError,
@@ -147,7 +148,7 @@ class TextRun:
         partial page only when it finishes, so choices started beside it resume from the page
         boundary. (A checkpoint holds a whole recurrent state: a lone request takes none.)
         Attention-only models reuse any cached prefix as is."""
-        if not self.shared or len(ids) < 2 or not getattr(self.service.spec, "is_hybrid", False):
+        if not self.shared or len(ids) < 2 or not is_hybrid(self.service):
             return {}
         page = self.service.engine.config.page_size
         return {"anchors": sorted({b for b in ((len(ids) - 1) // page * page, len(ids) - 1) if b})}
