@@ -33,7 +33,11 @@ never see them, so that is refused (InvalidRequestError), not rendered silently.
 
 Cost: about one render per message plus one or two per reasoning span, tool call and tool
 result, each of a history prefix (O(n^2) template work for n messages). Results are cached per
-message prefix, so a Session's next turn renders only its new messages. Measured on the 2-core CI
+message prefix, so a Session's next turn renders only its new messages. Messages that share one
+context (a user's follow-up after an agent run: the template re-renders the run without its
+reasoning, so every run message is probed in the whole history) are probed at once in a few
+renders (anchor_batch.py; 4.7 s to 0.08 s at 42k tokens), and the tail each message had as the
+last one is cached as it is found (`tail`), so their turn starts need no render of their own. Measured on the 2-core CI
 machine: a cold render of 100 messages takes ~0.9 s (200: ~3.3 s); the next turn of such a
 session ~0.1 s. A server should keep one ChatFormat per model to share the cache. That work
 grows with the square of the history while the context bounds what can be sent, so
@@ -47,11 +51,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
+from freetoken_agent.anchor_batch import probe_at_once
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.text.chat_template import ChatTemplateError
+from freetoken_agent.text_prefix import common_prefix, common_suffix
 
 # Sentinels for field probes: private-use characters no template tests for, differing in their
 # first and last characters so the common prefix/suffix of two renderings stops exactly at them.
@@ -61,28 +67,14 @@ _SENTINELS = ("\U000f0001\U000f0101\U000f0003", "\U000f0002\U000f0102\U000f0004"
 # O(n^2) render of its history (~28 s at 120k tokens) once every ~4,000 agent turns.
 _CACHE_ENTRIES = 16384
 _MISSING = object()
+UNRENDERED = object()  # a probed field the template does not render at all
+REFUSED = object()  # a tail: the template refuses the history ending with the message
+NO_POINT = object()  # a tail: the message has no point to align (see `end_point`)
+# Messages sharing a context (and not cached) from which the batch probes them at once.
+BATCH_MIN = 2
 
 # render(dicts, add_generation_prompt, with_tools=True) -> text; raises ChatTemplateError
 Render = Callable[..., str]
-
-
-def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """Length of the longest common prefix (strings or lists), by halving slices (C speed)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def common_suffix(a: str, b: str) -> int:
-    return common_prefix(a[::-1], b[::-1])
 
 
 def unrendered(what: str) -> InvalidRequestError:
@@ -139,6 +131,9 @@ class AnchorLocator:
         for d in dicts:
             self.keys.append(_digest(self.keys[-1] + key_bytes(d)))
         self._texts: dict[int, str | None] = {}
+        # Probe results of this call, by (kind, context j, message, call or field): the turn
+        # starts, the inner marks, the tails and the batch (anchor_batch.py) share them.
+        self.probes: dict[tuple, Any] = {}
 
     def render(self, dicts: list[dict], gen: bool, with_tools: bool = True) -> str | None:
         """A variant's text, or None when the template refuses it (some templates raise on a
@@ -246,6 +241,7 @@ class AnchorLocator:
             elif self.text(n) is not None:
                 end = common_prefix(self.text(n), self.full)
             gen_text = self.full[end:]
+        self.batch_wide_contexts(ctx, stable)
         starts: list[int | None] = [0]
         for m in range(1, n):
             if stable[m]:
@@ -267,53 +263,159 @@ class AnchorLocator:
                     marks.append((char, kind, m))
         if self.gen:
             marks.append((end, "generation_prefix", n))
+        self.keep_tails(stable)
         return marks, gen_text
+
+    def batch_wide_contexts(self, ctx: list[int], stable: list[bool]) -> None:
+        """Probes at once, in one or a few renders, the messages that share a context and whose
+        marks are not cached: a user's follow-up after an agent run makes the template render
+        the run differently (Qwen3 drops its reasoning), so every run message is probed in the
+        whole history; one by one that cost ~5 whole-history renders a message (16.7 s at 49k
+        tokens). What the batch cannot vouch for is left to the single probes."""
+        groups: dict[int, list[int]] = {}
+        for m, j in enumerate(ctx):
+            inner = ("inner", *self.ctx_key(j), m) not in self.cache
+            start = m > 0 and not stable[m] and ("start", *self.ctx_key(j), m) not in self.cache
+            if inner or start:
+                groups.setdefault(j, []).append(m)
+        for j, members in groups.items():
+            if len(members) >= BATCH_MIN and self.text(j) is not None:
+                self.batch(j, members, stable)
+
+    def batch(self, j: int, members: list[int], stable: list[bool]) -> None:
+        """Fills `probes` for context j with what the members' inner marks and turn starts
+        will ask (see `inner_marks`, `turn_start`), as far as anchor_batch vouches for it."""
+        fields: dict[tuple[int, str], None] = {}  # ordered sets
+        calls: dict[tuple[int, int], None] = {}
+        for m in members:
+            d = self.dicts[m]
+            if ("inner", *self.ctx_key(j), m) not in self.cache:
+                if d["role"] == "assistant":
+                    if d.get("reasoning_content"):
+                        fields[(m, "reasoning_content")] = None
+                    calls.update(((m, c), None) for c in range(len(d.get("tool_calls", []))))
+                elif d["role"] == "tool":
+                    fields[(m, "content")] = None
+            if m > 0 and not stable[m] and ("start", *self.ctx_key(j), m) not in self.cache:
+                before = self.dicts[m - 1].get("tool_calls")
+                if before:
+                    calls[(m - 1, len(before) - 1)] = None
+                else:
+                    fields[(m - 1, "content")] = None
+        spans, absent, starts = probe_at_once(
+            self.render,
+            self.ctx_dicts(j),
+            self.text(j),
+            self.ctx_gen(j),
+            [f for f in fields if ("field", j, *f) not in self.probes],
+            [c for c in calls if ("call", j, *c) not in self.probes],
+        )
+        for (i, key), span in spans.items():
+            self.probes[("field", j, i, key)] = span
+        for i, key in absent:  # a tool result not printed is an error: its single probe says so
+            if self.dicts[i]["role"] != "tool":
+                self.probes[("field", j, i, key)] = UNRENDERED
+        for (i, c), start in starts.items():
+            self.probes[("call", j, i, c)] = start
+
+    def keep_tails(self, stable: list[bool]) -> None:
+        """Caches how each newly rendered assistant or tool message ends as the last one (see
+        `tail`) while its context's text and probes are at hand (no render for a message with
+        calls or a tool result; one for a reply without calls): a later user message that makes
+        the template re-render the run then finds its turn starts without a render of each
+        truncated history."""
+        for m, d in enumerate(self.dicts):
+            if stable[m + 1] and m + 1 in self._texts and d["role"] in ("assistant", "tool"):
+                self.tail(m)
 
     def inner_marks(self, m: int, j: int) -> list[tuple[int, str]]:
         """Reasoning, tool-call and tool-output marks of message m, found in context j.
         Raises InvalidRequestError when the template ignores m's tool calls or tool result."""
         msg = self.dicts[m]
-        dicts, ref, gen = self.ctx_dicts(j), self.text(j), self.ctx_gen(j)
         out = []
-        if ref is None:
+        if self.text(j) is None:
             return out
         if msg["role"] == "assistant":
             if msg.get("reasoning_content"):
-                span = self.field_span(dicts, m, "reasoning_content", ref, gen)
+                span = self.field_span_in(j, m, "reasoning_content")
                 if span is not None:
                     out += [(span[0], "reasoning_start"), (span[1], "reasoning_end")]
             for c in range(len(msg.get("tool_calls", []))):
-                start = self.call_start(dicts, m, c, ref, gen)
+                start = self.call_start_in(j, m, c)
                 if start is not None:
                     out.append((start, "tool_call"))
         elif msg["role"] == "tool":
-            span = self.field_span(dicts, m, "content", ref, gen, required="tool results")
+            span = self.field_span_in(j, m, "content", required="tool results")
             if span is not None:
                 out.append((span[0], "tool_output"))
         return out
+
+    # --- probes in context j, kept for this call ------------------------------------------
+    def field_span_in(
+        self, j: int, i: int, key: str, required: str | None = None
+    ) -> tuple[int, int] | None:
+        """`field_span` of message i's `key` in context j. Raises when the field is required
+        and the template ignores it (kept as UNRENDERED: a caller not requiring it gets None)."""
+        probe = ("field", j, i, key)
+        if probe not in self.probes:
+            try:
+                ref = self.text(j)
+                span = self.field_span(self.ctx_dicts(j), i, key, ref, self.ctx_gen(j), "it")
+            except InvalidRequestError:
+                span = UNRENDERED
+            self.probes[probe] = span
+        span = self.probes[probe]
+        if span is UNRENDERED:
+            if required:
+                raise unrendered(required)
+            return None
+        return span
+
+    def call_start_in(self, j: int, i: int, c: int) -> int | None:
+        """`call_start` of call c of message i in context j."""
+        probe = ("call", j, i, c)
+        if probe not in self.probes:
+            ref = self.text(j)
+            self.probes[probe] = self.call_start(self.ctx_dicts(j), i, c, ref, self.ctx_gen(j))
+        return self.probes[probe]
+
+    def end_point(self, j: int, k: int) -> int | None:
+        """A point of message k that renders alike wherever k stands: its last call's start,
+        else its content's end; in context j."""
+        calls = self.dicts[k].get("tool_calls")
+        if calls:
+            return self.call_start_in(j, k, len(calls) - 1)
+        span = self.field_span_in(j, k, "content")
+        return span[1] if span else None
+
+    def tail(self, k: int) -> str | object:
+        """The text message k ends with as the last message, from its `end_point` (R_k+1
+        after it): REFUSED when the template refuses dicts[:k+1], NO_POINT without the point.
+        It depends on dicts[:k+1] alone, so it is cached under their key."""
+
+        def compute():
+            head = self.text(k + 1)
+            if head is None:
+                return REFUSED
+            here = self.end_point(k + 1, k)
+            return NO_POINT if here is None else head[here:]
+
+        return self.cached(("tail", self.keys[k + 1]), compute)
 
     def turn_start(self, m: int, j: int) -> int | None:
         """Where message m begins in context j when R_m is not a prefix of it: the template
         rendered message m-1 (or earlier ones) differently once it saw later messages. Align a
         point of message m-1 known in both renderings, then follow m-1's tail from there."""
-        head, ref = self.text(m), self.text(j)
+        ref = self.text(j)
         if ref is None:
             return None
-        if head is None:
+        tail = self.tail(m - 1)  # R_m from message m-1's point on: cached since m-1 was last
+        if tail is REFUSED:
             return self.probe_start(m, ref)
-        dicts, gen, k = self.ctx_dicts(j), self.ctx_gen(j), m - 1
-        if self.dicts[k].get("tool_calls"):
-            last_call = len(self.dicts[k]["tool_calls"]) - 1
-            here = self.call_start(self.dicts[:m], k, last_call, head, False)
-            there = self.call_start(dicts, k, last_call, ref, gen)
-        else:
-            span_here = self.field_span(self.dicts[:m], k, "content", head, False)
-            span_there = self.field_span(dicts, k, "content", ref, gen)
-            here = span_here[1] if span_here else None
-            there = span_there[1] if span_there else None
-        if here is None or there is None:
-            return common_prefix(head, ref)
-        return there + common_prefix(head[here:], ref[there:])
+        there = self.end_point(j, m - 1)
+        if tail is NO_POINT or there is None:
+            return common_prefix(self.text(m), ref)
+        return there + common_prefix(tail, ref[there : there + len(tail)])
 
     def probe_start(self, m: int, ref: str) -> int | None:
         """Where message m begins in `ref` when the template refuses the history before it.
