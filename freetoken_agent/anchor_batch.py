@@ -4,7 +4,7 @@
     # fields: [(message, key)]  ->  spans {(message, key): (start, end) in ref}, absent {...}
     # calls:  [(message, call)] ->  starts {(message, call): character of ref}
 
-AnchorLocator probes one field or call per render of the history (anchor_locator.py): a field
+AnchorLocator probes one field or call per render of the history (anchor_probes.py): a field
 replaced by a sentinel bounds it by common prefix and suffix with the real text; a message's
 calls cut before call c diverge from it where call c begins. When many messages share a context
 (a user's follow-up after an agent run makes the template re-render the whole run), that is a

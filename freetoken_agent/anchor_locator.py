@@ -31,6 +31,8 @@ The same probes show a template that does not render tool calls or tool results 
 OLMoE, plain ChatML): cutting the calls or replacing the result changes nothing. The model would
 never see them, so that is refused (InvalidRequestError), not rendered silently.
 
+Each probe is one render of a variant (anchor_probes.py); many at once, anchor_batch.py.
+
 Cost: about one render per message plus one or two per reasoning span, tool call and tool
 result, each of a history prefix (O(n^2) template work for n messages). Results are cached per
 message prefix, so a Session's next turn renders only its new messages. Messages that share one
@@ -52,16 +54,14 @@ import contextlib
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from freetoken_agent.anchor_batch import probe_at_once
+from freetoken_agent.anchor_probes import call_start, field_span, probe_start, unrendered
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.text.chat_template import ChatTemplateError
-from freetoken_agent.text_prefix import common_prefix, common_suffix
+from freetoken_agent.text_prefix import common_prefix
 
-# Sentinels for field probes: private-use characters no template tests for, differing in their
-# first and last characters so the common prefix/suffix of two renderings stops exactly at them.
-_SENTINELS = ("\U000f0001\U000f0101\U000f0003", "\U000f0002\U000f0102\U000f0004")
 # Per ChatFormat (a server's sessions share one); an entry is a few ints. The least recently
 # used go first when it is full: clearing it whole made every live session's next turn a cold
 # O(n^2) render of its history (~28 s at 120k tokens) once every ~4,000 agent turns.
@@ -70,6 +70,7 @@ _MISSING = object()
 UNRENDERED = object()  # a probed field the template does not render at all
 REFUSED = object()  # a tail: the template refuses the history ending with the message
 NO_POINT = object()  # a tail: the message has no point to align (see `end_point`)
+TAIL_KEPT = 1024  # characters of a tail kept as they are (see `tail`)
 # Messages sharing a context (and not cached) from which the batch probes them at once.
 BATCH_MIN = 2
 
@@ -77,11 +78,12 @@ BATCH_MIN = 2
 Render = Callable[..., str]
 
 
-def unrendered(what: str) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"the model's chat template does not render {what}, so the model would never see them; "
-        "give a chat template that renders them (chat_template=...) or leave them out"
-    )
+class Tail(NamedTuple):
+    """How a message ends as the last one (AnchorLocator.tail)."""
+
+    kept: str  # its first TAIL_KEPT characters
+    length: int  # characters in all
+    digest: bytes  # of all of it, UTF-8
 
 
 def _digest(data: bytes | memoryview) -> bytes:
@@ -94,10 +96,6 @@ def key_bytes(data: Any) -> bytes:
     str keys (nested tool arguments, tool schemas), which templates render. repr also keeps what
     the template sees and sort_keys lost: key order (`tojson` does not sort) and key types."""
     return repr(data).encode("utf-8", "surrogatepass")
-
-
-def _user(content: str) -> dict:
-    return {"role": "user", "content": content}
 
 
 class AnchorLocator:
@@ -360,7 +358,8 @@ class AnchorLocator:
         if probe not in self.probes:
             try:
                 ref = self.text(j)
-                span = self.field_span(self.ctx_dicts(j), i, key, ref, self.ctx_gen(j), "it")
+                dicts, gen = self.ctx_dicts(j), self.ctx_gen(j)
+                span = field_span(self.render, dicts, i, key, ref, gen, "it")
             except InvalidRequestError:
                 span = UNRENDERED
             self.probes[probe] = span
@@ -376,7 +375,8 @@ class AnchorLocator:
         probe = ("call", j, i, c)
         if probe not in self.probes:
             ref = self.text(j)
-            self.probes[probe] = self.call_start(self.ctx_dicts(j), i, c, ref, self.ctx_gen(j))
+            dicts, gen = self.ctx_dicts(j), self.ctx_gen(j)
+            self.probes[probe] = call_start(self.render, dicts, i, c, ref, gen)
         return self.probes[probe]
 
     def end_point(self, j: int, k: int) -> int | None:
@@ -388,17 +388,21 @@ class AnchorLocator:
         span = self.field_span_in(j, k, "content")
         return span[1] if span else None
 
-    def tail(self, k: int) -> str | object:
+    def tail(self, k: int) -> Tail | object:
         """The text message k ends with as the last message, from its `end_point` (R_k+1
         after it): REFUSED when the template refuses dicts[:k+1], NO_POINT without the point.
-        It depends on dicts[:k+1] alone, so it is cached under their key."""
+        It depends on dicts[:k+1] alone, so it is cached under their key: its first TAIL_KEPT
+        characters, its length and digest (a last call's arguments can be long)."""
 
         def compute():
             head = self.text(k + 1)
             if head is None:
                 return REFUSED
             here = self.end_point(k + 1, k)
-            return NO_POINT if here is None else head[here:]
+            if here is None:
+                return NO_POINT
+            rest = head[here:].encode("utf-8", "surrogatepass")
+            return Tail(head[here : here + TAIL_KEPT], len(head) - here, _digest(rest))
 
         return self.cached(("tail", self.keys[k + 1]), compute)
 
@@ -411,89 +415,16 @@ class AnchorLocator:
             return None
         tail = self.tail(m - 1)  # R_m from message m-1's point on: cached since m-1 was last
         if tail is REFUSED:
-            return self.probe_start(m, ref)
+            return probe_start(self.render, self.dicts, m, ref)
         there = self.end_point(j, m - 1)
         if tail is NO_POINT or there is None:
             return common_prefix(self.text(m), ref)
-        return there + common_prefix(tail, ref[there : there + len(tail)])
-
-    def probe_start(self, m: int, ref: str) -> int | None:
-        """Where message m begins in `ref` when the template refuses the history before it.
-
-        That history followed by sentinel user messages is accepted (they are the user query it
-        wanted): one = X + H + s0 + F and two = X + H + s1 + F + H + s0 + F, where X renders
-        messages 0..m-1, H is a user turn's header (`<|im_start|>user\\n`) and F what follows
-        the last user's content. F is one's tail after s0; H lies between F and s0 in two; X
-        ends |H| before s0 in one. Taking the common prefix with `ref` as well keeps the start
-        at or before the true one should the template render X differently there.
-        None when the template refuses this too (e.g. it requires alternating roles)."""
-        s0, s1 = _SENTINELS
-        one = self.render([*self.dicts[:m], _user(s0)], False)
-        two = self.render([*self.dicts[:m], _user(s1), _user(s0)], False)
-        if one is None or two is None or one.count(s0) != 1 or two.count(s0) != 1:
-            return None
-        if two.count(s1) != 1:
-            return None
-        footer = one[one.index(s0) + len(s0) :]
-        after_s1 = two.index(s1) + len(s1)
-        if not two.startswith(footer, after_s1) or after_s1 + len(footer) > two.index(s0):
-            return None
-        header = two[after_s1 + len(footer) : two.index(s0)]
-        start = one.index(s0) - len(header)
-        if start < 0 or one[start : one.index(s0)] != header:
-            return None
-        return min(start, common_prefix(one, ref))
-
-    def field_span(
-        self,
-        dicts: list[dict],
-        i: int,
-        key: str,
-        reference: str,
-        gen: bool,
-        required: str | None = None,
-    ) -> tuple[int, int] | None:
-        """[start, end) of message i's `key` in `reference` (= the rendering of `dicts`).
-
-        A non-empty value is compared with one sentinel rendering: the sentinel's first and
-        last characters differ from the value's, so the common prefix and suffix stop exactly
-        at the field. An empty value might change the template's structure (`if content`), so
-        two sentinels are compared with each other and the result checked against the text.
-        A field the template does not render is no error (stripped reasoning) unless `required`
-        names what the model would then miss."""
-        value = dicts[i].get(key)
-        single = (
-            isinstance(value, str)
-            and value != ""
-            and value[0] not in (_SENTINELS[0][0], _SENTINELS[1][0])
-            and value[-1] not in (_SENTINELS[0][-1], _SENTINELS[1][-1])
-        )
-        variants = []
-        for sentinel in _SENTINELS[:1] if single else _SENTINELS:
-            probe = [*dicts]
-            probe[i] = {**dicts[i], key: sentinel}
-            variants.append(self.render(probe, gen))
-        a, b = variants[0], variants[-1] if not single else reference
-        if a is not None and a == b and required:
-            raise unrendered(required)
-        if a is None or b is None or a == b:
-            return None  # refused, or the template does not render the field
-        pre = common_prefix(a, b)
-        post = min(common_suffix(a, b), len(a) - pre, len(b) - pre)
-        start, end = pre, len(reference) - post
-        ok = reference.startswith(a[:pre]) and reference.endswith(a[len(a) - post :])
-        return (start, end) if ok and start <= end else None
-
-    def call_start(
-        self, dicts: list[dict], i: int, j: int, reference: str, gen: bool
-    ) -> int | None:
-        """Where call j of message i begins in `reference`: cut the calls before it. Cutting
-        them all (j = 0) must change the text, else the template ignores tool calls."""
-        probe = [*dicts]
-        probe[i] = {**dicts[i], "tool_calls": dicts[i]["tool_calls"][:j]}
-        if not probe[i]["tool_calls"]:
-            del probe[i]["tool_calls"]
-        text = self.render(probe, gen)
-        if j == 0 and text == reference:
-            raise unrendered("tool calls")
-        return None if text is None else common_prefix(text, reference)
+        agree = common_prefix(tail.kept, ref[there : there + len(tail.kept)])
+        if agree < len(tail.kept) or tail.length == agree:
+            return there + agree
+        whole = ref[there : there + tail.length].encode("utf-8", "surrogatepass")
+        if _digest(whole) == tail.digest:
+            return there + tail.length
+        # They part beyond what is kept: follow the whole tail (R_m rendered again).
+        here = self.end_point(m, m - 1)
+        return there + common_prefix(self.text(m)[here:], ref[there:])

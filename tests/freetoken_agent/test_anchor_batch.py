@@ -14,6 +14,7 @@ from render_count import count_renders
 from freetoken_agent import anchor_locator
 from freetoken_agent.anchor_batch import probe_at_once, sentinel
 from freetoken_agent.anchor_locator import UNRENDERED, AnchorLocator
+from freetoken_agent.anchor_probes import call_start, field_span
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.engine.outputs import InvalidRequestError
@@ -38,9 +39,9 @@ def _single(locator: AnchorLocator, probe: tuple):
     kind, j, i, what = probe
     dicts, ref, gen = locator.ctx_dicts(j), locator.text(j), locator.ctx_gen(j)
     if kind == "call":
-        return locator.call_start(dicts, i, what, ref, gen)
+        return call_start(locator.render, dicts, i, what, ref, gen)
     try:
-        return locator.field_span(dicts, i, what, ref, gen, required="it")
+        return field_span(locator.render, dicts, i, what, ref, gen, required="it")
     except InvalidRequestError:
         return UNRENDERED
 
@@ -182,9 +183,9 @@ def test_stripped_values_and_calls_match_the_single_probes(rng_seed: int) -> Non
     spans, absent, starts = probe_at_once(loc.render, dicts, loc.full, False, fields, calls)
     assert set(spans) == set(fields) and not absent and set(starts) == set(calls), rng_seed
     for (i, key), span in spans.items():
-        assert span == loc.field_span(dicts, i, key, loc.full, False), (rng_seed, i, key)
+        assert span == field_span(loc.render, dicts, i, key, loc.full, False), (rng_seed, i, key)
     for (i, c), start in starts.items():
-        assert start == loc.call_start(dicts, i, c, loc.full, False), (rng_seed, i, c)
+        assert start == call_start(loc.render, dicts, i, c, loc.full, False), (rng_seed, i, c)
 
 
 def test_what_the_batch_cannot_vouch_for_is_left_out(rng_seed: int) -> None:
@@ -305,12 +306,31 @@ def test_adversarial_templates_get_only_the_single_probes_answers(rng_seed: int,
         fields = [(i, "content") for i in range(len(dicts))]
         calls = [(i, c) for i, d in enumerate(dicts) for c in range(len(d["tool_calls"]))]
         spans, absent, starts = probe_at_once(loc.render, dicts, loc.full, False, fields, calls)
-        for i, key in spans:
-            assert spans[(i, key)] == loc.field_span(dicts, i, key, loc.full, False), (rng_seed, i)
+        for (i, key), span in spans.items():
+            assert span == field_span(loc.render, dicts, i, key, loc.full, False), (rng_seed, i)
         for i, key in absent:
             assert _single(loc, ("field", len(dicts) + 1, i, key)) is UNRENDERED, (rng_seed, i)
         for (i, c), start in starts.items():
-            assert start == loc.call_start(dicts, i, c, loc.full, False), (rng_seed, i, c)
+            assert start == call_start(loc.render, dicts, i, c, loc.full, False), (rng_seed, i, c)
         answered += len(spans) + len(absent) + len(starts)
     if name in ("calls touch the next content", "count before content"):
         assert answered, "the batch answered nothing: the test is void"
+
+
+@pytest.mark.parametrize("source", [QWEN3_THINKING, QWEN3_5], ids=["qwen3", "qwen3.5"])
+def test_tails_kept_short_give_the_same_turn_starts(
+    tok: Tokenizer, rng_seed: int, monkeypatch, source: str
+) -> None:
+    """A tail is cached as its first TAIL_KEPT characters, its length and digest (a last
+    call's arguments can be long): kept to a few characters, where a tail agrees with the
+    text only in part (a tool result followed by another) or beyond what is kept, every
+    turn's anchors are those found with whole tails."""
+    rng = random.Random(rng_seed)
+    for _ in range(3):
+        history, kept = rand_history(rng), rng.randint(0, 12)
+        short, whole = ChatFormat(tok, chat_template=source), ChatFormat(tok, chat_template=source)
+        for end in range(2, len(history) + 1):
+            with monkeypatch.context() as cut:
+                cut.setattr(anchor_locator, "TAIL_KEPT", kept)
+                got = _anchors(short, history[:end], TOOLS)
+            assert got == _anchors(whole, history[:end], TOOLS), (rng_seed, kept, end)
