@@ -32,6 +32,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
+import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -119,8 +120,37 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
+# Attribute names a dict has as a Python object (`items`, `get`, ...): `m.items` means them.
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+# Jinja's loop and our namespace: objects whose public attributes are the template's own values.
+_PLAIN_HOLDERS = (jinja2.runtime.LoopContext, _TemplateNamespace)
+_MISSING = object()
+
+
+class _Environment(ImmutableSandboxedEnvironment):
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        """`message.role` on a dict, as the sandbox resolves it: its getattr tries the Python
+        attribute first and takes the key in the AttributeError handler, an exception per
+        access (~3 us), most of a long history's render time (each anchor probe is a render).
+        A key that no dict attribute shadows is what that path returns, found directly; the
+        rest (attributes, other types) goes the sandbox's way."""
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        if type(obj) in _PLAIN_HOLDERS and not attribute.startswith("_"):
+            # `loop.index0`, `ns.last_query_index`: a plain value of Jinja's own objects, which
+            # the sandbox's checks (internal names, known mutables, str.format) all pass.
+            # Callables (`loop.cycle`) and misses go the sandbox's way.
+            value = getattr(obj, attribute, _MISSING)
+            if value is not _MISSING and not callable(value):
+                return value
+        return super().getattr(obj, attribute)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _Environment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson

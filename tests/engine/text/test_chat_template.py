@@ -233,3 +233,48 @@ def test_bad_inputs() -> None:
         template.render([{"role": "user", "content": "x"}], tools=[print])
     with pytest.raises(ChatTemplateError, match="empty"):
         ChatTemplate("   ", {})
+
+
+# What the environment's quick attribute paths answer (a dict's keys, Jinja's loop, namespace
+# values): keys shadowed by dict methods, missing keys, loop values and methods, a namespace's.
+ATTRIBUTES = """\
+{%- set ns = namespace(n=0, seen=[]) -%}
+{% for m in messages %}
+  {{ m.role }}|{{ m.content }}|{{ m.missing is defined }}|{{ m.tool_calls is none }}
+  {{ m.items is defined }}|{{ m.get('role') }}|{{ m.keys() | list | length }}
+  {{ loop.index0 }}{{ loop.first }}{{ loop.last }}{{ loop.revindex }}{{ loop.length }}
+  {{ loop.cycle('a', 'b') }}{{ loop.previtem is defined }}{{ loop.nextitem is defined }}
+  {% set ns.n = ns.n + loop.index %}{{ ns.n }}{{ ns.seen | length }}{{ ns.absent is defined }}
+  {{ (m.content or '').startswith('the') }}{{ loop.__doc__ is defined }}{{ ns.__doc__ is defined }}
+{% endfor %}"""
+
+
+def test_quick_attribute_paths_render_as_transformers(ours: Tokenizer, hf_tok, rng_seed: int):
+    """The environment answers `m.role`, `loop.index0` and `ns.n` without the sandbox's
+    exception per access (2.3x faster anchor probes); every answer stays the sandbox's, as
+    transformers renders it, for keys named like dict methods too."""
+    rng = random.Random(rng_seed)
+    template = ChatTemplate(ATTRIBUTES, ours.special_tokens)
+    for _ in range(40):
+        messages = rand_conversation(rng)
+        for m in messages:
+            if rng.random() < 0.3:
+                m[rng.choice(["items", "get", "keys", "copy"])] = rand_text(rng, 2)
+        expected = hf_tok.apply_chat_template(messages, chat_template=ATTRIBUTES, tokenize=False)
+        assert template.render(messages) == expected, messages
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% for m in messages %}{{ loop.__class__.__mro__ }}{% endfor %}",
+        "{% set ns = namespace(a=1) %}{{ ns.__class__.__init__.__globals__ }}",
+        "{% for m in messages %}{{ m.__class__.__subclasses__() }}{% endfor %}",
+        "{% for m in messages %}{{ m.pop('role') }}{% endfor %}",
+        "{% for m in messages %}{{ m.update({'role': 'x'}) }}{% endfor %}",
+    ],
+)
+def test_quick_attribute_paths_keep_the_sandbox(source: str) -> None:
+    """Underscore names and a dict's own methods still go the sandbox's way."""
+    with pytest.raises(ChatTemplateError, match="SecurityError|UndefinedError"):
+        ChatTemplate(source, {}).render([{"role": "user", "content": "x"}])
