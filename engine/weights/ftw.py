@@ -11,7 +11,8 @@ banks, flattened by logical id `lid = moe_layer * n_experts + expert`, each expe
 
 This is the layout of the expert pool and of the GPU slots, so loading is one memory map per
 bank (no per-tensor Python work) and a slot fill is one contiguous copy per bank. Conversion
-streams one tensor at a time: peak memory is one tensor, not the checkpoint.
+streams one tensor at a time: peak memory is one tensor, not the checkpoint (the dense tensors
+are copied byte for byte into dense.safetensors, safetensors_stream.py).
 
 Integrity: every load checks what costs nothing (the manifest's fields, shapes and dtype, the
 file sizes). The rows' CRC32s are read back by `convert`, by `freetoken verify DIR` (`bad_rows`)
@@ -28,12 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from freetoken_agent.engine.config import ModelSpec, read_config
 from freetoken_agent.engine.models.registry import family, spec_from_config
-from freetoken_agent.engine.weights import ftw_dense
+from freetoken_agent.engine.weights import ftw_dense, safetensors_stream
 from freetoken_agent.engine.weights.disk_files import allocate, synced
 from freetoken_agent.engine.weights.loader import (
     CheckpointError,
@@ -149,20 +149,23 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
              for b in BANKS}  # fmt: skip
     filled = {b: torch.zeros(shapes[b][0], dtype=torch.uint8) for b in BANKS}  # part bits
     patterns = _expert_targets(spec)
-    dense: dict[str, torch.Tensor] = {}
+    dense: dict[str, safetensors_stream.Piece] = {}  # where each lies in the source files
     files = safetensors_files(src)
     total = sum(f.stat().st_size for f in files)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress)
     with bar:
         for path in files:
             with opened(path) as f:
+                header, data_start = safetensors_stream.read_header(path)
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    hit = next(((m, t) for p, t in patterns if (m := p.match(name))), None)
+                    if hit is None:  # copied below, byte for byte: never in memory whole
+                        if name in dense:
+                            raise CheckpointError(f"tensor {name} is in two files of {src}")
+                        dense[name] = safetensors_stream.Piece.of(path, name, header, data_start)
+                        continue
                     tensor = f.get_tensor(name)
                     bar.update(tensor.numel() * tensor.element_size())
-                    hit = next(((m, t) for p, t in patterns if (m := p.match(name))), None)
-                    if hit is None:
-                        dense[name] = tensor
-                        continue
                     match, target = hit
                     layer = int(match.group("L"))
                     expert = int(match.group("E")) if "E" in match.groupdict() else None
@@ -185,12 +188,13 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
                             )
                         view.copy_(part)
                         filled[slot.bank][slot.lid] |= slot.part
-    missing = [
-        f"{b}[{lid}]" for b in BANKS for lid in (filled[b] != FULL).nonzero().flatten().tolist()
-    ]
-    if missing:
-        raise CheckpointError(f"{len(missing)} expert rows missing in {src}: {missing[:8]}")
-    save_file(dense, str(tmp / "dense.safetensors"), metadata={"format": "pt"})
+        missing = [
+            f"{b}[{lid}]" for b in BANKS for lid in (filled[b] != FULL).nonzero().flatten().tolist()
+        ]
+        if missing:
+            raise CheckpointError(f"{len(missing)} expert rows missing in {src}: {missing[:8]}")
+        pieces = list(dense.values())
+        safetensors_stream.write(tmp / "dense.safetensors", pieces, {"format": "pt"}, bar.update)
     synced(tmp / "dense.safetensors")
     manifest = {
         "format": FORMAT,

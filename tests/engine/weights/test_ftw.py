@@ -3,6 +3,7 @@ damaged FTW folders are refused with an error that names the damage."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 
@@ -83,6 +84,57 @@ def _flip_rows(folder, spec, bank: str, rows: list[int], rng: random.Random) -> 
 def _damage(spec, rng: random.Random) -> tuple[str, list[int]]:
     bank = rng.choice(ftw.BANKS)
     return bank, sorted(rng.sample(range(spec.n_moe_layers * spec.n_experts), rng.randint(1, 5)))
+
+
+def test_dense_tensors_are_copied_without_loading_them(tmp_path, rng_seed, monkeypatch):
+    """convert copies the dense tensors' bytes into dense.safetensors (safetensors_stream.py):
+    it read every one into memory before (15-40 GB for the largest MoE checkpoints). Here the
+    checkpoint is split over shards with extra tensors of other dtypes and an empty one: the
+    file holds each non-expert tensor exactly and none was loaded."""
+    from safetensors.torch import load_file, save_file
+
+    hf_dir, dst = tmp_path / "hf", tmp_path / "ftw"
+    make_tiny("qwen3_moe", hf_dir, rng_seed)
+    gen = torch.Generator().manual_seed(rng_seed)
+    extra = {
+        "extra.f32": torch.randn(3, 5, generator=gen),
+        "extra.i64": torch.randint(-9, 9, (7,), generator=gen),
+        "extra.empty": torch.zeros(0, 4, dtype=torch.bfloat16),
+        "extra.f16": torch.randn(2, 2, 2, generator=gen).half(),
+    }
+    save_file(extra, str(hf_dir / "extra.safetensors"), metadata={"format": "pt"})
+    sources = {}
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        sources.update(load_file(str(path)))
+    loaded: list[str] = []
+    opened = ftw.opened
+
+    @contextlib.contextmanager
+    def spying(path):
+        with opened(path) as f:
+            get = f.get_tensor
+
+            class Spy:
+                def keys(self):
+                    return f.keys()
+
+                def get_tensor(self, name):
+                    loaded.append(name)
+                    return get(name)
+
+            yield Spy()
+
+    monkeypatch.setattr(ftw, "opened", spying)
+    ftw.convert(hf_dir, dst, progress=False)
+    dense = load_file(str(dst / "dense.safetensors"))
+    expected = {n for n in sources if not any(p.match(n) for p, _ in ftw._expert_targets(
+        spec_from_config(read_config(hf_dir))))}  # fmt: skip
+    assert set(dense) == expected and set(extra) <= expected
+    for name in expected:
+        assert dense[name].dtype == sources[name].dtype and torch.equal(dense[name], sources[name])
+    assert not set(loaded) & expected, "dense tensors were loaded into memory"
+    monkeypatch.undo()
+    ftw.verify(dst, spec_from_config(read_config(dst)))
 
 
 def test_convert_reads_back_what_it_wrote(tmp_path, rng_seed, monkeypatch):
