@@ -22,9 +22,7 @@ template's text beside it could complete the token, as `<function=` + name + `>`
    multi-step check looks for a user turn starting with "<tool_response>") renders the marked
    history otherwise: then the messages (and the tools) are marked one at a time, each kept
    where the rendering still matches, and what cannot be marked stays as the template renders
-   it, with a warning (once). Each unit's verdict is remembered, so a session's next turn
-   marks the units that held at once and skips those that failed: two renders and one per
-   new unit, not one per unit every turn.
+   it, with a warning (once).
 3. `encode`: in the whole text's encoding, each added token overlapping such a text becomes
    the tokens of its text under the same tokenizer without added tokens (`_plain`, which also
    adds no word-start prefix: a span is mid-text). The tokens around it stay as they were: an
@@ -35,12 +33,9 @@ The offsets stay character offsets into the real rendering, so anchors map as be
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import re
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,8 +50,6 @@ _SENTINEL_CHARS = re.compile(f"[{_OPEN}{_CLOSE}]")
 _TOOLS = -1  # the tool definitions' unit, beside the messages' indexes
 # Units marked one at a time when marking all of them renders otherwise: each is a render.
 MAX_UNITS_ONE_BY_ONE = 32
-# Units' verdicts kept (a few dozen bytes each), the least recently set dropped first.
-_VERDICTS = 4096
 # Render = (template messages, tools) -> the text; may raise on what the marking changed.
 Render = Callable[[list[dict], Any], str]
 
@@ -79,8 +72,6 @@ class LiteralSpecials:
         self._longest = max(map(len, texts), default=0)
         self._plain_backend: tokenizers.Tokenizer | None = None
         self._warned = False
-        # Whether marking a unit (by its digest) alone kept the rendering, most recent last.
-        self._verdicts: OrderedDict[bytes, bool] = OrderedDict()
 
     def held_by(self, messages: list[dict], tools: Any = None) -> bool:
         """Whether any string of the template messages or the tools holds control-token
@@ -99,24 +90,9 @@ class LiteralSpecials:
         found = self._spans_marking(render, messages, tools, full, set(units))
         if found is not None:
             return found
-        # The units' verdicts from earlier turns (a session's history grows by a few messages
-        # a turn): those marked fine before are marked at once and, once that holds here, those
-        # that failed are not tried again. Each marking is checked against `full` as always.
-        digests = {u: _digest(tools if u == _TOOLS else messages[u]) for u in units}
-        kept = {u for u in units if self._verdicts.get(digests[u]) is True}
-        if kept:
-            found = self._spans_marking(render, messages, tools, full, kept)
-            if found is None:
-                kept = set()  # they do not hold in this history: every unit is tried
-        tries = 0
-        for unit in units:
-            if unit in kept or (found is not None and self._verdicts.get(digests[unit]) is False):
-                continue
-            if tries == MAX_UNITS_ONE_BY_ONE:
-                break
-            tries += 1
+        kept: set[int] = set()
+        for unit in units[:MAX_UNITS_ONE_BY_ONE]:
             spans = self._spans_marking(render, messages, tools, full, kept | {unit})
-            self._remember(digests[unit], spans is not None)
             if spans is not None:
                 kept.add(unit)
                 found = spans
@@ -158,14 +134,6 @@ class LiteralSpecials:
             out_ids += plain.ids
             out_offsets += [(start + a, start + b) for a, b in plain.offsets]
         return out_ids, out_offsets
-
-    def _remember(self, digest: bytes, marked: bool) -> None:
-        # Sessions render concurrently: a KeyError from another thread's eviction is let go.
-        self._verdicts[digest] = marked
-        with contextlib.suppress(KeyError):
-            self._verdicts.move_to_end(digest)
-            while len(self._verdicts) > _VERDICTS:
-                self._verdicts.popitem(last=False)
 
     def _holds(self, s: str) -> bool:
         assert self._texts is not None
@@ -234,11 +202,6 @@ class LiteralSpecials:
             _no_prefix_space(spec.get("pre_tokenizer"))
             self._plain_backend = tokenizers.Tokenizer.from_str(json.dumps(spec))
         return self._plain_backend
-
-
-def _digest(unit: Any) -> bytes:
-    """A unit's identity across turns: its repr (what the template sees, keys' order too)."""
-    return hashlib.blake2b(repr(unit).encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _escaped_string(s: str, sentinel: Callable[[str, bool], str]) -> str:

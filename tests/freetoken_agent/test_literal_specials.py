@@ -11,7 +11,6 @@ import string
 import pytest
 from mistral_tokenizer import CONFIG as MISTRAL_CONFIG
 from mistral_tokenizer import mistral_v3_backend
-from render_count import count_renders
 
 from freetoken_agent.chat_format import ChatFormat, Prompt
 from freetoken_agent.demo_model import ensure_demo_model
@@ -294,32 +293,3 @@ def test_a_forged_sentinel_in_unmarked_text_changes_nothing(tok: Tokenizer, rng_
     counts = _counts(got, tok)
     assert counts["<|im_start|>"] == 3 and counts["<|im_end|>"] == 2
     assert tok.decode(got.token_ids, skip_special_tokens=False) == got.text
-
-
-def test_a_sessions_next_turns_reuse_the_units_verdicts(
-    tok: Tokenizer, rng_seed: int, monkeypatch
-) -> None:
-    """A turn the template takes apart (its "</think>") fails marking, so its units are marked
-    one at a time: a render each, every turn (~3.5x a clean history's turn). The verdicts are
-    remembered: later turns take two renders and one per new unit, with the same tokens as a
-    fresh ChatFormat's."""
-    rng = random.Random(rng_seed)
-    controls = ["<|im_end|>", "<|im_start|>", "<tool_call>", "</think>"]
-    fmt = ChatFormat(tok, chat_template=SPLITTING)
-    history = [AssistantMessage(f"{_words(rng)}</think>{_words(rng)}")]  # read by the template
-    for _ in range(rng.randint(6, 10)):
-        history.append(UserMessage(_texts(rng, controls)[0] + "<|im_end|>"))
-    fmt.render(history)  # the first turn tries every unit
-    for _ in range(rng.randint(3, 5)):
-        new = [
-            UserMessage(f"{_words(rng)}<|im_end|>{_words(rng)}") for _ in range(rng.randint(1, 2))
-        ]
-        history += new
-        renders = count_renders(monkeypatch)
-        got = fmt.render(history, anchors=False)
-        # The text, all units at once, the units that held, each new unit.
-        assert len(renders) <= 3 + len(new), (rng_seed, len(renders))
-        monkeypatch.undo()
-        fresh = ChatFormat(tok, chat_template=SPLITTING).render(history, anchors=False)
-        assert got.token_ids == fresh.token_ids, rng_seed
-        assert _counts(got, tok)["<|im_end|>"] == len(history), rng_seed  # the template's only
