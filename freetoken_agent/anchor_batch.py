@@ -19,18 +19,23 @@ few renders of the whole history per message. Here:
   call c (fields still sentinels). Compared segment by segment with B, each segment that changed
   must lie between the sentinels around exactly one cut message, and each such message must own
   exactly one changed segment: the first differing character there is where its call c begins,
-  as the single probe finds it (its text before that point is the real text's).
+  as the single probe finds it (its text before that point is the real text's). A template
+  that looks ahead at later messages' calls (gpt-oss's asks whether any later message has
+  some) would change an earlier message's text as a later one's calls are cut: one more render
+  per call index, the last message cut alone, must change only text near no other cut message.
 
 Anything that does not decompose exactly, or is ambiguous, is left out of the results and the
-caller probes it singly, so the batch changes no result, only the number of renders. The one
-assumption beyond what is checked: a template does not print, inside one message's text, what
-depends on the calls of a message beyond the next sentinel (no template seen looks ahead so).
+caller probes it singly, so the batch changes no result, only the number of renders. What is
+not checked: a template printing, in a cut message's own text, what depends on another's calls
+that the last one's cut does not reveal (none of the 28 templates tested). An anchor is where a
+checkpoint is taken, never a result: a misplaced one costs reuse, not correctness.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.text_prefix import common_prefix
@@ -131,8 +136,6 @@ def probe_at_once(
         return {}, set(), {}
     found = {owners[n]: span for n, span in spans.items()}
     absent = {owners[n] for n in values if n not in spans}
-    segments = _segments(text, marks)
-    at_ref = [0, *(spans[n][1] for _, _, n in marks)]  # where each segment starts in ref
     # Messages between the sentinels around each segment (the first and last segments reach
     # the history's ends).
     ranges = [
@@ -140,44 +143,74 @@ def probe_at_once(
             owners[marks[k - 1][2]][0] if k else 0,
             owners[marks[k][2]][0] if k < len(marks) else len(dicts),
         )
-        for k in range(len(segments))
+        for k in range(len(marks) + 1)
     ]
+    at_ref = [0, *(spans[n][1] for _, _, n in marks)]  # where each segment starts in ref
+    layout = _Layout(marks, _segments(text, marks), at_ref, ranges)
     starts: dict[Call, int] = {}
     for c in sorted({c for _, c in calls}):
         cut_messages = sorted({i for i, cc in calls if cc == c})
-        cut = list(probe)
-        for i in cut_messages:
-            kept = {**cut[i], "tool_calls": cut[i]["tool_calls"][:c]}
-            if not kept["tool_calls"]:
-                del kept["tool_calls"]
-            cut[i] = kept
-        starts.update(
-            _cut_starts(render(cut, gen), c, cut_messages, marks, segments, ranges, at_ref)
-        )
+        changes = layout.changes(render(_cut(probe, cut_messages, c), gen))
+        found_c = _cut_starts(layout, changes, c, cut_messages) if changes is not None else {}
+        last = cut_messages[-1]
+        if found_c and len(cut_messages) > 1:
+            # A template that looks ahead at later messages' calls (gpt-oss's does) changes an
+            # earlier message's text when a later one's calls are cut, and the batch would read
+            # that change as the earlier message's call: the last message cut alone must change
+            # only text that is its alone (no other cut message near), else every call here is
+            # left to the single probes.
+            alone = layout.changes(render(_cut(probe, [last], c), gen))
+            if alone is None or any(layout.near(k, cut_messages) != [last] for k in alone):
+                found_c = {}
+        starts.update(found_c)
     return found, absent, starts
 
 
+def _cut(probe: list[dict], messages: list[int], c: int) -> list[dict]:
+    """`probe` with the calls of `messages` cut before call c."""
+    cut = list(probe)
+    for i in messages:
+        kept = {**cut[i], "tool_calls": cut[i]["tool_calls"][:c]}
+        if not kept["tool_calls"]:
+            del kept["tool_calls"]
+        cut[i] = kept
+    return cut
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """The fields' render: its sentinels, the template text between them (len(marks) + 1
+    segments), where each segment starts in the real text, and the messages around each."""
+
+    marks: list[Mark]
+    segments: list[str]
+    at_ref: list[int]
+    ranges: list[tuple[int, int]]
+
+    def changes(self, other: str | None) -> dict[int, str] | None:
+        """The segments another render (calls cut) changed, as they read there; None when its
+        sentinels are not these."""
+        numbers = [n for *_, n in self.marks]
+        other_marks = _marks(other, set(numbers)) if other is not None else None
+        if other_marks is None or [n for *_, n in other_marks] != numbers:
+            return None
+        pairs = zip(self.segments, _segments(other, other_marks), strict=True)
+        return {k: theirs for k, (ours, theirs) in enumerate(pairs) if ours != theirs}
+
+    def near(self, k: int, messages: list[int]) -> list[int]:
+        """Those of `messages` between the sentinels around segment k."""
+        lo, hi = self.ranges[k]
+        return [i for i in messages if lo <= i <= hi]
+
+
 def _cut_starts(
-    other: str | None,
-    c: int,
-    cut_messages: list[int],
-    marks: list[Mark],
-    segments: list[str],
-    ranges: list[tuple[int, int]],
-    at_ref: list[int],
+    layout: _Layout, changes: dict[int, str], c: int, cut_messages: list[int]
 ) -> dict[Call, int]:
-    """Call c's start of each cut message, from the rendering with their calls cut: see the
+    """Call c's start of each cut message, from the segments the cut changed: see the
     module's docstring for what makes a start certain."""
-    other_marks = _marks(other, {n for _, _, n in marks}) if other is not None else None
-    if other_marks is None or [n for *_, n in other_marks] != [n for *_, n in marks]:
-        return {}
-    other_segments = _segments(other, other_marks)
     owned: dict[int, list[int]] = {i: [] for i in cut_messages}
-    for k, (seg, other_seg) in enumerate(zip(segments, other_segments, strict=True)):
-        if seg == other_seg:
-            continue
-        lo, hi = ranges[k]
-        near = [i for i in cut_messages if lo <= i <= hi]
+    for k in changes:
+        near = layout.near(k, cut_messages)
         if not near:
             return {}  # a change no cut message explains: trust none of this render
         for i in near:
@@ -187,7 +220,8 @@ def _cut_starts(
         if len(ks) != 1 or ks[0] < 0:
             continue
         k = ks[0]
-        p = common_prefix(segments[k], other_segments[k])
-        if p < min(len(segments[k]), len(other_segments[k])):  # else it runs into a field
-            out[(i, c)] = at_ref[k] + p
+        ours, theirs = layout.segments[k], changes[k]
+        p = common_prefix(ours, theirs)
+        if p < min(len(ours), len(theirs)):  # else it runs into a field
+            out[(i, c)] = layout.at_ref[k] + p
     return out

@@ -24,6 +24,26 @@ def decode_marker_ids(tokenizer: Any) -> list[int]:
     return [vocab[m] for m in DECODE_ANCHOR_MARKERS if m in vocab]
 
 
+def page_size(engine: Any) -> int | None:
+    """The KV page size behind an Engine, an EngineService or a view of one."""
+    while engine is not None:
+        size = getattr(getattr(engine, "config", None), "page_size", None)
+        if isinstance(size, int):
+            return size
+        engine = getattr(engine, "engine", None) or getattr(engine, "service", None)
+    return None
+
+
+def shared_prompt_anchors(length: int, page: int) -> list[int]:
+    """Where a hybrid model's request checkpoints for the others sending the same prompt
+    beside it (the choices of `n`): one token before the end, and at the last full page before
+    that. A request computes its prompt's last token itself, so a checkpoint at the prompt's end
+    never serves the others; and the prompt's full pages are cached as its prefill ends, its
+    last partial page only when it finishes, so choices started beside it resume from the page
+    boundary. (A checkpoint holds a whole recurrent state: a lone request takes none.)"""
+    return sorted({b for b in ((length - 1) // page * page, length - 1) if b > 0})
+
+
 class AnchorOptions:
     """The engine options of a rendered chat's turns, for one engine and tokenizer.
 
@@ -41,10 +61,16 @@ class AnchorOptions:
         self.tokenizer = tokenizer
         self._marker_ids: list[int] | None = None
 
-    def __call__(self, prompt: Prompt) -> dict[str, Any]:
+    def __call__(self, prompt: Prompt, shares_prompt: bool = False) -> dict[str, Any]:
+        """`shares_prompt`: other requests send this prompt beside it (`n` choices): the
+        template's anchors end in the prompt's partial last page, which those cannot use until
+        this request ends, so it also checkpoints where they can (`shared_prompt_anchors`)."""
         if not is_hybrid(self.engine):
             return {}
         if self._marker_ids is None:
             self._marker_ids = decode_marker_ids(self.tokenizer)
-        anchors = sorted({a.offset for a in prompt.anchors})
-        return {"anchors": anchors, "anchor_tokens": self._marker_ids}
+        anchors = {a.offset for a in prompt.anchors}
+        page = page_size(self.engine)
+        if shares_prompt and page is not None:
+            anchors.update(shared_prompt_anchors(len(prompt.token_ids), page))
+        return {"anchors": sorted(anchors), "anchor_tokens": self._marker_ids}

@@ -262,11 +262,13 @@ class Session:
         *,
         parser_factory: ParserFactory | None = _UNSET,
         continue_final: bool = False,
+        shares_prompt: bool = False,
     ) -> Iterator[Any]:
         """Render, diff, generate. Yields TextDelta (or the parser's events), then Usage; with
         logprobs asked, each token's TokenLogprob ahead of its text's events.
         `continue_final`: the model goes on from the last message, the assistant's (a
-        "prefill"); the events are the continuation's alone.
+        "prefill"); the events are the continuation's alone. `shares_prompt`: other requests
+        send the same prompt beside this one (a request's `n` choices, AnchorOptions).
         Closing the iterator early aborts the request; what was generated so far is kept as
         sent (the engine caches it too)."""
         diff = self.diff(messages, continue_final=continue_final)
@@ -280,7 +282,7 @@ class Session:
         end: dict[str, Any] = {"reason": None, "error": None, "started": False, "stop_string": None,
                                "figures": None}  # fmt: skip
         stream = self.engine.stream(
-            diff.prompt.token_ids, params, **self._anchor_options(diff.prompt)
+            diff.prompt.token_ids, params, **self._anchor_options(diff.prompt, shares_prompt)
         )
         try:
             for event in stream:

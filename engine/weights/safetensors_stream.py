@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _CHUNK = 16 << 20  # bytes copied at a time
+# Bytes an element takes, by safetensors' dtype names (the rest take one).
+_ELEMENT_SIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4,
+                  "F16": 2, "BF16": 2, "I16": 2, "U16": 2}  # fmt: skip
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -54,7 +57,10 @@ def write(
     metadata: dict[str, str],
     done: Callable[[int], object] = lambda n: None,
 ) -> None:
-    """`dst` holding `pieces` in order; `done(bytes)` after each copy (a progress bar)."""
+    """`dst` holding `pieces`, the widest dtypes first (as safetensors orders them: the data
+    starts 8-byte aligned, so each tensor then starts at a multiple of its element size, which
+    a zero-copy reader may need); `done(bytes)` after each copy (a progress bar)."""
+    pieces = sorted(pieces, key=lambda p: -_ELEMENT_SIZES.get(p.dtype, 1))  # stable
     header: dict = {"__metadata__": metadata}
     at = 0
     for p in pieces:
@@ -62,7 +68,7 @@ def write(
         header[p.name] = {"dtype": p.dtype, "shape": list(p.shape), "data_offsets": offsets}
         at += p.size
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data 8-byte aligned, as safetensors writes it
+    blob += b" " * (-len(blob) % 8)  # the data 8-byte aligned
     with open(dst, "wb") as out:
         out.write(len(blob).to_bytes(8, "little"))
         out.write(blob)

@@ -91,6 +91,7 @@ class TurnRequest:
     # A WebSocket `append` send's: the kept history its messages were put after. The turn
     # puts them after the history kept when it runs, should another turn end in between.
     based_on: list[Message] | None = None
+    shares_prompt: bool = False  # one of a request's `n` choices (AnchorOptions says why)
 
     @property
     def call_or_answer(self) -> bool:

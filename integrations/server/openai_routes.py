@@ -119,8 +119,10 @@ async def chat_completions(request: Request) -> Response:
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
         log.exception("could not read a request")
         return error_response(500, f"{type(e).__name__}: {e}", "server_error")
+    shared = chat.n > 1
     turns = [
-        replace(chat.turn, sampling=choice_sampling(chat.turn.sampling, i)) for i in range(chat.n)
+        replace(chat.turn, sampling=choice_sampling(chat.turn.sampling, i), shares_prompt=shared)
+        for i in range(chat.n)
     ]
     lives = [live, *(state.hub.lookup(None) for _ in turns[1:])]
     sampling, strings = chat.turn.sampling, TokenStrings(state.service.tokenizer)

@@ -22,7 +22,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator
 
-from freetoken_agent.anchor_options import is_hybrid
+from freetoken_agent.anchor_options import is_hybrid, shared_prompt_anchors
 from freetoken_agent.engine.outputs import (
     ContextLengthError,
     InvalidRequestError,
@@ -140,18 +140,12 @@ class TextRun:
                 raise _named(e) from None
 
     def _anchors(self, ids: list[int]) -> dict:
-        """For choices sharing the prompt on a hybrid model: anchors where the first one
-        checkpoints its recurrent state so that the others resume there. A request computes
-        its prompt's last token itself, so the prompt-end checkpoint never serves the others,
-        and each prefilled the whole prompt. One token before the end, and at the last full
-        page before that: the prompt's full pages are cached as its prefill ends, its last
-        partial page only when it finishes, so choices started beside it resume from the page
-        boundary. (A checkpoint holds a whole recurrent state: a lone request takes none.)
+        """For choices sharing the prompt on a hybrid model: `shared_prompt_anchors`.
         Attention-only models reuse any cached prefix as is."""
         if not self.shared or len(ids) < 2 or not is_hybrid(self.service):
             return {}
         page = self.service.engine.config.page_size
-        return {"anchors": sorted({b for b in ((len(ids) - 1) // page * page, len(ids) - 1) if b})}
+        return {"anchors": shared_prompt_anchors(len(ids), page)}
 
     async def start(self) -> int:
         """Tokenize and submit; returns the prompt's token count. Refusals raise here."""

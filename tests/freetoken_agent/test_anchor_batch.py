@@ -124,9 +124,9 @@ def test_a_follow_up_after_an_agent_run_takes_a_few_renders(
     history = [*_agent_run(rng, fmt, rounds), UserMessage(rand_text(rng))]
     renders = count_renders(monkeypatch)
     got = _anchors(fmt, history, TOOLS)
-    # The full text, R_n's head, the fields' render, one per call index (at most 2 here), and
-    # one for the new user message's own tail... a handful, not ~5 x 3 x rounds.
-    assert len(renders) <= 6, (rng_seed, rounds, len(renders))
+    # The full text, R_n's head, the fields' render, two per call index (all cut, the last
+    # alone; at most 2 calls here), one for a tail: a handful, not ~5 x 3 x rounds.
+    assert len(renders) <= 8, (rng_seed, rounds, len(renders))
     monkeypatch.setattr(anchor_locator, "BATCH_MIN", 10**9)
     assert got == _anchors(ChatFormat(tok, chat_template=source), history, TOOLS), rng_seed
 
@@ -270,6 +270,14 @@ ADVERSARIAL = {
     "count before content": "{%- for m in messages %}({{ (m.tool_calls or []) | length }})"
     "{{ m.content }}{%- for c in m.tool_calls or [] %}<call>{{ c.function.name }}</call>"
     "{%- endfor %};{%- endfor %}",
+    # After a message's content, whether a later message has calls (gpt-oss's template looks
+    # ahead so): cutting a later message's calls changes an earlier message's text.
+    "looks ahead at later calls": "{%- for m in messages %}<{{ m.content }}"
+    "{%- set ns = namespace(more=false) %}{%- for x in messages[loop.index:] %}"
+    "{%- if x.tool_calls %}{%- set ns.more = true %}{%- endif %}{%- endfor %}"
+    "{%- if ns.more %}+{%- endif %}"
+    "{%- for c in m.tool_calls or [] %}<call>{{ c.function.name }}</call>{%- endfor %}>"
+    "{%- endfor %}",
     # The whole history's number of calls before each message: every cut changes them all.
     "global count": "{%- set ns = namespace(n=0) %}{%- for m in messages %}"
     "{%- set ns.n = ns.n + (m.tool_calls or []) | length %}{%- endfor %}"

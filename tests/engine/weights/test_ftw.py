@@ -14,7 +14,7 @@ from tiny_models import FAMILIES, HYBRID_FAMILIES, make_tiny
 from freetoken_agent import Engine
 from freetoken_agent.engine.config import read_config
 from freetoken_agent.engine.models.registry import spec_from_config
-from freetoken_agent.engine.weights import ftw
+from freetoken_agent.engine.weights import ftw, safetensors_stream
 from freetoken_agent.engine.weights.loader import CheckpointError
 
 
@@ -96,7 +96,8 @@ def test_dense_tensors_are_copied_without_loading_them(tmp_path, rng_seed, monke
     hf_dir, dst = tmp_path / "hf", tmp_path / "ftw"
     make_tiny("qwen3_moe", hf_dir, rng_seed)
     gen = torch.Generator().manual_seed(rng_seed)
-    extra = {
+    extra = {  # odd sizes: a tensor after them would be misaligned in the order met
+        "extra.odd": torch.randn(3, generator=gen).bfloat16(),
         "extra.f32": torch.randn(3, 5, generator=gen),
         "extra.i64": torch.randint(-9, 9, (7,), generator=gen),
         "extra.empty": torch.zeros(0, 4, dtype=torch.bfloat16),
@@ -133,6 +134,11 @@ def test_dense_tensors_are_copied_without_loading_them(tmp_path, rng_seed, monke
     for name in expected:
         assert dense[name].dtype == sources[name].dtype and torch.equal(dense[name], sources[name])
     assert not set(loaded) & expected, "dense tensors were loaded into memory"
+    header, _ = safetensors_stream.read_header(dst / "dense.safetensors")
+    sizes = {"F32": 4, "I64": 8, "BF16": 2, "F16": 2}
+    for name, entry in header.items():  # each tensor at a multiple of its element size
+        if name != "__metadata__":
+            assert entry["data_offsets"][0] % sizes[entry["dtype"]] == 0, (name, entry)
     monkeypatch.undo()
     ftw.verify(dst, spec_from_config(read_config(dst)))
 

@@ -145,15 +145,15 @@ def test_forced_tool_calls_are_made_by_every_choice(client, read_sse, rng_seed):
 
 
 @pytest.mark.parametrize(
-    ("route", "hybrid"), [(r, False) for r in ROUTES] + [("/v1/completions", True)]
+    ("route", "hybrid"), [(r, False) for r in ROUTES] + [(r, True) for r in ROUTES]
 )
 def test_the_other_choices_reuse_the_prompt(model_dir, tmp_path, rng_seed, route, hybrid):
     """The first choice prefills the prompt, 64 tokens a step; the others find it cached (its
     full pages). Started beside it, they would prefill it too: the cache takes a prompt only
     once its prefill ends. A hybrid model resumes from a recurrent checkpoint, which a text
-    completion's prompt had only at its end (the others prefilled it all). (The chat route's
-    choices on a hybrid model resume from the template's anchors, the deepest often in the
-    prompt's partial last page, which the cache takes only when the first choice ends.)"""
+    completion's prompt had only at its end (the others prefilled it all), and a chat's at the
+    template's anchors, the deepest in the prompt's partial last page, which the cache takes
+    only when the first choice ends (the others prefilled from the turn's start)."""
     rng = random.Random(rng_seed)
     if hybrid:
         make_hybrid_chat(tmp_path, rng_seed)
