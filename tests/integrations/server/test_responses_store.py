@@ -110,12 +110,18 @@ def test_the_store_keeps_the_newest_within_its_count_and_bytes(rng_seed):
     oldest first; a deleted one gives its bytes back."""
     rng = random.Random(rng_seed)
 
+    max_kept, max_bytes = rng.randint(4, 8), rng.randint(1000, 4000)
+
+    forced = rng.randrange(17)  # three large ones in a row from here: the bytes must bind
+    # (with sizes at random alone they never bound for some seeds, 1 run in ~400)
+
     def stored(i: int) -> StoredResponse:
-        text = "x" * rng.choice([0, rng.randint(1, 400), rng.randint(400, 3000)])
+        large = rng.randint(max_bytes // 2 + 1, max_bytes)
+        size = large if forced <= i < forced + 3 else rng.choice([0, rng.randint(1, 400), large])
+        text = "x" * size
         own = [{"type": "message", "role": "user", "content": text}]
         return StoredResponse({"id": f"resp_{i}", "output": []}, own, own)
 
-    max_kept, max_bytes = rng.randint(4, 8), rng.randint(1000, 4000)
     bytes_bound = False  # whether the bytes, not the count, dropped one (the test's point)
     store = ResponseStore(max_kept, max_bytes)
     kept: list[StoredResponse] = []  # the expected store, oldest first
