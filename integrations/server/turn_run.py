@@ -173,6 +173,7 @@ class TurnRun:
                         sampling,
                         parser_factory=factory,
                         continue_final=request.continue_final,
+                        shares_prompt=request.shares_prompt,
                     ):
                         if one is not None and (event := one(event)) is None:
                             continue

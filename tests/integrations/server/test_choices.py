@@ -163,11 +163,19 @@ def test_the_other_choices_reuse_the_prompt(model_dir, tmp_path, rng_seed, route
     assert engine.spec.is_hybrid == hybrid
     with TestClient(create_app(engine)) as client:
         n = rng.randint(2, 4)
-        body = _body(route, rng, max_tokens=3, n=n, temperature=1.0)
+        # Long replies (min_tokens): the first choice still runs when the others start, so
+        # only what it cached while prefilling can serve them, not its finished prompt.
+        body = _body(route, rng, max_tokens=300, min_tokens=300, n=n, temperature=1.0)
         if route == "/v1/completions":
             body["prompt"] = [rng.randrange(3, 1000) for _ in range(rng.randint(120, 300))]
         else:
             body["messages"][0]["content"] = _words(rng, 60, 90)
+            # A prompt whose template anchors all lie in its partial last page (the generation
+            # prompt, a few tokens, fits in the 8 or more past its last full page), where the
+            # hybrid choices cannot resume without the prompt's page-boundary checkpoint.
+            count = lambda: client.post("/tokenize", json={"messages": body["messages"]})  # noqa: E731
+            while count().json()["count"] % engine.kv.page_size < 8:
+                body["messages"][0]["content"] += " " + _words(rng, 1, 1)
         r = client.post(route, json=body).json()
         assert len(r["choices"]) == n
         totals, page = engine.outcomes.totals, engine.kv.page_size
