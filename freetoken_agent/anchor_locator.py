@@ -64,8 +64,8 @@ from freetoken_agent.text_prefix import common_prefix
 
 # Per ChatFormat (a server's sessions share one); an entry is a few ints, a tail up to
 # TAIL_KEPT characters (16-64 MB at most in all). The least recently used go first when it is
-# full: clearing it whole made every live session's next turn a cold
-# O(n^2) render of its history (~28 s at 120k tokens) once every ~4,000 agent turns.
+# full: clearing it whole made every live session's next turn a cold O(n^2) render of its
+# history (~28 s at 120k tokens) once every ~4,000 agent turns.
 _CACHE_ENTRIES = 16384
 _MISSING = object()
 UNRENDERED = object()  # a probed field the template does not render at all
