@@ -34,10 +34,10 @@ checkpoint is taken, never a result: a misplaced one costs reuse, not correctnes
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from freetoken_agent.anchor_probes import Render
 from freetoken_agent.text_prefix import common_prefix
 
 # A sentinel: a start character, a number in three digits of base 256, an end character, all
@@ -46,7 +46,6 @@ _START, _END, _DIGIT0 = "\U000f0011", "\U000f0013", 0xF0200
 _SENTINEL = re.compile("\U000f0011([\U000f0200-\U000f02ff]{3})\U000f0013")
 _PRIVATE = re.compile("[\U000f0000-\U000f02ff]")
 
-Render = Callable[[list[dict], bool], str | None]  # None where the template refuses it
 Field = tuple[int, str]  # (message index, key)
 Call = tuple[int, int]  # (message index, call index)
 Mark = tuple[int, int, int]  # (start, end, sentinel number) in a probe's text

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.text_prefix import common_prefix, common_suffix
 
-Render = Callable[[list[dict], bool], "str | None"]
+Render = Callable[[list[dict], bool], str | None]  # None where the template refuses it
 
 # Sentinels for field probes: private-use characters no template tests for, differing in their
 # first and last characters so the common prefix/suffix of two renderings stops exactly at them.

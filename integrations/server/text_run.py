@@ -22,7 +22,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator
 
-from freetoken_agent.anchor_options import is_hybrid, shared_prompt_anchors
+from freetoken_agent.anchor_options import is_hybrid, page_size, shared_prompt_anchors
 from freetoken_agent.engine.outputs import (
     ContextLengthError,
     InvalidRequestError,
@@ -144,8 +144,7 @@ class TextRun:
         Attention-only models reuse any cached prefix as is."""
         if not self.shared or len(ids) < 2 or not is_hybrid(self.service):
             return {}
-        page = self.service.engine.config.page_size
-        return {"anchors": shared_prompt_anchors(len(ids), page)}
+        return {"anchors": shared_prompt_anchors(len(ids), page_size(self.service))}
 
     async def start(self) -> int:
         """Tokenize and submit; returns the prompt's token count. Refusals raise here."""
