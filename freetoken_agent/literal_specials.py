@@ -20,9 +20,15 @@ template's text beside it could complete the token, as `<function=` + name + `>`
    With them put back, the rendering must equal the real one. A template that reads or
    rewrites text at those strings (Qwen3's splits an assistant's content at "</think>", its
    multi-step check looks for a user turn starting with "<tool_response>") renders the marked
-   history otherwise: then the messages (and the tools) are marked one at a time, each kept
-   where the rendering still matches, and what cannot be marked stays as the template renders
-   it, with a warning (once).
+   history otherwise: then the largest set of units (messages, and the tools) that still
+   renders the same is searched for by halves (`_MarkingSearch`): a group whose marking keeps
+   the rendering is kept whole, one that does not is split, so k units the template reads
+   among n cost about 2k log(n/k) renders, not n. Units found unmarkable before (in this
+   process) are tried one by one after the rest, so a session's later turns take k + 1
+   renders. That is only an order: every set kept is verified by its own rendering, since
+   whether a unit can be marked depends on the rest of the history. What cannot be marked (or
+   is left when MAX_MARKING_RENDERS are spent) stays as the template renders it, with a warning
+   (once).
 3. `encode`: in the whole text's encoding, each added token overlapping such a text becomes
    the tokens of its text under the same tokenizer without added tokens (`_plain`, which also
    adds no word-start prefix: a span is mid-text). The tokens around it stay as they were: an
@@ -33,9 +39,12 @@ The offsets stay character offsets into the real rendering, so anchors map as be
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,8 +57,11 @@ _OPEN, _CLOSE = "\ue000", "\ue001"
 _SENTINEL = re.compile(f"{_OPEN}(\\d{{1,7}}){_CLOSE}")
 _SENTINEL_CHARS = re.compile(f"[{_OPEN}{_CLOSE}]")
 _TOOLS = -1  # the tool definitions' unit, beside the messages' indexes
-# Units marked one at a time when marking all of them renders otherwise: each is a render.
-MAX_UNITS_ONE_BY_ONE = 32
+# Renders spent searching for the units that can be marked when marking all of them renders
+# otherwise (each is one rendering of the whole history). Two per unit the template reads,
+# for each halving: dozens of such units among hundreds, before the rest stay unmarked.
+MAX_MARKING_RENDERS = 64
+_SUSPECTS_KEPT = 4096  # units found unmarkable, remembered (their digests) to be tried last
 # Render = (template messages, tools) -> the text; may raise on what the marking changed.
 Render = Callable[[list[dict], Any], str]
 
@@ -72,6 +84,9 @@ class LiteralSpecials:
         self._longest = max(map(len, texts), default=0)
         self._plain_backend: tokenizers.Tokenizer | None = None
         self._warned = False
+        # Digests of units whose marking changed the rendering (an order for the search only).
+        self._suspects: OrderedDict[bytes, None] = OrderedDict()
+        self._suspects_lock = threading.Lock()  # a server renders on several threads
 
     def held_by(self, messages: list[dict], tools: Any = None) -> bool:
         """Whether any string of the template messages or the tools holds control-token
@@ -87,23 +102,31 @@ class LiteralSpecials:
         units = [i for i, m in enumerate(messages) if self.held_by([m])]
         if tools is not None and self.held_by([], tools):
             units.append(_TOOLS)
-        found = self._spans_marking(render, messages, tools, full, set(units))
-        if found is not None:
-            return found
-        kept: set[int] = set()
-        for unit in units[:MAX_UNITS_ONE_BY_ONE]:
-            spans = self._spans_marking(render, messages, tools, full, kept | {unit})
-            if spans is not None:
-                kept.add(unit)
-                found = spans
-        if not self._warned:
+        keys = {u: _digest(tools if u == _TOOLS else messages[u]) for u in units}
+        with self._suspects_lock:
+            suspects = [u for u in units if keys[u] in self._suspects]
+        search = _MarkingSearch(
+            lambda group: self._spans_marking(render, messages, tools, full, group)
+        )
+        search.grow([u for u in units if u not in suspects])
+        for unit in suspects:  # mostly unmarkable again: alone, each costs one render
+            search.grow([unit])
+        with self._suspects_lock:
+            for u in search.kept:
+                self._suspects.pop(keys[u], None)
+            for u in search.refused:
+                self._suspects[keys[u]] = None
+                self._suspects.move_to_end(keys[u])
+            while len(self._suspects) > _SUSPECTS_KEPT:
+                self._suspects.popitem(last=False)
+        if len(search.kept) < len(units) and not self._warned:
             self._warned = True
             log.warning(
                 "the chat template renders text holding control-token strings differently "
                 "from other text: in %d of %d messages or tool lists they stay control tokens",
-                len(units) - len(kept), len(units),
+                len(units) - len(search.kept), len(units),
             )  # fmt: skip
-        return found or []
+        return search.spans
 
     def encode(
         self,
@@ -202,6 +225,40 @@ class LiteralSpecials:
             _no_prefix_space(spec.get("pre_tokenizer"))
             self._plain_backend = tokenizers.Tokenizer.from_str(json.dumps(spec))
         return self._plain_backend
+
+
+class _MarkingSearch:
+    """The units to mark, found by halves: `attempt(units)` gives the spans of a rendering with
+    those units marked, or None when it renders otherwise. A group is tried with every unit
+    kept so far; kept whole when it renders the same, else split (a unit alone is refused).
+    Each unit kept was verified together with all kept before it, so the last spans found are
+    those of the whole kept set."""
+
+    def __init__(self, attempt: Callable[[set[int]], list[tuple[int, int]] | None]) -> None:
+        self._attempt = attempt
+        self.kept: set[int] = set()
+        self.refused: list[int] = []  # tried alone (beside the kept) and rendered otherwise
+        self.spans: list[tuple[int, int]] = []
+        self.renders_left = MAX_MARKING_RENDERS + 1  # + the first try of every unit at once
+
+    def grow(self, group: list[int]) -> None:
+        if not group or self.renders_left == 0:  # (when spent: left unmarked)
+            return
+        self.renders_left -= 1
+        found = self._attempt(self.kept | set(group))
+        if found is not None:
+            self.kept.update(group)
+            self.spans = found
+        elif len(group) == 1:
+            self.refused.append(group[0])
+        else:
+            half = len(group) // 2
+            self.grow(group[:half])
+            self.grow(group[half:])
+
+
+def _digest(value: Any) -> bytes:
+    return hashlib.blake2b(repr(value).encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _escaped_string(s: str, sentinel: Callable[[str, bool], str]) -> str:
