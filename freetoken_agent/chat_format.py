@@ -265,6 +265,10 @@ class ChatFormat:
         text = full[:cut]  # what the model sees; `full` is what anchors are located in
         encoding = encode_text(self.tokenizer.backend, text)
         ids, offsets = list(encoding.ids), list(encoding.offsets)  # [T]
+        if max_model_len is not None and len(ids) >= max_model_len:
+            # Refused before the marking below, which may render the history dozens of times:
+            # marking only makes the encoding longer (an added token becomes its text's tokens).
+            raise context_length_error(len(ids), max_model_len)
         if self._literal.held_by(dicts, tools):  # control-token text in them: encoded as text
             marked = lambda ds, ts: template.render(  # noqa: E731
                 ds, tools=ts, add_generation_prompt=add_generation_prompt, **variables

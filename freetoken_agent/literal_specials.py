@@ -23,12 +23,16 @@ template's text beside it could complete the token, as `<function=` + name + `>`
    history otherwise: then the largest set of units (messages, and the tools) that still
    renders the same is searched for by halves (`_MarkingSearch`): a group whose marking keeps
    the rendering is kept whole, one that does not is split, so k units the template reads
-   among n cost about 2k log(n/k) renders, not n. Units found unmarkable before (in this
-   process) are tried one by one after the rest, so a session's later turns take k + 1
-   renders. That is only an order: every set kept is verified by its own rendering, since
-   whether a unit can be marked depends on the rest of the history. What cannot be marked (or
-   is left when MAX_MARKING_RENDERS are spent) stays as the template renders it, with a warning
-   (once).
+   among n cost at most 2k log2(n) renders, not n. The text from outside (tool results and
+   tool definitions, then the user's) is searched before the assistant's own turns, so when
+   MAX_MARKING_RENDERS are spent (many turns the template reads: a client that sends each
+   reply's reasoning back inline, `<think>...</think>` in its content) what is left unsearched
+   is the model's own text, not a tool's. Units found unmarkable before (in this process)
+   are tried one by one after the rest, so a session's later turns take k + 1 renders beside
+   the real one when nothing else changed. That is only an order: every set kept is verified
+   by its own rendering, since whether a unit can be marked depends on the rest of the
+   history. What cannot be marked, or is left unsearched, stays as the template renders it,
+   with a warning (once).
 3. `encode`: in the whole text's encoding, each added token overlapping such a text becomes
    the tokens of its text under the same tokenizer without added tokens (`_plain`, which also
    adds no word-start prefix: a span is mid-text). The tokens around it stay as they were: an
@@ -108,7 +112,10 @@ class LiteralSpecials:
         search = _MarkingSearch(
             lambda group: self._spans_marking(render, messages, tools, full, group)
         )
-        search.grow([u for u in units if u not in suspects])
+        rest = [u for u in units if u not in suspects]
+        if not search.grow(rest, split=False):  # all at once failed: by halves, by source
+            for source in range(len(_SOURCES) + 1):
+                search.grow([u for u in rest if _source(messages, u) == source])
         for unit in suspects:  # mostly unmarkable again: alone, each costs one render
             search.grow([unit])
         with self._suspects_lock:
@@ -241,20 +248,35 @@ class _MarkingSearch:
         self.spans: list[tuple[int, int]] = []
         self.renders_left = MAX_MARKING_RENDERS + 1  # + the first try of every unit at once
 
-    def grow(self, group: list[int]) -> None:
+    def grow(self, group: list[int], split: bool = True) -> bool:
+        """Keeps what of `group` can be marked; whether all of it was (on its first try).
+        `split=False`: only that try."""
         if not group or self.renders_left == 0:  # (when spent: left unmarked)
-            return
+            return not group
         self.renders_left -= 1
         found = self._attempt(self.kept | set(group))
         if found is not None:
             self.kept.update(group)
             self.spans = found
-        elif len(group) == 1:
+            return True
+        if len(group) == 1:
             self.refused.append(group[0])
-        else:
+        elif split:
             half = len(group) // 2
             self.grow(group[:half])
             self.grow(group[half:])
+        return False
+
+
+# The order in which units are searched: text from outside first (a tool's output and the
+# tool list, then the user's), the assistant's own turns last.
+_SOURCES = {"tool": 0, "user": 1, "system": 2, "assistant": 3}
+
+
+def _source(messages: list[dict], unit: int) -> int:
+    if unit == _TOOLS:
+        return 0
+    return _SOURCES.get(messages[unit].get("role"), len(_SOURCES))
 
 
 def _digest(value: Any) -> bytes:
