@@ -172,6 +172,13 @@ class ChatFormat:
     def template(self, tools: list[dict] | None) -> ChatTemplate:
         if self._override is not None:
             return self._override
+        if not self.tokenizer.chat_template_sources:  # a base model: a request's problem
+            raise InvalidRequestError(
+                "this model has no chat template (no chat_template in tokenizer_config.json "
+                "and no chat_template.jinja), so a chat history cannot be rendered for it; "
+                "send plain text instead (POST /v1/completions, `freetoken generate` without "
+                "--chat)"
+            )
         return self.tokenizer.get_chat_template(self.template_name, tools)
 
     def opens_reasoning(self, tools: Sequence[Mapping[str, Any]] | None = None) -> bool:

@@ -178,7 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The server lives in integrations/ (Starlette, uvicorn): imported here only, so the other
     # commands run without those packages.
     try:
-        from freetoken_agent.integrations.server.serve import check_bind, serve
+        from freetoken_agent.integrations.server.serve import check_bind, check_port, serve
     except ImportError as e:
         raise SystemExit(
             f"freetoken serve needs the server's packages ({e.name} is missing): "
@@ -186,6 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ) from None
 
     check_bind(args.host, args.api_key)  # before loading: a refused bind costs nothing
+    check_port(args.host, args.port)
     engine = load_engine(args)
     model_id = "freetoken-demo" if args.model == "demo" else Path(args.model).resolve().name
     print(
@@ -193,6 +194,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"(web page at /, OpenAI API at /v1, auth {'on' if args.api_key else 'off'})",
         file=sys.stderr,
     )
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is not None and not tokenizer.chat_template_sources:
+        print(
+            "[freetoken] this model has no chat template (a base model): the chat routes "
+            "refuse histories; POST /v1/completions serves plain text",
+            file=sys.stderr,
+        )
     serve(
         engine,
         args.host,

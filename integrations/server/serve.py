@@ -8,6 +8,7 @@ names (see browser_guard.py: DNS rebinding).
 from __future__ import annotations
 
 import ipaddress
+import socket
 from typing import Any
 
 import uvicorn
@@ -34,6 +35,27 @@ def check_bind(host: str, api_key: str | None) -> None:
             "address could use the model. Pass --api-key KEY (or set FREETOKEN_API_KEY), or "
             "bind 127.0.0.1"
         )
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port another program listens on (ValueError naming it), by binding it once as
+    uvicorn will (SO_REUSEADDR): uvicorn finds out only after the model has loaded, which for
+    a real checkpoint is minutes."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM
+        )[0]
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"cannot serve on {host!r}: {e}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(
+                f"cannot serve on {host}:{port}: {e.strerror or e} (is another server running "
+                "there? pick another port with --port)"
+            ) from None
 
 
 def make_server(

@@ -143,6 +143,44 @@ def test_serve_passes_its_model_aliases(monkeypatch, rng_seed):
     seen = {}
     monkeypatch.setattr(cli, "load_engine", lambda args: "engine")
     monkeypatch.setattr(serve_module, "serve", lambda engine, host, port, **kw: seen.update(kw))
-    argv = ["serve"] + [a for alias in aliases for a in ("--model-alias", alias)]
+    argv = ["serve", "--port", str(_free_port())]
+    argv += [a for alias in aliases for a in ("--model-alias", alias)]
     assert cli.main(argv) == 0
     assert seen["model_aliases"] == aliases
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_serve_refuses_a_port_in_use_before_loading(host, monkeypatch, capsys):
+    """Another program listens on the port: refused before the model loads (uvicorn would
+    find out only after a real checkpoint's minutes of loading), naming the port."""
+
+    def no_load(args):
+        raise AssertionError("the engine must not load for a port in use")
+
+    monkeypatch.setattr(cli, "load_engine", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--host", host, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"{host}:{port}" in err and "--port" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("has_template", [False, True])
+def test_serve_says_when_the_model_has_no_chat_template(has_template, monkeypatch, capsys):
+    serve_module = importlib.import_module("freetoken_agent.integrations.server.serve")
+    engine = type("E", (), {})()
+    engine.tokenizer = type("T", (), {"chat_template_sources": {"default": "x"} if has_template
+                                      else {}})()  # fmt: skip
+    monkeypatch.setattr(cli, "load_engine", lambda args: engine)
+    monkeypatch.setattr(serve_module, "serve", lambda *a, **kw: None)
+    assert cli.main(["serve", "--port", str(_free_port())]) == 0
+    said = "no chat template" in capsys.readouterr().err
+    assert said != has_template
