@@ -51,7 +51,13 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed; left out, a random one each run (llama.cpp's -1, Ollama's "
+        "default), so sampled replies differ between runs: give one to repeat a run",
+    )
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 

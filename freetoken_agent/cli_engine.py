@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import secrets
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -122,6 +123,10 @@ def load_engine(args: argparse.Namespace):
         options["checkpoints"] = args.checkpoints
     if args.thinking_budget is not None:
         options["thinking_budget"] = args.thinking_budget
+    if hasattr(args, "temperature") and args.seed is None:
+        # Commands that sample (demo, generate, chat): without --seed, the engine's generator
+        # (which unseeded requests draw from) starts anywhere, not at EngineConfig's fixed 0.
+        options["seed"] = secrets.randbits(31)
     path = model_path(args.model)
     try:
         return Engine.load(

@@ -72,6 +72,16 @@ def test_generate_is_reproducible_with_a_seed_and_honours_stop(env, rng_seed):
     assert "finish: stop" in stopped.stderr
 
 
+def test_generate_without_a_seed_samples_afresh_each_run(env, rng_seed):
+    """No --seed: each run draws its own (as llama.cpp and Ollama do), so sampled replies
+    differ between runs; 40 tokens at temperature 1 from a random model never repeat."""
+    prompt = "".join(random.Random(rng_seed).choices(string.ascii_lowercase, k=12))
+    args = ["generate", prompt, "--device", "cpu", "--max-tokens", "40", "--temperature", "1"]
+    runs = [_run([*args, "--top-p", "1"], env) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert runs[0].stdout != runs[1].stdout
+
+
 def test_chat_keeps_history_and_exits(env):
     args = ["chat", "--device", "cpu", "--max-tokens", "8"]
     done = _run(args, env, stdin="hello\nagain\n/exit\n")
