@@ -87,9 +87,21 @@ class LoadedModel:
 def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # torch's own wording lists every backend it knows of
+        raise ValueError(
+            f"unknown device {str(device)!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={str(device)!r} was asked for, but torch sees no CUDA device")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(
+                f"device={str(device)!r} was asked for, but torch sees {count} CUDA device(s): "
+                f"cuda:0 to cuda:{count - 1}"
+            )
     return dev
 
 

@@ -342,3 +342,16 @@ def test_float64_with_offloaded_experts_is_refused_at_load(tmp_path, rng_seed):
                          progress=False)  # fmt: skip
     out = engine.generate([rng.randrange(3, 320) for _ in range(6)], SamplingParams(max_tokens=3))
     assert out.finish_reason in ("length", "stop")
+
+
+def test_a_device_that_is_not_there_is_named(model_dir, rng_seed):
+    """`cuda:N` past the devices torch sees, or a backend name torch does not know: refused
+    naming the device as given (the index was dropped from the message)."""
+    rng = random.Random(rng_seed)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = f"cuda:{count + rng.randint(0, 7)}"
+    with pytest.raises(ValueError, match=re.escape(repr(missing))):
+        Engine.load(model_dir, device=missing, progress=False)
+    unknown = rng.choice(["gpu", "tpu", "cuda0", "nvidia"])
+    with pytest.raises(ValueError, match=f"unknown device '{unknown}'"):
+        Engine.load(model_dir, device=unknown, progress=False)
