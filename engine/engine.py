@@ -45,7 +45,7 @@ from freetoken_agent.engine.prompt_input import Prompt, encode_prompt, snapshot_
 from freetoken_agent.engine.request import Request, Status
 from freetoken_agent.engine.request_outcomes import RequestOutcomes, stop_strings
 from freetoken_agent.engine.runner import ModelRunner
-from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.engine.sampling_params import SamplingParams, not_sampling_params
 from freetoken_agent.engine.scheduler import Scheduler
 from freetoken_agent.engine.stats import engine_stats, request_stats
 from freetoken_agent.engine.teardown import release
@@ -57,6 +57,11 @@ CLOSED = "the engine was closed (Engine.close) while this request ran"
 
 
 class Engine:
+    """One model served: `Engine.load(path)`, then `generate` / `stream` / `score` (or
+    `submit` + `step` by hand); `stats()` reports the memory split and reuse, `set_gpu_budget`
+    re-splits the GPU budget live, `close()` gives VRAM and pinned memory back. Not
+    thread-safe: a server drives it from one thread (freetoken_agent.service.EngineService)."""
+
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.spec = loaded.spec
@@ -142,8 +147,16 @@ class Engine:
         progress: bool = True,
         **options,
     ) -> Engine:
-        """Load an HF folder. `options` set EngineConfig fields (page_size, kv_tokens,
-        max_num_seqs, max_batched_tokens, max_model_len, cuda_graphs, seed)."""
+        """Load an HF folder or an FTW checkpoint (`freetoken convert`).
+
+        `device`: "auto" (CUDA when torch sees it), "cpu", "cuda" or "cuda:N"; `dtype`: the
+        checkpoint's when None; `gpu_budget`: bytes of GPU memory to use (None: free memory
+        less `memory_reserve`); `policy`: where expert misses run (engine/config.POLICIES).
+        `options` set any other EngineConfig field (engine/engine_config.py documents each),
+        e.g. max_model_len, kv_tokens, page_size, max_num_seqs, max_batched_tokens,
+        cuda_graphs, seed, thinking_budget, checkpoints ("anchors", "positional:N", "none"),
+        memory_reserve, follow_free_memory, elastic, overlap_schedule, double_buffer,
+        expert_slots. A name that is not a field is refused, naming the closest one."""
         return cls(load_model(path, device, dtype, gpu_budget, policy, progress, **options))
 
     # --- limits ---------------------------------------------------------------------------
@@ -178,6 +191,8 @@ class Engine:
         once finished until `release(request_id)`."""
         self._open()
         sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(not_sampling_params(sampling))
         if sampling.stop and self.tokenizer is None:  # they are matched in the decoded text
             raise InvalidRequestError(
                 "stop strings need the model's tokenizer (tokenizer.json) to read the output, "

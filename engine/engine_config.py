@@ -8,12 +8,35 @@ What the checkpoint is (ModelSpec) is config.py's; config.py re-exports these na
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "gpu-fill", "resident")
+
+
+# The fields that are byte counts (named in the refusal of a value that is not an integer).
+_BYTES = frozenset({"gpu_budget", "checkpoint_device_bytes", "checkpoint_host_bytes",
+                    "elastic_group_bytes", "memory_reserve", "gpu_ceiling"})  # fmt: skip
+
+
+def check_option_names(names: Iterable[str]) -> None:
+    """Refuse options EngineConfig has no field for (Engine.load's `**options`), naming them
+    and the closest field: a misspelt option was a bare TypeError from the dataclass."""
+    known = [f.name for f in fields(EngineConfig)]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        hints = [f"{n!r}" + "".join(f" (did you mean {m!r}?)"
+                                    for m in difflib.get_close_matches(n, known, 1))
+                 for n in unknown]  # fmt: skip
+        raise TypeError(
+            f"unknown engine option(s) {', '.join(hints)}; EngineConfig's fields are "
+            f"{', '.join(known)}"
+        )
 
 
 # EngineConfig.popular_pins' default, named: a slots dataclass's class attribute is a descriptor.
@@ -191,6 +214,19 @@ class EngineConfig:
         return pins_fraction(self.popular_pins)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # counts and byte sizes: integers (a "8GB" failed deep in load)
+            value = getattr(self, f.name)
+            if f.type in ("int", "int | None") and not (
+                (value is None and f.type != "int")
+                or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
+            ):
+                if isinstance(value, float) and value.is_integer():  # 8e9 bytes
+                    setattr(self, f.name, int(value))
+                    continue
+                raise ValueError(
+                    f"{f.name} must be an integer{' or None' if f.type != 'int' else ''}, got "
+                    f"{value!r}" + (" (a count of bytes)" if f.name in _BYTES else "")
+                )
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

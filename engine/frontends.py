@@ -10,7 +10,7 @@ the user-facing docstrings.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +19,7 @@ import torch
 from freetoken_agent.engine.outputs import GenerationOutput, InvalidRequestError, TokenEvent
 from freetoken_agent.engine.prompt_input import Prompt
 from freetoken_agent.engine.request import Status
-from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.engine.sampling_params import SamplingParams, not_sampling_params
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.engine import Engine
@@ -55,6 +55,8 @@ def generate(
     submitted and did not collect is aborted and dropped: nothing is left queued."""
     single = _one_prompt(prompts)
     batch = [prompts] if single else list(prompts)
+    if isinstance(sampling, Mapping):  # else read below as a list of per-prompt params
+        raise InvalidRequestError(not_sampling_params(sampling))
     if sampling is None or isinstance(sampling, SamplingParams):
         params = [sampling or SamplingParams()] * len(batch)
     else:

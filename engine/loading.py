@@ -28,6 +28,7 @@ from freetoken_agent.engine.config import (
     parse_dtype,
     read_config,
 )
+from freetoken_agent.engine.engine_config import check_option_names
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.experts.placement import (
     BudgetError,
@@ -213,6 +214,7 @@ def load_model(
     progress: bool = True,
     **options,
 ) -> LoadedModel:
+    check_option_names(options)  # before anything is read
     path = Path(path)
     cfg = read_config(path)
     spec = spec_from_config(cfg)

@@ -375,3 +375,10 @@ def _logit_bias_problem(bias: Any) -> str | None:
         if not _is_real(value) or not -BIAS_LIMIT <= value <= BIAS_LIMIT:
             return f"logit_bias[{token}] must be a number in [-100, 100], got {value!r:.40}"
     return None
+
+
+def not_sampling_params(value: object) -> str:
+    """The refusal of something else given where a SamplingParams goes (a dict of its fields
+    was read as a list of per-prompt params, failing on its keys)."""
+    hint = " (SamplingParams(**that_dict) makes one)" if isinstance(value, dict) else ""
+    return f"sampling must be a SamplingParams, got {type(value).__name__}{hint}"

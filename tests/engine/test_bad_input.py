@@ -355,3 +355,37 @@ def test_a_device_that_is_not_there_is_named(model_dir, rng_seed):
     unknown = rng.choice(["gpu", "tpu", "cuda0", "nvidia"])
     with pytest.raises(ValueError, match=f"unknown device '{unknown}'"):
         Engine.load(model_dir, device=unknown, progress=False)
+
+
+def test_engine_options_of_the_wrong_name_or_type_are_named(model_dir, rng_seed):
+    """A misspelt option names itself and its closest field (it was a bare TypeError from the
+    dataclass); a byte count given as text or a bool names the field (it failed deep in the
+    load on arithmetic); an integral float is taken (8e9 bytes)."""
+    rng = random.Random(rng_seed)
+    field = rng.choice(["kv_tokens", "max_model_len", "memory_reserve", "page_size"])
+    typo = field[:-1] + rng.choice("xyz")
+    with pytest.raises(TypeError, match=f"'{typo}' \\(did you mean '{field}'\\?\\)"):
+        Engine.load(model_dir, device="cpu", progress=False, **{typo: 1})
+    bad = rng.choice([f"{rng.randint(1, 64)}GB", True, 1.5, [1]])
+    with pytest.raises(ValueError, match=re.escape(f"must be an integer or None, got {bad!r}")):
+        Engine.load(model_dir, device="cpu", progress=False, gpu_budget=bad)
+    tokens = float(rng.randint(64, 512) * 16)
+    engine = Engine.load(model_dir, device="cpu", progress=False, kv_tokens=tokens)
+    try:
+        assert isinstance(engine.config.kv_tokens, int) and engine.config.kv_tokens == tokens
+    finally:
+        engine.close()
+
+
+def test_a_dict_where_sampling_params_go_is_refused_by_name(engine, rng_seed):
+    """A dict of fields was read as a list of per-prompt params and failed on its keys
+    ("'str' object has no attribute 'stop'")."""
+    rng = random.Random(rng_seed)
+    fields = {"max_tokens": rng.randint(1, 9)}
+    prompt = [rng.randrange(1, 200) for _ in range(rng.randint(1, 9))]
+    for call in (engine.generate, engine.submit, engine.stream):
+        with pytest.raises(InvalidRequestError, match="must be a SamplingParams, got dict"):
+            out = call(prompt, fields)
+            if call == engine.stream:  # a generator: submits when first read
+                next(out)
+    assert engine.generate(prompt, SamplingParams(**fields)).token_ids  # the engine is fine
