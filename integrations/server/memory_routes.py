@@ -3,8 +3,11 @@
 `GET /v1/memory` returns the engine's memory figures (split, checkpoints, elastic budget) and
 the latest changes of the split (`?last=N`, default 100). `POST /v1/memory/budget` with
 `{"bytes": N}` or `{"gb": X}` sets the GPU budget while serving; the engine applies it at its
-next safe point (at once when idle), preempting rather than failing requests if it must. A
-budget the engine cannot take (not elastic, below its fixed bytes) is a 400 that says why.
+next safe point (at once when idle), preempting rather than failing requests if it must. It
+answers `{"budget": the budget taken, "requested": the bytes asked for, "elastic": ...}`: a
+budget above the ceiling the arena reserved (EngineConfig.gpu_ceiling) is taken as that
+ceiling. A budget the engine cannot take (not elastic, below its fixed bytes) is a 400 that
+says why.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ async def set_budget(request: Request) -> JSONResponse:
         elastic = await asyncio.to_thread(state.service.set_gpu_budget, nbytes)
     except InvalidRequestError as e:
         return invalid_response(e)
-    return JSONResponse({"budget": nbytes, "elastic": elastic})
+    taken = elastic.get("budget", nbytes) if isinstance(elastic, dict) else nbytes
+    return JSONResponse({"budget": taken, "requested": nbytes, "elastic": elastic})
 
 
 def _budget_bytes(body) -> int:

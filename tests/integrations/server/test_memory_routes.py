@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from starlette.testclient import TestClient
 
@@ -42,6 +44,7 @@ def test_budget_change_applies_and_is_traced(elastic_client):
     reply = client.post("/v1/memory/budget", json={"bytes": cut})
     assert reply.status_code == 200, reply.text
     assert reply.json()["elastic"]["budget"] == cut
+    assert reply.json()["budget"] == reply.json()["requested"] == cut
     after = client.get("/v1/memory?last=5").json()
     assert after["trace"]["records"][-1]["budget"] == cut  # applied at once: the engine is idle
     assert len(after["trace"]["records"]) <= 5
@@ -80,3 +83,15 @@ def test_not_elastic_engine_says_so(client):
     assert reply.status_code == 400
     assert "not elastic" in reply.json()["error"]["message"]
     assert client.get("/v1/memory").json()["trace"] is None
+
+
+def test_a_budget_past_the_ceiling_answers_the_budget_taken(elastic_client, rng_seed):
+    """The engine caps a budget at the ceiling its arena reserved: the answer's `budget` is
+    what it took (it echoed the request), `requested` what was asked."""
+    client, engine = elastic_client
+    ceiling = engine.memory.max_budget
+    asked = ceiling + random.Random(rng_seed).randint(1, 1 << 30)
+    reply = client.post("/v1/memory/budget", json={"bytes": asked})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["requested"] == asked
+    assert reply.json()["budget"] == ceiling == engine.memory.budget
