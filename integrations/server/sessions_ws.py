@@ -3,7 +3,8 @@
 The client sends JSON messages:
 
     {"type": "send", "messages": [...], "tools": [...], "tool_choice": ...,
-     "sampling": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+     "sampling": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                  "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                   "min_tokens", "thinking_token_budget", "logit_bias", "logprobs",
                   "top_logprobs"},
@@ -66,6 +67,8 @@ SAMPLING_KEYS = frozenset(
         "top_k",
         "seed",
         "stop",
+        "stop_token_ids",
+        "include_stop_str_in_output",
         "ignore_eos",
         "presence_penalty",
         "frequency_penalty",
