@@ -1,9 +1,11 @@
 """FreeToken: an edge-native MoE serving runtime, driven by agents.
 
 Public surface (DESIGN section 9): the Engine, and the agent layer's Session with its structured
-history (messages), rendering (ChatFormat: token ids + anchors) and tool hooks. `ChatFreeToken`
-(the LangChain chat model) is exported lazily: importing this package never imports langchain,
-which the GPU image does not carry; it is left out of `__all__` so a star import does not either.
+history (messages), rendering (ChatFormat: token ids + anchors), tool hooks and the events a
+turn yields (ReasoningDelta, ContentDelta, ToolCallStart / ArgsDelta / End, ParseWarning).
+`ChatFreeToken` (the LangChain chat model) is exported lazily: importing this package never
+imports langchain, which the GPU image does not carry; it is left out of `__all__` so a star
+import does not either.
 """
 
 from freetoken_agent.chat_format import Anchor, ChatFormat, Prompt
@@ -27,12 +29,21 @@ from freetoken_agent.messages import (
     messages_from_openai,
     to_openai_messages,
 )
+from freetoken_agent.parsers.events import (
+    ContentDelta,
+    ParseWarning,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from freetoken_agent.session import HistoryDiff, Session, TextDelta, Usage
 
 __all__ = [
     "Anchor",
     "AssistantMessage",
     "ChatFormat",
+    "ContentDelta",
     "ContextLengthError",
     "Engine",
     "EngineClosedError",
@@ -40,7 +51,9 @@ __all__ = [
     "HistoryDiff",
     "InvalidRequestError",
     "Message",
+    "ParseWarning",
     "Prompt",
+    "ReasoningDelta",
     "SamplingParams",
     "SamplingParamsError",
     "Session",
@@ -48,6 +61,9 @@ __all__ = [
     "TextDelta",
     "TokenEvent",
     "ToolCall",
+    "ToolCallArgsDelta",
+    "ToolCallEnd",
+    "ToolCallStart",
     "ToolHooks",
     "ToolResult",
     "ToolRun",

@@ -25,3 +25,14 @@ def test_chat_free_token_loads_when_installed():
     from freetoken_agent.integrations.langchain import ChatFreeToken
 
     assert freetoken_agent.ChatFreeToken is ChatFreeToken
+
+
+def test_the_events_a_turn_yields_are_exported():
+    """Session.send's events, named in the README, import from the package itself."""
+    import freetoken_agent
+    from freetoken_agent.parsers import events
+
+    for name in ("ReasoningDelta", "ContentDelta", "ToolCallStart", "ToolCallArgsDelta",
+                 "ToolCallEnd", "ParseWarning"):  # fmt: skip
+        assert name in freetoken_agent.__all__
+        assert getattr(freetoken_agent, name) is getattr(events, name)
