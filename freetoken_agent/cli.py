@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -124,19 +125,28 @@ def cmd_chat(args: argparse.Namespace) -> int:
         sys.stdin.reconfigure(errors="surrogateescape")
     system = as_text(args.system) if args.system else None
     history: list[dict] = [{"role": "system", "content": system}] if system else []
-    print("[freetoken] chat: /reset clears the history, /exit or Ctrl-D leaves", file=sys.stderr)
+    print("[freetoken] chat: /help lists the commands, /exit or Ctrl-D leaves", file=sys.stderr)
     while True:
         try:
             line = input("you> ")
         except EOFError:
             print()
             return 0
-        if line.strip() in ("/exit", "/quit"):
+        command = line.strip()
+        if command in ("/exit", "/quit", "/bye"):
             return 0
-        if line.strip() == "/reset":
+        if command == "/reset":
             history = history[:1] if args.system else []
             continue
-        if not line.strip():
+        if command in ("/help", "/?"):
+            print(CHAT_COMMANDS, file=sys.stderr)
+            continue
+        if _COMMAND.fullmatch(command):  # a typo of a command: not sent to the model
+            print(f"freetoken: unknown command {command}; /help lists them", file=sys.stderr)
+            continue
+        if command.startswith("//"):  # a message that starts with "/"
+            line = line.replace("/", "", 1)
+        if not command:
             continue
         history.append({"role": "user", "content": as_text(line)})
         print("model> ", end="", flush=True)
@@ -157,6 +167,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         # An interrupted reply stays, as far as it went: the history is what the user saw.
         history.append({"role": "assistant", "content": text})
+
+
+# A line that is one "/word" (no space, no second slash: not a path) is a command.
+_COMMAND = re.compile(r"/[A-Za-z?]+")
+CHAT_COMMANDS = (
+    "commands: /reset clears the history (the system prompt stays), /exit (/quit, /bye or "
+    "Ctrl-D) leaves, /help (/?) shows this; Ctrl-C stops a reply. A message that starts "
+    "with a slash: type it twice (//etc is sent as /etc)."
+)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -312,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen, max_tokens=256)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat; KV is reused across turns")
+    chat = sub.add_parser(
+        "chat", help="interactive chat; KV is reused across turns", epilog=CHAT_COMMANDS
+    )
     chat.add_argument("--system", default=None, help="system prompt")
     add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=512)

@@ -98,6 +98,19 @@ def test_bad_model_path_is_a_clear_error(env, tmp_path):
     assert "no config.json" in done.stderr
 
 
+def test_chat_commands_and_unknown_ones_never_reach_the_model(env, rng_seed):
+    """/help lists the commands, a mistyped /command is refused (it was sent to the model as
+    a message), /bye leaves; a path and a doubled slash are messages."""
+    rng = random.Random(rng_seed)
+    typo = "/" + "".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8)))
+    lines = ["/help", typo, "/usr/bin/env", "//etc", "/bye", "never read"]
+    done = _run(["chat", "--device", "cpu", "--max-tokens", "3"], env, stdin="\n".join(lines))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("model> ") == 2  # the path and "/etc"; nothing after /bye
+    assert "/reset clears the history" in done.stderr
+    assert f"unknown command {typo}; /help lists them" in done.stderr
+
+
 def test_engine_flags_reach_the_engine_config(monkeypatch, rng_seed):
     """--memory-reserve-gb, --fixed-memory, --overlap-schedule, --no-double-buffer,
     --checkpoints and --thinking-budget become EngineConfig options at load; left out, none is
