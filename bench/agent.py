@@ -52,6 +52,7 @@ from freetoken_agent.bench.agent_report import (
     summarize,
 )
 from freetoken_agent.bench.agent_trace import KINDS, AgentTrace, SessionShape, generate_session
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 
 # `compare` is imported from here by other code: keep it reachable under this module's name.
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
@@ -293,7 +294,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="freetoken bench agent",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=BenchHelpFormatter,
     )
     parser.add_argument("--kind", choices=KINDS, default="coding", help="session kind")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (same seed, same tokens)")

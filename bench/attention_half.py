@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from freetoken_agent.bench.help_format import BenchHelpFormatter
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 SHAPE = dict(h=2048, heads=32, kv_heads=4, head_dim=128)  # Qwen3-30B-A3B's attention
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench attention-half",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=BenchHelpFormatter,
     )
     parser.add_argument("--context", type=int, nargs="+", default=[256, 1024],
                         help="tokens cached before the new one")  # fmt: skip

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import host_read_bandwidth
 from freetoken_agent.engine.host_memory import page_exclusive
 from freetoken_agent.kernels.cpu import experts
@@ -146,7 +147,9 @@ def time_kernel(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="freetoken bench cpu-experts", description=__doc__.splitlines()[0]
+        prog="freetoken bench cpu-experts",
+        description=__doc__.splitlines()[0],
+        formatter_class=BenchHelpFormatter,
     )
     parser.add_argument("--threads", type=int, default=None, help="default: physical cores")
     parser.add_argument("--pool-gb", type=float, default=2.5, help="pool size (GB, >= 2 GiB)")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, matmul_rate
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.engine.engine import Engine
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench decode",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=BenchHelpFormatter,
     )
     parser.add_argument("--layers", type=int, nargs="+", default=[48, 12],
                         help="model depths (48: Qwen3-30B-A3B, 12: peer slice)")  # fmt: skip
@@ -145,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                         "skinny_gemv); writes decode_baseline_skinny.json")  # fmt: skip
     parser.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=True,
                         help="one-row decode steps' routers in one launch, linear layer and "
-                        "top-k (EngineConfig.fused_router, on by default; --no-fused-router "
+                        "top-k (EngineConfig.fused_router; --no-fused-router "
                         "writes decode_baseline_no_fused_router.json)")  # fmt: skip
     parser.add_argument("--fused-proj-norm", action=argparse.BooleanOptionalAction, default=True,
                         help="one-row decode steps' o_proj, residual add and norm in one launch "
-                        "(EngineConfig.fused_proj_norm, on by default; --no-fused-proj-norm "
+                        "(EngineConfig.fused_proj_norm; --no-fused-proj-norm "
                         "writes decode_baseline_no_fused_proj_norm.json)")  # fmt: skip
     parser.add_argument("--overlap", action="store_true",
                         help="decode also with overlap scheduling (EngineConfig.overlap_schedule):"

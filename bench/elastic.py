@@ -65,6 +65,7 @@ from freetoken_agent.bench.elastic_engines import shape_config, smoke_budget
 from freetoken_agent.bench.elastic_report import ENGINES, merge, plot, summarize
 from freetoken_agent.bench.elastic_rows import HEAD, Limits
 from freetoken_agent.bench.elastic_session import run_engine, run_interleaved
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.bench.routing_traces import Regime
 
@@ -101,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="freetoken bench elastic",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=BenchHelpFormatter,
     )
     add_knobs(parser, KNOBS)
     parser.add_argument(
@@ -134,7 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="session and weight seed")
     parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny model, 4 short turns")
     parser.add_argument("--triton-cache", choices=("fresh", "shared"), default="fresh",
-                        help="fresh (default): compile into a new Triton cache directory, so "
+                        help="fresh: compile into a new Triton cache directory, so "
                         "engines measured in separate commands, or after other runs on the same "
                         "machine, pay the same compiles (a warm cache once hid 1-2 s compiles "
                         "inside a fixed split's turns); shared: the usual cache")  # fmt: skip

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken_agent.bench.help_format import BenchHelpFormatter
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # Shape legend: H hidden, I expert width, K top-k (pairs of the one token), S = I / BI slices.
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench expert-mlp",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=BenchHelpFormatter,
     )
     parser.add_argument("--slices", type=int, nargs="+", default=[16, 32, 64],
                         help="expert columns a program computes (BI)")  # fmt: skip

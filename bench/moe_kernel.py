@@ -20,6 +20,7 @@ import triton
 from triton.testing import do_bench
 
 from freetoken_agent.bench.cuda_graph import captured
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, matmul_rate
 from freetoken_agent.kernels.triton.fused_moe import (
     DECODE_TILES,
@@ -141,14 +142,16 @@ def bench_prefill(s: dict, w13, w2, t: int, mm: float, hbm: float, sweep: bool) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="freetoken bench moe-kernel", description=__doc__.splitlines()[0]
+        prog="freetoken bench moe-kernel",
+        description=__doc__.splitlines()[0],
+        formatter_class=BenchHelpFormatter,
     )
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     parser.add_argument(
         "--wide", action="store_true", help="decode: one side at a time (WIDE_DECODE_SWEEP)"
     )
     parser.add_argument("--shape", choices=SHAPES, nargs="+", default=list(SHAPES),
-                        help="model shapes to time (default: all)")  # fmt: skip
+                        help="model shapes to time")  # fmt: skip
     parser.add_argument("--skip-prefill", action="store_true", help="decode rows only")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"

@@ -32,6 +32,7 @@ import torch
 
 from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
 from freetoken_agent.bench.environment import ENVIRONMENT
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.host_caps import HostCaps
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_read_bandwidth
@@ -85,33 +86,33 @@ def main(argv: list[str] | None = None) -> int:
         prog="freetoken bench offload",
         description=__doc__,
         epilog=ENVIRONMENT,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=BenchHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=48,
-                        help="model depth (12: peer slice; default: %(default)s)")  # fmt: skip
+                        help="model depth (12: peer slice)")  # fmt: skip
     parser.add_argument("--budget-gb", type=float, default=32.0,
-                        help="GPU budget (GB; default: %(default)s)")  # fmt: skip
+                        help="GPU budget (GB)")  # fmt: skip
     parser.add_argument(
         "--decode", type=int, default=48,
         help="tokens each sequence of a row decodes, the first before the clock starts (its "
-        f"prefill's), after WARM_UP ({WARM_UP}) untimed ones (default: %(default)s)",
+        f"prefill's), after WARM_UP ({WARM_UP}) untimed ones",
     )  # fmt: skip
     parser.add_argument(
         "--context", type=int, default=64, metavar="TOKENS",
         help="prompt tokens of each decoded sequence (agent histories run to 4k-32k; the "
-        "limit counts their KV reads; default: %(default)s)",
+        "limit counts their KV reads)",
     )  # fmt: skip
     parser.add_argument(
         "--prefill", type=int, nargs="+", default=[4096, 8192, 16384], metavar="TOKENS",
-        help="prompt lengths prefilled, double buffer on and off (default: 4096 8192 16384)",
+        help="prompt lengths prefilled, double buffer on and off",
     )  # fmt: skip
     parser.add_argument(
         "--chunk", type=int, default=8192, metavar="TOKENS",
         help="prefill chunk, the engine's max_batched_tokens: a prompt streams the pool once "
-        "per chunk (default: %(default)s)",
+        "per chunk",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS,
-                        help="JSON results folder (default: bench/results)")  # fmt: skip
+                        help="JSON results folder")  # fmt: skip
     parser.add_argument("--skip-decode", action="store_true", help="prefill figures only")
     parser.add_argument("--skip-prefill", action="store_true", help="decode figures only")
     parser.add_argument(
@@ -122,16 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         "traces, routing_traces.py: with probability P each of a token's k experts in a layer "
         "repeats one of the previous token's there, else they are drawn without replacement "
         "with P(rank r) ~ 1/r^S over a fixed random ranking per layer; uniform is S = 0, "
-        "P = 0; traces seeded 0). Default: native uniform zipf:1.0,loc:0.7 (skew 1.0, "
-        "locality 0.7)",
+        "P = 0; traces seeded 0; the default's zipf:1.0,loc:0.7 is skew 1.0, locality 0.7)",
     )
     parser.add_argument(
         "--batches", type=int, nargs="+", default=[1, 4],
-        help="decode batches (sequences decoded together; default: 1 4)",
+        help="decode batches (sequences decoded together)",
     )  # fmt: skip
     parser.add_argument(
         "--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
-        help=f"decode policies (default: all: {' '.join(POLICIES)})",
+        help="decode policies",
     )  # fmt: skip
     parser.add_argument(
         "--rounds",
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="decode measurements per policy, each round starting at another policy; the "
         "median round is reported (the device host's speed changes over seconds), with an "
-        "even count the lower of the two middle ones: at 2 rounds the slower round "
-        "(default: %(default)s)",
+        "even count the lower of the two middle ones: at 2 rounds the slower round",
     )
     parser.add_argument(
         "--fill-behind",
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="overlap scheduling: each decode step launched before the last one's tokens are "
-        "read (EngineConfig.overlap_schedule; default on, --no-overlap for the plain loop)",
+        "read (EngineConfig.overlap_schedule; --no-overlap for the plain loop)",
     )
     parser.add_argument(
         "--adaptive-path",
@@ -189,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         default=POPULAR_PINS,
         metavar="FRACTION",
         help="EngineConfig.popular_pins for the device paths (gpu-fill, adaptive): this "
-        "fraction of the slots pinned for each layer's most used experts (default: "
-        "EngineConfig's, %(default)s; 0: LRU)",
+        "fraction of the slots pinned for each layer's most used experts (0: LRU; the "
+        "default is EngineConfig's)",
     )
     parser.add_argument(
         "--fill-through",
@@ -210,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         "--shared-gate",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="adaptive's shared path waits for the fill race to judge (default; "
-        "--no-shared-gate runs a held shared path from the first step)",
+        help="adaptive's shared path waits for the fill race to judge (--no-shared-gate runs a "
+        "held shared path from the first step)",
     )
     parser.add_argument(
         "--hold-share",

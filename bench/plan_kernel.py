@@ -31,6 +31,7 @@ import torch
 import triton
 
 from freetoken_agent.bench.cuda_graph import captured, device_ms
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.cpu.worker import Mailbox
 from freetoken_agent.kernels.triton import expert_fills
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench plan-kernel",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=BenchHelpFormatter,
     )
     parser.add_argument("--slots", type=int, nargs="+", default=[687, 3022, 18000],
                         help="cache slots (S) a row's plans scan")  # fmt: skip
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens (T) a plan routes, K = 8 each")  # fmt: skip
     parser.add_argument("--share", type=float, nargs="+", default=[0.0, 0.25],
                         help="the CPU's share of the misses (posted, never answered)")  # fmt: skip
-    parser.add_argument("--layers", type=int, default=16, help="plans a graph (default 16)")
+    parser.add_argument("--layers", type=int, default=16, help="plans a graph")
     parser.add_argument("--reps", type=int, default=30, help="timed replays a row")
     parser.add_argument("--kernel-file", type=Path, default=None,
                         help="another version of the kernels' module to time too")  # fmt: skip

@@ -28,6 +28,7 @@ from collections import defaultdict
 
 import torch
 
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.offload import offload_engine
 from freetoken_agent.bench.offload_decode import start_policy
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
@@ -120,7 +121,11 @@ def _kernel_alone(bank, repeats: int = 50) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="freetoken bench profile-offload", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench profile-offload",
+        description=__doc__,
+        formatter_class=BenchHelpFormatter,
+    )
     parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")
     parser.add_argument("--budget-gb", type=float, default=8.59, help="GPU budget (GB)")
     parser.add_argument("--decode", type=int, default=48, help="decode steps timed per row")
@@ -142,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         nargs="+",
         default=None,
-        help="CPU expert kernel threads, one set of rows per value (default: all physical "
-        "cores); fewer leave cores to the driver and the thread launching graphs",
+        help="CPU expert kernel threads, one set of rows per value (default: "
+        "kernels/cpu/experts.py default_threads(): FREETOKEN_CPU_THREADS, else the physical "
+        "cores, less one where no SMT sibling is left for the driver thread); fewer leave "
+        "cores to the driver and the thread launching graphs",
     )
     parser.add_argument(
         "--run-ahead",

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.engine.layers.sampler import sample, sample_with_torch
 from freetoken_agent.engine.sampling_params import SamplingParams
@@ -78,7 +79,9 @@ def _kernels(call) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="freetoken bench sampler")
+    parser = argparse.ArgumentParser(
+        prog="freetoken bench sampler", formatter_class=BenchHelpFormatter
+    )
     parser.add_argument("--vocab", type=int, default=151936, help="logits a row (Qwen3's)")
     parser.add_argument("--out", type=Path, default=None, help="folder for sampler_profile.json")
     args = parser.parse_args(argv)

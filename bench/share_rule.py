@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from freetoken_agent.bench.cache_policies import add_trace_options, trace_lids
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.routing_traces import Regime
 from freetoken_agent.kernels.reference_fills import SHARE_ONE, cpu_count, cpu_misses
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench share-rule",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=BenchHelpFormatter,
     )
     add_trace_options(parser, slots=3019)
     parser.add_argument("--batch", type=int, default=4, help="tokens a decode step")

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from freetoken_agent.bench.cuda_graph import device_ms
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.kernels.row_copy import row_copy
 
@@ -286,20 +287,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench side-fill",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=BenchHelpFormatter,
     )
-    parser.add_argument("--layers", type=int, default=48, help="layers a step (default 48)")
+    parser.add_argument("--layers", type=int, default=48, help="layers a step")
     parser.add_argument(
         "--miss-layers",
         type=int,
         default=25,
-        help="layers that copy one expert a step (default 25)",
+        help="layers that copy one expert a step",
     )
     parser.add_argument(
         "--layer-mb",
         type=float,
         default=75.0,
-        help="device weights a layer's matmul reads (default 75: 8 experts)",
+        help="device weights a layer's matmul reads (75: 8 experts)",
     )
     parser.add_argument(
         "--pieces",
@@ -310,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch", type=int, default=1, help="rows each layer's matmul reads for")
     parser.add_argument("--steps", type=int, default=40, help="timed replays a variant")
-    parser.add_argument("--hidden", type=int, default=H, help="H (default Qwen3-30B-A3B's)")
-    parser.add_argument("--inter", type=int, default=W, help="expert width I (default 768)")
+    parser.add_argument("--hidden", type=int, default=H, help="hidden size H (Qwen3-30B-A3B's)")
+    parser.add_argument("--inter", type=int, default=W, help="expert width I (Qwen3-30B-A3B's)")
     parser.add_argument("--pool", type=int, default=POOL_EXPERTS, help="pinned pool experts")
     parser.add_argument("--seed", type=int, default=0, help="miss layers and pool rows drawn")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="JSON's folder")

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.offload import offload_engine
 from freetoken_agent.bench.offload_decode import start_policy
 from freetoken_agent.bench.offload_summaries import cpu_share_stats
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench step-kernels",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=BenchHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")
     parser.add_argument("--budget-gb", type=float, default=8.59, help="GPU budget (GB)")
