@@ -52,7 +52,6 @@ from freetoken_agent.bench.agent_report import (
     summarize,
 )
 from freetoken_agent.bench.agent_trace import KINDS, AgentTrace, SessionShape, generate_session
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 
 # `compare` is imported from here by other code: keep it reachable under this module's name.
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
@@ -61,6 +60,7 @@ from freetoken_agent.engine.engine import Engine
 from freetoken_agent.engine.models.registry import spec_from_config
 from freetoken_agent.engine.outputs import GenerationOutput
 from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Tokens before which decoding checkpoints in anchors mode (as the Session passes them).
@@ -294,7 +294,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="freetoken bench agent",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--kind", choices=KINDS, default="coding", help="session kind")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (same seed, same tokens)")

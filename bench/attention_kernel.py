@@ -28,8 +28,8 @@ import triton
 from triton.testing import do_bench
 
 from freetoken_agent.bench.cuda_graph import captured
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.triton.attention_plan import LaunchPlan, Tiles, plan_launch
 from freetoken_agent.kernels.triton.paged_attention import launch_paged_attention, new_counters
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench attention-kernel",
         description=__doc__.splitlines()[0],
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     parser.add_argument("--page", type=int, default=16, help="tokens per KV page")

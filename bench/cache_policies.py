@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.routing_traces import Regime, TraceGenerator
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench cache-policies",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_trace_options(parser, slots=2686)
     parser.add_argument("--tokens", type=int, default=1500, help="decode steps replayed")

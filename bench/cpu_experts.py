@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import host_read_bandwidth
 from freetoken_agent.engine.host_memory import page_exclusive
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.cpu import experts
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench cpu-experts",
         description=__doc__.splitlines()[0],
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--threads", type=int, default=None, help="default: physical cores")
     parser.add_argument("--pool-gb", type=float, default=2.5, help="pool size (GB, >= 2 GiB)")

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, matmul_rate
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.engine.engine import Engine
 from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench decode",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, nargs="+", default=[48, 12],
                         help="model depths (48: Qwen3-30B-A3B, 12: peer slice)")  # fmt: skip

@@ -65,9 +65,9 @@ from freetoken_agent.bench.elastic_engines import shape_config, smoke_budget
 from freetoken_agent.bench.elastic_report import ENGINES, merge, plot, summarize
 from freetoken_agent.bench.elastic_rows import HEAD, Limits
 from freetoken_agent.bench.elastic_session import run_engine, run_interleaved
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.bench.routing_traces import Regime
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="freetoken bench elastic",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_knobs(parser, KNOBS)
     parser.add_argument(

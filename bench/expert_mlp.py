@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench expert-mlp",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--slices", type=int, nargs="+", default=[16, 32, 64],
                         help="expert columns a program computes (BI)")  # fmt: skip

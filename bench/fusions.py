@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from freetoken_agent.bench.decode_baseline import decode_bytes, decode_rate
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.engine.l2_prefetcher import use_l2_prefetch
@@ -40,6 +39,7 @@ from freetoken_agent.engine.models.base import (
     use_fused_norm_qkv,
     use_fused_proj_norm,
 )
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.triton import pdl
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench fusions",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=48, help="model depth (12: peer slice)")
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from freetoken_agent.bench.cuda_graph import captured
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.router import softmax_topk
 from freetoken_agent.kernels.triton.gemv import choose_tiles, gemv
 from freetoken_agent.kernels.triton.route import route
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench gemv",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results folder")

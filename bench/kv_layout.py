@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.engine.arena import ElasticArena, KVUnit
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.triton.paged_attention import launch_paged_attention
 
 # Qwen3-30B-A3B: L attention layers, Hq / Hkv heads, D head dim, S tokens per page
@@ -77,7 +77,7 @@ def step_ms(k: torch.Tensor, v: torch.Tensor, context: int, q_len: int, seed: in
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="freetoken bench kv-layout", description=__doc__,
-                                formatter_class=BenchHelpFormatter)  # fmt: skip
+                                formatter_class=DefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 16384, 44000, 100000],
                    help="context lengths (tokens)")  # fmt: skip
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens)")

@@ -20,8 +20,8 @@ import triton
 from triton.testing import do_bench
 
 from freetoken_agent.bench.cuda_graph import captured
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, matmul_rate
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.triton.fused_moe import (
     DECODE_TILES,
     PREFILL_TILES,
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench moe-kernel",
         description=__doc__.splitlines()[0],
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     parser.add_argument(

@@ -32,7 +32,6 @@ import torch
 
 from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
 from freetoken_agent.bench.environment import ENVIRONMENT
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.host_caps import HostCaps
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_read_bandwidth
@@ -55,6 +54,7 @@ from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGen
 from freetoken_agent.engine.config import POPULAR_PINS
 from freetoken_agent.engine.experts import calibration, step_paths
 from freetoken_agent.engine.experts.streaming import LayerStreamer
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("cpu", "transfer", "adaptive", "static", "direct", "gpu-fill")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="freetoken bench offload",
         description=__doc__,
         epilog=ENVIRONMENT,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=48,
                         help="model depth (12: peer slice)")  # fmt: skip

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.engine.engine import Engine
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench parity-precision",
         description=__doc__.splitlines()[0],
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--seeds", type=int, default=3, help="random models per family")
     parser.add_argument("--tokens", type=int, default=300, help="prompt tokens compared")

@@ -31,7 +31,7 @@ import torch
 import triton
 
 from freetoken_agent.bench.cuda_graph import captured, device_ms
-from freetoken_agent.bench.help_format import BenchHelpFormatter
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.cpu.worker import Mailbox
 from freetoken_agent.kernels.triton import expert_fills
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench plan-kernel",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--slots", type=int, nargs="+", default=[687, 3022, 18000],
                         help="cache slots (S) a row's plans scan")  # fmt: skip

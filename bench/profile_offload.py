@@ -28,7 +28,6 @@ from collections import defaultdict
 
 import torch
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.offload import offload_engine
 from freetoken_agent.bench.offload_decode import start_policy
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
@@ -36,6 +35,7 @@ from freetoken_agent.bench.stop_clock import StopClock
 from freetoken_agent.engine import segmented_graphs
 from freetoken_agent.engine.experts import calibration, offload
 from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.cpu import experts as cpu_kernel
 
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench profile-offload",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")
     parser.add_argument("--budget-gb", type=float, default=8.59, help="GPU budget (GB)")

@@ -16,9 +16,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
 from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 
 def decode_steps(engine, n: int) -> float:
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench profile",
         description=__doc__.splitlines()[0],
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")
     parser.add_argument("--prefill", type=int, default=512, help="prefill chunk (tokens)")

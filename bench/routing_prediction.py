@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def measure(shape: Shape, layers: int, tokens: int, std: float, seed: int, warm:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="freetoken bench routing-prediction", description=__doc__,
-                                 formatter_class=BenchHelpFormatter)  # fmt: skip
+                                 formatter_class=DefaultsHelpFormatter)  # fmt: skip
     ap.add_argument("--layers", type=int, default=24, help="layers of the forward")
     ap.add_argument("--tokens", type=int, default=128, help="tokens of the causal forward")
     ap.add_argument("--std", type=float, default=0.02, help="weights' N(0, std), as the benches")

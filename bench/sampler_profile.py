@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import hbm_copy_bandwidth
 from freetoken_agent.engine.layers.sampler import sample, sample_with_torch
 from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 CONFIGS = {
     "greedy": dict(temperature=0.0),
@@ -80,7 +80,7 @@ def _kernels(call) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="freetoken bench sampler", formatter_class=BenchHelpFormatter
+        prog="freetoken bench sampler", formatter_class=DefaultsHelpFormatter
     )
     parser.add_argument("--vocab", type=int, default=151936, help="logits a row (Qwen3's)")
     parser.add_argument("--out", type=Path, default=None, help="folder for sampler_profile.json")

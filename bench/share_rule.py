@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from freetoken_agent.bench.cache_policies import add_trace_options, trace_lids
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.routing_traces import Regime
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.reference_fills import SHARE_ONE, cpu_count, cpu_misses
 
 RULES = ("fill-all", "by-order", "rule")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench share-rule",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_trace_options(parser, slots=3019)
     parser.add_argument("--batch", type=int, default=4, help="tokens a decode step")

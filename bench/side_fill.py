@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 
 from freetoken_agent.bench.cuda_graph import device_ms
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.engine.experts import calibration
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.row_copy import row_copy
 
 H, W = 2048, 768  # Qwen3-30B-A3B: hidden, expert width (I)
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench side-fill",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=48, help="layers a step")
     parser.add_argument(

@@ -21,13 +21,13 @@ from pathlib import Path
 
 from freetoken_agent.bench import offload
 from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.host_caps import HostCaps
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_read_bandwidth
 from freetoken_agent.bench.offload_decode import measure_policy, use_policy
 from freetoken_agent.bench.offload_limits import add_limits
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
 from freetoken_agent.engine.experts import split_expert
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.cpu import experts, worker
 
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench split-cuts",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=48, help="model depth (12: peer slice)")
     parser.add_argument("--budget-gb", type=float, default=32.0, help="GPU budget (GB)")

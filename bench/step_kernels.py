@@ -28,7 +28,6 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.offload import offload_engine
 from freetoken_agent.bench.offload_decode import start_policy
 from freetoken_agent.bench.offload_summaries import cpu_share_stats
@@ -37,6 +36,7 @@ from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGen
 from freetoken_agent.engine.experts.device_fills import DeviceFills
 from freetoken_agent.engine.experts.step_paths import CPU_PATHS, DEVICE_PATHS
 from freetoken_agent.engine.sampling_params import SamplingParams
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 _CACHE_FILES = ("device_fills.py", "cache.py")
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench step-kernels",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")
     parser.add_argument("--budget-gb", type=float, default=8.59, help="GPU budget (GB)")

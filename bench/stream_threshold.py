@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import host_read_bandwidth
 from freetoken_agent.bench.offload import offload_engine
 from freetoken_agent.bench.offload_decode import decode_window, start_policy
@@ -44,6 +43,7 @@ from freetoken_agent.engine.config import EngineConfig
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.engine.experts.stream_threshold import layer_seconds, stream_threshold
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WARM_DECODE = 24  # tokens decoded before each prefill: the cache full, as mid-session
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench stream-threshold",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")
     parser.add_argument("--budget-gb", type=float, default=8.59, help="GPU budget (GB)")

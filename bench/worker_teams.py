@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from freetoken_agent.bench.help_format import BenchHelpFormatter
 from freetoken_agent.bench.limits import host_read_bandwidth
+from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.cpu import experts, worker
 from freetoken_agent.kernels.cpu.worker import ANSWER, BUSY_NS, POST, TOKENS
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench worker-teams",
         description=__doc__,
-        formatter_class=BenchHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--experts", type=int, nargs="+", default=[1, 2, 4],
                         help="experts a job (one token)")  # fmt: skip

@@ -29,6 +29,7 @@ from freetoken_agent.cli_engine import add_engine_args, load_engine, model_path,
 from freetoken_agent.cli_reply import as_text, chat_ids, chat_turn, failed, report, stream_reply
 from freetoken_agent.engine.outputs import ContextLengthError
 from freetoken_agent.engine.sampling_params import SamplingParams, SamplingParamsError
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 
 def _port(text: str) -> int:
@@ -48,10 +49,10 @@ def _origin(text: str) -> str:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling's mass")
+    p.add_argument("--top-k", type=int, default=0, help="the k likeliest tokens only (0: all)")
     p.add_argument(
         "--seed",
         type=int,
@@ -319,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the tiny random demo model (built once, cached)")
-    demo.add_argument("--prompt", default="Write a haiku about GPUs.")
+    demo.add_argument("--prompt", default="Write a haiku about GPUs.", help="the user message")
     add_engine_args(demo, model=False)
     _add_sampling_args(demo, max_tokens=48)
     demo.set_defaults(func=cmd_demo)
@@ -343,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="OpenAI-compatible API, WebSocket session stream and a web page"
     )
     srv.add_argument("--host", default="127.0.0.1", help="bind address (others need --api-key)")
-    srv.add_argument("--port", type=_port, default=8000)
+    srv.add_argument("--port", type=_port, default=8000, help="port to listen on")
     srv.add_argument(
         "--api-key",
         default=os.environ.get("FREETOKEN_API_KEY") or None,
@@ -369,7 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="another name a request's `model` may use for the served model (a client that "
         "cannot be told this one: Claude Code's claude-... names); repeat for several",
     )
-    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the server's (uvicorn's) log level",
+    )
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -401,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="NAME [options]")
     bench.set_defaults(func=cmd_bench)
+    for command in sub.choices.values():  # every option's help states its default
+        command.formatter_class = DefaultsHelpFormatter
     return parser
 
 

@@ -61,12 +61,23 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--model", default="demo", help="HF model folder, or 'demo' (default)")
     p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: model's)")
-    p.add_argument("--policy", default="adaptive", choices=POLICIES)
     p.add_argument(
-        "--gpu-budget-gb", type=positive(float), default=None, help="GPU memory budget (GB)"
+        "--policy",
+        default="adaptive",
+        choices=POLICIES,
+        help="where offloaded experts' misses run: adaptive splits them between GPU fills and "
+        "the CPU by measured bandwidth; transfer fetches all, cpu runs all on the CPU, static "
+        "fixes the GPU's experts at load, resident keeps every expert on the GPU",
+    )
+    p.add_argument(
+        "--gpu-budget-gb",
+        type=positive(float),
+        default=None,
+        help="GPU memory budget (GB, 10^9 bytes; default: free memory less the reserve)",
     )
     p.add_argument("--memory-reserve-gb", type=positive(float, zero=True), default=None,
-                   help="GPU memory kept free for other programs (GB, default 1 GiB); the "
+                   help="GPU memory kept free for other programs (GB, 10^9 bytes; default: "
+                   "1 GiB, i.e. 1.07); the "
                    "elastic budget shrinks when they take more and grows back after")  # fmt: skip
     p.add_argument(
         "--fixed-memory",

@@ -395,3 +395,23 @@ def test_chat_on_a_hybrid_model_reuses_the_history_each_turn(env, tmp_path, rng_
     (p1, r1), (p2, r2), (p3, r3) = totals
     assert r1 == 0 and r2 > 0 and r3 > r2, totals
     assert p3 - p2 < r3 - r2, totals  # the third turn prefilled less than it reused
+
+
+def test_every_command_option_states_its_default():
+    """`freetoken CMD --help` states each option's default (the sampling defaults, 0.7 and
+    0.95, differ from SamplingParams' 1.0 and 1.0 and were nowhere to be read)."""
+    import argparse
+
+    from freetoken_agent import cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+                continue
+            assert action.help, (name, action.option_strings)
+            shown = " ".join(map(str, action.default)) if isinstance(action.default, list) else (
+                str(action.default))  # fmt: skip
+            assert f"default: {shown or 'none'})" in text or "default" in action.help.lower(), (
+                name, action.option_strings)  # fmt: skip

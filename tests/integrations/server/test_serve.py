@@ -184,3 +184,14 @@ def test_serve_says_when_the_model_has_no_chat_template(has_template, monkeypatc
     assert cli.main(["serve", "--port", str(_free_port())]) == 0
     said = "no chat template" in capsys.readouterr().err
     assert said != has_template
+
+
+def test_serve_help_never_shows_the_api_key(monkeypatch, rng_seed):
+    """The key's default is read from FREETOKEN_API_KEY: the help that states every option's
+    default must not print it."""
+    secret = f"key-{random.Random(rng_seed).getrandbits(64):x}"
+    monkeypatch.setenv("FREETOKEN_API_KEY", secret)
+    parser = cli.build_parser()
+    assert parser.parse_args(["serve"]).api_key == secret
+    serve_parser = next(a for a in parser._actions if a.dest == "command").choices["serve"]
+    assert secret not in serve_parser.format_help()

@@ -1,5 +1,7 @@
-"""The help formatter of every benchmark's parser: `freetoken bench NAME --help` states each
-option's default, as the dispatcher's list promises, so a help text never writes it by hand.
+"""The help formatter of the command line's parsers (`freetoken CMD --help`, and every
+benchmark's, as `freetoken bench`'s list promises): each option's help states its default, so
+a help text never writes it by hand (one that already says "(default ...)" is left as it is:
+`serve --api-key`'s default is a secret read from the environment).
 
 Descriptions stay as written (the module docstrings are wrapped by hand and hold usage blocks).
 A default of None or False means "not given" and is left out: such an option's help says what
@@ -12,7 +14,7 @@ import argparse
 import textwrap
 
 
-class BenchHelpFormatter(argparse.RawDescriptionHelpFormatter):
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _split_lines(self, text: str, width: int) -> list[str]:
         # argparse wraps at hyphens too, which splits option names (--no-overlap), policy
         # names (gpu-fill) and default paths across lines.
@@ -25,6 +27,7 @@ class BenchHelpFormatter(argparse.RawDescriptionHelpFormatter):
         default = action.default
         if (
             "%(default)" in text
+            or "(default" in text.lower()  # said by hand: `serve --api-key`'s, an env secret
             or not action.option_strings
             or default is None
             or default is False
