@@ -120,7 +120,12 @@ def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict] | N
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping):
-            raise InvalidRequestError(f"tool {i} must be a dict, got {type(tool).__name__}")
+            raise InvalidRequestError(
+                f"tool {i} must be a dict (an OpenAI function tool), got {type(tool).__name__}"
+                + ("; a LangChain tool converts with langchain_core.utils.function_calling."
+                   "convert_to_openai_tool (ChatFreeToken.bind_tools takes it as it is)"
+                   if hasattr(tool, "args_schema") else "")
+            )  # fmt: skip
         if "type" not in tool and "name" in tool:
             tool = {"type": "function", "function": dict(tool)}
         fn = tool.get("function")
