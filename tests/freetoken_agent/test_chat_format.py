@@ -393,3 +393,21 @@ def test_stable_contexts_are_the_prefixes_of_the_full_text(
         for _ in range(4):
             ChatFormat(tok, chat_template=source).render(rand_history(rng), tools=TOOLS)
     assert seen["stable"] and seen["unstable"], seen
+
+
+def test_a_langchain_tool_given_as_a_tool_says_how_to_convert_it() -> None:
+    """Session(engine, tools=[a LangChain tool]), as the README's LangChain lines suggest: the
+    refusal names the conversion (it said only "must be a dict")."""
+    from langchain_core.tools import tool
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    from freetoken_agent import InvalidRequestError
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    with pytest.raises(InvalidRequestError, match="convert_to_openai_tool"):
+        normalize_tools([add])
+    assert normalize_tools([convert_to_openai_tool(add)])[0]["function"]["name"] == "add"
