@@ -27,6 +27,7 @@ from pathlib import Path
 
 from freetoken_agent import Engine
 from freetoken_agent.demo_model import DEMO_NOTICE, ensure_demo_model
+from freetoken_agent.integrations.mcp_config import MCPConfigError
 from freetoken_agent.integrations.mcp_host import MCPHost, RunResult
 from freetoken_agent.messages import AssistantMessage, Message, ToolResult
 
@@ -40,10 +41,12 @@ SYSTEM = "You are a coding assistant. Use the file tools to inspect the project 
 
 def load_servers(path: Path) -> dict:
     config = json.loads(path.read_text())
-    for entry in config["mcpServers"].values():
-        if entry.get("command") == "python":
+    servers = config.get("mcpServers") if isinstance(config, dict) else None
+    for entry in servers.values() if isinstance(servers, dict) else ():  # (else the host says)
+        if isinstance(entry, dict) and entry.get("command") == "python":
             entry["command"] = sys.executable
-        entry.setdefault("cwd", str(HERE.parent))
+        if isinstance(entry, dict):
+            entry.setdefault("cwd", str(HERE.parent))
     return config
 
 
@@ -82,6 +85,8 @@ async def run(args: argparse.Namespace) -> RunResult:
         async with host:
             for name, why in host.failures.items():
                 print(f"server {name} did not start: {why}", file=sys.stderr)
+            if not any(t["function"]["name"] == "list_files" for t in host.tools):
+                raise SystemExit(f"no server of {args.config} offers list_files: nothing to do")
             print("tools:", ", ".join(t["function"]["name"] for t in host.tools))
             choice = {"type": "function", "function": {"name": "list_files"}}
             choice["function"]["arguments"] = {"path": "."}
@@ -94,6 +99,7 @@ async def run(args: argparse.Namespace) -> RunResult:
 
 
 def main(argv: list[str] | None = None) -> RunResult:
+    """Runs the example; a config the host refuses ends it with its reason (exit status 1)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder (default: the demo model)")
     parser.add_argument("--config", default=str(HERE / "mcp_servers.json"))
@@ -103,7 +109,10 @@ def main(argv: list[str] | None = None) -> RunResult:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--context", type=int, default=4096, help="max_model_len")
-    return asyncio.run(run(parser.parse_args(argv)))
+    try:
+        return asyncio.run(run(parser.parse_args(argv)))
+    except MCPConfigError as e:
+        raise SystemExit(f"{parser.prog}: {e}") from None
 
 
 if __name__ == "__main__":

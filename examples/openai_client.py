@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from openai import OpenAI
+from openai import APIConnectionError, OpenAI
 
 WEATHER_TOOL = {
     "type": "function",
@@ -112,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     client = OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0)
-    model = args.model or client.models.list().data[0].id
+    try:
+        model = args.model or client.models.list().data[0].id
+    except APIConnectionError:
+        print(f"no server answers at {args.base_url}: start one with `freetoken serve` (or "
+              "give its address with --base-url)", file=sys.stderr)  # fmt: skip
+        return 1
     print(f"model: {model}")
 
     question = [{"role": "user", "content": "Say hello in five words."}]

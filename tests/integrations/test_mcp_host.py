@@ -706,6 +706,29 @@ def test_coding_assistant_example_runs(monkeypatch, capsys):
     assert "[tool call] list_files" in out and "model turn(s), stopped:" in out
 
 
+@pytest.mark.parametrize(
+    "config, said",
+    [
+        ({"servers": {}}, "mcpServers"),
+        ({"mcpServers": {"ghost": {"command": "/nonexistent/freetoken-mcp"}}}, "list_files"),
+    ],
+)
+def test_coding_assistant_example_says_why_it_cannot_run(config, said, tmp_path, monkeypatch):
+    """A config the host refuses, or one whose server does not start: the example exits with
+    one line saying so (it ended in a KeyError or ValueError traceback)."""
+    sys.path.insert(0, str(REPO / "examples"))
+    monkeypatch.setenv("MCP_FILE_ROOT", "")
+    try:
+        import mcp_coding_assistant as example
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    path = tmp_path / "servers.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as done:
+        example.main(["--config", str(path), "--device", "cpu", "--context", "1024"])
+    assert said in str(done.value.code)
+
+
 def test_a_forced_call_cut_by_max_tokens_ends_the_run_as_an_error(engine, tmp_path, rng_seed):
     """A forced call's JSON cut short is no answer: the run ends with stop_reason "error" and
     says max_tokens cut it (it was reported as the model's answer, its half-written JSON as

@@ -108,6 +108,17 @@ def test_the_example_script_runs_against_the_server(live_server, capsys):
     assert "tool call call_" in out and "get_weather(" in out and "[usage:" in out
 
 
+def test_the_example_script_says_when_no_server_answers(capsys):
+    """Run before `freetoken serve`: one line saying so (it was a 40-line traceback)."""
+    spec = importlib.util.spec_from_file_location("openai_client_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    base = f"http://127.0.0.1:{_free_port()}/v1"
+    assert example.main(["--base-url", base]) == 1
+    err = capsys.readouterr().err
+    assert f"no server answers at {base}" in err and "freetoken serve" in err
+
+
 def test_a_real_client_that_disconnects_aborts_its_request(live_server, engine):
     base, key, server = live_server
     service = server.config.app.state.server.service
