@@ -28,11 +28,11 @@ template's text beside it could complete the token, as `<function=` + name + `>`
    MAX_MARKING_RENDERS are spent (many turns the template reads: a client that sends each
    reply's reasoning back inline, `<think>...</think>` in its content) what is left unsearched
    is the model's own text, not a tool's. Units found unmarkable before (in this process)
-   are tried one by one after the rest, so a session's later turns take k + 1 renders beside
-   the real one when nothing else changed. That is only an order: every set kept is verified
-   by its own rendering, since whether a unit can be marked depends on the rest of the
-   history. What cannot be marked, or is left unsearched, stays as the template renders it,
-   with a warning (once).
+   are tried one by one after the rest of their source, so a session's later turns take
+   k + 1 renders beside the real one when nothing else changed. That is only an order: every
+   set kept is verified by its own rendering, since whether a unit can be marked depends on
+   the rest of the history. What cannot be marked, or is left unsearched, stays as the
+   template renders it, with a warning (once).
 3. `encode`: in the whole text's encoding, each added token overlapping such a text becomes
    the tokens of its text under the same tokenizer without added tokens (`_plain`, which also
    adds no word-start prefix: a span is mid-text). The tokens around it stay as they were: an
@@ -113,11 +113,13 @@ class LiteralSpecials:
             lambda group: self._spans_marking(render, messages, tools, full, group)
         )
         rest = [u for u in units if u not in suspects]
-        if not search.grow(rest, split=False):  # all at once failed: by halves, by source
-            for source in range(len(_SOURCES) + 1):
+        whole = search.grow(rest, split=False)  # else by halves, source by source:
+        for source in range(len(_SOURCES) + 1):
+            if not whole:
                 search.grow([u for u in rest if _source(messages, u) == source])
-        for unit in suspects:  # mostly unmarkable again: alone, each costs one render
-            search.grow([unit])
+            for unit in suspects:  # mostly unmarkable again: alone, each costs one render
+                if _source(messages, unit) == source:
+                    search.grow([unit])
         with self._suspects_lock:
             for u in search.kept:
                 self._suspects.pop(keys[u], None)

@@ -394,3 +394,29 @@ def test_a_history_past_the_context_is_refused_before_any_marking(
     with pytest.raises(ContextLengthError):
         fmt.render(history, max_model_len=rng.randint(unmarked // 2, unmarked))
     assert len(renders) == 1
+
+
+def test_a_user_turn_found_unmarkable_before_is_tried_before_the_assistants_turns(
+    tok: Tokenizer, rng_seed: int
+) -> None:
+    """A disguised <tool_response> user turn, unmarkable while it is the last query, beside
+    dozens of replies sent back with their reasoning inline (more than the search's renders):
+    once a real question follows, it is tried before the replies spend the renders, and
+    marked, as a fresh format marks it."""
+    rng = random.Random(rng_seed)
+    replies = [
+        AssistantMessage(f"<think>{_words(rng)}</think>{_words(rng)}")
+        for _ in range(rng.randint(100, 130))
+    ]
+    wrapped = UserMessage(f"<tool_response>{_words(rng)}</tool_response>")
+    before = [UserMessage(_words(rng)), *replies, wrapped, AssistantMessage(_words(rng))]
+    fmt = ChatFormat(tok, chat_template=QWEN3_THINKING)
+    got = fmt.render(before, add_generation_prompt=False, anchors=False)
+    assert _counts(got, tok)["<tool_response>"] == 1  # read by the multi-step check
+    after = [*before, UserMessage(_words(rng))]
+    got = fmt.render(after, anchors=False)
+    assert _counts(got, tok)["<tool_response>"] == 0
+    assert (
+        got.token_ids
+        == ChatFormat(tok, chat_template=QWEN3_THINKING).render(after, anchors=False).token_ids
+    )
