@@ -11,8 +11,6 @@ import pytest
 import torch
 from starlette.websockets import WebSocketDisconnect
 
-from freetoken_agent import SamplingParams
-
 URL = "/v1/sessions/{}/ws"
 
 
@@ -345,29 +343,25 @@ def test_usage_counts_the_reasoning_tokens(client, rng_seed):
             assert usage["reasoning_tokens"] == expected, (thinking, tokens, usage)
 
 
-def test_stop_token_ids_and_the_stop_string_flag_reach_the_turn(client, engine, rng_seed):
+def test_stop_token_ids_and_the_stop_string_flag_reach_the_turn(client, rng_seed):
     """The chat route's stop_token_ids and include_stop_str_in_output work on the socket too
     (they were refused as unknown sampling options)."""
     rng = random.Random(rng_seed)
-    content = _text(rng)
-    messages = [{"role": "user", "content": content}]
-    prompt = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
-    greedy = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0)).token_ids
-    cut = rng.randrange(1, len(greedy))
-    sampling = {"max_tokens": 12, "temperature": 0, "stop_token_ids": [greedy[cut]]}
-    with client.websocket_connect(URL.format(f"stop-{rng_seed}")) as ws:
-        _join(ws)
-        ws.send_json({"type": "send", "messages": messages, "sampling": sampling})
-        events = _until_done(ws)
-    assert not [e for e in events if e["type"] == "error"], events
+    messages = [{"role": "user", "content": _text(rng)}]
+    greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+    def turn(sid: str, sampling: dict) -> list[dict]:
+        with client.websocket_connect(URL.format(sid)) as ws:
+            _join(ws)
+            ws.send_json({"type": "send", "messages": messages, "sampling": sampling})
+            events = _until_done(ws)
+        assert not [e for e in events if e["type"] == "error"], events
+        return events
+
+    turn(f"free-{rng_seed}", greedy)
+    out = client.app.state.server.hub.lookup(f"free-{rng_seed}").session.last_output_ids
+    stop = out[rng.randrange(1, len(out))]
+    events = turn(f"stop-{rng_seed}", {**greedy, "stop_token_ids": [stop]})
     usage = next(e for e in events if e["type"] == "usage")
-    route = client.post("/v1/chat/completions", json={"messages": messages, **sampling}).json()
-    assert route["choices"][0]["finish_reason"] == "stop"
-    # Stopped where the id first comes (it is not counted, as the chat route counts it).
-    assert usage["completion_tokens"] == route["usage"]["completion_tokens"]
-    assert usage["completion_tokens"] == greedy.index(greedy[cut])
-    sampling = {"max_tokens": 4, "temperature": 0, "include_stop_str_in_output": True}
-    with client.websocket_connect(URL.format(f"flag-{rng_seed}")) as ws:
-        _join(ws)
-        ws.send_json({"type": "send", "messages": messages, "sampling": sampling})
-        assert not [e for e in _until_done(ws) if e["type"] == "error"]
+    assert usage["completion_tokens"] == out.index(stop) + 1  # stopped at its first coming
+    turn(f"flag-{rng_seed}", {**greedy, "include_stop_str_in_output": True})
