@@ -15,11 +15,14 @@ prompt    vLLM's `prompt_logprobs`: [None, {"<token id>": {"logprob", "rank",
           "decoded_token"}, ...}, ...], one per prompt token, each holding the prompt token
           and the k most likely at its position (`PromptLogprobs`)
 
-A token's string is that token decoded alone by the model's tokenizer, special tokens kept
-(an EOS shows as "<|im_end|>"); `bytes` are that string's UTF-8 bytes. As in vLLM, a token
-holding part of a multi-byte character decodes alone to U+FFFD, so its string and bytes are
-those of U+FFFD, not the raw byte. Without a tokenizer a token's string is "token_id:N"
-(vLLM's spelling of the same).
+A token's `bytes` are the bytes it stands for (engine/text/token_bytes.py: the vocabulary
+piece read through the tokenizer's decoder, special tokens as their text, an EOS as
+"<|im_end|>"), as OpenAI gives them: a client joins the bytes of a character split across
+tokens. Its string is those bytes decoded, so a token holding part of a multi-byte character
+reads U+FFFD (as in vLLM) while its bytes are the real ones (vLLM sends U+FFFD's), and a
+SentencePiece token keeps its word-start space (decoded alone, the decoder strips it), so the
+strings of a reply's tokens join to its text. Without a tokenizer a token's string is
+"token_id:N" (vLLM's spelling of the same) and its bytes that string's.
 
 Lining up: one entry per token the engine accepted, in order, whatever text it made: a token
 whose text was held back (a partial character, a possible stop string's start) has its entry
@@ -38,29 +41,40 @@ from typing import Any
 
 from freetoken_agent.engine.outputs import TokenLogprob
 from freetoken_agent.engine.sampling_params import MAX_LOGPROBS, SamplingParamsError
+from freetoken_agent.engine.text.token_bytes import TokenBytes
 
 
 class TokenStrings:
-    """token id -> its string (see the module docstring), cached: the same ids come back."""
+    """token id -> its string and its bytes (see the module docstring), cached: the same ids
+    come back."""
 
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend", None)
+        self._bytes = TokenBytes(backend) if backend is not None else None
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            if self.tokenizer is None:
+            if self._bytes is not None:
+                text = self._bytes(token_id).decode("utf-8", "replace")
+            elif self.tokenizer is None:
                 text = f"token_id:{token_id}"
             else:
                 text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._cache[token_id] = text
         return text
 
+    def bytes_of(self, token_id: int) -> bytes:
+        if self._bytes is not None:
+            return self._bytes(token_id)
+        return self(token_id).encode("utf-8")
+
 
 def _chat_item(strings: TokenStrings, token_id: int, logprob: float) -> dict[str, Any]:
-    token = strings(token_id)
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return {"token": strings(token_id), "logprob": logprob,
+            "bytes": list(strings.bytes_of(token_id))}  # fmt: skip
 
 
 def chat_entry(entry: TokenLogprob, strings: TokenStrings) -> dict[str, Any]:

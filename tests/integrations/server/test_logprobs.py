@@ -49,13 +49,13 @@ def _clean(tokenizer, ids: list[int], strings: list[str]) -> bool:
 
 def _check_chat_entry(entry: dict, k: int, seed: int) -> None:
     assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}, seed
-    assert entry["bytes"] == list(entry["token"].encode("utf-8")), seed
+    assert bytes(entry["bytes"]).decode("utf-8", "replace") == entry["token"], seed
     assert len(entry["top_logprobs"]) == k, (seed, k)
     values = [t["logprob"] for t in entry["top_logprobs"]]
     assert values == sorted(values, reverse=True), seed
     for top in entry["top_logprobs"]:
         assert set(top) == {"token", "logprob", "bytes"}, seed
-        assert top["bytes"] == list(top["token"].encode("utf-8")), seed
+        assert bytes(top["bytes"]).decode("utf-8", "replace") == top["token"], seed
 
 
 def test_chat_logprobs_are_the_engine_s_whole_and_streamed(client, model_dir, read_sse, rng_seed):
@@ -297,3 +297,27 @@ def test_bad_values_are_400_naming_the_param(client, api_error, url, fields, par
     assert param in error["message"], error
     asked = {"logprobs": 2} if url == TEXT else {"logprobs": True, "top_logprobs": 2}
     assert client.post(url, json={**base, "max_tokens": 2, **asked}).status_code == 200
+
+
+@pytest.mark.parametrize("route", [CHAT, "/v1/responses"])
+def test_the_bytes_of_a_replys_tokens_join_to_its_text(scripted_client, route, rng_seed):
+    """Characters split across tokens (CJK, emoji with a skin tone): each entry's `bytes` are
+    its token's own (OpenAI's, for joining them), not U+FFFD's, so they join to the reply's
+    UTF-8; the token strings read U+FFFD where a character is split."""
+    rng = random.Random(rng_seed)
+    fake, client = scripted_client
+    reply = " ".join([rng.choice(["中文", "👍🏽"])] + [rng.choice(["中文", "👍🏽", "Ωμέγα",
+                     "naïve", _words(rng, 1)]) for _ in range(rng.randint(1, 5))])  # fmt: skip
+    fake.replies = [(reply, "stop")]
+    messages = [{"role": "user", "content": _words(rng, 3)}]
+    if route == CHAT:
+        body = {"messages": messages, "logprobs": True, "top_logprobs": rng.randint(0, 2)}
+        choice = client.post(route, json=body).json()["choices"][0]
+        text, entries = choice["message"]["content"], choice["logprobs"]["content"]
+    else:
+        body = {"input": messages, "include": ["message.output_text.logprobs"]}
+        part = client.post(route, json=body).json()["output"][-1]["content"][0]
+        text, entries = part["text"], part["logprobs"]
+    assert text == reply
+    assert b"".join(bytes(e["bytes"]) for e in entries) == reply.encode("utf-8")
+    assert any(e["token"] == "\ufffd" for e in entries)  # a split character: U+FFFD alone
