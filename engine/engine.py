@@ -190,7 +190,7 @@ class Engine:
         Driven by hand (step, then take_events), the request stays in the engine's tables
         once finished until `release(request_id)`."""
         self._open()
-        sampling = sampling or SamplingParams()
+        sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(not_sampling_params(sampling))
         if sampling.stop and self.tokenizer is None:  # they are matched in the decoded text

@@ -214,7 +214,10 @@ class EngineConfig:
         return pins_fraction(self.popular_pins)
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # counts and byte sizes: integers (a "8GB" failed deep in load)
+        # Counts and byte sizes must be integers (a "8GB" budget failed deep in the load). The
+        # fields are found by their annotations as written here, "int" or "int | None" (this
+        # module's future annotations are strings): a field written otherwise is not checked.
+        for f in fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", "int | None") and not (
                 (value is None and f.type != "int")

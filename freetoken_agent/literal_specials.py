@@ -23,16 +23,17 @@ template's text beside it could complete the token, as `<function=` + name + `>`
    history otherwise: then the largest set of units (messages, and the tools) that still
    renders the same is searched for by halves (`_MarkingSearch`): a group whose marking keeps
    the rendering is kept whole, one that does not is split, so k units the template reads
-   among n cost at most 2k log2(n) renders, not n. The text from outside (tool results and
-   tool definitions, then the user's) is searched before the assistant's own turns, so when
-   MAX_MARKING_RENDERS are spent (many turns the template reads: a client that sends each
-   reply's reasoning back inline, `<think>...</think>` in its content) what is left unsearched
-   is the model's own text, not a tool's. Units found unmarkable before (in this process)
-   are tried one by one after the rest of their source, so a session's later turns take
-   k + 1 renders beside the real one when nothing else changed. That is only an order: every
-   set kept is verified by its own rendering, since whether a unit can be marked depends on
-   the rest of the history. What cannot be marked, or is left unsearched, stays as the
-   template renders it, with a warning (once).
+   among n cost about 2k log2(n/k) renders (at most 2n), not n. The text from outside (tool
+   results and tool definitions, then the user's, then the system's) is searched before the
+   assistant's own turns, with renders enough for all of it (two a unit); the assistant's
+   turns get MAX_MARKING_RENDERS more, and past them (many turns the template reads: a
+   client that sends each reply's reasoning back inline, `<think>...</think>` in its
+   content) what is left unsearched is the model's own text, not a tool's. Units found
+   unmarkable before (in this process, whichever client sent them) are tried alone first
+   within their source, so a session's later turns take about k + 1 renders beside the real
+   one. That is only an order: every set kept is verified by its own rendering, since
+   whether a unit can be marked depends on the rest of the history. What cannot be marked,
+   or is left unsearched, stays as the template renders it, with a warning (once).
 3. `encode`: in the whole text's encoding, each added token overlapping such a text becomes
    the tokens of its text under the same tokenizer without added tokens (`_plain`, which also
    adds no word-start prefix: a span is mid-text). The tokens around it stay as they were: an
@@ -61,9 +62,9 @@ _OPEN, _CLOSE = "\ue000", "\ue001"
 _SENTINEL = re.compile(f"{_OPEN}(\\d{{1,7}}){_CLOSE}")
 _SENTINEL_CHARS = re.compile(f"[{_OPEN}{_CLOSE}]")
 _TOOLS = -1  # the tool definitions' unit, beside the messages' indexes
-# Renders spent searching for the units that can be marked when marking all of them renders
-# otherwise (each is one rendering of the whole history). Two per unit the template reads,
-# for each halving: dozens of such units among hundreds, before the rest stay unmarked.
+# Renders spent on the assistant's own turns when marking all units renders otherwise (each
+# is one rendering of the whole history; text from outside gets two a unit besides, enough
+# to search all of it): dozens of turns the template reads, before the rest stay unmarked.
 MAX_MARKING_RENDERS = 64
 _SUSPECTS_KEPT = 4096  # units found unmarkable, remembered (their digests) to be tried last
 # Render = (template messages, tools) -> the text; may raise on what the marking changed.
@@ -109,17 +110,19 @@ class LiteralSpecials:
         keys = {u: _digest(tools if u == _TOOLS else messages[u]) for u in units}
         with self._suspects_lock:
             suspects = [u for u in units if keys[u] in self._suspects]
+        outside = sum(_source(messages, u) < _SOURCES["assistant"] for u in units)
         search = _MarkingSearch(
-            lambda group: self._spans_marking(render, messages, tools, full, group)
+            lambda group: self._spans_marking(render, messages, tools, full, group),
+            renders=MAX_MARKING_RENDERS + 2 * outside,  # enough for every outside unit
         )
         rest = [u for u in units if u not in suspects]
-        whole = search.grow(rest, split=False)  # else by halves, source by source:
+        whole = search.grow(rest, split=False)  # else source by source:
         for source in range(len(_SOURCES) + 1):
-            if not whole:
-                search.grow([u for u in rest if _source(messages, u) == source])
-            for unit in suspects:  # mostly unmarkable again: alone, each costs one render
+            for unit in suspects:  # alone first (each one render): mostly unmarkable again
                 if _source(messages, unit) == source:
                     search.grow([unit])
+            if not whole:  # then the rest by halves
+                search.grow([u for u in rest if _source(messages, u) == source])
         with self._suspects_lock:
             for u in search.kept:
                 self._suspects.pop(keys[u], None)
@@ -243,21 +246,29 @@ class _MarkingSearch:
     Each unit kept was verified together with all kept before it, so the last spans found are
     those of the whole kept set."""
 
-    def __init__(self, attempt: Callable[[set[int]], list[tuple[int, int]] | None]) -> None:
+    def __init__(
+        self, attempt: Callable[[set[int]], list[tuple[int, int]] | None], renders: int
+    ) -> None:
         self._attempt = attempt
         self.kept: set[int] = set()
         self.refused: list[int] = []  # tried alone (beside the kept) and rendered otherwise
         self.spans: list[tuple[int, int]] = []
-        self.renders_left = MAX_MARKING_RENDERS + 1  # + the first try of every unit at once
+        self.renders_left = renders + 1  # + the first try of every unit at once
+        self._failed: frozenset[int] = frozenset()  # the last set tried that rendered otherwise
 
     def grow(self, group: list[int], split: bool = True) -> bool:
         """Keeps what of `group` can be marked; whether all of it was (on its first try).
-        `split=False`: only that try."""
-        if not group or self.renders_left == 0:  # (when spent: left unmarked)
-            return not group
-        self.renders_left -= 1
-        found = self._attempt(self.kept | set(group))
-        if found is not None:
+        `split=False`: only that try. A set that just failed is split without a render."""
+        tried = frozenset(self.kept | set(group))
+        if not group or (self.renders_left == 0 and tried != self._failed):
+            return not group  # (renders spent: left unmarked)
+        found = None
+        if tried != self._failed:
+            self.renders_left -= 1
+            found = self._attempt(set(tried))
+        if found is None:
+            self._failed = tried
+        else:
             self.kept.update(group)
             self.spans = found
             return True

@@ -41,7 +41,6 @@ from typing import Any
 
 from freetoken_agent.engine.outputs import TokenLogprob
 from freetoken_agent.engine.sampling_params import MAX_LOGPROBS, SamplingParamsError
-from freetoken_agent.engine.text.token_bytes import TokenBytes
 
 
 class TokenStrings:
@@ -50,15 +49,19 @@ class TokenStrings:
 
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend", None)
-        self._bytes = TokenBytes(backend) if backend is not None else None
         self._cache: dict[int, str] = {}
+
+    def _table(self) -> Any | None:
+        # The engine's Tokenizer builds its TokenBytes once, when a token is first asked for
+        # (every request makes a TokenStrings; few ask for logprobs).
+        return getattr(self.tokenizer, "token_bytes", None)
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            if self._bytes is not None:
-                text = self._bytes(token_id).decode("utf-8", "replace")
+            table = self._table()
+            if table is not None:
+                text = table(token_id).decode("utf-8", "replace")
             elif self.tokenizer is None:
                 text = f"token_id:{token_id}"
             else:
@@ -67,14 +70,13 @@ class TokenStrings:
         return text
 
     def bytes_of(self, token_id: int) -> bytes:
-        if self._bytes is not None:
-            return self._bytes(token_id)
-        return self(token_id).encode("utf-8")
+        table = self._table()
+        return table(token_id) if table is not None else self(token_id).encode("utf-8")
 
 
 def _chat_item(strings: TokenStrings, token_id: int, logprob: float) -> dict[str, Any]:
-    return {"token": strings(token_id), "logprob": logprob,
-            "bytes": list(strings.bytes_of(token_id))}  # fmt: skip
+    token, data = strings(token_id), list(strings.bytes_of(token_id))
+    return {"token": token, "logprob": logprob, "bytes": data}
 
 
 def chat_entry(entry: TokenLogprob, strings: TokenStrings) -> dict[str, Any]:

@@ -6,7 +6,8 @@ text's first token (`Strip(" ", 1, 0)`), so " the" decodes alone as "the". OpenA
 give each token's real UTF-8 bytes so that a client can join characters split across tokens
 (and the token strings then join to the text). This maps a token id to those bytes:
 
-- added tokens (special or not): their content, as the text shows them;
+- added tokens (special or not): their content, through the decoder's steps below as the
+  tokenizer's own decode takes them (a SentencePiece "▁<EOT>" reads " <EOT>");
 - a ByteLevel decoder (GPT-2, Qwen, Llama 3): the vocabulary piece through the inverse of
   GPT-2's bytes-to-unicode table;
 - SentencePiece decoders (a Sequence of Replace, ByteFallback, Fuse, Strip; or Metaspace):
@@ -44,8 +45,8 @@ class TokenBytes:
         self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
         self._cache: dict[int, bytes] = {}
         decoder = json.loads(backend.to_str()).get("decoder") or {}
-        steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [
-            decoder]  # fmt: skip
+        is_sequence = decoder.get("type") == "Sequence"
+        steps = decoder.get("decoders", []) if is_sequence else [decoder]
         kinds = {step.get("type") for step in steps}
         self._byte_level = _unicode_to_byte() if "ByteLevel" in kinds else None
         self._replaces: list[tuple[str, str]] = []
@@ -63,17 +64,20 @@ class TokenBytes:
         return found
 
     def _bytes(self, token_id: int) -> bytes:
-        if token_id in self._added:
-            return self._added[token_id].encode("utf-8")
-        piece = self._backend.id_to_token(token_id)
+        added = self._added.get(token_id)
+        piece = added if added is not None else self._backend.id_to_token(token_id)
         if piece is not None and self._byte_level is not None:
             if all(c in self._byte_level for c in piece):
                 return bytes(self._byte_level[c] for c in piece)
+            if added is not None:  # characters outside the byte table: as written
+                return added.encode("utf-8")
         elif piece is not None and self._pieces:
-            byte = _BYTE_PIECE.fullmatch(piece)
+            byte = _BYTE_PIECE.fullmatch(piece) if added is None else None
             if byte is not None:
                 return bytes([int(byte.group(1), 16)])
             for pattern, content in self._replaces:
                 piece = piece.replace(pattern, content)
             return piece.encode("utf-8", "replace")
+        elif added is not None:
+            return added.encode("utf-8")
         return self._backend.decode([token_id], skip_special_tokens=False).encode("utf-8")

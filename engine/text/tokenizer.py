@@ -26,6 +26,7 @@ from typing import Any
 import tokenizers
 
 from freetoken_agent.engine.text.chat_template import ChatTemplate
+from freetoken_agent.engine.text.token_bytes import TokenBytes
 
 # Named special tokens that chat templates receive as variables, as in transformers 5.
 NAMED_SPECIAL_TOKENS = (
@@ -148,6 +149,15 @@ class Tokenizer:
         # token ids or raw prompts; the error comes when a chat is actually rendered.
         self.chat_template_sources: dict[str, str] = dict(chat_templates or {})
         self._compiled: dict[str, ChatTemplate] = {}
+        self._token_bytes: TokenBytes | None = None
+
+    @property
+    def token_bytes(self) -> TokenBytes:
+        """token id -> the bytes it stands for (token_bytes.py), built once: it reads the
+        whole tokenizer spec (~1 s for a 150k vocabulary), so never per request."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.backend)  # (two threads may both build it)
+        return self._token_bytes
 
     # ----------------------------------------------------------------- loading
 

@@ -8,6 +8,7 @@ import unicodedata
 
 import pytest
 from mistral_tokenizer import mistral_v3_backend
+from tokenizers import AddedToken
 
 from freetoken_agent.demo_model import ensure_demo_model
 from freetoken_agent.engine.text.token_bytes import TokenBytes
@@ -58,3 +59,19 @@ def test_sentencepiece_tokens_keep_their_word_start_space(rng_seed: int) -> None
         joined = b"".join(map(token_bytes, ids))
         assert joined == (" " + backend.decode(ids)).encode("utf-8"), text
         assert joined.decode("utf-8").lstrip(" ") == text.lstrip(" "), text
+
+
+def test_added_tokens_read_as_the_decoder_shows_them(rng_seed: int) -> None:
+    """tokenizers runs added tokens through the decoder too: a SentencePiece added token
+    holding "▁" shows a space in the text, and its bytes must (they kept U+2581)."""
+    rng = random.Random(rng_seed)
+    backend = mistral_v3_backend()
+    contents = ["\u2581<EOT>", "\u2581" * rng.randint(2, 5), f"<x{rng.randint(0, 99)}>"]
+    backend.add_special_tokens([AddedToken(contents[0], special=True, normalized=False)])
+    backend.add_tokens([AddedToken(c, special=False, normalized=False) for c in contents[1:]])
+    token_bytes = TokenBytes(backend)
+    for content in contents:
+        text = _text(rng).replace("\u2581", "").strip(" ") or "x"
+        ids = backend.encode(text + content + "y", add_special_tokens=False).ids
+        whole = backend.decode(ids, skip_special_tokens=False)
+        assert b"".join(map(token_bytes, ids)) == (" " + whole).encode("utf-8"), content

@@ -321,3 +321,19 @@ def test_the_bytes_of_a_replys_tokens_join_to_its_text(scripted_client, route, r
     assert text == reply
     assert b"".join(bytes(e["bytes"]) for e in entries) == reply.encode("utf-8")
     assert any(e["token"] == "\ufffd" for e in entries)  # a split character: U+FFFD alone
+
+
+def test_the_token_bytes_table_is_built_once_not_per_request(client, monkeypatch, rng_seed):
+    """It reads the whole tokenizer spec (~1 s for a 150k vocabulary, on the event loop):
+    built for the first request that asks for logprobs, then shared; never without them."""
+    from freetoken_agent.engine.text import tokenizer as tokenizer_module
+
+    built = []
+    real = tokenizer_module.TokenBytes
+    monkeypatch.setattr(tokenizer_module, "TokenBytes", lambda b: built.append(1) or real(b))
+    rng = random.Random(rng_seed)
+    for logprobs in (False, False, True, True, True):
+        body = {"messages": [{"role": "user", "content": _words(rng, 3)}], "max_tokens": 2,
+                "logprobs": logprobs}  # fmt: skip
+        assert client.post(CHAT, json=body).status_code == 200
+        assert len(built) == (0 if not logprobs else 1)
