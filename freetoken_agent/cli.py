@@ -17,17 +17,14 @@ that stdout carries only the generated text. Ctrl-C stops a reply: `generate` th
 from __future__ import annotations
 
 import argparse
-import io
 import os
-import re
 import sys
 from pathlib import Path
 
-from freetoken_agent.anchor_options import AnchorOptions
 from freetoken_agent.chat_format import ChatFormat
+from freetoken_agent.cli_chat import CHAT_COMMANDS, chat_loop
 from freetoken_agent.cli_engine import add_engine_args, load_engine, model_path, positive
-from freetoken_agent.cli_reply import as_text, chat_ids, chat_turn, failed, report, stream_reply
-from freetoken_agent.engine.outputs import ContextLengthError
+from freetoken_agent.cli_reply import as_text, chat_ids, failed, report, stream_reply
 from freetoken_agent.engine.sampling_params import SamplingParams, SamplingParamsError
 from freetoken_agent.help_format import DefaultsHelpFormatter
 
@@ -118,65 +115,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             "chat_template in tokenizer_config.json, no chat_template.jinja): add one, or "
             f"complete plain text with `freetoken generate --model {args.model} TEXT`"
         )
-    fmt = ChatFormat(engine.tokenizer)
-    anchors = AnchorOptions(engine, fmt.tokenizer)  # (a hybrid model's checkpoints)
-    # A typed line's bytes that are not UTF-8 reach as_text as lone surrogates, whatever the
-    # locale (a strict one raised UnicodeDecodeError in input(), ending the chat).
-    if isinstance(sys.stdin, io.TextIOWrapper):
-        sys.stdin.reconfigure(errors="surrogateescape")
-    system = as_text(args.system) if args.system else None
-    history: list[dict] = [{"role": "system", "content": system}] if system else []
-    print("[freetoken] chat: /help lists the commands, /exit or Ctrl-D leaves", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> ")
-        except EOFError:
-            print()
-            return 0
-        command = line.strip()
-        if command in ("/exit", "/quit", "/bye"):
-            return 0
-        if command == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        if command in ("/help", "/?"):
-            print(CHAT_COMMANDS, file=sys.stderr)
-            continue
-        if _COMMAND.fullmatch(command):  # a typo of a command: not sent to the model
-            print(f"freetoken: unknown command {command}; /help lists them", file=sys.stderr)
-            continue
-        if command.startswith("//"):  # a message that starts with "/"
-            line = line.replace("/", "", 1)
-        if not command:
-            continue
-        history.append({"role": "user", "content": as_text(line)})
-        print("model> ", end="", flush=True)
-        try:
-            prompt, options = chat_turn(fmt, history, anchors)
-            text, stats = stream_reply(engine, prompt, sampling, **options)
-        except ContextLengthError as e:
-            history.pop()  # the message that did not fit; the chat goes on
-            print(
-                f"\nfreetoken: the conversation no longer fits the context: {e}; /reset "
-                "clears the history",
-                file=sys.stderr,
-            )
-            continue
-        report(stats, engine)
-        if failed(stats):
-            history.pop()  # no reply to keep; the chat goes on
-            continue
-        # An interrupted reply stays, as far as it went: the history is what the user saw.
-        history.append({"role": "assistant", "content": text})
-
-
-# A line that is one "/word" (no space, no second slash: not a path) is a command.
-_COMMAND = re.compile(r"/[A-Za-z?]+")
-CHAT_COMMANDS = (
-    "commands: /reset clears the history (the system prompt stays), /exit (/quit, /bye or "
-    "Ctrl-D) leaves, /help (/?) shows this; Ctrl-C stops a reply. A message that starts "
-    "with a slash: type it twice (//etc is sent as /etc)."
-)
+    return chat_loop(engine, sampling, args.system)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
