@@ -18,7 +18,10 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _split_lines(self, text: str, width: int) -> list[str]:
         # argparse wraps at hyphens too, which splits option names (--no-overlap), policy
         # names (gpu-fill) and default paths across lines.
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+        # Nor within a word longer than the width (a default path under a long folder).
+        return textwrap.wrap(
+            " ".join(text.split()), width, break_on_hyphens=False, break_long_words=False
+        )
 
     def _get_help_string(self, action: argparse.Action) -> str:
         # The hook argparse.ArgumentDefaultsHelpFormatter overrides; it would print None, False

@@ -185,3 +185,18 @@ def test_profile_offload_threads_says_what_the_code_does(monkeypatch):
     entry = _entries(parser.format_help())["--threads"]
     assert "all physical cores" not in text
     assert "FREETOKEN_CPU_THREADS" in entry and "less one" in entry and "SMT" in entry, entry
+
+
+def test_a_default_longer_than_a_line_is_not_broken(rng_seed):
+    """A default path under a long folder (a CI clone's) was wrapped inside the word, so the
+    help no longer held it."""
+    import argparse
+    import random
+
+    from freetoken_agent.help_format import DefaultsHelpFormatter
+
+    rng = random.Random(rng_seed)
+    path = "/tmp/" + "".join(rng.choices("abcdefgh", k=rng.randint(90, 140))) + "/out.json"
+    parser = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--out", default=path, help="where the JSON goes")
+    assert path in " ".join(parser.format_help().split())

@@ -210,5 +210,7 @@ def test_numpy_numbers_are_taken_as_pythons(tmp_path, rng_seed):
     assert {type(k) for k in numpy_params.logit_bias} == {int}
     other = SamplingParams(max_tokens=6, temperature=0.8, ignore_eos=True)
     outs = engine.generate([prompt, prompt[::-1]], [numpy_params, other])
-    assert [o.finish_reason for o in outs] == ["length", "length"], [o.error for o in outs]
+    assert [o.error for o in outs] == [None, None]
+    # A draw of the stop id (5) ends it early (seed 3142375138 drew it).
+    assert outs[0].finish_reason in ("length", "stop") and outs[1].finish_reason == "length"
     assert outs[0].token_ids == engine.generate(prompt, params(seed)).token_ids
