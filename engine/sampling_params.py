@@ -349,7 +349,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         # Below GREEDY_TEMPERATURE logits / T overflow fp32 (vLLM's _SAMPLING_EPS is the same):
-        # such a row is all but greedy anyway.
+        # such a row is all but greedy anyway. top_k 1 is the argmax: an exact tie goes to the
+        # lowest id (vLLM draws among tied ids), which only exactly equal logits can show.
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 

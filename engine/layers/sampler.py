@@ -1,6 +1,8 @@
 """Turns the last-position logits of each sampling sequence into one token each.
 
-Greedy rows take the argmax. The others are scaled by temperature, cut by top-k then top-p, and
+Greedy rows (temperature ~0, or top_k 1) take the argmax, the lowest id on an exact tie (so
+top_k 1 does not share a tie as larger k do). The others are scaled by temperature, cut by
+top-k then top-p, and
 drawn with the exponential-race trick (argmax of p / Exp(1) noise, equivalent to a multinomial
 draw) so that a seeded request draws its noise from its own generator: its tokens do not depend
 on which other requests share the batch. Top-k keeps the ties at its k-th largest, top-p those
