@@ -2,11 +2,11 @@
 
 Greedy rows (temperature ~0, or top_k 1) take the argmax, the lowest id on an exact tie (so
 top_k 1 does not share a tie as larger k do). The others are scaled by temperature, cut by
-top-k then top-p, and
-drawn with the exponential-race trick (argmax of p / Exp(1) noise, equivalent to a multinomial
-draw) so that a seeded request draws its noise from its own generator: its tokens do not depend
-on which other requests share the batch. Top-k keeps the ties at its k-th largest, top-p those
-at its nucleus's smallest: each row keeps the logits at or above one threshold.
+top-k then top-p, and drawn with the exponential-race trick (argmax of p / Exp(1) noise,
+equivalent to a multinomial draw) so that a seeded request draws its noise from its own
+generator: its tokens do not depend on which other requests share the batch. Top-k keeps the
+ties at its k-th largest, top-p those at its nucleus's smallest: each row keeps the logits at
+or above one threshold.
 
 On CUDA the whole of it is one Triton launch (kernels/triton/sampling.py: torch's ops were
 50-100 launches and 0.9-1.7 ms of host time a step), the noise from a Philox stream seeded per
