@@ -110,19 +110,20 @@ class LiteralSpecials:
         keys = {u: _digest(tools if u == _TOOLS else messages[u]) for u in units}
         with self._suspects_lock:
             suspects = [u for u in units if keys[u] in self._suspects]
-        outside = sum(_source(messages, u) < _SOURCES["assistant"] for u in units)
+        source = {u: _source(messages, u) for u in units}
+        outside = sum(source[u] < _SOURCES["assistant"] for u in units)
         search = _MarkingSearch(
             lambda group: self._spans_marking(render, messages, tools, full, group),
             renders=MAX_MARKING_RENDERS + 2 * outside,  # enough for every outside unit
         )
         rest = [u for u in units if u not in suspects]
         whole = search.grow(rest, split=False)  # else source by source:
-        for source in range(len(_SOURCES) + 1):
+        for turn in range(len(_SOURCES) + 1):
             for unit in suspects:  # alone first (each one render): mostly unmarkable again
-                if _source(messages, unit) == source:
+                if source[unit] == turn:
                     search.grow([unit])
             if not whole:  # then the rest by halves
-                search.grow([u for u in rest if _source(messages, u) == source])
+                search.grow([u for u in rest if source[u] == turn])
         with self._suspects_lock:
             for u in search.kept:
                 self._suspects.pop(keys[u], None)
