@@ -55,8 +55,8 @@ async def set_budget(request: Request) -> JSONResponse:
         elastic = await asyncio.to_thread(state.service.set_gpu_budget, nbytes)
     except InvalidRequestError as e:
         return invalid_response(e)
-    taken = elastic.get("budget", nbytes) if isinstance(elastic, dict) else nbytes
-    return JSONResponse({"budget": taken, "requested": nbytes, "elastic": elastic})
+    # (An engine that is not elastic refused above: its figures are always there.)
+    return JSONResponse({"budget": elastic["budget"], "requested": nbytes, "elastic": elastic})
 
 
 def _budget_bytes(body) -> int:
