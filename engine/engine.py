@@ -15,7 +15,6 @@ talk to it through queues).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections import deque
@@ -29,23 +28,22 @@ from freetoken_agent.engine.constrained import Grammars
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.graph_capture import capture_decode_graphs
 from freetoken_agent.engine.loading import LoadedModel, load_model
-from freetoken_agent.engine.logits_processors import check_logit_bias
 from freetoken_agent.engine.memory_setup import elastic_memory
 from freetoken_agent.engine.output_state import OutputState
 from freetoken_agent.engine.outputs import (
     EngineClosedError,
     GenerationOutput,
     InvalidRequestError,
-    ThinkingBudgetError,
     TokenEvent,
     TokenLogprob,
 )
 from freetoken_agent.engine.overlap import Overlap
-from freetoken_agent.engine.prompt_input import Prompt, encode_prompt, snapshot_plan, token_ids
+from freetoken_agent.engine.prompt_input import Prompt
 from freetoken_agent.engine.request import Request, Status
-from freetoken_agent.engine.request_outcomes import RequestOutcomes, stop_strings
+from freetoken_agent.engine.request_intake import RequestIntake
+from freetoken_agent.engine.request_outcomes import RequestOutcomes
 from freetoken_agent.engine.runner import ModelRunner
-from freetoken_agent.engine.sampling_params import SamplingParams, not_sampling_params
+from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.engine.scheduler import Scheduler
 from freetoken_agent.engine.stats import engine_stats, request_stats
 from freetoken_agent.engine.teardown import release
@@ -109,7 +107,15 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         # Special tokens that are a tool-call or reasoning tag stay in the output text for the
         # parsers (Mixtral's [TOOL_CALLS]); every other one is skipped (text/markers.py).
-        self._kept_specials = marker_ids(self.tokenizer)
+        self.intake = RequestIntake(
+            self.tokenizer,
+            self.spec.vocab_size,
+            self.max_model_len,
+            self.thinking,
+            self.config.thinking_budget,
+            loaded.recurrence,
+            marker_ids(self.tokenizer),
+        )
         self.outcomes = RequestOutcomes(
             self.scheduler,
             self.runner,
@@ -190,61 +196,27 @@ class Engine:
         Driven by hand (step, then take_events), the request stays in the engine's tables
         once finished until `release(request_id)`."""
         self._open()
-        sampling = SamplingParams() if sampling is None else sampling
-        if not isinstance(sampling, SamplingParams):
-            raise InvalidRequestError(not_sampling_params(sampling))
-        if sampling.stop and self.tokenizer is None:  # they are matched in the decoded text
-            raise InvalidRequestError(
-                "stop strings need the model's tokenizer (tokenizer.json) to read the output, "
-                "which this model folder lacks; give stop_token_ids instead"
-            )
-        ids = encode_prompt(prompt, self.tokenizer, self.spec.vocab_size, self.max_model_len)
-        check_logit_bias(sampling, self.spec.vocab_size)
-        sampling = self._with_default_budget(sampling)
-        if sampling.thinking_token_budget is not None and self.thinking is None:
-            raise ThinkingBudgetError(
-                "thinking_token_budget: this model's vocabulary has no <think> and </think> "
-                "tokens, so it writes no think block a budget could end"
-            )
-        plan = snapshot_plan(ids, anchors, self.scheduler.recurrence)
-        markers = frozenset(token_ids(anchor_tokens, "anchor_tokens are token ids"))
         request_id = request_id or self._new_id()
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if sampling.constraint is not None and not _score:
-            self.grammars.add(request_id, sampling.constraint)
-        # Score and prompt_logprobs requests need the logits of every prompt position, which
-        # a cached prefix never computes (prompt_logprobs.py).
-        reuse = use_prefix_cache and not _score and sampling.prompt_logprobs is None
-        req = Request(request_id, ids, sampling, use_prefix_cache=reuse)
-        req.score_only = _score
-        if sampling.prompt_logprobs is not None:
-            req.prompt_logprobs = [None] * len(ids)
-        if self.scheduler.recurrence is not None and req.use_prefix_cache:
-            req.snapshot_plan = plan
-            req.anchor_tokens = markers
-        self._requests[request_id] = req
-        self._outputs[request_id] = OutputState(
-            self.tokenizer,
-            stop_strings(sampling),
-            context=ids,
-            keep_special=self._kept_specials,
-            min_tokens=sampling.min_tokens,
-            include_stop=sampling.include_stop_str_in_output,
+        req, output = self.intake.build(
+            request_id,
+            prompt,
+            sampling,
+            use_prefix_cache=use_prefix_cache,
+            anchors=anchors,
+            anchor_tokens=anchor_tokens,
+            score=_score,
         )
+        if req.sampling.constraint is not None and not _score:
+            self.grammars.add(request_id, req.sampling.constraint)
+        self._requests[request_id] = req
+        self._outputs[request_id] = output
         self._events[request_id] = deque()
         if _score:
             self._scores[request_id] = []
         self.scheduler.add(req)
         return request_id
-
-    def _with_default_budget(self, sampling: SamplingParams) -> SamplingParams:
-        """`sampling` with EngineConfig.thinking_budget when it sets no budget of its own and
-        the model thinks in blocks (the caller's object is left as it is)."""
-        default = self.config.thinking_budget
-        if default is None or sampling.thinking_token_budget is not None or self.thinking is None:
-            return sampling
-        return dataclasses.replace(sampling, thinking_token_budget=default)
 
     def _new_id(self) -> str:
         """The next free `req-N`: a client may have named its own request so."""
