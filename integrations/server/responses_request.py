@@ -27,7 +27,9 @@ Fields:
   them) -> the chat route's logprobs / top_logprobs (responses_format.py writes them).
   `metadata`, `include` (but for the two values above: responses_format.py),
   `truncation`, `user`, `service_tier`, `prompt_cache_key`, `safety_identifier`,
-  `stream_options` are accepted and ignored.
+  `stream_options` are accepted and ignored, each only with the type OpenAI documents
+  (`_TYPES`): a wrong type is a client bug, refused naming the field, as the chat route
+  refuses its own (`store: "false"` must not read as "store").
 """
 
 from __future__ import annotations
@@ -50,6 +52,21 @@ from freetoken_agent.integrations.server.responses_store import ResponseStore
 from freetoken_agent.integrations.server.thinking_switch import thinking_of_effort
 
 _SAME = ("stream", "temperature", "top_p", "parallel_tool_calls")
+
+# The Responses-only fields this server reads or ignores, with the type OpenAI documents
+# (the shared ones, stream and the sampling fields, are the chat route's checks).
+_TYPES: dict[str, tuple[type, str]] = {
+    "store": (bool, "true or false"),
+    "background": (bool, "true or false"),
+    "metadata": (dict, "an object"),
+    "text": (dict, "an object"),
+    "include": (list, "a list of strings"),
+    "user": (str, "a string"),
+    "service_tier": (str, "a string"),
+    "prompt_cache_key": (str, "a string"),
+    "safety_identifier": (str, "a string"),
+}
+_TRUNCATION = ("auto", "disabled")
 
 
 @dataclass(slots=True)
@@ -126,6 +143,21 @@ def _thinking(reasoning: Any) -> bool | None:
     return thinking_of_effort(reasoning.get("effort"), "reasoning")
 
 
+def _check_types(body: Mapping[str, Any]) -> None:
+    for key, (kind, what) in _TYPES.items():
+        value = body.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise BadParam(f"{key} must be {what}, got {value!r:.40}", key)
+    include = body.get("include") or []
+    if not all(isinstance(item, str) for item in include):
+        raise BadParam(f"include must be a list of strings, got {include!r:.60}", "include")
+    truncation = body.get("truncation")
+    if truncation is not None and truncation not in _TRUNCATION:
+        raise BadParam(
+            f"truncation must be 'auto' or 'disabled', got {truncation!r:.40}", "truncation"
+        )
+
+
 def _refuse_unserved(body: Mapping[str, Any]) -> None:
     if body.get("conversation") is not None:
         raise BadParam("conversation is not supported: conversations are not stored here: "
@@ -154,6 +186,7 @@ def chat_body(
 ) -> tuple[dict[str, Any], list[str]]:
     """The OpenAI chat body of a Responses one, and its messages' origins; `earlier`: the
     conversation of its previous_response_id, as input items."""
+    _check_types(body)
     _refuse_unserved(body)
     history = chat_history(body.get("instructions"), body.get("input"), earlier)
     out = {key: body[key] for key in _SAME if key in body}

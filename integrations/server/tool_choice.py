@@ -124,6 +124,11 @@ def parse_tools(raw: Any, param: str = "tools") -> list[dict] | None:
         for key in ("description",):
             if fn.get(key) is not None and not isinstance(fn[key], str):
                 raise BadParam(f"{where}.function.{key} must be a string", where)
+        # "yes" would read as not strict (strict_tools.is_strict takes true only): a client
+        # that asked for its arguments checked must not silently get them unchecked.
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise BadParam(f"{where}.function.strict must be true or false, "
+                           f"got {fn['strict']!r:.40}", where)  # fmt: skip
         tools.append({"type": "function", "function": dict(fn)})
     return tools or None
 

@@ -77,6 +77,7 @@ def test_bad_messages_name_the_message(client, rng_seed):
         ("tool_choice", {"type": "function", "function": {"name": "nope"}}),
         ("tool_choice", "required"),
         ("tools", [{"type": "function", "function": {"description": "no name"}}]),
+        ("tools", [{"type": "function", "function": {"name": "f", "strict": "yes"}}]),
         ("response_format", {"type": "xml"}),
     ],
 )

@@ -265,6 +265,9 @@ def test_items_give_the_chat_routes_prompt(scripted_client, rng_seed):
     assert fake.prompts[0] == fake.prompts[1]
 
 
+LOGPROBS = "message.output_text.logprobs"
+
+
 def _refusals(rng: random.Random) -> list[tuple[dict, str, list[str]]]:
     """(body changes, param, what the message must say)."""
     name = random_name(rng)
@@ -290,6 +293,18 @@ def _refusals(rng: random.Random) -> list[tuple[dict, str, list[str]]]:
           "tool_choice": {"type": "function"}}, "tool_choice", ["{'type': 'function'}"]),
         ({"input": " ".join(random_name(rng) for _ in range(1500))}, "input",
          ["prompt tokens fit"]),  # past the test engine's 1024
+        # Fields read or ignored take only their documented type ("false" is not false).
+        ({"store": rng.choice(["false", "true", 0, 1])}, "store", ["true or false"]),
+        ({"background": "false"}, "background", ["true or false"]),
+        ({"metadata": [name]}, "metadata", ["an object"]),
+        ({"text": "json"}, "text", ["an object"]),
+        ({"include": LOGPROBS}, "include", ["a list of strings"]),
+        ({"include": [LOGPROBS, 7]}, "include", ["a list of strings"]),
+        ({"user": rng.randint(1, 99)}, "user", ["a string"]),
+        ({"truncation": rng.choice([5, name])}, "truncation", ["'auto' or 'disabled'"]),
+        ({"prompt_cache_key": {}}, "prompt_cache_key", ["a string"]),
+        ({"tools": [{"type": "function", "name": name, "strict": "yes"}]}, "tools[0]",
+         ["strict must be true or false"]),
     ]  # fmt: skip
 
 
