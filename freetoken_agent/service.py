@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from freetoken_agent.engine.outputs import TokenEvent
+from freetoken_agent.engine.outputs import EngineClosedError, TokenEvent
 from freetoken_agent.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("freetoken.service")
@@ -141,7 +141,7 @@ class EngineService:
         raises here, in the caller's thread. `options` go to Engine.submit."""
         with self.lock:
             if self._closed is not None:
-                raise RuntimeError(self._closed)
+                raise EngineClosedError(self._closed)
             self._apply_aborts()  # an aborted request still holding the id makes room
             rid = self.engine.submit(prompt, sampling, **options)
             self._sinks[rid] = sink

@@ -56,8 +56,8 @@ class AnthropicWire:
     def refused(self, error: InvalidRequestError) -> Response:
         return anthropic_invalid_response(anthropic_refusal(error, self.origins))
 
-    def failed(self, message: str) -> Response:
-        return anthropic_error_response(500, message)
+    def failed(self, message: str, status: int = 500) -> Response:
+        return anthropic_error_response(status, message)
 
     def stream(self, choices: Choices) -> AsyncIterator[str]:
         (run,) = choices.runs

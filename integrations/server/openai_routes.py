@@ -63,8 +63,8 @@ class OpenAIWire:
     def refused(self, error: InvalidRequestError) -> Response:
         return invalid_response(error)
 
-    def failed(self, message: str) -> Response:
-        return error_response(500, message, "server_error")
+    def failed(self, message: str, status: int = 500) -> Response:
+        return error_response(status, message, "server_error")
 
     def stream(self, choices: Choices) -> AsyncIterator[str]:
         return _sse_chunks(choices, self.fmt, self.include_usage)

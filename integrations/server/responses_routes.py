@@ -52,8 +52,8 @@ class ResponsesWire:
     def refused(self, error: InvalidRequestError) -> Response:
         return invalid_response(responses_refusal(error, self.origins))
 
-    def failed(self, message: str) -> Response:
-        return error_response(500, message, "server_error")
+    def failed(self, message: str, status: int = 500) -> Response:
+        return error_response(status, message, "server_error")
 
     def stream(self, choices: Choices) -> AsyncIterator[str]:
         return named_events(choices, self.fmt, self.fmt.start())

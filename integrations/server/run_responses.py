@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.outputs import EngineClosedError, InvalidRequestError
 from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.keepalive import with_keepalive
 
@@ -34,8 +34,9 @@ class Wire(Protocol):
     def refused(self, error: InvalidRequestError) -> Response:
         """The client's error (400, or the status the error carries)."""
 
-    def failed(self, message: str) -> Response:
-        """A server-side failure before anything was sent (500)."""
+    def failed(self, message: str, status: int = 500) -> Response:
+        """A server-side failure before anything was sent (500; 503 when the engine service
+        has stopped: every request would fail until the server restarts)."""
 
     def stream(self, choices: Choices) -> AsyncIterator[str]:
         """The SSE body of started choices: their events, their end, an error in-band."""
@@ -133,6 +134,9 @@ async def serve_choices(request: Request, choices: Choices, wire: Wire, stream: 
                 return Response(status_code=499)  # the client left; nobody reads this
         except InvalidRequestError as e:
             return wire.refused(e)
+        except EngineClosedError as e:  # closed, or failed MAX_FAILURES steps: /health says so
+            log.warning("refused a run: %s", e)  # once a request, no traceback: not a bug here
+            return wire.failed(str(e), 503)
         except Exception as e:  # noqa: BLE001 - e.g. the grammar library is missing
             log.exception("could not start a run")
             return wire.failed(f"{type(e).__name__}: {e}")

@@ -123,3 +123,32 @@ def test_the_engine_closing_under_a_turn_fails_it_and_health_says_closed(slow, r
     health = client.get("/health")
     assert health.status_code == 503 and health.json()["status"] == "closed"
     assert "closed" in health.json()["reason"]
+
+
+_AFTER_CLOSE = {  # route -> (body, the error's type on that wire)
+    "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hi"}]}, "server_error"),
+    "/v1/completions": ({"prompt": "hi"}, "server_error"),
+    "/v1/responses": ({"input": "hi"}, "server_error"),
+    "/v1/messages": ({"messages": [{"role": "user", "content": "hi"}]}, "overloaded_error"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_requests_after_the_service_closed_are_503_naming_why(slow, rng_seed, stream, caplog):
+    """Once the service stopped (closed, or MAX_FAILURES failed steps in a row), every new
+    run is refused before anything is sent: 503, as /health answers, with the reason, and no
+    traceback logged per request (before: a 500 carrying "RuntimeError: ...")."""
+    rng = random.Random(rng_seed)
+    _, client = slow
+    service = client.app.state.server.service
+    service.close()
+    why = service.why_closed
+    assert why
+    for path, (body, kind) in _AFTER_CLOSE.items():
+        body = {**body, "max_tokens": rng.randint(4, 40), "stream": stream}
+        caplog.clear()
+        r = client.post(path, json=body)
+        assert r.status_code == 503, (path, r.text)
+        error = r.json()["error"]
+        assert error["type"] == kind and error["message"] == why, (path, error)
+        assert not any(rec.exc_info for rec in caplog.records), path  # no traceback
