@@ -8,6 +8,7 @@ complete end (Responses "completed", Anthropic "end_turn") with a cut reply.
 - Anthropic: an error (streamed: an `error` event; whole: 499 for a cancel, which the SDKs do
   not send again, 500 for the close).
 - /health answers 503 naming why once the service is closed.
+- Later runs on every route are refused with 503 naming why, as /health is.
 The slow scripted engine writes a drawn reply one token per pause."""
 
 from __future__ import annotations
