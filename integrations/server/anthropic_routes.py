@@ -36,12 +36,12 @@ from freetoken_agent.integrations.server.anthropic_request import (
     anthropic_refusal,
     parse_messages_request,
 )
-from freetoken_agent.integrations.server.bridge import EngineBridge, Turn
 from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.errors import parse_json_body
+from freetoken_agent.integrations.server.input_count import turn_input_tokens
 from freetoken_agent.integrations.server.named_stream import cut_short, named_events
 from freetoken_agent.integrations.server.run_responses import serve_choices
-from freetoken_agent.integrations.server.turn_run import TurnRun, turn_plan
+from freetoken_agent.integrations.server.turn_run import TurnRun
 
 log = logging.getLogger("freetoken.server")
 
@@ -103,23 +103,10 @@ def _input_tokens(body: Any, state: Any) -> int:
     parsed = parse_messages_request(
         body, state.default_max_tokens, state.model_id, state.model_names, counting=True
     )
-    turn = parsed.chat.turn
-    chat_format = state.hub.formats.get(turn.enable_thinking)
     try:
-        prompt = chat_format.render(
-            turn.messages, tools=turn.tools, anchors=False, continue_final=turn.continue_final
-        )
-    except InvalidRequestError as e:  # the template's refusal, naming a translated message
+        return turn_input_tokens(parsed.chat.turn, state)
+    except InvalidRequestError as e:  # the template's or a tool schema's refusal
         raise anthropic_refusal(e, parsed.origins) from None
-    # What the turn appends to the rendered prompt (a forced call's opener, or the `<think>\n`
-    # of a call after the reasoning: turn_run.turn_plan) is input too.
-    counted = Turn(state.service)
-    try:
-        _, factory = turn_plan(turn, chat_format, EngineBridge(state.service), counted)
-        factory(prompt)
-    except InvalidRequestError as e:  # a tool's schema the turn cannot take
-        raise anthropic_refusal(e, parsed.origins) from None
-    return len(prompt.token_ids) + len(counted.suffix_ids)
 
 
 async def count_tokens(request: Request) -> Response:

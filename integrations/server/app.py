@@ -5,7 +5,7 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions (legacy text completions), GET
 /v1/models, POST /v1/responses (OpenAI's Responses API; GET and DELETE /v1/responses/{id},
-GET /v1/responses/{id}/input_items), POST /v1/messages and
+GET /v1/responses/{id}/input_items, POST /v1/responses/input_tokens), POST /v1/messages and
 /v1/messages/count_tokens (Anthropic's Messages API), GET
 /health, GET /metrics (Prometheus), POST /tokenize and /detokenize (vLLM's), WebSocket
 /v1/sessions/{id}/ws, and the web page at / (also /ui). Any other path (404) or method (405)

@@ -8,10 +8,12 @@ events or one response object (responses_format.py), with OpenAI's error objects
 that ends well is kept (responses_store.py) unless the request said `store: false`, so a later
 request may continue it with `previous_response_id`, read it back (GET /v1/responses/{id}), list
 its input items (GET /v1/responses/{id}/input_items) or delete it (DELETE /v1/responses/{id}).
+POST /v1/responses/input_tokens counts the input tokens of a body without running it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +30,7 @@ from freetoken_agent.integrations.server.errors import (
     invalid_response,
     parse_json_body,
 )
+from freetoken_agent.integrations.server.input_count import turn_input_tokens
 from freetoken_agent.integrations.server.named_stream import cut_short, named_events
 from freetoken_agent.integrations.server.responses_format import ResponseFormat
 from freetoken_agent.integrations.server.responses_listing import listed_items, page
@@ -92,6 +95,32 @@ async def create_response(request: Request) -> Response:
     return await serve_choices(request, choices, wire, parsed.chat.stream)
 
 
+def _input_tokens(body: Any, state: Any) -> int:
+    parsed = parse_responses_request(
+        body, state.default_max_tokens, state.model_id, state.model_names, state.responses
+    )
+    try:
+        return turn_input_tokens(parsed.chat.turn, state)
+    except InvalidRequestError as e:  # the template's or a tool schema's refusal
+        raise responses_refusal(e, parsed.origins) from None
+
+
+async def count_input_tokens(request: Request) -> Response:
+    """POST /v1/responses/input_tokens: the input tokens a response to this body would take
+    (input_count.py), for the same body as POST /v1/responses (max_output_tokens and stream
+    are read and not needed)."""
+    state = request.app.state.server
+    try:
+        body = parse_json_body(await request.body())
+        n = await asyncio.to_thread(_input_tokens, body, state)  # a long render: off the loop
+    except InvalidRequestError as e:
+        return invalid_response(e)
+    except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
+        log.exception("could not count input tokens")
+        return error_response(500, f"{type(e).__name__}: {e}", "server_error")
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": n})
+
+
 def _stored(request: Request) -> StoredResponse:
     """The kept response the path names; 404 (OpenAI's) when it is not kept."""
     response_id = request.path_params["response_id"]
@@ -142,6 +171,8 @@ async def delete_response(request: Request) -> Response:
 
 routes = [
     Route("/v1/responses", create_response, methods=["POST"]),
+    # Before the {response_id} routes, which would take "input_tokens" for an id.
+    Route("/v1/responses/input_tokens", count_input_tokens, methods=["POST"]),
     Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),

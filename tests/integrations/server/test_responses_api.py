@@ -118,6 +118,34 @@ def test_sdk_forced_call_then_its_output_whole_and_streamed(server, rng_seed, no
     nothing_held(server.state.service)
 
 
+def test_sdk_input_tokens_count_is_the_responses_input(server, rng_seed):
+    """client.responses.input_tokens.count: the input tokens a response to the same body
+    takes (its usage: input_tokens), with instructions, tools and a forced call's opener, and
+    after a previous response; an unknown previous_response_id is a 400 naming it."""
+    rng = random.Random(rng_seed)
+    client = _sdk(server)
+    tool = {"type": "function", "name": random_name(rng), "description": _words(rng, 3),
+            "parameters": random_object_schema(rng)}  # fmt: skip
+    previous = None
+    for _ in range(3):
+        request: dict[str, Any] = {"model": MODEL, "input": _words(rng, rng.randint(1, 30))}
+        if rng.random() < 0.7:
+            request["instructions"] = _words(rng, rng.randint(1, 9))
+        if rng.random() < 0.7:
+            choice = rng.choice(["auto", "required", {"type": "function", "name": tool["name"]}])
+            request |= {"tools": [tool], "tool_choice": choice}
+        if previous is not None:
+            request["previous_response_id"] = previous
+        counted = client.responses.input_tokens.count(**request)
+        assert counted.object == "response.input_tokens"
+        response = client.responses.create(**request, max_output_tokens=rng.randint(1, 4),
+                                           temperature=0)  # fmt: skip
+        assert counted.input_tokens == response.usage.input_tokens, request
+        previous = response.id
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.input_tokens.count(model=MODEL, input="x", previous_response_id="r_0")
+
+
 def test_sdk_text_format_json_schema(server, rng_seed):
     rng = random.Random(rng_seed)
     schema = random_object_schema(rng)
