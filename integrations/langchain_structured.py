@@ -35,6 +35,7 @@ def structured_runnable(
     """The chain `with_structured_output` returns (see the module docstring)."""
     pydantic = is_basemodel_subclass(schema) if isinstance(schema, type) else False
     trace = {"kwargs": {"method": method}, "schema": schema}
+    schema = _held_schema(schema)
     if method == "json_schema":
         json_schema = _json_schema(schema)
         fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": json_schema}}
@@ -65,6 +66,26 @@ def structured_runnable(
 _SCHEMA_ROOT_KEYS = {"type", "properties", "anyOf", "oneOf", "allOf", "$ref", "enum", "const"}
 
 
+def _held_schema(schema: dict[str, Any] | type) -> dict[str, Any] | type:
+    """The JSON schema an OpenAI response_format object holds, which ChatOpenAI takes too and
+    people copy from OpenAI code: `{"type": "json_schema", "json_schema": {...}}` and its
+    inner `{"name", "schema", "strict"?, "description"?}` (titled by the name, described by
+    the description where the schema is not). LangChain's conversion reads the inner form as a
+    function without parameters: the answer would be constrained to nothing. Any other
+    schema is returned as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    if schema.get("type") == "json_schema" and isinstance(schema.get("json_schema"), dict):
+        schema = schema["json_schema"]
+    if "name" not in schema or not isinstance(schema.get("schema"), dict):
+        return schema
+    held = dict(schema["schema"])
+    held.setdefault("title", schema["name"])
+    if isinstance(schema.get("description"), str):
+        held.setdefault("description", schema["description"])
+    return held
+
+
 def _json_schema(schema: dict[str, Any] | type) -> dict[str, Any]:
     """A JSON schema from a pydantic model, TypedDict, OpenAI tool or plain JSON schema.
     A pydantic (v2) model gives its own schema, its $defs and $refs kept: LangChain's
@@ -76,7 +97,14 @@ def _json_schema(schema: dict[str, Any] | type) -> dict[str, Any]:
     plain = isinstance(schema, dict) and not {"function", "parameters"} & schema.keys()
     if plain and _SCHEMA_ROOT_KEYS & schema.keys():
         return schema
-    return convert_to_json_schema(schema)
+    converted = convert_to_json_schema(schema)
+    if not _SCHEMA_ROOT_KEYS & converted.keys():  # {"name": ...} alone: a title, no schema
+        raise ValueError(
+            f"schema {schema!r:.80} gives no JSON schema to hold the answer to (no type, "
+            "properties or other schema keyword): pass a JSON schema, a pydantic model, a "
+            "TypedDict, an OpenAI tool with parameters or {'name': ..., 'schema': {...}}"
+        )
+    return converted
 
 
 def _strict_json(model: type | None) -> Callable[[AIMessage], Any]:

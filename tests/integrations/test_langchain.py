@@ -315,7 +315,9 @@ def test_forced_tool_call_cut_by_max_tokens_is_the_model_s_text_alone(engine, rn
     assert all(c["args"] == message.content for c in message.invalid_tool_calls)
 
 
-@pytest.mark.parametrize("form", ["pydantic", "json_schema", "function_calling"])
+@pytest.mark.parametrize(
+    "form", ["pydantic", "json_schema", "function_calling", "response_format", "named_tool"]
+)
 def test_structured_output_is_valid_for_a_random_schema(engine, rng_seed, form):
     rng = random.Random(rng_seed)
     model = random_model(rng, f"Out_{word(rng)}")
@@ -332,9 +334,15 @@ def test_structured_output_is_valid_for_a_random_schema(engine, rng_seed, form):
         assert out["parsing_error"] is None and isinstance(out["raw"], AIMessage)
         assert loads_strict(out["raw"].content) == out["parsed"]  # JSON as a call's arguments
         model.model_validate(out["parsed"])
-    else:
+    elif form == "function_calling":
         result = llm.with_structured_output(model, method="function_calling").invoke(question)
         assert isinstance(result, model)
+    else:  # OpenAI's response_format objects, as ChatOpenAI takes them: held to their schema
+        named = {"name": model.__name__, "schema": model.model_json_schema(), "strict": True}
+        wrapped = {"type": "json_schema", "json_schema": named}
+        schema = rng.choice([named, wrapped]) if form == "response_format" else named
+        method = "json_schema" if form == "response_format" else "function_calling"
+        model.model_validate(llm.with_structured_output(schema, method=method).invoke(question))
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])

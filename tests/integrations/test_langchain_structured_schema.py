@@ -87,3 +87,15 @@ def test_the_answer_is_read_as_strict_json(scripted, rng_seed):
     assert out == {"n": math.copysign(sys.float_info.max, -1.0), "s": "ok"}
     with pytest.raises(OutputParserException, match="lone surrogate"):
         llm.with_structured_output(schema).invoke([HumanMessage("ka")])
+
+
+def test_a_schema_that_holds_nothing_is_refused(scripted, rng_seed):
+    """A dict LangChain reads as a function without parameters ({"name": ...}) would let any
+    JSON through: refused when the structured model is made, naming what to pass."""
+    rng = random.Random(rng_seed)
+    _, service = scripted
+    llm = ChatFreeToken(engine=service, max_tokens=50, reasoning=False)
+    name = f"F{rng.randrange(10**6)}"
+    for schema in ({"name": name}, {"name": name, "description": "d"}, {"title": name}):
+        with pytest.raises(ValueError, match="gives no JSON schema"):
+            llm.with_structured_output(schema)
