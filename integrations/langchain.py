@@ -88,6 +88,7 @@ from freetoken_agent.integrations.langchain_runtime import (
     SessionPool,
     chat_format,
     load_service,
+    request_problems,
     service_for,
     typed_errors,
 )
@@ -342,17 +343,20 @@ class ChatFreeToken(BaseChatModel):
     def _turn(self, messages, stop, kwargs) -> Iterator[Any]:
         """Session events of one streamed call, retried while the engine fails before any
         output."""
-        call = self._prepare(messages, stop, one_choice(kwargs, self.n))
+        with request_problems():
+            call = self._prepare(messages, stop, one_choice(kwargs, self.n))
         return retried_turn(self._ensure_engine(), call, self.max_retries)
 
     def _aturn(self, messages, stop, kwargs) -> AsyncIterator[Any]:
-        call = self._prepare(messages, stop, one_choice(kwargs, self.n))
+        with request_problems():
+            call = self._prepare(messages, stop, one_choice(kwargs, self.n))
         return aretried_turn(self._ensure_engine(), call, self.max_retries)
 
     def _choices(self, messages, stop, kwargs) -> tuple[list, list[ChunkBuilder]]:
         """Each choice's call (the call's n, else the model's) and its builder."""
-        n, kwargs = split_n(kwargs, self.n)
-        calls = choice_calls(self._prepare(messages, stop, kwargs), n)
+        with request_problems():
+            n, kwargs = split_n(kwargs, self.n)
+            calls = choice_calls(self._prepare(messages, stop, kwargs), n)
         return calls, [self._builder() for _ in calls]
 
     # --- LangChain's four entry points ----------------------------------------------------

@@ -94,6 +94,21 @@ def typed_errors() -> Iterator[None]:
         raise _retyped(e, InvalidModelRequest) from e
 
 
+@contextlib.contextmanager
+def request_problems() -> Iterator[None]:
+    """A call's preparation (its options, tools, schema, choices, history): a ValueError there
+    is a problem of the request (a bad option's type, an unknown option, a response_format of
+    no known type), raised as InvalidRequestError so that typed_errors gives it langchain-core's
+    ModelInvalidRequestError, which retry middleware does not retry (a plain ValueError it
+    retries, with backoff, for an answer that cannot change)."""
+    try:
+        yield
+    except InvalidRequestError:
+        raise
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from e
+
+
 def _retyped(error: Exception, kind: type[Exception]) -> Exception:
     out = kind(str(error))
     out.__dict__.update(getattr(error, "__dict__", {}))

@@ -474,8 +474,15 @@ def test_bad_input_is_a_clear_value_error(engine, rng_seed):
             call()
     # Refusals of a call are langchain-core's typed errors too (agent middleware reads them:
     # ModelRetryMiddleware does not retry them, SummarizationMiddleware trims on overflow).
-    with pytest.raises(ModelInvalidRequestError):
-        llm.invoke("a", temperature=-1)
+    refused = [{"temperature": -1}, {"response_format": {"type": "xml"}}, {"n": 0},
+               {"parallel_tool_calls": "no"}, {"continue_final_message": "yes"},
+               {word(rng) + "_option": 1}]  # fmt: skip
+    for options in refused:
+        for run in (llm.invoke, lambda *a, **k: list(llm.stream(*a, **k))):
+            with pytest.raises(ModelInvalidRequestError):
+                run("a", **options)
+    with pytest.raises(ModelInvalidRequestError, match="n must be 1"):
+        list(llm.stream("a", n=2))
     long = " ".join(word(rng) for _ in range(3000))  # past the test engine's 2048
     for stream in (False, True):
         with pytest.raises(ContextOverflowError) as overflow:
