@@ -152,7 +152,7 @@ def to_history(messages: Sequence[BaseMessage]) -> list[Message]:
 def function_tools(tools: Sequence[Any], strict: bool | None = None) -> list[dict[str, Any]]:
     """`tools` (dicts, pydantic models, functions, BaseTools) as OpenAI function tools; a
     provider's built-in tool (`{"type": "web_search_preview"}`, ...) is refused by name."""
-    specs = [convert_to_openai_tool(t, strict=strict) for t in tools]
+    specs = [convert_to_openai_tool(_nested(t), strict=strict) for t in tools]
     for i, spec in enumerate(specs):
         if spec.get("type") != "function" or not isinstance(spec.get("function"), Mapping):
             raise ValueError(
@@ -160,6 +160,17 @@ def function_tools(tools: Sequence[Any], strict: bool | None = None) -> list[dic
                 "no provider-built tools; give a function, a schema or a BaseTool"
             )
     return specs
+
+
+def _nested(tool: Any) -> Any:
+    """The Responses API's flat function tool `{"type": "function", "name", "description",
+    "parameters", "strict"}` (what an OpenAI Agents SDK or Responses-API snippet gives) in the
+    chat form, which LangChain's conversion reads; any other tool as it is."""
+    flat = isinstance(tool, Mapping) and tool.get("type") == "function" and "function" not in tool
+    if not flat or not isinstance(tool.get("name"), str):
+        return tool
+    keys = ("name", "description", "parameters", "strict")
+    return {"type": "function", "function": {k: tool[k] for k in keys if k in tool}}
 
 
 def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:

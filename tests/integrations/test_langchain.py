@@ -37,6 +37,7 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from scripted_engine import ScriptedEngine
@@ -51,6 +52,7 @@ from freetoken_agent.integrations.langchain import (
     GenerationTimeout,
 )
 from freetoken_agent.integrations.langchain_chunks import _spoil
+from freetoken_agent.integrations.langchain_messages import function_tools
 from freetoken_agent.integrations.langchain_runtime import service_for
 from freetoken_agent.parsers.json_scan import loads_strict
 from freetoken_agent.service import EngineService
@@ -489,6 +491,21 @@ def test_bad_input_is_a_clear_value_error(engine, rng_seed):
             list(llm.stream(long)) if stream else llm.invoke(long)
         assert isinstance(overflow.value, ContextLengthError)  # still the engine's error
         assert overflow.value.prompt_tokens > engine.max_model_len
+
+
+def test_a_flat_responses_function_tool_is_the_nested_one(engine, rng_seed):
+    """The Responses API's flat function tool ({type, name, description, parameters, strict})
+    binds as the chat form of the same tool does (it was refused as "not a function tool")."""
+    rng = random.Random(rng_seed)
+    model = random_model(rng, f"t_{word(rng)}")
+    nested = convert_to_openai_tool(model, strict=rng.choice([None, True, False]))
+    flat = {"type": "function", **nested["function"]}
+    assert function_tools([flat]) == function_tools([nested])
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=200,
+                        thinking_token_budget=rng.randint(0, 8))  # fmt: skip
+    (call,) = llm.bind_tools([flat], tool_choice=model.__name__).invoke(text(rng)).tool_calls
+    assert call["name"] == model.__name__
+    model.model_validate(call["args"])
 
 
 def test_no_max_tokens_means_up_to_the_context(engine, rng_seed):
