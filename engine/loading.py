@@ -55,8 +55,9 @@ from freetoken_agent.engine.models.base import (
 from freetoken_agent.engine.models.registry import family, spec_from_config
 from freetoken_agent.engine.request import Recurrence
 from freetoken_agent.engine.text.tokenizer import Tokenizer
-from freetoken_agent.engine.weights import ftw
+from freetoken_agent.engine.weights import ftw, ftw_dense
 from freetoken_agent.engine.weights.loader import (
+    CheckpointError,
     load_safetensors,
     safetensors_files,
     untie_differing_head,
@@ -228,6 +229,12 @@ def load_model(
     manifest = ftw.read_manifest(path, spec) if ftw.is_ftw(path) else None
     files = [path / manifest["dense"]] if manifest else safetensors_files(path)
     spec = untie_differing_head(spec, files, table)  # before the model and its budget
+    if manifest is not None and config.verify_checksums:
+        # The dense file too, not only the banks' rows: a flipped bit in a weight loads as a
+        # subtly wrong model. Read once more for its CRC; it is a few percent of the experts.
+        problem = ftw_dense.dense_problem(path, manifest)
+        if problem is not None:
+            raise CheckpointError(problem)
     model, bank, max_len = build_model(spec, config, dev, run_dtype)
     if manifest is not None:
         load_safetensors(path, spec, model, bank, table, progress, files, experts_elsewhere=True)

@@ -240,6 +240,21 @@ def test_verify_checksums_at_load_names_the_bank_and_rows(converted, policy):
     Engine.load(ftw_dir, **opts)  # off by default: a load reads at the disk's speed
 
 
+def test_verify_checksums_at_load_checks_the_dense_file(converted):
+    """A bit flipped in a dense weight loads as a subtly wrong model: with verify_checksums
+    the load refuses it, as `verify` does (it checked only the banks' rows)."""
+    _, ftw_dir, spec, rng = converted
+    path = ftw_dir / "dense.safetensors"
+    data = bytearray(path.read_bytes())
+    i = rng.randrange(len(data) // 2, len(data))  # in the tensors, past the header
+    data[i] ^= 1 << rng.randrange(8)
+    path.write_bytes(bytes(data))
+    opts = dict(device="cpu", progress=False, kv_tokens=256)
+    with pytest.raises(CheckpointError, match="dense.safetensors fails its checksum"):
+        Engine.load(ftw_dir, verify_checksums=True, **opts)
+    Engine.load(ftw_dir, **opts)  # off by default: the flip is not looked for
+
+
 def _manifest_damage(folder, field: str):
     manifest = json.loads((folder / "ftw.json").read_text())
     parent = manifest
