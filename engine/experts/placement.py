@@ -150,8 +150,9 @@ def offloads(
     spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype, dense: int
 ) -> bool:
     """Whether `make_bank` serves the experts from the host pool, with `dense` device bytes
-    of dense weights."""
-    if config.policy == "resident":
+    of dense weights. A model with no MoE layer (a MoE family's config whose layers are all
+    dense: mlp_only_layers, decoder_sparse_step) has no expert to offload: resident."""
+    if config.policy == "resident" or spec.n_moe_layers == 0:
         return False
     fits_policies = ("adaptive", "direct", "gpu-fill")  # load resident when everything fits
     return not (config.policy in fits_policies and _all_fit(spec, config, device, dtype, dense))

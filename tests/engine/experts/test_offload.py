@@ -386,3 +386,21 @@ def test_every_policy_loads_and_matches_resident_past_128_experts_a_token(tmp_pa
         engine = Engine.load(tmp_path, device="cpu", policy=policy, expert_slots=slots,
                              progress=False)  # fmt: skip
         assert engine.generate(prompt, sp).token_ids == want, policy
+
+
+def test_a_model_without_moe_layers_runs_under_every_policy(tmp_path, rng_seed):
+    """A MoE family's config whose layers are all dense (decoder_sparse_step past the layer
+    count) has no expert to offload: every policy loads and gives the resident tokens (the
+    offloading ones failed with an IndexError on the empty bank)."""
+    rng = random.Random(rng_seed)
+    layers = rng.randint(1, 3)
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_hidden_layers=layers,
+              decoder_sparse_step=layers + 1)  # fmt: skip
+    resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
+    assert resident.spec.n_moe_layers == 0
+    sp = SamplingParams(max_tokens=rng.randint(2, 5), temperature=0, ignore_eos=True)
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(3, 12))]
+    want = resident.generate(prompt, sp).token_ids
+    for policy in POLICIES:
+        engine = Engine.load(tmp_path, device="cpu", policy=policy, progress=False)
+        assert engine.generate(prompt, sp).token_ids == want, policy
