@@ -170,6 +170,15 @@ def make_bank(
     builds its 58 GB pool once); by default an empty one the loader fills."""
     n_rows = spec.n_moe_layers * spec.n_experts
     if not offloads(spec, config, device, dtype, dense):
+        experts = n_rows * 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
+        if config.gpu_budget is not None and config.gpu_budget < dense + experts:
+            # Checked here for a simulated GPU too (a CPU device with a budget), where the KV
+            # sizing (loading.size_kv_pool) checks no budget.
+            raise BudgetError(
+                f"a GPU budget of {size(config.gpu_budget)} cannot hold the dense weights "
+                f"({size(dense)}) and every expert ({size(experts)}), which policy "
+                f"{config.policy!r} keeps on the GPU: raise the budget or offload the experts"
+            )
         return ResidentExpertBank(spec, dtype, device)
     if dtype not in CPU_EXPERT_DTYPES:  # the first miss on the CPU would fail the step
         raise ConfigError(

@@ -165,6 +165,24 @@ def test_a_budget_short_of_the_slots_asked_for_is_refused(model_dir, rng_seed):
     assert engine.stats()["experts"]["slots"] == slots
 
 
+def test_a_resident_bank_past_the_budget_is_refused(model_dir, rng_seed):
+    """policy resident keeps every expert on the GPU: a budget short of them and the dense
+    weights is refused, on a simulated GPU (a CPU device) too, where it was ignored."""
+    rng = random.Random(rng_seed)
+    resident = Engine.load(model_dir, device="cpu", progress=False, policy="resident")
+    spec, dense = resident.spec, dense_nbytes(resident.loaded.model)
+    need = dense + spec.n_moe_layers * spec.n_experts * spec.expert_bytes
+    says = rf"budget of {MIB} cannot hold the dense weights \({MIB}\) and every expert"
+    with pytest.raises(BudgetError, match=says + rf" \({MIB}\), which policy 'resident'"):
+        Engine.load(model_dir, device="cpu", progress=False, policy="resident",
+                    gpu_budget=rng.randrange(1, need))  # fmt: skip
+    engine = Engine.load(model_dir, device="cpu", progress=False, policy="resident",
+                         gpu_budget=need + rng.randrange(1 << 20))  # fmt: skip
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompt = [rng.randrange(3, 100) for _ in range(5)]
+    assert engine.generate(prompt, sp).token_ids == resident.generate(prompt, sp).token_ids
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
