@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -232,6 +233,10 @@ class Engine:
         (dense weights, workspace, recurrent memory, 2 KV pages and the fewest expert slots:
         `engine.memory.floor`) is an InvalidRequestError that names it."""
         self._open()
+        if isinstance(nbytes, float) and nbytes.is_integer():  # 8e9 bytes
+            nbytes = int(nbytes)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
+            raise InvalidRequestError(f"the GPU budget is a count of bytes, got {nbytes!r:.40}")
         if self.memory is None:
             raise InvalidRequestError(
                 "this engine's memory is not elastic (experts resident, elastic=False, or no "

@@ -22,6 +22,12 @@ POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "gpu-fill", "resi
 # The fields that are byte counts (named in the refusal of a value that is not an integer).
 _BYTES = frozenset({"gpu_budget", "checkpoint_device_bytes", "checkpoint_host_bytes",
                     "elastic_group_bytes", "memory_reserve", "gpu_ceiling"})  # fmt: skip
+# The least value of integer fields that have one (a negative count made a tensor of negative
+# size deep in the load; max_model_len 0 read as "the model's").
+_LEAST = {"kv_pages": 2, "kv_tokens": 1, "max_model_len": 1, "expert_slots": 0,
+          "gpu_budget": 1, "checkpoint_device_bytes": 0, "checkpoint_host_bytes": 0,
+          "elastic_group_bytes": 1, "memory_reserve": 0, "gpu_ceiling": 1}  # fmt: skip
+SEED_MIN, SEED_END = -(2**63), 2**64  # what torch.Generator.manual_seed accepts
 
 
 def check_option_names(names: Iterable[str]) -> None:
@@ -230,6 +236,7 @@ class EngineConfig:
                     f"{f.name} must be an integer{' or None' if f.type != 'int' else ''}, got "
                     f"{value!r}" + (" (a count of bytes)" if f.name in _BYTES else "")
                 )
+        self._check_kinds()
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -241,6 +248,10 @@ class EngineConfig:
         if self.popular_pins is not None and not 0.0 <= self.popular_pins < 1.0:
             raise ValueError(f"popular_pins is a fraction of the slots in [0, 1), got "
                              f"{self.popular_pins}")  # fmt: skip
+        if not SEED_MIN <= self.seed < SEED_END:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_END}), got {self.seed}")
+        if not 0 < self.memory_poll_s < float("inf"):
+            raise ValueError(f"memory_poll_s must be a positive number, got {self.memory_poll_s}")
         from freetoken_agent.engine.kv.checkpoint_mode import CheckpointMode
 
         CheckpointMode.parse(self.checkpoints)  # a bad mode is refused at load, by name
@@ -248,3 +259,20 @@ class EngineConfig:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                    or budget < 0):  # fmt: skip
             raise ValueError(f"thinking_budget must be an integer >= 0 or None, got {budget!r}")
+
+    def _check_kinds(self) -> None:
+        """Switches must be booleans ("false" read as true), fractions and periods real
+        numbers, and the counts that have a least value at least that."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.type.endswith("| None"):
+                continue
+            if f.type.startswith("bool") and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be True or False, got {value!r:.40}")
+            if f.type.startswith("float") and (
+                isinstance(value, bool) or not isinstance(value, numbers.Real)
+            ):
+                raise ValueError(f"{f.name} must be a number, got {value!r:.40}")
+            least = _LEAST.get(f.name)
+            if least is not None and value < least:
+                raise ValueError(f"{f.name} must be at least {least}, got {value}")

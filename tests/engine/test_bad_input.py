@@ -395,6 +395,44 @@ def test_engine_options_of_the_wrong_name_or_type_are_named(model_dir, rng_seed)
         engine.close()
 
 
+def test_switches_fractions_and_counts_out_of_range_are_named(model_dir, rng_seed):
+    """A switch given as text ("false" read as on), a fraction as text (a bare TypeError), a
+    negative count (a tensor of negative size deep in the load), max_model_len 0 (read as
+    the model's), a seed past torch's range: each refused naming its field."""
+    rng = random.Random(rng_seed)
+    switch = rng.choice(["overlap_schedule", "double_buffer", "cuda_graphs", "elastic"])
+    cases = [
+        ({switch: rng.choice(["false", "no", 0, 1, None])}, f"{switch} must be True or False"),
+        ({"popular_pins": rng.choice(["0.5", True, [0.5]])}, "popular_pins must be a number"),
+        ({"expert_slots": -rng.randint(1, 9)}, "expert_slots must be at least 0"),
+        ({"kv_pages": rng.randint(-3, 1)}, "kv_pages must be at least 2"),
+        ({"max_model_len": rng.randint(-9, 0)}, "max_model_len must be at least 1"),
+        ({"elastic_group_bytes": rng.randint(-9, 0)}, "elastic_group_bytes must be at least 1"),
+        ({"seed": rng.choice([2**64 + rng.randrange(99), -(2**63) - 1])}, "seed must be in"),
+        ({"memory_poll_s": rng.choice([0, -1.0, float("nan"), float("inf")])}, "memory_poll_s"),
+    ]
+    for options, says in cases:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            Engine.load(model_dir, device="cpu", progress=False, **options)
+
+
+def test_set_gpu_budget_takes_a_count_of_bytes(model_dir, rng_seed):
+    """None, inf, text or a bool as the live budget are refused by name (a bare TypeError or
+    OverflowError); an integral float is taken as the load's budget is."""
+    rng = random.Random(rng_seed)
+    engine = Engine.load(model_dir, device="cpu", progress=False, gpu_budget=1 << 30,
+                         policy="transfer", kv_tokens=256)  # fmt: skip
+    try:
+        for bad in (None, float("inf"), float("nan"), "8GB", True, 1.5):
+            with pytest.raises(InvalidRequestError, match="a count of bytes"):
+                engine.set_gpu_budget(bad)
+        budget = float(rng.randint(engine.memory.floor, engine.memory.budget))
+        engine.set_gpu_budget(budget)
+        assert engine.stats()["elastic"]["budget"] == int(budget)
+    finally:
+        engine.close()
+
+
 def test_a_dict_where_sampling_params_go_is_refused_by_name(engine, rng_seed):
     """A dict of fields was read as a list of per-prompt params and failed on its keys
     ("'str' object has no attribute 'stop'")."""
