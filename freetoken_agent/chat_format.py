@@ -40,7 +40,7 @@ from freetoken_agent.anchor_locator import AnchorLocator, common_prefix, key_byt
 from freetoken_agent.continuation import continuation_end, continuation_probe
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.engine.prompt_input import context_length_error
-from freetoken_agent.engine.text.chat_template import ChatTemplate, ChatTemplateError
+from freetoken_agent.engine.text.chat_template import ChatTemplate, ChatTemplateError, plain_data
 from freetoken_agent.engine.text.tokenizer import Tokenizer, encode_text
 from freetoken_agent.literal_specials import LiteralSpecials
 from freetoken_agent.messages import Message, coerce_messages, to_template_messages
@@ -258,16 +258,19 @@ class ChatFormat:
         records = coerce_messages(messages)
         if not records:
             raise InvalidRequestError("cannot render an empty history: give at least one message")
-        dicts = to_template_messages(records)
+        # Plain data once (ChatTemplate.render_plain): the history and its variants are
+        # rendered once a message or more to locate anchors.
+        dicts = plain_data(to_template_messages(records))
         if continue_final:  # rendered with a mark after the last text: cut there below
             dicts, add_generation_prompt = continuation_probe(dicts), False
         tools = normalize_tools(tools)
         template = self.template(tools)
-        variables = {**self.template_kwargs, **kwargs}
+        tools = plain_data(tools)
+        variables = plain_data({**self.template_kwargs, **kwargs})  # `documents` among them
 
         def render(ds: list[dict], gen: bool, with_tools: bool = True) -> str:
             shown = tools if with_tools else None
-            return template.render(ds, tools=shown, add_generation_prompt=gen, **variables)
+            return template.render_plain(ds, shown, gen, **variables)
 
         try:
             full = render(dicts, add_generation_prompt)
@@ -282,8 +285,8 @@ class ChatFormat:
             # marking only makes the encoding longer (an added token becomes its text's tokens).
             raise context_length_error(len(ids), max_model_len)
         if self._literal.held_by(dicts, tools):  # control-token text in them: encoded as text
-            marked = lambda ds, ts: template.render(  # noqa: E731
-                ds, tools=ts, add_generation_prompt=add_generation_prompt, **variables
+            marked = lambda ds, ts: template.render_plain(  # noqa: E731
+                ds, ts, add_generation_prompt, **variables
             )
             spans = [s for s in self._literal.spans(marked, dicts, tools, full) if s[1] <= cut]
             ids, offsets = self._literal.encode(text, ids, offsets, spans)

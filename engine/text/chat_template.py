@@ -253,20 +253,39 @@ class ChatTemplate:
         """
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise TypeError("messages must be a list of message dicts")
-        if len(messages) == 0:
-            raise ValueError("cannot render an empty conversation: give at least one message")
-        chat = [_normalize_message(m, i) for i, m in enumerate(plain_data(list(messages)))]
         if tools is not None:
             for i, tool in enumerate(tools):
                 if not isinstance(tool, Mapping):
                     raise TypeError(
                         f"tool {i} must be a JSON-schema dict, got {type(tool).__name__}"
                     )
+        # Converted outside the template's `try`: input too deep to convert is the caller's
+        # error (InvalidRequestError), not the template's.
+        return self.render_plain(
+            plain_data(list(messages)),
+            plain_data(list(tools)) if tools is not None else None,
+            add_generation_prompt,
+            plain_data(list(documents)) if documents is not None else None,
+            **extra,
+        )
+
+    def render_plain(
+        self,
+        messages: list[Any],
+        tools: list[Any] | None = None,
+        add_generation_prompt: bool = True,
+        documents: list[Any] | None = None,
+        **extra: Any,
+    ) -> str:
+        """`render` of messages, tools and documents that are `plain_data`'s output already:
+        not converted again. ChatFormat converts a history once and renders it and its
+        variants (prefixes, probes) hundreds of times: converting each time was about a
+        quarter of a long history's first rendering. Anything else passed here would reach
+        the sandbox as it is, so only plain data may come this way."""
+        if len(messages) == 0:
+            raise ValueError("cannot render an empty conversation: give at least one message")
+        chat = [_normalize_message(m, i) for i, m in enumerate(messages)]
         variables = {**self.special_tokens, **plain_data(extra)}
-        # Converted outside the `try`: input too deep to convert is the caller's error
-        # (InvalidRequestError), not the template's.
-        tools = plain_data(list(tools)) if tools is not None else None
-        documents = plain_data(list(documents)) if documents is not None else None
         try:
             return self._template.render(
                 messages=chat,

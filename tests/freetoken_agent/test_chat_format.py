@@ -333,13 +333,13 @@ def test_a_full_render_cache_keeps_the_recently_used_sessions_warm(
 
     rng = random.Random(rng_seed)
     renders = {"n": 0}
-    real = ChatTemplate.render
+    real = ChatTemplate.render_plain  # (which ChatTemplate.render calls)
 
     def counting(self, *args, **kwargs):
         renders["n"] += 1
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ChatTemplate, "render", counting)
+    monkeypatch.setattr(ChatTemplate, "render_plain", counting)
 
     def renders_of(fmt: ChatFormat, history: list) -> int:
         before = renders["n"]

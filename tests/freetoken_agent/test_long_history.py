@@ -36,7 +36,7 @@ def tok(model_dir) -> Tokenizer:
 
 @pytest.fixture
 def renders(monkeypatch) -> list[int]:
-    """Counts the chat template renders (one per call of ChatTemplate.render)."""
+    """Counts the chat template renders (one per call of ChatTemplate.render_plain)."""
     return count_renders(monkeypatch)
 
 
