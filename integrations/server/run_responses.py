@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from freetoken_agent.engine.outputs import EngineClosedError, InvalidRequestError
+from freetoken_agent.integrations.server.bridge import TurnCancelled
 from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.keepalive import with_keepalive
 
@@ -134,6 +135,8 @@ async def serve_choices(request: Request, choices: Choices, wire: Wire, stream: 
                 return Response(status_code=499)  # the client left; nobody reads this
         except InvalidRequestError as e:
             return wire.refused(e)
+        except TurnCancelled as e:  # by another client of its session before it started
+            return wire.failed(str(e), 499)  # as a cancel mid-run is (named_stream.cut_short)
         except EngineClosedError as e:  # closed, or failed MAX_FAILURES steps: /health says so
             log.warning("refused a run: %s", e)  # once a request, no traceback: not a bug here
             return wire.failed(str(e), 503)

@@ -166,8 +166,7 @@ async def _drive(live: LiveSession, run: TurnRun, sender: Watcher) -> None:
             if isinstance(e, TurnCancelled):
                 sender.put({"type": "done", "turn": None, "finish_reason": "abort"})
                 return
-            message, param, _ = describe_invalid(e)
-            sender.put(error_json(message, param))
+            sender.put(error_json(*describe_invalid(e)))  # the code too (context length)
             sender.put({"type": "done", "turn": None, "finish_reason": "error"})
             return
         async for _ in run.events():
@@ -229,8 +228,8 @@ async def session_socket(ws: WebSocket) -> None:
             if message["type"] == "websocket.disconnect":
                 break
             text = message.get("text")
-            if text is None:
-                text = (message.get("bytes") or b"").decode("utf-8", "replace")
+            if text is None:  # a binary frame: read as UTF-8 JSON, refused if it is not
+                text = message.get("bytes") or b""
             task = _handle(text, live, watcher, state)
             if task is not None:
                 own = task
@@ -243,11 +242,15 @@ async def session_socket(ws: WebSocket) -> None:
         writer.cancel()
 
 
-def _handle(text: str, live: LiveSession, sender: Watcher, state: Any) -> asyncio.Task | None:
-    """One client message; returns the task of a turn it started."""
+def _handle(
+    text: str | bytes, live: LiveSession, sender: Watcher, state: Any
+) -> asyncio.Task | None:
+    """One client message (a text frame, or a binary one's bytes); returns the task of a turn
+    it started."""
     limit = state.max_body_bytes
     # Bytes, as the limit says (a character is 1 to 4 of them: count them only when it tells).
-    size = len(text) if 4 * len(text) <= limit else len(text.encode("utf-8", "replace"))
+    small = isinstance(text, bytes) or 4 * len(text) <= limit
+    size = len(text) if small else len(text.encode("utf-8", "replace"))
     if size > limit:
         sender.put(error_json(f"message larger than {limit} bytes", None, "message_too_large"))
         sender.put({"type": "done", "turn": None, "finish_reason": "error"})  # the UI waits

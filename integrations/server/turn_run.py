@@ -36,7 +36,7 @@ from freetoken_agent.engine.outputs import SchemaError, TokenEvent, TokenLogprob
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.one_call import FirstCallOnly
 from freetoken_agent.integrations.openai_logprobs import TokenStrings
-from freetoken_agent.integrations.server.bridge import Turn
+from freetoken_agent.integrations.server.bridge import Turn, TurnCancelled
 from freetoken_agent.integrations.server.chat_request import TurnRequest
 from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.integrations.server.hub import LiveSession
@@ -157,8 +157,10 @@ class TurnRun:
         live, turn = self.live, self.turn
         try:
             with live.turn_lock:
-                if turn.cancelled:  # its client left while it waited (serve_choices): nothing
-                    return  # to render for nobody; start() has let go of it
+                if turn.cancelled:  # while it waited: its client left (serve_choices; start()
+                    # has let go), or a `cancel` came before it ran (start() waits: told so)
+                    put(TurnCancelled("the turn was cancelled before it started"))
+                    return
                 request = self.request = self._rebased()
                 live.session.tools = request.tools
                 live.session.chat_format = live.formats.get(request.enable_thinking)

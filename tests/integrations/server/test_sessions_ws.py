@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import string
+import threading
 import time
 
 import pytest
@@ -163,6 +164,40 @@ def test_cancel_and_a_closing_sender_abort_the_turn(client, engine, rng_seed):
         assert engine.kv.allocator.n_free == engine.kv.allocator.capacity
 
 
+def _done_within(ws, seconds: float) -> list[dict]:
+    """_until_done, failing (not hanging) when no done comes in time."""
+    out: dict = {}
+    reader = threading.Thread(target=lambda: out.update(events=_until_done(ws)), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    assert not reader.is_alive(), "no 'done' came"
+    return out["events"]
+
+
+def test_a_cancel_before_the_turn_starts_ends_it(client, rng_seed):
+    """A cancel that comes before the turn's worker runs (both frames at once, or the turn
+    waiting for the session's lock behind another): the turn ends with its done (abort).
+    It ended with nothing, and the session stayed running, refusing every later send."""
+    rng = random.Random(rng_seed)
+    sid = f"early-{rng_seed}"
+    with client.websocket_connect(URL.format(sid)) as ws:
+        _join(ws)
+        live = client.app.state.server.hub.get(sid)
+        with live.turn_lock:  # the worker waits here, as behind another turn of the session
+            _send(ws, rng)
+            ws.send_json({"type": "cancel"})
+            deadline = time.monotonic() + 10
+            while live.running is None or not live.running.turn.cancelled:
+                assert time.monotonic() < deadline, "the cancel never reached the turn"
+                time.sleep(0.005)
+        events = _done_within(ws, 30)
+        assert events[-1] == {"type": "done", "turn": None, "finish_reason": "abort"}, events
+        assert live.running is None
+        _send(ws, rng)  # the session is free again
+        events = _done_within(ws, 60)
+        assert events[0]["type"] == "start" and events[-1]["finish_reason"] in ("stop", "length")
+
+
 @pytest.mark.parametrize("sender", ["socket", "openai_stream"])
 def test_a_turn_whose_sender_leaves_still_ends_for_its_watchers(client, rng_seed, sender):
     """The sender's task read the turn's events; it is cancelled when the sender leaves, and
@@ -230,6 +265,23 @@ def test_bad_messages_get_an_error_and_the_socket_stays(client, rng_seed):
         ws.receive_json()
         ws.send_json({"type": "cancel"})
         assert "no turn is running" in ws.receive_json()["message"]
+        # A binary frame is UTF-8 JSON, refused as the HTTP body is when it is not (it was
+        # decoded with replacement characters and run).
+        word = "caf\u00e9 " * rng.randint(1, 5)
+        latin = {"type": "send", "messages": [{"role": "user", "content": word}]}
+        ws.send_bytes(json.dumps(latin, ensure_ascii=False).encode("latin-1"))
+        error = ws.receive_json()
+        assert "not UTF-8" in error["message"] and error["code"] == "invalid_json", error
+        ws.receive_json()
+        # Past the context: the code clients trim a history on, as the chat route gives it.
+        client_max = client.app.state.server.service.engine.max_model_len
+        long = " ".join(_text(rng) for _ in range(client_max))
+        ws.send_json({"type": "send", "messages": [{"role": "user", "content": long}]})
+        error = ws.receive_json()
+        assert error["type"] == "error" and error["code"] == "context_length_exceeded", error
+        assert ws.receive_json()["type"] == "done"
+        ws.send_bytes(json.dumps({**latin, "sampling": {"max_tokens": 4}}).encode())
+        assert _until_done(ws)[-1]["finish_reason"] in ("stop", "length", "tool_calls")
         _send(ws, rng)  # still works
         assert _until_done(ws)[-1]["finish_reason"] in ("stop", "length", "tool_calls")
 
