@@ -14,7 +14,8 @@ The client sends JSON messages:
 
 `messages` is the whole history (OpenAI form), as agents resend it every turn; with `"append":
 true` it is only what is new, added to the history the session kept from its last finished turn
-(its messages and the reply), and a send that names no `tools` keeps the tools of the session's
+(its messages and the reply; for a turn interrupted after writing something, what it wrote,
+without the calls it began), and a send that names no `tools` keeps the tools of the session's
 last turn (`"tools": []` offers none). `model` is optional; given, it must name the served model
 or an alias (else an `error` with code `model_not_found`). The server answers with the events of
 `session_events` (start, reasoning, content, tool_call, tool_result, usage, memory, done, ...),

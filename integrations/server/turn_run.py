@@ -388,9 +388,18 @@ class TurnRun:
 
     def _done(self) -> None:
         reason = self.finish_reason()
-        if reason in ("stop", "length", "tool_calls"):
+        reply = self.reply.message()
+        if reason == "abort" and (reply.content or reply.reasoning):
+            # Interrupted (a cancel, or its socket closed) after writing something: the turn
+            # stays, as chat UIs keep a stopped answer, so that an `append` steering it next
+            # is read with the question it interrupts (and its KV is reused). Calls it began
+            # are dropped: none of them ran. With nothing written the turn leaves no trace.
+            reply = dataclasses.replace(reply, tool_calls=[])
+            kept = True
+        else:
+            kept = reason in ("stop", "length", "tool_calls")
+        if kept:
             *before, last = self.request.messages
-            reply = self.reply.message()
             if self.request.continue_final:  # the last message goes on with the reply
                 self.live.history = [*before, continued_message(last, reply)]
             else:

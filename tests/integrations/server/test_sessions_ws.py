@@ -192,10 +192,41 @@ def test_a_cancel_before_the_turn_starts_ends_it(client, rng_seed):
                 time.sleep(0.005)
         events = _done_within(ws, 30)
         assert events[-1] == {"type": "done", "turn": None, "finish_reason": "abort"}, events
-        assert live.running is None
+        assert live.running is None and live.history == []  # nothing written: no trace
         _send(ws, rng)  # the session is free again
         events = _done_within(ws, 60)
         assert events[0]["type"] == "start" and events[-1]["finish_reason"] in ("stop", "length")
+
+
+def test_an_interrupted_turn_stays_for_the_next_append(client, rng_seed):
+    """A turn cancelled after writing something stays in the kept history, its question and
+    what was written (no calls), as chat UIs keep a stopped answer: an `append` steering it
+    is read with the question it interrupts, and reuses its KV. It was dropped whole."""
+    rng = random.Random(rng_seed)
+    sid = f"steer-{rng_seed}"
+    question = _text(rng)
+    with client.websocket_connect(URL.format(sid)) as ws:
+        _join(ws)
+        ws.send_json({"type": "send", "append": True,
+                      "messages": [{"role": "user", "content": question}],
+                      "sampling": {"max_tokens": 900, "ignore_eos": True}})  # fmt: skip
+        written = 0
+        while written < 3:  # some reasoning or content out, then the interrupt
+            event = ws.receive_json()
+            written += event["type"] in ("reasoning", "content")
+        ws.send_json({"type": "cancel"})
+        events = _until_done(ws)
+        usage = next(e for e in events if e["type"] == "usage")
+        assert events[-1]["finish_reason"] == "abort" and usage["completion_tokens"] < 900
+        with client.websocket_connect(URL.format(sid)) as page:  # a page joining now
+            history = _join(page)[0]["history"]
+        assert [m["role"] for m in history] == ["user", "assistant"]
+        assert history[0]["content"] == question and not history[1].get("tool_calls")
+        partial = history[1]
+        assert partial.get("content") or partial.get("reasoning_content")
+        _send(ws, rng)  # steering: the question and the partial answer come first
+        usage = next(e for e in _until_done(ws) if e["type"] == "usage")
+        assert usage["reused_tokens"] > 0
 
 
 @pytest.mark.parametrize("sender", ["socket", "openai_stream"])
