@@ -57,14 +57,22 @@ _services: weakref.WeakKeyDictionary[Any, EngineService] = weakref.WeakKeyDictio
 
 def shared_service(engine: Any) -> tuple[EngineService, bool]:
     """The engine's live EngineService, made now if it has none (a service is returned as is),
-    and whether this call made it (its maker closes it)."""
+    and whether the caller holds it: a holder calls `release()` once done, and a service made
+    here closes when its last holder releases it (two MCP hosts or a host and a server on one
+    engine: the first to close closed the other's service under it). A service its own maker
+    made (`EngineService(engine)`), or one passed in, is held by nobody: its maker closes it."""
     if isinstance(engine, EngineService):
         return engine, False
     with _services_lock:
         live = _services.get(engine)
         if live is not None:
-            return live, False
-        return EngineService(engine), True
+            if live._holders is None:  # made by hand: its maker's to close
+                return live, False
+            live._holders += 1
+            return live, True
+        made = EngineService(engine)
+        made._holders = 1
+        return made, True
 
 
 @atexit.register
@@ -80,7 +88,8 @@ def _close_at_exit() -> None:
 
 
 def service_for(engine: Any) -> EngineService:
-    """The one EngineService of `engine` (made on first use); a service is returned as is."""
+    """The one EngineService of `engine` (made on first use); a service is returned as is.
+    The caller holds it for the program's life (it never releases it)."""
     return shared_service(engine)[0]
 
 
@@ -100,6 +109,7 @@ class EngineService:
         self._aborts: deque[tuple[str, Sink | None]] = deque()  # applied under the lock
         self._work = threading.Condition(self.lock)
         self._closed: str | None = None  # why submit is refused
+        self._holders: int | None = None  # shared_service's holders (None: made by hand)
         self._thread = threading.Thread(target=self._loop, name="freetoken-engine", daemon=True)
         self._thread.start()
 
@@ -371,6 +381,18 @@ class EngineService:
         for rid in list(self._sinks):
             self._end(rid, TokenEvent(rid, None, "", 0, True, "abort", why))
         self._work.notify()
+
+    def release(self) -> None:
+        """A holder is done with the service (shared_service): the last one closes it."""
+        with _services_lock:
+            if self._holders is None or self._holders <= 0:
+                return
+            self._holders -= 1
+            last = self._holders == 0
+            if last and _services.get(self.engine) is self:
+                del _services[self.engine]  # no new holder finds it while it closes
+        if last:
+            self.close()
 
     def close(self) -> None:
         """Abort every request and stop the thread."""

@@ -25,7 +25,7 @@ _DONE: Any = object()
 
 def as_service(engine: Any) -> tuple[EngineService, bool]:
     """The engine's one service (`shared_service`: made here when a bare Engine has none yet)
-    and whether the caller now owns that service (and must close it)."""
+    and whether the caller holds it (and must release it)."""
     if isinstance(engine, EngineService):
         return engine, False
     if not hasattr(engine, "step") or not hasattr(engine, "tokenizer"):

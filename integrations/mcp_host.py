@@ -203,7 +203,7 @@ class MCPHost:
         await asyncio.gather(*(c.close() for c in self.connections.values()))
         self.connections.clear()
         if self._owns_service and self._service is not None:
-            self._service.close()
+            self._service.release()  # closed by its last holder (shared_service)
         self._service = None
 
     # --- the tool index -------------------------------------------------------------------

@@ -22,8 +22,9 @@ a model this one does not have, learns it at once instead of getting another mod
 A request without `model` (or with null) gets the served one. Middleware, outermost first:
 BrowserGuard (foreign pages and DNS rebinding), BearerAuth (when `api_key` is set), BodyLimit
 (413 past `max_body_bytes`). Given an Engine, the app uses the engine's one EngineService
-(`shared_service`), made here and closed at shutdown when the engine has none yet; given a
-service, or an engine whose service another part of the program made, the caller owns it.
+(`shared_service`), held by the app and released at shutdown (the last holder closes a service
+made that way); given a service, or an engine whose service its maker made by hand, the caller
+owns it.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def create_app(
         max_len = int(service.engine.max_model_len)
     except BaseException:
         if owns:
-            service.close()
+            service.release()
         raise
     default_id = f"freetoken/{service.spec.arch}"
     model_id = model_id or default_id
@@ -169,8 +170,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         yield
-        if state.owns_service:
-            await asyncio.to_thread(service.close)
+        if state.owns_service:  # a holder (shared_service): the last one closes it
+            await asyncio.to_thread(service.release)
 
     middleware = []
     if origins:

@@ -312,6 +312,33 @@ def test_one_live_service_per_engine_shared_by_the_integrations(engine, rng_seed
         again.close()
 
 
+def test_holders_share_a_made_service_and_the_last_one_closes_it(engine, rng_seed):
+    """Two holders of one engine's service (two MCP hosts, a host and a server): the first to
+    let go left the other with a closed service (EngineClosedError mid-use). Now each holder
+    releases it and the last one closes it; a service_for holder never lets go."""
+    from freetoken_agent.integrations.mcp_engine import as_service
+    from freetoken_agent.service import service_for, shared_service
+
+    rng = random.Random(rng_seed)
+    sp = SamplingParams(max_tokens=rng.randint(3, 8), temperature=0, ignore_eos=True)
+    holders = [shared_service(engine) for _ in range(rng.randint(2, 4))]
+    service = holders[0][0]
+    assert all(s is service and held for s, held in holders)
+    for s, _ in holders[:-1]:
+        s.release()
+        out = [e.token_id for e in _drain(service.stream(_prompts(rng, 1)[0], sp))]
+        assert len(out) == sp.max_tokens and not service.closed
+    service.release()  # the last holder
+    assert service.closed
+    service.release()  # once more: nothing
+    made, held = as_service(engine)  # a new one for the next holder
+    assert made is not service and held
+    assert service_for(engine) is made  # held for the program's life
+    made.release()
+    assert not made.closed
+    made.close()
+
+
 def test_a_raising_sink_fails_only_its_own_request(engine, rng_seed, caplog):
     rng = random.Random(rng_seed)
     prompts = _prompts(rng, 2)
