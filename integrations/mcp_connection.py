@@ -49,6 +49,11 @@ from mcp.shared._httpx_utils import (
 )
 from mcp.shared.exceptions import MCPError
 
+try:  # the 2026-07-28 protocol's subscriptions (mcp 2.x releases that speak it)
+    from mcp.client.subscriptions import ListenNotSupportedError
+except ImportError:  # pragma: no cover - an mcp release without them: notifications only
+    ListenNotSupportedError = None
+
 from freetoken_agent.integrations.mcp_config import ServerConfig
 from freetoken_agent.integrations.mcp_stderr import CapturedStderr
 from freetoken_agent.integrations.mcp_transport import tracking, watched
@@ -153,6 +158,7 @@ class ServerConnection:
                 )
                 await stack.enter_async_context(client)
                 self._set_tools(await _list_tools(client))
+                await self._listen(client, stack)
                 self._client = client
                 ready.set_result(None)
                 await self._serve(client, stop, wake)
@@ -191,6 +197,46 @@ class ServerConnection:
                 if not self._relist:
                     self._listed.set()
 
+    async def _listen(self, client: Client, stack: AsyncExitStack) -> None:
+        """Under the 2026-07-28 protocol (`protocol` "auto" or that version) a server tells a
+        changed tool list only on a `subscriptions/listen` stream the client opened, not
+        unasked as before: open one where the server offers list changes, for the
+        connection's life, and read it (each event: list again). An older protocol refuses
+        it (ListenNotSupportedError): its notifications come unasked (`_on_message`). A
+        version given as is skips the discovery that reads the server's capabilities (none
+        are known then): the subscription is tried."""
+        if ListenNotSupportedError is None:
+            return
+        caps = client.server_capabilities
+        tools = caps.tools if caps is not None else None
+        offered = tools.list_changed if tools is not None else None  # None: not known
+        if offered is False:
+            return  # the server said it tells no changes
+        try:
+            sub = await stack.enter_async_context(client.listen(tools_list_changed=True))
+        except ListenNotSupportedError:
+            return
+        except Exception as e:  # noqa: BLE001 - the tools work without it
+            level = logging.WARNING if offered else logging.DEBUG  # promised, or only tried
+            log.log(level, "MCP server %r: could not subscribe to its tool list changes (%s); "
+                    "a new tool is seen after a restart", self.name, _describe(e))  # fmt: skip
+            return
+        reader = asyncio.create_task(self._read_changes(sub), name=f"mcp-listen-{self.name}")
+        stack.callback(reader.cancel)
+
+    async def _read_changes(self, subscription: Any) -> None:
+        try:
+            async for _ in subscription:
+                self._tools_changed()
+        except Exception as e:  # noqa: BLE001 - the stream dropped: notifications may go on
+            log.debug("MCP server %r: its change stream ended: %s", self.name, _describe(e))
+
+    def _tools_changed(self) -> None:
+        """List the tools again before the next turn (several changes: one listing)."""
+        self._relist = True
+        self._listed.clear()
+        self._wake.set()
+
     def _set_tools(self, tools: list[types.Tool]) -> None:
         self.tools = tools
         self.tools_generation += 1
@@ -198,9 +244,7 @@ class ServerConnection:
     async def _on_message(self, message: Any) -> None:
         """The client's message handler: server notifications and transport faults."""
         if getattr(message, "method", None) == "notifications/tools/list_changed":
-            self._relist = True
-            self._listed.clear()
-            self._wake.set()
+            self._tools_changed()
 
     def _transport_closed(self, stop: asyncio.Event) -> None:
         """The read stream ended: the server is gone (a stdio server exited). Called from the

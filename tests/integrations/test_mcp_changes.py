@@ -42,16 +42,20 @@ app = MCPServer("changing", log_level="WARNING")
 def offer(name):
     app.add_tool(lambda: name + ":ran", name=name, description="the tool " + name[::-1])
 
+async def changed(ctx):
+    await ctx.session.send_tool_list_changed()  # to clients of the protocols before 2026-07-28
+    await ctx.notify_tools_changed()  # on the 2026-07-28 subscriptions/listen stream
+
 @app.tool()
 async def add(name: str, ctx: Context) -> str:
     offer(name)
-    await ctx.session.send_tool_list_changed()
+    await changed(ctx)
     return "added " + name
 
 @app.tool()
 async def drop(name: str, ctx: Context) -> str:
     app.remove_tool(name)
-    await ctx.session.send_tool_list_changed()
+    await changed(ctx)
     return "dropped " + name
 
 for name in sys.argv[1:]:
@@ -113,7 +117,12 @@ async def _until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def test_a_changed_tool_list_reaches_the_next_turn_not_this_one(real_engine, tmp_path, rng_seed):
+@pytest.mark.parametrize("protocol", ["legacy", "auto", "2026-07-28"])
+def test_a_changed_tool_list_reaches_the_next_turn_not_this_one(
+    real_engine, tmp_path, rng_seed, protocol
+):
+    """Under every protocol setting: the 2026-07-28 protocol tells a change only on the
+    subscription the host opens (it was never opened: the list stayed stale)."""
     rng = random.Random(rng_seed)
     old, new = _word(rng), _word(rng)
     fake = ScriptedEngine(real_engine)
@@ -123,7 +132,8 @@ def test_a_changed_tool_list_reaches_the_next_turn_not_this_one(real_engine, tmp
         (_call(old), "stop"),
         (f"done {_word(rng)}", "stop"),
     ]
-    config = {"mcpServers": {"changing": _stdio(tmp_path, CHANGING_SERVER, old)}}
+    server = {**_stdio(tmp_path, CHANGING_SERVER, old), "protocol": protocol}
+    config = {"mcpServers": {"changing": server}}
 
     async def main(service: EngineService) -> tuple[RunResult, MCPHost]:
         async with MCPHost.from_config(config, engine=service) as host:
