@@ -40,7 +40,12 @@ SYSTEM = "You are a coding assistant. Use the file tools to inspect the project 
 
 
 def load_servers(path: Path) -> dict:
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except OSError as e:  # said as the host says it (main prints one line)
+        raise MCPConfigError(f"cannot read MCP config {path}: {e}") from e
+    except json.JSONDecodeError as e:
+        raise MCPConfigError(f"MCP config {path} is not JSON: {e}") from e
     servers = config.get("mcpServers") if isinstance(config, dict) else None
     for entry in servers.values() if isinstance(servers, dict) else ():  # (else the host says)
         if isinstance(entry, dict) and entry.get("command") == "python":

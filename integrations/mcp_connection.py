@@ -462,10 +462,17 @@ async def _answers(client: Client) -> bool:
 
 
 async def _list_tools(client: Client) -> list[types.Tool]:
+    """Every page of the server's tools; none for a server without tools/list (a resources-
+    or prompts-only server declares no tools capability and answers "method not found")."""
     tools: list[types.Tool] = []
     cursor = None
     for _ in range(100):  # a server whose cursor never ends must not hang the start
-        page = await client.list_tools(cursor=cursor, cache_mode="bypass")
+        try:
+            page = await client.list_tools(cursor=cursor, cache_mode="bypass")
+        except MCPError as e:
+            if e.code == types.METHOD_NOT_FOUND and cursor is None:
+                return []
+            raise
         tools += page.tools
         cursor = page.next_cursor
         if not cursor:

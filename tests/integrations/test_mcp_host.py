@@ -493,6 +493,49 @@ def test_server_errors_with_the_sdks_own_codes_are_tool_errors(engine, tmp_path,
         assert logs[name].read_text() == "start\n"  # never restarted
 
 
+# A server of resources only: it declares no tools capability and answers tools/list with
+# "method not found", as a server that does not implement it must.
+NO_TOOLS_SERVER = """
+import json, sys
+def send(obj):
+    sys.stdout.write(json.dumps(obj) + "\\n"); sys.stdout.flush()
+for line in sys.stdin:
+    msg = json.loads(line)
+    mid, method = msg.get("id"), msg.get("method")
+    if mid is None:
+        continue
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"capabilities": {"resources": {}},
+              "protocolVersion": msg["params"]["protocolVersion"],
+              "serverInfo": {"name": "docs", "version": "0"}}})
+    else:
+        send({"jsonrpc": "2.0", "id": mid, "error": {"code": -32601, "message": "no " + method}})
+"""
+
+
+def test_a_server_without_tools_starts_with_none(engine, tmp_path, rng_seed):
+    """A resources-only server (no tools capability) starts, with no tools, beside a server
+    with tools (it was reported as failed to start: "Method not found")."""
+    rng = random.Random(rng_seed)
+    script = tmp_path / "docs.py"
+    script.write_text(NO_TOOLS_SERVER)
+    raw = tmp_path / "raw.py"
+    raw.write_text(RAW_ERROR_SERVER)
+    docs, tools = _word(rng, 6), _word(rng, 6)
+    config = {docs: _stdio(script), tools: _stdio(raw, "-32000", "x", str(tmp_path / "l.log"))}
+
+    async def main() -> tuple[dict, list[str], ToolExecuted, list[str]]:
+        async with _host(config, engine) as host:
+            names = [t["function"]["name"] for t in host.tools]
+            pong = await host.execute(ToolCall("c", "ping", {}))
+            return dict(host.failures), names, pong, sorted(host.connections)
+
+    failures, names, pong, connected = asyncio.run(main())
+    assert failures == {} and connected == sorted([docs, tools])
+    assert sorted(names) == ["lookup", "ping"]  # the docs server's: none
+    assert pong.result.content == "pong" and not pong.result.is_error
+
+
 def test_long_tool_results_are_cut_to_fit_the_context(engine, tmp_path, rng_seed):
     rng = random.Random(rng_seed)
     script = tmp_path / "dump.py"
@@ -711,11 +754,14 @@ def test_coding_assistant_example_runs(monkeypatch, capsys):
     [
         ({"servers": {}}, "mcpServers"),
         ({"mcpServers": {"ghost": {"command": "/nonexistent/freetoken-mcp"}}}, "list_files"),
+        ('{"mcpServers": {"files": {"command": "x"},}}', "is not JSON"),  # a trailing comma
+        (None, "cannot read MCP config"),  # no such file
     ],
 )
 def test_coding_assistant_example_says_why_it_cannot_run(config, said, tmp_path, monkeypatch):
-    """A config the host refuses, or one whose server does not start: the example exits with
-    one line saying so (it ended in a KeyError or ValueError traceback)."""
+    """A config the host refuses, one whose server does not start, one that is no JSON or no
+    file: the example exits with one line saying so (it ended in a KeyError, ValueError,
+    JSONDecodeError or FileNotFoundError traceback)."""
     sys.path.insert(0, str(REPO / "examples"))
     monkeypatch.setenv("MCP_FILE_ROOT", "")
     try:
@@ -723,7 +769,8 @@ def test_coding_assistant_example_says_why_it_cannot_run(config, said, tmp_path,
     finally:
         sys.path.remove(str(REPO / "examples"))
     path = tmp_path / "servers.json"
-    path.write_text(json.dumps(config))
+    if config is not None:
+        path.write_text(config if isinstance(config, str) else json.dumps(config))
     with pytest.raises(SystemExit) as done:
         example.main(["--config", str(path), "--device", "cpu", "--context", "1024"])
     assert said in str(done.value.code)
