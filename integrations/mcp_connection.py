@@ -107,6 +107,7 @@ class ServerConnection:
         self._listed.set()
         self._broken: str | None = None  # why the running connection stopped working
         self._session_lost = False  # an HTTP server answered 404 to our session id
+        self._http_refusal: str | None = None  # the last error status an HTTP server answered
         # One restart at a time: calls that find the server gone together restart it once
         # (each would otherwise end the process the one before it had just started).
         self._restarting = asyncio.Lock()
@@ -124,6 +125,7 @@ class ServerConnection:
         self._wake = asyncio.Event()
         self._broken = None
         self._session_lost = False
+        self._http_refusal = None
         self._owner = asyncio.create_task(self._own(ready), name=f"mcp-server-{self.name}")
         try:
             await asyncio.wait_for(asyncio.shield(ready), self.config.startup_timeout)
@@ -136,7 +138,8 @@ class ServerConnection:
         except Exception as e:
             await self._end_owner()
             raise MCPServerError(
-                f"MCP server {self.name!r} failed to start: {_describe(e)}{self._stderr_note()}"
+                f"MCP server {self.name!r} failed to start: {_describe(e)}"
+                f"{self._http_note()}{self._stderr_note()}"
             ) from None
 
     async def _own(self, ready: asyncio.Future[None]) -> None:
@@ -294,6 +297,18 @@ class ServerConnection:
         SDK reports it only as the call's INVALID_REQUEST error, which a tool may answer too."""
         if response.status_code == 404 and MCP_SESSION_ID in response.request.headers:
             self._session_lost = True
+        elif response.status_code >= 400:  # the SDK says only "an error response": keep it
+            self._http_refusal = f"{response.status_code} {response.reason_phrase}".strip()
+
+    def _http_note(self) -> str:
+        if self._http_refusal is None:
+            return ""
+        hint = (
+            ": check the credentials in its headers"
+            if self._http_refusal[:3] in ("401", "403")
+            else ""
+        )
+        return f" (the server answered HTTP {self._http_refusal}{hint})"
 
     async def close(self) -> None:
         await self._end_owner()
@@ -356,7 +371,7 @@ class ServerConnection:
                     timeout + _GRACE,
                 )
         except asyncio.TimeoutError:
-            return CallOutcome(self._timed_out(tool), True)
+            return await self._after_timeout(client, tool)
         except MCPError as e:
             if self._session_lost and e.code == types.INVALID_REQUEST:
                 # Refused before it ran (no session): sent again on a new session.
@@ -368,7 +383,7 @@ class ServerConnection:
             # not found"). Its timeout cannot fire before `timeout`; its connection error
             # leaves a session that answers nothing more. Anything else is the server's.
             if e.code == types.REQUEST_TIMEOUT and time.monotonic() - start >= timeout:
-                return CallOutcome(self._timed_out(tool), True)
+                return await self._after_timeout(client, tool)
             if e.code == types.CONNECTION_CLOSED and not attempt.sent:
                 # The SDK refused to write it: the server had gone before the call.
                 self._broken = self._broken or "it exited"
@@ -406,6 +421,16 @@ class ServerConnection:
             self._broken = str(e)
             return f"MCP server {self.name!r} is not running and could not be restarted: {e}"
         return None
+
+    async def _after_timeout(self, client: Client, tool: str) -> CallOutcome:
+        """A call that timed out. A server that answers nothing more either (its event loop
+        blocked by the tool, a deadlock) is restarted by the next call, which would otherwise
+        wait out the whole timeout again, and every call after it."""
+        note = ""
+        if not await _answers(client, min(_PROBE_TIMEOUT, self.config.timeout)):
+            self._broken = self._broken or "it stopped answering (a call timed out, then a probe)"
+            note = "; the server answers nothing more: the next call restarts it"
+        return CallOutcome(self._timed_out(tool) + note, True)
 
     def _timed_out(self, tool: str) -> str:
         return (
@@ -448,12 +473,13 @@ def _content_text(block: Any) -> str:
     return f"[{kind} content{' (' + mime + ')' if mime else ''} omitted: this model reads text]"
 
 
-async def _answers(client: Client) -> bool:
-    """Whether the server still answers a request; any reply counts, an error one too. A closed
-    session fails at once, without a round trip. tools/list rather than ping: ping is gone
-    from the 2026 protocol, and the cache must be bypassed to reach the server."""
+async def _answers(client: Client, timeout: float = _PROBE_TIMEOUT) -> bool:
+    """Whether the server still answers a request within `timeout`; any reply counts, an error
+    one too. A closed session fails at once, without a round trip. tools/list rather than
+    ping: ping is gone from the 2026 protocol, and the cache must be bypassed to reach the
+    server."""
     try:
-        await asyncio.wait_for(client.list_tools(cache_mode="bypass"), _PROBE_TIMEOUT)
+        await asyncio.wait_for(client.list_tools(cache_mode="bypass"), timeout)
     except MCPError as e:
         return e.code != types.CONNECTION_CLOSED
     except Exception:  # noqa: BLE001 - a broken transport or no answer: it is gone

@@ -607,6 +607,46 @@ def test_server_sampling_is_answered_by_the_local_model(engine, tmp_path, rng_se
     assert host.sampler.log[0].system == system and host.sampler.log[0].max_tokens == max_tokens
 
 
+@pytest.mark.parametrize("status", [401, 403, 500])
+def test_an_http_server_refusing_the_start_is_named_with_its_status(engine, rng_seed, status):
+    """Streamable HTTP: the SDK says only "Server returned an error response"; the failure
+    now names the status (and, for 401/403, the headers to check)."""
+    import http.server
+    import threading
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _refuse(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_POST = do_GET = do_DELETE = _refuse
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    name = _word(random.Random(rng_seed), 6)
+    url = f"http://127.0.0.1:{server.server_address[1]}/mcp"
+
+    async def main() -> dict[str, str]:
+        entry = {"url": url, "headers": {"Authorization": "Bearer x"}, "startup_timeout": 20}
+        async with _host({name: entry}, engine) as host:
+            return dict(host.failures)
+
+    try:
+        failures = asyncio.run(main())
+    finally:
+        server.shutdown()
+    said = failures[name]
+    assert f"HTTP {status} " in said, said
+    assert ("check the credentials" in said) == (status in (401, 403)), said
+
+
 @pytest.mark.parametrize("transport", ["streamable-http", "sse"])
 def test_http_server_with_headers_and_sampling(engine, tmp_path, rng_seed, transport):
     """Streamable HTTP, and the older HTTP+SSE transport (Claude Code's `"type": "sse"`, or a

@@ -35,6 +35,13 @@ ONCE_SERVER = LOGGING_SERVER.replace(
     'note("start")\nif open(log).read().count("start") > 1:\n    sys.exit(3)',
 )
 
+# Its `freeze` blocks the server's event loop: it answers nothing more.
+HUNG_SERVER = LOGGING_SERVER.replace(
+    "@app.tool()\ndef pid()",
+    "@app.tool()\nasync def freeze() -> str:\n    import time\n    time.sleep(600)\n"
+    "    return 'never'\n\n@app.tool()\ndef pid()",
+)
+
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
@@ -202,3 +209,30 @@ def test_a_chatty_servers_stderr_is_cut_to_its_tail(engine, tmp_path, rng_seed):
     assert min(sizes[2:]) < chunk * 2, sizes  # cut
     # The latest text, whole: the last call's shouts, then the crash's words.
     assert tail.endswith(last + end) and "its stderr ended with:" in crashed, (tail, crashed)
+
+
+def test_a_server_that_stops_answering_is_restarted_by_the_next_call(engine, tmp_path, rng_seed):
+    """A tool that blocks its server's loop times out; the probe after it gets no answer, so
+    the next call restarts the server (it waited out the whole timeout, as every later call
+    did: the restarts covered only servers that exit)."""
+    rng = random.Random(rng_seed)
+    assert "async def freeze" in HUNG_SERVER
+    log = tmp_path / "server.log"
+    timeout = rng.choice([1.5, 2.0])
+    config = {"mcpServers": {"h": {**_stdio(_script(tmp_path, HUNG_SERVER), log),
+                                   "timeout": timeout}}}  # fmt: skip
+    text = _word(rng)
+
+    async def main() -> tuple[ToolResult, ToolResult, float]:
+        async with MCPHost.from_config(config, engine=engine) as host:
+            frozen = await _call(host, "freeze")
+            start = time.monotonic()
+            echoed = await _call(host, "echo", text=text)
+            return frozen, echoed, time.monotonic() - start
+
+    frozen, echoed, seconds = asyncio.run(main())
+    assert frozen.is_error and "timed out" in frozen.content, frozen
+    assert "the next call restarts it" in frozen.content, frozen
+    assert echoed.content == f"echo:{text}" and not echoed.is_error, echoed
+    assert seconds < timeout + 20
+    assert log.read_text().count("start") == 2
