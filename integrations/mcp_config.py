@@ -10,7 +10,9 @@ optional `headers`) or the older HTTP+SSE transport (`url` with `"type": "sse"`,
 reads it, a url whose path ends in `/sse`); `type` may say which ("stdio", "http",
 "streamable-http", "sse"). In any of those strings `${env:NAME}` (Cursor's form) and `${NAME}`
 or `${NAME:-default}` (Claude Code's) are replaced by the host's environment variable (an unset
-one without a default is an error), so secrets and paths stay out of the file. FreeToken's own
+one without a default is an error), so secrets and paths stay out of the file; Cursor's
+`${userHome}`, `${workspaceFolder}` (the directory the host runs in), `${workspaceFolderBasename}`,
+`${pathSeparator}` and `${/}` are what Cursor makes them. FreeToken's own
 optional keys: `timeout` (seconds per tool call, default 60; it covers any sampling the server
 asks of the local model during the call, so a slow model needs more), `startup_timeout` (seconds
 to connect and list tools, default 30), `protocol` ("legacy", the default, "auto" or a protocol
@@ -49,8 +51,17 @@ _KNOWN = {
     "protocol",
     "disabled",
 }
-# ${env:NAME} (Cursor), ${NAME} and ${NAME:-default} (Claude Code)
-_ENV_REF = re.compile(r"\$\{(?:env:)?([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# ${env:NAME} (Cursor), ${NAME} and ${NAME:-default} (Claude Code), ${/} (Cursor)
+_ENV_REF = re.compile(r"\$\{(env:)?([A-Za-z_][A-Za-z0-9_]*|/)(?::-([^}]*))?\}")
+# Cursor's own variables (its docs' "config interpolation"): the workspace is the directory the
+# host runs in, as a project's tools are started from it.
+_CURSOR_VARIABLES = {
+    "userHome": lambda: str(Path.home()),
+    "workspaceFolder": os.getcwd,
+    "workspaceFolderBasename": lambda: Path.cwd().name,
+    "pathSeparator": lambda: os.sep,
+    "/": lambda: os.sep,
+}
 _TYPES = {
     "stdio": "stdio",
     "http": "http",
@@ -169,10 +180,17 @@ def parse_server(name: Any, entry: Any) -> ServerConfig | None:
 
 def expand_env(text: str, where: str) -> str:
     """`text` with each `${env:NAME}`, `${NAME}` or `${NAME:-default}` replaced by that
-    environment variable (the default where it is unset or empty, as the shell's `:-`)."""
+    environment variable (the default where it is unset or empty, as the shell's `:-`), and
+    Cursor's `${userHome}`, `${workspaceFolder}`, `${workspaceFolderBasename}`,
+    `${pathSeparator}` and `${/}` by what Cursor puts there (the workspace: the current
+    directory)."""
 
     def value(match: re.Match[str]) -> str:
-        name, default = match.group(1), match.group(2)
+        env, name, default = match.group(1), match.group(2), match.group(3)
+        if not env and name in _CURSOR_VARIABLES:
+            return _CURSOR_VARIABLES[name]()
+        if name == "/":
+            raise MCPConfigError(f"{where}: ${{env:/}} names no environment variable")
         if default is not None:
             return os.environ.get(name) or default
         if name not in os.environ:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import socket
 import string
@@ -758,9 +759,15 @@ def test_config_file_forms(tmp_path, monkeypatch, rng_seed):
                           "B": f"${{FREETOKEN_TEST_UNSET_VAR:-{fallback}}}"}},
         "e": {"url": "http://127.0.0.1:1/sse/"},  # an SSE endpoint by its path, as Cursor
         "f": {"type": "http", "url": "http://127.0.0.1:1/sse"},  # said otherwise: as said
+        # Cursor's own variables (they are no environment variables)
+        "g": {"command": "run", "args": ["${userHome}${/}x", "${workspaceFolder}",
+                                         "${workspaceFolderBasename}${pathSeparator}"]},
     }  # fmt: skip
     path.write_text(json.dumps({"mcpServers": servers}))
-    a, b, d, e, f = load_config(path)
+    monkeypatch.chdir(tmp_path)
+    a, b, d, e, f, g = load_config(path)
+    home, here = str(Path.home()), str(tmp_path)
+    assert g.args == [f"{home}{os.sep}x", here, f"{tmp_path.name}{os.sep}"]
     assert (a.name, a.transport, a.args) == ("a", "stdio", ["--k", value])
     assert (b.name, b.transport, b.headers) == ("b", "http", {"X": f"t {value}"})
     assert (d.transport, d.headers) == ("sse", {"A": value, "B": fallback})
