@@ -17,7 +17,6 @@ input (input_tokens plus cache_read_input_tokens). A forced tool_choice's few op
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,6 +37,7 @@ from freetoken_agent.integrations.server.anthropic_request import (
 )
 from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.errors import parse_json_body
+from freetoken_agent.integrations.server.heavy_work import heavy
 from freetoken_agent.integrations.server.input_count import turn_input_tokens
 from freetoken_agent.integrations.server.named_stream import cut_short, named_events
 from freetoken_agent.integrations.server.run_responses import serve_choices
@@ -76,17 +76,20 @@ class AnthropicWire:
         return self.fmt.message(run.finish_reason(), run.usage)
 
 
+def _parse_message(raw: bytes, state: Any) -> Any:
+    return parse_messages_request(
+        parse_json_body(raw),
+        state.default_max_tokens,
+        state.model_id,
+        state.model_names,
+        budgets=getattr(state.service.engine, "thinking", None) is not None,
+    )
+
+
 async def create_message(request: Request) -> Response:
     state = request.app.state.server
     try:
-        body = parse_json_body(await request.body())
-        parsed = parse_messages_request(
-            body,
-            state.default_max_tokens,
-            state.model_id,
-            state.model_names,
-            budgets=getattr(state.service.engine, "thinking", None) is not None,
-        )
+        parsed = await heavy(_parse_message, await request.body(), state)
         live = state.hub.lookup(request.headers.get("x-session-id"))
     except InvalidRequestError as e:
         return anthropic_invalid_response(e)
@@ -99,9 +102,13 @@ async def create_message(request: Request) -> Response:
     return await serve_choices(request, choices, wire, parsed.chat.stream)
 
 
-def _input_tokens(body: Any, state: Any) -> int:
+def _input_tokens(raw: bytes, state: Any) -> int:
     parsed = parse_messages_request(
-        body, state.default_max_tokens, state.model_id, state.model_names, counting=True
+        parse_json_body(raw),
+        state.default_max_tokens,
+        state.model_id,
+        state.model_names,
+        counting=True,
     )
     try:
         return turn_input_tokens(parsed.chat.turn, state)
@@ -112,9 +119,9 @@ def _input_tokens(body: Any, state: Any) -> int:
 async def count_tokens(request: Request) -> Response:
     state = request.app.state.server
     try:
-        body = parse_json_body(await request.body())
-        # A long history's render is CPU work: off the event loop.
-        return JSONResponse({"input_tokens": await asyncio.to_thread(_input_tokens, body, state)})
+        raw = await request.body()
+        # A long history's parsing and render are CPU work: off the event loop.
+        return JSONResponse({"input_tokens": await heavy(_input_tokens, raw, state)})
     except InvalidRequestError as e:
         return anthropic_invalid_response(e)
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an Anthropic error object

@@ -27,7 +27,11 @@ from starlette.routing import Route
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.integrations.choice_sampling import choice_sampling
 from freetoken_agent.integrations.openai_logprobs import PromptLogprobs, TextLogprobs, TokenStrings
-from freetoken_agent.integrations.server.chat_request import check_model, parse_chat_request
+from freetoken_agent.integrations.server.chat_request import (
+    ChatRequest,
+    check_model,
+    parse_chat_request,
+)
 from freetoken_agent.integrations.server.choices import Choices
 from freetoken_agent.integrations.server.completion_format import (
     CompletionFormat,
@@ -40,8 +44,9 @@ from freetoken_agent.integrations.server.errors import (
     invalid_response,
     parse_json_body,
 )
+from freetoken_agent.integrations.server.heavy_work import heavy
 from freetoken_agent.integrations.server.run_responses import serve_choices
-from freetoken_agent.integrations.server.text_request import parse_text_request
+from freetoken_agent.integrations.server.text_request import TextRequest, parse_text_request
 from freetoken_agent.integrations.server.text_run import TextRun
 from freetoken_agent.integrations.server.turn_run import TurnRun
 from freetoken_agent.session import Usage
@@ -108,11 +113,20 @@ async def _sse_chunks(choices: Choices, fmt: Format, include_usage: bool):
     yield sse("[DONE]")
 
 
+def _parse_chat(raw: bytes, state: Any) -> ChatRequest:
+    body = parse_json_body(raw)
+    return parse_chat_request(body, state.default_max_tokens, state.model_id, state.model_names)
+
+
+def _parse_text(raw: bytes, state: Any) -> TextRequest:
+    body = parse_json_body(raw)
+    return parse_text_request(body, state.text_max_tokens, state.model_id, state.model_names)
+
+
 async def chat_completions(request: Request) -> Response:
     state = request.app.state.server
     try:
-        body = parse_json_body(await request.body())
-        chat = parse_chat_request(body, state.default_max_tokens, state.model_id, state.model_names)
+        chat = await heavy(_parse_chat, await request.body(), state)
         live = state.hub.lookup(request.headers.get("x-session-id"))
     except InvalidRequestError as e:
         return invalid_response(e)
@@ -140,8 +154,7 @@ async def chat_completions(request: Request) -> Response:
 async def text_completions(request: Request) -> Response:
     state = request.app.state.server
     try:
-        body = parse_json_body(await request.body())
-        text = parse_text_request(body, state.text_max_tokens, state.model_id, state.model_names)
+        text = await heavy(_parse_text, await request.body(), state)
     except InvalidRequestError as e:
         return invalid_response(e)
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object

@@ -13,7 +13,6 @@ POST /v1/responses/input_tokens counts the input tokens of a body without runnin
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,11 +29,13 @@ from freetoken_agent.integrations.server.errors import (
     invalid_response,
     parse_json_body,
 )
+from freetoken_agent.integrations.server.heavy_work import heavy
 from freetoken_agent.integrations.server.input_count import turn_input_tokens
 from freetoken_agent.integrations.server.named_stream import cut_short, named_events
 from freetoken_agent.integrations.server.responses_format import ResponseFormat
 from freetoken_agent.integrations.server.responses_listing import listed_items, page
 from freetoken_agent.integrations.server.responses_request import (
+    ResponsesRequest,
     parse_responses_request,
     responses_refusal,
 )
@@ -74,10 +75,7 @@ class ResponsesWire:
 async def create_response(request: Request) -> Response:
     state = request.app.state.server
     try:
-        body = parse_json_body(await request.body())
-        parsed = parse_responses_request(
-            body, state.default_max_tokens, state.model_id, state.model_names, state.responses
-        )
+        body, parsed = await heavy(_parse_response, await request.body(), state)
         live = state.hub.lookup(request.headers.get("x-session-id"))
     except InvalidRequestError as e:
         return invalid_response(e)
@@ -95,10 +93,16 @@ async def create_response(request: Request) -> Response:
     return await serve_choices(request, choices, wire, parsed.chat.stream)
 
 
-def _input_tokens(body: Any, state: Any) -> int:
+def _parse_response(raw: bytes, state: Any) -> tuple[Any, ResponsesRequest]:
+    body = parse_json_body(raw)
     parsed = parse_responses_request(
         body, state.default_max_tokens, state.model_id, state.model_names, state.responses
     )
+    return body, parsed
+
+
+def _input_tokens(raw: bytes, state: Any) -> int:
+    _, parsed = _parse_response(raw, state)
     try:
         return turn_input_tokens(parsed.chat.turn, state)
     except InvalidRequestError as e:  # the template's or a tool schema's refusal
@@ -111,8 +115,7 @@ async def count_input_tokens(request: Request) -> Response:
     are read and not needed)."""
     state = request.app.state.server
     try:
-        body = parse_json_body(await request.body())
-        n = await asyncio.to_thread(_input_tokens, body, state)  # a long render: off the loop
+        n = await heavy(_input_tokens, await request.body(), state)  # parse, render: off the loop
     except InvalidRequestError as e:
         return invalid_response(e)
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object

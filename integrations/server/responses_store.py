@@ -13,6 +13,7 @@ a copy of it with every response; the newest response is always kept). A request
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -40,21 +41,26 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self._kept: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # (it, size)
         self._bytes = 0
+        # The routes keep and delete on the event loop; a request's parsing reads a previous
+        # response on heavy_work's pool.
+        self._lock = threading.Lock()
 
     def put(self, stored: StoredResponse) -> None:
         key = stored.response["id"]
-        self.delete(key)
-        size = stored.size
-        self._kept[key] = (stored, size)
-        self._bytes += size
-        while len(self._kept) > 1 and (
-            len(self._kept) > self.max_kept or self._bytes > self.max_bytes
-        ):
-            _, (_, dropped) = self._kept.popitem(last=False)
-            self._bytes -= dropped
+        size = stored.size  # outside the lock: JSON of the whole response
+        with self._lock:
+            self._drop(key)
+            self._kept[key] = (stored, size)
+            self._bytes += size
+            while len(self._kept) > 1 and (
+                len(self._kept) > self.max_kept or self._bytes > self.max_bytes
+            ):
+                _, (_, dropped) = self._kept.popitem(last=False)
+                self._bytes -= dropped
 
     def get(self, response_id: str) -> StoredResponse | None:
-        kept = self._kept.get(response_id)
+        with self._lock:
+            kept = self._kept.get(response_id)
         return None if kept is None else kept[0]
 
     def conversation(self, response_id: str) -> list[Any] | None:
@@ -64,6 +70,10 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         """Whether `response_id` was kept (it is not any more)."""
+        with self._lock:
+            return self._drop(response_id)
+
+    def _drop(self, response_id: str) -> bool:
         kept = self._kept.pop(response_id, None)
         if kept is not None:
             self._bytes -= kept[1]

@@ -52,6 +52,7 @@ from freetoken_agent.integrations.server.errors import (
     describe_invalid,
     parse_json_body,
 )
+from freetoken_agent.integrations.server.heavy_work import heavy
 from freetoken_agent.integrations.server.hub import LiveSession, Watcher
 from freetoken_agent.integrations.server.session_events import error_json, memory_json
 from freetoken_agent.integrations.server.turn_run import TurnRun
@@ -101,6 +102,9 @@ SEND_KEYS = frozenset(
         "model",
     }
 )
+
+
+_INLINE_BYTES = 64 * 1024  # frames parsed on the event loop; larger ones on heavy_work's pool
 
 
 def turn_request(msg: dict[str, Any], live: LiveSession, state: Any) -> TurnRequest:
@@ -231,7 +235,7 @@ async def session_socket(ws: WebSocket) -> None:
             text = message.get("text")
             if text is None:  # a binary frame: read as UTF-8 JSON, refused if it is not
                 text = message.get("bytes") or b""
-            task = _handle(text, live, watcher, state)
+            task = await _handle(text, live, watcher, state)
             if task is not None:
                 own = task
     except WebSocketDisconnect:
@@ -243,11 +247,21 @@ async def session_socket(ws: WebSocket) -> None:
         writer.cancel()
 
 
-def _handle(
+def _check_idle(live: LiveSession) -> None:
+    if live.running is not None:
+        raise BadParam(
+            f"session {live.id!r} is already running a turn; wait for its 'done' or send "
+            "{'type': 'cancel'}",
+            "type",
+        )
+
+
+async def _handle(
     text: str | bytes, live: LiveSession, sender: Watcher, state: Any
 ) -> asyncio.Task | None:
     """One client message (a text frame, or a binary one's bytes); returns the task of a turn
-    it started."""
+    it started. A large frame's parsing, and a send's checks (its history: the kept one too,
+    with `append`), run off the event loop (heavy_work.py), as the HTTP routes' do."""
     limit = state.max_body_bytes
     # Bytes, as the limit says (a character is 1 to 4 of them: count them only when it tells).
     small = isinstance(text, bytes) or 4 * len(text) <= limit
@@ -258,7 +272,11 @@ def _handle(
         return None
     kind = None
     try:
-        msg = parse_json_body(text, "the message")
+        msg = (
+            parse_json_body(text, "the message")
+            if size <= _INLINE_BYTES  # a cancel, a short send: at once
+            else await heavy(parse_json_body, text, "the message")
+        )
         if not isinstance(msg, dict):
             raise BadParam("a message must be a JSON object with a 'type'", "type")
         kind = msg.get("type")
@@ -269,13 +287,9 @@ def _handle(
             return None
         if kind != "send":
             raise BadParam(f"unknown message type {kind!r}; expected 'send' or 'cancel'", "type")
-        if live.running is not None:
-            raise BadParam(
-                f"session {live.id!r} is already running a turn; wait for its 'done' or send "
-                "{'type': 'cancel'}",
-                "type",
-            )
-        request = turn_request(msg, live, state)
+        _check_idle(live)
+        request = await heavy(turn_request, msg, live, state)
+        _check_idle(live)  # another socket's send may have started a turn meanwhile
     except InvalidRequestError as e:
         message, param, code = describe_invalid(e)
         sender.put(error_json(message, param, code))

@@ -21,7 +21,6 @@ tokens included (as vLLM's does: the ids are the caller's, shown whole).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -40,6 +39,7 @@ from freetoken_agent.integrations.server.errors import (
     parse_json_body,
 )
 from freetoken_agent.integrations.server.foreign_fields import generation_flags
+from freetoken_agent.integrations.server.heavy_work import heavy
 from freetoken_agent.integrations.server.thinking_switch import enable_thinking
 from freetoken_agent.integrations.server.tool_choice import parse_tools
 
@@ -105,7 +105,7 @@ async def _answer(request: Request, work) -> Response:
         return error_response(400, "this model has no tokenizer", "invalid_request_error")
     try:
         body = parse_json_body(await request.body())
-        return JSONResponse(await asyncio.to_thread(work, body, state))
+        return JSONResponse(await heavy(work, body, state))
     except InvalidRequestError as e:
         return invalid_response(e)
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
