@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -58,6 +60,27 @@ def check_port(host: str, port: int) -> None:
             ) from None
 
 
+class ClosingServer(uvicorn.Server):
+    """uvicorn's Server whose first exit signal (Ctrl-C, SIGTERM) also ends the running turns,
+    by releasing the engine service the app holds (its last holder closes it): each stream
+    ends at once, in-band, as an aborted reply, and the connections close. uvicorn alone
+    waited out its graceful timeout (5 s) while they went on generating, then cancelled each
+    stream's task: a traceback a stream in the log and a cut body (a connection error) for
+    every client. A second Ctrl-C still forces the exit. A service the app does not hold (the
+    caller's) is left to its owner."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        state = getattr(getattr(self.config.app, "state", None), "server", None)
+        if first and state is not None and state.owns_service:
+            state.owns_service = False  # released here: not again at the app's shutdown
+            # In a thread: the signal handler returns at once (closing joins the engine's).
+            threading.Thread(
+                target=state.service.release, name="freetoken-close", daemon=True
+            ).start()
+
+
 def make_server(
     engine: Any,
     host: str = "127.0.0.1",
@@ -81,7 +104,7 @@ def make_server(
         ws_max_size=max_body_bytes,
         timeout_graceful_shutdown=5,
     )
-    return uvicorn.Server(config)
+    return ClosingServer(config)
 
 
 def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:

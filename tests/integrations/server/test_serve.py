@@ -206,3 +206,56 @@ def test_serve_help_never_shows_the_api_key(monkeypatch, rng_seed):
     assert parser.parse_args(["serve"]).api_key == secret
     serve_parser = next(a for a in parser._actions if a.dest == "command").choices["serve"]
     assert secret not in serve_parser.format_help()
+
+
+def test_the_first_exit_signal_ends_running_streams_in_band(model_dir, rng_seed, caplog):
+    """Ctrl-C with streams running: they end at once as aborted replies, in-band (a last
+    chunk, then [DONE]), and the server stops. uvicorn alone let them generate through its 5 s
+    graceful timeout, then cancelled each: a traceback a stream, a cut body for each client."""
+    import signal
+
+    from freetoken_agent import Engine
+
+    rng = random.Random(rng_seed)
+    engine = Engine.load(
+        model_dir, device="cpu", progress=False, kv_tokens=4096, max_model_len=1024
+    )
+    port = _free_port()
+    server = make_server(engine, "127.0.0.1", port, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    ends: dict[int, object] = {}
+    chunks = {i: 0 for i in range(rng.randint(2, 4))}
+
+    def stream(i: int) -> None:
+        try:
+            for chunk in client.chat.completions.create(
+                model=client.models.list().data[0].id, stream=True, max_tokens=900,
+                messages=[{"role": "user", "content": "x"}], extra_body={"ignore_eos": True},
+            ):  # fmt: skip
+                chunks[i] += 1
+                if chunk.choices and chunk.choices[0].finish_reason is not None:
+                    ends[i] = chunk.choices[0].finish_reason
+        except Exception as e:  # noqa: BLE001 - what the client saw is the test's answer
+            ends[i] = e
+
+    readers = [threading.Thread(target=stream, args=(i,)) for i in chunks]
+    for reader in readers:
+        reader.start()
+    while min(chunks.values()) < 3:  # every stream is generating
+        assert time.monotonic() < deadline + 60, chunks
+        time.sleep(0.02)
+    signaled = time.monotonic()
+    server.handle_exit(signal.SIGINT, None)
+    for reader in readers:
+        reader.join(timeout=30)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and time.monotonic() - signaled < 4.5  # before uvicorn's 5 s
+    assert all(ends.get(i) == "abort" for i in chunks), ends  # in-band, not a cut body
+    assert all(chunks[i] < 900 for i in chunks)
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
