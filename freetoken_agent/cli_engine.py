@@ -88,6 +88,20 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         "--max-model-len", type=positive(int), default=None, help="cap the context length"
     )
     p.add_argument(
+        "--max-num-seqs",
+        type=positive(int),
+        default=None,
+        help="requests decoded together (default: 32); later ones wait for a place, so "
+        "several agents asking n choices each may want more (each takes KV for its context)",
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=positive(int),
+        default=None,
+        help="tokens one step runs (prefill chunks and decodes; default: 2048): larger "
+        "prefills faster, smaller keeps other streams' tokens coming during a long prefill",
+    )
+    p.add_argument(
         "--overlap-schedule",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -126,6 +140,9 @@ def load_engine(args: argparse.Namespace):
         options["memory_reserve"] = int(args.memory_reserve_gb * 1e9)
     if args.fixed_memory:
         options["follow_free_memory"] = False
+    for name in ("max_num_seqs", "max_batched_tokens"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
     if args.overlap_schedule is not None:
         options["overlap_schedule"] = args.overlap_schedule
     if args.no_double_buffer:

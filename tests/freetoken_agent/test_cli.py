@@ -128,16 +128,21 @@ def test_engine_flags_reach_the_engine_config(monkeypatch, rng_seed):
     gb = 0.5 + (rng_seed % 100) / 10
     mode = rng.choice(["anchors", "none", f"positional:{rng.randint(1, 4096)}"])
     budget = rng.randint(0, 4096)
+    seqs, batched = rng.randint(1, 256), rng.randint(16, 16384)
     cli_engine.load_engine(parser.parse_args(["--model", ".", "--memory-reserve-gb", str(gb),
                            "--fixed-memory", "--overlap-schedule", "--no-double-buffer",
-                           "--checkpoints", mode, "--thinking-budget", str(budget)]))  # fmt: skip
+                           "--checkpoints", mode, "--thinking-budget", str(budget),
+                           "--max-num-seqs", str(seqs),
+                           "--max-batched-tokens", str(batched)]))  # fmt: skip
     assert seen["memory_reserve"] == int(gb * 1e9) and seen["follow_free_memory"] is False
     assert seen["overlap_schedule"] is True and seen["double_buffer"] is False
     assert seen["checkpoints"] == mode and seen["thinking_budget"] == budget
+    assert seen["max_num_seqs"] == seqs and seen["max_batched_tokens"] == batched
     seen.clear()
     cli_engine.load_engine(parser.parse_args(["--model", "."]))
     options = {"memory_reserve", "follow_free_memory", "overlap_schedule", "double_buffer"}
-    assert not (options | {"checkpoints", "thinking_budget"}) & set(seen)
+    options |= {"checkpoints", "thinking_budget", "max_num_seqs", "max_batched_tokens"}
+    assert not options & set(seen)
 
 
 def test_the_ablation_and_checkpoint_flags_load_an_engine(env, rng_seed):
