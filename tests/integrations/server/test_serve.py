@@ -50,18 +50,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def live_server(engine):
-    """uvicorn serving the app on a free local port, in a thread; (base URL, key, server)."""
-    key = "".join(random.choice(string.ascii_letters) for _ in range(20))
+def _started(engine, **options):
+    """(port, server, thread): uvicorn serving the app on a free local port, in a thread."""
     port = _free_port()
-    server = make_server(engine, "127.0.0.1", port, api_key=key, log_level="warning")
+    server = make_server(engine, "127.0.0.1", port, log_level="warning", **options)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
+    return port, server, thread
+
+
+@pytest.fixture
+def live_server(engine):
+    """uvicorn serving the app on a free local port, in a thread; (base URL, key, server)."""
+    key = "".join(random.choice(string.ascii_letters) for _ in range(20))
+    port, server, thread = _started(engine, api_key=key)
     yield f"http://127.0.0.1:{port}", key, server
     server.should_exit = True
     thread.join(timeout=15)
@@ -220,14 +226,8 @@ def test_the_first_exit_signal_ends_running_streams_in_band(model_dir, rng_seed,
     engine = Engine.load(
         model_dir, device="cpu", progress=False, kv_tokens=4096, max_model_len=1024
     )
-    port = _free_port()
-    server = make_server(engine, "127.0.0.1", port, log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    port, server, thread = _started(engine)
     deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     ends: dict[int, object] = {}
     chunks = {i: 0 for i in range(rng.randint(2, 4))}
