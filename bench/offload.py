@@ -55,6 +55,7 @@ from freetoken_agent.engine.config import POPULAR_PINS
 from freetoken_agent.engine.experts import calibration, step_paths
 from freetoken_agent.engine.experts.streaming import LayerStreamer
 from freetoken_agent.help_format import DefaultsHelpFormatter
+from freetoken_agent.kernels.expert_fills import COPY_PROGRAMS_MAX
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("cpu", "transfer", "adaptive", "static", "direct", "gpu-fill")
@@ -206,6 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         "off; --adaptive-path split turns it on)",
     )
     parser.add_argument(
+        "--copy-programs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the device paths' fill copy kernel grid (EngineConfig.copy_programs; default: "
+        "each grid of COPY_PROGRAM_CHOICES timed at the start, the fastest kept, as `freetoken "
+        "calibrate` does)",
+    )
+    parser.add_argument(
         "--shared-gate",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -228,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--hold-share holds the shared path's share: give --adaptive-path shared")
         if not all(0.0 <= x <= 1.0 for x in args.hold_share):
             parser.error(f"--hold-share takes fractions in [0, 1], got {args.hold_share}")
+    if args.copy_programs is not None and not 1 <= args.copy_programs <= COPY_PROGRAMS_MAX:
+        parser.error(f"--copy-programs takes 1 to {COPY_PROGRAMS_MAX}, got {args.copy_programs}")
     held = max(args.batches) * (args.context + max(args.decode, WARM_UP) + 16)
     if args.context < 1 or held > KV_TOKENS:
         parser.error(f"--context {args.context}: {max(args.batches)} sequences of it and "
@@ -241,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     bank = engine.loaded.bank
     bank.fill_behind = args.fill_behind
     bank.fill_through = args.fill_through  # before the graphs are captured (each regime's)
+    h, i = engine.spec.hidden_size, engine.spec.moe_intermediate_size
+    copy_rates = calibration.copy_grid_rates(h, i, torch.bfloat16)  # reported beside B_P
+    bank.copy_programs = args.copy_programs or calibration.fastest_grid(copy_rates)
+    print(f"fill copies on {bank.copy_programs} programs; grids timed (GB/s, B_P "
+          f"{b_p / 1e9:.1f}):", {p: round(r / 1e9, 1) for p, r in copy_rates.items()},
+          flush=True)  # fmt: skip
     # before adaptive starts its CPU worker (use_policy)
     bank.split_expert = args.split_expert or args.adaptive_path == "split"
     engine.config.popular_pins = args.popular_pins  # made when a device path runs (use_policy)
@@ -276,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         "context": args.context,
         "fill_through": args.fill_through,
         "split_expert": bank.split_expert,  # adaptive's split path offered (or held)
+        "copy_programs": bank.copy_programs,
+        "copy_grid_gb_s": {p: r / 1e9 for p, r in copy_rates.items()},  # each timed grid
         "overlap": args.overlap,
         "adaptive_path": args.adaptive_path,  # None: measured (step_paths.py)
         "shared_gate": args.shared_gate,

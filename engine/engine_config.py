@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from freetoken_agent.kernels.expert_fills import COPY_PROGRAMS_MAX
+
 POLICIES = ("adaptive", "transfer", "cpu", "static", "direct", "gpu-fill", "resident")
 
 
@@ -26,7 +28,8 @@ _BYTES = frozenset({"gpu_budget", "checkpoint_device_bytes", "checkpoint_host_by
 # size deep in the load; max_model_len 0 read as "the model's").
 _LEAST = {"kv_pages": 2, "kv_tokens": 1, "max_model_len": 1, "expert_slots": 0,
           "gpu_budget": 1, "checkpoint_device_bytes": 0, "checkpoint_host_bytes": 0,
-          "elastic_group_bytes": 1, "memory_reserve": 0, "gpu_ceiling": 1}  # fmt: skip
+          "elastic_group_bytes": 1, "memory_reserve": 0, "gpu_ceiling": 1,
+          "copy_programs": 1}  # fmt: skip
 SEED_MIN, SEED_END = -(2**63), 2**64  # what torch.Generator.manual_seed accepts
 
 
@@ -172,6 +175,10 @@ class EngineConfig:
     # against 572.0); the cut's model changed after, unmeasured. On: adaptive's path trials
     # measure it against the other paths.
     split_expert: bool = False
+    # The device path's copy kernel: how many programs walk a layer's fills over the link
+    # (kernels/triton/expert_fills.py). None: the grid `freetoken calibrate` timed fastest on
+    # this host (calibration.py), else 32.
+    copy_programs: int | None = None
     # Launch each decode step before the last one's tokens are read on the host, so the
     # step boundary's host work runs beside the device (engine/overlap.py). On: measured on
     # the H200 host, all resident 48 layers b=1 256.5 -> 273.9 tok/s greedy, 209.9 -> 241.6
@@ -248,6 +255,9 @@ class EngineConfig:
         if self.popular_pins is not None and not 0.0 <= self.popular_pins < 1.0:
             raise ValueError(f"popular_pins is a fraction of the slots in [0, 1), got "
                              f"{self.popular_pins}")  # fmt: skip
+        if self.copy_programs is not None and self.copy_programs > COPY_PROGRAMS_MAX:
+            raise ValueError(f"copy_programs must be at most {COPY_PROGRAMS_MAX}, got "
+                             f"{self.copy_programs}")  # fmt: skip
         if not SEED_MIN <= self.seed < SEED_END:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_END}), got {self.seed}")
         if not 0 < self.memory_poll_s < float("inf"):

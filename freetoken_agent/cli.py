@@ -242,7 +242,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"[freetoken] expert {hidden}x{inter} {name} ({cal.expert_bytes / 2**20:.1f} MiB): "
         f"B_P (pinned host-to-device) {cal.pcie / 1e9:.1f} GB/s{pcie_note}, "
         f"B_H (CPU experts, 1 token) {cal.cpu / 1e9:.1f} GB/s, "
-        f"CPU knee {cal.knee:.1f} tokens an expert; saved to {calibration.cache_file()}",
+        f"CPU knee {cal.knee:.1f} tokens an expert, fill copies on {cal.copy_programs} "
+        f"programs{pcie_note and ' (the default)'}; saved to {calibration.cache_file()}",
         file=sys.stderr,
     )
     return 0

@@ -19,6 +19,14 @@ from freetoken_agent.kernels import reference_fills as reference
 from freetoken_agent.kernels.dispatch import use_triton
 from freetoken_agent.kernels.reference_fills import CpuPost, SplitTables
 
+# The copy kernel's grid (its programs walk the moves' chunks) where no calibration chose one:
+# the zero-copy probe read pinned memory at 51 GB/s from 16 programs on the H200 host; hosts
+# differ (one H100 host's SM-issued reads ran ~37 GB/s), so `freetoken calibrate` times the
+# kernel at COPY_PROGRAM_CHOICES and keeps the fastest (engine/experts/calibration.py).
+COPY_PROGRAMS = 32
+COPY_PROGRAM_CHOICES = (8, 16, 24, 32, 48, 64, 96, 128)
+COPY_PROGRAMS_MAX = 1024  # the most a calibration entry or EngineConfig.copy_programs may ask
+
 
 def plan_fills(
     ids: Tensor,
@@ -91,11 +99,15 @@ def copy_fills(
     dst_w2: Tensor,
     *,
     split: bool = False,
+    programs: int = COPY_PROGRAMS,
     force_triton: bool = False,
 ) -> None:
     """The last plan's moves, dst[slot] = src[lid] in both banks (rows dense inside); `split`
     (after a split plan): the moves' columns [0, state[SPLIT_COLS]) only. The CPU's answer to a
-    plan's post is collected by the MoE sum over k (`fused_moe(collect=CpuAnswer(...))`)."""
+    plan's post is collected by the MoE sum over k (`fused_moe(collect=CpuAnswer(...))`).
+    `programs`: the Triton kernel's grid (the twin copies row by row whatever it is)."""
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"programs must be a positive integer, got {programs!r}")
     if src_w13.shape[1:] != dst_w13.shape[1:] or src_w2.shape[1:] != dst_w2.shape[1:]:
         raise ValueError("pool and slot rows differ in shape")
     if not all(t[0].is_contiguous() for t in (src_w13, src_w2, dst_w13, dst_w2)):
@@ -105,4 +117,4 @@ def copy_fills(
         return
     from freetoken_agent.kernels.triton import expert_fills as triton_impl
 
-    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, split)
+    triton_impl.copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, split, programs)

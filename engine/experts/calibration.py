@@ -1,6 +1,7 @@
 """Measured bandwidths for the q* split: B_P (pinned host-to-device, expert-sized copies), B_H
 (the CPU executor's weight throughput at one token) and the CPU's knee (tokens per expert past
-which it computes more than it reads), cached per machine and expert shape.
+which it computes more than it reads), cached per machine and expert shape; with them the grid
+of the device path's copy kernel that read the link fastest here (`measure_copy_programs`).
 
 `freetoken calibrate` measures both and writes them to `$FREETOKEN_CACHE/calibration.json`
 (default `~/.cache/freetoken`), keyed by the cache's format, GPU, CPU model, expert shape and
@@ -26,6 +27,12 @@ import torch
 
 from freetoken_agent.engine.experts.policy import CPU_KNEE_TOKENS, Bandwidths
 from freetoken_agent.kernels.cpu.experts import cpu_experts as kernel_cpu_experts
+from freetoken_agent.kernels.expert_fills import (
+    COPY_PROGRAM_CHOICES,
+    COPY_PROGRAMS,
+    COPY_PROGRAMS_MAX,
+    copy_fills,
+)
 
 log = logging.getLogger("freetoken.experts")
 
@@ -66,6 +73,7 @@ class Calibration:
     expert_bytes: int
     measured_at: float
     knee: float = CPU_KNEE_TOKENS  # tokens per expert where the CPU turns compute-bound
+    copy_programs: int = COPY_PROGRAMS  # the copy kernel's fastest grid (measure_copy_programs)
 
     def bandwidths(self) -> Bandwidths:
         return Bandwidths(pcie=self.pcie, cpu=self.cpu, knee=self.knee)
@@ -89,6 +97,70 @@ def measure_pcie(expert_bytes: int, n: int = 64, repeats: int = 3) -> float:
         end.synchronize()
         best = max(best, n * host[0].nbytes / (start.elapsed_time(end) / 1e3))
     return best
+
+
+COPY_PROBE_FILLS = 8  # experts a timed copy moves: a decode layer's misses at top-8
+COPY_PROBE_BYTES = 512 << 20  # the pinned pool the copies read, rows reused in turn
+
+
+def measure_copy_programs(
+    hidden: int, inter: int, dtype: torch.dtype, rounds: int = 5
+) -> tuple[int, float]:
+    """(programs, bytes/s): the grid of the device path's copy kernel that moved experts of
+    this shape fastest (`copy_grid_rates`, `fastest_grid`), and its rate. Without CUDA:
+    (COPY_PROGRAMS, 0.0), nothing measured."""
+    rates = copy_grid_rates(hidden, inter, dtype, rounds)
+    if not rates:
+        return COPY_PROGRAMS, 0.0
+    programs = fastest_grid(rates)
+    return programs, rates[programs]
+
+
+def fastest_grid(rates: dict[int, float]) -> int:
+    """The fewest programs within 3% of the fastest rate: the copies share the SMs with the
+    layer's other kernels, so a grid that buys nothing measurable is not taken."""
+    best = max(rates.values())
+    return min(p for p, rate in rates.items() if rate >= 0.97 * best)
+
+
+def copy_grid_rates(
+    hidden: int, inter: int, dtype: torch.dtype, rounds: int = 5
+) -> dict[int, float]:
+    """{programs: bytes/s} of the device path's copy kernel (copy_fills) moving
+    COPY_PROBE_FILLS experts of this shape from pinned host memory to device slots, for each
+    grid of COPY_PROGRAM_CHOICES: the median of `rounds` timed copies after one that compiles,
+    over a pinned pool of COPY_PROBE_BYTES or more (beyond the CPU's caches). {} without
+    CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    from freetoken_agent.kernels import reference_fills as ref
+
+    n = COPY_PROBE_FILLS
+    n_rows = max(4 * n, COPY_PROBE_BYTES // (3 * hidden * inter * dtype.itemsize))
+    src13 = torch.empty(n_rows, 2 * inter, hidden, dtype=dtype).pin_memory()
+    src2 = torch.empty(n_rows, hidden, inter, dtype=dtype).pin_memory()
+    dst13 = torch.empty(n, 2 * inter, hidden, dtype=dtype, device="cuda")
+    dst2 = torch.empty(n, hidden, inter, dtype=dtype, device="cuda")
+    state = torch.zeros(ref.STATE, dtype=torch.int64, device="cuda")
+    state[ref.MOVES] = n
+    moved = n * 3 * hidden * inter * dtype.itemsize
+    rates: dict[int, float] = {}
+    row = 0
+    for programs in COPY_PROGRAM_CHOICES:
+        times = []
+        for r in range(rounds + 1):  # the first compiles this grid's kernel
+            lids = torch.arange(row, row + n, dtype=torch.int64) % n_rows
+            moves = torch.stack([lids, torch.arange(n)], dim=1).to("cuda")
+            row += n
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            copy_fills(state, moves, src13, src2, dst13, dst2, programs=programs)
+            end.record()
+            end.synchronize()
+            if r:
+                times.append(start.elapsed_time(end) / 1e3)
+        rates[programs] = moved / sorted(times)[len(times) // 2]
+    return rates
 
 
 def probe_pool(hidden: int, inter: int, dtype: torch.dtype, pool_bytes: int = 1 << 30):
@@ -168,6 +240,7 @@ def calibrate(hidden: int, inter: int, dtype: torch.dtype) -> Calibration:
     cal = Calibration(
         measure_pcie(expert), measure_cpu(hidden, inter, dtype, pool), expert, time.time(),
         measure_knee(hidden, inter, dtype, pool),
+        measure_copy_programs(hidden, inter, dtype)[0],
     )  # fmt: skip
     path = cache_file()
     table = _read_table(path)
@@ -215,6 +288,14 @@ def parse(entry: object, expert_bytes: int) -> Calibration:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not (number and math.isfinite(value) and value > 0):
             raise ValueError(f"{name} is {value!r}, not a positive number")
+    programs = entry.get("copy_programs", COPY_PROGRAMS)  # absent: cached before it was timed
+    if (
+        isinstance(programs, bool)
+        or not isinstance(programs, int)
+        or not (1 <= programs <= COPY_PROGRAMS_MAX)
+    ):
+        raise ValueError(f"copy_programs is {programs!r}, not a grid of 1 to "
+                         f"{COPY_PROGRAMS_MAX} programs")  # fmt: skip
     if entry["expert_bytes"] != expert_bytes:
         raise ValueError(f"measured on {entry['expert_bytes']!r}-byte experts, not "
                          f"{expert_bytes}")  # fmt: skip

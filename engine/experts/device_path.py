@@ -123,7 +123,7 @@ class DevicePath:
             bank.l2.start(prefetch_rows, cache.w13, rows, MOE_ROW_FRACTION)
         if not through:
             copy_fills(fills.state, fills.moves, pool.w13, pool.w2, cache.w13, cache.w2,
-                       split=split)  # fmt: skip
+                       split=split, programs=bank.copy_programs)  # fmt: skip
         if prefetch:
             bank.l2.join(hidden.device)
         # The worker's answer is waited for by the MoE sum over k, after the copies and the

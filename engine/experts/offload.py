@@ -49,6 +49,7 @@ from freetoken_agent.engine.experts.popular_pins import PopularPins
 from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerStreamer
 from freetoken_agent.engine.l2_prefetcher import L2Prefetcher
 from freetoken_agent.kernels.cpu.experts import default_threads as cpu_kernel_threads
+from freetoken_agent.kernels.expert_fills import COPY_PROGRAMS
 from freetoken_agent.kernels.fused_moe import PATH_LIMITS, fused_moe
 
 log = logging.getLogger("freetoken.experts")
@@ -93,13 +94,15 @@ class OffloadedExpertBank(GraphDecode):
         popular_pins: float | None = None,
         fill_through: bool = False,
         split_expert: bool = False,
+        copy_programs: int = COPY_PROGRAMS,
     ) -> None:
         """`arena`: the slots are the arena's (engine/arena.py; `n_slots` then comes from its
         boundary), so the memory manager can resize the cache at runtime. `fill_behind`:
         EngineConfig.fill_behind (AdaptiveFetches.behind). `popular_pins`: EngineConfig's,
         the fraction of slots the device path pins for their use (popular_pins.py; None: the
         default, POPULAR_PINS).
-        `fill_through`, `split_expert`: EngineConfig's (device_path.py, split_expert.py)."""
+        `fill_through`, `split_expert`: EngineConfig's (device_path.py, split_expert.py).
+        `copy_programs`: the device path's copy kernel grid (placement.py resolves it)."""
         self.spec = spec
         self.n_experts = spec.n_experts
         self.pool = pool
@@ -109,6 +112,7 @@ class OffloadedExpertBank(GraphDecode):
         self.fill_behind = fill_behind
         self.fill_through = fill_through
         self.split_expert = split_expert  # read when the CPU worker starts (`ready`)
+        self.copy_programs = copy_programs
         self.bandwidths = bandwidths or Bandwidths()
         # Policy adaptive's choice of fetches (adaptive.py).
         # Decode tokens a layer's device-side fills serve at most: the decode kernels read

@@ -27,6 +27,7 @@ from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 from freetoken_agent.engine.kv.recurrent_state import state_bytes
 from freetoken_agent.kernels.cpu.experts import DTYPE_ID as CPU_KERNEL_DTYPES
+from freetoken_agent.kernels.expert_fills import COPY_PROGRAMS
 from freetoken_agent.kernels.fused_moe import PREFILL_CHUNK_PAIRS, prefill_workspace_bytes
 
 CPU_EXPERT_DTYPES = tuple(CPU_KERNEL_DTYPES)  # what an offloaded bank's CPU branch can run
@@ -222,6 +223,9 @@ def make_bank(
         popular_pins=config.popular_pins,
         fill_through=config.fill_through,
         split_expert=config.split_expert,
+        # The user's grid, else this host's timed one, else the kernel's default.
+        copy_programs=config.copy_programs
+        or (measured.copy_programs if measured else COPY_PROGRAMS),
     )
 
 

@@ -22,9 +22,10 @@ so the fills' old owners are all read before the barrier that precedes the table
 Copies. A fixed grid (a captured graph cannot size it by the plan) walks the moves' chunks:
 program g takes chunks g, g + PROGRAMS, ...; with no move every program exits at once. The
 zero-copy probe (bench/zero_copy_probe.py) read pinned memory at 51 GB/s from 16 programs of
-8192 elements, against 55 GB/s for cudaMemcpy. The CPU worker's answer to the plan's post is
-waited for later, in the MoE sum over k (cpu_answer.py), so the copies and the MoE kernels of
-the slots' experts run while the worker computes.
+8192 elements, against 55 GB/s for cudaMemcpy; PROGRAMS is the host's own, timed by
+`freetoken calibrate` (kernels/expert_fills.py COPY_PROGRAM_CHOICES). The CPU worker's answer
+to the plan's post is waited for later, in the MoE sum over k (cpu_answer.py), so the copies
+and the MoE kernels of the slots' experts run while the worker computes.
 """
 
 # P pairs, S slots, M most moves; a bank row is n13 = 2I*H (w13) or n2 = H*I (w2) elements
@@ -64,7 +65,6 @@ from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
 
 SCAN_BLOCK_MAX = 4096  # most stamps a scan chunk holds in registers (32 a thread at 4 warps)
 COPY_BLOCK = 8192  # elements a copy program moves a step
-COPY_PROGRAMS = 32
 COPY_COLUMNS = 128  # a split w2 tile's columns (its rows: COPY_BLOCK / COPY_COLUMNS)
 
 _PINNED = tl.constexpr(PINNED)
@@ -381,12 +381,14 @@ def plan_fills(
     return rows
 
 
-def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, split: bool = False) -> None:
-    """Twin of `reference_fills.copy_fills`; a fixed grid, no host sync."""
-    _copy_kernel[(COPY_PROGRAMS,)](
+def copy_fills(
+    state, moves, src_w13, src_w2, dst_w13, dst_w2, split: bool = False, programs: int = 32
+) -> None:
+    """Twin of `reference_fills.copy_fills`; a fixed grid of `programs`, no host sync."""
+    _copy_kernel[(programs,)](
         state, moves, src_w13, src_w2, dst_w13, dst_w2, src_w13.stride(0), src_w2.stride(0),
         dst_w13.stride(0), dst_w2.stride(0), src_w13[0].numel(), src_w2[0].numel(),
         src_w2.shape[2], src_w2.shape[1],
-        PROGRAMS=COPY_PROGRAMS, BLOCK=COPY_BLOCK, SPLIT=split, BLOCK_C=COPY_COLUMNS,
+        PROGRAMS=programs, BLOCK=COPY_BLOCK, SPLIT=split, BLOCK_C=COPY_COLUMNS,
         **pdl_launch(state.device),
     )  # fmt: skip

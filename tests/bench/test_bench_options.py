@@ -45,6 +45,21 @@ def test_offload_refuses_a_context_the_kv_pool_cannot_hold(rng_seed, capsys):
     assert f"--context {context}" in capsys.readouterr().err
 
 
+def test_offload_refuses_a_copy_grid_outside_its_range(rng_seed, capsys):
+    """`bench offload --copy-programs`: no grid below one program or past the most an engine
+    takes, refused before anything loads."""
+    from freetoken_agent.bench import offload
+
+    bad = random.Random(rng_seed).choice([0, -8, offload.COPY_PROGRAMS_MAX + 1])
+    with pytest.raises(SystemExit) as exited:
+        offload.main(["--copy-programs", str(bad)])
+    assert exited.value.code == 2
+    assert (
+        f"--copy-programs takes 1 to {offload.COPY_PROGRAMS_MAX}, got {bad}"
+        in capsys.readouterr().err
+    )
+
+
 def test_split_cuts_refuses_a_cut_outside_the_expert(rng_seed, capsys):
     """`bench split-cuts --cuts`: a column past the expert's width is refused before anything
     loads, naming the option."""

@@ -161,9 +161,12 @@ def test_triton_plan_in_small_chunks_equals_the_twin(rng_seed, chunk, monkeypatc
                   rng.random() < 0.5)  # fmt: skip
 
 
-@pytest.mark.parametrize("force_triton", [False, True])
-def test_copies_move_the_planned_rows(rng_seed, force_triton):
+@pytest.mark.parametrize("force_triton, programs", [(False, 32), (True, 32), (True, None)])
+def test_copies_move_the_planned_rows(rng_seed, force_triton, programs):
+    """Every planned row lands in its slot and nothing else changes, whatever grid the
+    calibration chose (None: a random one, smaller than the chunks to copy too)."""
     rng = random.Random(rng_seed)
+    programs = programs or rng.randrange(1, 8)
     torch.manual_seed(rng_seed)
     n_lids, n_slots, i, h = 12, 5, rng.randrange(1, 40), rng.randrange(1, 40)
     pool13, pool2 = torch.randn(n_lids, 2 * i, h), torch.randn(n_lids, h, i)
@@ -180,11 +183,20 @@ def test_copies_move_the_planned_rows(rng_seed, force_triton):
     state[ref.MOVES] = n
     untouched = [s for s in range(n_slots) if s not in slots]
     before = flat.clone()
-    copy_fills(state, moves, pool13, pool2, slot13, slot2, force_triton=force_triton)
+    copy_fills(state, moves, pool13, pool2, slot13, slot2, programs=programs,
+               force_triton=force_triton)  # fmt: skip
     for lid, slot in zip(lids, slots, strict=True):
         assert torch.equal(slot13[slot], pool13[lid]) and torch.equal(slot2[slot], pool2[lid])
     for s in untouched:
         assert torch.equal(flat[s * unit : (s + 1) * unit], before[s * unit : (s + 1) * unit])
+
+
+@pytest.mark.parametrize("programs", [0, -3, True, 2.0])
+def test_copies_refuse_a_grid_that_is_no_positive_count(programs):
+    t = torch.zeros(2, 4, 4)
+    with pytest.raises(ValueError, match="programs must be a positive integer"):
+        copy_fills(torch.zeros(ref.STATE, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64),
+                   t, t, t, t, programs=programs)  # fmt: skip
 
 
 def test_plan_refuses_too_few_moves():

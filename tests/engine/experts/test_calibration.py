@@ -13,9 +13,14 @@ import pytest
 import torch
 from tiny_models import make_tiny
 
-from freetoken_agent import Engine
-from freetoken_agent.engine.experts import calibration
+from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.experts import calibration, device_path
 from freetoken_agent.engine.experts.policy import CPU_KNEE_TOKENS, Bandwidths
+from freetoken_agent.kernels.expert_fills import (
+    COPY_PROGRAM_CHOICES,
+    COPY_PROGRAMS,
+    COPY_PROGRAMS_MAX,
+)
 
 
 @pytest.fixture
@@ -28,6 +33,7 @@ def test_calibrate_measures_and_caches(cache_dir):
     cal = calibration.calibrate(64, 32, torch.float32)
     assert cal.cpu > 1e6 and cal.pcie > 0 and cal.expert_bytes == 3 * 64 * 32 * 4
     assert 1.0 <= cal.knee <= calibration.KNEE_PROBE_TOKENS
+    assert cal.copy_programs in COPY_PROGRAM_CHOICES
     again = calibration.cached(64, 32, torch.float32)
     assert again == cal
     assert calibration.cached(64, 48, torch.float32) is None  # another shape: not measured
@@ -42,6 +48,44 @@ def test_a_calibration_cached_before_the_knee_was_measured_takes_the_default(cac
     path.write_text(json.dumps(table))
     old = calibration.cached(64, 32, torch.float32)
     assert old.knee == CPU_KNEE_TOKENS and (old.pcie, old.cpu) == (cal.pcie, cal.cpu)
+
+
+def test_a_calibration_cached_before_the_copy_grid_was_timed_takes_the_default(cache_dir, rng_seed):
+    entry = _entry(random.Random(rng_seed))
+    path = calibration.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({calibration.machine_key(64, 32, torch.float32): entry}))
+    old = calibration.cached(64, 32, torch.float32)
+    assert old.copy_programs == COPY_PROGRAMS and old.pcie == entry["pcie"]
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "gpu-fill"])
+def test_the_device_path_copies_on_the_grid_calibrated_or_chosen(
+    cache_dir, tmp_path, rng_seed, policy, monkeypatch
+):
+    """The copy kernel's grid comes from EngineConfig.copy_programs, else from this host's
+    calibration, and every fill copy of the device path is launched with it."""
+    rng = random.Random(rng_seed)
+    make_tiny("qwen3_moe", tmp_path / "m", rng_seed)
+    timed = rng.choice([p for p in COPY_PROGRAM_CHOICES if p != COPY_PROGRAMS])
+    path = calibration.cache_file()
+    path.parent.mkdir(parents=True)
+    entry = {**_entry(rng), "copy_programs": timed}
+    path.write_text(json.dumps({calibration.machine_key(64, 32, torch.float32): entry}))
+    grids = []
+    copy = device_path.copy_fills
+    monkeypatch.setattr(device_path, "copy_fills",
+                        lambda *a, **k: grids.append(k["programs"]) or copy(*a, **k))  # fmt: skip
+    chosen = rng.randrange(1, COPY_PROGRAMS_MAX + 1)
+    for asked, expect in ((None, timed), (chosen, chosen)):
+        engine = Engine.load(tmp_path / "m", device="cpu", policy=policy, expert_slots=3,
+                             copy_programs=asked, progress=False)  # fmt: skip
+        assert engine.loaded.bank.copy_programs == expect
+        grids.clear()
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(2, 9))]
+        engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))
+        assert grids and set(grids) == {expect}, grids
+        engine.close()
 
 
 def test_the_knee_separates_reading_from_computing():
@@ -91,6 +135,10 @@ def _entry(rng: random.Random) -> dict:
         (lambda e: {**e, "expert_bytes": e["expert_bytes"] // 2}, "-byte experts"),
         (lambda e: "stale", "the entry is a string"),
         (lambda e: None, "the entry is null"),
+        (lambda e: {**e, "copy_programs": 0}, "copy_programs is 0"),
+        (lambda e: {**e, "copy_programs": True}, "copy_programs is True"),
+        (lambda e: {**e, "copy_programs": 32.0}, "copy_programs is 32.0"),
+        (lambda e: {**e, "copy_programs": COPY_PROGRAMS_MAX + 1}, "not a grid of 1 to"),
     ],
 )
 def test_a_bad_cache_entry_is_ignored_with_one_warning(
@@ -158,3 +206,29 @@ def test_the_machine_key_names_the_cpu_model_and_the_cache_format(
     assert (platform.processor() or platform.machine()) in calibration.machine_key(
         64, 32, torch.float32
     )
+
+
+def test_the_fastest_grid_is_the_fewest_programs_near_the_best_rate(rng_seed):
+    """Rates drawn close together (within 6%): the grid kept is within 3% of the best, and no
+    smaller grid is."""
+    rng = random.Random(rng_seed)
+    for _ in range(20):
+        top = rng.uniform(1e9, 6e10)
+        rates = {p: top * rng.uniform(0.94, 1.0) for p in COPY_PROGRAM_CHOICES}
+        kept, best = calibration.fastest_grid(rates), max(rates.values())
+        assert rates[kept] >= 0.97 * best, (rates, kept)
+        assert all(rates[p] < 0.97 * best for p in rates if p < kept), (rates, kept)
+
+
+@pytest.mark.gpu
+def test_the_copy_grid_is_timed_on_the_device(rng_seed):
+    """Every grid of COPY_PROGRAM_CHOICES copies real-shaped experts from pinned memory; the
+    one kept moves them at a rate the link allows (more than 1 GB/s, less than HBM's)."""
+    rng = random.Random(rng_seed)
+    hidden, inter = rng.choice([(2048, 768), (1024, 512)])
+    rates = calibration.copy_grid_rates(hidden, inter, torch.bfloat16)
+    print(f"copy grids {hidden}x{inter}, GB/s:", {p: round(r / 1e9, 1) for p, r in rates.items()})
+    assert set(rates) == set(COPY_PROGRAM_CHOICES)
+    assert all(1e9 < r < 1e12 for r in rates.values())
+    programs, rate = calibration.measure_copy_programs(hidden, inter, torch.bfloat16)
+    assert programs in COPY_PROGRAM_CHOICES and 1e9 < rate < 1e12
