@@ -58,6 +58,8 @@
 #         0.45-0.85, bench offload --hold-share: step time against the share, ~4 min)
 #         plan-kernel (the fills' GPU tests, then bench plan-kernel: the plan alone per slots and
 #         misses; PLAN_BEFORE=FILE times that version of its module beside it, ~3 min)
+#         copy-grid (the fill copy grid timed per host: its GPU tests, calibrate, then the peer
+#         slice's gpu-fill rows on 32 programs and on the timed grid, ~5 min)
 #         acceptance-peer acceptance-48 (issue 3's tables: adaptive, transfer and gpu-fill at b=1
 #         and 4 under native, Zipf and uniform routing; the peer slice ~4 min, 48 layers ~8 min)
 #         tests-kernels tests-engine (every GPU test in two runs of under 10 minutes)
@@ -381,6 +383,21 @@ for stage in "$@"; do
       timeout 570 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
         --skip-prefill --out "$OUT" 2>&1 | tee "$OUT/offload_peer.log" | grep -v "round[0-9]" \
         | cut -c1-240 ;;
+    copy-grid)  # the fill copy grid timed per host: its GPU tests, `freetoken calibrate` at the
+      # Qwen3-30B-A3B expert, then the peer slice's Zipf b=1 gpu-fill on 32 programs and on the
+      # grid timed fastest (~5 min)
+      timeout 150 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/engine/experts/test_calibration.py \
+        tests/kernels/test_expert_fills.py 2>&1 | tee "$OUT/copy_grid_tests.log" | tail -6
+      FREETOKEN_CACHE="$OUT/cache" timeout 120 python3 -m freetoken_agent.cli calibrate --hidden 2048 \
+        --inter 768 2>&1 | tail -2
+      for grid in "--copy-programs 32" ""; do  # 32 programs, then the grid timed at the start
+        # shellcheck disable=SC2086
+        timeout 150 python3 -m freetoken_agent.bench offload --layers 12 --budget-gb 8.59 \
+          --skip-prefill --batches 1 --rounds 2 --decode 256 --regimes zipf:1.0,loc:0.7 uniform \
+          --policies gpu-fill $grid --out "$OUT/copy_grid${grid:+_32}" 2>&1 \
+          | tee "$OUT/copy_grid${grid:+_32}.log" | grep -E "fill copies|\|b" | grep -v "round[0-9]" \
+          | cut -c1-200
+      done ;;
     acceptance-peer)  # peer slice, b=1 and 4, adaptive / transfer / gpu-fill, 2 rounds (~5 min)
       # 256 timed tokens a row: at the default 48, adaptive's Zipf rows trailed gpu-fill's (48
       # layers: 113.6 against 122.1, twenty-fifth session) where 320 tokens found them even
