@@ -45,6 +45,7 @@ from freetoken_agent.engine.text.tokenizer import Tokenizer, encode_text
 from freetoken_agent.literal_specials import LiteralSpecials
 from freetoken_agent.messages import Message, coerce_messages, to_template_messages
 from freetoken_agent.parsers.reasoning import CLOSE, prompt_opens_reasoning
+from freetoken_agent.template_call_ids import wants_mistral_ids, with_mistral_ids
 
 ANCHOR_KINDS = (
     "turn_start",
@@ -258,13 +259,15 @@ class ChatFormat:
         records = coerce_messages(messages)
         if not records:
             raise InvalidRequestError("cannot render an empty history: give at least one message")
+        tools = normalize_tools(tools)
+        template = self.template(tools)
         # Plain data once (ChatTemplate.render_plain): the history and its variants are
         # rendered once a message or more to locate anchors.
         dicts = plain_data(to_template_messages(records))
+        if wants_mistral_ids(template.source):  # its ids are 9 characters (template_call_ids)
+            dicts = with_mistral_ids(dicts)
         if continue_final:  # rendered with a mark after the last text: cut there below
             dicts, add_generation_prompt = continuation_probe(dicts), False
-        tools = normalize_tools(tools)
-        template = self.template(tools)
         tools = plain_data(tools)
         variables = plain_data({**self.template_kwargs, **kwargs})  # `documents` among them
 

@@ -8,6 +8,8 @@ neighbours for consumers that want the whole text at once.
 
 from __future__ import annotations
 
+import secrets
+import string
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -80,6 +82,16 @@ Event = (
 def new_call_id() -> str:
     """A fresh tool-call id in the OpenAI style (`call_` + 24 hex digits)."""
     return "call_" + uuid.uuid4().hex[:24]
+
+
+ID_ALPHABET = string.ascii_letters + string.digits
+MISTRAL_ID_LENGTH = 9
+
+
+def new_mistral_call_id() -> str:
+    """A fresh tool-call id as Mistral's chat templates require it: 9 letters and digits
+    (they raise on any other length; vLLM's Mistral ids are the same)."""
+    return "".join(secrets.choice(ID_ALPHABET) for _ in range(MISTRAL_ID_LENGTH))
 
 
 def coalesce(events: Iterable[Event]) -> list[Event]:

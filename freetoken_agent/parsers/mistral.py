@@ -6,7 +6,8 @@
 The list form is read whole: its calls are emitted when the list closes, all or none, because a
 list that turns out malformed would otherwise void calls already ended. In the newer form the
 name comes first, so `ToolCallStart` goes out at `[ARGS]` and the arguments object streams
-verbatim. An optional `[CALL_ID]id` before `[ARGS]` is skipped (ids are ours). There is no close
+verbatim. An optional `[CALL_ID]id` before `[ARGS]` is skipped (ids are ours: 9 letters and
+digits, as Mistral's templates require of the calls sent back). There is no close
 tag: a call ends where its JSON ends, so JSON that breaks (say, a raw newline inside a string)
 leaves the block open until the output ends, when it becomes content with a ParseWarning.
 `[TOOL_CALLS]` must survive detokenization although it is a special token in v3 tokenizers:
@@ -27,6 +28,7 @@ from freetoken_agent.parsers.events import (
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
+    new_mistral_call_id,
 )
 from freetoken_agent.parsers.json_scan import JsonScanner, loads_strict
 from freetoken_agent.parsers.tool_parser import CallNumbering, ToolCallParser
@@ -50,6 +52,7 @@ class MistralParser(ToolCallParser):
     """Content text -> content deltas and Mistral tool calls."""
 
     open_tag = OPEN
+    make_call_id = staticmethod(new_mistral_call_id)  # what the templates take back
 
     def _new_reader(self) -> _MistralCalls:
         return _MistralCalls(self._numbering)

@@ -8,6 +8,7 @@ back as content. Readers live in the per-format files.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar, Protocol
 
 from freetoken_agent.parsers.events import ContentDelta, Event, new_call_id
@@ -15,17 +16,19 @@ from freetoken_agent.parsers.tags import partial_tag_len
 
 
 class CallNumbering:
-    """Hands out the stable (index, id) of each call of one output, in order."""
+    """Hands out the stable (index, id) of each call of one output, in order; ids from
+    `make_id` (a format's templates may want their own kind: Mistral's)."""
 
-    __slots__ = ("count",)
+    __slots__ = ("count", "make_id")
 
-    def __init__(self) -> None:
+    def __init__(self, make_id: Callable[[], str] = new_call_id) -> None:
         self.count = 0
+        self.make_id = make_id
 
     def next(self) -> tuple[int, str]:
         index = self.count
         self.count += 1
-        return index, new_call_id()
+        return index, self.make_id()
 
 
 class CallReader(Protocol):
@@ -51,12 +54,13 @@ class ToolCallParser:
     """
 
     open_tag: ClassVar[str]
+    make_call_id: ClassVar[Callable[[], str]] = staticmethod(new_call_id)
 
     def __init__(self) -> None:
         self._text = ""  # content not yet released (a partial tag, or template whitespace)
         self._reader: CallReader | None = None
         self._after_call = False
-        self._numbering = CallNumbering()
+        self._numbering = CallNumbering(self.make_call_id)
         self._finished = False
 
     def _new_reader(self) -> CallReader:
