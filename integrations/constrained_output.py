@@ -90,6 +90,16 @@ def _block_body(text: str) -> str:
     return text[len(HERMES_OPEN) :].split("\n", 1)[0]
 
 
+def is_json(text: str) -> bool:
+    """Whether `text` is one whole JSON value: a call body the grammar finished, where one
+    cut by max_tokens is not (its closer is then not written for it)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 class WrappedBlock:
     """A call block the host opened (the prompt ends with `opener`), and may close by feeding
     the parser a closer, around what the model writes under the grammar. When the parser voids

@@ -13,11 +13,10 @@ The schemas, and the parser of "a call or the answer's JSON", are in constrained
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from freetoken_agent.chat_format import ChatFormat, Prompt
-from freetoken_agent.integrations.constrained_output import HERMES_OPEN, WrappedBlock
+from freetoken_agent.integrations.constrained_output import HERMES_OPEN, WrappedBlock, is_json
 from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
 from freetoken_agent.parsers.reasoning import OPEN as THINK_OPEN
 from freetoken_agent.parsers.reasoning import opens_think_block
@@ -98,14 +97,6 @@ class PrefedParser:
 
     def finish(self) -> list:
         head, self.head = self.head, ""
-        tail = self.tail if self.tail and _is_json("".join(self.body)) else ""
+        tail = self.tail if self.tail and is_json("".join(self.body)) else ""
         closed = self.block.as_written(self.inner.feed(head + tail), tail)
         return closed + self.block.as_written(self.inner.finish(), "")
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True

@@ -54,6 +54,7 @@ from freetoken_agent.integrations.constrained_output import (
     JsonOrCallParser,
     WrappedBlock,
     inline,
+    is_json,
     output_schema,
 )
 from freetoken_agent.integrations.reasoned_json import (
@@ -205,20 +206,26 @@ class ForcedCallParser:
 
     The opener and the closer are the server's text, not the model's: when the parser voids the
     block they wrap (the JSON cut by max_tokens), the content it gives back, and the warning's
-    text, are only what the model wrote, as the client would otherwise see markup nobody wrote."""
+    text, are only what the model wrote, as the client would otherwise see markup nobody wrote.
+    The closer is fed only after a whole JSON body: fed after one cut inside a string, its
+    newline broke the string there, the block closed at a `</tool_call>` the string held, and
+    the closer was left over as content."""
 
     def __init__(self, inner: OutputParser, lead: str) -> None:
         self._inner = inner
         self._lead = lead  # fed before the first generated text; ends with CALL_OPEN
         self._block = WrappedBlock(CALL_OPEN)  # the block the lead opened
+        self._body: list[str] = []  # what the model wrote
 
     def feed(self, text: str) -> list:
         lead, self._lead = self._lead, ""
+        self._body.append(text)
         return self._block.as_written(self._inner.feed(lead + text), "")
 
     def finish(self) -> list:
         lead, self._lead = self._lead, ""
-        closed = self._block.as_written(self._inner.feed(lead + CALL_CLOSE), CALL_CLOSE)
+        closer = CALL_CLOSE if is_json("".join(self._body)) else ""
+        closed = self._block.as_written(self._inner.feed(lead + closer), closer)
         return closed + self._block.as_written(self._inner.finish(), "")
 
 

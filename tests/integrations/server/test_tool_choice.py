@@ -205,6 +205,26 @@ def test_forced_call_parser_closes_an_open_think_block(rng_seed):
     assert json.loads(events[1].text) == args
 
 
+def test_a_forced_call_cut_inside_a_string_naming_the_closer_is_the_model_s_text(rng_seed):
+    """Cut by max_tokens inside a string argument that mentions `</tool_call>`: the content
+    is what the model wrote and nothing more (the server's own closer, fed after the cut,
+    closed the block at the string's tag and came out as content), however it is chunked."""
+    from freetoken_agent.integrations.server.tool_choice import ForcedCallParser
+    from freetoken_agent.parsers import ContentDelta, OutputParser, ToolCallEnd
+
+    rng = random.Random(rng_seed)
+    said = random_name(rng) + " </tool_call> " + random_name(rng)
+    text = json.dumps({"name": "f", "arguments": {"text": said}})[: -rng.randint(3, 6)]
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 5)))
+    parser = ForcedCallParser(OutputParser("hermes", False, None), "<tool_call>\n")
+    events = []
+    for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+        events += parser.feed(text[a:b])
+    events += parser.finish()
+    assert not any(isinstance(e, ToolCallEnd) for e in events)
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == text
+
+
 def test_a_forced_call_holds_only_the_tools_parameters(client, rng_seed):
     """A tool's parameters that do not say whether other keys may come: the forced call's
     schema is closed (as ChatFreeToken's and a call-or-answer's), so the arguments hold the
