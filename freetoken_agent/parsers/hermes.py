@@ -39,7 +39,7 @@ class HermesParser(ToolCallParser):
 
     open_tag = OPEN
 
-    def _new_reader(self) -> _HermesCall:
+    def _new_reader(self, tag: str) -> _HermesCall:
         return _HermesCall(self._numbering)
 
 

@@ -54,7 +54,7 @@ class MistralParser(ToolCallParser):
     open_tag = OPEN
     make_call_id = staticmethod(new_mistral_call_id)  # what the templates take back
 
-    def _new_reader(self) -> _MistralCalls:
+    def _new_reader(self, tag: str) -> _MistralCalls:
         return _MistralCalls(self._numbering)
 
 

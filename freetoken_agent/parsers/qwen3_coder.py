@@ -19,6 +19,13 @@ when it completes. A value ends at `</parameter>`, and also at `<parameter=`, `<
 tag would otherwise swallow the rest of the output. Only at a line start, because values are
 often code, and code may mention these tags mid-line (a value holding one of them at the start
 of a line is cut there). One function per block, as the template writes it.
+
+Qwen3-Coder models sometimes leave out the `<tool_call>` opener (Ollama's issues report it in
+about one tool turn in five; vLLM's parser then reads the whole output as calls). So
+`<function=NAME>` at the start of a line, outside a block, opens one too, when NAME is one of
+the tools offered (without tools, or for another name, it stays text); a `</tool_call>` after
+its `</function>` is read as its closer. A block whose `</function>` came but whose closer did
+not when the output ended is a call, as vLLM and SGLang read it.
 """
 
 from __future__ import annotations
@@ -64,21 +71,58 @@ class Qwen3CoderParser(ToolCallParser):
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__()
         self._schemas = parameter_schemas(tools)
+        self._names = {(t.get("function") or t).get("name") for t in tools or ()}
 
-    def _new_reader(self) -> _CoderCall:
-        return _CoderCall(self._numbering, self._schemas)
+    def _new_reader(self, tag: str) -> _CoderCall:
+        return _CoderCall(self._numbering, self._schemas, implicit=tag == FUNCTION)
+
+    def _opening(self, buf: str) -> tuple[int, str] | None:
+        """The `<tool_call>` opener, or an earlier `<function=NAME>` at a line start naming a
+        tool offered (the module docstring)."""
+        found = super()._opening(buf)
+        end = found[0] if found else len(buf)
+        j = buf.find(FUNCTION)
+        while 0 <= j < end:
+            if j == 0 and self._line_start or j > 0 and buf[j - 1] == "\n":
+                gt = buf.find(">", j)
+                if gt >= 0 and buf[j + len(FUNCTION) : gt] in self._names:
+                    return j, FUNCTION
+            j = buf.find(FUNCTION, j + 1)
+        return found
+
+    def _held(self, buf: str) -> int:
+        """Also the last line, while it may still become `<function=NAME>` of a tool."""
+        held = super()._held(buf)
+        k = buf.rfind("\n") + 1
+        if not self._names or (k == 0 and not self._line_start):
+            return held
+        line = buf[k:]
+        if FUNCTION.startswith(line) or (
+            line.startswith(FUNCTION)
+            and ">" not in line
+            and any(n.startswith(line[len(FUNCTION) :]) for n in self._names)
+        ):
+            return max(held, len(line))
+        return held
 
 
 class _CoderCall:
     """One `<tool_call>` block holding one `<function=...>`."""
 
-    def __init__(self, numbering: CallNumbering, schemas: dict[str, dict[str, dict]]) -> None:
+    def __init__(
+        self, numbering: CallNumbering, schemas: dict[str, dict[str, dict]], implicit: bool
+    ) -> None:
+        """`implicit`: opened by `<function=` itself (no `<tool_call>`; the body starts at the
+        name, and the block may end after `</function>`)."""
         self.completed = False
         self._numbering = numbering
         self._schemas = schemas
+        self._implicit = implicit
+        self._opener = FUNCTION if implicit else OPEN  # the model's text before the body
         self._body = ""
         self._p = 0  # next unparsed body position
-        self._state = _PRE_FUNCTION
+        self._state = _FUNCTION_NAME if implicit else _PRE_FUNCTION
+        self._function_end = 0  # body position just after `</function>`
         self._index: int | None = None
         self._id = ""
         self._name = ""
@@ -96,7 +140,10 @@ class _CoderCall:
                 return self._body[step:]  # the block ended; step is where the rest starts
 
     def finish(self, out: list[Event]) -> None:
-        self._reject("unterminated tool call at end of output", OPEN + self._body, out)
+        if self._state == _POST_FUNCTION:  # whole but for its closer: a call (docstring)
+            self._complete(len(self._body), out)
+            return
+        self._reject("unterminated tool call at end of output", self._opener + self._body, out)
 
     def _step(self, out: list[Event]) -> int | None:
         """One parse step. None: wait for text; -1: progressed; >= 0: ended, rest starts there."""
@@ -106,7 +153,7 @@ class _CoderCall:
             if i < 0:
                 self._search_from = max(self._search_from, len(body) - len(CLOSE) + 1)
                 return None
-            raw = OPEN + body[:i] + CLOSE
+            raw = self._opener + body[:i] + CLOSE
             self._reject("tool call does not follow <function=...><parameter=...>", raw, out)
             return i + len(CLOSE)
         if state in (_FUNCTION_NAME, _PARAMETER_NAME):
@@ -131,11 +178,14 @@ class _CoderCall:
                     self._state = _PARAMETER_NAME
                 elif tag == FUNCTION_END:
                     self._state = _POST_FUNCTION
+                    self._function_end = self._p
                 else:
-                    return self._complete(q, out)
+                    return self._complete(q, out) + len(CLOSE)
                 return -1
         if q == len(body) or any(tag.startswith(body[q:]) for tag in expected):
             return None
+        if state == _POST_FUNCTION and self._implicit:  # no closer: the text goes on
+            return self._complete(self._function_end, out)
         return self._break(q)
 
     def _read_name(self, out: list[Event]) -> int | None:
@@ -185,12 +235,13 @@ class _CoderCall:
         self._state = _PRE_PARAMETER
         return -1
 
-    def _complete(self, close: int, out: list[Event]) -> int:
+    def _complete(self, end: int, out: list[Event]) -> int:
+        """The call ends; returns `end`, where the block's text ends."""
         assert self._index is not None
         out.append(ToolCallArgsDelta(self._index, "}" if self._args else "{}"))
         out.append(ToolCallEnd(self._index, self._id, self._name, self._args))
         self.completed = True
-        return close + len(CLOSE)
+        return end
 
     def _break(self, at: int) -> int:
         self._state = _BROKEN

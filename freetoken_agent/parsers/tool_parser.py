@@ -62,9 +62,21 @@ class ToolCallParser:
         self._after_call = False
         self._numbering = CallNumbering(self.make_call_id)
         self._finished = False
+        self._line_start = True  # the text held starts a line (the output's or after a newline)
 
-    def _new_reader(self) -> CallReader:
+    def _new_reader(self, tag: str) -> CallReader:
+        """A reader for the block `tag` opened (a format may have more than one opener)."""
         raise NotImplementedError
+
+    def _opening(self, buf: str) -> tuple[int, str] | None:
+        """(position, tag) of the first call opener in `buf`, the content held; None if
+        none came yet."""
+        i = buf.find(self.open_tag)
+        return (i, self.open_tag) if i >= 0 else None
+
+    def _held(self, buf: str) -> int:
+        """How many characters at the end of `buf` may still become an opener."""
+        return partial_tag_len(buf, self.open_tag)
 
     def feed(self, text: str) -> list[Event]:
         """Consume the next piece of content text; return the events it completes."""
@@ -80,9 +92,12 @@ class ToolCallParser:
                     self._reader = None
             else:
                 self._text += pending
-                pending = self._scan_text(out)
-                if pending is not None:
-                    self._reader = self._new_reader()
+                opened = self._scan_text(out)
+                pending = None
+                if opened is not None:
+                    tag, pending = opened
+                    self._reader = self._new_reader(tag)
+                    self._line_start = True  # what follows a block starts afresh
         return out
 
     def finish(self) -> list[Event]:
@@ -98,21 +113,24 @@ class ToolCallParser:
             self._text = ""
         return out
 
-    def _scan_text(self, out: list[Event]) -> str | None:
-        """Release content up to an opening tag; return the text after the tag, if one came."""
+    def _scan_text(self, out: list[Event]) -> tuple[str, str] | None:
+        """Release content up to an opener; return (the opener, the text after it), if one
+        came."""
         buf = self._text
-        i = buf.find(self.open_tag)
-        if i >= 0:
+        found = self._opening(buf)
+        if found is not None:
+            i, tag = found
             before = buf[:i]
             if before and not (self._after_call and before.isspace()):
                 out.append(ContentDelta(before))
             self._text = ""
-            return buf[i + len(self.open_tag) :]
-        cut = len(buf) - partial_tag_len(buf, self.open_tag)
+            return tag, buf[i + len(tag) :]
+        cut = len(buf) - self._held(buf)
         if self._after_call and (not buf[:cut] or buf[:cut].isspace()):
             return None  # maybe template whitespace before the next call: hold it
         if cut:
             out.append(ContentDelta(buf[:cut]))
             self._after_call = False
+            self._line_start = buf[cut - 1] == "\n"
         self._text = buf[cut:]
         return None

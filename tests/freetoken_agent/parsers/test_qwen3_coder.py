@@ -134,12 +134,61 @@ def test_missing_parameter_close_tag_is_tolerated():
 
 
 def test_unterminated_call_becomes_content_with_a_warning(rng, kit):
+    """Cut before its `</function>`: content and a warning. Cut after it (its closer missing,
+    as vLLM and SGLang read it): the call."""
     seg = coder_call(rng, kit, None)
     cut = seg[1][: rng.randint(len("<tool_call>"), len(seg[1]) - 1)]
     for chunks in kit.chunkings(rng, cut):
         summary = kit.summary(kit.run(Qwen3CoderParser(), chunks))
+        if "</function>" in cut:
+            assert summary == seg[2], summary
+            continue
         voided = "<function=" in cut and ">" in cut[cut.index("<function=") :]
         assert summary == [("content", cut), ("warning", cut, voided)]
+
+
+def test_a_block_the_output_ends_before_its_closer_is_a_call(rng, kit):
+    seg = coder_call(rng, kit, None)
+    text = seg[1].removesuffix("</tool_call>") + "</tool_call>"[: rng.randrange(0, 11)]
+    for chunks in kit.chunkings(rng, text):
+        assert kit.summary(kit.run(Qwen3CoderParser(), chunks)) == seg[2], chunks
+
+
+def _bare(rng, kit) -> tuple[str, list, list[tuple]]:
+    """A call as Qwen3-Coder sometimes writes it, without `<tool_call>`: (its text, the tools
+    offered, what it means)."""
+    schemas: dict = {}
+    seg = coder_call(rng, kit, schemas)
+    body = seg[1].removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+    return body, as_tools(schemas), seg[2]
+
+
+def test_a_call_without_its_opener_is_a_call_of_an_offered_tool(rng, kit):
+    """`<function=NAME>` at a line start naming an offered tool opens a call; an orphan
+    `</tool_call>` after it is its closer; text around it stays content."""
+    body, tools, meaning = _bare(rng, kit)
+    before = rng.choice(["", "I'll call it.\n", "x\n\n"])
+    closer = rng.choice(["", "\n</tool_call>"])
+    after = rng.choice(["", "\nDone: " + kit.rand_text(rng, 1, 20).replace("<", "(")])
+    text = before + body + closer + after
+    expected = ([("content", before)] if before else []) + meaning
+    if after and not after.isspace():
+        expected.append(("content", after))
+    for chunks in kit.chunkings(rng, text):
+        assert kit.summary(kit.run(Qwen3CoderParser(tools), chunks)) == expected, chunks
+
+
+def test_a_function_tag_that_opens_no_call_stays_text(rng, kit):
+    """Not a tool offered, no tools at all, or not at a line start: text, no warning."""
+    body, tools, _ = _bare(rng, kit)
+    other = [{"type": "function", "function": {"name": "zz_" + kit.rand_name(rng)}}]
+    cases = [(body, other), (body, None), ("see " + body, tools)]
+    for text, offered in cases:
+        for chunks in kit.chunkings(rng, text):
+            assert kit.summary(kit.run(Qwen3CoderParser(offered), chunks)) == [("content", text)], (
+                text,
+                offered,
+            )
 
 
 def test_names_are_judged_on_their_raw_text_in_every_chunking(kit):
