@@ -14,9 +14,9 @@ where it would otherwise answer, and the agent loop comes back for the next one.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import unquote
 
 from langchain_core.utils.json_schema import dereference_refs
 
@@ -167,7 +167,44 @@ _SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then",
 _COMBINATIONS = ("anyOf", "oneOf", "allOf")
 
 
-def closed(schema: Any, partial: bool = False) -> Any:
+def closed(schema: Any) -> Any:
+    """`schema` with its objects closed (`_closed`), but for the defs some object reads as one
+    of its parts (`_part_defs`): closed alone, such a def forbade the keys the object's other
+    parts add (OpenAPI's `allOf: [{"$ref": Base}, {...}]`), and the schema admitted nothing."""
+    return _closed(schema, False, _part_defs(schema))
+
+
+def closed_with(schema: dict, defs: dict[str, Any]) -> tuple[dict, dict[str, Any]]:
+    """`schema` and `defs` (the defs its refs read, kept apart for a root elsewhere) closed as
+    one schema, so a def it reads as a part of an object stays open (`closed`)."""
+    whole = closed({**schema, "$defs": defs})
+    return {k: v for k, v in whole.items() if k != "$defs"}, whole["$defs"]
+
+
+def _part_defs(schema: Any) -> set[str]:
+    """The names of the $defs that a $ref reads as a part of an object: an allOf
+    branch, or beside the object's own properties or combinations."""
+    found: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack += node
+            continue
+        if not isinstance(node, dict):
+            continue
+        parts = [b for b in node.get("allOf") or [] if isinstance(b, dict)]
+        if "properties" in node or any(isinstance(node.get(k), list) for k in _COMBINATIONS):
+            parts.append(node)
+        for part in parts:
+            ref = part.get("$ref")
+            if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+                found.add(_pointer_name(ref.split("/")[2]))
+        stack += node.values()
+    return found
+
+
+def _closed(schema: Any, partial: bool = False, part_defs: frozenset | set = frozenset()) -> Any:
     """Objects that list their properties get additionalProperties false unless they say
     otherwise (OpenAI's strict mode does the same): otherwise the grammar lets a model append
     keys nobody asked for, and a weak one rambles there until max_tokens. Walks subschemas by
@@ -186,20 +223,32 @@ def closed(schema: Any, partial: bool = False) -> Any:
     out = dict(schema)
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+            defs = key in _DEF_MAPS
+            out[key] = {
+                name: _closed(sub, defs and name in part_defs, part_defs)
+                for name, sub in out[key].items()
+            }
     for key in _SCHEMA_LISTS:
         if isinstance(out.get(key), list):
             part = key == "allOf" or (key != "prefixItems" and "properties" in out)
-            out[key] = [closed(sub, part) for sub in out[key]]
+            out[key] = [_closed(sub, part, part_defs) for sub in out[key]]
     for key in _SCHEMA_ONE:
         if key in out:
             sub = out[key]
-            out[key] = [closed(s) for s in sub] if isinstance(sub, list) else closed(sub)
+            out[key] = (
+                [_closed(s, False, part_defs) for s in sub]
+                if isinstance(sub, list)
+                else _closed(sub, False, part_defs)
+            )
     combined = "$ref" in out or any(isinstance(out.get(k), list) for k in _COMBINATIONS)
     if "additionalProperties" in out or partial:
         return out
     if not combined:
         if "properties" in out:
+            # A required name it does not list is one of its keys too: closed over its
+            # properties alone, the object would admit nothing.
+            missing = [n for n in out.get("required") or [] if n not in out["properties"]]
+            out["properties"] = {**out["properties"], **{n: {} for n in missing}}
             out["additionalProperties"] = False
         return out
     # Parts (allOf branches, or branches beside the object's own properties; whole
@@ -281,37 +330,62 @@ def placed(schema: dict, prefix: str, defs: dict[str, Any]) -> dict:
     return body
 
 
-_LOCAL_REF = re.compile(r"#/(?:\$defs|definitions)/([^/~]+)")
+_DEF_MAPS = ("$defs", "definitions")
+
+
+def _pointer_name(token: str) -> str:
+    """A JSON pointer token as the name it stands for (RFC 6901's ~1 and ~0; a $ref is a URI
+    fragment, so %-escapes too: "My%20Def" is the def "My Def")."""
+    return unquote(token).replace("~1", "/").replace("~0", "~")
 
 
 def hoisted(schema: dict, prefix: str) -> tuple[dict, dict[str, Any]] | None:
     """`schema` without its $defs (or definitions) and those defs, each renamed `prefix` +
     name, their $refs ("#/$defs/Name") renamed alike: to sit inside a larger schema whose root
     holds the defs. llguidance resolves refs from the root, a cycle included, where inlining
-    cuts it to {} (a tree's children would then be anything). None where a ref points
-    elsewhere ("#", "#/properties/...", another document) or a def's name needs escaping."""
+    cuts it to {} (a tree's children would then be anything). A ref into the schema itself
+    ("#", zod's recursion through the root, or "#/properties/...") points to a copy of the
+    schema made a def of its own (`prefix` + "root"). Its $id and $schema are dropped (an
+    $id would make the nested body a resource of its own, against which the renamed refs no
+    longer resolve). None where a ref points to another document or to a def not there."""
     own = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
     if not isinstance(own, dict):
         return None
+    root = prefix + "root"
+    while root in {prefix + name for name in own}:
+        root += "_"
+    into_root = False
+
+    def renamed(ref: str) -> str:
+        nonlocal into_root
+        if ref != "#" and not ref.startswith("#/"):
+            raise LookupError(ref)  # another document
+        tokens = ref[2:].split("/") if ref != "#" else []
+        if tokens[:1] and tokens[0] in _DEF_MAPS and len(tokens) > 1:
+            if _pointer_name(tokens[1]) not in own:
+                raise LookupError(ref)
+            # prefix needs no escaping ("tool0.", "answer."): name's token as written after it
+            return "/".join(["#", "$defs", prefix + tokens[1], *tokens[2:]])
+        into_root = True
+        return "/".join(["#", "$defs", root, *tokens])
 
     def walk(node: Any) -> Any:
         if isinstance(node, list):
             return [walk(item) for item in node]
         if not isinstance(node, dict):
             return node
-        out = {}
-        for key, value in node.items():
-            if key == "$ref" and isinstance(value, str):
-                found = _LOCAL_REF.fullmatch(value)
-                if found is None or found.group(1) not in own:
-                    raise LookupError(value)
-                out[key] = f"#/$defs/{prefix}{found.group(1)}"
-            else:
-                out[key] = walk(value)
-        return out
+        return {
+            key: renamed(value) if key == "$ref" and isinstance(value, str) else walk(value)
+            for key, value in node.items()
+        }
 
-    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    drop = (*_DEF_MAPS, "$id", "$schema")
+    body = {k: v for k, v in schema.items() if k not in drop}
     try:
-        return walk(body), {prefix + name: walk(sub) for name, sub in own.items()}
+        defs = {prefix + name: walk(sub) for name, sub in own.items()}
+        body = walk(body)
     except LookupError:
         return None
+    if into_root:  # the body stays in place (its properties readable there), a copy its def
+        defs[root] = body
+    return body, defs

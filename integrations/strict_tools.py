@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freetoken_agent.engine.constrained import JSON_OPTIONS
-from freetoken_agent.integrations.constrained_output import call_part, closed, rooted
+from freetoken_agent.integrations.constrained_output import call_part, closed_with, rooted
 from freetoken_agent.parsers import engine_tool_format
 
 OPENER, CLOSER = "<tool_call>", "</tool_call>"
@@ -62,8 +62,8 @@ def call_schema(tool: Mapping[str, Any], defs: dict[str, Any], prefix: str = "")
     the schema this call sits in."""
     if is_strict(tool):
         own: dict[str, Any] = {}
-        call = closed(call_part(tool, prefix, own))
-        defs.update((name, closed(sub)) for name, sub in own.items())
+        call, own = closed_with(call_part(tool, prefix, own), own)
+        defs.update(own)
         return call
     name = tool["function"]["name"]
     return {

@@ -52,7 +52,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from freetoken_agent.engine.constrained import JSON_OPTIONS
-from freetoken_agent.integrations.constrained_output import call_part, closed, refers
+from freetoken_agent.integrations.constrained_output import call_part, closed_with, refers
 from freetoken_agent.integrations.strict_tools import call_frame, is_strict, regex_literal
 from freetoken_agent.parsers.qwen3_coder import (
     FUNCTION,
@@ -110,8 +110,7 @@ def strict_parameters(tool: Mapping[str, Any]) -> list[tuple[str, bool, Any]] | 
     name (the tool is then held as a non-strict one). Each value is its own `%json` root: a
     parameter's schema that refers to the tool's $defs carries them (`_rooted`)."""
     defs: dict[str, Any] = {}
-    params = closed(call_part(tool, "", defs)["properties"]["arguments"])
-    defs = {name: closed(sub) for name, sub in defs.items()}
+    params, defs = closed_with(call_part(tool, "", defs)["properties"]["arguments"], defs)
     props, required = params.get("properties"), params.get("required", [])
     if (
         set(params) & UNHELD_OBJECT_KEYS

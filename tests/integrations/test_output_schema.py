@@ -84,8 +84,63 @@ def test_hoisting_renames_refs_or_declines():
     body, defs = hoisted({"$ref": "#/$defs/Node", "$defs": {"Node": NODE}}, "p.")
     assert body == {"$ref": "#/$defs/p.Node"} and set(defs) == {"p.Node"}
     assert defs["p.Node"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/p.Node"}
-    for elsewhere in ("#", "#/properties/a", "https://x/y", "#/$defs/Missing"):
+    for elsewhere in ("https://x/y", "#/$defs/Missing", "other.json#/a"):
         assert hoisted({"properties": {"a": {"$ref": elsewhere}}, "$defs": {}}, "p.") is None
+
+
+# zod-to-json-schema's recursion (z.lazy): through the root itself, common in MCP tools
+CHAIN = {
+    "type": "object",
+    "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["v", "next"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def _chain(rng: random.Random, depth: int) -> dict:
+    return {"v": rng.randint(0, 9), "next": _chain(rng, depth - 1) if depth else None}
+
+
+@pytest.mark.parametrize("mode", ["required", "json_or_call"])
+def test_a_ref_through_the_root_holds_in_a_combined_schema(rng_seed, mode):
+    """ "$ref": "#" points to the tool's schema, at every depth (inlining cut it to {}, and a
+    forced call wrote `"next": true`); a pointer into the schema ("#/properties/v") too."""
+    rng = random.Random(rng_seed)
+    params = {**CHAIN, "properties": {**CHAIN["properties"], "w": {"$ref": "#/properties/v"}}}
+    tools = [{"type": "function", "function": {"name": "link", "parameters": params}}]
+    answer = {**CHAIN, "$id": "https://example.com/chain"} if mode == "json_or_call" else None
+    schema = output_schema(mode, tools, answer)
+    chain = _chain(rng, rng.randint(1, 4))
+    assert _valid(schema, {"name": "link", "arguments": chain})
+    if answer:
+        assert _valid(schema, _chain(rng, rng.randint(1, 4)))
+    node = chain
+    while node["next"] is not None:
+        node = node["next"]
+    node["next"] = rng.choice([True, 3, "x", {"v": 1}])  # no link and not null
+    assert not _valid(schema, {"name": "link", "arguments": chain})
+    bad_w = {**_chain(rng, 1), "w": 10}  # w is held as v is: 0..9
+    assert not _valid(schema, {"name": "link", "arguments": bad_w})
+    if mode == "required":  # the arguments keep their properties in place (MCP pins read them)
+        assert set(schema["properties"]["arguments"]["properties"]) == {"v", "next", "w"}
+
+
+@pytest.mark.parametrize("name", ["My Def", "a/b", "t~x", "naïve"])
+def test_defs_whose_names_need_escaping_are_hoisted(rng_seed, name):
+    """A $ref writes a def's name as a URI fragment's pointer token (%20, ~1 for /, ~0 for ~):
+    decoded to find the def (forced calls were refused: "Pointer does not exist")."""
+    from urllib.parse import quote
+
+    rng = random.Random(rng_seed)
+    token = quote(name.replace("~", "~0").replace("/", "~1"), safe="~")
+    params = {"type": "object", "properties": {"p": {"$ref": f"#/$defs/{token}"}},
+              "required": ["p"], "$defs": {name: {"type": "integer", "maximum": 9}}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    schema = output_schema("required", tools, None)
+    value = rng.randint(0, 9)
+    assert _valid(schema, {"name": "f", "arguments": {"p": value}})
+    assert not _valid(schema, {"name": "f", "arguments": {"p": value + 10}})
 
 
 def test_combined_objects_are_closed_over_every_name_their_parts_list(rng_seed):
@@ -138,3 +193,38 @@ def test_an_mcp_forced_call_may_pin_a_name_an_open_object_takes(rng_seed, opened
     closed_tool = {"type": "function", "function": {"name": "f", "parameters": closed_params}}
     with pytest.raises(ValueError, match="does not take"):
         call_schema(closed_tool, {name: value}, {})
+
+
+BASE = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("shape", ["allOf", "beside", "required"])
+def test_closing_never_refuses_a_value_of_the_names_the_schema_mentions(rng_seed, shape):
+    """A def read as a part of an object (an allOf branch, a $ref beside properties) stays
+    open, and a required name the properties leave out is a key: closed, each admitted
+    nothing (a 400 "Unsatisfiable schema" for forced calls, strict tools and LangChain)."""
+    rng = random.Random(rng_seed)
+    extra = {"properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    schema = {
+        "allOf": {"type": "object", "allOf": [{"$ref": "#/$defs/Base"}, extra],
+                  "$defs": {"Base": BASE}},
+        "beside": {"$ref": "#/$defs/Base", **extra, "$defs": {"Base": BASE}},
+        "required": {"type": "object", "properties": {"a": {"type": "integer"}},
+                     "required": ["a", "b"]},
+    }[shape]  # fmt: skip
+    value = {"a": rng.randint(0, 9), "b": rng.randint(0, 9)}
+    assert _valid(schema, value) and _valid(closed(schema), value)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    assert _valid(output_schema("required", tools, None), {"name": "f", "arguments": value})
+    if shape == "required":  # still closed to names it does not mention
+        assert not _valid(closed(schema), {**value, f"z{rng.randint(0, 9)}": 1})
+
+
+def test_a_def_read_as_a_whole_value_is_still_closed(rng_seed):
+    rng = random.Random(rng_seed)
+    schema = {"type": "object", "properties": {"solo": {"$ref": "#/$defs/Base"}},
+              "$defs": {"Base": BASE}}  # fmt: skip
+    a = rng.randint(0, 9)
+    assert _valid(closed(schema), {"solo": {"a": a}})
+    assert not _valid(closed(schema), {"solo": {"a": a, "z": 1}})
+    assert _valid(schema, {"solo": {"a": a, "z": 1}})  # (open as given)
