@@ -95,6 +95,23 @@ def load_backend() -> Any:
     return module
 
 
+def schema_refusal(schema: dict) -> str | None:
+    """Why the grammar library cannot take `schema` (its first line), or None; compiled
+    without a tokenizer, so a part of a larger grammar (a strict tool's call) can be judged,
+    and named, on its own before the whole is compiled. None too where the library is not
+    installed: the request itself then says so."""
+    try:
+        llg = load_backend()
+    except GrammarBackendMissing:
+        return None
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(dict(schema), defaults=JSON_OPTIONS)
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    except ValueError as e:
+        failed, messages = True, [str(e)]
+    return _GRAMMAR_PLACE.sub("", "; ".join(messages)).split("\n", 1)[0] if failed else None
+
+
 class GrammarCompiler:
     """Compiles JSON schemas for one tokenizer; keeps the last CACHE_SIZE compiled ones."""
 

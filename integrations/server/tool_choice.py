@@ -47,7 +47,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken_agent.engine.constrained import tool_arguments_schema, tool_call_schema
+from freetoken_agent.engine.constrained import (
+    schema_refusal,
+    tool_arguments_schema,
+    tool_call_schema,
+)
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.engine.schema_checks import schema_of_response_format, schema_problems
 from freetoken_agent.integrations.constrained_output import (
@@ -56,6 +60,7 @@ from freetoken_agent.integrations.constrained_output import (
     inline,
     is_json,
     output_schema,
+    rooted,
 )
 from freetoken_agent.integrations.reasoned_json import (
     answer_grammar,
@@ -242,14 +247,20 @@ def turn_sampling(
         return sampling
     for i, tool in enumerate(tools or []):  # a schema the grammar cannot take: the client's 400
         if is_strict(tool):
+            field = f"tools[{i}].function.parameters"
+            defs: dict = {}
             try:
-                call_schema(tool, {})
+                call = rooted([call_schema(tool, defs)], defs)
             except (KeyError, ValueError, TypeError, AttributeError) as e:
-                field = f"tools[{i}].function.parameters"
                 raise BadParam(
                     f"{field}: a strict tool's schema cannot be used ({type(e).__name__}: {e})",
                     field,
                 ) from None
+            # Judged alone: compiled within the whole grammar, the refusal named no tool and
+            # listed the grammar's text, every tool's schema in it.
+            problem = schema_refusal(call)
+            if problem is not None:
+                raise BadParam(f"{field}: a strict tool's schema cannot be used: {problem}", field)
     grammar = strict_grammar(engine, tools or [])
     return sampling if grammar is None else dataclasses.replace(sampling, grammar=grammar)
 

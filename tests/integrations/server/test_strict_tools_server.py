@@ -115,3 +115,23 @@ def test_chatfreetoken_bind_tools_strict_takes_the_grammar(engine, rng_seed):
         assert sampling.grammar is None and sampling.json_schema is not None
     finally:
         llm.service.close()
+
+
+def test_a_strict_tool_the_grammar_cannot_take_is_named_in_one_line(client, rng_seed):
+    """A keyword the grammar library does not implement, in one strict tool among others: the
+    400 names that tool's parameters and the keyword, on one line (the whole grammar's listing,
+    every tool's schema in it, came back before)."""
+    rng = random.Random(rng_seed)
+    tools = _tools(rng, strict=False)
+    bad = rng.randrange(len(tools) + 1)
+    keyword = rng.choice([{"not": {"type": "string"}}, {"if": {"type": "integer"}}])
+    params = {"type": "object", "properties": {"a": keyword}, "required": ["a"]}
+    fn = {"name": random_name(rng, [t["function"]["name"] for t in tools]), "strict": True,
+          "parameters": params}  # fmt: skip
+    tools.insert(bad, {"type": "function", "function": fn})
+    r = client.post(URL, json=_body(rng, tools, tool_choice="auto"))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == f"tools[{bad}].function.parameters"
+    assert "\n" not in error["message"] and next(iter(keyword)) in error["message"]
+    assert "%json" not in error["message"] and "TEXT" not in error["message"]
