@@ -385,7 +385,8 @@ class Engine:
         self, prompt: Prompt, sampling: SamplingParams | None = None, **options
     ) -> Iterator[TokenEvent]:
         """Yield this request's events as they come; other requests progress meanwhile. Closing
-        the iterator early aborts the request. `options` go to `submit` (anchors...)."""
+        the iterator early aborts the request. `options` go to `submit` (anchors...), but for
+        `stop` (frontends.stream)."""
         return frontends.stream(self, prompt, sampling, **options)
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:

@@ -10,7 +10,7 @@ the user-facing docstrings.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -83,10 +83,18 @@ def _drop(engine: Engine, ids: Sequence[str]) -> None:
 
 
 def stream(
-    engine: Engine, prompt: Prompt, sampling: SamplingParams | None = None, **options
+    engine: Engine,
+    prompt: Prompt,
+    sampling: SamplingParams | None = None,
+    *,
+    stop: Callable[[], bool] | None = None,
+    **options,
 ) -> Iterator[TokenEvent]:
     """Submit, then alternate draining this request's event queue and stepping; the request
-    is aborted and its tables dropped however the iteration ends."""
+    is aborted and its tables dropped however the iteration ends. `stop`, asked before each
+    step: True ends the stream there (the request aborted), so a long prompt's prefill, whose
+    chunks yield no event, can be stopped after the chunk running (`freetoken chat`'s
+    Ctrl-C)."""
     rid = engine.submit(prompt, sampling, **options)
     queue = engine._events[rid]
     try:
@@ -97,6 +105,8 @@ def stream(
                 if event.finished:
                     return
             if engine._requests[rid].status is Status.FINISHED and not queue:
+                return
+            if stop is not None and stop():
                 return
             engine.step()
     finally:

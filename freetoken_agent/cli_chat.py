@@ -3,6 +3,7 @@ the turns that fail or overflow the context left out so the chat goes on."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import sys
@@ -30,6 +31,10 @@ def chat_loop(engine, sampling: SamplingParams, system_prompt: str | None) -> in
     # locale (a strict one raised UnicodeDecodeError in input(), ending the chat).
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="surrogateescape")
+    # Line editing and history at `you> `; without readline a terminal in cooked mode also
+    # cut a pasted line at 4095 bytes, silently.
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401
     system = as_text(system_prompt) if system_prompt else None
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     print("[freetoken] chat: /help lists the commands, /exit or Ctrl-D leaves", file=sys.stderr)
@@ -58,7 +63,12 @@ def chat_loop(engine, sampling: SamplingParams, system_prompt: str | None) -> in
         history.append({"role": "user", "content": as_text(line)})
         print("model> ", end="", flush=True)
         try:
-            prompt, options = chat_turn(fmt, history, anchors)
+            try:
+                prompt, options = chat_turn(fmt, history, anchors)
+            except KeyboardInterrupt:  # while rendering (nothing sent yet): the turn is dropped
+                history.pop()
+                print("\n[freetoken] interrupted", file=sys.stderr)
+                continue
             text, stats = stream_reply(engine, prompt, sampling, **options)
         except ContextLengthError as e:
             history.pop()  # the message that did not fit; the chat goes on

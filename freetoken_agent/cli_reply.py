@@ -42,19 +42,23 @@ def stream_reply(engine, prompt, sampling: SamplingParams, **options) -> tuple[s
     anchor_options)."""
     start = time.perf_counter()
     first, n, reason, error, parts = None, 0, None, None, []
-    request = engine.stream(prompt, sampling, **options)
-    with ctrl_c() as pressed, contextlib.closing(request) as stream:
-        for event in stream:
-            if event.token_id is not None:
-                n += 1
-                first = first or time.perf_counter()
-            print(event.text, end="", flush=True)
-            parts.append(event.text)
-            if event.finished:
-                reason, error = event.finish_reason, event.error
-            elif pressed.is_set():
-                reason = "interrupted"
-                break  # closing the stream aborts the request
+    with ctrl_c() as pressed:
+        # Asked before each step too: a long prompt's prefill, which yields no event, stops
+        # after its running chunk (the stream then ends without a finished event).
+        request = engine.stream(prompt, sampling, stop=pressed.is_set, **options)
+        with contextlib.closing(request) as stream:
+            for event in stream:
+                if event.token_id is not None:
+                    n += 1
+                    first = first or time.perf_counter()
+                print(event.text, end="", flush=True)
+                parts.append(event.text)
+                if event.finished:
+                    reason, error = event.finish_reason, event.error
+                elif pressed.is_set():
+                    break  # closing the stream aborts the request
+        if reason is None and pressed.is_set():
+            reason = "interrupted"
     end = time.perf_counter()
     print()
     ttft = (first - start) if first else float("nan")
