@@ -29,11 +29,11 @@ from freetoken_agent.engine.sampling_params import SamplingParams, SamplingParam
 from freetoken_agent.help_format import DefaultsHelpFormatter
 
 
-def _port(text: str) -> int:
-    port = int(text)
-    if not 1 <= port <= 65535:
+def port(text: str) -> int:  # (named so: argparse's refusal says "invalid port value")
+    number = int(text)
+    if not 1 <= number <= 65535:
         raise argparse.ArgumentTypeError(f"{text} is not a TCP port (1-65535)")
-    return port
+    return number
 
 
 def _origin(text: str) -> str:
@@ -54,14 +54,19 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "--seed",
         type=int,
         default=None,
-        help="sampling seed; left out, a random one each run (llama.cpp's -1, Ollama's "
-        "default), so sampled replies differ between runs: give one to repeat a run",
+        help="sampling seed; left out or negative, a random one each run (llama.cpp's -1, "
+        "Ollama's default), so sampled replies differ between runs: give one to repeat a run",
     )
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 _FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
           "top_k": "--top-k", "seed": "--seed", "stop": "--stop"}  # fmt: skip
+
+
+def _seed(args: argparse.Namespace) -> int | None:
+    """--seed, a negative one read as llama.cpp reads -1: random each run (None)."""
+    return None if args.seed is not None and args.seed < 0 else args.seed
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -73,7 +78,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
-            seed=args.seed,
+            seed=_seed(args),
             stop=args.stop,
         )
     except SamplingParamsError as e:
@@ -153,6 +158,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_bind(args.host, args.api_key)  # before loading: a refused bind costs nothing
     check_port(args.host, args.port)
     engine = load_engine(args)
+    if getattr(engine, "tokenizer", None) is None:  # said before "serving", not after
+        engine.close()
+        raise ValueError(
+            "the server needs a model folder with a tokenizer (tokenizer.json); this one has "
+            "none, so `freetoken generate` with token ids is all it can run"
+        )
     model_id = "freetoken-demo" if args.model == "demo" else Path(args.model).resolve().name
     print(
         f"[freetoken] serving {model_id} on http://{args.host}:{args.port} "
@@ -284,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="OpenAI-compatible API, WebSocket session stream and a web page"
     )
     srv.add_argument("--host", default="127.0.0.1", help="bind address (others need --api-key)")
-    srv.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    srv.add_argument("--port", type=port, default=8000, help="port to listen on")
     srv.add_argument(
         "--api-key",
         default=os.environ.get("FREETOKEN_API_KEY") or None,
@@ -354,12 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        # The benchmarks parse their own options: argparse would take `freetoken bench --help`
-        # for its own (an empty usage line) instead of the list of benchmarks.
-        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
-    args = build_parser().parse_args(argv)
     try:
+        if argv[:1] == ["bench"]:
+            # The benchmarks parse their own options: argparse would take `freetoken bench
+            # --help` for its own (an empty usage line) instead of the list of benchmarks.
+            return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C outside a reply (loading, at the chat prompt)
         print(file=sys.stderr)

@@ -28,7 +28,16 @@ def model_path(name: str) -> Path:
 
         print(f"[freetoken] {DEMO_NOTICE}", file=sys.stderr)
         return ensure_demo_model()
-    return Path(name).expanduser()
+    path = Path(name).expanduser()
+    if path.suffix.lower() == ".gguf":
+        raise ValueError(f"{name}: GGUF files are not read; give a Hugging Face model folder "
+                         "(config.json and safetensors weights) or an FTW folder")  # fmt: skip
+    if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        raise ValueError(
+            f"no folder {name}: FreeToken never downloads models. Fetch it first, for "
+            f"example `huggingface-cli download {name} --local-dir DIR`, then give DIR"
+        )
+    return path
 
 
 def positive(kind: Callable[[str], float], zero: bool = False) -> Callable[[str], float]:
@@ -151,9 +160,10 @@ def load_engine(args: argparse.Namespace):
         options["checkpoints"] = args.checkpoints
     if args.thinking_budget is not None:
         options["thinking_budget"] = args.thinking_budget
-    if hasattr(args, "temperature") and args.seed is None:
-        # Commands that sample (demo, generate, chat): without --seed, the engine's generator
-        # (which unseeded requests draw from) starts anywhere, not at EngineConfig's fixed 0.
+    if hasattr(args, "temperature") and (args.seed is None or args.seed < 0):
+        # Commands that sample (demo, generate, chat): without --seed (or with -1), the
+        # engine's generator (which unseeded requests draw from) starts anywhere, not at
+        # EngineConfig's fixed 0.
         options["seed"] = secrets.randbits(31)
     path = model_path(args.model)
     try:

@@ -22,7 +22,9 @@ def env(tmp_path):
     return {**os.environ, "FREETOKEN_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
 
 
-def _run(args: list[str], env: dict, stdin: str = "") -> subprocess.CompletedProcess:
+def _run(
+    args: list[str], env: dict, stdin: str = "", cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "freetoken_agent.cli", *args],
         input=stdin,
@@ -30,6 +32,7 @@ def _run(args: list[str], env: dict, stdin: str = "") -> subprocess.CompletedPro
         text=True,
         env=env,
         timeout=300,
+        cwd=cwd,
     )
 
 
@@ -77,7 +80,9 @@ def test_generate_without_a_seed_samples_afresh_each_run(env, rng_seed):
     differ between runs; 40 tokens at temperature 1 from a random model never repeat."""
     prompt = "".join(random.Random(rng_seed).choices(string.ascii_lowercase, k=12))
     args = ["generate", prompt, "--device", "cpu", "--max-tokens", "40", "--temperature", "1"]
-    runs = [_run([*args, "--top-p", "1"], env) for _ in range(2)]
+    # llama.cpp's --seed -1 means the same
+    seed = random.Random(rng_seed).choice([[], ["--seed", "-1"], ["--seed", "-7"]])
+    runs = [_run([*args, "--top-p", "1", *seed], env) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     assert runs[0].stdout != runs[1].stdout
 
@@ -96,6 +101,21 @@ def test_bad_model_path_is_a_clear_error(env, tmp_path):
     done = _run(["generate", "hi", "--model", str(tmp_path / "nope"), "--device", "cpu"], env)
     assert done.returncode == 2
     assert "no config.json" in done.stderr
+
+
+def test_a_hub_id_or_a_gguf_file_is_told_what_to_give(env, tmp_path, rng_seed):
+    """A vLLM or Ollama user's habits: a repo id (nothing is downloaded: say how to fetch
+    it), a GGUF file (not read): one line each, exit 2, in the folder the test runs from."""
+    rng = random.Random(rng_seed)
+    repo = f"org{rng.randrange(999)}/Model-{rng.randrange(99)}B"
+    gguf = tmp_path / f"m{rng.randrange(99)}.gguf"
+    gguf.write_bytes(b"GGUF")
+    for name, says in ((repo, "never downloads"), (str(gguf), "GGUF files are not read")):
+        done = _run(["generate", "hi", "--model", name, "--device", "cpu"], env, cwd=tmp_path)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    done = _run(["serve", "--port", "abc"], env)
+    assert done.returncode == 2 and "invalid port value" in done.stderr, done.stderr
 
 
 def test_chat_commands_and_unknown_ones_never_reach_the_model(env, rng_seed):
@@ -420,3 +440,18 @@ def test_every_command_option_states_its_default():
                 str(action.default))  # fmt: skip
             assert f"default: {shown or 'none'})" in text or "default" in action.help.lower(), (
                 name, action.option_strings)  # fmt: skip
+
+
+def test_serve_refuses_a_model_without_a_tokenizer_before_it_says_serving(env, tmp_path, rng_seed):
+    import socket
+
+    from tiny_models import make_tiny
+
+    make_tiny("qwen3_moe", tmp_path / "m", rng_seed)  # weights and config only
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    done = _run(["serve", "--model", str(tmp_path / "m"), "--device", "cpu", "--port", port], env)
+    assert done.returncode == 2, done.stderr
+    assert "tokenizer" in done.stderr and "serving" not in done.stderr, done.stderr
+    assert "chat template" not in done.stderr.splitlines()[-1]
