@@ -21,10 +21,14 @@ and, when asked (EngineConfig.verify_checksums), by the load as it copies the ro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,14 +132,40 @@ def convert(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        (tmp / PARTIAL_MARK).write_text(f"freetoken convert {src} -> {dst}\n")
-        _write(src, tmp, spec, progress)
-        (tmp / PARTIAL_MARK).unlink()
-        os.replace(tmp, dst)
+        with _signals_raise():
+            (tmp / PARTIAL_MARK).write_text(f"freetoken convert {src} -> {dst}\n")
+            _write(src, tmp, spec, progress)
+            (tmp / PARTIAL_MARK).unlink()
+            os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during a conversion (`timeout`, `docker stop`, a closed terminal)."""
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise (Terminated) while convert writes, so its cleanup removes
+    DST.partial, as for Ctrl-C: their default action ended the process and left the banks'
+    full size on disk. Only where they can be caught (the main thread, not Windows)."""
+    wanted = [getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated(f"convert stopped by {signal.Signals(signum).name}")
+
+    previous = {sig: signal.signal(sig, stop) for sig in wanted}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
@@ -169,6 +199,16 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
                     match, target = hit
                     layer = int(match.group("L"))
                     expert = int(match.group("E")) if "E" in match.groupdict() else None
+                    if not tensor.is_floating_point():  # (cast into the bank, it loaded)
+                        raise CheckpointError(
+                            f"tensor {name} has dtype {tensor.dtype}; expected a float tensor"
+                        )
+                    if expert is None and tensor.shape[0] != spec.n_experts:
+                        # Fused [E, ...]: more rows were dropped silently, fewer ran past them
+                        raise CheckpointError(
+                            f"tensor {name} holds {tensor.shape[0]} experts, but config.json "
+                            f"gives {spec.n_experts} a layer"
+                        )
                     if layer not in spec.moe_layers:
                         raise CheckpointError(f"expert tensor {name} in non-MoE layer {layer}")
                     if expert is not None and expert >= spec.n_experts:  # it would fill
@@ -220,7 +260,7 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     synced(tmp / MANIFEST)
     for b in BANKS:
         synced(tmp / f"experts.{b}.bin")
-    verify(tmp, spec)  # read back: a damaged write fails here, not at the first load
+    verify(tmp, spec, progress)  # read back: a damaged write fails here, not at the first load
     for name in COPIED:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
@@ -366,10 +406,11 @@ def bad_rows(folder: str | Path, spec: ModelSpec, progress: bool = False) -> dic
     return bad
 
 
-def verify(folder: str | Path, spec: ModelSpec) -> None:
+def verify(folder: str | Path, spec: ModelSpec, progress: bool = False) -> None:
     """Check every expert row against its CRC32 (a full read of the banks), and the dense file
-    (ftw_dense.py); a CheckpointError names the rows, or the file, that fail."""
-    bad = bad_rows(folder, spec)
+    (ftw_dense.py); a CheckpointError names the rows, or the file, that fail. `progress`: a
+    "verifying" bar (convert's read back is a second pass over the banks)."""
+    bad = bad_rows(folder, spec, progress)
     if any(bad.values()):
         raise checksum_error(folder, bad)
     problem = ftw_dense.dense_problem(Path(folder), read_manifest(folder, spec))

@@ -67,6 +67,10 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a safetensors index ({e!r:.120})") from e
         files = sorted({model_dir / f for f in weight_map.values()})
+    elif (model_dir / "model.safetensors").is_file():
+        # As transformers reads a folder: model.safetensors alone, not a stray copy or an
+        # adapter beside it (whichever sorted last replaced the weights).
+        files = [model_dir / "model.safetensors"]
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -203,6 +207,7 @@ def load_safetensors(
         plan.requirements = {r: n for r, n in plan.requirements.items() if r[0] == "dense"}
     met: set[tuple] = set()
     unexpected: list[str] = []
+    seen: dict[str, Path] = {}  # name -> the file it came from
     total = sum(f.stat().st_size for f in files)
     # delay: the bar appears only for loads that take more than a moment.
     bar = tqdm(
@@ -210,6 +215,10 @@ def load_safetensors(
     )
     with torch.no_grad(), bar:
         for name, handle, path in _stream(files):
+            if name in seen:  # two files hold it: which one is the model's is anyone's guess
+                raise CheckpointError(f"tensor {name} is in two files of {model_dir}: "
+                                      f"{seen[name].name} and {path.name}")  # fmt: skip
+            seen[name] = path
             target = plan.targets.get(name)
             if target is None:
                 if spec.tie_word_embeddings and name == "lm_head.weight":

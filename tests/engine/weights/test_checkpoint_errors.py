@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 from tiny_models import make_tiny
@@ -90,3 +91,79 @@ def test_convert_keeps_the_named_chat_templates(tmp_path, rng_seed):
     (named / "tool_use.jinja").write_text(text)
     out = ftw.convert(tmp_path / "m", tmp_path / "out", progress=False)
     assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == text
+
+
+def _fuse_experts(folder, n_experts: int) -> None:
+    """Rewrite a tiny qwen3_moe checkpoint's experts in the fused 3-D layout (transformers 5,
+    the Qwen3.5 releases: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) with
+    `n_experts` experts a layer (the first ones, or the last repeated)."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    out, per = {}, {}
+    for name, tensor in state.items():
+        m = re.fullmatch(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m is None:
+            out[name] = tensor
+        else:
+            per.setdefault(m[1], {})[(int(m[2]), m[3])] = tensor
+    for prefix, parts in per.items():
+        have = max(e for e, _ in parts) + 1
+        order = [min(e, have - 1) for e in range(n_experts)]
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in order]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down")] for e in order])
+    save_file(out, folder / "model.safetensors")
+
+
+def test_fused_experts_of_another_count_than_the_configs_are_refused_by_convert(tmp_path, rng_seed):
+    """More were dropped silently (and verify then passed); fewer ran past the tensor."""
+    rng = random.Random(rng_seed)
+    make_tiny("qwen3_moe", tmp_path / "m", rng_seed)
+    n = json.loads((tmp_path / "m" / "config.json").read_text())["num_local_experts"]
+    shutil.copytree(tmp_path / "m", tmp_path / "right")
+    _fuse_experts(tmp_path / "right", n)
+    ftw.convert(tmp_path / "right", tmp_path / "same", progress=False)  # the right count
+    wrong = n + rng.choice([-1, 1, 2])
+    _fuse_experts(tmp_path / "m", wrong)
+    with pytest.raises(CheckpointError, match=f"holds {wrong} experts, but config.json gives {n}"):
+        ftw.convert(tmp_path / "m", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_integer_experts_are_refused_by_convert(tmp_path, rng_seed):
+    """Cast into the bank, an int8 expert loaded from the FTW folder the HF load refuses."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    rng = random.Random(rng_seed)
+    make_tiny("qwen3_moe", tmp_path / "m", rng_seed)
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    name = rng.choice([k for k in state if ".experts." in k])
+    state[name] = state[name].to(torch.int8)
+    save_file(state, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{name} has dtype torch.int8"):
+        ftw.convert(tmp_path / "m", tmp_path / "out", progress=False)
+
+
+def test_a_stray_safetensors_file_beside_model_safetensors_is_not_read(tmp_path, rng_seed):
+    """As transformers reads a folder: model.safetensors alone (a stray copy sorting after it
+    replaced the weights); without it, a name two files hold is refused, not guessed."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    rng = random.Random(rng_seed)
+    make_tiny("qwen3_moe", tmp_path / "m", rng_seed)
+    ids = [rng.randrange(3, 200) for _ in range(12)]
+    clean = _load(tmp_path / "m").score(ids)
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    stray = {k: v + 1 for k, v in state.items()}  # an old copy, other weights
+    save_file(stray, tmp_path / "m" / f"zz-{rng.randrange(99)}-copy.safetensors")
+    assert torch.equal(_load(tmp_path / "m").score(ids), clean)
+    (tmp_path / "m" / "model.safetensors").rename(tmp_path / "m" / "model-a.safetensors")
+    with pytest.raises(CheckpointError, match="is in two files of"):
+        _load(tmp_path / "m")

@@ -104,9 +104,13 @@ def test_dense_tensors_are_copied_without_loading_them(tmp_path, rng_seed, monke
         "extra.f16": torch.randn(2, 2, 2, generator=gen).half(),
     }
     save_file(extra, str(hf_dir / "extra.safetensors"), metadata={"format": "pt"})
-    sources = {}
+    sources, weight_map = {}, {}
     for path in sorted(hf_dir.glob("*.safetensors")):
         sources.update(load_file(str(path)))
+        weight_map.update(dict.fromkeys(load_file(str(path)), path.name))
+    # Shards are listed by their index (without one, model.safetensors alone is read)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     loaded: list[str] = []
     opened = ftw.opened
 
@@ -312,3 +316,36 @@ def test_banks_of_another_dtype_or_no_dense_file_are_refused(converted):
     (ftw_dir / "dense.safetensors").unlink()
     with pytest.raises(CheckpointError, match="dense.safetensors .the dense weights"):
         Engine.load(ftw_dir, device="cpu", progress=False, kv_tokens=256)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_convert_stopped_by_a_signal_leaves_no_partial_folder(tmp_path, rng_seed, sig):
+    """`timeout`, `docker stop` or a closed terminal (SIGTERM, SIGHUP) mid-convert: DST.partial
+    is removed as after Ctrl-C (their default action left the banks' full size on disk)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    make_tiny("qwen3_moe", tmp_path / "m", rng_seed)
+    script = (
+        "import sys, time\n"
+        "from freetoken_agent.engine.weights import ftw\n"
+        "write = ftw._write\n"
+        "def slow(*a):\n"
+        "    write(*a)\n"
+        "    print('written', flush=True)\n"
+        "    time.sleep(60)\n"
+        "ftw._write = slow\n"
+        "ftw.convert(sys.argv[1], sys.argv[2], progress=False)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "m"),
+                             str(tmp_path / "out")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "written", proc.stderr.read()
+    assert (tmp_path / "out.partial").is_dir()
+    time.sleep(random.Random(rng_seed).uniform(0, 0.2))
+    proc.send_signal(getattr(signal, sig))
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode != 0 and f"stopped by {sig}" in err, err
+    assert not (tmp_path / "out.partial").exists() and not (tmp_path / "out").exists()
