@@ -95,11 +95,24 @@ def _tokenizer_needed(engine, args: argparse.Namespace, what: str) -> None:
         raise SystemExit(2)
 
 
+def _prompt_text(args: argparse.Namespace) -> str:
+    """generate's prompt: the argument, or standard input for `-` or none with text piped in
+    (read before the model loads, which may take minutes)."""
+    if args.prompt is not None and args.prompt != "-":
+        return as_text(args.prompt)
+    if args.prompt is None and sys.stdin.isatty():
+        raise SystemExit("freetoken: error: give a prompt, or pipe one in (`... | freetoken "
+                         "generate -`)")  # fmt: skip
+    data = sys.stdin.buffer.read()
+    return data.decode("utf-8", "replace")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
+    text = _prompt_text(args)
     engine = load_engine(args)
     _tokenizer_needed(engine, args, "generate")
-    prompt = as_text(args.prompt)
+    prompt = text
     if args.chat:
         prompt = chat_ids(ChatFormat(engine.tokenizer), [{"role": "user", "content": prompt}])
     stats = stream_reply(engine, prompt, sampling)[1]
@@ -277,7 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     gen = sub.add_parser("generate", help="one completion, streamed to stdout")
-    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument(
+        "prompt",
+        nargs="?",
+        default=None,
+        help="the prompt text; - (or none, with text piped in) reads it from standard input, "
+        "for prompts too long for a command line (`freetoken generate - < prompt.txt`)",
+    )
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     add_engine_args(gen)
     _add_sampling_args(gen, max_tokens=256)

@@ -455,3 +455,17 @@ def test_serve_refuses_a_model_without_a_tokenizer_before_it_says_serving(env, t
     assert done.returncode == 2, done.stderr
     assert "tokenizer" in done.stderr and "serving" not in done.stderr, done.stderr
     assert "chat template" not in done.stderr.splitlines()[-1]
+
+
+def test_generate_reads_a_piped_prompt_as_it_reads_the_argument(env, rng_seed):
+    """`... | freetoken generate -` (or no prompt at all with text piped in): a prompt too long
+    for a command line; the same reply as the prompt given as the argument."""
+    rng = random.Random(rng_seed)
+    words = " ".join("".join(rng.choices(string.ascii_lowercase, k=5)) for _ in range(30))
+    args = ["--device", "cpu", "--max-tokens", "6", "--temperature", "0"]
+    given = _run(["generate", words, *args], env)
+    assert given.returncode == 0, given.stderr
+    for way in (["-"], []):
+        piped = _run(["generate", *way, *args], env, stdin=words)
+        assert piped.returncode == 0, piped.stderr
+        assert piped.stdout == given.stdout
