@@ -6,12 +6,12 @@
 
 The JSON is scanned as it arrives: `ToolCallStart` goes out as soon as the name string is
 complete and the `"arguments"` object streams verbatim from there, so its deltas concatenate to
-the model's own JSON text. The call only counts once `</tool_call>` closes a body that is
-strict JSON (`loads_strict`: no NaN or Infinity, nesting capped) naming its arguments key
-once; otherwise the block is re-emitted as content with a ParseWarning (carrying the index when
-a start had already gone out). A `</tool_call>` inside a JSON string is data; but a raw
-newline is never valid inside one, even after a backslash, so a newline-preceded close tag
-always closes.
+the model's own JSON text. The call only counts once `</tool_call>` closes a body (or the
+output ends after it, `finish`) that is strict JSON (`loads_strict`: no NaN or Infinity,
+nesting capped) naming its arguments key once; otherwise the block is re-emitted as content
+with a ParseWarning (carrying the index when a start had already gone out). A `</tool_call>`
+inside a JSON string is data; but a raw newline is never valid inside one, even after a
+backslash, so a newline-preceded close tag always closes.
 """
 
 from __future__ import annotations
@@ -68,7 +68,17 @@ class _HermesCall:
         return self._body[close + len(CLOSE) :]
 
     def finish(self, out: list[Event]) -> None:
-        self._reject("unterminated tool call at end of output", OPEN + self._body, out)
+        # A whole JSON body and nothing after it but whitespace (or the start of the close
+        # tag): the output ended, or a stop string took `</tool_call>` off, before the closer.
+        # A call, as vLLM's and SGLang's Hermes parsers read `<tool_call>(.*)` to the end.
+        scan, body = self._scan, self._body
+        if scan.done and not scan.broken:
+            rest = body[scan.end :].strip()
+            if not rest or CLOSE.startswith(rest):
+                self._stream(out)
+                self._finalize(scan.end, out, raw=OPEN + body)
+                return
+        self._reject("unterminated tool call at end of output", OPEN + body, out)
 
     def _find_close(self) -> int:
         """Position of the closing tag in the body, or -1 while it has not arrived."""
@@ -124,9 +134,10 @@ class _HermesCall:
             out.append(ToolCallArgsDelta(self._index, body[self._args_sent : limit]))
             self._args_sent = limit
 
-    def _finalize(self, close: int, out: list[Event]) -> None:
+    def _finalize(self, close: int, out: list[Event], raw: str | None = None) -> None:
+        """The block's body ends at `close`; `raw`: its text, if not OPEN + body + CLOSE."""
         body = self._body[:close]
-        raw = OPEN + body + CLOSE
+        raw = raw if raw is not None else OPEN + body + CLOSE
         try:
             call = call_from_object(loads_strict(body))
         except ValueError as exc:

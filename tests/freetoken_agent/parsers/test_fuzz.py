@@ -266,15 +266,19 @@ def mistral_bad(draw: st.DrawFn) -> tuple:
 @st.composite
 def cut_off(draw: st.DrawFn, fmt: str) -> tuple:
     """A block the output's end cuts short: all of it comes back as content with a warning,
-    but for a Qwen3-Coder block cut after its `</function>`: a call (qwen3_coder.py)."""
+    but for a Qwen3-Coder block cut after its `</function>`, or a Hermes block after its whole
+    JSON: a call (qwen3_coder.py, hermes.py)."""
     _, block, calls = draw(FORMATS[fmt][0])
     if fmt == "mistral" and draw(FLAGS):
         # Broken JSON has no end in this format: the block runs to the end of the output.
         block = '[TOOL_CALLS]f[ARGS]{"a": "line\nbreak"}' + draw(text_from())
     else:
         whole = len(block) - len("\n</tool_call>")  # where a coder block's function ends
+        whole_json = block.rfind("}")  # a Hermes block's JSON ends just after
         block = block[: draw(st.integers(len(OPEN_TAGS[fmt]), len(block) - 1))]
         if fmt == "qwen3_coder" and len(block) >= whole:
+            return ("call", block, calls)
+        if fmt == "hermes" and len(block) > whole_json:  # its body: one JSON object
             return ("call", block, calls)
     return ("bad", block, block)
 

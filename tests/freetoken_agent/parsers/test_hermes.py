@@ -130,8 +130,10 @@ def test_close_tag_inside_a_json_string_is_data():
 
 
 def test_unterminated_call_becomes_content_with_a_warning(rng, kit):
+    """Cut inside its JSON: content and a warning (a cut after the whole JSON is a call:
+    the test below)."""
     seg = hermes_call(rng, kit)[0]
-    cut = seg[1][: rng.randint(len("<tool_call>"), len(seg[1]) - 1)]
+    cut = seg[1][: rng.randint(len("<tool_call>"), seg[1].rfind("}"))]
     for chunks in kit.chunkings(rng, "before " + cut):
         events = kit.run(HermesParser(), chunks)
         kit.normalize(events)
@@ -141,6 +143,20 @@ def test_unterminated_call_becomes_content_with_a_warning(rng, kit):
         warnings = [e for e in merged if isinstance(e, ParseWarning)]
         assert len(warnings) == 1 and warnings[0].raw_text == cut
         assert not any(isinstance(e, ToolCallEnd) for e in merged)
+
+
+def test_a_whole_call_the_output_ends_before_its_closer_is_a_call(rng, kit):
+    """The output ended (or a stop string took `</tool_call>` off) after the whole JSON: a
+    call, as vLLM's and SGLang's parsers read it; words after the JSON keep it content."""
+    seg = hermes_call(rng, kit)[0]
+    end = seg[1].rfind("}") + 1
+    cut = seg[1][: rng.randint(end, len(seg[1]) - 1)]  # whitespace or part of the closer after
+    for chunks in kit.chunkings(rng, "before " + cut):
+        assert kit.summary(kit.run(HermesParser(), chunks)) == [("content", "before "), *seg[2]]
+    worded = seg[1][:end] + " and then"
+    for chunks in kit.chunkings(rng, worded):
+        summary = kit.summary(kit.run(HermesParser(), chunks))
+        assert summary[0] == ("content", worded) and summary[1][0] == "warning", summary
 
 
 def test_unclosed_string_does_not_swallow_the_rest():

@@ -98,9 +98,10 @@ def _block(name: str, arguments: str) -> str:
 def test_streamed_tool_calls_are_the_reply_s_and_voided_ones_stream_as_content(
     scripted_client, read_sse, rng_seed
 ):
-    """Call blocks the parser voids (bad JSON; at the end never closed or cut by max_tokens)
-    are content in the non-streamed reply, so the stream must not announce them as calls (an
-    agent would run them); the calls it does stream are the reply's, numbered as it lists them."""
+    """Call blocks the parser voids (bad JSON; at the end cut by max_tokens) are content in
+    the non-streamed reply, so the stream must not announce them as calls (an agent would run
+    them); the calls it does stream are the reply's, numbered as it lists them. A whole call
+    whose close tag never came is a call (as vLLM reads it)."""
     rng = random.Random(rng_seed)
     fake, client = scripted_client
     names = sorted({_words(rng, 1) for _ in range(3)})
@@ -117,15 +118,17 @@ def test_streamed_tool_calls_are_the_reply_s_and_voided_ones_stream_as_content(
         else:
             blocks.append(_block(name, json.dumps(args)))
             calls.append((name, args))
-    whole = _block(rng.choice(names), json.dumps({_words(rng, 1): _words(rng, 2)}))
+    last = (rng.choice(names), {_words(rng, 1): _words(rng, 2)})
+    whole = _block(last[0], json.dumps(last[1]))
     start = whole.index('"arguments": {') + len('"arguments": {')
-    ending, reason = rng.choice(
+    ending, reason, called = rng.choice(
         [
-            (whole[: -len("\n</tool_call>\n")], "stop"),  # the close tag never came
-            (whole[: rng.randint(start, len(whole) - len("}\n</tool_call>\n"))], "length"),
-            (bad_json(), "stop"),
+            (whole[: -len("\n</tool_call>\n")], "stop", True),  # the close tag never came
+            (whole[: rng.randint(start, len(whole) - len("}\n</tool_call>\n"))], "length", False),
+            (bad_json(), "stop", False),
         ]
     )
+    calls += [last] if called else []
     text = _words(rng, rng.randint(0, 4)) + "\n" + "".join(blocks) + ending
     fake.replies = [(text, reason)] * 2
     body = {"messages": [{"role": "user", "content": _words(rng, 3)}], "tools": tools}
