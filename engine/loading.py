@@ -232,7 +232,7 @@ def load_model(
     if manifest is not None and config.verify_checksums:
         # The dense file too, not only the banks' rows: a flipped bit in a weight loads as a
         # subtly wrong model. Read once more for its CRC; it is a few percent of the experts.
-        problem = ftw_dense.dense_problem(path, manifest)
+        problem = ftw_dense.file_problem(path, manifest)
         if problem is not None:
             raise CheckpointError(problem)
     model, bank, max_len = build_model(spec, config, dev, run_dtype)

@@ -17,6 +17,8 @@ that stdout carries only the generated text. Ctrl-C stops a reply: `generate` th
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -217,11 +219,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from freetoken_agent.engine.config import read_config
     from freetoken_agent.engine.models.registry import spec_from_config
     from freetoken_agent.engine.weights import ftw
-    from freetoken_agent.engine.weights.ftw_dense import dense_problem
+    from freetoken_agent.engine.weights.ftw_dense import file_problem
 
     folder = Path(args.dir)
     if not ftw.is_ftw(folder):
         raise FileNotFoundError(f"no {ftw.MANIFEST} in {folder}: not an FTW checkpoint")
+    # The copied files first: a damaged config.json is said as the damage it is, not as a
+    # config that does not parse (read_manifest checks the manifest itself below).
+    with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
+        problem = file_problem(folder, json.loads((folder / ftw.MANIFEST).read_text()))
+        if problem is not None:
+            print(f"freetoken: error: {problem}; convert it again", file=sys.stderr)
+            return 1
     spec = spec_from_config(read_config(folder))
     files = {b: e["file"] for b, e in ftw.read_manifest(folder, spec)["banks"].items()}
     bad = ftw.bad_rows(folder, spec, progress=True)
@@ -234,12 +243,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"freetoken: error: {n_bad} of {n_rows} expert rows in {folder} fail their "
               "checksum: the checkpoint is damaged, convert it again", file=sys.stderr)  # fmt: skip
         return 1
-    problem = dense_problem(folder, ftw.read_manifest(folder, spec))
+    problem = file_problem(folder, ftw.read_manifest(folder, spec))
     if problem is not None:
         print(f"freetoken: error: {problem}; convert it again", file=sys.stderr)
         return 1
-    print(f"[freetoken] {folder}: all {n_rows} expert rows and the dense weights match their "
-          "checksums", file=sys.stderr)  # fmt: skip
+    print(f"[freetoken] {folder}: all {n_rows} expert rows, the dense weights and the files "
+          "beside them match their checksums", file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -254,6 +254,7 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
         },
         "dense": "dense.safetensors",
         ftw_dense.FIELD: ftw_dense.file_crc32(tmp / "dense.safetensors"),
+        ftw_dense.FILES: ftw_dense.copied_crc32s(tmp, _copy_files(src, tmp)),
     }
     del banks, view  # the last views too: unmapped, so the pages can leave the cache
     (tmp / MANIFEST).write_text(json.dumps(manifest))
@@ -261,12 +262,22 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     for b in BANKS:
         synced(tmp / f"experts.{b}.bin")
     verify(tmp, spec, progress)  # read back: a damaged write fails here, not at the first load
+
+
+def _copy_files(src: Path, tmp: Path) -> list[str]:
+    """Copy COPIED and COPIED_FOLDERS' files from `src`; their paths inside `tmp`."""
+    copied = []
     for name in COPIED:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
+            copied.append(name)
     for name in COPIED_FOLDERS:
         if (src / name).is_dir():
             shutil.copytree(src / name, tmp / name)
+            copied += sorted(
+                str(p.relative_to(tmp)) for p in (tmp / name).rglob("*") if p.is_file()
+            )
+    return copied
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -413,6 +424,6 @@ def verify(folder: str | Path, spec: ModelSpec, progress: bool = False) -> None:
     bad = bad_rows(folder, spec, progress)
     if any(bad.values()):
         raise checksum_error(folder, bad)
-    problem = ftw_dense.dense_problem(Path(folder), read_manifest(folder, spec))
+    problem = ftw_dense.file_problem(Path(folder), read_manifest(folder, spec))
     if problem is not None:
         raise CheckpointError(problem)

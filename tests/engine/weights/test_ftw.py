@@ -230,6 +230,27 @@ def test_verify_finds_damaged_dense_weights(converted, capsys, damage):
         ftw.verify(ftw_dir, spec)
 
 
+def test_verify_finds_a_damaged_copied_file(converted, capsys):
+    """config.json and the files copied beside it: a flipped bit there (a rope_theta, an eos
+    id) loads a wrong model that looked verified; the manifest's "files" CRCs find it, in
+    `verify` and in a load with verify_checksums."""
+    from freetoken_agent import cli
+
+    _, ftw_dir, spec, rng = converted
+    copied = ftw.read_manifest(ftw_dir, spec)["files"]
+    assert "config.json" in copied
+    name = rng.choice(sorted(copied))
+    path = ftw_dir / name
+    data = bytearray(path.read_bytes())
+    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli.main(["verify", str(ftw_dir)]) == 1
+    assert f"{path} fails its checksum" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match=f"{name} fails its checksum"):
+        ftw.verify(ftw_dir, spec)
+
+
 @pytest.mark.parametrize("policy", ["resident", "transfer"])
 def test_verify_checksums_at_load_names_the_bank_and_rows(converted, policy):
     _, ftw_dir, spec, rng = converted
