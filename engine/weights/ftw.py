@@ -120,6 +120,38 @@ def convert(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
         raise CheckpointError(f"{src} has no MoE layers: nothing to put in expert banks")
     if dst.exists():
         raise FileExistsError(f"{dst} exists; choose a new folder for the FTW checkpoint")
+    with _only_writer(dst):
+        return _convert(src, dst, spec, progress)
+
+
+@contextlib.contextmanager
+def _only_writer(dst: Path) -> Iterator[None]:
+    """Held while convert writes `dst`: a second convert to it is refused by name (it took the
+    first's DST.partial for a dead run's leftover and deleted it under the first, and both
+    failed, the first blaming the disk). An advisory lock on DST.lock, where fcntl exists."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: unguarded, as before
+        yield
+        return
+    lock_path = dst.with_name(dst.name + ".lock")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise FileExistsError(f"another convert is writing {dst}; wait for it to end, or "
+                                  "choose another destination") from None  # fmt: skip
+        try:
+            yield
+        finally:
+            lock_path.unlink(missing_ok=True)
+
+
+def _convert(src: Path, dst: Path, spec: ModelSpec, progress: bool) -> Path:
+    """convert's work once `dst` is ours to write."""
+    if dst.exists():  # written by a convert that ended while this one waited to start
+        raise FileExistsError(f"{dst} exists; choose a new folder for the FTW checkpoint")
     tmp = dst.with_name(dst.name + ".partial")
     if tmp.exists():
         # Only a folder this function made (its mark inside: one a crash or a kill left) is

@@ -370,3 +370,20 @@ def test_a_convert_stopped_by_a_signal_leaves_no_partial_folder(tmp_path, rng_se
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode != 0 and f"stopped by {sig}" in err, err
     assert not (tmp_path / "out.partial").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_second_convert_to_the_same_folder_is_refused_while_the_first_writes(tmp_path, rng_seed):
+    """It took the first's DST.partial for a dead run's leftover and deleted it under it: both
+    failed, the first blaming the disk. Now the second is refused by name, the first's work
+    untouched, and a later convert runs."""
+    import fcntl
+
+    make_tiny("qwen3_moe", tmp_path / "hf", rng_seed)
+    dst = tmp_path / f"out{random.Random(rng_seed).randrange(99)}"
+    with open(dst.with_name(dst.name + ".lock"), "w") as held:  # as a first convert holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(FileExistsError, match=f"another convert is writing {dst}"):
+            ftw.convert(tmp_path / "hf", dst, progress=False)
+        assert not dst.exists() and not dst.with_name(dst.name + ".partial").exists()
+    ftw.convert(tmp_path / "hf", dst, progress=False)
+    assert ftw.is_ftw(dst) and not dst.with_name(dst.name + ".lock").exists()
