@@ -11,6 +11,7 @@ compared with transformers' full-sequence forward (max relative error <= 1e-4).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from dataclasses import dataclass, field
@@ -231,8 +232,19 @@ def test_checkpoint_names_are_strict(tiny, tmp_path):
         (tmp_path / f.name).symlink_to(f)
     bogus = "model.layers.0.linear_attn.bogus.weight"
     save_file({bogus: torch.randn(2)}, str(tmp_path / "zz_bogus.safetensors"))
+    # A shard the index lists (a stray file beside model.safetensors is not read at all)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    weight_map = {n: f for f in shards for n in safe_open_names(tmp_path / f)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match=bogus):
         load_ours(tmp_path)
+
+
+def safe_open_names(path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
 
 
 # ---- pieces against transformers' modules, in bf16 where rounding points matter ---------------

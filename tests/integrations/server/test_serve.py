@@ -11,6 +11,7 @@ import string
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -158,7 +159,8 @@ def test_serve_passes_its_model_aliases(monkeypatch, rng_seed):
     rng = random.Random(rng_seed)
     aliases = [f"claude-{rng.getrandbits(32):x}" for _ in range(rng.randint(1, 3))]
     seen = {}
-    monkeypatch.setattr(cli, "load_engine", lambda args: "engine")
+    engine = SimpleNamespace(tokenizer=SimpleNamespace(chat_template_sources={"default": "x"}))
+    monkeypatch.setattr(cli, "load_engine", lambda args: engine)
     monkeypatch.setattr(serve_module, "serve", lambda engine, host, port, **kw: seen.update(kw))
     argv = ["serve", "--port", str(_free_port())]
     argv += [a for alias in aliases for a in ("--model-alias", alias)]
