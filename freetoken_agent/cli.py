@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -106,6 +107,8 @@ def _prompt_text(args: argparse.Namespace) -> str:
         raise SystemExit("freetoken: error: give a prompt, or pipe one in (`... | freetoken "
                          "generate -`)")  # fmt: skip
     data = sys.stdin.buffer.read()
+    if not data.strip():  # said now, not after the model loads
+        raise SystemExit("freetoken: error: the prompt on standard input is empty")
     return data.decode("utf-8", "replace")
 
 
@@ -400,9 +403,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except KeyboardInterrupt:  # Ctrl-C outside a reply (loading, at the chat prompt)
-        print(file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C outside a reply (loading, at the chat prompt)
+        signum = getattr(e, "signum", None)  # SIGTERM/SIGHUP mid-convert (ftw.Terminated)
+        print(f"freetoken: {e}" if signum else "", file=sys.stderr)
+        return 128 + (signum or signal.SIGINT)
     except BrokenPipeError:
         # The reader left (`| head`). As CPython's docs advise: stdout to devnull, so that the
         # interpreter's flush at exit does not fail again.

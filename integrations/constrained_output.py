@@ -182,8 +182,11 @@ def closed_with(schema: dict, defs: dict[str, Any]) -> tuple[dict, dict[str, Any
 
 
 def _part_defs(schema: Any) -> set[str]:
-    """The names of the $defs that a $ref reads as a part of an object: an allOf
-    branch, or beside the object's own properties or combinations."""
+    """The names of the $defs that a $ref reads as a part of an object, beside other parts: an
+    allOf branch among others (or beside the object's own properties), or a $ref beside the
+    object's own properties or combinations. Not a lone allOf branch, the wrapper pydantic v1
+    and OpenAPI 3.0 put around a $ref to give it a description: that def is the whole value,
+    and stays closed."""
     found: set[str] = set()
     stack = [schema]
     while stack:
@@ -193,9 +196,11 @@ def _part_defs(schema: Any) -> set[str]:
             continue
         if not isinstance(node, dict):
             continue
-        parts = [b for b in node.get("allOf") or [] if isinstance(b, dict)]
-        if "properties" in node or any(isinstance(node.get(k), list) for k in _COMBINATIONS):
-            parts.append(node)
+        own = "properties" in node or any(isinstance(node.get(k), list) for k in ("anyOf", "oneOf"))
+        branches = [b for b in node.get("allOf") or [] if isinstance(b, dict)]
+        parts = branches if len(branches) > 1 or own else []
+        if own or branches:
+            parts = [*parts, node]
         for part in parts:
             ref = part.get("$ref")
             if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
@@ -255,11 +260,23 @@ def _closed(schema: Any, partial: bool = False, part_defs: frozenset | set = fro
     # alternatives are closed each on its own, above) and no $ref beside them.
     parts = "properties" in out or isinstance(out.get("allOf"), list)
     names = named_properties(out) if parts and "$ref" not in out else None
+    if names is not None:  # and every name a part requires: a key too, listed or not
+        names |= _required_names(out)
     if names:  # closed over every name a part lists: each part still holds its own
         own = out.get("properties") or {}
         out["properties"] = {**{n: {} for n in names if n not in own}, **own}
         out["additionalProperties"] = False
     return out
+
+
+def _required_names(schema: Mapping[str, Any]) -> set[str]:
+    """The names `schema` and its allOf/anyOf/oneOf branches (theirs too) require."""
+    names = {n for n in schema.get("required") or [] if isinstance(n, str)}
+    for key in _COMBINATIONS:
+        for branch in schema.get(key) or []:
+            if isinstance(branch, Mapping):
+                names |= _required_names(branch)
+    return names
 
 
 def named_properties(schema: Mapping[str, Any]) -> set[str] | None:

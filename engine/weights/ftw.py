@@ -176,7 +176,12 @@ def _convert(src: Path, dst: Path, spec: ModelSpec, progress: bool) -> Path:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP during a conversion (`timeout`, `docker stop`, a closed terminal)."""
+    """SIGTERM or SIGHUP during a conversion (`timeout`, `docker stop`, a closed terminal);
+    `signum` gives the exit status (128 + it, as the signal's default action would)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"convert stopped by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 @contextlib.contextmanager
@@ -190,7 +195,7 @@ def _signals_raise() -> Iterator[None]:
         return
 
     def stop(signum: int, frame: object) -> None:
-        raise Terminated(f"convert stopped by {signal.Signals(signum).name}")
+        raise Terminated(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in wanted}
     try:

@@ -186,7 +186,7 @@ class _CoderCall:
             return None
         if state == _POST_FUNCTION and self._implicit:  # no closer: the text goes on
             return self._complete(self._function_end, out)
-        return self._break(q)
+        return self._break(q, out)
 
     def _read_name(self, out: list[Event]) -> int | None:
         body, p = self._body, self._p
@@ -194,14 +194,14 @@ class _CoderCall:
         if gt < 0:
             tail = body[p:]
             if "\n" in tail or "<" in tail or len(tail) > MAX_NAME:
-                return self._break(p)
+                return self._break(p, out)
             return None
         # Judged on the raw text, as above while `>` has not come: judging the stripped name
         # accepted `<function=f\n>` in one chunk and broke it in several (found by fuzzing).
         raw = body[p:gt]
         name = raw.strip()
         if not name or "\n" in raw or "<" in raw or len(raw) > MAX_NAME:
-            return self._break(p)
+            return self._break(p, out)
         self._p = gt + 1
         if self._state == _FUNCTION_NAME:
             self._index, self._id = self._numbering.next()
@@ -243,7 +243,13 @@ class _CoderCall:
         self.completed = True
         return end
 
-    def _break(self, at: int) -> int:
+    def _break(self, at: int, out: list[Event]) -> int:
+        if self._implicit:
+            # No closer will come to end it: the opener's line up to here is text now, and
+            # the rest is read again (a real block later in the output stays a call).
+            message = "tool call does not follow <function=...><parameter=...>"
+            self._reject(message, FUNCTION + self._body[:at], out)
+            return at
         self._state = _BROKEN
         self._search_from = at
         return -1

@@ -245,6 +245,8 @@ def turn_sampling(
     calls."""
     if choice.mode != "auto" or not any_strict(tools) or sampling.constraint is not None:
         return sampling
+    writes = engine_tool_format(engine) if engine.tokenizer is not None else None
+    json_calls = writes in ("hermes", "mistral")  # the formats whose grammar holds JSON calls
     for i, tool in enumerate(tools or []):  # a schema the grammar cannot take: the client's 400
         if is_strict(tool):
             field = f"tools[{i}].function.parameters"
@@ -257,8 +259,10 @@ def turn_sampling(
                     field,
                 ) from None
             # Judged alone: compiled within the whole grammar, the refusal named no tool and
-            # listed the grammar's text, every tool's schema in it.
-            problem = schema_refusal(call)
+            # listed the grammar's text, every tool's schema in it. Where that JSON call is
+            # what the grammar compiles (Hermes, Mistral): the XML grammar holds each
+            # parameter instead, and a tool it cannot hold so is left unconstrained.
+            problem = schema_refusal(call) if json_calls else None
             if problem is not None:
                 raise BadParam(f"{field}: a strict tool's schema cannot be used: {problem}", field)
     grammar = strict_grammar(engine, tools or [])

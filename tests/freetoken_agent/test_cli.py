@@ -469,3 +469,6 @@ def test_generate_reads_a_piped_prompt_as_it_reads_the_argument(env, rng_seed):
         piped = _run(["generate", *way, *args], env, stdin=words)
         assert piped.returncode == 0, piped.stderr
         assert piped.stdout == given.stdout
+    empty = _run(["generate", *args], env, stdin=rng.choice(["", " \n"]))
+    assert empty.returncode != 0 and "standard input is empty" in empty.stderr
+    assert "loading" not in empty.stderr and "demo" not in empty.stderr  # refused before

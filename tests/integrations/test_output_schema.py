@@ -228,3 +228,34 @@ def test_a_def_read_as_a_whole_value_is_still_closed(rng_seed):
     assert _valid(closed(schema), {"solo": {"a": a}})
     assert not _valid(closed(schema), {"solo": {"a": a, "z": 1}})
     assert _valid(schema, {"solo": {"a": a, "z": 1}})  # (open as given)
+
+
+def test_a_lone_allof_around_a_ref_keeps_the_def_closed(rng_seed):
+    """pydantic v1 and OpenAPI 3.0 wrap a $ref in a one-branch allOf to give it a description:
+    that def is the whole value, not a part, and still refuses names it does not list."""
+    rng = random.Random(rng_seed)
+    schema = {"type": "object",
+              "properties": {"home": {"description": "d", "allOf": [{"$ref": "#/$defs/Base"}]},
+                             "work": {"$ref": "#/$defs/Base"}},
+              "$defs": {"Base": BASE}}  # fmt: skip
+    a = rng.randint(0, 9)
+    value = {"home": {"a": a}, "work": {"a": a}}
+    assert _valid(closed(schema), value)
+    for where in ("home", "work"):
+        assert not _valid(closed(schema), {**value, where: {"a": a, "z": 1}})
+
+
+@pytest.mark.parametrize("shape", ["anyOf", "allOf"])
+def test_a_combined_object_is_closed_over_the_names_its_parts_require(rng_seed, shape):
+    """A required name no part lists is a key too: closed over the listed names alone, the
+    object admitted nothing."""
+    rng = random.Random(rng_seed)
+    schema = {
+        "anyOf": {"type": "object", "properties": {"a": {"type": "integer"}},
+                  "required": ["a", "id"], "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+        "allOf": {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}},
+                                              {"required": ["id"]}]},
+    }[shape]  # fmt: skip
+    value = {"a": rng.randint(0, 9), "id": rng.randint(0, 9)}
+    assert _valid(schema, value) and _valid(closed(schema), value)
+    assert not _valid(closed(schema), {**value, f"z{rng.randint(0, 9)}": 1})

@@ -206,3 +206,18 @@ def test_names_are_judged_on_their_raw_text_in_every_chunking(kit):
     )
     for chunks in ([text], list(text)):  # spaces around a name are still allowed
         assert kit.summary(kit.run(Qwen3CoderParser(), chunks)) == [("call", "f", {"a": "1"})]
+
+
+def test_a_function_tag_in_prose_at_a_line_start_is_text_and_a_later_call_stays_one(rng, kit):
+    """`<function=TOOL>` naming an offered tool, then prose: that line is text (a warning),
+    and a real block after it is still a call, in every chunking (the implicit block waited
+    for a closer that never came and swallowed the real call)."""
+    body, tools, meaning = _bare(rng, kit)
+    name = meaning[0][1]
+    prose = f"The syntax is:\n<function={name}> takes {kit.rand_name(rng)}.\n"
+    text = prose + "<tool_call>\n" + body + "\n</tool_call>"
+    for chunks in kit.chunkings(rng, text):
+        summary = kit.summary(kit.run(Qwen3CoderParser(tools), chunks))
+        assert summary[-len(meaning) :] == meaning, summary
+        content = "".join(x[1] for x in summary if x[0] == "content")
+        assert content == prose, summary

@@ -135,3 +135,31 @@ def test_a_strict_tool_the_grammar_cannot_take_is_named_in_one_line(client, rng_
     assert error["param"] == f"tools[{bad}].function.parameters"
     assert "\n" not in error["message"] and next(iter(keyword)) in error["message"]
     assert "%json" not in error["message"] and "TEXT" not in error["message"]
+
+
+def test_an_xml_format_model_holds_such_a_tool_as_not_strict_not_a_400(engine, rng_seed):
+    """Qwen3-Coder / Qwen3.5 templates: the XML grammar holds each parameter, and a strict
+    tool whose parameters it cannot hold so (a top-level `not`) is left unconstrained, as
+    before the per-tool check (which judges the JSON call the Hermes grammar compiles)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from template_sources import TemplateSources
+
+    from freetoken_agent.engine.sampling_params import SamplingParams
+    from freetoken_agent.integrations.server.tool_choice import ToolChoice, turn_sampling
+
+    rng = random.Random(rng_seed)
+    source = Path(__file__).parents[2] / "freetoken_agent" / "qwen3_5_chat_template.jinja"
+    model = SimpleNamespace(
+        tokenizer=TemplateSources(engine.tokenizer, {"default": source.read_text()}),
+        spec=SimpleNamespace(arch="qwen3_moe"),
+    )
+    a = random_name(rng)
+    params = {"type": "object", "properties": {a: {"type": "string"}}, "required": [a],
+              "additionalProperties": False,
+              "not": {"properties": {a: {"const": "x"}}}}  # fmt: skip
+    tools = [*_tools(rng, strict=True), {"type": "function", "function": {
+        "name": random_name(rng), "strict": True, "parameters": params}}]  # fmt: skip
+    sampling = turn_sampling(ToolChoice("auto"), tools, model, SamplingParams())
+    assert sampling.grammar is not None
