@@ -26,7 +26,13 @@ from pathlib import Path
 
 from freetoken_agent.chat_format import ChatFormat
 from freetoken_agent.cli_chat import CHAT_COMMANDS, chat_loop
-from freetoken_agent.cli_engine import add_engine_args, load_engine, model_path, positive
+from freetoken_agent.cli_engine import (
+    add_engine_args,
+    load_engine,
+    model_path,
+    positive,
+    sampling_seed,
+)
 from freetoken_agent.cli_reply import as_text, chat_ids, failed, report, stream_reply
 from freetoken_agent.engine.sampling_params import SamplingParams, SamplingParamsError
 from freetoken_agent.help_format import DefaultsHelpFormatter
@@ -67,11 +73,6 @@ _FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p":
           "top_k": "--top-k", "seed": "--seed", "stop": "--stop"}  # fmt: skip
 
 
-def _seed(args: argparse.Namespace) -> int | None:
-    """--seed, a negative one read as llama.cpp reads -1: random each run (None)."""
-    return None if args.seed is not None and args.seed < 0 else args.seed
-
-
 def _sampling(args: argparse.Namespace) -> SamplingParams:
     """The sampling flags, checked before the model loads (minutes for a big one): a bad
     value is an argparse error naming its flag."""
@@ -81,7 +82,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
-            seed=_seed(args),
+            seed=sampling_seed(args),
             stop=args.stop,
         )
     except SamplingParamsError as e:
@@ -114,10 +115,9 @@ def _prompt_text(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
-    text = _prompt_text(args)
+    prompt = _prompt_text(args)
     engine = load_engine(args)
     _tokenizer_needed(engine, args, "generate")
-    prompt = text
     if args.chat:
         prompt = chat_ids(ChatFormat(engine.tokenizer), [{"role": "user", "content": prompt}])
     stats = stream_reply(engine, prompt, sampling)[1]
@@ -229,8 +229,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no {ftw.MANIFEST} in {folder}: not an FTW checkpoint")
     # The copied files first: a damaged config.json is said as the damage it is, not as a
     # config that does not parse (read_manifest checks the manifest itself below).
+    checked = False  # the dense file and the copied files, read once (the dense file is GBs)
     with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
         problem = file_problem(folder, json.loads((folder / ftw.MANIFEST).read_text()))
+        checked = True
         if problem is not None:
             print(f"freetoken: error: {problem}; convert it again", file=sys.stderr)
             return 1
@@ -246,10 +248,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"freetoken: error: {n_bad} of {n_rows} expert rows in {folder} fail their "
               "checksum: the checkpoint is damaged, convert it again", file=sys.stderr)  # fmt: skip
         return 1
-    problem = file_problem(folder, ftw.read_manifest(folder, spec))
-    if problem is not None:
-        print(f"freetoken: error: {problem}; convert it again", file=sys.stderr)
-        return 1
+    if not checked:  # (the manifest did not read as one above: read_manifest said why)
+        problem = file_problem(folder, ftw.read_manifest(folder, spec))
+        if problem is not None:
+            print(f"freetoken: error: {problem}; convert it again", file=sys.stderr)
+            return 1
     print(f"[freetoken] {folder}: all {n_rows} expert rows, the dense weights and the files "
           "beside them match their checksums", file=sys.stderr)  # fmt: skip
     return 0

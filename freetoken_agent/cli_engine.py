@@ -40,6 +40,11 @@ def model_path(name: str) -> Path:
     return path
 
 
+def sampling_seed(args: argparse.Namespace) -> int | None:
+    """--seed, a negative one read as llama.cpp reads -1: random each run (None)."""
+    return None if args.seed is not None and args.seed < 0 else args.seed
+
+
 def positive(kind: Callable[[str], float], zero: bool = False) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = kind(text)
@@ -160,7 +165,7 @@ def load_engine(args: argparse.Namespace):
         options["checkpoints"] = args.checkpoints
     if args.thinking_budget is not None:
         options["thinking_budget"] = args.thinking_budget
-    if hasattr(args, "temperature") and (args.seed is None or args.seed < 0):
+    if hasattr(args, "temperature") and sampling_seed(args) is None:
         # Commands that sample (demo, generate, chat): without --seed (or with -1), the
         # engine's generator (which unseeded requests draw from) starts anywhere, not at
         # EngineConfig's fixed 0.

@@ -381,9 +381,7 @@ def plan_fills(
     return rows
 
 
-def copy_fills(
-    state, moves, src_w13, src_w2, dst_w13, dst_w2, split: bool = False, programs: int = 32
-) -> None:
+def copy_fills(state, moves, src_w13, src_w2, dst_w13, dst_w2, split: bool, programs: int) -> None:
     """Twin of `reference_fills.copy_fills`; a fixed grid of `programs`, no host sync."""
     _copy_kernel[(programs,)](
         state, moves, src_w13, src_w2, dst_w13, dst_w2, src_w13.stride(0), src_w2.stride(0),
