@@ -22,6 +22,7 @@ and, when asked (EngineConfig.verify_checksums), by the load as it copies the ro
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -209,27 +210,24 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     """Convert's work: the banks, dense tensors, manifest and copied files, into `tmp`."""
     itemsize = torch.tensor([], dtype=spec.dtype).element_size()
     shapes = bank_shapes(spec)
+    patterns = _expert_targets(spec)
+    files = safetensors_files(src)
+    dense = _dense_pieces(src, files, patterns)  # where each lies in the source files
     for b in BANKS:  # the disk's blocks first: a full disk is an OSError here, not a SIGBUS
         allocate(tmp / f"experts.{b}.bin", _numel(shapes[b]) * itemsize)  # in a mapped write
+    _room_for_the_rest(src, tmp, sum(p.size for p in dense.values()))
     banks = {b: torch.from_file(str(tmp / f"experts.{b}.bin"), shared=True,
                                 size=_numel(shapes[b]), dtype=spec.dtype).view(shapes[b])
              for b in BANKS}  # fmt: skip
     filled = {b: torch.zeros(shapes[b][0], dtype=torch.uint8) for b in BANKS}  # part bits
-    patterns = _expert_targets(spec)
-    dense: dict[str, safetensors_stream.Piece] = {}  # where each lies in the source files
-    files = safetensors_files(src)
     total = sum(f.stat().st_size for f in files)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress)
     with bar:
         for path in files:
             with opened(path) as f:
-                header, data_start = safetensors_stream.read_header(path)
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    hit = next(((m, t) for p, t in patterns if (m := p.match(name))), None)
-                    if hit is None:  # copied below, byte for byte: never in memory whole
-                        if name in dense:
-                            raise CheckpointError(f"tensor {name} is in two files of {src}")
-                        dense[name] = safetensors_stream.Piece.of(path, name, header, data_start)
+                    hit = _expert_match(patterns, name)
+                    if hit is None:  # a dense tensor: copied below, byte for byte
                         continue
                     tensor = f.get_tensor(name)
                     bar.update(tensor.numel() * tensor.element_size())
@@ -299,6 +297,47 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     for b in BANKS:
         synced(tmp / f"experts.{b}.bin")
     verify(tmp, spec, progress)  # read back: a damaged write fails here, not at the first load
+
+
+def _expert_match(patterns: list[tuple], name: str) -> tuple | None:
+    """(the name's match, its bank target) where `name` is a routed expert's tensor."""
+    return next(((m, t) for p, t in patterns if (m := p.match(name))), None)
+
+
+def _dense_pieces(
+    src: Path, files: list[Path], patterns: list[tuple]
+) -> dict[str, safetensors_stream.Piece]:
+    """Every tensor but the routed experts, by name, from the files' headers alone: known
+    before the expert pass, so the disk's room for them is checked before it."""
+    dense: dict[str, safetensors_stream.Piece] = {}
+    for path in files:
+        header, data_start = safetensors_stream.read_header(path)
+        for name in header:
+            if name == "__metadata__" or _expert_match(patterns, name) is not None:
+                continue
+            if name in dense:
+                raise CheckpointError(f"tensor {name} is in two files of {src}")
+            dense[name] = safetensors_stream.Piece.of(path, name, header, data_start)
+    return dense
+
+
+def _room_for_the_rest(src: Path, tmp: Path, dense_bytes: int) -> None:
+    """Refuse before the expert pass (minutes on a large model) when the disk, its banks
+    reserved, has no room left for the dense file and the copied files: that failure came
+    only after the pass."""
+    copied = sum((src / n).stat().st_size for n in COPIED if (src / n).is_file())
+    copied += sum(
+        p.stat().st_size for n in COPIED_FOLDERS if (src / n).is_dir()
+        for p in (src / n).rglob("*") if p.is_file()
+    )  # fmt: skip
+    needed = dense_bytes + copied + (1 << 20)  # + the headers and the manifest
+    free = shutil.disk_usage(tmp).free
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"{tmp.parent}: no room for the dense weights and files ({needed / 1e9:.2f} GB "
+            f"needed beside the expert banks, {free / 1e9:.2f} GB free)",
+        )
 
 
 def _copy_files(src: Path, tmp: Path) -> list[str]:

@@ -167,6 +167,48 @@ def test_convert_reads_back_what_it_wrote(tmp_path, rng_seed, monkeypatch):
     assert not dst.exists() and not (tmp_path / "ftw.partial").exists()  # its work removed
 
 
+def test_a_disk_without_room_for_the_dense_part_is_refused_before_the_expert_pass(
+    tmp_path, rng_seed, monkeypatch
+):
+    """The banks' blocks are reserved first; the dense file and the copied files are checked
+    against the room left before any expert is read (the failure came after the whole pass):
+    the error names both sizes, nothing is left behind, and a disk just large enough converts."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    hf_dir, dst = tmp_path / "hf", tmp_path / "ftw"
+    make_tiny(random.Random(rng_seed).choice(FAMILIES), hf_dir, rng_seed)
+    spec = spec_from_config(read_config(hf_dir))
+    dense_bytes = sum(
+        t.numel() * t.element_size()
+        for path in hf_dir.glob("*.safetensors")
+        for n, t in load_file(str(path)).items()
+        if not any(p.match(n) for p, _ in ftw._expert_targets(spec))
+    )
+    copied = sum((hf_dir / n).stat().st_size for n in ftw.COPIED if (hf_dir / n).is_file())
+    needed = dense_bytes + copied + (1 << 20)
+    usage = shutil.disk_usage(tmp_path)
+    read: list[str] = []
+    opened = ftw.opened
+
+    @contextlib.contextmanager
+    def spying(path):
+        read.append(str(path))
+        with opened(path) as f:
+            yield f
+
+    monkeypatch.setattr(ftw, "opened", spying)
+    monkeypatch.setattr(ftw.shutil, "disk_usage", lambda p: usage._replace(free=needed - 1))
+    with pytest.raises(OSError, match=rf"no room for the dense.*{needed / 1e9:.2f} GB needed"):
+        ftw.convert(hf_dir, dst, progress=False)
+    assert not read, "the expert pass ran before the disk's room was checked"
+    assert not dst.exists() and not (tmp_path / "ftw.partial").exists()
+    monkeypatch.setattr(ftw.shutil, "disk_usage", lambda p: usage._replace(free=needed))
+    ftw.convert(hf_dir, dst, progress=False)
+    assert ftw.is_ftw(dst) and read
+
+
 def test_convert_deletes_only_its_own_partial_folder(tmp_path, rng_seed):
     """`DST.partial` that convert did not make (someone's data) is refused and kept; one a
     killed convert left is replaced; an FTW source is named as such."""
