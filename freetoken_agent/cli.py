@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import signal
@@ -397,8 +398,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def replace_what_stdout_cannot_encode() -> None:
+    """A reply's characters that stdout's encoding cannot hold (a latin-1 locale, a file on
+    Windows' cp1252, PYTHONIOENCODING=ascii) print as "?": strict, the first of them raised
+    UnicodeEncodeError and ended the command mid-reply."""
+    if isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.errors == "strict":
+        sys.stdout.reconfigure(errors="replace")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    replace_what_stdout_cannot_encode()
     try:
         if argv[:1] == ["bench"]:
             # The benchmarks parse their own options: argparse would take `freetoken bench

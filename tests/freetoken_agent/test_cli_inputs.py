@@ -83,6 +83,19 @@ def test_bytes_that_are_not_utf8_are_read_with_replacements(env, rng_seed):
     assert b"Traceback" not in done.stderr
 
 
+def test_a_reply_stdout_cannot_encode_prints_with_replacements(env, rng_seed):
+    """stdout in ASCII (a latin-1 locale or Windows' cp1252 file are the same case): the demo's
+    random reply holds characters ASCII lacks, and the first of them ended the command (exit
+    2, "'ascii' codec can't encode"); they print as "?" and the reply ends normally."""
+    seed = str(random.Random(rng_seed).randrange(1 << 30))
+    done = _run(["generate", "ka lo", "--device", "cpu", "--max-tokens", "48", "--seed", seed],
+                {**env, "PYTHONIOENCODING": "ascii:strict"})  # fmt: skip
+    stderr = done.stderr.decode()
+    assert done.returncode == 0, stderr
+    assert "48 tokens" in stderr and "finish: length" in stderr, stderr
+    assert done.stdout.isascii() and done.stdout.strip(), done.stdout
+
+
 def test_a_model_path_with_a_tilde_is_the_home_folders(monkeypatch, tmp_path, rng_seed):
     """(`--model=~/m`: the shell expands no tilde after `=`.)"""
     from freetoken_agent.cli_engine import model_path
