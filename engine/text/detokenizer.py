@@ -73,11 +73,13 @@ class IncrementalDetokenizer:
         # With specials kept the backend must not skip (it would skip those too); the others
         # are already out of the window.
         self._skip = skip_special_tokens and not keep_special
-        self._ids = self._context_window([i for i in context if i not in self._empty_ids])
         # The window ids[0:] starts with context that is already emitted (or was never meant
         # to be); ids[:read] have been emitted, ids[read:] are pending.
-        self._read = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
+        self._ids, self._read = self._window([i for i in context if i not in self._empty_ids])
+        self._prefix_text = self._decode(self._ids[: self._read])
+        # Context tokens left pending (the prompt ends inside a character) are never emitted
+        # alone: only with a generated token that completes or breaks their character.
+        self._context_only = self.pending
         self._parts: list[str] = []
         self._finished = False
 
@@ -108,6 +110,22 @@ class IncrementalDetokenizer:
             start -= 1
         return context[start:]
 
+    def _window(self, context: list[int]) -> tuple[list[int], int]:
+        """The decoding window the context leaves, and how many of its tokens are read. A
+        prompt of token ids may end inside a character (a reply cut by max_tokens in an
+        emoji, continued): its last pieces (at most 3) then stay pending, so the generated
+        token that completes the character emits it whole, as vLLM's stream does. Read as
+        emitted, the prefix held one U+FFFD per stray byte on byte-fallback decoders, and
+        that many of the reply's characters were cut from its first delta ("and more" for
+        "😀 and more"). The window is placed on the whole characters: a byte-fallback decoder
+        turns a whole run of byte tokens with a cut character in it into U+FFFD."""
+        for read in range(len(context), max(0, len(context) - _MAX_PARTIAL_BYTES) - 1, -1):
+            window = self._context_window(context[:read])
+            if not self._decode(window).endswith(REPLACEMENT):
+                return window + context[read:], len(window)
+        window = self._context_window(context)  # invalid bytes, not a cut character
+        return window, len(window)
+
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
@@ -118,6 +136,7 @@ class IncrementalDetokenizer:
         if token_id in self._empty_ids:
             return ""  # skipped: no text, and no place in the window (module doc)
         self._ids.append(int(token_id))
+        self._context_only = False
         new_text = self._decode(self._ids)
         if not new_text.endswith(REPLACEMENT) and len(new_text) >= len(self._prefix_text):
             return self._emit(new_text, len(self._ids))
@@ -153,6 +172,8 @@ class IncrementalDetokenizer:
         if self._finished:
             return ""
         self._finished = True
+        if self._context_only:  # the prompt's broken character: none of this reply's text
+            return ""
         new_text = self._decode(self._ids)
         delta = new_text[len(self._prefix_text) :]
         if delta:

@@ -212,6 +212,50 @@ def test_context_makes_the_first_token_decode_mid_sequence(rng_seed: int) -> Non
         stream(sp, sp.encode("a" + rand_text(rng, 8))[1:], context=prompt)
 
 
+@pytest.mark.parametrize("kind", ["byte-level", "byte-fallback"])
+def test_a_prompt_ending_inside_a_character_leaves_it_to_the_reply(
+    demo_tok: Tokenizer, kind: str, rng_seed: int
+) -> None:
+    """Token-id prompts can end inside a character (a reply cut by max_tokens mid-emoji,
+    continued): the reply's first delta holds the whole character, and nothing of the reply
+    is lost. Read as emitted, the prompt's stray bytes (one U+FFFD each on byte-fallback
+    decoders) cut as many of the reply's characters ("and more" for "😀 and more")."""
+    rng = random.Random(rng_seed)
+    if kind == "byte-level":
+        tok, encode = demo_tok, demo_tok.encode
+        byte_ids = byte_token_ids(demo_tok)
+    else:
+        sp = SentencePieceLike()
+        tok, encode = sp, sp.encode
+        byte_ids = {b: sp.backend.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    for _ in range(100):
+        char = rng.choice(["🙂", "你", "é", "🚀", "Ω", "𝔘"])
+        raw = [byte_ids[b] for b in char.encode()]
+        cut = rng.randrange(1, len(raw))
+        before, after = rand_text(rng, rng.randint(1, 4)), rand_text(rng, rng.randint(0, 4))
+        whole = encode(before)  # the prompt's whole characters
+        context = whole + raw[:cut]
+        reply = raw[cut:] + (encode("a" + after)[1:] if after else [])
+        if rng.random() < 0.2:  # a token that breaks the character instead of completing it
+            reply = encode("a" + after)[1:] or encode("a")
+        detok = IncrementalDetokenizer(tok, context=context)
+        text = "".join(detok.push(t) for t in reply) + detok.flush()
+        if all(t in tok.special_token_ids for t in reply):  # nothing shown: the prompt's
+            assert text == "", text  # broken character is not the reply's text
+            continue
+        # The same as a stream given the character's first bytes as reply tokens
+        alike = IncrementalDetokenizer(tok, context=whole)
+        assert text == "".join(alike.push(t) for t in raw[:cut] + reply) + alike.flush()
+        full = tok.decode(whole + raw[:cut] + reply)
+        completes = reply[: len(raw) - cut] == raw[cut:]
+        if completes or kind == "byte-level":  # (byte-fallback decoders turn a whole run of
+            # byte tokens with invalid bytes into U+FFFD: the module's limit)
+            assert text == full[len(tok.decode(whole)) :], (before, char, cut, after, text)
+            assert text.startswith(char if completes else "\ufffd")
+    detok = IncrementalDetokenizer(tok, context=encode("ka") + raw[:cut])
+    assert detok.flush() == ""  # no reply: the prompt's broken character is not its text
+
+
 def test_flush_ends_the_stream(demo_tok: Tokenizer) -> None:
     detok = IncrementalDetokenizer(demo_tok)
     assert detok.push(byte_token_ids(demo_tok)[0xE4]) == ""  # half a character: held
