@@ -89,6 +89,11 @@ class TokenEvent:
     # cached prefix) and those it computed, exact whatever else ran beside it; else None.
     reused_tokens: int | None = None
     prefilled_tokens: int | None = None
+    # On an event that carries a token: where its text begins in the output's text (the
+    # legacy completions' text_offset). Text held back (a character split across tokens, a
+    # possible stop string's start) comes out on a later event, so the characters released
+    # before this one are not that place; a stop string's cut ends the text sooner.
+    text_offset: int | None = None
 
     def token_logprob(self) -> TokenLogprob | None:
         """This event's token and log-probabilities as one record (None: none carried)."""

@@ -120,6 +120,7 @@ class RequestOutcomes:
             req.output_logprobs.append(logprob)
         self.scheduler.checkpoint_decode(req, token)
         state = self.outputs[req.id]
+        offset = len(state.text)  # where this token's text begins
         sp = req.sampling
         reason = None
         if sp.ends_with(token, self.eos_token_ids):
@@ -138,6 +139,7 @@ class RequestOutcomes:
                 # The last characters, flushed, may complete a stop string (then cut there).
                 reason = "stop" if state.stopped else "length"
         event = TokenEvent(req.id, token, text, len(req.output_ids) - 1)
+        event.text_offset = min(offset, len(state.text))  # (a stop string may cut before it)
         if logprob is not None:
             event.logprob, event.top_logprobs = logprob.logprob, logprob.top
         if req.prompt_logprobs is not None and len(req.output_ids) == 1:  # final from now on

@@ -39,6 +39,7 @@ piece (echo.py): the prompt's text and entries, in the first chunk of a stream.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -54,7 +55,7 @@ from freetoken_agent.integrations.openai_logprobs import (
     TokenStrings,
     chat_logprobs,
 )
-from freetoken_agent.integrations.server.echo import Echo, Entry
+from freetoken_agent.integrations.server.echo import Echo, Entry, reply_offset
 from freetoken_agent.integrations.server.reply import Reply
 from freetoken_agent.parsers import ContentDelta, ReasoningDelta, ToolCallEnd
 from freetoken_agent.session import Usage
@@ -209,7 +210,8 @@ class _TextChoice:
     """What a streamed text choice carries from one chunk to the next."""
 
     pending: list[Entry] = field(default_factory=list)  # (entry, offset)
-    released: int = 0  # characters of text released so far: the next token's offset
+    echo_chars: int = 0  # the echoed prompt's characters, before the reply's
+    released: int = 0  # characters of the reply released so far
 
 
 class TextCompletionFormat:
@@ -245,11 +247,16 @@ class TextCompletionFormat:
 
     def chunk(self, text: str, finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
         """A chunk of choice `index`; asked for, its `logprobs` are that choice's tokens'
-        since its chunk before."""
+        since its chunk before whose text begins in the text sent (the last chunk: all)."""
         logprobs = None
         state = self._choice(index)
-        if self._logprobs is not None and state.pending:  # no tokens in it: null, as chat's
-            logprobs, state.pending = self._logprobs.block(state.pending), []
+        end = state.echo_chars + state.released
+        if finish_reason is None:  # a token whose text is still held waits for it
+            ready = list(itertools.takewhile(lambda p: p[1] < end, state.pending))
+        else:  # all; a token a stop string cut away points at the text's end
+            ready = [(e, min(offset, end)) for e, offset in state.pending]
+        if self._logprobs is not None and ready:  # no tokens in it: null, as chat's
+            logprobs, state.pending = self._logprobs.block(ready), state.pending[len(ready) :]
         choice = {
             "index": index,
             "text": text,
@@ -274,14 +281,14 @@ class TextCompletionFormat:
         if isinstance(event, Echo):
             state = self._choice(index)
             state.pending.extend(event.logprobs)
-            state.released += len(event.text)
+            state.echo_chars = len(event.text)
             return event.text or None
         if not isinstance(event, TokenEvent):
             return None
         state = self._choice(index)
         entry = event.token_logprob()
         if entry is not None:
-            state.pending.append((entry, state.released))
+            state.pending.append((entry, state.echo_chars + reply_offset(event, state.released)))
         state.released += len(event.text)
         return event.text or None
 

@@ -20,11 +20,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken_agent.engine.outputs import TokenLogprob
+from freetoken_agent.engine.outputs import TokenEvent, TokenLogprob
 from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
 from freetoken_agent.integrations.openai_logprobs import UnscoredToken, with_top
 
 Entry = tuple[TokenLogprob | UnscoredToken, int]  # a token's entry and its text offset
+
+
+def reply_offset(event: TokenEvent, released: int) -> int:
+    """Where `event`'s token's text begins in the reply: the engine's place for it (text held
+    back before it, for a possible stop string, counts), else (an engine that gives none) the
+    characters `released` before it."""
+    return released if event.text_offset is None else event.text_offset
 
 
 @dataclass(slots=True)

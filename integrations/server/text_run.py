@@ -32,7 +32,13 @@ from freetoken_agent.engine.outputs import (
 )
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.bridge import request_figures
-from freetoken_agent.integrations.server.echo import Echo, EchoedPrompt, Entry, echoed_prompt
+from freetoken_agent.integrations.server.echo import (
+    Echo,
+    EchoedPrompt,
+    Entry,
+    echoed_prompt,
+    reply_offset,
+)
 from freetoken_agent.integrations.server.errors import BadParam
 from freetoken_agent.integrations.server.turn_run import failed_at_once, put_first_event
 from freetoken_agent.service import EngineService, Sink
@@ -78,7 +84,8 @@ class TextRun:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self._echoed: EchoedPrompt | None = None  # with echo: the prompt as echoed
         self._generated = 0
-        self._released = 0  # characters of the reply so far
+        self._echo_chars = 0  # the echoed prompt's characters, before the reply's
+        self._reply_chars = 0  # characters of the reply released so far
         self._figures: dict[str, int] | None = None  # the engine's reuse figures, at the end
         self._request_id: str | None = None
         self._cancelled = False
@@ -171,13 +178,17 @@ class TextRun:
                 self._generated += 1
             entry = event.token_logprob()
             if entry is not None:
-                self.logprobs.append((entry, self._released))
+                self.logprobs.append(
+                    (entry, self._echo_chars + reply_offset(event, self._reply_chars))
+                )
             if event.text:
                 self._pieces.append(event.text)
-                self._released += len(event.text)
+                self._reply_chars += len(event.text)
             if event.text or entry is not None:
                 yield event
             if event.finished:
+                end = self._echo_chars + self._reply_chars  # tokens a stop string cut away
+                self.logprobs = [(e, min(offset, end)) for e, offset in self.logprobs]
                 figures = self._figures or {"reused": 0, "prefilled": self.prompt_tokens}
                 self.usage = Usage(
                     self.prompt_tokens,
@@ -194,7 +205,7 @@ class TextRun:
         """The echoed prompt, its text and entries counted as the reply's first."""
         echo = self._echoed.piece(entries, self.sampling.logprobs)
         self._pieces.append(echo.text)
-        self._released += len(echo.text)
+        self._echo_chars = len(echo.text)
         self.logprobs.extend(echo.logprobs)
         return echo
 

@@ -122,6 +122,45 @@ def _text_block_ok(lp: dict, k: int, seed: int) -> None:
             assert 1 <= len(top) <= k + 1 and top[token] >= chosen - TOL, seed
 
 
+def test_text_offsets_do_not_move_with_stop_strings(client, read_sse, rng_seed):
+    """While stop strings are set, the text that could start one is held back, and each
+    offset was the characters released before its token: all but the first lagged by up to
+    the longest stop's length - 1. A stop that never matches leaves every offset as without
+    stops; one that matches keeps the offsets of the tokens before it, a token it cut away
+    pointing at the text's end; streamed, the chunks' offsets are the same."""
+    rng = random.Random(rng_seed)
+    met = 0
+    for _ in range(12):
+        body = {"prompt": _words(rng, rng.randint(1, 6)), "max_tokens": rng.randint(6, 12),
+                "temperature": 0, "ignore_eos": True, "logprobs": rng.randint(0, 2)}  # fmt: skip
+        free = client.post(TEXT, json=body).json()["choices"][0]
+        text, offsets = free["text"], free["logprobs"]["text_offset"]
+        absent = "".join(rng.choices("qxz", k=rng.randint(4, 9)))
+        assert absent not in text
+        stops = [{**body, "stop": [absent]}]
+        if len(text) > 3:
+            at = rng.randrange(1, len(text) - 1)
+            stop = text[at : at + rng.randint(1, 3)]
+            stops.append({**body, "stop": [absent, stop]})
+        for asked in stops:
+            choice = client.post(TEXT, json=asked).json()["choices"][0]
+            got = choice["logprobs"]["text_offset"]
+            cut = text.find(asked["stop"][-1]) if asked["stop"][-1] != absent else len(text)
+            assert choice["text"] == text[:cut], rng_seed
+            assert got == [min(o, cut) for o in offsets[: len(got)]], (got, offsets, rng_seed)
+            met += cut < len(text)
+            streamed, sent = [], ""
+            for c in _stream(client, TEXT, asked, read_sse):
+                one = c["choices"][0]
+                sent += one["text"]
+                block = one["logprobs"] or {"text_offset": []}
+                streamed += block["text_offset"]
+                if one["finish_reason"] is None:  # a token's entry comes with its text
+                    assert all(o < len(sent) for o in block["text_offset"]), rng_seed
+            assert streamed == got and sent == choice["text"], (streamed, got, rng_seed)
+    assert met, f"seed {rng_seed}: no stop string matched"
+
+
 def test_text_logprobs_line_up_with_the_text(client, model_dir, read_sse, rng_seed):
     """Greedy completions: one entry per token, the engine's values, each offset where its
     token's text begins in the reply (the characters the tokens before it released, as the
