@@ -6,7 +6,8 @@ banks, flattened by logical id `lid = moe_layer * n_experts + expert`, each expe
     experts.w13.bin   [L*E, 2I, H]   gate rows 0..I-1, then up rows I..2I-1
     experts.w2.bin    [L*E, H, I]    down
     dense.safetensors every other tensor, under its HF name
-    ftw.json          manifest: format version, shapes, dtype, per-expert CRC32 of each bank
+    ftw.json          manifest: format version, shapes, the banks' dtype (the source experts',
+                      which the load casts), per-expert CRC32 of each bank
     config.json, tokenizer files, generation_config.json: copied as they are
 
 This is the layout of the expert pool and of the GPU slots, so loading is one memory map per
@@ -208,16 +209,17 @@ def _signals_raise() -> Iterator[None]:
 
 def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     """Convert's work: the banks, dense tensors, manifest and copied files, into `tmp`."""
-    itemsize = torch.tensor([], dtype=spec.dtype).element_size()
     shapes = bank_shapes(spec)
     patterns = _expert_targets(spec)
     files = safetensors_files(src)
-    dense = _dense_pieces(src, files, patterns)  # where each lies in the source files
+    dense, experts = _source_tensors(src, files, patterns)  # from the files' headers
+    dtype = _bank_dtype(experts)
+    itemsize = dtype.itemsize
     for b in BANKS:  # the disk's blocks first: a full disk is an OSError here, not a SIGBUS
         allocate(tmp / f"experts.{b}.bin", _numel(shapes[b]) * itemsize)  # in a mapped write
     _room_for_the_rest(src, tmp, sum(p.size for p in dense.values()))
     banks = {b: torch.from_file(str(tmp / f"experts.{b}.bin"), shared=True,
-                                size=_numel(shapes[b]), dtype=spec.dtype).view(shapes[b])
+                                size=_numel(shapes[b]), dtype=dtype).view(shapes[b])
              for b in BANKS}  # fmt: skip
     filled = {b: torch.zeros(shapes[b][0], dtype=torch.uint8) for b in BANKS}  # part bits
     total = sum(f.stat().st_size for f in files)
@@ -234,10 +236,6 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
                     match, target = hit
                     layer = int(match.group("L"))
                     expert = int(match.group("E")) if "E" in match.groupdict() else None
-                    if not tensor.is_floating_point():  # (cast into the bank, it loaded)
-                        raise CheckpointError(
-                            f"tensor {name} has dtype {tensor.dtype}; expected a float tensor"
-                        )
                     if expert is None and tensor.shape[0] != spec.n_experts:
                         # Fused [E, ...]: more rows were dropped silently, fewer ran past them
                         raise CheckpointError(
@@ -275,7 +273,7 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
         "format": FORMAT,
         "version": VERSION,
         "arch": spec.arch,
-        "dtype": str(spec.dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
         "itemsize": itemsize,
         "n_moe_layers": spec.n_moe_layers,
         "n_experts": spec.n_experts,
@@ -304,21 +302,46 @@ def _expert_match(patterns: list[tuple], name: str) -> tuple | None:
     return next(((m, t) for p, t in patterns if (m := p.match(name))), None)
 
 
-def _dense_pieces(
+def _source_tensors(
     src: Path, files: list[Path], patterns: list[tuple]
-) -> dict[str, safetensors_stream.Piece]:
-    """Every tensor but the routed experts, by name, from the files' headers alone: known
-    before the expert pass, so the disk's room for them is checked before it."""
+) -> tuple[dict[str, safetensors_stream.Piece], dict[str, str]]:
+    """From the files' headers alone, before the expert pass: every tensor but the routed
+    experts by name (the disk's room for them is checked before the pass), and each routed
+    expert tensor's safetensors dtype (the banks take theirs)."""
     dense: dict[str, safetensors_stream.Piece] = {}
+    experts: dict[str, str] = {}
     for path in files:
         header, data_start = safetensors_stream.read_header(path)
-        for name in header:
-            if name == "__metadata__" or _expert_match(patterns, name) is not None:
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if _expert_match(patterns, name) is not None:
+                experts[name] = entry["dtype"]
                 continue
             if name in dense:
                 raise CheckpointError(f"tensor {name} is in two files of {src}")
             dense[name] = safetensors_stream.Piece.of(path, name, header, data_start)
-    return dense
+    return dense, experts
+
+
+# safetensors' names of the float dtypes an expert bank may hold
+BANK_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
+               "F16": torch.float16}  # fmt: skip
+
+
+def _bank_dtype(experts: dict[str, str]) -> torch.dtype:
+    """The banks' dtype: the expert tensors' own, not config.json's. A checkpoint saved in
+    fp32 under a bf16 config was rounded into bf16 banks (and bf16 experts under an fp16
+    config overflowed to inf): the FTW folder then loaded as another model than the folder
+    it came from. The load casts to the dtype it runs in, as it does from an HF folder.
+    Experts of several dtypes: the widest (bf16 with fp16: fp32, which holds both)."""
+    for name, kind in experts.items():
+        if kind not in BANK_DTYPES:
+            raise CheckpointError(f"tensor {name} has dtype {kind}; expected a float tensor")
+    kinds = {BANK_DTYPES[k] for k in experts.values()}
+    if len(kinds) == 1:
+        return kinds.pop()
+    return torch.float64 if torch.float64 in kinds else torch.float32
 
 
 def _room_for_the_rest(src: Path, tmp: Path, dense_bytes: int) -> None:
@@ -423,15 +446,16 @@ def read_manifest(folder: str | Path, spec: ModelSpec) -> dict:
             f"{where}: format {manifest.get('format')!r} version "
             f"{manifest.get('version')!r}; this FreeToken reads {FORMAT!r} version {VERSION}"
         )
-    # The banks are read as config.json's dtype: banks of another dtype would be
-    # reinterpreted bit by bit (NaN logits), or mapped past their end.
+    # The banks hold the source's expert dtype (the load casts them): a dtype and item size
+    # that disagree would be reinterpreted bit by bit (NaN logits), or mapped past their end.
     dtype = _field(where, manifest, "dtype", str)
     itemsize = _field(where, manifest, "itemsize", int)
-    named = str(spec.dtype).removeprefix("torch.")
-    if (dtype, itemsize) != (named, spec.dtype.itemsize):
+    known = {str(d).removeprefix("torch."): d for d in BANK_DTYPES.values()}
+    if dtype not in known or known[dtype].itemsize != itemsize:
         raise CheckpointError(
-            f"{where}: the banks hold {dtype} ({itemsize}-byte items), config.json says {named} "
-            f"({spec.dtype.itemsize}-byte): convert the HF folder again"
+            f"{where}: the banks hold {dtype!r} in {itemsize}-byte items; expected one of "
+            f"{', '.join(f'{n} ({d.itemsize}-byte)' for n, d in known.items())}: convert the "
+            "HF folder again"
         )
     banks = _field(where, manifest, "banks", dict)
     for b, shape in bank_shapes(spec).items():
@@ -461,15 +485,16 @@ def read_manifest(folder: str | Path, spec: ModelSpec) -> dict:
 
 def open_banks(folder: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """Memory-map the banks (read-only, pages load on first touch): {"w13": [L*E, 2I, H],
-    "w2": [L*E, H, I]} in the checkpoint dtype."""
+    "w2": [L*E, H, I]} in the dtype they were written in (the source's experts')."""
     folder = Path(folder)
     manifest = read_manifest(folder, spec)
+    dtype = getattr(torch, manifest["dtype"])  # (checked: one of BANK_DTYPES)
     return {
         b: torch.from_file(
             str(folder / manifest["banks"][b]["file"]),
             shared=False,
             size=_numel(shape),
-            dtype=spec.dtype,
+            dtype=dtype,
         ).view(shape)
         for b, shape in bank_shapes(spec).items()
     }

@@ -342,7 +342,7 @@ def _manifest_damage(folder, field: str):
         ("banks", [], "field 'banks' should be an object, found a list"),
         ("banks.w2.shape", "oops", "field 'banks.w2.shape' should be a list, found a string"),
         ("banks.w13.crc32", "short", "field 'banks.w13.crc32' should hold"),
-        ("dtype", "bfloat16", "the banks hold bfloat16 .2-byte items., config.json says float32"),
+        ("dtype", "int8", "the banks hold .int8. in 2-byte items"),
         ("", [1, 2], "should hold a JSON object, found a list"),
     ],
 )
@@ -357,7 +357,7 @@ def test_a_damaged_manifest_is_a_checkpoint_error_naming_the_field(converted, fi
         parent[last].pop(rng.randrange(len(parent[last])))
     else:
         parent[last] = value
-    if field == "dtype":  # as a manifest would say of bf16 banks: half the bytes
+    if field == "dtype":  # a dtype no bank holds, in 2-byte items
         manifest["itemsize"] = 2
     (ftw_dir / "ftw.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=says) as raised:
@@ -365,17 +365,55 @@ def test_a_damaged_manifest_is_a_checkpoint_error_naming_the_field(converted, fi
     assert "ftw.json" in str(raised.value)
 
 
-def test_banks_of_another_dtype_or_no_dense_file_are_refused(converted):
-    """config.json says bf16, the banks are fp32: the banks would be read as bf16 (NaN
-    logits); a missing dense file is named."""
+@pytest.mark.parametrize("saved, configured", [("float32", "bfloat16"), ("bfloat16", "float16"),
+                                                ("float16", "float32")])  # fmt: skip
+def test_banks_keep_the_experts_dtype_whatever_config_json_says(
+    tmp_path, rng_seed, saved, configured
+):
+    """Tensors saved in one dtype under a config.json naming another (an fp32 save of a bf16
+    model; a bf16 model whose config says fp16): the banks hold the experts as saved and the
+    load casts them, so the FTW folder is the model its source folder loads as, in any run
+    dtype. Rounded into config.json's dtype at convert, they differed by up to 0.5 in the
+    logits, and bf16 experts past fp16's range became inf (NaN logits)."""
+    from safetensors.torch import load_file, save_file
+
+    rng = random.Random(rng_seed)
+    hf_dir, ftw_dir = tmp_path / "hf", tmp_path / "ftw"
+    make_tiny(rng.choice(FAMILIES), hf_dir, rng_seed)
+    spec = spec_from_config(read_config(hf_dir))
+    for path in hf_dir.glob("*.safetensors"):
+        tensors = {n: t.to(getattr(torch, saved)) for n, t in load_file(str(path)).items()}
+        if saved == "bfloat16":  # an expert value fp16 cannot hold
+            name = next(n for n in tensors if any(p.match(n) for p, _ in ftw._expert_targets(spec)))
+            tensors[name].view(-1)[rng.randrange(tensors[name].numel())] = 2.0**17
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.update(dtype=configured, torch_dtype=configured)
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    ftw.convert(hf_dir, ftw_dir, progress=False)
+    assert json.loads((ftw_dir / "ftw.json").read_text())["dtype"] == saved
+    ids = [rng.randrange(3, 320) for _ in range(40)]
+    for run in ("float32", saved):
+        a = Engine.load(hf_dir, device="cpu", dtype=run, progress=False, kv_tokens=256)
+        b = Engine.load(ftw_dir, device="cpu", dtype=run, progress=False, kv_tokens=256)
+        assert torch.equal(a.score(ids), b.score(ids)), run
+
+
+def test_a_manifest_dtype_that_disagrees_with_its_item_size_or_no_dense_file_is_refused(
+    converted,
+):
+    """Banks read as another dtype than written are reinterpreted bit by bit (NaN logits) or
+    mapped past their end; a missing dense file is named."""
     _, ftw_dir, _, _ = converted
-    config = json.loads((ftw_dir / "config.json").read_text())
-    (ftw_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16",
-                                                     "torch_dtype": "bfloat16"}))  # fmt: skip
-    with pytest.raises(CheckpointError, match="hold float32 .4-byte items., config.json says "
-                       "bfloat16"):  # fmt: skip
-        Engine.load(ftw_dir, device="cpu", progress=False, kv_tokens=256)
-    (ftw_dir / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((ftw_dir / "ftw.json").read_text())
+    for dtype, itemsize in (("bfloat16", manifest["itemsize"]), ("int8", 1)):
+        if (dtype, itemsize) == ("bfloat16", 2):
+            continue  # (a bf16 checkpoint: that one is right)
+        (ftw_dir / "ftw.json").write_text(json.dumps({**manifest, "dtype": dtype,
+                                                      "itemsize": itemsize}))  # fmt: skip
+        with pytest.raises(CheckpointError, match=f"the banks hold '{dtype}' in {itemsize}-byte"):
+            Engine.load(ftw_dir, device="cpu", progress=False, kv_tokens=256)
+    (ftw_dir / "ftw.json").write_text(json.dumps(manifest))
     (ftw_dir / "dense.safetensors").unlink()
     with pytest.raises(CheckpointError, match="dense.safetensors .the dense weights"):
         Engine.load(ftw_dir, device="cpu", progress=False, kv_tokens=256)
