@@ -1,9 +1,9 @@
 """Mixtral (8x7B, 8x22B).
 
 Attention: plain GQA, no biases, no qk-norm; an optional sliding window on every layer.
-MoE (`block_sparse_moe`): softmax over all experts, top-k, always renormalised, and the weights
-stay fp32 (Mixtral does not round them to the model dtype). Experts are w1 (gate), w3 (up),
-w2 (down). Every layer is MoE.
+MoE (`block_sparse_moe`; `mlp` in transformers 5's own saves): softmax over all experts,
+top-k, always renormalised, and the weights stay fp32 (Mixtral does not round them to the
+model dtype). Experts are w1 (gate), w3 (up), w2 (down). Every layer is MoE.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from freetoken_agent.engine.weights.names import COMMON_NAMES, routed_expert_nam
 CHECKPOINT_NAMES = (
     *COMMON_NAMES,
     *routed_expert_names("block_sparse_moe", gate="w1", up="w3", down="w2"),
+    # transformers 5's own layout (save_pretrained(save_original_format=False)): the block
+    # renamed `mlp`, its experts fused
+    *routed_expert_names("mlp", gate="w1", up="w3", down="w2"),
 )
 
 # MixtralConfig's values for absent fields (default_theta, rms_norm_eps).

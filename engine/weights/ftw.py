@@ -96,6 +96,12 @@ def _expert_targets(spec: ModelSpec) -> list[tuple]:
     return [(name_pattern(t), tgt) for t, tgt in table if isinstance(tgt, (Expert, FusedExperts))]
 
 
+def _expert_names(spec: ModelSpec) -> str:
+    """The family's expert tensor names, for an error that says what convert looked for."""
+    table = family(spec.arch).CHECKPOINT_NAMES
+    return ", ".join(t for t, tgt in table if isinstance(tgt, (Expert, FusedExperts)))
+
+
 def _where(spec: ModelSpec, target, layer: int, expert: int | None) -> list[tuple[_Slot, int]]:
     """Bank slots of an expert tensor; for fused tensors one per expert (with its index)."""
     i = spec.moe_intermediate_size
@@ -213,6 +219,13 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     patterns = _expert_targets(spec)
     files = safetensors_files(src)
     dense, experts = _source_tensors(src, files, patterns)  # from the files' headers
+    if not experts:
+        raise CheckpointError(
+            f"no routed expert tensors in {src} under the names {spec.arch} checkpoints use "
+            f"({_expert_names(spec)}); tensors named like experts: "
+            f"{[n for n in dense if 'expert' in n][:4] or 'none'} (is config.json's model_type "
+            f"{spec.arch!r} right for these weights?)"
+        )
     dtype = _bank_dtype(experts)
     itemsize = dtype.itemsize
     for b in BANKS:  # the disk's blocks first: a full disk is an OSError here, not a SIGBUS
@@ -265,7 +278,10 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
             f"{b}[{lid}]" for b in BANKS for lid in (filled[b] != FULL).nonzero().flatten().tolist()
         ]
         if missing:
-            raise CheckpointError(f"{len(missing)} expert rows missing in {src}: {missing[:8]}")
+            raise CheckpointError(
+                f"{len(missing)} expert rows missing in {src}: {missing[:8]} (row = MoE layer x "
+                f"{spec.n_experts} + expert; read under the names {_expert_names(spec)})"
+            )
         pieces = list(dense.values())
         safetensors_stream.write(tmp / "dense.safetensors", pieces, {"format": "pt"}, bar.update)
     synced(tmp / "dense.safetensors")

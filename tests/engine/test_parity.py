@@ -36,6 +36,28 @@ def test_score_matches_transformers(tiny):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("family", (*FAMILIES, *HYBRID_FAMILIES))
+def test_transformers_own_layout_loads_directly_and_through_ftw(tmp_path, rng_seed, family):
+    """A checkpoint saved in transformers 5's own layout (`save_original_format=False`: fused
+    experts, and Mixtral's `block_sparse_moe` renamed `mlp`) scores as transformers does,
+    from the folder and from its FTW form. Mixtral's was refused ("unexpected tensors")."""
+    from freetoken_agent.engine.weights import ftw
+
+    hf = make_tiny(family, tmp_path / "orig", rng_seed)
+    hf.save_pretrained(tmp_path / "own", save_original_format=False)
+    names = {n for f in (tmp_path / "own").glob("*.safetensors") for n in load_file(str(f))}
+    assert any(n.endswith("experts.gate_up_proj") for n in names), sorted(names)[:8]
+    ftw.convert(tmp_path / "own", tmp_path / "ftw", progress=False)
+    rng = random.Random(rng_seed)
+    ids = [rng.randrange(3, 320) for _ in range(40)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    for folder in ("own", "ftw"):
+        engine = Engine.load(tmp_path / folder, device="cpu", progress=False, kv_tokens=256)
+        err = max_rel_err(engine.score(ids), ref)
+        assert err <= 1e-4, (family, folder, err)
+
+
 def test_greedy_matches_transformers(tiny):
     family, hf, engine, rng = tiny
     prompt = [rng.randrange(3, 320) for _ in range(rng.randrange(5, 40))]

@@ -135,6 +135,26 @@ def test_fused_experts_of_another_count_than_the_configs_are_refused_by_convert(
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
+def test_experts_under_another_familys_names_are_refused_by_convert_naming_them(tmp_path, rng_seed):
+    """A folder whose config.json names another family than its weights' (or a layout the
+    table lacks): convert found no expert and failed after the pass with "N expert rows
+    missing: w13[0] ..."; it now says which names it read and which tensors look like experts,
+    before writing anything."""
+
+    rng = random.Random(rng_seed)
+    make_tiny("mixtral", tmp_path / "m", rng_seed)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    wrong = rng.choice(["qwen3_moe", "qwen2_moe"])
+    config.update(model_type=wrong, moe_intermediate_size=config["intermediate_size"])
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="no routed expert tensors") as raised:
+        ftw.convert(tmp_path / "m", tmp_path / "out", progress=False)
+    says = str(raised.value)
+    assert f"model_type '{wrong}'" in says and "mlp.experts.{E}.gate_proj.weight" in says, says
+    assert "block_sparse_moe.experts.0.w1.weight" in says, says
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
 def test_integer_experts_are_refused_by_convert(tmp_path, rng_seed):
     """Cast into the bank, an int8 expert loaded from the FTW folder the HF load refuses."""
     import torch
