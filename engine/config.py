@@ -191,7 +191,12 @@ class ConfigDefaults:
 
     rope_theta: float
     rms_norm_eps: float
-    partial_rotary_factor: float
+    # None: the family rotates the whole head (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE), and a
+    # partial_rotary_factor other than 1 in config.json is refused: transformers' attention
+    # for these families has no partial rotation (it fails on a shape, or reads the field in
+    # one table and not the other), so no reading of it is the checkpoint's
+    partial_rotary_factor: float | None
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
 
 
 # Per supported rope_type, the parameters its table reads (layers/rope.py): (required, optional).
@@ -246,6 +251,14 @@ def rope_from_config(cfg: dict, head_dim: int, defaults: ConfigDefaults) -> Rope
         or cfg.get("partial_rotary_factor")
         or defaults.partial_rotary_factor
     )
+    if defaults.partial_rotary_factor is None:
+        if partial is not None and float(partial) != 1.0:
+            raise ConfigError(
+                f"config.json partial_rotary_factor {partial}: {cfg.get('model_type')} models "
+                "rotate the whole head (transformers has no partial rotation for them); remove "
+                "the field or set it to 1.0"
+            )
+        partial = 1.0
     if rope_type in ("yarn", "llama3"):
         # transformers standardises the rope parameters again as it builds the table
         # (standardize_rope_params, called by _compute_yarn_parameters and
@@ -292,7 +305,7 @@ def base_spec_fields(cfg: dict, defaults: ConfigDefaults) -> dict[str, Any]:
         )
     hidden = int(require(cfg, "hidden_size"))
     n_heads = int(require(cfg, "num_attention_heads"))
-    head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+    head_dim = int(cfg.get("head_dim") or defaults.head_dim or hidden // n_heads)
     n_layers = int(require(cfg, "num_hidden_layers"))
     return dict(
         arch=str(require(cfg, "model_type")),

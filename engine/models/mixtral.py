@@ -23,7 +23,7 @@ CHECKPOINT_NAMES = (
 )
 
 # MixtralConfig's values for absent fields (default_theta, rms_norm_eps).
-DEFAULTS = ConfigDefaults(rope_theta=1e6, rms_norm_eps=1e-5, partial_rotary_factor=1.0)
+DEFAULTS = ConfigDefaults(rope_theta=1e6, rms_norm_eps=1e-5, partial_rotary_factor=None)
 
 
 def spec_from_config(cfg: dict) -> ModelSpec:

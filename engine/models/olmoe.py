@@ -19,7 +19,7 @@ CHECKPOINT_NAMES = (
 )
 
 # OlmoeConfig's values for absent fields.
-DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, partial_rotary_factor=1.0)
+DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, partial_rotary_factor=None)
 
 
 def spec_from_config(cfg: dict) -> ModelSpec:

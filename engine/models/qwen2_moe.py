@@ -31,7 +31,7 @@ CHECKPOINT_NAMES = (
 )
 
 # Qwen2MoeConfig's values for absent fields (and below: sliding_window 4096, max_window_layers 28).
-DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=1.0)
+DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=None)
 
 
 def sliding_windows(cfg: dict, n_layers: int) -> tuple[int, ...]:

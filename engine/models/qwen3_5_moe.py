@@ -52,7 +52,9 @@ _MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
 # Qwen3_5MoeTextConfig's values for absent fields (its __post_init__ sets partial_rotary_factor
 # 0.25).
-DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=0.25)
+DEFAULTS = ConfigDefaults(
+    rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=0.25, head_dim=256
+)
 
 
 def text_config(cfg: dict) -> dict:

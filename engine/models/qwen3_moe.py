@@ -21,7 +21,7 @@ CHECKPOINT_NAMES = (
 )
 
 # Qwen3MoeConfig's values for absent fields (and below: sliding_window 4096).
-DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=1.0)
+DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=None)
 
 
 def moe_layers(cfg: dict, n_layers: int, n_experts: int) -> tuple[int, ...]:

@@ -53,7 +53,9 @@ CHECKPOINT_NAMES = (
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 # Qwen3NextConfig's values for absent fields (its __post_init__ sets partial_rotary_factor 0.25).
-DEFAULTS = ConfigDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=0.25)
+DEFAULTS = ConfigDefaults(
+    rope_theta=10000.0, rms_norm_eps=1e-6, partial_rotary_factor=0.25, head_dim=256
+)
 
 
 def layer_types(cfg: dict, n_layers: int) -> tuple[str, ...]:

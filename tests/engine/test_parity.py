@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import FAMILIES, HYBRID_FAMILIES, hf_greedy, make_tiny, max_rel_err, tiny_config
 
 from freetoken_agent import Engine, SamplingParams
-from freetoken_agent.engine.config import read_config
+from freetoken_agent.engine.config import ConfigError, read_config
 from freetoken_agent.engine.layers.rope import inv_freq_and_scale
 from freetoken_agent.engine.models.registry import spec_from_config
 
@@ -56,6 +56,40 @@ def test_transformers_own_layout_loads_directly_and_through_ftw(tmp_path, rng_se
         engine = Engine.load(tmp_path / folder, device="cpu", progress=False, kv_tokens=256)
         err = max_rel_err(engine.score(ids), ref)
         assert err <= 1e-4, (family, folder, err)
+
+
+@pytest.mark.parametrize("family", (*FAMILIES, *HYBRID_FAMILIES))
+def test_head_dim_and_partial_rotary_fields_read_as_in_transformers(tmp_path, rng_seed, family):
+    """Whole-head families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): transformers has no
+    partial rotation for them (a top-level partial_rotary_factor fails on a shape, one in
+    rope_parameters is read by one table only); it was applied here, silently: now refused,
+    naming the field (1.0 loads). The hybrid families: without head_dim, transformers' 256
+    (not hidden / heads, which refused the weights)."""
+    rng = random.Random(rng_seed)
+    folder = tmp_path / "m"
+    if family in FAMILIES:
+        hf = make_tiny(family, folder, rng_seed)
+        cfg = json.loads((folder / "config.json").read_text())
+        for factor in (rng.choice([0.25, 0.5, 0.75]), 1.0):
+            where = cfg if rng.random() < 0.5 else cfg.setdefault("rope_parameters", {})
+            where["partial_rotary_factor"] = factor
+            (folder / "config.json").write_text(json.dumps(cfg))
+            if factor != 1.0:
+                with pytest.raises(ConfigError, match=f"partial_rotary_factor {factor}: {family}"):
+                    Engine.load(folder, device="cpu", progress=False, kv_tokens=256)
+                where.pop("partial_rotary_factor")
+    else:
+        hf = make_tiny(family, folder, rng_seed, head_dim=256)
+        cfg = json.loads((folder / "config.json").read_text())
+        del cfg["head_dim"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ids = [rng.randrange(3, 320) for _ in range(40)]
+    with torch.no_grad():
+        ref = _reload(folder)(torch.tensor([ids])).logits[0]
+        assert max_rel_err(ref, hf(torch.tensor([ids])).logits[0]) <= 1e-5  # the same model
+    engine = Engine.load(folder, device="cpu", progress=False, kv_tokens=256)
+    err = max_rel_err(engine.score(ids), ref)
+    assert err <= 1e-4, (family, err)
 
 
 def test_greedy_matches_transformers(tiny):
