@@ -26,7 +26,7 @@ _BYTES = frozenset({"gpu_budget", "checkpoint_device_bytes", "checkpoint_host_by
                     "elastic_group_bytes", "memory_reserve", "gpu_ceiling"})  # fmt: skip
 # The least value of integer fields that have one (a negative count made a tensor of negative
 # size deep in the load; max_model_len 0 read as "the model's").
-_LEAST = {"kv_pages": 2, "kv_tokens": 1, "max_model_len": 1, "expert_slots": 0,
+_LEAST = {"kv_pages": 2, "kv_tokens": 1, "max_model_len": 1, "expert_slots": 1,
           "gpu_budget": 1, "checkpoint_device_bytes": 0, "checkpoint_host_bytes": 0,
           "elastic_group_bytes": 1, "memory_reserve": 0, "gpu_ceiling": 1,
           "copy_programs": 1}  # fmt: skip

@@ -159,6 +159,21 @@ def offloads(
     return not (config.policy in fits_policies and _all_fit(spec, config, device, dtype, dense))
 
 
+def _say_what_has_no_effect(spec: ModelSpec, config: EngineConfig, n_rows: int) -> None:
+    """One warning for an offload setting the model or the policy leaves without effect: it
+    loaded all resident, or with fewer slots, without a word."""
+    if spec.n_moe_layers == 0 and config.policy != "resident":
+        log.warning("policy %r: the model has no MoE layer (every layer's MLP is dense), "
+                    "so nothing is offloaded: all its weights are resident",
+                    config.policy)  # fmt: skip
+    elif config.expert_slots is not None and config.policy == "resident":
+        log.warning("expert_slots %d: no effect under policy 'resident' (every expert stays on "
+                    "the GPU)", config.expert_slots)  # fmt: skip
+    elif config.expert_slots is not None and config.expert_slots > n_rows:
+        log.warning("expert_slots %d: the model has %d routed experts in all, so %d slots hold "
+                    "every one", config.expert_slots, n_rows, n_rows)  # fmt: skip
+
+
 def make_bank(
     spec: ModelSpec,
     config: EngineConfig,
@@ -170,6 +185,7 @@ def make_bank(
     """`pool`: host experts already loaded (a benchmark comparing engines over one model
     builds its 58 GB pool once); by default an empty one the loader fills."""
     n_rows = spec.n_moe_layers * spec.n_experts
+    _say_what_has_no_effect(spec, config, n_rows)
     if not offloads(spec, config, device, dtype, dense):
         experts = n_rows * 3 * spec.hidden_size * spec.moe_intermediate_size * dtype.itemsize
         if config.gpu_budget is not None and config.gpu_budget < dense + experts:

@@ -121,11 +121,47 @@ def test_not_a_model_folder(tmp_path):
 def test_bad_policy_and_slot_count_are_explained(model_dir):
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
         Engine.load(model_dir, device="cpu", policy="fastest", progress=False)
-    with pytest.raises(ValueError, match="at least one slot"):
+    with pytest.raises(ValueError, match="expert_slots must be at least 1, got 0"):
         Engine.load(model_dir, device="cpu", policy="transfer", expert_slots=0, progress=False)
 
 
 OFFLOADING = ("transfer", "cpu", "static", "adaptive", "direct", "gpu-fill")
+
+
+def test_offload_settings_without_effect_are_named(tmp_path, model_dir, rng_seed, caplog):
+    """A policy on a model with no MoE layer, expert_slots under 'resident' or past the
+    model's experts: each loaded as it could (resident, or every expert in a slot) without a
+    word. One warning names the setting and why."""
+    import logging
+
+    rng = random.Random(rng_seed)
+    policy = rng.choice(OFFLOADING)
+    layers = list(range(tiny_config("qwen3_moe").num_hidden_layers))  # every MLP dense
+    make_tiny("qwen3_moe", tmp_path / "dense", rng_seed, mlp_only_layers=layers)
+    spec = spec_from_config(json.loads((model_dir / "config.json").read_text()))
+    rows = spec.n_moe_layers * spec.n_experts
+    asked = rows + rng.randint(1, 1000)
+    cases = [
+        (tmp_path / "dense", {"policy": policy}, f"policy '{policy}': the model has no MoE layer"),
+        (model_dir, {"policy": "resident", "expert_slots": rng.randint(1, rows)},
+         "no effect under policy 'resident'"),
+        (model_dir, {"policy": policy, "expert_slots": asked},
+         f"expert_slots {asked}: the model has {rows} routed experts in all"),
+    ]  # fmt: skip
+    for folder, options, says in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="freetoken.experts"):
+            engine = Engine.load(folder, device="cpu", progress=False, kv_tokens=256, **options)
+        named = [r for r in caplog.records if says in r.getMessage()]
+        assert len(named) == 1, (options, caplog.text)
+        experts = engine.stats()["experts"]
+        assert experts.get("slots", rows) == rows, experts  # (clamped: every expert fits)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="freetoken.experts"):
+        Engine.load(model_dir, device="cpu", progress=False, kv_tokens=256, policy=policy,
+                    expert_slots=rng.randint(1, rows))  # fmt: skip
+    ours = [r for r in caplog.records if r.name == "freetoken.experts"]
+    assert not ours, caplog.text  # a setting that counts: no word
 MIB = r"\d+\.\d\d MiB"  # sizes under a GiB: a tiny model's would read 0.00 GiB
 
 
