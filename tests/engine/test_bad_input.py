@@ -162,6 +162,8 @@ def test_offload_settings_without_effect_are_named(tmp_path, model_dir, rng_seed
                     expert_slots=rng.randint(1, rows))  # fmt: skip
     ours = [r for r in caplog.records if r.name == "freetoken.experts"]
     assert not ours, caplog.text  # a setting that counts: no word
+
+
 MIB = r"\d+\.\d\d MiB"  # sizes under a GiB: a tiny model's would read 0.00 GiB
 
 
