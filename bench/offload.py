@@ -82,6 +82,9 @@ def offload_engine(layers: int, budget_gb: float, chunk: int):
     return engine, b_p, b_h
 
 
+PEER_LAYERS, PEER_BUDGET_GB = 12, 8 * 2**30 / 1e9  # the peer slice: 8 GiB
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench offload",
@@ -90,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=48,
-                        help="model depth (12: peer slice)")  # fmt: skip
-    parser.add_argument("--budget-gb", type=float, default=32.0,
-                        help="GPU budget (GB)")  # fmt: skip
+                        help="model depth (12: the peer slice, whose budget is 8 GiB)")  # fmt: skip
+    parser.add_argument("--budget-gb", type=float, default=None,
+                        help="GPU budget in GB (1e9 bytes); default 32, or 8.59 (8 GiB) with "
+                        "--layers 12: the issue's peer slice, which at 32 would hold every "
+                        "expert")  # fmt: skip
     parser.add_argument(
         "--decode", type=int, default=48,
         help="tokens each sequence of a row decodes, the first before the clock starts (its "
@@ -233,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         "trials: step time against the share",
     )
     args = parser.parse_args(argv)
+    if args.budget_gb is None:
+        args.budget_gb = PEER_BUDGET_GB if args.layers == PEER_LAYERS else 32.0
+    elif not args.budget_gb > 0:
+        parser.error(f"--budget-gb must be positive, got {args.budget_gb}")
     if args.hold_share is not None:
         if args.adaptive_path != "shared":
             parser.error("--hold-share holds the shared path's share: give --adaptive-path shared")

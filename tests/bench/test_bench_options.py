@@ -45,6 +45,39 @@ def test_offload_refuses_a_context_the_kv_pool_cannot_hold(rng_seed, capsys):
     assert f"--context {context}" in capsys.readouterr().err
 
 
+class _Loaded(Exception):
+    """Raised in place of loading the benchmark's model: what it was asked to load."""
+
+
+@pytest.mark.parametrize("layers", [12, 48, "other"])
+def test_offload_defaults_the_peer_slices_budget_to_8_gib(layers, rng_seed, monkeypatch, capsys):
+    """`--layers 12` is the issue's peer slice, measured under 8 GiB: at the 32 GB default
+    every expert of its 12 layers fit (miss rate 0: no offload measured). Given budgets stand;
+    a budget not above 0 is refused."""
+    from freetoken_agent.bench import offload
+
+    rng = random.Random(rng_seed)
+    layers = rng.choice([2, 6, 24]) if layers == "other" else layers
+
+    def loading(n_layers, budget_gb, chunk):
+        raise _Loaded(n_layers, budget_gb)
+
+    monkeypatch.setattr(offload, "hbm_copy_bandwidth", lambda dev: 1.0)
+    monkeypatch.setattr(offload, "host_read_bandwidth", lambda: 1.0)
+    monkeypatch.setattr(offload, "offload_engine", loading)
+    with pytest.raises(_Loaded) as loaded:
+        offload.main(["--layers", str(layers)])
+    budget = 8 * 2**30 / 1e9 if layers == 12 else 32.0
+    assert loaded.value.args == (layers, budget)
+    given = round(rng.uniform(1, 64), 2)
+    with pytest.raises(_Loaded) as loaded:
+        offload.main(["--layers", str(layers), "--budget-gb", str(given)])
+    assert loaded.value.args == (layers, given)
+    with pytest.raises(SystemExit) as exited:
+        offload.main(["--budget-gb", rng.choice(["0", "-4", "nan"])])
+    assert exited.value.code == 2 and "--budget-gb must be positive" in capsys.readouterr().err
+
+
 def test_offload_refuses_a_copy_grid_outside_its_range(rng_seed, capsys):
     """`bench offload --copy-programs`: no grid below one program or past the most an engine
     takes, refused before anything loads."""
