@@ -375,9 +375,16 @@ def build_parser() -> argparse.ArgumentParser:
     ver.set_defaults(func=cmd_verify)
 
     cal = sub.add_parser(
-        "calibrate", help="measure B_P, B_H and the CPU's knee for the q* split (cached)"
+        "calibrate",
+        help="measure B_P, B_H and the CPU's knee for the q* split (cached)",
+        description="Measure what the adaptive policy's q* split reads: B_P (pinned "
+        "host-to-device bytes/s), B_H (CPU expert bytes/s at one token), the CPU's knee and "
+        "the fill copy's fastest grid. Entries are kept per machine (GPU and CPU model), "
+        "expert shape and dtype, in calibration.json under $FREETOKEN_CACHE (default "
+        "~/.cache/freetoken); a model whose entry is missing runs on defaults, with a warning.",
     )
-    cal.add_argument("--model", default=None, help="take the expert shape from this model")
+    cal.add_argument("--model", default=None, help="take the expert shape and dtype from this "
+                     "model (an entry is per shape and dtype)")  # fmt: skip
     positive_int = positive(int)
     cal.add_argument(
         "--hidden", type=positive_int, default=2048, help="expert input width (no --model)"

@@ -81,7 +81,9 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
         choices=POLICIES,
         help="where offloaded experts' misses run: adaptive splits them between GPU fills and "
         "the CPU by measured bandwidth; transfer fetches all, cpu runs all on the CPU, static "
-        "fixes the GPU's experts at load, resident keeps every expert on the GPU",
+        "fixes the GPU's experts at load, gpu-fill copies each layer's misses from the pinned "
+        "pool by GPU kernels (one CUDA graph a step), direct (experimental) has the MoE "
+        "kernels read misses from the pinned pool, resident keeps every expert on the GPU",
     )
     p.add_argument(
         "--gpu-budget-gb",

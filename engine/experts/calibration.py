@@ -79,12 +79,25 @@ class Calibration:
         return Bandwidths(pcie=self.pcie, cpu=self.cpu, knee=self.knee)
 
 
+def _pinned(host: torch.Tensor, otherwise: str) -> torch.Tensor:
+    """`host` page-locked; where the OS or the driver refuses (a memlock limit, a container),
+    `host` as it is, with one warning saying what the calibration does instead: it crashed
+    `freetoken calibrate` with a CUDA error, where the engine's pool falls back with a
+    warning."""
+    try:
+        return host.pin_memory()
+    except RuntimeError as e:
+        log.warning("host memory could not be pinned (%s): %s", str(e).splitlines()[0], otherwise)
+        return host
+
+
 def measure_pcie(expert_bytes: int, n: int = 64, repeats: int = 3) -> float:
     """Pinned host-to-device bandwidth in copies of one expert each."""
     if not torch.cuda.is_available():
         return Bandwidths().pcie
     elems = expert_bytes // 2
-    host = torch.empty((n, elems), dtype=torch.bfloat16).pin_memory()
+    host = _pinned(torch.empty((n, elems), dtype=torch.bfloat16), "B_P is timed from pageable "
+                   "memory, as the engine's fills would then copy")  # fmt: skip
     host.normal_()
     dev = torch.empty((n, elems), dtype=torch.bfloat16, device="cuda")
     best = 0.0
@@ -137,8 +150,13 @@ def copy_grid_rates(
 
     n = COPY_PROBE_FILLS
     n_rows = max(4 * n, COPY_PROBE_BYTES // (3 * hidden * inter * dtype.itemsize))
-    src13 = torch.empty(n_rows, 2 * inter, hidden, dtype=dtype).pin_memory()
-    src2 = torch.empty(n_rows, hidden, inter, dtype=dtype).pin_memory()
+    why = "the copy grid is not timed (the device paths that use it need pinned memory)"
+    src13 = _pinned(torch.empty(n_rows, 2 * inter, hidden, dtype=dtype), why)
+    if not src13.is_pinned():
+        return {}
+    src2 = _pinned(torch.empty(n_rows, hidden, inter, dtype=dtype), why)
+    if not src2.is_pinned():
+        return {}
     dst13 = torch.empty(n, 2 * inter, hidden, dtype=dtype, device="cuda")
     dst2 = torch.empty(n, hidden, inter, dtype=dtype, device="cuda")
     state = torch.zeros(ref.STATE, dtype=torch.int64, device="cuda")

@@ -212,7 +212,12 @@ def make_bank(
     arena = elastic_arena(spec, config, device, dtype, slots, dense)
     measured = calibration.cached(spec.hidden_size, spec.moe_intermediate_size, dtype)
     if measured is None and config.policy == "adaptive" and device.type == "cuda":
-        log.info("no bandwidth calibration for this machine yet: run `freetoken calibrate`")
+        # A warning: an entry for another shape or dtype (calibrate's default is 2048 x 768
+        # bf16) is no entry for this model, and the defaults can be far off this host's.
+        log.warning("no bandwidth calibration for this machine and expert shape (%d x %d %s): "
+                    "the q* split runs on defaults until `freetoken calibrate --model MODEL` "
+                    "measures them", spec.hidden_size, spec.moe_intermediate_size,
+                    str(dtype).removeprefix("torch."))  # fmt: skip
     bandwidths = measured.bandwidths() if measured else Bandwidths()
     stream_min = config.stream_min_tokens
     if stream_min is None:  # derived: experts/stream_threshold.py

@@ -232,3 +232,64 @@ def test_the_copy_grid_is_timed_on_the_device(rng_seed):
     assert all(1e9 < r < 1e12 for r in rates.values())
     programs, rate = calibration.measure_copy_programs(hidden, inter, torch.bfloat16)
     assert programs in COPY_PROGRAM_CHOICES and 1e9 < rate < 1e12
+
+
+def _refuse_pinning(monkeypatch) -> None:
+    """As torch fails when the driver refuses page-locked memory (a memlock limit)."""
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)\nmore lines")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
+
+
+def test_memory_that_cannot_be_pinned_is_used_as_it_is_with_one_warning(
+    monkeypatch, caplog, rng_seed
+):
+    """`freetoken calibrate` crashed with the CUDA error where pinning failed; the engine's
+    own pool falls back with a warning, and so does the calibration now."""
+    _refuse_pinning(monkeypatch)
+    host = torch.randn(random.Random(rng_seed).randint(1, 64))
+    with caplog.at_level(logging.WARNING, logger="freetoken.experts"):
+        got = calibration._pinned(host, "timed from pageable memory")
+    assert got is host and torch.equal(got, host)
+    assert len(caplog.records) == 1
+    says = caplog.records[0].getMessage()
+    assert "could not be pinned (CUDA error: out of memory (cudaHostAlloc))" in says, says
+    assert says.endswith("timed from pageable memory") and "more lines" not in says
+
+
+@pytest.mark.gpu
+def test_calibrate_runs_where_memory_cannot_be_pinned(monkeypatch, caplog):
+    """B_P timed from pageable memory, the copy grid left untimed (its device paths need
+    pinned memory), each with one warning: no CUDA error."""
+    _refuse_pinning(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="freetoken.experts"):
+        pcie = calibration.measure_pcie(3 * 1024 * 512 * 2)
+        rates = calibration.copy_grid_rates(1024, 512, torch.bfloat16)
+    print(f"pageable B_P {pcie / 1e9:.1f} GB/s")
+    assert 1e8 < pcie < 1e12 and rates == {}
+    assert sum("could not be pinned" in r.getMessage() for r in caplog.records) == 2
+
+
+@pytest.mark.gpu
+def test_a_model_without_a_calibration_entry_is_told_so(cache_dir, tmp_path, rng_seed, caplog):
+    """An entry is per machine, expert shape and dtype: a model of another shape than the one
+    calibrated ran the q* split on defaults with an INFO line nobody saw. One warning names
+    the shape; calibrated for it, none."""
+    make_tiny("qwen3_moe", tmp_path / "m", rng_seed, dtype=torch.bfloat16)
+    load = dict(device="cuda", policy="adaptive", expert_slots=2, progress=False, kv_tokens=256)
+    with caplog.at_level(logging.WARNING, logger="freetoken.experts"):
+        engine = Engine.load(tmp_path / "m", **load)
+    says = [r.getMessage() for r in caplog.records if "no bandwidth calibration" in r.getMessage()]
+    spec = engine.spec
+    assert (
+        len(says) == 1
+        and f"({spec.hidden_size} x {spec.moe_intermediate_size} bfloat16)" in says[0]
+    )
+    del engine
+    calibration.calibrate(spec.hidden_size, spec.moe_intermediate_size, torch.bfloat16)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="freetoken.experts"):
+        Engine.load(tmp_path / "m", **load)
+    assert not any("no bandwidth calibration" in r.getMessage() for r in caplog.records)
