@@ -49,7 +49,8 @@ def positive(kind: Callable[[str], float], zero: bool = False) -> Callable[[str]
     def parse(text: str) -> float:
         value = kind(text)
         if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-            raise argparse.ArgumentTypeError(f"{text} must be {'>= 0' if zero else '> 0'}")
+            bound = "a finite number " + (">= 0" if zero else "> 0")
+            raise argparse.ArgumentTypeError(f"{text} must be {bound}")
         return value
 
     parse.__name__ = kind.__name__  # argparse's "invalid int value" names it

@@ -120,3 +120,16 @@ def test_a_typed_line_that_is_not_utf8_does_not_end_the_chat(env, rng_seed):
     stderr = done.stderr.decode()
     assert done.returncode == 0, stderr
     assert stderr.count("[freetoken] ") >= 3, stderr  # the notice and two answered lines
+
+
+def test_a_size_that_is_not_a_finite_positive_number_is_refused_saying_so(rng_seed, capsys):
+    """`--max-body-mb inf` read "inf must be > 0", which it is: the refusal says finite."""
+    from freetoken_agent.cli import main
+
+    rng = random.Random(rng_seed)
+    flag = rng.choice(["--max-body-mb", "--gpu-budget-gb"])
+    value = rng.choice(["inf", "-inf", "nan", "0", f"-{rng.randint(1, 99)}"])
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", flag, value])
+    assert exited.value.code == 2
+    assert f"argument {flag}: {value} must be a finite number > 0" in capsys.readouterr().err
