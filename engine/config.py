@@ -342,4 +342,48 @@ def read_config(model_dir: str | Path) -> dict:
             f"{path}: a quantized checkpoint ({method}) is not supported; use the model's "
             "bf16 or fp16 weights"
         )
+    _resolve_auto_dtype(cfg, Path(model_dir))
     return cfg
+
+
+_STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors' names
+
+
+def _resolve_auto_dtype(cfg: dict, model_dir: Path) -> None:
+    """A config.json that names no dtype, or "auto", loads as transformers' dtype="auto" does:
+    in the dtype the weights are stored in (the float dtype holding most of their bytes). It
+    ran in float32 here: a bf16 checkpoint took twice its memory. A multimodal config's
+    text_config counts as naming one."""
+    parts = [cfg] + ([cfg["text_config"]] if isinstance(cfg.get("text_config"), dict) else [])
+    named = [c.get("dtype") or c.get("torch_dtype") for c in parts]
+    declared = next((d for d in named if d not in (None, "auto")), None)
+    if declared is not None and "auto" not in named:
+        return
+    resolved = declared or _stored_dtype(model_dir)
+    if resolved is None:
+        return  # no weights to read (a config alone): float32, as before
+    for c in parts:
+        for key in ("dtype", "torch_dtype"):
+            if c.get(key) == "auto":
+                c[key] = resolved
+    if declared is None:
+        cfg["dtype"] = resolved
+
+
+def _stored_dtype(model_dir: Path) -> str | None:
+    """The float dtype holding most bytes of the folder's safetensors files (headers only)."""
+    from freetoken_agent.engine.weights import safetensors_stream
+    from freetoken_agent.engine.weights.loader import CheckpointError, safetensors_files
+
+    try:
+        files = safetensors_files(model_dir)
+    except CheckpointError:
+        return None
+    sizes: dict[str, int] = {}
+    for path in files:
+        header, _ = safetensors_stream.read_header(path)
+        for name, entry in header.items():
+            if name != "__metadata__" and entry.get("dtype") in _STORED_DTYPES:
+                begin, end = entry["data_offsets"]
+                sizes[entry["dtype"]] = sizes.get(entry["dtype"], 0) + end - begin
+    return _STORED_DTYPES[max(sizes, key=sizes.get)] if sizes else None

@@ -442,7 +442,7 @@ def test_switches_fractions_and_counts_out_of_range_are_named(model_dir, rng_see
     cases = [
         ({switch: rng.choice(["false", "no", 0, 1, None])}, f"{switch} must be True or False"),
         ({"popular_pins": rng.choice(["0.5", True, [0.5]])}, "popular_pins must be a number"),
-        ({"expert_slots": -rng.randint(1, 9)}, "expert_slots must be at least 0"),
+        ({"expert_slots": rng.randint(-9, 0)}, "expert_slots must be at least 1"),
         ({"kv_pages": rng.randint(-3, 1)}, "kv_pages must be at least 2"),
         ({"max_model_len": rng.randint(-9, 0)}, "max_model_len must be at least 1"),
         ({"elastic_group_bytes": rng.randint(-9, 0)}, "elastic_group_bytes must be at least 1"),

@@ -92,6 +92,30 @@ def test_head_dim_and_partial_rotary_fields_read_as_in_transformers(tmp_path, rn
     assert err <= 1e-4, (family, err)
 
 
+@pytest.mark.parametrize("saved", ["bfloat16", "float16"])
+def test_a_config_naming_no_dtype_runs_in_the_stored_one(tmp_path, rng_seed, saved):
+    """transformers' dtype="auto": a config.json without a dtype, or with "auto", loads in the
+    dtype the weights are stored in; here it ran in float32 (twice a bf16 model's memory), and
+    "auto" was refused. A dtype config.json names still wins."""
+    rng = random.Random(rng_seed)
+    family = rng.choice((*FAMILIES, *HYBRID_FAMILIES))
+    make_tiny(family, tmp_path, rng_seed, dtype=getattr(torch, saved))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    ids = [rng.randrange(3, 320) for _ in range(24)]
+    given = Engine.load(tmp_path, device="cpu", dtype=saved, progress=False, kv_tokens=256)
+    for declared in (None, "auto", "float32"):
+        cfg.pop("torch_dtype", None)
+        cfg["dtype"] = declared
+        if declared is None:
+            del cfg["dtype"]
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        engine = Engine.load(tmp_path, device="cpu", progress=False, kv_tokens=256)
+        want = declared if declared == "float32" else saved
+        assert engine.stats()["dtype"] == want, (family, declared)
+        if want == saved:
+            assert torch.equal(engine.score(ids), given.score(ids)), (family, declared)
+
+
 def test_greedy_matches_transformers(tiny):
     family, hf, engine, rng = tiny
     prompt = [rng.randrange(3, 320) for _ in range(rng.randrange(5, 40))]
