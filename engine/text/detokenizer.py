@@ -35,7 +35,8 @@ any stream on byte-level BPE, always adds up exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import codecs
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
@@ -51,6 +52,35 @@ class _Decoder(Protocol):
     special_token_ids: frozenset[int]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    # Optional: `token_bytes(id)`, the bytes a token stands for (Tokenizer.token_bytes); a
+    # decoder without it never holds a prompt's last tokens back (`unfinished_tail`).
+
+
+def unfinished_tail(tokenizer: _Decoder, ids: Sequence[int]) -> tuple[int, bool]:
+    """(tokens, crossing) at the end of `ids` that hold an unfinished UTF-8 character: the
+    last `tokens` ids carry exactly its bytes, or (`crossing`) the first of them carries
+    whole characters before them too. (0, False) when the ids end on a whole character, on
+    invalid bytes or a literal U+FFFD (those stand for themselves), or the tokenizer cannot
+    say its tokens' bytes."""
+    last = list(ids[-_MAX_PARTIAL_BYTES:])
+    if not last or not tokenizer.decode(last, skip_special_tokens=False).endswith(REPLACEMENT):
+        return 0, False  # a whole character: the token table (Tokenizer.token_bytes, built
+        # on first use, ~1 s for a large vocabulary) is not needed
+    token_bytes = getattr(tokenizer, "token_bytes", None)
+    if token_bytes is None:
+        return 0, False
+    tail = [token_bytes(i) for i in last]
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(b"".join(tail), final=False)
+    unfinished = len(decoder.getstate()[0])  # a valid character's first 1-3 bytes, or none
+    covered, tokens = 0, 0
+    while covered < unfinished and tokens < len(tail):
+        tokens += 1
+        covered += len(tail[-tokens])
+    if unfinished == 0 or covered < unfinished:
+        return 0, False
+    return tokens, covered > unfinished
 
 
 class IncrementalDetokenizer:
@@ -75,11 +105,12 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens and not keep_special
         # The window ids[0:] starts with context that is already emitted (or was never meant
         # to be); ids[:read] have been emitted, ids[read:] are pending.
-        self._ids, self._read = self._window([i for i in context if i not in self._empty_ids])
-        self._prefix_text = self._decode(self._ids[: self._read])
-        # Context tokens left pending (the prompt ends inside a character) are never emitted
-        # alone: only with a generated token that completes or breaks their character.
-        self._context_only = self.pending
+        context = [i for i in context if i not in self._empty_ids]
+        self._ids, self._read, self._prefix_text, self._cut_text = self._window(context)
+        # A prompt's cut character is never emitted alone: only with a generated token that
+        # completes it (the whole character), or breaks it (then as the prompt's decode
+        # already showed it: `_cut_text`, the U+FFFD standing for it, is not the reply's).
+        self._context_only = bool(self._cut_text)
         self._parts: list[str] = []
         self._finished = False
 
@@ -110,21 +141,31 @@ class IncrementalDetokenizer:
             start -= 1
         return context[start:]
 
-    def _window(self, context: list[int]) -> tuple[list[int], int]:
-        """The decoding window the context leaves, and how many of its tokens are read. A
-        prompt of token ids may end inside a character (a reply cut by max_tokens in an
-        emoji, continued): its last pieces (at most 3) then stay pending, so the generated
-        token that completes the character emits it whole, as vLLM's stream does. Read as
-        emitted, the prefix held one U+FFFD per stray byte on byte-fallback decoders, and
-        that many of the reply's characters were cut from its first delta ("and more" for
-        "😀 and more"). The window is placed on the whole characters: a byte-fallback decoder
-        turns a whole run of byte tokens with a cut character in it into U+FFFD."""
-        for read in range(len(context), max(0, len(context) - _MAX_PARTIAL_BYTES) - 1, -1):
-            window = self._context_window(context[:read])
-            if not self._decode(window).endswith(REPLACEMENT):
-                return window + context[read:], len(window)
-        window = self._context_window(context)  # invalid bytes, not a cut character
-        return window, len(window)
+    def _window(self, context: list[int]) -> tuple[list[int], int, str, str]:
+        """The decoding window the context leaves, how many of its tokens are read, the text
+        they stand for, and the U+FFFD the prompt's decode shows for a character it cuts
+        ("" when it ends on a whole one).
+
+        A prompt of token ids may end inside a character (a reply cut by max_tokens in an
+        emoji, continued): read as emitted, the prefix held one U+FFFD per stray byte on
+        byte-fallback decoders, and that many of the reply's characters were cut from its
+        first delta ("and more" for "😀 and more"). The tokens holding just that unfinished
+        character stay pending instead, so the generated token that completes it emits it
+        whole, as vLLM's stream does; the window is placed on the whole characters before
+        them (a byte-fallback decoder turns a run of byte tokens with a cut character in it
+        into U+FFFD). A token holding whole characters and the start of the cut one (a
+        byte-level merge) is read, its U+FFFD left out of the prefix text. A context ending
+        in U+FFFD for another reason (the character itself, invalid bytes) is read as it is:
+        those stand for themselves."""
+        held, cross = unfinished_tail(self._tok, context)
+        read = len(context) - (0 if cross else held)
+        window = self._context_window(context[:read])
+        prefix = self._decode(window)
+        if cross and prefix.endswith(REPLACEMENT):
+            prefix = prefix[:-1]  # (byte-level: one U+FFFD for the unfinished bytes)
+            return window, len(window), prefix, REPLACEMENT
+        cut = self._decode(context[read:]) if held else ""
+        return window + context[read:], len(window), prefix, cut
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
@@ -144,9 +185,17 @@ class IncrementalDetokenizer:
             return self._emit_settled(new_text)
         return ""
 
+    def _past_the_cut(self, delta: str) -> str:
+        """The reply's first text without the prompt's cut character, where a generated token
+        broke it rather than completing it (the prompt's decode showed its U+FFFD)."""
+        if self._cut_text and delta.startswith(self._cut_text):
+            delta = delta[len(self._cut_text) :]
+        self._cut_text = ""
+        return delta
+
     def _emit(self, upto_text: str, upto: int) -> str:
         """Emit `upto_text` (the decode of ids[:upto]) past the prefix; the window moves on."""
-        delta = upto_text[len(self._prefix_text) :]
+        delta = self._past_the_cut(upto_text[len(self._prefix_text) :])
         # The old read offset becomes the new window start: it is decoding context only.
         # Dropping everything before it keeps memory and decode cost constant per token.
         del self._ids[: self._read]
@@ -175,7 +224,7 @@ class IncrementalDetokenizer:
         if self._context_only:  # the prompt's broken character: none of this reply's text
             return ""
         new_text = self._decode(self._ids)
-        delta = new_text[len(self._prefix_text) :]
+        delta = self._past_the_cut(new_text[len(self._prefix_text) :])
         if delta:
             self._parts.append(delta)
         return delta

@@ -7,7 +7,8 @@ The echoed text: a string prompt as it was sent; a token-id prompt decoded, spec
 text_offset is where its text starts in the echoed text, so the generated tokens' offsets
 follow from its length: for a string, the tokenizer's own offsets (a tokenizer-added bos sits
 at 0); for ids, the characters the tokens before it decode to, counted as the generated
-tokens' offsets are (the streaming detokenizer's releases). The first prompt token has no
+tokens' offsets are (the streaming detokenizer's releases); a character the prompt's ids cut
+is left to the reply (engine/text/detokenizer.py). The first prompt token has no
 log-probability (no position precedes it): null in token_logprobs and top_logprobs, as OpenAI
 wrote it (`UnscoredToken`).
 
@@ -21,7 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken_agent.engine.outputs import TokenEvent, TokenLogprob
-from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
+from freetoken_agent.engine.text.detokenizer import (
+    REPLACEMENT,
+    IncrementalDetokenizer,
+    unfinished_tail,
+)
 from freetoken_agent.integrations.openai_logprobs import UnscoredToken, with_top
 
 Entry = tuple[TokenLogprob | UnscoredToken, int]  # a token's entry and its text offset
@@ -76,4 +81,9 @@ def echoed_prompt(prompt: str | list[int], tokenizer: Any | None) -> EchoedPromp
         offsets.append(released)
         released += len(detok.push(token))
     detok.flush()
-    return EchoedPrompt(list(prompt), detok.text, offsets)
+    text = detok.text
+    held, crossing = unfinished_tail(tokenizer, prompt)
+    if held:  # a character the prompt cuts: the reply shows it (whole, when it completes it)
+        cut = 1 if crossing else len(tokenizer.decode(prompt[-held:], skip_special_tokens=False))
+        text = text.removesuffix(REPLACEMENT * cut)
+    return EchoedPrompt(list(prompt), text, offsets)

@@ -12,6 +12,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
 from freetoken_agent.demo_model import CORPUS, ensure_demo_model
 from freetoken_agent.engine.text.detokenizer import IncrementalDetokenizer
+from freetoken_agent.engine.text.token_bytes import TokenBytes
 from freetoken_agent.engine.text.tokenizer import Tokenizer
 
 PIECES = [
@@ -70,6 +71,7 @@ class SentencePieceLike:
         tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
         self.backend = tok
         self.special_token_ids = frozenset({tok.token_to_id("<s>"), tok.token_to_id("</s>")})
+        self.token_bytes = TokenBytes(tok)
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -212,6 +214,14 @@ def test_context_makes_the_first_token_decode_mid_sequence(rng_seed: int) -> Non
         stream(sp, sp.encode("a" + rand_text(rng, 8))[1:], context=prompt)
 
 
+def _kind(demo_tok: Tokenizer, kind: str):
+    """(tokenizer, encode, byte value -> the id of its single-byte token) of a kind."""
+    if kind == "byte-level":
+        return demo_tok, demo_tok.encode, byte_token_ids(demo_tok)
+    sp = SentencePieceLike()
+    return sp, sp.encode, {b: sp.backend.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+
+
 @pytest.mark.parametrize("kind", ["byte-level", "byte-fallback"])
 def test_a_prompt_ending_inside_a_character_leaves_it_to_the_reply(
     demo_tok: Tokenizer, kind: str, rng_seed: int
@@ -219,15 +229,10 @@ def test_a_prompt_ending_inside_a_character_leaves_it_to_the_reply(
     """Token-id prompts can end inside a character (a reply cut by max_tokens mid-emoji,
     continued): the reply's first delta holds the whole character, and nothing of the reply
     is lost. Read as emitted, the prompt's stray bytes (one U+FFFD each on byte-fallback
-    decoders) cut as many of the reply's characters ("and more" for "😀 and more")."""
+    decoders) cut as many of the reply's characters ("and more" for "😀 and more"). A reply
+    that breaks the character instead does not repeat the U+FFFD the prompt showed for it."""
     rng = random.Random(rng_seed)
-    if kind == "byte-level":
-        tok, encode = demo_tok, demo_tok.encode
-        byte_ids = byte_token_ids(demo_tok)
-    else:
-        sp = SentencePieceLike()
-        tok, encode = sp, sp.encode
-        byte_ids = {b: sp.backend.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    tok, encode, byte_ids = _kind(demo_tok, kind)
     for _ in range(100):
         char = rng.choice(["🙂", "你", "é", "🚀", "Ω", "𝔘"])
         raw = [byte_ids[b] for b in char.encode()]
@@ -236,24 +241,80 @@ def test_a_prompt_ending_inside_a_character_leaves_it_to_the_reply(
         whole = encode(before)  # the prompt's whole characters
         context = whole + raw[:cut]
         reply = raw[cut:] + (encode("a" + after)[1:] if after else [])
-        if rng.random() < 0.2:  # a token that breaks the character instead of completing it
+        completes = rng.random() >= 0.2
+        if not completes:  # a token that breaks the character instead of completing it
             reply = encode("a" + after)[1:] or encode("a")
         detok = IncrementalDetokenizer(tok, context=context)
         text = "".join(detok.push(t) for t in reply) + detok.flush()
         if all(t in tok.special_token_ids for t in reply):  # nothing shown: the prompt's
             assert text == "", text  # broken character is not the reply's text
             continue
-        # The same as a stream given the character's first bytes as reply tokens
+        # The same as a stream given the character's first bytes as reply tokens, less the
+        # U+FFFD the prompt showed for a character the reply breaks
         alike = IncrementalDetokenizer(tok, context=whole)
-        assert text == "".join(alike.push(t) for t in raw[:cut] + reply) + alike.flush()
-        full = tok.decode(whole + raw[:cut] + reply)
-        completes = reply[: len(raw) - cut] == raw[cut:]
-        if completes or kind == "byte-level":  # (byte-fallback decoders turn a whole run of
-            # byte tokens with invalid bytes into U+FFFD: the module's limit)
-            assert text == full[len(tok.decode(whole)) :], (before, char, cut, after, text)
-            assert text.startswith(char if completes else "\ufffd")
+        alike_text = "".join(alike.push(t) for t in raw[:cut] + reply) + alike.flush()
+        shown = "" if completes else tok.decode(raw[:cut])
+        assert alike_text == shown + text, (before, char, cut, after, text)
+        if completes:
+            full = tok.decode(whole + raw + reply[len(raw) - cut :])
+            assert text == full[len(tok.decode(whole)) :] and text.startswith(char)
+        elif kind == "byte-level":  # (byte-fallback decoders turn a whole run of byte
+            # tokens with invalid bytes into U+FFFD: the module's limit)
+            full = tok.decode(context + reply)
+            assert text == full[len(tok.decode(context)) :], (before, char, cut, after, text)
     detok = IncrementalDetokenizer(tok, context=encode("ka") + raw[:cut])
     assert detok.flush() == ""  # no reply: the prompt's broken character is not its text
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "byte-fallback"])
+def test_a_prompt_ending_in_replacement_or_invalid_bytes_is_read_as_it_is(
+    demo_tok: Tokenizer, kind: str, rng_seed: int
+) -> None:
+    """A U+FFFD the prompt holds, or bytes no character starts with, stand for themselves:
+    the reply is what decoding the whole adds to the prompt's decode (holding them back as
+    a cut character put U+FFFD at the start of the reply)."""
+    rng = random.Random(rng_seed)
+    tok, encode, byte_ids = _kind(demo_tok, kind)
+    for _ in range(60):
+        before = rand_text(rng, rng.randint(1, 4))
+        stray = rng.choice([[rng.randrange(0x80, 0xC0)] * rng.randint(1, 3),
+                            [rng.choice([0xC0, 0xC1, 0xFF, 0xF8])]])  # fmt: skip
+        tail = rng.choice(
+            [encode(before + "\ufffd"), encode(before) + [byte_ids[b] for b in stray]]
+        )
+        # ASCII words: no byte token of the reply joins the prompt's run of them (a
+        # byte-fallback decoder turns a whole run with invalid bytes into U+FFFD)
+        words = " ".join(rng.choice(["hello", "world", "def", "x"]) for _ in range(3))
+        reply = encode("a " + words)[1:]
+        detok = IncrementalDetokenizer(tok, context=tail)
+        text = "".join(detok.push(t) for t in reply) + detok.flush()
+        full = tok.decode(tail + reply)
+        assert text == full[len(tok.decode(tail)) :], (tail, reply, text)
+
+
+class CrossingVocab:
+    """A byte-level vocabulary with a token crossing a character boundary (byte-level BPE
+    merges inside runs of CJK letters): 好 + the first byte of 你."""
+
+    special_token_ids = frozenset({0})
+    PIECES = {0: b"", 1: b"hello ", 2: "好".encode() + "你".encode()[:1],
+              3: "你".encode()[1:], 4: b" there", 5: "好".encode()}  # fmt: skip
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", "replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.PIECES[token_id]
+
+
+def test_a_prompt_token_crossing_into_a_cut_character_is_not_repeated() -> None:
+    """The prompt ends on a token holding 好 and the first byte of 你: a reply completing 你
+    starts with 你 (holding that token back emitted 好 again); one breaking it shows no
+    U+FFFD of the prompt's; no reply shows nothing."""
+    tok = CrossingVocab()
+    for reply, want in (([3, 4], "你 there"), ([4], " there"), ([0], "")):
+        detok = IncrementalDetokenizer(tok, context=[1, 2])
+        assert "".join(detok.push(t) for t in reply) + detok.flush() == want, reply
 
 
 def test_flush_ends_the_stream(demo_tok: Tokenizer) -> None:

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.engine.text.detokenizer import unfinished_tail
 
 URL = "/v1/completions"
 TOL = 1e-5  # the same computation as the reference's, in the same shapes
@@ -76,7 +77,11 @@ def _ids_and_text(tokenizer, prompt: str | list[int]) -> tuple[list[int], str]:
     with their special tokens)."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=True), prompt
-    return prompt, tokenizer.decode(prompt, skip_special_tokens=False)
+    text = tokenizer.decode(prompt, skip_special_tokens=False)
+    if unfinished_tail(tokenizer, prompt)[0]:  # ids that cut a character: the reply shows
+        assert text.endswith("\ufffd")  # it (whole, when it completes it), not the echo
+        text = text[:-1]  # (a byte-level decode shows a cut character as one U+FFFD)
+    return prompt, text
 
 
 @pytest.mark.parametrize("kind", ["words", "ids", "random ids"])
@@ -209,6 +214,24 @@ def test_every_choice_echoes_its_prompt(client, read_sse, rng_seed, stream):
     for i in range(n):
         assert texts[i].startswith(prompt), (i, texts[i])
         assert len(tokens[i]) > n_prompt and nulls[i][:1] == [True] and not any(nulls[i][1:])
+
+
+def test_an_echoed_prompt_that_cuts_a_character_leaves_it_to_the_reply(client, read_sse, rng_seed):
+    """Token ids ending one byte short of a character, echoed, the reply forced to complete
+    it: the echo showed it as U+FFFD and the reply showed it again; now the echo holds the
+    whole characters and the reply the completed one, whole, streamed or not."""
+    rng = random.Random(rng_seed)
+    tokenizer = client.app.state.server.service.tokenizer
+    char = rng.choice(["🙂", "你", "é", "🚀"])
+    words = _words(rng, rng.randint(1, 4))
+    by_byte = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}
+    pieces = [by_byte[bytes([b])] for b in char.encode()]  # one byte token a byte
+    prompt = tokenizer.encode(words) + pieces[:-1]
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True,
+            "logit_bias": {str(pieces[-1]): 100}}  # fmt: skip
+    whole = client.post(URL, json=body).json()["choices"][0]["text"]
+    streamed = "".join(c["text"] for c in _stream(client, body, read_sse))
+    assert whole == streamed == words + char, (whole, streamed)
 
 
 @pytest.mark.parametrize("bad", [-1, 2**40, None])
