@@ -272,6 +272,12 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
                                 f"tensor {name} has shape {tuple(part.shape)}, "
                                 f"the bank expects {tuple(view.shape)}"
                             )
+                        if filled[slot.bank][slot.lid] & slot.part:  # two layouts of it:
+                            raise CheckpointError(  # the one read last won, silently
+                                f"tensor {name} writes expert row {slot.lid} of bank "
+                                f"{slot.bank}, which another tensor of {src} wrote: keep one "
+                                "layout of the experts"
+                            )
                         view.copy_(part)
                         filled[slot.bank][slot.lid] |= slot.part
         missing = [

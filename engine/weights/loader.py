@@ -205,7 +205,7 @@ def load_safetensors(
     if experts_elsewhere:
         plan.targets = {n: t for n, t in plan.targets.items() if t[0] == "dense"}
         plan.requirements = {r: n for r, n in plan.requirements.items() if r[0] == "dense"}
-    met: set[tuple] = set()
+    met: dict[tuple, str] = {}  # each weight filled -> the tensor that filled it
     unexpected: list[str] = []
     seen: dict[str, Path] = {}  # name -> the file it came from
     total = sum(f.stat().st_size for f in files)
@@ -229,12 +229,17 @@ def load_safetensors(
             tensor = _read(path, handle.get_tensor, name)  # outside `_stream`'s `opened`
             kind, payload = target
             if kind == "fused":
-                met.update(_load_fused(name, tensor, payload, spec, bank))
+                filled = _load_fused(name, tensor, payload, spec, bank)
             else:
                 dst = _view(kind, payload, params, bank)
                 _check_shape(name, tensor, tuple(dst.shape), path)
                 dst.copy_(tensor)
-                met.add((kind, *payload))
+                filled = [(kind, *payload)]
+            for key in filled:  # two layouts of one weight (a family's names in both forms):
+                if key in met:  # the one read last won, silently
+                    raise CheckpointError(f"tensors {met[key]} and {name} in {model_dir} "
+                                          "hold the same weights: keep one layout")  # fmt: skip
+                met[key] = name
             bar.update(tensor.numel() * tensor.element_size())
     if unexpected:
         raise CheckpointError(

@@ -186,3 +186,29 @@ def test_a_stray_safetensors_file_beside_model_safetensors_is_not_read(tmp_path,
     (tmp_path / "m" / "model.safetensors").rename(tmp_path / "m" / "model-a.safetensors")
     with pytest.raises(CheckpointError, match="is in two files of"):
         _load(tmp_path / "m")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_checkpoint_holding_experts_in_two_layouts_is_refused(tmp_path, rng_seed, family):
+    """Per-expert tensors and transformers 5's fused ones for the same layer (two saves mixed
+    up): whichever was read last filled the weights, silently. The load and convert refuse
+    it, naming the tensors."""
+    from safetensors.torch import load_file, save_file
+
+    rng = random.Random(rng_seed)
+    first = make_tiny(family, tmp_path / "m", rng_seed)
+    first.save_pretrained(tmp_path / "own", save_original_format=False)
+    layer = rng.randrange(first.config.num_hidden_layers)
+    if family == "qwen3_moe":  # (its dense layers have no experts)
+        layer = rng.choice([i for i in range(first.config.num_hidden_layers)
+                            if i not in first.config.mlp_only_layers])  # fmt: skip
+    fused = {n: t for n, t in load_file(tmp_path / "own" / "model.safetensors").items()
+             if n.startswith(f"model.layers.{layer}.mlp.experts.")}  # fmt: skip
+    assert fused, "no fused experts in transformers' own layout"
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    state.update({n: t + 1 for n, t in fused.items()})  # other values than the per-expert
+    save_file(state, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="hold the same weights: keep one layout"):
+        Engine.load(tmp_path / "m", device="cpu", progress=False, kv_tokens=256)
+    with pytest.raises(CheckpointError, match="which another tensor of .* wrote"):
+        ftw.convert(tmp_path / "m", tmp_path / "out", progress=False)
