@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -240,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.budget_gb is None:
         args.budget_gb = PEER_BUDGET_GB if args.layers == PEER_LAYERS else 32.0
-    elif not args.budget_gb > 0:
-        parser.error(f"--budget-gb must be positive, got {args.budget_gb}")
+    elif not (math.isfinite(args.budget_gb) and args.budget_gb > 0):
+        parser.error(f"--budget-gb must be a finite number > 0, got {args.budget_gb}")
     if args.hold_share is not None:
         if args.adaptive_path != "shared":
             parser.error("--hold-share holds the shared path's share: give --adaptive-path shared")
