@@ -183,6 +183,7 @@ class Engine:
         use_prefix_cache: bool = True,
         anchors: Sequence[int] = (),
         anchor_tokens: Sequence[int] = (),
+        prompt_echoed: bool = False,
         _score: bool = False,
     ) -> str:
         """Queue a request; returns its id. Bad input raises InvalidRequestError here, before
@@ -193,6 +194,10 @@ class Engine:
         anchors: the state after prompt[:a]) where prefilling checkpoints the recurrent state,
         and `anchor_tokens` generated tokens before which decoding does; later requests
         sharing a prefix resume from the deepest checkpoint in it (EngineConfig.checkpoints).
+
+        `prompt_echoed`: the caller shows the prompt's text before the reply (the legacy
+        completions' echo) and leaves a character the prompt's ids cut to the reply, which
+        then shows it whole when completed, else as U+FFFD (engine/text/detokenizer.py).
 
         Driven by hand (step, then take_events), the request stays in the engine's tables
         once finished until `release(request_id)`."""
@@ -208,6 +213,7 @@ class Engine:
             anchors=anchors,
             anchor_tokens=anchor_tokens,
             score=_score,
+            prompt_echoed=prompt_echoed,
         )
         if req.sampling.constraint is not None and not _score:
             self.grammars.add(request_id, req.sampling.constraint)

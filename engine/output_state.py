@@ -31,6 +31,7 @@ class OutputState:
         keep_special: frozenset[int] = frozenset(),
         min_tokens: int = 0,
         include_stop: bool = False,
+        show_cut: bool = False,
     ) -> None:
         """`context`: the prompt's ids, so that the first generated token decodes as it does
         after them (SentencePiece decoders drop a word's leading space at the start of a
@@ -38,9 +39,12 @@ class OutputState:
         tokens kept in the text, the others being skipped (the parsers' markers, which the
         engine picks: engine/text/markers.py). `min_tokens`: the tokens pushed before stop
         strings count (SamplingParams.min_tokens). `include_stop`: the stop string stays in the
-        text (SamplingParams.include_stop_str_in_output)."""
+        text (SamplingParams.include_stop_str_in_output). `show_cut`: a character the prompt's
+        ids cut is the reply's to show, even broken (Engine.submit's `prompt_echoed`)."""
         self.detok = (
-            IncrementalDetokenizer(tokenizer, context=context, keep_special=keep_special)
+            IncrementalDetokenizer(
+                tokenizer, context=context, keep_special=keep_special, show_cut=show_cut
+            )
             if tokenizer is not None
             else None
         )

@@ -45,6 +45,7 @@ class RequestIntake:
         anchors: Sequence[int],
         anchor_tokens: Sequence[int],
         score: bool,
+        prompt_echoed: bool = False,
     ) -> tuple[Request, OutputState]:
         """The request and its output state; raises InvalidRequestError (or a subclass) for
         bad input. `score`: logits at every position, nothing sampled (Engine.score)."""
@@ -83,6 +84,7 @@ class RequestIntake:
             keep_special=self.kept_specials,
             min_tokens=sampling.min_tokens,
             include_stop=sampling.include_stop_str_in_output,
+            show_cut=prompt_echoed,
         )
         return req, output
 

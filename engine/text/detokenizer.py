@@ -64,7 +64,9 @@ def unfinished_tail(tokenizer: _Decoder, ids: Sequence[int]) -> tuple[int, bool]
     invalid bytes or a literal U+FFFD (those stand for themselves), or the tokenizer cannot
     say its tokens' bytes."""
     last = list(ids[-_MAX_PARTIAL_BYTES:])
-    if not last or not tokenizer.decode(last, skip_special_tokens=False).endswith(REPLACEMENT):
+    # (one token more: a whole 4-byte character's last 3 bytes alone decode to U+FFFD)
+    probe = list(ids[-_MAX_PARTIAL_BYTES - 1 :])
+    if not last or not tokenizer.decode(probe, skip_special_tokens=False).endswith(REPLACEMENT):
         return 0, False  # a whole character: the token table (Tokenizer.token_bytes, built
         # on first use, ~1 s for a large vocabulary) is not needed
     token_bytes = getattr(tokenizer, "token_bytes", None)
@@ -94,8 +96,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         context: Iterable[int] = (),
         keep_special: frozenset[int] = frozenset(),
+        show_cut: bool = False,
     ) -> None:
         self._tok = tokenizer
+        self._show_cut = show_cut
         # Tokens that decode to nothing: dropped on arrival, so the window never holds one.
         self._empty_ids = (
             tokenizer.special_token_ids - keep_special if skip_special_tokens else frozenset()
@@ -105,11 +109,17 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens and not keep_special
         # The window ids[0:] starts with context that is already emitted (or was never meant
         # to be); ids[:read] have been emitted, ids[read:] are pending.
+        context = list(context)
+        # Judged on the context as sent: a skipped special token after the cut bytes ends
+        # the character there, as the echo of the same ids reads it (echo.py)
+        tail = unfinished_tail(tokenizer, context)
         context = [i for i in context if i not in self._empty_ids]
-        self._ids, self._read, self._prefix_text, self._cut_text = self._window(context)
+        self._ids, self._read, self._prefix_text, self._cut_text = self._window(context, *tail)
         # A prompt's cut character is never emitted alone: only with a generated token that
         # completes it (the whole character), or breaks it (then as the prompt's decode
         # already showed it: `_cut_text`, the U+FFFD standing for it, is not the reply's).
+        # `show_cut`: the reader saw the prompt without it (the legacy completions' echo),
+        # so the reply shows it in all cases: whole, or as U+FFFD (at the end, if no token).
         self._context_only = bool(self._cut_text)
         self._parts: list[str] = []
         self._finished = False
@@ -141,7 +151,9 @@ class IncrementalDetokenizer:
             start -= 1
         return context[start:]
 
-    def _window(self, context: list[int]) -> tuple[list[int], int, str, str]:
+    def _window(
+        self, context: list[int], held: int, cross: bool
+    ) -> tuple[list[int], int, str, str]:
         """The decoding window the context leaves, how many of its tokens are read, the text
         they stand for, and the U+FFFD the prompt's decode shows for a character it cuts
         ("" when it ends on a whole one).
@@ -157,7 +169,6 @@ class IncrementalDetokenizer:
         byte-level merge) is read, its U+FFFD left out of the prefix text. A context ending
         in U+FFFD for another reason (the character itself, invalid bytes) is read as it is:
         those stand for themselves."""
-        held, cross = unfinished_tail(self._tok, context)
         read = len(context) - (0 if cross else held)
         window = self._context_window(context[:read])
         prefix = self._decode(window)
@@ -188,7 +199,7 @@ class IncrementalDetokenizer:
     def _past_the_cut(self, delta: str) -> str:
         """The reply's first text without the prompt's cut character, where a generated token
         broke it rather than completing it (the prompt's decode showed its U+FFFD)."""
-        if self._cut_text and delta.startswith(self._cut_text):
+        if self._cut_text and delta.startswith(self._cut_text) and not self._show_cut:
             delta = delta[len(self._cut_text) :]
         self._cut_text = ""
         return delta
@@ -221,8 +232,11 @@ class IncrementalDetokenizer:
         if self._finished:
             return ""
         self._finished = True
-        if self._context_only:  # the prompt's broken character: none of this reply's text
-            return ""
+        if self._context_only:  # the prompt's cut character, and no token after it
+            delta, self._cut_text = (self._cut_text if self._show_cut else ""), ""
+            if delta:
+                self._parts.append(delta)
+            return delta
         new_text = self._decode(self._ids)
         delta = self._past_the_cut(new_text[len(self._prefix_text) :])
         if delta:

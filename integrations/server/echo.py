@@ -66,24 +66,31 @@ class EchoedPrompt:
         return Echo(self.text, written)
 
 
-def echoed_prompt(prompt: str | list[int], tokenizer: Any | None) -> EchoedPrompt:
+def echoed_prompt(
+    prompt: str | list[int], tokenizer: Any | None, leave_cut: bool = True
+) -> EchoedPrompt:
     """The prompt's ids (as TextRun submits them), echoed text and offsets. A string needs the
     tokenizer (the caller has refused it without one); ids without one echo as "" (the engine
-    gives no text then either)."""
+    gives no text then either). `leave_cut`: a character the ids cut is left to the reply
+    (submitted with Engine.submit's `prompt_echoed`, which shows it whole or as U+FFFD); not
+    when nothing is generated (max_tokens 0), where the echo shows it as the decode does."""
     if isinstance(prompt, str):
         ids, offsets = tokenizer.encode_with_offsets(prompt, add_special_tokens=True)
         return EchoedPrompt(ids, prompt, offsets)
     if tokenizer is None:
         return EchoedPrompt(list(prompt), "", [0] * len(prompt))
+    held, crossing = unfinished_tail(tokenizer, prompt) if leave_cut else (0, False)
+    # The cut character's tokens are not decoded here (a byte-fallback decoder would show
+    # the whole run of byte tokens before them as U+FFFD); they point at the echo's end.
+    shown = prompt[: len(prompt) - held] if held and not crossing else prompt
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
     offsets, released = [], 0
-    for token in prompt:
+    for token in shown:
         offsets.append(released)
         released += len(detok.push(token))
     detok.flush()
     text = detok.text
-    held, crossing = unfinished_tail(tokenizer, prompt)
-    if held:  # a character the prompt cuts: the reply shows it (whole, when it completes it)
-        cut = 1 if crossing else len(tokenizer.decode(prompt[-held:], skip_special_tokens=False))
-        text = text.removesuffix(REPLACEMENT * cut)
+    if crossing:  # a token of whole characters and the cut one's start: its U+FFFD (one, a
+        text = text.removesuffix(REPLACEMENT)  # byte-level decode's) is the reply's
+    offsets += [len(text)] * (len(prompt) - len(shown))
     return EchoedPrompt(list(prompt), text, offsets)

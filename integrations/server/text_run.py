@@ -113,7 +113,8 @@ class TextRun:
                     raise BadParam(
                         f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
                     )
-            self._echoed = echoed_prompt(self.prompt, tokenizer)
+            generates = self.sampling.max_tokens != 0  # (nothing after the echo: it shows all)
+            self._echoed = echoed_prompt(self.prompt, tokenizer, leave_cut=generates)
             return self._echoed.ids
         if isinstance(self.prompt, list):
             return self.prompt
@@ -142,6 +143,7 @@ class TextRun:
             self._sink = deliver
             try:
                 self._request_id = self.service.submit(ids, self.sampling, deliver,
+                                                       prompt_echoed=self.echo,
                                                        **self._anchors(ids))  # fmt: skip
             except InvalidRequestError as e:
                 raise _named(e) from None

@@ -255,6 +255,9 @@ def test_a_prompt_ending_inside_a_character_leaves_it_to_the_reply(
         alike_text = "".join(alike.push(t) for t in raw[:cut] + reply) + alike.flush()
         shown = "" if completes else tok.decode(raw[:cut])
         assert alike_text == shown + text, (before, char, cut, after, text)
+        # Shown by the reply in every case (the legacy completions' echo left it out)
+        echoed = IncrementalDetokenizer(tok, context=context, show_cut=True)
+        assert "".join(echoed.push(t) for t in reply) + echoed.flush() == alike_text
         if completes:
             full = tok.decode(whole + raw + reply[len(raw) - cut :])
             assert text == full[len(tok.decode(whole)) :] and text.startswith(char)
@@ -264,6 +267,15 @@ def test_a_prompt_ending_inside_a_character_leaves_it_to_the_reply(
             assert text == full[len(tok.decode(context)) :], (before, char, cut, after, text)
     detok = IncrementalDetokenizer(tok, context=encode("ka") + raw[:cut])
     assert detok.flush() == ""  # no reply: the prompt's broken character is not its text
+    echoed = IncrementalDetokenizer(tok, context=encode("ka") + raw[:cut], show_cut=True)
+    assert echoed.flush() == tok.decode(raw[:cut])  # ... unless the reply is to show it
+    # A skipped special token after the cut bytes: not a cut at the prompt's end (as the
+    # echo reads the same ids), so read as before this rule: decode(all) past decode(prompt)
+    special = min(tok.special_token_ids)
+    context = encode("ka") + raw[:cut] + [special]
+    detok = IncrementalDetokenizer(tok, context=context)
+    text = "".join(detok.push(t) for t in raw[cut:]) + detok.flush()
+    assert text == tok.decode(context + raw[cut:])[len(tok.decode(context)) :], text
 
 
 @pytest.mark.parametrize("kind", ["byte-level", "byte-fallback"])
@@ -305,6 +317,39 @@ class CrossingVocab:
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.PIECES[token_id]
+
+
+class CountingBytes:
+    """A tokenizer that counts the calls for its token table (built on first use, ~1 s for a
+    large vocabulary)."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.special_token_ids, self.asked = tok, tok.special_token_ids, 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def token_bytes(self):
+        self.asked += 1
+        return self.tok.token_bytes
+
+
+def test_the_token_table_is_asked_only_for_a_prompt_ending_in_u_fffd(
+    demo_tok: Tokenizer, rng_seed: int
+) -> None:
+    """Whole characters at a prompt's end, 4-byte ones split into byte tokens included (their
+    last 3 bytes alone decode to U+FFFD), never build the token table."""
+    rng = random.Random(rng_seed)
+    byte_ids = byte_token_ids(demo_tok)
+    counting = CountingBytes(demo_tok)
+    for _ in range(50):
+        char = rng.choice(["🙂", "𝔘", "你", "é", "a"])
+        context = demo_tok.encode(rand_text(rng, 3)) + [byte_ids[b] for b in char.encode()]
+        IncrementalDetokenizer(counting, context=context)
+    assert counting.asked == 0
+    IncrementalDetokenizer(counting, context=[byte_ids[0xF0], byte_ids[0x9F]])
+    assert counting.asked == 1
 
 
 def test_a_prompt_token_crossing_into_a_cut_character_is_not_repeated() -> None:

@@ -41,14 +41,14 @@ def _prompt(rng: random.Random, kind: str, tokenizer, vocab: int) -> str | list[
     return [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
 
 
-def _reference(model_dir, ids: list[int], sp: SamplingParams) -> SimpleNamespace:
+def _reference(model_dir, ids: list[int], sp: SamplingParams, **options) -> SimpleNamespace:
     """The request on a fresh engine: its tokens, text, entries, and each generated token's
     offset in the generated text (the characters the events before it released)."""
     engine = Engine.load(
         model_dir, device="cpu", progress=False, kv_tokens=4096, max_model_len=1024
     )
     try:
-        events = list(engine.stream(ids, sp))
+        events = list(engine.stream(ids, sp, **options))
     finally:
         engine.close()
     tokens = [e for e in events if e.token_id is not None]
@@ -72,15 +72,15 @@ def _stream(client, body: dict, read_sse) -> list[dict]:
     return [e["choices"][0] for e in events[:-1] if e["choices"]]
 
 
-def _ids_and_text(tokenizer, prompt: str | list[int]) -> tuple[list[int], str]:
+def _ids_and_text(tokenizer, prompt: str | list[int], generates: bool) -> tuple[list[int], str]:
     """What the prompt is submitted as, and its echoed text (a string as sent, ids decoded
-    with their special tokens)."""
+    with their special tokens; a character the ids cut left to the reply, if there is one)."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=True), prompt
     text = tokenizer.decode(prompt, skip_special_tokens=False)
-    if unfinished_tail(tokenizer, prompt)[0]:  # ids that cut a character: the reply shows
-        assert text.endswith("\ufffd")  # it (whole, when it completes it), not the echo
-        text = text[:-1]  # (a byte-level decode shows a cut character as one U+FFFD)
+    if generates and unfinished_tail(tokenizer, prompt)[0]:
+        assert text.endswith("\ufffd")  # (a byte-level decode shows it as one U+FFFD)
+        text = text[:-1]
     return prompt, text
 
 
@@ -97,9 +97,9 @@ def test_echo_puts_the_prompt_first_whole_and_streamed(
     tokenizer = client.app.state.server.service.tokenizer
     vocab = client.app.state.server.service.spec.vocab_size
     prompt = _prompt(rng, kind, tokenizer, vocab)
-    ids, echoed = _ids_and_text(tokenizer, prompt)
     k = None if logprobs is None else rng.randint(0, 5)
     max_tokens = rng.randint(0, 6)
+    ids, echoed = _ids_and_text(tokenizer, prompt, max_tokens > 0)
     body = {"prompt": rng.choice([prompt, [prompt]]), "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "echo": True,
             **({} if k is None else {"logprobs": k})}  # fmt: skip
@@ -109,7 +109,7 @@ def test_echo_puts_the_prompt_first_whole_and_streamed(
     asks_prompt = k is not None or max_tokens == 0  # what the server asks the engine for
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=k,
                         prompt_logprobs=(k or 0) if asks_prompt else None)  # fmt: skip
-    ref = _reference(model_dir, ids, sp)
+    ref = _reference(model_dir, ids, sp, prompt_echoed=True)
     assert choice["text"] == echoed + ref.text, rng_seed
     assert choice["finish_reason"] == ref.finish_reason == "length", rng_seed
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), max_tokens)
@@ -216,10 +216,14 @@ def test_every_choice_echoes_its_prompt(client, read_sse, rng_seed, stream):
         assert len(tokens[i]) > n_prompt and nulls[i][:1] == [True] and not any(nulls[i][1:])
 
 
-def test_an_echoed_prompt_that_cuts_a_character_leaves_it_to_the_reply(client, read_sse, rng_seed):
-    """Token ids ending one byte short of a character, echoed, the reply forced to complete
-    it: the echo showed it as U+FFFD and the reply showed it again; now the echo holds the
-    whole characters and the reply the completed one, whole, streamed or not."""
+@pytest.mark.parametrize("reply", ["completes", "breaks", "none"])
+def test_an_echoed_prompt_that_cuts_a_character_reads_as_the_whole_text(
+    client, read_sse, rng_seed, reply
+):
+    """Token ids ending one byte short of a character, echoed: echo and reply read as the
+    decode of prompt and reply together, streamed or not. The echo showed the character as
+    U+FFFD and a reply completing it showed it again; the echo now leaves it to the reply,
+    which shows it whole, or as U+FFFD where it breaks it; with max_tokens 0, the echo."""
     rng = random.Random(rng_seed)
     tokenizer = client.app.state.server.service.tokenizer
     char = rng.choice(["🙂", "你", "é", "🚀"])
@@ -227,11 +231,15 @@ def test_an_echoed_prompt_that_cuts_a_character_leaves_it_to_the_reply(client, r
     by_byte = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}
     pieces = [by_byte[bytes([b])] for b in char.encode()]  # one byte token a byte
     prompt = tokenizer.encode(words) + pieces[:-1]
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True,
-            "logit_bias": {str(pieces[-1]): 100}}  # fmt: skip
+    forced = pieces[-1] if reply == "completes" else tokenizer.encode(" " + _words(rng, 1))[0]
+    body = {"prompt": prompt, "max_tokens": 0 if reply == "none" else 1, "temperature": 0,
+            "echo": True, "logit_bias": {str(forced): 100}}  # fmt: skip
     whole = client.post(URL, json=body).json()["choices"][0]["text"]
     streamed = "".join(c["text"] for c in _stream(client, body, read_sse))
-    assert whole == streamed == words + char, (whole, streamed)
+    generated = [] if reply == "none" else [forced]
+    assert whole == streamed == tokenizer.decode(prompt + generated), (whole, streamed)
+    if reply == "completes":
+        assert whole == words + char
 
 
 @pytest.mark.parametrize("bad", [-1, 2**40, None])
