@@ -79,7 +79,9 @@ class OutputState:
         """Cut the text before the first stop string that ends past `before` (the text's
         length before what was just added) and set `stopped`; whether one did. Not while no
         more than min_tokens tokens were pushed (the text they added is never searched again)."""
-        if not self.stop or self.pushed <= self.min_tokens:
+        # (with min_tokens 0, text a final flush brings before any token was pushed too: a
+        # prompt's cut character the reply shows, Engine.submit's prompt_echoed)
+        if not self.stop or (self.min_tokens and self.pushed <= self.min_tokens):
             return False
         # A stop string s can start up to len(s) - 1 characters before the new text.
         found = (self.text.find(s, max(0, before - len(s) + 1)) for s in self.stop)

@@ -109,11 +109,18 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens and not keep_special
         # The window ids[0:] starts with context that is already emitted (or was never meant
         # to be); ids[:read] have been emitted, ids[read:] are pending.
-        context = list(context)
+        sent = list(context)
         # Judged on the context as sent: a skipped special token after the cut bytes ends
         # the character there, as the echo of the same ids reads it (echo.py)
-        tail = unfinished_tail(tokenizer, context)
-        context = [i for i in context if i not in self._empty_ids]
+        tail = unfinished_tail(tokenizer, sent)
+        context = [i for i in sent if i not in self._empty_ids]
+        if tail[0] == 0 and len(context) < len(sent):
+            # ... so those bytes leave the window: joined to the reply's across the dropped
+            # special, they made a character the prefix text counted as U+FFFD, and the
+            # reply's first character vanished
+            ended, crossing = unfinished_tail(tokenizer, context)
+            if ended and not crossing:
+                context = context[:-ended]
         self._ids, self._read, self._prefix_text, self._cut_text = self._window(context, *tail)
         # A prompt's cut character is never emitted alone: only with a generated token that
         # completes it (the whole character), or breaks it (then as the prompt's decode

@@ -143,10 +143,14 @@ class TextRun:
             self._sink = deliver
             try:
                 self._request_id = self.service.submit(ids, self.sampling, deliver,
-                                                       prompt_echoed=self.echo,
-                                                       **self._anchors(ids))  # fmt: skip
+                                                       **self._options(ids))  # fmt: skip
             except InvalidRequestError as e:
                 raise _named(e) from None
+
+    def _options(self, ids: list[int]) -> dict:
+        """Engine.submit's options beyond the prompt and sampling, only those that apply: with
+        echo, `prompt_echoed` (a character the ids cut is the reply's to show)."""
+        return {**({"prompt_echoed": True} if self.echo else {}), **self._anchors(ids)}
 
     def _anchors(self, ids: list[int]) -> dict:
         """For choices sharing the prompt on a hybrid model: `shared_prompt_anchors`.

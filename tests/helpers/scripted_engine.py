@@ -32,7 +32,7 @@ class ScriptedEngine:
         self.submitted = 0
         self.finished = 0
 
-    def submit(self, prompt, sampling) -> str:
+    def submit(self, prompt, sampling, **options) -> str:  # (options: as Engine's, unused)
         rid = f"s{self.submitted}"
         self.submitted += 1
         self.prompts.append(list(prompt))

@@ -269,13 +269,17 @@ def test_a_prompt_ending_inside_a_character_leaves_it_to_the_reply(
     assert detok.flush() == ""  # no reply: the prompt's broken character is not its text
     echoed = IncrementalDetokenizer(tok, context=encode("ka") + raw[:cut], show_cut=True)
     assert echoed.flush() == tok.decode(raw[:cut])  # ... unless the reply is to show it
-    # A skipped special token after the cut bytes: not a cut at the prompt's end (as the
-    # echo reads the same ids), so read as before this rule: decode(all) past decode(prompt)
+    # A skipped special token after the cut bytes ends the character there (as the echo
+    # reads the same ids): the reply's bytes are read on their own, as a decode that keeps
+    # the special reads them (joined across it, the reply's character vanished)
     special = min(tok.special_token_ids)
     context = encode("ka") + raw[:cut] + [special]
-    detok = IncrementalDetokenizer(tok, context=context)
-    text = "".join(detok.push(t) for t in raw[cut:]) + detok.flush()
-    assert text == tok.decode(context + raw[cut:])[len(tok.decode(context)) :], text
+    for show_cut in (False, True):
+        detok = IncrementalDetokenizer(tok, context=context, show_cut=show_cut)
+        text = "".join(detok.push(t) for t in raw[cut:]) + detok.flush()
+        kept = tok.decode(context, skip_special_tokens=False)
+        assert text == tok.decode(context + raw[cut:], skip_special_tokens=False)[len(kept) :]
+        assert text and set(text) == {"\ufffd"}, text
 
 
 @pytest.mark.parametrize("kind", ["byte-level", "byte-fallback"])

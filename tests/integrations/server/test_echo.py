@@ -242,6 +242,28 @@ def test_an_echoed_prompt_that_cuts_a_character_reads_as_the_whole_text(
         assert whole == words + char
 
 
+def test_the_cut_character_the_reply_shows_meets_the_stop_strings(client, read_sse, rng_seed):
+    """Echoed ids cutting a character, the reply ending at once (its end-of-text token
+    forced): the reply shows the cut character as U+FFFD at its end, and a stop string
+    matching it cuts it there, as any of the reply's text (it was never searched: no token
+    had been pushed)."""
+    rng = random.Random(rng_seed)
+    tokenizer = client.app.state.server.service.tokenizer
+    words = _words(rng, rng.randint(1, 4))
+    by_byte = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}
+    lead = by_byte[rng.choice(["é", "你", "🙂", "🚀"]).encode()[:1]]  # a character's first byte
+    prompt = tokenizer.encode(words) + [lead]
+    ends = {str(t): 100 for t in sorted(tokenizer.special_token_ids)}
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True,
+            "logit_bias": ends}  # fmt: skip
+    shown = client.post(URL, json=body).json()["choices"][0]["text"]
+    assert shown == words + "\ufffd", shown
+    body["stop"] = ["\ufffd"]
+    choice = client.post(URL, json=body).json()["choices"][0]
+    streamed = "".join(c["text"] for c in _stream(client, body, read_sse))
+    assert choice["text"] == streamed == words and choice["finish_reason"] == "stop", choice
+
+
 @pytest.mark.parametrize("bad", [-1, 2**40, None])
 def test_an_echoed_id_outside_the_vocabulary_is_refused(client, api_error, rng_seed, bad):
     rng = random.Random(rng_seed)
