@@ -346,9 +346,6 @@ def read_config(model_dir: str | Path) -> dict:
     return cfg
 
 
-_STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors' names
-
-
 def _resolve_auto_dtype(cfg: dict, model_dir: Path) -> None:
     """A config.json that names no dtype, or "auto", loads as transformers' dtype="auto" does:
     in the dtype the weights are stored in (the float dtype holding most of their bytes). It
@@ -379,11 +376,14 @@ def _stored_dtype(model_dir: Path) -> str | None:
         files = safetensors_files(model_dir)
     except CheckpointError:
         return None
+    # (float64 left out: it runs only through the plain-torch kernels, so a float64 checkpoint
+    # naming no dtype runs in float32, as before)
+    stored = {k: v for k, v in safetensors_stream.FLOAT_DTYPES.items() if k != "F64"}
     sizes: dict[str, int] = {}
     for path in files:
         header, _ = safetensors_stream.read_header(path)
         for name, entry in header.items():
-            if name != "__metadata__" and entry.get("dtype") in _STORED_DTYPES:
+            if name != "__metadata__" and entry.get("dtype") in stored:
                 begin, end = entry["data_offsets"]
                 sizes[entry["dtype"]] = sizes.get(entry["dtype"], 0) + end - begin
-    return _STORED_DTYPES[max(sizes, key=sizes.get)] if sizes else None
+    return stored[max(sizes, key=sizes.get)] if sizes else None

@@ -90,16 +90,20 @@ class _Slot:
 FULL = 3  # both parts of a row written
 
 
+def _expert_rows(spec: ModelSpec) -> list[tuple]:
+    """(name template, target) rows of the family's routed expert tensors."""
+    table = family(spec.arch).CHECKPOINT_NAMES
+    return [(t, tgt) for t, tgt in table if isinstance(tgt, (Expert, FusedExperts))]
+
+
 def _expert_targets(spec: ModelSpec) -> list[tuple]:
     """(regex, target) pairs of the family's expert names."""
-    table = family(spec.arch).CHECKPOINT_NAMES
-    return [(name_pattern(t), tgt) for t, tgt in table if isinstance(tgt, (Expert, FusedExperts))]
+    return [(name_pattern(t), tgt) for t, tgt in _expert_rows(spec)]
 
 
 def _expert_names(spec: ModelSpec) -> str:
     """The family's expert tensor names, for an error that says what convert looked for."""
-    table = family(spec.arch).CHECKPOINT_NAMES
-    return ", ".join(t for t, tgt in table if isinstance(tgt, (Expert, FusedExperts)))
+    return ", ".join(t for t, _ in _expert_rows(spec))
 
 
 def _where(spec: ModelSpec, target, layer: int, expert: int | None) -> list[tuple[_Slot, int]]:
@@ -226,7 +230,7 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
             f"{[n for n in dense if 'expert' in n][:4] or 'none'} (is config.json's model_type "
             f"{spec.arch!r} right for these weights?)"
         )
-    dtype = _bank_dtype(experts)
+    dtype = _bank_dtype({name: kind for name, (kind, _) in experts.items()})
     itemsize = dtype.itemsize
     for b in BANKS:  # the disk's blocks first: a full disk is an OSError here, not a SIGBUS
         allocate(tmp / f"experts.{b}.bin", _numel(shapes[b]) * itemsize)  # in a mapped write
@@ -241,9 +245,9 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
         for path in files:
             with opened(path) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    hit = _expert_match(patterns, name)
-                    if hit is None:  # a dense tensor: copied below, byte for byte
+                    if name not in experts:  # a dense tensor: copied below, byte for byte
                         continue
+                    hit = experts[name][1]
                     tensor = f.get_tensor(name)
                     bar.update(tensor.numel() * tensor.element_size())
                     match, target = hit
@@ -326,19 +330,21 @@ def _expert_match(patterns: list[tuple], name: str) -> tuple | None:
 
 def _source_tensors(
     src: Path, files: list[Path], patterns: list[tuple]
-) -> tuple[dict[str, safetensors_stream.Piece], dict[str, str]]:
+) -> tuple[dict[str, safetensors_stream.Piece], dict[str, tuple[str, tuple]]]:
     """From the files' headers alone, before the expert pass: every tensor but the routed
     experts by name (the disk's room for them is checked before the pass), and each routed
-    expert tensor's safetensors dtype (the banks take theirs)."""
+    expert tensor's safetensors dtype (the banks take theirs) and its name's match and bank
+    target (`_expert_match`, for the pass)."""
     dense: dict[str, safetensors_stream.Piece] = {}
-    experts: dict[str, str] = {}
+    experts: dict[str, tuple[str, tuple]] = {}
     for path in files:
         header, data_start = safetensors_stream.read_header(path)
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
-            if _expert_match(patterns, name) is not None:
-                experts[name] = entry["dtype"]
+            hit = _expert_match(patterns, name)
+            if hit is not None:
+                experts[name] = (entry["dtype"], hit)
                 continue
             if name in dense:
                 raise CheckpointError(f"tensor {name} is in two files of {src}")
@@ -347,8 +353,7 @@ def _source_tensors(
 
 
 # safetensors' names of the float dtypes an expert bank may hold
-BANK_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
-               "F16": torch.float16}  # fmt: skip
+BANK_DTYPES = {k: getattr(torch, v) for k, v in safetensors_stream.FLOAT_DTYPES.items()}
 
 
 def _bank_dtype(experts: dict[str, str]) -> torch.dtype:
@@ -370,11 +375,7 @@ def _room_for_the_rest(src: Path, tmp: Path, dense_bytes: int) -> None:
     """Refuse before the expert pass (minutes on a large model) when the disk, its banks
     reserved, has no room left for the dense file and the copied files: that failure came
     only after the pass."""
-    copied = sum((src / n).stat().st_size for n in COPIED if (src / n).is_file())
-    copied += sum(
-        p.stat().st_size for n in COPIED_FOLDERS if (src / n).is_dir()
-        for p in (src / n).rglob("*") if p.is_file()
-    )  # fmt: skip
+    copied = sum((src / name).stat().st_size for name in _copied_names(src))
     needed = dense_bytes + copied + (1 << 20)  # + the headers and the manifest
     free = shutil.disk_usage(tmp).free
     if free < needed:
@@ -385,20 +386,26 @@ def _room_for_the_rest(src: Path, tmp: Path, dense_bytes: int) -> None:
         )
 
 
+def _copied_names(src: Path) -> list[str]:
+    """The files of COPIED and COPIED_FOLDERS that `src` holds, as paths inside it."""
+    names = [name for name in COPIED if (src / name).is_file()]
+    for folder in COPIED_FOLDERS:
+        if (src / folder).is_dir():
+            names += sorted(
+                str(p.relative_to(src)) for p in (src / folder).rglob("*") if p.is_file()
+            )
+    return names
+
+
 def _copy_files(src: Path, tmp: Path) -> list[str]:
     """Copy COPIED and COPIED_FOLDERS' files from `src`; their paths inside `tmp`."""
-    copied = []
     for name in COPIED:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
-            copied.append(name)
     for name in COPIED_FOLDERS:
         if (src / name).is_dir():
             shutil.copytree(src / name, tmp / name)
-            copied += sorted(
-                str(p.relative_to(tmp)) for p in (tmp / name).rglob("*") if p.is_file()
-            )
-    return copied
+    return _copied_names(tmp)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

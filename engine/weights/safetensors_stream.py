@@ -20,6 +20,8 @@ from pathlib import Path
 
 _CHUNK = 16 << 20  # bytes copied at a time
 # Bytes an element takes, by safetensors' dtype names (the rest take one).
+# The float dtypes by safetensors' names, as torch names them.
+FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _ELEMENT_SIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4,
                   "F16": 2, "BF16": 2, "I16": 2, "U16": 2}  # fmt: skip
 
