@@ -211,6 +211,9 @@ class _TextChoice:
 
     pending: list[Entry] = field(default_factory=list)  # (entry, offset)
     echo_chars: int = 0  # the echoed prompt's characters, before the reply's
+    # The echoed prompt's entries still pending: they go in the next chunk whatever their
+    # offsets (a token whose cut character is left to the reply points past the echo's text).
+    echo_entries: int = 0
     released: int = 0  # characters of the reply released so far
 
 
@@ -252,11 +255,14 @@ class TextCompletionFormat:
         state = self._choice(index)
         end = state.echo_chars + state.released
         if finish_reason is None:  # a token whose text is still held waits for it
-            ready = list(itertools.takewhile(lambda p: p[1] < end, state.pending))
+            waiting = state.pending[state.echo_entries :]
+            sendable = itertools.takewhile(lambda p: p[1] < end, waiting)
+            ready = state.pending[: state.echo_entries] + list(sendable)
         else:  # all; a token a stop string cut away points at the text's end
             ready = [(e, min(offset, end)) for e, offset in state.pending]
         if self._logprobs is not None and ready:  # no tokens in it: null, as chat's
             logprobs, state.pending = self._logprobs.block(ready), state.pending[len(ready) :]
+            state.echo_entries = 0
         choice = {
             "index": index,
             "text": text,
@@ -281,6 +287,7 @@ class TextCompletionFormat:
         if isinstance(event, Echo):
             state = self._choice(index)
             state.pending.extend(event.logprobs)
+            state.echo_entries = len(event.logprobs)
             state.echo_chars = len(event.text)
             return event.text or None
         if not isinstance(event, TokenEvent):

@@ -223,7 +223,9 @@ def test_an_echoed_prompt_that_cuts_a_character_reads_as_the_whole_text(
     """Token ids ending one byte short of a character, echoed: echo and reply read as the
     decode of prompt and reply together, streamed or not. The echo showed the character as
     U+FFFD and a reply completing it showed it again; the echo now leaves it to the reply,
-    which shows it whole, or as U+FFFD where it breaks it; with max_tokens 0, the echo."""
+    which shows it whole, or as U+FFFD where it breaks it; with max_tokens 0, the echo. A
+    stream's first chunk still carries every prompt token's entry (the cut one's offset is
+    the echo's end, where the reply shows its character)."""
     rng = random.Random(rng_seed)
     tokenizer = client.app.state.server.service.tokenizer
     char = rng.choice(["🙂", "你", "é", "🚀"])
@@ -233,11 +235,17 @@ def test_an_echoed_prompt_that_cuts_a_character_reads_as_the_whole_text(
     prompt = tokenizer.encode(words) + pieces[:-1]
     forced = pieces[-1] if reply == "completes" else tokenizer.encode(" " + _words(rng, 1))[0]
     body = {"prompt": prompt, "max_tokens": 0 if reply == "none" else 1, "temperature": 0,
-            "echo": True, "logit_bias": {str(forced): 100}}  # fmt: skip
-    whole = client.post(URL, json=body).json()["choices"][0]["text"]
-    streamed = "".join(c["text"] for c in _stream(client, body, read_sse))
+            "echo": True, "logit_bias": {str(forced): 100},
+            "logprobs": rng.randint(0, 3)}  # fmt: skip
+    choice = client.post(URL, json=body).json()["choices"][0]
+    whole = choice["text"]
+    chunks = _stream(client, body, read_sse)
+    streamed = "".join(c["text"] for c in chunks)
     generated = [] if reply == "none" else [forced]
     assert whole == streamed == tokenizer.decode(prompt + generated), (whole, streamed)
+    first, n = chunks[0]["logprobs"], len(prompt)
+    assert first["tokens"] == choice["logprobs"]["tokens"][:n], first
+    assert first["text_offset"] == choice["logprobs"]["text_offset"][:n], first
     if reply == "completes":
         assert whole == words + char
 
