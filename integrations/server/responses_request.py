@@ -127,6 +127,11 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     if kind == "json_schema":
         if not isinstance(fmt.get("name"), str) or not fmt["name"]:
             raise BadParam("text.format.name is required for a json_schema format", "text")
+        if "schema" in fmt and not isinstance(fmt["schema"], Mapping):
+            raise BadParam(
+                f"text.format.schema must be a JSON schema (an object), got {fmt['schema']!r:.60}",
+                "text",
+            )
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     raise BadParam(
@@ -240,14 +245,17 @@ def _earlier(previous: Any, store: ResponseStore) -> list[Any]:
 
 def responses_refusal(error: InvalidRequestError, origins: list[str]) -> BadParam:
     """A refusal of the shared checks (or of the engine) naming the Responses fields: the chat
-    history's `messages[i]` is the input item it came from; `max_tokens` is
-    `max_output_tokens`; `response_format` is `text`."""
+    history's `messages[i]` is the input item it came from (a tool message: a
+    function_call_output); `max_tokens` is `max_output_tokens`; `response_format` is `text`;
+    a tool's fields sit on the tool itself (`tools[i].name`, not `tools[i].function.name`)."""
     text, param, code = describe_invalid(error)
-    text = with_origins(text, origins)
+    text = with_origins(text, origins).replace(" (tool)", " (function_call_output)")
     param = None if param is None else with_origins(param, origins)
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("response_format", "text")):
         text = text.replace(ours, theirs)
         param = theirs if param == ours else param
+    if param is not None and param.startswith("tools"):
+        text, param = text.replace(".function.", "."), param.replace(".function.", ".")
     param = "input" if param == "messages" else param  # the whole history (its length)
     renamed = BadParam(text, param, code)
     renamed.status = getattr(error, "status", 400)

@@ -314,7 +314,7 @@ def _refusals(rng: random.Random) -> list[tuple[dict, str, list[str]]]:
         ({"text": {"format": {"type": "grammar"}}}, "text", ["text.format"]),
         ({"input": [{"role": "user", "content": "a"},
                     {"type": "function_call_output", "call_id": name, "output": "r"}]},
-         "input[1]", [repr(name)]),
+         "input[1]", [repr(name), "input[1] (function_call_output)"]),
         ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text",
          ["text.format.name is required"]),
         ({"tools": [{"type": "function", "name": name, "parameters": {"type": "object"}}],
@@ -332,7 +332,15 @@ def _refusals(rng: random.Random) -> list[tuple[dict, str, list[str]]]:
         ({"truncation": rng.choice([5, name])}, "truncation", ["'auto' or 'disabled'"]),
         ({"prompt_cache_key": {}}, "prompt_cache_key", ["a string"]),
         ({"tools": [{"type": "function", "name": name, "strict": "yes"}]}, "tools[0]",
-         ["strict must be true or false"]),
+         ["tools[0].strict must be true or false"]),
+        # A Responses tool is flat: its fields are the tool's own, not a `function`'s.
+        ({"tools": [{"type": "function", "parameters": {"type": "object"}}]}, "tools[0]",
+         ["tools[0].name must be"]),
+        ({"tools": [{"type": "function", "name": name, "parameters": {"type": name}}]},
+         "tools[0]", ["tools[0].parameters must be an object schema"]),
+        ({"text": {"format": {"type": "json_schema", "name": name,
+                              "schema": rng.choice([5, name, [], None])}}}, "text",
+         ["text.format.schema must be a JSON schema"]),
     ]  # fmt: skip
 
 
@@ -348,6 +356,7 @@ def test_refusals_name_the_responses_fields(client, rng_seed, api_error):
             assert all(s in error["message"] for s in says), (change, error)
             assert "messages[" not in error["message"], error  # the chat route's name
             assert "'function': {" not in error["message"], error  # the chat form
+            assert ".function." not in error["message"] + str(error["param"]), error
 
 
 def test_an_engine_error_is_an_error_object_or_response_failed(scripted_client, rng_seed):
