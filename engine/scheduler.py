@@ -18,7 +18,9 @@ Hybrid models (recurrent layers beside attention, see `Recurrence`): a running r
 a state slot. Its recurrent layers cannot rewind, so admission reuses cached KV only up to the
 deepest recurrent checkpoint inside the matched prefix and restores the state from it; chunks
 that cross a planned boundary (an anchor, see checkpoint_mode.py) carry snapshot rows for the
-kernels to fill, and those checkpoints are hung on the radix tree with the request's pages.
+kernels to fill, and those checkpoints are hung on the radix tree with the request's pages. A
+chunk that crosses more boundaries than the pool has device rows ends early or spreads its rows
+(snapshot_rows.py).
 A preempted hybrid request is checkpointed where it stops, so it resumes there.
 
 A request alone in the engine that is preempted MAX_FRUITLESS_PREEMPTIONS + 1 times in a row
@@ -36,6 +38,7 @@ from freetoken_agent.engine.checkpoints_ahead import AheadCheckpoints
 from freetoken_agent.engine.kv.pool import PageAllocator
 from freetoken_agent.engine.kv.radix import RadixCache
 from freetoken_agent.engine.request import Batch, Recurrence, Request, ScheduledChunk, Status
+from freetoken_agent.engine.snapshot_rows import chunk_length, kept_boundaries
 
 MAX_FRUITLESS_PREEMPTIONS = 3
 # Evicting walks the whole prefix tree (RadixCache.evict: O(cached pages), ~1.6 ms at 200k
@@ -86,7 +89,7 @@ class Scheduler:
         for req in ordered:
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.n_tokens - req.num_computed, budget)
+            n = self._fit_snapshots(req, min(req.n_tokens - req.num_computed, budget))
             if n <= 0:
                 continue
             if not self._reserve(req, n, protect=chunks):
@@ -98,7 +101,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             self._admit(req)
-            n = min(req.n_tokens - req.num_computed, budget)
+            n = self._fit_snapshots(req, min(req.n_tokens - req.num_computed, budget))
             if not self._grow(req, req.num_computed + n):
                 self._release(req, cache=False)  # not now: it keeps its place in the queue
                 break
@@ -117,25 +120,45 @@ class Scheduler:
             budget -= n
         return Batch(chunks)
 
+    def _boundaries(self, req: Request, n: int) -> list[int]:
+        """The planned boundaries the request's next n tokens cross that have no row yet."""
+        plan, start = req.snapshot_plan, req.num_computed  # plan sorted: found by bisection
+        # (a decode step of an agent history with thousands of anchors scanned them all)
+        inside = plan[bisect.bisect_right(plan, start) : bisect.bisect_right(plan, start + n)]
+        if not inside:
+            return inside
+        taken = {b for b, _ in req.pending_checkpoints}
+        return [b for b in inside if b not in taken]
+
+    def _fit_snapshots(self, req: Request, n: int) -> int:
+        """n, or fewer so that every snapshot of the chunk gets a device row (snapshot_rows)."""
+        if self.recurrence is None:
+            return n
+        boundaries = self._boundaries(req, n)
+        if len(boundaries) <= 1:  # fits any pool with a row (and one without needs no cut)
+            return n
+        rows = self.recurrence.checkpoints.reservable()
+        return chunk_length(boundaries, req.num_computed, n, rows)
+
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed
         tokens = req.token_range(start, start + n)
         chunk = ScheduledChunk(req, start, tokens, sample=start + n == req.n_tokens)
-        plan = req.snapshot_plan  # sorted: the chunk's boundaries found by bisection (a
-        # decode step of an agent history with thousands of anchors scanned them all)
-        inside = plan[bisect.bisect_right(plan, start) : bisect.bisect_right(plan, start + n)]
-        if self.recurrence is not None and inside:
-            taken = {b for b, _ in req.pending_checkpoints}
-            # Deepest first: when the pool's rows run out within one chunk, the boundaries a
-            # later edit is most likely to resume from are the ones kept.
-            for b in reversed(inside):
-                if b not in taken:
-                    ckpt = self.recurrence.checkpoints.reserve(b)
-                    if ckpt is not None:  # every row locked: skip it (never an error)
-                        chunk.snapshots.append((b, ckpt))
-            # Owned by the request from now on, so every way out (finish, failure,
-            # preemption) releases or hangs them.
-            req.pending_checkpoints.extend(chunk.snapshots)
+        if self.recurrence is None:
+            return chunk
+        boundaries = self._boundaries(req, n)
+        if not boundaries:
+            return chunk
+        pool = self.recurrence.checkpoints
+        kept = kept_boundaries(boundaries, pool.reservable())
+        pool.skip(len(boundaries) - len(kept))  # rows short: never an error
+        for b in kept:
+            ckpt = pool.reserve(b)
+            if ckpt is not None:
+                chunk.snapshots.append((b, ckpt))
+        # Owned by the request from now on, so every way out (finish, failure, preemption)
+        # releases or hangs them.
+        req.pending_checkpoints.extend(chunk.snapshots)
         return chunk
 
     def _admit(self, req: Request) -> None:

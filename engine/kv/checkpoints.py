@@ -129,7 +129,7 @@ class CheckpointPool:
             "spilled": 0,  # device -> host moves
             "dropped": 0,  # dropped for space (on_drop called)
             "released": 0,  # released by their owner
-            "reserve_skipped": 0,  # reserve() found every device row locked
+            "reserve_skipped": 0,  # snapshots given no row: every device row was locked
             "restored_from_device": 0,
             "restored_from_host": 0,
         }
@@ -206,6 +206,15 @@ class CheckpointPool:
         free.append(src)
         self._rows[DEVICE][dst], self._rows[DEVICE][src] = ckpt, None
         ckpt.row = dst
+
+    def reservable(self) -> int:
+        """Device rows `reserve` can hand out now: the free ones and those holding an unlocked
+        checkpoint (spilled or dropped to make room)."""
+        return sum(1 for c in self._rows[DEVICE] if c is None or not c.locks)
+
+    def skip(self, boundaries: int) -> None:
+        """Count boundaries a caller gave no row (it found fewer reservable rows than them)."""
+        self._counts["reserve_skipped"] += boundaries
 
     # --- lifecycle ----------------------------------------------------------------------
     def reserve(self, boundary: int, owner: Any = None) -> Checkpoint | None:

@@ -136,12 +136,48 @@ def test_checkpoints_spill_and_drop_under_pressure(hybrid):
     cold = _load(path, checkpoints="none")
     assert cold.generate(follow, GREEDY).token_ids == out.token_ids
     engine.check_integrity()
-    # In one chunk only two rows can be written: the deepest boundaries get them.
+    # In one chunk only two rows can be written (its second boundary lies too early to end
+    # the chunk there): its shallowest and deepest boundaries get them, and the count says
+    # how many went without.
     one_chunk = _load(path, **rows)
     one_chunk.generate(prompt, GREEDY, anchors=anchors)
     kept = sorted(b for n in one_chunk.radix._nodes() for b in n.checkpoints)
-    assert kept == sorted([*anchors, len(prompt)])[-2:]
+    assert kept == [anchors[0], len(prompt)]
+    assert one_chunk.stats()["checkpoints"]["reserve_skipped"] == len(anchors) - 1
     one_chunk.check_integrity()
+    # A request that shares only the prompt's first anchor resumes there, not from token 0.
+    other = prompt[: anchors[0]] + _tokens(rng, 30)
+    other[anchors[0]] = (prompt[anchors[0]] + 1 - 3) % (VOCAB - 3) + 3
+    out = one_chunk.generate(other, GREEDY)
+    assert out.stats["resumed_tokens"] == anchors[0]
+    assert cold.generate(other, GREEDY).token_ids == out.token_ids
+
+
+def test_a_chunk_ends_early_so_that_every_anchor_gets_a_row(hybrid):
+    """Four device rows, one chunk crossing seven boundaries, its fourth past 3/4 of the
+    chunk: the chunk ends there and the next step takes the other three, once the first four
+    have spilled to the host tier. Every boundary is checkpointed, and an edit right after the
+    shallowest resumes from it."""
+    path, rng = hybrid
+    probe = _load(path)
+    per = probe.stats()["checkpoints"]["bytes_per_checkpoint"]
+    engine = _load(path, checkpoint_device_bytes=4 * per, checkpoint_host_bytes=16 * per)
+    prompt = _tokens(rng, 200)
+    anchors = sorted(rng.sample(range(152, 199), 6))  # the fourth boundary: past 150
+    out = engine.generate(prompt, GREEDY, anchors=anchors)
+    kept = sorted(b for n in engine.radix._nodes() for b in n.checkpoints)
+    assert kept == [*anchors, len(prompt)]
+    stats = engine.stats()["checkpoints"]
+    assert stats["reserve_skipped"] == 0 and stats["spilled"] >= 3, stats
+    engine.check_integrity()
+    cold = _load(path, checkpoints="none")
+    assert cold.generate(prompt, GREEDY).token_ids == out.token_ids
+    edited = prompt[:]
+    edited[anchors[0]] = (prompt[anchors[0]] + 1 - 3) % (VOCAB - 3) + 3
+    out = engine.generate(edited, GREEDY)
+    assert out.stats["resumed_tokens"] == anchors[0]
+    assert cold.generate(edited, GREEDY).token_ids == out.token_ids
+    engine.check_integrity()
 
 
 def test_pure_attention_model_ignores_anchors(tmp_path, rng_seed):
