@@ -403,7 +403,13 @@ class Scheduler:
                 self.recurrence.states.free(req.state_slot)
                 req.state_slot = 0
         self.radix.unlock([n for n in req.nodes if n is not None])
-        self.allocator.free([p for p, n in zip(req.pages, req.nodes, strict=True) if n is None])
+        private = [p for p, n in zip(req.pages, req.nodes, strict=True) if n is None]
+        if self.pending_copies:  # an admission's partial-page copy into a page freed here
+            # (the admission failed): applied later, it would write whatever the page holds
+            # by then, a cached prefix once a budget cut has moved one there
+            freed = set(private)
+            self.pending_copies = [c for c in self.pending_copies if c[1] not in freed]
+        self.allocator.free(private)
         req.pages, req.nodes = [], []
         req.num_computed = 0
 
@@ -429,6 +435,8 @@ class Scheduler:
                     refs[id(node)] = refs.get(id(node), 0) + 1
         assert len(private) == len(set(private)), "a private page is used by two requests"
         private_set = set(private)
+        for src, dst, _ in self.pending_copies:  # (queued by this step's admissions)
+            assert dst in private_set, f"a queued copy {src} -> {dst} writes no request's page"
         assert not (private_set & tree), "a private page is also held by the tree"
         assert not (private_set & free), "a private page is also free"
         assert len(free) + len(tree) + len(private_set) == self.allocator.capacity, (
