@@ -9,6 +9,16 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses before running it; the message names the problem."""
 
 
+class InvalidSamplingParams(InvalidRequestError):
+    """SamplingParams whose fields, set after it was built, no longer pass its checks: the
+    SamplingParamsError's text, and `param` the first field it names."""
+
+    def __init__(self, error: ValueError) -> None:
+        super().__init__(f"sampling params: {error}")
+        fields = getattr(error, "fields", ())
+        self.param = fields[0] if fields else None
+
+
 class ContextLengthError(InvalidRequestError):
     """The prompt does not fit the model's context (or the KV pool). `prompt_tokens` and
     `max_prompt_tokens`, where known: what a front-end quotes (Anthropic's "N tokens > M

@@ -14,11 +14,19 @@ from dataclasses import dataclass
 
 from freetoken_agent.engine.logits_processors import check_logit_bias
 from freetoken_agent.engine.output_state import OutputState
-from freetoken_agent.engine.outputs import InvalidRequestError, ThinkingBudgetError
+from freetoken_agent.engine.outputs import (
+    InvalidRequestError,
+    InvalidSamplingParams,
+    ThinkingBudgetError,
+)
 from freetoken_agent.engine.prompt_input import Prompt, encode_prompt, snapshot_plan, token_ids
 from freetoken_agent.engine.request import Recurrence, Request
 from freetoken_agent.engine.request_outcomes import stop_strings
-from freetoken_agent.engine.sampling_params import SamplingParams, not_sampling_params
+from freetoken_agent.engine.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    not_sampling_params,
+)
 from freetoken_agent.engine.thinking_budget import ThinkingMarkers
 
 
@@ -52,6 +60,12 @@ class RequestIntake:
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(not_sampling_params(sampling))
+        try:  # checked again, as a copy of its own: a field set after construction (sp.seed =
+            # 2**70) was only met inside the step, failing every request batched beside it,
+            # and one set while the request runs would change it midway
+            sampling = dataclasses.replace(sampling)
+        except SamplingParamsError as e:
+            raise InvalidSamplingParams(e) from None
         if sampling.stop and self.tokenizer is None:  # they are matched in the decoded text
             raise InvalidRequestError(
                 "stop strings need the model's tokenizer (tokenizer.json) to read the output, "

@@ -79,6 +79,37 @@ def test_bad_request_does_not_disturb_others(engine, rng_seed):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("seed", 2**70), ("top_p", 0.0), ("min_p", 2.0), ("repetition_penalty", 0.0),
+     ("max_tokens", "5"), ("max_tokens", 0), ("temperature", -1.0), ("top_k", -3),
+     ("logit_bias", {5: float("nan")})],
+)  # fmt: skip
+def test_a_field_set_after_construction_is_checked_at_submit(engine, rng_seed, field, value):
+    """SamplingParams checks its values when built; one set afterwards (sp.seed = 2**70) is
+    checked again at submit and refused naming it, never met inside the step, where it failed
+    every request batched beside it (or, top_p 0, drew token 0 forever). A field changed
+    after submit leaves the request as submitted (it runs on its own copy)."""
+    rng = random.Random(rng_seed)
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randrange(5, 30))]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = engine.generate(prompt, sp).token_ids
+    other = engine.submit(prompt, sp)
+    bad = SamplingParams(max_tokens=6, seed=rng.randrange(100))
+    setattr(bad, field, value)
+    with pytest.raises(InvalidRequestError, match=field) as refused:
+        engine.submit(prompt, bad)
+    assert refused.value.param == field
+    running = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    late = engine.submit(prompt, running)
+    running.max_tokens, running.temperature = 1, 5.0  # after submit: no effect
+    while engine.has_unfinished():
+        engine.step()
+    assert engine._collect(other).token_ids == alone
+    assert engine._collect(late).token_ids == alone
+    engine.check_integrity()
+
+
 def test_missing_tensor_is_named(model_dir):
     f = model_dir / "model.safetensors"
     tensors = load_file(f)
