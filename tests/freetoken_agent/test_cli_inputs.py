@@ -130,7 +130,9 @@ def test_a_size_that_is_not_a_finite_positive_number_is_refused_saying_so(rng_se
     rng = random.Random(rng_seed)
     flag = rng.choice(["--max-body-mb", "--gpu-budget-gb"])
     value = rng.choice(["inf", "-inf", "nan", "0", f"-{rng.randint(1, 99)}"])
+    # ("-inf" after a space is an option to argparse, "expected one argument": "=" joins it)
+    given = [f"{flag}={value}"] if value.startswith("-") else [flag, value]
     with pytest.raises(SystemExit) as exited:
-        main(["serve", flag, value])
+        main(["serve", *given])
     assert exited.value.code == 2
     assert f"argument {flag}: {value} must be a finite number > 0" in capsys.readouterr().err
