@@ -153,7 +153,8 @@ def test_one_request_with_nan_logits_fails_alone(model_dir, rng_seed, monkeypatc
 
     def poisoned(logits, params, generators, allowed=None):
         for row, p in enumerate(params):
-            if p is victim_sp and engine._requests[victim].output_ids.__len__() == breaks_at:
+            request = engine._requests[victim]  # (it runs on its own copy of victim_sp)
+            if p is request.sampling and len(request.output_ids) == breaks_at:
                 logits[row, rng.randrange(logits.shape[-1])] = float("nan")
         return real_sample(logits, params, generators, allowed)
 
