@@ -135,10 +135,12 @@ class Scheduler:
         if self.recurrence is None:
             return n
         boundaries = self._boundaries(req, n)
-        if len(boundaries) <= 1:  # fits any pool with a row (and one without needs no cut)
+        if not boundaries:
             return n
-        rows = self.recurrence.checkpoints.reservable()
-        return chunk_length(boundaries, req.num_computed, n, rows)
+        pool = self.recurrence.checkpoints
+        if pool.device_rows == 0:  # no snapshot can be taken: nothing to cut for
+            return n
+        return chunk_length(boundaries, req.num_computed, n, pool.reservable())
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed

@@ -9,6 +9,9 @@ chunk crosses more boundaries than there are device rows it can reserve:
   shorter step more, rather than anchors lost). A shorter cut is not made: on a model whose
   experts stream over PCIe every prefill chunk pays a whole pass over the experts, so chunks
   must not shrink without bound where anchors are dense and rows few;
+- with no row left at all (the step's other chunks hold them: a request admitted into the
+  budget an earlier chunk left), it ends just before its first boundary, which the next step
+  snapshots with the rows free again;
 - otherwise `kept_boundaries` spreads the rows over the chunk: its shallowest and deepest
   boundaries and evenly spaced ones between, so an edit anywhere in the chunk resumes at most
   about len(chunk) / rows tokens before its divergence. (The deepest alone, the earlier rule,
@@ -27,9 +30,13 @@ MIN_KEPT = 0.75  # the least share of a chunk's tokens an early end keeps
 def chunk_length(boundaries: Sequence[int], start: int, n: int, rows: int) -> int:
     """The tokens to prefill from `start`: `n`, or fewer, ending at a boundary, so that every
     boundary inside gets one of the `rows` reservable device rows. `boundaries`: the sorted
-    planned boundaries in (start, start + n] not yet given a row."""
-    if rows < 1 or len(boundaries) <= rows:
+    planned boundaries in (start, start + n] not yet given a row; `rows` 0 only while rows
+    exist but are held (a pool without device rows never cuts: nothing would come of it)."""
+    if len(boundaries) <= rows:
         return n
+    if rows < 1:  # (a chunk that starts right before its first boundary crosses it: progress)
+        end = boundaries[0] - 1 - start
+        return end if end >= 1 else n
     end = boundaries[rows - 1] - start
     return end if end >= MIN_KEPT * n else n
 

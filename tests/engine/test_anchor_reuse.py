@@ -180,6 +180,34 @@ def test_a_chunk_ends_early_so_that_every_anchor_gets_a_row(hybrid):
     engine.check_integrity()
 
 
+def test_a_request_admitted_beside_a_chunk_holding_every_row_keeps_its_first_anchor(hybrid):
+    """A's chunk ends early and takes every device row; B, admitted into the budget it left,
+    has none for its anchor (its system prompt's end) that step: its chunk stops before it,
+    and the next step checkpoints it, so a session sharing B's system prompt resumes there."""
+    path, rng = hybrid
+    probe = _load(path)
+    per = probe.stats()["checkpoints"]["bytes_per_checkpoint"]
+    engine = _load(path, checkpoint_device_bytes=4 * per, checkpoint_host_bytes=64 * per,
+                   max_batched_tokens=64, overlap_schedule=False)  # fmt: skip
+    a = _tokens(rng, 200)
+    # The fourth in [48, 56]: A's chunk ends there, leaving B 8 or more tokens (past its anchor)
+    a_anchors = sorted(rng.sample(range(45, 57), 4)) + sorted(rng.sample(range(57, 64), 2))
+    b, b_anchor = _tokens(rng, 40), rng.randrange(3, 8)
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    ids = [engine.submit(a, sp, anchors=a_anchors), engine.submit(b, sp, anchors=[b_anchor])]
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    for rid in ids:
+        engine.release(rid)
+    c = b[:b_anchor] + _tokens(rng, 20)
+    c[b_anchor] = (b[b_anchor] + 1 - 3) % (VOCAB - 3) + 3
+    out = engine.generate(c, GREEDY)
+    assert out.stats["resumed_tokens"] == b_anchor
+    assert _load(path, checkpoints="none").generate(c, GREEDY).token_ids == out.token_ids
+    engine.check_integrity()
+
+
 def test_pure_attention_model_ignores_anchors(tmp_path, rng_seed):
     rng = random.Random(rng_seed)
     make_tiny("qwen3_moe", tmp_path, rng_seed)

@@ -40,16 +40,22 @@ def test_kept_boundaries_spread_over_the_chunk(rng_seed):
 
 
 def test_a_chunk_ends_early_only_at_a_boundary_that_keeps_most_of_it(rng_seed):
-    """The chunk keeps its length when its boundaries fit the rows (or there are no rows);
-    otherwise it ends exactly at the last boundary that gets a row when that keeps at least
-    MIN_KEPT of its tokens, and keeps its length when it would not."""
+    """The chunk keeps its length when its boundaries fit the rows; with no row free, it ends
+    right before its first boundary (keeping it for the next step), unless that leaves no
+    token; otherwise it ends exactly at the last boundary that gets a row when that keeps at
+    least MIN_KEPT of its tokens, and keeps its length when it would not."""
     rng = random.Random(rng_seed)
     cuts = 0
     for _ in range(4000):
         boundaries, start, n, rows = _case(rng)
         length = chunk_length(boundaries, start, n, rows)
-        if rows < 1 or len(boundaries) <= rows:
+        if len(boundaries) <= rows:
             assert length == n
+            continue
+        if rows < 1:
+            short = boundaries[0] - 1 - start
+            assert length == (short if short >= 1 else n), (boundaries, start, n)
+            assert not [b for b in boundaries if b <= start + length] or length == n
             continue
         end = boundaries[rows - 1]
         if end - start >= MIN_KEPT * n:
