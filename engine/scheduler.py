@@ -121,33 +121,28 @@ class Scheduler:
         return Batch(chunks)
 
     def _boundaries(self, req: Request, n: int) -> list[int]:
-        """The planned boundaries the request's next n tokens cross that have no row yet."""
+        """The planned boundaries the request's next n tokens cross that have no row yet
+        (none on a model without recurrent layers: its plan is empty)."""
         plan, start = req.snapshot_plan, req.num_computed  # plan sorted: found by bisection
         # (a decode step of an agent history with thousands of anchors scanned them all)
         inside = plan[bisect.bisect_right(plan, start) : bisect.bisect_right(plan, start + n)]
-        if not inside:
-            return inside
+        if not inside or self.recurrence is None:
+            return []
         taken = {b for b, _ in req.pending_checkpoints}
         return [b for b in inside if b not in taken]
 
     def _fit_snapshots(self, req: Request, n: int) -> int:
         """n, or fewer so that every snapshot of the chunk gets a device row (snapshot_rows)."""
-        if self.recurrence is None:
-            return n
         boundaries = self._boundaries(req, n)
-        if not boundaries:
-            return n
-        pool = self.recurrence.checkpoints
-        if pool.device_rows == 0:  # no snapshot can be taken: nothing to cut for
-            return n
-        return chunk_length(boundaries, req.num_computed, n, pool.reservable())
+        if not boundaries or self.recurrence.checkpoints.device_rows == 0:
+            return n  # (no device rows: no snapshot can be taken, nothing to cut for)
+        rows = self.recurrence.checkpoints.reservable()
+        return chunk_length(boundaries, req.num_computed, n, rows)
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed
         tokens = req.token_range(start, start + n)
         chunk = ScheduledChunk(req, start, tokens, sample=start + n == req.n_tokens)
-        if self.recurrence is None:
-            return chunk
         boundaries = self._boundaries(req, n)
         if not boundaries:
             return chunk
