@@ -15,9 +15,11 @@ talk to it through queues).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import numbers
+import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -55,13 +57,29 @@ log = logging.getLogger("freetoken.engine")
 CLOSED = "the engine was closed (Engine.close) while this request ran"
 
 
+def _serialised(method):
+    """`method` under the engine's lock (the class docstring): two threads stepping at once
+    corrupted each other's batches (interleaved, duplicated tokens, no error)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class Engine:
     """One model served: `Engine.load(path)`, then `generate` / `stream` / `score` (or
     `submit` + `step` by hand); `stats()` reports the memory split and reuse, `set_gpu_budget`
-    re-splits the GPU budget live, `close()` gives VRAM and pinned memory back. Not
-    thread-safe: a server drives it from one thread (freetoken_agent.service.EngineService)."""
+    re-splits the GPU budget live, `close()` gives VRAM and pinned memory back. Its calls
+    that change or step it run one at a time under `lock` (an RLock, which an EngineService
+    driving the engine shares), so threads calling it at once take turns step by step: an
+    engine handed to ChatFreeToken (whose service thread steps it) can still be called
+    directly. A server drives it from one thread (freetoken_agent.service.EngineService)."""
 
     def __init__(self, loaded: LoadedModel) -> None:
+        self.lock = threading.RLock()
         self.loaded = loaded
         self.spec = loaded.spec
         self.config = loaded.config
@@ -174,6 +192,7 @@ class Engine:
         return self.loaded.max_model_len
 
     # --- requests -------------------------------------------------------------------------
+    @_serialised
     def submit(
         self,
         prompt: Prompt,
@@ -231,6 +250,7 @@ class Engine:
             pass
         return request_id
 
+    @_serialised
     def set_gpu_budget(self, nbytes: int) -> None:
         """Change the GPU budget while running; applied at the next safe point (KV pages and
         expert slots re-split, requests preempted rather than failing if even the fewest slots
@@ -256,6 +276,7 @@ class Engine:
             self.overlap.drain()  # idle: only finished requests' rows, no events
             self.memory.safe_point()
 
+    @_serialised
     def poll_memory(self) -> int | None:
         """An idle engine's safe point: follow free device memory (yield VRAM another program
         took, regain what it released) and apply a pending budget. Does nothing while requests
@@ -268,6 +289,7 @@ class Engine:
             self.memory.safe_point()
         return self.memory.budget
 
+    @_serialised
     def release(self, request_id: str) -> None:
         """Forget a request: abort it if it is unfinished, then drop what the engine keeps for
         its owner (events not taken, its text, its figures). A caller driving the engine with
@@ -277,6 +299,7 @@ class Engine:
         self.abort(request_id)
         self._pop(request_id)
 
+    @_serialised
     def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)
         if req is not None and req.status is not Status.FINISHED:
@@ -285,6 +308,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_work()
 
+    @_serialised
     def take_events(self, request_id: str) -> list[TokenEvent]:
         """The request's events not taken yet, oldest first. Whoever steps the engine, each
         event waits here for the request's owner (an EngineService, `stream`), so a caller
@@ -316,6 +340,7 @@ class Engine:
             raise EngineClosedError("this engine was closed: load the model again to use it")
 
     # --- the loop -------------------------------------------------------------------------
+    @_serialised
     def step(self) -> list[TokenEvent]:
         """One iteration; returns the events it produced. With overlap scheduling a decode
         step's events come from the next call, which launches the step after it first."""

@@ -104,7 +104,10 @@ class EngineService:
                 )
             _services[engine] = self
         self.engine = engine
-        self.lock = threading.RLock()  # guards every call into the engine
+        # Guards every call into the engine: the engine's own lock, which its front-ends
+        # (generate, stream, score) take step by step, so a caller using the engine directly
+        # takes turns with this service's thread instead of stepping beside it
+        self.lock = getattr(engine, "lock", None) or threading.RLock()
         self._sinks: dict[str, Sink] = {}  # request id -> callable(event) delivering it
         self._aborts: deque[tuple[str, Sink | None]] = deque()  # applied under the lock
         self._work = threading.Condition(self.lock)

@@ -599,3 +599,35 @@ def test_requests_a_failed_step_ends_count_as_errors(engine, rng_seed, monkeypat
     assert stats["requests"]["errors"] == errors
     assert stats["latency"]["finish_reasons"].get("error", 0) == errors
     assert "abort" not in stats["latency"]["finish_reasons"]
+
+
+def test_the_engine_called_directly_beside_its_service_and_from_threads(engine, rng_seed):
+    """engine.generate on threads of their own, and beside a live service's thread (what a
+    ChatFreeToken(engine=...) starts) that wakes and steps whatever is unfinished: every call
+    takes turns under the engine's lock and gets the tokens it gets alone. Two steps at once
+    interleaved and duplicated tokens, with no error."""
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 4)
+    sp = SamplingParams(max_tokens=rng.randint(40, 80), temperature=0, ignore_eos=True)
+    alone = [engine.generate(p, sp).token_ids for p in prompts]
+    got: dict[int, list[int]] = {}
+
+    def call(i: int) -> None:
+        got[i] = engine.generate(prompts[i], sp).token_ids
+
+    with EngineService(engine) as service:
+        assert service.lock is engine.lock
+        streamed = threading.Thread(  # the service's own reader, beside the direct calls
+            target=lambda: got.__setitem__(
+                -1, [e.token_id for e in service.stream(prompts[0], sp) if e.token_id is not None]
+            )
+        )
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+        for t in [streamed, *threads]:
+            t.start()
+        for t in [streamed, *threads]:
+            t.join(timeout=300)
+        assert [got.get(i) for i in range(len(prompts))] == alone
+        assert got.get(-1) == alone[0]
+    assert not engine.has_unfinished()
+    engine.check_integrity()
