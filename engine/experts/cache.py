@@ -164,7 +164,7 @@ class ExpertCache:
         (victims.py `prefill_victims`)."""
         self._host()
         self.inflight.settle()
-        filled = []
+        filled: list[int] = []
         lids = [lid for lid in lids if self._slot_of[lid] < 0]
         if not lids:
             return filled
@@ -172,37 +172,63 @@ class ExpertCache:
         if ahead_from is not None:
             n, per, kept = len(lids) - len(self._free), self.lids_per_layer, self.kept_layers
             victims = prefill_victims(self._lru, protect, n, ahead_from, per, kept)
-        if self.copy_stream is None:
-            for lid in lids:
-                if not self._fill_one(lid, protect, race, victims):
-                    break
-                filled.append(lid)
-        else:
-            # Victim slots may hold experts that queued compute still reads: the copies go
-            # after it. The timing starts after that wait, so it measures the copies alone.
-            if after_compute:
-                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            with torch.cuda.stream(self.copy_stream):  # entered once: a fill costs two copies
-                timing[0].record(self.copy_stream)  # named: a lookup of the stream is ~5 us
+        claimed: list[int] = []  # lids given a slot by this call, copied or not
+        try:
+            if self.copy_stream is None:
                 for lid in lids:
-                    if not self._fill_one(lid, protect, race, victims):
+                    if not self._fill_one(lid, protect, race, victims, claimed):
                         break
                     filled.append(lid)
-                timing[1].record(self.copy_stream)
-            self.fill_timings.append((*timing, len(filled) * self.pool.expert_bytes))
-        if publish:
-            self.publish(filled)
+            else:
+                # Victim slots may hold experts that queued compute still reads: the copies go
+                # after it. The timing starts after that wait, so it measures the copies alone.
+                if after_compute:
+                    self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                timing = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+                with torch.cuda.stream(self.copy_stream):  # entered once: a fill is two copies
+                    timing[0].record(self.copy_stream)  # named: a lookup of the stream is ~5 us
+                    for lid in lids:
+                        if not self._fill_one(lid, protect, race, victims, claimed):
+                            break
+                        filled.append(lid)
+                    timing[1].record(self.copy_stream)
+                self.fill_timings.append((*timing, len(filled) * self.pool.expert_bytes))
+            if publish:
+                self.publish(filled)
+        except BaseException:
+            self._undo_fill(claimed)
+            raise
         return filled
 
     def _fill_one(
-        self, lid: int, protect: set[int], race: bool, victims: deque[int] | None = None
+        self,
+        lid: int,
+        protect: set[int],
+        race: bool,
+        victims: deque[int] | None,
+        claimed: list[int],
     ) -> bool:
         slot = self._claim(lid, protect, race, victims)
         if slot is None:
             return False
+        claimed.append(lid)
         self._copy_in(lid, slot)
         return True
+
+    def _undo_fill(self, claimed: list[int]) -> None:
+        """A fill cut short (Ctrl-C, a failed copy): its lids leave the host maps, their slots
+        free (what a copy left there is not trusted), and the whole device table is written
+        from the host maps, the truth, so the two agree again. Left as it was, the maps named
+        lids the device table did not (or a victim's slot it still did), and later steps ran
+        with the wrong experts, with no error, until those lids were evicted."""
+        for lid in claimed:
+            slot = self._slot_of[lid]
+            if slot >= 0:
+                self._evict(lid)
+                self._free.append(slot)
+        self.races.drop(set(claimed))
+        self.table.unpublished = list(range(len(self._slot_of)))
+        self.publish([])
 
     def _copy_in(self, lid: int, slot: int) -> None:
         """Copy `lid`'s rows from the pool into `slot` (on the current stream)."""

@@ -4,6 +4,7 @@ requests decode the tokens a resident engine gives."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -53,6 +54,44 @@ def test_a_failed_cpu_branch_after_fills_leaves_the_cache_whole(
     assert [o.token_ids for o in engine.generate(prompts, sp)] == [
         o.token_ids for o in resident.generate(prompts, sp)
     ]
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])
+def test_a_fill_cut_short_leaves_host_maps_and_device_table_agreeing(
+    tmp_path, rng_seed, monkeypatch, fault
+):
+    """A copy that fails, or a Ctrl-C landing between a slot's claim and its copy: the host
+    maps had named the lid (and let its victim go) while the device table did not hear of it,
+    and later requests ran with the wrong experts, with no error. The fill's lids are undone
+    and the device table written from the host maps: later requests give resident's tokens."""
+    rng = random.Random(rng_seed)
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
+    slots = rng.randint(2, max(2, resident.spec.n_experts // 2))
+    engine = Engine.load(tmp_path, device="cpu", policy="transfer", expert_slots=slots,
+                         progress=False)  # fmt: skip
+    cache = engine.loaded.bank.cache
+    real_copy, at = cache._copy_in, cache.fills + rng.randint(slots + 1, 3 * slots)
+
+    def copy_in(lid: int, slot: int) -> None:
+        if cache.fills == at:  # past the first fills: this one evicts a victim
+            raise fault("injected: the fill's copy failed")
+        real_copy(lid, slot)
+
+    monkeypatch.setattr(cache, "_copy_in", copy_in)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(5, 40))] for _ in range(4)]
+    with pytest.raises(fault) if fault is KeyboardInterrupt else contextlib.nullcontext():
+        for _ in range(20):  # until the fault's fill comes
+            engine.generate(prompts, sp)
+            if cache.fills > at:
+                break
+    assert cache.fills >= at, "no fill reached the fault"
+    engine.check_integrity()
+    monkeypatch.setattr(cache, "_copy_in", real_copy)
+    want = [o.token_ids for o in resident.generate(prompts, sp)]
+    assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     engine.check_integrity()
 
 
