@@ -271,7 +271,9 @@ class EngineService:
         """Deliver one event; False if the sink raised (logged: it fails its request only)."""
         try:
             sink(event)
-        except Exception:  # noqa: BLE001 - one reader's bug must not stop the engine thread
+        except BaseException:  # noqa: BLE001 - one reader's bug (even a KeyboardInterrupt or
+            # SystemExit it raised) must not end the engine thread: every later request would
+            # wait for it forever
             log.exception("the sink of request %s failed; aborting it", event.request_id)
             return False
         return True

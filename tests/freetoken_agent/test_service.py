@@ -339,7 +339,10 @@ def test_holders_share_a_made_service_and_the_last_one_closes_it(engine, rng_see
     made.close()
 
 
-def test_a_raising_sink_fails_only_its_own_request(engine, rng_seed, caplog):
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt, SystemExit])
+def test_a_raising_sink_fails_only_its_own_request(engine, rng_seed, caplog, error):
+    """A sink that raises, even a BaseException (which had ended the engine thread, and every
+    later request waited forever), aborts its own request only."""
     rng = random.Random(rng_seed)
     prompts = _prompts(rng, 2)
     sp = SamplingParams(max_tokens=rng.randint(4, 8), temperature=0, ignore_eos=True)
@@ -350,7 +353,7 @@ def test_a_raising_sink_fails_only_its_own_request(engine, rng_seed, caplog):
     def bad_sink(event) -> None:
         calls.append(event)
         if len(calls) > fail_at:
-            raise ValueError("a reader's bug")
+            raise error("a reader's bug")
 
     with EngineService(engine) as service:
         service.submit(prompts[0], _long(rng), bad_sink)
