@@ -41,6 +41,7 @@ Why it is built this way:
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -89,11 +90,11 @@ from freetoken_agent.integrations.langchain_runtime import (
     chat_format,
     load_service,
     request_problems,
-    service_for,
     typed_errors,
 )
 from freetoken_agent.integrations.langchain_structured import structured_runnable
 from freetoken_agent.integrations.openai_logprobs import TokenStrings
+from freetoken_agent.service import shared_service
 
 __all__ = ["ChatFreeToken", "GenerationError", "GenerationTimeout"]
 
@@ -116,7 +117,9 @@ class ChatFreeToken(BaseChatModel):
     model: str | None = None
     """A model folder (HF or FTW), or None / "demo" for the embedded random demo model."""
     engine: Any = Field(default=None, exclude=True)
-    """An already loaded Engine or EngineService to use instead of loading `model`."""
+    """An already loaded Engine or EngineService to use instead of loading `model`. An
+    Engine's service (made on the first call, shared with the other integrations) is released
+    when the last model using it is collected: its thread then stops and lets the engine go."""
     device: str = "auto"
     policy: str = "adaptive"
     gpu_budget: int | None = None
@@ -172,14 +175,19 @@ class ChatFreeToken(BaseChatModel):
     # --- the engine -----------------------------------------------------------------------
     def _ensure_engine(self) -> SessionPool:
         if self._pool is None:
+            holds = False
             if self.engine is not None:
-                service = service_for(self.engine)
+                service, holds = shared_service(self.engine)
             else:
                 service = load_service(
                     self.model, self.device, self.policy, self.gpu_budget, self.engine_options
                 )
             self._service = service
             self._pool = SessionPool(service)
+            if holds:  # let go once no model uses the pool (copies of this one share it): the
+                # service held the engine for the program's life (a notebook cell run again
+                # kept every engine it had loaded, VRAM and all)
+                weakref.finalize(self._pool, service.release)
         return self._pool
 
     @model_validator(mode="before")

@@ -59,7 +59,7 @@ from freetoken_agent.parsers import (
     parser_factory_for,
 )
 from freetoken_agent.service import EngineService, ServiceView
-from freetoken_agent.service import service_for as service_for  # re-exported (langchain.py)
+from freetoken_agent.service import service_for as service_for  # re-exported
 from freetoken_agent.session import Session
 
 _STOP = object()  # queued by a cancel: the reader stops waiting for engine events

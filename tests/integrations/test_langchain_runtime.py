@@ -27,3 +27,37 @@ def test_a_closed_engine_is_loaded_again(tmp_path, rng_seed, closing):
     events = list(again.stream(prompt, sp))
     assert [e.finish_reason for e in events] == [None] * 3 + ["length"]
     again.close()
+
+
+def test_an_engine_handed_to_chatfreetoken_is_let_go_with_the_last_model(tmp_path, rng_seed):
+    """ChatFreeToken(engine=...) started a service that held the engine for the program's life
+    (a notebook cell run again kept every engine it loaded). The service is released when the
+    last model sharing it is collected (a copy shares it, and keeps answering): its thread
+    stops and the engine can be collected."""
+    import gc
+    import weakref
+
+    from freetoken_agent import ChatFreeToken, Engine
+
+    rng = random.Random(rng_seed)
+    engine = Engine.load(ensure_demo_model(tmp_path), device="cpu", progress=False,
+                         kv_tokens=1024, max_model_len=512)  # fmt: skip
+    llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=rng.randint(2, 5))
+    question = " ".join(random_words(rng))
+    first = llm.invoke(question).content
+    copy = llm.model_copy()
+    service, engine_ref = llm._service, weakref.ref(engine)
+    del llm
+    gc.collect()
+    assert copy.invoke(question).content == first  # the copy's pool holds the service
+    del copy, engine
+    gc.collect()
+    service._thread.join(timeout=30)
+    assert service.closed and not service._thread.is_alive()
+    del service
+    gc.collect()
+    assert engine_ref() is None, gc.get_referrers(engine_ref())
+
+
+def random_words(rng: random.Random) -> list[str]:
+    return ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(2, 6))) for _ in range(5)]
