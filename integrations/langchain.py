@@ -40,6 +40,7 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -109,6 +110,13 @@ _KEYED = (
     "n",
     "reasoning",
 )
+
+
+def _release_elsewhere(service: Any) -> None:
+    """Release a holder's service from a thread of its own: a collection runs finalizers in
+    whatever thread it happens in, which may hold the engine's lock mid-step (closing the
+    service there would wait on its thread, which waits on that lock)."""
+    threading.Thread(target=service.release, name="freetoken-release", daemon=True).start()
 
 
 class ChatFreeToken(BaseChatModel):
@@ -187,7 +195,7 @@ class ChatFreeToken(BaseChatModel):
             if holds:  # let go once no model uses the pool (copies of this one share it): the
                 # service held the engine for the program's life (a notebook cell run again
                 # kept every engine it had loaded, VRAM and all)
-                weakref.finalize(self._pool, service.release)
+                weakref.finalize(self._pool, _release_elsewhere, service)
         return self._pool
 
     @model_validator(mode="before")
