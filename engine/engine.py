@@ -368,8 +368,19 @@ class Engine:
             out = self.runner.run(batch, masks)
         except Exception as e:  # noqa: BLE001 - one failing batch must not take the engine down
             log.exception("step failed; failing the %d request(s) in it", len(batch.chunks))
+            self._resync_experts()
             return failed + self.outcomes.fail(batch, e)
+        except BaseException:  # Ctrl-C out of the step: the engine serves the next one
+            self._resync_experts()
+            raise
         return failed + self.outcomes.update(batch, out)
+
+    def _resync_experts(self) -> None:
+        """A step cut short may lie between an expert fill and its publish: the cache's device
+        table is written again from its host maps (ExpertCache.resync)."""
+        cache = getattr(self.loaded.bank, "cache", None)
+        if cache is not None:
+            cache.resync()
 
     def _unschedulable(self) -> list[TokenEvent]:
         """Nothing ran although requests wait and none runs: the first cannot get its pages

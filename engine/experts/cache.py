@@ -208,10 +208,11 @@ class ExpertCache:
         victims: deque[int] | None,
         claimed: list[int],
     ) -> bool:
+        claimed.append(lid)  # first: an interruption inside the claim is undone too
         slot = self._claim(lid, protect, race, victims)
         if slot is None:
+            claimed.pop()
             return False
-        claimed.append(lid)
         self._copy_in(lid, slot)
         return True
 
@@ -221,14 +222,24 @@ class ExpertCache:
         from the host maps, the truth, so the two agree again. Left as it was, the maps named
         lids the device table did not (or a victim's slot it still did), and later steps ran
         with the wrong experts, with no error, until those lids were evicted."""
-        for lid in claimed:
+        for lid in claimed:  # (a claim cut short may have written only some of the maps)
             slot = self._slot_of[lid]
-            if slot >= 0:
-                self._evict(lid)
-                self._free.append(slot)
+            self._slot_of[lid] = -1
+            self._lru.pop(lid, None)
+            if slot >= 0 and self._lid_of[slot] == lid:
+                self._lid_of[slot] = -1
+        # Every usable slot that holds no lid is free (a slot taken and not yet mapped too).
+        top = self.max_slots - self._lent
+        self._free = [s for s in range(top - 1, self.first_slot - 1, -1) if self._lid_of[s] < 0]
         self.races.drop(set(claimed))
+        self.resync()
+
+    def resync(self) -> None:
+        """Write the whole device table from the host maps, the truth: after a fill cut short,
+        or a step that failed or was interrupted between a fill and its publish (the maps
+        then named lids the table did not, and later steps ran the wrong experts)."""
         self.table.unpublished = list(range(len(self._slot_of)))
-        self.publish([])
+        self.table.publish([])
 
     def _copy_in(self, lid: int, slot: int) -> None:
         """Copy `lid`'s rows from the pool into `slot` (on the current stream)."""
@@ -287,8 +298,14 @@ class ExpertCache:
 
     def publish(self, lids: list[int]) -> None:
         """Write filled slots, and the evictions they replaced, into the device table
-        (SlotTable.publish); compute queued from now on waits for the copies."""
-        self.table.publish(lids)
+        (SlotTable.publish); compute queued from now on waits for the copies. A publish cut
+        short (Ctrl-C in its write) had taken the evictions off the list: the whole table is
+        written from the host maps before the error goes on."""
+        try:
+            self.table.publish(lids)
+        except BaseException:
+            self.resync()
+            raise
 
     def lend(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the last `n` slots out of service and return them as scratch banks

@@ -57,14 +57,17 @@ def test_a_failed_cpu_branch_after_fills_leaves_the_cache_whole(
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("where", ["copy", "claim", "publish"])
 @pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])
 def test_a_fill_cut_short_leaves_host_maps_and_device_table_agreeing(
-    tmp_path, rng_seed, monkeypatch, fault
+    tmp_path, rng_seed, monkeypatch, fault, where
 ):
     """A copy that fails, or a Ctrl-C landing between a slot's claim and its copy: the host
     maps had named the lid (and let its victim go) while the device table did not hear of it,
-    and later requests ran with the wrong experts, with no error. The fill's lids are undone
-    and the device table written from the host maps: later requests give resident's tokens."""
+    and later requests ran with the wrong experts, with no error. The fault lands in the copy,
+    inside the claim (after the maps changed), or between a deferred publish's fill and the
+    publish. The fill's lids are undone, or the step's end writes the device table from the
+    host maps: later requests give resident's tokens."""
     rng = random.Random(rng_seed)
     make_tiny("qwen3_moe", tmp_path, rng_seed)
     resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
@@ -72,24 +75,33 @@ def test_a_fill_cut_short_leaves_host_maps_and_device_table_agreeing(
     engine = Engine.load(tmp_path, device="cpu", policy="transfer", expert_slots=slots,
                          progress=False)  # fmt: skip
     cache = engine.loaded.bank.cache
-    real_copy, at = cache._copy_in, cache.fills + rng.randint(slots + 1, 3 * slots)
+    at = cache.fills + rng.randint(slots + 1, 3 * slots)  # past the first fills: evicting
+    fired: list[int] = []
 
-    def copy_in(lid: int, slot: int) -> None:
-        if cache.fills == at:  # past the first fills: this one evicts a victim
-            raise fault("injected: the fill's copy failed")
-        real_copy(lid, slot)
+    def faulty(real):
+        def call(*args, **kwargs):
+            if cache.fills >= at and not fired:
+                fired.append(cache.fills)
+                raise fault(f"injected: the fill's {where} failed")
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(cache, "_copy_in", copy_in)
+        return call
+
+    if where == "claim":  # after the maps changed, before the claim returns
+        monkeypatch.setattr(cache.races, "start", faulty(cache.races.start))
+    else:
+        name = "_copy_in" if where == "copy" else "publish"
+        monkeypatch.setattr(cache, name, faulty(getattr(cache, name)))
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(5, 40))] for _ in range(4)]
     with pytest.raises(fault) if fault is KeyboardInterrupt else contextlib.nullcontext():
         for _ in range(20):  # until the fault's fill comes
             engine.generate(prompts, sp)
-            if cache.fills > at:
+            if fired:
                 break
-    assert cache.fills >= at, "no fill reached the fault"
+    assert fired, "no fill reached the fault"
     engine.check_integrity()
-    monkeypatch.setattr(cache, "_copy_in", real_copy)
+    monkeypatch.undo()
     want = [o.token_ids for o in resident.generate(prompts, sp)]
     assert [o.token_ids for o in engine.generate(prompts, sp)] == want
     engine.check_integrity()
