@@ -67,9 +67,13 @@ def generate(
     try:
         for p, sp in zip(batch, params, strict=True):
             ids.append(engine.submit(p, sp, **options))
-        while any(engine._requests[r].status is not Status.FINISHED for r in ids):
+        while True:  # checked and collected under the lock: another thread's step may be
+            # finishing one of them (its status set before its last event is queued)
+            with engine.lock:
+                if all(engine._requests[r].status is Status.FINISHED for r in ids):
+                    outputs = [engine._collect(r) for r in ids]
+                    break
             engine.step()
-        outputs = [engine._collect(r) for r in ids]
     finally:
         _drop(engine, ids)
     return outputs[0] if single else outputs
@@ -104,7 +108,9 @@ def stream(
                 yield event
                 if event.finished:
                     return
-            if engine._requests[rid].status is Status.FINISHED and not queue:
+            with engine.lock:  # (another thread's step sets the status, then queues the end)
+                ended = engine._requests[rid].status is Status.FINISHED and not queue
+            if ended:
                 return
             if stop is not None and stop():
                 return
@@ -121,9 +127,12 @@ def score(engine: Engine, token_ids: Sequence[int]) -> torch.Tensor:
     rid = engine.submit(token_ids, SamplingParams(max_tokens=1), _score=True)
     req = engine._requests[rid]
     try:
-        while req.status is not Status.FINISHED:
+        while True:
+            with engine.lock:  # (as generate's)
+                if req.status is Status.FINISHED:
+                    chunks = engine._scores.pop(rid)
+                    break
             engine.step()
-        chunks = engine._scores.pop(rid)
     finally:
         _drop(engine, [rid])
     if req.finish_reason == "error":

@@ -634,3 +634,44 @@ def test_the_engine_called_directly_beside_its_service_and_from_threads(engine, 
         assert got.get(-1) == alone[0]
     assert not engine.has_unfinished()
     engine.check_integrity()
+
+
+def test_a_stream_beside_another_threads_steps_keeps_its_last_token(engine, rng_seed):
+    """A step on another thread sets a request's status to finished a moment before it queues
+    the last event: Engine.stream, checking between the two without the engine's lock, ended
+    without its last token. The window is widened here (a slow bookkeeping call in it)."""
+    rng = random.Random(rng_seed)
+    prompts = _prompts(rng, 4)
+    sp = SamplingParams(max_tokens=rng.randint(3, 5), temperature=0, ignore_eos=True)
+    alone = [engine.generate(p, sp).token_ids for p in prompts]
+    observe = engine.outcomes.metrics.observe
+
+    def slow_observe(req) -> None:  # between the status and the last event's queueing
+        observe(req)
+        time.sleep(0.002)
+
+    engine.outcomes.metrics.observe = slow_observe
+    wrong: list = []
+
+    def worker(kind: str, first: int) -> None:
+        for n in range(12):
+            i = (first + n) % len(prompts)
+            if kind == "generate":
+                got = engine.generate(prompts[i], sp).token_ids
+            else:
+                got = []
+                for event in engine.stream(prompts[i], sp):
+                    time.sleep(0.001)  # the reader does a little work per event
+                    got += [] if event.token_id is None else [event.token_id]
+            if got != alone[i]:
+                wrong.append((kind, i, got))
+
+    kinds = ["generate", "stream", "generate", "stream"]
+    threads = [threading.Thread(target=worker, args=(k, j)) for j, k in enumerate(kinds)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert not wrong, wrong[:3]
+    engine.check_integrity()
