@@ -36,6 +36,7 @@ from freetoken_agent.integrations.server.errors import (
     ModelNotFound,
     body_flag,
     check_nesting,
+    shown_number,
 )
 from freetoken_agent.integrations.server.foreign_fields import (
     check_chat_fields,
@@ -135,11 +136,13 @@ def _number(body: Mapping, key: str, lo: float, hi: float, *, lo_open: bool = Fa
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadParam(f"{key} must be a number, got {value!r:.40}", key)
-    if not math.isfinite(value):
+    # An int is finite, whatever its size (math.isfinite would convert it to a float, and one
+    # past 1e308 raises OverflowError: a 500).
+    if isinstance(value, float) and not math.isfinite(value):
         raise BadParam(f"{key} must be a finite number, got {value}", key)
     if value > hi or value < lo or (lo_open and value == lo):
         low = f"({lo}" if lo_open else f"[{lo}"
-        raise BadParam(f"{key} must be in {low}, {hi}], got {value}", key)
+        raise BadParam(f"{key} must be in {low}, {hi}], got {shown_number(value)}", key)
     return value
 
 
@@ -150,7 +153,7 @@ def _integer(body: Mapping, key: str, lo: int | None = None):
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadParam(f"{key} must be an integer, got {value!r:.40}", key)
     if not _INT64[0] <= value <= _INT64[1]:  # the engine's counters and seeds are 64-bit
-        raise BadParam(f"{key} must fit in 64 bits, got {value:.3g}", key)
+        raise BadParam(f"{key} must fit in 64 bits, got {shown_number(value)}", key)
     if lo is not None and value < lo:
         raise BadParam(f"{key} must be >= {lo}, got {value}", key)
     return value

@@ -130,6 +130,11 @@ def parse_json_body(raw: bytes | str, what: str = "the request body") -> Any:
         ) from None
     except _NotJSON as e:
         raise BadParam(f"{what} is not valid JSON: {e}", code="invalid_json") from None
+    except ValueError:  # Python's limit on an int's digits (4300 by default; 3.10.7 and up)
+        limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        raise BadParam(
+            f"{what} holds an integer of more than {limit} digits", code="invalid_json"
+        ) from None
     except RecursionError:  # json.loads recurses per level: "[[[[..." deeper than the stack
         raise BadParam(
             f"{what} is nested deeper than this server reads (Python's recursion limit, "
@@ -137,6 +142,14 @@ def parse_json_body(raw: bytes | str, what: str = "the request body") -> Any:
             code="invalid_json",
         ) from None
     return value
+
+
+def shown_number(value: float) -> str:
+    """A number for an error message: an integer too long to print (or to format as a float,
+    which raises OverflowError past 1e308) by its digits' count."""
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return f"{value}"
 
 
 # Levels of arrays and objects one field may nest (a tool's parameters schema, a message with

@@ -13,6 +13,7 @@ says why.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -21,9 +22,12 @@ from starlette.routing import Route
 from freetoken_agent.engine.outputs import InvalidRequestError
 from freetoken_agent.integrations.server.errors import (
     BadParam,
+    error_response,
     invalid_response,
     parse_json_body,
 )
+
+log = logging.getLogger("freetoken.server")
 
 MAX_TRACE = 4096
 
@@ -55,6 +59,9 @@ async def set_budget(request: Request) -> JSONResponse:
         elastic = await asyncio.to_thread(state.service.set_gpu_budget, nbytes)
     except InvalidRequestError as e:
         return invalid_response(e)
+    except Exception as e:  # noqa: BLE001 - still an OpenAI error object, the connection kept
+        log.exception("could not set the GPU budget")
+        return error_response(500, f"{type(e).__name__}: {e}", "server_error")
     # (An engine that is not elastic refused above: its figures are always there.)
     return JSONResponse({"budget": elastic["budget"], "requested": nbytes, "elastic": elastic})
 

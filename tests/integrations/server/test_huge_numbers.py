@@ -1,0 +1,104 @@
+"""Numbers too large to be read as a float or as an int, and compressed bodies: a 400 (or 415)
+in the route's own error shape that names the problem, never a 500 or a dropped socket.
+
+JSON has no size limit on numbers. Python reads an integer of up to 4300 digits (more raises
+ValueError inside json.loads) and fails to turn one past ~1e308 into a float (OverflowError in
+math.isfinite, or in a message's float formatting)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+
+import pytest
+
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
+USER = [{"role": "user", "content": "hi"}]
+
+# Every route with a numeric sampling field, the fields and a body each reads them from.
+FIELDS = {
+    CHAT: (["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+            "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p",
+            "min_tokens"], {"messages": USER}),
+    TEXT: (["max_tokens", "temperature", "top_p", "seed", "min_tokens"], {"prompt": "hi"}),
+    MESSAGES: (["max_tokens", "temperature", "top_p", "top_k"],
+               {"messages": USER, "max_tokens": 4}),
+    RESPONSES: (["max_output_tokens", "temperature", "top_p"], {"input": "hi"}),
+}  # fmt: skip
+# Every route that reads a JSON body.
+JSON_ROUTES = [CHAT, TEXT, MESSAGES, RESPONSES, "/v1/messages/count_tokens",
+               "/v1/responses/input_tokens", "/tokenize", "/detokenize"]  # fmt: skip
+
+
+def _huge(rng: random.Random, digits: int) -> str:
+    """A random integer of exactly `digits` digits, either sign, as JSON text (Python itself
+    cannot print one of more than 4300)."""
+    text = str(rng.randint(1, 9)) + "".join(rng.choice("0123456789") for _ in range(digits - 1))
+    return text if rng.random() < 0.5 else "-" + text
+
+
+def _message(r) -> str:
+    body = r.json()
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize("route", list(FIELDS))
+def test_an_integer_past_the_float_range_is_a_400_naming_its_field(client, rng_seed, route):
+    rng = random.Random(rng_seed)
+    fields, body = FIELDS[route]
+    for field in rng.sample(fields, min(4, len(fields))):
+        raw = json.dumps({**body, field: 0}).replace(f'"{field}": 0', f'"{field}": '
+                                                     + _huge(rng, rng.randint(310, 4000)))
+        r = client.post(route, content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, (field, r.text[:300])
+        message = _message(r)
+        assert field in message or field in json.dumps(r.json()), (field, message)
+        assert "digits" in message or "must be" in message, message
+        assert len(message) < 400, "the number itself must not be echoed whole"
+    assert client.post(CHAT, json={"messages": USER, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("route", JSON_ROUTES)
+def test_an_integer_longer_than_python_reads_is_a_400(client, rng_seed, route):
+    rng = random.Random(rng_seed)
+    digits = rng.randint(4301, 6000)
+    key = rng.choice(["max_tokens", "temperature", "anything_else", "seed"])
+    raw = '{"messages": [], "prompt": "x", "input": "x", "' + key + '": ' + _huge(rng, digits) + "}"
+    r = client.post(route, content=raw.encode())
+    assert r.status_code == 400, r.text[:300]
+    message = _message(r)
+    assert "integer of more than" in message and "digits" in message, message
+
+
+def test_a_websocket_frame_with_a_huge_integer_is_refused_on_an_open_socket(client, rng_seed):
+    rng = random.Random(rng_seed)
+    with client.websocket_connect(f"/v1/sessions/huge-{rng_seed}/ws") as ws:
+        ws.receive_json(), ws.receive_json()  # session, memory
+        for digits in (rng.randint(310, 4000), rng.randint(4301, 6000)):
+            raw = json.dumps({"type": "send", "messages": USER,
+                              "sampling": {"max_tokens": 4, "temperature": 0}})  # fmt: skip
+            raw = raw.replace('"temperature": 0', f'"temperature": {_huge(rng, digits)}')
+            ws.send_text(raw)
+            error = ws.receive_json()
+            assert error["type"] == "error" and "digits" in error["message"], error
+            assert ws.receive_json()["type"] == "done"
+        ws.send_json({"type": "send", "messages": USER, "sampling": {"max_tokens": 2}})
+        assert ws.receive_json()["type"] == "start"  # the socket still serves
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "GZIP"])
+def test_a_compressed_body_is_a_415_naming_the_encoding(client, rng_seed, encoding):
+    rng = random.Random(rng_seed)
+    route = rng.choice([CHAT, TEXT, RESPONSES])
+    body = json.dumps({"messages": USER, "prompt": "hi", "input": "hi", "max_tokens": 2})
+    r = client.post(route, content=gzip.compress(body.encode()),
+                    headers={"content-encoding": encoding, "content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 415, r.text
+    assert encoding in _message(r) and "uncompressed" in _message(r)
+    r = client.post(MESSAGES, content=b"{}", headers={"content-encoding": encoding})
+    assert r.status_code == 415 and r.json()["type"] == "error", r.text  # Anthropic's shape
+    # identity, or no header, is a plain body
+    plain = client.post(route, content=body.encode(), headers={"content-encoding": "identity"})
+    assert plain.status_code == 200, plain.text
