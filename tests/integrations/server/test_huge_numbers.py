@@ -49,8 +49,9 @@ def test_an_integer_past_the_float_range_is_a_400_naming_its_field(client, rng_s
     rng = random.Random(rng_seed)
     fields, body = FIELDS[route]
     for field in rng.sample(fields, min(4, len(fields))):
-        raw = json.dumps({**body, field: 0}).replace(f'"{field}": 0', f'"{field}": '
-                                                     + _huge(rng, rng.randint(310, 4000)))
+        raw = json.dumps({**body, field: 0}).replace(
+            f'"{field}": 0', f'"{field}": ' + _huge(rng, rng.randint(310, 4000))
+        )
         r = client.post(route, content=raw.encode(), headers={"content-type": "application/json"})
         assert r.status_code == 400, (field, r.text[:300])
         message = _message(r)
@@ -93,8 +94,8 @@ def test_a_compressed_body_is_a_415_naming_the_encoding(client, rng_seed, encodi
     rng = random.Random(rng_seed)
     route = rng.choice([CHAT, TEXT, RESPONSES])
     body = json.dumps({"messages": USER, "prompt": "hi", "input": "hi", "max_tokens": 2})
-    r = client.post(route, content=gzip.compress(body.encode()),
-                    headers={"content-encoding": encoding, "content-type": "application/json"})  # fmt: skip
+    headers = {"content-encoding": encoding, "content-type": "application/json"}
+    r = client.post(route, content=gzip.compress(body.encode()), headers=headers)
     assert r.status_code == 415, r.text
     assert encoding in _message(r) and "uncompressed" in _message(r)
     r = client.post(MESSAGES, content=b"{}", headers={"content-encoding": encoding})
