@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from freetoken_agent.bench import cpu_load
-from freetoken_agent.bench.limits import decode_floor_s, host_paths, host_paths_bandwidth
+from freetoken_agent.bench.limits import (
+    decode_floor_overlapped_s,
+    decode_floor_s,
+    host_paths,
+    host_paths_bandwidth,
+)
 from freetoken_agent.engine.experts import calibration
 
 IDLE_SECONDS = 0.5  # the idle window sampled before each probe
@@ -79,11 +84,17 @@ class HostCaps:
         bytes a step: step_device_bytes (dense weights, hit experts and KV read from HBM),
         step_host_bytes (missed experts, read from host memory), with the tokens a step
         makes (tokens_per_step, else its batch)."""
-        floor = decode_floor_s(row["step_device_bytes"], row["step_host_bytes"], b_hbm,
-                               self.miss_bandwidth())  # fmt: skip
+        b_miss = self.miss_bandwidth()
+        floor = decode_floor_s(row["step_device_bytes"], row["step_host_bytes"], b_hbm, b_miss)
         tokens = row.get("tokens_per_step", row["batch"])
         row["limit_tok_s"] = tokens / floor
         row["of_limit"] = row["tok_s"] * floor / tokens
+        hits = row.get("step_hit_bytes")
+        if hits is not None:  # the bound with hits beside misses (limits.py says why)
+            dense = row["step_device_bytes"] - hits
+            floor = decode_floor_overlapped_s(dense, hits, row["step_host_bytes"], b_hbm, b_miss)
+            row["limit_overlap_tok_s"] = tokens / floor
+            row["of_overlap_limit"] = row["tok_s"] * floor / tokens
 
 
 def above_limits(rows: dict[str, dict]) -> list[str]:

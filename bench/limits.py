@@ -74,6 +74,18 @@ def decode_floor_s(device_bytes: float, host_bytes: float, b_hbm: float, b_miss:
     return device_bytes / b_hbm + host_bytes / b_miss
 
 
+def decode_floor_overlapped_s(
+    dense_bytes: float, hit_bytes: float, host_bytes: float, b_hbm: float, b_miss: float
+) -> float:
+    """A lower floor than `decode_floor_s`: the hit experts' HBM reads overlapping the misses'
+    host reads, as adaptive's CPU branch runs beside the GPU's experts (a layer's misses are
+    known only once its router ran, so the dense bytes stay in series). DESIGN section 7's
+    floor adds the two; this one is the bound no schedule of the same bytes can beat, reported
+    beside it (`of_overlap_limit`) so a share of DESIGN's limit is not read as more than it is.
+    Summed over the step, not per layer: lower still, so still a bound."""
+    return dense_bytes / b_hbm + max(hit_bytes / b_hbm, host_bytes / b_miss)
+
+
 def host_paths_bandwidth(
     w13: torch.Tensor, w2: torch.Tensor, device: torch.device, seconds: float = 1.0
 ) -> dict[str, float]:

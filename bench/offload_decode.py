@@ -119,7 +119,7 @@ def decode_window(engine, n: int, rng, batch: int = 1, context: int = 64) -> tup
         reserve(n * batch)
     before = (bank.stats.experts, bank.stats.hits, bank.stats.fetched, bank.stats.on_cpu,
               bank.stats.behind, bank.stats.split, bank.stats.split_hits)  # fmt: skip
-    filled0 = bank.cache.bytes_filled
+    filled0, read0 = bank.cache.bytes_filled, bank.stats.direct
     graphs = engine.runner.graphs
     # Direct graphs never re-run a segment: misses are read in place, so they keep no counter.
     reruns0 = getattr(graphs, "reruns", 0)
@@ -167,7 +167,13 @@ def decode_window(engine, n: int, rng, batch: int = 1, context: int = 64) -> tup
         # (each posted to the CPU again: the copies behind had not landed)
         "split_per_token": (st.split - before[5]) * per_token,
         "split_hits_per_token": (st.split_hits - before[6]) * per_token,
-        "pcie_bytes_per_token": (bank.cache.bytes_filled - filled0) * per_token,
+        # Fills, and misses the kernels read over the link in place (direct; gpu-fill and the
+        # device path where a layer found no slot to fill): both cross it once.
+        "host_reads_per_token": (st.direct - read0) * per_token,
+        "pcie_bytes_per_token": (
+            bank.cache.bytes_filled - filled0 + (st.direct - read0) * bank.pool.expert_bytes
+        )
+        * per_token,
         # A layer's distinct experts count once however many of the step's tokens chose them:
         # at batch B a token's share of them, at most n_moe_layers * top_k.
         "experts_per_token": experts * per_token,

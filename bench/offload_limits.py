@@ -35,7 +35,8 @@ def add_limits(row: dict, policy: str, batch: int, expert_bytes: float, device_r
     # whole_step (direct, gpu-fill: no CPU branch) is for reading the row; the limit is the
     # machine's and the same for every policy (HostCaps.miss_bandwidth).
     row.update(batch=batch, tokens_per_step=per_step, step_device_bytes=device_read + hit_bytes,
-               step_host_bytes=miss_bytes, whole_step=policy in WHOLE_STEP_POLICIES)  # fmt: skip
+               step_hit_bytes=hit_bytes, step_host_bytes=miss_bytes,
+               whole_step=policy in WHOLE_STEP_POLICIES)  # fmt: skip
     caps.bound(row, b_hbm)
 
 

@@ -4,7 +4,8 @@ output tail holds them whole: the JSON lines before it run to several hundred ch
 from __future__ import annotations
 
 HEADER = (
-    "decode key | tok/s (all sequences) | limit tok/s | of limit | miss rate | "
+    "decode key | tok/s (all sequences) | limit tok/s | of limit | "
+    "of the limit with hits beside misses | miss rate | "
     "experts on CPU per token | step path (ms per token each path's trials took) | "
     "mean ms per step outside trials (trials' share of the time)"
 )
@@ -12,7 +13,8 @@ HEADER = (
 
 def decode_table(decode: dict[str, dict]) -> list[str]:
     """One line per decode key ("regime|bN|policy"): tok/s of the batch's sequences together,
-    the limit beside it, the miss rate, experts run on the CPU per decoded token (a step of
+    the limit beside it (DESIGN section 7's, and limits.decode_floor_overlapped_s'), the miss
+    rate, experts run on the CPU per decoded token (a step of
     batch N makes N tokens: offload_decode.decode_window), and adaptive's kept step path with
     the ms per token each path measured; then the mean step (all N tokens) outside the
     trials."""
@@ -23,7 +25,8 @@ def decode_table(decode: dict[str, dict]) -> list[str]:
         path = row.get("step_path") or "-"
         lines.append(
             f"{key} | {row['tok_s']:.1f} | {row.get('limit_tok_s', float('nan')):.1f} | "
-            f"{row.get('of_limit', float('nan')):.0%} | {row['miss_rate']:.3f} | "
+            f"{row.get('of_limit', float('nan')):.0%} | "
+            f"{row.get('of_overlap_limit', float('nan')):.0%} | {row['miss_rate']:.3f} | "
             f"{row.get('on_cpu_per_token', 0.0):.2f} | {path}{f' ({measured})' if measured else ''}"
             f" | {_steps(row.get('step_ms') or {})}"
         )

@@ -85,14 +85,20 @@ def test_offload_limits_use_the_best_caps_any_probe_saw(rng_seed):
     assert len(caps.probes) == len(probes) - 1
     b_hbm = rng.uniform(1e12, 5e12)
     for whole in (False, True):
+        dense, hits = rng.uniform(1e9, 3e9), rng.uniform(0, 3e9)
         row = {"tok_s": rng.uniform(10, 500), "batch": rng.choice((1, 4)), "whole_step": whole,
-               "step_device_bytes": rng.uniform(1e9, 6e9),
+               "step_device_bytes": dense + hits, "step_hit_bytes": hits,
                "step_host_bytes": rng.uniform(0, 2e9)}  # fmt: skip
         caps.bound(row, b_hbm)
         link = min(best_p + best_h, best_read)
         floor = row["step_device_bytes"] / b_hbm + row["step_host_bytes"] / link
         assert math.isclose(row["limit_tok_s"], row["batch"] / floor)
         assert math.isclose(row["of_limit"], row["tok_s"] / row["limit_tok_s"])
+        # With the hits read beside the misses: only the longer of the two counts.
+        overlapped = dense / b_hbm + max(hits / b_hbm, row["step_host_bytes"] / link)
+        assert math.isclose(row["limit_overlap_tok_s"], row["batch"] / overlapped)
+        assert math.isclose(row["of_overlap_limit"], row["tok_s"] / row["limit_overlap_tok_s"])
+        assert row["limit_overlap_tok_s"] >= row["limit_tok_s"]
         before = row["limit_tok_s"]
         caps.observe("slower", best_p / 2, best_h / 2, best_read / 2)
         caps.bound(row, b_hbm)

@@ -218,3 +218,23 @@ def test_cpu_experts_says_which_read_it_keeps():
 
     assert "median of 7" not in cpu_experts.__doc__
     assert "fastest of 7" in " ".join(cpu_experts.__doc__.split())
+
+
+def test_link_bytes_count_the_misses_read_in_place(rng_seed):
+    """Under `direct` the MoE kernels read misses from the pool over the link as well as
+    filling slots: the row's link bytes a token are both, each an expert's bytes."""
+    from freetoken_agent.bench.offload_decode import start_policy
+
+    rng = random.Random(rng_seed)
+    engine = _engine(rng_seed, rng.randint(3, 12))
+    bank = engine.loaded.bank
+    try:
+        start_policy(engine, bank, "direct", 1e9, 1e9)
+        decode_window(engine, rng.randint(3, 6), random.Random(rng_seed), batch=1, context=16)
+        _, st, _ = _window(engine, rng.randint(12, 24), rng.choice([1, 2]), rng_seed + 1)
+        expert_bytes = bank.pool.expert_bytes
+    finally:
+        engine.close()
+    assert st["host_reads_per_token"] > 0, "direct read no miss in place: the test shows nothing"
+    link = (st["fetched_per_token"] + st["host_reads_per_token"]) * expert_bytes
+    assert st["pcie_bytes_per_token"] == pytest.approx(link)

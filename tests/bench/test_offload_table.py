@@ -13,6 +13,7 @@ def test_every_key_gets_its_figures(rng_seed):
             row = {"tok_s": rng.uniform(50, 900), "limit_tok_s": rng.uniform(900, 2000),
                    "miss_rate": rng.random(), "on_cpu_per_token": rng.uniform(0, 9)}  # fmt: skip
             row["of_limit"] = row["tok_s"] / row["limit_tok_s"]
+            row["of_overlap_limit"] = row["of_limit"] * rng.uniform(0.5, 1)
             if policy == "adaptive":
                 row["step_path"] = "shared"
                 row["path_ms_per_token"] = {"stops": rng.uniform(1, 20), "device": 1.5}
@@ -33,16 +34,17 @@ def test_every_key_gets_its_figures(rng_seed):
         assert cells[0] == key and float(cells[1]) == round(row["tok_s"], 1)
         assert float(cells[2]) == round(row["limit_tok_s"], 1)
         assert cells[3] == f"{row['of_limit']:.0%}"
-        assert float(cells[4]) == round(row["miss_rate"], 3)
+        assert cells[4] == f"{row['of_overlap_limit']:.0%}"
+        assert float(cells[5]) == round(row["miss_rate"], 3)
         if "step_path" in row:
             stops = row["path_ms_per_token"]["stops"]
-            assert cells[6] == f"shared (stops {stops:.2f} device 1.50)"
+            assert cells[7] == f"shared (stops {stops:.2f} device 1.50)"
         else:
-            assert cells[6] == "-"
+            assert cells[7] == "-"
         steps = row.get("step_ms", {})
         steady = [s for label, s in steps.items() if not label.endswith("~")]
         if not steady:
-            assert cells[7] == "-"
+            assert cells[8] == "-"
         else:
             trials = sum(s["time_share"] for label, s in steps.items() if label.endswith("~"))
-            assert cells[7] == f"{steady[0]['mean_ms']:.2f} ({trials:.0%})"
+            assert cells[8] == f"{steady[0]['mean_ms']:.2f} ({trials:.0%})"
