@@ -305,10 +305,11 @@ def assemble(
             for i in range(len(spec.recurrent_layers))
         ]
         model.bind_recurrent_state(views)
-        # The tree releases a node's checkpoints when it evicts the node; the pool tells the
-        # tree when it drops one for space.
+        # The tree releases a node's checkpoints when it evicts the node and tells the pool
+        # what lies above one it hangs; the pool tells the tree when it drops one for space.
         radix.release_checkpoint = recurrence.checkpoints.release
         recurrence.checkpoints.on_drop = radix.forget_checkpoint
+        radix.link_checkpoint = recurrence.checkpoints.link
     if arena is None:  # one sequence can never hold more than the whole pool
         max_len = min(max_len, kv.allocator.capacity * config.page_size)
     eos = set(spec.eos_token_ids) | set(end_ids)

@@ -79,6 +79,7 @@ class Request:
     ahead_checkpoint: tuple[int, Any] | None = None
     num_resumed: int = 0  # tokens covered by restored checkpoints (summed over admissions)
     resume_boundary: int = 0  # the checkpoint the admission being tried restored (0: none)
+    resume_checkpoint: Any = None  # that checkpoint: what its new ones would fall back to
     # Preemptions: tokens computed at the last one, and how many self-preemptions in a row,
     # alone in the engine, came with nothing computed since the one before (such a request
     # cannot progress: it is failed, not retried).

@@ -35,6 +35,7 @@ import time
 from collections import deque
 
 from freetoken_agent.engine.checkpoints_ahead import AheadCheckpoints
+from freetoken_agent.engine.kv.checkpoints import DROPPED, Checkpoint
 from freetoken_agent.engine.kv.pool import PageAllocator
 from freetoken_agent.engine.kv.radix import RadixCache
 from freetoken_agent.engine.request import Batch, Recurrence, Request, ScheduledChunk, Status
@@ -156,14 +157,27 @@ class Scheduler:
         # Owned by the request from now on, so every way out (finish, failure, preemption)
         # releases or hangs them.
         req.pending_checkpoints.extend(chunk.snapshots)
+        for _, ckpt in chunk.snapshots:  # shallowest first: each links to the one before
+            self._link_pending(req, ckpt)
         return chunk
+
+    def _link_pending(self, req: Request, ckpt: Checkpoint) -> None:
+        """Tell the pool what losing a checkpoint the tree does not hold yet would cost: the
+        tokens back to the request's previous one (pending, or the one it resumed from). A
+        long prefill hangs its checkpoints only at its end; until then, costed at their whole
+        boundary, the pool would drop the shallowest first: a history's first anchor."""
+        live = [c for b, c in req.pending_checkpoints if b < ckpt.boundary and c.tier != DROPPED]
+        resumed = req.resume_checkpoint
+        if resumed is not None and resumed.tier != DROPPED and resumed.boundary < ckpt.boundary:
+            live.append(resumed)
+        self.recurrence.checkpoints.link(ckpt, max(live, key=lambda c: c.boundary, default=None))
 
     def _admit(self, req: Request) -> None:
         """Reuse what the prefix cache holds of the request's tokens (all but the last one,
         whose logits must be computed). Hybrid models reuse only up to their deepest
         checkpoint there, whose state goes into a fresh state slot."""
         rec = self.recurrence
-        req.resume_boundary = 0
+        req.resume_boundary, req.resume_checkpoint = 0, None
         if rec is not None:
             req.state_slot = rec.states.alloc()  # zeroed: a cold start unless restored below
         if not req.use_prefix_cache or (rec is not None and not rec.mode.reuses):
@@ -203,6 +217,7 @@ class Scheduler:
         if found is not None:
             rec.checkpoints.restore(found.checkpoint, rec.states, req.state_slot)
             req.resume_boundary = found.boundary  # counted if the admission goes through
+            req.resume_checkpoint = found.checkpoint
 
     def take_copies(self) -> list[tuple[int, int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -340,6 +355,7 @@ class Scheduler:
             rec.checkpoints.save(ckpt, rec.states, req.state_slot)  # queued on the stream
             rec.checkpoints.unlock(ckpt)
             req.pending_checkpoints.append((boundary, ckpt))
+            self._link_pending(req, ckpt)
 
     def _hang_checkpoints(self, req: Request, final: bool) -> None:
         """Hang the request's checkpoints on the tree nodes holding their boundary's page;

@@ -11,12 +11,13 @@ state of one sequence at one boundary, in one row of one of two tiers:
   row, so a spill or a restore is one copy per tensor.
 
 Space: `reserve` needs a free device row; when there is none it moves the least recently used
-unlocked device checkpoint to the host tier, or drops it when the host tier is full of
-checkpoints used more recently than it (or locked, or there is no host tier). Making room on the
-host drops the host tier's least recently used unlocked checkpoint. Either way the two tiers
-together keep the most recently used checkpoints; a drop calls `on_drop(ckpt)` so the owner (a
-radix node) forgets it. A locked checkpoint is never moved or dropped: its row is named in a
-step being built or run. When every device row is locked, `reserve` returns None and the caller
+unlocked device checkpoint to the host tier (a spill: restoring from the host costs one copy).
+When the host tier is full too (or absent), the pool must drop a checkpoint: the one of either
+tier whose loss costs least (checkpoint_costs.py: GreedyDual over the tokens a drop would
+re-prefill, which with equal costs is LRU). Dropping a host checkpoint makes room for the
+spill; dropping a device one frees its row. A drop calls `on_drop(ckpt)` so the owner (a radix
+node) forgets it. A locked checkpoint is never moved or dropped: its row is named in a step
+being built or run. When every device row is locked, `reserve` returns None and the caller
 skips that snapshot: running out of checkpoint space is never an error.
 
 Ordering: every copy is `copy_(..., non_blocking=True)` on the current stream, the stream that
@@ -40,12 +41,13 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from freetoken_agent.engine.device_memory import ChunkedMemory
+from freetoken_agent.engine.kv.checkpoint_costs import DropCosts
 from freetoken_agent.engine.kv.checkpoint_lanes import lane_spans, lane_views, map_rows
 from freetoken_agent.engine.kv.recurrent_state import (
     SCRATCH_SLOT,
@@ -71,6 +73,12 @@ class Checkpoint:
     last_used: int  # LRU clock
     locks: int = 0  # > 0: never moved or dropped (being written this step, or being restored)
     owner: Any = None  # whoever holds it (the radix node); passed back in on_drop
+    # The drop order (checkpoint_costs.py): tokens its loss would re-prefill, its GreedyDual
+    # credit, and its links to the checkpoints next above and below it on its path.
+    gap: int = 0
+    credit: int = 0
+    prev: Checkpoint | None = None
+    deeper: set[Checkpoint] = field(default_factory=set)
 
 
 class CheckpointPool:
@@ -124,6 +132,7 @@ class CheckpointPool:
         }
         self._clock = itertools.count(1)
         self._now = 0
+        self.costs = DropCosts()
         self._doomed: set[Checkpoint] = set()  # released while locked: freed at the last unlock
         self._counts = {
             "spilled": 0,  # device -> host moves
@@ -226,9 +235,14 @@ class CheckpointPool:
             if victim is None:
                 self._counts["reserve_skipped"] += 1
                 return None
-            self._evict_device(victim)
+            cheapest = None if self._free[HOST] else self.costs.cheapest(self._unlocked())
+            if cheapest is not None and cheapest.tier == DEVICE:
+                self._drop(cheapest)  # cheaper to lose than any host one: no spill needed
+            else:
+                self._evict_device(victim)
         row = free.pop()
         ckpt = Checkpoint(boundary, DEVICE, row, self._tick(), locks=1, owner=owner)
+        self.costs.born(ckpt)
         self._rows[DEVICE][row] = ckpt
         return ckpt
 
@@ -240,7 +254,7 @@ class CheckpointPool:
         self._check_slot(state, slot)
         self.conv[:, ckpt.row].copy_(state.conv[:, slot], non_blocking=True)  # [L, C, K - 1]
         self.ssm[:, ckpt.row].copy_(state.ssm[:, slot], non_blocking=True)  # [L, Hv, Dk, Dv]
-        ckpt.last_used = self._tick()
+        self.touch(ckpt)
 
     def restore(self, ckpt: Checkpoint, state: RecurrentStatePool, slot: int) -> None:
         """Copy ckpt into the state row `slot` from whichever tier holds it (touches LRU)."""
@@ -253,7 +267,7 @@ class CheckpointPool:
         state.conv[:, slot].copy_(conv, non_blocking=True)  # [L, C, K - 1]
         state.ssm[:, slot].copy_(ssm, non_blocking=True)  # [L, Hv, Dk, Dv]
         self._counts[f"restored_from_{ckpt.tier}"] += 1
-        ckpt.last_used = self._tick()
+        self.touch(ckpt)
 
     def lock(self, ckpt: Checkpoint) -> None:
         self._check_live(ckpt)
@@ -271,6 +285,15 @@ class CheckpointPool:
     def touch(self, ckpt: Checkpoint) -> None:
         self._check_live(ckpt)
         ckpt.last_used = self._tick()
+        self.costs.used(ckpt)
+
+    def link(self, ckpt: Checkpoint, prev: Checkpoint | None) -> None:
+        """The owner hung `ckpt` below `prev`, the deepest live checkpoint above it on its path
+        (None: none), so its loss would re-prefill from there (checkpoint_costs.py)."""
+        self._check_live(ckpt)
+        if prev is not None:
+            self._check_live(prev)
+        self.costs.link(ckpt, prev)
 
     def release(self, ckpt: Checkpoint) -> None:
         """The owner no longer needs ckpt: its row is freed (no on_drop call). A locked
@@ -289,14 +312,13 @@ class CheckpointPool:
     def _evict_device(self, victim: Checkpoint) -> None:
         """Free victim's device row: spill it to the host tier, or drop it."""
         if not self._free[HOST]:
-            host_victim = self._lru(HOST)
-            # Drop whichever of the two was used less recently, so the pool as a whole keeps
-            # the most recently used checkpoints (a host checkpoint restored often can be more
-            # recent than a device one that was never touched again).
-            if host_victim is None or host_victim.last_used > victim.last_used:
-                self._drop(victim)
+            # Drop whichever of the victim and the host checkpoints costs least to lose (a host
+            # checkpoint restored often, or far from any other, can be worth more than it).
+            host = (c for c in self._rows[HOST] if c is not None and not c.locks)
+            cheapest = self.costs.cheapest([victim, *host])
+            self._drop(cheapest)
+            if cheapest is victim:
                 return
-            self._drop(host_victim)
         host_row = self._free[HOST].pop()
         dev_row = victim.row
         # The device slices are strided ([L, ...] at one row): torch packs them on the device,
@@ -310,12 +332,14 @@ class CheckpointPool:
         self._counts["spilled"] += 1
 
     def _drop(self, ckpt: Checkpoint) -> None:
+        self.costs.dropped(ckpt)
         self._unlink(ckpt)
         self._counts["dropped"] += 1
         if self.on_drop is not None:
             self.on_drop(ckpt)  # after the pool is consistent: the owner may inspect it
 
     def _unlink(self, ckpt: Checkpoint) -> None:
+        self.costs.unlink(ckpt)
         self._rows[ckpt.tier][ckpt.row] = None
         self._free[ckpt.tier].append(ckpt.row)
         ckpt.tier, ckpt.row = DROPPED, -1
@@ -328,6 +352,10 @@ class CheckpointPool:
             if c is not None and not c.locks and (best is None or c.last_used < best.last_used):
                 best = c
         return best
+
+    def _unlocked(self) -> list[Checkpoint]:
+        """Every unlocked checkpoint of both tiers."""
+        return [c for t in (DEVICE, HOST) for c in self._rows[t] if c is not None and not c.locks]
 
     def _tick(self) -> int:
         self._now = next(self._clock)

@@ -15,7 +15,8 @@ Recurrent checkpoints (hybrid models): a checkpoint of the state after tokens [0
 the node holding token b - 1, so it lives exactly as long as the KV it needs, and two sessions
 branching from one prefix share it. Evicting a node releases its checkpoints
 (`release_checkpoint`, set by the engine); a checkpoint pool that drops one for space calls
-`forget_checkpoint`.
+`forget_checkpoint`. Hanging one tells the pool which checkpoint is next above it on its path
+(`link_checkpoint`): what a request would resume from if the pool dropped it.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class RadixCache:
         # unlocks, evictions): MemoryManager recounts cached pages only when it moved.
         self.version = 0
         self.release_checkpoint: Callable[[Any], None] = lambda ckpt: None
+        self.link_checkpoint: Callable[[Any, Any], None] = lambda ckpt, prev: None
 
     def _tick(self) -> int:
         self.clock += 1
@@ -202,7 +204,22 @@ class RadixCache:
             return False
         nodes[0].checkpoints[boundary] = ckpt
         ckpt.owner = nodes[0]
+        self.link_checkpoint(ckpt, self._checkpoint_above(nodes[0], boundary))
         return True
+
+    @staticmethod
+    def _checkpoint_above(node: Node, boundary: int) -> Any | None:
+        """The deepest checkpoint before `boundary` on the path ending at `node`: its own
+        shallower ones, else the nearest ancestor's deepest. A walk up the path, which stops at
+        the first node holding one (anchors are a turn apart; the first of a history walks to
+        the root once)."""
+        below = [b for b in node.checkpoints if b < boundary]
+        while not below:
+            node = node.parent
+            if node is None:
+                return None
+            below = list(node.checkpoints)
+        return node.checkpoints[max(below)]
 
     def forget_checkpoint(self, ckpt: Any) -> None:
         """The checkpoint pool dropped `ckpt` for space."""

@@ -153,6 +153,33 @@ def test_checkpoints_spill_and_drop_under_pressure(hybrid):
     assert cold.generate(other, GREEDY).token_ids == out.token_ids
 
 
+def test_a_full_pool_drops_dense_anchors_before_a_historys_first(hybrid):
+    """Four checkpoint rows, nine anchors: the first (the end of a system prompt) is far from
+    any other, the rest a few tokens apart. The pool drops what costs least to lose (the
+    tokens back to the next shallower checkpoint), so the first anchor stays and a new
+    session sharing only it resumes there. (LRU dropped it first: the oldest.)"""
+    path, rng = hybrid
+    probe = _load(path)
+    per = probe.stats()["checkpoints"]["bytes_per_checkpoint"]
+    engine = _load(path, max_batched_tokens=32, checkpoint_device_bytes=2 * per,
+                   checkpoint_host_bytes=2 * per)  # fmt: skip
+    first = rng.randrange(90, 130)
+    prompt = _tokens(rng, first + rng.randrange(80, 120))
+    dense = sorted(rng.sample(range(first + 20, len(prompt)), 8))
+    engine.generate(prompt, GREEDY, anchors=[first, *dense])
+    # A drop had to happen (LRU's first would have been the oldest: `first`).
+    assert engine.stats()["checkpoints"]["dropped"] >= 1
+    kept = sorted(b for n in engine.radix._nodes() for b in n.checkpoints)
+    assert kept[0] == first and len(kept) <= 4
+    other = prompt[:first] + _tokens(rng, 30)
+    other[first] = (prompt[first] + 1 - 3) % (VOCAB - 3) + 3
+    out = engine.generate(other, GREEDY)
+    assert out.stats["resumed_tokens"] == first
+    engine.check_integrity()
+    cold = _load(path, checkpoints="none")
+    assert cold.generate(other, GREEDY).token_ids == out.token_ids
+
+
 def test_a_chunk_ends_early_so_that_every_anchor_gets_a_row(hybrid):
     """Four device rows, one chunk crossing seven boundaries, its fourth past 3/4 of the
     chunk: the chunk ends there and the next step takes the other three, once the first four

@@ -97,25 +97,26 @@ def test_round_trip_both_tiers_bit_exact(rng_seed, dtype):
 
 
 def test_lru_spills_then_drops(rng_seed):
+    """Checkpoints that cost as much to lose (one boundary, no links) drop in LRU order."""
     rig = Rig(device_rows=3, host_rows=2, seed=rng_seed)
     pool = rig.pool
-    a, want_a = _filled(rig, 1)
-    b, want_b = _filled(rig, 2)
-    c, want_c = _filled(rig, 3)
+    a, want_a = _filled(rig, 10)
+    b, want_b = _filled(rig, 10)
+    c, want_c = _filled(rig, 10)
     pool.touch(a)  # LRU order now b, c, a
-    d, _ = _filled(rig, 4)
+    d, _ = _filled(rig, 10)
     assert b.tier == "host" and (a.tier, c.tier, d.tier) == ("device",) * 3
-    e, _ = _filled(rig, 5)
+    e, _ = _filled(rig, 10)
     assert c.tier == "host" and a.tier == "device"
     # Host full (b, c), device LRU is a: b is older than a, so b is dropped and a spilled.
-    f, _ = _filled(rig, 6)
+    f, _ = _filled(rig, 10)
     assert rig.dropped == [b] and b.tier == "dropped" and b.row == -1
     assert a.tier == "host" and c.tier == "host" and f.tier == "device"
     _same(rig.restored(c, rig.slots[1]), want_c)  # host restores make a and c the most
     _same(rig.restored(a, rig.slots[1]), want_a)  # recently used
     # Device LRU d is older than both host checkpoints: spilling d would drop one of them for
     # an older one, so d itself is dropped and both host checkpoints stay.
-    pool.reserve(7)
+    pool.reserve(10)
     assert rig.dropped == [b, d] and (a.tier, c.tier) == ("host", "host")
     assert pool.stats()["spilled"] == 3 and pool.stats()["dropped"] == 2
     with pytest.raises(AssertionError, match="dropped"):
@@ -126,9 +127,9 @@ def test_lru_spills_then_drops(rng_seed):
 
 def test_no_host_tier_drops_lru():
     rig = Rig(device_rows=2, host_rows=0)
-    a, _ = _filled(rig, 1)
-    b, want_b = _filled(rig, 2)
-    _filled(rig, 3)
+    a, _ = _filled(rig, 5)
+    b, want_b = _filled(rig, 5)
+    _filled(rig, 5)
     assert rig.dropped == [a] and b.tier == "device"
     _same(rig.restored(b, rig.slots[1]), want_b)
     assert rig.pool.stats()["host_bytes"] == 0
@@ -232,12 +233,18 @@ def test_pinning_failure_falls_back_with_one_warning(monkeypatch):
 
 # --- model-based randomized sequence ------------------------------------------------------
 def run_random_ops(rig: Rig, rng: random.Random, n_ops: int) -> None:
-    """Random calls; a Python model predicts every tier move, drop and counter, and holds
-    the contents each live checkpoint must restore."""
+    """Random calls; a Python model predicts every tier move, drop, drop cost and counter, and
+    holds the contents each live checkpoint must restore. The drop order is the module
+    docstring's: GreedyDual credits over gaps that links between checkpoints set and unlinks
+    pass down."""
     pool = rig.pool
     want: dict[Checkpoint, tuple[torch.Tensor, torch.Tensor]] = {}  # live, not released
     order: dict[Checkpoint, int] = {}  # model LRU clock
     locks: dict[Checkpoint, int] = {}
+    gap: dict[Checkpoint, int] = {}
+    credit: dict[Checkpoint, int] = {}
+    prev: dict[Checkpoint, Checkpoint | None] = {}
+    inflation = 0
     counts = dict.fromkeys(pool.stats()) | {k: 0 for k in ("spilled", "dropped", "released")}
     counts.update(reserve_skipped=0, restored_from_host=0, restored_from_device=0)
     clock = 0
@@ -247,8 +254,24 @@ def run_random_ops(rig: Rig, rng: random.Random, n_ops: int) -> None:
         clock += 1
         return clock
 
+    def use(c: Checkpoint) -> None:
+        order[c] = tick()
+        credit[c] = inflation + gap[c]
+
+    def gone(c: Checkpoint) -> None:
+        """c leaves the model: what was linked below it falls back to c's predecessor."""
+        for d in [d for d, p in prev.items() if p is c]:
+            prev[d] = prev[c]
+            gap[d] += gap[c]
+            credit[d] += gap[c]
+        for table in (order, locks, gap, credit, prev):
+            del table[c]
+
     def on(tier: str) -> list[Checkpoint]:
         return [c for c in order if c.tier == tier]
+
+    def cheapest(cands: list[Checkpoint]) -> Checkpoint | None:
+        return min(cands, key=lambda c: (credit[c], order[c]), default=None)
 
     for _ in range(n_ops):
         before = {c: (c.tier, c.row) for c in order}
@@ -256,36 +279,43 @@ def run_random_ops(rig: Rig, rng: random.Random, n_ops: int) -> None:
         expect_gone: set[Checkpoint] = set()
         live = list(want)
         op = rng.choice(
-            ["reserve"] * 4 + ["restore"] * 3 + ["unlock"] * 3 + ["lock", "release", "touch"]
+            ["reserve"] * 4
+            + ["restore"] * 3
+            + ["unlock"] * 3
+            + ["lock", "release", "touch"]
+            + ["link"] * 2
         )
         if op == "reserve":
             dev, host = on("device"), on("host")
-            victim = None
+            unlocked = [c for c in order if not locks[c]]
+            victim = spilled = None
             if len(dev) == pool.device_rows:
                 victim = min((c for c in dev if not locks[c]), key=order.get, default=None)
-            hv = None
-            if victim is not None and len(host) == pool.host_rows:
-                hv = min((c for c in host if not locks[c]), key=order.get, default=None)
+            if victim is not None:
+                spilled = victim
+                if len(host) == pool.host_rows:  # a drop: the cheapest of both tiers
+                    dropped = cheapest(unlocked)
+                    expect_gone = {dropped}
+                    if dropped.tier == "device":
+                        spilled = None
             ckpt = pool.reserve(rng.randrange(1, 10_000))
             if len(dev) == pool.device_rows and victim is None:
                 assert ckpt is None, "reserve must fail only when every device row is locked"
                 counts["reserve_skipped"] += 1
             else:
                 assert ckpt is not None and ckpt.locks == 1 and ckpt.tier == "device"
-                if victim is not None:
-                    full = len(host) == pool.host_rows
-                    if full and (hv is None or order[hv] > order[victim]):
-                        expect_gone = {victim}
-                    else:
-                        expect_gone = {hv} if full else set()
-                        assert victim.tier == "host", "the device LRU must be spilled"
-                        counts["spilled"] += 1
-                order[ckpt], locks[ckpt] = tick(), 1
+                for c in expect_gone:
+                    inflation = max(inflation, credit[c])
+                if spilled is not None:
+                    assert spilled.tier == "host", "the device LRU must be spilled"
+                    counts["spilled"] += 1
+                locks[ckpt], gap[ckpt], prev[ckpt] = 1, ckpt.boundary, None
+                use(ckpt)
                 if rng.random() < 0.5:
                     slot = rng.choice(rig.slots)
                     want[ckpt] = rig.random_state(slot)
                     pool.save(ckpt, rig.state, slot)
-                    order[ckpt] = tick()
+                    use(ckpt)
                 else:
                     want[ckpt] = rig.kernel_write(ckpt)
                 if rng.random() < 0.7:
@@ -295,11 +325,18 @@ def run_random_ops(rig: Rig, rng: random.Random, n_ops: int) -> None:
             ckpt = rng.choice(live)
             counts[f"restored_from_{ckpt.tier}"] += 1
             _same(rig.restored(ckpt, rng.choice(rig.slots)), want[ckpt])
-            order[ckpt] = tick()
+            use(ckpt)
         elif op == "touch" and live:
             ckpt = rng.choice(live)
             pool.touch(ckpt)
-            order[ckpt] = tick()
+            use(ckpt)
+        elif op == "link" and live:
+            ckpt = rng.choice(live)
+            above = [c for c in live if c.boundary < ckpt.boundary]
+            p = rng.choice(above) if above and rng.random() < 0.8 else None
+            pool.link(ckpt, p)
+            prev[ckpt], gap[ckpt] = p, ckpt.boundary - (p.boundary if p else 0)
+            credit[ckpt] = inflation + gap[ckpt]  # a fresh credit, not a use: LRU order stays
         elif op == "lock" and order:
             ckpt = rng.choice(list(order))
             pool.lock(ckpt)
@@ -310,7 +347,7 @@ def run_random_ops(rig: Rig, rng: random.Random, n_ops: int) -> None:
             locks[ckpt] -= 1
             if not locks[ckpt] and ckpt not in want:  # released while locked
                 assert ckpt.tier == "dropped"
-                del order[ckpt], locks[ckpt]
+                gone(ckpt)
         elif op == "release" and live:
             ckpt = rng.choice(live)
             pool.release(ckpt)
@@ -318,7 +355,7 @@ def run_random_ops(rig: Rig, rng: random.Random, n_ops: int) -> None:
             del want[ckpt]
             if not locks[ckpt]:
                 assert ckpt.tier == "dropped"
-                del order[ckpt], locks[ckpt]
+                gone(ckpt)
             else:
                 assert ckpt.tier != "dropped", "a locked checkpoint keeps its row"
 
@@ -327,10 +364,14 @@ def run_random_ops(rig: Rig, rng: random.Random, n_ops: int) -> None:
         for c in new_drops:
             assert c.tier == "dropped" and c.row == -1
             counts["dropped"] += 1
-            del want[c], order[c], locks[c]
+            del want[c]
+            gone(c)
         for c, where in before.items():
             if locks.get(c):
                 assert (c.tier, c.row) == where, "a locked checkpoint moved"
+        for c in order:
+            assert (c.gap, c.credit, c.prev) == (gap[c], credit[c], prev[c]), "drop cost"
+        assert pool.costs.inflation == inflation
         pool.check_integrity()
         stats = pool.stats()
         for key in ("spilled", "dropped", "released", "reserve_skipped"):

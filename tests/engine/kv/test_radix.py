@@ -97,3 +97,49 @@ def test_cached_pages_of_looks_without_using(rng_seed):
     assert len(path) == len(seq) // S
     assert [n.tokens for n in path] == [tuple(seq[i * S : (i + 1) * S]) for i in range(len(path))]
     assert (cache.clock, cache.version) == (clock, version)  # no use recorded
+
+
+class _Ckpt:
+    """What the tree reads of a checkpoint: its boundary, and the owner it sets."""
+
+    def __init__(self, boundary: int) -> None:
+        self.boundary, self.owner = boundary, None
+
+
+def test_a_hung_checkpoint_is_linked_to_the_deepest_one_above_it_on_its_path(rng_seed):
+    """attach_checkpoint tells the pool (link_checkpoint) the deepest live checkpoint before
+    the new one's boundary on the path to its node: a shallower one on the same node, else an
+    ancestor's deepest; never one on another branch. Checked against the path's nodes."""
+    rng = random.Random(rng_seed)
+    alloc = PageAllocator(4096)
+    cache = RadixCache(S, alloc)
+    links: list[tuple[_Ckpt, _Ckpt | None]] = []
+    cache.link_checkpoint = lambda ckpt, prev: links.append((ckpt, prev))
+    base = [rng.randrange(5) for _ in range(60)]
+    seqs = []
+    for _ in range(12):
+        seq = base[: rng.randrange(len(base))] + [rng.randrange(5, 9) for _ in range(30)]
+        _cache_sequence(cache, alloc, seq)
+        seqs.append(seq)
+    hung: list[_Ckpt] = []
+    for _ in range(120):
+        seq = rng.choice(seqs)
+        boundary = rng.randrange(1, len(seq) + 1)
+        ckpt = _Ckpt(boundary)
+        if not cache.attach_checkpoint(seq, boundary, ckpt):
+            continue
+        node = ckpt.owner
+        path, walk = set(), node
+        while walk is not None:
+            path.add(id(walk))
+            walk = walk.parent
+        above = [c for c in hung if id(c.owner) in path and c.boundary < boundary]
+        want = max(above, key=lambda c: c.boundary, default=None)
+        assert links[-1] == (ckpt, want)
+        hung.append(ckpt)
+        if rng.random() < 0.2:  # the pool drops one now and then
+            gone = rng.choice(hung)
+            cache.forget_checkpoint(gone)
+            hung.remove(gone)
+    assert sum(1 for _, prev in links if prev is not None) > 10, "nothing was linked: no test"
+    cache.check_integrity()
