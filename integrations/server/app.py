@@ -57,7 +57,7 @@ from freetoken_agent.integrations.server import (
     ui,
 )
 from freetoken_agent.integrations.server.anthropic_errors import api_error_response
-from freetoken_agent.integrations.server.auth import BearerAuth
+from freetoken_agent.integrations.server.auth import KEYED, BearerAuth
 from freetoken_agent.integrations.server.browser_guard import BrowserGuard, normal_origin
 from freetoken_agent.integrations.server.hub import SessionHub
 from freetoken_agent.integrations.server.limits import DEFAULT_MAX_BODY, BodyLimit
@@ -100,8 +100,14 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
 async def health(request: Request) -> JSONResponse:
     """200 and the server's figures while it serves; 503 naming why once its engine service
     stopped (closed, or the engine failed MAX_FAILURES steps in a row), so a supervisor or a
-    load balancer sees it: every generation would fail."""
+    load balancer sees it: every generation would fail. Under an API key, a request without
+    it gets the status alone (auth.py)."""
     state: ServerState = request.app.state.server
+    if not request.scope.get("state", {}).get(KEYED, True):
+        why = state.service.why_closed
+        return JSONResponse(
+            {"status": "ok" if why is None else "closed"}, 200 if why is None else 503
+        )
     try:
         why = state.service.why_closed
         stats = None if why is not None else await asyncio.to_thread(state.service.stats)
@@ -183,7 +189,8 @@ def create_app(
         Middleware(BrowserGuard, allowed_hosts=allowed_hosts, allowed_origins=origins)
     )
     if api_key is not None:
-        middleware.append(Middleware(BearerAuth, api_key=api_key, public_paths=ui.PATHS))
+        middleware.append(Middleware(BearerAuth, api_key=api_key, public_paths=ui.PATHS,
+                                     probe_paths=("/health",)))  # fmt: skip
     middleware.append(Middleware(BodyLimit, max_bytes=max_body_bytes))
     routes = [
         *openai_routes.routes,

@@ -8,7 +8,10 @@ headers on a WebSocket, so a socket may instead offer the subprotocol `bearer.<k
 `freetoken` (the web page offers ["freetoken", "bearer.<key>"]); the endpoint answers with
 `freetoken`, never echoing the key. A browser socket must offer both: one that offers
 `bearer.<key>` alone gets no subprotocol back, and browsers fail such a handshake.
-The web page itself is public: it holds no data and asks for the key.
+The web page itself is public: it holds no data and asks for the key. So is /health's
+status (`probe_paths`), as vLLM's and llama.cpp's servers leave it, so that a supervisor's or
+Kubernetes' probe needs no key; its figures (sessions, memory, requests) are shown only with
+the key (`KEYED`, set in the request's state).
 
 Keys are compared in constant time (hmac.compare_digest), so timing reveals nothing about them.
 """
@@ -24,6 +27,7 @@ from starlette.websockets import WebSocket
 from freetoken_agent.integrations.server.anthropic_errors import api_error_response
 
 BEARER_PROTOCOL = "bearer."
+KEYED = "freetoken_keyed"  # request.state's flag: the request carried the right key
 
 
 def offered_keys(scope: Scope) -> list[str]:
@@ -46,12 +50,19 @@ def offered_keys(scope: Scope) -> list[str]:
 
 
 class BearerAuth:
-    def __init__(self, app: ASGIApp, api_key: str, public_paths: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str,
+        public_paths: Iterable[str] = (),
+        probe_paths: Iterable[str] = (),
+    ) -> None:
         if not api_key:
             raise ValueError("an empty api_key would accept anyone; pass None to disable auth")
         self.app = app
         self._key = api_key.encode("utf-8")
         self.public_paths = frozenset(public_paths)
+        self.probe_paths = frozenset(probe_paths)  # served to anyone, told whether keyed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or scope["path"] in self.public_paths:
@@ -59,7 +70,9 @@ class BearerAuth:
             return
         keys = offered_keys(scope)
         # Every key is compared (constant time each), not only until one matches.
-        if sum(hmac.compare_digest(k.encode("utf-8"), self._key) for k in keys):
+        keyed = bool(sum(hmac.compare_digest(k.encode("utf-8"), self._key) for k in keys))
+        if keyed or scope["path"] in self.probe_paths:
+            scope.setdefault("state", {})[KEYED] = keyed
             await self.app(scope, receive, send)
             return
         message = (

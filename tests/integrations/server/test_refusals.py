@@ -196,6 +196,17 @@ def test_one_bad_request_does_not_harm_a_concurrent_good_one(client, engine, rng
         engine.check_integrity()
 
 
+def test_health_tells_a_keyless_probe_the_status_alone(make_client, rng_seed):
+    key = f"k-{rng_seed:x}"
+    client = make_client(api_key=key)
+    assert client.get("/health").json() == {"status": "ok"}
+    client.app.state.server.service.close()
+    probe = client.get("/health")
+    assert probe.status_code == 503 and probe.json() == {"status": "closed"}
+    keyed = client.get("/health", headers={"x-api-key": key})
+    assert keyed.status_code == 503 and "closed" in keyed.json()["reason"]
+
+
 def test_api_key_guards_http_and_websocket(make_client, rng_seed):
     key = f"k-{rng_seed:x}"
     client = make_client(api_key=key)
@@ -203,11 +214,16 @@ def test_api_key_guards_http_and_websocket(make_client, rng_seed):
     assert _error(client.post(URL, json=body), 401)["code"] == "invalid_api_key"
     wrong = {"Authorization": f"Bearer {key}x"}
     assert "wrong" in _error(client.post(URL, json=body, headers=wrong), 401)["message"]
-    _error(client.get("/health"), 401)
+    # /health answers a probe without the key (as vLLM's and llama.cpp's), its status alone.
+    probe = client.get("/health")
+    assert probe.status_code == 200 and probe.json() == {"status": "ok"}
+    assert client.get("/health", headers=wrong).json() == {"status": "ok"}
+    _error(client.get("/metrics"), 401)
     _error(client.get("/v1/models", headers={"Authorization": key}), 401)  # no scheme
     right = {"Authorization": f"Bearer {key}"}
     assert client.post(URL, json=body, headers=right).status_code == 200
-    assert client.get("/health", headers=right).status_code == 200
+    keyed = client.get("/health", headers=right)
+    assert keyed.status_code == 200 and {"status", "model", "memory"} <= set(keyed.json())
     assert client.get("/").status_code == 200  # the page is public; it asks for the key
 
     with pytest.raises(WebSocketDenialResponse) as denied, client.websocket_connect(SOCKET):
