@@ -1,13 +1,15 @@
 """Hybrid models' checkpoints under overlap scheduling (engine/overlap.py): decode step N is
 scheduled before step N-1's tokens are read, so the checkpoint a request's accept of N-1's
 token may take is taken before N updates its state, then kept or given back once the token is
-known. The scheduler (`Scheduler.ahead`) holds one; it reads the recurrence's pool and takes a
-positional checkpoint through the scheduler's own `save_checkpoint`."""
+known. The scheduler (`Scheduler.ahead`) holds one; it reads the recurrence's pool, takes a
+positional checkpoint through the scheduler's own `save_checkpoint` and links a kept one to
+the request's checkpoints before it through the scheduler's `link_pending` (the pool's drop
+order: kv/checkpoint_costs.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from freetoken_agent.engine.request import Recurrence, Request
@@ -15,10 +17,14 @@ if TYPE_CHECKING:
 
 class AheadCheckpoints:
     def __init__(
-        self, recurrence: Recurrence | None, save_checkpoint: Callable[[Request, int], None]
+        self,
+        recurrence: Recurrence | None,
+        save_checkpoint: Callable[[Request, int], None],
+        link_pending: Callable[[Request, Any], None],
     ) -> None:
         self.recurrence = recurrence  # None: a model without recurrent layers
         self._save_checkpoint = save_checkpoint  # (request, boundary): the accept's own kind
+        self._link_pending = link_pending  # (request, checkpoint): as the accept's own are
 
     def may_checkpoint_at_accept(self, req: Request) -> bool:
         """Whether accepting the token the request's last step sampled may checkpoint its
@@ -69,5 +75,6 @@ class AheadCheckpoints:
             return
         if boundary == req.num_computed and rec.mode.at_decode(boundary, token, req.anchor_tokens):
             req.pending_checkpoints.append((boundary, ckpt))
+            self._link_pending(req, ckpt)
         else:
             rec.checkpoints.release(ckpt)

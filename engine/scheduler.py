@@ -70,7 +70,8 @@ class Scheduler:
         self.preemptions = 0
         self.pending_copies: list[tuple[int, int, int]] = []  # (src page, dst page, n tokens)
         self.recurrence = recurrence
-        self.ahead = AheadCheckpoints(recurrence, self._save_checkpoint)  # overlap scheduling
+        # overlap scheduling
+        self.ahead = AheadCheckpoints(recurrence, self._save_checkpoint, self._link_pending)
         # Requests that cannot progress, with why: the engine fails them after `schedule`.
         self.unservable: list[tuple[Request, str]] = []
 

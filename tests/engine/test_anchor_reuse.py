@@ -180,6 +180,34 @@ def test_a_full_pool_drops_dense_anchors_before_a_historys_first(hybrid):
     assert cold.generate(other, GREEDY).token_ids == out.token_ids
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_checkpoints_cost_their_gap_and_spare_another_sessions_anchor(hybrid, overlap):
+    """A session decoding with every token an anchor takes a checkpoint a token (under overlap
+    scheduling ahead of the token, kept at its accept). Each costs one token to lose, so a
+    full pool drops those, not another session's system-prompt anchor, which its new branch
+    then resumes from."""
+    path, rng = hybrid
+    per = _load(path).stats()["checkpoints"]["bytes_per_checkpoint"]
+    # Four rows: with three, a step's locked rows (the checkpoint being written, the one
+    # ahead) can leave only the two first anchors to choose between.
+    engine = _load(path, checkpoint_device_bytes=2 * per, checkpoint_host_bytes=2 * per,
+                   max_batched_tokens=64, overlap_schedule=overlap)  # fmt: skip
+    # GreedyDual's inflation grows with each drop (by ~a token's gap back to the last kept
+    # checkpoint): 6-8 decode checkpoints keep it at ~20-30, far below the system prompt's.
+    system = _tokens(rng, rng.randrange(160, 200))
+    engine.generate(system + _tokens(rng, 10), GREEDY, anchors=[len(system)])
+    other = _tokens(rng, rng.randrange(220, 300))
+    sampling = SamplingParams(max_tokens=rng.randint(6, 8), temperature=0, ignore_eos=True)
+    engine.generate(other, sampling, anchors=[len(other)], anchor_tokens=range(VOCAB))
+    assert engine.stats()["checkpoints"]["dropped"] >= 1
+    branch = system + _tokens(rng, 10)
+    out = engine.generate(branch, GREEDY, anchors=[len(system)])
+    assert out.stats["resumed_tokens"] == len(system)
+    engine.check_integrity()
+    cold = _load(path, checkpoints="none")
+    assert cold.generate(branch, GREEDY).token_ids == out.token_ids
+
+
 def test_a_chunk_ends_early_so_that_every_anchor_gets_a_row(hybrid):
     """Four device rows, one chunk crossing seven boundaries, its fourth past 3/4 of the
     chunk: the chunk ends there and the next step takes the other three, once the first four
