@@ -29,7 +29,10 @@ Approximations, each erring toward keeping a checkpoint:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
+
+_DROP_ORDER = attrgetter("credit", "last_used")
 
 
 class DropCosts:
@@ -76,4 +79,4 @@ class DropCosts:
     def cheapest(candidates: Iterable[Any]) -> Any | None:
         """The checkpoint to drop among `candidates` (unlocked ones): least credit, then least
         recently used."""
-        return min(candidates, key=lambda c: (c.credit, c.last_used), default=None)
+        return min(candidates, key=_DROP_ORDER, default=None)

@@ -235,11 +235,14 @@ class CheckpointPool:
             if victim is None:
                 self._counts["reserve_skipped"] += 1
                 return None
-            cheapest = None if self._free[HOST] else self.costs.cheapest(self._unlocked())
-            if cheapest is not None and cheapest.tier == DEVICE:
-                self._drop(cheapest)  # cheaper to lose than any host one: no spill needed
-            else:
-                self._evict_device(victim)
+            if self._free[HOST]:
+                self._spill(victim)
+            else:  # a drop: the cheapest of both tiers; a device one frees its row itself
+                cheapest = self.costs.cheapest(self._unlocked())
+                on_host = cheapest.tier == HOST
+                self._drop(cheapest)
+                if on_host:
+                    self._spill(victim)
         row = free.pop()
         ckpt = Checkpoint(boundary, DEVICE, row, self._tick(), locks=1, owner=owner)
         self.costs.born(ckpt)
@@ -319,6 +322,10 @@ class CheckpointPool:
             self._drop(cheapest)
             if cheapest is victim:
                 return
+        self._spill(victim)
+
+    def _spill(self, victim: Checkpoint) -> None:
+        """Move victim from its device row to a free host row."""
         host_row = self._free[HOST].pop()
         dev_row = victim.row
         # The device slices are strided ([L, ...] at one row): torch packs them on the device,
