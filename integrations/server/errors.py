@@ -130,16 +130,18 @@ def parse_json_body(raw: bytes | str, what: str = "the request body") -> Any:
         ) from None
     except _NotJSON as e:
         raise BadParam(f"{what} is not valid JSON: {e}", code="invalid_json") from None
-    except ValueError:  # Python's limit on an int's digits (4300 by default; 3.10.7 and up)
-        limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
-        raise BadParam(
-            f"{what} holds an integer of more than {limit} digits", code="invalid_json"
-        ) from None
     except RecursionError:  # json.loads recurses per level: "[[[[..." deeper than the stack
         raise BadParam(
             f"{what} is nested deeper than this server reads (Python's recursion limit, "
             f"about {sys.getrecursionlimit()} levels of arrays and objects)",
             code="invalid_json",
+        ) from None
+    except InvalidRequestError:  # _check_text's refusal (a ValueError too): as it is
+        raise
+    except ValueError:  # Python's limit on an int's digits (4300 by default; 3.10.7 and up)
+        limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        raise BadParam(
+            f"{what} holds an integer of more than {limit} digits", code="invalid_json"
         ) from None
     return value
 

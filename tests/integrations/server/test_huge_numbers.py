@@ -103,3 +103,14 @@ def test_a_compressed_body_is_a_415_naming_the_encoding(client, rng_seed, encodi
     # identity, or no header, is a plain body
     plain = client.post(route, content=body.encode(), headers={"content-encoding": "identity"})
     assert plain.status_code == 200, plain.text
+
+
+def test_a_lone_surrogate_escape_is_refused_as_one(client, rng_seed):
+    """The body's other refusal raised inside the JSON reading (a lone UTF-16 surrogate) keeps
+    its own message: it is a ValueError too, and must not read as a too-long integer."""
+    rng = random.Random(rng_seed)
+    lone = rng.choice(["\\ud800", "\\udfff", "\\udbff"])
+    raw = '{"messages": [{"role": "user", "content": "a' + lone + 'b"}], "max_tokens": 2}'
+    r = client.post(CHAT, content=raw.encode())
+    assert r.status_code == 400, r.text
+    assert "surrogate" in _message(r) and "digits" not in _message(r)
