@@ -77,8 +77,8 @@ class Checkpoint:
     # credit, and its links to the checkpoints next above and below it on its path.
     gap: int = 0
     credit: int = 0
-    prev: Checkpoint | None = None
-    deeper: set[Checkpoint] = field(default_factory=set)
+    prev: Checkpoint | None = field(default=None, repr=False)  # (a repr would walk the chain)
+    deeper: set[Checkpoint] = field(default_factory=set, repr=False)
 
 
 class CheckpointPool:
