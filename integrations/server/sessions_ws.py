@@ -182,9 +182,7 @@ async def _drive(live: LiveSession, run: TurnRun, sender: Watcher) -> None:
             sender.put(error_json(f"{type(e).__name__}: {e}"))
             sender.put({"type": "done", "turn": None, "finish_reason": "error"})
     finally:
-        run.cancel()
-        if live.running is run:
-            live.running = None
+        _free(live, run)
 
 
 async def _write(ws: WebSocket, watcher: Watcher) -> None:
@@ -302,7 +300,19 @@ async def _handle(
         return None
     run = TurnRun(live, request)
     live.running = run
-    return asyncio.create_task(_drive(live, run, sender))
+    task = asyncio.create_task(_drive(live, run, sender))
+    # A socket closed at once cancels the task before its first step: `_drive` never runs, so
+    # its `finally` does not free the session, which then refused every turn and was never
+    # evicted (a leak of one session per such socket). The callback frees it either way.
+    task.add_done_callback(lambda _: _free(live, run))
+    return task
+
+
+def _free(live: LiveSession, run: TurnRun) -> None:
+    """The turn's task ended (or was cancelled before it began): its run is over."""
+    run.cancel()
+    if live.running is run:
+        live.running = None
 
 
 routes = [WebSocketRoute("/v1/sessions/{session_id}/ws", session_socket)]

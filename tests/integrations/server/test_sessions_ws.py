@@ -448,3 +448,38 @@ def test_stop_token_ids_and_the_stop_string_flag_reach_the_turn(client, rng_seed
     usage = next(e for e in events if e["type"] == "usage")
     assert usage["completion_tokens"] == out.index(stop) + 1  # stopped at its first coming
     turn(f"flag-{rng_seed}", {**greedy, "include_stop_str_in_output": True})
+
+
+def test_a_turn_cancelled_before_its_first_step_frees_its_session(client, rng_seed):
+    """A socket that sends a turn and closes at once can cancel the turn's task before its
+    first step (the close already queued), so the turn's own cleanup never runs. The session
+    must still be freed: it refused every later turn, and the hub, which evicts idle
+    sessions only, kept one more for each such socket. Driven directly: the test client's
+    frames always let the task start first."""
+    import asyncio
+
+    from freetoken_agent.integrations.server import sessions_ws
+
+    rng = random.Random(rng_seed)
+    state = client.app.state.server
+    sid = f"gone-{rng_seed}"
+    live = state.hub.get(sid)
+    watcher = live.watch()
+    send = {"type": "send", "messages": [{"role": "user", "content": _text(rng)}],
+            "sampling": {"max_tokens": rng.randint(2, 6)}}  # fmt: skip
+
+    async def send_and_close() -> None:
+        task = await sessions_ws._handle(json.dumps(send), live, watcher, state)
+        assert task is not None and live.running is not None
+        task.cancel()  # before its first step, as the socket's close does
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(send_and_close())
+    live.unwatch(watcher)
+    assert live.running is None
+    with client.websocket_connect(URL.format(sid)) as ws:
+        _join(ws)
+        _send(ws, rng)
+        events = _until_done(ws)
+    assert events[0]["type"] == "start" and events[-1]["finish_reason"] in ("stop", "length")
