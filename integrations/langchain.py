@@ -198,6 +198,18 @@ class ChatFreeToken(BaseChatModel):
                 weakref.finalize(self._pool, _release_elsewhere, service)
         return self._pool
 
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> ChatFreeToken:
+        """A deep copy (`copy.deepcopy`, `model_copy(deep=True)`) shares the engine, its
+        service and session pool, as a shallow copy does: an engine is not data to copy (its
+        locks and threads cannot be; the copy failed on an RLock), and a second one would
+        load the model again."""
+        memo = {} if memo is None else memo
+        private = self.__pydantic_private__ or {}
+        for shared in (self.engine, private.get("_service"), private.get("_pool")):
+            if shared is not None:
+                memo[id(shared)] = shared
+        return super().__deepcopy__(memo)
+
     @model_validator(mode="before")
     @classmethod
     def _warn_unknown(cls, values: Any) -> Any:

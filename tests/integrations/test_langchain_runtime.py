@@ -59,5 +59,35 @@ def test_an_engine_handed_to_chatfreetoken_is_let_go_with_the_last_model(tmp_pat
     assert engine_ref() is None, gc.get_referrers(engine_ref())
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "model_copy"])
+@pytest.mark.parametrize("given", [False, True])
+def test_a_deep_copy_shares_the_engine(tmp_path, rng_seed, how, given):
+    """copy.deepcopy and model_copy(deep=True) of a model that has run: they failed on the
+    engine's lock (an RLock cannot be copied). The copy shares the engine, its service and
+    session pool, keeps its own fields, and answers as the original does."""
+    import copy
+
+    from freetoken_agent import ChatFreeToken, Engine
+
+    rng = random.Random(rng_seed)
+    path = ensure_demo_model(tmp_path)
+    if given:
+        engine = Engine.load(path, device="cpu", progress=False, kv_tokens=1024,
+                             max_model_len=512)  # fmt: skip
+        llm = ChatFreeToken(engine=engine, temperature=0, max_tokens=rng.randint(2, 5))
+    else:
+        llm = ChatFreeToken(model=str(path), device="cpu", temperature=0,
+                            max_tokens=rng.randint(2, 5),
+                            engine_options={"kv_tokens": 1024, "max_model_len": 512})  # fmt: skip
+    llm.stop = ["zz"]
+    question = " ".join(random_words(rng))
+    first = llm.invoke(question).content
+    twin = copy.deepcopy(llm) if how == "deepcopy" else llm.model_copy(deep=True)
+    assert twin._pool is llm._pool and twin._service is llm._service
+    assert twin.engine is llm.engine
+    assert twin.stop == ["zz"] and twin.stop is not llm.stop  # its own fields, copied
+    assert twin.invoke(question).content == first
+
+
 def random_words(rng: random.Random) -> list[str]:
     return ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(2, 6))) for _ in range(5)]
