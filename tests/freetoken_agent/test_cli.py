@@ -472,3 +472,31 @@ def test_generate_reads_a_piped_prompt_as_it_reads_the_argument(env, rng_seed):
     empty = _run(["generate", *args], env, stdin=rng.choice(["", " \n"]))
     assert empty.returncode != 0 and "standard input is empty" in empty.stderr
     assert "loading" not in empty.stderr and "demo" not in empty.stderr  # refused before
+
+
+def test_a_ctrl_c_while_the_package_imports_ends_the_command_quietly(monkeypatch, capsys):
+    """The console script's entry (freetoken_launch, outside the package) guards the package's
+    import, which loads torch for seconds: a Ctrl-C then exits 130 with an empty line on
+    stderr, as one during a command does, not with the import's traceback."""
+    import importlib.abc
+
+    import freetoken_launch
+
+    class Interrupting(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "freetoken_agent.cli":
+                raise KeyboardInterrupt  # what Ctrl-C raises wherever the import is
+            return None
+
+    monkeypatch.delitem(sys.modules, "freetoken_agent.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    assert freetoken_launch.main() == 130
+    assert capsys.readouterr().err == "\n"
+
+
+def test_the_console_script_is_the_guarded_entry():
+    from importlib.metadata import entry_points
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "freetoken"]
+    assert script.value == "freetoken_launch:main"  # as installed, not only as written
+    assert script.load().__module__ == "freetoken_launch"
