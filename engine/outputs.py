@@ -9,6 +9,15 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses before running it; the message names the problem."""
 
 
+def shown_number(value: float) -> str:
+    """A number for an error message: an integer too long to print whole (a JSON body may
+    hold one of 4,300 digits; formatted as a float, one past 1e308 raises OverflowError) by
+    its digits' count."""
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return f"{value}"
+
+
 class InvalidSamplingParams(InvalidRequestError):
     """SamplingParams whose fields, set after it was built, no longer pass its checks: the
     SamplingParamsError's text, and `param` the first field it names."""

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestError
+from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestError, shown_number
 from freetoken_agent.engine.request import Recurrence
 
 # A surrogate code point in a str (surrogateescape'd bytes, a lone JSON escape) is no Unicode
@@ -92,7 +92,7 @@ def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int, max_model_len: int
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(
-            f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            f"token id {shown_number(bad[0])} is outside the vocabulary [0, {vocab_size})"
             + (f" ({len(bad)} such ids)" if len(bad) > 1 else "")
         )
     return ids

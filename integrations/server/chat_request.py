@@ -22,7 +22,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.outputs import InvalidRequestError, shown_number
 from freetoken_agent.engine.sampling_params import (
     PENALTY_LIMIT,
     REPETITION_RANGE,
@@ -36,7 +36,6 @@ from freetoken_agent.integrations.server.errors import (
     ModelNotFound,
     body_flag,
     check_nesting,
-    shown_number,
 )
 from freetoken_agent.integrations.server.foreign_fields import (
     check_chat_fields,

@@ -9,6 +9,7 @@ where one field is at fault, `param` naming it (`messages[2]`, `tool_choice`, `m
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -119,7 +120,9 @@ def parse_json_body(raw: bytes | str, what: str = "the request body") -> Any:
                 f"{what} is not UTF-8: byte {e.start} is {bad!r}", code="invalid_json"
             ) from None
     try:
-        value = json.loads(raw, parse_constant=_no_constant)
+        value = json.loads(
+            raw, parse_constant=_no_constant, parse_float=lambda text: _finite_float(text, what)
+        )
         if _SURROGATE_ESCAPE.search(raw):
             _check_text(value, what)  # json.dumps: recursive too
     except json.JSONDecodeError as e:
@@ -144,14 +147,6 @@ def parse_json_body(raw: bytes | str, what: str = "the request body") -> Any:
             f"{what} holds an integer of more than {limit} digits", code="invalid_json"
         ) from None
     return value
-
-
-def shown_number(value: float) -> str:
-    """A number for an error message: an integer too long to print (or to format as a float,
-    which raises OverflowError past 1e308) by its digits' count."""
-    if isinstance(value, int) and abs(value) >= 10**20:
-        return f"an integer of {len(str(abs(value)))} digits"
-    return f"{value}"
 
 
 # Levels of arrays and objects one field may nest (a tool's parameters schema, a message with
@@ -192,6 +187,19 @@ def check_nesting(value: Any, where: str, limit: int = MAX_NESTING) -> None:
 
 class _NotJSON(ValueError):
     pass
+
+
+def _finite_float(text: str, what: str) -> float:
+    # A literal past a float's range (1e400) reads as inf: refused here, for every field at
+    # once. A range check compares inf like any number, and a response that echoes the field
+    # (Responses' metadata, tools) failed to render it: a 500 after the whole generation.
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadParam(
+            f"{what} holds the number {text[:40]}, beyond a 64-bit float's range",
+            code="invalid_json",
+        )
+    return value
 
 
 def _no_constant(name: str) -> Any:

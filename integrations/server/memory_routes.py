@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from freetoken_agent.engine.outputs import InvalidRequestError
+from freetoken_agent.engine.outputs import InvalidRequestError, shown_number
 from freetoken_agent.integrations.server.errors import (
     BadParam,
     error_response,
@@ -73,7 +73,7 @@ def _budget_bytes(body) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise BadParam(f"{key}: the budget must be a positive number", key)
     if value > 1 << 50:
-        raise BadParam(f"{key}: {value} is not a plausible GPU budget", key)
+        raise BadParam(f"{key}: {shown_number(value)} is not a plausible GPU budget", key)
     return int(value if key == "bytes" else value * 1e9)
 
 

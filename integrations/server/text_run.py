@@ -29,6 +29,7 @@ from freetoken_agent.engine.outputs import (
     SchemaError,
     TokenEvent,
     TokenLogprob,
+    shown_number,
 )
 from freetoken_agent.engine.sampling_params import SamplingParams
 from freetoken_agent.integrations.server.bridge import request_figures
@@ -111,7 +112,8 @@ class TextRun:
                 bad = next((t for t in self.prompt if not 0 <= t < vocab), None)
                 if bad is not None:
                     raise BadParam(
-                        f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
+                        f"token id {shown_number(bad)} is outside the vocabulary [0, {vocab})",
+                        "prompt",
                     )
             generates = self.sampling.max_tokens != 0  # (nothing after the echo: it shows all)
             self._echoed = echoed_prompt(self.prompt, tokenizer, leave_cut=generates)

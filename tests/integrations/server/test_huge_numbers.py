@@ -114,3 +114,44 @@ def test_a_lone_surrogate_escape_is_refused_as_one(client, rng_seed):
     r = client.post(CHAT, content=raw.encode())
     assert r.status_code == 400, r.text
     assert "surrogate" in _message(r) and "digits" not in _message(r)
+
+
+@pytest.mark.parametrize("route", [CHAT, RESPONSES, MESSAGES, TEXT])
+def test_a_float_literal_past_the_float_range_is_a_400_wherever_it_sits(client, rng_seed, route):
+    """JSON reads 1e400 as inf, which a range check compares like any number and a response
+    that echoes the field (Responses' metadata and tools) could not render: a plain-text 500
+    after the whole generation. Refused while the body is read, whatever field holds it."""
+    rng = random.Random(rng_seed)
+    literal = f"{rng.choice(['', '-'])}{rng.randint(1, 9)}e{rng.randint(309, 5000)}"
+    body = {"messages": USER, "max_tokens": 2, "prompt": "hi", "input": "hi"}
+    schema = {"type": "object", "properties": {"x": {"type": "number", "maximum": 0}}}
+    placed = rng.choice(["metadata", "tools", "temperature"])
+    if placed == "metadata":
+        body["metadata"] = {"a": 0}
+    elif placed == "tools" and route == RESPONSES:
+        body["tools"] = [{"type": "function", "name": "f", "parameters": schema}]
+    elif placed == "tools":
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    else:
+        body["temperature"] = 0
+    raw = json.dumps(body)
+    for zero in ('"a": 0', '"maximum": 0', '"temperature": 0'):
+        raw = raw.replace(zero, zero[:-1] + literal)
+    assert literal in raw
+    r = client.post(route, content=raw.encode())
+    assert r.status_code == 400, r.text[:300]
+    assert "beyond a 64-bit float's range" in _message(r)
+    assert client.post(CHAT, json={"messages": USER, "max_tokens": 2}).status_code == 200
+
+
+def test_long_token_ids_and_budgets_are_not_echoed_whole(client, rng_seed):
+    rng = random.Random(rng_seed)
+    huge = _huge(rng, rng.randint(300, 4000)).lstrip("-")
+    for route, raw in [
+        (TEXT, '{"prompt": [' + huge + '], "max_tokens": 2}'),
+        (TEXT, '{"prompt": [[1, ' + huge + ']], "max_tokens": 2}'),
+        ("/v1/memory/budget", '{"bytes": ' + huge + "}"),
+    ]:
+        r = client.post(route, content=raw.encode())
+        assert 400 <= r.status_code < 500, r.text[:300]
+        assert len(_message(r)) < 400 and "digits" in _message(r), _message(r)[:300]
