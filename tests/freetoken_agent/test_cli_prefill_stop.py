@@ -36,6 +36,8 @@ def test_ctrl_c_in_a_long_prefill_stops_after_the_running_chunk(tmp_path, rng_se
     assert len(steps) == pressed_at  # no chunk after the one running
     assert not engine._requests  # the request was aborted and dropped
     engine.step = step
-    again = engine.generate([prompt[:40]], SamplingParams(max_tokens=3, temperature=0.0))
+    again = engine.generate(
+        [prompt[:40]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    )
     assert len(again[0].token_ids) == 3  # the engine goes on
     engine.close()
