@@ -9,6 +9,7 @@ where one field is at fault, `param` naming it (`messages[2]`, `tool_choice`, `m
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import sys
@@ -18,6 +19,8 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from freetoken_agent.engine.outputs import ContextLengthError, InvalidRequestError
+
+log = logging.getLogger("freetoken.server")
 
 
 class BadParam(InvalidRequestError):
@@ -65,6 +68,15 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status, headers=headers)
+
+
+def unexpected_error_response(error: Exception, what: str) -> JSONResponse:
+    """A 500 in OpenAI's shape for a bug met while `what` (a checker's, a route's), logged
+    with its traceback: the client still gets an error object and keeps its connection (an
+    exception left to Starlette answered in plain text and uvicorn closed the keep-alive).
+    Called inside the `except` that caught it."""
+    log.exception("could not %s", what)
+    return error_response(500, f"{type(error).__name__}: {error}", "server_error")
 
 
 _MESSAGE_INDEX = re.compile(r"^message (\d+)")

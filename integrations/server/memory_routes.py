@@ -13,7 +13,6 @@ says why.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -22,12 +21,10 @@ from starlette.routing import Route
 from freetoken_agent.engine.outputs import InvalidRequestError, shown_number
 from freetoken_agent.integrations.server.errors import (
     BadParam,
-    error_response,
     invalid_response,
     parse_json_body,
+    unexpected_error_response,
 )
-
-log = logging.getLogger("freetoken.server")
 
 MAX_TRACE = 4096
 
@@ -60,8 +57,7 @@ async def set_budget(request: Request) -> JSONResponse:
     except InvalidRequestError as e:
         return invalid_response(e)
     except Exception as e:  # noqa: BLE001 - still an OpenAI error object, the connection kept
-        log.exception("could not set the GPU budget")
-        return error_response(500, f"{type(e).__name__}: {e}", "server_error")
+        return unexpected_error_response(e, "set the GPU budget")
     # (An engine that is not elastic refused above: its figures are always there.)
     return JSONResponse({"budget": elastic["budget"], "requested": nbytes, "elastic": elastic})
 

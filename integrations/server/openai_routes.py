@@ -43,6 +43,7 @@ from freetoken_agent.integrations.server.errors import (
     error_response,
     invalid_response,
     parse_json_body,
+    unexpected_error_response,
 )
 from freetoken_agent.integrations.server.heavy_work import heavy
 from freetoken_agent.integrations.server.run_responses import serve_choices
@@ -131,8 +132,7 @@ async def chat_completions(request: Request) -> Response:
     except InvalidRequestError as e:
         return invalid_response(e)
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
-        log.exception("could not read a request")
-        return error_response(500, f"{type(e).__name__}: {e}", "server_error")
+        return unexpected_error_response(e, "read a request")
     shared = chat.n > 1
     turns = [
         replace(chat.turn, sampling=choice_sampling(chat.turn.sampling, i), shares_prompt=shared)
@@ -158,8 +158,7 @@ async def text_completions(request: Request) -> Response:
     except InvalidRequestError as e:
         return invalid_response(e)
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
-        log.exception("could not read a request")
-        return error_response(500, f"{type(e).__name__}: {e}", "server_error")
+        return unexpected_error_response(e, "read a request")
     # Each choice asks for what the request asks: with prompt entries (prompt_logprobs, echo's
     # logprobs) every choice computes them, as such a request reuses no cached prefix.
     samplings = [choice_sampling(text.sampling, i) for i in range(text.n)]

@@ -13,7 +13,6 @@ POST /v1/responses/input_tokens counts the input tokens of a body without runnin
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +27,7 @@ from freetoken_agent.integrations.server.errors import (
     error_response,
     invalid_response,
     parse_json_body,
+    unexpected_error_response,
 )
 from freetoken_agent.integrations.server.heavy_work import heavy
 from freetoken_agent.integrations.server.input_count import turn_input_tokens
@@ -42,8 +42,6 @@ from freetoken_agent.integrations.server.responses_request import (
 from freetoken_agent.integrations.server.responses_store import StoredResponse
 from freetoken_agent.integrations.server.run_responses import serve_choices
 from freetoken_agent.integrations.server.turn_run import TurnRun
-
-log = logging.getLogger("freetoken.server")
 
 
 class ResponsesWire:
@@ -80,8 +78,7 @@ async def create_response(request: Request) -> Response:
     except InvalidRequestError as e:
         return invalid_response(e)
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
-        log.exception("could not read a request")
-        return error_response(500, f"{type(e).__name__}: {e}", "server_error")
+        return unexpected_error_response(e, "read a request")
     choices = Choices([TurnRun(live, parsed.chat.turn)])
 
     own = listed_items(parsed.own)
@@ -122,8 +119,7 @@ async def count_input_tokens(request: Request) -> Response:
     except InvalidRequestError as e:
         return invalid_response(e)
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
-        log.exception("could not count input tokens")
-        return error_response(500, f"{type(e).__name__}: {e}", "server_error")
+        return unexpected_error_response(e, "count input tokens")
     return JSONResponse({"object": "response.input_tokens", "input_tokens": n})
 
 

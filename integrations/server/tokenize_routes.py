@@ -21,7 +21,6 @@ tokens included (as vLLM's does: the ids are the caller's, shown whole).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,13 +36,12 @@ from freetoken_agent.integrations.server.errors import (
     error_response,
     invalid_response,
     parse_json_body,
+    unexpected_error_response,
 )
 from freetoken_agent.integrations.server.foreign_fields import generation_flags
 from freetoken_agent.integrations.server.heavy_work import heavy
 from freetoken_agent.integrations.server.thinking_switch import enable_thinking
 from freetoken_agent.integrations.server.tool_choice import parse_tools
-
-log = logging.getLogger("freetoken.server")
 
 
 def _checked_body(body: Any, state: Any) -> Mapping[str, Any]:
@@ -109,8 +107,7 @@ async def _answer(request: Request, work) -> Response:
     except InvalidRequestError as e:
         return invalid_response(e)
     except Exception as e:  # noqa: BLE001 - a checker's bug: still an OpenAI error object
-        log.exception("could not tokenize")
-        return error_response(500, f"{type(e).__name__}: {e}", "server_error")
+        return unexpected_error_response(e, "tokenize")
 
 
 def _tokenized(body: Any, state: Any) -> dict[str, Any]:
