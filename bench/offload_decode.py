@@ -154,6 +154,7 @@ def decode_window(engine, n: int, rng, batch: int = 1, context: int = 64) -> tup
     st = bank.stats
     experts, hits = st.experts - before[0], st.hits - before[1]
     per_token = 1 / max(tokens, 1)
+    reads = st.direct - read0  # misses read over the link in place
     return tokens / seconds, {
         "tokens": tokens,  # the window's decoded tokens, all sequences
         "forward_passes": passes,  # decode steps the runner launched in the window
@@ -169,10 +170,8 @@ def decode_window(engine, n: int, rng, batch: int = 1, context: int = 64) -> tup
         "split_hits_per_token": (st.split_hits - before[6]) * per_token,
         # Fills, and misses the kernels read over the link in place (direct; gpu-fill and the
         # device path where a layer found no slot to fill): both cross it once.
-        "host_reads_per_token": (st.direct - read0) * per_token,
-        "pcie_bytes_per_token": (
-            bank.cache.bytes_filled - filled0 + (st.direct - read0) * bank.pool.expert_bytes
-        )
+        "host_reads_per_token": reads * per_token,
+        "pcie_bytes_per_token": (bank.cache.bytes_filled - filled0 + reads * bank.pool.expert_bytes)
         * per_token,
         # A layer's distinct experts count once however many of the step's tokens chose them:
         # at batch B a token's share of them, at most n_moe_layers * top_k.

@@ -15,12 +15,15 @@ A checkpoint used long ago thus loses to one used lately only when its gap is sm
 inflation since its use. With equal gaps the rule is LRU.
 
 Gaps follow the radix tree. The tree links a checkpoint it hangs to the deepest live
-checkpoint above it on its path (`link`). When a checkpoint leaves the pool, the checkpoints
+checkpoint above it on its path (`link`); until then the scheduler links it to its request's
+previous checkpoint, or the one the request resumed from (`Scheduler._link_pending`: a long
+prefill hangs its checkpoints only at its end). When a checkpoint leaves the pool, the checkpoints
 linked below it inherit its gap, and their credit grows by as much (`unlink`): their loss now
 re-prefills from further up.
 
 Approximations, each erring toward keeping a checkpoint:
-- a checkpoint not hung yet (its page not cached) costs its whole boundary;
+- a checkpoint with nothing linked above it (the first of a request that resumed from none)
+  costs its whole boundary;
 - a checkpoint hung above one already linked elsewhere (rare: a shallower anchor saved after a
   deeper one on the same path) does not shorten the deeper one's gap;
 - siblings sharing tokens across branches do not count as shallower checkpoints.
