@@ -7,6 +7,14 @@ Codex speak it.
 Fields:
 - `model` (checked first), `input` and `instructions` (responses_input.py), `stream`,
   `temperature`, `top_p`, `parallel_tool_calls`: as they are; `max_output_tokens` -> max_tokens.
+- The chat route's other sampling fields (`seed`, `stop`, the penalties, `logit_bias`, and vLLM's
+  `top_k`, `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `thinking_token_budget`, ...:
+  `_CHAT_SAMPLING`) pass as they are, and the fields the chat route refuses by name (vLLM's
+  guided decoding, beam search: foreign_fields.py) are refused here too. Why: they are not
+  Responses fields, but clients send them in its body (LangChain's ChatOpenAI with
+  use_responses_api puts seed, the penalties and logit_bias at the top level; extra_body adds
+  the rest), and a field that changes the output must be honoured or refused, never dropped.
+  `n` above 1 is refused: a response holds one output.
 - `tools`: function tools `{type: "function", name, description, parameters, strict}` -> chat
   function tools. Hosted tools (web_search, file_search, code_interpreter, computer_use, mcp,
   image_generation, local_shell, custom) are refused by name: this server runs no tools and
@@ -47,11 +55,18 @@ from freetoken_agent.integrations.server.chat_request import (
     parse_chat_request,
 )
 from freetoken_agent.integrations.server.errors import BadParam, describe_invalid
+from freetoken_agent.integrations.server.foreign_fields import check_sampling_fields
 from freetoken_agent.integrations.server.responses_input import chat_history, input_items
 from freetoken_agent.integrations.server.responses_store import ResponseStore
 from freetoken_agent.integrations.server.thinking_switch import thinking_of_effort
 
 _SAME = ("stream", "temperature", "top_p", "parallel_tool_calls")
+# The chat route's sampling fields that are not the Responses API's own (module docstring).
+_CHAT_SAMPLING = (
+    "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p",
+    "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+    "include_stop_str_in_output", "thinking_token_budget", "prediction", "audio",
+)  # fmt: skip
 
 # The Responses-only fields this server reads or ignores, with the type OpenAI documents
 # (the shared ones, stream and the sampling fields, are the chat route's checks).
@@ -170,6 +185,9 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
     if body.get("background") is True:
         raise BadParam("background responses are not supported: this server answers at once",
                        "background")  # fmt: skip
+    if body.get("n") not in (None, 1):
+        raise BadParam(f"n={body['n']!r:.40} is not supported: a response holds one output; "
+                       "send n requests", "n")  # fmt: skip
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -193,8 +211,9 @@ def chat_body(
     conversation of its previous_response_id, as input items."""
     _check_types(body)
     _refuse_unserved(body)
+    check_sampling_fields(body)  # vLLM's guided decoding and beam search, by name
     history = chat_history(body.get("instructions"), body.get("input"), earlier)
-    out = {key: body[key] for key in _SAME if key in body}
+    out = {key: body[key] for key in (*_SAME, *_CHAT_SAMPLING) if key in body}
     thinking = _thinking(body.get("reasoning"))
     extra = {
         "messages": history.messages,

@@ -341,6 +341,14 @@ def _refusals(rng: random.Random) -> list[tuple[dict, str, list[str]]]:
         ({"text": {"format": {"type": "json_schema", "name": name,
                               "schema": rng.choice([5, name, [], None])}}}, "text",
          ["text.format.schema must be a JSON schema"]),
+        # The chat route's fields: refused by name here too, never dropped.
+        ({"guided_json": {"type": "object"}}, "guided_json", ["response_format"]),
+        ({"use_beam_search": True}, "use_beam_search", ["beam search is not built"]),
+        ({"n": rng.randint(2, 4)}, "n", ["one output"]),
+        ({"seed": rng.choice(["7", 1.5, 2**64])}, "seed", ["seed must"]),
+        ({"presence_penalty": rng.choice([3, -2.5])}, "presence_penalty", ["presence_penalty"]),
+        ({"logit_bias": {name: 5}}, "logit_bias", ["token ids"]),
+        ({"min_tokens": -1}, "min_tokens", [">= 0"]),
     ]  # fmt: skip
 
 
@@ -357,6 +365,46 @@ def test_refusals_name_the_responses_fields(client, rng_seed, api_error):
             assert "messages[" not in error["message"], error  # the chat route's name
             assert "'function': {" not in error["message"], error  # the chat form
             assert ".function." not in error["message"] + str(error["param"]), error
+
+
+def _chat_sampling(rng: random.Random, vocab: int) -> dict:
+    """The chat route's sampling fields a client may send in a Responses body, drawn."""
+    fields = {
+        "top_k": rng.randint(1, 50),
+        "min_p": rng.uniform(0, 0.2),
+        "presence_penalty": rng.uniform(-1, 1),
+        "frequency_penalty": rng.uniform(-1, 1),
+        "repetition_penalty": rng.uniform(1, 1.5),
+        "logit_bias": {str(rng.randrange(vocab)): rng.choice([100, -100, rng.uniform(-5, 5)])},
+        "min_tokens": rng.randint(0, 3),
+    }
+    drawn = dict(rng.sample(sorted(fields.items()), rng.randint(1, len(fields))))
+    return {"seed": rng.randint(0, 2**31), **drawn}  # a seed: the same draw on both routes
+
+
+def test_the_chat_routes_sampling_fields_are_honoured(client, engine, rng_seed):
+    """seed, the penalties, logit_bias and vLLM's fields sent in a Responses body give the
+    chat route's reply with the same fields (they were dropped: a seeded request sampled
+    afresh each time, a bias never applied)."""
+    rng = random.Random(rng_seed)
+    vocab = engine.spec.vocab_size
+    text, max_tokens = _words(rng, rng.randint(1, 6)), rng.randint(4, 12)
+    for _ in range(3):
+        fields = {**_chat_sampling(rng, vocab), "temperature": rng.uniform(0.5, 1.5)}
+        chat = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                "ignore_eos": True, **fields}  # fmt: skip
+        r = client.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        expected = r.json()["choices"][0]["message"]["content"]
+        body = {"input": text, "max_output_tokens": max_tokens, "ignore_eos": True, **fields}
+        got = []
+        for _ in range(2):
+            r = client.post(URL, json=body)
+            assert r.status_code == 200, r.text
+            output = r.json()["output"]
+            got.append("".join(p["text"] for i in output if i["type"] == "message"
+                               for p in i["content"]))  # fmt: skip
+        assert got == [expected, expected], (rng_seed, fields)
 
 
 def test_an_engine_error_is_an_error_object_or_response_failed(scripted_client, rng_seed):
