@@ -125,7 +125,9 @@ def prepare_call(
     if kwargs:
         raise ValueError(f"unknown option(s) for ChatFreeToken: {', '.join(sorted(kwargs))}")
     stops = stop_list(stop)
-    shown = tuple(specs) if specs and mode != "none" else None
+    # Rendered under "none" too, as the server does (integrations/server/tool_choice.py): the
+    # history keeps rendering the same, so an agent's last "none" turn reuses its KV.
+    shown = tuple(specs) if specs else None
     by_name = {t["function"]["name"]: t for t in specs}
     constraint = output_schema(mode, [by_name[n] for n in allowed] or specs, schema)
     grammar = None

@@ -180,7 +180,8 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
 def parse_tool_choice(choice: Any, names: Sequence[str]) -> tuple[str, tuple[str, ...]]:
     """(mode, allowed tools) for a tool_choice in any form LangChain passes on.
 
-    mode "auto": the model decides; "none": no tool call (tools are not rendered);
+    mode "auto": the model decides; "none": no tool call (the tools are rendered, as the
+    server renders them, so the history's KV is reused, but nothing is read as a call);
     "required": exactly one call of one of the allowed tools, forced by constrained decoding.
     Forms: None/"auto", "none"/False, "any"/"required"/True, a tool name, or a dict
     ({"type": "function", "function": {"name": ...}}, {"name": ...}, {"type": "any"}...)."""

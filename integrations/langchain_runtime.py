@@ -302,10 +302,10 @@ class Binding:
 def build_session(service: EngineService, binding: Binding) -> Session:
     gateway = Gateway(service)
     thinking = binding.thinking
-    tools = list(binding.tools) if binding.tools and binding.mode != "none" else None
+    tools = list(binding.tools) if binding.tools else None
     if binding.mode in ("auto", "none"):
         fmt = chat_format(service, thinking)
-        if tools:
+        if tools and binding.mode == "auto":
             factory = parser_factory_for(gateway, tools)
         else:
 
