@@ -353,6 +353,9 @@ class TurnRun:
             if published is not None:
                 if isinstance(item, Usage):
                     published.update(self.divergence)
+                    # The turn's reason, as `done` and the chat route give it (a reply that
+                    # ends with calls: tool_calls), not the engine's raw one.
+                    published["finish_reason"] = self.finish_reason()
                 self.live.publish(published)
 
     def _token_strings(self) -> TokenStrings:

@@ -126,6 +126,8 @@ def test_forced_tool_call_streams_tool_call_events(client, rng_seed):
     assert json.loads(args) == calls[-1]["arguments"]
     assert events[-1]["finish_reason"] == "tool_calls"
     assert events[-1]["message"]["tool_calls"][0]["function"]["name"] == name
+    usage = [e for e in events if e["type"] == "usage"]  # the UI shows its reason
+    assert [e["finish_reason"] for e in usage] == ["tool_calls"], usage
 
 
 def test_cancel_and_a_closing_sender_abort_the_turn(client, engine, rng_seed):
