@@ -10,18 +10,19 @@ from typing import Any
 
 from freetoken_agent.integrations.server.bridge import EngineBridge, Turn
 from freetoken_agent.integrations.server.chat_request import TurnRequest
-from freetoken_agent.integrations.server.turn_run import turn_plan
+from freetoken_agent.integrations.server.turn_run import turn_format, turn_plan
 
 
 def turn_input_tokens(turn: TurnRequest, state: Any) -> int:
     """The count for `turn` on the server `state`; the template's refusal or a tool schema the
     turn cannot take raise InvalidRequestError (the caller names the fields its API uses).
     Rendering a long history is CPU work: call it off the event loop."""
-    chat_format = state.hub.formats.get(turn.enable_thinking)
+    bridge = EngineBridge(state.service)
+    chat_format = turn_format(turn, state.hub.formats, bridge)
     prompt = chat_format.render(
         turn.messages, tools=turn.tools, anchors=False, continue_final=turn.continue_final
     )
     counted = Turn(state.service)
-    _, factory = turn_plan(turn, chat_format, EngineBridge(state.service), counted)
+    _, factory = turn_plan(turn, chat_format, bridge, counted)
     factory(prompt)
     return len(prompt.token_ids) + len(counted.suffix_ids)

@@ -87,6 +87,24 @@ def failed_at_once(event: TokenEvent) -> bool:
     return event.finished and event.finish_reason == "error"
 
 
+def turn_format(request: TurnRequest, formats: Any, bridge: Any) -> Any:
+    """The ChatFormat a turn renders with (`formats`: the hub's ThinkingFormats): its
+    enable_thinking's, but a forced call that comes first (no reasoning before it: no
+    thinking budget bounds one, or the template does not reason first) renders with thinking
+    off, as ChatFreeToken renders it. Why: the template then writes its own closed think block
+    where it has one (Qwen3's `<think>\n\n</think>\n\n`), the form its model answers in
+    without thinking, where the server skipped the block (Qwen3 in thinking mode opens one
+    first) or closed an opened one itself (`<think>\n</think>\n\n`); and the same request
+    gives the same prompt through LangChain and the routes."""
+    chat_format = formats.get(request.enable_thinking)
+    if not request.tool_choice.forced or request.enable_thinking is False:
+        return chat_format
+    # (A forced turn takes no strict tools' grammar: its sampling is the request's.)
+    call_first = reasoned_answer(request.tool_choice, request.tools, request.sampling,
+                                 request.call_or_answer, chat_format, bridge) is None  # fmt: skip
+    return formats.get(False) if call_first else chat_format
+
+
 def turn_plan(
     request: TurnRequest, chat_format: Any, bridge: Any, turn: Turn
 ) -> tuple[SamplingParams, ParserFactory]:
@@ -163,7 +181,7 @@ class TurnRun:
                     return
                 request = self.request = self._rebased()
                 live.session.tools = request.tools
-                live.session.chat_format = live.formats.get(request.enable_thinking)
+                live.session.chat_format = turn_format(request, live.formats, live.bridge)
                 turn.on_submit = lambda n: put(_Started(n))
                 turn.on_first_event = lambda event: self._first(loop, event)
                 sampling, factory = turn_plan(request, live.session.chat_format, live.bridge, turn)
