@@ -4,7 +4,9 @@
 - "none": tools stay in the prompt (the history keeps rendering the same, so its KV is reused),
   but nothing is parsed as a call: all non-reasoning text is content.
 - "required" or {"type": "function", "function": {"name": ...}}: a call is forced by constrained
-  decoding. The prompt is extended with what closes an open think block and opens a call
+  decoding. A call that comes first renders the template with thinking off (turn_run.py
+  `turn_format`: the template's own closed block where it has the switch, as ChatFreeToken
+  renders it). The prompt is extended with what closes a think block still open and opens a call
   (`</think>\\n\\n` when the template left `<think>` open, then `<tool_call>\\n` for Hermes-style
   models), and the output is constrained to `{"name": ..., "arguments": {...}}` valid against
   the tool's schema (`tool_call_schema`; "required" allows any of the tools). The model thus
