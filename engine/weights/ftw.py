@@ -38,14 +38,17 @@ import torch
 from tqdm.auto import tqdm
 
 from freetoken_agent.engine.config import ModelSpec, read_config
+from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.models.registry import family, spec_from_config
 from freetoken_agent.engine.weights import ftw_dense, safetensors_stream
 from freetoken_agent.engine.weights.disk_files import allocate, synced
 from freetoken_agent.engine.weights.loader import (
     CheckpointError,
+    load_safetensors,
     name_pattern,
     opened,
     safetensors_files,
+    untie_differing_head,
 )
 from freetoken_agent.engine.weights.names import Expert, FusedExperts
 
@@ -217,6 +220,19 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _check_dense(src: Path, spec: ModelSpec, files: list[Path]) -> None:
+    """The load's strict checks of the dense tensors (none unexpected or missing, shapes, float
+    dtypes), from the files' headers, on a model on the meta device (nothing allocated or
+    read), before anything is written: convert copies the dense tensors byte for byte, so a
+    folder the load refuses made an FTW folder the load refused too, after the whole
+    conversion (the experts are checked as their banks are written)."""
+    table = family(spec.arch).CHECKPOINT_NAMES
+    spec = untie_differing_head(spec, files, table)  # as the load reads the head
+    with torch.device("meta"):
+        model = MoeCausalLM(spec, family(spec.arch).blueprint(spec), None, 1, spec.dtype)
+    load_safetensors(src, spec, model, None, table, False, files, headers_only=True)
+
+
 def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
     """Convert's work: the banks, dense tensors, manifest and copied files, into `tmp`."""
     shapes = bank_shapes(spec)
@@ -230,6 +246,7 @@ def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
             f"{[n for n in dense if 'expert' in n][:4] or 'none'} (is config.json's model_type "
             f"{spec.arch!r} right for these weights?)"
         )
+    _check_dense(src, spec, files)
     dtype = _bank_dtype({name: kind for name, (kind, _) in experts.items()})
     itemsize = dtype.itemsize
     for b in BANKS:  # the disk's blocks first: a full disk is an OSError here, not a SIGBUS

@@ -160,7 +160,9 @@ def _dense_params(model: nn.Module) -> dict[str, _Param]:
     return params
 
 
-def _view(kind: str, payload: tuple, params: dict[str, _Param], bank: ExpertSink) -> torch.Tensor:
+def _view(
+    kind: str, payload: tuple, params: dict[str, _Param], bank: ExpertSink | None
+) -> torch.Tensor:
     if kind == "dense":
         param_name, shard = payload
         param = params[param_name]
@@ -186,25 +188,57 @@ def _read(path: Path, read: Any, key: Any) -> Any:
         raise unreadable(path, e) from e
 
 
+# safetensors' dtype names as torch's, so a header's refusal reads as the load's
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Header:
+    """A tensor as its file's header describes it (safetensors' slice), for `_check_shape`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | str  # safetensors' own name where torch has none
+
+    def is_floating_point(self) -> bool:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype.is_floating_point
+        return self.dtype.startswith(("F", "BF"))
+
+
+def _header(path: Path, handle: Any, name: str) -> _Header:
+    view = _read(path, handle.get_slice, name)
+    kind = view.get_dtype()
+    return _Header(tuple(view.get_shape()), _DTYPES.get(kind, kind))
+
+
 def load_safetensors(
     model_dir: str | Path,
     spec: ModelSpec,
     model: nn.Module,
-    bank: ExpertSink,
+    bank: ExpertSink | None,
     table: NameTable,
     progress: bool = True,
     files: list[Path] | None = None,
     experts_elsewhere: bool = False,
+    headers_only: bool = False,
 ) -> None:
     """Fill `model`'s parameters and `bank`'s experts from the folder's safetensors files.
     With experts_elsewhere (FTW folders: experts are in banks), only dense tensors are read
-    and expert tensors count as unexpected."""
+    and expert tensors count as unexpected. With headers_only, nothing is read or filled: the
+    dense tensors are checked by these same rules from the files' headers (`model` may be on
+    the meta device) and expert tensors are left to the caller (convert checks them as it
+    writes its banks: it runs this first, so a folder the load would refuse is refused before
+    anything is written)."""
     files = files or safetensors_files(model_dir)
     params = _dense_params(model)
     plan = _plan(spec, table, params)
+    if experts_elsewhere or headers_only:
+        plan.requirements = {r: n for r, n in plan.requirements.items() if r[0] == "dense"}
     if experts_elsewhere:
         plan.targets = {n: t for n, t in plan.targets.items() if t[0] == "dense"}
-        plan.requirements = {r: n for r, n in plan.requirements.items() if r[0] == "dense"}
     met: dict[tuple, str] = {}  # each weight filled -> the tensor that filled it
     unexpected: list[str] = []
     seen: dict[str, Path] = {}  # name -> the file it came from
@@ -226,8 +260,14 @@ def load_safetensors(
                 if not any(p.match(name) for p in plan.ignore):
                     unexpected.append(name)
                 continue
-            tensor = _read(path, handle.get_tensor, name)  # outside `_stream`'s `opened`
             kind, payload = target
+            if headers_only:
+                if kind == "dense":
+                    dst = _view(kind, payload, params, None)
+                    _check_shape(name, _header(path, handle, name), tuple(dst.shape), path)
+                    _met(met, [(kind, *payload)], name, model_dir)
+                continue
+            tensor = _read(path, handle.get_tensor, name)  # outside `_stream`'s `opened`
             if kind == "fused":
                 filled = _load_fused(name, tensor, payload, spec, bank)
             else:
@@ -235,11 +275,7 @@ def load_safetensors(
                 _check_shape(name, tensor, tuple(dst.shape), path)
                 dst.copy_(tensor)
                 filled = [(kind, *payload)]
-            for key in filled:  # two layouts of one weight (a family's names in both forms):
-                if key in met:  # the one read last won, silently
-                    raise CheckpointError(f"tensors {met[key]} and {name} in {model_dir} "
-                                          "hold the same weights: keep one layout")  # fmt: skip
-                met[key] = name
+            _met(met, filled, name, model_dir)
             bar.update(tensor.numel() * tensor.element_size())
     if unexpected:
         raise CheckpointError(
@@ -249,6 +285,15 @@ def load_safetensors(
     missing = [name for req, name in plan.requirements.items() if req not in met]
     if missing:
         raise CheckpointError(f"{len(missing)} missing tensor(s) in {model_dir}: {_names(missing)}")
+
+
+def _met(met: dict[tuple, str], filled: list[tuple], name: str, model_dir: Any) -> None:
+    """Record that tensor `name` filled the weights `filled`."""
+    for key in filled:  # two layouts of one weight (a family's names in both forms):
+        if key in met:  # the one read last won, silently
+            raise CheckpointError(f"tensors {met[key]} and {name} in {model_dir} "
+                                  "hold the same weights: keep one layout")  # fmt: skip
+        met[key] = name
 
 
 def untie_differing_head(spec: ModelSpec, files: list[Path], table: NameTable) -> ModelSpec:

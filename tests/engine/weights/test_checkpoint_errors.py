@@ -12,6 +12,7 @@ import random
 import shutil
 
 import pytest
+import torch
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine
@@ -78,7 +79,9 @@ def test_an_expert_past_the_configs_count_is_refused_by_convert(tmp_path, rng_se
     config = {**config, "num_local_experts": fewer,
               "num_experts_per_tok": min(config["num_experts_per_tok"], fewer)}  # fmt: skip
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=f"expert {fewer}, but config.json gives {fewer}"):
+    # (the router's gate is refused first where it holds a row per expert, as the load does)
+    gate = rf"expert {fewer}, but config.json gives {fewer}|the model expects \({fewer}, "
+    with pytest.raises(CheckpointError, match=gate):
         ftw.convert(tmp_path / "m", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
@@ -212,3 +215,44 @@ def test_a_checkpoint_holding_experts_in_two_layouts_is_refused(tmp_path, rng_se
         Engine.load(tmp_path / "m", device="cpu", progress=False, kv_tokens=256)
     with pytest.raises(CheckpointError, match="which another tensor of .* wrote"):
         ftw.convert(tmp_path / "m", tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("fault", ["unexpected", "missing", "shape", "integer"])
+def test_convert_refuses_dense_tensors_the_load_refuses_before_writing(
+    tmp_path, rng_seed, fault, monkeypatch
+):
+    """convert copied the dense tensors byte for byte, unchecked: a folder with a stray, a
+    missing, a misshaped or an integer dense tensor converted "successfully" into an FTW folder
+    the load then refused. Now convert refuses it with the load's own message, before it
+    writes anything (its first write, the banks' space, must not be reached)."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import FAMILIES, HYBRID_FAMILIES
+
+    rng = random.Random(rng_seed)
+    family = rng.choice([*FAMILIES, *HYBRID_FAMILIES])
+    make_tiny(family, tmp_path / "m", rng_seed)
+    path = tmp_path / "m" / "model.safetensors"
+    state = load_file(path)
+    dense = sorted(n for n in state if ".experts." not in n and state[n].dim() == 2)
+    name = rng.choice(dense)
+    if fault == "unexpected":
+        state[f"model.layers.0.{rng.choice(['bogus', 'extra_proj'])}.weight"] = torch.zeros(3)
+    elif fault == "missing":
+        del state[name]
+    elif fault == "shape":
+        rows, cols = state[name].shape
+        state[name] = torch.zeros(rows + rng.randint(1, 3), cols)
+    else:
+        state[name] = torch.zeros(state[name].shape, dtype=torch.int32)
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as loaded:
+        _load(tmp_path / "m")
+
+    def no_write(*args, **kwargs):
+        raise AssertionError("convert began to write")
+
+    monkeypatch.setattr(ftw, "allocate", no_write)
+    with pytest.raises(CheckpointError) as converted:
+        ftw.convert(tmp_path / "m", tmp_path / "out", progress=False)
+    assert str(converted.value) == str(loaded.value), (family, fault)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

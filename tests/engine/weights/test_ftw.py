@@ -89,19 +89,20 @@ def _damage(spec, rng: random.Random) -> tuple[str, list[int]]:
 def test_dense_tensors_are_copied_without_loading_them(tmp_path, rng_seed, monkeypatch):
     """convert copies the dense tensors' bytes into dense.safetensors (safetensors_stream.py):
     it read every one into memory before (15-40 GB for the largest MoE checkpoints). Here the
-    checkpoint is split over shards with extra tensors of other dtypes and an empty one: the
-    file holds each non-expert tensor exactly and none was loaded."""
+    checkpoint is split over shards with extra tensors of other dtypes and an empty one (under
+    the multi-token-prediction head's names, which the load ignores: others it refuses, and so
+    does convert): the file holds each non-expert tensor exactly and none was loaded."""
     from safetensors.torch import load_file, save_file
 
     hf_dir, dst = tmp_path / "hf", tmp_path / "ftw"
-    make_tiny("qwen3_moe", hf_dir, rng_seed)
+    make_tiny("qwen3_5_moe", hf_dir, rng_seed)
     gen = torch.Generator().manual_seed(rng_seed)
     extra = {  # odd sizes: a tensor after them would be misaligned in the order met
-        "extra.odd": torch.randn(3, generator=gen).bfloat16(),
-        "extra.f32": torch.randn(3, 5, generator=gen),
-        "extra.i64": torch.randint(-9, 9, (7,), generator=gen),
-        "extra.empty": torch.zeros(0, 4, dtype=torch.bfloat16),
-        "extra.f16": torch.randn(2, 2, 2, generator=gen).half(),
+        "mtp.odd": torch.randn(3, generator=gen).bfloat16(),
+        "mtp.f32": torch.randn(3, 5, generator=gen),
+        "mtp.i64": torch.randint(-9, 9, (7,), generator=gen),
+        "mtp.empty": torch.zeros(0, 4, dtype=torch.bfloat16),
+        "mtp.f16": torch.randn(2, 2, 2, generator=gen).half(),
     }
     save_file(extra, str(hf_dir / "extra.safetensors"), metadata={"format": "pt"})
     sources, weight_map = {}, {}
