@@ -22,8 +22,10 @@ counted in a turn; on a hybrid model in mode none nothing is reused, so it is sk
 
 Per turn: tokens reused and re-prefilled (the engine's counts) beside the count the engine's
 documented checkpoint rules predict (`expected_prefill`, from everything this run sent), time to
-first token beside its limit (tokens re-prefilled / the prefill rate measured on a fresh
---probe-tokens prompt in the same engine), decode tok/s beside that probe's single-turn rate.
+first token beside its limit (`ttft_reference_s`: the time a fresh --probe-tokens prompt took
+in the same engine, scaled to the tokens re-prefilled; on an offloaded engine, to the chunks
+that stream, since a chunk streams every layer whatever its length), decode tok/s beside that
+probe's single-turn rate.
 Per mode: worst-turn TTFT and total re-prefilled tokens; across modes, for each edited turn,
 whether anchors re-prefilled strictly fewer tokens than positional. The JSON is rewritten after
 every turn, so a run cut short keeps what it measured.
@@ -55,6 +57,7 @@ from freetoken_agent.bench.agent_trace import KINDS, AgentTrace, SessionShape, g
 
 # `compare` is imported from here by other code: keep it reachable under this module's name.
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
+from freetoken_agent.bench.limits import streamed_chunks
 from freetoken_agent.engine.config import ConfigError, EngineConfig
 from freetoken_agent.engine.engine import Engine
 from freetoken_agent.engine.models.registry import spec_from_config
@@ -218,6 +221,24 @@ def probe(engine: Engine, n_tokens: int, n_decode: int, seed: int) -> dict:
     }
 
 
+def ttft_reference_s(engine: Engine, prefilled: int, probe: dict) -> float:
+    """The probe's time for `prefilled` tokens. Where the engine streams experts (an offloaded
+    bank), per streamed chunk (bench/limits.py `streamed_chunks`): a chunk moves every layer's
+    experts whatever its length, so per token a 300-token re-prefill was rated at a twentieth
+    of what its one chunk allows; a prefill too short to stream (it fills slots) and a resident
+    engine's, per token at the probe's rate."""
+    rate = probe["prefill_tok_s"]
+    stream_min = getattr(engine.loaded.bank, "stream_min_tokens", None)
+    if stream_min is None:
+        return prefilled / rate
+    chunk = engine.config.max_batched_tokens
+    per_probe = streamed_chunks(probe["tokens"], chunk, stream_min)
+    streamed = streamed_chunks(prefilled, chunk, stream_min)
+    if not (per_probe and streamed):
+        return prefilled / rate
+    return streamed * probe["ttft_s"] / per_probe
+
+
 def replay(engine: Engine, trace: AgentTrace, mode: str, args, support: Support, entry: dict, save):
     """Every turn of the trace, in order, into entry["turns"] (saved and printed after each)."""
     markers = trace_markers()
@@ -247,7 +268,7 @@ def replay(engine: Engine, trace: AgentTrace, mode: str, args, support: Support,
             "anchor_prefill": turn.anchor_prefill,  # the trace's bound: prompt anchors only
             "min_prefill": turn.min_prefill,  # attention only: every shared token reused
             "ttft_s": st["ttft_s"],
-            "ttft_limit_s": st["prefilled_tokens"] / rate["prefill_tok_s"],
+            "ttft_limit_s": ttft_reference_s(engine, st["prefilled_tokens"], rate),
             "decode_tok_s": st["decode_tok_s"],
             "preempted": st.get("preempted", 0),  # re-admissions (they re-prefill)
         }

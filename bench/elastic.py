@@ -39,7 +39,8 @@ router's ids).
 
 Per turn and engine: decode tok/s beside its limit (dense, hit-expert and KV bytes at B_HBM,
 miss bytes at B_P + B_H capped by the host read bandwidth, measured in this run), TTFT beside
-its limit (prefilled tokens at chunk / (pool bytes / B_P) tok/s), reuse, slots, KV pages, decode
+its limit (each streamed chunk's bytes not resident at B_P: limits.streamed_prefill_floor_s;
+none for a prefill too short to stream), reuse, slots, KV pages, decode
 miss rate, preemptions, failure.
 Summary: elastic >= both fixed splits on every turn (within --noise; a failed fixed turn is
 slower), elastic never failed, its last-turn decode within 12% of its first. The JSON (--out) is

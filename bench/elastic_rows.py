@@ -11,6 +11,7 @@ from freetoken_agent.bench.limits import (
     hbm_copy_bandwidth,
     host_paths,
     host_read_bandwidth,
+    streamed_prefill_floor_s,
 )
 from freetoken_agent.engine.engine import Engine
 
@@ -43,7 +44,13 @@ class Limits:
         hit, miss = moved * (1 - row["miss_rate"]), moved * row["miss_rate"]
         floor = decode_floor_s(dense + kv + hit, miss, self.hbm, link)
         row["decode_limit_tok_s"] = 1 / floor
-        row["ttft_limit_s"] = row["prefilled_tokens"] * bank.pool.nbytes / (chunk * self.pcie)
+        # At most every slot the run has had holds a resident expert (copied on the device).
+        records = engine.memory.trace.records if engine.memory is not None else []
+        slots = max([r.slots for r in records] + [bank.cache.n_slots])
+        chunk_bytes = max(0, bank.pool.nbytes - slots * bank.pool.expert_bytes)
+        row["ttft_limit_s"] = streamed_prefill_floor_s(
+            row["prefilled_tokens"], chunk, bank.stream_min_tokens, chunk_bytes, self.pcie
+        )
 
     def to_json(self) -> dict:
         pairs = (

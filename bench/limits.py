@@ -86,6 +86,33 @@ def decode_floor_overlapped_s(
     return dense_bytes / b_hbm + max(hit_bytes / b_hbm, host_bytes / b_miss)
 
 
+def streamed_chunks(tokens: int, chunk: int, stream_min: int) -> int:
+    """The fewest chunks of a `tokens`-long prefill that stream every layer's experts (those of
+    `stream_min` tokens or more), over every cut the scheduler may make: chunks of at most
+    `chunk`, each but the last at least 3/4 of it (it ends one early only at an anchor that
+    keeps that much: engine/snapshot_rows.py; a request alone in its steps, as in the
+    benches). Where 3/4 of a chunk streams, every chunk but the last does, and the fewest
+    chunks, ceil(tokens / chunk), leave the last its shortest (the greedy cut's rest); else a
+    cut exists where none streams."""
+    if tokens <= 0 or -(-3 * chunk // 4) < stream_min:
+        return 0
+    n = -(-tokens // chunk)
+    return n - 1 + (tokens - (n - 1) * chunk >= stream_min)
+
+
+def streamed_prefill_floor_s(
+    tokens: int, chunk: int, stream_min: int, chunk_bytes: float, b_p: float
+) -> float | None:
+    """The shortest a prefill of `tokens` on an offloaded bank can take over the link (DESIGN
+    section 7's prefill bound): each streamed chunk (`streamed_chunks`) moves `chunk_bytes`
+    (the experts not resident: at least the pool less what every slot can hold) at B_P. Not
+    tokens / a rate: a chunk streams whole whatever its length. None where no chunk streams:
+    a short prefill fills slots with the experts its tokens route to, which only the routing
+    says."""
+    n = streamed_chunks(tokens, chunk, stream_min)
+    return n * chunk_bytes / b_p if n else None
+
+
 def host_paths_bandwidth(
     w13: torch.Tensor, w2: torch.Tensor, device: torch.device, seconds: float = 1.0
 ) -> dict[str, float]:

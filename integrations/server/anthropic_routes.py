@@ -11,8 +11,8 @@ stream started is an `error` event, which ends it.
 
 count_tokens answers {"input_tokens": n} for the same body without max_tokens: the history
 rendered with its tools as a message's prompt is, so n is what that message's usage counts as
-input (input_tokens plus cache_read_input_tokens). A forced tool_choice's few opener tokens
-(tool_choice.py), which the turn appends to its prompt, are not counted.
+input (input_tokens plus cache_read_input_tokens), what the turn appends to its prompt (a
+forced tool_choice's opener: tool_choice.py) included (input_count.py).
 """
 
 from __future__ import annotations

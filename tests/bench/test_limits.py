@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import sys
@@ -9,6 +10,7 @@ import sys
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine
+from freetoken_agent.bench import limits
 from freetoken_agent.bench.elastic_rows import Limits
 from freetoken_agent.bench.limits import host_paths, host_paths_bandwidth, host_read_bandwidth
 
@@ -148,3 +150,59 @@ def test_a_hybrid_models_kv_bytes_count_its_attention_layers_only(tmp_path, rng_
     assert kv_bytes_per_token(engine) == 2 * attention * spec.n_kv_heads * spec.head_dim * itemsize
     kv = engine.loaded.kv  # the pool itself: one K and one V slice per attention layer
     assert kv_bytes_per_token(engine) * kv.k.shape[1] * kv.page_size == kv.k.nbytes + kv.v.nbytes
+
+
+def _fewest_streamed(tokens: int, chunk: int, stream_min: int) -> int:
+    """By search: the fewest chunks of stream_min tokens or more over every way the scheduler
+    may cut `tokens` (chunks of at most `chunk`, each but the last at least 3/4 of it)."""
+    low = -(-3 * chunk // 4)
+
+    @functools.cache
+    def fewest(left: int) -> int:
+        best = int(left >= stream_min) if left <= chunk else tokens  # the last chunk
+        for size in range(low, min(chunk, left - 1) + 1):
+            best = min(best, int(size >= stream_min) + fewest(left - size))
+        return best
+
+    return fewest(tokens)
+
+
+def test_streamed_chunks_is_the_fewest_any_cut_streams(rng_seed):
+    """A chunk streams every layer whatever its length, so a re-prefill's link floor counts
+    chunks, not tokens (bench elastic and agent divided tokens by a rate: a 300-token re-prefill
+    was rated at a twentieth of its one chunk's time). The count is the fewest over every cut."""
+    rng = random.Random(rng_seed)
+    for _ in range(60):
+        chunk = rng.randint(4, 40)
+        stream_min = rng.randint(1, 2 * chunk)
+        tokens = rng.randint(0, 5 * chunk)
+        n = limits.streamed_chunks(tokens, chunk, stream_min)
+        assert n == (_fewest_streamed(tokens, chunk, stream_min) if tokens else 0), (
+            tokens, chunk, stream_min)  # fmt: skip
+        b_p, chunk_bytes = rng.uniform(10, 60) * 1e9, rng.uniform(1, 50) * 1e9
+        floor = limits.streamed_prefill_floor_s(tokens, chunk, stream_min, chunk_bytes, b_p)
+        assert floor == (n * chunk_bytes / b_p if n else None), (tokens, chunk, stream_min)
+
+
+def test_elastic_ttft_limit_streams_the_experts_no_slot_can_hold(tmp_path, rng_seed):
+    """bench elastic's TTFT limit: per streamed chunk, the pool less what every slot the run
+    had can hold, at B_P (it was prefilled tokens x the whole pool / chunk, which a re-prefill
+    beat: a bound must not be beaten). A prefill too short to stream has none."""
+    rng = random.Random(rng_seed)
+    make_tiny("qwen3_moe", tmp_path, rng_seed)
+    slots = rng.randint(1, 12)
+    engine = Engine.load(tmp_path, device="cpu", policy="transfer", expert_slots=slots,
+                         progress=False)  # fmt: skip
+    bank = engine.loaded.bank
+    rows = Limits({}, on_gpu=False)
+    rows.on_gpu = True
+    rows.hbm, rows.pcie, rows.cpu, rows.host_read = 4e12, rng.uniform(10, 60) * 1e9, 70e9, 1e11
+    chunk = rng.choice([512, 1024, 2048])
+    for tokens in (rng.randint(1, bank.stream_min_tokens - 1), rng.randint(512, 5 * chunk)):
+        row = {"miss_rate": 0.5, "experts_per_token": 8.0, "prefilled_tokens": tokens}
+        rows.add(row, engine, context=tokens, chunk=chunk)
+        n = limits.streamed_chunks(tokens, chunk, bank.stream_min_tokens)
+        moved = bank.pool.nbytes - bank.cache.n_slots * bank.pool.expert_bytes
+        expected = n * moved / rows.pcie if n else None
+        assert row["ttft_limit_s"] == expected, (tokens, chunk, slots)
+    assert n >= 1 and row["ttft_limit_s"] > 0
