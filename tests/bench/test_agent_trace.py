@@ -7,7 +7,9 @@ the coding one at seed 0, the tools one at a fresh seed (printed).
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import time
 
 import pytest
@@ -164,3 +166,36 @@ def test_cpu_smoke_without_the_anchor_api(tmp_path, monkeypatch, one_cpu_thread)
     report = json.loads(out.read_text())
     assert report["support"] == {"checkpoints": False, "submit": []}
     assert len(report["modes"]["anchors"]["turns"]) == 3 and report["comparison"] is None
+
+
+def test_the_ttft_reference_counts_streamed_chunks_not_tokens(rng_seed):
+    """bench agent's TTFT reference on an offloaded engine: a chunk streams every layer's
+    experts whatever its length, so re-prefills that stream as many chunks get the same
+    reference, the probe's time per chunk (it was tokens / the probe's rate: a 300-token
+    re-prefill was rated at a twentieth of its chunk's time); one too short to stream, and a
+    resident engine's, scale by tokens."""
+    from types import SimpleNamespace
+
+    from freetoken_agent.bench.agent import ttft_reference_s
+
+    rng = random.Random(rng_seed)
+    chunk, stream_min = rng.choice([1024, 2048, 8192]), rng.choice([128, 512])
+    probe_tokens = rng.randint(1, 4) * chunk
+    probe = {"tokens": probe_tokens, "ttft_s": rng.uniform(0.1, 3)}
+    probe["prefill_tok_s"] = probe_tokens / probe["ttft_s"]
+
+    def engine(bank: object) -> SimpleNamespace:
+        config = SimpleNamespace(max_batched_tokens=chunk)
+        return SimpleNamespace(loaded=SimpleNamespace(bank=bank), config=config)
+
+    offloaded = engine(SimpleNamespace(stream_min_tokens=stream_min))
+    per_chunk = probe["ttft_s"] / (probe_tokens // chunk)
+    k = rng.randint(1, 3)
+    short, long = (k - 1) * chunk + stream_min, k * chunk  # both stream k chunks
+    for tokens in (short, long):
+        got = ttft_reference_s(offloaded, tokens, probe)
+        assert math.isclose(got, k * per_chunk), (tokens, chunk, stream_min)
+    tiny = rng.randint(1, stream_min - 1)
+    assert math.isclose(ttft_reference_s(offloaded, tiny, probe), tiny / probe["prefill_tok_s"])
+    resident = engine(SimpleNamespace())
+    assert math.isclose(ttft_reference_s(resident, short, probe), short / probe["prefill_tok_s"])
