@@ -54,6 +54,7 @@ from freetoken_agent.bench.agent_report import (
     summarize,
 )
 from freetoken_agent.bench.agent_trace import KINDS, AgentTrace, SessionShape, generate_session
+from freetoken_agent.bench.environment import ENVIRONMENT
 
 # `compare` is imported from here by other code: keep it reachable under this module's name.
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
@@ -315,6 +316,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="freetoken bench agent",
         description=__doc__,
+        epilog=ENVIRONMENT,
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--kind", choices=KINDS, default="coding", help="session kind")

@@ -115,7 +115,11 @@ def bench_model(cfg: dict, label: str, args, b_hbm: float, flops: float) -> dict
                 result[f"decode_b{batch}{tags}_of_limit"] = rate / limit
         engine.overlap.enabled = False
     graphs, engine.runner.graphs = engine.runner.graphs, None  # the same engine, eager
-    result["decode_b1_eager_tok_s"] = decode_rate(engine, 1, args.prompt, 64, rng)
+    eager = decode_rate(engine, 1, args.prompt, 64, rng)
+    # Its own limit: 64 tokens decoded, so half of them past the prompt on average.
+    eager_limit = 1 / (decode_bytes(engine, 1, args.prompt + 32) / b_hbm)
+    result.update(decode_b1_eager_tok_s=eager, decode_b1_eager_limit_tok_s=eager_limit,
+                  decode_b1_eager_of_limit=eager / eager_limit)  # fmt: skip
     engine.runner.graphs = graphs
     rate = prefill_rate(engine, 512, rng)
     weight_bytes = engine.loaded.dense_bytes + engine.loaded.bank.nbytes

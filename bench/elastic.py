@@ -66,6 +66,7 @@ from freetoken_agent.bench.elastic_engines import shape_config, smoke_budget
 from freetoken_agent.bench.elastic_report import ENGINES, merge, plot, summarize
 from freetoken_agent.bench.elastic_rows import HEAD, Limits
 from freetoken_agent.bench.elastic_session import run_engine, run_interleaved
+from freetoken_agent.bench.environment import ENVIRONMENT
 from freetoken_agent.bench.knobs import add_knobs, resolve_knobs
 from freetoken_agent.bench.routing_traces import Regime
 from freetoken_agent.help_format import DefaultsHelpFormatter
@@ -103,6 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="freetoken bench elastic",
         description=__doc__,
+        epilog=ENVIRONMENT,
         formatter_class=DefaultsHelpFormatter,
     )
     add_knobs(parser, KNOBS)

@@ -1,6 +1,7 @@
-"""The environment variables that change an offloaded engine's CPU branch, host pool and decode
-kernels: no bench option sets them (the engine reads them when it loads), so `freetoken bench
---help` and the offload benches' `--help` list them (issue 3: `--help` documents every knob)."""
+"""The environment variables that change an offloaded engine's CPU branch, host pool, decode
+kernels and starting bandwidths: no bench option sets them (the engine reads them when it
+loads), so `freetoken bench --help` and the `--help` of every bench that loads an offloaded
+engine list them (issue 3: `--help` documents every knob)."""
 
 from __future__ import annotations
 
@@ -25,4 +26,9 @@ environment (read when the engine loads; a bench run obeys them as the engine do
                             kernels/triton/pdl.py)
   FREETOKEN_HOST_EMBEDDINGS=0  keep an offloaded model's token embedding table on the GPU
                             (default: in pinned host memory, its bytes given to expert slots)
+  FREETOKEN_CACHE=DIR       the folder of calibration.json (`freetoken calibrate`; default
+                            ~/.cache/freetoken): an offloaded engine starts from its entry for
+                            this machine and expert shape (B_P, B_H, the stream knee, the fill
+                            copies' programs), else from built-in guesses it then measures;
+                            the benches that take --copy-programs set that one themselves
 """

@@ -38,6 +38,8 @@ from freetoken_agent.kernels.triton import expert_fills
 
 E, K, H = 128, 8, 2048  # Qwen3-30B-A3B's experts a layer, top-k, hidden
 
+RESULTS = Path(__file__).resolve().parent / "results"  # wherever the bench runs from
+
 
 @triton.jit
 def _empty(x):
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel-file", type=Path, default=None,
                         help="another version of the kernels' module to time too")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the cache and routings drawn")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="JSON's folder")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON's folder")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("plan-kernel needs CUDA")

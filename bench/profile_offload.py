@@ -28,6 +28,7 @@ from collections import defaultdict
 
 import torch
 
+from freetoken_agent.bench.environment import ENVIRONMENT
 from freetoken_agent.bench.offload import offload_engine
 from freetoken_agent.bench.offload_decode import start_policy
 from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGenerator
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench profile-offload",
         description=__doc__,
+        epilog=ENVIRONMENT,
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")

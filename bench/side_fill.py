@@ -59,6 +59,8 @@ BEHIND = VARIANTS[3:]  # the variants that copy each miss's other half behind th
 DMA = ("half+side-dma", "half+early-dma")  # the copy engines' (pool rows fixed at capture)
 POOL_EXPERTS = 64  # pinned pool rows (~600 MB at the real shape): beyond the host's caches
 
+RESULTS = Path(__file__).resolve().parent / "results"  # wherever the bench runs from
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inter", type=int, default=W, help="expert width I (Qwen3-30B-A3B's)")
     parser.add_argument("--pool", type=int, default=POOL_EXPERTS, help="pinned pool experts")
     parser.add_argument("--seed", type=int, default=0, help="miss layers and pool rows drawn")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="JSON's folder")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON's folder")
     args = parser.parse_args(argv)
     for pieces in args.pieces:
         Layout(3 * args.hidden * args.inter, pieces)  # refuses a split that does not divide

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from freetoken_agent.bench import offload
 from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
+from freetoken_agent.bench.environment import ENVIRONMENT
 from freetoken_agent.bench.host_caps import HostCaps
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_read_bandwidth
 from freetoken_agent.bench.offload_decode import measure_policy, use_policy
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench split-cuts",
         description=__doc__,
+        epilog=ENVIRONMENT,
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=48, help="model depth (12: peer slice)")

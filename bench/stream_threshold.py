@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.environment import ENVIRONMENT
 from freetoken_agent.bench.limits import host_read_bandwidth
 from freetoken_agent.bench.offload import offload_engine
 from freetoken_agent.bench.offload_decode import decode_window, start_policy
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench stream-threshold",
         description=__doc__,
+        epilog=ENVIRONMENT,
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.environment import ENVIRONMENT
 from freetoken_agent.bench.limits import host_read_bandwidth
 from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.cpu import experts, worker
@@ -33,8 +34,9 @@ H, W, K = 2048, 768, 8  # Qwen3-30B-A3B: hidden, expert width (I), top-k
 
 
 def job_times(team: str, w13: torch.Tensor, w2: torch.Tensor, n_experts: int, jobs: int,
-              gap_s: float, threads: int | None) -> list[float]:  # fmt: skip
-    """Busy seconds of each of `jobs` one-token jobs of `n_experts` experts."""
+              gap_s: float, threads: int | None) -> tuple[list[float], int]:  # fmt: skip
+    """Busy seconds of each of `jobs` one-token jobs of `n_experts` experts, and the threads
+    the team ran (`threads`, else the team's own default, as the engine's worker starts it)."""
     n_rows = w13.shape[0]
     box = worker.Mailbox.allocate(1, K, H, w13.dtype, pin=False)
     cpu = worker.CpuWorker(box, w13, w2, threads=threads, team=team)
@@ -58,13 +60,14 @@ def job_times(team: str, w13: torch.Tensor, w2: torch.Tensor, n_experts: int, jo
             time.sleep(gap_s)
     finally:
         cpu.stop()
-    return times
+    return times, cpu.threads
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench worker-teams",
         description=__doc__,
+        epilog=ENVIRONMENT,
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--experts", type=int, nargs="+", default=[1, 2, 4],
@@ -73,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="pause between jobs (a decode layer's other work)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=200, help="jobs per team and size")
     parser.add_argument("--threads", type=int, default=None,
-                        help="kernel threads (default: FREETOKEN_CPU_THREADS, else the "
-                        "physical cores less one)")  # fmt: skip
+                        help="kernel threads of both teams (default: each team's own, as the "
+                        "engine's worker starts it: FREETOKEN_CPU_THREADS, else the spin "
+                        "team's spin_team_size() and the omp team's default_threads(); each "
+                        "row records its count)")  # fmt: skip
     parser.add_argument("--pool-gb", type=float, default=2.0, help="expert pool size (GB)")
     parser.add_argument("--out", type=Path, default=None, help="write worker_teams.json here")
     args = parser.parse_args(argv)
@@ -91,13 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     experts.cpu_experts(x, w13, w2, rows, torch.rand(1, K), threads=args.threads)  # main's team
     limit = host_read_bandwidth()
     report = {"bench": "worker-teams", "host_read_gb_s": limit / 1e9, "gap_us": args.gap_us,
-              "threads": args.threads or experts.default_threads(), "rows": []}  # fmt: skip
+              "threads": args.threads, "rows": []}  # fmt: skip
     for n in args.experts:
         for team in worker.TEAMS:
-            times = sorted(job_times(team, w13, w2, n, args.jobs, args.gap_us / 1e6,
-                                     args.threads))  # fmt: skip
+            times, threads = job_times(team, w13, w2, n, args.jobs, args.gap_us / 1e6,
+                                       args.threads)  # fmt: skip
+            times.sort()
             median = times[len(times) // 2]
-            row = {"team": team, "experts": n, "median_ms": 1e3 * median,
+            row = {"team": team, "threads": threads, "experts": n, "median_ms": 1e3 * median,
                    "gb_s": n * expert_bytes / median / 1e9,
                    "of_read_limit": n * expert_bytes / median / limit}  # fmt: skip
             report["rows"].append(row)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken_agent.bench.environment import ENVIRONMENT
 from freetoken_agent.bench.offload import offload_engine
 from freetoken_agent.bench.offload_limits import timed_prefill
 from freetoken_agent.bench.random_model import QWEN3_30B_A3B, peer_slice, random_engine
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench workspace",
         description=__doc__,
+        epilog=ENVIRONMENT,
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=12, help="model depth (12: peer slice)")
