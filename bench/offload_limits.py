@@ -92,6 +92,23 @@ def prefill_row(engine, n: int, chunk: int, b_p: float, rng) -> dict:
             "link_bytes": chunks * chunk_bytes, "link_bytes_counted": counted}  # fmt: skip
 
 
+FILL_BATCH = 256  # lids a cache.fill call of `fill_every_slot` brings in
+
+
+def fill_every_slot(bank, rng) -> int:
+    """Every free slot of `bank`'s cache given a distinct random expert, as a long decode leaves
+    them, the copies waited for; returns how many experts are then resident. The prefill rows
+    run from an emptied cache, where every expert streams; the `_warm` rows run from this one,
+    for issue 3's "the streaming limit of the bytes not already resident" (the limit is from
+    the bytes counted crossing the link: resident experts are copied on the device)."""
+    cache = bank.cache
+    lids = rng.sample(range(bank.pool.n_rows), cache.free_slots)
+    for start in range(0, len(lids), FILL_BATCH):
+        cache.fill(lids[start : start + FILL_BATCH], protect=set(), race=False)
+    sync_device()
+    return sum(cache.resident(lid) for lid in range(bank.pool.n_rows))
+
+
 def closing_lines(report: dict) -> list[str]:
     """The run's last lines: the decode table, then a WARNING for every decode or prefill
     figure above its limit (host_caps.above_limits)."""

@@ -17,6 +17,7 @@ from freetoken_agent.bench.offload_decode import decode_window
 from freetoken_agent.bench.offload_limits import (
     add_limits,
     closing_lines,
+    fill_every_slot,
     prefill_limit,
     prefill_row,
 )
@@ -155,6 +156,39 @@ def test_the_prefill_limit_counts_every_chunks_streamed_bytes(rng_seed):
     assert row["limit_tok_s"] == pytest.approx(n / (chunks * not_resident / b_p))
     assert row["limit_tok_s"] == pytest.approx(prefill_limit(n, chunk, b_p, not_resident))
     assert row["of_limit"] == pytest.approx(row["tok_s"] / row["limit_tok_s"])
+
+
+def test_a_warm_prefill_streams_only_the_experts_no_slot_holds(rng_seed):
+    """The `_warm` prefill rows: every slot given an expert first (`fill_every_slot`, as a long
+    decode leaves the cache), so the row measures issue 3's "streaming limit of the bytes not
+    already resident": each chunk moves the pool less the slots' experts, and the greedy
+    tokens are a cold engine's (placement never changes results)."""
+    from freetoken_agent.engine.sampling_params import SamplingParams
+
+    rng = random.Random(rng_seed)
+    chunk, stream_min = rng.choice([64, 96, 128]), 16
+    n = chunk * rng.randint(1, 2) + rng.randint(stream_min, chunk - 1)
+    slots = rng.randint(4, 30)
+    options = dict(max_batched_tokens=chunk, stream_min_tokens=stream_min, max_model_len=4096)
+    warm, cold = _engine(rng_seed, slots, **options), _engine(rng_seed, slots, **options)
+    bank = warm.loaded.bank
+    prompt = [rng.randrange(warm.spec.vocab_size) for _ in range(n)]
+    greedy = SamplingParams(max_tokens=rng.randint(2, 6), temperature=0, ignore_eos=True)
+    try:
+        resident = fill_every_slot(bank, rng)
+        held = [lid for lid, slot in enumerate(bank.cache._slot_of) if slot >= 0]
+        h2d0 = bank.streamer.bytes_h2d
+        row = prefill_row(warm, n, chunk, rng.uniform(1e9, 60e9), rng)
+        moved = bank.streamer.bytes_h2d - h2d0
+        fill_every_slot(bank, rng)
+        assert warm.generate(prompt, greedy).token_ids == cold.generate(prompt, greedy).token_ids
+        pool = bank.pool
+    finally:
+        warm.close()
+        cold.close()
+    assert resident == bank.cache.n_slots == len(set(held)) < pool.n_rows
+    chunks = math.ceil(n / chunk)
+    assert moved == row["link_bytes"] == chunks * (pool.n_rows - resident) * pool.expert_bytes
 
 
 def test_a_prefill_figure_above_its_limit_is_flagged(rng_seed):
