@@ -18,6 +18,7 @@ import string
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from prompt_tap import tap_prompts
 from scripted_engine import ScriptedEngine
 from starlette.testclient import TestClient
 
@@ -56,14 +57,7 @@ def _tools(rng: random.Random) -> list[dict]:
 
 def test_none_keeps_the_tools_in_the_prompt_as_the_server_does(service, monkeypatch, rng_seed):
     rng = random.Random(rng_seed)
-    prompts: list[list[int]] = []
-    submit = service.submit
-
-    def tapped(prompt, sampling, sink, **options):
-        prompts.append(list(prompt))
-        return submit(prompt, sampling, sink, **options)
-
-    monkeypatch.setattr(service, "submit", tapped)
+    prompts = tap_prompts(service, monkeypatch)
     tools = _tools(rng)
     tool = rng.choice(tools)["function"]
     args = {next(iter(tool["parameters"]["properties"])): _word(rng)}

@@ -16,6 +16,7 @@ import random
 import string
 
 import pytest
+from prompt_tap import tap_prompts
 from starlette.testclient import TestClient
 from thinking_model import thinking_demo
 
@@ -40,14 +41,7 @@ def test_a_forced_call_renders_thinking_off_on_both_ways_in(
     engine = Engine.load(folder, device="cpu", progress=False, kv_tokens=4096,
                          max_model_len=1024)  # fmt: skip
     service = EngineService(engine)
-    prompts: list[list[int]] = []
-    submit = service.submit
-
-    def tapped(prompt, sampling, sink, **options):
-        prompts.append(list(prompt))
-        return submit(prompt, sampling, sink, **options)
-
-    monkeypatch.setattr(service, "submit", tapped)
+    prompts = tap_prompts(service, monkeypatch)
     names = [f"{_word(rng)}_{i}" for i in range(rng.randint(1, 3))]
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
               "maximum": 9}}, "required": ["n"], "additionalProperties": False}  # fmt: skip
