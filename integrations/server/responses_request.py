@@ -7,14 +7,17 @@ Codex speak it.
 Fields:
 - `model` (checked first), `input` and `instructions` (responses_input.py), `stream`,
   `temperature`, `top_p`, `parallel_tool_calls`: as they are; `max_output_tokens` -> max_tokens.
-- The chat route's other sampling fields (`seed`, `stop`, the penalties, `logit_bias`, and vLLM's
-  `top_k`, `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `thinking_token_budget`, ...:
-  `_CHAT_SAMPLING`) pass as they are, and the fields the chat route refuses by name (vLLM's
-  guided decoding, beam search: foreign_fields.py) are refused here too. Why: they are not
-  Responses fields, but clients send them in its body (LangChain's ChatOpenAI with
-  use_responses_api puts seed, the penalties and logit_bias at the top level; extra_body adds
-  the rest), and a field that changes the output must be honoured or refused, never dropped.
-  `n` above 1 is refused: a response holds one output.
+- The chat route's other fields (`seed`, `stop`, the penalties, `logit_bias`, vLLM's `top_k`,
+  `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `thinking_token_budget`,
+  `chat_template_kwargs`, ...: `_CHAT_FIELDS`) pass as they are, and the fields the chat route
+  refuses by name (vLLM's guided decoding and beam search, the legacy `functions`, `echo`, a
+  `chat_template`: foreign_fields.py) are refused here too. Why: they are not Responses
+  fields, but clients send them in its body (LangChain's ChatOpenAI with use_responses_api
+  puts seed, the penalties and logit_bias at the top level; extra_body adds the rest), and a
+  field that changes the output must be honoured or refused, never dropped. `reasoning.effort`
+  goes as the chat route's `reasoning_effort`, so a `chat_template_kwargs` that says
+  otherwise is refused there; with a top-level `reasoning_effort` too it is refused here. `n`
+  other than 1 is refused: a response holds one output.
 - `tools`: function tools `{type: "function", name, description, parameters, strict}` -> chat
   function tools. Hosted tools (web_search, file_search, code_interpreter, computer_use, mcp,
   image_generation, local_shell, custom) are refused by name: this server runs no tools and
@@ -22,9 +25,9 @@ Fields:
 - `tool_choice`: "auto" | "none" | "required" | {type: "function", name} -> the same choice.
 - `text.format`: {type: "text"} (free), {type: "json_object"}, {type: "json_schema", name,
   schema, strict} -> the chat route's response_format.
-- `reasoning.effort`: "none" -> thinking off (the template's enable_thinking false); any other
-  effort on, as the chat route reads reasoning_effort (thinking_switch.thinking_of_effort; a
-  budget is the chat route's thinking_token_budget).
+- `reasoning.effort` -> the chat route's reasoning_effort: "none" turns thinking off (the
+  template's enable_thinking false), any other effort on (thinking_switch.thinking_of_effort;
+  a budget is the chat route's thinking_token_budget).
 - `previous_response_id`: the stored response's conversation (its input, then its output
   items) goes before `input` (responses_store.py: kept in memory, the most recent ones; not
   its instructions, as OpenAI does not carry them); an unknown id is refused.
@@ -51,21 +54,26 @@ from freetoken_agent.integrations.server.anthropic_messages import with_origins
 from freetoken_agent.integrations.server.anthropic_request import NO_SERVER_TOOLS
 from freetoken_agent.integrations.server.chat_request import (
     ChatRequest,
+    body_choice_count,
     check_model,
     parse_chat_request,
 )
 from freetoken_agent.integrations.server.errors import BadParam, describe_invalid
-from freetoken_agent.integrations.server.foreign_fields import check_sampling_fields
+from freetoken_agent.integrations.server.foreign_fields import (
+    check_chat_fields,
+    check_sampling_fields,
+)
 from freetoken_agent.integrations.server.responses_input import chat_history, input_items
 from freetoken_agent.integrations.server.responses_store import ResponseStore
 from freetoken_agent.integrations.server.thinking_switch import thinking_of_effort
 
 _SAME = ("stream", "temperature", "top_p", "parallel_tool_calls")
-# The chat route's sampling fields that are not the Responses API's own (module docstring).
-_CHAT_SAMPLING = (
+# The chat route's fields that are not the Responses API's own (module docstring).
+_CHAT_FIELDS = (
     "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
     "include_stop_str_in_output", "thinking_token_budget", "prediction", "audio",
+    "chat_template_kwargs", "reasoning_effort",
 )  # fmt: skip
 
 # The Responses-only fields this server reads or ignores, with the type OpenAI documents
@@ -155,12 +163,14 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     )
 
 
-def _thinking(reasoning: Any) -> bool | None:
+def _effort(reasoning: Any) -> str | None:
+    """reasoning.effort, checked (the chat route reads it as its reasoning_effort)."""
     if reasoning is None:
         return None
     if not isinstance(reasoning, Mapping):
         raise BadParam(f"reasoning must be an object, got {reasoning!r:.40}", "reasoning")
-    return thinking_of_effort(reasoning.get("effort"), "reasoning")
+    thinking_of_effort(reasoning.get("effort"), "reasoning")  # named as this API's field
+    return reasoning.get("effort")
 
 
 def _check_types(body: Mapping[str, Any]) -> None:
@@ -185,7 +195,17 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
     if body.get("background") is True:
         raise BadParam("background responses are not supported: this server answers at once",
                        "background")  # fmt: skip
-    if body.get("n") not in (None, 1):
+    # The legacy function calling, pointed at this API's own (flat) forms before the chat
+    # route's refusal, which names the chat forms.
+    if body.get("functions") is not None:
+        raise BadParam("functions is not supported: it is the legacy form of tools: send "
+                       "tools=[{'type': 'function', 'name': ..., 'parameters': ...}]",
+                       "functions")  # fmt: skip
+    if body.get("function_call") is not None:
+        raise BadParam("function_call is not supported: it is the legacy form of tool_choice: "
+                       "send tool_choice 'auto', 'none', 'required' or {'type': 'function', "
+                       "'name': ...}", "function_call")  # fmt: skip
+    if body_choice_count(body) != 1:  # (its type and range checked as the chat route does)
         raise BadParam(f"n={body['n']!r:.40} is not supported: a response holds one output; "
                        "send n requests", "n")  # fmt: skip
 
@@ -212,16 +232,19 @@ def chat_body(
     _check_types(body)
     _refuse_unserved(body)
     check_sampling_fields(body)  # vLLM's guided decoding and beam search, by name
+    check_chat_fields(body)  # the legacy functions, echo, a chat_template, best_of, by name
     history = chat_history(body.get("instructions"), body.get("input"), earlier)
-    out = {key: body[key] for key in (*_SAME, *_CHAT_SAMPLING) if key in body}
-    thinking = _thinking(body.get("reasoning"))
+    out = {key: body[key] for key in (*_SAME, *_CHAT_FIELDS) if key in body}
+    effort = _effort(body.get("reasoning"))
+    if effort is not None and body.get("reasoning_effort") is not None:
+        raise BadParam("give reasoning.effort or reasoning_effort, not both", "reasoning")
     extra = {
         "messages": history.messages,
         "max_tokens": body.get("max_output_tokens"),
         "tools": _tools(body.get("tools")),
         "tool_choice": _tool_choice(body.get("tool_choice")),
         "response_format": _response_format(body.get("text")),
-        "chat_template_kwargs": None if thinking is None else {"enable_thinking": thinking},
+        "reasoning_effort": effort,
         **_logprobs(body),
     }
     out.update((key, value) for key, value in extra.items() if value is not None)

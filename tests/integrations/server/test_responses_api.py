@@ -345,6 +345,12 @@ def _refusals(rng: random.Random) -> list[tuple[dict, str, list[str]]]:
         ({"guided_json": {"type": "object"}}, "guided_json", ["response_format"]),
         ({"use_beam_search": True}, "use_beam_search", ["beam search is not built"]),
         ({"n": rng.randint(2, 4)}, "n", ["one output"]),
+        ({"n": rng.choice([True, 1.0, "1"])}, "n", ["n must be an integer"]),
+        ({"functions": [{"name": name}]}, "functions", ["legacy form of tools"]),
+        ({"function_call": "auto"}, "function_call", ["legacy form of tool_choice"]),
+        ({"echo": True}, "echo", ["echo"]),
+        ({"reasoning": {"effort": "low"}, "reasoning_effort": "high"}, "reasoning",
+         ["not both"]),
         ({"seed": rng.choice(["7", 1.5, 2**64])}, "seed", ["seed must"]),
         ({"presence_penalty": rng.choice([3, -2.5])}, "presence_penalty", ["presence_penalty"]),
         ({"logit_bias": {name: 5}}, "logit_bias", ["token ids"]),
@@ -379,6 +385,8 @@ def _chat_sampling(rng: random.Random, vocab: int) -> dict:
         "min_tokens": rng.randint(0, 3),
     }
     drawn = dict(rng.sample(sorted(fields.items()), rng.randint(1, len(fields))))
+    if rng.random() < 0.5:  # vLLM's template switch (the prompt's, not the sampling's)
+        drawn["chat_template_kwargs"] = {"enable_thinking": rng.random() < 0.5}
     return {"seed": rng.randint(0, 2**31), **drawn}  # a seed: the same draw on both routes
 
 
@@ -389,18 +397,22 @@ def test_the_chat_routes_sampling_fields_are_honoured(client, engine, rng_seed):
     rng = random.Random(rng_seed)
     vocab = engine.spec.vocab_size
     text, max_tokens = _words(rng, rng.randint(1, 6)), rng.randint(4, 12)
-    for _ in range(3):
+    for i in range(3):
         fields = {**_chat_sampling(rng, vocab), "temperature": rng.uniform(0.5, 1.5)}
+        if i == 0:  # the template's switch off once: it changes the prompt, not the sampling
+            fields["chat_template_kwargs"] = {"enable_thinking": False}
         chat = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                 "ignore_eos": True, **fields}  # fmt: skip
         r = client.post("/v1/chat/completions", json=chat)
         assert r.status_code == 200, r.text
         expected = r.json()["choices"][0]["message"]["content"]
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
         body = {"input": text, "max_output_tokens": max_tokens, "ignore_eos": True, **fields}
         got = []
         for _ in range(2):
             r = client.post(URL, json=body)
             assert r.status_code == 200, r.text
+            assert r.json()["usage"]["input_tokens"] == prompt_tokens, (rng_seed, fields)
             output = r.json()["output"]
             got.append("".join(p["text"] for i in output if i["type"] == "message"
                                for p in i["content"]))  # fmt: skip
