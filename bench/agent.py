@@ -233,8 +233,11 @@ def ttft_reference_s(engine: Engine, prefilled: int, probe: dict) -> float:
     if stream_min is None:
         return prefilled / rate
     chunk = engine.config.max_batched_tokens
-    per_probe = streamed_chunks(probe["tokens"], chunk, stream_min)
-    streamed = streamed_chunks(prefilled, chunk, stream_min)
+    # The probe's prompt has no checkpoints to cut its chunks at: whole chunks (the most it
+    # streams, so the least time a chunk); a turn's may be cut (the fewest it streams).
+    per_probe = streamed_chunks(probe["tokens"], chunk, stream_min, cuts=False)
+    cuts = engine.scheduler.recurrence is not None
+    streamed = streamed_chunks(prefilled, chunk, stream_min, cuts)
     if not (per_probe and streamed):
         return prefilled / rate
     return streamed * probe["ttft_s"] / per_probe

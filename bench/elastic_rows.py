@@ -48,8 +48,9 @@ class Limits:
         records = engine.memory.trace.records if engine.memory is not None else []
         slots = max([r.slots for r in records] + [bank.cache.n_slots])
         chunk_bytes = max(0, bank.pool.nbytes - slots * bank.pool.expert_bytes)
+        cuts = engine.scheduler.recurrence is not None  # checkpoints may end chunks early
         row["ttft_limit_s"] = streamed_prefill_floor_s(
-            row["prefilled_tokens"], chunk, bank.stream_min_tokens, chunk_bytes, self.pcie
+            row["prefilled_tokens"], chunk, bank.stream_min_tokens, cuts, chunk_bytes, self.pcie
         )
 
     def to_json(self) -> dict:

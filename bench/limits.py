@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
+
+from freetoken_agent.engine.snapshot_rows import MIN_KEPT
 
 
 def hbm_copy_bandwidth(device: torch.device, gib: float = 4.0, repeats: int = 20) -> float:
@@ -86,22 +89,33 @@ def decode_floor_overlapped_s(
     return dense_bytes / b_hbm + max(hit_bytes / b_hbm, host_bytes / b_miss)
 
 
-def streamed_chunks(tokens: int, chunk: int, stream_min: int) -> int:
+def streamed_chunks(tokens: int, chunk: int, stream_min: int, cuts: bool) -> int:
     """The fewest chunks of a `tokens`-long prefill that stream every layer's experts (those of
-    `stream_min` tokens or more), over every cut the scheduler may make: chunks of at most
-    `chunk`, each but the last at least 3/4 of it (it ends one early only at an anchor that
-    keeps that much: engine/snapshot_rows.py; a request alone in its steps, as in the
-    benches). Where 3/4 of a chunk streams, every chunk but the last does, and the fewest
-    chunks, ceil(tokens / chunk), leave the last its shortest (the greedy cut's rest); else a
-    cut exists where none streams."""
-    if tokens <= 0 or -(-3 * chunk // 4) < stream_min:
+    `stream_min` tokens or more). Without `cuts` the scheduler takes whole chunks, then the
+    rest. With them (a model with recurrent layers: engine/snapshot_rows.py) a chunk planned
+    at n = min(tokens left, chunk) may end at any length from 3/4 n (MIN_KEPT) up, at a
+    checkpoint's boundary, while the pool has rows (a request alone in its steps, as in the
+    benches). Then, while more than a chunk is left, each chunk streams where 3/4 of a chunk
+    does (else every chunk may stay below `stream_min`: none), the fewest are whole ones, and
+    the rest, r, streams only where even 3/4 r reaches `stream_min`."""
+    if tokens <= 0:
+        return 0
+    if not cuts:
+        full, rest = divmod(tokens, chunk)
+        return full * (chunk >= stream_min) + (rest >= stream_min)
+    if _shortest(chunk) < stream_min:
         return 0
     n = -(-tokens // chunk)
-    return n - 1 + (tokens - (n - 1) * chunk >= stream_min)
+    return n - 1 + (_shortest(tokens - (n - 1) * chunk) >= stream_min)
+
+
+def _shortest(n: int) -> int:
+    """The shortest a chunk planned at n tokens may end (snapshot_rows.chunk_length)."""
+    return math.ceil(MIN_KEPT * n)
 
 
 def streamed_prefill_floor_s(
-    tokens: int, chunk: int, stream_min: int, chunk_bytes: float, b_p: float
+    tokens: int, chunk: int, stream_min: int, cuts: bool, chunk_bytes: float, b_p: float
 ) -> float | None:
     """The shortest a prefill of `tokens` on an offloaded bank can take over the link (DESIGN
     section 7's prefill bound): each streamed chunk (`streamed_chunks`) moves `chunk_bytes`
@@ -109,7 +123,7 @@ def streamed_prefill_floor_s(
     tokens / a rate: a chunk streams whole whatever its length. None where no chunk streams:
     a short prefill fills slots with the experts its tokens route to, which only the routing
     says."""
-    n = streamed_chunks(tokens, chunk, stream_min)
+    n = streamed_chunks(tokens, chunk, stream_min, cuts)
     return n * chunk_bytes / b_p if n else None
 
 

@@ -184,9 +184,11 @@ def test_the_ttft_reference_counts_streamed_chunks_not_tokens(rng_seed):
     probe = {"tokens": probe_tokens, "ttft_s": rng.uniform(0.1, 3)}
     probe["prefill_tok_s"] = probe_tokens / probe["ttft_s"]
 
-    def engine(bank: object) -> SimpleNamespace:
+    def engine(bank: object) -> SimpleNamespace:  # (no recurrent layers: whole chunks)
         config = SimpleNamespace(max_batched_tokens=chunk)
-        return SimpleNamespace(loaded=SimpleNamespace(bank=bank), config=config)
+        scheduler = SimpleNamespace(recurrence=None)
+        return SimpleNamespace(loaded=SimpleNamespace(bank=bank), config=config,
+                               scheduler=scheduler)  # fmt: skip
 
     offloaded = engine(SimpleNamespace(stream_min_tokens=stream_min))
     per_chunk = probe["ttft_s"] / (probe_tokens // chunk)

@@ -13,6 +13,7 @@ from freetoken_agent import Engine
 from freetoken_agent.bench import limits
 from freetoken_agent.bench.elastic_rows import Limits
 from freetoken_agent.bench.limits import host_paths, host_paths_bandwidth, host_read_bandwidth
+from freetoken_agent.engine.snapshot_rows import MIN_KEPT
 
 
 def test_the_two_host_paths_are_capped_by_host_memory(rng_seed):
@@ -152,17 +153,19 @@ def test_a_hybrid_models_kv_bytes_count_its_attention_layers_only(tmp_path, rng_
     assert kv_bytes_per_token(engine) * kv.k.shape[1] * kv.page_size == kv.k.nbytes + kv.v.nbytes
 
 
-def _fewest_streamed(tokens: int, chunk: int, stream_min: int) -> int:
+def _fewest_streamed(tokens: int, chunk: int, stream_min: int, cuts: bool) -> int:
     """By search: the fewest chunks of stream_min tokens or more over every way the scheduler
-    may cut `tokens` (chunks of at most `chunk`, each but the last at least 3/4 of it)."""
-    low = -(-3 * chunk // 4)
+    may cut `tokens`: a chunk planned at n = min(left, chunk) tokens ends at n, or, with
+    `cuts` (snapshot_rows.chunk_length, at a checkpoint's boundary), at any length from
+    ceil(MIN_KEPT * n)."""
 
     @functools.cache
     def fewest(left: int) -> int:
-        best = int(left >= stream_min) if left <= chunk else tokens  # the last chunk
-        for size in range(low, min(chunk, left - 1) + 1):
-            best = min(best, int(size >= stream_min) + fewest(left - size))
-        return best
+        if left == 0:
+            return 0
+        n = min(left, chunk)
+        low = math.ceil(MIN_KEPT * n) if cuts else n
+        return min(int(size >= stream_min) + fewest(left - size) for size in range(low, n + 1))
 
     return fewest(tokens)
 
@@ -170,18 +173,23 @@ def _fewest_streamed(tokens: int, chunk: int, stream_min: int) -> int:
 def test_streamed_chunks_is_the_fewest_any_cut_streams(rng_seed):
     """A chunk streams every layer whatever its length, so a re-prefill's link floor counts
     chunks, not tokens (bench elastic and agent divided tokens by a rate: a 300-token re-prefill
-    was rated at a twentieth of its one chunk's time). The count is the fewest over every cut."""
+    was rated at a twentieth of its one chunk's time). The count is the fewest over every cut
+    the scheduler may make, with and without checkpoints that end chunks early."""
     rng = random.Random(rng_seed)
-    for _ in range(60):
+    for _ in range(80):
         chunk = rng.randint(4, 40)
         stream_min = rng.randint(1, 2 * chunk)
         tokens = rng.randint(0, 5 * chunk)
-        n = limits.streamed_chunks(tokens, chunk, stream_min)
-        assert n == (_fewest_streamed(tokens, chunk, stream_min) if tokens else 0), (
-            tokens, chunk, stream_min)  # fmt: skip
+        cuts = rng.random() < 0.5
+        n = limits.streamed_chunks(tokens, chunk, stream_min, cuts)
+        assert n == _fewest_streamed(tokens, chunk, stream_min, cuts), (
+            tokens, chunk, stream_min, cuts)  # fmt: skip
         b_p, chunk_bytes = rng.uniform(10, 60) * 1e9, rng.uniform(1, 50) * 1e9
-        floor = limits.streamed_prefill_floor_s(tokens, chunk, stream_min, chunk_bytes, b_p)
+        floor = limits.streamed_prefill_floor_s(tokens, chunk, stream_min, cuts, chunk_bytes, b_p)
         assert floor == (n * chunk_bytes / b_p if n else None), (tokens, chunk, stream_min)
+    # The review's case: 8,192 + 600 tokens on a hybrid may end 8,192 + 450 + 150: one streams.
+    assert limits.streamed_chunks(8792, 8192, 512, cuts=True) == 1
+    assert limits.streamed_chunks(8792, 8192, 512, cuts=False) == 2
 
 
 def test_elastic_ttft_limit_streams_the_experts_no_slot_can_hold(tmp_path, rng_seed):
@@ -197,11 +205,11 @@ def test_elastic_ttft_limit_streams_the_experts_no_slot_can_hold(tmp_path, rng_s
     rows = Limits({}, on_gpu=False)
     rows.on_gpu = True
     rows.hbm, rows.pcie, rows.cpu, rows.host_read = 4e12, rng.uniform(10, 60) * 1e9, 70e9, 1e11
-    chunk = rng.choice([512, 1024, 2048])
+    chunk = rng.choice([512, 1024, 2048])  # (no recurrent layers: whole chunks stream)
     for tokens in (rng.randint(1, bank.stream_min_tokens - 1), rng.randint(512, 5 * chunk)):
         row = {"miss_rate": 0.5, "experts_per_token": 8.0, "prefilled_tokens": tokens}
         rows.add(row, engine, context=tokens, chunk=chunk)
-        n = limits.streamed_chunks(tokens, chunk, bank.stream_min_tokens)
+        n = limits.streamed_chunks(tokens, chunk, bank.stream_min_tokens, cuts=False)
         moved = bank.pool.nbytes - bank.cache.n_slots * bank.pool.expert_bytes
         expected = n * moved / rows.pcie if n else None
         assert row["ttft_limit_s"] == expected, (tokens, chunk, slots)
