@@ -30,6 +30,22 @@ from freetoken_agent.engine.token_logprobs import attach, entries, raw_logprobs
 # T tokens in the step, B chunks (sequences), S page size, V vocab
 
 
+def generator_seed(seed: int) -> int:
+    """The CPU generator's seed for a request's `seed` (any 64-bit value). torch's CPU generator
+    keeps the low 32 bits of what it is given, so seeds that differ only above bit 31 drew the
+    same numbers (a client's base + (run << 32) got one sample for every run; n choices seeded
+    seed + i crossed into seed 0's). Seeds in [0, 2**32) are given as they are, their draws
+    unchanged; any other is mixed down to 32 bits (splitmix64's finaliser over its 64 bits),
+    so two distinct seeds draw alike only by chance (2**-32), not by structure."""
+    z = seed % 2**64  # (-1 and 2**64 - 1 are the same 64 bits, as torch takes them)
+    if z < 2**32:
+        return z
+    z = (z + 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
 @dataclass(slots=True)
 class StepOutput:
     """What a step produced. Read by the Engine to update requests."""
@@ -186,7 +202,7 @@ class ModelRunner:
         model.bind_kv_cache(kv.k, kv.v)
         # CPU generators: a CUDA step draws each row's noise seed from them on the host.
         self._default_generator = torch.Generator()
-        self._default_generator.manual_seed(seed)
+        self._default_generator.manual_seed(generator_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
         self.graphs = None  # set by enable_cuda_graphs
         self.launched = 0  # forward passes enqueued (prefill and decode steps)
@@ -262,7 +278,7 @@ class ModelRunner:
         g = self._generators.get(request_id)
         if g is None:
             g = torch.Generator()
-            g.manual_seed(seed)
+            g.manual_seed(generator_seed(seed))
             self._generators[request_id] = g
         return g
 
