@@ -55,11 +55,35 @@ def structured_runnable(
         )
     if not include_raw:
         return bound | parser
+    # The parse's error is caught by the parse itself, not by a fallback around the chain:
+    # streamed, `raw`'s chunks go out first, and a fallback switches only on an error raised
+    # before the first chunk, so stream() and astream() raised what invoke() reported.
     parsed = RunnablePassthrough.assign(
-        parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
+        parsed=itemgetter("raw") | RunnableLambda(_or_none(parser)),
+        parsing_error=itemgetter("raw") | RunnableLambda(_error_of(parser)),
     )
-    fallback = RunnablePassthrough.assign(parsed=lambda _: None)
-    return RunnableMap(raw=bound) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+    return RunnableMap(raw=bound) | parsed
+
+
+def _or_none(parser: Runnable) -> Callable[[AIMessage], Any]:
+    def parsed(raw: AIMessage) -> Any:
+        try:
+            return parser.invoke(raw)
+        except Exception:  # noqa: BLE001 - reported by _error_of, as LangChain's include_raw
+            return None
+
+    return parsed
+
+
+def _error_of(parser: Runnable) -> Callable[[AIMessage], Exception | None]:
+    def error(raw: AIMessage) -> Exception | None:
+        try:
+            parser.invoke(raw)
+        except Exception as e:  # noqa: BLE001 - any parse failure, as LangChain's include_raw
+            return e
+        return None
+
+    return error
 
 
 # Keywords of a JSON schema at its root: a dict with one is a schema already (title optional).

@@ -359,6 +359,17 @@ def test_structured_output_cut_by_max_tokens_is_an_error(engine, rng_seed, metho
     out = structured.invoke(text(rng))
     assert out["parsed"] is None and isinstance(out["parsing_error"], OutputParserException)
     assert out["raw"].response_metadata["finish_reason"] == "length"
+    # Streamed too: the error reported, not raised (a fallback around the chain cannot catch
+    # an error raised after raw's chunks went out).
+    chunks = list(structured.stream(text(rng)))
+
+    async def streamed() -> list:
+        return [c async for c in structured.astream(text(rng))]
+
+    for got in (chunks, asyncio.run(streamed())):
+        last = {k: v for c in got for k, v in c.items() if k != "raw"}
+        assert last["parsed"] is None, last
+        assert isinstance(last["parsing_error"], OutputParserException), last
     with pytest.raises(OutputParserException):
         llm.with_structured_output(model, method=method).invoke(text(rng))
 
