@@ -80,6 +80,7 @@ from freetoken_agent.integrations.strict_tools import (
 from freetoken_agent.parsers import OutputParser, engine_tool_format, opens_think_block
 from freetoken_agent.parsers.reasoning import CLOSE as THINK_CLOSE
 from freetoken_agent.parsers.reasoning import OPEN as THINK_OPEN
+from freetoken_agent.parsers.reasoning import added_think_ids
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 
@@ -285,12 +286,29 @@ def reasoned_answer(
     `chat_format` begins with reasoning (the tools are rendered as the turn renders them); None
     otherwise, and for a forced call whose reasoning no thinking budget bounds
     (reasoned_json.bounded_reasoning). `engine`: the bridge."""
-    if sampling.json_schema is None:
-        return None
-    if choice.forced and not bounded_reasoning(sampling.thinking_token_budget, engine.service):
+    if not reasons_before_answer(choice, tools, sampling, chat_format, engine):
         return None
     block = writes_call_block(choice.forced, engine)
     return answer_grammar(chat_format, tools, engine.service, sampling.json_schema, block)
+
+
+def reasons_before_answer(
+    choice: ToolChoice,
+    tools: list[dict] | None,
+    sampling: SamplingParams,
+    chat_format: Any,
+    engine: Any,
+) -> bool:
+    """Whether `reasoned_answer` holds the turn's schema after the reasoning, decided without
+    building its grammar (turn_run.turn_format asks before the turn is planned): as
+    answer_grammar, the format reasons first and the tokenizer has think tokens of its own."""
+    if sampling.json_schema is None:
+        return False
+    if choice.forced and not bounded_reasoning(sampling.thinking_token_budget, engine.service):
+        return False
+    return (
+        chat_format.reasons_first(tools) and added_think_ids(engine.service.tokenizer) is not None
+    )
 
 
 def parser_factory(

@@ -52,6 +52,7 @@ from freetoken_agent.integrations.server.tool_choice import (
     ParserFactory,
     parser_factory,
     reasoned_answer,
+    reasons_before_answer,
     turn_sampling,
 )
 from freetoken_agent.messages import ToolResult, UserMessage, content_text
@@ -100,9 +101,9 @@ def turn_format(request: TurnRequest, formats: Any, bridge: Any) -> Any:
     if not request.tool_choice.forced or request.enable_thinking is False:
         return chat_format
     # (A forced turn takes no strict tools' grammar: its sampling is the request's.)
-    call_first = reasoned_answer(request.tool_choice, request.tools, request.sampling,
-                                 request.call_or_answer, chat_format, bridge) is None  # fmt: skip
-    return formats.get(False) if call_first else chat_format
+    reasons = reasons_before_answer(request.tool_choice, request.tools, request.sampling,
+                                    chat_format, bridge)  # fmt: skip
+    return chat_format if reasons else formats.get(False)
 
 
 def turn_plan(
