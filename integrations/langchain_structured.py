@@ -57,7 +57,8 @@ def structured_runnable(
         return bound | parser
     # The parse's error is caught by the parse itself, not by a fallback around the chain:
     # streamed, `raw`'s chunks go out first, and a fallback switches only on an error raised
-    # before the first chunk, so stream() and astream() raised what invoke() reported.
+    # before the first chunk, so stream() and astream() raised what invoke() reported. Each
+    # key parses the message once (assign computes its keys apart; the read is a small JSON's).
     parsed = RunnablePassthrough.assign(
         parsed=itemgetter("raw") | RunnableLambda(_or_none(parser)),
         parsing_error=itemgetter("raw") | RunnableLambda(_error_of(parser)),

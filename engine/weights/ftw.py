@@ -226,11 +226,11 @@ def _check_dense(src: Path, spec: ModelSpec, files: list[Path]) -> None:
     read), before anything is written: convert copies the dense tensors byte for byte, so a
     folder the load refuses made an FTW folder the load refused too, after the whole
     conversion (the experts are checked as their banks are written)."""
-    table = family(spec.arch).CHECKPOINT_NAMES
-    spec = untie_differing_head(spec, files, table)  # as the load reads the head
+    fam = family(spec.arch)
+    spec = untie_differing_head(spec, files, fam.CHECKPOINT_NAMES)  # as the load reads the head
     with torch.device("meta"):
-        model = MoeCausalLM(spec, family(spec.arch).blueprint(spec), None, 1, spec.dtype)
-    load_safetensors(src, spec, model, None, table, False, files, headers_only=True)
+        model = MoeCausalLM(spec, fam.blueprint(spec), None, 1, spec.dtype)
+    load_safetensors(src, spec, model, None, fam.CHECKPOINT_NAMES, False, files, headers_only=True)
 
 
 def _write(src: Path, tmp: Path, spec: ModelSpec, progress: bool) -> None:
