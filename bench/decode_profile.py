@@ -139,7 +139,7 @@ def _timed(engine, ids: list[int], n: int) -> tuple[float, float]:
 
 
 def _prefill_counters(engine) -> dict[str, float]:
-    """What a prefill moved: layers streamed, bytes over PCIe and copied from slots, split
+    """What a prefill moved: layers streamed, bytes over PCIe, split
     changes, slots (elastic and fixed prefill differ by ~1 s at 32k on the device; the device
     time of both is the same)."""
     bank, memory = engine.loaded.bank, engine.memory
@@ -147,7 +147,6 @@ def _prefill_counters(engine) -> dict[str, float]:
     return {
         "layers": s.layers_streamed if s else 0,
         "h2d": s.bytes_h2d if s else 0,
-        "d2d": s.bytes_d2d if s else 0,
         "changes": len(memory.trace) if memory is not None else 0,
         "map_failures": memory.map_failures if memory is not None else 0,
         "slots": bank.cache.n_slots if s else 0,
@@ -163,7 +162,7 @@ def _prefill_delta(engine, before: dict[str, float]) -> str:
         reasons = " (" + ", ".join(f"{n}x {why}" for why, n in counts.most_common()) + ")"
     return (
         f"{d['layers']} layers streamed, {d['h2d'] / 1e9:.2f} GB host-to-device, "
-        f"{d['d2d'] / 1e9:.2f} GB from slots, {d['changes']} split changes{reasons}, "
+        f"{d['changes']} split changes{reasons}, "
         f"{d['map_failures']} refused maps, slots {before['slots']} -> {after['slots']}"
     )
 

@@ -378,9 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     model.set_expert_bank(bank)
     use_policy(engine, bank, "adaptive", recapture=True)
     bank.cache.reset()
-    # The streamer copies a layer's experts in runs of up to a whole layer, which the link
-    # moves faster than one expert's copies (DESIGN: 55.3 against 54.1 GB/s): the prefill
-    # limit takes the faster rate, or its rows would read ~2% high.
+    # The streamer copies a layer's absent experts in runs of up to a ring buffer's group
+    # (streaming.STREAM_GROUP), which the link moves faster than one expert's copies (DESIGN:
+    # 55.3 against 54.1 GB/s): the prefill limit takes the faster rate, or its rows would read
+    # ~2% high.
     b_p_stream = (
         0.0
         if args.skip_prefill
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             resident = fill_every_slot(bank, rng)
             row = prefill_row(engine, n, args.chunk, b_p_stream, rng)
             # Beside the limit of what crossed the link, issue 3's own: the bytes not
-            # resident before it (the streamer's staging, lent from the slots, evicts some).
+            # resident before it (the streamer's ring, lent from the slots, evicts a few).
             before = (bank.pool.n_rows - resident) * bank.pool.expert_bytes
             strict = prefill_limit(n, args.chunk, b_p_stream, before)
             row.update(resident_before=resident, limit_not_resident_tok_s=strict,

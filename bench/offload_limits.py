@@ -99,8 +99,8 @@ def fill_every_slot(bank, rng) -> int:
     """Every free slot of `bank`'s cache given a distinct random expert, as a long decode leaves
     them, the copies waited for; returns how many experts are then resident. The prefill rows
     run from an emptied cache, where every expert streams; the `_warm` rows run from this one,
-    for issue 3's "the streaming limit of the bytes not already resident" (the limit is from
-    the bytes counted crossing the link: resident experts are copied on the device)."""
+    for issue 3's "the streaming limit of the bytes not already resident" (resident experts
+    are read in their slots; the streamer's ring, lent from the slots, evicts a few)."""
     cache = bank.cache
     lids = rng.sample(range(bank.pool.n_rows), cache.free_slots)
     for start in range(0, len(lids), FILL_BATCH):

@@ -65,6 +65,10 @@ def fused_moe(
     (`prefill_workspace_bytes`).
     add [T, H]: a part of the sum computed elsewhere, added before the result's rounding and
     then zeroed (`reference.check_add`), in the summing kernel of either path.
+    out [T, H] in hidden's dtype, or in fp32 (float64 for float64 hidden): then the sum is not
+    rounded, and a later call can take it as `add` (out may be that call's `add`: each element
+    is read before it is written), so launches over parts of the experts sum in fp32 and round
+    once (the prefill streamer, engine/experts/streaming.py).
     rows_settled: topk_ids were written two or more kernels before this call (the in-graph fill
     plan's rows): the decode path may prefetch their weights early (kernels/triton/pdl.py).
     fill_slot_of [Nh] int32 (fill-through, with host banks): what the kernels read of host row

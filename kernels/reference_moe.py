@@ -68,9 +68,10 @@ def check_moe_shapes(
     # fp32 routing weights; float64 runs (CPU exactness tests) carry float64 ones.
     wide = torch.promote_types(hidden.dtype, torch.float32)
     assert topk_weights.dtype == wide, f"topk_weights must be {wide}, got {topk_weights.dtype}"
-    if out is not None:
-        assert tuple(out.shape) == (t, h) and out.dtype == hidden.dtype, (
-            f"out must be [T={t}, H={h}] {hidden.dtype}, got {tuple(out.shape)} {out.dtype}"
+    if out is not None:  # or the sum unrounded, in `wide`, for a later call to `add`
+        assert tuple(out.shape) == (t, h) and out.dtype in (hidden.dtype, wide), (
+            f"out must be [T={t}, H={h}] {hidden.dtype} (or {wide}), got {tuple(out.shape)} "
+            f"{out.dtype}"
         )
     return t, h, i, k
 

@@ -310,8 +310,8 @@ class ExpertCache:
     def lend(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the last `n` slots out of service and return them as scratch banks
         ([n, 2I, H], [n, H, I], contiguous even on the arena: `scratch_banks`): the prefill
-        streamer stages whole layers there instead of in buffers of its own, so the budget
-        holds more slots (see streaming.py). `take_back` returns them, empty.
+        streamer stages its ring of absent experts there instead of in buffers of its own, so
+        the budget holds more slots (see streaming.py). `take_back` returns them, empty.
 
         The cache keeps its hottest experts: the n coldest residents are evicted
         (wherever they live) and the survivors in the lent slots move into the slots that

@@ -46,7 +46,11 @@ from freetoken_agent.engine.experts.policy import (
 )
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.popular_pins import PopularPins
-from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, LayerStreamer
+from freetoken_agent.engine.experts.streaming import (
+    STREAMED_MOE_PAIRS,
+    LayerStreamer,
+    ring_slots,
+)
 from freetoken_agent.engine.l2_prefetcher import L2Prefetcher
 from freetoken_agent.kernels.cpu.experts import default_threads as cpu_kernel_threads
 from freetoken_agent.kernels.expert_fills import COPY_PROGRAMS
@@ -72,10 +76,10 @@ def decode_graph_kind(policy: str, device_path_ok: bool = True) -> str:
 
 
 def lends_staging(n_slots: int, n_experts: int, n_buffers: int, n_rows: int) -> bool:
-    """Whether prefill staging borrows cache slots (streaming.py): when, beside the lent
-    buffers, at least one layer's worth of slots stays in service, and the cache does not hold
-    every expert anyway (then lending would only evict experts that never need to move)."""
-    return (n_buffers + 1) * n_experts <= n_slots < n_rows
+    """Whether the prefill streamer's ring borrows cache slots (streaming.py): when, beside
+    the lent ring, at least one layer's worth of slots stays in service, and the cache does not
+    hold every expert anyway (then lending would only evict experts that never need to move)."""
+    return ring_slots(n_experts, n_buffers) + n_experts <= n_slots < n_rows
 
 
 class OffloadedExpertBank(GraphDecode):
@@ -183,10 +187,10 @@ class OffloadedExpertBank(GraphDecode):
 
     @property
     def min_slots(self) -> int:
-        """The fewest slots `cache.resize` may leave: a streamer that lends its staging needs
-        its buffers plus one layer in service (`lends_staging`); otherwise one slot."""
+        """The fewest slots `cache.resize` may leave: a streamer that lends its ring needs
+        the ring plus one layer in service (`lends_staging`); otherwise one slot."""
         s = self.streamer
-        return (s.n_buffers + 1) * self.n_experts if s.lend else 1
+        return s.ring_rows + self.n_experts if s.lend else 1
 
     @property
     def nbytes(self) -> int:
@@ -368,10 +372,9 @@ class OffloadedExpertBank(GraphDecode):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """Long chunks: the whole layer from a staging buffer, the next layer copying behind."""
-        w13, w2 = self.streamer.weights(layer)  # [E, 2I, H], [E, H, I]
-        out = fused_moe(hidden, w13, w2, topk_ids, topk_weights, max_pairs=STREAMED_MOE_PAIRS)
-        self.streamer.done(layer)
+        """Long chunks: resident experts in their slots, every absent one streamed
+        (streaming.py)."""
+        out = self.streamer.moe(layer, hidden, topk_ids, topk_weights)
         self.stats.pairs += topk_ids.numel()
         return out
 

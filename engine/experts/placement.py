@@ -22,7 +22,7 @@ from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.resident import ResidentExpertBank
 from freetoken_agent.engine.experts.stream_threshold import stream_threshold
-from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS
+from freetoken_agent.engine.experts.streaming import STREAMED_MOE_PAIRS, ring_slots
 from freetoken_agent.engine.kv.pool import KVPool
 from freetoken_agent.engine.kv.recurrence import recurrent_device_bytes
 from freetoken_agent.engine.kv.recurrent_state import state_bytes
@@ -110,12 +110,12 @@ def slot_count(
     workspace = workspace_bytes(spec, config, offloaded=offloaded)
     left = budget - dense - kv - recurrent - workspace
     if lends_staging(left // expert, spec.n_experts, buffers, n_rows):
-        return min(n_rows, left // expert)  # prefill staging borrows slots (streaming.py)
-    left -= buffers * spec.n_experts * expert  # staging buffers of their own
+        return min(n_rows, left // expert)  # the prefill ring borrows slots (streaming.py)
+    staging = ring_slots(spec.n_experts, buffers) * expert
+    left -= staging  # a staging ring of its own
     if left < expert:
-        # The least that runs: one slot beside staging buffers of their own (lending them
-        # takes a layer of slots more).
-        staging = buffers * spec.n_experts * expert
+        # The least that runs: one slot beside a staging ring of its own (lending it takes a
+        # layer of slots more).
         least = dense + kv + recurrent + workspace + staging + expert
         rec = f", {size(recurrent)} of recurrent state" if recurrent else ""
         rest = (
@@ -225,7 +225,7 @@ def make_bank(
         buffers = 2 if config.double_buffer else 1
         lends = lends_staging(slots, spec.n_experts, buffers, n_rows)  # as the bank will
         resident = min(1.0, slots / n_rows)
-        staging = buffers * spec.n_experts / n_rows if lends else 0.0
+        staging = ring_slots(spec.n_experts, buffers) / n_rows if lends else 0.0
         stream_min = stream_threshold(
             spec.n_experts, spec.top_k, expert, bandwidths, resident, staging=staging
         )

@@ -10,11 +10,12 @@ tokens. Of the experts it touches, those not in a slot (a share 1 - r) are misse
   cpu_cost(tokens) * S / B_H; the layer waits for the slower branch. Both branches read host
   memory, so the layer takes at least (misses * S) / host read bandwidth when that is known.
 - streamed: every non-resident expert of the layer crosses the link, E * (1 - r') * S / B_P,
-  while the previous layer computes (double buffering), touched or not. r' is the share
-  still resident while the chunk streams: its staging buffers borrow B * E slots
-  (streaming.py, `lend`), whose experts are evicted first. On the H200 host's peer slice
-  (12 layers, 657 slots: r = 0.43, r' = 0.26) a chunk streamed in 188-193 ms at every length,
-  the model with r' says 195, with r 151 (bench/results/stream_threshold_12l_s14_kept.json).
+  behind compute (double buffering), touched or not. r' is the share still resident while the
+  chunk streams: its staging ring borrows B * G slots (streaming.py, `lend`), whose experts
+  are evicted first. When the ring took whole layers (B * E slots), on the H200 host's peer
+  slice (12 layers, 657 slots: r = 0.43, r' = 0.26) a chunk streamed in 188-193 ms at every
+  length, the model with r' said 195, with r 151
+  (bench/results/stream_threshold_12l_s14_kept.json).
 
 Few tokens touch few experts, each serving few tokens, cheap on the CPU: placing wins. Many
 tokens touch every expert, each serving many tokens, where the CPU is bound by arithmetic:
@@ -79,7 +80,7 @@ def layer_seconds(
 ) -> tuple[float, float]:
     """(streamed, placed): one layer's time for a chunk of `tokens` tokens, with a share
     `resident` of the layer's experts in slots, of which a share `staging` of all experts is
-    lent to a streamed chunk's staging buffers (its experts evicted while it streams)."""
+    lent to a streamed chunk's staging ring (its experts evicted while it streams)."""
     missing = max(1, round(n_experts * (1 - resident)))  # non-resident experts a layer
     # The non-resident experts take counts spread evenly over the layer's quantiles.
     counts = binomial_quantiles(tokens, top_k / n_experts, n_experts)

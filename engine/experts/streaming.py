@@ -1,22 +1,30 @@
-"""Full-layer expert streaming for long prefill chunks, double-buffered.
+"""Expert streaming for long prefill chunks: every absent expert of every layer crosses the link
+once a chunk, double-buffered behind compute; resident experts are read in their slots.
 
 A prefill chunk of a few thousand tokens routes to nearly every expert of every layer, so
-instead of filling slots expert by expert, each layer's whole expert set is copied into a
-staging buffer and the layer computes from it. With two buffers, layer l+1 copies (on a
-dedicated copy stream) while layer l computes; a buffer is overwritten only after the compute
-that read it has finished (an event per buffer). Experts already resident in cache slots are
-copied device-to-device instead of over PCIe. `double_buffer=False` keeps one buffer (copy and
-compute then alternate) for the ablation.
+instead of placing misses expert by expert, each layer computes in launches of the fused MoE
+kernel: one over the experts resident in cache slots (their rows read in place, nothing copied),
+then one per group of up to G absent experts, staged from the pool into a ring of B buffers of
+G rows. The groups form one sequence over the chunk's layers, so with two buffers group j + 1
+copies (on a dedicated copy stream) while group j computes, across a layer boundary too; a
+buffer is overwritten only after the compute that read it has finished (an event per buffer).
+`double_buffer=False` keeps one buffer (copy and compute then alternate) for the ablation.
 
-The staging layout is the pool's, restricted to one layer ([E, 2I, H] and [E, H, I]), so the
-layer computes exactly what the resident bank computes from its slice of the banks.
+The launches sum into an fp32 buffer (each adds the previous sum through `fused_moe`'s `add`)
+and only the last rounds, so a streamed layer agrees with the all-resident one within fp32
+rounding of the sum's order; with every expert resident it is the resident launch, bit for bit.
 
-Where the cache has slots to spare (`lend=True`), the buffers are not memory of their own: the
-last B * E slots of the cache are lent for the chunk (the cache's B * E coldest experts evicted,
-the lent slots' experts moved into their slots) and returned when the chunk's last layer is
-queued. Staging is needed only while a long chunk streams, and
-reserving 2 * E experts for it permanently would cost a laptop budget most of its slots (2.4 GB
-of an 8.59 GB budget at Qwen3-30B-A3B shapes).
+Departure from DESIGN section 2 ("layer l+1 copies while layer l computes"): the double buffer
+holds groups of experts, not whole layers. Staging a whole layer needs B * E rows; lent from a
+full cache, they evict B * E resident experts that the chunk then streams again: on the H100
+host's peer slice (679 experts resident) 10.50 GB crossed where 8.09 GB were absent, and the
+prefill reached 66% of the limit of the absent bytes (bench/results/prefill_warm_12_s58.json).
+A ring of B * G rows costs B * G such experts (32 at G = 16, 0.3 GB at Qwen3-30B-A3B shapes,
+where whole layers took 2.4 GB of an 8.59 GB budget's slots).
+
+Where the cache has slots to spare (`lend=True`), the ring is not memory of its own: the top
+B * G slots of the cache are lent for the chunk (its B * G coldest experts evicted) and returned
+when the chunk's last layer is queued.
 """
 
 from __future__ import annotations
@@ -26,9 +34,10 @@ import torch
 from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.pool import ExpertPool
-from freetoken_agent.kernels.row_copy import row_copy
+from freetoken_agent.kernels.fused_moe import fused_moe
 
-# E experts per layer, H hidden, I expert width, B staging buffers (1 or 2)
+# E experts per layer, G experts a group, B ring buffers (1 or 2), H hidden, I expert width,
+# T tokens, K top-k
 
 # (token, expert) pairs per fused-MoE launch of a streamed layer. A streamed layer waits on the
 # link (a 12-layer Qwen3-30B slice streams 14.5 GB per chunk), so the kernel's chunking costs
@@ -37,6 +46,17 @@ from freetoken_agent.kernels.row_copy import row_copy
 # prefill took 278 and 279 ms (bench/results/workspace_12l_s12_chunks.json). All-resident
 # prefill is compute-bound and keeps the kernel's default: there 16384 cost 17% at 8192 tokens.
 STREAMED_MOE_PAIRS = 16384
+
+# Experts a ring buffer holds. A group's copy must outlast its compute, or the link waits: at
+# Qwen3-30B-A3B shapes 16 experts are 151 MB, 2.7 ms at 55 GB/s, against about 0.3 ms of
+# kernels for a 4096-token chunk's share of them. Fewer rows cost a full cache fewer evictions
+# (B * G a chunk) and more launches (E / G + 1 a layer at most).
+STREAM_GROUP = 16
+
+
+def ring_slots(n_experts: int, n_buffers: int) -> int:
+    """Rows of the staging ring: B buffers of G experts (G at most a layer's E)."""
+    return n_buffers * min(STREAM_GROUP, n_experts)
 
 
 class LayerStreamer:
@@ -55,22 +75,31 @@ class LayerStreamer:
         self.n_experts, self.n_layers = n_experts, n_layers
         self.device = device
         self.n_buffers = 2 if double_buffer else 1
-        shape13, shape2 = pool.w13.shape[1:], pool.w2.shape[1:]
-        b, e, dtype = self.n_buffers, n_experts, pool.w13.dtype
-        self._shapes = (shape13, shape2)
+        self.group = min(STREAM_GROUP, n_experts)
+        rows, dtype = ring_slots(n_experts, self.n_buffers), pool.w13.dtype
         if lend:  # views into the cache's slots while a chunk streams; none in between
             self.w13 = self.w2 = None
         else:
-            self.w13 = torch.empty((b, e, *shape13), dtype=dtype, device=device)  # [B, E, 2I, H]
-            self.w2 = torch.empty((b, e, *shape2), dtype=dtype, device=device)  # [B, E, H, I]
-        self.holds = [-1] * b  # which layer each buffer holds
+            self.w13 = torch.empty((rows, *pool.w13.shape[1:]), dtype=dtype, device=device)
+            self.w2 = torch.empty((rows, *pool.w2.shape[1:]), dtype=dtype, device=device)
+        # The chunk being streamed (`_begin` .. `release`): its groups in streaming order,
+        # (layer, absent experts), and each layer's first group there.
+        self.active = False
+        self._order: list[tuple[int, list[int]]] = []
+        self._first: list[int] = []
+        self._issued = 0  # groups whose copies are queued
+        self._computed = 0  # groups whose compute is queued
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        b = self.n_buffers
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(b)]
         self.consumed = [torch.cuda.Event() if cuda else None for _ in range(b)]
         self.bytes_h2d = 0
-        self.bytes_d2d = 0
         self.layers_streamed = 0
+
+    @property
+    def ring_rows(self) -> int:
+        return self.n_buffers * self.group
 
     @property
     def nbytes(self) -> int:
@@ -82,89 +111,128 @@ class LayerStreamer:
         return self.lend and self.w13 is not None
 
     def release(self) -> None:
-        """Return borrowed slots to the cache (the chunk's compute is queued, and whoever
-        fills those slots next orders its copies after queued compute)."""
+        """End the chunk: borrowed slots go back to the cache (the chunk's compute is queued,
+        and whoever fills those slots next orders its copies after queued compute)."""
+        if not self.active:
+            return
+        self.active = False
+        self._order, self._first = [], []
+        self._issued = self._computed = 0
         if self.borrowing:
             self.w13 = self.w2 = None
-            self.holds = [-1] * self.n_buffers
             self.cache.take_back()
 
-    def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's full expert set ([E, 2I, H], [E, H, I]), ready for the compute stream;
-        with two buffers, the next layer's copy is queued before returning."""
-        if self.lend and self.w13 is None:
-            b, e = self.n_buffers, self.n_experts
-            w13, w2 = self.cache.lend(b * e)
-            if self.copy_stream is not None:  # the lend's moves read these slots first
-                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            self.w13 = w13.view(b, e, *self._shapes[0])  # [B, E, 2I, H]
-            self.w2 = w2.view(b, e, *self._shapes[1])  # [B, E, H, I]
-            self.holds = [-1] * b
-        buf = layer % self.n_buffers
-        if self.holds[buf] != layer:
-            self._issue(layer)
-        if self.n_buffers > 1 and layer + 1 < self.n_layers:
-            nxt = (layer + 1) % self.n_buffers
-            if self.holds[nxt] != layer + 1:
-                self._issue(layer + 1)
-        if self.copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.copied[buf])
-        return self.w13[buf], self.w2[buf]
+    def _begin(self) -> None:
+        """A chunk's first layer: borrow the ring (if lent) and plan every layer's groups from
+        the cache as it stands; nothing fills or evicts while the chunk streams."""
+        if self.active:
+            return
+        if self.lend:
+            self.w13, self.w2 = self.cache.lend(self.ring_rows)  # [BG, 2I, H], [BG, H, I]
+        self.cache.inflight.settle()  # direct's late fills: the table as the mirror has it
+        if self.copy_stream is not None:  # the lend's moves, and queued compute, read first
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        slot_of, e, g = self.cache.host_slot_of, self.n_experts, self.group
+        self._order, self._first = [], []
+        for layer in range(self.n_layers):
+            base = layer * e
+            absent = [x for x in range(e) if slot_of[base + x] < 0]
+            self._first.append(len(self._order))
+            self._order += [(layer, absent[i : i + g]) for i in range(0, len(absent), g)]
+        self._first.append(len(self._order))  # [L + 1]: layer l's groups are first[l]..first[l+1]
+        self.active = True
 
-    def done(self, layer: int) -> None:
-        """The layer's compute is queued: its buffer may be overwritten once that finishes."""
-        buf = layer % self.n_buffers
-        if self.copy_stream is not None:
-            self.consumed[buf].record(torch.cuda.current_stream(self.device))
+    def moe(
+        self,
+        layer: int,
+        hidden: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, K] expert ids within the layer
+        topk_weights: torch.Tensor,  # [T, K] fp32
+    ) -> torch.Tensor:
+        """The layer's MoE output [T, H]: resident experts from their slots, the absent ones
+        group by group from the ring, the next groups copying behind."""
+        self._begin()
+        e, base = self.n_experts, layer * self.n_experts
+        slot_of = self.cache.host_slot_of
+        slots = [slot_of[base + x] for x in range(e)]  # -1 where absent
+        # (group, row of each expert; -1: not this launch's), one a launch: the resident
+        # experts' slots (group None), then the layer's groups in the ring.
+        launches: list[tuple[int | None, list[int]]] = []
+        if any(s >= 0 for s in slots):
+            launches.append((None, slots))
+        for seq in range(self._first[layer], self._first[layer + 1]):
+            rows, lo = [-1] * e, (seq % self.n_buffers) * self.group
+            for i, x in enumerate(self._order[seq][1]):
+                rows[x] = lo + i
+            launches.append((seq, rows))
+        ids = on_device([r for _, rows in launches for r in rows], torch.int32, self.device)
+        ids = ids.view(len(launches), e)[:, topk_ids.long()]  # [launches, T, K]
+        out = torch.empty_like(hidden)
+        # Every launch but the last sums into fp32; the last adds that sum and rounds once.
+        wide = torch.promote_types(hidden.dtype, torch.float32)
+        many = len(launches) > 1
+        acc = torch.empty(hidden.shape, dtype=wide, device=hidden.device) if many else None
+        stream = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
+        for n, (seq, _) in enumerate(launches):
+            self._issue_ahead()
+            if seq is None:
+                w13, w2 = self.cache.w13, self.cache.w2
+            else:
+                w13, w2, buf = self.w13, self.w2, seq % self.n_buffers
+                if stream is not None:
+                    stream.wait_event(self.copied[buf])
+            end = n == len(launches) - 1
+            fused_moe(hidden, w13, w2, ids[n], topk_weights, out=out if end else acc,
+                      add=None if n == 0 else acc, max_pairs=STREAMED_MOE_PAIRS)  # fmt: skip
+            if seq is not None:
+                if stream is not None:
+                    self.consumed[buf].record(stream)
+                self._computed += 1
+        self._issue_ahead()  # the next groups' copies start now, not at the next layer
+        self.layers_streamed += 1
         if layer == self.n_layers - 1:
             self.release()
+        return out
 
-    def _issue(self, layer: int) -> None:
-        buf = layer % self.n_buffers
+    def _issue_ahead(self) -> None:
+        """Queue the copies of the groups the ring has room for: group s reuses the buffer of
+        group s - B, whose compute must be queued (its event recorded) first."""
+        while self._issued < len(self._order) and self._issued < self._computed + self.n_buffers:
+            self._issue(self._issued)
+            self._issued += 1
+
+    def _issue(self, seq: int) -> None:
+        buf = seq % self.n_buffers
         if self.copy_stream is None:
-            self._copy_layer(layer, buf)
-        else:
-            self.copy_stream.wait_event(self.consumed[buf])
-            with torch.cuda.stream(self.copy_stream):
-                self._copy_layer(layer, buf)
-                self.copied[buf].record(self.copy_stream)
-        self.holds[buf] = layer
-        self.layers_streamed += 1
+            self._copy_group(seq, buf)
+            return
+        self.copy_stream.wait_event(self.consumed[buf])
+        with torch.cuda.stream(self.copy_stream):
+            self._copy_group(seq, buf)
+            self.copied[buf].record(self.copy_stream)
 
-    def _copy_layer(self, layer: int, buf: int) -> None:
-        """Resident experts from their slot (device to device); the others from the pool in as
-        few host copies as the pool's registrations allow."""
-        base = layer * self.n_experts
-        slot_of = self.cache.host_slot_of
-        slots = slot_of[base : base + self.n_experts]
-        resident = [(e, slot) for e, slot in enumerate(slots) if slot >= 0]
-        if resident:  # one launch a bank (a copy each had cost the host ~90 a layer)
-            dst_rows = on_device([e for e, _ in resident], torch.long, self.device)
-            src_rows = on_device([slot for _, slot in resident], torch.long, self.device)
-            row_copy(self.w13[buf], self.cache.w13, dst_rows, src_rows)
-            row_copy(self.w2[buf], self.cache.w2, dst_rows, src_rows)
-            self.bytes_d2d += len(resident) * self.pool.expert_bytes
-        absent = [slot < 0 for slot in slots]
-        for lo, hi in host_runs(absent, base, self.pool.pin_rows):
-            rows = slice(base + lo, base + hi)
-            self.w13[buf, lo:hi].copy_(self.pool.w13[rows], non_blocking=self.pool.pinned)
-            self.w2[buf, lo:hi].copy_(self.pool.w2[rows], non_blocking=self.pool.pinned)
-            self.bytes_h2d += (hi - lo) * self.pool.expert_bytes
+    def _copy_group(self, seq: int, buf: int) -> None:
+        """The group's experts from the pool into its ring buffer, in as few host copies as
+        the pool's registrations allow."""
+        layer, experts = self._order[seq]
+        lids = [layer * self.n_experts + x for x in experts]
+        lo, pinned = buf * self.group, self.pool.pinned
+        for i0, i1 in lid_runs(lids, self.pool.pin_rows):
+            src, dst = slice(lids[i0], lids[i0] + i1 - i0), slice(lo + i0, lo + i1)
+            self.w13[dst].copy_(self.pool.w13[src], non_blocking=pinned)
+            self.w2[dst].copy_(self.pool.w2[src], non_blocking=pinned)
+        self.bytes_h2d += len(lids) * self.pool.expert_bytes
 
 
-def host_runs(absent: list[bool], base: int, pin_rows: int) -> list[tuple[int, int]]:
-    """Maximal runs [lo, hi) of consecutive absent experts of a layer whose first lid is `base`,
-    cut where a page-locked registration of `pin_rows` pool rows ends: one host copy must stay
-    inside one registration (a copy spanning two fails with "invalid argument")."""
-    runs, e, n = [], 0, len(absent)
-    while e < n:
-        if not absent[e]:
-            e += 1
-            continue
-        boundary = ((base + e) // pin_rows + 1) * pin_rows - base
-        hi = e + 1
-        while hi < n and absent[hi] and hi < boundary:
-            hi += 1
-        runs.append((e, hi))
-        e = hi
+def lid_runs(lids: list[int], pin_rows: int) -> list[tuple[int, int]]:
+    """Maximal runs [i0, i1) of `lids` (ascending) that are consecutive pool rows inside one
+    page-locked registration of `pin_rows` rows: one host copy must stay inside one
+    registration (a copy spanning two fails with "invalid argument")."""
+    runs, i, n = [], 0, len(lids)
+    while i < n:
+        j = i + 1
+        while j < n and lids[j] == lids[j - 1] + 1 and lids[j] % pin_rows != 0:
+            j += 1
+        runs.append((i, j))
+        i = j
     return runs

@@ -160,6 +160,53 @@ def test_add_joins_the_sum_before_rounding_and_is_consumed(rng_seed, dtype, path
     assert torch.equal(call(add=add), call())  # consumed: the next call adds zeros
 
 
+def partial_launches(call, inputs, parts: int, seed: int) -> torch.Tensor:
+    """The sum in `parts` launches over a random partition of the bank's rows, as the prefill
+    streamer makes them: each but the last writes the unrounded sum into one fp32 buffer, which
+    is also its `add` from the second on; the last adds it and rounds once."""
+    hidden, w13, w2, ids, weights = inputs
+    g = torch.Generator().manual_seed(seed)
+    part_of = torch.randint(0, parts, (w13.shape[0],), generator=g).to(ids.device)  # [N]
+    acc = poisoned(hidden.float())  # every element written by the first launch
+    out = None
+    for p in range(parts):
+        mine = torch.where(ids >= 0, part_of[ids.clamp(min=0)] == p, False)
+        part_ids = torch.where(mine, ids, torch.full_like(ids, -1)).contiguous()
+        last = p == parts - 1
+        out = call(hidden, w13, w2, part_ids, weights, out=poisoned(hidden) if last else acc,
+                   add=None if p == 0 else acc)  # fmt: skip
+    assert not acc.any(), "the last launch left its add unconsumed"
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("path", ["decode", "prefill", "reference"])
+def test_partial_sums_in_fp32_round_once(rng_seed, dtype, path):
+    """`out` in fp32 holds the sum unrounded, and the same buffer as the next launch's `add`
+    accumulates: launches over parts of the rows give the one launch's result within fp32
+    rounding of the sum's order (one rounding to the dtype at the end)."""
+    t, h, i, n, k, used, skip = CASES[rng_seed % len(CASES)]
+    inputs = make_inputs(rng_seed, t, h, i, n, k, dtype, used_rows=used, skip=skip)
+    tiles = SMALL_DECODE if path == "decode" else SMALL_PREFILL
+
+    def call(*args, **kw):
+        if path == "reference":
+            return fused_moe_reference(*args, **kw)
+        fn = triton_moe.fused_moe_decode if path == "decode" else triton_moe.fused_moe_prefill
+        return fn(*args, tiles=tiles, **kw)
+
+    whole = call(*inputs)
+    got = partial_launches(call, inputs, 2 + rng_seed % 3, rng_seed)
+    exact = naive_f64(*inputs)
+    assert rel_err(got, exact) < TOL[dtype], f"seed={rng_seed}"
+    # One rounding at the end: the fp32 sums differ only in their order, so in fp16 nearly
+    # every element rounds as the single launch's does (rounding each part would move most).
+    if dtype == torch.float32:
+        assert rel_err(got, whole) < 1e-6, f"seed={rng_seed}"
+    else:
+        assert (got != whole).float().mean().item() <= 0.02, f"seed={rng_seed}"
+
+
 def test_add_must_match_hidden(rng_seed):
     inputs = make_inputs(rng_seed, 3, 64, 32, 12, 2, torch.float32)
     with pytest.raises(AssertionError, match="add must be"):

@@ -13,6 +13,7 @@ from freetoken_agent.engine.arena import ElasticArena, KVUnit, SlotUnit
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import LayerStreamer
+from freetoken_agent.kernels.fused_moe import fused_moe
 
 L, E, H, I = 4, 6, 8, 4  # noqa: E741
 N = L * E
@@ -118,14 +119,19 @@ def test_tail_hits(rng_seed):
 def test_streamer_on_lent_arena_slots(rng_seed):
     pool, arena, cache = make(rng_seed, max_slots=16, slots=15)
     cache.resize(cache.max_slots - 15)
-    cache.fill([1, E + 2, 3 * E], set())  # resident ones are copied device to device
+    cache.fill([1, E + 2, 3 * E], set())  # resident ones are read in their slots
     streamer = LayerStreamer(pool, cache, E, L, torch.device("cpu"), double_buffer=True, lend=True)
+    g = torch.Generator().manual_seed(rng_seed)
     for layer in range(L):
-        w13, w2 = streamer.weights(layer)  # [E, 2I, H], [E, H, I] over lent slots
-        assert w13.is_contiguous() and w2.is_contiguous()  # host copies into them are one DMA
-        assert torch.equal(w13, pool.w13[layer * E : (layer + 1) * E])
-        assert torch.equal(w2, pool.w2[layer * E : (layer + 1) * E])
-        streamer.done(layer)
+        hidden = torch.randn(5, H, generator=g)  # [T, H]
+        ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(5)]).int()
+        weights = torch.rand(5, 3, generator=g)
+        out = streamer.moe(layer, hidden, ids, weights)
+        if layer < L - 1:  # the ring over lent slots: host copies into it are one DMA
+            assert streamer.w13.is_contiguous() and streamer.w2.is_contiguous()
+        rows = slice(layer * E, (layer + 1) * E)
+        want = fused_moe(hidden, pool.w13[rows], pool.w2[rows], ids, weights)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert not cache.lent
     check(cache, pool)
 

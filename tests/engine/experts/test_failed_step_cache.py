@@ -116,7 +116,7 @@ def test_a_streamed_chunk_failing_midway_gives_its_staging_slots_back(
     the next safe point, so a budget cut there (with a request waiting, or on an idle engine)
     moves the split, and a later request decodes the resident tokens (it asserted on the lent
     cache at every step, so nothing ran again)."""
-    from freetoken_agent.engine.experts import offload
+    from freetoken_agent.engine.experts import streaming
     from freetoken_agent.engine.experts.placement import workspace_bytes
     from freetoken_agent.engine.kv.pool import KVPool
     from freetoken_agent.engine.loading import dense_nbytes
@@ -135,7 +135,7 @@ def test_a_streamed_chunk_failing_midway_gives_its_staging_slots_back(
                          gpu_budget=budget, kv_tokens=512, stream_min_tokens=32)  # fmt: skip
     bank, memory = engine.loaded.bank, engine.memory
     assert bank.streamer.lend, "the staging is not lent from the cache: the test is void"
-    real = offload.fused_moe
+    real = streaming.fused_moe
     failing_layer = rng.randint(1, spec.n_layers - 1)
     calls = {"streamed": 0}
 
@@ -146,11 +146,11 @@ def test_a_streamed_chunk_failing_midway_gives_its_staging_slots_back(
                 raise RuntimeError("injected: a streamed layer failed")
         return real(hidden, *args, **kwargs)
 
-    monkeypatch.setattr(offload, "fused_moe", failing)
+    monkeypatch.setattr(streaming, "fused_moe", failing)
     sp = SamplingParams(max_tokens=rng.randint(4, 16), temperature=0, ignore_eos=True)
     failed = engine.generate([rng.randrange(3, 320) for _ in range(rng.randint(40, 120))], sp)
     assert failed.finish_reason == "error" and "injected" in failed.error
-    monkeypatch.setattr(offload, "fused_moe", real)
+    monkeypatch.setattr(streaming, "fused_moe", real)
     prompt = [rng.randrange(3, 320) for _ in range(rng.randint(5, 20))]
     slots_before = bank.cache.n_slots
     need = -(-(len(prompt) + sp.max_tokens) // config.page_size) + 2  # pages, with room

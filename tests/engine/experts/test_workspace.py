@@ -15,7 +15,7 @@ from tiny_models import make_tiny, tiny_config
 
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.config import EngineConfig
-from freetoken_agent.engine.experts import offload
+from freetoken_agent.engine.experts import offload, streaming
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.experts.placement import make_bank, slot_count, workspace_bytes
 from freetoken_agent.engine.experts.resident import ResidentExpertBank
@@ -36,7 +36,8 @@ def test_offloaded_prefill_runs_in_the_chunk_its_workspace_was_sized_for(
             chunks.append(kwargs.get("max_pairs"))
         return kernel(hidden, w13, w2, ids, weights, *args, **kwargs)
 
-    monkeypatch.setattr(offload, "fused_moe", recording)
+    monkeypatch.setattr(offload, "fused_moe", recording)  # placed chunks
+    monkeypatch.setattr(streaming, "fused_moe", recording)  # streamed ones
     rng = random.Random(rng_seed)
     # One prompt streams (>= stream_min_tokens), one fills slots expert by expert.
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (rng.randint(130, 200), 90)]
