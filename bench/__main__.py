@@ -56,6 +56,8 @@ BENCHES: dict[str, Bench] = {
     "kv-layout": Bench(_B + "kv_layout", "paged attention over the fixed pool's, the elastic "
                        "arena's and the old interleaved KV layouts, decode and prefill at long "
                        "contexts"),
+    "stream-groups": Bench(_B + "stream_groups", "the prefill streamer alone per ring group "
+                           "size: tok/s beside the link's limit, host enqueue beside device time"),
     "workspace": Bench(_B + "workspace", "the device memory a prefill step allocates beside the "
                        "estimate slots are sized with"),
     "gemv": Bench(_B + "gemv_kernel", "decode projections: torch's F.linear against the Triton "

@@ -88,7 +88,8 @@ def check_streamer(rng: random.Random, arena: bool, device: torch.device, monkey
                 weights = torch.rand(t, k, device=device)  # [T, K] fp32
                 outs.append(streamer.moe(layer, hidden, ids, weights))
                 rows = slice(layer * e, (layer + 1) * e)
-                w13, w2 = pool.w13[rows].to(device), pool.w2[rows].to(device)
+                # (through a pageable copy: one copy must not span two pinned registrations)
+                w13, w2 = pool.w13[rows].clone().to(device), pool.w2[rows].clone().to(device)
                 wants.append(fused_moe(hidden, w13, w2, ids, weights))
                 if all(lid in keep for lid in range(rows.start, rows.stop)):  # one launch
                     bank_ids = cache.slot_of[ids.long() + rows.start]
