@@ -28,6 +28,7 @@ from freetoken_agent.engine.experts import calibration, streaming
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.pool import ExpertPool
 from freetoken_agent.engine.experts.streaming import LayerStreamer
+from freetoken_agent.help_format import DefaultsHelpFormatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 E, H, I, K = 128, 2048, 768, 8  # noqa: E741 - Qwen3-30B-A3B's experts
@@ -64,19 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="freetoken bench stream-groups",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
-    parser.add_argument("--layers", type=int, default=8, help="pool layers (default 8)")
+    parser.add_argument("--layers", type=int, default=8, help="pool layers")
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384],
-                        help="chunk lengths (default 4096 8192 16384)")  # fmt: skip
+                        help="chunk lengths")  # fmt: skip
     parser.add_argument("--groups", type=int, nargs="+", default=[16, 32, 64, 128],
-                        help="ring group sizes, experts (default 16 32 64 128)")  # fmt: skip
+                        help="ring group sizes, experts")  # fmt: skip
     parser.add_argument(
         "--resident",
         type=float,
         nargs="+",
         default=[0.0, 0.44],
-        help="shares of the pool resident before the chunk (default 0 0.44)",
+        help="shares of the pool resident before the chunk",
     )
     parser.add_argument("--single", action="store_true", help="one ring buffer, not two")
     parser.add_argument("--attention", action="store_true",
