@@ -113,8 +113,6 @@ class LayerStreamer:
     def release(self) -> None:
         """End the chunk: borrowed slots go back to the cache (the chunk's compute is queued,
         and whoever fills those slots next orders its copies after queued compute)."""
-        if not self.active:
-            return
         self.active = False
         self._order, self._first = [], []
         self._issued = self._computed = 0
@@ -122,11 +120,11 @@ class LayerStreamer:
             self.w13 = self.w2 = None
             self.cache.take_back()
 
-    def _begin(self) -> None:
+    def _begin(self, layer: int) -> None:
         """A chunk's first layer: borrow the ring (if lent) and plan every layer's groups from
-        the cache as it stands; nothing fills or evicts while the chunk streams."""
-        if self.active:
-            return
+        the cache as it stands; nothing fills or evicts while the chunk streams. A chunk that
+        failed midway is ended first: the next one must not read its ring's half-done state."""
+        self.release()
         if self.lend:
             self.w13, self.w2 = self.cache.lend(self.ring_rows)  # [BG, 2I, H], [BG, H, I]
         self.cache.inflight.settle()  # direct's late fills: the table as the mirror has it
@@ -134,12 +132,13 @@ class LayerStreamer:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         slot_of, e, g = self.cache.host_slot_of, self.n_experts, self.group
         self._order, self._first = [], []
-        for layer in range(self.n_layers):
-            base = layer * e
+        for planned in range(self.n_layers):
+            base = planned * e
             absent = [x for x in range(e) if slot_of[base + x] < 0]
             self._first.append(len(self._order))
-            self._order += [(layer, absent[i : i + g]) for i in range(0, len(absent), g)]
+            self._order += [(planned, absent[i : i + g]) for i in range(0, len(absent), g)]
         self._first.append(len(self._order))  # [L + 1]: layer l's groups are first[l]..first[l+1]
+        self._issued = self._computed = self._first[layer]  # (0: chunks start at layer 0)
         self.active = True
 
     def moe(
@@ -151,7 +150,8 @@ class LayerStreamer:
     ) -> torch.Tensor:
         """The layer's MoE output [T, H]: resident experts from their slots, the absent ones
         group by group from the ring, the next groups copying behind."""
-        self._begin()
+        if layer == 0 or not self.active:
+            self._begin(layer)
         e, base = self.n_experts, layer * self.n_experts
         slot_of = self.cache.host_slot_of
         slots = [slot_of[base + x] for x in range(e)]  # -1 where absent

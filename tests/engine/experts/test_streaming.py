@@ -58,6 +58,13 @@ def _setup(rng: random.Random, arena: bool, device: torch.device, big: bool):
     return pool, cache, n_layers, e
 
 
+def _inputs(t: int, k: int, e: int, pool: ExpertPool, device: torch.device):
+    """hidden [T, H], topk_ids [T, K] int32 (distinct experts a token), weights [T, K] fp32."""
+    hidden = torch.randn(t, pool.w13.shape[2], device=device)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).int().to(device)
+    return hidden, ids, torch.rand(t, k, device=device)
+
+
 def check_streamer(rng: random.Random, arena: bool, device: torch.device, monkeypatch) -> None:
     """Every layer's output equals the fused MoE over the pool's own rows (the all-resident
     computation) within fp32 rounding of the sum's order, in every arrangement of resident
@@ -74,18 +81,19 @@ def check_streamer(rng: random.Random, arena: bool, device: torch.device, monkey
         own = 0 if lend else ring * pool.expert_bytes
         assert streamer.ring_rows == ring and streamer.nbytes == own
         for chunk in range(2):  # a second chunk plans from the cache the first left
+            t, k = rng.randrange(1, 40 if not big else 400), rng.randrange(1, e + 1)
+            if rng.random() < 0.4:  # a chunk that fails midway: the next starts afresh
+                for layer in range(rng.randrange(1, n_layers)):
+                    streamer.moe(layer, *_inputs(t, k, e, pool, device))
             if lend:  # what the lend leaves resident: the ring's worth of coldest go first
                 keep = set(list(cache._lru)[max(0, len(cache._lru) - (cache.n_slots - ring)) :])
             else:
                 keep = set(cache._lru)
             slots = {lid: cache._slot_of[lid] for lid in keep}
-            t, k = rng.randrange(1, 40 if not big else 400), rng.randrange(1, e + 1)
             before = streamer.bytes_h2d
             outs, wants = [], []
             for layer in range(n_layers):
-                hidden = torch.randn(t, pool.w13.shape[2], device=device)  # [T, H]
-                ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).int().to(device)
-                weights = torch.rand(t, k, device=device)  # [T, K] fp32
+                hidden, ids, weights = _inputs(t, k, e, pool, device)
                 outs.append(streamer.moe(layer, hidden, ids, weights))
                 rows = slice(layer * e, (layer + 1) * e)
                 # (through a pageable copy: one copy must not span two pinned registrations)
