@@ -10,9 +10,10 @@ copies (on a dedicated copy stream) while group j computes, across a layer bound
 buffer is overwritten only after the compute that read it has finished (an event per buffer).
 `double_buffer=False` keeps one buffer (copy and compute then alternate) for the ablation.
 
-The launches sum into an fp32 buffer (each adds the previous sum through `fused_moe`'s `add`)
-and only the last rounds, so a streamed layer agrees with the all-resident one within fp32
-rounding of the sum's order; with every expert resident it is the resident launch, bit for bit.
+The launches are parts of one fused MoE (kernels/moe_parts.py: the pairs sorted by expert once
+a layer, each launch mapping its experts to its bank's rows); they sum in fp32 and only the last
+rounds, so a streamed layer agrees with the all-resident one within fp32 rounding of the sum's
+order.
 
 Departure from DESIGN section 2 ("layer l+1 copies while layer l computes"): the double buffer
 holds groups of experts, not whole layers. Staging a whole layer needs B * E rows; lent from a
@@ -34,7 +35,7 @@ import torch
 from freetoken_agent.engine.device_index import on_device
 from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.pool import ExpertPool
-from freetoken_agent.kernels.fused_moe import fused_moe
+from freetoken_agent.kernels.moe_parts import MoeParts
 
 # E experts per layer, G experts a group, B ring buffers (1 or 2), H hidden, I expert width,
 # T tokens, K top-k
@@ -47,16 +48,30 @@ from freetoken_agent.kernels.fused_moe import fused_moe
 # prefill is compute-bound and keeps the kernel's default: there 16384 cost 17% at 8192 tokens.
 STREAMED_MOE_PAIRS = 16384
 
-# Experts a ring buffer holds. A group's copy must outlast its compute, or the link waits: at
-# Qwen3-30B-A3B shapes 16 experts are 151 MB, 2.7 ms at 55 GB/s, against about 0.3 ms of
-# kernels for a 4096-token chunk's share of them. Fewer rows cost a full cache fewer evictions
-# (B * G a chunk) and more launches (E / G + 1 a layer at most).
+# Experts a ring buffer holds, per STREAM_GROUP_TOKENS tokens of the chunk. A group's copy must
+# outlast its launch's work (host and device), or the link waits, and that work grows with the
+# chunk's tokens: on the H100 host, 8 layers from an empty cache streamed at 94-98% of the link
+# with 16 experts a group up to 8192 tokens, but at 16384 tokens 16 took 0.32 s where 64 took
+# 0.18 (the link's 0.18), the host's enqueue then as long as the device's
+# (bench/results/stream_groups_s59.json). A bigger group costs a full cache more evictions
+# (B * G a chunk); fewer groups, fewer launches (E / G + 1 a layer at most).
 STREAM_GROUP = 16
+STREAM_GROUP_TOKENS = 4096
 
 
 def ring_slots(n_experts: int, n_buffers: int) -> int:
-    """Rows of the staging ring: B buffers of G experts (G at most a layer's E)."""
+    """Rows of the smallest staging ring, the one a budget must hold: B buffers of
+    STREAM_GROUP experts (at most a layer's E)."""
     return n_buffers * min(STREAM_GROUP, n_experts)
+
+
+def chunk_group(tokens: int, n_experts: int, n_buffers: int, most_rows: int) -> int:
+    """Experts a ring buffer holds for a chunk of `tokens` tokens: STREAM_GROUP per
+    STREAM_GROUP_TOKENS tokens, at most a layer's E, and at most what `most_rows` ring rows
+    hold (never below STREAM_GROUP, which `ring_slots` budgets for)."""
+    want = STREAM_GROUP * max(1, -(-tokens // STREAM_GROUP_TOKENS))
+    floor = min(STREAM_GROUP, n_experts)
+    return max(floor, min(want, n_experts, most_rows // n_buffers))
 
 
 class LayerStreamer:
@@ -75,7 +90,7 @@ class LayerStreamer:
         self.n_experts, self.n_layers = n_experts, n_layers
         self.device = device
         self.n_buffers = 2 if double_buffer else 1
-        self.group = min(STREAM_GROUP, n_experts)
+        self.group = min(STREAM_GROUP, n_experts)  # this chunk's (`chunk_group`)
         rows, dtype = ring_slots(n_experts, self.n_buffers), pool.w13.dtype
         if lend:  # views into the cache's slots while a chunk streams; none in between
             self.w13 = self.w2 = None
@@ -120,11 +135,15 @@ class LayerStreamer:
             self.w13 = self.w2 = None
             self.cache.take_back()
 
-    def _begin(self, layer: int) -> None:
+    def _begin(self, layer: int, tokens: int) -> None:
         """A chunk's first layer: borrow the ring (if lent) and plan every layer's groups from
         the cache as it stands; nothing fills or evicts while the chunk streams. A chunk that
         failed midway is ended first: the next one must not read its ring's half-done state."""
         self.release()
+        # The ring: lent, as big as leaves a layer's slots in service (`lends_staging`);
+        # else its own rows.
+        room = self.cache.n_slots - self.n_experts if self.lend else self.w13.shape[0]
+        self.group = chunk_group(tokens, self.n_experts, self.n_buffers, room)
         if self.lend:
             self.w13, self.w2 = self.cache.lend(self.ring_rows)  # [BG, 2I, H], [BG, H, I]
         self.cache.inflight.settle()  # direct's late fills: the table as the mirror has it
@@ -151,7 +170,7 @@ class LayerStreamer:
         """The layer's MoE output [T, H]: resident experts from their slots, the absent ones
         group by group from the ring, the next groups copying behind."""
         if layer == 0 or not self.active:
-            self._begin(layer)
+            self._begin(layer, hidden.shape[0])
         e, base = self.n_experts, layer * self.n_experts
         slot_of = self.cache.host_slot_of
         slots = [slot_of[base + x] for x in range(e)]  # -1 where absent
@@ -165,13 +184,10 @@ class LayerStreamer:
             for i, x in enumerate(self._order[seq][1]):
                 rows[x] = lo + i
             launches.append((seq, rows))
-        ids = on_device([r for _, rows in launches for r in rows], torch.int32, self.device)
-        ids = ids.view(len(launches), e)[:, topk_ids.long()]  # [launches, T, K]
-        out = torch.empty_like(hidden)
-        # Every launch but the last sums into fp32; the last adds that sum and rounds once.
-        wide = torch.promote_types(hidden.dtype, torch.float32)
-        many = len(launches) > 1
-        acc = torch.empty(hidden.shape, dtype=wide, device=hidden.device) if many else None
+        maps = on_device([r for _, rows in launches for r in rows], torch.int32, self.device)
+        maps = maps.view(len(launches), e)  # [launches, E]
+        width = self.pool.w2.shape[2]
+        parts = MoeParts(hidden, topk_ids, topk_weights, e, width, STREAMED_MOE_PAIRS)
         stream = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
         for n, (seq, _) in enumerate(launches):
             self._issue_ahead()
@@ -181,9 +197,7 @@ class LayerStreamer:
                 w13, w2, buf = self.w13, self.w2, seq % self.n_buffers
                 if stream is not None:
                     stream.wait_event(self.copied[buf])
-            end = n == len(launches) - 1
-            fused_moe(hidden, w13, w2, ids[n], topk_weights, out=out if end else acc,
-                      add=None if n == 0 else acc, max_pairs=STREAMED_MOE_PAIRS)  # fmt: skip
+            parts.add(w13, w2, maps[n], last=n == len(launches) - 1)
             if seq is not None:
                 if stream is not None:
                     self.consumed[buf].record(stream)
@@ -192,7 +206,7 @@ class LayerStreamer:
         self.layers_streamed += 1
         if layer == self.n_layers - 1:
             self.release()
-        return out
+        return parts.out
 
     def _issue_ahead(self) -> None:
         """Queue the copies of the groups the ring has room for: group s reuses the buffer of

@@ -135,22 +135,21 @@ def test_a_streamed_chunk_failing_midway_gives_its_staging_slots_back(
                          gpu_budget=budget, kv_tokens=512, stream_min_tokens=32)  # fmt: skip
     bank, memory = engine.loaded.bank, engine.memory
     assert bank.streamer.lend, "the staging is not lent from the cache: the test is void"
-    real = streaming.fused_moe
+    real = streaming.MoeParts.add
     failing_layer = rng.randint(1, spec.n_layers - 1)
     calls = {"streamed": 0}
 
-    def failing(hidden, *args, **kwargs):
-        if hidden.shape[0] >= 32:
-            calls["streamed"] += 1
-            if calls["streamed"] == failing_layer + 1:
-                raise RuntimeError("injected: a streamed layer failed")
-        return real(hidden, *args, **kwargs)
+    def failing(parts, *args, **kwargs):  # a streamed layer's launches
+        calls["streamed"] += 1
+        if calls["streamed"] == failing_layer + 1:
+            raise RuntimeError("injected: a streamed layer failed")
+        return real(parts, *args, **kwargs)
 
-    monkeypatch.setattr(streaming, "fused_moe", failing)
+    monkeypatch.setattr(streaming.MoeParts, "add", failing)
     sp = SamplingParams(max_tokens=rng.randint(4, 16), temperature=0, ignore_eos=True)
     failed = engine.generate([rng.randrange(3, 320) for _ in range(rng.randint(40, 120))], sp)
     assert failed.finish_reason == "error" and "injected" in failed.error
-    monkeypatch.setattr(streaming, "fused_moe", real)
+    monkeypatch.setattr(streaming.MoeParts, "add", real)
     prompt = [rng.randrange(3, 320) for _ in range(rng.randint(5, 20))]
     slots_before = bank.cache.n_slots
     need = -(-(len(prompt) + sp.max_tokens) // config.page_size) + 2  # pages, with room

@@ -73,10 +73,13 @@ def check_streamer(rng: random.Random, arena: bool, device: torch.device, monkey
     big = device.type == "cuda"
     for _ in range(25 if not big else 12):
         monkeypatch.setattr(streaming, "STREAM_GROUP", rng.randrange(1, 6))
+        # Groups grow with the chunk's tokens (chunk_group): some chunks take bigger ones.
+        monkeypatch.setattr(streaming, "STREAM_GROUP_TOKENS", rng.randrange(4, 64))
         pool, cache, n_layers, e = _setup(rng, arena, device, big)
         double = rng.random() < 0.5
-        ring = streaming.ring_slots(e, 2 if double else 1)
-        lend = ring + 1 <= cache.n_slots and rng.random() < 0.7
+        b = 2 if double else 1
+        ring = streaming.ring_slots(e, b)
+        lend = ring + e <= cache.n_slots and rng.random() < 0.7  # as lends_staging
         streamer = LayerStreamer(pool, cache, e, n_layers, device, double, lend)
         own = 0 if lend else ring * pool.expert_bytes
         assert streamer.ring_rows == ring and streamer.nbytes == own
@@ -85,8 +88,11 @@ def check_streamer(rng: random.Random, arena: bool, device: torch.device, monkey
             if rng.random() < 0.4:  # a chunk that fails midway: the next starts afresh
                 for layer in range(rng.randrange(1, n_layers)):
                     streamer.moe(layer, *_inputs(t, k, e, pool, device))
+            room = cache.n_slots - e if lend else ring
+            chunk_ring = b * streaming.chunk_group(t, e, b, room)
             if lend:  # what the lend leaves resident: the ring's worth of coldest go first
-                keep = set(list(cache._lru)[max(0, len(cache._lru) - (cache.n_slots - ring)) :])
+                stay = cache.n_slots - chunk_ring
+                keep = set(list(cache._lru)[max(0, len(cache._lru) - stay) :])
             else:
                 keep = set(cache._lru)
             slots = {lid: cache._slot_of[lid] for lid in keep}
@@ -129,3 +135,18 @@ def test_streamer_on_cuda_matches_the_whole_bank(rng_seed, arena, monkeypatch):
     """The same on CUDA, pinned: copies on the copy stream, each group's compute waiting for
     its buffer and each buffer's next copy for the compute that read it."""
     check_streamer(random.Random(rng_seed), arena, torch.device("cuda"), monkeypatch)
+
+
+def test_chunk_group_grows_with_tokens_within_its_bounds(rng_seed):
+    rng = random.Random(rng_seed)
+    for _ in range(500):
+        e, b = rng.randrange(1, 200), rng.choice([1, 2])
+        most = rng.randrange(0, 600)
+        t1 = rng.randrange(1, 40000)
+        t2 = t1 + rng.randrange(0, 40000)
+        g1, g2 = (streaming.chunk_group(t, e, b, most) for t in (t1, t2))
+        floor = min(streaming.STREAM_GROUP, e)
+        assert floor <= g1 <= g2 <= max(floor, min(e, most // b))  # never past E or the room
+        if most // b >= e:  # room for any group: as many as the tokens ask, up to E
+            want = streaming.STREAM_GROUP * -(-t2 // streaming.STREAM_GROUP_TOKENS)
+            assert g2 == max(floor, min(e, want))

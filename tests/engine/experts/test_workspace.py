@@ -37,7 +37,13 @@ def test_offloaded_prefill_runs_in_the_chunk_its_workspace_was_sized_for(
         return kernel(hidden, w13, w2, ids, weights, *args, **kwargs)
 
     monkeypatch.setattr(offload, "fused_moe", recording)  # placed chunks
-    monkeypatch.setattr(streaming, "fused_moe", recording)  # streamed ones
+
+    class RecordingParts(streaming.MoeParts):  # streamed ones
+        def __init__(self, hidden, topk_ids, *args, **kwargs):
+            chunks.append(args[-1])  # max_pairs
+            super().__init__(hidden, topk_ids, *args, **kwargs)
+
+    monkeypatch.setattr(streaming, "MoeParts", RecordingParts)
     rng = random.Random(rng_seed)
     # One prompt streams (>= stream_min_tokens), one fills slots expert by expert.
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (rng.randint(130, 200), 90)]
