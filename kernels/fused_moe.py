@@ -66,9 +66,9 @@ def fused_moe(
     add [T, H]: a part of the sum computed elsewhere, added before the result's rounding and
     then zeroed (`reference.check_add`), in the summing kernel of either path.
     out [T, H] in hidden's dtype, or in fp32 (float64 for float64 hidden): then the sum is not
-    rounded, and a later call can take it as `add` (out may be that call's `add`: each element
-    is read before it is written), so launches over parts of the experts sum in fp32 and round
-    once (the prefill streamer, engine/experts/streaming.py).
+    rounded, and a later call can take it as `add`, so launches over parts of the experts sum
+    in fp32 and round once (kernels/moe_parts.py). `out` is never `add` itself: the summing
+    kernel zeroes `add` before it stores `out`.
     rows_settled: topk_ids were written two or more kernels before this call (the in-graph fill
     plan's rows): the decode path may prefetch their weights early (kernels/triton/pdl.py).
     fill_slot_of [Nh] int32 (fill-through, with host banks): what the kernels read of host row
@@ -97,6 +97,8 @@ def fused_moe(
             f"{decode_only[0]} serve decode batches of at most "
             f"{PATH_LIMITS['decode_max_pairs']} (token, expert) pairs, got {pairs}"
         )
+    if add is not None and out is not None and add.data_ptr() == out.data_ptr():
+        raise ValueError("fused_moe's out must not be its add (add is zeroed as it is read)")
     if collect is not None:
         _check_collect(collect, add, hidden)
     if not use_triton(hidden, force_triton, "fused_moe"):

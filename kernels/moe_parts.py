@@ -34,7 +34,12 @@ class MoeParts:
         chunks every part runs in."""
         self.hidden, self.topk_ids, self.topk_weights = hidden, topk_ids, topk_weights
         self.out = torch.empty_like(hidden)
-        self._acc: torch.Tensor | None = None  # the parts' sum so far, fp32 (float64 for f64)
+        # The parts' sum so far, fp32 (float64 for float64), in two buffers taken in turn: a
+        # part reads the sum from one and writes the new sum into the other. One buffer as both
+        # `add` and `out` read right on the CPU, and wrong on CUDA (the summing kernel zeroes
+        # `add` before it stores `out`: the H100 run of session 59 lost parts of the sum).
+        self._sums: list[torch.Tensor] = []
+        self._parts = 0  # parts run so far
         self._plan = None
         if use_triton(hidden, False, "fused_moe"):
             from freetoken_agent.kernels.triton.moe_parts import plan_parts
@@ -44,12 +49,13 @@ class MoeParts:
     def add(self, w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, last: bool) -> None:
         """Run one part (banks w13 [N, 2I, H], w2 [N, H, I]; rows [E] int32 into them); the
         last one leaves the layer's result in `out`."""
-        wide = torch.promote_types(self.hidden.dtype, torch.float32)
-        first = self._acc is None
-        if first and not last:
-            self._acc = torch.empty(self.hidden.shape, dtype=wide, device=self.hidden.device)
-        dest = self.out if last else self._acc
-        add = None if first else self._acc
+        n = self._parts
+        self._parts += 1
+        if not last and len(self._sums) < 2:
+            wide = torch.promote_types(self.hidden.dtype, torch.float32)
+            self._sums.append(torch.empty(self.hidden.shape, dtype=wide, device=self.hidden.device))
+        dest = self.out if last else self._sums[n % 2]
+        add = None if n == 0 else self._sums[(n - 1) % 2]
         if self._plan is None:
             ids = rows[self.topk_ids.long()]  # [T, K]
             fused_moe_reference(self.hidden, w13, w2, ids, self.topk_weights, dest, add=add)

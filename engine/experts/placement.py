@@ -61,6 +61,8 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, *, offloaded: bool) -
     itemsize = (config.dtype or spec.dtype).itemsize
     pairs = STREAMED_MOE_PAIRS if offloaded else PREFILL_CHUNK_PAIRS
     moe = prefill_workspace_bytes(t, k, h, spec.moe_intermediate_size, itemsize, pairs)
+    if offloaded:  # a streamed layer's parts sum in two fp32 buffers (kernels/moe_parts.py)
+        moe += 2 * t * h * 4
     logits = config.max_num_seqs * spec.vocab_size * 4 * 2
     shadow = 0  # hybrid run-ahead: a decode step's copies of its recurrent state rows
     if config.hybrid_run_ahead and spec.linear is not None:

@@ -162,20 +162,21 @@ def test_add_joins_the_sum_before_rounding_and_is_consumed(rng_seed, dtype, path
 
 def partial_launches(call, inputs, parts: int, seed: int) -> torch.Tensor:
     """The sum in `parts` launches over a random partition of the bank's rows, as the prefill
-    streamer makes them: each but the last writes the unrounded sum into one fp32 buffer, which
-    is also its `add` from the second on; the last adds it and rounds once."""
+    streamer makes them (kernels/moe_parts.py): each but the last writes the unrounded sum into
+    one of two fp32 buffers, adding the other's; the last adds it and rounds once."""
     hidden, w13, w2, ids, weights = inputs
     g = torch.Generator().manual_seed(seed)
     part_of = torch.randint(0, parts, (w13.shape[0],), generator=g).to(ids.device)  # [N]
-    acc = poisoned(hidden.float())  # every element written by the first launch
+    sums = [poisoned(hidden.float()), poisoned(hidden.float())]  # each written before read
     out = None
     for p in range(parts):
         mine = torch.where(ids >= 0, part_of[ids.clamp(min=0)] == p, False)
         part_ids = torch.where(mine, ids, torch.full_like(ids, -1)).contiguous()
         last = p == parts - 1
-        out = call(hidden, w13, w2, part_ids, weights, out=poisoned(hidden) if last else acc,
-                   add=None if p == 0 else acc)  # fmt: skip
-    assert not acc.any(), "the last launch left its add unconsumed"
+        add = None if p == 0 else sums[(p - 1) % 2]
+        out = call(hidden, w13, w2, part_ids, weights,
+                   out=poisoned(hidden) if last else sums[p % 2], add=add)  # fmt: skip
+        assert add is None or not add.any(), "a launch left its add unconsumed"
     return out
 
 
@@ -205,6 +206,13 @@ def test_partial_sums_in_fp32_round_once(rng_seed, dtype, path):
         assert rel_err(got, whole) < 1e-6, f"seed={rng_seed}"
     else:
         assert (got != whole).float().mean().item() <= 0.02, f"seed={rng_seed}"
+
+
+def test_out_must_not_be_add(rng_seed):
+    inputs = make_inputs(rng_seed, 3, 64, 32, 12, 2, torch.float32)
+    acc = torch.zeros(3, 64)
+    with pytest.raises(ValueError, match="out must not be its add"):
+        fused_moe(*inputs, out=acc, add=acc)
 
 
 def test_add_must_match_hidden(rng_seed):

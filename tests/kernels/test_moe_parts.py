@@ -60,13 +60,14 @@ def test_triton_parts_match_the_reference_parts_and_the_one_launch(rng_seed, dty
         max_pairs = rng.choice([8, 32, 4096])  # several token chunks, or one
         plans, tiles = triton_parts.plan_parts(ids, e, hidden.shape[1], width, max_pairs, SMALL)
         ref = MoeParts(hidden, ids, weights, e, width, max_pairs)  # the twin on CPU tensors
-        acc = torch.full(hidden.shape, float("nan"))  # the Triton parts' fp32 sum
+        sums = [torch.full(hidden.shape, float("nan")) for _ in range(2)]  # fp32, in turn
         out = torch.full_like(hidden, float("nan"))
         for n, (b13, b2, rows) in enumerate(parts):
             last = n == len(parts) - 1
             ref.add(b13, b2, rows, last)
+            add = None if n == 0 else sums[(n - 1) % 2]
             triton_parts.fused_moe_part(hidden, b13, b2, rows, ids, weights, plans, tiles,
-                                        out if last else acc, None if n == 0 else acc)  # fmt: skip
+                                        out if last else sums[n % 2], add)  # fmt: skip
         tol = 2e-5 if dtype == torch.float32 else 3e-3
         for got in (ref.out, out):
             assert torch.isfinite(got).all(), "a part read a row that is not its own"
@@ -84,3 +85,24 @@ def test_triton_parts_match_the_reference_parts_and_the_one_launch(rng_seed, dty
             assert (out != one).float().mean().item() <= 0.02, f"seed={rng_seed}"
         else:
             assert ((out - one).norm() / one.norm()).item() < 1e-6, f"seed={rng_seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parts_on_cuda_match_the_one_launch(rng_seed, dtype):
+    """On CUDA the parts (the Triton path, its fp32 sums in turn) give the one launch over a
+    bank of every expert: fp32 within rounding of the sum's order, bf16 rounded alike but
+    where that order tips an element over."""
+    rng = random.Random(rng_seed)
+    for _ in range(10):
+        hidden, w13, w2, ids, weights, parts = layer_in_parts(rng, dtype, "cuda")
+        e, width = w13.shape[0], w2.shape[2]
+        got = MoeParts(hidden, ids, weights, e, width, rng.choice([16, 64, 16384]))
+        for n, (b13, b2, rows) in enumerate(parts):
+            got.add(b13, b2, rows, last=n == len(parts) - 1)
+        one = triton_prefill(hidden, w13, w2, ids, weights)
+        assert torch.isfinite(got.out).all(), "a part read a row that is not its own"
+        if dtype == torch.float32:
+            assert ((got.out - one).norm() / one.norm()).item() < 1e-6, f"seed={rng_seed}"
+        else:
+            assert (got.out != one).float().mean().item() <= 0.02, f"seed={rng_seed}"
