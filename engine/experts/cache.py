@@ -100,6 +100,12 @@ class ExpertCache:
         return self.max_slots - self.first_slot
 
     @property
+    def n_resident(self) -> int:
+        """Experts in slots now."""
+        self._host()
+        return len(self._lru)
+
+    @property
     def free_slots(self) -> int:
         self._host()
         return len(self._free)
