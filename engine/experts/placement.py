@@ -56,13 +56,13 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, *, offloaded: bool) -
 
     Measured on the H200 (`bench workspace`, 12-layer Qwen3-30B slice, 8192-token chunk): a
     prefill step's peak allocation 0.81 GB resident, 0.39 GB offloaded; this estimate 1.4 and
-    1.0 GB. The per-token term keeps its margin for hybrid models' recurrent activations."""
+    1.0 GB. The per-token term keeps its margin for hybrid models' recurrent activations, and
+    for a streamed layer's two fp32 sums of its parts (kernels/moe_parts.py; 8 * H bytes a
+    token, a quarter of the term: 0.13 GB at that chunk)."""
     t, h, k = config.max_batched_tokens, spec.hidden_size, max(spec.top_k, 1)
     itemsize = (config.dtype or spec.dtype).itemsize
     pairs = STREAMED_MOE_PAIRS if offloaded else PREFILL_CHUNK_PAIRS
     moe = prefill_workspace_bytes(t, k, h, spec.moe_intermediate_size, itemsize, pairs)
-    if offloaded:  # a streamed layer's parts sum in two fp32 buffers (kernels/moe_parts.py)
-        moe += 2 * t * h * 4
     logits = config.max_num_seqs * spec.vocab_size * 4 * 2
     shadow = 0  # hybrid run-ahead: a decode step's copies of its recurrent state rows
     if config.hybrid_run_ahead and spec.linear is not None:
