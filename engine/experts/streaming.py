@@ -16,16 +16,19 @@ rounds, so a streamed layer agrees with the all-resident one within fp32 roundin
 order.
 
 Departure from DESIGN section 2 ("layer l+1 copies while layer l computes"): the double buffer
-holds groups of experts, not whole layers. Staging a whole layer needs B * E rows; lent from a
-full cache, they evict B * E resident experts that the chunk then streams again: on the H100
+may hold groups of experts, not whole layers. Staging a whole layer needs B * E rows; lent from
+a full cache, they evict B * E resident experts that the chunk then streams again: on the H100
 host's peer slice (679 experts resident) 10.50 GB crossed where 8.09 GB were absent, and the
 prefill reached 66% of the limit of the absent bytes (bench/results/prefill_warm_12_s58.json).
-A ring of B * G rows costs B * G such experts (32 at G = 16, 0.3 GB at Qwen3-30B-A3B shapes,
-where whole layers took 2.4 GB of an 8.59 GB budget's slots).
+A ring of B * G rows costs at most B * G such experts (32 at G = 16).
 
 Where the cache has slots to spare (`lend=True`), the ring is not memory of its own: the top
-B * G slots of the cache are lent for the chunk (its B * G coldest experts evicted) and returned
-when the chunk's last layer is queued.
+B * G slots of the cache are lent for the chunk (its coldest experts evicted if the free slots
+do not cover it) and returned when the chunk's last layer is queued. Each chunk sizes its
+groups (`chunk_group`, `widest_group`): the widest, up to a whole layer, whose lend evicts at
+most RING_EVICTS of what the chunk streams anyway (a whole layer from an emptied cache; 16
+experts from a full one), and never narrower than its tokens need (wider for longer chunks).
+A ring of its own (a cache too small to lend one) holds B * STREAM_GROUP rows.
 """
 
 from __future__ import annotations
