@@ -44,6 +44,7 @@ from freetoken_agent.engine.config import EngineConfig
 from freetoken_agent.engine.experts import calibration
 from freetoken_agent.engine.experts.policy import Bandwidths
 from freetoken_agent.engine.experts.stream_threshold import layer_seconds, stream_threshold
+from freetoken_agent.engine.experts.streaming import ring_slots
 from freetoken_agent.help_format import DefaultsHelpFormatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     expert = bank.pool.expert_bytes
     bw = Bandwidths(b_p, b_h, knee)
     streamer = bank.streamer  # lent staging slots evict experts while a chunk streams
-    staging = streamer.ring_rows / rows_total if streamer.lend else 0.0
+    staging = ring_slots(spec.n_experts, streamer.n_buffers) / rows_total if streamer.lend else 0.0
     predicted = stream_threshold(spec.n_experts, spec.top_k, expert, bw, resident, host, staging)
     rng = random.Random(0)
     rows = []

@@ -188,9 +188,11 @@ class OffloadedExpertBank(GraphDecode):
     @property
     def min_slots(self) -> int:
         """The fewest slots `cache.resize` may leave: a streamer that lends its ring needs
-        the ring plus one layer in service (`lends_staging`); otherwise one slot."""
+        the smallest ring plus one layer in service (`lends_staging`); otherwise one slot. Not
+        the last chunk's ring, which may have held whole layers (`widest_group`): the floor
+        would have jumped with it, and a chunk's ring only widens where the slots allow."""
         s = self.streamer
-        return s.ring_rows + self.n_experts if s.lend else 1
+        return ring_slots(self.n_experts, s.n_buffers) + self.n_experts if s.lend else 1
 
     @property
     def nbytes(self) -> int:

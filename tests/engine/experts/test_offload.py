@@ -13,7 +13,7 @@ import pytest
 from tiny_models import make_tiny, max_rel_err
 
 from freetoken_agent import Engine, SamplingParams
-from freetoken_agent.engine.experts import layer_layout
+from freetoken_agent.engine.experts import layer_layout, streaming
 from freetoken_agent.engine.experts.graph_io import distinct_lids
 from freetoken_agent.engine.experts.offload import OffloadedExpertBank
 from freetoken_agent.engine.experts.policy import (
@@ -23,6 +23,7 @@ from freetoken_agent.engine.experts.policy import (
     fetch_count,
     split_count,
 )
+from freetoken_agent.engine.experts.streaming import ring_slots
 
 POLICIES = ("transfer", "cpu", "static", "adaptive", "direct", "gpu-fill")
 
@@ -266,9 +267,12 @@ def test_adaptive_follows_the_fill_gain(tmp_path, rng_seed):
 
 @pytest.mark.parametrize("double_buffer", [True, False])
 @pytest.mark.parametrize("policy", ["transfer", "static", "adaptive"])
-def test_streaming_borrows_cache_slots(tmp_path, rng_seed, double_buffer, policy):
+def test_streaming_borrows_cache_slots(tmp_path, rng_seed, double_buffer, policy, monkeypatch):
     """With slots to spare, prefill staging is lent from the cache for the chunk (no buffers
-    of its own) and given back afterwards; results stay the resident engine's."""
+    of its own) and given back afterwards; results stay the resident engine's. Groups of 2
+    experts at least, so a chunk from the emptied cache takes wider ones (whole layers) while
+    the elastic floor stays the smallest ring's."""
+    monkeypatch.setattr(streaming, "STREAM_GROUP", 2)
     make_tiny("qwen3_moe", tmp_path, rng_seed, num_hidden_layers=5)  # 4 MoE layers
     resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
     spec = resident.spec
@@ -288,6 +292,8 @@ def test_streaming_borrows_cache_slots(tmp_path, rng_seed, double_buffer, policy
     e, n_layers = spec.n_experts, spec.n_moe_layers
     assert bank.streamer.lend and bank.streamer.nbytes == 0
     assert bank.nbytes == bank.cache.nbytes
+    floor = bank.min_slots  # the smallest ring and a layer, whatever ring a chunk took
+    assert floor == ring_slots(e, buffers) + e
     rng = random.Random(rng_seed)
     prompt = [rng.randrange(3, 320) for _ in range(60)]
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -300,6 +306,7 @@ def test_streaming_borrows_cache_slots(tmp_path, rng_seed, double_buffer, policy
         assert bank.cache.vacates > 0  # a lend emptied slots of the kept layers: refilled
     assert bank.streamer.layers_streamed >= spec.n_moe_layers
     assert bank.cache.lent == 0 and not bank.streamer.borrowing  # given back after the chunk
+    assert bank.min_slots == floor
     ids = prompt + [rng.randrange(3, 320) for _ in range(40)]  # streams again, after decoding
     assert max_rel_err(engine.score(ids), resident.score(ids)) <= 1e-6
     engine.check_integrity()
