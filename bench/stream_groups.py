@@ -7,7 +7,8 @@ host's enqueue time beside the device's, from an empty cache and from a partly f
 A pool of `--layers` layers of Qwen3-30B-A3B-shaped experts (128 of 2048 x 768, bf16, random
 on the GPU, copied to pinned host memory), a cache of 400 slots, and one chunk of `--tokens`
 tokens routed uniformly at random (top-8) through `LayerStreamer.moe`, layer after layer, with
-the ring's group size set to each of `--groups` (streaming.STREAM_GROUP). `--attention` puts a
+the ring's group size set to each of `--groups` (streaming.STREAM_GROUP, the streamer's own
+choice per chunk pinned to it). `--attention` puts a
 matmul of 2 * T^2 * 4096 flops between layers, about a causal attention's, so the compute
 stream stalls on something besides the MoE as in a real model. Per row: tok/s; the limit, the
 bytes that crossed the link over B_P measured in 16-expert copies; the host's enqueue time (the
@@ -90,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     b_p = calibration.measure_pcie(16 * pool.expert_bytes, n=4)
     g = torch.Generator(device="cuda").manual_seed(int(time.time()))
     rows = []
+    # Each row's group size as asked: the streamer's own choice per chunk (chunk_group's growth
+    # with tokens, widest_group's whole layers where the lend evicts little) pinned to it.
+    streaming.STREAM_GROUP_TOKENS = 1 << 40
+    streaming.widest_group = lambda least, *_: least
     for share in args.resident:
         for group in args.groups:
             streaming.STREAM_GROUP = group
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 times.sort()
                 dev_s, enq, moved, resident_before = times[len(times) // 2]
                 limit = moved / b_p
+                assert streamer.group == min(group, E), (streamer.group, group)
                 row = dict(resident=share, resident_before=resident_before, group=group,
                            tokens=tokens, double=not args.single, attention=args.attention,
                            tok_s=tokens / dev_s, limit_tok_s=tokens / limit, of_limit=limit / dev_s,

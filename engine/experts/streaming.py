@@ -148,7 +148,12 @@ class LayerStreamer:
 
     def release(self) -> None:
         """End the chunk: borrowed slots go back to the cache (the chunk's compute is queued,
-        and whoever fills those slots next orders its copies after queued compute)."""
+        and whoever fills those slots next orders its copies after queued compute). A chunk
+        that failed midway may have left copies issued ahead that no compute waited for: the
+        compute stream waits for them here, so the fills and moves ordered after it cannot be
+        overwritten by a late copy into a slot given back."""
+        if self.active and self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self.active = False
         self._order, self._first = [], []
         self._issued = self._computed = 0
