@@ -87,12 +87,13 @@ class EngineConfig:
     # slice, uniform routing, stream_threshold_12l_s14_kept.json): streaming a chunk took
     # 189-193 ms at any length; placing it 92-137 ms at 64-256 tokens, 157-179 at 384-512,
     # 184-186 at 768-1024 and 194 at 1536. Past 512 the two are within 5%, and streaming
-    # leaves the cache as decode had it (it lends two layers' slots), where placing evicts.
+    # leaves the cache as decode had it (its ring lends few slots: streaming.py), where
+    # placing evicts.
     # None: derived from the calibrated bandwidths and the slots' share of the experts
     # (experts/stream_threshold.py): its model is within 2-24% of both measured times, but
     # the two stay so close past 512 tokens that it derives thousands. An experiment.
     stream_min_tokens: int | None = 512
-    double_buffer: bool = True  # False: one staging buffer (the ablation)
+    double_buffer: bool = True  # False: a staging ring of one buffer (the ablation)
     # Hybrid models, segmented decode: run ahead of the host's miss checks as attention-only
     # models do, re-running from step-start copies of the recurrent state after a miss
     # (recurrent_shadow.py). Off until measured on the device.
