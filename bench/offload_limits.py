@@ -71,9 +71,10 @@ def prefill_limit(n: int, chunk: int, b_p: float, chunk_bytes: float) -> float:
 def prefill_row(engine, n: int, chunk: int, b_p: float, rng) -> dict:
     """A timed prefill of n tokens (`timed_prefill`) beside its streaming limit, from the
     bytes that crossed the link while it ran: the streamer's host-to-device copies (resident
-    experts it copies device to device are not counted) and the cache's fills (a chunk below
-    the streaming threshold fills slots instead). With no streamer, or nothing counted, every
-    chunk is taken to move the whole pool (`link_bytes_counted` false)."""
+    experts are read in their slots) and the cache's fills (a chunk below the streaming
+    threshold fills slots instead). With no streamer, or nothing counted, every chunk is taken
+    to move the whole pool (`link_bytes_counted` false). `ring_group`: the experts a ring
+    buffer held in the last chunk (streaming.py's per-chunk sizing)."""
     bank = engine.loaded.bank
     streamer = getattr(bank, "streamer", None)
 
@@ -89,7 +90,8 @@ def prefill_row(engine, n: int, chunk: int, b_p: float, rng) -> dict:
     chunk_bytes = link_bytes / chunks if counted else bank.pool.nbytes
     limit = prefill_limit(n, chunk, b_p, chunk_bytes)
     return {"tok_s": rate, "limit_tok_s": limit, "of_limit": rate / limit, "chunks": chunks,
-            "link_bytes": chunks * chunk_bytes, "link_bytes_counted": counted}  # fmt: skip
+            "link_bytes": chunks * chunk_bytes, "link_bytes_counted": counted,
+            "ring_group": getattr(streamer, "group", None)}  # fmt: skip
 
 
 FILL_BATCH = 256  # lids a cache.fill call of `fill_every_slot` brings in

@@ -22,6 +22,7 @@ from freetoken_agent.bench.offload_limits import (
     prefill_row,
 )
 from freetoken_agent.bench.random_model import random_engine
+from freetoken_agent.engine.experts.streaming import STREAM_GROUP
 
 
 def _engine(seed: int, slots: int, **options):
@@ -144,10 +145,12 @@ def test_the_prefill_limit_counts_every_chunks_streamed_bytes(rng_seed):
         row = prefill_row(engine, n, chunk, b_p, rng)
         moved = bank.streamer.bytes_h2d - h2d0
         pool = bank.pool
+        own = None if bank.streamer.lend else min(STREAM_GROUP, bank.n_experts)
     finally:
         engine.close()
     chunks = math.ceil(n / chunk)
     assert chunks >= 2 and n % chunk
+    assert row["ring_group"] == (own or bank.streamer.group)  # a ring of its own: its rows
     not_resident = (pool.n_rows - resident) * pool.expert_bytes
     assert 0 < resident < pool.n_rows
     assert moved == chunks * not_resident  # what "the bytes not already resident" measured
