@@ -16,9 +16,10 @@ runs on the CPU.
 Eager steps (prefill chunks below the streaming threshold, CPU devices) decide on the host
 with one sync per layer. Decode on CUDA replays captured graphs cut into one segment per MoE
 layer (engine/segmented_graphs.py): the graph exports the routing, `resolve` places the misses,
-and the next segment computes the experts; chunks of `stream_min_tokens` or more stream whole
-layers instead (streaming.py). Policy gpu-fill, and adaptive on its device and shared paths,
-place a layer's misses on the device within one graph a step (device_path.py).
+and the next segment computes the experts; chunks of `stream_min_tokens` or more stream every
+absent expert of every layer instead, the resident ones read in place (streaming.py). Policy
+gpu-fill, and adaptive on its device and shared paths, place a layer's misses on the device
+within one graph a step (device_path.py).
 """
 
 from __future__ import annotations
