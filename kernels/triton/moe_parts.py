@@ -17,21 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from freetoken_agent.kernels.triton.moe_common import (
-    PREFILL_TILES,
-    _check,
-    _dot_precision,
-    _sum_over_k_kernel,
-    _tiles,
-)
-from freetoken_agent.kernels.triton.moe_prefill import (
-    _grouped_down_kernel,
-    _grouped_gate_up_kernel,
-    align_pairs_by_row,
-)
-from freetoken_agent.kernels.triton.pdl import launch as pdl_launch
+from freetoken_agent.kernels.triton.moe_common import PREFILL_TILES, _check, _tiles
+from freetoken_agent.kernels.triton.moe_prefill import align_pairs_by_row, run_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,33 +73,13 @@ def fused_moe_part(
     add: torch.Tensor | None,
 ) -> None:
     """out = the part's experts' sum over k (+ add, then zeroed), as `fused_moe_prefill` would
-    compute it with ids rows[topk_ids]; out may be `add` (fp32, read before written)."""
+    compute it with ids rows[topk_ids]; out is never `add` (`fused_moe`'s rule)."""
     ids = rows[topk_ids.long()]  # [T, K] bank rows, -1: another part's pair
     _check(hidden, w13, w2, ids, topk_weights, out)
     padded = torch.cat([rows, rows.new_full((1,), -1)])  # [E + 1]: unused blocks stay -1
-    i, h = w13.shape[1] // 2, hidden.shape[1]
-    prec = _dot_precision(hidden.dtype)
     for p in plans:
-        x, part_ids, k = hidden[p.t0 : p.t1], ids[p.t0 : p.t1], ids.shape[1]
-        n = p.t1 - p.t0
+        chunk = slice(p.t0, p.t1)
         blk_row = padded[p.blk_expert]  # [B] this part's bank row of each block, or -1
-        n_blk = blk_row.numel()
-        act = torch.empty(n * k, i, dtype=hidden.dtype, device=hidden.device)  # [S, I]
-        y = torch.empty(n * k, h, dtype=torch.float32, device=hidden.device)  # [P, H]
-        _grouped_gate_up_kernel[(n_blk * triton.cdiv(i, c["BLOCK_N"]),)](
-            x, w13, p.order, blk_row, p.blk_start, p.blk_end, act, w13.stride(0), h, i,
-            K=k, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PREC=prec,
-            num_warps=c["WARPS_UP"], num_stages=c["STAGES_UP"],
-        )  # fmt: skip
-        _grouped_down_kernel[(n_blk * triton.cdiv(h, c["DOWN_BLOCK_N"]),)](
-            act, w2, p.order, blk_row, p.blk_start, p.blk_end, y, w2.stride(0), h, i,
-            BLOCK_M=c["BLOCK_M"], BLOCK_N=c["DOWN_BLOCK_N"], BLOCK_K=c["DOWN_BLOCK_K"], PREC=prec,
-            num_warps=c["WARPS_DOWN"], num_stages=c["STAGES_DOWN"],
-        )  # fmt: skip
-        o = out[p.t0 : p.t1]
-        a = o if add is None else add[p.t0 : p.t1]
-        _sum_over_k_kernel[(n, triton.cdiv(h, c["SUM_BLOCK"]))](
-            y, part_ids, topk_weights[p.t0 : p.t1], o, a, part_ids, part_ids, y, 0, h,
-            K=k, BLOCK=c["SUM_BLOCK"], HOST=False, ADD=add is not None, COLLECT=False, SYS=False,
-            **pdl_launch(hidden.device),
-        )  # fmt: skip
+        run_blocks(hidden[chunk], w13, w2, (p.order, blk_row, p.blk_start, p.blk_end),
+                   ids[chunk], topk_weights[chunk], out[chunk], c,
+                   None if add is None else add[chunk])  # fmt: skip

@@ -167,13 +167,24 @@ def fused_moe_prefill(
 def _prefill_chunk(
     hidden, w13, w2, topk_ids, topk_weights, out, c: dict[str, int], add=None
 ) -> None:
-    t, h = hidden.shape
-    n, i, k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
-    p = t * k
-    if p == 0:
+    if topk_ids.numel() == 0:
         return
+    order, blk_row, blk_start, blk_end = align_pairs_by_row(topk_ids.view(-1), w13.shape[0],
+                                                           c["BLOCK_M"])  # fmt: skip
+    run_blocks(hidden, w13, w2, (order, blk_row, blk_start, blk_end), topk_ids, topk_weights,
+               out, c, add)  # fmt: skip
+
+
+def run_blocks(hidden, w13, w2, blocks, topk_ids, topk_weights, out, c: dict[str, int],
+               add=None) -> None:  # fmt: skip
+    """The grouped GEMMs over pairs sorted into `blocks` (`align_pairs_by_row`'s order, bank
+    row, start and end per block; a block of row -1 is skipped), then the sum over k of the
+    pairs whose id in topk_ids is live (+ add, then zeroed) into out: one token chunk."""
+    t, h = hidden.shape
+    i, k = w13.shape[1] // 2, topk_ids.shape[1]
+    p = t * k
     assert p * max(h, i) < 2**31, "kernel offsets are int32: lower CHUNK_PAIRS"
-    order, blk_row, blk_start, blk_end = align_pairs_by_row(topk_ids.view(-1), n, c["BLOCK_M"])
+    order, blk_row, blk_start, blk_end = blocks
     n_blk = blk_row.numel()
     prec = _dot_precision(hidden.dtype)
     act = torch.empty(p, i, dtype=hidden.dtype, device=hidden.device)  # [S, I]
