@@ -152,6 +152,8 @@ class LayerStreamer:
         that failed midway may have left copies issued ahead that no compute waited for: the
         compute stream waits for them here, so the fills and moves ordered after it cannot be
         overwritten by a late copy into a slot given back."""
+        if not self.active and not self.borrowing:  # every eager layer call: nothing to end
+            return
         if self.active and self.copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self.active = False
@@ -174,7 +176,6 @@ class LayerStreamer:
             c = self.cache
             self.group = widest_group(self.group, self.n_experts, self.n_buffers, room,
                                       c.n_resident, c.n_slots, self.pool.n_rows)  # fmt: skip
-        if self.lend:
             self.w13, self.w2 = self.cache.lend(self.ring_rows)  # [BG, 2I, H], [BG, H, I]
         self.cache.inflight.settle()  # direct's late fills: the table as the mirror has it
         if self.copy_stream is not None:  # the lend's moves, and queued compute, read first
