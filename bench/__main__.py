@@ -58,6 +58,9 @@ BENCHES: dict[str, Bench] = {
                        "contexts"),
     "stream-groups": Bench(_B + "stream_groups", "the prefill streamer alone per ring group "
                            "size: tok/s beside the link's limit, host enqueue beside device time"),
+    "prefill-timeline": Bench(_B + "prefill_timeline", "a streamed prefill profiled from an "
+                              "emptied and a full cache: the link's busy time and its gaps, "
+                              "host-late or waiting on compute"),
     "workspace": Bench(_B + "workspace", "the device memory a prefill step allocates beside the "
                        "estimate slots are sized with"),
     "gemv": Bench(_B + "gemv_kernel", "decode projections: torch's F.linear against the Triton "

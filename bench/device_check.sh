@@ -5,6 +5,8 @@
 #         kv-layout elastic-a elastic-b
 #         s59-stream (the fifty-ninth session's prefill streamer: its GPU tests, the 48-layer 8k
 #         prefill rows, then the peer slice's 4096 rows with the warm one, ~6 min)
+#         s60-timeline (the peer slice's 4096-token prefill profiled cold and warm: the link's
+#         busy time and gaps, ~2 min)
 #         elastic-hybrid-a elastic-hybrid-b (the Qwen3.6-35B-A3B shape: a quarter of the KV)
 #         elastic-hybrid elastic-30b (all three engines in one run, ~6-8 minutes each)
 #         zero-copy (the host-bank and direct-policy GPU tests, then the zero-copy probe)
@@ -715,6 +717,9 @@ PY
       timeout 120 python3 -m freetoken_agent.bench offload --layers 12 --skip-decode \
         --prefill 4096 --out "$OUT" 2>&1 | tee "$OUT/s59_prefill12.log" | grep -E "^4096" \
         | cut -c1-300 ;;
+    s60-timeline)  # the peer slice's 4096-token prefill profiled, cold and warm (~2 min)
+      timeout 200 python3 -m freetoken_agent.bench prefill-timeline --layers 12 --tokens 4096 \
+        --out "$OUT" 2>&1 | tee "$OUT/s60_timeline12.log" | grep -vE "^host probe" | tail -80 ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel --graph-bound 0 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;
