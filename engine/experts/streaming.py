@@ -119,10 +119,15 @@ class LayerStreamer:
             self.w13 = torch.empty((rows, *pool.w13.shape[1:]), dtype=dtype, device=device)
             self.w2 = torch.empty((rows, *pool.w2.shape[1:]), dtype=dtype, device=device)
         # The chunk being streamed (`_begin` .. `release`): its groups in streaming order,
-        # (layer, absent experts), and each layer's first group there.
+        # (layer, absent experts), and each layer's first group there; its launches, layer
+        # after layer (a group's seq, or None: the resident experts' part), each layer's first
+        # launch there, and their expert -> bank row maps on the device.
         self.active = False
         self._order: list[tuple[int, list[int]]] = []
         self._first: list[int] = []
+        self._launches: list[int | None] = []
+        self._launch_at: list[int] = []
+        self._maps: torch.Tensor | None = None  # [launches, E] int32
         self._issued = 0  # groups whose copies are queued
         self._computed = 0  # groups whose compute is queued
         cuda = device.type == "cuda"
@@ -158,6 +163,7 @@ class LayerStreamer:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self.active = False
         self._order, self._first = [], []
+        self._launches, self._launch_at, self._maps = [], [], None
         self._issued = self._computed = 0
         if self.borrowing:
             self.w13 = self.w2 = None
@@ -178,18 +184,41 @@ class LayerStreamer:
                                       c.n_resident, c.n_slots, self.pool.n_rows)  # fmt: skip
             self.w13, self.w2 = self.cache.lend(self.ring_rows)  # [BG, 2I, H], [BG, H, I]
         self.cache.inflight.settle()  # direct's late fills: the table as the mirror has it
+        self._plan()
         if self.copy_stream is not None:  # the lend's moves, and queued compute, read first
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        slot_of, e, g = self.cache.host_slot_of, self.n_experts, self.group
-        self._order, self._first = [], []
-        for planned in range(self.n_layers):
-            base = planned * e
-            absent = [x for x in range(e) if slot_of[base + x] < 0]
-            self._first.append(len(self._order))
-            self._order += [(planned, absent[i : i + g]) for i in range(0, len(absent), g)]
-        self._first.append(len(self._order))  # [L + 1]: layer l's groups are first[l]..first[l+1]
         self._issued = self._computed = self._first[layer]  # (0: chunks start at layer 0)
         self.active = True
+
+    def _plan(self) -> None:
+        """Every layer's groups and launches from the cache's table (fixed while the chunk
+        streams), and the launches' row maps put on the device in one copy now. A map copied
+        at each layer would queue on the compute stream behind the copy engine's backlog of
+        expert copies (host-to-device copies share the engine whatever their stream): on the
+        H100 host the peer slice's warm prefill left the compute stream idle ~6 ms a layer
+        waiting for a 2.5 KB map (bench/results/prefill_timeline_12l_s60.json)."""
+        slot_of, e, g, b = self.cache.host_slot_of, self.n_experts, self.group, self.n_buffers
+        self._order, self._first, self._launches, self._launch_at = [], [], [], []
+        rows_all: list[int] = []  # [launches * E]
+        for planned in range(self.n_layers):
+            slots = slot_of[planned * e : (planned + 1) * e]  # -1 where absent
+            absent = [x for x in range(e) if slots[x] < 0]
+            self._first.append(len(self._order))
+            self._launch_at.append(len(self._launches))
+            if len(absent) < e:  # the resident experts' part: their slots in the cache bank
+                self._launches.append(None)
+                rows_all += slots
+            for i in range(0, len(absent), g):
+                seq = len(self._order)
+                self._order.append((planned, absent[i : i + g]))
+                rows, lo = [-1] * e, (seq % b) * g
+                for j, x in enumerate(absent[i : i + g]):
+                    rows[x] = lo + j
+                self._launches.append(seq)
+                rows_all += rows
+        self._first.append(len(self._order))  # [L + 1]: layer l's groups are first[l]..first[l+1]
+        self._launch_at.append(len(self._launches))
+        self._maps = on_device(rows_all, torch.int32, self.device).view(-1, e)
 
     def moe(
         self,
@@ -202,25 +231,13 @@ class LayerStreamer:
         group by group from the ring, the next groups copying behind."""
         if layer == 0 or not self.active:
             self._begin(layer, hidden.shape[0])
-        e, base = self.n_experts, layer * self.n_experts
-        slot_of = self.cache.host_slot_of
-        slots = [slot_of[base + x] for x in range(e)]  # -1 where absent
-        # (group, row of each expert; -1: not this launch's), one a launch: the resident
-        # experts' slots (group None), then the layer's groups in the ring.
-        launches: list[tuple[int | None, list[int]]] = []
-        if any(s >= 0 for s in slots):
-            launches.append((None, slots))
-        for seq in range(self._first[layer], self._first[layer + 1]):
-            rows, lo = [-1] * e, (seq % self.n_buffers) * self.group
-            for i, x in enumerate(self._order[seq][1]):
-                rows[x] = lo + i
-            launches.append((seq, rows))
-        maps = on_device([r for _, rows in launches for r in rows], torch.int32, self.device)
-        maps = maps.view(len(launches), e)  # [launches, E]
+        # The layer's launches: the resident experts' part (seq None), then its groups.
+        lo, hi = self._launch_at[layer], self._launch_at[layer + 1]
         width = self.pool.w2.shape[2]
-        parts = MoeParts(hidden, topk_ids, topk_weights, e, width, STREAMED_MOE_PAIRS)
+        parts = MoeParts(hidden, topk_ids, topk_weights, self.n_experts, width, STREAMED_MOE_PAIRS)
         stream = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
-        for n, (seq, _) in enumerate(launches):
+        for n in range(lo, hi):
+            seq = self._launches[n]
             self._issue_ahead()
             if seq is None:
                 w13, w2 = self.cache.w13, self.cache.w2
@@ -228,7 +245,7 @@ class LayerStreamer:
                 w13, w2, buf = self.w13, self.w2, seq % self.n_buffers
                 if stream is not None:
                     stream.wait_event(self.copied[buf])
-            parts.add(w13, w2, maps[n], last=n == len(launches) - 1)
+            parts.add(w13, w2, self._maps[n], last=n == hi - 1)
             if seq is not None:
                 if stream is not None:
                     self.consumed[buf].record(stream)

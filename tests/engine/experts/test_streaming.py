@@ -74,6 +74,10 @@ def check_streamer(rng: random.Random, arena: bool, device: torch.device, monkey
     experts, ring size, buffers and lending; the bytes that cross are exactly the experts
     absent when the chunk began, and the resident ones stay resident."""
     big = device.type == "cuda"
+    uploads = []  # the host lists each chunk puts on the device
+    real_on_device = streaming.on_device
+    monkeypatch.setattr(streaming, "on_device", lambda v, *a: uploads.append(v) or
+                        real_on_device(v, *a))  # fmt: skip
     for _ in range(25 if not big else 12):
         monkeypatch.setattr(streaming, "STREAM_GROUP", rng.randrange(1, 6))
         # Groups grow with the chunk's tokens (chunk_group): some chunks take bigger ones.
@@ -104,6 +108,7 @@ def check_streamer(rng: random.Random, arena: bool, device: torch.device, monkey
                 keep = set(cache._lru)
             slots = {lid: cache._slot_of[lid] for lid in keep}
             before = streamer.bytes_h2d
+            uploads.clear()
             outs, wants = [], []
             for layer in range(n_layers):
                 hidden, ids, weights = _inputs(t, k, e, pool, device)
@@ -120,6 +125,9 @@ def check_streamer(rng: random.Random, arena: bool, device: torch.device, monkey
             for layer, (out, want) in enumerate(zip(outs, wants, strict=True)):
                 err = ((out - want).norm() / want.norm()).item()  # fp32: the sum's order
                 assert err < 1e-5, f"layer {layer}: relative error {err:.2e}"
+            # The launches' row maps crossed once, at the chunk's start: a copy at each layer
+            # would queue on the compute stream behind the expert copies (streaming._plan).
+            assert len(uploads) == 1, len(uploads)
             absent = n_layers * e - len(keep)
             assert streamer.bytes_h2d - before == absent * pool.expert_bytes, chunk
             # Read in place: nothing evicted or filled but the lend's (which moves the ring's
