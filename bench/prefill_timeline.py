@@ -4,8 +4,8 @@ and from a full one, its copies' busy time and idle gaps classed (bench/link_tim
     python -m freetoken_agent.bench prefill-timeline [--layers 12] [--tokens 4096] [--out DIR]
 
 The engine is `bench offload`'s (the Qwen3-30B-A3B shape cut to `--layers`, random weights,
-experts in a pinned host pool; 12 layers under 8 GiB, the peer slice, else 32 GB). After two
-untimed prompts (the kernels compile), per case (`cold`: the cache emptied; `warm`: every
+experts in a pinned host pool; 12 layers under 8 GiB, the peer slice, else 32 GB). After an untimed
+prompt per case (the kernels compile), per case (`cold`: the cache emptied; `warm`: every
 slot holding a random expert, as decoding leaves it): the prompt's tok/s unprofiled beside
 its limit (`prefill_row`), then the same case again under torch.profiler (CUDA activity only,
 so the host's own pace is barely touched), whose link report says where the time beyond the
@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     bank = engine.loaded.bank
     b_p = max(b_p, calibration.measure_pcie(STREAM_PROBE_EXPERTS * bank.pool.expert_bytes, n=4))
     rng = random.Random()
-    for _ in range(2):  # compile every shape the prompt meets
+    for case in args.cases:  # compile every kernel the prompt meets in each case
+        bank.cache.reset()
+        if case == "warm":
+            fill_every_slot(bank, rng)
         timed_prefill(engine, args.tokens, rng)
     report = {"bench": "prefill-timeline", "device": torch.cuda.get_device_name(),
               "layers": args.layers, "budget_gb": budget, "tokens": args.tokens,
