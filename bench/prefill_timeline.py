@@ -4,9 +4,9 @@ and from a full one, its copies' busy time and idle gaps classed (bench/link_tim
     python -m freetoken_agent.bench prefill-timeline [--layers 12] [--tokens 4096] [--out DIR]
 
 The engine is `bench offload`'s (the Qwen3-30B-A3B shape cut to `--layers`, random weights,
-experts in a pinned host pool; 12 layers under 8 GiB, the peer slice, else 32 GB). After an untimed
-prompt per case (the kernels compile), per case (`cold`: the cache emptied; `warm`: every
-slot holding a random expert, as decoding leaves it): the prompt's tok/s unprofiled beside
+experts in a pinned host pool; 12 layers under 8 GiB, the peer slice, else 32 GB). Per case
+(`cold`: the cache emptied; `warm`: every slot holding a random expert, as decoding leaves
+it), after an untimed prompt per case (the kernels compile): the prompt's tok/s unprofiled beside
 its limit (`prefill_row`), then the same case again under torch.profiler (CUDA activity only,
 so the host's own pace is barely touched), whose link report says where the time beyond the
 limit went: before the first copy, copies slower than B_P, gaps the host left (the next copy
