@@ -231,6 +231,7 @@ class LayerStreamer:
         group by group from the ring, the next groups copying behind."""
         if layer == 0 or not self.active:
             self._begin(layer, hidden.shape[0])
+        self._issue_ahead()  # before the pairs' sort below: the link starts that much sooner
         # The layer's launches: the resident experts' part (seq None), then its groups.
         lo, hi = self._launch_at[layer], self._launch_at[layer + 1]
         width = self.pool.w2.shape[2]
