@@ -51,9 +51,10 @@ def timed_prefill(engine, n: int, rng) -> float:
     samples), the clock between two device syncs; a failed prefill raises rather than give a
     figure."""
     sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(n)]  # (not the engine's work)
     sync_device()
     start = time.perf_counter()
-    out = engine.generate([rng.randrange(engine.spec.vocab_size) for _ in range(n)], sp)
+    out = engine.generate(prompt, sp)
     sync_device()
     if out.finish_reason == "error":
         raise RuntimeError(f"prefill of {n} tokens failed: {out.error}")
@@ -68,13 +69,16 @@ def prefill_limit(n: int, chunk: int, b_p: float, chunk_bytes: float) -> float:
     return n / (-(-n // chunk) * chunk_bytes / b_p)
 
 
-def prefill_row(engine, n: int, chunk: int, b_p: float, rng) -> dict:
+def prefill_row(engine, n: int, chunk: int, b_p: float, rng, repeats: int = 1,
+                prepare=None) -> dict:  # fmt: skip
     """A timed prefill of n tokens (`timed_prefill`) beside its streaming limit, from the
     bytes that crossed the link while it ran: the streamer's host-to-device copies (resident
     experts are read in their slots) and the cache's fills (a chunk below the streaming
     threshold fills slots instead). With no streamer, or nothing counted, every chunk is taken
     to move the whole pool (`link_bytes_counted` false). `ring_group`: the experts a ring
-    buffer held in the last chunk (streaming.py's per-chunk sizing)."""
+    buffer held in the last chunk (streaming.py's per-chunk sizing). `repeats` prompts, each
+    after `prepare()` (the cache state the row measures), give the median's figures (with an
+    even count the slower middle) and every run's tok/s (`tok_s_runs`)."""
     bank = engine.loaded.bank
     streamer = getattr(bank, "streamer", None)
 
@@ -82,16 +86,22 @@ def prefill_row(engine, n: int, chunk: int, b_p: float, rng) -> dict:
         _ = bank.stats  # (folds the device path's fills into the cache's count: one sync)
         return getattr(streamer, "bytes_h2d", 0) + bank.cache.bytes_filled
 
-    before = moved()
-    rate = timed_prefill(engine, n, rng)
-    link_bytes = moved() - before
+    runs = []  # (tok/s, bytes moved)
+    for _ in range(repeats):
+        if prepare is not None:
+            prepare()
+        before = moved()
+        rate = timed_prefill(engine, n, rng)
+        runs.append((rate, moved() - before))
+    rate, link_bytes = sorted(runs)[(len(runs) - 1) // 2]
     chunks = -(-n // chunk)
     counted = streamer is not None and link_bytes > 0
     chunk_bytes = link_bytes / chunks if counted else bank.pool.nbytes
     limit = prefill_limit(n, chunk, b_p, chunk_bytes)
     return {"tok_s": rate, "limit_tok_s": limit, "of_limit": rate / limit, "chunks": chunks,
             "link_bytes": chunks * chunk_bytes, "link_bytes_counted": counted,
-            "ring_group": getattr(streamer, "group", None)}  # fmt: skip
+            "ring_group": getattr(streamer, "group", None),
+            "tok_s_runs": [r for r, _ in runs]}  # fmt: skip
 
 
 FILL_BATCH = 256  # lids a cache.fill call of `fill_every_slot` brings in

@@ -275,3 +275,26 @@ def test_link_bytes_count_the_misses_read_in_place(rng_seed):
     assert st["host_reads_per_token"] > 0, "direct read no miss in place: the test shows nothing"
     link = (st["fetched_per_token"] + st["host_reads_per_token"]) * expert_bytes
     assert st["pcie_bytes_per_token"] == pytest.approx(link)
+
+
+def test_a_repeated_prefill_row_reports_its_median_run(rng_seed):
+    """`prefill_row` with repeats: each run after `prepare` (here the cache emptied), the
+    median run's tok/s (the slower middle with an even count) and its bytes, every run's tok/s
+    beside it; each run from an emptied cache moves the whole pool once a chunk."""
+    rng = random.Random(rng_seed)
+    chunk, stream_min = rng.choice([64, 96]), 16
+    n = chunk + rng.randint(stream_min, chunk - 1)
+    engine = _engine(rng_seed, rng.randint(4, 30), max_batched_tokens=chunk,
+                     stream_min_tokens=stream_min, max_model_len=4096)  # fmt: skip
+    bank = engine.loaded.bank
+    repeats, prepared = rng.randint(2, 4), []
+    try:
+        fill_every_slot(bank, rng)  # the first prepare must empty it
+        row = prefill_row(engine, n, chunk, rng.uniform(1e9, 60e9), rng, repeats,
+                          lambda: prepared.append(bank.cache.reset()))  # fmt: skip
+    finally:
+        engine.close()
+    runs = row["tok_s_runs"]
+    assert len(prepared) == len(runs) == repeats
+    assert row["tok_s"] == sorted(runs)[(repeats - 1) // 2]
+    assert row["link_bytes"] == math.ceil(n / chunk) * bank.pool.nbytes
