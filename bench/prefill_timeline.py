@@ -6,22 +6,25 @@ and from a full one, its copies' busy time and idle gaps classed (bench/link_tim
 The engine is `bench offload`'s (the Qwen3-30B-A3B shape cut to `--layers`, random weights,
 experts in a pinned host pool; 12 layers under 8 GiB, the peer slice, else 32 GB). Per case
 (`cold`: the cache emptied; `warm`: every slot holding a random expert, as decoding leaves
-it), after an untimed prompt per case (the kernels compile): the prompt's tok/s unprofiled beside
-its limit (`prefill_row`), then the same case again under torch.profiler (CUDA activity only,
-so the host's own pace is barely touched), whose link report says where the time beyond the
-limit went: before the first copy, copies slower than B_P, gaps the host left (the next copy
-not yet queued) or the device made (the copy waiting for compute), after the last copy.
-JSON to `<out>/prefill_timeline_<L>l.json`, each trace to `<out>/prefill_timeline_<L>l_<case>
-.json.gz`.
+it), after an untimed prompt per case (the kernels compile): the prompt's tok/s unprofiled
+beside its limit (`prefill_row`, with Python's cyclic collections during it: `gc`), then the
+same case again under torch.profiler (CUDA activity only, so the host's own pace is barely
+touched), whose link report says where the time beyond the limit went: before the first
+copy, copies slower than B_P, gaps the host left (the next copy not yet queued) or the
+device made (the copy waiting for compute), after the last copy. JSON to
+`<out>/prefill_timeline_<L>l.json`, each trace to `<out>/prefill_timeline_<L>l_<case>.json.gz`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import gzip
 import json
 import random
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -39,6 +42,28 @@ from freetoken_agent.engine.experts import calibration
 from freetoken_agent.help_format import DefaultsHelpFormatter
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@contextlib.contextmanager
+def gc_watch(record: dict):
+    """Python's cyclic collections while the block runs: count and milliseconds per
+    generation into `record` (a collection stalls the host that queues the device's work)."""
+    started = {}
+
+    def watch(phase: str, info: dict) -> None:
+        gen = str(info.get("generation"))
+        if phase == "start":
+            started[gen] = time.perf_counter()
+        elif gen in started:
+            entry = record.setdefault(gen, {"count": 0, "ms": 0.0})
+            entry["count"] += 1
+            entry["ms"] += (time.perf_counter() - started.pop(gen)) * 1e3
+
+    gc.callbacks.append(watch)
+    try:
+        yield record
+    finally:
+        gc.callbacks.remove(watch)
 
 
 def profiled(engine, n: int, rng) -> dict:
@@ -89,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             bank.cache.reset()
             resident = fill_every_slot(bank, rng) if case == "warm" else 0
             if run == "plain":
-                rows["plain"] = prefill_row(engine, args.tokens, args.tokens, b_p, rng)
+                with gc_watch({}) as collections:
+                    rows["plain"] = prefill_row(engine, args.tokens, args.tokens, b_p, rng)
                 rows["plain"]["resident_before"] = resident
+                rows["plain"]["gc"] = collections
                 continue
             trace = profiled(engine, args.tokens, rng)
             with gzip.open(args.out / f"{stem}_{case}.json.gz", "wt") as f:

@@ -48,6 +48,8 @@ def token_ids(values, what: str, max_len: int | None = None) -> list[int]:
         raise InvalidRequestError(f"{what}: {e}") from e
     if max_len is not None and len(items) >= max_len:
         raise context_length_error(len(items), max_len)
+    if all(type(v) is int for v in items):  # the usual list of ints (no bool), ~10x faster
+        return items
     for i, v in enumerate(items):
         if isinstance(v, torch.Tensor) and v.dim() == 0 and _integer_dtype(v.dtype):
             items[i] = v = v.item()  # one id as a 0-d tensor (a 1-D tensor's items)
