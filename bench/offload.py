@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--hold-share holds the shared path's share: give --adaptive-path shared")
         if not all(0.0 <= x <= 1.0 for x in args.hold_share):
             parser.error(f"--hold-share takes fractions in [0, 1], got {args.hold_share}")
+    if args.prefill_repeats < 1:
+        parser.error(f"--prefill-repeats must be >= 1, got {args.prefill_repeats}")
     if args.copy_programs is not None and not 1 <= args.copy_programs <= COPY_PROGRAMS_MAX:
         parser.error(f"--copy-programs takes 1 to {COPY_PROGRAMS_MAX}, got {args.copy_programs}")
     held = max(args.batches) * (args.context + max(args.decode, WARM_UP) + 16)

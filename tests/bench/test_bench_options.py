@@ -94,6 +94,18 @@ def test_offload_refuses_a_copy_grid_outside_its_range(rng_seed, capsys):
     )
 
 
+def test_offload_refuses_fewer_than_one_prefill_run(rng_seed, capsys):
+    """`bench offload --prefill-repeats`: a row needs a run; 0 or fewer is refused before
+    anything loads (it failed after the whole decode section with an IndexError)."""
+    from freetoken_agent.bench import offload
+
+    bad = random.Random(rng_seed).randint(-5, 0)
+    with pytest.raises(SystemExit) as exited:
+        offload.main(["--prefill-repeats", str(bad)])
+    assert exited.value.code == 2
+    assert f"--prefill-repeats must be >= 1, got {bad}" in capsys.readouterr().err
+
+
 def test_split_cuts_refuses_a_cut_outside_the_expert(rng_seed, capsys):
     """`bench split-cuts --cuts`: a column past the expert's width is refused before anything
     loads, naming the option."""
