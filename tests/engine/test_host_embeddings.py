@@ -14,6 +14,7 @@ from tiny_models import make_tiny, tiny_config
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.engine.config import EngineConfig
 from freetoken_agent.engine.experts.placement import slot_count
+from freetoken_agent.engine.experts.streaming import ring_slots
 from freetoken_agent.engine.loading import dense_nbytes, place_embeddings
 from freetoken_agent.engine.models.base import MoeCausalLM
 from freetoken_agent.engine.models.registry import family, spec_from_config
@@ -56,7 +57,13 @@ def test_host_table_leaves_the_budget_to_expert_slots(tmp_path, rng_seed):
     assert on_host.stats()["memory"]["host_embedding_bytes"] == table
     assert on_device.stats()["memory"]["host_embedding_bytes"] == 0
     gained = on_host.loaded.bank.cache.n_slots - on_device.loaded.bank.cache.n_slots
-    assert gained in (table // spec.expert_bytes, table // spec.expert_bytes + 1), gained
+    # A bank whose cache is too small to lend the prefill ring its slots keeps a ring of its
+    # own (streaming.py): the table's bytes may lift the cache past that threshold, and the
+    # ring's own rows become slots too.
+    own = [0 if e.loaded.bank.streamer.lend else ring_slots(spec.n_experts, 2)
+           for e in (on_device, on_host)]  # fmt: skip
+    gained -= own[0] - own[1]
+    assert gained in (table // spec.expert_bytes, table // spec.expert_bytes + 1), (gained, own)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (rng.randint(5, 40), 60)]
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in probe.generate(prompts, sp)]
