@@ -3,8 +3,8 @@
 # Usage (on the device): bash bench/device_check.sh STAGE...
 # stages: tests (or tests-kernels, then tests-engine) engine-tests elastic-tests decode kernels
 #         kv-layout elastic-a elastic-b
-#         s59-stream (the fifty-ninth session's prefill streamer: its GPU tests, the 48-layer 8k
-#         prefill rows, then the peer slice's 4096 rows with the warm one, ~6 min)
+#         s59-stream (the prefill streamer: its GPU tests, the 48-layer 8k prefill rows, then
+#         the peer slice's 4096 rows with the warm one, ~7 min)
 #         s60-timeline (the peer slice's 4096-token prefill profiled cold and warm: the link's
 #         busy time and gaps, ~2 min)
 #         elastic-hybrid-a elastic-hybrid-b (the Qwen3.6-35B-A3B shape: a quarter of the KV)
@@ -707,12 +707,12 @@ for key, row in json.load(open(sys.argv[1]))["decode"].items():
           json.dumps(row.get("worker_jobs")), "paths", json.dumps(row.get("path_ms_per_token")))
 PY
       done ;;
-    s59-stream)  # session 59's streamer, unmeasured in its final form: its GPU tests, the
-      # 48-layer 8k rows (cold must be back near 95%), then the peer slice's warm row (~6 min)
+    s59-stream)  # the prefill streamer: its GPU tests, the 48-layer 8k rows, then the peer
+      # slice's 4096 rows with the warm one (each row the median of 3 runs, ~7 min)
       timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/engine/experts/test_streaming.py tests/kernels/test_moe_parts.py 2>&1 \
         | tee "$OUT/s59_gpu_tests.log" | tail -5
-      timeout 200 python3 -m freetoken_agent.bench offload --skip-decode --prefill 8192 \
+      timeout 280 python3 -m freetoken_agent.bench offload --skip-decode --prefill 8192 \
         --out "$OUT" 2>&1 | tee "$OUT/s59_prefill48.log" | grep -E "^8192" | cut -c1-300
       timeout 120 python3 -m freetoken_agent.bench offload --layers 12 --skip-decode \
         --prefill 4096 --out "$OUT" 2>&1 | tee "$OUT/s59_prefill12.log" | grep -E "^4096" \
