@@ -239,7 +239,6 @@ class LayerStreamer:
         stream = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
         for n in range(lo, hi):
             seq = self._launches[n]
-            self._issue_ahead()
             if seq is None:
                 w13, w2 = self.cache.w13, self.cache.w2
             else:
@@ -251,7 +250,7 @@ class LayerStreamer:
                 if stream is not None:
                     self.consumed[buf].record(stream)
                 self._computed += 1
-        self._issue_ahead()  # the next groups' copies start now, not at the next layer
+                self._issue_ahead()  # its buffer's next group copies now, across layers too
         self.layers_streamed += 1
         if layer == self.n_layers - 1:
             self.release()
