@@ -32,7 +32,8 @@ class MoeParts:
         """`width`: the experts' I (the tiles are chosen per H and I); `max_pairs`: (token,
         expert) pairs a launch takes at most (its buffers' size, as `fused_moe`'s), the token
         chunks every part runs in."""
-        self.hidden, self.topk_ids, self.topk_weights = hidden, topk_ids, topk_weights
+        self.hidden, self.topk_weights = hidden, topk_weights
+        self.topk_ids = topk_ids.long()  # [T, K]: every part indexes its rows by it, once cast
         self.out = torch.empty_like(hidden)
         # The parts' sum so far, fp32 (float64 for float64), in two buffers taken in turn: a
         # part reads the sum from one and writes the new sum into the other. One buffer as both
@@ -57,7 +58,7 @@ class MoeParts:
         dest = self.out if last else self._sums[n % 2]
         add = None if n == 0 else self._sums[(n - 1) % 2]
         if self._plan is None:
-            ids = rows[self.topk_ids.long()]  # [T, K]
+            ids = rows[self.topk_ids]  # [T, K]
             fused_moe_reference(self.hidden, w13, w2, ids, self.topk_weights, dest, add=add)
             return
         from freetoken_agent.kernels.triton.moe_parts import fused_moe_part
