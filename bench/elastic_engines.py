@@ -48,6 +48,9 @@ def build(args, name: str, turns) -> Engine:
         options.update(kv_tokens=first + args.decode_tokens)
         # Moves of the split and of the budget in the toy arena's scale (64 MiB is a GPU's).
         options.update(elastic_group_bytes=args.smoke_group)
+        # The workspace kept whole: a toy model's lendable part is ~10x its arena, so the
+        # other program's take (a quarter of the arena) would come out of it, never the split.
+        options.update(lend_workspace=False)
     if args.cpu_smoke:
         options.update(device="cpu", std=0.1, policy="transfer", stream_min_tokens=args.stream_min)
     else:

@@ -202,6 +202,10 @@ class EngineConfig:
     # MemoryManager moves at safe points. False: the split stays as loaded (a fixed baseline).
     elastic: bool = True
     elastic_group_bytes: int = 64 << 20  # the split moves in groups of this many bytes
+    # Elastic memory lends expert slots the part of a full step's workspace the next step
+    # cannot need (engine/memory_workspace.py: ~70 slots at the 8 GiB tier while decoding),
+    # evicting them when a prompt comes. False: the whole workspace stays outside the split.
+    lend_workspace: bool = True
     # On CUDA the elastic budget also follows free device memory: it keeps `memory_reserve`
     # bytes free for the driver and other programs, yields when another program takes VRAM
     # and grows back when it is released (up to the user's budget, or without one up to

@@ -51,7 +51,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 GIB = 1 << 30
 MIN_PAGES = 2  # the fewest KV pages a split keeps: the scratch page and one to run in
@@ -79,6 +79,9 @@ class MemoryDemand:
     # Of pages_waiting, the fewest it can be admitted with: its prompt and first token (it
     # grows as it decodes; without its lookahead it may have to wait for pages to free).
     pages_waiting_least: int = 0
+    # Of `fixed`, the workspace the next step cannot need (engine/memory_workspace.py): it
+    # holds slots only (pages hold requests, which a prompt's workspace could not take back).
+    lent: int = 0
 
     @property
     def pages_admitting(self) -> int:
@@ -132,6 +135,28 @@ class MemoryPolicy:
         self._safe_points += 1
 
     def decide(self, d: MemoryDemand) -> Split | None:
+        """The split to move to, or None. The lent workspace's slots (`lent_slots`) come on
+        top: the levels below decide the slots `fixed` leaves room for, as without it."""
+        free = self.lent_slots(d)
+        if not free:
+            return self._decide(d)
+        paid = replace(
+            d,
+            slots_now=max(0, d.slots_now - free),
+            min_slots=max(0, d.min_slots - free),
+            max_slots=max(0, d.max_slots - free),
+            lent=0,
+        )
+        split = self._decide(paid)
+        return None if split is None else Split(split.pages, split.slots + free, split.reason)
+
+    @staticmethod
+    def lent_slots(d: MemoryDemand) -> int:
+        """Slots the lent workspace holds (the hottest ones: the levels weigh the cold end),
+        at most every expert."""
+        return min(d.lent // d.slot_bytes, d.max_slots) if d.slot_bytes else 0
+
+    def _decide(self, d: MemoryDemand) -> Split | None:
         self._safe_points += 1
         pb, sb = d.page_bytes, d.slot_bytes
         avail = d.budget - d.fixed

@@ -103,6 +103,14 @@ class DemandMeter:
             self._tail_step, self._tail_slots = self.steps, self.cache.n_slots
         return float(self._tail[min(k, len(self._tail) - 1)]) / TAIL_WINDOW
 
+    def reused_tokens(self, req) -> int:
+        """Tokens of the first waiting request the prefix cache holds in full pages (what its
+        admission reuses at most; 0 for the others, which the walk is not cached for)."""
+        waiting = self.scheduler.waiting
+        if not waiting or req is not waiting[0]:
+            return 0
+        return sum(self._reusable_pages(req)) * self.kv.page_size
+
     def _reusable_pages(self, req) -> tuple[int, int]:
         """Full pages of `req`'s tokens the prefix cache holds: (referenced by running
         requests, unreferenced). Redone when the tree or the first waiting request changed."""

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -62,6 +63,7 @@ from freetoken_agent.engine.memory_audit import check_manager_integrity, manager
 from freetoken_agent.engine.memory_cadence import DecisionCadence
 from freetoken_agent.engine.memory_demand import DemandMeter
 from freetoken_agent.engine.memory_tier import CheckpointTier
+from freetoken_agent.engine.memory_workspace import StepWorkspace
 from freetoken_agent.engine.scheduler import Scheduler
 
 
@@ -78,13 +80,16 @@ class MemoryManager:
         trace: MemoryTrace | None = None,
         explicit: bool = True,
         checkpoint_cap: Callable[[int], int] | None = None,
+        workspace: StepWorkspace | None = None,
     ) -> None:
-        """`fixed`: dense weights, workspace, recurrent state slots (and a fixed checkpoint
-        tier), staging of its own; `budget`: the budget at load (what the split was sized
-        for); `explicit`: the user gave it (a cap the watcher keeps), else the watcher may grow
-        it up to the ceiling; `checkpoint_cap(budget)`: the most checkpoint device rows at a
-        budget, when the scheduler's checkpoint tier is resizable (then it is on the KV side of
-        the split, see `CheckpointTier.rows_for`)."""
+        """`fixed`: dense weights, workspace (a full step's), recurrent state slots (and a
+        fixed checkpoint tier), staging of its own; `budget`: the budget at load (what the
+        split was sized for); `explicit`: the user gave it (a cap the watcher keeps), else the
+        watcher may grow it up to the ceiling; `checkpoint_cap(budget)`: the most checkpoint
+        device rows at a budget, when the scheduler's checkpoint tier is resizable (then it is
+        on the KV side of the split, see `CheckpointTier.rows_for`); `workspace`: the step
+        workspace, whose part the next step cannot need is lent to the split
+        (memory_workspace.py; None: the whole of it stays in `fixed`)."""
         self.arena, self.kv, self.bank, self.scheduler = arena, kv, bank, scheduler
         rec = scheduler.recurrence
         resizable = rec is not None and rec.checkpoints.resizable and checkpoint_cap is not None
@@ -92,7 +97,10 @@ class MemoryManager:
         self.tier = CheckpointTier(self.checkpoints, scheduler.max_num_seqs, checkpoint_cap)
         self._checkpoint_target = self.checkpoints.device_rows if resizable else 0
         self.cache = bank.cache
-        self.fixed = fixed
+        self.fixed_most = fixed  # with a full step's workspace: the floor and the ceiling
+        self.workspace = workspace
+        self.lent = 0  # workspace bytes the split may hold now (memory_workspace.py)
+        self._return_cached = False  # lent grew: torch's cached blocks go back before a grow
         # The ceiling: what the arena's addresses hold, and the checkpoint tier as loaded (the
         # arena was sized beside it; a tier grown later takes its rows from the same budget).
         tier = self.checkpoints.device_bytes if resizable else 0
@@ -116,11 +124,17 @@ class MemoryManager:
 
     # --- the budget -------------------------------------------------------------------------
     @property
+    def fixed(self) -> int:
+        """Bytes held outside the split now: `fixed_most` less the workspace lent to it."""
+        return self.fixed_most - self.lent
+
+    @property
     def floor(self) -> int:
-        """The least budget the engine can run in: fixed bytes, MIN_PAGES KV pages, min_slots
-        slots."""
+        """The least budget the engine can run in: fixed bytes (a full step's workspace: a
+        prompt may come), MIN_PAGES KV pages, min_slots slots."""
         a = self.arena
-        least = self.fixed + MIN_PAGES * a.kv_unit.nbytes + self.bank.min_slots * a.slot_unit.nbytes
+        least = (self.fixed_most + MIN_PAGES * a.kv_unit.nbytes
+                 + self.bank.min_slots * a.slot_unit.nbytes)  # fmt: skip
         return least + self.tier.row_bytes  # and one checkpoint row, when they are in the split
 
     @property
@@ -149,7 +163,7 @@ class MemoryManager:
             a, rows = self.arena, self.tier.row_bytes
             raise ValueError(
                 f"a GPU budget of {nbytes} bytes does not cover this engine's floor of "
-                f"{self.floor}: {self.fixed} bytes of dense weights, workspace and recurrent "
+                f"{self.floor}: {self.fixed_most} bytes of dense weights, workspace and recurrent "
                 f"memory, 2 KV pages ({2 * a.kv_unit.nbytes})"
                 + (f", a checkpoint row ({rows})" if rows else "")
                 + f" and the {self.bank.min_slots} expert slots offloading runs with "
@@ -192,6 +206,7 @@ class MemoryManager:
         try:
             return self._safe_point()
         finally:  # its cost per step, beside the step's (the elastic bench reports both)
+            self._cap_step()
             self.safe_point_s += time.perf_counter() - t0
 
     def quiet_point(self) -> bool:
@@ -217,7 +232,7 @@ class MemoryManager:
                     return False
                 demand = self.tier.beside(demand, rows, self.arena.nbytes)
             self.cadence.decided_at = self.steps
-            split = self.policy.decide(demand)
+            split = self._decide(demand)
             if split is None:
                 self.cadence.decided_on = key
                 return True
@@ -230,11 +245,11 @@ class MemoryManager:
         if self._decided is not None:  # decided by `quiet_point`, counted there
             split, self._decided = self._decided, None
             if self._carry_out(split):
-                self.cadence.decided_on = self.cadence.key(self.budget)
+                self.cadence.decided_on = self._key()
             return split
         if self._counted:  # by `quiet_point`, which found the checkpoint tier moving
             self._counted = False
-            key = self.cadence.key(self.budget)
+            key = self._key()
         else:
             key = self._count()
         if not self.cadence.due(key, self.steps):
@@ -242,7 +257,7 @@ class MemoryManager:
             return None  # nothing a decision rests on moved but the cold tail's slow drift
         split, settled = self._decide_and_apply()
         # A split that could not be carried out yet is tried again at the next safe point.
-        self.cadence.decided_on = self.cadence.key(self.budget) if settled else None
+        self.cadence.decided_on = self._key() if settled else None
         self.cadence.decided_at = self.steps
         return split
 
@@ -253,7 +268,35 @@ class MemoryManager:
         self.cache.tick()
         if self.watcher is not None:
             self.budget = self._effective_budget(poll=True)
-        return self.cadence.key(self.budget)
+        self._count_workspace()
+        return self._key()
+
+    def _key(self) -> tuple:
+        """The cadence's steady key, and the workspace counted (a prompt's arrival or the end
+        of its prefill moves the split at once)."""
+        return (*self.cadence.key(self.budget), self.lent)
+
+    # --- the step workspace (memory_workspace.py) ---------------------------------------------
+    def _count_workspace(self) -> None:
+        """Count the workspace the next step may need; lend the rest of a full step's."""
+        ws = self.workspace
+        if ws is None:
+            return
+        lent = ws.full - ws.bytes_for(ws.wanted(self.scheduler, self.meter.reused_tokens))
+        if lent > self.lent:
+            self._return_cached = True
+        self.lent = lent
+
+    def _cap_step(self) -> None:
+        """Cap the scheduler's next step at the tokens the bytes outside the split cover."""
+        ws = self.workspace
+        if ws is None:
+            return
+        a = self.arena
+        split = (self.kv.allocator.n_pages * a.kv_unit.nbytes
+                 + self.cache.n_slots * a.slot_unit.nbytes)  # fmt: skip
+        room = self.budget - (self.fixed_most - ws.full) - self.tier.nbytes() - split
+        self.scheduler.step_tokens = ws.covered(room)
 
     def _decide_and_apply(self) -> tuple[Split | None, bool]:
         """Measure, decide and apply; returns the split and whether it was carried out."""
@@ -265,7 +308,7 @@ class MemoryManager:
                 self._resize_checkpoints(rows)
             self._checkpoint_target = rows
             demand = self.tier.beside(demand, rows, self.arena.nbytes)
-        split = self.policy.decide(demand)
+        split = self._decide(demand)
         if split is not None:
             settled = self._carry_out(split)
         if self.checkpoints is not None and self._checkpoint_target > self.checkpoints.device_rows:
@@ -286,7 +329,17 @@ class MemoryManager:
         return True
 
     def demand(self) -> MemoryDemand:
-        return self.meter.measure(self.budget, self.fixed, self.steps)
+        """What the split must hold, with a full step's workspace outside it (the workspace
+        lent to slots is added by `_decide`)."""
+        return self.meter.measure(self.budget, self.fixed_most, self.steps)
+
+    def _decide(self, demand: MemoryDemand) -> Split | None:
+        """The policy's split, with the workspace lent now as slots only: pages hold requests,
+        which a prompt's workspace could not take back without preempting; slots it evicts.
+        At most what the arena holds beside the split (an arena without room to grow, as on
+        a CPU device, holds no more)."""
+        room = self.arena.nbytes - (demand.budget - demand.fixed)
+        return self.policy.decide(replace(demand, lent=max(0, min(self.lent, room))))
 
     # --- carrying a split out ---------------------------------------------------------------
     def apply(self, split: Split) -> bool:
@@ -320,6 +373,13 @@ class MemoryManager:
             alloc.shrink(pages)
         # What the shrinking side gave up goes back first: the growing side may need it.
         self._release()
+        if (slots > cache.n_slots or pages > alloc.n_pages) and self._return_cached:
+            # The split grows into workspace a prefill's activations used, which torch's
+            # allocator still caches: they go back to the driver first, or the engine would
+            # hold both (more than its budget).
+            self._return_cached = False
+            if arena.device.type == "cuda":
+                torch.cuda.empty_cache()
         # Growing needs memory behind the bytes first; a map the device refuses (another
         # program took it since the last poll) leaves that side where it was.
         if slots > cache.n_slots and self._map(alloc.n_pages, arena.max_slots - slots):

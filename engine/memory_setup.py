@@ -7,6 +7,7 @@ from freetoken_agent.engine.experts.placement import workspace_bytes
 from freetoken_agent.engine.kv.recurrence import device_row_cap
 from freetoken_agent.engine.memory import MemoryPolicy, cuda_free_memory
 from freetoken_agent.engine.memory_manager import MemoryManager
+from freetoken_agent.engine.memory_workspace import StepWorkspace
 from freetoken_agent.engine.scheduler import Scheduler
 
 
@@ -44,9 +45,9 @@ def elastic_memory(loaded, scheduler: Scheduler) -> MemoryManager | None:
     def checkpoint_cap(b: int) -> int:
         return device_row_cap(spec, loaded.dtype, b)
 
-    manager = MemoryManager(
-        arena, loaded.kv, bank, scheduler, fixed, budget, policy, None, explicit, checkpoint_cap
-    )
+    workspace = StepWorkspace(spec, config) if config.lend_workspace else None
+    manager = MemoryManager(arena, loaded.kv, bank, scheduler, fixed, budget, policy, None,
+                            explicit, checkpoint_cap, workspace)  # fmt: skip
     if loaded.device.type == "cuda" and config.follow_free_memory:
         manager.watch(cuda_free_memory(loaded.device), config.memory_reserve, config.memory_poll_s)
     return manager

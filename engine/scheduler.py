@@ -65,6 +65,9 @@ class Scheduler:
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max(max_batched_tokens, max_num_seqs)
+        # Under elastic memory the tokens the next step's workspace has room for (the memory
+        # manager sets it at each safe point: engine/memory_workspace.py); None: no cap.
+        self.step_tokens: int | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -85,6 +88,8 @@ class Scheduler:
     # --- the decision -------------------------------------------------------------------
     def schedule(self) -> Batch:
         budget = self.max_batched_tokens
+        if self.step_tokens is not None:
+            budget = min(budget, self.step_tokens)
         chunks: list[ScheduledChunk] = []
         # Decodes first (one token each), then prefills in admission order.
         ordered = sorted(self.running, key=lambda r: r.n_tokens - r.num_computed > 1)

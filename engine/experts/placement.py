@@ -47,19 +47,23 @@ def size(nbytes: int) -> str:
     return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.2f} MiB"
 
 
-def workspace_bytes(spec: ModelSpec, config: EngineConfig, *, offloaded: bool) -> int:
-    """Activations of one step: per token the residual stream and projections (bf16), the
-    fused MoE's prefill buffers (a chunk's pairs at a time: `offloaded` banks run it in
-    STREAMED_MOE_PAIRS chunks, resident ones in the kernel's default), sampling logits and
-    kernel scratch. `score()` of a long sequence allocates [T, vocab] logits beyond this (it is
-    for evaluation, not serving).
+def workspace_bytes(
+    spec: ModelSpec, config: EngineConfig, *, offloaded: bool, tokens: int | None = None
+) -> int:
+    """Activations of one step of `tokens` tokens (default: a full step, max_batched_tokens;
+    engine/memory_workspace.py sizes smaller ones): per token the residual stream and
+    projections (bf16), the fused MoE's prefill buffers (a chunk's pairs at a time: `offloaded`
+    banks run it in STREAMED_MOE_PAIRS chunks, resident ones in the kernel's default), sampling
+    logits and kernel scratch. `score()` of a long sequence allocates [T, vocab] logits beyond
+    this (it is for evaluation, not serving).
 
     Measured on the H200 (`bench workspace`, 12-layer Qwen3-30B slice, 8192-token chunk): a
     prefill step's peak allocation 0.81 GB resident, 0.39 GB offloaded; this estimate 1.4 and
     1.0 GB. The per-token term keeps its margin for hybrid models' recurrent activations, and
     for a streamed layer's two fp32 sums of its parts (kernels/moe_parts.py; 8 * H bytes a
     token, a quarter of the term: 0.13 GB at that chunk)."""
-    t, h, k = config.max_batched_tokens, spec.hidden_size, max(spec.top_k, 1)
+    t = config.max_batched_tokens if tokens is None else tokens
+    h, k = spec.hidden_size, max(spec.top_k, 1)
     itemsize = (config.dtype or spec.dtype).itemsize
     pairs = STREAMED_MOE_PAIRS if offloaded else PREFILL_CHUNK_PAIRS
     moe = prefill_workspace_bytes(t, k, h, spec.moe_intermediate_size, itemsize, pairs)

@@ -137,6 +137,9 @@ class LayerStreamer:
         self.consumed = [torch.cuda.Event() if cuda else None for _ in range(b)]
         self.bytes_h2d = 0
         self.layers_streamed = 0
+        # Experts resident when the last chunk was planned: what it read in place (a bench's
+        # limit of the bytes not resident at the chunk's start).
+        self.resident_at_plan = 0
 
     @property
     def ring_rows(self) -> int:
@@ -200,9 +203,11 @@ class LayerStreamer:
         slot_of, e, g, b = self.cache.host_slot_of, self.n_experts, self.group, self.n_buffers
         self._order, self._first, self._launches, self._launch_at = [], [], [], []
         rows_all: list[int] = []  # [launches * E]
+        self.resident_at_plan = 0
         for planned in range(self.n_layers):
             slots = slot_of[planned * e : (planned + 1) * e]  # -1 where absent
             absent = [x for x in range(e) if slots[x] < 0]
+            self.resident_at_plan += e - len(absent)
             self._first.append(len(self._order))
             self._launch_at.append(len(self._launches))
             if len(absent) < e:  # the resident experts' part: their slots in the cache bank

@@ -59,7 +59,7 @@ def test_offload_defaults_the_peer_slices_budget_to_8_gib(layers, rng_seed, monk
     rng = random.Random(rng_seed)
     layers = rng.choice([2, 6, 24]) if layers == "other" else layers
 
-    def loading(n_layers, budget_gb, chunk):
+    def loading(n_layers, budget_gb, chunk, lend_workspace=True):
         raise _Loaded(n_layers, budget_gb)
 
     monkeypatch.setattr(offload, "hbm_copy_bandwidth", lambda dev: 1.0)

@@ -30,9 +30,12 @@ def model(tmp_path, rng_seed):
 
 
 def _elastic(path, resident: Engine, slots: int, kv_tokens: int = 256,
-             policy: str = "transfer") -> Engine:  # fmt: skip
+             policy: str = "transfer", lend: bool = True) -> Engine:  # fmt: skip
     """An engine whose budget holds the dense weights, the workspace, `kv_tokens` of KV and
-    `slots` expert slots; the split moves in groups of 4 slots."""
+    `slots` expert slots; the split moves in groups of 4 slots. `lend`: the workspace a
+    decode step cannot need is lent to slots (EngineConfig.lend_workspace). A tiny model's
+    lent workspace is ~10x its whole split, so a cut within the floor never moves the split
+    while it decodes: the tests of a cut's arithmetic keep the workspace whole."""
     spec, config = resident.spec, resident.config
     dense = dense_nbytes(resident.loaded.model)
     kv_unit = 2 * len(spec.attention_layers) * 16 * spec.n_kv_heads * spec.head_dim * 4
@@ -45,6 +48,7 @@ def _elastic(path, resident: Engine, slots: int, kv_tokens: int = 256,
     engine = Engine.load(
         path, device="cpu", progress=False, policy=policy, gpu_budget=budget,
         kv_tokens=kv_tokens, elastic_group_bytes=4 * spec.expert_bytes, max_model_len=2048,
+        lend_workspace=lend,
     )  # fmt: skip
     assert engine.memory is not None
     return engine
@@ -113,7 +117,7 @@ def test_budget_cut_mid_generation_keeps_outputs(model, policy):
     # direct with every expert fitting loads resident: 28 slots of budget, 16 of them the
     # streamer's own staging (too few to lend), leave 12 of the 16 rows
     slots, cut_slots = (40, 12) if policy == "transfer" else (28, 6)
-    engine = _elastic(path, resident, slots=slots, policy=policy)
+    engine = _elastic(path, resident, slots=slots, policy=policy, lend=False)
     prompt = [rng.randrange(3, 320) for _ in range(120)]
     want = resident.generate(prompt, SP).token_ids
     cut = engine.memory.budget - cut_slots * spec.expert_bytes
@@ -146,7 +150,7 @@ def test_budget_cut_under_the_device_path_with_popularity_pins(model, policy):
     path, resident, rng = model
     spec = resident.spec
     # 3 layers of 8 experts: a budget of 20-22 slots keeps 16 as prefill staging of its own
-    engine = _elastic(path, resident, slots=rng.randint(20, 22), policy=policy)
+    engine = _elastic(path, resident, slots=rng.randint(20, 22), policy=policy, lend=False)
     pins = engine.loaded.bank.popular
     assert pins is not None and engine.config.pins_fraction > 0
     pins.every = 2
@@ -190,7 +194,7 @@ def test_pressure_preempts_the_newest_never_fails(model, policy):
     that not every expert fits (the pressure leaves them one slot: too few for any pin)."""
     path, resident, rng = model
     slots = 24 if policy == "transfer" else 21
-    engine = _elastic(path, resident, slots=slots, kv_tokens=1024, policy=policy)
+    engine = _elastic(path, resident, slots=slots, kv_tokens=1024, policy=policy, lend=False)
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = [[rng.randrange(3, 320) for _ in range(200)] for _ in range(3)]
     want = [resident.generate(p, sp).token_ids for p in prompts]
@@ -259,7 +263,7 @@ def test_request_that_cannot_fit_the_cut_budget_fails_clearly(model):
     """A budget cut below what a waiting request needs: it fails with a message naming the
     shortfall after a safe point had its chance, instead of waiting forever; others go on."""
     path, resident, rng = model
-    engine = _elastic(path, resident, slots=40)
+    engine = _elastic(path, resident, slots=40, lend=False)
     m = engine.memory
     floor = m.fixed + engine.loaded.bank.min_slots * resident.spec.expert_bytes
     engine.set_gpu_budget(floor + 8 * m.arena.kv_unit.nbytes)  # 8 pages: 128 tokens of KV
@@ -297,7 +301,7 @@ def test_budget_follows_free_memory_as_another_program_takes_and_releases(model)
     drops its budget by the shortfall and unmaps arena chunks until the reserve is free again,
     mid-generation and with exact outputs; when the program exits the budget comes back."""
     path, resident, rng = model
-    engine = _elastic(path, resident, slots=40)
+    engine = _elastic(path, resident, slots=40, lend=False)
     m = engine.memory
     chunk, sb = m.arena.slot_memory.chunk, resident.spec.expert_bytes
     reserve, headroom = rng.randint(2, 4) * chunk, rng.randint(0, 2) * sb
@@ -410,7 +414,7 @@ def test_budget_grows_past_the_load_time_one_up_to_the_ceiling(model):
     engine = Engine.load(
         path, device="cpu", progress=False, policy="transfer", gpu_budget=budget,
         gpu_ceiling=ceiling, kv_tokens=256, elastic_group_bytes=4 * spec.expert_bytes,
-        max_model_len=2048,
+        max_model_len=2048, lend_workspace=False,
     )  # fmt: skip
     m = engine.memory
     assert m.budget == m.user_budget == budget and m.max_budget >= ceiling - spec.expert_bytes
@@ -643,7 +647,7 @@ def test_a_failed_admissions_page_copy_never_lands_on_a_cached_prefix(model):
     nothing, a second cut moved a cached page into the copy's destination and the next step
     overwrote it: a later request reusing that prefix read the wrong KV (NaN logits)."""
     path, resident, rng = model
-    engine = _elastic(path, resident, slots=40, kv_tokens=1024)
+    engine = _elastic(path, resident, slots=40, kv_tokens=1024, lend=False)
     m, sp = engine.memory, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
     unit = m.arena.kv_unit.nbytes
     a, b = ([rng.randrange(3, 320) for _ in range(200)] for _ in range(2))

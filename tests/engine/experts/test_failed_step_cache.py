@@ -131,8 +131,10 @@ def test_a_streamed_chunk_failing_midway_gives_its_staging_slots_back(
     slots = 3 * spec.n_experts + 2
     budget = (dense_nbytes(resident.loaded.model) + workspace_bytes(spec, config, offloaded=True)
               + 33 * page + (slots + 1) * spec.expert_bytes)  # fmt: skip
+    # The workspace kept whole (not lent to slots): the cut's arithmetic counts all of it.
     engine = Engine.load(tmp_path, device="cpu", policy="transfer", progress=False,
-                         gpu_budget=budget, kv_tokens=512, stream_min_tokens=32)  # fmt: skip
+                         gpu_budget=budget, kv_tokens=512, stream_min_tokens=32,
+                         lend_workspace=False)  # fmt: skip
     bank, memory = engine.loaded.bank, engine.memory
     assert bank.streamer.lend, "the staging is not lent from the cache: the test is void"
     real = streaming.MoeParts.add
