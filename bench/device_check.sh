@@ -7,6 +7,8 @@
 #         the peer slice's 4096 rows with the warm one, ~7 min)
 #         s60-timeline (the peer slice's 4096-token prefill profiled cold and warm: the link's
 #         busy time and gaps, ~2 min)
+#         s61-lend (the workspace lent to slots: its GPU tests, the peer slice's uniform b=1
+#         decode with and without it, ~5 min) s61-warm (the peer 4096 prefill rows with it)
 #         elastic-hybrid-a elastic-hybrid-b (the Qwen3.6-35B-A3B shape: a quarter of the KV)
 #         elastic-hybrid elastic-30b (all three engines in one run, ~6-8 minutes each)
 #         zero-copy (the host-bank and direct-policy GPU tests, then the zero-copy probe)
@@ -720,6 +722,21 @@ PY
     s60-timeline)  # the peer slice's 4096-token prefill profiled, cold and warm (~2 min)
       timeout 200 python3 -m freetoken_agent.bench prefill-timeline --layers 12 --tokens 4096 \
         --out "$OUT" 2>&1 | tee "$OUT/s60_timeline12.log" | grep -vE "^host probe" | tail -80 ;;
+    s61-lend)  # the workspace lent to slots: its GPU tests, then the peer slice's uniform b=1
+      # decode, adaptive, with it and without (2 rounds of 256 each, ~5 min)
+      timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -s \
+        tests/engine/test_workspace_lending.py tests/engine/test_elastic_memory.py 2>&1 \
+        | tee "$OUT/s61_gpu_tests.log" | grep -E "slots|passed|failed|Error" | tail -8
+      for lend in lend-workspace no-lend-workspace; do
+        timeout 200 python3 -m freetoken_agent.bench offload --layers 12 --skip-prefill \
+          --batches 1 --rounds 2 --decode 256 --regimes uniform --policies adaptive \
+          --$lend --out "$OUT/$lend" 2>&1 | tee "$OUT/s61_peer_uniform_$lend.log" \
+          | grep "|b" | cut -c1-220
+      done ;;
+    s61-warm)  # the peer slice's 4096-token prefill rows with the workspace lent (~2 min)
+      timeout 200 python3 -m freetoken_agent.bench offload --layers 12 --skip-decode \
+        --prefill 4096 --out "$OUT" 2>&1 | tee "$OUT/s61_prefill12.log" | grep -E "^4096" \
+        | cut -c1-400 ;;
     kernels)
       timeout 200 python3 -m freetoken_agent.bench.attention_kernel --graph-bound 0 2>&1 | tee "$OUT/attn.log" | tail -25
       timeout 200 python3 -m freetoken_agent.bench.moe_kernel 2>&1 | tee "$OUT/moe.log" | tail -25 ;;
