@@ -733,6 +733,18 @@ PY
           --$lend --out "$OUT/$lend" 2>&1 | tee "$OUT/s61_peer_uniform_$lend.log" \
           | grep "|b" | cut -c1-220
       done ;;
+    s61-ab)  # the lent workspace's GPU tests, then peer uniform b=1 adaptive with and without
+      # it, alternating processes (on, off, on, off; 2 rounds of 256 each, ~6 min)
+      timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -s \
+        tests/engine/test_workspace_lending.py tests/engine/test_elastic_memory.py -k \
+        "lending_on_cuda or vram_back" 2>&1 | tee "$OUT/s61_gpu_tests2.log" \
+        | grep -E "slots|passed|failed|Error" | tail -8
+      for lend in lend-workspace no-lend-workspace lend-workspace no-lend-workspace; do
+        timeout 120 python3 -m freetoken_agent.bench offload --layers 12 --skip-prefill \
+          --batches 1 --rounds 2 --decode 256 --regimes uniform --policies adaptive \
+          --$lend --out "$OUT/$lend$SECONDS" 2>&1 | tee -a "$OUT/s61_ab_$lend.log" \
+          | grep "|b" | grep -v round | cut -c1-160
+      done ;;
     s61-warm)  # the peer slice's 4096-token prefill rows with the workspace lent (~2 min)
       timeout 200 python3 -m freetoken_agent.bench offload --layers 12 --skip-decode \
         --prefill 4096 --out "$OUT" 2>&1 | tee "$OUT/s61_prefill12.log" | grep -E "^4096" \

@@ -359,9 +359,12 @@ def test_cuda_engine_gives_vram_back_to_another_allocation(tmp_path, rng_seed):
     want = [o.token_ids for o in resident.generate(prompts, sp)]
     budget = _staged_budget(resident, slots=48, kv_tokens=600)
     group = 2 << 20
+    # The workspace kept whole: lent, its slots would be mapped where torch never allocated
+    # the workspace (an estimate of a full step's), and the budget that follows free memory
+    # would settle that much below the one at load (memory_workspace.py).
     engine = Engine.load(
         tmp_path, policy="transfer", gpu_budget=budget, kv_tokens=600,
-        elastic_group_bytes=group, stream_min_tokens=128, **opts,
+        elastic_group_bytes=group, stream_min_tokens=128, lend_workspace=False, **opts,
     )  # fmt: skip
     m = engine.memory
     assert m is not None and m.arena.slot_memory.releases  # CUDA virtual memory
