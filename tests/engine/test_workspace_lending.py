@@ -52,7 +52,7 @@ def _engine(path, resident: Engine, rng: random.Random, lend: bool = True) -> En
 
 class StepWatch:
     """Wraps the scheduler: every scheduled step's tokens beside the bytes the split holds,
-    the slots and the manager's count, taken when the step is decided."""
+    the slots, the workspace lent and the step's cap, taken when the step is decided."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.steps = engine, []
@@ -66,7 +66,7 @@ class StepWatch:
             split = engine.kv.allocator.n_pages * a.kv_unit.nbytes
             split += m.cache.n_slots * a.slot_unit.nbytes
             tokens = sum(len(c.token_ids) for c in batch.chunks)
-            self.steps.append((tokens, split, m.cache.n_slots, m.budget, m.lent))
+            self.steps.append((tokens, split, m.cache.n_slots, m.budget, m.lent, sched.step_tokens))
             return batch
 
         sched.schedule = schedule
@@ -77,7 +77,7 @@ class StepWatch:
         m = self.engine.memory
         ws = m.workspace
         base = m.fixed_most - ws.full
-        for tokens, split, _, budget, _ in self.steps:
+        for tokens, split, _, budget, _, _ in self.steps:
             if tokens:
                 assert base + ws.bytes_for(tokens) + split <= budget, (tokens, split, budget)
 
@@ -110,7 +110,7 @@ def test_decode_lends_the_workspace_to_slots_and_a_prompt_takes_it_back(model):
     watch.check_budget()
     # Its first chunk was not cut short by the lending: the slots gave the workspace back
     # before it was scheduled (its step: the other's decode and as much of the prompt as fits).
-    tokens, _, slots, _, _ = watch.steps[n_before]
+    tokens, _, slots, _, _, _ = watch.steps[n_before]
     assert tokens == min(1 + len(long), engine.scheduler.max_batched_tokens)
     assert slots < decoding_slots
     # Done: the slots take the workspace again (a short answer decodes on them).
@@ -136,9 +136,8 @@ def test_a_count_that_falls_behind_shortens_the_chunk_instead(model, monkeypatch
     out = engine.generate(prompt, sp)
     assert out.error is None and out.token_ids == resident.generate(prompt, sp).token_ids
     watch.check_budget()
-    first = watch.steps[n_before][0]
-    assert first < min(len(prompt), engine.scheduler.max_batched_tokens), first
-    assert first == engine.scheduler.step_tokens or first == len(prompt)
+    first, cap = watch.steps[n_before][0], watch.steps[n_before][-1]
+    assert first == cap < min(len(prompt), engine.scheduler.max_batched_tokens), (first, cap)
 
 
 def test_lending_off_keeps_the_whole_workspace(model):
