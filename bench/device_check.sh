@@ -745,6 +745,13 @@ PY
           --$lend --out "$OUT/$lend$SECONDS" 2>&1 | tee -a "$OUT/s61_ab_$lend.log" \
           | grep "|b" | grep -v round | cut -c1-160
       done ;;
+    s61-zipf)  # peer Zipf and native b=1 adaptive with and without the lent workspace (~3 min)
+      for lend in lend-workspace no-lend-workspace; do
+        timeout 140 python3 -m freetoken_agent.bench offload --layers 12 --skip-prefill \
+          --batches 1 --rounds 2 --decode 256 --regimes zipf:1.0,loc:0.7 native \
+          --policies adaptive --$lend --out "$OUT/$lend" 2>&1 \
+          | tee -a "$OUT/s61_zipf_$lend.log" | grep "|b" | grep -v round | cut -c1-160
+      done ;;
     s61-warm)  # the peer slice's 4096-token prefill rows with the workspace lent (~2 min)
       timeout 200 python3 -m freetoken_agent.bench offload --layers 12 --skip-decode \
         --prefill 4096 --out "$OUT" 2>&1 | tee "$OUT/s61_prefill12.log" | grep -E "^4096" \
