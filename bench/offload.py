@@ -59,6 +59,7 @@ from freetoken_agent.bench.routing_traces import Regime, TracedRouting, TraceGen
 from freetoken_agent.engine.config import POPULAR_PINS
 from freetoken_agent.engine.experts import calibration, step_paths
 from freetoken_agent.engine.experts.streaming import LayerStreamer
+from freetoken_agent.engine.memory_cadence import FULL_EVERY
 from freetoken_agent.help_format import DefaultsHelpFormatter
 from freetoken_agent.kernels.expert_fills import COPY_PROGRAMS_MAX
 
@@ -90,9 +91,19 @@ def offload_engine(layers: int, budget_gb: float, chunk: int, lend_workspace: bo
     return engine, b_p, b_h
 
 
-def _refill(bank, rng, held: list[int]) -> None:
-    """A warm prefill row's cache state: emptied, then every slot given a random expert
-    (`fill_every_slot`); the count resident appended to `held`."""
+def _refill(engine, rng, held: list[int]) -> None:
+    """A warm prefill row's cache state: the prefix cache dropped (the runs' random prompts,
+    whose recently used pages would take slots from one run to the next), an idle engine's
+    split (its safe points polled until any move due has come: a decision waits up to
+    FULL_EVERY of them after the policy's min_gap, and the workspace lent to slots depends
+    on the prompt before), emptied, then every slot given a random expert
+    (`fill_every_slot`); the count resident appended to `held`. Every run of the row starts
+    from the same slots."""
+    engine.radix.reset()
+    memory = engine.memory
+    for _ in range(FULL_EVERY + memory.policy.min_gap if memory is not None else 0):
+        engine.poll_memory()
+    bank = engine.loaded.bank
     bank.cache.reset()
     held.append(fill_every_slot(bank, rng))
 
@@ -436,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
         for n in args.prefill if double else ():  # the cache full, as decoding leaves it
             held: list[int] = []  # experts resident before each run (every slot's)
-            fill = functools.partial(_refill, bank, rng, held)
+            fill = functools.partial(_refill, engine, rng, held)
             row = prefill_row(engine, n, args.chunk, b_p_stream, rng, args.prefill_repeats, fill)
             resident = held[-1]
             assert len(set(held)) == 1, held  # every run from as many resident experts

@@ -27,7 +27,8 @@ def manager_stats(manager: MemoryManager) -> dict:
         "watching": manager.watcher is not None,
         "reserve": None if manager.watcher is None else manager.watcher.reserve,
         "fixed_bytes": manager.fixed,
-        "workspace_lent": manager.lent,  # of a full step's workspace (memory_workspace.py)
+        # Of a full step's workspace, what the split may hold now (memory_workspace.py).
+        "workspace_lent": manager.lent_held,
         "kv_pages": manager.kv.allocator.n_pages,
         "slots": manager.cache.n_slots,
         "checkpoint_rows": None if manager.checkpoints is None else manager.checkpoints.device_rows,

@@ -126,7 +126,15 @@ class MemoryManager:
     @property
     def fixed(self) -> int:
         """Bytes held outside the split now: `fixed_most` less the workspace lent to it."""
-        return self.fixed_most - self.lent
+        return self.fixed_most - self.lent_held
+
+    @property
+    def lent_held(self) -> int:
+        """Of the workspace lent (`lent`), what the split can hold: no more than the arena's
+        addresses beyond the split's share of the budget (an arena with no room to grow, as
+        under a budget at the ceiling, holds none of it)."""
+        room = self.arena.nbytes - (self.budget - self.fixed_most - self.tier.nbytes())
+        return max(0, min(self.lent, room))
 
     @property
     def floor(self) -> int:

@@ -5,6 +5,7 @@ GPU budget; the tokens are the resident engine's throughout."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -258,3 +259,46 @@ def test_lending_on_cuda_gives_torchs_cached_blocks_back(tmp_path, rng_seed, mon
     grown = next(i for i, (kind, n) in enumerate(events) if kind == "step" and n > prefill_slots)
     assert ("empty", prefill_slots) in events[1:grown], events[: grown + 1]
     print(f"slots {prefill_slots} -> {m.cache.n_slots}, lent {m.lent / MIB:.1f} MiB")
+
+
+def test_the_bench_warm_rows_start_every_run_from_the_same_slots(model):
+    """bench offload's warm prefill rows: each run prepares the cache (`_refill`: the idle
+    engine's split settled, emptied, every slot filled), then prefills. With the workspace
+    lent the split depends on the prompt before (a short one lends more than a full chunk),
+    so without the settling the runs of a row started from different slot counts (a review
+    found 96, 113, 113 with lengths below, at and above the chunk)."""
+    from freetoken_agent.bench.offload import _refill
+    from freetoken_agent.bench.offload_limits import prefill_row
+
+    path, resident, rng = model
+    engine = _engine(path, resident, rng)
+    engine.generate([rng.randrange(3, 320) for _ in range(20)],
+                    SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))  # fmt: skip
+    chunk = engine.config.max_batched_tokens
+    for n in rng.sample([chunk // 2, chunk, 2 * chunk - rng.randint(1, 64)], 3):
+        held: list[int] = []
+        prefill_row(engine, n, chunk, 1e9, rng, 3, functools.partial(_refill, engine, rng, held))
+        assert len(held) == 3 and len(set(held)) == 1, (n, held)
+        engine.loaded.bank.cache.reset()
+
+
+def test_an_arena_with_no_room_lends_nothing_and_says_so(model):
+    """A budget at the ceiling: the arena's addresses end where the split's share of the
+    budget does, so the slots cannot hold the workspace lent. The stats and the bytes
+    counted outside the split say what the split holds (they claimed the whole count)."""
+    path, resident, rng = model
+    engine = _engine(path, resident, rng)
+    budget = engine.memory.budget
+    spec = resident.spec
+    engine = Engine.load(
+        path, device="cpu", progress=False, policy="transfer", gpu_budget=budget,
+        gpu_ceiling=budget, kv_tokens=1280, elastic_group_bytes=spec.expert_bytes,
+        max_model_len=4096, stream_min_tokens=64, max_batched_tokens=512,
+    )  # fmt: skip
+    m = engine.memory
+    engine.generate([rng.randrange(3, 320) for _ in range(20)],
+                    SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))  # fmt: skip
+    assert m.lent > 4 * spec.expert_bytes  # counted: a decode needs little of it
+    held = engine.stats()["elastic"]["workspace_lent"]
+    assert held == m.lent_held <= m.arena.slot_unit.nbytes + m.arena.kv_unit.nbytes
+    assert m.fixed == m.fixed_most - held and m.held_bytes() <= m.budget
