@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 with gc_watch({}) as collections:
                     rows["plain"] = prefill_row(engine, args.tokens, args.tokens, b_p, rng)
                 rows["plain"]["resident_before"] = resident
+                # (fewer when the prompt's workspace evicted some: EngineConfig.lend_workspace)
+                rows["plain"]["resident_at_start"] = bank.streamer.resident_at_plan
                 rows["plain"]["gc"] = collections
                 continue
             trace = profiled(engine, args.tokens, rng)
