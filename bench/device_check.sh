@@ -9,6 +9,7 @@
 #         busy time and gaps, ~2 min)
 #         s61-lend (the workspace lent to slots: its GPU tests, the peer slice's uniform b=1
 #         decode with and without it, ~5 min) s61-warm (the peer 4096 prefill rows with it)
+#         s62-lend-ab (lent against whole inside one engine, peer uniform b=1 and 4, ~6 min)
 #         elastic-hybrid-a elastic-hybrid-b (the Qwen3.6-35B-A3B shape: a quarter of the KV)
 #         elastic-hybrid elastic-30b (all three engines in one run, ~6-8 minutes each)
 #         zero-copy (the host-bank and direct-policy GPU tests, then the zero-copy probe)
@@ -752,6 +753,11 @@ PY
           --policies adaptive --$lend --out "$OUT/$lend" 2>&1 \
           | tee -a "$OUT/s61_zipf_$lend.log" | grep "|b" | grep -v round | cut -c1-160
       done ;;
+    s62-lend-ab)  # the lent workspace against the whole one inside one engine (bench offload
+      # --lend-ab): peer uniform b=1 and b=4, adaptive, 3 rounds of 256 (~6 min)
+      timeout 560 python3 -m freetoken_agent.bench offload --layers 12 --skip-prefill \
+        --batches 1 4 --rounds 3 --decode 256 --regimes uniform --policies adaptive --lend-ab \
+        --out "$OUT" 2>&1 | tee "$OUT/s62_lend_ab.log" | grep "|b" | cut -c1-200 ;;
     s61-warm)  # the peer slice's 4096-token prefill rows with the workspace lent (~2 min)
       timeout 200 python3 -m freetoken_agent.bench offload --layers 12 --skip-decode \
         --prefill 4096 --out "$OUT" 2>&1 | tee "$OUT/s61_prefill12.log" | grep -E "^4096" \

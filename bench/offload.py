@@ -37,6 +37,7 @@ from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
 from freetoken_agent.bench.environment import ENVIRONMENT
 from freetoken_agent.bench.host_caps import HostCaps
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
+from freetoken_agent.bench.lend_switch import lend_rows, workspace_lending
 from freetoken_agent.bench.limits import hbm_copy_bandwidth, host_read_bandwidth
 from freetoken_agent.bench.offload_decode import (
     WARM_UP,
@@ -245,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         "counts are reported)",
     )
     parser.add_argument(
+        "--lend-ab",
+        action="store_true",
+        help="measure every decode row twice in each round, in one engine: the workspace lent "
+        "to slots (rows NAME+lent) and kept whole (NAME+whole), switched at run time "
+        "(bench/lend_switch.py: two processes differ by the host's drift more)",
+    )
+    parser.add_argument(
         "--split-expert",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -377,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = engine.loaded.model
     variants = held_shares(measured_variants(args.policies, args.pdl, args.l2), args.hold_share)
+    variants = lend_rows(variants, args.lend_ab)
     for regime_name in () if args.skip_decode else args.regimes:
         if regime_name == "native":
             model.set_expert_bank(bank)
@@ -391,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                 # Each round starts at another policy: the device host's speed changes over
                 # seconds, so a policy always measured first (or last) would carry a bias.
                 order = variants[r % len(variants) :] + variants[: r % len(variants)]
-                for name, policy, word, l2, held in order:
-                    with kernel_variant(engine, word, l2):
+                for name, policy, word, l2, held, lend in order:
+                    with kernel_variant(engine, word, l2), workspace_lending(engine, lend):
                         row = measure_policy(engine, bank, policy, batch, args.decode, rng,
                                              b_p, b_h, args.adaptive_path, args.shared_gate,
                                              args.context, held)  # fmt: skip

@@ -302,3 +302,35 @@ def test_an_arena_with_no_room_lends_nothing_and_says_so(model):
     held = engine.stats()["elastic"]["workspace_lent"]
     assert held == m.lent_held <= m.arena.slot_unit.nbytes + m.arena.kv_unit.nbytes
     assert m.fixed == m.fixed_most - held and m.held_bytes() <= m.budget
+
+
+@pytest.mark.parametrize("loaded", [True, False])
+def test_the_bench_switches_lending_inside_one_engine(model, loaded):
+    """bench offload --lend-ab: the lending switched at run time (bench/lend_switch.py) moves
+    the split at the next safe points both ways, the tokens stay the resident engine's, and
+    the engine is as loaded after; each row is measured lent then whole."""
+    from freetoken_agent.bench.lend_switch import lend_rows, workspace_lending
+
+    path, resident, rng = model
+    engine = _engine(path, resident, rng, lend=loaded)
+    m = engine.memory
+    sp = SamplingParams(max_tokens=rng.randint(12, 20), temperature=0, ignore_eos=True)
+    slots = {}
+    for on in (not loaded, loaded, not loaded):
+        prompt = [rng.randrange(3, 320) for _ in range(rng.randint(8, 30))]
+        with workspace_lending(engine, on):
+            out = engine.generate(prompt, sp)
+            slots[on] = m.cache.n_slots
+            assert (m.workspace is not None) == on and (m.lent > 0) == on
+            assert (engine.scheduler.step_tokens is not None) == on
+        assert out.token_ids == resident.generate(prompt, sp).token_ids
+        assert (m.workspace is not None) == loaded
+    assert slots[True] > slots[False]
+    rows = [("a", "adaptive", None, None, None), ("t", "transfer", "on", True, 0.5)]
+    assert lend_rows(rows, False) == [(*r, None) for r in rows]
+    assert lend_rows(rows, True) == [
+        ("a+lent", "adaptive", None, None, None, True),
+        ("a+whole", "adaptive", None, None, None, False),
+        ("t+lent", "transfer", "on", True, 0.5, True),
+        ("t+whole", "transfer", "on", True, 0.5, False),
+    ]
