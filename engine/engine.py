@@ -377,8 +377,14 @@ class Engine:
 
     def _resync_experts(self) -> None:
         """A step cut short may lie between an expert fill and its publish: the cache's device
-        table is written again from its host maps (ExpertCache.resync)."""
-        cache = getattr(self.loaded.bank, "cache", None)
+        table is written again from its host maps (ExpertCache.resync). A streamed chunk cut
+        short gives the slots it lent its ring back first: without elastic memory no safe
+        point would, and decode steps replaying graphs never call the bank."""
+        bank = self.loaded.bank
+        streamer = getattr(bank, "streamer", None)
+        if streamer is not None:
+            streamer.release()
+        cache = getattr(bank, "cache", None)
         if cache is not None:
             cache.resync()
 

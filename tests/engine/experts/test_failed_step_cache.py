@@ -169,3 +169,44 @@ def test_a_streamed_chunk_failing_midway_gives_its_staging_slots_back(
     assert (out.finish_reason, out.error) == ("length", None), rng_seed
     assert out.token_ids == resident.generate(prompt, sp).token_ids, rng_seed
     engine.check_integrity()
+
+
+def test_a_failed_streamed_chunk_gives_the_ring_its_slots_back_at_once(
+    tmp_path, rng_seed, monkeypatch
+):
+    """Without elastic memory (a fixed slot count) no safe point ends a streamed chunk that
+    failed midway: the step's own failure handling does, so the slots lent to the ring are
+    back before the next step. On CUDA the decode steps after it replay graphs, which never
+    call the bank, and held those slots out of service (a review's reading)."""
+    from freetoken_agent.engine.experts import streaming
+
+    rng = random.Random(rng_seed)
+    # 4-6 layers: the 3E+1..4 slots leave a layer absent, so the ring is lent from them
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_hidden_layers=rng.randint(4, 6),
+              mlp_only_layers=[])  # fmt: skip
+    resident = Engine.load(tmp_path, device="cpu", policy="resident", progress=False)
+    spec = resident.spec
+    engine = Engine.load(tmp_path, device="cpu", policy="transfer", progress=False,
+                         expert_slots=3 * spec.n_experts + rng.randint(1, 4),
+                         stream_min_tokens=32)  # fmt: skip
+    bank = engine.loaded.bank
+    assert engine.memory is None and bank.streamer.lend, "no lent ring: the test is void"
+    slots = bank.cache.n_slots
+    real, calls = streaming.MoeParts.add, {"n": 0}
+    failing_call = rng.randint(2, spec.n_layers)
+
+    def failing(parts, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == failing_call:
+            raise RuntimeError("injected: a streamed layer failed")
+        return real(parts, *args, **kwargs)
+
+    monkeypatch.setattr(streaming.MoeParts, "add", failing)
+    sp = SamplingParams(max_tokens=rng.randint(2, 6), temperature=0, ignore_eos=True)
+    out = engine.generate([rng.randrange(3, 320) for _ in range(rng.randint(40, 90))], sp)
+    assert out.finish_reason == "error" and "injected" in out.error
+    assert bank.cache.lent == 0 and not bank.streamer.active and bank.cache.n_slots == slots
+    monkeypatch.setattr(streaming.MoeParts, "add", real)
+    prompt = [rng.randrange(3, 320) for _ in range(rng.randint(5, 20))]
+    assert engine.generate(prompt, sp).token_ids == resident.generate(prompt, sp).token_ids
+    engine.check_integrity()
