@@ -6,11 +6,12 @@ per-token term and the fused MoE's per-pair buffers grow with the step's tokens:
 full `max_batched_tokens` chunk it is ~1 GB at the Qwen3-30B shape (8192 tokens), of which a
 decode step of a few tokens uses ~0.27 GB. At the 8 GiB laptop tier the difference is ~70
 expert slots (5% of the peer slice's experts), idle for a whole answer; near-uniform routing
-misses ~9% fewer bytes a token with them.
+missed 8% fewer experts with them on the device (bench/results/NOTES.md, sixty-first session).
 
 So the MemoryManager counts only the workspace the next step can need (`StepWorkspace.wanted`:
 the running requests' next tokens and the waiting prompts' uncached ones, rounded up to a power
-of two, at most a full step) and the split gives the rest to slots or pages. When a prompt
+of two, at most a full step) and the policy gives the rest to slots, never to KV pages (which
+hold requests: a prompt's workspace could not take them back without preempting). When a prompt
 arrives the count rises at the next safe point, before the prompt is scheduled: a forced move,
 which evicts the coldest slots first. The scheduler's step is capped at the tokens the bytes
 outside the split cover (`covered`), so a step's activations stay within the budget even where
