@@ -107,6 +107,27 @@ def test_a_fill_cut_short_leaves_host_maps_and_device_table_agreeing(
     engine.check_integrity()
 
 
+def _fail_a_streamed_prompt(engine, monkeypatch, rng, sp: SamplingParams, prompt_len: int) -> None:
+    """A prompt whose streamed chunk fails at one of its layers (the 2nd to the last MoE
+    layer's launches, drawn): its request fails alone, naming the error; the launches work
+    again after."""
+    from freetoken_agent.engine.experts import streaming
+
+    real, calls = streaming.MoeParts.add, {"n": 0}
+    failing_call = rng.randint(2, engine.spec.n_moe_layers)
+
+    def failing(parts, *args, **kwargs):  # a streamed layer's launches
+        calls["n"] += 1
+        if calls["n"] == failing_call:
+            raise RuntimeError("injected: a streamed layer failed")
+        return real(parts, *args, **kwargs)
+
+    monkeypatch.setattr(streaming.MoeParts, "add", failing)
+    out = engine.generate([rng.randrange(3, 320) for _ in range(prompt_len)], sp)
+    monkeypatch.setattr(streaming.MoeParts, "add", real)
+    assert out.finish_reason == "error" and "injected" in out.error
+
+
 @pytest.mark.parametrize("cut", ["busy", "idle"])
 def test_a_streamed_chunk_failing_midway_gives_its_staging_slots_back(
     tmp_path, rng_seed, monkeypatch, cut
@@ -116,7 +137,6 @@ def test_a_streamed_chunk_failing_midway_gives_its_staging_slots_back(
     the next safe point, so a budget cut there (with a request waiting, or on an idle engine)
     moves the split, and a later request decodes the resident tokens (it asserted on the lent
     cache at every step, so nothing ran again)."""
-    from freetoken_agent.engine.experts import streaming
     from freetoken_agent.engine.experts.placement import workspace_bytes
     from freetoken_agent.engine.kv.pool import KVPool
     from freetoken_agent.engine.loading import dense_nbytes
@@ -137,21 +157,8 @@ def test_a_streamed_chunk_failing_midway_gives_its_staging_slots_back(
                          lend_workspace=False)  # fmt: skip
     bank, memory = engine.loaded.bank, engine.memory
     assert bank.streamer.lend, "the staging is not lent from the cache: the test is void"
-    real = streaming.MoeParts.add
-    failing_layer = rng.randint(1, spec.n_layers - 1)
-    calls = {"streamed": 0}
-
-    def failing(parts, *args, **kwargs):  # a streamed layer's launches
-        calls["streamed"] += 1
-        if calls["streamed"] == failing_layer + 1:
-            raise RuntimeError("injected: a streamed layer failed")
-        return real(parts, *args, **kwargs)
-
-    monkeypatch.setattr(streaming.MoeParts, "add", failing)
     sp = SamplingParams(max_tokens=rng.randint(4, 16), temperature=0, ignore_eos=True)
-    failed = engine.generate([rng.randrange(3, 320) for _ in range(rng.randint(40, 120))], sp)
-    assert failed.finish_reason == "error" and "injected" in failed.error
-    monkeypatch.setattr(streaming.MoeParts, "add", real)
+    _fail_a_streamed_prompt(engine, monkeypatch, rng, sp, rng.randint(40, 120))
     prompt = [rng.randrange(3, 320) for _ in range(rng.randint(5, 20))]
     slots_before = bank.cache.n_slots
     need = -(-(len(prompt) + sp.max_tokens) // config.page_size) + 2  # pages, with room
@@ -178,8 +185,6 @@ def test_a_failed_streamed_chunk_gives_the_ring_its_slots_back_at_once(
     failed midway: the step's own failure handling does, so the slots lent to the ring are
     back before the next step. On CUDA the decode steps after it replay graphs, which never
     call the bank, and held those slots out of service (a review's reading)."""
-    from freetoken_agent.engine.experts import streaming
-
     rng = random.Random(rng_seed)
     # 4-6 layers: the 3E+1..4 slots leave a layer absent, so the ring is lent from them
     make_tiny("qwen3_moe", tmp_path, rng_seed, num_hidden_layers=rng.randint(4, 6),
@@ -192,21 +197,9 @@ def test_a_failed_streamed_chunk_gives_the_ring_its_slots_back_at_once(
     bank = engine.loaded.bank
     assert engine.memory is None and bank.streamer.lend, "no lent ring: the test is void"
     slots = bank.cache.n_slots
-    real, calls = streaming.MoeParts.add, {"n": 0}
-    failing_call = rng.randint(2, spec.n_layers)
-
-    def failing(parts, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == failing_call:
-            raise RuntimeError("injected: a streamed layer failed")
-        return real(parts, *args, **kwargs)
-
-    monkeypatch.setattr(streaming.MoeParts, "add", failing)
     sp = SamplingParams(max_tokens=rng.randint(2, 6), temperature=0, ignore_eos=True)
-    out = engine.generate([rng.randrange(3, 320) for _ in range(rng.randint(40, 90))], sp)
-    assert out.finish_reason == "error" and "injected" in out.error
+    _fail_a_streamed_prompt(engine, monkeypatch, rng, sp, rng.randint(40, 90))
     assert bank.cache.lent == 0 and not bank.streamer.active and bank.cache.n_slots == slots
-    monkeypatch.setattr(streaming.MoeParts, "add", real)
     prompt = [rng.randrange(3, 320) for _ in range(rng.randint(5, 20))]
     assert engine.generate(prompt, sp).token_ids == resident.generate(prompt, sp).token_ids
     engine.check_integrity()
