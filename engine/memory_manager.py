@@ -130,11 +130,14 @@ class MemoryManager:
 
     @property
     def lent_held(self) -> int:
-        """Of the workspace lent (`lent`), what the split can hold: no more than the arena's
-        addresses beyond the split's share of the budget (an arena with no room to grow, as
-        under a budget at the ceiling, holds none of it)."""
-        room = self.arena.nbytes - (self.budget - self.fixed_most - self.tier.nbytes())
-        return max(0, min(self.lent, room))
+        """Of the workspace lent (`lent`), what the split can hold now (`_lendable`)."""
+        return self._lendable(self.budget, self.fixed_most + self.tier.nbytes())
+
+    def _lendable(self, budget: int, fixed: int) -> int:
+        """Of `lent`, what the split can hold beside `budget - fixed` bytes of its own: no more
+        than the arena's addresses beyond them (an arena with no room to grow, as on a CPU
+        device or under a budget at the ceiling, holds none of it)."""
+        return max(0, min(self.lent, self.arena.nbytes - (budget - fixed)))
 
     @property
     def floor(self) -> int:
@@ -300,10 +303,8 @@ class MemoryManager:
         ws = self.workspace
         if ws is None:
             return
-        a = self.arena
-        split = (self.kv.allocator.n_pages * a.kv_unit.nbytes
-                 + self.cache.n_slots * a.slot_unit.nbytes)  # fmt: skip
-        room = self.budget - (self.fixed_most - ws.full) - self.tier.nbytes() - split
+        # What the budget leaves beside what is held, and the workspace still counted in it.
+        room = self.budget - self.held_bytes() + ws.full - self.lent_held
         self.scheduler.step_tokens = ws.covered(room)
 
     def _decide_and_apply(self) -> tuple[Split | None, bool]:
@@ -343,11 +344,9 @@ class MemoryManager:
 
     def _decide(self, demand: MemoryDemand) -> Split | None:
         """The policy's split, with the workspace lent now as slots only: pages hold requests,
-        which a prompt's workspace could not take back without preempting; slots it evicts.
-        At most what the arena holds beside the split (an arena without room to grow, as on
-        a CPU device, holds no more)."""
-        room = self.arena.nbytes - (demand.budget - demand.fixed)
-        return self.policy.decide(replace(demand, lent=max(0, min(self.lent, room))))
+        which a prompt's workspace could not take back without preempting; slots it evicts."""
+        lent = self._lendable(demand.budget, demand.fixed)
+        return self.policy.decide(replace(demand, lent=lent))
 
     # --- carrying a split out ---------------------------------------------------------------
     def apply(self, split: Split) -> bool:
