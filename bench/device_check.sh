@@ -10,6 +10,7 @@
 #         s61-lend (the workspace lent to slots: its GPU tests, the peer slice's uniform b=1
 #         decode with and without it, ~5 min) s61-warm (the peer 4096 prefill rows with it)
 #         s62-native-48 (48 layers / 32 GB, native b=1, adaptive and gpu-fill, ~4 min)
+#         s62-every (the CPU's share free to take every miss where fills do not pay, ~6 min)
 #         s62-lend-ab (lent against whole inside one engine, peer uniform b=1 and 4, ~6 min)
 #         elastic-hybrid-a elastic-hybrid-b (the Qwen3.6-35B-A3B shape: a quarter of the KV)
 #         elastic-hybrid elastic-30b (all three engines in one run, ~6-8 minutes each)
@@ -759,6 +760,14 @@ PY
       timeout 560 python3 -m freetoken_agent.bench offload --layers 12 --skip-prefill \
         --batches 1 4 --rounds 3 --decode 256 --regimes uniform --policies adaptive --lend-ab \
         --out "$OUT" 2>&1 | tee "$OUT/s62_lend_ab.log" | grep "|b" | cut -c1-200 ;;
+    s62-every)  # the CPU's share free to take a layer's every miss where fills do not pay:
+      # its plan's GPU tests, then the peer slice's uniform b=1 and 4, adaptive, every against
+      # kept in one engine (--every-miss-ab), 2 rounds of 256 (~6 min)
+      timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/kernels/test_expert_fills_cpu_share.py 2>&1 | tee "$OUT/s62_every_tests.log" | tail -3
+      timeout 420 python3 -m freetoken_agent.bench offload --layers 12 --skip-prefill \
+        --batches 1 4 --rounds 2 --decode 256 --regimes uniform --policies adaptive \
+        --every-miss-ab --out "$OUT" 2>&1 | tee "$OUT/s62_every.log" | grep "|b" | cut -c1-220 ;;
     s62-native-48)  # 48 layers / 32 GB, native b=1 (the H200's unmet row): adaptive and
       # gpu-fill, 2 rounds of 256 (~4 min)
       timeout 560 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 \

@@ -35,6 +35,7 @@ import torch
 
 from freetoken_agent.bench.decode_baseline import kv_bytes_per_token
 from freetoken_agent.bench.environment import ENVIRONMENT
+from freetoken_agent.bench.every_miss_switch import every_miss, every_miss_rows
 from freetoken_agent.bench.host_caps import HostCaps
 from freetoken_agent.bench.kernel_variants import kernel_variant, measured_variants
 from freetoken_agent.bench.lend_switch import lend_rows, workspace_lending
@@ -253,6 +254,14 @@ def main(argv: list[str] | None = None) -> int:
         "(bench/lend_switch.py: two processes differ by the host's drift more)",
     )
     parser.add_argument(
+        "--every-miss-ab",
+        action="store_true",
+        help="measure every adaptive decode row twice in each round, in one engine: its shared "
+        "path's CPU share free to take a layer's every miss where fills do not pay (rows "
+        "NAME+every, the default) and held to all but one (NAME+kept) "
+        "(bench/every_miss_switch.py)",
+    )
+    parser.add_argument(
         "--split-expert",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -385,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = engine.loaded.model
     variants = held_shares(measured_variants(args.policies, args.pdl, args.l2), args.hold_share)
-    variants = lend_rows(variants, args.lend_ab)
+    variants = every_miss_rows(lend_rows(variants, args.lend_ab), args.every_miss_ab)
     for regime_name in () if args.skip_decode else args.regimes:
         if regime_name == "native":
             model.set_expert_bank(bank)
@@ -400,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
                 # Each round starts at another policy: the device host's speed changes over
                 # seconds, so a policy always measured first (or last) would carry a bias.
                 order = variants[r % len(variants) :] + variants[: r % len(variants)]
-                for name, policy, word, l2, held, lend in order:
-                    with kernel_variant(engine, word, l2), workspace_lending(engine, lend):
+                for name, policy, word, l2, held, lend, every in order:
+                    with (kernel_variant(engine, word, l2), workspace_lending(engine, lend),
+                          every_miss(engine, every)):  # fmt: skip
                         row = measure_policy(engine, bank, policy, batch, args.decode, rng,
                                              b_p, b_h, args.adaptive_path, args.shared_gate,
                                              args.context, held)  # fmt: skip

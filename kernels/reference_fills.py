@@ -29,7 +29,11 @@ H200 (48 layers / 32 GB, Zipf 1.0 / locality 0.7, the share held on adaptive's s
 at shares below 0.75, where the bound changes nothing): b=4 227.9 tok/s against 179.1
 filling every miss, b=1 124.4 against 130.7; the old rule (q*'s share of every layer's
 misses, in order) ran b=1 at 77.8 against 111.3 (bench/results/NOTES.md, twenty-third and
-thirty-sixth sessions). Its pairs get row -1 (the MoE kernels skip them);
+thirty-sixth sessions). The bound is for the cache's sake, so it goes where fills do not
+pay (state[CPU_ALL_MISSES] = 1: adaptive's fill race out of `all`, near-uniform routing): there
+a fill is evicted before its expert comes back, and the one fill the bound keeps sets the
+layer's pace where the link's copy is slower than the CPU (engine/experts/device_path.py
+`_set_share`). Its pairs get row -1 (the MoE kernels skip them);
 the plan posts them to the CPU worker's mailbox (kernels/cpu/worker.py: the hidden rows, the
 pairs' pool rows and weights, then POST = the next SEQ), and the MoE sum over k waits for the
 answer (`wait_cpu`, after the copies and the MoE kernels: CpuAnswer) and adds it. They take no
@@ -78,7 +82,10 @@ CPU_SHARE, SEQ, LAYER_CPU, CPU_EXPERTS = range(8, 12)
 # The split expert: the cut column c (0: off; outlives a hand-back as CPU_SHARE does), then the
 # counters of split fills and of hits on slots still in flight (each posted to the CPU).
 SPLIT_COLS, SPLITS, PARTIAL_HITS = range(12, 15)
-STATE = 15
+# 1: the CPU's share may take every miss of a layer (no fill kept: fills do not pay); 0: at
+# most all but one. Written with CPU_SHARE, and outlives a hand-back as it does.
+CPU_ALL_MISSES = 15
+STATE = 16
 SHARE_ONE = 1 << 16  # CPU_SHARE's fixed point: SHARE_ONE sends every miss to the CPU
 
 
@@ -103,12 +110,14 @@ def cpu_count(n: int, share: int) -> int:
     return (n * share + SHARE_ONE // 2) >> 16
 
 
-def cpu_misses(misses: list[int], share: int, uses: Tensor | None) -> list[int]:
+def cpu_misses(misses: list[int], share: int, uses: Tensor | None,
+               all_misses: bool = False) -> list[int]:  # fmt: skip
     """The misses (lids, in order of first appearance) the CPU takes at `share`: cpu_count of
-    them but at most all but one, the least used by `uses` (ties: the earlier), or without
-    `uses` spread evenly by order, the first of those (module docstring)."""
+    them but at most all but one (`all_misses`: all of them may go), the least used by `uses`
+    (ties: the earlier), or without `uses` spread evenly by order, the first of those (module
+    docstring)."""
     m = len(misses)
-    n = min(cpu_count(m, share), m - 1)
+    n = min(cpu_count(m, share), m if all_misses else m - 1)
     if n <= 0:
         return []
     if uses is None:
@@ -189,7 +198,7 @@ def plan_fills(
             else:
                 partial.append(lid)
     share = int(state[CPU_SHARE]) if post is not None and not cut else 0
-    on_cpu = cpu_misses(misses, share, uses)
+    on_cpu = cpu_misses(misses, share, uses, bool(state[CPU_ALL_MISSES]))
     # Slots whose copies behind are still on their way are never victims (they would land on
     # the new expert's rows).
     busy = split.in_flight(lid_of) if cut else None

@@ -84,6 +84,10 @@ class AdaptiveFetches:
         # q*'s tuned by ShareTrials: benches map step time against the share with it
         # (`bench offload --hold-share`). None: q*'s and the trials'.
         self.held_share: float | None = None
+        # Whether the share may take every miss of a layer where fills do not pay
+        # (engine/experts/device_path.py `_set_share`); off, a layer that misses always keeps
+        # a fill (`bench offload --every-miss-ab` measures both in one engine).
+        self.cpu_all_misses = True
         self._cuts: dict[int, CutTrials] = {}  # per decode batch size: the split path's cut
         self.cut_params: dict = {}  # CutTrials' schedule (its defaults otherwise)
         self._measuring: dict[int, bool] = {}  # per batch size: the last step's paths measured
@@ -181,15 +185,14 @@ class AdaptiveFetches:
         where misses are rare (native routing, ~0.4 fills a token) the gain stayed at its
         unjudged 0 and the cache stopped learning: 578 tok/s against gpu-fill's 824 (twenty-
         first session, peer slice b=1, 4.75 experts a token on the CPU). Whether fills pay no
-        longer matters: the share never takes all of a layer's misses (a lone miss fills)
-        and takes the least used (kernels/reference_fills.py `cpu_misses`), so under
-        locality the cache keeps learning while the CPU shortens the layers that miss
-        several. Until the
-        thirty-sixth session the share took q*'s of every layer's misses in order, and
-        `shared` waited while fills paid (48 layers / 32 GB, Zipf 1.0 / loc 0.7, b=1: 77.8
-        tok/s against gpu-fill's 111.3); with the rule, held on `shared`: b=1 124.4 against
-        130.7, **b=4 227.9 against 179.1** (bench/results/NOTES.md), so the path trials
-        choose."""
+        longer matters: while fills pay the share never takes all of a layer's misses (a
+        lone miss fills) and takes the least used (kernels/reference_fills.py
+        `cpu_misses`), so under locality the cache keeps learning while the CPU shortens the
+        layers that miss several. Until the thirty-sixth session the share took q*'s of
+        every layer's misses in order, and `shared` waited while fills paid (48 layers /
+        32 GB, Zipf 1.0 / loc 0.7, b=1: 77.8 tok/s against gpu-fill's 111.3); with the rule,
+        held on `shared`: b=1 124.4 against 130.7, **b=4 227.9 against 179.1**
+        (bench/results/NOTES.md), so the path trials choose."""
         if path != "shared" or not self.shared_gate:
             return True
         return self.fills_judged()

@@ -5,10 +5,11 @@ while the host's memory can feed the CPU's SIMD kernel about as fast again (DESI
 52 GB/s over the link and 66 GB/s by the CPU at the same time on the H200 host). The stops
 path uses both, but stops the step at every layer that misses for a host decision (~120 us).
 Here the decision stays on the device: each layer's plan sends the CPU share of its misses
-(CPU_SHARE; never all of them, and the least used: kernels/reference_fills.py `cpu_misses`)
-to a worker thread through a pinned mailbox (kernels/cpu/worker.py) and copies the rest; the
-MoE sum over k then waits for the worker's answer and adds it (kernels/triton/cpu_answer.py),
-after the copies and the MoE kernels of the slots' experts. No step stops for Python.
+(CPU_SHARE; never all of them while fills pay, and the least used:
+kernels/reference_fills.py `cpu_misses`) to a worker thread through a pinned mailbox
+(kernels/cpu/worker.py) and copies the rest; the MoE sum over k then waits for the worker's
+answer and adds it (kernels/triton/cpu_answer.py), after the copies and the MoE kernels of the
+slots' experts. No step stops for Python.
 
 The share balances the two branches as q* does (policy.py): the CPU takes
 B_H / (B_P + B_H) of a layer's misses, from the bank's bandwidth estimates, which the worker's

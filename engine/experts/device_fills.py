@@ -57,6 +57,7 @@ class DeviceFills:
         self._clock_at_own = 0
         self._folded = [0] * layout.STATE  # counters already added to the host's
         self.share = 0  # CPU_SHARE the plans read (cpu_share.py; 0: every miss filled)
+        self.all_misses = False  # CPU_ALL_MISSES: the share may take a layer's every miss
         self.cut = 0  # SPLIT_COLS the split plans read (split_expert.py sets it before them)
         # The split expert's tables (`enable_split`): each slot's columns, the copies landed.
         self.split: layout.SplitTables | None = None
@@ -80,6 +81,7 @@ class DeviceFills:
         state = [0] * layout.STATE
         state[layout.CLOCK] = self._clock_at_own = len(c._lru)
         state[layout.CPU_SHARE], state[layout.SEQ] = self.share, self._seq
+        state[layout.CPU_ALL_MISSES] = int(self.all_misses)
         state[layout.SPLIT_COLS] = self.cut
         if self.split is not None:  # the last release drained: every slot whole, none in flight
             self.split.cols.fill_(self.split.width)
@@ -92,13 +94,17 @@ class DeviceFills:
         self.owned = True
         c.clock.mirror_step = c.clock.step  # the mirror is the truth up to here
 
-    def set_share(self, value: int) -> None:
-        """CPU_SHARE for the next plans (in stream order while owned; `own` writes it)."""
-        if value == self.share:
-            return
-        self.share = value
-        if self.owned:
-            self.state[layout.CPU_SHARE : layout.CPU_SHARE + 1].fill_(value)
+    def set_share(self, value: int, all_misses: bool = False) -> None:
+        """CPU_SHARE and CPU_ALL_MISSES for the next plans (in stream order while owned; `own`
+        writes them)."""
+        if value != self.share:
+            self.share = value
+            if self.owned:
+                self.state[layout.CPU_SHARE : layout.CPU_SHARE + 1].fill_(value)
+        if all_misses != self.all_misses:
+            self.all_misses = all_misses
+            if self.owned:
+                self.state[layout.CPU_ALL_MISSES : layout.CPU_ALL_MISSES + 1].fill_(int(all_misses))
 
     def enable_split(self, width: int) -> layout.SplitTables:
         """The split expert's tables for experts of width I (once; kept afterwards)."""

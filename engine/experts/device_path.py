@@ -183,7 +183,15 @@ class DevicePath:
                                       bank.adaptive.held_share)  # fmt: skip
         else:
             value = 0
-        bank.cache.on_device.set_share(value)
+        # Where fills do not pay, a layer's share may take all its misses: the fill the bound
+        # keeps (for the cache's learning, reference_fills.py) is evicted before its expert
+        # comes back, and where the copy kernel reads the host more slowly than the CPU does
+        # (34 GB/s against 150 on the sixty-first session's H100 host: the peer slice's
+        # uniform b=1 kept the share at 0.85, one fill a layer) it sets the layer's pace.
+        # (Before the race judges, its gain reads 0, out of `all`: the path trials offer
+        # `shared` only once it has, `_path_allowed`, unless a bench holds the path.)
+        all_misses = value > 0 and bank.adaptive.cpu_all_misses and not bank.adaptive.fills_pay()
+        bank.cache.on_device.set_share(value, all_misses)
         if self.split is not None:
             if path == "split" and share.broken is None:
                 span = self.split.offset_span(bank.bandwidths)

@@ -39,6 +39,7 @@ import triton.language as tl
 from freetoken_agent.kernels.cpu.worker import COL_HI, COL_LO, POST, TOKENS
 from freetoken_agent.kernels.reference_fills import (
     CLOCK,
+    CPU_ALL_MISSES,
     CPU_EXPERTS,
     CPU_SHARE,
     EXPERTS,
@@ -73,6 +74,7 @@ _HITS, _FILLS = tl.constexpr(HITS), tl.constexpr(FILLS)
 _HOST_READS, _EXPERTS = tl.constexpr(HOST_READS), tl.constexpr(EXPERTS)
 _PAIRS, _LIVE_PAIRS = tl.constexpr(PAIRS), tl.constexpr(LIVE_PAIRS)
 _CPU_SHARE, _SEQ = tl.constexpr(CPU_SHARE), tl.constexpr(SEQ)
+_CPU_ALL_MISSES = tl.constexpr(CPU_ALL_MISSES)
 _LAYER_CPU, _CPU_EXPERTS = tl.constexpr(LAYER_CPU), tl.constexpr(CPU_EXPERTS)
 _HALF = tl.constexpr(SHARE_ONE // 2)
 _POST, _TOKENS = tl.constexpr(POST), tl.constexpr(TOKENS)
@@ -131,10 +133,13 @@ def _plan_kernel(
     rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1  # [BLOCK_P] a miss's order
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
     share = clock * 0
+    kept = n_miss * 0 + 1  # fills the layer keeps from the CPU's share
     if SHARE and not SPLIT:  # a split plan posts columns, never whole experts
         share = tl.load(state + _CPU_SHARE)
-    # At most all misses but one: the layer keeps a fill (reference_fills.py `cpu_misses`).
-    n_cpu = tl.minimum(((n_miss * share + _HALF) >> 16).to(tl.int32), n_miss - 1)
+        kept = tl.where(tl.load(state + _CPU_ALL_MISSES) != 0, 0, 1)
+    # At most all misses but one, the layer keeping a fill, unless CPU_ALL_MISSES lifts the
+    # bound (reference_fills.py `cpu_misses`).
+    n_cpu = tl.minimum(((n_miss * share + _HALF) >> 16).to(tl.int32), n_miss - kept)
     n_cpu = tl.maximum(n_cpu, 0)
     if COUNT and SHARE and not SPLIT:  # the n_cpu least used misses (ties: the earlier)
         key = used.to(tl.int64) * BLOCK_P + offs  # [BLOCK_P] distinct among the misses

@@ -35,6 +35,7 @@ def _cache(rng: random.Random, n_lids: int, n_slots: int):
     state = torch.zeros(ref.STATE, dtype=torch.int64)
     state[ref.CLOCK] = 6
     state[ref.CPU_SHARE] = rng.choice([0, ref.SHARE_ONE // 3, ref.SHARE_ONE // 2, ref.SHARE_ONE])
+    state[ref.CPU_ALL_MISSES] = rng.randrange(2)  # fills pay (0) or not (1)
     return slot_of, lid_of, stamp, state
 
 
@@ -91,12 +92,14 @@ def _uses(rng: random.Random, n_lids: int) -> torch.Tensor | None:
     return torch.tensor([rng.randrange(3) for _ in range(n_lids)], dtype=torch.int32)
 
 
-def _expected_cpu(misses: list[int], share: int, uses: torch.Tensor | None) -> set[int]:
+def _expected_cpu(misses: list[int], share: int, uses: torch.Tensor | None,
+                  all_misses: bool) -> set[int]:  # fmt: skip
     """The rule, written apart from the twin: round(m * share) of the misses but never all of
-    them, the least used (ties: the earlier; uses after this plan's count), or without counts
-    the first of those miss r with round((r + 1) * share) > round(r * share)."""
+    them unless `all_misses`, the least used (ties: the earlier; uses after this plan's
+    count), or without counts the first of those miss r with round((r + 1) * share) >
+    round(r * share)."""
     m = len(misses)
-    n = max(0, min(int(m * share / ref.SHARE_ONE + 0.5), m - 1))
+    n = max(0, min(int(m * share / ref.SHARE_ONE + 0.5), m if all_misses else m - 1))
     if uses is None:
         spread = [lid for r, lid in enumerate(misses)
                   if cpu_count(r + 1, share) > cpu_count(r, share)]  # fmt: skip
@@ -108,7 +111,7 @@ def _expected_cpu(misses: list[int], share: int, uses: torch.Tensor | None) -> s
 def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
     rng = random.Random(rng_seed)
     torch.manual_seed(rng_seed)
-    coldest = capped = 0
+    coldest = capped = lifted = 0
     for i in range(60):
         n_experts = rng.randrange(4, 9)
         slot_of, lid_of, stamp, state = _cache(rng, 2 * n_experts, rng.randrange(1, 10))
@@ -123,16 +126,18 @@ def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
             int(state[ref.SEQ]),
             slot_of.clone(),
         )
+        all_misses = bool(state[ref.CPU_ALL_MISSES])
         uses = _uses(rng, 2 * n_experts)
         box = _box()
         moves = torch.zeros(16, 2, dtype=torch.int64)
         rows = plan_fills(ids, base, slot_of, lid_of, stamp, state, moves, ids.numel(),
                           CpuPost(box, hidden, weights), uses=uses)  # fmt: skip
-        on_cpu = _expected_cpu(misses, share, uses)
+        on_cpu = _expected_cpu(misses, share, uses, all_misses)
         coldest += uses is not None and 0 < len(on_cpu) < len(misses)
-        capped += share == ref.SHARE_ONE and len(misses) > 1
+        capped += share == ref.SHARE_ONE and len(misses) > 1 and not all_misses
+        lifted += share == ref.SHARE_ONE and len(misses) > 0 and all_misses
         want = round(len(misses) * share / ref.SHARE_ONE + 1e-9)
-        assert len(on_cpu) == min(want, max(len(misses) - 1, 0))
+        assert len(on_cpu) == min(want, len(misses) if all_misses else max(len(misses) - 1, 0))
         assert int(state[ref.LAYER_CPU]) == len(on_cpu) == int(state[ref.CPU_EXPERTS])
         for p, lid in enumerate(lids):
             if lid in on_cpu:  # skipped by the MoE kernels, posted to the CPU, given no slot
@@ -154,7 +159,8 @@ def test_twin_gives_the_cpu_its_share_of_the_misses(rng_seed):
         reads = int(state[ref.HOST_READS])
         assert fills + reads + len(on_cpu) == len(misses)
         assert all(int(resident_before[lid]) < 0 for lid in on_cpu)
-    assert coldest and capped  # a choice by counts, a share of 1 with misses to spare
+    # a choice by counts; a share of 1 with misses to spare, bounded and not
+    assert coldest and capped and lifted
 
 
 @pytest.mark.parametrize("force_triton", [False, True])
@@ -175,6 +181,7 @@ def test_a_lone_miss_fills_whatever_the_share(rng_seed, force_triton):
         for slot, lid in enumerate(resident):
             slot_of[lid], lid_of[slot], stamp[slot] = slot, lid, 3
         state[ref.CPU_SHARE] = ref.SHARE_ONE
+        state[ref.CPU_ALL_MISSES] = 0  # fills pay: the bound holds
         uses = torch.zeros(n_experts, dtype=torch.int32)
         if n_miss == 2:
             uses[lids[0]] = rng.randrange(2, 9)  # the first miss is the more used
@@ -190,6 +197,37 @@ def test_a_lone_miss_fills_whatever_the_share(rng_seed, force_triton):
         else:  # the less used one to the CPU
             assert int(state[ref.CPU_EXPERTS]) == 1 and int(rows[1]) == -1
             assert int(box.rows[1]) == lids[1] and int(slot_of[lids[1]]) < 0
+
+
+@pytest.mark.parametrize("force_triton", [False, True])
+def test_where_fills_do_not_pay_the_cpu_may_take_every_miss(rng_seed, force_triton):
+    """With CPU_ALL_MISSES at a share of 1, every miss of the layer goes to the CPU, a lone
+    one too: nothing is filled, no slot changes, and every missed pair is posted."""
+    rng = random.Random(rng_seed)
+    torch.manual_seed(rng_seed)
+    n_experts, n_slots = 8, 12
+    ids = torch.randperm(n_experts)[:4].view(1, 4).to(torch.int32)
+    lids = ids.reshape(-1).long().tolist()
+    for n_miss in (1, rng.randrange(2, 5)):
+        slot_of, lid_of, stamp, state = _cache(rng, n_experts, n_slots)
+        slot_of.fill_(-1)
+        lid_of.fill_(-1)
+        stamp.fill_(-1)  # every slot free: the bound alone would fill one
+        for slot, lid in enumerate(lids[n_miss:]):
+            slot_of[lid], lid_of[slot], stamp[slot] = slot, lid, 3
+        state[ref.CPU_SHARE], state[ref.CPU_ALL_MISSES] = ref.SHARE_ONE, 1
+        tables = (slot_of.clone(), lid_of.clone())
+        box = _box(dtype=_dtype(force_triton))
+        moves = torch.zeros(16, 2, dtype=torch.int64)
+        hidden = torch.randn(1, H).to(_dtype(force_triton))
+        rows = plan_fills(ids, 0, slot_of, lid_of, stamp, state, moves, 4,
+                          CpuPost(box, hidden, torch.rand(1, 4)), uses=_uses(rng, n_experts),
+                          force_triton=force_triton)  # fmt: skip
+        assert int(state[ref.CPU_EXPERTS]) == n_miss and int(state[ref.FILLS]) == 0
+        assert torch.equal(slot_of, tables[0]) and torch.equal(lid_of, tables[1])
+        assert rows[:n_miss].tolist() == [-1] * n_miss and (rows[n_miss:] >= 0).all()
+        assert box.rows[:n_miss].tolist() == lids[:n_miss]
+        assert int(box.ctrl[worker.POST]) == int(state[ref.SEQ]) > 0
 
 
 @pytest.mark.parametrize("chunk", [None, 2])

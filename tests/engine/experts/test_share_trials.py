@@ -11,6 +11,8 @@ from offset_climb import climb
 from tiny_models import make_tiny
 
 from freetoken_agent import Engine, SamplingParams
+from freetoken_agent.bench.every_miss_switch import every_miss, every_miss_rows
+from freetoken_agent.engine.experts import device_path
 from freetoken_agent.engine.experts.share_trials import (
     BLOCK,
     MAX_BIAS,
@@ -19,7 +21,9 @@ from freetoken_agent.engine.experts.share_trials import (
     STEP,
     ShareTrials,
 )
+from freetoken_agent.kernels import reference_fills as ref
 from freetoken_agent.kernels.cpu import worker
+from freetoken_agent.kernels.expert_fills import plan_fills
 
 
 def test_the_share_climbs_to_the_fastest_and_holds_there(rng_seed):
@@ -78,8 +82,64 @@ def test_shares_moved_by_the_trials_keep_the_resident_tokens(tmp_path, rng_seed)
     bank.cpu_share.observe = lambda bandwidths: None  # keep q*'s share at one half
     fills, shares = bank.cache.on_device, set()
     set_share = fills.set_share
-    fills.set_share = lambda value: (shares.add(value), set_share(value))
+    fills.set_share = lambda value, *rest: (shares.add(value), set_share(value, *rest))
     got = [[o for o in out.token_ids] for out in (engine.generate(p, sp) for p in prompts)]
     assert got == want
     assert len(shares - {0}) >= 2, shares  # q*'s share and at least one offset from it
     engine.close()
+
+
+@pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
+def test_the_cpu_takes_every_miss_only_where_fills_do_not_pay(tmp_path, rng_seed, monkeypatch):
+    """The shared path at a held share of 1: while the fill race says fills pay, each layer
+    that misses keeps a fill (the cache keeps learning); where they do not, the CPU takes every
+    miss and no plan fills, unless bench offload's switch (--every-miss-ab) holds the bound.
+    The tokens are the resident engine's every way."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(3, 30))] for _ in range(2)]
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    opts = dict(device="cpu", progress=False, dtype="float32", overlap_schedule=False)
+    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
+        prompts, sp)]  # fmt: skip
+    plans: list[tuple[int, int, int]] = []  # (misses, fills, CPU experts) of each device plan
+
+    def spy(*args, **kw):
+        state = args[5]
+        before = [int(state[i]) for i in (ref.FILLS, ref.HOST_READS, ref.CPU_EXPERTS)]
+        rows = plan_fills(*args, **kw)
+        fills, reads, cpu = (int(state[i]) - b for i, b in zip(
+            (ref.FILLS, ref.HOST_READS, ref.CPU_EXPERTS), before, strict=True))  # fmt: skip
+        plans.append((fills + reads + cpu, fills, cpu))
+        return rows
+
+    monkeypatch.setattr(device_path, "plan_fills", spy)
+    for pay, switch in ((True, None), (False, None), (False, False)):
+        engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(4, 12), **opts)
+        adaptive = engine.loaded.bank.adaptive
+        adaptive.path_params = {"fixed": "shared"}
+        adaptive.shared_gate = False
+        adaptive.held_share = 1.0
+        adaptive.fills_pay = lambda pay=pay: pay
+        plans.clear()
+        with every_miss(engine, switch):
+            got = [out.token_ids for out in (engine.generate(p, sp) for p in prompts)]
+        assert adaptive.cpu_all_misses  # as loaded after the switch
+        engine.close()
+        assert got == want
+        missed = [p for p in plans if p[0] > 0]
+        assert len(missed) >= 4, plans  # layers that missed on the device path
+        if pay or switch is False:  # a fill in every layer that missed, the rest to the CPU
+            assert all(fills >= 1 and cpu == misses - fills for misses, fills, cpu in missed)
+        else:
+            assert all(fills == 0 and cpu == misses for misses, fills, cpu in missed)
+
+
+def test_the_every_miss_rows_pair_each_adaptive_row():
+    rows = [("a", "adaptive", None, None, 0.5, True), ("t", "transfer", "on", True, None, None)]
+    assert every_miss_rows(rows, False) == [(*r, None) for r in rows]
+    assert every_miss_rows(rows, True) == [
+        ("a+every", "adaptive", None, None, 0.5, True, True),
+        ("a+kept", "adaptive", None, None, 0.5, True, False),
+        ("t", "transfer", "on", True, None, None, None),
+    ]
