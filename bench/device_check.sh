@@ -766,8 +766,8 @@ PY
       timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/kernels/test_expert_fills_cpu_share.py 2>&1 | tee "$OUT/s62_every_tests.log" | tail -3
       timeout 420 python3 -m freetoken_agent.bench offload --layers 12 --skip-prefill \
-        --batches 1 4 --rounds 2 --decode 256 --regimes uniform --policies adaptive \
-        --every-miss-ab --out "$OUT" 2>&1 | tee "$OUT/s62_every.log" | grep "|b" | cut -c1-220 ;;
+        --batches ${EVERY_BATCHES:-1 4} --rounds 2 --decode 256 --regimes uniform \
+        --policies adaptive --every-miss-ab --out "$OUT" 2>&1 | tee "$OUT/s62_every.log" | grep "|b" | cut -c1-220 ;;
     s62-native-48)  # 48 layers / 32 GB, native b=1 (the H200's unmet row): adaptive and
       # gpu-fill, 2 rounds of 256 (~4 min)
       timeout 560 python3 -m freetoken_agent.bench offload --skip-prefill --batches 1 \
