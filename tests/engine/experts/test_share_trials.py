@@ -62,17 +62,24 @@ def test_the_share_stays_within_max_bias(rng_seed):
     assert all(abs(b) <= MAX_BIAS + 1e-9 for b in biases)
 
 
+def _tiny_and_resident(tmp_path, rng_seed, max_tokens: int):
+    """A tiny qwen3_moe (16 experts, top-4), two random prompts, greedy params, the CPU load
+    options, and the resident engine's tokens for the prompts."""
+    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
+    rng = random.Random(rng_seed)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(3, 30))] for _ in range(2)]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    opts = dict(device="cpu", progress=False, dtype="float32", overlap_schedule=False)
+    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
+        prompts, sp)]  # fmt: skip
+    return rng, prompts, sp, opts, want
+
+
 @pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
 def test_shares_moved_by_the_trials_keep_the_resident_tokens(tmp_path, rng_seed):
     """The shared path with the trials measuring every few steps: the plans ran several
     shares, and the tokens are the resident engine's."""
-    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
-    rng = random.Random(rng_seed)
-    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(3, 30))] for _ in range(2)]
-    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    opts = dict(device="cpu", progress=False, dtype="float32", overlap_schedule=False)
-    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
-        prompts, sp)]  # fmt: skip
+    rng, prompts, sp, opts, want = _tiny_and_resident(tmp_path, rng_seed, 24)
     engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(2, 20), **opts)
     bank = engine.loaded.bank
     bank.adaptive.path_params = {"fixed": "shared"}
@@ -95,13 +102,7 @@ def test_the_cpu_takes_every_miss_only_where_fills_do_not_pay(tmp_path, rng_seed
     that misses keeps a fill (the cache keeps learning); where they do not, the CPU takes every
     miss and no plan fills, unless bench offload's switch (--every-miss-ab) holds the bound.
     The tokens are the resident engine's every way."""
-    make_tiny("qwen3_moe", tmp_path, rng_seed, num_experts=16, num_experts_per_tok=4)
-    rng = random.Random(rng_seed)
-    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(3, 30))] for _ in range(2)]
-    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    opts = dict(device="cpu", progress=False, dtype="float32", overlap_schedule=False)
-    want = [o.token_ids for o in Engine.load(tmp_path, policy="resident", **opts).generate(
-        prompts, sp)]  # fmt: skip
+    rng, prompts, sp, opts, want = _tiny_and_resident(tmp_path, rng_seed, 16)
     plans: list[tuple[int, int, int]] = []  # (misses, fills, CPU experts) of each device plan
 
     def spy(*args, **kw):
