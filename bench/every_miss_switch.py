@@ -14,15 +14,16 @@ from contextlib import contextmanager
 def every_miss(engine, on: bool | None) -> Iterator[None]:
     """Inside: adaptive's shared path may give the CPU every miss of a layer where fills do
     not pay (`on`), or keeps a fill in each layer that misses; None: as loaded. As loaded
-    after."""
-    adaptive = engine.loaded.bank.adaptive
-    loaded = adaptive.cpu_all_misses
+    after. The bank's policy object is read again at the end: a measurement replaces it
+    (`reset_decisions`, which keeps the setting)."""
+    bank = engine.loaded.bank
+    loaded = bank.adaptive.cpu_all_misses
     if on is not None:
-        adaptive.cpu_all_misses = on
+        bank.adaptive.cpu_all_misses = on
     try:
         yield
     finally:
-        adaptive.cpu_all_misses = loaded
+        bank.adaptive.cpu_all_misses = loaded
 
 
 def every_miss_rows(rows: list[tuple], ab: bool) -> list[tuple]:

@@ -313,7 +313,9 @@ class OffloadedExpertBank(GraphDecode):
         between measurements from an empty cache)."""
         # (no device path, no path trials: a pool that could not be pinned takes the stops)
         tokens = self.device_tokens if self.device_path_ok else 0
+        every = self.adaptive.cpu_all_misses  # a setting, not something learnt: kept
         self.adaptive = AdaptiveFetches(self.cache, self.spec.n_moe_layers, tokens)
+        self.adaptive.cpu_all_misses = every
         self.device_path.offer_paths(self.adaptive)
         self.cache.kept_layers = frozenset()
         if self.popular is not None:

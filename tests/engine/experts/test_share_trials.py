@@ -144,3 +144,42 @@ def test_the_every_miss_rows_pair_each_adaptive_row():
         ("a+kept", "adaptive", None, None, 0.5, True, False),
         ("t", "transfer", "on", True, None, None, None),
     ]
+
+
+@pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
+def test_the_every_miss_switch_holds_through_a_bench_measurement(tmp_path, rng_seed,
+                                                                 monkeypatch):  # fmt: skip
+    """bench offload --every-miss-ab's kept rows: the measurement replaces adaptive's policy
+    object (`reset_decisions`) and the switch still holds the bound there (each layer that
+    misses fills one), then the engine is as loaded. (The sixty-second session's first device
+    A/B ran both rows lifted: the switch was set on the object the reset dropped.)"""
+    from freetoken_agent.bench import offload_decode
+
+    rng, _, _, opts, _ = _tiny_and_resident(tmp_path, rng_seed, 4)
+    plans: list[tuple[int, int]] = []  # (misses, fills) of each device plan
+
+    def spy(*args, **kw):
+        state = args[5]
+        before = [int(state[i]) for i in (ref.FILLS, ref.HOST_READS, ref.CPU_EXPERTS)]
+        rows = plan_fills(*args, **kw)
+        fills, reads, cpu = (int(state[i]) - b for i, b in zip(
+            (ref.FILLS, ref.HOST_READS, ref.CPU_EXPERTS), before, strict=True))  # fmt: skip
+        plans.append((fills + reads + cpu, fills))
+        return rows
+
+    monkeypatch.setattr(device_path, "plan_fills", spy)
+    monkeypatch.setattr(offload_decode, "WARM_UP", 2)
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(4, 12), **opts)
+    bank = engine.loaded.bank
+    for on in (False, True):
+        plans.clear()
+        with every_miss(engine, on):
+            offload_decode.measure_policy(engine, bank, "adaptive", 1, 6, rng, 1e9, 1e9,
+                                          path="shared", shared_gate=False, context=8,
+                                          held_share=1.0)  # fmt: skip
+            assert bank.adaptive.cpu_all_misses is on
+        assert bank.adaptive.cpu_all_misses  # as loaded
+        missed = [p for p in plans if p[0] > 0]
+        assert len(missed) >= 4, plans
+        assert all((fills == 0) if on else (fills >= 1) for _, fills in missed), (on, missed)
+    engine.close()
