@@ -17,23 +17,23 @@ miss, in order of first appearance, takes the slot of smallest stamp below the n
 by this layer or pinned) is read from the host bank by the MoE kernels (`host_ids`).
 
 The CPU's share (`post` given, state[CPU_SHARE] > 0): of a layer's m misses the CPU takes
-round(m * share), share in 1/SHARE_ONE, but at most m - 1: at least one fills (a lone miss
-always does). Which ones: with `uses` (the popularity counts), the least used (ties: the
-earlier); without, miss r (in order) when round((r + 1) * share) > round(r * share), spread
-evenly, the first m - 1 of those at most. A miss the CPU computes is not cached, so the layer
-keeps a fill and the CPU takes the coldest: under skewed routing the cache keeps learning its
-popular experts while the CPU shortens the layers that miss several. Without the bound, a
-replay at shares of 0.8-0.9 (the share trials can reach them) sent both misses of two-miss
-layers to the CPU and ran 32-44% slower at b=1 (`bench share-rule`, 48 layers, Zipf). On the
-H200 (48 layers / 32 GB, Zipf 1.0 / locality 0.7, the share held on adaptive's shared path,
-at shares below 0.75, where the bound changes nothing): b=4 227.9 tok/s against 179.1
-filling every miss, b=1 124.4 against 130.7; the old rule (q*'s share of every layer's
-misses, in order) ran b=1 at 77.8 against 111.3 (bench/results/NOTES.md, twenty-third and
-thirty-sixth sessions). The bound is for the cache's sake, so it goes where fills do not
-pay (state[CPU_ALL_MISSES] = 1: adaptive's fill race out of `all`, near-uniform routing): there
-a fill is evicted before its expert comes back, and the one fill the bound keeps sets the
-layer's pace where the link's copy is slower than the CPU (engine/experts/device_path.py
-`_set_share`). Its pairs get row -1 (the MoE kernels skip them);
+round(m * share), share in 1/SHARE_ONE, but at most m - 1 unless state[CPU_ALL_MISSES] (below):
+at least one fills (a lone miss always does). Which ones: with `uses` (the popularity counts),
+the least used (ties: the earlier); without, miss r (in order) when round((r + 1) * share) >
+round(r * share), spread evenly, the first m - 1 of those at most. A miss the CPU computes is
+not cached, so the layer keeps a fill and the CPU takes the coldest: under skewed routing the
+cache keeps learning its popular experts while the CPU shortens the layers that miss several.
+Without the bound, a replay at shares of 0.8-0.9 (the share trials can reach them) sent both
+misses of two-miss layers to the CPU and ran 32-44% slower at b=1 (`bench share-rule`, 48
+layers, Zipf). On the H200 (48 layers / 32 GB, Zipf 1.0 / locality 0.7, the share held on
+adaptive's shared path, at shares below 0.75, where the bound changes nothing): b=4 227.9 tok/s
+against 179.1 filling every miss, b=1 124.4 against 130.7; the old rule (q*'s share of every
+layer's misses, in order) ran b=1 at 77.8 against 111.3 (bench/results/NOTES.md, twenty-third
+and thirty-sixth sessions). The bound is for the cache's sake, so it goes where fills do not
+pay (state[CPU_ALL_MISSES] = 1: adaptive's fill race judged and out of `all`, near-uniform
+routing, and no slot free): there a fill is evicted before its expert comes back, and the one
+fill the bound keeps sets the layer's pace where the link's copy is slower than the CPU
+(engine/experts/device_path.py `_set_share`). Its pairs get row -1 (the MoE kernels skip them);
 the plan posts them to the CPU worker's mailbox (kernels/cpu/worker.py: the hidden rows, the
 pairs' pool rows and weights, then POST = the next SEQ), and the MoE sum over k waits for the
 answer (`wait_cpu`, after the copies and the MoE kernels: CpuAnswer) and adds it. They take no
@@ -197,7 +197,7 @@ def plan_fills(
                 split.cols[slot] = split.width  # its copies behind landed: whole
             else:
                 partial.append(lid)
-    share = int(state[CPU_SHARE]) if post is not None and not cut else 0
+    share = int(state[CPU_SHARE]) if post is not None and split is None else 0
     on_cpu = cpu_misses(misses, share, uses, bool(state[CPU_ALL_MISSES]))
     # Slots whose copies behind are still on their way are never victims (they would land on
     # the new expert's rows).

@@ -27,12 +27,12 @@ Free slots cost no victim: misses always fill those (in `layers` mode, those of 
 All of the above is the `stops` path of a decode step: the host decides at each layer that
 misses. The `device` path (policy gpu-fill's: every miss filled by the layer itself, no host
 stop, no CPU branch), the `shared` path (the same, with the CPU worker taking q*'s share of
-each layer's misses, never all of them and the least used: cpu_share.py) and the `split`
-path (every fill cut between the link and the CPU worker: split_expert.py) are the others;
-PathTrials (step_paths.py) keeps whichever measured the shorter steps, per decode batch
-size. While one of the last two is kept, its own trials tune it by step time: the CPU's
-share (ShareTrials, share_trials.py) and the cut (CutTrials, cut_trials.py); while the paths
-are measured they hold their kept values.
+each layer's misses, the least used, and never all of them while fills pay: cpu_share.py) and
+the `split` path (every fill cut between the link and the CPU worker: split_expert.py) are the
+others; PathTrials (step_paths.py) keeps whichever measured the shorter steps, per decode batch
+size. While one of the last two is kept, its own trials tune it by step time: the CPU's share
+(ShareTrials, share_trials.py) and the cut (CutTrials, cut_trials.py); while the paths are
+measured they hold their kept values.
 """
 
 from __future__ import annotations

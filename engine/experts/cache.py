@@ -111,6 +111,12 @@ class ExpertCache:
         return len(self._free)
 
     @property
+    def free_slots_seen(self) -> int:
+        """Free slots as the host mirror last saw them, with no sync: while the device owns
+        the cache its plans only fill slots, never free one, so the count is an upper bound."""
+        return len(self._free)
+
+    @property
     def nbytes(self) -> int:
         return self.n_slots * self.pool.expert_bytes
 

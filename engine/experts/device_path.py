@@ -188,9 +188,12 @@ class DevicePath:
         # comes back, and where the copy kernel reads the host more slowly than the CPU does
         # (34 GB/s against 150 on the sixty-first session's H100 host: the peer slice's
         # uniform b=1 kept the share at 0.85, one fill a layer) it sets the layer's pace.
-        # (Before the race judges, its gain reads 0, out of `all`: the path trials offer
-        # `shared` only once it has, `_path_allowed`, unless a bench holds the path.)
-        all_misses = value > 0 and bank.adaptive.cpu_all_misses and not bank.adaptive.fills_pay()
+        # Only once the race has judged (before, its gain reads 0, as if fills did not pay: a
+        # held path never judges) and while the cache has no free slot (a fill into one evicts
+        # nothing; the mirror's count is an upper bound while the device owns the cache).
+        adaptive = bank.adaptive
+        all_misses = (value > 0 and adaptive.cpu_all_misses and adaptive.fills_judged()
+                      and not adaptive.fills_pay() and bank.cache.free_slots_seen == 0)  # fmt: skip
         bank.cache.on_device.set_share(value, all_misses)
         if self.split is not None:
             if path == "split" and share.broken is None:

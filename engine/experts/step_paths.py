@@ -6,8 +6,8 @@ Four paths (engine/experts/device_fills.py, cpu_share.py and split_expert.py hav
 - `device`: one graph a step whose layers fill their own misses (policy gpu-fill's kernels):
   no host decision, no CPU branch;
 - `shared`: the same graph, its layers sending the CPU worker B_H / (B_P + B_H) of their
-  misses, never all of them and the least used (cpu_share.py); offered where the worker runs
-  (the SIMD kernel built) once the fill race has judged (adaptive.py);
+  misses, the least used and never all of them while fills pay (cpu_share.py); offered
+  where the worker runs (the SIMD kernel built) once the fill race has judged (adaptive.py);
 - `split`: the same graph, every fill cut between the link and the CPU worker, which copies
   its part into the slot behind the step (split_expert.py); offered where the worker runs and
   EngineConfig.split_expert asks for it.

@@ -480,3 +480,29 @@ def test_gpu_cpu_share_replays_in_a_captured_graph(rng_seed):
         assert answered > 0 and int(box.ctrl[worker.TIMEOUT]) == 0
     finally:
         answer.stop()
+
+
+@pytest.mark.parametrize("force_triton", [False, True])
+def test_a_split_plan_sends_no_whole_expert_even_uncut(rng_seed, force_triton):
+    """Split tables given, the cut 0 and a share with CPU_ALL_MISSES: a split plan posts
+    columns, never whole experts, so every miss fills (the twin gated the share on the cut,
+    the Triton plan on the tables; both on the tables now)."""
+    rng = random.Random(rng_seed)
+    n_experts, n_slots = 8, rng.randrange(4, 9)
+    slot_of = torch.full((n_experts,), -1, dtype=torch.int32)
+    lid_of = torch.full((n_slots,), -1, dtype=torch.int32)
+    stamp = torch.full((n_slots,), -1, dtype=torch.int64)
+    state = torch.zeros(ref.STATE, dtype=torch.int64)
+    state[ref.CLOCK] = 6
+    state[ref.CPU_SHARE], state[ref.CPU_ALL_MISSES] = rng.randrange(1, ref.SHARE_ONE + 1), 1
+    split = ref.SplitTables(torch.full((n_slots,), W, dtype=torch.int32),
+                            torch.full((n_slots,), -1, dtype=torch.int64), W)  # fmt: skip
+    box = _box(dtype=_dtype(force_triton))
+    k = 4  # the mailbox's top-k
+    ids = torch.randperm(n_experts)[:k].view(1, k).to(torch.int32)
+    post = CpuPost(box, torch.randn(1, H).to(_dtype(force_triton)), torch.rand(1, k))
+    moves = torch.zeros(16, 2, dtype=torch.int64)
+    rows = plan_fills(ids, 0, slot_of, lid_of, stamp, state, moves, k, post, split=split,
+                      force_triton=force_triton)  # fmt: skip
+    assert int(state[ref.CPU_EXPERTS]) == 0 and int(state[ref.FILLS]) == k
+    assert (rows >= 0).all()  # (the split plan's own post at cut 0 is no state the engine runs)

@@ -13,6 +13,7 @@ from tiny_models import make_tiny
 from freetoken_agent import Engine, SamplingParams
 from freetoken_agent.bench.every_miss_switch import every_miss, every_miss_rows
 from freetoken_agent.engine.experts import device_path
+from freetoken_agent.engine.experts.cache import ExpertCache
 from freetoken_agent.engine.experts.share_trials import (
     BLOCK,
     MAX_BIAS,
@@ -96,44 +97,69 @@ def test_shares_moved_by_the_trials_keep_the_resident_tokens(tmp_path, rng_seed)
     engine.close()
 
 
-@pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
-def test_the_cpu_takes_every_miss_only_where_fills_do_not_pay(tmp_path, rng_seed, monkeypatch):
-    """The shared path at a held share of 1: while the fill race says fills pay, each layer
-    that misses keeps a fill (the cache keeps learning); where they do not, the CPU takes every
-    miss and no plan fills, unless bench offload's switch (--every-miss-ab) holds the bound.
-    The tokens are the resident engine's every way."""
-    rng, prompts, sp, opts, want = _tiny_and_resident(tmp_path, rng_seed, 16)
-    plans: list[tuple[int, int, int]] = []  # (misses, fills, CPU experts) of each device plan
+def _plan_spy(monkeypatch, engine_of) -> list[tuple[int, int, int, bool]]:
+    """Every device plan's (misses, fills, CPU experts, CPU_ALL_MISSES as set), appended to
+    the returned list; `engine_of()` names the engine running."""
+    plans: list[tuple[int, int, int, bool]] = []
+    counters = (ref.FILLS, ref.HOST_READS, ref.CPU_EXPERTS)
 
     def spy(*args, **kw):
         state = args[5]
-        before = [int(state[i]) for i in (ref.FILLS, ref.HOST_READS, ref.CPU_EXPERTS)]
+        before = [int(state[i]) for i in counters]
+        flag = engine_of().loaded.bank.cache.on_device.all_misses
+        assert bool(state[ref.CPU_ALL_MISSES]) == flag  # the plan reads what the host set
         rows = plan_fills(*args, **kw)
-        fills, reads, cpu = (int(state[i]) - b for i, b in zip(
-            (ref.FILLS, ref.HOST_READS, ref.CPU_EXPERTS), before, strict=True))  # fmt: skip
-        plans.append((fills + reads + cpu, fills, cpu))
+        fills, reads, cpu = (int(state[i]) - b for i, b in zip(counters, before, strict=True))
+        plans.append((fills + reads + cpu, fills, cpu, flag))
         return rows
 
     monkeypatch.setattr(device_path, "plan_fills", spy)
-    for pay, switch in ((True, None), (False, None), (False, False)):
-        engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(4, 12), **opts)
-        adaptive = engine.loaded.bank.adaptive
-        adaptive.path_params = {"fixed": "shared"}
-        adaptive.shared_gate = False
-        adaptive.held_share = 1.0
-        adaptive.fills_pay = lambda pay=pay: pay
-        plans.clear()
-        with every_miss(engine, switch):
-            got = [out.token_ids for out in (engine.generate(p, sp) for p in prompts)]
-        assert adaptive.cpu_all_misses  # as loaded after the switch
-        engine.close()
-        assert got == want
-        missed = [p for p in plans if p[0] > 0]
-        assert len(missed) >= 4, plans  # layers that missed on the device path
-        if pay or switch is False:  # a fill in every layer that missed, the rest to the CPU
-            assert all(fills >= 1 and cpu == misses - fills for misses, fills, cpu in missed)
-        else:
-            assert all(fills == 0 and cpu == misses for misses, fills, cpu in missed)
+    return plans
+
+
+@pytest.mark.skipif(not worker.available(), reason="no SIMD expert kernel here")
+@pytest.mark.parametrize(
+    "case", ["fills pay", "fills do not pay", "race not judged", "switch off", "free slots"]
+)
+def test_the_cpu_takes_every_miss_only_where_fills_do_not_pay(tmp_path, rng_seed, monkeypatch,
+                                                              case):  # fmt: skip
+    """The shared path at a held share of 1: a layer that misses keeps a fill while fills pay,
+    before the race has judged (its gain reads 0 then), under bench offload's switch off
+    (--every-miss-ab's kept rows) and while a slot is free (a fill into it evicts nothing).
+    Otherwise the CPU takes every miss and the plan fills none. The tokens are the resident
+    engine's every way."""
+    rng, prompts, sp, opts, want = _tiny_and_resident(tmp_path, rng_seed, 16)
+    engines = []
+    plans = _plan_spy(monkeypatch, lambda: engines[-1])
+    if case == "free slots":  # the host's last look at the cache found a slot free
+        monkeypatch.setattr(ExpertCache, "free_slots_seen", property(lambda self: 1))
+    engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(4, 12), **opts)
+    engines.append(engine)
+    adaptive = engine.loaded.bank.adaptive
+    adaptive.path_params = {"fixed": "shared"}
+    adaptive.shared_gate = False
+    adaptive.held_share = 1.0
+    adaptive.fills_pay = lambda: case == "fills pay"
+    adaptive.fills_judged = lambda: case != "race not judged"
+    got = []
+    with every_miss(engine, False if case == "switch off" else None):
+        for prompt in prompts:
+            got.append(engine.generate(prompt, sp).token_ids)
+            # The device path's fills reach the host's mirror when it takes the cache back
+            # (a stops step does, once a path measurement): the first reply filled every slot.
+            assert engine.loaded.bank.cache.free_slots == 0
+    assert adaptive.cpu_all_misses  # as loaded after the switch
+    engine.close()
+    assert got == want
+    missed = [p for p in plans if p[0] > 0]
+    assert len(missed) >= 4, plans  # layers that missed on the device path
+    lifted = [p for p in missed if p[3]]
+    if case == "fills do not pay":
+        assert lifted, plans  # once the cache was full
+    else:
+        assert not lifted, plans
+    for misses, fills, cpu, flag in missed:  # the CPU takes every miss exactly when lifted
+        assert (fills == 0 and cpu == misses) if flag else (fills >= 1 and cpu == misses - fills)
 
 
 def test_the_every_miss_rows_pair_each_adaptive_row():
@@ -154,32 +180,31 @@ def test_the_every_miss_switch_holds_through_a_bench_measurement(tmp_path, rng_s
     misses fills one), then the engine is as loaded. (The sixty-second session's first device
     A/B ran both rows lifted: the switch was set on the object the reset dropped.)"""
     from freetoken_agent.bench import offload_decode
+    from freetoken_agent.engine.experts.adaptive import AdaptiveFetches
 
     rng, _, _, opts, _ = _tiny_and_resident(tmp_path, rng_seed, 4)
-    plans: list[tuple[int, int]] = []  # (misses, fills) of each device plan
-
-    def spy(*args, **kw):
-        state = args[5]
-        before = [int(state[i]) for i in (ref.FILLS, ref.HOST_READS, ref.CPU_EXPERTS)]
-        rows = plan_fills(*args, **kw)
-        fills, reads, cpu = (int(state[i]) - b for i, b in zip(
-            (ref.FILLS, ref.HOST_READS, ref.CPU_EXPERTS), before, strict=True))  # fmt: skip
-        plans.append((fills + reads + cpu, fills))
-        return rows
-
-    monkeypatch.setattr(device_path, "plan_fills", spy)
+    engines = []
+    plans = _plan_spy(monkeypatch, lambda: engines[-1])
     monkeypatch.setattr(offload_decode, "WARM_UP", 2)
+    # A held path runs no stops step, so its race never judges: say it did (on the class,
+    # as the measurement makes a new policy object), with fills not paying.
+    monkeypatch.setattr(AdaptiveFetches, "fills_judged", lambda self: True)
+    monkeypatch.setattr(AdaptiveFetches, "fills_pay", lambda self: False)
+    monkeypatch.setattr(ExpertCache, "free_slots_seen", property(lambda self: 0))
     engine = Engine.load(tmp_path, policy="adaptive", expert_slots=rng.randint(4, 12), **opts)
+    engines.append(engine)
     bank = engine.loaded.bank
     for on in (False, True):
         plans.clear()
         with every_miss(engine, on):
-            offload_decode.measure_policy(engine, bank, "adaptive", 1, 6, rng, 1e9, 1e9,
+            offload_decode.measure_policy(engine, bank, "adaptive", 1, 8, rng, 1e9, 1e9,
                                           path="shared", shared_gate=False, context=8,
                                           held_share=1.0)  # fmt: skip
             assert bank.adaptive.cpu_all_misses is on
         assert bank.adaptive.cpu_all_misses  # as loaded
         missed = [p for p in plans if p[0] > 0]
         assert len(missed) >= 4, plans
-        assert all((fills == 0) if on else (fills >= 1) for _, fills in missed), (on, missed)
+        assert any(flag for *_, flag in missed) is on, plans  # lifted once the cache was full
+        for misses, fills, cpu, flag in missed:
+            assert (fills, cpu) == ((0, misses) if flag else (max(fills, 1), misses - fills))
     engine.close()
