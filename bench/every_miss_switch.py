@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from freetoken_agent.bench.ab_rows import ab_rows
+
 
 @contextmanager
 def every_miss(engine, on: bool | None) -> Iterator[None]:
@@ -29,14 +31,4 @@ def every_miss(engine, on: bool | None) -> Iterator[None]:
 def every_miss_rows(rows: list[tuple], ab: bool) -> list[tuple]:
     """The decode rows with the switch: as loaded (None) each; with `ab`, each adaptive row
     twice in a row, NAME+every then NAME+kept (a round's rotation keeps the pair together)."""
-    if not ab:
-        return [(*row, None) for row in rows]
-    out = []
-    for name, policy, *rest in rows:
-        if policy != "adaptive":
-            out.append((name, policy, *rest, None))
-            continue
-        out += [
-            (f"{name}+{word}", policy, *rest, on) for word, on in (("every", True), ("kept", False))
-        ]
-    return out
+    return ab_rows(rows, ab, ("every", "kept"), applies=lambda row: row[1] == "adaptive")

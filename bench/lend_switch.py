@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from freetoken_agent.bench.ab_rows import ab_rows
 from freetoken_agent.engine.memory_workspace import StepWorkspace
 
 
@@ -36,7 +37,4 @@ def workspace_lending(engine, on: bool | None) -> Iterator[None]:
 def lend_rows(rows: list[tuple], ab: bool) -> list[tuple]:
     """The decode rows with their lending: as loaded (None) each; with `ab`, each twice in a
     row, NAME+lent then NAME+whole (a round's rotation keeps the pair together)."""
-    if not ab:
-        return [(*row, None) for row in rows]
-    return [(f"{name}+{word}", *rest, on) for name, *rest in rows
-            for word, on in (("lent", True), ("whole", False))]  # fmt: skip
+    return ab_rows(rows, ab, ("lent", "whole"))
